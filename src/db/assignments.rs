@@ -1,0 +1,61 @@
+//! Assignments: one device's one-time capability to contribute to one round. The device protocol
+//! (check-in, upload, report) builds on these primitives.
+
+use super::{Db, DbError, history, new_id, transition};
+use crate::states::{AssignmentState, StateMachine};
+
+impl Db {
+    /// Records a new assignment (ASSIGNED) in a round, expiring at `expires_at`.
+    pub async fn insert_assignment(
+        &self,
+        round_id: &str,
+        expires_at: i64,
+        now: i64,
+    ) -> Result<String, DbError> {
+        let id = new_id();
+        let mut tx = self.begin_write().await?;
+        sqlx::query(
+            "INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
+             VALUES ($1, $2, $3, $4, $5, $5)",
+        )
+        .bind(&id)
+        .bind(round_id)
+        .bind(AssignmentState::Assigned.as_str())
+        .bind(expires_at)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        history::append(&mut tx, "assignment", &id, None, AssignmentState::Assigned.as_str(), "assigned", now)
+            .await?;
+        tx.commit().await?;
+        Ok(id)
+    }
+
+    /// Moves an assignment between states (compare-and-set on `from`).
+    pub async fn transition_assignment(
+        &self,
+        assignment_id: &str,
+        from: AssignmentState,
+        to: AssignmentState,
+        reason: &str,
+        now: i64,
+    ) -> Result<(), DbError> {
+        let mut tx = self.begin_write().await?;
+        transition(&mut tx, assignment_id, from, to, reason, now).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// The stored state of an assignment.
+    pub async fn assignment_state(&self, assignment_id: &str) -> Result<AssignmentState, DbError> {
+        let state: Option<String> = sqlx::query_scalar("SELECT state FROM assignments WHERE id = $1")
+            .bind(assignment_id)
+            .fetch_optional(self.pool())
+            .await?;
+        let state = state.ok_or_else(|| DbError::NotFound {
+            entity: "assignment",
+            id: assignment_id.to_string(),
+        })?;
+        super::parse_state(&state)
+    }
+}

@@ -1,0 +1,44 @@
+use thiserror::Error;
+
+/// Errors of the task database layer.
+#[derive(Debug, Error)]
+pub enum DbError {
+    #[error("database error: {0}")]
+    Sqlx(#[from] sqlx::Error),
+    #[error("database migration failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("{entity} {id} not found")]
+    NotFound { entity: &'static str, id: String },
+    #[error("{entity} {id} is {found}, not {expected}")]
+    StateConflict {
+        entity: &'static str,
+        id: String,
+        expected: &'static str,
+        found: String,
+    },
+    #[error("a {entity} cannot move from {from} to {to}")]
+    IllegalTransition {
+        entity: &'static str,
+        from: &'static str,
+        to: &'static str,
+    },
+    #[error("quota `{quota}` is {limit}: {detail}")]
+    QuotaExceeded {
+        quota: &'static str,
+        limit: i64,
+        detail: String,
+    },
+    #[error("{0} already exists")]
+    AlreadyExists(String),
+    #[error("stored data is corrupt: {0}")]
+    Corrupt(String),
+    #[error("could not issue a token: {0}")]
+    Token(#[from] crate::auth::AuthError),
+}
+
+impl DbError {
+    /// Whether the error is a unique-constraint violation (e.g. a duplicate tenant name).
+    pub(crate) fn is_unique_violation(error: &sqlx::Error) -> bool {
+        matches!(error, sqlx::Error::Database(e) if e.is_unique_violation())
+    }
+}

@@ -1,0 +1,150 @@
+//! The task database: tenants, tasks, models, rounds, assignments and their state history.
+//!
+//! Embedded default: SQLite in WAL mode, `synchronous = FULL` (a commit is on disk before it is
+//! acknowledged), foreign keys on, a busy timeout. Queries use `$n` placeholders and portable types
+//! so the same SQL runs on PostgreSQL. Write transactions start with `BEGIN IMMEDIATE` so a
+//! transaction that reads before it writes never fails on a stale snapshot.
+
+mod assignments;
+mod error;
+mod history;
+mod models;
+mod rounds;
+mod tasks;
+mod tenants;
+
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{Sqlite, SqlitePool, Transaction};
+
+pub use error::DbError;
+pub use history::HistoryRecord;
+pub use models::{ModelRecord, NewModel};
+pub use rounds::{DeadlineOutcome, RoundRecord};
+pub use tasks::{TaskCursor, TaskRecord};
+pub use tenants::{NewTenant, TenantRecord};
+
+use crate::states::StateMachine;
+
+/// The connection type of the configured backend.
+pub(crate) type Conn = sqlx::SqliteConnection;
+
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
+
+/// A handle to the task database; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Db {
+    pool: SqlitePool,
+}
+
+impl Db {
+    /// Opens (creating if missing) the SQLite database at `path` and applies pending migrations.
+    pub async fn open_sqlite(path: &Path) -> Result<Self, DbError> {
+        let options = SqliteConnectOptions::from_str("sqlite://")?
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Full)
+            .foreign_keys(true)
+            .busy_timeout(Duration::from_secs(10));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(8)
+            .connect_with(options)
+            .await?;
+        MIGRATOR.run(&pool).await?;
+        Ok(Self { pool })
+    }
+
+    pub(crate) fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// Starts a transaction that takes the write lock at once.
+    pub(crate) async fn begin_write(&self) -> Result<Transaction<'static, Sqlite>, DbError> {
+        Ok(self.pool.begin_with("BEGIN IMMEDIATE").await?)
+    }
+
+    /// How many entities of one kind are in each state (states with none included, as 0).
+    pub async fn count_by_state<S: StateMachine>(&self) -> Result<Vec<(S, i64)>, DbError> {
+        let sql = format!("SELECT state, COUNT(*) FROM {} GROUP BY state", S::TABLE);
+        let rows: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(S::ALL
+            .iter()
+            .map(|&state| {
+                let count = rows
+                    .iter()
+                    .find(|(name, _)| name == state.as_str())
+                    .map_or(0, |(_, n)| *n);
+                (state, count)
+            })
+            .collect())
+    }
+
+    /// Closes every connection, checkpointing the WAL.
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+}
+
+/// Moves one entity from `from` to `to` if the transition is allowed and the stored state is still
+/// `from` (compare-and-set), and appends the history row, all on the caller's transaction.
+pub(crate) async fn transition<S: StateMachine>(
+    conn: &mut Conn,
+    id: &str,
+    from: S,
+    to: S,
+    reason: &str,
+    now: i64,
+) -> Result<(), DbError> {
+    if !from.can_become(to) {
+        return Err(DbError::IllegalTransition {
+            entity: S::ENTITY,
+            from: from.as_str(),
+            to: to.as_str(),
+        });
+    }
+    let update = format!(
+        "UPDATE {} SET state = $1, updated_at = $2 WHERE id = $3 AND state = $4",
+        S::TABLE
+    );
+    let done = sqlx::query(sqlx::AssertSqlSafe(update))
+        .bind(to.as_str())
+        .bind(now)
+        .bind(id)
+        .bind(from.as_str())
+        .execute(&mut *conn)
+        .await?;
+    if done.rows_affected() != 1 {
+        let select = format!("SELECT state FROM {} WHERE id = $1", S::TABLE);
+        let found: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(select))
+            .bind(id)
+            .fetch_optional(&mut *conn)
+            .await?;
+        return Err(match found {
+            None => DbError::NotFound {
+                entity: S::ENTITY,
+                id: id.to_string(),
+            },
+            Some(found) => DbError::StateConflict {
+                entity: S::ENTITY,
+                id: id.to_string(),
+                expected: from.as_str(),
+                found,
+            },
+        });
+    }
+    history::append(conn, S::ENTITY, id, Some(from.as_str()), to.as_str(), reason, now).await
+}
+
+pub(crate) fn new_id() -> String {
+    uuid::Uuid::new_v4().to_string()
+}
+
+pub(crate) fn parse_state<S: StateMachine>(text: &str) -> Result<S, DbError> {
+    S::parse(text).ok_or_else(|| DbError::Corrupt(format!("unknown {} state {text:?}", S::ENTITY)))
+}

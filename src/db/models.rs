@@ -1,0 +1,76 @@
+//! Model versions of a task: where each version's bytes live in the blob store.
+
+use super::{Conn, Db, DbError, tasks};
+
+/// A model version about to be recorded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewModel {
+    pub blob_key: String,
+    pub sha256_hex: String,
+    pub size_bytes: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelRecord {
+    pub task_id: String,
+    pub version: i64,
+    pub blob_key: String,
+    pub sha256_hex: String,
+    pub size_bytes: i64,
+    pub created_at: i64,
+}
+
+pub(crate) async fn insert(
+    conn: &mut Conn,
+    task_id: &str,
+    version: i64,
+    model: &NewModel,
+    now: i64,
+) -> Result<(), DbError> {
+    sqlx::query(
+        "INSERT INTO models (task_id, version, blob_key, sha256, size_bytes, created_at) \
+         VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(task_id)
+    .bind(version)
+    .bind(&model.blob_key)
+    .bind(&model.sha256_hex)
+    .bind(model.size_bytes)
+    .bind(now)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+impl Db {
+    /// One model version of one tenant's task.
+    pub async fn model(
+        &self,
+        tenant_id: &str,
+        task_id: &str,
+        version: i64,
+    ) -> Result<ModelRecord, DbError> {
+        let mut conn = self.pool().acquire().await?;
+        tasks::load(&mut conn, tenant_id, task_id).await?;
+        let row: Option<(String, String, i64, i64)> = sqlx::query_as(
+            "SELECT blob_key, sha256, size_bytes, created_at FROM models \
+             WHERE task_id = $1 AND version = $2",
+        )
+        .bind(task_id)
+        .bind(version)
+        .fetch_optional(&mut *conn)
+        .await?;
+        let (blob_key, sha256_hex, size_bytes, created_at) = row.ok_or_else(|| DbError::NotFound {
+            entity: "model version",
+            id: version.to_string(),
+        })?;
+        Ok(ModelRecord {
+            task_id: task_id.to_string(),
+            version,
+            blob_key,
+            sha256_hex,
+            size_bytes,
+            created_at,
+        })
+    }
+}

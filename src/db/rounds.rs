@@ -1,0 +1,205 @@
+//! Rounds: opening, listing, and closing at the deadline with retry attempts.
+
+use super::{Conn, Db, DbError, history, new_id, parse_state, tasks, transition};
+use crate::states::{RoundState, StateMachine, TaskState};
+use crate::task_spec::TaskSpec;
+
+/// Round states in which a round still holds its task's attention.
+pub(crate) const LIVE_ROUND_STATES: [RoundState; 3] = [
+    RoundState::Collecting,
+    RoundState::Aggregating,
+    RoundState::Applying,
+];
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoundRecord {
+    pub id: String,
+    pub task_id: String,
+    pub round_number: i64,
+    pub attempt: i64,
+    pub state: RoundState,
+    pub report_goal: i64,
+    pub min_reports: i64,
+    /// Completed reports (assignments in COMPLETED).
+    pub reports_received: i64,
+    pub deadline_at: i64,
+    pub opened_at: i64,
+    pub closed_at: Option<i64>,
+}
+
+/// What the scheduler did with a round whose deadline passed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeadlineOutcome {
+    /// Enough reports: the round moved to AGGREGATING.
+    Aggregating { reports: i64 },
+    /// Too few reports: the round failed and a new attempt opened.
+    Retried { reports: i64, next_attempt: i64 },
+    /// Too few reports and no attempts left: the round and its task failed.
+    TaskFailed { reports: i64 },
+    /// Nothing to do (the round was no longer collecting or its deadline moved).
+    Skipped,
+}
+
+type RoundRow = (String, String, i64, i64, String, i64, i64, i64, i64, i64, Option<i64>);
+
+const ROUND_SELECT: &str = "SELECT r.id, r.task_id, r.round_number, r.attempt, r.state, \
+     r.report_goal, r.min_reports, \
+     (SELECT COUNT(*) FROM assignments a WHERE a.round_id = r.id AND a.state = 'COMPLETED'), \
+     r.deadline_at, r.opened_at, r.closed_at FROM rounds r";
+
+fn round_from_row(row: RoundRow) -> Result<RoundRecord, DbError> {
+    let (id, task_id, round_number, attempt, state, report_goal, min_reports, reports, deadline_at, opened_at, closed_at) =
+        row;
+    Ok(RoundRecord {
+        state: parse_state(&state)?,
+        id,
+        task_id,
+        round_number,
+        attempt,
+        report_goal,
+        min_reports,
+        reports_received: reports,
+        deadline_at,
+        opened_at,
+        closed_at,
+    })
+}
+
+/// Opens a round (COLLECTING) of a task with the task's goal and deadline.
+pub(crate) async fn open(
+    conn: &mut Conn,
+    task: &tasks::TaskRecord,
+    round_number: i64,
+    attempt: i64,
+    now: i64,
+) -> Result<String, DbError> {
+    let spec: &TaskSpec = &task.spec;
+    let id = new_id();
+    let deadline = now + i64::from(spec.round_deadline_seconds) * 1000;
+    sqlx::query(
+        "INSERT INTO rounds (id, task_id, round_number, attempt, state, report_goal, min_reports, \
+         deadline_at, opened_at, closed_at, updated_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, NULL, $9)",
+    )
+    .bind(&id)
+    .bind(&task.id)
+    .bind(round_number)
+    .bind(attempt)
+    .bind(RoundState::Collecting.as_str())
+    .bind(i64::from(spec.report_goal))
+    .bind(i64::from(spec.min_reports))
+    .bind(deadline)
+    .bind(now)
+    .execute(&mut *conn)
+    .await?;
+    let reason = format!("round {round_number} attempt {attempt} opened");
+    history::append(conn, "round", &id, None, RoundState::Collecting.as_str(), &reason, now).await?;
+    Ok(id)
+}
+
+/// Moves a round to a later state; a terminal state also stamps `closed_at`.
+pub(crate) async fn close(
+    conn: &mut Conn,
+    round_id: &str,
+    from: RoundState,
+    to: RoundState,
+    reason: &str,
+    now: i64,
+) -> Result<(), DbError> {
+    transition(conn, round_id, from, to, reason, now).await?;
+    if to.is_terminal() {
+        sqlx::query("UPDATE rounds SET closed_at = $1 WHERE id = $2")
+            .bind(now)
+            .bind(round_id)
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(())
+}
+
+pub(crate) async fn load_for_task(conn: &mut Conn, task_id: &str) -> Result<Vec<RoundRecord>, DbError> {
+    let sql = format!("{ROUND_SELECT} WHERE r.task_id = $1 ORDER BY r.round_number, r.attempt");
+    let rows: Vec<RoundRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(task_id)
+        .fetch_all(&mut *conn)
+        .await?;
+    rows.into_iter().map(round_from_row).collect()
+}
+
+async fn load_one(conn: &mut Conn, round_id: &str) -> Result<RoundRecord, DbError> {
+    let sql = format!("{ROUND_SELECT} WHERE r.id = $1");
+    let row: Option<RoundRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(round_id)
+        .fetch_optional(&mut *conn)
+        .await?;
+    round_from_row(row.ok_or_else(|| DbError::NotFound {
+        entity: "round",
+        id: round_id.to_string(),
+    })?)
+}
+
+impl Db {
+    /// Every round and attempt of one tenant's task, in order.
+    pub async fn rounds(&self, tenant_id: &str, task_id: &str) -> Result<Vec<RoundRecord>, DbError> {
+        let mut conn = self.pool().acquire().await?;
+        tasks::load(&mut conn, tenant_id, task_id).await?;
+        load_for_task(&mut conn, task_id).await
+    }
+
+    /// Ids of collecting rounds whose deadline is at or before `now`, oldest deadline first.
+    pub async fn rounds_past_deadline(&self, now: i64, limit: u32) -> Result<Vec<String>, DbError> {
+        Ok(sqlx::query_scalar(
+            "SELECT id FROM rounds WHERE state = $1 AND deadline_at <= $2 \
+             ORDER BY deadline_at LIMIT $3",
+        )
+        .bind(RoundState::Collecting.as_str())
+        .bind(now)
+        .bind(i64::from(limit))
+        .fetch_all(self.pool())
+        .await?)
+    }
+
+    /// Closes one collecting round whose deadline has passed, in one transaction: with at least
+    /// `min_reports` reports it moves to AGGREGATING; otherwise it fails, and the task either
+    /// opens a new attempt of the same round or, out of attempts, fails.
+    pub async fn close_round_at_deadline(
+        &self,
+        round_id: &str,
+        now: i64,
+    ) -> Result<DeadlineOutcome, DbError> {
+        let mut tx = self.begin_write().await?;
+        let round = load_one(&mut tx, round_id).await?;
+        if round.state != RoundState::Collecting || round.deadline_at > now {
+            return Ok(DeadlineOutcome::Skipped);
+        }
+        let reports = round.reports_received;
+        let outcome = if reports >= round.min_reports {
+            let reason = format!("deadline reached with {reports} reports (minimum {})", round.min_reports);
+            close(&mut tx, round_id, RoundState::Collecting, RoundState::Aggregating, &reason, now).await?;
+            DeadlineOutcome::Aggregating { reports }
+        } else {
+            let reason = format!(
+                "deadline reached with {reports} reports, fewer than the minimum {}",
+                round.min_reports
+            );
+            close(&mut tx, round_id, RoundState::Collecting, RoundState::Failed, &reason, now).await?;
+            let task = tasks::load_any(&mut tx, &round.task_id).await?;
+            if task.state != TaskState::Open {
+                DeadlineOutcome::Skipped
+            } else if round.attempt < i64::from(task.spec.max_round_attempts) {
+                let next_attempt = round.attempt + 1;
+                open(&mut tx, &task, round.round_number, next_attempt, now).await?;
+                DeadlineOutcome::Retried { reports, next_attempt }
+            } else {
+                let reason = format!(
+                    "round {} failed {} times, the task's max_round_attempts",
+                    round.round_number, round.attempt
+                );
+                transition(&mut tx, &task.id, TaskState::Open, TaskState::Failed, &reason, now).await?;
+                DeadlineOutcome::TaskFailed { reports }
+            }
+        };
+        tx.commit().await?;
+        Ok(outcome)
+    }
+}

@@ -1,0 +1,238 @@
+//! Tasks: creation under quota, listing, model upload (CREATED -> OPEN) and cancellation.
+
+use super::rounds::{self, LIVE_ROUND_STATES};
+use super::{Conn, Db, DbError, history, models, new_id, parse_state, transition};
+use crate::states::{RoundState, StateMachine, TaskState};
+use crate::task_spec::TaskSpec;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskRecord {
+    pub id: String,
+    pub tenant_id: String,
+    pub state: TaskState,
+    pub spec: TaskSpec,
+    /// Number of the round in progress (1-based); 0 before the first round opens.
+    pub current_round: i64,
+    /// Latest model version; `None` until the partner uploads version 0.
+    pub model_version: Option<i64>,
+    pub created_at: i64,
+    pub updated_at: i64,
+}
+
+/// Where a page of the task list continues: after this (created_at, id), newest first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskCursor {
+    pub created_at: i64,
+    pub id: String,
+}
+
+type TaskRow = (String, String, String, String, i64, Option<i64>, i64, i64);
+
+const TASK_COLUMNS: &str =
+    "id, tenant_id, state, spec_json, current_round, model_version, created_at, updated_at";
+
+fn task_from_row(row: TaskRow) -> Result<TaskRecord, DbError> {
+    let (id, tenant_id, state, spec_json, current_round, model_version, created_at, updated_at) =
+        row;
+    let spec = serde_json::from_str(&spec_json)
+        .map_err(|e| DbError::Corrupt(format!("task {id} spec: {e}")))?;
+    Ok(TaskRecord {
+        state: parse_state(&state)?,
+        id,
+        tenant_id,
+        spec,
+        current_round,
+        model_version,
+        created_at,
+        updated_at,
+    })
+}
+
+/// Loads a task of one tenant; another tenant's task is reported exactly like a missing one.
+pub(crate) async fn load(conn: &mut Conn, tenant_id: &str, task_id: &str) -> Result<TaskRecord, DbError> {
+    let sql = format!("SELECT {TASK_COLUMNS} FROM tasks WHERE id = $1 AND tenant_id = $2");
+    let row: Option<TaskRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(task_id)
+        .bind(tenant_id)
+        .fetch_optional(&mut *conn)
+        .await?;
+    let row = row.ok_or_else(|| DbError::NotFound {
+        entity: "task",
+        id: task_id.to_string(),
+    })?;
+    task_from_row(row)
+}
+
+/// Loads a task by id alone (for the scheduler, which acts for every tenant).
+pub(crate) async fn load_any(conn: &mut Conn, task_id: &str) -> Result<TaskRecord, DbError> {
+    let sql = format!("SELECT {TASK_COLUMNS} FROM tasks WHERE id = $1");
+    let row: Option<TaskRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(task_id)
+        .fetch_optional(&mut *conn)
+        .await?;
+    task_from_row(row.ok_or_else(|| DbError::NotFound {
+        entity: "task",
+        id: task_id.to_string(),
+    })?)
+}
+
+impl Db {
+    /// Creates a task in CREATED after checking the tenant's quotas. The tenant's row is locked
+    /// first, so two concurrent creations cannot both slip under the active-task quota.
+    pub async fn create_task(
+        &self,
+        tenant_id: &str,
+        spec: &TaskSpec,
+        now: i64,
+    ) -> Result<TaskRecord, DbError> {
+        let mut tx = self.begin_write().await?;
+        let quotas: Option<(i64, i64)> = sqlx::query_as(
+            "UPDATE tenants SET lock_version = lock_version + 1 WHERE id = $1 \
+             RETURNING max_active_tasks, max_report_goal",
+        )
+        .bind(tenant_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let (max_active_tasks, max_report_goal) = quotas.ok_or_else(|| DbError::NotFound {
+            entity: "tenant",
+            id: tenant_id.to_string(),
+        })?;
+        if i64::from(spec.report_goal) > max_report_goal {
+            return Err(DbError::QuotaExceeded {
+                quota: "max_report_goal",
+                limit: max_report_goal,
+                detail: format!(
+                    "report_goal {} is above it; lower report_goal or ask the operator to raise the quota",
+                    spec.report_goal
+                ),
+            });
+        }
+        let active: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM tasks WHERE tenant_id = $1 AND state IN ('CREATED', 'OPEN')",
+        )
+        .bind(tenant_id)
+        .fetch_one(&mut *tx)
+        .await?;
+        if active >= max_active_tasks {
+            return Err(DbError::QuotaExceeded {
+                quota: "max_active_tasks",
+                limit: max_active_tasks,
+                detail: format!(
+                    "this tenant has {active} active tasks; cancel or finish one, or ask the operator to raise the quota"
+                ),
+            });
+        }
+        let record = TaskRecord {
+            id: new_id(),
+            tenant_id: tenant_id.to_string(),
+            state: TaskState::Created,
+            spec: spec.clone(),
+            current_round: 0,
+            model_version: None,
+            created_at: now,
+            updated_at: now,
+        };
+        let spec_json =
+            serde_json::to_string(spec).map_err(|e| DbError::Corrupt(format!("task spec: {e}")))?;
+        sqlx::query(
+            "INSERT INTO tasks (id, tenant_id, population, state, spec_json, current_round, \
+             model_version, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, 0, NULL, $6, $6)",
+        )
+        .bind(&record.id)
+        .bind(tenant_id)
+        .bind(&spec.population)
+        .bind(TaskState::Created.as_str())
+        .bind(spec_json)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        history::append(&mut tx, "task", &record.id, None, TaskState::Created.as_str(), "created", now)
+            .await?;
+        tx.commit().await?;
+        Ok(record)
+    }
+
+    /// One task of one tenant (`NotFound` for another tenant's task).
+    pub async fn task(&self, tenant_id: &str, task_id: &str) -> Result<TaskRecord, DbError> {
+        let mut conn = self.pool().acquire().await?;
+        load(&mut conn, tenant_id, task_id).await
+    }
+
+    /// A page of one tenant's tasks, newest first, after `cursor`.
+    pub async fn list_tasks(
+        &self,
+        tenant_id: &str,
+        limit: u32,
+        after: Option<&TaskCursor>,
+    ) -> Result<Vec<TaskRecord>, DbError> {
+        let (created_at, id) = after.map_or((i64::MAX, ""), |c| (c.created_at, c.id.as_str()));
+        let sql = format!(
+            "SELECT {TASK_COLUMNS} FROM tasks WHERE tenant_id = $1 \
+             AND (created_at < $2 OR (created_at = $2 AND id < $3)) \
+             ORDER BY created_at DESC, id DESC LIMIT $4"
+        );
+        let rows: Vec<TaskRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(tenant_id)
+            .bind(created_at)
+            .bind(id)
+            .bind(i64::from(limit))
+            .fetch_all(self.pool())
+            .await?;
+        rows.into_iter().map(task_from_row).collect()
+    }
+
+    /// Records model version 0, moves the task CREATED -> OPEN and opens round 1, in one
+    /// transaction.
+    pub async fn open_task_with_model(
+        &self,
+        tenant_id: &str,
+        task_id: &str,
+        model: &models::NewModel,
+        now: i64,
+    ) -> Result<TaskRecord, DbError> {
+        let mut tx = self.begin_write().await?;
+        let task = load(&mut tx, tenant_id, task_id).await?;
+        transition(&mut tx, task_id, task.state, TaskState::Open, "model version 0 uploaded", now)
+            .await?;
+        sqlx::query("UPDATE tasks SET model_version = 0, current_round = 1 WHERE id = $1")
+            .bind(task_id)
+            .execute(&mut *tx)
+            .await?;
+        models::insert(&mut tx, task_id, 0, model, now).await?;
+        rounds::open(&mut tx, &task, 1, 1, now).await?;
+        let task = load(&mut tx, tenant_id, task_id).await?;
+        tx.commit().await?;
+        Ok(task)
+    }
+
+    /// Cancels a live task: assignment stops at once because its live round fails in the same
+    /// transaction. A finished task answers `StateConflict`.
+    pub async fn cancel_task(
+        &self,
+        tenant_id: &str,
+        task_id: &str,
+        now: i64,
+    ) -> Result<TaskRecord, DbError> {
+        let mut tx = self.begin_write().await?;
+        let task = load(&mut tx, tenant_id, task_id).await?;
+        if task.state.is_terminal() {
+            return Err(DbError::StateConflict {
+                entity: "task",
+                id: task_id.to_string(),
+                expected: "CREATED or OPEN",
+                found: task.state.as_str().to_string(),
+            });
+        }
+        transition(&mut tx, task_id, task.state, TaskState::Cancelled, "cancelled by partner", now)
+            .await?;
+        for round in rounds::load_for_task(&mut tx, task_id).await? {
+            if LIVE_ROUND_STATES.contains(&round.state) {
+                rounds::close(&mut tx, &round.id, round.state, RoundState::Failed, "task cancelled", now)
+                    .await?;
+            }
+        }
+        let task = load(&mut tx, tenant_id, task_id).await?;
+        tx.commit().await?;
+        Ok(task)
+    }
+}

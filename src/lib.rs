@@ -1,0 +1,9 @@
+//! confed: the untrusted front ends of a confidential-computing federated-learning server (task
+//! management for partners, the scheduler, the task database, the blob store) and its CLI.
+//! Nothing here ever sees a plaintext update, a key share or an un-noised sum.
+
+pub mod auth;
+pub mod clock;
+pub mod db;
+pub mod states;
+pub mod task_spec;

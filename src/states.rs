@@ -1,0 +1,223 @@
+//! The persisted state machines of tasks, rounds and assignments, as transition tables.
+//! The database layer refuses any transition these tables do not allow, and applies allowed ones
+//! only if the stored state still equals the expected old state (compare-and-set).
+
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+/// A persisted state machine: its storage names and which transitions it allows.
+pub trait StateMachine: Copy + Eq + std::fmt::Debug + Send + Sync + 'static {
+    /// The entity name recorded in the state history (`task`, `round`, `assignment`).
+    const ENTITY: &'static str;
+    /// The table whose `state` column holds this machine's state.
+    const TABLE: &'static str;
+    const ALL: &'static [Self];
+
+    fn as_str(self) -> &'static str;
+    fn can_become(self, next: Self) -> bool;
+
+    fn parse(s: &str) -> Option<Self> {
+        Self::ALL.iter().copied().find(|state| state.as_str() == s)
+    }
+
+    /// A terminal state allows no further transition.
+    fn is_terminal(self) -> bool {
+        !Self::ALL.iter().any(|&next| self.can_become(next))
+    }
+}
+
+/// Task: CREATED -> OPEN -> COMPLETED | FAILED | CANCELLED (a task that never got a model may be
+/// cancelled from CREATED).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum TaskState {
+    Created,
+    Open,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+impl StateMachine for TaskState {
+    const ENTITY: &'static str = "task";
+    const TABLE: &'static str = "tasks";
+    const ALL: &'static [Self] = &[
+        Self::Created,
+        Self::Open,
+        Self::Completed,
+        Self::Failed,
+        Self::Cancelled,
+    ];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Created => "CREATED",
+            Self::Open => "OPEN",
+            Self::Completed => "COMPLETED",
+            Self::Failed => "FAILED",
+            Self::Cancelled => "CANCELLED",
+        }
+    }
+
+    fn can_become(self, next: Self) -> bool {
+        use TaskState::*;
+        matches!(
+            (self, next),
+            (Created, Open) | (Created, Cancelled) | (Open, Completed | Failed | Cancelled)
+        )
+    }
+}
+
+/// Round: COLLECTING -> AGGREGATING -> APPLYING -> COMPLETED, and FAILED from any live state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum RoundState {
+    Collecting,
+    Aggregating,
+    Applying,
+    Completed,
+    Failed,
+}
+
+impl StateMachine for RoundState {
+    const ENTITY: &'static str = "round";
+    const TABLE: &'static str = "rounds";
+    const ALL: &'static [Self] = &[
+        Self::Collecting,
+        Self::Aggregating,
+        Self::Applying,
+        Self::Completed,
+        Self::Failed,
+    ];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Collecting => "COLLECTING",
+            Self::Aggregating => "AGGREGATING",
+            Self::Applying => "APPLYING",
+            Self::Completed => "COMPLETED",
+            Self::Failed => "FAILED",
+        }
+    }
+
+    fn can_become(self, next: Self) -> bool {
+        use RoundState::*;
+        matches!(
+            (self, next),
+            (Collecting, Aggregating | Failed)
+                | (Aggregating, Applying | Failed)
+                | (Applying, Completed | Failed)
+        )
+    }
+}
+
+/// Assignment: ASSIGNED -> UPLOADED -> COMPLETED, or FAILED / TIMED_OUT / REJECTED before
+/// completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum AssignmentState {
+    Assigned,
+    Uploaded,
+    Completed,
+    Failed,
+    TimedOut,
+    Rejected,
+}
+
+impl StateMachine for AssignmentState {
+    const ENTITY: &'static str = "assignment";
+    const TABLE: &'static str = "assignments";
+    const ALL: &'static [Self] = &[
+        Self::Assigned,
+        Self::Uploaded,
+        Self::Completed,
+        Self::Failed,
+        Self::TimedOut,
+        Self::Rejected,
+    ];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Assigned => "ASSIGNED",
+            Self::Uploaded => "UPLOADED",
+            Self::Completed => "COMPLETED",
+            Self::Failed => "FAILED",
+            Self::TimedOut => "TIMED_OUT",
+            Self::Rejected => "REJECTED",
+        }
+    }
+
+    fn can_become(self, next: Self) -> bool {
+        use AssignmentState::*;
+        matches!(
+            (self, next),
+            (Assigned, Uploaded | Failed | TimedOut | Rejected)
+                | (Uploaded, Completed | Failed | TimedOut | Rejected)
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Checks a machine's table against the complete list of allowed transitions: every listed pair
+    /// is allowed, every other pair is refused.
+    fn assert_exactly<S: StateMachine>(allowed: &[(S, S)]) {
+        for &from in S::ALL {
+            for &to in S::ALL {
+                let expected = allowed.contains(&(from, to));
+                assert_eq!(
+                    from.can_become(to),
+                    expected,
+                    "{} {:?} -> {:?}",
+                    S::ENTITY,
+                    from,
+                    to
+                );
+            }
+            assert_eq!(S::parse(from.as_str()), Some(from));
+        }
+        assert_eq!(S::parse("NOT_A_STATE"), None);
+    }
+
+    #[test]
+    fn task_transitions_are_exactly_the_design() {
+        use TaskState::*;
+        assert_exactly(&[
+            (Created, Open),
+            (Created, Cancelled),
+            (Open, Completed),
+            (Open, Failed),
+            (Open, Cancelled),
+        ]);
+        assert!(Completed.is_terminal() && Failed.is_terminal() && Cancelled.is_terminal());
+        assert!(!Open.is_terminal());
+    }
+
+    #[test]
+    fn round_transitions_are_exactly_the_design() {
+        use RoundState::*;
+        assert_exactly(&[
+            (Collecting, Aggregating),
+            (Collecting, Failed),
+            (Aggregating, Applying),
+            (Aggregating, Failed),
+            (Applying, Completed),
+            (Applying, Failed),
+        ]);
+    }
+
+    #[test]
+    fn assignment_transitions_are_exactly_the_design() {
+        use AssignmentState::*;
+        let mut allowed = Vec::new();
+        for to in [Uploaded, Failed, TimedOut, Rejected] {
+            allowed.push((Assigned, to));
+        }
+        for to in [Completed, Failed, TimedOut, Rejected] {
+            allowed.push((Uploaded, to));
+        }
+        assert_exactly(&allowed);
+    }
+}

@@ -1,0 +1,442 @@
+//! What a partner asks for when creating a task, and its validation into a `TaskSpec`.
+//! Every field is checked; every problem is reported with the field's name and allowed range, all
+//! at once, so a partner fixes a request in one go.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+pub const MAX_ROUNDS: i64 = 10_000;
+pub const MAX_REPORT_GOAL: i64 = 1_000_000;
+pub const MAX_OVER_SELECTION: f64 = 10.0;
+pub const MIN_DEADLINE_SECONDS: i64 = 10;
+pub const MAX_DEADLINE_SECONDS: i64 = 7 * 24 * 3600;
+pub const MAX_ROUND_ATTEMPTS: i64 = 10;
+pub const MAX_EPSILON: f64 = 100.0;
+pub const MAX_DELTA: f64 = 0.01;
+pub const MAX_CLIP_NORM: f64 = 1e6;
+pub const MAX_LEARNING_RATE: f64 = 100.0;
+pub const MAX_PLAN_BYTES: usize = 64 * 1024;
+pub const MAX_CONSTRAINTS: usize = 32;
+pub const MAX_POPULATION_LEN: usize = 128;
+
+/// The device attribute a task requires: an exact boolean or string, or a numeric range.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum Constraint {
+    Flag(bool),
+    Text(String),
+    Range(NumericRange),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NumericRange {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max: Option<f64>,
+}
+
+/// Client versions a task accepts, as dotted numbers (`"1.4"`, `"2.0.1"`); either end optional.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct VersionRange {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max: Option<String>,
+}
+
+/// The task's total differential-privacy budget over all its rounds, and the L2 clipping bound of
+/// one device's update.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PrivacyBudget {
+    pub epsilon: f64,
+    pub delta: f64,
+    pub clip_norm: f64,
+}
+
+/// `POST /v1/tasks` body.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateTaskRequest {
+    /// Device population this task trains on: 1-128 of `A-Z a-z 0-9 . _ -`.
+    pub population: String,
+    /// Planned number of rounds, 1-10000.
+    pub rounds: i64,
+    /// Reports that close a round, 1-1000000 (and at most the tenant's quota).
+    pub report_goal: i64,
+    /// Fewest reports a round may close with at its deadline, 1..=report_goal (default report_goal).
+    #[serde(default)]
+    pub min_reports: Option<i64>,
+    /// Extra assignments handed out beyond the report goal, 0-10 (default 0.3).
+    #[serde(default)]
+    pub over_selection: Option<f64>,
+    /// How long a round collects before its deadline, 10-604800 s (default 3600).
+    #[serde(default)]
+    pub round_deadline_seconds: Option<i64>,
+    /// How long a device has for one assignment, 10..=round_deadline_seconds (default 600).
+    #[serde(default)]
+    pub assignment_timeout_seconds: Option<i64>,
+    /// Attempts per round before the task fails, 1-10 (default 3).
+    #[serde(default)]
+    pub max_round_attempts: Option<i64>,
+    #[serde(default)]
+    pub client_version: Option<VersionRange>,
+    /// Device attributes a device must match (at most 32).
+    #[serde(default)]
+    pub constraints: BTreeMap<String, Constraint>,
+    pub privacy: PrivacyBudget,
+    /// FedAvg server learning rate, (0, 100] (default 1.0).
+    #[serde(default)]
+    pub server_learning_rate: Option<f64>,
+    /// Handed to devices unchanged: a JSON object of at most 64 KiB (default `{}`).
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub plan: Option<serde_json::Value>,
+}
+
+/// A validated task definition, as stored and as returned to the partner.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct TaskSpec {
+    pub population: String,
+    pub rounds: u32,
+    pub report_goal: u32,
+    pub min_reports: u32,
+    pub over_selection: f64,
+    pub round_deadline_seconds: u32,
+    pub assignment_timeout_seconds: u32,
+    pub max_round_attempts: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_version: Option<VersionRange>,
+    #[serde(default)]
+    pub constraints: BTreeMap<String, Constraint>,
+    pub privacy: PrivacyBudget,
+    pub server_learning_rate: f64,
+    #[schema(value_type = Object)]
+    pub plan: serde_json::Value,
+}
+
+impl TaskSpec {
+    /// Most live assignments a round hands out: `ceil(report_goal * (1 + over_selection))`.
+    pub fn max_live_assignments(&self) -> u64 {
+        (f64::from(self.report_goal) * (1.0 + self.over_selection)).ceil() as u64
+    }
+}
+
+/// One invalid field of a request (RFC 7807 `invalid_params` member).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+pub struct InvalidParam {
+    pub name: String,
+    pub reason: String,
+}
+
+#[derive(Default)]
+struct Problems(Vec<InvalidParam>);
+
+impl Problems {
+    fn add(&mut self, name: &str, reason: impl Into<String>) {
+        self.0.push(InvalidParam {
+            name: name.to_string(),
+            reason: reason.into(),
+        });
+    }
+
+    fn int(&mut self, name: &str, value: i64, lo: i64, hi: i64) -> u32 {
+        if (lo..=hi).contains(&value) {
+            value as u32
+        } else {
+            self.add(name, format!("must be between {lo} and {hi} (got {value})"));
+            lo as u32
+        }
+    }
+
+    /// `lo_open` makes the lower bound exclusive: (lo, hi] instead of [lo, hi].
+    fn float(&mut self, name: &str, value: f64, lo: f64, lo_open: bool, hi: f64) -> f64 {
+        let above_lo = if lo_open { value > lo } else { value >= lo };
+        if value.is_finite() && above_lo && value <= hi {
+            value
+        } else {
+            let open = if lo_open { "(" } else { "[" };
+            self.add(name, format!("must be in {open}{lo}, {hi}] (got {value})"));
+            hi
+        }
+    }
+}
+
+impl CreateTaskRequest {
+    /// Checks every field; on failure returns every invalid field with what is allowed.
+    pub fn validate(self) -> Result<TaskSpec, Vec<InvalidParam>> {
+        let mut p = Problems::default();
+        if !valid_population(&self.population) {
+            p.add(
+                "population",
+                format!(
+                    "must be 1-{MAX_POPULATION_LEN} characters of A-Z, a-z, 0-9, '.', '_', '-'"
+                ),
+            );
+        }
+        let rounds = p.int("rounds", self.rounds, 1, MAX_ROUNDS);
+        let report_goal = p.int("report_goal", self.report_goal, 1, MAX_REPORT_GOAL);
+        let min_reports = match self.min_reports {
+            Some(v) => p.int("min_reports", v, 1, i64::from(report_goal)),
+            None => report_goal,
+        };
+        let over_selection = p.float(
+            "over_selection",
+            self.over_selection.unwrap_or(0.3),
+            0.0,
+            false,
+            MAX_OVER_SELECTION,
+        );
+        let round_deadline_seconds = p.int(
+            "round_deadline_seconds",
+            self.round_deadline_seconds.unwrap_or(3600),
+            MIN_DEADLINE_SECONDS,
+            MAX_DEADLINE_SECONDS,
+        );
+        let assignment_timeout_seconds = p.int(
+            "assignment_timeout_seconds",
+            self.assignment_timeout_seconds.unwrap_or(600),
+            MIN_DEADLINE_SECONDS,
+            i64::from(round_deadline_seconds),
+        );
+        let max_round_attempts = p.int(
+            "max_round_attempts",
+            self.max_round_attempts.unwrap_or(3),
+            1,
+            MAX_ROUND_ATTEMPTS,
+        );
+        if let Some(range) = &self.client_version {
+            validate_version_range(&mut p, range);
+        }
+        validate_constraints(&mut p, &self.constraints);
+        let privacy = PrivacyBudget {
+            epsilon: p.float("privacy.epsilon", self.privacy.epsilon, 0.0, true, MAX_EPSILON),
+            delta: p.float("privacy.delta", self.privacy.delta, 0.0, true, MAX_DELTA),
+            clip_norm: p.float(
+                "privacy.clip_norm",
+                self.privacy.clip_norm,
+                0.0,
+                true,
+                MAX_CLIP_NORM,
+            ),
+        };
+        let server_learning_rate = p.float(
+            "server_learning_rate",
+            self.server_learning_rate.unwrap_or(1.0),
+            0.0,
+            true,
+            MAX_LEARNING_RATE,
+        );
+        let plan = self
+            .plan
+            .unwrap_or_else(|| serde_json::Value::Object(Default::default()));
+        if !plan.is_object() {
+            p.add("plan", "must be a JSON object");
+        } else if serde_json::to_vec(&plan).map_or(usize::MAX, |v| v.len()) > MAX_PLAN_BYTES {
+            p.add(
+                "plan",
+                format!("must be at most {MAX_PLAN_BYTES} bytes as JSON"),
+            );
+        }
+        if !p.0.is_empty() {
+            return Err(p.0);
+        }
+        Ok(TaskSpec {
+            population: self.population,
+            rounds,
+            report_goal,
+            min_reports,
+            over_selection,
+            round_deadline_seconds,
+            assignment_timeout_seconds,
+            max_round_attempts,
+            client_version: self.client_version,
+            constraints: self.constraints,
+            privacy,
+            server_learning_rate,
+            plan,
+        })
+    }
+}
+
+pub fn valid_population(population: &str) -> bool {
+    (1..=MAX_POPULATION_LEN).contains(&population.len())
+        && population
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
+/// Parses a dotted numeric version (`"1"`, `"1.4"`, `"2.0.1"`, at most 4 parts).
+pub fn parse_version(text: &str) -> Option<Vec<u32>> {
+    let parts: Option<Vec<u32>> = text.split('.').map(|p| p.parse().ok()).collect();
+    parts.filter(|p| (1..=4).contains(&p.len()))
+}
+
+fn validate_version_range(p: &mut Problems, range: &VersionRange) {
+    let mut parsed = |name: &str, value: &Option<String>| {
+        value.as_deref().and_then(|text| {
+            let version = parse_version(text);
+            if version.is_none() {
+                p.add(
+                    name,
+                    format!("must be a dotted numeric version like \"1.4.0\" (got {text:?})"),
+                );
+            }
+            version
+        })
+    };
+    let min = parsed("client_version.min", &range.min);
+    let max = parsed("client_version.max", &range.max);
+    if let (Some(min), Some(max)) = (min, max)
+        && min > max
+    {
+        p.add("client_version", "min must not be greater than max");
+    }
+}
+
+fn validate_constraints(p: &mut Problems, constraints: &BTreeMap<String, Constraint>) {
+    if constraints.len() > MAX_CONSTRAINTS {
+        p.add(
+            "constraints",
+            format!("at most {MAX_CONSTRAINTS} attributes (got {})", constraints.len()),
+        );
+    }
+    for (name, constraint) in constraints {
+        let field = format!("constraints.{name}");
+        let name_ok = (1..=64).contains(&name.len())
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+        if !name_ok {
+            p.add(&field, "attribute names are 1-64 characters of a-z, 0-9, '_'");
+        }
+        match constraint {
+            Constraint::Text(text) if text.len() > 256 => {
+                p.add(&field, "string values are at most 256 bytes")
+            }
+            Constraint::Range(NumericRange { min, max }) => {
+                let finite = min.is_none_or(f64::is_finite) && max.is_none_or(f64::is_finite);
+                if !finite || (min.is_none() && max.is_none()) {
+                    p.add(&field, "a range needs a finite `min`, `max` or both");
+                } else if let (Some(lo), Some(hi)) = (min, max)
+                    && lo > hi
+                {
+                    p.add(&field, "min must not be greater than max");
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn request(overrides: serde_json::Value) -> CreateTaskRequest {
+        let mut base = json!({
+            "population": "keyboards.en",
+            "rounds": 5,
+            "report_goal": 100,
+            "privacy": {"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0},
+        });
+        base.as_object_mut()
+            .unwrap()
+            .extend(overrides.as_object().unwrap().clone());
+        serde_json::from_value(base).unwrap()
+    }
+
+    fn invalid_names(overrides: serde_json::Value) -> Vec<String> {
+        request(overrides)
+            .validate()
+            .unwrap_err()
+            .into_iter()
+            .map(|p| p.name)
+            .collect()
+    }
+
+    #[test]
+    fn defaults_fill_optional_fields() {
+        let spec = request(json!({})).validate().unwrap();
+        assert_eq!(spec.min_reports, 100);
+        assert_eq!(spec.over_selection, 0.3);
+        assert_eq!(spec.round_deadline_seconds, 3600);
+        assert_eq!(spec.assignment_timeout_seconds, 600);
+        assert_eq!(spec.max_round_attempts, 3);
+        assert_eq!(spec.server_learning_rate, 1.0);
+        assert_eq!(spec.plan, json!({}));
+        assert_eq!(spec.max_live_assignments(), 130);
+    }
+
+    #[test]
+    fn each_out_of_range_field_is_named() {
+        let cases = [
+            (json!({"population": ""}), "population"),
+            (json!({"population": "has space"}), "population"),
+            (json!({"rounds": 0}), "rounds"),
+            (json!({"rounds": 10_001}), "rounds"),
+            (json!({"report_goal": -1}), "report_goal"),
+            (json!({"min_reports": 101}), "min_reports"),
+            (json!({"min_reports": 0}), "min_reports"),
+            (json!({"over_selection": -0.1}), "over_selection"),
+            (json!({"round_deadline_seconds": 5}), "round_deadline_seconds"),
+            (json!({"assignment_timeout_seconds": 4000}), "assignment_timeout_seconds"),
+            (json!({"max_round_attempts": 11}), "max_round_attempts"),
+            (json!({"client_version": {"min": "1.x"}}), "client_version.min"),
+            (json!({"client_version": {"min": "2.0", "max": "1.9"}}), "client_version"),
+            (json!({"constraints": {"Bad Name": true}}), "constraints.Bad Name"),
+            (json!({"constraints": {"ram_gb": {"min": 8, "max": 4}}}), "constraints.ram_gb"),
+            (json!({"constraints": {"ram_gb": {}}}), "constraints.ram_gb"),
+            (json!({"privacy": {"epsilon": 0.0, "delta": 1e-6, "clip_norm": 1.0}}), "privacy.epsilon"),
+            (json!({"privacy": {"epsilon": 1.0, "delta": 0.5, "clip_norm": 1.0}}), "privacy.delta"),
+            (json!({"privacy": {"epsilon": 1.0, "delta": 1e-6, "clip_norm": -1.0}}), "privacy.clip_norm"),
+            (json!({"server_learning_rate": 0.0}), "server_learning_rate"),
+            (json!({"plan": [1, 2]}), "plan"),
+        ];
+        for (overrides, field) in cases {
+            assert_eq!(invalid_names(overrides.clone()), vec![field], "{overrides}");
+        }
+    }
+
+    #[test]
+    fn all_problems_are_reported_together_with_ranges() {
+        let problems = request(json!({"rounds": 0, "report_goal": 0}))
+            .validate()
+            .unwrap_err();
+        assert_eq!(problems.len(), 2);
+        assert_eq!(problems[0].reason, "must be between 1 and 10000 (got 0)");
+    }
+
+    #[test]
+    fn oversized_plan_is_refused() {
+        let big = "x".repeat(MAX_PLAN_BYTES);
+        assert_eq!(invalid_names(json!({"plan": {"blob": big}})), vec!["plan"]);
+    }
+
+    #[test]
+    fn constraints_and_versions_round_trip() {
+        let spec = request(json!({
+            "client_version": {"min": "1.2", "max": "3"},
+            "constraints": {"os": "android", "charging": true, "ram_gb": {"min": 4}},
+        }))
+        .validate()
+        .unwrap();
+        let text = serde_json::to_string(&spec).unwrap();
+        let back: TaskSpec = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, spec);
+        assert_eq!(back.constraints["charging"], Constraint::Flag(true));
+    }
+
+    #[test]
+    fn versions_parse_as_numbers() {
+        assert!(parse_version("1.10").unwrap() > parse_version("1.9").unwrap());
+        assert_eq!(parse_version("1.2.3.4.5"), None);
+        assert_eq!(parse_version(""), None);
+    }
+}
