@@ -2,8 +2,12 @@
 //! management for partners, the scheduler, the task database, the blob store) and its CLI.
 //! Nothing here ever sees a plaintext update, a key share or an un-noised sum.
 
+pub mod api;
 pub mod auth;
+pub mod blob;
 pub mod clock;
 pub mod db;
+pub mod scheduler;
+pub mod server;
 pub mod states;
 pub mod task_spec;

@@ -1,0 +1,158 @@
+//! Operator routes: create and list tenants. Guarded by the admin token; off when none is set.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use super::AppState;
+use super::error::{ApiError, Problem};
+use super::extract::{Admin, ApiJson};
+use crate::clock::rfc3339;
+use crate::db::{NewTenant, TenantRecord};
+use crate::task_spec::{InvalidParam, MAX_REPORT_GOAL};
+
+pub const DEFAULT_MAX_ACTIVE_TASKS: i64 = 10;
+pub const DEFAULT_MAX_REPORT_GOAL: i64 = 10_000;
+pub const MAX_ACTIVE_TASKS_LIMIT: i64 = 10_000;
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateTenantRequest {
+    /// 1-64 characters of a-z, 0-9, '-', '_'; unique.
+    pub name: String,
+    /// Tasks in CREATED or OPEN at once, 1-10000 (default 10).
+    pub max_active_tasks: Option<i64>,
+    /// Largest `report_goal` of any task, 1-1000000 (default 10000).
+    pub max_report_goal: Option<i64>,
+}
+
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct TenantResponse {
+    pub id: String,
+    pub name: String,
+    pub max_active_tasks: i64,
+    pub max_report_goal: i64,
+    pub created_at: String,
+}
+
+impl From<TenantRecord> for TenantResponse {
+    fn from(t: TenantRecord) -> Self {
+        Self {
+            id: t.id,
+            name: t.name,
+            max_active_tasks: t.max_active_tasks,
+            max_report_goal: t.max_report_goal,
+            created_at: rfc3339(t.created_at),
+        }
+    }
+}
+
+/// A new tenant with its API token, which is shown this once and never again.
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct CreatedTenant {
+    #[serde(flatten)]
+    pub tenant: TenantResponse,
+    pub token: String,
+}
+
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct TenantList {
+    pub tenants: Vec<TenantResponse>,
+}
+
+impl CreateTenantRequest {
+    /// Validates the request into what the database stores.
+    pub fn validate(self) -> Result<NewTenant, Vec<InvalidParam>> {
+        let mut problems = Vec::new();
+        if !valid_tenant_name(&self.name) {
+            problems.push(InvalidParam {
+                name: "name".into(),
+                reason: "must be 1-64 characters of a-z, 0-9, '-', '_'".into(),
+            });
+        }
+        let mut bounded = |name: &str, value: Option<i64>, default: i64, max: i64| {
+            let value = value.unwrap_or(default);
+            if !(1..=max).contains(&value) {
+                problems.push(InvalidParam {
+                    name: name.into(),
+                    reason: format!("must be between 1 and {max} (got {value})"),
+                });
+            }
+            value
+        };
+        let max_active_tasks = bounded(
+            "max_active_tasks",
+            self.max_active_tasks,
+            DEFAULT_MAX_ACTIVE_TASKS,
+            MAX_ACTIVE_TASKS_LIMIT,
+        );
+        let max_report_goal = bounded(
+            "max_report_goal",
+            self.max_report_goal,
+            DEFAULT_MAX_REPORT_GOAL,
+            MAX_REPORT_GOAL,
+        );
+        if problems.is_empty() {
+            Ok(NewTenant {
+                name: self.name,
+                max_active_tasks,
+                max_report_goal,
+            })
+        } else {
+            Err(problems)
+        }
+    }
+}
+
+pub fn valid_tenant_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+/// Create a tenant; the response carries its API token once.
+#[utoipa::path(post, path = "/v1/admin/tenants", tag = "admin", request_body = CreateTenantRequest,
+    security(("admin_token" = [])),
+    responses(
+        (status = 201, body = CreatedTenant),
+        (status = 400, body = Problem, content_type = "application/problem+json"),
+        (status = 401, body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "The admin API is off (no CONFED_ADMIN_TOKEN)", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The name is taken", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn create_tenant(
+    State(state): State<AppState>,
+    _admin: Admin,
+    ApiJson(request): ApiJson<CreateTenantRequest>,
+) -> Result<(StatusCode, axum::Json<CreatedTenant>), ApiError> {
+    let new = request.validate().map_err(ApiError::InvalidFields)?;
+    let (tenant, token) = state.db.create_tenant(&new, state.now()).await?;
+    tracing::info!(tenant = %tenant.name, "tenant created through the admin API");
+    Ok((
+        StatusCode::CREATED,
+        axum::Json(CreatedTenant {
+            tenant: tenant.into(),
+            token: token.to_string(),
+        }),
+    ))
+}
+
+/// Every tenant (never their tokens).
+#[utoipa::path(get, path = "/v1/admin/tenants", tag = "admin",
+    security(("admin_token" = [])),
+    responses(
+        (status = 200, body = TenantList),
+        (status = 401, body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "The admin API is off", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn list_tenants(
+    State(state): State<AppState>,
+    _admin: Admin,
+) -> Result<axum::Json<TenantList>, ApiError> {
+    let tenants = state.db.list_tenants().await?;
+    Ok(axum::Json(TenantList {
+        tenants: tenants.into_iter().map(Into::into).collect(),
+    }))
+}

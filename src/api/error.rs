@@ -1,0 +1,166 @@
+//! The API layer's errors, each mapped to one HTTP status and an RFC 7807
+//! `application/problem+json` body. Internal details are logged with an id, never sent.
+
+use axum::extract::rejection::{BytesRejection, JsonRejection, PathRejection, QueryRejection};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use thiserror::Error;
+use utoipa::ToSchema;
+
+use crate::blob::BlobError;
+use crate::db::DbError;
+use crate::task_spec::InvalidParam;
+
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+#[derive(Debug, Error)]
+pub enum ApiError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("the request has {} invalid field(s)", .0.len())]
+    InvalidFields(Vec<InvalidParam>),
+    #[error("{0}")]
+    Unauthorized(&'static str),
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    PayloadTooLarge(String),
+    #[error("{0}")]
+    UnsupportedMediaType(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// RFC 7807 problem details, with `invalid_params` for validation failures.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Problem {
+    /// A URN naming the kind of problem, e.g. `urn:confed:problem:invalid-request`.
+    #[serde(rename = "type")]
+    pub problem_type: String,
+    pub title: String,
+    pub status: u16,
+    pub detail: String,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub invalid_params: Vec<InvalidParam>,
+}
+
+impl ApiError {
+    fn status_and_kind(&self) -> (StatusCode, &'static str, &'static str) {
+        match self {
+            Self::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad-request", "Bad request"),
+            Self::InvalidFields(_) => (StatusCode::BAD_REQUEST, "invalid-request", "Invalid request"),
+            Self::Unauthorized(_) => (StatusCode::UNAUTHORIZED, "unauthorized", "Unauthorized"),
+            Self::Forbidden(_) => (StatusCode::FORBIDDEN, "quota-exceeded", "Quota exceeded"),
+            Self::NotFound(_) => (StatusCode::NOT_FOUND, "not-found", "Not found"),
+            Self::Conflict(_) => (StatusCode::CONFLICT, "conflict", "Conflict"),
+            Self::PayloadTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload-too-large", "Payload too large"),
+            Self::UnsupportedMediaType(_) => (
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported-media-type",
+                "Unsupported media type",
+            ),
+            Self::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal", "Internal error"),
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        self.status_and_kind().0
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, kind, title) = self.status_and_kind();
+        let detail = match &self {
+            Self::Internal(cause) => {
+                let incident = uuid::Uuid::new_v4();
+                tracing::error!(%incident, %cause, "internal error");
+                format!("the server failed; report incident {incident} to the operator")
+            }
+            Self::InvalidFields(params) => params
+                .iter()
+                .map(|p| format!("`{}` {}", p.name, p.reason))
+                .collect::<Vec<_>>()
+                .join("; "),
+            other => other.to_string(),
+        };
+        let problem = Problem {
+            problem_type: format!("urn:confed:problem:{kind}"),
+            title: title.to_string(),
+            status: status.as_u16(),
+            detail,
+            invalid_params: match self {
+                Self::InvalidFields(params) => params,
+                _ => Vec::new(),
+            },
+        };
+        let mut response = (status, axum::Json(problem)).into_response();
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        if status == StatusCode::UNAUTHORIZED {
+            headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
+
+impl From<DbError> for ApiError {
+    fn from(error: DbError) -> Self {
+        match error {
+            DbError::NotFound { entity, id } => Self::NotFound(format!("{entity} {id} not found")),
+            e @ (DbError::StateConflict { .. } | DbError::IllegalTransition { .. } | DbError::AlreadyExists(_)) => {
+                Self::Conflict(e.to_string())
+            }
+            e @ DbError::QuotaExceeded { .. } => Self::Forbidden(e.to_string()),
+            other => Self::Internal(other.to_string()),
+        }
+    }
+}
+
+impl From<BlobError> for ApiError {
+    fn from(error: BlobError) -> Self {
+        Self::Internal(error.to_string())
+    }
+}
+
+/// Maps a body-reading failure by its status: 413 past the size limit, else 400.
+fn body_problem(status: StatusCode, text: String) -> ApiError {
+    match status {
+        StatusCode::PAYLOAD_TOO_LARGE => ApiError::PayloadTooLarge(format!(
+            "the request body is larger than this route accepts: {text}"
+        )),
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => ApiError::UnsupportedMediaType(format!(
+            "{text}; send `Content-Type: application/json`"
+        )),
+        _ => ApiError::BadRequest(text),
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(rejection: JsonRejection) -> Self {
+        body_problem(rejection.status(), rejection.body_text())
+    }
+}
+
+impl From<BytesRejection> for ApiError {
+    fn from(rejection: BytesRejection) -> Self {
+        body_problem(rejection.status(), rejection.body_text())
+    }
+}
+
+impl From<QueryRejection> for ApiError {
+    fn from(rejection: QueryRejection) -> Self {
+        Self::BadRequest(rejection.body_text())
+    }
+}
+
+impl From<PathRejection> for ApiError {
+    fn from(rejection: PathRejection) -> Self {
+        Self::BadRequest(rejection.body_text())
+    }
+}

@@ -1,0 +1,133 @@
+//! The partner-facing HTTP API (JSON, problem+json errors) and operational routes. One handler per
+//! route; the router and the OpenAPI document are built from the same declarations so they cannot
+//! drift.
+
+pub mod admin;
+pub mod error;
+pub mod extract;
+pub mod models;
+pub mod ops;
+pub mod tasks;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::http::StatusCode;
+use tower_http::timeout::TimeoutLayer;
+use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use crate::auth::AdminToken;
+use crate::blob::BlobStore;
+use crate::clock::{Clock, Millis};
+use crate::db::Db;
+
+/// Limits applied to every request.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Largest JSON request body.
+    pub json_body_bytes: usize,
+    /// Largest model upload.
+    pub model_bytes: usize,
+    /// Longest time a request may take, body upload included.
+    pub request_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            json_body_bytes: 256 * 1024,
+            model_bytes: 512 * 1024 * 1024,
+            request_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// What every handler shares.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    pub db: Db,
+    pub blobs: Arc<dyn BlobStore>,
+    pub clock: Arc<dyn Clock>,
+    /// `None` turns the admin API off.
+    pub admin: Option<AdminToken>,
+    pub limits: Limits,
+}
+
+impl AppState {
+    pub fn now(&self) -> Millis {
+        self.clock.now_millis()
+    }
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "confed", description = "Task management API of confed, a confidential-computing federated-learning server. Errors are RFC 7807 problem details (application/problem+json)."),
+    modifiers(&SecuritySchemes),
+    tags(
+        (name = "tasks", description = "Partner tasks and rounds"),
+        (name = "models", description = "Model versions"),
+        (name = "admin", description = "Operator API (needs CONFED_ADMIN_TOKEN)"),
+        (name = "operations", description = "Health, metrics, this document"),
+    )
+)]
+struct ApiDoc;
+
+struct SecuritySchemes;
+
+impl Modify for SecuritySchemes {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        for name in ["tenant_token", "admin_token"] {
+            components.add_security_scheme(
+                name,
+                SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)),
+            );
+        }
+    }
+}
+
+/// The routes and the OpenAPI document describing exactly them.
+pub fn routes_and_openapi(limits: &Limits) -> (Router<AppState>, utoipa::openapi::OpenApi) {
+    let model_upload = OpenApiRouter::new()
+        .routes(routes!(models::put_model))
+        .layer(DefaultBodyLimit::max(limits.model_bytes));
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .routes(routes!(tasks::create_task, tasks::list_tasks))
+        .routes(routes!(tasks::get_task))
+        .routes(routes!(tasks::cancel_task))
+        .routes(routes!(tasks::list_rounds))
+        .routes(routes!(models::get_model))
+        .routes(routes!(admin::create_tenant, admin::list_tenants))
+        .routes(routes!(ops::healthz))
+        .routes(routes!(ops::metrics_text))
+        .layer(DefaultBodyLimit::max(limits.json_body_bytes))
+        .merge(model_upload)
+        .split_for_parts()
+}
+
+/// The complete application: routes, OpenAPI, metrics, limits, timeouts.
+pub fn router(state: AppState) -> Router {
+    ops::prometheus();
+    let (routes, openapi) = routes_and_openapi(&state.limits);
+    let openapi = Arc::new(openapi);
+    routes
+        .route(
+            "/v1/openapi.json",
+            axum::routing::get(move || {
+                let openapi = Arc::clone(&openapi);
+                async move { axum::Json(openapi.as_ref().clone()) }
+            }),
+        )
+        .route_layer(axum::middleware::from_fn(ops::track_metrics))
+        .fallback(ops::fallback)
+        .layer(TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            state.limits.request_timeout,
+        ))
+        .with_state(state)
+}

@@ -1,0 +1,104 @@
+//! Model routes: upload version 0 (opens the task) and download any version.
+
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use sha2::{Digest, Sha256};
+
+use super::AppState;
+use super::error::{ApiError, Problem};
+use super::extract::{ApiBytes, ApiPath, Tenant};
+use super::tasks::TaskResponse;
+use crate::blob::BlobKey;
+use crate::db::NewModel;
+use crate::states::{StateMachine, TaskState};
+
+/// Upload model version 0 (safetensors, F32 tensors); the task opens and round 1 starts.
+#[utoipa::path(put, path = "/v1/tasks/{id}/model", tag = "models",
+    params(("id" = String, Path, description = "Task id")),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "safetensors file"),
+    security(("tenant_token" = [])),
+    responses(
+        (status = 201, description = "Model stored; task OPEN, round 1 collecting", body = TaskResponse),
+        (status = 400, description = "Not a valid confed model", body = Problem, content_type = "application/problem+json"),
+        (status = 401, body = Problem, content_type = "application/problem+json"),
+        (status = 404, body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The task already has a model", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Larger than the server's model limit", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn put_model(
+    State(state): State<AppState>,
+    Tenant(tenant): Tenant,
+    ApiPath(id): ApiPath<String>,
+    ApiBytes(body): ApiBytes,
+) -> Result<(StatusCode, axum::Json<TaskResponse>), ApiError> {
+    let task = state.db.task(&tenant.id, &id).await?;
+    if task.state != TaskState::Created {
+        return Err(ApiError::Conflict(format!(
+            "task {id} is {}: model version 0 can only be uploaded while the task is CREATED",
+            task.state.as_str()
+        )));
+    }
+    let checked = body.clone();
+    let digest = tokio::task::spawn_blocking(move || {
+        confed_enclave::model::validate_model(&checked)
+            .map(|_| hex(&Sha256::digest(&checked)))
+    })
+    .await
+    .map_err(|e| ApiError::Internal(e.to_string()))?
+    .map_err(|e| ApiError::BadRequest(format!("the body is not a usable model: {e}")))?;
+    let key = BlobKey::model(&tenant.id, &id, 0, &digest)?;
+    state.blobs.put(&key, &body).await?;
+    let model = NewModel {
+        blob_key: key.as_str().to_string(),
+        sha256_hex: digest,
+        size_bytes: body.len() as i64,
+    };
+    let task = state.db.open_task_with_model(&tenant.id, &id, &model, state.now()).await?;
+    tracing::info!(tenant = %tenant.name, task = %id, bytes = body.len(), "model version 0 stored; task open");
+    Ok((StatusCode::CREATED, axum::Json(task.into())))
+}
+
+/// Download one model version (safetensors). Versions are immutable: strong ETag, long caching.
+#[utoipa::path(get, path = "/v1/tasks/{id}/models/{version}", tag = "models",
+    params(("id" = String, Path, description = "Task id"), ("version" = i64, Path, description = "Model version")),
+    security(("tenant_token" = [])),
+    responses(
+        (status = 200, description = "safetensors bytes", body = Vec<u8>, content_type = "application/octet-stream"),
+        (status = 304, description = "Matches `If-None-Match`"),
+        (status = 400, description = "Version is not a number", body = Problem, content_type = "application/problem+json"),
+        (status = 401, body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such task or version", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn get_model(
+    State(state): State<AppState>,
+    Tenant(tenant): Tenant,
+    ApiPath((id, version)): ApiPath<(String, i64)>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let model = state.db.model(&tenant.id, &id, version).await?;
+    let etag = HeaderValue::from_str(&format!("\"{}\"", model.sha256_hex))
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let cache = HeaderValue::from_static("private, max-age=31536000, immutable");
+    let matches = headers
+        .get(header::IF_NONE_MATCH)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.split(',').any(|tag| tag.trim() == etag || tag.trim() == "*"));
+    if matches {
+        return Ok((StatusCode::NOT_MODIFIED, [(header::ETAG, etag), (header::CACHE_CONTROL, cache)]).into_response());
+    }
+    let bytes = state.blobs.get(&BlobKey::new(model.blob_key)?).await?;
+    Ok((
+        [
+            (header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream")),
+            (header::ETAG, etag),
+            (header::CACHE_CONTROL, cache),
+        ],
+        bytes,
+    )
+        .into_response())
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

@@ -1,0 +1,95 @@
+//! Operational routes: health, the OpenAPI document, Prometheus metrics; the per-request metrics
+//! middleware and the problem+json fallback for unknown routes.
+
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::{HeaderValue, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use super::AppState;
+use super::error::ApiError;
+use crate::states::{RoundState, StateMachine, TaskState};
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// The process-wide Prometheus recorder, installed on first use.
+pub fn prometheus() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(|| {
+        let recorder = PrometheusBuilder::new()
+            .set_buckets_for_metric(
+                Matcher::Full("http_request_duration_seconds".into()),
+                LATENCY_BUCKETS,
+            )
+            .expect("latency buckets are non-empty")
+            .build_recorder();
+        let handle = recorder.handle();
+        if metrics::set_global_recorder(recorder).is_err() {
+            tracing::warn!("a metrics recorder was already installed; /metrics may be empty");
+        }
+        handle
+    })
+}
+
+/// Counts requests and records latency per route template, method and status.
+pub async fn track_metrics(request: Request, next: Next) -> Response {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
+    let method = request.method().to_string();
+    let started = Instant::now();
+    let response = next.run(request).await;
+    let labels = [
+        ("route", route),
+        ("method", method),
+        ("status", response.status().as_u16().to_string()),
+    ];
+    metrics::counter!("http_requests_total", &labels).increment(1);
+    metrics::histogram!("http_request_duration_seconds", &labels)
+        .record(started.elapsed().as_secs_f64());
+    response
+}
+
+/// Liveness and database reachability.
+#[utoipa::path(get, path = "/healthz", tag = "operations",
+    responses((status = 200, description = "Serving", body = String), (status = 500, description = "Database unreachable")))]
+pub async fn healthz(State(state): State<AppState>) -> Result<&'static str, ApiError> {
+    state.db.count_by_state::<TaskState>().await?;
+    Ok("ok")
+}
+
+/// Prometheus text format: HTTP requests and latency per route and status, tasks and rounds by
+/// state.
+#[utoipa::path(get, path = "/metrics", tag = "operations",
+    responses((status = 200, description = "Prometheus text exposition format", body = String, content_type = "text/plain")))]
+pub async fn metrics_text(State(state): State<AppState>) -> Result<Response, ApiError> {
+    for (task_state, count) in state.db.count_by_state::<TaskState>().await? {
+        metrics::gauge!("confed_tasks", "state" => task_state.as_str()).set(count as f64);
+    }
+    for (round_state, count) in state.db.count_by_state::<RoundState>().await? {
+        metrics::gauge!("confed_rounds", "state" => round_state.as_str()).set(count as f64);
+    }
+    let body = prometheus().render();
+    Ok((
+        [(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"))],
+        body,
+    )
+        .into_response())
+}
+
+pub async fn fallback(request: Request) -> ApiError {
+    metrics::counter!("http_requests_total", "route" => "unmatched", "method" => request.method().to_string(), "status" => "404")
+        .increment(1);
+    ApiError::NotFound(format!(
+        "no route {} {}; see /v1/openapi.json for the API",
+        request.method(),
+        request.uri().path()
+    ))
+}

@@ -1,0 +1,141 @@
+//! The embedded default blob store: a local directory. A put writes to a temporary file, fsyncs
+//! it, hard-links it into place (which fails rather than overwrite) and fsyncs the directory, so
+//! an acknowledged object survives a crash and no object is ever replaced.
+
+use std::fs::{self, File};
+use std::io::{ErrorKind, Write};
+use std::path::{Path, PathBuf};
+
+use super::{BlobError, BlobFuture, BlobKey, BlobStore, PutOutcome};
+
+#[derive(Debug, Clone)]
+pub struct LocalBlobStore {
+    root: PathBuf,
+}
+
+impl LocalBlobStore {
+    pub fn open(root: impl Into<PathBuf>) -> Result<Self, BlobError> {
+        let root = root.into();
+        for dir in [root.clone(), root.join(".tmp")] {
+            fs::create_dir_all(&dir).map_err(|source| BlobError::Io {
+                key: dir.display().to_string(),
+                source,
+            })?;
+        }
+        Ok(Self { root })
+    }
+
+    fn path(&self, key: &BlobKey) -> PathBuf {
+        self.root.join(key.as_str())
+    }
+
+    fn put_blocking(&self, key: &BlobKey, bytes: &[u8]) -> Result<PutOutcome, BlobError> {
+        let io = |source| BlobError::Io {
+            key: key.as_str().to_string(),
+            source,
+        };
+        let target = self.path(key);
+        if target.exists() {
+            return same_content(&target, bytes, key);
+        }
+        let parent = target.parent().unwrap_or(&self.root);
+        fs::create_dir_all(parent).map_err(io)?;
+        let temp = self.root.join(".tmp").join(uuid::Uuid::new_v4().to_string());
+        let written = (|| {
+            let mut file = File::create(&temp)?;
+            file.write_all(bytes)?;
+            file.sync_all()
+        })();
+        if let Err(e) = written {
+            let _ = fs::remove_file(&temp);
+            return Err(io(e));
+        }
+        let linked = fs::hard_link(&temp, &target);
+        let _ = fs::remove_file(&temp);
+        match linked {
+            Ok(()) => {
+                File::open(parent).and_then(|d| d.sync_all()).map_err(io)?;
+                Ok(PutOutcome::Created)
+            }
+            // Another writer won the race: fine if it stored the same bytes.
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => same_content(&target, bytes, key),
+            Err(e) => Err(io(e)),
+        }
+    }
+}
+
+fn same_content(path: &Path, bytes: &[u8], key: &BlobKey) -> Result<PutOutcome, BlobError> {
+    let existing = fs::read(path).map_err(|source| BlobError::Io {
+        key: key.as_str().to_string(),
+        source,
+    })?;
+    if existing == bytes {
+        Ok(PutOutcome::AlreadyPresent)
+    } else {
+        Err(BlobError::Conflict(key.as_str().to_string()))
+    }
+}
+
+impl BlobStore for LocalBlobStore {
+    fn put<'a>(&'a self, key: &'a BlobKey, bytes: &'a [u8]) -> BlobFuture<'a, PutOutcome> {
+        Box::pin(async move {
+            // Large writes and fsync block: keep them off the async workers.
+            let store = self.clone();
+            let key_owned = key.clone();
+            let bytes_owned = bytes.to_vec();
+            tokio::task::spawn_blocking(move || store.put_blocking(&key_owned, &bytes_owned))
+                .await
+                .map_err(|e| BlobError::Io {
+                    key: key.as_str().to_string(),
+                    source: std::io::Error::other(e),
+                })?
+        })
+    }
+
+    fn get<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, Vec<u8>> {
+        Box::pin(async move {
+            match tokio::fs::read(self.path(key)).await {
+                Ok(bytes) => Ok(bytes),
+                Err(e) if e.kind() == ErrorKind::NotFound => {
+                    Err(BlobError::NotFound(key.as_str().to_string()))
+                }
+                Err(source) => Err(BlobError::Io {
+                    key: key.as_str().to_string(),
+                    source,
+                }),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn put_then_get_round_trips_and_is_write_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = LocalBlobStore::open(dir.path()).unwrap();
+        let key = BlobKey::new("tenants/a/tasks/b/models/0-x.safetensors").unwrap();
+        assert_eq!(store.put(&key, b"hello").await.unwrap(), PutOutcome::Created);
+        assert_eq!(store.get(&key).await.unwrap(), b"hello");
+        assert_eq!(
+            store.put(&key, b"hello").await.unwrap(),
+            PutOutcome::AlreadyPresent
+        );
+        assert!(matches!(
+            store.put(&key, b"other").await,
+            Err(BlobError::Conflict(_))
+        ));
+        assert_eq!(store.get(&key).await.unwrap(), b"hello");
+        assert_eq!(fs::read_dir(dir.path().join(".tmp")).unwrap().count(), 0);
+    }
+
+    #[tokio::test]
+    async fn missing_blob_is_not_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = LocalBlobStore::open(dir.path()).unwrap();
+        let key = BlobKey::new("nothing/here").unwrap();
+        assert!(matches!(store.get(&key).await, Err(BlobError::NotFound(_))));
+    }
+}

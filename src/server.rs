@@ -1,0 +1,180 @@
+//! `confed serve`: opens the data directory, starts the scheduler and serves the API over plain
+//! HTTP (loopback only) or TLS (rustls), and shuts down gracefully.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use thiserror::Error;
+use tokio::sync::watch;
+
+use crate::api::{self, AppState, Limits};
+use crate::auth::AdminToken;
+use crate::blob::{BlobError, LocalBlobStore};
+use crate::clock::{Clock, SystemClock};
+use crate::db::{Db, DbError, NewTenant};
+use crate::scheduler::Scheduler;
+
+/// How long in-flight requests may finish after a shutdown signal.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    pub data_dir: PathBuf,
+    pub listen: SocketAddr,
+    pub tls: Option<TlsFiles>,
+    pub admin: Option<AdminToken>,
+    pub limits: Limits,
+    pub scheduler_period: Duration,
+}
+
+#[derive(Debug, Error)]
+pub enum ServeError {
+    #[error(
+        "refusing to serve plain HTTP on {0}, which is not a loopback address: pass --tls-cert and --tls-key, or listen on 127.0.0.1"
+    )]
+    PlainHttpOffLoopback(SocketAddr),
+    #[error("cannot use data directory {path}: {source}")]
+    DataDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot load the TLS certificate or key: {0}")]
+    Tls(std::io::Error),
+    #[error("server error: {0}")]
+    Serve(std::io::Error),
+    #[error(transparent)]
+    Db(#[from] DbError),
+    #[error(transparent)]
+    Blob(#[from] BlobError),
+}
+
+/// Plain HTTP exposes tokens on the wire: allowed only where the wire is this machine.
+pub fn check_listen(addr: SocketAddr, tls: Option<&TlsFiles>) -> Result<(), ServeError> {
+    if tls.is_none() && !addr.ip().is_loopback() {
+        return Err(ServeError::PlainHttpOffLoopback(addr));
+    }
+    Ok(())
+}
+
+/// The database file inside a data directory.
+pub fn database_path(data_dir: &std::path::Path) -> PathBuf {
+    data_dir.join("confed.db")
+}
+
+/// Opens (creating) the data directory's database; `true` if it did not exist before.
+pub async fn open_data_dir(data_dir: &std::path::Path) -> Result<(Db, bool), ServeError> {
+    std::fs::create_dir_all(data_dir).map_err(|source| ServeError::DataDir {
+        path: data_dir.to_path_buf(),
+        source,
+    })?;
+    let path = database_path(data_dir);
+    let fresh = !path.exists();
+    Ok((Db::open_sqlite(&path).await?, fresh))
+}
+
+/// Runs the server until `shutdown` completes, then drains requests, stops the scheduler and
+/// closes the database.
+pub async fn serve(
+    config: ServeConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    check_listen(config.listen, config.tls.as_ref())?;
+    let (db, fresh) = open_data_dir(&config.data_dir).await?;
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    if fresh {
+        create_demo_tenant(&db, clock.now_millis()).await?;
+    }
+    let blobs = LocalBlobStore::open(config.data_dir.join("blobs"))?;
+    let state = AppState {
+        db: db.clone(),
+        blobs: Arc::new(blobs),
+        clock: Arc::clone(&clock),
+        admin: config.admin.clone(),
+        limits: config.limits,
+    };
+    let app = api::router(state);
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let scheduler = tokio::spawn(
+        Scheduler::new(db.clone(), clock).run(config.scheduler_period, stop_rx),
+    );
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| ServeError::Listen {
+            addr: config.listen,
+            source,
+        })?;
+    let local = listener.local_addr().map_err(ServeError::Serve)?;
+    let scheme = if config.tls.is_some() { "https" } else { "http" };
+    // On stdout so scripts and tests can read the address (port 0 picks a free one).
+    println!("confed: serving on {scheme}://{local}");
+    tracing::info!(%local, scheme, admin_api = config.admin.is_some(), "serving");
+
+    let result = match &config.tls {
+        None => axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown)
+            .await
+            .map_err(ServeError::Serve),
+        Some(tls) => serve_tls(listener, app, tls, shutdown).await,
+    };
+    tracing::info!("stopped accepting requests; stopping the scheduler");
+    let _ = stop_tx.send(true);
+    let _ = scheduler.await;
+    db.close().await;
+    tracing::info!("shut down cleanly");
+    result
+}
+
+async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    tls: &TlsFiles,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let config = axum_server::tls_rustls::RustlsConfig::from_pem_file(&tls.cert, &tls.key)
+        .await
+        .map_err(ServeError::Tls)?;
+    let handle = axum_server::Handle::new();
+    let drain = handle.clone();
+    tokio::spawn(async move {
+        shutdown.await;
+        drain.graceful_shutdown(Some(DRAIN_TIMEOUT));
+    });
+    let listener = listener.into_std().map_err(ServeError::Serve)?;
+    axum_server::from_tcp_rustls(listener, config)
+        .map_err(ServeError::Serve)?
+        .handle(handle)
+        .serve(app.into_make_service())
+        .await
+        .map_err(ServeError::Serve)
+}
+
+/// On the first start of an empty data directory, a tenant `demo` lets a new user try the API at
+/// once. Its token is printed this once, on stdout, and never logged.
+async fn create_demo_tenant(db: &Db, now: i64) -> Result<(), ServeError> {
+    let demo = NewTenant {
+        name: "demo".into(),
+        max_active_tasks: api::admin::DEFAULT_MAX_ACTIVE_TASKS,
+        max_report_goal: api::admin::DEFAULT_MAX_REPORT_GOAL,
+    };
+    let (_, token) = db.create_tenant(&demo, now).await?;
+    println!("confed: new data directory; created tenant `demo`. Its API token, shown only this once:");
+    println!("CONFED_DEMO_TOKEN={}", token.as_str());
+    Ok(())
+}

@@ -1,0 +1,167 @@
+//! A test harness: the real router over a real SQLite database and blob directory in a temp dir,
+//! with a manual clock. Requests go through the full middleware stack without a socket.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{HeaderMap, Method, Request, StatusCode, header};
+use confed::api::{self, AppState, Limits};
+use confed::auth::AdminToken;
+use confed::blob::LocalBlobStore;
+use confed::clock::ManualClock;
+use confed::db::{Db, NewTenant};
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789abcdef0123456789";
+pub const START_MILLIS: i64 = 1_800_000_000_000;
+
+pub struct TestApp {
+    pub router: Router,
+    pub db: Db,
+    pub clock: Arc<ManualClock>,
+    pub _dir: tempfile::TempDir,
+}
+
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    /// Asserts a problem+json answer with this status and returns the problem.
+    pub fn problem(&self, status: StatusCode) -> Value {
+        assert_eq!(self.status, status, "body: {}", String::from_utf8_lossy(&self.body));
+        assert_eq!(
+            self.headers.get(header::CONTENT_TYPE).unwrap(),
+            "application/problem+json"
+        );
+        let problem = self.json();
+        assert_eq!(problem["status"], status.as_u16());
+        assert!(problem["type"].as_str().unwrap().starts_with("urn:confed:problem:"));
+        assert!(!problem["detail"].as_str().unwrap().is_empty());
+        problem
+    }
+}
+
+impl TestApp {
+    pub async fn new() -> Self {
+        Self::with(Some(ADMIN_TOKEN), Limits::default()).await
+    }
+
+    pub async fn with(admin: Option<&str>, limits: Limits) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open_sqlite(&dir.path().join("confed.db")).await.unwrap();
+        let clock = Arc::new(ManualClock::starting_at(START_MILLIS));
+        let state = AppState {
+            db: db.clone(),
+            blobs: Arc::new(LocalBlobStore::open(dir.path().join("blobs")).unwrap()),
+            clock: clock.clone(),
+            admin: admin.map(|t| AdminToken::from_secret(t.to_string()).unwrap()),
+            limits,
+        };
+        Self {
+            router: api::router(state),
+            db,
+            clock,
+            _dir: dir,
+        }
+    }
+
+    /// Creates a tenant directly in the database and returns its token.
+    pub async fn tenant(&self, name: &str) -> String {
+        self.tenant_with(name, 10, 10_000).await
+    }
+
+    pub async fn tenant_with(&self, name: &str, max_active_tasks: i64, max_report_goal: i64) -> String {
+        let new = NewTenant {
+            name: name.into(),
+            max_active_tasks,
+            max_report_goal,
+        };
+        let (_, token) = self.db.create_tenant(&new, START_MILLIS).await.unwrap();
+        token.to_string()
+    }
+
+    pub async fn send(&self, request: Request<Body>) -> Reply {
+        let response = self.router.clone().oneshot(request).await.unwrap();
+        let status = response.status();
+        let headers = response.headers().clone();
+        let body = response.into_body().collect().await.unwrap().to_bytes().to_vec();
+        Reply { status, headers, body }
+    }
+
+    pub async fn call(&self, method: Method, path: &str, token: Option<&str>, body: Option<Value>) -> Reply {
+        let mut request = Request::builder().method(method).uri(path);
+        if let Some(token) = token {
+            request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
+        }
+        let request = match body {
+            Some(body) => request
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from(serde_json::to_vec(&body).unwrap())),
+            None => request.body(Body::empty()),
+        };
+        self.send(request.unwrap()).await
+    }
+
+    pub async fn put_bytes(&self, path: &str, token: &str, bytes: Vec<u8>) -> Reply {
+        let request = Request::builder()
+            .method(Method::PUT)
+            .uri(path)
+            .header(header::AUTHORIZATION, format!("Bearer {token}"))
+            .header(header::CONTENT_TYPE, "application/octet-stream")
+            .body(Body::from(bytes))
+            .unwrap();
+        self.send(request).await
+    }
+
+    /// Creates a task from `task_body()` merged with `overrides`; returns its id.
+    pub async fn create_task(&self, token: &str, overrides: Value) -> String {
+        let reply = self.call(Method::POST, "/v1/tasks", Some(token), Some(task_body(overrides))).await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&reply.body));
+        reply.json()["id"].as_str().unwrap().to_string()
+    }
+
+    /// Creates a task and uploads model version 0, so round 1 is collecting.
+    pub async fn open_task(&self, token: &str, overrides: Value) -> String {
+        let id = self.create_task(token, overrides).await;
+        let reply = self.put_bytes(&format!("/v1/tasks/{id}/model"), token, model_bytes()).await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&reply.body));
+        id
+    }
+}
+
+pub fn task_body(overrides: Value) -> Value {
+    let mut body = json!({
+        "population": "phones.en",
+        "rounds": 3,
+        "report_goal": 10,
+        "min_reports": 5,
+        "round_deadline_seconds": 600,
+        "assignment_timeout_seconds": 60,
+        "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0},
+        "plan": {"epochs": 1, "batch_size": 32, "learning_rate": 0.1},
+    });
+    body.as_object_mut()
+        .unwrap()
+        .extend(overrides.as_object().unwrap().clone());
+    body
+}
+
+pub fn model_bytes() -> Vec<u8> {
+    confed_enclave::model::encode_f32_tensors(&[
+        ("dense.weight", vec![2, 3], &[0.1, 0.2, 0.3, 0.4, 0.5, 0.6]),
+        ("dense.bias", vec![2], &[0.0, 0.0]),
+    ])
+    .unwrap()
+}
