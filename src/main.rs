@@ -13,7 +13,11 @@ use confed::db::NewTenant;
 use confed::server::{self, ServeConfig, TlsFiles};
 
 #[derive(Parser)]
-#[command(name = "confed", version, about = "Confidential-computing federated-learning server")]
+#[command(
+    name = "confed",
+    version,
+    about = "Confidential-computing federated-learning server"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -107,7 +111,9 @@ fn admin_token(file: Option<&PathBuf>) -> Result<Option<AdminToken>> {
             std::fs::read_to_string(path)
                 .with_context(|| format!("reading the admin token file {}", path.display()))?,
         ),
-        None => std::env::var("CONFED_ADMIN_TOKEN").ok().filter(|t| !t.is_empty()),
+        None => std::env::var("CONFED_ADMIN_TOKEN")
+            .ok()
+            .filter(|t| !t.is_empty()),
     };
     secret
         .map(AdminToken::from_secret)
@@ -179,7 +185,10 @@ async fn tenant(command: TenantCommand) -> Result<()> {
             let (db, _) = server::open_data_dir(&data.data_dir).await?;
             let (tenant, token) = db.create_tenant(&new, SystemClock.now_millis()).await?;
             db.close().await;
-            eprintln!("created tenant {} ({}); its token follows, shown only this once", tenant.name, tenant.id);
+            eprintln!(
+                "created tenant {} ({}); its token follows, shown only this once",
+                tenant.name, tenant.id
+            );
             println!("{}", token.as_str());
         }
         TenantCommand::List { data } => {

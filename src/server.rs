@@ -111,9 +111,8 @@ pub async fn serve(
     let app = api::router(state);
 
     let (stop_tx, stop_rx) = watch::channel(false);
-    let scheduler = tokio::spawn(
-        Scheduler::new(db.clone(), clock).run(config.scheduler_period, stop_rx),
-    );
+    let scheduler =
+        tokio::spawn(Scheduler::new(db.clone(), clock).run(config.scheduler_period, stop_rx));
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|source| ServeError::Listen {
@@ -121,7 +120,11 @@ pub async fn serve(
             source,
         })?;
     let local = listener.local_addr().map_err(ServeError::Serve)?;
-    let scheme = if config.tls.is_some() { "https" } else { "http" };
+    let scheme = if config.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
     // On stdout so scripts and tests can read the address (port 0 picks a free one).
     println!("confed: serving on {scheme}://{local}");
     tracing::info!(%local, scheme, admin_api = config.admin.is_some(), "serving");
@@ -174,7 +177,9 @@ async fn create_demo_tenant(db: &Db, now: i64) -> Result<(), ServeError> {
         max_report_goal: api::admin::DEFAULT_MAX_REPORT_GOAL,
     };
     let (_, token) = db.create_tenant(&demo, now).await?;
-    println!("confed: new data directory; created tenant `demo`. Its API token, shown only this once:");
+    println!(
+        "confed: new data directory; created tenant `demo`. Its API token, shown only this once:"
+    );
     println!("CONFED_DEMO_TOKEN={}", token.as_str());
     Ok(())
 }

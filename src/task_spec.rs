@@ -145,13 +145,18 @@ impl Problems {
         });
     }
 
-    fn int(&mut self, name: &str, value: i64, lo: i64, hi: i64) -> u32 {
+    /// `Some(value)` if within [lo, hi]; otherwise records the problem and returns `None`.
+    fn checked_int(&mut self, name: &str, value: i64, lo: i64, hi: i64) -> Option<u32> {
         if (lo..=hi).contains(&value) {
-            value as u32
+            Some(value as u32)
         } else {
             self.add(name, format!("must be between {lo} and {hi} (got {value})"));
-            lo as u32
+            None
         }
+    }
+
+    fn int(&mut self, name: &str, value: i64, lo: i64, hi: i64) -> u32 {
+        self.checked_int(name, value, lo, hi).unwrap_or(lo as u32)
     }
 
     /// `lo_open` makes the lower bound exclusive: (lo, hi] instead of [lo, hi].
@@ -180,11 +185,19 @@ impl CreateTaskRequest {
             );
         }
         let rounds = p.int("rounds", self.rounds, 1, MAX_ROUNDS);
-        let report_goal = p.int("report_goal", self.report_goal, 1, MAX_REPORT_GOAL);
+        // A field bounded by another is checked against that field only when it is valid itself,
+        // so one mistake is reported once.
+        let report_goal = p.checked_int("report_goal", self.report_goal, 1, MAX_REPORT_GOAL);
         let min_reports = match self.min_reports {
-            Some(v) => p.int("min_reports", v, 1, i64::from(report_goal)),
-            None => report_goal,
+            Some(v) => p.int(
+                "min_reports",
+                v,
+                1,
+                report_goal.map_or(MAX_REPORT_GOAL, i64::from),
+            ),
+            None => report_goal.unwrap_or(1),
         };
+        let report_goal = report_goal.unwrap_or(1);
         let over_selection = p.float(
             "over_selection",
             self.over_selection.unwrap_or(0.3),
@@ -192,7 +205,7 @@ impl CreateTaskRequest {
             false,
             MAX_OVER_SELECTION,
         );
-        let round_deadline_seconds = p.int(
+        let round_deadline_seconds = p.checked_int(
             "round_deadline_seconds",
             self.round_deadline_seconds.unwrap_or(3600),
             MIN_DEADLINE_SECONDS,
@@ -202,8 +215,9 @@ impl CreateTaskRequest {
             "assignment_timeout_seconds",
             self.assignment_timeout_seconds.unwrap_or(600),
             MIN_DEADLINE_SECONDS,
-            i64::from(round_deadline_seconds),
+            round_deadline_seconds.map_or(MAX_DEADLINE_SECONDS, i64::from),
         );
+        let round_deadline_seconds = round_deadline_seconds.unwrap_or(MIN_DEADLINE_SECONDS as u32);
         let max_round_attempts = p.int(
             "max_round_attempts",
             self.max_round_attempts.unwrap_or(3),
@@ -215,7 +229,13 @@ impl CreateTaskRequest {
         }
         validate_constraints(&mut p, &self.constraints);
         let privacy = PrivacyBudget {
-            epsilon: p.float("privacy.epsilon", self.privacy.epsilon, 0.0, true, MAX_EPSILON),
+            epsilon: p.float(
+                "privacy.epsilon",
+                self.privacy.epsilon,
+                0.0,
+                true,
+                MAX_EPSILON,
+            ),
             delta: p.float("privacy.delta", self.privacy.delta, 0.0, true, MAX_DELTA),
             clip_norm: p.float(
                 "privacy.clip_norm",
@@ -303,7 +323,10 @@ fn validate_constraints(p: &mut Problems, constraints: &BTreeMap<String, Constra
     if constraints.len() > MAX_CONSTRAINTS {
         p.add(
             "constraints",
-            format!("at most {MAX_CONSTRAINTS} attributes (got {})", constraints.len()),
+            format!(
+                "at most {MAX_CONSTRAINTS} attributes (got {})",
+                constraints.len()
+            ),
         );
     }
     for (name, constraint) in constraints {
@@ -313,7 +336,10 @@ fn validate_constraints(p: &mut Problems, constraints: &BTreeMap<String, Constra
                 .bytes()
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
         if !name_ok {
-            p.add(&field, "attribute names are 1-64 characters of a-z, 0-9, '_'");
+            p.add(
+                &field,
+                "attribute names are 1-64 characters of a-z, 0-9, '_'",
+            );
         }
         match constraint {
             Constraint::Text(text) if text.len() > 256 => {
@@ -385,17 +411,44 @@ mod tests {
             (json!({"min_reports": 101}), "min_reports"),
             (json!({"min_reports": 0}), "min_reports"),
             (json!({"over_selection": -0.1}), "over_selection"),
-            (json!({"round_deadline_seconds": 5}), "round_deadline_seconds"),
-            (json!({"assignment_timeout_seconds": 4000}), "assignment_timeout_seconds"),
+            (
+                json!({"round_deadline_seconds": 5}),
+                "round_deadline_seconds",
+            ),
+            (
+                json!({"assignment_timeout_seconds": 4000}),
+                "assignment_timeout_seconds",
+            ),
             (json!({"max_round_attempts": 11}), "max_round_attempts"),
-            (json!({"client_version": {"min": "1.x"}}), "client_version.min"),
-            (json!({"client_version": {"min": "2.0", "max": "1.9"}}), "client_version"),
-            (json!({"constraints": {"Bad Name": true}}), "constraints.Bad Name"),
-            (json!({"constraints": {"ram_gb": {"min": 8, "max": 4}}}), "constraints.ram_gb"),
+            (
+                json!({"client_version": {"min": "1.x"}}),
+                "client_version.min",
+            ),
+            (
+                json!({"client_version": {"min": "2.0", "max": "1.9"}}),
+                "client_version",
+            ),
+            (
+                json!({"constraints": {"Bad Name": true}}),
+                "constraints.Bad Name",
+            ),
+            (
+                json!({"constraints": {"ram_gb": {"min": 8, "max": 4}}}),
+                "constraints.ram_gb",
+            ),
             (json!({"constraints": {"ram_gb": {}}}), "constraints.ram_gb"),
-            (json!({"privacy": {"epsilon": 0.0, "delta": 1e-6, "clip_norm": 1.0}}), "privacy.epsilon"),
-            (json!({"privacy": {"epsilon": 1.0, "delta": 0.5, "clip_norm": 1.0}}), "privacy.delta"),
-            (json!({"privacy": {"epsilon": 1.0, "delta": 1e-6, "clip_norm": -1.0}}), "privacy.clip_norm"),
+            (
+                json!({"privacy": {"epsilon": 0.0, "delta": 1e-6, "clip_norm": 1.0}}),
+                "privacy.epsilon",
+            ),
+            (
+                json!({"privacy": {"epsilon": 1.0, "delta": 0.5, "clip_norm": 1.0}}),
+                "privacy.delta",
+            ),
+            (
+                json!({"privacy": {"epsilon": 1.0, "delta": 1e-6, "clip_norm": -1.0}}),
+                "privacy.clip_norm",
+            ),
             (json!({"server_learning_rate": 0.0}), "server_learning_rate"),
             (json!({"plan": [1, 2]}), "plan"),
         ];

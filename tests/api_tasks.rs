@@ -12,7 +12,12 @@ async fn create_task_returns_201_with_defaults_and_progress_fields() {
     let app = TestApp::new().await;
     let token = app.tenant("acme").await;
     let reply = app
-        .call(Method::POST, "/v1/tasks", Some(&token), Some(task_body(json!({}))))
+        .call(
+            Method::POST,
+            "/v1/tasks",
+            Some(&token),
+            Some(task_body(json!({}))),
+        )
         .await;
     assert_eq!(reply.status, StatusCode::CREATED);
     let task = reply.json();
@@ -30,8 +35,12 @@ async fn create_task_returns_201_with_defaults_and_progress_fields() {
 async fn create_task_names_every_invalid_field() {
     let app = TestApp::new().await;
     let token = app.tenant("acme").await;
-    let body = task_body(json!({"rounds": 0, "privacy": {"epsilon": -1.0, "delta": 1e-6, "clip_norm": 1.0}}));
-    let reply = app.call(Method::POST, "/v1/tasks", Some(&token), Some(body)).await;
+    let body = task_body(
+        json!({"rounds": 0, "privacy": {"epsilon": -1.0, "delta": 1e-6, "clip_norm": 1.0}}),
+    );
+    let reply = app
+        .call(Method::POST, "/v1/tasks", Some(&token), Some(body))
+        .await;
     let problem = reply.problem(StatusCode::BAD_REQUEST);
     let names: Vec<_> = problem["invalid_params"]
         .as_array()
@@ -40,7 +49,12 @@ async fn create_task_names_every_invalid_field() {
         .map(|p| p["name"].as_str().unwrap())
         .collect();
     assert_eq!(names, ["rounds", "privacy.epsilon"]);
-    assert!(problem["detail"].as_str().unwrap().contains("between 1 and 10000"));
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("between 1 and 10000")
+    );
 }
 
 #[tokio::test]
@@ -48,15 +62,30 @@ async fn create_task_refuses_unknown_fields_and_bad_json() {
     let app = TestApp::new().await;
     let token = app.tenant("acme").await;
     let reply = app
-        .call(Method::POST, "/v1/tasks", Some(&token), Some(task_body(json!({"surprise": 1}))))
+        .call(
+            Method::POST,
+            "/v1/tasks",
+            Some(&token),
+            Some(task_body(json!({"surprise": 1}))),
+        )
         .await;
     let problem = reply.problem(StatusCode::BAD_REQUEST);
     assert!(problem["detail"].as_str().unwrap().contains("surprise"));
 
     let reply = app
-        .call(Method::POST, "/v1/tasks", Some(&token), Some(json!({"population": "p"})))
+        .call(
+            Method::POST,
+            "/v1/tasks",
+            Some(&token),
+            Some(json!({"population": "p"})),
+        )
         .await;
-    assert!(reply.problem(StatusCode::BAD_REQUEST)["detail"].as_str().unwrap().contains("missing field"));
+    assert!(
+        reply.problem(StatusCode::BAD_REQUEST)["detail"]
+            .as_str()
+            .unwrap()
+            .contains("missing field")
+    );
 
     let request = Request::post("/v1/tasks")
         .header(header::AUTHORIZATION, format!("Bearer {token}"))
@@ -72,9 +101,13 @@ async fn create_task_without_json_content_type_is_415() {
     let token = app.tenant("acme").await;
     let request = Request::post("/v1/tasks")
         .header(header::AUTHORIZATION, format!("Bearer {token}"))
-        .body(Body::from(serde_json::to_vec(&task_body(json!({}))).unwrap()))
+        .body(Body::from(
+            serde_json::to_vec(&task_body(json!({}))).unwrap(),
+        ))
         .unwrap();
-    app.send(request).await.problem(StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    app.send(request)
+        .await
+        .problem(StatusCode::UNSUPPORTED_MEDIA_TYPE);
 }
 
 #[tokio::test]
@@ -83,7 +116,12 @@ async fn oversized_json_body_is_413() {
     let token = app.tenant("acme").await;
     let huge = "x".repeat(300 * 1024);
     let reply = app
-        .call(Method::POST, "/v1/tasks", Some(&token), Some(task_body(json!({"plan": {"x": huge}}))))
+        .call(
+            Method::POST,
+            "/v1/tasks",
+            Some(&token),
+            Some(task_body(json!({"plan": {"x": huge}}))),
+        )
         .await;
     reply.problem(StatusCode::PAYLOAD_TOO_LARGE);
 }
@@ -96,7 +134,10 @@ async fn missing_or_wrong_token_is_401_with_challenge() {
     for bad in [None, Some("nonsense"), Some(&token[..token.len() - 1])] {
         let reply = app.call(Method::POST, "/v1/tasks", bad, body.clone()).await;
         reply.problem(StatusCode::UNAUTHORIZED);
-        assert_eq!(reply.headers.get(header::WWW_AUTHENTICATE).unwrap(), "Bearer");
+        assert_eq!(
+            reply.headers.get(header::WWW_AUTHENTICATE).unwrap(),
+            "Bearer"
+        );
     }
     // A valid token id with another tenant's secret must fail too.
     let other = app.tenant("other").await;
@@ -113,11 +154,25 @@ async fn quota_on_report_goal_is_checked_before_creation() {
     let app = TestApp::new().await;
     let token = app.tenant_with("small", 5, 50).await;
     let reply = app
-        .call(Method::POST, "/v1/tasks", Some(&token), Some(task_body(json!({"report_goal": 51}))))
+        .call(
+            Method::POST,
+            "/v1/tasks",
+            Some(&token),
+            Some(task_body(json!({"report_goal": 51}))),
+        )
         .await;
-    let detail = reply.problem(StatusCode::FORBIDDEN)["detail"].as_str().unwrap().to_string();
-    assert!(detail.contains("max_report_goal") && detail.contains("lower report_goal"), "{detail}");
-    let list = app.call(Method::GET, "/v1/tasks", Some(&token), None).await.json();
+    let detail = reply.problem(StatusCode::FORBIDDEN)["detail"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        detail.contains("max_report_goal") && detail.contains("lower report_goal"),
+        "{detail}"
+    );
+    let list = app
+        .call(Method::GET, "/v1/tasks", Some(&token), None)
+        .await
+        .json();
     assert_eq!(list["tasks"].as_array().unwrap().len(), 0);
 }
 
@@ -128,12 +183,29 @@ async fn quota_on_active_tasks_counts_only_live_tasks() {
     let first = app.create_task(&token, json!({})).await;
     app.create_task(&token, json!({})).await;
     let reply = app
-        .call(Method::POST, "/v1/tasks", Some(&token), Some(task_body(json!({}))))
+        .call(
+            Method::POST,
+            "/v1/tasks",
+            Some(&token),
+            Some(task_body(json!({}))),
+        )
         .await;
-    let detail = reply.problem(StatusCode::FORBIDDEN)["detail"].as_str().unwrap().to_string();
-    assert!(detail.contains("max_active_tasks") && detail.contains("cancel"), "{detail}");
+    let detail = reply.problem(StatusCode::FORBIDDEN)["detail"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        detail.contains("max_active_tasks") && detail.contains("cancel"),
+        "{detail}"
+    );
     // Cancelling one frees a slot.
-    app.call(Method::POST, &format!("/v1/tasks/{first}/cancel"), Some(&token), None).await;
+    app.call(
+        Method::POST,
+        &format!("/v1/tasks/{first}/cancel"),
+        Some(&token),
+        None,
+    )
+    .await;
     app.create_task(&token, json!({})).await;
 }
 
@@ -147,20 +219,38 @@ async fn list_tasks_is_newest_first_and_paginates() {
         app.clock.advance(std::time::Duration::from_millis(1));
     }
     ids.reverse();
-    let page1 = app.call(Method::GET, "/v1/tasks?limit=2", Some(&token), None).await.json();
+    let page1 = app
+        .call(Method::GET, "/v1/tasks?limit=2", Some(&token), None)
+        .await
+        .json();
     let page_ids = |page: &serde_json::Value| -> Vec<String> {
-        page["tasks"].as_array().unwrap().iter().map(|t| t["id"].as_str().unwrap().to_string()).collect()
+        page["tasks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["id"].as_str().unwrap().to_string())
+            .collect()
     };
     assert_eq!(page_ids(&page1), ids[0..2]);
     let next = page1["next_page_token"].as_str().unwrap();
     let page2 = app
-        .call(Method::GET, &format!("/v1/tasks?limit=2&page_token={next}"), Some(&token), None)
+        .call(
+            Method::GET,
+            &format!("/v1/tasks?limit=2&page_token={next}"),
+            Some(&token),
+            None,
+        )
         .await
         .json();
     assert_eq!(page_ids(&page2), ids[2..4]);
     let next = page2["next_page_token"].as_str().unwrap();
     let page3 = app
-        .call(Method::GET, &format!("/v1/tasks?limit=2&page_token={next}"), Some(&token), None)
+        .call(
+            Method::GET,
+            &format!("/v1/tasks?limit=2&page_token={next}"),
+            Some(&token),
+            None,
+        )
         .await
         .json();
     assert_eq!(page_ids(&page3), ids[4..5]);
@@ -171,8 +261,22 @@ async fn list_tasks_is_newest_first_and_paginates() {
 async fn list_tasks_refuses_bad_paging_parameters() {
     let app = TestApp::new().await;
     let token = app.tenant("acme").await;
-    for query in ["limit=0", "limit=101", "limit=abc", "page_token=!!!", "page_token=Zm9v", "color=red"] {
-        let reply = app.call(Method::GET, &format!("/v1/tasks?{query}"), Some(&token), None).await;
+    for query in [
+        "limit=0",
+        "limit=101",
+        "limit=abc",
+        "page_token=!!!",
+        "page_token=Zm9v",
+        "color=red",
+    ] {
+        let reply = app
+            .call(
+                Method::GET,
+                &format!("/v1/tasks?{query}"),
+                Some(&token),
+                None,
+            )
+            .await;
         reply.problem(StatusCode::BAD_REQUEST);
     }
 }
@@ -182,7 +286,10 @@ async fn get_task_returns_it_and_404_for_unknown() {
     let app = TestApp::new().await;
     let token = app.tenant("acme").await;
     let id = app.create_task(&token, json!({})).await;
-    let task = app.call(Method::GET, &format!("/v1/tasks/{id}"), Some(&token), None).await.json();
+    let task = app
+        .call(Method::GET, &format!("/v1/tasks/{id}"), Some(&token), None)
+        .await
+        .json();
     assert_eq!(task["id"], id.as_str());
     assert_eq!(task["population"], "phones.en");
     app.call(Method::GET, "/v1/tasks/does-not-exist", Some(&token), None)
@@ -195,14 +302,41 @@ async fn cancel_fails_the_live_round_and_refuses_a_second_cancel() {
     let app = TestApp::new().await;
     let token = app.tenant("acme").await;
     let id = app.open_task(&token, json!({})).await;
-    let reply = app.call(Method::POST, &format!("/v1/tasks/{id}/cancel"), Some(&token), None).await;
+    let reply = app
+        .call(
+            Method::POST,
+            &format!("/v1/tasks/{id}/cancel"),
+            Some(&token),
+            None,
+        )
+        .await;
     assert_eq!(reply.status, StatusCode::OK);
     assert_eq!(reply.json()["state"], "CANCELLED");
-    let rounds = app.call(Method::GET, &format!("/v1/tasks/{id}/rounds"), Some(&token), None).await.json();
+    let rounds = app
+        .call(
+            Method::GET,
+            &format!("/v1/tasks/{id}/rounds"),
+            Some(&token),
+            None,
+        )
+        .await
+        .json();
     assert_eq!(rounds["rounds"][0]["state"], "FAILED");
     assert!(rounds["rounds"][0]["closed_at"].is_string());
-    let again = app.call(Method::POST, &format!("/v1/tasks/{id}/cancel"), Some(&token), None).await;
-    assert!(again.problem(StatusCode::CONFLICT)["detail"].as_str().unwrap().contains("CANCELLED"));
+    let again = app
+        .call(
+            Method::POST,
+            &format!("/v1/tasks/{id}/cancel"),
+            Some(&token),
+            None,
+        )
+        .await;
+    assert!(
+        again.problem(StatusCode::CONFLICT)["detail"]
+            .as_str()
+            .unwrap()
+            .contains("CANCELLED")
+    );
     app.call(Method::POST, "/v1/tasks/nope/cancel", Some(&token), None)
         .await
         .problem(StatusCode::NOT_FOUND);
@@ -213,7 +347,14 @@ async fn cancel_of_a_created_task_works() {
     let app = TestApp::new().await;
     let token = app.tenant("acme").await;
     let id = app.create_task(&token, json!({})).await;
-    let reply = app.call(Method::POST, &format!("/v1/tasks/{id}/cancel"), Some(&token), None).await;
+    let reply = app
+        .call(
+            Method::POST,
+            &format!("/v1/tasks/{id}/cancel"),
+            Some(&token),
+            None,
+        )
+        .await;
     assert_eq!(reply.json()["state"], "CANCELLED");
     let history = app.db.history(&id).await.unwrap();
     let states: Vec<_> = history.iter().map(|h| h.to_state.as_str()).collect();
@@ -225,10 +366,31 @@ async fn rounds_lists_state_reports_goal_and_deadline() {
     let app = TestApp::new().await;
     let token = app.tenant("acme").await;
     let id = app.create_task(&token, json!({})).await;
-    let empty = app.call(Method::GET, &format!("/v1/tasks/{id}/rounds"), Some(&token), None).await.json();
+    let empty = app
+        .call(
+            Method::GET,
+            &format!("/v1/tasks/{id}/rounds"),
+            Some(&token),
+            None,
+        )
+        .await
+        .json();
     assert_eq!(empty["rounds"].as_array().unwrap().len(), 0);
-    app.put_bytes(&format!("/v1/tasks/{id}/model"), &token, common::model_bytes()).await;
-    let rounds = app.call(Method::GET, &format!("/v1/tasks/{id}/rounds"), Some(&token), None).await.json();
+    app.put_bytes(
+        &format!("/v1/tasks/{id}/model"),
+        &token,
+        common::model_bytes(),
+    )
+    .await;
+    let rounds = app
+        .call(
+            Method::GET,
+            &format!("/v1/tasks/{id}/rounds"),
+            Some(&token),
+            None,
+        )
+        .await
+        .json();
     let round = &rounds["rounds"][0];
     assert_eq!(round["round"], 1);
     assert_eq!(round["attempt"], 1);

@@ -90,10 +90,7 @@ mod tests {
         report.record("aud", Ok(()));
         assert!(!report.passed());
         let failures: Vec<_> = report.failures().collect();
-        assert_eq!(
-            failures,
-            vec![("image_digest", "digest not in allow-list")]
-        );
+        assert_eq!(failures, vec![("image_digest", "digest not in allow-list")]);
         assert_eq!(report.results().len(), 3);
     }
 }

@@ -53,18 +53,30 @@ impl ApiError {
     fn status_and_kind(&self) -> (StatusCode, &'static str, &'static str) {
         match self {
             Self::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad-request", "Bad request"),
-            Self::InvalidFields(_) => (StatusCode::BAD_REQUEST, "invalid-request", "Invalid request"),
+            Self::InvalidFields(_) => (
+                StatusCode::BAD_REQUEST,
+                "invalid-request",
+                "Invalid request",
+            ),
             Self::Unauthorized(_) => (StatusCode::UNAUTHORIZED, "unauthorized", "Unauthorized"),
             Self::Forbidden(_) => (StatusCode::FORBIDDEN, "quota-exceeded", "Quota exceeded"),
             Self::NotFound(_) => (StatusCode::NOT_FOUND, "not-found", "Not found"),
             Self::Conflict(_) => (StatusCode::CONFLICT, "conflict", "Conflict"),
-            Self::PayloadTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload-too-large", "Payload too large"),
+            Self::PayloadTooLarge(_) => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload-too-large",
+                "Payload too large",
+            ),
             Self::UnsupportedMediaType(_) => (
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 "unsupported-media-type",
                 "Unsupported media type",
             ),
-            Self::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal", "Internal error"),
+            Self::Internal(_) => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "Internal error",
+            ),
         }
     }
 
@@ -113,9 +125,9 @@ impl From<DbError> for ApiError {
     fn from(error: DbError) -> Self {
         match error {
             DbError::NotFound { entity, id } => Self::NotFound(format!("{entity} {id} not found")),
-            e @ (DbError::StateConflict { .. } | DbError::IllegalTransition { .. } | DbError::AlreadyExists(_)) => {
-                Self::Conflict(e.to_string())
-            }
+            e @ (DbError::StateConflict { .. }
+            | DbError::IllegalTransition { .. }
+            | DbError::AlreadyExists(_)) => Self::Conflict(e.to_string()),
             e @ DbError::QuotaExceeded { .. } => Self::Forbidden(e.to_string()),
             other => Self::Internal(other.to_string()),
         }
@@ -134,9 +146,9 @@ fn body_problem(status: StatusCode, text: String) -> ApiError {
         StatusCode::PAYLOAD_TOO_LARGE => ApiError::PayloadTooLarge(format!(
             "the request body is larger than this route accepts: {text}"
         )),
-        StatusCode::UNSUPPORTED_MEDIA_TYPE => ApiError::UnsupportedMediaType(format!(
-            "{text}; send `Content-Type: application/json`"
-        )),
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => {
+            ApiError::UnsupportedMediaType(format!("{text}; send `Content-Type: application/json`"))
+        }
         _ => ApiError::BadRequest(text),
     }
 }

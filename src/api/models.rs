@@ -41,8 +41,7 @@ pub async fn put_model(
     }
     let checked = body.clone();
     let digest = tokio::task::spawn_blocking(move || {
-        confed_enclave::model::validate_model(&checked)
-            .map(|_| hex(&Sha256::digest(&checked)))
+        confed_enclave::model::validate_model(&checked).map(|_| hex(&Sha256::digest(&checked)))
     })
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))?
@@ -54,7 +53,10 @@ pub async fn put_model(
         sha256_hex: digest,
         size_bytes: body.len() as i64,
     };
-    let task = state.db.open_task_with_model(&tenant.id, &id, &model, state.now()).await?;
+    let task = state
+        .db
+        .open_task_with_model(&tenant.id, &id, &model, state.now())
+        .await?;
     tracing::info!(tenant = %tenant.name, task = %id, bytes = body.len(), "model version 0 stored; task open");
     Ok((StatusCode::CREATED, axum::Json(task.into())))
 }
@@ -83,14 +85,24 @@ pub async fn get_model(
     let matches = headers
         .get(header::IF_NONE_MATCH)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.split(',').any(|tag| tag.trim() == etag || tag.trim() == "*"));
+        .is_some_and(|v| {
+            v.split(',')
+                .any(|tag| tag.trim() == etag || tag.trim() == "*")
+        });
     if matches {
-        return Ok((StatusCode::NOT_MODIFIED, [(header::ETAG, etag), (header::CACHE_CONTROL, cache)]).into_response());
+        return Ok((
+            StatusCode::NOT_MODIFIED,
+            [(header::ETAG, etag), (header::CACHE_CONTROL, cache)],
+        )
+            .into_response());
     }
     let bytes = state.blobs.get(&BlobKey::new(model.blob_key)?).await?;
     Ok((
         [
-            (header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream")),
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/octet-stream"),
+            ),
             (header::ETAG, etag),
             (header::CACHE_CONTROL, cache),
         ],

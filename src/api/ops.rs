@@ -78,7 +78,10 @@ pub async fn metrics_text(State(state): State<AppState>) -> Result<Response, Api
     }
     let body = prometheus().render();
     Ok((
-        [(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"))],
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4"),
+        )],
         body,
     )
         .into_response())

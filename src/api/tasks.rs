@@ -104,7 +104,11 @@ fn encode_cursor(task: &TaskRecord) -> String {
 }
 
 fn decode_cursor(token: &str) -> Result<TaskCursor, ApiError> {
-    let bad = || ApiError::BadRequest("`page_token` is not one this server issued; start again without it".into());
+    let bad = || {
+        ApiError::BadRequest(
+            "`page_token` is not one this server issued; start again without it".into(),
+        )
+    };
     let text = URL_SAFE_NO_PAD.decode(token).map_err(|_| bad())?;
     let text = String::from_utf8(text).map_err(|_| bad())?;
     let (created_at, id) = text.split_once(':').ok_or_else(bad)?;
@@ -154,9 +158,16 @@ pub async fn list_tasks(
             "`limit` must be between 1 and {MAX_PAGE_SIZE} (got {limit})"
         )));
     }
-    let cursor = params.page_token.as_deref().map(decode_cursor).transpose()?;
+    let cursor = params
+        .page_token
+        .as_deref()
+        .map(decode_cursor)
+        .transpose()?;
     // One extra row tells whether another page follows.
-    let mut tasks = state.db.list_tasks(&tenant.id, limit + 1, cursor.as_ref()).await?;
+    let mut tasks = state
+        .db
+        .list_tasks(&tenant.id, limit + 1, cursor.as_ref())
+        .await?;
     let next_page_token = if tasks.len() > limit as usize {
         tasks.truncate(limit as usize);
         tasks.last().map(encode_cursor)

@@ -40,7 +40,10 @@ impl LocalBlobStore {
         }
         let parent = target.parent().unwrap_or(&self.root);
         fs::create_dir_all(parent).map_err(io)?;
-        let temp = self.root.join(".tmp").join(uuid::Uuid::new_v4().to_string());
+        let temp = self
+            .root
+            .join(".tmp")
+            .join(uuid::Uuid::new_v4().to_string());
         let written = (|| {
             let mut file = File::create(&temp)?;
             file.write_all(bytes)?;
@@ -117,7 +120,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = LocalBlobStore::open(dir.path()).unwrap();
         let key = BlobKey::new("tenants/a/tasks/b/models/0-x.safetensors").unwrap();
-        assert_eq!(store.put(&key, b"hello").await.unwrap(), PutOutcome::Created);
+        assert_eq!(
+            store.put(&key, b"hello").await.unwrap(),
+            PutOutcome::Created
+        );
         assert_eq!(store.get(&key).await.unwrap(), b"hello");
         assert_eq!(
             store.put(&key, b"hello").await.unwrap(),

@@ -22,7 +22,8 @@ impl BlobKey {
             !s.is_empty()
                 && s != "."
                 && s != ".."
-                && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+                && s.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
         };
         if key.len() <= 1024 && key.split('/').all(segment_ok) {
             Ok(Self(key))
@@ -33,7 +34,12 @@ impl BlobKey {
 
     /// Key of a task's model version, including the content hash so a retried upload after a
     /// crash never collides with an orphan of the first attempt.
-    pub fn model(tenant_id: &str, task_id: &str, version: i64, sha256_hex: &str) -> Result<Self, BlobError> {
+    pub fn model(
+        tenant_id: &str,
+        task_id: &str,
+        version: i64,
+        sha256_hex: &str,
+    ) -> Result<Self, BlobError> {
         Self::new(format!(
             "tenants/{tenant_id}/tasks/{task_id}/models/{version}-{sha256_hex}.safetensors"
         ))
@@ -84,7 +90,9 @@ mod tests {
 
     #[test]
     fn keys_refuse_traversal_and_odd_characters() {
-        for bad in ["", "/a", "a/", "a//b", "../x", "a/../b", "a/./b", "a b", "a\\b", "ä"] {
+        for bad in [
+            "", "/a", "a/", "a//b", "../x", "a/../b", "a/./b", "a b", "a\\b", "ä",
+        ] {
             assert!(BlobKey::new(bad).is_err(), "{bad:?}");
         }
         assert!(BlobKey::new("tenants/t1/tasks/x/models/0-ab.safetensors").is_ok());

@@ -25,8 +25,16 @@ impl Db {
         .bind(now)
         .execute(&mut *tx)
         .await?;
-        history::append(&mut tx, "assignment", &id, None, AssignmentState::Assigned.as_str(), "assigned", now)
-            .await?;
+        history::append(
+            &mut tx,
+            "assignment",
+            &id,
+            None,
+            AssignmentState::Assigned.as_str(),
+            "assigned",
+            now,
+        )
+        .await?;
         tx.commit().await?;
         Ok(id)
     }
@@ -48,10 +56,11 @@ impl Db {
 
     /// The stored state of an assignment.
     pub async fn assignment_state(&self, assignment_id: &str) -> Result<AssignmentState, DbError> {
-        let state: Option<String> = sqlx::query_scalar("SELECT state FROM assignments WHERE id = $1")
-            .bind(assignment_id)
-            .fetch_optional(self.pool())
-            .await?;
+        let state: Option<String> =
+            sqlx::query_scalar("SELECT state FROM assignments WHERE id = $1")
+                .bind(assignment_id)
+                .fetch_optional(self.pool())
+                .await?;
         let state = state.ok_or_else(|| DbError::NotFound {
             entity: "assignment",
             id: assignment_id.to_string(),

@@ -138,7 +138,16 @@ pub(crate) async fn transition<S: StateMachine>(
             },
         });
     }
-    history::append(conn, S::ENTITY, id, Some(from.as_str()), to.as_str(), reason, now).await
+    history::append(
+        conn,
+        S::ENTITY,
+        id,
+        Some(from.as_str()),
+        to.as_str(),
+        reason,
+        now,
+    )
+    .await
 }
 
 pub(crate) fn new_id() -> String {

@@ -60,10 +60,11 @@ impl Db {
         .bind(version)
         .fetch_optional(&mut *conn)
         .await?;
-        let (blob_key, sha256_hex, size_bytes, created_at) = row.ok_or_else(|| DbError::NotFound {
-            entity: "model version",
-            id: version.to_string(),
-        })?;
+        let (blob_key, sha256_hex, size_bytes, created_at) =
+            row.ok_or_else(|| DbError::NotFound {
+                entity: "model version",
+                id: version.to_string(),
+            })?;
         Ok(ModelRecord {
             task_id: task_id.to_string(),
             version,

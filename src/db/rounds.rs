@@ -40,7 +40,19 @@ pub enum DeadlineOutcome {
     Skipped,
 }
 
-type RoundRow = (String, String, i64, i64, String, i64, i64, i64, i64, i64, Option<i64>);
+type RoundRow = (
+    String,
+    String,
+    i64,
+    i64,
+    String,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    Option<i64>,
+);
 
 const ROUND_SELECT: &str = "SELECT r.id, r.task_id, r.round_number, r.attempt, r.state, \
      r.report_goal, r.min_reports, \
@@ -48,8 +60,19 @@ const ROUND_SELECT: &str = "SELECT r.id, r.task_id, r.round_number, r.attempt, r
      r.deadline_at, r.opened_at, r.closed_at FROM rounds r";
 
 fn round_from_row(row: RoundRow) -> Result<RoundRecord, DbError> {
-    let (id, task_id, round_number, attempt, state, report_goal, min_reports, reports, deadline_at, opened_at, closed_at) =
-        row;
+    let (
+        id,
+        task_id,
+        round_number,
+        attempt,
+        state,
+        report_goal,
+        min_reports,
+        reports,
+        deadline_at,
+        opened_at,
+        closed_at,
+    ) = row;
     Ok(RoundRecord {
         state: parse_state(&state)?,
         id,
@@ -93,7 +116,16 @@ pub(crate) async fn open(
     .execute(&mut *conn)
     .await?;
     let reason = format!("round {round_number} attempt {attempt} opened");
-    history::append(conn, "round", &id, None, RoundState::Collecting.as_str(), &reason, now).await?;
+    history::append(
+        conn,
+        "round",
+        &id,
+        None,
+        RoundState::Collecting.as_str(),
+        &reason,
+        now,
+    )
+    .await?;
     Ok(id)
 }
 
@@ -117,7 +149,10 @@ pub(crate) async fn close(
     Ok(())
 }
 
-pub(crate) async fn load_for_task(conn: &mut Conn, task_id: &str) -> Result<Vec<RoundRecord>, DbError> {
+pub(crate) async fn load_for_task(
+    conn: &mut Conn,
+    task_id: &str,
+) -> Result<Vec<RoundRecord>, DbError> {
     let sql = format!("{ROUND_SELECT} WHERE r.task_id = $1 ORDER BY r.round_number, r.attempt");
     let rows: Vec<RoundRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
         .bind(task_id)
@@ -140,7 +175,11 @@ async fn load_one(conn: &mut Conn, round_id: &str) -> Result<RoundRecord, DbErro
 
 impl Db {
     /// Every round and attempt of one tenant's task, in order.
-    pub async fn rounds(&self, tenant_id: &str, task_id: &str) -> Result<Vec<RoundRecord>, DbError> {
+    pub async fn rounds(
+        &self,
+        tenant_id: &str,
+        task_id: &str,
+    ) -> Result<Vec<RoundRecord>, DbError> {
         let mut conn = self.pool().acquire().await?;
         tasks::load(&mut conn, tenant_id, task_id).await?;
         load_for_task(&mut conn, task_id).await
@@ -174,28 +213,58 @@ impl Db {
         }
         let reports = round.reports_received;
         let outcome = if reports >= round.min_reports {
-            let reason = format!("deadline reached with {reports} reports (minimum {})", round.min_reports);
-            close(&mut tx, round_id, RoundState::Collecting, RoundState::Aggregating, &reason, now).await?;
+            let reason = format!(
+                "deadline reached with {reports} reports (minimum {})",
+                round.min_reports
+            );
+            close(
+                &mut tx,
+                round_id,
+                RoundState::Collecting,
+                RoundState::Aggregating,
+                &reason,
+                now,
+            )
+            .await?;
             DeadlineOutcome::Aggregating { reports }
         } else {
             let reason = format!(
                 "deadline reached with {reports} reports, fewer than the minimum {}",
                 round.min_reports
             );
-            close(&mut tx, round_id, RoundState::Collecting, RoundState::Failed, &reason, now).await?;
+            close(
+                &mut tx,
+                round_id,
+                RoundState::Collecting,
+                RoundState::Failed,
+                &reason,
+                now,
+            )
+            .await?;
             let task = tasks::load_any(&mut tx, &round.task_id).await?;
             if task.state != TaskState::Open {
                 DeadlineOutcome::Skipped
             } else if round.attempt < i64::from(task.spec.max_round_attempts) {
                 let next_attempt = round.attempt + 1;
                 open(&mut tx, &task, round.round_number, next_attempt, now).await?;
-                DeadlineOutcome::Retried { reports, next_attempt }
+                DeadlineOutcome::Retried {
+                    reports,
+                    next_attempt,
+                }
             } else {
                 let reason = format!(
                     "round {} failed {} times, the task's max_round_attempts",
                     round.round_number, round.attempt
                 );
-                transition(&mut tx, &task.id, TaskState::Open, TaskState::Failed, &reason, now).await?;
+                transition(
+                    &mut tx,
+                    &task.id,
+                    TaskState::Open,
+                    TaskState::Failed,
+                    &reason,
+                    now,
+                )
+                .await?;
                 DeadlineOutcome::TaskFailed { reports }
             }
         };

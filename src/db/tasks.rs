@@ -49,7 +49,11 @@ fn task_from_row(row: TaskRow) -> Result<TaskRecord, DbError> {
 }
 
 /// Loads a task of one tenant; another tenant's task is reported exactly like a missing one.
-pub(crate) async fn load(conn: &mut Conn, tenant_id: &str, task_id: &str) -> Result<TaskRecord, DbError> {
+pub(crate) async fn load(
+    conn: &mut Conn,
+    tenant_id: &str,
+    task_id: &str,
+) -> Result<TaskRecord, DbError> {
     let sql = format!("SELECT {TASK_COLUMNS} FROM tasks WHERE id = $1 AND tenant_id = $2");
     let row: Option<TaskRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
         .bind(task_id)
@@ -146,8 +150,16 @@ impl Db {
         .bind(now)
         .execute(&mut *tx)
         .await?;
-        history::append(&mut tx, "task", &record.id, None, TaskState::Created.as_str(), "created", now)
-            .await?;
+        history::append(
+            &mut tx,
+            "task",
+            &record.id,
+            None,
+            TaskState::Created.as_str(),
+            "created",
+            now,
+        )
+        .await?;
         tx.commit().await?;
         Ok(record)
     }
@@ -192,8 +204,15 @@ impl Db {
     ) -> Result<TaskRecord, DbError> {
         let mut tx = self.begin_write().await?;
         let task = load(&mut tx, tenant_id, task_id).await?;
-        transition(&mut tx, task_id, task.state, TaskState::Open, "model version 0 uploaded", now)
-            .await?;
+        transition(
+            &mut tx,
+            task_id,
+            task.state,
+            TaskState::Open,
+            "model version 0 uploaded",
+            now,
+        )
+        .await?;
         sqlx::query("UPDATE tasks SET model_version = 0, current_round = 1 WHERE id = $1")
             .bind(task_id)
             .execute(&mut *tx)
@@ -223,12 +242,26 @@ impl Db {
                 found: task.state.as_str().to_string(),
             });
         }
-        transition(&mut tx, task_id, task.state, TaskState::Cancelled, "cancelled by partner", now)
-            .await?;
+        transition(
+            &mut tx,
+            task_id,
+            task.state,
+            TaskState::Cancelled,
+            "cancelled by partner",
+            now,
+        )
+        .await?;
         for round in rounds::load_for_task(&mut tx, task_id).await? {
             if LIVE_ROUND_STATES.contains(&round.state) {
-                rounds::close(&mut tx, &round.id, round.state, RoundState::Failed, "task cancelled", now)
-                    .await?;
+                rounds::close(
+                    &mut tx,
+                    &round.id,
+                    round.state,
+                    RoundState::Failed,
+                    "task cancelled",
+                    now,
+                )
+                .await?;
             }
         }
         let task = load(&mut tx, tenant_id, task_id).await?;

@@ -40,14 +40,24 @@ impl Reply {
 
     /// Asserts a problem+json answer with this status and returns the problem.
     pub fn problem(&self, status: StatusCode) -> Value {
-        assert_eq!(self.status, status, "body: {}", String::from_utf8_lossy(&self.body));
+        assert_eq!(
+            self.status,
+            status,
+            "body: {}",
+            String::from_utf8_lossy(&self.body)
+        );
         assert_eq!(
             self.headers.get(header::CONTENT_TYPE).unwrap(),
             "application/problem+json"
         );
         let problem = self.json();
         assert_eq!(problem["status"], status.as_u16());
-        assert!(problem["type"].as_str().unwrap().starts_with("urn:confed:problem:"));
+        assert!(
+            problem["type"]
+                .as_str()
+                .unwrap()
+                .starts_with("urn:confed:problem:")
+        );
         assert!(!problem["detail"].as_str().unwrap().is_empty());
         problem
     }
@@ -60,7 +70,9 @@ impl TestApp {
 
     pub async fn with(admin: Option<&str>, limits: Limits) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let db = Db::open_sqlite(&dir.path().join("confed.db")).await.unwrap();
+        let db = Db::open_sqlite(&dir.path().join("confed.db"))
+            .await
+            .unwrap();
         let clock = Arc::new(ManualClock::starting_at(START_MILLIS));
         let state = AppState {
             db: db.clone(),
@@ -82,7 +94,12 @@ impl TestApp {
         self.tenant_with(name, 10, 10_000).await
     }
 
-    pub async fn tenant_with(&self, name: &str, max_active_tasks: i64, max_report_goal: i64) -> String {
+    pub async fn tenant_with(
+        &self,
+        name: &str,
+        max_active_tasks: i64,
+        max_report_goal: i64,
+    ) -> String {
         let new = NewTenant {
             name: name.into(),
             max_active_tasks,
@@ -96,11 +113,27 @@ impl TestApp {
         let response = self.router.clone().oneshot(request).await.unwrap();
         let status = response.status();
         let headers = response.headers().clone();
-        let body = response.into_body().collect().await.unwrap().to_bytes().to_vec();
-        Reply { status, headers, body }
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes()
+            .to_vec();
+        Reply {
+            status,
+            headers,
+            body,
+        }
     }
 
-    pub async fn call(&self, method: Method, path: &str, token: Option<&str>, body: Option<Value>) -> Reply {
+    pub async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        token: Option<&str>,
+        body: Option<Value>,
+    ) -> Reply {
         let mut request = Request::builder().method(method).uri(path);
         if let Some(token) = token {
             request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
@@ -127,16 +160,35 @@ impl TestApp {
 
     /// Creates a task from `task_body()` merged with `overrides`; returns its id.
     pub async fn create_task(&self, token: &str, overrides: Value) -> String {
-        let reply = self.call(Method::POST, "/v1/tasks", Some(token), Some(task_body(overrides))).await;
-        assert_eq!(reply.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&reply.body));
+        let reply = self
+            .call(
+                Method::POST,
+                "/v1/tasks",
+                Some(token),
+                Some(task_body(overrides)),
+            )
+            .await;
+        assert_eq!(
+            reply.status,
+            StatusCode::CREATED,
+            "{}",
+            String::from_utf8_lossy(&reply.body)
+        );
         reply.json()["id"].as_str().unwrap().to_string()
     }
 
     /// Creates a task and uploads model version 0, so round 1 is collecting.
     pub async fn open_task(&self, token: &str, overrides: Value) -> String {
         let id = self.create_task(token, overrides).await;
-        let reply = self.put_bytes(&format!("/v1/tasks/{id}/model"), token, model_bytes()).await;
-        assert_eq!(reply.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&reply.body));
+        let reply = self
+            .put_bytes(&format!("/v1/tasks/{id}/model"), token, model_bytes())
+            .await;
+        assert_eq!(
+            reply.status,
+            StatusCode::CREATED,
+            "{}",
+            String::from_utf8_lossy(&reply.body)
+        );
         id
     }
 }

@@ -1,0 +1,187 @@
+//! Operator routes (admin API), health, metrics, OpenAPI and the unknown-route fallback.
+
+mod common;
+
+use axum::http::{Method, StatusCode, header};
+use common::{ADMIN_TOKEN, TestApp};
+use confed::api::Limits;
+use serde_json::json;
+
+#[tokio::test]
+async fn admin_creates_a_tenant_whose_token_works_once_shown() {
+    let app = TestApp::new().await;
+    let reply = app
+        .call(
+            Method::POST,
+            "/v1/admin/tenants",
+            Some(ADMIN_TOKEN),
+            Some(json!({"name": "acme", "max_active_tasks": 3})),
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::CREATED);
+    let created = reply.json();
+    assert_eq!(created["name"], "acme");
+    assert_eq!(created["max_active_tasks"], 3);
+    assert_eq!(created["max_report_goal"], 10_000);
+    let token = created["token"].as_str().unwrap();
+    let tasks = app.call(Method::GET, "/v1/tasks", Some(token), None).await;
+    assert_eq!(tasks.status, StatusCode::OK);
+
+    let list = app
+        .call(Method::GET, "/v1/admin/tenants", Some(ADMIN_TOKEN), None)
+        .await;
+    assert_eq!(list.status, StatusCode::OK);
+    let text = String::from_utf8(list.body.clone()).unwrap();
+    assert!(
+        !text.contains(token),
+        "tenant list must never include tokens"
+    );
+    assert_eq!(list.json()["tenants"][0]["name"], "acme");
+}
+
+#[tokio::test]
+async fn admin_refuses_duplicates_bad_names_and_wrong_tokens() {
+    let app = TestApp::new().await;
+    app.tenant("acme").await;
+    app.call(
+        Method::POST,
+        "/v1/admin/tenants",
+        Some(ADMIN_TOKEN),
+        Some(json!({"name": "acme"})),
+    )
+    .await
+    .problem(StatusCode::CONFLICT);
+    let problem = app
+        .call(
+            Method::POST,
+            "/v1/admin/tenants",
+            Some(ADMIN_TOKEN),
+            Some(json!({"name": "Not Valid", "max_report_goal": 0})),
+        )
+        .await
+        .problem(StatusCode::BAD_REQUEST);
+    assert_eq!(problem["invalid_params"].as_array().unwrap().len(), 2);
+    let tenant_token = app.tenant("other").await;
+    for token in [None, Some("wrong"), Some(tenant_token.as_str())] {
+        app.call(Method::GET, "/v1/admin/tenants", token, None)
+            .await
+            .problem(StatusCode::UNAUTHORIZED);
+        app.call(
+            Method::POST,
+            "/v1/admin/tenants",
+            token,
+            Some(json!({"name": "x"})),
+        )
+        .await
+        .problem(StatusCode::UNAUTHORIZED);
+    }
+}
+
+#[tokio::test]
+async fn admin_api_is_off_without_an_admin_token() {
+    let app = TestApp::with(None, Limits::default()).await;
+    let problem = app
+        .call(Method::GET, "/v1/admin/tenants", Some(ADMIN_TOKEN), None)
+        .await
+        .problem(StatusCode::NOT_FOUND);
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("CONFED_ADMIN_TOKEN")
+    );
+    app.call(
+        Method::POST,
+        "/v1/admin/tenants",
+        Some(ADMIN_TOKEN),
+        Some(json!({"name": "x"})),
+    )
+    .await
+    .problem(StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn healthz_answers_ok() {
+    let app = TestApp::new().await;
+    let reply = app.call(Method::GET, "/healthz", None, None).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.body, b"ok");
+}
+
+#[tokio::test]
+async fn openapi_documents_every_route() {
+    let app = TestApp::new().await;
+    let doc = app
+        .call(Method::GET, "/v1/openapi.json", None, None)
+        .await
+        .json();
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
+    let expected = [
+        ("/v1/tasks", "post"),
+        ("/v1/tasks", "get"),
+        ("/v1/tasks/{id}", "get"),
+        ("/v1/tasks/{id}/cancel", "post"),
+        ("/v1/tasks/{id}/rounds", "get"),
+        ("/v1/tasks/{id}/model", "put"),
+        ("/v1/tasks/{id}/models/{version}", "get"),
+        ("/v1/admin/tenants", "post"),
+        ("/v1/admin/tenants", "get"),
+        ("/healthz", "get"),
+        ("/metrics", "get"),
+    ];
+    for (path, method) in expected {
+        assert!(
+            doc["paths"][path][method].is_object(),
+            "{method} {path} missing from OpenAPI"
+        );
+    }
+    assert!(doc["components"]["schemas"]["CreateTaskRequest"].is_object());
+    assert!(doc["components"]["securitySchemes"]["tenant_token"].is_object());
+}
+
+#[tokio::test]
+async fn metrics_count_requests_per_route_and_tasks_by_state() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    app.create_task(&token, json!({})).await;
+    app.call(Method::GET, "/v1/tasks/missing", Some(&token), None)
+        .await;
+    let reply = app.call(Method::GET, "/metrics", None, None).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert!(
+        reply.headers[header::CONTENT_TYPE]
+            .to_str()
+            .unwrap()
+            .starts_with("text/plain")
+    );
+    let text = String::from_utf8(reply.body).unwrap();
+    assert!(
+        text.contains("http_requests_total{route=\"/v1/tasks\",method=\"POST\",status=\"201\"}"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "http_requests_total{route=\"/v1/tasks/{id}\",method=\"GET\",status=\"404\"}"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("http_request_duration_seconds_bucket{route=\"/v1/tasks\""),
+        "{text}"
+    );
+    assert!(text.contains("confed_tasks{state=\"CREATED\"}"), "{text}");
+    assert!(
+        text.contains("confed_rounds{state=\"COLLECTING\"}"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn unknown_route_is_a_problem_404() {
+    let app = TestApp::new().await;
+    let problem = app
+        .call(Method::GET, "/v2/nothing", None, None)
+        .await
+        .problem(StatusCode::NOT_FOUND);
+    assert!(problem["detail"].as_str().unwrap().contains("/v2/nothing"));
+}

@@ -1,0 +1,234 @@
+//! End to end: the real `confed` binary, started as a process on a loopback port.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdout, Command};
+
+const ADMIN: &str = "process-test-admin-token-0123456789abcdef";
+/// Upper bound for the server to print a line; only reached if something is broken.
+const STARTUP_BOUND: Duration = Duration::from_secs(60);
+
+struct Server {
+    child: Child,
+    lines: Lines<BufReader<ChildStdout>>,
+    url: String,
+    demo_token: Option<String>,
+}
+
+fn confed() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_confed"));
+    command.env("RUST_LOG", "warn").kill_on_drop(true);
+    command
+}
+
+async fn start(data_dir: &Path, extra: &[&str]) -> Server {
+    let mut child = confed()
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(data_dir)
+        .args(extra)
+        .env("CONFED_ADMIN_TOKEN", ADMIN)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut demo_token = None;
+    let url = tokio::time::timeout(STARTUP_BOUND, async {
+        loop {
+            let line = lines
+                .next_line()
+                .await
+                .unwrap()
+                .expect("server exited before serving");
+            if let Some(token) = line.strip_prefix("CONFED_DEMO_TOKEN=") {
+                demo_token = Some(token.to_string());
+            }
+            if let Some(url) = line.strip_prefix("confed: serving on ") {
+                return url.to_string();
+            }
+        }
+    })
+    .await
+    .expect("server did not start");
+    Server {
+        child,
+        lines,
+        url,
+        demo_token,
+    }
+}
+
+async fn terminate(mut server: Server) -> std::process::ExitStatus {
+    let pid = server.child.id().unwrap().to_string();
+    let killed = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .await
+        .unwrap();
+    assert!(killed.success());
+    while let Ok(Some(_)) = server.lines.next_line().await {}
+    tokio::time::timeout(STARTUP_BOUND, server.child.wait())
+        .await
+        .unwrap()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn serve_creates_demo_tenant_once_and_keeps_state_across_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(dir.path(), &[]).await;
+    assert!(server.url.starts_with("http://127.0.0.1:"));
+    let token = server
+        .demo_token
+        .clone()
+        .expect("first start prints the demo token");
+    let http = reqwest::Client::new();
+    let health = http
+        .get(format!("{}/healthz", server.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(health.status(), 200);
+
+    let task = json!({
+        "population": "demo", "rounds": 2, "report_goal": 3,
+        "privacy": {"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0},
+    });
+    let created = http
+        .post(format!("{}/v1/tasks", server.url))
+        .bearer_auth(&token)
+        .json(&task)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(created.status(), 201);
+    let id = created.json::<serde_json::Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let status = terminate(server).await;
+    assert!(status.success(), "graceful shutdown exits 0, got {status}");
+
+    let server = start(dir.path(), &[]).await;
+    assert_eq!(
+        server.demo_token, None,
+        "the demo token is shown only on the first start"
+    );
+    let fetched = http
+        .get(format!("{}/v1/tasks/{id}", server.url))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        fetched.status(),
+        200,
+        "acknowledged task survives a restart"
+    );
+    assert!(terminate(server).await.success());
+}
+
+#[tokio::test]
+async fn plain_http_off_loopback_is_refused_with_a_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = confed()
+        .args(["serve", "--listen", "0.0.0.0:0", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .await
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("not a loopback address") && stderr.contains("--tls-cert"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn tenant_create_prints_only_the_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = confed()
+        .args(["tenant", "create", "acme", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    let lines: Vec<_> = stdout.lines().collect();
+    assert_eq!(lines.len(), 1, "{stdout}");
+    assert!(lines[0].starts_with("cft_"));
+
+    let duplicate = confed()
+        .args(["tenant", "create", "acme", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .await
+        .unwrap();
+    assert!(!duplicate.status.success());
+    assert!(String::from_utf8_lossy(&duplicate.stderr).contains("already exists"));
+
+    let list = confed()
+        .args(["tenant", "list", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .await
+        .unwrap();
+    let listed = String::from_utf8(list.stdout).unwrap();
+    assert!(listed.starts_with("acme\t") && !listed.contains(lines[0]));
+}
+
+#[tokio::test]
+async fn serves_tls_with_operator_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
+    let cert_path = dir.path().join("cert.pem");
+    let key_path = dir.path().join("key.pem");
+    std::fs::write(&cert_path, cert.cert.pem()).unwrap();
+    std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
+    let data = dir.path().join("data");
+    let server = start(
+        &data,
+        &[
+            "--tls-cert",
+            cert_path.to_str().unwrap(),
+            "--tls-key",
+            key_path.to_str().unwrap(),
+        ],
+    )
+    .await;
+    let addr = server
+        .url
+        .strip_prefix("https://")
+        .expect("TLS server announces https");
+
+    let mut roots = tokio_rustls::rustls::RootCertStore::empty();
+    roots.add(cert.cert.der().clone()).unwrap();
+    let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+    let config = tokio_rustls::rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = tokio_rustls::rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let mut tls = connector.connect(name, tcp).await.unwrap();
+    tls.write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut response = String::new();
+    tls.read_to_string(&mut response).await.unwrap();
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    assert!(response.ends_with("ok"), "{response}");
+    assert!(terminate(server).await.success());
+}
