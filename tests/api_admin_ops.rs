@@ -185,3 +185,31 @@ async fn unknown_route_is_a_problem_404() {
         .problem(StatusCode::NOT_FOUND);
     assert!(problem["detail"].as_str().unwrap().contains("/v2/nothing"));
 }
+
+/// A client that never finishes its body gets 408 once the request timeout passes. Time is paused
+/// after setup and tokio advances it by itself while every task waits, so this takes no real time.
+/// The admin route is used because it reads the body without touching the database first.
+#[tokio::test]
+async fn request_that_outlives_the_timeout_is_408() {
+    use axum::body::Body;
+    use axum::http::Request;
+    let limits = Limits {
+        request_timeout: std::time::Duration::from_secs(5),
+        ..Limits::default()
+    };
+    let app = TestApp::with(Some(ADMIN_TOKEN), limits).await;
+    tokio::time::pause();
+    let never_ending = futures_util::stream::pending::<Result<axum::body::Bytes, std::io::Error>>();
+    let request = Request::post("/v1/admin/tenants")
+        .header(header::AUTHORIZATION, format!("Bearer {ADMIN_TOKEN}"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from_stream(never_ending))
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    let reply = app.send(request).await;
+    assert_eq!(reply.status, StatusCode::REQUEST_TIMEOUT);
+    // Tokio timers have millisecond granularity.
+    let elapsed = started.elapsed();
+    assert!(elapsed >= std::time::Duration::from_secs(5), "{elapsed:?}");
+    assert!(elapsed < std::time::Duration::from_secs(6), "{elapsed:?}");
+}
