@@ -4,6 +4,20 @@
 //! This crate depends on neither the front ends nor the enclave, so a key service operator can
 //! review exactly what decides whether its share is released.
 
+pub mod appraise;
+pub mod attester;
+pub mod claims;
+pub mod dev;
+pub mod jwk;
+pub mod jws;
+pub mod keys;
+pub mod policy;
 pub mod report;
 
+pub use appraise::{Appraisal, Expectations, appraise, parse_or_refuse, sha256_hex};
+pub use attester::{AttestError, Attester, ConfidentialSpaceAttester, TokenRequest};
+pub use dev::DevAttester;
+pub use jws::Algorithm;
+pub use keys::{JwksFetcher, KeySource};
+pub use policy::AppraisalPolicy;
 pub use report::{CheckOutcome, CheckResult, VerificationReport};

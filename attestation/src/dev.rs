@@ -1,0 +1,108 @@
+//! The dev attester: mints tokens with the Confidential Space claim structure, signed (ES256) by a
+//! local key that only `policies/dev.toml` trusts. It runs anywhere and PROTECTS NOTHING: whoever
+//! runs it can claim anything. The production policy refuses its tokens (wrong issuer, algorithm,
+//! key and hardware model).
+
+use std::sync::Arc;
+
+use p256::ecdsa::SigningKey;
+use p256::ecdsa::signature::Signer;
+
+use crate::attester::{AttestError, Attester, TokenFuture, TokenRequest};
+use crate::claims::TokenClaims;
+use crate::jwk::{Jwks, p256_public_jwk};
+use crate::jws;
+
+pub const DEV_ISSUER: &str = "urn:confed:dev-attester";
+/// The hardware model dev tokens claim, which no real TEE reports and only the dev policy allows.
+pub const DEV_HWMODEL: &str = "DEV_NO_TEE";
+pub const DEV_KID: &str = "confed-dev-attester";
+
+/// The image digest dev tokens report: SHA-256 of the text `confed-dev-enclave`.
+pub fn dev_image_digest() -> String {
+    format!(
+        "sha256:{}",
+        crate::appraise::sha256_hex(b"confed-dev-enclave")
+    )
+}
+
+/// Unix seconds, injected so tests control token times.
+pub type UnixClock = Arc<dyn Fn() -> i64 + Send + Sync>;
+
+pub struct DevAttester {
+    key: SigningKey,
+    clock: UnixClock,
+}
+
+impl std::fmt::Debug for DevAttester {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DevAttester(NO PROTECTION)")
+    }
+}
+
+/// A fresh random P-256 signing key.
+pub fn generate_signing_key() -> SigningKey {
+    loop {
+        let mut bytes = [0u8; 32];
+        getrandom::fill(&mut bytes).expect("the operating system's random generator failed");
+        if let Ok(key) = SigningKey::from_slice(&bytes) {
+            return key;
+        }
+    }
+}
+
+impl DevAttester {
+    pub fn new(key: SigningKey, clock: UnixClock) -> Self {
+        eprintln!(
+            "WARNING: the confed DEV ATTESTER is in use. Its tokens are signed by a local key and \
+             prove nothing about the code or machine; only the dev policy accepts them. Never use \
+             it with real data."
+        );
+        Self { key, clock }
+    }
+
+    /// The key set the dev policy must trust to accept this attester's tokens.
+    pub fn jwks(&self) -> Jwks {
+        Jwks::from_json(&self.jwks_json().to_string()).expect("own key is a valid JWK")
+    }
+
+    pub fn jwks_json(&self) -> serde_json::Value {
+        serde_json::json!({"keys": [p256_public_jwk(DEV_KID, self.key.verifying_key())]})
+    }
+
+    /// Signs arbitrary claims with the dev key (tests use this to build bad tokens).
+    pub fn sign(&self, claims: &TokenClaims) -> String {
+        sign_es256(&self.key, DEV_KID, claims)
+    }
+
+    pub fn claims_for(&self, request: &TokenRequest) -> TokenClaims {
+        let mut claims = TokenClaims::confidential_space(
+            DEV_ISSUER,
+            &request.audience,
+            request.nonces.clone(),
+            (self.clock)(),
+        );
+        claims.hwmodel = DEV_HWMODEL.into();
+        claims.secboot = false;
+        claims.image_digest = Some(dev_image_digest());
+        claims
+    }
+}
+
+/// An ES256 token over `claims`.
+pub fn sign_es256(key: &SigningKey, kid: &str, claims: &TokenClaims) -> String {
+    let header = serde_json::json!({"alg": "ES256", "kid": kid, "typ": "JWT"});
+    jws::encode(&header, &claims.to_json(), |message| {
+        let signature: p256::ecdsa::Signature = key.sign(message);
+        signature.to_bytes().to_vec()
+    })
+}
+
+impl Attester for DevAttester {
+    fn token<'a>(&'a self, request: &'a TokenRequest) -> TokenFuture<'a> {
+        Box::pin(async move {
+            request.check()?;
+            Ok::<_, AttestError>(self.sign(&self.claims_for(request)))
+        })
+    }
+}
