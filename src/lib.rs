@@ -7,6 +7,8 @@ pub mod auth;
 pub mod blob;
 pub mod clock;
 pub mod db;
+pub mod keys;
+pub mod keyservice;
 pub mod scheduler;
 pub mod server;
 pub mod states;

@@ -32,6 +32,87 @@ enum Command {
         #[command(subcommand)]
         command: TenantCommand,
     },
+    /// Task encryption keys: the generation ceremony.
+    Keys {
+        #[command(subcommand)]
+        command: KeysCommand,
+    },
+    /// Run one key service (one operator's share holder), or check its audit log.
+    #[command(args_conflicts_with_subcommands = true)]
+    Keyservice {
+        #[command(subcommand)]
+        command: Option<KeyserviceCommand>,
+        #[command(flatten)]
+        run: Option<KeyserviceArgs>,
+    },
+}
+
+#[derive(Subcommand)]
+enum KeysCommand {
+    /// Create an HPKE key pair, split its private key into N Shamir shares (any T recover it),
+    /// write one share file per key service and the public key set. The private key is never
+    /// written.
+    Generate {
+        /// Number of key services (N), 2-255.
+        #[arg(long)]
+        shares: u16,
+        /// Shares needed to recover the key (T), 2..=N.
+        #[arg(long)]
+        threshold: u16,
+        /// Directory for the share files and keyset.json.
+        #[arg(long)]
+        out: PathBuf,
+        /// Start of validity (RFC 3339); default now.
+        #[arg(long)]
+        valid_from: Option<String>,
+        /// End of validity (RFC 3339); default 30 days after the start.
+        #[arg(long)]
+        valid_until: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+enum KeyserviceCommand {
+    /// Hash-chained audit log tools.
+    Audit {
+        #[command(subcommand)]
+        command: AuditCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum AuditCommand {
+    /// Verify every record's chain hash; print the head (records, hash) to compare with a copy
+    /// kept elsewhere.
+    Verify { file: PathBuf },
+}
+
+#[derive(Args)]
+struct KeyserviceArgs {
+    /// This key service's id (1-64 of A-Z a-z 0-9 . _ -), bound into signatures and releases.
+    #[arg(long)]
+    id: String,
+    /// Share files this service holds (one per key).
+    #[arg(long = "share", required = true)]
+    shares: Vec<PathBuf>,
+    /// Appraisal policy (TOML), e.g. policies/confidential-space.toml.
+    #[arg(long)]
+    policy: PathBuf,
+    #[arg(long, default_value = "127.0.0.1:8090")]
+    listen: SocketAddr,
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// P-256 key that signs the key set (PKCS#8 PEM); created if missing.
+    #[arg(long)]
+    signing_key: PathBuf,
+    /// Append-only, hash-chained decision log.
+    #[arg(long)]
+    audit_log: PathBuf,
+    /// The `aud` tokens must carry; default `confed-keyservice/<id>`.
+    #[arg(long)]
+    audience: Option<String>,
 }
 
 #[derive(Args)]
@@ -85,7 +166,18 @@ enum TenantCommand {
     },
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            // One readable line (with its causes), not a backtrace: this is what operators see.
+            eprintln!("error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -96,12 +188,14 @@ fn main() -> Result<()> {
         )
         .init();
     // One crypto backend for rustls, chosen explicitly (see docs/architecture.md).
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    confed_enclave::http::install_crypto_provider();
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async {
         match cli.command {
             Command::Serve(args) => serve(args).await,
             Command::Tenant { command } => tenant(command).await,
+            Command::Keys { command } => keys(command),
+            Command::Keyservice { command, run } => keyservice(command, run).await,
         }
     })
 }
@@ -207,5 +301,95 @@ async fn tenant(command: TenantCommand) -> Result<()> {
             db.close().await;
         }
     }
+    Ok(())
+}
+
+fn parse_time(text: Option<&str>, default: i64) -> Result<i64> {
+    match text {
+        None => Ok(default),
+        Some(text) => {
+            let time =
+                time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339)
+                    .with_context(|| {
+                    format!("{text:?} is not an RFC 3339 time like 2027-01-01T00:00:00Z")
+                })?;
+            Ok(time.unix_timestamp())
+        }
+    }
+}
+
+fn keys(command: KeysCommand) -> Result<()> {
+    match command {
+        KeysCommand::Generate {
+            shares,
+            threshold,
+            out,
+            valid_from,
+            valid_until,
+        } => {
+            let now = SystemClock.now_millis() / 1000;
+            let not_before = parse_time(valid_from.as_deref(), now)?;
+            let not_after = parse_time(valid_until.as_deref(), not_before + 30 * 24 * 3600)?;
+            let outcome =
+                confed::keys::ceremony::generate(&confed::keys::ceremony::CeremonyOptions {
+                    shares,
+                    threshold,
+                    out_dir: out,
+                    not_before,
+                    not_after,
+                })?;
+            println!(
+                "key {} ({threshold}-of-{shares}), valid {} to {}",
+                outcome.key.key_id,
+                rfc3339(not_before * 1000),
+                rfc3339(not_after * 1000)
+            );
+            println!("public key set: {}", outcome.key_set_file.display());
+            for path in &outcome.share_files {
+                println!("share: {}", path.display());
+            }
+            eprintln!(
+                "hand each share file to its key service operator over a secure channel, then delete it here"
+            );
+        }
+    }
+    Ok(())
+}
+
+async fn keyservice(command: Option<KeyserviceCommand>, run: Option<KeyserviceArgs>) -> Result<()> {
+    if let Some(KeyserviceCommand::Audit {
+        command: AuditCommand::Verify { file },
+    }) = command
+    {
+        let head = confed::keyservice::audit::verify_file(&file)?;
+        println!(
+            "audit log intact: {} records, head {}",
+            head.records, head.hash
+        );
+        return Ok(());
+    }
+    let Some(args) = run else {
+        bail!(
+            "pass --id, --share, --policy, --signing-key and --audit-log to run a key service, or `audit verify FILE`"
+        );
+    };
+    let tls = match (args.tls_cert, args.tls_key) {
+        (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
+        _ => None,
+    };
+    let audience = args
+        .audience
+        .unwrap_or_else(|| format!("confed-keyservice/{}", args.id));
+    let config = confed::keyservice::serve::KeyServiceConfig {
+        id: args.id,
+        shares: args.shares,
+        policy: args.policy,
+        listen: args.listen,
+        tls,
+        signing_key: args.signing_key,
+        audit_log: args.audit_log,
+        audience,
+    };
+    confed::keyservice::serve::run(config, shutdown_signal()).await?;
     Ok(())
 }

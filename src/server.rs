@@ -113,35 +113,43 @@ pub async fn serve(
     let (stop_tx, stop_rx) = watch::channel(false);
     let scheduler =
         tokio::spawn(Scheduler::new(db.clone(), clock).run(config.scheduler_period, stop_rx));
-    let listener = tokio::net::TcpListener::bind(config.listen)
-        .await
-        .map_err(|source| ServeError::Listen {
-            addr: config.listen,
-            source,
-        })?;
-    let local = listener.local_addr().map_err(ServeError::Serve)?;
-    let scheme = if config.tls.is_some() {
-        "https"
-    } else {
-        "http"
-    };
-    // On stdout so scripts and tests can read the address (port 0 picks a free one).
-    println!("confed: serving on {scheme}://{local}");
-    tracing::info!(%local, scheme, admin_api = config.admin.is_some(), "serving");
-
-    let result = match &config.tls {
-        None => axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown)
-            .await
-            .map_err(ServeError::Serve),
-        Some(tls) => serve_tls(listener, app, tls, shutdown).await,
-    };
+    tracing::info!(admin_api = config.admin.is_some(), data_dir = %config.data_dir.display(), "starting");
+    let result = serve_app(config.listen, config.tls.as_ref(), app, shutdown).await;
     tracing::info!("stopped accepting requests; stopping the scheduler");
     let _ = stop_tx.send(true);
     let _ = scheduler.await;
     db.close().await;
     tracing::info!("shut down cleanly");
     result
+}
+
+/// Binds `listen`, announces the address on stdout, and serves `app` (TLS when `tls` is given)
+/// until `shutdown` completes and in-flight requests have drained.
+pub async fn serve_app(
+    listen: SocketAddr,
+    tls: Option<&TlsFiles>,
+    app: axum::Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    check_listen(listen, tls)?;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|source| ServeError::Listen {
+            addr: listen,
+            source,
+        })?;
+    let local = listener.local_addr().map_err(ServeError::Serve)?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    // On stdout so scripts and tests can read the address (port 0 picks a free one).
+    println!("confed: serving on {scheme}://{local}");
+    tracing::info!(%local, scheme, "serving");
+    match tls {
+        None => axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown)
+            .await
+            .map_err(ServeError::Serve),
+        Some(tls) => serve_tls(listener, app, tls, shutdown).await,
+    }
 }
 
 async fn serve_tls(

@@ -86,7 +86,7 @@ async fn serve_creates_demo_tenant_once_and_keeps_state_across_restarts() {
         .demo_token
         .clone()
         .expect("first start prints the demo token");
-    let http = reqwest::Client::new();
+    let http = confed_enclave::http::client(STARTUP_BOUND);
     let health = http
         .get(format!("{}/healthz", server.url))
         .send()

@@ -40,16 +40,7 @@ impl std::fmt::Debug for DevAttester {
     }
 }
 
-/// A fresh random P-256 signing key.
-pub fn generate_signing_key() -> SigningKey {
-    loop {
-        let mut bytes = [0u8; 32];
-        getrandom::fill(&mut bytes).expect("the operating system's random generator failed");
-        if let Ok(key) = SigningKey::from_slice(&bytes) {
-            return key;
-        }
-    }
-}
+pub use crate::exchange::generate_signing_key;
 
 impl DevAttester {
     pub fn new(key: SigningKey, clock: UnixClock) -> Self {

@@ -8,6 +8,7 @@ pub mod appraise;
 pub mod attester;
 pub mod claims;
 pub mod dev;
+pub mod exchange;
 pub mod jwk;
 pub mod jws;
 pub mod keys;

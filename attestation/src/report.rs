@@ -42,6 +42,11 @@ impl VerificationReport {
         });
     }
 
+    /// Appends every result of another report (e.g. token checks after the verifier's own).
+    pub fn extend(&mut self, other: VerificationReport) {
+        self.results.extend(other.results);
+    }
+
     /// The collapsed decision: true only if at least one check ran and every check passed.
     pub fn passed(&self) -> bool {
         !self.results.is_empty()

@@ -1,6 +1,12 @@
 //! The TEE workload of confed. Only this crate ever holds a reassembled private key, a plaintext
 //! update or an un-noised sum. It never depends on the untrusted front ends (the root package).
+//! It also defines the cryptographic formats the front ends produce for it (HPKE use, shares,
+//! models), so both sides share one definition.
 
+pub mod hpke;
+pub mod http;
+pub mod key_collection;
 pub mod model;
+pub mod shares;
 
 pub use model::{ModelError, ModelSchema, TensorSpec};

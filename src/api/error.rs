@@ -23,7 +23,12 @@ pub enum ApiError {
     #[error("{0}")]
     Unauthorized(&'static str),
     #[error("{0}")]
-    Forbidden(String),
+    QuotaExceeded(String),
+    #[error("{detail}")]
+    AttestationRefused {
+        detail: String,
+        failed_checks: Vec<FailedCheck>,
+    },
     #[error("{0}")]
     NotFound(String),
     #[error("{0}")]
@@ -32,6 +37,8 @@ pub enum ApiError {
     PayloadTooLarge(String),
     #[error("{0}")]
     UnsupportedMediaType(String),
+    #[error("{0}")]
+    Unavailable(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -47,6 +54,16 @@ pub struct Problem {
     pub detail: String,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub invalid_params: Vec<InvalidParam>,
+    /// For an attestation refusal: every appraisal check that failed, and why.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub failed_checks: Vec<FailedCheck>,
+}
+
+/// One failed appraisal check (RFC 7807 extension member `failed_checks`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize, ToSchema)]
+pub struct FailedCheck {
+    pub check: String,
+    pub reason: String,
 }
 
 impl ApiError {
@@ -59,7 +76,12 @@ impl ApiError {
                 "Invalid request",
             ),
             Self::Unauthorized(_) => (StatusCode::UNAUTHORIZED, "unauthorized", "Unauthorized"),
-            Self::Forbidden(_) => (StatusCode::FORBIDDEN, "quota-exceeded", "Quota exceeded"),
+            Self::QuotaExceeded(_) => (StatusCode::FORBIDDEN, "quota-exceeded", "Quota exceeded"),
+            Self::AttestationRefused { .. } => (
+                StatusCode::FORBIDDEN,
+                "attestation-refused",
+                "Attestation refused",
+            ),
             Self::NotFound(_) => (StatusCode::NOT_FOUND, "not-found", "Not found"),
             Self::Conflict(_) => (StatusCode::CONFLICT, "conflict", "Conflict"),
             Self::PayloadTooLarge(_) => (
@@ -71,6 +93,11 @@ impl ApiError {
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 "unsupported-media-type",
                 "Unsupported media type",
+            ),
+            Self::Unavailable(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "Unavailable",
             ),
             Self::Internal(_) => (
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -106,8 +133,12 @@ impl IntoResponse for ApiError {
             title: title.to_string(),
             status: status.as_u16(),
             detail,
-            invalid_params: match self {
-                Self::InvalidFields(params) => params,
+            invalid_params: match &self {
+                Self::InvalidFields(params) => params.clone(),
+                _ => Vec::new(),
+            },
+            failed_checks: match self {
+                Self::AttestationRefused { failed_checks, .. } => failed_checks,
                 _ => Vec::new(),
             },
         };
@@ -128,7 +159,7 @@ impl From<DbError> for ApiError {
             e @ (DbError::StateConflict { .. }
             | DbError::IllegalTransition { .. }
             | DbError::AlreadyExists(_)) => Self::Conflict(e.to_string()),
-            e @ DbError::QuotaExceeded { .. } => Self::Forbidden(e.to_string()),
+            e @ DbError::QuotaExceeded { .. } => Self::QuotaExceeded(e.to_string()),
             other => Self::Internal(other.to_string()),
         }
     }

@@ -1,0 +1,189 @@
+//! The messages of the key-release exchange between an enclave (attester) and a key service
+//! (verifier and relying party), and the key-set signatures devices check. JSON on the wire; binary
+//! values are unpadded base64url; times are Unix seconds. See `docs/protocol.md`.
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use p256::ecdsa::signature::{Signer, Verifier};
+use p256::ecdsa::{Signature, SigningKey, VerifyingKey};
+use serde::{Deserialize, Serialize};
+
+/// `POST /v1/keys/{key_id}/challenge` answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Challenge {
+    /// 32 random bytes, base64url: put it in the token's `eat_nonce`.
+    pub nonce: String,
+    /// Unix seconds after which the nonce is refused.
+    pub expires_at: i64,
+    /// The audience this key service requires in the token's `aud`.
+    pub audience: String,
+}
+
+/// `POST /v1/keys/{key_id}/release` body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseRequest {
+    /// The attestation token (compact JWS).
+    pub token: String,
+    /// The enclave's ephemeral X25519 public key (32 bytes, base64url); its SHA-256 (lowercase hex)
+    /// must be in the token's `eat_nonce`.
+    pub ephemeral_public_key: String,
+    /// The nonce from the challenge.
+    pub nonce: String,
+    pub task_id: String,
+    pub round: u64,
+}
+
+/// `POST /v1/keys/{key_id}/release` answer: the share, HPKE-sealed to the ephemeral key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseResponse {
+    pub keyservice_id: String,
+    pub key_id: String,
+    /// HPKE encapsulated key, base64url.
+    pub encapsulated_key: String,
+    /// HPKE ciphertext of the share (`x || y`), base64url. `info` is
+    /// `share_release_info(keyservice_id, key_id, task_id, round)`, `aad` the nonce's UTF-8 bytes.
+    pub ciphertext: String,
+}
+
+/// One public key as a key service vouches for it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SignedPublicKey {
+    pub key_id: String,
+    pub suite: String,
+    /// X25519 public key, base64url.
+    pub public_key: String,
+    pub not_before: i64,
+    pub not_after: i64,
+    pub threshold: u16,
+    pub shares: u16,
+    /// `pending`, `active` or `expired` at the time of the answer (not signed).
+    pub state: String,
+    /// ECDSA P-256 / SHA-256 over `signed_message`, 64 bytes r||s, base64url.
+    pub signature: String,
+}
+
+/// `GET /v1/keys` answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeySet {
+    pub keyservice_id: String,
+    /// This key service's P-256 verifying key: SEC1 uncompressed point (65 bytes), base64url.
+    pub verifying_key: String,
+    pub keys: Vec<SignedPublicKey>,
+}
+
+/// A fresh random P-256 signing key from the operating system's generator.
+pub fn generate_signing_key() -> SigningKey {
+    loop {
+        let mut bytes = [0u8; 32];
+        getrandom::fill(&mut bytes).expect("the operating system's random generator failed");
+        // Fails only for the zero scalar or one at least the group order: draw again.
+        if let Ok(key) = SigningKey::from_slice(&bytes) {
+            return key;
+        }
+    }
+}
+
+/// The bytes a key service signs for one key: fields joined by `|` after a version label. Ids are
+/// restricted to `A-Z a-z 0-9 . _ -`, so the encoding is unambiguous.
+pub fn signed_message(keyservice_id: &str, key: &SignedPublicKey) -> Vec<u8> {
+    format!(
+        "confed-keyset-v1|{keyservice_id}|{}|{}|{}|{}|{}|{}|{}",
+        key.key_id,
+        key.suite,
+        key.public_key,
+        key.not_before,
+        key.not_after,
+        key.threshold,
+        key.shares
+    )
+    .into_bytes()
+}
+
+/// Signs a key entry (fills `signature`).
+pub fn sign_key(signing_key: &SigningKey, keyservice_id: &str, key: &mut SignedPublicKey) {
+    let signature: Signature = signing_key.sign(&signed_message(keyservice_id, key));
+    key.signature = URL_SAFE_NO_PAD.encode(signature.to_bytes());
+}
+
+/// Whether `key` carries a valid signature of the key service `keyservice_id` with `verifying_key`.
+pub fn verify_key(
+    verifying_key: &VerifyingKey,
+    keyservice_id: &str,
+    key: &SignedPublicKey,
+) -> bool {
+    let Ok(bytes) = URL_SAFE_NO_PAD.decode(&key.signature) else {
+        return false;
+    };
+    let Ok(signature) = Signature::from_slice(&bytes) else {
+        return false;
+    };
+    verifying_key
+        .verify(&signed_message(keyservice_id, key), &signature)
+        .is_ok()
+}
+
+/// Encodes a verifying key as published in `KeySet::verifying_key`.
+pub fn encode_verifying_key(key: &VerifyingKey) -> String {
+    URL_SAFE_NO_PAD.encode(key.to_sec1_point(false).as_bytes())
+}
+
+pub fn decode_verifying_key(text: &str) -> Option<VerifyingKey> {
+    let bytes = URL_SAFE_NO_PAD.decode(text).ok()?;
+    VerifyingKey::from_sec1_bytes(&bytes).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry() -> SignedPublicKey {
+        SignedPublicKey {
+            key_id: "k1".into(),
+            suite: "S".into(),
+            public_key: "cGs".into(),
+            not_before: 10,
+            not_after: 20,
+            threshold: 3,
+            shares: 5,
+            state: "active".into(),
+            signature: String::new(),
+        }
+    }
+
+    #[test]
+    fn signature_covers_every_field_but_state() {
+        let key = crate::dev::generate_signing_key();
+        let mut signed = entry();
+        sign_key(&key, "ks1", &mut signed);
+        let verifying = decode_verifying_key(&encode_verifying_key(key.verifying_key())).unwrap();
+        assert!(verify_key(&verifying, "ks1", &signed));
+        assert!(
+            !verify_key(&verifying, "ks2", &signed),
+            "bound to the key service id"
+        );
+        let mut changed = signed.clone();
+        changed.state = "expired".into();
+        assert!(
+            verify_key(&verifying, "ks1", &changed),
+            "state is informative, not signed"
+        );
+        for tamper in [
+            |k: &mut SignedPublicKey| k.public_key = "b3RoZXI".into(),
+            |k: &mut SignedPublicKey| k.not_after = 99,
+            |k: &mut SignedPublicKey| k.threshold = 1,
+            |k: &mut SignedPublicKey| k.key_id = "k2".into(),
+        ] {
+            let mut bad = signed.clone();
+            tamper(&mut bad);
+            assert!(!verify_key(&verifying, "ks1", &bad));
+        }
+        let mut garbage = signed;
+        garbage.signature = "!!".into();
+        assert!(!verify_key(&verifying, "ks1", &garbage));
+    }
+}

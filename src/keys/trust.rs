@@ -1,0 +1,77 @@
+//! The device side of key-set trust: accept a public key only when at least T key services, among
+//! those the device was configured to trust, have signed the same key entry.
+
+use confed_attestation::exchange::{KeySet, SignedPublicKey, decode_verifying_key, verify_key};
+use p256::ecdsa::VerifyingKey;
+use thiserror::Error;
+
+use super::KeyState;
+
+/// A key service a device trusts: its id and P-256 verifying key.
+#[derive(Debug, Clone)]
+pub struct TrustedKeyService {
+    pub id: String,
+    pub verifying_key: VerifyingKey,
+}
+
+impl TrustedKeyService {
+    /// From the id and the base64url SEC1 point a key service publishes.
+    pub fn new(id: &str, verifying_key: &str) -> Option<Self> {
+        Some(Self {
+            id: id.to_string(),
+            verifying_key: decode_verifying_key(verifying_key)?,
+        })
+    }
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum TrustError {
+    #[error(
+        "no active key is signed by {threshold} trusted key services (best: {best} signatures)"
+    )]
+    NotEnoughSignatures { threshold: usize, best: usize },
+}
+
+/// The active key (latest `not_before` first) that at least `threshold` trusted key services signed
+/// identically. Key sets from unknown key services and bad signatures are ignored.
+pub fn accept_public_key(
+    key_sets: &[KeySet],
+    trusted: &[TrustedKeyService],
+    threshold: usize,
+    now: i64,
+) -> Result<SignedPublicKey, TrustError> {
+    let mut candidates: Vec<(SignedPublicKey, Vec<&str>)> = Vec::new();
+    for set in key_sets {
+        let Some(service) = trusted.iter().find(|t| t.id == set.keyservice_id) else {
+            continue;
+        };
+        for key in &set.keys {
+            if KeyState::at(key.not_before, key.not_after, now) != KeyState::Active
+                || !verify_key(&service.verifying_key, &service.id, key)
+            {
+                continue;
+            }
+            let same = |c: &SignedPublicKey| {
+                c.key_id == key.key_id
+                    && c.public_key == key.public_key
+                    && c.suite == key.suite
+                    && (c.not_before, c.not_after, c.threshold, c.shares)
+                        == (key.not_before, key.not_after, key.threshold, key.shares)
+            };
+            match candidates.iter_mut().find(|(c, _)| same(c)) {
+                Some((_, signers)) if !signers.contains(&service.id.as_str()) => {
+                    signers.push(&service.id)
+                }
+                Some(_) => {}
+                None => candidates.push((key.clone(), vec![&service.id])),
+            }
+        }
+    }
+    let best = candidates.iter().map(|(_, s)| s.len()).max().unwrap_or(0);
+    candidates
+        .into_iter()
+        .filter(|(_, signers)| signers.len() >= threshold)
+        .max_by_key(|(key, _)| key.not_before)
+        .map(|(key, _)| key)
+        .ok_or(TrustError::NotEnoughSignatures { threshold, best })
+}

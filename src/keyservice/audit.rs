@@ -1,0 +1,307 @@
+//! The key service's audit log: one JSON line per release decision, hash-chained (each record
+//! carries the SHA-256 of the previous one), fsync'd before the decision is answered. A modified,
+//! reordered or deleted record breaks the chain; a truncated tail is detected by comparing the head
+//! (`seq`, `hash`) with one kept elsewhere (the service logs the head after every append).
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use thiserror::Error;
+
+pub const GENESIS_HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+
+#[derive(Debug, Error)]
+pub enum AuditError {
+    #[error("audit log {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("audit log {path} is broken at line {line}: {reason}")]
+    Broken {
+        path: PathBuf,
+        line: usize,
+        reason: String,
+    },
+}
+
+/// What a release decision records.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Decision {
+    /// Unix seconds.
+    pub at: i64,
+    pub keyservice_id: String,
+    pub key_id: String,
+    /// `granted` or `refused`.
+    pub decision: String,
+    pub reason: String,
+    pub failed_checks: Vec<String>,
+    pub token_sha256: String,
+    pub image_digest: Option<String>,
+    pub nonce: String,
+    pub task_id: String,
+    pub round: u64,
+    pub policy: String,
+}
+
+/// A chained record as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Record {
+    pub seq: u64,
+    pub prev_hash: String,
+    #[serde(flatten)]
+    pub decision: Decision,
+    pub hash: String,
+}
+
+/// The chain hash of a record: SHA-256 over its JSON without `hash` (fields in declaration order).
+fn chain_hash(seq: u64, prev_hash: &str, decision: &Decision) -> String {
+    #[derive(Serialize)]
+    struct Unhashed<'a> {
+        seq: u64,
+        prev_hash: &'a str,
+        #[serde(flatten)]
+        decision: &'a Decision,
+    }
+    let bytes = serde_json::to_vec(&Unhashed {
+        seq,
+        prev_hash,
+        decision,
+    })
+    .expect("audit records serialize");
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The end of a verified chain.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Head {
+    pub records: u64,
+    pub hash: String,
+}
+
+/// Checks every record of a log file; returns its head.
+pub fn verify_file(path: &Path) -> Result<Head, AuditError> {
+    let io = |source| AuditError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = match File::open(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Ok(Head {
+                records: 0,
+                hash: GENESIS_HASH.into(),
+            });
+        }
+        Err(e) => return Err(io(e)),
+    };
+    let mut head = Head {
+        records: 0,
+        hash: GENESIS_HASH.into(),
+    };
+    for (index, line) in BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(io)?;
+        let broken = |reason: String| AuditError::Broken {
+            path: path.to_path_buf(),
+            line: index + 1,
+            reason,
+        };
+        let record: Record =
+            serde_json::from_str(&line).map_err(|e| broken(format!("not a record: {e}")))?;
+        if record.seq != head.records {
+            return Err(broken(format!(
+                "sequence {} where {} was expected (a record was deleted or moved)",
+                record.seq, head.records
+            )));
+        }
+        if record.prev_hash != head.hash {
+            return Err(broken(
+                "prev_hash does not match the previous record".into(),
+            ));
+        }
+        if chain_hash(record.seq, &record.prev_hash, &record.decision) != record.hash {
+            return Err(broken(
+                "hash does not match the record's content (modified)".into(),
+            ));
+        }
+        head = Head {
+            records: head.records + 1,
+            hash: record.hash,
+        };
+    }
+    Ok(head)
+}
+
+/// An open log, positioned after its verified head.
+#[derive(Debug)]
+pub struct AuditLog {
+    path: PathBuf,
+    file: File,
+    head: Head,
+}
+
+impl AuditLog {
+    /// Opens (creating) a log; refuses one whose chain is broken.
+    pub fn open(path: &Path) -> Result<Self, AuditError> {
+        let head = verify_file(path)?;
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|source| AuditError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+            head,
+        })
+    }
+
+    pub fn head(&self) -> &Head {
+        &self.head
+    }
+
+    /// Appends a decision durably (fsync) and returns its record.
+    pub fn append(&mut self, decision: Decision) -> Result<Record, AuditError> {
+        let seq = self.head.records;
+        let hash = chain_hash(seq, &self.head.hash, &decision);
+        let record = Record {
+            seq,
+            prev_hash: self.head.hash.clone(),
+            decision,
+            hash: hash.clone(),
+        };
+        let mut line = serde_json::to_vec(&record).expect("audit records serialize");
+        line.push(b'\n');
+        self.file
+            .write_all(&line)
+            .and_then(|_| self.file.sync_data())
+            .map_err(|source| AuditError::Io {
+                path: self.path.clone(),
+                source,
+            })?;
+        self.head = Head {
+            records: seq + 1,
+            hash,
+        };
+        Ok(record)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decision(n: u64) -> Decision {
+        Decision {
+            at: 1000 + n as i64,
+            keyservice_id: "ks1".into(),
+            key_id: "k1".into(),
+            decision: if n.is_multiple_of(2) {
+                "granted"
+            } else {
+                "refused"
+            }
+            .into(),
+            reason: format!("case {n}"),
+            failed_checks: vec![],
+            token_sha256: "ab".into(),
+            image_digest: Some("sha256:00".into()),
+            nonce: format!("nonce-{n}"),
+            task_id: "t".into(),
+            round: n,
+            policy: "dev".into(),
+        }
+    }
+
+    fn log_with(records: u64) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let mut log = AuditLog::open(&path).unwrap();
+        for n in 0..records {
+            log.append(decision(n)).unwrap();
+        }
+        (dir, path)
+    }
+
+    fn lines(path: &Path) -> Vec<String> {
+        std::fs::read_to_string(path)
+            .unwrap()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+
+    fn write_lines(path: &Path, lines: &[String]) {
+        std::fs::write(path, lines.join("\n") + "\n").unwrap();
+    }
+
+    #[test]
+    fn intact_log_verifies_and_reopens_at_its_head() {
+        let (_dir, path) = log_with(4);
+        let head = verify_file(&path).unwrap();
+        assert_eq!(head.records, 4);
+        let mut log = AuditLog::open(&path).unwrap();
+        assert_eq!(log.head(), &head);
+        log.append(decision(4)).unwrap();
+        assert_eq!(verify_file(&path).unwrap().records, 5);
+    }
+
+    #[test]
+    fn modified_record_is_detected() {
+        let (_dir, path) = log_with(4);
+        let mut content = lines(&path);
+        content[1] = content[1].replace("\"refused\"", "\"granted\"");
+        write_lines(&path, &content);
+        let error = verify_file(&path).unwrap_err();
+        assert!(
+            matches!(error, AuditError::Broken { line: 2, .. }),
+            "{error}"
+        );
+        assert!(
+            AuditLog::open(&path).is_err(),
+            "a broken log is not appended to"
+        );
+    }
+
+    #[test]
+    fn deleted_record_is_detected() {
+        let (_dir, path) = log_with(4);
+        let mut content = lines(&path);
+        content.remove(1);
+        write_lines(&path, &content);
+        let error = verify_file(&path).unwrap_err();
+        assert!(
+            matches!(error, AuditError::Broken { line: 2, .. }),
+            "{error}"
+        );
+        assert!(error.to_string().contains("deleted"));
+    }
+
+    #[test]
+    fn rehashed_forgery_still_breaks_the_chain_to_the_next_record() {
+        let (_dir, path) = log_with(3);
+        let mut content = lines(&path);
+        let mut record: Record = serde_json::from_str(&content[0]).unwrap();
+        record.decision.decision = "granted".into();
+        record.decision.reason = "forged".into();
+        record.hash = chain_hash(record.seq, &record.prev_hash, &record.decision);
+        content[0] = serde_json::to_string(&record).unwrap();
+        write_lines(&path, &content);
+        assert!(matches!(
+            verify_file(&path),
+            Err(AuditError::Broken { line: 2, .. })
+        ));
+    }
+}

@@ -1,0 +1,166 @@
+//! A key service: one operator's process holding one Shamir share of each task key. It vouches for
+//! the public keys (signed key set), challenges enclaves with nonces, appraises their attestation
+//! against its own policy and releases its share, HPKE-sealed to the enclave's ephemeral key, only
+//! when every check passes. Every decision goes to a hash-chained audit log first.
+
+pub mod audit;
+pub mod fetcher;
+pub mod nonces;
+pub mod routes;
+pub mod serve;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use confed_attestation::jwk::Jwks;
+use confed_attestation::{AppraisalPolicy, KeySource};
+use p256::ecdsa::SigningKey;
+use p256::pkcs8::{DecodePrivateKey, EncodePrivateKey, LineEnding};
+use thiserror::Error;
+
+use crate::clock::Clock;
+use crate::keys::{HeldShare, KeyError, ShareFile, valid_id};
+
+/// Shares stay releasable this long after their key expires, so rounds that collected under a key
+/// shortly before its expiry can still be aggregated (longer than the longest round deadline).
+pub const DEFAULT_RELEASE_GRACE_SECONDS: i64 = 8 * 24 * 3600;
+
+#[derive(Debug, Error)]
+pub enum KeyServiceError {
+    #[error("key service id {0:?} must be 1-64 of A-Z a-z 0-9 . _ -")]
+    BadId(String),
+    #[error(transparent)]
+    Key(#[from] KeyError),
+    #[error("two share files hold key {0}; give each key once")]
+    DuplicateKey(String),
+    #[error("no share files given: pass --share FILE for each key this service holds")]
+    NoShares,
+    #[error(transparent)]
+    Policy(#[from] confed_attestation::policy::PolicyError),
+    #[error("cannot load the policy's key set {path}: {reason}")]
+    Jwks { path: String, reason: String },
+    #[error("signing key {path}: {reason}")]
+    SigningKey { path: String, reason: String },
+    #[error(transparent)]
+    Audit(#[from] audit::AuditError),
+}
+
+/// Everything the routes share.
+#[derive(Debug, Clone)]
+pub struct KeyService {
+    pub id: String,
+    pub audience: String,
+    pub signing_key: Arc<SigningKey>,
+    pub shares: Arc<BTreeMap<String, HeldShare>>,
+    pub policy: Arc<AppraisalPolicy>,
+    pub key_source: KeySource,
+    pub nonces: Arc<Mutex<nonces::NonceStore>>,
+    pub audit: Arc<Mutex<audit::AuditLog>>,
+    pub clock: Arc<dyn Clock>,
+    pub release_grace_seconds: i64,
+}
+
+/// What a key service is built from (files and settings, no network).
+pub struct KeyServiceParts {
+    pub id: String,
+    pub audience: String,
+    pub signing_key: SigningKey,
+    pub shares: Vec<HeldShare>,
+    pub policy: AppraisalPolicy,
+    pub key_source: KeySource,
+    pub audit_log: PathBuf,
+    pub clock: Arc<dyn Clock>,
+}
+
+impl KeyService {
+    pub fn new(parts: KeyServiceParts) -> Result<Self, KeyServiceError> {
+        if !valid_id(&parts.id) {
+            return Err(KeyServiceError::BadId(parts.id));
+        }
+        if parts.shares.is_empty() {
+            return Err(KeyServiceError::NoShares);
+        }
+        let mut shares = BTreeMap::new();
+        for share in parts.shares {
+            let key_id = share.key.key_id.clone();
+            if shares.insert(key_id.clone(), share).is_some() {
+                return Err(KeyServiceError::DuplicateKey(key_id));
+            }
+        }
+        let audit = audit::AuditLog::open(&parts.audit_log)?;
+        tracing::info!(
+            keyservice = %parts.id,
+            records = audit.head().records,
+            head = %audit.head().hash,
+            "audit log verified"
+        );
+        Ok(Self {
+            id: parts.id,
+            audience: parts.audience,
+            signing_key: Arc::new(parts.signing_key),
+            shares: Arc::new(shares),
+            policy: Arc::new(parts.policy),
+            key_source: parts.key_source,
+            nonces: Arc::default(),
+            audit: Arc::new(Mutex::new(audit)),
+            clock: parts.clock,
+            release_grace_seconds: DEFAULT_RELEASE_GRACE_SECONDS,
+        })
+    }
+
+    pub fn now_seconds(&self) -> i64 {
+        self.clock.now_millis().div_euclid(1000)
+    }
+}
+
+/// Loads share files.
+pub fn load_shares(paths: &[PathBuf]) -> Result<Vec<HeldShare>, KeyServiceError> {
+    paths
+        .iter()
+        .map(|p| ShareFile::load(p).map_err(Into::into))
+        .collect()
+}
+
+/// The policy's key source: its JWKS file, or its discovery URL fetched over HTTPS.
+pub fn key_source_for(policy: &AppraisalPolicy) -> Result<KeySource, KeyServiceError> {
+    if let Some(path) = &policy.token.jwks_file {
+        let jwks_error = |reason: String| KeyServiceError::Jwks {
+            path: path.display().to_string(),
+            reason,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| jwks_error(e.to_string()))?;
+        let jwks = Jwks::from_json(&text).map_err(|e| jwks_error(e.to_string()))?;
+        return Ok(KeySource::fixed(jwks));
+    }
+    let url = policy.token.discovery_url.clone().unwrap_or_default();
+    let fetcher = fetcher::HttpJwksFetcher::new().map_err(|reason| KeyServiceError::Jwks {
+        path: url.clone(),
+        reason,
+    })?;
+    Ok(KeySource::discovery(url, Arc::new(fetcher)))
+}
+
+/// Loads the service's P-256 signing key (PKCS#8 PEM), creating it (mode 0600) if missing.
+pub fn load_or_create_signing_key(path: &Path) -> Result<SigningKey, KeyServiceError> {
+    let error = |reason: String| KeyServiceError::SigningKey {
+        path: path.display().to_string(),
+        reason,
+    };
+    match std::fs::read_to_string(path) {
+        Ok(pem) => {
+            let pem = zeroize::Zeroizing::new(pem);
+            SigningKey::from_pkcs8_pem(&pem).map_err(|e| error(e.to_string()))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let key = confed_attestation::exchange::generate_signing_key();
+            let pem = key
+                .to_pkcs8_pem(LineEnding::LF)
+                .map_err(|e| error(e.to_string()))?;
+            crate::keys::files::write_new(path, pem.as_bytes(), true)?;
+            tracing::info!(path = %path.display(), "created a new key-set signing key");
+            Ok(key)
+        }
+        Err(e) => Err(error(e.to_string())),
+    }
+}

@@ -1,0 +1,243 @@
+//! Key service routes: the signed key set, challenges, and share release.
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use confed_attestation::exchange::{
+    Challenge, KeySet, ReleaseRequest, ReleaseResponse, SignedPublicKey, encode_verifying_key,
+    sign_key,
+};
+use confed_attestation::{Expectations, VerificationReport, appraise, parse_or_refuse, sha256_hex};
+use confed_enclave::hpke;
+
+use super::KeyService;
+use super::audit::Decision;
+use crate::api::error::{ApiError, FailedCheck};
+use crate::api::extract::{ApiJson, ApiPath};
+use crate::keys::{KeyState, valid_id};
+
+pub fn router(service: KeyService) -> axum::Router {
+    axum::Router::new()
+        .route("/v1/keys", axum::routing::get(key_set))
+        .route(
+            "/v1/keys/{key_id}/challenge",
+            axum::routing::post(challenge),
+        )
+        .route("/v1/keys/{key_id}/release", axum::routing::post(release))
+        .route("/healthz", axum::routing::get(|| async { "ok" }))
+        .fallback(|| async { ApiError::NotFound("no such route on this key service".into()) })
+        .layer(axum::extract::DefaultBodyLimit::max(64 * 1024))
+        .with_state(service)
+}
+
+/// `GET /v1/keys`: every key this service holds a share of, signed by this service.
+async fn key_set(State(service): State<KeyService>) -> Json<KeySet> {
+    let now = service.now_seconds();
+    let keys = service
+        .shares
+        .values()
+        .map(|held| {
+            let key = &held.key;
+            let mut entry = SignedPublicKey {
+                key_id: key.key_id.clone(),
+                suite: key.suite.clone(),
+                public_key: key.public_key.clone(),
+                not_before: key.not_before,
+                not_after: key.not_after,
+                threshold: key.threshold,
+                shares: key.shares,
+                state: KeyState::at(key.not_before, key.not_after, now)
+                    .as_str()
+                    .into(),
+                signature: String::new(),
+            };
+            sign_key(&service.signing_key, &service.id, &mut entry);
+            entry
+        })
+        .collect();
+    Json(KeySet {
+        keyservice_id: service.id.clone(),
+        verifying_key: encode_verifying_key(service.signing_key.verifying_key()),
+        keys,
+    })
+}
+
+/// `POST /v1/keys/{key_id}/challenge`: a fresh single-use nonce for this key.
+async fn challenge(
+    State(service): State<KeyService>,
+    ApiPath(key_id): ApiPath<String>,
+) -> Result<(StatusCode, Json<Challenge>), ApiError> {
+    if !service.shares.contains_key(&key_id) {
+        return Err(unknown_key(&key_id));
+    }
+    let now = service.now_seconds();
+    let issued = service
+        .nonces
+        .lock()
+        .map_err(|_| ApiError::Internal("nonce store poisoned".into()))?
+        .issue(&key_id, now);
+    let (nonce, expires_at) = issued.ok_or_else(|| {
+        ApiError::Unavailable("too many outstanding challenges; retry in a minute".into())
+    })?;
+    Ok((
+        StatusCode::CREATED,
+        Json(Challenge {
+            nonce,
+            expires_at,
+            audience: service.audience.clone(),
+        }),
+    ))
+}
+
+fn unknown_key(key_id: &str) -> ApiError {
+    ApiError::NotFound(format!("this key service holds no share of key {key_id:?}"))
+}
+
+/// `POST /v1/keys/{key_id}/release`: appraise the evidence; release the sealed share or refuse,
+/// naming every failed check. The decision is in the audit log before the answer leaves.
+async fn release(
+    State(service): State<KeyService>,
+    ApiPath(key_id): ApiPath<String>,
+    ApiJson(request): ApiJson<ReleaseRequest>,
+) -> Result<Json<ReleaseResponse>, ApiError> {
+    let held = service
+        .shares
+        .get(&key_id)
+        .ok_or_else(|| unknown_key(&key_id))?;
+    let ephemeral = URL_SAFE_NO_PAD
+        .decode(&request.ephemeral_public_key)
+        .ok()
+        .and_then(|bytes| hpke::PublicKey::from_bytes(&bytes).ok())
+        .ok_or_else(|| {
+            ApiError::BadRequest(
+                "`ephemeral_public_key` must be a 32-byte X25519 public key in base64url".into(),
+            )
+        })?;
+    if !valid_id(&request.task_id) {
+        return Err(ApiError::BadRequest(
+            "`task_id` must be 1-64 of A-Z a-z 0-9 . _ -".into(),
+        ));
+    }
+    let now = service.now_seconds();
+
+    let mut report = VerificationReport::new();
+    let nonce_outcome = service
+        .nonces
+        .lock()
+        .map_err(|_| ApiError::Internal("nonce store poisoned".into()))?
+        .consume(&request.nonce, &key_id, now);
+    report.record(
+        "challenge_nonce",
+        nonce_outcome.map_err(|p| p.reason().to_string()),
+    );
+    let key = &held.key;
+    report.record(
+        "key_state",
+        match KeyState::at(key.not_before, key.not_after, now) {
+            KeyState::Pending => Err(format!(
+                "key {key_id} is not valid before {}",
+                key.not_before
+            )),
+            KeyState::Expired if now >= key.not_after + service.release_grace_seconds => {
+                Err(format!(
+                    "key {key_id} expired at {} and its release grace has passed",
+                    key.not_after
+                ))
+            }
+            _ => Ok(()),
+        },
+    );
+
+    let key_binding = sha256_hex(&ephemeral.0);
+    let appraisal = match parse_or_refuse(&request.token) {
+        Err(refused) => refused,
+        Ok(jws) => {
+            let signing_key = match service.key_source.key(jws.header.kid.as_deref(), now).await {
+                Ok(key) => key,
+                Err(reason) => {
+                    tracing::warn!(%reason, "cannot load the issuer's keys");
+                    None
+                }
+            };
+            let expect = Expectations {
+                audience: &service.audience,
+                nonce: &request.nonce,
+                key_binding: &key_binding,
+                now_unix: now,
+            };
+            appraise(
+                &request.token,
+                &jws,
+                signing_key.as_ref(),
+                &service.policy,
+                &expect,
+            )
+        }
+    };
+    report.extend(appraisal.report);
+
+    let failed: Vec<FailedCheck> = report
+        .failures()
+        .map(|(check, reason)| FailedCheck {
+            check: check.to_string(),
+            reason: reason.to_string(),
+        })
+        .collect();
+    let granted = report.passed();
+    let decision = Decision {
+        at: now,
+        keyservice_id: service.id.clone(),
+        key_id: key_id.clone(),
+        decision: if granted { "granted" } else { "refused" }.into(),
+        reason: if granted {
+            "every check passed".into()
+        } else {
+            failed
+                .iter()
+                .map(|f| f.check.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        },
+        failed_checks: failed.iter().map(|f| f.check.clone()).collect(),
+        token_sha256: appraisal.token_sha256,
+        image_digest: appraisal.image_digest,
+        nonce: request.nonce.clone(),
+        task_id: request.task_id.clone(),
+        round: request.round,
+        policy: service.policy.name.clone(),
+    };
+    let record = service
+        .audit
+        .lock()
+        .map_err(|_| ApiError::Internal("audit log poisoned".into()))?
+        .append(decision)
+        .map_err(|e| ApiError::Internal(format!("audit append failed, nothing released: {e}")))?;
+    tracing::info!(
+        keyservice = %service.id, key = %key_id, task = %request.task_id, round = request.round,
+        granted, audit_seq = record.seq, audit_head = %record.hash, "release decision"
+    );
+    metrics::counter!("confed_keyservice_decisions_total", "decision" => record.decision.decision.clone())
+        .increment(1);
+
+    if !granted {
+        return Err(ApiError::AttestationRefused {
+            detail: format!(
+                "the evidence does not satisfy policy `{}`: {}",
+                service.policy.name, record.decision.reason
+            ),
+            failed_checks: failed,
+        });
+    }
+    let info = hpke::share_release_info(&service.id, &key_id, &request.task_id, request.round);
+    let (encapsulated_key, ciphertext) =
+        hpke::seal(&ephemeral, &info, request.nonce.as_bytes(), &held.share)
+            .map_err(|e| ApiError::Internal(e.to_string()))?;
+    Ok(Json(ReleaseResponse {
+        keyservice_id: service.id.clone(),
+        key_id,
+        encapsulated_key: URL_SAFE_NO_PAD.encode(encapsulated_key),
+        ciphertext: URL_SAFE_NO_PAD.encode(ciphertext),
+    }))
+}

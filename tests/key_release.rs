@@ -1,0 +1,639 @@
+//! Key services and the enclave's key collection, in-process over real HTTP on loopback: the
+//! ceremony's shares, dev attestation, threshold behaviour with down, refusing and lying key
+//! services, every refusal of the release protocol, and the signed key set.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use confed::clock::{Clock, ManualClock};
+use confed::keys::ceremony::{CeremonyOptions, generate};
+use confed::keys::trust::{TrustedKeyService, accept_public_key};
+use confed::keys::{PublicKeyRecord, ShareFile};
+use confed::keyservice::{KeyService, KeyServiceParts, audit, routes};
+use confed_attestation::dev::DevAttester;
+use confed_attestation::exchange::{Challenge, KeySet, ReleaseRequest};
+use confed_attestation::{AppraisalPolicy, Attester, KeySource, TokenRequest};
+use confed_enclave::hpke;
+use confed_enclave::key_collection::{
+    CollectError, KeyRequest, KeyServiceEndpoint, ServiceFailure, obtain_private_key,
+};
+use serde_json::Value;
+use tokio::sync::watch;
+
+const START: i64 = 1_800_000_000;
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+struct World {
+    dir: tempfile::TempDir,
+    clock: Arc<ManualClock>,
+    attester: Arc<DevAttester>,
+    key: PublicKeyRecord,
+    share_files: Vec<PathBuf>,
+}
+
+/// How a test key service misbehaves.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Behaviour {
+    Honest,
+    /// Its policy allows another image, so it refuses every dev token.
+    Refusing,
+    /// Returns a corrupted share.
+    Lying,
+}
+
+impl World {
+    fn new(threshold: u16, shares: u16) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let outcome = generate(&CeremonyOptions {
+            shares,
+            threshold,
+            out_dir: dir.path().join("ceremony"),
+            not_before: START - 10,
+            not_after: START + 86_400,
+        })
+        .unwrap();
+        let clock = Arc::new(ManualClock::starting_at(START * 1000));
+        let token_clock = clock.clone();
+        let attester = Arc::new(DevAttester::new(
+            confed_attestation::exchange::generate_signing_key(),
+            Arc::new(move || token_clock.now_millis() / 1000),
+        ));
+        Self {
+            dir,
+            clock,
+            attester,
+            key: outcome.key,
+            share_files: outcome.share_files,
+        }
+    }
+
+    fn policy(&self, behaviour: Behaviour) -> AppraisalPolicy {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies/dev.toml");
+        let mut policy = AppraisalPolicy::load(&path).unwrap();
+        if behaviour == Behaviour::Refusing {
+            policy.workload.image_digests = vec![format!("sha256:{}", "e".repeat(64))];
+        }
+        policy
+    }
+
+    fn service(&self, index: usize, behaviour: Behaviour, share_files: &[PathBuf]) -> KeyService {
+        let mut held: Vec<_> = share_files
+            .iter()
+            .map(|p| ShareFile::load(p).unwrap())
+            .collect();
+        if behaviour == Behaviour::Lying {
+            held[0].share[5] ^= 0x5a;
+        }
+        KeyService::new(KeyServiceParts {
+            id: format!("ks{index}"),
+            audience: format!("confed-keyservice/ks{index}"),
+            signing_key: confed_attestation::exchange::generate_signing_key(),
+            shares: held,
+            policy: self.policy(behaviour),
+            key_source: KeySource::fixed(self.attester.jwks()),
+            audit_log: self.dir.path().join(format!("audit-ks{index}.jsonl")),
+            clock: self.clock.clone(),
+        })
+        .unwrap()
+    }
+
+    fn request(&self) -> KeyRequest {
+        KeyRequest {
+            key_id: self.key.key_id.clone(),
+            public_key: public_key(&self.key),
+            threshold: self.key.threshold,
+            task_id: "task-1".into(),
+            round: 1,
+        }
+    }
+}
+
+fn public_key(key: &PublicKeyRecord) -> hpke::PublicKey {
+    hpke::PublicKey::from_bytes(&URL_SAFE_NO_PAD.decode(&key.public_key).unwrap()).unwrap()
+}
+
+/// Serves a router on a loopback port; returns its base URL.
+async fn serve(router: axum::Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    url
+}
+
+/// A URL where nothing listens.
+async fn down_url() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    drop(listener);
+    url
+}
+
+async fn start(world: &World, behaviours: &[Behaviour]) -> Vec<KeyServiceEndpoint> {
+    let mut endpoints = Vec::new();
+    for (i, &behaviour) in behaviours.iter().enumerate() {
+        let service = world.service(i + 1, behaviour, &world.share_files[i..=i]);
+        endpoints.push(KeyServiceEndpoint {
+            id: service.id.clone(),
+            url: serve(routes::router(service)).await,
+        });
+    }
+    endpoints
+}
+
+#[tokio::test]
+async fn round_trip_five_shares_threshold_three_opens_a_ciphertext() {
+    let world = World::new(3, 5);
+    let endpoints = start(&world, &[Behaviour::Honest; 5]).await;
+    let (enc, ct) =
+        hpke::seal(&public_key(&world.key), b"info", b"aad", b"a device update").unwrap();
+    let client = confed_enclave::http::client(TIMEOUT);
+    let obtained = obtain_private_key(
+        &client,
+        &endpoints,
+        &world.request(),
+        world.attester.as_ref(),
+        TIMEOUT,
+    )
+    .await
+    .unwrap();
+    assert_eq!(obtained.used.len(), 3);
+    let plaintext = hpke::open(&obtained.private_key, &enc, b"info", b"aad", &ct).unwrap();
+    assert_eq!(plaintext.as_slice(), b"a device update");
+    // Every granted release is in the releasing service's audit log.
+    for id in &obtained.used {
+        let log = world.dir.path().join(format!("audit-{id}.jsonl"));
+        let text = std::fs::read_to_string(&log).unwrap();
+        assert!(text.contains("\"decision\":\"granted\""), "{id}: {text}");
+        assert_eq!(audit::verify_file(&log).unwrap().records, 1);
+    }
+}
+
+#[tokio::test]
+async fn down_refusing_and_lying_services_are_named_and_the_others_suffice() {
+    let world = World::new(3, 6);
+    let client = confed_enclave::http::client(TIMEOUT);
+    let mut endpoints = vec![KeyServiceEndpoint {
+        id: "ks1".into(),
+        url: down_url().await,
+    }];
+    endpoints.extend(start_from(&world, 2, Behaviour::Refusing, None).await);
+    // The liar answers first; honest services start only after it has answered, so the collector
+    // must meet the bad share and find it among the others.
+    let (liar_done, gate) = watch::channel(false);
+    endpoints.extend(start_from(&world, 3, Behaviour::Lying, Some(Gate::Opens(liar_done))).await);
+    for index in 4..=6 {
+        endpoints.extend(
+            start_from(
+                &world,
+                index,
+                Behaviour::Honest,
+                Some(Gate::WaitsFor(gate.clone())),
+            )
+            .await,
+        );
+    }
+    let obtained = obtain_private_key(
+        &client,
+        &endpoints,
+        &world.request(),
+        world.attester.as_ref(),
+        TIMEOUT,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        obtained.private_key.public_key().unwrap(),
+        public_key(&world.key)
+    );
+    let mut used = obtained.used.clone();
+    used.sort();
+    assert_eq!(used, ["ks4", "ks5", "ks6"]);
+    let failure = |id: &str| {
+        obtained
+            .failures
+            .iter()
+            .find(|(f, _)| f == id)
+            .map(|(_, why)| why.clone())
+    };
+    assert!(
+        matches!(failure("ks1"), Some(ServiceFailure::Unreachable(_))),
+        "{:?}",
+        failure("ks1")
+    );
+    assert!(
+        matches!(
+            failure("ks2"),
+            Some(ServiceFailure::Refused { status: 403, .. })
+        ),
+        "{:?}",
+        failure("ks2")
+    );
+    assert_eq!(failure("ks3"), Some(ServiceFailure::InconsistentShare));
+}
+
+#[tokio::test]
+async fn fewer_than_threshold_honest_services_fail_clearly() {
+    let world = World::new(3, 5);
+    let client = confed_enclave::http::client(TIMEOUT);
+    let mut endpoints = vec![KeyServiceEndpoint {
+        id: "ks1".into(),
+        url: down_url().await,
+    }];
+    endpoints.extend(start_from(&world, 2, Behaviour::Refusing, None).await);
+    endpoints.extend(start_from(&world, 3, Behaviour::Lying, None).await);
+    endpoints.extend(start_from(&world, 4, Behaviour::Honest, None).await);
+    endpoints.extend(start_from(&world, 5, Behaviour::Honest, None).await);
+    let error = obtain_private_key(
+        &client,
+        &endpoints,
+        &world.request(),
+        world.attester.as_ref(),
+        TIMEOUT,
+    )
+    .await
+    .unwrap_err();
+    let CollectError::Inconsistent {
+        suspects, failures, ..
+    } = &error
+    else {
+        panic!("expected an inconsistency with exactly T shares, got {error}");
+    };
+    assert_eq!(suspects.len(), 3);
+    let text = error.to_string();
+    for needle in [
+        "ks1: unreachable",
+        "ks2: refused (403)",
+        "ks3",
+        "ks4",
+        "ks5",
+    ] {
+        assert!(text.contains(needle), "{needle} missing from: {text}");
+    }
+    assert_eq!(failures.len(), 2);
+
+    // With only two answering at all, it is plainly not enough.
+    let endpoints: Vec<_> = endpoints.into_iter().filter(|e| e.id != "ks3").collect();
+    let error = obtain_private_key(
+        &client,
+        &endpoints,
+        &world.request(),
+        world.attester.as_ref(),
+        TIMEOUT,
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(
+            error,
+            CollectError::NotEnoughShares {
+                usable: 2,
+                threshold: 3,
+                ..
+            }
+        ),
+        "{error}"
+    );
+}
+
+enum Gate {
+    Opens(watch::Sender<bool>),
+    WaitsFor(watch::Receiver<bool>),
+}
+
+async fn start_from(
+    world: &World,
+    index: usize,
+    behaviour: Behaviour,
+    gate: Option<Gate>,
+) -> Vec<KeyServiceEndpoint> {
+    let service = world.service(index, behaviour, &world.share_files[index - 1..index]);
+    let id = service.id.clone();
+    let mut router = routes::router(service);
+    match gate {
+        None => {}
+        Some(Gate::Opens(done)) => {
+            let done = Arc::new(done);
+            router = router.layer(axum::middleware::from_fn(
+                move |request: axum::extract::Request, next: axum::middleware::Next| {
+                    let done = done.clone();
+                    async move {
+                        let is_release = request.uri().path().ends_with("/release");
+                        let response = next.run(request).await;
+                        if is_release {
+                            let _ = done.send(true);
+                        }
+                        response
+                    }
+                },
+            ));
+        }
+        Some(Gate::WaitsFor(gate)) => {
+            router = router.layer(axum::middleware::from_fn(
+                move |request: axum::extract::Request, next: axum::middleware::Next| {
+                    let mut gate = gate.clone();
+                    async move {
+                        let _ = gate.wait_for(|open| *open).await;
+                        next.run(request).await
+                    }
+                },
+            ));
+        }
+    }
+    vec![KeyServiceEndpoint {
+        id,
+        url: serve(router).await,
+    }]
+}
+
+/// Drives the release protocol by hand against one key service.
+struct Session {
+    url: String,
+    key_id: String,
+    client: reqwest::Client,
+    ephemeral: hpke::PublicKey,
+}
+
+impl Session {
+    async fn challenge(&self, key_id: &str) -> Challenge {
+        let response = self
+            .client
+            .post(format!("{}/v1/keys/{key_id}/challenge", self.url))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 201);
+        response.json().await.unwrap()
+    }
+
+    fn binding(&self) -> String {
+        confed_attestation::sha256_hex(&self.ephemeral.0)
+    }
+
+    async fn release(&self, key_id: &str, request: &ReleaseRequest) -> (u16, Value) {
+        let response = self
+            .client
+            .post(format!("{}/v1/keys/{key_id}/release", self.url))
+            .json(request)
+            .send()
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        (status, response.json().await.unwrap_or(Value::Null))
+    }
+
+    fn request(&self, token: String, nonce: &str) -> ReleaseRequest {
+        ReleaseRequest {
+            token,
+            ephemeral_public_key: URL_SAFE_NO_PAD.encode(self.ephemeral.0),
+            nonce: nonce.to_string(),
+            task_id: "task-1".into(),
+            round: 2,
+        }
+    }
+}
+
+async fn session(world: &World, share_files: &[PathBuf]) -> Session {
+    let service = world.service(1, Behaviour::Honest, share_files);
+    let key_id = world.key.key_id.clone();
+    Session {
+        url: serve(routes::router(service)).await,
+        key_id,
+        client: confed_enclave::http::client(TIMEOUT),
+        ephemeral: hpke::generate_keypair().1,
+    }
+}
+
+async fn mint(world: &World, audience: &str, nonces: Vec<String>) -> String {
+    world
+        .attester
+        .token(&TokenRequest {
+            audience: audience.into(),
+            nonces,
+        })
+        .await
+        .unwrap()
+}
+
+fn failed_checks(problem: &Value) -> Vec<String> {
+    problem["failed_checks"]
+        .as_array()
+        .map(|checks| {
+            checks
+                .iter()
+                .map(|c| c["check"].as_str().unwrap().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+const AUDIENCE: &str = "confed-keyservice/ks1";
+
+#[tokio::test]
+async fn a_nonce_works_once() {
+    let world = World::new(2, 2);
+    let s = session(&world, &world.share_files[..1]).await;
+    let challenge = s.challenge(&s.key_id).await;
+    let token = mint(&world, AUDIENCE, vec![challenge.nonce.clone(), s.binding()]).await;
+    let request = s.request(token, &challenge.nonce);
+    let (status, _) = s.release(&s.key_id, &request).await;
+    assert_eq!(status, 200);
+    let (status, problem) = s.release(&s.key_id, &request).await;
+    assert_eq!(status, 403);
+    assert_eq!(problem["type"], "urn:confed:problem:attestation-refused");
+    assert_eq!(
+        failed_checks(&problem),
+        ["challenge_nonce"],
+        "replayed nonce"
+    );
+}
+
+#[tokio::test]
+async fn an_expired_nonce_is_refused() {
+    let world = World::new(2, 2);
+    let s = session(&world, &world.share_files[..1]).await;
+    let challenge = s.challenge(&s.key_id).await;
+    world.clock.advance(Duration::from_secs(61));
+    let token = mint(&world, AUDIENCE, vec![challenge.nonce.clone(), s.binding()]).await;
+    let (status, problem) = s
+        .release(&s.key_id, &s.request(token, &challenge.nonce))
+        .await;
+    assert_eq!(status, 403);
+    assert_eq!(failed_checks(&problem), ["challenge_nonce"]);
+    assert!(
+        problem["failed_checks"][0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("expired")
+    );
+}
+
+#[tokio::test]
+async fn a_nonce_for_another_key_is_refused() {
+    let world = World::new(2, 2);
+    let second = generate(&CeremonyOptions {
+        shares: 2,
+        threshold: 2,
+        out_dir: world.dir.path().join("second"),
+        not_before: START - 10,
+        not_after: START + 86_400,
+    })
+    .unwrap();
+    let files = vec![world.share_files[0].clone(), second.share_files[0].clone()];
+    let s = session(&world, &files).await;
+    let challenge = s.challenge(&second.key.key_id).await;
+    let token = mint(&world, AUDIENCE, vec![challenge.nonce.clone(), s.binding()]).await;
+    let (status, problem) = s
+        .release(&s.key_id, &s.request(token, &challenge.nonce))
+        .await;
+    assert_eq!(status, 403);
+    assert_eq!(failed_checks(&problem), ["challenge_nonce"]);
+    assert!(
+        problem["failed_checks"][0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("another key")
+    );
+}
+
+#[tokio::test]
+async fn a_token_not_bound_to_the_ephemeral_key_is_refused() {
+    let world = World::new(2, 2);
+    let s = session(&world, &world.share_files[..1]).await;
+    let challenge = s.challenge(&s.key_id).await;
+    let someone_elses_key = confed_attestation::sha256_hex(&hpke::generate_keypair().1.0);
+    let token = mint(
+        &world,
+        AUDIENCE,
+        vec![challenge.nonce.clone(), someone_elses_key],
+    )
+    .await;
+    let (status, problem) = s
+        .release(&s.key_id, &s.request(token, &challenge.nonce))
+        .await;
+    assert_eq!(status, 403);
+    assert_eq!(failed_checks(&problem), ["key_binding"]);
+}
+
+#[tokio::test]
+async fn a_token_for_another_key_service_is_refused() {
+    let world = World::new(2, 2);
+    let s = session(&world, &world.share_files[..1]).await;
+    let challenge = s.challenge(&s.key_id).await;
+    let token = mint(
+        &world,
+        "confed-keyservice/ks2",
+        vec![challenge.nonce.clone(), s.binding()],
+    )
+    .await;
+    let (status, problem) = s
+        .release(&s.key_id, &s.request(token, &challenge.nonce))
+        .await;
+    assert_eq!(status, 403);
+    assert_eq!(failed_checks(&problem), ["aud"]);
+    let log = world.dir.path().join("audit-ks1.jsonl");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains("\"decision\":\"refused\"") && text.contains("\"failed_checks\":[\"aud\"]"),
+        "{text}"
+    );
+    assert!(
+        text.contains(&challenge.nonce),
+        "the audit record names the nonce"
+    );
+}
+
+#[tokio::test]
+async fn pending_and_long_expired_keys_are_not_released() {
+    let world = World::new(2, 2);
+    let s = session(&world, &world.share_files[..1]).await;
+    world.clock.set((START - 3600) * 1000);
+    let challenge = s.challenge(&s.key_id).await;
+    let token = mint(&world, AUDIENCE, vec![challenge.nonce.clone(), s.binding()]).await;
+    let (_, problem) = s
+        .release(&s.key_id, &s.request(token, &challenge.nonce))
+        .await;
+    assert_eq!(failed_checks(&problem), ["key_state"]);
+    world.clock.set((START + 86_400 + 9 * 86_400) * 1000);
+    let challenge = s.challenge(&s.key_id).await;
+    let token = mint(&world, AUDIENCE, vec![challenge.nonce.clone(), s.binding()]).await;
+    let (_, problem) = s
+        .release(&s.key_id, &s.request(token, &challenge.nonce))
+        .await;
+    assert_eq!(failed_checks(&problem), ["key_state"]);
+}
+
+#[tokio::test]
+async fn malformed_requests_and_unknown_keys_get_clear_errors() {
+    let world = World::new(2, 2);
+    let s = session(&world, &world.share_files[..1]).await;
+    let response = s
+        .client
+        .post(format!("{}/v1/keys/nope/challenge", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 404);
+    let challenge = s.challenge(&s.key_id).await;
+    let mut request = s.request("x".into(), &challenge.nonce);
+    request.ephemeral_public_key = "short".into();
+    let (status, problem) = s.release(&s.key_id, &request).await;
+    assert_eq!(status, 400);
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("ephemeral_public_key")
+    );
+    let response = s
+        .client
+        .post(format!("{}/v1/keys/{}/release", s.url, s.key_id))
+        .json(&serde_json::json!({"token": "x", "surprise": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+    let (status, problem) = s
+        .release(&s.key_id, &s.request("not-a-jwt".into(), &challenge.nonce))
+        .await;
+    assert_eq!(status, 403);
+    assert!(failed_checks(&problem).contains(&"token_format".to_string()));
+}
+
+#[tokio::test]
+async fn devices_accept_a_key_only_with_threshold_signatures_from_trusted_services() {
+    let world = World::new(2, 3);
+    let mut sets = Vec::new();
+    let mut trusted = Vec::new();
+    for i in 0..3 {
+        let service = world.service(i + 1, Behaviour::Honest, &world.share_files[i..=i]);
+        let url = serve(routes::router(service)).await;
+        let set: KeySet = confed_enclave::http::client(TIMEOUT)
+            .get(format!("{url}/v1/keys"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(set.keys[0].state, "active");
+        trusted.push(TrustedKeyService::new(&set.keyservice_id, &set.verifying_key).unwrap());
+        sets.push(set);
+    }
+    let accepted = accept_public_key(&sets, &trusted, 2, START).unwrap();
+    assert_eq!(accepted.public_key, world.key.public_key);
+    // One trusted signer is not enough for T = 2.
+    assert!(accept_public_key(&sets[..1], &trusted, 2, START).is_err());
+    // A key set whose public key was swapped in transit carries no valid signature.
+    let mut forged = sets.clone();
+    for set in &mut forged[1..] {
+        set.keys[0].public_key = URL_SAFE_NO_PAD.encode(hpke::generate_keypair().1.0);
+    }
+    assert!(accept_public_key(&forged, &trusted, 2, START).is_err());
+    // Signatures from services the device does not trust do not count.
+    assert!(accept_public_key(&sets, &trusted[..1], 2, START).is_err());
+    // Outside its validity window the key is not accepted.
+    assert!(accept_public_key(&sets, &trusted, 2, START + 86_400).is_err());
+}
