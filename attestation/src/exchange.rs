@@ -35,6 +35,58 @@ pub struct ReleaseRequest {
     pub round: u64,
 }
 
+/// A release request whose fields have been checked (what `ReleaseRequest::decode` yields).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckedRelease {
+    pub token: String,
+    pub ephemeral_public_key: [u8; 32],
+    pub nonce: String,
+    pub task_id: String,
+    pub round: u64,
+}
+
+/// Longest nonce accepted in a release request (ours are 43 characters).
+pub const MAX_NONCE_CHARS: usize = 128;
+
+impl ReleaseRequest {
+    /// Decodes and checks a release request body. Never panics, whatever the bytes; every error
+    /// says which field is wrong.
+    pub fn decode(body: &[u8]) -> Result<CheckedRelease, String> {
+        let mut json = serde_json::Deserializer::from_slice(body);
+        let request: ReleaseRequest = serde_path_to_error::deserialize(&mut json)
+            .map_err(|e| format!("not a release request: `{}`: {}", e.path(), e.inner()))?;
+        if request.token.len() > crate::jws::MAX_TOKEN_BYTES {
+            return Err(format!(
+                "`token` is longer than {} bytes",
+                crate::jws::MAX_TOKEN_BYTES
+            ));
+        }
+        let ephemeral_public_key: [u8; 32] = URL_SAFE_NO_PAD
+            .decode(&request.ephemeral_public_key)
+            .ok()
+            .and_then(|bytes| bytes.try_into().ok())
+            .ok_or("`ephemeral_public_key` must be a 32-byte X25519 public key in base64url")?;
+        if request.nonce.is_empty() || request.nonce.len() > MAX_NONCE_CHARS {
+            return Err(format!("`nonce` must be 1-{MAX_NONCE_CHARS} characters"));
+        }
+        let task_ok = (1..=64).contains(&request.task_id.len())
+            && request
+                .task_id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+        if !task_ok {
+            return Err("`task_id` must be 1-64 of A-Z a-z 0-9 . _ -".into());
+        }
+        Ok(CheckedRelease {
+            token: request.token,
+            ephemeral_public_key,
+            nonce: request.nonce,
+            task_id: request.task_id,
+            round: request.round,
+        })
+    }
+}
+
 /// `POST /v1/keys/{key_id}/release` answer: the share, HPKE-sealed to the ephemeral key.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -140,6 +192,30 @@ pub fn decode_verifying_key(text: &str) -> Option<VerifyingKey> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn release_requests_are_decoded_or_refused_by_field() {
+        let good = serde_json::json!({
+            "token": "a.b.c", "ephemeral_public_key": URL_SAFE_NO_PAD.encode([7u8; 32]),
+            "nonce": "n", "task_id": "t-1", "round": 3,
+        });
+        let checked = ReleaseRequest::decode(good.to_string().as_bytes()).unwrap();
+        assert_eq!(checked.ephemeral_public_key, [7u8; 32]);
+        let cases = [
+            ("ephemeral_public_key", serde_json::json!("AAAA")),
+            ("task_id", serde_json::json!("../etc")),
+            ("nonce", serde_json::json!("")),
+            ("round", serde_json::json!(-1)),
+            ("surprise", serde_json::json!(1)),
+        ];
+        for (field, value) in cases {
+            let mut bad = good.clone();
+            bad[field] = value;
+            let error = ReleaseRequest::decode(bad.to_string().as_bytes()).unwrap_err();
+            assert!(error.contains(field), "{field}: {error}");
+        }
+        assert!(ReleaseRequest::decode(b"\xff\x00").is_err());
+    }
 
     fn entry() -> SignedPublicKey {
         SignedPublicKey {

@@ -15,8 +15,8 @@ use confed_enclave::hpke;
 use super::KeyService;
 use super::audit::Decision;
 use crate::api::error::{ApiError, FailedCheck};
-use crate::api::extract::{ApiJson, ApiPath};
-use crate::keys::{KeyState, valid_id};
+use crate::api::extract::{ApiBytes, ApiPath};
+use crate::keys::KeyState;
 
 pub fn router(service: KeyService) -> axum::Router {
     axum::Router::new()
@@ -100,26 +100,16 @@ fn unknown_key(key_id: &str) -> ApiError {
 async fn release(
     State(service): State<KeyService>,
     ApiPath(key_id): ApiPath<String>,
-    ApiJson(request): ApiJson<ReleaseRequest>,
+    ApiBytes(body): ApiBytes,
 ) -> Result<Json<ReleaseResponse>, ApiError> {
     let held = service
         .shares
         .get(&key_id)
         .ok_or_else(|| unknown_key(&key_id))?;
-    let ephemeral = URL_SAFE_NO_PAD
-        .decode(&request.ephemeral_public_key)
-        .ok()
-        .and_then(|bytes| hpke::PublicKey::from_bytes(&bytes).ok())
-        .ok_or_else(|| {
-            ApiError::BadRequest(
-                "`ephemeral_public_key` must be a 32-byte X25519 public key in base64url".into(),
-            )
-        })?;
-    if !valid_id(&request.task_id) {
-        return Err(ApiError::BadRequest(
-            "`task_id` must be 1-64 of A-Z a-z 0-9 . _ -".into(),
-        ));
-    }
+    let request = ReleaseRequest::decode(&body).map_err(ApiError::BadRequest)?;
+    let ephemeral = hpke::PublicKey::from_bytes(&request.ephemeral_public_key).map_err(|_| {
+        ApiError::BadRequest("`ephemeral_public_key` is not an X25519 public key".into())
+    })?;
     let now = service.now_seconds();
 
     let mut report = VerificationReport::new();
