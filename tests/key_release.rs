@@ -637,3 +637,45 @@ async fn devices_accept_a_key_only_with_threshold_signatures_from_trusted_servic
     // Outside its validity window the key is not accepted.
     assert!(accept_public_key(&sets, &trusted, 2, START + 86_400).is_err());
 }
+
+#[tokio::test]
+async fn a_slow_key_service_is_not_waited_for_and_times_out_when_needed() {
+    let world = World::new(2, 3);
+    let client = confed_enclave::http::client(TIMEOUT);
+    // ks1 never answers: its gate never opens.
+    let (_never, closed) = watch::channel(false);
+    let mut endpoints =
+        start_from(&world, 1, Behaviour::Honest, Some(Gate::WaitsFor(closed))).await;
+    endpoints.extend(start_from(&world, 2, Behaviour::Honest, None).await);
+    endpoints.extend(start_from(&world, 3, Behaviour::Honest, None).await);
+    // Two fast services suffice: the collection returns without waiting for the slow one.
+    let obtained = obtain_private_key(
+        &client,
+        &endpoints,
+        &world.request(),
+        world.attester.as_ref(),
+        TIMEOUT,
+    )
+    .await
+    .unwrap();
+    assert_eq!(obtained.used.len(), 2);
+    assert!(!obtained.used.contains(&"ks1".to_string()));
+    // Needing the slow one, the collection gives up after the per-service timeout and says so.
+    let short = Duration::from_millis(300);
+    let error = obtain_private_key(
+        &client,
+        &endpoints[..2],
+        &world.request(),
+        world.attester.as_ref(),
+        short,
+    )
+    .await
+    .unwrap_err();
+    let CollectError::NotEnoughShares { failures, .. } = &error else {
+        panic!("{error}");
+    };
+    assert_eq!(
+        failures,
+        &[("ks1".to_string(), ServiceFailure::Timeout(short))]
+    );
+}

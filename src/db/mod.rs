@@ -35,9 +35,15 @@ pub(crate) type Conn = sqlx::SqliteConnection;
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
 
 /// A handle to the task database; cheap to clone.
+///
+/// SQLite allows one writer at a time. Writes go through a one-connection pool, so concurrent
+/// writers queue fairly in the application instead of in SQLite's busy handler, which sleeps with
+/// growing back-off and turns contention into 100 ms latency tails. Reads use their own pool and
+/// run concurrently (WAL).
 #[derive(Debug, Clone)]
 pub struct Db {
     pool: SqlitePool,
+    writer: SqlitePool,
 }
 
 impl Db {
@@ -50,21 +56,30 @@ impl Db {
             .synchronous(SqliteSynchronous::Full)
             .foreign_keys(true)
             .busy_timeout(Duration::from_secs(10));
+        let writer = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options.clone())
+            .await?;
+        MIGRATOR.run(&writer).await?;
         let pool = SqlitePoolOptions::new()
             .max_connections(8)
             .connect_with(options)
             .await?;
-        MIGRATOR.run(&pool).await?;
-        Ok(Self { pool })
+        Ok(Self { pool, writer })
     }
 
     pub(crate) fn pool(&self) -> &SqlitePool {
         &self.pool
     }
 
+    /// The pool for single-statement writes outside a transaction.
+    pub(crate) fn writer(&self) -> &SqlitePool {
+        &self.writer
+    }
+
     /// Starts a transaction that takes the write lock at once.
     pub(crate) async fn begin_write(&self) -> Result<Transaction<'static, Sqlite>, DbError> {
-        Ok(self.pool.begin_with("BEGIN IMMEDIATE").await?)
+        Ok(self.writer.begin_with("BEGIN IMMEDIATE").await?)
     }
 
     /// How many entities of one kind are in each state (states with none included, as 0).
@@ -88,6 +103,7 @@ impl Db {
     /// Closes every connection, checkpointing the WAL.
     pub async fn close(&self) {
         self.pool.close().await;
+        self.writer.close().await;
     }
 }
 

@@ -57,7 +57,7 @@ impl Db {
         .bind(record.max_active_tasks)
         .bind(record.max_report_goal)
         .bind(record.created_at)
-        .execute(self.pool())
+        .execute(self.writer())
         .await;
         match inserted {
             Ok(_) => Ok((record, issued.token)),

@@ -1,0 +1,162 @@
+//! Partner API load figures (run with `cargo bench --bench api`): a real server on loopback over a
+//! SQLite database in a temp directory, driven by concurrent HTTP clients. Bounded in count; prints
+//! throughput and latency percentiles per operation.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use confed::api::{self, AppState, Limits};
+use confed::blob::LocalBlobStore;
+use confed::clock::SystemClock;
+use confed::db::{Db, NewTenant};
+use serde_json::json;
+
+const CLIENTS: usize = 16;
+
+async fn run<F, Fut>(label: &str, total: usize, op: F)
+where
+    F: Fn(usize) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let started = Instant::now();
+    let mut workers = Vec::new();
+    for worker in 0..CLIENTS {
+        let op = op.clone();
+        workers.push(tokio::spawn(async move {
+            let mut latencies = Vec::new();
+            for i in (worker..total).step_by(CLIENTS) {
+                let t = Instant::now();
+                op(i).await;
+                latencies.push(t.elapsed());
+            }
+            latencies
+        }));
+    }
+    let mut latencies: Vec<Duration> = Vec::new();
+    for worker in workers {
+        latencies.extend(worker.await.unwrap());
+    }
+    let elapsed = started.elapsed();
+    latencies.sort();
+    let pct = |p: usize| {
+        latencies[(latencies.len() * p / 100).min(latencies.len() - 1)].as_secs_f64() * 1e3
+    };
+    println!(
+        "{label:<40} {:>8.0} req/s   p50 {:>6.2} ms   p99 {:>6.2} ms   ({total} requests, {CLIENTS} clients)",
+        total as f64 / elapsed.as_secs_f64(),
+        pct(50),
+        pct(99)
+    );
+}
+
+#[tokio::main]
+async fn main() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Db::open_sqlite(&dir.path().join("confed.db"))
+        .await
+        .unwrap();
+    let tenant = NewTenant {
+        name: "bench".into(),
+        max_active_tasks: 1_000_000,
+        max_report_goal: 1_000_000,
+    };
+    let (_, token) = db.create_tenant(&tenant, 0).await.unwrap();
+    let token = Arc::new(token.to_string());
+    let state = AppState {
+        db,
+        blobs: Arc::new(LocalBlobStore::open(dir.path().join("blobs")).unwrap()),
+        clock: Arc::new(SystemClock),
+        admin: None,
+        limits: Limits::default(),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = Arc::new(format!("http://{}", listener.local_addr().unwrap()));
+    tokio::spawn(async move { axum::serve(listener, api::router(state)).await.unwrap() });
+    let client = confed_enclave::http::client(Duration::from_secs(30));
+    let body = Arc::new(json!({
+        "population": "bench", "rounds": 10, "report_goal": 100,
+        "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0},
+    }));
+
+    let create = {
+        let (client, base, token, body) =
+            (client.clone(), base.clone(), token.clone(), body.clone());
+        move |_| {
+            let (client, base, token, body) =
+                (client.clone(), base.clone(), token.clone(), body.clone());
+            async move {
+                let r = client
+                    .post(format!("{base}/v1/tasks"))
+                    .bearer_auth(&*token)
+                    .json(&*body)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 201);
+            }
+        }
+    };
+    run("POST /v1/tasks (quota check + insert)", 2000, create).await;
+
+    let first: serde_json::Value = client
+        .get(format!("{base}/v1/tasks?limit=1"))
+        .bearer_auth(&*token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = Arc::new(first["tasks"][0]["id"].as_str().unwrap().to_string());
+    let get = {
+        let (client, base, token, id) = (client.clone(), base.clone(), token.clone(), id.clone());
+        move |_| {
+            let (client, base, token, id) =
+                (client.clone(), base.clone(), token.clone(), id.clone());
+            async move {
+                let r = client
+                    .get(format!("{base}/v1/tasks/{id}"))
+                    .bearer_auth(&*token)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+            }
+        }
+    };
+    run("GET /v1/tasks/{id} (auth + read)", 10_000, get).await;
+
+    let list = {
+        let (client, base, token) = (client.clone(), base.clone(), token.clone());
+        move |_| {
+            let (client, base, token) = (client.clone(), base.clone(), token.clone());
+            async move {
+                let r = client
+                    .get(format!("{base}/v1/tasks?limit=20"))
+                    .bearer_auth(&*token)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+            }
+        }
+    };
+    run("GET /v1/tasks?limit=20 (page of 2000)", 5_000, list).await;
+
+    let unauthorized = {
+        let (client, base) = (client.clone(), base.clone());
+        move |_| {
+            let (client, base) = (client.clone(), base.clone());
+            async move {
+                let r = client
+                    .get(format!("{base}/v1/tasks"))
+                    .bearer_auth("cft_0123456789abcdef_wrong")
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 401);
+            }
+        }
+    };
+    run("GET /v1/tasks, wrong token (401)", 10_000, unauthorized).await;
+}

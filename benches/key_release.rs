@@ -1,0 +1,225 @@
+//! Key release figures (run with `cargo bench --bench key_release`): appraisal throughput of the
+//! production (RS256) and dev (ES256) policies, Shamir split/combine, and the whole enclave key
+//! collection against in-process key services over loopback HTTP.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use confed::clock::ManualClock;
+use confed::keys::ShareFile;
+use confed::keys::ceremony::{CeremonyOptions, generate};
+use confed::keyservice::{KeyService, KeyServiceParts, routes};
+use confed_attestation::claims::TokenClaims;
+use confed_attestation::dev::DevAttester;
+use confed_attestation::jwk::{Jwk, Jwks};
+use confed_attestation::{AppraisalPolicy, Expectations, KeySource, appraise, jws};
+use confed_enclave::hpke;
+use confed_enclave::key_collection::{KeyRequest, KeyServiceEndpoint, obtain_private_key};
+use ring::signature::{RSA_PKCS1_SHA256, RsaKeyPair, RsaPublicKeyComponents};
+
+const NOW: i64 = 1_800_000_000;
+
+fn per_second(count: usize, elapsed: Duration) -> f64 {
+    count as f64 / elapsed.as_secs_f64()
+}
+
+fn appraisal_rs256() {
+    let der = std::fs::read("attestation/testdata/test-root-rsa.der").unwrap();
+    let key = RsaKeyPair::from_der(&der).unwrap();
+    let public: RsaPublicKeyComponents<Vec<u8>> = key.public().into();
+    let jwk = Jwk::Rsa {
+        kid: "k".into(),
+        n: public.n,
+        e: public.e,
+    };
+    let mut policy = AppraisalPolicy::load(Path::new("policies/confidential-space.toml")).unwrap();
+    let digest = format!("sha256:{}", "1".repeat(64));
+    policy.workload.image_digests = vec![digest.clone()];
+    let mut claims = TokenClaims::confidential_space(
+        "https://confidentialcomputing.googleapis.com",
+        "aud",
+        vec!["n".repeat(43), "b".repeat(64)],
+        NOW,
+    );
+    claims.image_digest = Some(digest);
+    let token = jws::encode(
+        &serde_json::json!({"alg": "RS256", "kid": "k"}),
+        &claims.to_json(),
+        |m| {
+            let mut sig = vec![0; key.public().modulus_len()];
+            key.sign(
+                &RSA_PKCS1_SHA256,
+                &ring::rand::SystemRandom::new(),
+                m,
+                &mut sig,
+            )
+            .unwrap();
+            sig
+        },
+    );
+    let binding = "b".repeat(64);
+    let nonce = "n".repeat(43);
+    let expect = Expectations {
+        audience: "aud",
+        nonce: &nonce,
+        key_binding: &binding,
+        now_unix: NOW,
+    };
+    let n = 5000;
+    let started = Instant::now();
+    for _ in 0..n {
+        let parsed = jws::parse(&token).unwrap();
+        assert!(
+            appraise(&token, &parsed, Some(&jwk), &policy, &expect)
+                .report
+                .passed()
+        );
+    }
+    println!(
+        "appraisal, production policy (RS256-2048):   {:>9.0} tokens/s",
+        per_second(n, started.elapsed())
+    );
+}
+
+fn appraisal_es256() {
+    let attester = DevAttester::new(
+        confed_attestation::exchange::generate_signing_key(),
+        Arc::new(|| NOW),
+    );
+    let policy = AppraisalPolicy::load(Path::new("policies/dev.toml")).unwrap();
+    let request = confed_attestation::TokenRequest {
+        audience: "aud".into(),
+        nonces: vec!["n".repeat(43), "b".repeat(64)],
+    };
+    let token = attester.sign(&attester.claims_for(&request));
+    let jwks: Jwks = attester.jwks();
+    let key = jwks.get(confed_attestation::dev::DEV_KID).unwrap().clone();
+    let binding = "b".repeat(64);
+    let nonce = "n".repeat(43);
+    let expect = Expectations {
+        audience: "aud",
+        nonce: &nonce,
+        key_binding: &binding,
+        now_unix: NOW,
+    };
+    let n = 2000;
+    let started = Instant::now();
+    for _ in 0..n {
+        let parsed = jws::parse(&token).unwrap();
+        assert!(
+            appraise(&token, &parsed, Some(&key), &policy, &expect)
+                .report
+                .passed()
+        );
+    }
+    println!(
+        "appraisal, dev policy (ES256):               {:>9.0} tokens/s",
+        per_second(n, started.elapsed())
+    );
+}
+
+fn shamir() {
+    let secret = [42u8; 32];
+    let n = 20_000;
+    let started = Instant::now();
+    for _ in 0..n {
+        let shares = confed_enclave::shares::split(&secret, 3, 5).unwrap();
+        let picked: Vec<&[u8]> = shares[..3].iter().map(|s| s.as_slice()).collect();
+        assert_eq!(
+            confed_enclave::shares::combine(3, &picked)
+                .unwrap()
+                .as_slice(),
+            &secret
+        );
+    }
+    println!(
+        "shamir 3-of-5 split + combine (32 B):        {:>9.0} /s",
+        per_second(n, started.elapsed())
+    );
+}
+
+async fn collection() {
+    let dir = tempfile::tempdir().unwrap();
+    let outcome = generate(&CeremonyOptions {
+        shares: 5,
+        threshold: 3,
+        out_dir: dir.path().join("c"),
+        not_before: NOW - 10,
+        not_after: NOW + 86_400,
+    })
+    .unwrap();
+    let clock = Arc::new(ManualClock::starting_at(NOW * 1000));
+    let attester = DevAttester::new(
+        confed_attestation::exchange::generate_signing_key(),
+        Arc::new(|| NOW),
+    );
+    let mut endpoints = Vec::new();
+    for (i, path) in outcome.share_files.iter().enumerate() {
+        let service = KeyService::new(KeyServiceParts {
+            id: format!("ks{}", i + 1),
+            audience: format!("confed-keyservice/ks{}", i + 1),
+            signing_key: confed_attestation::exchange::generate_signing_key(),
+            shares: vec![ShareFile::load(path).unwrap()],
+            policy: AppraisalPolicy::load(Path::new("policies/dev.toml")).unwrap(),
+            key_source: KeySource::fixed(attester.jwks()),
+            audit_log: dir.path().join(format!("audit-{i}.jsonl")),
+            clock: clock.clone(),
+        })
+        .unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        endpoints.push(KeyServiceEndpoint {
+            id: service.id.clone(),
+            url: format!("http://{}", listener.local_addr().unwrap()),
+        });
+        tokio::spawn(async move {
+            axum::serve(listener, routes::router(service))
+                .await
+                .unwrap()
+        });
+    }
+    let public =
+        hpke::PublicKey::from_bytes(&URL_SAFE_NO_PAD.decode(&outcome.key.public_key).unwrap())
+            .unwrap();
+    let request = KeyRequest {
+        key_id: outcome.key.key_id.clone(),
+        public_key: public,
+        threshold: 3,
+        task_id: "t".into(),
+        round: 1,
+    };
+    let client = confed_enclave::http::client(Duration::from_secs(10));
+    let n = 200;
+    let mut latencies = Vec::with_capacity(n);
+    for _ in 0..n {
+        let started = Instant::now();
+        obtain_private_key(
+            &client,
+            &endpoints,
+            &request,
+            &attester,
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+        latencies.push(started.elapsed());
+    }
+    latencies.sort();
+    println!(
+        "key collection 3-of-5 over loopback HTTP:    p50 {:.2} ms, p99 {:.2} ms (audit fsync included)",
+        latencies[n / 2].as_secs_f64() * 1e3,
+        latencies[n * 99 / 100].as_secs_f64() * 1e3
+    );
+}
+
+fn main() {
+    confed_enclave::http::install_crypto_provider();
+    appraisal_rs256();
+    appraisal_es256();
+    shamir();
+    tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(collection());
+}
