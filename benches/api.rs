@@ -68,6 +68,8 @@ async fn main() {
         clock: Arc::new(SystemClock),
         admin: None,
         limits: Limits::default(),
+        keys: Default::default(),
+        registry: Default::default(),
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = Arc::new(format!("http://{}", listener.local_addr().unwrap()));

@@ -9,6 +9,7 @@ pub mod clock;
 pub mod db;
 pub mod keys;
 pub mod keyservice;
+pub mod registry;
 pub mod scheduler;
 pub mod server;
 pub mod states;

@@ -142,6 +142,9 @@ struct ServeArgs {
     /// Largest model upload in bytes.
     #[arg(long, default_value_t = Limits::default().model_bytes)]
     max_model_bytes: usize,
+    /// Base URL of a key service whose signed key set devices receive (repeat for each).
+    #[arg(long = "keyservice")]
+    keyservices: Vec<String>,
     /// Seconds between scheduler passes (round deadlines).
     #[arg(long, default_value_t = 1)]
     scheduler_period_seconds: u64,
@@ -223,6 +226,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     };
     let config = ServeConfig {
         data_dir: args.data.data_dir,
+        keyservices: args.keyservices,
         listen: args.listen,
         tls,
         admin: admin_token(args.admin_token_file.as_ref())?,

@@ -1,5 +1,5 @@
-//! The scheduler: drives rounds by time. Each tick closes the collecting rounds whose deadline has
-//! passed (to AGGREGATING with enough reports, else FAILED with a retry attempt or a failed task).
+//! The scheduler: drives rounds by time. Each tick times out expired assignments (freeing their
+//! slots) and closes the collecting rounds whose deadline has passed (to AGGREGATING with enough reports, else FAILED with a retry attempt or a failed task).
 //! Time comes from the injected clock; tests call `tick` directly instead of sleeping.
 
 use std::sync::Arc;
@@ -12,6 +12,8 @@ use crate::db::{Db, DbError, DeadlineOutcome};
 
 /// Rounds closed per tick at most, so one tick never holds the database for long.
 const ROUNDS_PER_TICK: u32 = 256;
+/// Assignments timed out per tick at most (one transaction).
+const ASSIGNMENTS_PER_TICK: u32 = 1000;
 
 #[derive(Debug, Clone)]
 pub struct Scheduler {
@@ -22,6 +24,7 @@ pub struct Scheduler {
 /// What one tick did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TickSummary {
+    pub assignments_timed_out: usize,
     pub aggregating: usize,
     pub retried: usize,
     pub tasks_failed: usize,
@@ -35,7 +38,17 @@ impl Scheduler {
     /// One pass over every round whose deadline has passed.
     pub async fn tick(&self) -> Result<TickSummary, DbError> {
         let now = self.clock.now_millis();
-        let mut summary = TickSummary::default();
+        let mut summary = TickSummary {
+            assignments_timed_out: self
+                .db
+                .expire_assignments(now, ASSIGNMENTS_PER_TICK)
+                .await?,
+            ..TickSummary::default()
+        };
+        if summary.assignments_timed_out > 0 {
+            metrics::counter!("confed_assignments_timed_out_total")
+                .increment(summary.assignments_timed_out as u64);
+        }
         for round_id in self.db.rounds_past_deadline(now, ROUNDS_PER_TICK).await? {
             let outcome = self.db.close_round_at_deadline(&round_id, now).await?;
             match &outcome {

@@ -15,7 +15,11 @@ use crate::auth::AdminToken;
 use crate::blob::{BlobError, LocalBlobStore};
 use crate::clock::{Clock, SystemClock};
 use crate::db::{Db, DbError, NewTenant};
+use crate::keys::directory::KeyDirectory;
 use crate::scheduler::Scheduler;
+
+/// How often the key services' key sets are fetched again.
+const KEY_REFRESH: Duration = Duration::from_secs(60);
 
 /// How long in-flight requests may finish after a shutdown signal.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -29,6 +33,8 @@ pub struct TlsFiles {
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
     pub data_dir: PathBuf,
+    /// Key services whose signed key sets go into assignments (base URLs).
+    pub keyservices: Vec<String>,
     pub listen: SocketAddr,
     pub tls: Option<TlsFiles>,
     pub admin: Option<AdminToken>,
@@ -101,12 +107,22 @@ pub async fn serve(
         create_demo_tenant(&db, clock.now_millis()).await?;
     }
     let blobs = LocalBlobStore::open(config.data_dir.join("blobs"))?;
+    let keys = KeyDirectory::default();
+    if config.keyservices.is_empty() {
+        tracing::warn!(
+            "no --keyservice given: devices get no encryption key and are told to retry"
+        );
+    } else {
+        keys.spawn_refresh(config.keyservices.clone(), KEY_REFRESH);
+    }
     let state = AppState {
         db: db.clone(),
         blobs: Arc::new(blobs),
         clock: Arc::clone(&clock),
         admin: config.admin.clone(),
         limits: config.limits,
+        keys: keys.clone(),
+        registry: Default::default(),
     };
     let app = api::router(state);
 

@@ -3,6 +3,7 @@
 //! It also defines the cryptographic formats the front ends produce for it (HPKE use, shares,
 //! models), so both sides share one definition.
 
+pub mod envelope;
 pub mod hpke;
 pub mod http;
 pub mod key_collection;

@@ -39,6 +39,10 @@ pub enum ApiError {
     UnsupportedMediaType(String),
     #[error("{0}")]
     Unavailable(String),
+    #[error("{0}")]
+    Gone(String),
+    #[error("{0}")]
+    Unprocessable(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -98,6 +102,12 @@ impl ApiError {
                 StatusCode::SERVICE_UNAVAILABLE,
                 "unavailable",
                 "Unavailable",
+            ),
+            Self::Gone(_) => (StatusCode::GONE, "gone", "Gone"),
+            Self::Unprocessable(_) => (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "unprocessable",
+                "Unprocessable",
             ),
             Self::Internal(_) => (
                 StatusCode::INTERNAL_SERVER_ERROR,

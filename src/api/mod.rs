@@ -3,6 +3,7 @@
 //! drift.
 
 pub mod admin;
+pub mod devices;
 pub mod error;
 pub mod extract;
 pub mod models;
@@ -25,6 +26,8 @@ use crate::auth::AdminToken;
 use crate::blob::BlobStore;
 use crate::clock::{Clock, Millis};
 use crate::db::Db;
+use crate::keys::directory::KeyDirectory;
+use crate::registry::DeviceRegistry;
 
 /// Limits applied to every request.
 #[derive(Debug, Clone, Copy)]
@@ -56,6 +59,10 @@ pub struct AppState {
     /// `None` turns the admin API off.
     pub admin: Option<AdminToken>,
     pub limits: Limits,
+    /// The key services' signed key sets, for assignments.
+    pub keys: KeyDirectory,
+    /// Recent check-ins (soft state).
+    pub registry: Arc<DeviceRegistry>,
 }
 
 impl AppState {
@@ -72,6 +79,7 @@ impl AppState {
         (name = "tasks", description = "Partner tasks and rounds"),
         (name = "models", description = "Model versions"),
         (name = "admin", description = "Operator API (needs CONFED_ADMIN_TOKEN)"),
+        (name = "devices", description = "Task assignment for devices (no tenant token)"),
         (name = "operations", description = "Health, metrics, this document"),
     )
 )]
@@ -96,6 +104,13 @@ pub fn routes_and_openapi(limits: &Limits) -> (Router<AppState>, utoipa::openapi
     let model_upload = OpenApiRouter::new()
         .routes(routes!(models::put_model))
         .layer(DefaultBodyLimit::max(limits.model_bytes));
+    // A contribution is an update of the model's size plus the envelope; the per-task limit is
+    // checked in the handler.
+    let contribution_upload = OpenApiRouter::new()
+        .routes(routes!(devices::put_contribution))
+        .layer(DefaultBodyLimit::max(
+            limits.model_bytes + devices::CONTRIBUTION_SLACK_BYTES,
+        ));
     OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(tasks::create_task, tasks::list_tasks))
         .routes(routes!(tasks::get_task))
@@ -105,8 +120,12 @@ pub fn routes_and_openapi(limits: &Limits) -> (Router<AppState>, utoipa::openapi
         .routes(routes!(admin::create_tenant, admin::list_tenants))
         .routes(routes!(ops::healthz))
         .routes(routes!(ops::metrics_text))
+        .routes(routes!(devices::checkin))
+        .routes(routes!(devices::get_model))
+        .routes(routes!(devices::report))
         .layer(DefaultBodyLimit::max(limits.json_body_bytes))
         .merge(model_upload)
+        .merge(contribution_upload)
         .split_for_parts()
 }
 

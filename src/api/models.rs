@@ -79,9 +79,25 @@ pub async fn get_model(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let model = state.db.model(&tenant.id, &id, version).await?;
+    model_response(
+        &state,
+        &model,
+        &headers,
+        "private, max-age=31536000, immutable",
+    )
+    .await
+}
+
+/// A model version's bytes with a strong ETag (its SHA-256), or 304 when `If-None-Match` matches.
+pub async fn model_response(
+    state: &AppState,
+    model: &crate::db::ModelRecord,
+    headers: &HeaderMap,
+    cache_control: &'static str,
+) -> Result<Response, ApiError> {
     let etag = HeaderValue::from_str(&format!("\"{}\"", model.sha256_hex))
         .map_err(|e| ApiError::Internal(e.to_string()))?;
-    let cache = HeaderValue::from_static("private, max-age=31536000, immutable");
+    let cache = HeaderValue::from_static(cache_control);
     let matches = headers
         .get(header::IF_NONE_MATCH)
         .and_then(|v| v.to_str().ok())
@@ -96,7 +112,10 @@ pub async fn get_model(
         )
             .into_response());
     }
-    let bytes = state.blobs.get(&BlobKey::new(model.blob_key)?).await?;
+    let bytes = state
+        .blobs
+        .get(&BlobKey::new(model.blob_key.clone())?)
+        .await?;
     Ok((
         [
             (

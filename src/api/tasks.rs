@@ -29,6 +29,10 @@ pub struct TaskResponse {
     pub model_version: Option<i64>,
     pub created_at: String,
     pub updated_at: String,
+    /// Devices that checked in during the last 15 minutes and meet this task's version range and
+    /// constraints (only on `GET /v1/tasks/{id}`): why a round fills slowly.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recent_eligible_devices: Option<u64>,
     #[serde(flatten)]
     pub spec: TaskSpec,
 }
@@ -42,6 +46,7 @@ impl From<TaskRecord> for TaskResponse {
             model_version: task.model_version,
             created_at: rfc3339(task.created_at),
             updated_at: rfc3339(task.updated_at),
+            recent_eligible_devices: None,
             spec: task.spec,
         }
     }
@@ -194,7 +199,11 @@ pub async fn get_task(
     Tenant(tenant): Tenant,
     ApiPath(id): ApiPath<String>,
 ) -> Result<axum::Json<TaskResponse>, ApiError> {
-    Ok(axum::Json(state.db.task(&tenant.id, &id).await?.into()))
+    let task = state.db.task(&tenant.id, &id).await?;
+    let eligible = state.registry.eligible(&task.spec, state.now());
+    let mut response = TaskResponse::from(task);
+    response.recent_eligible_devices = Some(eligible);
+    Ok(axum::Json(response))
 }
 
 /// Cancel a task; assignment stops at once and its live round fails.

@@ -6,6 +6,7 @@
 //! transaction that reads before it writes never fails on a stale snapshot.
 
 mod assignments;
+pub mod device;
 mod error;
 mod history;
 mod models;

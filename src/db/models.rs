@@ -43,6 +43,31 @@ pub(crate) async fn insert(
 }
 
 impl Db {
+    /// One model version of any task (devices download models without a tenant token).
+    pub async fn model_of_task(&self, task_id: &str, version: i64) -> Result<ModelRecord, DbError> {
+        let row: Option<(String, String, i64, i64)> = sqlx::query_as(
+            "SELECT blob_key, sha256, size_bytes, created_at FROM models \
+             WHERE task_id = $1 AND version = $2",
+        )
+        .bind(task_id)
+        .bind(version)
+        .fetch_optional(self.pool())
+        .await?;
+        let (blob_key, sha256_hex, size_bytes, created_at) =
+            row.ok_or_else(|| DbError::NotFound {
+                entity: "model",
+                id: format!("{task_id}/{version}"),
+            })?;
+        Ok(ModelRecord {
+            task_id: task_id.to_string(),
+            version,
+            blob_key,
+            sha256_hex,
+            size_bytes,
+            created_at,
+        })
+    }
+
     /// One model version of one tenant's task.
     pub async fn model(
         &self,

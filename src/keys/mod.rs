@@ -3,6 +3,7 @@
 //! is wiped before it returns.
 
 pub mod ceremony;
+pub mod directory;
 pub mod files;
 pub mod trust;
 

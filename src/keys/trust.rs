@@ -75,3 +75,20 @@ pub fn accept_public_key(
         .map(|(key, _)| key)
         .ok_or(TrustError::NotEnoughSignatures { threshold, best })
 }
+
+/// Checks a key handed out in an assignment: T trusted signatures, active now. Returns the X25519
+/// public key to encrypt to.
+pub fn accept_device_key(
+    key: &super::directory::DeviceKey,
+    trusted: &[TrustedKeyService],
+    threshold: usize,
+    now: i64,
+) -> Result<confed_enclave::hpke::PublicKey, TrustError> {
+    use base64::Engine as _;
+    let accepted = accept_public_key(&key.signed_entries(), trusted, threshold, now)?;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(&accepted.public_key)
+        .ok()
+        .and_then(|bytes| confed_enclave::hpke::PublicKey::from_bytes(&bytes).ok())
+        .ok_or(TrustError::NotEnoughSignatures { threshold, best: 0 })
+}

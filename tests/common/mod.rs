@@ -23,7 +23,56 @@ pub struct TestApp {
     pub router: Router,
     pub db: Db,
     pub clock: Arc<ManualClock>,
+    /// A 2-of-2 task key signed by two test key services, as devices receive it.
+    pub key: TestKey,
     pub _dir: tempfile::TempDir,
+}
+
+pub struct TestKey {
+    pub key_id: String,
+    pub private_key: confed_enclave::hpke::PrivateKey,
+    pub trusted: Vec<confed::keys::trust::TrustedKeyService>,
+}
+
+/// Key sets of two key services vouching for one fresh key, valid around START_MILLIS.
+fn test_key() -> (TestKey, Vec<confed_attestation::exchange::KeySet>) {
+    use base64::Engine as _;
+    use confed_attestation::exchange::{
+        KeySet, SignedPublicKey, encode_verifying_key, generate_signing_key, sign_key,
+    };
+    let (private_key, public) = confed_enclave::hpke::generate_keypair();
+    let mut sets = Vec::new();
+    let mut trusted = Vec::new();
+    for id in ["ks1", "ks2"] {
+        let signing = generate_signing_key();
+        let mut entry = SignedPublicKey {
+            key_id: "ktest".into(),
+            suite: confed_enclave::hpke::SUITE.into(),
+            public_key: base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(public.0),
+            not_before: START_MILLIS / 1000 - 3600,
+            not_after: START_MILLIS / 1000 + 30 * 86_400,
+            threshold: 2,
+            shares: 2,
+            state: "active".into(),
+            signature: String::new(),
+        };
+        sign_key(&signing, id, &mut entry);
+        let verifying = encode_verifying_key(signing.verifying_key());
+        trusted.push(confed::keys::trust::TrustedKeyService::new(id, &verifying).unwrap());
+        sets.push(KeySet {
+            keyservice_id: id.into(),
+            verifying_key: verifying,
+            keys: vec![entry],
+        });
+    }
+    (
+        TestKey {
+            key_id: "ktest".into(),
+            private_key,
+            trusted,
+        },
+        sets,
+    )
 }
 
 pub struct Reply {
@@ -74,17 +123,21 @@ impl TestApp {
             .await
             .unwrap();
         let clock = Arc::new(ManualClock::starting_at(START_MILLIS));
+        let (key, key_sets) = test_key();
         let state = AppState {
             db: db.clone(),
             blobs: Arc::new(LocalBlobStore::open(dir.path().join("blobs")).unwrap()),
             clock: clock.clone(),
             admin: admin.map(|t| AdminToken::from_secret(t.to_string()).unwrap()),
             limits,
+            keys: confed::keys::directory::KeyDirectory::fixed(key_sets),
+            registry: Default::default(),
         };
         Self {
             router: api::router(state),
             db,
             clock,
+            key,
             _dir: dir,
         }
     }
@@ -145,6 +198,17 @@ impl TestApp {
             None => request.body(Body::empty()),
         };
         self.send(request.unwrap()).await
+    }
+
+    /// PUT raw bytes with a content type and no token (device uploads).
+    pub async fn put_raw(&self, path: &str, content_type: &str, bytes: Vec<u8>) -> Reply {
+        let request = Request::builder()
+            .method(Method::PUT)
+            .uri(path)
+            .header(header::CONTENT_TYPE, content_type)
+            .body(Body::from(bytes))
+            .unwrap();
+        self.send(request).await
     }
 
     pub async fn put_bytes(&self, path: &str, token: &str, bytes: Vec<u8>) -> Reply {

@@ -1,0 +1,242 @@
+//! The contribution envelope a device uploads: a CBOR map holding the key id, the HPKE
+//! encapsulated key and the ciphertext of the device's update (safetensors). The front end checks
+//! its shape and stores it; only the enclave opens it.
+//!
+//! ```text
+//! { "v": 1, "key_id": text, "enc": bytes(32), "ct": bytes }      (CBOR map, exactly these keys)
+//! info = "confed contribution v1" 0x00 key_id 0x00
+//! aad  = "confed contribution v1" 0x00 task_id 0x00 decimal(round) 0x00 assignment_id 0x00
+//! ```
+//!
+//! The associated data binds the task, round and assignment, so a ciphertext moved into another
+//! round or assignment does not open.
+
+use ciborium::Value;
+use thiserror::Error;
+use zeroize::Zeroizing;
+
+use crate::hpke::{self, HpkeError, PrivateKey, PublicKey};
+
+pub const LABEL: &str = "confed contribution v1";
+pub const VERSION: u64 = 1;
+/// Fixed CBOR overhead besides the key id and ciphertext (map header, keys, length prefixes).
+pub const OVERHEAD_BYTES: usize = 64;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum EnvelopeError {
+    #[error("not a CBOR envelope: {0}")]
+    Cbor(String),
+    #[error("the envelope must be a CBOR map with exactly the keys v, key_id, enc, ct: {0}")]
+    Shape(String),
+    #[error("unsupported envelope version {0}; this server accepts version 1")]
+    Version(u64),
+    #[error(transparent)]
+    Hpke(#[from] HpkeError),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Envelope {
+    pub key_id: String,
+    pub encapsulated_key: Vec<u8>,
+    pub ciphertext: Vec<u8>,
+}
+
+fn fields(parts: &[&str]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for part in parts {
+        out.extend_from_slice(part.as_bytes());
+        out.push(0);
+    }
+    out
+}
+
+pub fn info(key_id: &str) -> Vec<u8> {
+    fields(&[LABEL, key_id])
+}
+
+pub fn aad(task_id: &str, round: u64, assignment_id: &str) -> Vec<u8> {
+    fields(&[LABEL, task_id, &round.to_string(), assignment_id])
+}
+
+impl Envelope {
+    pub fn to_cbor(&self) -> Vec<u8> {
+        let map = Value::Map(vec![
+            (Value::Text("v".into()), Value::Integer(VERSION.into())),
+            (
+                Value::Text("key_id".into()),
+                Value::Text(self.key_id.clone()),
+            ),
+            (
+                Value::Text("enc".into()),
+                Value::Bytes(self.encapsulated_key.clone()),
+            ),
+            (
+                Value::Text("ct".into()),
+                Value::Bytes(self.ciphertext.clone()),
+            ),
+        ]);
+        let mut out =
+            Vec::with_capacity(self.ciphertext.len() + OVERHEAD_BYTES + self.key_id.len());
+        ciborium::into_writer(&map, &mut out).expect("writing CBOR to a Vec cannot fail");
+        out
+    }
+
+    /// Parses an envelope strictly: a map with exactly `v`, `key_id`, `enc` (32 bytes), `ct`.
+    pub fn from_cbor(bytes: &[u8]) -> Result<Self, EnvelopeError> {
+        let value: Value =
+            ciborium::from_reader(bytes).map_err(|e| EnvelopeError::Cbor(e.to_string()))?;
+        let Value::Map(entries) = value else {
+            return Err(EnvelopeError::Shape("the top level is not a map".into()));
+        };
+        let (mut version, mut key_id, mut enc, mut ct) = (None, None, None, None);
+        for (key, value) in entries {
+            let Value::Text(key) = key else {
+                return Err(EnvelopeError::Shape("a key is not text".into()));
+            };
+            let duplicate = match (key.as_str(), value) {
+                ("v", Value::Integer(v)) => version
+                    .replace(u64::try_from(v).unwrap_or(u64::MAX))
+                    .is_some(),
+                ("key_id", Value::Text(t)) => key_id.replace(t).is_some(),
+                ("enc", Value::Bytes(b)) => enc.replace(b).is_some(),
+                ("ct", Value::Bytes(b)) => ct.replace(b).is_some(),
+                (name @ ("v" | "key_id" | "enc" | "ct"), _) => {
+                    return Err(EnvelopeError::Shape(format!("`{name}` has the wrong type")));
+                }
+                (other, _) => return Err(EnvelopeError::Shape(format!("unknown key `{other}`"))),
+            };
+            if duplicate {
+                return Err(EnvelopeError::Shape(format!("`{key}` appears twice")));
+            }
+        }
+        let missing = |name: &str| EnvelopeError::Shape(format!("`{name}` is missing"));
+        let version = version.ok_or_else(|| missing("v"))?;
+        if version != VERSION {
+            return Err(EnvelopeError::Version(version));
+        }
+        let encapsulated_key = enc.ok_or_else(|| missing("enc"))?;
+        if encapsulated_key.len() != hpke::KEY_BYTES {
+            return Err(EnvelopeError::Shape("`enc` must be 32 bytes".into()));
+        }
+        let ciphertext = ct.ok_or_else(|| missing("ct"))?;
+        if ciphertext.len() < 16 {
+            return Err(EnvelopeError::Shape(
+                "`ct` is shorter than an AEAD tag".into(),
+            ));
+        }
+        Ok(Self {
+            key_id: key_id.ok_or_else(|| missing("key_id"))?,
+            encapsulated_key,
+            ciphertext,
+        })
+    }
+}
+
+/// Seals a device's update (safetensors bytes) for one assignment.
+pub fn seal(
+    public_key: &PublicKey,
+    key_id: &str,
+    task_id: &str,
+    round: u64,
+    assignment_id: &str,
+    update: &[u8],
+) -> Result<Envelope, EnvelopeError> {
+    let (encapsulated_key, ciphertext) = hpke::seal(
+        public_key,
+        &info(key_id),
+        &aad(task_id, round, assignment_id),
+        update,
+    )?;
+    Ok(Envelope {
+        key_id: key_id.to_string(),
+        encapsulated_key,
+        ciphertext,
+    })
+}
+
+/// Opens an envelope for the task, round and assignment it was stored under (enclave only).
+pub fn open(
+    private_key: &PrivateKey,
+    envelope: &Envelope,
+    task_id: &str,
+    round: u64,
+    assignment_id: &str,
+) -> Result<Zeroizing<Vec<u8>>, EnvelopeError> {
+    Ok(hpke::open(
+        private_key,
+        &envelope.encapsulated_key,
+        &info(&envelope.key_id),
+        &aad(task_id, round, assignment_id),
+        &envelope.ciphertext,
+    )?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sealed_update_opens_only_for_its_assignment_and_round() {
+        let (private, public) = hpke::generate_keypair();
+        let envelope = seal(&public, "k1", "task", 3, "a1", b"update bytes").unwrap();
+        let parsed = Envelope::from_cbor(&envelope.to_cbor()).unwrap();
+        assert_eq!(parsed, envelope);
+        assert_eq!(
+            open(&private, &parsed, "task", 3, "a1").unwrap().as_slice(),
+            b"update bytes"
+        );
+        for (task, round, assignment) in [("task", 4, "a1"), ("other", 3, "a1"), ("task", 3, "a2")]
+        {
+            assert!(
+                open(&private, &parsed, task, round, assignment).is_err(),
+                "{task}/{round}/{assignment}"
+            );
+        }
+    }
+
+    #[test]
+    fn malformed_envelopes_say_what_is_wrong() {
+        let good = Envelope {
+            key_id: "k1".into(),
+            encapsulated_key: vec![1; 32],
+            ciphertext: vec![2; 40],
+        };
+        let build = |entries: Vec<(Value, Value)>| {
+            let mut out = Vec::new();
+            ciborium::into_writer(&Value::Map(entries), &mut out).unwrap();
+            out
+        };
+        let t = |s: &str| Value::Text(s.into());
+        let cases: Vec<(Vec<u8>, &str)> = vec![
+            (b"\xff\xff".to_vec(), "not a CBOR"),
+            (build(vec![]), "`v` is missing"),
+            (build(vec![(t("v"), Value::Integer(2.into()))]), "version 2"),
+            (build(vec![(t("v"), t("1"))]), "wrong type"),
+            (
+                build(vec![(t("v"), Value::Integer(1.into())), (t("x"), t("y"))]),
+                "unknown key `x`",
+            ),
+            (
+                build(vec![
+                    (t("v"), Value::Integer(1.into())),
+                    (t("key_id"), t("k")),
+                    (t("enc"), Value::Bytes(vec![1; 31])),
+                    (t("ct"), Value::Bytes(vec![0; 20])),
+                ]),
+                "32 bytes",
+            ),
+            (
+                build(vec![
+                    (t("v"), Value::Integer(1.into())),
+                    (t("v"), Value::Integer(1.into())),
+                ]),
+                "twice",
+            ),
+        ];
+        for (bytes, expected) in cases {
+            let error = Envelope::from_cbor(&bytes).unwrap_err().to_string();
+            assert!(error.contains(expected), "{expected}: {error}");
+        }
+        assert!(Envelope::from_cbor(&good.to_cbor()).is_ok());
+    }
+}

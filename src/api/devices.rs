@@ -1,0 +1,443 @@
+//! Task assignment for devices: check-in, model download, contribution upload, report. Devices
+//! carry no tenant token; an assignment id is a one-time capability (256 random bits) and the
+//! database stores only its hash.
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use confed_enclave::envelope::Envelope;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use utoipa::ToSchema;
+
+use super::AppState;
+use super::error::{ApiError, Problem};
+use super::extract::{ApiBytes, ApiJson, ApiPath};
+use crate::blob::BlobKey;
+use crate::db::device::{Refusal, ReportOutcome, Stored};
+use crate::keys::KeyState;
+use crate::keys::directory::DeviceKey;
+use crate::registry::{Attributes, Mismatch, fits};
+use crate::states::{AssignmentState, StateMachine};
+use crate::task_spec::{parse_version, valid_population};
+
+/// Room above the model's size for the safetensors header of an update and the envelope.
+pub const CONTRIBUTION_SLACK_BYTES: usize = 64 * 1024;
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CheckinRequest {
+    /// Dotted numeric version of the device's client, e.g. `"1.4.0"`.
+    pub client_version: String,
+    /// Public attributes the server matches against task constraints (e.g. os, ram_gb, charging).
+    #[serde(default)]
+    #[schema(value_type = Object)]
+    pub attributes: Attributes,
+}
+
+/// A device's assignment (201).
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct AssignmentResponse {
+    /// One-time capability; keep it secret, use it in the URLs below.
+    pub assignment_id: String,
+    pub task_id: String,
+    pub round: i64,
+    /// Unix seconds; uploads and reports after it are refused (410).
+    pub expires_at: i64,
+    #[schema(value_type = Object)]
+    pub plan: serde_json::Value,
+    pub model_version: i64,
+    /// Path relative to the server's base URL.
+    pub model_url: String,
+    /// The key to seal the update to, with the key services' signatures: use it only if at least
+    /// T key services the device trusts signed it.
+    pub encryption: DeviceKey,
+    pub upload_url: String,
+    pub report_url: String,
+    /// Largest envelope the upload accepts.
+    pub max_contribution_bytes: u64,
+}
+
+/// When the device should ask again, and why nothing was assigned (200).
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct RetryResponse {
+    pub retry_window: RetryWindow,
+    /// `no_task`, `round_full`, `version_mismatch`, `constraints_not_met` or `no_encryption_key`.
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema)]
+pub struct RetryWindow {
+    pub min_seconds: u32,
+    pub max_seconds: u32,
+}
+
+fn retry(reason: &str, min_seconds: u32, max_seconds: u32) -> Response {
+    metrics::counter!("confed_checkins_total", "outcome" => reason.to_string()).increment(1);
+    (
+        StatusCode::OK,
+        axum::Json(RetryResponse {
+            retry_window: RetryWindow {
+                min_seconds,
+                max_seconds,
+            },
+            reason: reason.to_string(),
+        }),
+    )
+        .into_response()
+}
+
+/// Ask for an assignment in a population.
+#[utoipa::path(post, path = "/v1/populations/{population}/checkin", tag = "devices",
+    params(("population" = String, Path, description = "Device population")),
+    request_body = CheckinRequest,
+    responses(
+        (status = 201, description = "Assigned", body = AssignmentResponse),
+        (status = 200, description = "Nothing to do now; retry within the window", body = RetryResponse),
+        (status = 400, description = "Bad population or client version", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn checkin(
+    State(state): State<AppState>,
+    ApiPath(population): ApiPath<String>,
+    ApiJson(request): ApiJson<CheckinRequest>,
+) -> Result<Response, ApiError> {
+    if !valid_population(&population) {
+        return Err(ApiError::BadRequest(
+            "the population must be 1-128 of A-Z a-z 0-9 . _ -".into(),
+        ));
+    }
+    let version = parse_version(&request.client_version).ok_or_else(|| {
+        ApiError::BadRequest(format!(
+            "`client_version` must be a dotted numeric version like \"1.4.0\" (got {:?})",
+            request.client_version
+        ))
+    })?;
+    let now = state.now();
+    state.registry.record(
+        &population,
+        version.clone(),
+        request.attributes.clone(),
+        now,
+    );
+
+    let candidates = state.db.checkin_candidates(&population).await?;
+    if candidates.is_empty() {
+        return Ok(retry("no_task", 300, 600));
+    }
+    let mut mismatches = Vec::new();
+    let mut fitting: Vec<_> = candidates
+        .into_iter()
+        .filter(|c| match fits(&c.spec, &version, &request.attributes) {
+            Ok(()) => true,
+            Err(why) => {
+                mismatches.push(why);
+                false
+            }
+        })
+        .collect();
+    if fitting.is_empty() {
+        return Ok(if mismatches.contains(&Mismatch::Constraints) {
+            retry("constraints_not_met", 600, 1200)
+        } else {
+            retry("version_mismatch", 3600, 7200)
+        });
+    }
+    // Fair between tasks (and so tenants): the least-filled round first, then the earliest deadline.
+    fitting.sort_by(|a, b| {
+        let fill = |c: &crate::db::device::Candidate| {
+            c.live as f64 / c.spec.max_live_assignments().max(1) as f64
+        };
+        fill(a)
+            .total_cmp(&fill(b))
+            .then(a.deadline_at.cmp(&b.deadline_at))
+    });
+    let now_seconds = now.div_euclid(1000);
+    let mut keyless = false;
+    for candidate in fitting {
+        let capacity = candidate.spec.max_live_assignments();
+        if candidate.live as u64 >= capacity {
+            continue;
+        }
+        let key = match &candidate.key_id {
+            Some(key_id) => state.keys.key(key_id),
+            None => state.keys.current_key(now_seconds),
+        };
+        let Some(key) = key else {
+            keyless = true;
+            continue;
+        };
+        let capability = URL_SAFE_NO_PAD.encode(
+            crate::auth::random_bytes::<32>().map_err(|e| ApiError::Internal(e.to_string()))?,
+        );
+        let timeout = i64::from(candidate.spec.assignment_timeout_seconds) * 1000;
+        let expires_at = (now + timeout).min(candidate.deadline_at);
+        let Some(assigned) = state
+            .db
+            .assign(
+                &candidate.round_id,
+                capacity,
+                &capability,
+                expires_at,
+                &key.key_id,
+                now,
+            )
+            .await?
+        else {
+            continue;
+        };
+        // The round's key was fixed by an earlier check-in if it differs from the one we offered.
+        let key = if assigned.key_id == key.key_id {
+            key
+        } else {
+            match state.keys.key(&assigned.key_id) {
+                Some(key) => key,
+                None => continue,
+            }
+        };
+        metrics::counter!("confed_checkins_total", "outcome" => "assigned").increment(1);
+        let max_contribution_bytes = contribution_limit(
+            state
+                .db
+                .model_of_task(&candidate.task_id, candidate.model_version)
+                .await?
+                .size_bytes,
+        );
+        return Ok((
+            StatusCode::CREATED,
+            axum::Json(AssignmentResponse {
+                model_url: format!(
+                    "/v1/models/{}/{}",
+                    candidate.task_id, candidate.model_version
+                ),
+                upload_url: format!("/v1/assignments/{capability}/contribution"),
+                report_url: format!("/v1/assignments/{capability}/report"),
+                assignment_id: capability,
+                task_id: candidate.task_id,
+                round: candidate.round_number,
+                expires_at: assigned.expires_at.div_euclid(1000),
+                plan: candidate.spec.plan,
+                model_version: candidate.model_version,
+                encryption: key,
+                max_contribution_bytes,
+            }),
+        )
+            .into_response());
+    }
+    Ok(if keyless {
+        tracing::warn!(%population, "a round has no signed encryption key; check the key services");
+        retry("no_encryption_key", 60, 120)
+    } else {
+        retry("round_full", 60, 120)
+    })
+}
+
+/// Largest envelope accepted for a task whose model has `model_bytes` bytes.
+pub fn contribution_limit(model_bytes: i64) -> u64 {
+    model_bytes.max(0) as u64 + CONTRIBUTION_SLACK_BYTES as u64
+}
+
+/// Download a model version: immutable, strong ETag, cacheable; 304 on `If-None-Match`.
+#[utoipa::path(get, path = "/v1/models/{task_id}/{version}", tag = "devices",
+    params(("task_id" = String, Path, description = "Task id"), ("version" = i64, Path, description = "Model version")),
+    responses(
+        (status = 200, description = "safetensors bytes", body = Vec<u8>, content_type = "application/octet-stream"),
+        (status = 304, description = "Matches `If-None-Match`"),
+        (status = 404, description = "No such model", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn get_model(
+    State(state): State<AppState>,
+    ApiPath((task_id, version)): ApiPath<(String, i64)>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let model = state.db.model_of_task(&task_id, version).await?;
+    super::models::model_response(
+        &state,
+        &model,
+        &headers,
+        "public, max-age=31536000, immutable",
+    )
+    .await
+}
+
+fn refusal(refusal: Refusal) -> ApiError {
+    match refusal {
+        Refusal::UnknownAssignment => {
+            ApiError::NotFound("no such assignment; check in again".into())
+        }
+        Refusal::Expired => ApiError::Gone("the assignment expired; check in again".into()),
+        Refusal::RoundClosed => ApiError::Gone("the round is closed; check in again".into()),
+        Refusal::DifferentBytes => ApiError::Conflict(
+            "this assignment already holds a different contribution; an assignment takes one"
+                .into(),
+        ),
+        Refusal::NotUploaded => {
+            ApiError::Conflict("upload the contribution before reporting completion".into())
+        }
+        Refusal::Finished(state) => {
+            ApiError::Conflict(format!("the assignment is already {}", state.as_str()))
+        }
+    }
+}
+
+/// Upload the sealed contribution (CBOR envelope). 201 once durable; 200 for the same bytes again.
+#[utoipa::path(put, path = "/v1/assignments/{assignment_id}/contribution", tag = "devices",
+    params(("assignment_id" = String, Path, description = "Assignment capability")),
+    request_body(content = Vec<u8>, content_type = "application/cbor", description = "contribution envelope"),
+    responses(
+        (status = 201, description = "Stored durably"),
+        (status = 200, description = "The same bytes were already stored"),
+        (status = 400, description = "Malformed envelope", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "Unknown assignment", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "Different bytes for a used assignment", body = Problem, content_type = "application/problem+json"),
+        (status = 410, description = "Assignment expired or round closed", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Too large for the task's model", body = Problem, content_type = "application/problem+json"),
+        (status = 415, description = "Not application/cbor", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Key id unknown or not the round's key", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn put_contribution(
+    State(state): State<AppState>,
+    ApiPath(capability): ApiPath<String>,
+    headers: HeaderMap,
+    ApiBytes(body): ApiBytes,
+) -> Result<StatusCode, ApiError> {
+    let now = state.now();
+    let assignment = state
+        .db
+        .assignment(&capability)
+        .await?
+        .ok_or_else(|| refusal(Refusal::UnknownAssignment))?;
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    if !content_type.starts_with("application/cbor") {
+        return Err(ApiError::UnsupportedMediaType(
+            "send the envelope as `Content-Type: application/cbor`".into(),
+        ));
+    }
+    let limit = contribution_limit(assignment.model_bytes);
+    if body.len() as u64 > limit {
+        return Err(ApiError::PayloadTooLarge(format!(
+            "the envelope is {} bytes; this task accepts at most {limit}",
+            body.len()
+        )));
+    }
+    let parsed = Envelope::from_cbor(&body).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    let round_key = assignment.key_id.as_deref().unwrap_or("");
+    if parsed.key_id != round_key {
+        return Err(ApiError::Unprocessable(format!(
+            "key id {:?} is not this round's key {round_key:?}; seal to the key in the assignment",
+            parsed.key_id
+        )));
+    }
+    match state.keys.key(round_key) {
+        Some(key)
+            if KeyState::at(key.not_before, key.not_after, now.div_euclid(1000))
+                != KeyState::Pending => {}
+        _ => {
+            return Err(ApiError::Unprocessable(format!(
+                "key {round_key:?} is unknown or not active"
+            )));
+        }
+    }
+    let digest: String = Sha256::digest(&body)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    if assignment.contribution_sha256.is_none()
+        && let Some(closed) = closed_for_upload(&assignment, now)
+    {
+        return Err(refusal(closed));
+    }
+    let key = BlobKey::new(format!(
+        "tenants/{}/tasks/{}/rounds/{}-{}/contributions/{}.cbor",
+        assignment.tenant_id,
+        assignment.task_id,
+        assignment.round_number,
+        assignment.attempt,
+        assignment.id
+    ))?;
+    match state.blobs.put(&key, &body).await {
+        Ok(_) => {}
+        Err(crate::blob::BlobError::Conflict(_)) => return Err(refusal(Refusal::DifferentBytes)),
+        Err(other) => return Err(other.into()),
+    }
+    match state
+        .db
+        .record_upload(&capability, &digest, body.len() as i64, key.as_str(), now)
+        .await?
+    {
+        Ok(Stored::New) => {
+            metrics::counter!("confed_contributions_total", "outcome" => "stored").increment(1);
+            Ok(StatusCode::CREATED)
+        }
+        Ok(Stored::Again) => Ok(StatusCode::OK),
+        Err(why) => Err(refusal(why)),
+    }
+}
+
+fn closed_for_upload(a: &crate::db::device::AssignmentView, now: i64) -> Option<Refusal> {
+    if a.round_state != crate::states::RoundState::Collecting {
+        Some(Refusal::RoundClosed)
+    } else if now >= a.expires_at || a.state == AssignmentState::TimedOut {
+        Some(Refusal::Expired)
+    } else if a.state != AssignmentState::Assigned {
+        Some(Refusal::Finished(a.state))
+    } else {
+        None
+    }
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    Completed,
+    Failed,
+    NotEligible,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReportRequest {
+    pub outcome: Outcome,
+    /// What went wrong, for `failed` (at most 1000 characters are kept).
+    #[serde(default)]
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct ReportResponse {
+    pub state: AssignmentState,
+}
+
+/// Report the assignment's outcome. `completed` needs the contribution uploaded first.
+#[utoipa::path(post, path = "/v1/assignments/{assignment_id}/report", tag = "devices",
+    params(("assignment_id" = String, Path, description = "Assignment capability")),
+    request_body = ReportRequest,
+    responses(
+        (status = 200, description = "Recorded (also when the same report repeats)", body = ReportResponse),
+        (status = 400, body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "Unknown assignment", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "Not uploaded yet, or already finished otherwise", body = Problem, content_type = "application/problem+json"),
+        (status = 410, description = "Expired or round closed", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn report(
+    State(state): State<AppState>,
+    ApiPath(capability): ApiPath<String>,
+    ApiJson(request): ApiJson<ReportRequest>,
+) -> Result<axum::Json<ReportResponse>, ApiError> {
+    let outcome = match request.outcome {
+        Outcome::Completed => ReportOutcome::Completed,
+        Outcome::Failed => ReportOutcome::Failed,
+        Outcome::NotEligible => ReportOutcome::NotEligible,
+    };
+    let recorded = state
+        .db
+        .record_report(&capability, outcome, request.error.as_deref(), state.now())
+        .await?
+        .map_err(refusal)?;
+    metrics::counter!("confed_reports_total", "state" => recorded.as_str()).increment(1);
+    Ok(axum::Json(ReportResponse { state: recorded }))
+}

@@ -1,0 +1,404 @@
+//! The device protocol's database operations: assigning devices to rounds without over-filling
+//! them, recording uploads idempotently, reports, the round goal, and assignment expiry.
+
+use sha2::{Digest, Sha256};
+
+use super::{Conn, Db, DbError, history, parse_state, rounds, transition};
+use crate::states::{AssignmentState, RoundState, StateMachine};
+use crate::task_spec::TaskSpec;
+
+/// States whose assignments hold a slot of the round's capacity.
+const LIVE: &str = "('ASSIGNED', 'UPLOADED', 'COMPLETED')";
+
+/// A collecting round a device of the population might join.
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    pub round_id: String,
+    pub task_id: String,
+    pub tenant_id: String,
+    pub round_number: i64,
+    pub deadline_at: i64,
+    pub key_id: Option<String>,
+    pub model_version: i64,
+    pub live: i64,
+    pub spec: TaskSpec,
+}
+
+/// A new assignment.
+#[derive(Debug, Clone)]
+pub struct Assigned {
+    pub key_id: String,
+    pub expires_at: i64,
+}
+
+/// An assignment as the upload and report routes see it.
+#[derive(Debug, Clone)]
+pub struct AssignmentView {
+    pub id: String,
+    pub state: AssignmentState,
+    pub expires_at: i64,
+    pub round_id: String,
+    pub round_state: RoundState,
+    pub round_number: i64,
+    pub attempt: i64,
+    pub key_id: Option<String>,
+    pub task_id: String,
+    pub tenant_id: String,
+    pub contribution_sha256: Option<String>,
+    /// Size of the task's current model: an update has the same tensors, so about the same size.
+    pub model_bytes: i64,
+    pub spec: TaskSpec,
+}
+
+/// Why a device's request cannot be applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    UnknownAssignment,
+    Expired,
+    RoundClosed,
+    DifferentBytes,
+    NotUploaded,
+    Finished(AssignmentState),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stored {
+    New,
+    Again,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReportOutcome {
+    Completed,
+    Failed,
+    NotEligible,
+}
+
+impl ReportOutcome {
+    fn target(self) -> AssignmentState {
+        match self {
+            Self::Completed => AssignmentState::Completed,
+            Self::Failed => AssignmentState::Failed,
+            Self::NotEligible => AssignmentState::Rejected,
+        }
+    }
+}
+
+/// The database id of an assignment: SHA-256 (hex) of the capability the device holds.
+pub fn assignment_key(capability: &str) -> String {
+    Sha256::digest(capability.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+type CandidateRow = (
+    String,
+    String,
+    String,
+    i64,
+    i64,
+    Option<String>,
+    Option<i64>,
+    i64,
+    String,
+);
+type ViewRow = (
+    String,
+    String,
+    i64,
+    String,
+    String,
+    i64,
+    i64,
+    Option<String>,
+    String,
+    String,
+    Option<String>,
+    String,
+    Option<i64>,
+);
+
+async fn view(conn: &mut Conn, id: &str) -> Result<Option<AssignmentView>, DbError> {
+    let row: Option<ViewRow> = sqlx::query_as(
+        "SELECT a.id, a.state, a.expires_at, r.id, r.state, r.round_number, r.attempt, r.key_id, \
+         t.id, t.tenant_id, a.contribution_sha256, t.spec_json, \
+         (SELECT m.size_bytes FROM models m WHERE m.task_id = t.id AND m.version = t.model_version) \
+         FROM assignments a JOIN rounds r ON r.id = a.round_id JOIN tasks t ON t.id = r.task_id \
+         WHERE a.id = $1",
+    )
+    .bind(id)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(r) = row else { return Ok(None) };
+    Ok(Some(AssignmentView {
+        id: r.0,
+        state: parse_state(&r.1)?,
+        expires_at: r.2,
+        round_id: r.3,
+        round_state: parse_state(&r.4)?,
+        round_number: r.5,
+        attempt: r.6,
+        key_id: r.7,
+        task_id: r.8,
+        tenant_id: r.9,
+        contribution_sha256: r.10,
+        model_bytes: r.12.unwrap_or(0),
+        spec: serde_json::from_str(&r.11)
+            .map_err(|e| DbError::Corrupt(format!("task spec: {e}")))?,
+    }))
+}
+
+impl Db {
+    /// Collecting rounds of open tasks in a population, with how many live assignments each has.
+    pub async fn checkin_candidates(&self, population: &str) -> Result<Vec<Candidate>, DbError> {
+        let sql = format!(
+            "SELECT r.id, t.id, t.tenant_id, r.round_number, r.deadline_at, r.key_id, t.model_version, \
+             (SELECT COUNT(*) FROM assignments a WHERE a.round_id = r.id AND a.state IN {LIVE}), t.spec_json \
+             FROM rounds r JOIN tasks t ON t.id = r.task_id \
+             WHERE t.population = $1 AND t.state = 'OPEN' AND r.state = 'COLLECTING'"
+        );
+        let rows: Vec<CandidateRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(population)
+            .fetch_all(self.pool())
+            .await?;
+        rows.into_iter()
+            .map(|r| {
+                Ok(Candidate {
+                    round_id: r.0,
+                    task_id: r.1,
+                    tenant_id: r.2,
+                    round_number: r.3,
+                    deadline_at: r.4,
+                    key_id: r.5,
+                    model_version: r.6.unwrap_or(0),
+                    live: r.7,
+                    spec: serde_json::from_str(&r.8)
+                        .map_err(|e| DbError::Corrupt(format!("task spec: {e}")))?,
+                })
+            })
+            .collect()
+    }
+
+    /// Takes a slot of a collecting round, or `None` if the round is full or no longer collecting.
+    /// The round row is locked first, so concurrent check-ins can never exceed `capacity`. The
+    /// round's key is fixed by its first assignment (`key_if_unset`).
+    pub async fn assign(
+        &self,
+        round_id: &str,
+        capacity: u64,
+        capability: &str,
+        expires_at: i64,
+        key_if_unset: &str,
+        now: i64,
+    ) -> Result<Option<Assigned>, DbError> {
+        let mut tx = self.begin_write().await?;
+        let locked: Option<Option<String>> = sqlx::query_scalar(
+            "UPDATE rounds SET key_id = COALESCE(key_id, $2) WHERE id = $1 AND state = 'COLLECTING' \
+             RETURNING key_id",
+        )
+        .bind(round_id)
+        .bind(key_if_unset)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(Some(key_id)) = locked else {
+            return Ok(None);
+        };
+        let sql =
+            format!("SELECT COUNT(*) FROM assignments WHERE round_id = $1 AND state IN {LIVE}");
+        let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            .bind(round_id)
+            .fetch_one(&mut *tx)
+            .await?;
+        if live as u64 >= capacity {
+            return Ok(None);
+        }
+        let id = assignment_key(capability);
+        sqlx::query(
+            "INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
+             VALUES ($1, $2, $3, $4, $5, $5)",
+        )
+        .bind(&id)
+        .bind(round_id)
+        .bind(AssignmentState::Assigned.as_str())
+        .bind(expires_at)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        history::append(
+            &mut tx,
+            "assignment",
+            &id,
+            None,
+            AssignmentState::Assigned.as_str(),
+            "device checked in",
+            now,
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(Some(Assigned { key_id, expires_at }))
+    }
+
+    /// The assignment a capability names, with its round and task.
+    pub async fn assignment(&self, capability: &str) -> Result<Option<AssignmentView>, DbError> {
+        let mut conn = self.pool().acquire().await?;
+        view(&mut conn, &assignment_key(capability)).await
+    }
+
+    /// Records a stored contribution (ASSIGNED -> UPLOADED). The same bytes again are accepted
+    /// (`Stored::Again`); different bytes for a used assignment are refused.
+    pub async fn record_upload(
+        &self,
+        capability: &str,
+        sha256_hex: &str,
+        size: i64,
+        blob_key: &str,
+        now: i64,
+    ) -> Result<Result<Stored, Refusal>, DbError> {
+        let mut tx = self.begin_write().await?;
+        let Some(a) = view(&mut tx, &assignment_key(capability)).await? else {
+            return Ok(Err(Refusal::UnknownAssignment));
+        };
+        if let Some(stored) = &a.contribution_sha256 {
+            return Ok(if stored == sha256_hex {
+                Ok(Stored::Again)
+            } else {
+                Err(Refusal::DifferentBytes)
+            });
+        }
+        if let Some(refusal) = closed(&a, now) {
+            return Ok(Err(refusal));
+        }
+        sqlx::query(
+            "UPDATE assignments SET contribution_sha256 = $1, contribution_bytes = $2, blob_key = $3 \
+             WHERE id = $4",
+        )
+        .bind(sha256_hex)
+        .bind(size)
+        .bind(blob_key)
+        .bind(&a.id)
+        .execute(&mut *tx)
+        .await?;
+        transition(
+            &mut tx,
+            &a.id,
+            AssignmentState::Assigned,
+            AssignmentState::Uploaded,
+            "contribution stored",
+            now,
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(Ok(Stored::New))
+    }
+
+    /// Applies a device's report. A completed report that reaches the round's goal moves the round
+    /// to AGGREGATING in the same transaction. Repeating the same report is accepted.
+    pub async fn record_report(
+        &self,
+        capability: &str,
+        outcome: ReportOutcome,
+        device_error: Option<&str>,
+        now: i64,
+    ) -> Result<Result<AssignmentState, Refusal>, DbError> {
+        let mut tx = self.begin_write().await?;
+        let Some(a) = view(&mut tx, &assignment_key(capability)).await? else {
+            return Ok(Err(Refusal::UnknownAssignment));
+        };
+        let target = outcome.target();
+        if a.state == target {
+            return Ok(Ok(target));
+        }
+        if a.state.is_terminal() {
+            return Ok(Err(Refusal::Finished(a.state)));
+        }
+        if outcome == ReportOutcome::Completed && a.state != AssignmentState::Uploaded {
+            return Ok(Err(Refusal::NotUploaded));
+        }
+        if let Some(refusal) = closed(&a, now) {
+            return Ok(Err(refusal));
+        }
+        if let Some(error) = device_error {
+            sqlx::query("UPDATE assignments SET device_error = $1 WHERE id = $2")
+                .bind(error.chars().take(1000).collect::<String>())
+                .bind(&a.id)
+                .execute(&mut *tx)
+                .await?;
+        }
+        let reason = match outcome {
+            ReportOutcome::Completed => "device reported completion",
+            ReportOutcome::Failed => "device reported failure",
+            ReportOutcome::NotEligible => "device found itself not eligible",
+        };
+        transition(&mut tx, &a.id, a.state, target, reason, now).await?;
+        if outcome == ReportOutcome::Completed {
+            close_round_at_goal(&mut tx, &a.round_id, now).await?;
+        }
+        tx.commit().await?;
+        Ok(Ok(target))
+    }
+
+    /// Times out assignments past their expiry (ASSIGNED or UPLOADED but not reported), freeing
+    /// their slots. Returns how many.
+    pub async fn expire_assignments(&self, now: i64, limit: u32) -> Result<usize, DbError> {
+        let mut tx = self.begin_write().await?;
+        let due: Vec<(String, String)> = sqlx::query_as(
+            "SELECT id, state FROM assignments WHERE state IN ('ASSIGNED', 'UPLOADED') \
+             AND expires_at <= $1 ORDER BY expires_at LIMIT $2",
+        )
+        .bind(now)
+        .bind(i64::from(limit))
+        .fetch_all(&mut *tx)
+        .await?;
+        for (id, state) in &due {
+            let from: AssignmentState = parse_state(state)?;
+            transition(
+                &mut tx,
+                id,
+                from,
+                AssignmentState::TimedOut,
+                "assignment expired",
+                now,
+            )
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(due.len())
+    }
+}
+
+/// Whether the assignment can no longer take uploads or reports.
+fn closed(a: &AssignmentView, now: i64) -> Option<Refusal> {
+    if a.round_state != RoundState::Collecting {
+        Some(Refusal::RoundClosed)
+    } else if now >= a.expires_at || a.state == AssignmentState::TimedOut {
+        Some(Refusal::Expired)
+    } else if a.state.is_terminal() {
+        Some(Refusal::Finished(a.state))
+    } else {
+        None
+    }
+}
+
+async fn close_round_at_goal(conn: &mut Conn, round_id: &str, now: i64) -> Result<(), DbError> {
+    let (goal, completed): (i64, i64) = sqlx::query_as(
+        "SELECT r.report_goal, (SELECT COUNT(*) FROM assignments a WHERE a.round_id = r.id \
+         AND a.state = 'COMPLETED') FROM rounds r WHERE r.id = $1",
+    )
+    .bind(round_id)
+    .fetch_one(&mut *conn)
+    .await?;
+    if completed >= goal {
+        let reason = format!("report goal {goal} reached");
+        rounds::close(
+            conn,
+            round_id,
+            RoundState::Collecting,
+            RoundState::Aggregating,
+            &reason,
+            now,
+        )
+        .await?;
+    }
+    Ok(())
+}

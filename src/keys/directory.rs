@@ -1,0 +1,174 @@
+//! The front end's view of the key services: their signed key sets, fetched at start and
+//! refreshed periodically. Assignments carry the round's key with every key service's signature,
+//! and the device decides whether T trusted signatures are among them.
+
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use confed_attestation::exchange::{KeySet, SignedPublicKey};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use super::KeyState;
+
+/// One key service's signature over a key entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct KeySignature {
+    pub keyservice_id: String,
+    /// ECDSA P-256 over the key-set message, 64 bytes r||s, base64url.
+    pub signature: String,
+}
+
+/// A public key as handed to devices, with the key services' signatures over it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceKey {
+    pub key_id: String,
+    pub suite: String,
+    /// X25519 public key, base64url.
+    pub public_key: String,
+    pub not_before: i64,
+    pub not_after: i64,
+    pub threshold: u16,
+    pub shares: u16,
+    pub signatures: Vec<KeySignature>,
+}
+
+impl DeviceKey {
+    /// The signed entries as each key service published them (for signature checks).
+    pub fn signed_entries(&self) -> Vec<KeySet> {
+        self.signatures
+            .iter()
+            .map(|s| KeySet {
+                keyservice_id: s.keyservice_id.clone(),
+                verifying_key: String::new(),
+                keys: vec![SignedPublicKey {
+                    key_id: self.key_id.clone(),
+                    suite: self.suite.clone(),
+                    public_key: self.public_key.clone(),
+                    not_before: self.not_before,
+                    not_after: self.not_after,
+                    threshold: self.threshold,
+                    shares: self.shares,
+                    state: String::new(),
+                    signature: s.signature.clone(),
+                }],
+            })
+            .collect()
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct KeyDirectory {
+    sets: Arc<RwLock<Vec<KeySet>>>,
+}
+
+impl KeyDirectory {
+    pub fn fixed(sets: Vec<KeySet>) -> Self {
+        Self {
+            sets: Arc::new(RwLock::new(sets)),
+        }
+    }
+
+    pub fn replace(&self, sets: Vec<KeySet>) {
+        if let Ok(mut current) = self.sets.write() {
+            *current = sets;
+        }
+    }
+
+    fn collect(&self, wanted: impl Fn(&SignedPublicKey) -> bool) -> Vec<DeviceKey> {
+        let Ok(sets) = self.sets.read() else {
+            return Vec::new();
+        };
+        let mut keys: Vec<DeviceKey> = Vec::new();
+        for set in sets.iter() {
+            for key in set.keys.iter().filter(|k| wanted(k)) {
+                let signature = KeySignature {
+                    keyservice_id: set.keyservice_id.clone(),
+                    signature: key.signature.clone(),
+                };
+                let same = |d: &DeviceKey| {
+                    d.key_id == key.key_id
+                        && d.public_key == key.public_key
+                        && (d.not_before, d.not_after, d.threshold, d.shares)
+                            == (key.not_before, key.not_after, key.threshold, key.shares)
+                };
+                match keys.iter_mut().find(|d| same(d)) {
+                    Some(existing) => existing.signatures.push(signature),
+                    None => keys.push(DeviceKey {
+                        key_id: key.key_id.clone(),
+                        suite: key.suite.clone(),
+                        public_key: key.public_key.clone(),
+                        not_before: key.not_before,
+                        not_after: key.not_after,
+                        threshold: key.threshold,
+                        shares: key.shares,
+                        signatures: vec![signature],
+                    }),
+                }
+            }
+        }
+        keys
+    }
+
+    /// The key with this id, with every signature over it.
+    pub fn key(&self, key_id: &str) -> Option<DeviceKey> {
+        self.collect(|k| k.key_id == key_id)
+            .into_iter()
+            .max_by_key(|k| k.signatures.len())
+    }
+
+    /// The key a new round should use: active now, signed by at least its threshold of key
+    /// services, latest `not_before` first.
+    pub fn current_key(&self, now: i64) -> Option<DeviceKey> {
+        self.collect(|k| KeyState::at(k.not_before, k.not_after, now) == KeyState::Active)
+            .into_iter()
+            .filter(|k| k.signatures.len() >= usize::from(k.threshold))
+            .max_by_key(|k| (k.not_before, k.signatures.len()))
+    }
+
+    /// Fetches every key service's key set; keeps the previous set of any that fails.
+    pub async fn refresh(&self, client: &reqwest::Client, urls: &[String]) {
+        let mut fresh = Vec::new();
+        for url in urls {
+            let answer = client
+                .get(format!("{}/v1/keys", url.trim_end_matches('/')))
+                .send()
+                .await
+                .and_then(|r| r.error_for_status());
+            match answer {
+                Ok(response) => match response.json::<KeySet>().await {
+                    Ok(set) => fresh.push(set),
+                    Err(error) => {
+                        tracing::warn!(%url, %error, "key service sent an unreadable key set")
+                    }
+                },
+                Err(error) => {
+                    tracing::warn!(%url, %error, "key service unreachable; keeping its previous key set")
+                }
+            }
+        }
+        let Ok(mut sets) = self.sets.write() else {
+            return;
+        };
+        for old in sets.iter() {
+            if !fresh.iter().any(|f| f.keyservice_id == old.keyservice_id) {
+                fresh.push(old.clone());
+            }
+        }
+        *sets = fresh;
+    }
+
+    /// Refreshes every `period` until the process ends.
+    pub fn spawn_refresh(&self, urls: Vec<String>, period: Duration) {
+        let directory = self.clone();
+        tokio::spawn(async move {
+            let client = confed_enclave::http::client(Duration::from_secs(10));
+            loop {
+                directory.refresh(&client, &urls).await;
+                tokio::time::sleep(period).await;
+            }
+        });
+    }
+}

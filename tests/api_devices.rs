@@ -1,0 +1,523 @@
+//! Task assignment for devices: check-in and its retry reasons, capacity under concurrency,
+//! fairness, uploads (every answer), reports, expiry, model download, and the binding of a
+//! contribution to its task, round and assignment.
+
+mod common;
+
+use std::time::Duration;
+
+use axum::http::{Method, StatusCode, header};
+use common::{TestApp, model_bytes};
+use confed::keys::directory::DeviceKey;
+use confed::keys::trust::accept_device_key;
+use confed::scheduler::Scheduler;
+use confed_enclave::envelope::{self, Envelope};
+use serde_json::{Value, json};
+
+const POP: &str = "phones.en";
+const NOW_S: i64 = common::START_MILLIS / 1000;
+
+async fn checkin(app: &TestApp, body: Value) -> common::Reply {
+    app.call(
+        Method::POST,
+        &format!("/v1/populations/{POP}/checkin"),
+        None,
+        Some(body),
+    )
+    .await
+}
+
+fn device() -> Value {
+    json!({"client_version": "1.4.0", "attributes": {"os": "android", "ram_gb": 8, "charging": true}})
+}
+
+/// Checks in and expects an assignment.
+async fn assigned(app: &TestApp) -> Value {
+    let reply = checkin(app, device()).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::CREATED,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    reply.json()
+}
+
+/// The device side: verify the key (2 trusted signatures) and seal an update for the assignment.
+fn sealed(app: &TestApp, assignment: &Value, update: &[u8]) -> Vec<u8> {
+    let key: DeviceKey = serde_json::from_value(assignment["encryption"].clone()).unwrap();
+    let public = accept_device_key(&key, &app.key.trusted, 2, NOW_S).unwrap();
+    envelope::seal(
+        &public,
+        &key.key_id,
+        assignment["task_id"].as_str().unwrap(),
+        assignment["round"].as_u64().unwrap(),
+        assignment["assignment_id"].as_str().unwrap(),
+        update,
+    )
+    .unwrap()
+    .to_cbor()
+}
+
+async fn upload(app: &TestApp, assignment: &Value, bytes: Vec<u8>) -> common::Reply {
+    app.put_raw(
+        assignment["upload_url"].as_str().unwrap(),
+        "application/cbor",
+        bytes,
+    )
+    .await
+}
+
+async fn report(app: &TestApp, assignment: &Value, body: Value) -> common::Reply {
+    app.call(
+        Method::POST,
+        assignment["report_url"].as_str().unwrap(),
+        None,
+        Some(body),
+    )
+    .await
+}
+
+async fn open_task(app: &TestApp, token: &str, overrides: Value) -> String {
+    app.open_task(token, overrides).await
+}
+
+async fn round_states(app: &TestApp, token: &str, task: &str) -> Vec<String> {
+    let rounds = app
+        .call(
+            Method::GET,
+            &format!("/v1/tasks/{task}/rounds"),
+            Some(token),
+            None,
+        )
+        .await
+        .json();
+    rounds["rounds"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["state"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[tokio::test]
+async fn no_task_means_retry_later() {
+    let app = TestApp::new().await;
+    let reply = checkin(&app, device()).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let body = reply.json();
+    assert_eq!(body["reason"], "no_task");
+    assert!(
+        body["retry_window"]["min_seconds"].as_u64().unwrap()
+            < body["retry_window"]["max_seconds"].as_u64().unwrap()
+    );
+}
+
+#[tokio::test]
+async fn a_full_cycle_stores_the_contribution_and_reaching_the_goal_closes_the_round() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let task = open_task(
+        &app,
+        &token,
+        json!({"report_goal": 2, "min_reports": 1, "over_selection": 0.5}),
+    )
+    .await;
+    let first = assigned(&app).await;
+    assert_eq!(first["task_id"], task.as_str());
+    assert_eq!(first["round"], 1);
+    assert_eq!(first["plan"]["batch_size"], 32);
+    assert_eq!(first["model_url"], format!("/v1/models/{task}/0"));
+    assert_eq!(first["encryption"]["key_id"], "ktest");
+    assert_eq!(
+        first["encryption"]["signatures"].as_array().unwrap().len(),
+        2
+    );
+    assert_eq!(first["expires_at"], NOW_S + 60);
+    assert_eq!(
+        first["assignment_id"].as_str().unwrap().len(),
+        43,
+        "256-bit capability"
+    );
+
+    let bytes = sealed(&app, &first, b"update one");
+    assert_eq!(
+        upload(&app, &first, bytes.clone()).await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(
+        upload(&app, &first, bytes).await.status,
+        StatusCode::OK,
+        "same bytes again: idempotent"
+    );
+    upload(&app, &first, sealed(&app, &first, b"something else"))
+        .await
+        .problem(StatusCode::CONFLICT);
+    let done = report(&app, &first, json!({"outcome": "completed"})).await;
+    assert_eq!(done.json()["state"], "COMPLETED");
+    assert_eq!(
+        report(&app, &first, json!({"outcome": "completed"}))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    assert_eq!(round_states(&app, &token, &task).await, ["COLLECTING"]);
+
+    let second = assigned(&app).await;
+    upload(&app, &second, sealed(&app, &second, b"update two")).await;
+    report(&app, &second, json!({"outcome": "completed"})).await;
+    assert_eq!(
+        round_states(&app, &token, &task).await,
+        ["AGGREGATING"],
+        "goal of 2 reached"
+    );
+    let late = checkin(&app, device()).await;
+    assert_eq!(late.json()["reason"], "no_task");
+}
+
+#[tokio::test]
+async fn version_and_constraint_mismatches_are_explained() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    open_task(&app, &token, json!({"client_version": {"min": "2.0"}})).await;
+    assert_eq!(
+        checkin(&app, device()).await.json()["reason"],
+        "version_mismatch"
+    );
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    open_task(&app, &token, json!({"constraints": {"os": "ios"}})).await;
+    assert_eq!(
+        checkin(&app, device()).await.json()["reason"],
+        "constraints_not_met"
+    );
+    let task = app
+        .call(Method::GET, "/v1/tasks", Some(&token), None)
+        .await
+        .json()["tasks"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let view = app
+        .call(
+            Method::GET,
+            &format!("/v1/tasks/{task}"),
+            Some(&token),
+            None,
+        )
+        .await
+        .json();
+    assert_eq!(
+        view["recent_eligible_devices"], 0,
+        "the partner sees that no recent device fits"
+    );
+}
+
+#[tokio::test]
+async fn bad_check_ins_are_400() {
+    let app = TestApp::new().await;
+    for body in [
+        json!({"client_version": "one"}),
+        json!({"client_version": "1", "extra": 1}),
+        json!({}),
+    ] {
+        checkin(&app, body).await.problem(StatusCode::BAD_REQUEST);
+    }
+    app.call(
+        Method::POST,
+        "/v1/populations/bad%20pop/checkin",
+        None,
+        Some(device()),
+    )
+    .await
+    .problem(StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn a_full_round_tells_devices_to_retry_and_a_timed_out_slot_is_freed() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    open_task(
+        &app,
+        &token,
+        json!({"report_goal": 1, "min_reports": 1, "over_selection": 0.0}),
+    )
+    .await;
+    let only = assigned(&app).await;
+    assert_eq!(checkin(&app, device()).await.json()["reason"], "round_full");
+    app.clock.advance(Duration::from_secs(61));
+    let summary = Scheduler::new(app.db.clone(), app.clock.clone())
+        .tick()
+        .await
+        .unwrap();
+    assert_eq!(summary.assignments_timed_out, 1);
+    upload(&app, &only, sealed(&app, &only, b"late"))
+        .await
+        .problem(StatusCode::GONE);
+    report(&app, &only, json!({"outcome": "failed"}))
+        .await
+        .problem(StatusCode::CONFLICT);
+    assigned(&app).await;
+}
+
+#[tokio::test]
+async fn concurrent_check_ins_never_exceed_any_rounds_capacity() {
+    let app = TestApp::new().await;
+    let mut tasks = Vec::new();
+    for tenant in ["a", "b", "c"] {
+        let token = app.tenant(tenant).await;
+        tasks.push(
+            open_task(
+                &app,
+                &token,
+                json!({"report_goal": 4, "min_reports": 1, "over_selection": 0.25}),
+            )
+            .await,
+        );
+    }
+    let router = app.router.clone();
+    let mut handles = Vec::new();
+    for _ in 0..60 {
+        let router = router.clone();
+        handles.push(tokio::spawn(async move {
+            use tower::ServiceExt;
+            let request = axum::http::Request::post(format!("/v1/populations/{POP}/checkin"))
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(axum::body::Body::from(device().to_string()))
+                .unwrap();
+            let response = router.oneshot(request).await.unwrap();
+            let status = response.status();
+            let body = http_body_util::BodyExt::collect(response.into_body())
+                .await
+                .unwrap()
+                .to_bytes();
+            (status, serde_json::from_slice::<Value>(&body).unwrap())
+        }));
+    }
+    let mut per_task = std::collections::HashMap::<String, usize>::new();
+    for handle in handles {
+        let (status, body) = handle.await.unwrap();
+        if status == StatusCode::CREATED {
+            *per_task
+                .entry(body["task_id"].as_str().unwrap().to_string())
+                .or_default() += 1;
+        } else {
+            assert_eq!(body["reason"], "round_full");
+        }
+    }
+    for task in &tasks {
+        assert_eq!(
+            per_task.get(task),
+            Some(&5),
+            "capacity ceil(4 * 1.25) = 5 for {task}: {per_task:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn devices_are_spread_fairly_over_tenants_tasks() {
+    let app = TestApp::new().await;
+    let big = app.tenant("big").await;
+    let small = app.tenant("small").await;
+    let big_task = open_task(&app, &big, json!({"report_goal": 100})).await;
+    let small_task = open_task(&app, &small, json!({"report_goal": 10})).await;
+    let mut counts = std::collections::HashMap::<String, usize>::new();
+    for _ in 0..22 {
+        *counts
+            .entry(
+                assigned(&app).await["task_id"]
+                    .as_str()
+                    .unwrap()
+                    .to_string(),
+            )
+            .or_default() += 1;
+    }
+    // Least-filled first: both rounds fill at the same pace relative to their capacity.
+    assert_eq!(counts[&small_task], 2);
+    assert_eq!(counts[&big_task], 20);
+}
+
+#[tokio::test]
+async fn upload_answers_every_error_clearly() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let task = open_task(&app, &token, json!({})).await;
+    let a = assigned(&app).await;
+    let good = sealed(&app, &a, b"update");
+
+    app.put_raw(
+        "/v1/assignments/unknown/contribution",
+        "application/cbor",
+        good.clone(),
+    )
+    .await
+    .problem(StatusCode::NOT_FOUND);
+    app.put_raw(
+        a["upload_url"].as_str().unwrap(),
+        "application/json",
+        good.clone(),
+    )
+    .await
+    .problem(StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    let detail = upload(&app, &a, b"\xa1\x61x\x01".to_vec())
+        .await
+        .problem(StatusCode::BAD_REQUEST)["detail"]
+        .clone();
+    assert!(
+        detail.as_str().unwrap().contains("unknown key `x`"),
+        "{detail}"
+    );
+    let mut wrong_key = Envelope::from_cbor(&good).unwrap();
+    wrong_key.key_id = "kother".into();
+    upload(&app, &a, wrong_key.to_cbor())
+        .await
+        .problem(StatusCode::UNPROCESSABLE_ENTITY);
+    let max = a["max_contribution_bytes"].as_u64().unwrap() as usize;
+    let huge = Envelope {
+        ciphertext: vec![0; max],
+        ..Envelope::from_cbor(&good).unwrap()
+    };
+    upload(&app, &a, huge.to_cbor())
+        .await
+        .problem(StatusCode::PAYLOAD_TOO_LARGE);
+    report(&app, &a, json!({"outcome": "completed"}))
+        .await
+        .problem(StatusCode::CONFLICT);
+
+    // The round closes (task cancelled): uploads and reports are gone.
+    app.call(
+        Method::POST,
+        &format!("/v1/tasks/{task}/cancel"),
+        Some(&token),
+        None,
+    )
+    .await;
+    upload(&app, &a, good).await.problem(StatusCode::GONE);
+    report(&app, &a, json!({"outcome": "failed"}))
+        .await
+        .problem(StatusCode::GONE);
+    app.call(
+        Method::POST,
+        "/v1/assignments/unknown/report",
+        None,
+        Some(json!({"outcome": "failed"})),
+    )
+    .await
+    .problem(StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn failure_and_not_eligible_reports_free_the_slot() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    open_task(
+        &app,
+        &token,
+        json!({"report_goal": 1, "min_reports": 1, "over_selection": 0.0}),
+    )
+    .await;
+    let a = assigned(&app).await;
+    let failed = report(
+        &app,
+        &a,
+        json!({"outcome": "failed", "error": "out of memory"}),
+    )
+    .await;
+    assert_eq!(failed.json()["state"], "FAILED");
+    let b = assigned(&app).await;
+    assert_eq!(
+        report(&app, &b, json!({"outcome": "not_eligible"}))
+            .await
+            .json()["state"],
+        "REJECTED"
+    );
+    report(&app, &b, json!({"outcome": "completed"}))
+        .await
+        .problem(StatusCode::CONFLICT);
+    report(&app, &b, json!({"outcome": "maybe"}))
+        .await
+        .problem(StatusCode::BAD_REQUEST);
+    assigned(&app).await;
+}
+
+#[tokio::test]
+async fn a_contribution_moved_to_another_assignment_or_round_does_not_open() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    open_task(&app, &token, json!({})).await;
+    let a = assigned(&app).await;
+    let b = assigned(&app).await;
+    let stored = Envelope::from_cbor(&sealed(&app, &a, b"a's update")).unwrap();
+    let task = a["task_id"].as_str().unwrap();
+    let id = |x: &Value| x["assignment_id"].as_str().unwrap().to_string();
+    let key = &app.key.private_key;
+    assert_eq!(
+        envelope::open(key, &stored, task, 1, &id(&a))
+            .unwrap()
+            .as_slice(),
+        b"a's update"
+    );
+    assert!(
+        envelope::open(key, &stored, task, 1, &id(&b)).is_err(),
+        "replayed into another assignment"
+    );
+    assert!(
+        envelope::open(key, &stored, task, 2, &id(&a)).is_err(),
+        "replayed into another round"
+    );
+    // The server stores it for b (it never decrypts), but the enclave will not open it there.
+    assert_eq!(
+        upload(&app, &b, stored.to_cbor()).await.status,
+        StatusCode::CREATED
+    );
+}
+
+#[tokio::test]
+async fn a_device_refuses_a_key_without_enough_trusted_signatures() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    open_task(&app, &token, json!({})).await;
+    let a = assigned(&app).await;
+    let mut key: DeviceKey = serde_json::from_value(a["encryption"].clone()).unwrap();
+    assert!(accept_device_key(&key, &app.key.trusted, 2, NOW_S).is_ok());
+    let forged = confed_enclave::hpke::generate_keypair().1;
+    key.public_key =
+        base64::Engine::encode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, forged.0);
+    assert!(
+        accept_device_key(&key, &app.key.trusted, 2, NOW_S).is_err(),
+        "swapped key"
+    );
+    let mut one: DeviceKey = serde_json::from_value(a["encryption"].clone()).unwrap();
+    one.signatures.truncate(1);
+    assert!(
+        accept_device_key(&one, &app.key.trusted, 2, NOW_S).is_err(),
+        "one signature of two"
+    );
+}
+
+#[tokio::test]
+async fn devices_download_models_with_caching() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let task = open_task(&app, &token, json!({})).await;
+    let reply = app
+        .call(Method::GET, &format!("/v1/models/{task}/0"), None, None)
+        .await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.body, model_bytes());
+    assert!(
+        reply.headers[header::CACHE_CONTROL]
+            .to_str()
+            .unwrap()
+            .starts_with("public")
+    );
+    let etag = reply.headers[header::ETAG].to_str().unwrap().to_string();
+    let request = axum::http::Request::get(format!("/v1/models/{task}/0"))
+        .header(header::IF_NONE_MATCH, etag)
+        .body(axum::body::Body::empty())
+        .unwrap();
+    assert_eq!(app.send(request).await.status, StatusCode::NOT_MODIFIED);
+    app.call(Method::GET, &format!("/v1/models/{task}/7"), None, None)
+        .await
+        .problem(StatusCode::NOT_FOUND);
+}
