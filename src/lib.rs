@@ -7,6 +7,7 @@ pub mod auth;
 pub mod blob;
 pub mod clock;
 pub mod db;
+pub mod device;
 pub mod keys;
 pub mod keyservice;
 pub mod registry;

@@ -37,6 +37,11 @@ enum Command {
         #[command(subcommand)]
         command: KeysCommand,
     },
+    /// Simulated devices: the device client library driven at scale, also the load generator.
+    Devices {
+        #[command(subcommand)]
+        command: DevicesCommand,
+    },
     /// Run one key service (one operator's share holder), or check its audit log.
     #[command(args_conflicts_with_subcommands = true)]
     Keyservice {
@@ -68,6 +73,59 @@ enum KeysCommand {
         /// End of validity (RFC 3339); default 30 days after the start.
         #[arg(long)]
         valid_until: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+enum DevicesCommand {
+    /// Run N devices that check in, train on private non-IID shards of a synthetic data set, seal
+    /// their updates and upload them.
+    Simulate {
+        /// Base URL of `confed serve`.
+        #[arg(long)]
+        server: String,
+        #[arg(long)]
+        population: String,
+        #[arg(long, default_value_t = 100)]
+        devices: usize,
+        #[arg(long, default_value_t = 16)]
+        concurrency: usize,
+        /// Contributions per device before it stops.
+        #[arg(long, default_value_t = 1)]
+        rounds: usize,
+        /// Device trust configuration: {"threshold": T, "keyservices": [{"id", "verifying_key"}]}.
+        #[arg(long)]
+        trust: PathBuf,
+        /// Send random updates of the model's shape instead of training (load generator).
+        #[arg(long)]
+        no_train: bool,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        #[arg(long, default_value_t = 200)]
+        rows_per_device: usize,
+        /// Longest wait when told to retry, in milliseconds (real devices wait the whole window).
+        #[arg(long, default_value_t = 200)]
+        max_retry_wait_ms: u64,
+        /// Consecutive retry answers after which a device stops.
+        #[arg(long, default_value_t = 3)]
+        idle_limit: usize,
+        #[arg(long, default_value = "1.0.0")]
+        client_version: String,
+    },
+    /// Write the synthetic task's initial model (zeros, safetensors) to upload as version 0.
+    InitModel {
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+    /// Fetch key services' verifying keys into a device trust configuration (check the keys with
+    /// each operator out of band: this trusts whatever answers).
+    TrustConfig {
+        #[arg(long = "keyservice", required = true)]
+        keyservices: Vec<String>,
+        #[arg(long)]
+        threshold: usize,
     },
 }
 
@@ -198,6 +256,7 @@ fn run() -> Result<()> {
             Command::Serve(args) => serve(args).await,
             Command::Tenant { command } => tenant(command).await,
             Command::Keys { command } => keys(command),
+            Command::Devices { command } => devices(command).await,
             Command::Keyservice { command, run } => keyservice(command, run).await,
         }
     })
@@ -395,5 +454,80 @@ async fn keyservice(command: Option<KeyserviceCommand>, run: Option<KeyserviceAr
         audience,
     };
     confed::keyservice::serve::run(config, shutdown_signal()).await?;
+    Ok(())
+}
+
+async fn devices(command: DevicesCommand) -> Result<()> {
+    use confed::device::simulate::{SimulationConfig, initial_model, run};
+    match command {
+        DevicesCommand::Simulate {
+            server,
+            population,
+            devices,
+            concurrency,
+            rounds,
+            trust,
+            no_train,
+            seed,
+            rows_per_device,
+            max_retry_wait_ms,
+            idle_limit,
+            client_version,
+        } => {
+            let trust = confed::device::TrustConfig::load(&trust)?;
+            let summary = run(SimulationConfig {
+                server,
+                population,
+                devices,
+                concurrency,
+                rounds,
+                trust,
+                train: !no_train,
+                seed,
+                rows_per_device,
+                max_retry_wait: Duration::from_millis(max_retry_wait_ms),
+                idle_limit,
+                client_version,
+                progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+            })
+            .await?;
+            summary.print();
+        }
+        DevicesCommand::InitModel { out, seed } => {
+            std::fs::write(&out, initial_model(seed))
+                .with_context(|| format!("writing {}", out.display()))?;
+            println!(
+                "wrote {} (softmax regression, 4 classes x 16 features, zeros)",
+                out.display()
+            );
+        }
+        DevicesCommand::TrustConfig {
+            keyservices,
+            threshold,
+        } => {
+            let client = confed_enclave::http::client(Duration::from_secs(10));
+            let mut entries = Vec::new();
+            for url in &keyservices {
+                let set: confed_attestation::exchange::KeySet = client
+                    .get(format!("{}/v1/keys", url.trim_end_matches('/')))
+                    .send()
+                    .await
+                    .and_then(|r| r.error_for_status())
+                    .with_context(|| format!("fetching {url}/v1/keys"))?
+                    .json()
+                    .await
+                    .with_context(|| format!("reading {url}/v1/keys"))?;
+                entries.push(confed::device::client::TrustedEntry {
+                    id: set.keyservice_id,
+                    verifying_key: set.verifying_key,
+                });
+            }
+            let config = confed::device::TrustConfig {
+                threshold,
+                keyservices: entries,
+            };
+            println!("{}", serde_json::to_string_pretty(&config)?);
+        }
+    }
     Ok(())
 }

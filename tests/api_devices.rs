@@ -449,7 +449,7 @@ async fn a_contribution_moved_to_another_assignment_or_round_does_not_open() {
     let b = assigned(&app).await;
     let stored = Envelope::from_cbor(&sealed(&app, &a, b"a's update")).unwrap();
     let task = a["task_id"].as_str().unwrap();
-    let id = |x: &Value| x["assignment_id"].as_str().unwrap().to_string();
+    let id = |x: &Value| envelope::assignment_ref(x["assignment_id"].as_str().unwrap());
     let key = &app.key.private_key;
     assert_eq!(
         envelope::open(key, &stored, task, 1, &id(&a))

@@ -5,11 +5,13 @@
 //! ```text
 //! { "v": 1, "key_id": text, "enc": bytes(32), "ct": bytes }      (CBOR map, exactly these keys)
 //! info = "confed contribution v1" 0x00 key_id 0x00
-//! aad  = "confed contribution v1" 0x00 task_id 0x00 decimal(round) 0x00 assignment_id 0x00
+//! aad  = "confed contribution v1" 0x00 task_id 0x00 decimal(round) 0x00 assignment_ref 0x00
+//! assignment_ref = lowercase hex SHA-256 of the assignment id
 //! ```
 //!
 //! The associated data binds the task, round and assignment, so a ciphertext moved into another
-//! round or assignment does not open.
+//! round or assignment does not open. It names the assignment by the hash of its id: the id is a
+//! capability the server does not keep, the hash is what the server stores and the enclave reads.
 
 use ciborium::Value;
 use thiserror::Error;
@@ -54,8 +56,17 @@ pub fn info(key_id: &str) -> Vec<u8> {
     fields(&[LABEL, key_id])
 }
 
-pub fn aad(task_id: &str, round: u64, assignment_id: &str) -> Vec<u8> {
-    fields(&[LABEL, task_id, &round.to_string(), assignment_id])
+/// Lowercase hex SHA-256 of an assignment id: how the server and the enclave name an assignment.
+pub fn assignment_ref(assignment_id: &str) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(assignment_id.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+pub fn aad(task_id: &str, round: u64, assignment_ref: &str) -> Vec<u8> {
+    fields(&[LABEL, task_id, &round.to_string(), assignment_ref])
 }
 
 impl Envelope {
@@ -132,7 +143,7 @@ impl Envelope {
     }
 }
 
-/// Seals a device's update (safetensors bytes) for one assignment.
+/// Seals a device's update (safetensors bytes) for one assignment (the id the device was given).
 pub fn seal(
     public_key: &PublicKey,
     key_id: &str,
@@ -141,12 +152,8 @@ pub fn seal(
     assignment_id: &str,
     update: &[u8],
 ) -> Result<Envelope, EnvelopeError> {
-    let (encapsulated_key, ciphertext) = hpke::seal(
-        public_key,
-        &info(key_id),
-        &aad(task_id, round, assignment_id),
-        update,
-    )?;
+    let aad = aad(task_id, round, &assignment_ref(assignment_id));
+    let (encapsulated_key, ciphertext) = hpke::seal(public_key, &info(key_id), &aad, update)?;
     Ok(Envelope {
         key_id: key_id.to_string(),
         encapsulated_key,
@@ -154,19 +161,20 @@ pub fn seal(
     })
 }
 
-/// Opens an envelope for the task, round and assignment it was stored under (enclave only).
+/// Opens an envelope for the task, round and assignment (by its stored ref) it was stored under
+/// (enclave only).
 pub fn open(
     private_key: &PrivateKey,
     envelope: &Envelope,
     task_id: &str,
     round: u64,
-    assignment_id: &str,
+    assignment_ref: &str,
 ) -> Result<Zeroizing<Vec<u8>>, EnvelopeError> {
     Ok(hpke::open(
         private_key,
         &envelope.encapsulated_key,
         &info(&envelope.key_id),
-        &aad(task_id, round, assignment_id),
+        &aad(task_id, round, assignment_ref),
         &envelope.ciphertext,
     )?)
 }
@@ -181,14 +189,20 @@ mod tests {
         let envelope = seal(&public, "k1", "task", 3, "a1", b"update bytes").unwrap();
         let parsed = Envelope::from_cbor(&envelope.to_cbor()).unwrap();
         assert_eq!(parsed, envelope);
+        let a1 = assignment_ref("a1");
         assert_eq!(
-            open(&private, &parsed, "task", 3, "a1").unwrap().as_slice(),
+            open(&private, &parsed, "task", 3, &a1).unwrap().as_slice(),
             b"update bytes"
+        );
+        assert!(
+            open(&private, &parsed, "task", 3, "a1").is_err(),
+            "binds the ref, not the capability"
         );
         for (task, round, assignment) in [("task", 4, "a1"), ("other", 3, "a1"), ("task", 3, "a2")]
         {
+            let reference = assignment_ref(assignment);
             assert!(
-                open(&private, &parsed, task, round, assignment).is_err(),
+                open(&private, &parsed, task, round, &reference).is_err(),
                 "{task}/{round}/{assignment}"
             );
         }

@@ -1,8 +1,6 @@
 //! The device protocol's database operations: assigning devices to rounds without over-filling
 //! them, recording uploads idempotently, reports, the round goal, and assignment expiry.
 
-use sha2::{Digest, Sha256};
-
 use super::{Conn, Db, DbError, history, parse_state, rounds, transition};
 use crate::states::{AssignmentState, RoundState, StateMachine};
 use crate::task_spec::TaskSpec;
@@ -84,12 +82,10 @@ impl ReportOutcome {
     }
 }
 
-/// The database id of an assignment: SHA-256 (hex) of the capability the device holds.
+/// The database id of an assignment: SHA-256 (hex) of the capability the device holds, the same
+/// reference the contribution's associated data binds.
 pub fn assignment_key(capability: &str) -> String {
-    Sha256::digest(capability.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    confed_enclave::envelope::assignment_ref(capability)
 }
 
 type CandidateRow = (
@@ -336,6 +332,24 @@ impl Db {
         }
         tx.commit().await?;
         Ok(Ok(target))
+    }
+
+    /// (assignment ref, blob key) of every completed contribution of a task's round (all attempts
+    /// of that round number that completed; at most one attempt completes).
+    pub async fn completed_contributions(
+        &self,
+        task_id: &str,
+        round_number: i64,
+    ) -> Result<Vec<(String, String)>, DbError> {
+        Ok(sqlx::query_as(
+            "SELECT a.id, a.blob_key FROM assignments a JOIN rounds r ON r.id = a.round_id \
+             WHERE r.task_id = $1 AND r.round_number = $2 AND a.state = 'COMPLETED' \
+             AND a.blob_key IS NOT NULL ORDER BY a.id",
+        )
+        .bind(task_id)
+        .bind(round_number)
+        .fetch_all(self.pool())
+        .await?)
     }
 
     /// Times out assignments past their expiry (ASSIGNED or UPLOADED but not reported), freeing

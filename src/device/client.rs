@@ -1,0 +1,287 @@
+//! HTTP client for the task assignment API.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::api::devices::{AssignmentResponse, RetryResponse};
+use crate::keys::trust::{TrustError, TrustedKeyService, accept_device_key};
+
+/// Which key services a device trusts, and how many must vouch for a key.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrustConfig {
+    pub threshold: usize,
+    pub keyservices: Vec<TrustedEntry>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrustedEntry {
+    pub id: String,
+    /// base64url SEC1 P-256 point, as the key service publishes in `GET /v1/keys`.
+    pub verifying_key: String,
+}
+
+impl TrustConfig {
+    pub fn load(path: &std::path::Path) -> Result<Self, DeviceError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| DeviceError::Config(format!("{}: {e}", path.display())))?;
+        serde_json::from_str(&text)
+            .map_err(|e| DeviceError::Config(format!("{}: {e}", path.display())))
+    }
+
+    fn trusted(&self) -> Result<Vec<TrustedKeyService>, DeviceError> {
+        self.keyservices
+            .iter()
+            .map(|k| {
+                TrustedKeyService::new(&k.id, &k.verifying_key).ok_or_else(|| {
+                    DeviceError::Config(format!("key service {}: bad verifying_key", k.id))
+                })
+            })
+            .collect()
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum DeviceError {
+    #[error("device configuration: {0}")]
+    Config(String),
+    #[error("network: {0}")]
+    Network(String),
+    #[error("server answered {status}: {detail}")]
+    Server { status: u16, detail: String },
+    #[error("refusing to encrypt: {0}")]
+    UntrustedKey(#[from] TrustError),
+    #[error("training: {0}")]
+    Training(String),
+    #[error("sealing: {0}")]
+    Seal(String),
+}
+
+/// The answer to a check-in.
+#[derive(Debug)]
+pub enum Checkin {
+    Assigned(Box<AssignmentResponse>),
+    Retry(RetryResponse),
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReportOutcome {
+    Completed,
+    Failed,
+    NotEligible,
+}
+
+/// How many times an idempotent call is retried after a network error or a 5xx.
+const ATTEMPTS: u32 = 4;
+
+#[derive(Debug)]
+pub struct DeviceClient {
+    http: reqwest::Client,
+    base: String,
+    trusted: Vec<TrustedKeyService>,
+    threshold: usize,
+    models: Mutex<HashMap<String, (String, Vec<u8>)>>,
+    done: Mutex<HashSet<(String, i64)>>,
+}
+
+async fn problem_detail(response: reqwest::Response) -> DeviceError {
+    let status = response.status().as_u16();
+    let text = response.text().await.unwrap_or_default();
+    let detail = serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|p| p.get("detail").and_then(|d| d.as_str()).map(str::to_string))
+        .unwrap_or(text);
+    DeviceError::Server { status, detail }
+}
+
+impl DeviceClient {
+    pub fn new(base: &str, trust: &TrustConfig) -> Result<Self, DeviceError> {
+        Self::with_http(
+            confed_enclave::http::client(Duration::from_secs(30)),
+            base,
+            trust,
+        )
+    }
+
+    /// A device sharing an HTTP client (connection pool) with others, e.g. in a simulation. Each
+    /// device keeps its own model cache and its own record of rounds it contributed to.
+    pub fn with_http(
+        http: reqwest::Client,
+        base: &str,
+        trust: &TrustConfig,
+    ) -> Result<Self, DeviceError> {
+        Ok(Self {
+            http,
+            base: base.trim_end_matches('/').to_string(),
+            trusted: trust.trusted()?,
+            threshold: trust.threshold,
+            models: Mutex::default(),
+            done: Mutex::default(),
+        })
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    pub async fn checkin(
+        &self,
+        population: &str,
+        client_version: &str,
+        attributes: &serde_json::Value,
+    ) -> Result<Checkin, DeviceError> {
+        let response = self
+            .http
+            .post(self.url(&format!("/v1/populations/{population}/checkin")))
+            .json(&serde_json::json!({"client_version": client_version, "attributes": attributes}))
+            .send()
+            .await
+            .map_err(|e| DeviceError::Network(e.to_string()))?;
+        match response.status().as_u16() {
+            201 => Ok(Checkin::Assigned(Box::new(
+                response
+                    .json()
+                    .await
+                    .map_err(|e| DeviceError::Network(e.to_string()))?,
+            ))),
+            200 => Ok(Checkin::Retry(
+                response
+                    .json()
+                    .await
+                    .map_err(|e| DeviceError::Network(e.to_string()))?,
+            )),
+            _ => Err(problem_detail(response).await),
+        }
+    }
+
+    /// Whether this device already contributed to the assignment's round; a device contributes at
+    /// most once per round (the privacy unit), so such an assignment must be declined.
+    pub fn already_contributed(&self, assignment: &AssignmentResponse) -> bool {
+        self.done
+            .lock()
+            .map(|d| d.contains(&(assignment.task_id.clone(), assignment.round)))
+            .unwrap_or(true)
+    }
+
+    /// The X25519 key to seal to, if at least T trusted key services signed it.
+    pub fn verified_key(
+        &self,
+        assignment: &AssignmentResponse,
+        now: i64,
+    ) -> Result<confed_enclave::hpke::PublicKey, DeviceError> {
+        Ok(accept_device_key(
+            &assignment.encryption,
+            &self.trusted,
+            self.threshold,
+            now,
+        )?)
+    }
+
+    /// The model bytes, from the cache when the server answers 304.
+    pub async fn model(&self, url: &str) -> Result<Vec<u8>, DeviceError> {
+        let cached = self.models.lock().ok().and_then(|m| m.get(url).cloned());
+        let mut request = self.http.get(self.url(url));
+        if let Some((etag, _)) = &cached {
+            request = request.header(reqwest::header::IF_NONE_MATCH, etag);
+        }
+        let response = request
+            .send()
+            .await
+            .map_err(|e| DeviceError::Network(e.to_string()))?;
+        match response.status().as_u16() {
+            304 => cached
+                .map(|(_, bytes)| bytes)
+                .ok_or_else(|| DeviceError::Network("304 without a cached model".into())),
+            200 => {
+                let etag = response
+                    .headers()
+                    .get(reqwest::header::ETAG)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_string);
+                let bytes = response
+                    .bytes()
+                    .await
+                    .map_err(|e| DeviceError::Network(e.to_string()))?
+                    .to_vec();
+                if let (Some(etag), Ok(mut models)) = (etag, self.models.lock()) {
+                    models.insert(url.to_string(), (etag, bytes.clone()));
+                }
+                Ok(bytes)
+            }
+            _ => Err(problem_detail(response).await),
+        }
+    }
+
+    /// Uploads the envelope; retried on network errors and 5xx (the server answers 200 for the same
+    /// bytes again, so a retry after a lost answer is safe).
+    pub async fn upload(
+        &self,
+        assignment: &AssignmentResponse,
+        envelope: Vec<u8>,
+    ) -> Result<(), DeviceError> {
+        let mut last = DeviceError::Network("not attempted".into());
+        for attempt in 0..ATTEMPTS {
+            if attempt > 0 {
+                tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+            }
+            let sent = self
+                .http
+                .put(self.url(&assignment.upload_url))
+                .header(reqwest::header::CONTENT_TYPE, "application/cbor")
+                .body(envelope.clone())
+                .send()
+                .await;
+            match sent {
+                Ok(response) if response.status().is_success() => {
+                    if let Ok(mut done) = self.done.lock() {
+                        done.insert((assignment.task_id.clone(), assignment.round));
+                    }
+                    return Ok(());
+                }
+                Ok(response) if response.status().is_server_error() => {
+                    last = problem_detail(response).await
+                }
+                Ok(response) => return Err(problem_detail(response).await),
+                Err(e) => last = DeviceError::Network(e.to_string()),
+            }
+        }
+        Err(last)
+    }
+
+    /// Reports the outcome (idempotent: retried like uploads).
+    pub async fn report(
+        &self,
+        assignment: &AssignmentResponse,
+        outcome: ReportOutcome,
+        error: Option<&str>,
+    ) -> Result<(), DeviceError> {
+        let body = serde_json::json!({"outcome": outcome, "error": error});
+        let mut last = DeviceError::Network("not attempted".into());
+        for attempt in 0..ATTEMPTS {
+            if attempt > 0 {
+                tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+            }
+            match self
+                .http
+                .post(self.url(&assignment.report_url))
+                .json(&body)
+                .send()
+                .await
+            {
+                Ok(response) if response.status().is_success() => return Ok(()),
+                Ok(response) if response.status().is_server_error() => {
+                    last = problem_detail(response).await
+                }
+                Ok(response) => return Err(problem_detail(response).await),
+                Err(e) => last = DeviceError::Network(e.to_string()),
+            }
+        }
+        Err(last)
+    }
+}

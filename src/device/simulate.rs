@@ -1,0 +1,322 @@
+//! `confed devices simulate`: N simulated devices that really train (or, with `--no-train`, send
+//! random updates of the model's shape as fast as allowed: the load generator), with progress bars
+//! and a summary of outcomes and per-call latency.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+
+use super::client::{Checkin, DeviceClient, DeviceError, ReportOutcome, TrustConfig};
+use super::train::{Plan, Rng, Softmax, Synthetic};
+
+#[derive(Debug, Clone)]
+pub struct SimulationConfig {
+    pub server: String,
+    pub population: String,
+    pub devices: usize,
+    pub concurrency: usize,
+    /// Contributions per device before it stops.
+    pub rounds: usize,
+    pub trust: TrustConfig,
+    pub train: bool,
+    pub seed: u64,
+    pub rows_per_device: usize,
+    /// Cap on how long a device waits when told to retry (real devices wait the whole window).
+    pub max_retry_wait: Duration,
+    /// Consecutive retries after which a device gives up.
+    pub idle_limit: usize,
+    pub client_version: String,
+    pub progress: bool,
+}
+
+/// Latencies of one kind of call.
+#[derive(Debug, Default, Clone)]
+pub struct Latencies(Vec<Duration>);
+
+impl Latencies {
+    fn percentile(&self, p: usize) -> Duration {
+        let mut sorted = self.0.clone();
+        sorted.sort();
+        sorted
+            .get((sorted.len() * p / 100).min(sorted.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or_default()
+    }
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct Summary {
+    pub contributions: usize,
+    pub declined: usize,
+    pub failures: Vec<String>,
+    pub retries: BTreeMap<String, usize>,
+    pub calls: BTreeMap<&'static str, Latencies>,
+    pub elapsed: Duration,
+    /// Accuracy of the last downloaded model on a held-out test set (training mode).
+    pub model_accuracy: Option<f64>,
+}
+
+impl Summary {
+    pub fn print(&self) {
+        let secs = self.elapsed.as_secs_f64().max(1e-9);
+        println!(
+            "contributions: {}  declined (already contributed): {}  failures: {}  elapsed: {:.2} s  cycles/s: {:.1}",
+            self.contributions,
+            self.declined,
+            self.failures.len(),
+            secs,
+            self.contributions as f64 / secs
+        );
+        for (reason, count) in &self.retries {
+            println!("retry windows: {reason}: {count}");
+        }
+        for (call, latencies) in &self.calls {
+            println!(
+                "{call:<10} n={:<6} p50 {:>7.2} ms  p99 {:>7.2} ms",
+                latencies.0.len(),
+                latencies.percentile(50).as_secs_f64() * 1e3,
+                latencies.percentile(99).as_secs_f64() * 1e3
+            );
+        }
+        if let Some(accuracy) = self.model_accuracy {
+            println!(
+                "accuracy of the served model on held-out data: {:.1} %",
+                accuracy * 100.0
+            );
+        }
+        for failure in self.failures.iter().take(5) {
+            println!("failure: {failure}");
+        }
+    }
+}
+
+struct Shared {
+    config: SimulationConfig,
+    http: reqwest::Client,
+    task: Synthetic,
+    summary: Mutex<Summary>,
+    contributions: ProgressBar,
+}
+
+impl Shared {
+    fn timed(&self, call: &'static str, started: Instant) {
+        if let Ok(mut summary) = self.summary.lock() {
+            summary
+                .calls
+                .entry(call)
+                .or_default()
+                .0
+                .push(started.elapsed());
+        }
+    }
+
+    fn note(&self, update: impl FnOnce(&mut Summary)) {
+        if let Ok(mut summary) = self.summary.lock() {
+            update(&mut summary);
+        }
+    }
+}
+
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+/// A random update with the model's tensors, names and shapes (load generation).
+fn random_update(model: &[u8], rng: &mut Rng) -> Result<Vec<u8>, DeviceError> {
+    let parsed = safetensors::SafeTensors::deserialize(model)
+        .map_err(|e| DeviceError::Training(e.to_string()))?;
+    let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = parsed
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let n: usize = view.shape().iter().product();
+            (
+                name,
+                view.shape().to_vec(),
+                (0..n).map(|_| 0.01 * rng.normal()).collect(),
+            )
+        })
+        .collect();
+    let borrowed: Vec<(&str, Vec<usize>, &[f32])> = tensors
+        .iter()
+        .map(|(n, s, v)| (n.as_str(), s.clone(), v.as_slice()))
+        .collect();
+    confed_enclave::model::encode_f32_tensors(&borrowed)
+        .map_err(|e| DeviceError::Training(e.to_string()))
+}
+
+/// One device until it has contributed `rounds` times or was told to retry `idle_limit` times in a row.
+async fn device(shared: Arc<Shared>, index: u64) {
+    let config = &shared.config;
+    let client = match DeviceClient::with_http(shared.http.clone(), &config.server, &config.trust) {
+        Ok(client) => client,
+        Err(e) => return shared.note(|s| s.failures.push(format!("device {index}: {e}"))),
+    };
+    let shard = config
+        .train
+        .then(|| shared.task.shard(index, config.rows_per_device));
+    let mut rng = Rng::new(config.seed ^ index);
+    let attributes =
+        serde_json::json!({"os": "android", "ram_gb": 8, "charging": true, "unmetered": true});
+    let (mut contributed, mut idle) = (0, 0);
+    while contributed < config.rounds && idle < config.idle_limit {
+        let started = Instant::now();
+        let answer = client
+            .checkin(&config.population, &config.client_version, &attributes)
+            .await;
+        shared.timed("checkin", started);
+        let assignment = match answer {
+            Err(e) => {
+                shared.note(|s| s.failures.push(format!("device {index}: check-in: {e}")));
+                idle += 1;
+                continue;
+            }
+            Ok(Checkin::Retry(retry)) => {
+                idle += 1;
+                shared.note(|s| *s.retries.entry(retry.reason.clone()).or_default() += 1);
+                let wait = Duration::from_secs(u64::from(retry.retry_window.min_seconds))
+                    .min(config.max_retry_wait);
+                tokio::time::sleep(wait).await;
+                continue;
+            }
+            Ok(Checkin::Assigned(assignment)) => assignment,
+        };
+        if client.already_contributed(&assignment) {
+            // Declining counts as idle: the device has nothing to give this round.
+            idle += 1;
+            let _ = client
+                .report(&assignment, ReportOutcome::NotEligible, None)
+                .await;
+            shared.note(|s| s.declined += 1);
+            continue;
+        }
+        idle = 0;
+        match cycle(&shared, &client, &assignment, shard.as_ref(), &mut rng).await {
+            Ok(()) => {
+                contributed += 1;
+                shared.note(|s| s.contributions += 1);
+                shared.contributions.inc(1);
+            }
+            Err(e) => {
+                let _ = client
+                    .report(&assignment, ReportOutcome::Failed, Some(&e.to_string()))
+                    .await;
+                shared.note(|s| s.failures.push(format!("device {index}: {e}")));
+            }
+        }
+    }
+}
+
+async fn cycle(
+    shared: &Shared,
+    client: &DeviceClient,
+    assignment: &crate::api::devices::AssignmentResponse,
+    shard: Option<&super::train::Dataset>,
+    rng: &mut Rng,
+) -> Result<(), DeviceError> {
+    let public_key = client.verified_key(assignment, unix_now())?;
+    let started = Instant::now();
+    let model_bytes = client.model(&assignment.model_url).await?;
+    shared.timed("model", started);
+    let update = match shard {
+        Some(shard) => {
+            let base = Softmax::from_safetensors(&model_bytes)?;
+            if base.features != shard.features || base.classes != shard.classes {
+                return Err(DeviceError::Training(format!(
+                    "the model is {}x{} but the data set has {} classes of {} features",
+                    base.classes, base.features, shard.classes, shard.features
+                )));
+            }
+            let plan = Plan::from_json(&assignment.plan);
+            let mut local = base.clone();
+            local.train(shard, plan.epochs, plan.batch_size, plan.learning_rate);
+            local.delta_from(&base).to_safetensors()
+        }
+        None => random_update(&model_bytes, rng)?,
+    };
+    let envelope = confed_enclave::envelope::seal(
+        &public_key,
+        &assignment.encryption.key_id,
+        &assignment.task_id,
+        assignment.round as u64,
+        &assignment.assignment_id,
+        &update,
+    )
+    .map_err(|e| DeviceError::Seal(e.to_string()))?
+    .to_cbor();
+    let started = Instant::now();
+    client.upload(assignment, envelope).await?;
+    shared.timed("upload", started);
+    let started = Instant::now();
+    client
+        .report(assignment, ReportOutcome::Completed, None)
+        .await?;
+    shared.timed("report", started);
+    Ok(())
+}
+
+/// Runs the simulation and returns its summary.
+pub async fn run(config: SimulationConfig) -> Result<Summary, DeviceError> {
+    // Fail early on a bad trust configuration, before any device starts.
+    DeviceClient::new(&config.server, &config.trust)?;
+    let bars = MultiProgress::new();
+    if !config.progress {
+        bars.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let style = ProgressStyle::with_template("{prefix:>14} [{bar:40}] {pos}/{len} {msg}")
+        .expect("static template")
+        .progress_chars("=> ");
+    let devices_bar = bars.add(
+        ProgressBar::new(config.devices as u64)
+            .with_style(style.clone())
+            .with_prefix("devices done"),
+    );
+    let contributions = bars.add(
+        ProgressBar::new((config.devices * config.rounds) as u64)
+            .with_style(style)
+            .with_prefix("contributions"),
+    );
+    let shared = Arc::new(Shared {
+        task: Synthetic::new(16, 4, config.seed),
+        http: confed_enclave::http::client(Duration::from_secs(30)),
+        summary: Mutex::default(),
+        contributions,
+        config: config.clone(),
+    });
+    let started = Instant::now();
+    let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let workers: Vec<_> = (0..config.concurrency.max(1))
+        .map(|_| {
+            let (shared, next, bar) = (shared.clone(), next.clone(), devices_bar.clone());
+            tokio::spawn(async move {
+                loop {
+                    let index = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    if index >= shared.config.devices as u64 {
+                        break;
+                    }
+                    device(shared.clone(), index).await;
+                    bar.inc(1);
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        let _ = worker.await;
+    }
+    devices_bar.finish();
+    shared.contributions.finish();
+    let mut summary = shared.summary.lock().map(|s| s.clone()).unwrap_or_default();
+    summary.elapsed = started.elapsed();
+    Ok(summary)
+}
+
+/// The shape of the synthetic task's model: upload a zero model of this shape to run a
+/// simulation (`confed devices init-model`).
+pub fn initial_model(seed: u64) -> Vec<u8> {
+    let task = Synthetic::new(16, 4, seed);
+    Softmax::zeros(task.classes, task.features).to_safetensors()
+}
