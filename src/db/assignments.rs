@@ -13,30 +13,35 @@ impl Db {
         now: i64,
     ) -> Result<String, DbError> {
         let id = new_id();
-        let mut tx = self.begin_write().await?;
-        sqlx::query(
-            "INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
-             VALUES ($1, $2, $3, $4, $5, $5)",
-        )
-        .bind(&id)
-        .bind(round_id)
-        .bind(AssignmentState::Assigned.as_str())
-        .bind(expires_at)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
-        history::append(
-            &mut tx,
-            "assignment",
-            &id,
-            None,
-            AssignmentState::Assigned.as_str(),
-            "assigned",
-            now,
-        )
-        .await?;
-        tx.commit().await?;
-        Ok(id)
+        let round_id = round_id.to_string();
+        self.write(move |tx| {
+            Box::pin(async move {
+                let round_id = round_id.as_str();
+                sqlx::query(
+                    "INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
+                     VALUES ($1, $2, $3, $4, $5, $5)",
+                )
+                .bind(&id)
+                .bind(round_id)
+                .bind(AssignmentState::Assigned.as_str())
+                .bind(expires_at)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+                history::append(
+                    &mut *tx,
+                    "assignment",
+                    &id,
+                    None,
+                    AssignmentState::Assigned.as_str(),
+                    "assigned",
+                    now,
+                )
+                .await?;
+                Ok(id)
+            })
+        })
+        .await
     }
 
     /// Moves an assignment between states (compare-and-set on `from`).
@@ -48,10 +53,17 @@ impl Db {
         reason: &str,
         now: i64,
     ) -> Result<(), DbError> {
-        let mut tx = self.begin_write().await?;
-        transition(&mut tx, assignment_id, from, to, reason, now).await?;
-        tx.commit().await?;
-        Ok(())
+        let assignment_id = assignment_id.to_string();
+        let reason = reason.to_string();
+        self.write(move |tx| {
+            Box::pin(async move {
+                let assignment_id = assignment_id.as_str();
+                let reason = reason.as_str();
+                transition(&mut *tx, assignment_id, from, to, reason, now).await?;
+                Ok(())
+            })
+        })
+        .await
     }
 
     /// The stored state of an assignment.

@@ -188,51 +188,60 @@ impl Db {
         key_if_unset: &str,
         now: i64,
     ) -> Result<Option<Assigned>, DbError> {
-        let mut tx = self.begin_write().await?;
-        let locked: Option<Option<String>> = sqlx::query_scalar(
-            "UPDATE rounds SET key_id = COALESCE(key_id, $2) WHERE id = $1 AND state = 'COLLECTING' \
-             RETURNING key_id",
-        )
-        .bind(round_id)
-        .bind(key_if_unset)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some(Some(key_id)) = locked else {
-            return Ok(None);
-        };
-        let sql =
-            format!("SELECT COUNT(*) FROM assignments WHERE round_id = $1 AND state IN {LIVE}");
-        let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-            .bind(round_id)
-            .fetch_one(&mut *tx)
-            .await?;
-        if live as u64 >= capacity {
-            return Ok(None);
-        }
-        let id = assignment_key(capability);
-        sqlx::query(
-            "INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
-             VALUES ($1, $2, $3, $4, $5, $5)",
-        )
-        .bind(&id)
-        .bind(round_id)
-        .bind(AssignmentState::Assigned.as_str())
-        .bind(expires_at)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
-        history::append(
-            &mut tx,
-            "assignment",
-            &id,
-            None,
-            AssignmentState::Assigned.as_str(),
-            "device checked in",
-            now,
-        )
-        .await?;
-        tx.commit().await?;
-        Ok(Some(Assigned { key_id, expires_at }))
+        let round_id = round_id.to_string();
+        let capability = capability.to_string();
+        let key_if_unset = key_if_unset.to_string();
+        self.write(move |tx| {
+            Box::pin(async move {
+                let round_id = round_id.as_str();
+                let capability = capability.as_str();
+                let key_if_unset = key_if_unset.as_str();
+                let locked: Option<Option<String>> = sqlx::query_scalar(
+                    "UPDATE rounds SET key_id = COALESCE(key_id, $2) WHERE id = $1 AND state = 'COLLECTING' \
+                     RETURNING key_id",
+                )
+                .bind(round_id)
+                .bind(key_if_unset)
+                .fetch_optional(&mut *tx)
+                .await?;
+                let Some(Some(key_id)) = locked else {
+                    return Ok(None);
+                };
+                let sql =
+                    format!("SELECT COUNT(*) FROM assignments WHERE round_id = $1 AND state IN {LIVE}");
+                let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                    .bind(round_id)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                if live as u64 >= capacity {
+                    return Ok(None);
+                }
+                let id = assignment_key(capability);
+                sqlx::query(
+                    "INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
+                     VALUES ($1, $2, $3, $4, $5, $5)",
+                )
+                .bind(&id)
+                .bind(round_id)
+                .bind(AssignmentState::Assigned.as_str())
+                .bind(expires_at)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+                history::append(
+                    &mut *tx,
+                    "assignment",
+                    &id,
+                    None,
+                    AssignmentState::Assigned.as_str(),
+                    "device checked in",
+                    now,
+                )
+                .await?;
+                Ok(Some(Assigned { key_id, expires_at }))
+            })
+        })
+        .await
     }
 
     /// The assignment a capability names, with its round and task.
@@ -251,41 +260,50 @@ impl Db {
         blob_key: &str,
         now: i64,
     ) -> Result<Result<Stored, Refusal>, DbError> {
-        let mut tx = self.begin_write().await?;
-        let Some(a) = view(&mut tx, &assignment_key(capability)).await? else {
-            return Ok(Err(Refusal::UnknownAssignment));
-        };
-        if let Some(stored) = &a.contribution_sha256 {
-            return Ok(if stored == sha256_hex {
-                Ok(Stored::Again)
-            } else {
-                Err(Refusal::DifferentBytes)
-            });
-        }
-        if let Some(refusal) = closed(&a, now) {
-            return Ok(Err(refusal));
-        }
-        sqlx::query(
-            "UPDATE assignments SET contribution_sha256 = $1, contribution_bytes = $2, blob_key = $3 \
-             WHERE id = $4",
-        )
-        .bind(sha256_hex)
-        .bind(size)
-        .bind(blob_key)
-        .bind(&a.id)
-        .execute(&mut *tx)
-        .await?;
-        transition(
-            &mut tx,
-            &a.id,
-            AssignmentState::Assigned,
-            AssignmentState::Uploaded,
-            "contribution stored",
-            now,
-        )
-        .await?;
-        tx.commit().await?;
-        Ok(Ok(Stored::New))
+        let capability = capability.to_string();
+        let sha256_hex = sha256_hex.to_string();
+        let blob_key = blob_key.to_string();
+        self.write(move |tx| {
+            Box::pin(async move {
+                let capability = capability.as_str();
+                let sha256_hex = sha256_hex.as_str();
+                let blob_key = blob_key.as_str();
+                let Some(a) = view(&mut *tx, &assignment_key(capability)).await? else {
+                    return Ok(Err(Refusal::UnknownAssignment));
+                };
+                if let Some(stored) = &a.contribution_sha256 {
+                    return Ok(if stored == sha256_hex {
+                        Ok(Stored::Again)
+                    } else {
+                        Err(Refusal::DifferentBytes)
+                    });
+                }
+                if let Some(refusal) = closed(&a, now) {
+                    return Ok(Err(refusal));
+                }
+                sqlx::query(
+                    "UPDATE assignments SET contribution_sha256 = $1, contribution_bytes = $2, blob_key = $3 \
+                     WHERE id = $4",
+                )
+                .bind(sha256_hex)
+                .bind(size)
+                .bind(blob_key)
+                .bind(&a.id)
+                .execute(&mut *tx)
+                .await?;
+                transition(
+                    &mut *tx,
+                    &a.id,
+                    AssignmentState::Assigned,
+                    AssignmentState::Uploaded,
+                    "contribution stored",
+                    now,
+                )
+                .await?;
+                Ok(Ok(Stored::New))
+            })
+        })
+        .await
     }
 
     /// Applies a device's report. A completed report that reaches the round's goal moves the round
@@ -297,41 +315,48 @@ impl Db {
         device_error: Option<&str>,
         now: i64,
     ) -> Result<Result<AssignmentState, Refusal>, DbError> {
-        let mut tx = self.begin_write().await?;
-        let Some(a) = view(&mut tx, &assignment_key(capability)).await? else {
-            return Ok(Err(Refusal::UnknownAssignment));
-        };
-        let target = outcome.target();
-        if a.state == target {
-            return Ok(Ok(target));
-        }
-        if a.state.is_terminal() {
-            return Ok(Err(Refusal::Finished(a.state)));
-        }
-        if outcome == ReportOutcome::Completed && a.state != AssignmentState::Uploaded {
-            return Ok(Err(Refusal::NotUploaded));
-        }
-        if let Some(refusal) = closed(&a, now) {
-            return Ok(Err(refusal));
-        }
-        if let Some(error) = device_error {
-            sqlx::query("UPDATE assignments SET device_error = $1 WHERE id = $2")
-                .bind(error.chars().take(1000).collect::<String>())
-                .bind(&a.id)
-                .execute(&mut *tx)
-                .await?;
-        }
-        let reason = match outcome {
-            ReportOutcome::Completed => "device reported completion",
-            ReportOutcome::Failed => "device reported failure",
-            ReportOutcome::NotEligible => "device found itself not eligible",
-        };
-        transition(&mut tx, &a.id, a.state, target, reason, now).await?;
-        if outcome == ReportOutcome::Completed {
-            close_round_at_goal(&mut tx, &a.round_id, now).await?;
-        }
-        tx.commit().await?;
-        Ok(Ok(target))
+        let capability = capability.to_string();
+        let device_error = device_error.map(str::to_string);
+        self.write(move |tx| {
+            Box::pin(async move {
+                let capability = capability.as_str();
+                let device_error = device_error.as_deref();
+                let Some(a) = view(&mut *tx, &assignment_key(capability)).await? else {
+                    return Ok(Err(Refusal::UnknownAssignment));
+                };
+                let target = outcome.target();
+                if a.state == target {
+                    return Ok(Ok(target));
+                }
+                if a.state.is_terminal() {
+                    return Ok(Err(Refusal::Finished(a.state)));
+                }
+                if outcome == ReportOutcome::Completed && a.state != AssignmentState::Uploaded {
+                    return Ok(Err(Refusal::NotUploaded));
+                }
+                if let Some(refusal) = closed(&a, now) {
+                    return Ok(Err(refusal));
+                }
+                if let Some(error) = device_error {
+                    sqlx::query("UPDATE assignments SET device_error = $1 WHERE id = $2")
+                        .bind(error.chars().take(1000).collect::<String>())
+                        .bind(&a.id)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                let reason = match outcome {
+                    ReportOutcome::Completed => "device reported completion",
+                    ReportOutcome::Failed => "device reported failure",
+                    ReportOutcome::NotEligible => "device found itself not eligible",
+                };
+                transition(&mut *tx, &a.id, a.state, target, reason, now).await?;
+                if outcome == ReportOutcome::Completed {
+                    close_round_at_goal(&mut *tx, &a.round_id, now).await?;
+                }
+                Ok(Ok(target))
+            })
+        })
+        .await
     }
 
     /// (assignment ref, blob key) of every completed contribution of a task's round (all attempts
@@ -355,29 +380,32 @@ impl Db {
     /// Times out assignments past their expiry (ASSIGNED or UPLOADED but not reported), freeing
     /// their slots. Returns how many.
     pub async fn expire_assignments(&self, now: i64, limit: u32) -> Result<usize, DbError> {
-        let mut tx = self.begin_write().await?;
-        let due: Vec<(String, String)> = sqlx::query_as(
-            "SELECT id, state FROM assignments WHERE state IN ('ASSIGNED', 'UPLOADED') \
-             AND expires_at <= $1 ORDER BY expires_at LIMIT $2",
-        )
-        .bind(now)
-        .bind(i64::from(limit))
-        .fetch_all(&mut *tx)
-        .await?;
-        for (id, state) in &due {
-            let from: AssignmentState = parse_state(state)?;
-            transition(
-                &mut tx,
-                id,
-                from,
-                AssignmentState::TimedOut,
-                "assignment expired",
-                now,
-            )
-            .await?;
-        }
-        tx.commit().await?;
-        Ok(due.len())
+        self.write(move |tx| {
+            Box::pin(async move {
+                let due: Vec<(String, String)> = sqlx::query_as(
+                    "SELECT id, state FROM assignments WHERE state IN ('ASSIGNED', 'UPLOADED') \
+                     AND expires_at <= $1 ORDER BY expires_at LIMIT $2",
+                )
+                .bind(now)
+                .bind(i64::from(limit))
+                .fetch_all(&mut *tx)
+                .await?;
+                for (id, state) in &due {
+                    let from: AssignmentState = parse_state(state)?;
+                    transition(
+                        &mut *tx,
+                        id,
+                        from,
+                        AssignmentState::TimedOut,
+                        "assignment expired",
+                        now,
+                    )
+                    .await?;
+                }
+                Ok(due.len())
+            })
+        })
+        .await
     }
 }
 

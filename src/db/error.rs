@@ -32,6 +32,8 @@ pub enum DbError {
     AlreadyExists(String),
     #[error("stored data is corrupt: {0}")]
     Corrupt(String),
+    #[error("the write was not committed: {0}")]
+    Commit(String),
     #[error("could not issue a token: {0}")]
     Token(#[from] crate::auth::AuthError),
 }

@@ -13,13 +13,14 @@ mod models;
 mod rounds;
 mod tasks;
 mod tenants;
+pub mod writer;
 
 use std::path::Path;
 use std::str::FromStr;
 use std::time::Duration;
 
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{Sqlite, SqlitePool, Transaction};
+use sqlx::{ConnectOptions, SqlitePool};
 
 pub use error::DbError;
 pub use history::HistoryRecord;
@@ -37,14 +38,14 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite")
 
 /// A handle to the task database; cheap to clone.
 ///
-/// SQLite allows one writer at a time. Writes go through a one-connection pool, so concurrent
-/// writers queue fairly in the application instead of in SQLite's busy handler, which sleeps with
-/// growing back-off and turns contention into 100 ms latency tails. Reads use their own pool and
-/// run concurrently (WAL).
+/// SQLite allows one writer at a time. Writes are jobs for one writer task that owns the write
+/// connection and commits waiting jobs together (group commit, `writer.rs`): writers queue fairly
+/// in the application instead of in SQLite's busy handler, and share fsyncs. Reads use their own
+/// pool and run concurrently (WAL).
 #[derive(Debug, Clone)]
 pub struct Db {
     pool: SqlitePool,
-    writer: SqlitePool,
+    writer: writer::Writer,
 }
 
 impl Db {
@@ -57,11 +58,9 @@ impl Db {
             .synchronous(SqliteSynchronous::Full)
             .foreign_keys(true)
             .busy_timeout(Duration::from_secs(10));
-        let writer = SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect_with(options.clone())
-            .await?;
-        MIGRATOR.run(&writer).await?;
+        let mut connection = options.connect().await?;
+        MIGRATOR.run(&mut connection).await?;
+        let writer = writer::Writer::start(connection);
         let pool = SqlitePoolOptions::new()
             .max_connections(8)
             .connect_with(options)
@@ -73,14 +72,15 @@ impl Db {
         &self.pool
     }
 
-    /// The pool for single-statement writes outside a transaction.
-    pub(crate) fn writer(&self) -> &SqlitePool {
-        &self.writer
-    }
-
-    /// Starts a transaction that takes the write lock at once.
-    pub(crate) async fn begin_write(&self) -> Result<Transaction<'static, Sqlite>, DbError> {
-        Ok(self.writer.begin_with("BEGIN IMMEDIATE").await?)
+    /// Runs a write job in the writer's next group commit (see `writer.rs`).
+    pub(crate) async fn write<T, F>(&self, job: F) -> Result<T, DbError>
+    where
+        T: Send + 'static,
+        F: for<'c> FnOnce(&'c mut Conn) -> writer::BoxFuture<'c, Result<T, DbError>>
+            + Send
+            + 'static,
+    {
+        self.writer.write(job).await
     }
 
     /// How many entities of one kind are in each state (states with none included, as 0).
@@ -104,7 +104,6 @@ impl Db {
     /// Closes every connection, checkpointing the WAL.
     pub async fn close(&self) {
         self.pool.close().await;
-        self.writer.close().await;
     }
 }
 

@@ -89,79 +89,86 @@ impl Db {
         spec: &TaskSpec,
         now: i64,
     ) -> Result<TaskRecord, DbError> {
-        let mut tx = self.begin_write().await?;
-        let quotas: Option<(i64, i64)> = sqlx::query_as(
-            "UPDATE tenants SET lock_version = lock_version + 1 WHERE id = $1 \
-             RETURNING max_active_tasks, max_report_goal",
-        )
-        .bind(tenant_id)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let (max_active_tasks, max_report_goal) = quotas.ok_or_else(|| DbError::NotFound {
-            entity: "tenant",
-            id: tenant_id.to_string(),
-        })?;
-        if i64::from(spec.report_goal) > max_report_goal {
-            return Err(DbError::QuotaExceeded {
-                quota: "max_report_goal",
-                limit: max_report_goal,
-                detail: format!(
-                    "report_goal {} is above it; lower report_goal or ask the operator to raise the quota",
-                    spec.report_goal
-                ),
-            });
-        }
-        let active: i64 = sqlx::query_scalar(
-            "SELECT COUNT(*) FROM tasks WHERE tenant_id = $1 AND state IN ('CREATED', 'OPEN')",
-        )
-        .bind(tenant_id)
-        .fetch_one(&mut *tx)
-        .await?;
-        if active >= max_active_tasks {
-            return Err(DbError::QuotaExceeded {
-                quota: "max_active_tasks",
-                limit: max_active_tasks,
-                detail: format!(
-                    "this tenant has {active} active tasks; cancel or finish one, or ask the operator to raise the quota"
-                ),
-            });
-        }
-        let record = TaskRecord {
-            id: new_id(),
-            tenant_id: tenant_id.to_string(),
-            state: TaskState::Created,
-            spec: spec.clone(),
-            current_round: 0,
-            model_version: None,
-            created_at: now,
-            updated_at: now,
-        };
-        let spec_json =
-            serde_json::to_string(spec).map_err(|e| DbError::Corrupt(format!("task spec: {e}")))?;
-        sqlx::query(
-            "INSERT INTO tasks (id, tenant_id, population, state, spec_json, current_round, \
-             model_version, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, 0, NULL, $6, $6)",
-        )
-        .bind(&record.id)
-        .bind(tenant_id)
-        .bind(&spec.population)
-        .bind(TaskState::Created.as_str())
-        .bind(spec_json)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
-        history::append(
-            &mut tx,
-            "task",
-            &record.id,
-            None,
-            TaskState::Created.as_str(),
-            "created",
-            now,
-        )
-        .await?;
-        tx.commit().await?;
-        Ok(record)
+        let tenant_id = tenant_id.to_string();
+        let spec = spec.clone();
+        self.write(move |tx| {
+            Box::pin(async move {
+                let tenant_id = tenant_id.as_str();
+                let spec = &spec;
+                let quotas: Option<(i64, i64)> = sqlx::query_as(
+                    "UPDATE tenants SET lock_version = lock_version + 1 WHERE id = $1 \
+                     RETURNING max_active_tasks, max_report_goal",
+                )
+                .bind(tenant_id)
+                .fetch_optional(&mut *tx)
+                .await?;
+                let (max_active_tasks, max_report_goal) = quotas.ok_or_else(|| DbError::NotFound {
+                    entity: "tenant",
+                    id: tenant_id.to_string(),
+                })?;
+                if i64::from(spec.report_goal) > max_report_goal {
+                    return Err(DbError::QuotaExceeded {
+                        quota: "max_report_goal",
+                        limit: max_report_goal,
+                        detail: format!(
+                            "report_goal {} is above it; lower report_goal or ask the operator to raise the quota",
+                            spec.report_goal
+                        ),
+                    });
+                }
+                let active: i64 = sqlx::query_scalar(
+                    "SELECT COUNT(*) FROM tasks WHERE tenant_id = $1 AND state IN ('CREATED', 'OPEN')",
+                )
+                .bind(tenant_id)
+                .fetch_one(&mut *tx)
+                .await?;
+                if active >= max_active_tasks {
+                    return Err(DbError::QuotaExceeded {
+                        quota: "max_active_tasks",
+                        limit: max_active_tasks,
+                        detail: format!(
+                            "this tenant has {active} active tasks; cancel or finish one, or ask the operator to raise the quota"
+                        ),
+                    });
+                }
+                let record = TaskRecord {
+                    id: new_id(),
+                    tenant_id: tenant_id.to_string(),
+                    state: TaskState::Created,
+                    spec: spec.clone(),
+                    current_round: 0,
+                    model_version: None,
+                    created_at: now,
+                    updated_at: now,
+                };
+                let spec_json =
+                    serde_json::to_string(spec).map_err(|e| DbError::Corrupt(format!("task spec: {e}")))?;
+                sqlx::query(
+                    "INSERT INTO tasks (id, tenant_id, population, state, spec_json, current_round, \
+                     model_version, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, 0, NULL, $6, $6)",
+                )
+                .bind(&record.id)
+                .bind(tenant_id)
+                .bind(&spec.population)
+                .bind(TaskState::Created.as_str())
+                .bind(spec_json)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+                history::append(
+                    &mut *tx,
+                    "task",
+                    &record.id,
+                    None,
+                    TaskState::Created.as_str(),
+                    "created",
+                    now,
+                )
+                .await?;
+                Ok(record)
+            })
+        })
+        .await
     }
 
     /// One task of one tenant (`NotFound` for another tenant's task).
@@ -202,26 +209,35 @@ impl Db {
         model: &models::NewModel,
         now: i64,
     ) -> Result<TaskRecord, DbError> {
-        let mut tx = self.begin_write().await?;
-        let task = load(&mut tx, tenant_id, task_id).await?;
-        transition(
-            &mut tx,
-            task_id,
-            task.state,
-            TaskState::Open,
-            "model version 0 uploaded",
-            now,
-        )
-        .await?;
-        sqlx::query("UPDATE tasks SET model_version = 0, current_round = 1 WHERE id = $1")
-            .bind(task_id)
-            .execute(&mut *tx)
-            .await?;
-        models::insert(&mut tx, task_id, 0, model, now).await?;
-        rounds::open(&mut tx, &task, 1, 1, now).await?;
-        let task = load(&mut tx, tenant_id, task_id).await?;
-        tx.commit().await?;
-        Ok(task)
+        let tenant_id = tenant_id.to_string();
+        let task_id = task_id.to_string();
+        let model = model.clone();
+        self.write(move |tx| {
+            Box::pin(async move {
+                let tenant_id = tenant_id.as_str();
+                let task_id = task_id.as_str();
+                let model = &model;
+                let task = load(&mut *tx, tenant_id, task_id).await?;
+                transition(
+                    &mut *tx,
+                    task_id,
+                    task.state,
+                    TaskState::Open,
+                    "model version 0 uploaded",
+                    now,
+                )
+                .await?;
+                sqlx::query("UPDATE tasks SET model_version = 0, current_round = 1 WHERE id = $1")
+                    .bind(task_id)
+                    .execute(&mut *tx)
+                    .await?;
+                models::insert(&mut *tx, task_id, 0, model, now).await?;
+                rounds::open(&mut *tx, &task, 1, 1, now).await?;
+                let task = load(&mut *tx, tenant_id, task_id).await?;
+                Ok(task)
+            })
+        })
+        .await
     }
 
     /// Cancels a live task: assignment stops at once because its live round fails in the same
@@ -232,40 +248,47 @@ impl Db {
         task_id: &str,
         now: i64,
     ) -> Result<TaskRecord, DbError> {
-        let mut tx = self.begin_write().await?;
-        let task = load(&mut tx, tenant_id, task_id).await?;
-        if task.state.is_terminal() {
-            return Err(DbError::StateConflict {
-                entity: "task",
-                id: task_id.to_string(),
-                expected: "CREATED or OPEN",
-                found: task.state.as_str().to_string(),
-            });
-        }
-        transition(
-            &mut tx,
-            task_id,
-            task.state,
-            TaskState::Cancelled,
-            "cancelled by partner",
-            now,
-        )
-        .await?;
-        for round in rounds::load_for_task(&mut tx, task_id).await? {
-            if LIVE_ROUND_STATES.contains(&round.state) {
-                rounds::close(
-                    &mut tx,
-                    &round.id,
-                    round.state,
-                    RoundState::Failed,
-                    "task cancelled",
+        let tenant_id = tenant_id.to_string();
+        let task_id = task_id.to_string();
+        self.write(move |tx| {
+            Box::pin(async move {
+                let tenant_id = tenant_id.as_str();
+                let task_id = task_id.as_str();
+                let task = load(&mut *tx, tenant_id, task_id).await?;
+                if task.state.is_terminal() {
+                    return Err(DbError::StateConflict {
+                        entity: "task",
+                        id: task_id.to_string(),
+                        expected: "CREATED or OPEN",
+                        found: task.state.as_str().to_string(),
+                    });
+                }
+                transition(
+                    &mut *tx,
+                    task_id,
+                    task.state,
+                    TaskState::Cancelled,
+                    "cancelled by partner",
                     now,
                 )
                 .await?;
-            }
-        }
-        let task = load(&mut tx, tenant_id, task_id).await?;
-        tx.commit().await?;
-        Ok(task)
+                for round in rounds::load_for_task(&mut *tx, task_id).await? {
+                    if LIVE_ROUND_STATES.contains(&round.state) {
+                        rounds::close(
+                            &mut *tx,
+                            &round.id,
+                            round.state,
+                            RoundState::Failed,
+                            "task cancelled",
+                            now,
+                        )
+                        .await?;
+                    }
+                }
+                let task = load(&mut *tx, tenant_id, task_id).await?;
+                Ok(task)
+            })
+        })
+        .await
     }
 }

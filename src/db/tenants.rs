@@ -46,26 +46,41 @@ impl Db {
             max_report_goal: tenant.max_report_goal,
             created_at: now,
         };
-        let inserted = sqlx::query(
-            "INSERT INTO tenants (id, name, token_id, token_sha256, max_active_tasks, \
-             max_report_goal, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7)",
-        )
-        .bind(&record.id)
-        .bind(&record.name)
-        .bind(&issued.token_id)
-        .bind(&issued.secret_sha256_hex)
-        .bind(record.max_active_tasks)
-        .bind(record.max_report_goal)
-        .bind(record.created_at)
-        .execute(self.writer())
-        .await;
+        let row = (
+            record.id.clone(),
+            record.name.clone(),
+            issued.token_id.clone(),
+            issued.secret_sha256_hex.clone(),
+            record.max_active_tasks,
+            record.max_report_goal,
+            record.created_at,
+        );
+        let inserted = self
+            .write(move |conn| {
+                Box::pin(async move {
+                    sqlx::query(
+                        "INSERT INTO tenants (id, name, token_id, token_sha256, max_active_tasks, \
+                         max_report_goal, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                    )
+                    .bind(row.0)
+                    .bind(row.1)
+                    .bind(row.2)
+                    .bind(row.3)
+                    .bind(row.4)
+                    .bind(row.5)
+                    .bind(row.6)
+                    .execute(&mut *conn)
+                    .await
+                    .map_err(DbError::from)
+                })
+            })
+            .await;
         match inserted {
             Ok(_) => Ok((record, issued.token)),
-            Err(e) if DbError::is_unique_violation(&e) => Err(DbError::AlreadyExists(format!(
-                "a tenant named {:?}",
-                tenant.name
-            ))),
-            Err(e) => Err(e.into()),
+            Err(DbError::Sqlx(e)) if DbError::is_unique_violation(&e) => Err(
+                DbError::AlreadyExists(format!("a tenant named {:?}", tenant.name)),
+            ),
+            Err(e) => Err(e),
         }
     }
 

@@ -1,0 +1,134 @@
+//! Full device cycles (check-in, 16 KB sealed upload, report) against the server with SQLite and
+//! local blobs on loopback, driven by the load generator (`confed devices simulate --no-train`).
+//! Run with `cargo bench --bench device_cycles`; prints cycles/s and per-call p50/p99.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine as _;
+use confed::api::{self, AppState, Limits};
+use confed::blob::LocalBlobStore;
+use confed::clock::SystemClock;
+use confed::db::{Db, NewTenant};
+use confed::device::client::{TrustConfig, TrustedEntry};
+use confed::device::simulate::{SimulationConfig, run};
+use confed::keys::directory::KeyDirectory;
+use confed_attestation::exchange::{
+    KeySet, SignedPublicKey, encode_verifying_key, generate_signing_key, sign_key,
+};
+
+const DEVICES: usize = 6000;
+const CONCURRENCY: usize = 64;
+
+fn key_directory() -> (KeyDirectory, TrustConfig) {
+    let (_, public) = confed_enclave::hpke::generate_keypair();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let mut sets = Vec::new();
+    let mut trusted = Vec::new();
+    for id in ["ks1", "ks2"] {
+        let signing = generate_signing_key();
+        let mut entry = SignedPublicKey {
+            key_id: "kbench".into(),
+            suite: confed_enclave::hpke::SUITE.into(),
+            public_key: base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(public.0),
+            not_before: now - 60,
+            not_after: now + 86_400,
+            threshold: 2,
+            shares: 2,
+            state: "active".into(),
+            signature: String::new(),
+        };
+        sign_key(&signing, id, &mut entry);
+        let verifying_key = encode_verifying_key(signing.verifying_key());
+        trusted.push(TrustedEntry {
+            id: id.into(),
+            verifying_key: verifying_key.clone(),
+        });
+        sets.push(KeySet {
+            keyservice_id: id.into(),
+            verifying_key,
+            keys: vec![entry],
+        });
+    }
+    (
+        KeyDirectory::fixed(sets),
+        TrustConfig {
+            threshold: 2,
+            keyservices: trusted,
+        },
+    )
+}
+
+#[tokio::main]
+async fn main() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Db::open_sqlite(&dir.path().join("confed.db"))
+        .await
+        .unwrap();
+    let tenant = NewTenant {
+        name: "bench".into(),
+        max_active_tasks: 10,
+        max_report_goal: 1_000_000,
+    };
+    let (_, token) = db.create_tenant(&tenant, 0).await.unwrap();
+    let (keys, trust) = key_directory();
+    let state = AppState {
+        db,
+        blobs: Arc::new(LocalBlobStore::open(dir.path().join("blobs")).unwrap()),
+        clock: Arc::new(SystemClock),
+        admin: None,
+        limits: Limits::default(),
+        keys,
+        registry: Default::default(),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, api::router(state)).await.unwrap() });
+
+    let http = confed_enclave::http::client(Duration::from_secs(30));
+    let task: serde_json::Value = http
+        .post(format!("{base}/v1/tasks"))
+        .bearer_auth(token.as_str())
+        .json(&serde_json::json!({
+            "population": "bench", "rounds": 1, "report_goal": 1_000_000, "min_reports": 1,
+            "over_selection": 0.0, "round_deadline_seconds": 3600, "assignment_timeout_seconds": 600,
+            "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0},
+        }))
+        .send().await.unwrap().json().await.unwrap();
+    let task_id = task["id"].as_str().unwrap();
+    // 4 x 1023 weights + 4 biases = 4096 floats: a 16 KB update.
+    let model = confed::device::train::Softmax::zeros(4, 1023).to_safetensors();
+    let put = http
+        .put(format!("{base}/v1/tasks/{task_id}/model"))
+        .bearer_auth(token.as_str())
+        .body(model)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 201);
+
+    let summary = run(SimulationConfig {
+        server: base,
+        population: "bench".into(),
+        devices: DEVICES,
+        concurrency: CONCURRENCY,
+        rounds: 1,
+        trust,
+        train: false,
+        seed: 1,
+        rows_per_device: 0,
+        max_retry_wait: Duration::from_millis(10),
+        idle_limit: 3,
+        client_version: "1.0.0".into(),
+        progress: false,
+    })
+    .await
+    .unwrap();
+    println!(
+        "device cycles, {DEVICES} devices, {CONCURRENCY} concurrent, 16 KB updates, SQLite synchronous=FULL:"
+    );
+    summary.print();
+}
