@@ -3,7 +3,8 @@
 //! its shape and stores it; only the enclave opens it.
 //!
 //! ```text
-//! { "v": 1, "key_id": text, "enc": bytes(32), "ct": bytes }      (CBOR map, exactly these keys)
+//! { "v": 1, "key_id": text, "enc": bytes(32), "ct": bytes }      (CBOR map, exactly these keys,
+//!   plus "chunk": uint when the update is sealed in chunks, see `hpke::seal_chunked`)
 //! info = "confed contribution v1" 0x00 key_id 0x00
 //! aad  = "confed contribution v1" 0x00 task_id 0x00 decimal(round) 0x00 assignment_ref 0x00
 //! assignment_ref = lowercase hex SHA-256 of the assignment id
@@ -18,6 +19,7 @@ use thiserror::Error;
 use zeroize::Zeroizing;
 
 use crate::hpke::{self, HpkeError, PrivateKey, PublicKey};
+use crate::hpke_awslc::Recipient;
 
 pub const LABEL: &str = "confed contribution v1";
 pub const VERSION: u64 = 1;
@@ -41,7 +43,13 @@ pub struct Envelope {
     pub key_id: String,
     pub encapsulated_key: Vec<u8>,
     pub ciphertext: Vec<u8>,
+    /// Plaintext bytes per chunk when sealed in chunks (large updates); `None` for one piece.
+    pub chunk: Option<u32>,
 }
+
+/// Updates larger than this are sealed in chunks of this size, so the enclave opens them in
+/// constant memory.
+pub const CHUNK_THRESHOLD: usize = 1024 * 1024;
 
 fn fields(parts: &[&str]) -> Vec<u8> {
     let mut out = Vec::new();
@@ -71,47 +79,44 @@ pub fn aad(task_id: &str, round: u64, assignment_ref: &str) -> Vec<u8> {
 
 impl Envelope {
     pub fn to_cbor(&self) -> Vec<u8> {
-        let map = Value::Map(vec![
-            (Value::Text("v".into()), Value::Integer(VERSION.into())),
-            (
-                Value::Text("key_id".into()),
-                Value::Text(self.key_id.clone()),
-            ),
-            (
-                Value::Text("enc".into()),
-                Value::Bytes(self.encapsulated_key.clone()),
-            ),
-            (
-                Value::Text("ct".into()),
-                Value::Bytes(self.ciphertext.clone()),
-            ),
-        ]);
+        let text = |t: &str| Value::Text(t.into());
+        let mut entries = vec![
+            (text("v"), Value::Integer(VERSION.into())),
+            (text("key_id"), Value::Text(self.key_id.clone())),
+            (text("enc"), Value::Bytes(self.encapsulated_key.clone())),
+            (text("ct"), Value::Bytes(self.ciphertext.clone())),
+        ];
+        if let Some(chunk) = self.chunk {
+            entries.push((text("chunk"), Value::Integer(chunk.into())));
+        }
         let mut out =
             Vec::with_capacity(self.ciphertext.len() + OVERHEAD_BYTES + self.key_id.len());
-        ciborium::into_writer(&map, &mut out).expect("writing CBOR to a Vec cannot fail");
+        ciborium::into_writer(&Value::Map(entries), &mut out)
+            .expect("writing CBOR to a Vec cannot fail");
         out
     }
 
-    /// Parses an envelope strictly: a map with exactly `v`, `key_id`, `enc` (32 bytes), `ct`.
+    /// Parses an envelope strictly: a map with exactly `v`, `key_id`, `enc` (32 bytes), `ct`, and
+    /// optionally `chunk`.
     pub fn from_cbor(bytes: &[u8]) -> Result<Self, EnvelopeError> {
         let value: Value =
             ciborium::from_reader(bytes).map_err(|e| EnvelopeError::Cbor(e.to_string()))?;
         let Value::Map(entries) = value else {
             return Err(EnvelopeError::Shape("the top level is not a map".into()));
         };
-        let (mut version, mut key_id, mut enc, mut ct) = (None, None, None, None);
+        let (mut version, mut key_id, mut enc, mut ct, mut chunk) = (None, None, None, None, None);
         for (key, value) in entries {
             let Value::Text(key) = key else {
                 return Err(EnvelopeError::Shape("a key is not text".into()));
             };
+            let number = |v: ciborium::value::Integer| u64::try_from(v).unwrap_or(u64::MAX);
             let duplicate = match (key.as_str(), value) {
-                ("v", Value::Integer(v)) => version
-                    .replace(u64::try_from(v).unwrap_or(u64::MAX))
-                    .is_some(),
+                ("v", Value::Integer(v)) => version.replace(number(v)).is_some(),
                 ("key_id", Value::Text(t)) => key_id.replace(t).is_some(),
                 ("enc", Value::Bytes(b)) => enc.replace(b).is_some(),
                 ("ct", Value::Bytes(b)) => ct.replace(b).is_some(),
-                (name @ ("v" | "key_id" | "enc" | "ct"), _) => {
+                ("chunk", Value::Integer(c)) => chunk.replace(number(c)).is_some(),
+                (name @ ("v" | "key_id" | "enc" | "ct" | "chunk"), _) => {
                     return Err(EnvelopeError::Shape(format!("`{name}` has the wrong type")));
                 }
                 (other, _) => return Err(EnvelopeError::Shape(format!("unknown key `{other}`"))),
@@ -135,15 +140,35 @@ impl Envelope {
                 "`ct` is shorter than an AEAD tag".into(),
             ));
         }
+        let chunk = match chunk {
+            None => None,
+            Some(c) if (hpke::MIN_CHUNK as u64..=hpke::MAX_CHUNK as u64).contains(&c) => {
+                if hpke::split_chunks(&ciphertext, c as usize).is_none() {
+                    return Err(EnvelopeError::Shape(
+                        "`ct` is not a sequence of sealed chunks".into(),
+                    ));
+                }
+                Some(c as u32)
+            }
+            Some(c) => {
+                return Err(EnvelopeError::Shape(format!(
+                    "`chunk` {c} is outside {}..={}",
+                    hpke::MIN_CHUNK,
+                    hpke::MAX_CHUNK
+                )));
+            }
+        };
         Ok(Self {
             key_id: key_id.ok_or_else(|| missing("key_id"))?,
             encapsulated_key,
             ciphertext,
+            chunk,
         })
     }
 }
 
 /// Seals a device's update (safetensors bytes) for one assignment (the id the device was given).
+/// Updates above `CHUNK_THRESHOLD` bytes are sealed in chunks.
 pub fn seal(
     public_key: &PublicKey,
     key_id: &str,
@@ -153,16 +178,24 @@ pub fn seal(
     update: &[u8],
 ) -> Result<Envelope, EnvelopeError> {
     let aad = aad(task_id, round, &assignment_ref(assignment_id));
-    let (encapsulated_key, ciphertext) = hpke::seal(public_key, &info(key_id), &aad, update)?;
+    let info = info(key_id);
+    let (encapsulated_key, ciphertext, chunk) = if update.len() > CHUNK_THRESHOLD {
+        let (enc, ct) = hpke::seal_chunked(public_key, &info, &aad, update, CHUNK_THRESHOLD)?;
+        (enc, ct, Some(CHUNK_THRESHOLD as u32))
+    } else {
+        let (enc, ct) = hpke::seal(public_key, &info, &aad, update)?;
+        (enc, ct, None)
+    };
     Ok(Envelope {
         key_id: key_id.to_string(),
         encapsulated_key,
         ciphertext,
+        chunk,
     })
 }
 
 /// Opens an envelope for the task, round and assignment (by its stored ref) it was stored under
-/// (enclave only).
+/// (enclave only). Convenience over `open_with` for one envelope.
 pub fn open(
     private_key: &PrivateKey,
     envelope: &Envelope,
@@ -170,13 +203,36 @@ pub fn open(
     round: u64,
     assignment_ref: &str,
 ) -> Result<Zeroizing<Vec<u8>>, EnvelopeError> {
-    Ok(hpke::open(
-        private_key,
-        &envelope.encapsulated_key,
-        &info(&envelope.key_id),
-        &aad(task_id, round, assignment_ref),
-        &envelope.ciphertext,
-    )?)
+    open_with(
+        &Recipient::new(private_key)?,
+        envelope,
+        task_id,
+        round,
+        assignment_ref,
+    )
+}
+
+/// Opens an envelope with a loaded recipient key (AWS-LC), in one piece or chunk by chunk.
+pub fn open_with(
+    recipient: &Recipient,
+    envelope: &Envelope,
+    task_id: &str,
+    round: u64,
+    assignment_ref: &str,
+) -> Result<Zeroizing<Vec<u8>>, EnvelopeError> {
+    let info = info(&envelope.key_id);
+    let aad = aad(task_id, round, assignment_ref);
+    let (enc, ct) = (&envelope.encapsulated_key, &envelope.ciphertext);
+    match envelope.chunk {
+        None => Ok(recipient.open(enc, &info, &aad, ct)?),
+        Some(chunk) => {
+            let mut out = Zeroizing::new(Vec::with_capacity(ct.len()));
+            recipient.open_chunks(enc, &info, &aad, ct, chunk as usize, |p| {
+                out.extend_from_slice(p)
+            })?;
+            Ok(out)
+        }
+    }
 }
 
 #[cfg(test)]
@@ -209,11 +265,30 @@ mod tests {
     }
 
     #[test]
+    fn large_updates_are_sealed_in_chunks_and_open_the_same() {
+        let (private, public) = hpke::generate_keypair();
+        let update: Vec<u8> = (0..CHUNK_THRESHOLD * 2 + 5)
+            .map(|i| (i % 241) as u8)
+            .collect();
+        let envelope = seal(&public, "k1", "task", 1, "a1", &update).unwrap();
+        assert_eq!(envelope.chunk, Some(CHUNK_THRESHOLD as u32));
+        let parsed = Envelope::from_cbor(&envelope.to_cbor()).unwrap();
+        assert_eq!(parsed, envelope);
+        let opened = open(&private, &parsed, "task", 1, &assignment_ref("a1")).unwrap();
+        assert_eq!(opened.as_slice(), update.as_slice());
+        assert!(open(&private, &parsed, "task", 2, &assignment_ref("a1")).is_err());
+        let mut odd_chunk = parsed.clone();
+        odd_chunk.chunk = Some(100);
+        assert!(Envelope::from_cbor(&odd_chunk.to_cbor()).is_err());
+    }
+
+    #[test]
     fn malformed_envelopes_say_what_is_wrong() {
         let good = Envelope {
             key_id: "k1".into(),
             encapsulated_key: vec![1; 32],
             ciphertext: vec![2; 40],
+            chunk: None,
         };
         let build = |entries: Vec<(Value, Value)>| {
             let mut out = Vec::new();

@@ -121,6 +121,110 @@ pub fn open(
     .map_err(|_| HpkeError::Open)
 }
 
+/// Smallest and largest chunk of a chunked seal (plaintext bytes per chunk).
+pub const MIN_CHUNK: usize = 1024;
+pub const MAX_CHUNK: usize = 16 * 1024 * 1024;
+
+/// Associated data of chunk `index`: the message's `aad`, the chunk index (u32, big-endian) and
+/// whether it is the last chunk (one byte, 1 or 0). The HPKE context's sequence number orders
+/// the chunks; the last-chunk flag makes a truncated sequence fail to open.
+pub fn chunk_aad(aad: &[u8], index: u32, last: bool) -> Vec<u8> {
+    let mut out = Vec::with_capacity(aad.len() + 5);
+    out.extend_from_slice(aad);
+    out.extend_from_slice(&index.to_be_bytes());
+    out.push(u8::from(last));
+    out
+}
+
+/// The plaintext lengths of the chunks of a `len`-byte message: full chunks, then the remainder
+/// (at least one chunk, possibly empty).
+pub fn chunk_lengths(len: usize, chunk: usize) -> impl Iterator<Item = usize> {
+    let count = len.div_ceil(chunk).max(1);
+    (0..count).map(move |i| {
+        if i + 1 < count {
+            chunk
+        } else {
+            len - chunk * (count - 1)
+        }
+    })
+}
+
+/// Seals `plaintext` as a sequence of `chunk`-byte chunks under one HPKE context; the ciphertext
+/// is the chunks' ciphertexts concatenated (each chunk + 16 bytes).
+pub fn seal_chunked(
+    recipient: &PublicKey,
+    info: &[u8],
+    aad: &[u8],
+    plaintext: &[u8],
+    chunk: usize,
+) -> Result<(Vec<u8>, Vec<u8>), HpkeError> {
+    if !(MIN_CHUNK..=MAX_CHUNK).contains(&chunk) {
+        return Err(HpkeError::Seal);
+    }
+    let public = <Kem as KemTrait>::PublicKey::from_bytes(&recipient.0)
+        .map_err(|_| HpkeError::BadKey("public key"))?;
+    let (encapsulated, mut context) =
+        hpke::setup_sender::<Aead, Kdf, Kem>(&OpModeS::Base, &public, info)
+            .map_err(|_| HpkeError::Seal)?;
+    let count = chunk_lengths(plaintext.len(), chunk).count();
+    let mut out = Vec::with_capacity(plaintext.len() + 16 * count);
+    let mut offset = 0;
+    for (index, length) in chunk_lengths(plaintext.len(), chunk).enumerate() {
+        let last = index + 1 == count;
+        let index = u32::try_from(index).map_err(|_| HpkeError::Seal)?;
+        let sealed = context
+            .seal(
+                &plaintext[offset..offset + length],
+                &chunk_aad(aad, index, last),
+            )
+            .map_err(|_| HpkeError::Seal)?;
+        out.extend_from_slice(&sealed);
+        offset += length;
+    }
+    Ok((encapsulated.to_bytes().to_vec(), out))
+}
+
+/// Splits a chunked ciphertext into its chunks' ciphertexts (each `chunk + 16` bytes, the last
+/// the remainder); `None` if the length cannot be such a sequence.
+pub fn split_chunks(ciphertext: &[u8], chunk: usize) -> Option<Vec<&[u8]>> {
+    let step = chunk.checked_add(16)?;
+    let parts: Vec<&[u8]> = ciphertext.chunks(step).collect();
+    // Every chunk carries a 16-byte tag.
+    (parts.last()?.len() >= 16).then_some(parts)
+}
+
+/// Opens a chunked ciphertext with the RustCrypto implementation (the independent reference the
+/// tests compare AWS-LC against).
+pub fn open_chunked(
+    private: &PrivateKey,
+    encapsulated_key: &[u8],
+    info: &[u8],
+    aad: &[u8],
+    ciphertext: &[u8],
+    chunk: usize,
+) -> Result<Zeroizing<Vec<u8>>, HpkeError> {
+    let encapsulated = <Kem as KemTrait>::EncappedKey::from_bytes(encapsulated_key)
+        .map_err(|_| HpkeError::Open)?;
+    let mut context = hpke::setup_receiver::<Aead, Kdf, Kem>(
+        &OpModeR::Base,
+        &private.inner()?,
+        &encapsulated,
+        info,
+    )
+    .map_err(|_| HpkeError::Open)?;
+    let parts = split_chunks(ciphertext, chunk).ok_or(HpkeError::Open)?;
+    let mut out = Zeroizing::new(Vec::with_capacity(ciphertext.len()));
+    for (index, part) in parts.iter().enumerate() {
+        let last = index + 1 == parts.len();
+        let index = u32::try_from(index).map_err(|_| HpkeError::Open)?;
+        let opened = context
+            .open(part, &chunk_aad(aad, index, last))
+            .map_err(|_| HpkeError::Open)?;
+        out.extend_from_slice(&opened);
+    }
+    Ok(out)
+}
+
 /// `info` for a key service's share sealed to an enclave's ephemeral key: label, then the key
 /// service, key, task and round, each followed by a zero byte so no two tuples collide.
 pub fn share_release_info(keyservice_id: &str, key_id: &str, task_id: &str, round: u64) -> Vec<u8> {
@@ -167,6 +271,38 @@ mod tests {
         assert_ne!(
             share_release_info("ab", "c", "t", 1),
             share_release_info("a", "bc", "t", 1)
+        );
+    }
+
+    #[test]
+    fn chunked_seal_opens_and_detects_truncation_reordering_and_the_wrong_aad() {
+        let (private, public) = generate_keypair();
+        for len in [0usize, 1, 1023, 1024, 1025, 4096, 5000] {
+            let plaintext: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+            let (enc, ct) = seal_chunked(&public, b"info", b"aad", &plaintext, MIN_CHUNK).unwrap();
+            assert_eq!(ct.len(), len + 16 * chunk_lengths(len, MIN_CHUNK).count());
+            let opened = open_chunked(&private, &enc, b"info", b"aad", &ct, MIN_CHUNK).unwrap();
+            assert_eq!(opened.as_slice(), plaintext.as_slice(), "{len}");
+            assert!(open_chunked(&private, &enc, b"info", b"other", &ct, MIN_CHUNK).is_err());
+        }
+        let plaintext = vec![7u8; 3 * MIN_CHUNK];
+        let (enc, ct) = seal_chunked(&public, b"i", b"a", &plaintext, MIN_CHUNK).unwrap();
+        let step = MIN_CHUNK + 16;
+        let truncated = &ct[..2 * step];
+        assert!(
+            open_chunked(&private, &enc, b"i", b"a", truncated, MIN_CHUNK).is_err(),
+            "dropped last chunk"
+        );
+        let mut swapped = ct[step..2 * step].to_vec();
+        swapped.extend_from_slice(&ct[..step]);
+        swapped.extend_from_slice(&ct[2 * step..]);
+        assert!(
+            open_chunked(&private, &enc, b"i", b"a", &swapped, MIN_CHUNK).is_err(),
+            "reordered"
+        );
+        assert!(
+            seal_chunked(&public, b"i", b"a", b"x", 10).is_err(),
+            "chunk below the minimum"
         );
     }
 

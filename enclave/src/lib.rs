@@ -5,6 +5,7 @@
 
 pub mod envelope;
 pub mod hpke;
+pub mod hpke_awslc;
 pub mod http;
 pub mod key_collection;
 pub mod model;

@@ -235,7 +235,9 @@ pub async fn checkin(
 
 /// Largest envelope accepted for a task whose model has `model_bytes` bytes.
 pub fn contribution_limit(model_bytes: i64) -> u64 {
-    model_bytes.max(0) as u64 + CONTRIBUTION_SLACK_BYTES as u64
+    let model = model_bytes.max(0) as u64;
+    // Chunked sealing adds a 16-byte tag per chunk of at least 1 KiB: at most 1/64 more.
+    model + model / 64 + CONTRIBUTION_SLACK_BYTES as u64
 }
 
 /// Download a model version: immutable, strong ETag, cacheable; 304 on `If-None-Match`.

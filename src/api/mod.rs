@@ -109,7 +109,7 @@ pub fn routes_and_openapi(limits: &Limits) -> (Router<AppState>, utoipa::openapi
     let contribution_upload = OpenApiRouter::new()
         .routes(routes!(devices::put_contribution))
         .layer(DefaultBodyLimit::max(
-            limits.model_bytes + devices::CONTRIBUTION_SLACK_BYTES,
+            devices::contribution_limit(limits.model_bytes as i64) as usize,
         ));
     OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(tasks::create_task, tasks::list_tasks))
