@@ -63,8 +63,9 @@ async fn main() {
     let (_, token) = db.create_tenant(&tenant, 0).await.unwrap();
     let token = Arc::new(token.to_string());
     let state = AppState {
-        db,
+        db: db.clone(),
         blobs: Arc::new(LocalBlobStore::open(dir.path().join("blobs")).unwrap()),
+        contributions: Arc::new(confed::blob::DatabaseBlobStore::new(db.clone())),
         clock: Arc::new(SystemClock),
         admin: None,
         limits: Limits::default(),

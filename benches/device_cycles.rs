@@ -17,7 +17,7 @@ use confed_attestation::exchange::{
     KeySet, SignedPublicKey, encode_verifying_key, generate_signing_key, sign_key,
 };
 
-const DEVICES: usize = 6000;
+const DEVICES: usize = 3000;
 const CONCURRENCY: usize = 64;
 
 fn key_directory() -> (KeyDirectory, TrustConfig) {
@@ -76,8 +76,9 @@ async fn main() {
     let (_, token) = db.create_tenant(&tenant, 0).await.unwrap();
     let (keys, trust) = key_directory();
     let state = AppState {
-        db,
+        db: db.clone(),
         blobs: Arc::new(LocalBlobStore::open(dir.path().join("blobs")).unwrap()),
+        contributions: Arc::new(confed::blob::DatabaseBlobStore::new(db.clone())),
         clock: Arc::new(SystemClock),
         admin: None,
         limits: Limits::default(),

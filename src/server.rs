@@ -118,6 +118,7 @@ pub async fn serve(
     let state = AppState {
         db: db.clone(),
         blobs: Arc::new(blobs),
+        contributions: Arc::new(crate::blob::DatabaseBlobStore::new(db.clone())),
         clock: Arc::clone(&clock),
         admin: config.admin.clone(),
         limits: config.limits,

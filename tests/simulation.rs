@@ -211,7 +211,11 @@ async fn simulated_devices_fill_a_round_with_stored_contributions_that_open() {
     assert_eq!(completed.len(), GOAL);
     let schema = confed_enclave::model::validate_model(&model).unwrap();
     for (assignment_ref, blob_key) in &completed {
-        let bytes = std::fs::read(data.join("blobs").join(blob_key)).unwrap();
+        let bytes = db
+            .get_blob(blob_key)
+            .await
+            .unwrap()
+            .expect("stored contribution");
         let sealed = Envelope::from_cbor(&bytes).unwrap();
         let update = envelope::open(&private_key, &sealed, &task_id, 1, assignment_ref).unwrap();
         assert_eq!(

@@ -353,15 +353,17 @@ pub async fn put_contribution(
     {
         return Err(refusal(closed));
     }
+    // 256 subdirectories per round keep any one directory small and its lock uncontended.
     let key = BlobKey::new(format!(
-        "tenants/{}/tasks/{}/rounds/{}-{}/contributions/{}.cbor",
+        "tenants/{}/tasks/{}/rounds/{}-{}/contributions/{}/{}.cbor",
         assignment.tenant_id,
         assignment.task_id,
         assignment.round_number,
         assignment.attempt,
+        &assignment.id[..2],
         assignment.id
     ))?;
-    match state.blobs.put(&key, &body).await {
+    match state.contributions.put(&key, &body).await {
         Ok(_) => {}
         Err(crate::blob::BlobError::Conflict(_)) => return Err(refusal(Refusal::DifferentBytes)),
         Err(other) => return Err(other.into()),

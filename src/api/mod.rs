@@ -54,7 +54,10 @@ impl Default for Limits {
 #[derive(Debug, Clone)]
 pub struct AppState {
     pub db: Db,
+    /// Models and aggregates.
     pub blobs: Arc<dyn BlobStore>,
+    /// Device contributions (many small write-once objects).
+    pub contributions: Arc<dyn BlobStore>,
     pub clock: Arc<dyn Clock>,
     /// `None` turns the admin API off.
     pub admin: Option<AdminToken>,

@@ -1,6 +1,7 @@
-//! The embedded default blob store: a local directory. A put writes to a temporary file, fsyncs
-//! it, hard-links it into place (which fails rather than overwrite) and fsyncs the directory, so
-//! an acknowledged object survives a crash and no object is ever replaced.
+//! The embedded default blob store: a local directory. A put writes a temporary file next to its
+//! target, fsyncs it, renames it into place without replacing (`RENAME_NOREPLACE`; which fails
+//! rather than overwrite) and fsyncs the directory, so an acknowledged object survives a crash
+//! and no object is ever replaced.
 
 use std::fs::{self, File};
 use std::io::{ErrorKind, Write};
@@ -16,12 +17,10 @@ pub struct LocalBlobStore {
 impl LocalBlobStore {
     pub fn open(root: impl Into<PathBuf>) -> Result<Self, BlobError> {
         let root = root.into();
-        for dir in [root.clone(), root.join(".tmp")] {
-            fs::create_dir_all(&dir).map_err(|source| BlobError::Io {
-                key: dir.display().to_string(),
-                source,
-            })?;
-        }
+        fs::create_dir_all(&root).map_err(|source| BlobError::Io {
+            key: root.display().to_string(),
+            source,
+        })?;
         Ok(Self { root })
     }
 
@@ -40,10 +39,13 @@ impl LocalBlobStore {
         }
         let parent = target.parent().unwrap_or(&self.root);
         fs::create_dir_all(parent).map_err(io)?;
-        let temp = self
-            .root
-            .join(".tmp")
-            .join(uuid::Uuid::new_v4().to_string());
+        // The temporary file lives next to its target, so publishing it is one rename in one
+        // directory (no shared temp directory every writer contends on).
+        let name = target
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("blob");
+        let temp = parent.join(format!(".{name}.{}.partial", uuid::Uuid::new_v4()));
         let written = (|| {
             let mut file = File::create(&temp)?;
             file.write_all(bytes)?;
@@ -53,9 +55,11 @@ impl LocalBlobStore {
             let _ = fs::remove_file(&temp);
             return Err(io(e));
         }
-        let linked = fs::hard_link(&temp, &target);
-        let _ = fs::remove_file(&temp);
-        match linked {
+        let published = publish_no_replace(&temp, &target);
+        if published.is_err() {
+            let _ = fs::remove_file(&temp);
+        }
+        match published {
             Ok(()) => {
                 File::open(parent).and_then(|d| d.sync_all()).map_err(io)?;
                 Ok(PutOutcome::Created)
@@ -65,6 +69,38 @@ impl LocalBlobStore {
             Err(e) => Err(io(e)),
         }
     }
+}
+
+/// Moves `temp` to `target` unless `target` exists (then `AlreadyExists`): `renameat2` with
+/// `RENAME_NOREPLACE` on Linux, a hard link and unlink where that is unsupported.
+fn publish_no_replace(temp: &Path, target: &Path) -> std::io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::ffi::CString;
+        use std::os::unix::ffi::OsStrExt;
+        let from = CString::new(temp.as_os_str().as_bytes())?;
+        let to = CString::new(target.as_os_str().as_bytes())?;
+        // SAFETY: both paths are valid NUL-terminated strings that outlive the call.
+        let result = unsafe {
+            libc::renameat2(
+                libc::AT_FDCWD,
+                from.as_ptr(),
+                libc::AT_FDCWD,
+                to.as_ptr(),
+                libc::RENAME_NOREPLACE,
+            )
+        };
+        if result == 0 {
+            return Ok(());
+        }
+        let error = std::io::Error::last_os_error();
+        if error.raw_os_error() != Some(libc::EINVAL) && error.raw_os_error() != Some(libc::ENOSYS)
+        {
+            return Err(error);
+        }
+    }
+    fs::hard_link(temp, target)?;
+    fs::remove_file(temp)
 }
 
 fn same_content(path: &Path, bytes: &[u8], key: &BlobKey) -> Result<PutOutcome, BlobError> {
@@ -134,7 +170,17 @@ mod tests {
             Err(BlobError::Conflict(_))
         ));
         assert_eq!(store.get(&key).await.unwrap(), b"hello");
-        assert_eq!(fs::read_dir(dir.path().join(".tmp")).unwrap().count(), 0);
+        let leftovers = fs::read_dir(dir.path().join("tenants/a/tasks/b/models"))
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .ends_with(".partial")
+            })
+            .count();
+        assert_eq!(leftovers, 0, "no temporary file is left behind");
     }
 
     #[tokio::test]

@@ -2,6 +2,7 @@
 //! `BlobKey` and never learn which backend holds them, so a cloud store slots in behind the same
 //! trait. Objects are write-once: a key that exists is never overwritten.
 
+mod database;
 mod local;
 
 use std::future::Future;
@@ -9,6 +10,7 @@ use std::pin::Pin;
 
 use thiserror::Error;
 
+pub use database::DatabaseBlobStore;
 pub use local::LocalBlobStore;
 
 /// A validated object name: `/`-separated segments of `A-Z a-z 0-9 . _ -`, no `.` or `..`.

@@ -6,6 +6,7 @@
 //! transaction that reads before it writes never fails on a stale snapshot.
 
 mod assignments;
+mod blobs;
 pub mod device;
 mod error;
 mod history;
@@ -22,6 +23,7 @@ use std::time::Duration;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{ConnectOptions, SqlitePool};
 
+pub use blobs::StoredBlob;
 pub use error::DbError;
 pub use history::HistoryRecord;
 pub use models::{ModelRecord, NewModel};

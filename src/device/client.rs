@@ -80,6 +80,18 @@ pub enum ReportOutcome {
 /// How many times an idempotent call is retried after a network error or a 5xx.
 const ATTEMPTS: u32 = 4;
 
+/// Key entries (exact content) whose signatures were already checked. Checking two or more ECDSA
+/// signatures costs more than the rest of a device cycle, and the answer for the same bytes never
+/// changes, so a device checks each key entry once; simulated devices may share one cache.
+#[derive(Debug, Clone, Default)]
+pub struct VerifiedKeys(std::sync::Arc<Mutex<HashMap<String, confed_enclave::hpke::PublicKey>>>);
+
+impl VerifiedKeys {
+    fn fingerprint(key: &crate::keys::directory::DeviceKey) -> String {
+        serde_json::to_string(key).unwrap_or_default()
+    }
+}
+
 #[derive(Debug)]
 pub struct DeviceClient {
     http: reqwest::Client,
@@ -88,6 +100,7 @@ pub struct DeviceClient {
     threshold: usize,
     models: Mutex<HashMap<String, (String, Vec<u8>)>>,
     done: Mutex<HashSet<(String, i64)>>,
+    verified: VerifiedKeys,
 }
 
 async fn problem_detail(response: reqwest::Response) -> DeviceError {
@@ -116,6 +129,16 @@ impl DeviceClient {
         base: &str,
         trust: &TrustConfig,
     ) -> Result<Self, DeviceError> {
+        Self::with_shared(http, base, trust, VerifiedKeys::default())
+    }
+
+    /// Like `with_http`, also sharing the cache of checked key entries.
+    pub fn with_shared(
+        http: reqwest::Client,
+        base: &str,
+        trust: &TrustConfig,
+        verified: VerifiedKeys,
+    ) -> Result<Self, DeviceError> {
         Ok(Self {
             http,
             base: base.trim_end_matches('/').to_string(),
@@ -123,6 +146,7 @@ impl DeviceClient {
             threshold: trust.threshold,
             models: Mutex::default(),
             done: Mutex::default(),
+            verified,
         })
     }
 
@@ -169,18 +193,33 @@ impl DeviceClient {
             .unwrap_or(true)
     }
 
-    /// The X25519 key to seal to, if at least T trusted key services signed it.
+    /// The X25519 key to seal to, if at least T trusted key services signed it and it is valid
+    /// now. Signatures over an entry are checked once; validity is checked every time.
     pub fn verified_key(
         &self,
         assignment: &AssignmentResponse,
         now: i64,
     ) -> Result<confed_enclave::hpke::PublicKey, DeviceError> {
-        Ok(accept_device_key(
-            &assignment.encryption,
-            &self.trusted,
-            self.threshold,
-            now,
-        )?)
+        let key = &assignment.encryption;
+        let fingerprint = VerifiedKeys::fingerprint(key);
+        let cached = self
+            .verified
+            .0
+            .lock()
+            .ok()
+            .and_then(|c| c.get(&fingerprint).copied());
+        let active = crate::keys::KeyState::at(key.not_before, key.not_after, now)
+            == crate::keys::KeyState::Active;
+        if let Some(public) = cached
+            && active
+        {
+            return Ok(public);
+        }
+        let public = accept_device_key(key, &self.trusted, self.threshold, now)?;
+        if let Ok(mut cache) = self.verified.0.lock() {
+            cache.insert(fingerprint, public);
+        }
+        Ok(public)
     }
 
     /// The model bytes, from the cache when the server answers 304.

@@ -95,6 +95,8 @@ impl Summary {
 struct Shared {
     config: SimulationConfig,
     http: reqwest::Client,
+    /// Simulated devices share checked key entries (each real device checks a key once).
+    verified: super::client::VerifiedKeys,
     task: Synthetic,
     summary: Mutex<Summary>,
     contributions: ProgressBar,
@@ -152,7 +154,12 @@ fn random_update(model: &[u8], rng: &mut Rng) -> Result<Vec<u8>, DeviceError> {
 /// One device until it has contributed `rounds` times or was told to retry `idle_limit` times in a row.
 async fn device(shared: Arc<Shared>, index: u64) {
     let config = &shared.config;
-    let client = match DeviceClient::with_http(shared.http.clone(), &config.server, &config.trust) {
+    let client = match DeviceClient::with_shared(
+        shared.http.clone(),
+        &config.server,
+        &config.trust,
+        shared.verified.clone(),
+    ) {
         Ok(client) => client,
         Err(e) => return shared.note(|s| s.failures.push(format!("device {index}: {e}"))),
     };
@@ -283,6 +290,7 @@ pub async fn run(config: SimulationConfig) -> Result<Summary, DeviceError> {
     let shared = Arc::new(Shared {
         task: Synthetic::new(16, 4, config.seed),
         http: confed_enclave::http::client(Duration::from_secs(30)),
+        verified: Default::default(),
         summary: Mutex::default(),
         contributions,
         config: config.clone(),

@@ -127,6 +127,7 @@ impl TestApp {
         let state = AppState {
             db: db.clone(),
             blobs: Arc::new(LocalBlobStore::open(dir.path().join("blobs")).unwrap()),
+            contributions: Arc::new(confed::blob::DatabaseBlobStore::new(db.clone())),
             clock: clock.clone(),
             admin: admin.map(|t| AdminToken::from_secret(t.to_string()).unwrap()),
             limits,
