@@ -17,7 +17,7 @@ use confed_attestation::exchange::{
     KeySet, SignedPublicKey, encode_verifying_key, generate_signing_key, sign_key,
 };
 
-const DEVICES: usize = 3000;
+const DEVICES: usize = 6000;
 const CONCURRENCY: usize = 64;
 
 fn key_directory() -> (KeyDirectory, TrustConfig) {

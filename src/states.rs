@@ -20,6 +20,12 @@ pub trait StateMachine: Copy + Eq + std::fmt::Debug + Send + Sync + 'static {
         Self::ALL.iter().copied().find(|state| state.as_str() == s)
     }
 
+    /// How a transition changes its round's (live assignments, completed reports) counters; only
+    /// assignments have any.
+    fn round_counter_deltas(self, _next: Self) -> (i64, i64) {
+        (0, 0)
+    }
+
     /// A terminal state allows no further transition.
     fn is_terminal(self) -> bool {
         !Self::ALL.iter().any(|&next| self.can_become(next))
@@ -147,6 +153,15 @@ impl StateMachine for AssignmentState {
         }
     }
 
+    fn round_counter_deltas(self, next: Self) -> (i64, i64) {
+        use AssignmentState::*;
+        let live = |s: Self| matches!(s, Assigned | Uploaded | Completed);
+        (
+            i64::from(live(next)) - i64::from(live(self)),
+            i64::from(next == Completed) - i64::from(self == Completed),
+        )
+    }
+
     fn can_become(self, next: Self) -> bool {
         use AssignmentState::*;
         matches!(
@@ -206,6 +221,21 @@ mod tests {
             (Applying, Completed),
             (Applying, Failed),
         ]);
+    }
+
+    #[test]
+    fn assignment_transitions_move_the_round_counters() {
+        use AssignmentState::*;
+        assert_eq!(Assigned.round_counter_deltas(Uploaded), (0, 0));
+        assert_eq!(Uploaded.round_counter_deltas(Completed), (0, 1));
+        for freed in [Failed, TimedOut, Rejected] {
+            assert_eq!(Assigned.round_counter_deltas(freed), (-1, 0));
+            assert_eq!(Uploaded.round_counter_deltas(freed), (-1, 0));
+        }
+        assert_eq!(
+            TaskState::Open.round_counter_deltas(TaskState::Cancelled),
+            (0, 0)
+        );
     }
 
     #[test]

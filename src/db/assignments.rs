@@ -28,6 +28,10 @@ impl Db {
                 .bind(now)
                 .execute(&mut *tx)
                 .await?;
+                sqlx::query("UPDATE rounds SET live_assignments = live_assignments + 1 WHERE id = $1")
+                    .bind(round_id)
+                    .execute(&mut *tx)
+                    .await?;
                 history::append(
                     &mut *tx,
                     "assignment",

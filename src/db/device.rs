@@ -5,9 +5,6 @@ use super::{Conn, Db, DbError, history, parse_state, rounds, transition};
 use crate::states::{AssignmentState, RoundState, StateMachine};
 use crate::task_spec::TaskSpec;
 
-/// States whose assignments hold a slot of the round's capacity.
-const LIVE: &str = "('ASSIGNED', 'UPLOADED', 'COMPLETED')";
-
 /// A collecting round a device of the population might join.
 #[derive(Debug, Clone)]
 pub struct Candidate {
@@ -148,11 +145,11 @@ async fn view(conn: &mut Conn, id: &str) -> Result<Option<AssignmentView>, DbErr
 impl Db {
     /// Collecting rounds of open tasks in a population, with how many live assignments each has.
     pub async fn checkin_candidates(&self, population: &str) -> Result<Vec<Candidate>, DbError> {
-        let sql = format!(
+        let sql = String::from(
             "SELECT r.id, t.id, t.tenant_id, r.round_number, r.deadline_at, r.key_id, t.model_version, \
-             (SELECT COUNT(*) FROM assignments a WHERE a.round_id = r.id AND a.state IN {LIVE}), t.spec_json \
+             r.live_assignments, t.spec_json \
              FROM rounds r JOIN tasks t ON t.id = r.task_id \
-             WHERE t.population = $1 AND t.state = 'OPEN' AND r.state = 'COLLECTING'"
+             WHERE t.population = $1 AND t.state = 'OPEN' AND r.state = 'COLLECTING'",
         );
         let rows: Vec<CandidateRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
             .bind(population)
@@ -196,26 +193,21 @@ impl Db {
                 let round_id = round_id.as_str();
                 let capability = capability.as_str();
                 let key_if_unset = key_if_unset.as_str();
-                let locked: Option<Option<String>> = sqlx::query_scalar(
-                    "UPDATE rounds SET key_id = COALESCE(key_id, $2) WHERE id = $1 AND state = 'COLLECTING' \
+                // One statement locks the round, checks and takes the slot, and fixes the key.
+                let taken: Option<Option<String>> = sqlx::query_scalar(
+                    "UPDATE rounds SET key_id = COALESCE(key_id, $2), \
+                     live_assignments = live_assignments + 1 \
+                     WHERE id = $1 AND state = 'COLLECTING' AND live_assignments < $3 \
                      RETURNING key_id",
                 )
                 .bind(round_id)
                 .bind(key_if_unset)
+                .bind(i64::try_from(capacity).unwrap_or(i64::MAX))
                 .fetch_optional(&mut *tx)
                 .await?;
-                let Some(Some(key_id)) = locked else {
+                let Some(Some(key_id)) = taken else {
                     return Ok(None);
                 };
-                let sql =
-                    format!("SELECT COUNT(*) FROM assignments WHERE round_id = $1 AND state IN {LIVE}");
-                let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-                    .bind(round_id)
-                    .fetch_one(&mut *tx)
-                    .await?;
-                if live as u64 >= capacity {
-                    return Ok(None);
-                }
                 let id = assignment_key(capability);
                 sqlx::query(
                     "INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
@@ -423,13 +415,11 @@ fn closed(a: &AssignmentView, now: i64) -> Option<Refusal> {
 }
 
 async fn close_round_at_goal(conn: &mut Conn, round_id: &str, now: i64) -> Result<(), DbError> {
-    let (goal, completed): (i64, i64) = sqlx::query_as(
-        "SELECT r.report_goal, (SELECT COUNT(*) FROM assignments a WHERE a.round_id = r.id \
-         AND a.state = 'COMPLETED') FROM rounds r WHERE r.id = $1",
-    )
-    .bind(round_id)
-    .fetch_one(&mut *conn)
-    .await?;
+    let (goal, completed): (i64, i64) =
+        sqlx::query_as("SELECT report_goal, completed_reports FROM rounds WHERE id = $1")
+            .bind(round_id)
+            .fetch_one(&mut *conn)
+            .await?;
     if completed >= goal {
         let reason = format!("report goal {goal} reached");
         rounds::close(

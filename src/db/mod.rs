@@ -156,6 +156,19 @@ pub(crate) async fn transition<S: StateMachine>(
             },
         });
     }
+    let (live, completed) = from.round_counter_deltas(to);
+    if live != 0 || completed != 0 {
+        sqlx::query(
+            "UPDATE rounds SET live_assignments = live_assignments + $1, \
+             completed_reports = completed_reports + $2 \
+             WHERE id = (SELECT round_id FROM assignments WHERE id = $3)",
+        )
+        .bind(live)
+        .bind(completed)
+        .bind(id)
+        .execute(&mut *conn)
+        .await?;
+    }
     history::append(
         conn,
         S::ENTITY,

@@ -56,7 +56,7 @@ type RoundRow = (
 
 const ROUND_SELECT: &str = "SELECT r.id, r.task_id, r.round_number, r.attempt, r.state, \
      r.report_goal, r.min_reports, \
-     (SELECT COUNT(*) FROM assignments a WHERE a.round_id = r.id AND a.state = 'COMPLETED'), \
+     r.completed_reports, \
      r.deadline_at, r.opened_at, r.closed_at FROM rounds r";
 
 fn round_from_row(row: RoundRow) -> Result<RoundRecord, DbError> {
