@@ -521,3 +521,14 @@ async fn devices_download_models_with_caching() {
         .await
         .problem(StatusCode::NOT_FOUND);
 }
+
+#[tokio::test]
+async fn without_a_signed_key_devices_are_told_to_retry() {
+    let keyless = TestApp::with_keys(confed::keys::directory::KeyDirectory::default()).await;
+    let token = keyless.tenant("acme").await;
+    open_task(&keyless, &token, json!({})).await;
+    assert_eq!(
+        checkin(&keyless, device()).await.json()["reason"],
+        "no_encryption_key"
+    );
+}

@@ -84,6 +84,12 @@ pub trait BlobStore: Send + Sync + std::fmt::Debug {
 
     /// The whole object.
     fn get<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, Vec<u8>>;
+
+    /// A URL a device can PUT the object to directly (a short-lived signed URL on a cloud store),
+    /// or `None` when uploads go through the server's own upload route (the local stores).
+    fn direct_upload_url(&self, _key: &BlobKey, _expires_at_unix: i64) -> Option<String> {
+        None
+    }
 }
 
 #[cfg(test)]

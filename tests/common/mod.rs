@@ -117,7 +117,20 @@ impl TestApp {
         Self::with(Some(ADMIN_TOKEN), Limits::default()).await
     }
 
+    /// A test app whose devices get keys from `keys` instead of the test key.
+    pub async fn with_keys(keys: confed::keys::directory::KeyDirectory) -> Self {
+        Self::build(Some(ADMIN_TOKEN), Limits::default(), Some(keys)).await
+    }
+
     pub async fn with(admin: Option<&str>, limits: Limits) -> Self {
+        Self::build(admin, limits, None).await
+    }
+
+    async fn build(
+        admin: Option<&str>,
+        limits: Limits,
+        keys: Option<confed::keys::directory::KeyDirectory>,
+    ) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let db = Db::open_sqlite(&dir.path().join("confed.db"))
             .await
@@ -131,7 +144,7 @@ impl TestApp {
             clock: clock.clone(),
             admin: admin.map(|t| AdminToken::from_secret(t.to_string()).unwrap()),
             limits,
-            keys: confed::keys::directory::KeyDirectory::fixed(key_sets),
+            keys: keys.unwrap_or_else(|| confed::keys::directory::KeyDirectory::fixed(key_sets)),
             registry: Default::default(),
         };
         Self {
