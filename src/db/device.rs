@@ -142,6 +142,36 @@ async fn view(conn: &mut Conn, id: &str) -> Result<Option<AssignmentView>, DbErr
     }))
 }
 
+/// What the writer needs of an assignment to apply an upload or a report (a light read: the
+/// writer is serial, so it reads no more than it must).
+struct WriteView {
+    id: String,
+    state: AssignmentState,
+    expires_at: i64,
+    round_id: String,
+    round_state: RoundState,
+    contribution_sha256: Option<String>,
+}
+
+async fn write_view(conn: &mut Conn, id: &str) -> Result<Option<WriteView>, DbError> {
+    let row: Option<(String, String, i64, String, String, Option<String>)> = sqlx::query_as(
+        "SELECT a.id, a.state, a.expires_at, r.id, r.state, a.contribution_sha256 \
+         FROM assignments a JOIN rounds r ON r.id = a.round_id WHERE a.id = $1",
+    )
+    .bind(id)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(r) = row else { return Ok(None) };
+    Ok(Some(WriteView {
+        id: r.0,
+        state: parse_state(&r.1)?,
+        expires_at: r.2,
+        round_id: r.3,
+        round_state: parse_state(&r.4)?,
+        contribution_sha256: r.5,
+    }))
+}
+
 impl Db {
     /// Collecting rounds of open tasks in a population, with how many live assignments each has.
     pub async fn checkin_candidates(&self, population: &str) -> Result<Vec<Candidate>, DbError> {
@@ -260,7 +290,7 @@ impl Db {
                 let capability = capability.as_str();
                 let sha256_hex = sha256_hex.as_str();
                 let blob_key = blob_key.as_str();
-                let Some(a) = view(&mut *tx, &assignment_key(capability)).await? else {
+                let Some(a) = write_view(&mut *tx, &assignment_key(capability)).await? else {
                     return Ok(Err(Refusal::UnknownAssignment));
                 };
                 if let Some(stored) = &a.contribution_sha256 {
@@ -313,7 +343,7 @@ impl Db {
             Box::pin(async move {
                 let capability = capability.as_str();
                 let device_error = device_error.as_deref();
-                let Some(a) = view(&mut *tx, &assignment_key(capability)).await? else {
+                let Some(a) = write_view(&mut *tx, &assignment_key(capability)).await? else {
                     return Ok(Err(Refusal::UnknownAssignment));
                 };
                 let target = outcome.target();
@@ -402,7 +432,7 @@ impl Db {
 }
 
 /// Whether the assignment can no longer take uploads or reports.
-fn closed(a: &AssignmentView, now: i64) -> Option<Refusal> {
+fn closed(a: &WriteView, now: i64) -> Option<Refusal> {
     if a.round_state != RoundState::Collecting {
         Some(Refusal::RoundClosed)
     } else if now >= a.expires_at || a.state == AssignmentState::TimedOut {

@@ -71,12 +71,23 @@ impl Writer {
     }
 }
 
+/// Runs one or more `;`-separated statements in one round trip to the SQLite worker.
 async fn exec(conn: &mut SqliteConnection, sql: &'static str) -> Result<(), String> {
-    sqlx::query(sql)
+    sqlx::raw_sql(sql)
         .execute(&mut *conn)
         .await
         .map(|_| ())
         .map_err(|e| e.to_string())
+}
+
+/// What ends one job and opens the savepoint of the next, in one round trip.
+fn between_jobs(ok: bool, last: bool) -> &'static str {
+    match (ok, last) {
+        (true, false) => "RELEASE job; SAVEPOINT job",
+        (true, true) => "RELEASE job",
+        (false, false) => "ROLLBACK TO job; RELEASE job; SAVEPOINT job",
+        (false, true) => "ROLLBACK TO job; RELEASE job",
+    }
 }
 
 async fn run(mut conn: SqliteConnection, mut jobs: mpsc::Receiver<Job>) {
@@ -90,28 +101,17 @@ async fn run(mut conn: SqliteConnection, mut jobs: mpsc::Receiver<Job>) {
         }
         let size = batch.len();
         let mut completions = Vec::with_capacity(size);
-        let mut failure = exec(&mut conn, "BEGIN IMMEDIATE").await.err();
-        for job in batch {
-            if let Some(error) = &failure {
-                // The transaction could not be opened or a savepoint failed: nothing runs.
-                let error = error.clone();
-                completions.push(Box::new(move |_: Option<&str>| drop(error)) as Completion);
-                continue;
-            }
-            if let Err(e) = exec(&mut conn, "SAVEPOINT job").await {
-                failure = Some(e);
+        let mut failure = exec(&mut conn, "BEGIN IMMEDIATE; SAVEPOINT job")
+            .await
+            .err();
+        for (index, job) in batch.into_iter().enumerate() {
+            if failure.is_some() {
+                // The transaction or a savepoint failed: the rest of the batch does not run, and
+                // dropping a job tells its caller so.
                 continue;
             }
             let (ok, completion) = job(&mut conn).await;
-            let end = if ok {
-                exec(&mut conn, "RELEASE job").await
-            } else {
-                match exec(&mut conn, "ROLLBACK TO job").await {
-                    Ok(()) => exec(&mut conn, "RELEASE job").await,
-                    Err(e) => Err(e),
-                }
-            };
-            if let Err(e) = end {
+            if let Err(e) = exec(&mut conn, between_jobs(ok, index + 1 == size)).await {
                 failure = Some(e);
             }
             completions.push(completion);
