@@ -45,6 +45,10 @@ impl BlobStore for DatabaseBlobStore {
         })
     }
 
+    fn stores_in_task_database(&self) -> bool {
+        true
+    }
+
     fn get<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, Vec<u8>> {
         Box::pin(async move {
             self.db

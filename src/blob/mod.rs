@@ -90,6 +90,12 @@ pub trait BlobStore: Send + Sync + std::fmt::Debug {
     fn direct_upload_url(&self, _key: &BlobKey, _expires_at_unix: i64) -> Option<String> {
         None
     }
+
+    /// Whether objects live in the task database's `blobs` table, so a caller that writes a row
+    /// anyway may store the object in the same transaction (`Db::record_upload`).
+    fn stores_in_task_database(&self) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]

@@ -273,13 +273,15 @@ impl Db {
     }
 
     /// Records a stored contribution (ASSIGNED -> UPLOADED). The same bytes again are accepted
-    /// (`Stored::Again`); different bytes for a used assignment are refused.
+    /// (`Stored::Again`); different bytes for a used assignment are refused. With `inline_bytes`,
+    /// the contribution itself is written to the database's blob table in the same job.
     pub async fn record_upload(
         &self,
         capability: &str,
         sha256_hex: &str,
         size: i64,
         blob_key: &str,
+        inline_bytes: Option<Vec<u8>>,
         now: i64,
     ) -> Result<Result<Stored, Refusal>, DbError> {
         let capability = capability.to_string();
@@ -302,6 +304,18 @@ impl Db {
                 }
                 if let Some(refusal) = closed(&a, now) {
                     return Ok(Err(refusal));
+                }
+                if let Some(bytes) = inline_bytes {
+                    // Stored with its row, in the same transaction: no orphan, one fsync.
+                    sqlx::query(
+                        "INSERT INTO blobs (key, sha256, bytes) VALUES ($1, $2, $3) \
+                         ON CONFLICT (key) DO NOTHING",
+                    )
+                    .bind(blob_key)
+                    .bind(sha256_hex)
+                    .bind(bytes)
+                    .execute(&mut *tx)
+                    .await?;
                 }
                 sqlx::query(
                     "UPDATE assignments SET contribution_sha256 = $1, contribution_bytes = $2, blob_key = $3 \
