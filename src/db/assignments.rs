@@ -1,8 +1,8 @@
 //! Assignments: one device's one-time capability to contribute to one round. The device protocol
 //! (check-in, upload, report) builds on these primitives.
 
-use super::{Db, DbError, history, new_id, transition};
-use crate::states::{AssignmentState, StateMachine};
+use super::{Db, DbError, new_id, transition};
+use crate::states::AssignmentState;
 
 impl Db {
     /// Records a new assignment (ASSIGNED) in a round, expiring at `expires_at`.
@@ -13,39 +13,29 @@ impl Db {
         now: i64,
     ) -> Result<String, DbError> {
         let id = new_id();
-        let round_id = round_id.to_string();
+        let (round_id, assignment_id) = (round_id.to_string(), id.clone());
         self.write(move |tx| {
             Box::pin(async move {
-                let round_id = round_id.as_str();
-                sqlx::query(
-                    "INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
-                     VALUES ($1, $2, $3, $4, $5, $5)",
-                )
-                .bind(&id)
-                .bind(round_id)
-                .bind(AssignmentState::Assigned.as_str())
-                .bind(expires_at)
-                .bind(now)
-                .execute(&mut *tx)
-                .await?;
-                sqlx::query("UPDATE rounds SET live_assignments = live_assignments + 1 WHERE id = $1")
-                    .bind(round_id)
-                    .execute(&mut *tx)
-                    .await?;
-                history::append(
+                super::device::insert_row(
                     &mut *tx,
-                    "assignment",
-                    &id,
-                    None,
-                    AssignmentState::Assigned.as_str(),
+                    &assignment_id,
+                    &round_id,
+                    expires_at,
                     "assigned",
                     now,
                 )
                 .await?;
-                Ok(id)
+                sqlx::query(
+                    "UPDATE rounds SET live_assignments = live_assignments + 1 WHERE id = $1",
+                )
+                .bind(&round_id)
+                .execute(&mut *tx)
+                .await?;
+                Ok(())
             })
         })
-        .await
+        .await?;
+        Ok(id)
     }
 
     /// Moves an assignment between states (compare-and-set on `from`).

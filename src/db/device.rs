@@ -239,23 +239,11 @@ impl Db {
                     return Ok(None);
                 };
                 let id = assignment_key(capability);
-                sqlx::query(
-                    "INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
-                     VALUES ($1, $2, $3, $4, $5, $5)",
-                )
-                .bind(&id)
-                .bind(round_id)
-                .bind(AssignmentState::Assigned.as_str())
-                .bind(expires_at)
-                .bind(now)
-                .execute(&mut *tx)
-                .await?;
-                history::append(
+                insert_row(
                     &mut *tx,
-                    "assignment",
                     &id,
-                    None,
-                    AssignmentState::Assigned.as_str(),
+                    round_id,
+                    expires_at,
                     "device checked in",
                     now,
                 )
@@ -443,6 +431,39 @@ impl Db {
         })
         .await
     }
+}
+
+/// Inserts an ASSIGNED assignment and its first history row. The round's `live_assignments`
+/// counter is the caller's to move (check-in takes the slot in its guarded update).
+pub(crate) async fn insert_row(
+    conn: &mut Conn,
+    id: &str,
+    round_id: &str,
+    expires_at: i64,
+    reason: &str,
+    now: i64,
+) -> Result<(), DbError> {
+    sqlx::query(
+        "INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
+         VALUES ($1, $2, $3, $4, $5, $5)",
+    )
+    .bind(id)
+    .bind(round_id)
+    .bind(AssignmentState::Assigned.as_str())
+    .bind(expires_at)
+    .bind(now)
+    .execute(&mut *conn)
+    .await?;
+    history::append(
+        conn,
+        "assignment",
+        id,
+        None,
+        AssignmentState::Assigned.as_str(),
+        reason,
+        now,
+    )
+    .await
 }
 
 /// Whether the assignment can no longer take uploads or reports.

@@ -1,6 +1,6 @@
 //! Model versions of a task: where each version's bytes live in the blob store.
 
-use super::{Conn, Db, DbError, tasks};
+use super::{Conn, Db, DbError};
 
 /// A model version about to be recorded.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,35 +68,14 @@ impl Db {
         })
     }
 
-    /// One model version of one tenant's task.
+    /// One model version of one tenant's task (`NotFound` for another tenant's task).
     pub async fn model(
         &self,
         tenant_id: &str,
         task_id: &str,
         version: i64,
     ) -> Result<ModelRecord, DbError> {
-        let mut conn = self.pool().acquire().await?;
-        tasks::load(&mut conn, tenant_id, task_id).await?;
-        let row: Option<(String, String, i64, i64)> = sqlx::query_as(
-            "SELECT blob_key, sha256, size_bytes, created_at FROM models \
-             WHERE task_id = $1 AND version = $2",
-        )
-        .bind(task_id)
-        .bind(version)
-        .fetch_optional(&mut *conn)
-        .await?;
-        let (blob_key, sha256_hex, size_bytes, created_at) =
-            row.ok_or_else(|| DbError::NotFound {
-                entity: "model version",
-                id: version.to_string(),
-            })?;
-        Ok(ModelRecord {
-            task_id: task_id.to_string(),
-            version,
-            blob_key,
-            sha256_hex,
-            size_bytes,
-            created_at,
-        })
+        self.task(tenant_id, task_id).await?;
+        self.model_of_task(task_id, version).await
     }
 }
