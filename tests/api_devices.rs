@@ -155,6 +155,17 @@ async fn a_full_cycle_stores_the_contribution_and_reaching_the_goal_closes_the_r
         .problem(StatusCode::CONFLICT);
     let done = report(&app, &first, json!({"outcome": "completed"})).await;
     assert_eq!(done.json()["state"], "COMPLETED");
+    let reference = envelope::assignment_ref(first["assignment_id"].as_str().unwrap());
+    let history = app.db.history(&reference).await.unwrap();
+    let states: Vec<_> = history
+        .iter()
+        .map(|h| (h.from_state.as_deref(), h.to_state.as_str()))
+        .collect();
+    assert_eq!(
+        states,
+        [(None, "ASSIGNED"), (Some("ASSIGNED"), "UPLOADED"), (Some("UPLOADED"), "COMPLETED")],
+        "every transition of the one-statement paths is in the history"
+    );
     assert_eq!(
         report(&app, &first, json!({"outcome": "completed"}))
             .await

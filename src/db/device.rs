@@ -280,18 +280,39 @@ impl Db {
                 let capability = capability.as_str();
                 let sha256_hex = sha256_hex.as_str();
                 let blob_key = blob_key.as_str();
-                let Some(a) = write_view(&mut *tx, &assignment_key(capability)).await? else {
-                    return Ok(Err(Refusal::UnknownAssignment));
-                };
-                if let Some(stored) = &a.contribution_sha256 {
-                    return Ok(if stored == sha256_hex {
-                        Ok(Stored::Again)
-                    } else {
-                        Err(Refusal::DifferentBytes)
-                    });
-                }
-                if let Some(refusal) = closed(&a, now) {
-                    return Ok(Err(refusal));
+                let id = assignment_key(capability);
+                // Common path in one statement: the guards are the upload's checks, and the update
+                // is the ASSIGNED -> UPLOADED transition (compare-and-set on the state; this
+                // transition moves no round counter). Only a refusal reads the row to say why.
+                debug_assert!(AssignmentState::Assigned.can_become(AssignmentState::Uploaded));
+                let moved = sqlx::query(
+                    "UPDATE assignments SET state = 'UPLOADED', updated_at = $1, \
+                     contribution_sha256 = $2, contribution_bytes = $3, blob_key = $4 \
+                     WHERE id = $5 AND state = 'ASSIGNED' AND contribution_sha256 IS NULL \
+                     AND expires_at > $1 AND EXISTS (SELECT 1 FROM rounds r \
+                     WHERE r.id = assignments.round_id AND r.state = 'COLLECTING')",
+                )
+                .bind(now)
+                .bind(sha256_hex)
+                .bind(size)
+                .bind(blob_key)
+                .bind(&id)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected()
+                    == 1;
+                if !moved {
+                    let Some(a) = write_view(&mut *tx, &id).await? else {
+                        return Ok(Err(Refusal::UnknownAssignment));
+                    };
+                    if let Some(stored) = &a.contribution_sha256 {
+                        return Ok(if stored == sha256_hex {
+                            Ok(Stored::Again)
+                        } else {
+                            Err(Refusal::DifferentBytes)
+                        });
+                    }
+                    return Ok(Err(closed(&a, now).unwrap_or(Refusal::Finished(a.state))));
                 }
                 if let Some(bytes) = inline_bytes {
                     // Stored with its row, in the same transaction: no orphan, one fsync.
@@ -305,21 +326,12 @@ impl Db {
                     .execute(&mut *tx)
                     .await?;
                 }
-                sqlx::query(
-                    "UPDATE assignments SET contribution_sha256 = $1, contribution_bytes = $2, blob_key = $3 \
-                     WHERE id = $4",
-                )
-                .bind(sha256_hex)
-                .bind(size)
-                .bind(blob_key)
-                .bind(&a.id)
-                .execute(&mut *tx)
-                .await?;
-                transition(
+                history::append(
                     &mut *tx,
-                    &a.id,
-                    AssignmentState::Assigned,
-                    AssignmentState::Uploaded,
+                    "assignment",
+                    &id,
+                    Some(AssignmentState::Assigned.as_str()),
+                    AssignmentState::Uploaded.as_str(),
                     "contribution stored",
                     now,
                 )
@@ -345,7 +357,13 @@ impl Db {
             Box::pin(async move {
                 let capability = capability.as_str();
                 let device_error = device_error.as_deref();
-                let Some(a) = write_view(&mut *tx, &assignment_key(capability)).await? else {
+                let id = assignment_key(capability);
+                if outcome == ReportOutcome::Completed
+                    && let Some(state) = complete_in_one_step(&mut *tx, &id, now).await?
+                {
+                    return Ok(Ok(state));
+                }
+                let Some(a) = write_view(&mut *tx, &id).await? else {
                     return Ok(Err(Refusal::UnknownAssignment));
                 };
                 let target = outcome.target();
@@ -431,6 +449,62 @@ impl Db {
         })
         .await
     }
+}
+
+/// The common completed report in three statements: the guarded UPLOADED -> COMPLETED
+/// transition (compare-and-set, plus the report's checks), the round's counter (which says whether
+/// the goal is reached), and the history row. `None` when the guards do not hold: the caller then
+/// reads the row and answers why (or that it was already completed).
+async fn complete_in_one_step(
+    conn: &mut Conn,
+    id: &str,
+    now: i64,
+) -> Result<Option<AssignmentState>, DbError> {
+    use AssignmentState::{Completed, Uploaded};
+    debug_assert!(Uploaded.can_become(Completed));
+    debug_assert_eq!(Uploaded.round_counter_deltas(Completed), (0, 1));
+    let round_id: Option<String> = sqlx::query_scalar(
+        "UPDATE assignments SET state = 'COMPLETED', updated_at = $1 \
+         WHERE id = $2 AND state = 'UPLOADED' AND expires_at > $1 AND EXISTS (SELECT 1 FROM rounds r \
+         WHERE r.id = assignments.round_id AND r.state = 'COLLECTING') RETURNING round_id",
+    )
+    .bind(now)
+    .bind(id)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(round_id) = round_id else {
+        return Ok(None);
+    };
+    let (goal, completed): (i64, i64) = sqlx::query_as(
+        "UPDATE rounds SET completed_reports = completed_reports + 1 WHERE id = $1 \
+         RETURNING report_goal, completed_reports",
+    )
+    .bind(&round_id)
+    .fetch_one(&mut *conn)
+    .await?;
+    history::append(
+        conn,
+        "assignment",
+        id,
+        Some(Uploaded.as_str()),
+        Completed.as_str(),
+        "device reported completion",
+        now,
+    )
+    .await?;
+    if completed >= goal {
+        let reason = format!("report goal {goal} reached");
+        rounds::close(
+            conn,
+            &round_id,
+            RoundState::Collecting,
+            RoundState::Aggregating,
+            &reason,
+            now,
+        )
+        .await?;
+    }
+    Ok(Some(Completed))
 }
 
 /// Inserts an ASSIGNED assignment and its first history row. The round's `live_assignments`
