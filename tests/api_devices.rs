@@ -163,7 +163,11 @@ async fn a_full_cycle_stores_the_contribution_and_reaching_the_goal_closes_the_r
         .collect();
     assert_eq!(
         states,
-        [(None, "ASSIGNED"), (Some("ASSIGNED"), "UPLOADED"), (Some("UPLOADED"), "COMPLETED")],
+        [
+            (None, "ASSIGNED"),
+            (Some("ASSIGNED"), "UPLOADED"),
+            (Some("UPLOADED"), "COMPLETED")
+        ],
         "every transition of the one-statement paths is in the history"
     );
     assert_eq!(

@@ -217,7 +217,7 @@ pub async fn checkin(
                 task_id: candidate.task_id,
                 round: candidate.round_number,
                 expires_at: assigned.expires_at.div_euclid(1000),
-                plan: candidate.spec.plan,
+                plan: candidate.spec.plan.clone(),
                 model_version: candidate.model_version,
                 encryption: key,
                 max_contribution_bytes,

@@ -16,7 +16,8 @@ pub struct Candidate {
     pub key_id: Option<String>,
     pub model_version: i64,
     pub live: i64,
-    pub spec: TaskSpec,
+    /// Parsed once per task and shared: a task's definition never changes after creation.
+    pub spec: std::sync::Arc<TaskSpec>,
 }
 
 /// A new assignment.
@@ -42,7 +43,6 @@ pub struct AssignmentView {
     pub contribution_sha256: Option<String>,
     /// Size of the task's current model: an update has the same tensors, so about the same size.
     pub model_bytes: i64,
-    pub spec: TaskSpec,
 }
 
 /// Why a device's request cannot be applied.
@@ -108,14 +108,13 @@ type ViewRow = (
     String,
     String,
     Option<String>,
-    String,
     Option<i64>,
 );
 
 async fn view(conn: &mut Conn, id: &str) -> Result<Option<AssignmentView>, DbError> {
     let row: Option<ViewRow> = sqlx::query_as(
         "SELECT a.id, a.state, a.expires_at, r.id, r.state, r.round_number, r.attempt, r.key_id, \
-         t.id, t.tenant_id, a.contribution_sha256, t.spec_json, \
+         t.id, t.tenant_id, a.contribution_sha256, \
          (SELECT m.size_bytes FROM models m WHERE m.task_id = t.id AND m.version = t.model_version) \
          FROM assignments a JOIN rounds r ON r.id = a.round_id JOIN tasks t ON t.id = r.task_id \
          WHERE a.id = $1",
@@ -136,9 +135,7 @@ async fn view(conn: &mut Conn, id: &str) -> Result<Option<AssignmentView>, DbErr
         task_id: r.8,
         tenant_id: r.9,
         contribution_sha256: r.10,
-        model_bytes: r.12.unwrap_or(0),
-        spec: serde_json::from_str(&r.11)
-            .map_err(|e| DbError::Corrupt(format!("task spec: {e}")))?,
+        model_bytes: r.11.unwrap_or(0),
     }))
 }
 
@@ -187,6 +184,7 @@ impl Db {
             .await?;
         rows.into_iter()
             .map(|r| {
+                let spec = self.spec_of(&r.1, &r.8)?;
                 Ok(Candidate {
                     round_id: r.0,
                     task_id: r.1,
@@ -196,8 +194,7 @@ impl Db {
                     key_id: r.5,
                     model_version: r.6.unwrap_or(0),
                     live: r.7,
-                    spec: serde_json::from_str(&r.8)
-                        .map_err(|e| DbError::Corrupt(format!("task spec: {e}")))?,
+                    spec,
                 })
             })
             .collect()

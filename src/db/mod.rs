@@ -48,6 +48,12 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite")
 pub struct Db {
     pool: SqlitePool,
     writer: writer::Writer,
+    /// Parsed task definitions by task id (immutable once created), for the check-in hot path.
+    specs: std::sync::Arc<
+        std::sync::RwLock<
+            std::collections::HashMap<String, std::sync::Arc<crate::task_spec::TaskSpec>>,
+        >,
+    >,
 }
 
 impl Db {
@@ -67,7 +73,11 @@ impl Db {
             .max_connections(8)
             .connect_with(options)
             .await?;
-        Ok(Self { pool, writer })
+        Ok(Self {
+            pool,
+            writer,
+            specs: Default::default(),
+        })
     }
 
     pub(crate) fn pool(&self) -> &SqlitePool {
@@ -83,6 +93,24 @@ impl Db {
             + 'static,
     {
         self.writer.write(job).await
+    }
+
+    /// A task's parsed definition, from the cache or parsed from `spec_json` once.
+    pub(crate) fn spec_of(
+        &self,
+        task_id: &str,
+        spec_json: &str,
+    ) -> Result<std::sync::Arc<crate::task_spec::TaskSpec>, DbError> {
+        if let Some(spec) = self.specs.read().ok().and_then(|m| m.get(task_id).cloned()) {
+            return Ok(spec);
+        }
+        let spec: crate::task_spec::TaskSpec = serde_json::from_str(spec_json)
+            .map_err(|e| DbError::Corrupt(format!("task {task_id} spec: {e}")))?;
+        let spec = std::sync::Arc::new(spec);
+        if let Ok(mut cache) = self.specs.write() {
+            cache.insert(task_id.to_string(), spec.clone());
+        }
+        Ok(spec)
     }
 
     /// How many entities of one kind are in each state (states with none included, as 0).
