@@ -220,31 +220,34 @@ impl Db {
                 let round_id = round_id.as_str();
                 let capability = capability.as_str();
                 let key_if_unset = key_if_unset.as_str();
-                // One statement locks the round, checks and takes the slot, and fixes the key.
-                let taken: Option<Option<String>> = sqlx::query_scalar(
+                let id = assignment_key(capability);
+                // One round trip to SQLite for the whole check-in: the guarded update locks the
+                // round, checks and takes the slot and fixes the key; the assignment and its
+                // first history row are inserted only if it changed a row (`changes()` is the
+                // row count of the statement before). Same effect as `insert_row` after the update.
+                let taken: Vec<Option<String>> = sqlx::query_scalar(
                     "UPDATE rounds SET key_id = COALESCE(key_id, $2), \
                      live_assignments = live_assignments + 1 \
                      WHERE id = $1 AND state = 'COLLECTING' AND live_assignments < $3 \
-                     RETURNING key_id",
+                     RETURNING key_id; \
+                     INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
+                     SELECT $4, $1, 'ASSIGNED', $5, $6, $6 WHERE changes() = 1; \
+                     INSERT INTO state_history (id, entity, entity_id, seq, from_state, to_state, reason, at) \
+                     SELECT $7, 'assignment', $4, 1, NULL, 'ASSIGNED', 'device checked in', $6 \
+                     WHERE changes() = 1",
                 )
                 .bind(round_id)
                 .bind(key_if_unset)
                 .bind(i64::try_from(capacity).unwrap_or(i64::MAX))
-                .fetch_optional(&mut *tx)
+                .bind(&id)
+                .bind(expires_at)
+                .bind(now)
+                .bind(super::new_id())
+                .fetch_all(&mut *tx)
                 .await?;
-                let Some(Some(key_id)) = taken else {
+                let Some(Some(key_id)) = taken.into_iter().next() else {
                     return Ok(None);
                 };
-                let id = assignment_key(capability);
-                insert_row(
-                    &mut *tx,
-                    &id,
-                    round_id,
-                    expires_at,
-                    "device checked in",
-                    now,
-                )
-                .await?;
                 Ok(Some(Assigned { key_id, expires_at }))
             })
         })
@@ -282,23 +285,34 @@ impl Db {
                 // is the ASSIGNED -> UPLOADED transition (compare-and-set on the state; this
                 // transition moves no round counter). Only a refusal reads the row to say why.
                 debug_assert!(AssignmentState::Assigned.can_become(AssignmentState::Uploaded));
-                let moved = sqlx::query(
-                    "UPDATE assignments SET state = 'UPLOADED', updated_at = $1, \
+                // One round trip: the guarded transition, then its history row and (for a store
+                // inside the task database) the bytes, each only if the statement before changed a
+                // row (`changes()`), so the three apply together or not at all.
+                const UPLOAD: &str = "UPDATE assignments SET state = 'UPLOADED', updated_at = $1, \
                      contribution_sha256 = $2, contribution_bytes = $3, blob_key = $4 \
                      WHERE id = $5 AND state = 'ASSIGNED' AND contribution_sha256 IS NULL \
                      AND expires_at > $1 AND EXISTS (SELECT 1 FROM rounds r \
-                     WHERE r.id = assignments.round_id AND r.state = 'COLLECTING')",
-                )
-                .bind(now)
-                .bind(sha256_hex)
-                .bind(size)
-                .bind(blob_key)
-                .bind(&id)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected()
-                    == 1;
-                if !moved {
+                     WHERE r.id = assignments.round_id AND r.state = 'COLLECTING'); \
+                     INSERT INTO state_history (id, entity, entity_id, seq, from_state, to_state, reason, at) \
+                     SELECT $6, 'assignment', $5, next, 'ASSIGNED', 'UPLOADED', 'contribution stored', $1 \
+                     FROM (SELECT COALESCE(MAX(seq), 0) + 1 AS next FROM state_history WHERE entity_id = $5) \
+                     WHERE changes() = 1";
+                const WITH_BYTES: &str = "; INSERT INTO blobs (key, sha256, bytes) \
+                     SELECT $4, $2, $7 WHERE changes() = 1 ON CONFLICT (key) DO NOTHING";
+                let inline = inline_bytes.is_some();
+                let sql = if inline { format!("{UPLOAD}{WITH_BYTES}") } else { UPLOAD.to_string() };
+                let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(now)
+                    .bind(sha256_hex)
+                    .bind(size)
+                    .bind(blob_key)
+                    .bind(&id)
+                    .bind(super::new_id());
+                if let Some(bytes) = inline_bytes {
+                    query = query.bind(bytes);
+                }
+                let changed = query.execute(&mut *tx).await?.rows_affected();
+                if changed == 0 {
                     let Some(a) = write_view(&mut *tx, &id).await? else {
                         return Ok(Err(Refusal::UnknownAssignment));
                     };
@@ -311,28 +325,12 @@ impl Db {
                     }
                     return Ok(Err(closed(&a, now).unwrap_or(Refusal::Finished(a.state))));
                 }
-                if let Some(bytes) = inline_bytes {
-                    // Stored with its row, in the same transaction: no orphan, one fsync.
-                    sqlx::query(
-                        "INSERT INTO blobs (key, sha256, bytes) VALUES ($1, $2, $3) \
-                         ON CONFLICT (key) DO NOTHING",
-                    )
-                    .bind(blob_key)
-                    .bind(sha256_hex)
-                    .bind(bytes)
-                    .execute(&mut *tx)
-                    .await?;
+                let expected = if inline { 3 } else { 2 };
+                if changed != expected {
+                    return Err(DbError::Corrupt(format!(
+                        "upload of {id} changed {changed} rows, expected {expected}"
+                    )));
                 }
-                history::append(
-                    &mut *tx,
-                    "assignment",
-                    &id,
-                    Some(AssignmentState::Assigned.as_str()),
-                    AssignmentState::Uploaded.as_str(),
-                    "contribution stored",
-                    now,
-                )
-                .await?;
                 Ok(Ok(Stored::New))
             })
         })
@@ -460,35 +458,29 @@ async fn complete_in_one_step(
     use AssignmentState::{Completed, Uploaded};
     debug_assert!(Uploaded.can_become(Completed));
     debug_assert_eq!(Uploaded.round_counter_deltas(Completed), (0, 1));
-    let round_id: Option<String> = sqlx::query_scalar(
+    // One round trip: the guarded transition, its history row, and the round's counter (which
+    // answers whether the goal is reached); each later statement applies only if the one before
+    // changed a row (`changes()`).
+    let counted: Vec<(String, i64, i64)> = sqlx::query_as(
         "UPDATE assignments SET state = 'COMPLETED', updated_at = $1 \
          WHERE id = $2 AND state = 'UPLOADED' AND expires_at > $1 AND EXISTS (SELECT 1 FROM rounds r \
-         WHERE r.id = assignments.round_id AND r.state = 'COLLECTING') RETURNING round_id",
+         WHERE r.id = assignments.round_id AND r.state = 'COLLECTING'); \
+         INSERT INTO state_history (id, entity, entity_id, seq, from_state, to_state, reason, at) \
+         SELECT $3, 'assignment', $2, next, 'UPLOADED', 'COMPLETED', 'device reported completion', $1 \
+         FROM (SELECT COALESCE(MAX(seq), 0) + 1 AS next FROM state_history WHERE entity_id = $2) \
+         WHERE changes() = 1; \
+         UPDATE rounds SET completed_reports = completed_reports + 1 \
+         WHERE id = (SELECT round_id FROM assignments WHERE id = $2) AND changes() = 1 \
+         RETURNING id, report_goal, completed_reports",
     )
     .bind(now)
     .bind(id)
-    .fetch_optional(&mut *conn)
+    .bind(super::new_id())
+    .fetch_all(&mut *conn)
     .await?;
-    let Some(round_id) = round_id else {
+    let Some((round_id, goal, completed)) = counted.into_iter().next() else {
         return Ok(None);
     };
-    let (goal, completed): (i64, i64) = sqlx::query_as(
-        "UPDATE rounds SET completed_reports = completed_reports + 1 WHERE id = $1 \
-         RETURNING report_goal, completed_reports",
-    )
-    .bind(&round_id)
-    .fetch_one(&mut *conn)
-    .await?;
-    history::append(
-        conn,
-        "assignment",
-        id,
-        Some(Uploaded.as_str()),
-        Completed.as_str(),
-        "device reported completion",
-        now,
-    )
-    .await?;
     if completed >= goal {
         let reason = format!("report goal {goal} reached");
         rounds::close(
