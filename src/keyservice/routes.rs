@@ -198,12 +198,18 @@ async fn release(
         round: request.round,
         policy: service.policy.name.clone(),
     };
-    let record = service
-        .audit
-        .lock()
-        .map_err(|_| ApiError::Internal("audit log poisoned".into()))?
-        .append(decision)
-        .map_err(|e| ApiError::Internal(format!("audit append failed, nothing released: {e}")))?;
+    // The append writes and fsyncs: off the async workers, so other requests keep flowing.
+    let audit = service.audit.clone();
+    let record = tokio::task::spawn_blocking(move || {
+        audit
+            .lock()
+            .map_err(|_| "audit log poisoned".to_string())?
+            .append(decision)
+            .map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| ApiError::Internal(e.to_string()))?
+    .map_err(|e| ApiError::Internal(format!("audit append failed, nothing released: {e}")))?;
     tracing::info!(
         keyservice = %service.id, key = %key_id, task = %request.task_id, round = request.round,
         granted, audit_seq = record.seq, audit_head = %record.hash, "release decision"
