@@ -74,6 +74,18 @@ pub struct RetryWindow {
     pub max_seconds: u32,
 }
 
+impl RetryWindow {
+    /// How long to wait: uniformly inside the window, given `unit` drawn uniformly from [0, 1),
+    /// so devices told to retry at the same moment do not come back together.
+    pub fn jittered(&self, unit: f64) -> std::time::Duration {
+        let (lo, hi) = (
+            f64::from(self.min_seconds),
+            f64::from(self.max_seconds.max(self.min_seconds)),
+        );
+        std::time::Duration::from_secs_f64(lo + (hi - lo) * unit.clamp(0.0, 1.0))
+    }
+}
+
 fn retry(reason: &str, min_seconds: u32, max_seconds: u32) -> Response {
     metrics::counter!("confed_checkins_total", "outcome" => reason.to_string()).increment(1);
     (
@@ -458,4 +470,25 @@ pub async fn report(
         .map_err(refusal)?;
     metrics::counter!("confed_reports_total", "state" => recorded.as_str()).increment(1);
     Ok(axum::Json(ReportResponse { state: recorded }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_waits_spread_over_the_window() {
+        let window = RetryWindow {
+            min_seconds: 60,
+            max_seconds: 120,
+        };
+        assert_eq!(window.jittered(0.0).as_secs(), 60);
+        assert_eq!(window.jittered(0.5).as_secs(), 90);
+        assert!(window.jittered(0.999).as_secs_f64() < 120.0);
+        assert_eq!(
+            window.jittered(7.0).as_secs(),
+            120,
+            "out-of-range draws are clamped"
+        );
+    }
 }

@@ -186,7 +186,9 @@ async fn device(shared: Arc<Shared>, index: u64) {
             Ok(Checkin::Retry(retry)) => {
                 idle += 1;
                 shared.note(|s| *s.retries.entry(retry.reason.clone()).or_default() += 1);
-                let wait = Duration::from_secs(u64::from(retry.retry_window.min_seconds))
+                let wait = retry
+                    .retry_window
+                    .jittered(f64::from(rng.uniform()))
                     .min(config.max_retry_wait);
                 tokio::time::sleep(wait).await;
                 continue;
