@@ -119,6 +119,17 @@ impl DeviceRegistry {
         });
     }
 
+    /// Recent check-ins per population (for metrics).
+    pub fn by_population(&self, now: Millis) -> BTreeMap<String, u64> {
+        let mut counts = BTreeMap::new();
+        if let Ok(seen) = self.seen.lock() {
+            for s in seen.iter().filter(|s| s.at > now - self.window_millis) {
+                *counts.entry(s.population.clone()).or_default() += 1;
+            }
+        }
+        counts
+    }
+
     /// Recent check-ins of the task's population that meet its version range and constraints.
     pub fn eligible(&self, spec: &TaskSpec, now: Millis) -> u64 {
         let Ok(seen) = self.seen.lock() else { return 0 };
@@ -200,6 +211,7 @@ mod tests {
             500,
         );
         assert_eq!(registry.eligible(&task, 900), 1);
+        assert_eq!(registry.by_population(900).get("p"), Some(&2));
         assert_eq!(registry.eligible(&task, 1500), 0);
     }
 }

@@ -547,3 +547,18 @@ async fn without_a_signed_key_devices_are_told_to_retry() {
         "no_encryption_key"
     );
 }
+
+#[tokio::test]
+async fn check_ins_show_in_metrics() {
+    let app = TestApp::new().await;
+    checkin(&app, device()).await;
+    let text = String::from_utf8(app.call(Method::GET, "/metrics", None, None).await.body).unwrap();
+    assert!(
+        text.contains("confed_recent_checkins{population=\"phones.en\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("confed_checkins_total{outcome=\"no_task\"}"),
+        "{text}"
+    );
+}

@@ -66,7 +66,7 @@ pub async fn healthz(State(state): State<AppState>) -> Result<&'static str, ApiE
 }
 
 /// Prometheus text format: HTTP requests and latency per route and status, tasks and rounds by
-/// state.
+/// state, check-ins in the recent-devices window per population.
 #[utoipa::path(get, path = "/metrics", tag = "operations",
     responses((status = 200, description = "Prometheus text exposition format", body = String, content_type = "text/plain")))]
 pub async fn metrics_text(State(state): State<AppState>) -> Result<Response, ApiError> {
@@ -75,6 +75,9 @@ pub async fn metrics_text(State(state): State<AppState>) -> Result<Response, Api
     }
     for (round_state, count) in state.db.count_by_state::<RoundState>().await? {
         metrics::gauge!("confed_rounds", "state" => round_state.as_str()).set(count as f64);
+    }
+    for (population, count) in state.registry.by_population(state.now()) {
+        metrics::gauge!("confed_recent_checkins", "population" => population).set(count as f64);
     }
     let body = prometheus().render();
     Ok((
