@@ -5,10 +5,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use confed::api::{self, AppState, Limits};
-use confed::blob::LocalBlobStore;
-use confed::clock::SystemClock;
-use confed::db::{Db, NewTenant};
 use serde_json::json;
 
 const CLIENTS: usize = 16;
@@ -49,32 +45,13 @@ where
     );
 }
 
+mod support;
+
 #[tokio::main]
 async fn main() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = Db::open_sqlite(&dir.path().join("confed.db"))
-        .await
-        .unwrap();
-    let tenant = NewTenant {
-        name: "bench".into(),
-        max_active_tasks: 1_000_000,
-        max_report_goal: 1_000_000,
-    };
-    let (_, token) = db.create_tenant(&tenant, 0).await.unwrap();
-    let token = Arc::new(token.to_string());
-    let state = AppState {
-        db: db.clone(),
-        blobs: Arc::new(LocalBlobStore::open(dir.path().join("blobs")).unwrap()),
-        contributions: Arc::new(confed::blob::DatabaseBlobStore::new(db.clone())),
-        clock: Arc::new(SystemClock),
-        admin: None,
-        limits: Limits::default(),
-        keys: Default::default(),
-        registry: Default::default(),
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = Arc::new(format!("http://{}", listener.local_addr().unwrap()));
-    tokio::spawn(async move { axum::serve(listener, api::router(state)).await.unwrap() });
+    let server = support::start(Default::default()).await;
+    let token = Arc::new(server.token.clone());
+    let base = Arc::new(server.base.clone());
     let client = confed_enclave::http::client(Duration::from_secs(30));
     let body = Arc::new(json!({
         "population": "bench", "rounds": 10, "report_goal": 100,

@@ -2,14 +2,9 @@
 //! local blobs on loopback, driven by the load generator (`confed devices simulate --no-train`).
 //! Run with `cargo bench --bench device_cycles`; prints cycles/s and per-call p50/p99.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine as _;
-use confed::api::{self, AppState, Limits};
-use confed::blob::LocalBlobStore;
-use confed::clock::SystemClock;
-use confed::db::{Db, NewTenant};
 use confed::device::client::{TrustConfig, TrustedEntry};
 use confed::device::simulate::{SimulationConfig, run};
 use confed::keys::directory::KeyDirectory;
@@ -62,32 +57,13 @@ fn key_directory() -> (KeyDirectory, TrustConfig) {
     )
 }
 
+mod support;
+
 #[tokio::main]
 async fn main() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = Db::open_sqlite(&dir.path().join("confed.db"))
-        .await
-        .unwrap();
-    let tenant = NewTenant {
-        name: "bench".into(),
-        max_active_tasks: 10,
-        max_report_goal: 1_000_000,
-    };
-    let (_, token) = db.create_tenant(&tenant, 0).await.unwrap();
     let (keys, trust) = key_directory();
-    let state = AppState {
-        db: db.clone(),
-        blobs: Arc::new(LocalBlobStore::open(dir.path().join("blobs")).unwrap()),
-        contributions: Arc::new(confed::blob::DatabaseBlobStore::new(db.clone())),
-        clock: Arc::new(SystemClock),
-        admin: None,
-        limits: Limits::default(),
-        keys,
-        registry: Default::default(),
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, api::router(state)).await.unwrap() });
+    let server = support::start(keys).await;
+    let (base, token) = (server.base.clone(), server.token.clone());
 
     let http = confed_enclave::http::client(Duration::from_secs(30));
     let task: serde_json::Value = http

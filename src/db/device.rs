@@ -145,14 +145,13 @@ struct WriteView {
     id: String,
     state: AssignmentState,
     expires_at: i64,
-    round_id: String,
     round_state: RoundState,
     contribution_sha256: Option<String>,
 }
 
 async fn write_view(conn: &mut Conn, id: &str) -> Result<Option<WriteView>, DbError> {
-    let row: Option<(String, String, i64, String, String, Option<String>)> = sqlx::query_as(
-        "SELECT a.id, a.state, a.expires_at, r.id, r.state, a.contribution_sha256 \
+    let row: Option<(String, String, i64, String, Option<String>)> = sqlx::query_as(
+        "SELECT a.id, a.state, a.expires_at, r.state, a.contribution_sha256 \
          FROM assignments a JOIN rounds r ON r.id = a.round_id WHERE a.id = $1",
     )
     .bind(id)
@@ -163,22 +162,20 @@ async fn write_view(conn: &mut Conn, id: &str) -> Result<Option<WriteView>, DbEr
         id: r.0,
         state: parse_state(&r.1)?,
         expires_at: r.2,
-        round_id: r.3,
-        round_state: parse_state(&r.4)?,
-        contribution_sha256: r.5,
+        round_state: parse_state(&r.3)?,
+        contribution_sha256: r.4,
     }))
 }
 
 impl Db {
     /// Collecting rounds of open tasks in a population, with how many live assignments each has.
     pub async fn checkin_candidates(&self, population: &str) -> Result<Vec<Candidate>, DbError> {
-        let sql = String::from(
+        let rows: Vec<CandidateRow> = sqlx::query_as(
             "SELECT r.id, t.id, t.tenant_id, r.round_number, r.deadline_at, r.key_id, t.model_version, \
              r.live_assignments, t.spec_json \
              FROM rounds r JOIN tasks t ON t.id = r.task_id \
              WHERE t.population = $1 AND t.state = 'OPEN' AND r.state = 'COLLECTING'",
-        );
-        let rows: Vec<CandidateRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        )
             .bind(population)
             .fetch_all(self.pool())
             .await?;
@@ -374,6 +371,14 @@ impl Db {
                 if let Some(refusal) = closed(&a, now) {
                     return Ok(Err(refusal));
                 }
+                if outcome == ReportOutcome::Completed {
+                    // `complete_in_one_step` applies every completion its guards allow; reaching
+                    // here means the row changed under the single writer, which cannot happen.
+                    return Err(DbError::Corrupt(format!(
+                        "completion of {} neither applied nor refused",
+                        a.id
+                    )));
+                }
                 if let Some(error) = device_error {
                     sqlx::query("UPDATE assignments SET device_error = $1 WHERE id = $2")
                         .bind(error.chars().take(1000).collect::<String>())
@@ -382,14 +387,10 @@ impl Db {
                         .await?;
                 }
                 let reason = match outcome {
-                    ReportOutcome::Completed => "device reported completion",
                     ReportOutcome::Failed => "device reported failure",
-                    ReportOutcome::NotEligible => "device found itself not eligible",
+                    _ => "device found itself not eligible",
                 };
                 transition(&mut *tx, &a.id, a.state, target, reason, now).await?;
-                if outcome == ReportOutcome::Completed {
-                    close_round_at_goal(&mut *tx, &a.round_id, now).await?;
-                }
                 Ok(Ok(target))
             })
         })
@@ -540,25 +541,4 @@ fn closed(a: &WriteView, now: i64) -> Option<Refusal> {
     } else {
         None
     }
-}
-
-async fn close_round_at_goal(conn: &mut Conn, round_id: &str, now: i64) -> Result<(), DbError> {
-    let (goal, completed): (i64, i64) =
-        sqlx::query_as("SELECT report_goal, completed_reports FROM rounds WHERE id = $1")
-            .bind(round_id)
-            .fetch_one(&mut *conn)
-            .await?;
-    if completed >= goal {
-        let reason = format!("report goal {goal} reached");
-        rounds::close(
-            conn,
-            round_id,
-            RoundState::Collecting,
-            RoundState::Aggregating,
-            &reason,
-            now,
-        )
-        .await?;
-    }
-    Ok(())
 }
