@@ -3,6 +3,8 @@
 //! It also defines the cryptographic formats the front ends produce for it (HPKE use, shares,
 //! models), so both sides share one definition.
 
+pub mod aggregate;
+pub mod dp;
 pub mod envelope;
 pub mod hpke;
 pub mod hpke_awslc;

@@ -1,0 +1,74 @@
+//! The manifest released with every round's noised average: what went in, what was left out and
+//! why, and what the release cost in privacy. Stored next to the average, never overwritten.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::dp::{DiscreteGaussian, grid};
+
+pub const FORMAT: &str = "confed-release/v1";
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub task_id: String,
+    pub round: u64,
+    pub attempt: u64,
+    pub key_id: String,
+    /// Contributions in the sum (the average's denominator).
+    pub included: u64,
+    /// SHA-256 (hex) over the sorted refs of the included contributions, one per line.
+    pub included_digest: String,
+    /// Excluded contributions per reason.
+    pub excluded: BTreeMap<String, u64>,
+    /// (assignment ref, reason) of the first 1000 excluded contributions.
+    pub excluded_refs: Vec<(String, String)>,
+    pub clip_norm: f64,
+    pub noise: NoiseRecord,
+    pub privacy: PrivacyRecord,
+    /// SHA-256 (hex) of the released average's bytes.
+    pub average_sha256: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NoiseRecord {
+    /// `discrete_gaussian_on_grid`: integer noise on the fixed-point grid.
+    pub mechanism: String,
+    /// Grid units per clip norm.
+    pub grid_units_per_clip: i64,
+    /// The integer variance of the noise, in grid units squared.
+    pub variance_grid: u64,
+    /// Standard deviation of the noise on each coordinate of the sum, in update units.
+    pub stddev_sum: f64,
+    /// ... and on each coordinate of the released average.
+    pub stddev_average: f64,
+}
+
+impl NoiseRecord {
+    pub fn new(noise: &DiscreteGaussian, clip_norm: f64, count: u64) -> Self {
+        let stddev_sum = noise.scale() * clip_norm / grid::GRID_UNITS_PER_CLIP as f64;
+        Self {
+            mechanism: "discrete_gaussian_on_grid".into(),
+            grid_units_per_clip: grid::GRID_UNITS_PER_CLIP,
+            variance_grid: noise.variance(),
+            stddev_sum,
+            stddev_average: stddev_sum / count as f64,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PrivacyRecord {
+    pub epsilon_budget: f64,
+    pub delta: f64,
+    pub rounds_planned: u32,
+    /// Calibrated per-round noise in clip norms (before rounding the variance up).
+    pub noise_multiplier: f64,
+    /// zCDP rho of this release.
+    pub rho_round: f64,
+    /// rho spent by the task through this round (one release per round number).
+    pub rho_spent: f64,
+    /// ... as epsilon at `delta` (OpenDP's zCDP -> approximate-DP conversion).
+    pub epsilon_spent: f64,
+}

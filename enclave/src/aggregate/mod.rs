@@ -1,0 +1,244 @@
+//! Aggregation inside the enclave: open each contribution, check it, clip it, add it to an exact
+//! integer sum (in parallel, streaming: a contribution's plaintext lives only while it is added),
+//! then noise the sum once and release the average with a manifest. The un-noised sum never
+//! leaves this module: `finish` consumes it.
+
+pub mod accumulator;
+pub mod contribution;
+pub mod manifest;
+pub mod noise;
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use rayon::prelude::*;
+use sha2::{Digest, Sha256};
+use thiserror::Error;
+
+use crate::dp::{self, DiscreteGaussian, DpError, grid};
+use crate::hpke::PrivateKey;
+use crate::hpke_awslc::Recipient;
+use crate::model::{ModelError, ModelSchema, encode_f32_tensors};
+use accumulator::Accumulator;
+pub use contribution::{Binding, Exclusion};
+pub use manifest::{Manifest, NoiseRecord, PrivacyRecord};
+
+/// Excluded refs listed one by one in the manifest, at most (counts are always complete).
+const LISTED_EXCLUSIONS: usize = 1000;
+
+#[derive(Debug, Error)]
+pub enum AggregateError {
+    #[error("no contribution of the round was valid ({0} excluded); nothing to release")]
+    NothingIncluded(u64),
+    #[error("cannot load the round's key into the HPKE receiver: {0}")]
+    Key(String),
+    #[error(transparent)]
+    Dp(#[from] DpError),
+    #[error("cannot encode the aggregate: {0}")]
+    Encode(#[from] ModelError),
+}
+
+/// The privacy parameters of the task, as the enclave applies them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrivacyParams {
+    pub epsilon: f64,
+    pub delta: f64,
+    pub clip_norm: f64,
+    pub rounds: u32,
+}
+
+pub struct Aggregator {
+    binding: Binding,
+    clip_norm: f64,
+    schema: ModelSchema,
+    recipient: Recipient,
+    sum: Accumulator,
+    outcome: Mutex<Outcome>,
+    next_start: AtomicUsize,
+}
+
+#[derive(Default)]
+struct Outcome {
+    included: Vec<String>,
+    excluded: Vec<(String, Exclusion)>,
+}
+
+/// The noised, averaged result of a round: what may leave the enclave.
+pub struct Release {
+    /// The noised average update, safetensors with the model's tensors.
+    pub average: Vec<u8>,
+    pub manifest: Manifest,
+    /// The average as f32 values in schema order (for the model updater).
+    pub values: Vec<f32>,
+}
+
+impl Aggregator {
+    pub fn new(
+        binding: Binding,
+        clip_norm: f64,
+        schema: ModelSchema,
+        private_key: &PrivateKey,
+    ) -> Result<Self, AggregateError> {
+        let recipient =
+            Recipient::new(private_key).map_err(|e| AggregateError::Key(e.to_string()))?;
+        let sum = Accumulator::new(schema.parameter_count());
+        Ok(Self {
+            binding,
+            clip_norm,
+            schema,
+            recipient,
+            sum,
+            outcome: Mutex::default(),
+            next_start: AtomicUsize::new(0),
+        })
+    }
+
+    /// Adds one stored contribution (`None`: its bytes were missing). Safe to call from many
+    /// threads at once.
+    pub fn add(&self, assignment_ref: &str, stored: Option<&[u8]>) -> Result<(), Exclusion> {
+        let result = self.try_add(assignment_ref, stored);
+        let mut outcome = self.outcome.lock().expect("aggregation outcome");
+        match result {
+            Ok(()) => outcome.included.push(assignment_ref.to_string()),
+            Err(reason) => outcome.excluded.push((assignment_ref.to_string(), reason)),
+        }
+        result
+    }
+
+    fn try_add(&self, assignment_ref: &str, stored: Option<&[u8]>) -> Result<(), Exclusion> {
+        let stored = stored.ok_or(Exclusion::Missing)?;
+        let plaintext = contribution::open(&self.recipient, &self.binding, assignment_ref, stored)?;
+        let (tensors, norm_squared) = contribution::tensors(&self.schema, &plaintext)?;
+        let start = self.next_start.fetch_add(1, Ordering::Relaxed);
+        self.sum
+            .add_clipped(&tensors, norm_squared, self.clip_norm, start);
+        Ok(())
+    }
+
+    /// Adds a batch across all cores.
+    pub fn add_batch(&self, batch: &[(String, Option<Vec<u8>>)]) {
+        batch.par_iter().for_each(|(assignment_ref, stored)| {
+            let _ = self.add(assignment_ref, stored.as_deref());
+        });
+    }
+
+    /// Contributions included and excluded so far.
+    pub fn counts(&self) -> (usize, usize) {
+        let outcome = self.outcome.lock().expect("aggregation outcome");
+        (outcome.included.len(), outcome.excluded.len())
+    }
+
+    /// Noises the sum once and releases the average. The noise is keyed from `private_key`
+    /// and the included set (see `noise`), so the same inputs give the same bytes.
+    pub fn finish(
+        self,
+        private_key: &PrivateKey,
+        attempt: u64,
+        privacy: PrivacyParams,
+    ) -> Result<Release, AggregateError> {
+        let mut outcome = self.outcome.into_inner().expect("aggregation outcome");
+        outcome.included.sort();
+        outcome.excluded.sort();
+        let count = outcome.included.len() as u64;
+        if count == 0 {
+            return Err(AggregateError::NothingIncluded(
+                outcome.excluded.len() as u64
+            ));
+        }
+        let included_digest = digest(&outcome.included);
+        let calibration = dp::calibrate(privacy.epsilon, privacy.delta, privacy.rounds)?;
+        let noise = DiscreteGaussian::at_least(
+            calibration.noise_multiplier * grid::GRID_UNITS_PER_CLIP as f64,
+        )?;
+        let seed = noise::seed(
+            private_key,
+            &noise::NoiseBinding {
+                task_id: &self.binding.task_id,
+                round: self.binding.round,
+                attempt,
+                included_digest: &included_digest,
+            },
+        );
+        let mut sum = self.sum.into_sum();
+        noise::add(&mut sum, &noise, &seed);
+        let values: Vec<f32> = sum
+            .iter()
+            .map(|&units| grid::to_average(units, privacy.clip_norm, count))
+            .collect();
+        drop(sum);
+        let average = encode(&self.schema, &values)?;
+        let releases = u32::try_from(self.binding.round).unwrap_or(u32::MAX);
+        let (rho_spent, epsilon_spent) = dp::spent(noise.scale(), releases, privacy.delta)?;
+        let mut excluded = BTreeMap::new();
+        for (_, reason) in &outcome.excluded {
+            *excluded.entry(reason.as_str().to_string()).or_insert(0u64) += 1;
+        }
+        let manifest = Manifest {
+            format: manifest::FORMAT.to_string(),
+            task_id: self.binding.task_id.clone(),
+            round: self.binding.round,
+            attempt,
+            key_id: self.binding.key_id.clone(),
+            included: count,
+            included_digest,
+            excluded,
+            excluded_refs: outcome
+                .excluded
+                .iter()
+                .take(LISTED_EXCLUSIONS)
+                .map(|(r, reason)| (r.clone(), reason.as_str().to_string()))
+                .collect(),
+            clip_norm: privacy.clip_norm,
+            noise: NoiseRecord::new(&noise, privacy.clip_norm, count),
+            privacy: PrivacyRecord {
+                epsilon_budget: privacy.epsilon,
+                delta: privacy.delta,
+                rounds_planned: privacy.rounds,
+                noise_multiplier: calibration.noise_multiplier,
+                rho_round: dp::calibrate::rho_at(noise.scale())?,
+                rho_spent,
+                epsilon_spent,
+            },
+            average_sha256: hex(&Sha256::digest(&average)),
+        };
+        Ok(Release {
+            average,
+            manifest,
+            values,
+        })
+    }
+}
+
+/// SHA-256 (hex) over sorted refs, one per line.
+pub fn digest(sorted_refs: &[String]) -> String {
+    let mut hasher = Sha256::new();
+    for r in sorted_refs {
+        hasher.update(r.as_bytes());
+        hasher.update(b"\n");
+    }
+    hex(&hasher.finalize())
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Safetensors of `values` (schema order) with the schema's names and shapes.
+pub fn encode(schema: &ModelSchema, values: &[f32]) -> Result<Vec<u8>, ModelError> {
+    let mut offset = 0;
+    let mut tensors = Vec::with_capacity(schema.tensors().len());
+    for spec in schema.tensors() {
+        let len: usize = spec.shape.iter().product();
+        tensors.push((
+            spec.name.as_str(),
+            spec.shape.clone(),
+            &values[offset..offset + len],
+        ));
+        offset += len;
+    }
+    encode_f32_tensors(&tensors)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,98 @@
+//! The enclave's machine-word discrete Gaussian sampler against the exact distribution and
+//! against OpenDP's arbitrary-precision sampler of the same distribution.
+
+use confed_enclave::aggregate::noise;
+use confed_enclave::dp::DiscreteGaussian;
+
+/// P[X = x] of the discrete Gaussian with variance parameter sigma^2, for |x| <= bound.
+fn exact_pmf(sigma2: f64, bound: i64) -> Vec<f64> {
+    let weights: Vec<f64> = (-bound..=bound)
+        .map(|x| (-(x as f64).powi(2) / (2.0 * sigma2)).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    weights.iter().map(|w| w / total).collect()
+}
+
+/// Pearson chi-square of `samples` against `pmf` over [-bound, bound] (tails pooled in the
+/// end bins), and the degrees of freedom.
+fn chi_square(samples: &[i64], pmf: &[f64], bound: i64) -> (f64, usize) {
+    let mut counts = vec![0f64; pmf.len()];
+    for &s in samples {
+        counts[(s.clamp(-bound, bound) + bound) as usize] += 1.0;
+    }
+    let n = samples.len() as f64;
+    let stat = counts
+        .iter()
+        .zip(pmf)
+        .filter(|(_, p)| **p * n >= 5.0)
+        .map(|(c, p)| (c - p * n).powi(2) / (p * n))
+        .sum();
+    let bins = pmf.iter().filter(|p| **p * n >= 5.0).count();
+    (stat, bins - 1)
+}
+
+/// Chi-square critical value at p = 0.001 (Wilson-Hilferty approximation).
+fn critical(dof: usize) -> f64 {
+    let k = dof as f64;
+    let z = 3.09;
+    k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3)
+}
+
+#[test]
+fn machine_word_sampler_matches_the_exact_discrete_gaussian() {
+    for sigma2 in [1u64, 10, 1000] {
+        let g = DiscreteGaussian::with_variance(sigma2);
+        let samples = noise::samples(200_000, &g, &[sigma2 as u8; 32]);
+        let bound = (6.0 * (sigma2 as f64).sqrt()).ceil() as i64;
+        let pmf = exact_pmf(sigma2 as f64, bound);
+        let (stat, dof) = chi_square(&samples, &pmf, bound);
+        assert!(
+            stat < critical(dof),
+            "sigma^2 {sigma2}: chi2 {stat} over {dof} dof"
+        );
+        let n = samples.len() as f64;
+        let variance = samples.iter().map(|&s| (s as f64).powi(2)).sum::<f64>() / n;
+        assert!(
+            (variance / sigma2 as f64 - 1.0).abs() < 0.02,
+            "variance {variance}"
+        );
+    }
+}
+
+#[test]
+fn machine_word_sampler_agrees_with_opendp() {
+    use dashu::rational::RBig;
+    let sigma2 = 25u64;
+    let opendp: Vec<i64> = (0..20_000)
+        .map(|_| {
+            let x = opendp::traits::samplers::sample_discrete_gaussian(RBig::from(5)).unwrap();
+            i64::try_from(x).unwrap()
+        })
+        .collect();
+    let ours = noise::samples(200_000, &DiscreteGaussian::with_variance(sigma2), &[42; 32]);
+    // Two-sample chi-square over |x| <= 15 (3 sigma), tails pooled.
+    let bound = 15i64;
+    let hist = |s: &[i64]| {
+        let mut h = vec![0f64; (2 * bound + 1) as usize];
+        for &x in s {
+            h[(x.clamp(-bound, bound) + bound) as usize] += 1.0;
+        }
+        h
+    };
+    let (a, b) = (hist(&opendp), hist(&ours));
+    let (na, nb) = (opendp.len() as f64, ours.len() as f64);
+    let (ka, kb) = ((nb / na).sqrt(), (na / nb).sqrt());
+    let mut stat = 0.0;
+    let mut bins = 0;
+    for (x, y) in a.iter().zip(&b) {
+        if x + y >= 10.0 {
+            stat += (ka * x - kb * y).powi(2) / (x + y);
+            bins += 1;
+        }
+    }
+    assert!(
+        stat < critical(bins - 1),
+        "chi2 {stat} over {} dof",
+        bins - 1
+    );
+}
