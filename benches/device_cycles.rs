@@ -93,6 +93,7 @@ async fn main() {
             server: base.clone(),
             population: "bench".into(),
             devices: DEVICES,
+            first_device: 0,
             concurrency,
             rounds: 1,
             trust: trust.clone(),

@@ -2,12 +2,15 @@
 //! management for partners, the scheduler, the task database, the blob store) and its CLI.
 //! Nothing here ever sees a plaintext update, a key share or an un-noised sum.
 
+pub mod aggregation;
 pub mod api;
 pub mod auth;
 pub mod blob;
 pub mod clock;
 pub mod db;
+pub mod demo;
 pub mod device;
+pub mod embedded;
 pub mod keys;
 pub mod keyservice;
 pub mod registry;

@@ -25,6 +25,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// The whole system in one process (DEV attestation): a task trained by simulated devices
+    /// over several rounds with differential privacy, printing accuracy after each round.
+    Demo(DemoArgs),
     /// Run the server: partner API, scheduler and task database in one process.
     Serve(ServeArgs),
     /// Manage tenants (partners) directly in a data directory.
@@ -50,6 +53,31 @@ enum Command {
         #[command(flatten)]
         run: Option<KeyserviceArgs>,
     },
+}
+
+#[derive(clap::Args)]
+struct DemoArgs {
+    /// Simulated devices in the population.
+    #[arg(long, default_value_t = 300)]
+    devices: usize,
+    #[arg(long, default_value_t = 5)]
+    rounds: u32,
+    /// Devices aggregated per round.
+    #[arg(long, default_value_t = 100)]
+    report_goal: u32,
+    /// Total privacy budget over all rounds.
+    #[arg(long, default_value_t = 4.0)]
+    epsilon: f64,
+    #[arg(long, default_value_t = 1e-6)]
+    delta: f64,
+    #[arg(long, default_value_t = 1.0)]
+    clip_norm: f64,
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Where the demo keeps its state (default: a new directory under the system's temp dir,
+    /// removed at the end).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -253,6 +281,7 @@ fn run() -> Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async {
         match cli.command {
+            Command::Demo(args) => demo(args).await,
             Command::Serve(args) => serve(args).await,
             Command::Tenant { command } => tenant(command).await,
             Command::Keys { command } => keys(command),
@@ -276,6 +305,40 @@ fn admin_token(file: Option<&PathBuf>) -> Result<Option<AdminToken>> {
         .map(AdminToken::from_secret)
         .transpose()
         .context("the admin token is unusable")
+}
+
+async fn demo(args: DemoArgs) -> Result<()> {
+    let (data_dir, temporary) = match args.data_dir {
+        Some(dir) => (dir, false),
+        None => {
+            let unique = format!(
+                "confed-demo-{}-{}",
+                std::process::id(),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_millis())
+                    .unwrap_or_default()
+            );
+            (std::env::temp_dir().join(unique), true)
+        }
+    };
+    let outcome = confed::demo::run(confed::demo::DemoOptions {
+        devices: args.devices,
+        rounds: args.rounds,
+        report_goal: args.report_goal,
+        epsilon: args.epsilon,
+        delta: args.delta,
+        clip_norm: args.clip_norm,
+        seed: args.seed,
+        data_dir: data_dir.clone(),
+        progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+    })
+    .await;
+    if temporary {
+        let _ = std::fs::remove_dir_all(&data_dir);
+    }
+    outcome?;
+    Ok(())
 }
 
 async fn serve(args: ServeArgs) -> Result<()> {
@@ -479,6 +542,7 @@ async fn devices(command: DevicesCommand) -> Result<()> {
                 server,
                 population,
                 devices,
+                first_device: 0,
                 concurrency,
                 rounds,
                 trust,

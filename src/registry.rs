@@ -147,7 +147,7 @@ mod tests {
 
     fn spec(extra: serde_json::Value) -> TaskSpec {
         let mut body = serde_json::json!({
-            "population": "p", "rounds": 1, "report_goal": 1,
+            "population": "p", "rounds": 1, "report_goal": 10,
             "privacy": {"epsilon": 1.0, "delta": 1e-6, "clip_norm": 1.0},
         });
         body.as_object_mut()

@@ -13,8 +13,9 @@ pub const MAX_OVER_SELECTION: f64 = 10.0;
 pub const MIN_DEADLINE_SECONDS: i64 = 10;
 pub const MAX_DEADLINE_SECONDS: i64 = 7 * 24 * 3600;
 pub const MAX_ROUND_ATTEMPTS: i64 = 10;
-pub const MAX_EPSILON: f64 = 100.0;
-pub const MAX_DELTA: f64 = 0.01;
+/// The enclave's own limits: it refuses to release under a looser budget whatever the database says.
+pub const MAX_EPSILON: f64 = confed_enclave::worker::MAX_TASK_EPSILON;
+pub const MAX_DELTA: f64 = confed_enclave::worker::MAX_TASK_DELTA;
 pub const MAX_CLIP_NORM: f64 = 1e6;
 pub const MAX_LEARNING_RATE: f64 = 100.0;
 pub const MAX_PLAN_BYTES: usize = 64 * 1024;
@@ -263,6 +264,14 @@ impl CreateTaskRequest {
                 format!("must be at most {MAX_PLAN_BYTES} bytes as JSON"),
             );
         }
+        if p.0.is_empty()
+            && let Err(problem) =
+                confed_enclave::dp::check_plan(privacy.epsilon, privacy.delta, rounds, report_goal)
+        {
+            // The enclave calibrates the same way at every release; a plan it could not run
+            // usefully is refused now, saying what to change.
+            p.add("privacy", problem.to_string());
+        }
         if !p.0.is_empty() {
             return Err(p.0);
         }
@@ -385,6 +394,22 @@ mod tests {
             .into_iter()
             .map(|p| p.name)
             .collect()
+    }
+
+    #[test]
+    fn a_plan_whose_rounds_cannot_fit_the_budget_is_refused_with_what_to_change() {
+        let problems = request(json!({"rounds": 1000, "report_goal": 20,
+            "privacy": {"epsilon": 0.5, "delta": 1e-6, "clip_norm": 1.0}}))
+        .validate()
+        .unwrap_err();
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert_eq!(problems[0].name, "privacy");
+        assert!(
+            problems[0].reason.contains("Raise report_goal to at least"),
+            "{}",
+            problems[0].reason
+        );
+        assert!(problems[0].reason.contains("plan fewer rounds"));
     }
 
     #[test]

@@ -255,7 +255,9 @@ async fn a_full_round_tells_devices_to_retry_and_a_timed_out_slot_is_freed() {
     open_task(
         &app,
         &token,
-        json!({"report_goal": 1, "min_reports": 1, "over_selection": 0.0}),
+        json!({"report_goal": 1, "min_reports": 1, "over_selection": 0.0,
+            // One device per round needs a generous budget to be usable (see dp::plan).
+            "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0}}),
     )
     .await;
     let only = assigned(&app).await;
@@ -428,7 +430,9 @@ async fn failure_and_not_eligible_reports_free_the_slot() {
     open_task(
         &app,
         &token,
-        json!({"report_goal": 1, "min_reports": 1, "over_selection": 0.0}),
+        json!({"report_goal": 1, "min_reports": 1, "over_selection": 0.0,
+            // One device per round needs a generous budget to be usable (see dp::plan).
+            "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0}}),
     )
     .await;
     let a = assigned(&app).await;

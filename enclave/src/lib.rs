@@ -12,5 +12,7 @@ pub mod http;
 pub mod key_collection;
 pub mod model;
 pub mod shares;
+pub mod updater;
+pub mod worker;
 
 pub use model::{ModelError, ModelSchema, TensorSpec};

@@ -30,6 +30,8 @@ pub enum DbError {
     },
     #[error("{0} already exists")]
     AlreadyExists(String),
+    #[error("the lease on aggregation job {0} is held by another worker (or the job is finished)")]
+    LeaseLost(String),
     #[error("stored data is corrupt: {0}")]
     Corrupt(String),
     #[error("the write was not committed: {0}")]

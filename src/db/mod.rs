@@ -10,6 +10,7 @@ mod blobs;
 pub mod device;
 mod error;
 mod history;
+pub mod jobs;
 mod models;
 mod rounds;
 mod tasks;

@@ -42,30 +42,38 @@ pub(crate) async fn insert(
     Ok(())
 }
 
+pub(crate) async fn load(
+    conn: &mut Conn,
+    task_id: &str,
+    version: i64,
+) -> Result<ModelRecord, DbError> {
+    let row: Option<(String, String, i64, i64)> = sqlx::query_as(
+        "SELECT blob_key, sha256, size_bytes, created_at FROM models \
+         WHERE task_id = $1 AND version = $2",
+    )
+    .bind(task_id)
+    .bind(version)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let (blob_key, sha256_hex, size_bytes, created_at) = row.ok_or_else(|| DbError::NotFound {
+        entity: "model",
+        id: format!("{task_id}/{version}"),
+    })?;
+    Ok(ModelRecord {
+        task_id: task_id.to_string(),
+        version,
+        blob_key,
+        sha256_hex,
+        size_bytes,
+        created_at,
+    })
+}
+
 impl Db {
     /// One model version of any task (devices download models without a tenant token).
     pub async fn model_of_task(&self, task_id: &str, version: i64) -> Result<ModelRecord, DbError> {
-        let row: Option<(String, String, i64, i64)> = sqlx::query_as(
-            "SELECT blob_key, sha256, size_bytes, created_at FROM models \
-             WHERE task_id = $1 AND version = $2",
-        )
-        .bind(task_id)
-        .bind(version)
-        .fetch_optional(self.pool())
-        .await?;
-        let (blob_key, sha256_hex, size_bytes, created_at) =
-            row.ok_or_else(|| DbError::NotFound {
-                entity: "model",
-                id: format!("{task_id}/{version}"),
-            })?;
-        Ok(ModelRecord {
-            task_id: task_id.to_string(),
-            version,
-            blob_key,
-            sha256_hex,
-            size_bytes,
-            created_at,
-        })
+        let mut conn = self.pool().acquire().await?;
+        load(&mut conn, task_id, version).await
     }
 
     /// One model version of one tenant's task (`NotFound` for another tenant's task).

@@ -139,6 +139,9 @@ pub(crate) async fn close(
     now: i64,
 ) -> Result<(), DbError> {
     transition(conn, round_id, from, to, reason, now).await?;
+    if to == RoundState::Aggregating {
+        super::jobs::create(conn, round_id, now).await?;
+    }
     if to.is_terminal() {
         sqlx::query("UPDATE rounds SET closed_at = $1 WHERE id = $2")
             .bind(now)
@@ -161,7 +164,7 @@ pub(crate) async fn load_for_task(
     rows.into_iter().map(round_from_row).collect()
 }
 
-async fn load_one(conn: &mut Conn, round_id: &str) -> Result<RoundRecord, DbError> {
+pub(crate) async fn load_one(conn: &mut Conn, round_id: &str) -> Result<RoundRecord, DbError> {
     let sql = format!("{ROUND_SELECT} WHERE r.id = $1");
     let row: Option<RoundRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
         .bind(round_id)

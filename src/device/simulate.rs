@@ -16,6 +16,10 @@ pub struct SimulationConfig {
     pub server: String,
     pub population: String,
     pub devices: usize,
+    /// Index of the first simulated device: devices are `first_device..first_device + devices`,
+    /// each with its own data shard, so several runs can draw different devices of one
+    /// population.
+    pub first_device: u64,
     pub concurrency: usize,
     /// Contributions per device before it stops.
     pub rounds: usize,
@@ -309,7 +313,7 @@ pub async fn run(config: SimulationConfig) -> Result<Summary, DeviceError> {
                     if index >= shared.config.devices as u64 {
                         break;
                     }
-                    device(shared.clone(), index).await;
+                    device(shared.clone(), shared.config.first_device + index).await;
                     bar.inc(1);
                 }
             })

@@ -1,0 +1,105 @@
+//! The model updater: FedAvg's server step. Version N+1 = version N + server_learning_rate x the
+//! noised average update, tensor by tensor, computed in f64 and stored as F32 safetensors with
+//! the same names and shapes. Deterministic, so a retried job writes the same bytes.
+
+use safetensors::SafeTensors;
+use thiserror::Error;
+
+use crate::aggregate;
+use crate::model::{ModelError, ModelSchema, validate_model};
+
+#[derive(Debug, Error)]
+pub enum UpdateError {
+    #[error("the base model is invalid: {0}")]
+    BaseModel(ModelError),
+    #[error("the average has {got} values but the model has {expected}")]
+    Shape { got: usize, expected: usize },
+    #[error("the updated model is not finite (learning rate {0} too large for this update?)")]
+    NonFinite(f64),
+    #[error(transparent)]
+    Encode(#[from] ModelError),
+}
+
+/// Applies `average` (schema order, as released) to `base` with `learning_rate`.
+pub fn apply(base: &[u8], average: &[f32], learning_rate: f64) -> Result<Vec<u8>, UpdateError> {
+    let schema: ModelSchema = validate_model(base).map_err(UpdateError::BaseModel)?;
+    if schema.parameter_count() != average.len() {
+        return Err(UpdateError::Shape {
+            got: average.len(),
+            expected: schema.parameter_count(),
+        });
+    }
+    let parsed = SafeTensors::deserialize(base)
+        .map_err(|e| UpdateError::BaseModel(ModelError::NotSafetensors(e.to_string())))?;
+    let mut values = Vec::with_capacity(average.len());
+    for spec in schema.tensors() {
+        let view = parsed
+            .tensor(&spec.name)
+            .map_err(|e| UpdateError::BaseModel(ModelError::NotSafetensors(e.to_string())))?;
+        values.extend(
+            view.data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        );
+    }
+    for (value, delta) in values.iter_mut().zip(average) {
+        *value = (f64::from(*value) + learning_rate * f64::from(*delta)) as f32;
+        if !value.is_finite() {
+            return Err(UpdateError::NonFinite(learning_rate));
+        }
+    }
+    Ok(aggregate::encode(&schema, &values)?)
+}
+
+/// The values of a released average (safetensors) in schema order.
+pub fn average_values(schema: &ModelSchema, average: &[u8]) -> Result<Vec<f32>, ModelError> {
+    let parsed =
+        SafeTensors::deserialize(average).map_err(|e| ModelError::NotSafetensors(e.to_string()))?;
+    let mut values = Vec::with_capacity(schema.parameter_count());
+    for spec in schema.tensors() {
+        let view = parsed
+            .tensor(&spec.name)
+            .map_err(|e| ModelError::NotSafetensors(e.to_string()))?;
+        if view.shape() != spec.shape.as_slice() {
+            return Err(ModelError::NotSafetensors(format!(
+                "tensor `{}` has shape {:?}, the model {:?}",
+                spec.name,
+                view.shape(),
+                spec.shape
+            )));
+        }
+        values.extend(
+            view.data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        );
+    }
+    Ok(values)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::encode_f32_tensors;
+
+    #[test]
+    fn fedavg_step_moves_the_model_by_the_learning_rate_times_the_average() {
+        let base =
+            encode_f32_tensors(&[("b", vec![1], &[1.0]), ("w", vec![2], &[2.0, 3.0])]).unwrap();
+        let next = apply(&base, &[0.5, -1.0, 1.0], 0.5).unwrap();
+        let schema = validate_model(&next).unwrap();
+        assert_eq!(
+            average_values(&schema, &next).unwrap(),
+            vec![1.25, 1.5, 3.5]
+        );
+    }
+
+    #[test]
+    fn an_average_of_the_wrong_size_is_refused() {
+        let base = encode_f32_tensors(&[("w", vec![2], &[2.0, 3.0])]).unwrap();
+        assert!(matches!(
+            apply(&base, &[1.0], 1.0),
+            Err(UpdateError::Shape { .. })
+        ));
+    }
+}

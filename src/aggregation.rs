@@ -1,0 +1,296 @@
+//! The untrusted side of aggregation: the task database and blob store offered to enclave workers
+//! as `confed_enclave::worker::JobStore`, and the loop that runs a worker in-process (the embedded
+//! default; in production the worker runs in its own TEE process behind the same interface).
+//!
+//! Nothing here sees a key, a plaintext or an un-noised sum: it hands out ciphertexts and stores
+//! what the enclave releases (the noised average, its manifest, the next model).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use confed_enclave::aggregate::PrivacyParams;
+use confed_enclave::hpke::PublicKey;
+use confed_enclave::worker::{JobSpec, JobStore, StagedRelease, StoreError, Worker};
+use sha2::{Digest, Sha256};
+use tokio::sync::watch;
+
+use crate::blob::{BlobError, BlobKey, BlobStore};
+use crate::clock::Clock;
+use crate::db::jobs::{JobContext, NewRelease};
+use crate::db::{Db, DbError, NewModel};
+use crate::keys::directory::KeyDirectory;
+
+/// The task database and blob stores, as enclave workers use them.
+#[derive(Debug, Clone)]
+pub struct TaskDbJobStore {
+    pub db: Db,
+    /// Models and releases.
+    pub blobs: Arc<dyn BlobStore>,
+    pub contributions: Arc<dyn BlobStore>,
+    pub keys: KeyDirectory,
+    pub clock: Arc<dyn Clock>,
+}
+
+fn backend(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Backend(e.to_string())
+}
+
+fn db_error(e: DbError) -> StoreError {
+    match e {
+        DbError::LeaseLost(_) => StoreError::LeaseLost,
+        DbError::AlreadyExists(what) => StoreError::Conflict(what),
+        other => backend(other),
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Where a round's release lives. Fixed names (no content hash): the blob store refuses a second,
+/// different release under the same name, on top of the database's one-release-per-round key.
+fn release_keys(context: &JobContext) -> Result<(BlobKey, BlobKey), BlobError> {
+    let base = format!(
+        "tenants/{}/tasks/{}/rounds/{}/attempt-{}",
+        context.task.tenant_id, context.task.id, context.round.round_number, context.round.attempt
+    );
+    Ok((
+        BlobKey::new(format!("{base}/average.safetensors"))?,
+        BlobKey::new(format!("{base}/manifest.json"))?,
+    ))
+}
+
+impl TaskDbJobStore {
+    fn now(&self) -> i64 {
+        self.clock.now_millis()
+    }
+
+    /// The job as the enclave sees it; `Err(reason)` when the stored job cannot be run at all.
+    async fn spec(&self, context: &JobContext) -> Result<Result<JobSpec, String>, StoreError> {
+        let Some(key_id) = context.key_id.clone() else {
+            return Ok(Err("the round has no encryption key".into()));
+        };
+        let Some(key) = self.keys.key(&key_id) else {
+            return Ok(Err(format!(
+                "key {key_id} is not published by the key services"
+            )));
+        };
+        let public_key = match URL_SAFE_NO_PAD
+            .decode(&key.public_key)
+            .ok()
+            .and_then(|b| PublicKey::from_bytes(&b).ok())
+        {
+            Some(k) => k,
+            None => return Ok(Err(format!("key {key_id} has a malformed public key"))),
+        };
+        let model = self
+            .blobs
+            .get(&BlobKey::new(context.model.blob_key.clone()).map_err(backend)?)
+            .await
+            .map_err(backend)?;
+        let committed_average = match &context.release {
+            Some(release) => Some(
+                self.blobs
+                    .get(&BlobKey::new(release.average_key.clone()).map_err(backend)?)
+                    .await
+                    .map_err(backend)?,
+            ),
+            None => None,
+        };
+        let spec = &context.task.spec;
+        Ok(Ok(JobSpec {
+            job_id: context.round.id.clone(),
+            task_id: context.task.id.clone(),
+            round: context.round.round_number as u64,
+            attempt: context.round.attempt as u64,
+            key_id,
+            public_key,
+            privacy: PrivacyParams {
+                epsilon: spec.privacy.epsilon,
+                delta: spec.privacy.delta,
+                clip_norm: spec.privacy.clip_norm,
+                rounds: spec.rounds,
+            },
+            server_learning_rate: spec.server_learning_rate,
+            model,
+            contributions: context.contributions.clone(),
+            committed_average,
+        }))
+    }
+}
+
+impl TaskDbJobStore {
+    /// Writes a release's average and manifest to the blob store (write-once names), the first
+    /// half of `commit_release`. Public so tests can stop a worker between staging and commit.
+    pub async fn stage_release(
+        &self,
+        job: &JobSpec,
+        release: StagedRelease<'_>,
+    ) -> Result<NewRelease, StoreError> {
+        let context = self.db.job_context(&job.job_id).await.map_err(db_error)?;
+        let (average_key, manifest_key) = release_keys(&context).map_err(backend)?;
+        let manifest_json = serde_json::to_vec_pretty(release.manifest).map_err(backend)?;
+        for (key, bytes) in [
+            (&average_key, release.average),
+            (&manifest_key, &manifest_json[..]),
+        ] {
+            match self.blobs.put(key, bytes).await {
+                Ok(_) => {}
+                Err(BlobError::Conflict(what)) => {
+                    return Err(StoreError::Conflict(format!(
+                        "a different release is already stored at {what}"
+                    )));
+                }
+                Err(e) => return Err(backend(e)),
+            }
+        }
+        let manifest = release.manifest;
+        Ok(NewRelease {
+            average_key: average_key.as_str().to_string(),
+            average_sha256: hex(&Sha256::digest(release.average)),
+            manifest_key: manifest_key.as_str().to_string(),
+            manifest_json: String::from_utf8(manifest_json).map_err(backend)?,
+            included: manifest.included as i64,
+            excluded: manifest.excluded.values().sum::<u64>() as i64,
+            epsilon_spent: manifest.privacy.epsilon_spent,
+        })
+    }
+}
+
+impl JobStore for TaskDbJobStore {
+    async fn lease(&self, worker: &str, lease: Duration) -> Result<Option<JobSpec>, StoreError> {
+        loop {
+            let Some(leased) = self
+                .db
+                .lease_job(worker, self.now(), lease.as_millis() as i64)
+                .await
+                .map_err(db_error)?
+            else {
+                return Ok(None);
+            };
+            let context = self
+                .db
+                .job_context(&leased.round_id)
+                .await
+                .map_err(db_error)?;
+            match self.spec(&context).await? {
+                Ok(spec) => return Ok(Some(spec)),
+                Err(reason) => {
+                    tracing::error!(round = %leased.round_id, %reason, "aggregation job cannot run");
+                    self.db
+                        .fail_job(&leased.round_id, worker, &reason, true, self.now())
+                        .await
+                        .map_err(db_error)?;
+                }
+            }
+        }
+    }
+
+    async fn renew(&self, job_id: &str, worker: &str, lease: Duration) -> Result<(), StoreError> {
+        self.db
+            .renew_job(job_id, worker, self.now(), lease.as_millis() as i64)
+            .await
+            .map_err(db_error)
+    }
+
+    async fn fetch(&self, blob_key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let key = BlobKey::new(blob_key.to_string()).map_err(backend)?;
+        match self.contributions.get(&key).await {
+            Ok(bytes) => Ok(Some(bytes)),
+            Err(BlobError::NotFound(_)) => Ok(None),
+            Err(e) => Err(backend(e)),
+        }
+    }
+
+    async fn commit_release(
+        &self,
+        job: &JobSpec,
+        worker: &str,
+        release: StagedRelease<'_>,
+    ) -> Result<(), StoreError> {
+        let staged = self.stage_release(job, release).await?;
+        self.db
+            .commit_release(&job.job_id, worker, staged, self.now())
+            .await
+            .map_err(db_error)
+    }
+
+    async fn commit_model(
+        &self,
+        job: &JobSpec,
+        worker: &str,
+        model: &[u8],
+    ) -> Result<(), StoreError> {
+        let context = self.db.job_context(&job.job_id).await.map_err(db_error)?;
+        let sha = hex(&Sha256::digest(model));
+        let key = BlobKey::model(
+            &context.task.tenant_id,
+            &context.task.id,
+            context.round.round_number,
+            &sha,
+        )
+        .map_err(backend)?;
+        self.blobs.put(&key, model).await.map_err(backend)?;
+        self.db
+            .commit_model(
+                &job.job_id,
+                worker,
+                NewModel {
+                    blob_key: key.as_str().to_string(),
+                    sha256_hex: sha,
+                    size_bytes: model.len() as i64,
+                },
+                self.now(),
+            )
+            .await
+            .map_err(db_error)
+    }
+
+    async fn fail(
+        &self,
+        job: &JobSpec,
+        worker: &str,
+        reason: &str,
+        permanent: bool,
+    ) -> Result<(), StoreError> {
+        self.db
+            .fail_job(&job.job_id, worker, reason, permanent, self.now())
+            .await
+            .map_err(db_error)
+    }
+}
+
+/// Runs `worker` until `shutdown`: a job right after a job, otherwise a poll every `idle`.
+pub async fn run_worker(
+    worker: Worker<TaskDbJobStore>,
+    idle: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        let busy = match worker.run_once().await {
+            Ok(Some(outcome)) => {
+                tracing::info!(task = %outcome.task_id, round = outcome.round, included = outcome.included,
+                    excluded = outcome.excluded, epsilon_spent = ?outcome.epsilon_spent, "round aggregated");
+                metrics::counter!("confed_rounds_aggregated_total").increment(1);
+                true
+            }
+            Ok(None) => false,
+            Err(error) => {
+                tracing::warn!(%error, "aggregation job not finished; it will be retried");
+                false
+            }
+        };
+        if busy {
+            continue;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(idle) => {}
+            _ = shutdown.changed() => {}
+        }
+        if *shutdown.borrow() {
+            break;
+        }
+    }
+}

@@ -1,0 +1,438 @@
+//! Aggregation jobs: created with the round's move to AGGREGATING, leased by enclave workers,
+//! committed in two steps (the release with AGGREGATING -> APPLYING, the next model with
+//! APPLYING -> COMPLETED), each one transaction guarded by the lease.
+
+use super::{Conn, Db, DbError, models, rounds, tasks, transition};
+use crate::states::{RoundState, TaskState};
+
+/// Attempts after which a job that keeps failing fails its round and task.
+pub const MAX_JOB_ATTEMPTS: i64 = 5;
+
+/// A job a worker just leased.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeasedJob {
+    pub round_id: String,
+    pub attempts: i64,
+}
+
+/// Everything a worker needs to run a job, as stored.
+#[derive(Debug, Clone)]
+pub struct JobContext {
+    pub task: tasks::TaskRecord,
+    pub round: rounds::RoundRecord,
+    pub key_id: Option<String>,
+    pub model: models::ModelRecord,
+    /// (assignment ref, blob key) of the round's completed contributions, sorted.
+    pub contributions: Vec<(String, String)>,
+    pub release: Option<ReleaseRecord>,
+}
+
+/// A committed release of one round.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReleaseRecord {
+    pub round_id: String,
+    pub task_id: String,
+    pub round_number: i64,
+    pub average_key: String,
+    pub average_sha256: String,
+    pub manifest_key: String,
+    pub manifest_json: String,
+    pub included: i64,
+    pub excluded: i64,
+    pub epsilon_spent: f64,
+    pub created_at: i64,
+}
+
+/// Inserts the job of a round that just moved to AGGREGATING (same transaction).
+pub(crate) async fn create(conn: &mut Conn, round_id: &str, now: i64) -> Result<(), DbError> {
+    sqlx::query(
+        "INSERT INTO aggregation_jobs (round_id, task_id, state, not_before, created_at, updated_at) \
+         SELECT id, task_id, 'PENDING', $2, $2, $2 FROM rounds WHERE id = $1",
+    )
+    .bind(round_id)
+    .bind(now)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Fails with `LeaseLost` unless `worker` holds the job's lease (fencing: a worker whose lease
+/// was taken over can no longer commit anything).
+async fn check_lease(conn: &mut Conn, round_id: &str, worker: &str) -> Result<(), DbError> {
+    let row: Option<(String, Option<String>)> =
+        sqlx::query_as("SELECT state, lease_owner FROM aggregation_jobs WHERE round_id = $1")
+            .bind(round_id)
+            .fetch_optional(&mut *conn)
+            .await?;
+    match row {
+        Some((state, Some(owner))) if state == "PENDING" && owner == worker => Ok(()),
+        Some(_) => Err(DbError::LeaseLost(round_id.to_string())),
+        None => Err(DbError::NotFound {
+            entity: "aggregation job",
+            id: round_id.to_string(),
+        }),
+    }
+}
+
+async fn load_release(conn: &mut Conn, round_id: &str) -> Result<Option<ReleaseRecord>, DbError> {
+    type Row = (
+        String,
+        String,
+        i64,
+        String,
+        String,
+        String,
+        String,
+        i64,
+        i64,
+        f64,
+        i64,
+    );
+    let row: Option<Row> = sqlx::query_as(
+        "SELECT round_id, task_id, round_number, average_key, average_sha256, manifest_key, \
+         manifest_json, included, excluded, epsilon_spent, created_at FROM releases WHERE round_id = $1",
+    )
+    .bind(round_id)
+    .fetch_optional(&mut *conn)
+    .await?;
+    Ok(row.map(|r| ReleaseRecord {
+        round_id: r.0,
+        task_id: r.1,
+        round_number: r.2,
+        average_key: r.3,
+        average_sha256: r.4,
+        manifest_key: r.5,
+        manifest_json: r.6,
+        included: r.7,
+        excluded: r.8,
+        epsilon_spent: r.9,
+        created_at: r.10,
+    }))
+}
+
+/// The release a worker asks to commit.
+#[derive(Debug, Clone)]
+pub struct NewRelease {
+    pub average_key: String,
+    pub average_sha256: String,
+    pub manifest_key: String,
+    pub manifest_json: String,
+    pub included: i64,
+    pub excluded: i64,
+    pub epsilon_spent: f64,
+}
+
+impl Db {
+    /// Leases the oldest ready job (never leased, or its lease expired, and past its backoff).
+    pub async fn lease_job(
+        &self,
+        worker: &str,
+        now: i64,
+        lease_ms: i64,
+    ) -> Result<Option<LeasedJob>, DbError> {
+        let worker = worker.to_string();
+        self.write(move |tx| {
+            Box::pin(async move {
+                let row: Option<(String, i64)> = sqlx::query_as(
+                    "UPDATE aggregation_jobs SET lease_owner = $1, lease_expires_at = $2, \
+                     attempts = attempts + 1, updated_at = $3 \
+                     WHERE round_id = (SELECT round_id FROM aggregation_jobs \
+                       WHERE state = 'PENDING' AND not_before <= $3 \
+                       AND (lease_expires_at IS NULL OR lease_expires_at <= $3) \
+                       ORDER BY created_at, round_id LIMIT 1) \
+                     AND state = 'PENDING' AND (lease_expires_at IS NULL OR lease_expires_at <= $3) \
+                     RETURNING round_id, attempts",
+                )
+                .bind(&worker)
+                .bind(now + lease_ms)
+                .bind(now)
+                .fetch_optional(&mut *tx)
+                .await?;
+                Ok(row.map(|(round_id, attempts)| LeasedJob { round_id, attempts }))
+            })
+        })
+        .await
+    }
+
+    /// Extends `worker`'s lease on a job; `LeaseLost` if another worker took it over.
+    pub async fn renew_job(
+        &self,
+        round_id: &str,
+        worker: &str,
+        now: i64,
+        lease_ms: i64,
+    ) -> Result<(), DbError> {
+        let (round_id, worker) = (round_id.to_string(), worker.to_string());
+        self.write(move |tx| {
+            Box::pin(async move {
+                check_lease(&mut *tx, &round_id, &worker).await?;
+                sqlx::query(
+                    "UPDATE aggregation_jobs SET lease_expires_at = $1, updated_at = $2 WHERE round_id = $3",
+                )
+                .bind(now + lease_ms)
+                .bind(now)
+                .bind(&round_id)
+                .execute(&mut *tx)
+                .await?;
+                Ok(())
+            })
+        })
+        .await
+    }
+
+    /// What a worker needs for a job (read-only).
+    pub async fn job_context(&self, round_id: &str) -> Result<JobContext, DbError> {
+        let mut conn = self.pool().acquire().await?;
+        let round = rounds::load_one(&mut conn, round_id).await?;
+        let task = tasks::load_any(&mut conn, &round.task_id).await?;
+        let key_id: Option<String> = sqlx::query_scalar("SELECT key_id FROM rounds WHERE id = $1")
+            .bind(round_id)
+            .fetch_one(&mut *conn)
+            .await?;
+        let model = models::load(&mut conn, &task.id, round.round_number - 1).await?;
+        let contributions = sqlx::query_as(
+            "SELECT id, blob_key FROM assignments WHERE round_id = $1 AND state = 'COMPLETED' \
+             AND blob_key IS NOT NULL ORDER BY id",
+        )
+        .bind(round_id)
+        .fetch_all(&mut *conn)
+        .await?;
+        let release = load_release(&mut conn, round_id).await?;
+        Ok(JobContext {
+            task,
+            round,
+            key_id,
+            model,
+            contributions,
+            release,
+        })
+    }
+
+    /// Records the round's release and moves it AGGREGATING -> APPLYING, in one transaction.
+    /// The same release again is accepted (a retried commit); a different one is refused.
+    pub async fn commit_release(
+        &self,
+        round_id: &str,
+        worker: &str,
+        release: NewRelease,
+        now: i64,
+    ) -> Result<(), DbError> {
+        let (round_id, worker) = (round_id.to_string(), worker.to_string());
+        self.write(move |tx| {
+            Box::pin(async move {
+                check_lease(&mut *tx, &round_id, &worker).await?;
+                if let Some(existing) = load_release(&mut *tx, &round_id).await? {
+                    return if existing.average_sha256 == release.average_sha256 {
+                        Ok(())
+                    } else {
+                        Err(DbError::AlreadyExists(format!(
+                            "a different release of round {round_id}"
+                        )))
+                    };
+                }
+                let round = rounds::load_one(&mut *tx, &round_id).await?;
+                let reason = format!(
+                    "noised average released: {} contributions included, {} excluded",
+                    release.included, release.excluded
+                );
+                transition(
+                    &mut *tx,
+                    &round_id,
+                    RoundState::Aggregating,
+                    RoundState::Applying,
+                    &reason,
+                    now,
+                )
+                .await?;
+                sqlx::query(
+                    "INSERT INTO releases (round_id, task_id, round_number, average_key, average_sha256, \
+                     manifest_key, manifest_json, included, excluded, epsilon_spent, created_at) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+                )
+                .bind(&round_id)
+                .bind(&round.task_id)
+                .bind(round.round_number)
+                .bind(&release.average_key)
+                .bind(&release.average_sha256)
+                .bind(&release.manifest_key)
+                .bind(&release.manifest_json)
+                .bind(release.included)
+                .bind(release.excluded)
+                .bind(release.epsilon_spent)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+                Ok(())
+            })
+        })
+        .await
+    }
+
+    /// Records model version `round_number`, completes the round (APPLYING -> COMPLETED) and the
+    /// job, and opens the next round or, after the last planned round, completes the task.
+    pub async fn commit_model(
+        &self,
+        round_id: &str,
+        worker: &str,
+        model: models::NewModel,
+        now: i64,
+    ) -> Result<(), DbError> {
+        let (round_id, worker) = (round_id.to_string(), worker.to_string());
+        self.write(move |tx| {
+            Box::pin(async move {
+                check_lease(&mut *tx, &round_id, &worker).await?;
+                let round = rounds::load_one(&mut *tx, &round_id).await?;
+                let task = tasks::load_any(&mut *tx, &round.task_id).await?;
+                let version = round.round_number;
+                models::insert(&mut *tx, &task.id, version, &model, now).await?;
+                rounds::close(
+                    &mut *tx,
+                    &round_id,
+                    RoundState::Applying,
+                    RoundState::Completed,
+                    &format!("model version {version} stored"),
+                    now,
+                )
+                .await?;
+                sqlx::query(
+                    "UPDATE aggregation_jobs SET state = 'DONE', lease_owner = NULL, \
+                     lease_expires_at = NULL, updated_at = $1 WHERE round_id = $2",
+                )
+                .bind(now)
+                .bind(&round_id)
+                .execute(&mut *tx)
+                .await?;
+                sqlx::query("UPDATE tasks SET model_version = $1, updated_at = $2 WHERE id = $3")
+                    .bind(version)
+                    .bind(now)
+                    .bind(&task.id)
+                    .execute(&mut *tx)
+                    .await?;
+                if task.state != TaskState::Open {
+                    return Ok(());
+                }
+                if version < i64::from(task.spec.rounds) {
+                    sqlx::query("UPDATE tasks SET current_round = $1 WHERE id = $2")
+                        .bind(version + 1)
+                        .bind(&task.id)
+                        .execute(&mut *tx)
+                        .await?;
+                    rounds::open(&mut *tx, &task, version + 1, 1, now).await?;
+                } else {
+                    transition(
+                        &mut *tx,
+                        &task.id,
+                        TaskState::Open,
+                        TaskState::Completed,
+                        &format!("all {version} rounds completed"),
+                        now,
+                    )
+                    .await?;
+                }
+                Ok(())
+            })
+        })
+        .await
+    }
+
+    /// Gives a failed job back. A transient failure is retried after a backoff; a permanent one,
+    /// or one out of attempts, fails the round and its task (the reason is in both histories).
+    pub async fn fail_job(
+        &self,
+        round_id: &str,
+        worker: &str,
+        reason: &str,
+        permanent: bool,
+        now: i64,
+    ) -> Result<(), DbError> {
+        let (round_id, worker, reason) =
+            (round_id.to_string(), worker.to_string(), reason.to_string());
+        self.write(move |tx| {
+            Box::pin(async move {
+                check_lease(&mut *tx, &round_id, &worker).await?;
+                let attempts: i64 =
+                    sqlx::query_scalar("SELECT attempts FROM aggregation_jobs WHERE round_id = $1")
+                        .bind(&round_id)
+                        .fetch_one(&mut *tx)
+                        .await?;
+                if !permanent && attempts < MAX_JOB_ATTEMPTS {
+                    // 2, 4, 8, 16 s: room for a key service to come back.
+                    let backoff = 1000 * (1i64 << attempts.clamp(1, 4));
+                    sqlx::query(
+                        "UPDATE aggregation_jobs SET lease_owner = NULL, lease_expires_at = NULL, \
+                         not_before = $1, last_error = $2, updated_at = $3 WHERE round_id = $4",
+                    )
+                    .bind(now + backoff)
+                    .bind(&reason)
+                    .bind(now)
+                    .bind(&round_id)
+                    .execute(&mut *tx)
+                    .await?;
+                    return Ok(());
+                }
+                sqlx::query(
+                    "UPDATE aggregation_jobs SET state = 'FAILED', lease_owner = NULL, \
+                     lease_expires_at = NULL, last_error = $1, updated_at = $2 WHERE round_id = $3",
+                )
+                .bind(&reason)
+                .bind(now)
+                .bind(&round_id)
+                .execute(&mut *tx)
+                .await?;
+                let round = rounds::load_one(&mut *tx, &round_id).await?;
+                let why = format!("aggregation failed after {attempts} attempts: {reason}");
+                rounds::close(
+                    &mut *tx,
+                    &round_id,
+                    round.state,
+                    RoundState::Failed,
+                    &why,
+                    now,
+                )
+                .await?;
+                let task = tasks::load_any(&mut *tx, &round.task_id).await?;
+                if task.state == TaskState::Open {
+                    transition(
+                        &mut *tx,
+                        &task.id,
+                        TaskState::Open,
+                        TaskState::Failed,
+                        &why,
+                        now,
+                    )
+                    .await?;
+                }
+                Ok(())
+            })
+        })
+        .await
+    }
+
+    /// The committed releases of one tenant's task, by round.
+    pub async fn releases(
+        &self,
+        tenant_id: &str,
+        task_id: &str,
+    ) -> Result<Vec<ReleaseRecord>, DbError> {
+        let mut conn = self.pool().acquire().await?;
+        tasks::load(&mut conn, tenant_id, task_id).await?;
+        drop(conn);
+        self.releases_of_task(task_id).await
+    }
+
+    /// The committed releases of any task, by round.
+    pub async fn releases_of_task(&self, task_id: &str) -> Result<Vec<ReleaseRecord>, DbError> {
+        let mut conn = self.pool().acquire().await?;
+        let ids: Vec<String> = sqlx::query_scalar(
+            "SELECT round_id FROM releases WHERE task_id = $1 ORDER BY round_number",
+        )
+        .bind(task_id)
+        .fetch_all(&mut *conn)
+        .await?;
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            out.extend(load_release(&mut conn, &id).await?);
+        }
+        Ok(out)
+    }
+}

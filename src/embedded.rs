@@ -1,0 +1,246 @@
+//! The whole system in one process: n key services (each with one share, the dev policy and its
+//! own audit log), the task and device APIs, the scheduler, and an enclave worker attesting with
+//! the DEV attester. This is what `confed demo` runs and what the end-to-end tests drive.
+//!
+//! DEV ONLY: the dev attester proves nothing (no TEE), so the privacy of this setup rests on the
+//! one process that holds every share. Production runs the enclave in Confidential Space and the
+//! key services as separately operated processes (see docs/architecture.md).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use confed_attestation::exchange::{encode_verifying_key, generate_signing_key};
+use confed_attestation::{AppraisalPolicy, DevAttester, KeySource};
+use confed_enclave::key_collection::KeyServiceEndpoint;
+use confed_enclave::worker::{Worker, WorkerConfig};
+use thiserror::Error;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::aggregation::{TaskDbJobStore, run_worker};
+use crate::api::{self, AppState, Limits};
+use crate::blob::LocalBlobStore;
+use crate::clock::Clock;
+use crate::db::{Db, NewTenant};
+use crate::device::client::{TrustConfig, TrustedEntry};
+use crate::keys::ShareFile;
+use crate::keys::ceremony::{CeremonyOptions, generate};
+use crate::keys::directory::KeyDirectory;
+use crate::keyservice::{KeyService, KeyServiceParts, routes};
+use crate::scheduler::Scheduler;
+
+/// The dev appraisal policy, compiled in so the demo runs from any directory.
+const DEV_POLICY: &str = include_str!("../policies/dev.toml");
+
+#[derive(Debug, Error)]
+pub enum EmbeddedError {
+    #[error("{0}")]
+    Setup(String),
+}
+
+fn setup(e: impl std::fmt::Display) -> EmbeddedError {
+    EmbeddedError::Setup(e.to_string())
+}
+
+pub struct EmbeddedOptions {
+    pub data_dir: PathBuf,
+    pub keyservices: u16,
+    pub threshold: u16,
+    pub clock: Arc<dyn Clock>,
+    /// Run an enclave worker in the background (tests that drive workers themselves say no).
+    pub background_worker: bool,
+    pub scheduler_period: Duration,
+}
+
+pub struct EmbeddedSystem {
+    /// Base URL of the task and device APIs.
+    pub url: String,
+    pub db: Db,
+    pub store: Arc<TaskDbJobStore>,
+    pub keyservices: Vec<KeyServiceEndpoint>,
+    /// What devices trust: the key services' signing keys and the threshold.
+    pub trust: TrustConfig,
+    pub attester: Arc<DevAttester>,
+    pub threshold: u16,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+async fn serve_router(
+    router: axum::Router,
+    stop: watch::Receiver<bool>,
+) -> Result<(String, JoinHandle<()>), EmbeddedError> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(setup)?;
+    let url = format!("http://{}", listener.local_addr().map_err(setup)?);
+    let handle = tokio::spawn(async move {
+        let mut stop = stop;
+        let shutdown = async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        if let Err(error) = axum::serve(listener, router)
+            .with_graceful_shutdown(shutdown)
+            .await
+        {
+            tracing::error!(%error, "embedded server stopped");
+        }
+    });
+    Ok((url, handle))
+}
+
+impl EmbeddedSystem {
+    pub async fn start(options: EmbeddedOptions) -> Result<Self, EmbeddedError> {
+        confed_enclave::http::install_crypto_provider();
+        let dir = &options.data_dir;
+        std::fs::create_dir_all(dir).map_err(setup)?;
+        let clock = options.clock.clone();
+        let now = clock.now_millis() / 1000;
+        let ceremony = generate(&CeremonyOptions {
+            shares: options.keyservices,
+            threshold: options.threshold,
+            out_dir: dir.join("ceremony"),
+            not_before: now - 60,
+            not_after: now + 30 * 86_400,
+        })
+        .map_err(setup)?;
+        let token_clock = clock.clone();
+        let attester = Arc::new(DevAttester::new(
+            generate_signing_key(),
+            Arc::new(move || token_clock.now_millis() / 1000),
+        ));
+        let policy = AppraisalPolicy::from_toml(DEV_POLICY).map_err(setup)?;
+        let (stop, stop_rx) = watch::channel(false);
+        let mut tasks = Vec::new();
+        let mut keyservices = Vec::new();
+        let mut trusted = Vec::new();
+        for (i, share) in ceremony.share_files.iter().enumerate() {
+            let id = format!("ks{}", i + 1);
+            let signing_key = generate_signing_key();
+            trusted.push(TrustedEntry {
+                id: id.clone(),
+                verifying_key: encode_verifying_key(signing_key.verifying_key()),
+            });
+            let service = KeyService::new(KeyServiceParts {
+                id: id.clone(),
+                audience: format!("confed-keyservice/{id}"),
+                signing_key,
+                shares: vec![ShareFile::load(share).map_err(setup)?],
+                policy: policy.clone(),
+                key_source: KeySource::fixed(attester.jwks()),
+                audit_log: dir.join(format!("audit-{id}.jsonl")),
+                clock: clock.clone(),
+            })
+            .map_err(setup)?;
+            let (url, handle) = serve_router(routes::router(service), stop_rx.clone()).await?;
+            tasks.push(handle);
+            keyservices.push(KeyServiceEndpoint { id, url });
+        }
+        let db = Db::open_sqlite(&dir.join("confed.db"))
+            .await
+            .map_err(setup)?;
+        let blobs: Arc<dyn crate::blob::BlobStore> =
+            Arc::new(LocalBlobStore::open(dir.join("blobs")).map_err(setup)?);
+        let contributions: Arc<dyn crate::blob::BlobStore> =
+            Arc::new(crate::blob::DatabaseBlobStore::new(db.clone()));
+        let keys = KeyDirectory::default();
+        let urls: Vec<String> = keyservices.iter().map(|k| k.url.clone()).collect();
+        keys.refresh(
+            &confed_enclave::http::client(Duration::from_secs(10)),
+            &urls,
+        )
+        .await;
+        let state = AppState {
+            db: db.clone(),
+            blobs: blobs.clone(),
+            contributions: contributions.clone(),
+            clock: clock.clone(),
+            admin: None,
+            limits: Limits::default(),
+            keys: keys.clone(),
+            registry: Default::default(),
+        };
+        let (url, handle) = serve_router(api::router(state), stop_rx.clone()).await?;
+        tasks.push(handle);
+        tasks.push(tokio::spawn(
+            Scheduler::new(db.clone(), clock.clone())
+                .run(options.scheduler_period, stop_rx.clone()),
+        ));
+        let store = Arc::new(TaskDbJobStore {
+            db: db.clone(),
+            blobs,
+            contributions,
+            keys,
+            clock,
+        });
+        let system = Self {
+            url,
+            db,
+            store,
+            keyservices,
+            trust: TrustConfig {
+                threshold: usize::from(options.threshold),
+                keyservices: trusted,
+            },
+            attester,
+            threshold: options.threshold,
+            stop,
+            tasks,
+        };
+        let mut system = system;
+        if options.background_worker {
+            let worker = system.worker("enclave-worker-1");
+            system.tasks.push(tokio::spawn(run_worker(
+                worker,
+                Duration::from_millis(200),
+                stop_rx,
+            )));
+        }
+        Ok(system)
+    }
+
+    /// A new enclave worker over this system's store and key services.
+    pub fn worker(&self, id: &str) -> Worker<TaskDbJobStore> {
+        Worker::new(self.store.clone(), self.worker_config(id))
+    }
+
+    /// How this system's workers are configured (60 s leases, the dev attester).
+    pub fn worker_config(&self, id: &str) -> WorkerConfig {
+        WorkerConfig {
+            id: id.to_string(),
+            lease: Duration::from_secs(60),
+            key_services: self.keyservices.clone(),
+            threshold: self.threshold,
+            attester: self.attester.clone(),
+            key_timeout: Duration::from_secs(10),
+            batch: 256,
+        }
+    }
+
+    /// Creates a tenant and returns its API token.
+    pub async fn tenant(&self, name: &str) -> Result<String, EmbeddedError> {
+        let (_, token) = self
+            .db
+            .create_tenant(
+                &NewTenant {
+                    name: name.into(),
+                    max_active_tasks: 10,
+                    max_report_goal: 100_000,
+                },
+                self.store.clock.now_millis(),
+            )
+            .await
+            .map_err(setup)?;
+        Ok(token.as_str().to_string())
+    }
+
+    /// Stops the servers, scheduler and worker, and closes the database.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        for task in self.tasks {
+            let _ = task.await;
+        }
+        self.db.close().await;
+    }
+}

@@ -1,0 +1,397 @@
+//! End to end, in one process: key services, APIs, simulated devices and enclave workers over
+//! SQLite and the blob directory. Rounds go from encrypted uploads to released, noised averages
+//! and new model versions, exactly once, also when a worker dies or stalls.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use confed::clock::ManualClock;
+use confed::device::simulate::{self, SimulationConfig};
+use confed::embedded::{EmbeddedOptions, EmbeddedSystem};
+use confed_enclave::aggregate::Manifest;
+use confed_enclave::worker::{JobSpec, JobStore, StagedRelease, StoreError};
+use serde_json::{Value, json};
+
+const GOAL: usize = 12;
+
+async fn start(clock: Arc<ManualClock>) -> (EmbeddedSystem, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let system = EmbeddedSystem::start(EmbeddedOptions {
+        data_dir: dir.path().join("data"),
+        keyservices: 3,
+        threshold: 2,
+        clock,
+        background_worker: false,
+        scheduler_period: Duration::from_secs(3600),
+    })
+    .await
+    .unwrap();
+    (system, dir)
+}
+
+fn now_clock() -> Arc<ManualClock> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    Arc::new(ManualClock::starting_at(now))
+}
+
+/// Creates a task on `population` with a zero model and returns (token, task id).
+async fn open_task(system: &EmbeddedSystem, population: &str, epsilon: f64) -> (String, String) {
+    let token = system
+        .tenant(&format!("tenant-{population}"))
+        .await
+        .unwrap();
+    let http = reqwest::Client::new();
+    let task: Value = http
+        .post(format!("{}/v1/tasks", system.url))
+        .bearer_auth(&token)
+        .json(&json!({
+            "population": population, "rounds": 3, "report_goal": GOAL,
+            "privacy": {"epsilon": epsilon, "delta": 1e-6, "clip_norm": 1.0},
+            "server_learning_rate": 1.0,
+            "plan": {"epochs": 2, "batch_size": 16, "learning_rate": 0.1},
+        }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = task["id"].as_str().expect("task created").to_string();
+    let put = http
+        .put(format!("{}/v1/tasks/{id}/model", system.url))
+        .bearer_auth(&token)
+        .header("content-type", "application/octet-stream")
+        .body(simulate::initial_model(7))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 201, "{}", put.text().await.unwrap());
+    (token, id)
+}
+
+/// `GOAL` devices each contribute once to the collecting round.
+async fn collect(system: &EmbeddedSystem, population: &str, seed: u64, train: bool) {
+    let summary = simulate::run(SimulationConfig {
+        server: system.url.clone(),
+        population: population.into(),
+        devices: GOAL,
+        first_device: 0,
+        concurrency: 4,
+        rounds: 1,
+        trust: system.trust.clone(),
+        train,
+        seed,
+        rows_per_device: 40,
+        max_retry_wait: Duration::from_millis(20),
+        idle_limit: 20,
+        client_version: "1.0.0".into(),
+        progress: false,
+    })
+    .await
+    .unwrap();
+    assert_eq!(summary.contributions, GOAL, "{:?}", summary.failures);
+}
+
+async fn get(system: &EmbeddedSystem, token: &str, path: &str) -> reqwest::Response {
+    reqwest::Client::new()
+        .get(format!("{}{path}", system.url))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap()
+}
+
+async fn rounds(system: &EmbeddedSystem, token: &str, task: &str) -> Vec<Value> {
+    let body: Value = get(system, token, &format!("/v1/tasks/{task}/rounds"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    body["rounds"]
+        .as_array()
+        .or(body.as_array())
+        .cloned()
+        .unwrap_or_default()
+}
+
+fn model_values(bytes: &[u8]) -> Vec<f32> {
+    let schema = confed_enclave::model::validate_model(bytes).unwrap();
+    confed_enclave::updater::average_values(&schema, bytes).unwrap()
+}
+
+/// The round's key, reconstructed from the ceremony's share files (test only: the point of the
+/// system is that nothing outside the enclave does this).
+fn round_key(dir: &std::path::Path) -> confed_enclave::hpke::PrivateKey {
+    let mut shares = Vec::new();
+    for entry in std::fs::read_dir(dir.join("data/ceremony")).unwrap() {
+        let path = entry.unwrap().path();
+        if path
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("share-")
+        {
+            shares.push(confed::keys::ShareFile::load(&path).unwrap().share);
+        }
+    }
+    let refs: Vec<&[u8]> = shares.iter().map(|s| &s[..]).collect();
+    let secret = confed_enclave::shares::combine(2, &refs[..2]).unwrap();
+    confed_enclave::hpke::PrivateKey::from_bytes(&secret).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_rounds_complete_with_consistent_manifests_and_a_model_that_follows_the_updates() {
+    let (system, dir) = start(now_clock()).await;
+    let (token, task) = open_task(&system, "e2e", 50.0).await;
+    let worker = system.worker("w1");
+    let key = round_key(dir.path());
+    for round in 1..=3u64 {
+        collect(&system, "e2e", round, true).await;
+        // What the devices really sent: the clipped mean, from their ciphertexts.
+        let contributions = system
+            .db
+            .completed_contributions(&task, round as i64)
+            .await
+            .unwrap();
+        assert_eq!(contributions.len(), GOAL);
+        let mut mean = vec![0f64; 68];
+        let mut refs = Vec::new();
+        for (assignment_ref, blob_key) in &contributions {
+            let stored = system.store.fetch(blob_key).await.unwrap().unwrap();
+            let envelope = confed_enclave::envelope::Envelope::from_cbor(&stored).unwrap();
+            let plain =
+                confed_enclave::envelope::open(&key, &envelope, &task, round, assignment_ref)
+                    .unwrap();
+            let update = model_values(&plain);
+            let norm = update
+                .iter()
+                .map(|v| f64::from(*v).powi(2))
+                .sum::<f64>()
+                .sqrt();
+            let clip = (1.0 / norm).min(1.0);
+            for (m, v) in mean.iter_mut().zip(&update) {
+                *m += f64::from(*v) * clip / GOAL as f64;
+            }
+            refs.push(assignment_ref.clone());
+        }
+
+        let outcome = worker.run_once().await.unwrap().expect("a job was ready");
+        assert_eq!(
+            (outcome.round, outcome.included, outcome.excluded),
+            (round, GOAL as u64, 0)
+        );
+
+        let states = rounds(&system, &token, &task).await;
+        assert_eq!(
+            states[round as usize - 1]["state"],
+            "COMPLETED",
+            "{states:?}"
+        );
+        let before = get(
+            &system,
+            &token,
+            &format!("/v1/tasks/{task}/models/{}", round - 1),
+        )
+        .await;
+        let after = get(&system, &token, &format!("/v1/tasks/{task}/models/{round}")).await;
+        assert_eq!(after.status(), 200);
+        let (before, after) = (
+            model_values(&before.bytes().await.unwrap()),
+            model_values(&after.bytes().await.unwrap()),
+        );
+
+        let releases = system.db.releases_of_task(&task).await.unwrap();
+        assert_eq!(releases.len(), round as usize);
+        let manifest: Manifest =
+            serde_json::from_str(&releases[round as usize - 1].manifest_json).unwrap();
+        refs.sort();
+        assert_eq!(manifest.included, GOAL as u64);
+        assert_eq!(
+            manifest.included_digest,
+            confed_enclave::aggregate::digest(&refs)
+        );
+        assert!(manifest.excluded.is_empty());
+        assert!(manifest.privacy.epsilon_spent <= 50.0);
+
+        // The model moved by learning rate 1 x (the devices' clipped mean + noise of the
+        // recorded size), and in the devices' direction.
+        let moved: Vec<f64> = after
+            .iter()
+            .zip(&before)
+            .map(|(a, b)| f64::from(a - b))
+            .collect();
+        let off: f64 = moved
+            .iter()
+            .zip(&mean)
+            .map(|(m, t)| (m - t).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let expected_noise = manifest.noise.stddev_average * (68f64).sqrt();
+        assert!(
+            off < 2.0 * expected_noise + 1e-3,
+            "off by {off}, noise ~{expected_noise}"
+        );
+        let dot: f64 = moved.iter().zip(&mean).map(|(m, t)| m * t).sum();
+        assert!(dot > 0.0, "the model moved against the devices' updates");
+    }
+    let task_state: Value = get(&system, &token, &format!("/v1/tasks/{task}"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(task_state["state"], "COMPLETED");
+    assert!(worker.run_once().await.unwrap().is_none());
+    system.shutdown().await;
+}
+
+/// A worker that dies after writing its release to the blob store and before the database
+/// commit: it reports nothing (a dead process cannot), and keeps what it staged.
+struct DiesBeforeCommit {
+    inner: Arc<confed::aggregation::TaskDbJobStore>,
+    staged: std::sync::Mutex<Option<Vec<u8>>>,
+}
+
+impl JobStore for DiesBeforeCommit {
+    async fn lease(&self, worker: &str, lease: Duration) -> Result<Option<JobSpec>, StoreError> {
+        self.inner.lease(worker, lease).await
+    }
+    async fn renew(&self, job_id: &str, worker: &str, lease: Duration) -> Result<(), StoreError> {
+        self.inner.renew(job_id, worker, lease).await
+    }
+    async fn fetch(&self, blob_key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.inner.fetch(blob_key).await
+    }
+    async fn commit_release(
+        &self,
+        job: &JobSpec,
+        _: &str,
+        release: StagedRelease<'_>,
+    ) -> Result<(), StoreError> {
+        self.inner
+            .stage_release(
+                job,
+                StagedRelease {
+                    average: release.average,
+                    manifest: release.manifest,
+                },
+            )
+            .await?;
+        *self.staged.lock().unwrap() = Some(release.average.to_vec());
+        Err(StoreError::Backend(
+            "killed between noising and commit".into(),
+        ))
+    }
+    async fn commit_model(&self, _: &JobSpec, _: &str, _: &[u8]) -> Result<(), StoreError> {
+        unreachable!("the worker died before")
+    }
+    async fn fail(&self, _: &JobSpec, _: &str, _: &str, _: bool) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_between_noising_and_commit_leads_to_one_identical_release() {
+    let clock = now_clock();
+    let (system, _dir) = start(clock.clone()).await;
+    let (token, task) = open_task(&system, "crash", 8.0).await;
+    collect(&system, "crash", 1, false).await;
+
+    let dying = Arc::new(DiesBeforeCommit {
+        inner: system.store.clone(),
+        staged: Default::default(),
+    });
+    let doomed = confed_enclave::worker::Worker::new(dying.clone(), system.worker_config("doomed"));
+    assert!(doomed.run_once().await.is_err());
+    let staged = dying.staged.lock().unwrap().clone();
+    assert!(
+        staged.is_some(),
+        "the doomed worker got as far as staging its release"
+    );
+
+    // Its lease still holds: nobody else may take the job yet.
+    let rescuer = system.worker("rescuer");
+    assert!(rescuer.run_once().await.unwrap().is_none());
+    clock.advance(Duration::from_secs(61));
+    let outcome = rescuer
+        .run_once()
+        .await
+        .unwrap()
+        .expect("the job after the lease expired");
+    assert_eq!(outcome.round, 1);
+
+    let releases = system.db.releases_of_task(&task).await.unwrap();
+    assert_eq!(releases.len(), 1);
+    let blob = std::fs::read(
+        _dir.path()
+            .join("data/blobs")
+            .join(&releases[0].average_key),
+    )
+    .unwrap();
+    assert_eq!(
+        Some(blob),
+        staged,
+        "the retry must release the bytes the dead worker noised"
+    );
+    let states = rounds(&system, &token, &task).await;
+    assert_eq!(states[0]["state"], "COMPLETED");
+    system.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_workers_job_is_taken_over_and_released_once() {
+    let clock = now_clock();
+    let (system, _dir) = start(clock.clone()).await;
+    let (token, task) = open_task(&system, "stall", 8.0).await;
+    collect(&system, "stall", 2, false).await;
+
+    // Worker A leases the job and stalls.
+    let stalled: JobSpec = system
+        .store
+        .lease("stalled", Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("a job");
+    clock.advance(Duration::from_secs(61));
+    let outcome = system
+        .worker("B")
+        .run_once()
+        .await
+        .unwrap()
+        .expect("taken over");
+    assert_eq!(outcome.round, 1);
+
+    // A wakes up: everything it tries is refused.
+    assert!(matches!(
+        system
+            .store
+            .renew(&stalled.job_id, "stalled", Duration::from_secs(60))
+            .await,
+        Err(StoreError::LeaseLost)
+    ));
+    let manifest: Manifest =
+        serde_json::from_str(&system.db.releases_of_task(&task).await.unwrap()[0].manifest_json)
+            .unwrap();
+    let other = vec![0u8; 8];
+    assert!(matches!(
+        system
+            .store
+            .commit_release(
+                &stalled,
+                "stalled",
+                StagedRelease {
+                    average: &other,
+                    manifest: &manifest
+                }
+            )
+            .await,
+        Err(StoreError::LeaseLost) | Err(StoreError::Conflict(_))
+    ));
+    assert_eq!(system.db.releases_of_task(&task).await.unwrap().len(), 1);
+    let states = rounds(&system, &token, &task).await;
+    assert_eq!(states[0]["state"], "COMPLETED");
+    assert_eq!(states[1]["state"], "COLLECTING");
+    system.shutdown().await;
+}
