@@ -104,6 +104,7 @@ async fn main() {
             idle_limit: 3,
             client_version: "1.0.0".into(),
             progress: false,
+            bars: None,
         })
         .await
         .unwrap();

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde_json::{Value, json};
 use thiserror::Error;
 
@@ -120,7 +121,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         options.delta,
         options.clip_norm
     );
-    let held_out = Synthetic::new(16, 4, options.seed).test_set(2000);
+    let held_out = Synthetic::standard(options.seed).test_set(2000);
     let model_accuracy = |bytes: &[u8]| {
         Softmax::from_safetensors(bytes)
             .map(|m| m.accuracy(&held_out))
@@ -128,9 +129,30 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
     };
     let mut accuracy = vec![model_accuracy(&simulate::initial_model(options.seed))?];
     println!(
-        "round 0: accuracy {:.1}% (4 classes: chance is 25%)",
+        "round 0: accuracy {:.1}% (10 classes: chance is 10%)",
         accuracy[0] * 100.0
     );
+    let bars = MultiProgress::new();
+    if !options.progress {
+        bars.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let rounds_bar = bars.add(
+        ProgressBar::new(u64::from(options.rounds)).with_style(
+            ProgressStyle::with_template("{prefix:>14} [{bar:40}] {pos}/{len} {msg}")
+                .expect("static template")
+                .progress_chars("=> "),
+        ),
+    );
+    rounds_bar.set_prefix("rounds");
+    rounds_bar.set_message(format!("privacy spent: epsilon 0 of {}", options.epsilon));
+    // Lines go above the bars on a terminal, plainly otherwise.
+    let say = |line: String| {
+        if options.progress {
+            bars.suspend(|| println!("{line}"));
+        } else {
+            println!("{line}");
+        }
+    };
     let mut epsilon_spent = 0.0;
     for round in 1..=options.rounds {
         // Each round draws the next `report_goal` devices of the population, round-robin.
@@ -151,6 +173,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
             idle_limit: 600,
             client_version: "1.0.0".into(),
             progress: options.progress,
+            bars: Some(bars.clone()),
         })
         .await
         .map_err(|e| DemoError::Devices(e.to_string()))?;
@@ -166,15 +189,21 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
             .map_err(|e| DemoError::Setup(e.to_string()))?;
         let release = releases.last().ok_or_else(|| api("no release recorded"))?;
         epsilon_spent = release.epsilon_spent;
-        println!(
+        say(format!(
             "round {round}: {} contributions aggregated ({} excluded), privacy spent epsilon {:.2} of {}, accuracy {:.1}%",
             release.included,
             release.excluded,
             epsilon_spent,
             options.epsilon,
             accuracy[round as usize] * 100.0
-        );
+        ));
+        rounds_bar.inc(1);
+        rounds_bar.set_message(format!(
+            "privacy spent: epsilon {epsilon_spent:.2} of {}",
+            options.epsilon
+        ));
     }
+    rounds_bar.finish_and_clear();
     system.shutdown().await;
     let elapsed = started.elapsed();
     println!(

@@ -268,12 +268,17 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> Result<()> {
     let cli = Cli::parse();
+    // The demo reports its own progress; its components' info logs would bury it.
+    let default_filter = match cli.command {
+        Command::Demo(_) => "warn",
+        _ => "info,sqlx=warn",
+    };
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,sqlx=warn".into()),
+                .unwrap_or_else(|_| default_filter.into()),
         )
         .init();
     // One crypto backend for rustls, chosen explicitly (see docs/architecture.md).
@@ -553,6 +558,7 @@ async fn devices(command: DevicesCommand) -> Result<()> {
                 idle_limit,
                 client_version,
                 progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+                bars: None,
             })
             .await?;
             summary.print();

@@ -89,6 +89,7 @@ async fn collect(system: &EmbeddedSystem, population: &str, seed: u64, train: bo
         idle_limit: 20,
         client_version: "1.0.0".into(),
         progress: false,
+        bars: None,
     })
     .await
     .unwrap();
@@ -157,7 +158,8 @@ async fn three_rounds_complete_with_consistent_manifests_and_a_model_that_follow
             .await
             .unwrap();
         assert_eq!(contributions.len(), GOAL);
-        let mut mean = vec![0f64; 68];
+        let params = model_values(&simulate::initial_model(7)).len();
+        let mut mean = vec![0f64; params];
         let mut refs = Vec::new();
         for (assignment_ref, blob_key) in &contributions {
             let stored = system.store.fetch(blob_key).await.unwrap().unwrap();
@@ -229,7 +231,7 @@ async fn three_rounds_complete_with_consistent_manifests_and_a_model_that_follow
             .map(|(m, t)| (m - t).powi(2))
             .sum::<f64>()
             .sqrt();
-        let expected_noise = manifest.noise.stddev_average * (68f64).sqrt();
+        let expected_noise = manifest.noise.stddev_average * (params as f64).sqrt();
         assert!(
             off < 2.0 * expected_noise + 1e-3,
             "off by {off}, noise ~{expected_noise}"

@@ -33,6 +33,8 @@ pub struct SimulationConfig {
     pub idle_limit: usize,
     pub client_version: String,
     pub progress: bool,
+    /// Draw the bars into this group (a caller showing its own bars), else into a new one.
+    pub bars: Option<MultiProgress>,
 }
 
 /// Latencies of one kind of call.
@@ -277,7 +279,7 @@ async fn cycle(
 pub async fn run(config: SimulationConfig) -> Result<Summary, DeviceError> {
     // Fail early on a bad trust configuration, before any device starts.
     DeviceClient::new(&config.server, &config.trust)?;
-    let bars = MultiProgress::new();
+    let bars = config.bars.clone().unwrap_or_default();
     if !config.progress {
         bars.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
@@ -295,7 +297,7 @@ pub async fn run(config: SimulationConfig) -> Result<Summary, DeviceError> {
             .with_prefix("contributions"),
     );
     let shared = Arc::new(Shared {
-        task: Synthetic::new(16, 4, config.seed),
+        task: Synthetic::standard(config.seed),
         http: confed_enclave::http::client(Duration::from_secs(30)),
         verified: Default::default(),
         summary: Mutex::default(),
@@ -332,6 +334,6 @@ pub async fn run(config: SimulationConfig) -> Result<Summary, DeviceError> {
 /// The shape of the synthetic task's model: upload a zero model of this shape to run a
 /// simulation (`confed devices init-model`).
 pub fn initial_model(seed: u64) -> Vec<u8> {
-    let task = Synthetic::new(16, 4, seed);
+    let task = Synthetic::standard(seed);
     Softmax::zeros(task.classes, task.features).to_safetensors()
 }

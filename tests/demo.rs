@@ -1,0 +1,31 @@
+//! `confed demo`'s engine, smaller: the accuracy of the global model must rise well above chance
+//! with the DP noise on, and every round must spend privacy within the budget.
+
+use confed::demo::{DemoOptions, run};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_learns_well_above_chance_with_dp_noise() {
+    let dir = tempfile::tempdir().unwrap();
+    let summary = run(DemoOptions {
+        devices: 120,
+        rounds: 3,
+        report_goal: 40,
+        epsilon: 8.0,
+        delta: 1e-6,
+        clip_norm: 1.0,
+        seed: 7,
+        data_dir: dir.path().join("demo"),
+        progress: false,
+    })
+    .await
+    .unwrap();
+    assert_eq!(summary.accuracy.len(), 4);
+    let chance = 0.1;
+    assert!((summary.accuracy[0] - chance).abs() < 0.05);
+    assert!(
+        *summary.accuracy.last().unwrap() > 3.0 * chance,
+        "accuracy by round: {:?}",
+        summary.accuracy
+    );
+    assert!(summary.epsilon_spent <= 8.0 && summary.epsilon_spent > 7.9);
+}
