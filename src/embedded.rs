@@ -215,6 +215,7 @@ impl EmbeddedSystem {
             attester: self.attester.clone(),
             key_timeout: Duration::from_secs(10),
             batch: 256,
+            batch_bytes: 16 << 20,
         }
     }
 

@@ -235,6 +235,29 @@ pub fn open_with(
     }
 }
 
+/// `open_with` into a caller's buffer (cleared first): the aggregator reuses one buffer per
+/// thread instead of allocating (and page-faulting) a new one per contribution.
+pub fn open_into(
+    recipient: &Recipient,
+    envelope: &Envelope,
+    task_id: &str,
+    round: u64,
+    assignment_ref: &str,
+    out: &mut Vec<u8>,
+) -> Result<(), EnvelopeError> {
+    let info = info(&envelope.key_id);
+    let aad = aad(task_id, round, assignment_ref);
+    recipient.open_into(
+        &envelope.encapsulated_key,
+        &info,
+        &aad,
+        &envelope.ciphertext,
+        envelope.chunk.map(|c| c as usize),
+        out,
+    )?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

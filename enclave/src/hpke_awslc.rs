@@ -119,6 +119,32 @@ impl Recipient {
         Ok(())
     }
 
+    /// Opens a one-piece (`chunk` None) or chunked ciphertext into `out` (cleared first), with no
+    /// copy besides the decryption itself: the enclave's hot path.
+    pub fn open_into(
+        &self,
+        encapsulated_key: &[u8],
+        info: &[u8],
+        aad: &[u8],
+        ciphertext: &[u8],
+        chunk: Option<usize>,
+        out: &mut Vec<u8>,
+    ) -> Result<(), HpkeError> {
+        out.clear();
+        let mut context = self.context(encapsulated_key, info)?;
+        let Some(chunk) = chunk else {
+            return context.open_append(aad, ciphertext, out);
+        };
+        let parts = crate::hpke::split_chunks(ciphertext, chunk).ok_or(HpkeError::Open)?;
+        out.reserve(ciphertext.len());
+        for (index, part) in parts.iter().enumerate() {
+            let last = index + 1 == parts.len();
+            let index = u32::try_from(index).map_err(|_| HpkeError::Open)?;
+            context.open_append(&crate::hpke::chunk_aad(aad, index, last), part, out)?;
+        }
+        Ok(())
+    }
+
     /// Single-shot open, the same as `hpke::open`.
     pub fn open(
         &self,
@@ -132,6 +158,42 @@ impl Recipient {
 }
 
 impl OpenContext {
+    /// Opens the next ciphertext of the sequence and appends its plaintext to `out`, without
+    /// an intermediate buffer. On failure `out` keeps its length (AWS-LC may have written into
+    /// its spare capacity, which the caller wipes with the buffer).
+    pub fn open_append(
+        &mut self,
+        aad: &[u8],
+        ciphertext: &[u8],
+        out: &mut Vec<u8>,
+    ) -> Result<(), HpkeError> {
+        out.reserve(ciphertext.len());
+        let start = out.len();
+        let room = out.capacity() - start;
+        let mut written = 0usize;
+        // SAFETY: `out` has `room >= ciphertext.len()` bytes of spare capacity after `start`,
+        // which bounds the plaintext; AWS-LC writes at most `max_out_len = room` bytes there and
+        // reports how many in `written`; only those bytes become part of `out`.
+        let ok = unsafe {
+            lc::EVP_HPKE_CTX_open(
+                self.ctx,
+                out.as_mut_ptr().add(start),
+                &mut written,
+                room,
+                ciphertext.as_ptr(),
+                ciphertext.len(),
+                aad.as_ptr(),
+                aad.len(),
+            )
+        };
+        if ok != 1 || written > room {
+            return Err(HpkeError::Open);
+        }
+        // SAFETY: AWS-LC initialised `written <= room` bytes after `start`.
+        unsafe { out.set_len(start + written) };
+        Ok(())
+    }
+
     /// Opens the next ciphertext of the sequence (the context's sequence number advances).
     pub fn open(&mut self, aad: &[u8], ciphertext: &[u8]) -> Result<Zeroizing<Vec<u8>>, HpkeError> {
         let mut out = Zeroizing::new(vec![0u8; ciphertext.len()]);
@@ -177,6 +239,11 @@ mod tests {
                     .as_slice(),
                 plaintext.as_slice()
             );
+            let mut into = Vec::new();
+            recipient
+                .open_into(&enc, b"info", b"aad", &ct, None, &mut into)
+                .unwrap();
+            assert_eq!(into, plaintext);
             assert_eq!(
                 recipient.open(&enc, b"info", b"other", &ct),
                 Err(HpkeError::Open)
@@ -194,6 +261,16 @@ mod tests {
                 .open_chunks(&enc, b"i", b"a", &ct, 4096, |p| opened.extend_from_slice(p))
                 .unwrap();
             assert_eq!(opened, plaintext);
+            let mut into = vec![9u8; 3];
+            recipient
+                .open_into(&enc, b"i", b"a", &ct, Some(4096), &mut into)
+                .unwrap();
+            assert_eq!(into, plaintext);
+            assert!(
+                recipient
+                    .open_into(&enc, b"i", b"b", &ct, Some(4096), &mut into)
+                    .is_err()
+            );
             assert!(
                 recipient
                     .open_chunks(&enc, b"i", b"a", &ct[..ct.len() - 1], 4096, |_| {})

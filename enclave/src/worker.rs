@@ -147,8 +147,10 @@ pub struct WorkerConfig {
     pub threshold: u16,
     pub attester: Arc<dyn Attester>,
     pub key_timeout: Duration,
-    /// Contributions fetched and opened per batch (across all cores).
+    /// Contributions fetched and opened per batch (across all cores), at most ...
     pub batch: usize,
+    /// ... and bytes of ciphertext per batch, at most (a batch ends at whichever comes first).
+    pub batch_bytes: usize,
 }
 
 /// What one job came to.
@@ -269,18 +271,36 @@ impl<S: JobStore + 'static> Worker<S> {
             schema,
             &private_key,
         )?);
-        for refs in job.contributions.chunks(self.config.batch.max(1)) {
-            let mut batch = Vec::with_capacity(refs.len());
-            for (assignment_ref, blob_key) in refs {
-                batch.push((assignment_ref.clone(), self.store.fetch(blob_key).await?));
+        // One batch is opened (on all cores) while the next is fetched: at most two batches of
+        // ciphertext in memory, whatever the round's size.
+        let mut refs = job.contributions.iter();
+        let mut opening: Option<tokio::task::JoinHandle<()>> = None;
+        loop {
+            let mut batch = Vec::new();
+            let mut bytes = 0usize;
+            for (assignment_ref, blob_key) in refs.by_ref() {
+                let stored = self.store.fetch(blob_key).await?;
+                bytes += stored.as_ref().map_or(0, Vec::len);
+                batch.push((assignment_ref.clone(), stored));
+                if batch.len() >= self.config.batch.max(1) || bytes >= self.config.batch_bytes {
+                    break;
+                }
+            }
+            if let Some(previous) = opening.take() {
+                previous
+                    .await
+                    .map_err(|e| JobError::Thread(e.to_string()))?;
+                self.store
+                    .renew(&job.job_id, &self.config.id, self.config.lease)
+                    .await?;
+            }
+            if batch.is_empty() {
+                break;
             }
             let shared = Arc::clone(&aggregator);
-            tokio::task::spawn_blocking(move || shared.add_batch(&batch))
-                .await
-                .map_err(|e| JobError::Thread(e.to_string()))?;
-            self.store
-                .renew(&job.job_id, &self.config.id, self.config.lease)
-                .await?;
+            opening = Some(tokio::task::spawn_blocking(move || {
+                shared.add_batch(&batch)
+            }));
         }
         let aggregator = Arc::try_unwrap(aggregator)
             .map_err(|_| JobError::Thread("aggregator still shared".into()))?;

@@ -4,7 +4,6 @@
 
 use safetensors::{Dtype, SafeTensors};
 use serde::Serialize;
-use zeroize::Zeroizing;
 
 use crate::envelope::{self, Envelope};
 use crate::hpke_awslc::Recipient;
@@ -68,39 +67,37 @@ pub struct Binding {
     pub key_id: String,
 }
 
-/// Decrypts a stored envelope for `assignment_ref`.
+/// Decrypts a stored envelope for `assignment_ref` into `plaintext` (cleared first).
 pub fn open(
     recipient: &Recipient,
     binding: &Binding,
     assignment_ref: &str,
     stored: &[u8],
-) -> Result<Zeroizing<Vec<u8>>, Exclusion> {
+    plaintext: &mut Vec<u8>,
+) -> Result<(), Exclusion> {
     let envelope = Envelope::from_cbor(stored).map_err(|_| Exclusion::MalformedEnvelope)?;
     if envelope.key_id != binding.key_id {
         return Err(Exclusion::WrongKey);
     }
-    envelope::open_with(
+    envelope::open_into(
         recipient,
         &envelope,
         &binding.task_id,
         binding.round,
         assignment_ref,
+        plaintext,
     )
     .map_err(|_| Exclusion::DecryptionFailed)
 }
 
-/// The f32 data of each model tensor, in the schema's (name) order, as little-endian bytes.
-/// Returns the squared L2 norm over all tensors, computed in f64.
-pub fn tensors<'a>(
-    schema: &ModelSchema,
-    plaintext: &'a [u8],
-) -> Result<(Vec<&'a [u8]>, f64), Exclusion> {
+/// The f32 data of each model tensor, in the schema's (name) order, as little-endian bytes,
+/// after checking names, shapes and dtype. Finiteness is checked while summing (one pass).
+pub fn tensors<'a>(schema: &ModelSchema, plaintext: &'a [u8]) -> Result<Vec<&'a [u8]>, Exclusion> {
     let parsed = SafeTensors::deserialize(plaintext).map_err(|_| Exclusion::NotSafetensors)?;
     if parsed.len() != schema.tensors().len() {
         return Err(Exclusion::WrongTensors);
     }
     let mut data = Vec::with_capacity(schema.tensors().len());
-    let mut norm_squared = 0.0f64;
     for spec in schema.tensors() {
         let view = parsed
             .tensor(&spec.name)
@@ -111,30 +108,7 @@ pub fn tensors<'a>(
         if view.shape() != spec.shape.as_slice() {
             return Err(Exclusion::WrongTensors);
         }
-        norm_squared += squared_norm(view.data());
         data.push(view.data());
     }
-    // Any NaN or infinity makes the sum of squares non-finite; f32 squares cannot overflow f64.
-    if !norm_squared.is_finite() {
-        return Err(Exclusion::NonFinite);
-    }
-    Ok((data, norm_squared))
-}
-
-/// Sum of squares of little-endian f32 values, in f64, in four lanes so it vectorizes.
-fn squared_norm(bytes: &[u8]) -> f64 {
-    let mut lanes = [0.0f64; 4];
-    let mut quads = bytes.chunks_exact(16);
-    for quad in &mut quads {
-        for (lane, value) in lanes.iter_mut().zip(quad.chunks_exact(4)) {
-            let v = f64::from(f32::from_le_bytes([value[0], value[1], value[2], value[3]]));
-            *lane += v * v;
-        }
-    }
-    let mut total: f64 = lanes.iter().sum();
-    for value in quads.remainder().chunks_exact(4) {
-        let v = f64::from(f32::from_le_bytes([value[0], value[1], value[2], value[3]]));
-        total += v * v;
-    }
-    total
+    Ok(data)
 }

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 use thiserror::Error;
+use zeroize::Zeroizing;
 
 use crate::dp::{self, DiscreteGaussian, DpError, grid};
 use crate::hpke::PrivateKey;
@@ -56,6 +57,7 @@ pub struct Aggregator {
     sum: Accumulator,
     outcome: Mutex<Outcome>,
     next_start: AtomicUsize,
+    buffers: Mutex<Vec<Zeroizing<Vec<u8>>>>,
 }
 
 #[derive(Default)]
@@ -91,6 +93,7 @@ impl Aggregator {
             sum,
             outcome: Mutex::default(),
             next_start: AtomicUsize::new(0),
+            buffers: Mutex::default(),
         })
     }
 
@@ -108,12 +111,40 @@ impl Aggregator {
 
     fn try_add(&self, assignment_ref: &str, stored: Option<&[u8]>) -> Result<(), Exclusion> {
         let stored = stored.ok_or(Exclusion::Missing)?;
-        let plaintext = contribution::open(&self.recipient, &self.binding, assignment_ref, stored)?;
-        let (tensors, norm_squared) = contribution::tensors(&self.schema, &plaintext)?;
+        // A plaintext buffer from the pool: reused across contributions (no allocation and page
+        // faults per contribution), wiped when the aggregator is dropped.
+        let mut plaintext = self
+            .buffers
+            .lock()
+            .expect("plaintext buffers")
+            .pop()
+            .unwrap_or_default();
+        let outcome = self.add_plaintext(assignment_ref, stored, &mut plaintext);
+        self.buffers
+            .lock()
+            .expect("plaintext buffers")
+            .push(plaintext);
+        outcome
+    }
+
+    fn add_plaintext(
+        &self,
+        assignment_ref: &str,
+        stored: &[u8],
+        plaintext: &mut Vec<u8>,
+    ) -> Result<(), Exclusion> {
+        contribution::open(
+            &self.recipient,
+            &self.binding,
+            assignment_ref,
+            stored,
+            plaintext,
+        )?;
+        let tensors = contribution::tensors(&self.schema, plaintext)?;
         let start = self.next_start.fetch_add(1, Ordering::Relaxed);
         self.sum
-            .add_clipped(&tensors, norm_squared, self.clip_norm, start);
-        Ok(())
+            .add_clipped(&tensors, self.clip_norm, start)
+            .map_err(|accumulator::NonFinite| Exclusion::NonFinite)
     }
 
     /// Adds a batch across all cores.

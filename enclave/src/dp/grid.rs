@@ -4,8 +4,9 @@
 //! discrete Gaussian on the same integers, sampled exactly.
 //!
 //! Sensitivity stays exactly `GRID_UNITS_PER_CLIP`: after rounding, the enclave checks the
-//! integer norm (`sum of squares <= GRID_UNITS_PER_CLIP^2`, exact in u128) and shrinks the update
-//! until it holds, so float rounding can never add privacy loss.
+//! integer norm (`sum of squares <= GRID_UNITS_PER_CLIP^2`, computed exactly: every term is an
+//! integer below 2^35 and every partial sum that matters below 2^53) and shrinks the update until
+//! it holds, so float rounding can never add privacy loss (`aggregate::accumulator`).
 
 /// Grid units per clip norm: 2^16. The rounding error per coordinate (half a unit, C / 2^17) is
 /// far below any usable noise (at least C / 2^5 per coordinate of the sum).
@@ -15,20 +16,10 @@ pub const GRID_UNITS_PER_CLIP: i64 = 1 << 16;
 /// intermediate products then stay within u128.
 pub const MAX_SCALE_GRID: u64 = 1 << 30;
 
-/// Squared sensitivity in grid units.
-pub const SENSITIVITY_SQUARED: u128 = (GRID_UNITS_PER_CLIP as u128) * (GRID_UNITS_PER_CLIP as u128);
-
 /// Grid units per unit of update value, for an update clipped by factor `clip_factor` (<= 1) at
 /// clip norm `clip_norm`.
 pub fn units_per_value(clip_norm: f64, clip_factor: f64) -> f64 {
     GRID_UNITS_PER_CLIP as f64 / clip_norm * clip_factor
-}
-
-/// One value on the grid: round to nearest (ties to even), saturating far outside any clipped
-/// range (a clipped value is at most `GRID_UNITS_PER_CLIP` in magnitude).
-#[inline(always)]
-pub fn quantize(value: f32, units_per_value: f64) -> i64 {
-    (f64::from(value) * units_per_value).round_ties_even() as i64
 }
 
 /// Converts a noised grid sum back to an average update value.

@@ -1,0 +1,290 @@
+//! Aggregation throughput (criterion): 1 KB and 1 MB contributions on 1 and 2 threads, against
+//! the bound (ring's AES-128-GCM opening the same number of bytes plus the f32 -> f64 sum, no key
+//! encapsulation, no validation, no clipping), and the noise sampler. After criterion's figures a
+//! summary prints contributions/s, GB/s of ciphertext, the ratio to the bound, the 1 -> 2 thread
+//! speed-up, noise coordinates/s, and peak memory while streaming many 1 MB contributions.
+//!
+//! `cargo bench -p confed-enclave --bench aggregation`
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use confed_enclave::aggregate::{Aggregator, Binding, PrivacyParams, noise};
+use confed_enclave::dp::{DiscreteGaussian, grid};
+use confed_enclave::envelope;
+use confed_enclave::hpke::{PrivateKey, PublicKey, generate_keypair};
+use confed_enclave::model::{ModelSchema, encode_f32_tensors, validate_model};
+use criterion::{Criterion, Throughput};
+use ring::aead::{AES_128_GCM, Aad, LessSafeKey, Nonce, UnboundKey};
+
+const TASK: &str = "bench-task";
+const KEY: &str = "bench-key";
+
+struct Fixture {
+    private: PrivateKey,
+    schema: ModelSchema,
+    contributions: Vec<(String, Option<Vec<u8>>)>,
+    /// Raw AES-GCM ciphertexts of the same plaintexts, for the bound.
+    raw: Vec<Vec<u8>>,
+    ciphertext_bytes: usize,
+}
+
+fn values(params: usize, seed: u32) -> Vec<f32> {
+    (0..params)
+        .map(|i| ((i as u32).wrapping_mul(2_654_435_761) ^ seed) as f32 / u32::MAX as f32 - 0.5)
+        .map(|v| v * 1e-3)
+        .collect()
+}
+
+fn update(params: usize, seed: u32) -> Vec<u8> {
+    encode_f32_tensors(&[("w", vec![params], &values(params, seed))]).unwrap()
+}
+
+fn seal(public: &PublicKey, index: usize, plaintext: &[u8]) -> (String, Vec<u8>) {
+    let id = format!("assignment-{index}");
+    let sealed = envelope::seal(public, KEY, TASK, 1, &id, plaintext).unwrap();
+    (envelope::assignment_ref(&id), sealed.to_cbor())
+}
+
+fn raw_key() -> LessSafeKey {
+    LessSafeKey::new(UnboundKey::new(&AES_128_GCM, &[7u8; 16]).unwrap())
+}
+
+fn fixture(params: usize, count: usize) -> Fixture {
+    let (private, public) = generate_keypair();
+    let schema = validate_model(&update(params, 0)).unwrap();
+    let key = raw_key();
+    let mut contributions = Vec::with_capacity(count);
+    let mut raw = Vec::with_capacity(count);
+    let mut ciphertext_bytes = 0;
+    for i in 0..count {
+        let plaintext = update(params, i as u32);
+        let (id, bytes) = seal(&public, i, &plaintext);
+        ciphertext_bytes += bytes.len();
+        contributions.push((id, Some(bytes)));
+        let mut sealed = plaintext;
+        key.seal_in_place_append_tag(
+            Nonce::assume_unique_for_key([0; 12]),
+            Aad::empty(),
+            &mut sealed,
+        )
+        .unwrap();
+        raw.push(sealed);
+    }
+    Fixture {
+        private,
+        schema,
+        contributions,
+        raw,
+        ciphertext_bytes,
+    }
+}
+
+fn binding() -> Binding {
+    Binding {
+        task_id: TASK.into(),
+        round: 1,
+        key_id: KEY.into(),
+    }
+}
+
+fn pool(threads: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap()
+}
+
+/// Opens, checks, clips and sums every contribution (no noise: that is measured apart).
+fn aggregate(f: &Fixture, pool: &rayon::ThreadPool) {
+    let agg = Aggregator::new(binding(), 1.0, f.schema.clone(), &f.private).unwrap();
+    pool.install(|| agg.add_batch(&f.contributions));
+    assert_eq!(agg.counts(), (f.contributions.len(), 0));
+    black_box(agg);
+}
+
+/// The bound: raw AES-128-GCM open of the same plaintexts plus the f32 -> f64 sum, one thread.
+fn bound(f: &Fixture, sum: &mut [f64]) {
+    let key = raw_key();
+    let mut buffer = Vec::new();
+    for sealed in &f.raw {
+        buffer.clear();
+        buffer.extend_from_slice(sealed);
+        let plain = key
+            .open_in_place(
+                Nonce::assume_unique_for_key([0; 12]),
+                Aad::empty(),
+                &mut buffer,
+            )
+            .unwrap();
+        // Skip the safetensors header: sum the tensor bytes.
+        let data = &plain[plain.len() - sum.len() * 4..];
+        for (s, v) in sum.iter_mut().zip(data.chunks_exact(4)) {
+            *s += f64::from(f32::from_le_bytes([v[0], v[1], v[2], v[3]]));
+        }
+    }
+    black_box(sum);
+}
+
+fn time(mut run: impl FnMut(), repeats: usize) -> Duration {
+    run(); // warm-up
+    let mut best = Duration::MAX;
+    for _ in 0..repeats {
+        let started = Instant::now();
+        run();
+        best = best.min(started.elapsed());
+    }
+    best
+}
+
+fn bench_size(c: &mut Criterion, label: &str, f: &Fixture, params: usize) {
+    let mut group = c.benchmark_group(format!("aggregate_{label}"));
+    group
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(4));
+    group.throughput(Throughput::Bytes(f.ciphertext_bytes as u64));
+    for threads in [1, 2] {
+        let p = pool(threads);
+        group.bench_function(format!("{threads}_threads"), |b| {
+            b.iter(|| aggregate(f, &p))
+        });
+    }
+    let mut sum = vec![0f64; params];
+    group.bench_function("bound_aes128gcm_plus_sum_1_thread", |b| {
+        b.iter(|| bound(f, &mut sum))
+    });
+    group.finish();
+}
+
+fn noise_scale() -> DiscreteGaussian {
+    // epsilon 1, delta 1e-6, 10 rounds: about 14 clip norms per round.
+    DiscreteGaussian::at_least(14.3 * grid::GRID_UNITS_PER_CLIP as f64).unwrap()
+}
+
+fn bench_noise(c: &mut Criterion) {
+    let mut group = c.benchmark_group("noise");
+    group
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(4));
+    let n = 1 << 20;
+    group.throughput(Throughput::Elements(n as u64));
+    let g = noise_scale();
+    for threads in [1, 2] {
+        let p = pool(threads);
+        group.bench_function(format!("discrete_gaussian_{threads}_threads"), |b| {
+            b.iter(|| p.install(|| black_box(noise::samples(n, &g, &[3; 32]))))
+        });
+    }
+    group.finish();
+}
+
+fn peak_rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap_or(0)
+        * 1024
+}
+
+fn reset_peak_rss() {
+    // Linux: writing 5 to clear_refs resets VmHWM to the current RSS.
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// Streams `count` 1 MB contributions (sealed on the fly, two at a time: one per thread)
+/// through one aggregator and returns the peak RSS growth over the start. The growth is the
+/// aggregator's sum (8 bytes per parameter) and per-thread buffers plus the two ciphertexts in
+/// hand; it must not depend on `count`.
+fn streaming_peak(count: usize, params: usize) -> u64 {
+    let (private, public) = generate_keypair();
+    let schema = validate_model(&update(params, 0)).unwrap();
+    let plaintext = update(params, 1);
+    reset_peak_rss();
+    let start = peak_rss_bytes();
+    let agg = Aggregator::new(binding(), 1.0, schema, &private).unwrap();
+    for first in (0..count).step_by(2) {
+        let batch: Vec<_> = (first..(first + 2).min(count))
+            .map(|i| {
+                let (id, bytes) = seal(&public, i, &plaintext);
+                (id, Some(bytes))
+            })
+            .collect();
+        agg.add_batch(&batch);
+    }
+    let release = agg
+        .finish(
+            &private,
+            1,
+            PrivacyParams {
+                epsilon: 4.0,
+                delta: 1e-6,
+                clip_norm: 1.0,
+                rounds: 1,
+            },
+        )
+        .unwrap();
+    black_box(release);
+    peak_rss_bytes().saturating_sub(start)
+}
+
+fn summary(small: &Fixture, large: &Fixture, large_params: usize) {
+    println!("\n== aggregation summary (best of 5) ==");
+    for (label, f, params) in [("1 KB", small, 256), ("1 MB", large, large_params)] {
+        let n = f.contributions.len() as f64;
+        let gb = f.ciphertext_bytes as f64 / 1e9;
+        let one = time(|| aggregate(f, &pool(1)), 5).as_secs_f64();
+        let two = time(|| aggregate(f, &pool(2)), 5).as_secs_f64();
+        let mut sum = vec![0f64; params];
+        let bound_s = time(|| bound(f, &mut sum), 5).as_secs_f64();
+        println!(
+            "{label}: 1 thread {:>9.0} contributions/s {:>5.2} GB/s | 2 threads {:>9.0}/s {:>5.2} GB/s (x{:.2}) | bound {:>5.2} GB/s, ratio per core {:.2}",
+            n / one,
+            gb / one,
+            n / two,
+            gb / two,
+            one / two,
+            gb / bound_s,
+            bound_s / one
+        );
+    }
+    let g = noise_scale();
+    let n = 1 << 22;
+    for threads in [1, 2] {
+        let p = pool(threads);
+        let s = time(
+            || {
+                p.install(|| {
+                    black_box(noise::samples(n, &g, &[5; 32]));
+                })
+            },
+            3,
+        )
+        .as_secs_f64();
+        println!(
+            "noise: {threads} thread(s) {:.1} million coordinates/s",
+            n as f64 / s / 1e6
+        );
+    }
+    let model_bytes = (large_params * 4) as f64 / 1e6;
+    for count in [32, 256] {
+        let peak = streaming_peak(count, large_params) as f64 / 1e6;
+        println!(
+            "memory: {count} x 1 MB contributions streamed: peak RSS +{peak:.1} MB (model {model_bytes:.1} MB, {:.1}x)",
+            peak / model_bytes
+        );
+    }
+}
+
+fn main() {
+    let small = fixture(256, 4000);
+    let large_params = (1 << 20) / 4;
+    let large = fixture(large_params, 48);
+    let mut c = Criterion::default().configure_from_args();
+    bench_size(&mut c, "1KB", &small, 256);
+    bench_size(&mut c, "1MB", &large, large_params);
+    bench_noise(&mut c);
+    c.final_summary();
+    summary(&small, &large, large_params);
+}
