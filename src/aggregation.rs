@@ -8,10 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use base64::Engine as _;
-use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use confed_enclave::aggregate::PrivacyParams;
-use confed_enclave::hpke::PublicKey;
+use confed_enclave::remote::JobWire;
 use confed_enclave::worker::{JobSpec, JobStore, StagedRelease, StoreError, Worker};
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
@@ -68,56 +65,82 @@ impl TaskDbJobStore {
     }
 
     /// The job as the enclave sees it; `Err(reason)` when the stored job cannot be run at all.
-    async fn spec(&self, context: &JobContext) -> Result<Result<JobSpec, String>, StoreError> {
-        let Some(key_id) = context.key_id.clone() else {
-            return Ok(Err("the round has no encryption key".into()));
-        };
-        let Some(key) = self.keys.key(&key_id) else {
-            return Ok(Err(format!(
-                "key {key_id} is not published by the key services"
-            )));
-        };
-        let public_key = match URL_SAFE_NO_PAD
-            .decode(&key.public_key)
-            .ok()
-            .and_then(|b| PublicKey::from_bytes(&b).ok())
-        {
-            Some(k) => k,
-            None => return Ok(Err(format!("key {key_id} has a malformed public key"))),
-        };
-        let model = self
-            .blobs
-            .get(&BlobKey::new(context.model.blob_key.clone()).map_err(backend)?)
-            .await
-            .map_err(backend)?;
-        let committed_average = match &context.release {
-            Some(release) => Some(
-                self.blobs
-                    .get(&BlobKey::new(release.average_key.clone()).map_err(backend)?)
-                    .await
-                    .map_err(backend)?,
-            ),
-            None => None,
-        };
+    fn wire(&self, context: &JobContext) -> Result<JobWire, String> {
+        let key_id = context
+            .key_id
+            .clone()
+            .ok_or("the round has no encryption key")?;
+        let key = self
+            .keys
+            .key(&key_id)
+            .ok_or_else(|| format!("key {key_id} is not published by the key services"))?;
         let spec = &context.task.spec;
-        Ok(Ok(JobSpec {
+        Ok(JobWire {
             job_id: context.round.id.clone(),
             task_id: context.task.id.clone(),
             round: context.round.round_number as u64,
             attempt: context.round.attempt as u64,
             key_id,
-            public_key,
-            privacy: PrivacyParams {
-                epsilon: spec.privacy.epsilon,
-                delta: spec.privacy.delta,
-                clip_norm: spec.privacy.clip_norm,
-                rounds: spec.rounds,
-            },
+            public_key: key.public_key,
+            epsilon: spec.privacy.epsilon,
+            delta: spec.privacy.delta,
+            clip_norm: spec.privacy.clip_norm,
+            rounds: spec.rounds,
             server_learning_rate: spec.server_learning_rate,
-            model,
+            model_key: context.model.blob_key.clone(),
             contributions: context.contributions.clone(),
-            committed_average,
-        }))
+            committed_average_key: context.release.as_ref().map(|r| r.average_key.clone()),
+        })
+    }
+
+    /// Leases the next runnable job and describes it (keys, not bytes): what both the in-process
+    /// worker and the worker API start from. A job that cannot run at all fails at once.
+    pub async fn lease_wire(
+        &self,
+        worker: &str,
+        lease: Duration,
+    ) -> Result<Option<JobWire>, StoreError> {
+        loop {
+            let Some(leased) = self
+                .db
+                .lease_job(worker, self.now(), lease.as_millis() as i64)
+                .await
+                .map_err(db_error)?
+            else {
+                return Ok(None);
+            };
+            let context = self
+                .db
+                .job_context(&leased.round_id)
+                .await
+                .map_err(db_error)?;
+            match self.wire(&context) {
+                Ok(wire) => return Ok(Some(wire)),
+                Err(reason) => {
+                    tracing::error!(round = %leased.round_id, %reason, "aggregation job cannot run");
+                    self.db
+                        .fail_job(&leased.round_id, worker, &reason, true, self.now())
+                        .await
+                        .map_err(db_error)?;
+                }
+            }
+        }
+    }
+
+    /// A model or release object (`None` when missing).
+    pub async fn blob(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let key = BlobKey::new(key.to_string()).map_err(backend)?;
+        match self.blobs.get(&key).await {
+            Ok(bytes) => Ok(Some(bytes)),
+            Err(BlobError::NotFound(_)) => Ok(None),
+            Err(e) => Err(backend(e)),
+        }
+    }
+
+    async fn required_blob(&self, key: &str) -> Result<Vec<u8>, StoreError> {
+        self.blob(key)
+            .await?
+            .ok_or_else(|| backend(format!("blob {key} is missing")))
     }
 }
 
@@ -126,10 +149,10 @@ impl TaskDbJobStore {
     /// half of `commit_release`. Public so tests can stop a worker between staging and commit.
     pub async fn stage_release(
         &self,
-        job: &JobSpec,
+        job_id: &str,
         release: StagedRelease<'_>,
     ) -> Result<NewRelease, StoreError> {
-        let context = self.db.job_context(&job.job_id).await.map_err(db_error)?;
+        let context = self.db.job_context(job_id).await.map_err(db_error)?;
         let (average_key, manifest_key) = release_keys(&context).map_err(backend)?;
         let manifest_json = serde_json::to_vec_pretty(release.manifest).map_err(backend)?;
         for (key, bytes) in [
@@ -161,29 +184,20 @@ impl TaskDbJobStore {
 
 impl JobStore for TaskDbJobStore {
     async fn lease(&self, worker: &str, lease: Duration) -> Result<Option<JobSpec>, StoreError> {
-        loop {
-            let Some(leased) = self
-                .db
-                .lease_job(worker, self.now(), lease.as_millis() as i64)
-                .await
-                .map_err(db_error)?
-            else {
-                return Ok(None);
-            };
-            let context = self
-                .db
-                .job_context(&leased.round_id)
-                .await
-                .map_err(db_error)?;
-            match self.spec(&context).await? {
-                Ok(spec) => return Ok(Some(spec)),
-                Err(reason) => {
-                    tracing::error!(round = %leased.round_id, %reason, "aggregation job cannot run");
-                    self.db
-                        .fail_job(&leased.round_id, worker, &reason, true, self.now())
-                        .await
-                        .map_err(db_error)?;
-                }
+        let Some(wire) = self.lease_wire(worker, lease).await? else {
+            return Ok(None);
+        };
+        let model = self.required_blob(&wire.model_key).await?;
+        let average = match &wire.committed_average_key {
+            Some(key) => Some(self.required_blob(key).await?),
+            None => None,
+        };
+        let job_id = wire.job_id.clone();
+        match wire.into_spec(model, average) {
+            Ok(spec) => Ok(Some(spec)),
+            Err(reason) => {
+                self.fail(&job_id, worker, &reason, true).await?;
+                Err(backend(reason))
             }
         }
     }
@@ -206,24 +220,24 @@ impl JobStore for TaskDbJobStore {
 
     async fn commit_release(
         &self,
-        job: &JobSpec,
+        job_id: &str,
         worker: &str,
         release: StagedRelease<'_>,
     ) -> Result<(), StoreError> {
-        let staged = self.stage_release(job, release).await?;
+        let staged = self.stage_release(job_id, release).await?;
         self.db
-            .commit_release(&job.job_id, worker, staged, self.now())
+            .commit_release(job_id, worker, staged, self.now())
             .await
             .map_err(db_error)
     }
 
     async fn commit_model(
         &self,
-        job: &JobSpec,
+        job_id: &str,
         worker: &str,
         model: &[u8],
     ) -> Result<(), StoreError> {
-        let context = self.db.job_context(&job.job_id).await.map_err(db_error)?;
+        let context = self.db.job_context(job_id).await.map_err(db_error)?;
         let sha = hex(&Sha256::digest(model));
         let key = BlobKey::model(
             &context.task.tenant_id,
@@ -235,7 +249,7 @@ impl JobStore for TaskDbJobStore {
         self.blobs.put(&key, model).await.map_err(backend)?;
         self.db
             .commit_model(
-                &job.job_id,
+                job_id,
                 worker,
                 NewModel {
                     blob_key: key.as_str().to_string(),
@@ -250,13 +264,13 @@ impl JobStore for TaskDbJobStore {
 
     async fn fail(
         &self,
-        job: &JobSpec,
+        job_id: &str,
         worker: &str,
         reason: &str,
         permanent: bool,
     ) -> Result<(), StoreError> {
         self.db
-            .fail_job(&job.job_id, worker, reason, permanent, self.now())
+            .fail_job(job_id, worker, reason, permanent, self.now())
             .await
             .map_err(db_error)
     }

@@ -75,6 +75,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         clock: Arc::new(SystemClock),
         background_worker: true,
         scheduler_period: Duration::from_secs(1),
+        worker_token: None,
     })
     .await
     .map_err(|e| DemoError::Setup(e.to_string()))?;

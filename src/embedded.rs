@@ -51,6 +51,8 @@ pub struct EmbeddedOptions {
     /// Run an enclave worker in the background (tests that drive workers themselves say no).
     pub background_worker: bool,
     pub scheduler_period: Duration,
+    /// Enables the worker API (`/internal/v1`) for out-of-process enclave workers.
+    pub worker_token: Option<crate::auth::AdminToken>,
 }
 
 pub struct EmbeddedSystem {
@@ -160,6 +162,7 @@ impl EmbeddedSystem {
             limits: Limits::default(),
             keys: keys.clone(),
             registry: Default::default(),
+            worker_token: options.worker_token.clone(),
         };
         let (url, handle) = serve_router(api::router(state), stop_rx.clone()).await?;
         tasks.push(handle);

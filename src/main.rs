@@ -225,6 +225,10 @@ struct ServeArgs {
     /// neither, the admin API is off).
     #[arg(long)]
     admin_token_file: Option<PathBuf>,
+    /// File holding the token `confed-enclave` worker processes present (else the
+    /// CONFED_WORKER_TOKEN environment variable; with neither, the worker API is off).
+    #[arg(long)]
+    worker_token_file: Option<PathBuf>,
     /// Largest model upload in bytes.
     #[arg(long, default_value_t = Limits::default().model_bytes)]
     max_model_bytes: usize,
@@ -297,19 +301,22 @@ fn run() -> Result<()> {
 }
 
 fn admin_token(file: Option<&PathBuf>) -> Result<Option<AdminToken>> {
+    shared_token(file, "CONFED_ADMIN_TOKEN", "admin")
+}
+
+/// A bearer secret from a file, else from the environment variable `env`; `None` with neither.
+fn shared_token(file: Option<&PathBuf>, env: &str, what: &str) -> Result<Option<AdminToken>> {
     let secret = match file {
         Some(path) => Some(
             std::fs::read_to_string(path)
-                .with_context(|| format!("reading the admin token file {}", path.display()))?,
+                .with_context(|| format!("reading the {what} token file {}", path.display()))?,
         ),
-        None => std::env::var("CONFED_ADMIN_TOKEN")
-            .ok()
-            .filter(|t| !t.is_empty()),
+        None => std::env::var(env).ok().filter(|t| !t.is_empty()),
     };
     secret
         .map(AdminToken::from_secret)
         .transpose()
-        .context("the admin token is unusable")
+        .with_context(|| format!("the {what} token is unusable"))
 }
 
 async fn demo(args: DemoArgs) -> Result<()> {
@@ -357,6 +364,11 @@ async fn serve(args: ServeArgs) -> Result<()> {
         listen: args.listen,
         tls,
         admin: admin_token(args.admin_token_file.as_ref())?,
+        worker_token: shared_token(
+            args.worker_token_file.as_ref(),
+            "CONFED_WORKER_TOKEN",
+            "worker",
+        )?,
         limits: Limits {
             model_bytes: args.max_model_bytes,
             ..Limits::default()

@@ -38,6 +38,8 @@ pub struct ServeConfig {
     pub listen: SocketAddr,
     pub tls: Option<TlsFiles>,
     pub admin: Option<AdminToken>,
+    /// Enables the worker API for `confed-enclave` processes.
+    pub worker_token: Option<AdminToken>,
     pub limits: Limits,
     pub scheduler_period: Duration,
 }
@@ -124,6 +126,7 @@ pub async fn serve(
         limits: config.limits,
         keys: keys.clone(),
         registry: Default::default(),
+        worker_token: config.worker_token.clone(),
     };
     let app = api::router(state);
 

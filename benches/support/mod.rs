@@ -35,6 +35,7 @@ pub async fn start(keys: KeyDirectory) -> BenchServer {
         limits: Limits::default(),
         keys,
         registry: Default::default(),
+        worker_token: None,
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());

@@ -87,7 +87,7 @@ pub trait JobStore: Send + Sync {
     /// Commits the round's release (AGGREGATING -> APPLYING), once.
     fn commit_release(
         &self,
-        job: &JobSpec,
+        job_id: &str,
         worker: &str,
         release: StagedRelease<'_>,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -95,14 +95,14 @@ pub trait JobStore: Send + Sync {
     /// next round or completing the task.
     fn commit_model(
         &self,
-        job: &JobSpec,
+        job_id: &str,
         worker: &str,
         model: &[u8],
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// Gives the job back: retried later, or (`permanent`) the round and task fail.
     fn fail(
         &self,
-        job: &JobSpec,
+        job_id: &str,
         worker: &str,
         reason: &str,
         permanent: bool,
@@ -191,7 +191,7 @@ impl<S: JobStore + 'static> Worker<S> {
                 tracing::warn!(task = %job.task_id, round = job.round, %error, "aggregation job failed");
                 self.store
                     .fail(
-                        &job,
+                        &job.job_id,
                         &self.config.id,
                         &error.to_string(),
                         error.is_permanent(),
@@ -217,7 +217,7 @@ impl<S: JobStore + 'static> Worker<S> {
                 let release = self.aggregate(job).await?;
                 self.store
                     .commit_release(
-                        job,
+                        &job.job_id,
                         &self.config.id,
                         StagedRelease {
                             average: &release.average,
@@ -231,7 +231,7 @@ impl<S: JobStore + 'static> Worker<S> {
         let values = updater::average_values(&schema, &average)?;
         let model = updater::apply(&job.model, &values, job.server_learning_rate)?;
         self.store
-            .commit_model(job, &self.config.id, &model)
+            .commit_model(&job.job_id, &self.config.id, &model)
             .await?;
         Ok(JobOutcome {
             task_id: job.task_id.clone(),

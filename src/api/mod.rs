@@ -9,6 +9,7 @@ pub mod extract;
 pub mod models;
 pub mod ops;
 pub mod tasks;
+pub mod workers;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -66,6 +67,8 @@ pub struct AppState {
     pub keys: KeyDirectory,
     /// Recent check-ins (soft state).
     pub registry: Arc<DeviceRegistry>,
+    /// `None` turns the worker API (`/internal/v1`) off.
+    pub worker_token: Option<AdminToken>,
 }
 
 impl AppState {
@@ -138,6 +141,7 @@ pub fn router(state: AppState) -> Router {
     let (routes, openapi) = routes_and_openapi(&state.limits);
     let openapi = Arc::new(openapi);
     routes
+        .merge(workers::router(&state.limits))
         .route(
             "/v1/openapi.json",
             axum::routing::get(move || {

@@ -2,6 +2,8 @@
 //! with a manual clock. Requests go through the full middleware stack without a socket.
 #![allow(dead_code)]
 
+pub mod system;
+
 use std::sync::Arc;
 
 use axum::Router;
@@ -17,6 +19,7 @@ use serde_json::{Value, json};
 use tower::ServiceExt;
 
 pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789abcdef0123456789";
+pub const WORKER_TOKEN: &str = "test-worker-token-0123456789abcdef012345678";
 pub const START_MILLIS: i64 = 1_800_000_000_000;
 
 pub struct TestApp {
@@ -146,6 +149,7 @@ impl TestApp {
             limits,
             keys: keys.unwrap_or_else(|| confed::keys::directory::KeyDirectory::fixed(key_sets)),
             registry: Default::default(),
+            worker_token: Some(AdminToken::from_secret(WORKER_TOKEN.to_string()).unwrap()),
         };
         Self {
             router: api::router(state),

@@ -1,0 +1,201 @@
+//! `confed-enclave`: the enclave worker as its own process, the TEE image's only program. It
+//! leases aggregation jobs from the untrusted server's worker API, attests to the key services,
+//! aggregates with DP, and commits releases and models back through the same API.
+//!
+//! Privacy-relevant limits (maximum epsilon and delta, the noise mechanism) are compiled in, so
+//! they are part of the image digest the key services' policies allow-list; the command line
+//! only says where things are.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, ValueEnum};
+use confed_attestation::{Attester, ConfidentialSpaceAttester, DevAttester};
+use confed_enclave::key_collection::KeyServiceEndpoint;
+use confed_enclave::remote::HttpJobStore;
+use confed_enclave::worker::{Worker, WorkerConfig};
+use p256::ecdsa::SigningKey;
+use p256::pkcs8::{DecodePrivateKey, EncodePrivateKey, LineEnding};
+use zeroize::Zeroizing;
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum AttesterKind {
+    /// Google Confidential Space: tokens from the launcher's socket.
+    ConfidentialSpace,
+    /// DEVELOPMENT ONLY: tokens signed by a local key that only the dev policy trusts.
+    Dev,
+}
+
+#[derive(Parser)]
+#[command(
+    name = "confed-enclave",
+    version,
+    about = "The confed enclave worker (TEE workload)"
+)]
+struct Args {
+    /// Base URL of the confed server's worker API.
+    #[arg(long, env = "CONFED_SERVER")]
+    server: String,
+    /// File holding the worker token (else CONFED_WORKER_TOKEN).
+    #[arg(long)]
+    worker_token_file: Option<PathBuf>,
+    /// A key service as ID=URL (repeat for each).
+    #[arg(long = "keyservice", required = true, value_parser = parse_keyservice)]
+    keyservices: Vec<KeyServiceEndpoint>,
+    /// Shares needed to reconstruct a key.
+    #[arg(long)]
+    threshold: u16,
+    #[arg(long, value_enum, default_value = "confidential-space")]
+    attester: AttesterKind,
+    /// The Confidential Space launcher's socket.
+    #[arg(long, default_value = "/run/container_launcher/teeserver.sock")]
+    launcher_socket: PathBuf,
+    /// Dev attester signing key (PKCS#8 PEM), created if missing; its public key set is written
+    /// next to it as `<file>.jwks.json` for the dev policy's `jwks_file`.
+    #[arg(long)]
+    dev_key: Option<PathBuf>,
+    /// This worker's id in leases (default: confed-enclave-<pid>).
+    #[arg(long)]
+    id: Option<String>,
+    #[arg(long, default_value_t = 60)]
+    lease_seconds: u64,
+    /// Process at most one job, then exit (0 whether or not one was ready).
+    #[arg(long)]
+    once: bool,
+}
+
+fn parse_keyservice(text: &str) -> Result<KeyServiceEndpoint, String> {
+    let (id, url) = text
+        .split_once('=')
+        .ok_or_else(|| format!("`{text}` is not ID=URL"))?;
+    if id.is_empty() || !(url.starts_with("http://") || url.starts_with("https://")) {
+        return Err(format!("`{text}` is not ID=URL with an http(s) URL"));
+    }
+    Ok(KeyServiceEndpoint {
+        id: id.to_string(),
+        url: url.to_string(),
+    })
+}
+
+fn worker_token(file: Option<&Path>) -> Result<Zeroizing<String>> {
+    let token = match file {
+        Some(path) => std::fs::read_to_string(path)
+            .with_context(|| format!("reading the worker token file {}", path.display()))?,
+        None => std::env::var("CONFED_WORKER_TOKEN").unwrap_or_default(),
+    };
+    let token = Zeroizing::new(token.trim().to_string());
+    if token.is_empty() {
+        bail!("no worker token: pass --worker-token-file or set CONFED_WORKER_TOKEN");
+    }
+    Ok(token)
+}
+
+fn dev_attester(path: &Path) -> Result<DevAttester> {
+    let key = if path.exists() {
+        let pem = Zeroizing::new(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading the dev key {}", path.display()))?,
+        );
+        SigningKey::from_pkcs8_pem(&pem)
+            .map_err(|e| anyhow::anyhow!("{} is not a P-256 PKCS#8 key: {e}", path.display()))?
+    } else {
+        let key = confed_attestation::exchange::generate_signing_key();
+        let pem = key
+            .to_pkcs8_pem(LineEnding::LF)
+            .map_err(|e| anyhow::anyhow!("encoding the dev key: {e}"))?;
+        std::fs::write(path, pem.as_bytes())
+            .with_context(|| format!("writing the dev key {}", path.display()))?;
+        key
+    };
+    let clock = Arc::new(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs() as i64)
+            .unwrap_or_default()
+    });
+    let attester = DevAttester::new(key, clock);
+    let jwks = path.with_extension("jwks.json");
+    std::fs::write(&jwks, attester.jwks_json().to_string())
+        .with_context(|| format!("writing {}", jwks.display()))?;
+    Ok(attester)
+}
+
+async fn run(args: Args) -> Result<()> {
+    let token = worker_token(args.worker_token_file.as_deref())?;
+    let attester: Arc<dyn Attester> = match args.attester {
+        AttesterKind::ConfidentialSpace => {
+            Arc::new(ConfidentialSpaceAttester::new(&args.launcher_socket))
+        }
+        AttesterKind::Dev => {
+            let path = args
+                .dev_key
+                .as_deref()
+                .context("--attester dev needs --dev-key FILE")?;
+            Arc::new(dev_attester(path)?)
+        }
+    };
+    let id = args
+        .id
+        .unwrap_or_else(|| format!("confed-enclave-{}", std::process::id()));
+    let store = HttpJobStore::new(&args.server, token, Duration::from_secs(120));
+    let worker = Worker::new(
+        Arc::new(store),
+        WorkerConfig {
+            id: id.clone(),
+            lease: Duration::from_secs(args.lease_seconds.clamp(10, 3600)),
+            key_services: args.keyservices,
+            threshold: args.threshold,
+            attester,
+            key_timeout: Duration::from_secs(10),
+            batch: 256,
+            batch_bytes: 16 << 20,
+        },
+    );
+    tracing::info!(worker = %id, server = %args.server, "enclave worker started");
+    loop {
+        let busy = tokio::select! {
+            outcome = worker.run_once() => match outcome {
+                Ok(Some(done)) => {
+                    tracing::info!(task = %done.task_id, round = done.round, included = done.included,
+                        excluded = done.excluded, epsilon_spent = ?done.epsilon_spent, "round released");
+                    true
+                }
+                Ok(None) => false,
+                Err(error) => {
+                    tracing::warn!(%error, "job not finished; it will be retried");
+                    false
+                }
+            },
+            _ = tokio::signal::ctrl_c() => {
+                tracing::info!("interrupted; a leased job is taken over when its lease expires");
+                return Ok(());
+            }
+        };
+        if args.once {
+            return Ok(());
+        }
+        if !busy {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    confed_enclave::http::install_crypto_provider();
+    let args = Args::parse();
+    let result = tokio::runtime::Runtime::new()
+        .context("starting the async runtime")
+        .and_then(|runtime| runtime.block_on(run(args)));
+    if let Err(error) = result {
+        eprintln!("error: {error:#}");
+        std::process::exit(1);
+    }
+}

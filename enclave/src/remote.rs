@@ -1,0 +1,297 @@
+//! The job store over HTTP: how a `confed-enclave` process (in Confidential Space) reaches the
+//! untrusted server's worker API (`/internal/v1/...`, docs/protocol.md). The wire types are
+//! defined here, once, for both sides.
+//!
+//! Everything the server answers is untrusted input to the enclave, exactly as in-process: the
+//! worker authenticates contributions by HPKE and the key by the key services' shares.
+
+use base64::Engine as _;
+use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
+use reqwest::StatusCode;
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+use zeroize::Zeroizing;
+
+use crate::aggregate::{Manifest, PrivacyParams};
+use crate::hpke::PublicKey;
+use crate::worker::{JobSpec, JobStore, StagedRelease, StoreError};
+
+/// `POST /internal/v1/jobs/lease`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseRequest {
+    pub worker: String,
+    pub lease_seconds: u64,
+}
+
+/// A leased job, as the server describes it; bytes are fetched separately by key.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobWire {
+    pub job_id: String,
+    pub task_id: String,
+    pub round: u64,
+    pub attempt: u64,
+    pub key_id: String,
+    /// X25519 public key, base64url.
+    pub public_key: String,
+    pub epsilon: f64,
+    pub delta: f64,
+    pub clip_norm: f64,
+    pub rounds: u32,
+    pub server_learning_rate: f64,
+    /// Blob key of model version `round - 1` (`GET /internal/v1/blobs/{key}`).
+    pub model_key: String,
+    /// (assignment ref, contribution key) pairs (`GET /internal/v1/contributions/{key}`).
+    pub contributions: Vec<(String, String)>,
+    /// Blob key of the committed release's average, when the round is already APPLYING.
+    pub committed_average_key: Option<String>,
+}
+
+impl JobWire {
+    /// The job with its bytes, as the worker runs it.
+    pub fn into_spec(
+        self,
+        model: Vec<u8>,
+        committed_average: Option<Vec<u8>>,
+    ) -> Result<JobSpec, String> {
+        let public_key = URL_SAFE_NO_PAD
+            .decode(&self.public_key)
+            .ok()
+            .and_then(|b| PublicKey::from_bytes(&b).ok())
+            .ok_or_else(|| format!("key {} has a malformed public key", self.key_id))?;
+        Ok(JobSpec {
+            job_id: self.job_id,
+            task_id: self.task_id,
+            round: self.round,
+            attempt: self.attempt,
+            key_id: self.key_id,
+            public_key,
+            privacy: PrivacyParams {
+                epsilon: self.epsilon,
+                delta: self.delta,
+                clip_norm: self.clip_norm,
+                rounds: self.rounds,
+            },
+            server_learning_rate: self.server_learning_rate,
+            model,
+            contributions: self.contributions,
+            committed_average,
+        })
+    }
+}
+
+/// `POST /internal/v1/jobs/{id}/renew` and the `worker` of `PUT .../model?worker=`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerId {
+    pub worker: String,
+}
+
+/// `POST /internal/v1/jobs/{id}/renew`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RenewRequest {
+    pub worker: String,
+    pub lease_seconds: u64,
+}
+
+/// `POST /internal/v1/jobs/{id}/fail`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FailRequest {
+    pub worker: String,
+    pub reason: String,
+    pub permanent: bool,
+}
+
+/// `PUT /internal/v1/jobs/{id}/release`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseUpload {
+    pub worker: String,
+    pub manifest: Manifest,
+    /// The noised average (safetensors), standard base64.
+    pub average: String,
+}
+
+impl ReleaseUpload {
+    pub fn average_bytes(&self) -> Result<Vec<u8>, String> {
+        STANDARD
+            .decode(&self.average)
+            .map_err(|e| format!("`average` is not base64: {e}"))
+    }
+}
+
+/// Problem type the server answers when the caller's lease is gone.
+pub const LEASE_LOST: &str = "urn:confed:problem:lease-lost";
+
+/// The worker API client.
+pub struct HttpJobStore {
+    base: String,
+    token: Zeroizing<String>,
+    http: reqwest::Client,
+}
+
+impl HttpJobStore {
+    /// `base`: the server's URL; `token`: the worker token (from a file or the environment).
+    pub fn new(base: &str, token: Zeroizing<String>, timeout: Duration) -> Self {
+        Self {
+            base: base.trim_end_matches('/').to_string(),
+            token,
+            http: crate::http::client(timeout),
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}/internal/v1/{path}", self.base)
+    }
+
+    async fn send(
+        &self,
+        request: reqwest::RequestBuilder,
+    ) -> Result<reqwest::Response, StoreError> {
+        let response = request
+            .bearer_auth(self.token.as_str())
+            .send()
+            .await
+            .map_err(|e| StoreError::Backend(format!("worker API unreachable: {e}")))?;
+        if response.status().is_success() || response.status() == StatusCode::NOT_FOUND {
+            return Ok(response);
+        }
+        let status = response.status();
+        let body: serde_json::Value = response.json().await.unwrap_or_default();
+        let detail = body["detail"].as_str().unwrap_or("no detail").to_string();
+        Err(match (status, body["type"].as_str()) {
+            (StatusCode::CONFLICT, Some(LEASE_LOST)) => StoreError::LeaseLost,
+            (StatusCode::CONFLICT, _) => StoreError::Conflict(detail),
+            _ => StoreError::Backend(format!("worker API answered {status}: {detail}")),
+        })
+    }
+
+    async fn bytes(&self, path: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let response = self.send(self.http.get(self.url(path))).await?;
+        if response.status() == StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        response
+            .bytes()
+            .await
+            .map(|b| Some(b.to_vec()))
+            .map_err(|e| StoreError::Backend(e.to_string()))
+    }
+
+    async fn required(&self, path: &str) -> Result<Vec<u8>, StoreError> {
+        self.bytes(path)
+            .await?
+            .ok_or_else(|| StoreError::Backend(format!("{path} is missing on the server")))
+    }
+}
+
+impl JobStore for HttpJobStore {
+    async fn lease(&self, worker: &str, lease: Duration) -> Result<Option<JobSpec>, StoreError> {
+        let request = LeaseRequest {
+            worker: worker.to_string(),
+            lease_seconds: lease.as_secs(),
+        };
+        let response = self
+            .send(self.http.post(self.url("jobs/lease")).json(&request))
+            .await?;
+        if response.status() == StatusCode::NO_CONTENT {
+            return Ok(None);
+        }
+        let wire: JobWire = response
+            .json()
+            .await
+            .map_err(|e| StoreError::Backend(format!("malformed job: {e}")))?;
+        let model = self.required(&format!("blobs/{}", wire.model_key)).await?;
+        let average = match &wire.committed_average_key {
+            Some(key) => Some(self.required(&format!("blobs/{key}")).await?),
+            None => None,
+        };
+        let job_id = wire.job_id.clone();
+        match wire.into_spec(model, average) {
+            Ok(spec) => Ok(Some(spec)),
+            Err(reason) => {
+                self.fail(&job_id, worker, &reason, true).await?;
+                Err(StoreError::Backend(reason))
+            }
+        }
+    }
+
+    async fn renew(&self, job_id: &str, worker: &str, lease: Duration) -> Result<(), StoreError> {
+        let request = RenewRequest {
+            worker: worker.to_string(),
+            lease_seconds: lease.as_secs(),
+        };
+        self.send(
+            self.http
+                .post(self.url(&format!("jobs/{job_id}/renew")))
+                .json(&request),
+        )
+        .await
+        .map(drop)
+    }
+
+    async fn fetch(&self, blob_key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.bytes(&format!("contributions/{blob_key}")).await
+    }
+
+    async fn commit_release(
+        &self,
+        job_id: &str,
+        worker: &str,
+        release: StagedRelease<'_>,
+    ) -> Result<(), StoreError> {
+        let upload = ReleaseUpload {
+            worker: worker.to_string(),
+            manifest: release.manifest.clone(),
+            average: STANDARD.encode(release.average),
+        };
+        self.send(
+            self.http
+                .put(self.url(&format!("jobs/{job_id}/release")))
+                .json(&upload),
+        )
+        .await
+        .map(drop)
+    }
+
+    async fn commit_model(
+        &self,
+        job_id: &str,
+        worker: &str,
+        model: &[u8],
+    ) -> Result<(), StoreError> {
+        self.send(
+            self.http
+                // Worker ids are `A-Z a-z 0-9 . _ -` (checked by the server): no escaping needed.
+                .put(self.url(&format!("jobs/{job_id}/model?worker={worker}")))
+                .header("content-type", "application/octet-stream")
+                .body(model.to_vec()),
+        )
+        .await
+        .map(drop)
+    }
+
+    async fn fail(
+        &self,
+        job_id: &str,
+        worker: &str,
+        reason: &str,
+        permanent: bool,
+    ) -> Result<(), StoreError> {
+        let request = FailRequest {
+            worker: worker.to_string(),
+            reason: reason.to_string(),
+            permanent,
+        };
+        self.send(
+            self.http
+                .post(self.url(&format!("jobs/{job_id}/fail")))
+                .json(&request),
+        )
+        .await
+        .map(drop)
+    }
+}

@@ -1,0 +1,208 @@
+//! The worker API (`/internal/v1/...`): the task database and blob store offered to enclave
+//! worker processes (`confed-enclave` in Confidential Space) over HTTP, with the same operations
+//! the in-process worker calls (`aggregation::TaskDbJobStore`). Off unless the server has a worker
+//! token; callers present it as a bearer token (compared in constant time). Not part of the
+//! partner OpenAPI document; the wire format is in docs/protocol.md.
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, FromRequestParts, State};
+use axum::http::StatusCode;
+use axum::http::request::Parts;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post, put};
+use confed_enclave::remote::{FailRequest, LeaseRequest, ReleaseUpload, RenewRequest, WorkerId};
+use confed_enclave::worker::{JobStore, StagedRelease, StoreError};
+use std::time::Duration;
+
+use super::error::ApiError;
+use super::extract::{ApiBytes, ApiJson, ApiPath, ApiQuery, bearer};
+use super::{AppState, Limits};
+use crate::aggregation::TaskDbJobStore;
+
+/// Proof that the caller holds the worker token.
+pub struct WorkerAuth;
+
+impl FromRequestParts<AppState> for WorkerAuth {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let Some(token) = &state.worker_token else {
+            return Err(ApiError::NotFound(
+                "the worker API is off; start the server with CONFED_WORKER_TOKEN set to enable it"
+                    .into(),
+            ));
+        };
+        match bearer(parts) {
+            Some(presented) if token.matches(presented) => Ok(WorkerAuth),
+            _ => Err(ApiError::Unauthorized(
+                "send the worker token as `Authorization: Bearer <token>`",
+            )),
+        }
+    }
+}
+
+fn store(state: &AppState) -> TaskDbJobStore {
+    TaskDbJobStore {
+        db: state.db.clone(),
+        blobs: state.blobs.clone(),
+        contributions: state.contributions.clone(),
+        keys: state.keys.clone(),
+        clock: state.clock.clone(),
+    }
+}
+
+fn store_error(error: StoreError) -> ApiError {
+    match error {
+        StoreError::LeaseLost => ApiError::LeaseLost(
+            "another worker holds this job's lease (yours expired), or the job is finished; stop working on it".into(),
+        ),
+        StoreError::Conflict(detail) => ApiError::Conflict(detail),
+        StoreError::Backend(detail) => ApiError::Internal(detail),
+    }
+}
+
+fn check_worker(worker: &str) -> Result<(), ApiError> {
+    let ok = (1..=64).contains(&worker.len())
+        && worker
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    ok.then_some(()).ok_or_else(|| {
+        ApiError::BadRequest(
+            "`worker` must be 1-64 characters of A-Z, a-z, 0-9, '.', '_', '-'".into(),
+        )
+    })
+}
+
+fn lease_duration(seconds: u64) -> Result<Duration, ApiError> {
+    if (10..=3600).contains(&seconds) {
+        Ok(Duration::from_secs(seconds))
+    } else {
+        Err(ApiError::BadRequest(format!(
+            "`lease_seconds` must be between 10 and 3600 (got {seconds})"
+        )))
+    }
+}
+
+async fn lease(
+    State(state): State<AppState>,
+    _: WorkerAuth,
+    ApiJson(request): ApiJson<LeaseRequest>,
+) -> Result<Response, ApiError> {
+    check_worker(&request.worker)?;
+    let lease = lease_duration(request.lease_seconds)?;
+    match store(&state)
+        .lease_wire(&request.worker, lease)
+        .await
+        .map_err(store_error)?
+    {
+        Some(job) => Ok(axum::Json(job).into_response()),
+        None => Ok(StatusCode::NO_CONTENT.into_response()),
+    }
+}
+
+async fn renew(
+    State(state): State<AppState>,
+    _: WorkerAuth,
+    ApiPath(job_id): ApiPath<String>,
+    ApiJson(request): ApiJson<RenewRequest>,
+) -> Result<StatusCode, ApiError> {
+    check_worker(&request.worker)?;
+    let lease = lease_duration(request.lease_seconds)?;
+    store(&state)
+        .renew(&job_id, &request.worker, lease)
+        .await
+        .map_err(store_error)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn fail(
+    State(state): State<AppState>,
+    _: WorkerAuth,
+    ApiPath(job_id): ApiPath<String>,
+    ApiJson(request): ApiJson<FailRequest>,
+) -> Result<StatusCode, ApiError> {
+    check_worker(&request.worker)?;
+    store(&state)
+        .fail(&job_id, &request.worker, &request.reason, request.permanent)
+        .await
+        .map_err(store_error)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn release(
+    State(state): State<AppState>,
+    _: WorkerAuth,
+    ApiPath(job_id): ApiPath<String>,
+    ApiJson(upload): ApiJson<ReleaseUpload>,
+) -> Result<StatusCode, ApiError> {
+    check_worker(&upload.worker)?;
+    let average = upload.average_bytes().map_err(ApiError::BadRequest)?;
+    store(&state)
+        .commit_release(
+            &job_id,
+            &upload.worker,
+            StagedRelease {
+                average: &average,
+                manifest: &upload.manifest,
+            },
+        )
+        .await
+        .map_err(store_error)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn model(
+    State(state): State<AppState>,
+    _: WorkerAuth,
+    ApiPath(job_id): ApiPath<String>,
+    ApiQuery(worker): ApiQuery<WorkerId>,
+    ApiBytes(body): ApiBytes,
+) -> Result<StatusCode, ApiError> {
+    check_worker(&worker.worker)?;
+    confed_enclave::model::validate_model(&body)
+        .map_err(|e| ApiError::Unprocessable(format!("the model is not valid: {e}")))?;
+    store(&state)
+        .commit_model(&job_id, &worker.worker, &body)
+        .await
+        .map_err(store_error)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn blob(
+    State(state): State<AppState>,
+    _: WorkerAuth,
+    ApiPath(key): ApiPath<String>,
+) -> Result<Vec<u8>, ApiError> {
+    store(&state)
+        .blob(&key)
+        .await
+        .map_err(store_error)?
+        .ok_or_else(|| ApiError::NotFound(format!("blob {key} not found")))
+}
+
+async fn contribution(
+    State(state): State<AppState>,
+    _: WorkerAuth,
+    ApiPath(key): ApiPath<String>,
+) -> Result<Vec<u8>, ApiError> {
+    store(&state)
+        .fetch(&key)
+        .await
+        .map_err(store_error)?
+        .ok_or_else(|| ApiError::NotFound(format!("contribution {key} not found")))
+}
+
+/// The worker API's routes; uploads are bounded by the model size (the release travels as
+/// base64 inside JSON: 4/3 of the model plus the manifest).
+pub fn router(limits: &Limits) -> Router<AppState> {
+    let upload_limit = limits.model_bytes / 3 * 4 + (4 << 20);
+    Router::new()
+        .route("/internal/v1/jobs/lease", post(lease))
+        .route("/internal/v1/jobs/{id}/renew", post(renew))
+        .route("/internal/v1/jobs/{id}/fail", post(fail))
+        .route("/internal/v1/jobs/{id}/release", put(release))
+        .route("/internal/v1/jobs/{id}/model", put(model))
+        .route("/internal/v1/blobs/{*key}", get(blob))
+        .route("/internal/v1/contributions/{*key}", get(contribution))
+        .layer(DefaultBodyLimit::max(upload_limit))
+}

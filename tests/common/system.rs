@@ -1,0 +1,130 @@
+//! The embedded system (key services, APIs, scheduler) in-process for end-to-end tests, with
+//! helpers to open a task and let simulated devices fill a round.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use confed::clock::ManualClock;
+use confed::device::simulate::{self, SimulationConfig};
+use confed::embedded::{EmbeddedOptions, EmbeddedSystem};
+use serde_json::{Value, json};
+
+pub const GOAL: usize = 12;
+
+pub async fn start(clock: Arc<ManualClock>) -> (EmbeddedSystem, tempfile::TempDir) {
+    start_with(clock, None).await
+}
+
+/// `start`, with the worker API on when `worker_token` is given.
+pub async fn start_with(
+    clock: Arc<ManualClock>,
+    worker_token: Option<&str>,
+) -> (EmbeddedSystem, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let system = EmbeddedSystem::start(EmbeddedOptions {
+        data_dir: dir.path().join("data"),
+        keyservices: 3,
+        threshold: 2,
+        clock,
+        background_worker: false,
+        scheduler_period: Duration::from_secs(3600),
+        worker_token: worker_token
+            .map(|t| confed::auth::AdminToken::from_secret(t.to_string()).unwrap()),
+    })
+    .await
+    .unwrap();
+    (system, dir)
+}
+
+pub fn now_clock() -> Arc<ManualClock> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    Arc::new(ManualClock::starting_at(now))
+}
+
+/// Creates a task on `population` with a zero model and returns (token, task id).
+pub async fn open_task(
+    system: &EmbeddedSystem,
+    population: &str,
+    epsilon: f64,
+) -> (String, String) {
+    let token = system
+        .tenant(&format!("tenant-{population}"))
+        .await
+        .unwrap();
+    let http = reqwest::Client::new();
+    let task: Value = http
+        .post(format!("{}/v1/tasks", system.url))
+        .bearer_auth(&token)
+        .json(&json!({
+            "population": population, "rounds": 3, "report_goal": GOAL,
+            "privacy": {"epsilon": epsilon, "delta": 1e-6, "clip_norm": 1.0},
+            "server_learning_rate": 1.0,
+            "plan": {"epochs": 2, "batch_size": 16, "learning_rate": 0.1},
+        }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = task["id"].as_str().expect("task created").to_string();
+    let put = http
+        .put(format!("{}/v1/tasks/{id}/model", system.url))
+        .bearer_auth(&token)
+        .header("content-type", "application/octet-stream")
+        .body(simulate::initial_model(7))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 201, "{}", put.text().await.unwrap());
+    (token, id)
+}
+
+/// `GOAL` devices each contribute once to the collecting round.
+pub async fn collect(system: &EmbeddedSystem, population: &str, seed: u64, train: bool) {
+    let summary = simulate::run(SimulationConfig {
+        server: system.url.clone(),
+        population: population.into(),
+        devices: GOAL,
+        first_device: 0,
+        concurrency: 4,
+        rounds: 1,
+        trust: system.trust.clone(),
+        train,
+        seed,
+        rows_per_device: 40,
+        max_retry_wait: Duration::from_millis(20),
+        idle_limit: 20,
+        client_version: "1.0.0".into(),
+        progress: false,
+        bars: None,
+    })
+    .await
+    .unwrap();
+    assert_eq!(summary.contributions, GOAL, "{:?}", summary.failures);
+}
+
+pub async fn get(system: &EmbeddedSystem, token: &str, path: &str) -> reqwest::Response {
+    reqwest::Client::new()
+        .get(format!("{}{path}", system.url))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap()
+}
+
+pub async fn rounds(system: &EmbeddedSystem, token: &str, task: &str) -> Vec<Value> {
+    let body: Value = get(system, token, &format!("/v1/tasks/{task}/rounds"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    body["rounds"]
+        .as_array()
+        .or(body.as_array())
+        .cloned()
+        .unwrap_or_default()
+}

@@ -1,0 +1,154 @@
+//! The worker API over HTTP: an enclave worker that reaches the server only through
+//! `/internal/v1` (as `confed-enclave` does from Confidential Space) completes a round; the API is
+//! off without a token, refuses wrong tokens and bad input, and fences a worker whose lease was
+//! taken over.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::system::{collect, get, now_clock, open_task, rounds, start, start_with};
+use confed_enclave::remote::HttpJobStore;
+use confed_enclave::worker::{JobStore, StoreError, Worker};
+use serde_json::{Value, json};
+use zeroize::Zeroizing;
+
+const TOKEN: &str = "worker-token-for-tests-0123456789abcdefghij";
+
+fn remote(url: &str, token: &str) -> HttpJobStore {
+    HttpJobStore::new(
+        url,
+        Zeroizing::new(token.to_string()),
+        Duration::from_secs(30),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_over_http_completes_a_round() {
+    let (system, _dir) = start_with(now_clock(), Some(TOKEN)).await;
+    let (token, task) = open_task(&system, "remote", 8.0).await;
+    collect(&system, "remote", 3, false).await;
+    let worker = Worker::new(
+        Arc::new(remote(&system.url, TOKEN)),
+        system.worker_config("remote-1"),
+    );
+    let outcome = worker.run_once().await.unwrap().expect("a job");
+    assert_eq!(
+        (outcome.round, outcome.included),
+        (1, common::system::GOAL as u64)
+    );
+    let states = rounds(&system, &token, &task).await;
+    assert_eq!(states[0]["state"], "COMPLETED");
+    assert_eq!(
+        get(&system, &token, &format!("/v1/tasks/{task}/models/1"))
+            .await
+            .status(),
+        200
+    );
+    assert!(worker.run_once().await.unwrap().is_none());
+    system.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_lease_was_taken_over_is_refused_over_http() {
+    let clock = now_clock();
+    let (system, _dir) = start_with(clock.clone(), Some(TOKEN)).await;
+    let (_, _task) = open_task(&system, "fence", 8.0).await;
+    collect(&system, "fence", 4, false).await;
+    let store = remote(&system.url, TOKEN);
+    let first = store
+        .lease("A", Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("a job");
+    assert!(
+        store
+            .lease("B", Duration::from_secs(60))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    clock.advance(Duration::from_secs(61));
+    let second = store
+        .lease("B", Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("taken over");
+    assert_eq!(first.job_id, second.job_id);
+    assert!(matches!(
+        store
+            .renew(&first.job_id, "A", Duration::from_secs(60))
+            .await,
+        Err(StoreError::LeaseLost)
+    ));
+    assert!(matches!(
+        store.commit_model(&first.job_id, "A", &first.model).await,
+        Err(StoreError::LeaseLost)
+    ));
+    store
+        .renew(&second.job_id, "B", Duration::from_secs(60))
+        .await
+        .unwrap();
+    system.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_worker_api_is_off_without_a_token_and_refuses_wrong_ones_and_bad_input() {
+    let (off, _d1) = start(now_clock()).await;
+    let http = reqwest::Client::new();
+    let lease = |url: &str, token: &str, body: Value| {
+        http.post(format!("{url}/internal/v1/jobs/lease"))
+            .bearer_auth(token)
+            .json(&body)
+            .send()
+    };
+    let body = json!({"worker": "w1", "lease_seconds": 60});
+    let reply = lease(&off.url, TOKEN, body.clone()).await.unwrap();
+    assert_eq!(reply.status(), 404);
+    assert_eq!(reply.headers()["content-type"], "application/problem+json");
+    off.shutdown().await;
+
+    let (on, _d2) = start_with(now_clock(), Some(TOKEN)).await;
+    let wrong = lease(&on.url, "not-the-token", body.clone()).await.unwrap();
+    assert_eq!(wrong.status(), 401);
+    let bad_worker = lease(
+        &on.url,
+        TOKEN,
+        json!({"worker": "has space", "lease_seconds": 60}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(bad_worker.status(), 400);
+    let bad_lease = lease(&on.url, TOKEN, json!({"worker": "w1", "lease_seconds": 5}))
+        .await
+        .unwrap();
+    assert_eq!(bad_lease.status(), 400);
+    let unknown_field = lease(
+        &on.url,
+        TOKEN,
+        json!({"worker": "w1", "lease_seconds": 60, "x": 1}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(unknown_field.status(), 400);
+    let nothing = lease(&on.url, TOKEN, body).await.unwrap();
+    assert_eq!(nothing.status(), 204);
+    let missing = http
+        .get(format!(
+            "{}/internal/v1/blobs/tenants/x/nothing.bin",
+            on.url
+        ))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(missing.status(), 404);
+    assert!(matches!(
+        remote(&on.url, "wrong-token")
+            .lease("w", Duration::from_secs(60))
+            .await,
+        Err(StoreError::Backend(_))
+    ));
+    on.shutdown().await;
+}
