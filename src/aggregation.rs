@@ -224,11 +224,18 @@ impl JobStore for TaskDbJobStore {
         worker: &str,
         release: StagedRelease<'_>,
     ) -> Result<(), StoreError> {
+        let manifest = release.manifest;
         let staged = self.stage_release(job_id, release).await?;
         self.db
             .commit_release(job_id, worker, staged, self.now())
             .await
-            .map_err(db_error)
+            .map_err(db_error)?;
+        metrics::counter!("confed_contributions_included_total").increment(manifest.included);
+        for (reason, count) in &manifest.excluded {
+            metrics::counter!("confed_contributions_excluded_total", "reason" => reason.clone())
+                .increment(*count);
+        }
+        Ok(())
     }
 
     async fn commit_model(

@@ -19,6 +19,10 @@ fn model_values(bytes: &[u8]) -> Vec<f32> {
     confed_enclave::updater::average_values(&schema, bytes).unwrap()
 }
 
+fn params_len() -> usize {
+    model_values(&simulate::initial_model(7)).len()
+}
+
 /// The round's key, reconstructed from the ceremony's share files (test only: the point of the
 /// system is that nothing outside the enclave does this).
 fn round_key(dir: &std::path::Path) -> confed_enclave::hpke::PrivateKey {
@@ -135,6 +139,48 @@ async fn three_rounds_complete_with_consistent_manifests_and_a_model_that_follow
         let dot: f64 = moved.iter().zip(&mean).map(|(m, t)| m * t).sum();
         assert!(dot > 0.0, "the model moved against the devices' updates");
     }
+    // The partner sees each round's release and can download its noised average.
+    let releases: Value = get(&system, &token, &format!("/v1/tasks/{task}/releases"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let releases = releases["releases"].as_array().unwrap();
+    assert_eq!(releases.len(), 3);
+    assert_eq!(releases[2]["round"], 3);
+    assert_eq!(releases[2]["included"], GOAL);
+    assert_eq!(releases[2]["manifest"]["format"], "confed-release/v1");
+    let average = get(
+        &system,
+        &token,
+        &format!("/v1/tasks/{task}/releases/2/average"),
+    )
+    .await;
+    assert_eq!(average.status(), 200);
+    let etag = average.headers()["etag"].to_str().unwrap().to_string();
+    assert_eq!(
+        etag,
+        format!("\"{}\"", releases[1]["average_sha256"].as_str().unwrap())
+    );
+    assert_eq!(
+        model_values(&average.bytes().await.unwrap()).len(),
+        params_len()
+    );
+    let none = get(
+        &system,
+        &token,
+        &format!("/v1/tasks/{task}/releases/9/average"),
+    )
+    .await;
+    assert_eq!(none.status(), 404);
+    let other = system.tenant("someone-else").await.unwrap();
+    assert_eq!(
+        get(&system, &other, &format!("/v1/tasks/{task}/releases"))
+            .await
+            .status(),
+        404
+    );
+
     let task_state: Value = get(&system, &token, &format!("/v1/tasks/{task}"))
         .await
         .json()

@@ -8,6 +8,7 @@ pub mod error;
 pub mod extract;
 pub mod models;
 pub mod ops;
+pub mod releases;
 pub mod tasks;
 pub mod workers;
 
@@ -122,6 +123,8 @@ pub fn routes_and_openapi(limits: &Limits) -> (Router<AppState>, utoipa::openapi
         .routes(routes!(tasks::get_task))
         .routes(routes!(tasks::cancel_task))
         .routes(routes!(tasks::list_rounds))
+        .routes(routes!(releases::list_releases))
+        .routes(routes!(releases::get_average))
         .routes(routes!(models::get_model))
         .routes(routes!(admin::create_tenant, admin::list_tenants))
         .routes(routes!(ops::healthz))

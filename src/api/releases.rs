@@ -1,0 +1,110 @@
+//! A task's releases: per round, what the enclave published (the noised average and its
+//! manifest: counts, exclusions by reason, noise, privacy spent). Read-only, per tenant.
+
+use axum::extract::State;
+use axum::http::{HeaderValue, header};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use super::AppState;
+use super::error::{ApiError, Problem};
+use super::extract::{ApiPath, Tenant};
+use crate::blob::BlobKey;
+use crate::clock::rfc3339;
+
+/// One round's release.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReleaseResponse {
+    pub round: i64,
+    /// Contributions in the average.
+    pub included: i64,
+    /// Contributions left out (the manifest says why).
+    pub excluded: i64,
+    /// The task's privacy spending through this round (epsilon at the task's delta).
+    pub epsilon_spent: f64,
+    /// SHA-256 (hex) of the average's bytes.
+    pub average_sha256: String,
+    pub created_at: String,
+    /// The enclave's manifest, verbatim (format `confed-release/v1`, docs/protocol.md).
+    #[schema(value_type = Object)]
+    pub manifest: serde_json::Value,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReleaseList {
+    pub releases: Vec<ReleaseResponse>,
+}
+
+/// The task's releases, by round.
+#[utoipa::path(get, path = "/v1/tasks/{id}/releases", tag = "tasks",
+    params(("id" = String, Path, description = "Task id")),
+    security(("tenant_token" = [])),
+    responses(
+        (status = 200, body = ReleaseList),
+        (status = 401, body = Problem, content_type = "application/problem+json"),
+        (status = 404, body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn list_releases(
+    State(state): State<AppState>,
+    Tenant(tenant): Tenant,
+    ApiPath(id): ApiPath<String>,
+) -> Result<axum::Json<ReleaseList>, ApiError> {
+    let releases = state.db.releases(&tenant.id, &id).await?;
+    let mut out = Vec::with_capacity(releases.len());
+    for release in releases {
+        out.push(ReleaseResponse {
+            round: release.round_number,
+            included: release.included,
+            excluded: release.excluded,
+            epsilon_spent: release.epsilon_spent,
+            average_sha256: release.average_sha256,
+            created_at: rfc3339(release.created_at),
+            manifest: serde_json::from_str(&release.manifest_json)
+                .map_err(|e| ApiError::Internal(format!("stored manifest: {e}")))?,
+        });
+    }
+    Ok(axum::Json(ReleaseList { releases: out }))
+}
+
+/// One round's noised average update (safetensors, the model's tensor names and shapes).
+#[utoipa::path(get, path = "/v1/tasks/{id}/releases/{round}/average", tag = "tasks",
+    params(("id" = String, Path, description = "Task id"), ("round" = i64, Path, description = "Round number")),
+    security(("tenant_token" = [])),
+    responses(
+        (status = 200, description = "safetensors bytes", body = Vec<u8>, content_type = "application/octet-stream"),
+        (status = 400, description = "Round is not a number", body = Problem, content_type = "application/problem+json"),
+        (status = 401, body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such task, or the round has no release", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn get_average(
+    State(state): State<AppState>,
+    Tenant(tenant): Tenant,
+    ApiPath((id, round)): ApiPath<(String, i64)>,
+) -> Result<Response, ApiError> {
+    let release = state
+        .db
+        .releases(&tenant.id, &id)
+        .await?
+        .into_iter()
+        .find(|r| r.round_number == round)
+        .ok_or_else(|| ApiError::NotFound(format!("round {round} of task {id} has no release")))?;
+    let bytes = state.blobs.get(&BlobKey::new(release.average_key)?).await?;
+    let etag = HeaderValue::from_str(&format!("\"{}\"", release.average_sha256))
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    Ok((
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/octet-stream"),
+            ),
+            (header::ETAG, etag),
+            (
+                header::CACHE_CONTROL,
+                HeaderValue::from_static("private, max-age=31536000, immutable"),
+            ),
+        ],
+        bytes,
+    )
+        .into_response())
+}
