@@ -76,6 +76,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         background_worker: true,
         scheduler_period: Duration::from_secs(1),
         worker_token: None,
+        attester_key: None,
     })
     .await
     .map_err(|e| DemoError::Setup(e.to_string()))?;

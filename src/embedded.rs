@@ -53,6 +53,9 @@ pub struct EmbeddedOptions {
     pub scheduler_period: Duration,
     /// Enables the worker API (`/internal/v1`) for out-of-process enclave workers.
     pub worker_token: Option<crate::auth::AdminToken>,
+    /// The dev attester's signing key (default: a fresh one). Given, a `confed-enclave --attester
+    /// dev` process holding the same key is trusted by these key services.
+    pub attester_key: Option<p256::ecdsa::SigningKey>,
 }
 
 pub struct EmbeddedSystem {
@@ -109,7 +112,10 @@ impl EmbeddedSystem {
         .map_err(setup)?;
         let token_clock = clock.clone();
         let attester = Arc::new(DevAttester::new(
-            generate_signing_key(),
+            options
+                .attester_key
+                .clone()
+                .unwrap_or_else(generate_signing_key),
             Arc::new(move || token_clock.now_millis() / 1000),
         ));
         let policy = AppraisalPolicy::from_toml(DEV_POLICY).map_err(setup)?;

@@ -9,7 +9,7 @@ use confed::device::simulate::{self, SimulationConfig};
 use confed::embedded::{EmbeddedOptions, EmbeddedSystem};
 use serde_json::{Value, json};
 
-pub const GOAL: usize = 12;
+pub const GOAL: usize = 20;
 
 pub async fn start(clock: Arc<ManualClock>) -> (EmbeddedSystem, tempfile::TempDir) {
     start_with(clock, None).await
@@ -19,6 +19,15 @@ pub async fn start(clock: Arc<ManualClock>) -> (EmbeddedSystem, tempfile::TempDi
 pub async fn start_with(
     clock: Arc<ManualClock>,
     worker_token: Option<&str>,
+) -> (EmbeddedSystem, tempfile::TempDir) {
+    start_full(clock, worker_token, None).await
+}
+
+/// `start_with`, with the dev attester's key chosen by the caller.
+pub async fn start_full(
+    clock: Arc<ManualClock>,
+    worker_token: Option<&str>,
+    attester_key: Option<p256::ecdsa::SigningKey>,
 ) -> (EmbeddedSystem, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let system = EmbeddedSystem::start(EmbeddedOptions {
@@ -30,6 +39,7 @@ pub async fn start_with(
         scheduler_period: Duration::from_secs(3600),
         worker_token: worker_token
             .map(|t| confed::auth::AdminToken::from_secret(t.to_string()).unwrap()),
+        attester_key,
     })
     .await
     .unwrap();

@@ -1,0 +1,88 @@
+//! The `confed-enclave` binary as a separate process (as in Confidential Space, with the dev
+//! attester standing in): it reaches the server only through the worker API and the key services
+//! only over HTTP, and completes a round.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::system::{collect, get, now_clock, open_task, rounds, start_full};
+use p256::pkcs8::{EncodePrivateKey, LineEnding};
+
+const TOKEN: &str = "worker-token-for-process-tests-0123456789ab";
+
+/// The workspace's `confed-enclave` binary, next to `confed`. `cargo test --workspace` builds it
+/// before any test runs; run alone (`cargo test -p confed --test enclave_process`), the test
+/// builds it if it is missing (an older build is used as is: run `cargo build --workspace` first).
+fn enclave_binary() -> PathBuf {
+    let confed = PathBuf::from(env!("CARGO_BIN_EXE_confed"));
+    let binary = confed.with_file_name("confed-enclave");
+    if !binary.exists() {
+        let status = std::process::Command::new(env!("CARGO"))
+            .args(["build", "-p", "confed-enclave", "--bin", "confed-enclave"])
+            .status()
+            .unwrap();
+        assert!(status.success(), "building confed-enclave failed");
+    }
+    binary
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_enclave_binary_completes_a_round_through_the_worker_api() {
+    let binary = enclave_binary();
+    let key = confed_attestation::exchange::generate_signing_key();
+    let (system, dir) = start_full(now_clock(), Some(TOKEN), Some(key.clone())).await;
+    let key_file = dir.path().join("dev-attester.pem");
+    std::fs::write(
+        &key_file,
+        key.to_pkcs8_pem(LineEnding::LF).unwrap().as_bytes(),
+    )
+    .unwrap();
+    let (token, task) = open_task(&system, "process", 8.0).await;
+    collect(&system, "process", 5, false).await;
+
+    let mut command = tokio::process::Command::new(&binary);
+    command
+        .args([
+            "--server",
+            &system.url,
+            "--threshold",
+            "2",
+            "--attester",
+            "dev",
+            "--once",
+        ])
+        .args(["--id", "enclave-process-1", "--dev-key"])
+        .arg(&key_file)
+        .env("CONFED_WORKER_TOKEN", TOKEN)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    for service in &system.keyservices {
+        command.args(["--keyservice", &format!("{}={}", service.id, service.url)]);
+    }
+    let output = tokio::time::timeout(Duration::from_secs(120), command.output())
+        .await
+        .expect("confed-enclave finished")
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    // It said loudly that its attestation proves nothing.
+    assert!(String::from_utf8_lossy(&output.stderr).contains("DEV ATTESTER"));
+    let states = rounds(&system, &token, &task).await;
+    assert_eq!(states[0]["state"], "COMPLETED", "{states:?}");
+    let releases: serde_json::Value = get(&system, &token, &format!("/v1/tasks/{task}/releases"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(releases["releases"][0]["included"], common::system::GOAL);
+    assert!(dir.path().join("dev-attester.jwks.json").exists());
+    system.shutdown().await;
+}
