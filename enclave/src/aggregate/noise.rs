@@ -1,6 +1,6 @@
 //! The round's noise: derived once, deterministically, inside the enclave.
 //!
-//! The sampler's randomness is ChaCha20 keyed with `HMAC-SHA256(round private key, label || task
+//! The sampler's randomness is ChaCha12 (as in `rand`'s `StdRng`) keyed with `HMAC-SHA256(round private key, label || task
 //! || round || attempt || included-set digest)`. Only the enclave holds the private key, so nobody
 //! outside can predict or remove the noise; and a retried job over the same contributions derives
 //! the same key, the same noise and byte-identical output, so a crash between noising and
@@ -8,10 +8,10 @@
 //! set of contributions gets independent noise (same noise over two sets differing in one device
 //! would reveal that device's update exactly).
 //!
-//! Coordinates are noised in blocks in parallel; block `b` uses ChaCha20 stream `b`, so the
+//! Coordinates are noised in blocks in parallel; block `b` uses ChaCha12 stream `b`, so the
 //! output does not depend on the number of threads.
 
-use rand_chacha::ChaCha20Rng;
+use rand_chacha::ChaCha12Rng;
 use rand_core::SeedableRng;
 use rayon::prelude::*;
 use zeroize::Zeroizing;
@@ -20,7 +20,7 @@ use crate::dp::DiscreteGaussian;
 use crate::hpke::PrivateKey;
 
 const LABEL: &[u8] = b"confed/dp-noise/v1";
-/// Coordinates per ChaCha20 stream.
+/// Coordinates per ChaCha12 stream.
 const BLOCK: usize = 1 << 14;
 
 /// What the noise of one release is bound to.
@@ -32,7 +32,7 @@ pub struct NoiseBinding<'a> {
     pub included_digest: &'a str,
 }
 
-/// The ChaCha20 key of a release.
+/// The ChaCha12 key of a release.
 pub fn seed(private_key: &PrivateKey, binding: &NoiseBinding<'_>) -> Zeroizing<[u8; 32]> {
     let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, private_key.as_bytes());
     let mut context = ring::hmac::Context::with_key(&key);
@@ -57,7 +57,7 @@ pub fn add(sum: &mut [i64], noise: &DiscreteGaussian, seed: &[u8; 32]) {
     sum.par_chunks_mut(BLOCK)
         .enumerate()
         .for_each(|(block, values)| {
-            let mut rng = ChaCha20Rng::from_seed(*seed);
+            let mut rng = ChaCha12Rng::from_seed(*seed);
             rng.set_stream(block as u64);
             for value in values {
                 *value += noise.sample(&mut rng);

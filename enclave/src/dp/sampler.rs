@@ -12,7 +12,7 @@
 //! 2^128 / 2^123 = 32`, so the output distribution moves by less than `e^-32 * P[tail]`, which is
 //! below 2^-1000 for every scale the grid allows.
 //!
-//! Randomness comes from the caller (the enclave uses ChaCha20 keyed from a secret, see
+//! Randomness comes from the caller (the enclave uses ChaCha12 keyed from a secret, see
 //! `aggregate::noise`), so a retried job reproduces its noise bit for bit.
 
 use rand_core::RngCore;
