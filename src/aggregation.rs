@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use confed_enclave::remote::JobWire;
+use confed_enclave::remote::{BlobSource, JobWire, resolve};
 use confed_enclave::worker::{JobSpec, JobStore, StagedRelease, StoreError, Worker};
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
@@ -136,12 +136,6 @@ impl TaskDbJobStore {
             Err(e) => Err(backend(e)),
         }
     }
-
-    async fn required_blob(&self, key: &str) -> Result<Vec<u8>, StoreError> {
-        self.blob(key)
-            .await?
-            .ok_or_else(|| backend(format!("blob {key} is missing")))
-    }
 }
 
 impl TaskDbJobStore {
@@ -182,24 +176,20 @@ impl TaskDbJobStore {
     }
 }
 
+impl BlobSource for TaskDbJobStore {
+    async fn required_blob(&self, key: &str) -> Result<Vec<u8>, StoreError> {
+        self.blob(key)
+            .await?
+            .ok_or_else(|| backend(format!("blob {key} is missing")))
+    }
+}
+
 impl JobStore for TaskDbJobStore {
     async fn lease(&self, worker: &str, lease: Duration) -> Result<Option<JobSpec>, StoreError> {
         let Some(wire) = self.lease_wire(worker, lease).await? else {
             return Ok(None);
         };
-        let model = self.required_blob(&wire.model_key).await?;
-        let average = match &wire.committed_average_key {
-            Some(key) => Some(self.required_blob(key).await?),
-            None => None,
-        };
-        let job_id = wire.job_id.clone();
-        match wire.into_spec(model, average) {
-            Ok(spec) => Ok(Some(spec)),
-            Err(reason) => {
-                self.fail(&job_id, worker, &reason, true).await?;
-                Err(backend(reason))
-            }
-        }
+        resolve(self, worker, wire).await.map(Some)
     }
 
     async fn renew(&self, job_id: &str, worker: &str, lease: Duration) -> Result<(), StoreError> {

@@ -9,6 +9,7 @@ use base64::Engine as _;
 use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
 use reqwest::StatusCode;
 use serde::{Deserialize, Serialize};
+use std::future::Future;
 use std::time::Duration;
 use zeroize::Zeroizing;
 
@@ -78,6 +79,33 @@ impl JobWire {
             contributions: self.contributions,
             committed_average,
         })
+    }
+}
+
+/// A job store that can also hand out models and committed averages by blob key.
+pub trait BlobSource: JobStore {
+    fn required_blob(&self, key: &str) -> impl Future<Output = Result<Vec<u8>, StoreError>> + Send;
+}
+
+/// A leased job's description made runnable: its model (and committed average, if any) fetched.
+/// A job that cannot run at all (a malformed public key) is failed permanently.
+pub async fn resolve<S: BlobSource>(
+    store: &S,
+    worker: &str,
+    wire: JobWire,
+) -> Result<JobSpec, StoreError> {
+    let model = store.required_blob(&wire.model_key).await?;
+    let average = match &wire.committed_average_key {
+        Some(key) => Some(store.required_blob(key).await?),
+        None => None,
+    };
+    let job_id = wire.job_id.clone();
+    match wire.into_spec(model, average) {
+        Ok(spec) => Ok(spec),
+        Err(reason) => {
+            store.fail(&job_id, worker, &reason, true).await?;
+            Err(StoreError::Backend(reason))
+        }
     }
 }
 
@@ -180,9 +208,12 @@ impl HttpJobStore {
             .map(|b| Some(b.to_vec()))
             .map_err(|e| StoreError::Backend(e.to_string()))
     }
+}
 
-    async fn required(&self, path: &str) -> Result<Vec<u8>, StoreError> {
-        self.bytes(path)
+impl BlobSource for HttpJobStore {
+    async fn required_blob(&self, key: &str) -> Result<Vec<u8>, StoreError> {
+        let path = format!("blobs/{key}");
+        self.bytes(&path)
             .await?
             .ok_or_else(|| StoreError::Backend(format!("{path} is missing on the server")))
     }
@@ -204,19 +235,7 @@ impl JobStore for HttpJobStore {
             .json()
             .await
             .map_err(|e| StoreError::Backend(format!("malformed job: {e}")))?;
-        let model = self.required(&format!("blobs/{}", wire.model_key)).await?;
-        let average = match &wire.committed_average_key {
-            Some(key) => Some(self.required(&format!("blobs/{key}")).await?),
-            None => None,
-        };
-        let job_id = wire.job_id.clone();
-        match wire.into_spec(model, average) {
-            Ok(spec) => Ok(Some(spec)),
-            Err(reason) => {
-                self.fail(&job_id, worker, &reason, true).await?;
-                Err(StoreError::Backend(reason))
-            }
-        }
+        resolve(self, worker, wire).await.map(Some)
     }
 
     async fn renew(&self, job_id: &str, worker: &str, lease: Duration) -> Result<(), StoreError> {
