@@ -69,7 +69,16 @@ impl Db {
             .busy_timeout(Duration::from_secs(10));
         let mut connection = options.connect().await?;
         MIGRATOR.run(&mut connection).await?;
-        let writer = writer::Writer::start(connection);
+        drop(connection);
+        // The writer's commits are made durable by its own sync thread (`writer.rs`).
+        let writer_connection = options
+            .clone()
+            .synchronous(SqliteSynchronous::Normal)
+            .connect()
+            .await?;
+        let mut wal = path.as_os_str().to_owned();
+        wal.push("-wal");
+        let writer = writer::Writer::start(writer_connection, wal.into());
         let pool = SqlitePoolOptions::new()
             .max_connections(8)
             .connect_with(options)
