@@ -4,7 +4,7 @@
 //! contributions runs near the AES-GCM bound. Devices and key services seal with the `hpke`
 //! crate; tests check that each implementation opens what the other sealed.
 //!
-//! This is the only `unsafe` code in confed: a small wrapper whose every call checks AWS-LC's
+//! This is the enclave's only `unsafe` code: a small wrapper whose every call checks AWS-LC's
 //! return value, owns its C objects (freed, and by AWS-LC cleansed, on drop) and bounds every
 //! buffer by the lengths AWS-LC is told.
 

@@ -1,6 +1,9 @@
 //! The device protocol's database operations: assigning devices to rounds without over-filling
 //! them, recording uploads idempotently, reports, the round goal, and assignment expiry.
 
+use rusqlite::OptionalExtension;
+
+use super::writer::Raw;
 use super::{Conn, Db, DbError, history, parse_state, rounds, transition};
 use crate::states::{AssignmentState, RoundState, StateMachine};
 use crate::task_spec::TaskSpec;
@@ -210,43 +213,36 @@ impl Db {
         now: i64,
     ) -> Result<Option<Assigned>, DbError> {
         let round_id = round_id.to_string();
-        let capability = capability.to_string();
+        let id = assignment_key(capability);
         let key_if_unset = key_if_unset.to_string();
-        self.write(move |tx| {
-            Box::pin(async move {
-                let round_id = round_id.as_str();
-                let capability = capability.as_str();
-                let key_if_unset = key_if_unset.as_str();
-                let id = assignment_key(capability);
-                // One round trip to SQLite for the whole check-in: the guarded update locks the
-                // round, checks and takes the slot and fixes the key; the assignment and its
-                // first history row are inserted only if it changed a row (`changes()` is the
-                // row count of the statement before). Same effect as `insert_row` after the update.
-                let taken: Vec<Option<String>> = sqlx::query_scalar(
-                    "UPDATE rounds SET key_id = COALESCE(key_id, $2), \
+        let history_id = super::new_id();
+        let capacity = i64::try_from(capacity).unwrap_or(i64::MAX);
+        self.write_raw(move |c| {
+            // The guarded update locks the round, checks and takes the slot and fixes the key;
+            // the assignment and its first history row follow only if it took one.
+            let key_id: Option<Option<String>> = c
+                .prepare_cached(
+                    "UPDATE rounds SET key_id = COALESCE(key_id, ?2), \
                      live_assignments = live_assignments + 1 \
-                     WHERE id = $1 AND state = 'COLLECTING' AND live_assignments < $3 \
-                     RETURNING key_id; \
-                     INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
-                     SELECT $4, $1, 'ASSIGNED', $5, $6, $6 WHERE changes() = 1; \
-                     INSERT INTO state_history (id, entity, entity_id, seq, from_state, to_state, reason, at) \
-                     SELECT $7, 'assignment', $4, 1, NULL, 'ASSIGNED', 'device checked in', $6 \
-                     WHERE changes() = 1",
-                )
-                .bind(round_id)
-                .bind(key_if_unset)
-                .bind(i64::try_from(capacity).unwrap_or(i64::MAX))
-                .bind(&id)
-                .bind(expires_at)
-                .bind(now)
-                .bind(super::new_id())
-                .fetch_all(&mut *tx)
-                .await?;
-                let Some(Some(key_id)) = taken.into_iter().next() else {
-                    return Ok(None);
-                };
-                Ok(Some(Assigned { key_id, expires_at }))
-            })
+                     WHERE id = ?1 AND state = 'COLLECTING' AND live_assignments < ?3 \
+                     RETURNING key_id",
+                )?
+                .query_row(rusqlite::params![round_id, key_if_unset, capacity], |r| r.get(0))
+                .optional()?;
+            let Some(Some(key_id)) = key_id else {
+                return Ok(Raw::Done(None));
+            };
+            c.prepare_cached(
+                "INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
+                 VALUES (?1, ?2, 'ASSIGNED', ?3, ?4, ?4)",
+            )?
+            .execute(rusqlite::params![id, round_id, expires_at, now])?;
+            c.prepare_cached(
+                "INSERT INTO state_history (id, entity, entity_id, seq, from_state, to_state, reason, at) \
+                 VALUES (?1, 'assignment', ?2, 1, NULL, 'ASSIGNED', 'device checked in', ?3)",
+            )?
+            .execute(rusqlite::params![history_id, id, now])?;
+            Ok(Raw::Done(Some(Assigned { key_id, expires_at })))
         })
         .await
     }
@@ -269,67 +265,43 @@ impl Db {
         inline_bytes: Option<Vec<u8>>,
         now: i64,
     ) -> Result<Result<Stored, Refusal>, DbError> {
-        let capability = capability.to_string();
+        let id = assignment_key(capability);
         let sha256_hex = sha256_hex.to_string();
         let blob_key = blob_key.to_string();
-        self.write(move |tx| {
-            Box::pin(async move {
-                let capability = capability.as_str();
-                let sha256_hex = sha256_hex.as_str();
-                let blob_key = blob_key.as_str();
-                let id = assignment_key(capability);
-                // Common path in one statement: the guards are the upload's checks, and the update
-                // is the ASSIGNED -> UPLOADED transition (compare-and-set on the state; this
-                // transition moves no round counter). Only a refusal reads the row to say why.
-                debug_assert!(AssignmentState::Assigned.can_become(AssignmentState::Uploaded));
-                // One round trip: the guarded transition, then its history row and (for a store
-                // inside the task database) the bytes, each only if the statement before changed a
-                // row (`changes()`), so the three apply together or not at all.
-                const UPLOAD: &str = "UPDATE assignments SET state = 'UPLOADED', updated_at = $1, \
-                     contribution_sha256 = $2, contribution_bytes = $3, blob_key = $4 \
-                     WHERE id = $5 AND state = 'ASSIGNED' AND contribution_sha256 IS NULL \
-                     AND expires_at > $1 AND EXISTS (SELECT 1 FROM rounds r \
-                     WHERE r.id = assignments.round_id AND r.state = 'COLLECTING'); \
-                     INSERT INTO state_history (id, entity, entity_id, seq, from_state, to_state, reason, at) \
-                     SELECT $6, 'assignment', $5, next, 'ASSIGNED', 'UPLOADED', 'contribution stored', $1 \
-                     FROM (SELECT COALESCE(MAX(seq), 0) + 1 AS next FROM state_history WHERE entity_id = $5) \
-                     WHERE changes() = 1";
-                const WITH_BYTES: &str = "; INSERT INTO blobs (key, sha256, bytes) \
-                     SELECT $4, $2, $7 WHERE changes() = 1 ON CONFLICT (key) DO NOTHING";
-                let inline = inline_bytes.is_some();
-                let sql = if inline { format!("{UPLOAD}{WITH_BYTES}") } else { UPLOAD.to_string() };
-                let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
-                    .bind(now)
-                    .bind(sha256_hex)
-                    .bind(size)
-                    .bind(blob_key)
-                    .bind(&id)
-                    .bind(super::new_id());
-                if let Some(bytes) = inline_bytes {
-                    query = query.bind(bytes);
-                }
-                let changed = query.execute(&mut *tx).await?.rows_affected();
-                if changed == 0 {
-                    let Some(a) = write_view(&mut *tx, &id).await? else {
-                        return Ok(Err(Refusal::UnknownAssignment));
-                    };
-                    if let Some(stored) = &a.contribution_sha256 {
-                        return Ok(if stored == sha256_hex {
-                            Ok(Stored::Again)
-                        } else {
-                            Err(Refusal::DifferentBytes)
-                        });
-                    }
-                    return Ok(Err(closed(&a, now).unwrap_or(Refusal::Finished(a.state))));
-                }
-                let expected = if inline { 3 } else { 2 };
-                if changed != expected {
-                    return Err(DbError::Corrupt(format!(
-                        "upload of {id} changed {changed} rows, expected {expected}"
-                    )));
-                }
-                Ok(Ok(Stored::New))
-            })
+        let history_id = super::new_id();
+        self.write_raw(move |c| {
+            // Common path: the guards are the upload's checks, and the update is the ASSIGNED ->
+            // UPLOADED transition (compare-and-set on the state; it moves no round counter).
+            debug_assert!(AssignmentState::Assigned.can_become(AssignmentState::Uploaded));
+            let changed = c
+                .prepare_cached(
+                    "UPDATE assignments SET state = 'UPLOADED', updated_at = ?1, \
+                     contribution_sha256 = ?2, contribution_bytes = ?3, blob_key = ?4 \
+                     WHERE id = ?5 AND state = 'ASSIGNED' AND contribution_sha256 IS NULL \
+                     AND expires_at > ?1 AND EXISTS (SELECT 1 FROM rounds r \
+                     WHERE r.id = assignments.round_id AND r.state = 'COLLECTING')",
+                )?
+                .execute(rusqlite::params![now, sha256_hex, size, blob_key, id])?;
+            if changed == 0 {
+                // Only a refusal (or a repeated upload) reads the row to say why.
+                return Ok(Raw::Continue(Box::new(move |tx| {
+                    Box::pin(async move { upload_refused(tx, &id, &sha256_hex, now).await })
+                })));
+            }
+            c.prepare_cached(
+                "INSERT INTO state_history (id, entity, entity_id, seq, from_state, to_state, reason, at) \
+                 SELECT ?1, 'assignment', ?2, COALESCE(MAX(seq), 0) + 1, 'ASSIGNED', 'UPLOADED', \
+                 'contribution stored', ?3 FROM state_history WHERE entity_id = ?2",
+            )?
+            .execute(rusqlite::params![history_id, id, now])?;
+            if let Some(bytes) = inline_bytes {
+                c.prepare_cached(
+                    "INSERT INTO blobs (key, sha256, bytes) VALUES (?1, ?2, ?3) \
+                     ON CONFLICT (key) DO NOTHING",
+                )?
+                .execute(rusqlite::params![blob_key, sha256_hex, bytes])?;
+            }
+            Ok(Raw::Done(Ok(Stored::New)))
         })
         .await
     }
@@ -343,56 +315,71 @@ impl Db {
         device_error: Option<&str>,
         now: i64,
     ) -> Result<Result<AssignmentState, Refusal>, DbError> {
-        let capability = capability.to_string();
+        let id = assignment_key(capability);
         let device_error = device_error.map(str::to_string);
-        self.write(move |tx| {
-            Box::pin(async move {
-                let capability = capability.as_str();
-                let device_error = device_error.as_deref();
-                let id = assignment_key(capability);
-                if outcome == ReportOutcome::Completed
-                    && let Some(state) = complete_in_one_step(&mut *tx, &id, now).await?
-                {
-                    return Ok(Ok(state));
-                }
-                let Some(a) = write_view(&mut *tx, &id).await? else {
-                    return Ok(Err(Refusal::UnknownAssignment));
-                };
-                let target = outcome.target();
-                if a.state == target {
-                    return Ok(Ok(target));
-                }
-                if a.state.is_terminal() {
-                    return Ok(Err(Refusal::Finished(a.state)));
-                }
-                if outcome == ReportOutcome::Completed && a.state != AssignmentState::Uploaded {
-                    return Ok(Err(Refusal::NotUploaded));
-                }
-                if let Some(refusal) = closed(&a, now) {
-                    return Ok(Err(refusal));
-                }
-                if outcome == ReportOutcome::Completed {
-                    // `complete_in_one_step` applies every completion its guards allow; reaching
-                    // here means the row changed under the single writer, which cannot happen.
-                    return Err(DbError::Corrupt(format!(
-                        "completion of {} neither applied nor refused",
-                        a.id
-                    )));
-                }
-                if let Some(error) = device_error {
-                    sqlx::query("UPDATE assignments SET device_error = $1 WHERE id = $2")
-                        .bind(error.chars().take(1000).collect::<String>())
-                        .bind(&a.id)
-                        .execute(&mut *tx)
-                        .await?;
-                }
-                let reason = match outcome {
-                    ReportOutcome::Failed => "device reported failure",
-                    _ => "device found itself not eligible",
-                };
-                transition(&mut *tx, &a.id, a.state, target, reason, now).await?;
-                Ok(Ok(target))
-            })
+        if outcome != ReportOutcome::Completed {
+            return self
+                .write(move |tx| {
+                    Box::pin(async move {
+                        report_slow(tx, &id, outcome, device_error.as_deref(), now).await
+                    })
+                })
+                .await;
+        }
+        let history_id = super::new_id();
+        self.write_raw(move |c| {
+            use AssignmentState::{Completed, Uploaded};
+            debug_assert!(Uploaded.can_become(Completed));
+            debug_assert_eq!(Uploaded.round_counter_deltas(Completed), (0, 1));
+            // Common path: the guarded UPLOADED -> COMPLETED transition (compare-and-set plus the
+            // report's checks), its history row, and the round's counter, which says whether the
+            // goal is reached.
+            let changed = c
+                .prepare_cached(
+                    "UPDATE assignments SET state = 'COMPLETED', updated_at = ?1 \
+                     WHERE id = ?2 AND state = 'UPLOADED' AND expires_at > ?1 \
+                     AND EXISTS (SELECT 1 FROM rounds r \
+                     WHERE r.id = assignments.round_id AND r.state = 'COLLECTING')",
+                )?
+                .execute(rusqlite::params![now, id])?;
+            if changed == 0 {
+                return Ok(Raw::Continue(Box::new(move |tx| {
+                    Box::pin(async move { report_slow(tx, &id, outcome, None, now).await })
+                })));
+            }
+            c.prepare_cached(
+                "INSERT INTO state_history (id, entity, entity_id, seq, from_state, to_state, reason, at) \
+                 SELECT ?1, 'assignment', ?2, COALESCE(MAX(seq), 0) + 1, 'UPLOADED', 'COMPLETED', \
+                 'device reported completion', ?3 FROM state_history WHERE entity_id = ?2",
+            )?
+            .execute(rusqlite::params![history_id, id, now])?;
+            let (round_id, goal, completed): (String, i64, i64) = c
+                .prepare_cached(
+                    "UPDATE rounds SET completed_reports = completed_reports + 1 \
+                     WHERE id = (SELECT round_id FROM assignments WHERE id = ?1) \
+                     RETURNING id, report_goal, completed_reports",
+                )?
+                .query_row(rusqlite::params![id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+            if completed < goal {
+                return Ok(Raw::Done(Ok(Completed)));
+            }
+            // The goal is reached (once per round): close the round for aggregation, with its
+            // job, in the same savepoint.
+            Ok(Raw::Continue(Box::new(move |tx| {
+                Box::pin(async move {
+                    let reason = format!("report goal {goal} reached");
+                    rounds::close(
+                        tx,
+                        &round_id,
+                        RoundState::Collecting,
+                        RoundState::Aggregating,
+                        &reason,
+                        now,
+                    )
+                    .await?;
+                    Ok(Ok(Completed))
+                })
+            })))
         })
         .await
     }
@@ -447,54 +434,73 @@ impl Db {
     }
 }
 
-/// The common completed report in three statements: the guarded UPLOADED -> COMPLETED
-/// transition (compare-and-set, plus the report's checks), the round's counter (which says whether
-/// the goal is reached), and the history row. `None` when the guards do not hold: the caller then
-/// reads the row and answers why (or that it was already completed).
-async fn complete_in_one_step(
+/// Why an upload's guarded update changed nothing: a repeated upload of the same bytes, or a
+/// refusal.
+async fn upload_refused(
     conn: &mut Conn,
     id: &str,
+    sha256_hex: &str,
     now: i64,
-) -> Result<Option<AssignmentState>, DbError> {
-    use AssignmentState::{Completed, Uploaded};
-    debug_assert!(Uploaded.can_become(Completed));
-    debug_assert_eq!(Uploaded.round_counter_deltas(Completed), (0, 1));
-    // One round trip: the guarded transition, its history row, and the round's counter (which
-    // answers whether the goal is reached); each later statement applies only if the one before
-    // changed a row (`changes()`).
-    let counted: Vec<(String, i64, i64)> = sqlx::query_as(
-        "UPDATE assignments SET state = 'COMPLETED', updated_at = $1 \
-         WHERE id = $2 AND state = 'UPLOADED' AND expires_at > $1 AND EXISTS (SELECT 1 FROM rounds r \
-         WHERE r.id = assignments.round_id AND r.state = 'COLLECTING'); \
-         INSERT INTO state_history (id, entity, entity_id, seq, from_state, to_state, reason, at) \
-         SELECT $3, 'assignment', $2, next, 'UPLOADED', 'COMPLETED', 'device reported completion', $1 \
-         FROM (SELECT COALESCE(MAX(seq), 0) + 1 AS next FROM state_history WHERE entity_id = $2) \
-         WHERE changes() = 1; \
-         UPDATE rounds SET completed_reports = completed_reports + 1 \
-         WHERE id = (SELECT round_id FROM assignments WHERE id = $2) AND changes() = 1 \
-         RETURNING id, report_goal, completed_reports",
-    )
-    .bind(now)
-    .bind(id)
-    .bind(super::new_id())
-    .fetch_all(&mut *conn)
-    .await?;
-    let Some((round_id, goal, completed)) = counted.into_iter().next() else {
-        return Ok(None);
+) -> Result<Result<Stored, Refusal>, DbError> {
+    let Some(a) = write_view(conn, id).await? else {
+        return Ok(Err(Refusal::UnknownAssignment));
     };
-    if completed >= goal {
-        let reason = format!("report goal {goal} reached");
-        rounds::close(
-            conn,
-            &round_id,
-            RoundState::Collecting,
-            RoundState::Aggregating,
-            &reason,
-            now,
-        )
-        .await?;
+    if let Some(stored) = &a.contribution_sha256 {
+        return Ok(if stored == sha256_hex {
+            Ok(Stored::Again)
+        } else {
+            Err(Refusal::DifferentBytes)
+        });
     }
-    Ok(Some(Completed))
+    Ok(Err(closed(&a, now).unwrap_or(Refusal::Finished(a.state))))
+}
+
+/// A report off the common path: a failure or not-eligible report, a repeated report, or a
+/// refusal (read the row, say why).
+async fn report_slow(
+    conn: &mut Conn,
+    id: &str,
+    outcome: ReportOutcome,
+    device_error: Option<&str>,
+    now: i64,
+) -> Result<Result<AssignmentState, Refusal>, DbError> {
+    let Some(a) = write_view(conn, id).await? else {
+        return Ok(Err(Refusal::UnknownAssignment));
+    };
+    let target = outcome.target();
+    if a.state == target {
+        return Ok(Ok(target));
+    }
+    if a.state.is_terminal() {
+        return Ok(Err(Refusal::Finished(a.state)));
+    }
+    if outcome == ReportOutcome::Completed && a.state != AssignmentState::Uploaded {
+        return Ok(Err(Refusal::NotUploaded));
+    }
+    if let Some(refusal) = closed(&a, now) {
+        return Ok(Err(refusal));
+    }
+    if outcome == ReportOutcome::Completed {
+        // The fast path applies every completion its guards allow; reaching here means the row
+        // changed under the single writer, which cannot happen.
+        return Err(DbError::Corrupt(format!(
+            "completion of {} neither applied nor refused",
+            a.id
+        )));
+    }
+    if let Some(error) = device_error {
+        sqlx::query("UPDATE assignments SET device_error = $1 WHERE id = $2")
+            .bind(error.chars().take(1000).collect::<String>())
+            .bind(&a.id)
+            .execute(&mut *conn)
+            .await?;
+    }
+    let reason = match outcome {
+        ReportOutcome::Failed => "device reported failure",
+        _ => "device found itself not eligible",
+    };
+    transition(conn, &a.id, a.state, target, reason, now).await?;
+    Ok(Ok(target))
 }
 
 /// Inserts an ASSIGNED assignment and its first history row. The round's `live_assignments`

@@ -5,6 +5,9 @@ use thiserror::Error;
 pub enum DbError {
     #[error("database error: {0}")]
     Sqlx(#[from] sqlx::Error),
+    /// From the writer's raw fast paths (`writer::Raw`).
+    #[error("database error: {0}")]
+    Sqlite(#[from] rusqlite::Error),
     #[error("database migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("{entity} {id} not found")]

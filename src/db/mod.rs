@@ -105,6 +105,16 @@ impl Db {
         self.writer.write(job).await
     }
 
+    /// Runs a job on the writer's raw SQLite handle in the next group commit (the device hot
+    /// paths: no round trip per statement; see `writer.rs`).
+    pub(crate) async fn write_raw<T, F>(&self, job: F) -> Result<T, DbError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&rusqlite::Connection) -> Result<writer::Raw<T>, DbError> + Send + 'static,
+    {
+        self.writer.write_raw(job).await
+    }
+
     /// A task's parsed definition, from the cache or parsed from `spec_json` once.
     pub(crate) fn spec_of(
         &self,

@@ -5,6 +5,12 @@
 //! once, and only then answers each job. A job's caller hears "done" only after the commit that
 //! includes it is on disk: the durability promise is unchanged, the fsync is shared.
 //!
+//! Jobs come in two kinds. Async jobs use sqlx, where every statement is a round trip to the
+//! connection's worker thread. Raw jobs (the device hot paths) run synchronously on the same
+//! connection's raw handle through rusqlite, while sqlx's worker is locked out: a batch's raw jobs
+//! cost one hand-over in total instead of a few per job. A raw job may end in a `Continuation`
+//! (a rare path that needs the async API), which runs in the same savepoint.
+//!
 //! The fsync also runs beside the next batch instead of before it: the writer connection commits
 //! with `synchronous = NORMAL` (SQLite writes the WAL frames but does not fsync them at commit),
 //! and a sync thread `fdatasync`s the WAL file and only then answers the jobs of every batch
@@ -23,11 +29,36 @@ use super::DbError;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// Called after the batch's commit, with the commit's error if it failed.
+/// Called after the batch's commit is durable, with the commit's error if it failed.
 type Completion = Box<dyn FnOnce(Option<&str>) + Send>;
 
-type Job =
+/// An async job over sqlx (any statement, any logic; each sqlx call is a round trip to the
+/// connection's worker thread).
+type AsyncJob =
     Box<dyn for<'c> FnOnce(&'c mut SqliteConnection) -> BoxFuture<'c, (bool, Completion)> + Send>;
+
+/// A job's synchronous fast path, run on the raw SQLite handle with no thread hop: done, or
+/// (rarely) a continuation that needs the async API, run in the same savepoint.
+pub enum Raw<T> {
+    Done(T),
+    Continue(Continuation<T>),
+}
+
+/// The async rest of a raw job.
+pub type Continuation<T> =
+    Box<dyn for<'c> FnOnce(&'c mut SqliteConnection) -> BoxFuture<'c, Result<T, DbError>> + Send>;
+
+enum RawErased {
+    Done(bool, Completion),
+    Continue(AsyncJob),
+}
+
+type RawJob = Box<dyn FnOnce(&rusqlite::Connection) -> RawErased + Send>;
+
+enum Job {
+    Async(AsyncJob),
+    Raw(RawJob),
+}
 
 /// Most jobs in one transaction.
 const MAX_BATCH: usize = 256;
@@ -36,6 +67,23 @@ const QUEUE: usize = 4096;
 #[derive(Debug, Clone)]
 pub struct Writer {
     jobs: mpsc::Sender<Job>,
+}
+
+/// The caller's answer channel, as a completion that reports the job's outcome once the commit
+/// is durable (or why it is not).
+fn completion<T: Send + 'static>(
+    outcome: Result<T, DbError>,
+    answer: oneshot::Sender<Result<T, DbError>>,
+) -> (bool, Completion) {
+    let ok = outcome.is_ok();
+    let completion: Completion = Box::new(move |commit_error| {
+        let _ = answer.send(match (outcome, commit_error) {
+            (Ok(value), None) => Ok(value),
+            (Ok(_), Some(e)) => Err(DbError::Commit(e.to_string())),
+            (Err(e), _) => Err(e),
+        });
+    });
+    (ok, completion)
 }
 
 impl Writer {
@@ -52,6 +100,20 @@ impl Writer {
         Self { jobs }
     }
 
+    async fn submit<T>(
+        &self,
+        job: Job,
+        result: oneshot::Receiver<Result<T, DbError>>,
+    ) -> Result<T, DbError> {
+        self.jobs
+            .send(job)
+            .await
+            .map_err(|_| DbError::Commit("the database writer has stopped".into()))?;
+        result
+            .await
+            .map_err(|_| DbError::Commit("the database writer dropped a job".into()))?
+    }
+
     /// Runs `job` in the next batch; returns its result once the batch's commit is durable.
     pub async fn write<T, F>(&self, job: F) -> Result<T, DbError>
     where
@@ -61,27 +123,33 @@ impl Writer {
             + 'static,
     {
         let (answer, result) = oneshot::channel();
-        let wrapped: Job = Box::new(move |conn| {
-            Box::pin(async move {
-                let outcome = job(conn).await;
-                let ok = outcome.is_ok();
-                let completion: Completion = Box::new(move |commit_error| {
-                    let _ = answer.send(match (outcome, commit_error) {
-                        (Ok(value), None) => Ok(value),
-                        (Ok(_), Some(e)) => Err(DbError::Commit(e.to_string())),
-                        (Err(e), _) => Err(e),
-                    });
-                });
-                (ok, completion)
-            })
+        let wrapped: AsyncJob =
+            Box::new(move |conn| Box::pin(async move { completion(job(conn).await, answer) }));
+        self.submit(Job::Async(wrapped), result).await
+    }
+
+    /// Runs `job` on the raw SQLite handle in the next batch (the hot paths: no round trip per
+    /// statement); a `Raw::Continue` finishes with the async API in the same savepoint.
+    pub async fn write_raw<T, F>(&self, job: F) -> Result<T, DbError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&rusqlite::Connection) -> Result<Raw<T>, DbError> + Send + 'static,
+    {
+        let (answer, result) = oneshot::channel();
+        let wrapped: RawJob = Box::new(move |conn| match job(conn) {
+            Ok(Raw::Done(value)) => {
+                let (ok, done) = completion(Ok(value), answer);
+                RawErased::Done(ok, done)
+            }
+            Err(error) => {
+                let (ok, done) = completion::<T>(Err(error), answer);
+                RawErased::Done(ok, done)
+            }
+            Ok(Raw::Continue(rest)) => RawErased::Continue(Box::new(move |conn| {
+                Box::pin(async move { completion(rest(conn).await, answer) })
+            })),
         });
-        self.jobs
-            .send(wrapped)
-            .await
-            .map_err(|_| DbError::Commit("the database writer has stopped".into()))?;
-        result
-            .await
-            .map_err(|_| DbError::Commit("the database writer dropped a job".into()))?
+        self.submit(Job::Raw(wrapped), result).await
     }
 }
 
@@ -94,13 +162,12 @@ async fn exec(conn: &mut SqliteConnection, sql: &'static str) -> Result<(), Stri
         .map_err(|e| e.to_string())
 }
 
-/// What ends one job and opens the savepoint of the next, in one round trip.
-fn between_jobs(ok: bool, last: bool) -> &'static str {
-    match (ok, last) {
-        (true, false) => "RELEASE job; SAVEPOINT job",
-        (true, true) => "RELEASE job",
-        (false, false) => "ROLLBACK TO job; RELEASE job; SAVEPOINT job",
-        (false, true) => "ROLLBACK TO job; RELEASE job",
+/// What ends one job's savepoint.
+fn end_job(ok: bool) -> &'static str {
+    if ok {
+        "RELEASE job"
+    } else {
+        "ROLLBACK TO job; RELEASE job"
     }
 }
 
@@ -144,6 +211,9 @@ fn sync(wal: &std::path::Path, file: &mut Option<std::fs::File>) -> Result<(), S
         .map_err(|e| format!("fsync of {}: {e}", wal.display()))
 }
 
+/// Raw jobs run first, as many as possible in one hold of the connection's handle; async jobs
+/// (and raw jobs' continuations) then run through sqlx. Order inside a batch does not matter:
+/// its jobs were concurrent requests.
 async fn run(
     mut conn: SqliteConnection,
     mut jobs: mpsc::Receiver<Job>,
@@ -158,21 +228,50 @@ async fn run(
             }
         }
         let size = batch.len();
+        let (raw, asyncs): (Vec<Job>, Vec<Job>) =
+            batch.into_iter().partition(|j| matches!(j, Job::Raw(_)));
+        let mut raw: std::collections::VecDeque<RawJob> = raw
+            .into_iter()
+            .filter_map(|j| match j {
+                Job::Raw(r) => Some(r),
+                Job::Async(_) => None,
+            })
+            .collect();
         let mut completions = Vec::with_capacity(size);
-        let mut failure = exec(&mut conn, "BEGIN IMMEDIATE; SAVEPOINT job")
-            .await
-            .err();
-        for (index, job) in batch.into_iter().enumerate() {
+        let mut failure = exec(&mut conn, "BEGIN IMMEDIATE").await.err();
+        while failure.is_none() && !raw.is_empty() {
+            // Hold the handle for every raw job up to the first continuation.
+            let continuation = match run_raw(&mut conn, &mut raw, &mut completions).await {
+                Ok(continuation) => continuation,
+                Err(error) => {
+                    failure = Some(error);
+                    break;
+                }
+            };
+            if let Some(rest) = continuation {
+                let (ok, done) = rest(&mut conn).await;
+                if let Err(e) = exec(&mut conn, end_job(ok)).await {
+                    failure = Some(e);
+                }
+                completions.push(done);
+            }
+        }
+        for job in asyncs {
+            let Job::Async(job) = job else { continue };
             if failure.is_some() {
                 // The transaction or a savepoint failed: the rest of the batch does not run, and
                 // dropping a job tells its caller so.
                 continue;
             }
-            let (ok, completion) = job(&mut conn).await;
-            if let Err(e) = exec(&mut conn, between_jobs(ok, index + 1 == size)).await {
+            if let Err(e) = exec(&mut conn, "SAVEPOINT job").await {
+                failure = Some(e);
+                continue;
+            }
+            let (ok, done) = job(&mut conn).await;
+            if let Err(e) = exec(&mut conn, end_job(ok)).await {
                 failure = Some(e);
             }
-            completions.push(completion);
+            completions.push(done);
         }
         let commit_error = match failure {
             None => exec(&mut conn, "COMMIT").await.err(),
@@ -195,6 +294,42 @@ async fn run(
         }
     }
     let _ = conn.close().await;
+}
+
+/// Runs raw jobs on the connection's raw handle, each in its own savepoint, until they are all
+/// done or one needs to continue through sqlx: that continuation is returned with its savepoint
+/// still open.
+async fn run_raw(
+    conn: &mut SqliteConnection,
+    raw: &mut std::collections::VecDeque<RawJob>,
+    completions: &mut Vec<Completion>,
+) -> Result<Option<AsyncJob>, String> {
+    let mut locked = conn.lock_handle().await.map_err(|e| e.to_string())?;
+    // SAFETY: the handle is a live `sqlite3*` that sqlx's worker does not touch while `locked`
+    // is held; the rusqlite wrapper does not close it on drop and is dropped before `locked`.
+    let handle = unsafe { rusqlite::Connection::from_handle(locked.as_raw_handle().as_ptr()) }
+        .map_err(|e| e.to_string())?;
+    let mut continuation = None;
+    while let Some(job) = raw.pop_front() {
+        handle
+            .execute_batch("SAVEPOINT job")
+            .map_err(|e| e.to_string())?;
+        match job(&handle) {
+            RawErased::Done(ok, done) => {
+                handle
+                    .execute_batch(end_job(ok))
+                    .map_err(|e| e.to_string())?;
+                completions.push(done);
+            }
+            RawErased::Continue(rest) => {
+                continuation = Some(rest);
+                break;
+            }
+        }
+    }
+    drop(handle);
+    drop(locked);
+    Ok(continuation)
 }
 
 #[cfg(test)]
@@ -241,6 +376,49 @@ mod tests {
         let writer = Writer::start(conn, dir.path().join("t.db-wal"));
         writer.write(insert(1)).await.unwrap();
         writer.write(insert(2)).await.unwrap();
+    }
+
+    fn count(dir: &std::path::Path) -> i64 {
+        let c = rusqlite::Connection::open(dir.join("t.db")).unwrap();
+        c.query_row("SELECT COUNT(*) FROM t", [], |r| r.get(0))
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn raw_jobs_commit_roll_back_alone_and_continue_through_sqlx() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = connection(dir.path()).await;
+        sqlx::raw_sql("CREATE TABLE t (v BIGINT)")
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        let writer = Writer::start(conn, dir.path().join("t.db-wal"));
+        let done = writer.write_raw(|c| {
+            c.execute("INSERT INTO t (v) VALUES (1)", [])?;
+            Ok(Raw::Done(7))
+        });
+        let failed = writer.write_raw(|c| -> Result<Raw<()>, DbError> {
+            c.execute("INSERT INTO t (v) VALUES (2)", [])?;
+            Err(DbError::Corrupt("refused after writing".into()))
+        });
+        let continued = writer.write_raw(|c| {
+            c.execute("INSERT INTO t (v) VALUES (3)", [])?;
+            let rest: Continuation<i64> = Box::new(|conn| {
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO t (v) VALUES (4)")
+                        .execute(&mut *conn)
+                        .await?;
+                    Ok(4)
+                })
+            });
+            Ok(Raw::Continue(rest))
+        });
+        let (done, failed, continued) = tokio::join!(done, failed, continued);
+        assert_eq!(done.unwrap(), 7);
+        assert!(matches!(failed, Err(DbError::Corrupt(_))));
+        assert_eq!(continued.unwrap(), 4);
+        // 1, 3 and 4 stayed; the failed job's 2 was rolled back with its savepoint.
+        assert_eq!(count(dir.path()), 3);
     }
 
     /// If the WAL cannot be synced, nothing is acknowledged: every job of the batch is refused.
