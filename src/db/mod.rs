@@ -55,7 +55,23 @@ pub struct Db {
             std::collections::HashMap<String, std::sync::Arc<crate::task_spec::TaskSpec>>,
         >,
     >,
+    /// Model version records (immutable once written), for check-in and model downloads.
+    models:
+        std::sync::Arc<std::sync::RwLock<std::collections::HashMap<(String, i64), ModelRecord>>>,
+    /// Raw read-only connections for the check-in's read (see `read_raw`).
+    raw_readers: std::sync::Arc<RawReaders>,
 }
+
+/// Read-only rusqlite connections to the database file, used synchronously on the calling task:
+/// a short indexed read costs tens of microseconds, less than a round trip to a sqlx worker.
+#[derive(Debug)]
+struct RawReaders {
+    path: std::path::PathBuf,
+    idle: std::sync::Mutex<Vec<rusqlite::Connection>>,
+}
+
+/// Cached model records at most; past it the cache starts over (records are cheap to reread).
+const MODEL_CACHE: usize = 100_000;
 
 impl Db {
     /// Opens (creating if missing) the SQLite database at `path` and applies pending migrations.
@@ -87,6 +103,11 @@ impl Db {
             pool,
             writer,
             specs: Default::default(),
+            models: Default::default(),
+            raw_readers: std::sync::Arc::new(RawReaders {
+                path: path.to_path_buf(),
+                idle: Default::default(),
+            }),
         })
     }
 
@@ -103,6 +124,50 @@ impl Db {
             + 'static,
     {
         self.writer.write(job).await
+    }
+
+    /// Runs a short read on a raw read-only connection, synchronously (for the device hot path:
+    /// no thread hop). Keep `read` to a few indexed rows.
+    pub(crate) fn read_raw<T>(
+        &self,
+        read: impl FnOnce(&rusqlite::Connection) -> Result<T, DbError>,
+    ) -> Result<T, DbError> {
+        let readers = &self.raw_readers;
+        let idle = readers.idle.lock().ok().and_then(|mut idle| idle.pop());
+        let connection = match idle {
+            Some(connection) => connection,
+            None => {
+                let connection = rusqlite::Connection::open_with_flags(
+                    &readers.path,
+                    rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY
+                        | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+                )?;
+                connection.busy_timeout(Duration::from_secs(10))?;
+                connection
+            }
+        };
+        let result = read(&connection);
+        if let Ok(mut idle) = readers.idle.lock() {
+            idle.push(connection);
+        }
+        result
+    }
+
+    /// A model version's record from the cache, or read once (records never change).
+    pub(crate) fn cached_model(&self, task_id: &str, version: i64) -> Option<ModelRecord> {
+        self.models
+            .read()
+            .ok()
+            .and_then(|m| m.get(&(task_id.to_string(), version)).cloned())
+    }
+
+    pub(crate) fn cache_model(&self, record: &ModelRecord) {
+        if let Ok(mut models) = self.models.write() {
+            if models.len() >= MODEL_CACHE {
+                models.clear();
+            }
+            models.insert((record.task_id.clone(), record.version), record.clone());
+        }
     }
 
     /// Runs a job on the writer's raw SQLite handle in the next group commit (the device hot

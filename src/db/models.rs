@@ -72,8 +72,13 @@ pub(crate) async fn load(
 impl Db {
     /// One model version of any task (devices download models without a tenant token).
     pub async fn model_of_task(&self, task_id: &str, version: i64) -> Result<ModelRecord, DbError> {
+        if let Some(record) = self.cached_model(task_id, version) {
+            return Ok(record);
+        }
         let mut conn = self.pool().acquire().await?;
-        load(&mut conn, task_id, version).await
+        let record = load(&mut conn, task_id, version).await?;
+        self.cache_model(&record);
+        Ok(record)
     }
 
     /// One model version of one tenant's task (`NotFound` for another tenant's task).

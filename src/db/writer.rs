@@ -238,23 +238,31 @@ async fn run(
             })
             .collect();
         let mut completions = Vec::with_capacity(size);
-        let mut failure = exec(&mut conn, "BEGIN IMMEDIATE").await.err();
-        while failure.is_none() && !raw.is_empty() {
-            // Hold the handle for every raw job up to the first continuation.
-            let continuation = match run_raw(&mut conn, &mut raw, &mut completions).await {
-                Ok(continuation) => continuation,
-                Err(error) => {
-                    failure = Some(error);
-                    break;
+        let mut failure = None;
+        let mut began = false;
+        // `Some(error or none)` once the raw path committed the batch itself.
+        let mut committed: Option<Option<String>> = None;
+        while failure.is_none() && committed.is_none() && !raw.is_empty() {
+            // Hold the handle for every raw job up to the first continuation; a batch without
+            // async work begins and commits on the handle too: one hand-over in all.
+            let ends_batch = asyncs.is_empty();
+            match run_raw(&mut conn, &mut raw, &mut completions, !began, ends_batch).await {
+                Err(error) => failure = Some(error),
+                Ok(segment) => {
+                    began = true;
+                    committed = segment.committed;
+                    if let Some(rest) = segment.continuation {
+                        let (ok, done) = rest(&mut conn).await;
+                        if let Err(e) = exec(&mut conn, end_job(ok)).await {
+                            failure = Some(e);
+                        }
+                        completions.push(done);
+                    }
                 }
-            };
-            if let Some(rest) = continuation {
-                let (ok, done) = rest(&mut conn).await;
-                if let Err(e) = exec(&mut conn, end_job(ok)).await {
-                    failure = Some(e);
-                }
-                completions.push(done);
             }
+        }
+        if !began && failure.is_none() {
+            failure = exec(&mut conn, "BEGIN IMMEDIATE").await.err();
         }
         for job in asyncs {
             let Job::Async(job) = job else { continue };
@@ -273,9 +281,10 @@ async fn run(
             }
             completions.push(done);
         }
-        let commit_error = match failure {
-            None => exec(&mut conn, "COMMIT").await.err(),
-            Some(error) => {
+        let commit_error = match (committed, failure) {
+            (Some(outcome), None) => outcome,
+            (None, None) => exec(&mut conn, "COMMIT").await.err(),
+            (_, Some(error)) => {
                 let _ = exec(&mut conn, "ROLLBACK").await;
                 Some(error)
             }
@@ -296,40 +305,60 @@ async fn run(
     let _ = conn.close().await;
 }
 
+/// What one hold of the raw handle did.
+struct Segment {
+    /// A raw job's async rest, its savepoint still open.
+    continuation: Option<AsyncJob>,
+    /// The batch was committed on the handle (with the commit's error, if any).
+    committed: Option<Option<String>>,
+}
+
 /// Runs raw jobs on the connection's raw handle, each in its own savepoint, until they are all
-/// done or one needs to continue through sqlx: that continuation is returned with its savepoint
-/// still open.
+/// done or one needs to continue through sqlx. With `begin`, the batch's transaction starts here;
+/// with `commit`, a segment that runs every remaining raw job also commits it.
 async fn run_raw(
     conn: &mut SqliteConnection,
     raw: &mut std::collections::VecDeque<RawJob>,
     completions: &mut Vec<Completion>,
-) -> Result<Option<AsyncJob>, String> {
+    begin: bool,
+    commit: bool,
+) -> Result<Segment, String> {
     let mut locked = conn.lock_handle().await.map_err(|e| e.to_string())?;
     // SAFETY: the handle is a live `sqlite3*` that sqlx's worker does not touch while `locked`
     // is held; the rusqlite wrapper does not close it on drop and is dropped before `locked`.
     let handle = unsafe { rusqlite::Connection::from_handle(locked.as_raw_handle().as_ptr()) }
         .map_err(|e| e.to_string())?;
-    let mut continuation = None;
+    let sql = |statement: &str| handle.execute_batch(statement).map_err(|e| e.to_string());
+    if begin {
+        sql("BEGIN IMMEDIATE")?;
+    }
+    let mut segment = Segment {
+        continuation: None,
+        committed: None,
+    };
     while let Some(job) = raw.pop_front() {
-        handle
-            .execute_batch("SAVEPOINT job")
-            .map_err(|e| e.to_string())?;
+        sql("SAVEPOINT job")?;
         match job(&handle) {
             RawErased::Done(ok, done) => {
-                handle
-                    .execute_batch(end_job(ok))
-                    .map_err(|e| e.to_string())?;
+                sql(end_job(ok))?;
                 completions.push(done);
             }
             RawErased::Continue(rest) => {
-                continuation = Some(rest);
+                segment.continuation = Some(rest);
                 break;
             }
         }
     }
+    if commit && segment.continuation.is_none() {
+        let outcome = sql("COMMIT").err();
+        if outcome.is_some() {
+            let _ = sql("ROLLBACK");
+        }
+        segment.committed = Some(outcome);
+    }
     drop(handle);
     drop(locked);
-    Ok(continuation)
+    Ok(segment)
 }
 
 #[cfg(test)]
@@ -419,6 +448,30 @@ mod tests {
         assert_eq!(continued.unwrap(), 4);
         // 1, 3 and 4 stayed; the failed job's 2 was rolled back with its savepoint.
         assert_eq!(count(dir.path()), 3);
+    }
+
+    #[tokio::test]
+    async fn a_batch_of_raw_jobs_begins_and_commits_on_the_handle() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = connection(dir.path()).await;
+        sqlx::raw_sql("CREATE TABLE t (v BIGINT)")
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        let writer = Writer::start(conn, dir.path().join("t.db-wal"));
+        let jobs = (0..20).map(|v| {
+            writer.write_raw(move |c| {
+                c.execute("INSERT INTO t (v) VALUES (?1)", [v])?;
+                Ok(Raw::Done(()))
+            })
+        });
+        for result in futures_util::future::join_all(jobs).await {
+            result.unwrap();
+        }
+        assert_eq!(count(dir.path()), 20);
+        // And the connection is usable by sqlx afterwards (no transaction left open).
+        writer.write(insert(99)).await.unwrap();
+        assert_eq!(count(dir.path()), 21);
     }
 
     /// If the WAL cannot be synced, nothing is acknowledged: every job of the batch is refused.
