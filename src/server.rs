@@ -70,6 +70,8 @@ pub enum ServeError {
     Db(#[from] DbError),
     #[error(transparent)]
     Blob(#[from] BlobError),
+    #[error("cannot start the embedded key services: {0}")]
+    Embedded(String),
 }
 
 /// Plain HTTP exposes tokens on the wire: allowed only where the wire is this machine.
@@ -108,19 +110,26 @@ pub async fn serve(
     if fresh {
         create_demo_tenant(&db, clock.now_millis()).await?;
     }
-    let blobs = LocalBlobStore::open(config.data_dir.join("blobs"))?;
+    let blobs: Arc<dyn crate::blob::BlobStore> =
+        Arc::new(LocalBlobStore::open(config.data_dir.join("blobs"))?);
+    let contributions: Arc<dyn crate::blob::BlobStore> =
+        Arc::new(crate::blob::DatabaseBlobStore::new(db.clone()));
+    let (stop_tx, stop_rx) = watch::channel(false);
     let keys = KeyDirectory::default();
-    if config.keyservices.is_empty() {
-        tracing::warn!(
-            "no --keyservice given: devices get no encryption key and are told to retry"
-        );
+    let mut background = Vec::new();
+    let embedded_worker = if config.keyservices.is_empty() {
+        let (worker_config, tasks) =
+            start_embedded_enclave(&config.data_dir, &clock, &keys, stop_rx.clone()).await?;
+        background.extend(tasks);
+        Some(worker_config)
     } else {
         keys.spawn_refresh(config.keyservices.clone(), KEY_REFRESH);
-    }
+        None
+    };
     let state = AppState {
         db: db.clone(),
-        blobs: Arc::new(blobs),
-        contributions: Arc::new(crate::blob::DatabaseBlobStore::new(db.clone())),
+        blobs: blobs.clone(),
+        contributions: contributions.clone(),
         clock: Arc::clone(&clock),
         admin: config.admin.clone(),
         limits: config.limits,
@@ -130,14 +139,32 @@ pub async fn serve(
     };
     let app = api::router(state);
 
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let scheduler =
-        tokio::spawn(Scheduler::new(db.clone(), clock).run(config.scheduler_period, stop_rx));
+    if let Some(worker_config) = embedded_worker {
+        let store = crate::aggregation::TaskDbJobStore {
+            db: db.clone(),
+            blobs,
+            contributions,
+            keys: keys.clone(),
+            clock: clock.clone(),
+        };
+        let worker = confed_enclave::worker::Worker::new(Arc::new(store), worker_config);
+        background.push(tokio::spawn(crate::aggregation::run_worker(
+            worker,
+            Duration::from_secs(1),
+            stop_rx.clone(),
+        )));
+    }
+    let scheduler = tokio::spawn(
+        Scheduler::new(db.clone(), clock.clone()).run(config.scheduler_period, stop_rx),
+    );
     tracing::info!(admin_api = config.admin.is_some(), data_dir = %config.data_dir.display(), "starting");
     let result = serve_app(config.listen, config.tls.as_ref(), app, shutdown).await;
     tracing::info!("stopped accepting requests; stopping the scheduler");
     let _ = stop_tx.send(true);
     let _ = scheduler.await;
+    for task in background {
+        let _ = task.await;
+    }
     db.close().await;
     tracing::info!("shut down cleanly");
     result
@@ -210,4 +237,64 @@ async fn create_demo_tenant(db: &Db, now: i64) -> Result<(), ServeError> {
     );
     println!("CONFED_DEMO_TOKEN={}", token.as_str());
     Ok(())
+}
+
+/// The embedded default without `--keyservice`: three key services (any two reconstruct a key)
+/// and an enclave worker in this process, attesting with the DEV attester; state in
+/// `DATA_DIR/embedded`, and the device trust file at `DATA_DIR/embedded/trust.json`.
+async fn start_embedded_enclave(
+    data_dir: &std::path::Path,
+    clock: &Arc<dyn Clock>,
+    keys: &KeyDirectory,
+    stop: watch::Receiver<bool>,
+) -> Result<
+    (
+        confed_enclave::worker::WorkerConfig,
+        Vec<tokio::task::JoinHandle<()>>,
+    ),
+    ServeError,
+> {
+    let embedded = data_dir.join("embedded");
+    std::fs::create_dir_all(&embedded).map_err(|source| ServeError::DataDir {
+        path: embedded.clone(),
+        source,
+    })?;
+    let token_clock = clock.clone();
+    let attester = Arc::new(confed_attestation::DevAttester::new(
+        confed_attestation::exchange::generate_signing_key(),
+        Arc::new(move || token_clock.now_millis() / 1000),
+    ));
+    let services =
+        crate::embedded::keyservices::start(&embedded, 3, 2, clock.clone(), &attester, stop)
+            .await
+            .map_err(|e| ServeError::Embedded(e.to_string()))?;
+    let urls: Vec<String> = services.endpoints.iter().map(|e| e.url.clone()).collect();
+    keys.refresh(
+        &confed_enclave::http::client(Duration::from_secs(10)),
+        &urls,
+    )
+    .await;
+    keys.spawn_refresh(urls, KEY_REFRESH);
+    let trust_file = embedded.join("trust.json");
+    let trust = serde_json::to_vec_pretty(&services.trust)
+        .map_err(|e| ServeError::Embedded(e.to_string()))?;
+    std::fs::write(&trust_file, trust).map_err(|source| ServeError::DataDir {
+        path: trust_file.clone(),
+        source,
+    })?;
+    println!(
+        "confed: no --keyservice given: 3 key services (any 2 reconstruct a key) and an enclave worker run in this process with the DEV attester; nothing here is confidential. Device trust file: {}",
+        trust_file.display()
+    );
+    let worker = confed_enclave::worker::WorkerConfig {
+        id: "embedded-enclave-worker".into(),
+        lease: Duration::from_secs(60),
+        key_services: services.endpoints,
+        threshold: 2,
+        attester,
+        key_timeout: Duration::from_secs(10),
+        batch: 256,
+        batch_bytes: 16 << 20,
+    };
+    Ok((worker, services.tasks))
 }

@@ -232,3 +232,102 @@ async fn serves_tls_with_operator_certificate() {
     assert!(response.ends_with("ok"), "{response}");
     assert!(terminate(server).await.success());
 }
+
+/// Polls until model `version` of `task` exists (the embedded enclave worker released and
+/// applied the round) and returns it.
+async fn wait_for_model(url: &str, token: &str, task: &str, version: u32) -> Vec<u8> {
+    let http = confed_enclave::http::client(STARTUP_BOUND);
+    tokio::time::timeout(STARTUP_BOUND, async {
+        loop {
+            let reply = http
+                .get(format!("{url}/v1/tasks/{task}/models/{version}"))
+                .bearer_auth(token)
+                .send()
+                .await
+                .unwrap();
+            if reply.status() == 200 {
+                return reply.bytes().await.unwrap().to_vec();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the round was aggregated")
+}
+
+async fn devices(url: &str, trust: &Path, first: u64) {
+    let summary = confed::device::simulate::run(confed::device::simulate::SimulationConfig {
+        server: url.to_string(),
+        population: "embedded".into(),
+        devices: 8,
+        first_device: first,
+        concurrency: 4,
+        rounds: 1,
+        trust: confed::device::client::TrustConfig::load(trust).unwrap(),
+        train: true,
+        seed: 7,
+        rows_per_device: 30,
+        max_retry_wait: Duration::from_millis(20),
+        idle_limit: 50,
+        client_version: "1.0.0".into(),
+        progress: false,
+        bars: None,
+    })
+    .await
+    .unwrap();
+    assert_eq!(summary.contributions, 8, "{:?}", summary.failures);
+}
+
+/// `confed serve` with no key services runs the whole system: embedded key services and an
+/// enclave worker (dev attester) complete rounds, and their keys survive a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_alone_runs_rounds_with_its_embedded_enclave_across_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let server = start(&data, &[]).await;
+    let token = server.demo_token.clone().unwrap();
+    let http = confed_enclave::http::client(STARTUP_BOUND);
+    let task: serde_json::Value = http
+        .post(format!("{}/v1/tasks", server.url))
+        .bearer_auth(&token)
+        .json(&json!({
+            "population": "embedded", "rounds": 2, "report_goal": 8,
+            "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0},
+        }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let task = task["id"].as_str().unwrap().to_string();
+    let put = http
+        .put(format!("{}/v1/tasks/{task}/model", server.url))
+        .bearer_auth(&token)
+        .body(confed::device::simulate::initial_model(7))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 201);
+    let trust = data.join("embedded").join("trust.json");
+    devices(&server.url, &trust, 0).await;
+    wait_for_model(&server.url, &token, &task, 1).await;
+    assert!(terminate(server).await.success());
+
+    // Restarted: the same key services' keys and shares, so devices that trusted them before
+    // still do, and round 2 completes the task.
+    let server = start(&data, &[]).await;
+    devices(&server.url, &trust, 8).await;
+    wait_for_model(&server.url, &token, &task, 2).await;
+    let state: serde_json::Value = http
+        .get(format!("{}/v1/tasks/{task}", server.url))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(state["state"], "COMPLETED");
+    assert!(terminate(server).await.success());
+}

@@ -6,12 +6,14 @@
 //! one process that holds every share. Production runs the enclave in Confidential Space and the
 //! key services as separately operated processes (see docs/architecture.md).
 
+pub mod keyservices;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use confed_attestation::exchange::{encode_verifying_key, generate_signing_key};
-use confed_attestation::{AppraisalPolicy, DevAttester, KeySource};
+use confed_attestation::DevAttester;
+use confed_attestation::exchange::generate_signing_key;
 use confed_enclave::key_collection::KeyServiceEndpoint;
 use confed_enclave::worker::{Worker, WorkerConfig};
 use thiserror::Error;
@@ -23,15 +25,9 @@ use crate::api::{self, AppState, Limits};
 use crate::blob::LocalBlobStore;
 use crate::clock::Clock;
 use crate::db::{Db, NewTenant};
-use crate::device::client::{TrustConfig, TrustedEntry};
-use crate::keys::ShareFile;
-use crate::keys::ceremony::{CeremonyOptions, generate};
+use crate::device::client::TrustConfig;
 use crate::keys::directory::KeyDirectory;
-use crate::keyservice::{KeyService, KeyServiceParts, routes};
 use crate::scheduler::Scheduler;
-
-/// The dev appraisal policy, compiled in so the demo runs from any directory.
-const DEV_POLICY: &str = include_str!("../policies/dev.toml");
 
 #[derive(Debug, Error)]
 pub enum EmbeddedError {
@@ -101,15 +97,6 @@ impl EmbeddedSystem {
         let dir = &options.data_dir;
         std::fs::create_dir_all(dir).map_err(setup)?;
         let clock = options.clock.clone();
-        let now = clock.now_millis() / 1000;
-        let ceremony = generate(&CeremonyOptions {
-            shares: options.keyservices,
-            threshold: options.threshold,
-            out_dir: dir.join("ceremony"),
-            not_before: now - 60,
-            not_after: now + 30 * 86_400,
-        })
-        .map_err(setup)?;
         let token_clock = clock.clone();
         let attester = Arc::new(DevAttester::new(
             options
@@ -118,33 +105,18 @@ impl EmbeddedSystem {
                 .unwrap_or_else(generate_signing_key),
             Arc::new(move || token_clock.now_millis() / 1000),
         ));
-        let policy = AppraisalPolicy::from_toml(DEV_POLICY).map_err(setup)?;
         let (stop, stop_rx) = watch::channel(false);
-        let mut tasks = Vec::new();
-        let mut keyservices = Vec::new();
-        let mut trusted = Vec::new();
-        for (i, share) in ceremony.share_files.iter().enumerate() {
-            let id = format!("ks{}", i + 1);
-            let signing_key = generate_signing_key();
-            trusted.push(TrustedEntry {
-                id: id.clone(),
-                verifying_key: encode_verifying_key(signing_key.verifying_key()),
-            });
-            let service = KeyService::new(KeyServiceParts {
-                id: id.clone(),
-                audience: format!("confed-keyservice/{id}"),
-                signing_key,
-                shares: vec![ShareFile::load(share).map_err(setup)?],
-                policy: policy.clone(),
-                key_source: KeySource::fixed(attester.jwks()),
-                audit_log: dir.join(format!("audit-{id}.jsonl")),
-                clock: clock.clone(),
-            })
-            .map_err(setup)?;
-            let (url, handle) = serve_router(routes::router(service), stop_rx.clone()).await?;
-            tasks.push(handle);
-            keyservices.push(KeyServiceEndpoint { id, url });
-        }
+        let services = keyservices::start(
+            dir,
+            options.keyservices,
+            options.threshold,
+            clock.clone(),
+            &attester,
+            stop_rx.clone(),
+        )
+        .await?;
+        let mut tasks = services.tasks;
+        let keyservices = services.endpoints;
         let db = Db::open_sqlite(&dir.join("confed.db"))
             .await
             .map_err(setup)?;
@@ -188,10 +160,7 @@ impl EmbeddedSystem {
             db,
             store,
             keyservices,
-            trust: TrustConfig {
-                threshold: usize::from(options.threshold),
-                keyservices: trusted,
-            },
+            trust: services.trust,
             attester,
             threshold: options.threshold,
             stop,
