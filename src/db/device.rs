@@ -4,7 +4,7 @@
 use rusqlite::OptionalExtension;
 
 use super::writer::Raw;
-use super::{Conn, Db, DbError, history, parse_state, rounds, transition};
+use super::{Conn, Db, DbError, history, parse_state, transition};
 use crate::states::{AssignmentState, RoundState, StateMachine};
 use crate::task_spec::TaskSpec;
 
@@ -299,7 +299,7 @@ impl Db {
                 .execute(rusqlite::params![now, sha256_hex, size, blob_key, id])?;
             if changed == 0 {
                 // Only a refusal (or a repeated upload) reads the row to say why.
-                return Ok(Raw::Continue(Box::new(move |tx| {
+                return Ok(Raw::After(Box::new(move |tx| {
                     Box::pin(async move { upload_refused(tx, &id, &sha256_hex, now).await })
                 })));
             }
@@ -358,7 +358,7 @@ impl Db {
                 )?
                 .execute(rusqlite::params![now, id])?;
             if changed == 0 {
-                return Ok(Raw::Continue(Box::new(move |tx| {
+                return Ok(Raw::After(Box::new(move |tx| {
                     Box::pin(async move { report_slow(tx, &id, outcome, None, now).await })
                 })));
             }
@@ -378,23 +378,37 @@ impl Db {
             if completed < goal {
                 return Ok(Raw::Done(Ok(Completed)));
             }
-            // The goal is reached (once per round): close the round for aggregation, with its
-            // job, in the same savepoint.
-            Ok(Raw::Continue(Box::new(move |tx| {
-                Box::pin(async move {
-                    let reason = format!("report goal {goal} reached");
-                    rounds::close(
-                        tx,
-                        &round_id,
-                        RoundState::Collecting,
-                        RoundState::Aggregating,
-                        &reason,
-                        now,
-                    )
-                    .await?;
-                    Ok(Ok(Completed))
-                })
-            })))
+            // The goal is reached (once per round): close the round for aggregation and record
+            // its job, in the same savepoint (what `rounds::close` and `jobs::create` do).
+            debug_assert!(RoundState::Collecting.can_become(RoundState::Aggregating));
+            let closed = c
+                .prepare_cached(
+                    "UPDATE rounds SET state = 'AGGREGATING', updated_at = ?2 \
+                     WHERE id = ?1 AND state = 'COLLECTING'",
+                )?
+                .execute(rusqlite::params![round_id, now])?;
+            if closed != 1 {
+                return Err(DbError::Corrupt(format!(
+                    "round {round_id} reached its goal but is not collecting"
+                )));
+            }
+            c.prepare_cached(
+                "INSERT INTO state_history (id, entity, entity_id, seq, from_state, to_state, reason, at) \
+                 SELECT ?1, 'round', ?2, COALESCE(MAX(seq), 0) + 1, 'COLLECTING', 'AGGREGATING', ?3, ?4 \
+                 FROM state_history WHERE entity_id = ?2",
+            )?
+            .execute(rusqlite::params![
+                super::new_id(),
+                round_id,
+                format!("report goal {goal} reached"),
+                now
+            ])?;
+            c.prepare_cached(
+                "INSERT INTO aggregation_jobs (round_id, task_id, state, not_before, created_at, updated_at) \
+                 SELECT id, task_id, 'PENDING', ?2, ?2, ?2 FROM rounds WHERE id = ?1",
+            )?
+            .execute(rusqlite::params![round_id, now])?;
+            Ok(Raw::Done(Ok(Completed)))
         })
         .await
     }

@@ -87,14 +87,20 @@ impl Db {
         MIGRATOR.run(&mut connection).await?;
         drop(connection);
         // The writer's commits are made durable by its own sync thread (`writer.rs`).
+        // ... and checkpointed by its own thread, never during a commit.
         let writer_connection = options
             .clone()
             .synchronous(SqliteSynchronous::Normal)
+            .pragma("wal_autocheckpoint", "0")
             .connect()
             .await?;
-        let mut wal = path.as_os_str().to_owned();
-        wal.push("-wal");
-        let writer = writer::Writer::start(writer_connection, wal.into());
+        // The writer's own rusqlite connection for the raw hot paths (`writer.rs`).
+        let raw_writer = rusqlite::Connection::open(path)?;
+        raw_writer.busy_timeout(Duration::from_secs(10))?;
+        raw_writer.execute_batch(
+            "PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON; PRAGMA wal_autocheckpoint = 0",
+        )?;
+        let writer = writer::Writer::start(writer_connection, raw_writer, path.to_path_buf());
         let pool = SqlitePoolOptions::new()
             .max_connections(8)
             .connect_with(options)

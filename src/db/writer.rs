@@ -1,22 +1,22 @@
 //! Group commit for SQLite. SQLite has one writer and, with `synchronous = FULL`, one fsync per
 //! commit, which caps durable writes at the disk's fsync rate no matter how many requests wait.
-//! Here every write is a job sent to one writer task, which runs all jobs waiting at that moment
-//! in one transaction, each inside its own SAVEPOINT (a failing job rolls back alone), commits
-//! once, and only then answers each job. A job's caller hears "done" only after the commit that
-//! includes it is on disk: the durability promise is unchanged, the fsync is shared.
+//! Here every write is a job sent to one writer, which runs all jobs waiting at that moment
+//! together, each inside its own SAVEPOINT (a failing job rolls back alone), commits, and only
+//! then answers each job. A job's caller hears "done" only after the commit that includes it is
+//! on disk: the durability promise is unchanged, the fsync is shared.
 //!
-//! Jobs come in two kinds. Async jobs use sqlx, where every statement is a round trip to the
-//! connection's worker thread. Raw jobs (the device hot paths) run synchronously on the same
-//! connection's raw handle through rusqlite, while sqlx's worker is locked out: a batch's raw jobs
-//! cost one hand-over in total instead of a few per job. A raw job may end in a `Continuation`
-//! (a rare path that needs the async API), which runs in the same savepoint.
+//! Jobs come in two kinds. Raw jobs (the device hot paths) run synchronously through rusqlite on
+//! the writer's own connection, on the writer's own thread: no thread hop per statement. Async
+//! jobs use sqlx (any logic; every statement a round trip to sqlx's worker thread) on a second
+//! connection. A batch commits its raw jobs in one transaction, then its async jobs (and the raw
+//! jobs' `After` parts) in another; only one of the two connections writes at any time.
 //!
-//! The fsync also runs beside the next batch instead of before it: the writer connection commits
-//! with `synchronous = NORMAL` (SQLite writes the WAL frames but does not fsync them at commit),
-//! and a sync thread `fdatasync`s the WAL file and only then answers the jobs of every batch
-//! committed before that call. WAL frames are appended in commit order, so one fsync makes every
-//! earlier commit durable; SQLite itself still syncs the WAL before each checkpoint and the
-//! database after it. Nothing is acknowledged before it is on disk.
+//! The fsync runs beside the next batch instead of before it: both connections commit with
+//! `synchronous = NORMAL` (SQLite writes the WAL frames but does not fsync them at commit), and a
+//! sync thread `fdatasync`s the WAL file and only then answers the jobs of every batch committed
+//! before that call. WAL frames are appended in commit order, so one fsync makes every earlier
+//! commit durable. Checkpoints run on a thread of their own (`wal_autocheckpoint = 0` on the
+//! writer's connections), never inside a commit. Nothing is acknowledged before it is on disk.
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -37,11 +37,13 @@ type Completion = Box<dyn FnOnce(Option<&str>) + Send>;
 type AsyncJob =
     Box<dyn for<'c> FnOnce(&'c mut SqliteConnection) -> BoxFuture<'c, (bool, Completion)> + Send>;
 
-/// A job's synchronous fast path, run on the raw SQLite handle with no thread hop: done, or
-/// (rarely) a continuation that needs the async API, run in the same savepoint.
+/// A job's synchronous fast path, run on the writer's rusqlite connection: done, or (rarely)
+/// an `After` part that needs the async API. `After` runs in the batch's second transaction,
+/// after the raw jobs committed, so it must not need to be atomic with the raw part: the device
+/// paths use it only to read why a guarded update changed nothing.
 pub enum Raw<T> {
     Done(T),
-    Continue(Continuation<T>),
+    After(Continuation<T>),
 }
 
 /// The async rest of a raw job.
@@ -50,7 +52,7 @@ pub type Continuation<T> =
 
 enum RawErased {
     Done(bool, Completion),
-    Continue(AsyncJob),
+    After(AsyncJob),
 }
 
 type RawJob = Box<dyn FnOnce(&rusqlite::Connection) -> RawErased + Send>;
@@ -87,16 +89,42 @@ fn completion<T: Send + 'static>(
 }
 
 impl Writer {
-    /// Starts the writer task on `connection` (opened with `synchronous = NORMAL`), which it
-    /// owns from now on, and the sync thread for the WAL file at `wal`.
-    pub fn start(connection: SqliteConnection, wal: PathBuf) -> Self {
+    /// Starts the writer on its own thread with its two connections to `database` (both opened
+    /// with `synchronous = NORMAL` and `wal_autocheckpoint = 0`), the WAL sync thread and the
+    /// checkpoint thread.
+    pub fn start(
+        connection: SqliteConnection,
+        raw: rusqlite::Connection,
+        database: PathBuf,
+    ) -> Self {
         let (jobs, receiver) = mpsc::channel(QUEUE);
         let (synced, to_sync) = std::sync::mpsc::channel();
+        let (checkpoint, checkpoints) = std::sync::mpsc::sync_channel(1);
+        let mut wal = database.as_os_str().to_owned();
+        wal.push("-wal");
+        let wal = PathBuf::from(wal);
         std::thread::Builder::new()
             .name("confed-wal-sync".into())
-            .spawn(move || sync_loop(wal, to_sync))
+            .spawn(move || sync_loop(wal, to_sync, checkpoint))
             .expect("starting the WAL sync thread");
-        tokio::spawn(run(connection, receiver, synced));
+        std::thread::Builder::new()
+            .name("confed-wal-checkpoint".into())
+            .spawn(move || checkpoint_loop(database, checkpoints))
+            .expect("starting the WAL checkpoint thread");
+        // Its own thread: raw jobs are CPU work that would otherwise hold up request handling on
+        // the shared async workers, and be held up by it.
+        std::thread::Builder::new()
+            .name("confed-db-writer".into())
+            .spawn(move || {
+                match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(runtime) => runtime.block_on(run(connection, raw, receiver, synced)),
+                    Err(error) => tracing::error!(%error, "cannot start the database writer"),
+                }
+            })
+            .expect("starting the database writer thread");
         Self { jobs }
     }
 
@@ -128,8 +156,8 @@ impl Writer {
         self.submit(Job::Async(wrapped), result).await
     }
 
-    /// Runs `job` on the raw SQLite handle in the next batch (the hot paths: no round trip per
-    /// statement); a `Raw::Continue` finishes with the async API in the same savepoint.
+    /// Runs `job` on the writer's rusqlite connection in the next batch (the hot paths: no
+    /// round trip per statement); a `Raw::After` part follows through sqlx.
     pub async fn write_raw<T, F>(&self, job: F) -> Result<T, DbError>
     where
         T: Send + 'static,
@@ -145,7 +173,7 @@ impl Writer {
                 let (ok, done) = completion::<T>(Err(error), answer);
                 RawErased::Done(ok, done)
             }
-            Ok(Raw::Continue(rest)) => RawErased::Continue(Box::new(move |conn| {
+            Ok(Raw::After(rest)) => RawErased::After(Box::new(move |conn| {
                 Box::pin(async move { completion(rest(conn).await, answer) })
             })),
         });
@@ -176,7 +204,14 @@ type Committed = (Vec<Completion>, Option<String>);
 
 /// Answers committed batches after an `fdatasync` of the WAL that covers them. Batches that
 /// arrive while one fsync runs share the next.
-fn sync_loop(wal: PathBuf, batches: std::sync::mpsc::Receiver<Committed>) {
+/// The WAL size past which the checkpoint thread copies it into the database.
+const CHECKPOINT_BYTES: u64 = 16 << 20;
+
+fn sync_loop(
+    wal: PathBuf,
+    batches: std::sync::mpsc::Receiver<Committed>,
+    checkpoint: std::sync::mpsc::SyncSender<()>,
+) {
     let mut file: Option<std::fs::File> = None;
     while let Ok(first) = batches.recv() {
         let mut ready = vec![first];
@@ -196,6 +231,38 @@ fn sync_loop(wal: PathBuf, batches: std::sync::mpsc::Receiver<Committed>) {
                 completion(error.as_deref());
             }
         }
+        let wal_bytes = file
+            .as_ref()
+            .and_then(|f| f.metadata().ok())
+            .map_or(0, |m| m.len());
+        if wal_bytes > CHECKPOINT_BYTES {
+            // A checkpoint already asked for and not yet done covers this one.
+            let _ = checkpoint.try_send(());
+        }
+    }
+}
+
+/// Copies the WAL into the database when asked, on a connection of its own, so the writer never
+/// does (its connection has `wal_autocheckpoint = 0`): a checkpoint syncs the WAL and the
+/// database file, which would stall every waiting request. PASSIVE: it never blocks the writer
+/// or readers, and SQLite restarts the WAL once a checkpoint has copied all of it.
+fn checkpoint_loop(database: PathBuf, requests: std::sync::mpsc::Receiver<()>) {
+    let mut connection: Option<rusqlite::Connection> = None;
+    while requests.recv().is_ok() {
+        if connection.is_none() {
+            match rusqlite::Connection::open(&database) {
+                Ok(c) => connection = Some(c),
+                Err(error) => {
+                    tracing::error!(%error, "cannot open the database to checkpoint its WAL");
+                    continue;
+                }
+            }
+        }
+        if let Some(c) = &connection
+            && let Err(error) = c.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+        {
+            tracing::warn!(%error, "WAL checkpoint failed; the next one retries");
+        }
     }
 }
 
@@ -211,11 +278,12 @@ fn sync(wal: &std::path::Path, file: &mut Option<std::fs::File>) -> Result<(), S
         .map_err(|e| format!("fsync of {}: {e}", wal.display()))
 }
 
-/// Raw jobs run first, as many as possible in one hold of the connection's handle; async jobs
-/// (and raw jobs' continuations) then run through sqlx. Order inside a batch does not matter:
-/// its jobs were concurrent requests.
+/// Each batch: its raw jobs in one transaction on the rusqlite connection, then its async jobs
+/// and the raw jobs' `After` parts in one transaction through sqlx (only if there are any). Order
+/// inside a batch does not matter: its jobs were concurrent requests.
 async fn run(
     mut conn: SqliteConnection,
+    raw_conn: rusqlite::Connection,
     mut jobs: mpsc::Receiver<Job>,
     synced: std::sync::mpsc::Sender<Committed>,
 ) {
@@ -228,137 +296,122 @@ async fn run(
             }
         }
         let size = batch.len();
-        let (raw, asyncs): (Vec<Job>, Vec<Job>) =
-            batch.into_iter().partition(|j| matches!(j, Job::Raw(_)));
-        let mut raw: std::collections::VecDeque<RawJob> = raw
-            .into_iter()
-            .filter_map(|j| match j {
-                Job::Raw(r) => Some(r),
-                Job::Async(_) => None,
-            })
-            .collect();
-        let mut completions = Vec::with_capacity(size);
-        let mut failure = None;
-        let mut began = false;
-        // `Some(error or none)` once the raw path committed the batch itself.
-        let mut committed: Option<Option<String>> = None;
-        while failure.is_none() && committed.is_none() && !raw.is_empty() {
-            // Hold the handle for every raw job up to the first continuation; a batch without
-            // async work begins and commits on the handle too: one hand-over in all.
-            let ends_batch = asyncs.is_empty();
-            match run_raw(&mut conn, &mut raw, &mut completions, !began, ends_batch).await {
-                Err(error) => failure = Some(error),
-                Ok(segment) => {
-                    began = true;
-                    committed = segment.committed;
-                    if let Some(rest) = segment.continuation {
-                        let (ok, done) = rest(&mut conn).await;
-                        if let Err(e) = exec(&mut conn, end_job(ok)).await {
-                            failure = Some(e);
-                        }
-                        completions.push(done);
-                    }
-                }
+        let mut raw = Vec::new();
+        let mut asyncs = Vec::new();
+        for job in batch {
+            match job {
+                Job::Raw(job) => raw.push(job),
+                Job::Async(job) => asyncs.push(job),
             }
         }
-        if !began && failure.is_none() {
-            failure = exec(&mut conn, "BEGIN IMMEDIATE").await.err();
+        if !raw.is_empty() {
+            let (completions, afters, error) = run_raw(&raw_conn, raw);
+            send(&synced, completions, error);
+            asyncs.extend(afters);
         }
-        for job in asyncs {
-            let Job::Async(job) = job else { continue };
-            if failure.is_some() {
-                // The transaction or a savepoint failed: the rest of the batch does not run, and
-                // dropping a job tells its caller so.
-                continue;
-            }
-            if let Err(e) = exec(&mut conn, "SAVEPOINT job").await {
-                failure = Some(e);
-                continue;
-            }
-            let (ok, done) = job(&mut conn).await;
-            if let Err(e) = exec(&mut conn, end_job(ok)).await {
-                failure = Some(e);
-            }
-            completions.push(done);
-        }
-        let commit_error = match (committed, failure) {
-            (Some(outcome), None) => outcome,
-            (None, None) => exec(&mut conn, "COMMIT").await.err(),
-            (_, Some(error)) => {
-                let _ = exec(&mut conn, "ROLLBACK").await;
-                Some(error)
-            }
-        };
-        if let Some(error) = &commit_error {
-            tracing::error!(%error, jobs = size, "database batch failed; every job in it is refused");
+        if !asyncs.is_empty() {
+            let (completions, error) = run_async(&mut conn, asyncs).await;
+            send(&synced, completions, error);
         }
         metrics::histogram!("confed_db_batch_jobs").record(size as f64);
-        if let Err(std::sync::mpsc::SendError((completions, error))) =
-            synced.send((completions, commit_error))
-        {
-            let error = error.unwrap_or_else(|| "the WAL sync thread has stopped".into());
-            for completion in completions {
-                completion(Some(&error));
-            }
-        }
     }
     let _ = conn.close().await;
 }
 
-/// What one hold of the raw handle did.
-struct Segment {
-    /// A raw job's async rest, its savepoint still open.
-    continuation: Option<AsyncJob>,
-    /// The batch was committed on the handle (with the commit's error, if any).
-    committed: Option<Option<String>>,
+/// Hands committed jobs to the sync thread (or, if it is gone, answers them with an error).
+fn send(
+    synced: &std::sync::mpsc::Sender<Committed>,
+    completions: Vec<Completion>,
+    commit_error: Option<String>,
+) {
+    if let Some(error) = &commit_error {
+        tracing::error!(%error, jobs = completions.len(), "database batch failed; every job in it is refused");
+    }
+    if let Err(std::sync::mpsc::SendError((completions, error))) =
+        synced.send((completions, commit_error))
+    {
+        let error = error.unwrap_or_else(|| "the WAL sync thread has stopped".into());
+        for completion in completions {
+            completion(Some(&error));
+        }
+    }
 }
 
-/// Runs raw jobs on the connection's raw handle, each in its own savepoint, until they are all
-/// done or one needs to continue through sqlx. With `begin`, the batch's transaction starts here;
-/// with `commit`, a segment that runs every remaining raw job also commits it.
-async fn run_raw(
-    conn: &mut SqliteConnection,
-    raw: &mut std::collections::VecDeque<RawJob>,
-    completions: &mut Vec<Completion>,
-    begin: bool,
-    commit: bool,
-) -> Result<Segment, String> {
-    let mut locked = conn.lock_handle().await.map_err(|e| e.to_string())?;
-    // SAFETY: the handle is a live `sqlite3*` that sqlx's worker does not touch while `locked`
-    // is held; the rusqlite wrapper does not close it on drop and is dropped before `locked`.
-    let handle = unsafe { rusqlite::Connection::from_handle(locked.as_raw_handle().as_ptr()) }
-        .map_err(|e| e.to_string())?;
-    let sql = |statement: &str| handle.execute_batch(statement).map_err(|e| e.to_string());
-    if begin {
-        sql("BEGIN IMMEDIATE")?;
-    }
-    let mut segment = Segment {
-        continuation: None,
-        committed: None,
-    };
-    while let Some(job) = raw.pop_front() {
-        sql("SAVEPOINT job")?;
-        match job(&handle) {
+/// Raw jobs in one transaction, each in its own savepoint; returns their completions, the
+/// `After` parts to run next, and the transaction's error if it did not commit.
+fn run_raw(
+    conn: &rusqlite::Connection,
+    jobs: Vec<RawJob>,
+) -> (Vec<Completion>, Vec<AsyncJob>, Option<String>) {
+    let mut completions = Vec::with_capacity(jobs.len());
+    let mut afters = Vec::new();
+    let sql = |statement: &str| conn.execute_batch(statement).map_err(|e| e.to_string());
+    let mut failure = sql("BEGIN IMMEDIATE").err();
+    for job in jobs {
+        if failure.is_some() {
+            // Dropping a job tells its caller that it did not run.
+            continue;
+        }
+        if let Err(e) = sql("SAVEPOINT job") {
+            failure = Some(e);
+            continue;
+        }
+        let ok = match job(conn) {
             RawErased::Done(ok, done) => {
-                sql(end_job(ok))?;
                 completions.push(done);
+                ok
             }
-            RawErased::Continue(rest) => {
-                segment.continuation = Some(rest);
-                break;
+            RawErased::After(rest) => {
+                afters.push(rest);
+                // The raw part of a job with an `After` changed nothing that needs undoing.
+                true
             }
+        };
+        if let Err(e) = sql(end_job(ok)) {
+            failure = Some(e);
         }
     }
-    if commit && segment.continuation.is_none() {
-        let outcome = sql("COMMIT").err();
-        if outcome.is_some() {
-            let _ = sql("ROLLBACK");
-        }
-        segment.committed = Some(outcome);
+    let error = match failure {
+        None => sql("COMMIT").err(),
+        Some(error) => Some(error),
+    };
+    if error.is_some() {
+        let _ = sql("ROLLBACK");
+        // The `After` parts belong to jobs that are refused with the batch.
+        afters.clear();
     }
-    drop(handle);
-    drop(locked);
-    Ok(segment)
+    (completions, afters, error)
+}
+
+/// Async jobs in one transaction through sqlx, each in its own savepoint.
+async fn run_async(
+    conn: &mut SqliteConnection,
+    jobs: Vec<AsyncJob>,
+) -> (Vec<Completion>, Option<String>) {
+    let mut completions = Vec::with_capacity(jobs.len());
+    let mut failure = exec(conn, "BEGIN IMMEDIATE").await.err();
+    for job in jobs {
+        if failure.is_some() {
+            continue;
+        }
+        if let Err(e) = exec(conn, "SAVEPOINT job").await {
+            failure = Some(e);
+            continue;
+        }
+        let (ok, done) = job(conn).await;
+        if let Err(e) = exec(conn, end_job(ok)).await {
+            failure = Some(e);
+        }
+        completions.push(done);
+    }
+    let error = match failure {
+        None => exec(conn, "COMMIT").await.err(),
+        Some(error) => {
+            let _ = exec(conn, "ROLLBACK").await;
+            Some(error)
+        }
+    };
+    (completions, error)
 }
 
 #[cfg(test)]
@@ -366,6 +419,14 @@ mod tests {
     use super::*;
     use sqlx::ConnectOptions;
     use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
+
+    /// The writer's raw connection, as `Db::open_sqlite` opens it.
+    fn raw(dir: &std::path::Path) -> rusqlite::Connection {
+        let c = rusqlite::Connection::open(dir.join("t.db")).unwrap();
+        c.execute_batch("PRAGMA synchronous = NORMAL; PRAGMA wal_autocheckpoint = 0")
+            .unwrap();
+        c
+    }
 
     async fn connection(dir: &std::path::Path) -> SqliteConnection {
         SqliteConnectOptions::new()
@@ -402,7 +463,7 @@ mod tests {
             .execute(&mut conn)
             .await
             .unwrap();
-        let writer = Writer::start(conn, dir.path().join("t.db-wal"));
+        let writer = Writer::start(conn, raw(dir.path()), dir.path().join("t.db"));
         writer.write(insert(1)).await.unwrap();
         writer.write(insert(2)).await.unwrap();
     }
@@ -414,14 +475,14 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn raw_jobs_commit_roll_back_alone_and_continue_through_sqlx() {
+    async fn raw_jobs_commit_roll_back_alone_and_follow_up_through_sqlx() {
         let dir = tempfile::tempdir().unwrap();
         let mut conn = connection(dir.path()).await;
         sqlx::raw_sql("CREATE TABLE t (v BIGINT)")
             .execute(&mut conn)
             .await
             .unwrap();
-        let writer = Writer::start(conn, dir.path().join("t.db-wal"));
+        let writer = Writer::start(conn, raw(dir.path()), dir.path().join("t.db"));
         let done = writer.write_raw(|c| {
             c.execute("INSERT INTO t (v) VALUES (1)", [])?;
             Ok(Raw::Done(7))
@@ -440,7 +501,7 @@ mod tests {
                     Ok(4)
                 })
             });
-            Ok(Raw::Continue(rest))
+            Ok(Raw::After(rest))
         });
         let (done, failed, continued) = tokio::join!(done, failed, continued);
         assert_eq!(done.unwrap(), 7);
@@ -458,7 +519,7 @@ mod tests {
             .execute(&mut conn)
             .await
             .unwrap();
-        let writer = Writer::start(conn, dir.path().join("t.db-wal"));
+        let writer = Writer::start(conn, raw(dir.path()), dir.path().join("t.db"));
         let jobs = (0..20).map(|v| {
             writer.write_raw(move |c| {
                 c.execute("INSERT INTO t (v) VALUES (?1)", [v])?;
@@ -483,7 +544,11 @@ mod tests {
             .execute(&mut conn)
             .await
             .unwrap();
-        let writer = Writer::start(conn, dir.path().join("missing-dir").join("t.db-wal"));
+        let writer = Writer::start(
+            conn,
+            raw(dir.path()),
+            dir.path().join("missing-dir").join("t.db"),
+        );
         let error = writer.write(insert(1)).await.unwrap_err();
         assert!(
             matches!(&error, DbError::Commit(m) if m.contains("missing-dir")),
