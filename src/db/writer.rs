@@ -205,7 +205,7 @@ type Committed = (Vec<Completion>, Option<String>);
 /// Answers committed batches after an `fdatasync` of the WAL that covers them. Batches that
 /// arrive while one fsync runs share the next.
 /// The WAL size past which the checkpoint thread copies it into the database.
-const CHECKPOINT_BYTES: u64 = 16 << 20;
+const CHECKPOINT_BYTES: u64 = 64 << 20;
 
 fn sync_loop(
     wal: PathBuf,
