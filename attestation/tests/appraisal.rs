@@ -147,6 +147,22 @@ fn genuine_token_passes_every_production_check() {
     assert!(appraisal.report.results().len() >= 18);
 }
 
+/// The launch policy lets the operator say where things are (server, key services, threshold,
+/// worker token) and nothing else; the production policy accepts exactly those overrides.
+#[test]
+fn genuine_token_with_only_the_allowed_env_overrides_passes() {
+    let root = TestRoot::load();
+    let mut claims = good_claims();
+    claims.env_override = Some(serde_json::json!({
+        "CONFED_SERVER": "https://confed.example.org",
+        "CONFED_KEYSERVICES": "ks1=https://ks1.example.org,ks2=https://ks2.example.org",
+        "CONFED_THRESHOLD": "2",
+        "CONFED_WORKER_TOKEN": "opaque",
+    }));
+    let appraisal = run(&root.sign(&claims), &production_policy(), &root.jwks());
+    assert!(appraisal.report.passed(), "{:?}", failed_checks(&appraisal));
+}
+
 /// How a bad token is made.
 enum Bad {
     /// Change the claims, sign properly with the test root.

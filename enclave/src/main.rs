@@ -4,7 +4,9 @@
 //!
 //! Privacy-relevant limits (maximum epsilon and delta, the noise mechanism) are compiled in, so
 //! they are part of the image digest the key services' policies allow-list; the command line
-//! only says where things are.
+//! (or, in Confidential Space, where the command cannot be overridden, the environment:
+//! CONFED_SERVER, CONFED_KEYSERVICES, CONFED_THRESHOLD, CONFED_WORKER_TOKEN) only says where
+//! things are.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -41,11 +43,17 @@ struct Args {
     /// File holding the worker token (else CONFED_WORKER_TOKEN).
     #[arg(long)]
     worker_token_file: Option<PathBuf>,
-    /// A key service as ID=URL (repeat for each).
-    #[arg(long = "keyservice", required = true, value_parser = parse_keyservice)]
+    /// A key service as ID=URL (repeat for each; or CONFED_KEYSERVICES, comma-separated).
+    #[arg(
+        long = "keyservice",
+        env = "CONFED_KEYSERVICES",
+        value_delimiter = ',',
+        required = true,
+        value_parser = parse_keyservice
+    )]
     keyservices: Vec<KeyServiceEndpoint>,
     /// Shares needed to reconstruct a key.
-    #[arg(long)]
+    #[arg(long, env = "CONFED_THRESHOLD")]
     threshold: u16,
     #[arg(long, value_enum, default_value = "confidential-space")]
     attester: AttesterKind,

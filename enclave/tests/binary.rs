@@ -9,6 +9,8 @@ fn enclave(args: &[&str]) -> std::process::Output {
         .args(args)
         .env_remove("CONFED_WORKER_TOKEN")
         .env_remove("CONFED_SERVER")
+        .env_remove("CONFED_KEYSERVICES")
+        .env_remove("CONFED_THRESHOLD")
         .output()
         .unwrap()
 }
@@ -68,4 +70,24 @@ fn the_dev_attester_needs_its_key_file() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--dev-key"));
+}
+
+/// In Confidential Space the command line is fixed by the image; everything comes from the
+/// environment the launch policy allows.
+#[test]
+fn configuration_can_come_from_the_environment() {
+    let out = Command::new(env!("CARGO_BIN_EXE_confed-enclave"))
+        .arg("--once")
+        .env("CONFED_SERVER", "http://127.0.0.1:9")
+        .env(
+            "CONFED_KEYSERVICES",
+            "ks1=http://127.0.0.1:9,ks2=http://127.0.0.1:9",
+        )
+        .env("CONFED_THRESHOLD", "2")
+        .env_remove("CONFED_WORKER_TOKEN")
+        .output()
+        .unwrap();
+    // Parsing succeeded: the first missing piece is the token.
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no worker token"));
 }

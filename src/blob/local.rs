@@ -52,8 +52,10 @@ impl ReadCache {
             self.bytes = 0;
         }
         self.bytes += bytes.len();
-        self.objects
-            .insert(key.as_str().to_string(), std::sync::Arc::new(bytes.to_vec()));
+        self.objects.insert(
+            key.as_str().to_string(),
+            std::sync::Arc::new(bytes.to_vec()),
+        );
     }
 }
 
@@ -217,7 +219,10 @@ mod tests {
         std::fs::remove_file(dir.path().join(key.as_str())).unwrap();
         assert_eq!(store.get(&key).await.unwrap(), b"model bytes");
         let big = BlobKey::new("tenants/a/tasks/b/models/2-z.safetensors").unwrap();
-        store.put(&big, &vec![7u8; CACHE_OBJECT_BYTES + 1]).await.unwrap();
+        store
+            .put(&big, &vec![7u8; CACHE_OBJECT_BYTES + 1])
+            .await
+            .unwrap();
         store.get(&big).await.unwrap();
         std::fs::remove_file(dir.path().join(big.as_str())).unwrap();
         assert!(matches!(store.get(&big).await, Err(BlobError::NotFound(_))));
