@@ -97,74 +97,95 @@ impl Envelope {
     }
 
     /// Parses an envelope strictly: a map with exactly `v`, `key_id`, `enc` (32 bytes), `ct`, and
-    /// optionally `chunk`.
+    /// optionally `chunk` (`envelope_cbor.rs`).
     pub fn from_cbor(bytes: &[u8]) -> Result<Self, EnvelopeError> {
-        let value: Value =
-            ciborium::from_reader(bytes).map_err(|e| EnvelopeError::Cbor(e.to_string()))?;
-        let Value::Map(entries) = value else {
-            return Err(EnvelopeError::Shape("the top level is not a map".into()));
-        };
-        let (mut version, mut key_id, mut enc, mut ct, mut chunk) = (None, None, None, None, None);
-        for (key, value) in entries {
-            let Value::Text(key) = key else {
-                return Err(EnvelopeError::Shape("a key is not text".into()));
-            };
-            let number = |v: ciborium::value::Integer| u64::try_from(v).unwrap_or(u64::MAX);
-            let duplicate = match (key.as_str(), value) {
-                ("v", Value::Integer(v)) => version.replace(number(v)).is_some(),
-                ("key_id", Value::Text(t)) => key_id.replace(t).is_some(),
-                ("enc", Value::Bytes(b)) => enc.replace(b).is_some(),
-                ("ct", Value::Bytes(b)) => ct.replace(b).is_some(),
-                ("chunk", Value::Integer(c)) => chunk.replace(number(c)).is_some(),
-                (name @ ("v" | "key_id" | "enc" | "ct" | "chunk"), _) => {
-                    return Err(EnvelopeError::Shape(format!("`{name}` has the wrong type")));
-                }
-                (other, _) => return Err(EnvelopeError::Shape(format!("unknown key `{other}`"))),
-            };
-            if duplicate {
-                return Err(EnvelopeError::Shape(format!("`{key}` appears twice")));
-            }
-        }
-        let missing = |name: &str| EnvelopeError::Shape(format!("`{name}` is missing"));
-        let version = version.ok_or_else(|| missing("v"))?;
-        if version != VERSION {
-            return Err(EnvelopeError::Version(version));
-        }
-        let encapsulated_key = enc.ok_or_else(|| missing("enc"))?;
-        if encapsulated_key.len() != hpke::KEY_BYTES {
-            return Err(EnvelopeError::Shape("`enc` must be 32 bytes".into()));
-        }
-        let ciphertext = ct.ok_or_else(|| missing("ct"))?;
-        if ciphertext.len() < 16 {
-            return Err(EnvelopeError::Shape(
-                "`ct` is shorter than an AEAD tag".into(),
-            ));
-        }
-        let chunk = match chunk {
-            None => None,
-            Some(c) if (hpke::MIN_CHUNK as u64..=hpke::MAX_CHUNK as u64).contains(&c) => {
-                if hpke::split_chunks(&ciphertext, c as usize).is_none() {
-                    return Err(EnvelopeError::Shape(
-                        "`ct` is not a sequence of sealed chunks".into(),
-                    ));
-                }
-                Some(c as u32)
-            }
-            Some(c) => {
-                return Err(EnvelopeError::Shape(format!(
-                    "`chunk` {c} is outside {}..={}",
-                    hpke::MIN_CHUNK,
-                    hpke::MAX_CHUNK
-                )));
-            }
-        };
-        Ok(Self {
-            key_id: key_id.ok_or_else(|| missing("key_id"))?,
-            encapsulated_key,
-            ciphertext,
-            chunk,
-        })
+        crate::envelope_cbor::parse(bytes).map(|view| view.to_owned())
     }
+
+    /// The envelope as a view (what `open_into` takes).
+    pub fn as_view(&self) -> EnvelopeRef<'_> {
+        EnvelopeRef {
+            key_id: &self.key_id,
+            encapsulated_key: &self.encapsulated_key,
+            ciphertext: &self.ciphertext,
+            chunk: self.chunk,
+        }
+    }
+}
+
+/// An envelope borrowing its fields from the stored bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EnvelopeRef<'a> {
+    pub key_id: &'a str,
+    pub encapsulated_key: &'a [u8],
+    pub ciphertext: &'a [u8],
+    pub chunk: Option<u32>,
+}
+
+impl EnvelopeRef<'_> {
+    /// Parses stored bytes without copying the ciphertext.
+    pub fn parse(bytes: &[u8]) -> Result<EnvelopeRef<'_>, EnvelopeError> {
+        crate::envelope_cbor::parse(bytes)
+    }
+
+    pub fn to_owned(&self) -> Envelope {
+        Envelope {
+            key_id: self.key_id.to_string(),
+            encapsulated_key: self.encapsulated_key.to_vec(),
+            ciphertext: self.ciphertext.to_vec(),
+            chunk: self.chunk,
+        }
+    }
+}
+
+/// The envelope's checks after decoding: every field present, the version, the encapsulated key's
+/// length, the ciphertext's minimum length and its chunk structure.
+pub(crate) fn validate<'a>(
+    version: Option<u64>,
+    key_id: Option<&'a str>,
+    enc: Option<&'a [u8]>,
+    ct: Option<&'a [u8]>,
+    chunk: Option<u64>,
+) -> Result<EnvelopeRef<'a>, EnvelopeError> {
+    let missing = |name: &str| EnvelopeError::Shape(format!("`{name}` is missing"));
+    let version = version.ok_or_else(|| missing("v"))?;
+    if version != VERSION {
+        return Err(EnvelopeError::Version(version));
+    }
+    let encapsulated_key = enc.ok_or_else(|| missing("enc"))?;
+    if encapsulated_key.len() != hpke::KEY_BYTES {
+        return Err(EnvelopeError::Shape("`enc` must be 32 bytes".into()));
+    }
+    let ciphertext = ct.ok_or_else(|| missing("ct"))?;
+    if ciphertext.len() < 16 {
+        return Err(EnvelopeError::Shape(
+            "`ct` is shorter than an AEAD tag".into(),
+        ));
+    }
+    let chunk = match chunk {
+        None => None,
+        Some(c) if (hpke::MIN_CHUNK as u64..=hpke::MAX_CHUNK as u64).contains(&c) => {
+            if hpke::split_chunks(ciphertext, c as usize).is_none() {
+                return Err(EnvelopeError::Shape(
+                    "`ct` is not a sequence of sealed chunks".into(),
+                ));
+            }
+            Some(c as u32)
+        }
+        Some(c) => {
+            return Err(EnvelopeError::Shape(format!(
+                "`chunk` {c} is outside {}..={}",
+                hpke::MIN_CHUNK,
+                hpke::MAX_CHUNK
+            )));
+        }
+    };
+    Ok(EnvelopeRef {
+        key_id: key_id.ok_or_else(|| missing("key_id"))?,
+        encapsulated_key,
+        ciphertext,
+        chunk,
+    })
 }
 
 /// Seals a device's update (safetensors bytes) for one assignment (the id the device was given).
@@ -239,19 +260,19 @@ pub fn open_with(
 /// thread instead of allocating (and page-faulting) a new one per contribution.
 pub fn open_into(
     recipient: &Recipient,
-    envelope: &Envelope,
+    envelope: &EnvelopeRef<'_>,
     task_id: &str,
     round: u64,
     assignment_ref: &str,
     out: &mut Vec<u8>,
 ) -> Result<(), EnvelopeError> {
-    let info = info(&envelope.key_id);
+    let info = info(envelope.key_id);
     let aad = aad(task_id, round, assignment_ref);
     recipient.open_into(
-        &envelope.encapsulated_key,
+        envelope.encapsulated_key,
         &info,
         &aad,
-        &envelope.ciphertext,
+        envelope.ciphertext,
         envelope.chunk.map(|c| c as usize),
         out,
     )?;

@@ -6,6 +6,7 @@
 pub mod aggregate;
 pub mod dp;
 pub mod envelope;
+mod envelope_cbor;
 pub mod hpke;
 pub mod hpke_awslc;
 pub mod http;

@@ -5,7 +5,7 @@
 use safetensors::{Dtype, SafeTensors};
 use serde::Serialize;
 
-use crate::envelope::{self, Envelope};
+use crate::envelope::{self, EnvelopeRef};
 use crate::hpke_awslc::Recipient;
 use crate::model::ModelSchema;
 
@@ -75,7 +75,7 @@ pub fn open(
     stored: &[u8],
     plaintext: &mut Vec<u8>,
 ) -> Result<(), Exclusion> {
-    let envelope = Envelope::from_cbor(stored).map_err(|_| Exclusion::MalformedEnvelope)?;
+    let envelope = EnvelopeRef::parse(stored).map_err(|_| Exclusion::MalformedEnvelope)?;
     if envelope.key_id != binding.key_id {
         return Err(Exclusion::WrongKey);
     }
