@@ -193,25 +193,25 @@ fn reset_peak_rss() {
     let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
 
-/// Streams `count` 1 MB contributions (sealed on the fly, two at a time: one per thread)
-/// through one aggregator and returns the peak RSS growth over the start. The growth is the
-/// aggregator's sum (8 bytes per parameter) and per-thread buffers plus the two ciphertexts in
-/// hand; it must not depend on `count`.
-fn streaming_peak(count: usize, params: usize) -> u64 {
+/// Aggregates `count` pre-sealed contributions of a model with `params` values, two at a time,
+/// and returns the growth of peak RSS during aggregation alone (the sealed inputs exist before
+/// the measurement starts). Models of 8 MiB and more are streamed chunk by chunk.
+fn aggregation_peak(count: usize, params: usize) -> u64 {
     let (private, public) = generate_keypair();
     let schema = validate_model(&update(params, 0)).unwrap();
     let plaintext = update(params, 1);
+    let inputs: Vec<(String, Option<Vec<u8>>)> = (0..count)
+        .map(|i| {
+            let (id, bytes) = seal(&public, i, &plaintext);
+            (id, Some(bytes))
+        })
+        .collect();
+    drop(plaintext);
     reset_peak_rss();
     let start = peak_rss_bytes();
     let agg = Aggregator::new(binding(), 1.0, schema, &private).unwrap();
-    for first in (0..count).step_by(2) {
-        let batch: Vec<_> = (first..(first + 2).min(count))
-            .map(|i| {
-                let (id, bytes) = seal(&public, i, &plaintext);
-                (id, Some(bytes))
-            })
-            .collect();
-        agg.add_batch(&batch);
+    for pair in inputs.chunks(2) {
+        agg.add_batch(pair);
     }
     let release = agg
         .finish(
@@ -231,7 +231,13 @@ fn streaming_peak(count: usize, params: usize) -> u64 {
 
 fn summary(small: &Fixture, large: &Fixture, large_params: usize) {
     println!("\n== aggregation summary (best of 5) ==");
-    for (label, f, params) in [("1 KB", small, 256), ("1 MB", large, large_params)] {
+    let huge_params = 4 << 20;
+    let huge = fixture(huge_params, 6);
+    for (label, f, params) in [
+        ("1 KB", small, 256),
+        ("1 MB", large, large_params),
+        ("16 MB (streamed)", &huge, huge_params),
+    ] {
         let n = f.contributions.len() as f64;
         let gb = f.ciphertext_bytes as f64 / 1e9;
         let one = time(|| aggregate(f, &pool(1)), 5).as_secs_f64();
@@ -267,29 +273,35 @@ fn summary(small: &Fixture, large: &Fixture, large_params: usize) {
             n as f64 / s / 1e6
         );
     }
-    let model_bytes = (large_params * 4) as f64 / 1e6;
-    for count in [32, 256] {
-        // In a fresh process: this one's allocator already holds memory from the runs above.
-        let output = std::process::Command::new(std::env::current_exe().unwrap())
-            .env("CONFED_BENCH_MEMORY", count.to_string())
-            .output()
-            .unwrap();
-        let peak = String::from_utf8_lossy(&output.stdout)
-            .trim()
-            .parse::<f64>()
-            .unwrap_or(f64::NAN)
-            / 1e6;
-        println!(
-            "memory: {count} x 1 MB contributions streamed: peak RSS +{peak:.1} MB (model {model_bytes:.1} MB, {:.1}x)",
-            peak / model_bytes
-        );
+    for (params, counts) in [(large_params, [8usize, 32]), (4 << 20, [4, 8])] {
+        let model_bytes = (params * 4) as f64 / 1e6;
+        for count in counts {
+            // In a fresh process: this one's allocator already holds memory from the runs above.
+            let output = std::process::Command::new(std::env::current_exe().unwrap())
+                .env("CONFED_BENCH_MEMORY", format!("{count}:{params}"))
+                .output()
+                .unwrap();
+            let peak = String::from_utf8_lossy(&output.stdout)
+                .trim()
+                .parse::<f64>()
+                .unwrap_or(f64::NAN)
+                / 1e6;
+            println!(
+                "memory: {count} contributions of a {model_bytes:.0} MB model on 2 threads: aggregation peak RSS +{peak:.1} MB ({:.2}x the model)",
+                peak / model_bytes
+            );
+        }
     }
 }
 
 fn main() {
-    if let Ok(count) = std::env::var("CONFED_BENCH_MEMORY") {
-        let count = count.parse().expect("a contribution count");
-        println!("{}", streaming_peak(count, (1 << 20) / 4));
+    if let Ok(spec) = std::env::var("CONFED_BENCH_MEMORY") {
+        let (count, params) = spec.split_once(':').expect("count:params");
+        let pool = pool(2);
+        let peak = pool.install(|| {
+            aggregation_peak(count.parse().expect("count"), params.parse().expect("params"))
+        });
+        println!("{peak}");
         return;
     }
     let small = fixture(256, 4000);

@@ -15,6 +15,20 @@ const SENSITIVITY_SQUARED: f64 = (grid::GRID_UNITS_PER_CLIP * grid::GRID_UNITS_P
 /// Values per stripe: 128 KiB of i64, so a stripe stays in L2 while it is added.
 const STRIPE: usize = 16 * 1024;
 
+/// An update that can be read more than once, as runs of little-endian f32 values placed at
+/// flat (schema-order) indices, always the same runs in the same order.
+pub trait Replay {
+    type Error;
+    fn replay(&self, each: &mut dyn FnMut(usize, &[u8])) -> Result<(), Self::Error>;
+}
+
+/// Why a streamed update is not in the sum (nothing of it stayed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamError<E> {
+    NonFinite,
+    Source(E),
+}
+
 /// The update held a NaN or an infinity; nothing of it stayed in the sum.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NonFinite;
@@ -89,6 +103,97 @@ impl Accumulator {
             factor *= 1.0 - margin;
         }
         unreachable!("a shrunk update always fits the grid's sensitivity");
+    }
+
+    /// `add_clipped` for an update read as a stream (`Replay`): the same passes and the same
+    /// guarantee, reading the update again for each pass instead of holding it. A source that
+    /// fails part-way (a chunk that does not authenticate) is undone by replaying the same prefix,
+    /// which fails at the same place.
+    pub fn add_clipped_stream<R: Replay>(
+        &self,
+        source: &R,
+        clip_norm: f64,
+    ) -> Result<(), StreamError<R::Error>> {
+        let full = grid::units_per_value(clip_norm, 1.0);
+        let (squares, norm_squared, read) = self.apply_stream::<false, R>(source, full);
+        if let Err(error) = read {
+            self.undo_stream(source, full);
+            return Err(StreamError::Source(error));
+        }
+        if !norm_squared.is_finite() {
+            self.undo_stream(source, full);
+            return Err(StreamError::NonFinite);
+        }
+        if squares <= SENSITIVITY_SQUARED {
+            return Ok(());
+        }
+        self.undo_stream(source, full);
+        let norm = norm_squared.sqrt();
+        let mut factor = if norm > clip_norm {
+            clip_norm / norm
+        } else {
+            1.0
+        };
+        let margin = ((self.len as f64).sqrt() / 2.0 + 1.0) / grid::GRID_UNITS_PER_CLIP as f64;
+        for _ in 0..4 {
+            let units = grid::units_per_value(clip_norm, factor);
+            let (squares, _, read) = self.apply_stream::<false, R>(source, units);
+            if let Err(error) = read {
+                self.undo_stream(source, units);
+                return Err(StreamError::Source(error));
+            }
+            if squares <= SENSITIVITY_SQUARED {
+                return Ok(());
+            }
+            self.undo_stream(source, units);
+            factor *= 1.0 - margin;
+        }
+        unreachable!("a shrunk update always fits the grid's sensitivity");
+    }
+
+    /// Removes what `apply_stream::<false>` added with `units` (the same runs, subtracted; a
+    /// source that failed fails again at the same place, after the same prefix).
+    fn undo_stream<R: Replay>(&self, source: &R, units: f64) {
+        let _ = self.apply_stream::<true, R>(source, units);
+    }
+
+    fn apply_stream<const SUBTRACT: bool, R: Replay>(
+        &self,
+        source: &R,
+        units: f64,
+    ) -> (f64, f64, Result<(), R::Error>) {
+        let (mut squares, mut norm_squared) = (0.0f64, 0.0f64);
+        let read = source.replay(&mut |flat, bytes| {
+            let (q, x) = self.apply_run::<SUBTRACT>(flat, bytes, units);
+            squares += q;
+            norm_squared += x;
+        });
+        (squares, norm_squared, read)
+    }
+
+    /// Adds (or removes) one run of values starting at flat index `flat`.
+    fn apply_run<const SUBTRACT: bool>(&self, flat: usize, bytes: &[u8], units: f64) -> (f64, f64) {
+        let values = bytes.len() / 4;
+        let (mut squares, mut norm_squared) = (0.0f64, 0.0f64);
+        let (mut index, mut done) = (flat, 0usize);
+        while done < values && index < self.len {
+            let stripe_index = index / STRIPE;
+            let first = stripe_index * STRIPE;
+            let mut stripe = self.stripes[stripe_index]
+                .lock()
+                .expect("accumulator stripe");
+            let take = (values - done).min(first + stripe.len() - index);
+            let (q, x) = add_quantized::<SUBTRACT>(
+                &mut stripe[index - first..index - first + take],
+                &bytes[done * 4..(done + take) * 4],
+                units,
+            );
+            squares += q;
+            norm_squared += x;
+            index += take;
+            done += take;
+        }
+        (squares, norm_squared)
     }
 
     /// Adds (or with `SUBTRACT`, removes) the quantized update stripe by stripe; returns the

@@ -7,6 +7,7 @@ pub mod accumulator;
 pub mod contribution;
 pub mod manifest;
 pub mod noise;
+pub mod stream;
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -18,12 +19,18 @@ use thiserror::Error;
 use zeroize::Zeroizing;
 
 use crate::dp::{self, DiscreteGaussian, DpError, grid};
+use crate::envelope::EnvelopeRef;
 use crate::hpke::PrivateKey;
 use crate::hpke_awslc::Recipient;
 use crate::model::{ModelError, ModelSchema, encode_f32_tensors};
-use accumulator::Accumulator;
+use accumulator::{Accumulator, StreamError};
 pub use contribution::{Binding, Exclusion};
 pub use manifest::{Manifest, NoiseRecord, PrivacyRecord};
+use stream::StreamProblem;
+
+/// Models of at least this many bytes of values are aggregated chunk by chunk: a thread then
+/// holds one chunk of plaintext (1 MiB) instead of a whole update.
+pub const STREAM_ABOVE_BYTES: usize = 8 << 20;
 
 /// Excluded refs listed one by one in the manifest, at most (counts are always complete).
 const LISTED_EXCLUSIONS: usize = 1000;
@@ -58,6 +65,8 @@ pub struct Aggregator {
     outcome: Mutex<Outcome>,
     next_start: AtomicUsize,
     buffers: Mutex<Vec<Zeroizing<Vec<u8>>>>,
+    /// Updates of at least this many bytes of values are streamed (`stream.rs`).
+    stream_above: usize,
 }
 
 #[derive(Default)]
@@ -94,7 +103,14 @@ impl Aggregator {
             outcome: Mutex::default(),
             next_start: AtomicUsize::new(0),
             buffers: Mutex::default(),
+            stream_above: STREAM_ABOVE_BYTES,
         })
+    }
+
+    /// Streams updates of at least `bytes` bytes of values (tests use small values).
+    pub fn stream_above(mut self, bytes: usize) -> Self {
+        self.stream_above = bytes;
+        self
     }
 
     /// Adds one stored contribution (`None`: its bytes were missing). Safe to call from many
@@ -133,6 +149,28 @@ impl Aggregator {
         stored: &[u8],
         plaintext: &mut Vec<u8>,
     ) -> Result<(), Exclusion> {
+        // Large chunked updates go straight from each decrypted chunk into the sum.
+        if self.schema.parameter_count() * 4 >= self.stream_above {
+            let envelope = EnvelopeRef::parse(stored).map_err(|_| Exclusion::MalformedEnvelope)?;
+            if envelope.key_id != self.binding.key_id {
+                return Err(Exclusion::WrongKey);
+            }
+            if let Some(update) = stream::ChunkedUpdate::new(
+                &self.recipient,
+                envelope,
+                &self.binding.task_id,
+                self.binding.round,
+                assignment_ref,
+                &self.schema,
+            ) {
+                match self.sum.add_clipped_stream(&update, self.clip_norm) {
+                    Ok(()) => return Ok(()),
+                    Err(StreamError::NonFinite) => return Err(Exclusion::NonFinite),
+                    Err(StreamError::Source(StreamProblem::Excluded(why))) => return Err(why),
+                    Err(StreamError::Source(StreamProblem::Buffer)) => {}
+                }
+            }
+        }
         contribution::open(
             &self.recipient,
             &self.binding,

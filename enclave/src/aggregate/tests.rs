@@ -316,3 +316,61 @@ fn clipping_without_noise_yields_exactly_the_clip_norm() {
     // Exactly the clip norm up to the grid's rounding (half a unit per coordinate at worst).
     assert!(norm <= units && norm > units - (1000f64).sqrt(), "{norm}");
 }
+
+/// Large (chunked) updates streamed chunk by chunk give exactly the sum the buffered path gives,
+/// and the same exclusions: clipped, NaN, a tampered last chunk, the wrong assignment.
+#[test]
+fn streamed_and_buffered_aggregation_agree_exactly() {
+    let len = 300_000; // 1.2 MB of values: sealed in two chunks
+    let r = round(len);
+    let mut rng = Normal(11);
+    let small: Vec<f32> = (0..len)
+        .map(|_| rng.normal() * 0.3 / (len as f32).sqrt())
+        .collect();
+    let big: Vec<f32> = (0..len)
+        .map(|_| rng.normal() * 50.0 / (len as f32).sqrt())
+        .collect();
+    let mut nan = small.clone();
+    nan[len - 1] = f32::NAN;
+    let (id_small, small_bytes) = sealed(&r, "small", ROUND, &update(&small));
+    let (id_big, big_bytes) = sealed(&r, "big", ROUND, &update(&big));
+    let (id_nan, nan_bytes) = sealed(&r, "nan", ROUND, &update(&nan));
+    let (id_tampered, tampered) = {
+        let (id, bytes) = sealed(&r, "tampered", ROUND, &update(&small));
+        let mut env = envelope::Envelope::from_cbor(&bytes).unwrap();
+        assert!(env.chunk.is_some(), "large updates are chunked");
+        let last = env.ciphertext.len() - 1;
+        env.ciphertext[last] ^= 1;
+        (id, env.to_cbor())
+    };
+    let moved = sealed(&r, "moved", ROUND, &update(&small)).1;
+    let inputs = [
+        (id_small.as_str(), &small_bytes[..], Ok(())),
+        (id_big.as_str(), &big_bytes[..], Ok(())),
+        (id_nan.as_str(), &nan_bytes[..], Err(Exclusion::NonFinite)),
+        (
+            id_tampered.as_str(),
+            &tampered[..],
+            Err(Exclusion::DecryptionFailed),
+        ),
+        (
+            "not-its-assignment",
+            &moved[..],
+            Err(Exclusion::DecryptionFailed),
+        ),
+    ];
+    let run = |agg: Aggregator| {
+        for (id, bytes, expected) in &inputs {
+            assert_eq!(agg.add(id, Some(bytes)), *expected, "{id}");
+        }
+        agg.sum.into_sum()
+    };
+    let buffered = run(Aggregator::new(binding(), 1.0, r.schema.clone(), &r.private).unwrap());
+    let streamed = run(
+        Aggregator::new(binding(), 1.0, r.schema.clone(), &r.private)
+            .unwrap()
+            .stream_above(0),
+    );
+    assert_eq!(buffered, streamed);
+    assert!(buffered.iter().any(|&v| v != 0));
+}

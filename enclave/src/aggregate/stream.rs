@@ -1,0 +1,188 @@
+//! Large updates, aggregated as they decrypt: a chunked envelope (`hpke::seal_chunked`) is opened
+//! chunk by chunk and each chunk's values go straight into the sum, so a thread holds one chunk of
+//! plaintext, not the whole update. Clipping needs the update's norm before the final pass, so an
+//! update above the clip norm (or with a NaN) is read again: decrypted again from the stored
+//! ciphertext (`Replay`), which the worker holds anyway.
+//!
+//! The safetensors header must fit in the first chunk and the data must start at a multiple of 4
+//! bytes (the safetensors writer pads the header to 8); otherwise the update takes the buffered
+//! path.
+
+use std::cell::OnceCell;
+
+use safetensors::Dtype;
+use serde::Deserialize;
+
+use super::accumulator::Replay;
+use super::contribution::Exclusion;
+use crate::envelope::{self, EnvelopeRef};
+use crate::hpke_awslc::Recipient;
+use crate::model::ModelSchema;
+
+/// Where each tensor's data lies in the update and where its values go in the sum.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Layout {
+    /// Offset of the data region in the plaintext (8 + header length).
+    data_start: usize,
+    /// (begin, end) in the data region and the flat index of the first value, sorted by begin.
+    runs: Vec<(usize, usize, usize)>,
+}
+
+/// Why a chunked update is not streamed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamProblem {
+    /// Valid perhaps, but not streamable (header beyond the first chunk, unaligned data).
+    Buffer,
+    Excluded(Exclusion),
+}
+
+#[derive(Deserialize)]
+struct TensorInfo {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data_offsets: (usize, usize),
+}
+
+fn layout(schema: &ModelSchema, first: &[u8]) -> Result<Layout, StreamProblem> {
+    let not_tensors = StreamProblem::Excluded(Exclusion::NotSafetensors);
+    let length = first
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .ok_or(StreamProblem::Buffer)?;
+    let length = usize::try_from(length).map_err(|_| not_tensors.clone())?;
+    let data_start = length.checked_add(8).ok_or(not_tensors.clone())?;
+    let header = first.get(8..data_start).ok_or(StreamProblem::Buffer)?;
+    if !data_start.is_multiple_of(4) {
+        return Err(StreamProblem::Buffer);
+    }
+    let mut entries: std::collections::HashMap<String, serde_json::Value> =
+        serde_json::from_slice(header).map_err(|_| not_tensors.clone())?;
+    entries.remove("__metadata__");
+    if entries.len() != schema.tensors().len() {
+        return Err(StreamProblem::Excluded(Exclusion::WrongTensors));
+    }
+    let mut runs = Vec::with_capacity(entries.len());
+    let mut flat = 0usize;
+    for spec in schema.tensors() {
+        let entry = entries
+            .remove(&spec.name)
+            .ok_or(StreamProblem::Excluded(Exclusion::WrongTensors))?;
+        let info: TensorInfo = serde_json::from_value(entry).map_err(|_| not_tensors.clone())?;
+        if info.dtype != Dtype::F32 {
+            return Err(StreamProblem::Excluded(Exclusion::WrongDtype));
+        }
+        if info.shape != spec.shape {
+            return Err(StreamProblem::Excluded(Exclusion::WrongTensors));
+        }
+        let values: usize = spec.shape.iter().product();
+        let (begin, end) = info.data_offsets;
+        if end.checked_sub(begin) != Some(values * 4) {
+            return Err(not_tensors);
+        }
+        runs.push((begin, end, flat));
+        flat += values;
+    }
+    runs.sort_unstable();
+    // The tensors tile the data region exactly, as safetensors requires.
+    let mut expected = 0;
+    for &(begin, end, _) in &runs {
+        if begin != expected {
+            return Err(not_tensors);
+        }
+        expected = end;
+    }
+    Ok(Layout { data_start, runs })
+}
+
+/// One chunked contribution, readable again and again.
+pub struct ChunkedUpdate<'a> {
+    recipient: &'a Recipient,
+    envelope: EnvelopeRef<'a>,
+    chunk: usize,
+    info: Vec<u8>,
+    aad: Vec<u8>,
+    schema: &'a ModelSchema,
+    layout: OnceCell<Result<Layout, StreamProblem>>,
+}
+
+impl<'a> ChunkedUpdate<'a> {
+    /// `None` unless the envelope is chunked in a streamable way.
+    pub fn new(
+        recipient: &'a Recipient,
+        envelope: EnvelopeRef<'a>,
+        task_id: &str,
+        round: u64,
+        assignment_ref: &str,
+        schema: &'a ModelSchema,
+    ) -> Option<Self> {
+        let chunk = envelope.chunk? as usize;
+        if !chunk.is_multiple_of(4) {
+            return None;
+        }
+        Some(Self {
+            recipient,
+            info: envelope::info(envelope.key_id),
+            aad: envelope::aad(task_id, round, assignment_ref),
+            envelope,
+            chunk,
+            schema,
+            layout: OnceCell::new(),
+        })
+    }
+}
+
+impl Replay for ChunkedUpdate<'_> {
+    type Error = StreamProblem;
+
+    fn replay(&self, each: &mut dyn FnMut(usize, &[u8])) -> Result<(), StreamProblem> {
+        let mut position = 0usize;
+        let mut problem = None;
+        let opened = self.recipient.open_chunks(
+            self.envelope.encapsulated_key,
+            &self.info,
+            &self.aad,
+            self.envelope.ciphertext,
+            self.chunk,
+            |plain| {
+                let start = position;
+                position += plain.len();
+                if problem.is_some() {
+                    return;
+                }
+                let layout = match self.layout.get_or_init(|| layout(self.schema, plain)) {
+                    Ok(layout) => layout,
+                    Err(why) => {
+                        problem = Some(why.clone());
+                        return;
+                    }
+                };
+                // This chunk's part of the data region, as offsets into the data region.
+                let lo = start.max(layout.data_start) - layout.data_start;
+                let hi = (start + plain.len()).saturating_sub(layout.data_start);
+                for &(begin, end, flat) in &layout.runs {
+                    let (a, b) = (begin.max(lo), end.min(hi));
+                    if a < b {
+                        let offset = a + layout.data_start - start;
+                        each(flat + (a - begin) / 4, &plain[offset..offset + (b - a)]);
+                    }
+                }
+            },
+        );
+        if opened.is_err() {
+            return Err(StreamProblem::Excluded(Exclusion::DecryptionFailed));
+        }
+        if let Some(problem) = problem {
+            return Err(problem);
+        }
+        let layout = match self.layout.get() {
+            Some(Ok(layout)) => layout,
+            Some(Err(problem)) => return Err(problem.clone()),
+            None => return Err(StreamProblem::Excluded(Exclusion::NotSafetensors)),
+        };
+        let total = layout.runs.last().map_or(0, |r| r.1);
+        if position != layout.data_start + total {
+            return Err(StreamProblem::Excluded(Exclusion::NotSafetensors));
+        }
+        Ok(())
+    }
+}
