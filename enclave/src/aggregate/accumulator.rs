@@ -249,12 +249,40 @@ impl Accumulator {
 /// which is a libm call without SSE4.1, this vectorizes on every x86-64.
 const ROUNDING: f64 = 6_755_399_441_055_744.0;
 
-/// One stripe's slice of the update: quantize, add (or subtract), and the two squared norms, in
-/// eight independent lanes so the loop vectorizes. Values beyond 2^51 grid units (or not
-/// finite) give meaningless integers, but the same ones on the way back, and the norms they
-/// report make the caller undo them.
+/// One stripe's slice of the update: quantize, add (or subtract), and the two squared norms.
+/// On x86-64 with AVX2 (detected at run time) the same code is compiled for 4-wide f64 and i64
+/// vectors; the arithmetic, and so every result bit, is the same either way (no fused
+/// multiply-add is used: each operation rounds exactly as in the generic build).
 #[inline]
 fn add_quantized<const SUBTRACT: bool>(target: &mut [i64], bytes: &[u8], units: f64) -> (f64, f64) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above), the only requirement of the
+        // `target_feature` function.
+        return unsafe { add_quantized_avx2::<SUBTRACT>(target, bytes, units) };
+    }
+    add_quantized_generic::<SUBTRACT>(target, bytes, units)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn add_quantized_avx2<const SUBTRACT: bool>(
+    target: &mut [i64],
+    bytes: &[u8],
+    units: f64,
+) -> (f64, f64) {
+    add_quantized_generic::<SUBTRACT>(target, bytes, units)
+}
+
+/// The loop itself, in eight independent lanes so it vectorizes. Values beyond 2^51 grid units
+/// (or not finite) give meaningless integers, but the same ones on the way back, and the norms
+/// they report make the caller undo them.
+#[inline(always)]
+fn add_quantized_generic<const SUBTRACT: bool>(
+    target: &mut [i64],
+    bytes: &[u8],
+    units: f64,
+) -> (f64, f64) {
     let rounding_bits = ROUNDING.to_bits() as i64;
     let mut squares = [0f64; 8];
     let mut norm = [0f64; 8];
