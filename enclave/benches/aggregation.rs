@@ -299,7 +299,10 @@ fn main() {
         let (count, params) = spec.split_once(':').expect("count:params");
         let pool = pool(2);
         let peak = pool.install(|| {
-            aggregation_peak(count.parse().expect("count"), params.parse().expect("params"))
+            aggregation_peak(
+                count.parse().expect("count"),
+                params.parse().expect("params"),
+            )
         });
         println!("{peak}");
         return;
