@@ -74,35 +74,25 @@ impl Accumulator {
         clip_norm: f64,
         start: usize,
     ) -> Result<(), NonFinite> {
-        let full = grid::units_per_value(clip_norm, 1.0);
-        let (squares, norm_squared) = self.apply::<false>(update, full, start);
-        if !norm_squared.is_finite() {
-            self.apply::<true>(update, full, start);
-            return Err(NonFinite);
+        let clipped = self.clip(
+            clip_norm,
+            |units| {
+                let (squares, norm_squared) = self.apply::<false>(update, units, start);
+                (
+                    squares,
+                    norm_squared,
+                    Ok::<(), std::convert::Infallible>(()),
+                )
+            },
+            |units| {
+                self.apply::<true>(update, units, start);
+            },
+        );
+        match clipped {
+            Ok(()) => Ok(()),
+            Err(StreamError::NonFinite) => Err(NonFinite),
+            Err(StreamError::Source(never)) => match never {},
         }
-        if squares <= SENSITIVITY_SQUARED {
-            return Ok(());
-        }
-        self.apply::<true>(update, full, start);
-        let norm = norm_squared.sqrt();
-        let mut factor = if norm > clip_norm {
-            clip_norm / norm
-        } else {
-            1.0
-        };
-        // Worst-case rounding adds sqrt(len)/2 units of norm; shrinking by that (plus one unit)
-        // makes the next attempt fit whatever the rounding.
-        let margin = ((self.len as f64).sqrt() / 2.0 + 1.0) / grid::GRID_UNITS_PER_CLIP as f64;
-        for _ in 0..4 {
-            let units = grid::units_per_value(clip_norm, factor);
-            let (squares, _) = self.apply::<false>(update, units, start);
-            if squares <= SENSITIVITY_SQUARED {
-                return Ok(());
-            }
-            self.apply::<true>(update, units, start);
-            factor *= 1.0 - margin;
-        }
-        unreachable!("a shrunk update always fits the grid's sensitivity");
     }
 
     /// `add_clipped` for an update read as a stream (`Replay`): the same passes and the same
@@ -114,38 +104,56 @@ impl Accumulator {
         source: &R,
         clip_norm: f64,
     ) -> Result<(), StreamError<R::Error>> {
+        self.clip(
+            clip_norm,
+            |units| self.apply_stream::<false, R>(source, units),
+            |units| self.undo_stream(source, units),
+        )
+    }
+
+    /// The passes of `add_clipped`, over any way of adding (`add(units)` returns the integer and
+    /// float squared norms of what it added, and whether the update could be read) and of
+    /// removing exactly what that added (`undo(units)`).
+    fn clip<E>(
+        &self,
+        clip_norm: f64,
+        add: impl Fn(f64) -> (f64, f64, Result<(), E>),
+        undo: impl Fn(f64),
+    ) -> Result<(), StreamError<E>> {
         let full = grid::units_per_value(clip_norm, 1.0);
-        let (squares, norm_squared, read) = self.apply_stream::<false, R>(source, full);
+        let (squares, norm_squared, read) = add(full);
         if let Err(error) = read {
-            self.undo_stream(source, full);
+            undo(full);
             return Err(StreamError::Source(error));
         }
         if !norm_squared.is_finite() {
-            self.undo_stream(source, full);
+            undo(full);
             return Err(StreamError::NonFinite);
         }
         if squares <= SENSITIVITY_SQUARED {
             return Ok(());
         }
-        self.undo_stream(source, full);
+        undo(full);
         let norm = norm_squared.sqrt();
         let mut factor = if norm > clip_norm {
             clip_norm / norm
         } else {
             1.0
         };
+        // Worst-case rounding adds sqrt(len)/2 units of norm; shrinking by that (plus one unit)
+        // makes the next attempt fit whatever the rounding.
         let margin = ((self.len as f64).sqrt() / 2.0 + 1.0) / grid::GRID_UNITS_PER_CLIP as f64;
         for _ in 0..4 {
             let units = grid::units_per_value(clip_norm, factor);
-            let (squares, _, read) = self.apply_stream::<false, R>(source, units);
+            let (squares, _, read) = add(units);
             if let Err(error) = read {
-                self.undo_stream(source, units);
+                undo(units);
                 return Err(StreamError::Source(error));
             }
             if squares <= SENSITIVITY_SQUARED {
                 return Ok(());
             }
-            self.undo_stream(source, units);
+            undo(units);
             factor *= 1.0 - margin;
         }
         unreachable!("a shrunk update always fits the grid's sensitivity");
