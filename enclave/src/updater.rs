@@ -6,7 +6,7 @@ use safetensors::SafeTensors;
 use thiserror::Error;
 
 use crate::aggregate;
-use crate::model::{ModelError, ModelSchema, validate_model};
+use crate::model::{ModelError, ModelSchema};
 
 #[derive(Debug, Error)]
 pub enum UpdateError {
@@ -20,9 +20,14 @@ pub enum UpdateError {
     Encode(#[from] ModelError),
 }
 
-/// Applies `average` (schema order, as released) to `base` with `learning_rate`.
-pub fn apply(base: &[u8], average: &[f32], learning_rate: f64) -> Result<Vec<u8>, UpdateError> {
-    let schema: ModelSchema = validate_model(base).map_err(UpdateError::BaseModel)?;
+/// Applies `average` (schema order, as released) to `base`, whose schema (`validate_model`) the
+/// caller already has, with `learning_rate`.
+pub fn apply(
+    base: &[u8],
+    schema: &ModelSchema,
+    average: &[f32],
+    learning_rate: f64,
+) -> Result<Vec<u8>, UpdateError> {
     if schema.parameter_count() != average.len() {
         return Err(UpdateError::Shape {
             got: average.len(),
@@ -48,7 +53,7 @@ pub fn apply(base: &[u8], average: &[f32], learning_rate: f64) -> Result<Vec<u8>
             return Err(UpdateError::NonFinite(learning_rate));
         }
     }
-    Ok(aggregate::encode(&schema, &values)?)
+    Ok(aggregate::encode(schema, &values)?)
 }
 
 /// The values of a released average (safetensors) in schema order.
@@ -80,13 +85,19 @@ pub fn average_values(schema: &ModelSchema, average: &[u8]) -> Result<Vec<f32>, 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::encode_f32_tensors;
+    use crate::model::{encode_f32_tensors, validate_model};
 
     #[test]
     fn fedavg_step_moves_the_model_by_the_learning_rate_times_the_average() {
         let base =
             encode_f32_tensors(&[("b", vec![1], &[1.0]), ("w", vec![2], &[2.0, 3.0])]).unwrap();
-        let next = apply(&base, &[0.5, -1.0, 1.0], 0.5).unwrap();
+        let next = apply(
+            &base,
+            &validate_model(&base).unwrap(),
+            &[0.5, -1.0, 1.0],
+            0.5,
+        )
+        .unwrap();
         let schema = validate_model(&next).unwrap();
         assert_eq!(
             average_values(&schema, &next).unwrap(),
@@ -97,8 +108,9 @@ mod tests {
     #[test]
     fn an_average_of_the_wrong_size_is_refused() {
         let base = encode_f32_tensors(&[("w", vec![2], &[2.0, 3.0])]).unwrap();
+        let schema = validate_model(&base).unwrap();
         assert!(matches!(
-            apply(&base, &[1.0], 1.0),
+            apply(&base, &schema, &[1.0], 1.0),
             Err(UpdateError::Shape { .. })
         ));
     }

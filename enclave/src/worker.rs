@@ -22,7 +22,7 @@ use thiserror::Error;
 use crate::aggregate::{AggregateError, Aggregator, Binding, Manifest, PrivacyParams, Release};
 use crate::hpke::PublicKey;
 use crate::key_collection::{CollectError, KeyRequest, KeyServiceEndpoint, obtain_private_key};
-use crate::model::{ModelError, validate_model};
+use crate::model::{ModelError, ModelSchema, validate_model};
 use crate::updater::{self, UpdateError};
 
 /// Largest total epsilon and delta the enclave releases under, whatever the database says: part
@@ -214,7 +214,7 @@ impl<S: JobStore + 'static> Worker<S> {
         let (average, manifest) = match &job.committed_average {
             Some(average) => (average.clone(), None),
             None => {
-                let release = self.aggregate(job).await?;
+                let release = self.aggregate(job, &schema).await?;
                 self.store
                     .commit_release(
                         &job.job_id,
@@ -229,7 +229,7 @@ impl<S: JobStore + 'static> Worker<S> {
             }
         };
         let values = updater::average_values(&schema, &average)?;
-        let model = updater::apply(&job.model, &values, job.server_learning_rate)?;
+        let model = updater::apply(&job.model, &schema, &values, job.server_learning_rate)?;
         self.store
             .commit_model(&job.job_id, &self.config.id, &model)
             .await?;
@@ -243,7 +243,12 @@ impl<S: JobStore + 'static> Worker<S> {
     }
 
     /// Key, then contributions in batches (fetched, then opened across all cores), then noise.
-    pub async fn aggregate(&self, job: &JobSpec) -> Result<Release, JobError> {
+    /// `schema`: the job's model's, validated once by the caller.
+    pub async fn aggregate(
+        &self,
+        job: &JobSpec,
+        schema: &ModelSchema,
+    ) -> Result<Release, JobError> {
         let key = obtain_private_key(
             &self.http,
             &self.config.key_services,
@@ -259,7 +264,7 @@ impl<S: JobStore + 'static> Worker<S> {
         )
         .await?;
         let private_key = Arc::new(key.private_key);
-        let schema = validate_model(&job.model)?;
+        let schema = schema.clone();
         let binding = Binding {
             task_id: job.task_id.clone(),
             round: job.round,

@@ -420,6 +420,17 @@ mod tests {
     use sqlx::ConnectOptions;
     use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
 
+    /// A writer on a fresh database in `dir` holding table `t`; `database` is where its sync
+    /// thread looks for the WAL (a wrong path makes every sync fail).
+    async fn writer_on_table(dir: &std::path::Path, database: std::path::PathBuf) -> Writer {
+        let mut conn = connection(dir).await;
+        sqlx::raw_sql("CREATE TABLE t (v BIGINT)")
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        Writer::start(conn, raw(dir), database)
+    }
+
     /// The writer's raw connection, as `Db::open_sqlite` opens it.
     fn raw(dir: &std::path::Path) -> rusqlite::Connection {
         let c = rusqlite::Connection::open(dir.join("t.db")).unwrap();
@@ -458,12 +469,7 @@ mod tests {
     #[tokio::test]
     async fn writes_are_answered_once_the_wal_syncs() {
         let dir = tempfile::tempdir().unwrap();
-        let mut conn = connection(dir.path()).await;
-        sqlx::raw_sql("CREATE TABLE t (v BIGINT)")
-            .execute(&mut conn)
-            .await
-            .unwrap();
-        let writer = Writer::start(conn, raw(dir.path()), dir.path().join("t.db"));
+        let writer = writer_on_table(dir.path(), dir.path().join("t.db")).await;
         writer.write(insert(1)).await.unwrap();
         writer.write(insert(2)).await.unwrap();
     }
@@ -477,12 +483,7 @@ mod tests {
     #[tokio::test]
     async fn raw_jobs_commit_roll_back_alone_and_follow_up_through_sqlx() {
         let dir = tempfile::tempdir().unwrap();
-        let mut conn = connection(dir.path()).await;
-        sqlx::raw_sql("CREATE TABLE t (v BIGINT)")
-            .execute(&mut conn)
-            .await
-            .unwrap();
-        let writer = Writer::start(conn, raw(dir.path()), dir.path().join("t.db"));
+        let writer = writer_on_table(dir.path(), dir.path().join("t.db")).await;
         let done = writer.write_raw(|c| {
             c.execute("INSERT INTO t (v) VALUES (1)", [])?;
             Ok(Raw::Done(7))
@@ -512,14 +513,9 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_batch_of_raw_jobs_begins_and_commits_on_the_handle() {
+    async fn a_batch_of_raw_jobs_commits_on_the_raw_connection() {
         let dir = tempfile::tempdir().unwrap();
-        let mut conn = connection(dir.path()).await;
-        sqlx::raw_sql("CREATE TABLE t (v BIGINT)")
-            .execute(&mut conn)
-            .await
-            .unwrap();
-        let writer = Writer::start(conn, raw(dir.path()), dir.path().join("t.db"));
+        let writer = writer_on_table(dir.path(), dir.path().join("t.db")).await;
         let jobs = (0..20).map(|v| {
             writer.write_raw(move |c| {
                 c.execute("INSERT INTO t (v) VALUES (?1)", [v])?;
@@ -539,16 +535,7 @@ mod tests {
     #[tokio::test]
     async fn a_failed_wal_sync_refuses_the_jobs_instead_of_acknowledging_them() {
         let dir = tempfile::tempdir().unwrap();
-        let mut conn = connection(dir.path()).await;
-        sqlx::raw_sql("CREATE TABLE t (v BIGINT)")
-            .execute(&mut conn)
-            .await
-            .unwrap();
-        let writer = Writer::start(
-            conn,
-            raw(dir.path()),
-            dir.path().join("missing-dir").join("t.db"),
-        );
+        let writer = writer_on_table(dir.path(), dir.path().join("missing-dir").join("t.db")).await;
         let error = writer.write(insert(1)).await.unwrap_err();
         assert!(
             matches!(&error, DbError::Commit(m) if m.contains("missing-dir")),
