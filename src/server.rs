@@ -112,8 +112,7 @@ pub async fn serve(
     }
     let blobs: Arc<dyn crate::blob::BlobStore> =
         Arc::new(LocalBlobStore::open(config.data_dir.join("blobs"))?);
-    let contributions: Arc<dyn crate::blob::BlobStore> =
-        Arc::new(crate::blob::DatabaseBlobStore::new(db.clone()));
+    let contributions = crate::blob::embedded_contributions(&config.data_dir, &db)?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let keys = KeyDirectory::default();
     let mut background = Vec::new();

@@ -209,12 +209,12 @@ async fn simulated_devices_fill_a_round_with_stored_contributions_that_open() {
         .unwrap();
     let completed = db.completed_contributions(&task_id, 1).await.unwrap();
     assert_eq!(completed.len(), GOAL);
+    let store = confed::blob::embedded_contributions(&data, &db).unwrap();
     let schema = confed_enclave::model::validate_model(&model).unwrap();
     for (assignment_ref, blob_key) in &completed {
-        let bytes = db
-            .get_blob(blob_key)
+        let bytes = store
+            .get(&confed::blob::BlobKey::new(blob_key.as_str()).unwrap())
             .await
-            .unwrap()
             .expect("stored contribution");
         let sealed = Envelope::from_cbor(&bytes).unwrap();
         let update = envelope::open(&private_key, &sealed, &task_id, 1, assignment_ref).unwrap();

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use confed::api::{self, AppState, Limits};
-use confed::blob::{DatabaseBlobStore, LocalBlobStore};
+use confed::blob::LocalBlobStore;
 use confed::clock::SystemClock;
 use confed::db::{Db, NewTenant};
 use confed::keys::directory::KeyDirectory;
@@ -29,7 +29,7 @@ pub async fn start(keys: KeyDirectory) -> BenchServer {
     let state = AppState {
         db: db.clone(),
         blobs: Arc::new(LocalBlobStore::open(dir.path().join("blobs")).unwrap()),
-        contributions: Arc::new(DatabaseBlobStore::new(db)),
+        contributions: confed::blob::embedded_contributions(dir.path(), &db).unwrap(),
         clock: Arc::new(SystemClock),
         admin: None,
         limits: Limits::default(),

@@ -375,26 +375,19 @@ pub async fn put_contribution(
         &assignment.id[..2],
         assignment.id
     ))?;
-    // A store inside the task database takes the bytes in the same job as the row; any other
-    // store gets them durably first, and the row follows.
-    let inline = state.contributions.stores_in_task_database();
-    if !inline {
-        match state.contributions.put(&key, &body).await {
-            Ok(_) => {}
-            Err(crate::blob::BlobError::Conflict(_)) => {
-                return Err(refusal(Refusal::DifferentBytes));
-            }
-            Err(other) => return Err(other.into()),
-        }
-    }
+    // The bytes are durable before the row that refers to them is written.
+    let stored = match state.contributions.put_new(key, &body).await {
+        Ok(stored) => stored,
+        Err(crate::blob::BlobError::Conflict(_)) => return Err(refusal(Refusal::DifferentBytes)),
+        Err(other) => return Err(other.into()),
+    };
     match state
         .db
         .record_upload(
             &capability,
             &digest,
             body.len() as i64,
-            key.as_str(),
-            inline.then(|| body.to_vec()),
+            stored.as_str(),
             now,
         )
         .await?

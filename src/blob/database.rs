@@ -1,6 +1,5 @@
-//! A blob store inside the task database, for many small write-once objects (contributions in the
-//! embedded default). A put is a job of the database's group commit: many uploads share one fsync
-//! and no file or inode is created per object.
+//! A blob store inside the task database. Contributions of the embedded default lived here before
+//! the contribution log (`log.rs`); it stays as the log's fallback so those can still be read.
 
 use sha2::{Digest, Sha256};
 
@@ -43,10 +42,6 @@ impl BlobStore for DatabaseBlobStore {
                 StoredBlob::DifferentBytes => Err(BlobError::Conflict(key.as_str().to_string())),
             }
         })
-    }
-
-    fn stores_in_task_database(&self) -> bool {
-        true
     }
 
     fn get<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, Vec<u8>> {

@@ -4,6 +4,7 @@
 
 mod database;
 mod local;
+mod log;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -12,6 +13,7 @@ use thiserror::Error;
 
 pub use database::DatabaseBlobStore;
 pub use local::LocalBlobStore;
+pub use log::ContributionLog;
 
 /// A validated object name: `/`-separated segments of `A-Z a-z 0-9 . _ -`, no `.` or `..`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -68,6 +70,19 @@ pub enum BlobError {
     },
 }
 
+/// The embedded default's contribution store: the log in `<data dir>/contributions`, reading
+/// older contributions from the task database.
+pub fn embedded_contributions(
+    data_dir: &std::path::Path,
+    db: &crate::db::Db,
+) -> Result<std::sync::Arc<dyn BlobStore>, BlobError> {
+    let fallback = std::sync::Arc::new(DatabaseBlobStore::new(db.clone()));
+    Ok(std::sync::Arc::new(ContributionLog::open(
+        data_dir.join("contributions"),
+        fallback,
+    )?))
+}
+
 pub type BlobFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, BlobError>> + Send + 'a>>;
 
 /// Whether `put` created the object or found the same bytes already there.
@@ -91,10 +106,14 @@ pub trait BlobStore: Send + Sync + std::fmt::Debug {
         None
     }
 
-    /// Whether objects live in the task database's `blobs` table, so a caller that writes a row
-    /// anyway may store the object in the same transaction (`Db::record_upload`).
-    fn stores_in_task_database(&self) -> bool {
-        false
+    /// Stores a new object durably and returns the key to read it back by: `key` itself on a
+    /// keyed store (different bytes under an existing key are a `Conflict`), or a key naming the
+    /// place on a store that places objects itself (`ContributionLog`).
+    fn put_new<'a>(&'a self, key: BlobKey, bytes: &'a [u8]) -> BlobFuture<'a, BlobKey> {
+        Box::pin(async move {
+            self.put(&key, bytes).await?;
+            Ok(key)
+        })
     }
 }
 

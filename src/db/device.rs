@@ -269,15 +269,14 @@ impl Db {
     }
 
     /// Records a stored contribution (ASSIGNED -> UPLOADED). The same bytes again are accepted
-    /// (`Stored::Again`); different bytes for a used assignment are refused. With `inline_bytes`,
-    /// the contribution itself is written to the database's blob table in the same job.
+    /// (`Stored::Again`); different bytes for a used assignment are refused. `blob_key` names
+    /// bytes the contribution store has already made durable.
     pub async fn record_upload(
         &self,
         capability: &str,
         sha256_hex: &str,
         size: i64,
         blob_key: &str,
-        inline_bytes: Option<Vec<u8>>,
         now: i64,
     ) -> Result<Result<Stored, Refusal>, DbError> {
         let id = assignment_key(capability);
@@ -309,13 +308,6 @@ impl Db {
                  'contribution stored', ?3 FROM state_history WHERE entity_id = ?2",
             )?
             .execute(rusqlite::params![history_id, id, now])?;
-            if let Some(bytes) = inline_bytes {
-                c.prepare_cached(
-                    "INSERT INTO blobs (key, sha256, bytes) VALUES (?1, ?2, ?3) \
-                     ON CONFLICT (key) DO NOTHING",
-                )?
-                .execute(rusqlite::params![blob_key, sha256_hex, bytes])?;
-            }
             Ok(Raw::Done(Ok(Stored::New)))
         })
         .await

@@ -122,8 +122,7 @@ impl EmbeddedSystem {
             .map_err(setup)?;
         let blobs: Arc<dyn crate::blob::BlobStore> =
             Arc::new(LocalBlobStore::open(dir.join("blobs")).map_err(setup)?);
-        let contributions: Arc<dyn crate::blob::BlobStore> =
-            Arc::new(crate::blob::DatabaseBlobStore::new(db.clone()));
+        let contributions = crate::blob::embedded_contributions(dir, &db).map_err(setup)?;
         let keys = KeyDirectory::default();
         let urls: Vec<String> = keyservices.iter().map(|k| k.url.clone()).collect();
         keys.refresh(

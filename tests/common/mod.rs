@@ -143,7 +143,7 @@ impl TestApp {
         let state = AppState {
             db: db.clone(),
             blobs: Arc::new(LocalBlobStore::open(dir.path().join("blobs")).unwrap()),
-            contributions: Arc::new(confed::blob::DatabaseBlobStore::new(db.clone())),
+            contributions: confed::blob::embedded_contributions(dir.path(), &db).unwrap(),
             clock: clock.clone(),
             admin: admin.map(|t| AdminToken::from_secret(t.to_string()).unwrap()),
             limits,

@@ -1,0 +1,437 @@
+//! The embedded default's contribution store: append-only segment files.
+//!
+//! Every device upload is a small write-once object read back once, by the aggregation. Storing
+//! each in the task database wrote its bytes twice (SQLite's WAL, then the checkpoint) on the
+//! single writer's thread; a file per object costs an inode, a rename and two fsyncs. Here a
+//! put appends one record to the current segment from the request's own task and waits for a
+//! sync thread that `fdatasync`s once for every record written meanwhile (group commit). Only
+//! then does the caller write the database row that refers to the record, so a row never names
+//! bytes that are not durable; a crash between the two leaves an unreferenced record, which is
+//! harmless.
+//!
+//! The log places objects itself: `put_new` returns a key naming the segment, offset and length
+//! (`log/<segment>/<offset>/<length>/<caller's key>`), and `get` reads exactly there and checks
+//! the record's magic, key and SHA-256. Write-once per caller key is the database row's job
+//! (an assignment takes one contribution digest); the log therefore refuses the keyed `put`.
+//! Keys that are not log keys are read from `fallback` (contributions stored before the log).
+//!
+//! Record: `CFL1` | payload length u32 LE | SHA-256 of payload (32) | key length u16 LE | key |
+//! payload.
+
+use std::collections::HashMap;
+use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
+
+use sha2::{Digest, Sha256};
+use tokio::sync::oneshot;
+
+use super::{BlobError, BlobFuture, BlobKey, BlobStore, PutOutcome};
+
+const MAGIC: &[u8; 4] = b"CFL1";
+const HEADER_BYTES: usize = 4 + 4 + 32 + 2;
+/// A segment is closed once it passes this size (a record is never split).
+const SEGMENT_BYTES: u64 = 256 << 20;
+/// Records up to this size are written on the calling task (a copy into the page cache costs
+/// microseconds, less than a hop to the blocking pool); larger ones go to the blocking pool.
+const INLINE_WRITE_BYTES: usize = 1 << 20;
+
+pub struct ContributionLog {
+    /// Held open for its exclusive lock: two logs appending to one segment would overwrite
+    /// each other's records.
+    _lock: File,
+    dir: PathBuf,
+    segment_bytes: u64,
+    active: Mutex<Active>,
+    readers: Arc<Readers>,
+    sync: Arc<SyncQueue>,
+    fallback: Arc<dyn BlobStore>,
+}
+
+impl std::fmt::Debug for ContributionLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ContributionLog")
+            .field("dir", &self.dir)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Active {
+    segment: u32,
+    file: Arc<File>,
+    /// Where the next record goes; reserved under the lock, written outside it.
+    end: u64,
+}
+
+/// Writers waiting for an fdatasync that covers their record.
+#[derive(Default)]
+struct SyncQueue {
+    state: Mutex<SyncState>,
+    wake: Condvar,
+}
+
+/// Told whether the fdatasync covering a record succeeded (the reason if not).
+type SyncDone = oneshot::Sender<Result<(), String>>;
+
+#[derive(Default)]
+struct SyncState {
+    waiting: Vec<(Arc<File>, SyncDone)>,
+    /// Set after a failed fdatasync: the kernel may have dropped the dirty pages, so nothing
+    /// written before it can be called durable again. Every later put fails until a restart.
+    poisoned: Option<String>,
+    stop: bool,
+}
+
+fn segment_name(segment: u32) -> String {
+    format!("segment-{segment:08}.log")
+}
+
+fn io_error(what: impl Into<String>, source: std::io::Error) -> BlobError {
+    BlobError::Io {
+        key: what.into(),
+        source,
+    }
+}
+
+impl ContributionLog {
+    /// Opens (or creates) the log in `dir`; new records go to a fresh segment after the highest
+    /// non-empty one, so a torn tail left by a crash is never appended to.
+    pub fn open(dir: impl Into<PathBuf>, fallback: Arc<dyn BlobStore>) -> Result<Self, BlobError> {
+        Self::open_with_segment_bytes(dir.into(), fallback, SEGMENT_BYTES)
+    }
+
+    fn open_with_segment_bytes(
+        dir: PathBuf,
+        fallback: Arc<dyn BlobStore>,
+        segment_bytes: u64,
+    ) -> Result<Self, BlobError> {
+        let shown = dir.display().to_string();
+        fs::create_dir_all(&dir).map_err(|e| io_error(&shown, e))?;
+        let lock = lock_dir(&dir)?;
+        let mut highest = 0u32;
+        for entry in fs::read_dir(&dir).map_err(|e| io_error(&shown, e))? {
+            let name = entry.map_err(|e| io_error(&shown, e))?.file_name();
+            let name = name.to_string_lossy();
+            if let Some(n) = name
+                .strip_prefix("segment-")
+                .and_then(|rest| rest.strip_suffix(".log"))
+                .and_then(|n| n.parse::<u32>().ok())
+            {
+                highest = highest.max(n);
+            }
+        }
+        // An empty last segment (a restart without uploads) is reused rather than left behind.
+        let last = dir.join(segment_name(highest));
+        let (segment, file) = match fs::metadata(&last) {
+            Ok(meta) if highest > 0 && meta.len() == 0 => (
+                highest,
+                OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(&last)
+                    .map_err(|e| io_error(&shown, e))?,
+            ),
+            _ => {
+                let next = highest.checked_add(1).ok_or_else(|| {
+                    io_error(&shown, std::io::Error::other("segment numbers exhausted"))
+                })?;
+                (next, create_segment(&dir, next)?)
+            }
+        };
+        let sync = Arc::new(SyncQueue::default());
+        let thread_queue = Arc::clone(&sync);
+        std::thread::Builder::new()
+            .name("confed-log-sync".into())
+            .spawn(move || sync_loop(&thread_queue))
+            .map_err(|e| io_error(&shown, e))?;
+        Ok(Self {
+            _lock: lock,
+            dir: dir.clone(),
+            segment_bytes,
+            active: Mutex::new(Active {
+                segment,
+                file: Arc::new(file),
+                end: 0,
+            }),
+            readers: Arc::new(Readers {
+                dir: dir.clone(),
+                open: Mutex::new(HashMap::new()),
+            }),
+            sync,
+            fallback,
+        })
+    }
+
+    /// Reserves room for a record of `len` bytes, moving to a new segment when the current one
+    /// is full. Returns the segment, its file and the record's offset.
+    fn reserve(&self, len: u64) -> Result<(u32, Arc<File>, u64), BlobError> {
+        let mut active = self.active.lock().unwrap_or_else(|e| e.into_inner());
+        if active.end > 0 && active.end + len > self.segment_bytes {
+            let next = active.segment + 1;
+            let file = create_segment(&self.dir, next)?;
+            *active = Active {
+                segment: next,
+                file: Arc::new(file),
+                end: 0,
+            };
+        }
+        let offset = active.end;
+        active.end += len;
+        Ok((active.segment, Arc::clone(&active.file), offset))
+    }
+
+    async fn append(&self, key: BlobKey, bytes: &[u8]) -> Result<BlobKey, BlobError> {
+        let key_bytes = key.as_str().as_bytes();
+        let payload_len = u32::try_from(bytes.len()).map_err(|_| {
+            io_error(
+                key.as_str(),
+                std::io::Error::other("a contribution over 4 GiB cannot be logged"),
+            )
+        })?;
+        let mut record = Vec::with_capacity(HEADER_BYTES + key_bytes.len() + bytes.len());
+        record.extend_from_slice(MAGIC);
+        record.extend_from_slice(&payload_len.to_le_bytes());
+        record.extend_from_slice(&Sha256::digest(bytes));
+        // BlobKey::new caps keys at 1024 bytes.
+        record.extend_from_slice(&(key_bytes.len() as u16).to_le_bytes());
+        record.extend_from_slice(key_bytes);
+        record.extend_from_slice(bytes);
+        let (segment, file, offset) = self.reserve(record.len() as u64)?;
+        let record_len = record.len();
+        let write_file = Arc::clone(&file);
+        let write = move || write_file.write_all_at(&record, offset);
+        let written = if record_len <= INLINE_WRITE_BYTES {
+            write()
+        } else {
+            tokio::task::spawn_blocking(write)
+                .await
+                .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
+        };
+        written.map_err(|e| io_error(key.as_str(), e))?;
+        self.synced(file).await.map_err(|reason| {
+            io_error(
+                key.as_str(),
+                std::io::Error::other(format!("contribution log not durable: {reason}")),
+            )
+        })?;
+        BlobKey::new(format!(
+            "log/{segment:08}/{offset}/{record_len}/{}",
+            key.as_str()
+        ))
+    }
+
+    /// Waits until an fdatasync of `file` that started after this call has finished.
+    async fn synced(&self, file: Arc<File>) -> Result<(), String> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut state = self.sync.state.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(reason) = &state.poisoned {
+                return Err(reason.clone());
+            }
+            state.waiting.push((file, tx));
+        }
+        self.sync.wake.notify_one();
+        rx.await
+            .unwrap_or_else(|_| Err("the log's sync thread stopped".into()))
+    }
+}
+
+impl Drop for ContributionLog {
+    fn drop(&mut self) {
+        let mut state = self.sync.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.stop = true;
+        drop(state);
+        self.sync.wake.notify_one();
+    }
+}
+
+/// Open segment files for reading, shared with the blocking pool.
+struct Readers {
+    dir: PathBuf,
+    open: Mutex<HashMap<u32, Arc<File>>>,
+}
+
+impl Readers {
+    fn file(&self, segment: u32) -> Result<Arc<File>, std::io::Error> {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(file) = open.get(&segment) {
+            return Ok(Arc::clone(file));
+        }
+        let file = Arc::new(File::open(self.dir.join(segment_name(segment)))?);
+        open.insert(segment, Arc::clone(&file));
+        Ok(file)
+    }
+
+    fn read(&self, location: &Location) -> Result<Vec<u8>, std::io::Error> {
+        let file = self.file(location.segment)?;
+        let mut record = vec![0u8; location.len];
+        file.read_exact_at(&mut record, location.offset)?;
+        check_record(&record, &location.key).map_err(std::io::Error::other)?;
+        record.drain(..HEADER_BYTES + location.key.len());
+        Ok(record)
+    }
+}
+
+fn lock_dir(dir: &Path) -> Result<File, BlobError> {
+    let path = dir.join("LOCK");
+    let shown = path.display().to_string();
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| io_error(&shown, e))?;
+    // SAFETY: flock on a file descriptor this function owns; no memory is passed.
+    let locked = unsafe {
+        libc::flock(
+            std::os::fd::AsRawFd::as_raw_fd(&file),
+            libc::LOCK_EX | libc::LOCK_NB,
+        )
+    };
+    if locked != 0 {
+        return Err(io_error(
+            &shown,
+            std::io::Error::other(
+                "another process has this contribution log open; run one confed server per data directory",
+            ),
+        ));
+    }
+    Ok(file)
+}
+
+fn create_segment(dir: &Path, segment: u32) -> Result<File, BlobError> {
+    let path = dir.join(segment_name(segment));
+    let shown = path.display().to_string();
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .map_err(|e| io_error(&shown, e))?;
+    // The new name must be durable before any record in it is acknowledged.
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| io_error(&shown, e))?;
+    Ok(file)
+}
+
+/// One fdatasync per distinct segment for everything queued since the last one.
+fn sync_loop(queue: &SyncQueue) {
+    loop {
+        let batch = {
+            let mut state = queue.state.lock().unwrap_or_else(|e| e.into_inner());
+            while state.waiting.is_empty() && !state.stop {
+                state = queue.wake.wait(state).unwrap_or_else(|e| e.into_inner());
+            }
+            if state.waiting.is_empty() {
+                return;
+            }
+            std::mem::take(&mut state.waiting)
+        };
+        let mut synced: Vec<*const File> = Vec::new();
+        let mut failure = None;
+        for (file, _) in &batch {
+            let ptr = Arc::as_ptr(file);
+            if synced.contains(&ptr) || failure.is_some() {
+                continue;
+            }
+            if let Err(e) = file.sync_data() {
+                failure = Some(format!("fdatasync failed: {e}"));
+            }
+            synced.push(ptr);
+        }
+        if let Some(reason) = &failure {
+            tracing::error!(%reason, "contribution log: fdatasync failed; refusing further uploads until restart");
+            queue
+                .state
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .poisoned = Some(reason.clone());
+        }
+        for (_, done) in batch {
+            let _ = done.send(failure.clone().map_or(Ok(()), Err));
+        }
+    }
+}
+
+/// Where a log key says its record is.
+struct Location {
+    segment: u32,
+    offset: u64,
+    len: usize,
+    key: String,
+}
+
+fn parse_location(key: &str) -> Option<Location> {
+    let rest = key.strip_prefix("log/")?;
+    let mut parts = rest.splitn(4, '/');
+    let segment = parts.next()?.parse().ok()?;
+    let offset = parts.next()?.parse().ok()?;
+    let len: usize = parts.next()?.parse().ok()?;
+    let key = parts.next()?;
+    (len >= HEADER_BYTES + key.len()).then(|| Location {
+        segment,
+        offset,
+        len,
+        key: key.to_string(),
+    })
+}
+
+fn check_record(record: &[u8], key: &str) -> Result<(), String> {
+    if &record[..4] != MAGIC {
+        return Err("no record at this offset (bad magic)".into());
+    }
+    let payload_len = u32::from_le_bytes(record[4..8].try_into().expect("4 bytes")) as usize;
+    let key_len = u16::from_le_bytes(record[40..42].try_into().expect("2 bytes")) as usize;
+    if key_len != key.len()
+        || HEADER_BYTES + key_len + payload_len != record.len()
+        || &record[HEADER_BYTES..HEADER_BYTES + key_len] != key.as_bytes()
+    {
+        return Err("the record at this offset belongs to another object".into());
+    }
+    if Sha256::digest(&record[HEADER_BYTES + key_len..])[..] != record[8..40] {
+        return Err("the record's bytes do not match its digest (corrupted)".into());
+    }
+    Ok(())
+}
+
+impl BlobStore for ContributionLog {
+    fn put<'a>(&'a self, key: &'a BlobKey, _bytes: &'a [u8]) -> BlobFuture<'a, PutOutcome> {
+        Box::pin(async move {
+            Err(BlobError::Io {
+                key: key.as_str().to_string(),
+                source: std::io::Error::other(
+                    "the contribution log places objects itself; store with put_new",
+                ),
+            })
+        })
+    }
+
+    fn put_new<'a>(&'a self, key: BlobKey, bytes: &'a [u8]) -> BlobFuture<'a, BlobKey> {
+        Box::pin(self.append(key, bytes))
+    }
+
+    fn get<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, Vec<u8>> {
+        Box::pin(async move {
+            let Some(location) = parse_location(key.as_str()) else {
+                return self.fallback.get(key).await;
+            };
+            let not_found = |e: std::io::Error| {
+                if e.kind() == std::io::ErrorKind::NotFound {
+                    BlobError::NotFound(key.as_str().to_string())
+                } else {
+                    io_error(key.as_str(), e)
+                }
+            };
+            let readers = Arc::clone(&self.readers);
+            tokio::task::spawn_blocking(move || readers.read(&location))
+                .await
+                .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
+                .map_err(not_found)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,156 @@
+use super::*;
+use crate::blob::LocalBlobStore;
+
+fn fallback(dir: &Path) -> Arc<dyn BlobStore> {
+    Arc::new(LocalBlobStore::open(dir.join("fallback")).unwrap())
+}
+
+fn key(name: &str) -> BlobKey {
+    BlobKey::new(format!(
+        "tenants/t/tasks/x/rounds/1-1/contributions/{name}.cbor"
+    ))
+    .unwrap()
+}
+
+fn segment_files(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+#[tokio::test]
+async fn a_stored_contribution_reads_back_by_the_key_put_new_returned() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = ContributionLog::open(dir.path().join("log"), fallback(dir.path())).unwrap();
+    let first = log.put_new(key("a"), b"first bytes").await.unwrap();
+    let second = log.put_new(key("b"), b"second").await.unwrap();
+    assert!(first.as_str().starts_with("log/00000001/0/"), "{first:?}");
+    assert!(first.as_str().ends_with(key("a").as_str()));
+    assert_ne!(first, second);
+    assert_eq!(log.get(&first).await.unwrap(), b"first bytes");
+    assert_eq!(log.get(&second).await.unwrap(), b"second");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_puts_are_all_durable_and_distinct() {
+    let dir = tempfile::tempdir().unwrap();
+    let log =
+        Arc::new(ContributionLog::open(dir.path().join("log"), fallback(dir.path())).unwrap());
+    let puts = (0..64u32).map(|i| {
+        let log = Arc::clone(&log);
+        tokio::spawn(async move {
+            let bytes = vec![i as u8; 1000 + i as usize];
+            (
+                log.put_new(key(&format!("d{i}")), &bytes).await.unwrap(),
+                bytes,
+            )
+        })
+    });
+    for put in puts {
+        let (stored, bytes) = put.await.unwrap();
+        assert_eq!(log.get(&stored).await.unwrap(), bytes);
+    }
+}
+
+#[tokio::test]
+async fn a_reopened_log_reads_old_records_and_appends_to_a_new_segment() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("log");
+    let stored = {
+        let log = ContributionLog::open(&path, fallback(dir.path())).unwrap();
+        log.put_new(key("a"), b"kept").await.unwrap()
+    };
+    // A torn record after the last acknowledged one, as a crash mid-write leaves it.
+    let mut torn = OpenOptions::new()
+        .append(true)
+        .open(path.join("segment-00000001.log"))
+        .unwrap();
+    std::io::Write::write_all(&mut torn, b"CFL1\x10\x00").unwrap();
+    let log = ContributionLog::open(&path, fallback(dir.path())).unwrap();
+    assert_eq!(log.get(&stored).await.unwrap(), b"kept");
+    let next = log.put_new(key("b"), b"new").await.unwrap();
+    assert!(next.as_str().starts_with("log/00000002/0/"), "{next:?}");
+    assert_eq!(
+        segment_files(&path),
+        ["LOCK", "segment-00000001.log", "segment-00000002.log"]
+    );
+    drop(log);
+    // A restart without uploads reuses the empty last segment.
+    drop(ContributionLog::open(&path, fallback(dir.path())).unwrap());
+    let _again = ContributionLog::open(&path, fallback(dir.path())).unwrap();
+    assert_eq!(segment_files(&path).len(), 4, "three segments and LOCK");
+    let second = ContributionLog::open(&path, fallback(dir.path())).unwrap_err();
+    assert!(second.to_string().contains("another process"), "{second}");
+}
+
+#[tokio::test]
+async fn a_full_segment_moves_on_to_the_next() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("log");
+    let log =
+        ContributionLog::open_with_segment_bytes(path.clone(), fallback(dir.path()), 300).unwrap();
+    let stored: Vec<BlobKey> = futures_util::future::join_all(
+        (0..3).map(|i| log.put_new(key(&format!("k{i}")), &[7u8; 200])),
+    )
+    .await
+    .into_iter()
+    .map(Result::unwrap)
+    .collect();
+    assert_eq!(segment_files(&path).len(), 4, "three segments and LOCK");
+    for key in &stored {
+        assert_eq!(log.get(key).await.unwrap(), [7u8; 200]);
+    }
+}
+
+#[tokio::test]
+async fn a_corrupted_record_is_refused_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("log");
+    let log = ContributionLog::open(&path, fallback(dir.path())).unwrap();
+    let stored = log.put_new(key("a"), b"payload").await.unwrap();
+    let segment = path.join("segment-00000001.log");
+    let mut bytes = fs::read(&segment).unwrap();
+    *bytes.last_mut().unwrap() ^= 1;
+    fs::write(&segment, bytes).unwrap();
+    drop(log);
+    let log = ContributionLog::open(&path, fallback(dir.path())).unwrap();
+    let error = log.get(&stored).await.unwrap_err().to_string();
+    assert!(error.contains("do not match its digest"), "{error}");
+}
+
+#[tokio::test]
+async fn a_key_pointing_at_another_record_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = ContributionLog::open(dir.path().join("log"), fallback(dir.path())).unwrap();
+    let stored = log.put_new(key("a"), b"payload").await.unwrap();
+    let forged = BlobKey::new(stored.as_str().replace("/a.cbor", "/b.cbor")).unwrap();
+    let error = log.get(&forged).await.unwrap_err().to_string();
+    assert!(error.contains("belongs to another object"), "{error}");
+    let nowhere = BlobKey::new(format!("log/00000001/5/{}/{}", 60, key("a").as_str())).unwrap();
+    assert!(log.get(&nowhere).await.is_err());
+    let missing_segment =
+        BlobKey::new(stored.as_str().replacen("00000001", "00000009", 1)).unwrap();
+    assert!(matches!(
+        log.get(&missing_segment).await,
+        Err(BlobError::NotFound(_))
+    ));
+}
+
+#[tokio::test]
+async fn other_keys_are_read_from_the_fallback_and_keyed_puts_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let old = fallback(dir.path());
+    old.put(&key("old"), b"stored before the log")
+        .await
+        .unwrap();
+    let log = ContributionLog::open(dir.path().join("log"), old).unwrap();
+    assert_eq!(
+        log.get(&key("old")).await.unwrap(),
+        b"stored before the log"
+    );
+    let refused = log.put(&key("x"), b"x").await.unwrap_err().to_string();
+    assert!(refused.contains("put_new"), "{refused}");
+}
