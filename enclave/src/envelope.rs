@@ -201,10 +201,11 @@ pub fn seal(
     let aad = aad(task_id, round, &assignment_ref(assignment_id));
     let info = info(key_id);
     let (encapsulated_key, ciphertext, chunk) = if update.len() > CHUNK_THRESHOLD {
-        let (enc, ct) = hpke::seal_chunked(public_key, &info, &aad, update, CHUNK_THRESHOLD)?;
+        let (enc, ct) =
+            crate::hpke_awslc::seal_chunked(public_key, &info, &aad, update, CHUNK_THRESHOLD)?;
         (enc, ct, Some(CHUNK_THRESHOLD as u32))
     } else {
-        let (enc, ct) = hpke::seal(public_key, &info, &aad, update)?;
+        let (enc, ct) = crate::hpke_awslc::seal(public_key, &info, &aad, update)?;
         (enc, ct, None)
     };
     Ok(Envelope {

@@ -230,7 +230,7 @@ impl Db {
         let round_id = round_id.to_string();
         let id = assignment_key(capability);
         let key_if_unset = key_if_unset.to_string();
-        let history_id = super::new_id();
+        let history_id = super::new_history_id();
         let capacity = i64::try_from(capacity).unwrap_or(i64::MAX);
         self.write_raw(move |c| {
             // The guarded update locks the round, checks and takes the slot and fixes the key;
@@ -282,7 +282,7 @@ impl Db {
         let id = assignment_key(capability);
         let sha256_hex = sha256_hex.to_string();
         let blob_key = blob_key.to_string();
-        let history_id = super::new_id();
+        let history_id = super::new_history_id();
         self.write_raw(move |c| {
             // Common path: the guards are the upload's checks, and the update is the ASSIGNED ->
             // UPLOADED transition (compare-and-set on the state; it moves no round counter).
@@ -333,7 +333,7 @@ impl Db {
                 })
                 .await;
         }
-        let history_id = super::new_id();
+        let history_id = super::new_history_id();
         self.write_raw(move |c| {
             use AssignmentState::{Completed, Uploaded};
             debug_assert!(Uploaded.can_become(Completed));
@@ -390,7 +390,7 @@ impl Db {
                  FROM state_history WHERE entity_id = ?2",
             )?
             .execute(rusqlite::params![
-                super::new_id(),
+                super::new_history_id(),
                 round_id,
                 format!("report goal {goal} reached"),
                 now

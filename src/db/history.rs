@@ -2,7 +2,7 @@
 
 use sqlx::FromRow;
 
-use super::{Conn, Db, DbError, new_id};
+use super::{Conn, Db, DbError};
 
 #[derive(Debug, Clone, PartialEq, Eq, FromRow)]
 pub struct HistoryRecord {
@@ -28,7 +28,7 @@ pub(crate) async fn append(
          SELECT $1, $2, $3, COALESCE(MAX(seq), 0) + 1, $4, $5, $6, $7 \
          FROM state_history WHERE entity_id = $3",
     )
-    .bind(new_id())
+    .bind(super::new_history_id())
     .bind(entity)
     .bind(entity_id)
     .bind(from)
