@@ -77,6 +77,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         scheduler_period: Duration::from_secs(1),
         worker_token: None,
         attester_key: None,
+        database: None,
     })
     .await
     .map_err(|e| DemoError::Setup(e.to_string()))?;

@@ -203,9 +203,13 @@ struct KeyserviceArgs {
 
 #[derive(Args)]
 struct DataDir {
-    /// Directory holding the task database and blobs.
+    /// Directory holding the task database (unless --database), blobs and contributions.
     #[arg(long, default_value = "./confed-data")]
     data_dir: PathBuf,
+    /// Task database on PostgreSQL (`postgres://user@host:port/db`) instead of the data
+    /// directory's SQLite file.
+    #[arg(long, env = "CONFED_DATABASE_URL")]
+    database: Option<String>,
 }
 
 #[derive(Args)]
@@ -360,6 +364,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     };
     let config = ServeConfig {
         data_dir: args.data.data_dir,
+        database: args.data.database,
         keyservices: args.keyservices,
         listen: args.listen,
         tls,
@@ -420,7 +425,7 @@ async fn tenant(command: TenantCommand) -> Result<()> {
                     bail!("invalid tenant: {}", text.join("; "));
                 }
             };
-            let (db, _) = server::open_data_dir(&data.data_dir).await?;
+            let (db, _) = server::open_data_dir(&data.data_dir, data.database.as_deref()).await?;
             let (tenant, token) = db.create_tenant(&new, SystemClock.now_millis()).await?;
             db.close().await;
             eprintln!(
@@ -430,7 +435,7 @@ async fn tenant(command: TenantCommand) -> Result<()> {
             println!("{}", token.as_str());
         }
         TenantCommand::List { data } => {
-            let (db, _) = server::open_data_dir(&data.data_dir).await?;
+            let (db, _) = server::open_data_dir(&data.data_dir, data.database.as_deref()).await?;
             for t in db.list_tenants().await? {
                 println!(
                     "{}\t{}\tmax_active_tasks={}\tmax_report_goal={}\tcreated {}",

@@ -33,6 +33,8 @@ pub struct TlsFiles {
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
     pub data_dir: PathBuf,
+    /// The task database when it is not the data directory's SQLite file: a PostgreSQL URL.
+    pub database: Option<String>,
     /// Key services whose signed key sets go into assignments (base URLs).
     pub keyservices: Vec<String>,
     pub listen: SocketAddr,
@@ -87,12 +89,21 @@ pub fn database_path(data_dir: &std::path::Path) -> PathBuf {
     data_dir.join("confed.db")
 }
 
-/// Opens (creating) the data directory's database; `true` if it did not exist before.
-pub async fn open_data_dir(data_dir: &std::path::Path) -> Result<(Db, bool), ServeError> {
+/// Opens the task database: `database` (a PostgreSQL URL) if given, else the data directory's
+/// SQLite file (created if missing). The flag is `true` for a SQLite file that did not exist
+/// before (a first start, which gets a demo tenant); a shared PostgreSQL database never gets
+/// one: its operator creates tenants (`confed tenant create`, the admin API).
+pub async fn open_data_dir(
+    data_dir: &std::path::Path,
+    database: Option<&str>,
+) -> Result<(Db, bool), ServeError> {
     std::fs::create_dir_all(data_dir).map_err(|source| ServeError::DataDir {
         path: data_dir.to_path_buf(),
         source,
     })?;
+    if let Some(url) = database {
+        return Ok((Db::open(url).await?, false));
+    }
     let path = database_path(data_dir);
     let fresh = !path.exists();
     Ok((Db::open_sqlite(&path).await?, fresh))
@@ -105,7 +116,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     check_listen(config.listen, config.tls.as_ref())?;
-    let (db, fresh) = open_data_dir(&config.data_dir).await?;
+    let (db, fresh) = open_data_dir(&config.data_dir, config.database.as_deref()).await?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     if fresh {
         create_demo_tenant(&db, clock.now_millis()).await?;

@@ -4,7 +4,7 @@
 use rusqlite::OptionalExtension;
 
 use super::writer::Raw;
-use super::{Conn, Db, DbError, history, parse_state, transition};
+use super::{Conn, Db, DbError, Engine, device_postgres, history, parse_state, transition};
 use crate::states::{AssignmentState, RoundState, StateMachine};
 use crate::task_spec::TaskSpec;
 
@@ -88,7 +88,7 @@ pub fn assignment_key(capability: &str) -> String {
     confed_enclave::envelope::assignment_ref(capability)
 }
 
-type CandidateRow = (
+pub(super) type CandidateRow = (
     String,
     String,
     String,
@@ -173,30 +173,34 @@ async fn write_view(conn: &mut Conn, id: &str) -> Result<Option<WriteView>, DbEr
 impl Db {
     /// Collecting rounds of open tasks in a population, with how many live assignments each has.
     pub async fn checkin_candidates(&self, population: &str) -> Result<Vec<Candidate>, DbError> {
-        // On a raw read connection: every check-in runs this, and a round trip to a sqlx worker
-        // thread costs more than the read.
-        let rows: Vec<CandidateRow> = self.read_raw(|c| {
-            let mut statement = c.prepare_cached(
-                "SELECT r.id, t.id, t.tenant_id, r.round_number, r.deadline_at, r.key_id, \
+        // On SQLite, on a raw read connection: every check-in runs this, and a round trip to a
+        // sqlx worker thread costs more than the read.
+        let rows: Vec<CandidateRow> = if self.engine() == Engine::Postgres {
+            device_postgres::checkin_candidates(self, population).await?
+        } else {
+            self.read_raw(|c| {
+                let mut statement = c.prepare_cached(
+                    "SELECT r.id, t.id, t.tenant_id, r.round_number, r.deadline_at, r.key_id, \
                  t.model_version, r.live_assignments, t.spec_json \
                  FROM rounds r JOIN tasks t ON t.id = r.task_id \
                  WHERE t.population = ?1 AND t.state = 'OPEN' AND r.state = 'COLLECTING'",
-            )?;
-            let rows = statement.query_map([population], |r| {
-                Ok((
-                    r.get(0)?,
-                    r.get(1)?,
-                    r.get(2)?,
-                    r.get(3)?,
-                    r.get(4)?,
-                    r.get(5)?,
-                    r.get(6)?,
-                    r.get(7)?,
-                    r.get(8)?,
-                ))
-            })?;
-            Ok(rows.collect::<Result<Vec<_>, _>>()?)
-        })?;
+                )?;
+                let rows = statement.query_map([population], |r| {
+                    Ok((
+                        r.get(0)?,
+                        r.get(1)?,
+                        r.get(2)?,
+                        r.get(3)?,
+                        r.get(4)?,
+                        r.get(5)?,
+                        r.get(6)?,
+                        r.get(7)?,
+                        r.get(8)?,
+                    ))
+                })?;
+                Ok(rows.collect::<Result<Vec<_>, _>>()?)
+            })?
+        };
         rows.into_iter()
             .map(|r| {
                 let spec = self.spec_of(&r.1, &r.8)?;
@@ -232,6 +236,19 @@ impl Db {
         let key_if_unset = key_if_unset.to_string();
         let history_id = super::new_history_id();
         let capacity = i64::try_from(capacity).unwrap_or(i64::MAX);
+        if self.engine() == Engine::Postgres {
+            return device_postgres::assign(
+                self,
+                round_id,
+                id,
+                capacity,
+                key_if_unset,
+                expires_at,
+                history_id,
+                now,
+            )
+            .await;
+        }
         self.write_raw(move |c| {
             // The guarded update locks the round, checks and takes the slot and fixes the key;
             // the assignment and its first history row follow only if it took one.
@@ -283,6 +300,12 @@ impl Db {
         let sha256_hex = sha256_hex.to_string();
         let blob_key = blob_key.to_string();
         let history_id = super::new_history_id();
+        if self.engine() == Engine::Postgres {
+            return device_postgres::record_upload(
+                self, id, sha256_hex, size, blob_key, history_id, now,
+            )
+            .await;
+        }
         self.write_raw(move |c| {
             // Common path: the guards are the upload's checks, and the update is the ASSIGNED ->
             // UPLOADED transition (compare-and-set on the state; it moves no round counter).
@@ -334,6 +357,9 @@ impl Db {
                 .await;
         }
         let history_id = super::new_history_id();
+        if self.engine() == Engine::Postgres {
+            return device_postgres::record_completed(self, id, history_id, now).await;
+        }
         self.write_raw(move |c| {
             use AssignmentState::{Completed, Uploaded};
             debug_assert!(Uploaded.can_become(Completed));
@@ -457,7 +483,7 @@ impl Db {
 
 /// Why an upload's guarded update changed nothing: a repeated upload of the same bytes, or a
 /// refusal.
-async fn upload_refused(
+pub(super) async fn upload_refused(
     conn: &mut Conn,
     id: &str,
     sha256_hex: &str,
@@ -478,7 +504,7 @@ async fn upload_refused(
 
 /// A report off the common path: a failure or not-eligible report, a repeated report, or a
 /// refusal (read the row, say why).
-async fn report_slow(
+pub(super) async fn report_slow(
     conn: &mut Conn,
     id: &str,
     outcome: ReportOutcome,

@@ -59,11 +59,15 @@ pub(crate) async fn create(conn: &mut Conn, round_id: &str, now: i64) -> Result<
 /// Fails with `LeaseLost` unless `worker` holds the job's lease (fencing: a worker whose lease
 /// was taken over can no longer commit anything).
 async fn check_lease(conn: &mut Conn, round_id: &str, worker: &str) -> Result<(), DbError> {
-    let row: Option<(String, Option<String>)> =
-        sqlx::query_as("SELECT state, lease_owner FROM aggregation_jobs WHERE round_id = $1")
-            .bind(round_id)
-            .fetch_optional(&mut *conn)
-            .await?;
+    // Locked on PostgreSQL so a takeover cannot slip in between this check and the caller's write.
+    let sql = format!(
+        "SELECT state, lease_owner FROM aggregation_jobs WHERE round_id = $1{}",
+        super::lock_clause(conn, " FOR UPDATE")
+    );
+    let row: Option<(String, Option<String>)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(round_id)
+        .fetch_optional(&mut *conn)
+        .await?;
     match row {
         Some((state, Some(owner))) if state == "PENDING" && owner == worker => Ok(()),
         Some(_) => Err(DbError::LeaseLost(round_id.to_string())),
@@ -133,16 +137,21 @@ impl Db {
         let worker = worker.to_string();
         self.write(move |tx| {
             Box::pin(async move {
-                let row: Option<(String, i64)> = sqlx::query_as(
+                // The guard is repeated outside the subquery: the update is a compare-and-set.
+                // On PostgreSQL the candidate is also locked with SKIP LOCKED, so concurrent
+                // workers each get a different job instead of queueing on the same row.
+                let sql = format!(
                     "UPDATE aggregation_jobs SET lease_owner = $1, lease_expires_at = $2, \
                      attempts = attempts + 1, updated_at = $3 \
                      WHERE round_id = (SELECT round_id FROM aggregation_jobs \
                        WHERE state = 'PENDING' AND not_before <= $3 \
                        AND (lease_expires_at IS NULL OR lease_expires_at <= $3) \
-                       ORDER BY created_at, round_id LIMIT 1) \
+                       ORDER BY created_at, round_id LIMIT 1{}) \
                      AND state = 'PENDING' AND (lease_expires_at IS NULL OR lease_expires_at <= $3) \
                      RETURNING round_id, attempts",
-                )
+                    super::lock_clause(tx, " FOR UPDATE SKIP LOCKED")
+                );
+                let row: Option<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
                 .bind(&worker)
                 .bind(now + lease_ms)
                 .bind(now)

@@ -1,13 +1,24 @@
 //! The task database: tenants, tasks, models, rounds, assignments and their state history.
 //!
-//! Embedded default: SQLite in WAL mode, `synchronous = FULL` (a commit is on disk before it is
-//! acknowledged), foreign keys on, a busy timeout. Queries use `$n` placeholders and portable types
-//! so the same SQL runs on PostgreSQL. Write transactions start with `BEGIN IMMEDIATE` so a
-//! transaction that reads before it writes never fails on a stale snapshot.
+//! Two engines behind one `Db`, chosen at open time:
+//! - SQLite (the embedded default): WAL mode, nothing acknowledged before it is on disk, foreign
+//!   keys on, a busy timeout. SQLite has one writer: writes are jobs for one writer thread that
+//!   commits waiting jobs together (group commit, `writer.rs`); the device hot paths run on its
+//!   raw rusqlite handle. Reads use their own pool and run concurrently (WAL).
+//! - PostgreSQL (scale-out): any number of servers and workers share one database. A write job
+//!   is a transaction on a pooled connection; races between replicas are settled by row locks
+//!   (guarded `UPDATE`s, which PostgreSQL re-checks after waiting on the row, and `FOR UPDATE
+//!   SKIP LOCKED` where work is handed out).
+//!
+//! Queries go through sqlx's `Any` driver with `$n` placeholders and types both engines share
+//! (BIGINT, TEXT, BYTEA/BLOB), so the same SQL runs on both wherever it can; the few
+//! engine-specific statements branch on `Db::engine`. Migrations for each engine live in
+//! `migrations/<engine>/`.
 
 mod assignments;
 mod blobs;
 pub mod device;
+mod device_postgres;
 mod error;
 mod history;
 pub mod jobs;
@@ -18,11 +29,11 @@ mod tenants;
 pub mod writer;
 
 use std::path::Path;
-use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{ConnectOptions, SqlitePool};
+use sqlx::any::AnyPoolOptions;
+use sqlx::{AnyPool, Connection, Executor};
 
 pub use blobs::StoredBlob;
 pub use error::DbError;
@@ -34,21 +45,24 @@ pub use tenants::{NewTenant, TenantRecord};
 
 use crate::states::StateMachine;
 
-/// The connection type of the configured backend.
-pub(crate) type Conn = sqlx::SqliteConnection;
+/// The connection type of both engines (sqlx's `Any` driver).
+pub(crate) type Conn = sqlx::AnyConnection;
 
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
+static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
+static POSTGRES_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres");
+
+/// Which engine a `Db` runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    Sqlite,
+    Postgres,
+}
 
 /// A handle to the task database; cheap to clone.
-///
-/// SQLite allows one writer at a time. Writes are jobs for one writer task that owns the write
-/// connection and commits waiting jobs together (group commit, `writer.rs`): writers queue fairly
-/// in the application instead of in SQLite's busy handler, and share fsyncs. Reads use their own
-/// pool and run concurrently (WAL).
 #[derive(Debug, Clone)]
 pub struct Db {
-    pool: SqlitePool,
-    writer: writer::Writer,
+    pool: AnyPool,
+    sqlite: Option<SqliteParts>,
     /// Parsed task definitions by task id (immutable once created), for the check-in hot path.
     specs: std::sync::Arc<
         std::sync::RwLock<
@@ -58,8 +72,14 @@ pub struct Db {
     /// Model version records (immutable once written), for check-in and model downloads.
     models:
         std::sync::Arc<std::sync::RwLock<std::collections::HashMap<(String, i64), ModelRecord>>>,
+}
+
+/// What only the SQLite engine has: the group-commit writer and raw read connections.
+#[derive(Debug, Clone)]
+struct SqliteParts {
+    writer: writer::Writer,
     /// Raw read-only connections for the check-in's read (see `read_raw`).
-    raw_readers: std::sync::Arc<RawReaders>,
+    raw_readers: Arc<RawReaders>,
 }
 
 /// Read-only rusqlite connections to the database file, used synchronously on the calling task:
@@ -73,27 +93,69 @@ struct RawReaders {
 /// Cached model records at most; past it the cache starts over (records are cheap to reread).
 const MODEL_CACHE: usize = 100_000;
 
+/// Per-connection SQLite settings (journal mode is a property of the file, set at migration).
+const SQLITE_PRAGMAS: &str =
+    "PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 10000; PRAGMA synchronous = FULL";
+
+/// An sqlx URL for the SQLite file at `path` (`?` `#` `%` escaped: the rest of a path is
+/// taken literally).
+fn sqlite_url(path: &Path) -> String {
+    let mut url = String::from("sqlite://");
+    for c in path.display().to_string().chars() {
+        match c {
+            '%' => url.push_str("%25"),
+            '?' => url.push_str("%3F"),
+            '#' => url.push_str("%23"),
+            ' ' => url.push_str("%20"),
+            c => url.push(c),
+        }
+    }
+    url.push_str("?mode=rwc");
+    url
+}
+
 impl Db {
+    /// Opens the task database `location` names: a `postgres://` or `postgresql://` URL, or
+    /// else the path of a SQLite file (created if missing). Applies pending migrations.
+    pub async fn open(location: &str) -> Result<Self, DbError> {
+        if location.starts_with("postgres://") || location.starts_with("postgresql://") {
+            Self::open_postgres(location).await
+        } else {
+            Self::open_sqlite(Path::new(location)).await
+        }
+    }
+
+    /// Which engine this database runs on.
+    pub fn engine(&self) -> Engine {
+        if self.sqlite.is_some() {
+            Engine::Sqlite
+        } else {
+            Engine::Postgres
+        }
+    }
+
     /// Opens (creating if missing) the SQLite database at `path` and applies pending migrations.
     pub async fn open_sqlite(path: &Path) -> Result<Self, DbError> {
-        let options = SqliteConnectOptions::from_str("sqlite://")?
-            .filename(path)
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Full)
-            .foreign_keys(true)
-            .busy_timeout(Duration::from_secs(10));
-        let mut connection = options.connect().await?;
-        MIGRATOR.run(&mut connection).await?;
-        drop(connection);
-        // The writer's commits are made durable by its own sync thread (`writer.rs`).
-        // ... and checkpointed by its own thread, never during a commit.
-        let writer_connection = options
-            .clone()
-            .synchronous(SqliteSynchronous::Normal)
-            .pragma("wal_autocheckpoint", "0")
-            .connect()
+        sqlx::any::install_default_drivers();
+        let url = sqlite_url(path);
+        let mut connection = sqlx::AnyConnection::connect(&url).await?;
+        sqlx::raw_sql("PRAGMA journal_mode = WAL")
+            .execute(&mut connection)
             .await?;
+        sqlx::raw_sql(SQLITE_PRAGMAS)
+            .execute(&mut connection)
+            .await?;
+        SQLITE_MIGRATOR.run(&mut connection).await?;
+        drop(connection);
+        // The writer's commits are made durable by its own sync thread (`writer.rs`) and
+        // checkpointed by its own thread, never during a commit.
+        let mut writer_connection = sqlx::AnyConnection::connect(&url).await?;
+        sqlx::raw_sql(
+            "PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 10000; \
+             PRAGMA synchronous = NORMAL; PRAGMA wal_autocheckpoint = 0",
+        )
+        .execute(&mut writer_connection)
+        .await?;
         // The writer's own rusqlite connection for the raw hot paths (`writer.rs`).
         let raw_writer = rusqlite::Connection::open(path)?;
         raw_writer.busy_timeout(Duration::from_secs(10))?;
@@ -101,27 +163,54 @@ impl Db {
             "PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON; PRAGMA wal_autocheckpoint = 0",
         )?;
         let writer = writer::Writer::start(writer_connection, raw_writer, path.to_path_buf());
-        let pool = SqlitePoolOptions::new()
+        let pool = AnyPoolOptions::new()
             .max_connections(8)
-            .connect_with(options)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    conn.execute(sqlx::raw_sql(SQLITE_PRAGMAS)).await?;
+                    Ok(())
+                })
+            })
+            .connect(&url)
             .await?;
         Ok(Self {
             pool,
-            writer,
+            sqlite: Some(SqliteParts {
+                writer,
+                raw_readers: Arc::new(RawReaders {
+                    path: path.to_path_buf(),
+                    idle: Default::default(),
+                }),
+            }),
             specs: Default::default(),
             models: Default::default(),
-            raw_readers: std::sync::Arc::new(RawReaders {
-                path: path.to_path_buf(),
-                idle: Default::default(),
-            }),
         })
     }
 
-    pub(crate) fn pool(&self) -> &SqlitePool {
+    /// Connects to PostgreSQL at `url` and applies pending migrations (sqlx's migrator holds an
+    /// advisory lock meanwhile, so replicas starting together migrate once).
+    pub async fn open_postgres(url: &str) -> Result<Self, DbError> {
+        sqlx::any::install_default_drivers();
+        let pool = AnyPoolOptions::new()
+            .max_connections(16)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect(url)
+            .await?;
+        POSTGRES_MIGRATOR.run(&pool).await?;
+        Ok(Self {
+            pool,
+            sqlite: None,
+            specs: Default::default(),
+            models: Default::default(),
+        })
+    }
+
+    pub(crate) fn pool(&self) -> &AnyPool {
         &self.pool
     }
 
-    /// Runs a write job in the writer's next group commit (see `writer.rs`).
+    /// Runs a write job atomically: in the SQLite writer's next group commit (see `writer.rs`),
+    /// or as one PostgreSQL transaction. Either way it returns once the commit is durable.
     pub(crate) async fn write<T, F>(&self, job: F) -> Result<T, DbError>
     where
         T: Send + 'static,
@@ -129,7 +218,15 @@ impl Db {
             + Send
             + 'static,
     {
-        self.writer.write(job).await
+        match &self.sqlite {
+            Some(sqlite) => sqlite.writer.write(job).await,
+            None => {
+                let mut tx = self.pool.begin().await?;
+                let value = job(&mut tx).await?;
+                tx.commit().await?;
+                Ok(value)
+            }
+        }
     }
 
     /// Runs a short read on a raw read-only connection, synchronously (for the device hot path:
@@ -138,7 +235,7 @@ impl Db {
         &self,
         read: impl FnOnce(&rusqlite::Connection) -> Result<T, DbError>,
     ) -> Result<T, DbError> {
-        let readers = &self.raw_readers;
+        let readers = &self.sqlite_parts()?.raw_readers;
         let idle = readers.idle.lock().ok().and_then(|mut idle| idle.pop());
         let connection = match idle {
             Some(connection) => connection,
@@ -183,7 +280,13 @@ impl Db {
         T: Send + 'static,
         F: FnOnce(&rusqlite::Connection) -> Result<writer::Raw<T>, DbError> + Send + 'static,
     {
-        self.writer.write_raw(job).await
+        self.sqlite_parts()?.writer.write_raw(job).await
+    }
+
+    fn sqlite_parts(&self) -> Result<&SqliteParts, DbError> {
+        self.sqlite.as_ref().ok_or_else(|| {
+            DbError::Corrupt("a SQLite-only path was called on PostgreSQL (a bug)".into())
+        })
     }
 
     /// A task's parsed definition, from the cache or parsed from `spec_json` once.
@@ -222,7 +325,7 @@ impl Db {
             .collect())
     }
 
-    /// Closes every connection, checkpointing the WAL.
+    /// Closes every connection (on SQLite, checkpointing the WAL).
     pub async fn close(&self) {
         self.pool.close().await;
     }
@@ -298,6 +401,16 @@ pub(crate) async fn transition<S: StateMachine>(
         now,
     )
     .await
+}
+
+/// `clause` (a row-locking suffix such as ` FOR UPDATE`) on PostgreSQL; nothing on SQLite, whose
+/// single writer already runs every write transaction alone.
+pub(crate) fn lock_clause(conn: &Conn, clause: &'static str) -> &'static str {
+    if conn.backend_name() == "PostgreSQL" {
+        clause
+    } else {
+        ""
+    }
 }
 
 pub(crate) fn new_id() -> String {

@@ -22,7 +22,9 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
 
-use sqlx::{Connection, SqliteConnection};
+use sqlx::Connection;
+
+use super::Conn;
 use tokio::sync::{mpsc, oneshot};
 
 use super::DbError;
@@ -34,8 +36,7 @@ type Completion = Box<dyn FnOnce(Option<&str>) + Send>;
 
 /// An async job over sqlx (any statement, any logic; each sqlx call is a round trip to the
 /// connection's worker thread).
-type AsyncJob =
-    Box<dyn for<'c> FnOnce(&'c mut SqliteConnection) -> BoxFuture<'c, (bool, Completion)> + Send>;
+type AsyncJob = Box<dyn for<'c> FnOnce(&'c mut Conn) -> BoxFuture<'c, (bool, Completion)> + Send>;
 
 /// A job's synchronous fast path, run on the writer's rusqlite connection: done, or (rarely)
 /// an `After` part that needs the async API. `After` runs in the batch's second transaction,
@@ -48,7 +49,7 @@ pub enum Raw<T> {
 
 /// The async rest of a raw job.
 pub type Continuation<T> =
-    Box<dyn for<'c> FnOnce(&'c mut SqliteConnection) -> BoxFuture<'c, Result<T, DbError>> + Send>;
+    Box<dyn for<'c> FnOnce(&'c mut Conn) -> BoxFuture<'c, Result<T, DbError>> + Send>;
 
 enum RawErased {
     Done(bool, Completion),
@@ -92,11 +93,7 @@ impl Writer {
     /// Starts the writer on its own thread with its two connections to `database` (both opened
     /// with `synchronous = NORMAL` and `wal_autocheckpoint = 0`), the WAL sync thread and the
     /// checkpoint thread.
-    pub fn start(
-        connection: SqliteConnection,
-        raw: rusqlite::Connection,
-        database: PathBuf,
-    ) -> Self {
+    pub fn start(connection: Conn, raw: rusqlite::Connection, database: PathBuf) -> Self {
         let (jobs, receiver) = mpsc::channel(QUEUE);
         let (synced, to_sync) = std::sync::mpsc::channel();
         let (checkpoint, checkpoints) = std::sync::mpsc::sync_channel(1);
@@ -146,9 +143,7 @@ impl Writer {
     pub async fn write<T, F>(&self, job: F) -> Result<T, DbError>
     where
         T: Send + 'static,
-        F: for<'c> FnOnce(&'c mut SqliteConnection) -> BoxFuture<'c, Result<T, DbError>>
-            + Send
-            + 'static,
+        F: for<'c> FnOnce(&'c mut Conn) -> BoxFuture<'c, Result<T, DbError>> + Send + 'static,
     {
         let (answer, result) = oneshot::channel();
         let wrapped: AsyncJob =
@@ -182,7 +177,7 @@ impl Writer {
 }
 
 /// Runs one or more `;`-separated statements in one round trip to the SQLite worker.
-async fn exec(conn: &mut SqliteConnection, sql: &'static str) -> Result<(), String> {
+async fn exec(conn: &mut Conn, sql: &'static str) -> Result<(), String> {
     sqlx::raw_sql(sql)
         .execute(&mut *conn)
         .await
@@ -282,7 +277,7 @@ fn sync(wal: &std::path::Path, file: &mut Option<std::fs::File>) -> Result<(), S
 /// and the raw jobs' `After` parts in one transaction through sqlx (only if there are any). Order
 /// inside a batch does not matter: its jobs were concurrent requests.
 async fn run(
-    mut conn: SqliteConnection,
+    mut conn: Conn,
     raw_conn: rusqlite::Connection,
     mut jobs: mpsc::Receiver<Job>,
     synced: std::sync::mpsc::Sender<Committed>,
@@ -384,10 +379,7 @@ fn run_raw(
 }
 
 /// Async jobs in one transaction through sqlx, each in its own savepoint.
-async fn run_async(
-    conn: &mut SqliteConnection,
-    jobs: Vec<AsyncJob>,
-) -> (Vec<Completion>, Option<String>) {
+async fn run_async(conn: &mut Conn, jobs: Vec<AsyncJob>) -> (Vec<Completion>, Option<String>) {
     let mut completions = Vec::with_capacity(jobs.len());
     let mut failure = exec(conn, "BEGIN IMMEDIATE").await.err();
     for job in jobs {
@@ -417,8 +409,6 @@ async fn run_async(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sqlx::ConnectOptions;
-    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
 
     /// A writer on a fresh database in `dir` holding table `t`; `database` is where its sync
     /// thread looks for the WAL (a wrong path makes every sync fail).
@@ -439,22 +429,22 @@ mod tests {
         c
     }
 
-    async fn connection(dir: &std::path::Path) -> SqliteConnection {
-        SqliteConnectOptions::new()
-            .filename(dir.join("t.db"))
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Normal)
-            .connect()
+    async fn connection(dir: &std::path::Path) -> Conn {
+        sqlx::any::install_default_drivers();
+        let mut conn = Conn::connect(&super::super::sqlite_url(&dir.join("t.db")))
             .await
-            .unwrap()
+            .unwrap();
+        sqlx::raw_sql("PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL")
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        conn
     }
 
     fn insert(
         value: i64,
-    ) -> impl for<'c> FnOnce(&'c mut SqliteConnection) -> BoxFuture<'c, Result<(), DbError>>
-    + Send
-    + 'static {
+    ) -> impl for<'c> FnOnce(&'c mut Conn) -> BoxFuture<'c, Result<(), DbError>> + Send + 'static
+    {
         move |conn| {
             Box::pin(async move {
                 sqlx::query("INSERT INTO t (v) VALUES ($1)")

@@ -52,6 +52,9 @@ pub struct EmbeddedOptions {
     /// The dev attester's signing key (default: a fresh one). Given, a `confed-enclave --attester
     /// dev` process holding the same key is trusted by these key services.
     pub attester_key: Option<p256::ecdsa::SigningKey>,
+    /// The task database (`Db::open`: a PostgreSQL URL or a SQLite path); default
+    /// `<data dir>/confed.db`.
+    pub database: Option<String>,
 }
 
 pub struct EmbeddedSystem {
@@ -117,9 +120,11 @@ impl EmbeddedSystem {
         .await?;
         let mut tasks = services.tasks;
         let keyservices = services.endpoints;
-        let db = Db::open_sqlite(&dir.join("confed.db"))
-            .await
-            .map_err(setup)?;
+        let db = match &options.database {
+            Some(location) => Db::open(location).await,
+            None => Db::open_sqlite(&dir.join("confed.db")).await,
+        }
+        .map_err(setup)?;
         let blobs: Arc<dyn crate::blob::BlobStore> =
             Arc::new(LocalBlobStore::open(dir.join("blobs")).map_err(setup)?);
         let contributions = crate::blob::embedded_contributions(dir, &db).map_err(setup)?;

@@ -1,7 +1,9 @@
-//! A test harness: the real router over a real SQLite database and blob directory in a temp dir,
+//! A test harness: the real router over a real task database (SQLite, or PostgreSQL: see
+//! `database.rs`) and blob directory in a temp dir,
 //! with a manual clock. Requests go through the full middleware stack without a socket.
 #![allow(dead_code)]
 
+pub mod database;
 pub mod system;
 
 use std::sync::Arc;
@@ -25,6 +27,8 @@ pub const START_MILLIS: i64 = 1_800_000_000_000;
 pub struct TestApp {
     pub router: Router,
     pub db: Db,
+    /// The PostgreSQL database's URL when the tests run on PostgreSQL.
+    pub database_url: Option<String>,
     pub clock: Arc<ManualClock>,
     /// A 2-of-2 task key signed by two test key services, as devices receive it.
     pub key: TestKey,
@@ -135,9 +139,7 @@ impl TestApp {
         keys: Option<confed::keys::directory::KeyDirectory>,
     ) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let db = Db::open_sqlite(&dir.path().join("confed.db"))
-            .await
-            .unwrap();
+        let (db, database_url) = database::test_database(dir.path()).await;
         let clock = Arc::new(ManualClock::starting_at(START_MILLIS));
         let (key, key_sets) = test_key();
         let state = AppState {
@@ -154,6 +156,7 @@ impl TestApp {
         Self {
             router: api::router(state),
             db,
+            database_url,
             clock,
             key,
             _dir: dir,

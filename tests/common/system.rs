@@ -40,6 +40,10 @@ pub async fn start_full(
         worker_token: worker_token
             .map(|t| confed::auth::AdminToken::from_secret(t.to_string()).unwrap()),
         attester_key,
+        database: match super::database::postgres_url() {
+            Some(server) => Some(super::database::fresh_postgres_database(&server).await),
+            None => None,
+        },
     })
     .await
     .unwrap();
