@@ -239,6 +239,10 @@ struct ServeArgs {
     /// Base URL of a key service whose signed key set devices receive (repeat for each).
     #[arg(long = "keyservice")]
     keyservices: Vec<String>,
+    /// What this process does (repeat for several; default all three). API replicas,
+    /// schedulers and workers can run apart on one PostgreSQL database (`--database`).
+    #[arg(long = "role", value_enum)]
+    roles: Vec<server::Role>,
     /// Seconds between scheduler passes (round deadlines).
     #[arg(long, default_value_t = 1)]
     scheduler_period_seconds: u64,
@@ -362,7 +366,14 @@ async fn serve(args: ServeArgs) -> Result<()> {
         (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
         _ => None,
     };
+    let mut roles = args.roles;
+    if roles.is_empty() {
+        roles = server::Role::ALL.to_vec();
+    }
+    roles.sort_by_key(|r| *r as u8);
+    roles.dedup();
     let config = ServeConfig {
+        roles,
         data_dir: args.data.data_dir,
         database: args.data.database,
         keyservices: args.keyservices,

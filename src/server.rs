@@ -30,8 +30,28 @@ pub struct TlsFiles {
     pub key: PathBuf,
 }
 
+/// What one `confed serve` process does. Several processes with different roles can share one
+/// PostgreSQL database: API replicas behind a load balancer, one or more schedulers (their
+/// passes are guarded updates, so two never close a round twice), and enclave workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum)]
+pub enum Role {
+    /// The partner, device and worker HTTP APIs.
+    Api,
+    /// Round deadlines and assignment expiry.
+    Scheduler,
+    /// The in-process enclave worker (embedded key services and the dev attester only; in
+    /// production, enclave workers are `confed-enclave` processes in Confidential Space).
+    EnclaveWorker,
+}
+
+impl Role {
+    pub const ALL: [Role; 3] = [Role::Api, Role::Scheduler, Role::EnclaveWorker];
+}
+
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
+    /// At least one; `Role::ALL` unless the operator chose.
+    pub roles: Vec<Role>,
     pub data_dir: PathBuf,
     /// The task database when it is not the data directory's SQLite file: a PostgreSQL URL.
     pub database: Option<String>,
@@ -52,6 +72,10 @@ pub enum ServeError {
         "refusing to serve plain HTTP on {0}, which is not a loopback address: pass --tls-cert and --tls-key, or listen on 127.0.0.1"
     )]
     PlainHttpOffLoopback(SocketAddr),
+    #[error(
+        "--role enclave-worker runs the in-process worker, which only the embedded key services trust (dev attester); with --keyservice, run confed-enclave in a TEE instead"
+    )]
+    WorkerNeedsEmbeddedKeyServices,
     #[error("cannot use data directory {path}: {source}")]
     DataDir {
         path: PathBuf,
@@ -115,63 +139,83 @@ pub async fn serve(
     config: ServeConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
-    check_listen(config.listen, config.tls.as_ref())?;
+    let has = |role| config.roles.contains(&role);
+    if has(Role::EnclaveWorker) && !config.keyservices.is_empty() {
+        return Err(ServeError::WorkerNeedsEmbeddedKeyServices);
+    }
+    if has(Role::Api) {
+        check_listen(config.listen, config.tls.as_ref())?;
+    }
     let (db, fresh) = open_data_dir(&config.data_dir, config.database.as_deref()).await?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     if fresh {
         create_demo_tenant(&db, clock.now_millis()).await?;
     }
-    let blobs: Arc<dyn crate::blob::BlobStore> =
-        Arc::new(LocalBlobStore::open(config.data_dir.join("blobs"))?);
-    let contributions = crate::blob::embedded_contributions(&config.data_dir, &db)?;
     let (stop_tx, stop_rx) = watch::channel(false);
-    let keys = KeyDirectory::default();
     let mut background = Vec::new();
-    let embedded_worker = if config.keyservices.is_empty() {
-        let (worker_config, tasks) =
-            start_embedded_enclave(&config.data_dir, &clock, &keys, stop_rx.clone()).await?;
-        background.extend(tasks);
-        Some(worker_config)
-    } else {
-        keys.spawn_refresh(config.keyservices.clone(), KEY_REFRESH);
-        None
-    };
-    let state = AppState {
-        db: db.clone(),
-        blobs: blobs.clone(),
-        contributions: contributions.clone(),
-        clock: Arc::clone(&clock),
-        admin: config.admin.clone(),
-        limits: config.limits,
-        keys: keys.clone(),
-        registry: Default::default(),
-        worker_token: config.worker_token.clone(),
-    };
-    let app = api::router(state);
-
-    if let Some(worker_config) = embedded_worker {
-        let store = crate::aggregation::TaskDbJobStore {
-            db: db.clone(),
-            blobs,
-            contributions,
-            keys: keys.clone(),
-            clock: clock.clone(),
+    let mut app = None;
+    if has(Role::Api) || has(Role::EnclaveWorker) {
+        let blobs: Arc<dyn crate::blob::BlobStore> =
+            Arc::new(LocalBlobStore::open(config.data_dir.join("blobs"))?);
+        let contributions = crate::blob::embedded_contributions(&config.data_dir, &db)?;
+        let keys = KeyDirectory::default();
+        let embedded_worker = if config.keyservices.is_empty() {
+            let (worker_config, tasks) =
+                start_embedded_enclave(&config.data_dir, &clock, &keys, stop_rx.clone()).await?;
+            background.extend(tasks);
+            Some(worker_config)
+        } else {
+            keys.spawn_refresh(config.keyservices.clone(), KEY_REFRESH);
+            None
         };
-        let worker = confed_enclave::worker::Worker::new(Arc::new(store), worker_config);
-        background.push(tokio::spawn(crate::aggregation::run_worker(
-            worker,
-            Duration::from_secs(1),
-            stop_rx.clone(),
-        )));
+        if has(Role::Api) {
+            app = Some(api::router(AppState {
+                db: db.clone(),
+                blobs: blobs.clone(),
+                contributions: contributions.clone(),
+                clock: Arc::clone(&clock),
+                admin: config.admin.clone(),
+                limits: config.limits,
+                keys: keys.clone(),
+                registry: Default::default(),
+                worker_token: config.worker_token.clone(),
+            }));
+        }
+        if let (true, Some(worker_config)) = (has(Role::EnclaveWorker), embedded_worker) {
+            let store = crate::aggregation::TaskDbJobStore {
+                db: db.clone(),
+                blobs,
+                contributions,
+                keys: keys.clone(),
+                clock: clock.clone(),
+            };
+            let worker = confed_enclave::worker::Worker::new(Arc::new(store), worker_config);
+            background.push(tokio::spawn(crate::aggregation::run_worker(
+                worker,
+                Duration::from_secs(1),
+                stop_rx.clone(),
+            )));
+        }
     }
-    let scheduler = tokio::spawn(
-        Scheduler::new(db.clone(), clock.clone()).run(config.scheduler_period, stop_rx),
-    );
-    tracing::info!(admin_api = config.admin.is_some(), data_dir = %config.data_dir.display(), "starting");
-    let result = serve_app(config.listen, config.tls.as_ref(), app, shutdown).await;
-    tracing::info!("stopped accepting requests; stopping the scheduler");
+    if has(Role::Scheduler) {
+        background.push(tokio::spawn(
+            Scheduler::new(db.clone(), clock.clone()).run(config.scheduler_period, stop_rx),
+        ));
+    }
+    tracing::info!(roles = ?config.roles, admin_api = config.admin.is_some(), data_dir = %config.data_dir.display(), "starting");
+    let result = match app {
+        Some(app) => serve_app(config.listen, config.tls.as_ref(), app, shutdown).await,
+        None => {
+            println!(
+                "confed: running {:?} (no API role: not listening)",
+                config.roles
+            );
+            shutdown.await;
+            Ok(())
+        }
+    };
+    tracing::info!("stopping the background roles");
     let _ = stop_tx.send(true);
-    let _ = scheduler.await;
     for task in background {
         let _ = task.await;
     }

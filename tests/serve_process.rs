@@ -133,6 +133,61 @@ async fn serve_creates_demo_tenant_once_and_keeps_state_across_restarts() {
 }
 
 #[tokio::test]
+async fn a_scheduler_only_process_does_not_listen_and_stops_on_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = confed()
+        .args(["serve", "--role", "scheduler", "--data-dir"])
+        .arg(dir.path())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let announced = tokio::time::timeout(STARTUP_BOUND, async {
+        loop {
+            let line = lines.next_line().await.unwrap().expect("exited early");
+            if line.starts_with("confed: running") || line.starts_with("confed: serving") {
+                return line;
+            }
+        }
+    })
+    .await
+    .expect("the scheduler did not start");
+    assert_eq!(
+        announced,
+        "confed: running [Scheduler] (no API role: not listening)"
+    );
+    let pid = child.id().unwrap().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .await
+            .unwrap()
+            .success()
+    );
+    let status = tokio::time::timeout(STARTUP_BOUND, child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{status}");
+}
+
+#[tokio::test]
+async fn an_in_process_worker_with_remote_key_services_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = confed()
+        .args(["serve", "--role", "enclave-worker"])
+        .args(["--keyservice", "http://127.0.0.1:9/", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .await
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("run confed-enclave in a TEE"), "{stderr}");
+}
+
+#[tokio::test]
 async fn plain_http_off_loopback_is_refused_with_a_fix() {
     let dir = tempfile::tempdir().unwrap();
     let output = confed()
