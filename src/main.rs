@@ -239,7 +239,8 @@ struct ServeArgs {
     /// Base URL of a key service whose signed key set devices receive (repeat for each).
     #[arg(long = "keyservice")]
     keyservices: Vec<String>,
-    /// What this process does (repeat for several; default all three). API replicas,
+    /// What this process does (repeat for several; default all three, or api and scheduler
+    /// with --keyservice). API replicas,
     /// schedulers and workers can run apart on one PostgreSQL database (`--database`).
     #[arg(long = "role", value_enum)]
     roles: Vec<server::Role>,
@@ -368,7 +369,12 @@ async fn serve(args: ServeArgs) -> Result<()> {
     };
     let mut roles = args.roles;
     if roles.is_empty() {
+        // By default everything this layout can run: with remote key services the enclave
+        // workers are confed-enclave processes, so the in-process worker is not among them.
         roles = server::Role::ALL.to_vec();
+        if !args.keyservices.is_empty() {
+            roles.retain(|r| *r != server::Role::EnclaveWorker);
+        }
     }
     roles.sort_by_key(|r| *r as u8);
     roles.dedup();
