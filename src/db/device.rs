@@ -244,7 +244,6 @@ impl Db {
                 capacity,
                 key_if_unset,
                 expires_at,
-                history_id,
                 now,
             )
             .await;
@@ -301,10 +300,7 @@ impl Db {
         let blob_key = blob_key.to_string();
         let history_id = super::new_history_id();
         if self.engine() == Engine::Postgres {
-            return device_postgres::record_upload(
-                self, id, sha256_hex, size, blob_key, history_id, now,
-            )
-            .await;
+            return device_postgres::record_upload(self, id, sha256_hex, size, blob_key, now).await;
         }
         self.write_raw(move |c| {
             // Common path: the guards are the upload's checks, and the update is the ASSIGNED ->
@@ -358,7 +354,7 @@ impl Db {
         }
         let history_id = super::new_history_id();
         if self.engine() == Engine::Postgres {
-            return device_postgres::record_completed(self, id, history_id, now).await;
+            return device_postgres::record_completed(self, id, now).await;
         }
         self.write_raw(move |c| {
             use AssignmentState::{Completed, Uploaded};

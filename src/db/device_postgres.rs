@@ -10,7 +10,10 @@
 //!   closing are serial per round: exactly one report closes the round, and none completes an
 //!   assignment of a round already closed (its contribution would miss the aggregation).
 
-use super::device::{Assigned, CandidateRow, ReportOutcome, Stored, report_slow, upload_refused};
+use super::device::{
+    Assigned, CandidateRow, ReportOutcome, Stored, insert_row, report_slow, upload_refused,
+};
+use super::history;
 use super::{Db, DbError, device::Refusal};
 use crate::states::{AssignmentState, RoundState, StateMachine};
 
@@ -29,7 +32,6 @@ pub(super) async fn checkin_candidates(
     .await?)
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(super) async fn assign(
     db: &Db,
     round_id: String,
@@ -37,7 +39,6 @@ pub(super) async fn assign(
     capacity: i64,
     key_if_unset: String,
     expires_at: i64,
-    history_id: String,
     now: i64,
 ) -> Result<Option<Assigned>, DbError> {
     db.write(move |tx| {
@@ -56,39 +57,19 @@ pub(super) async fn assign(
             let Some((Some(key_id),)) = key_id else {
                 return Ok(None);
             };
-            sqlx::query(
-                "INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
-                 VALUES ($1, $2, 'ASSIGNED', $3, $4, $4)",
-            )
-            .bind(&id)
-            .bind(&round_id)
-            .bind(expires_at)
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
-            sqlx::query(
-                "INSERT INTO state_history (id, entity, entity_id, seq, from_state, to_state, reason, at) \
-                 VALUES ($1, 'assignment', $2, 1, NULL, 'ASSIGNED', 'device checked in', $3)",
-            )
-            .bind(&history_id)
-            .bind(&id)
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
+            insert_row(tx, &id, &round_id, expires_at, "device checked in", now).await?;
             Ok(Some(Assigned { key_id, expires_at }))
         })
     })
     .await
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(super) async fn record_upload(
     db: &Db,
     id: String,
     sha256_hex: String,
     size: i64,
     blob_key: String,
-    history_id: String,
     now: i64,
 ) -> Result<Result<Stored, Refusal>, DbError> {
     db.write(move |tx| {
@@ -111,12 +92,11 @@ pub(super) async fn record_upload(
             if changed == 0 {
                 return upload_refused(tx, &id, &sha256_hex, now).await;
             }
-            append_history(
+            history::append(
                 tx,
-                &history_id,
                 "assignment",
                 &id,
-                "ASSIGNED",
+                Some("ASSIGNED"),
                 "UPLOADED",
                 "contribution stored",
                 now,
@@ -131,7 +111,6 @@ pub(super) async fn record_upload(
 pub(super) async fn record_completed(
     db: &Db,
     id: String,
-    history_id: String,
     now: i64,
 ) -> Result<Result<AssignmentState, Refusal>, DbError> {
     db.write(move |tx| {
@@ -165,7 +144,7 @@ pub(super) async fn record_completed(
             if changed == 0 {
                 return report_slow(tx, &id, ReportOutcome::Completed, None, now).await;
             }
-            append_history(tx, &history_id, "assignment", &id, "UPLOADED", "COMPLETED", "device reported completion", now).await?;
+            history::append(tx, "assignment", &id, Some("UPLOADED"), "COMPLETED", "device reported completion", now).await?;
             let (completed,): (i64,) = sqlx::query_as(
                 "UPDATE rounds SET completed_reports = completed_reports + 1 WHERE id = $1 \
                  RETURNING completed_reports",
@@ -185,12 +164,11 @@ pub(super) async fn record_completed(
             .bind(now)
             .execute(&mut *tx)
             .await?;
-            append_history(
+            history::append(
                 tx,
-                &super::new_history_id(),
                 "round",
                 &round_id,
-                "COLLECTING",
+                Some("COLLECTING"),
                 "AGGREGATING",
                 &format!("report goal {goal} reached"),
                 now,
@@ -208,34 +186,4 @@ pub(super) async fn record_completed(
         })
     })
     .await
-}
-
-/// A history row after a transition whose guarded update locked the entity's row (so no other
-/// transaction appends to the same entity meanwhile).
-#[allow(clippy::too_many_arguments)]
-async fn append_history(
-    tx: &mut super::Conn,
-    history_id: &str,
-    entity: &str,
-    entity_id: &str,
-    from: &str,
-    to: &str,
-    reason: &str,
-    now: i64,
-) -> Result<(), DbError> {
-    sqlx::query(
-        "INSERT INTO state_history (id, entity, entity_id, seq, from_state, to_state, reason, at) \
-         SELECT $1, $2, $3, COALESCE(MAX(seq), 0) + 1, $4, $5, $6, $7 \
-         FROM state_history WHERE entity_id = $3",
-    )
-    .bind(history_id)
-    .bind(entity)
-    .bind(entity_id)
-    .bind(from)
-    .bind(to)
-    .bind(reason)
-    .bind(now)
-    .execute(&mut *tx)
-    .await?;
-    Ok(())
 }
