@@ -69,6 +69,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
     );
     println!("confed demo: state in {}", options.data_dir.display());
     let system = EmbeddedSystem::start(EmbeddedOptions {
+        blobs: None,
         data_dir: options.data_dir.clone(),
         keyservices: 3,
         threshold: 2,

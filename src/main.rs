@@ -216,6 +216,19 @@ struct DataDir {
 struct ServeArgs {
     #[command(flatten)]
     data: DataDir,
+    /// Blobs and device contributions in Google Cloud Storage (`gs://bucket/prefix`) instead of
+    /// the data directory; devices then upload through signed URLs. Credentials come from the
+    /// environment (Application Default Credentials; the metadata server on GCP).
+    #[arg(long, env = "CONFED_BLOBS")]
+    blobs: Option<String>,
+    /// A GCS endpoint other than Google's: only an emulator on plain http:// at a loopback
+    /// address (tests, deploy/local).
+    #[arg(long, env = "CONFED_GCS_ENDPOINT", requires = "blobs")]
+    gcs_endpoint: Option<String>,
+    /// A service account key (JSON) that signs device upload URLs locally, instead of IAM
+    /// signBlob as the ambient identity (one network call per check-in).
+    #[arg(long, env = "CONFED_GCS_SIGNING_KEY_FILE", requires = "blobs")]
+    gcs_signing_key_file: Option<PathBuf>,
     /// Address to listen on; plain HTTP only on loopback addresses.
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
@@ -378,8 +391,17 @@ async fn serve(args: ServeArgs) -> Result<()> {
     }
     roles.sort_by_key(|r| *r as u8);
     roles.dedup();
+    let blobs = match &args.blobs {
+        Some(url) => Some(confed::blob::GcsConfig {
+            endpoint: args.gcs_endpoint.clone(),
+            signing_key_file: args.gcs_signing_key_file.clone(),
+            ..confed::blob::GcsConfig::parse(url)?
+        }),
+        None => None,
+    };
     let config = ServeConfig {
         roles,
+        blobs,
         data_dir: args.data.data_dir,
         database: args.data.database,
         keyservices: args.keyservices,

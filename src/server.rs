@@ -12,7 +12,7 @@ use tokio::sync::watch;
 
 use crate::api::{self, AppState, Limits};
 use crate::auth::AdminToken;
-use crate::blob::{BlobError, LocalBlobStore};
+use crate::blob::BlobError;
 use crate::clock::{Clock, SystemClock};
 use crate::db::{Db, DbError, NewTenant};
 use crate::keys::directory::KeyDirectory;
@@ -55,6 +55,8 @@ pub struct ServeConfig {
     pub data_dir: PathBuf,
     /// The task database when it is not the data directory's SQLite file: a PostgreSQL URL.
     pub database: Option<String>,
+    /// Google Cloud Storage instead of the data directory's blobs and contribution log.
+    pub blobs: Option<crate::blob::GcsConfig>,
     /// Key services whose signed key sets go into assignments (base URLs).
     pub keyservices: Vec<String>,
     pub listen: SocketAddr,
@@ -155,9 +157,8 @@ pub async fn serve(
     let mut background = Vec::new();
     let mut app = None;
     if has(Role::Api) || has(Role::EnclaveWorker) {
-        let blobs: Arc<dyn crate::blob::BlobStore> =
-            Arc::new(LocalBlobStore::open(config.data_dir.join("blobs"))?);
-        let contributions = crate::blob::embedded_contributions(&config.data_dir, &db)?;
+        let (blobs, contributions) =
+            crate::blob::open_stores(&config.data_dir, &db, config.blobs.as_ref()).await?;
         let keys = KeyDirectory::default();
         let embedded_worker = if config.keyservices.is_empty() {
             let (worker_config, tasks) =

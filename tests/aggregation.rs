@@ -268,15 +268,9 @@ async fn a_worker_killed_between_noising_and_commit_leads_to_one_identical_relea
 
     let releases = system.db.releases_of_task(&task).await.unwrap();
     assert_eq!(releases.len(), 1);
-    let blob = std::fs::read(
-        _dir.path()
-            .join("data/blobs")
-            .join(&releases[0].average_key),
-    )
-    .unwrap();
+    let blob = system.store.blob(&releases[0].average_key).await.unwrap();
     assert_eq!(
-        Some(blob),
-        staged,
+        blob, staged,
         "the retry must release the bytes the dead worker noised"
     );
     let states = rounds(&system, &token, &task).await;

@@ -2,6 +2,9 @@
 //! carry no tenant token; an assignment id is a one-time capability (256 random bits) and the
 //! database stores only its hash.
 
+use std::collections::BTreeMap;
+use std::time::Duration;
+
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -15,7 +18,7 @@ use utoipa::ToSchema;
 use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::{ApiBytes, ApiJson, ApiPath};
-use crate::blob::BlobKey;
+use crate::blob::{BlobError, BlobKey};
 use crate::db::device::{Refusal, ReportOutcome, Stored};
 use crate::keys::KeyState;
 use crate::keys::directory::DeviceKey;
@@ -54,7 +57,12 @@ pub struct AssignmentResponse {
     /// The key to seal the update to, with the key services' signatures: use it only if at least
     /// T key services the device trusts signed it.
     pub encryption: DeviceKey,
+    /// Where to PUT the envelope: a path on this server, or an absolute (signed) URL of the blob
+    /// store when devices upload straight to it.
     pub upload_url: String,
+    /// Send exactly these headers with the upload (a signed URL covers them).
+    #[serde(default)]
+    pub upload_headers: BTreeMap<String, String>,
     pub report_url: String,
     /// Largest envelope the upload accepts.
     pub max_contribution_bytes: u64,
@@ -208,6 +216,13 @@ pub async fn checkin(
                 None => continue,
             }
         };
+        let (upload_url, upload_headers) = upload_target(
+            &state,
+            &candidate,
+            &capability,
+            Duration::from_millis((assigned.expires_at - now).max(1000) as u64),
+        )
+        .await?;
         metrics::counter!("confed_checkins_total", "outcome" => "assigned").increment(1);
         let max_contribution_bytes = contribution_limit(
             state
@@ -223,7 +238,8 @@ pub async fn checkin(
                     "/v1/models/{}/{}",
                     candidate.task_id, candidate.model_version
                 ),
-                upload_url: format!("/v1/assignments/{capability}/contribution"),
+                upload_url,
+                upload_headers,
                 report_url: format!("/v1/assignments/{capability}/report"),
                 assignment_id: capability,
                 task_id: candidate.task_id,
@@ -243,6 +259,47 @@ pub async fn checkin(
     } else {
         retry("round_full", 60, 120)
     })
+}
+
+/// Where a device uploads its envelope: a signed URL of the blob store when it takes uploads
+/// directly (valid while the assignment is), else this server's upload route.
+async fn upload_target(
+    state: &AppState,
+    candidate: &crate::db::device::Candidate,
+    capability: &str,
+    valid_for: Duration,
+) -> Result<(String, BTreeMap<String, String>), ApiError> {
+    if state.contributions.accepts_direct_uploads() {
+        let key = contribution_key(
+            &candidate.tenant_id,
+            &candidate.task_id,
+            candidate.round_number,
+            candidate.attempt,
+            &crate::db::device::assignment_key(capability),
+        )?;
+        if let Some(direct) = state.contributions.direct_upload(&key, valid_for).await? {
+            return Ok((direct.url, direct.headers));
+        }
+    }
+    Ok((
+        format!("/v1/assignments/{capability}/contribution"),
+        BTreeMap::from([("content-type".into(), "application/cbor".into())]),
+    ))
+}
+
+/// Where an assignment's contribution is stored. 256 subdirectories per round keep any one
+/// directory small and its lock uncontended.
+pub fn contribution_key(
+    tenant_id: &str,
+    task_id: &str,
+    round_number: i64,
+    attempt: i64,
+    assignment_id: &str,
+) -> Result<BlobKey, BlobError> {
+    BlobKey::new(format!(
+        "tenants/{tenant_id}/tasks/{task_id}/rounds/{round_number}-{attempt}/contributions/{}/{assignment_id}.cbor",
+        &assignment_id[..2.min(assignment_id.len())],
+    ))
 }
 
 /// Largest envelope accepted for a task whose model has `model_bytes` bytes.
@@ -365,16 +422,7 @@ pub async fn put_contribution(
     {
         return Err(refusal(closed));
     }
-    // 256 subdirectories per round keep any one directory small and its lock uncontended.
-    let key = BlobKey::new(format!(
-        "tenants/{}/tasks/{}/rounds/{}-{}/contributions/{}/{}.cbor",
-        assignment.tenant_id,
-        assignment.task_id,
-        assignment.round_number,
-        assignment.attempt,
-        &assignment.id[..2],
-        assignment.id
-    ))?;
+    let key = view_contribution_key(&assignment)?;
     // The bytes are durable before the row that refers to them is written.
     let stored = match state.contributions.put_new(key, &body).await {
         Ok(stored) => stored,
@@ -399,6 +447,10 @@ pub async fn put_contribution(
         Ok(Stored::Again) => Ok(StatusCode::OK),
         Err(why) => Err(refusal(why)),
     }
+}
+
+fn view_contribution_key(a: &crate::db::device::AssignmentView) -> Result<BlobKey, BlobError> {
+    contribution_key(&a.tenant_id, &a.task_id, a.round_number, a.attempt, &a.id)
 }
 
 fn closed_for_upload(a: &crate::db::device::AssignmentView, now: i64) -> Option<Refusal> {
@@ -445,12 +497,18 @@ pub struct ReportResponse {
         (status = 404, description = "Unknown assignment", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "Not uploaded yet, or already finished otherwise", body = Problem, content_type = "application/problem+json"),
         (status = 410, description = "Expired or round closed", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "The object uploaded straight to the blob store is empty or too large", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "The blob store could not be asked; retry", body = Problem, content_type = "application/problem+json"),
     ))]
 pub async fn report(
     State(state): State<AppState>,
     ApiPath(capability): ApiPath<String>,
     ApiJson(request): ApiJson<ReportRequest>,
 ) -> Result<axum::Json<ReportResponse>, ApiError> {
+    if matches!(request.outcome, Outcome::Completed) && state.contributions.accepts_direct_uploads()
+    {
+        note_direct_upload(&state, &capability).await?;
+    }
     let outcome = match request.outcome {
         Outcome::Completed => ReportOutcome::Completed,
         Outcome::Failed => ReportOutcome::Failed,
@@ -463,6 +521,53 @@ pub async fn report(
         .map_err(refusal)?;
     metrics::counter!("confed_reports_total", "state" => recorded.as_str()).increment(1);
     Ok(axum::Json(ReportResponse { state: recorded }))
+}
+
+/// A device that uploaded straight to the blob store reports completion: the server checks that
+/// the object is there and within the task's size limit, and records it like an upload through
+/// the server (the state machine's ASSIGNED -> UPLOADED). Nothing is listed; one metadata read.
+async fn note_direct_upload(state: &AppState, capability: &str) -> Result<(), ApiError> {
+    let assignment = state
+        .db
+        .assignment(capability)
+        .await?
+        .ok_or_else(|| refusal(Refusal::UnknownAssignment))?;
+    if assignment.contribution_sha256.is_some() || assignment.state != AssignmentState::Assigned {
+        return Ok(()); // already noted, or finished: the report itself says what applies
+    }
+    if let Some(closed) = closed_for_upload(&assignment, state.now()) {
+        return Err(refusal(closed));
+    }
+    let key = view_contribution_key(&assignment)?;
+    let Some(object) = state.contributions.stat(&key).await? else {
+        return Err(refusal(Refusal::NotUploaded));
+    };
+    let limit = contribution_limit(assignment.model_bytes);
+    if object.size > limit || object.size == 0 {
+        return Err(ApiError::Unprocessable(format!(
+            "the uploaded contribution is {} bytes; this task accepts 1 to {limit}",
+            object.size
+        )));
+    }
+    match state
+        .db
+        .record_upload(
+            capability,
+            &object.digest,
+            object.size as i64,
+            key.as_str(),
+            state.now(),
+        )
+        .await?
+    {
+        Ok(Stored::New) => {
+            metrics::counter!("confed_contributions_total", "outcome" => "stored_direct")
+                .increment(1);
+            Ok(())
+        }
+        Ok(Stored::Again) => Ok(()),
+        Err(why) => Err(refusal(why)),
+    }
 }
 
 #[cfg(test)]

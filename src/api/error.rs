@@ -180,7 +180,14 @@ impl From<DbError> for ApiError {
 
 impl From<BlobError> for ApiError {
     fn from(error: BlobError) -> Self {
-        Self::Internal(error.to_string())
+        match error {
+            // A cloud store's hiccup is worth a retry; everything else is ours to fix.
+            BlobError::Remote { .. } => {
+                tracing::warn!(%error, "blob store unavailable");
+                Self::Unavailable("the blob store is unavailable; retry shortly".into())
+            }
+            other => Self::Internal(other.to_string()),
+        }
     }
 }
 

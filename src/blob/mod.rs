@@ -3,6 +3,7 @@
 //! trait. Objects are write-once: a key that exists is never overwritten.
 
 mod database;
+mod gcs;
 mod local;
 mod log;
 
@@ -12,6 +13,7 @@ use std::pin::Pin;
 use thiserror::Error;
 
 pub use database::DatabaseBlobStore;
+pub use gcs::{Gcs, GcsBlobStore, GcsConfig};
 pub use local::LocalBlobStore;
 pub use log::ContributionLog;
 
@@ -62,12 +64,36 @@ pub enum BlobError {
     Conflict(String),
     #[error("blob {0} not found")]
     NotFound(String),
+    #[error("blob store error on {key}: {message}")]
+    Remote { key: String, message: String },
+    #[error("blob store setup: {0}")]
+    Setup(String),
     #[error("blob store I/O error on {key}: {source}")]
     Io {
         key: String,
         #[source]
         source: std::io::Error,
     },
+}
+
+/// The stores of one process: GCS when configured (`blobs/` and `contributions/` under the
+/// bucket's prefix), else `<data dir>/blobs` and the contribution log.
+pub async fn open_stores(
+    data_dir: &std::path::Path,
+    db: &crate::db::Db,
+    gcs: Option<&GcsConfig>,
+) -> Result<(std::sync::Arc<dyn BlobStore>, std::sync::Arc<dyn BlobStore>), BlobError> {
+    if let Some(config) = gcs {
+        let gcs = Gcs::connect(config.clone()).await?;
+        return Ok((
+            std::sync::Arc::new(gcs.store("blobs")),
+            std::sync::Arc::new(gcs.store("contributions")),
+        ));
+    }
+    Ok((
+        std::sync::Arc::new(LocalBlobStore::open(data_dir.join("blobs"))?),
+        embedded_contributions(data_dir, db)?,
+    ))
 }
 
 /// The embedded default's contribution store: the log in `<data dir>/contributions`, reading
@@ -92,6 +118,35 @@ pub enum PutOutcome {
     AlreadyPresent,
 }
 
+/// What the server learns of an object it did not write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectInfo {
+    pub size: u64,
+    /// `<algorithm>:<hex>`: `md5:` from GCS metadata, `sha256:` where the store reads the bytes.
+    pub digest: String,
+}
+
+impl ObjectInfo {
+    pub fn of(bytes: &[u8]) -> Self {
+        use sha2::Digest as _;
+        let hex: String = sha2::Sha256::digest(bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        Self {
+            size: bytes.len() as u64,
+            digest: format!("sha256:{hex}"),
+        }
+    }
+}
+
+/// A device's upload straight to the store: PUT the bytes to `url` with exactly `headers`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirectUpload {
+    pub url: String,
+    pub headers: std::collections::BTreeMap<String, String>,
+}
+
 pub trait BlobStore: Send + Sync + std::fmt::Debug {
     /// Stores `bytes` under `key` durably before returning. Storing the same bytes again is a
     /// no-op (`AlreadyPresent`); different bytes under an existing key are refused (`Conflict`).
@@ -100,10 +155,32 @@ pub trait BlobStore: Send + Sync + std::fmt::Debug {
     /// The whole object.
     fn get<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, Vec<u8>>;
 
-    /// A URL a device can PUT the object to directly (a short-lived signed URL on a cloud store),
-    /// or `None` when uploads go through the server's own upload route (the local stores).
-    fn direct_upload_url(&self, _key: &BlobKey, _expires_at_unix: i64) -> Option<String> {
-        None
+    /// Size and digest of a stored object (`None` when there is none). Cloud stores answer from
+    /// metadata; the default reads the object.
+    fn stat<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, Option<ObjectInfo>> {
+        Box::pin(async move {
+            match self.get(key).await {
+                Ok(bytes) => Ok(Some(ObjectInfo::of(&bytes))),
+                Err(BlobError::NotFound(_)) => Ok(None),
+                Err(e) => Err(e),
+            }
+        })
+    }
+
+    /// Whether devices upload straight to the store (`direct_upload`) rather than through the
+    /// server's upload route.
+    fn accepts_direct_uploads(&self) -> bool {
+        false
+    }
+
+    /// Where and how a device PUTs the object itself (a short-lived signed URL on a cloud store),
+    /// or `None` when uploads go through the server (the local stores).
+    fn direct_upload<'a>(
+        &'a self,
+        _key: &'a BlobKey,
+        _valid_for: std::time::Duration,
+    ) -> BlobFuture<'a, Option<DirectUpload>> {
+        Box::pin(async { Ok(None) })
     }
 
     /// Stores a new object durably and returns the key to read it back by: `key` itself on a

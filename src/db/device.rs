@@ -15,6 +15,7 @@ pub struct Candidate {
     pub task_id: String,
     pub tenant_id: String,
     pub round_number: i64,
+    pub attempt: i64,
     pub deadline_at: i64,
     pub key_id: Option<String>,
     pub model_version: i64,
@@ -98,6 +99,7 @@ pub(super) type CandidateRow = (
     Option<i64>,
     i64,
     String,
+    i64,
 );
 type ViewRow = (
     String,
@@ -181,7 +183,7 @@ impl Db {
             self.read_raw(|c| {
                 let mut statement = c.prepare_cached(
                     "SELECT r.id, t.id, t.tenant_id, r.round_number, r.deadline_at, r.key_id, \
-                 t.model_version, r.live_assignments, t.spec_json \
+                 t.model_version, r.live_assignments, t.spec_json, r.attempt \
                  FROM rounds r JOIN tasks t ON t.id = r.task_id \
                  WHERE t.population = ?1 AND t.state = 'OPEN' AND r.state = 'COLLECTING'",
                 )?;
@@ -196,6 +198,7 @@ impl Db {
                         r.get(6)?,
                         r.get(7)?,
                         r.get(8)?,
+                        r.get(9)?,
                     ))
                 })?;
                 Ok(rows.collect::<Result<Vec<_>, _>>()?)
@@ -209,6 +212,7 @@ impl Db {
                     task_id: r.1,
                     tenant_id: r.2,
                     round_number: r.3,
+                    attempt: r.9,
                     deadline_at: r.4,
                     key_id: r.5,
                     model_version: r.6.unwrap_or(0),

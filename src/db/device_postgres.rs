@@ -23,7 +23,7 @@ pub(super) async fn checkin_candidates(
 ) -> Result<Vec<CandidateRow>, DbError> {
     Ok(sqlx::query_as(
         "SELECT r.id, t.id, t.tenant_id, r.round_number, r.deadline_at, r.key_id, \
-         t.model_version, r.live_assignments, t.spec_json \
+         t.model_version, r.live_assignments, t.spec_json, r.attempt \
          FROM rounds r JOIN tasks t ON t.id = r.task_id \
          WHERE t.population = $1 AND t.state = 'OPEN' AND r.state = 'COLLECTING'",
     )

@@ -22,7 +22,6 @@ use tokio::task::JoinHandle;
 
 use crate::aggregation::{TaskDbJobStore, run_worker};
 use crate::api::{self, AppState, Limits};
-use crate::blob::LocalBlobStore;
 use crate::clock::Clock;
 use crate::db::{Db, NewTenant};
 use crate::device::client::TrustConfig;
@@ -55,6 +54,8 @@ pub struct EmbeddedOptions {
     /// The task database (`Db::open`: a PostgreSQL URL or a SQLite path); default
     /// `<data dir>/confed.db`.
     pub database: Option<String>,
+    /// GCS (or its emulator) instead of the data directory's blobs and contribution log.
+    pub blobs: Option<crate::blob::GcsConfig>,
 }
 
 pub struct EmbeddedSystem {
@@ -125,9 +126,9 @@ impl EmbeddedSystem {
             None => Db::open_sqlite(&dir.join("confed.db")).await,
         }
         .map_err(setup)?;
-        let blobs: Arc<dyn crate::blob::BlobStore> =
-            Arc::new(LocalBlobStore::open(dir.join("blobs")).map_err(setup)?);
-        let contributions = crate::blob::embedded_contributions(dir, &db).map_err(setup)?;
+        let (blobs, contributions) = crate::blob::open_stores(dir, &db, options.blobs.as_ref())
+            .await
+            .map_err(setup)?;
         let keys = KeyDirectory::default();
         let urls: Vec<String> = keyservices.iter().map(|k| k.url.clone()).collect();
         keys.refresh(

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod database;
+pub mod gcs;
 pub mod system;
 
 use std::sync::Arc;

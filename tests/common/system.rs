@@ -31,6 +31,7 @@ pub async fn start_full(
 ) -> (EmbeddedSystem, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let system = EmbeddedSystem::start(EmbeddedOptions {
+        blobs: super::gcs::test_blobs().await,
         data_dir: dir.path().join("data"),
         keyservices: 3,
         threshold: 2,
