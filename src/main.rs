@@ -102,6 +102,13 @@ enum KeysCommand {
         #[arg(long)]
         valid_until: Option<String>,
     },
+    /// DEV ONLY: create a dev attester key (P-256 PKCS#8 PEM) if missing and write its public key
+    /// set next to it (`<stem>.jwks.json`), for key services on `policies/dev.toml` to load before
+    /// `confed-enclave --attester dev --dev-key FILE` starts.
+    DevAttester {
+        #[arg(long)]
+        key: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -507,6 +514,17 @@ fn parse_time(text: Option<&str>, default: i64) -> Result<i64> {
 
 fn keys(command: KeysCommand) -> Result<()> {
     match command {
+        KeysCommand::DevAttester { key } => {
+            let attester =
+                confed_attestation::DevAttester::from_key_file(&key, std::sync::Arc::new(|| 0))
+                    .map_err(anyhow::Error::msg)?;
+            drop(attester);
+            println!(
+                "dev attester key {} and its key set {} (DEV ONLY: trusted by policies/dev.toml, protects nothing)",
+                key.display(),
+                key.with_extension("jwks.json").display()
+            );
+        }
         KeysCommand::Generate {
             shares,
             threshold,

@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -13,25 +12,9 @@ use p256::pkcs8::{EncodePrivateKey, LineEnding};
 
 const TOKEN: &str = "worker-token-for-process-tests-0123456789ab";
 
-/// The workspace's `confed-enclave` binary, next to `confed`. `cargo test --workspace` builds it
-/// before any test runs; run alone (`cargo test -p confed --test enclave_process`), the test
-/// builds it if it is missing (an older build is used as is: run `cargo build --workspace` first).
-fn enclave_binary() -> PathBuf {
-    let confed = PathBuf::from(env!("CARGO_BIN_EXE_confed"));
-    let binary = confed.with_file_name("confed-enclave");
-    if !binary.exists() {
-        let status = std::process::Command::new(env!("CARGO"))
-            .args(["build", "-p", "confed-enclave", "--bin", "confed-enclave"])
-            .status()
-            .unwrap();
-        assert!(status.success(), "building confed-enclave failed");
-    }
-    binary
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_enclave_binary_completes_a_round_through_the_worker_api() {
-    let binary = enclave_binary();
+    let binary = common::enclave_binary();
     let key = confed_attestation::exchange::generate_signing_key();
     let (system, dir) = start_full(now_clock(), Some(TOKEN), Some(key.clone())).await;
     let key_file = dir.path().join("dev-attester.pem");

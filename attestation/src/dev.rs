@@ -43,6 +43,34 @@ impl std::fmt::Debug for DevAttester {
 pub use crate::exchange::generate_signing_key;
 
 impl DevAttester {
+    /// The attester of a dev key file (P-256 PKCS#8 PEM), created if missing, with its public
+    /// key set written next to it as `<file stem>.jwks.json` for the dev policy's `jwks_file`.
+    /// Key services load that file when they start, so deployments create it first
+    /// (`confed keys dev-attester`).
+    pub fn from_key_file(path: &std::path::Path, clock: UnixClock) -> Result<Self, String> {
+        use p256::pkcs8::{DecodePrivateKey, EncodePrivateKey, LineEnding};
+        let shown = path.display();
+        let key = if path.exists() {
+            let pem = std::fs::read_to_string(path)
+                .map_err(|e| format!("reading the dev key {shown}: {e}"))?;
+            SigningKey::from_pkcs8_pem(&pem)
+                .map_err(|e| format!("{shown} is not a P-256 PKCS#8 key: {e}"))?
+        } else {
+            let key = crate::exchange::generate_signing_key();
+            let pem = key
+                .to_pkcs8_pem(LineEnding::LF)
+                .map_err(|e| format!("encoding the dev key: {e}"))?;
+            std::fs::write(path, pem.as_bytes())
+                .map_err(|e| format!("writing the dev key {shown}: {e}"))?;
+            key
+        };
+        let attester = Self::new(key, clock);
+        let jwks = path.with_extension("jwks.json");
+        std::fs::write(&jwks, attester.jwks_json().to_string())
+            .map_err(|e| format!("writing {}: {e}", jwks.display()))?;
+        Ok(attester)
+    }
+
     pub fn new(key: SigningKey, clock: UnixClock) -> Self {
         eprintln!(
             "WARNING: the confed DEV ATTESTER is in use. Its tokens are signed by a local key and \

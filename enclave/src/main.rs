@@ -18,8 +18,6 @@ use confed_attestation::{Attester, ConfidentialSpaceAttester, DevAttester};
 use confed_enclave::key_collection::KeyServiceEndpoint;
 use confed_enclave::remote::HttpJobStore;
 use confed_enclave::worker::{Worker, WorkerConfig};
-use p256::ecdsa::SigningKey;
-use p256::pkcs8::{DecodePrivateKey, EncodePrivateKey, LineEnding};
 use zeroize::Zeroizing;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -101,33 +99,13 @@ fn worker_token(file: Option<&Path>) -> Result<Zeroizing<String>> {
 }
 
 fn dev_attester(path: &Path) -> Result<DevAttester> {
-    let key = if path.exists() {
-        let pem = Zeroizing::new(
-            std::fs::read_to_string(path)
-                .with_context(|| format!("reading the dev key {}", path.display()))?,
-        );
-        SigningKey::from_pkcs8_pem(&pem)
-            .map_err(|e| anyhow::anyhow!("{} is not a P-256 PKCS#8 key: {e}", path.display()))?
-    } else {
-        let key = confed_attestation::exchange::generate_signing_key();
-        let pem = key
-            .to_pkcs8_pem(LineEnding::LF)
-            .map_err(|e| anyhow::anyhow!("encoding the dev key: {e}"))?;
-        std::fs::write(path, pem.as_bytes())
-            .with_context(|| format!("writing the dev key {}", path.display()))?;
-        key
-    };
     let clock = Arc::new(|| {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs() as i64)
             .unwrap_or_default()
     });
-    let attester = DevAttester::new(key, clock);
-    let jwks = path.with_extension("jwks.json");
-    std::fs::write(&jwks, attester.jwks_json().to_string())
-        .with_context(|| format!("writing {}", jwks.display()))?;
-    Ok(attester)
+    DevAttester::from_key_file(path, clock).map_err(|e| anyhow::anyhow!(e))
 }
 
 async fn run(args: Args) -> Result<()> {

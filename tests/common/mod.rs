@@ -303,3 +303,19 @@ pub fn model_bytes() -> Vec<u8> {
     ])
     .unwrap()
 }
+
+/// The workspace's `confed-enclave` binary, next to `confed`. `cargo test --workspace` builds it
+/// before any test runs; run alone (`cargo test -p confed --test enclave_process`, say), the test
+/// builds it if it is missing (an older build is used as is: run `cargo build --workspace` first).
+pub fn enclave_binary() -> std::path::PathBuf {
+    let confed = std::path::PathBuf::from(env!("CARGO_BIN_EXE_confed"));
+    let binary = confed.with_file_name("confed-enclave");
+    if !binary.exists() {
+        let status = std::process::Command::new(env!("CARGO"))
+            .args(["build", "-p", "confed-enclave", "--bin", "confed-enclave"])
+            .status()
+            .unwrap();
+        assert!(status.success(), "building confed-enclave failed");
+    }
+    binary
+}
