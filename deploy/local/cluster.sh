@@ -79,7 +79,8 @@ start() {
         endpoint=$("$here/gcs-emulator.sh" start "$dir/gcs" "$gcs_port")
         touch "$dir/started-emulator"
     fi
-    local bucket="confed-local-$(date +%s)-$$"
+    local bucket
+    bucket="confed-local-$(date +%s)-$$"
     "$here/gcs-emulator.sh" bucket "$endpoint" "$bucket"
 
     # Keys: a 2-of-3 ceremony; the dev attester's key and key set before the key services start.

@@ -13,7 +13,7 @@ command=${1:?usage: postgres.sh start|stop DIR [PORT]}
 dir=${2:?usage: postgres.sh start|stop DIR [PORT]}
 port=${3:-55432}
 
-bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1)
+bin=$(printf '%s\n' /usr/lib/postgresql/*/bin | sort -V | tail -1)
 if [[ -z "$bin" || ! -x "$bin/initdb" ]]; then
     echo "postgres.sh: PostgreSQL is not installed (apt-get install -y postgresql)" >&2
     exit 1

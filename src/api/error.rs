@@ -183,6 +183,7 @@ impl From<BlobError> for ApiError {
         match error {
             // A cloud store's hiccup is worth a retry; everything else is ours to fix.
             BlobError::Remote { .. } => {
+                metrics::counter!("confed_blob_store_errors_total").increment(1);
                 tracing::warn!(%error, "blob store unavailable");
                 Self::Unavailable("the blob store is unavailable; retry shortly".into())
             }
