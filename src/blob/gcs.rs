@@ -26,6 +26,7 @@ use google_cloud_auth::signer::Signer;
 use google_cloud_storage::builder::storage::SignedUrlBuilder;
 use google_cloud_storage::client::Storage;
 
+use super::cache::ReadCache;
 use super::{BlobError, BlobFuture, BlobKey, BlobStore, DirectUpload, ObjectInfo, PutOutcome};
 
 const GOOGLE_ENDPOINT: &str = "https://storage.googleapis.com";
@@ -158,6 +159,16 @@ impl Gcs {
         GcsBlobStore {
             gcs: self.clone(),
             prefix: format!("{}{part}/", self.config.prefix),
+            cache: None,
+        }
+    }
+
+    /// `store`, keeping small objects it reads in memory: for models, which every device that
+    /// checks in downloads (objects are create-only, so a copy is never stale).
+    pub fn cached_store(&self, part: &str) -> GcsBlobStore {
+        GcsBlobStore {
+            cache: Some(Arc::default()),
+            ..self.store(part)
         }
     }
 
@@ -195,10 +206,17 @@ impl Gcs {
 }
 
 /// One part of the bucket (`blobs/` or `contributions/`).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct GcsBlobStore {
     gcs: Gcs,
     prefix: String,
+    cache: Option<Arc<std::sync::Mutex<ReadCache>>>,
+}
+
+impl std::fmt::Debug for GcsBlobStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GcsBlobStore({:?}, {})", self.gcs, self.prefix)
+    }
 }
 
 impl GcsBlobStore {
@@ -364,9 +382,18 @@ impl BlobStore for GcsBlobStore {
 
     fn get<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, Vec<u8>> {
         Box::pin(async move {
-            self.read(key)
+            let cached = self.cache.as_ref().and_then(|c| c.lock().ok()?.get(key));
+            if let Some(bytes) = cached {
+                return Ok(bytes);
+            }
+            let bytes = self
+                .read(key)
                 .await?
-                .ok_or_else(|| BlobError::NotFound(key.as_str().to_string()))
+                .ok_or_else(|| BlobError::NotFound(key.as_str().to_string()))?;
+            if let Some(Ok(mut cache)) = self.cache.as_ref().map(|c| c.lock()) {
+                cache.insert(key, &bytes);
+            }
+            Ok(bytes)
         })
     }
 

@@ -11,6 +11,7 @@ use std::fs::{self, File};
 use std::io::{ErrorKind, Write};
 use std::path::{Path, PathBuf};
 
+use super::cache::ReadCache;
 use super::{BlobError, BlobFuture, BlobKey, BlobStore, PutOutcome};
 
 #[derive(Clone)]
@@ -24,38 +25,6 @@ impl std::fmt::Debug for LocalBlobStore {
         f.debug_struct("LocalBlobStore")
             .field("root", &self.root)
             .finish_non_exhaustive()
-    }
-}
-
-/// Objects up to this size are cached ...
-const CACHE_OBJECT_BYTES: usize = 4 << 20;
-/// ... up to this total; past it the cache starts over.
-const CACHE_TOTAL_BYTES: usize = 64 << 20;
-
-#[derive(Default)]
-struct ReadCache {
-    objects: std::collections::HashMap<String, std::sync::Arc<Vec<u8>>>,
-    bytes: usize,
-}
-
-impl ReadCache {
-    fn get(&self, key: &BlobKey) -> Option<Vec<u8>> {
-        self.objects.get(key.as_str()).map(|b| b.as_ref().clone())
-    }
-
-    fn insert(&mut self, key: &BlobKey, bytes: &[u8]) {
-        if bytes.len() > CACHE_OBJECT_BYTES {
-            return;
-        }
-        if self.bytes + bytes.len() > CACHE_TOTAL_BYTES {
-            self.objects.clear();
-            self.bytes = 0;
-        }
-        self.bytes += bytes.len();
-        self.objects.insert(
-            key.as_str().to_string(),
-            std::sync::Arc::new(bytes.to_vec()),
-        );
     }
 }
 
@@ -206,6 +175,7 @@ impl BlobStore for LocalBlobStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::blob::cache::CACHE_OBJECT_BYTES;
 
     #[tokio::test]
     async fn small_objects_are_read_from_memory_after_the_first_read() {

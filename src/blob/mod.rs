@@ -2,6 +2,7 @@
 //! `BlobKey` and never learn which backend holds them, so a cloud store slots in behind the same
 //! trait. Objects are write-once: a key that exists is never overwritten.
 
+mod cache;
 mod database;
 mod gcs;
 mod local;
@@ -86,7 +87,7 @@ pub async fn open_stores(
     if let Some(config) = gcs {
         let gcs = Gcs::connect(config.clone()).await?;
         return Ok((
-            std::sync::Arc::new(gcs.store("blobs")),
+            std::sync::Arc::new(gcs.cached_store("blobs")),
             std::sync::Arc::new(gcs.store("contributions")),
         ));
     }
