@@ -110,6 +110,7 @@ start() {
     "$confed" tenant create local --database "$database" >"$dir/secrets/tenant-token"
     chmod 600 "$dir/secrets/tenant-token"
 
+    # Upload URLs are signed with the repository's test-only key: the emulator checks no signature.
     local common=(--database "$database" --blobs "gs://$bucket/confed" --gcs-endpoint "$endpoint"
         --gcs-signing-key-file "$repo/tests/fixtures/gcs-test-signer.json"
         "${keyservice_args[@]}")

@@ -10,9 +10,7 @@
 //!   closing are serial per round: exactly one report closes the round, and none completes an
 //!   assignment of a round already closed (its contribution would miss the aggregation).
 
-use super::device::{
-    Assigned, CandidateRow, ReportOutcome, Stored, insert_row, report_slow, upload_refused,
-};
+use super::device::{Assigned, CandidateRow, ReportOutcome, Stored, report_slow, upload_refused};
 use super::history;
 use super::{Db, DbError, device::Refusal};
 use crate::states::{AssignmentState, RoundState, StateMachine};
@@ -32,6 +30,10 @@ pub(super) async fn checkin_candidates(
     .await?)
 }
 
+/// One statement, so one round trip and an implicit transaction: the round row's lock (taken by
+/// the guarded UPDATE, which PostgreSQL re-checks after waiting for it) is held only for this
+/// statement and its commit, not across a BEGIN ... COMMIT conversation. Every check-in of a
+/// round takes that lock, so its hold time bounds the round's check-in rate.
 pub(super) async fn assign(
     db: &Db,
     round_id: String,
@@ -41,27 +43,31 @@ pub(super) async fn assign(
     expires_at: i64,
     now: i64,
 ) -> Result<Option<Assigned>, DbError> {
-    db.write(move |tx| {
-        Box::pin(async move {
-            let key_id: Option<(Option<String>,)> = sqlx::query_as(
-                "UPDATE rounds SET key_id = COALESCE(key_id, $2), \
-                 live_assignments = live_assignments + 1 \
-                 WHERE id = $1 AND state = 'COLLECTING' AND live_assignments < $3 \
-                 RETURNING key_id",
-            )
-            .bind(&round_id)
-            .bind(&key_if_unset)
-            .bind(capacity)
-            .fetch_optional(&mut *tx)
-            .await?;
-            let Some((Some(key_id),)) = key_id else {
-                return Ok(None);
-            };
-            insert_row(tx, &id, &round_id, expires_at, "device checked in", now).await?;
-            Ok(Some(Assigned { key_id, expires_at }))
-        })
+    debug_assert!(AssignmentState::Assigned.as_str() == "ASSIGNED");
+    let key_id: Option<(Option<String>,)> = sqlx::query_as(
+        "WITH r AS (UPDATE rounds SET key_id = COALESCE(key_id, $2), \
+         live_assignments = live_assignments + 1 \
+         WHERE id = $1 AND state = 'COLLECTING' AND live_assignments < $3 RETURNING key_id), \
+         a AS (INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
+         SELECT $4, $1, 'ASSIGNED', $5, $6, $6 FROM r RETURNING id), \
+         h AS (INSERT INTO state_history \
+         (id, entity, entity_id, seq, from_state, to_state, reason, at) \
+         SELECT $7, 'assignment', a.id, 1, NULL, 'ASSIGNED', 'device checked in', $6 FROM a) \
+         SELECT key_id FROM r",
+    )
+    .bind(&round_id)
+    .bind(&key_if_unset)
+    .bind(capacity)
+    .bind(&id)
+    .bind(expires_at)
+    .bind(now)
+    .bind(super::new_history_id())
+    .fetch_optional(db.pool())
+    .await?;
+    Ok(match key_id {
+        Some((Some(key_id),)) => Some(Assigned { key_id, expires_at }),
+        _ => None,
     })
-    .await
 }
 
 pub(super) async fn record_upload(
@@ -72,40 +78,36 @@ pub(super) async fn record_upload(
     blob_key: String,
     now: i64,
 ) -> Result<Result<Stored, Refusal>, DbError> {
-    db.write(move |tx| {
-        Box::pin(async move {
-            let changed = sqlx::query(
-                "UPDATE assignments SET state = 'UPLOADED', updated_at = $1, \
-                 contribution_sha256 = $2, contribution_bytes = $3, blob_key = $4 \
-                 WHERE id = $5 AND state = 'ASSIGNED' AND contribution_sha256 IS NULL \
-                 AND expires_at > $1 AND EXISTS (SELECT 1 FROM rounds r \
-                 WHERE r.id = assignments.round_id AND r.state = 'COLLECTING')",
-            )
-            .bind(now)
-            .bind(&sha256_hex)
-            .bind(size)
-            .bind(&blob_key)
-            .bind(&id)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            if changed == 0 {
-                return upload_refused(tx, &id, &sha256_hex, now).await;
-            }
-            history::append(
-                tx,
-                "assignment",
-                &id,
-                Some("ASSIGNED"),
-                "UPLOADED",
-                "contribution stored",
-                now,
-            )
-            .await?;
-            Ok(Ok(Stored::New))
-        })
-    })
-    .await
+    // The common case in one statement (one round trip, implicit transaction): the guarded
+    // ASSIGNED -> UPLOADED transition and its history row. Only a refusal or a repeated upload
+    // takes the transaction below to say why.
+    debug_assert!(AssignmentState::Assigned.can_become(AssignmentState::Uploaded));
+    let (changed,): (i64,) = sqlx::query_as(
+        "WITH u AS (UPDATE assignments SET state = 'UPLOADED', updated_at = $1, \
+         contribution_sha256 = $2, contribution_bytes = $3, blob_key = $4 \
+         WHERE id = $5 AND state = 'ASSIGNED' AND contribution_sha256 IS NULL \
+         AND expires_at > $1 AND EXISTS (SELECT 1 FROM rounds r \
+         WHERE r.id = assignments.round_id AND r.state = 'COLLECTING') RETURNING id), \
+         h AS (INSERT INTO state_history \
+         (id, entity, entity_id, seq, from_state, to_state, reason, at) \
+         SELECT $6, 'assignment', u.id, \
+         (SELECT COALESCE(MAX(seq), 0) + 1 FROM state_history WHERE entity_id = $5), \
+         'ASSIGNED', 'UPLOADED', 'contribution stored', $1 FROM u) \
+         SELECT COUNT(*) FROM u",
+    )
+    .bind(now)
+    .bind(&sha256_hex)
+    .bind(size)
+    .bind(&blob_key)
+    .bind(&id)
+    .bind(super::new_history_id())
+    .fetch_one(db.pool())
+    .await?;
+    if changed == 1 {
+        return Ok(Ok(Stored::New));
+    }
+    db.write(move |tx| Box::pin(async move { upload_refused(tx, &id, &sha256_hex, now).await }))
+        .await
 }
 
 pub(super) async fn record_completed(
@@ -128,30 +130,32 @@ pub(super) async fn record_completed(
             let Some((round_id, round_state, goal)) = round else {
                 return Ok(Err(Refusal::UnknownAssignment));
             };
-            let changed = if round_state == RoundState::Collecting.as_str() {
-                sqlx::query(
-                    "UPDATE assignments SET state = 'COMPLETED', updated_at = $1 \
-                     WHERE id = $2 AND state = 'UPLOADED' AND expires_at > $1",
+            // With the round locked, the transition, its history row and the round's counter
+            // go in one statement (one round trip instead of three).
+            let completed: Option<(i64,)> = if round_state == RoundState::Collecting.as_str() {
+                sqlx::query_as(
+                    "WITH u AS (UPDATE assignments SET state = 'COMPLETED', updated_at = $1 \
+                     WHERE id = $2 AND state = 'UPLOADED' AND expires_at > $1 RETURNING id), \
+                     h AS (INSERT INTO state_history \
+                     (id, entity, entity_id, seq, from_state, to_state, reason, at) \
+                     SELECT $3, 'assignment', u.id, \
+                     (SELECT COALESCE(MAX(seq), 0) + 1 FROM state_history WHERE entity_id = $2), \
+                     'UPLOADED', 'COMPLETED', 'device reported completion', $1 FROM u) \
+                     UPDATE rounds SET completed_reports = completed_reports + 1 \
+                     WHERE id = $4 AND EXISTS (SELECT 1 FROM u) RETURNING completed_reports",
                 )
                 .bind(now)
                 .bind(&id)
-                .execute(&mut *tx)
+                .bind(super::new_history_id())
+                .bind(&round_id)
+                .fetch_optional(&mut *tx)
                 .await?
-                .rows_affected()
             } else {
-                0
+                None
             };
-            if changed == 0 {
+            let Some((completed,)) = completed else {
                 return report_slow(tx, &id, ReportOutcome::Completed, None, now).await;
-            }
-            history::append(tx, "assignment", &id, Some("UPLOADED"), "COMPLETED", "device reported completion", now).await?;
-            let (completed,): (i64,) = sqlx::query_as(
-                "UPDATE rounds SET completed_reports = completed_reports + 1 WHERE id = $1 \
-                 RETURNING completed_reports",
-            )
-            .bind(&round_id)
-            .fetch_one(&mut *tx)
-            .await?;
+            };
             if completed != goal {
                 return Ok(Ok(Completed));
             }
