@@ -85,11 +85,12 @@ impl Drop for Cluster {
     }
 }
 
-/// The first of `count` consecutive free loopback ports (the script uses fixed offsets).
+/// The first of `count` consecutive free loopback ports (the script uses fixed offsets), below
+/// Linux's ephemeral range (32768-60999) so other tests' port-0 listeners cannot take them.
 fn free_port_block(count: u16) -> u16 {
     let seed = std::process::id() as u16;
     for attempt in 0..200u16 {
-        let base = 20_000 + (seed.wrapping_add(attempt.wrapping_mul(97)) % 30_000);
+        let base = 20_000 + (seed.wrapping_add(attempt.wrapping_mul(97)) % 12_000);
         let free = (0..count).all(|i| std::net::TcpListener::bind(("127.0.0.1", base + i)).is_ok());
         if free {
             return base;
@@ -248,6 +249,21 @@ async fn devices_over_two_api_replicas_complete_every_round_once_with_every_cont
     for state in &states {
         assert_eq!(state["state"], "COMPLETED", "{state}");
         assert_eq!(state["attempt"], 1, "{state}");
+    }
+    // Exactly once in the persisted state machine too: one transition into each state per round.
+    sqlx::any::install_default_drivers();
+    let sql = sqlx::AnyPool::connect(&database).await.unwrap();
+    for state in ["AGGREGATING", "APPLYING", "COMPLETED"] {
+        let transitions: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM state_history WHERE entity = 'round' AND to_state = $1 \
+             AND entity_id IN (SELECT id FROM rounds WHERE task_id = $2)",
+        )
+        .bind(state)
+        .bind(&task)
+        .fetch_one(&sql)
+        .await
+        .unwrap();
+        assert_eq!(transitions, ROUNDS, "rounds entering {state}");
     }
     let mut included = 0;
     for release in &releases {
