@@ -13,7 +13,7 @@
 #
 # Settings (environment): CONFED_BIN, CONFED_ENCLAVE_BIN (default: cargo build --release),
 # CONFED_LOCAL_BASE_PORT (18080: APIs on BASE and BASE+1, key services on BASE+11..13),
-# CONFED_LOCAL_PG_PORT (55442), CONFED_LOCAL_GCS_PORT (4453), CONFED_DATABASE_URL and
+# CONFED_LOCAL_PG_PORT (15442), CONFED_LOCAL_GCS_PORT (4453), CONFED_DATABASE_URL and
 # CONFED_GCS_ENDPOINT to use running services instead of starting them.
 #
 # DEV ONLY: the workers use the dev attester, which the key services' copy of policies/dev.toml
@@ -27,7 +27,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 
 base=${CONFED_LOCAL_BASE_PORT:-18080}
-pg_port=${CONFED_LOCAL_PG_PORT:-55442}
+pg_port=${CONFED_LOCAL_PG_PORT:-15442}
 gcs_port=${CONFED_LOCAL_GCS_PORT:-4453}
 
 binaries() {

@@ -11,7 +11,8 @@ set -euo pipefail
 
 command=${1:?usage: postgres.sh start|stop DIR [PORT]}
 dir=${2:?usage: postgres.sh start|stop DIR [PORT]}
-port=${3:-55432}
+# Below the kernel's ephemeral port range (32768-60999), so no outgoing connection holds it.
+port=${3:-15432}
 
 bin=$(printf '%s\n' /usr/lib/postgresql/*/bin | sort -V | tail -1)
 if [[ -z "$bin" || ! -x "$bin/initdb" ]]; then
@@ -40,9 +41,20 @@ start)
     if [[ ! -f "$dir/PG_VERSION" ]]; then
         as_owner "$bin/initdb" -D "$dir" -U postgres --auth=trust --no-sync -E UTF8 >/dev/null
     fi
-    # fsync stays on: tests of durability must not pass by accident.
-    as_owner "$bin/pg_ctl" -D "$dir" -l "$dir/server.log" -w \
-        -o "-h 127.0.0.1 -p $port -k $dir -c max_connections=400" start >/dev/null
+    # fsync stays on: tests of durability must not pass by accident. A failed start shows the
+    # server's log and is tried once more (a start once failed in CI without a visible cause).
+    for attempt in 1 2; do
+        if as_owner "$bin/pg_ctl" -D "$dir" -l "$dir/server.log" -w -t 120 \
+            -o "-h 127.0.0.1 -p $port -k $dir -c max_connections=400" start >/dev/null; then
+            break
+        fi
+        echo "postgres.sh: start attempt $attempt failed; the server's log:" >&2
+        tail -n 30 "$dir/server.log" >&2 || true
+        if [[ $attempt -eq 2 ]]; then
+            exit 1
+        fi
+        sleep 2
+    done
     echo "postgres://postgres@127.0.0.1:$port/postgres"
     ;;
 stop)
