@@ -15,10 +15,12 @@ use std::time::Duration;
 
 use common::database::{fresh_postgres_database, postgres_url};
 use common::gcs::emulator;
+use common::system::create_task;
 use confed::device::TrustConfig;
 use confed::device::simulate::{self, SimulationConfig};
-use serde_json::{Value, json};
+use serde_json::Value;
 
+/// The rounds `create_task` plans.
 const ROUNDS: i64 = 3;
 const GOAL: usize = 20;
 /// Devices per API replica per batch: together more than a round's goal (over-selection).
@@ -99,35 +101,6 @@ fn free_port_block(count: u16) -> u16 {
     panic!("no block of {count} free ports");
 }
 
-async fn open_task(http: &reqwest::Client, api: &str, token: &str) -> String {
-    let task: Value = http
-        .post(format!("{api}/v1/tasks"))
-        .bearer_auth(token)
-        .json(&json!({
-            "population": "cluster", "rounds": ROUNDS, "report_goal": GOAL,
-            "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0},
-            "server_learning_rate": 1.0,
-            "plan": {"epochs": 1, "batch_size": 16, "learning_rate": 0.1},
-        }))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let id = task["id"].as_str().expect("task created").to_string();
-    let put = http
-        .put(format!("{api}/v1/tasks/{id}/model"))
-        .bearer_auth(token)
-        .header("content-type", "application/octet-stream")
-        .body(simulate::initial_model(7))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(put.status(), 201, "{}", put.text().await.unwrap());
-    id
-}
-
 fn devices(api: &str, first_device: u64, trust: &TrustConfig, seed: u64) -> SimulationConfig {
     SimulationConfig {
         server: api.to_string(),
@@ -190,7 +163,7 @@ async fn devices_over_two_api_replicas_complete_every_round_once_with_every_cont
         .to_string();
     let trust = TrustConfig::load(Path::new(cluster.get("CONFED_TRUST_FILE"))).unwrap();
     let http = confed_enclave::http::client(Duration::from_secs(30));
-    let task = open_task(&http, &apis[0], &token).await;
+    let task = create_task(&apis[0], &token, "cluster", 50.0, GOAL).await;
 
     let mut acknowledged = [0usize; 2];
     for round in 1..=ROUNDS {

@@ -69,12 +69,25 @@ pub async fn open_task(
         .tenant(&format!("tenant-{population}"))
         .await
         .unwrap();
+    let id = create_task(&system.url, &token, population, epsilon, GOAL).await;
+    (token, id)
+}
+
+/// Creates a three-round task through the partner API of the server at `base` and uploads a
+/// zero model as version 0; returns the task id.
+pub async fn create_task(
+    base: &str,
+    token: &str,
+    population: &str,
+    epsilon: f64,
+    report_goal: usize,
+) -> String {
     let http = reqwest::Client::new();
     let task: Value = http
-        .post(format!("{}/v1/tasks", system.url))
-        .bearer_auth(&token)
+        .post(format!("{base}/v1/tasks"))
+        .bearer_auth(token)
         .json(&json!({
-            "population": population, "rounds": 3, "report_goal": GOAL,
+            "population": population, "rounds": 3, "report_goal": report_goal,
             "privacy": {"epsilon": epsilon, "delta": 1e-6, "clip_norm": 1.0},
             "server_learning_rate": 1.0,
             "plan": {"epochs": 2, "batch_size": 16, "learning_rate": 0.1},
@@ -87,15 +100,15 @@ pub async fn open_task(
         .unwrap();
     let id = task["id"].as_str().expect("task created").to_string();
     let put = http
-        .put(format!("{}/v1/tasks/{id}/model", system.url))
-        .bearer_auth(&token)
+        .put(format!("{base}/v1/tasks/{id}/model"))
+        .bearer_auth(token)
         .header("content-type", "application/octet-stream")
         .body(simulate::initial_model(7))
         .send()
         .await
         .unwrap();
     assert_eq!(put.status(), 201, "{}", put.text().await.unwrap());
-    (token, id)
+    id
 }
 
 /// `GOAL` devices each contribute once to the collecting round.
