@@ -15,10 +15,9 @@ use std::time::Duration;
 
 use common::database::{fresh_postgres_database, postgres_url};
 use common::gcs::emulator;
-use common::system::create_task;
+use common::system::{create_task, rounds_at};
 use confed::device::TrustConfig;
 use confed::device::simulate::{self, SimulationConfig};
-use serde_json::Value;
 
 /// The rounds `create_task` plans.
 const ROUNDS: i64 = 3;
@@ -121,23 +120,6 @@ fn devices(api: &str, first_device: u64, trust: &TrustConfig, seed: u64) -> Simu
     }
 }
 
-async fn round_states(http: &reqwest::Client, api: &str, token: &str, task: &str) -> Vec<Value> {
-    let body: Value = http
-        .get(format!("{api}/v1/tasks/{task}/rounds"))
-        .bearer_auth(token)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    body["rounds"]
-        .as_array()
-        .or(body.as_array())
-        .cloned()
-        .unwrap_or_default()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn devices_over_two_api_replicas_complete_every_round_once_with_every_contribution() {
     let (Some(server), Some(endpoint)) = (postgres_url(), emulator()) else {
@@ -162,7 +144,7 @@ async fn devices_over_two_api_replicas_complete_every_round_once_with_every_cont
         .trim()
         .to_string();
     let trust = TrustConfig::load(Path::new(cluster.get("CONFED_TRUST_FILE"))).unwrap();
-    let http = confed_enclave::http::client(Duration::from_secs(30));
+    confed_enclave::http::install_crypto_provider(); // the helpers use plain reqwest clients
     let task = create_task(&apis[0], &token, "cluster", 50.0, GOAL).await;
 
     let mut acknowledged = [0usize; 2];
@@ -186,7 +168,7 @@ async fn devices_over_two_api_replicas_complete_every_round_once_with_every_cont
             let mut tick = tokio::time::interval(Duration::from_millis(200));
             loop {
                 tick.tick().await;
-                let states = round_states(&http, &apis[1], &token, &task).await;
+                let states = rounds_at(&apis[1], &token, &task).await;
                 let done = states
                     .iter()
                     .any(|r| r["round"] == round && r["state"] == "COMPLETED");
@@ -213,7 +195,7 @@ async fn devices_over_two_api_replicas_complete_every_round_once_with_every_cont
     let releases = db.releases_of_task(&task).await.unwrap();
     let numbers: Vec<i64> = releases.iter().map(|r| r.round_number).collect();
     assert_eq!(numbers, vec![1, 2, 3], "one release per round");
-    let states = round_states(&http, &apis[0], &token, &task).await;
+    let states = rounds_at(&apis[0], &token, &task).await;
     assert_eq!(
         states.len(),
         ROUNDS as usize,
