@@ -53,6 +53,7 @@ fn key_directory() -> (KeyDirectory, TrustConfig) {
         TrustConfig {
             threshold: 2,
             keyservices: trusted,
+            limits: confed_enclave::policy::DeviceLimits::ENCLAVE,
         },
     )
 }

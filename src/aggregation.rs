@@ -82,11 +82,9 @@ impl TaskDbJobStore {
             attempt: context.round.attempt as u64,
             key_id,
             public_key: key.public_key,
-            epsilon: spec.privacy.epsilon,
-            delta: spec.privacy.delta,
-            clip_norm: spec.privacy.clip_norm,
-            rounds: spec.rounds,
-            server_learning_rate: spec.server_learning_rate,
+            policy: spec
+                .policy(&context.task.id, &context.task.tenant_id)
+                .encode(),
             model_key: context.model.blob_key.clone(),
             contributions: context.contributions.clone(),
             committed_average_key: context.release.as_ref().map(|r| r.average_key.clone()),

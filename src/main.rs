@@ -128,7 +128,8 @@ enum DevicesCommand {
         /// Contributions per device before it stops.
         #[arg(long, default_value_t = 1)]
         rounds: usize,
-        /// Device trust configuration: {"threshold": T, "keyservices": [{"id", "verifying_key"}]}.
+        /// Device trust configuration: {"threshold": T, "keyservices": [{"id", "verifying_key"}],
+        /// "limits": {"max_epsilon", "max_delta", "min_reports"}}.
         #[arg(long)]
         trust: PathBuf,
         /// Send random updates of the model's shape instead of training (load generator).
@@ -161,6 +162,15 @@ enum DevicesCommand {
         keyservices: Vec<String>,
         #[arg(long)]
         threshold: usize,
+        /// Largest total epsilon of a task the device contributes to.
+        #[arg(long)]
+        max_epsilon: f64,
+        /// Largest delta of a task the device contributes to.
+        #[arg(long)]
+        max_delta: f64,
+        /// Fewest contributions (the policy's min_reports) a release may average.
+        #[arg(long)]
+        min_reports: u32,
     },
 }
 
@@ -648,6 +658,9 @@ async fn devices(command: DevicesCommand) -> Result<()> {
         DevicesCommand::TrustConfig {
             keyservices,
             threshold,
+            max_epsilon,
+            max_delta,
+            min_reports,
         } => {
             let client = confed_enclave::http::client(Duration::from_secs(10));
             let mut entries = Vec::new();
@@ -669,6 +682,11 @@ async fn devices(command: DevicesCommand) -> Result<()> {
             let config = confed::device::TrustConfig {
                 threshold,
                 keyservices: entries,
+                limits: confed_enclave::policy::DeviceLimits {
+                    max_epsilon,
+                    max_delta,
+                    min_reports,
+                },
             };
             println!("{}", serde_json::to_string_pretty(&config)?);
         }

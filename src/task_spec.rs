@@ -2,6 +2,7 @@
 //! Every field is checked; every problem is reported with the field's name and allowed range, all
 //! at once, so a partner fixes a request in one go.
 
+use confed_enclave::policy::TaskPolicy;
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
@@ -14,9 +15,11 @@ pub const MIN_DEADLINE_SECONDS: i64 = 10;
 pub const MAX_DEADLINE_SECONDS: i64 = 7 * 24 * 3600;
 pub const MAX_ROUND_ATTEMPTS: i64 = 10;
 /// The enclave's own limits: it refuses to release under a looser budget whatever the database says.
-pub const MAX_EPSILON: f64 = confed_enclave::worker::MAX_TASK_EPSILON;
-pub const MAX_DELTA: f64 = confed_enclave::worker::MAX_TASK_DELTA;
-pub const MAX_CLIP_NORM: f64 = 1e6;
+pub const MAX_EPSILON: f64 = confed_enclave::policy::MAX_TASK_EPSILON;
+pub const MAX_DELTA: f64 = confed_enclave::policy::MAX_TASK_DELTA;
+/// The enclave's range for the clip norm (below it the grid's unit underflows).
+pub const MIN_CLIP_NORM: f64 = confed_enclave::policy::MIN_CLIP_NORM;
+pub const MAX_CLIP_NORM: f64 = confed_enclave::policy::MAX_CLIP_NORM;
 pub const MAX_LEARNING_RATE: f64 = 100.0;
 pub const MAX_PLAN_BYTES: usize = 64 * 1024;
 pub const MAX_CONSTRAINTS: usize = 32;
@@ -122,6 +125,26 @@ pub struct TaskSpec {
 }
 
 impl TaskSpec {
+    /// The task policy devices bind their contributions to and the enclave takes its parameters
+    /// from (`confed_enclave::policy`): derived from the stored definition, which never changes
+    /// after creation, so every check-in and every job of the task produce the same text.
+    pub fn policy(&self, task_id: &str, tenant_id: &str) -> TaskPolicy {
+        TaskPolicy {
+            task_id: task_id.to_string(),
+            tenant_id: tenant_id.to_string(),
+            population: self.population.clone(),
+            rounds: self.rounds,
+            report_goal: self.report_goal,
+            min_reports: self.min_reports,
+            epsilon: self.privacy.epsilon,
+            delta: self.privacy.delta,
+            clip_norm: self.privacy.clip_norm,
+            mechanism: confed_enclave::policy::MECHANISM.to_string(),
+            server_learning_rate: self.server_learning_rate,
+            plan: serde_json::to_string(&self.plan).unwrap_or_else(|_| "{}".into()),
+        }
+    }
+
     /// Most live assignments a round hands out: `ceil(report_goal * (1 + over_selection))`.
     pub fn max_live_assignments(&self) -> u64 {
         (f64::from(self.report_goal) * (1.0 + self.over_selection)).ceil() as u64
@@ -241,8 +264,8 @@ impl CreateTaskRequest {
             clip_norm: p.float(
                 "privacy.clip_norm",
                 self.privacy.clip_norm,
-                0.0,
-                true,
+                MIN_CLIP_NORM,
+                false,
                 MAX_CLIP_NORM,
             ),
         };

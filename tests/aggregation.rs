@@ -61,12 +61,12 @@ async fn three_rounds_complete_with_consistent_manifests_and_a_model_that_follow
         let params = model_values(&simulate::initial_model(7)).len();
         let mut mean = vec![0f64; params];
         let mut refs = Vec::new();
+        let context = system.db.round_context(&task, round as i64).await.unwrap();
         for (assignment_ref, blob_key) in &contributions {
             let stored = system.store.fetch(blob_key).await.unwrap().unwrap();
             let envelope = confed_enclave::envelope::Envelope::from_cbor(&stored).unwrap();
             let plain =
-                confed_enclave::envelope::open(&key, &envelope, &task, round, assignment_ref)
-                    .unwrap();
+                confed_enclave::envelope::open(&key, &envelope, &context, assignment_ref).unwrap();
             let update = model_values(&plain);
             let norm = update
                 .iter()
@@ -149,7 +149,7 @@ async fn three_rounds_complete_with_consistent_manifests_and_a_model_that_follow
     assert_eq!(releases.len(), 3);
     assert_eq!(releases[2]["round"], 3);
     assert_eq!(releases[2]["included"], GOAL);
-    assert_eq!(releases[2]["manifest"]["format"], "confed-release/v1");
+    assert_eq!(releases[2]["manifest"]["format"], "confed-release/v2");
     let average = get(
         &system,
         &token,

@@ -43,6 +43,19 @@ async fn assigned(app: &TestApp) -> Value {
     reply.json()
 }
 
+/// What a device binds its contribution to: the assignment's task, round and policy, and the
+/// model it trained from (these tests seal without downloading it: a fixed stand-in hash).
+fn context(assignment: &Value, round: u64) -> envelope::RoundContext {
+    envelope::RoundContext {
+        task_id: assignment["task_id"].as_str().unwrap().to_string(),
+        round,
+        policy_sha256: confed_enclave::policy::sha256_hex(
+            assignment["policy"].as_str().unwrap().as_bytes(),
+        ),
+        model_sha256: "0".repeat(64),
+    }
+}
+
 /// The device side: verify the key (2 trusted signatures) and seal an update for the assignment.
 fn sealed(app: &TestApp, assignment: &Value, update: &[u8]) -> Vec<u8> {
     let key: DeviceKey = serde_json::from_value(assignment["encryption"].clone()).unwrap();
@@ -50,8 +63,7 @@ fn sealed(app: &TestApp, assignment: &Value, update: &[u8]) -> Vec<u8> {
     envelope::seal(
         &public,
         &key.key_id,
-        assignment["task_id"].as_str().unwrap(),
-        assignment["round"].as_u64().unwrap(),
+        &context(assignment, assignment["round"].as_u64().unwrap()),
         assignment["assignment_id"].as_str().unwrap(),
         update,
     )
@@ -467,21 +479,20 @@ async fn a_contribution_moved_to_another_assignment_or_round_does_not_open() {
     let a = assigned(&app).await;
     let b = assigned(&app).await;
     let stored = Envelope::from_cbor(&sealed(&app, &a, b"a's update")).unwrap();
-    let task = a["task_id"].as_str().unwrap();
     let id = |x: &Value| envelope::assignment_ref(x["assignment_id"].as_str().unwrap());
     let key = &app.key.private_key;
     assert_eq!(
-        envelope::open(key, &stored, task, 1, &id(&a))
+        envelope::open(key, &stored, &context(&a, 1), &id(&a))
             .unwrap()
             .as_slice(),
         b"a's update"
     );
     assert!(
-        envelope::open(key, &stored, task, 1, &id(&b)).is_err(),
+        envelope::open(key, &stored, &context(&a, 1), &id(&b)).is_err(),
         "replayed into another assignment"
     );
     assert!(
-        envelope::open(key, &stored, task, 2, &id(&a)).is_err(),
+        envelope::open(key, &stored, &context(&a, 2), &id(&a)).is_err(),
         "replayed into another round"
     );
     // The server stores it for b (it never decrypts), but the enclave will not open it there.

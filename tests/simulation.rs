@@ -137,6 +137,14 @@ async fn simulated_devices_fill_a_round_with_stored_contributions_that_open() {
 
     let trust = Command::new(env!("CARGO_BIN_EXE_confed"))
         .args(["devices", "trust-config", "--threshold", "2"])
+        .args([
+            "--max-epsilon",
+            "8",
+            "--max-delta",
+            "1e-5",
+            "--min-reports",
+            "2",
+        ])
         .args(
             keyservices
                 .iter()
@@ -211,17 +219,22 @@ async fn simulated_devices_fill_a_round_with_stored_contributions_that_open() {
     assert_eq!(completed.len(), GOAL);
     let store = confed::blob::embedded_contributions(&data, &db).unwrap();
     let schema = confed_enclave::model::validate_model(&model).unwrap();
+    let context = db.round_context(&task_id, 1).await.unwrap();
+    let next_round = envelope::RoundContext {
+        round: 2,
+        ..context.clone()
+    };
     for (assignment_ref, blob_key) in &completed {
         let bytes = store
             .get(&confed::blob::BlobKey::new(blob_key.as_str()).unwrap())
             .await
             .expect("stored contribution");
         let sealed = Envelope::from_cbor(&bytes).unwrap();
-        let update = envelope::open(&private_key, &sealed, &task_id, 1, assignment_ref).unwrap();
+        let update = envelope::open(&private_key, &sealed, &context, assignment_ref).unwrap();
         assert_eq!(
             confed_enclave::model::validate_model(&update).unwrap(),
             schema
         );
-        assert!(envelope::open(&private_key, &sealed, &task_id, 2, assignment_ref).is_err());
+        assert!(envelope::open(&private_key, &sealed, &next_round, assignment_ref).is_err());
     }
 }

@@ -131,7 +131,7 @@ start() {
             --id "worker$i" --lease-seconds 30
     done
 
-    "$confed" devices trust-config --threshold 2 "${keyservice_args[@]}" >"$dir/trust.json"
+    "$confed" devices trust-config --threshold 2 --max-epsilon 100 --max-delta 0.01 --min-reports 1 "${keyservice_args[@]}" >"$dir/trust.json"
 
     cat >"$dir/env" <<EOF
 CONFED_API_URLS=http://127.0.0.1:$base,http://127.0.0.1:$((base + 1))

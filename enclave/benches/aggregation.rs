@@ -42,7 +42,7 @@ fn update(params: usize, seed: u32) -> Vec<u8> {
 
 fn seal(public: &PublicKey, index: usize, plaintext: &[u8]) -> (String, Vec<u8>) {
     let id = format!("assignment-{index}");
-    let sealed = envelope::seal(public, KEY, TASK, 1, &id, plaintext).unwrap();
+    let sealed = envelope::seal(public, KEY, &context(), &id, plaintext).unwrap();
     (envelope::assignment_ref(&id), sealed.to_cbor())
 }
 
@@ -80,11 +80,20 @@ fn fixture(params: usize, count: usize) -> Fixture {
     }
 }
 
-fn binding() -> Binding {
-    Binding {
+fn context() -> envelope::RoundContext {
+    envelope::RoundContext {
         task_id: TASK.into(),
         round: 1,
+        policy_sha256: "0".repeat(64),
+        model_sha256: "1".repeat(64),
+    }
+}
+
+fn binding() -> Binding {
+    Binding {
+        context: context(),
         key_id: KEY.into(),
+        inputs_digest: "2".repeat(64),
     }
 }
 
@@ -216,12 +225,12 @@ fn aggregation_peak(count: usize, params: usize) -> u64 {
     let release = agg
         .finish(
             &private,
-            1,
             PrivacyParams {
                 epsilon: 4.0,
                 delta: 1e-6,
                 clip_norm: 1.0,
                 rounds: 1,
+                min_reports: 1,
             },
         )
         .unwrap();

@@ -3,16 +3,21 @@
 //! its shape and stores it; only the enclave opens it.
 //!
 //! ```text
-//! { "v": 1, "key_id": text, "enc": bytes(32), "ct": bytes }      (CBOR map, exactly these keys,
+//! { "v": 2, "key_id": text, "enc": bytes(32), "ct": bytes }      (CBOR map, exactly these keys,
 //!   plus "chunk": uint when the update is sealed in chunks, see `hpke::seal_chunked`)
-//! info = "confed contribution v1" 0x00 key_id 0x00
-//! aad  = "confed contribution v1" 0x00 task_id 0x00 decimal(round) 0x00 assignment_ref 0x00
+//! info = "confed contribution v2" 0x00 key_id 0x00
+//! aad  = "confed contribution v2" 0x00 task_id 0x00 decimal(round) 0x00 assignment_ref 0x00
+//!        policy_sha256 0x00 model_sha256 0x00
 //! assignment_ref = lowercase hex SHA-256 of the assignment id
+//! policy_sha256  = lowercase hex SHA-256 of the task policy text (`policy.rs`)
+//! model_sha256   = lowercase hex SHA-256 of the model version the device trained from
 //! ```
 //!
 //! The associated data binds the task, round and assignment, so a ciphertext moved into another
-//! round or assignment does not open. It names the assignment by the hash of its id: the id is a
-//! capability the server does not keep, the hash is what the server stores and the enclave reads.
+//! round or assignment does not open; and the task policy and the model version the device agreed
+//! to, so an enclave given other privacy parameters or another model opens nothing. It names the
+//! assignment by the hash of its id: the id is a capability the server does not keep, the hash is
+//! what the server stores and the enclave reads.
 
 use ciborium::Value;
 use thiserror::Error;
@@ -21,8 +26,8 @@ use zeroize::Zeroizing;
 use crate::hpke::{self, HpkeError, PrivateKey, PublicKey};
 use crate::hpke_awslc::Recipient;
 
-pub const LABEL: &str = "confed contribution v1";
-pub const VERSION: u64 = 1;
+pub const LABEL: &str = "confed contribution v2";
+pub const VERSION: u64 = 2;
 /// Fixed CBOR overhead besides the key id and ciphertext (map header, keys, length prefixes).
 pub const OVERHEAD_BYTES: usize = 64;
 
@@ -32,7 +37,9 @@ pub enum EnvelopeError {
     Cbor(String),
     #[error("the envelope must be a CBOR map with exactly the keys v, key_id, enc, ct: {0}")]
     Shape(String),
-    #[error("unsupported envelope version {0}; this server accepts version 1")]
+    #[error(
+        "unsupported envelope version {0}; this server accepts version 2 (contributions bound to the task policy)"
+    )]
     Version(u64),
     #[error(transparent)]
     Hpke(#[from] HpkeError),
@@ -73,8 +80,26 @@ pub fn assignment_ref(assignment_id: &str) -> String {
         .collect()
 }
 
-pub fn aad(task_id: &str, round: u64, assignment_ref: &str) -> Vec<u8> {
-    fields(&[LABEL, task_id, &round.to_string(), assignment_ref])
+/// What every contribution of one round is bound to, besides its assignment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoundContext {
+    pub task_id: String,
+    pub round: u64,
+    /// Lowercase hex SHA-256 of the task policy text.
+    pub policy_sha256: String,
+    /// Lowercase hex SHA-256 of the model version the round trains from.
+    pub model_sha256: String,
+}
+
+pub fn aad(context: &RoundContext, assignment_ref: &str) -> Vec<u8> {
+    fields(&[
+        LABEL,
+        &context.task_id,
+        &context.round.to_string(),
+        assignment_ref,
+        &context.policy_sha256,
+        &context.model_sha256,
+    ])
 }
 
 impl Envelope {
@@ -193,12 +218,11 @@ pub(crate) fn validate<'a>(
 pub fn seal(
     public_key: &PublicKey,
     key_id: &str,
-    task_id: &str,
-    round: u64,
+    context: &RoundContext,
     assignment_id: &str,
     update: &[u8],
 ) -> Result<Envelope, EnvelopeError> {
-    let aad = aad(task_id, round, &assignment_ref(assignment_id));
+    let aad = aad(context, &assignment_ref(assignment_id));
     let info = info(key_id);
     let (encapsulated_key, ciphertext, chunk) = if update.len() > CHUNK_THRESHOLD {
         let (enc, ct) =
@@ -221,15 +245,13 @@ pub fn seal(
 pub fn open(
     private_key: &PrivateKey,
     envelope: &Envelope,
-    task_id: &str,
-    round: u64,
+    context: &RoundContext,
     assignment_ref: &str,
 ) -> Result<Zeroizing<Vec<u8>>, EnvelopeError> {
     open_with(
         &Recipient::new(private_key)?,
         envelope,
-        task_id,
-        round,
+        context,
         assignment_ref,
     )
 }
@@ -238,12 +260,11 @@ pub fn open(
 pub fn open_with(
     recipient: &Recipient,
     envelope: &Envelope,
-    task_id: &str,
-    round: u64,
+    context: &RoundContext,
     assignment_ref: &str,
 ) -> Result<Zeroizing<Vec<u8>>, EnvelopeError> {
     let info = info(&envelope.key_id);
-    let aad = aad(task_id, round, assignment_ref);
+    let aad = aad(context, assignment_ref);
     let (enc, ct) = (&envelope.encapsulated_key, &envelope.ciphertext);
     match envelope.chunk {
         None => Ok(recipient.open(enc, &info, &aad, ct)?),
@@ -262,13 +283,12 @@ pub fn open_with(
 pub fn open_into(
     recipient: &Recipient,
     envelope: &EnvelopeRef<'_>,
-    task_id: &str,
-    round: u64,
+    context: &RoundContext,
     assignment_ref: &str,
     out: &mut Vec<u8>,
 ) -> Result<(), EnvelopeError> {
     let info = info(envelope.key_id);
-    let aad = aad(task_id, round, assignment_ref);
+    let aad = aad(context, assignment_ref);
     recipient.open_into(
         envelope.encapsulated_key,
         &info,
@@ -284,27 +304,48 @@ pub fn open_into(
 mod tests {
     use super::*;
 
+    fn context(task: &str, round: u64) -> RoundContext {
+        RoundContext {
+            task_id: task.into(),
+            round,
+            policy_sha256: "p".repeat(64),
+            model_sha256: "m".repeat(64),
+        }
+    }
+
     #[test]
     fn sealed_update_opens_only_for_its_assignment_and_round() {
         let (private, public) = hpke::generate_keypair();
-        let envelope = seal(&public, "k1", "task", 3, "a1", b"update bytes").unwrap();
+        let envelope = seal(&public, "k1", &context("task", 3), "a1", b"update bytes").unwrap();
         let parsed = Envelope::from_cbor(&envelope.to_cbor()).unwrap();
         assert_eq!(parsed, envelope);
         let a1 = assignment_ref("a1");
         assert_eq!(
-            open(&private, &parsed, "task", 3, &a1).unwrap().as_slice(),
+            open(&private, &parsed, &context("task", 3), &a1)
+                .unwrap()
+                .as_slice(),
             b"update bytes"
         );
         assert!(
-            open(&private, &parsed, "task", 3, "a1").is_err(),
+            open(&private, &parsed, &context("task", 3), "a1").is_err(),
             "binds the ref, not the capability"
         );
         for (task, round, assignment) in [("task", 4, "a1"), ("other", 3, "a1"), ("task", 3, "a2")]
         {
             let reference = assignment_ref(assignment);
             assert!(
-                open(&private, &parsed, task, round, &reference).is_err(),
+                open(&private, &parsed, &context(task, round), &reference).is_err(),
                 "{task}/{round}/{assignment}"
+            );
+        }
+        let mut other_policy = context("task", 3);
+        other_policy.policy_sha256 = "q".repeat(64);
+        let mut other_model = context("task", 3);
+        other_model.model_sha256 = "n".repeat(64);
+        for changed in [other_policy, other_model] {
+            assert!(
+                open(&private, &parsed, &changed, &a1).is_err(),
+                "bound to the policy and the model"
             );
         }
     }
@@ -315,13 +356,27 @@ mod tests {
         let update: Vec<u8> = (0..CHUNK_THRESHOLD * 2 + 5)
             .map(|i| (i % 241) as u8)
             .collect();
-        let envelope = seal(&public, "k1", "task", 1, "a1", &update).unwrap();
+        let envelope = seal(&public, "k1", &context("task", 1), "a1", &update).unwrap();
         assert_eq!(envelope.chunk, Some(CHUNK_THRESHOLD as u32));
         let parsed = Envelope::from_cbor(&envelope.to_cbor()).unwrap();
         assert_eq!(parsed, envelope);
-        let opened = open(&private, &parsed, "task", 1, &assignment_ref("a1")).unwrap();
+        let opened = open(
+            &private,
+            &parsed,
+            &context("task", 1),
+            &assignment_ref("a1"),
+        )
+        .unwrap();
         assert_eq!(opened.as_slice(), update.as_slice());
-        assert!(open(&private, &parsed, "task", 2, &assignment_ref("a1")).is_err());
+        assert!(
+            open(
+                &private,
+                &parsed,
+                &context("task", 2),
+                &assignment_ref("a1")
+            )
+            .is_err()
+        );
         let mut odd_chunk = parsed.clone();
         odd_chunk.chunk = Some(100);
         assert!(Envelope::from_cbor(&odd_chunk.to_cbor()).is_err());
@@ -344,15 +399,15 @@ mod tests {
         let cases: Vec<(Vec<u8>, &str)> = vec![
             (b"\xff\xff".to_vec(), "not a CBOR"),
             (build(vec![]), "`v` is missing"),
-            (build(vec![(t("v"), Value::Integer(2.into()))]), "version 2"),
+            (build(vec![(t("v"), Value::Integer(1.into()))]), "version 1"),
             (build(vec![(t("v"), t("1"))]), "wrong type"),
             (
-                build(vec![(t("v"), Value::Integer(1.into())), (t("x"), t("y"))]),
+                build(vec![(t("v"), Value::Integer(2.into())), (t("x"), t("y"))]),
                 "unknown key `x`",
             ),
             (
                 build(vec![
-                    (t("v"), Value::Integer(1.into())),
+                    (t("v"), Value::Integer(2.into())),
                     (t("key_id"), t("k")),
                     (t("enc"), Value::Bytes(vec![1; 31])),
                     (t("ct"), Value::Bytes(vec![0; 20])),
@@ -361,8 +416,8 @@ mod tests {
             ),
             (
                 build(vec![
-                    (t("v"), Value::Integer(1.into())),
-                    (t("v"), Value::Integer(1.into())),
+                    (t("v"), Value::Integer(2.into())),
+                    (t("v"), Value::Integer(2.into())),
                 ]),
                 "twice",
             ),

@@ -12,6 +12,7 @@ pub mod hpke_awslc;
 pub mod http;
 pub mod key_collection;
 pub mod model;
+pub mod policy;
 pub mod remote;
 pub mod shares;
 pub mod updater;

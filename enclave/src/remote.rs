@@ -13,7 +13,7 @@ use std::future::Future;
 use std::time::Duration;
 use zeroize::Zeroizing;
 
-use crate::aggregate::{Manifest, PrivacyParams};
+use crate::aggregate::Manifest;
 use crate::hpke::PublicKey;
 use crate::worker::{JobSpec, JobStore, StagedRelease, StoreError};
 
@@ -36,11 +36,8 @@ pub struct JobWire {
     pub key_id: String,
     /// X25519 public key, base64url.
     pub public_key: String,
-    pub epsilon: f64,
-    pub delta: f64,
-    pub clip_norm: f64,
-    pub rounds: u32,
-    pub server_learning_rate: f64,
+    /// The task policy text (`policy.rs`): the job's only source of privacy parameters.
+    pub policy: String,
     /// Blob key of model version `round - 1` (`GET /internal/v1/blobs/{key}`).
     pub model_key: String,
     /// (assignment ref, contribution key) pairs (`GET /internal/v1/contributions/{key}`).
@@ -68,13 +65,7 @@ impl JobWire {
             attempt: self.attempt,
             key_id: self.key_id,
             public_key,
-            privacy: PrivacyParams {
-                epsilon: self.epsilon,
-                delta: self.delta,
-                clip_norm: self.clip_norm,
-                rounds: self.rounds,
-            },
-            server_learning_rate: self.server_learning_rate,
+            policy: self.policy,
             model,
             contributions: self.contributions,
             committed_average,

@@ -3,8 +3,10 @@
 //!
 //! It reaches the task database and blob store only through `JobStore`, which the untrusted side
 //! implements: everything the store returns is treated as untrusted input (contributions are
-//! authenticated by HPKE, the key by the key services' shares matching the public key; privacy
-//! parameters are checked against the enclave's own limits before any release).
+//! authenticated by HPKE, the key by the key services' shares matching the public key; the privacy
+//! parameters come from the task policy text, which is checked against the enclave's own limits
+//! and whose hash every contribution is bound to, so a policy changed in the database opens
+//! nothing).
 //!
 //! Exactly once: a round's release is committed with the round's move to APPLYING. Until then
 //! nothing depends on it, and a retried job (after a crash or a lost lease) derives the same noise
@@ -19,16 +21,16 @@ use std::time::Duration;
 use confed_attestation::Attester;
 use thiserror::Error;
 
+use crate::aggregate::inputs::{self, Input};
 use crate::aggregate::{AggregateError, Aggregator, Binding, Manifest, PrivacyParams, Release};
+use crate::envelope::RoundContext;
 use crate::hpke::PublicKey;
 use crate::key_collection::{CollectError, KeyRequest, KeyServiceEndpoint, obtain_private_key};
 use crate::model::{ModelError, ModelSchema, validate_model};
+use crate::policy::{PolicyError, TaskPolicy, sha256_hex};
 use crate::updater::{self, UpdateError};
 
-/// Largest total epsilon and delta the enclave releases under, whatever the database says: part
-/// of the attested image, so a compromised front end cannot loosen a task's privacy.
-pub const MAX_TASK_EPSILON: f64 = 100.0;
-pub const MAX_TASK_DELTA: f64 = 1e-2;
+pub use crate::policy::{MAX_TASK_DELTA, MAX_TASK_EPSILON};
 
 /// One leased aggregation job, as the untrusted store describes it.
 #[derive(Debug, Clone)]
@@ -37,11 +39,12 @@ pub struct JobSpec {
     pub job_id: String,
     pub task_id: String,
     pub round: u64,
+    /// The store's attempt counter: for logs only, nothing the enclave computes depends on it.
     pub attempt: u64,
     pub key_id: String,
     pub public_key: PublicKey,
-    pub privacy: PrivacyParams,
-    pub server_learning_rate: f64,
+    /// The task policy text (`policy.rs`): the only source of the privacy parameters.
+    pub policy: String,
     /// Model version `round - 1`.
     pub model: Vec<u8>,
     /// (assignment ref, blob key) of every completed contribution.
@@ -113,6 +116,8 @@ pub trait JobStore: Send + Sync {
 pub enum JobError {
     #[error("privacy parameters outside the enclave's limits: {0}")]
     Privacy(String),
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
     #[error("cannot obtain the round key: {0}")]
     Key(#[from] CollectError),
     #[error("the base model is invalid: {0}")]
@@ -133,9 +138,11 @@ impl JobError {
         matches!(
             self,
             Self::Privacy(_)
+                | Self::Policy(_)
                 | Self::Model(_)
                 | Self::Update(_)
                 | Self::Aggregate(AggregateError::NothingIncluded(_))
+                | Self::Aggregate(AggregateError::TooFewIncluded { .. })
         )
     }
 }
@@ -163,10 +170,15 @@ pub struct JobOutcome {
     pub epsilon_spent: Option<f64>,
 }
 
+/// Bytes of contributions a job keeps in memory from their first read (to digest them before
+/// the key is asked for) instead of reading them again after.
+pub const RETAIN_BYTES: usize = 256 << 20;
+
 pub struct Worker<S> {
     store: Arc<S>,
     config: WorkerConfig,
     http: reqwest::Client,
+    retain_bytes: usize,
 }
 
 impl<S: JobStore + 'static> Worker<S> {
@@ -176,7 +188,15 @@ impl<S: JobStore + 'static> Worker<S> {
             store,
             config,
             http,
+            retain_bytes: RETAIN_BYTES,
         }
+    }
+
+    /// Keeps at most `bytes` of contributions from the first read (tests use 0: every
+    /// contribution is read twice).
+    pub fn retain_bytes(mut self, bytes: usize) -> Self {
+        self.retain_bytes = bytes;
+        self
     }
 
     /// Leases and runs one job; `None` when no job is ready.
@@ -203,18 +223,12 @@ impl<S: JobStore + 'static> Worker<S> {
     }
 
     async fn run_job(&self, job: &JobSpec) -> Result<JobOutcome, JobError> {
-        check_privacy(&job.privacy)?;
-        if job.round == 0 || job.round > u64::from(job.privacy.rounds) {
-            return Err(JobError::Privacy(format!(
-                "round {} is outside the task's {} planned rounds, whose budget covers one release each",
-                job.round, job.privacy.rounds
-            )));
-        }
+        let (policy, context) = round_context(job)?;
         let schema = validate_model(&job.model)?;
         let (average, manifest) = match &job.committed_average {
             Some(average) => (average.clone(), None),
             None => {
-                let release = self.aggregate(job, &schema).await?;
+                let release = self.aggregate(job, &schema, &policy, context).await?;
                 self.store
                     .commit_release(
                         &job.job_id,
@@ -229,7 +243,7 @@ impl<S: JobStore + 'static> Worker<S> {
             }
         };
         let values = updater::average_values(&schema, &average)?;
-        let model = updater::apply(&job.model, &schema, &values, job.server_learning_rate)?;
+        let model = updater::apply(&job.model, &schema, &values, policy.server_learning_rate)?;
         self.store
             .commit_model(&job.job_id, &self.config.id, &model)
             .await?;
@@ -242,13 +256,18 @@ impl<S: JobStore + 'static> Worker<S> {
         })
     }
 
-    /// Key, then contributions in batches (fetched, then opened across all cores), then noise.
-    /// `schema`: the job's model's, validated once by the caller.
+    /// Inputs first (read and digested: `aggregate::inputs`), then the key, then the
+    /// contributions in batches (opened across all cores), then noise.
+    /// `schema`: the job's model's, validated once by the caller; `policy` and `context` from
+    /// `round_context`.
     pub async fn aggregate(
         &self,
         job: &JobSpec,
         schema: &ModelSchema,
+        policy: &TaskPolicy,
+        context: RoundContext,
     ) -> Result<Release, JobError> {
+        let (mut inputs, inputs_digest) = self.gather(job).await?;
         let key = obtain_private_key(
             &self.http,
             &self.config.key_services,
@@ -266,27 +285,28 @@ impl<S: JobStore + 'static> Worker<S> {
         let private_key = Arc::new(key.private_key);
         let schema = schema.clone();
         let binding = Binding {
-            task_id: job.task_id.clone(),
-            round: job.round,
+            context,
             key_id: job.key_id.clone(),
+            inputs_digest,
         };
+        let privacy = PrivacyParams::from(policy);
         let aggregator = Arc::new(Aggregator::new(
             binding,
-            job.privacy.clip_norm,
+            privacy.clip_norm,
             schema,
             &private_key,
         )?);
-        // One batch is opened (on all cores) while the next is fetched: at most two batches of
-        // ciphertext in memory, whatever the round's size.
-        let mut refs = job.contributions.iter();
+        // One batch is opened (on all cores) while the next is read: at most two batches of
+        // ciphertext beyond what the first read retained, whatever the round's size.
+        let mut pending = inputs.iter_mut();
         let mut opening: Option<tokio::task::JoinHandle<()>> = None;
         loop {
             let mut batch = Vec::new();
             let mut bytes = 0usize;
-            for (assignment_ref, blob_key) in refs.by_ref() {
-                let stored = self.store.fetch(blob_key).await?;
+            for input in pending.by_ref() {
+                let stored = self.read_again(input).await?;
                 bytes += stored.as_ref().map_or(0, Vec::len);
-                batch.push((assignment_ref.clone(), stored));
+                batch.push((input.assignment_ref.clone(), stored));
                 if batch.len() >= self.config.batch.max(1) || bytes >= self.config.batch_bytes {
                     break;
                 }
@@ -309,30 +329,104 @@ impl<S: JobStore + 'static> Worker<S> {
         }
         let aggregator = Arc::try_unwrap(aggregator)
             .map_err(|_| JobError::Thread("aggregator still shared".into()))?;
-        let privacy = job.privacy;
-        let attempt = job.attempt;
-        let release =
-            tokio::task::spawn_blocking(move || aggregator.finish(&private_key, attempt, privacy))
-                .await
-                .map_err(|e| JobError::Thread(e.to_string()))??;
+        let release = tokio::task::spawn_blocking(move || aggregator.finish(&private_key, privacy))
+            .await
+            .map_err(|e| JobError::Thread(e.to_string()))??;
         Ok(release)
+    }
+
+    /// The first read of every contribution: digested in batches on all cores, kept in memory
+    /// up to `retain_bytes` in all (the rest is read again after the key arrives).
+    async fn gather(&self, job: &JobSpec) -> Result<(Vec<Input>, String), JobError> {
+        let mut inputs = Vec::with_capacity(job.contributions.len());
+        let mut retained = 0usize;
+        let mut refs = job.contributions.iter().peekable();
+        while refs.peek().is_some() {
+            let mut batch = Vec::new();
+            let mut bytes = 0usize;
+            for (assignment_ref, blob_key) in refs.by_ref() {
+                let stored = self.store.fetch(blob_key).await?;
+                bytes += stored.as_ref().map_or(0, Vec::len);
+                batch.push((assignment_ref, blob_key, stored));
+                if batch.len() >= self.config.batch.max(1) || bytes >= self.config.batch_bytes {
+                    break;
+                }
+            }
+            let stored: Vec<Option<Vec<u8>>> = batch.iter_mut().map(|(_, _, s)| s.take()).collect();
+            let (stored, digests) = tokio::task::spawn_blocking(move || {
+                let digests = inputs::digest_all(&stored);
+                (stored, digests)
+            })
+            .await
+            .map_err(|e| JobError::Thread(e.to_string()))?;
+            for (((assignment_ref, blob_key, _), bytes), digest) in
+                batch.into_iter().zip(stored).zip(digests)
+            {
+                let keep = bytes
+                    .filter(|b| retained + b.len() <= self.retain_bytes)
+                    .inspect(|b| retained += b.len());
+                inputs.push(Input {
+                    assignment_ref: assignment_ref.clone(),
+                    blob_key: blob_key.clone(),
+                    digest,
+                    retained: keep,
+                });
+            }
+            self.store
+                .renew(&job.job_id, &self.config.id, self.config.lease)
+                .await?;
+        }
+        let digest = inputs::sort_and_digest(&mut inputs).map_err(|r| {
+            JobError::Store(StoreError::Conflict(format!(
+                "the job lists contribution {r} twice"
+            )))
+        })?;
+        Ok((inputs, digest))
+    }
+
+    /// A contribution's bytes for the second pass: those kept from the first read, or read
+    /// again and required to be the bytes digested then (the store is not trusted to serve
+    /// the same bytes twice).
+    async fn read_again(&self, input: &mut Input) -> Result<Option<Vec<u8>>, JobError> {
+        if let Some(bytes) = input.retained.take() {
+            return Ok(Some(bytes));
+        }
+        let Some(expected) = input.digest else {
+            return Ok(None);
+        };
+        let stored = self.store.fetch(&input.blob_key).await?;
+        match stored {
+            Some(bytes) if *blake3::hash(&bytes).as_bytes() == expected => Ok(Some(bytes)),
+            _ => Err(JobError::Store(StoreError::Conflict(format!(
+                "contribution {} changed between two reads",
+                input.assignment_ref
+            )))),
+        }
     }
 }
 
-fn check_privacy(p: &PrivacyParams) -> Result<(), JobError> {
-    let ok = p.epsilon > 0.0
-        && p.epsilon <= MAX_TASK_EPSILON
-        && p.delta > 0.0
-        && p.delta <= MAX_TASK_DELTA
-        && p.clip_norm.is_finite()
-        && p.clip_norm > 0.0
-        && p.rounds >= 1;
-    if ok {
-        Ok(())
-    } else {
-        Err(JobError::Privacy(format!(
-            "epsilon {} (max {MAX_TASK_EPSILON}), delta {} (max {MAX_TASK_DELTA}), clip_norm {}, rounds {}",
-            p.epsilon, p.delta, p.clip_norm, p.rounds
-        )))
+/// The job's policy, checked, and the round context every contribution must be bound to: the
+/// policy's hash and the hash of the model bytes this enclave was actually given.
+pub fn round_context(job: &JobSpec) -> Result<(TaskPolicy, RoundContext), JobError> {
+    let policy = TaskPolicy::parse(&job.policy)?;
+    policy.check_enclave_limits()?;
+    if policy.task_id != job.task_id {
+        return Err(JobError::Privacy(format!(
+            "the policy is task {}'s, the job task {}'s",
+            policy.task_id, job.task_id
+        )));
     }
+    if job.round == 0 || job.round > u64::from(policy.rounds) {
+        return Err(JobError::Privacy(format!(
+            "round {} is outside the task's {} planned rounds, whose budget covers one release each",
+            job.round, policy.rounds
+        )));
+    }
+    let context = RoundContext {
+        task_id: job.task_id.clone(),
+        round: job.round,
+        policy_sha256: policy.sha256_hex(),
+        model_sha256: sha256_hex(&job.model),
+    };
+    Ok((policy, context))
 }

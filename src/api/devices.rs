@@ -51,6 +51,9 @@ pub struct AssignmentResponse {
     pub expires_at: i64,
     #[schema(value_type = Object)]
     pub plan: serde_json::Value,
+    /// The task policy text (docs/protocol.md, "Task policy"): check it against your limits,
+    /// train with its plan, and bind its SHA-256 into the contribution's associated data.
+    pub policy: String,
     pub model_version: i64,
     /// Path relative to the server's base URL.
     pub model_url: String,
@@ -231,6 +234,10 @@ pub async fn checkin(
                 .await?
                 .size_bytes,
         );
+        let policy = candidate
+            .spec
+            .policy(&candidate.task_id, &candidate.tenant_id)
+            .encode();
         return Ok((
             StatusCode::CREATED,
             axum::Json(AssignmentResponse {
@@ -246,6 +253,7 @@ pub async fn checkin(
                 round: candidate.round_number,
                 expires_at: assigned.expires_at.div_euclid(1000),
                 plan: candidate.spec.plan.clone(),
+                policy,
                 model_version: candidate.model_version,
                 encryption: key,
                 max_contribution_bytes,

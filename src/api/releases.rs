@@ -26,7 +26,7 @@ pub struct ReleaseResponse {
     /// SHA-256 (hex) of the average's bytes.
     pub average_sha256: String,
     pub created_at: String,
-    /// The enclave's manifest, verbatim (format `confed-release/v1`, docs/protocol.md).
+    /// The enclave's manifest, verbatim (format `confed-release/v2`, docs/protocol.md).
     #[schema(value_type = Object)]
     pub manifest: serde_json::Value,
 }

@@ -71,6 +71,27 @@ pub(crate) async fn load(
 
 impl Db {
     /// One model version of any task (devices download models without a tenant token).
+    /// What the contributions of round `round` of a task are bound to, as the database says:
+    /// the task policy's hash and the hash of model version `round - 1`. (For tools and tests: the
+    /// enclave never takes these from the database, it hashes the policy and model it is given.)
+    pub async fn round_context(
+        &self,
+        task_id: &str,
+        round: i64,
+    ) -> Result<confed_enclave::envelope::RoundContext, DbError> {
+        let task = {
+            let mut conn = self.pool().acquire().await?;
+            super::tasks::load_any(&mut conn, task_id).await?
+        };
+        let model = self.model_of_task(task_id, round - 1).await?;
+        Ok(confed_enclave::envelope::RoundContext {
+            task_id: task_id.to_string(),
+            round: round as u64,
+            policy_sha256: task.spec.policy(task_id, &task.tenant_id).sha256_hex(),
+            model_sha256: model.sha256_hex,
+        })
+    }
+
     pub async fn model_of_task(&self, task_id: &str, version: i64) -> Result<ModelRecord, DbError> {
         if let Some(record) = self.cached_model(task_id, version) {
             return Ok(record);

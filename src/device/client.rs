@@ -7,15 +7,20 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use confed_enclave::envelope::RoundContext;
+use confed_enclave::policy::{DeviceLimits, TaskPolicy, sha256_hex};
+
 use crate::api::devices::{AssignmentResponse, RetryResponse};
 use crate::keys::trust::{TrustError, TrustedKeyService, accept_device_key};
 
-/// Which key services a device trusts, and how many must vouch for a key.
+/// Which key services a device trusts, how many must vouch for a key, and the loosest task
+/// policy it contributes under.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrustConfig {
     pub threshold: usize,
     pub keyservices: Vec<TrustedEntry>,
+    pub limits: DeviceLimits,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -56,6 +61,8 @@ pub enum DeviceError {
     Server { status: u16, detail: String },
     #[error("refusing to encrypt: {0}")]
     UntrustedKey(#[from] TrustError),
+    #[error("refusing the task policy: {0}")]
+    UntrustedPolicy(String),
     #[error("training: {0}")]
     Training(String),
     #[error("sealing: {0}")]
@@ -98,9 +105,28 @@ pub struct DeviceClient {
     base: String,
     trusted: Vec<TrustedKeyService>,
     threshold: usize,
-    models: Mutex<HashMap<String, (String, Vec<u8>)>>,
+    limits: DeviceLimits,
+    /// url -> (ETag, bytes, SHA-256 computed here: the server's ETag is not trusted).
+    models: Mutex<HashMap<String, CachedModel>>,
     done: Mutex<HashSet<(String, i64)>>,
     verified: VerifiedKeys,
+}
+
+type CachedModel = (String, std::sync::Arc<Vec<u8>>, String);
+
+/// A model version as the device trains from it.
+#[derive(Debug, Clone)]
+pub struct Model {
+    pub bytes: std::sync::Arc<Vec<u8>>,
+    /// Lowercase hex SHA-256 of `bytes`, computed by the device.
+    pub sha256: String,
+}
+
+/// A task policy the device accepted: parsed, this assignment's, within its limits.
+#[derive(Debug, Clone)]
+pub struct AcceptedPolicy {
+    pub policy: TaskPolicy,
+    pub sha256: String,
 }
 
 async fn problem_detail(response: reqwest::Response) -> DeviceError {
@@ -144,6 +170,7 @@ impl DeviceClient {
             base: base.trim_end_matches('/').to_string(),
             trusted: trust.trusted()?,
             threshold: trust.threshold,
+            limits: trust.limits,
             models: Mutex::default(),
             done: Mutex::default(),
             verified,
@@ -227,11 +254,11 @@ impl DeviceClient {
         Ok(public)
     }
 
-    /// The model bytes, from the cache when the server answers 304.
-    pub async fn model(&self, url: &str) -> Result<Vec<u8>, DeviceError> {
+    /// The model and its SHA-256, from the cache when the server answers 304.
+    pub async fn model(&self, url: &str) -> Result<Model, DeviceError> {
         let cached = self.models.lock().ok().and_then(|m| m.get(url).cloned());
         let mut request = self.http.get(self.url(url));
-        if let Some((etag, _)) = &cached {
+        if let Some((etag, _, _)) = &cached {
             request = request.header(reqwest::header::IF_NONE_MATCH, etag);
         }
         let response = request
@@ -240,7 +267,7 @@ impl DeviceClient {
             .map_err(|e| DeviceError::Network(e.to_string()))?;
         match response.status().as_u16() {
             304 => cached
-                .map(|(_, bytes)| bytes)
+                .map(|(_, bytes, sha256)| Model { bytes, sha256 })
                 .ok_or_else(|| DeviceError::Network("304 without a cached model".into())),
             200 => {
                 let etag = response
@@ -248,18 +275,77 @@ impl DeviceClient {
                     .get(reqwest::header::ETAG)
                     .and_then(|v| v.to_str().ok())
                     .map(str::to_string);
-                let bytes = response
-                    .bytes()
-                    .await
-                    .map_err(|e| DeviceError::Network(e.to_string()))?
-                    .to_vec();
+                let bytes = std::sync::Arc::new(
+                    response
+                        .bytes()
+                        .await
+                        .map_err(|e| DeviceError::Network(e.to_string()))?
+                        .to_vec(),
+                );
+                let sha256 = sha256_hex(&bytes);
                 if let (Some(etag), Ok(mut models)) = (etag, self.models.lock()) {
-                    models.insert(url.to_string(), (etag, bytes.clone()));
+                    models.insert(url.to_string(), (etag, bytes.clone(), sha256.clone()));
                 }
-                Ok(bytes)
+                Ok(Model { bytes, sha256 })
             }
             _ => Err(problem_detail(response).await),
         }
+    }
+
+    /// The assignment's task policy, if it parses, is this task's and population's, and lies
+    /// within the device's limits (and the enclave's). Refused otherwise, with why: a device
+    /// never seals under a policy it did not check.
+    pub fn accepted_policy(
+        &self,
+        assignment: &AssignmentResponse,
+        population: &str,
+    ) -> Result<AcceptedPolicy, DeviceError> {
+        let refuse = |why: String| DeviceError::UntrustedPolicy(why);
+        let policy = TaskPolicy::parse(&assignment.policy).map_err(|e| refuse(e.to_string()))?;
+        if policy.task_id != assignment.task_id || policy.population != population {
+            return Err(refuse(format!(
+                "the policy is for task {} in population {}, the assignment for task {} in {population}",
+                policy.task_id, policy.population, assignment.task_id
+            )));
+        }
+        if assignment.round < 1 || assignment.round as u64 > u64::from(policy.rounds) {
+            return Err(refuse(format!(
+                "round {} is outside the policy's {} rounds",
+                assignment.round, policy.rounds
+            )));
+        }
+        self.limits
+            .check(&policy)
+            .map_err(|e| refuse(e.to_string()))?;
+        let sha256 = sha256_hex(assignment.policy.as_bytes());
+        Ok(AcceptedPolicy { policy, sha256 })
+    }
+
+    /// Seals an update for the assignment: to the checked key, bound to the task, round,
+    /// assignment, the accepted policy and the model the device trained from.
+    pub fn seal(
+        &self,
+        assignment: &AssignmentResponse,
+        public_key: &confed_enclave::hpke::PublicKey,
+        policy: &AcceptedPolicy,
+        model: &Model,
+        update: &[u8],
+    ) -> Result<Vec<u8>, DeviceError> {
+        let context = RoundContext {
+            task_id: assignment.task_id.clone(),
+            round: assignment.round as u64,
+            policy_sha256: policy.sha256.clone(),
+            model_sha256: model.sha256.clone(),
+        };
+        Ok(confed_enclave::envelope::seal(
+            public_key,
+            &assignment.encryption.key_id,
+            &context,
+            &assignment.assignment_id,
+            update,
+        )
+        .map_err(|e| DeviceError::Seal(e.to_string()))?
+        .to_cbor())
     }
 
     /// Uploads the envelope; retried on network errors and 5xx (the server answers 200 for the same

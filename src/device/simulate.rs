@@ -235,35 +235,31 @@ async fn cycle(
     rng: &mut Rng,
 ) -> Result<(), DeviceError> {
     let public_key = client.verified_key(assignment, unix_now())?;
+    let policy = client.accepted_policy(assignment, &shared.config.population)?;
     let started = Instant::now();
-    let model_bytes = client.model(&assignment.model_url).await?;
+    let model = client.model(&assignment.model_url).await?;
+    let model_bytes = model.bytes.as_slice();
     shared.timed("model", started);
     let update = match shard {
         Some(shard) => {
-            let base = Softmax::from_safetensors(&model_bytes)?;
+            let base = Softmax::from_safetensors(model_bytes)?;
             if base.features != shard.features || base.classes != shard.classes {
                 return Err(DeviceError::Training(format!(
                     "the model is {}x{} but the data set has {} classes of {} features",
                     base.classes, base.features, shard.classes, shard.features
                 )));
             }
-            let plan = Plan::from_json(&assignment.plan);
+            // The plan the device agreed to: the policy's, not the assignment's loose copy.
+            let plan = Plan::from_json(
+                &serde_json::from_str(&policy.policy.plan).unwrap_or(serde_json::Value::Null),
+            );
             let mut local = base.clone();
             local.train(shard, plan.epochs, plan.batch_size, plan.learning_rate);
             local.delta_from(&base).to_safetensors()
         }
-        None => random_update(&model_bytes, rng)?,
+        None => random_update(model_bytes, rng)?,
     };
-    let envelope = confed_enclave::envelope::seal(
-        &public_key,
-        &assignment.encryption.key_id,
-        &assignment.task_id,
-        assignment.round as u64,
-        &assignment.assignment_id,
-        &update,
-    )
-    .map_err(|e| DeviceError::Seal(e.to_string()))?
-    .to_cbor();
+    let envelope = client.seal(assignment, &public_key, &policy, &model, &update)?;
     let started = Instant::now();
     client.upload(assignment, envelope).await?;
     shared.timed("upload", started);

@@ -5,7 +5,7 @@
 use safetensors::{Dtype, SafeTensors};
 use serde::Serialize;
 
-use crate::envelope::{self, EnvelopeRef};
+use crate::envelope::{self, EnvelopeRef, RoundContext};
 use crate::hpke_awslc::Recipient;
 use crate::model::ModelSchema;
 
@@ -13,13 +13,14 @@ use crate::model::ModelSchema;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Exclusion {
-    /// Not a version-1 CBOR envelope.
+    /// Not a version-2 CBOR envelope.
     MalformedEnvelope,
     /// Sealed to a key other than the round's.
     WrongKey,
-    /// Does not open under this task, round and assignment: wrong associated data (a ciphertext
-    /// moved from another round or assignment), a wrong encapsulated key, or altered bytes. AEAD
-    /// cannot tell these apart, by design.
+    /// Does not open under this task, round, assignment, task policy and model: wrong associated
+    /// data (a ciphertext moved from another round or assignment, or a policy or model other than
+    /// the one the device agreed to), a wrong encapsulated key, or altered bytes. AEAD cannot
+    /// tell these apart, by design.
     DecryptionFailed,
     /// The plaintext is not safetensors.
     NotSafetensors,
@@ -59,12 +60,14 @@ impl Exclusion {
     }
 }
 
-/// Where a round's contributions must be bound.
+/// Where a round's contributions must be bound: the round's context (task, round, policy,
+/// model) and the key they are sealed to; and the digest of the job's inputs
+/// (`inputs::inputs_digest`), which keys the noise.
 #[derive(Debug, Clone)]
 pub struct Binding {
-    pub task_id: String,
-    pub round: u64,
+    pub context: RoundContext,
     pub key_id: String,
+    pub inputs_digest: String,
 }
 
 /// Decrypts a stored envelope for `assignment_ref` into `plaintext` (cleared first).
@@ -82,8 +85,7 @@ pub fn open(
     envelope::open_into(
         recipient,
         &envelope,
-        &binding.task_id,
-        binding.round,
+        &binding.context,
         assignment_ref,
         plaintext,
     )

@@ -7,19 +7,25 @@ use serde::{Deserialize, Serialize};
 
 use crate::dp::{DiscreteGaussian, grid};
 
-pub const FORMAT: &str = "confed-release/v1";
+pub const FORMAT: &str = "confed-release/v2";
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
     pub format: String,
     pub task_id: String,
     pub round: u64,
-    pub attempt: u64,
     pub key_id: String,
+    /// SHA-256 (hex) of the task policy text the contributions were sealed under.
+    pub policy_sha256: String,
+    /// SHA-256 (hex) of the model version the round trained from.
+    pub model_sha256: String,
     /// Contributions in the sum (the average's denominator).
     pub included: u64,
     /// SHA-256 (hex) over the sorted refs of the included contributions, one per line.
     pub included_digest: String,
+    /// BLAKE3 (hex) over the included contributions' stored bytes (see `aggregate::inputs_digest`):
+    /// what the noise is keyed by.
+    pub inputs_digest: String,
     /// Excluded contributions per reason.
     pub excluded: BTreeMap<String, u64>,
     /// (assignment ref, reason) of the first 1000 excluded contributions.

@@ -5,6 +5,7 @@
 
 pub mod accumulator;
 pub mod contribution;
+pub mod inputs;
 pub mod manifest;
 pub mod noise;
 pub mod stream;
@@ -23,6 +24,7 @@ use crate::envelope::EnvelopeRef;
 use crate::hpke::PrivateKey;
 use crate::hpke_awslc::Recipient;
 use crate::model::{ModelError, ModelSchema, encode_f32_tensors};
+use crate::policy::TaskPolicy;
 use accumulator::{Accumulator, StreamError};
 pub use contribution::{Binding, Exclusion};
 pub use manifest::{Manifest, NoiseRecord, PrivacyRecord};
@@ -39,6 +41,14 @@ const LISTED_EXCLUSIONS: usize = 1000;
 pub enum AggregateError {
     #[error("no contribution of the round was valid ({0} excluded); nothing to release")]
     NothingIncluded(u64),
+    #[error(
+        "only {included} valid contributions ({excluded} excluded), fewer than the policy's min_reports {min_reports}; nothing to release"
+    )]
+    TooFewIncluded {
+        included: u64,
+        excluded: u64,
+        min_reports: u32,
+    },
     #[error("cannot load the round's key into the HPKE receiver: {0}")]
     Key(String),
     #[error(transparent)]
@@ -47,13 +57,28 @@ pub enum AggregateError {
     Encode(#[from] ModelError),
 }
 
-/// The privacy parameters of the task, as the enclave applies them.
+/// The privacy parameters of the task, as the enclave applies them: taken from the task policy
+/// the contributions are bound to, never from anywhere else.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PrivacyParams {
     pub epsilon: f64,
     pub delta: f64,
     pub clip_norm: f64,
     pub rounds: u32,
+    /// Fewest included contributions a release may average.
+    pub min_reports: u32,
+}
+
+impl From<&TaskPolicy> for PrivacyParams {
+    fn from(policy: &TaskPolicy) -> Self {
+        Self {
+            epsilon: policy.epsilon,
+            delta: policy.delta,
+            clip_norm: policy.clip_norm,
+            rounds: policy.rounds,
+            min_reports: policy.min_reports,
+        }
+    }
 }
 
 pub struct Aggregator {
@@ -158,8 +183,7 @@ impl Aggregator {
             if let Some(update) = stream::ChunkedUpdate::new(
                 &self.recipient,
                 envelope,
-                &self.binding.task_id,
-                self.binding.round,
+                &self.binding.context,
                 assignment_ref,
                 &self.schema,
             ) {
@@ -198,12 +222,13 @@ impl Aggregator {
         (outcome.included.len(), outcome.excluded.len())
     }
 
-    /// Noises the sum once and releases the average. The noise is keyed from `private_key`
-    /// and the included set (see `noise`), so the same inputs give the same bytes.
+    /// Noises the sum once and releases the average. The noise is keyed from `private_key` and
+    /// everything the release depends on (see `noise`; the caller states the inputs' digest in
+    /// the binding and must add exactly those inputs), so the same inputs give the same bytes and
+    /// any other inputs give independent noise.
     pub fn finish(
         self,
         private_key: &PrivateKey,
-        attempt: u64,
         privacy: PrivacyParams,
     ) -> Result<Release, AggregateError> {
         let mut outcome = self.outcome.into_inner().expect("aggregation outcome");
@@ -215,7 +240,15 @@ impl Aggregator {
                 outcome.excluded.len() as u64
             ));
         }
+        if count < u64::from(privacy.min_reports) {
+            return Err(AggregateError::TooFewIncluded {
+                included: count,
+                excluded: outcome.excluded.len() as u64,
+                min_reports: privacy.min_reports,
+            });
+        }
         let included_digest = digest(&outcome.included);
+        let inputs_digest = self.binding.inputs_digest.clone();
         let calibration = dp::calibrate(privacy.epsilon, privacy.delta, privacy.rounds)?;
         let noise = DiscreteGaussian::at_least(
             calibration.noise_multiplier * grid::GRID_UNITS_PER_CLIP as f64,
@@ -223,10 +256,8 @@ impl Aggregator {
         let seed = noise::seed(
             private_key,
             &noise::NoiseBinding {
-                task_id: &self.binding.task_id,
-                round: self.binding.round,
-                attempt,
-                included_digest: &included_digest,
+                context: &self.binding.context,
+                inputs_digest: &inputs_digest,
             },
         );
         let mut sum = self.sum.into_sum();
@@ -237,7 +268,7 @@ impl Aggregator {
             .collect();
         drop(sum);
         let average = encode(&self.schema, &values)?;
-        let releases = u32::try_from(self.binding.round).unwrap_or(u32::MAX);
+        let releases = u32::try_from(self.binding.context.round).unwrap_or(u32::MAX);
         let (rho_spent, epsilon_spent) = dp::spent(noise.scale(), releases, privacy.delta)?;
         let mut excluded = BTreeMap::new();
         for (_, reason) in &outcome.excluded {
@@ -245,12 +276,14 @@ impl Aggregator {
         }
         let manifest = Manifest {
             format: manifest::FORMAT.to_string(),
-            task_id: self.binding.task_id.clone(),
-            round: self.binding.round,
-            attempt,
+            task_id: self.binding.context.task_id.clone(),
+            round: self.binding.context.round,
             key_id: self.binding.key_id.clone(),
+            policy_sha256: self.binding.context.policy_sha256.clone(),
+            model_sha256: self.binding.context.model_sha256.clone(),
             included: count,
             included_digest,
+            inputs_digest,
             excluded,
             excluded_refs: outcome
                 .excluded
@@ -280,10 +313,10 @@ impl Aggregator {
 }
 
 /// SHA-256 (hex) over sorted refs, one per line.
-pub fn digest(sorted_refs: &[String]) -> String {
+pub fn digest<S: AsRef<str>>(sorted_refs: &[S]) -> String {
     let mut hasher = Sha256::new();
     for r in sorted_refs {
-        hasher.update(r.as_bytes());
+        hasher.update(r.as_ref().as_bytes());
         hasher.update(b"\n");
     }
     hex(&hasher.finalize())

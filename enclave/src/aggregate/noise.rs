@@ -1,12 +1,17 @@
 //! The round's noise: derived once, deterministically, inside the enclave.
 //!
-//! The sampler's randomness is ChaCha12 (as in `rand`'s `StdRng`) keyed with `HMAC-SHA256(round private key, label || task
-//! || round || attempt || included-set digest)`. Only the enclave holds the private key, so nobody
-//! outside can predict or remove the noise; and a retried job over the same contributions derives
-//! the same key, the same noise and byte-identical output, so a crash between noising and
-//! commit can never lead to a second, differently noised release of the same sum. A different
-//! set of contributions gets independent noise (same noise over two sets differing in one device
-//! would reveal that device's update exactly).
+//! The sampler's randomness is ChaCha12 (as in `rand`'s `StdRng`) keyed with
+//! `HMAC-SHA256(round private key, label || task || round || policy hash || model hash || inputs
+//! digest)`, every part followed by a zero byte. Only the enclave holds the private key, so nobody
+//! outside can predict or remove the noise. A retried job over the same inputs derives the same
+//! key, the same noise and byte-identical output, whatever attempt number the untrusted store
+//! gives it, so a crash between noising and commit can never lead to a second, differently
+//! noised release of the same sum. Anything else that changes the release gets independent noise:
+//! the inputs digest covers every included contribution's stored bytes (BLAKE3, collision
+//! resistant also for a sealer, who knows the AEAD key), the policy hash every privacy parameter,
+//! the model hash the base model. The same noise over two sets differing in one device would
+//! reveal that device's update exactly; independent noise over them is what the key services'
+//! release ledger rations.
 //!
 //! Coordinates are noised in blocks in parallel; block `b` uses ChaCha12 stream `b`, so the
 //! output does not depend on the number of threads.
@@ -17,19 +22,19 @@ use rayon::prelude::*;
 use zeroize::Zeroizing;
 
 use crate::dp::DiscreteGaussian;
+use crate::envelope::RoundContext;
 use crate::hpke::PrivateKey;
 
-const LABEL: &[u8] = b"confed/dp-noise/v1";
+const LABEL: &[u8] = b"confed/dp-noise/v2";
 /// Coordinates per ChaCha12 stream.
 const BLOCK: usize = 1 << 14;
 
 /// What the noise of one release is bound to.
 pub struct NoiseBinding<'a> {
-    pub task_id: &'a str,
-    pub round: u64,
-    pub attempt: u64,
-    /// SHA-256 (hex) over the sorted refs of the included contributions.
-    pub included_digest: &'a str,
+    /// Task, round, policy hash and model hash.
+    pub context: &'a RoundContext,
+    /// `aggregate::inputs_digest` of the included contributions.
+    pub inputs_digest: &'a str,
 }
 
 /// The ChaCha12 key of a release.
@@ -38,10 +43,11 @@ pub fn seed(private_key: &PrivateKey, binding: &NoiseBinding<'_>) -> Zeroizing<[
     let mut context = ring::hmac::Context::with_key(&key);
     for part in [
         LABEL,
-        binding.task_id.as_bytes(),
-        binding.round.to_string().as_bytes(),
-        binding.attempt.to_string().as_bytes(),
-        binding.included_digest.as_bytes(),
+        binding.context.task_id.as_bytes(),
+        binding.context.round.to_string().as_bytes(),
+        binding.context.policy_sha256.as_bytes(),
+        binding.context.model_sha256.as_bytes(),
+        binding.inputs_digest.as_bytes(),
     ] {
         context.update(part);
         context.update(&[0]);

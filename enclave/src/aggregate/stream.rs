@@ -110,8 +110,7 @@ impl<'a> ChunkedUpdate<'a> {
     pub fn new(
         recipient: &'a Recipient,
         envelope: EnvelopeRef<'a>,
-        task_id: &str,
-        round: u64,
+        context: &envelope::RoundContext,
         assignment_ref: &str,
         schema: &'a ModelSchema,
     ) -> Option<Self> {
@@ -122,7 +121,7 @@ impl<'a> ChunkedUpdate<'a> {
         Some(Self {
             recipient,
             info: envelope::info(envelope.key_id),
-            aad: envelope::aad(task_id, round, assignment_ref),
+            aad: envelope::aad(context, assignment_ref),
             envelope,
             chunk,
             schema,

@@ -30,11 +30,20 @@ fn round(len: usize) -> Round {
     }
 }
 
+fn context(round: u64) -> envelope::RoundContext {
+    envelope::RoundContext {
+        task_id: TASK.into(),
+        round,
+        policy_sha256: "a".repeat(64),
+        model_sha256: "b".repeat(64),
+    }
+}
+
 fn binding() -> Binding {
     Binding {
-        task_id: TASK.into(),
-        round: ROUND,
+        context: context(ROUND),
         key_id: KEY.into(),
+        inputs_digest: "e".repeat(64),
     }
 }
 
@@ -48,7 +57,7 @@ fn update(values: &[f32]) -> Vec<u8> {
 
 /// Seals `plaintext` as the device holding `assignment_id` would; returns (ref, stored bytes).
 fn sealed(r: &Round, assignment_id: &str, round: u64, plaintext: &[u8]) -> (String, Vec<u8>) {
-    let env = envelope::seal(&r.public, KEY, TASK, round, assignment_id, plaintext).unwrap();
+    let env = envelope::seal(&r.public, KEY, &context(round), assignment_id, plaintext).unwrap();
     (envelope::assignment_ref(assignment_id), env.to_cbor())
 }
 
@@ -76,6 +85,7 @@ fn privacy() -> PrivacyParams {
         delta: 1e-6,
         clip_norm: 1.0,
         rounds: 3,
+        min_reports: 1,
     }
 }
 
@@ -178,8 +188,14 @@ fn exclusion_undecryptable_bytes_and_malformed_envelopes() {
         Err(Exclusion::MalformedEnvelope)
     );
     assert_eq!(exclusion_of(&r, &id, None), Err(Exclusion::Missing));
-    let wrong_key =
-        envelope::seal(&r.public, "key-2", TASK, ROUND, "a1", &update(&[0.0; 4])).unwrap();
+    let wrong_key = envelope::seal(
+        &r.public,
+        "key-2",
+        &context(ROUND),
+        "a1",
+        &update(&[0.0; 4]),
+    )
+    .unwrap();
     assert_eq!(
         exclusion_of(&r, &id, Some(&wrong_key.to_cbor())),
         Err(Exclusion::WrongKey)
@@ -202,12 +218,13 @@ fn exclusions_are_counted_in_the_manifest_and_never_poison_the_sum() {
         (nan.0.clone(), Some(nan.1)),
         ("missing".into(), None),
     ]);
-    let release = agg.finish(&r.private, 1, privacy()).unwrap();
+    let release = agg.finish(&r.private, privacy()).unwrap();
     let m = &release.manifest;
     assert_eq!(m.included, 1);
     assert_eq!(m.excluded.get("non_finite"), Some(&1));
     assert_eq!(m.excluded.get("missing"), Some(&1));
-    assert_eq!(m.included_digest, digest(&[good.0]));
+    assert_eq!(m.included_digest, digest(&[good.0.as_str()]));
+    assert_eq!(m.inputs_digest, binding().inputs_digest);
     assert!(release.values.iter().all(|v| v.is_finite()));
 }
 
@@ -217,13 +234,47 @@ fn a_round_with_nothing_valid_releases_nothing() {
     let agg = Aggregator::new(binding(), 1.0, r.schema.clone(), &r.private).unwrap();
     agg.add_batch(&[("x".into(), None)]);
     assert!(matches!(
-        agg.finish(&r.private, 1, privacy()),
+        agg.finish(&r.private, privacy()),
         Err(AggregateError::NothingIncluded(1))
     ));
 }
 
 #[test]
-fn the_same_inputs_release_the_same_bytes_and_another_attempt_other_noise() {
+fn a_round_with_fewer_valid_contributions_than_min_reports_releases_nothing() {
+    let r = round(4);
+    let agg = Aggregator::new(binding(), 1.0, r.schema.clone(), &r.private).unwrap();
+    let good = sealed(&r, "a1", ROUND, &update(&[0.1, 0.0, 0.0, 0.0]));
+    agg.add_batch(&[(good.0, Some(good.1)), ("x".into(), None)]);
+    let params = PrivacyParams {
+        min_reports: 2,
+        ..privacy()
+    };
+    assert!(matches!(
+        agg.finish(&r.private, params),
+        Err(AggregateError::TooFewIncluded {
+            included: 1,
+            excluded: 1,
+            min_reports: 2
+        })
+    ));
+}
+
+/// The release of `inputs`, with their digest in the binding as the worker computes it.
+fn release_of(r: &Round, binding: Binding, inputs: &[(String, Option<Vec<u8>>)]) -> Release {
+    let binding = Binding {
+        inputs_digest: inputs::digest_of(inputs),
+        ..binding
+    };
+    let agg = Aggregator::new(binding, 1.0, r.schema.clone(), &r.private).unwrap();
+    agg.add_batch(inputs);
+    agg.finish(&r.private, privacy()).unwrap()
+}
+
+/// There is no attempt number any more: whatever the store says, the same inputs give the same
+/// bytes, so re-running a round (after a crash, or by an operator hoping for fresh noise) yields
+/// nothing new.
+#[test]
+fn the_same_inputs_release_the_same_bytes_whatever_the_attempt() {
     let r = round(64);
     let inputs: Vec<_> = (0..5)
         .map(|i| {
@@ -236,15 +287,93 @@ fn the_same_inputs_release_the_same_bytes_and_another_attempt_other_noise() {
         })
         .map(|(id, bytes)| (id, Some(bytes)))
         .collect();
-    let run = |attempt| {
-        let agg = Aggregator::new(binding(), 1.0, r.schema.clone(), &r.private).unwrap();
-        agg.add_batch(&inputs);
-        agg.finish(&r.private, attempt, privacy()).unwrap()
-    };
-    let (first, again, other) = (run(1), run(1), run(2));
+    let first = release_of(&r, binding(), &inputs);
+    let again = release_of(&r, binding(), &inputs);
     assert_eq!(first.average, again.average);
     assert_eq!(first.manifest, again.manifest);
-    assert_ne!(first.average, other.average);
+}
+
+/// The attack of issue 12: replace one stored envelope by another sealed (by anyone, with the
+/// public key) for the same assignment ref and the same plaintext. The refs are unchanged, but
+/// the inputs digest covers the stored bytes, so the noise is fresh and independent: the two
+/// releases do not subtract to anything. Measured: the correlation of the two noise vectors over
+/// 20,000 coordinates is within 5 standard errors of zero.
+#[test]
+fn noises_over_inputs_differing_in_one_contributions_bytes_are_uncorrelated() {
+    let len = 20_000;
+    let r = round(len);
+    let zeros = update(&vec![0.0; len]);
+    let mut inputs: Vec<_> = (0..3)
+        .map(|i| sealed(&r, &format!("a{i}"), ROUND, &zeros))
+        .map(|(id, bytes)| (id, Some(bytes)))
+        .collect();
+    let first = release_of(&r, binding(), &inputs);
+    // The same device's same (zero) update, sealed again: other bytes, same ref, same sum.
+    inputs[0].1 = Some(sealed(&r, "a0", ROUND, &zeros).1);
+    let second = release_of(&r, binding(), &inputs);
+    assert_eq!(
+        first.manifest.included_digest,
+        second.manifest.included_digest
+    );
+    assert_ne!(first.manifest.inputs_digest, second.manifest.inputs_digest);
+    // Every input is zero, so the released values are the noise alone.
+    let (x, y): (Vec<f64>, Vec<f64>) = first
+        .values
+        .iter()
+        .zip(&second.values)
+        .map(|(&a, &b)| (f64::from(a), f64::from(b)))
+        .unzip();
+    let correlation = correlation(&x, &y);
+    assert!(
+        correlation.abs() < 5.0 / (len as f64).sqrt(),
+        "noise correlation {correlation}"
+    );
+    assert!(x.iter().any(|&v| v != 0.0), "the release is noised");
+}
+
+fn correlation(x: &[f64], y: &[f64]) -> f64 {
+    let n = x.len() as f64;
+    let (mx, my) = (x.iter().sum::<f64>() / n, y.iter().sum::<f64>() / n);
+    let (mut sxy, mut sxx, mut syy) = (0.0, 0.0, 0.0);
+    for (a, b) in x.iter().zip(y) {
+        sxy += (a - mx) * (b - my);
+        sxx += (a - mx).powi(2);
+        syy += (b - my).powi(2);
+    }
+    sxy / (sxx * syy).sqrt()
+}
+
+/// A policy or model other than the devices' gives other noise too (and, through the associated
+/// data, opens nothing sealed under the original: see the envelope tests).
+#[test]
+fn the_noise_is_keyed_by_the_policy_and_the_model() {
+    let r = round(64);
+    let releases: Vec<Release> = [
+        context(ROUND),
+        envelope::RoundContext {
+            policy_sha256: "c".repeat(64),
+            ..context(ROUND)
+        },
+        envelope::RoundContext {
+            model_sha256: "d".repeat(64),
+            ..context(ROUND)
+        },
+    ]
+    .into_iter()
+    .map(|context| {
+        let env = envelope::seal(&r.public, KEY, &context, "a1", &update(&[0.0; 64])).unwrap();
+        let inputs = [(envelope::assignment_ref("a1"), Some(env.to_cbor()))];
+        let binding = Binding {
+            context,
+            ..binding()
+        };
+        release_of(&r, binding, &inputs)
+    })
+    .collect();
+    assert_ne!(releases[0].average, releases[1].average);
+    assert_ne!(releases[0].average, releases[2].average);
+    assert_eq!(releases[1].manifest.policy_sha256, "c".repeat(64));
+    assert_eq!(releases[2].manifest.model_sha256, "d".repeat(64));
 }
 
 /// The released sum minus the true clipped sum is the noise: its spread must match the recorded
@@ -281,7 +410,7 @@ fn released_noise_matches_the_recorded_scale_and_clipping_is_exact() {
         clip_norm: clip,
         ..privacy()
     };
-    let release = agg.finish(&r.private, 1, params).unwrap();
+    let release = agg.finish(&r.private, params).unwrap();
     let scale = clip / norm(&big);
     let diffs: Vec<f64> = (0..len)
         .map(|i| {

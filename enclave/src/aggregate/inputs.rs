@@ -1,0 +1,132 @@
+//! A job's inputs, digested before the round's key is asked for.
+//!
+//! The release commitment a key service records, and the key of the round's noise, name the
+//! inputs by one digest: BLAKE3 over every contribution the untrusted store handed the job (not
+//! only those that turn out valid, which is known only after decryption; the valid ones are a
+//! function of these bytes and the key). Two jobs with the same digest therefore release the same
+//! bytes, and a job over any other bytes, even one swapped envelope with an unchanged ref, has
+//! another digest: fresh noise, and a commitment the key services' ledger refuses for a round
+//! already committed.
+//!
+//! ```text
+//! inputs_digest = BLAKE3( for each contribution, in ascending ref order:
+//!                   ref (64 ASCII hex) || 0x01 || BLAKE3(stored bytes)     (present)
+//!                   ref (64 ASCII hex) || 0x00                             (missing) )
+//! ```
+//!
+//! BLAKE3 because it is collision resistant for everybody (an AEAD tag is not, for the sealer who
+//! knows its key) and the fastest such hash here (4.3 GB/s per core against SHA-256's 1.1).
+
+use rayon::prelude::*;
+
+/// One contribution of a job after the first read.
+#[derive(Debug)]
+pub struct Input {
+    pub assignment_ref: String,
+    pub blob_key: String,
+    /// BLAKE3 of the stored bytes; `None` when the store had none.
+    pub digest: Option<[u8; 32]>,
+    /// The bytes, when kept from the first read (otherwise read again and checked against
+    /// `digest`).
+    pub retained: Option<Vec<u8>>,
+}
+
+/// BLAKE3 of each stored contribution, on all cores.
+pub fn digest_all(stored: &[Option<Vec<u8>>]) -> Vec<Option<[u8; 32]>> {
+    stored
+        .par_iter()
+        .map(|bytes| bytes.as_deref().map(|b| *blake3::hash(b).as_bytes()))
+        .collect()
+}
+
+/// The documented digest over inputs sorted by ref (see the module documentation).
+pub fn inputs_digest<'a>(
+    sorted: impl IntoIterator<Item = (&'a str, Option<&'a [u8; 32]>)>,
+) -> String {
+    let mut hasher = blake3::Hasher::new();
+    for (assignment_ref, digest) in sorted {
+        hasher.update(assignment_ref.as_bytes());
+        match digest {
+            Some(digest) => {
+                hasher.update(&[1]);
+                hasher.update(digest);
+            }
+            None => {
+                hasher.update(&[0]);
+            }
+        }
+    }
+    super::hex(hasher.finalize().as_bytes())
+}
+
+/// Sorts inputs by ref and computes their digest; `Err(ref)` if a ref appears twice (a store
+/// that hands one contribution twice is not to be trusted with the sum).
+pub fn sort_and_digest(inputs: &mut [Input]) -> Result<String, String> {
+    inputs.sort_by(|a, b| a.assignment_ref.cmp(&b.assignment_ref));
+    if let Some(pair) = inputs
+        .windows(2)
+        .find(|pair| pair[0].assignment_ref == pair[1].assignment_ref)
+    {
+        return Err(pair[0].assignment_ref.clone());
+    }
+    Ok(inputs_digest(inputs.iter().map(|input| {
+        (input.assignment_ref.as_str(), input.digest.as_ref())
+    })))
+}
+
+/// The digest of (ref, stored bytes) pairs in any order (for tests and tools).
+pub fn digest_of(pairs: &[(String, Option<Vec<u8>>)]) -> String {
+    let digests = digest_all(&pairs.iter().map(|(_, b)| b.clone()).collect::<Vec<_>>());
+    let mut sorted: Vec<(&str, Option<&[u8; 32]>)> = pairs
+        .iter()
+        .zip(&digests)
+        .map(|((r, _), d)| (r.as_str(), d.as_ref()))
+        .collect();
+    sorted.sort();
+    inputs_digest(sorted)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn input(r: &str, bytes: Option<&[u8]>) -> Input {
+        Input {
+            assignment_ref: r.into(),
+            blob_key: format!("blob-{r}"),
+            digest: bytes.map(|b| *blake3::hash(b).as_bytes()),
+            retained: None,
+        }
+    }
+
+    #[test]
+    fn the_digest_is_independent_of_order_and_covers_every_byte_and_absence() {
+        let mut a = vec![input("r2", Some(b"two")), input("r1", Some(b"one"))];
+        let mut b = vec![input("r1", Some(b"one")), input("r2", Some(b"two"))];
+        let base = sort_and_digest(&mut a).unwrap();
+        assert_eq!(base, sort_and_digest(&mut b).unwrap());
+        let mut changed = vec![input("r1", Some(b"one")), input("r2", Some(b"twO"))];
+        assert_ne!(base, sort_and_digest(&mut changed).unwrap());
+        let mut missing = vec![input("r1", Some(b"one")), input("r2", None)];
+        assert_ne!(base, sort_and_digest(&mut missing).unwrap());
+        let mut empty = vec![input("r1", Some(b"one")), input("r2", Some(b""))];
+        assert_ne!(
+            sort_and_digest(&mut missing).unwrap(),
+            sort_and_digest(&mut empty).unwrap(),
+            "a missing contribution differs from an empty one"
+        );
+        assert_eq!(
+            base,
+            digest_of(&[
+                ("r2".into(), Some(b"two".to_vec())),
+                ("r1".into(), Some(b"one".to_vec()))
+            ])
+        );
+    }
+
+    #[test]
+    fn a_ref_handed_twice_is_refused() {
+        let mut twice = vec![input("r1", Some(b"one")), input("r1", Some(b"again"))];
+        assert_eq!(sort_and_digest(&mut twice), Err("r1".to_string()));
+    }
+}

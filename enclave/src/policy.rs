@@ -1,0 +1,439 @@
+//! The task policy: what a task may do with the contributions sealed under it, in one canonical
+//! text that devices bind (by its SHA-256) into the associated data of every contribution.
+//!
+//! The database and the front ends that hold a task's parameters are untrusted. So the parameters
+//! that bound a device's privacy travel to the device as this text, the device checks them against
+//! the limits of its own trust file and seals its update to their hash, and the enclave takes the
+//! parameters it applies from the same text (after checking it against the limits compiled into
+//! the attested image). A policy changed anywhere outside the device makes every contribution
+//! sealed under the original fail to open.
+//!
+//! ```text
+//! confed-task-policy/v2\n
+//! task_id=<id>\n  tenant_id=<id>\n  population=<population>\n
+//! rounds=<u32>\n  report_goal=<u32>\n  min_reports=<u32>\n
+//! epsilon=<f64>\n  delta=<f64>\n  clip_norm=<f64>\n
+//! mechanism=discrete_gaussian_on_grid\n
+//! server_learning_rate=<f64>\n
+//! plan=<compact JSON object>\n
+//! ```
+//!
+//! Exactly these lines, in this order, each ended by one `\n`. Integers are decimal without sign
+//! or leading zeros; every `<f64>` is Rust's `{:e}` form of the value (the shortest digits that
+//! read back to the same binary64, e.g. `4e0`, `1e-6`, `5e-2`), which every language's float
+//! parser reads exactly. Ids and the population are 1-128 of `A-Z a-z 0-9 . _ -`. The plan is
+//! the task's plan as compact JSON (no line breaks). Devices hash the bytes they received and
+//! parse them; only the producer (the server) needs to encode.
+
+use sha2::{Digest, Sha256};
+use thiserror::Error;
+
+pub const FORMAT: &str = "confed-task-policy/v2";
+/// The one DP mechanism this enclave runs.
+pub const MECHANISM: &str = "discrete_gaussian_on_grid";
+/// Longest policy text accepted (the plan is at most 64 KiB).
+pub const MAX_POLICY_BYTES: usize = 80 * 1024;
+
+/// Largest total epsilon and delta the enclave releases under, whatever the policy says: part of
+/// the attested image, so no operator can loosen a task's privacy beyond them.
+pub const MAX_TASK_EPSILON: f64 = 100.0;
+pub const MAX_TASK_DELTA: f64 = 1e-2;
+/// The clip norm's range: below the minimum the fixed-point grid's unit underflows.
+pub const MIN_CLIP_NORM: f64 = 1e-6;
+pub const MAX_CLIP_NORM: f64 = 1e6;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum PolicyError {
+    #[error("task policy: {0}")]
+    Malformed(String),
+    #[error("task policy outside the limits: {0}")]
+    Limits(String),
+}
+
+/// A task's policy (see the module documentation for the encoding).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskPolicy {
+    pub task_id: String,
+    pub tenant_id: String,
+    pub population: String,
+    pub rounds: u32,
+    pub report_goal: u32,
+    pub min_reports: u32,
+    pub epsilon: f64,
+    pub delta: f64,
+    pub clip_norm: f64,
+    pub mechanism: String,
+    pub server_learning_rate: f64,
+    /// Compact JSON of the task's plan.
+    pub plan: String,
+}
+
+const KEYS: [&str; 12] = [
+    "task_id",
+    "tenant_id",
+    "population",
+    "rounds",
+    "report_goal",
+    "min_reports",
+    "epsilon",
+    "delta",
+    "clip_norm",
+    "mechanism",
+    "server_learning_rate",
+    "plan",
+];
+
+fn valid_name(text: &str) -> bool {
+    (1..=128).contains(&text.len())
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
+impl TaskPolicy {
+    /// The canonical text.
+    pub fn encode(&self) -> String {
+        let values = [
+            self.task_id.clone(),
+            self.tenant_id.clone(),
+            self.population.clone(),
+            self.rounds.to_string(),
+            self.report_goal.to_string(),
+            self.min_reports.to_string(),
+            format!("{:e}", self.epsilon),
+            format!("{:e}", self.delta),
+            format!("{:e}", self.clip_norm),
+            self.mechanism.clone(),
+            format!("{:e}", self.server_learning_rate),
+            self.plan.clone(),
+        ];
+        let mut out = String::with_capacity(256 + self.plan.len());
+        out.push_str(FORMAT);
+        out.push('\n');
+        for (key, value) in KEYS.iter().zip(values) {
+            out.push_str(key);
+            out.push('=');
+            out.push_str(&value);
+            out.push('\n');
+        }
+        out
+    }
+
+    /// Parses a policy text strictly: the fields of the format in order, every value well formed,
+    /// and the text exactly the canonical encoding of what it says (so one policy has one hash).
+    pub fn parse(text: &str) -> Result<Self, PolicyError> {
+        let bad = |why: String| PolicyError::Malformed(why);
+        if text.len() > MAX_POLICY_BYTES {
+            return Err(bad(format!("longer than {MAX_POLICY_BYTES} bytes")));
+        }
+        let body = text
+            .strip_suffix('\n')
+            .ok_or_else(|| bad("must end with a line break".into()))?;
+        let mut lines = body.split('\n');
+        if lines.next() != Some(FORMAT) {
+            return Err(bad(format!("the first line must be `{FORMAT}`")));
+        }
+        let mut values = Vec::with_capacity(KEYS.len());
+        for key in KEYS {
+            let line = lines
+                .next()
+                .ok_or_else(|| bad(format!("`{key}` is missing")))?;
+            let value = line
+                .strip_prefix(key)
+                .and_then(|rest| rest.strip_prefix('='))
+                .ok_or_else(|| bad(format!("expected `{key}=` at line `{line}`")))?;
+            values.push(value);
+        }
+        if lines.next().is_some() {
+            return Err(bad("lines after `plan`".into()));
+        }
+        let name = |i: usize| -> Result<String, PolicyError> {
+            valid_name(values[i])
+                .then(|| values[i].to_string())
+                .ok_or_else(|| bad(format!("`{}` must be 1-128 of A-Z a-z 0-9 . _ -", KEYS[i])))
+        };
+        let count = |i: usize| -> Result<u32, PolicyError> {
+            values[i]
+                .parse::<u32>()
+                .map_err(|_| bad(format!("`{}` must be an unsigned integer", KEYS[i])))
+        };
+        let real = |i: usize| -> Result<f64, PolicyError> {
+            values[i]
+                .parse::<f64>()
+                .ok()
+                .filter(|v| v.is_finite())
+                .ok_or_else(|| bad(format!("`{}` must be a finite number", KEYS[i])))
+        };
+        let plan = values[11];
+        match serde_json::from_str::<serde_json::Value>(plan) {
+            Ok(serde_json::Value::Object(_)) => {}
+            _ => return Err(bad("`plan` must be a JSON object".into())),
+        }
+        let policy = Self {
+            task_id: name(0)?,
+            tenant_id: name(1)?,
+            population: name(2)?,
+            rounds: count(3)?,
+            report_goal: count(4)?,
+            min_reports: count(5)?,
+            epsilon: real(6)?,
+            delta: real(7)?,
+            clip_norm: real(8)?,
+            mechanism: values[9].to_string(),
+            server_learning_rate: real(10)?,
+            plan: plan.to_string(),
+        };
+        if policy.encode() != text {
+            return Err(bad(
+                "not in canonical form (numbers as `{:e}` shortest round-trip, no leading zeros)"
+                    .into(),
+            ));
+        }
+        Ok(policy)
+    }
+
+    /// Lowercase hex SHA-256 of the canonical text: what devices bind into their contributions.
+    pub fn sha256_hex(&self) -> String {
+        sha256_hex(self.encode().as_bytes())
+    }
+
+    /// The limits of the attested image: refuses a policy no enclave of this build may release
+    /// under, whatever the task database says.
+    pub fn check_enclave_limits(&self) -> Result<(), PolicyError> {
+        let mut problems = Vec::new();
+        if !(self.epsilon > 0.0 && self.epsilon <= MAX_TASK_EPSILON) {
+            problems.push(format!(
+                "epsilon {} (must be in (0, {MAX_TASK_EPSILON}])",
+                self.epsilon
+            ));
+        }
+        if !(self.delta > 0.0 && self.delta <= MAX_TASK_DELTA) {
+            problems.push(format!(
+                "delta {} (must be in (0, {MAX_TASK_DELTA}])",
+                self.delta
+            ));
+        }
+        // The clip norm scales the grid: below this the grid's unit is subnormal.
+        if !(MIN_CLIP_NORM..=MAX_CLIP_NORM).contains(&self.clip_norm) {
+            problems.push(format!(
+                "clip_norm {} (must be in [{MIN_CLIP_NORM}, {MAX_CLIP_NORM}])",
+                self.clip_norm
+            ));
+        }
+        if self.rounds == 0 {
+            problems.push("rounds 0 (must be at least 1)".into());
+        }
+        if self.min_reports == 0 || self.min_reports > self.report_goal {
+            problems.push(format!(
+                "min_reports {} (must be 1..=report_goal {})",
+                self.min_reports, self.report_goal
+            ));
+        }
+        if self.mechanism != MECHANISM {
+            problems.push(format!(
+                "mechanism {:?} (this enclave runs {MECHANISM})",
+                self.mechanism
+            ));
+        }
+        if !(self.server_learning_rate > 0.0 && self.server_learning_rate <= 100.0) {
+            problems.push(format!(
+                "server_learning_rate {} (must be in (0, 100])",
+                self.server_learning_rate
+            ));
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(PolicyError::Limits(problems.join("; ")))
+        }
+    }
+}
+
+/// What a device accepts: the limits of its trust file, checked before it seals anything.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceLimits {
+    /// Largest total epsilon of a task this device contributes to.
+    pub max_epsilon: f64,
+    /// Largest delta.
+    pub max_delta: f64,
+    /// Fewest contributions a release of the task may average (the policy's `min_reports`).
+    pub min_reports: u32,
+}
+
+impl DeviceLimits {
+    /// The enclave's own limits: a device that states these accepts any policy an enclave of
+    /// this build would release under (for development and tests; a real deployment's devices
+    /// state tighter ones).
+    pub const ENCLAVE: Self = Self {
+        max_epsilon: MAX_TASK_EPSILON,
+        max_delta: MAX_TASK_DELTA,
+        min_reports: 1,
+    };
+
+    /// Refuses a policy outside these limits, or one the enclave itself would refuse, naming why.
+    pub fn check(&self, policy: &TaskPolicy) -> Result<(), PolicyError> {
+        policy.check_enclave_limits()?;
+        let mut problems = Vec::new();
+        if policy.epsilon > self.max_epsilon {
+            problems.push(format!(
+                "epsilon {} is above this device's limit {}",
+                policy.epsilon, self.max_epsilon
+            ));
+        }
+        if policy.delta > self.max_delta {
+            problems.push(format!(
+                "delta {} is above this device's limit {}",
+                policy.delta, self.max_delta
+            ));
+        }
+        if policy.min_reports < self.min_reports {
+            problems.push(format!(
+                "min_reports {} is below this device's limit {}",
+                policy.min_reports, self.min_reports
+            ));
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(PolicyError::Limits(problems.join("; ")))
+        }
+    }
+}
+
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn example() -> TaskPolicy {
+        TaskPolicy {
+            task_id: "d63967eb-1074-43a4-92b2-8968c90e7949".into(),
+            tenant_id: "3f1c9a0e6b7d4e21".into(),
+            population: "phones.en".into(),
+            rounds: 5,
+            report_goal: 100,
+            min_reports: 60,
+            epsilon: 4.0,
+            delta: 1e-6,
+            clip_norm: 1.0,
+            mechanism: MECHANISM.into(),
+            server_learning_rate: 1.0,
+            plan: r#"{"batch_size":32,"epochs":1,"learning_rate":0.05}"#.into(),
+        }
+    }
+
+    #[test]
+    fn encoding_is_the_documented_text_and_parses_back() {
+        let policy = example();
+        let text = policy.encode();
+        assert_eq!(
+            text,
+            "confed-task-policy/v2\ntask_id=d63967eb-1074-43a4-92b2-8968c90e7949\n\
+             tenant_id=3f1c9a0e6b7d4e21\npopulation=phones.en\nrounds=5\nreport_goal=100\n\
+             min_reports=60\nepsilon=4e0\ndelta=1e-6\nclip_norm=1e0\n\
+             mechanism=discrete_gaussian_on_grid\nserver_learning_rate=1e0\n\
+             plan={\"batch_size\":32,\"epochs\":1,\"learning_rate\":0.05}\n"
+        );
+        assert_eq!(TaskPolicy::parse(&text).unwrap(), policy);
+    }
+
+    #[test]
+    fn every_float_round_trips_exactly() {
+        for value in [0.1, 1e-6, 2.5e-7, 4.0, 8.0 / 3.0, 1e-300, 123456.789] {
+            let mut policy = example();
+            policy.epsilon = value;
+            let parsed = TaskPolicy::parse(&policy.encode()).unwrap();
+            assert_eq!(parsed.epsilon.to_bits(), value.to_bits(), "{value}");
+        }
+    }
+
+    #[test]
+    fn non_canonical_or_malformed_texts_are_refused() {
+        let text = example().encode();
+        let cases = [
+            ("other format", text.replace("policy/v2", "policy/v1")),
+            (
+                "decimal epsilon",
+                text.replace("epsilon=4e0", "epsilon=4.0"),
+            ),
+            ("leading zero", text.replace("rounds=5", "rounds=05")),
+            ("missing field", text.replace("delta=1e-6\n", "")),
+            (
+                "reordered",
+                text.replace("rounds=5\nreport_goal=100", "report_goal=100\nrounds=5"),
+            ),
+            ("no final newline", text.trim_end().to_string()),
+            ("extra line", format!("{text}x=1\n")),
+            (
+                "plan not an object",
+                text.replace("plan={", "plan=[").replace("}\n", "]\n"),
+            ),
+            ("bad population", text.replace("phones.en", "phones/en")),
+            ("nan", text.replace("clip_norm=1e0", "clip_norm=NaN")),
+        ];
+        for (case, bad) in cases {
+            assert!(TaskPolicy::parse(&bad).is_err(), "{case} was accepted");
+        }
+    }
+
+    #[test]
+    fn the_hash_changes_with_every_field() {
+        let base = example().sha256_hex();
+        let changes: [fn(&mut TaskPolicy); 6] = [
+            |p| p.epsilon = 4.000001,
+            |p| p.clip_norm = 2.0,
+            |p| p.rounds = 6,
+            |p| p.min_reports = 59,
+            |p| p.tenant_id = "other".into(),
+            |p| p.plan = r#"{"epochs":2}"#.into(),
+        ];
+        for change in changes {
+            let mut policy = example();
+            change(&mut policy);
+            assert_ne!(policy.sha256_hex(), base);
+        }
+    }
+
+    #[test]
+    fn enclave_limits_refuse_what_no_release_may_use() {
+        assert!(example().check_enclave_limits().is_ok());
+        let refusals: [fn(&mut TaskPolicy); 6] = [
+            |p| p.epsilon = 101.0,
+            |p| p.delta = 0.5,
+            |p| p.clip_norm = 5e-324,
+            |p| p.min_reports = 0,
+            |p| p.rounds = 0,
+            |p| p.mechanism = "laplace".into(),
+        ];
+        for refuse in refusals {
+            let mut policy = example();
+            refuse(&mut policy);
+            assert!(policy.check_enclave_limits().is_err(), "{policy:?}");
+        }
+    }
+
+    #[test]
+    fn device_limits_refuse_a_looser_policy_and_say_which_field() {
+        let limits = DeviceLimits {
+            max_epsilon: 8.0,
+            max_delta: 1e-5,
+            min_reports: 50,
+        };
+        assert!(limits.check(&example()).is_ok());
+        let mut loose = example();
+        loose.epsilon = 10.0;
+        loose.min_reports = 10;
+        let error = limits.check(&loose).unwrap_err().to_string();
+        assert!(
+            error.contains("epsilon 10") && error.contains("min_reports 10"),
+            "{error}"
+        );
+    }
+}
