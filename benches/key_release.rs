@@ -183,13 +183,23 @@ async fn collection() {
     let public =
         hpke::PublicKey::from_bytes(&URL_SAFE_NO_PAD.decode(&outcome.key.public_key).unwrap())
             .unwrap();
+    let policy = confed_enclave::policy::TaskPolicy::sample("t", 1);
     let request = KeyRequest {
         key_id: outcome.key.key_id.clone(),
         public_key: public,
         threshold: 3,
         task_id: "t".into(),
         round: 1,
+        commitment: confed_attestation::release::ReleaseCommitment {
+            task_id: "t".into(),
+            round: 1,
+            policy_sha256: policy.sha256_hex(),
+            model_sha256: "0".repeat(64),
+            inputs_digest: "1".repeat(64),
+        },
+        policy: policy.encode(),
     };
+    let signing_key = confed_attestation::exchange::generate_signing_key();
     let client = confed_enclave::http::client(Duration::from_secs(10));
     let n = 200;
     let mut latencies = Vec::with_capacity(n);
@@ -200,6 +210,7 @@ async fn collection() {
             &endpoints,
             &request,
             &attester,
+            &signing_key,
             Duration::from_secs(10),
         )
         .await

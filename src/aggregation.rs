@@ -145,8 +145,13 @@ impl TaskDbJobStore {
         release: StagedRelease<'_>,
     ) -> Result<NewRelease, StoreError> {
         let context = self.db.job_context(job_id).await.map_err(db_error)?;
+        let proof_json = crate::release_check::verify_staged(&self.keys, &context, &release)
+            .map_err(|why| {
+                tracing::warn!(job = %job_id, %why, "refused a release");
+                StoreError::Refused(why)
+            })?;
         let (average_key, manifest_key) = release_keys(&context).map_err(backend)?;
-        let manifest_json = serde_json::to_vec_pretty(release.manifest).map_err(backend)?;
+        let manifest_json = release.manifest.to_json();
         for (key, bytes) in [
             (&average_key, release.average),
             (&manifest_key, &manifest_json[..]),
@@ -170,6 +175,7 @@ impl TaskDbJobStore {
             included: manifest.included as i64,
             excluded: manifest.excluded.values().sum::<u64>() as i64,
             epsilon_spent: manifest.privacy.epsilon_spent,
+            proof_json,
         })
     }
 }

@@ -14,6 +14,7 @@ pub mod embedded;
 pub mod keys;
 pub mod keyservice;
 pub mod registry;
+pub mod release_check;
 pub mod scheduler;
 pub mod server;
 pub mod states;

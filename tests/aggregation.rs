@@ -220,6 +220,7 @@ impl JobStore for DiesBeforeCommit {
                 StagedRelease {
                     average: release.average,
                     manifest: release.manifest,
+                    proof: release.proof,
                 },
             )
             .await?;
@@ -309,9 +310,9 @@ async fn a_stalled_workers_job_is_taken_over_and_released_once() {
             .await,
         Err(StoreError::LeaseLost)
     ));
-    let manifest: Manifest =
-        serde_json::from_str(&system.db.releases_of_task(&task).await.unwrap()[0].manifest_json)
-            .unwrap();
+    let committed = &system.db.releases_of_task(&task).await.unwrap()[0];
+    let manifest: Manifest = serde_json::from_str(&committed.manifest_json).unwrap();
+    let proof = serde_json::from_str(committed.proof_json.as_deref().unwrap()).unwrap();
     let other = vec![0u8; 8];
     assert!(matches!(
         system
@@ -321,11 +322,12 @@ async fn a_stalled_workers_job_is_taken_over_and_released_once() {
                 "stalled",
                 StagedRelease {
                     average: &other,
-                    manifest: &manifest
+                    manifest: &manifest,
+                    proof: &proof,
                 }
             )
             .await,
-        Err(StoreError::LeaseLost) | Err(StoreError::Conflict(_))
+        Err(StoreError::LeaseLost) | Err(StoreError::Conflict(_)) | Err(StoreError::Refused(_))
     ));
     assert_eq!(system.db.releases_of_task(&task).await.unwrap().len(), 1);
     let states = rounds(&system, &token, &task).await;

@@ -14,12 +14,14 @@ use confed::keys::trust::{TrustedKeyService, accept_public_key};
 use confed::keys::{PublicKeyRecord, ShareFile};
 use confed::keyservice::{KeyService, KeyServiceParts, audit, routes};
 use confed_attestation::dev::DevAttester;
-use confed_attestation::exchange::{Challenge, KeySet, ReleaseRequest};
+use confed_attestation::exchange::{Challenge, KeySet, ReleaseRequest, encode_verifying_key};
+use confed_attestation::release::{ReleaseCommitment, key_binding};
 use confed_attestation::{AppraisalPolicy, Attester, KeySource, TokenRequest};
 use confed_enclave::hpke;
 use confed_enclave::key_collection::{
     CollectError, KeyRequest, KeyServiceEndpoint, ServiceFailure, obtain_private_key,
 };
+use confed_enclave::policy::TaskPolicy;
 use serde_json::Value;
 use tokio::sync::watch;
 
@@ -101,13 +103,27 @@ impl World {
     }
 
     fn request(&self) -> KeyRequest {
+        let policy = TaskPolicy::sample("task-1", 3);
         KeyRequest {
             key_id: self.key.key_id.clone(),
             public_key: public_key(&self.key),
             threshold: self.key.threshold,
             task_id: "task-1".into(),
             round: 1,
+            commitment: commitment(&policy, 1, "1"),
+            policy: policy.encode(),
         }
+    }
+}
+
+/// A release commitment for round `round` of `policy`'s task, over inputs named by `inputs`.
+fn commitment(policy: &TaskPolicy, round: u64, inputs: &str) -> ReleaseCommitment {
+    ReleaseCommitment {
+        task_id: policy.task_id.clone(),
+        round,
+        policy_sha256: policy.sha256_hex(),
+        model_sha256: "0".repeat(64),
+        inputs_digest: inputs.repeat(64),
     }
 }
 
@@ -155,6 +171,7 @@ async fn round_trip_five_shares_threshold_three_opens_a_ciphertext() {
         &endpoints,
         &world.request(),
         world.attester.as_ref(),
+        &confed_attestation::exchange::generate_signing_key(),
         TIMEOUT,
     )
     .await
@@ -200,6 +217,7 @@ async fn down_refusing_and_lying_services_are_named_and_the_others_suffice() {
         &endpoints,
         &world.request(),
         world.attester.as_ref(),
+        &confed_attestation::exchange::generate_signing_key(),
         TIMEOUT,
     )
     .await
@@ -251,6 +269,7 @@ async fn fewer_than_threshold_honest_services_fail_clearly() {
         &endpoints,
         &world.request(),
         world.attester.as_ref(),
+        &confed_attestation::exchange::generate_signing_key(),
         TIMEOUT,
     )
     .await
@@ -281,6 +300,7 @@ async fn fewer_than_threshold_honest_services_fail_clearly() {
         &endpoints,
         &world.request(),
         world.attester.as_ref(),
+        &confed_attestation::exchange::generate_signing_key(),
         TIMEOUT,
     )
     .await
@@ -354,6 +374,7 @@ struct Session {
     key_id: String,
     client: reqwest::Client,
     ephemeral: hpke::PublicKey,
+    signing: p256::ecdsa::SigningKey,
 }
 
 impl Session {
@@ -369,7 +390,10 @@ impl Session {
     }
 
     fn binding(&self) -> String {
-        confed_attestation::sha256_hex(&self.ephemeral.0)
+        key_binding(
+            &self.ephemeral.0,
+            self.signing.verifying_key().to_sec1_point(false).as_bytes(),
+        )
     }
 
     async fn release(&self, key_id: &str, request: &ReleaseRequest) -> (u16, Value) {
@@ -385,12 +409,16 @@ impl Session {
     }
 
     fn request(&self, token: String, nonce: &str) -> ReleaseRequest {
+        let policy = TaskPolicy::sample("task-1", 3);
         ReleaseRequest {
             token,
             ephemeral_public_key: URL_SAFE_NO_PAD.encode(self.ephemeral.0),
+            enclave_signing_key: encode_verifying_key(self.signing.verifying_key()),
             nonce: nonce.to_string(),
             task_id: "task-1".into(),
             round: 2,
+            commitment: commitment(&policy, 2, "1"),
+            policy: policy.encode(),
         }
     }
 }
@@ -403,6 +431,7 @@ async fn session(world: &World, share_files: &[PathBuf]) -> Session {
         key_id,
         client: confed_enclave::http::client(TIMEOUT),
         ephemeral: hpke::generate_keypair().1,
+        signing: confed_attestation::exchange::generate_signing_key(),
     }
 }
 
@@ -654,6 +683,7 @@ async fn a_slow_key_service_is_not_waited_for_and_times_out_when_needed() {
         &endpoints,
         &world.request(),
         world.attester.as_ref(),
+        &confed_attestation::exchange::generate_signing_key(),
         TIMEOUT,
     )
     .await
@@ -667,6 +697,7 @@ async fn a_slow_key_service_is_not_waited_for_and_times_out_when_needed() {
         &endpoints[..2],
         &world.request(),
         world.attester.as_ref(),
+        &confed_attestation::exchange::generate_signing_key(),
         short,
     )
     .await

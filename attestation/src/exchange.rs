@@ -8,6 +8,8 @@ use p256::ecdsa::signature::{Signer, Verifier};
 use p256::ecdsa::{Signature, SigningKey, VerifyingKey};
 use serde::{Deserialize, Serialize};
 
+use crate::release::{Receipt, ReleaseCommitment};
+
 /// `POST /v1/keys/{key_id}/challenge` answer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -26,13 +28,19 @@ pub struct Challenge {
 pub struct ReleaseRequest {
     /// The attestation token (compact JWS).
     pub token: String,
-    /// The enclave's ephemeral X25519 public key (32 bytes, base64url); its SHA-256 (lowercase hex)
-    /// must be in the token's `eat_nonce`.
+    /// The enclave's ephemeral X25519 public key (32 bytes, base64url).
     pub ephemeral_public_key: String,
+    /// The enclave's per-job P-256 signing key (SEC1 uncompressed, 65 bytes, base64url). The
+    /// token's `eat_nonce` must contain `release::key_binding` of both keys.
+    pub enclave_signing_key: String,
     /// The nonce from the challenge.
     pub nonce: String,
     pub task_id: String,
     pub round: u64,
+    /// What this round's release will depend on; recorded in the key service's ledger.
+    pub commitment: ReleaseCommitment,
+    /// The task policy text whose SHA-256 is `commitment.policy_sha256`.
+    pub policy: String,
 }
 
 /// A release request whose fields have been checked (what `ReleaseRequest::decode` yields).
@@ -40,13 +48,19 @@ pub struct ReleaseRequest {
 pub struct CheckedRelease {
     pub token: String,
     pub ephemeral_public_key: [u8; 32],
+    /// SEC1 bytes of the enclave's per-job signing key, and the key itself.
+    pub enclave_signing_key: Vec<u8>,
     pub nonce: String,
     pub task_id: String,
     pub round: u64,
+    pub commitment: ReleaseCommitment,
+    pub policy: String,
 }
 
 /// Longest nonce accepted in a release request (ours are 43 characters).
 pub const MAX_NONCE_CHARS: usize = 128;
+/// Longest task policy text accepted in a release request.
+pub const MAX_POLICY_BYTES: usize = 80 * 1024;
 
 impl ReleaseRequest {
     /// Decodes and checks a release request body. Never panics, whatever the bytes; every error
@@ -66,6 +80,11 @@ impl ReleaseRequest {
             .ok()
             .and_then(|bytes| bytes.try_into().ok())
             .ok_or("`ephemeral_public_key` must be a 32-byte X25519 public key in base64url")?;
+        let enclave_signing_key = URL_SAFE_NO_PAD
+            .decode(&request.enclave_signing_key)
+            .ok()
+            .filter(|bytes| bytes.len() == 65 && VerifyingKey::from_sec1_bytes(bytes).is_ok())
+            .ok_or("`enclave_signing_key` must be an uncompressed SEC1 P-256 point (65 bytes) in base64url")?;
         if request.nonce.is_empty() || request.nonce.len() > MAX_NONCE_CHARS {
             return Err(format!("`nonce` must be 1-{MAX_NONCE_CHARS} characters"));
         }
@@ -77,12 +96,24 @@ impl ReleaseRequest {
         if !task_ok {
             return Err("`task_id` must be 1-64 of A-Z a-z 0-9 . _ -".into());
         }
+        request.commitment.check()?;
+        if request.commitment.task_id != request.task_id
+            || request.commitment.round != request.round
+        {
+            return Err("`commitment` must name the request's task_id and round".into());
+        }
+        if request.policy.len() > MAX_POLICY_BYTES {
+            return Err(format!("`policy` is longer than {MAX_POLICY_BYTES} bytes"));
+        }
         Ok(CheckedRelease {
             token: request.token,
             ephemeral_public_key,
+            enclave_signing_key,
             nonce: request.nonce,
             task_id: request.task_id,
             round: request.round,
+            commitment: request.commitment,
+            policy: request.policy,
         })
     }
 }
@@ -98,6 +129,8 @@ pub struct ReleaseResponse {
     /// HPKE ciphertext of the share (`x || y`), base64url. `info` is
     /// `share_release_info(keyservice_id, key_id, task_id, round)`, `aad` the nonce's UTF-8 bytes.
     pub ciphertext: String,
+    /// The key service's signed receipt for the commitment it recorded.
+    pub receipt: Receipt,
 }
 
 /// One public key as a key service vouches for it.
@@ -195,14 +228,26 @@ mod tests {
 
     #[test]
     fn release_requests_are_decoded_or_refused_by_field() {
+        let signing = generate_signing_key();
         let good = serde_json::json!({
             "token": "a.b.c", "ephemeral_public_key": URL_SAFE_NO_PAD.encode([7u8; 32]),
+            "enclave_signing_key": encode_verifying_key(signing.verifying_key()),
             "nonce": "n", "task_id": "t-1", "round": 3,
+            "commitment": {"task_id": "t-1", "round": 3, "policy_sha256": "a".repeat(64),
+                           "model_sha256": "b".repeat(64), "inputs_digest": "c".repeat(64)},
+            "policy": "p",
         });
         let checked = ReleaseRequest::decode(good.to_string().as_bytes()).unwrap();
         assert_eq!(checked.ephemeral_public_key, [7u8; 32]);
         let cases = [
             ("ephemeral_public_key", serde_json::json!("AAAA")),
+            ("enclave_signing_key", serde_json::json!("AAAA")),
+            (
+                "commitment",
+                serde_json::json!({"task_id": "t-2", "round": 3,
+                "policy_sha256": "a".repeat(64), "model_sha256": "b".repeat(64),
+                "inputs_digest": "c".repeat(64)}),
+            ),
             ("task_id", serde_json::json!("../etc")),
             ("nonce", serde_json::json!("")),
             ("round", serde_json::json!(-1)),

@@ -13,6 +13,7 @@ pub mod jwk;
 pub mod jws;
 pub mod keys;
 pub mod policy;
+pub mod release;
 pub mod report;
 
 pub use appraise::{Appraisal, Expectations, appraise, parse_or_refuse, sha256_hex};

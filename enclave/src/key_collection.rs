@@ -1,16 +1,22 @@
 //! Getting a task's private key inside the enclave: attest to each of the n key services at once
-//! (challenge -> token -> release), stop as soon as T shares reconstruct the key that matches the
-//! public key, and name every key service that failed and why. A key service that returns a share
-//! inconsistent with the others is found by trying subsets and named as such. Nothing partial is
-//! kept: shares are wiped when this returns.
+//! (challenge -> token -> release, with the round's release commitment), wait for every one of
+//! them (each that answers records the commitment in its ledger and signs a receipt: the more
+//! ledgers hold it, the fewer rolled-back key services it survives), reconstruct the key that
+//! matches the public key from T shares, and name every key service that failed and why. A key
+//! service that returns a share inconsistent with the others is found by trying subsets and named
+//! as such. Nothing partial is kept: shares are wiped when this returns.
 
 use std::time::Duration;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use confed_attestation::exchange::{Challenge, ReleaseRequest, ReleaseResponse};
-use confed_attestation::{Attester, TokenRequest, sha256_hex};
+use confed_attestation::exchange::{
+    Challenge, ReleaseRequest, ReleaseResponse, encode_verifying_key,
+};
+use confed_attestation::release::{Receipt, ReleaseCommitment, key_binding};
+use confed_attestation::{Attester, TokenRequest};
 use futures_util::stream::{FuturesUnordered, StreamExt};
+use p256::ecdsa::SigningKey;
 use thiserror::Error;
 use zeroize::Zeroizing;
 
@@ -33,6 +39,10 @@ pub struct KeyRequest {
     pub threshold: u16,
     pub task_id: String,
     pub round: u64,
+    /// What the round's release depends on: recorded by every key service that answers.
+    pub commitment: ReleaseCommitment,
+    /// The task policy text the commitment names.
+    pub policy: String,
 }
 
 /// Why one key service gave no usable share.
@@ -48,6 +58,8 @@ pub enum ServiceFailure {
     Attester(String),
     #[error("malformed answer: {0}")]
     BadAnswer(String),
+    #[error("its receipt is not for this commitment or enclave key: {0}")]
+    BadReceipt(String),
     #[error("returned a share inconsistent with the others (corrupted or lying)")]
     InconsistentShare,
 }
@@ -60,6 +72,8 @@ pub struct ObtainedKey {
     pub used: Vec<String>,
     /// Key services that gave no usable share, with why (including liars found).
     pub failures: Vec<(String, ServiceFailure)>,
+    /// The receipts of every key service whose share is consistent with the key.
+    pub receipts: Vec<Receipt>,
 }
 
 #[derive(Debug, Error)]
@@ -93,24 +107,38 @@ fn describe(failures: &[(String, ServiceFailure)]) -> String {
 
 type Share = Zeroizing<Vec<u8>>;
 
-/// Collects shares concurrently and reconstructs the private key of `request`.
+/// The keys one collection binds into its tokens: a fresh X25519 key the shares are sealed to,
+/// and the job's P-256 signing key the receipts are issued to (it later signs the release).
+struct SessionKeys<'a> {
+    ephemeral_private: PrivateKey,
+    ephemeral_public: PublicKey,
+    signing_key: &'a SigningKey,
+}
+
+/// Collects shares concurrently from every key service (each within `per_service_timeout`) and
+/// reconstructs the private key of `request`.
 pub async fn obtain_private_key(
     client: &reqwest::Client,
     services: &[KeyServiceEndpoint],
     request: &KeyRequest,
     attester: &dyn Attester,
+    signing_key: &SigningKey,
     per_service_timeout: Duration,
 ) -> Result<ObtainedKey, CollectError> {
-    // One fresh ephemeral key for this collection; every token binds its hash.
     let (ephemeral_private, ephemeral_public) = hpke::generate_keypair();
+    let session = SessionKeys {
+        ephemeral_private,
+        ephemeral_public,
+        signing_key,
+    };
     let mut pending: FuturesUnordered<_> = services
         .iter()
         .map(|service| {
-            let ephemeral = (&ephemeral_private, &ephemeral_public);
+            let session = &session;
             async move {
                 let outcome = tokio::time::timeout(
                     per_service_timeout,
-                    fetch_share(client, service, request, attester, ephemeral),
+                    fetch_share(client, service, request, attester, session),
                 )
                 .await
                 .unwrap_or(Err(ServiceFailure::Timeout(per_service_timeout)));
@@ -120,6 +148,7 @@ pub async fn obtain_private_key(
         .collect();
 
     let mut collected: Vec<(String, Share)> = Vec::new();
+    let mut receipts: Vec<Receipt> = Vec::new();
     let mut failures: Vec<(String, ServiceFailure)> = Vec::new();
     while let Some((id, outcome)) = pending.next().await {
         match outcome {
@@ -127,25 +156,28 @@ pub async fn obtain_private_key(
                 tracing::warn!(keyservice = %id, %why, "no share");
                 failures.push((id, why));
             }
-            Ok(share) => {
+            Ok((share, receipt)) => {
                 collected.push((id, share));
-                if collected.len() >= usize::from(request.threshold)
-                    && let Some((private_key, used, liars)) =
-                        reconstruct(&collected, request.threshold, &request.public_key)
-                {
-                    failures.extend(
-                        liars
-                            .into_iter()
-                            .map(|id| (id, ServiceFailure::InconsistentShare)),
-                    );
-                    return Ok(ObtainedKey {
-                        private_key,
-                        used,
-                        failures,
-                    });
-                }
+                receipts.push(receipt);
             }
         }
+    }
+    if collected.len() >= usize::from(request.threshold)
+        && let Some((private_key, used, liars)) =
+            reconstruct(&collected, request.threshold, &request.public_key)
+    {
+        receipts.retain(|r| !liars.contains(&r.keyservice_id));
+        failures.extend(
+            liars
+                .into_iter()
+                .map(|id| (id, ServiceFailure::InconsistentShare)),
+        );
+        return Ok(ObtainedKey {
+            private_key,
+            used,
+            failures,
+            receipts,
+        });
     }
     if collected.len() >= usize::from(request.threshold) {
         Err(CollectError::Inconsistent {
@@ -224,8 +256,10 @@ async fn fetch_share(
     service: &KeyServiceEndpoint,
     request: &KeyRequest,
     attester: &dyn Attester,
-    (ephemeral_private, ephemeral_public): (&PrivateKey, &PublicKey),
-) -> Result<Share, ServiceFailure> {
+    session: &SessionKeys<'_>,
+) -> Result<(Share, Receipt), ServiceFailure> {
+    let signing_public = session.signing_key.verifying_key().to_sec1_point(false);
+    let enclave_signing_key = encode_verifying_key(session.signing_key.verifying_key());
     let base = service.url.trim_end_matches('/');
     let challenge: Challenge = post_json(
         client,
@@ -236,16 +270,22 @@ async fn fetch_share(
     let token = attester
         .token(&TokenRequest {
             audience: challenge.audience.clone(),
-            nonces: vec![challenge.nonce.clone(), sha256_hex(&ephemeral_public.0)],
+            nonces: vec![
+                challenge.nonce.clone(),
+                key_binding(&session.ephemeral_public.0, signing_public.as_bytes()),
+            ],
         })
         .await
         .map_err(|e| ServiceFailure::Attester(e.to_string()))?;
     let release = ReleaseRequest {
         token,
-        ephemeral_public_key: URL_SAFE_NO_PAD.encode(ephemeral_public.0),
+        ephemeral_public_key: URL_SAFE_NO_PAD.encode(session.ephemeral_public.0),
+        enclave_signing_key: enclave_signing_key.clone(),
         nonce: challenge.nonce.clone(),
         task_id: request.task_id.clone(),
         round: request.round,
+        commitment: request.commitment.clone(),
+        policy: request.policy.clone(),
     };
     let answer: ReleaseResponse = post_json(
         client,
@@ -272,8 +312,20 @@ async fn fetch_share(
         &request.task_id,
         request.round,
     );
+    let receipt = &answer.receipt;
+    if receipt.keyservice_id != service.id
+        || receipt.task_id != request.task_id
+        || receipt.round != request.round
+        || receipt.commitment_sha256 != request.commitment.digest()
+        || receipt.enclave_signing_key != enclave_signing_key
+    {
+        return Err(ServiceFailure::BadReceipt(format!(
+            "receipt of {} for task {} round {}",
+            receipt.keyservice_id, receipt.task_id, receipt.round
+        )));
+    }
     let share = hpke::open(
-        ephemeral_private,
+        &session.ephemeral_private,
         &encapsulated,
         &info,
         challenge.nonce.as_bytes(),
@@ -285,7 +337,7 @@ async fn fetch_share(
             "the share has the wrong shape".into(),
         ));
     }
-    Ok(share)
+    Ok((share, answer.receipt))
 }
 
 async fn post_json<T: serde::de::DeserializeOwned>(

@@ -91,6 +91,25 @@ fn valid_name(text: &str) -> bool {
 }
 
 impl TaskPolicy {
+    /// A valid policy for `task_id` with `rounds` rounds, epsilon 4, delta 1e-6, clip norm 1 and
+    /// one required contribution: for tests, benchmarks and examples.
+    pub fn sample(task_id: &str, rounds: u32) -> Self {
+        Self {
+            task_id: task_id.to_string(),
+            tenant_id: "sample-tenant".into(),
+            population: "sample".into(),
+            rounds,
+            report_goal: 1,
+            min_reports: 1,
+            epsilon: 4.0,
+            delta: 1e-6,
+            clip_norm: 1.0,
+            mechanism: MECHANISM.into(),
+            server_learning_rate: 1.0,
+            plan: "{}".into(),
+        }
+    }
+
     /// The canonical text.
     pub fn encode(&self) -> String {
         let values = [

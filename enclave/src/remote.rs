@@ -16,6 +16,7 @@ use zeroize::Zeroizing;
 use crate::aggregate::Manifest;
 use crate::hpke::PublicKey;
 use crate::worker::{JobSpec, JobStore, StagedRelease, StoreError};
+use confed_attestation::release::ReleaseProof;
 
 /// `POST /internal/v1/jobs/lease`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -132,6 +133,8 @@ pub struct ReleaseUpload {
     pub manifest: Manifest,
     /// The noised average (safetensors), standard base64.
     pub average: String,
+    /// The enclave's signature over the release and the key services' receipts.
+    pub proof: ReleaseProof,
 }
 
 impl ReleaseUpload {
@@ -184,6 +187,7 @@ impl HttpJobStore {
         Err(match (status, body["type"].as_str()) {
             (StatusCode::CONFLICT, Some(LEASE_LOST)) => StoreError::LeaseLost,
             (StatusCode::CONFLICT, _) => StoreError::Conflict(detail),
+            (StatusCode::UNPROCESSABLE_ENTITY, _) => StoreError::Refused(detail),
             _ => StoreError::Backend(format!("worker API answered {status}: {detail}")),
         })
     }
@@ -257,6 +261,7 @@ impl JobStore for HttpJobStore {
             worker: worker.to_string(),
             manifest: release.manifest.clone(),
             average: STANDARD.encode(release.average),
+            proof: release.proof.clone(),
         };
         self.send(
             self.http

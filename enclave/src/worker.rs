@@ -19,6 +19,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use confed_attestation::Attester;
+use confed_attestation::exchange::encode_verifying_key;
+use confed_attestation::release::{
+    ReleaseCommitment, ReleaseProof, ReleaseSignature, release_text, sign_text,
+};
 use thiserror::Error;
 
 use crate::aggregate::inputs::{self, Input};
@@ -57,6 +61,8 @@ pub struct JobSpec {
 pub struct StagedRelease<'a> {
     pub average: &'a [u8],
     pub manifest: &'a Manifest,
+    /// The enclave's signature and the key services' receipts.
+    pub proof: &'a ReleaseProof,
 }
 
 #[derive(Debug, Error)]
@@ -65,6 +71,8 @@ pub enum StoreError {
     LeaseLost,
     #[error("conflict: {0}")]
     Conflict(String),
+    #[error("release refused: {0}")]
+    Refused(String),
     #[error("store: {0}")]
     Backend(String),
 }
@@ -228,7 +236,7 @@ impl<S: JobStore + 'static> Worker<S> {
         let (average, manifest) = match &job.committed_average {
             Some(average) => (average.clone(), None),
             None => {
-                let release = self.aggregate(job, &schema, &policy, context).await?;
+                let (release, proof) = self.aggregate(job, &schema, &policy, context).await?;
                 self.store
                     .commit_release(
                         &job.job_id,
@@ -236,6 +244,7 @@ impl<S: JobStore + 'static> Worker<S> {
                         StagedRelease {
                             average: &release.average,
                             manifest: &release.manifest,
+                            proof: &proof,
                         },
                     )
                     .await?;
@@ -256,8 +265,10 @@ impl<S: JobStore + 'static> Worker<S> {
         })
     }
 
-    /// Inputs first (read and digested: `aggregate::inputs`), then the key, then the
-    /// contributions in batches (opened across all cores), then noise.
+    /// Inputs first (read and digested: `aggregate::inputs`), then the key (against the release
+    /// commitment, which every key service records in its ledger and answers with a receipt),
+    /// then the contributions in batches (opened across all cores), then noise; the release is
+    /// signed with a key made for this job and bound into its attestation.
     /// `schema`: the job's model's, validated once by the caller; `policy` and `context` from
     /// `round_context`.
     pub async fn aggregate(
@@ -266,8 +277,16 @@ impl<S: JobStore + 'static> Worker<S> {
         schema: &ModelSchema,
         policy: &TaskPolicy,
         context: RoundContext,
-    ) -> Result<Release, JobError> {
+    ) -> Result<(Release, ReleaseProof), JobError> {
         let (mut inputs, inputs_digest) = self.gather(job).await?;
+        let commitment = ReleaseCommitment {
+            task_id: context.task_id.clone(),
+            round: context.round,
+            policy_sha256: context.policy_sha256.clone(),
+            model_sha256: context.model_sha256.clone(),
+            inputs_digest: inputs_digest.clone(),
+        };
+        let signing_key = confed_attestation::exchange::generate_signing_key();
         let key = obtain_private_key(
             &self.http,
             &self.config.key_services,
@@ -277,11 +296,15 @@ impl<S: JobStore + 'static> Worker<S> {
                 threshold: self.config.threshold,
                 task_id: job.task_id.clone(),
                 round: job.round,
+                commitment: commitment.clone(),
+                policy: job.policy.clone(),
             },
             self.config.attester.as_ref(),
+            &signing_key,
             self.config.key_timeout,
         )
         .await?;
+        let receipts = key.receipts;
         let private_key = Arc::new(key.private_key);
         let schema = schema.clone();
         let binding = Binding {
@@ -332,7 +355,20 @@ impl<S: JobStore + 'static> Worker<S> {
         let release = tokio::task::spawn_blocking(move || aggregator.finish(&private_key, privacy))
             .await
             .map_err(|e| JobError::Thread(e.to_string()))??;
-        Ok(release)
+        let text = release_text(
+            &commitment,
+            &sha256_hex(&release.manifest.to_json()),
+            &release.manifest.average_sha256,
+        );
+        let proof = ReleaseProof {
+            enclave: ReleaseSignature {
+                enclave_signing_key: encode_verifying_key(signing_key.verifying_key()),
+                signature: sign_text(&signing_key, &text),
+            },
+            commitment,
+            receipts,
+        };
+        Ok((release, proof))
     }
 
     /// The first read of every contribution: digested in batches on all cores, kept in memory

@@ -57,6 +57,7 @@ fn store_error(error: StoreError) -> ApiError {
             "another worker holds this job's lease (yours expired), or the job is finished; stop working on it".into(),
         ),
         StoreError::Conflict(detail) => ApiError::Conflict(detail),
+        StoreError::Refused(detail) => ApiError::Unprocessable(detail),
         StoreError::Backend(detail) => ApiError::Internal(detail),
     }
 }
@@ -144,6 +145,7 @@ async fn release(
             StagedRelease {
                 average: &average,
                 manifest: &upload.manifest,
+                proof: &upload.proof,
             },
         )
         .await

@@ -41,6 +41,8 @@ pub struct ReleaseRecord {
     pub excluded: i64,
     pub epsilon_spent: f64,
     pub created_at: i64,
+    /// The release's proof of origin (`confed_attestation::release::ReleaseProof`, JSON).
+    pub proof_json: Option<String>,
 }
 
 /// Inserts the job of a round that just moved to AGGREGATING (same transaction).
@@ -91,10 +93,12 @@ async fn load_release(conn: &mut Conn, round_id: &str) -> Result<Option<ReleaseR
         i64,
         f64,
         i64,
+        Option<String>,
     );
     let row: Option<Row> = sqlx::query_as(
         "SELECT round_id, task_id, round_number, average_key, average_sha256, manifest_key, \
-         manifest_json, included, excluded, epsilon_spent, created_at FROM releases WHERE round_id = $1",
+         manifest_json, included, excluded, epsilon_spent, created_at, proof_json \
+         FROM releases WHERE round_id = $1",
     )
     .bind(round_id)
     .fetch_optional(&mut *conn)
@@ -111,6 +115,7 @@ async fn load_release(conn: &mut Conn, round_id: &str) -> Result<Option<ReleaseR
         excluded: r.8,
         epsilon_spent: r.9,
         created_at: r.10,
+        proof_json: r.11,
     }))
 }
 
@@ -124,6 +129,8 @@ pub struct NewRelease {
     pub included: i64,
     pub excluded: i64,
     pub epsilon_spent: f64,
+    /// The proof the front end verified before committing (JSON).
+    pub proof_json: String,
 }
 
 impl Db {
@@ -255,8 +262,8 @@ impl Db {
                 .await?;
                 sqlx::query(
                     "INSERT INTO releases (round_id, task_id, round_number, average_key, average_sha256, \
-                     manifest_key, manifest_json, included, excluded, epsilon_spent, created_at) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+                     manifest_key, manifest_json, included, excluded, epsilon_spent, created_at, \
+                     proof_json) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
                 )
                 .bind(&round_id)
                 .bind(&round.task_id)
@@ -269,6 +276,7 @@ impl Db {
                 .bind(release.excluded)
                 .bind(release.epsilon_spent)
                 .bind(now)
+                .bind(&release.proof_json)
                 .execute(&mut *tx)
                 .await?;
                 Ok(())

@@ -112,6 +112,20 @@ impl KeyDirectory {
         keys
     }
 
+    /// (key service id, verifying key) of every key service whose key set is known: whose
+    /// receipts the front end accepts.
+    pub fn verifying_keys(&self) -> Vec<(String, p256::ecdsa::VerifyingKey)> {
+        let Ok(sets) = self.sets.read() else {
+            return Vec::new();
+        };
+        sets.iter()
+            .filter_map(|set| {
+                confed_attestation::exchange::decode_verifying_key(&set.verifying_key)
+                    .map(|key| (set.keyservice_id.clone(), key))
+            })
+            .collect()
+    }
+
     /// The key with this id, with every signature over it.
     pub fn key(&self, key_id: &str) -> Option<DeviceKey> {
         self.collect(|k| k.key_id == key_id)

@@ -47,6 +47,19 @@ pub struct Decision {
     pub task_id: String,
     pub round: u64,
     pub policy: String,
+    /// The release commitment's digest (granted releases; the release ledger is rebuilt from
+    /// these). Absent fields are not serialized, so records written before they existed still
+    /// hash the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub commitment_sha256: Option<String>,
+    /// The task policy's hash and planned rounds the commitment was checked against.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy_sha256: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy_rounds: Option<u32>,
+    /// The enclave's per-job signing key the receipt was issued to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enclave_signing_key: Option<String>,
 }
 
 /// A chained record as stored.
@@ -90,6 +103,11 @@ pub struct Head {
 
 /// Checks every record of a log file; returns its head.
 pub fn verify_file(path: &Path) -> Result<Head, AuditError> {
+    verify_file_with(path, |_| {})
+}
+
+/// Checks every record of a log file, handing each verified record to `visit`; returns its head.
+pub fn verify_file_with(path: &Path, mut visit: impl FnMut(&Record)) -> Result<Head, AuditError> {
     let io = |source| AuditError::Io {
         path: path.to_path_buf(),
         source,
@@ -133,6 +151,7 @@ pub fn verify_file(path: &Path) -> Result<Head, AuditError> {
                 "hash does not match the record's content (modified)".into(),
             ));
         }
+        visit(&record);
         head = Head {
             records: head.records + 1,
             hash: record.hash,
@@ -152,7 +171,12 @@ pub struct AuditLog {
 impl AuditLog {
     /// Opens (creating) a log; refuses one whose chain is broken.
     pub fn open(path: &Path) -> Result<Self, AuditError> {
-        let head = verify_file(path)?;
+        Self::open_with(path, |_| {})
+    }
+
+    /// `open`, handing every verified record to `visit` (how the release ledger is rebuilt).
+    pub fn open_with(path: &Path, visit: impl FnMut(&Record)) -> Result<Self, AuditError> {
+        let head = verify_file_with(path, visit)?;
         let file = OpenOptions::new()
             .create(true)
             .append(true)
@@ -222,6 +246,10 @@ mod tests {
             task_id: "t".into(),
             round: n,
             policy: "dev".into(),
+            commitment_sha256: None,
+            policy_sha256: None,
+            policy_rounds: None,
+            enclave_signing_key: None,
         }
     }
 

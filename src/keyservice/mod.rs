@@ -1,10 +1,12 @@
 //! A key service: one operator's process holding one Shamir share of each task key. It vouches for
 //! the public keys (signed key set), challenges enclaves with nonces, appraises their attestation
 //! against its own policy and releases its share, HPKE-sealed to the enclave's ephemeral key, only
-//! when every check passes. Every decision goes to a hash-chained audit log first.
+//! when every check passes and its release ledger admits the release commitment (one per round).
+//! Every decision goes to a hash-chained audit log first; the ledger is rebuilt from it.
 
 pub mod audit;
 pub mod fetcher;
+pub mod ledger;
 pub mod nonces;
 pub mod routes;
 pub mod serve;
@@ -56,7 +58,9 @@ pub struct KeyService {
     pub policy: Arc<AppraisalPolicy>,
     pub key_source: KeySource,
     pub nonces: Arc<Mutex<nonces::NonceStore>>,
-    pub audit: Arc<Mutex<audit::AuditLog>>,
+    /// The audit log and the release ledger rebuilt from it: one lock, so a ledger decision
+    /// and its durable record are one step.
+    pub audit: Arc<Mutex<(audit::AuditLog, ledger::Ledger)>>,
     pub clock: Arc<dyn Clock>,
     pub release_grace_seconds: i64,
 }
@@ -88,12 +92,14 @@ impl KeyService {
                 return Err(KeyServiceError::DuplicateKey(key_id));
             }
         }
-        let audit = audit::AuditLog::open(&parts.audit_log)?;
+        let mut ledger = ledger::Ledger::default();
+        let audit = audit::AuditLog::open_with(&parts.audit_log, |record| ledger.restore(record))?;
         tracing::info!(
             keyservice = %parts.id,
             records = audit.head().records,
             head = %audit.head().hash,
-            "audit log verified"
+            committed_rounds = ledger.rounds(),
+            "audit log verified, release ledger rebuilt"
         );
         Ok(Self {
             id: parts.id,
@@ -103,7 +109,7 @@ impl KeyService {
             policy: Arc::new(parts.policy),
             key_source: parts.key_source,
             nonces: Arc::default(),
-            audit: Arc::new(Mutex::new(audit)),
+            audit: Arc::new(Mutex::new((audit, ledger))),
             clock: parts.clock,
             release_grace_seconds: DEFAULT_RELEASE_GRACE_SECONDS,
         })

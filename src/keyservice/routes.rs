@@ -6,14 +6,17 @@ use axum::http::StatusCode;
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use confed_attestation::exchange::{
-    Challenge, KeySet, ReleaseRequest, ReleaseResponse, SignedPublicKey, encode_verifying_key,
-    sign_key,
+    Challenge, CheckedRelease, KeySet, ReleaseRequest, ReleaseResponse, SignedPublicKey,
+    encode_verifying_key, sign_key,
 };
+use confed_attestation::release::{Receipt, key_binding};
 use confed_attestation::{Expectations, VerificationReport, appraise, parse_or_refuse, sha256_hex};
 use confed_enclave::hpke;
+use confed_enclave::policy::TaskPolicy;
 
 use super::KeyService;
 use super::audit::Decision;
+use super::ledger;
 use crate::api::error::{ApiError, FailedCheck};
 use crate::api::extract::{ApiBytes, ApiPath};
 use crate::keys::KeyState;
@@ -28,7 +31,8 @@ pub fn router(service: KeyService) -> axum::Router {
         .route("/v1/keys/{key_id}/release", axum::routing::post(release))
         .route("/healthz", axum::routing::get(|| async { "ok" }))
         .fallback(|| async { ApiError::NotFound("no such route on this key service".into()) })
-        .layer(axum::extract::DefaultBodyLimit::max(64 * 1024))
+        // A release request carries the task policy (up to 80 KiB) besides the token.
+        .layer(axum::extract::DefaultBodyLimit::max(128 * 1024))
         .with_state(service)
 }
 
@@ -95,8 +99,9 @@ fn unknown_key(key_id: &str) -> ApiError {
     ApiError::NotFound(format!("this key service holds no share of key {key_id:?}"))
 }
 
-/// `POST /v1/keys/{key_id}/release`: appraise the evidence; release the sealed share or refuse,
-/// naming every failed check. The decision is in the audit log before the answer leaves.
+/// `POST /v1/keys/{key_id}/release`: appraise the evidence, check the task policy and the release
+/// ledger; release the sealed share with a signed receipt, or refuse, naming every failed check.
+/// The decision (and the ledger's new commitment) is in the audit log before the answer leaves.
 async fn release(
     State(service): State<KeyService>,
     ApiPath(key_id): ApiPath<String>,
@@ -140,7 +145,7 @@ async fn release(
         },
     );
 
-    let key_binding = sha256_hex(&ephemeral.0);
+    let key_binding = key_binding(&request.ephemeral_public_key, &request.enclave_signing_key);
     let appraisal = match parse_or_refuse(&request.token) {
         Err(refused) => refused,
         Ok(jws) => {
@@ -167,49 +172,79 @@ async fn release(
         }
     };
     report.extend(appraisal.report);
+    let policy = check_task_policy(&request);
+    let policy_rounds = policy.as_ref().map(|p| p.rounds).ok();
+    report.record("task_policy", policy.map(|_| ()));
 
-    let failed: Vec<FailedCheck> = report
-        .failures()
-        .map(|(check, reason)| FailedCheck {
-            check: check.to_string(),
-            reason: reason.to_string(),
-        })
-        .collect();
-    let granted = report.passed();
+    let commitment_sha256 = request.commitment.digest();
+    let enclave_signing_key = URL_SAFE_NO_PAD.encode(&request.enclave_signing_key);
     let decision = Decision {
         at: now,
         keyservice_id: service.id.clone(),
         key_id: key_id.clone(),
-        decision: if granted { "granted" } else { "refused" }.into(),
-        reason: if granted {
-            "every check passed".into()
-        } else {
-            failed
-                .iter()
-                .map(|f| f.check.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        },
-        failed_checks: failed.iter().map(|f| f.check.clone()).collect(),
+        decision: String::new(),
+        reason: String::new(),
+        failed_checks: Vec::new(),
         token_sha256: appraisal.token_sha256,
         image_digest: appraisal.image_digest,
         nonce: request.nonce.clone(),
         task_id: request.task_id.clone(),
         round: request.round,
         policy: service.policy.name.clone(),
+        commitment_sha256: Some(commitment_sha256.clone()),
+        policy_sha256: Some(request.commitment.policy_sha256.clone()),
+        policy_rounds,
+        enclave_signing_key: Some(enclave_signing_key.clone()),
     };
-    // The append writes and fsyncs: off the async workers, so other requests keep flowing.
+    // The ledger's decision and its durable record are one step under one lock, off the async
+    // workers (the append fsyncs): two requests for one round cannot both be admitted as new.
     let audit = service.audit.clone();
     let record = tokio::task::spawn_blocking(move || {
-        audit
-            .lock()
-            .map_err(|_| "audit log poisoned".to_string())?
-            .append(decision)
-            .map_err(|e| e.to_string())
+        let mut guard = audit.lock().map_err(|_| "audit log poisoned".to_string())?;
+        let (log, ledger) = &mut *guard;
+        let entry = ledger::Entry {
+            task_id: &request.task_id,
+            round: request.round,
+            commitment_sha256: &commitment_sha256,
+            policy_sha256: &request.commitment.policy_sha256,
+            policy_rounds: policy_rounds.unwrap_or(0),
+        };
+        if report.passed() {
+            report.record("release_ledger", ledger.admit(&entry).map(|_| ()));
+        }
+        let failed: Vec<FailedCheck> = report
+            .failures()
+            .map(|(check, reason)| FailedCheck {
+                check: check.to_string(),
+                reason: reason.to_string(),
+            })
+            .collect();
+        let granted = report.passed();
+        let decision = Decision {
+            decision: if granted { "granted" } else { "refused" }.into(),
+            reason: if granted {
+                "every check passed".into()
+            } else {
+                failed
+                    .iter()
+                    .map(|f| f.check.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            },
+            failed_checks: failed.iter().map(|f| f.check.clone()).collect(),
+            ..decision
+        };
+        let record = log.append(decision).map_err(|e| e.to_string())?;
+        if granted {
+            ledger.record(&entry);
+        }
+        Ok::<_, String>((record, failed, request))
     })
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))?
     .map_err(|e| ApiError::Internal(format!("audit append failed, nothing released: {e}")))?;
+    let (record, failed, request) = record;
+    let granted = failed.is_empty();
     tracing::info!(
         keyservice = %service.id, key = %key_id, task = %request.task_id, round = request.round,
         granted, audit_seq = record.seq, audit_head = %record.hash, "release decision"
@@ -220,12 +255,29 @@ async fn release(
     if !granted {
         return Err(ApiError::AttestationRefused {
             detail: format!(
-                "the evidence does not satisfy policy `{}`: {}",
+                "the evidence or the release does not satisfy policy `{}`: {}",
                 service.policy.name, record.decision.reason
             ),
             failed_checks: failed,
         });
     }
+    let mut receipt = Receipt {
+        keyservice_id: service.id.clone(),
+        key_id: key_id.clone(),
+        task_id: request.task_id.clone(),
+        round: request.round,
+        commitment_sha256: record
+            .decision
+            .commitment_sha256
+            .clone()
+            .unwrap_or_default(),
+        enclave_signing_key,
+        image_digest: receipt_image_digest(record.decision.image_digest.as_deref()),
+        policy: service.policy.name.clone(),
+        at: now,
+        signature: String::new(),
+    };
+    receipt.sign(&service.signing_key);
     let info = hpke::share_release_info(&service.id, &key_id, &request.task_id, request.round);
     let (encapsulated_key, ciphertext) =
         hpke::seal(&ephemeral, &info, request.nonce.as_bytes(), &held.share)
@@ -235,5 +287,38 @@ async fn release(
         key_id,
         encapsulated_key: URL_SAFE_NO_PAD.encode(encapsulated_key),
         ciphertext: URL_SAFE_NO_PAD.encode(ciphertext),
+        receipt,
     }))
+}
+
+/// The task policy the commitment names: parsed strictly, its hash the commitment's, this task's,
+/// within the limits any enclave of this project applies.
+fn check_task_policy(request: &CheckedRelease) -> Result<TaskPolicy, String> {
+    let policy = TaskPolicy::parse(&request.policy).map_err(|e| e.to_string())?;
+    if sha256_hex(request.policy.as_bytes()) != request.commitment.policy_sha256 {
+        return Err("the policy text does not hash to the commitment's policy_sha256".into());
+    }
+    if policy.task_id != request.task_id {
+        return Err(format!(
+            "the policy is task {}'s, the request is for task {}",
+            policy.task_id, request.task_id
+        ));
+    }
+    policy.check_enclave_limits().map_err(|e| e.to_string())?;
+    Ok(policy)
+}
+
+/// The image digest a receipt names: the appraised token's, when it has the expected shape
+/// (`sha256:` and 64 hex digits), else `none`.
+fn receipt_image_digest(digest: Option<&str>) -> String {
+    match digest {
+        Some(d)
+            if d.len() == 71
+                && d.starts_with("sha256:")
+                && d[7..].bytes().all(|b| b.is_ascii_hexdigit()) =>
+        {
+            d.to_string()
+        }
+        _ => "none".into(),
+    }
 }

@@ -37,6 +37,14 @@ pub struct Manifest {
     pub average_sha256: String,
 }
 
+impl Manifest {
+    /// The manifest file's bytes (pretty JSON, fields in declaration order): what the enclave
+    /// signs (by SHA-256) and what the store writes, byte for byte.
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec_pretty(self).expect("a manifest serializes")
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NoiseRecord {
     /// `discrete_gaussian_on_grid`: integer noise on the fixed-point grid.

@@ -1,0 +1,179 @@
+//! The release ledger: what makes a round's release happen once, held by parties the front ends'
+//! operator does not control.
+//!
+//! A key service releases its share for a (task, round) only against a release commitment
+//! (`confed_attestation::release`). The first commitment for a round is recorded; later requests
+//! for that round get the share again only for the identical commitment (so a crashed job can
+//! finish in a new enclave), never for another one. The first commitment of a task also pins the
+//! task's policy: every later round must be under the same policy hash, and rounds beyond the
+//! policy's are refused. With t > n/2 key services, two different commitments for one round
+//! cannot each gather t shares while the key services whose ledgers they meet are honest.
+//!
+//! The ledger is not a file of its own: every granted decision in the audit log carries its
+//! commitment, and the audit log is written and fsync'd before the answer leaves, so the ledger
+//! is exactly the audit log's granted records, rebuilt when the service starts. State is per
+//! (task, round): one 32-byte digest, whatever the number of contributions.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::audit::Record;
+
+/// One task's pinned policy and its committed rounds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct TaskEntry {
+    policy_sha256: String,
+    rounds: u32,
+    /// round -> commitment digest.
+    committed: BTreeMap<u64, String>,
+}
+
+/// What a grant would do to the ledger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// The round has no commitment yet: this one is recorded.
+    New,
+    /// The round already has exactly this commitment: the share is released again.
+    Repeat,
+}
+
+/// What a commitment is checked against.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry<'a> {
+    pub task_id: &'a str,
+    pub round: u64,
+    pub commitment_sha256: &'a str,
+    pub policy_sha256: &'a str,
+    pub policy_rounds: u32,
+}
+
+#[derive(Debug, Default)]
+pub struct Ledger {
+    tasks: HashMap<String, TaskEntry>,
+}
+
+impl Ledger {
+    /// Rebuilds the ledger from an audit log's records (only granted ones with a commitment).
+    pub fn restore(&mut self, record: &Record) {
+        let d = &record.decision;
+        if d.decision != "granted" {
+            return;
+        }
+        if let (Some(commitment), Some(policy), Some(rounds)) =
+            (&d.commitment_sha256, &d.policy_sha256, d.policy_rounds)
+        {
+            self.record(&Entry {
+                task_id: &d.task_id,
+                round: d.round,
+                commitment_sha256: commitment,
+                policy_sha256: policy,
+                policy_rounds: rounds,
+            });
+        }
+    }
+
+    /// Whether a share may be released for `entry`; `Err` says why not.
+    pub fn admit(&self, entry: &Entry<'_>) -> Result<Admission, String> {
+        if entry.round == 0 || entry.round > u64::from(entry.policy_rounds) {
+            return Err(format!(
+                "round {} is outside the policy's {} rounds",
+                entry.round, entry.policy_rounds
+            ));
+        }
+        let Some(task) = self.tasks.get(entry.task_id) else {
+            return Ok(Admission::New);
+        };
+        if task.policy_sha256 != entry.policy_sha256 {
+            return Err(format!(
+                "task {} was committed under policy {}, this request names policy {}",
+                entry.task_id, task.policy_sha256, entry.policy_sha256
+            ));
+        }
+        match task.committed.get(&entry.round) {
+            None => Ok(Admission::New),
+            Some(existing) if existing == entry.commitment_sha256 => Ok(Admission::Repeat),
+            Some(existing) => Err(format!(
+                "round {} of task {} is already committed to release {existing}; a round is released once",
+                entry.round, entry.task_id
+            )),
+        }
+    }
+
+    /// Records an admitted commitment (idempotent).
+    pub fn record(&mut self, entry: &Entry<'_>) {
+        let task = self
+            .tasks
+            .entry(entry.task_id.to_string())
+            .or_insert_with(|| TaskEntry {
+                policy_sha256: entry.policy_sha256.to_string(),
+                rounds: entry.policy_rounds,
+                committed: BTreeMap::new(),
+            });
+        task.committed
+            .entry(entry.round)
+            .or_insert_with(|| entry.commitment_sha256.to_string());
+    }
+
+    /// Committed rounds over all tasks.
+    pub fn rounds(&self) -> usize {
+        self.tasks.values().map(|t| t.committed.len()).sum()
+    }
+
+    /// Tasks whose every planned round is committed.
+    pub fn completed_tasks(&self) -> usize {
+        self.tasks
+            .values()
+            .filter(|t| t.committed.len() as u64 >= u64::from(t.rounds))
+            .count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry<'a>(round: u64, commitment: &'a str, policy: &'a str) -> Entry<'a> {
+        Entry {
+            task_id: "t1",
+            round,
+            commitment_sha256: commitment,
+            policy_sha256: policy,
+            policy_rounds: 3,
+        }
+    }
+
+    #[test]
+    fn a_round_admits_its_first_commitment_and_then_only_that_one() {
+        let mut ledger = Ledger::default();
+        assert_eq!(ledger.admit(&entry(1, "c1", "p")), Ok(Admission::New));
+        ledger.record(&entry(1, "c1", "p"));
+        assert_eq!(ledger.admit(&entry(1, "c1", "p")), Ok(Admission::Repeat));
+        let refused = ledger.admit(&entry(1, "c2", "p")).unwrap_err();
+        assert!(refused.contains("released once"), "{refused}");
+        assert_eq!(ledger.admit(&entry(2, "c2", "p")), Ok(Admission::New));
+        assert_eq!(ledger.rounds(), 1);
+    }
+
+    #[test]
+    fn rounds_beyond_the_policy_and_another_policy_for_the_task_are_refused() {
+        let mut ledger = Ledger::default();
+        assert!(
+            ledger
+                .admit(&entry(4, "c", "p"))
+                .unwrap_err()
+                .contains("outside")
+        );
+        assert!(ledger.admit(&entry(0, "c", "p")).is_err());
+        ledger.record(&entry(1, "c1", "p"));
+        let refused = ledger.admit(&entry(2, "c2", "q")).unwrap_err();
+        assert!(refused.contains("policy"), "{refused}");
+    }
+
+    #[test]
+    fn a_task_is_complete_when_every_planned_round_is_committed() {
+        let mut ledger = Ledger::default();
+        for round in 1..=3 {
+            ledger.record(&entry(round, "c", "p"));
+        }
+        assert_eq!(ledger.completed_tasks(), 1);
+    }
+}
