@@ -19,3 +19,4 @@ pub mod scheduler;
 pub mod server;
 pub mod states;
 pub mod task_spec;
+pub mod verify;

@@ -53,6 +53,31 @@ enum Command {
         #[command(flatten)]
         run: Option<KeyserviceArgs>,
     },
+    /// Check what a server published, against your own trust file.
+    Verify {
+        #[command(subcommand)]
+        command: VerifyCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum VerifyCommand {
+    /// A round's release: the enclave's signature and t key services' receipts for its
+    /// commitment, checked offline against the key services' verifying keys in the trust file.
+    /// The tenant token comes from --token-file or CONFED_TOKEN.
+    Release {
+        #[arg(long)]
+        server: String,
+        #[arg(long)]
+        task: String,
+        #[arg(long)]
+        round: u64,
+        /// Trust file: {"threshold", "keyservices": [{"id", "verifying_key"}], ...}.
+        #[arg(long)]
+        trust: PathBuf,
+        #[arg(long)]
+        token_file: Option<PathBuf>,
+    },
 }
 
 #[derive(clap::Args)]
@@ -101,6 +126,10 @@ enum KeysCommand {
         /// End of validity (RFC 3339); default 30 days after the start.
         #[arg(long)]
         valid_until: Option<String>,
+        /// Allow a threshold of at most half the shares (the release ledger's one-release rule
+        /// then rests on no key service): for development key sets only.
+        #[arg(long)]
+        development: bool,
     },
     /// DEV ONLY: create a dev attester key (P-256 PKCS#8 PEM) if missing and write its public key
     /// set next to it (`<stem>.jwks.json`), for key services on `policies/dev.toml` to load before
@@ -185,9 +214,24 @@ enum KeyserviceCommand {
 
 #[derive(Subcommand)]
 enum AuditCommand {
-    /// Verify every record's chain hash; print the head (records, hash) to compare with a copy
-    /// kept elsewhere.
-    Verify { file: PathBuf },
+    /// Verify every record's chain hash and signature; print the head (records, hash) to compare
+    /// with a signed head kept elsewhere (GET /v1/audit/head).
+    Verify {
+        file: PathBuf,
+        /// The key service's id (signatures are bound to it).
+        #[arg(long)]
+        id: String,
+        /// The key service's verifying key as `GET /v1/keys` publishes it (base64url SEC1) ...
+        #[arg(
+            long,
+            conflicts_with = "signing_key",
+            required_unless_present = "signing_key"
+        )]
+        verifying_key: Option<String>,
+        /// ... or its signing key file (PKCS#8 PEM), on the operator's own machine.
+        #[arg(long)]
+        signing_key: Option<PathBuf>,
+    },
 }
 
 #[derive(Args)]
@@ -335,8 +379,79 @@ fn run() -> Result<()> {
             Command::Keys { command } => keys(command),
             Command::Devices { command } => devices(command).await,
             Command::Keyservice { command, run } => keyservice(command, run).await,
+            Command::Verify { command } => verify(command).await,
         }
     })
+}
+
+async fn verify(command: VerifyCommand) -> Result<()> {
+    let VerifyCommand::Release {
+        server,
+        task,
+        round,
+        trust,
+        token_file,
+    } = command;
+    let token = match &token_file {
+        Some(path) => zeroize::Zeroizing::new(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?
+                .trim()
+                .to_string(),
+        ),
+        None => zeroize::Zeroizing::new(std::env::var("CONFED_TOKEN").map_err(|_| {
+            anyhow::anyhow!("give the tenant token with --token-file FILE or CONFED_TOKEN")
+        })?),
+    };
+    let trust = confed::device::TrustConfig::load(&trust)?;
+    let verified = confed::verify::verify_release(&server, &token, &task, round, &trust).await?;
+    for line in &verified.lines {
+        println!("{line}");
+    }
+    if verified.ok() {
+        println!("release of round {round} of task {task}: VERIFIED");
+        Ok(())
+    } else {
+        anyhow::bail!(
+            "release of round {round} of task {task} does NOT verify: {}",
+            verified.failures.join("; ")
+        )
+    }
+}
+
+fn audit_verify(
+    file: &std::path::Path,
+    id: &str,
+    verifying_key: Option<&str>,
+    signing_key: Option<&std::path::Path>,
+) -> Result<()> {
+    use confed::keyservice::audit::{SignatureCheck, verify_file_signed};
+    let key = match (verifying_key, signing_key) {
+        (Some(text), _) => confed_attestation::exchange::decode_verifying_key(text)
+            .context("--verifying-key is not a base64url SEC1 P-256 point")?,
+        (None, Some(path)) => *confed::keyservice::load_existing_signing_key(path)?.verifying_key(),
+        (None, None) => bail!("pass --verifying-key or --signing-key"),
+    };
+    let verified = verify_file_signed(
+        file,
+        SignatureCheck {
+            keyservice_id: id,
+            verifying_key: &key,
+        },
+    )?;
+    if verified.unsigned > 0 {
+        bail!(
+            "the first {} of {} records are unsigned (written before signed heads, or stripped by a rewrite): compare the head {} with a signed head kept elsewhere before trusting them",
+            verified.unsigned,
+            verified.head.records,
+            verified.head.hash
+        );
+    }
+    println!(
+        "audit log intact and signed by key service {id}: {} records, head {}",
+        verified.head.records, verified.head.hash
+    );
+    Ok(())
 }
 
 fn admin_token(file: Option<&PathBuf>) -> Result<Option<AdminToken>> {
@@ -541,7 +656,9 @@ fn keys(command: KeysCommand) -> Result<()> {
             out,
             valid_from,
             valid_until,
+            development,
         } => {
+            confed::keys::ceremony::check_quorum(threshold, shares, development)?;
             let now = SystemClock.now_millis() / 1000;
             let not_before = parse_time(valid_from.as_deref(), now)?;
             let not_after = parse_time(valid_until.as_deref(), not_before + 30 * 24 * 3600)?;
@@ -573,15 +690,16 @@ fn keys(command: KeysCommand) -> Result<()> {
 
 async fn keyservice(command: Option<KeyserviceCommand>, run: Option<KeyserviceArgs>) -> Result<()> {
     if let Some(KeyserviceCommand::Audit {
-        command: AuditCommand::Verify { file },
+        command:
+            AuditCommand::Verify {
+                file,
+                id,
+                verifying_key,
+                signing_key,
+            },
     }) = command
     {
-        let head = confed::keyservice::audit::verify_file(&file)?;
-        println!(
-            "audit log intact: {} records, head {}",
-            head.records, head.hash
-        );
-        return Ok(());
+        return audit_verify(&file, &id, verifying_key.as_deref(), signing_key.as_deref());
     }
     let Some(args) = run else {
         bail!(

@@ -119,21 +119,37 @@ async fn ceremony_then_key_service_serves_a_signed_key_set_and_audit_verify_chec
         "ks1",
         &set.keys[0]
     ));
+    let head: serde_json::Value = confed_enclave::http::client(BOUND)
+        .get(format!("{url}/v1/audit/head"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(head["keyservice_id"], "ks1");
+    assert_eq!(head["records"], 0);
     child.kill().await.unwrap();
 
     let verify = confed()
         .args(["keyservice", "audit", "verify"])
         .arg(&audit_log)
+        .args(["--id", "ks1", "--verifying-key", &set.verifying_key])
         .output()
         .await
         .unwrap();
-    assert!(verify.status.success());
+    assert!(
+        verify.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verify.stderr)
+    );
     assert!(String::from_utf8_lossy(&verify.stdout).contains("0 records"));
 
     std::fs::write(&audit_log, "{\"seq\":0}\n").unwrap();
     let broken = confed()
         .args(["keyservice", "audit", "verify"])
         .arg(&audit_log)
+        .args(["--id", "ks1", "--verifying-key", &set.verifying_key])
         .output()
         .await
         .unwrap();

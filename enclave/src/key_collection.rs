@@ -1,8 +1,9 @@
 //! Getting a task's private key inside the enclave: attest to each of the n key services at once
-//! (challenge -> token -> release, with the round's release commitment), wait for every one of
-//! them (each that answers records the commitment in its ledger and signs a receipt: the more
-//! ledgers hold it, the fewer rolled-back key services it survives), reconstruct the key that
-//! matches the public key from T shares, and name every key service that failed and why. A key
+//! (challenge -> token -> release, with the round's release commitment), reconstruct the key that
+//! matches the public key from T shares, give the others a short grace to answer too (each that
+//! answers records the commitment in its ledger and signs a receipt: the more ledgers hold it,
+//! the more rolled-back key services the one-release rule survives), and name every key service
+//! that failed and why. A key
 //! service that returns a share inconsistent with the others is found by trying subsets and named
 //! as such. Nothing partial is kept: shares are wiped when this returns.
 
@@ -115,8 +116,28 @@ struct SessionKeys<'a> {
     signing_key: &'a SigningKey,
 }
 
-/// Collects shares concurrently from every key service (each within `per_service_timeout`) and
-/// reconstructs the private key of `request`.
+/// How long the collection waits for the remaining key services once T shares reconstruct the
+/// key: each that answers in time records the commitment in its ledger too.
+pub const LEDGER_GRACE: Duration = Duration::from_secs(2);
+
+/// Key services that neither answered nor failed (still pending when the grace ended).
+fn pending_ids(
+    services: &[KeyServiceEndpoint],
+    collected: &[(String, Share)],
+    failures: &[(String, ServiceFailure)],
+) -> Vec<String> {
+    services
+        .iter()
+        .map(|s| s.id.clone())
+        .filter(|id| {
+            !collected.iter().any(|(c, _)| c == id) && !failures.iter().any(|(f, _)| f == id)
+        })
+        .collect()
+}
+
+/// Collects shares concurrently from every key service (each within `per_service_timeout`, the
+/// others within `LEDGER_GRACE` once T shares reconstruct the key) and reconstructs the private
+/// key of `request`.
 pub async fn obtain_private_key(
     client: &reqwest::Client,
     services: &[KeyServiceEndpoint],
@@ -150,7 +171,18 @@ pub async fn obtain_private_key(
     let mut collected: Vec<(String, Share)> = Vec::new();
     let mut receipts: Vec<Receipt> = Vec::new();
     let mut failures: Vec<(String, ServiceFailure)> = Vec::new();
-    while let Some((id, outcome)) = pending.next().await {
+    // Once T shares reconstruct the key, the others get a short grace to answer (and record the
+    // commitment in their ledgers) rather than the full per-service timeout.
+    let mut grace_until: Option<tokio::time::Instant> = None;
+    loop {
+        let next = match grace_until {
+            None => pending.next().await,
+            Some(deadline) => match tokio::time::timeout_at(deadline, pending.next()).await {
+                Ok(next) => next,
+                Err(_) => break,
+            },
+        };
+        let Some((id, outcome)) = next else { break };
         match outcome {
             Err(why) => {
                 tracing::warn!(keyservice = %id, %why, "no share");
@@ -159,8 +191,18 @@ pub async fn obtain_private_key(
             Ok((share, receipt)) => {
                 collected.push((id, share));
                 receipts.push(receipt);
+                if grace_until.is_none()
+                    && collected.len() >= usize::from(request.threshold)
+                    && reconstruct(&collected, request.threshold, &request.public_key).is_some()
+                {
+                    grace_until =
+                        Some(tokio::time::Instant::now() + LEDGER_GRACE.min(per_service_timeout));
+                }
             }
         }
+    }
+    for id in pending_ids(services, &collected, &failures) {
+        failures.push((id, ServiceFailure::Timeout(LEDGER_GRACE)));
     }
     if collected.len() >= usize::from(request.threshold)
         && let Some((private_key, used, liars)) =

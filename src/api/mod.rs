@@ -125,6 +125,7 @@ pub fn routes_and_openapi(limits: &Limits) -> (Router<AppState>, utoipa::openapi
         .routes(routes!(tasks::list_rounds))
         .routes(routes!(releases::list_releases))
         .routes(routes!(releases::get_average))
+        .routes(routes!(releases::get_manifest))
         .routes(routes!(models::get_model))
         .routes(routes!(admin::create_tenant, admin::list_tenants))
         .routes(routes!(ops::healthz))

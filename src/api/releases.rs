@@ -26,9 +26,16 @@ pub struct ReleaseResponse {
     /// SHA-256 (hex) of the average's bytes.
     pub average_sha256: String,
     pub created_at: String,
-    /// The enclave's manifest, verbatim (format `confed-release/v2`, docs/protocol.md).
+    /// The enclave's manifest, verbatim (format `confed-release/v2`, docs/protocol.md). Its exact
+    /// bytes, which the enclave signed, are at `.../releases/{round}/manifest`.
     #[schema(value_type = Object)]
     pub manifest: serde_json::Value,
+    /// Who vouches for this release: the enclave's signature and the key services' receipts
+    /// (docs/attestation.md); check it with `confed verify release`. Absent for releases made
+    /// before proofs existed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub proof: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -62,9 +69,58 @@ pub async fn list_releases(
             created_at: rfc3339(release.created_at),
             manifest: serde_json::from_str(&release.manifest_json)
                 .map_err(|e| ApiError::Internal(format!("stored manifest: {e}")))?,
+            proof: release
+                .proof_json
+                .as_deref()
+                .map(serde_json::from_str)
+                .transpose()
+                .map_err(|e| ApiError::Internal(format!("stored proof: {e}")))?,
         });
     }
     Ok(axum::Json(ReleaseList { releases: out }))
+}
+
+/// One round's manifest, byte for byte as the enclave signed it (JSON).
+#[utoipa::path(get, path = "/v1/tasks/{id}/releases/{round}/manifest", tag = "tasks",
+    params(("id" = String, Path, description = "Task id"), ("round" = i64, Path, description = "Round number")),
+    security(("tenant_token" = [])),
+    responses(
+        (status = 200, description = "the manifest file's bytes", body = Object, content_type = "application/json"),
+        (status = 400, description = "Round is not a number", body = Problem, content_type = "application/problem+json"),
+        (status = 401, body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such task, or the round has no release", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn get_manifest(
+    State(state): State<AppState>,
+    Tenant(tenant): Tenant,
+    ApiPath((id, round)): ApiPath<(String, i64)>,
+) -> Result<Response, ApiError> {
+    let release = release_of(&state, &tenant.id, &id, round).await?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        release.manifest_json,
+    )
+        .into_response())
+}
+
+async fn release_of(
+    state: &AppState,
+    tenant_id: &str,
+    task_id: &str,
+    round: i64,
+) -> Result<crate::db::jobs::ReleaseRecord, ApiError> {
+    state
+        .db
+        .releases(tenant_id, task_id)
+        .await?
+        .into_iter()
+        .find(|r| r.round_number == round)
+        .ok_or_else(|| {
+            ApiError::NotFound(format!("round {round} of task {task_id} has no release"))
+        })
 }
 
 /// One round's noised average update (safetensors, the model's tensor names and shapes).
@@ -82,13 +138,7 @@ pub async fn get_average(
     Tenant(tenant): Tenant,
     ApiPath((id, round)): ApiPath<(String, i64)>,
 ) -> Result<Response, ApiError> {
-    let release = state
-        .db
-        .releases(&tenant.id, &id)
-        .await?
-        .into_iter()
-        .find(|r| r.round_number == round)
-        .ok_or_else(|| ApiError::NotFound(format!("round {round} of task {id} has no release")))?;
+    let release = release_of(&state, &tenant.id, &id, round).await?;
     let bytes = state.blobs.get(&BlobKey::new(release.average_key)?).await?;
     let etag = HeaderValue::from_str(&format!("\"{}\"", release.average_sha256))
         .map_err(|e| ApiError::Internal(e.to_string()))?;

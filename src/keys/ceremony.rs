@@ -36,6 +36,17 @@ pub fn share_file_name(key_id: &str, index: u8) -> String {
 
 pub const KEY_SET_FILE: &str = "keyset.json";
 
+/// A production key set needs t > n/2: the key services' release ledgers keep a round to one
+/// release only if any two quorums of t share a key service. `development` lifts the rule (and
+/// says nothing else about the key set).
+pub fn check_quorum(threshold: u16, shares: u16, development: bool) -> Result<(), KeyError> {
+    if development || u32::from(threshold) * 2 > u32::from(shares) {
+        Ok(())
+    } else {
+        Err(KeyError::MinorityThreshold { threshold, shares })
+    }
+}
+
 pub fn generate(options: &CeremonyOptions) -> Result<CeremonyOutcome, KeyError> {
     shares::check_parameters(options.threshold, options.shares)?;
     if options.not_before >= options.not_after {
@@ -123,6 +134,16 @@ fn append_to_key_set(dir: &Path, key: &PublicKeyRecord) -> Result<PathBuf, KeyEr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_minority_threshold_is_refused_unless_for_development() {
+        assert!(check_quorum(3, 5, false).is_ok());
+        assert!(check_quorum(2, 3, false).is_ok());
+        let refused = check_quorum(2, 4, false).unwrap_err().to_string();
+        assert!(refused.contains("--threshold 3"), "{refused}");
+        assert!(refused.contains("--development"), "{refused}");
+        assert!(check_quorum(2, 5, true).is_ok());
+    }
 
     fn options(dir: &Path, threshold: u16, shares: u16) -> CeremonyOptions {
         CeremonyOptions {

@@ -24,6 +24,11 @@ pub enum KeyError {
     Exists { path: String },
     #[error("the share file {path} does not match its key: {reason}")]
     Inconsistent { path: String, reason: String },
+    #[error(
+        "threshold {threshold} of {shares} is not a majority: two disjoint sets of {threshold} key services could each admit a different release of the same round, so the one-release rule would rest on no key service at all. Use --threshold {} or more, or pass --development for a key set that will never protect real data",
+        shares / 2 + 1
+    )]
+    MinorityThreshold { threshold: u16, shares: u16 },
 }
 
 /// A key's state at a given time: pending -> active -> expired, from its validity window.

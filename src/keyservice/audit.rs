@@ -1,7 +1,9 @@
 //! The key service's audit log: one JSON line per release decision, hash-chained (each record
-//! carries the SHA-256 of the previous one), fsync'd before the decision is answered. A modified,
-//! reordered or deleted record breaks the chain; a truncated tail is detected by comparing the head
-//! (`seq`, `hash`) with one kept elsewhere (the service logs the head after every append).
+//! carries the SHA-256 of the previous one), each record's hash signed with the key service's
+//! signing key, fsync'd before the decision is answered. A modified, reordered or deleted record
+//! breaks the chain; a rewritten and re-chained log breaks the signatures (the rewriter would need
+//! the signing key); a truncated tail is detected by comparing the head with a signed head kept
+//! elsewhere (the service serves its latest signed head at `GET /v1/audit/head` and logs it).
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
@@ -71,6 +73,28 @@ pub struct Record {
     #[serde(flatten)]
     pub decision: Decision,
     pub hash: String,
+    /// The key service's signature over `head_text(keyservice_id, seq, hash)` (records written
+    /// before signed heads existed have none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signature: Option<String>,
+}
+
+/// The text a key service signs for the head of its log after record `seq`.
+pub fn head_text(keyservice_id: &str, seq: u64, hash: &str) -> String {
+    format!("confed-audit-head-v1|{keyservice_id}|{seq}|{hash}")
+}
+
+/// A signed head, as `GET /v1/audit/head` serves it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SignedHead {
+    pub keyservice_id: String,
+    /// Records in the log (the last one's `seq` + 1); 0 for an empty log.
+    pub records: u64,
+    /// The last record's hash (64 zeros for an empty log).
+    pub hash: String,
+    /// Signature over `head_text(keyservice_id, records - 1, hash)`; absent for an empty log.
+    pub signature: Option<String>,
 }
 
 /// The chain hash of a record: SHA-256 over its JSON without `hash` (fields in declaration order).
@@ -99,6 +123,67 @@ fn chain_hash(seq: u64, prev_hash: &str, decision: &Decision) -> String {
 pub struct Head {
     pub records: u64,
     pub hash: String,
+    /// The last record's signature, if it has one.
+    pub signature: Option<String>,
+}
+
+/// How `verify_file_signed` treats signatures.
+#[derive(Debug, Clone, Copy)]
+pub struct SignatureCheck<'a> {
+    pub keyservice_id: &'a str,
+    pub verifying_key: &'a p256::ecdsa::VerifyingKey,
+}
+
+/// A verified log and what its signatures showed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verified {
+    pub head: Head,
+    /// Records (from the start) written before records were signed.
+    pub unsigned: u64,
+}
+
+/// Checks every record's chain and signature: after the first signed record, every record must
+/// carry a valid signature of `check`'s key service.
+pub fn verify_file_signed(path: &Path, check: SignatureCheck<'_>) -> Result<Verified, AuditError> {
+    let mut unsigned = 0u64;
+    let mut signed_seen = false;
+    let mut problem: Option<(u64, String)> = None;
+    let head = verify_file_with(path, |record| {
+        if problem.is_some() {
+            return;
+        }
+        match &record.signature {
+            None if !signed_seen => unsigned += 1,
+            None => {
+                problem = Some((
+                    record.seq,
+                    "unsigned after signed records (a record was replaced)".into(),
+                ))
+            }
+            Some(signature) => {
+                signed_seen = true;
+                let text = head_text(check.keyservice_id, record.seq, &record.hash);
+                if !confed_attestation::release::verify_text(check.verifying_key, &text, signature)
+                {
+                    problem = Some((
+                        record.seq,
+                        format!(
+                            "its signature is not key service {}'s (the log was rewritten, or this is another service's log)",
+                            check.keyservice_id
+                        ),
+                    ));
+                }
+            }
+        }
+    })?;
+    if let Some((seq, reason)) = problem {
+        return Err(AuditError::Broken {
+            path: path.to_path_buf(),
+            line: seq as usize + 1,
+            reason,
+        });
+    }
+    Ok(Verified { head, unsigned })
 }
 
 /// Checks every record of a log file; returns its head.
@@ -118,6 +203,7 @@ pub fn verify_file_with(path: &Path, mut visit: impl FnMut(&Record)) -> Result<H
             return Ok(Head {
                 records: 0,
                 hash: GENESIS_HASH.into(),
+                signature: None,
             });
         }
         Err(e) => return Err(io(e)),
@@ -125,6 +211,7 @@ pub fn verify_file_with(path: &Path, mut visit: impl FnMut(&Record)) -> Result<H
     let mut head = Head {
         records: 0,
         hash: GENESIS_HASH.into(),
+        signature: None,
     };
     for (index, line) in BufReader::new(file).lines().enumerate() {
         let line = line.map_err(io)?;
@@ -155,6 +242,7 @@ pub fn verify_file_with(path: &Path, mut visit: impl FnMut(&Record)) -> Result<H
         head = Head {
             records: head.records + 1,
             hash: record.hash,
+            signature: record.signature,
         };
     }
     Ok(head)
@@ -166,6 +254,8 @@ pub struct AuditLog {
     path: PathBuf,
     file: File,
     head: Head,
+    /// Signs each record's head: (key service id, key).
+    signer: Option<(String, std::sync::Arc<p256::ecdsa::SigningKey>)>,
 }
 
 impl AuditLog {
@@ -189,22 +279,47 @@ impl AuditLog {
             path: path.to_path_buf(),
             file,
             head,
+            signer: None,
         })
+    }
+
+    /// Signs every record appended from now on with the key service's signing key.
+    pub fn signed_by(
+        mut self,
+        keyservice_id: &str,
+        key: std::sync::Arc<p256::ecdsa::SigningKey>,
+    ) -> Self {
+        self.signer = Some((keyservice_id.to_string(), key));
+        self
     }
 
     pub fn head(&self) -> &Head {
         &self.head
     }
 
+    /// The latest head, signed (what `GET /v1/audit/head` serves).
+    pub fn signed_head(&self, keyservice_id: &str) -> SignedHead {
+        SignedHead {
+            keyservice_id: keyservice_id.to_string(),
+            records: self.head.records,
+            hash: self.head.hash.clone(),
+            signature: self.head.signature.clone(),
+        }
+    }
+
     /// Appends a decision durably (fsync) and returns its record.
     pub fn append(&mut self, decision: Decision) -> Result<Record, AuditError> {
         let seq = self.head.records;
         let hash = chain_hash(seq, &self.head.hash, &decision);
+        let signature = self.signer.as_ref().map(|(id, key)| {
+            confed_attestation::release::sign_text(key, &head_text(id, seq, &hash))
+        });
         let record = Record {
             seq,
             prev_hash: self.head.hash.clone(),
             decision,
             hash: hash.clone(),
+            signature: signature.clone(),
         };
         let mut line = serde_json::to_vec(&record).expect("audit records serialize");
         line.push(b'\n');
@@ -218,6 +333,7 @@ impl AuditLog {
         self.head = Head {
             records: seq + 1,
             hash,
+            signature,
         };
         Ok(record)
     }
@@ -315,6 +431,69 @@ mod tests {
             "{error}"
         );
         assert!(error.to_string().contains("deleted"));
+    }
+
+    /// The attack of issue 12: rewrite a record and re-chain every record after it. The chain is
+    /// intact again, but the signatures are not (the forger lacks the signing key).
+    #[test]
+    fn a_rewritten_and_rechained_log_fails_its_signatures() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let key = std::sync::Arc::new(confed_attestation::exchange::generate_signing_key());
+        let mut log = AuditLog::open(&path).unwrap().signed_by("ks1", key.clone());
+        for n in 0..4 {
+            log.append(decision(n)).unwrap();
+        }
+        let check = SignatureCheck {
+            keyservice_id: "ks1",
+            verifying_key: key.verifying_key(),
+        };
+        let verified = verify_file_signed(&path, check).unwrap();
+        assert_eq!((verified.head.records, verified.unsigned), (4, 0));
+        let head = log.signed_head("ks1");
+        assert!(confed_attestation::release::verify_text(
+            key.verifying_key(),
+            &head_text("ks1", head.records - 1, &head.hash),
+            head.signature.as_deref().unwrap()
+        ));
+
+        let mut records: Vec<Record> = lines(&path)
+            .iter()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        records[1].decision.decision = "granted".into();
+        records[1].decision.reason = "forged".into();
+        let mut prev = records[0].hash.clone();
+        for record in records.iter_mut().skip(1) {
+            record.prev_hash = prev.clone();
+            record.hash = chain_hash(record.seq, &record.prev_hash, &record.decision);
+            prev = record.hash.clone();
+        }
+        let rewritten: Vec<String> = records
+            .iter()
+            .map(|r| serde_json::to_string(r).unwrap())
+            .collect();
+        write_lines(&path, &rewritten);
+        assert_eq!(
+            verify_file(&path).unwrap().records,
+            4,
+            "the chain alone says intact"
+        );
+        let error = verify_file_signed(&path, check).unwrap_err();
+        assert!(
+            matches!(error, AuditError::Broken { line: 2, .. }),
+            "{error}"
+        );
+        // Stripping the signatures does not help either: unsigned after signed is refused.
+        for record in records.iter_mut().skip(1) {
+            record.signature = None;
+        }
+        let stripped: Vec<String> = records
+            .iter()
+            .map(|r| serde_json::to_string(r).unwrap())
+            .collect();
+        write_lines(&path, &stripped);
+        assert!(verify_file_signed(&path, check).is_err());
     }
 
     #[test]

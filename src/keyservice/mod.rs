@@ -93,7 +93,9 @@ impl KeyService {
             }
         }
         let mut ledger = ledger::Ledger::default();
-        let audit = audit::AuditLog::open_with(&parts.audit_log, |record| ledger.restore(record))?;
+        let signing_key = Arc::new(parts.signing_key);
+        let audit = audit::AuditLog::open_with(&parts.audit_log, |record| ledger.restore(record))?
+            .signed_by(&parts.id, signing_key.clone());
         tracing::info!(
             keyservice = %parts.id,
             records = audit.head().records,
@@ -104,7 +106,7 @@ impl KeyService {
         Ok(Self {
             id: parts.id,
             audience: parts.audience,
-            signing_key: Arc::new(parts.signing_key),
+            signing_key,
             shares: Arc::new(shares),
             policy: Arc::new(parts.policy),
             key_source: parts.key_source,
@@ -145,6 +147,17 @@ pub fn key_source_for(policy: &AppraisalPolicy) -> Result<KeySource, KeyServiceE
         reason,
     })?;
     Ok(KeySource::discovery(url, Arc::new(fetcher)))
+}
+
+/// Loads an existing P-256 signing key (PKCS#8 PEM); never creates one.
+pub fn load_existing_signing_key(path: &Path) -> Result<SigningKey, KeyServiceError> {
+    let error = |reason: String| KeyServiceError::SigningKey {
+        path: path.display().to_string(),
+        reason,
+    };
+    let pem =
+        zeroize::Zeroizing::new(std::fs::read_to_string(path).map_err(|e| error(e.to_string()))?);
+    SigningKey::from_pkcs8_pem(&pem).map_err(|e| error(e.to_string()))
 }
 
 /// Loads the service's P-256 signing key (PKCS#8 PEM), creating it (mode 0600) if missing.

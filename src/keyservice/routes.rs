@@ -29,6 +29,7 @@ pub fn router(service: KeyService) -> axum::Router {
             axum::routing::post(challenge),
         )
         .route("/v1/keys/{key_id}/release", axum::routing::post(release))
+        .route("/v1/audit/head", axum::routing::get(audit_head))
         .route("/healthz", axum::routing::get(|| async { "ok" }))
         .fallback(|| async { ApiError::NotFound("no such route on this key service".into()) })
         // A release request carries the task policy (up to 80 KiB) besides the token.
@@ -66,6 +67,18 @@ async fn key_set(State(service): State<KeyService>) -> Json<KeySet> {
         verifying_key: encode_verifying_key(service.signing_key.verifying_key()),
         keys,
     })
+}
+
+/// `GET /v1/audit/head`: the audit log's latest head, signed by this service (keep copies
+/// elsewhere: a log truncated or rewritten later no longer ends at a head you hold).
+async fn audit_head(
+    State(service): State<KeyService>,
+) -> Result<Json<super::audit::SignedHead>, ApiError> {
+    let guard = service
+        .audit
+        .lock()
+        .map_err(|_| ApiError::Internal("audit log poisoned".into()))?;
+    Ok(Json(guard.0.signed_head(&service.id)))
 }
 
 /// `POST /v1/keys/{key_id}/challenge`: a fresh single-use nonce for this key.

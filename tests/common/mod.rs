@@ -5,6 +5,7 @@
 
 pub mod database;
 pub mod gcs;
+pub mod keyservices;
 pub mod system;
 
 use std::sync::Arc;

@@ -1,0 +1,231 @@
+//! `confed verify release`: a partner's offline check that a round's release came from an attested
+//! enclave that t key services agreed to, against the partner's own trust file (the key services'
+//! verifying keys and the threshold), not the server's word. The server only supplies bytes: the
+//! manifest as the enclave signed it, the average, and the proof.
+
+use confed_attestation::release::{ReleaseProof, TrustedSigner};
+use confed_enclave::aggregate::Manifest;
+use confed_enclave::policy::sha256_hex;
+use thiserror::Error;
+
+use crate::device::TrustConfig;
+use crate::keys::trust::TrustedKeyService;
+use crate::release_check::commitment_of;
+
+#[derive(Debug, Error)]
+pub enum VerifyError {
+    #[error("cannot reach the server: {0}")]
+    Network(String),
+    #[error("the server answered {status} for {what}: {detail}")]
+    Server {
+        status: u16,
+        what: String,
+        detail: String,
+    },
+    #[error("round {round} of task {task} has no release on this server")]
+    NoRelease { task: String, round: u64 },
+    #[error("the release of round {0} carries no proof (it predates signed releases)")]
+    NoProof(u64),
+    #[error("malformed {what}: {detail}")]
+    Malformed { what: String, detail: String },
+    #[error("trust file: {0}")]
+    Trust(String),
+}
+
+/// What the check saw: one line per thing checked (`ok: ...` or `FAILED: ...`), and the failures.
+#[derive(Debug, Clone)]
+pub struct Verified {
+    pub lines: Vec<String>,
+    pub failures: Vec<String>,
+}
+
+impl Verified {
+    /// Whether every check passed.
+    pub fn ok(&self) -> bool {
+        self.failures.is_empty()
+    }
+}
+
+struct Fetched {
+    proof: ReleaseProof,
+    manifest_bytes: Vec<u8>,
+    average: Vec<u8>,
+}
+
+async fn get(
+    http: &reqwest::Client,
+    url: &str,
+    token: &str,
+    what: &str,
+) -> Result<Vec<u8>, VerifyError> {
+    let response = http
+        .get(url)
+        .bearer_auth(token)
+        .send()
+        .await
+        .map_err(|e| VerifyError::Network(e.to_string()))?;
+    let status = response.status().as_u16();
+    let body = response
+        .bytes()
+        .await
+        .map_err(|e| VerifyError::Network(e.to_string()))?;
+    if status != 200 {
+        let detail = serde_json::from_slice::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|p| p["detail"].as_str().map(str::to_string))
+            .unwrap_or_else(|| String::from_utf8_lossy(&body).into_owned());
+        return Err(VerifyError::Server {
+            status,
+            what: what.into(),
+            detail,
+        });
+    }
+    Ok(body.to_vec())
+}
+
+async fn fetch(
+    http: &reqwest::Client,
+    server: &str,
+    token: &str,
+    task: &str,
+    round: u64,
+) -> Result<Fetched, VerifyError> {
+    let base = format!("{}/v1/tasks/{task}/releases", server.trim_end_matches('/'));
+    let list: serde_json::Value =
+        serde_json::from_slice(&get(http, &base, token, "the releases").await?).map_err(|e| {
+            VerifyError::Malformed {
+                what: "release list".into(),
+                detail: e.to_string(),
+            }
+        })?;
+    let entry = list["releases"]
+        .as_array()
+        .and_then(|all| all.iter().find(|r| r["round"].as_u64() == Some(round)))
+        .ok_or_else(|| VerifyError::NoRelease {
+            task: task.into(),
+            round,
+        })?;
+    let proof = entry
+        .get("proof")
+        .filter(|p| !p.is_null())
+        .ok_or(VerifyError::NoProof(round))?;
+    let proof: ReleaseProof =
+        serde_json::from_value(proof.clone()).map_err(|e| VerifyError::Malformed {
+            what: "proof".into(),
+            detail: e.to_string(),
+        })?;
+    let manifest_bytes = get(
+        http,
+        &format!("{base}/{round}/manifest"),
+        token,
+        "the manifest",
+    )
+    .await?;
+    let average = get(
+        http,
+        &format!("{base}/{round}/average"),
+        token,
+        "the average",
+    )
+    .await?;
+    Ok(Fetched {
+        proof,
+        manifest_bytes,
+        average,
+    })
+}
+
+/// Fetches round `round` of `task` from `server` and checks it against `trust`.
+pub async fn verify_release(
+    server: &str,
+    token: &str,
+    task: &str,
+    round: u64,
+    trust: &TrustConfig,
+) -> Result<Verified, VerifyError> {
+    let http = confed_enclave::http::client(std::time::Duration::from_secs(30));
+    let fetched = fetch(&http, server, token, task, round).await?;
+    check(
+        &fetched.proof,
+        &fetched.manifest_bytes,
+        &fetched.average,
+        task,
+        round,
+        trust,
+    )
+}
+
+/// The offline part: everything from bytes.
+pub fn check(
+    proof: &ReleaseProof,
+    manifest_bytes: &[u8],
+    average: &[u8],
+    task: &str,
+    round: u64,
+    trust: &TrustConfig,
+) -> Result<Verified, VerifyError> {
+    let manifest: Manifest =
+        serde_json::from_slice(manifest_bytes).map_err(|e| VerifyError::Malformed {
+            what: "manifest".into(),
+            detail: e.to_string(),
+        })?;
+    let mut lines = Vec::new();
+    let mut failures = Vec::new();
+    let mut note = |ok: bool, what: String| {
+        lines.push(format!("{}: {what}", if ok { "ok" } else { "FAILED" }));
+        if !ok {
+            failures.push(what);
+        }
+    };
+    note(
+        manifest.task_id == task && manifest.round == round,
+        format!(
+            "the manifest is for task {} round {} (asked: task {task} round {round})",
+            manifest.task_id, manifest.round
+        ),
+    );
+    let average_sha256 = sha256_hex(average);
+    note(
+        average_sha256 == manifest.average_sha256,
+        format!("the average's bytes hash to the manifest's average_sha256 ({average_sha256})"),
+    );
+    let trusted: Vec<TrustedKeyService> = trust
+        .keyservices
+        .iter()
+        .map(|k| {
+            TrustedKeyService::new(&k.id, &k.verifying_key).ok_or_else(|| {
+                VerifyError::Trust(format!("key service {}: bad verifying_key", k.id))
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    let signers: Vec<TrustedSigner<'_>> = trusted
+        .iter()
+        .map(|t| TrustedSigner {
+            id: &t.id,
+            verifying_key: &t.verifying_key,
+        })
+        .collect();
+    let result = proof.check(
+        &commitment_of(&manifest),
+        &sha256_hex(manifest_bytes),
+        &average_sha256,
+        &signers,
+        trust.threshold,
+    );
+    let proof_ok = result.failures.is_empty();
+    lines.extend(result.lines);
+    failures.extend(result.failures);
+    if proof_ok {
+        lines.push(format!(
+            "released under: policy {}, base model {}, {} contributions included, epsilon budget {} (delta {}) over {} rounds, spent through this round {:.4}",
+            manifest.policy_sha256,
+            manifest.model_sha256,
+            manifest.included,
+            manifest.privacy.epsilon_budget,
+            manifest.privacy.delta,
+            manifest.privacy.rounds_planned,
+            manifest.privacy.epsilon_spent
+        ));
+    }
+    Ok(Verified { lines, failures })
+}

@@ -1,0 +1,158 @@
+//! Key services for tests: a ceremony's shares, dev attestation, key services that are honest,
+//! refusing or lying, served over real HTTP on loopback.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use confed::clock::{Clock, ManualClock};
+use confed::keys::ceremony::{CeremonyOptions, generate};
+use confed::keys::{PublicKeyRecord, ShareFile};
+use confed::keyservice::{KeyService, KeyServiceParts, routes};
+use confed_attestation::dev::DevAttester;
+use confed_attestation::release::ReleaseCommitment;
+use confed_attestation::{AppraisalPolicy, KeySource};
+use confed_enclave::hpke;
+use confed_enclave::key_collection::{KeyRequest, KeyServiceEndpoint};
+use confed_enclave::policy::TaskPolicy;
+
+pub const START: i64 = 1_800_000_000;
+pub const TIMEOUT: Duration = Duration::from_secs(20);
+
+pub struct World {
+    pub dir: tempfile::TempDir,
+    pub clock: Arc<ManualClock>,
+    pub attester: Arc<DevAttester>,
+    pub key: PublicKeyRecord,
+    pub share_files: Vec<PathBuf>,
+}
+
+/// How a test key service misbehaves.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Behaviour {
+    Honest,
+    /// Its policy allows another image, so it refuses every dev token.
+    Refusing,
+    /// Returns a corrupted share.
+    Lying,
+}
+
+impl World {
+    pub fn new(threshold: u16, shares: u16) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let outcome = generate(&CeremonyOptions {
+            shares,
+            threshold,
+            out_dir: dir.path().join("ceremony"),
+            not_before: START - 10,
+            not_after: START + 86_400,
+        })
+        .unwrap();
+        let clock = Arc::new(ManualClock::starting_at(START * 1000));
+        let token_clock = clock.clone();
+        let attester = Arc::new(DevAttester::new(
+            confed_attestation::exchange::generate_signing_key(),
+            Arc::new(move || token_clock.now_millis() / 1000),
+        ));
+        Self {
+            dir,
+            clock,
+            attester,
+            key: outcome.key,
+            share_files: outcome.share_files,
+        }
+    }
+
+    pub fn policy(&self, behaviour: Behaviour) -> AppraisalPolicy {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies/dev.toml");
+        let mut policy = AppraisalPolicy::load(&path).unwrap();
+        if behaviour == Behaviour::Refusing {
+            policy.workload.image_digests = vec![format!("sha256:{}", "e".repeat(64))];
+        }
+        policy
+    }
+
+    pub fn service(
+        &self,
+        index: usize,
+        behaviour: Behaviour,
+        share_files: &[PathBuf],
+    ) -> KeyService {
+        let mut held: Vec<_> = share_files
+            .iter()
+            .map(|p| ShareFile::load(p).unwrap())
+            .collect();
+        if behaviour == Behaviour::Lying {
+            held[0].share[5] ^= 0x5a;
+        }
+        KeyService::new(KeyServiceParts {
+            id: format!("ks{index}"),
+            audience: format!("confed-keyservice/ks{index}"),
+            signing_key: confed_attestation::exchange::generate_signing_key(),
+            shares: held,
+            policy: self.policy(behaviour),
+            key_source: KeySource::fixed(self.attester.jwks()),
+            audit_log: self.dir.path().join(format!("audit-ks{index}.jsonl")),
+            clock: self.clock.clone(),
+        })
+        .unwrap()
+    }
+
+    pub fn request(&self) -> KeyRequest {
+        let policy = TaskPolicy::sample("task-1", 3);
+        KeyRequest {
+            key_id: self.key.key_id.clone(),
+            public_key: public_key(&self.key),
+            threshold: self.key.threshold,
+            task_id: "task-1".into(),
+            round: 1,
+            commitment: commitment(&policy, 1, "1"),
+            policy: policy.encode(),
+        }
+    }
+}
+
+/// A release commitment for round `round` of `policy`'s task, over inputs named by `inputs`.
+pub fn commitment(policy: &TaskPolicy, round: u64, inputs: &str) -> ReleaseCommitment {
+    ReleaseCommitment {
+        task_id: policy.task_id.clone(),
+        round,
+        policy_sha256: policy.sha256_hex(),
+        model_sha256: "0".repeat(64),
+        inputs_digest: inputs.repeat(64),
+    }
+}
+
+pub fn public_key(key: &PublicKeyRecord) -> hpke::PublicKey {
+    hpke::PublicKey::from_bytes(&URL_SAFE_NO_PAD.decode(&key.public_key).unwrap()).unwrap()
+}
+
+/// Serves a router on a loopback port; returns its base URL.
+pub async fn serve(router: axum::Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    url
+}
+
+/// A URL where nothing listens.
+pub async fn down_url() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    drop(listener);
+    url
+}
+
+pub async fn start(world: &World, behaviours: &[Behaviour]) -> Vec<KeyServiceEndpoint> {
+    let mut endpoints = Vec::new();
+    for (i, &behaviour) in behaviours.iter().enumerate() {
+        let service = world.service(i + 1, behaviour, &world.share_files[i..=i]);
+        endpoints.push(KeyServiceEndpoint {
+            id: service.id.clone(),
+            url: serve(routes::router(service)).await,
+        });
+    }
+    endpoints
+}

@@ -1,0 +1,189 @@
+//! The key services' release ledger, as an operator attacking it would: one release per round,
+//! only under the task's policy and within its rounds, across restarts, and with t-1 ledgers
+//! wiped. Key services run in-process over real HTTP on loopback; the enclave side is the real
+//! key collection.
+
+mod common;
+
+use common::keyservices::*;
+use confed::keyservice::routes;
+use confed_attestation::exchange::generate_signing_key;
+use confed_enclave::key_collection::{
+    CollectError, KeyRequest, KeyServiceEndpoint, ServiceFailure, obtain_private_key,
+};
+use confed_enclave::policy::TaskPolicy;
+
+/// Key services 1..=n of `world`, each holding its own share, on fresh ports.
+async fn start_all(world: &World, n: usize) -> Vec<KeyServiceEndpoint> {
+    let mut endpoints = Vec::new();
+    for index in 1..=n {
+        endpoints.push(start_one(world, index).await);
+    }
+    endpoints
+}
+
+/// (Re)starts key service `index` over its audit log in the world's directory.
+async fn start_one(world: &World, index: usize) -> KeyServiceEndpoint {
+    let service = world.service(
+        index,
+        Behaviour::Honest,
+        &world.share_files[index - 1..index],
+    );
+    KeyServiceEndpoint {
+        id: service.id.clone(),
+        url: serve(routes::router(service)).await,
+    }
+}
+
+fn request_for(world: &World, policy: &TaskPolicy, round: u64, inputs: &str) -> KeyRequest {
+    KeyRequest {
+        task_id: policy.task_id.clone(),
+        round,
+        commitment: commitment(policy, round, inputs),
+        policy: policy.encode(),
+        ..world.request()
+    }
+}
+
+async fn collect(
+    endpoints: &[KeyServiceEndpoint],
+    world: &World,
+    request: &KeyRequest,
+) -> Result<confed_enclave::key_collection::ObtainedKey, CollectError> {
+    obtain_private_key(
+        &confed_enclave::http::client(TIMEOUT),
+        endpoints,
+        request,
+        world.attester.as_ref(),
+        &generate_signing_key(),
+        TIMEOUT,
+    )
+    .await
+}
+
+/// Every refusal names the release ledger (or the task policy) as the failed check.
+fn refused_by(error: &CollectError, check: &str) -> usize {
+    let failures = match error {
+        CollectError::NotEnoughShares { failures, .. } => failures,
+        CollectError::Inconsistent { failures, .. } => failures,
+    };
+    failures
+        .iter()
+        .filter(|(_, why)| {
+            matches!(why, ServiceFailure::Refused { status: 403, detail } if detail.contains(check))
+        })
+        .count()
+}
+
+#[tokio::test]
+async fn a_round_is_released_again_only_for_the_identical_commitment() {
+    let world = World::new(2, 3);
+    let endpoints = start_all(&world, 3).await;
+    let policy = TaskPolicy::sample("task-1", 3);
+    let first = collect(&endpoints, &world, &request_for(&world, &policy, 1, "a"))
+        .await
+        .unwrap();
+    assert_eq!(first.receipts.len(), 3, "every key service recorded it");
+    // A crashed job finishes in a new enclave (new keys), over the same inputs.
+    let again = collect(&endpoints, &world, &request_for(&world, &policy, 1, "a"))
+        .await
+        .unwrap();
+    assert_eq!(again.private_key.as_bytes(), first.private_key.as_bytes());
+    // Other inputs for the same round (a swapped envelope, a subset): refused everywhere.
+    let error = collect(&endpoints, &world, &request_for(&world, &policy, 1, "b"))
+        .await
+        .unwrap_err();
+    assert_eq!(refused_by(&error, "release_ledger"), 3, "{error}");
+    // The next round is a new commitment.
+    collect(&endpoints, &world, &request_for(&world, &policy, 2, "b"))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_round_beyond_the_plan_and_another_policy_for_the_task_are_refused() {
+    let world = World::new(2, 3);
+    let endpoints = start_all(&world, 3).await;
+    let policy = TaskPolicy::sample("task-1", 2);
+    let error = collect(&endpoints, &world, &request_for(&world, &policy, 3, "a"))
+        .await
+        .unwrap_err();
+    assert_eq!(refused_by(&error, "release_ledger"), 3, "{error}");
+    collect(&endpoints, &world, &request_for(&world, &policy, 1, "a"))
+        .await
+        .unwrap();
+    // The operator changes the task's epsilon (a new policy text) for round 2.
+    let looser = TaskPolicy {
+        epsilon: 50.0,
+        ..policy.clone()
+    };
+    let error = collect(&endpoints, &world, &request_for(&world, &looser, 2, "a"))
+        .await
+        .unwrap_err();
+    assert_eq!(refused_by(&error, "release_ledger"), 3, "{error}");
+}
+
+#[tokio::test]
+async fn a_policy_text_that_is_not_the_committed_one_is_refused() {
+    let world = World::new(2, 3);
+    let endpoints = start_all(&world, 3).await;
+    let policy = TaskPolicy::sample("task-1", 3);
+    let mut request = request_for(&world, &policy, 1, "a");
+    request.policy = TaskPolicy::sample("task-1", 9).encode();
+    let error = collect(&endpoints, &world, &request).await.unwrap_err();
+    assert_eq!(refused_by(&error, "task_policy"), 3, "{error}");
+    // A policy no enclave may release under is refused whatever its hash.
+    let reckless = TaskPolicy {
+        epsilon: 1000.0,
+        ..policy
+    };
+    let error = collect(&endpoints, &world, &request_for(&world, &reckless, 1, "a"))
+        .await
+        .unwrap_err();
+    assert_eq!(refused_by(&error, "task_policy"), 3, "{error}");
+}
+
+#[tokio::test]
+async fn the_ledger_survives_a_restart() {
+    let world = World::new(2, 3);
+    let policy = TaskPolicy::sample("task-1", 3);
+    {
+        let endpoints = start_all(&world, 3).await;
+        collect(&endpoints, &world, &request_for(&world, &policy, 1, "a"))
+            .await
+            .unwrap();
+    }
+    // New processes over the same audit logs (as after kill -9: the record was fsync'd before
+    // the answer left).
+    let restarted = start_all(&world, 3).await;
+    let error = collect(&restarted, &world, &request_for(&world, &policy, 1, "b"))
+        .await
+        .unwrap_err();
+    assert_eq!(refused_by(&error, "release_ledger"), 3, "{error}");
+    collect(&restarted, &world, &request_for(&world, &policy, 1, "a"))
+        .await
+        .unwrap();
+}
+
+/// t = 2 of n = 3: wipe the ledger (audit log) of t - 1 = 1 key service; the other two still hold
+/// the first commitment, so a second release of the round gets one share, never two.
+#[tokio::test]
+async fn with_the_ledgers_of_t_minus_1_key_services_wiped_no_second_release_is_possible() {
+    let world = World::new(2, 3);
+    let policy = TaskPolicy::sample("task-1", 3);
+    let endpoints = start_all(&world, 3).await;
+    collect(&endpoints, &world, &request_for(&world, &policy, 1, "a"))
+        .await
+        .unwrap();
+    std::fs::remove_file(world.dir.path().join("audit-ks1.jsonl")).unwrap();
+    let wiped = start_one(&world, 1).await;
+    let endpoints = vec![wiped, endpoints[1].clone(), endpoints[2].clone()];
+    let error = collect(&endpoints, &world, &request_for(&world, &policy, 1, "b"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, CollectError::NotEnoughShares { usable: 1, .. }),
+        "{error}"
+    );
+    assert_eq!(refused_by(&error, "release_ledger"), 2, "{error}");
+}
