@@ -193,8 +193,19 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
             .map_err(|e| DemoError::Setup(e.to_string()))?;
         let release = releases.last().ok_or_else(|| api("no release recorded"))?;
         epsilon_spent = release.epsilon_spent;
+        // What a partner would run: the release checked against the devices' trust file.
+        let verified =
+            crate::verify::verify_release(&url, &token, &task_id, u64::from(round), &system.trust)
+                .await
+                .map_err(api)?;
+        if !verified.ok() {
+            return Err(api(format!(
+                "round {round}'s release does not verify: {}",
+                verified.failures.join("; ")
+            )));
+        }
         say(format!(
-            "round {round}: {} contributions aggregated ({} excluded), privacy spent epsilon {:.2} of {}, accuracy {:.1}%",
+            "round {round}: {} contributions aggregated ({} excluded), privacy spent epsilon {:.2} of {}, accuracy {:.1}%, release verified",
             release.included,
             release.excluded,
             epsilon_spent,

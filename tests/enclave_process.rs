@@ -67,5 +67,18 @@ async fn the_enclave_binary_completes_a_round_through_the_worker_api() {
         .unwrap();
     assert_eq!(releases["releases"][0]["included"], common::system::GOAL);
     assert!(dir.path().join("dev-attester.jwks.json").exists());
+    // What the process released verifies offline against the devices' trust file.
+    let trust = dir.path().join("trust.json");
+    std::fs::write(&trust, serde_json::to_vec(&system.trust).unwrap()).unwrap();
+    let verified = confed::verify::verify_release(
+        &system.url,
+        &token,
+        &task,
+        1,
+        &confed::device::TrustConfig::load(&trust).unwrap(),
+    )
+    .await
+    .unwrap();
+    assert!(verified.ok(), "{:?}", verified.lines);
     system.shutdown().await;
 }

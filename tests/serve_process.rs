@@ -384,5 +384,32 @@ async fn serve_alone_runs_rounds_with_its_embedded_enclave_across_restarts() {
         .await
         .unwrap();
     assert_eq!(state["state"], "COMPLETED");
+    // Each release verifies offline against the devices' trust file: signed by the enclave,
+    // receipts of the key services the devices trust.
+    for round in ["1", "2"] {
+        let verify = tokio::process::Command::new(env!("CARGO_BIN_EXE_confed"))
+            .args([
+                "verify",
+                "release",
+                "--server",
+                &server.url,
+                "--task",
+                &task,
+            ])
+            .args(["--round", round, "--trust"])
+            .arg(&trust)
+            .env("CONFED_TOKEN", &token)
+            .output()
+            .await
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&verify.stdout);
+        assert!(
+            verify.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&verify.stderr)
+        );
+        assert!(stdout.contains("VERIFIED"), "{stdout}");
+        assert!(stdout.contains("ok: receipt of key service ks"), "{stdout}");
+    }
     assert!(terminate(server).await.success());
 }

@@ -1,0 +1,381 @@
+//! The operator of the front ends, the task database and the blob store as the attacker (issue
+//! 12), against the embedded system with its real key services and an in-process enclave worker.
+//! The operator's power is modelled exactly: it chooses what the job store tells the enclave (the
+//! job row, the stored bytes) and whether the database "forgets" a committed round. Each test is
+//! named for the attack and asserts that it yields nothing new: an identical release, or none.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::system::{GOAL, collect, now_clock, open_task, start};
+use confed::aggregation::TaskDbJobStore;
+use confed_enclave::aggregate::Manifest;
+use confed_enclave::policy::TaskPolicy;
+use confed_enclave::worker::{JobError, JobSpec, JobStore, StagedRelease, StoreError, Worker};
+
+type Edit = Box<dyn Fn(&mut JobSpec) + Send + Sync>;
+
+/// The job store as a malicious operator runs it.
+struct Operator {
+    inner: Arc<TaskDbJobStore>,
+    /// Edits every leased job (the database row).
+    edit: Mutex<Option<Edit>>,
+    /// (blob key, bytes) served instead of what is stored.
+    swap: Mutex<Option<(String, Vec<u8>)>>,
+    /// A job handed out again, as if the round had been reset in the database.
+    replay: Mutex<Option<JobSpec>>,
+    /// The last job leased from the real store.
+    leased: Mutex<Option<JobSpec>>,
+    /// Every release the enclave handed over (average, manifest).
+    releases: Mutex<Vec<(Vec<u8>, Manifest)>>,
+}
+
+impl Operator {
+    fn new(inner: Arc<TaskDbJobStore>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            edit: Mutex::default(),
+            swap: Mutex::default(),
+            replay: Mutex::default(),
+            leased: Mutex::default(),
+            releases: Mutex::default(),
+        })
+    }
+
+    fn replaying(&self) -> bool {
+        self.replay.lock().unwrap().is_some()
+    }
+}
+
+impl JobStore for Operator {
+    async fn lease(&self, worker: &str, lease: Duration) -> Result<Option<JobSpec>, StoreError> {
+        let replay = self.replay.lock().unwrap().clone();
+        let mut job = match replay {
+            Some(job) => job,
+            None => match self.inner.lease(worker, lease).await? {
+                Some(job) => {
+                    *self.leased.lock().unwrap() = Some(job.clone());
+                    job
+                }
+                None => return Ok(None),
+            },
+        };
+        if let Some(edit) = self.edit.lock().unwrap().as_ref() {
+            edit(&mut job);
+        }
+        Ok(Some(job))
+    }
+    async fn renew(&self, job_id: &str, worker: &str, lease: Duration) -> Result<(), StoreError> {
+        if self.replaying() {
+            return Ok(());
+        }
+        self.inner.renew(job_id, worker, lease).await
+    }
+    async fn fetch(&self, blob_key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        if let Some((key, bytes)) = self.swap.lock().unwrap().as_ref()
+            && key == blob_key
+        {
+            return Ok(Some(bytes.clone()));
+        }
+        self.inner.fetch(blob_key).await
+    }
+    async fn commit_release(
+        &self,
+        job_id: &str,
+        worker: &str,
+        release: StagedRelease<'_>,
+    ) -> Result<(), StoreError> {
+        self.releases
+            .lock()
+            .unwrap()
+            .push((release.average.to_vec(), release.manifest.clone()));
+        if self.replaying() {
+            return Ok(());
+        }
+        self.inner.commit_release(job_id, worker, release).await
+    }
+    async fn commit_model(
+        &self,
+        job_id: &str,
+        worker: &str,
+        model: &[u8],
+    ) -> Result<(), StoreError> {
+        if self.replaying() {
+            return Ok(());
+        }
+        self.inner.commit_model(job_id, worker, model).await
+    }
+    async fn fail(
+        &self,
+        job_id: &str,
+        worker: &str,
+        reason: &str,
+        permanent: bool,
+    ) -> Result<(), StoreError> {
+        if self.replaying() {
+            return Ok(());
+        }
+        self.inner.fail(job_id, worker, reason, permanent).await
+    }
+}
+
+struct Scene {
+    system: confed::embedded::EmbeddedSystem,
+    _dir: tempfile::TempDir,
+    operator: Arc<Operator>,
+    worker: Worker<Operator>,
+}
+
+/// The embedded system with a task whose first round holds `GOAL` contributions.
+async fn scene(population: &str) -> (Scene, String) {
+    let (system, dir) = start(now_clock()).await;
+    let (_, task) = open_task(&system, population, 8.0).await;
+    collect(&system, population, 3, false).await;
+    let operator = Operator::new(system.store.clone());
+    let worker = Worker::new(operator.clone(), system.worker_config("w"));
+    (
+        Scene {
+            system,
+            _dir: dir,
+            operator,
+            worker,
+        },
+        task,
+    )
+}
+
+/// Completes round 1 honestly; then resets it (replays its job) with `edit` applied.
+async fn complete_then_replay(scene: &Scene, edit: Edit) -> Result<(), JobError> {
+    scene
+        .worker
+        .run_once()
+        .await
+        .unwrap()
+        .expect("round 1 runs");
+    assert_eq!(scene.operator.releases.lock().unwrap().len(), 1);
+    let mut job = scene.operator.leased.lock().unwrap().clone().unwrap();
+    job.committed_average = None;
+    *scene.operator.replay.lock().unwrap() = Some(job);
+    *scene.operator.edit.lock().unwrap() = Some(edit);
+    scene.worker.run_once().await.map(drop)
+}
+
+fn refused_by_the_ledger(error: &JobError) -> bool {
+    error.to_string().contains("release_ledger")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rerunning_a_completed_round_after_a_database_reset_releases_identical_bytes() {
+    let (scene, _) = scene("reset").await;
+    complete_then_replay(&scene, Box::new(|_| {}))
+        .await
+        .unwrap();
+    let releases = scene.operator.releases.lock().unwrap().clone();
+    assert_eq!(releases.len(), 2);
+    assert_eq!(
+        releases[0].0, releases[1].0,
+        "the same noised average, byte for byte"
+    );
+    assert_eq!(releases[0].1, releases[1].1);
+    scene.system.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_higher_attempt_number_releases_identical_bytes() {
+    let (scene, _) = scene("attempt").await;
+    complete_then_replay(&scene, Box::new(|job| job.attempt = 9))
+        .await
+        .unwrap();
+    let releases = scene.operator.releases.lock().unwrap().clone();
+    assert_eq!(releases[0].0, releases[1].0);
+    scene.system.shutdown().await;
+}
+
+/// The attack that recovered a device's update before: replace one stored envelope with one the
+/// operator sealed with the public key for the same assignment ref (it knows the round's policy
+/// and model hashes), and run the round again. The inputs differ, so the commitment differs, and
+/// the key services refuse it for a round already committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_swapped_envelope_for_a_committed_round_is_refused_by_the_key_services() {
+    let (scene, task) = scene("swap").await;
+    scene.worker.run_once().await.unwrap().unwrap();
+    let job = scene.operator.leased.lock().unwrap().clone().unwrap();
+    let (victim_ref, victim_key) = job.contributions[0].clone();
+    let context = scene.system.db.round_context(&task, 1).await.unwrap();
+    let forged = {
+        let zero = confed_enclave::model::validate_model(&job.model).unwrap();
+        let values = vec![0f32; zero.parameter_count()];
+        let update = confed_enclave::aggregate::encode(&zero, &values).unwrap();
+        let aad = confed_enclave::envelope::aad(&context, &victim_ref);
+        let (enc, ct) = confed_enclave::hpke_awslc::seal(
+            &job.public_key,
+            &confed_enclave::envelope::info(&job.key_id),
+            &aad,
+            &update,
+        )
+        .unwrap();
+        confed_enclave::envelope::Envelope {
+            key_id: job.key_id.clone(),
+            encapsulated_key: enc,
+            ciphertext: ct,
+            chunk: None,
+        }
+        .to_cbor()
+    };
+    *scene.operator.swap.lock().unwrap() = Some((victim_key, forged));
+    let mut replay = job.clone();
+    replay.committed_average = None;
+    *scene.operator.replay.lock().unwrap() = Some(replay);
+    let error = scene.worker.run_once().await.unwrap_err();
+    assert!(refused_by_the_ledger(&error), "{error}");
+    assert_eq!(
+        scene.operator.releases.lock().unwrap().len(),
+        1,
+        "no second release"
+    );
+    scene.system.shutdown().await;
+}
+
+/// Privacy parameters changed in the database before the round is aggregated: the enclave takes
+/// the changed policy, but every contribution is bound to the devices' policy, so nothing opens
+/// and nothing is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn privacy_parameters_changed_in_the_database_open_nothing() {
+    type Change = fn(&mut TaskPolicy);
+    let edits: [(&str, Change); 3] = [
+        ("clip", |p| p.clip_norm = 4.0),
+        ("epsilon", |p| p.epsilon = 50.0),
+        ("rounds", |p| p.rounds = 30),
+    ];
+    for (population, change) in edits {
+        let (scene, _) = scene(population).await;
+        *scene.operator.edit.lock().unwrap() = Some(Box::new(move |job: &mut JobSpec| {
+            let mut policy = TaskPolicy::parse(&job.policy).unwrap();
+            change(&mut policy);
+            job.policy = policy.encode();
+        }));
+        let error = scene.worker.run_once().await.unwrap_err();
+        assert!(
+            error.to_string().contains(&format!(
+                "no contribution of the round was valid ({GOAL} excluded)"
+            )),
+            "{population}: {error}"
+        );
+        assert!(
+            scene.operator.releases.lock().unwrap().is_empty(),
+            "{population}"
+        );
+        scene.system.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_beyond_the_plan_is_refused() {
+    let (scene, _) = scene("beyond").await;
+    *scene.operator.edit.lock().unwrap() = Some(Box::new(|job: &mut JobSpec| job.round = 4));
+    let error = scene.worker.run_once().await.unwrap_err();
+    assert!(
+        error
+            .to_string()
+            .contains("outside the task's 3 planned rounds"),
+        "{error}"
+    );
+    assert!(scene.operator.releases.lock().unwrap().is_empty());
+    scene.system.shutdown().await;
+}
+
+/// A holder of the worker token commits a release the enclave did not make: an average of its
+/// choice, a manifest that names the right policy and model, an enclave signature and receipts
+/// made with keys of its own. The front end verifies the proof and refuses it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_committed_with_the_worker_token_but_no_valid_receipts_is_refused() {
+    let (scene, task) = scene("forge").await;
+    let store = &scene.system.store;
+    let job = store
+        .lease("forger", Duration::from_secs(60))
+        .await
+        .unwrap()
+        .unwrap();
+    let context = scene.system.db.round_context(&task, 1).await.unwrap();
+    let schema = confed_enclave::model::validate_model(&job.model).unwrap();
+    let average =
+        confed_enclave::aggregate::encode(&schema, &vec![0.5; schema.parameter_count()]).unwrap();
+    let manifest_json = serde_json::json!({
+        "format": "confed-release/v2", "task_id": task, "round": 1, "key_id": job.key_id,
+        "policy_sha256": context.policy_sha256, "model_sha256": context.model_sha256,
+        "included": GOAL, "included_digest": "0".repeat(64), "inputs_digest": "1".repeat(64),
+        "excluded": {}, "excluded_refs": [], "clip_norm": 1.0,
+        "noise": {"mechanism": "discrete_gaussian_on_grid", "grid_units_per_clip": 65536,
+                  "variance_grid": 1, "stddev_sum": 0.0, "stddev_average": 0.0},
+        "privacy": {"epsilon_budget": 8.0, "delta": 1e-6, "rounds_planned": 3,
+                    "noise_multiplier": 0.0, "rho_round": 0.0, "rho_spent": 0.0, "epsilon_spent": 0.0},
+        "average_sha256": confed_enclave::policy::sha256_hex(&average),
+    });
+    let manifest: Manifest = serde_json::from_value(manifest_json).unwrap();
+    let commitment = confed::release_check::commitment_of(&manifest);
+    let enclave = confed_attestation::exchange::generate_signing_key();
+    let enclave_key = confed_attestation::exchange::encode_verifying_key(enclave.verifying_key());
+    let receipts = scene
+        .system
+        .keyservices
+        .iter()
+        .map(|service| {
+            let mut receipt = confed_attestation::release::Receipt {
+                keyservice_id: service.id.clone(),
+                key_id: job.key_id.clone(),
+                task_id: task.clone(),
+                round: 1,
+                commitment_sha256: commitment.digest(),
+                enclave_signing_key: enclave_key.clone(),
+                image_digest: "none".into(),
+                policy: "dev".into(),
+                at: 0,
+                signature: String::new(),
+            };
+            receipt.sign(&confed_attestation::exchange::generate_signing_key());
+            receipt
+        })
+        .collect();
+    let proof = confed_attestation::release::ReleaseProof {
+        enclave: confed_attestation::release::ReleaseSignature {
+            enclave_signing_key: enclave_key,
+            signature: confed_attestation::release::sign_text(
+                &enclave,
+                &confed_attestation::release::release_text(
+                    &commitment,
+                    &confed_enclave::policy::sha256_hex(&manifest.to_json()),
+                    &manifest.average_sha256,
+                ),
+            ),
+        },
+        commitment,
+        receipts,
+    };
+    let refused = store
+        .commit_release(
+            &job.job_id,
+            "forger",
+            StagedRelease {
+                average: &average,
+                manifest: &manifest,
+                proof: &proof,
+            },
+        )
+        .await;
+    let Err(StoreError::Refused(why)) = refused else {
+        panic!("a forged release was accepted: {refused:?}");
+    };
+    assert!(why.contains("0 of the 2 receipts"), "{why}");
+    assert!(
+        scene
+            .system
+            .db
+            .releases_of_task(&task)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    scene.system.shutdown().await;
+}
