@@ -80,6 +80,8 @@ def terraform():
             finding(TERRAFORM, f"{role} grants more than create and read")
     if "confidential-space-debug" in everything:
         finding(TERRAFORM, "production enclave VMs must not boot the debug image")
+    if re.search(r"tee-env-CONFED_WORKER_TOKEN\s*=", everything):
+        finding(TERRAFORM, "the worker token must not travel in tee-env (it lands in every attestation token): use tee-env-CONFED_WORKER_TOKEN_SECRET")
 
 
 def containers_of(doc):

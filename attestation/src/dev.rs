@@ -17,6 +17,9 @@ pub const DEV_ISSUER: &str = "urn:confed:dev-attester";
 /// The hardware model dev tokens claim, which no real TEE reports and only the dev policy allows.
 pub const DEV_HWMODEL: &str = "DEV_NO_TEE";
 pub const DEV_KID: &str = "confed-dev-attester";
+/// The project and service account every dev token names (no GCP project exists behind them).
+pub const DEV_PROJECT: &str = "confed-dev-no-tee";
+pub const DEV_SERVICE_ACCOUNT: &str = "dev-enclave@confed-dev-no-tee.iam.gserviceaccount.com";
 
 /// The image digest dev tokens report: SHA-256 of the text `confed-dev-enclave`.
 pub fn dev_image_digest() -> String {
@@ -104,6 +107,8 @@ impl DevAttester {
         claims.hwmodel = DEV_HWMODEL.into();
         claims.secboot = false;
         claims.image_digest = Some(dev_image_digest());
+        claims.project_id = DEV_PROJECT.into();
+        claims.service_accounts = vec![DEV_SERVICE_ACCOUNT.into()];
         claims
     }
 }

@@ -142,6 +142,15 @@ impl AppraisalPolicy {
         if self.platform.hardware_models.is_empty() {
             return Err("platform.hardware_models must list at least one model".into());
         }
+        let workload = &self.workload;
+        if !workload.image_digests.is_empty()
+            && (workload.project_ids.is_empty() || workload.service_accounts.is_empty())
+        {
+            return Err(
+                "a policy that allows an image digest must also list workload.project_ids and workload.service_accounts: the public image started in someone else's project, under their service account, must not obtain shares"
+                    .into(),
+            );
+        }
         for digest in &self.workload.image_digests {
             let hex = digest.strip_prefix("sha256:").unwrap_or("");
             if hex.len() != 64 || !hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
@@ -175,6 +184,8 @@ mod tests {
         min_swversion = 1
         [workload]
         image_digests = ["sha256:0000000000000000000000000000000000000000000000000000000000000000"]
+        project_ids = ["confed-example"]
+        service_accounts = ["enclave@confed-example.iam.gserviceaccount.com"]
     "#;
 
     #[test]
@@ -209,6 +220,11 @@ mod tests {
             (
                 "hardware_models = [\"GCP_AMD_SEV\"]",
                 "hardware_models = []",
+            ),
+            ("project_ids = [\"confed-example\"]", "project_ids = []"),
+            (
+                "service_accounts = [\"enclave@confed-example.iam.gserviceaccount.com\"]",
+                "",
             ),
         ];
         for (from, to) in cases {

@@ -148,7 +148,8 @@ fn genuine_token_passes_every_production_check() {
 }
 
 /// The launch policy lets the operator say where things are (server, key services, threshold,
-/// worker token) and nothing else; the production policy accepts exactly those overrides.
+/// the Secret Manager secret holding the worker token) and nothing else; the production policy
+/// accepts exactly those overrides.
 #[test]
 fn genuine_token_with_only_the_allowed_env_overrides_passes() {
     let root = TestRoot::load();
@@ -157,10 +158,43 @@ fn genuine_token_with_only_the_allowed_env_overrides_passes() {
         "CONFED_SERVER": "https://confed.example.org",
         "CONFED_KEYSERVICES": "ks1=https://ks1.example.org,ks2=https://ks2.example.org",
         "CONFED_THRESHOLD": "2",
-        "CONFED_WORKER_TOKEN": "opaque",
+        "CONFED_WORKER_TOKEN_SECRET": "projects/p/secrets/worker-token/versions/latest",
     }));
     let appraisal = run(&root.sign(&claims), &production_policy(), &root.jwks());
     assert!(appraisal.report.passed(), "{:?}", failed_checks(&appraisal));
+}
+
+/// The worker token itself in the launch environment would be copied into every attestation
+/// token (and so into every key service's logs): the production policy refuses it.
+#[test]
+fn a_worker_token_passed_in_the_launch_environment_is_refused() {
+    let root = TestRoot::load();
+    let mut claims = good_claims();
+    claims.env_override = Some(serde_json::json!({"CONFED_WORKER_TOKEN": "opaque"}));
+    let appraisal = run(&root.sign(&claims), &production_policy(), &root.jwks());
+    assert_eq!(failed_checks(&appraisal), ["env_override"]);
+}
+
+/// The production policy file, once an operator allow-lists a digest, must also pin the projects
+/// and service accounts: the public image started in someone else's project obtains nothing.
+#[test]
+fn the_production_policy_with_a_digest_but_no_project_does_not_load() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../policies/confidential-space.toml"
+    ))
+    .unwrap();
+    let digest = format!("image_digests = [\"sha256:{}\"]", "a".repeat(64));
+    let only_digest = text.replace("image_digests = []", &digest);
+    let error = AppraisalPolicy::from_toml(&only_digest).unwrap_err();
+    assert!(error.contains("project_ids"), "{error}");
+    let pinned = only_digest
+        .replace("project_ids = []", "project_ids = [\"confed-example\"]")
+        .replace(
+            "service_accounts = []",
+            "service_accounts = [\"enclave@confed-example.iam.gserviceaccount.com\"]",
+        );
+    AppraisalPolicy::from_toml(&pinned).unwrap();
 }
 
 /// How a bad token is made.

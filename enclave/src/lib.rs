@@ -14,6 +14,7 @@ pub mod key_collection;
 pub mod model;
 pub mod policy;
 pub mod remote;
+pub mod secret;
 pub mod shares;
 pub mod updater;
 pub mod worker;

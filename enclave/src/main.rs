@@ -5,8 +5,9 @@
 //! Privacy-relevant limits (maximum epsilon and delta, the noise mechanism) are compiled in, so
 //! they are part of the image digest the key services' policies allow-list; the command line
 //! (or, in Confidential Space, where the command cannot be overridden, the environment:
-//! CONFED_SERVER, CONFED_KEYSERVICES, CONFED_THRESHOLD, CONFED_WORKER_TOKEN) only says where
-//! things are.
+//! CONFED_SERVER, CONFED_KEYSERVICES, CONFED_THRESHOLD, CONFED_WORKER_TOKEN_SECRET) only says
+//! where things are. The worker token itself comes from Secret Manager there (`secret.rs`): launch
+//! variables end up in the attestation token every key service receives.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -38,9 +39,14 @@ struct Args {
     /// Base URL of the confed server's worker API.
     #[arg(long, env = "CONFED_SERVER")]
     server: String,
-    /// File holding the worker token (else CONFED_WORKER_TOKEN).
+    /// File holding the worker token (else --worker-token-secret, else CONFED_WORKER_TOKEN).
     #[arg(long)]
     worker_token_file: Option<PathBuf>,
+    /// Secret Manager secret version holding the worker token
+    /// (`projects/P/secrets/S/versions/V`), read with the VM's service account: how the token
+    /// reaches an enclave in Confidential Space.
+    #[arg(long, env = "CONFED_WORKER_TOKEN_SECRET")]
+    worker_token_secret: Option<String>,
     /// A key service as ID=URL (repeat for each; or CONFED_KEYSERVICES, comma-separated).
     #[arg(
         long = "keyservice",
@@ -85,15 +91,26 @@ fn parse_keyservice(text: &str) -> Result<KeyServiceEndpoint, String> {
     })
 }
 
-fn worker_token(file: Option<&Path>) -> Result<Zeroizing<String>> {
-    let token = match file {
-        Some(path) => std::fs::read_to_string(path)
-            .with_context(|| format!("reading the worker token file {}", path.display()))?,
-        None => std::env::var("CONFED_WORKER_TOKEN").unwrap_or_default(),
+async fn worker_token(file: Option<&Path>, secret: Option<&str>) -> Result<Zeroizing<String>> {
+    let token = match (file, secret) {
+        (Some(path), _) => Zeroizing::new(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading the worker token file {}", path.display()))?,
+        ),
+        (None, Some(name)) => {
+            let http = confed_enclave::http::client(Duration::from_secs(30));
+            confed_enclave::secret::SecretManager::google(http)
+                .access(name)
+                .await
+                .with_context(|| format!("reading the worker token from Secret Manager ({name})"))?
+        }
+        (None, None) => Zeroizing::new(std::env::var("CONFED_WORKER_TOKEN").unwrap_or_default()),
     };
     let token = Zeroizing::new(token.trim().to_string());
     if token.is_empty() {
-        bail!("no worker token: pass --worker-token-file or set CONFED_WORKER_TOKEN");
+        bail!(
+            "no worker token: pass --worker-token-file, --worker-token-secret (CONFED_WORKER_TOKEN_SECRET) or set CONFED_WORKER_TOKEN"
+        );
     }
     Ok(token)
 }
@@ -109,7 +126,11 @@ fn dev_attester(path: &Path) -> Result<DevAttester> {
 }
 
 async fn run(args: Args) -> Result<()> {
-    let token = worker_token(args.worker_token_file.as_deref())?;
+    let token = worker_token(
+        args.worker_token_file.as_deref(),
+        args.worker_token_secret.as_deref(),
+    )
+    .await?;
     let attester: Arc<dyn Attester> = match args.attester {
         AttesterKind::ConfidentialSpace => {
             Arc::new(ConfidentialSpaceAttester::new(&args.launcher_socket))

@@ -46,15 +46,17 @@ resource "google_compute_instance_template" "enclave" {
   }
 
   # Only what the image's launch policy allows to be set (deploy/confidential-space/Dockerfile):
-  # where the server and key services are, and the worker token. Nothing here can weaken privacy.
+  # where the server and key services are, and which secret holds the worker token. Never the
+  # token itself: every tee-env value is copied into the attestation token each key service
+  # receives. Nothing here can weaken privacy.
   metadata = {
-    tee-image-reference         = var.enclave_image
-    tee-restart-policy          = "Always"
-    tee-container-log-redirect  = "false"
-    tee-env-CONFED_SERVER       = var.server_url
-    tee-env-CONFED_KEYSERVICES  = local.keyservices
-    tee-env-CONFED_THRESHOLD    = tostring(var.threshold)
-    tee-env-CONFED_WORKER_TOKEN = var.worker_token
+    tee-image-reference                = var.enclave_image
+    tee-restart-policy                 = "Always"
+    tee-container-log-redirect         = "false"
+    tee-env-CONFED_SERVER              = var.server_url
+    tee-env-CONFED_KEYSERVICES         = local.keyservices
+    tee-env-CONFED_THRESHOLD           = tostring(var.threshold)
+    tee-env-CONFED_WORKER_TOKEN_SECRET = "${google_secret_manager_secret.worker_token.id}/versions/latest"
   }
 
   lifecycle {

@@ -72,3 +72,20 @@ resource "google_project_iam_member" "enclave_pulls_image" {
   role    = "roles/artifactregistry.reader"
   member  = "serviceAccount:${google_service_account.enclave.email}"
 }
+
+# The worker token: the enclave VMs read it from Secret Manager with their own service account
+# (confed-enclave --worker-token-secret). The secret's value is added out of band and never
+# enters Terraform state:
+#   gcloud secrets versions add NAME-worker-token --data-file=worker-token
+resource "google_secret_manager_secret" "worker_token" {
+  secret_id = "${var.name}-worker-token"
+  replication {
+    auto {}
+  }
+}
+
+resource "google_secret_manager_secret_iam_member" "enclave_reads_worker_token" {
+  secret_id = google_secret_manager_secret.worker_token.id
+  role      = "roles/secretmanager.secretAccessor"
+  member    = "serviceAccount:${google_service_account.enclave.email}"
+}

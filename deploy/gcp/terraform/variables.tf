@@ -81,9 +81,3 @@ variable "threshold" {
   type        = number
   default     = 2
 }
-
-variable "worker_token" {
-  description = "The worker token itself (32+ characters), passed to the enclave VMs as tee-env-CONFED_WORKER_TOKEN."
-  type        = string
-  sensitive   = true
-}
