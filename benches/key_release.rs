@@ -193,6 +193,7 @@ async fn collection() {
         commitment: confed_attestation::release::ReleaseCommitment {
             task_id: "t".into(),
             round: 1,
+            key_id: outcome.key.key_id.clone(),
             policy_sha256: policy.sha256_hex(),
             model_sha256: "0".repeat(64),
             inputs_digest: "1".repeat(64),

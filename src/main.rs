@@ -77,6 +77,10 @@ enum VerifyCommand {
         trust: PathBuf,
         #[arg(long)]
         token_file: Option<PathBuf>,
+        /// The task policy text you expect (e.g. saved from GET /v1/tasks/{id} when you created
+        /// the task): the release must name exactly it.
+        #[arg(long)]
+        policy: Option<PathBuf>,
     },
 }
 
@@ -391,7 +395,13 @@ async fn verify(command: VerifyCommand) -> Result<()> {
         round,
         trust,
         token_file,
+        policy,
     } = command;
+    let policy = policy
+        .map(|path| {
+            std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
+        })
+        .transpose()?;
     let token = match &token_file {
         Some(path) => zeroize::Zeroizing::new(
             std::fs::read_to_string(path)
@@ -404,7 +414,15 @@ async fn verify(command: VerifyCommand) -> Result<()> {
         })?),
     };
     let trust = confed::device::TrustConfig::load(&trust)?;
-    let verified = confed::verify::verify_release(&server, &token, &task, round, &trust).await?;
+    let verified = confed::verify::verify_release_under(
+        &server,
+        &token,
+        &task,
+        round,
+        &trust,
+        policy.as_deref(),
+    )
+    .await?;
     for line in &verified.lines {
         println!("{line}");
     }

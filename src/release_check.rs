@@ -20,6 +20,7 @@ pub fn commitment_of(manifest: &Manifest) -> ReleaseCommitment {
     ReleaseCommitment {
         task_id: manifest.task_id.clone(),
         round: manifest.round,
+        key_id: manifest.key_id.clone(),
         policy_sha256: manifest.policy_sha256.clone(),
         model_sha256: manifest.model_sha256.clone(),
         inputs_digest: manifest.inputs_digest.clone(),

@@ -143,16 +143,62 @@ pub async fn verify_release(
     round: u64,
     trust: &TrustConfig,
 ) -> Result<Verified, VerifyError> {
+    verify_release_under(server, token, task, round, trust, None).await
+}
+
+/// `verify_release`, also requiring the release to be under `expected_policy` (the exact text
+/// of the task policy the partner expects).
+pub async fn verify_release_under(
+    server: &str,
+    token: &str,
+    task: &str,
+    round: u64,
+    trust: &TrustConfig,
+    expected_policy: Option<&str>,
+) -> Result<Verified, VerifyError> {
     let http = confed_enclave::http::client(std::time::Duration::from_secs(30));
     let fetched = fetch(&http, server, token, task, round).await?;
-    check(
+    let mut verified = check(
         &fetched.proof,
         &fetched.manifest_bytes,
         &fetched.average,
         task,
         round,
         trust,
-    )
+    )?;
+    if let Some(text) = expected_policy {
+        let manifest: Manifest = serde_json::from_slice(&fetched.manifest_bytes).map_err(|e| {
+            VerifyError::Malformed {
+                what: "manifest".into(),
+                detail: e.to_string(),
+            }
+        })?;
+        let (ok, what) = match confed_enclave::policy::TaskPolicy::parse(text) {
+            Ok(policy) => (
+                sha256_hex(text.as_bytes()) == manifest.policy_sha256,
+                format!(
+                    "the release names the expected policy {} (epsilon {}, delta {}, clip norm {}, {} rounds, min_reports {})",
+                    sha256_hex(text.as_bytes()),
+                    policy.epsilon,
+                    policy.delta,
+                    policy.clip_norm,
+                    policy.rounds,
+                    policy.min_reports
+                ),
+            ),
+            Err(e) => (
+                false,
+                format!("the expected policy is not a task policy: {e}"),
+            ),
+        };
+        verified
+            .lines
+            .push(format!("{}: {what}", if ok { "ok" } else { "FAILED" }));
+        if !ok {
+            verified.failures.push(what);
+        }
+    }
+    Ok(verified)
 }
 
 /// The offline part: everything from bytes.

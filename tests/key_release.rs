@@ -57,7 +57,9 @@ async fn round_trip_five_shares_threshold_three_opens_a_ciphertext() {
 
 #[tokio::test]
 async fn down_refusing_and_lying_services_are_named_and_the_others_suffice() {
-    let world = World::new(3, 6);
+    // 7 of 13: a quorum (10) of honest, consistent key services survives one down, one refusing
+    // and one lying key service.
+    let world = World::new(7, 13);
     let client = confed_enclave::http::client(TIMEOUT);
     let mut endpoints = vec![KeyServiceEndpoint {
         id: "ks1".into(),
@@ -68,7 +70,7 @@ async fn down_refusing_and_lying_services_are_named_and_the_others_suffice() {
     // must meet the bad share and find it among the others.
     let (liar_done, gate) = watch::channel(false);
     endpoints.extend(start_from(&world, 3, Behaviour::Lying, Some(Gate::Opens(liar_done))).await);
-    for index in 4..=6 {
+    for index in 4..=13 {
         endpoints.extend(
             start_from(
                 &world,
@@ -93,9 +95,14 @@ async fn down_refusing_and_lying_services_are_named_and_the_others_suffice() {
         obtained.private_key.public_key().unwrap(),
         public_key(&world.key)
     );
-    let mut used = obtained.used.clone();
-    used.sort();
-    assert_eq!(used, ["ks4", "ks5", "ks6"]);
+    assert_eq!(obtained.used.len(), 7);
+    assert!(
+        obtained
+            .used
+            .iter()
+            .all(|id| !["ks1", "ks2", "ks3"].contains(&id.as_str()))
+    );
+    assert_eq!(obtained.receipts.len(), 10, "the liar's receipt is dropped");
     let failure = |id: &str| {
         obtained
             .failures
@@ -117,6 +124,48 @@ async fn down_refusing_and_lying_services_are_named_and_the_others_suffice() {
         failure("ks2")
     );
     assert_eq!(failure("ks3"), Some(ServiceFailure::InconsistentShare));
+}
+
+/// The same faults against 3 of 6: the key reconstructs, but only 3 honest key services
+/// recorded the commitment and a release needs 5 (any two such sets share 3 key services): the
+/// enclave refuses to go on, and names why.
+#[tokio::test]
+async fn without_a_quorum_of_recorded_commitments_the_enclave_does_not_go_on() {
+    let world = World::new(3, 6);
+    let client = confed_enclave::http::client(TIMEOUT);
+    let mut endpoints = vec![KeyServiceEndpoint {
+        id: "ks1".into(),
+        url: down_url().await,
+    }];
+    endpoints.extend(start_from(&world, 2, Behaviour::Refusing, None).await);
+    endpoints.extend(start_from(&world, 3, Behaviour::Lying, None).await);
+    for index in 4..=6 {
+        endpoints.extend(start_from(&world, index, Behaviour::Honest, None).await);
+    }
+    let error = obtain_private_key(
+        &client,
+        &endpoints,
+        &world.request(),
+        world.attester.as_ref(),
+        &confed_attestation::exchange::generate_signing_key(),
+        TIMEOUT,
+    )
+    .await
+    .unwrap_err();
+    let CollectError::NoQuorum {
+        recorded,
+        needed,
+        failures,
+        ..
+    } = &error
+    else {
+        panic!("{error}");
+    };
+    assert_eq!((*recorded, *needed), (3, 5), "{error}");
+    let named: Vec<&str> = failures.iter().map(|(id, _)| id.as_str()).collect();
+    for id in ["ks1", "ks2", "ks3"] {
+        assert!(named.contains(&id), "{error}");
+    }
 }
 
 #[tokio::test]
@@ -256,11 +305,17 @@ impl Session {
         response.json().await.unwrap()
     }
 
+    /// The `eat_nonce` binding of this session's keys and of the commitment `request` sends.
     fn binding(&self) -> String {
         key_binding(
             &self.ephemeral.0,
             self.signing.verifying_key().to_sec1_point(false).as_bytes(),
+            &self.commitment().digest(),
         )
+    }
+
+    fn commitment(&self) -> confed_attestation::release::ReleaseCommitment {
+        commitment(&self.key_id, &TaskPolicy::sample("task-1", 3), 2, "1")
     }
 
     async fn release(&self, key_id: &str, request: &ReleaseRequest) -> (u16, Value) {
@@ -284,7 +339,7 @@ impl Session {
             nonce: nonce.to_string(),
             task_id: "task-1".into(),
             round: 2,
-            commitment: commitment(&policy, 2, "1"),
+            commitment: self.commitment(),
             policy: policy.encode(),
         }
     }
@@ -536,16 +591,17 @@ async fn devices_accept_a_key_only_with_threshold_signatures_from_trusted_servic
 
 #[tokio::test]
 async fn a_slow_key_service_is_waited_for_only_briefly_and_times_out_when_needed() {
-    let world = World::new(2, 3);
+    let world = World::new(3, 5);
     let client = confed_enclave::http::client(TIMEOUT);
     // ks1 never answers: its gate never opens.
     let (_never, closed) = watch::channel(false);
     let mut endpoints =
         start_from(&world, 1, Behaviour::Honest, Some(Gate::WaitsFor(closed))).await;
-    endpoints.extend(start_from(&world, 2, Behaviour::Honest, None).await);
-    endpoints.extend(start_from(&world, 3, Behaviour::Honest, None).await);
-    // Two fast services suffice: the collection gives the slow one the short ledger grace, not
-    // the whole per-service timeout, and names it.
+    for index in 2..=5 {
+        endpoints.extend(start_from(&world, index, Behaviour::Honest, None).await);
+    }
+    // Four fast services are a quorum for 3 of 5: the collection gives the slow one the short
+    // ledger grace, not the whole per-service timeout, and names it.
     let started = std::time::Instant::now();
     let obtained = obtain_private_key(
         &client,
@@ -557,9 +613,9 @@ async fn a_slow_key_service_is_waited_for_only_briefly_and_times_out_when_needed
     )
     .await
     .unwrap();
-    assert_eq!(obtained.used.len(), 2);
+    assert_eq!(obtained.used.len(), 3);
     assert!(!obtained.used.contains(&"ks1".to_string()));
-    assert_eq!(obtained.receipts.len(), 2);
+    assert_eq!(obtained.receipts.len(), 4);
     assert!(started.elapsed() < TIMEOUT, "waited only the grace");
     assert_eq!(
         obtained.failures,
@@ -572,7 +628,7 @@ async fn a_slow_key_service_is_waited_for_only_briefly_and_times_out_when_needed
     let short = Duration::from_millis(300);
     let error = obtain_private_key(
         &client,
-        &endpoints[..2],
+        &endpoints[..3],
         &world.request(),
         world.attester.as_ref(),
         &confed_attestation::exchange::generate_signing_key(),

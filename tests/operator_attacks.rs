@@ -331,6 +331,8 @@ async fn a_release_committed_with_the_worker_token_but_no_valid_receipts_is_refu
                 enclave_signing_key: enclave_key.clone(),
                 image_digest: "none".into(),
                 policy: "dev".into(),
+                threshold: 2,
+                shares: 3,
                 at: 0,
                 signature: String::new(),
             };

@@ -39,7 +39,7 @@ fn request_for(world: &World, policy: &TaskPolicy, round: u64, inputs: &str) -> 
     KeyRequest {
         task_id: policy.task_id.clone(),
         round,
-        commitment: commitment(policy, round, inputs),
+        commitment: commitment(&world.key.key_id, policy, round, inputs),
         policy: policy.encode(),
         ..world.request()
     }
@@ -66,6 +66,7 @@ fn refused_by(error: &CollectError, check: &str) -> usize {
     let failures = match error {
         CollectError::NotEnoughShares { failures, .. } => failures,
         CollectError::Inconsistent { failures, .. } => failures,
+        CollectError::NoQuorum { failures, .. } => failures,
     };
     failures
         .iter()

@@ -384,24 +384,37 @@ async fn serve_alone_runs_rounds_with_its_embedded_enclave_across_restarts() {
         .await
         .unwrap();
     assert_eq!(state["state"], "COMPLETED");
-    // Each release verifies offline against the devices' trust file: signed by the enclave,
-    // receipts of the key services the devices trust.
-    for round in ["1", "2"] {
-        let verify = tokio::process::Command::new(env!("CARGO_BIN_EXE_confed"))
-            .args([
-                "verify",
-                "release",
-                "--server",
-                &server.url,
-                "--task",
-                &task,
-            ])
-            .args(["--round", round, "--trust"])
+    // Each release verifies offline against the devices' trust file (signed by the enclave,
+    // receipts of the key services the devices trust) and the policy the partner saw.
+    let policy = dir.path().join("policy.txt");
+    std::fs::write(&policy, state["policy"].as_str().unwrap()).unwrap();
+    let verify = |round: &'static str, policy: std::path::PathBuf| {
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_confed"))
+            .args(["verify", "release", "--server", &server.url])
+            .args(["--task", &task, "--round", round, "--trust"])
             .arg(&trust)
+            .arg("--policy")
+            .arg(policy)
             .env("CONFED_TOKEN", &token)
             .output()
-            .await
-            .unwrap();
+    };
+    let looser = dir.path().join("looser-policy.txt");
+    std::fs::write(
+        &looser,
+        state["policy"]
+            .as_str()
+            .unwrap()
+            .replace("epsilon=5e1", "epsilon=1e2"),
+    )
+    .unwrap();
+    let refused = verify("1", looser).await.unwrap();
+    assert!(!refused.status.success(), "a release under another policy");
+    assert!(
+        String::from_utf8_lossy(&refused.stdout)
+            .contains("FAILED: the release names the expected policy")
+    );
+    for round in ["1", "2"] {
+        let verify = verify(round, policy.clone()).await.unwrap();
         let stdout = String::from_utf8_lossy(&verify.stdout);
         assert!(
             verify.status.success(),

@@ -88,13 +88,13 @@ impl ReleaseRequest {
         if request.nonce.is_empty() || request.nonce.len() > MAX_NONCE_CHARS {
             return Err(format!("`nonce` must be 1-{MAX_NONCE_CHARS} characters"));
         }
-        let task_ok = (1..=64).contains(&request.task_id.len())
+        let task_ok = (1..=128).contains(&request.task_id.len())
             && request
                 .task_id
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
         if !task_ok {
-            return Err("`task_id` must be 1-64 of A-Z a-z 0-9 . _ -".into());
+            return Err("`task_id` must be 1-128 of A-Z a-z 0-9 . _ -".into());
         }
         request.commitment.check()?;
         if request.commitment.task_id != request.task_id
@@ -233,7 +233,7 @@ mod tests {
             "token": "a.b.c", "ephemeral_public_key": URL_SAFE_NO_PAD.encode([7u8; 32]),
             "enclave_signing_key": encode_verifying_key(signing.verifying_key()),
             "nonce": "n", "task_id": "t-1", "round": 3,
-            "commitment": {"task_id": "t-1", "round": 3, "policy_sha256": "a".repeat(64),
+            "commitment": {"task_id": "t-1", "round": 3, "key_id": "k1", "policy_sha256": "a".repeat(64),
                            "model_sha256": "b".repeat(64), "inputs_digest": "c".repeat(64)},
             "policy": "p",
         });

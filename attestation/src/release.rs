@@ -30,6 +30,9 @@ use crate::appraise::sha256_hex;
 pub struct ReleaseCommitment {
     pub task_id: String,
     pub round: u64,
+    /// The task key the contributions are sealed to (two keys active at once must not yield
+    /// two releases of one round).
+    pub key_id: String,
     /// Lowercase hex SHA-256 of the task policy text.
     pub policy_sha256: String,
     /// Lowercase hex SHA-256 of the base model version (`round - 1`).
@@ -58,6 +61,9 @@ impl ReleaseCommitment {
         if self.round == 0 {
             return Err("`commitment.round` must be at least 1".into());
         }
+        if !is_id(&self.key_id) {
+            return Err("`commitment.key_id` must be 1-128 of A-Z a-z 0-9 . _ -".into());
+        }
         for (name, value) in [
             ("policy_sha256", &self.policy_sha256),
             ("model_sha256", &self.model_sha256),
@@ -75,8 +81,13 @@ impl ReleaseCommitment {
     /// The canonical text; its SHA-256 is the commitment digest.
     pub fn text(&self) -> String {
         format!(
-            "confed-release-commitment-v1|{}|{}|{}|{}|{}",
-            self.task_id, self.round, self.policy_sha256, self.model_sha256, self.inputs_digest
+            "confed-release-commitment-v1|{}|{}|{}|{}|{}|{}",
+            self.task_id,
+            self.round,
+            self.key_id,
+            self.policy_sha256,
+            self.model_sha256,
+            self.inputs_digest
         )
     }
 
@@ -103,6 +114,10 @@ pub struct Receipt {
     pub image_digest: String,
     /// The name of the appraisal policy that accepted the evidence.
     pub policy: String,
+    /// The key's threshold and number of shares, from this key service's share file: what the
+    /// release quorum is computed from.
+    pub threshold: u16,
+    pub shares: u16,
     /// Unix seconds.
     pub at: i64,
     /// ECDSA P-256 / SHA-256 over `signed_text()`, base64url.
@@ -112,7 +127,7 @@ pub struct Receipt {
 impl Receipt {
     pub fn signed_text(&self) -> String {
         format!(
-            "confed-release-receipt-v1|{}|{}|{}|{}|{}|{}|{}|{}|{}",
+            "confed-release-receipt-v1|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}",
             self.keyservice_id,
             self.key_id,
             self.task_id,
@@ -121,6 +136,8 @@ impl Receipt {
             self.enclave_signing_key,
             self.image_digest,
             self.policy,
+            self.threshold,
+            self.shares,
             self.at
         )
     }
@@ -172,6 +189,15 @@ pub struct ReleaseProof {
     pub receipts: Vec<Receipt>,
 }
 
+/// How many key services must have recorded a commitment before its release may be published:
+/// `max(t, ceil((n + t) / 2))`. Any two sets of that size share at least t key services, so a
+/// second commitment for the same round needs t of them to betray or lose their ledgers: the
+/// one-release rule holds with up to t - 1 key services compromised or rolled back.
+pub fn quorum(threshold: u16, shares: u16) -> usize {
+    let (t, n) = (usize::from(threshold), usize::from(shares));
+    t.max((n + t).div_ceil(2))
+}
+
 /// One key service whose receipts are trusted: its id and verifying key.
 pub struct TrustedSigner<'a> {
     pub id: &'a str,
@@ -187,8 +213,9 @@ pub struct ProofCheck {
 
 impl ReleaseProof {
     /// Checks the proof of a release of `manifest_sha256` / `average_sha256`: the enclave's
-    /// signature, and at least `threshold` valid receipts from distinct trusted key services,
-    /// each for this commitment and this enclave key. `commitment` is what the caller derived
+    /// signature, and valid receipts from distinct trusted key services, each for this
+    /// commitment, key and enclave key, at least `quorum(threshold, n)` of them, where n is the
+    /// largest number of shares a valid receipt states. `commitment` is what the caller derived
     /// from the manifest itself; the proof's copy must equal it.
     pub fn check(
         &self,
@@ -256,6 +283,9 @@ impl ReleaseProof {
                 Some(_) if receipt.enclave_signing_key != self.enclave.enclave_signing_key => {
                     Some("issued to another enclave key".into())
                 }
+                Some(_) if receipt.key_id != commitment.key_id => {
+                    Some("for another task key".into())
+                }
                 Some(_) => None,
             };
             match problem {
@@ -276,11 +306,20 @@ impl ReleaseProof {
                 )),
             }
         }
+        let shares = self
+            .receipts
+            .iter()
+            .filter(|r| vouching.contains(&r.keyservice_id.as_str()))
+            .map(|r| r.shares)
+            .max()
+            .unwrap_or(0);
+        let threshold16 = u16::try_from(threshold).unwrap_or(u16::MAX);
+        let needed = quorum(threshold16, shares);
         record(
             &mut out,
-            vouching.len() >= threshold,
+            vouching.len() >= needed,
             format!(
-                "{} of the {threshold} receipts needed from trusted key services",
+                "{} of the {needed} receipts needed from trusted key services (threshold {threshold} of {shares} shares)",
                 vouching.len()
             ),
         );
@@ -308,12 +347,18 @@ pub fn verify_text(key: &VerifyingKey, text: &str, signature: &str) -> bool {
 pub use crate::exchange::{decode_verifying_key, encode_verifying_key};
 
 /// The value an enclave puts in its token's `eat_nonce` (besides the challenge nonce) to bind
-/// the keys of one key collection: lowercase hex SHA-256 of
-/// `"confed-enclave-keys-v1" || ephemeral X25519 public key (32) || signing key (SEC1, 65)`.
-pub fn key_binding(ephemeral_public_key: &[u8; 32], signing_key_sec1: &[u8]) -> String {
+/// its keys and the release it asks for: lowercase hex SHA-256 of
+/// `"confed-enclave-keys-v1" || ephemeral X25519 public key (32) || signing key (SEC1, 65) ||
+/// commitment digest (64 ASCII hex)`. A relayed token cannot be spent on another commitment.
+pub fn key_binding(
+    ephemeral_public_key: &[u8; 32],
+    signing_key_sec1: &[u8],
+    commitment_sha256: &str,
+) -> String {
     let mut bytes = b"confed-enclave-keys-v1".to_vec();
     bytes.extend_from_slice(ephemeral_public_key);
     bytes.extend_from_slice(signing_key_sec1);
+    bytes.extend_from_slice(commitment_sha256.as_bytes());
     sha256_hex(&bytes)
 }
 
@@ -326,6 +371,7 @@ mod tests {
         ReleaseCommitment {
             task_id: "t-1".into(),
             round: 2,
+            key_id: "k1".into(),
             policy_sha256: "a".repeat(64),
             model_sha256: "b".repeat(64),
             inputs_digest: "c".repeat(64),
@@ -358,6 +404,8 @@ mod tests {
                     enclave_signing_key: enclave_key.clone(),
                     image_digest: "sha256:00".into(),
                     policy: "dev".into(),
+                    threshold: 2,
+                    shares: 3,
                     at: 100,
                     signature: String::new(),
                 };
@@ -396,19 +444,27 @@ mod tests {
 
     #[test]
     fn a_signed_release_with_enough_receipts_verifies() {
-        let s = setup(2);
+        let s = setup(3);
         let result = check(&s, &s.proof, "m");
         assert!(result.failures.is_empty(), "{:?}", result.lines);
-        assert_eq!(result.lines.len(), 5, "{:?}", result.lines);
+        assert_eq!(result.lines.len(), 6, "{:?}", result.lines);
     }
 
     #[test]
     fn forged_or_insufficient_proofs_fail_and_say_why() {
-        let s = setup(2);
+        let s = setup(3);
         assert!(!check(&s, &s.proof, "other manifest").failures.is_empty());
-        let mut one = s.proof.clone();
-        one.receipts.pop();
-        assert!(check(&s, &one, "m").failures[0].contains("1 of the 2"));
+        let mut two = s.proof.clone();
+        two.receipts.pop();
+        assert!(
+            check(&s, &two, "m").failures[0].contains("2 of the 3"),
+            "threshold 2 of 3 shares needs all 3: {:?}",
+            check(&s, &two, "m").failures
+        );
+        let mut other_key = s.proof.clone();
+        other_key.receipts[0].key_id = "k2".into();
+        other_key.receipts[0].sign(&s.services[0].1);
+        assert!(!check(&s, &other_key, "m").failures.is_empty());
         let mut duplicated = s.proof.clone();
         duplicated.receipts[1] = duplicated.receipts[0].clone();
         assert!(!check(&s, &duplicated, "m").failures.is_empty());
@@ -426,6 +482,24 @@ mod tests {
         tampered.receipts[0].round = 3;
         assert!(!check(&s, &tampered, "m").failures.is_empty());
         let _ = &s.enclave;
+    }
+
+    #[test]
+    fn the_quorum_makes_any_two_quorums_share_t_key_services() {
+        assert_eq!(quorum(2, 3), 3);
+        assert_eq!(quorum(3, 5), 4);
+        assert_eq!(quorum(2, 2), 2);
+        assert_eq!(quorum(5, 9), 7);
+        for n in 1u16..=12 {
+            for t in 1..=n {
+                let q = quorum(t, n);
+                assert!(q <= usize::from(n));
+                assert!(
+                    2 * q - usize::from(n) >= usize::from(t),
+                    "t={t} n={n} q={q}"
+                );
+            }
+        }
     }
 
     #[test]

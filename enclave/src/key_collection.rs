@@ -14,7 +14,7 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use confed_attestation::exchange::{
     Challenge, ReleaseRequest, ReleaseResponse, encode_verifying_key,
 };
-use confed_attestation::release::{Receipt, ReleaseCommitment, key_binding};
+use confed_attestation::release::{Receipt, ReleaseCommitment, key_binding, quorum};
 use confed_attestation::{Attester, TokenRequest};
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use p256::ecdsa::SigningKey;
@@ -86,6 +86,15 @@ pub enum CollectError {
         usable: usize,
         failures: Vec<(String, ServiceFailure)>,
     },
+    #[error("the key {key_id} was reconstructed, but only {recorded} key services recorded the release commitment and {needed} must (threshold {threshold} of {shares} shares) before a release may be published: {}", describe(.failures))]
+    NoQuorum {
+        key_id: String,
+        threshold: u16,
+        shares: u16,
+        recorded: usize,
+        needed: usize,
+        failures: Vec<(String, ServiceFailure)>,
+    },
     #[error("no {threshold} of the shares for key {key_id} reconstruct its public key; at least one key service lied and there are too few others to tell which ({}), other failures: {}", .suspects.join(", "), describe(.failures))]
     Inconsistent {
         key_id: String,
@@ -116,9 +125,24 @@ struct SessionKeys<'a> {
     signing_key: &'a SigningKey,
 }
 
-/// How long the collection waits for the remaining key services once T shares reconstruct the
-/// key: each that answers in time records the commitment in its ledger too.
+/// How long the collection waits for the remaining key services once a quorum has recorded the
+/// commitment: each that answers in time records it too.
 pub const LEDGER_GRACE: Duration = Duration::from_secs(2);
+
+/// Receipts a release needs: `release::quorum` of the threshold and the largest number of shares
+/// an honest (non-lying) key service states for the key.
+fn needed(request: &KeyRequest, receipts: &[Receipt], liars: &[String]) -> usize {
+    let honest = receipts
+        .iter()
+        .filter(|r| !liars.contains(&r.keyservice_id));
+    let shares = honest.clone().map(|r| r.shares).max().unwrap_or(0);
+    let threshold = honest
+        .map(|r| r.threshold)
+        .max()
+        .unwrap_or(0)
+        .max(request.threshold);
+    quorum(threshold, shares)
+}
 
 /// Key services that neither answered nor failed (still pending when the grace ended).
 fn pending_ids(
@@ -171,8 +195,9 @@ pub async fn obtain_private_key(
     let mut collected: Vec<(String, Share)> = Vec::new();
     let mut receipts: Vec<Receipt> = Vec::new();
     let mut failures: Vec<(String, ServiceFailure)> = Vec::new();
-    // Once T shares reconstruct the key, the others get a short grace to answer (and record the
-    // commitment in their ledgers) rather than the full per-service timeout.
+    // Every share that is consistent with the reconstructed key comes from a real share holder,
+    // which recorded the commitment before answering. Collect until a quorum of them has (see
+    // `release::quorum`), then give the rest a short grace to record it too.
     let mut grace_until: Option<tokio::time::Instant> = None;
     loop {
         let next = match grace_until {
@@ -192,8 +217,9 @@ pub async fn obtain_private_key(
                 collected.push((id, share));
                 receipts.push(receipt);
                 if grace_until.is_none()
-                    && collected.len() >= usize::from(request.threshold)
-                    && reconstruct(&collected, request.threshold, &request.public_key).is_some()
+                    && let Some((_, _, liars)) =
+                        reconstruct(&collected, request.threshold, &request.public_key)
+                    && collected.len() - liars.len() >= needed(request, &receipts, &liars)
                 {
                     grace_until =
                         Some(tokio::time::Instant::now() + LEDGER_GRACE.min(per_service_timeout));
@@ -209,11 +235,23 @@ pub async fn obtain_private_key(
             reconstruct(&collected, request.threshold, &request.public_key)
     {
         receipts.retain(|r| !liars.contains(&r.keyservice_id));
+        let needed = needed(request, &receipts, &[]);
+        let shares = receipts.iter().map(|r| r.shares).max().unwrap_or(0);
         failures.extend(
             liars
                 .into_iter()
                 .map(|id| (id, ServiceFailure::InconsistentShare)),
         );
+        if receipts.len() < needed {
+            return Err(CollectError::NoQuorum {
+                key_id: request.key_id.clone(),
+                threshold: request.threshold,
+                shares,
+                recorded: receipts.len(),
+                needed,
+                failures,
+            });
+        }
         return Ok(ObtainedKey {
             private_key,
             used,
@@ -314,7 +352,11 @@ async fn fetch_share(
             audience: challenge.audience.clone(),
             nonces: vec![
                 challenge.nonce.clone(),
-                key_binding(&session.ephemeral_public.0, signing_public.as_bytes()),
+                key_binding(
+                    &session.ephemeral_public.0,
+                    signing_public.as_bytes(),
+                    &request.commitment.digest(),
+                ),
             ],
         })
         .await

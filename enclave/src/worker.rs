@@ -126,6 +126,8 @@ pub enum JobError {
     Privacy(String),
     #[error(transparent)]
     Policy(#[from] PolicyError),
+    #[error("the job is malformed: {0}")]
+    MalformedJob(String),
     #[error("cannot obtain the round key: {0}")]
     Key(#[from] CollectError),
     #[error("the base model is invalid: {0}")]
@@ -147,6 +149,7 @@ impl JobError {
             self,
             Self::Privacy(_)
                 | Self::Policy(_)
+                | Self::MalformedJob(_)
                 | Self::Model(_)
                 | Self::Update(_)
                 | Self::Aggregate(AggregateError::NothingIncluded(_))
@@ -282,6 +285,7 @@ impl<S: JobStore + 'static> Worker<S> {
         let commitment = ReleaseCommitment {
             task_id: context.task_id.clone(),
             round: context.round,
+            key_id: job.key_id.clone(),
             policy_sha256: context.policy_sha256.clone(),
             model_sha256: context.model_sha256.clone(),
             inputs_digest: inputs_digest.clone(),
@@ -412,11 +416,7 @@ impl<S: JobStore + 'static> Worker<S> {
                 .renew(&job.job_id, &self.config.id, self.config.lease)
                 .await?;
         }
-        let digest = inputs::sort_and_digest(&mut inputs).map_err(|r| {
-            JobError::Store(StoreError::Conflict(format!(
-                "the job lists contribution {r} twice"
-            )))
-        })?;
+        let digest = inputs::sort_and_digest(&mut inputs).map_err(JobError::MalformedJob)?;
         Ok((inputs, digest))
     }
 

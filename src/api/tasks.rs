@@ -33,13 +33,22 @@ pub struct TaskResponse {
     /// constraints (only on `GET /v1/tasks/{id}`): why a round fills slowly.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recent_eligible_devices: Option<u64>,
+    /// The task policy text devices are shown and bind their contributions to
+    /// (docs/protocol.md, "Task policy"); `confed verify release --policy` checks a release
+    /// against it.
+    pub policy: String,
+    /// Lowercase hex SHA-256 of `policy`: what each release's manifest names.
+    pub policy_sha256: String,
     #[serde(flatten)]
     pub spec: TaskSpec,
 }
 
 impl From<TaskRecord> for TaskResponse {
     fn from(task: TaskRecord) -> Self {
+        let policy = task.spec.policy(&task.id, &task.tenant_id);
         Self {
+            policy: policy.encode(),
+            policy_sha256: policy.sha256_hex(),
             id: task.id,
             state: task.state,
             current_round: task.current_round,

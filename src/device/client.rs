@@ -331,6 +331,18 @@ impl DeviceClient {
         model: &Model,
         update: &[u8],
     ) -> Result<Vec<u8>, DeviceError> {
+        // The device's privacy unit is one contribution per round: once it has sealed an update
+        // for a round it declines further assignments to it, even if this upload never gets a
+        // success answer (a server that stores the bytes and answers an error must not get a
+        // second update for the same round).
+        if let Ok(mut done) = self.done.lock()
+            && !done.insert((assignment.task_id.clone(), assignment.round))
+        {
+            return Err(DeviceError::Seal(format!(
+                "this device already sealed an update for round {} of task {}",
+                assignment.round, assignment.task_id
+            )));
+        }
         let context = RoundContext {
             task_id: assignment.task_id.clone(),
             round: assignment.round as u64,
@@ -422,5 +434,117 @@ impl DeviceClient {
             }
         }
         Err(last)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keys::directory::DeviceKey;
+
+    fn assignment(policy: &TaskPolicy, key: &DeviceKey) -> AssignmentResponse {
+        AssignmentResponse {
+            assignment_id: "a1".into(),
+            task_id: policy.task_id.clone(),
+            round: 1,
+            expires_at: 0,
+            plan: serde_json::json!({}),
+            policy: policy.encode(),
+            model_version: 0,
+            model_url: "/m".into(),
+            encryption: key.clone(),
+            upload_url: "/u".into(),
+            upload_headers: Default::default(),
+            report_url: "/r".into(),
+            max_contribution_bytes: 1 << 20,
+        }
+    }
+
+    /// A server that stored an upload but answered an error must not get a second update from
+    /// the device for the same round.
+    #[test]
+    fn a_device_seals_at_most_one_update_per_round() {
+        let trust = TrustConfig {
+            threshold: 1,
+            keyservices: vec![],
+            limits: DeviceLimits::ENCLAVE,
+        };
+        let client = DeviceClient::new("http://127.0.0.1:1", &trust).unwrap();
+        let policy = TaskPolicy::sample("t1", 3);
+        let (_, public) = confed_enclave::hpke::generate_keypair();
+        let key = DeviceKey {
+            key_id: "k1".into(),
+            suite: String::new(),
+            public_key: String::new(),
+            not_before: 0,
+            not_after: 1,
+            threshold: 1,
+            shares: 1,
+            signatures: vec![],
+        };
+        let a = assignment(&policy, &key);
+        let accepted = AcceptedPolicy {
+            sha256: policy.sha256_hex(),
+            policy,
+        };
+        let model = Model {
+            bytes: std::sync::Arc::new(vec![]),
+            sha256: "0".repeat(64),
+        };
+        assert!(client.seal(&a, &public, &accepted, &model, b"u").is_ok());
+        let again = client.seal(&a, &public, &accepted, &model, b"v");
+        assert!(matches!(again, Err(DeviceError::Seal(why)) if why.contains("already sealed")));
+        assert!(client.already_contributed(&a));
+    }
+
+    /// A policy looser than the trust file's limits, or another task's, is refused before
+    /// anything is sealed.
+    #[test]
+    fn a_policy_outside_the_devices_limits_is_refused() {
+        let trust = TrustConfig {
+            threshold: 1,
+            keyservices: vec![],
+            limits: DeviceLimits {
+                max_epsilon: 4.0,
+                max_delta: 1e-5,
+                min_reports: 1,
+            },
+        };
+        let client = DeviceClient::new("http://127.0.0.1:1", &trust).unwrap();
+        let key = DeviceKey {
+            key_id: "k1".into(),
+            suite: String::new(),
+            public_key: String::new(),
+            not_before: 0,
+            not_after: 1,
+            threshold: 1,
+            shares: 1,
+            signatures: vec![],
+        };
+        let fine = TaskPolicy {
+            population: "p".into(),
+            ..TaskPolicy::sample("t1", 3)
+        };
+        assert!(
+            client
+                .accepted_policy(&assignment(&fine, &key), "p")
+                .is_ok()
+        );
+        let looser = TaskPolicy {
+            epsilon: 8.0,
+            ..fine.clone()
+        };
+        let refused = client
+            .accepted_policy(&assignment(&looser, &key), "p")
+            .unwrap_err();
+        assert!(refused.to_string().contains("epsilon 8"), "{refused}");
+        let mut foreign = assignment(&fine, &key);
+        foreign.task_id = "t2".into();
+        assert!(client.accepted_policy(&foreign, "p").is_err());
+        assert!(
+            client
+                .accepted_policy(&assignment(&fine, &key), "other")
+                .is_err()
+        );
     }
 }

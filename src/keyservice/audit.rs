@@ -256,6 +256,8 @@ pub struct AuditLog {
     head: Head,
     /// Signs each record's head: (key service id, key).
     signer: Option<(String, std::sync::Arc<p256::ecdsa::SigningKey>)>,
+    /// An append failed and its partial line could not be removed.
+    broken: bool,
 }
 
 impl AuditLog {
@@ -280,6 +282,7 @@ impl AuditLog {
             file,
             head,
             signer: None,
+            broken: false,
         })
     }
 
@@ -323,13 +326,31 @@ impl AuditLog {
         };
         let mut line = serde_json::to_vec(&record).expect("audit records serialize");
         line.push(b'\n');
-        self.file
+        let io = |source| AuditError::Io {
+            path: self.path.clone(),
+            source,
+        };
+        if self.broken {
+            return Err(io(std::io::Error::other(
+                "an earlier append failed and could not be undone; restart the key service",
+            )));
+        }
+        let before = self.file.metadata().map_err(io)?.len();
+        if let Err(error) = self
+            .file
             .write_all(&line)
             .and_then(|_| self.file.sync_data())
-            .map_err(|source| AuditError::Io {
-                path: self.path.clone(),
-                source,
-            })?;
+        {
+            // Nothing was answered for this record: take back whatever part of it reached the
+            // file, so the next append chains onto the head, not onto half a line. If even that
+            // fails, append nothing more until a restart verifies the file.
+            let undone = self
+                .file
+                .set_len(before)
+                .and_then(|_| self.file.sync_data());
+            self.broken = undone.is_err();
+            return Err(io(error));
+        }
         self.head = Head {
             records: seq + 1,
             hash,

@@ -158,7 +158,17 @@ async fn release(
         },
     );
 
-    let key_binding = key_binding(&request.ephemeral_public_key, &request.enclave_signing_key);
+    if request.commitment.key_id != key_id {
+        return Err(ApiError::BadRequest(format!(
+            "`commitment.key_id` is {:?}, the request is for key {key_id:?}",
+            request.commitment.key_id
+        )));
+    }
+    let key_binding = key_binding(
+        &request.ephemeral_public_key,
+        &request.enclave_signing_key,
+        &request.commitment.digest(),
+    );
     let appraisal = match parse_or_refuse(&request.token) {
         Err(refused) => refused,
         Ok(jws) => {
@@ -287,6 +297,8 @@ async fn release(
         enclave_signing_key,
         image_digest: receipt_image_digest(record.decision.image_digest.as_deref()),
         policy: service.policy.name.clone(),
+        threshold: held.key.threshold,
+        shares: held.key.shares,
         at: now,
         signature: String::new(),
     };

@@ -108,17 +108,24 @@ impl World {
             threshold: self.key.threshold,
             task_id: "task-1".into(),
             round: 1,
-            commitment: commitment(&policy, 1, "1"),
+            commitment: commitment(&self.key.key_id, &policy, 1, "1"),
             policy: policy.encode(),
         }
     }
 }
 
-/// A release commitment for round `round` of `policy`'s task, over inputs named by `inputs`.
-pub fn commitment(policy: &TaskPolicy, round: u64, inputs: &str) -> ReleaseCommitment {
+/// A release commitment for round `round` of `policy`'s task under key `key_id`, over inputs
+/// named by `inputs`.
+pub fn commitment(
+    key_id: &str,
+    policy: &TaskPolicy,
+    round: u64,
+    inputs: &str,
+) -> ReleaseCommitment {
     ReleaseCommitment {
         task_id: policy.task_id.clone(),
         round,
+        key_id: key_id.to_string(),
         policy_sha256: policy.sha256_hex(),
         model_sha256: "0".repeat(64),
         inputs_digest: inputs.repeat(64),

@@ -213,9 +213,13 @@ impl Accumulator {
         start: usize,
     ) -> (f64, f64) {
         let count = self.stripes.len();
-        let (mut squares, mut norm_squared) = (0.0f64, 0.0f64);
+        // Per-stripe partial norms, added up in stripe order at the end: the float norm (and so
+        // the clip factor) must not depend on `start`, which depends on thread scheduling, or a
+        // retried job would noise a sum that differs in its last bits under the same noise.
+        let mut partials = vec![(0.0f64, 0.0f64); count];
         for step in 0..count {
             let index = (start + step) % count;
+            let (squares, norm_squared) = &mut partials[index];
             let first = index * STRIPE;
             let mut stripe = self.stripes[index].lock().expect("accumulator stripe");
             let end = first + stripe.len();
@@ -230,8 +234,8 @@ impl Accumulator {
                         bytes,
                         units,
                     );
-                    squares += q;
-                    norm_squared += x;
+                    *squares += q;
+                    *norm_squared += x;
                 }
                 offset += values;
                 if offset >= end {
@@ -239,7 +243,9 @@ impl Accumulator {
                 }
             }
         }
-        (squares, norm_squared)
+        partials
+            .iter()
+            .fold((0.0, 0.0), |(s, n), (q, x)| (s + q, n + x))
     }
 
     /// The sum, consuming the accumulator.
@@ -411,5 +417,46 @@ mod tests {
             .map(|&q| i128::from(q) * i128::from(q))
             .sum();
         assert!(squares as f64 <= SENSITIVITY_SQUARED);
+    }
+}
+
+#[cfg(test)]
+mod order_tests {
+    use super::*;
+
+    /// The clip factor comes from the float norm summed over stripes, and the stripe a thread
+    /// starts at depends on scheduling. Neither the norm nor the clipped sum may: a retried job
+    /// noises the same sum under the same noise, so it must be the same sum to the last bit.
+    #[test]
+    fn the_norm_and_the_clipped_sum_do_not_depend_on_the_starting_stripe() {
+        let len = 300_000;
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let values: Vec<f32> = (0..len)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            })
+            .collect();
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let update: Vec<&[u8]> = vec![bytes.as_slice()];
+        let norms: Vec<u64> = [0usize, 1, 5, 11]
+            .iter()
+            .map(|&start| {
+                let sum = Accumulator::new(len);
+                sum.apply::<false>(&update, 1.0, start).1.to_bits()
+            })
+            .collect();
+        assert!(norms.windows(2).all(|p| p[0] == p[1]), "{norms:?}");
+        let sums: Vec<Vec<i64>> = [0usize, 3]
+            .iter()
+            .map(|&start| {
+                let sum = Accumulator::new(len);
+                sum.add_clipped(&update, 1.0, start).unwrap();
+                sum.into_sum()
+            })
+            .collect();
+        assert_eq!(sums[0], sums[1]);
     }
 }

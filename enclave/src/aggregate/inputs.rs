@@ -14,6 +14,10 @@
 //!                   ref (64 ASCII hex) || 0x00                             (missing) )
 //! ```
 //!
+//! The encoding is injective only because every ref has exactly 64 characters: a job whose refs
+//! are not all 64 lowercase hex digits is refused before anything is digested (otherwise a ref
+//! could absorb the bytes of its neighbour, and two different jobs would share a digest).
+//!
 //! BLAKE3 because it is collision resistant for everybody (an AEAD tag is not, for the sealer who
 //! knows its key) and the fastest such hash here (4.3 GB/s per core against SHA-256's 1.1).
 
@@ -59,15 +63,30 @@ pub fn inputs_digest<'a>(
     super::hex(hasher.finalize().as_bytes())
 }
 
-/// Sorts inputs by ref and computes their digest; `Err(ref)` if a ref appears twice (a store
-/// that hands one contribution twice is not to be trusted with the sum).
+/// Whether `text` is an assignment ref: exactly 64 lowercase hex digits (SHA-256 of an id).
+pub fn is_ref(text: &str) -> bool {
+    text.len() == 64 && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// Sorts inputs by ref and computes their digest; refuses (saying why) a ref that is not 64
+/// lowercase hex digits or that appears twice (a store that hands one contribution twice is not
+/// to be trusted with the sum).
 pub fn sort_and_digest(inputs: &mut [Input]) -> Result<String, String> {
+    if let Some(bad) = inputs.iter().find(|i| !is_ref(&i.assignment_ref)) {
+        return Err(format!(
+            "contribution ref {:?} is not 64 lowercase hex digits",
+            bad.assignment_ref
+        ));
+    }
     inputs.sort_by(|a, b| a.assignment_ref.cmp(&b.assignment_ref));
     if let Some(pair) = inputs
         .windows(2)
         .find(|pair| pair[0].assignment_ref == pair[1].assignment_ref)
     {
-        return Err(pair[0].assignment_ref.clone());
+        return Err(format!(
+            "the job lists contribution {} twice",
+            pair[0].assignment_ref
+        ));
     }
     Ok(inputs_digest(inputs.iter().map(|input| {
         (input.assignment_ref.as_str(), input.digest.as_ref())
@@ -90,10 +109,18 @@ pub fn digest_of(pairs: &[(String, Option<Vec<u8>>)]) -> String {
 mod tests {
     use super::*;
 
-    fn input(r: &str, bytes: Option<&[u8]>) -> Input {
+    /// A 64-hex ref named by one letter.
+    fn r(name: &str) -> String {
+        format!(
+            "{:0>64}",
+            name.bytes().map(|b| format!("{b:02x}")).collect::<String>()
+        )
+    }
+
+    fn input(name: &str, bytes: Option<&[u8]>) -> Input {
         Input {
-            assignment_ref: r.into(),
-            blob_key: format!("blob-{r}"),
+            assignment_ref: r(name),
+            blob_key: format!("blob-{name}"),
             digest: bytes.map(|b| *blake3::hash(b).as_bytes()),
             retained: None,
         }
@@ -118,8 +145,8 @@ mod tests {
         assert_eq!(
             base,
             digest_of(&[
-                ("r2".into(), Some(b"two".to_vec())),
-                ("r1".into(), Some(b"one".to_vec()))
+                (r("r2"), Some(b"two".to_vec())),
+                (r("r1"), Some(b"one".to_vec()))
             ])
         );
     }
@@ -127,6 +154,49 @@ mod tests {
     #[test]
     fn a_ref_handed_twice_is_refused() {
         let mut twice = vec![input("r1", Some(b"one")), input("r1", Some(b"again"))];
-        assert_eq!(sort_and_digest(&mut twice), Err("r1".to_string()));
+        assert!(sort_and_digest(&mut twice).unwrap_err().contains("twice"));
+    }
+
+    /// The collision the review found: with refs of any length, a missing ref `v[..63]` followed
+    /// by `v` encodes exactly like the one ref `v[..63] 0x00 v`. Such refs are refused.
+    #[test]
+    fn refs_that_are_not_64_hex_digits_are_refused() {
+        let v = r("victim");
+        let bytes = b"envelope";
+        let digest = Some(*blake3::hash(bytes).as_bytes());
+        let mut a = vec![
+            Input {
+                assignment_ref: v[..63].to_string(),
+                blob_key: "a".into(),
+                digest: None,
+                retained: None,
+            },
+            Input {
+                assignment_ref: v.clone(),
+                blob_key: "v".into(),
+                digest,
+                retained: None,
+            },
+        ];
+        let mut b = vec![Input {
+            assignment_ref: format!("{}\u{0}{v}", &v[..63]),
+            blob_key: "v".into(),
+            digest,
+            retained: None,
+        }];
+        assert!(
+            sort_and_digest(&mut a)
+                .unwrap_err()
+                .contains("64 lowercase hex")
+        );
+        assert!(
+            sort_and_digest(&mut b)
+                .unwrap_err()
+                .contains("64 lowercase hex")
+        );
+        for bad in ["", "ABCDEF", &"g".repeat(64), &"a".repeat(65)] {
+            assert!(!is_ref(bad), "{bad}");
+        }
+        assert!(is_ref(&v));
     }
 }
