@@ -6,8 +6,10 @@
 //! for that round get the share again only for the identical commitment (so a crashed job can
 //! finish in a new enclave), never for another one. The first commitment of a task also pins the
 //! task's policy: every later round must be under the same policy hash, and rounds beyond the
-//! policy's are refused. With t > n/2 key services, two different commitments for one round
-//! cannot each gather t shares while the key services whose ledgers they meet are honest.
+//! policy's are refused. The enclave goes on only when a quorum q = max(t, ceil((n+t)/2)) of
+//! key services recorded its commitment (`confed_attestation::release::quorum`); any two quorums
+//! share t key services, so a second commitment for a round needs t of them to betray or lose
+//! their ledgers.
 //!
 //! The ledger is not a file of its own: every granted decision in the audit log carries its
 //! commitment, and the audit log is written and fsync'd before the answer leaves, so the ledger
