@@ -2,7 +2,8 @@
 //! the bound (ring's AES-128-GCM opening the same number of bytes plus the f32 -> f64 sum, no key
 //! encapsulation, no validation, no clipping), and the noise sampler. After criterion's figures a
 //! summary prints contributions/s, GB/s of ciphertext, the ratio to the bound, the 1 -> 2 thread
-//! speed-up, noise coordinates/s, and peak memory while streaming many 1 MB contributions.
+//! speed-up, the inputs digest (BLAKE3) the worker computes on its first read, noise
+//! coordinates/s, and peak memory while streaming many 1 MB contributions.
 //!
 //! `cargo bench -p confed-enclave --bench aggregation`
 
@@ -262,6 +263,24 @@ fn summary(small: &Fixture, large: &Fixture, large_params: usize) {
             one / two,
             gb / bound_s,
             bound_s / one
+        );
+    }
+    // The worker's first read digests every input (BLAKE3) before it asks for the key.
+    let stored: Vec<Option<Vec<u8>>> = large.contributions.iter().map(|(_, b)| b.clone()).collect();
+    for threads in [1, 2] {
+        let p = pool(threads);
+        let s = time(
+            || {
+                p.install(|| {
+                    black_box(confed_enclave::aggregate::inputs::digest_all(&stored));
+                })
+            },
+            5,
+        )
+        .as_secs_f64();
+        println!(
+            "inputs digest (BLAKE3 of 1 MB contributions): {threads} thread(s) {:.2} GB/s",
+            large.ciphertext_bytes as f64 / 1e9 / s
         );
     }
     let g = noise_scale();
