@@ -1,13 +1,21 @@
-//! The `confed keys` and `confed keyservice` commands as processes, and the HTTPS key fetcher
+//! The `confed keys` and `confed keyservice` commands as processes (the signed key set, the
+//! signed audit log, and a release ledger that survives kill -9), and the HTTPS key fetcher
 //! against a local issuer serving a discovery document and a JWKS.
 
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::Duration;
 
-use confed_attestation::exchange::KeySet;
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use confed_attestation::exchange::{Challenge, KeySet, ReleaseRequest, encode_verifying_key};
 use confed_attestation::keys::JwksFetcher;
+use confed_attestation::release::{ReleaseCommitment, key_binding};
+use confed_attestation::{Attester, DevAttester, TokenRequest};
+use confed_enclave::policy::TaskPolicy;
 use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::Command;
+use tokio::process::{Child, Command};
 
 const BOUND: Duration = Duration::from_secs(60);
 
@@ -19,91 +27,9 @@ fn confed() -> Command {
 
 #[tokio::test]
 async fn ceremony_then_key_service_serves_a_signed_key_set_and_audit_verify_checks_the_log() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("ceremony");
-    let generated = confed()
-        .args([
-            "keys",
-            "generate",
-            "--shares",
-            "3",
-            "--threshold",
-            "2",
-            "--out",
-        ])
-        .arg(&out)
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        generated.status.success(),
-        "{}",
-        String::from_utf8_lossy(&generated.stderr)
-    );
-    let share = std::fs::read_dir(&out)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .ends_with("-1.json")
-        })
-        .unwrap();
-
-    // A dev deployment: the dev policy next to the dev attester's key set.
-    let attester = confed_attestation::DevAttester::new(
-        confed_attestation::exchange::generate_signing_key(),
-        std::sync::Arc::new(|| 0),
-    );
-    let policy_dir = dir.path().join("policy");
-    std::fs::create_dir(&policy_dir).unwrap();
-    std::fs::copy(
-        concat!(env!("CARGO_MANIFEST_DIR"), "/policies/dev.toml"),
-        policy_dir.join("dev.toml"),
-    )
-    .unwrap();
-    std::fs::write(
-        policy_dir.join("dev-attester.jwks.json"),
-        attester.jwks_json().to_string(),
-    )
-    .unwrap();
-
-    let audit_log = dir.path().join("audit.jsonl");
-    let mut child = confed()
-        .args([
-            "keyservice",
-            "--id",
-            "ks1",
-            "--listen",
-            "127.0.0.1:0",
-            "--share",
-        ])
-        .arg(&share)
-        .arg("--policy")
-        .arg(policy_dir.join("dev.toml"))
-        .arg("--signing-key")
-        .arg(dir.path().join("ks1-signing.pem"))
-        .arg("--audit-log")
-        .arg(&audit_log)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let url = tokio::time::timeout(BOUND, async {
-        loop {
-            let line = lines
-                .next_line()
-                .await
-                .unwrap()
-                .expect("key service exited early");
-            if let Some(url) = line.strip_prefix("confed: serving on ") {
-                return url.to_string();
-            }
-        }
-    })
-    .await
-    .unwrap();
+    let setup = setup().await;
+    let (mut child, url) = start(&setup).await;
+    let audit_log = setup.dir.path().join("audit.jsonl");
     let set: KeySet = confed_enclave::http::client(BOUND)
         .get(format!("{url}/v1/keys"))
         .send()
@@ -217,4 +143,211 @@ async fn fetcher_follows_discovery_to_the_key_set() {
     assert!(error.contains("jwks_uri"), "{error}");
     let error = fetcher.fetch(&format!("{base}/missing")).await.unwrap_err();
     assert!(error.contains("404"), "{error}");
+}
+
+struct Setup {
+    dir: tempfile::TempDir,
+    share: PathBuf,
+    key_id: String,
+    attester: DevAttester,
+}
+
+async fn setup() -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ceremony");
+    let generated = confed()
+        .args([
+            "keys",
+            "generate",
+            "--shares",
+            "3",
+            "--threshold",
+            "2",
+            "--out",
+        ])
+        .arg(&out)
+        .output()
+        .await
+        .unwrap();
+    assert!(generated.status.success());
+    let keyset: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("keyset.json")).unwrap()).unwrap();
+    let key_id = keyset["keys"][0]["key_id"].as_str().unwrap().to_string();
+    let share = out.join(format!("share-{key_id}-1.json"));
+    let attester = DevAttester::new(
+        confed_attestation::exchange::generate_signing_key(),
+        Arc::new(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs() as i64
+        }),
+    );
+    let policy_dir = dir.path().join("policies");
+    std::fs::create_dir(&policy_dir).unwrap();
+    std::fs::copy(
+        concat!(env!("CARGO_MANIFEST_DIR"), "/policies/dev.toml"),
+        policy_dir.join("dev.toml"),
+    )
+    .unwrap();
+    std::fs::write(
+        policy_dir.join("dev-attester.jwks.json"),
+        attester.jwks_json().to_string(),
+    )
+    .unwrap();
+    Setup {
+        dir,
+        share,
+        key_id,
+        attester,
+    }
+}
+
+async fn start(setup: &Setup) -> (Child, String) {
+    let dir = setup.dir.path();
+    let mut child = confed()
+        .args([
+            "keyservice",
+            "--id",
+            "ks1",
+            "--listen",
+            "127.0.0.1:0",
+            "--share",
+        ])
+        .arg(&setup.share)
+        .arg("--policy")
+        .arg(dir.join("policies/dev.toml"))
+        .arg("--signing-key")
+        .arg(dir.join("ks1-signing.pem"))
+        .arg("--audit-log")
+        .arg(dir.join("audit.jsonl"))
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let url = tokio::time::timeout(BOUND, async {
+        loop {
+            let line = lines
+                .next_line()
+                .await
+                .unwrap()
+                .expect("key service exited");
+            if let Some(url) = line.strip_prefix("confed: serving on ") {
+                return url.to_string();
+            }
+        }
+    })
+    .await
+    .unwrap();
+    (child, url)
+}
+
+/// One release request for round 1 over inputs named `inputs`; returns the HTTP status and body.
+async fn release(setup: &Setup, url: &str, inputs: &str) -> (u16, serde_json::Value) {
+    let http = confed_enclave::http::client(BOUND);
+    let key_id = &setup.key_id;
+    let challenge: Challenge = http
+        .post(format!("{url}/v1/keys/{key_id}/challenge"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let policy = TaskPolicy::sample("task-1", 3);
+    let commitment = ReleaseCommitment {
+        task_id: "task-1".into(),
+        round: 1,
+        key_id: key_id.clone(),
+        policy_sha256: policy.sha256_hex(),
+        model_sha256: "0".repeat(64),
+        inputs_digest: inputs.repeat(64),
+    };
+    let (_, ephemeral) = confed_enclave::hpke::generate_keypair();
+    let signing = confed_attestation::exchange::generate_signing_key();
+    let binding = key_binding(
+        &ephemeral.0,
+        signing.verifying_key().to_sec1_point(false).as_bytes(),
+        &commitment.digest(),
+    );
+    let token = setup
+        .attester
+        .token(&TokenRequest {
+            audience: challenge.audience.clone(),
+            nonces: vec![challenge.nonce.clone(), binding],
+        })
+        .await
+        .unwrap();
+    let request = ReleaseRequest {
+        token,
+        ephemeral_public_key: URL_SAFE_NO_PAD.encode(ephemeral.0),
+        enclave_signing_key: encode_verifying_key(signing.verifying_key()),
+        nonce: challenge.nonce,
+        task_id: "task-1".into(),
+        round: 1,
+        commitment,
+        policy: policy.encode(),
+    };
+    let response = http
+        .post(format!("{url}/v1/keys/{key_id}/release"))
+        .json(&request)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or_default())
+}
+
+async fn verifying_key(url: &str) -> String {
+    let set: KeySet = confed_enclave::http::client(BOUND)
+        .get(format!("{url}/v1/keys"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    set.verifying_key
+}
+
+fn audit_verify(dir: &Path, key: &str) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_confed"))
+        .args(["keyservice", "audit", "verify"])
+        .arg(dir.join("audit.jsonl"))
+        .args(["--id", "ks1", "--verifying-key", key])
+        .output()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_killed_key_service_remembers_the_rounds_it_committed() {
+    let setup = setup().await;
+    let (mut child, url) = start(&setup).await;
+    let key = verifying_key(&url).await;
+    let (status, answer) = release(&setup, &url, "a").await;
+    assert_eq!(status, 200, "{answer}");
+    assert!(answer["receipt"]["signature"].is_string(), "{answer}");
+    // kill -9: no shutdown path runs.
+    child.kill().await.unwrap();
+
+    let (_child, url) = start(&setup).await;
+    let (status, problem) = release(&setup, &url, "b").await;
+    assert_eq!(status, 403, "another commitment for the round: {problem}");
+    assert_eq!(
+        problem["failed_checks"][0]["check"], "release_ledger",
+        "{problem}"
+    );
+    let (status, answer) = release(&setup, &url, "a").await;
+    assert_eq!(
+        status, 200,
+        "the recorded commitment is granted again: {answer}"
+    );
+
+    let verified = audit_verify(setup.dir.path(), &key);
+    assert!(
+        verified.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verified.stderr)
+    );
+    assert!(String::from_utf8_lossy(&verified.stdout).contains("3 records"));
 }

@@ -442,6 +442,20 @@ mod tests {
     use super::*;
     use crate::keys::directory::DeviceKey;
 
+    /// A key entry (its signatures are not checked by what these tests call).
+    fn key() -> DeviceKey {
+        DeviceKey {
+            key_id: "k1".into(),
+            suite: String::new(),
+            public_key: String::new(),
+            not_before: 0,
+            not_after: 1,
+            threshold: 1,
+            shares: 1,
+            signatures: vec![],
+        }
+    }
+
     fn assignment(policy: &TaskPolicy, key: &DeviceKey) -> AssignmentResponse {
         AssignmentResponse {
             assignment_id: "a1".into(),
@@ -472,16 +486,7 @@ mod tests {
         let client = DeviceClient::new("http://127.0.0.1:1", &trust).unwrap();
         let policy = TaskPolicy::sample("t1", 3);
         let (_, public) = confed_enclave::hpke::generate_keypair();
-        let key = DeviceKey {
-            key_id: "k1".into(),
-            suite: String::new(),
-            public_key: String::new(),
-            not_before: 0,
-            not_after: 1,
-            threshold: 1,
-            shares: 1,
-            signatures: vec![],
-        };
+        let key = key();
         let a = assignment(&policy, &key);
         let accepted = AcceptedPolicy {
             sha256: policy.sha256_hex(),
@@ -511,16 +516,7 @@ mod tests {
             },
         };
         let client = DeviceClient::new("http://127.0.0.1:1", &trust).unwrap();
-        let key = DeviceKey {
-            key_id: "k1".into(),
-            suite: String::new(),
-            public_key: String::new(),
-            not_before: 0,
-            not_after: 1,
-            threshold: 1,
-            shares: 1,
-            signatures: vec![],
-        };
+        let key = key();
         let fine = TaskPolicy {
             population: "p".into(),
             ..TaskPolicy::sample("t1", 3)
