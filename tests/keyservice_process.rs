@@ -30,14 +30,7 @@ async fn ceremony_then_key_service_serves_a_signed_key_set_and_audit_verify_chec
     let setup = setup().await;
     let (mut child, url) = start(&setup).await;
     let audit_log = setup.dir.path().join("audit.jsonl");
-    let set: KeySet = confed_enclave::http::client(BOUND)
-        .get(format!("{url}/v1/keys"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let set = key_set(&url).await;
     assert_eq!(set.keyservice_id, "ks1");
     let trusted = confed::keys::trust::TrustedKeyService::new("ks1", &set.verifying_key).unwrap();
     assert!(confed_attestation::exchange::verify_key(
@@ -298,16 +291,15 @@ async fn release(setup: &Setup, url: &str, inputs: &str) -> (u16, serde_json::Va
     (status, response.json().await.unwrap_or_default())
 }
 
-async fn verifying_key(url: &str) -> String {
-    let set: KeySet = confed_enclave::http::client(BOUND)
+async fn key_set(url: &str) -> KeySet {
+    confed_enclave::http::client(BOUND)
         .get(format!("{url}/v1/keys"))
         .send()
         .await
         .unwrap()
         .json()
         .await
-        .unwrap();
-    set.verifying_key
+        .unwrap()
 }
 
 fn audit_verify(dir: &Path, key: &str) -> std::process::Output {
@@ -323,7 +315,7 @@ fn audit_verify(dir: &Path, key: &str) -> std::process::Output {
 async fn a_killed_key_service_remembers_the_rounds_it_committed() {
     let setup = setup().await;
     let (mut child, url) = start(&setup).await;
-    let key = verifying_key(&url).await;
+    let key = key_set(&url).await.verifying_key;
     let (status, answer) = release(&setup, &url, "a").await;
     assert_eq!(status, 200, "{answer}");
     assert!(answer["receipt"]["signature"].is_string(), "{answer}");
