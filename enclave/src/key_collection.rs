@@ -144,9 +144,20 @@ fn needed(request: &KeyRequest, receipts: &[Receipt], liars: &[String]) -> usize
     quorum(threshold, shares)
 }
 
+/// Distinct share holders among the consistent shares: distinct share indices (x), so one holder
+/// answering under two names counts once.
+fn recorded(collected: &[(String, Share)], liars: &[String]) -> usize {
+    collected
+        .iter()
+        .filter(|(id, _)| !liars.contains(id))
+        .map(|(_, share)| share[0])
+        .collect::<std::collections::HashSet<u8>>()
+        .len()
+}
+
 /// Key services that neither answered nor failed (still pending when the grace ended).
 fn pending_ids(
-    services: &[KeyServiceEndpoint],
+    services: &[&KeyServiceEndpoint],
     collected: &[(String, Share)],
     failures: &[(String, ServiceFailure)],
 ) -> Vec<String> {
@@ -176,9 +187,15 @@ pub async fn obtain_private_key(
         ephemeral_public,
         signing_key,
     };
+    // The list of key services comes from the operator: one entry per id, whatever it lists.
+    let mut seen = std::collections::HashSet::new();
+    let services: Vec<&KeyServiceEndpoint> = services
+        .iter()
+        .filter(|s| seen.insert(s.id.clone()))
+        .collect();
     let mut pending: FuturesUnordered<_> = services
         .iter()
-        .map(|service| {
+        .map(|&service| {
             let session = &session;
             async move {
                 let outcome = tokio::time::timeout(
@@ -219,7 +236,7 @@ pub async fn obtain_private_key(
                 if grace_until.is_none()
                     && let Some((_, _, liars)) =
                         reconstruct(&collected, request.threshold, &request.public_key)
-                    && collected.len() - liars.len() >= needed(request, &receipts, &liars)
+                    && recorded(&collected, &liars) >= needed(request, &receipts, &liars)
                 {
                     grace_until =
                         Some(tokio::time::Instant::now() + LEDGER_GRACE.min(per_service_timeout));
@@ -227,7 +244,7 @@ pub async fn obtain_private_key(
             }
         }
     }
-    for id in pending_ids(services, &collected, &failures) {
+    for id in pending_ids(&services, &collected, &failures) {
         failures.push((id, ServiceFailure::Timeout(LEDGER_GRACE)));
     }
     if collected.len() >= usize::from(request.threshold)
@@ -236,18 +253,19 @@ pub async fn obtain_private_key(
     {
         receipts.retain(|r| !liars.contains(&r.keyservice_id));
         let needed = needed(request, &receipts, &[]);
+        let recorded = recorded(&collected, &liars);
         let shares = receipts.iter().map(|r| r.shares).max().unwrap_or(0);
         failures.extend(
             liars
                 .into_iter()
                 .map(|id| (id, ServiceFailure::InconsistentShare)),
         );
-        if receipts.len() < needed {
+        if recorded < needed {
             return Err(CollectError::NoQuorum {
                 key_id: request.key_id.clone(),
                 threshold: request.threshold,
                 shares,
-                recorded: receipts.len(),
+                recorded,
                 needed,
                 failures,
             });
@@ -489,6 +507,17 @@ mod tests {
         );
         assert_eq!(combinations(6, 3).count(), 20);
         assert_eq!(combinations(2, 3).count(), 0);
+    }
+
+    /// One share holder answering under two names (the operator lists it twice) counts once
+    /// toward the quorum of recorded commitments; liars do not count.
+    #[test]
+    fn the_quorum_counts_distinct_share_holders() {
+        let (_, mut collected) = shares_for(2, 3);
+        let copy = collected[0].1.clone();
+        collected.push(("ks1-again".into(), copy));
+        assert_eq!(recorded(&collected, &[]), 3);
+        assert_eq!(recorded(&collected, &["ks2".to_string()]), 2);
     }
 
     #[test]
