@@ -188,3 +188,56 @@ async fn with_the_ledgers_of_t_minus_1_key_services_wiped_no_second_release_is_p
     );
     assert_eq!(refused_by(&error, "release_ledger"), 2, "{error}");
 }
+
+/// The network (or the operator's relay) rewrites each receipt's number of shares to the
+/// threshold, hoping the enclave computes a smaller quorum. The receipt's t and n are bound into
+/// the sealed share's HPKE info, so no rewritten share opens.
+#[tokio::test]
+async fn a_relay_that_rewrites_the_quorum_in_receipts_gets_no_share_opened() {
+    let world = World::new(2, 3);
+    let mut endpoints = Vec::new();
+    for index in 1..=3 {
+        let service = world.service(
+            index,
+            Behaviour::Honest,
+            &world.share_files[index - 1..index],
+        );
+        let router = routes::router(service).layer(axum::middleware::from_fn(
+            |request: axum::extract::Request, next: axum::middleware::Next| async move {
+                let response = next.run(request).await;
+                let (parts, body) = response.into_parts();
+                let bytes = axum::body::to_bytes(body, 1 << 20).await.unwrap();
+                let mut json: serde_json::Value =
+                    serde_json::from_slice(&bytes).unwrap_or_default();
+                if json.get("receipt").is_some() {
+                    json["receipt"]["shares"] = serde_json::json!(2);
+                }
+                let body = serde_json::to_vec(&json).unwrap();
+                let mut parts = parts;
+                parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+                axum::response::Response::from_parts(parts, axum::body::Body::from(body))
+            },
+        ));
+        endpoints.push(KeyServiceEndpoint {
+            id: format!("ks{index}"),
+            url: serve(router).await,
+        });
+    }
+    let policy = TaskPolicy::sample("task-1", 3);
+    let error = collect(&endpoints, &world, &request_for(&world, &policy, 1, "a"))
+        .await
+        .unwrap_err();
+    let CollectError::NotEnoughShares {
+        usable, failures, ..
+    } = &error
+    else {
+        panic!("{error}");
+    };
+    assert_eq!(*usable, 0, "{error}");
+    assert!(
+        failures
+            .iter()
+            .all(|(_, why)| matches!(why, ServiceFailure::BadAnswer(_))),
+        "{error}"
+    );
+}

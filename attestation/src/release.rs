@@ -261,11 +261,16 @@ impl ReleaseProof {
             ),
         );
         let mut vouching: Vec<&str> = Vec::new();
+        // A verifying key listed under two ids (a mistaken trust file) still counts once.
+        let mut vouching_keys: Vec<&VerifyingKey> = Vec::new();
         for receipt in &self.receipts {
             let signer = trusted.iter().find(|t| t.id == receipt.keyservice_id);
             let problem = match signer {
                 None => Some("not a trusted key service".to_string()),
-                Some(_) if vouching.contains(&receipt.keyservice_id.as_str()) => {
+                Some(signer)
+                    if vouching.contains(&receipt.keyservice_id.as_str())
+                        || vouching_keys.contains(&signer.verifying_key) =>
+                {
                     Some("a second receipt from the same key service".into())
                 }
                 Some(signer) if !receipt.verify(signer.verifying_key) => {
@@ -291,6 +296,9 @@ impl ReleaseProof {
             match problem {
                 None => {
                     vouching.push(&receipt.keyservice_id);
+                    if let Some(signer) = signer {
+                        vouching_keys.push(signer.verifying_key);
+                    }
                     record(
                         &mut out,
                         true,
@@ -306,20 +314,23 @@ impl ReleaseProof {
                 )),
             }
         }
-        let shares = self
-            .receipts
-            .iter()
-            .filter(|r| vouching.contains(&r.keyservice_id.as_str()))
-            .map(|r| r.shares)
+        let valid = || {
+            self.receipts
+                .iter()
+                .filter(|r| vouching.contains(&r.keyservice_id.as_str()))
+        };
+        let shares = valid().map(|r| r.shares).max().unwrap_or(0);
+        let threshold16 = valid()
+            .map(|r| r.threshold)
             .max()
-            .unwrap_or(0);
-        let threshold16 = u16::try_from(threshold).unwrap_or(u16::MAX);
+            .unwrap_or(0)
+            .max(u16::try_from(threshold).unwrap_or(u16::MAX));
         let needed = quorum(threshold16, shares);
         record(
             &mut out,
             vouching.len() >= needed,
             format!(
-                "{} of the {needed} receipts needed from trusted key services (threshold {threshold} of {shares} shares)",
+                "{} of the {needed} receipts needed from trusted key services (threshold {threshold16} of {shares} shares)",
                 vouching.len()
             ),
         );

@@ -226,10 +226,29 @@ pub fn open_chunked(
 }
 
 /// `info` for a key service's share sealed to an enclave's ephemeral key: label, then the key
-/// service, key, task and round, each followed by a zero byte so no two tuples collide.
-pub fn share_release_info(keyservice_id: &str, key_id: &str, task_id: &str, round: u64) -> Vec<u8> {
-    let mut info = b"confed share release v1\0".to_vec();
-    for part in [keyservice_id, key_id, task_id, &round.to_string()] {
+/// service, key, task, round, release commitment digest, and the key's threshold and number of
+/// shares as the key service's share file states them, each followed by a zero byte so no two
+/// tuples collide. Whoever relays the answer cannot change what the receipt says about t and n
+/// (the enclave computes its quorum from them) nor present the share under another name.
+pub fn share_release_info(
+    keyservice_id: &str,
+    key_id: &str,
+    task_id: &str,
+    round: u64,
+    commitment_sha256: &str,
+    threshold: u16,
+    shares: u16,
+) -> Vec<u8> {
+    let mut info = b"confed share release v2\0".to_vec();
+    for part in [
+        keyservice_id,
+        key_id,
+        task_id,
+        &round.to_string(),
+        commitment_sha256,
+        &threshold.to_string(),
+        &shares.to_string(),
+    ] {
         info.extend_from_slice(part.as_bytes());
         info.push(0);
     }
@@ -244,13 +263,13 @@ mod tests {
     fn seal_then_open_round_trips_and_binds_info_and_aad() {
         let (private, public) = generate_keypair();
         assert_eq!(private.public_key().unwrap(), public);
-        let info = share_release_info("ks1", "k1", "task", 3);
+        let info = share_release_info("ks1", "k1", "task", 3, "c", 2, 3);
         let (enc, ct) = seal(&public, &info, b"aad", b"secret share").unwrap();
         assert_eq!(
             open(&private, &enc, &info, b"aad", &ct).unwrap().as_slice(),
             b"secret share"
         );
-        let other_round = share_release_info("ks1", "k1", "task", 4);
+        let other_round = share_release_info("ks1", "k1", "task", 4, "c", 2, 3);
         assert_eq!(
             open(&private, &enc, &other_round, b"aad", &ct),
             Err(HpkeError::Open)
@@ -269,8 +288,8 @@ mod tests {
     #[test]
     fn info_fields_cannot_be_shifted_between_positions() {
         assert_ne!(
-            share_release_info("ab", "c", "t", 1),
-            share_release_info("a", "bc", "t", 1)
+            share_release_info("ab", "c", "t", 1, "c", 2, 3),
+            share_release_info("a", "bc", "t", 1, "c", 2, 3)
         );
     }
 

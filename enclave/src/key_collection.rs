@@ -408,14 +408,9 @@ async fn fetch_share(
     };
     let encapsulated = decode("encapsulated_key", &answer.encapsulated_key)?;
     let ciphertext = decode("ciphertext", &answer.ciphertext)?;
-    let info = hpke::share_release_info(
-        &service.id,
-        &request.key_id,
-        &request.task_id,
-        request.round,
-    );
     let receipt = &answer.receipt;
     if receipt.keyservice_id != service.id
+        || receipt.key_id != request.key_id
         || receipt.task_id != request.task_id
         || receipt.round != request.round
         || receipt.commitment_sha256 != request.commitment.digest()
@@ -426,6 +421,17 @@ async fn fetch_share(
             receipt.keyservice_id, receipt.task_id, receipt.round
         )));
     }
+    // The receipt's t and n are bound into the share's HPKE info: a relay that rewrote them (to
+    // shrink the quorum) makes the share fail to open.
+    let info = hpke::share_release_info(
+        &service.id,
+        &request.key_id,
+        &request.task_id,
+        request.round,
+        &receipt.commitment_sha256,
+        receipt.threshold,
+        receipt.shares,
+    );
     let share = hpke::open(
         &session.ephemeral_private,
         &encapsulated,

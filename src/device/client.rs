@@ -335,11 +335,14 @@ impl DeviceClient {
         // for a round it declines further assignments to it, even if this upload never gets a
         // success answer (a server that stores the bytes and answers an error must not get a
         // second update for the same round).
-        if let Ok(mut done) = self.done.lock()
-            && !done.insert((assignment.task_id.clone(), assignment.round))
-        {
+        let first = self
+            .done
+            .lock()
+            .map(|mut done| done.insert((assignment.task_id.clone(), assignment.round)))
+            .unwrap_or(false);
+        if !first {
             return Err(DeviceError::Seal(format!(
-                "this device already sealed an update for round {} of task {}",
+                "this device already sealed an update for round {} of task {} (or cannot tell)",
                 assignment.round, assignment.task_id
             )));
         }

@@ -303,7 +303,15 @@ async fn release(
         signature: String::new(),
     };
     receipt.sign(&service.signing_key);
-    let info = hpke::share_release_info(&service.id, &key_id, &request.task_id, request.round);
+    let info = hpke::share_release_info(
+        &service.id,
+        &key_id,
+        &request.task_id,
+        request.round,
+        &receipt.commitment_sha256,
+        receipt.threshold,
+        receipt.shares,
+    );
     let (encapsulated_key, ciphertext) =
         hpke::seal(&ephemeral, &info, request.nonce.as_bytes(), &held.share)
             .map_err(|e| ApiError::Internal(e.to_string()))?;

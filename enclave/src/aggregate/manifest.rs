@@ -23,8 +23,8 @@ pub struct Manifest {
     pub included: u64,
     /// SHA-256 (hex) over the sorted refs of the included contributions, one per line.
     pub included_digest: String,
-    /// BLAKE3 (hex) over the included contributions' stored bytes (see `aggregate::inputs_digest`):
-    /// what the noise is keyed by.
+    /// BLAKE3 (hex) over the stored bytes of every contribution the job was given, valid or not
+    /// (see `aggregate::inputs`): what the noise and the release commitment are keyed by.
     pub inputs_digest: String,
     /// Excluded contributions per reason.
     pub excluded: BTreeMap<String, u64>,

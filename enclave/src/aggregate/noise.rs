@@ -7,7 +7,7 @@
 //! key, the same noise and byte-identical output, whatever attempt number the untrusted store
 //! gives it, so a crash between noising and commit can never lead to a second, differently
 //! noised release of the same sum. Anything else that changes the release gets independent noise:
-//! the inputs digest covers every included contribution's stored bytes (BLAKE3, collision
+//! the inputs digest covers every input contribution's stored bytes (BLAKE3, collision
 //! resistant also for a sealer, who knows the AEAD key), the policy hash every privacy parameter,
 //! the model hash the base model. The same noise over two sets differing in one device would
 //! reveal that device's update exactly; independent noise over them is what the key services'
@@ -33,7 +33,7 @@ const BLOCK: usize = 1 << 14;
 pub struct NoiseBinding<'a> {
     /// Task, round, policy hash and model hash.
     pub context: &'a RoundContext,
-    /// `aggregate::inputs_digest` of the included contributions.
+    /// `aggregate::inputs::inputs_digest` of every contribution the job was given.
     pub inputs_digest: &'a str,
 }
 
