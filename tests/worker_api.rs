@@ -152,3 +152,36 @@ async fn the_worker_api_is_off_without_a_token_and_refuses_wrong_ones_and_bad_in
     ));
     on.shutdown().await;
 }
+
+/// A holder of the worker token commits, over the worker API, a release no enclave made (its own
+/// average, enclave key and receipts): 422, and nothing is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_forged_with_the_worker_token_is_refused_over_http() {
+    let (system, _dir) = start_with(now_clock(), Some(TOKEN)).await;
+    let (_, task) = open_task(&system, "forged", 8.0).await;
+    collect(&system, "forged", 6, false).await;
+    let store = remote(&system.url, TOKEN);
+    let job = store
+        .lease("forger", Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("a job");
+    let (average, manifest, proof) = common::forgery::forged_release(&system, &job).await;
+    let refused = store
+        .commit_release(
+            &job.job_id,
+            "forger",
+            confed_enclave::worker::StagedRelease {
+                average: &average,
+                manifest: &manifest,
+                proof: &proof,
+            },
+        )
+        .await;
+    assert!(
+        matches!(&refused, Err(StoreError::Refused(why)) if why.contains("receipts needed")),
+        "{refused:?}"
+    );
+    assert!(system.db.releases_of_task(&task).await.unwrap().is_empty());
+    system.shutdown().await;
+}

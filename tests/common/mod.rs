@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod database;
+pub mod forgery;
 pub mod gcs;
 pub mod keyservices;
 pub mod system;
