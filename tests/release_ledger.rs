@@ -241,3 +241,32 @@ async fn a_relay_that_rewrites_the_quorum_in_receipts_gets_no_share_opened() {
         "{error}"
     );
 }
+
+/// When a task's every round is committed, its ledger entry stays open for identical repeats for
+/// a while (a crashed final job), then closes: nothing more is released for the task, also after
+/// a restart.
+#[tokio::test]
+async fn a_completed_task_is_closed_after_the_grace() {
+    let world = World::new(2, 3);
+    let policy = TaskPolicy::sample("task-1", 1);
+    let endpoints = start_all(&world, 3).await;
+    collect(&endpoints, &world, &request_for(&world, &policy, 1, "a"))
+        .await
+        .unwrap();
+    world.clock.advance(std::time::Duration::from_secs(3600));
+    collect(&endpoints, &world, &request_for(&world, &policy, 1, "a"))
+        .await
+        .expect("an identical repeat within the grace");
+    world.clock.advance(std::time::Duration::from_secs(
+        confed::keyservice::ledger::CLOSE_AFTER_SECONDS as u64,
+    ));
+    let error = collect(&endpoints, &world, &request_for(&world, &policy, 1, "a"))
+        .await
+        .unwrap_err();
+    assert_eq!(refused_by(&error, "release_ledger"), 3, "{error}");
+    let restarted = start_all(&world, 3).await;
+    let error = collect(&restarted, &world, &request_for(&world, &policy, 1, "a"))
+        .await
+        .unwrap_err();
+    assert_eq!(refused_by(&error, "release_ledger"), 3, "{error}");
+}

@@ -14,19 +14,46 @@
 //! The ledger is not a file of its own: every granted decision in the audit log carries its
 //! commitment, and the audit log is written and fsync'd before the answer leaves, so the ledger
 //! is exactly the audit log's granted records, rebuilt when the service starts. State is per
-//! (task, round): one 32-byte digest, whatever the number of contributions.
+//! (task, round): one digest, whatever the number of contributions. When a task ends (every
+//! planned round committed) and `CLOSE_AFTER_SECONDS` have passed since its last commitment (time
+//! for a crashed final job to finish), the task is compacted to a tombstone: its per-round
+//! digests are dropped and every further request for it is refused.
 
 use std::collections::{BTreeMap, HashMap};
 
 use super::audit::Record;
+
+/// How long after its last commitment a task whose every planned round is committed stays open
+/// for identical repeats (a crashed final job finishing in a new enclave) before it is closed.
+pub const CLOSE_AFTER_SECONDS: i64 = 8 * 24 * 3600;
 
 /// One task's pinned policy and its committed rounds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct TaskEntry {
     policy_sha256: String,
     rounds: u32,
-    /// round -> commitment digest.
+    /// round -> commitment digest (emptied when the task is closed).
     committed: BTreeMap<u64, String>,
+    /// Unix seconds of the latest commitment.
+    last_commit_at: i64,
+    /// Every planned round was committed long enough ago: nothing more is released.
+    closed: bool,
+}
+
+impl TaskEntry {
+    fn complete(&self) -> bool {
+        self.closed || self.committed.len() as u64 >= u64::from(self.rounds)
+    }
+
+    /// Closes a complete task whose last commitment is old enough; returns whether it did.
+    fn compact(&mut self, now: i64) -> bool {
+        if !self.closed && self.complete() && now - self.last_commit_at >= CLOSE_AFTER_SECONDS {
+            self.closed = true;
+            self.committed = BTreeMap::new();
+            return true;
+        }
+        false
+    }
 }
 
 /// What a grant would do to the ledger.
@@ -46,6 +73,8 @@ pub struct Entry<'a> {
     pub commitment_sha256: &'a str,
     pub policy_sha256: &'a str,
     pub policy_rounds: u32,
+    /// Unix seconds of the request (the key service's clock).
+    pub at: i64,
 }
 
 #[derive(Debug, Default)]
@@ -69,12 +98,27 @@ impl Ledger {
                 commitment_sha256: commitment,
                 policy_sha256: policy,
                 policy_rounds: rounds,
+                at: d.at,
             });
         }
     }
 
-    /// Whether a share may be released for `entry`; `Err` says why not.
-    pub fn admit(&self, entry: &Entry<'_>) -> Result<Admission, String> {
+    /// Closes every complete task whose last commitment is older than `CLOSE_AFTER_SECONDS`;
+    /// returns how many it closed (run at start, after `restore`).
+    pub fn compact(&mut self, now: i64) -> usize {
+        self.tasks
+            .values_mut()
+            .map(|t| t.compact(now))
+            .filter(|&closed| closed)
+            .count()
+    }
+
+    /// Whether a share may be released for `entry`; `Err` says why not. Closes the entry's task
+    /// first if it is due.
+    pub fn admit(&mut self, entry: &Entry<'_>) -> Result<Admission, String> {
+        if let Some(task) = self.tasks.get_mut(entry.task_id) {
+            task.compact(entry.at);
+        }
         if entry.round == 0 || entry.round > u64::from(entry.policy_rounds) {
             return Err(format!(
                 "round {} is outside the policy's {} rounds",
@@ -84,6 +128,12 @@ impl Ledger {
         let Some(task) = self.tasks.get(entry.task_id) else {
             return Ok(Admission::New);
         };
+        if task.closed {
+            return Err(format!(
+                "task {} is closed: every one of its {} rounds was released",
+                entry.task_id, task.rounds
+            ));
+        }
         if task.policy_sha256 != entry.policy_sha256 {
             return Err(format!(
                 "task {} was committed under policy {}, this request names policy {}",
@@ -109,7 +159,13 @@ impl Ledger {
                 policy_sha256: entry.policy_sha256.to_string(),
                 rounds: entry.policy_rounds,
                 committed: BTreeMap::new(),
+                last_commit_at: entry.at,
+                closed: false,
             });
+        if task.closed {
+            return;
+        }
+        task.last_commit_at = task.last_commit_at.max(entry.at);
         task.committed
             .entry(entry.round)
             .or_insert_with(|| entry.commitment_sha256.to_string());
@@ -120,12 +176,14 @@ impl Ledger {
         self.tasks.values().map(|t| t.committed.len()).sum()
     }
 
-    /// Tasks whose every planned round is committed.
+    /// Tasks whose every planned round is committed (closed or not).
     pub fn completed_tasks(&self) -> usize {
-        self.tasks
-            .values()
-            .filter(|t| t.committed.len() as u64 >= u64::from(t.rounds))
-            .count()
+        self.tasks.values().filter(|t| t.complete()).count()
+    }
+
+    /// Tasks closed (compacted to a tombstone).
+    pub fn closed_tasks(&self) -> usize {
+        self.tasks.values().filter(|t| t.closed).count()
     }
 }
 
@@ -140,6 +198,7 @@ mod tests {
             commitment_sha256: commitment,
             policy_sha256: policy,
             policy_rounds: 3,
+            at: 1000,
         }
     }
 
@@ -177,5 +236,39 @@ mod tests {
             ledger.record(&entry(round, "c", "p"));
         }
         assert_eq!(ledger.completed_tasks(), 1);
+    }
+
+    /// A complete task stays open for identical repeats for a while (a crashed final job), then
+    /// is compacted to a tombstone: its per-round state is gone and nothing more is released.
+    #[test]
+    fn a_complete_task_is_compacted_to_a_tombstone_after_the_grace() {
+        let mut ledger = Ledger::default();
+        for round in 1..=3 {
+            ledger.record(&entry(round, &format!("c{round}"), "p"));
+        }
+        let soon = Entry {
+            at: 1000 + CLOSE_AFTER_SECONDS - 1,
+            ..entry(3, "c3", "p")
+        };
+        assert_eq!(ledger.admit(&soon), Ok(Admission::Repeat));
+        let later = Entry {
+            at: 1000 + CLOSE_AFTER_SECONDS,
+            ..entry(3, "c3", "p")
+        };
+        let refused = ledger.admit(&later).unwrap_err();
+        assert!(refused.contains("closed"), "{refused}");
+        assert_eq!(ledger.closed_tasks(), 1);
+        assert_eq!(ledger.rounds(), 0, "the per-round digests are dropped");
+        // An incomplete task is never closed, however old.
+        let mut open = Ledger::default();
+        open.record(&entry(1, "c1", "p"));
+        assert_eq!(open.compact(i64::MAX / 2), 0);
+        assert!(
+            open.admit(&Entry {
+                at: i64::MAX / 2,
+                ..entry(2, "c2", "p")
+            })
+            .is_ok()
+        );
     }
 }

@@ -96,11 +96,14 @@ impl KeyService {
         let signing_key = Arc::new(parts.signing_key);
         let audit = audit::AuditLog::open_with(&parts.audit_log, |record| ledger.restore(record))?
             .signed_by(&parts.id, signing_key.clone());
+        let closed = ledger.compact(parts.clock.now_millis().div_euclid(1000));
         tracing::info!(
             keyservice = %parts.id,
             records = audit.head().records,
             head = %audit.head().hash,
             committed_rounds = ledger.rounds(),
+            closed_tasks = ledger.closed_tasks(),
+            closed_now = closed,
             "audit log verified, release ledger rebuilt"
         );
         Ok(Self {

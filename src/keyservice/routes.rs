@@ -231,6 +231,7 @@ async fn release(
             commitment_sha256: &commitment_sha256,
             policy_sha256: &request.commitment.policy_sha256,
             policy_rounds: policy_rounds.unwrap_or(0),
+            at: now,
         };
         if report.passed() {
             report.record("release_ledger", ledger.admit(&entry).map(|_| ()));
