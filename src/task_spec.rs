@@ -497,6 +497,11 @@ mod tests {
                 json!({"privacy": {"epsilon": 1.0, "delta": 1e-6, "clip_norm": -1.0}}),
                 "privacy.clip_norm",
             ),
+            (
+                // Subnormal: the grid's unit would underflow and no clip could ever fit.
+                json!({"privacy": {"epsilon": 1.0, "delta": 1e-6, "clip_norm": 5e-324}}),
+                "privacy.clip_norm",
+            ),
             (json!({"server_learning_rate": 0.0}), "server_learning_rate"),
             (json!({"plan": [1, 2]}), "plan"),
         ];

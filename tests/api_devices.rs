@@ -381,13 +381,15 @@ async fn upload_answers_every_error_clearly() {
     )
     .await
     .problem(StatusCode::NOT_FOUND);
-    app.put_raw(
-        a["upload_url"].as_str().unwrap(),
+    for wrong in [
         "application/json",
-        good.clone(),
-    )
-    .await
-    .problem(StatusCode::UNSUPPORTED_MEDIA_TYPE);
+        "application/cbor-seq",
+        "application/cborx",
+    ] {
+        app.put_raw(a["upload_url"].as_str().unwrap(), wrong, good.clone())
+            .await
+            .problem(StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    }
     let detail = upload(&app, &a, b"\xa1\x61x\x01".to_vec())
         .await
         .problem(StatusCode::BAD_REQUEST)["detail"]
@@ -576,4 +578,21 @@ async fn check_ins_show_in_metrics() {
         text.contains("confed_checkins_total{outcome=\"no_task\"}"),
         "{text}"
     );
+}
+
+/// Media types compare case-insensitively and ignore parameters (RFC 9110).
+#[tokio::test]
+async fn the_upload_media_type_is_matched_exactly_but_case_insensitively() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    open_task(&app, &token, json!({})).await;
+    let a = assigned(&app).await;
+    let reply = app
+        .put_raw(
+            a["upload_url"].as_str().unwrap(),
+            "Application/CBOR; foo=bar",
+            sealed(&app, &a, b"update"),
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::CREATED);
 }

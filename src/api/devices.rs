@@ -391,7 +391,10 @@ pub async fn put_contribution(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    if !content_type.starts_with("application/cbor") {
+    // The media type exactly (RFC 9110: case-insensitive, parameters after `;` ignored), so
+    // `application/cbor-seq` and friends are refused rather than matched by prefix.
+    let media_type = content_type.split(';').next().unwrap_or("").trim();
+    if !media_type.eq_ignore_ascii_case("application/cbor") {
         return Err(ApiError::UnsupportedMediaType(
             "send the envelope as `Content-Type: application/cbor`".into(),
         ));
