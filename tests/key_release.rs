@@ -15,9 +15,7 @@ use confed_attestation::exchange::{Challenge, KeySet, ReleaseRequest, encode_ver
 use confed_attestation::release::key_binding;
 use confed_attestation::{Attester, TokenRequest};
 use confed_enclave::hpke;
-use confed_enclave::key_collection::{
-    CollectError, KeyServiceEndpoint, ServiceFailure, obtain_private_key,
-};
+use confed_enclave::key_collection::{CollectError, KeyServiceEndpoint, ServiceFailure};
 use confed_enclave::policy::TaskPolicy;
 use serde_json::Value;
 use tokio::sync::watch;
@@ -32,17 +30,9 @@ async fn round_trip_five_shares_threshold_three_opens_a_ciphertext() {
     let endpoints = start(&world, &[Behaviour::Honest; 5]).await;
     let (enc, ct) =
         hpke::seal(&public_key(&world.key), b"info", b"aad", b"a device update").unwrap();
-    let client = confed_enclave::http::client(TIMEOUT);
-    let obtained = obtain_private_key(
-        &client,
-        &endpoints,
-        &world.request(),
-        world.attester.as_ref(),
-        &confed_attestation::exchange::generate_signing_key(),
-        TIMEOUT,
-    )
-    .await
-    .unwrap();
+    let obtained = collect_with(&endpoints, &world, &world.request(), TIMEOUT)
+        .await
+        .unwrap();
     assert_eq!(obtained.used.len(), 3);
     let plaintext = hpke::open(&obtained.private_key, &enc, b"info", b"aad", &ct).unwrap();
     assert_eq!(plaintext.as_slice(), b"a device update");
@@ -60,7 +50,6 @@ async fn down_refusing_and_lying_services_are_named_and_the_others_suffice() {
     // 7 of 13: a quorum (10) of honest, consistent key services survives one down, one refusing
     // and one lying key service.
     let world = World::new(7, 13);
-    let client = confed_enclave::http::client(TIMEOUT);
     let mut endpoints = vec![KeyServiceEndpoint {
         id: "ks1".into(),
         url: down_url().await,
@@ -81,16 +70,9 @@ async fn down_refusing_and_lying_services_are_named_and_the_others_suffice() {
             .await,
         );
     }
-    let obtained = obtain_private_key(
-        &client,
-        &endpoints,
-        &world.request(),
-        world.attester.as_ref(),
-        &confed_attestation::exchange::generate_signing_key(),
-        TIMEOUT,
-    )
-    .await
-    .unwrap();
+    let obtained = collect_with(&endpoints, &world, &world.request(), TIMEOUT)
+        .await
+        .unwrap();
     assert_eq!(
         obtained.private_key.public_key().unwrap(),
         public_key(&world.key)
@@ -132,7 +114,6 @@ async fn down_refusing_and_lying_services_are_named_and_the_others_suffice() {
 #[tokio::test]
 async fn without_a_quorum_of_recorded_commitments_the_enclave_does_not_go_on() {
     let world = World::new(3, 6);
-    let client = confed_enclave::http::client(TIMEOUT);
     let mut endpoints = vec![KeyServiceEndpoint {
         id: "ks1".into(),
         url: down_url().await,
@@ -142,16 +123,9 @@ async fn without_a_quorum_of_recorded_commitments_the_enclave_does_not_go_on() {
     for index in 4..=6 {
         endpoints.extend(start_from(&world, index, Behaviour::Honest, None).await);
     }
-    let error = obtain_private_key(
-        &client,
-        &endpoints,
-        &world.request(),
-        world.attester.as_ref(),
-        &confed_attestation::exchange::generate_signing_key(),
-        TIMEOUT,
-    )
-    .await
-    .unwrap_err();
+    let error = collect_with(&endpoints, &world, &world.request(), TIMEOUT)
+        .await
+        .unwrap_err();
     let CollectError::NoQuorum {
         recorded,
         needed,
@@ -171,7 +145,6 @@ async fn without_a_quorum_of_recorded_commitments_the_enclave_does_not_go_on() {
 #[tokio::test]
 async fn fewer_than_threshold_honest_services_fail_clearly() {
     let world = World::new(3, 5);
-    let client = confed_enclave::http::client(TIMEOUT);
     let mut endpoints = vec![KeyServiceEndpoint {
         id: "ks1".into(),
         url: down_url().await,
@@ -180,16 +153,9 @@ async fn fewer_than_threshold_honest_services_fail_clearly() {
     endpoints.extend(start_from(&world, 3, Behaviour::Lying, None).await);
     endpoints.extend(start_from(&world, 4, Behaviour::Honest, None).await);
     endpoints.extend(start_from(&world, 5, Behaviour::Honest, None).await);
-    let error = obtain_private_key(
-        &client,
-        &endpoints,
-        &world.request(),
-        world.attester.as_ref(),
-        &confed_attestation::exchange::generate_signing_key(),
-        TIMEOUT,
-    )
-    .await
-    .unwrap_err();
+    let error = collect_with(&endpoints, &world, &world.request(), TIMEOUT)
+        .await
+        .unwrap_err();
     let CollectError::Inconsistent {
         suspects, failures, ..
     } = &error
@@ -211,16 +177,9 @@ async fn fewer_than_threshold_honest_services_fail_clearly() {
 
     // With only two answering at all, it is plainly not enough.
     let endpoints: Vec<_> = endpoints.into_iter().filter(|e| e.id != "ks3").collect();
-    let error = obtain_private_key(
-        &client,
-        &endpoints,
-        &world.request(),
-        world.attester.as_ref(),
-        &confed_attestation::exchange::generate_signing_key(),
-        TIMEOUT,
-    )
-    .await
-    .unwrap_err();
+    let error = collect_with(&endpoints, &world, &world.request(), TIMEOUT)
+        .await
+        .unwrap_err();
     assert!(
         matches!(
             error,
@@ -592,7 +551,6 @@ async fn devices_accept_a_key_only_with_threshold_signatures_from_trusted_servic
 #[tokio::test]
 async fn a_slow_key_service_is_waited_for_only_briefly_and_times_out_when_needed() {
     let world = World::new(3, 5);
-    let client = confed_enclave::http::client(TIMEOUT);
     // ks1 never answers: its gate never opens.
     let (_never, closed) = watch::channel(false);
     let mut endpoints =
@@ -603,16 +561,9 @@ async fn a_slow_key_service_is_waited_for_only_briefly_and_times_out_when_needed
     // Four fast services are a quorum for 3 of 5: the collection gives the slow one the short
     // ledger grace, not the whole per-service timeout, and names it.
     let started = std::time::Instant::now();
-    let obtained = obtain_private_key(
-        &client,
-        &endpoints,
-        &world.request(),
-        world.attester.as_ref(),
-        &confed_attestation::exchange::generate_signing_key(),
-        TIMEOUT,
-    )
-    .await
-    .unwrap();
+    let obtained = collect_with(&endpoints, &world, &world.request(), TIMEOUT)
+        .await
+        .unwrap();
     assert_eq!(obtained.used.len(), 3);
     assert!(!obtained.used.contains(&"ks1".to_string()));
     assert_eq!(obtained.receipts.len(), 4);
@@ -626,16 +577,9 @@ async fn a_slow_key_service_is_waited_for_only_briefly_and_times_out_when_needed
     );
     // Needing the slow one, the collection gives up after the per-service timeout and says so.
     let short = Duration::from_millis(300);
-    let error = obtain_private_key(
-        &client,
-        &endpoints[..3],
-        &world.request(),
-        world.attester.as_ref(),
-        &confed_attestation::exchange::generate_signing_key(),
-        short,
-    )
-    .await
-    .unwrap_err();
+    let error = collect_with(&endpoints[..3], &world, &world.request(), short)
+        .await
+        .unwrap_err();
     let CollectError::NotEnoughShares { failures, .. } = &error else {
         panic!("{error}");
     };

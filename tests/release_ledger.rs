@@ -7,9 +7,8 @@ mod common;
 
 use common::keyservices::*;
 use confed::keyservice::routes;
-use confed_attestation::exchange::generate_signing_key;
 use confed_enclave::key_collection::{
-    CollectError, KeyRequest, KeyServiceEndpoint, ServiceFailure, obtain_private_key,
+    CollectError, KeyRequest, KeyServiceEndpoint, ServiceFailure,
 };
 use confed_enclave::policy::TaskPolicy;
 
@@ -50,15 +49,7 @@ async fn collect(
     world: &World,
     request: &KeyRequest,
 ) -> Result<confed_enclave::key_collection::ObtainedKey, CollectError> {
-    obtain_private_key(
-        &confed_enclave::http::client(TIMEOUT),
-        endpoints,
-        request,
-        world.attester.as_ref(),
-        &generate_signing_key(),
-        TIMEOUT,
-    )
-    .await
+    collect_with(endpoints, world, request, TIMEOUT).await
 }
 
 /// Every refusal names the release ledger (or the task policy) as the failed check.

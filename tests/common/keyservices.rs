@@ -15,7 +15,9 @@ use confed_attestation::dev::DevAttester;
 use confed_attestation::release::ReleaseCommitment;
 use confed_attestation::{AppraisalPolicy, KeySource};
 use confed_enclave::hpke;
-use confed_enclave::key_collection::{KeyRequest, KeyServiceEndpoint};
+use confed_enclave::key_collection::{
+    CollectError, KeyRequest, KeyServiceEndpoint, ObtainedKey, obtain_private_key,
+};
 use confed_enclave::policy::TaskPolicy;
 
 pub const START: i64 = 1_800_000_000;
@@ -162,4 +164,23 @@ pub async fn start(world: &World, behaviours: &[Behaviour]) -> Vec<KeyServiceEnd
         });
     }
     endpoints
+}
+
+/// The enclave's key collection from `endpoints` for `request`, attested by the world's dev
+/// attester, with a fresh per-job signing key, `timeout` per key service.
+pub async fn collect_with(
+    endpoints: &[KeyServiceEndpoint],
+    world: &World,
+    request: &KeyRequest,
+    timeout: Duration,
+) -> Result<ObtainedKey, CollectError> {
+    obtain_private_key(
+        &confed_enclave::http::client(TIMEOUT),
+        endpoints,
+        request,
+        world.attester.as_ref(),
+        &confed_attestation::exchange::generate_signing_key(),
+        timeout,
+    )
+    .await
 }
