@@ -22,6 +22,73 @@ pub enum Attribute {
 
 pub type Attributes = BTreeMap<String, Attribute>;
 
+/// Most attributes one check-in may carry.
+pub const MAX_ATTRIBUTES: usize = 32;
+/// Longest attribute name, in bytes (A-Z a-z 0-9 . _ -).
+pub const MAX_ATTRIBUTE_NAME_BYTES: usize = 64;
+/// Longest text attribute value, in bytes.
+pub const MAX_ATTRIBUTE_TEXT_BYTES: usize = 256;
+
+/// Check the bounds above. Attributes are public matching data, not payloads: the bounds keep one
+/// check-in's share of the recent-devices registry at a few KiB however large the body may be.
+pub fn check_attributes(attributes: &Attributes) -> Result<(), String> {
+    if attributes.len() > MAX_ATTRIBUTES {
+        return Err(format!(
+            "at most {MAX_ATTRIBUTES} attributes are accepted (got {})",
+            attributes.len()
+        ));
+    }
+    for (name, value) in attributes {
+        let name_ok = !name.is_empty()
+            && name.len() <= MAX_ATTRIBUTE_NAME_BYTES
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+        if !name_ok {
+            return Err(format!(
+                "attribute names must be 1-{MAX_ATTRIBUTE_NAME_BYTES} of A-Z a-z 0-9 . _ - (got {:?})",
+                name.chars().take(80).collect::<String>()
+            ));
+        }
+        if let Attribute::Text(text) = value
+            && text.len() > MAX_ATTRIBUTE_TEXT_BYTES
+        {
+            return Err(format!(
+                "attribute {name:?} is {} bytes; text values may have at most {MAX_ATTRIBUTE_TEXT_BYTES}",
+                text.len()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The OpenAPI schema of `attributes`, with the bounds `check_attributes` enforces.
+pub fn attributes_schema() -> utoipa::openapi::schema::Object {
+    use utoipa::openapi::schema::{ObjectBuilder, OneOfBuilder, SchemaType, Type};
+    let value = OneOfBuilder::new()
+        .item(ObjectBuilder::new().schema_type(SchemaType::new(Type::Boolean)))
+        .item(ObjectBuilder::new().schema_type(SchemaType::new(Type::Number)))
+        .item(
+            ObjectBuilder::new()
+                .schema_type(SchemaType::new(Type::String))
+                .max_length(Some(MAX_ATTRIBUTE_TEXT_BYTES)),
+        );
+    ObjectBuilder::new()
+        .schema_type(SchemaType::new(Type::Object))
+        .description(Some(
+            "Public attributes the server matches against task constraints (e.g. os, ram_gb, \
+             charging): a boolean, a number or a string of at most 256 bytes each.",
+        ))
+        .max_properties(Some(MAX_ATTRIBUTES))
+        .property_names(Some(
+            ObjectBuilder::new()
+                .schema_type(SchemaType::new(Type::String))
+                .pattern(Some("^[A-Za-z0-9._-]{1,64}$")),
+        ))
+        .additional_properties(Some(utoipa::openapi::schema::Schema::OneOf(value.build())))
+        .build()
+}
+
 /// Why a device's attributes or version do not fit a task.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mismatch {
@@ -69,11 +136,39 @@ struct Seen {
     attributes: Attributes,
 }
 
-/// The sliding window of recent check-ins.
+impl Seen {
+    /// What the entry holds on the heap, roughly but never under: the registry's byte budget is
+    /// counted with it.
+    fn approx_bytes(&self) -> usize {
+        const ENTRY: usize = std::mem::size_of::<Seen>();
+        const NODE: usize = 64; // a B-tree slot's share, key and value headers included
+        let attributes: usize = self
+            .attributes
+            .iter()
+            .map(|(name, value)| {
+                NODE + name.len()
+                    + match value {
+                        Attribute::Text(text) => text.len(),
+                        _ => 0,
+                    }
+            })
+            .sum();
+        ENTRY + self.population.len() + 4 * self.version.len() + attributes
+    }
+}
+
+#[derive(Default)]
+struct Window {
+    entries: VecDeque<(Seen, usize)>,
+    bytes: usize,
+}
+
+/// The sliding window of recent check-ins, bounded by count and by bytes.
 pub struct DeviceRegistry {
     window_millis: i64,
     capacity: usize,
-    seen: Mutex<VecDeque<Seen>>,
+    byte_budget: usize,
+    seen: Mutex<Window>,
 }
 
 impl std::fmt::Debug for DeviceRegistry {
@@ -85,45 +180,59 @@ impl std::fmt::Debug for DeviceRegistry {
 }
 
 impl Default for DeviceRegistry {
-    /// The last 15 minutes, at most 100,000 check-ins.
+    /// The last 15 minutes, at most 100,000 check-ins and 64 MiB.
     fn default() -> Self {
-        Self::new(15 * 60 * 1000, 100_000)
+        Self::new(15 * 60 * 1000, 100_000, 64 << 20)
     }
 }
 
 impl DeviceRegistry {
-    pub fn new(window_millis: i64, capacity: usize) -> Self {
+    pub fn new(window_millis: i64, capacity: usize, byte_budget: usize) -> Self {
         Self {
             window_millis,
             capacity,
-            seen: Mutex::new(VecDeque::new()),
+            byte_budget,
+            seen: Mutex::new(Window::default()),
         }
     }
 
     pub fn record(&self, population: &str, version: Vec<u32>, attributes: Attributes, now: Millis) {
-        let Ok(mut seen) = self.seen.lock() else {
-            return;
-        };
-        while seen
-            .front()
-            .is_some_and(|s| s.at <= now - self.window_millis)
-            || seen.len() >= self.capacity
-        {
-            seen.pop_front();
-        }
-        seen.push_back(Seen {
+        let entry = Seen {
             at: now,
             population: population.to_string(),
             version,
             attributes,
-        });
+        };
+        let size = entry.approx_bytes();
+        let Ok(mut window) = self.seen.lock() else {
+            return;
+        };
+        // The oldest go first: past the window, past the count, or to make room in the budget.
+        while let Some((front, front_size)) = window.entries.front() {
+            let full = window.entries.len() >= self.capacity
+                || window.bytes + size > self.byte_budget;
+            if front.at > now - self.window_millis && !full {
+                break;
+            }
+            window.bytes -= *front_size;
+            window.entries.pop_front();
+        }
+        if size <= self.byte_budget {
+            window.bytes += size;
+            window.entries.push_back((entry, size));
+        }
+    }
+
+    /// Bytes held now (by the estimate the budget is counted with).
+    pub fn bytes(&self) -> usize {
+        self.seen.lock().map(|w| w.bytes).unwrap_or(0)
     }
 
     /// Recent check-ins per population (for metrics).
     pub fn by_population(&self, now: Millis) -> BTreeMap<String, u64> {
         let mut counts = BTreeMap::new();
-        if let Ok(seen) = self.seen.lock() {
-            for s in seen.iter().filter(|s| s.at > now - self.window_millis) {
+        if let Ok(window) = self.seen.lock() {
+            for (s, _) in window.entries.iter().filter(|(s, _)| s.at > now - self.window_millis) {
                 *counts.entry(s.population.clone()).or_default() += 1;
             }
         }
@@ -132,8 +241,13 @@ impl DeviceRegistry {
 
     /// Recent check-ins of the task's population that meet its version range and constraints.
     pub fn eligible(&self, spec: &TaskSpec, now: Millis) -> u64 {
-        let Ok(seen) = self.seen.lock() else { return 0 };
-        seen.iter()
+        let Ok(window) = self.seen.lock() else {
+            return 0;
+        };
+        window
+            .entries
+            .iter()
+            .map(|(s, _)| s)
             .filter(|s| s.at > now - self.window_millis && s.population == spec.population)
             .filter(|s| fits(spec, &s.version, &s.attributes).is_ok())
             .count() as u64
@@ -190,7 +304,7 @@ mod tests {
 
     #[test]
     fn window_forgets_old_check_ins() {
-        let registry = DeviceRegistry::new(1000, 10);
+        let registry = DeviceRegistry::new(1000, 10, 1 << 20);
         let task = spec(serde_json::json!({"constraints": {"charging": true}}));
         registry.record(
             "p",
@@ -213,5 +327,42 @@ mod tests {
         assert_eq!(registry.eligible(&task, 900), 1);
         assert_eq!(registry.by_population(900).get("p"), Some(&2));
         assert_eq!(registry.eligible(&task, 1500), 0);
+    }
+
+    #[test]
+    fn registry_is_bounded_by_bytes_not_only_by_count() {
+        let budget = 64 * 1024;
+        let registry = DeviceRegistry::new(60_000, 100_000, budget);
+        let big: Attributes = (0..MAX_ATTRIBUTES)
+            .map(|i| {
+                (
+                    format!("{i:064}"),
+                    Attribute::Text("x".repeat(MAX_ATTRIBUTE_TEXT_BYTES)),
+                )
+            })
+            .collect();
+        check_attributes(&big).unwrap();
+        for i in 0..1_000 {
+            registry.record("p", vec![1], big.clone(), i);
+        }
+        assert!(registry.bytes() <= budget, "{} > {budget}", registry.bytes());
+        let kept = registry.by_population(1_000)["p"];
+        assert!((1..1_000).contains(&kept), "the oldest were evicted: kept {kept}");
+    }
+
+    #[test]
+    fn oversized_attribute_maps_are_refused() {
+        let too_many: Attributes = (0..=MAX_ATTRIBUTES)
+            .map(|i| (format!("a{i}"), Attribute::Flag(true)))
+            .collect();
+        assert!(check_attributes(&too_many).unwrap_err().contains("at most 32"));
+        let long_name = attrs(serde_json::json!({ "n".repeat(65): true }));
+        assert!(check_attributes(&long_name).is_err());
+        let bad_name = attrs(serde_json::json!({"os name": "x"}));
+        assert!(check_attributes(&bad_name).is_err());
+        let long_text = attrs(serde_json::json!({"os": "x".repeat(257)}));
+        assert!(check_attributes(&long_text).unwrap_err().contains("257 bytes"));
+        let fine = attrs(serde_json::json!({"os": "x".repeat(256), "ram_gb": 8, "charging": true}));
+        assert_eq!(check_attributes(&fine), Ok(()));
     }
 }

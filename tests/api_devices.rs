@@ -596,3 +596,97 @@ async fn the_upload_media_type_is_matched_exactly_but_case_insensitively() {
         .await;
     assert_eq!(reply.status, StatusCode::CREATED);
 }
+
+/// The attributes a check-in may carry are bounded (count, name, text size): the registry of
+/// recent devices keeps them, and a flood of 256 KiB maps once took the server to 2.2 GB.
+#[tokio::test]
+async fn check_in_attributes_beyond_the_bounds_are_400() {
+    let app = TestApp::new().await;
+    let too_many: serde_json::Map<String, Value> =
+        (0..33).map(|i| (format!("a{i}"), json!(true))).collect();
+    for attributes in [
+        Value::Object(too_many),
+        json!({"os": "x".repeat(257)}),
+        json!({"n".repeat(65): 1}),
+        json!({"has space": 1}),
+    ] {
+        let problem = checkin(&app, json!({"client_version": "1", "attributes": attributes}))
+            .await
+            .problem(StatusCode::BAD_REQUEST);
+        assert!(
+            problem["detail"].as_str().unwrap().contains("attribute"),
+            "{problem}"
+        );
+    }
+    let reply = checkin(
+        &app,
+        json!({"client_version": "1", "attributes": {"os": "x".repeat(256)}}),
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK, "at the bound is fine");
+}
+
+/// A body that records whether anyone read it, and fails if so.
+fn unread_body(read: std::sync::Arc<std::sync::atomic::AtomicBool>) -> axum::body::Body {
+    axum::body::Body::from_stream(futures_util::stream::poll_fn(move |_| {
+        read.store(true, std::sync::atomic::Ordering::SeqCst);
+        std::task::Poll::Ready(Some(Err::<axum::body::Bytes, _>(std::io::Error::other(
+            "the server read the body",
+        ))))
+    }))
+}
+
+fn upload_request(path: &str, declared: u64, body: axum::body::Body) -> axum::http::Request<axum::body::Body> {
+    axum::http::Request::put(path)
+        .header(header::CONTENT_TYPE, "application/cbor")
+        .header(header::CONTENT_LENGTH, declared.to_string())
+        .body(body)
+        .unwrap()
+}
+
+/// Three 500 MiB uploads to a made-up id once took 1.6 GB: the capability is looked up first.
+#[tokio::test]
+async fn an_upload_to_a_made_up_assignment_is_refused_before_its_body_is_read() {
+    let app = TestApp::new().await;
+    let read = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reply = app
+        .send(upload_request(
+            "/v1/assignments/made-up/contribution",
+            500 << 20,
+            unread_body(read.clone()),
+        ))
+        .await;
+    reply.problem(StatusCode::NOT_FOUND);
+    assert!(!read.load(std::sync::atomic::Ordering::SeqCst), "the body was read");
+}
+
+/// A declared length over the task's limit is refused before the body is read, and a chunked
+/// body is read only up to the limit.
+#[tokio::test]
+async fn an_upload_over_the_tasks_limit_is_refused_early() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    open_task(&app, &token, json!({})).await;
+    let a = assigned(&app).await;
+    let path = a["upload_url"].as_str().unwrap();
+    let limit = a["max_contribution_bytes"].as_u64().unwrap();
+    let read = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reply = app
+        .send(upload_request(path, limit + 1, unread_body(read.clone())))
+        .await;
+    reply.problem(StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(!read.load(std::sync::atomic::Ordering::SeqCst), "the body was read");
+
+    let chunks = futures_util::stream::iter(
+        (0..=limit / 65_536 + 1)
+            .map(|_| Ok::<_, std::io::Error>(axum::body::Bytes::from(vec![0u8; 65_536]))),
+    );
+    let chunked = axum::http::Request::put(path)
+        .header(header::CONTENT_TYPE, "application/cbor")
+        .body(axum::body::Body::from_stream(chunks))
+        .unwrap();
+    app.send(chunked).await.problem(StatusCode::PAYLOAD_TOO_LARGE);
+    // The capability is still good for a proper upload.
+    let reply = upload(&app, &a, sealed(&app, &a, b"update")).await;
+    assert_eq!(reply.status, StatusCode::CREATED);
+}

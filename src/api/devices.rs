@@ -17,12 +17,12 @@ use utoipa::ToSchema;
 
 use super::AppState;
 use super::error::{ApiError, Problem};
-use super::extract::{ApiBytes, ApiJson, ApiPath};
+use super::extract::{ApiJson, ApiPath};
 use crate::blob::{BlobError, BlobKey};
 use crate::db::device::{Refusal, ReportOutcome, Stored};
 use crate::keys::KeyState;
 use crate::keys::directory::DeviceKey;
-use crate::registry::{Attributes, Mismatch, fits};
+use crate::registry::{Attributes, Mismatch, check_attributes, fits};
 use crate::states::{AssignmentState, StateMachine};
 use crate::task_spec::{parse_version, valid_population};
 
@@ -34,9 +34,10 @@ pub const CONTRIBUTION_SLACK_BYTES: usize = 64 * 1024;
 pub struct CheckinRequest {
     /// Dotted numeric version of the device's client, e.g. `"1.4.0"`.
     pub client_version: String,
-    /// Public attributes the server matches against task constraints (e.g. os, ram_gb, charging).
+    /// Public attributes the server matches against task constraints (e.g. os, ram_gb, charging):
+    /// at most 32, names of 1-64 of A-Z a-z 0-9 . _ -, text values of at most 256 bytes.
     #[serde(default)]
-    #[schema(value_type = Object)]
+    #[schema(schema_with = crate::registry::attributes_schema)]
     pub attributes: Attributes,
 }
 
@@ -137,6 +138,7 @@ pub async fn checkin(
             request.client_version
         ))
     })?;
+    check_attributes(&request.attributes).map_err(ApiError::BadRequest)?;
     let now = state.now();
     state.registry.record(
         &population,
@@ -379,9 +381,11 @@ pub async fn put_contribution(
     State(state): State<AppState>,
     ApiPath(capability): ApiPath<String>,
     headers: HeaderMap,
-    ApiBytes(body): ApiBytes,
+    body: axum::body::Body,
 ) -> Result<StatusCode, ApiError> {
     let now = state.now();
+    // Everything that can refuse the upload is decided before a byte of the body is read: a
+    // made-up capability or a declared size over the task's limit costs the server no memory.
     let assignment = state
         .db
         .assignment(&capability)
@@ -400,12 +404,38 @@ pub async fn put_contribution(
         ));
     }
     let limit = contribution_limit(assignment.model_bytes);
-    if body.len() as u64 > limit {
-        return Err(ApiError::PayloadTooLarge(format!(
-            "the envelope is {} bytes; this task accepts at most {limit}",
-            body.len()
-        )));
+    let too_large = |size: String| {
+        ApiError::PayloadTooLarge(format!(
+            "the envelope is {size} bytes; this task accepts at most {limit}"
+        ))
+    };
+    if let Some(declared) = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        && declared > limit
+    {
+        return Err(too_large(declared.to_string()));
     }
+    if assignment.contribution_sha256.is_none()
+        && let Some(closed) = closed_for_upload(&assignment, now)
+    {
+        return Err(refusal(closed));
+    }
+    // A body without a length (chunked) is read only up to the limit.
+    let body = http_body_util::BodyExt::collect(http_body_util::Limited::new(
+        body,
+        usize::try_from(limit).unwrap_or(usize::MAX),
+    ))
+    .await
+    .map_err(|e| {
+        if e.is::<http_body_util::LengthLimitError>() {
+            too_large(format!("more than {limit}"))
+        } else {
+            ApiError::BadRequest(format!("the upload was cut off: {e}"))
+        }
+    })?
+    .to_bytes();
     let parsed = Envelope::from_cbor(&body).map_err(|e| ApiError::BadRequest(e.to_string()))?;
     let round_key = assignment.key_id.as_deref().unwrap_or("");
     if parsed.key_id != round_key {
@@ -428,11 +458,6 @@ pub async fn put_contribution(
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    if assignment.contribution_sha256.is_none()
-        && let Some(closed) = closed_for_upload(&assignment, now)
-    {
-        return Err(refusal(closed));
-    }
     let key = view_contribution_key(&assignment)?;
     // The bytes are durable before the row that refers to them is written.
     let stored = match state.contributions.put_new(key, &body).await {
