@@ -54,6 +54,7 @@ fn key_directory() -> (KeyDirectory, TrustConfig) {
             threshold: 2,
             keyservices: trusted,
             limits: confed_enclave::policy::DeviceLimits::ENCLAVE,
+            tenant_id: None,
         },
     )
 }

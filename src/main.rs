@@ -204,6 +204,9 @@ enum DevicesCommand {
         /// Fewest contributions (the policy's min_reports) a release may average.
         #[arg(long)]
         min_reports: u32,
+        /// Pin the tenant (id) the device works for: other tenants' tasks are refused.
+        #[arg(long)]
+        tenant_id: Option<String>,
     },
 }
 
@@ -797,6 +800,7 @@ async fn devices(command: DevicesCommand) -> Result<()> {
             max_epsilon,
             max_delta,
             min_reports,
+            tenant_id,
         } => {
             let client = confed_enclave::http::client(Duration::from_secs(10));
             let mut entries = Vec::new();
@@ -823,6 +827,7 @@ async fn devices(command: DevicesCommand) -> Result<()> {
                     max_delta,
                     min_reports,
                 },
+                tenant_id,
             };
             println!("{}", serde_json::to_string_pretty(&config)?);
         }

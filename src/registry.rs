@@ -209,8 +209,8 @@ impl DeviceRegistry {
         };
         // The oldest go first: past the window, past the count, or to make room in the budget.
         while let Some((front, front_size)) = window.entries.front() {
-            let full = window.entries.len() >= self.capacity
-                || window.bytes + size > self.byte_budget;
+            let full =
+                window.entries.len() >= self.capacity || window.bytes + size > self.byte_budget;
             if front.at > now - self.window_millis && !full {
                 break;
             }
@@ -232,7 +232,11 @@ impl DeviceRegistry {
     pub fn by_population(&self, now: Millis) -> BTreeMap<String, u64> {
         let mut counts = BTreeMap::new();
         if let Ok(window) = self.seen.lock() {
-            for (s, _) in window.entries.iter().filter(|(s, _)| s.at > now - self.window_millis) {
+            for (s, _) in window
+                .entries
+                .iter()
+                .filter(|(s, _)| s.at > now - self.window_millis)
+            {
                 *counts.entry(s.population.clone()).or_default() += 1;
             }
         }
@@ -345,9 +349,16 @@ mod tests {
         for i in 0..1_000 {
             registry.record("p", vec![1], big.clone(), i);
         }
-        assert!(registry.bytes() <= budget, "{} > {budget}", registry.bytes());
+        assert!(
+            registry.bytes() <= budget,
+            "{} > {budget}",
+            registry.bytes()
+        );
         let kept = registry.by_population(1_000)["p"];
-        assert!((1..1_000).contains(&kept), "the oldest were evicted: kept {kept}");
+        assert!(
+            (1..1_000).contains(&kept),
+            "the oldest were evicted: kept {kept}"
+        );
     }
 
     #[test]
@@ -355,13 +366,21 @@ mod tests {
         let too_many: Attributes = (0..=MAX_ATTRIBUTES)
             .map(|i| (format!("a{i}"), Attribute::Flag(true)))
             .collect();
-        assert!(check_attributes(&too_many).unwrap_err().contains("at most 32"));
+        assert!(
+            check_attributes(&too_many)
+                .unwrap_err()
+                .contains("at most 32")
+        );
         let long_name = attrs(serde_json::json!({ "n".repeat(65): true }));
         assert!(check_attributes(&long_name).is_err());
         let bad_name = attrs(serde_json::json!({"os name": "x"}));
         assert!(check_attributes(&bad_name).is_err());
         let long_text = attrs(serde_json::json!({"os": "x".repeat(257)}));
-        assert!(check_attributes(&long_text).unwrap_err().contains("257 bytes"));
+        assert!(
+            check_attributes(&long_text)
+                .unwrap_err()
+                .contains("257 bytes")
+        );
         let fine = attrs(serde_json::json!({"os": "x".repeat(256), "ram_gb": 8, "charging": true}));
         assert_eq!(check_attributes(&fine), Ok(()));
     }

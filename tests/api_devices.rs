@@ -139,7 +139,13 @@ async fn a_full_cycle_stores_the_contribution_and_reaching_the_goal_closes_the_r
     assert_eq!(first["task_id"], task.as_str());
     assert_eq!(first["round"], 1);
     assert_eq!(first["plan"]["batch_size"], 32);
-    assert_eq!(first["model_url"], format!("/v1/models/{task}/0"));
+    assert_eq!(
+        first["model_url"],
+        format!(
+            "/v1/assignments/{}/model",
+            first["assignment_id"].as_str().unwrap()
+        )
+    );
     assert_eq!(first["encryption"]["key_id"], "ktest");
     assert_eq!(
         first["encryption"]["signatures"].as_array().unwrap().len(),
@@ -293,8 +299,9 @@ async fn a_full_round_tells_devices_to_retry_and_a_timed_out_slot_is_freed() {
 async fn concurrent_check_ins_never_exceed_any_rounds_capacity() {
     let app = TestApp::new().await;
     let mut tasks = Vec::new();
-    for tenant in ["a", "b", "c"] {
-        let token = app.tenant(tenant).await;
+    // A population is one tenant's: its three tasks compete for the devices.
+    let token = app.tenant("a").await;
+    for _ in 0..3 {
         tasks.push(
             open_task(
                 &app,
@@ -344,12 +351,11 @@ async fn concurrent_check_ins_never_exceed_any_rounds_capacity() {
 }
 
 #[tokio::test]
-async fn devices_are_spread_fairly_over_tenants_tasks() {
+async fn devices_are_spread_fairly_over_a_populations_tasks() {
     let app = TestApp::new().await;
-    let big = app.tenant("big").await;
-    let small = app.tenant("small").await;
-    let big_task = open_task(&app, &big, json!({"report_goal": 100})).await;
-    let small_task = open_task(&app, &small, json!({"report_goal": 10})).await;
+    let tenant = app.tenant("acme").await;
+    let big_task = open_task(&app, &tenant, json!({"report_goal": 100})).await;
+    let small_task = open_task(&app, &tenant, json!({"report_goal": 10})).await;
     let mut counts = std::collections::HashMap::<String, usize>::new();
     for _ in 0..22 {
         *counts
@@ -531,27 +537,47 @@ async fn a_device_refuses_a_key_without_enough_trusted_signatures() {
 async fn devices_download_models_with_caching() {
     let app = TestApp::new().await;
     let token = app.tenant("acme").await;
-    let task = open_task(&app, &token, json!({})).await;
-    let reply = app
-        .call(Method::GET, &format!("/v1/models/{task}/0"), None, None)
-        .await;
+    open_task(&app, &token, json!({})).await;
+    let a = assigned(&app).await;
+    let url = a["model_url"].as_str().unwrap();
+    let reply = app.call(Method::GET, url, None, None).await;
     assert_eq!(reply.status, StatusCode::OK);
     assert_eq!(reply.body, model_bytes());
     assert!(
         reply.headers[header::CACHE_CONTROL]
             .to_str()
             .unwrap()
-            .starts_with("public")
+            .starts_with("private"),
+        "no shared cache may keep a model for unauthenticated readers"
     );
     let etag = reply.headers[header::ETAG].to_str().unwrap().to_string();
-    let request = axum::http::Request::get(format!("/v1/models/{task}/0"))
+    // A second assignment of the same model revalidates with the ETag it cached.
+    let b = assigned(&app).await;
+    let request = axum::http::Request::get(b["model_url"].as_str().unwrap())
         .header(header::IF_NONE_MATCH, etag)
         .body(axum::body::Body::empty())
         .unwrap();
     assert_eq!(app.send(request).await.status, StatusCode::NOT_MODIFIED);
-    app.call(Method::GET, &format!("/v1/models/{task}/7"), None, None)
+}
+
+/// Consecutive model versions reveal every release, so a model is served only to a device
+/// holding a live assignment of its task: not by task id, not to a made-up or expired capability.
+#[tokio::test]
+async fn models_are_served_only_to_a_live_assignment() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let task = open_task(&app, &token, json!({})).await;
+    let a = assigned(&app).await;
+    app.call(Method::GET, &format!("/v1/models/{task}/0"), None, None)
         .await
         .problem(StatusCode::NOT_FOUND);
+    app.call(Method::GET, "/v1/assignments/made-up/model", None, None)
+        .await
+        .problem(StatusCode::NOT_FOUND);
+    app.clock.advance(Duration::from_secs(61));
+    app.call(Method::GET, a["model_url"].as_str().unwrap(), None, None)
+        .await
+        .problem(StatusCode::GONE);
 }
 
 #[tokio::test]
@@ -610,9 +636,12 @@ async fn check_in_attributes_beyond_the_bounds_are_400() {
         json!({"n".repeat(65): 1}),
         json!({"has space": 1}),
     ] {
-        let problem = checkin(&app, json!({"client_version": "1", "attributes": attributes}))
-            .await
-            .problem(StatusCode::BAD_REQUEST);
+        let problem = checkin(
+            &app,
+            json!({"client_version": "1", "attributes": attributes}),
+        )
+        .await
+        .problem(StatusCode::BAD_REQUEST);
         assert!(
             problem["detail"].as_str().unwrap().contains("attribute"),
             "{problem}"
@@ -636,7 +665,11 @@ fn unread_body(read: std::sync::Arc<std::sync::atomic::AtomicBool>) -> axum::bod
     }))
 }
 
-fn upload_request(path: &str, declared: u64, body: axum::body::Body) -> axum::http::Request<axum::body::Body> {
+fn upload_request(
+    path: &str,
+    declared: u64,
+    body: axum::body::Body,
+) -> axum::http::Request<axum::body::Body> {
     axum::http::Request::put(path)
         .header(header::CONTENT_TYPE, "application/cbor")
         .header(header::CONTENT_LENGTH, declared.to_string())
@@ -657,7 +690,10 @@ async fn an_upload_to_a_made_up_assignment_is_refused_before_its_body_is_read() 
         ))
         .await;
     reply.problem(StatusCode::NOT_FOUND);
-    assert!(!read.load(std::sync::atomic::Ordering::SeqCst), "the body was read");
+    assert!(
+        !read.load(std::sync::atomic::Ordering::SeqCst),
+        "the body was read"
+    );
 }
 
 /// A declared length over the task's limit is refused before the body is read, and a chunked
@@ -675,7 +711,10 @@ async fn an_upload_over_the_tasks_limit_is_refused_early() {
         .send(upload_request(path, limit + 1, unread_body(read.clone())))
         .await;
     reply.problem(StatusCode::PAYLOAD_TOO_LARGE);
-    assert!(!read.load(std::sync::atomic::Ordering::SeqCst), "the body was read");
+    assert!(
+        !read.load(std::sync::atomic::Ordering::SeqCst),
+        "the body was read"
+    );
 
     let chunks = futures_util::stream::iter(
         (0..=limit / 65_536 + 1)
@@ -685,7 +724,9 @@ async fn an_upload_over_the_tasks_limit_is_refused_early() {
         .header(header::CONTENT_TYPE, "application/cbor")
         .body(axum::body::Body::from_stream(chunks))
         .unwrap();
-    app.send(chunked).await.problem(StatusCode::PAYLOAD_TOO_LARGE);
+    app.send(chunked)
+        .await
+        .problem(StatusCode::PAYLOAD_TOO_LARGE);
     // The capability is still good for a proper upload.
     let reply = upload(&app, &a, sealed(&app, &a, b"update")).await;
     assert_eq!(reply.status, StatusCode::CREATED);

@@ -39,6 +39,10 @@ pub struct CheckinRequest {
     #[serde(default)]
     #[schema(schema_with = crate::registry::attributes_schema)]
     pub attributes: Attributes,
+    /// The tenant this device works for (optional): only that tenant's tasks are assigned, and
+    /// a population registered to another tenant answers `tenant_mismatch`.
+    #[serde(default)]
+    pub tenant_id: Option<String>,
 }
 
 /// A device's assignment (201).
@@ -56,7 +60,8 @@ pub struct AssignmentResponse {
     /// train with its plan, and bind its SHA-256 into the contribution's associated data.
     pub policy: String,
     pub model_version: i64,
-    /// Path relative to the server's base URL.
+    /// Where to download the model (path relative to the server's base URL): readable while the
+    /// assignment is live.
     pub model_url: String,
     /// The key to seal the update to, with the key services' signatures: use it only if at least
     /// T key services the device trusts signed it.
@@ -76,7 +81,8 @@ pub struct AssignmentResponse {
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct RetryResponse {
     pub retry_window: RetryWindow,
-    /// `no_task`, `round_full`, `version_mismatch`, `constraints_not_met` or `no_encryption_key`.
+    /// `no_task`, `round_full`, `version_mismatch`, `constraints_not_met`, `tenant_mismatch` or
+    /// `no_encryption_key`.
     pub reason: String,
 }
 
@@ -147,9 +153,15 @@ pub async fn checkin(
         now,
     );
 
-    let candidates = state.db.checkin_candidates(&population).await?;
+    let mut candidates = state.db.checkin_candidates(&population).await?;
     if candidates.is_empty() {
         return Ok(retry("no_task", 300, 600));
+    }
+    if let Some(pinned) = &request.tenant_id {
+        candidates.retain(|c| &c.tenant_id == pinned);
+        if candidates.is_empty() {
+            return Ok(retry("tenant_mismatch", 3600, 7200));
+        }
     }
     let mut mismatches = Vec::new();
     let mut fitting: Vec<_> = candidates
@@ -243,10 +255,7 @@ pub async fn checkin(
         return Ok((
             StatusCode::CREATED,
             axum::Json(AssignmentResponse {
-                model_url: format!(
-                    "/v1/models/{}/{}",
-                    candidate.task_id, candidate.model_version
-                ),
+                model_url: format!("/v1/assignments/{capability}/model"),
                 upload_url,
                 upload_headers,
                 report_url: format!("/v1/assignments/{capability}/report"),
@@ -319,25 +328,40 @@ pub fn contribution_limit(model_bytes: i64) -> u64 {
     model + model / 64 + CONTRIBUTION_SLACK_BYTES as u64
 }
 
-/// Download a model version: immutable, strong ETag, cacheable; 304 on `If-None-Match`.
-#[utoipa::path(get, path = "/v1/models/{task_id}/{version}", tag = "devices",
-    params(("task_id" = String, Path, description = "Task id"), ("version" = i64, Path, description = "Model version")),
+/// Download the model the assignment trains from. Only a live assignment's holder may: a model
+/// version is the sum of every earlier release, so versions are not public. Immutable at this
+/// URL, strong ETag, private caching; 304 on `If-None-Match`.
+#[utoipa::path(get, path = "/v1/assignments/{assignment_id}/model", tag = "devices",
+    params(("assignment_id" = String, Path, description = "Assignment capability")),
     responses(
         (status = 200, description = "safetensors bytes", body = Vec<u8>, content_type = "application/octet-stream"),
         (status = 304, description = "Matches `If-None-Match`"),
-        (status = 404, description = "No such model", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "Unknown assignment", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The assignment is already finished", body = Problem, content_type = "application/problem+json"),
+        (status = 410, description = "Assignment expired or round closed", body = Problem, content_type = "application/problem+json"),
     ))]
 pub async fn get_model(
     State(state): State<AppState>,
-    ApiPath((task_id, version)): ApiPath<(String, i64)>,
+    ApiPath(capability): ApiPath<String>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    let model = state.db.model_of_task(&task_id, version).await?;
+    let assignment = state
+        .db
+        .assignment(&capability)
+        .await?
+        .ok_or_else(|| refusal(Refusal::UnknownAssignment))?;
+    if let Some(closed) = closed_for_upload(&assignment, state.now()) {
+        return Err(refusal(closed));
+    }
+    let version = assignment
+        .model_version
+        .ok_or_else(|| ApiError::NotFound("the task has no model yet".into()))?;
+    let model = state.db.model_of_task(&assignment.task_id, version).await?;
     super::models::model_response(
         &state,
         &model,
         &headers,
-        "public, max-age=31536000, immutable",
+        "private, max-age=86400, immutable",
     )
     .await
 }

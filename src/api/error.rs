@@ -171,7 +171,8 @@ impl From<DbError> for ApiError {
             DbError::NotFound { entity, id } => Self::NotFound(format!("{entity} {id} not found")),
             e @ (DbError::StateConflict { .. }
             | DbError::IllegalTransition { .. }
-            | DbError::AlreadyExists(_)) => Self::Conflict(e.to_string()),
+            | DbError::AlreadyExists(_)
+            | DbError::PopulationTaken(_)) => Self::Conflict(e.to_string()),
             e @ DbError::QuotaExceeded { .. } => Self::QuotaExceeded(e.to_string()),
             other => Self::Internal(other.to_string()),
         }

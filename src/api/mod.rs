@@ -8,6 +8,7 @@ pub mod error;
 pub mod extract;
 pub mod models;
 pub mod ops;
+pub mod populations;
 pub mod releases;
 pub mod tasks;
 pub mod workers;
@@ -128,6 +129,9 @@ pub fn routes_and_openapi(limits: &Limits) -> (Router<AppState>, utoipa::openapi
         .routes(routes!(releases::get_manifest))
         .routes(routes!(models::get_model))
         .routes(routes!(admin::create_tenant, admin::list_tenants))
+        .routes(routes!(populations::list_populations))
+        .routes(routes!(populations::register_population))
+        .routes(routes!(populations::assign_population))
         .routes(routes!(ops::healthz))
         .routes(routes!(ops::metrics_text))
         .routes(routes!(devices::checkin))

@@ -47,6 +47,8 @@ pub struct AssignmentView {
     pub contribution_sha256: Option<String>,
     /// Size of the task's current model: an update has the same tensors, so about the same size.
     pub model_bytes: i64,
+    /// The task's current model version (the one the assignment's round trains from).
+    pub model_version: Option<i64>,
 }
 
 /// Why a device's request cannot be applied.
@@ -114,13 +116,15 @@ type ViewRow = (
     String,
     Option<String>,
     Option<i64>,
+    Option<i64>,
 );
 
 async fn view(conn: &mut Conn, id: &str) -> Result<Option<AssignmentView>, DbError> {
     let row: Option<ViewRow> = sqlx::query_as(
         "SELECT a.id, a.state, a.expires_at, r.id, r.state, r.round_number, r.attempt, r.key_id, \
          t.id, t.tenant_id, a.contribution_sha256, \
-         (SELECT m.size_bytes FROM models m WHERE m.task_id = t.id AND m.version = t.model_version) \
+         (SELECT m.size_bytes FROM models m WHERE m.task_id = t.id AND m.version = t.model_version), \
+         t.model_version \
          FROM assignments a JOIN rounds r ON r.id = a.round_id JOIN tasks t ON t.id = r.task_id \
          WHERE a.id = $1",
     )
@@ -141,6 +145,7 @@ async fn view(conn: &mut Conn, id: &str) -> Result<Option<AssignmentView>, DbErr
         tenant_id: r.9,
         contribution_sha256: r.10,
         model_bytes: r.11.unwrap_or(0),
+        model_version: r.12,
     }))
 }
 
@@ -185,6 +190,7 @@ impl Db {
                     "SELECT r.id, t.id, t.tenant_id, r.round_number, r.deadline_at, r.key_id, \
                  t.model_version, r.live_assignments, t.spec_json, r.attempt \
                  FROM rounds r JOIN tasks t ON t.id = r.task_id \
+                 JOIN populations p ON p.name = t.population AND p.tenant_id = t.tenant_id \
                  WHERE t.population = ?1 AND t.state = 'OPEN' AND r.state = 'COLLECTING'",
                 )?;
                 let rows = statement.query_map([population], |r| {

@@ -23,6 +23,7 @@ pub(super) async fn checkin_candidates(
         "SELECT r.id, t.id, t.tenant_id, r.round_number, r.deadline_at, r.key_id, \
          t.model_version, r.live_assignments, t.spec_json, r.attempt \
          FROM rounds r JOIN tasks t ON t.id = r.task_id \
+         JOIN populations p ON p.name = t.population AND p.tenant_id = t.tenant_id \
          WHERE t.population = $1 AND t.state = 'OPEN' AND r.state = 'COLLECTING'",
     )
     .bind(population.to_string())

@@ -31,6 +31,10 @@ pub enum DbError {
         limit: i64,
         detail: String,
     },
+    #[error(
+        "population {0:?} belongs to another tenant; choose another population, or ask the operator to assign it"
+    )]
+    PopulationTaken(String),
     #[error("{0} already exists")]
     AlreadyExists(String),
     #[error("the lease on aggregation job {0} is held by another worker (or the job is finished)")]

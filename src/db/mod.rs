@@ -23,6 +23,7 @@ mod error;
 mod history;
 pub mod jobs;
 mod models;
+pub mod populations;
 mod rounds;
 mod tasks;
 mod tenants;

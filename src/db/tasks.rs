@@ -131,6 +131,7 @@ impl Db {
                         ),
                     });
                 }
+                super::populations::claim(&mut *tx, tenant_id, &spec.population, now).await?;
                 let record = TaskRecord {
                     id: new_id(),
                     tenant_id: tenant_id.to_string(),

@@ -21,6 +21,10 @@ pub struct TrustConfig {
     pub threshold: usize,
     pub keyservices: Vec<TrustedEntry>,
     pub limits: DeviceLimits,
+    /// The tenant the device works for, if it pins one: sent at check-in, and a policy of any
+    /// other tenant is refused whatever the server assigns.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant_id: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -106,7 +110,9 @@ pub struct DeviceClient {
     trusted: Vec<TrustedKeyService>,
     threshold: usize,
     limits: DeviceLimits,
-    /// url -> (ETag, bytes, SHA-256 computed here: the server's ETag is not trusted).
+    tenant_id: Option<String>,
+    /// (task, model version) -> (ETag, bytes, SHA-256 computed here: the server's ETag is not
+    /// trusted). Keyed by the model, not the URL: each assignment has its own model URL.
     models: Mutex<HashMap<String, CachedModel>>,
     done: Mutex<HashSet<(String, i64)>>,
     verified: VerifiedKeys,
@@ -171,6 +177,7 @@ impl DeviceClient {
             trusted: trust.trusted()?,
             threshold: trust.threshold,
             limits: trust.limits,
+            tenant_id: trust.tenant_id.clone(),
             models: Mutex::default(),
             done: Mutex::default(),
             verified,
@@ -195,7 +202,13 @@ impl DeviceClient {
         let response = self
             .http
             .post(self.url(&format!("/v1/populations/{population}/checkin")))
-            .json(&serde_json::json!({"client_version": client_version, "attributes": attributes}))
+            .json(&match &self.tenant_id {
+                Some(tenant) => serde_json::json!({"client_version": client_version,
+                    "attributes": attributes, "tenant_id": tenant}),
+                None => {
+                    serde_json::json!({"client_version": client_version, "attributes": attributes})
+                }
+            })
             .send()
             .await
             .map_err(|e| DeviceError::Network(e.to_string()))?;
@@ -254,10 +267,15 @@ impl DeviceClient {
         Ok(public)
     }
 
-    /// The model and its SHA-256, from the cache when the server answers 304.
-    pub async fn model(&self, url: &str) -> Result<Model, DeviceError> {
-        let cached = self.models.lock().ok().and_then(|m| m.get(url).cloned());
-        let mut request = self.http.get(self.url(url));
+    /// The assignment's model and its SHA-256, from the cache when the server answers 304.
+    pub async fn model(&self, assignment: &AssignmentResponse) -> Result<Model, DeviceError> {
+        let identity = format!("{}/{}", assignment.task_id, assignment.model_version);
+        let cached = self
+            .models
+            .lock()
+            .ok()
+            .and_then(|m| m.get(&identity).cloned());
+        let mut request = self.http.get(self.url(&assignment.model_url));
         if let Some((etag, _, _)) = &cached {
             request = request.header(reqwest::header::IF_NONE_MATCH, etag);
         }
@@ -284,7 +302,7 @@ impl DeviceClient {
                 );
                 let sha256 = sha256_hex(&bytes);
                 if let (Some(etag), Ok(mut models)) = (etag, self.models.lock()) {
-                    models.insert(url.to_string(), (etag, bytes.clone(), sha256.clone()));
+                    models.insert(identity, (etag, bytes.clone(), sha256.clone()));
                 }
                 Ok(Model { bytes, sha256 })
             }
@@ -306,6 +324,14 @@ impl DeviceClient {
             return Err(refuse(format!(
                 "the policy is for task {} in population {}, the assignment for task {} in {population}",
                 policy.task_id, policy.population, assignment.task_id
+            )));
+        }
+        if let Some(pinned) = &self.tenant_id
+            && &policy.tenant_id != pinned
+        {
+            return Err(refuse(format!(
+                "the policy is tenant {}'s; this device works only for tenant {pinned}",
+                policy.tenant_id
             )));
         }
         if assignment.round < 1 || assignment.round as u64 > u64::from(policy.rounds) {
@@ -485,6 +511,7 @@ mod tests {
             threshold: 1,
             keyservices: vec![],
             limits: DeviceLimits::ENCLAVE,
+            tenant_id: None,
         };
         let client = DeviceClient::new("http://127.0.0.1:1", &trust).unwrap();
         let policy = TaskPolicy::sample("t1", 3);
@@ -517,6 +544,7 @@ mod tests {
                 max_delta: 1e-5,
                 min_reports: 1,
             },
+            tenant_id: None,
         };
         let client = DeviceClient::new("http://127.0.0.1:1", &trust).unwrap();
         let key = key();
@@ -544,6 +572,40 @@ mod tests {
             client
                 .accepted_policy(&assignment(&fine, &key), "other")
                 .is_err()
+        );
+    }
+
+    /// A device pinned to a tenant refuses another tenant's policy even if the server assigns it.
+    #[test]
+    fn a_pinned_device_refuses_another_tenants_policy() {
+        let trust = TrustConfig {
+            threshold: 1,
+            keyservices: vec![],
+            limits: DeviceLimits::ENCLAVE,
+            tenant_id: Some("acme".into()),
+        };
+        let client = DeviceClient::new("http://127.0.0.1:1", &trust).unwrap();
+        let key = key();
+        let ours = TaskPolicy {
+            population: "p".into(),
+            tenant_id: "acme".into(),
+            ..TaskPolicy::sample("t1", 3)
+        };
+        assert!(
+            client
+                .accepted_policy(&assignment(&ours, &key), "p")
+                .is_ok()
+        );
+        let theirs = TaskPolicy {
+            tenant_id: "mallory".into(),
+            ..ours
+        };
+        let refused = client
+            .accepted_policy(&assignment(&theirs, &key), "p")
+            .unwrap_err();
+        assert!(
+            refused.to_string().contains("only for tenant acme"),
+            "{refused}"
         );
     }
 }

@@ -237,7 +237,7 @@ async fn cycle(
     let public_key = client.verified_key(assignment, unix_now())?;
     let policy = client.accepted_policy(assignment, &shared.config.population)?;
     let started = Instant::now();
-    let model = client.model(&assignment.model_url).await?;
+    let model = client.model(assignment).await?;
     let model_bytes = model.bytes.as_slice();
     shared.timed("model", started);
     let update = match shard {

@@ -105,6 +105,7 @@ pub async fn start(
             // The embedded system is for development: its devices accept whatever the enclave
             // itself would (a device of a real deployment states its own, tighter limits).
             limits: confed_enclave::policy::DeviceLimits::ENCLAVE,
+            tenant_id: None,
         },
         tasks: Vec::new(),
     };
