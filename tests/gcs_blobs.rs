@@ -97,7 +97,7 @@ async fn signed_upload_urls_carry_the_headers_they_require_and_accept_a_put() {
         .store("contributions");
     let object = key("rounds/1-1/contributions/ab/abcd.cbor");
     let upload = store
-        .direct_upload(&object, Duration::from_secs(900))
+        .direct_upload(&object, Duration::from_secs(900), 4096)
         .await
         .unwrap()
         .expect("GCS takes uploads directly");
@@ -105,7 +105,8 @@ async fn signed_upload_urls_carry_the_headers_they_require_and_accept_a_put() {
     for part in [
         "X-Goog-Algorithm=GOOG4-RSA-SHA256",
         "X-Goog-Expires=900",
-        "X-Goog-SignedHeaders=content-type%3Bhost%3Bx-goog-if-generation-match",
+        // The size range is signed: GCS refuses an upload without it or outside it.
+        "X-Goog-SignedHeaders=content-type%3Bhost%3Bx-goog-content-length-range%3Bx-goog-if-generation-match",
         "X-Goog-Signature=",
         "confed-test-signer%40confed-test.iam.gserviceaccount.com",
         "/contributions/tenants/t1/tasks/x/rounds/1-1/contributions/ab/abcd.cbor?",
@@ -126,6 +127,13 @@ async fn signed_upload_urls_carry_the_headers_they_require_and_accept_a_put() {
     assert_eq!(
         upload.headers.get("content-type").map(String::as_str),
         Some("application/cbor")
+    );
+    assert_eq!(
+        upload
+            .headers
+            .get("x-goog-content-length-range")
+            .map(String::as_str),
+        Some("1,4096")
     );
 
     let mut put = http().put(&upload.url).body(b"sealed".to_vec());

@@ -233,14 +233,6 @@ pub async fn checkin(
                 None => continue,
             }
         };
-        let (upload_url, upload_headers) = upload_target(
-            &state,
-            &candidate,
-            &capability,
-            Duration::from_millis((assigned.expires_at - now).max(1000) as u64),
-        )
-        .await?;
-        metrics::counter!("confed_checkins_total", "outcome" => "assigned").increment(1);
         let max_contribution_bytes = contribution_limit(
             state
                 .db
@@ -248,6 +240,15 @@ pub async fn checkin(
                 .await?
                 .size_bytes,
         );
+        let (upload_url, upload_headers) = upload_target(
+            &state,
+            &candidate,
+            &capability,
+            Duration::from_millis((assigned.expires_at - now).max(1000) as u64),
+            max_contribution_bytes,
+        )
+        .await?;
+        metrics::counter!("confed_checkins_total", "outcome" => "assigned").increment(1);
         let policy = candidate
             .spec
             .policy(&candidate.task_id, &candidate.tenant_id)
@@ -287,6 +288,7 @@ async fn upload_target(
     candidate: &crate::db::device::Candidate,
     capability: &str,
     valid_for: Duration,
+    max_bytes: u64,
 ) -> Result<(String, BTreeMap<String, String>), ApiError> {
     if state.contributions.accepts_direct_uploads() {
         let key = contribution_key(
@@ -296,7 +298,11 @@ async fn upload_target(
             candidate.attempt,
             &crate::db::device::assignment_key(capability),
         )?;
-        if let Some(direct) = state.contributions.direct_upload(&key, valid_for).await? {
+        if let Some(direct) = state
+            .contributions
+            .direct_upload(&key, valid_for, max_bytes)
+            .await?
+        {
             return Ok((direct.url, direct.headers));
         }
     }

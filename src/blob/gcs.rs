@@ -334,12 +334,19 @@ impl GcsBlobStore {
         &self,
         key: &BlobKey,
         valid_for: Duration,
+        max_bytes: u64,
     ) -> Result<Option<DirectUpload>, BlobError> {
         let signer = self.gcs.signer().await?;
         let headers = BTreeMap::from([
             ("content-type".to_string(), "application/cbor".to_string()),
             // Create-only: the device cannot replace its contribution once it is there.
             ("x-goog-if-generation-match".to_string(), "0".to_string()),
+            // Signed, so GCS refuses a body outside it: a device cannot store an object of any
+            // size at the operator's cost until the lifecycle rule deletes it.
+            (
+                "x-goog-content-length-range".to_string(),
+                format!("1,{}", max_bytes.max(1)),
+            ),
         ]);
         let mut builder =
             SignedUrlBuilder::for_object(self.gcs.bucket_resource(), self.object(key))
@@ -409,8 +416,9 @@ impl BlobStore for GcsBlobStore {
         &'a self,
         key: &'a BlobKey,
         valid_for: Duration,
+        max_bytes: u64,
     ) -> BlobFuture<'a, Option<DirectUpload>> {
-        Box::pin(self.direct_upload_inner(key, valid_for))
+        Box::pin(self.direct_upload_inner(key, valid_for, max_bytes))
     }
 }
 

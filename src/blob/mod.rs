@@ -174,12 +174,14 @@ pub trait BlobStore: Send + Sync + std::fmt::Debug {
         false
     }
 
-    /// Where and how a device PUTs the object itself (a short-lived signed URL on a cloud store),
-    /// or `None` when uploads go through the server (the local stores).
+    /// Where and how a device PUTs the object itself (a short-lived signed URL on a cloud store,
+    /// for 1 to `max_bytes` bytes), or `None` when uploads go through the server (the local
+    /// stores).
     fn direct_upload<'a>(
         &'a self,
         _key: &'a BlobKey,
         _valid_for: std::time::Duration,
+        _max_bytes: u64,
     ) -> BlobFuture<'a, Option<DirectUpload>> {
         Box::pin(async { Ok(None) })
     }
