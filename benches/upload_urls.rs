@@ -30,14 +30,14 @@ async fn main() {
         .collect();
     // Warm up (the signer is built on first use).
     store
-        .direct_upload(&keys[0], Duration::from_secs(600))
+        .direct_upload(&keys[0], Duration::from_secs(600), 1 << 20)
         .await
         .unwrap();
     let count = 3_000;
     let started = Instant::now();
     for i in 0..count {
         let signed = store
-            .direct_upload(&keys[i % keys.len()], Duration::from_secs(600))
+            .direct_upload(&keys[i % keys.len()], Duration::from_secs(600), 1 << 20)
             .await
             .unwrap();
         std::hint::black_box(signed);

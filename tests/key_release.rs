@@ -404,8 +404,83 @@ async fn a_nonce_for_another_key_is_refused() {
         problem["failed_checks"][0]["reason"]
             .as_str()
             .unwrap()
-            .contains("another key")
+            .contains("for this key")
     );
+}
+
+fn audit_records(world: &World) -> u64 {
+    audit::verify_file(&world.dir.path().join("audit-ks1.jsonl"))
+        .unwrap()
+        .records
+}
+
+/// The challenge flood: 10,001 outstanding challenges once locked every enclave out for up to a
+/// minute. Nonces now cost the service no state, so an enclave's challenge still works.
+#[tokio::test]
+async fn a_challenge_flood_does_not_lock_out_an_enclave() {
+    let world = World::new(2, 2);
+    let s = session(&world, &world.share_files[..1]).await;
+    for _ in 0..10_001 {
+        s.challenge(&s.key_id).await;
+    }
+    let challenge = s.challenge(&s.key_id).await;
+    let token = mint(&world, AUDIENCE, vec![challenge.nonce.clone(), s.binding()]).await;
+    let (status, problem) = s
+        .release(&s.key_id, &s.request(token, &challenge.nonce))
+        .await;
+    assert_eq!(status, 200, "{problem}");
+}
+
+/// The audit flood: release requests with never-issued nonces were appraised and fsync'd to the
+/// audit log. They are refused before appraisal, counted, and leave the log alone.
+#[tokio::test]
+async fn junk_release_requests_are_refused_before_appraisal_and_leave_the_audit_log_alone() {
+    let world = World::new(2, 2);
+    let s = session(&world, &world.share_files[..1]).await;
+    let made_up = URL_SAFE_NO_PAD.encode([7u8; 40]);
+    let token = mint(&world, AUDIENCE, vec![made_up.clone(), s.binding()]).await;
+    for _ in 0..50 {
+        let (status, problem) = s
+            .release(&s.key_id, &s.request(token.clone(), &made_up))
+            .await;
+        assert_eq!(status, 403);
+        assert_eq!(failed_checks(&problem), ["challenge_nonce"]);
+    }
+    assert_eq!(audit_records(&world), 0, "no junk in the audit log");
+    // A replayed (used) nonce is refused the same way; its first use was recorded.
+    let challenge = s.challenge(&s.key_id).await;
+    let token = mint(&world, AUDIENCE, vec![challenge.nonce.clone(), s.binding()]).await;
+    let request = s.request(token, &challenge.nonce);
+    assert_eq!(s.release(&s.key_id, &request).await.0, 200);
+    let (status, problem) = s.release(&s.key_id, &request).await;
+    assert_eq!(status, 403);
+    assert!(
+        problem["detail"].as_str().unwrap().contains("already used"),
+        "{problem}"
+    );
+    assert_eq!(audit_records(&world), 1);
+}
+
+/// An all-zero (low-order) X25519 ephemeral key got a 500 after the audit log had recorded
+/// "granted". It is now a 400 before appraisal, and nothing is recorded as granted.
+#[tokio::test]
+async fn a_low_order_ephemeral_key_is_refused_before_appraisal() {
+    let world = World::new(2, 2);
+    let s = session(&world, &world.share_files[..1]).await;
+    let challenge = s.challenge(&s.key_id).await;
+    let token = mint(&world, AUDIENCE, vec![challenge.nonce.clone(), s.binding()]).await;
+    let mut request = s.request(token, &challenge.nonce);
+    request.ephemeral_public_key = URL_SAFE_NO_PAD.encode([0u8; 32]);
+    let (status, problem) = s.release(&s.key_id, &request).await;
+    assert_eq!(status, 400, "{problem}");
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("ephemeral_public_key"),
+        "{problem}"
+    );
+    assert_eq!(audit_records(&world), 0);
 }
 
 #[tokio::test]

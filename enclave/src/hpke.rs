@@ -72,6 +72,18 @@ impl PublicKey {
             .map_err(|_| HpkeError::BadKey("public key"))?;
         Ok(Self(array))
     }
+
+    /// `from_bytes`, also refusing a key nothing can be sealed to: a low-order X25519 point
+    /// (e.g. all zeros) makes the Diffie-Hellman output all zeros, which RFC 9180 (7.1.4) says to
+    /// refuse. Tried with one encapsulation, so a peer's key is refused before any work is done
+    /// on its behalf rather than when the answer is sealed.
+    pub fn from_peer_bytes(bytes: &[u8]) -> Result<Self, HpkeError> {
+        let key = Self::from_bytes(bytes)?;
+        seal(&key, b"confed-key-check", b"", b"").map_err(|_| {
+            HpkeError::BadKey("public key (low order: nothing can be sealed to it)")
+        })?;
+        Ok(key)
+    }
 }
 
 /// A fresh key pair from the operating system's random generator.
@@ -332,5 +344,19 @@ mod tests {
             Err(HpkeError::BadKey("public key"))
         );
         assert!(PrivateKey::from_bytes(&[1; 33]).is_err());
+    }
+
+    /// Low-order X25519 points (all zeros; the order-8 point 1 and its variants) are refused as a
+    /// peer's key; a real key is not.
+    #[test]
+    fn low_order_peer_keys_are_refused() {
+        let mut one = [0u8; 32];
+        one[0] = 1;
+        for bad in [[0u8; 32], one] {
+            assert!(PublicKey::from_bytes(&bad).is_ok(), "well-formed bytes");
+            assert!(PublicKey::from_peer_bytes(&bad).is_err(), "{bad:?}");
+        }
+        let (_, public) = generate_keypair();
+        assert!(PublicKey::from_peer_bytes(&public.0).is_ok());
     }
 }

@@ -248,6 +248,51 @@ pub fn verify_file_with(path: &Path, mut visit: impl FnMut(&Record)) -> Result<H
     Ok(head)
 }
 
+/// A crash during an append can leave the last line without its newline: the record was never
+/// made durable, so its decision was never answered (the answer waits for the fsync). Such a
+/// tail is cut off, after the whole file is copied to `<log>.torn-<bytes kept>` for the
+/// operator. Returns the copy's path when it cut. A final line that is complete (newline and
+/// all) is never touched here: if it does not verify, the open refuses, as for any other line.
+fn recover_torn_tail(path: &Path) -> Result<Option<PathBuf>, AuditError> {
+    use std::os::unix::fs::FileExt;
+    let io = |source| AuditError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = match OpenOptions::new().read(true).write(true).open(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io(e)),
+    };
+    let len = file.metadata().map_err(io)?.len();
+    let mut last = [0u8; 1];
+    if len == 0 || (file.read_at(&mut last, len - 1).map_err(io)? == 1 && last[0] == b'\n') {
+        return Ok(None);
+    }
+    // Where the torn line starts: after the last newline, read backwards block by block.
+    let mut keep = 0u64;
+    let mut end = len;
+    let mut block = vec![0u8; 64 * 1024];
+    while end > 0 {
+        let start = end.saturating_sub(block.len() as u64);
+        let chunk = &mut block[..(end - start) as usize];
+        file.read_exact_at(chunk, start).map_err(io)?;
+        if let Some(at) = chunk.iter().rposition(|&b| b == b'\n') {
+            keep = start + at as u64 + 1;
+            break;
+        }
+        end = start;
+    }
+    let copy = PathBuf::from(format!("{}.torn-{keep}", path.display()));
+    std::fs::copy(path, &copy)
+        .and_then(|_| File::open(&copy)?.sync_all())
+        .map_err(io)?;
+    file.set_len(keep)
+        .and_then(|_| file.sync_all())
+        .map_err(io)?;
+    Ok(Some(copy))
+}
+
 /// An open log, positioned after its verified head.
 #[derive(Debug)]
 pub struct AuditLog {
@@ -267,7 +312,16 @@ impl AuditLog {
     }
 
     /// `open`, handing every verified record to `visit` (how the release ledger is rebuilt).
+    /// A torn final record (a crash mid-append) is set aside first; anything else that does not
+    /// verify refuses the open.
     pub fn open_with(path: &Path, visit: impl FnMut(&Record)) -> Result<Self, AuditError> {
+        if let Some(copy) = recover_torn_tail(path)? {
+            tracing::error!(
+                log = %path.display(), copy = %copy.display(),
+                "the audit log ended in a torn record (a crash during an append); the partial \
+                 line was removed and the whole file kept as the copy; nothing was answered for it"
+            );
+        }
         let head = verify_file_with(path, visit)?;
         let file = OpenOptions::new()
             .create(true)
@@ -530,6 +584,56 @@ mod tests {
         assert!(matches!(
             verify_file(&path),
             Err(AuditError::Broken { line: 2, .. })
+        ));
+    }
+
+    /// A crash mid-append (here: 300 bytes of a record without its newline) must not brick the
+    /// key service: the torn tail is cut, a copy kept, and the log reopens at its last record.
+    #[test]
+    fn a_torn_final_record_is_set_aside_and_the_log_reopens() {
+        let (_dir, path) = log_with(7);
+        let intact = std::fs::read(&path).unwrap();
+        let next = serde_json::to_vec(&decision(7)).unwrap();
+        let mut torn = intact.clone();
+        torn.extend_from_slice(&next[..300.min(next.len())]);
+        std::fs::write(&path, &torn).unwrap();
+        assert!(
+            verify_file(&path).is_err(),
+            "the torn file itself does not verify"
+        );
+        let mut log = AuditLog::open(&path).unwrap();
+        assert_eq!(log.head().records, 7);
+        assert_eq!(std::fs::read(&path).unwrap(), intact);
+        let copy = PathBuf::from(format!("{}.torn-{}", path.display(), intact.len()));
+        assert_eq!(
+            std::fs::read(copy).unwrap(),
+            torn,
+            "the operator keeps the whole file"
+        );
+        log.append(decision(7)).unwrap();
+        assert_eq!(verify_file(&path).unwrap().records, 8);
+    }
+
+    /// Only a torn tail is recovered: a corrupted record in the middle, or a complete but
+    /// corrupted last line, still refuses to start.
+    #[test]
+    fn a_corrupted_middle_or_complete_last_line_still_refuses_to_open() {
+        let (_dir, path) = log_with(5);
+        let mut content = lines(&path);
+        content[2] = content[2][..40].to_string();
+        write_lines(&path, &content);
+        assert!(matches!(
+            AuditLog::open(&path),
+            Err(AuditError::Broken { line: 3, .. })
+        ));
+
+        let (_dir, path) = log_with(5);
+        let mut content = lines(&path);
+        content[4] = content[4].replace("case 4", "case X");
+        write_lines(&path, &content);
+        assert!(matches!(
+            AuditLog::open(&path),
+            Err(AuditError::Broken { line: 5, .. })
         ));
     }
 }

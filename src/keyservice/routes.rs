@@ -90,14 +90,12 @@ async fn challenge(
         return Err(unknown_key(&key_id));
     }
     let now = service.now_seconds();
-    let issued = service
+    let (nonce, expires_at) = service
         .nonces
         .lock()
         .map_err(|_| ApiError::Internal("nonce store poisoned".into()))?
-        .issue(&key_id, now);
-    let (nonce, expires_at) = issued.ok_or_else(|| {
-        ApiError::Unavailable("too many outstanding challenges; retry in a minute".into())
-    })?;
+        .issue(&key_id, now)
+        .map_err(|e| ApiError::Internal(format!("no random bytes for a nonce: {e}")))?;
     Ok((
         StatusCode::CREATED,
         Json(Challenge {
@@ -125,21 +123,45 @@ async fn release(
         .get(&key_id)
         .ok_or_else(|| unknown_key(&key_id))?;
     let request = ReleaseRequest::decode(&body).map_err(ApiError::BadRequest)?;
-    let ephemeral = hpke::PublicKey::from_bytes(&request.ephemeral_public_key).map_err(|_| {
-        ApiError::BadRequest("`ephemeral_public_key` is not an X25519 public key".into())
-    })?;
+    let ephemeral =
+        hpke::PublicKey::from_peer_bytes(&request.ephemeral_public_key).map_err(|e| {
+            ApiError::BadRequest(format!(
+                "`ephemeral_public_key` is not usable: {e}; send a fresh X25519 public key"
+            ))
+        })?;
+    if request.commitment.key_id != key_id {
+        return Err(ApiError::BadRequest(format!(
+            "`commitment.key_id` is {:?}, the request is for key {key_id:?}",
+            request.commitment.key_id
+        )));
+    }
     let now = service.now_seconds();
 
-    let mut report = VerificationReport::new();
+    // A nonce this service did not issue (for this key, within the minute), or one already used,
+    // is refused before the evidence is appraised and without an audit record: such a request
+    // is about no enclave, and recording it would let anyone fill the log (and its disk) at the
+    // rate of fsyncs. It is counted instead.
     let nonce_outcome = service
         .nonces
         .lock()
         .map_err(|_| ApiError::Internal("nonce store poisoned".into()))?
         .consume(&request.nonce, &key_id, now);
-    report.record(
-        "challenge_nonce",
-        nonce_outcome.map_err(|p| p.reason().to_string()),
-    );
+    if let Err(problem) = nonce_outcome {
+        metrics::counter!("confed_keyservice_refused_unaudited_total", "check" => "challenge_nonce")
+            .increment(1);
+        if problem == super::nonces::NonceProblem::Busy {
+            return Err(ApiError::Unavailable(problem.reason().into()));
+        }
+        return Err(ApiError::AttestationRefused {
+            detail: format!("the release request is refused: {}", problem.reason()),
+            failed_checks: vec![FailedCheck {
+                check: "challenge_nonce".into(),
+                reason: problem.reason().into(),
+            }],
+        });
+    }
+    let mut report = VerificationReport::new();
+    report.record("challenge_nonce", Ok(()));
     let key = &held.key;
     report.record(
         "key_state",
@@ -158,12 +180,6 @@ async fn release(
         },
     );
 
-    if request.commitment.key_id != key_id {
-        return Err(ApiError::BadRequest(format!(
-            "`commitment.key_id` is {:?}, the request is for key {key_id:?}",
-            request.commitment.key_id
-        )));
-    }
     let key_binding = key_binding(
         &request.ephemeral_public_key,
         &request.enclave_signing_key,
@@ -201,6 +217,28 @@ async fn release(
 
     let commitment_sha256 = request.commitment.digest();
     let enclave_signing_key = URL_SAFE_NO_PAD.encode(&request.enclave_signing_key);
+    // The share is sealed before the decision is recorded, so the audit record says what really
+    // happened: a share that could not be sealed is a refusal, never a "granted" with a 500.
+    let sealed = if report.passed() {
+        let info = hpke::share_release_info(
+            &service.id,
+            &key_id,
+            &request.task_id,
+            request.round,
+            &commitment_sha256,
+            held.key.threshold,
+            held.key.shares,
+        );
+        match hpke::seal(&ephemeral, &info, request.nonce.as_bytes(), &held.share) {
+            Ok(sealed) => Some(sealed),
+            Err(e) => {
+                report.record("share_seal", Err(format!("cannot seal the share: {e}")));
+                None
+            }
+        }
+    } else {
+        None
+    };
     let decision = Decision {
         at: now,
         keyservice_id: service.id.clone(),
@@ -304,18 +342,8 @@ async fn release(
         signature: String::new(),
     };
     receipt.sign(&service.signing_key);
-    let info = hpke::share_release_info(
-        &service.id,
-        &key_id,
-        &request.task_id,
-        request.round,
-        &receipt.commitment_sha256,
-        receipt.threshold,
-        receipt.shares,
-    );
     let (encapsulated_key, ciphertext) =
-        hpke::seal(&ephemeral, &info, request.nonce.as_bytes(), &held.share)
-            .map_err(|e| ApiError::Internal(e.to_string()))?;
+        sealed.ok_or_else(|| ApiError::Internal("a granted release has no sealed share".into()))?;
     Ok(Json(ReleaseResponse {
         keyservice_id: service.id.clone(),
         key_id,
