@@ -81,49 +81,49 @@ pub fn appraise(
     );
     report.record(
         "signature",
-        match key {
-            None => Err(format!(
-                "no key with kid {:?} in the policy's key set",
-                jws.header.kid.as_deref().unwrap_or("")
-            )),
-            Some(key) => jws.verify_signature(policy.token.algorithm, key),
+        match (key, jws.header.kid.as_deref()) {
+            (Some(key), _) => jws.verify_signature(policy.token.algorithm, key),
+            (None, None) => {
+                Err("the token header names no `kid`; the policy's key set is chosen by kid".into())
+            }
+            (None, Some(kid)) => Err(format!("no key with kid {kid:?} in the policy's key set")),
         },
     );
     report.record("iss", equals(claims, "iss", &policy.token.issuer));
     report.record("aud", audience(claims, expect.audience));
+    // Checked arithmetic throughout: a claim near i64::MAX must not wrap into the valid range.
     report.record(
         "exp",
-        number(claims, "exp").and_then(|exp| {
-            if expect.now_unix < exp + skew {
-                Ok(())
-            } else {
-                Err(format!(
-                    "token expired at {exp}; now is {}",
-                    expect.now_unix
-                ))
-            }
+        number(claims, "exp").and_then(|exp| match exp.checked_add(skew) {
+            Some(limit) if expect.now_unix < limit => Ok(()),
+            Some(_) => Err(format!(
+                "token expired at {exp}; now is {}",
+                expect.now_unix
+            )),
+            None => Err(format!("exp {exp} is out of range")),
         }),
     );
     report.record(
         "nbf",
-        number(claims, "nbf").and_then(|nbf| {
-            if expect.now_unix + skew >= nbf {
-                Ok(())
-            } else {
-                Err(format!(
-                    "token not valid before {nbf}; now is {}",
-                    expect.now_unix
-                ))
-            }
+        number(claims, "nbf").and_then(|nbf| match expect.now_unix.checked_add(skew) {
+            Some(now) if now >= nbf => Ok(()),
+            _ => Err(format!(
+                "token not valid before {nbf}; now is {}",
+                expect.now_unix
+            )),
         }),
     );
     report.record(
         "iat",
         number(claims, "iat").and_then(|iat| {
-            let age = expect.now_unix - iat;
+            let age = expect
+                .now_unix
+                .checked_sub(iat)
+                .ok_or_else(|| format!("iat {iat} is out of range"))?;
+            let max_age = i64::from(policy.token.max_token_age_seconds).saturating_add(skew);
             if age < -skew {
                 Err(format!("token issued in the future ({iat})"))
-            } else if age > i64::from(policy.token.max_token_age_seconds) + skew {
+            } else if age > max_age {
                 Err(format!(
                     "token is {age} s old; the policy accepts at most {} s",
                     policy.token.max_token_age_seconds
@@ -133,22 +133,26 @@ pub fn appraise(
             }
         }),
     );
-    let nonces = strings(claims.get("eat_nonce"));
+    let nonces = strings(claims, "eat_nonce");
     report.record(
         "eat_nonce",
-        if nonces.iter().any(|n| n == expect.nonce) {
-            Ok(())
-        } else {
-            Err("eat_nonce does not contain this key service's challenge nonce".into())
-        },
+        nonces.clone().and_then(|nonces| {
+            if nonces.iter().any(|n| n == expect.nonce) {
+                Ok(())
+            } else {
+                Err("eat_nonce does not contain this key service's challenge nonce".into())
+            }
+        }),
     );
     report.record(
         "key_binding",
-        if nonces.iter().any(|n| n == expect.key_binding) {
-            Ok(())
-        } else {
-            Err("eat_nonce does not contain the SHA-256 of the ephemeral public key".into())
-        },
+        nonces.and_then(|nonces| {
+            if nonces.iter().any(|n| n == expect.key_binding) {
+                Ok(())
+            } else {
+                Err("eat_nonce does not contain the SHA-256 of the ephemeral public key".into())
+            }
+        }),
     );
     let platform = &policy.platform;
     report.record("swname", equals(claims, "swname", &platform.swname));
@@ -169,19 +173,19 @@ pub fn appraise(
         },
     );
     if let Some(required) = &platform.support_attribute {
-        let attributes = strings(pointer(
-            claims,
-            "/submods/confidential_space/support_attributes",
-        ));
         report.record(
             "support_attributes",
-            if attributes.iter().any(|a| a == required) {
-                Ok(())
-            } else {
-                Err(format!(
-                    "support_attributes {attributes:?} lacks {required:?}"
-                ))
-            },
+            strings(claims, "/submods/confidential_space/support_attributes").and_then(
+                |attributes| {
+                    if attributes.iter().any(|a| a == required) {
+                        Ok(())
+                    } else {
+                        Err(format!(
+                            "support_attributes {attributes:?} lacks {required:?}"
+                        ))
+                    }
+                },
+            ),
         );
     }
     report.record("swversion", swversion(claims, platform.min_swversion));
@@ -200,17 +204,18 @@ pub fn appraise(
     );
     let workload = &policy.workload;
     if !workload.service_accounts.is_empty() {
-        let accounts = strings(claims.get("google_service_accounts"));
         report.record(
             "service_account",
-            if accounts
-                .iter()
-                .any(|a| workload.service_accounts.contains(a))
-            {
-                Ok(())
-            } else {
-                Err(format!("service accounts {accounts:?} are not allowed"))
-            },
+            strings(claims, "google_service_accounts").and_then(|accounts| {
+                if accounts
+                    .iter()
+                    .any(|a| workload.service_accounts.contains(a))
+                {
+                    Ok(())
+                } else {
+                    Err(format!("service accounts {accounts:?} are not allowed"))
+                }
+            }),
         );
     }
     if !workload.project_ids.is_empty() {
@@ -247,15 +252,30 @@ fn pointer<'a>(claims: &'a Value, path: &str) -> Option<&'a Value> {
     claims.pointer(path)
 }
 
-/// A string, or every string of an array (other shapes yield nothing).
-fn strings(value: Option<&Value>) -> Vec<String> {
+/// A claim that is a string or an array of strings, as its strings. `name` is a top-level claim
+/// or a JSON pointer. Any other shape, or an array with any entry that is not a string, is
+/// refused whole: dropping the odd entries would let `["ours", 123]` count as one audience.
+fn strings(claims: &Value, name: &str) -> Result<Vec<String>, String> {
+    let value = if name.starts_with('/') {
+        claims.pointer(name)
+    } else {
+        claims.get(name)
+    };
+    let shown = name.trim_start_matches('/').replace('/', ".");
     match value {
-        Some(Value::String(s)) => vec![s.clone()],
+        None | Some(Value::Null) => Err(format!("{shown} is missing")),
+        Some(Value::String(s)) => Ok(vec![s.clone()]),
         Some(Value::Array(items)) => items
             .iter()
-            .filter_map(|v| v.as_str().map(str::to_string))
+            .map(|v| {
+                v.as_str().map(str::to_string).ok_or_else(|| {
+                    format!("{shown} has an entry that is not a string ({v}); refusing the token")
+                })
+            })
             .collect(),
-        _ => Vec::new(),
+        Some(other) => Err(format!(
+            "{shown} is not a string or an array of strings (got {other})"
+        )),
     }
 }
 
@@ -276,10 +296,10 @@ fn number(claims: &Value, name: &str) -> Result<i64, String> {
 
 /// Exactly one audience, equal to ours: a token for several verifiers could be replayed among them.
 fn audience(claims: &Value, expected: &str) -> Result<(), String> {
-    let audiences = strings(claims.get("aud"));
+    let audiences = strings(claims, "aud")?;
     match audiences.as_slice() {
         [only] if only == expected => Ok(()),
-        [] => Err("aud is missing".into()),
+        [] => Err("aud is an empty array".into()),
         other => Err(format!(
             "aud {other:?} is not exactly this key service's {expected:?}"
         )),
@@ -287,9 +307,9 @@ fn audience(claims: &Value, expected: &str) -> Result<(), String> {
 }
 
 fn swversion(claims: &Value, minimum: u64) -> Result<(), String> {
-    let versions = strings(claims.get("swversion"));
+    let versions = strings(claims, "swversion")?;
     if versions.is_empty() {
-        return Err("swversion is missing".into());
+        return Err("swversion is an empty array".into());
     }
     for version in &versions {
         match version.parse::<u64>() {

@@ -52,6 +52,10 @@ pub struct Header {
     pub kid: Option<String>,
     #[serde(default)]
     pub typ: Option<String>,
+    /// Extensions the verifier must understand (RFC 7515 4.1.11). confed understands none, so
+    /// any `crit` refuses the token.
+    #[serde(default)]
+    pub crit: Option<serde_json::Value>,
 }
 
 /// A parsed, not yet verified, token.
@@ -84,8 +88,17 @@ pub fn parse(token: &str) -> Result<UnverifiedJws, JwsError> {
     let signature = URL_SAFE_NO_PAD
         .decode(signature_b64)
         .map_err(|_| JwsError::Base64("signature"))?;
+    // Duplicate member names are refused, not resolved last-wins: a token whose header or claims
+    // read differently to two parsers is not one this verifier appraises.
+    crate::strict_json::reject_duplicate_keys(&header_bytes).map_err(JwsError::Header)?;
+    crate::strict_json::reject_duplicate_keys(&payload_bytes).map_err(JwsError::Payload)?;
     let header: Header =
         serde_json::from_slice(&header_bytes).map_err(|e| JwsError::Header(e.to_string()))?;
+    if header.crit.is_some() {
+        return Err(JwsError::Header(
+            "`crit` names extensions this verifier does not understand (RFC 7515 4.1.11)".into(),
+        ));
+    }
     let payload: serde_json::Value =
         serde_json::from_slice(&payload_bytes).map_err(|e| JwsError::Payload(e.to_string()))?;
     if !payload.is_object() {

@@ -15,6 +15,7 @@ pub mod keys;
 pub mod policy;
 pub mod release;
 pub mod report;
+pub mod strict_json;
 
 pub use appraise::{Appraisal, Expectations, appraise, parse_or_refuse, sha256_hex};
 pub use attester::{AttestError, Attester, ConfidentialSpaceAttester, TokenRequest};

@@ -357,3 +357,135 @@ async fn attester_refuses_malformed_nonces_before_signing() {
         assert!(attester.token(&request).await.is_err());
     }
 }
+
+/// Signs raw header and payload text with the test root (for tokens `serde_json` cannot build,
+/// such as duplicate members).
+fn sign_raw(root: &TestRoot, header: &str, payload: &str) -> String {
+    let signing_input = format!(
+        "{}.{}",
+        URL_SAFE_NO_PAD.encode(header),
+        URL_SAFE_NO_PAD.encode(payload)
+    );
+    let mut signature = vec![0; root.key.public().modulus_len()];
+    root.key
+        .sign(
+            &RSA_PKCS1_SHA256,
+            &ring::rand::SystemRandom::new(),
+            signing_input.as_bytes(),
+            &mut signature,
+        )
+        .unwrap();
+    format!("{signing_input}.{}", URL_SAFE_NO_PAD.encode(signature))
+}
+
+const HEADER: &str = r#"{"alg":"RS256","kid":"test-root-1","typ":"JWT"}"#;
+
+/// A properly signed token whose claims are the good ones changed by `edit`.
+fn signed_with(root: &TestRoot, edit: impl FnOnce(&mut serde_json::Value)) -> String {
+    let mut claims = good_claims().to_json();
+    edit(&mut claims);
+    sign_raw(root, HEADER, &claims.to_string())
+}
+
+fn refusal(appraisal: &Appraisal, check: &str) -> String {
+    assert_eq!(failed_checks(appraisal), [check]);
+    appraisal
+        .report
+        .failures()
+        .next()
+        .map(|(_, reason)| reason.to_string())
+        .unwrap()
+}
+
+/// `aud: [ours, 123]` passed once: the number was dropped before "exactly one audience" was
+/// counted. A claim with a non-string entry is refused whole.
+#[test]
+fn an_audience_with_a_non_string_entry_is_refused() {
+    let root = TestRoot::load();
+    let token = signed_with(&root, |c| c["aud"] = serde_json::json!([AUDIENCE, 123]));
+    let reason = refusal(&run(&token, &production_policy(), &root.jwks()), "aud");
+    assert!(reason.contains("not a string"), "{reason}");
+}
+
+/// `aud: 12345` was reported as "missing".
+#[test]
+fn a_numeric_audience_is_reported_as_what_it_is() {
+    let root = TestRoot::load();
+    let token = signed_with(&root, |c| c["aud"] = serde_json::json!(12345));
+    let reason = refusal(&run(&token, &production_policy(), &root.jwks()), "aud");
+    assert!(reason.contains("not a string or an array"), "{reason}");
+}
+
+/// `swversion: ["250301", 1]` passed once.
+#[test]
+fn a_swversion_with_a_non_string_entry_is_refused() {
+    let root = TestRoot::load();
+    let token = signed_with(&root, |c| c["swversion"] = serde_json::json!(["250301", 1]));
+    let reason = refusal(
+        &run(&token, &production_policy(), &root.jwks()),
+        "swversion",
+    );
+    assert!(reason.contains("not a string"), "{reason}");
+}
+
+/// RFC 7515 4.1.11: a `crit` the verifier does not understand must be refused; it passed once.
+#[test]
+fn an_unknown_crit_header_is_refused() {
+    let root = TestRoot::load();
+    let header = r#"{"alg":"RS256","kid":"test-root-1","crit":["exp-policy"],"exp-policy":1}"#;
+    let token = sign_raw(&root, header, &good_claims().to_json().to_string());
+    let reason = refusal(
+        &run(&token, &production_policy(), &root.jwks()),
+        "token_format",
+    );
+    assert!(reason.contains("crit"), "{reason}");
+}
+
+/// Duplicate members were last-wins: `"aud": "theirs", "aud": "ours"` read as ours here and as
+/// theirs to a first-wins parser. Refused in the claims and in the header.
+#[test]
+fn duplicate_json_members_are_refused() {
+    let root = TestRoot::load();
+    let claims = good_claims().to_json().to_string();
+    let payload = claims.replacen('{', r#"{"aud":"someone-else","#, 1);
+    let token = sign_raw(&root, HEADER, &payload);
+    let reason = refusal(
+        &run(&token, &production_policy(), &root.jwks()),
+        "token_format",
+    );
+    assert!(reason.contains("twice"), "{reason}");
+    let header = r#"{"alg":"RS256","kid":"other","kid":"test-root-1"}"#;
+    let token = sign_raw(&root, header, &claims);
+    refusal(
+        &run(&token, &production_policy(), &root.jwks()),
+        "token_format",
+    );
+}
+
+/// `exp`/`iat` arithmetic used to wrap (and panic in debug builds) near the ends of i64.
+#[test]
+fn extreme_times_are_refused_without_wrapping() {
+    let root = TestRoot::load();
+    let token = signed_with(&root, |c| c["exp"] = serde_json::json!(i64::MAX));
+    let reason = refusal(&run(&token, &production_policy(), &root.jwks()), "exp");
+    assert!(reason.contains("out of range"), "{reason}");
+    let token = signed_with(&root, |c| c["iat"] = serde_json::json!(i64::MIN));
+    let reason = refusal(&run(&token, &production_policy(), &root.jwks()), "iat");
+    assert!(reason.contains("out of range"), "{reason}");
+}
+
+/// A token without `kid` was reported as `no key with kid ""`.
+#[test]
+fn a_token_without_kid_says_so() {
+    let root = TestRoot::load();
+    let token = sign_raw(
+        &root,
+        r#"{"alg":"RS256","typ":"JWT"}"#,
+        &good_claims().to_json().to_string(),
+    );
+    let reason = refusal(
+        &run(&token, &production_policy(), &root.jwks()),
+        "signature",
+    );
+    assert!(reason.contains("names no `kid`"), "{reason}");
+}
