@@ -140,11 +140,29 @@ async fn three_rounds_complete_with_consistent_manifests_and_a_model_that_follow
         assert!(dot > 0.0, "the model moved against the devices' updates");
     }
     // The partner sees each round's release and can download its noised average.
-    let releases: Value = get(&system, &token, &format!("/v1/tasks/{task}/releases"))
+    let listed = get(&system, &token, &format!("/v1/tasks/{task}/releases"))
         .await
-        .json()
+        .text()
         .await
         .unwrap();
+    // The list carries each manifest as the exact bytes the enclave signed (a parse and
+    // re-serialisation once came back one ULP off in a float).
+    for round in 1..=3 {
+        let exact = get(
+            &system,
+            &token,
+            &format!("/v1/tasks/{task}/releases/{round}/manifest"),
+        )
+        .await
+        .text()
+        .await
+        .unwrap();
+        assert!(
+            listed.contains(&exact),
+            "round {round}'s manifest was rewritten"
+        );
+    }
+    let releases: Value = serde_json::from_str(&listed).unwrap();
     let releases = releases["releases"].as_array().unwrap();
     assert_eq!(releases.len(), 3);
     assert_eq!(releases[2]["round"], 3);

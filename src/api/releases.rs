@@ -28,14 +28,15 @@ pub struct ReleaseResponse {
     pub created_at: String,
     /// The enclave's manifest, verbatim (format `confed-release/v2`, docs/protocol.md). Its exact
     /// bytes, which the enclave signed, are at `.../releases/{round}/manifest`.
+    /// Served as the stored bytes (a parse and re-serialisation once changed a float by one ULP).
     #[schema(value_type = Object)]
-    pub manifest: serde_json::Value,
+    pub manifest: Box<serde_json::value::RawValue>,
     /// Who vouches for this release: the enclave's signature and the key services' receipts
     /// (docs/attestation.md); check it with `confed verify release`. Absent for releases made
     /// before proofs existed.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
-    pub proof: Option<serde_json::Value>,
+    pub proof: Option<Box<serde_json::value::RawValue>>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -67,12 +68,11 @@ pub async fn list_releases(
             epsilon_spent: release.epsilon_spent,
             average_sha256: release.average_sha256,
             created_at: rfc3339(release.created_at),
-            manifest: serde_json::from_str(&release.manifest_json)
+            manifest: serde_json::value::RawValue::from_string(release.manifest_json)
                 .map_err(|e| ApiError::Internal(format!("stored manifest: {e}")))?,
             proof: release
                 .proof_json
-                .as_deref()
-                .map(serde_json::from_str)
+                .map(serde_json::value::RawValue::from_string)
                 .transpose()
                 .map_err(|e| ApiError::Internal(format!("stored proof: {e}")))?,
         });
