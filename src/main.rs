@@ -375,6 +375,12 @@ fn run() -> Result<()> {
                 .unwrap_or_else(|_| default_filter.into()),
         )
         .init();
+    // Whatever a server or key service writes (databases, logs, blobs, keys) is for its owner
+    // only (docs/operations.md).
+    if matches!(cli.command, Command::Serve(_) | Command::Keyservice { .. }) {
+        // SAFETY: umask only sets the process's file-creation mask; it cannot fail.
+        unsafe { libc::umask(0o077) };
+    }
     // One crypto backend for rustls, chosen explicitly (see docs/architecture.md).
     confed_enclave::http::install_crypto_provider();
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;

@@ -123,16 +123,47 @@ pub async fn open_data_dir(
     data_dir: &std::path::Path,
     database: Option<&str>,
 ) -> Result<(Db, bool), ServeError> {
-    std::fs::create_dir_all(data_dir).map_err(|source| ServeError::DataDir {
+    let data_dir_error = |source| ServeError::DataDir {
         path: data_dir.to_path_buf(),
         source,
-    })?;
+    };
+    owner_only_dir(data_dir).map_err(data_dir_error)?;
     if let Some(url) = database {
         return Ok((Db::open(url).await?, false));
     }
     let path = database_path(data_dir);
     let fresh = !path.exists();
-    Ok((Db::open_sqlite(&path).await?, fresh))
+    let db = Db::open_sqlite(&path).await?;
+    // SQLite creates its files with the process umask; they hold tenant token digests.
+    for suffix in ["", "-wal", "-shm"] {
+        let file = std::path::PathBuf::from(format!("{}{suffix}", path.display()));
+        if file.exists() {
+            owner_only(&file, 0o600).map_err(data_dir_error)?;
+        }
+    }
+    Ok((db, fresh))
+}
+
+/// Creates `dir` (and its parents) owner-only, or tightens an existing one to 0700: it holds
+/// tenant token digests, contributions and (embedded) key shares.
+pub fn owner_only_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    owner_only(dir, 0o700)
+}
+
+fn owner_only(path: &std::path::Path, mode: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let current = std::fs::metadata(path)?.permissions().mode() & 0o777;
+    if current & 0o077 != 0 {
+        tracing::warn!(path = %path.display(), from = format!("{current:o}"), to = format!("{mode:o}"),
+            "tightening permissions to owner-only");
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+    }
+    Ok(())
 }
 
 /// Runs the server until `shutdown` completes, then drains requests, stops the scheduler and

@@ -426,3 +426,28 @@ async fn serve_alone_runs_rounds_with_its_embedded_enclave_across_restarts() {
     }
     assert!(terminate(server).await.success());
 }
+
+/// The data directory and database were created 0755/0644 where docs/operations.md says
+/// owner-only: both are tightened (an existing directory too) and new ones are created so.
+#[tokio::test]
+async fn the_data_directory_and_database_are_owner_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let server = start(&data, &[]).await;
+    let mode = |path: &Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&data), 0o700);
+    assert_eq!(mode(&data.join("confed.db")), 0o600);
+    for entry in std::fs::read_dir(&data).unwrap() {
+        let path = entry.unwrap().path();
+        assert_eq!(
+            mode(&path) & 0o077,
+            0,
+            "{} is readable by others",
+            path.display()
+        );
+    }
+    terminate(server).await;
+}

@@ -35,6 +35,14 @@ impl LocalBlobStore {
             key: root.display().to_string(),
             source,
         })?;
+        let swept = sweep_partials(&root).map_err(|source| BlobError::Io {
+            key: root.display().to_string(),
+            source,
+        })?;
+        if swept > 0 {
+            tracing::info!(root = %root.display(), files = swept,
+                "removed temporary files left by an interrupted write");
+        }
         Ok(Self {
             root,
             cache: Default::default(),
@@ -86,6 +94,29 @@ impl LocalBlobStore {
             Err(e) => Err(io(e)),
         }
     }
+}
+
+/// Removes `.*.partial` files under `root`: writes interrupted by a crash (a published blob is
+/// renamed away from its temporary name, so none of these is referenced). Runs when the store
+/// opens, before anything writes.
+fn sweep_partials(root: &Path) -> std::io::Result<usize> {
+    let mut removed = 0;
+    let mut pending = vec![root.to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        for entry in fs::read_dir(&dir)? {
+            let entry = entry?;
+            let kind = entry.file_type()?;
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if kind.is_dir() {
+                pending.push(entry.path());
+            } else if kind.is_file() && name.starts_with('.') && name.ends_with(".partial") {
+                fs::remove_file(entry.path())?;
+                removed += 1;
+            }
+        }
+    }
+    Ok(removed)
 }
 
 /// Moves `temp` to `target` unless `target` exists (then `AlreadyExists`): `renameat2` with
@@ -228,6 +259,28 @@ mod tests {
             })
             .count();
         assert_eq!(leftovers, 0, "no temporary file is left behind");
+    }
+
+    /// A kill during a write left `.partial` files forever; the next open removes them and
+    /// leaves every published blob alone.
+    #[tokio::test]
+    async fn partial_files_left_by_a_kill_are_removed_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = LocalBlobStore::open(dir.path()).unwrap();
+        let key = BlobKey::new("tenants/a/tasks/b/models/1.safetensors").unwrap();
+        store.put(&key, b"kept").await.unwrap();
+        let models = dir.path().join("tenants/a/tasks/b/models");
+        let leftover = models.join(".2.safetensors.0b1e.partial");
+        fs::write(&leftover, b"half").unwrap();
+        fs::write(models.join("not-a-temp.partial"), b"a blob named so").unwrap();
+        drop(store);
+        let store = LocalBlobStore::open(dir.path()).unwrap();
+        assert!(!leftover.exists());
+        assert!(
+            models.join("not-a-temp.partial").exists(),
+            "only our temp names"
+        );
+        assert_eq!(store.get(&key).await.unwrap(), b"kept");
     }
 
     #[tokio::test]

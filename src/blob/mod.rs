@@ -25,10 +25,11 @@ pub struct BlobKey(String);
 impl BlobKey {
     pub fn new(key: impl Into<String>) -> Result<Self, BlobError> {
         let key = key.into();
+        // No segment starts with a dot: `.`, `..`, and the local store's temporary names
+        // (`.<name>.<uuid>.partial`, swept at open) are never keys.
         let segment_ok = |s: &str| {
             !s.is_empty()
-                && s != "."
-                && s != ".."
+                && !s.starts_with('.')
                 && s.bytes()
                     .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
         };
