@@ -373,7 +373,8 @@ async fn start_embedded_enclave(
         trust_file.display()
     );
     let worker = confed_enclave::worker::WorkerConfig {
-        id: "embedded-enclave-worker".into(),
+        // A new incarnation per process: after a crash, this worker takes its job back at once.
+        id: format!("embedded-enclave-worker/{}", uuid::Uuid::new_v4().simple()),
         lease: Duration::from_secs(60),
         key_services: services.endpoints,
         threshold: 2,

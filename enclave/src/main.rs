@@ -68,7 +68,8 @@ struct Args {
     /// next to it as `<file>.jwks.json` for the dev policy's `jwks_file`.
     #[arg(long)]
     dev_key: Option<PathBuf>,
-    /// This worker's id in leases (default: confed-enclave-<pid>).
+    /// This worker's stable name in leases (default: the host name); a per-process incarnation is
+    /// appended (`name/incarnation`), so a restart takes its own jobs back at once.
     #[arg(long)]
     id: Option<String>,
     #[arg(long, default_value_t = 60)]
@@ -115,6 +116,28 @@ async fn worker_token(file: Option<&Path>, secret: Option<&str>) -> Result<Zeroi
     Ok(token)
 }
 
+/// The host's name (in Confidential Space, the VM instance's), else `confed-enclave`.
+fn default_worker_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let host: String = host
+        .trim()
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || "._-".contains(*c))
+        .take(64)
+        .collect();
+    if host.is_empty() {
+        "confed-enclave".into()
+    } else {
+        host
+    }
+}
+
+fn random_incarnation() -> Result<String> {
+    let mut bytes = [0u8; 8];
+    getrandom::fill(&mut bytes).map_err(|e| anyhow::anyhow!("no random bytes: {e}"))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
 fn dev_attester(path: &Path) -> Result<DevAttester> {
     let clock = Arc::new(|| {
         std::time::SystemTime::now()
@@ -143,9 +166,10 @@ async fn run(args: Args) -> Result<()> {
             Arc::new(dev_attester(path)?)
         }
     };
-    let id = args
-        .id
-        .unwrap_or_else(|| format!("confed-enclave-{}", std::process::id()));
+    // `name/incarnation`: the name is stable (given, or the host's), the incarnation new in every
+    // process, so a restarted worker takes back at once a job its previous process held.
+    let name = args.id.unwrap_or_else(default_worker_name);
+    let id = format!("{name}/{}", random_incarnation()?);
     let store = HttpJobStore::new(&args.server, token, Duration::from_secs(120));
     let worker = Worker::new(
         Arc::new(store),

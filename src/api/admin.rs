@@ -10,6 +10,7 @@ use super::error::{ApiError, Problem};
 use super::extract::{Admin, ApiJson};
 use crate::clock::rfc3339;
 use crate::db::{NewTenant, TenantRecord};
+use crate::states::StateMachine;
 use crate::task_spec::{InvalidParam, MAX_REPORT_GOAL};
 
 pub const DEFAULT_MAX_ACTIVE_TASKS: i64 = 10;
@@ -154,5 +155,43 @@ pub async fn list_tenants(
     let tenants = state.db.list_tenants().await?;
     Ok(axum::Json(TenantList {
         tenants: tenants.into_iter().map(Into::into).collect(),
+    }))
+}
+
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct ResumedRound {
+    pub task_id: String,
+    pub round: i64,
+    /// `AGGREGATING` or `APPLYING`: where the round failed.
+    pub round_state: String,
+}
+
+/// Resume a round whose aggregation failed: the job runs again, the task is OPEN again
+/// (docs/operations.md, "Failed rounds").
+#[utoipa::path(post, path = "/v1/admin/tasks/{task_id}/rounds/{round}/resume", tag = "admin",
+    params(("task_id" = String, Path, description = "Task id"), ("round" = i64, Path, description = "Round number")),
+    security(("admin_token" = [])),
+    responses(
+        (status = 200, body = ResumedRound),
+        (status = 400, body = Problem, content_type = "application/problem+json"),
+        (status = 401, body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such task, or the admin API is off", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The round's aggregation did not fail, or it is not the task's latest round", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn resume_round(
+    State(state): State<AppState>,
+    _admin: Admin,
+    super::extract::ApiPath((task_id, round)): super::extract::ApiPath<(String, i64)>,
+) -> Result<axum::Json<ResumedRound>, ApiError> {
+    let resumed = state
+        .db
+        .resume_failed_round(&task_id, round, state.now())
+        .await?;
+    tracing::warn!(task = %task_id, round, state = resumed.round_state.as_str(),
+        "a failed round was resumed by the operator");
+    Ok(axum::Json(ResumedRound {
+        task_id: resumed.task_id,
+        round: resumed.round_number,
+        round_state: resumed.round_state.as_str().into(),
     }))
 }

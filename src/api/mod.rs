@@ -132,6 +132,7 @@ pub fn routes_and_openapi(limits: &Limits) -> (Router<AppState>, utoipa::openapi
         .routes(routes!(populations::list_populations))
         .routes(routes!(populations::register_population))
         .routes(routes!(populations::assign_population))
+        .routes(routes!(admin::resume_round))
         .routes(routes!(ops::healthz))
         .routes(routes!(ops::metrics_text))
         .routes(routes!(devices::checkin))

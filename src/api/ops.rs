@@ -76,6 +76,13 @@ pub async fn metrics_text(State(state): State<AppState>) -> Result<Response, Api
     for (round_state, count) in state.db.count_by_state::<RoundState>().await? {
         metrics::gauge!("confed_rounds", "state" => round_state.as_str()).set(count as f64);
     }
+    // Alert on this: jobs still retried after ALERT_AFTER_FAILURES transient failures.
+    metrics::gauge!("confed_aggregation_jobs_failing").set(
+        state
+            .db
+            .failing_jobs(crate::db::jobs::ALERT_AFTER_FAILURES)
+            .await? as f64,
+    );
     for (population, count) in state.registry.by_population(state.now()) {
         metrics::gauge!("confed_recent_checkins", "population" => population).set(count as f64);
     }

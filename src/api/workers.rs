@@ -62,14 +62,22 @@ fn store_error(error: StoreError) -> ApiError {
     }
 }
 
+/// `name` or `name/incarnation`, each 1-64 of A-Z a-z 0-9 . _ - (a worker that restarts under
+/// the same name with a new incarnation takes its own jobs back at once).
 fn check_worker(worker: &str) -> Result<(), ApiError> {
-    let ok = (1..=64).contains(&worker.len())
-        && worker
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    let part_ok = |part: &str| {
+        (1..=64).contains(&part.len())
+            && part
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+    };
+    let ok = match worker.split_once('/') {
+        Some((name, incarnation)) => part_ok(name) && part_ok(incarnation),
+        None => part_ok(worker),
+    };
     ok.then_some(()).ok_or_else(|| {
         ApiError::BadRequest(
-            "`worker` must be 1-64 characters of A-Z, a-z, 0-9, '.', '_', '-'".into(),
+            "`worker` must be `name` or `name/incarnation`, each 1-64 characters of A-Z, a-z, 0-9, '.', '_', '-'".into(),
         )
     })
 }

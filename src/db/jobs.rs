@@ -5,8 +5,16 @@
 use super::{Conn, Db, DbError, models, rounds, tasks, transition};
 use crate::states::{RoundState, TaskState};
 
-/// Attempts after which a job that keeps failing fails its round and task.
-pub const MAX_JOB_ATTEMPTS: i64 = 5;
+/// Transient failures after which a job is reported as failing (logged as an error, counted in
+/// `confed_aggregation_jobs_failing`); it is still retried.
+pub const ALERT_AFTER_FAILURES: i64 = 5;
+/// Longest wait between retries of a transiently failing job.
+pub const MAX_RETRY_BACKOFF_MS: i64 = 300_000;
+
+/// How long a job waits after its `failures`-th transient failure: 2, 4, 8 ... s, at most 5 min.
+pub fn retry_backoff_ms(failures: i64) -> i64 {
+    (1000i64 << failures.clamp(1, 20)).min(MAX_RETRY_BACKOFF_MS)
+}
 
 /// A job a worker just leased.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -142,32 +150,52 @@ impl Db {
         lease_ms: i64,
     ) -> Result<Option<LeasedJob>, DbError> {
         let worker = worker.to_string();
+        // A worker id `name/incarnation` may take over at once a job leased to another
+        // incarnation of `name`: that is this worker before a restart, whose lease would
+        // otherwise stall the job until it expired. (Names must be unique among live workers.)
+        let own_name = worker
+            .split_once('/')
+            .map(|(name, _)| format!("{name}/"))
+            .unwrap_or_default();
         self.write(move |tx| {
             Box::pin(async move {
                 // The guard is repeated outside the subquery: the update is a compare-and-set.
                 // On PostgreSQL the candidate is also locked with SKIP LOCKED, so concurrent
                 // workers each get a different job instead of queueing on the same row.
+                let free = "(lease_expires_at IS NULL OR lease_expires_at <= $3 \
+                     OR (length($4) > 0 AND substr(lease_owner, 1, length($4)) = $4 \
+                         AND lease_owner <> $1))";
                 let sql = format!(
                     "UPDATE aggregation_jobs SET lease_owner = $1, lease_expires_at = $2, \
                      attempts = attempts + 1, updated_at = $3 \
                      WHERE round_id = (SELECT round_id FROM aggregation_jobs \
-                       WHERE state = 'PENDING' AND not_before <= $3 \
-                       AND (lease_expires_at IS NULL OR lease_expires_at <= $3) \
+                       WHERE state = 'PENDING' AND not_before <= $3 AND {free} \
                        ORDER BY created_at, round_id LIMIT 1{}) \
-                     AND state = 'PENDING' AND (lease_expires_at IS NULL OR lease_expires_at <= $3) \
+                     AND state = 'PENDING' AND {free} \
                      RETURNING round_id, attempts",
                     super::lock_clause(tx, " FOR UPDATE SKIP LOCKED")
                 );
                 let row: Option<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-                .bind(&worker)
-                .bind(now + lease_ms)
-                .bind(now)
-                .fetch_optional(&mut *tx)
-                .await?;
+                    .bind(&worker)
+                    .bind(now + lease_ms)
+                    .bind(now)
+                    .bind(&own_name)
+                    .fetch_optional(&mut *tx)
+                    .await?;
                 Ok(row.map(|(round_id, attempts)| LeasedJob { round_id, attempts }))
             })
         })
         .await
+    }
+
+    /// Pending jobs that failed transiently at least `failures` times in a row.
+    pub async fn failing_jobs(&self, failures: i64) -> Result<i64, DbError> {
+        Ok(sqlx::query_scalar(
+            "SELECT COUNT(*) FROM aggregation_jobs WHERE state = 'PENDING' AND failures >= $1",
+        )
+        .bind(failures)
+        .fetch_one(self.pool())
+        .await?)
     }
 
     /// Extends `worker`'s lease on a job; `LeaseLost` if another worker took it over.
@@ -367,24 +395,29 @@ impl Db {
         self.write(move |tx| {
             Box::pin(async move {
                 check_lease(&mut *tx, &round_id, &worker).await?;
-                let attempts: i64 =
-                    sqlx::query_scalar("SELECT attempts FROM aggregation_jobs WHERE round_id = $1")
-                        .bind(&round_id)
-                        .fetch_one(&mut *tx)
-                        .await?;
-                if !permanent && attempts < MAX_JOB_ATTEMPTS {
-                    // 2, 4, 8, 16 s: room for a key service to come back.
-                    let backoff = 1000 * (1i64 << attempts.clamp(1, 4));
-                    sqlx::query(
-                        "UPDATE aggregation_jobs SET lease_owner = NULL, lease_expires_at = NULL, \
-                         not_before = $1, last_error = $2, updated_at = $3 WHERE round_id = $4",
+                if !permanent {
+                    // Transient (a key service down, a full disk, the network): retried without
+                    // limit, the wait doubling up to 5 minutes; a crash takeover is no failure.
+                    let failures: i64 = sqlx::query_scalar(
+                        "UPDATE aggregation_jobs SET failures = failures + 1, lease_owner = NULL, \
+                         lease_expires_at = NULL, last_error = $1, updated_at = $2 \
+                         WHERE round_id = $3 RETURNING failures",
                     )
-                    .bind(now + backoff)
                     .bind(&reason)
                     .bind(now)
                     .bind(&round_id)
-                    .execute(&mut *tx)
+                    .fetch_one(&mut *tx)
                     .await?;
+                    sqlx::query("UPDATE aggregation_jobs SET not_before = $1 WHERE round_id = $2")
+                        .bind(now + retry_backoff_ms(failures))
+                        .bind(&round_id)
+                        .execute(&mut *tx)
+                        .await?;
+                    if failures >= ALERT_AFTER_FAILURES {
+                        tracing::error!(round = %round_id, failures, %reason,
+                            "an aggregation job keeps failing; it is retried every few minutes \
+                             until the cause is fixed (docs/operations.md, \"Failed rounds\")");
+                    }
                     return Ok(());
                 }
                 sqlx::query(
@@ -397,7 +430,7 @@ impl Db {
                 .execute(&mut *tx)
                 .await?;
                 let round = rounds::load_one(&mut *tx, &round_id).await?;
-                let why = format!("aggregation failed after {attempts} attempts: {reason}");
+                let why = format!("aggregation failed: {reason}");
                 rounds::close(
                     &mut *tx,
                     &round_id,

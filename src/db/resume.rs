@@ -1,0 +1,113 @@
+//! The operator's way back from a failed aggregation: a round whose job failed for good (or was
+//! given up by the operator's own tooling) is put back where it failed, and its task reopened.
+//!
+//! This is the one path from FAILED back to a live state, outside the state machines of
+//! `src/states.rs` on purpose: the machines describe what the system does on its own, and this
+//! is an operator's decision, recorded in the state history as one.
+
+use super::{Db, DbError, history, rounds, tasks};
+use crate::states::{RoundState, StateMachine, TaskState};
+
+/// What a resume did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resumed {
+    pub task_id: String,
+    pub round_number: i64,
+    /// AGGREGATING (no release yet) or APPLYING (released; the next model is still to write).
+    pub round_state: RoundState,
+}
+
+impl Db {
+    /// Resumes round `round_number` of `task_id` if its aggregation job failed: the job is
+    /// pending again (failures reset), the round back in AGGREGATING or APPLYING, the task OPEN.
+    /// Only the task's latest round, and only while the task is FAILED because of it.
+    pub async fn resume_failed_round(
+        &self,
+        task_id: &str,
+        round_number: i64,
+        now: i64,
+    ) -> Result<Resumed, DbError> {
+        let task_id = task_id.to_string();
+        self.write(move |tx| {
+            Box::pin(async move {
+                let task = tasks::load_any(&mut *tx, &task_id).await?;
+                let round_id: Option<String> = sqlx::query_scalar(
+                    "SELECT r.id FROM rounds r JOIN aggregation_jobs j ON j.round_id = r.id \
+                     WHERE r.task_id = $1 AND r.round_number = $2 AND r.state = 'FAILED' \
+                     AND j.state = 'FAILED' ORDER BY r.attempt DESC LIMIT 1",
+                )
+                .bind(&task_id)
+                .bind(round_number)
+                .fetch_optional(&mut *tx)
+                .await?;
+                let not_resumable = |found: String| DbError::StateConflict {
+                    entity: "round",
+                    id: format!("{task_id}/{round_number}"),
+                    expected: "FAILED in aggregation, the latest round of a FAILED task",
+                    found,
+                };
+                let Some(round_id) = round_id else {
+                    return Err(not_resumable("no failed aggregation job".into()));
+                };
+                if task.state != TaskState::Failed || task.current_round != round_number {
+                    return Err(not_resumable(format!(
+                        "task {} at round {}",
+                        task.state.as_str(),
+                        task.current_round
+                    )));
+                }
+                let released: Option<String> =
+                    sqlx::query_scalar("SELECT round_id FROM releases WHERE round_id = $1")
+                        .bind(&round_id)
+                        .fetch_optional(&mut *tx)
+                        .await?;
+                let to = if released.is_some() {
+                    RoundState::Applying
+                } else {
+                    RoundState::Aggregating
+                };
+                let reason = "resumed by the operator";
+                let moved = sqlx::query(
+                    "UPDATE rounds SET state = $1, closed_at = NULL WHERE id = $2 AND state = 'FAILED'",
+                )
+                .bind(to.as_str())
+                .bind(&round_id)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+                let reopened = sqlx::query(
+                    "UPDATE tasks SET state = 'OPEN', updated_at = $1 WHERE id = $2 AND state = 'FAILED'",
+                )
+                .bind(now)
+                .bind(&task_id)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+                let pending = sqlx::query(
+                    "UPDATE aggregation_jobs SET state = 'PENDING', failures = 0, not_before = $1, \
+                     lease_owner = NULL, lease_expires_at = NULL, updated_at = $1 \
+                     WHERE round_id = $2 AND state = 'FAILED'",
+                )
+                .bind(now)
+                .bind(&round_id)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+                if (moved, reopened, pending) != (1, 1, 1) {
+                    return Err(not_resumable("changed concurrently".into()));
+                }
+                history::append(&mut *tx, "round", &round_id, Some("FAILED"), to.as_str(), reason, now)
+                    .await?;
+                history::append(&mut *tx, "task", &task_id, Some("FAILED"), "OPEN", reason, now)
+                    .await?;
+                rounds::load_one(&mut *tx, &round_id).await?;
+                Ok(Resumed {
+                    task_id,
+                    round_number,
+                    round_state: to,
+                })
+            })
+        })
+        .await
+    }
+}
