@@ -48,8 +48,10 @@ pub struct NumericRange {
 #[serde(deny_unknown_fields)]
 pub struct VersionRange {
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(pattern = r"^[0-9]{1,9}(\.[0-9]{1,9}){0,3}$")]
     pub min: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(pattern = r"^[0-9]{1,9}(\.[0-9]{1,9}){0,3}$")]
     pub max: Option<String>,
 }
 
@@ -58,8 +60,14 @@ pub struct VersionRange {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PrivacyBudget {
+    /// Total over all rounds, (0, 100].
+    #[schema(exclusive_minimum = 0.0, maximum = 100.0)]
     pub epsilon: f64,
+    /// (0, 0.01].
+    #[schema(exclusive_minimum = 0.0, maximum = 0.01)]
     pub delta: f64,
+    /// L2 bound of one device's update, [1e-6, 1e6].
+    #[schema(minimum = 0.000001, maximum = 1000000.0)]
     pub clip_norm: f64,
 }
 
@@ -68,34 +76,44 @@ pub struct PrivacyBudget {
 #[serde(deny_unknown_fields)]
 pub struct CreateTaskRequest {
     /// Device population this task trains on: 1-128 of `A-Z a-z 0-9 . _ -`.
+    #[schema(pattern = r"^[A-Za-z0-9._-]{1,128}$")]
     pub population: String,
     /// Planned number of rounds, 1-10000.
+    #[schema(minimum = 1, maximum = 10000)]
     pub rounds: i64,
     /// Reports that close a round, 1-1000000 (and at most the tenant's quota).
+    #[schema(minimum = 1, maximum = 1000000)]
     pub report_goal: i64,
     /// Fewest reports a round may close with at its deadline, 1..=report_goal (default report_goal).
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 1000000)]
     pub min_reports: Option<i64>,
     /// Extra assignments handed out beyond the report goal, 0-10 (default 0.3).
     #[serde(default)]
+    #[schema(minimum = 0.0, maximum = 10.0)]
     pub over_selection: Option<f64>,
     /// How long a round collects before its deadline, 10-604800 s (default 3600).
     #[serde(default)]
+    #[schema(minimum = 10, maximum = 604800)]
     pub round_deadline_seconds: Option<i64>,
     /// How long a device has for one assignment, 10..=round_deadline_seconds (default 600).
     #[serde(default)]
+    #[schema(minimum = 10, maximum = 604800)]
     pub assignment_timeout_seconds: Option<i64>,
     /// Attempts per round before the task fails, 1-10 (default 3).
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 10)]
     pub max_round_attempts: Option<i64>,
     #[serde(default)]
     pub client_version: Option<VersionRange>,
-    /// Device attributes a device must match (at most 32).
+    /// Device attributes a device must match (at most 32; names 1-64 of a-z 0-9 _).
     #[serde(default)]
+    #[schema(schema_with = constraints_schema)]
     pub constraints: BTreeMap<String, Constraint>,
     pub privacy: PrivacyBudget,
     /// FedAvg server learning rate, (0, 100] (default 1.0).
     #[serde(default)]
+    #[schema(exclusive_minimum = 0.0, maximum = 100.0)]
     pub server_learning_rate: Option<f64>,
     /// Handed to devices unchanged: a JSON object of at most 64 KiB (default `{}`).
     #[serde(default)]
@@ -314,6 +332,33 @@ impl CreateTaskRequest {
             plan,
         })
     }
+}
+
+/// The OpenAPI schema of `constraints`, with the bounds `validate_constraints` enforces.
+fn constraints_schema() -> utoipa::openapi::schema::Object {
+    use utoipa::openapi::schema::{ObjectBuilder, OneOfBuilder, Ref, Schema, SchemaType, Type};
+    let value = OneOfBuilder::new()
+        .item(ObjectBuilder::new().schema_type(SchemaType::new(Type::Boolean)))
+        .item(
+            ObjectBuilder::new()
+                .schema_type(SchemaType::new(Type::String))
+                .max_length(Some(256)),
+        )
+        .item(Ref::from_schema_name("NumericRange"));
+    ObjectBuilder::new()
+        .schema_type(SchemaType::new(Type::Object))
+        .description(Some(
+            "Device attributes a device must match: at most 32, names 1-64 of a-z 0-9 _; a \
+             boolean, a string of at most 256 bytes, or a numeric range",
+        ))
+        .max_properties(Some(MAX_CONSTRAINTS))
+        .property_names(Some(
+            ObjectBuilder::new()
+                .schema_type(SchemaType::new(Type::String))
+                .pattern(Some("^[a-z0-9_]{1,64}$")),
+        ))
+        .additional_properties(Some(Schema::OneOf(value.build())))
+        .build()
 }
 
 pub fn valid_population(population: &str) -> bool {

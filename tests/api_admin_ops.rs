@@ -139,6 +139,75 @@ async fn openapi_documents_every_route() {
     assert!(doc["components"]["securitySchemes"]["tenant_token"].is_object());
 }
 
+/// Every `$ref` in a document names something the document has.
+fn refs(value: &serde_json::Value, out: &mut Vec<String>) {
+    match value {
+        serde_json::Value::Object(map) => {
+            for (key, inner) in map {
+                match (key.as_str(), inner.as_str()) {
+                    ("$ref", Some(target)) => out.push(target.to_string()),
+                    _ => refs(inner, out),
+                }
+            }
+        }
+        serde_json::Value::Array(items) => items.iter().for_each(|v| refs(v, out)),
+        _ => {}
+    }
+}
+
+/// The ranges and patterns the server enforces were only in the docs, so schema-valid requests
+/// were refused; `limit`/`page_token` were declared in the path; 400/408/415/500 were missing.
+#[tokio::test]
+async fn openapi_declares_the_enforced_ranges_query_parameters_and_common_errors() {
+    let app = TestApp::new().await;
+    let doc = app
+        .call(Method::GET, "/v1/openapi.json", None, None)
+        .await
+        .json();
+    let mut targets = Vec::new();
+    refs(&doc, &mut targets);
+    for target in targets {
+        let pointer = target.trim_start_matches('#');
+        assert!(doc.pointer(pointer).is_some(), "dangling $ref {target}");
+    }
+
+    let list = &doc["paths"]["/v1/tasks"]["get"];
+    let params = list["parameters"].as_array().unwrap();
+    for name in ["limit", "page_token"] {
+        let param = params.iter().find(|p| p["name"] == name).unwrap();
+        assert_eq!(param["in"], "query", "{name}");
+    }
+    let limit = params.iter().find(|p| p["name"] == "limit").unwrap();
+    assert_eq!(
+        (
+            limit["schema"]["minimum"].as_f64(),
+            limit["schema"]["maximum"].as_f64()
+        ),
+        (Some(1.0), Some(100.0))
+    );
+
+    let create = &doc["paths"]["/v1/tasks"]["post"]["responses"];
+    for status in ["400", "408", "413", "415", "500", "503", "507"] {
+        assert!(create[status].is_object(), "POST /v1/tasks lacks {status}");
+    }
+    let upload = &doc["paths"]["/v1/assignments/{assignment_id}/contribution"]["put"]["responses"];
+    for status in ["404", "408", "413", "415", "500", "507"] {
+        assert!(upload[status].is_object(), "upload lacks {status}");
+    }
+
+    let schemas = &doc["components"]["schemas"];
+    let task = &schemas["CreateTaskRequest"]["properties"];
+    assert_eq!(task["rounds"]["maximum"].as_f64(), Some(10000.0));
+    assert_eq!(task["population"]["pattern"], "^[A-Za-z0-9._-]{1,128}$");
+    assert_eq!(task["constraints"]["maxProperties"], 32);
+    let privacy = &schemas["PrivacyBudget"]["properties"];
+    assert_eq!(privacy["clip_norm"]["minimum"].as_f64(), Some(1e-6));
+    assert_eq!(privacy["epsilon"]["exclusiveMinimum"].as_f64(), Some(0.0));
+    let checkin = &schemas["CheckinRequest"]["properties"];
+    assert_eq!(checkin["attributes"]["maxProperties"], 32);
+    assert!(checkin["client_version"]["pattern"].is_string());
+}
+
 #[tokio::test]
 async fn metrics_count_requests_per_route_and_tasks_by_state() {
     let app = TestApp::new().await;

@@ -21,10 +21,13 @@ pub const MAX_ACTIVE_TASKS_LIMIT: i64 = 10_000;
 #[serde(deny_unknown_fields)]
 pub struct CreateTenantRequest {
     /// 1-64 characters of a-z, 0-9, '-', '_'; unique.
+    #[schema(pattern = r"^[a-z0-9_-]{1,64}$")]
     pub name: String,
     /// Tasks in CREATED or OPEN at once, 1-10000 (default 10).
+    #[schema(minimum = 1, maximum = 10000)]
     pub max_active_tasks: Option<i64>,
     /// Largest `report_goal` of any task, 1-1000000 (default 10000).
+    #[schema(minimum = 1, maximum = 1000000)]
     pub max_report_goal: Option<i64>,
 }
 

@@ -32,7 +32,8 @@ pub const CONTRIBUTION_SLACK_BYTES: usize = 64 * 1024;
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CheckinRequest {
-    /// Dotted numeric version of the device's client, e.g. `"1.4.0"`.
+    /// Dotted numeric version of the device's client, e.g. `"1.4.0"` (1-4 parts).
+    #[schema(pattern = r"^[0-9]{1,9}(\.[0-9]{1,9}){0,3}$")]
     pub client_version: String,
     /// Public attributes the server matches against task constraints (e.g. os, ram_gb, charging):
     /// at most 32, names of 1-64 of A-Z a-z 0-9 . _ -, text values of at most 256 bytes.
@@ -42,6 +43,7 @@ pub struct CheckinRequest {
     /// The tenant this device works for (optional): only that tenant's tasks are assigned, and
     /// a population registered to another tenant answers `tenant_mismatch`.
     #[serde(default)]
+    #[schema(max_length = 128)]
     pub tenant_id: Option<String>,
 }
 
@@ -121,7 +123,7 @@ fn retry(reason: &str, min_seconds: u32, max_seconds: u32) -> Response {
 
 /// Ask for an assignment in a population.
 #[utoipa::path(post, path = "/v1/populations/{population}/checkin", tag = "devices",
-    params(("population" = String, Path, description = "Device population")),
+    params(("population" = String, Path, description = "Device population, 1-128 of A-Z a-z 0-9 . _ -", pattern = r"^[A-Za-z0-9._-]{1,128}$")),
     request_body = CheckinRequest,
     responses(
         (status = 201, description = "Assigned", body = AssignmentResponse),

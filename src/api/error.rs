@@ -43,6 +43,10 @@ pub enum ApiError {
     Unavailable(String),
     #[error("{0}")]
     Gone(String),
+    /// The server's disk (or database) is full: 507 with `Retry-After`, so devices back off and
+    /// operators see the cause rather than `500 internal`.
+    #[error("{0}")]
+    InsufficientStorage(String),
     #[error("{0}")]
     Unprocessable(String),
     #[error("internal error: {0}")]
@@ -107,6 +111,11 @@ impl ApiError {
                 "Unavailable",
             ),
             Self::Gone(_) => (StatusCode::GONE, "gone", "Gone"),
+            Self::InsufficientStorage(_) => (
+                StatusCode::INSUFFICIENT_STORAGE,
+                "insufficient-storage",
+                "Insufficient storage",
+            ),
             Self::Unprocessable(_) => (
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "unprocessable",
@@ -161,6 +170,16 @@ impl IntoResponse for ApiError {
         if status == StatusCode::UNAUTHORIZED {
             headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
+        // When to try again (RFC 9110 10.2.3): a full disk takes an operator; a store hiccup less.
+        match status {
+            StatusCode::INSUFFICIENT_STORAGE => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from_static("60"));
+            }
+            StatusCode::SERVICE_UNAVAILABLE => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+            }
+            _ => {}
+        }
         response
     }
 }
@@ -174,6 +193,7 @@ impl From<DbError> for ApiError {
             | DbError::AlreadyExists(_)
             | DbError::PopulationTaken(_)) => Self::Conflict(e.to_string()),
             e @ DbError::QuotaExceeded { .. } => Self::QuotaExceeded(e.to_string()),
+            other if other.is_disk_full() => disk_full(&other),
             other => Self::Internal(other.to_string()),
         }
     }
@@ -188,9 +208,20 @@ impl From<BlobError> for ApiError {
                 tracing::warn!(%error, "blob store unavailable");
                 Self::Unavailable("the blob store is unavailable; retry shortly".into())
             }
+            BlobError::Io { ref source, .. } if crate::blob::is_disk_full(source) => {
+                disk_full(&error)
+            }
             other => Self::Internal(other.to_string()),
         }
     }
+}
+
+fn disk_full(cause: &dyn std::fmt::Display) -> ApiError {
+    metrics::counter!("confed_disk_full_total").increment(1);
+    tracing::error!(%cause, "storage is full; requests that write are refused with 507");
+    ApiError::InsufficientStorage(
+        "the server's storage is full; nothing was stored, retry later (Retry-After)".into(),
+    )
 }
 
 /// Maps a body-reading failure by its status: 413 past the size limit, else 400.
@@ -227,5 +258,62 @@ impl From<QueryRejection> for ApiError {
 impl From<PathRejection> for ApiError {
     fn from(rejection: PathRejection) -> Self {
         Self::BadRequest(rejection.body_text())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status_and_retry(error: ApiError) -> (StatusCode, Option<String>) {
+        let response = error.into_response();
+        let retry = response
+            .headers()
+            .get(header::RETRY_AFTER)
+            .map(|v| v.to_str().unwrap().to_string());
+        (response.status(), retry)
+    }
+
+    /// A full disk answered `500 internal` on check-in, upload, report and task creation. The
+    /// errors here are real: the OS's ENOSPC from /dev/full and SQLite's own SQLITE_FULL.
+    #[test]
+    fn a_full_disk_answers_507_with_retry_after() {
+        use std::io::Write;
+        let enospc = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap()
+            .write_all(b"contribution")
+            .unwrap_err();
+        let blob = BlobError::Io {
+            key: "contributions/x".into(),
+            source: enospc,
+        };
+        let expected = (StatusCode::INSUFFICIENT_STORAGE, Some("60".to_string()));
+        assert_eq!(status_and_retry(blob.into()), expected);
+
+        let db = rusqlite::Connection::open_in_memory().unwrap();
+        db.execute_batch("CREATE TABLE t (x BLOB); PRAGMA max_page_count = 3;")
+            .unwrap();
+        let full = (0..100)
+            .find_map(|_| {
+                db.execute("INSERT INTO t VALUES (zeroblob(4096))", [])
+                    .err()
+            })
+            .expect("SQLite ran out of pages");
+        assert_eq!(status_and_retry(DbError::Sqlite(full).into()), expected);
+
+        let other = BlobError::Io {
+            key: "x".into(),
+            source: std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+        };
+        assert_eq!(
+            status_and_retry(other.into()).0,
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+        assert_eq!(
+            status_and_retry(ApiError::Unavailable("x".into())),
+            (StatusCode::SERVICE_UNAVAILABLE, Some("5".to_string()))
+        );
     }
 }

@@ -7,6 +7,7 @@ pub mod devices;
 pub mod error;
 pub mod extract;
 pub mod models;
+pub mod openapi;
 pub mod ops;
 pub mod populations;
 pub mod releases;
@@ -119,7 +120,7 @@ pub fn routes_and_openapi(limits: &Limits) -> (Router<AppState>, utoipa::openapi
         .layer(DefaultBodyLimit::max(
             devices::contribution_limit(limits.model_bytes as i64) as usize,
         ));
-    OpenApiRouter::with_openapi(ApiDoc::openapi())
+    let routes = OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(tasks::create_task, tasks::list_tasks))
         .routes(routes!(tasks::get_task))
         .routes(routes!(tasks::cancel_task))
@@ -140,8 +141,10 @@ pub fn routes_and_openapi(limits: &Limits) -> (Router<AppState>, utoipa::openapi
         .routes(routes!(devices::report))
         .layer(DefaultBodyLimit::max(limits.json_body_bytes))
         .merge(model_upload)
-        .merge(contribution_upload)
-        .split_for_parts()
+        .merge(contribution_upload);
+    let (router, mut document) = routes.split_for_parts();
+    openapi::declare_common_responses(&mut document);
+    (router, document)
 }
 
 /// The complete application: routes, OpenAPI, metrics, limits, timeouts.

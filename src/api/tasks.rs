@@ -71,8 +71,10 @@ pub struct TaskList {
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct ListParams {
     /// Page size, 1-100 (default 20).
+    #[param(minimum = 1, maximum = 100)]
     pub limit: Option<u32>,
     /// `next_page_token` of the previous page.
     pub page_token: Option<String>,

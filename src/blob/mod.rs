@@ -78,6 +78,15 @@ pub enum BlobError {
     },
 }
 
+/// Whether an I/O error means the disk (or a quota) is full: ENOSPC, EDQUOT.
+pub fn is_disk_full(error: &std::io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(libc::ENOSPC) | Some(libc::EDQUOT)
+    ) || error.kind() == std::io::ErrorKind::StorageFull
+        || error.kind() == std::io::ErrorKind::QuotaExceeded
+}
+
 /// The stores of one process: GCS when configured (`blobs/` and `contributions/` under the
 /// bucket's prefix), else `<data dir>/blobs` and the contribution log.
 pub async fn open_stores(

@@ -48,6 +48,27 @@ pub enum DbError {
 }
 
 impl DbError {
+    /// Whether the database failed because its disk is full: SQLite's SQLITE_FULL ("database or
+    /// disk is full"), PostgreSQL's `53100 disk_full`, or ENOSPC from below either.
+    pub fn is_disk_full(&self) -> bool {
+        match self {
+            Self::Sqlite(rusqlite::Error::SqliteFailure(e, _)) => {
+                e.code == rusqlite::ErrorCode::DiskFull
+            }
+            Self::Sqlx(sqlx::Error::Io(e)) => crate::blob::is_disk_full(e),
+            Self::Sqlx(sqlx::Error::Database(e)) => {
+                e.code().as_deref() == Some("53100")
+                    || e.code().as_deref() == Some("13")
+                    || e.message().contains("database or disk is full")
+            }
+            Self::Commit(message) => {
+                message.contains("database or disk is full")
+                    || message.contains("No space left on device")
+            }
+            _ => false,
+        }
+    }
+
     /// Whether the error is a unique-constraint violation (e.g. a duplicate tenant name).
     pub(crate) fn is_unique_violation(error: &sqlx::Error) -> bool {
         matches!(error, sqlx::Error::Database(e) if e.is_unique_violation())
