@@ -15,6 +15,7 @@ pub mod keys;
 pub mod keyservice;
 pub mod registry;
 pub mod release_check;
+pub mod retention;
 pub mod scheduler;
 pub mod server;
 pub mod states;

@@ -66,7 +66,14 @@ pub struct ServeConfig {
     pub worker_token: Option<AdminToken>,
     pub limits: Limits,
     pub scheduler_period: Duration,
+    /// How long a closed round's contributions are kept (docs/operations.md, "Retention").
+    pub retention: Duration,
 }
+
+/// How often the retention pass runs.
+const RETENTION_PERIOD: Duration = Duration::from_secs(600);
+/// A contribution-log segment written more recently than this is never deleted.
+const RETENTION_IDLE: Duration = Duration::from_secs(3600);
 
 #[derive(Debug, Error)]
 pub enum ServeError {
@@ -187,9 +194,11 @@ pub async fn serve(
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut background = Vec::new();
     let mut app = None;
+    let mut open_contributions = None;
     if has(Role::Api) || has(Role::EnclaveWorker) {
         let (blobs, contributions) =
             crate::blob::open_stores(&config.data_dir, &db, config.blobs.as_ref()).await?;
+        open_contributions = Some(contributions.clone());
         let keys = KeyDirectory::default();
         let embedded_worker = if config.keyservices.is_empty() {
             let (worker_config, tasks) =
@@ -230,6 +239,16 @@ pub async fn serve(
         }
     }
     if has(Role::Scheduler) {
+        let retention = crate::retention::Retention {
+            db: db.clone(),
+            contributions: open_contributions,
+            clock: clock.clone(),
+            window: config.retention,
+            idle: RETENTION_IDLE,
+        };
+        background.push(tokio::spawn(
+            retention.run(RETENTION_PERIOD, stop_rx.clone()),
+        ));
         background.push(tokio::spawn(
             Scheduler::new(db.clone(), clock.clone()).run(config.scheduler_period, stop_rx),
         ));

@@ -184,6 +184,18 @@ pub trait BlobStore: Send + Sync + std::fmt::Debug {
         false
     }
 
+    /// Deletes whole storage units (the contribution log's segments) that hold nothing at or
+    /// after `oldest_referenced` (the smallest key any database row still names; `None`: no row
+    /// names any) and were last written more than `idle` ago; returns how many. Stores that
+    /// delete per object, or not at all (GCS: its lifecycle rule), keep everything.
+    fn retire_unreferenced<'a>(
+        &'a self,
+        _oldest_referenced: Option<&'a str>,
+        _idle: std::time::Duration,
+    ) -> BlobFuture<'a, usize> {
+        Box::pin(async { Ok(0) })
+    }
+
     /// Where and how a device PUTs the object itself (a short-lived signed URL on a cloud store,
     /// for 1 to `max_bytes` bytes), or `None` when uploads go through the server (the local
     /// stores).

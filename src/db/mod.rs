@@ -25,6 +25,7 @@ pub mod jobs;
 mod models;
 pub mod populations;
 mod resume;
+mod retention;
 mod rounds;
 mod tasks;
 mod tenants;

@@ -49,6 +49,16 @@ impl Db {
                 let Some(round_id) = round_id else {
                     return Err(not_resumable("no failed aggregation job".into()));
                 };
+                let purged: Option<i64> =
+                    sqlx::query_scalar("SELECT contributions_purged_at FROM rounds WHERE id = $1")
+                        .bind(&round_id)
+                        .fetch_one(&mut *tx)
+                        .await?;
+                if purged.is_some() {
+                    return Err(not_resumable(
+                        "its contributions were deleted by retention".into(),
+                    ));
+                }
                 if task.state != TaskState::Failed || task.current_round != round_number {
                     return Err(not_resumable(format!(
                         "task {} at round {}",

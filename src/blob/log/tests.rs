@@ -154,3 +154,76 @@ async fn other_keys_are_read_from_the_fallback_and_keyed_puts_refused() {
     let refused = log.put(&key("x"), b"x").await.unwrap_err().to_string();
     assert!(refused.contains("put_new"), "{refused}");
 }
+
+/// Every segment ever read stayed open (open files grew ~144 an hour); the cache is bounded.
+#[tokio::test]
+async fn open_segment_readers_are_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let log =
+        ContributionLog::open_with_segment_bytes(dir.path().join("log"), fallback(dir.path()), 64)
+            .unwrap();
+    let mut stored = Vec::new();
+    for i in 0..40u32 {
+        stored.push(
+            log.put_new(key(&format!("s{i}")), &[i as u8; 100])
+                .await
+                .unwrap(),
+        );
+    }
+    for (i, key) in stored.iter().enumerate() {
+        assert_eq!(log.get(key).await.unwrap(), vec![i as u8; 100]);
+    }
+    let segments = segment_files(&dir.path().join("log"))
+        .iter()
+        .filter(|n| n.starts_with("segment-"))
+        .count();
+    assert!(segments >= 40, "{segments} segments");
+    assert!(log.readers.open_files() <= MAX_OPEN_READERS);
+    // The least recently used went first: the newest still read without reopening.
+    assert_eq!(log.get(&stored[39]).await.unwrap(), vec![39u8; 100]);
+}
+
+/// Retention deletes only segments below the oldest one a row names, never the active one, and
+/// never one written within `idle` (its record's row may be about to commit).
+#[tokio::test]
+async fn retired_segments_are_old_unreferenced_and_idle() {
+    let dir = tempfile::tempdir().unwrap();
+    let log =
+        ContributionLog::open_with_segment_bytes(dir.path().join("log"), fallback(dir.path()), 64)
+            .unwrap();
+    let mut stored = Vec::new();
+    for i in 0..4u32 {
+        stored.push(
+            log.put_new(key(&format!("r{i}")), &[i as u8; 100])
+                .await
+                .unwrap(),
+        );
+    }
+    let count = || {
+        segment_files(&dir.path().join("log"))
+            .iter()
+            .filter(|n| n.starts_with("segment-"))
+            .count()
+    };
+    assert_eq!(count(), 4);
+    let hour = std::time::Duration::from_secs(3600);
+    assert_eq!(
+        log.retire_unreferenced(None, hour).await.unwrap(),
+        0,
+        "all written just now"
+    );
+    let oldest = stored[2].as_str();
+    let zero = std::time::Duration::ZERO;
+    assert_eq!(
+        log.retire_unreferenced(Some(oldest), zero).await.unwrap(),
+        2
+    );
+    assert!(log.get(&stored[0]).await.is_err());
+    assert_eq!(log.get(&stored[2]).await.unwrap(), vec![2u8; 100]);
+    assert_eq!(
+        log.retire_unreferenced(None, zero).await.unwrap(),
+        1,
+        "all but the active"
+    );
+    assert_eq!(log.get(&stored[3]).await.unwrap(), vec![3u8; 100]);
+}
