@@ -79,13 +79,15 @@ pub struct CreateTaskRequest {
     #[schema(pattern = r"^[A-Za-z0-9._-]{1,128}$")]
     pub population: String,
     /// Planned number of rounds, 1-10000.
+    #[serde(deserialize_with = "crate::api::integers::i64")]
     #[schema(minimum = 1, maximum = 10000)]
     pub rounds: i64,
     /// Reports that close a round, 1-1000000 (and at most the tenant's quota).
+    #[serde(deserialize_with = "crate::api::integers::i64")]
     #[schema(minimum = 1, maximum = 1000000)]
     pub report_goal: i64,
     /// Fewest reports a round may close with at its deadline, 1..=report_goal (default report_goal).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::api::integers::option_i64")]
     #[schema(minimum = 1, maximum = 1000000)]
     pub min_reports: Option<i64>,
     /// Extra assignments handed out beyond the report goal, 0-10 (default 0.3).
@@ -93,15 +95,15 @@ pub struct CreateTaskRequest {
     #[schema(minimum = 0.0, maximum = 10.0)]
     pub over_selection: Option<f64>,
     /// How long a round collects before its deadline, 10-604800 s (default 3600).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::api::integers::option_i64")]
     #[schema(minimum = 10, maximum = 604800)]
     pub round_deadline_seconds: Option<i64>,
     /// How long a device has for one assignment, 10..=round_deadline_seconds (default 600).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::api::integers::option_i64")]
     #[schema(minimum = 10, maximum = 604800)]
     pub assignment_timeout_seconds: Option<i64>,
     /// Attempts per round before the task fails, 1-10 (default 3).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::api::integers::option_i64")]
     #[schema(minimum = 1, maximum = 10)]
     pub max_round_attempts: Option<i64>,
     #[serde(default)]

@@ -24,9 +24,11 @@ pub struct CreateTenantRequest {
     #[schema(pattern = r"^[a-z0-9_-]{1,64}$")]
     pub name: String,
     /// Tasks in CREATED or OPEN at once, 1-10000 (default 10).
+    #[serde(default, deserialize_with = "super::integers::option_i64")]
     #[schema(minimum = 1, maximum = 10000)]
     pub max_active_tasks: Option<i64>,
     /// Largest `report_goal` of any task, 1-1000000 (default 10000).
+    #[serde(default, deserialize_with = "super::integers::option_i64")]
     #[schema(minimum = 1, maximum = 1000000)]
     pub max_report_goal: Option<i64>,
 }

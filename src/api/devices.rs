@@ -43,7 +43,7 @@ pub struct CheckinRequest {
     /// The tenant this device works for (optional): only that tenant's tasks are assigned, and
     /// a population registered to another tenant answers `tenant_mismatch`.
     #[serde(default)]
-    #[schema(max_length = 128)]
+    #[schema(min_length = 1, max_length = 128)]
     pub tenant_id: Option<String>,
 }
 
@@ -147,6 +147,14 @@ pub async fn checkin(
         ))
     })?;
     check_attributes(&request.attributes).map_err(ApiError::BadRequest)?;
+    if let Some(tenant) = &request.tenant_id
+        && !(1..=128).contains(&tenant.len())
+    {
+        return Err(ApiError::BadRequest(
+            "`tenant_id` must be 1-128 characters (the id of the tenant the device works for)"
+                .into(),
+        ));
+    }
     let now = state.now();
     state.registry.record(
         &population,

@@ -6,6 +6,7 @@ pub mod admin;
 pub mod devices;
 pub mod error;
 pub mod extract;
+pub mod integers;
 pub mod models;
 pub mod openapi;
 pub mod ops;
