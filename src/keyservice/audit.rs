@@ -192,32 +192,43 @@ pub fn verify_file(path: &Path) -> Result<Head, AuditError> {
 }
 
 /// Checks every record of a log file, handing each verified record to `visit`; returns its head.
-pub fn verify_file_with(path: &Path, mut visit: impl FnMut(&Record)) -> Result<Head, AuditError> {
-    let io = |source| AuditError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
-    let file = match File::open(path) {
-        Ok(file) => file,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Ok(Head {
-                records: 0,
-                hash: GENESIS_HASH.into(),
-                signature: None,
-            });
-        }
-        Err(e) => return Err(io(e)),
-    };
-    let mut head = Head {
+pub fn verify_file_with(path: &Path, visit: impl FnMut(&Record)) -> Result<Head, AuditError> {
+    let genesis = Head {
         records: 0,
         hash: GENESIS_HASH.into(),
         signature: None,
     };
-    for (index, line) in BufReader::new(file).lines().enumerate() {
+    verify_from(path, 0, genesis, visit).map(|(head, _)| head)
+}
+
+/// Checks the records of a log file from byte `offset` on, chaining onto `head` (the verified
+/// head of everything before `offset`); returns the new head and the file's length.
+pub fn verify_from(
+    path: &Path,
+    offset: u64,
+    mut head: Head,
+    mut visit: impl FnMut(&Record),
+) -> Result<(Head, u64), AuditError> {
+    use std::io::{Seek, SeekFrom};
+    let io = |source| AuditError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut file = match File::open(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && offset == 0 => {
+            return Ok((head, 0));
+        }
+        Err(e) => return Err(io(e)),
+    };
+    file.seek(SeekFrom::Start(offset)).map_err(io)?;
+    let mut length = offset;
+    for line in BufReader::new(file).lines() {
         let line = line.map_err(io)?;
+        length += line.len() as u64 + 1;
         let broken = |reason: String| AuditError::Broken {
             path: path.to_path_buf(),
-            line: index + 1,
+            line: head.records as usize + 1,
             reason,
         };
         let record: Record =
@@ -245,7 +256,7 @@ pub fn verify_file_with(path: &Path, mut visit: impl FnMut(&Record)) -> Result<H
             signature: record.signature,
         };
     }
-    Ok(head)
+    Ok((head, length))
 }
 
 /// A crash during an append can leave the last line without its newline: the record was never
@@ -303,6 +314,17 @@ pub struct AuditLog {
     signer: Option<(String, std::sync::Arc<p256::ecdsa::SigningKey>)>,
     /// An append failed and its partial line could not be removed.
     broken: bool,
+    /// Bytes of the file up to the head (a checkpoint's offset).
+    length: u64,
+}
+
+/// Where an opened log's verification started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VerifiedFrom {
+    /// Every record was verified.
+    Start,
+    /// A checkpoint stood for the first `records`; only the rest were verified.
+    Checkpoint { records: u64 },
 }
 
 impl AuditLog {
@@ -322,7 +344,16 @@ impl AuditLog {
                  line was removed and the whole file kept as the copy; nothing was answered for it"
             );
         }
-        let head = verify_file_with(path, visit)?;
+        let genesis = Head {
+            records: 0,
+            hash: GENESIS_HASH.into(),
+            signature: None,
+        };
+        let (head, length) = verify_from(path, 0, genesis, visit)?;
+        Self::opened(path, head, length)
+    }
+
+    fn opened(path: &Path, head: Head, length: u64) -> Result<Self, AuditError> {
         let file = OpenOptions::new()
             .create(true)
             .append(true)
@@ -337,7 +368,77 @@ impl AuditLog {
             head,
             signer: None,
             broken: false,
+            length,
         })
+    }
+
+    /// Opens a key service's log and rebuilds its ledger, from its checkpoint when one matches
+    /// (`checkpoint.rs`), else from the start; then writes a fresh checkpoint after a full
+    /// verification, so the next start is short.
+    pub fn open_checkpointed(
+        path: &Path,
+        keyservice_id: &str,
+        key: std::sync::Arc<p256::ecdsa::SigningKey>,
+        ledger: &mut super::ledger::Ledger,
+    ) -> Result<(Self, VerifiedFrom), AuditError> {
+        if let Some(copy) = recover_torn_tail(path)? {
+            tracing::error!(
+                log = %path.display(), copy = %copy.display(),
+                "the audit log ended in a torn record (a crash during an append); the partial \
+                 line was removed and the whole file kept as the copy; nothing was answered for it"
+            );
+        }
+        let checkpoint = super::checkpoint::load_matching(path, keyservice_id, key.verifying_key())
+            .unwrap_or_else(|why| {
+                tracing::warn!(log = %path.display(), %why,
+                        "not using the audit checkpoint; verifying the whole log");
+                None
+            })
+            .and_then(|c| Some((super::ledger::Ledger::from_json(&c.ledger).ok()?, c)));
+        let (log, from) = match checkpoint {
+            Some((restored, c)) => {
+                *ledger = restored;
+                let start = Head {
+                    records: c.records,
+                    hash: c.hash.clone(),
+                    signature: c.record_signature.clone(),
+                };
+                let (head, length) = verify_from(path, c.offset, start, |r| ledger.restore(r))?;
+                let from = VerifiedFrom::Checkpoint { records: c.records };
+                (Self::opened(path, head, length)?, from)
+            }
+            None => {
+                let genesis = Head {
+                    records: 0,
+                    hash: GENESIS_HASH.into(),
+                    signature: None,
+                };
+                let (head, length) = verify_from(path, 0, genesis, |r| ledger.restore(r))?;
+                (Self::opened(path, head, length)?, VerifiedFrom::Start)
+            }
+        };
+        let log = log.signed_by(keyservice_id, key);
+        if from == VerifiedFrom::Start {
+            log.checkpoint(ledger);
+        }
+        Ok((log, from))
+    }
+
+    /// Writes a checkpoint at the current head (failures are logged: the next start then
+    /// verifies more, nothing is lost).
+    pub fn checkpoint(&self, ledger: &super::ledger::Ledger) {
+        let Some((id, key)) = &self.signer else {
+            return;
+        };
+        let head = (
+            self.head.records,
+            self.head.hash.as_str(),
+            self.head.signature.as_deref(),
+        );
+        if let Err(error) = super::checkpoint::write(&self.path, id, key, head, self.length, ledger)
+        {
+            tracing::warn!(log = %self.path.display(), %error, "could not write the audit checkpoint");
+        }
     }
 
     /// Signs every record appended from now on with the key service's signing key.
@@ -410,6 +511,7 @@ impl AuditLog {
             hash,
             signature,
         };
+        self.length = before + line.len() as u64;
         Ok(record)
     }
 }

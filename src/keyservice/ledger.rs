@@ -28,7 +28,7 @@ use super::audit::Record;
 pub const CLOSE_AFTER_SECONDS: i64 = 8 * 24 * 3600;
 
 /// One task's pinned policy and its committed rounds.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 struct TaskEntry {
     policy_sha256: String,
     rounds: u32,
@@ -77,12 +77,23 @@ pub struct Entry<'a> {
     pub at: i64,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Ledger {
     tasks: HashMap<String, TaskEntry>,
 }
 
 impl Ledger {
+    /// The ledger as JSON with tasks in a fixed order (what a checkpoint stores and signs).
+    pub fn to_json(&self) -> String {
+        let ordered: BTreeMap<&String, &TaskEntry> = self.tasks.iter().collect();
+        serde_json::to_string(&serde_json::json!({ "tasks": ordered }))
+            .expect("the ledger serializes")
+    }
+
+    pub fn from_json(text: &str) -> Result<Self, serde_json::Error> {
+        serde_json::from_str(text)
+    }
+
     /// Rebuilds the ledger from an audit log's records (only granted ones with a commitment).
     pub fn restore(&mut self, record: &Record) {
         let d = &record.decision;

@@ -5,6 +5,7 @@
 //! Every decision goes to a hash-chained audit log first; the ledger is rebuilt from it.
 
 pub mod audit;
+pub mod checkpoint;
 pub mod fetcher;
 pub mod ledger;
 pub mod nonces;
@@ -94,11 +95,16 @@ impl KeyService {
         }
         let mut ledger = ledger::Ledger::default();
         let signing_key = Arc::new(parts.signing_key);
-        let audit = audit::AuditLog::open_with(&parts.audit_log, |record| ledger.restore(record))?
-            .signed_by(&parts.id, signing_key.clone());
+        let (audit, verified_from) = audit::AuditLog::open_checkpointed(
+            &parts.audit_log,
+            &parts.id,
+            signing_key.clone(),
+            &mut ledger,
+        )?;
         let closed = ledger.compact(parts.clock.now_millis().div_euclid(1000));
         tracing::info!(
             keyservice = %parts.id,
+            verified_from = ?verified_from,
             records = audit.head().records,
             head = %audit.head().hash,
             committed_rounds = ledger.rounds(),

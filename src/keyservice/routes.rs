@@ -300,6 +300,9 @@ async fn release(
         if granted {
             ledger.record(&entry);
         }
+        if log.head().records % super::checkpoint::CHECKPOINT_EVERY == 0 {
+            log.checkpoint(ledger);
+        }
         Ok::<_, String>((record, failed, request))
     })
     .await

@@ -1,0 +1,303 @@
+//! Audit-log checkpoints: start-up time that does not grow with the log.
+//!
+//! A key service rebuilt its release ledger by verifying its whole audit log at every start. A
+//! checkpoint, written every `CHECKPOINT_EVERY` records and after each full verification, holds
+//! the ledger as of a record and the log's byte length up to it, signed with the key service's
+//! key. At start, a checkpoint whose signature verifies and whose record is found, with the
+//! same hash, where it says, stands for the verified prefix: only the records after it are
+//! verified and replayed. Anything else (missing, unsigned by this service, not matching the log)
+//! falls back to verifying the whole log. `confed keyservice audit verify` always checks all.
+//!
+//! What this trusts: the prefix was verified when the checkpoint was signed, and rewriting it
+//! later without the signing key breaks its signatures, which the offline verifier reports; the
+//! ledger in the checkpoint cannot be altered without the key.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::audit::Record;
+use super::ledger::Ledger;
+
+/// Records between checkpoints.
+pub const CHECKPOINT_EVERY: u64 = 1000;
+const FORMAT: &str = "confed-audit-checkpoint/v1";
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Checkpoint {
+    pub format: String,
+    pub keyservice_id: String,
+    /// Records covered (the last one's `seq` + 1).
+    pub records: u64,
+    /// The last covered record's hash.
+    pub hash: String,
+    /// That record's signature (the head as of the checkpoint).
+    pub record_signature: Option<String>,
+    /// Bytes of the log covered: the end of the last covered record's line.
+    pub offset: u64,
+    /// `Ledger::to_json` as of the last covered record.
+    pub ledger: String,
+    /// The key service's signature over `signed_text()`.
+    pub signature: String,
+}
+
+impl Checkpoint {
+    fn signed_text(&self) -> String {
+        let ledger: String = Sha256::digest(self.ledger.as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        format!(
+            "{FORMAT}|{}|{}|{}|{}|{ledger}",
+            self.keyservice_id, self.records, self.hash, self.offset
+        )
+    }
+}
+
+pub fn path_for(log: &Path) -> PathBuf {
+    PathBuf::from(format!("{}.checkpoint", log.display()))
+}
+
+/// Writes a checkpoint atomically (temporary file, fsync, rename, directory fsync).
+pub fn write(
+    log: &Path,
+    keyservice_id: &str,
+    key: &p256::ecdsa::SigningKey,
+    head: (u64, &str, Option<&str>),
+    offset: u64,
+    ledger: &Ledger,
+) -> std::io::Result<()> {
+    let (records, hash, record_signature) = head;
+    let mut checkpoint = Checkpoint {
+        format: FORMAT.into(),
+        keyservice_id: keyservice_id.into(),
+        records,
+        hash: hash.into(),
+        record_signature: record_signature.map(str::to_string),
+        offset,
+        ledger: ledger.to_json(),
+        signature: String::new(),
+    };
+    checkpoint.signature = confed_attestation::release::sign_text(key, &checkpoint.signed_text());
+    let path = path_for(log);
+    let temp = PathBuf::from(format!("{}.partial", path.display()));
+    {
+        let mut file = File::create(&temp)?;
+        file.write_all(&serde_json::to_vec(&checkpoint).map_err(std::io::Error::other)?)?;
+        file.sync_all()?;
+    }
+    std::fs::rename(&temp, &path)?;
+    if let Some(dir) = path.parent() {
+        File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+/// The checkpoint of `log`, if there is one this service signed and it matches the log: the
+/// record it names is the line that ends at its offset, with its hash. `Err` says why one that
+/// exists is not used.
+pub fn load_matching(
+    log: &Path,
+    keyservice_id: &str,
+    key: &p256::ecdsa::VerifyingKey,
+) -> Result<Option<Checkpoint>, String> {
+    let text = match std::fs::read(path_for(log)) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e.to_string()),
+    };
+    let checkpoint: Checkpoint = serde_json::from_slice(&text).map_err(|e| e.to_string())?;
+    if checkpoint.format != FORMAT || checkpoint.keyservice_id != keyservice_id {
+        return Err("another format or another key service's checkpoint".into());
+    }
+    if !confed_attestation::release::verify_text(
+        key,
+        &checkpoint.signed_text(),
+        &checkpoint.signature,
+    ) {
+        return Err("its signature is not this key service's".into());
+    }
+    if checkpoint.records == 0 {
+        return Ok(Some(checkpoint));
+    }
+    let record = line_ending_at(log, checkpoint.offset).map_err(|e| e.to_string())?;
+    let record: Record = serde_json::from_slice(&record)
+        .map_err(|e| format!("the line it names is not a record: {e}"))?;
+    if record.seq + 1 != checkpoint.records || record.hash != checkpoint.hash {
+        return Err(format!(
+            "the log's record at byte {} is seq {} with another hash",
+            checkpoint.offset, record.seq
+        ));
+    }
+    Ok(Some(checkpoint))
+}
+
+/// The line of `log` that ends (with its newline) at byte `offset`.
+fn line_ending_at(log: &Path, offset: u64) -> std::io::Result<Vec<u8>> {
+    let file = File::open(log)?;
+    if offset == 0 || file.metadata()?.len() < offset {
+        return Err(std::io::Error::other(
+            "the log is shorter than the checkpoint",
+        ));
+    }
+    let mut last = [0u8; 1];
+    file.read_exact_at(&mut last, offset - 1)?;
+    if last[0] != b'\n' {
+        return Err(std::io::Error::other(
+            "no record ends at the checkpoint's offset",
+        ));
+    }
+    // Records are small (no payloads): look back at most 1 MiB for the line's start.
+    let start = offset.saturating_sub(1 << 20);
+    let mut window = vec![0u8; (offset - 1 - start) as usize];
+    file.read_exact_at(&mut window, start)?;
+    let begin = window
+        .iter()
+        .rposition(|&b| b == b'\n')
+        .map_or(0, |i| i + 1);
+    if begin == 0 && start > 0 {
+        return Err(std::io::Error::other(
+            "the record before the offset is too long",
+        ));
+    }
+    Ok(window[begin..].to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::keyservice::audit::{
+        AuditError, AuditLog, Decision, VerifiedFrom, verify_file_with,
+    };
+
+    fn granted(n: u64) -> Decision {
+        Decision {
+            at: 1_000 + n as i64,
+            keyservice_id: "ks1".into(),
+            key_id: "k1".into(),
+            decision: "granted".into(),
+            reason: "every check passed".into(),
+            failed_checks: vec![],
+            token_sha256: "ab".into(),
+            image_digest: None,
+            nonce: format!("nonce-{n}"),
+            task_id: format!("task-{}", n % 3),
+            round: n / 3 + 1,
+            policy: "dev".into(),
+            commitment_sha256: Some(format!("{n:064x}")),
+            policy_sha256: Some("p".repeat(64)),
+            policy_rounds: Some(1000),
+            enclave_signing_key: None,
+        }
+    }
+
+    fn key() -> Arc<p256::ecdsa::SigningKey> {
+        Arc::new(confed_attestation::exchange::generate_signing_key())
+    }
+
+    /// Appends `n` granted decisions from `from` on, keeping the ledger as the service does.
+    fn append(log: &mut AuditLog, ledger: &mut Ledger, from: u64, n: u64) {
+        for i in from..from + n {
+            let record = log.append(granted(i)).unwrap();
+            ledger.restore(&record);
+        }
+    }
+
+    fn rebuilt(path: &Path) -> Ledger {
+        let mut ledger = Ledger::default();
+        verify_file_with(path, |r| ledger.restore(r)).unwrap();
+        ledger
+    }
+
+    /// The whole log was re-verified at every start; now only what follows the checkpoint.
+    #[test]
+    fn start_up_verifies_only_the_records_after_a_matching_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let key = key();
+        let mut ledger = Ledger::default();
+        let (mut log, from) =
+            AuditLog::open_checkpointed(&path, "ks1", key.clone(), &mut ledger).unwrap();
+        assert_eq!(from, VerifiedFrom::Start);
+        append(&mut log, &mut ledger, 0, 30);
+        log.checkpoint(&ledger);
+        append(&mut log, &mut ledger, 30, 5);
+        drop(log);
+
+        let mut reopened = Ledger::default();
+        let (log, from) =
+            AuditLog::open_checkpointed(&path, "ks1", key.clone(), &mut reopened).unwrap();
+        assert_eq!(from, VerifiedFrom::Checkpoint { records: 30 });
+        assert_eq!(log.head().records, 35);
+        assert_eq!(
+            reopened,
+            rebuilt(&path),
+            "the same ledger as a full rebuild"
+        );
+        assert_eq!(reopened, ledger);
+    }
+
+    /// A checkpoint another key signed, one whose ledger was edited, or one the log no longer
+    /// matches is not used: the whole log is verified and the ledger rebuilt from it.
+    #[test]
+    fn a_checkpoint_that_does_not_match_is_ignored() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let key = key();
+        let mut ledger = Ledger::default();
+        let (mut log, _) =
+            AuditLog::open_checkpointed(&path, "ks1", key.clone(), &mut ledger).unwrap();
+        append(&mut log, &mut ledger, 0, 12);
+        log.checkpoint(&ledger);
+        drop(log);
+        let original = std::fs::read(path_for(&path)).unwrap();
+
+        let mut edited: Checkpoint = serde_json::from_slice(&original).unwrap();
+        edited.ledger = Ledger::default().to_json();
+        let reopen = |checkpoint: &[u8], signing: Arc<p256::ecdsa::SigningKey>| {
+            std::fs::write(path_for(&path), checkpoint).unwrap();
+            let mut fresh = Ledger::default();
+            let (_, from) = AuditLog::open_checkpointed(&path, "ks1", signing, &mut fresh).unwrap();
+            (from, fresh)
+        };
+        let (from, fresh) = reopen(&serde_json::to_vec(&edited).unwrap(), key.clone());
+        assert_eq!(
+            from,
+            VerifiedFrom::Start,
+            "an edited ledger breaks the signature"
+        );
+        assert_eq!(fresh, ledger);
+        let (from, _) = reopen(&original, self::key());
+        assert_eq!(from, VerifiedFrom::Start, "another key service's key");
+        let mut moved: Checkpoint = serde_json::from_slice(&original).unwrap();
+        moved.offset -= 1;
+        let (from, _) = reopen(&serde_json::to_vec(&moved).unwrap(), key.clone());
+        assert_eq!(from, VerifiedFrom::Start, "unsigned change of the offset");
+    }
+
+    /// After a checkpoint, a modified record still refuses the start.
+    #[test]
+    fn a_record_modified_after_the_checkpoint_refuses_the_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let key = key();
+        let mut ledger = Ledger::default();
+        let (mut log, _) =
+            AuditLog::open_checkpointed(&path, "ks1", key.clone(), &mut ledger).unwrap();
+        append(&mut log, &mut ledger, 0, 10);
+        log.checkpoint(&ledger);
+        append(&mut log, &mut ledger, 10, 3);
+        drop(log);
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::write(&path, text.replace("nonce-11", "nonce-99")).unwrap();
+        let opened = AuditLog::open_checkpointed(&path, "ks1", key, &mut Ledger::default());
+        assert!(matches!(opened, Err(AuditError::Broken { line: 12, .. })));
+    }
+}
