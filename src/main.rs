@@ -328,9 +328,10 @@ struct ServeArgs {
     /// Seconds between scheduler passes (round deadlines).
     #[arg(long, default_value_t = 1)]
     scheduler_period_seconds: u64,
-    /// Hours a closed round's contributions are kept before retention deletes them (at least 1).
-    #[arg(long, default_value_t = 168)]
-    retention_hours: u64,
+    /// Minutes a closed round's contributions are kept before retention deletes them (default
+    /// one week; at least 1).
+    #[arg(long, default_value_t = 10080)]
+    retention_minutes: u64,
 }
 
 #[derive(Subcommand)]
@@ -580,7 +581,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             ..Limits::default()
         },
         scheduler_period: Duration::from_secs(args.scheduler_period_seconds.max(1)),
-        retention: Duration::from_secs(args.retention_hours.max(1) * 3600),
+        retention: Duration::from_secs(args.retention_minutes.max(1) * 60),
     };
     server::serve(config, shutdown_signal()).await?;
     Ok(())

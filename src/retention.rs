@@ -24,16 +24,16 @@ pub enum RetentionError {
 
 #[derive(Debug, Clone)]
 pub struct Retention {
-    pub db: Db,
+    db: Db,
     /// The contribution store, when this process has it open (a scheduler-only process does
     /// not: its contributions are in GCS, which its lifecycle rule expires).
-    pub contributions: Option<Arc<dyn BlobStore>>,
-    pub clock: Arc<dyn Clock>,
+    contributions: Option<Arc<dyn BlobStore>>,
+    clock: Arc<dyn Clock>,
     /// How long a closed round's contributions are kept.
-    pub window: Duration,
-    /// A storage unit written more recently than this is kept whatever the rows say (a durable
-    /// record's row may be a moment from its commit).
-    pub idle: Duration,
+    window: Duration,
+    idle: Duration,
+    /// Whether a pass ran before (the first one always checks the storage units).
+    ran: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// What one pass deleted.
@@ -44,6 +44,27 @@ pub struct Purged {
 }
 
 impl Retention {
+    /// `contributions`: the contribution store when this process has it open; `window`: how
+    /// long a closed round's contributions are kept; `idle`: a storage unit written more
+    /// recently is kept whatever the rows say (a durable record's row may be a moment from its
+    /// commit).
+    pub fn new(
+        db: Db,
+        contributions: Option<Arc<dyn BlobStore>>,
+        clock: Arc<dyn Clock>,
+        window: Duration,
+        idle: Duration,
+    ) -> Self {
+        Self {
+            db,
+            contributions,
+            clock,
+            window,
+            idle,
+            ran: Arc::default(),
+        }
+    }
+
     pub async fn run_once(&self) -> Result<Purged, RetentionError> {
         let now = self.clock.now_millis();
         let before = now - self.window.as_millis() as i64;
@@ -59,7 +80,14 @@ impl Retention {
                 break;
             }
         }
-        if let Some(contributions) = &self.contributions {
+        // The segment step reads the oldest key in use (a scan of the assignments): only when
+        // rows went, or on the first pass.
+        let first = !self.ran.swap(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(contributions) = self
+            .contributions
+            .as_ref()
+            .filter(|_| purged.rounds > 0 || first)
+        {
             let oldest = self.db.oldest_log_key_in_use().await?;
             purged.storage_units = contributions
                 .retire_unreferenced(oldest.as_deref(), self.idle)

@@ -71,9 +71,10 @@ pub struct ServeConfig {
 }
 
 /// How often the retention pass runs.
-const RETENTION_PERIOD: Duration = Duration::from_secs(600);
-/// A contribution-log segment written more recently than this is never deleted.
-const RETENTION_IDLE: Duration = Duration::from_secs(3600);
+const RETENTION_PERIOD: Duration = Duration::from_secs(120);
+/// A contribution-log segment written more recently than this is never deleted: far longer than
+/// the request timeout, which bounds the gap between a record's write and its row's commit.
+const RETENTION_IDLE: Duration = Duration::from_secs(600);
 
 #[derive(Debug, Error)]
 pub enum ServeError {
@@ -239,13 +240,13 @@ pub async fn serve(
         }
     }
     if has(Role::Scheduler) {
-        let retention = crate::retention::Retention {
-            db: db.clone(),
-            contributions: open_contributions,
-            clock: clock.clone(),
-            window: config.retention,
-            idle: RETENTION_IDLE,
-        };
+        let retention = crate::retention::Retention::new(
+            db.clone(),
+            open_contributions,
+            clock.clone(),
+            config.retention,
+            RETENTION_IDLE,
+        );
         background.push(tokio::spawn(
             retention.run(RETENTION_PERIOD, stop_rx.clone()),
         ));

@@ -76,13 +76,13 @@ async fn closed_rounds_lose_their_contributions_after_the_window_and_nothing_nee
     collect(&system, "kept", 3, false).await; // round 3 waits for its aggregation
     assert_eq!(segments(&data).len(), 2);
 
-    let retention = Retention {
-        db: system.db.clone(),
-        contributions: Some(system.store.contributions.clone()),
-        clock: clock.clone(),
-        window: WINDOW,
-        idle: Duration::ZERO,
-    };
+    let retention = Retention::new(
+        system.db.clone(),
+        Some(system.store.contributions.clone()),
+        clock.clone(),
+        WINDOW,
+        Duration::ZERO,
+    );
     assert_eq!(
         retention.run_once().await.unwrap(),
         Purged::default(),
