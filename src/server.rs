@@ -392,6 +392,15 @@ async fn start_embedded_enclave(
         "confed: no --keyservice given: 3 key services (any 2 reconstruct a key) and an enclave worker run in this process with the DEV attester; nothing here is confidential. Device trust file: {}",
         trust_file.display()
     );
+    println!(
+        "confed: embedded key services: {}",
+        services
+            .endpoints
+            .iter()
+            .map(|e| format!("{}={}", e.id, e.url))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
     let worker = confed_enclave::worker::WorkerConfig {
         // A new incarnation per process: after a crash, this worker takes its job back at once.
         id: format!("embedded-enclave-worker/{}", uuid::Uuid::new_v4().simple()),
