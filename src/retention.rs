@@ -11,8 +11,10 @@ use crate::blob::{BlobError, BlobStore};
 use crate::clock::Clock;
 use crate::db::{Db, DbError};
 
-/// Rounds purged per database transaction.
-const BATCH_ROUNDS: i64 = 16;
+/// Assignments deleted per database transaction (a short hold of the SQLite writer).
+const CHUNK_ROWS: i64 = 5_000;
+/// Rounds purged per pass at most; the next pass goes on.
+const MAX_ROUNDS_PER_PASS: usize = 1_000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RetentionError {
@@ -69,16 +71,12 @@ impl Retention {
         let now = self.clock.now_millis();
         let before = now - self.window.as_millis() as i64;
         let mut purged = Purged::default();
-        loop {
-            let rounds = self
-                .db
-                .purge_closed_rounds(before, now, BATCH_ROUNDS)
-                .await?
-                .len();
-            purged.rounds += rounds;
-            if rounds < BATCH_ROUNDS as usize {
+        while purged.rounds < MAX_ROUNDS_PER_PASS {
+            let Some(round) = self.db.next_round_to_purge(before, now).await? else {
                 break;
-            }
+            };
+            while self.db.purge_round_rows(&round, CHUNK_ROWS).await? >= CHUNK_ROWS as u64 {}
+            purged.rounds += 1;
         }
         // The segment step reads the oldest key in use (a scan of the assignments): only when
         // rows went, or on the first pass.

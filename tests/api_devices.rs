@@ -731,3 +731,33 @@ async fn an_upload_over_the_tasks_limit_is_refused_early() {
     let reply = upload(&app, &a, sealed(&app, &a, b"update")).await;
     assert_eq!(reply.status, StatusCode::CREATED);
 }
+
+fn contribution_log_bytes(app: &TestApp) -> u64 {
+    std::fs::read_dir(app._dir.path().join("contributions"))
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum()
+}
+
+/// One capability could write the task's limit to disk again and again (each repeat appended,
+/// then answered 200 or 409), even after its round closed. A repeat now stores nothing.
+#[tokio::test]
+async fn repeated_uploads_to_a_used_assignment_store_nothing_more() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    open_task(&app, &token, json!({})).await;
+    let a = assigned(&app).await;
+    let bytes = sealed(&app, &a, b"update");
+    assert_eq!(
+        upload(&app, &a, bytes.clone()).await.status,
+        StatusCode::CREATED
+    );
+    let stored = contribution_log_bytes(&app);
+    for _ in 0..5 {
+        assert_eq!(upload(&app, &a, bytes.clone()).await.status, StatusCode::OK);
+        upload(&app, &a, sealed(&app, &a, b"another"))
+            .await
+            .problem(StatusCode::CONFLICT);
+    }
+    assert_eq!(contribution_log_bytes(&app), stored, "no byte more on disk");
+}

@@ -167,6 +167,20 @@ async fn a_restarted_worker_takes_its_own_job_back_at_once() {
             .await,
         Err(DbError::LeaseLost(_))
     ));
+    // A job that keeps killing its worker: after a few immediate takeovers it waits for its
+    // lease like any other, so it cannot hold every later round behind it.
+    for incarnation in ["4444", "5555"] {
+        let again = system
+            .db
+            .lease_job(&format!("enclave-a/{incarnation}"), now, LEASE_MS)
+            .await;
+        assert!(again.unwrap().is_some(), "{incarnation}");
+    }
+    let stuck = system.db.lease_job("enclave-a/6666", now, LEASE_MS).await;
+    assert!(stuck.unwrap().is_none());
+    let expired = now + LEASE_MS;
+    let later = system.db.lease_job("enclave-a/6666", expired, LEASE_MS).await;
+    assert!(later.unwrap().is_some());
 }
 
 /// A round whose aggregation failed for good can be resumed by the operator: the job runs

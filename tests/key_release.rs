@@ -408,6 +408,14 @@ async fn a_nonce_for_another_key_is_refused() {
     );
 }
 
+/// A token whose signature no longer verifies.
+fn flip_last_char(token: &str) -> String {
+    let mut text = token.to_string();
+    let last = text.pop().unwrap();
+    text.push(if last == 'A' { 'B' } else { 'A' });
+    text
+}
+
 fn audit_records(world: &World) -> u64 {
     audit::verify_file(&world.dir.path().join("audit-ks1.jsonl"))
         .unwrap()
@@ -447,6 +455,22 @@ async fn junk_release_requests_are_refused_before_appraisal_and_leave_the_audit_
         assert_eq!(failed_checks(&problem), ["challenge_nonce"]);
     }
     assert_eq!(audit_records(&world), 0, "no junk in the audit log");
+    // A nonce anyone can fetch, with junk evidence: refused, still not written down.
+    for token in [
+        "not-a-jwt".to_string(),
+        flip_last_char(&mint(&world, AUDIENCE, vec![s.binding()]).await),
+    ] {
+        let challenge = s.challenge(&s.key_id).await;
+        let (status, _) = s
+            .release(&s.key_id, &s.request(token, &challenge.nonce))
+            .await;
+        assert_eq!(status, 403);
+    }
+    assert_eq!(
+        audit_records(&world),
+        0,
+        "evidence the issuer did not sign is not audited"
+    );
     // A replayed (used) nonce is refused the same way; its first use was recorded.
     let challenge = s.challenge(&s.key_id).await;
     let token = mint(&world, AUDIENCE, vec![challenge.nonce.clone(), s.binding()]).await;

@@ -104,6 +104,42 @@ pub enum CollectError {
     },
 }
 
+impl CollectError {
+    /// Whether the key services' release ledgers make this failure final: so many of them
+    /// refused the commitment under `release_ledger` (another commitment for the round, a closed
+    /// task, a round outside the policy) that the shares or the quorum cannot be reached by
+    /// asking again. Retrying would only add refusals to their audit logs.
+    pub fn refused_by_ledgers(&self) -> bool {
+        let ledger_refusals = |failures: &[(String, ServiceFailure)]| {
+            failures
+                .iter()
+                .filter(|(_, f)| {
+                    matches!(f, ServiceFailure::Refused { status: 403, detail }
+                        if detail.contains("release_ledger"))
+                })
+                .count()
+        };
+        match self {
+            Self::NotEnoughShares {
+                threshold,
+                usable,
+                failures,
+                ..
+            } => {
+                let asked = usable + failures.len();
+                ledger_refusals(failures) > asked.saturating_sub(usize::from(*threshold))
+            }
+            Self::NoQuorum {
+                shares,
+                needed,
+                failures,
+                ..
+            } => ledger_refusals(failures) > usize::from(*shares).saturating_sub(*needed),
+            Self::Inconsistent { .. } => false,
+        }
+    }
+}
+
 fn describe(failures: &[(String, ServiceFailure)]) -> String {
     if failures.is_empty() {
         return "none".into();
@@ -480,6 +516,60 @@ async fn post_json<T: serde::de::DeserializeOwned>(
         .json()
         .await
         .map_err(|e| ServiceFailure::BadAnswer(e.to_string()))
+}
+
+#[cfg(test)]
+mod ledger_refusal_tests {
+    use super::*;
+
+    fn refused(ledger: bool) -> ServiceFailure {
+        ServiceFailure::Refused {
+            status: 403,
+            detail: if ledger {
+                "failed: release_ledger".into()
+            } else {
+                "failed: image_digest".into()
+            },
+        }
+    }
+
+    /// 2-of-3: two ledger refusals leave one share, never two: final. One refusal and an
+    /// unreachable service may pass on a retry.
+    #[test]
+    fn a_quorum_of_ledger_refusals_is_final_and_less_is_not() {
+        let failures = |kinds: &[Option<bool>]| -> Vec<(String, ServiceFailure)> {
+            kinds
+                .iter()
+                .enumerate()
+                .map(|(i, k)| {
+                    let failure = match k {
+                        Some(ledger) => refused(*ledger),
+                        None => ServiceFailure::Unreachable("down".into()),
+                    };
+                    (format!("ks{i}"), failure)
+                })
+                .collect()
+        };
+        let not_enough = |kinds: &[Option<bool>], usable| CollectError::NotEnoughShares {
+            key_id: "k".into(),
+            threshold: 2,
+            usable,
+            failures: failures(kinds),
+        };
+        assert!(not_enough(&[Some(true), Some(true)], 1).refused_by_ledgers());
+        assert!(!not_enough(&[Some(true), None], 1).refused_by_ledgers());
+        assert!(!not_enough(&[Some(false), Some(false)], 1).refused_by_ledgers());
+        let no_quorum = |kinds: &[Option<bool>]| CollectError::NoQuorum {
+            key_id: "k".into(),
+            threshold: 3,
+            shares: 5,
+            recorded: 3,
+            needed: 4,
+            failures: failures(kinds),
+        };
+        assert!(no_quorum(&[Some(true), Some(true)]).refused_by_ledgers());
+        assert!(!no_quorum(&[Some(true), None]).refused_by_ledgers());
+    }
 }
 
 #[cfg(test)]

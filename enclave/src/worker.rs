@@ -145,6 +145,11 @@ pub enum JobError {
 impl JobError {
     /// Errors a retry cannot fix: the round fails instead of looping.
     pub fn is_permanent(&self) -> bool {
+        if let Self::Key(collect) = self
+            && collect.refused_by_ledgers()
+        {
+            return true;
+        }
         matches!(
             self,
             Self::Privacy(_)

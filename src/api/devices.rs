@@ -498,6 +498,16 @@ pub async fn put_contribution(
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
+    // An assignment that already holds a contribution stores nothing more: the same bytes again
+    // are a retry (200), others are refused (409). Appending first would let one capability
+    // write the task's limit to disk again and again, even after its round closed.
+    if let Some(held) = &assignment.contribution_sha256 {
+        return if held.eq_ignore_ascii_case(&digest) {
+            Ok(StatusCode::OK)
+        } else {
+            Err(refusal(Refusal::DifferentBytes))
+        };
+    }
     let key = view_contribution_key(&assignment)?;
     // The bytes are durable before the row that refers to them is written.
     let stored = match state.contributions.put_new(key, &body).await {

@@ -40,6 +40,10 @@ pub struct PopulationList {
 pub struct AssignPopulationRequest {
     /// The tenant that will own the population.
     pub tenant_id: String,
+    /// Cancel other tenants' active tasks on the population first (e.g. a squatter's); without
+    /// it, such tasks make the request fail with 409.
+    #[serde(default)]
+    pub cancel_active_tasks: bool,
 }
 
 fn checked(population: &str) -> Result<(), ApiError> {
@@ -114,7 +118,7 @@ pub async fn list_populations(
         (status = 400, body = Problem, content_type = "application/problem+json"),
         (status = 401, body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "No such tenant, or the admin API is off", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "Another tenant has active tasks on it", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "Another tenant has active tasks on it (see `cancel_active_tasks`)", body = Problem, content_type = "application/problem+json"),
     ))]
 pub async fn assign_population(
     State(state): State<AppState>,
@@ -123,6 +127,17 @@ pub async fn assign_population(
     ApiJson(request): ApiJson<AssignPopulationRequest>,
 ) -> Result<axum::Json<PopulationResponse>, ApiError> {
     checked(&population)?;
+    if request.cancel_active_tasks {
+        for (tenant, task) in state
+            .db
+            .other_tenants_active_tasks(&population, &request.tenant_id)
+            .await?
+        {
+            state.db.cancel_task(&tenant, &task, state.now()).await?;
+            tracing::warn!(%population, %tenant, %task,
+                "task cancelled by the operator to reassign its population");
+        }
+    }
     let record = state
         .db
         .assign_population(&population, &request.tenant_id, state.now())

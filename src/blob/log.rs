@@ -210,9 +210,15 @@ impl ContributionLog {
         };
         written.map_err(|e| io_error(key.as_str(), e))?;
         self.synced(file).await.map_err(|reason| {
+            // A full disk at fdatasync keeps its kind, so devices get 507 rather than 500.
+            let kind = if reason.contains("os error 28") || reason.contains("os error 122") {
+                std::io::ErrorKind::StorageFull
+            } else {
+                std::io::ErrorKind::Other
+            };
             io_error(
                 key.as_str(),
-                std::io::Error::other(format!("contribution log not durable: {reason}")),
+                std::io::Error::new(kind, format!("contribution log not durable: {reason}")),
             )
         })?;
         BlobKey::new(format!(

@@ -162,9 +162,12 @@ impl Db {
                 // The guard is repeated outside the subquery: the update is a compare-and-set.
                 // On PostgreSQL the candidate is also locked with SKIP LOCKED, so concurrent
                 // workers each get a different job instead of queueing on the same row.
+                // At most 3 such takeovers without a failure in between: a job that keeps
+                // killing its worker then waits for its lease like any other, and does not
+                // hold every later round behind it.
                 let free = "(lease_expires_at IS NULL OR lease_expires_at <= $3 \
                      OR (length($4) > 0 AND substr(lease_owner, 1, length($4)) = $4 \
-                         AND lease_owner <> $1))";
+                         AND lease_owner <> $1 AND attempts - failures < 4))";
                 let sql = format!(
                     "UPDATE aggregation_jobs SET lease_owner = $1, lease_expires_at = $2, \
                      attempts = attempts + 1, updated_at = $3 \

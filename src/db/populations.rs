@@ -79,6 +79,23 @@ impl Db {
         .await?)
     }
 
+    /// Active tasks (CREATED or OPEN) of tenants other than `tenant_id` on a population:
+    /// (tenant id, task id).
+    pub async fn other_tenants_active_tasks(
+        &self,
+        population: &str,
+        tenant_id: &str,
+    ) -> Result<Vec<(String, String)>, DbError> {
+        Ok(sqlx::query_as(
+            "SELECT tenant_id, id FROM tasks WHERE population = $1 AND tenant_id <> $2 \
+             AND state IN ('CREATED', 'OPEN')",
+        )
+        .bind(population)
+        .bind(tenant_id)
+        .fetch_all(self.pool())
+        .await?)
+    }
+
     /// The operator gives a population to a tenant: a free one, or another tenant's that has no
     /// active task on it (its devices would otherwise go to a new owner mid-task).
     pub async fn assign_population(

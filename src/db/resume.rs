@@ -77,8 +77,11 @@ impl Db {
                     RoundState::Aggregating
                 };
                 let reason = "resumed by the operator";
+                // Guarded on the purge mark too: a retention pass that claimed the round first
+                // wins (on PostgreSQL this update waits for it and re-checks).
                 let moved = sqlx::query(
-                    "UPDATE rounds SET state = $1, closed_at = NULL WHERE id = $2 AND state = 'FAILED'",
+                    "UPDATE rounds SET state = $1, closed_at = NULL WHERE id = $2 \
+                     AND state = 'FAILED' AND contributions_purged_at IS NULL",
                 )
                 .bind(to.as_str())
                 .bind(&round_id)

@@ -1,56 +1,93 @@
 //! Local retention: the contributions of a round that closed (COMPLETED or FAILED) longer than
 //! the retention window ago are deleted — their assignment rows, the rows' state history, and
-//! stored bytes kept in the database — in bounded batches. The round row (with its counters),
-//! its release and its model stay. A round is purged once (`contributions_purged_at`).
+//! stored bytes kept in the database. The round row (with its counters), its release and its
+//! model stay.
+//!
+//! A round is first claimed (`contributions_purged_at` set, guarded on its state, so it cannot
+//! race an operator's resume), then its rows go in transactions of at most `max_rows`
+//! assignments each, so a round of millions never holds the SQLite writer for long. A pass cut
+//! short leaves a claimed round with rows; the next pass finishes it.
 
 use super::{Db, DbError};
 
+/// A claimed round whose rows are not all gone is looked for this long after its claim.
+const LEFTOVER_MILLIS: i64 = 24 * 3600 * 1000;
+
 impl Db {
-    /// Purges the contributions of at most `max_rounds` rounds closed before `closed_before`;
-    /// returns the rounds purged.
-    pub async fn purge_closed_rounds(
+    /// The next round whose contributions may go: one claimed earlier with rows left, or the
+    /// oldest round closed before `closed_before`, claimed now. `None` when there is none.
+    pub async fn next_round_to_purge(
         &self,
         closed_before: i64,
         now: i64,
-        max_rounds: i64,
-    ) -> Result<Vec<String>, DbError> {
+    ) -> Result<Option<String>, DbError> {
         self.write(move |tx| {
             Box::pin(async move {
-                let rounds: Vec<String> = sqlx::query_scalar(
-                    "SELECT id FROM rounds WHERE contributions_purged_at IS NULL \
-                     AND closed_at IS NOT NULL AND closed_at < $1 \
-                     AND state IN ('COMPLETED', 'FAILED') ORDER BY closed_at LIMIT $2",
+                let leftover: Option<String> = sqlx::query_scalar(
+                    "SELECT r.id FROM rounds r WHERE r.contributions_purged_at IS NOT NULL \
+                     AND r.contributions_purged_at > $1 \
+                     AND EXISTS (SELECT 1 FROM assignments a WHERE a.round_id = r.id) LIMIT 1",
                 )
-                .bind(closed_before)
-                .bind(max_rounds)
-                .fetch_all(&mut *tx)
+                .bind(now - LEFTOVER_MILLIS)
+                .fetch_optional(&mut *tx)
                 .await?;
-                for round in &rounds {
-                    sqlx::query(
-                        "DELETE FROM blobs WHERE key IN (SELECT blob_key FROM assignments \
-                         WHERE round_id = $1 AND blob_key IS NOT NULL)",
-                    )
-                    .bind(round)
-                    .execute(&mut *tx)
-                    .await?;
-                    sqlx::query(
-                        "DELETE FROM state_history WHERE entity = 'assignment' AND entity_id IN \
-                         (SELECT id FROM assignments WHERE round_id = $1)",
-                    )
-                    .bind(round)
-                    .execute(&mut *tx)
-                    .await?;
-                    sqlx::query("DELETE FROM assignments WHERE round_id = $1")
-                        .bind(round)
-                        .execute(&mut *tx)
-                        .await?;
-                    sqlx::query("UPDATE rounds SET contributions_purged_at = $1 WHERE id = $2")
-                        .bind(now)
-                        .bind(round)
-                        .execute(&mut *tx)
-                        .await?;
+                if leftover.is_some() {
+                    return Ok(leftover);
                 }
-                Ok(rounds)
+                // Guarded twice (candidate and update): on PostgreSQL the update re-checks the
+                // row after waiting for a concurrent resume or purge, which then wins.
+                let sql = format!(
+                    "UPDATE rounds SET contributions_purged_at = $1 \
+                     WHERE id = (SELECT id FROM rounds WHERE contributions_purged_at IS NULL \
+                       AND closed_at IS NOT NULL AND closed_at < $2 \
+                       AND state IN ('COMPLETED', 'FAILED') ORDER BY closed_at LIMIT 1{}) \
+                     AND contributions_purged_at IS NULL AND state IN ('COMPLETED', 'FAILED') \
+                     RETURNING id",
+                    super::lock_clause(tx, " FOR UPDATE SKIP LOCKED")
+                );
+                Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                    .bind(now)
+                    .bind(closed_before)
+                    .fetch_optional(&mut *tx)
+                    .await?)
+            })
+        })
+        .await
+    }
+
+    /// Deletes up to `max_rows` assignments of a claimed round, with their state history and
+    /// any bytes held in the database; returns how many assignments went.
+    pub async fn purge_round_rows(&self, round_id: &str, max_rows: i64) -> Result<u64, DbError> {
+        let round_id = round_id.to_string();
+        self.write(move |tx| {
+            Box::pin(async move {
+                // The same `max_rows` assignments (first by id) in all three statements.
+                const CHUNK: &str =
+                    "SELECT id FROM assignments WHERE round_id = $1 ORDER BY id LIMIT $2";
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "DELETE FROM blobs WHERE key IN (SELECT blob_key FROM assignments \
+                     WHERE id IN ({CHUNK}) AND blob_key IS NOT NULL)"
+                )))
+                .bind(&round_id)
+                .bind(max_rows)
+                .execute(&mut *tx)
+                .await?;
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "DELETE FROM state_history WHERE entity = 'assignment' AND entity_id IN ({CHUNK})"
+                )))
+                .bind(&round_id)
+                .bind(max_rows)
+                .execute(&mut *tx)
+                .await?;
+                let deleted = sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "DELETE FROM assignments WHERE id IN ({CHUNK})"
+                )))
+                .bind(&round_id)
+                .bind(max_rows)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+                Ok(deleted)
             })
         })
         .await
@@ -64,16 +101,5 @@ impl Db {
                 .fetch_one(self.pool())
                 .await?,
         )
-    }
-
-    /// Whether a round's contributions were purged (it can then not be aggregated again).
-    pub async fn contributions_purged(&self, round_id: &str) -> Result<bool, DbError> {
-        let at: Option<i64> =
-            sqlx::query_scalar("SELECT contributions_purged_at FROM rounds WHERE id = $1")
-                .bind(round_id)
-                .fetch_optional(self.pool())
-                .await?
-                .flatten();
-        Ok(at.is_some())
     }
 }

@@ -53,8 +53,12 @@ impl Checkpoint {
             .map(|b| format!("{b:02x}"))
             .collect();
         format!(
-            "{FORMAT}|{}|{}|{}|{}|{ledger}",
-            self.keyservice_id, self.records, self.hash, self.offset
+            "{FORMAT}|{}|{}|{}|{}|{}|{ledger}",
+            self.keyservice_id,
+            self.records,
+            self.hash,
+            self.record_signature.as_deref().unwrap_or("none"),
+            self.offset
         )
     }
 }

@@ -210,6 +210,34 @@ async fn release(
             )
         }
     };
+    // A token that is not the issuer's (malformed, another algorithm, a signature that does not
+    // verify with the policy's keys) is refused here too, unaudited: anyone can fetch a nonce
+    // and send junk with it, and recording each would let them fill the log. Only evidence the
+    // issuer signed is about an enclave, and only such decisions are written down.
+    let unsigned: Vec<FailedCheck> = appraisal
+        .report
+        .failures()
+        .filter(|(check, _)| matches!(*check, "token_format" | "algorithm" | "signature"))
+        .map(|(check, reason)| FailedCheck {
+            check: check.to_string(),
+            reason: reason.to_string(),
+        })
+        .collect();
+    if !unsigned.is_empty() {
+        metrics::counter!("confed_keyservice_refused_unaudited_total", "check" => "token_signature")
+            .increment(1);
+        return Err(ApiError::AttestationRefused {
+            detail: format!(
+                "the evidence is not signed by the policy's issuer: {}",
+                unsigned
+                    .iter()
+                    .map(|f| f.check.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            failed_checks: unsigned,
+        });
+    }
     report.extend(appraisal.report);
     let policy = check_task_policy(&request);
     let policy_rounds = policy.as_ref().map(|p| p.rounds).ok();
