@@ -98,6 +98,15 @@ pub enum Mismatch {
 
 /// Whether a device with `version` and `attributes` may work on a task.
 pub fn fits(spec: &TaskSpec, version: &[u32], attributes: &Attributes) -> Result<(), Mismatch> {
+    fits_with(spec, version, |name| attributes.get(name))
+}
+
+/// `fits`, with the device's attributes looked up by `get`.
+fn fits_with<'a>(
+    spec: &TaskSpec,
+    version: &[u32],
+    get: impl Fn(&str) -> Option<&'a Attribute>,
+) -> Result<(), Mismatch> {
     if let Some(range) = &spec.client_version {
         let below = range
             .min
@@ -114,7 +123,7 @@ pub fn fits(spec: &TaskSpec, version: &[u32], attributes: &Attributes) -> Result
         }
     }
     for (name, constraint) in &spec.constraints {
-        let ok = match (constraint, attributes.get(name)) {
+        let ok = match (constraint, get(name)) {
             (Constraint::Flag(want), Some(Attribute::Flag(have))) => want == have,
             (Constraint::Text(want), Some(Attribute::Text(have))) => want == have,
             (Constraint::Range(range), Some(Attribute::Number(have))) => {
@@ -129,31 +138,50 @@ pub fn fits(spec: &TaskSpec, version: &[u32], attributes: &Attributes) -> Result
     Ok(())
 }
 
+/// One check-in as the window keeps it: compact (exact-size boxes, attributes sorted by name
+/// in one slice rather than a B-tree whose every node reserves room for eleven entries).
 struct Seen {
     at: Millis,
-    population: String,
-    version: Vec<u32>,
-    attributes: Attributes,
+    population: Box<str>,
+    version: Box<[u32]>,
+    attributes: Box<[(Box<str>, Attribute)]>,
 }
 
 impl Seen {
-    /// What the entry holds on the heap, roughly but never under: the registry's byte budget is
-    /// counted with it.
+    fn attribute(&self, name: &str) -> Option<&Attribute> {
+        self.attributes
+            .binary_search_by(|(key, _)| key.as_ref().cmp(name))
+            .ok()
+            .map(|at| &self.attributes[at].1)
+    }
+
+    /// What the entry costs, allocator overhead included (16 bytes per heap allocation): the
+    /// registry's byte budget is counted with it, so it must not be under the truth.
     fn approx_bytes(&self) -> usize {
-        const ENTRY: usize = std::mem::size_of::<Seen>();
-        const NODE: usize = 64; // a B-tree slot's share, key and value headers included
+        const ALLOCATION: usize = 16;
+        let heap = |len: usize| {
+            if len == 0 {
+                0
+            } else {
+                len.next_multiple_of(16) + ALLOCATION
+            }
+        };
         let attributes: usize = self
             .attributes
             .iter()
             .map(|(name, value)| {
-                NODE + name.len()
+                heap(name.len())
                     + match value {
-                        Attribute::Text(text) => text.len(),
+                        Attribute::Text(text) => heap(text.len()),
                         _ => 0,
                     }
             })
             .sum();
-        ENTRY + self.population.len() + 4 * self.version.len() + attributes
+        std::mem::size_of::<(Seen, usize)>()
+            + heap(self.population.len())
+            + heap(4 * self.version.len())
+            + heap(std::mem::size_of::<(Box<str>, Attribute)>() * self.attributes.len())
+            + attributes
     }
 }
 
@@ -180,9 +208,9 @@ impl std::fmt::Debug for DeviceRegistry {
 }
 
 impl Default for DeviceRegistry {
-    /// The last 15 minutes, at most 100,000 check-ins and 64 MiB.
+    /// The last 15 minutes, at most 100,000 check-ins and 32 MiB.
     fn default() -> Self {
-        Self::new(15 * 60 * 1000, 100_000, 64 << 20)
+        Self::new(15 * 60 * 1000, 100_000, 32 << 20)
     }
 }
 
@@ -199,9 +227,13 @@ impl DeviceRegistry {
     pub fn record(&self, population: &str, version: Vec<u32>, attributes: Attributes, now: Millis) {
         let entry = Seen {
             at: now,
-            population: population.to_string(),
-            version,
-            attributes,
+            population: population.into(),
+            version: version.into_boxed_slice(),
+            // A BTreeMap iterates in key order: the slice is sorted for binary search.
+            attributes: attributes
+                .into_iter()
+                .map(|(name, value)| (name.into_boxed_str(), value))
+                .collect(),
         };
         let size = entry.approx_bytes();
         let Ok(mut window) = self.seen.lock() else {
@@ -237,7 +269,7 @@ impl DeviceRegistry {
                 .iter()
                 .filter(|(s, _)| s.at > now - self.window_millis)
             {
-                *counts.entry(s.population.clone()).or_default() += 1;
+                *counts.entry(s.population.to_string()).or_default() += 1;
             }
         }
         counts
@@ -252,8 +284,8 @@ impl DeviceRegistry {
             .entries
             .iter()
             .map(|(s, _)| s)
-            .filter(|s| s.at > now - self.window_millis && s.population == spec.population)
-            .filter(|s| fits(spec, &s.version, &s.attributes).is_ok())
+            .filter(|s| s.at > now - self.window_millis && *s.population == *spec.population)
+            .filter(|s| fits_with(spec, &s.version, |name| s.attribute(name)).is_ok())
             .count() as u64
     }
 }

@@ -179,7 +179,10 @@ async fn a_restarted_worker_takes_its_own_job_back_at_once() {
     let stuck = system.db.lease_job("enclave-a/6666", now, LEASE_MS).await;
     assert!(stuck.unwrap().is_none());
     let expired = now + LEASE_MS;
-    let later = system.db.lease_job("enclave-a/6666", expired, LEASE_MS).await;
+    let later = system
+        .db
+        .lease_job("enclave-a/6666", expired, LEASE_MS)
+        .await;
     assert!(later.unwrap().is_some());
 }
 
