@@ -15,7 +15,15 @@ out=${SOAK_CSV:-$dir/soak.csv}
 RUST_LOG=warn,confed::retention=info "$bin" serve --listen 127.0.0.1:18383 --data-dir "$dir/data" \
     --retention-minutes "$retention" >"$dir/server.out" 2>"$dir/server.err" &
 server=$!
-cleanup() { kill "$server" "${load:-}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$dir"; }
+url=
+cleanup() {
+    # The load loop and the simulator it is running, then the server.
+    [[ -n "${load:-}" ]] && pkill -P "$load" 2>/dev/null
+    kill "${load:-}" "$server" 2>/dev/null || true
+    pkill -f "devices simulate --server $url" 2>/dev/null || true
+    wait 2>/dev/null || true
+    rm -rf "$dir"
+}
 trap cleanup EXIT
 for _ in $(seq 1 300); do
     grep -q '^confed: serving on ' "$dir/server.out" 2>/dev/null && break
