@@ -226,9 +226,19 @@ impl Db {
             Some(sqlite) => sqlite.writer.write(job).await,
             None => {
                 let mut tx = self.pool.begin().await?;
-                let value = job(&mut tx).await?;
-                tx.commit().await?;
-                Ok(value)
+                match job(&mut tx).await {
+                    Ok(value) => {
+                        tx.commit().await?;
+                        Ok(value)
+                    }
+                    Err(error) => {
+                        // Roll back now: a dropped transaction is rolled back only when its
+                        // connection is next used, and until then keeps its row locks (a job
+                        // row locked by a refused renewal was skipped by the next lease).
+                        let _ = tx.rollback().await;
+                        Err(error)
+                    }
+                }
             }
         }
     }
