@@ -2,28 +2,8 @@
 //! by ~2 MB a minute (the soak found it). The recorder's upkeep folds them into buckets; this
 //! measures with a counting allocator that it frees them.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
-
-struct Counting;
-
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst);
-        // SAFETY: forwarded unchanged to the system allocator.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size() as isize, Ordering::SeqCst);
-        // SAFETY: forwarded unchanged to the system allocator.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
-
-#[global_allocator]
-static ALLOCATOR: Counting = Counting;
+#[path = "support/counting_alloc.rs"]
+mod counting_alloc;
 
 fn record(samples: u32) {
     for i in 0..samples {
@@ -36,9 +16,9 @@ fn record(samples: u32) {
 fn histogram_samples_are_folded_away_without_a_scrape() {
     let handle = confed::api::ops::prometheus();
     let samples = 200_000;
-    let before = LIVE.load(Ordering::SeqCst);
+    let before = counting_alloc::live();
     record(samples);
-    let one_batch = LIVE.load(Ordering::SeqCst) - before;
+    let one_batch = counting_alloc::live() - before;
     assert!(
         one_batch > 4 * samples as isize,
         "samples are held: {one_batch} bytes"
@@ -50,7 +30,7 @@ fn histogram_samples_are_folded_away_without_a_scrape() {
         record(samples);
     }
     handle.run_upkeep();
-    let held = LIVE.load(Ordering::SeqCst) - before;
+    let held = counting_alloc::live() - before;
     assert!(
         held < 3 * one_batch,
         "{held} bytes held after eleven batches of {one_batch}"

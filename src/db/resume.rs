@@ -5,7 +5,7 @@
 //! `src/states.rs` on purpose: the machines describe what the system does on its own, and this
 //! is an operator's decision, recorded in the state history as one.
 
-use super::{Db, DbError, history, rounds, tasks};
+use super::{Db, DbError, history, tasks};
 use crate::states::{RoundState, StateMachine, TaskState};
 
 /// What a resume did.
@@ -113,7 +113,6 @@ impl Db {
                     .await?;
                 history::append(&mut *tx, "task", &task_id, Some("FAILED"), "OPEN", reason, now)
                     .await?;
-                rounds::load_one(&mut *tx, &round_id).await?;
                 Ok(Resumed {
                     task_id,
                     round_number,

@@ -220,9 +220,15 @@ mod tests {
         ledger
     }
 
-    /// The whole log was re-verified at every start; now only what follows the checkpoint.
-    #[test]
-    fn start_up_verifies_only_the_records_after_a_matching_checkpoint() {
+    /// A log of `before` granted records, a checkpoint, then `after` more; with its ledger.
+    struct Written {
+        _dir: tempfile::TempDir,
+        path: PathBuf,
+        key: Arc<p256::ecdsa::SigningKey>,
+        ledger: Ledger,
+    }
+
+    fn written(before: u64, after: u64) -> Written {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("audit.jsonl");
         let key = key();
@@ -230,78 +236,83 @@ mod tests {
         let (mut log, from) =
             AuditLog::open_checkpointed(&path, "ks1", key.clone(), &mut ledger).unwrap();
         assert_eq!(from, VerifiedFrom::Start);
-        append(&mut log, &mut ledger, 0, 30);
+        append(&mut log, &mut ledger, 0, before);
         log.checkpoint(&ledger);
-        append(&mut log, &mut ledger, 30, 5);
-        drop(log);
-
-        let mut reopened = Ledger::default();
-        let (log, from) =
-            AuditLog::open_checkpointed(&path, "ks1", key.clone(), &mut reopened).unwrap();
-        assert_eq!(from, VerifiedFrom::Checkpoint { records: 30 });
-        assert_eq!(log.head().records, 35);
-        assert_eq!(
-            reopened,
-            rebuilt(&path),
-            "the same ledger as a full rebuild"
-        );
-        assert_eq!(reopened, ledger);
+        append(&mut log, &mut ledger, before, after);
+        Written {
+            _dir: dir,
+            path,
+            key,
+            ledger,
+        }
     }
 
-    /// A checkpoint another key signed, one whose ledger was edited, or one the log no longer
-    /// matches is not used: the whole log is verified and the ledger rebuilt from it.
+    fn reopen(path: &Path, key: Arc<p256::ecdsa::SigningKey>) -> (VerifiedFrom, u64, Ledger) {
+        let mut ledger = Ledger::default();
+        let (log, from) = AuditLog::open_checkpointed(path, "ks1", key, &mut ledger).unwrap();
+        (from, log.head().records, ledger)
+    }
+
+    /// The whole log was re-verified at every start; now only what follows the checkpoint.
+    #[test]
+    fn start_up_verifies_only_the_records_after_a_matching_checkpoint() {
+        let w = written(30, 5);
+        let (from, records, reopened) = reopen(&w.path, w.key.clone());
+        assert_eq!(from, VerifiedFrom::Checkpoint { records: 30 });
+        assert_eq!(records, 35);
+        assert_eq!(
+            reopened,
+            rebuilt(&w.path),
+            "the same ledger as a full rebuild"
+        );
+        assert_eq!(reopened, w.ledger);
+    }
+
+    /// A checkpoint another key signed, one edited after signing, or one the log no longer
+    /// matches (rolled back below it) is not used: the whole log is verified and the ledger
+    /// rebuilt from it.
     #[test]
     fn a_checkpoint_that_does_not_match_is_ignored() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("audit.jsonl");
-        let key = key();
-        let mut ledger = Ledger::default();
-        let (mut log, _) =
-            AuditLog::open_checkpointed(&path, "ks1", key.clone(), &mut ledger).unwrap();
-        append(&mut log, &mut ledger, 0, 12);
-        log.checkpoint(&ledger);
-        drop(log);
-        let original = std::fs::read(path_for(&path)).unwrap();
-
+        let w = written(12, 0);
+        let original = std::fs::read(path_for(&w.path)).unwrap();
+        let with = |checkpoint: &[u8], key: Arc<p256::ecdsa::SigningKey>| {
+            std::fs::write(path_for(&w.path), checkpoint).unwrap();
+            reopen(&w.path, key)
+        };
         let mut edited: Checkpoint = serde_json::from_slice(&original).unwrap();
         edited.ledger = Ledger::default().to_json();
-        let reopen = |checkpoint: &[u8], signing: Arc<p256::ecdsa::SigningKey>| {
-            std::fs::write(path_for(&path), checkpoint).unwrap();
-            let mut fresh = Ledger::default();
-            let (_, from) = AuditLog::open_checkpointed(&path, "ks1", signing, &mut fresh).unwrap();
-            (from, fresh)
-        };
-        let (from, fresh) = reopen(&serde_json::to_vec(&edited).unwrap(), key.clone());
+        let (from, _, ledger) = with(&serde_json::to_vec(&edited).unwrap(), w.key.clone());
         assert_eq!(
             from,
             VerifiedFrom::Start,
             "an edited ledger breaks the signature"
         );
-        assert_eq!(fresh, ledger);
-        let (from, _) = reopen(&original, self::key());
+        assert_eq!(ledger, w.ledger);
+        let (from, _, _) = with(&original, self::key());
         assert_eq!(from, VerifiedFrom::Start, "another key service's key");
         let mut moved: Checkpoint = serde_json::from_slice(&original).unwrap();
         moved.offset -= 1;
-        let (from, _) = reopen(&serde_json::to_vec(&moved).unwrap(), key.clone());
+        let (from, _, _) = with(&serde_json::to_vec(&moved).unwrap(), w.key.clone());
         assert_eq!(from, VerifiedFrom::Start, "unsigned change of the offset");
+
+        // Validly signed, but the log was rolled back to 8 records: not the log it names.
+        std::fs::write(path_for(&w.path), &original).unwrap();
+        let text = std::fs::read_to_string(&w.path).unwrap();
+        let kept: String = text.split_inclusive('\n').take(8).collect();
+        std::fs::write(&w.path, kept).unwrap();
+        let (from, records, ledger) = reopen(&w.path, w.key.clone());
+        assert_eq!(from, VerifiedFrom::Start, "a rolled-back log");
+        assert_eq!(records, 8);
+        assert_eq!(ledger, rebuilt(&w.path));
     }
 
     /// After a checkpoint, a modified record still refuses the start.
     #[test]
     fn a_record_modified_after_the_checkpoint_refuses_the_start() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("audit.jsonl");
-        let key = key();
-        let mut ledger = Ledger::default();
-        let (mut log, _) =
-            AuditLog::open_checkpointed(&path, "ks1", key.clone(), &mut ledger).unwrap();
-        append(&mut log, &mut ledger, 0, 10);
-        log.checkpoint(&ledger);
-        append(&mut log, &mut ledger, 10, 3);
-        drop(log);
-        let text = std::fs::read_to_string(&path).unwrap();
-        std::fs::write(&path, text.replace("nonce-11", "nonce-99")).unwrap();
-        let opened = AuditLog::open_checkpointed(&path, "ks1", key, &mut Ledger::default());
+        let w = written(10, 3);
+        let text = std::fs::read_to_string(&w.path).unwrap();
+        std::fs::write(&w.path, text.replace("nonce-11", "nonce-99")).unwrap();
+        let opened = AuditLog::open_checkpointed(&w.path, "ks1", w.key, &mut Ledger::default());
         assert!(matches!(opened, Err(AuditError::Broken { line: 12, .. })));
     }
 }

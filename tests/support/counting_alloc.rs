@@ -1,0 +1,30 @@
+//! A global allocator that counts the bytes live, for tests that hold a component to a memory
+//! bound. Each test binary that includes it (`#[path]`) installs it as its allocator.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicIsize, Ordering};
+
+pub struct Counting;
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+/// Bytes allocated and not yet freed, process-wide.
+pub fn live() -> isize {
+    LIVE.load(Ordering::SeqCst)
+}
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst);
+        // SAFETY: forwarded unchanged to the system allocator.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as isize, Ordering::SeqCst);
+        // SAFETY: forwarded unchanged to the system allocator.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
