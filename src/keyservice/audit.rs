@@ -390,8 +390,12 @@ impl AuditLog {
         }
         let checkpoint = super::checkpoint::load_matching(path, keyservice_id, key.verifying_key())
             .unwrap_or_else(|why| {
-                tracing::warn!(log = %path.display(), %why,
-                        "not using the audit checkpoint; verifying the whole log");
+                // A checkpoint this service signed that the log no longer matches means records
+                // it had made durable are gone (a rollback, or a restore from an older backup):
+                // loud, since the release ledger lost them too.
+                tracing::error!(log = %path.display(), %why,
+                    "not using the audit checkpoint; verifying the whole log. If the log is \
+                     shorter than the checkpoint, release decisions were lost");
                 None
             })
             .and_then(|c| Some((super::ledger::Ledger::from_json(&c.ledger).ok()?, c)));
