@@ -119,20 +119,23 @@ type ViewRow = (
     Option<i64>,
 );
 
+const VIEW_SQL: &str = "SELECT a.id, a.state, a.expires_at, r.id, r.state, r.round_number, \
+     r.attempt, r.key_id, t.id, t.tenant_id, a.contribution_sha256, \
+     (SELECT m.size_bytes FROM models m WHERE m.task_id = t.id AND m.version = t.model_version), \
+     t.model_version \
+     FROM assignments a JOIN rounds r ON r.id = a.round_id JOIN tasks t ON t.id = r.task_id \
+     WHERE a.id = $1";
+
 async fn view(conn: &mut Conn, id: &str) -> Result<Option<AssignmentView>, DbError> {
-    let row: Option<ViewRow> = sqlx::query_as(
-        "SELECT a.id, a.state, a.expires_at, r.id, r.state, r.round_number, r.attempt, r.key_id, \
-         t.id, t.tenant_id, a.contribution_sha256, \
-         (SELECT m.size_bytes FROM models m WHERE m.task_id = t.id AND m.version = t.model_version), \
-         t.model_version \
-         FROM assignments a JOIN rounds r ON r.id = a.round_id JOIN tasks t ON t.id = r.task_id \
-         WHERE a.id = $1",
-    )
-    .bind(id)
-    .fetch_optional(&mut *conn)
-    .await?;
-    let Some(r) = row else { return Ok(None) };
-    Ok(Some(AssignmentView {
+    let row: Option<ViewRow> = sqlx::query_as(VIEW_SQL)
+        .bind(id)
+        .fetch_optional(&mut *conn)
+        .await?;
+    row.map(view_from_row).transpose()
+}
+
+fn view_from_row(r: ViewRow) -> Result<AssignmentView, DbError> {
+    Ok(AssignmentView {
         id: r.0,
         state: parse_state(&r.1)?,
         expires_at: r.2,
@@ -146,7 +149,7 @@ async fn view(conn: &mut Conn, id: &str) -> Result<Option<AssignmentView>, DbErr
         contribution_sha256: r.10,
         model_bytes: r.11.unwrap_or(0),
         model_version: r.12,
-    }))
+    })
 }
 
 /// What the writer needs of an assignment to apply an upload or a report (a light read: the
@@ -290,8 +293,36 @@ impl Db {
 
     /// The assignment a capability names, with its round and task.
     pub async fn assignment(&self, capability: &str) -> Result<Option<AssignmentView>, DbError> {
-        let mut conn = self.pool().acquire().await?;
-        view(&mut conn, &assignment_key(capability)).await
+        let id = assignment_key(capability);
+        if self.engine() == Engine::Postgres {
+            let mut conn = self.pool().acquire().await?;
+            return view(&mut conn, &id).await;
+        }
+        // On SQLite, on a raw read connection: every upload and every model download reads it,
+        // and a hop to a sqlx worker thread costs more than the read.
+        let row: Option<ViewRow> = self.read_raw(|c| {
+            // SQLite reads `$1` as a parameter too (bound by position here).
+            let mut statement = c.prepare_cached(VIEW_SQL)?;
+            let mut rows = statement.query_map([&id], |r| {
+                Ok((
+                    r.get(0)?,
+                    r.get(1)?,
+                    r.get(2)?,
+                    r.get(3)?,
+                    r.get(4)?,
+                    r.get(5)?,
+                    r.get(6)?,
+                    r.get(7)?,
+                    r.get(8)?,
+                    r.get(9)?,
+                    r.get(10)?,
+                    r.get(11)?,
+                    r.get(12)?,
+                ))
+            })?;
+            Ok(rows.next().transpose()?)
+        })?;
+        row.map(view_from_row).transpose()
     }
 
     /// Records a stored contribution (ASSIGNED -> UPLOADED). The same bytes again are accepted
