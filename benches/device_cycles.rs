@@ -5,12 +5,12 @@
 use std::time::Duration;
 
 use base64::Engine as _;
-use confed::device::client::{TrustConfig, TrustedEntry};
-use confed::device::simulate::{SimulationConfig, run};
 use confed::keys::directory::KeyDirectory;
+use confed::tools::simulate::{SimulationConfig, run};
 use confed_attestation::exchange::{
     KeySet, SignedPublicKey, encode_verifying_key, generate_signing_key, sign_key,
 };
+use confed_protocol::trust::{TrustConfig, TrustedEntry};
 
 const DEVICES: usize = 6000;
 const CONCURRENCY: usize = 64;
@@ -79,7 +79,7 @@ async fn main() {
         .send().await.unwrap().json().await.unwrap();
     let task_id = task["id"].as_str().unwrap();
     // 4 x 1023 weights + 4 biases = 4096 floats: a 16 KB update.
-    let model = confed::device::train::Softmax::zeros(4, 1023).to_safetensors();
+    let model = confed::tools::train::Softmax::zeros(4, 1023).to_safetensors();
     let put = http
         .put(format!("{base}/v1/tasks/{task_id}/model"))
         .bearer_auth(token.as_str())

@@ -1,6 +1,9 @@
 //! confed: the untrusted front ends of a confidential-computing federated-learning server (task
 //! management for partners, the scheduler, the task database, the blob store) and its CLI.
 //! Nothing here ever sees a plaintext update, a key share or an un-noised sum.
+//!
+//! The device library is `confed-device` (re-exported as `confed::device` for the tools), the
+//! wire formats are `confed-protocol`; `tools` holds the simulator, local training and the demo.
 
 pub mod aggregation;
 pub mod api;
@@ -8,11 +11,8 @@ pub mod auth;
 pub mod blob;
 pub mod clock;
 pub mod db;
-pub mod demo;
-pub mod device;
 pub mod embedded;
 pub mod keys;
-pub mod keyservice;
 pub mod registry;
 pub mod release_check;
 pub mod retention;
@@ -20,4 +20,8 @@ pub mod scheduler;
 pub mod server;
 pub mod states;
 pub mod task_spec;
+pub mod tools;
 pub mod verify;
+
+pub use confed_device as device;
+pub use confed_keyservice as keyservice;

@@ -5,89 +5,13 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Mutex;
 
-use serde::Deserialize;
-use utoipa::ToSchema;
-
 use crate::clock::Millis;
 use crate::task_spec::{Constraint, TaskSpec, parse_version};
 
-/// A device attribute reported at check-in (public: the server checks constraints against it).
-#[derive(Debug, Clone, PartialEq, Deserialize, ToSchema)]
-#[serde(untagged)]
-pub enum Attribute {
-    Flag(bool),
-    Number(f64),
-    Text(String),
-}
-
-pub type Attributes = BTreeMap<String, Attribute>;
-
-/// Most attributes one check-in may carry.
-pub const MAX_ATTRIBUTES: usize = 32;
-/// Longest attribute name, in bytes (A-Z a-z 0-9 . _ -).
-pub const MAX_ATTRIBUTE_NAME_BYTES: usize = 64;
-/// Longest text attribute value, in bytes.
-pub const MAX_ATTRIBUTE_TEXT_BYTES: usize = 256;
-
-/// Check the bounds above. Attributes are public matching data, not payloads: the bounds keep one
-/// check-in's share of the recent-devices registry at a few KiB however large the body may be.
-pub fn check_attributes(attributes: &Attributes) -> Result<(), String> {
-    if attributes.len() > MAX_ATTRIBUTES {
-        return Err(format!(
-            "at most {MAX_ATTRIBUTES} attributes are accepted (got {})",
-            attributes.len()
-        ));
-    }
-    for (name, value) in attributes {
-        let name_ok = !name.is_empty()
-            && name.len() <= MAX_ATTRIBUTE_NAME_BYTES
-            && name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-        if !name_ok {
-            return Err(format!(
-                "attribute names must be 1-{MAX_ATTRIBUTE_NAME_BYTES} of A-Z a-z 0-9 . _ - (got {:?})",
-                name.chars().take(80).collect::<String>()
-            ));
-        }
-        if let Attribute::Text(text) = value
-            && text.len() > MAX_ATTRIBUTE_TEXT_BYTES
-        {
-            return Err(format!(
-                "attribute {name:?} is {} bytes; text values may have at most {MAX_ATTRIBUTE_TEXT_BYTES}",
-                text.len()
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// The OpenAPI schema of `attributes`, with the bounds `check_attributes` enforces.
-pub fn attributes_schema() -> utoipa::openapi::schema::Object {
-    use utoipa::openapi::schema::{ObjectBuilder, OneOfBuilder, SchemaType, Type};
-    let value = OneOfBuilder::new()
-        .item(ObjectBuilder::new().schema_type(SchemaType::new(Type::Boolean)))
-        .item(ObjectBuilder::new().schema_type(SchemaType::new(Type::Number)))
-        .item(
-            ObjectBuilder::new()
-                .schema_type(SchemaType::new(Type::String))
-                .max_length(Some(MAX_ATTRIBUTE_TEXT_BYTES)),
-        );
-    ObjectBuilder::new()
-        .schema_type(SchemaType::new(Type::Object))
-        .description(Some(
-            "Public attributes the server matches against task constraints (e.g. os, ram_gb, \
-             charging): a boolean, a number or a string of at most 256 bytes each.",
-        ))
-        .max_properties(Some(MAX_ATTRIBUTES))
-        .property_names(Some(
-            ObjectBuilder::new()
-                .schema_type(SchemaType::new(Type::String))
-                .pattern(Some("^[A-Za-z0-9._-]{1,64}$")),
-        ))
-        .additional_properties(Some(utoipa::openapi::schema::Schema::OneOf(value.build())))
-        .build()
-}
+pub use confed_protocol::device::{
+    Attribute, Attributes, MAX_ATTRIBUTE_NAME_BYTES, MAX_ATTRIBUTE_TEXT_BYTES, MAX_ATTRIBUTES,
+    check_attributes,
+};
 
 /// Why a device's attributes or version do not fit a task.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

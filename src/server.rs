@@ -21,14 +21,7 @@ use crate::scheduler::Scheduler;
 /// How often the key services' key sets are fetched again.
 const KEY_REFRESH: Duration = Duration::from_secs(60);
 
-/// How long in-flight requests may finish after a shutdown signal.
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
-
-#[derive(Debug, Clone)]
-pub struct TlsFiles {
-    pub cert: PathBuf,
-    pub key: PathBuf,
-}
+pub use confed_keyservice::listen::{ListenError, TlsFiles, check_listen, serve_app};
 
 /// What one `confed serve` process does. Several processes with different roles can share one
 /// PostgreSQL database: API replicas behind a load balancer, one or more schedulers (their
@@ -79,10 +72,6 @@ const RETENTION_IDLE: Duration = Duration::from_secs(600);
 #[derive(Debug, Error)]
 pub enum ServeError {
     #[error(
-        "refusing to serve plain HTTP on {0}, which is not a loopback address: pass --tls-cert and --tls-key, or listen on 127.0.0.1"
-    )]
-    PlainHttpOffLoopback(SocketAddr),
-    #[error(
         "--role enclave-worker runs the in-process worker, which only the embedded key services trust (dev attester); with --keyservice, run confed-enclave in a TEE instead"
     )]
     WorkerNeedsEmbeddedKeyServices,
@@ -92,30 +81,14 @@ pub enum ServeError {
         #[source]
         source: std::io::Error,
     },
-    #[error("cannot listen on {addr}: {source}")]
-    Listen {
-        addr: SocketAddr,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("cannot load the TLS certificate or key: {0}")]
-    Tls(std::io::Error),
-    #[error("server error: {0}")]
-    Serve(std::io::Error),
+    #[error(transparent)]
+    Listen(#[from] ListenError),
     #[error(transparent)]
     Db(#[from] DbError),
     #[error(transparent)]
     Blob(#[from] BlobError),
     #[error("cannot start the embedded key services: {0}")]
     Embedded(String),
-}
-
-/// Plain HTTP exposes tokens on the wire: allowed only where the wire is this machine.
-pub fn check_listen(addr: SocketAddr, tls: Option<&TlsFiles>) -> Result<(), ServeError> {
-    if tls.is_none() && !addr.ip().is_loopback() {
-        return Err(ServeError::PlainHttpOffLoopback(addr));
-    }
-    Ok(())
 }
 
 /// The database file inside a data directory.
@@ -273,62 +246,11 @@ pub async fn serve(
     }
     db.close().await;
     tracing::info!("shut down cleanly");
-    result
+    Ok(result?)
 }
 
 /// Binds `listen`, announces the address on stdout, and serves `app` (TLS when `tls` is given)
 /// until `shutdown` completes and in-flight requests have drained.
-pub async fn serve_app(
-    listen: SocketAddr,
-    tls: Option<&TlsFiles>,
-    app: axum::Router,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), ServeError> {
-    check_listen(listen, tls)?;
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .map_err(|source| ServeError::Listen {
-            addr: listen,
-            source,
-        })?;
-    let local = listener.local_addr().map_err(ServeError::Serve)?;
-    let scheme = if tls.is_some() { "https" } else { "http" };
-    // On stdout so scripts and tests can read the address (port 0 picks a free one).
-    println!("confed: serving on {scheme}://{local}");
-    tracing::info!(%local, scheme, "serving");
-    match tls {
-        None => axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown)
-            .await
-            .map_err(ServeError::Serve),
-        Some(tls) => serve_tls(listener, app, tls, shutdown).await,
-    }
-}
-
-async fn serve_tls(
-    listener: tokio::net::TcpListener,
-    app: axum::Router,
-    tls: &TlsFiles,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), ServeError> {
-    let config = axum_server::tls_rustls::RustlsConfig::from_pem_file(&tls.cert, &tls.key)
-        .await
-        .map_err(ServeError::Tls)?;
-    let handle = axum_server::Handle::new();
-    let drain = handle.clone();
-    tokio::spawn(async move {
-        shutdown.await;
-        drain.graceful_shutdown(Some(DRAIN_TIMEOUT));
-    });
-    let listener = listener.into_std().map_err(ServeError::Serve)?;
-    axum_server::from_tcp_rustls(listener, config)
-        .map_err(ServeError::Serve)?
-        .handle(handle)
-        .serve(app.into_make_service())
-        .await
-        .map_err(ServeError::Serve)
-}
-
 /// On the first start of an empty data directory, a tenant `demo` lets a new user try the API at
 /// once. Its token is printed this once, on stdout, and never logged.
 async fn create_demo_tenant(db: &Db, now: i64) -> Result<(), ServeError> {

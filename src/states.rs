@@ -2,8 +2,7 @@
 //! The database layer refuses any transition these tables do not allow, and applies allowed ones
 //! only if the stored state still equals the expected old state (compare-and-set).
 
-use serde::{Deserialize, Serialize};
-use utoipa::ToSchema;
+pub use confed_protocol::states::{AssignmentState, RoundState, TaskState};
 
 /// A persisted state machine: its storage names and which transitions it allows.
 pub trait StateMachine: Copy + Eq + std::fmt::Debug + Send + Sync + 'static {
@@ -32,37 +31,13 @@ pub trait StateMachine: Copy + Eq + std::fmt::Debug + Send + Sync + 'static {
     }
 }
 
-/// Task: CREATED -> OPEN -> COMPLETED | FAILED | CANCELLED (a task that never got a model may be
-/// cancelled from CREATED).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
-pub enum TaskState {
-    Created,
-    Open,
-    Completed,
-    Failed,
-    Cancelled,
-}
-
 impl StateMachine for TaskState {
     const ENTITY: &'static str = "task";
     const TABLE: &'static str = "tasks";
-    const ALL: &'static [Self] = &[
-        Self::Created,
-        Self::Open,
-        Self::Completed,
-        Self::Failed,
-        Self::Cancelled,
-    ];
+    const ALL: &'static [Self] = TaskState::ALL;
 
     fn as_str(self) -> &'static str {
-        match self {
-            Self::Created => "CREATED",
-            Self::Open => "OPEN",
-            Self::Completed => "COMPLETED",
-            Self::Failed => "FAILED",
-            Self::Cancelled => "CANCELLED",
-        }
+        TaskState::as_str(self)
     }
 
     fn can_become(self, next: Self) -> bool {
@@ -74,36 +49,13 @@ impl StateMachine for TaskState {
     }
 }
 
-/// Round: COLLECTING -> AGGREGATING -> APPLYING -> COMPLETED, and FAILED from any live state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
-pub enum RoundState {
-    Collecting,
-    Aggregating,
-    Applying,
-    Completed,
-    Failed,
-}
-
 impl StateMachine for RoundState {
     const ENTITY: &'static str = "round";
     const TABLE: &'static str = "rounds";
-    const ALL: &'static [Self] = &[
-        Self::Collecting,
-        Self::Aggregating,
-        Self::Applying,
-        Self::Completed,
-        Self::Failed,
-    ];
+    const ALL: &'static [Self] = RoundState::ALL;
 
     fn as_str(self) -> &'static str {
-        match self {
-            Self::Collecting => "COLLECTING",
-            Self::Aggregating => "AGGREGATING",
-            Self::Applying => "APPLYING",
-            Self::Completed => "COMPLETED",
-            Self::Failed => "FAILED",
-        }
+        RoundState::as_str(self)
     }
 
     fn can_become(self, next: Self) -> bool {
@@ -117,40 +69,13 @@ impl StateMachine for RoundState {
     }
 }
 
-/// Assignment: ASSIGNED -> UPLOADED -> COMPLETED, or FAILED / TIMED_OUT / REJECTED before
-/// completion.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
-pub enum AssignmentState {
-    Assigned,
-    Uploaded,
-    Completed,
-    Failed,
-    TimedOut,
-    Rejected,
-}
-
 impl StateMachine for AssignmentState {
     const ENTITY: &'static str = "assignment";
     const TABLE: &'static str = "assignments";
-    const ALL: &'static [Self] = &[
-        Self::Assigned,
-        Self::Uploaded,
-        Self::Completed,
-        Self::Failed,
-        Self::TimedOut,
-        Self::Rejected,
-    ];
+    const ALL: &'static [Self] = AssignmentState::ALL;
 
     fn as_str(self) -> &'static str {
-        match self {
-            Self::Assigned => "ASSIGNED",
-            Self::Uploaded => "UPLOADED",
-            Self::Completed => "COMPLETED",
-            Self::Failed => "FAILED",
-            Self::TimedOut => "TIMED_OUT",
-            Self::Rejected => "REJECTED",
-        }
+        AssignmentState::as_str(self)
     }
 
     fn round_counter_deltas(self, next: Self) -> (i64, i64) {

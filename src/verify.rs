@@ -8,9 +8,9 @@ use confed_enclave::aggregate::Manifest;
 use confed_enclave::policy::sha256_hex;
 use thiserror::Error;
 
-use crate::device::TrustConfig;
-use crate::keys::trust::TrustedKeyService;
 use crate::release_check::commitment_of;
+use confed_protocol::trust::TrustConfig;
+use confed_protocol::trust::TrustedKeyService;
 
 #[derive(Debug, Error)]
 pub enum VerifyError {

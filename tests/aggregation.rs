@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::system::{GOAL, collect, get, now_clock, open_task, rounds, start};
 
-use confed::device::simulate;
+use confed::tools::simulate;
 use confed_enclave::aggregate::Manifest;
 use confed_enclave::worker::{JobSpec, JobStore, StagedRelease, StoreError};
 use serde_json::Value;

@@ -9,9 +9,9 @@ use std::time::Duration;
 use axum::http::{Method, StatusCode, header};
 use common::{TestApp, model_bytes};
 use confed::keys::directory::DeviceKey;
-use confed::keys::trust::accept_device_key;
 use confed::scheduler::Scheduler;
 use confed_enclave::envelope::{self, Envelope};
+use confed_protocol::trust::accept_device_key;
 use serde_json::{Value, json};
 
 const POP: &str = "phones.en";

@@ -1,7 +1,7 @@
 //! `confed demo`'s engine, smaller: the accuracy of the global model must rise well above chance
 //! with the DP noise on, and every round must spend privacy within the budget.
 
-use confed::demo::{DemoOptions, run};
+use confed::tools::demo::{DemoOptions, run};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_learns_well_above_chance_with_dp_noise() {

@@ -75,7 +75,7 @@ async fn the_enclave_binary_completes_a_round_through_the_worker_api() {
         &token,
         &task,
         1,
-        &confed::device::TrustConfig::load(&trust).unwrap(),
+        &confed_device::load_trust(&trust).unwrap(),
     )
     .await
     .unwrap();

@@ -9,7 +9,6 @@ use std::time::Duration;
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use confed::keys::ceremony::{CeremonyOptions, generate};
-use confed::keys::trust::{TrustedKeyService, accept_public_key};
 use confed::keyservice::{audit, routes};
 use confed_attestation::exchange::{Challenge, KeySet, ReleaseRequest, encode_verifying_key};
 use confed_attestation::release::key_binding;
@@ -17,6 +16,7 @@ use confed_attestation::{Attester, TokenRequest};
 use confed_enclave::hpke;
 use confed_enclave::key_collection::{CollectError, KeyServiceEndpoint, ServiceFailure};
 use confed_enclave::policy::TaskPolicy;
+use confed_protocol::trust::{TrustedKeyService, accept_public_key};
 use serde_json::Value;
 use tokio::sync::watch;
 

@@ -32,7 +32,8 @@ async fn ceremony_then_key_service_serves_a_signed_key_set_and_audit_verify_chec
     let audit_log = setup.dir.path().join("audit.jsonl");
     let set = key_set(&url).await;
     assert_eq!(set.keyservice_id, "ks1");
-    let trusted = confed::keys::trust::TrustedKeyService::new("ks1", &set.verifying_key).unwrap();
+    let trusted =
+        confed_protocol::trust::TrustedKeyService::new("ks1", &set.verifying_key).unwrap();
     assert!(confed_attestation::exchange::verify_key(
         &trusted.verifying_key,
         "ks1",

@@ -16,8 +16,8 @@ use std::time::Duration;
 use common::database::{fresh_postgres_database, postgres_url};
 use common::gcs::emulator;
 use common::system::{create_task, rounds_at};
-use confed::device::TrustConfig;
-use confed::device::simulate::{self, SimulationConfig};
+use confed::tools::simulate::{self, SimulationConfig};
+use confed_protocol::trust::TrustConfig;
 
 /// The rounds `create_task` plans.
 const ROUNDS: i64 = 3;
@@ -143,7 +143,7 @@ async fn devices_over_two_api_replicas_complete_every_round_once_with_every_cont
         .unwrap()
         .trim()
         .to_string();
-    let trust = TrustConfig::load(Path::new(cluster.get("CONFED_TRUST_FILE"))).unwrap();
+    let trust = confed_device::load_trust(Path::new(cluster.get("CONFED_TRUST_FILE"))).unwrap();
     confed_enclave::http::install_crypto_provider(); // the helpers use plain reqwest clients
     let task = create_task(&apis[0], &token, "cluster", 50.0, GOAL).await;
 

@@ -9,8 +9,8 @@ use std::io::Write;
 
 use common::{START_MILLIS, TestApp};
 use confed::db::Db;
-use confed::db::device::ReportOutcome;
 use confed::states::RoundState;
+use confed_protocol::device::ReportOutcome;
 use serde_json::json;
 
 /// Two handles on the same PostgreSQL database, and the round a fresh task opened; `None`

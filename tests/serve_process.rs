@@ -311,14 +311,14 @@ async fn wait_for_model(url: &str, token: &str, task: &str, version: u32) -> Vec
 }
 
 async fn devices(url: &str, trust: &Path, first: u64) {
-    let summary = confed::device::simulate::run(confed::device::simulate::SimulationConfig {
+    let summary = confed::tools::simulate::run(confed::tools::simulate::SimulationConfig {
         server: url.to_string(),
         population: "embedded".into(),
         devices: 8,
         first_device: first,
         concurrency: 4,
         rounds: 1,
-        trust: confed::device::client::TrustConfig::load(trust).unwrap(),
+        trust: confed_device::load_trust(trust).unwrap(),
         train: true,
         seed: 7,
         rows_per_device: 30,
@@ -359,7 +359,7 @@ async fn serve_alone_runs_rounds_with_its_embedded_enclave_across_restarts() {
     let put = http
         .put(format!("{}/v1/tasks/{task}/model", server.url))
         .bearer_auth(&token)
-        .body(confed::device::simulate::initial_model(7))
+        .body(confed::tools::simulate::initial_model(7))
         .send()
         .await
         .unwrap();

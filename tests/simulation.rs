@@ -125,7 +125,7 @@ async fn simulated_devices_fill_a_round_with_stored_contributions_that_open() {
         .await
         .unwrap();
     let task_id = task["id"].as_str().unwrap().to_string();
-    let model = confed::device::simulate::initial_model(1);
+    let model = confed::tools::simulate::initial_model(1);
     let opened = http
         .put(format!("{url}/v1/tasks/{task_id}/model"))
         .bearer_auth(&token)

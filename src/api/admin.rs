@@ -10,7 +10,6 @@ use super::error::{ApiError, Problem};
 use super::extract::{Admin, ApiJson};
 use crate::clock::rfc3339;
 use crate::db::{NewTenant, TenantRecord};
-use crate::states::StateMachine;
 use crate::task_spec::{InvalidParam, MAX_REPORT_GOAL};
 
 pub const DEFAULT_MAX_ACTIVE_TASKS: i64 = 10;

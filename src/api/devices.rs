@@ -11,100 +11,24 @@ use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use confed_enclave::envelope::Envelope;
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use utoipa::ToSchema;
 
 use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::{ApiJson, ApiPath};
 use crate::blob::{BlobError, BlobKey};
-use crate::db::device::{Refusal, ReportOutcome, Stored};
+use crate::db::device::{Refusal, Stored};
 use crate::keys::KeyState;
-use crate::keys::directory::DeviceKey;
-use crate::registry::{Attributes, Mismatch, check_attributes, fits};
-use crate::states::{AssignmentState, StateMachine};
+use crate::registry::{Mismatch, check_attributes, fits};
+use crate::states::AssignmentState;
 use crate::task_spec::{parse_version, valid_population};
+pub use confed_protocol::device::{
+    AssignmentResponse, CheckinRequest, ReportOutcome, ReportRequest, ReportResponse,
+    RetryResponse, RetryWindow,
+};
 
 /// Room above the model's size for the safetensors header of an update and the envelope.
 pub const CONTRIBUTION_SLACK_BYTES: usize = 64 * 1024;
-
-#[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct CheckinRequest {
-    /// Dotted numeric version of the device's client, e.g. `"1.4.0"` (1-4 parts).
-    #[schema(pattern = r"^[0-9]{1,9}(\.[0-9]{1,9}){0,3}$")]
-    pub client_version: String,
-    /// Public attributes the server matches against task constraints (e.g. os, ram_gb, charging):
-    /// at most 32, names of 1-64 of A-Z a-z 0-9 . _ -, text values of at most 256 bytes.
-    #[serde(default)]
-    #[schema(schema_with = crate::registry::attributes_schema)]
-    pub attributes: Attributes,
-    /// The tenant this device works for (optional): only that tenant's tasks are assigned, and
-    /// a population registered to another tenant answers `tenant_mismatch`.
-    #[serde(default)]
-    #[schema(min_length = 1, max_length = 128)]
-    pub tenant_id: Option<String>,
-}
-
-/// A device's assignment (201).
-#[derive(Debug, Serialize, Deserialize, ToSchema)]
-pub struct AssignmentResponse {
-    /// One-time capability; keep it secret, use it in the URLs below.
-    pub assignment_id: String,
-    pub task_id: String,
-    pub round: i64,
-    /// Unix seconds; uploads and reports after it are refused (410).
-    pub expires_at: i64,
-    #[schema(value_type = Object)]
-    pub plan: serde_json::Value,
-    /// The task policy text (docs/protocol.md, "Task policy"): check it against your limits,
-    /// train with its plan, and bind its SHA-256 into the contribution's associated data.
-    pub policy: String,
-    pub model_version: i64,
-    /// Where to download the model (path relative to the server's base URL): readable while the
-    /// assignment is live.
-    pub model_url: String,
-    /// The key to seal the update to, with the key services' signatures: use it only if at least
-    /// T key services the device trusts signed it.
-    pub encryption: DeviceKey,
-    /// Where to PUT the envelope: a path on this server, or an absolute (signed) URL of the blob
-    /// store when devices upload straight to it.
-    pub upload_url: String,
-    /// Send exactly these headers with the upload (a signed URL covers them).
-    #[serde(default)]
-    pub upload_headers: BTreeMap<String, String>,
-    pub report_url: String,
-    /// Largest envelope the upload accepts.
-    pub max_contribution_bytes: u64,
-}
-
-/// When the device should ask again, and why nothing was assigned (200).
-#[derive(Debug, Serialize, Deserialize, ToSchema)]
-pub struct RetryResponse {
-    pub retry_window: RetryWindow,
-    /// `no_task`, `round_full`, `version_mismatch`, `constraints_not_met`, `tenant_mismatch` or
-    /// `no_encryption_key`.
-    pub reason: String,
-}
-
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema)]
-pub struct RetryWindow {
-    pub min_seconds: u32,
-    pub max_seconds: u32,
-}
-
-impl RetryWindow {
-    /// How long to wait: uniformly inside the window, given `unit` drawn uniformly from [0, 1),
-    /// so devices told to retry at the same moment do not come back together.
-    pub fn jittered(&self, unit: f64) -> std::time::Duration {
-        let (lo, hi) = (
-            f64::from(self.min_seconds),
-            f64::from(self.max_seconds.max(self.min_seconds)),
-        );
-        std::time::Duration::from_secs_f64(lo + (hi - lo) * unit.clamp(0.0, 1.0))
-    }
-}
 
 fn retry(reason: &str, min_seconds: u32, max_seconds: u32) -> Response {
     metrics::counter!("confed_checkins_total", "outcome" => reason.to_string()).increment(1);
@@ -551,28 +475,6 @@ fn closed_for_upload(a: &crate::db::device::AssignmentView, now: i64) -> Option<
     }
 }
 
-#[derive(Debug, Clone, Copy, Deserialize, Serialize, ToSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum Outcome {
-    Completed,
-    Failed,
-    NotEligible,
-}
-
-#[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ReportRequest {
-    pub outcome: Outcome,
-    /// What went wrong, for `failed` (at most 1000 characters are kept).
-    #[serde(default)]
-    pub error: Option<String>,
-}
-
-#[derive(Debug, Serialize, Deserialize, ToSchema)]
-pub struct ReportResponse {
-    pub state: AssignmentState,
-}
-
 /// Report the assignment's outcome. `completed` needs the contribution uploaded first.
 #[utoipa::path(post, path = "/v1/assignments/{assignment_id}/report", tag = "devices",
     params(("assignment_id" = String, Path, description = "Assignment capability")),
@@ -591,15 +493,10 @@ pub async fn report(
     ApiPath(capability): ApiPath<String>,
     ApiJson(request): ApiJson<ReportRequest>,
 ) -> Result<axum::Json<ReportResponse>, ApiError> {
-    if matches!(request.outcome, Outcome::Completed) && state.contributions.accepts_direct_uploads()
-    {
+    let outcome = request.outcome;
+    if outcome == ReportOutcome::Completed && state.contributions.accepts_direct_uploads() {
         note_direct_upload(&state, &capability).await?;
     }
-    let outcome = match request.outcome {
-        Outcome::Completed => ReportOutcome::Completed,
-        Outcome::Failed => ReportOutcome::Failed,
-        Outcome::NotEligible => ReportOutcome::NotEligible,
-    };
     let recorded = state
         .db
         .record_report(&capability, outcome, request.error.as_deref(), state.now())

@@ -11,7 +11,7 @@ use super::extract::{ApiBytes, ApiPath, Tenant};
 use super::tasks::TaskResponse;
 use crate::blob::BlobKey;
 use crate::db::NewModel;
-use crate::states::{StateMachine, TaskState};
+use crate::states::TaskState;
 
 /// Upload model version 0 (safetensors, F32 tensors); the task opens and round 1 starts.
 #[utoipa::path(put, path = "/v1/tasks/{id}/model", tag = "models",

@@ -68,20 +68,14 @@ pub enum Stored {
     Again,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReportOutcome {
-    Completed,
-    Failed,
-    NotEligible,
-}
+pub use confed_protocol::device::ReportOutcome;
 
-impl ReportOutcome {
-    fn target(self) -> AssignmentState {
-        match self {
-            Self::Completed => AssignmentState::Completed,
-            Self::Failed => AssignmentState::Failed,
-            Self::NotEligible => AssignmentState::Rejected,
-        }
+/// The state a report moves its assignment to.
+fn report_target(outcome: ReportOutcome) -> AssignmentState {
+    match outcome {
+        ReportOutcome::Completed => AssignmentState::Completed,
+        ReportOutcome::Failed => AssignmentState::Failed,
+        ReportOutcome::NotEligible => AssignmentState::Rejected,
     }
 }
 
@@ -551,7 +545,7 @@ pub(super) async fn report_slow(
     let Some(a) = write_view(conn, id).await? else {
         return Ok(Err(Refusal::UnknownAssignment));
     };
-    let target = outcome.target();
+    let target = report_target(outcome);
     if a.state == target {
         return Ok(Ok(target));
     }

@@ -6,7 +6,7 @@
 //! is an operator's decision, recorded in the state history as one.
 
 use super::{Db, DbError, history, tasks};
-use crate::states::{RoundState, StateMachine, TaskState};
+use crate::states::{RoundState, TaskState};
 
 /// What a resume did.
 #[derive(Debug, Clone, PartialEq, Eq)]

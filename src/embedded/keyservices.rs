@@ -16,10 +16,10 @@ use tokio::task::JoinHandle;
 
 use super::{EmbeddedError, serve_router, setup};
 use crate::clock::Clock;
-use crate::device::client::{TrustConfig, TrustedEntry};
 use crate::keys::ceremony::{CeremonyOptions, KEY_SET_FILE, generate};
 use crate::keys::{HeldShare, KeySetFile, ShareFile};
 use crate::keyservice::{KeyService, KeyServiceParts, load_or_create_signing_key, routes};
+use confed_protocol::trust::{TrustConfig, TrustedEntry};
 
 /// The dev appraisal policy, compiled in so the embedded system runs from any directory.
 const DEV_POLICY: &str = include_str!("../../policies/dev.toml");

@@ -24,9 +24,9 @@ use crate::aggregation::{TaskDbJobStore, run_worker};
 use crate::api::{self, AppState, Limits};
 use crate::clock::Clock;
 use crate::db::{Db, NewTenant};
-use crate::device::client::TrustConfig;
 use crate::keys::directory::KeyDirectory;
 use crate::scheduler::Scheduler;
+use confed_protocol::trust::TrustConfig;
 
 #[derive(Debug, Error)]
 pub enum EmbeddedError {

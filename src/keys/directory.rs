@@ -6,58 +6,9 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use confed_attestation::exchange::{KeySet, SignedPublicKey};
-use serde::{Deserialize, Serialize};
-use utoipa::ToSchema;
 
 use super::KeyState;
-
-/// One key service's signature over a key entry.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct KeySignature {
-    pub keyservice_id: String,
-    /// ECDSA P-256 over the key-set message, 64 bytes r||s, base64url.
-    pub signature: String,
-}
-
-/// A public key as handed to devices, with the key services' signatures over it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct DeviceKey {
-    pub key_id: String,
-    pub suite: String,
-    /// X25519 public key, base64url.
-    pub public_key: String,
-    pub not_before: i64,
-    pub not_after: i64,
-    pub threshold: u16,
-    pub shares: u16,
-    pub signatures: Vec<KeySignature>,
-}
-
-impl DeviceKey {
-    /// The signed entries as each key service published them (for signature checks).
-    pub fn signed_entries(&self) -> Vec<KeySet> {
-        self.signatures
-            .iter()
-            .map(|s| KeySet {
-                keyservice_id: s.keyservice_id.clone(),
-                verifying_key: String::new(),
-                keys: vec![SignedPublicKey {
-                    key_id: self.key_id.clone(),
-                    suite: self.suite.clone(),
-                    public_key: self.public_key.clone(),
-                    not_before: self.not_before,
-                    not_after: self.not_after,
-                    threshold: self.threshold,
-                    shares: self.shares,
-                    state: String::new(),
-                    signature: s.signature.clone(),
-                }],
-            })
-            .collect()
-    }
-}
+pub use confed_protocol::keys::{DeviceKey, KeySignature};
 
 #[derive(Debug, Clone, Default)]
 pub struct KeyDirectory {

@@ -41,7 +41,7 @@ pub struct TestApp {
 pub struct TestKey {
     pub key_id: String,
     pub private_key: confed_enclave::hpke::PrivateKey,
-    pub trusted: Vec<confed::keys::trust::TrustedKeyService>,
+    pub trusted: Vec<confed_protocol::trust::TrustedKeyService>,
 }
 
 /// Key sets of two key services vouching for one fresh key, valid around START_MILLIS.
@@ -68,7 +68,7 @@ fn test_key() -> (TestKey, Vec<confed_attestation::exchange::KeySet>) {
         };
         sign_key(&signing, id, &mut entry);
         let verifying = encode_verifying_key(signing.verifying_key());
-        trusted.push(confed::keys::trust::TrustedKeyService::new(id, &verifying).unwrap());
+        trusted.push(confed_protocol::trust::TrustedKeyService::new(id, &verifying).unwrap());
         sets.push(KeySet {
             keyservice_id: id.into(),
             verifying_key: verifying,

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use confed::clock::ManualClock;
-use confed::device::simulate::{self, SimulationConfig};
 use confed::embedded::{EmbeddedOptions, EmbeddedSystem};
+use confed::tools::simulate::{self, SimulationConfig};
 use serde_json::{Value, json};
 
 pub const GOAL: usize = 20;

@@ -177,9 +177,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::keyservice::audit::{
-        AuditError, AuditLog, Decision, VerifiedFrom, verify_file_with,
-    };
+    use crate::audit::{AuditError, AuditLog, Decision, VerifiedFrom, verify_file_with};
 
     fn granted(n: u64) -> Decision {
         Decision {

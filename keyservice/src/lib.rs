@@ -6,8 +6,13 @@
 
 pub mod audit;
 pub mod checkpoint;
+pub mod cli;
+pub mod error;
+mod extract;
 pub mod fetcher;
+pub mod keys;
 pub mod ledger;
+pub mod listen;
 pub mod nonces;
 pub mod routes;
 pub mod serve;
@@ -22,8 +27,8 @@ use p256::ecdsa::SigningKey;
 use p256::pkcs8::{DecodePrivateKey, EncodePrivateKey, LineEnding};
 use thiserror::Error;
 
-use crate::clock::Clock;
 use crate::keys::{HeldShare, KeyError, ShareFile, valid_id};
+use confed_protocol::clock::Clock;
 
 /// Shares stay releasable this long after their key expires, so rounds that collected under a key
 /// shortly before its expiry can still be aggregated (longer than the longest round deadline).

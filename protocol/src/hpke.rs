@@ -111,6 +111,56 @@ pub fn seal(
     Ok((encapsulated.to_bytes().to_vec(), ciphertext))
 }
 
+/// An implementation of confed's HPKE sealing (base mode, the suite above, chunking as
+/// `seal_chunked`). `RustCrypto` is the protocol's own; a device or load generator may bring a
+/// faster one (the enclave crate's AWS-LC `hpke_awslc::AwsLc`) through `DeviceClient::with_sealer`.
+/// Every implementation must produce what `open`/`open_chunked` accept.
+pub trait Sealer: Send + Sync + std::fmt::Debug {
+    fn seal(
+        &self,
+        recipient: &PublicKey,
+        info: &[u8],
+        aad: &[u8],
+        plaintext: &[u8],
+    ) -> Result<(Vec<u8>, Vec<u8>), HpkeError>;
+
+    fn seal_chunked(
+        &self,
+        recipient: &PublicKey,
+        info: &[u8],
+        aad: &[u8],
+        plaintext: &[u8],
+        chunk: usize,
+    ) -> Result<(Vec<u8>, Vec<u8>), HpkeError>;
+}
+
+/// The RustCrypto `hpke` crate: pure Rust, no C toolchain, what a device links by default.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct RustCrypto;
+
+impl Sealer for RustCrypto {
+    fn seal(
+        &self,
+        recipient: &PublicKey,
+        info: &[u8],
+        aad: &[u8],
+        plaintext: &[u8],
+    ) -> Result<(Vec<u8>, Vec<u8>), HpkeError> {
+        seal(recipient, info, aad, plaintext)
+    }
+
+    fn seal_chunked(
+        &self,
+        recipient: &PublicKey,
+        info: &[u8],
+        aad: &[u8],
+        plaintext: &[u8],
+        chunk: usize,
+    ) -> Result<(Vec<u8>, Vec<u8>), HpkeError> {
+        seal_chunked(recipient, info, aad, plaintext, chunk)
+    }
+}
+
 /// Opens a ciphertext sealed to `private`'s public key with the same `info` and `aad`.
 pub fn open(
     private: &PrivateKey,

@@ -9,7 +9,7 @@
 
 use safetensors::SafeTensors;
 
-use super::DeviceError;
+use confed_device::DeviceError;
 
 /// A small deterministic generator (SplitMix64), so simulations reproduce.
 #[derive(Debug, Clone)]

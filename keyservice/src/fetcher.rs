@@ -17,7 +17,7 @@ pub struct HttpJwksFetcher {
 impl HttpJwksFetcher {
     pub fn new() -> Result<Self, String> {
         Ok(Self {
-            client: confed_enclave::http::client(Duration::from_secs(10)),
+            client: confed_protocol::http::client(Duration::from_secs(10)),
         })
     }
 

@@ -11,8 +11,8 @@ use super::{
     KeyService, KeyServiceError, KeyServiceParts, key_source_for, load_or_create_signing_key,
     load_shares,
 };
-use crate::clock::SystemClock;
-use crate::server::{ServeError, TlsFiles, serve_app};
+use crate::listen::{ListenError, TlsFiles, serve_app};
+use confed_protocol::clock::SystemClock;
 
 #[derive(Debug, Clone)]
 pub struct KeyServiceConfig {
@@ -31,14 +31,14 @@ pub enum KeyServiceRunError {
     #[error(transparent)]
     Setup(#[from] KeyServiceError),
     #[error(transparent)]
-    Serve(#[from] ServeError),
+    Serve(#[from] ListenError),
 }
 
 pub async fn run(
     config: KeyServiceConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), KeyServiceRunError> {
-    crate::server::check_listen(config.listen, config.tls.as_ref())?;
+    crate::listen::check_listen(config.listen, config.tls.as_ref())?;
     let policy = AppraisalPolicy::load(&config.policy).map_err(KeyServiceError::from)?;
     let key_source = key_source_for(&policy)?;
     tracing::info!(policy = %policy.name, path = %config.policy.display(), "appraisal policy loaded");

@@ -119,20 +119,20 @@ impl ShareFile {
         let public = URL_SAFE_NO_PAD
             .decode(&file.key.public_key)
             .map_err(|_| inconsistent("public_key is not base64url"))?;
-        confed_enclave::hpke::PublicKey::from_bytes(&public)
+        confed_protocol::hpke::PublicKey::from_bytes(&public)
             .map_err(|_| inconsistent("public_key is not an X25519 key"))?;
         let share = Zeroizing::new(
             URL_SAFE_NO_PAD
                 .decode(&file.share)
                 .map_err(|_| inconsistent("share is not base64url"))?,
         );
-        if confed_enclave::shares::share_index(&share) != Some(file.index) || file.index == 0 {
+        if confed_protocol::shares::share_index(&share) != Some(file.index) || file.index == 0 {
             return Err(inconsistent("share's x coordinate differs from index"));
         }
-        if share.len() != 1 + confed_enclave::hpke::KEY_BYTES {
+        if share.len() != 1 + confed_protocol::hpke::KEY_BYTES {
             return Err(inconsistent("share has the wrong length for an X25519 key"));
         }
-        confed_enclave::shares::check_parameters(file.key.threshold, file.key.shares)?;
+        confed_protocol::shares::check_parameters(file.key.threshold, file.key.shares)?;
         Ok(HeldShare {
             key: file.key.clone(),
             index: file.index,

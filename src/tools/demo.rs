@@ -13,9 +13,9 @@ use serde_json::{Value, json};
 use thiserror::Error;
 
 use crate::clock::SystemClock;
-use crate::device::simulate::{self, SimulationConfig};
-use crate::device::train::{Softmax, Synthetic};
 use crate::embedded::{EmbeddedOptions, EmbeddedSystem};
+use crate::tools::simulate::{self, SimulationConfig};
+use crate::tools::train::{Softmax, Synthetic};
 
 #[derive(Debug, Clone)]
 pub struct DemoOptions {

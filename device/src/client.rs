@@ -4,61 +4,25 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use confed_enclave::envelope::RoundContext;
-use confed_enclave::policy::{DeviceLimits, TaskPolicy, sha256_hex};
-
-use crate::api::devices::{AssignmentResponse, RetryResponse};
-use crate::keys::trust::{TrustError, TrustedKeyService, accept_device_key};
-
-/// Which key services a device trusts, how many must vouch for a key, and the loosest task
-/// policy it contributes under.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TrustConfig {
-    pub threshold: usize,
-    pub keyservices: Vec<TrustedEntry>,
-    pub limits: DeviceLimits,
-    /// The tenant the device works for, if it pins one: sent at check-in, and a policy of any
-    /// other tenant is refused whatever the server assigns.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tenant_id: Option<String>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TrustedEntry {
-    pub id: String,
-    /// base64url SEC1 P-256 point, as the key service publishes in `GET /v1/keys`.
-    pub verifying_key: String,
-}
-
-impl TrustConfig {
-    pub fn load(path: &std::path::Path) -> Result<Self, DeviceError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| DeviceError::Config(format!("{}: {e}", path.display())))?;
-        serde_json::from_str(&text)
-            .map_err(|e| DeviceError::Config(format!("{}: {e}", path.display())))
-    }
-
-    fn trusted(&self) -> Result<Vec<TrustedKeyService>, DeviceError> {
-        self.keyservices
-            .iter()
-            .map(|k| {
-                TrustedKeyService::new(&k.id, &k.verifying_key).ok_or_else(|| {
-                    DeviceError::Config(format!("key service {}: bad verifying_key", k.id))
-                })
-            })
-            .collect()
-    }
-}
+use confed_protocol::device::{
+    AssignmentResponse, Attributes, CheckinRequest, ReportOutcome, ReportRequest, RetryResponse,
+};
+use confed_protocol::envelope::RoundContext;
+use confed_protocol::hpke::{PublicKey, RustCrypto, Sealer};
+use confed_protocol::keys::{DeviceKey, KeyState};
+use confed_protocol::policy::{DeviceLimits, TaskPolicy, sha256_hex};
+use confed_protocol::trust::{
+    TrustConfig, TrustError, TrustFileError, TrustedKeyService, accept_device_key,
+};
 
 #[derive(Debug, Error)]
 pub enum DeviceError {
     #[error("device configuration: {0}")]
     Config(String),
+    #[error("device trust file: {0}")]
+    TrustFile(#[from] TrustFileError),
     #[error("network: {0}")]
     Network(String),
     #[error("server answered {status}: {detail}")]
@@ -73,19 +37,18 @@ pub enum DeviceError {
     Seal(String),
 }
 
+/// Reads a device trust file (JSON, `docs/protocol.md` "The device trust file").
+pub fn load_trust(path: &std::path::Path) -> Result<TrustConfig, DeviceError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| DeviceError::Config(format!("{}: {e}", path.display())))?;
+    serde_json::from_str(&text).map_err(|e| DeviceError::Config(format!("{}: {e}", path.display())))
+}
+
 /// The answer to a check-in.
 #[derive(Debug)]
 pub enum Checkin {
     Assigned(Box<AssignmentResponse>),
     Retry(RetryResponse),
-}
-
-#[derive(Debug, Clone, Copy, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ReportOutcome {
-    Completed,
-    Failed,
-    NotEligible,
 }
 
 /// How many times an idempotent call is retried after a network error or a 5xx.
@@ -95,10 +58,10 @@ const ATTEMPTS: u32 = 4;
 /// signatures costs more than the rest of a device cycle, and the answer for the same bytes never
 /// changes, so a device checks each key entry once; simulated devices may share one cache.
 #[derive(Debug, Clone, Default)]
-pub struct VerifiedKeys(std::sync::Arc<Mutex<HashMap<String, confed_enclave::hpke::PublicKey>>>);
+pub struct VerifiedKeys(std::sync::Arc<Mutex<HashMap<String, PublicKey>>>);
 
 impl VerifiedKeys {
-    fn fingerprint(key: &crate::keys::directory::DeviceKey) -> String {
+    fn fingerprint(key: &DeviceKey) -> String {
         serde_json::to_string(key).unwrap_or_default()
     }
 }
@@ -116,6 +79,7 @@ pub struct DeviceClient {
     models: Mutex<HashMap<String, CachedModel>>,
     done: Mutex<HashSet<(String, i64)>>,
     verified: VerifiedKeys,
+    sealer: std::sync::Arc<dyn Sealer>,
 }
 
 type CachedModel = (String, std::sync::Arc<Vec<u8>>, String);
@@ -148,7 +112,7 @@ async fn problem_detail(response: reqwest::Response) -> DeviceError {
 impl DeviceClient {
     pub fn new(base: &str, trust: &TrustConfig) -> Result<Self, DeviceError> {
         Self::with_http(
-            confed_enclave::http::client(Duration::from_secs(30)),
+            confed_protocol::http::client(Duration::from_secs(30)),
             base,
             trust,
         )
@@ -181,7 +145,15 @@ impl DeviceClient {
             models: Mutex::default(),
             done: Mutex::default(),
             verified,
+            sealer: std::sync::Arc::new(RustCrypto),
         })
+    }
+
+    /// Seals with another HPKE implementation (e.g. AWS-LC's in a load generator); the default
+    /// is the protocol's pure-Rust one.
+    pub fn with_sealer(mut self, sealer: std::sync::Arc<dyn Sealer>) -> Self {
+        self.sealer = sealer;
+        self
     }
 
     /// A path on the server, or an absolute URL as given (a blob store's signed upload URL).
@@ -197,17 +169,15 @@ impl DeviceClient {
         &self,
         population: &str,
         client_version: &str,
-        attributes: &serde_json::Value,
+        attributes: &Attributes,
     ) -> Result<Checkin, DeviceError> {
         let response = self
             .http
             .post(self.url(&format!("/v1/populations/{population}/checkin")))
-            .json(&match &self.tenant_id {
-                Some(tenant) => serde_json::json!({"client_version": client_version,
-                    "attributes": attributes, "tenant_id": tenant}),
-                None => {
-                    serde_json::json!({"client_version": client_version, "attributes": attributes})
-                }
+            .json(&CheckinRequest {
+                client_version: client_version.to_string(),
+                attributes: attributes.clone(),
+                tenant_id: self.tenant_id.clone(),
             })
             .send()
             .await
@@ -244,7 +214,7 @@ impl DeviceClient {
         &self,
         assignment: &AssignmentResponse,
         now: i64,
-    ) -> Result<confed_enclave::hpke::PublicKey, DeviceError> {
+    ) -> Result<PublicKey, DeviceError> {
         let key = &assignment.encryption;
         let fingerprint = VerifiedKeys::fingerprint(key);
         let cached = self
@@ -253,8 +223,7 @@ impl DeviceClient {
             .lock()
             .ok()
             .and_then(|c| c.get(&fingerprint).copied());
-        let active = crate::keys::KeyState::at(key.not_before, key.not_after, now)
-            == crate::keys::KeyState::Active;
+        let active = KeyState::at(key.not_before, key.not_after, now) == KeyState::Active;
         if let Some(public) = cached
             && active
         {
@@ -352,7 +321,7 @@ impl DeviceClient {
     pub fn seal(
         &self,
         assignment: &AssignmentResponse,
-        public_key: &confed_enclave::hpke::PublicKey,
+        public_key: &PublicKey,
         policy: &AcceptedPolicy,
         model: &Model,
         update: &[u8],
@@ -378,7 +347,8 @@ impl DeviceClient {
             policy_sha256: policy.sha256.clone(),
             model_sha256: model.sha256.clone(),
         };
-        Ok(confed_enclave::envelope::seal(
+        Ok(confed_protocol::envelope::seal_with(
+            self.sealer.as_ref(),
             public_key,
             &assignment.encryption.key_id,
             &context,
@@ -441,7 +411,10 @@ impl DeviceClient {
         outcome: ReportOutcome,
         error: Option<&str>,
     ) -> Result<(), DeviceError> {
-        let body = serde_json::json!({"outcome": outcome, "error": error});
+        let body = ReportRequest {
+            outcome,
+            error: error.map(str::to_string),
+        };
         let mut last = DeviceError::Network("not attempted".into());
         for attempt in 0..ATTEMPTS {
             if attempt > 0 {
@@ -469,7 +442,7 @@ impl DeviceClient {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::keys::directory::DeviceKey;
+    use DeviceKey;
 
     /// A key entry (its signatures are not checked by what these tests call).
     fn key() -> DeviceKey {
@@ -515,7 +488,7 @@ mod tests {
         };
         let client = DeviceClient::new("http://127.0.0.1:1", &trust).unwrap();
         let policy = TaskPolicy::sample("t1", 3);
-        let (_, public) = confed_enclave::hpke::generate_keypair();
+        let (_, public) = confed_protocol::hpke::generate_keypair();
         let key = key();
         let a = assignment(&policy, &key);
         let accepted = AcceptedPolicy {

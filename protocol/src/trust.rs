@@ -1,11 +1,14 @@
-//! The device side of key-set trust: accept a public key only when at least T key services, among
-//! those the device was configured to trust, have signed the same key entry.
+//! The device side of key-set trust: the trust file a device is configured with, and the rule
+//! that a public key is accepted only when at least T key services, among those the device was
+//! configured to trust, have signed the same key entry.
 
-use confed_attestation::exchange::{KeySet, SignedPublicKey, decode_verifying_key, verify_key};
 use p256::ecdsa::VerifyingKey;
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use super::KeyState;
+use crate::keys::{DeviceKey, KeyState};
+use crate::keyset::{KeySet, SignedPublicKey, decode_verifying_key, verify_key};
+use crate::policy::DeviceLimits;
 
 /// A key service a device trusts: its id and P-256 verifying key.
 #[derive(Debug, Clone)]
@@ -22,6 +25,49 @@ impl TrustedKeyService {
             verifying_key: decode_verifying_key(verifying_key)?,
         })
     }
+}
+
+// The device's trust file (`--trust`, docs/protocol.md "The device trust file").
+/// Which key services a device trusts, how many must vouch for a key, and the loosest task
+/// policy it contributes under.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrustConfig {
+    pub threshold: usize,
+    pub keyservices: Vec<TrustedEntry>,
+    pub limits: DeviceLimits,
+    /// The tenant the device works for, if it pins one: sent at check-in, and a policy of any
+    /// other tenant is refused whatever the server assigns.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant_id: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrustedEntry {
+    pub id: String,
+    /// base64url SEC1 P-256 point, as the key service publishes in `GET /v1/keys`.
+    pub verifying_key: String,
+}
+
+impl TrustConfig {
+    /// The key services as the signature checks take them; refused if a verifying key is not a
+    /// P-256 point.
+    pub fn trusted(&self) -> Result<Vec<TrustedKeyService>, TrustFileError> {
+        self.keyservices
+            .iter()
+            .map(|k| {
+                TrustedKeyService::new(&k.id, &k.verifying_key)
+                    .ok_or_else(|| TrustFileError::VerifyingKey(k.id.clone()))
+            })
+            .collect()
+    }
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum TrustFileError {
+    #[error("key service {0}: verifying_key is not a base64url SEC1 P-256 point")]
+    VerifyingKey(String),
 }
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -79,16 +125,16 @@ pub fn accept_public_key(
 /// Checks a key handed out in an assignment: T trusted signatures, active now. Returns the X25519
 /// public key to encrypt to.
 pub fn accept_device_key(
-    key: &super::directory::DeviceKey,
+    key: &DeviceKey,
     trusted: &[TrustedKeyService],
     threshold: usize,
     now: i64,
-) -> Result<confed_enclave::hpke::PublicKey, TrustError> {
+) -> Result<crate::hpke::PublicKey, TrustError> {
     use base64::Engine as _;
     let accepted = accept_public_key(&key.signed_entries(), trusted, threshold, now)?;
     base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(&accepted.public_key)
         .ok()
-        .and_then(|bytes| confed_enclave::hpke::PublicKey::from_bytes(&bytes).ok())
+        .and_then(|bytes| crate::hpke::PublicKey::from_bytes(&bytes).ok())
         .ok_or(TrustError::NotEnoughSignatures { threshold, best: 0 })
 }

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use confed_enclave::{hpke, shares};
+use confed_protocol::{hpke, shares};
 
 use super::files::{KEY_SET_FORMAT, SHARE_FORMAT, write_new};
 use super::{KeyError, KeySetFile, PublicKeyRecord, ShareFile};
@@ -56,7 +56,8 @@ pub fn generate(options: &CeremonyOptions) -> Result<CeremonyOutcome, KeyError> 
         path: options.out_dir.display().to_string(),
         reason: e.to_string(),
     })?;
-    let id_bytes = crate::auth::random_bytes::<8>().map_err(|e| KeyError::File {
+    let mut id_bytes = [0u8; 8];
+    getrandom::fill(&mut id_bytes).map_err(|e| KeyError::File {
         path: "<random>".into(),
         reason: e.to_string(),
     })?;

@@ -11,14 +11,14 @@ use confed_attestation::exchange::{
 };
 use confed_attestation::release::{Receipt, key_binding};
 use confed_attestation::{Expectations, VerificationReport, appraise, parse_or_refuse, sha256_hex};
-use confed_enclave::hpke;
-use confed_enclave::policy::TaskPolicy;
+use confed_protocol::hpke;
+use confed_protocol::policy::TaskPolicy;
 
 use super::KeyService;
 use super::audit::Decision;
 use super::ledger;
-use crate::api::error::{ApiError, FailedCheck};
-use crate::api::extract::{ApiBytes, ApiPath};
+use crate::error::{FailedCheck, KeyServiceApiError as ApiError};
+use crate::extract::{ApiBytes, ApiPath};
 use crate::keys::KeyState;
 
 pub fn router(service: KeyService) -> axum::Router {

@@ -25,7 +25,6 @@
 //! the task's plan as compact JSON (no line breaks). Devices hash the bytes they received and
 //! parse them; only the producer (the server) needs to encode.
 
-use sha2::{Digest, Sha256};
 use thiserror::Error;
 
 pub const FORMAT: &str = "confed-task-policy/v2";
@@ -320,12 +319,7 @@ impl DeviceLimits {
     }
 }
 
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
+pub use crate::hex::sha256_hex;
 
 #[cfg(test)]
 mod tests {

@@ -1,0 +1,12 @@
+//! The device side of confed, as a library other Rust programs (and phones) can use: check in,
+//! honour retry windows, verify the task key (T trusted signatures), download the model with
+//! caching, check the task policy against the device's limits, seal the update with HPKE, upload
+//! with retries (idempotent), report. The wire formats are `confed-protocol`'s.
+
+pub mod client;
+
+pub use client::{
+    AcceptedPolicy, Checkin, DeviceClient, DeviceError, Model, VerifiedKeys, load_trust,
+};
+pub use confed_protocol::device::{AssignmentResponse, ReportOutcome, RetryResponse, RetryWindow};
+pub use confed_protocol::trust::{TrustConfig, TrustedEntry};

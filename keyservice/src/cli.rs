@@ -1,0 +1,175 @@
+//! The key service's command line, shared by the `confed-keyservice` binary and the
+//! `confed keyservice` command: run one key service, or verify its audit log.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand};
+
+use crate::listen::TlsFiles;
+
+#[derive(Subcommand)]
+pub enum KeyserviceCommand {
+    /// Hash-chained audit log tools.
+    Audit {
+        #[command(subcommand)]
+        command: AuditCommand,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum AuditCommand {
+    /// Verify every record's chain hash and signature; print the head (records, hash) to compare
+    /// with a signed head kept elsewhere (GET /v1/audit/head).
+    Verify {
+        file: PathBuf,
+        /// The key service's id (signatures are bound to it).
+        #[arg(long)]
+        id: String,
+        /// The key service's verifying key as `GET /v1/keys` publishes it (base64url SEC1) ...
+        #[arg(
+            long,
+            conflicts_with = "signing_key",
+            required_unless_present = "signing_key"
+        )]
+        verifying_key: Option<String>,
+        /// ... or its signing key file (PKCS#8 PEM), on the operator's own machine.
+        #[arg(long)]
+        signing_key: Option<PathBuf>,
+    },
+}
+
+#[derive(Args)]
+pub struct KeyserviceArgs {
+    /// This key service's id (1-64 of A-Z a-z 0-9 . _ -), bound into signatures and releases.
+    #[arg(long)]
+    pub id: String,
+    /// Share files this service holds (one per key).
+    #[arg(long = "share", required = true)]
+    pub shares: Vec<PathBuf>,
+    /// Appraisal policy (TOML), e.g. policies/confidential-space.toml.
+    #[arg(long)]
+    pub policy: PathBuf,
+    #[arg(long, default_value = "127.0.0.1:8090")]
+    pub listen: SocketAddr,
+    #[arg(long, requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// P-256 key that signs the key set (PKCS#8 PEM); created if missing.
+    #[arg(long)]
+    pub signing_key: PathBuf,
+    /// Append-only, hash-chained decision log.
+    #[arg(long)]
+    pub audit_log: PathBuf,
+    /// The `aud` tokens must carry; default `confed-keyservice/<id>`.
+    #[arg(long)]
+    pub audience: Option<String>,
+}
+
+fn audit_verify(
+    file: &std::path::Path,
+    id: &str,
+    verifying_key: Option<&str>,
+    signing_key: Option<&std::path::Path>,
+) -> Result<()> {
+    use crate::audit::{SignatureCheck, verify_file_signed};
+    let key = match (verifying_key, signing_key) {
+        (Some(text), _) => confed_attestation::exchange::decode_verifying_key(text)
+            .context("--verifying-key is not a base64url SEC1 P-256 point")?,
+        (None, Some(path)) => *crate::load_existing_signing_key(path)?.verifying_key(),
+        (None, None) => bail!("pass --verifying-key or --signing-key"),
+    };
+    let verified = verify_file_signed(
+        file,
+        SignatureCheck {
+            keyservice_id: id,
+            verifying_key: &key,
+        },
+    )?;
+    if verified.unsigned > 0 {
+        bail!(
+            "the first {} of {} records are unsigned (written before signed heads, or stripped by a rewrite): compare the head {} with a signed head kept elsewhere before trusting them",
+            verified.unsigned,
+            verified.head.records,
+            verified.head.hash
+        );
+    }
+    println!(
+        "audit log intact and signed by key service {id}: {} records, head {}",
+        verified.head.records, verified.head.hash
+    );
+    Ok(())
+}
+
+/// `confed keyservice ...` and `confed-keyservice ...`: run a key service until `shutdown`, or
+/// check an audit log.
+pub async fn run(
+    command: Option<KeyserviceCommand>,
+    run: Option<KeyserviceArgs>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    if let Some(KeyserviceCommand::Audit {
+        command:
+            AuditCommand::Verify {
+                file,
+                id,
+                verifying_key,
+                signing_key,
+            },
+    }) = command
+    {
+        return audit_verify(&file, &id, verifying_key.as_deref(), signing_key.as_deref());
+    }
+    let Some(args) = run else {
+        bail!(
+            "pass --id, --share, --policy, --signing-key and --audit-log to run a key service, or `audit verify FILE`"
+        );
+    };
+    let tls = match (args.tls_cert, args.tls_key) {
+        (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
+        _ => None,
+    };
+    let audience = args
+        .audience
+        .unwrap_or_else(|| format!("confed-keyservice/{}", args.id));
+    let config = crate::serve::KeyServiceConfig {
+        id: args.id,
+        shares: args.shares,
+        policy: args.policy,
+        listen: args.listen,
+        tls,
+        signing_key: args.signing_key,
+        audit_log: args.audit_log,
+        audience,
+    };
+    crate::serve::run(config, shutdown).await?;
+    Ok(())
+}
+
+/// Completes on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut terminate =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                .expect("installing the SIGTERM handler");
+        tokio::select! {
+            _ = interrupt => {},
+            _ = terminate.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = interrupt.await;
+    tracing::info!("shutdown signal received; draining");
+}
+
+/// Whatever a key service writes (its audit log, signing key, checkpoints) is for its operator
+/// only (`docs/operations.md`).
+pub fn owner_only_files() {
+    // SAFETY: umask only sets the process's file-creation mask; it cannot fail.
+    unsafe { libc::umask(0o077) };
+}

@@ -1,0 +1,99 @@
+//! Serving a router: plain HTTP on loopback only, otherwise TLS (rustls with the operator's
+//! certificate and key files), with a graceful drain on shutdown. The key service owns this so its
+//! operator reviews what it listens with; the front ends (`confed serve`) use the same code.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use thiserror::Error;
+
+/// How long in-flight requests may finish after a shutdown signal.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// PEM files of the certificate chain and its private key.
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+#[derive(Debug, Error)]
+pub enum ListenError {
+    #[error(
+        "refusing to serve plain HTTP on {0}, which is not a loopback address: pass --tls-cert and --tls-key, or listen on 127.0.0.1"
+    )]
+    PlainHttpOffLoopback(SocketAddr),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot load the TLS certificate or key")]
+    Tls(#[source] std::io::Error),
+    #[error("server error")]
+    Serve(#[source] std::io::Error),
+}
+
+/// Plain HTTP is for loopback only: anything else must come with TLS files.
+pub fn check_listen(addr: SocketAddr, tls: Option<&TlsFiles>) -> Result<(), ListenError> {
+    if tls.is_none() && !addr.ip().is_loopback() {
+        return Err(ListenError::PlainHttpOffLoopback(addr));
+    }
+    Ok(())
+}
+
+/// Serves `app` on `listen` until `shutdown` completes. Prints `confed: serving on URL` on
+/// stdout, so scripts and tests can read the address (port 0 picks a free one).
+pub async fn serve_app(
+    listen: SocketAddr,
+    tls: Option<&TlsFiles>,
+    app: axum::Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ListenError> {
+    check_listen(listen, tls)?;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|source| ListenError::Listen {
+            addr: listen,
+            source,
+        })?;
+    let local = listener.local_addr().map_err(ListenError::Serve)?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    println!("confed: serving on {scheme}://{local}");
+    tracing::info!(%local, scheme, "serving");
+    match tls {
+        None => axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown)
+            .await
+            .map_err(ListenError::Serve),
+        Some(tls) => serve_tls(listener, app, tls, shutdown).await,
+    }
+}
+
+async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    tls: &TlsFiles,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ListenError> {
+    confed_protocol::http::install_crypto_provider();
+    let config = axum_server::tls_rustls::RustlsConfig::from_pem_file(&tls.cert, &tls.key)
+        .await
+        .map_err(ListenError::Tls)?;
+    let handle = axum_server::Handle::new();
+    let drain = handle.clone();
+    tokio::spawn(async move {
+        shutdown.await;
+        drain.graceful_shutdown(Some(DRAIN_TIMEOUT));
+    });
+    let listener = listener.into_std().map_err(ListenError::Serve)?;
+    axum_server::from_tcp_rustls(listener, config)
+        .map_err(ListenError::Serve)?
+        .handle(handle)
+        .serve(app.into_make_service())
+        .await
+        .map_err(ListenError::Serve)
+}

@@ -1,0 +1,200 @@
+//! The messages of the task assignment API (devices): check-in, assignment or retry window, and
+//! the outcome report; JSON on the wire (`docs/protocol.md`, "Devices"). A check-in's public
+//! attributes and their bounds are here too, so a device can check them before it sends.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::keys::DeviceKey;
+use crate::states::AssignmentState;
+
+/// A device attribute reported at check-in (public: the server checks constraints against it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(untagged)]
+pub enum Attribute {
+    Flag(bool),
+    Number(f64),
+    Text(String),
+}
+
+pub type Attributes = BTreeMap<String, Attribute>;
+
+/// Most attributes one check-in may carry.
+pub const MAX_ATTRIBUTES: usize = 32;
+/// Longest attribute name, in bytes (A-Z a-z 0-9 . _ -).
+pub const MAX_ATTRIBUTE_NAME_BYTES: usize = 64;
+/// Longest text attribute value, in bytes.
+pub const MAX_ATTRIBUTE_TEXT_BYTES: usize = 256;
+
+/// Check the bounds above. Attributes are public matching data, not payloads: the bounds keep one
+/// check-in's share of the recent-devices registry at a few KiB however large the body may be.
+pub fn check_attributes(attributes: &Attributes) -> Result<(), String> {
+    if attributes.len() > MAX_ATTRIBUTES {
+        return Err(format!(
+            "at most {MAX_ATTRIBUTES} attributes are accepted (got {})",
+            attributes.len()
+        ));
+    }
+    for (name, value) in attributes {
+        let name_ok = !name.is_empty()
+            && name.len() <= MAX_ATTRIBUTE_NAME_BYTES
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+        if !name_ok {
+            return Err(format!(
+                "attribute names must be 1-{MAX_ATTRIBUTE_NAME_BYTES} of A-Z a-z 0-9 . _ - (got {:?})",
+                name.chars().take(80).collect::<String>()
+            ));
+        }
+        if let Attribute::Text(text) = value
+            && text.len() > MAX_ATTRIBUTE_TEXT_BYTES
+        {
+            return Err(format!(
+                "attribute {name:?} is {} bytes; text values may have at most {MAX_ATTRIBUTE_TEXT_BYTES}",
+                text.len()
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(feature = "openapi")]
+/// The OpenAPI schema of `attributes`, with the bounds `check_attributes` enforces.
+pub fn attributes_schema() -> utoipa::openapi::schema::Object {
+    use utoipa::openapi::schema::{ObjectBuilder, OneOfBuilder, SchemaType, Type};
+    let value = OneOfBuilder::new()
+        .item(ObjectBuilder::new().schema_type(SchemaType::new(Type::Boolean)))
+        .item(ObjectBuilder::new().schema_type(SchemaType::new(Type::Number)))
+        .item(
+            ObjectBuilder::new()
+                .schema_type(SchemaType::new(Type::String))
+                .max_length(Some(MAX_ATTRIBUTE_TEXT_BYTES)),
+        );
+    ObjectBuilder::new()
+        .schema_type(SchemaType::new(Type::Object))
+        .description(Some(
+            "Public attributes the server matches against task constraints (e.g. os, ram_gb, \
+             charging): a boolean, a number or a string of at most 256 bytes each.",
+        ))
+        .max_properties(Some(MAX_ATTRIBUTES))
+        .property_names(Some(
+            ObjectBuilder::new()
+                .schema_type(SchemaType::new(Type::String))
+                .pattern(Some("^[A-Za-z0-9._-]{1,64}$")),
+        ))
+        .additional_properties(Some(utoipa::openapi::schema::Schema::OneOf(value.build())))
+        .build()
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct CheckinRequest {
+    /// Dotted numeric version of the device's client, e.g. `"1.4.0"` (1-4 parts).
+    #[cfg_attr(
+        feature = "openapi",
+        schema(pattern = r"^[0-9]{1,9}(\.[0-9]{1,9}){0,3}$")
+    )]
+    pub client_version: String,
+    /// Public attributes the server matches against task constraints (e.g. os, ram_gb, charging):
+    /// at most 32, names of 1-64 of A-Z a-z 0-9 . _ -, text values of at most 256 bytes.
+    #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(schema_with = attributes_schema))]
+    pub attributes: Attributes,
+    /// The tenant this device works for (optional): only that tenant's tasks are assigned, and
+    /// a population registered to another tenant answers `tenant_mismatch`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 128))]
+    pub tenant_id: Option<String>,
+}
+
+/// A device's assignment (201).
+#[derive(Debug, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AssignmentResponse {
+    /// One-time capability; keep it secret, use it in the URLs below.
+    pub assignment_id: String,
+    pub task_id: String,
+    pub round: i64,
+    /// Unix seconds; uploads and reports after it are refused (410).
+    pub expires_at: i64,
+    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
+    pub plan: serde_json::Value,
+    /// The task policy text (docs/protocol.md, "Task policy"): check it against your limits,
+    /// train with its plan, and bind its SHA-256 into the contribution's associated data.
+    pub policy: String,
+    pub model_version: i64,
+    /// Where to download the model (path relative to the server's base URL): readable while the
+    /// assignment is live.
+    pub model_url: String,
+    /// The key to seal the update to, with the key services' signatures: use it only if at least
+    /// T key services the device trusts signed it.
+    pub encryption: DeviceKey,
+    /// Where to PUT the envelope: a path on this server, or an absolute (signed) URL of the blob
+    /// store when devices upload straight to it.
+    pub upload_url: String,
+    /// Send exactly these headers with the upload (a signed URL covers them).
+    #[serde(default)]
+    pub upload_headers: BTreeMap<String, String>,
+    pub report_url: String,
+    /// Largest envelope the upload accepts.
+    pub max_contribution_bytes: u64,
+}
+
+/// When the device should ask again, and why nothing was assigned (200).
+#[derive(Debug, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct RetryResponse {
+    pub retry_window: RetryWindow,
+    /// `no_task`, `round_full`, `version_mismatch`, `constraints_not_met`, `tenant_mismatch` or
+    /// `no_encryption_key`.
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct RetryWindow {
+    pub min_seconds: u32,
+    pub max_seconds: u32,
+}
+
+impl RetryWindow {
+    /// How long to wait: uniformly inside the window, given `unit` drawn uniformly from [0, 1),
+    /// so devices told to retry at the same moment do not come back together.
+    pub fn jittered(&self, unit: f64) -> std::time::Duration {
+        let (lo, hi) = (
+            f64::from(self.min_seconds),
+            f64::from(self.max_seconds.max(self.min_seconds)),
+        );
+        std::time::Duration::from_secs_f64(lo + (hi - lo) * unit.clamp(0.0, 1.0))
+    }
+}
+
+/// How an assignment ended on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum ReportOutcome {
+    Completed,
+    Failed,
+    NotEligible,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ReportRequest {
+    pub outcome: ReportOutcome,
+    /// What went wrong, for `failed` (at most 1000 characters are kept).
+    #[serde(default)]
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ReportResponse {
+    pub state: AssignmentState,
+}

@@ -1,0 +1,306 @@
+//! The contribution envelope a device uploads: a CBOR map holding the key id, the HPKE
+//! encapsulated key and the ciphertext of the device's update (safetensors). The front end checks
+//! its shape and stores it; only the enclave opens it.
+//!
+//! ```text
+//! { "v": 2, "key_id": text, "enc": bytes(32), "ct": bytes }      (CBOR map, exactly these keys,
+//!   plus "chunk": uint when the update is sealed in chunks, see `hpke::seal_chunked`)
+//! info = "confed contribution v2" 0x00 key_id 0x00
+//! aad  = "confed contribution v2" 0x00 task_id 0x00 decimal(round) 0x00 assignment_ref 0x00
+//!        policy_sha256 0x00 model_sha256 0x00
+//! assignment_ref = lowercase hex SHA-256 of the assignment id
+//! policy_sha256  = lowercase hex SHA-256 of the task policy text (`policy.rs`)
+//! model_sha256   = lowercase hex SHA-256 of the model version the device trained from
+//! ```
+//!
+//! The associated data binds the task, round and assignment, so a ciphertext moved into another
+//! round or assignment does not open; and the task policy and the model version the device agreed
+//! to, so an enclave given other privacy parameters or another model opens nothing. It names the
+//! assignment by the hash of its id: the id is a capability the server does not keep, the hash is
+//! what the server stores and the enclave reads.
+
+use ciborium::Value;
+use thiserror::Error;
+
+use crate::hpke::{self, HpkeError, PublicKey, Sealer};
+
+pub const LABEL: &str = "confed contribution v2";
+pub const VERSION: u64 = 2;
+/// Fixed CBOR overhead besides the key id and ciphertext (map header, keys, length prefixes).
+pub const OVERHEAD_BYTES: usize = 64;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum EnvelopeError {
+    #[error("not a CBOR envelope: {0}")]
+    Cbor(String),
+    #[error("the envelope must be a CBOR map with exactly the keys v, key_id, enc, ct: {0}")]
+    Shape(String),
+    #[error(
+        "unsupported envelope version {0}; this server accepts version 2 (contributions bound to the task policy)"
+    )]
+    Version(u64),
+    #[error(transparent)]
+    Hpke(#[from] HpkeError),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Envelope {
+    pub key_id: String,
+    pub encapsulated_key: Vec<u8>,
+    pub ciphertext: Vec<u8>,
+    /// Plaintext bytes per chunk when sealed in chunks (large updates); `None` for one piece.
+    pub chunk: Option<u32>,
+}
+
+/// Updates larger than this are sealed in chunks of this size, so the enclave opens them in
+/// constant memory.
+pub const CHUNK_THRESHOLD: usize = 1024 * 1024;
+
+fn fields(parts: &[&str]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for part in parts {
+        out.extend_from_slice(part.as_bytes());
+        out.push(0);
+    }
+    out
+}
+
+pub fn info(key_id: &str) -> Vec<u8> {
+    fields(&[LABEL, key_id])
+}
+
+/// Lowercase hex SHA-256 of an assignment id: how the server and the enclave name an assignment.
+pub fn assignment_ref(assignment_id: &str) -> String {
+    crate::hex::sha256_hex(assignment_id.as_bytes())
+}
+
+/// What every contribution of one round is bound to, besides its assignment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoundContext {
+    pub task_id: String,
+    pub round: u64,
+    /// Lowercase hex SHA-256 of the task policy text.
+    pub policy_sha256: String,
+    /// Lowercase hex SHA-256 of the model version the round trains from.
+    pub model_sha256: String,
+}
+
+pub fn aad(context: &RoundContext, assignment_ref: &str) -> Vec<u8> {
+    fields(&[
+        LABEL,
+        &context.task_id,
+        &context.round.to_string(),
+        assignment_ref,
+        &context.policy_sha256,
+        &context.model_sha256,
+    ])
+}
+
+impl Envelope {
+    pub fn to_cbor(&self) -> Vec<u8> {
+        let text = |t: &str| Value::Text(t.into());
+        let mut entries = vec![
+            (text("v"), Value::Integer(VERSION.into())),
+            (text("key_id"), Value::Text(self.key_id.clone())),
+            (text("enc"), Value::Bytes(self.encapsulated_key.clone())),
+            (text("ct"), Value::Bytes(self.ciphertext.clone())),
+        ];
+        if let Some(chunk) = self.chunk {
+            entries.push((text("chunk"), Value::Integer(chunk.into())));
+        }
+        let mut out =
+            Vec::with_capacity(self.ciphertext.len() + OVERHEAD_BYTES + self.key_id.len());
+        ciborium::into_writer(&Value::Map(entries), &mut out)
+            .expect("writing CBOR to a Vec cannot fail");
+        out
+    }
+
+    /// Parses an envelope strictly: a map with exactly `v`, `key_id`, `enc` (32 bytes), `ct`, and
+    /// optionally `chunk` (`envelope_cbor.rs`).
+    pub fn from_cbor(bytes: &[u8]) -> Result<Self, EnvelopeError> {
+        crate::envelope_cbor::parse(bytes).map(|view| view.to_owned())
+    }
+
+    /// The envelope as a view (what `open_into` takes).
+    pub fn as_view(&self) -> EnvelopeRef<'_> {
+        EnvelopeRef {
+            key_id: &self.key_id,
+            encapsulated_key: &self.encapsulated_key,
+            ciphertext: &self.ciphertext,
+            chunk: self.chunk,
+        }
+    }
+}
+
+/// An envelope borrowing its fields from the stored bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EnvelopeRef<'a> {
+    pub key_id: &'a str,
+    pub encapsulated_key: &'a [u8],
+    pub ciphertext: &'a [u8],
+    pub chunk: Option<u32>,
+}
+
+impl EnvelopeRef<'_> {
+    /// Parses stored bytes without copying the ciphertext.
+    pub fn parse(bytes: &[u8]) -> Result<EnvelopeRef<'_>, EnvelopeError> {
+        crate::envelope_cbor::parse(bytes)
+    }
+
+    pub fn to_owned(&self) -> Envelope {
+        Envelope {
+            key_id: self.key_id.to_string(),
+            encapsulated_key: self.encapsulated_key.to_vec(),
+            ciphertext: self.ciphertext.to_vec(),
+            chunk: self.chunk,
+        }
+    }
+}
+
+/// The envelope's checks after decoding: every field present, the version, the encapsulated key's
+/// length, the ciphertext's minimum length and its chunk structure.
+pub fn validate<'a>(
+    version: Option<u64>,
+    key_id: Option<&'a str>,
+    enc: Option<&'a [u8]>,
+    ct: Option<&'a [u8]>,
+    chunk: Option<u64>,
+) -> Result<EnvelopeRef<'a>, EnvelopeError> {
+    let missing = |name: &str| EnvelopeError::Shape(format!("`{name}` is missing"));
+    let version = version.ok_or_else(|| missing("v"))?;
+    if version != VERSION {
+        return Err(EnvelopeError::Version(version));
+    }
+    let encapsulated_key = enc.ok_or_else(|| missing("enc"))?;
+    if encapsulated_key.len() != hpke::KEY_BYTES {
+        return Err(EnvelopeError::Shape("`enc` must be 32 bytes".into()));
+    }
+    let ciphertext = ct.ok_or_else(|| missing("ct"))?;
+    if ciphertext.len() < 16 {
+        return Err(EnvelopeError::Shape(
+            "`ct` is shorter than an AEAD tag".into(),
+        ));
+    }
+    let chunk = match chunk {
+        None => None,
+        Some(c) if (hpke::MIN_CHUNK as u64..=hpke::MAX_CHUNK as u64).contains(&c) => {
+            if hpke::split_chunks(ciphertext, c as usize).is_none() {
+                return Err(EnvelopeError::Shape(
+                    "`ct` is not a sequence of sealed chunks".into(),
+                ));
+            }
+            Some(c as u32)
+        }
+        Some(c) => {
+            return Err(EnvelopeError::Shape(format!(
+                "`chunk` {c} is outside {}..={}",
+                hpke::MIN_CHUNK,
+                hpke::MAX_CHUNK
+            )));
+        }
+    };
+    Ok(EnvelopeRef {
+        key_id: key_id.ok_or_else(|| missing("key_id"))?,
+        encapsulated_key,
+        ciphertext,
+        chunk,
+    })
+}
+
+/// Seals a device's update (safetensors bytes) for one assignment (the id the device was given),
+/// with the protocol's own HPKE (`hpke::RustCrypto`). Updates above `CHUNK_THRESHOLD` bytes are
+/// sealed in chunks.
+pub fn seal(
+    public_key: &PublicKey,
+    key_id: &str,
+    context: &RoundContext,
+    assignment_id: &str,
+    update: &[u8],
+) -> Result<Envelope, EnvelopeError> {
+    seal_with(
+        &hpke::RustCrypto,
+        public_key,
+        key_id,
+        context,
+        assignment_id,
+        update,
+    )
+}
+
+/// `seal` with a chosen HPKE implementation.
+pub fn seal_with(
+    sealer: &dyn Sealer,
+    public_key: &PublicKey,
+    key_id: &str,
+    context: &RoundContext,
+    assignment_id: &str,
+    update: &[u8],
+) -> Result<Envelope, EnvelopeError> {
+    let aad = aad(context, &assignment_ref(assignment_id));
+    let info = info(key_id);
+    let (encapsulated_key, ciphertext, chunk) = if update.len() > CHUNK_THRESHOLD {
+        let (enc, ct) = sealer.seal_chunked(public_key, &info, &aad, update, CHUNK_THRESHOLD)?;
+        (enc, ct, Some(CHUNK_THRESHOLD as u32))
+    } else {
+        let (enc, ct) = sealer.seal(public_key, &info, &aad, update)?;
+        (enc, ct, None)
+    };
+    Ok(Envelope {
+        key_id: key_id.to_string(),
+        encapsulated_key,
+        ciphertext,
+        chunk,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn malformed_envelopes_say_what_is_wrong() {
+        let good = Envelope {
+            key_id: "k1".into(),
+            encapsulated_key: vec![1; 32],
+            ciphertext: vec![2; 40],
+            chunk: None,
+        };
+        let build = |entries: Vec<(Value, Value)>| {
+            let mut out = Vec::new();
+            ciborium::into_writer(&Value::Map(entries), &mut out).unwrap();
+            out
+        };
+        let t = |s: &str| Value::Text(s.into());
+        let cases: Vec<(Vec<u8>, &str)> = vec![
+            (b"\xff\xff".to_vec(), "not a CBOR"),
+            (build(vec![]), "`v` is missing"),
+            (build(vec![(t("v"), Value::Integer(1.into()))]), "version 1"),
+            (build(vec![(t("v"), t("1"))]), "wrong type"),
+            (
+                build(vec![(t("v"), Value::Integer(2.into())), (t("x"), t("y"))]),
+                "unknown key `x`",
+            ),
+            (
+                build(vec![
+                    (t("v"), Value::Integer(2.into())),
+                    (t("key_id"), t("k")),
+                    (t("enc"), Value::Bytes(vec![1; 31])),
+                    (t("ct"), Value::Bytes(vec![0; 20])),
+                ]),
+                "32 bytes",
+            ),
+            (
+                build(vec![
+                    (t("v"), Value::Integer(2.into())),
+                    (t("v"), Value::Integer(2.into())),
+                ]),
+                "twice",
+            ),
+        ];
+        for (bytes, expected) in cases {
+            let error = Envelope::from_cbor(&bytes).unwrap_err().to_string();
+            assert!(error.contains(expected), "{expected}: {error}");
+        }
+        assert!(Envelope::from_cbor(&good.to_cbor()).is_ok());
+    }
+}

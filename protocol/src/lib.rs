@@ -1,0 +1,24 @@
+//! The wire formats of confed, one definition for every party: the device messages of the task
+//! assignment API (`device`), key sets and their signatures (`keyset`, `keys`), the task policy a
+//! device agrees to (`policy`), the contribution envelope and its HPKE sealing (`envelope`,
+//! `hpke`), the device's trust file, and the state names the API reports (`states`).
+//!
+//! This crate is what a device links (through `confed-device`), so it depends on no other confed
+//! crate, no database, HTTP server, DP or thread-pool crate; `docs/protocol.md` describes every
+//! format here byte for byte.
+
+pub mod clock;
+pub mod device;
+pub mod envelope;
+mod envelope_cbor;
+pub mod hex;
+pub mod hpke;
+#[cfg(feature = "http")]
+pub mod http;
+pub mod keys;
+pub mod keyset;
+pub mod policy;
+#[cfg(feature = "shares")]
+pub mod shares;
+pub mod states;
+pub mod trust;

@@ -1,0 +1,64 @@
+//! `confed demo`: the whole system in one process, a task trained over several rounds.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+
+#[derive(clap::Args)]
+pub struct DemoArgs {
+    /// Simulated devices in the population.
+    #[arg(long, default_value_t = 300)]
+    pub devices: usize,
+    #[arg(long, default_value_t = 5)]
+    pub rounds: u32,
+    /// Devices aggregated per round.
+    #[arg(long, default_value_t = 100)]
+    pub report_goal: u32,
+    /// Total privacy budget over all rounds.
+    #[arg(long, default_value_t = 4.0)]
+    pub epsilon: f64,
+    #[arg(long, default_value_t = 1e-6)]
+    pub delta: f64,
+    #[arg(long, default_value_t = 1.0)]
+    pub clip_norm: f64,
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+    /// Where the demo keeps its state (default: a new directory under the system's temp dir,
+    /// removed at the end).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+}
+
+pub async fn demo(args: DemoArgs) -> Result<()> {
+    let (data_dir, temporary) = match args.data_dir {
+        Some(dir) => (dir, false),
+        None => {
+            let unique = format!(
+                "confed-demo-{}-{}",
+                std::process::id(),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_millis())
+                    .unwrap_or_default()
+            );
+            (std::env::temp_dir().join(unique), true)
+        }
+    };
+    let outcome = confed::tools::demo::run(confed::tools::demo::DemoOptions {
+        devices: args.devices,
+        rounds: args.rounds,
+        report_goal: args.report_goal,
+        epsilon: args.epsilon,
+        delta: args.delta,
+        clip_norm: args.clip_norm,
+        seed: args.seed,
+        data_dir: data_dir.clone(),
+        progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+    })
+    .await;
+    if temporary {
+        let _ = std::fs::remove_dir_all(&data_dir);
+    }
+    outcome?;
+    Ok(())
+}

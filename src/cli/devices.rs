@@ -1,0 +1,160 @@
+//! `confed devices`: simulated devices, also the load generator.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Subcommand;
+
+#[derive(Subcommand)]
+pub enum DevicesCommand {
+    /// Run N devices that check in, train on private non-IID shards of a synthetic data set, seal
+    /// their updates and upload them.
+    Simulate {
+        /// Base URL of `confed serve`.
+        #[arg(long)]
+        server: String,
+        #[arg(long)]
+        population: String,
+        #[arg(long, default_value_t = 100)]
+        devices: usize,
+        #[arg(long, default_value_t = 16)]
+        concurrency: usize,
+        /// Contributions per device before it stops.
+        #[arg(long, default_value_t = 1)]
+        rounds: usize,
+        /// Device trust configuration: {"threshold": T, "keyservices": [{"id", "verifying_key"}],
+        /// "limits": {"max_epsilon", "max_delta", "min_reports"}}.
+        #[arg(long)]
+        trust: PathBuf,
+        /// Send random updates of the model's shape instead of training (load generator).
+        #[arg(long)]
+        no_train: bool,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        #[arg(long, default_value_t = 200)]
+        rows_per_device: usize,
+        /// Longest wait when told to retry, in milliseconds (real devices wait the whole window).
+        #[arg(long, default_value_t = 200)]
+        max_retry_wait_ms: u64,
+        /// Consecutive retry answers after which a device stops.
+        #[arg(long, default_value_t = 3)]
+        idle_limit: usize,
+        #[arg(long, default_value = "1.0.0")]
+        client_version: String,
+    },
+    /// Write the synthetic task's initial model (zeros, safetensors) to upload as version 0.
+    InitModel {
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+    /// Fetch key services' verifying keys into a device trust configuration (check the keys with
+    /// each operator out of band: this trusts whatever answers).
+    TrustConfig {
+        #[arg(long = "keyservice", required = true)]
+        keyservices: Vec<String>,
+        #[arg(long)]
+        threshold: usize,
+        /// Largest total epsilon of a task the device contributes to.
+        #[arg(long)]
+        max_epsilon: f64,
+        /// Largest delta of a task the device contributes to.
+        #[arg(long)]
+        max_delta: f64,
+        /// Fewest contributions (the policy's min_reports) a release may average.
+        #[arg(long)]
+        min_reports: u32,
+        /// Pin the tenant (id) the device works for: other tenants' tasks are refused.
+        #[arg(long)]
+        tenant_id: Option<String>,
+    },
+}
+
+pub async fn devices(command: DevicesCommand) -> Result<()> {
+    use confed::tools::simulate::{SimulationConfig, initial_model, run};
+    match command {
+        DevicesCommand::Simulate {
+            server,
+            population,
+            devices,
+            concurrency,
+            rounds,
+            trust,
+            no_train,
+            seed,
+            rows_per_device,
+            max_retry_wait_ms,
+            idle_limit,
+            client_version,
+        } => {
+            let trust = confed_device::load_trust(&trust)?;
+            let summary = run(SimulationConfig {
+                server,
+                population,
+                devices,
+                first_device: 0,
+                concurrency,
+                rounds,
+                trust,
+                train: !no_train,
+                seed,
+                rows_per_device,
+                max_retry_wait: Duration::from_millis(max_retry_wait_ms),
+                idle_limit,
+                client_version,
+                progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+                bars: None,
+            })
+            .await?;
+            summary.print();
+        }
+        DevicesCommand::InitModel { out, seed } => {
+            std::fs::write(&out, initial_model(seed))
+                .with_context(|| format!("writing {}", out.display()))?;
+            println!(
+                "wrote {} (softmax regression, 4 classes x 16 features, zeros)",
+                out.display()
+            );
+        }
+        DevicesCommand::TrustConfig {
+            keyservices,
+            threshold,
+            max_epsilon,
+            max_delta,
+            min_reports,
+            tenant_id,
+        } => {
+            let client = confed_enclave::http::client(Duration::from_secs(10));
+            let mut entries = Vec::new();
+            for url in &keyservices {
+                let set: confed_attestation::exchange::KeySet = client
+                    .get(format!("{}/v1/keys", url.trim_end_matches('/')))
+                    .send()
+                    .await
+                    .and_then(|r| r.error_for_status())
+                    .with_context(|| format!("fetching {url}/v1/keys"))?
+                    .json()
+                    .await
+                    .with_context(|| format!("reading {url}/v1/keys"))?;
+                entries.push(confed_protocol::trust::TrustedEntry {
+                    id: set.keyservice_id,
+                    verifying_key: set.verifying_key,
+                });
+            }
+            let config = confed_protocol::trust::TrustConfig {
+                threshold,
+                keyservices: entries,
+                limits: confed_enclave::policy::DeviceLimits {
+                    max_epsilon,
+                    max_delta,
+                    min_reports,
+                },
+                tenant_id,
+            };
+            println!("{}", serde_json::to_string_pretty(&config)?);
+        }
+    }
+    Ok(())
+}

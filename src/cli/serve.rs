@@ -1,0 +1,126 @@
+//! `confed serve`: the front ends, scheduler and (embedded) enclave worker and key services.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::Args;
+use confed::api::Limits;
+use confed::server::{self, ServeConfig, TlsFiles};
+
+use super::*;
+
+#[derive(Args)]
+pub struct DataDir {
+    /// Directory holding the task database (unless --database), blobs and contributions.
+    #[arg(long, default_value = "./confed-data")]
+    pub data_dir: PathBuf,
+    /// Task database on PostgreSQL (`postgres://user@host:port/db`) instead of the data
+    /// directory's SQLite file.
+    #[arg(long, env = "CONFED_DATABASE_URL")]
+    pub database: Option<String>,
+}
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub data: DataDir,
+    /// Blobs and device contributions in Google Cloud Storage (`gs://bucket/prefix`) instead of
+    /// the data directory; devices then upload through signed URLs. Credentials come from the
+    /// environment (Application Default Credentials; the metadata server on GCP).
+    #[arg(long, env = "CONFED_BLOBS")]
+    pub blobs: Option<String>,
+    /// A GCS endpoint other than Google's: only an emulator on plain http:// at a loopback
+    /// address (tests, deploy/local).
+    #[arg(long, env = "CONFED_GCS_ENDPOINT", requires = "blobs")]
+    pub gcs_endpoint: Option<String>,
+    /// A service account key (JSON) that signs device upload URLs locally, instead of IAM
+    /// signBlob as the ambient identity (one network call per check-in).
+    #[arg(long, env = "CONFED_GCS_SIGNING_KEY_FILE", requires = "blobs")]
+    pub gcs_signing_key_file: Option<PathBuf>,
+    /// Address to listen on; plain HTTP only on loopback addresses.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// PEM certificate chain for TLS (with --tls-key).
+    #[arg(long, requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key for TLS (with --tls-cert).
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// File holding the admin token (else the CONFED_ADMIN_TOKEN environment variable; with
+    /// neither, the admin API is off).
+    #[arg(long)]
+    pub admin_token_file: Option<PathBuf>,
+    /// File holding the token `confed-enclave` worker processes present (else the
+    /// CONFED_WORKER_TOKEN environment variable; with neither, the worker API is off).
+    #[arg(long)]
+    pub worker_token_file: Option<PathBuf>,
+    /// Largest model upload in bytes.
+    #[arg(long, default_value_t = Limits::default().model_bytes)]
+    pub max_model_bytes: usize,
+    /// Base URL of a key service whose signed key set devices receive (repeat for each).
+    #[arg(long = "keyservice")]
+    pub keyservices: Vec<String>,
+    /// What this process does (repeat for several; default all three, or api and scheduler
+    /// with --keyservice). API replicas,
+    /// schedulers and workers can run apart on one PostgreSQL database (`--database`).
+    #[arg(long = "role", value_enum)]
+    pub roles: Vec<server::Role>,
+    /// Seconds between scheduler passes (round deadlines).
+    #[arg(long, default_value_t = 1)]
+    pub scheduler_period_seconds: u64,
+    /// Minutes a closed round's contributions are kept before retention deletes them (default
+    /// one week; at least 1).
+    #[arg(long, default_value_t = 10080)]
+    pub retention_minutes: u64,
+}
+
+pub async fn serve(args: ServeArgs) -> Result<()> {
+    let tls = match (args.tls_cert, args.tls_key) {
+        (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
+        _ => None,
+    };
+    let mut roles = args.roles;
+    if roles.is_empty() {
+        // By default everything this layout can run: with remote key services the enclave
+        // workers are confed-enclave processes, so the in-process worker is not among them.
+        roles = server::Role::ALL.to_vec();
+        if !args.keyservices.is_empty() {
+            roles.retain(|r| *r != server::Role::EnclaveWorker);
+        }
+    }
+    roles.sort_by_key(|r| *r as u8);
+    roles.dedup();
+    let blobs = match &args.blobs {
+        Some(url) => Some(confed::blob::GcsConfig {
+            endpoint: args.gcs_endpoint.clone(),
+            signing_key_file: args.gcs_signing_key_file.clone(),
+            ..confed::blob::GcsConfig::parse(url)?
+        }),
+        None => None,
+    };
+    let config = ServeConfig {
+        roles,
+        blobs,
+        data_dir: args.data.data_dir,
+        database: args.data.database,
+        keyservices: args.keyservices,
+        listen: args.listen,
+        tls,
+        admin: admin_token(args.admin_token_file.as_ref())?,
+        worker_token: shared_token(
+            args.worker_token_file.as_ref(),
+            "CONFED_WORKER_TOKEN",
+            "worker",
+        )?,
+        limits: Limits {
+            model_bytes: args.max_model_bytes,
+            ..Limits::default()
+        },
+        scheduler_period: Duration::from_secs(args.scheduler_period_seconds.max(1)),
+        retention: Duration::from_secs(args.retention_minutes.max(1) * 60),
+    };
+    server::serve(config, shutdown_signal()).await?;
+    Ok(())
+}

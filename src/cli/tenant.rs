@@ -1,0 +1,78 @@
+//! `confed tenant`: tenants managed directly in a data directory.
+
+use anyhow::{Result, bail};
+use clap::Subcommand;
+use confed::clock::{Clock, SystemClock, rfc3339};
+use confed::db::NewTenant;
+use confed::server;
+
+use super::*;
+
+#[derive(Subcommand)]
+pub enum TenantCommand {
+    /// Create a tenant and print its API token (alone, on stdout). The token is not stored.
+    Create {
+        name: String,
+        #[command(flatten)]
+        data: DataDir,
+        #[arg(long, default_value_t = confed::api::admin::DEFAULT_MAX_ACTIVE_TASKS)]
+        max_active_tasks: i64,
+        #[arg(long, default_value_t = confed::api::admin::DEFAULT_MAX_REPORT_GOAL)]
+        max_report_goal: i64,
+    },
+    /// List tenants (never their tokens).
+    List {
+        #[command(flatten)]
+        data: DataDir,
+    },
+}
+
+pub async fn tenant(command: TenantCommand) -> Result<()> {
+    match command {
+        TenantCommand::Create {
+            name,
+            data,
+            max_active_tasks,
+            max_report_goal,
+        } => {
+            let request = confed::api::admin::CreateTenantRequest {
+                name,
+                max_active_tasks: Some(max_active_tasks),
+                max_report_goal: Some(max_report_goal),
+            };
+            let new: NewTenant = match request.validate() {
+                Ok(new) => new,
+                Err(problems) => {
+                    let text: Vec<_> = problems
+                        .iter()
+                        .map(|p| format!("{} {}", p.name, p.reason))
+                        .collect();
+                    bail!("invalid tenant: {}", text.join("; "));
+                }
+            };
+            let (db, _) = server::open_data_dir(&data.data_dir, data.database.as_deref()).await?;
+            let (tenant, token) = db.create_tenant(&new, SystemClock.now_millis()).await?;
+            db.close().await;
+            eprintln!(
+                "created tenant {} ({}); its token follows, shown only this once",
+                tenant.name, tenant.id
+            );
+            println!("{}", token.as_str());
+        }
+        TenantCommand::List { data } => {
+            let (db, _) = server::open_data_dir(&data.data_dir, data.database.as_deref()).await?;
+            for t in db.list_tenants().await? {
+                println!(
+                    "{}\t{}\tmax_active_tasks={}\tmax_report_goal={}\tcreated {}",
+                    t.name,
+                    t.id,
+                    t.max_active_tasks,
+                    t.max_report_goal,
+                    rfc3339(t.created_at)
+                );
+            }
+            db.close().await;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,120 @@
+//! The crate graph is the trust boundary and the device's footprint: these tests read it with
+//! `cargo tree` and fail when a crate appears where it must not (docs/architecture.md, "Crates").
+
+use std::collections::BTreeSet;
+use std::process::Command;
+
+/// Every package `package` links in normal builds (no dev or build dependencies), by name.
+fn normal_dependencies(package: &str, features: &[&str]) -> BTreeSet<String> {
+    let mut command = Command::new(env!("CARGO"));
+    command.args([
+        "tree",
+        "--offline",
+        "-e",
+        "normal",
+        "--prefix",
+        "none",
+        "-p",
+        package,
+    ]);
+    if !features.is_empty() {
+        command.args(["--features", &features.join(",")]);
+    }
+    let output = command
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("cargo tree runs");
+    assert!(
+        output.status.success(),
+        "cargo tree -p {package}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| line.split_whitespace().next().map(str::to_string))
+        .collect()
+}
+
+fn assert_none_of(package: &str, found: &BTreeSet<String>, forbidden: &[&str]) {
+    let present: Vec<&&str> = forbidden
+        .iter()
+        .filter(|name| found.contains(**name))
+        .collect();
+    assert!(
+        present.is_empty(),
+        "{package} must not link {present:?} ({} crates in all)",
+        found.len()
+    );
+}
+
+/// Databases, HTTP servers, DP and thread pools: none belongs on a phone.
+const SERVER_SIDE: &[&str] = &[
+    "confed",
+    "confed-enclave",
+    "confed-keyservice",
+    "confed-attestation",
+    "sqlx",
+    "sqlx-core",
+    "rusqlite",
+    "libsqlite3-sys",
+    "tokio-postgres",
+    "axum",
+    "axum-server",
+    "opendp",
+    "rayon",
+    "utoipa",
+    "google-cloud-storage",
+    "blahaj",
+    "aws-lc-sys",
+];
+
+#[test]
+fn the_device_library_links_no_database_server_dp_or_thread_pool_crate() {
+    let found = normal_dependencies("confed-device", &[]);
+    assert_none_of("confed-device", &found, SERVER_SIDE);
+    // The footprint the README states (155 packages on 2026-12-01): a jump means a new heavy
+    // dependency; look at it before raising this bound.
+    assert!(found.len() <= 170, "{} crates: {found:?}", found.len());
+}
+
+#[test]
+fn the_protocol_crate_alone_links_no_http_stack() {
+    let found = normal_dependencies("confed-protocol", &[]);
+    assert_none_of(
+        "confed-protocol",
+        &found,
+        &[SERVER_SIDE, &["reqwest", "hyper", "tokio"]].concat(),
+    );
+}
+
+#[test]
+fn the_key_service_links_no_front_end_database_or_enclave() {
+    let found = normal_dependencies("confed-keyservice", &[]);
+    assert_none_of(
+        "confed-keyservice",
+        &found,
+        &[
+            "confed",
+            "confed-enclave",
+            "confed-device",
+            "sqlx",
+            "rusqlite",
+            "opendp",
+            "rayon",
+            "google-cloud-storage",
+            "utoipa",
+        ],
+    );
+}
+
+#[test]
+fn the_enclave_and_attestation_never_link_the_front_ends() {
+    for package in ["confed-enclave", "confed-attestation"] {
+        let found = normal_dependencies(package, &[]);
+        assert_none_of(
+            package,
+            &found,
+            &["confed", "confed-keyservice", "sqlx", "rusqlite", "axum"],
+        );
+    }
+}
