@@ -149,22 +149,21 @@ pub async fn run(
     Ok(())
 }
 
-/// Completes on SIGINT or SIGTERM.
-pub async fn shutdown_signal() {
-    let interrupt = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut terminate =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                .expect("installing the SIGTERM handler");
+/// Completes on SIGINT or SIGTERM. The handlers are installed when this is called, not when the
+/// future is first polled: a process that announced itself may be signalled at once (a
+/// supervisor, a test), and a signal before the handler exists would kill it uncleanly. Call it
+/// inside the runtime.
+pub fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut interrupt = signal(SignalKind::interrupt()).expect("installing the SIGINT handler");
+    let mut terminate = signal(SignalKind::terminate()).expect("installing the SIGTERM handler");
+    async move {
         tokio::select! {
-            _ = interrupt => {},
+            _ = interrupt.recv() => {},
             _ = terminate.recv() => {},
         }
+        tracing::info!("shutdown signal received; draining");
     }
-    #[cfg(not(unix))]
-    let _ = interrupt.await;
-    tracing::info!("shutdown signal received; draining");
 }
 
 /// Whatever a key service writes (its audit log, signing key, checkpoints) is for its operator

@@ -32,7 +32,8 @@ fn main() -> std::process::ExitCode {
     let outcome = tokio::runtime::Runtime::new()
         .map_err(anyhow::Error::from)
         .and_then(|runtime| {
-            runtime.block_on(cli::run(cli.command, cli.run, cli::shutdown_signal()))
+            // Inside the runtime: the signal handlers are installed on the runtime's driver.
+            runtime.block_on(async { cli::run(cli.command, cli.run, cli::shutdown_signal()).await })
         });
     match outcome {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -18,15 +18,16 @@
 mod assignments;
 mod blobs;
 pub mod device;
-mod device_postgres;
 mod error;
 mod history;
 pub mod jobs;
 mod models;
 pub mod populations;
+mod postgres;
 mod resume;
 mod retention;
 mod rounds;
+mod sqlite;
 mod tasks;
 mod tenants;
 pub mod writer;
@@ -287,12 +288,12 @@ impl Db {
         }
     }
 
-    /// Runs a job on the writer's raw SQLite handle in the next group commit (the device hot
-    /// paths: no round trip per statement; see `writer.rs`).
+    /// Runs a job on the writer's raw SQLite handle in the next group commit, whole in its own
+    /// savepoint (the device store: no round trip per statement; see `writer.rs`).
     pub(crate) async fn write_raw<T, F>(&self, job: F) -> Result<T, DbError>
     where
         T: Send + 'static,
-        F: FnOnce(&rusqlite::Connection) -> Result<writer::Raw<T>, DbError> + Send + 'static,
+        F: FnOnce(&rusqlite::Connection) -> Result<T, DbError> + Send + 'static,
     {
         self.sqlite_parts()?.writer.write_raw(job).await
     }

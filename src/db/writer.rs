@@ -5,11 +5,12 @@
 //! then answers each job. A job's caller hears "done" only after the commit that includes it is
 //! on disk: the durability promise is unchanged, the fsync is shared.
 //!
-//! Jobs come in two kinds. Raw jobs (the device hot paths) run synchronously through rusqlite on
-//! the writer's own connection, on the writer's own thread: no thread hop per statement. Async
-//! jobs use sqlx (any logic; every statement a round trip to sqlx's worker thread) on a second
-//! connection. A batch commits its raw jobs in one transaction, then its async jobs (and the raw
-//! jobs' `After` parts) in another; only one of the two connections writes at any time.
+//! Jobs come in two kinds. Raw jobs (the device store, `sqlite/device.rs`) run synchronously
+//! through rusqlite on the writer's own connection, on the writer's own thread: no thread hop per
+//! statement, and each job whole in its savepoint. Async jobs (every other write, in SQL shared
+//! with PostgreSQL) use sqlx, every statement a round trip to sqlx's worker thread, on a second
+//! connection. A batch commits its raw jobs in one transaction, then its async jobs in another;
+//! only one of the two connections writes at any time.
 //!
 //! The fsync runs beside the next batch instead of before it: both connections commit with
 //! `synchronous = NORMAL` (SQLite writes the WAL frames but does not fsync them at commit), and a
@@ -38,25 +39,9 @@ type Completion = Box<dyn FnOnce(Option<&str>) + Send>;
 /// connection's worker thread).
 type AsyncJob = Box<dyn for<'c> FnOnce(&'c mut Conn) -> BoxFuture<'c, (bool, Completion)> + Send>;
 
-/// A job's synchronous fast path, run on the writer's rusqlite connection: done, or (rarely)
-/// an `After` part that needs the async API. `After` runs in the batch's second transaction,
-/// after the raw jobs committed, so it must not need to be atomic with the raw part: the device
-/// paths use it only to read why a guarded update changed nothing.
-pub enum Raw<T> {
-    Done(T),
-    After(Continuation<T>),
-}
-
-/// The async rest of a raw job.
-pub type Continuation<T> =
-    Box<dyn for<'c> FnOnce(&'c mut Conn) -> BoxFuture<'c, Result<T, DbError>> + Send>;
-
-enum RawErased {
-    Done(bool, Completion),
-    After(AsyncJob),
-}
-
-type RawJob = Box<dyn FnOnce(&rusqlite::Connection) -> RawErased + Send>;
+/// A synchronous job on the writer's rusqlite connection: whether it succeeded (its savepoint is
+/// released, else rolled back) and how to answer its caller.
+type RawJob = Box<dyn FnOnce(&rusqlite::Connection) -> (bool, Completion) + Send>;
 
 enum Job {
     Async(AsyncJob),
@@ -151,27 +136,15 @@ impl Writer {
         self.submit(Job::Async(wrapped), result).await
     }
 
-    /// Runs `job` on the writer's rusqlite connection in the next batch (the hot paths: no
-    /// round trip per statement); a `Raw::After` part follows through sqlx.
+    /// Runs `job` on the writer's rusqlite connection in the next batch, whole in its own
+    /// savepoint (the device store: no round trip per statement).
     pub async fn write_raw<T, F>(&self, job: F) -> Result<T, DbError>
     where
         T: Send + 'static,
-        F: FnOnce(&rusqlite::Connection) -> Result<Raw<T>, DbError> + Send + 'static,
+        F: FnOnce(&rusqlite::Connection) -> Result<T, DbError> + Send + 'static,
     {
         let (answer, result) = oneshot::channel();
-        let wrapped: RawJob = Box::new(move |conn| match job(conn) {
-            Ok(Raw::Done(value)) => {
-                let (ok, done) = completion(Ok(value), answer);
-                RawErased::Done(ok, done)
-            }
-            Err(error) => {
-                let (ok, done) = completion::<T>(Err(error), answer);
-                RawErased::Done(ok, done)
-            }
-            Ok(Raw::After(rest)) => RawErased::After(Box::new(move |conn| {
-                Box::pin(async move { completion(rest(conn).await, answer) })
-            })),
-        });
+        let wrapped: RawJob = Box::new(move |conn| completion(job(conn), answer));
         self.submit(Job::Raw(wrapped), result).await
     }
 }
@@ -273,8 +246,8 @@ fn sync(wal: &std::path::Path, file: &mut Option<std::fs::File>) -> Result<(), S
         .map_err(|e| format!("fsync of {}: {e}", wal.display()))
 }
 
-/// Each batch: its raw jobs in one transaction on the rusqlite connection, then its async jobs
-/// and the raw jobs' `After` parts in one transaction through sqlx (only if there are any). Order
+/// Each batch: its raw jobs in one transaction on the rusqlite connection, then its async jobs in
+/// one transaction through sqlx (only if there are any). Order
 /// inside a batch does not matter: its jobs were concurrent requests.
 async fn run(
     mut conn: Conn,
@@ -300,9 +273,8 @@ async fn run(
             }
         }
         if !raw.is_empty() {
-            let (completions, afters, error) = run_raw(&raw_conn, raw);
+            let (completions, error) = run_raw(&raw_conn, raw);
             send(&synced, completions, error);
-            asyncs.extend(afters);
         }
         if !asyncs.is_empty() {
             let (completions, error) = run_async(&mut conn, asyncs).await;
@@ -332,14 +304,10 @@ fn send(
     }
 }
 
-/// Raw jobs in one transaction, each in its own savepoint; returns their completions, the
-/// `After` parts to run next, and the transaction's error if it did not commit.
-fn run_raw(
-    conn: &rusqlite::Connection,
-    jobs: Vec<RawJob>,
-) -> (Vec<Completion>, Vec<AsyncJob>, Option<String>) {
+/// Raw jobs in one transaction, each in its own savepoint; returns their completions and the
+/// transaction's error if it did not commit.
+fn run_raw(conn: &rusqlite::Connection, jobs: Vec<RawJob>) -> (Vec<Completion>, Option<String>) {
     let mut completions = Vec::with_capacity(jobs.len());
-    let mut afters = Vec::new();
     let sql = |statement: &str| conn.execute_batch(statement).map_err(|e| e.to_string());
     let mut failure = sql("BEGIN IMMEDIATE").err();
     for job in jobs {
@@ -351,17 +319,8 @@ fn run_raw(
             failure = Some(e);
             continue;
         }
-        let ok = match job(conn) {
-            RawErased::Done(ok, done) => {
-                completions.push(done);
-                ok
-            }
-            RawErased::After(rest) => {
-                afters.push(rest);
-                // The raw part of a job with an `After` changed nothing that needs undoing.
-                true
-            }
-        };
+        let (ok, done) = job(conn);
+        completions.push(done);
         if let Err(e) = sql(end_job(ok)) {
             failure = Some(e);
         }
@@ -372,10 +331,8 @@ fn run_raw(
     };
     if error.is_some() {
         let _ = sql("ROLLBACK");
-        // The `After` parts belong to jobs that are refused with the batch.
-        afters.clear();
     }
-    (completions, afters, error)
+    (completions, error)
 }
 
 /// Async jobs in one transaction through sqlx, each in its own savepoint.
@@ -471,35 +428,27 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn raw_jobs_commit_roll_back_alone_and_follow_up_through_sqlx() {
+    async fn raw_jobs_commit_or_roll_back_alone() {
         let dir = tempfile::tempdir().unwrap();
         let writer = writer_on_table(dir.path(), dir.path().join("t.db")).await;
         let done = writer.write_raw(|c| {
             c.execute("INSERT INTO t (v) VALUES (1)", [])?;
-            Ok(Raw::Done(7))
+            Ok(7)
         });
-        let failed = writer.write_raw(|c| -> Result<Raw<()>, DbError> {
+        let failed = writer.write_raw(|c| -> Result<(), DbError> {
             c.execute("INSERT INTO t (v) VALUES (2)", [])?;
             Err(DbError::Corrupt("refused after writing".into()))
         });
-        let continued = writer.write_raw(|c| {
+        let also = writer.write_raw(|c| {
             c.execute("INSERT INTO t (v) VALUES (3)", [])?;
-            let rest: Continuation<i64> = Box::new(|conn| {
-                Box::pin(async move {
-                    sqlx::query("INSERT INTO t (v) VALUES (4)")
-                        .execute(&mut *conn)
-                        .await?;
-                    Ok(4)
-                })
-            });
-            Ok(Raw::After(rest))
+            Ok(3)
         });
-        let (done, failed, continued) = tokio::join!(done, failed, continued);
+        let (done, failed, also) = tokio::join!(done, failed, also);
         assert_eq!(done.unwrap(), 7);
         assert!(matches!(failed, Err(DbError::Corrupt(_))));
-        assert_eq!(continued.unwrap(), 4);
-        // 1, 3 and 4 stayed; the failed job's 2 was rolled back with its savepoint.
-        assert_eq!(count(dir.path()), 3);
+        assert_eq!(also.unwrap(), 3);
+        // 1 and 3 stayed; the failed job's 2 was rolled back with its savepoint.
+        assert_eq!(count(dir.path()), 2);
     }
 
     #[tokio::test]
@@ -509,7 +458,7 @@ mod tests {
         let jobs = (0..20).map(|v| {
             writer.write_raw(move |c| {
                 c.execute("INSERT INTO t (v) VALUES (?1)", [v])?;
-                Ok(Raw::Done(()))
+                Ok(())
             })
         });
         for result in futures_util::future::join_all(jobs).await {

@@ -136,6 +136,28 @@ impl TestApp {
         Self::build(admin, limits, None).await
     }
 
+    /// One app per engine a conformance suite runs on (`database::each_engine`), named.
+    #[allow(dead_code)]
+    pub async fn on_each_engine() -> Vec<(&'static str, Self)> {
+        let app = |db, url, dir| Self::on(db, url, dir, Some(ADMIN_TOKEN), Limits::default(), None);
+        let dir = tempfile::tempdir().unwrap();
+        let sqlite = confed::db::Db::open_sqlite(&dir.path().join("confed.db"))
+            .await
+            .expect("opening the test database on SQLite");
+        let mut apps = vec![("sqlite", app(sqlite, None, dir))];
+        if let Some(server) = database::postgres_url() {
+            let url = database::fresh_postgres_database(&server).await;
+            let postgres = confed::db::Db::open_postgres(&url)
+                .await
+                .expect("opening the test database on PostgreSQL");
+            apps.push((
+                "postgres",
+                app(postgres, Some(url), tempfile::tempdir().unwrap()),
+            ));
+        }
+        apps
+    }
+
     async fn build(
         admin: Option<&str>,
         limits: Limits,
@@ -143,6 +165,17 @@ impl TestApp {
     ) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let (db, database_url) = database::test_database(dir.path()).await;
+        Self::on(db, database_url, dir, admin, limits, keys)
+    }
+
+    fn on(
+        db: confed::db::Db,
+        database_url: Option<String>,
+        dir: tempfile::TempDir,
+        admin: Option<&str>,
+        limits: Limits,
+        keys: Option<confed::keys::directory::KeyDirectory>,
+    ) -> Self {
         let clock = Arc::new(ManualClock::starting_at(START_MILLIS));
         let (key, key_sets) = test_key();
         let state = AppState {

@@ -1,0 +1,282 @@
+//! The device store on PostgreSQL. On SQLite the hot paths run on the single writer's raw handle
+//! (`sqlite/device.rs`), where being serial makes every guarded statement atomic. Here many
+//! servers run them at once, each as one READ COMMITTED transaction on a pooled connection, kept
+//! apart by row locks:
+//! - check-in: the guarded `UPDATE rounds ... live_assignments < capacity` locks the round row;
+//!   PostgreSQL re-checks the guard after waiting for the lock, so no round is over-filled;
+//! - upload: the guarded `UPDATE assignments` (compare-and-set on the state) locks the
+//!   assignment; a repeated upload waits and then sees the stored digest;
+//! - completed report: locks the round row first (`FOR UPDATE`), so completions and the goal's
+//!   closing are serial per round: exactly one report closes the round, and none completes an
+//!   assignment of a round already closed (its contribution would miss the aggregation).
+//!
+//! State names come from `states.rs`.
+
+use std::sync::LazyLock;
+
+use crate::db::device::{
+    Assigned, AssignmentView, CandidateRow, DEVICE_ERROR_CHARS, DeviceStore, NewAssignment,
+    NewUpload, Refusal, Report, ReportOutcome, ReportStep, Stored, VIEW_SQL, ViewRow,
+    WRITE_VIEW_SQL, WriteView, WriteViewRow, report_step, upload_outcome, view_from_row,
+};
+use crate::db::{Conn, Db, DbError, history, new_history_id, transition};
+use crate::states::{AssignmentState, RoundState, StateMachine, TaskState};
+
+use AssignmentState::{Assigned as ASSIGNED, Completed as COMPLETED, Uploaded as UPLOADED};
+use RoundState::{Aggregating as AGGREGATING, Collecting as COLLECTING};
+
+/// The device store of a PostgreSQL `Db`.
+pub(in crate::db) struct PostgresDevices<'a>(pub &'a Db);
+
+static CANDIDATES: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT r.id, t.id, t.tenant_id, r.round_number, r.deadline_at, r.key_id, \
+         t.model_version, r.live_assignments, t.spec_json, r.attempt \
+         FROM rounds r JOIN tasks t ON t.id = r.task_id \
+         JOIN populations p ON p.name = t.population AND p.tenant_id = t.tenant_id \
+         WHERE t.population = $1 AND t.state = '{open}' AND r.state = '{collecting}'",
+        open = TaskState::Open.as_str(),
+        collecting = COLLECTING.as_str(),
+    )
+});
+
+/// One statement, so one round trip and an implicit transaction: the round row's lock (taken by
+/// the guarded UPDATE, which PostgreSQL re-checks after waiting for it) is held only for this
+/// statement and its commit, not across a BEGIN ... COMMIT conversation. Every check-in of a
+/// round takes that lock, so its hold time bounds the round's check-in rate.
+static ASSIGN: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH r AS (UPDATE rounds SET key_id = COALESCE(key_id, $2), \
+         live_assignments = live_assignments + 1 \
+         WHERE id = $1 AND state = '{collecting}' AND live_assignments < $3 RETURNING key_id), \
+         a AS (INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
+         SELECT $4, $1, '{assigned}', $5, $6, $6 FROM r RETURNING id), \
+         h AS (INSERT INTO state_history \
+         (id, entity, entity_id, seq, from_state, to_state, reason, at) \
+         SELECT $7, '{entity}', a.id, 1, NULL, '{assigned}', 'device checked in', $6 FROM a) \
+         SELECT key_id FROM r",
+        collecting = COLLECTING.as_str(),
+        assigned = ASSIGNED.as_str(),
+        entity = AssignmentState::ENTITY,
+    )
+});
+
+/// The common upload in one statement (one round trip, implicit transaction): the guarded
+/// ASSIGNED -> UPLOADED transition and its history row.
+static UPLOAD: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH u AS (UPDATE assignments SET state = '{uploaded}', updated_at = $1, \
+         contribution_sha256 = $2, contribution_bytes = $3, blob_key = $4 \
+         WHERE id = $5 AND state = '{assigned}' AND contribution_sha256 IS NULL \
+         AND expires_at > $1 AND EXISTS (SELECT 1 FROM rounds r \
+         WHERE r.id = assignments.round_id AND r.state = '{collecting}') RETURNING id), \
+         h AS (INSERT INTO state_history \
+         (id, entity, entity_id, seq, from_state, to_state, reason, at) \
+         SELECT $6, '{entity}', u.id, \
+         (SELECT COALESCE(MAX(seq), 0) + 1 FROM state_history WHERE entity_id = $5), \
+         '{assigned}', '{uploaded}', 'contribution stored', $1 FROM u) \
+         SELECT COUNT(*) FROM u",
+        uploaded = UPLOADED.as_str(),
+        assigned = ASSIGNED.as_str(),
+        collecting = COLLECTING.as_str(),
+        entity = AssignmentState::ENTITY,
+    )
+});
+
+/// With the round locked: the guarded transition, its history row and the round's counter in one
+/// statement (one round trip instead of three).
+static COMPLETE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH u AS (UPDATE assignments SET state = '{completed}', updated_at = $1 \
+         WHERE id = $2 AND state = '{uploaded}' AND expires_at > $1 RETURNING id), \
+         h AS (INSERT INTO state_history \
+         (id, entity, entity_id, seq, from_state, to_state, reason, at) \
+         SELECT $3, '{entity}', u.id, \
+         (SELECT COALESCE(MAX(seq), 0) + 1 FROM state_history WHERE entity_id = $2), \
+         '{uploaded}', '{completed}', 'device reported completion', $1 FROM u) \
+         UPDATE rounds SET completed_reports = completed_reports + 1 \
+         WHERE id = $4 AND EXISTS (SELECT 1 FROM u) RETURNING completed_reports",
+        completed = COMPLETED.as_str(),
+        uploaded = UPLOADED.as_str(),
+        entity = AssignmentState::ENTITY,
+    )
+});
+
+static CLOSE_ROUND: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE rounds SET state = '{aggregating}', updated_at = $2 \
+         WHERE id = $1 AND state = '{collecting}'",
+        aggregating = AGGREGATING.as_str(),
+        collecting = COLLECTING.as_str(),
+    )
+});
+
+const CREATE_JOB: &str = "INSERT INTO aggregation_jobs (round_id, task_id, state, not_before, created_at, updated_at) \
+     SELECT id, task_id, 'PENDING', $2, $2, $2 FROM rounds WHERE id = $1";
+
+async fn write_view(conn: &mut Conn, id: &str) -> Result<Option<WriteView>, DbError> {
+    let row: Option<WriteViewRow> = sqlx::query_as(WRITE_VIEW_SQL)
+        .bind(id)
+        .fetch_optional(&mut *conn)
+        .await?;
+    row.map(WriteView::from_row).transpose()
+}
+
+/// A report the guarded completion did not apply, decided by `report_step`.
+async fn report_off_path(
+    conn: &mut Conn,
+    report: &Report,
+) -> Result<Result<AssignmentState, Refusal>, DbError> {
+    let view = write_view(conn, &report.id).await?;
+    match report_step(view.as_ref(), report.outcome, report.now)? {
+        ReportStep::Answer(answer) => Ok(answer),
+        ReportStep::Apply { from, to, reason } => {
+            if let Some(error) = &report.device_error {
+                sqlx::query("UPDATE assignments SET device_error = $1 WHERE id = $2")
+                    .bind(error.chars().take(DEVICE_ERROR_CHARS).collect::<String>())
+                    .bind(&report.id)
+                    .execute(&mut *conn)
+                    .await?;
+            }
+            transition(conn, &report.id, from, to, reason, report.now).await?;
+            Ok(Ok(to))
+        }
+    }
+}
+
+/// A completion with its round row locked first; the completion that reaches the goal closes the
+/// round and creates its job in the same transaction.
+async fn complete(
+    tx: &mut Conn,
+    report: &Report,
+) -> Result<Result<AssignmentState, Refusal>, DbError> {
+    debug_assert!(UPLOADED.can_become(COMPLETED));
+    let round: Option<(String, String, i64)> = sqlx::query_as(
+        "SELECT r.id, r.state, r.report_goal FROM rounds r \
+         WHERE r.id = (SELECT round_id FROM assignments WHERE id = $1) FOR UPDATE",
+    )
+    .bind(&report.id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((round_id, round_state, goal)) = round else {
+        return Ok(Err(Refusal::UnknownAssignment));
+    };
+    let completed: Option<(i64,)> = if round_state == COLLECTING.as_str() {
+        sqlx::query_as(COMPLETE.as_str())
+            .bind(report.now)
+            .bind(&report.id)
+            .bind(new_history_id())
+            .bind(&round_id)
+            .fetch_optional(&mut *tx)
+            .await?
+    } else {
+        None
+    };
+    let Some((completed,)) = completed else {
+        return report_off_path(tx, report).await;
+    };
+    if completed != goal {
+        return Ok(Ok(COMPLETED));
+    }
+    debug_assert!(COLLECTING.can_become(AGGREGATING));
+    sqlx::query(CLOSE_ROUND.as_str())
+        .bind(&round_id)
+        .bind(report.now)
+        .execute(&mut *tx)
+        .await?;
+    history::append(
+        tx,
+        RoundState::ENTITY,
+        &round_id,
+        Some(COLLECTING.as_str()),
+        AGGREGATING.as_str(),
+        &format!("report goal {goal} reached"),
+        report.now,
+    )
+    .await?;
+    sqlx::query(CREATE_JOB)
+        .bind(&round_id)
+        .bind(report.now)
+        .execute(&mut *tx)
+        .await?;
+    Ok(Ok(COMPLETED))
+}
+
+impl DeviceStore for PostgresDevices<'_> {
+    async fn candidates(&self, population: &str) -> Result<Vec<CandidateRow>, DbError> {
+        Ok(sqlx::query_as(CANDIDATES.as_str())
+            .bind(population.to_string())
+            .fetch_all(self.0.pool())
+            .await?)
+    }
+
+    async fn assign(&self, new: NewAssignment) -> Result<Option<Assigned>, DbError> {
+        let key_id: Option<(Option<String>,)> = sqlx::query_as(ASSIGN.as_str())
+            .bind(&new.round_id)
+            .bind(&new.key_if_unset)
+            .bind(new.capacity)
+            .bind(&new.id)
+            .bind(new.expires_at)
+            .bind(new.now)
+            .bind(new_history_id())
+            .fetch_optional(self.0.pool())
+            .await?;
+        Ok(match key_id {
+            Some((Some(key_id),)) => Some(Assigned {
+                key_id,
+                expires_at: new.expires_at,
+            }),
+            _ => None,
+        })
+    }
+
+    async fn assignment(&self, id: String) -> Result<Option<AssignmentView>, DbError> {
+        let row: Option<ViewRow> = sqlx::query_as(VIEW_SQL)
+            .bind(&id)
+            .fetch_optional(self.0.pool())
+            .await?;
+        row.map(view_from_row).transpose()
+    }
+
+    async fn record_upload(&self, upload: NewUpload) -> Result<Result<Stored, Refusal>, DbError> {
+        debug_assert!(ASSIGNED.can_become(UPLOADED));
+        let (changed,): (i64,) = sqlx::query_as(UPLOAD.as_str())
+            .bind(upload.now)
+            .bind(&upload.sha256_hex)
+            .bind(upload.size)
+            .bind(&upload.blob_key)
+            .bind(&upload.id)
+            .bind(new_history_id())
+            .fetch_one(self.0.pool())
+            .await?;
+        if changed == 1 {
+            return Ok(Ok(Stored::New));
+        }
+        // Only a refusal or a repeated upload reads the row to say why.
+        self.0
+            .write(move |tx| {
+                Box::pin(async move {
+                    let view = write_view(tx, &upload.id).await?;
+                    Ok(upload_outcome(view, &upload.sha256_hex, upload.now))
+                })
+            })
+            .await
+    }
+
+    async fn record_report(
+        &self,
+        report: Report,
+    ) -> Result<Result<AssignmentState, Refusal>, DbError> {
+        self.0
+            .write(move |tx| {
+                Box::pin(async move {
+                    if report.outcome == ReportOutcome::Completed {
+                        complete(tx, &report).await
+                    } else {
+                        report_off_path(tx, &report).await
+                    }
+                })
+            })
+            .await
+    }
+}

@@ -1,0 +1,4 @@
+//! What only the PostgreSQL engine runs: the device store as single-statement CTEs and row locks,
+//! for many replicas at once.
+
+pub(super) mod device;

@@ -1,0 +1,3 @@
+//! What only the SQLite engine runs: the device store on the writer's raw rusqlite handle.
+
+pub(super) mod device;
