@@ -9,6 +9,7 @@ pub mod aggregation;
 pub mod api;
 pub mod auth;
 pub mod blob;
+pub mod checkin;
 pub mod clock;
 pub mod db;
 pub mod embedded;

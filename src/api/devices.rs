@@ -2,14 +2,9 @@
 //! carry no tenant token; an assignment id is a one-time capability (256 random bits) and the
 //! database stores only its hash.
 
-use std::collections::BTreeMap;
-use std::time::Duration;
-
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use base64::Engine as _;
-use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use confed_enclave::envelope::Envelope;
 use sha2::{Digest, Sha256};
 
@@ -17,33 +12,16 @@ use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::{ApiJson, ApiPath};
 use crate::blob::{BlobError, BlobKey};
+use crate::checkin::{Checkin, CheckinOutcome, RetryReason, contribution_key, contribution_limit};
 use crate::db::device::{Refusal, Stored};
 use crate::keys::KeyState;
-use crate::registry::{Mismatch, check_attributes, fits};
+use crate::registry::check_attributes;
 use crate::states::AssignmentState;
 use crate::task_spec::{parse_version, valid_population};
 pub use confed_protocol::device::{
     AssignmentResponse, CheckinRequest, ReportOutcome, ReportRequest, ReportResponse,
     RetryResponse, RetryWindow,
 };
-
-/// Room above the model's size for the safetensors header of an update and the envelope.
-pub const CONTRIBUTION_SLACK_BYTES: usize = 64 * 1024;
-
-fn retry(reason: &str, min_seconds: u32, max_seconds: u32) -> Response {
-    metrics::counter!("confed_checkins_total", "outcome" => reason.to_string()).increment(1);
-    (
-        StatusCode::OK,
-        axum::Json(RetryResponse {
-            retry_window: RetryWindow {
-                min_seconds,
-                max_seconds,
-            },
-            reason: reason.to_string(),
-        }),
-    )
-        .into_response()
-}
 
 /// Ask for an assignment in a population.
 #[utoipa::path(post, path = "/v1/populations/{population}/checkin", tag = "devices",
@@ -86,186 +64,31 @@ pub async fn checkin(
         request.attributes.clone(),
         now,
     );
-
-    let mut candidates = state.db.checkin_candidates(&population).await?;
-    if candidates.is_empty() {
-        return Ok(retry("no_task", 300, 600));
-    }
-    if let Some(pinned) = &request.tenant_id {
-        candidates.retain(|c| &c.tenant_id == pinned);
-        if candidates.is_empty() {
-            return Ok(retry("tenant_mismatch", 3600, 7200));
+    let checkin = Checkin {
+        db: &state.db,
+        keys: &state.keys,
+        contributions: state.contributions.as_ref(),
+    };
+    let outcome = checkin.assign(&population, &version, &request, now).await?;
+    metrics::counter!("confed_checkins_total", "outcome" => outcome.label()).increment(1);
+    Ok(match outcome {
+        CheckinOutcome::Assigned(assignment) => {
+            (StatusCode::CREATED, axum::Json(*assignment)).into_response()
         }
-    }
-    let mut mismatches = Vec::new();
-    let mut fitting: Vec<_> = candidates
-        .into_iter()
-        .filter(|c| match fits(&c.spec, &version, &request.attributes) {
-            Ok(()) => true,
-            Err(why) => {
-                mismatches.push(why);
-                false
+        CheckinOutcome::Retry(reason) => {
+            if reason == RetryReason::NoEncryptionKey {
+                tracing::warn!(%population, "a round has no signed encryption key; check the key services");
             }
-        })
-        .collect();
-    if fitting.is_empty() {
-        return Ok(if mismatches.contains(&Mismatch::Constraints) {
-            retry("constraints_not_met", 600, 1200)
-        } else {
-            retry("version_mismatch", 3600, 7200)
-        });
-    }
-    // Fair between tasks (and so tenants): the least-filled round first, then the earliest deadline.
-    fitting.sort_by(|a, b| {
-        let fill = |c: &crate::db::device::Candidate| {
-            c.live as f64 / c.spec.max_live_assignments().max(1) as f64
-        };
-        fill(a)
-            .total_cmp(&fill(b))
-            .then(a.deadline_at.cmp(&b.deadline_at))
-    });
-    let now_seconds = now.div_euclid(1000);
-    let mut keyless = false;
-    for candidate in fitting {
-        let capacity = candidate.spec.max_live_assignments();
-        if candidate.live as u64 >= capacity {
-            continue;
-        }
-        let key = match &candidate.key_id {
-            Some(key_id) => state.keys.key(key_id),
-            None => state.keys.current_key(now_seconds),
-        };
-        let Some(key) = key else {
-            keyless = true;
-            continue;
-        };
-        let capability = URL_SAFE_NO_PAD.encode(
-            crate::auth::random_bytes::<32>().map_err(|e| ApiError::Internal(e.to_string()))?,
-        );
-        let timeout = i64::from(candidate.spec.assignment_timeout_seconds) * 1000;
-        let expires_at = (now + timeout).min(candidate.deadline_at);
-        let Some(assigned) = state
-            .db
-            .assign(
-                &candidate.round_id,
-                capacity,
-                &capability,
-                expires_at,
-                &key.key_id,
-                now,
+            (
+                StatusCode::OK,
+                axum::Json(RetryResponse {
+                    retry_window: reason.window(),
+                    reason: reason.as_str().to_string(),
+                }),
             )
-            .await?
-        else {
-            continue;
-        };
-        // The round's key was fixed by an earlier check-in if it differs from the one we offered.
-        let key = if assigned.key_id == key.key_id {
-            key
-        } else {
-            match state.keys.key(&assigned.key_id) {
-                Some(key) => key,
-                None => continue,
-            }
-        };
-        let max_contribution_bytes = contribution_limit(
-            state
-                .db
-                .model_of_task(&candidate.task_id, candidate.model_version)
-                .await?
-                .size_bytes,
-        );
-        let (upload_url, upload_headers) = upload_target(
-            &state,
-            &candidate,
-            &capability,
-            Duration::from_millis((assigned.expires_at - now).max(1000) as u64),
-            max_contribution_bytes,
-        )
-        .await?;
-        metrics::counter!("confed_checkins_total", "outcome" => "assigned").increment(1);
-        let policy = candidate
-            .spec
-            .policy(&candidate.task_id, &candidate.tenant_id)
-            .encode();
-        return Ok((
-            StatusCode::CREATED,
-            axum::Json(AssignmentResponse {
-                model_url: format!("/v1/assignments/{capability}/model"),
-                upload_url,
-                upload_headers,
-                report_url: format!("/v1/assignments/{capability}/report"),
-                assignment_id: capability,
-                task_id: candidate.task_id,
-                round: candidate.round_number,
-                expires_at: assigned.expires_at.div_euclid(1000),
-                plan: candidate.spec.plan.clone(),
-                policy,
-                model_version: candidate.model_version,
-                encryption: key,
-                max_contribution_bytes,
-            }),
-        )
-            .into_response());
-    }
-    Ok(if keyless {
-        tracing::warn!(%population, "a round has no signed encryption key; check the key services");
-        retry("no_encryption_key", 60, 120)
-    } else {
-        retry("round_full", 60, 120)
-    })
-}
-
-/// Where a device uploads its envelope: a signed URL of the blob store when it takes uploads
-/// directly (valid while the assignment is), else this server's upload route.
-async fn upload_target(
-    state: &AppState,
-    candidate: &crate::db::device::Candidate,
-    capability: &str,
-    valid_for: Duration,
-    max_bytes: u64,
-) -> Result<(String, BTreeMap<String, String>), ApiError> {
-    if state.contributions.accepts_direct_uploads() {
-        let key = contribution_key(
-            &candidate.tenant_id,
-            &candidate.task_id,
-            candidate.round_number,
-            candidate.attempt,
-            &crate::db::device::assignment_key(capability),
-        )?;
-        if let Some(direct) = state
-            .contributions
-            .direct_upload(&key, valid_for, max_bytes)
-            .await?
-        {
-            return Ok((direct.url, direct.headers));
+                .into_response()
         }
-    }
-    Ok((
-        format!("/v1/assignments/{capability}/contribution"),
-        BTreeMap::from([("content-type".into(), "application/cbor".into())]),
-    ))
-}
-
-/// Where an assignment's contribution is stored. 256 subdirectories per round keep any one
-/// directory small and its lock uncontended.
-pub fn contribution_key(
-    tenant_id: &str,
-    task_id: &str,
-    round_number: i64,
-    attempt: i64,
-    assignment_id: &str,
-) -> Result<BlobKey, BlobError> {
-    BlobKey::new(format!(
-        "tenants/{tenant_id}/tasks/{task_id}/rounds/{round_number}-{attempt}/contributions/{}/{assignment_id}.cbor",
-        &assignment_id[..2.min(assignment_id.len())],
-    ))
-}
-
-/// Largest envelope accepted for a task whose model has `model_bytes` bytes.
-pub fn contribution_limit(model_bytes: i64) -> u64 {
-    let model = model_bytes.max(0) as u64;
-    // Chunked sealing adds a 16-byte tag per chunk of at least 1 KiB: at most 1/64 more.
-    model + model / 64 + CONTRIBUTION_SLACK_BYTES as u64
+    })
 }
 
 /// Download the model the assignment trains from. Only a live assignment's holder may: a model

@@ -199,6 +199,17 @@ impl From<DbError> for ApiError {
     }
 }
 
+impl From<crate::checkin::CheckinError> for ApiError {
+    fn from(error: crate::checkin::CheckinError) -> Self {
+        use crate::checkin::CheckinError;
+        match error {
+            CheckinError::Db(error) => error.into(),
+            CheckinError::Blob(error) => error.into(),
+            CheckinError::Random(error) => Self::Internal(error.to_string()),
+        }
+    }
+}
+
 impl From<BlobError> for ApiError {
     fn from(error: BlobError) -> Self {
         match error {

@@ -119,7 +119,7 @@ pub fn routes_and_openapi(limits: &Limits) -> (Router<AppState>, utoipa::openapi
     let contribution_upload = OpenApiRouter::new()
         .routes(routes!(devices::put_contribution))
         .layer(DefaultBodyLimit::max(
-            devices::contribution_limit(limits.model_bytes as i64) as usize,
+            crate::checkin::contribution_limit(limits.model_bytes as i64) as usize,
         ));
     let routes = OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(tasks::create_task, tasks::list_tasks))

@@ -1,0 +1,289 @@
+//! Task assignment's selection policy, the service behind `POST /v1/populations/{p}/checkin`:
+//! which of a population's collecting rounds a device may join (its tenant, its version and
+//! attributes against each task's constraints), in which order (the least-filled round first,
+//! then the earliest deadline: fair between tasks and so between tenants), under which key (the
+//! round's, else the newest active one the key services signed), and the one-time capability and
+//! upload target it gets. The handler only maps the outcome to HTTP.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use confed_protocol::device::{AssignmentResponse, CheckinRequest, RetryWindow};
+use thiserror::Error;
+
+use crate::blob::{BlobError, BlobKey, BlobStore};
+use crate::clock::Millis;
+use crate::db::device::{Candidate, assignment_key};
+use crate::db::{Db, DbError};
+use crate::keys::directory::KeyDirectory;
+use crate::registry::{Mismatch, fits};
+
+/// Room above the model's size for the safetensors header of an update and the envelope.
+pub const CONTRIBUTION_SLACK_BYTES: usize = 64 * 1024;
+
+#[derive(Debug, Error)]
+pub enum CheckinError {
+    #[error(transparent)]
+    Db(#[from] DbError),
+    #[error(transparent)]
+    Blob(#[from] BlobError),
+    #[error("no random bytes for a capability")]
+    Random(#[from] crate::auth::AuthError),
+}
+
+/// Why nothing was assigned, with the window the device waits before it asks again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryReason {
+    /// No open task runs in the population.
+    NoTask,
+    /// Tasks run, but none of the tenant the device pinned.
+    TenantMismatch,
+    /// The device's attributes fit no task's constraints.
+    ConstraintsNotMet,
+    /// The device's client version fits no task.
+    VersionMismatch,
+    /// A fitting round has no key the key services signed (an operator problem).
+    NoEncryptionKey,
+    /// Every fitting round is full.
+    RoundFull,
+}
+
+impl RetryReason {
+    /// The name devices and metrics see (`docs/protocol.md`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::NoTask => "no_task",
+            Self::TenantMismatch => "tenant_mismatch",
+            Self::ConstraintsNotMet => "constraints_not_met",
+            Self::VersionMismatch => "version_mismatch",
+            Self::NoEncryptionKey => "no_encryption_key",
+            Self::RoundFull => "round_full",
+        }
+    }
+
+    /// How long to wait: long when nothing will change soon (no task, another tenant's
+    /// population, an old client), short when a slot or a key may appear any moment.
+    pub fn window(self) -> RetryWindow {
+        let (min_seconds, max_seconds) = match self {
+            Self::NoTask => (300, 600),
+            Self::TenantMismatch | Self::VersionMismatch => (3600, 7200),
+            Self::ConstraintsNotMet => (600, 1200),
+            Self::NoEncryptionKey | Self::RoundFull => (60, 120),
+        };
+        RetryWindow {
+            min_seconds,
+            max_seconds,
+        }
+    }
+}
+
+/// What a check-in comes to.
+#[derive(Debug)]
+pub enum CheckinOutcome {
+    Assigned(Box<AssignmentResponse>),
+    Retry(RetryReason),
+}
+
+impl CheckinOutcome {
+    /// The `outcome` label of `confed_checkins_total`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Assigned(_) => "assigned",
+            Self::Retry(reason) => reason.as_str(),
+        }
+    }
+}
+
+/// The check-in service over the task database, the key directory and the contribution store.
+pub struct Checkin<'a> {
+    pub db: &'a Db,
+    pub keys: &'a KeyDirectory,
+    pub contributions: &'a dyn BlobStore,
+}
+
+impl Checkin<'_> {
+    /// Assigns the device to a round of `population`, or says when to ask again. `version` is
+    /// the parsed `client_version`; the request was validated by the caller.
+    pub async fn assign(
+        &self,
+        population: &str,
+        version: &[u32],
+        request: &CheckinRequest,
+        now: Millis,
+    ) -> Result<CheckinOutcome, CheckinError> {
+        let mut candidates = self.db.checkin_candidates(population).await?;
+        if candidates.is_empty() {
+            return Ok(CheckinOutcome::Retry(RetryReason::NoTask));
+        }
+        if let Some(pinned) = &request.tenant_id {
+            candidates.retain(|c| &c.tenant_id == pinned);
+            if candidates.is_empty() {
+                return Ok(CheckinOutcome::Retry(RetryReason::TenantMismatch));
+            }
+        }
+        let mut mismatches = Vec::new();
+        let mut fitting: Vec<_> = candidates
+            .into_iter()
+            .filter(|c| match fits(&c.spec, version, &request.attributes) {
+                Ok(()) => true,
+                Err(why) => {
+                    mismatches.push(why);
+                    false
+                }
+            })
+            .collect();
+        if fitting.is_empty() {
+            return Ok(CheckinOutcome::Retry(
+                if mismatches.contains(&Mismatch::Constraints) {
+                    RetryReason::ConstraintsNotMet
+                } else {
+                    RetryReason::VersionMismatch
+                },
+            ));
+        }
+        // Fair between tasks (and so tenants): the least-filled round first, then the earliest deadline.
+        fitting.sort_by(|a, b| {
+            let fill = |c: &crate::db::device::Candidate| {
+                c.live as f64 / c.spec.max_live_assignments().max(1) as f64
+            };
+            fill(a)
+                .total_cmp(&fill(b))
+                .then(a.deadline_at.cmp(&b.deadline_at))
+        });
+        let now_seconds = now.div_euclid(1000);
+        let mut keyless = false;
+        for candidate in fitting {
+            let capacity = candidate.spec.max_live_assignments();
+            if candidate.live as u64 >= capacity {
+                continue;
+            }
+            let key = match &candidate.key_id {
+                Some(key_id) => self.keys.key(key_id),
+                None => self.keys.current_key(now_seconds),
+            };
+            let Some(key) = key else {
+                keyless = true;
+                continue;
+            };
+            let capability = URL_SAFE_NO_PAD.encode(crate::auth::random_bytes::<32>()?);
+            let timeout = i64::from(candidate.spec.assignment_timeout_seconds) * 1000;
+            let expires_at = (now + timeout).min(candidate.deadline_at);
+            let Some(assigned) = self
+                .db
+                .assign(
+                    &candidate.round_id,
+                    capacity,
+                    &capability,
+                    expires_at,
+                    &key.key_id,
+                    now,
+                )
+                .await?
+            else {
+                continue;
+            };
+            // The round's key was fixed by an earlier check-in if it differs from the one we offered.
+            let key = if assigned.key_id == key.key_id {
+                key
+            } else {
+                match self.keys.key(&assigned.key_id) {
+                    Some(key) => key,
+                    None => continue,
+                }
+            };
+            let max_contribution_bytes = contribution_limit(
+                self.db
+                    .model_of_task(&candidate.task_id, candidate.model_version)
+                    .await?
+                    .size_bytes,
+            );
+            let (upload_url, upload_headers) = self
+                .upload_target(
+                    &candidate,
+                    &capability,
+                    Duration::from_millis((assigned.expires_at - now).max(1000) as u64),
+                    max_contribution_bytes,
+                )
+                .await?;
+            let policy = candidate
+                .spec
+                .policy(&candidate.task_id, &candidate.tenant_id)
+                .encode();
+            return Ok(CheckinOutcome::Assigned(Box::new(AssignmentResponse {
+                model_url: format!("/v1/assignments/{capability}/model"),
+                upload_url,
+                upload_headers,
+                report_url: format!("/v1/assignments/{capability}/report"),
+                assignment_id: capability,
+                task_id: candidate.task_id,
+                round: candidate.round_number,
+                expires_at: assigned.expires_at.div_euclid(1000),
+                plan: candidate.spec.plan.clone(),
+                policy,
+                model_version: candidate.model_version,
+                encryption: key,
+                max_contribution_bytes,
+            })));
+        }
+        Ok(CheckinOutcome::Retry(if keyless {
+            RetryReason::NoEncryptionKey
+        } else {
+            RetryReason::RoundFull
+        }))
+    }
+
+    /// Where a device uploads its envelope: a signed URL of the blob store when it takes uploads
+    /// directly (valid while the assignment is), else this server's upload route.
+    async fn upload_target(
+        &self,
+        candidate: &Candidate,
+        capability: &str,
+        valid_for: Duration,
+        max_bytes: u64,
+    ) -> Result<(String, BTreeMap<String, String>), CheckinError> {
+        if self.contributions.accepts_direct_uploads() {
+            let key = contribution_key(
+                &candidate.tenant_id,
+                &candidate.task_id,
+                candidate.round_number,
+                candidate.attempt,
+                &assignment_key(capability),
+            )?;
+            if let Some(direct) = self
+                .contributions
+                .direct_upload(&key, valid_for, max_bytes)
+                .await?
+            {
+                return Ok((direct.url, direct.headers));
+            }
+        }
+        Ok((
+            format!("/v1/assignments/{capability}/contribution"),
+            BTreeMap::from([("content-type".into(), "application/cbor".into())]),
+        ))
+    }
+}
+
+/// Where an assignment's contribution is stored. 256 subdirectories per round keep any one
+/// directory small and its lock uncontended.
+pub fn contribution_key(
+    tenant_id: &str,
+    task_id: &str,
+    round_number: i64,
+    attempt: i64,
+    assignment_id: &str,
+) -> Result<BlobKey, BlobError> {
+    BlobKey::new(format!(
+        "tenants/{tenant_id}/tasks/{task_id}/rounds/{round_number}-{attempt}/contributions/{}/{assignment_id}.cbor",
+        &assignment_id[..2.min(assignment_id.len())],
+    ))
+}
+
+/// Largest envelope accepted for a task whose model has `model_bytes` bytes.
+pub fn contribution_limit(model_bytes: i64) -> u64 {
+    let model = model_bytes.max(0) as u64;
+    // Chunked sealing adds a 16-byte tag per chunk of at least 1 KiB: at most 1/64 more.
+    model + model / 64 + CONTRIBUTION_SLACK_BYTES as u64
+}
