@@ -18,6 +18,7 @@ use crate::clock::Clock;
 use crate::db::jobs::{JobContext, NewRelease};
 use crate::db::{Db, DbError, NewModel};
 use crate::keys::directory::KeyDirectory;
+use confed_protocol::hex::encode as hex;
 
 /// The task database and blob stores, as enclave workers use them.
 #[derive(Debug, Clone)]
@@ -40,10 +41,6 @@ fn db_error(e: DbError) -> StoreError {
         DbError::AlreadyExists(what) => StoreError::Conflict(what),
         other => backend(other),
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Where a round's release lives. Fixed names (no content hash): the blob store refuses a second,
@@ -169,7 +166,7 @@ impl TaskDbJobStore {
         let manifest = release.manifest;
         Ok(NewRelease {
             average_key: average_key.as_str().to_string(),
-            average_sha256: hex(&Sha256::digest(release.average)),
+            average_sha256: hex(Sha256::digest(release.average)),
             manifest_key: manifest_key.as_str().to_string(),
             manifest_json: String::from_utf8(manifest_json).map_err(backend)?,
             included: manifest.included as i64,
@@ -239,7 +236,7 @@ impl JobStore for TaskDbJobStore {
         model: &[u8],
     ) -> Result<(), StoreError> {
         let context = self.db.job_context(job_id).await.map_err(db_error)?;
-        let sha = hex(&Sha256::digest(model));
+        let sha = hex(Sha256::digest(model));
         let key = BlobKey::model(
             &context.task.tenant_id,
             &context.task.id,

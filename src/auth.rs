@@ -6,6 +6,7 @@
 
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use confed_protocol::hex::sha256_hex;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 use thiserror::Error;
@@ -51,7 +52,7 @@ pub fn issue_tenant_token() -> Result<IssuedToken, AuthError> {
     let mut secret = Zeroizing::new(random_bytes::<32>()?);
     let secret_b64 = Zeroizing::new(URL_SAFE_NO_PAD.encode(secret.as_slice()));
     secret.zeroize();
-    let token_id: String = id_bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let token_id = confed_protocol::hex::encode(id_bytes);
     let token = Zeroizing::new(format!("{TOKEN_PREFIX}_{token_id}_{}", secret_b64.as_str()));
     Ok(IssuedToken {
         secret_sha256_hex: sha256_hex(secret_b64.as_bytes()),
@@ -104,13 +105,6 @@ impl AdminToken {
         let presented: [u8; 32] = Sha256::digest(presented.as_bytes()).into();
         bool::from(presented.ct_eq(&self.0))
     }
-}
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
 }
 
 fn decode_hex32(hex: &str) -> Option<[u8; 32]> {

@@ -3,7 +3,6 @@
 //! time is an input; nothing here reads a clock.
 
 use serde_json::Value;
-use sha2::{Digest, Sha256};
 
 use crate::jwk::Jwk;
 use crate::jws::{self, UnverifiedJws};
@@ -34,12 +33,7 @@ pub struct Appraisal {
 }
 
 /// Lowercase hex SHA-256, as used for `key_binding` and token hashes.
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
+pub use confed_protocol::hex::sha256_hex;
 
 /// Parses a token; on a malformed token the appraisal has one failed check, `token_format`.
 pub fn parse_or_refuse(token: &str) -> Result<UnverifiedJws, Appraisal> {

@@ -135,7 +135,7 @@ fn default_worker_name() -> String {
 fn random_incarnation() -> Result<String> {
     let mut bytes = [0u8; 8];
     getrandom::fill(&mut bytes).map_err(|e| anyhow::anyhow!("no random bytes: {e}"))?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    Ok(confed_protocol::hex::encode(bytes))
 }
 
 fn dev_attester(path: &Path) -> Result<DevAttester> {

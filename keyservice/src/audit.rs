@@ -10,7 +10,6 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use thiserror::Error;
 
 pub const GENESIS_HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
@@ -112,10 +111,7 @@ fn chain_hash(seq: u64, prev_hash: &str, decision: &Decision) -> String {
         decision,
     })
     .expect("audit records serialize");
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    confed_protocol::hex::sha256_hex(&bytes)
 }
 
 /// The end of a verified chain.

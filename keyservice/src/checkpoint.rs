@@ -18,7 +18,6 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 use super::audit::Record;
 use super::ledger::Ledger;
@@ -48,10 +47,7 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     fn signed_text(&self) -> String {
-        let ledger: String = Sha256::digest(self.ledger.as_bytes())
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
+        let ledger = confed_protocol::hex::sha256_hex(self.ledger.as_bytes());
         format!(
             "{FORMAT}|{}|{}|{}|{}|{}|{ledger}",
             self.keyservice_id,

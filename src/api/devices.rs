@@ -6,7 +6,6 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use confed_enclave::envelope::Envelope;
-use sha2::{Digest, Sha256};
 
 use super::AppState;
 use super::error::{ApiError, Problem};
@@ -241,10 +240,7 @@ pub async fn put_contribution(
             )));
         }
     }
-    let digest: String = Sha256::digest(&body)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let digest = confed_protocol::hex::sha256_hex(&body);
     // An assignment that already holds a contribution stores nothing more: the same bytes again
     // are a retry (200), others are refused (409). Appending first would let one capability
     // write the task's limit to disk again and again, even after its round closed.

@@ -12,6 +12,7 @@ use super::tasks::TaskResponse;
 use crate::blob::BlobKey;
 use crate::db::NewModel;
 use crate::states::TaskState;
+use confed_protocol::hex::encode as hex;
 
 /// Upload model version 0 (safetensors, F32 tensors); the task opens and round 1 starts.
 #[utoipa::path(put, path = "/v1/tasks/{id}/model", tag = "models",
@@ -41,7 +42,7 @@ pub async fn put_model(
     }
     let checked = body.clone();
     let digest = tokio::task::spawn_blocking(move || {
-        confed_enclave::model::validate_model(&checked).map(|_| hex(&Sha256::digest(&checked)))
+        confed_enclave::model::validate_model(&checked).map(|_| hex(Sha256::digest(&checked)))
     })
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))?
@@ -128,8 +129,4 @@ pub async fn model_response(
         bytes,
     )
         .into_response())
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -321,10 +321,7 @@ impl GcsBlobStore {
             .parse()
             .map_err(|_| self.remote(key, format!("size {:?} is not a number", metadata.size)))?;
         let digest = match metadata.md5_hash.map(|b64| STANDARD.decode(b64)) {
-            Some(Ok(md5)) => format!(
-                "md5:{}",
-                md5.iter().map(|b| format!("{b:02x}")).collect::<String>()
-            ),
+            Some(Ok(md5)) => format!("md5:{}", confed_protocol::hex::encode(md5)),
             _ => return Err(self.remote(key, "the object has no MD5 hash (composite?)")),
         };
         Ok(Some(ObjectInfo { size, digest }))

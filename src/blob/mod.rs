@@ -3,8 +3,8 @@
 //! trait. Objects are write-once: a key that exists is never overwritten.
 
 mod cache;
-mod database;
 mod gcs;
+mod legacy;
 mod local;
 mod log;
 
@@ -13,8 +13,8 @@ use std::pin::Pin;
 
 use thiserror::Error;
 
-pub use database::DatabaseBlobStore;
 pub use gcs::{Gcs, GcsBlobStore, GcsConfig};
+pub use legacy::LegacyDatabaseContributions;
 pub use local::LocalBlobStore;
 pub use log::ContributionLog;
 
@@ -113,7 +113,7 @@ pub fn embedded_contributions(
     data_dir: &std::path::Path,
     db: &crate::db::Db,
 ) -> Result<std::sync::Arc<dyn BlobStore>, BlobError> {
-    let fallback = std::sync::Arc::new(DatabaseBlobStore::new(db.clone()));
+    let fallback = std::sync::Arc::new(LegacyDatabaseContributions::new(db.clone()));
     Ok(std::sync::Arc::new(ContributionLog::open(
         data_dir.join("contributions"),
         fallback,
@@ -139,11 +139,7 @@ pub struct ObjectInfo {
 
 impl ObjectInfo {
     pub fn of(bytes: &[u8]) -> Self {
-        use sha2::Digest as _;
-        let hex: String = sha2::Sha256::digest(bytes)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
+        let hex = confed_protocol::hex::sha256_hex(bytes);
         Self {
             size: bytes.len() as u64,
             digest: format!("sha256:{hex}"),

@@ -39,7 +39,6 @@ use std::time::Duration;
 use sqlx::any::AnyPoolOptions;
 use sqlx::{AnyPool, Connection, Executor};
 
-pub use blobs::StoredBlob;
 pub use error::DbError;
 pub use history::HistoryRecord;
 pub use models::{ModelRecord, NewModel};

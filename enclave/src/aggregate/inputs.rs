@@ -111,10 +111,7 @@ mod tests {
 
     /// A 64-hex ref named by one letter.
     fn r(name: &str) -> String {
-        format!(
-            "{:0>64}",
-            name.bytes().map(|b| format!("{b:02x}")).collect::<String>()
-        )
+        format!("{:0>64}", confed_protocol::hex::encode(name))
     }
 
     fn input(name: &str, bytes: Option<&[u8]>) -> Input {

@@ -26,6 +26,7 @@ use crate::hpke_awslc::Recipient;
 use crate::model::{ModelError, ModelSchema, encode_f32_tensors};
 use crate::policy::TaskPolicy;
 use accumulator::{Accumulator, StreamError};
+pub(crate) use confed_protocol::hex::encode as hex;
 pub use contribution::{Binding, Exclusion};
 pub use manifest::{Manifest, NoiseRecord, PrivacyRecord};
 use stream::StreamProblem;
@@ -302,7 +303,7 @@ impl Aggregator {
                 rho_spent,
                 epsilon_spent,
             },
-            average_sha256: hex(&Sha256::digest(&average)),
+            average_sha256: hex(Sha256::digest(&average)),
         };
         Ok(Release {
             average,
@@ -319,11 +320,7 @@ pub fn digest<S: AsRef<str>>(sorted_refs: &[S]) -> String {
         hasher.update(r.as_ref().as_bytes());
         hasher.update(b"\n");
     }
-    hex(&hasher.finalize())
-}
-
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    hex(hasher.finalize())
 }
 
 /// Safetensors of `values` (schema order) with the schema's names and shapes.

@@ -61,13 +61,7 @@ pub fn generate(options: &CeremonyOptions) -> Result<CeremonyOutcome, KeyError> 
         path: "<random>".into(),
         reason: e.to_string(),
     })?;
-    let key_id = format!(
-        "k{}",
-        id_bytes
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<String>()
-    );
+    let key_id = format!("k{}", confed_protocol::hex::encode(id_bytes));
 
     let (private, public) = hpke::generate_keypair();
     let split = shares::split(private.as_bytes(), options.threshold, options.shares)?;
