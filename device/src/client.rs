@@ -9,7 +9,7 @@ use thiserror::Error;
 use confed_protocol::device::{
     AssignmentResponse, Attributes, CheckinRequest, ReportOutcome, ReportRequest, RetryResponse,
 };
-use confed_protocol::envelope::RoundContext;
+use confed_protocol::envelope::{EnvelopeError, RoundContext};
 use confed_protocol::hpke::{PublicKey, RustCrypto, Sealer};
 use confed_protocol::keys::{DeviceKey, KeyState};
 use confed_protocol::policy::{DeviceLimits, TaskPolicy, sha256_hex};
@@ -19,29 +19,66 @@ use confed_protocol::trust::{
 
 #[derive(Debug, Error)]
 pub enum DeviceError {
-    #[error("device configuration: {0}")]
-    Config(String),
+    #[error("cannot read the device trust file {path}")]
+    TrustFileRead {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the device trust file {path} is not valid")]
+    TrustFileParse {
+        path: String,
+        #[source]
+        source: serde_json::Error,
+    },
     #[error("device trust file: {0}")]
     TrustFile(#[from] TrustFileError),
-    #[error("network: {0}")]
-    Network(String),
+    #[error("network")]
+    Network(#[from] reqwest::Error),
+    #[error("the server answered 304 Not Modified for a model this device has not cached")]
+    UncachedNotModified,
     #[error("server answered {status}: {detail}")]
     Server { status: u16, detail: String },
-    #[error("refusing to encrypt: {0}")]
+    #[error("refusing to encrypt")]
     UntrustedKey(#[from] TrustError),
     #[error("refusing the task policy: {0}")]
     UntrustedPolicy(String),
     #[error("training: {0}")]
     Training(String),
-    #[error("sealing: {0}")]
-    Seal(String),
+    #[error(
+        "this device already sealed an update for round {round} of task {task_id} (or cannot tell)"
+    )]
+    AlreadySealed { task_id: String, round: i64 },
+    #[error("sealing")]
+    Seal(#[from] EnvelopeError),
 }
 
 /// Reads a device trust file (JSON, `docs/protocol.md` "The device trust file").
 pub fn load_trust(path: &std::path::Path) -> Result<TrustConfig, DeviceError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| DeviceError::Config(format!("{}: {e}", path.display())))?;
-    serde_json::from_str(&text).map_err(|e| DeviceError::Config(format!("{}: {e}", path.display())))
+    let shown = || path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| DeviceError::TrustFileRead {
+        path: shown(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|source| DeviceError::TrustFileParse {
+        path: shown(),
+        source,
+    })
+}
+
+impl DeviceError {
+    /// The error and its causes on one line (`network: connection refused: ...`), for logs and
+    /// tools that show errors without `anyhow`.
+    pub fn with_causes(&self) -> String {
+        let mut text = self.to_string();
+        let mut cause = std::error::Error::source(self);
+        while let Some(error) = cause {
+            text.push_str(": ");
+            text.push_str(&error.to_string());
+            cause = error.source();
+        }
+        text
+    }
 }
 
 /// The answer to a check-in.
@@ -51,8 +88,18 @@ pub enum Checkin {
     Retry(RetryResponse),
 }
 
-/// How many times an idempotent call is retried after a network error or a 5xx.
+/// How many times an idempotent call is tried in all, after network errors or 5xx answers.
 const ATTEMPTS: u32 = 4;
+
+/// After failed attempt number `attempt` (from 1): waits before the next one (200 ms, doubling),
+/// or gives up with `failure` once all `ATTEMPTS` are spent.
+async fn retry_or_give_up(attempt: u32, failure: DeviceError) -> Result<(), DeviceError> {
+    if attempt >= ATTEMPTS {
+        return Err(failure);
+    }
+    tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+    Ok(())
+}
 
 /// Key entries (exact content) whose signatures were already checked. Checking two or more ECDSA
 /// signatures costs more than the rest of a device cycle, and the answer for the same bytes never
@@ -180,21 +227,10 @@ impl DeviceClient {
                 tenant_id: self.tenant_id.clone(),
             })
             .send()
-            .await
-            .map_err(|e| DeviceError::Network(e.to_string()))?;
+            .await?;
         match response.status().as_u16() {
-            201 => Ok(Checkin::Assigned(Box::new(
-                response
-                    .json()
-                    .await
-                    .map_err(|e| DeviceError::Network(e.to_string()))?,
-            ))),
-            200 => Ok(Checkin::Retry(
-                response
-                    .json()
-                    .await
-                    .map_err(|e| DeviceError::Network(e.to_string()))?,
-            )),
+            201 => Ok(Checkin::Assigned(Box::new(response.json().await?))),
+            200 => Ok(Checkin::Retry(response.json().await?)),
             _ => Err(problem_detail(response).await),
         }
     }
@@ -248,27 +284,18 @@ impl DeviceClient {
         if let Some((etag, _, _)) = &cached {
             request = request.header(reqwest::header::IF_NONE_MATCH, etag);
         }
-        let response = request
-            .send()
-            .await
-            .map_err(|e| DeviceError::Network(e.to_string()))?;
+        let response = request.send().await?;
         match response.status().as_u16() {
             304 => cached
                 .map(|(_, bytes, sha256)| Model { bytes, sha256 })
-                .ok_or_else(|| DeviceError::Network("304 without a cached model".into())),
+                .ok_or(DeviceError::UncachedNotModified),
             200 => {
                 let etag = response
                     .headers()
                     .get(reqwest::header::ETAG)
                     .and_then(|v| v.to_str().ok())
                     .map(str::to_string);
-                let bytes = std::sync::Arc::new(
-                    response
-                        .bytes()
-                        .await
-                        .map_err(|e| DeviceError::Network(e.to_string()))?
-                        .to_vec(),
-                );
+                let bytes = std::sync::Arc::new(response.bytes().await?.to_vec());
                 let sha256 = sha256_hex(&bytes);
                 if let (Some(etag), Ok(mut models)) = (etag, self.models.lock()) {
                     models.insert(identity, (etag, bytes.clone(), sha256.clone()));
@@ -336,10 +363,10 @@ impl DeviceClient {
             .map(|mut done| done.insert((assignment.task_id.clone(), assignment.round)))
             .unwrap_or(false);
         if !first {
-            return Err(DeviceError::Seal(format!(
-                "this device already sealed an update for round {} of task {} (or cannot tell)",
-                assignment.round, assignment.task_id
-            )));
+            return Err(DeviceError::AlreadySealed {
+                task_id: assignment.task_id.clone(),
+                round: assignment.round,
+            });
         }
         let context = RoundContext {
             task_id: assignment.task_id.clone(),
@@ -354,8 +381,7 @@ impl DeviceClient {
             &context,
             &assignment.assignment_id,
             update,
-        )
-        .map_err(|e| DeviceError::Seal(e.to_string()))?
+        )?
         .to_cbor())
     }
 
@@ -366,11 +392,8 @@ impl DeviceClient {
         assignment: &AssignmentResponse,
         envelope: Vec<u8>,
     ) -> Result<(), DeviceError> {
-        let mut last = DeviceError::Network("not attempted".into());
-        for attempt in 0..ATTEMPTS {
-            if attempt > 0 {
-                tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
-            }
+        let mut attempt = 0;
+        loop {
             let mut request = self.http.put(self.url(&assignment.upload_url));
             if assignment.upload_headers.is_empty() {
                 request = request.header(reqwest::header::CONTENT_TYPE, "application/cbor");
@@ -385,7 +408,7 @@ impl DeviceClient {
                 status == reqwest::StatusCode::PRECONDITION_FAILED
                     && assignment.upload_url.contains("://")
             };
-            match sent {
+            let failure = match sent {
                 Ok(response)
                     if response.status().is_success() || direct_again(response.status()) =>
                 {
@@ -395,13 +418,14 @@ impl DeviceClient {
                     return Ok(());
                 }
                 Ok(response) if response.status().is_server_error() => {
-                    last = problem_detail(response).await
+                    problem_detail(response).await
                 }
                 Ok(response) => return Err(problem_detail(response).await),
-                Err(e) => last = DeviceError::Network(e.to_string()),
-            }
+                Err(e) => DeviceError::Network(e),
+            };
+            attempt += 1;
+            retry_or_give_up(attempt, failure).await?;
         }
-        Err(last)
     }
 
     /// Reports the outcome (idempotent: retried like uploads).
@@ -415,12 +439,9 @@ impl DeviceClient {
             outcome,
             error: error.map(str::to_string),
         };
-        let mut last = DeviceError::Network("not attempted".into());
-        for attempt in 0..ATTEMPTS {
-            if attempt > 0 {
-                tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
-            }
-            match self
+        let mut attempt = 0;
+        loop {
+            let failure = match self
                 .http
                 .post(self.url(&assignment.report_url))
                 .json(&body)
@@ -429,13 +450,14 @@ impl DeviceClient {
             {
                 Ok(response) if response.status().is_success() => return Ok(()),
                 Ok(response) if response.status().is_server_error() => {
-                    last = problem_detail(response).await
+                    problem_detail(response).await
                 }
                 Ok(response) => return Err(problem_detail(response).await),
-                Err(e) => last = DeviceError::Network(e.to_string()),
-            }
+                Err(e) => DeviceError::Network(e),
+            };
+            attempt += 1;
+            retry_or_give_up(attempt, failure).await?;
         }
-        Err(last)
     }
 }
 
@@ -501,7 +523,10 @@ mod tests {
         };
         assert!(client.seal(&a, &public, &accepted, &model, b"u").is_ok());
         let again = client.seal(&a, &public, &accepted, &model, b"v");
-        assert!(matches!(again, Err(DeviceError::Seal(why)) if why.contains("already sealed")));
+        assert!(matches!(
+            again,
+            Err(DeviceError::AlreadySealed { round: 1, .. })
+        ));
         assert!(client.already_contributed(&a));
     }
 

@@ -46,13 +46,24 @@ pub enum KeyServiceError {
     NoShares,
     #[error(transparent)]
     Policy(#[from] confed_attestation::policy::PolicyError),
-    #[error("cannot load the policy's key set {path}: {reason}")]
-    Jwks { path: String, reason: String },
-    #[error("signing key {path}: {reason}")]
-    SigningKey { path: String, reason: String },
+    #[error("cannot load the policy's key set {path}")]
+    Jwks {
+        path: String,
+        #[source]
+        source: BoxError,
+    },
+    #[error("signing key {path}")]
+    SigningKey {
+        path: String,
+        #[source]
+        source: BoxError,
+    },
     #[error(transparent)]
     Audit(#[from] audit::AuditError),
 }
+
+/// A cause of any error type (a file's I/O error, a PEM or JWKS parse error), kept as the cause.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Everything the routes share.
 #[derive(Debug, Clone)]
@@ -147,53 +158,52 @@ pub fn load_shares(paths: &[PathBuf]) -> Result<Vec<HeldShare>, KeyServiceError>
 /// The policy's key source: its JWKS file, or its discovery URL fetched over HTTPS.
 pub fn key_source_for(policy: &AppraisalPolicy) -> Result<KeySource, KeyServiceError> {
     if let Some(path) = &policy.token.jwks_file {
-        let jwks_error = |reason: String| KeyServiceError::Jwks {
+        let jwks_error = |source: BoxError| KeyServiceError::Jwks {
             path: path.display().to_string(),
-            reason,
+            source,
         };
-        let text = std::fs::read_to_string(path).map_err(|e| jwks_error(e.to_string()))?;
-        let jwks = Jwks::from_json(&text).map_err(|e| jwks_error(e.to_string()))?;
+        let text = std::fs::read_to_string(path).map_err(|e| jwks_error(e.into()))?;
+        let jwks = Jwks::from_json(&text).map_err(|e| jwks_error(e.into()))?;
         return Ok(KeySource::fixed(jwks));
     }
     let url = policy.token.discovery_url.clone().unwrap_or_default();
     let fetcher = fetcher::HttpJwksFetcher::new().map_err(|reason| KeyServiceError::Jwks {
         path: url.clone(),
-        reason,
+        source: reason.into(),
     })?;
     Ok(KeySource::discovery(url, Arc::new(fetcher)))
 }
 
 /// Loads an existing P-256 signing key (PKCS#8 PEM); never creates one.
 pub fn load_existing_signing_key(path: &Path) -> Result<SigningKey, KeyServiceError> {
-    let error = |reason: String| KeyServiceError::SigningKey {
+    let error = |source: BoxError| KeyServiceError::SigningKey {
         path: path.display().to_string(),
-        reason,
+        source,
     };
-    let pem =
-        zeroize::Zeroizing::new(std::fs::read_to_string(path).map_err(|e| error(e.to_string()))?);
-    SigningKey::from_pkcs8_pem(&pem).map_err(|e| error(e.to_string()))
+    let pem = zeroize::Zeroizing::new(std::fs::read_to_string(path).map_err(|e| error(e.into()))?);
+    SigningKey::from_pkcs8_pem(&pem).map_err(|e| error(e.into()))
 }
 
 /// Loads the service's P-256 signing key (PKCS#8 PEM), creating it (mode 0600) if missing.
 pub fn load_or_create_signing_key(path: &Path) -> Result<SigningKey, KeyServiceError> {
-    let error = |reason: String| KeyServiceError::SigningKey {
+    let error = |source: BoxError| KeyServiceError::SigningKey {
         path: path.display().to_string(),
-        reason,
+        source,
     };
     match std::fs::read_to_string(path) {
         Ok(pem) => {
             let pem = zeroize::Zeroizing::new(pem);
-            SigningKey::from_pkcs8_pem(&pem).map_err(|e| error(e.to_string()))
+            SigningKey::from_pkcs8_pem(&pem).map_err(|e| error(e.into()))
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let key = confed_attestation::exchange::generate_signing_key();
             let pem = key
                 .to_pkcs8_pem(LineEnding::LF)
-                .map_err(|e| error(e.to_string()))?;
+                .map_err(|e| error(e.into()))?;
             crate::keys::files::write_new(path, pem.as_bytes(), true)?;
             tracing::info!(path = %path.display(), "created a new key-set signing key");
             Ok(key)
         }
-        Err(e) => Err(error(e.to_string())),
+        Err(e) => Err(error(e.into())),
     }
 }

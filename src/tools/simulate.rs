@@ -170,7 +170,12 @@ async fn device(shared: Arc<Shared>, index: u64) {
         // Simulated devices seal with AWS-LC: in a load generator sharing the server's cores,
         // RustCrypto's X25519 was ~30 % of the simulator's CPU.
         Ok(client) => client.with_sealer(std::sync::Arc::new(confed_enclave::hpke_awslc::AwsLc)),
-        Err(e) => return shared.note(|s| s.failures.push(format!("device {index}: {e}"))),
+        Err(e) => {
+            return shared.note(|s| {
+                s.failures
+                    .push(format!("device {index}: {}", e.with_causes()))
+            });
+        }
     };
     let shard = config
         .train
@@ -186,7 +191,10 @@ async fn device(shared: Arc<Shared>, index: u64) {
         shared.timed("checkin", started);
         let assignment = match answer {
             Err(e) => {
-                shared.note(|s| s.failures.push(format!("device {index}: check-in: {e}")));
+                shared.note(|s| {
+                    s.failures
+                        .push(format!("device {index}: check-in: {}", e.with_causes()))
+                });
                 idle += 1;
                 continue;
             }
@@ -220,9 +228,12 @@ async fn device(shared: Arc<Shared>, index: u64) {
             }
             Err(e) => {
                 let _ = client
-                    .report(&assignment, ReportOutcome::Failed, Some(&e.to_string()))
+                    .report(&assignment, ReportOutcome::Failed, Some(&e.with_causes()))
                     .await;
-                shared.note(|s| s.failures.push(format!("device {index}: {e}")));
+                shared.note(|s| {
+                    s.failures
+                        .push(format!("device {index}: {}", e.with_causes()))
+                });
             }
         }
     }
