@@ -15,7 +15,7 @@ use thiserror::Error;
 
 use crate::blob::{BlobError, BlobKey, BlobStore};
 use crate::clock::Millis;
-use crate::db::device::{Candidate, assignment_key};
+use crate::db::device::{AssignmentRef, Candidate, Capability};
 use crate::db::{Db, DbError};
 use crate::keys::directory::KeyDirectory;
 use crate::registry::{Mismatch, fits};
@@ -167,7 +167,8 @@ impl Checkin<'_> {
                 keyless = true;
                 continue;
             };
-            let capability = URL_SAFE_NO_PAD.encode(crate::auth::random_bytes::<32>()?);
+            let capability =
+                Capability::new(URL_SAFE_NO_PAD.encode(crate::auth::random_bytes::<32>()?));
             let timeout = i64::from(candidate.spec.assignment_timeout_seconds) * 1000;
             let expires_at = (now + timeout).min(candidate.deadline_at);
             let Some(assigned) = self
@@ -212,10 +213,10 @@ impl Checkin<'_> {
                 .policy(&candidate.task_id, &candidate.tenant_id)
                 .encode();
             return Ok(CheckinOutcome::Assigned(Box::new(AssignmentResponse {
-                model_url: format!("/v1/assignments/{capability}/model"),
+                model_url: format!("/v1/assignments/{}/model", capability.as_str()),
                 upload_url,
                 upload_headers,
-                report_url: format!("/v1/assignments/{capability}/report"),
+                report_url: format!("/v1/assignments/{}/report", capability.as_str()),
                 assignment_id: capability,
                 task_id: candidate.task_id,
                 round: candidate.round_number,
@@ -239,7 +240,7 @@ impl Checkin<'_> {
     async fn upload_target(
         &self,
         candidate: &Candidate,
-        capability: &str,
+        capability: &Capability,
         valid_for: Duration,
         max_bytes: u64,
     ) -> Result<(String, BTreeMap<String, String>), CheckinError> {
@@ -249,7 +250,7 @@ impl Checkin<'_> {
                 &candidate.task_id,
                 candidate.round_number,
                 candidate.attempt,
-                &assignment_key(capability),
+                &capability.reference(),
             )?;
             if let Some(direct) = self
                 .contributions
@@ -260,7 +261,7 @@ impl Checkin<'_> {
             }
         }
         Ok((
-            format!("/v1/assignments/{capability}/contribution"),
+            format!("/v1/assignments/{}/contribution", capability.as_str()),
             BTreeMap::from([("content-type".into(), "application/cbor".into())]),
         ))
     }
@@ -273,11 +274,12 @@ pub fn contribution_key(
     task_id: &str,
     round_number: i64,
     attempt: i64,
-    assignment_id: &str,
+    assignment: &AssignmentRef,
 ) -> Result<BlobKey, BlobError> {
+    let assignment = assignment.as_str();
     BlobKey::new(format!(
-        "tenants/{tenant_id}/tasks/{task_id}/rounds/{round_number}-{attempt}/contributions/{}/{assignment_id}.cbor",
-        &assignment_id[..2.min(assignment_id.len())],
+        "tenants/{tenant_id}/tasks/{task_id}/rounds/{round_number}-{attempt}/contributions/{}/{assignment}.cbor",
+        &assignment[..2.min(assignment.len())],
     ))
 }
 

@@ -6,7 +6,7 @@
 mod common;
 
 use common::{START_MILLIS, TestApp};
-use confed::db::device::{Refusal, ReportOutcome, Stored};
+use confed::db::device::{Capability, Refusal, ReportOutcome, Stored};
 use confed::states::{AssignmentState, RoundState};
 use serde_json::json;
 
@@ -25,10 +25,14 @@ async fn collecting_round(app: &TestApp, goal: i64) -> (String, String) {
     (task, round.id)
 }
 
+fn cap(text: &str) -> Capability {
+    Capability::from(text)
+}
+
 /// Takes a slot with the capability `capability` (capacity `capacity`, key `k1`).
 async fn assign(app: &TestApp, round: &str, capacity: u64, capability: &str) -> bool {
     app.db
-        .assign(round, capacity, capability, EXPIRES, "k1", NOW)
+        .assign(round, capacity, &cap(capability), EXPIRES, "k1", NOW)
         .await
         .unwrap()
         .is_some()
@@ -36,7 +40,13 @@ async fn assign(app: &TestApp, round: &str, capacity: u64, capability: &str) -> 
 
 async fn upload(app: &TestApp, capability: &str, digest: &str, at: i64) -> Result<Stored, Refusal> {
     app.db
-        .record_upload(capability, digest, 100, &format!("blob/{capability}"), at)
+        .record_upload(
+            &cap(capability),
+            digest,
+            100,
+            &format!("blob/{capability}"),
+            at,
+        )
         .await
         .unwrap()
 }
@@ -48,7 +58,7 @@ async fn report(
     at: i64,
 ) -> Result<AssignmentState, Refusal> {
     app.db
-        .record_report(capability, outcome, Some("out of memory"), at)
+        .record_report(&cap(capability), outcome, Some("out of memory"), at)
         .await
         .unwrap()
 }
@@ -84,13 +94,13 @@ async fn the_first_assignment_fixes_the_rounds_key() {
         let (_, round) = collecting_round(&app, 10).await;
         let first = app
             .db
-            .assign(&round, 10, "a", EXPIRES, "k1", NOW)
+            .assign(&round, 10, &cap("a"), EXPIRES, "k1", NOW)
             .await
             .unwrap()
             .unwrap();
         let second = app
             .db
-            .assign(&round, 10, "b", EXPIRES, "k2", NOW)
+            .assign(&round, 10, &cap("b"), EXPIRES, "k2", NOW)
             .await
             .unwrap()
             .unwrap();
@@ -99,12 +109,16 @@ async fn the_first_assignment_fixes_the_rounds_key() {
             ("k1", "k1"),
             "{engine}"
         );
-        let view = app.db.assignment("b").await.unwrap().unwrap();
+        let view = app.db.assignment(&cap("b")).await.unwrap().unwrap();
         assert_eq!(view.state, AssignmentState::Assigned, "{engine}");
         assert_eq!(view.key_id.as_deref(), Some("k1"), "{engine}");
         assert_eq!(view.round_id, round, "{engine}");
         assert!(
-            app.db.assignment("never-issued").await.unwrap().is_none(),
+            app.db
+                .assignment(&cap("never-issued"))
+                .await
+                .unwrap()
+                .is_none(),
             "{engine}"
         );
     }
@@ -141,7 +155,7 @@ async fn an_upload_is_stored_once_repeated_idempotently_and_refused_otherwise() 
             Err(Refusal::Expired),
             "{engine}: at the expiry"
         );
-        let view = app.db.assignment("a").await.unwrap().unwrap();
+        let view = app.db.assignment(&cap("a")).await.unwrap().unwrap();
         assert_eq!(view.state, AssignmentState::Uploaded, "{engine}");
         assert_eq!(view.contribution_sha256.as_deref(), Some("d1"), "{engine}");
     }
@@ -198,7 +212,7 @@ async fn reports_follow_the_assignment_machine_and_repeat_idempotently() {
         assert_eq!(live(&app).await, 1, "{engine}");
         let history: Vec<String> = app
             .db
-            .history(&confed::db::device::assignment_key("c"))
+            .history(cap("c").reference().as_str())
             .await
             .unwrap()
             .into_iter()

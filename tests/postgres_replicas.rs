@@ -11,6 +11,7 @@ use common::{START_MILLIS, TestApp};
 use confed::db::Db;
 use confed::states::RoundState;
 use confed_protocol::device::ReportOutcome;
+use confed_protocol::ids::Capability;
 use serde_json::json;
 
 /// Two handles on the same PostgreSQL database, and the round a fresh task opened; `None`
@@ -42,8 +43,10 @@ async fn replicas(report_goal: i64) -> Option<(TestApp, Db, String, String)> {
     Some((app, replica, task, round.id))
 }
 
-fn capability(i: usize) -> String {
-    format!("capability-{i:04}-0123456789abcdef0123456789abcdef")
+fn capability(i: usize) -> Capability {
+    Capability::new(format!(
+        "capability-{i:04}-0123456789abcdef0123456789abcdef"
+    ))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

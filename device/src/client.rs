@@ -379,7 +379,7 @@ impl DeviceClient {
             public_key,
             &assignment.encryption.key_id,
             &context,
-            &assignment.assignment_id,
+            assignment.assignment_id.as_str(),
             update,
         )?
         .to_cbor())

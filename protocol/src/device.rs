@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::ids::Capability;
 use crate::keys::DeviceKey;
 use crate::states::AssignmentState;
 
@@ -116,7 +117,8 @@ pub struct CheckinRequest {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AssignmentResponse {
     /// One-time capability; keep it secret, use it in the URLs below.
-    pub assignment_id: String,
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
+    pub assignment_id: Capability,
     pub task_id: String,
     pub round: i64,
     /// Unix seconds; uploads and reports after it are refused (410).

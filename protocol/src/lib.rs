@@ -15,6 +15,7 @@ pub mod hex;
 pub mod hpke;
 #[cfg(feature = "http")]
 pub mod http;
+pub mod ids;
 pub mod keys;
 pub mod keyset;
 pub mod policy;

@@ -12,7 +12,7 @@ use super::error::{ApiError, Problem};
 use super::extract::{ApiJson, ApiPath};
 use crate::blob::{BlobError, BlobKey};
 use crate::checkin::{Checkin, CheckinOutcome, RetryReason, contribution_key, contribution_limit};
-use crate::db::device::{Refusal, Stored};
+use crate::db::device::{Capability, Refusal, Stored};
 use crate::keys::KeyState;
 use crate::registry::check_attributes;
 use crate::states::AssignmentState;
@@ -104,7 +104,7 @@ pub async fn checkin(
     ))]
 pub async fn get_model(
     State(state): State<AppState>,
-    ApiPath(capability): ApiPath<String>,
+    ApiPath(capability): ApiPath<Capability>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let assignment = state
@@ -165,7 +165,7 @@ fn refusal(refusal: Refusal) -> ApiError {
     ))]
 pub async fn put_contribution(
     State(state): State<AppState>,
-    ApiPath(capability): ApiPath<String>,
+    ApiPath(capability): ApiPath<Capability>,
     headers: HeaderMap,
     body: axum::body::Body,
 ) -> Result<StatusCode, ApiError> {
@@ -309,7 +309,7 @@ fn closed_for_upload(a: &crate::db::device::AssignmentView, now: i64) -> Option<
     ))]
 pub async fn report(
     State(state): State<AppState>,
-    ApiPath(capability): ApiPath<String>,
+    ApiPath(capability): ApiPath<Capability>,
     ApiJson(request): ApiJson<ReportRequest>,
 ) -> Result<axum::Json<ReportResponse>, ApiError> {
     let outcome = request.outcome;
@@ -328,7 +328,7 @@ pub async fn report(
 /// A device that uploaded straight to the blob store reports completion: the server checks that
 /// the object is there and within the task's size limit, and records it like an upload through
 /// the server (the state machine's ASSIGNED -> UPLOADED). Nothing is listed; one metadata read.
-async fn note_direct_upload(state: &AppState, capability: &str) -> Result<(), ApiError> {
+async fn note_direct_upload(state: &AppState, capability: &Capability) -> Result<(), ApiError> {
     let assignment = state
         .db
         .assignment(capability)

@@ -42,7 +42,7 @@ pub struct Assigned {
 /// An assignment as the upload and report routes see it.
 #[derive(Debug, Clone)]
 pub struct AssignmentView {
-    pub id: String,
+    pub id: AssignmentRef,
     pub state: AssignmentState,
     pub expires_at: i64,
     pub round_id: String,
@@ -87,11 +87,7 @@ fn report_target(outcome: ReportOutcome) -> AssignmentState {
     }
 }
 
-/// The database id of an assignment: SHA-256 (hex) of the capability the device holds, the same
-/// reference the contribution's associated data binds.
-pub fn assignment_key(capability: &str) -> String {
-    confed_protocol::envelope::assignment_ref(capability)
-}
+pub use confed_protocol::ids::{AssignmentRef, Capability};
 
 pub(in crate::db) type CandidateRow = (
     String,
@@ -130,7 +126,7 @@ pub(in crate::db) const VIEW_SQL: &str = "SELECT a.id, a.state, a.expires_at, r.
 
 pub(in crate::db) fn view_from_row(r: ViewRow) -> Result<AssignmentView, DbError> {
     Ok(AssignmentView {
-        id: r.0,
+        id: AssignmentRef::from_stored(r.0),
         state: parse_state(&r.1)?,
         expires_at: r.2,
         round_id: r.3,
@@ -364,14 +360,14 @@ impl Db {
         &self,
         round_id: &str,
         capacity: u64,
-        capability: &str,
+        capability: &Capability,
         expires_at: i64,
         key_if_unset: &str,
         now: i64,
     ) -> Result<Option<Assigned>, DbError> {
         let new = NewAssignment {
             round_id: round_id.to_string(),
-            id: assignment_key(capability),
+            id: capability.reference().into_string(),
             capacity: i64::try_from(capacity).unwrap_or(i64::MAX),
             key_if_unset: key_if_unset.to_string(),
             expires_at,
@@ -381,8 +377,11 @@ impl Db {
     }
 
     /// The assignment a capability names, with its round and task.
-    pub async fn assignment(&self, capability: &str) -> Result<Option<AssignmentView>, DbError> {
-        let id = assignment_key(capability);
+    pub async fn assignment(
+        &self,
+        capability: &Capability,
+    ) -> Result<Option<AssignmentView>, DbError> {
+        let id = capability.reference().into_string();
         on_store!(self, store => store.assignment(id))
     }
 
@@ -391,14 +390,14 @@ impl Db {
     /// bytes the contribution store has already made durable.
     pub async fn record_upload(
         &self,
-        capability: &str,
+        capability: &Capability,
         sha256_hex: &str,
         size: i64,
         blob_key: &str,
         now: i64,
     ) -> Result<Result<Stored, Refusal>, DbError> {
         let upload = NewUpload {
-            id: assignment_key(capability),
+            id: capability.reference().into_string(),
             sha256_hex: sha256_hex.to_string(),
             size,
             blob_key: blob_key.to_string(),
@@ -411,13 +410,13 @@ impl Db {
     /// to AGGREGATING in the same transaction. Repeating the same report is accepted.
     pub async fn record_report(
         &self,
-        capability: &str,
+        capability: &Capability,
         outcome: ReportOutcome,
         device_error: Option<&str>,
         now: i64,
     ) -> Result<Result<AssignmentState, Refusal>, DbError> {
         let report = Report {
-            id: assignment_key(capability),
+            id: capability.reference().into_string(),
             outcome,
             device_error: device_error.map(str::to_string),
             now,
