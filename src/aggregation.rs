@@ -75,8 +75,11 @@ impl TaskDbJobStore {
         Ok(JobWire {
             job_id: context.round.id.clone(),
             task_id: context.task.id.clone(),
-            round: context.round.round_number as u64,
-            attempt: context.round.attempt as u64,
+            round: confed_protocol::ids::wire_round(context.round.round_number).ok_or_else(
+                || format!("round number {} is not a round", context.round.round_number),
+            )?,
+            attempt: u64::try_from(context.round.attempt)
+                .map_err(|_| format!("attempt {} is negative", context.round.attempt))?,
             key_id,
             public_key: key.public_key,
             policy: spec

@@ -14,7 +14,7 @@ use confed_protocol::device::{AssignmentResponse, CheckinRequest, RetryWindow};
 use thiserror::Error;
 
 use crate::blob::{BlobError, BlobKey, BlobStore};
-use crate::clock::Millis;
+use crate::clock::{Millis, millis_of, seconds_of};
 use crate::db::device::{AssignmentRef, Candidate, Capability};
 use crate::db::{Db, DbError};
 use crate::keys::directory::KeyDirectory;
@@ -152,7 +152,7 @@ impl Checkin<'_> {
                 .total_cmp(&fill(b))
                 .then(a.deadline_at.cmp(&b.deadline_at))
         });
-        let now_seconds = now.div_euclid(1000);
+        let now_seconds = seconds_of(now);
         let mut keyless = false;
         for candidate in fitting {
             let capacity = candidate.spec.max_live_assignments();
@@ -169,7 +169,7 @@ impl Checkin<'_> {
             };
             let capability =
                 Capability::new(URL_SAFE_NO_PAD.encode(crate::auth::random_bytes::<32>()?));
-            let timeout = i64::from(candidate.spec.assignment_timeout_seconds) * 1000;
+            let timeout = millis_of(i64::from(candidate.spec.assignment_timeout_seconds));
             let expires_at = (now + timeout).min(candidate.deadline_at);
             let Some(assigned) = self
                 .db
@@ -220,7 +220,7 @@ impl Checkin<'_> {
                 assignment_id: capability,
                 task_id: candidate.task_id,
                 round: candidate.round_number,
-                expires_at: assigned.expires_at.div_euclid(1000),
+                expires_at: seconds_of(assigned.expires_at),
                 plan: candidate.spec.plan.clone(),
                 policy,
                 model_version: candidate.model_version,

@@ -1,7 +1,9 @@
 //! Time in the front ends: the injected clock (`confed_protocol::clock`, shared with the key
 //! service and devices) and RFC 3339 formatting for API answers.
 
-pub use confed_protocol::clock::{Clock, ManualClock, Millis, SystemClock};
+pub use confed_protocol::clock::{
+    Clock, ManualClock, Millis, Seconds, SystemClock, millis_of, seconds_of,
+};
 
 /// Formats Unix milliseconds as RFC 3339 (`2026-11-30T08:53:27.123Z`).
 pub fn rfc3339(millis: Millis) -> String {

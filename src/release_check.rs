@@ -36,7 +36,9 @@ pub fn verify_staged(
 ) -> Result<String, String> {
     let manifest = release.manifest;
     let task = &context.task;
-    if manifest.task_id != task.id || manifest.round != context.round.round_number as u64 {
+    if manifest.task_id != task.id
+        || Some(manifest.round) != confed_protocol::ids::wire_round(context.round.round_number)
+    {
         return Err(format!(
             "the manifest is for task {} round {}, the job for task {} round {}",
             manifest.task_id, manifest.round, task.id, context.round.round_number

@@ -290,7 +290,7 @@ async fn start_embedded_enclave(
     let token_clock = clock.clone();
     let attester = Arc::new(confed_attestation::DevAttester::new(
         confed_attestation::exchange::generate_signing_key(),
-        Arc::new(move || token_clock.now_millis() / 1000),
+        Arc::new(move || token_clock.now_seconds()),
     ));
     let services =
         crate::embedded::keyservices::start(&embedded, 3, 2, clock.clone(), &attester, stop)

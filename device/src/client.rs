@@ -330,7 +330,9 @@ impl DeviceClient {
                 policy.tenant_id
             )));
         }
-        if assignment.round < 1 || assignment.round as u64 > u64::from(policy.rounds) {
+        if confed_protocol::ids::wire_round(assignment.round)
+            .is_none_or(|round| round > u64::from(policy.rounds))
+        {
             return Err(refuse(format!(
                 "round {} is outside the policy's {} rounds",
                 assignment.round, policy.rounds
@@ -370,7 +372,9 @@ impl DeviceClient {
         }
         let context = RoundContext {
             task_id: assignment.task_id.clone(),
-            round: assignment.round as u64,
+            round: confed_protocol::ids::wire_round(assignment.round).ok_or(
+                DeviceError::UntrustedPolicy(format!("round {} is not a round", assignment.round)),
+            )?,
             policy_sha256: policy.sha256.clone(),
             model_sha256: model.sha256.clone(),
         };

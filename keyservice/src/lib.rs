@@ -117,7 +117,7 @@ impl KeyService {
             signing_key.clone(),
             &mut ledger,
         )?;
-        let closed = ledger.compact(parts.clock.now_millis().div_euclid(1000));
+        let closed = ledger.compact(parts.clock.now_seconds());
         tracing::info!(
             keyservice = %parts.id,
             verified_from = ?verified_from,
@@ -143,7 +143,7 @@ impl KeyService {
     }
 
     pub fn now_seconds(&self) -> i64 {
-        self.clock.now_millis().div_euclid(1000)
+        self.clock.now_seconds()
     }
 }
 

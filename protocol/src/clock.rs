@@ -9,8 +9,26 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 /// Unix time in milliseconds.
 pub type Millis = i64;
 
+/// Unix time in seconds (what the wire carries: key validity, expiries, token times).
+pub type Seconds = i64;
+
+/// The whole seconds of a Unix time in milliseconds (floored, also before 1970).
+pub fn seconds_of(millis: Millis) -> Seconds {
+    millis.div_euclid(1000)
+}
+
+/// A Unix time or duration in seconds as milliseconds (saturating).
+pub fn millis_of(seconds: Seconds) -> Millis {
+    seconds.saturating_mul(1000)
+}
+
 pub trait Clock: Send + Sync + Debug {
     fn now_millis(&self) -> Millis;
+
+    /// `now_millis` in whole seconds.
+    fn now_seconds(&self) -> Seconds {
+        seconds_of(self.now_millis())
+    }
 }
 
 /// The wall clock.
@@ -53,6 +71,14 @@ impl Clock for ManualClock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn seconds_floor_and_millis_saturate() {
+        assert_eq!(seconds_of(1_999), 1);
+        assert_eq!(seconds_of(-1), -1);
+        assert_eq!(millis_of(3), 3_000);
+        assert_eq!(millis_of(i64::MAX), i64::MAX);
+    }
 
     #[test]
     fn manual_clock_moves_only_when_told() {

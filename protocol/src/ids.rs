@@ -74,9 +74,23 @@ impl std::fmt::Display for AssignmentRef {
     }
 }
 
+/// A round number as the wire and the enclave take it (`u64`, from 1), from the `i64` the task
+/// database and the partner API store; `None` for zero or a negative number, which no round has
+/// (a row that says so was written by someone other than the server).
+pub fn wire_round(round: i64) -> Option<u64> {
+    u64::try_from(round).ok().filter(|&r| r >= 1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn round_numbers_start_at_one() {
+        assert_eq!(wire_round(1), Some(1));
+        assert_eq!(wire_round(0), None);
+        assert_eq!(wire_round(-1), None, "never wraps to a huge round");
+    }
 
     #[test]
     fn a_capability_is_redacted_and_its_reference_is_its_sha256() {

@@ -232,7 +232,7 @@ pub async fn put_contribution(
     }
     match state.keys.key(round_key) {
         Some(key)
-            if KeyState::at(key.not_before, key.not_after, now.div_euclid(1000))
+            if KeyState::at(key.not_before, key.not_after, crate::clock::seconds_of(now))
                 != KeyState::Pending => {}
         _ => {
             return Err(ApiError::Unprocessable(format!(

@@ -86,7 +86,8 @@ impl Db {
         let model = self.model_of_task(task_id, round - 1).await?;
         Ok(confed_enclave::envelope::RoundContext {
             task_id: task_id.to_string(),
-            round: round as u64,
+            round: confed_protocol::ids::wire_round(round)
+                .ok_or_else(|| DbError::Corrupt(format!("round number {round}")))?,
             policy_sha256: task.spec.policy(task_id, &task.tenant_id).sha256_hex(),
             model_sha256: model.sha256_hex,
         })

@@ -98,7 +98,7 @@ pub(crate) async fn open(
 ) -> Result<String, DbError> {
     let spec: &TaskSpec = &task.spec;
     let id = new_id();
-    let deadline = now + i64::from(spec.round_deadline_seconds) * 1000;
+    let deadline = now + crate::clock::millis_of(i64::from(spec.round_deadline_seconds));
     sqlx::query(
         "INSERT INTO rounds (id, task_id, round_number, attempt, state, report_goal, min_reports, \
          deadline_at, opened_at, closed_at, updated_at) \

@@ -107,7 +107,7 @@ impl EmbeddedSystem {
                 .attester_key
                 .clone()
                 .unwrap_or_else(generate_signing_key),
-            Arc::new(move || token_clock.now_millis() / 1000),
+            Arc::new(move || token_clock.now_seconds()),
         ));
         let (stop, stop_rx) = watch::channel(false);
         let services = keyservices::start(
