@@ -249,8 +249,6 @@ pub async fn serve(
     Ok(result?)
 }
 
-/// Binds `listen`, announces the address on stdout, and serves `app` (TLS when `tls` is given)
-/// until `shutdown` completes and in-flight requests have drained.
 /// On the first start of an empty data directory, a tenant `demo` lets a new user try the API at
 /// once. Its token is printed this once, on stdout, and never logged.
 async fn create_demo_tenant(db: &Db, now: i64) -> Result<(), ServeError> {

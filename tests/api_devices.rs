@@ -64,7 +64,7 @@ fn sealed(app: &TestApp, assignment: &Value, update: &[u8]) -> Vec<u8> {
         &public,
         &key.key_id,
         &context(assignment, assignment["round"].as_u64().unwrap()),
-        assignment["assignment_id"].as_str().unwrap(),
+        &assignment["assignment_id"].as_str().unwrap().into(),
         update,
     )
     .unwrap()

@@ -112,7 +112,6 @@ async fn the_first_assignment_fixes_the_rounds_key() {
         let view = app.db.assignment(&cap("b")).await.unwrap().unwrap();
         assert_eq!(view.state, AssignmentState::Assigned, "{engine}");
         assert_eq!(view.key_id.as_deref(), Some("k1"), "{engine}");
-        assert_eq!(view.round_id, round, "{engine}");
         assert!(
             app.db
                 .assignment(&cap("never-issued"))
@@ -219,6 +218,26 @@ async fn reports_follow_the_assignment_machine_and_repeat_idempotently() {
             .map(|h| h.to_state)
             .collect();
         assert_eq!(history, ["ASSIGNED", "UPLOADED", "COMPLETED"], "{engine}");
+        let failed: Vec<(Option<String>, String, String)> = app
+            .db
+            .history(cap("a").reference().as_str())
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|h| (h.from_state, h.to_state, h.reason))
+            .collect();
+        assert_eq!(
+            failed,
+            [
+                (None, "ASSIGNED".into(), "device checked in".into()),
+                (
+                    Some("ASSIGNED".into()),
+                    "FAILED".into(),
+                    "device reported failure".into()
+                ),
+            ],
+            "{engine}"
+        );
     }
 }
 
@@ -261,6 +280,21 @@ async fn concurrent_completions_close_the_round_once_with_one_job() {
             Ok(Stored::Again),
             "{engine}: the digest still answers a repeated upload"
         );
+        assert!(
+            !assign(&app, &round, 100, "after").await,
+            "{engine}: closed"
+        );
+        for (i, answer) in answers.iter().enumerate() {
+            let expected = match answer {
+                Ok(_) => Err(Refusal::Finished(AssignmentState::Completed)),
+                Err(_) => Err(Refusal::RoundClosed),
+            };
+            assert_eq!(
+                report(&app, &format!("cap-{i}"), ReportOutcome::Failed, NOW).await,
+                expected,
+                "{engine}: a failure report after the round closed"
+            );
+        }
     }
 }
 

@@ -110,7 +110,7 @@ fn print_a_fresh_worked_example() {
         &public,
         &ex["key_id"],
         &context,
-        &ex["assignment_id"],
+        &ex["assignment_id"].as_str().into(),
         &update,
     )
     .unwrap();

@@ -33,8 +33,10 @@ pub enum DeviceError {
     },
     #[error("device trust file: {0}")]
     TrustFile(#[from] TrustFileError),
+    /// The request's URL is stripped (`without_url`): it may carry the capability or a signed
+    /// upload URL, and error text travels into logs and reports.
     #[error("network")]
-    Network(#[from] reqwest::Error),
+    Network(#[source] reqwest::Error),
     #[error("the server answered 304 Not Modified for a model this device has not cached")]
     UncachedNotModified,
     #[error("server answered {status}: {detail}")]
@@ -64,6 +66,12 @@ pub fn load_trust(path: &std::path::Path) -> Result<TrustConfig, DeviceError> {
         path: shown(),
         source,
     })
+}
+
+impl From<reqwest::Error> for DeviceError {
+    fn from(error: reqwest::Error) -> Self {
+        Self::Network(error.without_url())
+    }
 }
 
 impl DeviceError {
@@ -383,7 +391,7 @@ impl DeviceClient {
             public_key,
             &assignment.encryption.key_id,
             &context,
-            assignment.assignment_id.as_str(),
+            &assignment.assignment_id,
             update,
         )?
         .to_cbor())
@@ -425,7 +433,7 @@ impl DeviceClient {
                     problem_detail(response).await
                 }
                 Ok(response) => return Err(problem_detail(response).await),
-                Err(e) => DeviceError::Network(e),
+                Err(e) => DeviceError::from(e),
             };
             attempt += 1;
             retry_or_give_up(attempt, failure).await?;
@@ -457,7 +465,7 @@ impl DeviceClient {
                     problem_detail(response).await
                 }
                 Ok(response) => return Err(problem_detail(response).await),
-                Err(e) => DeviceError::Network(e),
+                Err(e) => DeviceError::from(e),
             };
             attempt += 1;
             retry_or_give_up(attempt, failure).await?;

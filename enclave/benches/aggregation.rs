@@ -43,7 +43,7 @@ fn update(params: usize, seed: u32) -> Vec<u8> {
 
 fn seal(public: &PublicKey, index: usize, plaintext: &[u8]) -> (String, Vec<u8>) {
     let id = format!("assignment-{index}");
-    let sealed = envelope::seal(public, KEY, &context(), &id, plaintext).unwrap();
+    let sealed = envelope::seal(public, KEY, &context(), &id.as_str().into(), plaintext).unwrap();
     (envelope::assignment_ref(&id), sealed.to_cbor())
 }
 

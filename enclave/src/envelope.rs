@@ -85,7 +85,14 @@ mod tests {
     #[test]
     fn sealed_update_opens_only_for_its_assignment_and_round() {
         let (private, public) = hpke::generate_keypair();
-        let envelope = seal(&public, "k1", &context("task", 3), "a1", b"update bytes").unwrap();
+        let envelope = seal(
+            &public,
+            "k1",
+            &context("task", 3),
+            &"a1".into(),
+            b"update bytes",
+        )
+        .unwrap();
         let parsed = Envelope::from_cbor(&envelope.to_cbor()).unwrap();
         assert_eq!(parsed, envelope);
         let a1 = assignment_ref("a1");
@@ -125,7 +132,7 @@ mod tests {
         let update: Vec<u8> = (0..CHUNK_THRESHOLD * 2 + 5)
             .map(|i| (i % 241) as u8)
             .collect();
-        let envelope = seal(&public, "k1", &context("task", 1), "a1", &update).unwrap();
+        let envelope = seal(&public, "k1", &context("task", 1), &"a1".into(), &update).unwrap();
         assert_eq!(envelope.chunk, Some(CHUNK_THRESHOLD as u32));
         let parsed = Envelope::from_cbor(&envelope.to_cbor()).unwrap();
         assert_eq!(parsed, envelope);

@@ -88,7 +88,7 @@ impl IntoResponse for KeyServiceApiError {
             Self::Internal(cause) => {
                 let incident = incident_id();
                 tracing::error!(%incident, %cause, "internal error");
-                format!("the key service failed; report incident {incident} to its operator")
+                format!("the server failed; report incident {incident} to the operator")
             }
             other => other.to_string(),
         };

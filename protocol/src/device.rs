@@ -112,8 +112,9 @@ pub struct CheckinRequest {
     pub tenant_id: Option<String>,
 }
 
-/// A device's assignment (201).
-#[derive(Debug, Serialize, Deserialize)]
+/// A device's assignment (201). `Debug` leaves out the capability and every URL that carries it
+/// (or a signed upload URL): printing an assignment never prints a secret.
+#[derive(Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AssignmentResponse {
     /// One-time capability; keep it secret, use it in the URLs below.
@@ -146,6 +147,20 @@ pub struct AssignmentResponse {
     pub max_contribution_bytes: u64,
 }
 
+impl std::fmt::Debug for AssignmentResponse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AssignmentResponse")
+            .field("assignment_id", &self.assignment_id)
+            .field("task_id", &self.task_id)
+            .field("round", &self.round)
+            .field("expires_at", &self.expires_at)
+            .field("model_version", &self.model_version)
+            .field("key_id", &self.encryption.key_id)
+            .field("max_contribution_bytes", &self.max_contribution_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
 /// When the device should ask again, and why nothing was assigned (200).
 #[derive(Debug, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -175,9 +190,10 @@ impl RetryWindow {
     }
 }
 
-/// How an assignment ended on the device.
+/// How an assignment ended on the device. (Named `Outcome` in the OpenAPI document, as before
+/// the protocol crate.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
-#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema), schema(as = Outcome))]
 #[serde(rename_all = "snake_case")]
 pub enum ReportOutcome {
     Completed,
@@ -199,4 +215,29 @@ pub struct ReportRequest {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ReportResponse {
     pub state: AssignmentState,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_assignment_prints_without_its_capability_or_urls() {
+        let secret = "capability-that-must-not-be-logged";
+        let assignment: AssignmentResponse = serde_json::from_value(serde_json::json!({
+            "assignment_id": secret, "task_id": "t1", "round": 1, "expires_at": 0,
+            "plan": {}, "policy": "", "model_version": 0,
+            "model_url": format!("/v1/assignments/{secret}/model"),
+            "encryption": {"key_id": "k1", "suite": "", "public_key": "", "not_before": 0,
+                           "not_after": 1, "threshold": 1, "shares": 1, "signatures": []},
+            "upload_url": format!("https://storage.example/{secret}?X-Goog-Signature=abc"),
+            "report_url": format!("/v1/assignments/{secret}/report"),
+            "max_contribution_bytes": 1,
+        }))
+        .unwrap();
+        let printed = format!("{assignment:?}");
+        assert!(!printed.contains(secret), "{printed}");
+        assert!(!printed.contains("Signature"), "{printed}");
+        assert!(printed.contains("t1"), "{printed}");
+    }
 }

@@ -23,6 +23,7 @@ use ciborium::Value;
 use thiserror::Error;
 
 use crate::hpke::{self, HpkeError, PublicKey, Sealer};
+use crate::ids::Capability;
 
 pub const LABEL: &str = "confed contribution v2";
 pub const VERSION: u64 = 2;
@@ -120,16 +121,6 @@ impl Envelope {
     pub fn from_cbor(bytes: &[u8]) -> Result<Self, EnvelopeError> {
         crate::envelope_cbor::parse(bytes).map(|view| view.to_owned())
     }
-
-    /// The envelope as a view (what `open_into` takes).
-    pub fn as_view(&self) -> EnvelopeRef<'_> {
-        EnvelopeRef {
-            key_id: &self.key_id,
-            encapsulated_key: &self.encapsulated_key,
-            ciphertext: &self.ciphertext,
-            chunk: self.chunk,
-        }
-    }
 }
 
 /// An envelope borrowing its fields from the stored bytes.
@@ -214,7 +205,7 @@ pub fn seal(
     public_key: &PublicKey,
     key_id: &str,
     context: &RoundContext,
-    assignment_id: &str,
+    capability: &Capability,
     update: &[u8],
 ) -> Result<Envelope, EnvelopeError> {
     seal_with(
@@ -222,7 +213,7 @@ pub fn seal(
         public_key,
         key_id,
         context,
-        assignment_id,
+        capability,
         update,
     )
 }
@@ -233,10 +224,10 @@ pub fn seal_with(
     public_key: &PublicKey,
     key_id: &str,
     context: &RoundContext,
-    assignment_id: &str,
+    capability: &Capability,
     update: &[u8],
 ) -> Result<Envelope, EnvelopeError> {
-    let aad = aad(context, &assignment_ref(assignment_id));
+    let aad = aad(context, capability.reference().as_str());
     let info = info(key_id);
     let (encapsulated_key, ciphertext, chunk) = if update.len() > CHUNK_THRESHOLD {
         let (enc, ct) = sealer.seal_chunked(public_key, &info, &aad, update, CHUNK_THRESHOLD)?;

@@ -24,11 +24,6 @@ pub enum ApiError {
     Unauthorized(&'static str),
     #[error("{0}")]
     QuotaExceeded(String),
-    #[error("{detail}")]
-    AttestationRefused {
-        detail: String,
-        failed_checks: Vec<FailedCheck>,
-    },
     #[error("{0}")]
     NotFound(String),
     #[error("{0}")]
@@ -64,16 +59,6 @@ pub struct Problem {
     pub detail: String,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub invalid_params: Vec<InvalidParam>,
-    /// For an attestation refusal: every appraisal check that failed, and why.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub failed_checks: Vec<FailedCheck>,
-}
-
-/// One failed appraisal check (RFC 7807 extension member `failed_checks`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize, ToSchema)]
-pub struct FailedCheck {
-    pub check: String,
-    pub reason: String,
 }
 
 impl ApiError {
@@ -87,11 +72,6 @@ impl ApiError {
             ),
             Self::Unauthorized(_) => (StatusCode::UNAUTHORIZED, "unauthorized", "Unauthorized"),
             Self::QuotaExceeded(_) => (StatusCode::FORBIDDEN, "quota-exceeded", "Quota exceeded"),
-            Self::AttestationRefused { .. } => (
-                StatusCode::FORBIDDEN,
-                "attestation-refused",
-                "Attestation refused",
-            ),
             Self::NotFound(_) => (StatusCode::NOT_FOUND, "not-found", "Not found"),
             Self::Conflict(_) => (StatusCode::CONFLICT, "conflict", "Conflict"),
             Self::LeaseLost(_) => (StatusCode::CONFLICT, "lease-lost", "Lease lost"),
@@ -157,10 +137,6 @@ impl IntoResponse for ApiError {
             detail,
             invalid_params: match &self {
                 Self::InvalidFields(params) => params.clone(),
-                _ => Vec::new(),
-            },
-            failed_checks: match self {
-                Self::AttestationRefused { failed_checks, .. } => failed_checks,
                 _ => Vec::new(),
             },
         };

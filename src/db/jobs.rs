@@ -20,7 +20,6 @@ pub fn retry_backoff_ms(failures: i64) -> i64 {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeasedJob {
     pub round_id: String,
-    pub attempts: i64,
 }
 
 /// Everything a worker needs to run a job, as stored.
@@ -175,17 +174,17 @@ impl Db {
                        WHERE state = 'PENDING' AND not_before <= $3 AND {free} \
                        ORDER BY created_at, round_id LIMIT 1{}) \
                      AND state = 'PENDING' AND {free} \
-                     RETURNING round_id, attempts",
+                     RETURNING round_id",
                     super::lock_clause(tx, " FOR UPDATE SKIP LOCKED")
                 );
-                let row: Option<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                let row: Option<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
                     .bind(&worker)
                     .bind(now + lease_ms)
                     .bind(now)
                     .bind(&own_name)
                     .fetch_optional(&mut *tx)
                     .await?;
-                Ok(row.map(|(round_id, attempts)| LeasedJob { round_id, attempts }))
+                Ok(row.map(|(round_id,)| LeasedJob { round_id }))
             })
         })
         .await

@@ -57,7 +57,14 @@ fn update(values: &[f32]) -> Vec<u8> {
 
 /// Seals `plaintext` as the device holding `assignment_id` would; returns (ref, stored bytes).
 fn sealed(r: &Round, assignment_id: &str, round: u64, plaintext: &[u8]) -> (String, Vec<u8>) {
-    let env = envelope::seal(&r.public, KEY, &context(round), assignment_id, plaintext).unwrap();
+    let env = envelope::seal(
+        &r.public,
+        KEY,
+        &context(round),
+        &assignment_id.into(),
+        plaintext,
+    )
+    .unwrap();
     (envelope::assignment_ref(assignment_id), env.to_cbor())
 }
 
@@ -192,7 +199,7 @@ fn exclusion_undecryptable_bytes_and_malformed_envelopes() {
         &r.public,
         "key-2",
         &context(ROUND),
-        "a1",
+        &"a1".into(),
         &update(&[0.0; 4]),
     )
     .unwrap();
@@ -361,7 +368,8 @@ fn the_noise_is_keyed_by_the_policy_and_the_model() {
     ]
     .into_iter()
     .map(|context| {
-        let env = envelope::seal(&r.public, KEY, &context, "a1", &update(&[0.0; 64])).unwrap();
+        let env =
+            envelope::seal(&r.public, KEY, &context, &"a1".into(), &update(&[0.0; 64])).unwrap();
         let inputs = [(envelope::assignment_ref("a1"), Some(env.to_cbor()))];
         let binding = Binding {
             context,

@@ -45,7 +45,6 @@ pub struct AssignmentView {
     pub id: AssignmentRef,
     pub state: AssignmentState,
     pub expires_at: i64,
-    pub round_id: String,
     pub round_state: RoundState,
     pub round_number: i64,
     pub attempt: i64,
@@ -106,7 +105,6 @@ pub(in crate::db) type ViewRow = (
     String,
     i64,
     String,
-    String,
     i64,
     i64,
     Option<String>,
@@ -117,7 +115,7 @@ pub(in crate::db) type ViewRow = (
     Option<i64>,
 );
 
-pub(in crate::db) const VIEW_SQL: &str = "SELECT a.id, a.state, a.expires_at, r.id, r.state, r.round_number, \
+pub(in crate::db) const VIEW_SQL: &str = "SELECT a.id, a.state, a.expires_at, r.state, r.round_number, \
      r.attempt, r.key_id, t.id, t.tenant_id, a.contribution_sha256, \
      (SELECT m.size_bytes FROM models m WHERE m.task_id = t.id AND m.version = t.model_version), \
      t.model_version \
@@ -129,16 +127,15 @@ pub(in crate::db) fn view_from_row(r: ViewRow) -> Result<AssignmentView, DbError
         id: AssignmentRef::from_stored(r.0),
         state: parse_state(&r.1)?,
         expires_at: r.2,
-        round_id: r.3,
-        round_state: parse_state(&r.4)?,
-        round_number: r.5,
-        attempt: r.6,
-        key_id: r.7,
-        task_id: r.8,
-        tenant_id: r.9,
-        contribution_sha256: r.10,
-        model_bytes: r.11.unwrap_or(0),
-        model_version: r.12,
+        round_state: parse_state(&r.3)?,
+        round_number: r.4,
+        attempt: r.5,
+        key_id: r.6,
+        task_id: r.7,
+        tenant_id: r.8,
+        contribution_sha256: r.9,
+        model_bytes: r.10.unwrap_or(0),
+        model_version: r.11,
     })
 }
 
@@ -174,7 +171,7 @@ impl WriteView {
 #[derive(Debug, Clone)]
 pub(in crate::db) struct NewAssignment {
     pub round_id: String,
-    /// The assignment's database id (`assignment_key` of the capability).
+    /// The assignment's database id (`Capability::reference`).
     pub id: String,
     pub capacity: i64,
     pub key_if_unset: String,
@@ -433,11 +430,12 @@ impl Db {
     ) -> Result<Vec<(String, String)>, DbError> {
         Ok(sqlx::query_as(
             "SELECT a.id, a.blob_key FROM assignments a JOIN rounds r ON r.id = a.round_id \
-             WHERE r.task_id = $1 AND r.round_number = $2 AND a.state = 'COMPLETED' \
+             WHERE r.task_id = $1 AND r.round_number = $2 AND a.state = $3 \
              AND a.blob_key IS NOT NULL ORDER BY a.id",
         )
         .bind(task_id)
         .bind(round_number)
+        .bind(AssignmentState::Completed.as_str())
         .fetch_all(self.pool())
         .await?)
     }
@@ -447,12 +445,15 @@ impl Db {
     pub async fn expire_assignments(&self, now: i64, limit: u32) -> Result<usize, DbError> {
         self.write(move |tx| {
             Box::pin(async move {
+                // Both engines use the (state, expires_at) index for bound states as well.
                 let due: Vec<(String, String)> = sqlx::query_as(
-                    "SELECT id, state FROM assignments WHERE state IN ('ASSIGNED', 'UPLOADED') \
+                    "SELECT id, state FROM assignments WHERE state IN ($3, $4) \
                      AND expires_at <= $1 ORDER BY expires_at LIMIT $2",
                 )
                 .bind(now)
                 .bind(i64::from(limit))
+                .bind(AssignmentState::Assigned.as_str())
+                .bind(AssignmentState::Uploaded.as_str())
                 .fetch_all(&mut *tx)
                 .await?;
                 for (id, state) in &due {

@@ -157,10 +157,23 @@ fn apply_transition(
         )?
         .execute(rusqlite::params![to.as_str(), now, id, from.as_str()])?;
     if changed != 1 {
-        return Err(DbError::Corrupt(format!(
-            "assignment {id} left {} under the single writer",
-            from.as_str()
-        )));
+        // What `db::transition` answers: gone, or moved by someone else first.
+        let found: Option<String> = c
+            .prepare_cached("SELECT state FROM assignments WHERE id = ?1")?
+            .query_row([id], |r| r.get(0))
+            .optional()?;
+        return Err(match found {
+            None => DbError::NotFound {
+                entity: AssignmentState::ENTITY,
+                id: id.to_string(),
+            },
+            Some(found) => DbError::StateConflict {
+                entity: AssignmentState::ENTITY,
+                id: id.to_string(),
+                expected: from.as_str(),
+                found,
+            },
+        });
     }
     let (live, completed) = from.round_counter_deltas(to);
     if live != 0 || completed != 0 {
@@ -341,7 +354,6 @@ impl DeviceStore for SqliteDevices<'_> {
                         r.get(9)?,
                         r.get(10)?,
                         r.get(11)?,
-                        r.get(12)?,
                     ))
                 })
                 .optional()?)
