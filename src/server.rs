@@ -293,7 +293,7 @@ async fn start_embedded_enclave(
     let services =
         crate::embedded::keyservices::start(&embedded, 3, 2, clock.clone(), &attester, stop)
             .await
-            .map_err(|e| ServeError::Embedded(e.to_string()))?;
+            .map_err(|e| ServeError::Embedded(confed_protocol::errors::with_causes(&e)))?;
     let urls: Vec<String> = services.endpoints.iter().map(|e| e.url.clone()).collect();
     keys.refresh(
         &confed_enclave::http::client(Duration::from_secs(10)),
@@ -303,7 +303,7 @@ async fn start_embedded_enclave(
     keys.spawn_refresh(urls, KEY_REFRESH);
     let trust_file = embedded.join("trust.json");
     let trust = serde_json::to_vec_pretty(&services.trust)
-        .map_err(|e| ServeError::Embedded(e.to_string()))?;
+        .map_err(|e| ServeError::Embedded(confed_protocol::errors::with_causes(&e)))?;
     std::fs::write(&trust_file, trust).map_err(|source| ServeError::DataDir {
         path: trust_file.clone(),
         source,

@@ -14,8 +14,8 @@ use confed_protocol::trust::TrustedKeyService;
 
 #[derive(Debug, Error)]
 pub enum VerifyError {
-    #[error("cannot reach the server: {0}")]
-    Network(String),
+    #[error("cannot reach the server")]
+    Network(#[source] reqwest::Error),
     #[error("the server answered {status} for {what}: {detail}")]
     Server {
         status: u16,
@@ -26,8 +26,12 @@ pub enum VerifyError {
     NoRelease { task: String, round: u64 },
     #[error("the release of round {0} carries no proof (it predates signed releases)")]
     NoProof(u64),
-    #[error("malformed {what}: {detail}")]
-    Malformed { what: String, detail: String },
+    #[error("malformed {what}")]
+    Malformed {
+        what: String,
+        #[source]
+        source: serde_json::Error,
+    },
     #[error("trust file: {0}")]
     Trust(String),
 }
@@ -63,12 +67,12 @@ async fn get(
         .bearer_auth(token)
         .send()
         .await
-        .map_err(|e| VerifyError::Network(e.to_string()))?;
+        .map_err(|e| VerifyError::Network(e.without_url()))?;
     let status = response.status().as_u16();
     let body = response
         .bytes()
         .await
-        .map_err(|e| VerifyError::Network(e.to_string()))?;
+        .map_err(|e| VerifyError::Network(e.without_url()))?;
     if status != 200 {
         let detail = serde_json::from_slice::<serde_json::Value>(&body)
             .ok()
@@ -95,7 +99,7 @@ async fn fetch(
         serde_json::from_slice(&get(http, &base, token, "the releases").await?).map_err(|e| {
             VerifyError::Malformed {
                 what: "release list".into(),
-                detail: e.to_string(),
+                source: e,
             }
         })?;
     let entry = list["releases"]
@@ -112,7 +116,7 @@ async fn fetch(
     let proof: ReleaseProof =
         serde_json::from_value(proof.clone()).map_err(|e| VerifyError::Malformed {
             what: "proof".into(),
-            detail: e.to_string(),
+            source: e,
         })?;
     let manifest_bytes = get(
         http,
@@ -170,7 +174,7 @@ pub async fn verify_release_under(
         let manifest: Manifest = serde_json::from_slice(&fetched.manifest_bytes).map_err(|e| {
             VerifyError::Malformed {
                 what: "manifest".into(),
-                detail: e.to_string(),
+                source: e,
             }
         })?;
         let (ok, what) = match confed_enclave::policy::TaskPolicy::parse(text) {
@@ -213,7 +217,7 @@ pub fn check(
     let manifest: Manifest =
         serde_json::from_slice(manifest_bytes).map_err(|e| VerifyError::Malformed {
             what: "manifest".into(),
-            detail: e.to_string(),
+            source: e,
         })?;
     let mut lines = Vec::new();
     let mut failures = Vec::new();

@@ -18,8 +18,12 @@ pub const MAX_NONCES: usize = 6;
 
 #[derive(Debug, Error)]
 pub enum AttestError {
-    #[error("cannot reach the attestation service at {path}: {reason}")]
-    Unreachable { path: String, reason: String },
+    #[error("cannot reach the attestation service at {path}")]
+    Unreachable {
+        path: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error("the attestation service refused the token request ({status}): {body}")]
     Refused { status: u16, body: String },
     #[error("invalid token request: {0}")]
@@ -72,16 +76,17 @@ impl ConfidentialSpaceAttester {
     async fn request(&self, request: &TokenRequest) -> Result<String, AttestError> {
         request.check()?;
         let path = self.socket.display().to_string();
-        let unreachable = |reason: String| AttestError::Unreachable {
-            path: path.clone(),
-            reason,
-        };
+        let unreachable =
+            |source: Box<dyn std::error::Error + Send + Sync>| AttestError::Unreachable {
+                path: path.clone(),
+                source,
+            };
         let stream = tokio::net::UnixStream::connect(&self.socket)
             .await
-            .map_err(|e| unreachable(e.to_string()))?;
+            .map_err(|e| unreachable(e.into()))?;
         let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
-            .map_err(|e| unreachable(e.to_string()))?;
+            .map_err(|e| unreachable(e.into()))?;
         tokio::spawn(connection);
         let body = serde_json::json!({
             "audience": request.audience,
@@ -92,17 +97,17 @@ impl ConfidentialSpaceAttester {
             .header(hyper::header::HOST, "localhost")
             .header(hyper::header::CONTENT_TYPE, "application/json")
             .body(Full::new(Bytes::from(body.to_string())))
-            .map_err(|e| unreachable(e.to_string()))?;
+            .map_err(|e| unreachable(e.into()))?;
         let response = sender
             .send_request(http_request)
             .await
-            .map_err(|e| unreachable(e.to_string()))?;
+            .map_err(|e| unreachable(e.into()))?;
         let status = response.status().as_u16();
         let bytes = response
             .into_body()
             .collect()
             .await
-            .map_err(|e| unreachable(e.to_string()))?
+            .map_err(|e| unreachable(e.into()))?
             .to_bytes();
         let text = String::from_utf8_lossy(&bytes).trim().to_string();
         if status != 200 {

@@ -78,14 +78,7 @@ impl DeviceError {
     /// The error and its causes on one line (`network: connection refused: ...`), for logs and
     /// tools that show errors without `anyhow`.
     pub fn with_causes(&self) -> String {
-        let mut text = self.to_string();
-        let mut cause = std::error::Error::source(self);
-        while let Some(error) = cause {
-            text.push_str(": ");
-            text.push_str(&error.to_string());
-            cause = error.source();
-        }
-        text
+        confed_protocol::errors::with_causes(self)
     }
 }
 

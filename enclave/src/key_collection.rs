@@ -414,7 +414,7 @@ async fn fetch_share(
             ],
         })
         .await
-        .map_err(|e| ServiceFailure::Attester(e.to_string()))?;
+        .map_err(|e| ServiceFailure::Attester(confed_protocol::errors::with_causes(&e)))?;
     let release = ReleaseRequest {
         token,
         ephemeral_public_key: URL_SAFE_NO_PAD.encode(session.ephemeral_public.0),

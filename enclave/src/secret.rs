@@ -24,10 +24,12 @@ pub enum SecretError {
         "secret name {0:?} must be projects/PROJECT/secrets/SECRET/versions/VERSION (letters, digits, - and _)"
     )]
     BadName(String),
-    #[error("metadata server: {0}")]
-    Metadata(String),
-    #[error("Secret Manager: {0}")]
-    Access(String),
+    #[error("the metadata server gave no access token")]
+    Metadata(#[source] reqwest::Error),
+    #[error("Secret Manager refused or failed")]
+    Access(#[source] reqwest::Error),
+    #[error("the Secret Manager payload is not base64")]
+    Payload(#[source] base64::DecodeError),
     #[error("the secret is empty or not UTF-8")]
     Empty,
 }
@@ -94,10 +96,10 @@ impl SecretManager {
             .send()
             .await
             .and_then(|r| r.error_for_status())
-            .map_err(|e| SecretError::Metadata(e.to_string()))?
+            .map_err(|e| SecretError::Metadata(e.without_url()))?
             .json()
             .await
-            .map_err(|e| SecretError::Metadata(e.to_string()))?;
+            .map_err(|e| SecretError::Metadata(e.without_url()))?;
         let token = Zeroizing::new(token.access_token);
         let accessed: Accessed = self
             .http
@@ -106,14 +108,14 @@ impl SecretManager {
             .send()
             .await
             .and_then(|r| r.error_for_status())
-            .map_err(|e| SecretError::Access(e.to_string()))?
+            .map_err(|e| SecretError::Access(e.without_url()))?
             .json()
             .await
-            .map_err(|e| SecretError::Access(e.to_string()))?;
+            .map_err(|e| SecretError::Access(e.without_url()))?;
         let bytes = Zeroizing::new(
             STANDARD
                 .decode(&accessed.payload.data)
-                .map_err(|e| SecretError::Access(format!("payload is not base64: {e}")))?,
+                .map_err(SecretError::Payload)?,
         );
         let text = std::str::from_utf8(&bytes).map_err(|_| SecretError::Empty)?;
         let trimmed = Zeroizing::new(text.trim().to_string());

@@ -11,6 +11,7 @@ pub mod clock;
 pub mod device;
 pub mod envelope;
 mod envelope_cbor;
+pub mod errors;
 pub mod hex;
 pub mod hpke;
 #[cfg(feature = "http")]

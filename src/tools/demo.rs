@@ -34,8 +34,12 @@ pub struct DemoOptions {
 
 #[derive(Debug, Error)]
 pub enum DemoError {
-    #[error("{0}")]
-    Setup(String),
+    #[error("{step}")]
+    Setup {
+        step: &'static str,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error("the API refused: {0}")]
     Api(String),
     #[error("round {round} did not complete within {seconds} s (state: {state})")]
@@ -44,8 +48,15 @@ pub enum DemoError {
         seconds: u64,
         state: String,
     },
-    #[error("devices: {0}")]
-    Devices(String),
+    #[error("devices")]
+    Devices(#[from] confed_device::DeviceError),
+    #[error("a device failed: {0}")]
+    DeviceFailed(String),
+}
+
+/// A `DemoError::Setup` for `step`, keeping the cause.
+fn setup(step: &'static str) -> impl FnOnce(Box<dyn std::error::Error + Send + Sync>) -> DemoError {
+    move |source| DemoError::Setup { step, source }
 }
 
 fn api(e: impl std::fmt::Display) -> DemoError {
@@ -81,11 +92,11 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         database: None,
     })
     .await
-    .map_err(|e| DemoError::Setup(e.to_string()))?;
+    .map_err(|e| setup("starting the embedded system")(e.into()))?;
     let token = system
         .tenant("demo-partner")
         .await
-        .map_err(|e| DemoError::Setup(e.to_string()))?;
+        .map_err(|e| setup("creating the demo tenant")(e.into()))?;
     let http = confed_enclave::http::client(Duration::from_secs(30));
     let url = system.url.clone();
     let created = http
@@ -129,7 +140,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
     let model_accuracy = |bytes: &[u8]| {
         Softmax::from_safetensors(bytes)
             .map(|m| m.accuracy(&held_out))
-            .map_err(|e| DemoError::Setup(e.to_string()))
+            .map_err(|e| setup("reading a model version")(e.into()))
     };
     let mut accuracy = vec![model_accuracy(&simulate::initial_model(options.seed))?];
     println!(
@@ -179,10 +190,9 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
             progress: options.progress,
             bars: Some(bars.clone()),
         })
-        .await
-        .map_err(|e| DemoError::Devices(e.to_string()))?;
+        .await?;
         if let Some(failure) = summary.failures.first() {
-            return Err(DemoError::Devices(failure.clone()));
+            return Err(DemoError::DeviceFailed(failure.clone()));
         }
         let model = wait_for_model(&http, &url, &token, &task_id, round).await?;
         accuracy.push(model_accuracy(&model)?);
@@ -190,7 +200,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
             .db
             .releases_of_task(&task_id)
             .await
-            .map_err(|e| DemoError::Setup(e.to_string()))?;
+            .map_err(|e| setup("reading the releases")(e.into()))?;
         let release = releases.last().ok_or_else(|| api("no release recorded"))?;
         epsilon_spent = release.epsilon_spent;
         // What a partner would run: the release checked against the devices' trust file.
