@@ -475,7 +475,7 @@ async fn fetch_share(
         challenge.nonce.as_bytes(),
         &ciphertext,
     )
-    .map_err(|e| ServiceFailure::BadAnswer(e.to_string()))?;
+    .map_err(|e| ServiceFailure::BadAnswer(confed_protocol::errors::with_causes(&e)))?;
     if share.len() != 1 + hpke::KEY_BYTES || share[0] == 0 {
         return Err(ServiceFailure::BadAnswer(
             "the share has the wrong shape".into(),
@@ -494,7 +494,7 @@ async fn post_json<T: serde::de::DeserializeOwned>(
         .json(body)
         .send()
         .await
-        .map_err(|e| ServiceFailure::Unreachable(e.to_string()))?;
+        .map_err(|e| ServiceFailure::Unreachable(confed_protocol::errors::with_causes(&e)))?;
     let status = response.status();
     if !status.is_success() {
         let text = response.text().await.unwrap_or_default();
@@ -515,7 +515,7 @@ async fn post_json<T: serde::de::DeserializeOwned>(
     response
         .json()
         .await
-        .map_err(|e| ServiceFailure::BadAnswer(e.to_string()))
+        .map_err(|e| ServiceFailure::BadAnswer(confed_protocol::errors::with_causes(&e)))
 }
 
 #[cfg(test)]

@@ -138,8 +138,10 @@ pub enum JobError {
     Update(#[from] UpdateError),
     #[error(transparent)]
     Store(#[from] StoreError),
-    #[error("aggregation thread failed: {0}")]
-    Thread(String),
+    #[error("an aggregation thread failed")]
+    Thread(#[source] tokio::task::JoinError),
+    #[error("the aggregator is still shared after its last batch (a bug)")]
+    StillShared,
 }
 
 impl JobError {
@@ -224,12 +226,13 @@ impl<S: JobStore + 'static> Worker<S> {
             Ok(outcome) => Ok(Some(outcome)),
             Err(JobError::Store(StoreError::LeaseLost)) => Err(StoreError::LeaseLost.into()),
             Err(error) => {
-                tracing::warn!(task = %job.task_id, round = job.round, %error, "aggregation job failed");
+                let error_text = confed_protocol::errors::with_causes(&error);
+                tracing::warn!(task = %job.task_id, round = job.round, error = %error_text, "aggregation job failed");
                 self.store
                     .fail(
                         &job.job_id,
                         &self.config.id,
-                        &error.to_string(),
+                        &error_text,
                         error.is_permanent(),
                     )
                     .await?;
@@ -344,9 +347,7 @@ impl<S: JobStore + 'static> Worker<S> {
                 }
             }
             if let Some(previous) = opening.take() {
-                previous
-                    .await
-                    .map_err(|e| JobError::Thread(e.to_string()))?;
+                previous.await.map_err(JobError::Thread)?;
                 self.store
                     .renew(&job.job_id, &self.config.id, self.config.lease)
                     .await?;
@@ -359,11 +360,10 @@ impl<S: JobStore + 'static> Worker<S> {
                 shared.add_batch(&batch)
             }));
         }
-        let aggregator = Arc::try_unwrap(aggregator)
-            .map_err(|_| JobError::Thread("aggregator still shared".into()))?;
+        let aggregator = Arc::try_unwrap(aggregator).map_err(|_| JobError::StillShared)?;
         let release = tokio::task::spawn_blocking(move || aggregator.finish(&private_key, privacy))
             .await
-            .map_err(|e| JobError::Thread(e.to_string()))??;
+            .map_err(JobError::Thread)??;
         let text = release_text(
             &commitment,
             &sha256_hex(&release.manifest.to_json()),
@@ -403,7 +403,7 @@ impl<S: JobStore + 'static> Worker<S> {
                 (stored, digests)
             })
             .await
-            .map_err(|e| JobError::Thread(e.to_string()))?;
+            .map_err(JobError::Thread)?;
             for (((assignment_ref, blob_key, _), bytes), digest) in
                 batch.into_iter().zip(stored).zip(digests)
             {
