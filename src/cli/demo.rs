@@ -29,7 +29,7 @@ pub struct DemoArgs {
     pub data_dir: Option<PathBuf>,
 }
 
-pub async fn demo(args: DemoArgs) -> Result<()> {
+pub async fn run(args: DemoArgs) -> Result<()> {
     let (data_dir, temporary) = match args.data_dir {
         Some(dir) => (dir, false),
         None => {

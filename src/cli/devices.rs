@@ -72,7 +72,7 @@ pub enum DevicesCommand {
     },
 }
 
-pub async fn devices(command: DevicesCommand) -> Result<()> {
+pub async fn run(command: DevicesCommand) -> Result<()> {
     use confed::tools::simulate::{SimulationConfig, initial_model, run};
     match command {
         DevicesCommand::Simulate {

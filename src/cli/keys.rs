@@ -55,7 +55,7 @@ pub fn parse_time(text: Option<&str>, default: i64) -> Result<i64> {
     }
 }
 
-pub fn keys(command: KeysCommand) -> Result<()> {
+pub fn run(command: KeysCommand) -> Result<()> {
     match command {
         KeysCommand::DevAttester { key } => {
             let attester =

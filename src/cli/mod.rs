@@ -15,9 +15,8 @@ pub use confed::keyservice::cli::shutdown_signal;
 pub use demo::DemoArgs;
 pub use devices::DevicesCommand;
 pub use keys::KeysCommand;
-pub use serve::{DataDir, ServeArgs};
+pub use serve::ServeArgs;
 pub use tenant::TenantCommand;
-pub use tokens::{admin_token, shared_token};
 pub use verify::VerifyCommand;
 
 #[derive(Parser)]
@@ -94,15 +93,15 @@ pub fn run() -> Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async {
         match cli.command {
-            Command::Demo(args) => demo::demo(args).await,
-            Command::Serve(args) => serve::serve(args).await,
-            Command::Tenant { command } => tenant::tenant(command).await,
-            Command::Keys { command } => keys::keys(command),
-            Command::Devices { command } => devices::devices(command).await,
+            Command::Demo(args) => demo::run(args).await,
+            Command::Serve(args) => serve::run(args).await,
+            Command::Tenant { command } => tenant::run(command).await,
+            Command::Keys { command } => keys::run(command),
+            Command::Devices { command } => devices::run(command).await,
             Command::Keyservice { command, run } => {
                 confed::keyservice::cli::run(command, run, shutdown_signal()).await
             }
-            Command::Verify { command } => verify::verify(command).await,
+            Command::Verify { command } => verify::run(command).await,
         }
     })
 }

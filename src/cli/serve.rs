@@ -9,7 +9,8 @@ use clap::Args;
 use confed::api::Limits;
 use confed::server::{self, ServeConfig, TlsFiles};
 
-use super::*;
+use super::shutdown_signal;
+use super::tokens::{admin_token, shared_token};
 
 #[derive(Args)]
 pub struct DataDir {
@@ -76,7 +77,7 @@ pub struct ServeArgs {
     pub retention_minutes: u64,
 }
 
-pub async fn serve(args: ServeArgs) -> Result<()> {
+pub async fn run(args: ServeArgs) -> Result<()> {
     let tls = match (args.tls_cert, args.tls_key) {
         (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
         _ => None,

@@ -6,7 +6,7 @@ use confed::clock::{Clock, SystemClock, rfc3339};
 use confed::db::NewTenant;
 use confed::server;
 
-use super::*;
+use super::serve::DataDir;
 
 #[derive(Subcommand)]
 pub enum TenantCommand {
@@ -27,7 +27,7 @@ pub enum TenantCommand {
     },
 }
 
-pub async fn tenant(command: TenantCommand) -> Result<()> {
+pub async fn run(command: TenantCommand) -> Result<()> {
     match command {
         TenantCommand::Create {
             name,

@@ -29,7 +29,7 @@ pub enum VerifyCommand {
     },
 }
 
-pub async fn verify(command: VerifyCommand) -> Result<()> {
+pub async fn run(command: VerifyCommand) -> Result<()> {
     let VerifyCommand::Release {
         server,
         task,
