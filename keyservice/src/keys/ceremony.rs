@@ -54,13 +54,10 @@ pub fn generate(options: &CeremonyOptions) -> Result<CeremonyOutcome, KeyError> 
     }
     std::fs::create_dir_all(&options.out_dir).map_err(|e| KeyError::File {
         path: options.out_dir.display().to_string(),
-        reason: e.to_string(),
+        source: e.into(),
     })?;
     let mut id_bytes = [0u8; 8];
-    getrandom::fill(&mut id_bytes).map_err(|e| KeyError::File {
-        path: "<random>".into(),
-        reason: e.to_string(),
-    })?;
+    getrandom::fill(&mut id_bytes).map_err(|e| KeyError::Random(e.to_string()))?;
     let key_id = format!("k{}", confed_protocol::hex::encode(id_bytes));
 
     let (private, public) = hpke::generate_keypair();
@@ -121,7 +118,7 @@ fn append_to_key_set(dir: &Path, key: &PublicKeyRecord) -> Result<PathBuf, KeyEr
     )?;
     std::fs::rename(&temp, &path).map_err(|e| KeyError::File {
         path: path.display().to_string(),
-        reason: e.to_string(),
+        source: e.into(),
     })?;
     Ok(path)
 }

@@ -71,10 +71,13 @@ impl std::fmt::Debug for HeldShare {
     }
 }
 
-fn file_error(path: &Path, reason: impl ToString) -> KeyError {
+fn file_error(
+    path: &Path,
+    source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> KeyError {
     KeyError::File {
         path: path.display().to_string(),
-        reason: reason.to_string(),
+        source: source.into(),
     }
 }
 

@@ -14,10 +14,16 @@ pub use files::{HeldShare, KeySetFile, PublicKeyRecord, ShareFile};
 pub enum KeyError {
     #[error(transparent)]
     Shares(#[from] confed_protocol::shares::ShareError),
+    #[error("the operating system's random generator failed: {0}")]
+    Random(String),
     #[error("validity window is empty: --valid-from must be before --valid-until")]
     EmptyValidity,
-    #[error("{path}: {reason}")]
-    File { path: String, reason: String },
+    #[error("{path}")]
+    File {
+        path: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error("{path} already exists; keys and shares are never overwritten (choose another --out)")]
     Exists { path: String },
     #[error("the share file {path} does not match its key: {reason}")]
