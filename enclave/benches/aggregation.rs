@@ -62,6 +62,12 @@ fn raw_key() -> LessSafeKey {
 }
 
 fn fixture(params: usize, count: usize) -> Fixture {
+    fixture_scaled(params, count, |_| 1.0)
+}
+
+/// `fixture` with contribution `i`'s values multiplied by `scale(i)`: at 20 a 1 MB update's L2
+/// norm is about 3, above the clip norm of 1, so the aggregator clips it.
+fn fixture_scaled(params: usize, count: usize, scale: impl Fn(usize) -> f32) -> Fixture {
     let (private, public) = generate_keypair();
     let schema = validate_model(&update(params, 0)).unwrap();
     let key = raw_key();
@@ -69,7 +75,12 @@ fn fixture(params: usize, count: usize) -> Fixture {
     let mut raw = Vec::with_capacity(count);
     let mut ciphertext_bytes = 0;
     for i in 0..count {
-        let plaintext = update(params, i as u32);
+        let factor = scale(i);
+        let scaled: Vec<f32> = values(params, i as u32)
+            .into_iter()
+            .map(|v| v * factor)
+            .collect();
+        let plaintext = encode_f32_tensors(&[("w", vec![params], &scaled)]).unwrap();
         let (id, bytes) = seal(&public, i, &plaintext);
         ciphertext_bytes += bytes.len();
         contributions.push((id, Some(bytes)));
@@ -253,9 +264,18 @@ fn summary(small: &Fixture, large: &Fixture, large_params: usize) {
     println!("\n== aggregation summary (best of 5) ==");
     let huge_params = 4 << 20;
     let huge = fixture(huge_params, 6);
+    // Real updates are often clipped (clip norms sit near the median norm): half of them, and all.
+    let count = large.contributions.len();
+    // Built alike, so the three 1 MB rows differ only in how many updates are clipped.
+    let none_clipped = fixture_scaled(large_params, count, |_| 1.0);
+    let half_clipped =
+        fixture_scaled(large_params, count, |i| if i % 2 == 0 { 20.0 } else { 1.0 });
+    let all_clipped = fixture_scaled(large_params, count, |_| 20.0);
     for (label, f, params) in [
         ("1 KB", small, 256),
-        ("1 MB", large, large_params),
+        ("1 MB", &none_clipped, large_params),
+        ("1 MB, half clipped", &half_clipped, large_params),
+        ("1 MB, all clipped", &all_clipped, large_params),
         ("16 MB (streamed)", &huge, huge_params),
     ] {
         let n = f.contributions.len() as f64;

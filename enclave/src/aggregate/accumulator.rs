@@ -57,16 +57,18 @@ impl Accumulator {
         self.len == 0
     }
 
-    /// Adds `update` clipped to L2 norm `clip_norm` on the grid, in one pass in the common case.
+    /// Adds `update` clipped to L2 norm `clip_norm` on the grid, in one pass over the sum.
     ///
-    /// The first pass quantizes at full scale while measuring both the float norm and the exact
-    /// integer norm of what it added. If the integer norm is within `GRID_UNITS_PER_CLIP` (an
-    /// update a device already clipped), that is all. Otherwise the pass is undone (the same
-    /// arithmetic, subtracted: exact) and the update is added again scaled to the clip norm,
-    /// shrunk further by the rounding's worst case if the integer norm still exceeds it. A
-    /// non-finite value is found by the same pass and undone: `Err(NonFinite)`.
+    /// A read-only pass over the plaintext first measures the update's float norm (in a fixed
+    /// order, whatever the thread) and finds a non-finite value before anything is added. The
+    /// update is then added once, at full scale if its norm is within `clip_norm` and scaled to
+    /// `clip_norm` otherwise, while the same pass measures the exact integer norm of what it
+    /// added. Only if rounding pushed that above `GRID_UNITS_PER_CLIP` (an update within a
+    /// rounding of the clip norm) is the pass undone (the same arithmetic, subtracted: exact) and
+    /// repeated shrunk by the rounding's worst case. So an update above the clip norm costs what
+    /// one below it does: the norm pass and one add (it used to cost an add, an undo and an add).
     ///
-    /// So the integer vector that stays in the sum always has L2 norm <= `GRID_UNITS_PER_CLIP`,
+    /// The integer vector that stays in the sum always has L2 norm <= `GRID_UNITS_PER_CLIP`,
     /// checked exactly. `start` spreads threads over the stripes.
     pub fn add_clipped(
         &self,
@@ -74,25 +76,32 @@ impl Accumulator {
         clip_norm: f64,
         start: usize,
     ) -> Result<(), NonFinite> {
-        let clipped = self.clip(
-            clip_norm,
-            |units| {
-                let (squares, norm_squared) = self.apply::<false>(update, units, start);
-                (
-                    squares,
-                    norm_squared,
-                    Ok::<(), std::convert::Infallible>(()),
-                )
-            },
-            |units| {
-                self.apply::<true>(update, units, start);
-            },
-        );
-        match clipped {
-            Ok(()) => Ok(()),
-            Err(StreamError::NonFinite) => Err(NonFinite),
-            Err(StreamError::Source(never)) => match never {},
+        let norm_squared = float_norm_squared(update);
+        if !norm_squared.is_finite() {
+            return Err(NonFinite);
         }
+        let norm = norm_squared.sqrt();
+        let mut factor = if norm > clip_norm {
+            clip_norm / norm
+        } else {
+            1.0
+        };
+        for _ in 0..5 {
+            let units = grid::units_per_value(clip_norm, factor);
+            let (squares, _) = self.apply::<false>(update, units, start);
+            if squares <= SENSITIVITY_SQUARED {
+                return Ok(());
+            }
+            self.apply::<true>(update, units, start);
+            factor *= 1.0 - self.rounding_margin();
+        }
+        unreachable!("a shrunk update always fits the grid's sensitivity");
+    }
+
+    /// How much an update is shrunk so that any rounding fits: worst-case rounding adds
+    /// sqrt(len)/2 units of norm (plus one unit), as a fraction of the clip norm's units.
+    fn rounding_margin(&self) -> f64 {
+        ((self.len as f64).sqrt() / 2.0 + 1.0) / grid::GRID_UNITS_PER_CLIP as f64
     }
 
     /// `add_clipped` for an update read as a stream (`Replay`): the same passes and the same
@@ -111,9 +120,12 @@ impl Accumulator {
         )
     }
 
-    /// The passes of `add_clipped`, over any way of adding (`add(units)` returns the integer and
-    /// float squared norms of what it added, and whether the update could be read) and of
-    /// removing exactly what that added (`undo(units)`).
+    /// The passes of `add_clipped_stream`, over any way of adding (`add(units)` returns the
+    /// integer and float squared norms of what it added, and whether the update could be read)
+    /// and of removing exactly what that added (`undo(units)`). Optimistic: the first pass adds
+    /// at full scale and measures the norm as it goes, because a streamed update's extra
+    /// read-only pass would decrypt it once more; an update above the clip norm is undone and
+    /// added again.
     fn clip<E>(
         &self,
         clip_norm: f64,
@@ -140,9 +152,7 @@ impl Accumulator {
         } else {
             1.0
         };
-        // Worst-case rounding adds sqrt(len)/2 units of norm; shrinking by that (plus one unit)
-        // makes the next attempt fit whatever the rounding.
-        let margin = ((self.len as f64).sqrt() / 2.0 + 1.0) / grid::GRID_UNITS_PER_CLIP as f64;
+        let margin = self.rounding_margin();
         for _ in 0..4 {
             let units = grid::units_per_value(clip_norm, factor);
             let (squares, _, read) = add(units);
@@ -256,6 +266,46 @@ impl Accumulator {
         }
         sum
     }
+}
+
+/// The squared L2 norm of an update's f32 values, summed in eight lanes in tensor order (the
+/// same bits whatever thread computes it, so a retried job clips identically). Not finite if any
+/// value is not.
+fn float_norm_squared(update: &Update<'_>) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above), the only requirement of the
+        // `target_feature` function.
+        return unsafe { float_norm_squared_avx2(update) };
+    }
+    float_norm_squared_generic(update)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn float_norm_squared_avx2(update: &Update<'_>) -> f64 {
+    float_norm_squared_generic(update)
+}
+
+#[inline(always)]
+fn float_norm_squared_generic(update: &Update<'_>) -> f64 {
+    let mut lanes = [0f64; 8];
+    let mut tail = 0f64;
+    for tensor in update {
+        let mut chunks = tensor.chunks_exact(32);
+        for chunk in &mut chunks {
+            for (lane, sum) in lanes.iter_mut().enumerate() {
+                let b = &chunk[lane * 4..lane * 4 + 4];
+                let x = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+                *sum += x * x;
+            }
+        }
+        for b in chunks.remainder().chunks_exact(4) {
+            let x = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            tail += x * x;
+        }
+    }
+    lanes.iter().sum::<f64>() + tail
 }
 
 /// 1.5 * 2^52: adding it to |x| < 2^51 rounds x to the nearest integer (ties to even) in the
