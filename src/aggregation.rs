@@ -205,7 +205,8 @@ impl JobStore for TaskDbJobStore {
 
     async fn fetch(&self, blob_key: &str) -> Result<Option<Vec<u8>>, StoreError> {
         let key = BlobKey::new(blob_key.to_string()).map_err(backend)?;
-        match self.contributions.get(&key).await {
+        // The enclave authenticates every byte (AEAD): no second digest on the way.
+        match self.contributions.get_sealed(&key).await {
             Ok(bytes) => Ok(Some(bytes)),
             Err(BlobError::NotFound(_)) => Ok(None),
             Err(e) => Err(backend(e)),

@@ -304,13 +304,21 @@ impl Readers {
         self.open.lock().map(|c| c.files.len()).unwrap_or(0)
     }
 
-    fn read(&self, location: &Location) -> Result<Vec<u8>, std::io::Error> {
+    /// The payload of the record at `location`, after checking that the record is there, is
+    /// the key's, and (with `digest`) that its bytes match the digest in its header.
+    fn read(&self, location: &Location, digest: bool) -> Result<Vec<u8>, std::io::Error> {
         let file = self.file(location.segment)?;
-        let mut record = vec![0u8; location.len];
-        file.read_exact_at(&mut record, location.offset)?;
-        check_record(&record, &location.key).map_err(std::io::Error::other)?;
-        record.drain(..HEADER_BYTES + location.key.len());
-        Ok(record)
+        let head_len = HEADER_BYTES + location.key.len();
+        if location.len < head_len {
+            return Err(std::io::Error::other("the record's location is shorter than its header"));
+        }
+        // Header and payload are read apart, so the payload lands in its own buffer uncopied.
+        let mut head = vec![0u8; head_len];
+        file.read_exact_at(&mut head, location.offset)?;
+        let mut payload = vec![0u8; location.len - head_len];
+        file.read_exact_at(&mut payload, location.offset + head_len as u64)?;
+        check_record(&head, &payload, &location.key, digest).map_err(std::io::Error::other)?;
+        Ok(payload)
     }
 }
 
@@ -419,19 +427,22 @@ fn parse_location(key: &str) -> Option<Location> {
     })
 }
 
-fn check_record(record: &[u8], key: &str) -> Result<(), String> {
-    if &record[..4] != MAGIC {
+/// Checks a record read as `head` (header and key) and `payload`: the magic, that it is `key`'s
+/// and of the stated length, and with `digest` its SHA-256.
+fn check_record(head: &[u8], payload: &[u8], key: &str, digest: bool) -> Result<(), String> {
+    if &head[..4] != MAGIC {
         return Err("no record at this offset (bad magic)".into());
     }
-    let payload_len = u32::from_le_bytes(record[4..8].try_into().expect("4 bytes")) as usize;
-    let key_len = u16::from_le_bytes(record[40..42].try_into().expect("2 bytes")) as usize;
+    let payload_len = u32::from_le_bytes(head[4..8].try_into().expect("4 bytes")) as usize;
+    let key_len = u16::from_le_bytes(head[40..42].try_into().expect("2 bytes")) as usize;
     if key_len != key.len()
-        || HEADER_BYTES + key_len + payload_len != record.len()
-        || &record[HEADER_BYTES..HEADER_BYTES + key_len] != key.as_bytes()
+        || HEADER_BYTES + key_len != head.len()
+        || payload_len != payload.len()
+        || &head[HEADER_BYTES..] != key.as_bytes()
     {
         return Err("the record at this offset belongs to another object".into());
     }
-    if Sha256::digest(&record[HEADER_BYTES + key_len..])[..] != record[8..40] {
+    if digest && Sha256::digest(payload)[..] != head[8..40] {
         return Err("the record's bytes do not match its digest (corrupted)".into());
     }
     Ok(())
@@ -525,23 +536,37 @@ impl BlobStore for ContributionLog {
     }
 
     fn get<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, Vec<u8>> {
-        Box::pin(async move {
-            let Some(location) = parse_location(key.as_str()) else {
-                return self.fallback.get(key).await;
+        Box::pin(self.read_object(key, true))
+    }
+
+    /// Skips the SHA-256 of the record: the enclave's AEAD authenticates every byte of a
+    /// contribution (see `BlobStore::get_sealed`). Magic, key and length are still checked.
+    fn get_sealed<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, Vec<u8>> {
+        Box::pin(self.read_object(key, false))
+    }
+}
+
+impl ContributionLog {
+    async fn read_object(&self, key: &BlobKey, digest: bool) -> Result<Vec<u8>, BlobError> {
+        let Some(location) = parse_location(key.as_str()) else {
+            return if digest {
+                self.fallback.get(key).await
+            } else {
+                self.fallback.get_sealed(key).await
             };
-            let not_found = |e: std::io::Error| {
-                if e.kind() == std::io::ErrorKind::NotFound {
-                    BlobError::NotFound(key.as_str().to_string())
-                } else {
-                    io_error(key.as_str(), e)
-                }
-            };
-            let readers = Arc::clone(&self.readers);
-            tokio::task::spawn_blocking(move || readers.read(&location))
-                .await
-                .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
-                .map_err(not_found)
-        })
+        };
+        let not_found = |e: std::io::Error| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                BlobError::NotFound(key.as_str().to_string())
+            } else {
+                io_error(key.as_str(), e)
+            }
+        };
+        let readers = Arc::clone(&self.readers);
+        tokio::task::spawn_blocking(move || readers.read(&location, digest))
+            .await
+            .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
+            .map_err(not_found)
     }
 }
 

@@ -162,6 +162,15 @@ pub trait BlobStore: Send + Sync + std::fmt::Debug {
     /// The whole object.
     fn get<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, Vec<u8>>;
 
+    /// The whole object, for a reader that authenticates it itself (a contribution envelope,
+    /// whose AEAD tag the enclave checks): a store may skip its own integrity digest, which would
+    /// hash every byte a second time. Whoever can rewrite the store can rewrite that digest too,
+    /// so it protects against accidents only, and the AEAD catches those as well (the
+    /// contribution is excluded). Same as `get` unless a store overrides it.
+    fn get_sealed<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, Vec<u8>> {
+        self.get(key)
+    }
+
     /// Size and digest of a stored object (`None` when there is none). Cloud stores answer from
     /// metadata; the default reads the object.
     fn stat<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, Option<ObjectInfo>> {

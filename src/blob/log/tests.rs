@@ -119,6 +119,9 @@ async fn a_corrupted_record_is_refused_with_the_reason() {
     let log = ContributionLog::open(&path, fallback(dir.path())).unwrap();
     let error = log.get(&stored).await.unwrap_err().to_string();
     assert!(error.contains("do not match its digest"), "{error}");
+    // A reader that authenticates the bytes itself (the enclave's AEAD) gets them unhashed,
+    // corruption included: its tag check refuses them.
+    assert_eq!(log.get_sealed(&stored).await.unwrap(), b"payloae");
 }
 
 #[tokio::test]
@@ -128,6 +131,8 @@ async fn a_key_pointing_at_another_record_is_refused() {
     let stored = log.put_new(key("a"), b"payload").await.unwrap();
     let forged = BlobKey::new(stored.as_str().replace("/a.cbor", "/b.cbor")).unwrap();
     let error = log.get(&forged).await.unwrap_err().to_string();
+    assert!(error.contains("belongs to another object"), "{error}");
+    let error = log.get_sealed(&forged).await.unwrap_err().to_string();
     assert!(error.contains("belongs to another object"), "{error}");
     let nowhere = BlobKey::new(format!("log/00000001/5/{}/{}", 60, key("a").as_str())).unwrap();
     assert!(log.get(&nowhere).await.is_err());
