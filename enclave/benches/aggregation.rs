@@ -268,8 +268,7 @@ fn summary(small: &Fixture, large: &Fixture, large_params: usize) {
     let count = large.contributions.len();
     // Built alike, so the three 1 MB rows differ only in how many updates are clipped.
     let none_clipped = fixture_scaled(large_params, count, |_| 1.0);
-    let half_clipped =
-        fixture_scaled(large_params, count, |i| if i % 2 == 0 { 20.0 } else { 1.0 });
+    let half_clipped = fixture_scaled(large_params, count, |i| if i % 2 == 0 { 20.0 } else { 1.0 });
     let all_clipped = fixture_scaled(large_params, count, |_| 20.0);
     for (label, f, params) in [
         ("1 KB", small, 256),

@@ -310,7 +310,9 @@ impl Readers {
         let file = self.file(location.segment)?;
         let head_len = HEADER_BYTES + location.key.len();
         if location.len < head_len {
-            return Err(std::io::Error::other("the record's location is shorter than its header"));
+            return Err(std::io::Error::other(
+                "the record's location is shorter than its header",
+            ));
         }
         // Header and payload are read apart, so the payload lands in its own buffer uncopied.
         let mut head = vec![0u8; head_len];
