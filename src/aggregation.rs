@@ -278,9 +278,11 @@ impl JobStore for TaskDbJobStore {
     }
 }
 
-/// Runs `worker` until `shutdown`: a job right after a job, otherwise a poll every `idle`.
+/// Runs `worker` until `shutdown`: a job right after a job, at once when this process closes a
+/// round (`Db::job_ready`), otherwise a poll every `idle` (jobs created by other processes).
 pub async fn run_worker(
     worker: Worker<TaskDbJobStore>,
+    db: Db,
     idle: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
@@ -303,6 +305,7 @@ pub async fn run_worker(
         }
         tokio::select! {
             _ = tokio::time::sleep(idle) => {}
+            _ = db.job_ready() => {}
             _ = shutdown.changed() => {}
         }
         if *shutdown.borrow() {

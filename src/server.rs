@@ -207,6 +207,7 @@ pub async fn serve(
             let worker = confed_enclave::worker::Worker::new(Arc::new(store), worker_config);
             background.push(tokio::spawn(crate::aggregation::run_worker(
                 worker,
+                db.clone(),
                 Duration::from_secs(1),
                 stop_rx.clone(),
             )));

@@ -267,6 +267,10 @@ async fn concurrent_completions_close_the_round_once_with_one_job() {
         // also have applied them all before: never more completions than the goal).
         assert_eq!(completed, 5, "{engine}: {answers:?}");
         assert_eq!(closed, 3, "{engine}: {answers:?}");
+        // The close wakes an in-process worker at once (a permit waits if none is waiting).
+        tokio::time::timeout(std::time::Duration::from_secs(10), app.db.job_ready())
+            .await
+            .unwrap_or_else(|_| panic!("{engine}: closing the round signalled no job"));
         let tenant = app.db.list_tenants().await.unwrap().remove(0);
         let rounds = app.db.rounds(&tenant.id, &task).await.unwrap();
         assert_eq!(rounds[0].state, RoundState::Aggregating, "{engine}");

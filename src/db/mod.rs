@@ -76,6 +76,9 @@ pub struct Db {
     /// Model version records (immutable once written), for check-in and model downloads.
     models:
         std::sync::Arc<std::sync::RwLock<std::collections::HashMap<(String, i64), ModelRecord>>>,
+    /// Signalled when this process created an aggregation job (a round closed), so an in-process
+    /// worker leases it at once instead of at its next poll.
+    jobs_created: Arc<tokio::sync::Notify>,
 }
 
 /// What only the SQLite engine has: the group-commit writer and raw read connections.
@@ -188,6 +191,7 @@ impl Db {
             }),
             specs: Default::default(),
             models: Default::default(),
+            jobs_created: Default::default(),
         })
     }
 
@@ -206,11 +210,24 @@ impl Db {
             sqlite: None,
             specs: Default::default(),
             models: Default::default(),
+            jobs_created: Default::default(),
         })
     }
 
     pub(crate) fn pool(&self) -> &AnyPool {
         &self.pool
+    }
+
+    /// Tells an in-process worker that a job is ready to lease (call once its row is committed,
+    /// or on SQLite, queued before the worker's lease: the single writer orders them). A permit
+    /// is kept if no worker is waiting, so a busy worker looks again when it is done.
+    pub(crate) fn job_created(&self) {
+        self.jobs_created.notify_one();
+    }
+
+    /// Completes when this process created an aggregation job since the last call.
+    pub async fn job_ready(&self) {
+        self.jobs_created.notified().await;
     }
 
     /// Runs a write job atomically: in the SQLite writer's next group commit (see `writer.rs`),

@@ -210,73 +210,78 @@ impl Db {
         now: i64,
     ) -> Result<DeadlineOutcome, DbError> {
         let round_id = round_id.to_string();
-        self.write(move |tx| {
-            Box::pin(async move {
-                let round_id = round_id.as_str();
-                let round = load_one(&mut *tx, round_id).await?;
-                if round.state != RoundState::Collecting || round.deadline_at > now {
-                    return Ok(DeadlineOutcome::Skipped);
-                }
-                let reports = round.reports_received;
-                let outcome = if reports >= round.min_reports {
-                    let reason = format!(
-                        "deadline reached with {reports} reports (minimum {})",
-                        round.min_reports
-                    );
-                    close(
-                        &mut *tx,
-                        round_id,
-                        RoundState::Collecting,
-                        RoundState::Aggregating,
-                        &reason,
-                        now,
-                    )
-                    .await?;
-                    DeadlineOutcome::Aggregating { reports }
-                } else {
-                    let reason = format!(
-                        "deadline reached with {reports} reports, fewer than the minimum {}",
-                        round.min_reports
-                    );
-                    close(
-                        &mut *tx,
-                        round_id,
-                        RoundState::Collecting,
-                        RoundState::Failed,
-                        &reason,
-                        now,
-                    )
-                    .await?;
-                    let task = tasks::load_any(&mut *tx, &round.task_id).await?;
-                    if task.state != TaskState::Open {
-                        DeadlineOutcome::Skipped
-                    } else if round.attempt < i64::from(task.spec.max_round_attempts) {
-                        let next_attempt = round.attempt + 1;
-                        open(&mut *tx, &task, round.round_number, next_attempt, now).await?;
-                        DeadlineOutcome::Retried {
-                            reports,
-                            next_attempt,
-                        }
-                    } else {
+        let outcome = self
+            .write(move |tx| {
+                Box::pin(async move {
+                    let round_id = round_id.as_str();
+                    let round = load_one(&mut *tx, round_id).await?;
+                    if round.state != RoundState::Collecting || round.deadline_at > now {
+                        return Ok(DeadlineOutcome::Skipped);
+                    }
+                    let reports = round.reports_received;
+                    let outcome = if reports >= round.min_reports {
                         let reason = format!(
-                            "round {} failed {} times, the task's max_round_attempts",
-                            round.round_number, round.attempt
+                            "deadline reached with {reports} reports (minimum {})",
+                            round.min_reports
                         );
-                        transition(
+                        close(
                             &mut *tx,
-                            &task.id,
-                            TaskState::Open,
-                            TaskState::Failed,
+                            round_id,
+                            RoundState::Collecting,
+                            RoundState::Aggregating,
                             &reason,
                             now,
                         )
                         .await?;
-                        DeadlineOutcome::TaskFailed { reports }
-                    }
-                };
-                Ok(outcome)
+                        DeadlineOutcome::Aggregating { reports }
+                    } else {
+                        let reason = format!(
+                            "deadline reached with {reports} reports, fewer than the minimum {}",
+                            round.min_reports
+                        );
+                        close(
+                            &mut *tx,
+                            round_id,
+                            RoundState::Collecting,
+                            RoundState::Failed,
+                            &reason,
+                            now,
+                        )
+                        .await?;
+                        let task = tasks::load_any(&mut *tx, &round.task_id).await?;
+                        if task.state != TaskState::Open {
+                            DeadlineOutcome::Skipped
+                        } else if round.attempt < i64::from(task.spec.max_round_attempts) {
+                            let next_attempt = round.attempt + 1;
+                            open(&mut *tx, &task, round.round_number, next_attempt, now).await?;
+                            DeadlineOutcome::Retried {
+                                reports,
+                                next_attempt,
+                            }
+                        } else {
+                            let reason = format!(
+                                "round {} failed {} times, the task's max_round_attempts",
+                                round.round_number, round.attempt
+                            );
+                            transition(
+                                &mut *tx,
+                                &task.id,
+                                TaskState::Open,
+                                TaskState::Failed,
+                                &reason,
+                                now,
+                            )
+                            .await?;
+                            DeadlineOutcome::TaskFailed { reports }
+                        }
+                    };
+                    Ok(outcome)
+                })
             })
-        })
-        .await
+            .await?;
+        if matches!(outcome, DeadlineOutcome::Aggregating { .. }) {
+            self.job_created();
+        }
+        Ok(outcome)
     }
 }

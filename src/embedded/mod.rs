@@ -176,6 +176,7 @@ impl EmbeddedSystem {
             let worker = system.worker("enclave-worker-1");
             system.tasks.push(tokio::spawn(run_worker(
                 worker,
+                system.db.clone(),
                 Duration::from_millis(200),
                 stop_rx,
             )));

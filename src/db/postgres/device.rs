@@ -149,6 +149,7 @@ async fn report_off_path(
 async fn complete(
     tx: &mut Conn,
     report: &Report,
+    closed: &std::sync::atomic::AtomicBool,
 ) -> Result<Result<AssignmentState, Refusal>, DbError> {
     debug_assert!(UPLOADED.can_become(COMPLETED));
     let round: Option<(String, String, i64)> = sqlx::query_as(
@@ -199,6 +200,7 @@ async fn complete(
         .bind(report.now)
         .execute(&mut *tx)
         .await?;
+    closed.store(true, std::sync::atomic::Ordering::Relaxed);
     Ok(Ok(COMPLETED))
 }
 
@@ -267,16 +269,24 @@ impl DeviceStore for PostgresDevices<'_> {
         &self,
         report: Report,
     ) -> Result<Result<AssignmentState, Refusal>, DbError> {
-        self.0
+        let closed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let closing = closed.clone();
+        let answer = self
+            .0
             .write(move |tx| {
                 Box::pin(async move {
                     if report.outcome == ReportOutcome::Completed {
-                        complete(tx, &report).await
+                        complete(tx, &report, &closing).await
                     } else {
                         report_off_path(tx, &report).await
                     }
                 })
             })
-            .await
+            .await?;
+        // After the commit: a worker woken earlier could lease before the job row is visible.
+        if closed.load(std::sync::atomic::Ordering::Relaxed) {
+            self.0.job_created();
+        }
+        Ok(answer)
     }
 }

@@ -224,6 +224,7 @@ fn complete(
     c: &rusqlite::Connection,
     id: &str,
     now: i64,
+    on_close: &dyn Fn(),
 ) -> Result<Option<AssignmentState>, DbError> {
     debug_assert!(UPLOADED.can_become(COMPLETED));
     debug_assert_eq!(UPLOADED.round_counter_deltas(COMPLETED), (0, 1));
@@ -270,6 +271,7 @@ fn complete(
     )?;
     c.prepare_cached(CREATE_JOB)?
         .execute(rusqlite::params![round_id, now])?;
+    on_close();
     Ok(Some(COMPLETED))
 }
 
@@ -397,10 +399,13 @@ impl DeviceStore for SqliteDevices<'_> {
         &self,
         report: Report,
     ) -> Result<Result<AssignmentState, Refusal>, DbError> {
+        // The worker's lease is a later job on the same single writer, so it sees this batch's
+        // commit: waking it from inside the job is safe.
+        let db = self.0.clone();
         self.0
             .write_raw(move |c| {
                 if report.outcome == ReportOutcome::Completed
-                    && let Some(state) = complete(c, &report.id, report.now)?
+                    && let Some(state) = complete(c, &report.id, report.now, &|| db.job_created())?
                 {
                     return Ok(Ok(state));
                 }
