@@ -50,6 +50,34 @@ async fn a_worker_over_http_completes_a_round() {
     system.shutdown().await;
 }
 
+/// A lease that waits (long polling) is answered with the job as soon as this server closes the
+/// round, not when the wait ends; a wait above the limit is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_lease_gets_the_job_when_the_round_closes() {
+    let (system, _dir) = start_with(now_clock(), Some(TOKEN)).await;
+    let (_, _task) = open_task(&system, "waiting", 8.0).await;
+    let http = reqwest::Client::new();
+    let lease = |wait: u64| {
+        http.post(format!("{}/internal/v1/jobs/lease", system.url))
+            .bearer_auth(TOKEN)
+            .json(&json!({"worker": "w1", "lease_seconds": 60, "wait_seconds": wait}))
+            .send()
+    };
+    assert_eq!(lease(26).await.unwrap().status(), 400);
+    assert_eq!(lease(0).await.unwrap().status(), 204, "no job, no wait");
+    let waiting = tokio::spawn(lease(25));
+    let started = std::time::Instant::now();
+    collect(&system, "waiting", 1, false).await;
+    let reply = waiting.await.unwrap().unwrap();
+    assert_eq!(reply.status(), 200, "the job, while the lease waited");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "answered when the round closed, not when the wait ended ({:?})",
+        started.elapsed()
+    );
+    system.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_whose_lease_was_taken_over_is_refused_over_http() {
     let clock = now_clock();

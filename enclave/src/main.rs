@@ -21,6 +21,9 @@ use confed_enclave::remote::HttpJobStore;
 use confed_enclave::worker::{Worker, WorkerConfig};
 use zeroize::Zeroizing;
 
+/// How long a lease may wait on the server for a job to appear (long polling).
+const LEASE_WAIT_SECONDS: u64 = 20;
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum AttesterKind {
     /// Google Confidential Space: tokens from the launcher's socket.
@@ -170,7 +173,9 @@ async fn run(args: Args) -> Result<()> {
     // process, so a restarted worker takes back at once a job its previous process held.
     let name = args.id.unwrap_or_else(default_worker_name);
     let id = format!("{name}/{}", random_incarnation()?);
-    let store = HttpJobStore::new(&args.server, token, Duration::from_secs(120));
+    // Leases long-poll (up to 20 s): a round the server closes is picked up at once.
+    let store = HttpJobStore::new(&args.server, token, Duration::from_secs(120))
+        .with_lease_wait(Duration::from_secs(LEASE_WAIT_SECONDS));
     let worker = Worker::new(
         Arc::new(store),
         WorkerConfig {
@@ -186,17 +191,19 @@ async fn run(args: Args) -> Result<()> {
     );
     tracing::info!(worker = %id, server = %args.server, "enclave worker started");
     loop {
-        let busy = tokio::select! {
+        // How long to pause before the next lease: none after a job; little after an empty
+        // lease (it already waited on the server); a second after a failure.
+        let pause = tokio::select! {
             outcome = worker.run_once() => match outcome {
                 Ok(Some(done)) => {
                     tracing::info!(task = %done.task_id, round = done.round, included = done.included,
                         excluded = done.excluded, epsilon_spent = ?done.epsilon_spent, "round released");
-                    true
+                    Duration::ZERO
                 }
-                Ok(None) => false,
+                Ok(None) => Duration::from_millis(200),
                 Err(error) => {
                     tracing::warn!(%error, "job not finished; it will be retried");
-                    false
+                    Duration::from_secs(1)
                 }
             },
             _ = tokio::signal::ctrl_c() => {
@@ -207,8 +214,8 @@ async fn run(args: Args) -> Result<()> {
         if args.once {
             return Ok(());
         }
-        if !busy {
-            tokio::time::sleep(Duration::from_secs(1)).await;
+        if !pause.is_zero() {
+            tokio::time::sleep(pause).await;
         }
     }
 }

@@ -24,7 +24,15 @@ use confed_attestation::release::ReleaseProof;
 pub struct LeaseRequest {
     pub worker: String,
     pub lease_seconds: u64,
+    /// With nothing to lease, how long the server may hold the request open for a job to appear
+    /// (0, the default: answer at once; at most `MAX_LEASE_WAIT_SECONDS`).
+    #[serde(default)]
+    pub wait_seconds: u64,
 }
+
+/// Longest `wait_seconds` the server accepts: below the usual 30 s idle timeout of proxies and
+/// load balancers.
+pub const MAX_LEASE_WAIT_SECONDS: u64 = 25;
 
 /// A leased job, as the server describes it; bytes are fetched separately by key.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -153,6 +161,7 @@ pub struct HttpJobStore {
     base: String,
     token: Zeroizing<String>,
     http: reqwest::Client,
+    lease_wait: u64,
 }
 
 impl HttpJobStore {
@@ -162,7 +171,16 @@ impl HttpJobStore {
             base: base.trim_end_matches('/').to_string(),
             token,
             http: crate::http::client(timeout),
+            lease_wait: 0,
         }
+    }
+
+    /// Leases wait up to `wait` on the server for a job to appear (long polling), so a round
+    /// that closes is picked up at once rather than at the next poll. Keep the client timeout
+    /// above it.
+    pub fn with_lease_wait(mut self, wait: Duration) -> Self {
+        self.lease_wait = wait.as_secs().min(MAX_LEASE_WAIT_SECONDS);
+        self
     }
 
     fn url(&self, path: &str) -> String {
@@ -219,6 +237,7 @@ impl JobStore for HttpJobStore {
         let request = LeaseRequest {
             worker: worker.to_string(),
             lease_seconds: lease.as_secs(),
+            wait_seconds: self.lease_wait,
         };
         let response = self
             .send(self.http.post(self.url("jobs/lease")).json(&request))

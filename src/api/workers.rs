@@ -10,7 +10,9 @@ use axum::http::StatusCode;
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
-use confed_enclave::remote::{FailRequest, LeaseRequest, ReleaseUpload, RenewRequest, WorkerId};
+use confed_enclave::remote::{
+    FailRequest, LeaseRequest, MAX_LEASE_WAIT_SECONDS, ReleaseUpload, RenewRequest, WorkerId,
+};
 use confed_enclave::worker::{JobStore, StagedRelease, StoreError};
 use std::time::Duration;
 
@@ -99,11 +101,30 @@ async fn lease(
 ) -> Result<Response, ApiError> {
     check_worker(&request.worker)?;
     let lease = lease_duration(request.lease_seconds)?;
-    match store(&state)
+    if request.wait_seconds > MAX_LEASE_WAIT_SECONDS {
+        return Err(ApiError::BadRequest(format!(
+            "`wait_seconds` must be at most {MAX_LEASE_WAIT_SECONDS} (got {})",
+            request.wait_seconds
+        )));
+    }
+    let store = store(&state);
+    let mut job = store
         .lease_wire(&request.worker, lease)
         .await
-        .map_err(store_error)?
-    {
+        .map_err(store_error)?;
+    if job.is_none() && request.wait_seconds > 0 {
+        // Long polling: a round this process closes wakes the wait at once (`Db::job_ready`);
+        // one closed by another replica is found when the wait ends.
+        tokio::select! {
+            _ = state.db.job_ready() => {}
+            _ = tokio::time::sleep(Duration::from_secs(request.wait_seconds)) => {}
+        }
+        job = store
+            .lease_wire(&request.worker, lease)
+            .await
+            .map_err(store_error)?;
+    }
+    match job {
         Some(job) => Ok(axum::Json(job).into_response()),
         None => Ok(StatusCode::NO_CONTENT.into_response()),
     }
