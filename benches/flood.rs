@@ -10,8 +10,7 @@
 //! honest device cycles/s and rounds released/s without and with the flood, the ratio, the
 //! server's peak RSS, and what the flood sent. Run with `cargo bench --bench flood`.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -22,66 +21,9 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 const HONEST_DEVICES: usize = 8000;
 const REPORT_GOAL: u32 = 2000;
 
-struct Server {
-    child: Child,
-    url: String,
-    token: String,
-    trust: String,
-    keyservices: Vec<String>,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn binary() -> String {
-    std::env::var("CONFED_BIN")
-        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/target/release/confed").into())
-}
-
-fn start() -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(binary())
-        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
-        .arg(dir.path().join("data"))
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("the release binary (cargo build --release) or CONFED_BIN");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let (mut token, mut trust, mut keyservices) = (String::new(), String::new(), Vec::new());
-    let url = loop {
-        let line = lines.next().expect("server output").unwrap();
-        if let Some(t) = line.strip_prefix("CONFED_DEMO_TOKEN=") {
-            token = t.into();
-        }
-        if let Some((_, path)) = line.split_once("Device trust file: ") {
-            trust = path.into();
-        }
-        if let Some(list) = line.strip_prefix("confed: embedded key services: ") {
-            keyservices = list
-                .split(' ')
-                .filter_map(|e| e.split_once('=').map(|(_, url)| url.to_string()))
-                .collect();
-        }
-        if let Some(url) = line.strip_prefix("confed: serving on ") {
-            break url.to_string();
-        }
-    };
-    std::thread::spawn(move || for _ in lines {});
-    Server {
-        child,
-        url,
-        token,
-        trust,
-        keyservices,
-        _dir: dir,
-    }
-}
+#[path = "support/process.rs"]
+mod process;
+use process::{Server, binary, start};
 
 fn rss_kib(pid: u32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))

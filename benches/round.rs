@@ -10,65 +10,14 @@
 //!
 //! `cargo bench --bench round`
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const DEVICES: usize = 1000;
 const PARAMS: usize = 262_144;
 
-struct Server {
-    child: Child,
-    url: String,
-    token: String,
-    trust: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn binary() -> String {
-    std::env::var("CONFED_BIN")
-        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/target/release/confed").into())
-}
-
-fn start() -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(binary())
-        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
-        .arg(dir.path().join("data"))
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("the release binary (cargo build --release) or CONFED_BIN");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let (mut token, mut trust) = (String::new(), String::new());
-    let url = loop {
-        let line = lines.next().expect("server output").unwrap();
-        if let Some(t) = line.strip_prefix("CONFED_DEMO_TOKEN=") {
-            token = t.into();
-        }
-        if let Some((_, path)) = line.split_once("Device trust file: ") {
-            trust = path.into();
-        }
-        if let Some(url) = line.strip_prefix("confed: serving on ") {
-            break url.to_string();
-        }
-    };
-    std::thread::spawn(move || for _ in lines {});
-    Server {
-        child,
-        url,
-        token,
-        trust,
-        _dir: dir,
-    }
-}
+#[path = "support/process.rs"]
+mod process;
+use process::{Server, binary, start};
 
 /// A safetensors file with one F32 tensor `w` of `PARAMS` zeros.
 fn model() -> Vec<u8> {

@@ -75,10 +75,6 @@ impl KeyServiceApiError {
             ),
         }
     }
-
-    pub fn status(&self) -> StatusCode {
-        self.status_and_kind().0
-    }
 }
 
 impl IntoResponse for KeyServiceApiError {

@@ -14,6 +14,13 @@ pub struct HistoryRecord {
     pub at: i64,
 }
 
+/// A history row appended after the entity's last (`seq` one more): `$1` id, `$2` entity, `$3`
+/// entity id, `$4` from, `$5` to, `$6` reason, `$7` time. Both engines, and rusqlite (which binds
+/// `$n` by position).
+pub(crate) const APPEND_SQL: &str = "INSERT INTO state_history (id, entity, entity_id, seq, from_state, to_state, reason, at) \
+     SELECT $1, $2, $3, COALESCE(MAX(seq), 0) + 1, $4, $5, $6, $7 \
+     FROM state_history WHERE entity_id = $3";
+
 pub(crate) async fn append(
     conn: &mut Conn,
     entity: &str,
@@ -23,20 +30,16 @@ pub(crate) async fn append(
     reason: &str,
     now: i64,
 ) -> Result<(), DbError> {
-    sqlx::query(
-        "INSERT INTO state_history (id, entity, entity_id, seq, from_state, to_state, reason, at) \
-         SELECT $1, $2, $3, COALESCE(MAX(seq), 0) + 1, $4, $5, $6, $7 \
-         FROM state_history WHERE entity_id = $3",
-    )
-    .bind(super::new_history_id())
-    .bind(entity)
-    .bind(entity_id)
-    .bind(from)
-    .bind(to)
-    .bind(reason)
-    .bind(now)
-    .execute(&mut *conn)
-    .await?;
+    sqlx::query(APPEND_SQL)
+        .bind(super::new_history_id())
+        .bind(entity)
+        .bind(entity_id)
+        .bind(from)
+        .bind(to)
+        .bind(reason)
+        .bind(now)
+        .execute(&mut *conn)
+        .await?;
     Ok(())
 }
 

@@ -225,6 +225,11 @@ impl Db {
         self.jobs_created.notify_one();
     }
 
+    /// The signal `job_created` raises, for a closure that outlives `&self` (the SQLite writer's).
+    pub(crate) fn job_signal(&self) -> Arc<tokio::sync::Notify> {
+        Arc::clone(&self.jobs_created)
+    }
+
     /// Completes when this process created an aggregation job since the last call.
     pub async fn job_ready(&self) {
         self.jobs_created.notified().await;

@@ -9,11 +9,12 @@
 //! accept. `tests/device_store.rs` runs one conformance suite over both.
 
 use std::future::Future;
+use std::sync::LazyLock;
 
 use super::postgres::device::PostgresDevices;
 use super::sqlite::device::SqliteDevices;
 use super::{Conn, Db, DbError, Engine, history, parse_state, transition};
-use crate::states::{AssignmentState, RoundState, StateMachine};
+use crate::states::{AssignmentState, RoundState, StateMachine, TaskState};
 use crate::task_spec::TaskSpec;
 
 /// A collecting round a device of the population might join.
@@ -121,6 +122,20 @@ pub(in crate::db) const VIEW_SQL: &str = "SELECT a.id, a.state, a.expires_at, r.
      t.model_version \
      FROM assignments a JOIN rounds r ON r.id = a.round_id JOIN tasks t ON t.id = r.task_id \
      WHERE a.id = $1";
+
+/// Collecting rounds of open tasks in a population whose owner runs them (`$1`: the population;
+/// SQLite binds `$1` by position too).
+pub(in crate::db) static CANDIDATES: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT r.id, t.id, t.tenant_id, r.round_number, r.deadline_at, r.key_id, \
+         t.model_version, r.live_assignments, t.spec_json, r.attempt \
+         FROM rounds r JOIN tasks t ON t.id = r.task_id \
+         JOIN populations p ON p.name = t.population AND p.tenant_id = t.tenant_id \
+         WHERE t.population = $1 AND t.state = '{open}' AND r.state = '{collecting}'",
+        open = TaskState::Open.as_str(),
+        collecting = RoundState::Collecting.as_str(),
+    )
+});
 
 pub(in crate::db) fn view_from_row(r: ViewRow) -> Result<AssignmentView, DbError> {
     Ok(AssignmentView {

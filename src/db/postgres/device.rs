@@ -15,30 +15,18 @@
 use std::sync::LazyLock;
 
 use crate::db::device::{
-    Assigned, AssignmentView, CandidateRow, DEVICE_ERROR_CHARS, DeviceStore, NewAssignment,
-    NewUpload, Refusal, Report, ReportOutcome, ReportStep, Stored, VIEW_SQL, ViewRow,
-    WRITE_VIEW_SQL, WriteView, WriteViewRow, report_step, upload_outcome, view_from_row,
+    Assigned, AssignmentView, CANDIDATES, CandidateRow, DEVICE_ERROR_CHARS, DeviceStore,
+    NewAssignment, NewUpload, Refusal, Report, ReportOutcome, ReportStep, Stored, VIEW_SQL,
+    ViewRow, WRITE_VIEW_SQL, WriteView, WriteViewRow, report_step, upload_outcome, view_from_row,
 };
 use crate::db::{Conn, Db, DbError, history, new_history_id, transition};
-use crate::states::{AssignmentState, RoundState, StateMachine, TaskState};
+use crate::states::{AssignmentState, RoundState, StateMachine};
 
 use AssignmentState::{Assigned as ASSIGNED, Completed as COMPLETED, Uploaded as UPLOADED};
 use RoundState::{Aggregating as AGGREGATING, Collecting as COLLECTING};
 
 /// The device store of a PostgreSQL `Db`.
 pub(in crate::db) struct PostgresDevices<'a>(pub &'a Db);
-
-static CANDIDATES: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "SELECT r.id, t.id, t.tenant_id, r.round_number, r.deadline_at, r.key_id, \
-         t.model_version, r.live_assignments, t.spec_json, r.attempt \
-         FROM rounds r JOIN tasks t ON t.id = r.task_id \
-         JOIN populations p ON p.name = t.population AND p.tenant_id = t.tenant_id \
-         WHERE t.population = $1 AND t.state = '{open}' AND r.state = '{collecting}'",
-        open = TaskState::Open.as_str(),
-        collecting = COLLECTING.as_str(),
-    )
-});
 
 /// One statement, so one round trip and an implicit transaction: the round row's lock (taken by
 /// the guarded UPDATE, which PostgreSQL re-checks after waiting for it) is held only for this
@@ -146,11 +134,11 @@ async fn report_off_path(
 
 /// A completion with its round row locked first; the completion that reaches the goal closes the
 /// round and creates its job in the same transaction.
+/// `Ok((answer, closed))`: `closed` when this completion reached the goal and created the job.
 async fn complete(
     tx: &mut Conn,
     report: &Report,
-    closed: &std::sync::atomic::AtomicBool,
-) -> Result<Result<AssignmentState, Refusal>, DbError> {
+) -> Result<(Result<AssignmentState, Refusal>, bool), DbError> {
     debug_assert!(UPLOADED.can_become(COMPLETED));
     let round: Option<(String, String, i64)> = sqlx::query_as(
         "SELECT r.id, r.state, r.report_goal FROM rounds r \
@@ -160,7 +148,7 @@ async fn complete(
     .fetch_optional(&mut *tx)
     .await?;
     let Some((round_id, round_state, goal)) = round else {
-        return Ok(Err(Refusal::UnknownAssignment));
+        return Ok((Err(Refusal::UnknownAssignment), false));
     };
     let completed: Option<(i64,)> = if round_state == COLLECTING.as_str() {
         sqlx::query_as(COMPLETE.as_str())
@@ -174,10 +162,10 @@ async fn complete(
         None
     };
     let Some((completed,)) = completed else {
-        return report_off_path(tx, report).await;
+        return Ok((report_off_path(tx, report).await?, false));
     };
     if completed != goal {
-        return Ok(Ok(COMPLETED));
+        return Ok((Ok(COMPLETED), false));
     }
     debug_assert!(COLLECTING.can_become(AGGREGATING));
     sqlx::query(CLOSE_ROUND.as_str())
@@ -200,8 +188,7 @@ async fn complete(
         .bind(report.now)
         .execute(&mut *tx)
         .await?;
-    closed.store(true, std::sync::atomic::Ordering::Relaxed);
-    Ok(Ok(COMPLETED))
+    Ok((Ok(COMPLETED), true))
 }
 
 impl DeviceStore for PostgresDevices<'_> {
@@ -269,22 +256,20 @@ impl DeviceStore for PostgresDevices<'_> {
         &self,
         report: Report,
     ) -> Result<Result<AssignmentState, Refusal>, DbError> {
-        let closed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let closing = closed.clone();
-        let answer = self
+        let (answer, closed) = self
             .0
             .write(move |tx| {
                 Box::pin(async move {
                     if report.outcome == ReportOutcome::Completed {
-                        complete(tx, &report, &closing).await
+                        complete(tx, &report).await
                     } else {
-                        report_off_path(tx, &report).await
+                        Ok((report_off_path(tx, &report).await?, false))
                     }
                 })
             })
             .await?;
         // After the commit: a worker woken earlier could lease before the job row is visible.
-        if closed.load(std::sync::atomic::Ordering::Relaxed) {
+        if closed {
             self.0.job_created();
         }
         Ok(answer)

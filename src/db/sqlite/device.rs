@@ -8,30 +8,18 @@ use std::sync::LazyLock;
 use rusqlite::OptionalExtension;
 
 use crate::db::device::{
-    Assigned, AssignmentView, CandidateRow, DEVICE_ERROR_CHARS, DeviceStore, NewAssignment,
-    NewUpload, Refusal, Report, ReportOutcome, ReportStep, Stored, VIEW_SQL, ViewRow,
-    WRITE_VIEW_SQL, WriteView, report_step, upload_outcome, view_from_row,
+    Assigned, AssignmentView, CANDIDATES, CandidateRow, DEVICE_ERROR_CHARS, DeviceStore,
+    NewAssignment, NewUpload, Refusal, Report, ReportOutcome, ReportStep, Stored, VIEW_SQL,
+    ViewRow, WRITE_VIEW_SQL, WriteView, WriteViewRow, report_step, upload_outcome, view_from_row,
 };
-use crate::db::{Db, DbError, new_history_id};
-use crate::states::{AssignmentState, RoundState, StateMachine, TaskState};
+use crate::db::{Db, DbError, history, new_history_id};
+use crate::states::{AssignmentState, RoundState, StateMachine};
 
 use AssignmentState::{Assigned as ASSIGNED, Completed as COMPLETED, Uploaded as UPLOADED};
 use RoundState::{Aggregating as AGGREGATING, Collecting as COLLECTING};
 
 /// The device store of a SQLite `Db`.
 pub(in crate::db) struct SqliteDevices<'a>(pub &'a Db);
-
-static CANDIDATES: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "SELECT r.id, t.id, t.tenant_id, r.round_number, r.deadline_at, r.key_id, \
-         t.model_version, r.live_assignments, t.spec_json, r.attempt \
-         FROM rounds r JOIN tasks t ON t.id = r.task_id \
-         JOIN populations p ON p.name = t.population AND p.tenant_id = t.tenant_id \
-         WHERE t.population = ?1 AND t.state = '{open}' AND r.state = '{collecting}'",
-        open = TaskState::Open.as_str(),
-        collecting = COLLECTING.as_str(),
-    )
-});
 
 static TAKE_SLOT: LazyLock<String> = LazyLock::new(|| {
     format!(
@@ -53,11 +41,6 @@ static INSERT_ASSIGNMENT: LazyLock<String> = LazyLock::new(|| {
 /// The first history row of a new assignment (`seq` 1: nothing to read).
 const FIRST_HISTORY: &str = "INSERT INTO state_history (id, entity, entity_id, seq, from_state, to_state, reason, at) \
      VALUES (?1, ?2, ?3, 1, NULL, ?4, ?5, ?6)";
-
-/// A history row appended after the entity's last (`seq` one more).
-const APPEND_HISTORY: &str = "INSERT INTO state_history (id, entity, entity_id, seq, from_state, to_state, reason, at) \
-     SELECT ?1, ?2, ?3, COALESCE(MAX(seq), 0) + 1, ?4, ?5, ?6, ?7 \
-     FROM state_history WHERE entity_id = ?3";
 
 static UPLOAD: LazyLock<String> = LazyLock::new(|| {
     format!(
@@ -110,7 +93,7 @@ fn append_history(
     reason: &str,
     now: i64,
 ) -> Result<(), DbError> {
-    c.prepare_cached(APPEND_HISTORY)?
+    c.prepare_cached(history::APPEND_SQL)?
         .execute(rusqlite::params![
             new_history_id(),
             entity,
@@ -127,9 +110,7 @@ fn write_view(c: &rusqlite::Connection, id: &str) -> Result<Option<WriteView>, D
     // SQLite reads `$1` as a parameter too (bound by position here).
     let row = c
         .prepare_cached(WRITE_VIEW_SQL)?
-        .query_row([id], |r| {
-            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
-        })
+        .query_row([id], |r| WriteViewRow::try_from(r))
         .optional()?;
     row.map(WriteView::from_row).transpose()
 }
@@ -281,20 +262,7 @@ impl DeviceStore for SqliteDevices<'_> {
         // thread costs more than the read.
         self.0.read_raw(|c| {
             let mut statement = c.prepare_cached(&CANDIDATES)?;
-            let rows = statement.query_map([population], |r| {
-                Ok((
-                    r.get(0)?,
-                    r.get(1)?,
-                    r.get(2)?,
-                    r.get(3)?,
-                    r.get(4)?,
-                    r.get(5)?,
-                    r.get(6)?,
-                    r.get(7)?,
-                    r.get(8)?,
-                    r.get(9)?,
-                ))
-            })?;
+            let rows = statement.query_map([population], |r| CandidateRow::try_from(r))?;
             Ok(rows.collect::<Result<Vec<_>, _>>()?)
         })
     }
@@ -342,22 +310,7 @@ impl DeviceStore for SqliteDevices<'_> {
         // to a sqlx worker thread costs more than the read.
         let row: Option<ViewRow> = self.0.read_raw(|c| {
             Ok(c.prepare_cached(VIEW_SQL)?
-                .query_row([&id], |r| {
-                    Ok((
-                        r.get(0)?,
-                        r.get(1)?,
-                        r.get(2)?,
-                        r.get(3)?,
-                        r.get(4)?,
-                        r.get(5)?,
-                        r.get(6)?,
-                        r.get(7)?,
-                        r.get(8)?,
-                        r.get(9)?,
-                        r.get(10)?,
-                        r.get(11)?,
-                    ))
-                })
+                .query_row([&id], |r| ViewRow::try_from(r))
                 .optional()?)
         })?;
         row.map(view_from_row).transpose()
@@ -401,11 +354,11 @@ impl DeviceStore for SqliteDevices<'_> {
     ) -> Result<Result<AssignmentState, Refusal>, DbError> {
         // The worker's lease is a later job on the same single writer, so it sees this batch's
         // commit: waking it from inside the job is safe.
-        let db = self.0.clone();
+        let jobs = self.0.job_signal();
         self.0
             .write_raw(move |c| {
                 if report.outcome == ReportOutcome::Completed
-                    && let Some(state) = complete(c, &report.id, report.now, &|| db.job_created())?
+                    && let Some(state) = complete(c, &report.id, report.now, &|| jobs.notify_one())?
                 {
                     return Ok(Ok(state));
                 }
