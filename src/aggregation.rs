@@ -204,9 +204,17 @@ impl JobStore for TaskDbJobStore {
     }
 
     async fn fetch(&self, blob_key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.fetch_into(blob_key, Vec::new()).await
+    }
+
+    async fn fetch_into(
+        &self,
+        blob_key: &str,
+        buffer: Vec<u8>,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
         let key = BlobKey::new(blob_key.to_string()).map_err(backend)?;
         // The enclave authenticates every byte (AEAD): no second digest on the way.
-        match self.contributions.get_sealed(&key).await {
+        match self.contributions.get_sealed_into(&key, buffer).await {
             Ok(bytes) => Ok(Some(bytes)),
             Err(BlobError::NotFound(_)) => Ok(None),
             Err(e) => Err(backend(e)),
@@ -290,7 +298,8 @@ pub async fn run_worker(
         let busy = match worker.run_once().await {
             Ok(Some(outcome)) => {
                 tracing::info!(task = %outcome.task_id, round = outcome.round, included = outcome.included,
-                    excluded = outcome.excluded, epsilon_spent = ?outcome.epsilon_spent, "round aggregated");
+                    excluded = outcome.excluded, epsilon_spent = ?outcome.epsilon_spent,
+                    seconds = outcome.phases.total().as_secs_f64(), phases = %outcome.phases, "round aggregated");
                 metrics::counter!("confed_rounds_aggregated_total").increment(1);
                 true
             }

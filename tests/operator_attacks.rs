@@ -30,6 +30,18 @@ struct Operator {
     leased: Mutex<Option<JobSpec>>,
     /// Every release the enclave handed over (average, manifest).
     releases: Mutex<Vec<(Vec<u8>, Manifest)>>,
+    /// What a contribution's second read serves instead of the stored bytes.
+    second_read: Mutex<Option<SecondRead>>,
+    /// Reads of each contribution so far.
+    reads: Mutex<std::collections::HashMap<String, usize>>,
+}
+
+#[derive(Clone, Copy)]
+enum SecondRead {
+    /// As if the object were gone.
+    Missing,
+    /// The stored bytes with one flipped (the envelope no longer opens).
+    Garbled,
 }
 
 impl Operator {
@@ -41,6 +53,8 @@ impl Operator {
             replay: Mutex::default(),
             leased: Mutex::default(),
             releases: Mutex::default(),
+            second_read: Mutex::default(),
+            reads: Mutex::default(),
         })
     }
 
@@ -79,7 +93,22 @@ impl JobStore for Operator {
         {
             return Ok(Some(bytes.clone()));
         }
-        self.inner.fetch(blob_key).await
+        let read = {
+            let mut reads = self.reads.lock().unwrap();
+            let count = reads.entry(blob_key.to_string()).or_default();
+            *count += 1;
+            *count
+        };
+        let stored = self.inner.fetch(blob_key).await?;
+        match (read, *self.second_read.lock().unwrap()) {
+            (2, Some(SecondRead::Missing)) => Ok(None),
+            (2, Some(SecondRead::Garbled)) => Ok(stored.map(|mut bytes| {
+                let last = bytes.len() - 1;
+                bytes[last] ^= 1;
+                bytes
+            })),
+            _ => Ok(stored),
+        }
     }
     async fn commit_release(
         &self,
@@ -235,6 +264,56 @@ async fn a_swapped_envelope_for_a_committed_round_is_refused_by_the_key_services
         1,
         "no second release"
     );
+    scene.system.shutdown().await;
+}
+
+/// The differencing attack on the two reads of a round larger than the worker keeps in memory:
+/// serve every contribution as digested on the first read (the key services commit to those
+/// inputs and their noise), then make one disappear or stop opening on the second. Had the enclave
+/// excluded it, the release would differ from an honest one by that device's update under the
+/// same noise. It refuses instead: nothing is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_that_change_between_the_two_reads_release_nothing() {
+    for (population, change) in [
+        ("reread-missing", SecondRead::Missing),
+        ("reread-garbled", SecondRead::Garbled),
+    ] {
+        let (scene, _) = scene(population).await;
+        *scene.operator.second_read.lock().unwrap() = Some(change);
+        let error = scene.worker.run_once().await.unwrap_err().to_string();
+        assert!(error.contains("between two reads"), "{population}: {error}");
+        assert!(scene.operator.releases.lock().unwrap().is_empty());
+        scene.system.shutdown().await;
+    }
+}
+
+/// A worker that keeps the round in memory reads each contribution once, and releases the same
+/// bytes as one that reads them twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_keeping_the_round_in_memory_reads_each_contribution_once() {
+    let (scene, _) = scene("retained").await;
+    let keeping = Worker::new(scene.operator.clone(), scene.system.worker_config("keeper"))
+        .retain_bytes(usize::MAX);
+    keeping.run_once().await.unwrap().expect("round 1 runs");
+    let reads = scene.operator.reads.lock().unwrap().clone();
+    assert_eq!(reads.len(), GOAL);
+    assert!(reads.values().all(|&n| n == 1), "{reads:?}");
+    // The same job again, read twice this time, releases the same bytes.
+    let mut job = scene.operator.leased.lock().unwrap().clone().unwrap();
+    job.committed_average = None;
+    *scene.operator.replay.lock().unwrap() = Some(job);
+    scene.worker.run_once().await.unwrap();
+    assert!(
+        scene
+            .operator
+            .reads
+            .lock()
+            .unwrap()
+            .values()
+            .all(|&n| n == 3)
+    );
+    let releases = scene.operator.releases.lock().unwrap().clone();
+    assert_eq!(releases[0].0, releases[1].0);
     scene.system.shutdown().await;
 }
 

@@ -38,7 +38,8 @@ pub fn start() -> Server {
     let mut child = Command::new(binary())
         .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
         .arg(dir.path().join("data"))
-        .env("RUST_LOG", "error")
+        // Errors, and each aggregated round's line with the time of its steps.
+        .env("RUST_LOG", "error,confed::aggregation=info")
         .stdout(Stdio::piped())
         .spawn()
         .expect("the release binary (cargo build --release) or CONFED_BIN");

@@ -77,6 +77,10 @@ struct Args {
     id: Option<String>,
     #[arg(long, default_value_t = 60)]
     lease_seconds: u64,
+    /// MiB of a round's contributions kept in memory from the first read (which digests them
+    /// before the key is asked for); a round larger than this reads the rest a second time.
+    #[arg(long, default_value_t = (confed_enclave::worker::REMOTE_RETAIN_BYTES >> 20) as u64)]
+    retain_mib: u64,
     /// Process at most one job, then exit (0 whether or not one was ready).
     #[arg(long)]
     once: bool,
@@ -188,7 +192,8 @@ async fn run(args: Args) -> Result<()> {
             batch: 256,
             batch_bytes: 16 << 20,
         },
-    );
+    )
+    .retain_bytes(usize::try_from(args.retain_mib.saturating_mul(1 << 20)).unwrap_or(usize::MAX));
     tracing::info!(worker = %id, server = %args.server, "enclave worker started");
     loop {
         // How long to pause before the next lease: none after a job; little after an empty
@@ -197,7 +202,7 @@ async fn run(args: Args) -> Result<()> {
             outcome = worker.run_once() => match outcome {
                 Ok(Some(done)) => {
                     tracing::info!(task = %done.task_id, round = done.round, included = done.included,
-                        excluded = done.excluded, epsilon_spent = ?done.epsilon_spent, "round released");
+                        excluded = done.excluded, epsilon_spent = ?done.epsilon_spent, phases = %done.phases, "round released");
                     Duration::ZERO
                 }
                 Ok(None) => Duration::from_millis(200),

@@ -270,6 +270,32 @@ impl JobStore for HttpJobStore {
         self.bytes(&format!("contributions/{blob_key}")).await
     }
 
+    /// Streams the body into `buffer`, so a job reuses its buffers instead of a fresh copy of
+    /// every contribution.
+    async fn fetch_into(
+        &self,
+        blob_key: &str,
+        mut buffer: Vec<u8>,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        let path = format!("contributions/{blob_key}");
+        let mut response = self.send(self.http.get(self.url(&path))).await?;
+        if response.status() == StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        buffer.clear();
+        if let Some(length) = response.content_length() {
+            buffer.reserve(usize::try_from(length).unwrap_or(0));
+        }
+        while let Some(chunk) = response
+            .chunk()
+            .await
+            .map_err(|e| StoreError::Backend(e.to_string()))?
+        {
+            buffer.extend_from_slice(&chunk);
+        }
+        Ok(Some(buffer))
+    }
+
     async fn commit_release(
         &self,
         job_id: &str,

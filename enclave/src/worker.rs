@@ -15,8 +15,10 @@
 //! committed release and only redoes the deterministic model update.
 
 use std::future::Future;
+
+use futures_util::StreamExt;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use confed_attestation::Attester;
 use confed_attestation::exchange::encode_verifying_key;
@@ -32,6 +34,7 @@ use crate::hpke::PublicKey;
 use crate::key_collection::{CollectError, KeyRequest, KeyServiceEndpoint, obtain_private_key};
 use crate::model::{ModelError, ModelSchema, validate_model};
 use crate::policy::{PolicyError, TaskPolicy, sha256_hex};
+use crate::reads::{BufferPool, READ_AHEAD, next_batch};
 use crate::updater::{self, UpdateError};
 
 pub use crate::policy::{MAX_TASK_DELTA, MAX_TASK_EPSILON};
@@ -95,6 +98,16 @@ pub trait JobStore: Send + Sync {
         &self,
         blob_key: &str,
     ) -> impl Future<Output = Result<Option<Vec<u8>>, StoreError>> + Send;
+    /// `fetch`, reading into `buffer` (a pooled one, whatever its length and contents) where the
+    /// store can, so its memory is reused instead of a fresh allocation per contribution.
+    fn fetch_into(
+        &self,
+        blob_key: &str,
+        buffer: Vec<u8>,
+    ) -> impl Future<Output = Result<Option<Vec<u8>>, StoreError>> + Send {
+        drop(buffer);
+        self.fetch(blob_key)
+    }
     /// Commits the round's release (AGGREGATING -> APPLYING), once.
     fn commit_release(
         &self,
@@ -186,27 +199,86 @@ pub struct JobOutcome {
     pub included: u64,
     pub excluded: u64,
     pub epsilon_spent: Option<f64>,
+    /// Where the job's time went, for operators' logs and the round benchmark.
+    pub phases: Phases,
 }
 
-/// Bytes of contributions a job keeps in memory from their first read (to digest them before
-/// the key is asked for) instead of reading them again after.
-pub const RETAIN_BYTES: usize = 256 << 20;
+/// Wall-clock time of each step of one job (zero for a step the job skipped: a retried job
+/// whose release was already committed neither reads, asks for the key nor aggregates).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Phases {
+    /// The lease: the job, its base model and the list of contributions (for a worker that
+    /// long-polls, this includes the wait for a job).
+    pub lease: Duration,
+    /// The first read of every contribution and its digest.
+    pub read: Duration,
+    /// Attestation to the key services and the key's reconstruction.
+    pub key: Duration,
+    /// Opening, validating, clipping and summing the contributions (with any second read).
+    pub open: Duration,
+    /// Noise and the average.
+    pub noise: Duration,
+    /// Committing the release (with its proof).
+    pub release: Duration,
+    /// Applying the average to the model and committing model N+1.
+    pub update: Duration,
+}
+
+impl Phases {
+    pub fn total(&self) -> Duration {
+        self.lease + self.read + self.key + self.open + self.noise + self.release + self.update
+    }
+}
+
+impl std::fmt::Display for Phases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        write!(
+            f,
+            "lease {:.0} ms, read {:.0} ms, key {:.0} ms, open {:.0} ms, noise {:.0} ms, release {:.0} ms, update {:.0} ms",
+            ms(self.lease),
+            ms(self.read),
+            ms(self.key),
+            ms(self.open),
+            ms(self.noise),
+            ms(self.release),
+            ms(self.update)
+        )
+    }
+}
+
+/// Bytes of contributions a job keeps in memory from their first read (which digests them before
+/// the key is asked for) instead of reading them again after, by default: none. Reading a local
+/// store again is cheap (the page cache, into pooled buffers: 9 GB/s here), while keeping a round
+/// costs fresh memory (page faults and zeroing: about 3 GB/s) and holds it for the job. A worker
+/// whose second read crosses the network keeps more (`Worker::retain_bytes`;
+/// `confed-enclave --retain-mib`, 1 GiB by default). Either way memory stays flat, whatever the
+/// round's size.
+pub const RETAIN_BYTES: usize = 0;
+
+/// `confed-enclave`'s default for `Worker::retain_bytes`: a round of up to 1 GiB read once over
+/// the worker API.
+pub const REMOTE_RETAIN_BYTES: usize = 1 << 30;
 
 pub struct Worker<S> {
     store: Arc<S>,
     config: WorkerConfig,
     http: reqwest::Client,
     retain_bytes: usize,
+    buffers: BufferPool,
 }
 
 impl<S: JobStore + 'static> Worker<S> {
     pub fn new(store: Arc<S>, config: WorkerConfig) -> Self {
         let http = crate::http::client(config.key_timeout);
+        // Enough free buffers for the batch being read while another is opened.
+        let buffers = BufferPool::new(2 * config.batch_bytes + (READ_AHEAD << 20));
         Self {
             store,
             config,
             http,
             retain_bytes: RETAIN_BYTES,
+            buffers,
         }
     }
 
@@ -219,11 +291,16 @@ impl<S: JobStore + 'static> Worker<S> {
 
     /// Leases and runs one job; `None` when no job is ready.
     pub async fn run_once(&self) -> Result<Option<JobOutcome>, JobError> {
+        let leasing = Instant::now();
         let Some(job) = self.store.lease(&self.config.id, self.config.lease).await? else {
             return Ok(None);
         };
+        let lease = leasing.elapsed();
         match self.run_job(&job).await {
-            Ok(outcome) => Ok(Some(outcome)),
+            Ok(mut outcome) => {
+                outcome.phases.lease = lease;
+                Ok(Some(outcome))
+            }
             Err(JobError::Store(StoreError::LeaseLost)) => Err(StoreError::LeaseLost.into()),
             Err(error) => {
                 let error_text = confed_protocol::errors::with_causes(&error);
@@ -244,10 +321,14 @@ impl<S: JobStore + 'static> Worker<S> {
     async fn run_job(&self, job: &JobSpec) -> Result<JobOutcome, JobError> {
         let (policy, context) = round_context(job)?;
         let schema = validate_model(&job.model)?;
+        let mut phases = Phases::default();
         let (average, manifest) = match &job.committed_average {
             Some(average) => (average.clone(), None),
             None => {
-                let (release, proof) = self.aggregate(job, &schema, &policy, context).await?;
+                let (release, proof) = self
+                    .aggregate(job, &schema, &policy, context, &mut phases)
+                    .await?;
+                let committing = Instant::now();
                 self.store
                     .commit_release(
                         &job.job_id,
@@ -259,20 +340,24 @@ impl<S: JobStore + 'static> Worker<S> {
                         },
                     )
                     .await?;
+                phases.release = committing.elapsed();
                 (release.average, Some(release.manifest))
             }
         };
+        let updating = Instant::now();
         let values = updater::average_values(&schema, &average)?;
         let model = updater::apply(&job.model, &schema, &values, policy.server_learning_rate)?;
         self.store
             .commit_model(&job.job_id, &self.config.id, &model)
             .await?;
+        phases.update = updating.elapsed();
         Ok(JobOutcome {
             task_id: job.task_id.clone(),
             round: job.round,
             included: manifest.as_ref().map_or(0, |m| m.included),
             excluded: manifest.as_ref().map_or(0, |m| m.excluded.values().sum()),
             epsilon_spent: manifest.map(|m| m.privacy.epsilon_spent),
+            phases,
         })
     }
 
@@ -281,15 +366,19 @@ impl<S: JobStore + 'static> Worker<S> {
     /// then the contributions in batches (opened across all cores), then noise; the release is
     /// signed with a key made for this job and bound into its attestation.
     /// `schema`: the job's model's, validated once by the caller; `policy` and `context` from
-    /// `round_context`.
+    /// `round_context`. Records the time of each step in `phases`.
     pub async fn aggregate(
         &self,
         job: &JobSpec,
         schema: &ModelSchema,
         policy: &TaskPolicy,
         context: RoundContext,
+        phases: &mut Phases,
     ) -> Result<(Release, ReleaseProof), JobError> {
-        let (mut inputs, inputs_digest) = self.gather(job).await?;
+        let step = Instant::now();
+        let (inputs, inputs_digest) = self.gather(job).await?;
+        phases.read = step.elapsed();
+        let step = Instant::now();
         let commitment = ReleaseCommitment {
             task_id: context.task_id.clone(),
             round: context.round,
@@ -316,6 +405,8 @@ impl<S: JobStore + 'static> Worker<S> {
             self.config.key_timeout,
         )
         .await?;
+        phases.key = step.elapsed();
+        let step = Instant::now();
         let receipts = key.receipts;
         let private_key = Arc::new(key.private_key);
         let schema = schema.clone();
@@ -333,21 +424,24 @@ impl<S: JobStore + 'static> Worker<S> {
         )?);
         // One batch is opened (on all cores) while the next is read: at most two batches of
         // ciphertext beyond what the first read retained, whatever the round's size.
-        let mut pending = inputs.iter_mut();
-        let mut opening: Option<tokio::task::JoinHandle<()>> = None;
+        // Owned items: a stream over borrowed ones makes the job's future not provably `Send`.
+        let reads = futures_util::stream::iter(inputs)
+            .map(|input| self.read_again(input))
+            .buffered(READ_AHEAD);
+        let mut reads = std::pin::pin!(reads);
+        let mut opening: Option<tokio::task::JoinHandle<Result<Vec<Vec<u8>>, String>>> = None;
         loop {
-            let mut batch = Vec::new();
-            let mut bytes = 0usize;
-            for input in pending.by_ref() {
-                let stored = self.read_again(input).await?;
-                bytes += stored.as_ref().map_or(0, Vec::len);
-                batch.push((input.assignment_ref.clone(), stored));
-                if batch.len() >= self.config.batch.max(1) || bytes >= self.config.batch_bytes {
-                    break;
-                }
-            }
+            let batch = next_batch(&mut reads, self.config.batch, self.config.batch_bytes).await?;
             if let Some(previous) = opening.take() {
-                previous.await.map_err(JobError::Thread)?;
+                let buffers = previous
+                    .await
+                    .map_err(JobError::Thread)?
+                    .map_err(|changed| {
+                        StoreError::Conflict(format!(
+                            "contribution {changed} changed between two reads"
+                        ))
+                    })?;
+                self.buffers.give_all(buffers);
                 self.store
                     .renew(&job.job_id, &self.config.id, self.config.lease)
                     .await?;
@@ -357,13 +451,16 @@ impl<S: JobStore + 'static> Worker<S> {
             }
             let shared = Arc::clone(&aggregator);
             opening = Some(tokio::task::spawn_blocking(move || {
-                shared.add_batch(&batch)
+                open_batch(&shared, batch)
             }));
         }
         let aggregator = Arc::try_unwrap(aggregator).map_err(|_| JobError::StillShared)?;
+        phases.open = step.elapsed();
+        let step = Instant::now();
         let release = tokio::task::spawn_blocking(move || aggregator.finish(&private_key, privacy))
             .await
             .map_err(JobError::Thread)??;
+        phases.noise = step.elapsed();
         let text = release_text(
             &commitment,
             &sha256_hex(&release.manifest.to_json()),
@@ -380,70 +477,128 @@ impl<S: JobStore + 'static> Worker<S> {
         Ok((release, proof))
     }
 
-    /// The first read of every contribution: digested in batches on all cores, kept in memory
-    /// up to `retain_bytes` in all (the rest is read again after the key arrives).
+    /// The first read of every contribution: digested in batches on all cores (one batch
+    /// while the next is read), kept in memory up to `retain_bytes` in all (the rest is read
+    /// again after the key arrives).
     async fn gather(&self, job: &JobSpec) -> Result<(Vec<Input>, String), JobError> {
-        let mut inputs = Vec::with_capacity(job.contributions.len());
-        let mut retained = 0usize;
-        let mut refs = job.contributions.iter().peekable();
-        while refs.peek().is_some() {
-            let mut batch = Vec::new();
-            let mut bytes = 0usize;
-            for (assignment_ref, blob_key) in refs.by_ref() {
-                let stored = self.store.fetch(blob_key).await?;
-                bytes += stored.as_ref().map_or(0, Vec::len);
-                batch.push((assignment_ref, blob_key, stored));
-                if batch.len() >= self.config.batch.max(1) || bytes >= self.config.batch_bytes {
-                    break;
-                }
-            }
-            let stored: Vec<Option<Vec<u8>>> = batch.iter_mut().map(|(_, _, s)| s.take()).collect();
-            let (stored, digests) = tokio::task::spawn_blocking(move || {
-                let digests = inputs::digest_all(&stored);
-                (stored, digests)
+        let mut inputs: Vec<Input> = job
+            .contributions
+            .iter()
+            .map(|(assignment_ref, blob_key)| Input {
+                assignment_ref: assignment_ref.clone(),
+                blob_key: blob_key.clone(),
+                digest: None,
+                retained: None,
             })
-            .await
-            .map_err(JobError::Thread)?;
-            for (((assignment_ref, blob_key, _), bytes), digest) in
-                batch.into_iter().zip(stored).zip(digests)
-            {
-                let keep = bytes
-                    .filter(|b| retained + b.len() <= self.retain_bytes)
-                    .inspect(|b| retained += b.len());
-                inputs.push(Input {
-                    assignment_ref: assignment_ref.clone(),
-                    blob_key: blob_key.clone(),
-                    digest,
-                    retained: keep,
-                });
+            .collect();
+        // Owned items: a stream over borrowed ones makes the job's future not provably `Send`.
+        let keys: Vec<(usize, String)> = inputs
+            .iter()
+            .map(|input| input.blob_key.clone())
+            .enumerate()
+            .collect();
+        let reads = futures_util::stream::iter(keys)
+            .map(|(index, blob_key)| async move {
+                let stored = self
+                    .store
+                    .fetch_into(&blob_key, self.buffers.take())
+                    .await?;
+                Ok((index, stored))
+            })
+            .buffered(READ_AHEAD);
+        let mut reads = std::pin::pin!(reads);
+        let mut retained = 0usize;
+        type Digested = Vec<(usize, Option<Vec<u8>>, Option<[u8; 32]>)>;
+        let mut digesting: Option<tokio::task::JoinHandle<Digested>> = None;
+        loop {
+            let batch = next_batch(&mut reads, self.config.batch, self.config.batch_bytes).await?;
+            if let Some(previous) = digesting.take() {
+                for (index, bytes, digest) in previous.await.map_err(JobError::Thread)? {
+                    let input = &mut inputs[index];
+                    input.digest = digest;
+                    match bytes {
+                        Some(bytes) if retained + bytes.len() <= self.retain_bytes => {
+                            retained += bytes.len();
+                            input.retained = Some(bytes);
+                        }
+                        Some(bytes) => self.buffers.give(bytes),
+                        None => {}
+                    }
+                }
+                self.store
+                    .renew(&job.job_id, &self.config.id, self.config.lease)
+                    .await?;
             }
-            self.store
-                .renew(&job.job_id, &self.config.id, self.config.lease)
-                .await?;
+            if batch.is_empty() {
+                break;
+            }
+            digesting = Some(tokio::task::spawn_blocking(move || {
+                let (indices, stored): (Vec<usize>, Vec<Option<Vec<u8>>>) =
+                    batch.into_iter().unzip();
+                let digests = inputs::digest_all(&stored);
+                indices
+                    .into_iter()
+                    .zip(stored)
+                    .zip(digests)
+                    .map(|((index, bytes), digest)| (index, bytes, digest))
+                    .collect()
+            }));
         }
         let digest = inputs::sort_and_digest(&mut inputs).map_err(JobError::MalformedJob)?;
         Ok((inputs, digest))
     }
 
     /// A contribution's bytes for the second pass: those kept from the first read, or read
-    /// again and required to be the bytes digested then (the store is not trusted to serve
-    /// the same bytes twice).
-    async fn read_again(&self, input: &mut Input) -> Result<Option<Vec<u8>>, JobError> {
-        if let Some(bytes) = input.retained.take() {
-            return Ok(Some(bytes));
+    /// again, with the digest they must match (the store is not trusted to serve the same bytes
+    /// twice; `open_batch` checks them on all cores).
+    async fn read_again(&self, input: Input) -> Result<(Reread, Option<Vec<u8>>), StoreError> {
+        let assignment_ref = input.assignment_ref;
+        if let Some(bytes) = input.retained {
+            return Ok(((assignment_ref, None), Some(bytes)));
         }
         let Some(expected) = input.digest else {
-            return Ok(None);
+            return Ok(((assignment_ref, None), None));
         };
-        let stored = self.store.fetch(&input.blob_key).await?;
-        match stored {
-            Some(bytes) if *blake3::hash(&bytes).as_bytes() == expected => Ok(Some(bytes)),
-            _ => Err(JobError::Store(StoreError::Conflict(format!(
-                "contribution {} changed between two reads",
-                input.assignment_ref
-            )))),
+        let stored = self
+            .store
+            .fetch_into(&input.blob_key, self.buffers.take())
+            .await?;
+        if stored.is_none() {
+            return Err(StoreError::Conflict(format!(
+                "contribution {assignment_ref} disappeared between two reads"
+            )));
         }
+        Ok(((assignment_ref, Some(expected)), stored))
     }
+}
+
+/// A contribution in the second pass: its ref, and the digest its bytes must have when they were
+/// read again (`None` when they are the first read's).
+type Reread = (String, Option<[u8; 32]>);
+
+/// Checks the bytes read again against their first digest, then adds the batch; gives back the
+/// buffers, or the ref of a contribution whose bytes changed (nothing of the batch is added).
+fn open_batch(
+    aggregator: &Aggregator,
+    batch: Vec<(Reread, Option<Vec<u8>>)>,
+) -> Result<Vec<Vec<u8>>, String> {
+    use rayon::prelude::*;
+    let changed = batch.par_iter().find_any(|((_, expected), stored)| {
+        expected.is_some_and(|expected| {
+            stored
+                .as_deref()
+                .is_none_or(|bytes| *blake3::hash(bytes).as_bytes() != expected)
+        })
+    });
+    if let Some(((assignment_ref, _), _)) = changed {
+        return Err(assignment_ref.clone());
+    }
+    let batch: Vec<(String, Option<Vec<u8>>)> = batch
+        .into_iter()
+        .map(|((assignment_ref, _), stored)| (assignment_ref, stored))
+        .collect();
+    aggregator.add_batch(&batch);
+    Ok(batch.into_iter().filter_map(|(_, stored)| stored).collect())
 }
 
 /// The job's policy, checked, and the round context every contribution must be bound to: the

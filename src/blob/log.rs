@@ -305,8 +305,14 @@ impl Readers {
     }
 
     /// The payload of the record at `location`, after checking that the record is there, is
-    /// the key's, and (with `digest`) that its bytes match the digest in its header.
-    fn read(&self, location: &Location, digest: bool) -> Result<Vec<u8>, std::io::Error> {
+    /// the key's, and (with `digest`) that its bytes match the digest in its header. The payload
+    /// is read into `payload`, whose old contents are overwritten (and only its growth zeroed).
+    fn read(
+        &self,
+        location: &Location,
+        digest: bool,
+        mut payload: Vec<u8>,
+    ) -> Result<Vec<u8>, std::io::Error> {
         let file = self.file(location.segment)?;
         let head_len = HEADER_BYTES + location.key.len();
         if location.len < head_len {
@@ -317,7 +323,12 @@ impl Readers {
         // Header and payload are read apart, so the payload lands in its own buffer uncopied.
         let mut head = vec![0u8; head_len];
         file.read_exact_at(&mut head, location.offset)?;
-        let mut payload = vec![0u8; location.len - head_len];
+        let payload_len = location.len - head_len;
+        if payload.len() >= payload_len {
+            payload.truncate(payload_len);
+        } else {
+            payload.resize(payload_len, 0);
+        }
         file.read_exact_at(&mut payload, location.offset + head_len as u64)?;
         check_record(&head, &payload, &location.key, digest).map_err(std::io::Error::other)?;
         Ok(payload)
@@ -538,23 +549,32 @@ impl BlobStore for ContributionLog {
     }
 
     fn get<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, Vec<u8>> {
-        Box::pin(self.read_object(key, true))
+        Box::pin(self.read_object(key, true, Vec::new()))
     }
 
     /// Skips the SHA-256 of the record: the enclave's AEAD authenticates every byte of a
     /// contribution (see `BlobStore::get_sealed`). Magic, key and length are still checked.
     fn get_sealed<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, Vec<u8>> {
-        Box::pin(self.read_object(key, false))
+        Box::pin(self.read_object(key, false, Vec::new()))
+    }
+
+    fn get_sealed_into<'a>(&'a self, key: &'a BlobKey, buffer: Vec<u8>) -> BlobFuture<'a, Vec<u8>> {
+        Box::pin(self.read_object(key, false, buffer))
     }
 }
 
 impl ContributionLog {
-    async fn read_object(&self, key: &BlobKey, digest: bool) -> Result<Vec<u8>, BlobError> {
+    async fn read_object(
+        &self,
+        key: &BlobKey,
+        digest: bool,
+        buffer: Vec<u8>,
+    ) -> Result<Vec<u8>, BlobError> {
         let Some(location) = parse_location(key.as_str()) else {
             return if digest {
                 self.fallback.get(key).await
             } else {
-                self.fallback.get_sealed(key).await
+                self.fallback.get_sealed_into(key, buffer).await
             };
         };
         let not_found = |e: std::io::Error| {
@@ -565,7 +585,7 @@ impl ContributionLog {
             }
         };
         let readers = Arc::clone(&self.readers);
-        tokio::task::spawn_blocking(move || readers.read(&location, digest))
+        tokio::task::spawn_blocking(move || readers.read(&location, digest, buffer))
             .await
             .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
             .map_err(not_found)

@@ -171,6 +171,13 @@ pub trait BlobStore: Send + Sync + std::fmt::Debug {
         self.get(key)
     }
 
+    /// `get_sealed`, reading into `buffer` (whatever its length and contents) where the store
+    /// can, so a reader going through many objects reuses its memory.
+    fn get_sealed_into<'a>(&'a self, key: &'a BlobKey, buffer: Vec<u8>) -> BlobFuture<'a, Vec<u8>> {
+        drop(buffer);
+        self.get_sealed(key)
+    }
+
     /// Size and digest of a stored object (`None` when there is none). Cloud stores answer from
     /// metadata; the default reads the object.
     fn stat<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, Option<ObjectInfo>> {
