@@ -5,15 +5,111 @@
 //! the goal closes the round) and the turnaround (from the round's close to model version 1 being
 //! readable, both seen by a poller), with the turnaround's GB/s of contributions, once with
 //! every update below the clip norm and once with every update above it (the simulator's random
-//! updates have an L2 norm of about 3). Compare with `cargo bench -p confed-enclave --bench
-//! aggregation` (the "1 MB" rows) for the same bytes on the same cores.
+//! updates have an L2 norm of about 3). The turnaround is split into the job (its time as the
+//! server logs it, with each step) and what came before it (the close reaching a worker, plus the
+//! poller's resolution). Next to it: the aggregation benchmark's work for the same bytes, measured
+//! in this process on the same cores (`Aggregator` opening and summing 48 contributions of the
+//! same size and values, best of three: `cargo bench -p confed-enclave --bench aggregation`
+//! measures it the same way), and the server's peak RSS during the turnaround.
 //!
-//! `cargo bench --bench round`
+//! `cargo bench --bench round`; `CONFED_BENCH_DEVICES=10000` for a 10 GB round.
 
 use std::time::{Duration, Instant};
 
-const DEVICES: usize = 1000;
+use confed_enclave::aggregate::{Aggregator, Binding};
+use confed_enclave::envelope::{self, RoundContext};
+use confed_enclave::hpke::generate_keypair;
+use confed_enclave::model::{encode_f32_tensors, validate_model};
+
+const DEFAULT_DEVICES: usize = 1000;
 const PARAMS: usize = 262_144;
+
+/// Devices (and contributions) per round: `CONFED_BENCH_DEVICES`, default 1,000.
+fn devices() -> usize {
+    std::env::var("CONFED_BENCH_DEVICES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(DEFAULT_DEVICES)
+}
+
+/// What one round measured.
+struct Measured {
+    collection: f64,
+    turnaround: f64,
+    /// The server's largest RSS seen by the poller between the close and model version 1.
+    peak_rss_mb: f64,
+}
+
+/// The server's resident set, in MB (0 where /proc is not there).
+fn rss_mb(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| {
+            let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+            line.split_whitespace().nth(1)?.parse::<f64>().ok()
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// The aggregation benchmark's work on these bytes, in GB/s of ciphertext: `Aggregator` opening,
+/// checking, clipping at `clip_norm` and summing 48 updates drawn as the simulator draws them
+/// (uniform in +-0.01, L2 norm about 3), on all cores; best of three. Like the aggregation
+/// benchmark's contributions/s, it leaves out the noise, a fixed cost per round (about 20 ms for
+/// this model) that the turnaround includes.
+fn aggregation_reference(clip_norm: f64) -> f64 {
+    let (private, public) = generate_keypair();
+    let model = encode_f32_tensors(&[("w", vec![PARAMS], &vec![0f32; PARAMS])]).unwrap();
+    let schema = validate_model(&model).unwrap();
+    let context = RoundContext {
+        task_id: "reference".into(),
+        round: 1,
+        policy_sha256: "0".repeat(64),
+        model_sha256: "1".repeat(64),
+    };
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let contributions: Vec<(String, Option<Vec<u8>>)> = (0..48)
+        .map(|i| {
+            let values: Vec<f32> = (0..PARAMS)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    0.02 * ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+                })
+                .collect();
+            let update = encode_f32_tensors(&[("w", vec![PARAMS], &values)]).unwrap();
+            let id = format!("assignment-{i}");
+            let sealed = envelope::seal_with(
+                &confed_enclave::hpke_awslc::AwsLc,
+                &public,
+                "reference-key",
+                &context,
+                &id.as_str().into(),
+                &update,
+            )
+            .unwrap();
+            (envelope::assignment_ref(&id), Some(sealed.to_cbor()))
+        })
+        .collect();
+    let bytes: usize = contributions
+        .iter()
+        .map(|(_, b)| b.as_ref().map_or(0, Vec::len))
+        .sum();
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let started = Instant::now();
+        let binding = Binding {
+            context: context.clone(),
+            key_id: "reference-key".into(),
+            inputs_digest: "2".repeat(64),
+        };
+        let aggregator = Aggregator::new(binding, clip_norm, schema.clone(), &private).unwrap();
+        aggregator.add_batch(&contributions);
+        best = best.min(started.elapsed().as_secs_f64());
+        assert_eq!(aggregator.counts(), (48, 0), "every reference update is included");
+    }
+    bytes as f64 / 1e9 / best
+}
 
 #[path = "support/process.rs"]
 mod process;
@@ -33,21 +129,22 @@ fn model() -> Vec<u8> {
     bytes
 }
 
-/// One round of `DEVICES` 1 MB contributions with `clip_norm`: (collection s, turnaround s).
+/// One round of `devices` 1 MB contributions with `clip_norm`.
 async fn round(
     http: &reqwest::Client,
     server: &Server,
     population: &str,
+    devices: usize,
     clip_norm: f64,
-) -> (f64, f64) {
+) -> Measured {
     let created: serde_json::Value = http
         .post(format!("{}/v1/tasks", server.url))
         .bearer_auth(&server.token)
         .json(&serde_json::json!({
             "population": population,
             "rounds": 1,
-            "report_goal": DEVICES,
-            "min_reports": DEVICES,
+            "report_goal": devices,
+            "min_reports": devices,
             "round_deadline_seconds": 3600,
             "assignment_timeout_seconds": 600,
             "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": clip_norm},
@@ -76,11 +173,12 @@ async fn round(
     // first time model version 1 is readable the end of the turnaround (both to within the 5 ms
     // poll and one loopback request).
     let watcher = {
-        let (http, url, token, task) = (
+        let (http, url, token, task, pid) = (
             http.clone(),
             server.url.clone(),
             server.token.clone(),
             task.clone(),
+            server.child.id(),
         );
         tokio::spawn(async move {
             let get = |path: String| {
@@ -95,8 +193,9 @@ async fn round(
                         .unwrap()
                 }
             };
-            let deadline = Instant::now() + Duration::from_secs(900);
+            let deadline = Instant::now() + Duration::from_secs(3600);
             let mut closed = None;
+            let mut peak_rss_mb = 0f64;
             loop {
                 if closed.is_none() {
                     let rounds = get(format!("/v1/tasks/{task}/rounds")).await;
@@ -105,9 +204,10 @@ async fn round(
                     }
                 }
                 if let Some(closed) = closed {
+                    peak_rss_mb = peak_rss_mb.max(rss_mb(pid));
                     let state = get(format!("/v1/tasks/{task}")).await;
                     if state["model_version"].as_i64() == Some(1) {
-                        return closed.elapsed().as_secs_f64();
+                        return (closed.elapsed().as_secs_f64(), peak_rss_mb);
                     }
                 }
                 assert!(Instant::now() < deadline, "no model version 1");
@@ -122,7 +222,7 @@ async fn round(
             "--population",
             population,
             "--devices",
-            &DEVICES.to_string(),
+            &devices.to_string(),
         ])
         .args([
             "--concurrency",
@@ -142,29 +242,44 @@ async fn round(
         String::from_utf8_lossy(&output.stderr)
     );
     let collection = started.elapsed().as_secs_f64();
-    let turnaround = watcher.await.unwrap();
-    (collection, turnaround)
+    let (turnaround, peak_rss_mb) = watcher.await.unwrap();
+    Measured {
+        collection,
+        turnaround,
+        peak_rss_mb,
+    }
 }
 
 fn main() {
+    let devices = devices();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
         let server = start();
         let http = confed_protocol::http::client(Duration::from_secs(60));
-        let bytes = (DEVICES * (PARAMS * 4 + 200)) as f64 / 1e9;
+        let bytes = (devices * (PARAMS * 4 + 200)) as f64 / 1e9;
         println!(
-            "== whole rounds: {DEVICES} devices x 1 MB ({PARAMS} f32), confed serve (embedded), {}",
+            "== whole rounds: {devices} devices x 1 MB ({PARAMS} f32), confed serve (embedded), {}",
             binary()
         );
         for (label, population, clip_norm) in [
             ("below the clip norm (clip 10)", "round-unclipped", 10.0),
             ("above the clip norm (clip 1)", "round-clipped", 1.0),
         ] {
-            let (collection, turnaround) = round(&http, &server, population, clip_norm).await;
+            let m = round(&http, &server, population, devices, clip_norm).await;
+            let job = server
+                .jobs
+                .recv_timeout(Duration::from_secs(10))
+                .unwrap_or(f64::NAN);
+            let reference = aggregation_reference(clip_norm);
+            let gbps = bytes / m.turnaround;
             println!(
-                "{label}: collection {collection:.2} s ({:.0} cycles/s), turnaround {turnaround:.2} s ({:.2} GB/s)",
-                DEVICES as f64 / collection,
-                bytes / turnaround
+                "{label}: collection {:.2} s ({:.0} cycles/s), turnaround {:.2} s ({gbps:.2} GB/s; job {job:.2} s, before it {:.3} s), peak RSS {:.0} MB | aggregation alone {reference:.2} GB/s, turnaround at {:.2} of it",
+                m.collection,
+                devices as f64 / m.collection,
+                m.turnaround,
+                m.turnaround - job,
+                m.peak_rss_mb,
+                gbps / reference,
             );
         }
     });

@@ -16,6 +16,8 @@ pub struct Server {
     pub trust: String,
     /// The embedded key services' base URLs.
     pub keyservices: Vec<String>,
+    /// Each aggregated round's job time in seconds (`seconds=` of its log line), in order.
+    pub jobs: std::sync::mpsc::Receiver<f64>,
     _dir: tempfile::TempDir,
 }
 
@@ -41,8 +43,31 @@ pub fn start() -> Server {
         // Errors, and each aggregated round's line with the time of its steps.
         .env("RUST_LOG", "error,confed::aggregation=info")
         .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .spawn()
         .expect("the release binary (cargo build --release) or CONFED_BIN");
+    // The server's log goes on to ours; job times are picked out of it on the way.
+    let (job_tx, jobs) = std::sync::mpsc::channel();
+    let log = BufReader::new(child.stderr.take().unwrap());
+    std::thread::spawn(move || {
+        for line in log.lines().map_while(Result::ok) {
+            eprintln!("{line}");
+            let seconds = line
+                .contains("round aggregated")
+                .then(|| {
+                    line.split_once(" seconds=")?
+                        .1
+                        .split(' ')
+                        .next()?
+                        .parse()
+                        .ok()
+                })
+                .flatten();
+            if let Some(seconds) = seconds {
+                let _ = job_tx.send(seconds);
+            }
+        }
+    });
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let (mut token, mut trust, mut keyservices) = (String::new(), String::new(), Vec::new());
     let url = loop {
@@ -70,6 +95,7 @@ pub fn start() -> Server {
         token,
         trust,
         keyservices,
+        jobs,
         _dir: dir,
     }
 }

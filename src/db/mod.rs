@@ -79,6 +79,8 @@ pub struct Db {
     /// Signalled when this process created an aggregation job (a round closed), so an in-process
     /// worker leases it at once instead of at its next poll.
     jobs_created: Arc<tokio::sync::Notify>,
+    /// PostgreSQL: the task that raises `jobs_created` when another replica closes a round.
+    _job_listener: Option<Arc<postgres::notify::Listener>>,
 }
 
 /// What only the SQLite engine has: the group-commit writer and raw read connections.
@@ -192,6 +194,7 @@ impl Db {
             specs: Default::default(),
             models: Default::default(),
             jobs_created: Default::default(),
+            _job_listener: None,
         })
     }
 
@@ -205,12 +208,15 @@ impl Db {
             .connect(url)
             .await?;
         POSTGRES_MIGRATOR.run(&pool).await?;
+        let jobs_created = Arc::new(tokio::sync::Notify::new());
+        let listener = postgres::notify::listen(url, Arc::clone(&jobs_created)).await?;
         Ok(Self {
             pool,
             sqlite: None,
             specs: Default::default(),
             models: Default::default(),
-            jobs_created: Default::default(),
+            jobs_created,
+            _job_listener: Some(Arc::new(listener)),
         })
     }
 
@@ -223,6 +229,21 @@ impl Db {
     /// is kept if no worker is waiting, so a busy worker looks again when it is done.
     pub(crate) fn job_created(&self) {
         self.jobs_created.notify_one();
+    }
+
+    /// `job_created`, after the commit, for every process: on PostgreSQL the other replicas hear
+    /// it too (`postgres::notify`). A failed announcement is logged, not returned: the job is
+    /// committed and other processes still find it at their next poll.
+    pub(crate) async fn announce_job(&self) {
+        self.job_created();
+        if self.sqlite.is_none()
+            && let Err(error) = sqlx::query(postgres::notify::ANNOUNCE_SQL)
+                .bind(postgres::notify::CHANNEL)
+                .execute(&self.pool)
+                .await
+        {
+            tracing::warn!(%error, "could not announce a new aggregation job to other replicas");
+        }
     }
 
     /// The signal `job_created` raises, for a closure that outlives `&self` (the SQLite writer's).

@@ -280,7 +280,7 @@ impl Db {
             })
             .await?;
         if matches!(outcome, DeadlineOutcome::Aggregating { .. }) {
-            self.job_created();
+            self.announce_job().await;
         }
         Ok(outcome)
     }

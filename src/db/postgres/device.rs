@@ -270,7 +270,7 @@ impl DeviceStore for PostgresDevices<'_> {
             .await?;
         // After the commit: a worker woken earlier could lease before the job row is visible.
         if closed {
-            self.0.job_created();
+            self.0.announce_job().await;
         }
         Ok(answer)
     }

@@ -2,3 +2,4 @@
 //! for many replicas at once.
 
 pub(super) mod device;
+pub(super) mod notify;
