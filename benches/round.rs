@@ -106,7 +106,11 @@ fn aggregation_reference(clip_norm: f64) -> f64 {
         let aggregator = Aggregator::new(binding, clip_norm, schema.clone(), &private).unwrap();
         aggregator.add_batch(&contributions);
         best = best.min(started.elapsed().as_secs_f64());
-        assert_eq!(aggregator.counts(), (48, 0), "every reference update is included");
+        assert_eq!(
+            aggregator.counts(),
+            (48, 0),
+            "every reference update is included"
+        );
     }
     bytes as f64 / 1e9 / best
 }

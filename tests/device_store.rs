@@ -88,6 +88,44 @@ async fn concurrent_check_ins_never_overfill_a_round() {
     }
 }
 
+/// Writes that share a transaction (PostgreSQL's group commit, SQLite's writer batch) fail
+/// alone: a capability taken twice at once gets a database error (the assignment's primary
+/// key), and every other check-in of the burst still takes its slot, durably.
+#[tokio::test]
+async fn a_failing_write_in_a_burst_fails_alone() {
+    for (engine, app) in TestApp::on_each_engine().await {
+        let (_, round) = collecting_round(&app, 100).await;
+        let names: Vec<String> = (0..12)
+            .map(|i| format!("burst-{}", if i == 7 { 3 } else { i }))
+            .collect();
+        let attempts = names.iter().map(|name| {
+            let (app, round) = (&app, &round);
+            async move {
+                app.db
+                    .assign(round, 100, &cap(name), EXPIRES, "k1", NOW)
+                    .await
+                    .map(|assigned| assigned.is_some())
+            }
+        });
+        let answers = futures_util::future::join_all(attempts).await;
+        let failed = answers.iter().filter(|a| a.is_err()).count();
+        let taken = answers.iter().filter(|a| matches!(a, Ok(true))).count();
+        assert_eq!((failed, taken), (1, 11), "{engine}: {answers:?}");
+        assert_eq!(
+            live(&app).await,
+            11,
+            "{engine}: the failed one took no slot"
+        );
+        for i in (0..12).filter(|i| *i != 7) {
+            assert_eq!(
+                upload(&app, &format!("burst-{i}"), "d", NOW).await,
+                Ok(Stored::New),
+                "{engine}: burst-{i} holds its assignment"
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn the_first_assignment_fixes_the_rounds_key() {
     for (engine, app) in TestApp::on_each_engine().await {

@@ -81,6 +81,8 @@ pub struct Db {
     jobs_created: Arc<tokio::sync::Notify>,
     /// PostgreSQL: the task that raises `jobs_created` when another replica closes a round.
     _job_listener: Option<Arc<postgres::notify::Listener>>,
+    /// PostgreSQL: the group-commit queue of the device writes that lock a round's row.
+    device_batches: Option<postgres::batch::Batcher>,
 }
 
 /// What only the SQLite engine has: the group-commit writer and raw read connections.
@@ -195,6 +197,7 @@ impl Db {
             models: Default::default(),
             jobs_created: Default::default(),
             _job_listener: None,
+            device_batches: None,
         })
     }
 
@@ -210,6 +213,7 @@ impl Db {
         POSTGRES_MIGRATOR.run(&pool).await?;
         let jobs_created = Arc::new(tokio::sync::Notify::new());
         let listener = postgres::notify::listen(url, Arc::clone(&jobs_created)).await?;
+        let device_batches = postgres::batch::Batcher::start(pool.clone());
         Ok(Self {
             pool,
             sqlite: None,
@@ -217,6 +221,7 @@ impl Db {
             models: Default::default(),
             jobs_created,
             _job_listener: Some(Arc::new(listener)),
+            device_batches: Some(device_batches),
         })
     }
 
@@ -283,6 +288,23 @@ impl Db {
                     }
                 }
             }
+        }
+    }
+
+    /// `write` for a job that may share its transaction with others and run again alone if the
+    /// shared one fails (`postgres::batch`: PostgreSQL's device writes that lock a round's row);
+    /// on SQLite, `write` (its writer batches every job already).
+    pub(crate) async fn batched_write<T, F>(&self, job: F) -> Result<T, DbError>
+    where
+        T: Send + 'static,
+        F: for<'c> Fn(&'c mut Conn) -> writer::BoxFuture<'c, Result<T, DbError>>
+            + Send
+            + Sync
+            + 'static,
+    {
+        match &self.device_batches {
+            Some(batches) => batches.write(job).await,
+            None => self.write(job).await,
         }
     }
 

@@ -71,21 +71,30 @@ static UPLOAD: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// With the round locked: the guarded transition, its history row and the round's counter in one
-/// statement (one round trip instead of three).
+/// The completion in one statement: `r` locks the round's row first (`FOR UPDATE`; under READ
+/// COMMITTED a waiter then reads the row as its holder committed it), and the guarded
+/// transition, its history row and the round's counter apply only while that round is
+/// collecting. Answers the round (id, state, goal) and the new count of completed reports, which
+/// is NULL when the transition did not apply. A round's completions so serialize on its row, as
+/// the closing one must see every other.
 static COMPLETE: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "WITH u AS (UPDATE assignments SET state = '{completed}', updated_at = $1 \
-         WHERE id = $2 AND state = '{uploaded}' AND expires_at > $1 RETURNING id), \
+        "WITH r AS (SELECT id, state, report_goal FROM rounds \
+         WHERE id = (SELECT round_id FROM assignments WHERE id = $2) FOR UPDATE), \
+         u AS (UPDATE assignments SET state = '{completed}', updated_at = $1 \
+         WHERE id = $2 AND state = '{uploaded}' AND expires_at > $1 \
+         AND EXISTS (SELECT 1 FROM r WHERE r.state = '{collecting}') RETURNING id), \
          h AS (INSERT INTO state_history \
          (id, entity, entity_id, seq, from_state, to_state, reason, at) \
          SELECT $3, '{entity}', u.id, \
          (SELECT COALESCE(MAX(seq), 0) + 1 FROM state_history WHERE entity_id = $2), \
-         '{uploaded}', '{completed}', 'device reported completion', $1 FROM u) \
-         UPDATE rounds SET completed_reports = completed_reports + 1 \
-         WHERE id = $4 AND EXISTS (SELECT 1 FROM u) RETURNING completed_reports",
+         '{uploaded}', '{completed}', 'device reported completion', $1 FROM u), \
+         c AS (UPDATE rounds SET completed_reports = completed_reports + 1 \
+         WHERE id = (SELECT id FROM r) AND EXISTS (SELECT 1 FROM u) RETURNING completed_reports) \
+         SELECT r.id, r.state, r.report_goal, (SELECT completed_reports FROM c) FROM r",
         completed = COMPLETED.as_str(),
         uploaded = UPLOADED.as_str(),
+        collecting = COLLECTING.as_str(),
         entity = AssignmentState::ENTITY,
     )
 });
@@ -140,28 +149,16 @@ async fn complete(
     report: &Report,
 ) -> Result<(Result<AssignmentState, Refusal>, bool), DbError> {
     debug_assert!(UPLOADED.can_become(COMPLETED));
-    let round: Option<(String, String, i64)> = sqlx::query_as(
-        "SELECT r.id, r.state, r.report_goal FROM rounds r \
-         WHERE r.id = (SELECT round_id FROM assignments WHERE id = $1) FOR UPDATE",
-    )
-    .bind(&report.id)
-    .fetch_optional(&mut *tx)
-    .await?;
-    let Some((round_id, round_state, goal)) = round else {
+    let round: Option<(String, String, i64, Option<i64>)> = sqlx::query_as(COMPLETE.as_str())
+        .bind(report.now)
+        .bind(&report.id)
+        .bind(new_history_id())
+        .fetch_optional(&mut *tx)
+        .await?;
+    let Some((round_id, _, goal, completed)) = round else {
         return Ok((Err(Refusal::UnknownAssignment), false));
     };
-    let completed: Option<(i64,)> = if round_state == COLLECTING.as_str() {
-        sqlx::query_as(COMPLETE.as_str())
-            .bind(report.now)
-            .bind(&report.id)
-            .bind(new_history_id())
-            .bind(&round_id)
-            .fetch_optional(&mut *tx)
-            .await?
-    } else {
-        None
-    };
-    let Some((completed,)) = completed else {
+    let Some(completed) = completed else {
         return Ok((report_off_path(tx, report).await?, false));
     };
     if completed != goal {
@@ -200,21 +197,28 @@ impl DeviceStore for PostgresDevices<'_> {
     }
 
     async fn assign(&self, new: NewAssignment) -> Result<Option<Assigned>, DbError> {
-        let key_id: Option<(Option<String>,)> = sqlx::query_as(ASSIGN.as_str())
-            .bind(&new.round_id)
-            .bind(&new.key_if_unset)
-            .bind(new.capacity)
-            .bind(&new.id)
-            .bind(new.expires_at)
-            .bind(new.now)
-            .bind(new_history_id())
-            .fetch_optional(self.0.pool())
+        let expires_at = new.expires_at;
+        let history_id = new_history_id();
+        let key_id: Option<(Option<String>,)> = self
+            .0
+            .batched_write(move |tx| {
+                let (new, history_id) = (new.clone(), history_id.clone());
+                Box::pin(async move {
+                    Ok(sqlx::query_as(ASSIGN.as_str())
+                        .bind(new.round_id)
+                        .bind(new.key_if_unset)
+                        .bind(new.capacity)
+                        .bind(new.id)
+                        .bind(new.expires_at)
+                        .bind(new.now)
+                        .bind(history_id)
+                        .fetch_optional(&mut *tx)
+                        .await?)
+                })
+            })
             .await?;
         Ok(match key_id {
-            Some((Some(key_id),)) => Some(Assigned {
-                key_id,
-                expires_at: new.expires_at,
-            }),
+            Some((Some(key_id),)) => Some(Assigned { key_id, expires_at }),
             _ => None,
         })
     }
@@ -229,15 +233,26 @@ impl DeviceStore for PostgresDevices<'_> {
 
     async fn record_upload(&self, upload: NewUpload) -> Result<Result<Stored, Refusal>, DbError> {
         debug_assert!(ASSIGNED.can_become(UPLOADED));
-        let (changed,): (i64,) = sqlx::query_as(UPLOAD.as_str())
-            .bind(upload.now)
-            .bind(&upload.sha256_hex)
-            .bind(upload.size)
-            .bind(&upload.blob_key)
-            .bind(&upload.id)
-            .bind(new_history_id())
-            .fetch_one(self.0.pool())
-            .await?;
+        let history_id = new_history_id();
+        let (changed,): (i64,) = {
+            let upload = upload.clone();
+            self.0
+                .batched_write(move |tx| {
+                    let (upload, history_id) = (upload.clone(), history_id.clone());
+                    Box::pin(async move {
+                        Ok(sqlx::query_as(UPLOAD.as_str())
+                            .bind(upload.now)
+                            .bind(upload.sha256_hex)
+                            .bind(upload.size)
+                            .bind(upload.blob_key)
+                            .bind(upload.id)
+                            .bind(history_id)
+                            .fetch_one(&mut *tx)
+                            .await?)
+                    })
+                })
+                .await?
+        };
         if changed == 1 {
             return Ok(Ok(Stored::New));
         }
@@ -258,7 +273,8 @@ impl DeviceStore for PostgresDevices<'_> {
     ) -> Result<Result<AssignmentState, Refusal>, DbError> {
         let (answer, closed) = self
             .0
-            .write(move |tx| {
+            .batched_write(move |tx| {
+                let report = report.clone();
                 Box::pin(async move {
                     if report.outcome == ReportOutcome::Completed {
                         complete(tx, &report).await
