@@ -3,16 +3,20 @@
 //! a report goal of 1,000, and `confed devices simulate --no-train` for 1,000 devices from a
 //! second process. Prints the collection time (devices checking in, uploading and reporting until
 //! the goal closes the round) and the turnaround (from the round's close to model version 1 being
-//! readable, both seen by a poller), with the turnaround's GB/s of contributions, once with
-//! every update below the clip norm and once with every update above it (the simulator's random
-//! updates have an L2 norm of about 3). The turnaround is split into the job (its time as the
-//! server logs it, with each step) and what came before it (the close reaching a worker, plus the
-//! poller's resolution). Next to it: the aggregation benchmark's work for the same bytes, measured
-//! in this process on the same cores (`Aggregator` opening and summing 48 contributions of the
-//! same size and values, best of three: `cargo bench -p confed-enclave --bench aggregation`
-//! measures it the same way), and the server's peak RSS during the turnaround.
+//! readable, both seen by a poller), with the turnaround's GB/s of contributions: once with every
+//! update below the clip norm, once with half of them above it and once with all of them above it
+//! (the simulator's random updates have an L2 norm of about 2.956). The turnaround is split into
+//! the job (from its lease's answer to model N+1, as the worker logs it, with each step) and what
+//! came before it (the close reaching a worker and its lease, within the poller's resolution).
+//! Next to it: the aggregation benchmark's work for the same bytes, measured in this process on
+//! the same cores (`Aggregator` opening and summing 48 contributions of the same size and values,
+//! best of three: `cargo bench -p confed-enclave --bench aggregation` measures it the same way),
+//! and the peak RSS during the turnaround.
 //!
-//! `cargo bench --bench round`; `CONFED_BENCH_DEVICES=10000` for a 10 GB round.
+//! `cargo bench --bench round`; `CONFED_BENCH_DEVICES=10000` for a 10 GB round;
+//! `CONFED_BENCH_WORKER=remote` to aggregate in a `confed-enclave` process over the worker API
+//! (`cargo build --release -p confed-enclave` first), as production does
+//! (`CONFED_BENCH_RETAIN_MIB` sets its `--retain-mib`).
 
 use std::time::{Duration, Instant};
 
@@ -36,7 +40,8 @@ fn devices() -> usize {
 struct Measured {
     collection: f64,
     turnaround: f64,
-    /// The server's largest RSS seen by the poller between the close and model version 1.
+    /// The largest RSS of the server (and the `confed-enclave` process) seen by the poller
+    /// between the close and model version 1.
     peak_rss_mb: f64,
 }
 
@@ -117,7 +122,7 @@ fn aggregation_reference(clip_norm: f64) -> f64 {
 
 #[path = "support/process.rs"]
 mod process;
-use process::{Server, binary, start};
+use process::{Aggregator as Worker, Server, binary, start_with};
 
 /// A safetensors file with one F32 tensor `w` of `PARAMS` zeros.
 fn model() -> Vec<u8> {
@@ -182,7 +187,9 @@ async fn round(
             server.url.clone(),
             server.token.clone(),
             task.clone(),
-            server.child.id(),
+            std::iter::once(server.child.id())
+                .chain(server.worker.as_ref().map(std::process::Child::id))
+                .collect::<Vec<u32>>(),
         );
         tokio::spawn(async move {
             let get = |path: String| {
@@ -208,7 +215,7 @@ async fn round(
                     }
                 }
                 if let Some(closed) = closed {
-                    peak_rss_mb = peak_rss_mb.max(rss_mb(pid));
+                    peak_rss_mb = peak_rss_mb.max(pid.iter().map(|&p| rss_mb(p)).sum());
                     let state = get(format!("/v1/tasks/{task}")).await;
                     if state["model_version"].as_i64() == Some(1) {
                         return (closed.elapsed().as_secs_f64(), peak_rss_mb);
@@ -258,15 +265,25 @@ fn main() {
     let devices = devices();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
-        let server = start();
+        let remote = std::env::var("CONFED_BENCH_WORKER").is_ok_and(|w| w == "remote");
+        let server = start_with(if remote { Worker::Remote } else { Worker::InProcess });
         let http = confed_protocol::http::client(Duration::from_secs(60));
         let bytes = (devices * (PARAMS * 4 + 200)) as f64 / 1e9;
         println!(
-            "== whole rounds: {devices} devices x 1 MB ({PARAMS} f32), confed serve (embedded), {}",
-            binary()
+            "== whole rounds: {devices} devices x 1 MB ({PARAMS} f32), confed serve (embedded), {}, aggregated {}",
+            binary(),
+            if remote {
+                "by a confed-enclave process over the worker API"
+            } else {
+                "in process"
+            }
         );
         for (label, population, clip_norm) in [
             ("below the clip norm (clip 10)", "round-unclipped", 10.0),
+            // The updates' norms spread narrowly around sqrt(262,144 x 0.01^2 / 3) = 2.956: at
+            // that clip norm about half of them lie above it, as with a clip norm set at the
+            // median norm.
+            ("half above the clip norm (clip 2.956)", "round-half", 2.956),
             ("above the clip norm (clip 1)", "round-clipped", 1.0),
         ] {
             let m = round(&http, &server, population, devices, clip_norm).await;

@@ -287,10 +287,16 @@ async fn start_embedded_enclave(
         source,
     })?;
     let token_clock = clock.clone();
-    let attester = Arc::new(confed_attestation::DevAttester::new(
-        confed_attestation::exchange::generate_signing_key(),
-        Arc::new(move || token_clock.now_seconds()),
-    ));
+    // Kept in the data directory (which already holds the embedded key services' shares), so a
+    // `confed-enclave --attester dev --dev-key <it>` can stand in for the in-process worker.
+    let attester_key = embedded.join("dev-attester.pem");
+    let attester = Arc::new(
+        confed_attestation::DevAttester::from_key_file(
+            &attester_key,
+            Arc::new(move || token_clock.now_seconds()),
+        )
+        .map_err(ServeError::Embedded)?,
+    );
     let services =
         crate::embedded::keyservices::start(&embedded, 3, 2, clock.clone(), &attester, stop)
             .await
@@ -312,6 +318,10 @@ async fn start_embedded_enclave(
     println!(
         "confed: no --keyservice given: 3 key services (any 2 reconstruct a key) and an enclave worker run in this process with the DEV attester; nothing here is confidential. Device trust file: {}",
         trust_file.display()
+    );
+    println!(
+        "confed: dev attester key (for confed-enclave --attester dev --dev-key): {}",
+        attester_key.display()
     );
     println!(
         "confed: embedded key services: {}",

@@ -63,8 +63,18 @@ impl DevAttester {
             let pem = key
                 .to_pkcs8_pem(LineEnding::LF)
                 .map_err(|e| format!("encoding the dev key: {e}"))?;
-            std::fs::write(path, pem.as_bytes())
-                .map_err(|e| format!("writing the dev key {shown}: {e}"))?;
+            // Owner-only, as any private key: it is a dev key, but it opens the dev key services.
+            let mut options = std::fs::OpenOptions::new();
+            options.write(true).create_new(true);
+            #[cfg(unix)]
+            std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+            std::io::Write::write_all(
+                &mut options
+                    .open(path)
+                    .map_err(|e| format!("writing the dev key {shown}: {e}"))?,
+                pem.as_bytes(),
+            )
+            .map_err(|e| format!("writing the dev key {shown}: {e}"))?;
             key
         };
         let attester = Self::new(key, clock);
@@ -128,5 +138,30 @@ impl Attester for DevAttester {
             request.check()?;
             Ok::<_, AttestError>(self.sign(&self.claims_for(request)))
         })
+    }
+}
+
+#[cfg(test)]
+mod key_file_tests {
+    use super::*;
+
+    #[test]
+    fn a_new_dev_key_file_is_owner_only_and_read_back_the_same() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dev-attester.pem");
+        let first = DevAttester::from_key_file(&path, std::sync::Arc::new(|| 0)).unwrap();
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o600, "the private key is owner-only");
+        }
+        let again = DevAttester::from_key_file(&path, std::sync::Arc::new(|| 0)).unwrap();
+        assert_eq!(
+            first.jwks_json(),
+            again.jwks_json(),
+            "the same key, read back"
+        );
+        assert!(path.with_extension("jwks.json").exists());
     }
 }

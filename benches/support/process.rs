@@ -4,6 +4,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::Sender;
 
 // Each benchmark reads what it needs of a started server.
 #[allow(dead_code)]
@@ -18,13 +19,17 @@ pub struct Server {
     pub keyservices: Vec<String>,
     /// Each aggregated round's job time in seconds (`seconds=` of its log line), in order.
     pub jobs: std::sync::mpsc::Receiver<f64>,
+    /// The `confed-enclave` process, when rounds are aggregated outside the server.
+    pub worker: Option<Child>,
     _dir: tempfile::TempDir,
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        for child in std::iter::once(&mut self.child).chain(self.worker.as_mut()) {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 }
 
@@ -34,26 +39,23 @@ pub fn binary() -> String {
         .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/target/release/confed").into())
 }
 
-/// Starts `confed serve` (the embedded system) and waits until it listens.
-pub fn start() -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(binary())
-        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
-        .arg(dir.path().join("data"))
-        // Errors, and each aggregated round's line with the time of its steps.
-        .env("RUST_LOG", "error,confed::aggregation=info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the release binary (cargo build --release) or CONFED_BIN");
-    // The server's log goes on to ours; job times are picked out of it on the way.
-    let (job_tx, jobs) = std::sync::mpsc::channel();
-    let log = BufReader::new(child.stderr.take().unwrap());
+/// Who aggregates: the in-process worker of `confed serve`, or a `confed-enclave` process
+/// reaching it over the worker API (`CONFED_ENCLAVE_BIN`, else the workspace's release build:
+/// `cargo build --release -p confed-enclave`).
+#[allow(dead_code)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Aggregator {
+    InProcess,
+    Remote,
+}
+
+/// Forwards a process's log to ours, sending the `seconds=` of each line holding `marker`.
+fn forward_log(log: impl std::io::Read + Send + 'static, marker: &'static str, jobs: Sender<f64>) {
     std::thread::spawn(move || {
-        for line in log.lines().map_while(Result::ok) {
+        for line in BufReader::new(log).lines().map_while(Result::ok) {
             eprintln!("{line}");
             let seconds = line
-                .contains("round aggregated")
+                .contains(marker)
                 .then(|| {
                     line.split_once(" seconds=")?
                         .1
@@ -64,12 +66,52 @@ pub fn start() -> Server {
                 })
                 .flatten();
             if let Some(seconds) = seconds {
-                let _ = job_tx.send(seconds);
+                let _ = jobs.send(seconds);
             }
         }
     });
+}
+
+/// Starts `confed serve` (the embedded system) and waits until it listens.
+#[allow(dead_code)]
+pub fn start() -> Server {
+    start_with(Aggregator::InProcess)
+}
+
+/// `start`, with rounds aggregated by `aggregator`.
+pub fn start_with(aggregator: Aggregator) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let worker_token = format!("bench-worker-token-{}", std::process::id()).repeat(2);
+    let mut command = Command::new(binary());
+    command
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path().join("data"))
+        // Errors, and each aggregated round's line with the time of its steps.
+        .env("RUST_LOG", "error,confed::aggregation=info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if aggregator == Aggregator::Remote {
+        command
+            .args(["--role", "api", "--role", "scheduler"])
+            .env("CONFED_WORKER_TOKEN", &worker_token);
+    }
+    let mut child = command
+        .spawn()
+        .expect("the release binary (cargo build --release) or CONFED_BIN");
+    let (job_tx, jobs) = std::sync::mpsc::channel();
+    forward_log(
+        child.stderr.take().unwrap(),
+        "round aggregated",
+        job_tx.clone(),
+    );
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let (mut token, mut trust, mut keyservices) = (String::new(), String::new(), Vec::new());
+    let (mut token, mut trust, mut keyservices, mut named, mut dev_key) = (
+        String::new(),
+        String::new(),
+        Vec::new(),
+        Vec::new(),
+        String::new(),
+    );
     let url = loop {
         let line = lines.next().expect("server output").unwrap();
         if let Some(t) = line.strip_prefix("CONFED_DEMO_TOKEN=") {
@@ -78,9 +120,14 @@ pub fn start() -> Server {
         if let Some((_, path)) = line.split_once("Device trust file: ") {
             trust = path.into();
         }
+        if let Some((_, path)) = line.split_once("(for confed-enclave --attester dev --dev-key): ")
+        {
+            dev_key = path.into();
+        }
         if let Some(list) = line.strip_prefix("confed: embedded key services: ") {
-            keyservices = list
-                .split(' ')
+            named = list.split(' ').map(str::to_string).collect();
+            keyservices = named
+                .iter()
                 .filter_map(|e| e.split_once('=').map(|(_, url)| url.to_string()))
                 .collect();
         }
@@ -89,8 +136,34 @@ pub fn start() -> Server {
         }
     };
     std::thread::spawn(move || for _ in lines {});
+    let worker = (aggregator == Aggregator::Remote).then(|| {
+        let binary = std::env::var("CONFED_ENCLAVE_BIN").unwrap_or_else(|_| {
+            concat!(env!("CARGO_MANIFEST_DIR"), "/target/release/confed-enclave").into()
+        });
+        let mut command = Command::new(binary);
+        command
+            .args(["--server", &url, "--threshold", "2", "--attester", "dev"])
+            .args(["--dev-key", &dev_key, "--id", "bench-enclave"])
+            .env("CONFED_WORKER_TOKEN", &worker_token)
+            .env("RUST_LOG", "error,confed_enclave=info")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        for service in &named {
+            command.args(["--keyservice", service]);
+        }
+        if let Ok(mib) = std::env::var("CONFED_BENCH_RETAIN_MIB") {
+            command.args(["--retain-mib", &mib]);
+        }
+        let mut worker = command
+            .spawn()
+            .expect("cargo build --release -p confed-enclave, or CONFED_ENCLAVE_BIN");
+        forward_log(worker.stderr.take().unwrap(), "round released", job_tx);
+        worker
+    });
     Server {
         child,
+        worker,
         url,
         token,
         trust,

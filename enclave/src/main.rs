@@ -202,7 +202,8 @@ async fn run(args: Args) -> Result<()> {
             outcome = worker.run_once() => match outcome {
                 Ok(Some(done)) => {
                     tracing::info!(task = %done.task_id, round = done.round, included = done.included,
-                        excluded = done.excluded, epsilon_spent = ?done.epsilon_spent, phases = %done.phases, "round released");
+                        excluded = done.excluded, epsilon_spent = ?done.epsilon_spent,
+                        seconds = done.phases.after_lease().as_secs_f64(), phases = %done.phases, "round released");
                     Duration::ZERO
                 }
                 Ok(None) => Duration::from_millis(200),

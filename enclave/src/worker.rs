@@ -225,8 +225,10 @@ pub struct Phases {
 }
 
 impl Phases {
-    pub fn total(&self) -> Duration {
-        self.lease + self.read + self.key + self.open + self.noise + self.release + self.update
+    /// From the lease's answer to model N+1 committed: the job's own time (a long-polling
+    /// worker's lease includes its wait for a job).
+    pub fn after_lease(&self) -> Duration {
+        self.read + self.key + self.open + self.noise + self.release + self.update
     }
 }
 
