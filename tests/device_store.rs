@@ -126,6 +126,27 @@ async fn a_failing_write_in_a_burst_fails_alone() {
     }
 }
 
+/// A device chooses its error text: control characters (a NUL, which PostgreSQL refuses in
+/// text) are replaced, and the report is recorded like any other.
+#[tokio::test]
+async fn a_failure_report_with_control_characters_in_its_text_is_recorded() {
+    for (engine, app) in TestApp::on_each_engine().await {
+        let (_, round) = collecting_round(&app, 10).await;
+        assert!(assign(&app, &round, 10, "nul").await);
+        let recorded = app
+            .db
+            .record_report(
+                &cap("nul"),
+                ReportOutcome::Failed,
+                Some("bad\0byte\u{7}\n"),
+                NOW,
+            )
+            .await
+            .unwrap();
+        assert_eq!(recorded, Ok(AssignmentState::Failed), "{engine}");
+    }
+}
+
 #[tokio::test]
 async fn the_first_assignment_fixes_the_rounds_key() {
     for (engine, app) in TestApp::on_each_engine().await {

@@ -232,6 +232,9 @@ impl BlobSource for HttpJobStore {
     }
 }
 
+/// Most bytes a contribution read reserves up front on the server's `Content-Length`.
+const MAX_RESERVE: usize = 64 << 20;
+
 impl JobStore for HttpJobStore {
     async fn lease(&self, worker: &str, lease: Duration) -> Result<Option<JobSpec>, StoreError> {
         let request = LeaseRequest {
@@ -283,8 +286,10 @@ impl JobStore for HttpJobStore {
             return Ok(None);
         }
         buffer.clear();
+        // The length is the server's word: reserve for it only up to a size no contribution
+        // reaches, and let a longer body grow the buffer as it arrives.
         if let Some(length) = response.content_length() {
-            buffer.reserve(usize::try_from(length).unwrap_or(0));
+            buffer.reserve(usize::try_from(length).unwrap_or(0).min(MAX_RESERVE));
         }
         while let Some(chunk) = response
             .chunk()

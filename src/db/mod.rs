@@ -212,7 +212,7 @@ impl Db {
             .await?;
         POSTGRES_MIGRATOR.run(&pool).await?;
         let jobs_created = Arc::new(tokio::sync::Notify::new());
-        let listener = postgres::notify::listen(url, Arc::clone(&jobs_created)).await?;
+        let listener = postgres::notify::listen(url, Arc::clone(&jobs_created)).await;
         let device_batches = postgres::batch::Batcher::start(pool.clone());
         Ok(Self {
             pool,
@@ -220,7 +220,7 @@ impl Db {
             specs: Default::default(),
             models: Default::default(),
             jobs_created,
-            _job_listener: Some(Arc::new(listener)),
+            _job_listener: listener.map(Arc::new),
             device_batches: Some(device_batches),
         })
     }

@@ -61,8 +61,8 @@ impl Accumulator {
     ///
     /// A read-only pass over the plaintext first measures the update's float norm (in a fixed
     /// order, whatever the thread) and finds a non-finite value before anything is added. The
-    /// update is then added once, at full scale if its norm is within `clip_norm` and scaled to
-    /// `clip_norm` otherwise, while the same pass measures the exact integer norm of what it
+    /// update is then added once, at full scale if its norm is within `clip_norm` and scaled a
+    /// hair inside `clip_norm` otherwise (`clip_factor`), while the same pass measures the exact integer norm of what it
     /// added. Only if rounding pushed that above `GRID_UNITS_PER_CLIP` (an update within a
     /// rounding of the clip norm) is the pass undone (the same arithmetic, subtracted: exact) and
     /// repeated shrunk by the rounding's worst case. So an update above the clip norm costs what

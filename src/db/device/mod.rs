@@ -326,6 +326,23 @@ pub(in crate::db) fn report_step(
 /// Longest device error text kept.
 pub(in crate::db) const DEVICE_ERROR_CHARS: usize = 1000;
 
+/// A device's error text as stored: at most `DEVICE_ERROR_CHARS` characters, control characters
+/// (NUL among them, which PostgreSQL refuses in text) replaced by U+FFFD, line breaks and tabs
+/// kept. The text is the device's to choose; a byte it sends must not fail the write.
+pub(in crate::db) fn device_error_text(error: &str) -> String {
+    error
+        .chars()
+        .take(DEVICE_ERROR_CHARS)
+        .map(|c| {
+            if c.is_control() && !matches!(c, '\n' | '\t') {
+                char::REPLACEMENT_CHARACTER
+            } else {
+                c
+            }
+        })
+        .collect()
+}
+
 /// Runs `$call` on this database's engine's device store.
 macro_rules! on_store {
     ($db:expr, $store:ident => $call:expr) => {

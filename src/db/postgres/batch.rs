@@ -7,13 +7,23 @@
 //! backend put to sleep and woken again. Measured on two cores, that capped a round at about 500
 //! device cycles/s with PostgreSQL's CPU the bottleneck. Here the writes that arrive while a
 //! batch runs wait for the next one, which runs them one after another in a single transaction
-//! (no lock waits inside it) and commits once; each caller is answered after that commit, so a
-//! write is acknowledged only once durable, as before.
+//! (no waits among this process's own writes) and commits once; each caller is answered after
+//! that commit, so a write is acknowledged only once durable, as before.
 //!
-//! A job may run twice: if any job of a batch fails (a database error, which aborts the whole
-//! transaction) or the commit fails, the batch is rolled back and each job is run again alone
-//! in its own transaction, so one job's fault is reported to its caller only. Jobs are therefore
-//! `Fn`, and must do nothing but SQL on the connection they are given.
+//! A batch may lock several rounds' rows, in the order its writes came, so it can wait for
+//! another replica's batch (for as long as that batch runs) or deadlock with one, or with the
+//! scheduler's expiry sweep: PostgreSQL's detector breaks a deadlock after `deadlock_timeout`
+//! (1 s by default) by aborting one transaction, and an aborted batch's writes then run again
+//! (the failing one alone), each alone locking one round. While a batch waits, this process's
+//! other device writes wait too. (A `SET LOCAL lock_timeout` per batch would bound the wait,
+//! but its extra round trip cost 10 % of the device cycles here.)
+//!
+//! A job may run twice: if a job of a batch fails (a database error aborts the whole
+//! transaction), the batch is rolled back, that job runs again alone (its caller gets its own
+//! answer), and the others run together again; if the commit or the transaction fails, every
+//! job runs again alone. So one job's fault reaches its caller only, and a write that always
+//! fails costs its batch one retry. Jobs are therefore `Fn`, and must do nothing but SQL on the
+//! connection they are given. A panic ends its batch (its callers get an error), not the queue.
 
 use std::sync::{Arc, Mutex};
 
@@ -101,35 +111,72 @@ async fn run_batches(pool: AnyPool, mut queue: mpsc::Receiver<Queued>) {
                 Err(_) => break,
             }
         }
-        match run_together(&pool, &batch).await {
-            Ok(()) => batch.into_iter().for_each(|job| (job.answer)(Ok(()))),
-            Err(error) if batch.len() == 1 => {
+        // Each batch in its own task: a panicking job must not end this loop (every later device
+        // write would then fail). Its batch's callers get an error (their answers are dropped),
+        // and the next batch runs.
+        let pool = pool.clone();
+        if tokio::spawn(async move { run_batch(&pool, batch).await })
+            .await
+            .is_err()
+        {
+            tracing::error!(
+                "a device write batch panicked; its writes were answered with an error"
+            );
+        }
+    }
+}
+
+/// Runs `batch` together; if one job fails, answers it alone and runs the others together
+/// again (so a write that always fails costs its batch one retry, not a run one by one); if the
+/// commit (or something not tied to one job) fails, runs each job alone.
+async fn run_batch(pool: &AnyPool, mut batch: Vec<Queued>) {
+    loop {
+        match run_together(pool, &batch).await {
+            Ok(()) => {
+                batch.into_iter().for_each(|job| (job.answer)(Ok(())));
+                return;
+            }
+            Err((Some(failed), error)) if batch.len() > 1 => {
+                tracing::debug!(%error, jobs = batch.len(), "a device write failed in a shared transaction; running it alone");
+                let job = batch.remove(failed);
+                let alone = run_together(pool, std::slice::from_ref(&job)).await;
+                (job.answer)(alone.map_err(|(_, error)| error));
+            }
+            Err((_, error)) if batch.len() == 1 => {
                 if let Some(job) = batch.pop() {
                     (job.answer)(Err(error));
                 }
+                return;
             }
-            Err(error) => {
+            Err((None, error)) => {
                 tracing::debug!(%error, jobs = batch.len(), "a device write batch failed; running its jobs one by one");
                 for job in batch {
-                    let outcome = run_together(&pool, std::slice::from_ref(&job)).await;
-                    (job.answer)(outcome);
+                    let alone = run_together(pool, std::slice::from_ref(&job)).await;
+                    (job.answer)(alone.map_err(|(_, error)| error));
                 }
+                return;
+            }
+            Err((Some(_), error)) => {
+                batch
+                    .into_iter()
+                    .for_each(|job| (job.answer)(Err(DbError::Commit(error.to_string()))));
+                return;
             }
         }
     }
 }
 
-/// `jobs` in one transaction, committed; rolled back at the first error.
-async fn run_together(pool: &AnyPool, jobs: &[Queued]) -> Result<(), DbError> {
-    let mut connection = pool.acquire().await?;
-    let mut tx = connection.begin().await?;
-    for job in jobs {
+/// `jobs` in one transaction, committed; rolled back at the first error, which comes back with
+/// the index of the job that failed (`None`: the commit or the transaction itself failed).
+async fn run_together(pool: &AnyPool, jobs: &[Queued]) -> Result<(), (Option<usize>, DbError)> {
+    let mut connection = pool.acquire().await.map_err(|e| (None, e.into()))?;
+    let mut tx = connection.begin().await.map_err(|e| (None, e.into()))?;
+    for (index, job) in jobs.iter().enumerate() {
         if let Err(error) = (job.run)(&mut tx).await {
             // Now, not when the connection is next used: until then it keeps its row locks.
             let _ = tx.rollback().await;
-            return Err(error);
+            return Err((Some(index), error));
         }
     }
-    tx.commit().await?;
-    Ok(())
+    tx.commit().await.map_err(|e| (None, e.into()))
 }

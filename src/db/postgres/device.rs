@@ -1,7 +1,7 @@
 //! The device store on PostgreSQL. On SQLite the hot paths run on the single writer's raw handle
 //! (`sqlite/device.rs`), where being serial makes every guarded statement atomic. Here many
-//! servers run them at once, each as one READ COMMITTED transaction on a pooled connection, kept
-//! apart by row locks:
+//! servers run them at once, in READ COMMITTED transactions kept apart by row locks; each
+//! process groups its writes into shared transactions (`batch.rs`, one at a time per process):
 //! - check-in: the guarded `UPDATE rounds ... live_assignments < capacity` locks the round row;
 //!   PostgreSQL re-checks the guard after waiting for the lock, so no round is over-filled;
 //! - upload: the guarded `UPDATE assignments` (compare-and-set on the state) locks the
@@ -15,9 +15,9 @@
 use std::sync::LazyLock;
 
 use crate::db::device::{
-    Assigned, AssignmentView, CANDIDATES, CandidateRow, DEVICE_ERROR_CHARS, DeviceStore,
-    NewAssignment, NewUpload, Refusal, Report, ReportOutcome, ReportStep, Stored, VIEW_SQL,
-    ViewRow, WRITE_VIEW_SQL, WriteView, WriteViewRow, report_step, upload_outcome, view_from_row,
+    Assigned, AssignmentView, CANDIDATES, CandidateRow, DeviceStore, NewAssignment, NewUpload,
+    Refusal, Report, ReportOutcome, ReportStep, Stored, VIEW_SQL, ViewRow, WRITE_VIEW_SQL,
+    WriteView, WriteViewRow, device_error_text, report_step, upload_outcome, view_from_row,
 };
 use crate::db::{Conn, Db, DbError, history, new_history_id, transition};
 use crate::states::{AssignmentState, RoundState, StateMachine};
@@ -28,10 +28,9 @@ use RoundState::{Aggregating as AGGREGATING, Collecting as COLLECTING};
 /// The device store of a PostgreSQL `Db`.
 pub(in crate::db) struct PostgresDevices<'a>(pub &'a Db);
 
-/// One statement, so one round trip and an implicit transaction: the round row's lock (taken by
-/// the guarded UPDATE, which PostgreSQL re-checks after waiting for it) is held only for this
-/// statement and its commit, not across a BEGIN ... COMMIT conversation. Every check-in of a
-/// round takes that lock, so its hold time bounds the round's check-in rate.
+/// One statement, so one round trip: the round row's lock is taken by the guarded UPDATE, which
+/// PostgreSQL re-checks after waiting for it. Every check-in of a round takes that lock, so its
+/// hold time (until the group commit that carries it) bounds the round's check-in rate.
 static ASSIGN: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH r AS (UPDATE rounds SET key_id = COALESCE(key_id, $2), \
@@ -49,8 +48,8 @@ static ASSIGN: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// The common upload in one statement (one round trip, implicit transaction): the guarded
-/// ASSIGNED -> UPLOADED transition and its history row.
+/// The common upload in one statement (one round trip): the guarded ASSIGNED -> UPLOADED
+/// transition and its history row.
 static UPLOAD: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH u AS (UPDATE assignments SET state = '{uploaded}', updated_at = $1, \
@@ -130,7 +129,7 @@ async fn report_off_path(
         ReportStep::Apply { from, to, reason } => {
             if let Some(error) = &report.device_error {
                 sqlx::query("UPDATE assignments SET device_error = $1 WHERE id = $2")
-                    .bind(error.chars().take(DEVICE_ERROR_CHARS).collect::<String>())
+                    .bind(device_error_text(error))
                     .bind(&report.id)
                     .execute(&mut *conn)
                     .await?;

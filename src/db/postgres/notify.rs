@@ -12,8 +12,6 @@ use std::time::Duration;
 use sqlx::postgres::PgListener;
 use tokio::sync::Notify;
 
-use crate::db::DbError;
-
 /// The channel; the payload is empty (the listener only needs to know to look).
 pub(crate) const CHANNEL: &str = "confed_jobs";
 
@@ -31,20 +29,34 @@ impl Drop for Listener {
 }
 
 /// Connects a listener to `url` and subscribes it before returning (so a close committed after
-/// this returns is seen), then raises `signal` for every notification.
-pub(crate) async fn listen(url: &str, signal: Arc<Notify>) -> Result<Listener, DbError> {
-    let mut listener = PgListener::connect(url).await?;
-    listener.listen(CHANNEL).await?;
-    Ok(Listener(tokio::spawn(async move {
+/// this returns is seen), then raises `signal` for every notification. `None` (logged) where the
+/// database cannot LISTEN (a pooler in transaction mode, or an engine with only the PostgreSQL
+/// wire protocol): the notification is a hint, and workers then find jobs at their next poll.
+pub(crate) async fn listen(url: &str, signal: Arc<Notify>) -> Option<Listener> {
+    let subscribed = async {
+        let mut listener = PgListener::connect(url).await?;
+        listener.listen(CHANNEL).await?;
+        Ok::<_, sqlx::Error>(listener)
+    };
+    let mut listener = match subscribed.await {
+        Ok(listener) => listener,
+        Err(error) => {
+            tracing::warn!(%error, "cannot LISTEN for new aggregation jobs; workers on other replicas find them at their next poll");
+            return None;
+        }
+    };
+    Some(Listener(tokio::spawn(async move {
         loop {
             match listener.try_recv().await {
                 Ok(Some(_)) => signal.notify_one(),
-                // The connection dropped (the next call reconnects): something may have been
-                // missed while it was down, so look once.
+                // The connection dropped and has been re-established and subscribed again
+                // (sqlx reconnects eagerly): something may have been missed meanwhile, so look.
                 Ok(None) => signal.notify_one(),
                 Err(error) => {
                     tracing::warn!(%error, "the job notification listener cannot reconnect; workers fall back to polling until it can");
                     tokio::time::sleep(Duration::from_secs(1)).await;
+                    // A notification sent while it was down is lost: look once per attempt.
+                    signal.notify_one();
                 }
             }
         }

@@ -8,9 +8,9 @@ use std::sync::LazyLock;
 use rusqlite::OptionalExtension;
 
 use crate::db::device::{
-    Assigned, AssignmentView, CANDIDATES, CandidateRow, DEVICE_ERROR_CHARS, DeviceStore,
-    NewAssignment, NewUpload, Refusal, Report, ReportOutcome, ReportStep, Stored, VIEW_SQL,
-    ViewRow, WRITE_VIEW_SQL, WriteView, WriteViewRow, report_step, upload_outcome, view_from_row,
+    Assigned, AssignmentView, CANDIDATES, CandidateRow, DeviceStore, NewAssignment, NewUpload,
+    Refusal, Report, ReportOutcome, ReportStep, Stored, VIEW_SQL, ViewRow, WRITE_VIEW_SQL,
+    WriteView, WriteViewRow, device_error_text, report_step, upload_outcome, view_from_row,
 };
 use crate::db::{Db, DbError, history, new_history_id};
 use crate::states::{AssignmentState, RoundState, StateMachine};
@@ -187,10 +187,7 @@ fn report_off_path(
         ReportStep::Apply { from, to, reason } => {
             if let Some(error) = &report.device_error {
                 c.prepare_cached("UPDATE assignments SET device_error = ?1 WHERE id = ?2")?
-                    .execute(rusqlite::params![
-                        error.chars().take(DEVICE_ERROR_CHARS).collect::<String>(),
-                        report.id
-                    ])?;
+                    .execute(rusqlite::params![device_error_text(error), report.id])?;
             }
             apply_transition(c, &report.id, from, to, reason, report.now)?;
             Ok(Ok(to))
