@@ -239,7 +239,7 @@ impl Db {
     /// `job_created`, after the commit, for every process: on PostgreSQL the other replicas hear
     /// it too (`postgres::notify`). A failed announcement is logged, not returned: the job is
     /// committed and other processes still find it at their next poll.
-    pub(crate) async fn announce_job(&self) {
+    pub async fn announce_job(&self) {
         self.job_created();
         if self.sqlite.is_none()
             && let Err(error) = sqlx::query(postgres::notify::ANNOUNCE_SQL)
