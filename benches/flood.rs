@@ -158,31 +158,13 @@ fn main() {
         let server = start();
         let pid = server.child.id();
         let http = confed_enclave::http::client(Duration::from_secs(30));
-        let task: serde_json::Value = http
-            .post(format!("{}/v1/tasks", server.url))
-            .bearer_auth(&server.token)
-            .json(&serde_json::json!({"population": "flood", "rounds": 100,
-                "report_goal": REPORT_GOAL, "min_reports": 1,
-                "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0}}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        let task = task["id"].as_str().expect("task created").to_string();
         let model = std::env::temp_dir().join(format!("flood-model-{pid}.safetensors"));
         assert!(Command::new(binary()).args(["devices", "init-model", "--out"]).arg(&model)
             .stdout(Stdio::null()).status().unwrap().success());
-        let opened = http
-            .put(format!("{}/v1/tasks/{task}/model", server.url))
-            .bearer_auth(&server.token)
-            .header("content-type", "application/octet-stream")
-            .body(std::fs::read(&model).unwrap())
-            .send()
-            .await
-            .unwrap();
-        assert!(opened.status().is_success(), "{}", opened.status());
+        let spec = serde_json::json!({"population": "flood", "rounds": 100,
+            "report_goal": REPORT_GOAL, "min_reports": 1,
+            "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0}});
+        let task = server.open_task(&http, spec, std::fs::read(&model).unwrap()).await;
         let key_id = {
             let set: serde_json::Value = http
                 .get(format!("{}/v1/keys", server.keyservices[0]))

@@ -122,7 +122,7 @@ fn aggregation_reference(clip_norm: f64) -> f64 {
 
 #[path = "support/process.rs"]
 mod process;
-use process::{Aggregator as Worker, Server, binary, start_with};
+use process::{Server, WorkerKind, binary, start_with};
 
 /// A safetensors file with one F32 tensor `w` of `PARAMS` zeros.
 fn model() -> Vec<u8> {
@@ -146,38 +146,17 @@ async fn round(
     devices: usize,
     clip_norm: f64,
 ) -> Measured {
-    let created: serde_json::Value = http
-        .post(format!("{}/v1/tasks", server.url))
-        .bearer_auth(&server.token)
-        .json(&serde_json::json!({
-            "population": population,
-            "rounds": 1,
-            "report_goal": devices,
-            "min_reports": devices,
-            "round_deadline_seconds": 3600,
-            "assignment_timeout_seconds": 600,
-            "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": clip_norm},
-            "plan": {"epochs": 1, "batch_size": 32, "learning_rate": 0.1},
-        }))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let task = created["id"].as_str().expect("a task id").to_string();
-    let uploaded = http
-        .put(format!("{}/v1/tasks/{task}/model", server.url))
-        .bearer_auth(&server.token)
-        .body(model())
-        .send()
-        .await
-        .unwrap();
-    assert!(
-        uploaded.status().is_success(),
-        "model upload: {}",
-        uploaded.status()
-    );
+    let spec = serde_json::json!({
+        "population": population,
+        "rounds": 1,
+        "report_goal": devices,
+        "min_reports": devices,
+        "round_deadline_seconds": 3600,
+        "assignment_timeout_seconds": 600,
+        "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": clip_norm},
+        "plan": {"epochs": 1, "batch_size": 32, "learning_rate": 0.1},
+    });
+    let task = server.open_task(http, spec, model()).await;
     // A poller watches the round: the first time it is seen out of COLLECTING is its close, the
     // first time model version 1 is readable the end of the turnaround (both to within the 5 ms
     // poll and one loopback request).
@@ -266,7 +245,11 @@ fn main() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
         let remote = std::env::var("CONFED_BENCH_WORKER").is_ok_and(|w| w == "remote");
-        let server = start_with(if remote { Worker::Remote } else { Worker::InProcess });
+        let server = start_with(if remote {
+            WorkerKind::Remote
+        } else {
+            WorkerKind::InProcess
+        });
         let http = confed_protocol::http::client(Duration::from_secs(60));
         let bytes = (devices * (PARAMS * 4 + 200)) as f64 / 1e9;
         println!(

@@ -24,6 +24,43 @@ pub struct Server {
     _dir: tempfile::TempDir,
 }
 
+impl Server {
+    /// Creates a task of the demo tenant from `spec` (the `POST /v1/tasks` body) and uploads
+    /// `model` as its first version; returns the task's id.
+    #[allow(dead_code)]
+    pub async fn open_task(
+        &self,
+        http: &reqwest::Client,
+        spec: serde_json::Value,
+        model: Vec<u8>,
+    ) -> String {
+        let created = http
+            .post(format!("{}/v1/tasks", self.url))
+            .bearer_auth(&self.token)
+            .json(&spec)
+            .send()
+            .await
+            .unwrap();
+        assert!(created.status().is_success(), "task: {}", created.status());
+        let created: serde_json::Value = created.json().await.unwrap();
+        let task = created["id"].as_str().expect("a task id").to_string();
+        let uploaded = http
+            .put(format!("{}/v1/tasks/{task}/model", self.url))
+            .bearer_auth(&self.token)
+            .header("content-type", "application/octet-stream")
+            .body(model)
+            .send()
+            .await
+            .unwrap();
+        assert!(
+            uploaded.status().is_success(),
+            "model: {}",
+            uploaded.status()
+        );
+        task
+    }
+}
+
 impl Drop for Server {
     fn drop(&mut self) {
         for child in std::iter::once(&mut self.child).chain(self.worker.as_mut()) {
@@ -44,7 +81,7 @@ pub fn binary() -> String {
 /// `cargo build --release -p confed-enclave`).
 #[allow(dead_code)]
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Aggregator {
+pub enum WorkerKind {
     InProcess,
     Remote,
 }
@@ -75,11 +112,11 @@ fn forward_log(log: impl std::io::Read + Send + 'static, marker: &'static str, j
 /// Starts `confed serve` (the embedded system) and waits until it listens.
 #[allow(dead_code)]
 pub fn start() -> Server {
-    start_with(Aggregator::InProcess)
+    start_with(WorkerKind::InProcess)
 }
 
-/// `start`, with rounds aggregated by `aggregator`.
-pub fn start_with(aggregator: Aggregator) -> Server {
+/// `start`, with rounds aggregated by the worker `aggregator`.
+pub fn start_with(aggregator: WorkerKind) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let worker_token = format!("bench-worker-token-{}", std::process::id()).repeat(2);
     let mut command = Command::new(binary());
@@ -90,7 +127,7 @@ pub fn start_with(aggregator: Aggregator) -> Server {
         .env("RUST_LOG", "error,confed::aggregation=info")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    if aggregator == Aggregator::Remote {
+    if aggregator == WorkerKind::Remote {
         command
             .args(["--role", "api", "--role", "scheduler"])
             .env("CONFED_WORKER_TOKEN", &worker_token);
@@ -136,7 +173,7 @@ pub fn start_with(aggregator: Aggregator) -> Server {
         }
     };
     std::thread::spawn(move || for _ in lines {});
-    let worker = (aggregator == Aggregator::Remote).then(|| {
+    let worker = (aggregator == WorkerKind::Remote).then(|| {
         let binary = std::env::var("CONFED_ENCLAVE_BIN").unwrap_or_else(|_| {
             concat!(env!("CARGO_MANIFEST_DIR"), "/target/release/confed-enclave").into()
         });

@@ -18,15 +18,22 @@ pub const READ_AHEAD: usize = 8;
 
 /// Free read buffers, kept up to a total capacity.
 pub struct BufferPool {
-    free: Mutex<Vec<Vec<u8>>>,
+    free: Mutex<Free>,
     keep_bytes: usize,
+}
+
+#[derive(Default)]
+struct Free {
+    buffers: Vec<Vec<u8>>,
+    /// The sum of their capacities.
+    bytes: usize,
 }
 
 impl BufferPool {
     /// A pool that keeps at most `keep_bytes` of free buffers (the rest are dropped).
     pub fn new(keep_bytes: usize) -> Self {
         Self {
-            free: Mutex::new(Vec::new()),
+            free: Mutex::default(),
             keep_bytes,
         }
     }
@@ -34,15 +41,18 @@ impl BufferPool {
     /// A buffer to read into: a returned one if any (its length and contents are the last
     /// read's; the store overwrites them), else an empty one.
     pub fn take(&self) -> Vec<u8> {
-        self.lock().pop().unwrap_or_default()
+        let mut free = self.lock();
+        let buffer = free.buffers.pop().unwrap_or_default();
+        free.bytes -= buffer.capacity();
+        buffer
     }
 
     /// Returns a buffer for a later read, unless the pool already keeps its share.
     pub fn give(&self, buffer: Vec<u8>) {
         let mut free = self.lock();
-        let kept: usize = free.iter().map(Vec::capacity).sum();
-        if kept + buffer.capacity() <= self.keep_bytes {
-            free.push(buffer);
+        if free.bytes + buffer.capacity() <= self.keep_bytes {
+            free.bytes += buffer.capacity();
+            free.buffers.push(buffer);
         }
     }
 
@@ -52,7 +62,7 @@ impl BufferPool {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Vec<u8>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Free> {
         self.free.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
@@ -89,6 +99,9 @@ mod tests {
         pool.give(Vec::with_capacity(1500));
         let kept: Vec<usize> = (0..3).map(|_| pool.take().capacity()).collect();
         assert_eq!(kept, [1000, 1000, 0]);
+        // Taken buffers free their share: the pool keeps up to its capacity again.
+        pool.give(Vec::with_capacity(3000));
+        assert_eq!(pool.take().capacity(), 3000);
     }
 
     #[tokio::test]

@@ -402,6 +402,19 @@ fn add_quantized_generic<const SUBTRACT: bool>(
 mod tests {
     use super::*;
 
+    /// `len` values uniform in [-0.5, 0.5), from a xorshift generator seeded with `seed`.
+    pub(super) fn uniform_values(len: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed;
+        (0..len)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            })
+            .collect()
+    }
+
     fn bytes(values: &[f32]) -> Vec<u8> {
         values.iter().flat_map(|v| v.to_le_bytes()).collect()
     }
@@ -427,14 +440,9 @@ mod tests {
         // the clip norm. Had it been added at exactly the clip norm, rounding would have pushed
         // it over about half the time, and the retry shrinks it by the worst case (0.39 %).
         let len = 262_144;
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let values: Vec<f32> = (0..len)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.02
-            })
+        let values: Vec<f32> = uniform_values(len, 0x9e37_79b9_7f4a_7c15)
+            .into_iter()
+            .map(|v| v * 0.02)
             .collect();
         for seed in 0..8 {
             let acc = Accumulator::new(len);
@@ -520,15 +528,7 @@ mod order_tests {
     #[test]
     fn the_norm_and_the_clipped_sum_do_not_depend_on_the_starting_stripe() {
         let len = 300_000;
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let values: Vec<f32> = (0..len)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-            })
-            .collect();
+        let values = super::tests::uniform_values(len, 0x2545_f491_4f6c_dd1d);
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         let update: Vec<&[u8]> = vec![bytes.as_slice()];
         let norms: Vec<u64> = [0usize, 1, 5, 11]
