@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use confed_enclave::remote::{BlobSource, JobWire, resolve};
+use confed_enclave::remote::{BlobSource, ContributionWire, JobWire, resolve};
 use confed_enclave::worker::{JobSpec, JobStore, StagedRelease, StoreError, Worker};
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
@@ -86,7 +86,20 @@ impl TaskDbJobStore {
                 .policy(&context.task.id, &context.task.tenant_id)
                 .encode(),
             model_key: context.model.blob_key.clone(),
-            contributions: context.contributions.clone(),
+            contributions: context
+                .contributions
+                .iter()
+                .map(|c| match &c.blake3_hex {
+                    Some(hex) => ContributionWire::Digested(
+                        c.assignment_ref.clone(),
+                        c.blob_key.clone(),
+                        hex.clone(),
+                    ),
+                    None => {
+                        ContributionWire::Undigested(c.assignment_ref.clone(), c.blob_key.clone())
+                    }
+                })
+                .collect(),
             committed_average_key: context.release.as_ref().map(|r| r.average_key.clone()),
         })
     }

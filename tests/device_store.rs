@@ -6,7 +6,7 @@
 mod common;
 
 use common::{START_MILLIS, TestApp};
-use confed::db::device::{Capability, Refusal, ReportOutcome, Stored};
+use confed::db::device::{Capability, Refusal, ReportOutcome, Stored, UploadDigests};
 use confed::states::{AssignmentState, RoundState};
 use serde_json::json;
 
@@ -42,7 +42,10 @@ async fn upload(app: &TestApp, capability: &str, digest: &str, at: i64) -> Resul
     app.db
         .record_upload(
             &cap(capability),
-            digest,
+            UploadDigests {
+                sha256_hex: digest,
+                blake3_hex: Some(digest),
+            },
             100,
             &format!("blob/{capability}"),
             at,
@@ -370,6 +373,54 @@ async fn concurrent_completions_close_the_round_once_with_one_job() {
                 "{engine}: a failure report after the round closed"
             );
         }
+    }
+}
+
+/// The BLAKE3 computed at an upload through the server is what the round's job lists (the
+/// enclave commits to it without reading the bytes first); a direct upload, whose bytes the
+/// server never saw, is listed without one.
+#[tokio::test]
+async fn a_rounds_job_lists_the_digest_of_each_upload_through_the_server() {
+    for (engine, app) in TestApp::on_each_engine().await {
+        let (_, round) = collecting_round(&app, 2).await;
+        for name in ["through", "direct"] {
+            assert!(assign(&app, &round, 2, name).await);
+        }
+        assert_eq!(upload(&app, "through", "b3", NOW).await, Ok(Stored::New));
+        let direct = app
+            .db
+            .record_upload(
+                &cap("direct"),
+                UploadDigests {
+                    sha256_hex: "md5:00",
+                    blake3_hex: None,
+                },
+                100,
+                "blob/direct",
+                NOW,
+            )
+            .await
+            .unwrap();
+        assert_eq!(direct, Ok(Stored::New), "{engine}");
+        for name in ["through", "direct"] {
+            assert_eq!(
+                report(&app, name, ReportOutcome::Completed, NOW).await,
+                Ok(AssignmentState::Completed),
+                "{engine}"
+            );
+        }
+        let context = app.db.job_context(&round).await.unwrap();
+        let mut listed: Vec<(&str, Option<&str>)> = context
+            .contributions
+            .iter()
+            .map(|c| (c.blob_key.as_str(), c.blake3_hex.as_deref()))
+            .collect();
+        listed.sort();
+        assert_eq!(
+            listed,
+            [("blob/direct", None), ("blob/through", Some("b3"))],
+            "{engine}"
+        );
     }
 }
 

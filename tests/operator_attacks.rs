@@ -15,6 +15,9 @@ use confed_enclave::aggregate::Manifest;
 use confed_enclave::policy::TaskPolicy;
 use confed_enclave::worker::{JobError, JobSpec, JobStore, StagedRelease, StoreError, Worker};
 
+/// What the enclave says of a contribution the store did not serve as committed.
+const NOT_COMMITTED: &str = "not the bytes the round's commitment names";
+
 type Edit = Box<dyn Fn(&mut JobSpec) + Send + Sync>;
 
 /// The job store as a malicious operator runs it.
@@ -30,14 +33,14 @@ struct Operator {
     leased: Mutex<Option<JobSpec>>,
     /// Every release the enclave handed over (average, manifest).
     releases: Mutex<Vec<(Vec<u8>, Manifest)>>,
-    /// What a contribution's second read serves instead of the stored bytes.
-    second_read: Mutex<Option<SecondRead>>,
+    /// Which read of every contribution (1 or 2) serves what instead of the stored bytes.
+    tamper: Mutex<Option<(usize, Tamper)>>,
     /// Reads of each contribution so far.
     reads: Mutex<std::collections::HashMap<String, usize>>,
 }
 
-#[derive(Clone, Copy)]
-enum SecondRead {
+#[derive(Clone, Copy, Debug)]
+enum Tamper {
     /// As if the object were gone.
     Missing,
     /// The stored bytes with one flipped (the envelope no longer opens).
@@ -53,7 +56,7 @@ impl Operator {
             replay: Mutex::default(),
             leased: Mutex::default(),
             releases: Mutex::default(),
-            second_read: Mutex::default(),
+            tamper: Mutex::default(),
             reads: Mutex::default(),
         })
     }
@@ -100,9 +103,9 @@ impl JobStore for Operator {
             *count
         };
         let stored = self.inner.fetch(blob_key).await?;
-        match (read, *self.second_read.lock().unwrap()) {
-            (2, Some(SecondRead::Missing)) => Ok(None),
-            (2, Some(SecondRead::Garbled)) => Ok(stored.map(|mut bytes| {
+        match *self.tamper.lock().unwrap() {
+            Some((at, Tamper::Missing)) if at == read => Ok(None),
+            Some((at, Tamper::Garbled)) if at == read => Ok(stored.map(|mut bytes| {
                 let last = bytes.len() - 1;
                 bytes[last] ^= 1;
                 bytes
@@ -222,98 +225,148 @@ async fn a_higher_attempt_number_releases_identical_bytes() {
     scene.system.shutdown().await;
 }
 
-/// The attack that recovered a device's update before: replace one stored envelope with one the
-/// operator sealed with the public key for the same assignment ref (it knows the round's policy
-/// and model hashes), and run the round again. The inputs differ, so the commitment differs, and
-/// the key services refuse it for a round already committed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_swapped_envelope_for_a_committed_round_is_refused_by_the_key_services() {
-    let (scene, task) = scene("swap").await;
-    scene.worker.run_once().await.unwrap().unwrap();
-    let job = scene.operator.leased.lock().unwrap().clone().unwrap();
-    let (victim_ref, victim_key) = job.contributions[0].clone();
-    let context = scene.system.db.round_context(&task, 1).await.unwrap();
-    let forged = {
-        let zero = confed_enclave::model::validate_model(&job.model).unwrap();
-        let values = vec![0f32; zero.parameter_count()];
-        let update = confed_enclave::aggregate::encode(&zero, &values).unwrap();
-        let aad = confed_enclave::envelope::aad(&context, &victim_ref);
-        let (enc, ct) = confed_enclave::hpke_awslc::seal(
-            &job.public_key,
-            &confed_enclave::envelope::info(&job.key_id),
-            &aad,
-            &update,
-        )
-        .unwrap();
-        confed_enclave::envelope::Envelope {
-            key_id: job.key_id.clone(),
-            encapsulated_key: enc,
-            ciphertext: ct,
-            chunk: None,
-        }
-        .to_cbor()
-    };
-    *scene.operator.swap.lock().unwrap() = Some((victim_key, forged));
-    let mut replay = job.clone();
-    replay.committed_average = None;
-    *scene.operator.replay.lock().unwrap() = Some(replay);
-    let error = scene.worker.run_once().await.unwrap_err();
-    assert!(refused_by_the_ledger(&error), "{error}");
-    assert_eq!(
-        scene.operator.releases.lock().unwrap().len(),
-        1,
-        "no second release"
-    );
-    scene.system.shutdown().await;
+/// As a direct upload to the blob store would be listed: without the digest the server computes
+/// for an upload through it, so the worker reads and digests the bytes itself before the key.
+fn without_digests(job: &mut JobSpec) {
+    for contribution in &mut job.contributions {
+        contribution.blake3 = None;
+    }
 }
 
-/// The differencing attack on the two reads of a round larger than the worker keeps in memory:
-/// serve every contribution as digested on the first read (the key services commit to those
-/// inputs and their noise), then make one disappear or stop opening on the second. Had the enclave
-/// excluded it, the release would differ from an honest one by that device's update under the
-/// same noise. It refuses instead: nothing is released.
+/// An envelope the operator sealed itself, with the public key, for the assignment ref of the
+/// job's first contribution (it knows the round's policy and model hashes): a zero update.
+async fn forged_for_first(scene: &Scene, task: &str, job: &JobSpec) -> Vec<u8> {
+    let victim_ref = &job.contributions[0].assignment_ref;
+    let context = scene.system.db.round_context(task, 1).await.unwrap();
+    let zero = confed_enclave::model::validate_model(&job.model).unwrap();
+    let values = vec![0f32; zero.parameter_count()];
+    let update = confed_enclave::aggregate::encode(&zero, &values).unwrap();
+    let aad = confed_enclave::envelope::aad(&context, victim_ref);
+    let (enc, ct) = confed_enclave::hpke_awslc::seal(
+        &job.public_key,
+        &confed_enclave::envelope::info(&job.key_id),
+        &aad,
+        &update,
+    )
+    .unwrap();
+    confed_enclave::envelope::Envelope {
+        key_id: job.key_id.clone(),
+        encapsulated_key: enc,
+        ciphertext: ct,
+        chunk: None,
+    }
+    .to_cbor()
+}
+
+/// The attack that recovered a device's update before: replace one stored envelope with one the
+/// operator sealed with the public key for the same assignment ref, list the digest of its bytes
+/// (or none, so the worker digests what it reads), and run the round again. The inputs differ, so
+/// the commitment differs, and the key services refuse it for a round already committed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bytes_that_change_between_the_two_reads_release_nothing() {
-    for (population, change) in [
-        ("reread-missing", SecondRead::Missing),
-        ("reread-garbled", SecondRead::Garbled),
-    ] {
+async fn a_swapped_envelope_for_a_committed_round_is_refused_by_the_key_services() {
+    for (population, listed) in [("swap-listed", true), ("swap-unlisted", false)] {
+        let (scene, task) = scene(population).await;
+        scene.worker.run_once().await.unwrap().unwrap();
+        let job = scene.operator.leased.lock().unwrap().clone().unwrap();
+        let forged = forged_for_first(&scene, &task, &job).await;
+        let forged_digest = *blake3::hash(&forged).as_bytes();
+        let victim_key = job.contributions[0].blob_key.clone();
+        *scene.operator.swap.lock().unwrap() = Some((victim_key, forged));
+        let mut replay = job.clone();
+        replay.committed_average = None;
+        if listed {
+            replay.contributions[0].blake3 = Some(forged_digest);
+        } else {
+            without_digests(&mut replay);
+        }
+        *scene.operator.replay.lock().unwrap() = Some(replay);
+        let error = scene.worker.run_once().await.unwrap_err();
+        assert!(refused_by_the_ledger(&error), "{population}: {error}");
+        assert_eq!(
+            scene.operator.releases.lock().unwrap().len(),
+            1,
+            "{population}: no second release"
+        );
+        scene.system.shutdown().await;
+    }
+}
+
+/// The differencing attack on a committed round's reads: the key services commit to the inputs
+/// (and the noise is keyed by them) as the job lists their digests, or as the worker's first read
+/// digested them; then the store makes one contribution disappear, or serves it garbled so it
+/// no longer opens, or the job lists another digest than the stored bytes have. Had the enclave
+/// excluded that contribution, the release would differ from an honest one by that device's
+/// update under the same noise. It refuses instead: nothing is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn contributions_not_served_as_committed_release_nothing() {
+    let cases: [(&str, bool, Option<Tamper>, bool); 5] = [
+        ("listed-missing", true, Some(Tamper::Missing), false),
+        ("listed-garbled", true, Some(Tamper::Garbled), false),
+        ("listed-wrong-digest", true, None, true),
+        ("reread-missing", false, Some(Tamper::Missing), false),
+        ("reread-garbled", false, Some(Tamper::Garbled), false),
+    ];
+    for (population, listed, tamper, wrong_digest) in cases {
         let (scene, _) = scene(population).await;
-        *scene.operator.second_read.lock().unwrap() = Some(change);
+        // A listed contribution is read once (after the key); an unlisted one is digested on
+        // the first read and opened from the second.
+        *scene.operator.tamper.lock().unwrap() =
+            tamper.map(|tamper| (if listed { 1 } else { 2 }, tamper));
+        *scene.operator.edit.lock().unwrap() = Some(Box::new(move |job| {
+            if !listed {
+                without_digests(job);
+            }
+            if wrong_digest {
+                job.contributions[0].blake3 = Some([7; 32]);
+            }
+        }));
         let error = scene.worker.run_once().await.unwrap_err().to_string();
-        assert!(error.contains("between two reads"), "{population}: {error}");
+        assert!(error.contains(NOT_COMMITTED), "{population}: {error}");
         assert!(scene.operator.releases.lock().unwrap().is_empty());
         scene.system.shutdown().await;
     }
 }
 
-/// A worker that keeps the round in memory reads each contribution once, and releases the same
-/// bytes as one that reads them twice.
+/// A contribution uploaded through the server is read once: the job lists the BLAKE3 the server
+/// computed as it arrived. Without those digests (as for direct uploads) the worker reads each
+/// twice, or once if it keeps the round in memory; all three commit to the same inputs and
+/// release the same bytes (the digest names the bytes, whoever computed it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_keeping_the_round_in_memory_reads_each_contribution_once() {
-    let (scene, _) = scene("retained").await;
+async fn listed_digests_read_each_contribution_once_and_release_the_same_bytes() {
+    let (scene, _) = scene("listed").await;
+    scene
+        .worker
+        .run_once()
+        .await
+        .unwrap()
+        .expect("round 1 runs");
+    let reads = |expected: usize| {
+        let reads = scene.operator.reads.lock().unwrap().clone();
+        assert_eq!(reads.len(), GOAL);
+        assert!(
+            reads.values().all(|&n| n == expected),
+            "{expected}: {reads:?}"
+        );
+    };
+    reads(1);
+    let mut job = scene.operator.leased.lock().unwrap().clone().unwrap();
+    assert!(job.contributions.iter().all(|c| c.blake3.is_some()));
+    job.committed_average = None;
+    without_digests(&mut job);
+    *scene.operator.replay.lock().unwrap() = Some(job);
     let keeping = Worker::new(scene.operator.clone(), scene.system.worker_config("keeper"))
         .retain_bytes(usize::MAX);
-    keeping.run_once().await.unwrap().expect("round 1 runs");
-    let reads = scene.operator.reads.lock().unwrap().clone();
-    assert_eq!(reads.len(), GOAL);
-    assert!(reads.values().all(|&n| n == 1), "{reads:?}");
-    // The same job again, read twice this time, releases the same bytes.
-    let mut job = scene.operator.leased.lock().unwrap().clone().unwrap();
-    job.committed_average = None;
-    *scene.operator.replay.lock().unwrap() = Some(job);
+    keeping.run_once().await.unwrap();
+    reads(2);
     scene.worker.run_once().await.unwrap();
-    assert!(
-        scene
-            .operator
-            .reads
-            .lock()
-            .unwrap()
-            .values()
-            .all(|&n| n == 3)
-    );
+    reads(4);
     let releases = scene.operator.releases.lock().unwrap().clone();
-    assert_eq!(releases[0].0, releases[1].0);
+    assert_eq!(releases.len(), 3);
+    assert!(
+        releases
+            .iter()
+            .all(|r| r.0 == releases[0].0 && r.1 == releases[0].1)
+    );
     scene.system.shutdown().await;
 }
 

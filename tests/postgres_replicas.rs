@@ -9,6 +9,7 @@ use std::io::Write;
 
 use common::{START_MILLIS, TestApp};
 use confed::db::Db;
+use confed::db::device::UploadDigests;
 use confed::states::RoundState;
 use confed_protocol::device::ReportOutcome;
 use confed_protocol::ids::Capability;
@@ -97,7 +98,12 @@ async fn concurrent_reports_close_the_round_once_and_one_worker_leases_its_job()
         .await
         .unwrap()
         .expect("a slot");
-        db.record_upload(&capability(i), &format!("{i:064x}"), 100, "log/x", now)
+        let digest = format!("{i:064x}");
+        let digests = UploadDigests {
+            sha256_hex: &digest,
+            blake3_hex: Some(&digest),
+        };
+        db.record_upload(&capability(i), digests, 100, "log/x", now)
             .await
             .unwrap()
             .unwrap();

@@ -1,5 +1,7 @@
-//! How a job reads its contributions from the untrusted store, twice if it must: once to digest
-//! them before the key is asked for, and (for those not kept from that read) again to open them.
+//! How a job reads its contributions from the untrusted store: once, after the key, when the job
+//! lists their digests (uploads through the server); twice if it must (direct uploads): once to
+//! digest them before the key is asked for, and (for those not kept from that read) again to open
+//! them.
 //!
 //! The reads are the job's longest wait, so they overlap: `READ_AHEAD` store reads are in flight
 //! at once, and while one batch is hashed or opened on all cores the next is read. Buffers come

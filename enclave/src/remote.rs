@@ -15,7 +15,7 @@ use zeroize::Zeroizing;
 
 use crate::aggregate::Manifest;
 use crate::hpke::PublicKey;
-use crate::worker::{JobSpec, JobStore, StagedRelease, StoreError};
+use crate::worker::{JobContribution, JobSpec, JobStore, StagedRelease, StoreError};
 use confed_attestation::release::ReleaseProof;
 
 /// `POST /internal/v1/jobs/lease`.
@@ -49,8 +49,9 @@ pub struct JobWire {
     pub policy: String,
     /// Blob key of model version `round - 1` (`GET /internal/v1/blobs/{key}`).
     pub model_key: String,
-    /// (assignment ref, contribution key) pairs (`GET /internal/v1/contributions/{key}`).
-    pub contributions: Vec<(String, String)>,
+    /// `[assignment ref, contribution key, BLAKE3 hex]` (`GET /internal/v1/contributions/{key}`),
+    /// the digest omitted where the server never saw the bytes.
+    pub contributions: Vec<ContributionWire>,
     /// Blob key of the committed release's average, when the round is already APPLYING.
     pub committed_average_key: Option<String>,
 }
@@ -76,8 +77,46 @@ impl JobWire {
             public_key,
             policy: self.policy,
             model,
-            contributions: self.contributions,
+            contributions: self
+                .contributions
+                .into_iter()
+                .map(ContributionWire::into_listed)
+                .collect::<Result<_, _>>()?,
             committed_average,
+        })
+    }
+}
+
+/// A contribution of a job on the wire: a JSON array of its ref, its key and (for an upload
+/// through the server) the lowercase hex BLAKE3 of its bytes. A worker takes both forms, so it
+/// can be upgraded before the server that starts listing digests.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ContributionWire {
+    Digested(String, String, String),
+    Undigested(String, String),
+}
+
+impl ContributionWire {
+    /// The contribution as the worker takes it; `Err` for a digest that is not 64 lowercase hex
+    /// digits.
+    pub fn into_listed(self) -> Result<JobContribution, String> {
+        Ok(match self {
+            Self::Undigested(assignment_ref, blob_key) => JobContribution {
+                assignment_ref,
+                blob_key,
+                blake3: None,
+            },
+            Self::Digested(assignment_ref, blob_key, hex) => {
+                let blake3 = crate::aggregate::inputs::parse_digest(&hex).ok_or_else(|| {
+                    format!("contribution {assignment_ref} has a malformed digest {hex:?}; expected 64 lowercase hex digits")
+                })?;
+                JobContribution {
+                    assignment_ref,
+                    blob_key,
+                    blake3: Some(blake3),
+                }
+            }
         })
     }
 }
@@ -358,5 +397,38 @@ impl JobStore for HttpJobStore {
         )
         .await
         .map(drop)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn contributions_arrive_with_or_without_a_digest_and_a_malformed_one_is_refused() {
+        let digest = "ab".repeat(32);
+        let listed: Vec<ContributionWire> =
+            serde_json::from_str(&format!(r#"[["r1", "k1", "{digest}"], ["r2", "k2"]]"#)).unwrap();
+        let listed: Vec<JobContribution> = listed
+            .into_iter()
+            .map(|c| c.into_listed().unwrap())
+            .collect();
+        assert_eq!(listed[0].blake3, Some([0xab; 32]));
+        assert_eq!(
+            (
+                listed[1].assignment_ref.as_str(),
+                listed[1].blob_key.as_str()
+            ),
+            ("r2", "k2")
+        );
+        assert_eq!(listed[1].blake3, None);
+        for bad in ["AB".repeat(32), "ab".repeat(31), "zz".repeat(32)] {
+            let error = ContributionWire::Digested("r".into(), "k".into(), bad.clone())
+                .into_listed()
+                .unwrap_err();
+            assert!(error.contains("malformed digest"), "{bad}: {error}");
+        }
+        assert!(serde_json::from_str::<ContributionWire>(r#"["r1"]"#).is_err());
+        assert!(serde_json::from_str::<ContributionWire>(r#"["r", "k", "d", "x"]"#).is_err());
     }
 }

@@ -54,10 +54,23 @@ pub struct JobSpec {
     pub policy: String,
     /// Model version `round - 1`.
     pub model: Vec<u8>,
-    /// (assignment ref, blob key) of every completed contribution.
-    pub contributions: Vec<(String, String)>,
+    /// Every completed contribution.
+    pub contributions: Vec<JobContribution>,
     /// The committed release, when the round is already APPLYING.
     pub committed_average: Option<Vec<u8>>,
+}
+
+/// One completed contribution of a job, as the store lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobContribution {
+    pub assignment_ref: String,
+    pub blob_key: String,
+    /// BLAKE3 of the stored bytes, as the server computed it when they arrived; `None` where it
+    /// never saw them (a direct upload to the blob store), and the enclave digests them itself
+    /// before it asks for the key. Untrusted like the rest of the job: the round's commitment
+    /// names it, and a contribution whose bytes have another digest (or none) when it is opened
+    /// fails the job, so whatever the store claims, the release is over the committed bytes.
+    pub blake3: Option<[u8; 32]>,
 }
 
 /// What a worker hands the store to commit.
@@ -210,11 +223,13 @@ pub struct Phases {
     /// The lease: the job, its base model and the list of contributions (for a worker that
     /// long-polls, this includes the wait for a job).
     pub lease: Duration,
-    /// The first read of every contribution and its digest.
+    /// The first read and digest of the contributions the job lists without a digest (direct
+    /// uploads); zero when the server digested them all.
     pub read: Duration,
     /// Attestation to the key services and the key's reconstruction.
     pub key: Duration,
-    /// Opening, validating, clipping and summing the contributions (with any second read).
+    /// Reading (or taking from memory), checking, opening, validating, clipping and summing the
+    /// contributions.
     pub open: Duration,
     /// Noise and the average.
     pub noise: Duration,
@@ -249,8 +264,10 @@ impl std::fmt::Display for Phases {
     }
 }
 
-/// Bytes of contributions a job keeps in memory from their first read (which digests them before
-/// the key is asked for) instead of reading them again after, by default: none. Reading a local
+/// Bytes of contributions a job keeps in memory from their first read instead of reading them
+/// again after the key, by default: none. Only contributions the job lists without a digest
+/// (direct uploads to the blob store) have a first read, which digests them before the key is
+/// asked for; those uploaded through the server are read once, after it. Reading a local
 /// store again is cheap (the page cache, into pooled buffers: 9 GB/s here), while keeping a round
 /// costs fresh memory (page faults and zeroing: about 3 GB/s) and holds it for the job. A worker
 /// whose second read crosses the network keeps more (`Worker::retain_bytes`;
@@ -285,7 +302,7 @@ impl<S: JobStore + 'static> Worker<S> {
     }
 
     /// Keeps at most `bytes` of contributions from the first read (tests use 0: every
-    /// contribution is read twice).
+    /// contribution listed without a digest is read twice).
     pub fn retain_bytes(mut self, bytes: usize) -> Self {
         self.retain_bytes = bytes;
         self
@@ -363,10 +380,11 @@ impl<S: JobStore + 'static> Worker<S> {
         })
     }
 
-    /// Inputs first (read and digested: `aggregate::inputs`), then the key (against the release
-    /// commitment, which every key service records in its ledger and answers with a receipt),
-    /// then the contributions in batches (opened across all cores), then noise; the release is
-    /// signed with a key made for this job and bound into its attestation.
+    /// Inputs first (their digests: listed by the store, or read and digested here;
+    /// `aggregate::inputs`), then the key (against the release commitment, which every key
+    /// service records in its ledger and answers with a receipt), then the contributions in
+    /// batches (each checked against its committed digest and opened, across all cores), then
+    /// noise; the release is signed with a key made for this job and bound into its attestation.
     /// `schema`: the job's model's, validated once by the caller; `policy` and `context` from
     /// `round_context`. Records the time of each step in `phases`.
     pub async fn aggregate(
@@ -424,37 +442,41 @@ impl<S: JobStore + 'static> Worker<S> {
             schema,
             &private_key,
         )?);
-        // One batch is opened (on all cores) while the next is read: at most two batches of
-        // ciphertext beyond what the first read retained, whatever the round's size.
-        // Owned items: a stream over borrowed ones makes the job's future not provably `Send`.
-        let reads = futures_util::stream::iter(inputs)
-            .map(|input| self.read_again(input))
-            .buffered(READ_AHEAD);
-        let mut reads = std::pin::pin!(reads);
-        let mut opening: Option<tokio::task::JoinHandle<Result<Vec<Vec<u8>>, String>>> = None;
-        loop {
-            let batch = next_batch(&mut reads, self.config.batch, self.config.batch_bytes).await?;
-            if let Some(previous) = opening.take() {
-                let buffers = previous
-                    .await
-                    .map_err(JobError::Thread)?
-                    .map_err(|changed| {
-                        StoreError::Conflict(format!(
-                            "contribution {changed} changed between two reads"
-                        ))
-                    })?;
-                self.buffers.give_all(buffers);
-                self.store
-                    .renew(&job.job_id, &self.config.id, self.config.lease)
-                    .await?;
+        // Each contribution is opened as soon as it is read, one per core at a time, while the
+        // next are read (`READ_AHEAD`): no batch boundary where a core waits for the slowest
+        // contribution of its batch, and at most `READ_AHEAD` + one per core contributions in
+        // memory, whatever the round's size.
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let opening = Arc::new(tokio::sync::Semaphore::new(cores));
+        {
+            // Owned items: a stream over borrowed ones makes the job's future not provably `Send`.
+            let opened = futures_util::stream::iter(inputs)
+                .map(|input| {
+                    let (aggregator, opening) = (Arc::clone(&aggregator), Arc::clone(&opening));
+                    async move {
+                        let (reread, stored) = self.read_committed(input).await?;
+                        // Never closed: an error would only mean opening without waiting.
+                        let _core = opening.acquire().await.ok();
+                        tokio::task::spawn_blocking(move || open_one(&aggregator, reread, stored))
+                            .await
+                            .map_err(JobError::Thread)?
+                            .map_err(|changed| JobError::from(not_committed(&changed)))
+                    }
+                })
+                .buffer_unordered(READ_AHEAD + cores);
+            let mut opened = std::pin::pin!(opened);
+            let mut renewed = Instant::now();
+            while let Some(buffer) = opened.next().await {
+                if let Some(buffer) = buffer? {
+                    self.buffers.give(buffer);
+                }
+                if renewed.elapsed() >= self.config.lease / 4 {
+                    self.store
+                        .renew(&job.job_id, &self.config.id, self.config.lease)
+                        .await?;
+                    renewed = Instant::now();
+                }
             }
-            if batch.is_empty() {
-                break;
-            }
-            let shared = Arc::clone(&aggregator);
-            opening = Some(tokio::task::spawn_blocking(move || {
-                open_batch(&shared, batch)
-            }));
         }
         let aggregator = Arc::try_unwrap(aggregator).map_err(|_| JobError::StillShared)?;
         phases.open = step.elapsed();
@@ -479,25 +501,27 @@ impl<S: JobStore + 'static> Worker<S> {
         Ok((release, proof))
     }
 
-    /// The first read of every contribution: digested in batches on all cores (one batch
-    /// while the next is read), kept in memory up to `retain_bytes` in all (the rest is read
-    /// again after the key arrives).
+    /// The inputs the round's commitment names: a contribution the job lists with a digest is
+    /// not read here (it is read once, after the key, and must have that digest); one without is
+    /// read and digested in batches on all cores (one batch while the next is read), kept in
+    /// memory up to `retain_bytes` in all (the rest is read again after the key arrives).
     async fn gather(&self, job: &JobSpec) -> Result<(Vec<Input>, String), JobError> {
         let mut inputs: Vec<Input> = job
             .contributions
             .iter()
-            .map(|(assignment_ref, blob_key)| Input {
-                assignment_ref: assignment_ref.clone(),
-                blob_key: blob_key.clone(),
-                digest: None,
+            .map(|listed| Input {
+                assignment_ref: listed.assignment_ref.clone(),
+                blob_key: listed.blob_key.clone(),
+                digest: listed.blake3,
                 retained: None,
             })
             .collect();
         // Owned items: a stream over borrowed ones makes the job's future not provably `Send`.
         let keys: Vec<(usize, String)> = inputs
             .iter()
-            .map(|input| input.blob_key.clone())
             .enumerate()
+            .filter(|(_, input)| input.digest.is_none())
+            .map(|(index, input)| (index, input.blob_key.clone()))
             .collect();
         let reads = futures_util::stream::iter(keys)
             .map(|(index, blob_key)| async move {
@@ -550,10 +574,10 @@ impl<S: JobStore + 'static> Worker<S> {
         Ok((inputs, digest))
     }
 
-    /// A contribution's bytes for the second pass: those kept from the first read, or read
-    /// again, with the digest they must match (the store is not trusted to serve the same bytes
-    /// twice; `open_batch` checks them on all cores).
-    async fn read_again(&self, input: Input) -> Result<(Reread, Option<Vec<u8>>), StoreError> {
+    /// A contribution's bytes to open: those kept from the first read, or read now with the
+    /// digest the commitment names for them (the store is not trusted to serve those bytes;
+    /// `open_one` checks them on all cores). A contribution committed as missing stays so.
+    async fn read_committed(&self, input: Input) -> Result<(Reread, Option<Vec<u8>>), StoreError> {
         let assignment_ref = input.assignment_ref;
         if let Some(bytes) = input.retained {
             return Ok(((assignment_ref, None), Some(bytes)));
@@ -566,41 +590,44 @@ impl<S: JobStore + 'static> Worker<S> {
             .fetch_into(&input.blob_key, self.buffers.take())
             .await?;
         if stored.is_none() {
-            return Err(StoreError::Conflict(format!(
-                "contribution {assignment_ref} disappeared between two reads"
-            )));
+            return Err(not_committed(&assignment_ref));
         }
         Ok(((assignment_ref, Some(expected)), stored))
     }
 }
 
-/// A contribution in the second pass: its ref, and the digest its bytes must have when they were
-/// read again (`None` when they are the first read's).
+/// A contribution the store did not serve as committed: missing, or with another digest. The
+/// job fails (it is not excluded): a release without it would differ from the committed one by
+/// that device's update under the same noise.
+fn not_committed(assignment_ref: &str) -> StoreError {
+    StoreError::Conflict(format!(
+        "contribution {assignment_ref} is not the bytes the round's commitment names \
+         (missing or changed in the store since they were digested)"
+    ))
+}
+
+/// A contribution to open: its ref, and the digest its bytes must have (`None` when they are the
+/// ones this job read and digested itself).
 type Reread = (String, Option<[u8; 32]>);
 
-/// Checks the bytes read again against their first digest, then adds the batch; gives back the
-/// buffers, or the ref of a contribution whose bytes changed (nothing of the batch is added).
-fn open_batch(
+/// Checks a contribution against its committed digest and adds it (the check just before it is
+/// opened, while its bytes are in this core's cache); gives back its buffer, or its ref when it
+/// is not as committed. The job then fails, and what was added before is dropped with the
+/// aggregator, unreleased.
+fn open_one(
     aggregator: &Aggregator,
-    batch: Vec<(Reread, Option<Vec<u8>>)>,
-) -> Result<Vec<Vec<u8>>, String> {
-    use rayon::prelude::*;
-    let changed = batch.par_iter().find_any(|((_, expected), stored)| {
-        expected.is_some_and(|expected| {
-            stored
-                .as_deref()
-                .is_none_or(|bytes| *blake3::hash(bytes).as_bytes() != expected)
-        })
-    });
-    if let Some(((assignment_ref, _), _)) = changed {
-        return Err(assignment_ref.clone());
+    (assignment_ref, expected): Reread,
+    stored: Option<Vec<u8>>,
+) -> Result<Option<Vec<u8>>, String> {
+    if let Some(expected) = expected
+        && stored
+            .as_deref()
+            .is_none_or(|bytes| *blake3::hash(bytes).as_bytes() != expected)
+    {
+        return Err(assignment_ref);
     }
-    let batch: Vec<(String, Option<Vec<u8>>)> = batch
-        .into_iter()
-        .map(|((assignment_ref, _), stored)| (assignment_ref, stored))
-        .collect();
-    aggregator.add_batch(&batch);
-    Ok(batch.into_iter().filter_map(|(_, stored)| stored).collect())
+    let _ = aggregator.add(&assignment_ref, stored.as_deref());
+    Ok(stored)
 }
 
 /// The job's policy, checked, and the round context every contribution must be bound to: the

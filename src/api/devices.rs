@@ -12,7 +12,7 @@ use super::error::{ApiError, Problem};
 use super::extract::{ApiJson, ApiPath};
 use crate::blob::{BlobError, BlobKey};
 use crate::checkin::{Checkin, CheckinOutcome, RetryReason, contribution_key, contribution_limit};
-use crate::db::device::{Capability, Refusal, Stored};
+use crate::db::device::{Capability, Refusal, Stored, UploadDigests};
 use crate::keys::KeyState;
 use crate::registry::check_attributes;
 use crate::states::AssignmentState;
@@ -252,6 +252,9 @@ pub async fn put_contribution(
         };
     }
     let key = view_contribution_key(&assignment)?;
+    // Computed once, here: the round's job lists it, so the enclave commits to its inputs
+    // without a first read (and checks the bytes against it as it opens them).
+    let blake3_hex = blake3::hash(&body).to_hex();
     // The bytes are durable before the row that refers to them is written.
     let stored = match state.contributions.put_new(key, &body).await {
         Ok(stored) => stored,
@@ -262,7 +265,10 @@ pub async fn put_contribution(
         .db
         .record_upload(
             &capability,
-            &digest,
+            UploadDigests {
+                sha256_hex: &digest,
+                blake3_hex: Some(blake3_hex.as_str()),
+            },
             body.len() as i64,
             stored.as_str(),
             now,
@@ -355,7 +361,10 @@ async fn note_direct_upload(state: &AppState, capability: &Capability) -> Result
         .db
         .record_upload(
             capability,
-            &object.digest,
+            UploadDigests {
+                sha256_hex: &object.digest,
+                blake3_hex: None,
+            },
             object.size as i64,
             key.as_str(),
             state.now(),

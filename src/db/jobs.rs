@@ -29,9 +29,18 @@ pub struct JobContext {
     pub round: rounds::RoundRecord,
     pub key_id: Option<String>,
     pub model: models::ModelRecord,
-    /// (assignment ref, blob key) of the round's completed contributions, sorted.
-    pub contributions: Vec<(String, String)>,
+    /// The round's completed contributions, sorted by ref.
+    pub contributions: Vec<StoredContribution>,
     pub release: Option<ReleaseRecord>,
+}
+
+/// A completed contribution as a job lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredContribution {
+    pub assignment_ref: String,
+    pub blob_key: String,
+    /// Lowercase hex BLAKE3 of the bytes, for an upload through the server.
+    pub blake3_hex: Option<String>,
 }
 
 /// A committed release of one round.
@@ -236,13 +245,23 @@ impl Db {
             .fetch_one(&mut *conn)
             .await?;
         let model = models::load(&mut conn, &task.id, round.round_number - 1).await?;
-        let contributions = sqlx::query_as(
-            "SELECT id, blob_key FROM assignments WHERE round_id = $1 AND state = 'COMPLETED' \
-             AND blob_key IS NOT NULL ORDER BY id",
+        let rows: Vec<(String, String, Option<String>)> = sqlx::query_as(
+            "SELECT id, blob_key, contribution_blake3 FROM assignments WHERE round_id = $1 \
+             AND state = 'COMPLETED' AND blob_key IS NOT NULL ORDER BY id",
         )
         .bind(round_id)
         .fetch_all(&mut *conn)
         .await?;
+        let contributions = rows
+            .into_iter()
+            .map(
+                |(assignment_ref, blob_key, blake3_hex)| StoredContribution {
+                    assignment_ref,
+                    blob_key,
+                    blake3_hex,
+                },
+            )
+            .collect();
         let release = load_release(&mut conn, round_id).await?;
         Ok(JobContext {
             task,

@@ -194,11 +194,22 @@ pub(in crate::db) struct NewAssignment {
     pub now: i64,
 }
 
+/// The digests of an upload: the one that makes a repeated upload idempotent (SHA-256 through
+/// the server, `md5:<hex>` for a direct upload), and the BLAKE3 the enclave checks (`None` for a
+/// direct upload, whose bytes the server never saw).
+#[derive(Debug, Clone, Copy)]
+pub struct UploadDigests<'a> {
+    pub sha256_hex: &'a str,
+    pub blake3_hex: Option<&'a str>,
+}
+
 /// A stored contribution to record (`DeviceStore::record_upload`).
 #[derive(Debug, Clone)]
 pub(in crate::db) struct NewUpload {
     pub id: String,
     pub sha256_hex: String,
+    /// BLAKE3 of the bytes (lowercase hex), for uploads through the server; listed in the job.
+    pub blake3_hex: Option<String>,
     pub size: i64,
     pub blob_key: String,
     pub now: i64,
@@ -416,18 +427,20 @@ impl Db {
 
     /// Records a stored contribution (ASSIGNED -> UPLOADED). The same bytes again are accepted
     /// (`Stored::Again`); different bytes for a used assignment are refused. `blob_key` names
-    /// bytes the contribution store has already made durable.
+    /// bytes the contribution store has already made durable; `blake3_hex` their BLAKE3 when
+    /// the server computed it (an upload through the server), which the round's job lists.
     pub async fn record_upload(
         &self,
         capability: &Capability,
-        sha256_hex: &str,
+        digests: UploadDigests<'_>,
         size: i64,
         blob_key: &str,
         now: i64,
     ) -> Result<Result<Stored, Refusal>, DbError> {
         let upload = NewUpload {
             id: capability.reference().into_string(),
-            sha256_hex: sha256_hex.to_string(),
+            sha256_hex: digests.sha256_hex.to_string(),
+            blake3_hex: digests.blake3_hex.map(str::to_string),
             size,
             blob_key: blob_key.to_string(),
             now,

@@ -53,7 +53,8 @@ static ASSIGN: LazyLock<String> = LazyLock::new(|| {
 static UPLOAD: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH u AS (UPDATE assignments SET state = '{uploaded}', updated_at = $1, \
-         contribution_sha256 = $2, contribution_bytes = $3, blob_key = $4 \
+         contribution_sha256 = $2, contribution_bytes = $3, blob_key = $4, \
+         contribution_blake3 = $7 \
          WHERE id = $5 AND state = '{assigned}' AND contribution_sha256 IS NULL \
          AND expires_at > $1 AND EXISTS (SELECT 1 FROM rounds r \
          WHERE r.id = assignments.round_id AND r.state = '{collecting}') RETURNING id), \
@@ -246,6 +247,7 @@ impl DeviceStore for PostgresDevices<'_> {
                             .bind(upload.blob_key)
                             .bind(upload.id)
                             .bind(history_id)
+                            .bind(upload.blake3_hex)
                             .fetch_one(&mut *tx)
                             .await?)
                     })

@@ -45,7 +45,8 @@ const FIRST_HISTORY: &str = "INSERT INTO state_history (id, entity, entity_id, s
 static UPLOAD: LazyLock<String> = LazyLock::new(|| {
     format!(
         "UPDATE assignments SET state = '{uploaded}', updated_at = ?1, \
-         contribution_sha256 = ?2, contribution_bytes = ?3, blob_key = ?4 \
+         contribution_sha256 = ?2, contribution_bytes = ?3, blob_key = ?4, \
+         contribution_blake3 = ?6 \
          WHERE id = ?5 AND state = '{assigned}' AND contribution_sha256 IS NULL \
          AND expires_at > ?1 AND EXISTS (SELECT 1 FROM rounds r \
          WHERE r.id = assignments.round_id AND r.state = '{collecting}')",
@@ -324,7 +325,8 @@ impl DeviceStore for SqliteDevices<'_> {
                     upload.sha256_hex,
                     upload.size,
                     upload.blob_key,
-                    upload.id
+                    upload.id,
+                    upload.blake3_hex
                 ])?;
                 if changed == 0 {
                     // Only a refusal (or a repeated upload) reads the row to say why.
