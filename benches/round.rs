@@ -245,11 +245,11 @@ fn main() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
         let remote = std::env::var("CONFED_BENCH_WORKER").is_ok_and(|w| w == "remote");
-        let server = start_with(if remote {
+        let kind = if remote {
             WorkerKind::Remote
         } else {
             WorkerKind::InProcess
-        });
+        };
         let http = confed_protocol::http::client(Duration::from_secs(60));
         let bytes = (devices * (PARAMS * 4 + 200)) as f64 / 1e9;
         println!(
@@ -269,6 +269,9 @@ fn main() {
             ("half above the clip norm (clip 2.956)", "round-half", 2.956),
             ("above the clip norm (clip 1)", "round-clipped", 1.0),
         ] {
+            // A server (and data directory) per case: each is deleted before the next starts,
+            // so a 10 GB round's three cases need the disk of one.
+            let server = start_with(kind);
             let m = round(&http, &server, population, devices, clip_norm).await;
             let job = server
                 .jobs
