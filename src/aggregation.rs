@@ -226,7 +226,8 @@ impl JobStore for TaskDbJobStore {
         buffer: Vec<u8>,
     ) -> Result<Option<Vec<u8>>, StoreError> {
         let key = BlobKey::new(blob_key.to_string()).map_err(backend)?;
-        // The enclave authenticates every byte (AEAD): no second digest on the way.
+        // The enclave checks every byte against its committed BLAKE3 (and the AEAD): no store
+        // digest on the way.
         match self.contributions.get_sealed_into(&key, buffer).await {
             Ok(bytes) => Ok(Some(bytes)),
             Err(BlobError::NotFound(_)) => Ok(None),

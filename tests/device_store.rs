@@ -376,11 +376,11 @@ async fn concurrent_completions_close_the_round_once_with_one_job() {
     }
 }
 
-/// The BLAKE3 computed at an upload through the server is what the round's job lists (the
+/// The BLAKE3 recorded with an upload through the server is what the round's job lists (the
 /// enclave commits to it without reading the bytes first); a direct upload, whose bytes the
 /// server never saw, is listed without one.
 #[tokio::test]
-async fn a_rounds_job_lists_the_digest_of_each_upload_through_the_server() {
+async fn a_rounds_job_lists_the_digest_recorded_with_each_upload() {
     for (engine, app) in TestApp::on_each_engine().await {
         let (_, round) = collecting_round(&app, 2).await;
         for name in ["through", "direct"] {

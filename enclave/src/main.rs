@@ -77,8 +77,9 @@ struct Args {
     id: Option<String>,
     #[arg(long, default_value_t = 60)]
     lease_seconds: u64,
-    /// MiB of a round's contributions kept in memory from the first read (which digests them
-    /// before the key is asked for); a round larger than this reads the rest a second time.
+    /// MiB of a round's contributions kept in memory from the first read, which only those the
+    /// job lists without a digest (direct uploads to the blob store) get (it digests them before
+    /// the key is asked for); beyond this, the rest are read a second time.
     #[arg(long, default_value_t = (confed_enclave::worker::REMOTE_RETAIN_BYTES >> 20) as u64)]
     retain_mib: u64,
     /// Process at most one job, then exit (0 whether or not one was ready).

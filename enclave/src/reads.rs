@@ -4,9 +4,10 @@
 //! them.
 //!
 //! The reads are the job's longest wait, so they overlap: `READ_AHEAD` store reads are in flight
-//! at once, and while one batch is hashed or opened on all cores the next is read. Buffers come
-//! back to a small pool once their batch is done and are handed to the store for the next read,
-//! so a round does not fault in (or zero) a fresh megabyte per contribution.
+//! at once, and while one batch of a first read is digested on all cores the next is read (the
+//! open pass opens each contribution as it arrives, `Worker::open_all`). Buffers come back to a
+//! small pool once digested or opened and are handed to the store for the next read, so a round
+//! does not fault in (or zero) a fresh megabyte per contribution.
 
 use std::sync::Mutex;
 

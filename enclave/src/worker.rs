@@ -18,6 +18,7 @@ use std::future::Future;
 
 use futures_util::StreamExt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use confed_attestation::Attester;
@@ -166,7 +167,7 @@ pub enum JobError {
     Store(#[from] StoreError),
     #[error("an aggregation thread failed")]
     Thread(#[source] tokio::task::JoinError),
-    #[error("the aggregator is still shared after its last batch (a bug)")]
+    #[error("the aggregator is still shared after its last contribution (a bug)")]
     StillShared,
 }
 
@@ -198,7 +199,8 @@ pub struct WorkerConfig {
     pub threshold: u16,
     pub attester: Arc<dyn Attester>,
     pub key_timeout: Duration,
-    /// Contributions fetched and opened per batch (across all cores), at most ...
+    /// Contributions the first read (of those listed without a digest) digests per batch
+    /// (across all cores), at most ...
     pub batch: usize,
     /// ... and bytes of ciphertext per batch, at most (a batch ends at whichever comes first).
     pub batch_bytes: usize,
@@ -290,7 +292,8 @@ pub struct Worker<S> {
 impl<S: JobStore + 'static> Worker<S> {
     pub fn new(store: Arc<S>, config: WorkerConfig) -> Self {
         let http = crate::http::client(config.key_timeout);
-        // Enough free buffers for the batch being read while another is opened.
+        // Enough free buffers for the first read's batch being read while another is digested,
+        // and for the contributions in flight while they are opened.
         let buffers = BufferPool::new(2 * config.batch_bytes + (READ_AHEAD << 20));
         Self {
             store,
@@ -382,9 +385,9 @@ impl<S: JobStore + 'static> Worker<S> {
 
     /// Inputs first (their digests: listed by the store, or read and digested here;
     /// `aggregate::inputs`), then the key (against the release commitment, which every key
-    /// service records in its ledger and answers with a receipt), then the contributions in
-    /// batches (each checked against its committed digest and opened, across all cores), then
-    /// noise; the release is signed with a key made for this job and bound into its attestation.
+    /// service records in its ledger and answers with a receipt), then the contributions (each
+    /// checked against its committed digest and opened as it arrives, across all cores: `open_all`),
+    /// then noise; the release is signed with a key made for this job and bound into its attestation.
     /// `schema`: the job's model's, validated once by the caller; `policy` and `context` from
     /// `round_context`. Records the time of each step in `phases`.
     pub async fn aggregate(
@@ -442,42 +445,7 @@ impl<S: JobStore + 'static> Worker<S> {
             schema,
             &private_key,
         )?);
-        // Each contribution is opened as soon as it is read, one per core at a time, while the
-        // next are read (`READ_AHEAD`): no batch boundary where a core waits for the slowest
-        // contribution of its batch, and at most `READ_AHEAD` + one per core contributions in
-        // memory, whatever the round's size.
-        let cores = std::thread::available_parallelism().map_or(1, usize::from);
-        let opening = Arc::new(tokio::sync::Semaphore::new(cores));
-        {
-            // Owned items: a stream over borrowed ones makes the job's future not provably `Send`.
-            let opened = futures_util::stream::iter(inputs)
-                .map(|input| {
-                    let (aggregator, opening) = (Arc::clone(&aggregator), Arc::clone(&opening));
-                    async move {
-                        let (reread, stored) = self.read_committed(input).await?;
-                        // Never closed: an error would only mean opening without waiting.
-                        let _core = opening.acquire().await.ok();
-                        tokio::task::spawn_blocking(move || open_one(&aggregator, reread, stored))
-                            .await
-                            .map_err(JobError::Thread)?
-                            .map_err(|changed| JobError::from(not_committed(&changed)))
-                    }
-                })
-                .buffer_unordered(READ_AHEAD + cores);
-            let mut opened = std::pin::pin!(opened);
-            let mut renewed = Instant::now();
-            while let Some(buffer) = opened.next().await {
-                if let Some(buffer) = buffer? {
-                    self.buffers.give(buffer);
-                }
-                if renewed.elapsed() >= self.config.lease / 4 {
-                    self.store
-                        .renew(&job.job_id, &self.config.id, self.config.lease)
-                        .await?;
-                    renewed = Instant::now();
-                }
-            }
-        }
+        self.open_all(job, inputs, &aggregator).await?;
         let aggregator = Arc::try_unwrap(aggregator).map_err(|_| JobError::StillShared)?;
         phases.open = step.elapsed();
         let step = Instant::now();
@@ -499,6 +467,68 @@ impl<S: JobStore + 'static> Worker<S> {
             receipts,
         };
         Ok((release, proof))
+    }
+
+    /// Reads, checks and opens every input into `aggregator`. Each contribution is opened as
+    /// soon as it is read, one per core at a time, while the next are read (`READ_AHEAD`): no
+    /// batch boundary where a core waits for the slowest contribution of its batch, and at most
+    /// `READ_AHEAD` + one per core contributions in memory, whatever the round's size. The lease
+    /// is renewed before, every quarter lease during, and after.
+    async fn open_all(
+        &self,
+        job: &JobSpec,
+        inputs: Vec<Input>,
+        aggregator: &Arc<Aggregator>,
+    ) -> Result<(), JobError> {
+        let renew = || {
+            self.store
+                .renew(&job.job_id, &self.config.id, self.config.lease)
+        };
+        renew().await?;
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let opening = Arc::new(tokio::sync::Semaphore::new(cores));
+        // Set at the first failure: opens already queued then add nothing more (the job fails,
+        // and its aggregator is dropped unreleased; no need to keep its cores busy).
+        let stopped = Arc::new(AtomicBool::new(false));
+        // Owned items: a stream over borrowed ones makes the job's future not provably `Send`.
+        let opened = futures_util::stream::iter(inputs)
+            .map(|input| {
+                let aggregator = Arc::clone(aggregator);
+                let (opening, stopped) = (Arc::clone(&opening), Arc::clone(&stopped));
+                async move {
+                    let (reread, stored) = self.read_committed(input).await?;
+                    // Never closed: an error would only mean opening without waiting.
+                    let _core = opening.acquire().await.ok();
+                    tokio::task::spawn_blocking(move || {
+                        if stopped.load(Ordering::Relaxed) {
+                            return Ok(None);
+                        }
+                        open_one(&aggregator, reread, stored)
+                    })
+                    .await
+                    .map_err(JobError::Thread)?
+                    .map_err(|changed| JobError::from(not_committed(&changed)))
+                }
+            })
+            .buffer_unordered(READ_AHEAD + cores);
+        let mut opened = std::pin::pin!(opened);
+        let mut renewed = Instant::now();
+        while let Some(buffer) = opened.next().await {
+            match buffer {
+                Ok(Some(buffer)) => self.buffers.give(buffer),
+                Ok(None) => {}
+                Err(error) => {
+                    stopped.store(true, Ordering::Relaxed);
+                    return Err(error);
+                }
+            }
+            if renewed.elapsed() >= self.config.lease / 4 {
+                renew().await?;
+                renewed = Instant::now();
+            }
+        }
+        renew().await?;
+        Ok(())
     }
 
     /// The inputs the round's commitment names: a contribution the job lists with a digest is

@@ -65,11 +65,21 @@ pub async fn open_task(
     population: &str,
     epsilon: f64,
 ) -> (String, String) {
+    open_task_with(system, population, epsilon, json!({})).await
+}
+
+/// `open_task` with `extra` fields of the task's spec (e.g. `min_reports`) set.
+pub async fn open_task_with(
+    system: &EmbeddedSystem,
+    population: &str,
+    epsilon: f64,
+    extra: Value,
+) -> (String, String) {
     let token = system
         .tenant(&format!("tenant-{population}"))
         .await
         .unwrap();
-    let id = create_task(&system.url, &token, population, epsilon, GOAL).await;
+    let id = create_task_with(&system.url, &token, population, epsilon, GOAL, extra).await;
     (token, id)
 }
 
@@ -82,16 +92,32 @@ pub async fn create_task(
     epsilon: f64,
     report_goal: usize,
 ) -> String {
+    create_task_with(base, token, population, epsilon, report_goal, json!({})).await
+}
+
+/// `create_task` with `extra` fields of the spec set (they replace the defaults).
+pub async fn create_task_with(
+    base: &str,
+    token: &str,
+    population: &str,
+    epsilon: f64,
+    report_goal: usize,
+    extra: Value,
+) -> String {
     let http = reqwest::Client::new();
+    let mut spec = json!({
+        "population": population, "rounds": 3, "report_goal": report_goal,
+        "privacy": {"epsilon": epsilon, "delta": 1e-6, "clip_norm": 1.0},
+        "server_learning_rate": 1.0,
+        "plan": {"epochs": 2, "batch_size": 16, "learning_rate": 0.1},
+    });
+    if let (Some(spec), Some(extra)) = (spec.as_object_mut(), extra.as_object()) {
+        spec.extend(extra.clone());
+    }
     let task: Value = http
         .post(format!("{base}/v1/tasks"))
         .bearer_auth(token)
-        .json(&json!({
-            "population": population, "rounds": 3, "report_goal": report_goal,
-            "privacy": {"epsilon": epsilon, "delta": 1e-6, "clip_norm": 1.0},
-            "server_learning_rate": 1.0,
-            "plan": {"epochs": 2, "batch_size": 16, "learning_rate": 0.1},
-        }))
+        .json(&spec)
         .send()
         .await
         .unwrap()

@@ -1,9 +1,9 @@
 //! A job's inputs, named by one digest before the round's key is asked for.
 //!
 //! The release commitment a key service records, and the key of the round's noise, name the
-//! inputs by one digest: BLAKE3 over every contribution the untrusted store handed the job (not
-//! only those that turn out valid, which is known only after decryption; the valid ones are a
-//! function of these bytes and the key). Two jobs with the same digest therefore release the same
+//! inputs by one digest: BLAKE3 over the digest of every contribution the job lists (not only of
+//! those that turn out valid, which is known only after decryption; the valid ones are a function
+//! of these bytes and the key). Two jobs with the same digest therefore release the same
 //! bytes, and a job over any other bytes, even one swapped envelope with an unchanged ref, has
 //! another digest: fresh noise, and a commitment the key services' ledger refuses for a round
 //! already committed.
@@ -17,7 +17,7 @@
 //! A contribution's BLAKE3 is the one the job lists (the server computed it once, as the upload
 //! arrived) or, where the job lists none (a direct upload to the blob store), the one the worker
 //! computes on a first read. Either way it is a claim until the bytes are opened: each must have
-//! its committed digest then, or the job fails (`worker::open_batch`). The check is not
+//! its committed digest then, or the job fails (`worker::open_one`). The check is not
 //! redundant with the AEAD: an AEAD tag does not commit the ciphertext to the sealer who knows its
 //! key (the operator can seal its own), and a garbled envelope that no longer opens would
 //! otherwise be excluded from a release under noise committed for the honest one.
