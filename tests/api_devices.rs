@@ -241,9 +241,10 @@ async fn version_and_constraint_mismatches_are_explained() {
         .await
         .json();
     assert_eq!(
-        view["recent_eligible_devices"], 0,
-        "the partner sees that no recent device fits"
+        view["recent_eligible_checkins"], 0,
+        "the partner sees that no recent check-in fits"
     );
+    assert_eq!(view["recent_eligible_devices"], 0, "the deprecated name");
 }
 
 #[tokio::test]
@@ -463,13 +464,24 @@ async fn failure_and_not_eligible_reports_free_the_slot() {
     )
     .await;
     assert_eq!(failed.json()["state"], "FAILED");
-    let b = assigned(&app).await;
-    assert_eq!(
-        report(&app, &b, json!({"outcome": "not_eligible"}))
-            .await
-            .json()["state"],
-        "REJECTED"
+    assert!(
+        failed.json().get("retry_window").is_none(),
+        "only a decline says how long to wait"
     );
+    let b = assigned(&app).await;
+    // Devices are anonymous: a device that declines (it served this round already) is told to
+    // wait before it checks in again, or it would be offered the same round at once; the same
+    // report again answers the same.
+    for _ in 0..2 {
+        let declined = report(&app, &b, json!({"outcome": "not_eligible"}))
+            .await
+            .json();
+        assert_eq!(declined["state"], "REJECTED");
+        assert_eq!(
+            declined["retry_window"],
+            json!({"min_seconds": 60, "max_seconds": 120})
+        );
+    }
     report(&app, &b, json!({"outcome": "completed"}))
         .await
         .problem(StatusCode::CONFLICT);
@@ -553,11 +565,27 @@ async fn devices_download_models_with_caching() {
     let etag = reply.headers[header::ETAG].to_str().unwrap().to_string();
     // A second assignment of the same model revalidates with the ETag it cached.
     let b = assigned(&app).await;
+    // Weak comparison (RFC 9110 13.1.2): a `W/` tag, or one in a list, matches too.
+    for if_none_match in [
+        etag.clone(),
+        format!("W/{etag}"),
+        format!("\"other\", W/{etag}"),
+    ] {
+        let request = axum::http::Request::get(b["model_url"].as_str().unwrap())
+            .header(header::IF_NONE_MATCH, &if_none_match)
+            .body(axum::body::Body::empty())
+            .unwrap();
+        assert_eq!(
+            app.send(request).await.status,
+            StatusCode::NOT_MODIFIED,
+            "{if_none_match}"
+        );
+    }
     let request = axum::http::Request::get(b["model_url"].as_str().unwrap())
-        .header(header::IF_NONE_MATCH, etag)
+        .header(header::IF_NONE_MATCH, "W/\"another-version\"")
         .body(axum::body::Body::empty())
         .unwrap();
-    assert_eq!(app.send(request).await.status, StatusCode::NOT_MODIFIED);
+    assert_eq!(app.send(request).await.status, StatusCode::OK);
 }
 
 /// Consecutive model versions reveal every release, so a model is served only to a device

@@ -7,7 +7,8 @@ use std::time::Duration;
 use thiserror::Error;
 
 use confed_protocol::device::{
-    AssignmentResponse, Attributes, CheckinRequest, ReportOutcome, ReportRequest, RetryResponse,
+    AssignmentResponse, Attributes, CheckinRequest, ReportOutcome, ReportRequest, ReportResponse,
+    RetryResponse,
 };
 use confed_protocol::envelope::{EnvelopeError, RoundContext};
 use confed_protocol::hpke::{PublicKey, RustCrypto, Sealer};
@@ -439,7 +440,7 @@ impl DeviceClient {
         assignment: &AssignmentResponse,
         outcome: ReportOutcome,
         error: Option<&str>,
-    ) -> Result<(), DeviceError> {
+    ) -> Result<ReportResponse, DeviceError> {
         let body = ReportRequest {
             outcome,
             error: error.map(str::to_string),
@@ -453,7 +454,9 @@ impl DeviceClient {
                 .send()
                 .await
             {
-                Ok(response) if response.status().is_success() => return Ok(()),
+                Ok(response) if response.status().is_success() => {
+                    return Ok(response.json().await?);
+                }
                 Ok(response) if response.status().is_server_error() => {
                     problem_detail(response).await
                 }

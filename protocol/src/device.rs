@@ -215,6 +215,11 @@ pub struct ReportRequest {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ReportResponse {
     pub state: AssignmentState,
+    /// For a `not_eligible` report: how long to wait before checking in again. The server cannot
+    /// tell devices apart, so a device that declined (it already served the round) would
+    /// otherwise be offered the same round at once, again and again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_window: Option<RetryWindow>,
 }
 
 #[cfg(test)]

@@ -328,7 +328,12 @@ pub async fn report(
         .await?
         .map_err(refusal)?;
     metrics::counter!("confed_reports_total", "state" => recorded.as_str()).increment(1);
-    Ok(axum::Json(ReportResponse { state: recorded }))
+    let retry_window =
+        (recorded == AssignmentState::Rejected).then(|| RetryReason::RoundFull.window());
+    Ok(axum::Json(ReportResponse {
+        state: recorded,
+        retry_window,
+    }))
 }
 
 /// A device that uploaded straight to the blob store reports completion: the server checks that

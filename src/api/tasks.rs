@@ -29,8 +29,13 @@ pub struct TaskResponse {
     pub model_version: Option<i64>,
     pub created_at: String,
     pub updated_at: String,
-    /// Devices that checked in during the last 15 minutes and meet this task's version range and
-    /// constraints (only on `GET /v1/tasks/{id}`): why a round fills slowly.
+    /// Check-ins of the last 15 minutes that meet this task's version range and constraints
+    /// (only on `GET /v1/tasks/{id}`): why a round fills slowly. Check-ins, not devices: devices
+    /// check in anonymously, so one that checked in twice counts twice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recent_eligible_checkins: Option<u64>,
+    /// The same number under its first, misleading name (deprecated: read
+    /// `recent_eligible_checkins`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recent_eligible_devices: Option<u64>,
     /// The task policy text devices are shown and bind their contributions to
@@ -55,6 +60,7 @@ impl From<TaskRecord> for TaskResponse {
             model_version: task.model_version,
             created_at: rfc3339(task.created_at),
             updated_at: rfc3339(task.updated_at),
+            recent_eligible_checkins: None,
             recent_eligible_devices: None,
             spec: task.spec,
         }
@@ -213,6 +219,7 @@ pub async fn get_task(
     let task = state.db.task(&tenant.id, &id).await?;
     let eligible = state.registry.eligible(&task.spec, state.now());
     let mut response = TaskResponse::from(task);
+    response.recent_eligible_checkins = Some(eligible);
     response.recent_eligible_devices = Some(eligible);
     Ok(axum::Json(response))
 }

@@ -113,9 +113,15 @@ pub async fn run(command: DevicesCommand) -> Result<()> {
         DevicesCommand::InitModel { out, seed } => {
             std::fs::write(&out, initial_model(seed))
                 .with_context(|| format!("writing {}", out.display()))?;
+            let task = confed::tools::train::Synthetic::standard(seed);
             println!(
-                "wrote {} (softmax regression, 4 classes x 16 features, zeros)",
-                out.display()
+                "wrote {} (softmax regression, {} classes x {} features, zeros: dense.weight [{}, {}], dense.bias [{}])",
+                out.display(),
+                task.classes,
+                task.features,
+                task.classes,
+                task.features,
+                task.classes
             );
         }
         DevicesCommand::TrustConfig {

@@ -213,10 +213,18 @@ async fn device(shared: Arc<Shared>, index: u64) {
         if client.already_contributed(&assignment) {
             // Declining counts as idle: the device has nothing to give this round.
             idle += 1;
-            let _ = client
+            let declined = client
                 .report(&assignment, ReportOutcome::NotEligible, None)
                 .await;
             shared.note(|s| s.declined += 1);
+            // The server cannot tell this device from a fresh one and would offer the same round
+            // again at once: wait as the answer says before checking in again.
+            if let Some(window) = declined.ok().and_then(|answer| answer.retry_window) {
+                let wait = window
+                    .jittered(f64::from(rng.uniform()))
+                    .min(config.max_retry_wait);
+                tokio::time::sleep(wait).await;
+            }
             continue;
         }
         idle = 0;
