@@ -1,0 +1,172 @@
+"""A device (docs/protocol.md, "Device protocol"): check in, verify the round's key, download the
+model, train, seal, upload, report."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import requests
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
+
+from . import envelope
+from .policy import check_policy, parse_policy, policy_sha256
+from .tensors import from_safetensors, to_safetensors
+
+Train = Callable[[dict[str, np.ndarray], dict], dict[str, np.ndarray]]
+
+
+class DeviceError(RuntimeError):
+    """A check failed, or the server refused (the message says which and why)."""
+
+
+def _b64url(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+@dataclass
+class Trust:
+    """The device trust file (docs/protocol.md, "Device trust file")."""
+
+    threshold: int
+    keyservices: dict[str, ec.EllipticCurvePublicKey]
+    limits: dict
+    tenant_id: str | None = None
+
+    @classmethod
+    def load(cls, path: str) -> "Trust":
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+        keys = {entry["id"]: ec.EllipticCurvePublicKey.from_encoded_point(
+            ec.SECP256R1(), _b64url(entry["verifying_key"])) for entry in raw["keyservices"]}
+        return cls(raw["threshold"], keys, raw["limits"], raw.get("tenant_id"))
+
+    def verify_key(self, encryption: dict, now: float) -> bytes:
+        """The X25519 public key of an assignment's `encryption`, if at least `threshold`
+        trusted key services signed this exact entry and it is valid now."""
+        message_of = lambda service: "|".join([  # noqa: E731
+            "confed-keyset-v1", service, encryption["key_id"], encryption["suite"],
+            encryption["public_key"], str(encryption["not_before"]),
+            str(encryption["not_after"]), str(encryption["threshold"]),
+            str(encryption["shares"])]).encode("utf-8")
+        signers = set()
+        for entry in encryption.get("signatures", []):
+            service = entry["keyservice_id"]
+            key = self.keyservices.get(service)
+            raw = _b64url(entry["signature"])
+            if key is None or len(raw) != 64:
+                continue
+            der = encode_dss_signature(int.from_bytes(raw[:32], "big"),
+                                       int.from_bytes(raw[32:], "big"))
+            try:
+                key.verify(der, message_of(service), ec.ECDSA(hashes.SHA256()))
+            except InvalidSignature:
+                continue
+            signers.add(service)
+        if len(signers) < self.threshold:
+            raise DeviceError(f"key {encryption['key_id']} is signed by {len(signers)} trusted "
+                              f"key services; this device requires {self.threshold}")
+        if not encryption["not_before"] <= now < encryption["not_after"]:
+            raise DeviceError(f"key {encryption['key_id']} is not valid now")
+        return _b64url(encryption["public_key"])
+
+
+@dataclass
+class Device:
+    """One device of a population. `train(model, plan)` returns the update (the new weights
+    minus the model's), tensor by tensor."""
+
+    server: str
+    population: str
+    trust: Trust
+    client_version: str = "1.0.0"
+    attributes: dict = field(default_factory=dict)
+    session: requests.Session = field(default_factory=requests.Session)
+    #: (task_id, round) this device contributed to: it contributes at most once per round.
+    served: set = field(default_factory=set)
+
+    def _url(self, path: str) -> str:
+        return path if path.startswith("http") else self.server.rstrip("/") + path
+
+    def check_in(self) -> dict:
+        """The assignment (201), or {"retry_window", "reason"} (200)."""
+        body = {"client_version": self.client_version, "attributes": self.attributes}
+        if self.trust.tenant_id:
+            body["tenant_id"] = self.trust.tenant_id
+        reply = self.session.post(
+            self._url(f"/v1/populations/{self.population}/checkin"), json=body, timeout=30)
+        if reply.status_code not in (200, 201):
+            raise DeviceError(f"check-in: HTTP {reply.status_code}: {reply.text}")
+        return reply.json()
+
+    def report(self, assignment: dict, outcome: str, error: str | None = None) -> dict:
+        body = {"outcome": outcome}
+        if error is not None:
+            body["error"] = error[:1000]
+        reply = self.session.post(self._url(assignment["report_url"]), json=body, timeout=30)
+        if reply.status_code != 200:
+            raise DeviceError(f"report {outcome}: HTTP {reply.status_code}: {reply.text}")
+        return reply.json()
+
+    def contribute(self, assignment: dict, train: Train) -> None:
+        """Verifies, trains, seals, uploads and reports one assignment. On a failed check it
+        reports `failed` with the reason and raises."""
+        try:
+            policy_text = assignment["policy"]
+            policy = parse_policy(policy_text)
+            check_policy(policy, task_id=assignment["task_id"], population=self.population,
+                         round_=assignment["round"], limits=self.trust.limits,
+                         tenant_id=self.trust.tenant_id)
+            public_key = self.trust.verify_key(assignment["encryption"], time.time())
+            reply = self.session.get(self._url(assignment["model_url"]), timeout=60)
+            if reply.status_code != 200:
+                raise DeviceError(f"model: HTTP {reply.status_code}: {reply.text}")
+            model_bytes = reply.content
+            model = from_safetensors(model_bytes)
+            update = train({k: v.copy() for k, v in model.items()}, policy["plan"])
+            if set(update) != set(model) or any(
+                    np.shape(update[k]) != model[k].shape for k in model):
+                raise DeviceError("the update does not have the model's tensors and shapes")
+            sealed = envelope.seal_update(
+                public_key, assignment["encryption"]["key_id"],
+                envelope.aad(assignment["task_id"], assignment["round"],
+                             assignment["assignment_id"], policy_sha256(policy_text),
+                             hashlib.sha256(model_bytes).hexdigest()),
+                to_safetensors(update))
+        except Exception as error:  # the server hears why, then the caller does
+            self.report(assignment, "failed", str(error))
+            raise
+        headers = assignment.get("upload_headers") or {"content-type": "application/cbor"}
+        reply = self.session.put(self._url(assignment["upload_url"]), data=sealed,
+                                 headers=headers, timeout=120)
+        if reply.status_code not in (200, 201):
+            raise DeviceError(f"upload: HTTP {reply.status_code}: {reply.text}")
+        self.report(assignment, "completed")
+        self.served.add((assignment["task_id"], assignment["round"]))
+
+    def run_once(self, train: Train, max_wait: float = 600.0) -> str:
+        """One check-in and what follows: "contributed", "declined" or a retry reason (after
+        waiting inside the retry window, at most `max_wait` seconds)."""
+        answer = self.check_in()
+        if "assignment_id" not in answer:
+            window = answer["retry_window"]
+            time.sleep(min(max_wait, random.uniform(window["min_seconds"], window["max_seconds"])))
+            return answer["reason"]
+        if (answer["task_id"], answer["round"]) in self.served:
+            declined = self.report(answer, "not_eligible")
+            window = declined.get("retry_window")
+            if window:
+                time.sleep(min(max_wait, random.uniform(window["min_seconds"],
+                                                        window["max_seconds"])))
+            return "declined"
+        self.contribute(answer, train)
+        return "contributed"

@@ -1,0 +1,84 @@
+"""A partner (tenant) on the task-management API (docs/api.md)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import requests
+
+from .tensors import from_safetensors, to_safetensors
+
+
+class PartnerError(RuntimeError):
+    """The server refused a request (the message carries its problem+json detail)."""
+
+
+class Partner:
+    def __init__(self, server: str, token: str, session: requests.Session | None = None):
+        self.server = server.rstrip("/")
+        self.session = session or requests.Session()
+        self.session.headers["authorization"] = f"Bearer {token}"
+
+    def _call(self, method: str, path: str, expect=(200,), **kwargs):
+        reply = self.session.request(method, self.server + path, timeout=60, **kwargs)
+        if reply.status_code not in expect:
+            raise PartnerError(f"{method} {path}: HTTP {reply.status_code}: {reply.text}")
+        return reply
+
+    def create_task(self, spec: dict, model: dict[str, np.ndarray]) -> str:
+        """Creates a task from its spec (`POST /v1/tasks`) and uploads `model` as version 0."""
+        task = self._call("POST", "/v1/tasks", expect=(201,), json=spec).json()
+        self._call("PUT", f"/v1/tasks/{task['id']}/model", expect=(201,),
+                   data=to_safetensors(model),
+                   headers={"content-type": "application/octet-stream"})
+        return task["id"]
+
+    def task(self, task_id: str) -> dict:
+        return self._call("GET", f"/v1/tasks/{task_id}").json()
+
+    def releases(self, task_id: str) -> list[dict]:
+        return self._call("GET", f"/v1/tasks/{task_id}/releases").json()["releases"]
+
+    def model(self, task_id: str, version: int) -> dict[str, np.ndarray]:
+        reply = self._call("GET", f"/v1/tasks/{task_id}/models/{version}")
+        return from_safetensors(reply.content)
+
+    def average(self, task_id: str, round_: int) -> dict[str, np.ndarray]:
+        """A release's noised average update, as arrays."""
+        reply = self._call("GET", f"/v1/tasks/{task_id}/releases/{round_}/average")
+        return from_safetensors(reply.content)
+
+    def wait_for_model(self, task_id: str, version: int,
+                       timeout: float = 120.0) -> dict[str, np.ndarray]:
+        """Model version `version` once it exists (the next round opens with it)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            reply = self.session.get(f"{self.server}/v1/tasks/{task_id}/models/{version}",
+                                     timeout=60)
+            if reply.status_code == 200:
+                return from_safetensors(reply.content)
+            if reply.status_code != 404:
+                raise PartnerError(f"model {version}: HTTP {reply.status_code}: {reply.text}")
+            time.sleep(0.2)
+        raise PartnerError(f"task {task_id} has no model version {version} after {timeout} s")
+
+    def wait_for_state(self, task_id: str, state: str, timeout: float = 120.0) -> dict:
+        """The task once it is in `state` (e.g. "COMPLETED")."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            task = self.task(task_id)
+            if task["state"] == state:
+                return task
+            time.sleep(0.2)
+        raise PartnerError(f"task {task_id} is not {state} after {timeout} s")
+
+    def wait_for_release(self, task_id: str, round_: int, timeout: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for release in self.releases(task_id):
+                if release["round"] == round_:
+                    return release
+            time.sleep(0.2)
+        raise PartnerError(f"no release of round {round_} of task {task_id} in {timeout} s")
+

@@ -1,0 +1,114 @@
+"""The task policy text (docs/protocol.md, "Task policy"): parsed strictly and checked.
+
+A device binds its contribution to the policy's SHA-256, so it must read the policy exactly as
+the enclave does: 13 lines, each key in its place, integers in decimal without leading zeros, and
+floats in Rust's shortest `{:e}` form (`4e0`, `1e-6`, `1.5e1`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from decimal import Decimal
+
+HEADER = "confed-task-policy/v2"
+KEYS = [
+    "task_id", "tenant_id", "population", "rounds", "report_goal", "min_reports", "epsilon",
+    "delta", "clip_norm", "mechanism", "server_learning_rate", "plan",
+]
+_ID = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
+_U32 = re.compile(r"(0|[1-9][0-9]*)\Z")
+_E = re.compile(r"-?[0-9](\.[0-9]+)?e-?[0-9]+\Z")
+
+
+class PolicyError(ValueError):
+    """The policy text is malformed, or outside the enclave's or the device's limits."""
+
+
+def rust_e(x: float) -> str:
+    """Rust's `{:e}` of a finite f64: the shortest round-trip digits as d[.ddd]e<exp>."""
+    if x == 0:
+        return "-0e0" if math.copysign(1, x) < 0 else "0e0"
+    sign, digits, exponent = Decimal(repr(x)).as_tuple()
+    text = "".join(map(str, digits)).rstrip("0") or "0"
+    power = len(digits) - 1 + exponent
+    mantissa = text[0] + ("." + text[1:] if len(text) > 1 else "")
+    return ("-" if sign else "") + f"{mantissa}e{power}"
+
+
+def _float(text: str, key: str) -> float:
+    if not _E.match(text):
+        raise PolicyError(f"{key}={text!r} is not in Rust's {{:e}} form (e.g. 4e0, 1e-6)")
+    value = float(text)
+    if not math.isfinite(value) or rust_e(value) != text:
+        raise PolicyError(f"{key}={text!r} is not canonical (expected {rust_e(value)!r})")
+    return value
+
+
+def _u32(text: str, key: str) -> int:
+    if not _U32.match(text) or int(text) > 0xFFFFFFFF:
+        raise PolicyError(f"{key}={text!r} is not an unsigned 32-bit decimal")
+    return int(text)
+
+
+def parse_policy(raw: bytes | str) -> dict:
+    """The policy's fields, typed; `PolicyError` saying what is wrong otherwise."""
+    text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    if not text.endswith("\n"):
+        raise PolicyError("the last line must end with a line feed")
+    lines = text[:-1].split("\n")
+    if len(lines) != len(KEYS) + 1 or lines[0] != HEADER:
+        raise PolicyError(f"expected {HEADER!r} and {len(KEYS)} lines of key=value")
+    fields: dict = {}
+    for key, line in zip(KEYS, lines[1:]):
+        name, sep, value = line.partition("=")
+        if name != key or not sep:
+            raise PolicyError(f"expected {key}=..., found {line[:40]!r}")
+        fields[key] = value
+    for key in ("task_id", "tenant_id", "population"):
+        if not _ID.match(fields[key]):
+            raise PolicyError(f"{key} is not 1-128 characters of A-Z a-z 0-9 . _ -")
+    for key in ("rounds", "report_goal", "min_reports"):
+        fields[key] = _u32(fields[key], key)
+    for key in ("epsilon", "delta", "clip_norm", "server_learning_rate"):
+        fields[key] = _float(fields[key], key)
+    if fields["mechanism"] != "discrete_gaussian_on_grid":
+        raise PolicyError(f"unknown mechanism {fields['mechanism']!r}")
+    plan = json.loads(fields["plan"])
+    if not isinstance(plan, dict):
+        raise PolicyError("plan is not a JSON object")
+    fields["plan"] = plan
+    return fields
+
+
+def policy_sha256(raw: bytes | str) -> str:
+    """Lowercase hex SHA-256 of the policy text: what a contribution is bound to."""
+    data = raw.encode("utf-8") if isinstance(raw, str) else raw
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_policy(policy: dict, *, task_id: str, population: str, round_: int,
+                 limits: dict, tenant_id: str | None = None) -> None:
+    """The device's checks before it seals anything (docs/protocol.md, "Check-in"): the
+    enclave's limits and the device's own from its trust file. Raises `PolicyError` naming the
+    first field that fails."""
+    checks = [
+        ("task_id", policy["task_id"] == task_id),
+        ("population", policy["population"] == population),
+        ("round", 1 <= round_ <= policy["rounds"]),
+        ("epsilon", 0 < policy["epsilon"] <= 100),
+        ("delta", 0 < policy["delta"] <= 0.01),
+        ("clip_norm", 1e-6 <= policy["clip_norm"] <= 1e6),
+        ("min_reports", 1 <= policy["min_reports"] <= policy["report_goal"]),
+        ("rounds", policy["rounds"] >= 1),
+        ("server_learning_rate", 0 < policy["server_learning_rate"] <= 100),
+        ("epsilon (device limit)", policy["epsilon"] <= limits["max_epsilon"]),
+        ("delta (device limit)", policy["delta"] <= limits["max_delta"]),
+        ("min_reports (device limit)", policy["min_reports"] >= limits["min_reports"]),
+        ("tenant_id", tenant_id is None or policy["tenant_id"] == tenant_id),
+    ]
+    for name, ok in checks:
+        if not ok:
+            raise PolicyError(f"the task policy fails this device's check of {name}")

@@ -1,0 +1,77 @@
+"""A whole round against a real `confed serve`: a partner's task, Python devices, the release."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from confed_client import Device, DeviceError, Partner, Trust
+
+DEVICES = 10
+
+
+def spec(population: str) -> dict:
+    return {"population": population, "rounds": 1, "report_goal": DEVICES,
+            "min_reports": DEVICES,
+            "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0},
+            "plan": {"epochs": 1, "batch_size": 16, "learning_rate": 0.1}}
+
+
+def test_python_devices_complete_a_round_and_the_release_is_their_clipped_mean(server):
+    partner = Partner(server["url"], server["token"])
+    model = {"w": np.zeros(16, dtype=np.float32), "b": np.zeros(2, dtype=np.float32)}
+    task = partner.create_task(spec("python-devices"), model)
+    trust = Trust.load(server["trust"])
+    updates = []
+    for index in range(DEVICES):
+        device = Device(server["url"], "python-devices", trust)
+        # Device `index` moves every weight by 0.01 * (index + 1); the last one's update is
+        # above the clip norm (1.0) and is scaled down to it.
+        step = 0.01 * (index + 1) if index < DEVICES - 1 else 1.0
+        update = {"w": np.full(16, step, np.float32), "b": np.full(2, -step, np.float32)}
+        norm = float(np.sqrt(sum(float((v.astype(np.float64) ** 2).sum()) for v in update.values())))
+        updates.append({k: v * min(1.0, 1.0 / norm) for k, v in update.items()})
+        assert device.run_once(lambda weights, plan, u=update: u) == "contributed"
+    release = partner.wait_for_release(task, 1)
+    assert release["included"] == DEVICES and release["excluded"] == 0
+    manifest = release["manifest"]
+    manifest = json.loads(manifest) if isinstance(manifest, str) else manifest
+    stddev = manifest["noise"]["stddev_average"]
+    average = partner.average(task, 1)
+    for name in ("w", "b"):
+        clipped_mean = np.mean([u[name] for u in updates], axis=0)
+        assert np.all(np.abs(average[name] - clipped_mean) <= 6 * stddev + 1e-6), name
+    # The release is committed before model version 1 (the round's APPLYING step).
+    assert partner.wait_for_state(task, "COMPLETED")["model_version"] == 1
+    # Model version 1 is version 0 plus the server learning rate (1) times the average.
+    new = partner.model(task, 1)
+    assert np.allclose(new["w"], average["w"], atol=1e-6)
+
+
+def test_a_device_that_served_a_round_declines_it_and_is_told_to_wait(server):
+    partner = Partner(server["url"], server["token"])
+    task = partner.create_task(
+        dict(spec("python-decline"), report_goal=2, min_reports=2,
+             privacy={"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0}),
+        {"w": np.zeros(4, np.float32)})
+    device = Device(server["url"], "python-decline", Trust.load(server["trust"]))
+    assert device.run_once(lambda w, plan: {"w": np.full(4, 0.1, np.float32)}) == "contributed"
+    assignment = device.check_in()
+    assert assignment["task_id"] == task
+    declined = device.report(assignment, "not_eligible")
+    assert declined["state"] == "REJECTED"
+    assert declined["retry_window"] == {"min_seconds": 60, "max_seconds": 120}
+
+
+def test_a_key_not_signed_by_enough_trusted_services_is_refused(server):
+    partner = Partner(server["url"], server["token"])
+    partner.create_task(spec("python-trust"), {"w": np.zeros(4, np.float32)})
+    trust = Trust.load(server["trust"])
+    device = Device(server["url"], "python-trust",
+                    Trust(len(trust.keyservices) + 1, trust.keyservices, trust.limits))
+    assignment = device.check_in()
+    with pytest.raises(DeviceError, match="requires"):
+        device.contribute(assignment, lambda w, plan: w)
+    assert device.check_in()["task_id"] == assignment["task_id"], "the slot was freed (failed)"
