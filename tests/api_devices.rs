@@ -290,9 +290,10 @@ async fn a_full_round_tells_devices_to_retry_and_a_timed_out_slot_is_freed() {
     upload(&app, &only, sealed(&app, &only, b"late"))
         .await
         .problem(StatusCode::GONE);
+    // Timed out is expired on every route: 410, as for the upload.
     report(&app, &only, json!({"outcome": "failed"}))
         .await
-        .problem(StatusCode::CONFLICT);
+        .problem(StatusCode::GONE);
     assigned(&app).await;
 }
 
@@ -788,4 +789,35 @@ async fn repeated_uploads_to_a_used_assignment_store_nothing_more() {
             .problem(StatusCode::CONFLICT);
     }
     assert_eq!(contribution_log_bytes(&app), stored, "no byte more on disk");
+}
+
+/// When several rows of the upload table apply, the documented order decides (protocol.md,
+/// "Upload"): 415 over 413, 400 over 422 and 409, and a held contribution is answered by its
+/// bytes alone, even after the assignment expired (200 for the same bytes, not 410).
+#[tokio::test]
+async fn upload_answers_follow_the_documented_precedence() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    open_task(&app, &token, json!({})).await;
+    let a = assigned(&app).await;
+    let url = a["upload_url"].as_str().unwrap();
+    let limit = a["max_contribution_bytes"].as_u64().unwrap() as usize;
+    app.put_raw(url, "text/plain", vec![0; limit + 1])
+        .await
+        .problem(StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    app.put_raw(url, "application/cbor", b"not an envelope".to_vec())
+        .await
+        .problem(StatusCode::BAD_REQUEST);
+    let bytes = sealed(&app, &a, b"update");
+    let first = app.put_raw(url, "application/cbor", bytes.clone()).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    app.clock.advance(Duration::from_secs(61));
+    let again = app.put_raw(url, "application/cbor", bytes).await;
+    assert_eq!(again.status, StatusCode::OK, "the same bytes, after expiry");
+    app.put_raw(url, "application/cbor", b"not an envelope".to_vec())
+        .await
+        .problem(StatusCode::BAD_REQUEST);
+    app.put_raw(url, "application/cbor", sealed(&app, &a, b"other"))
+        .await
+        .problem(StatusCode::CONFLICT);
 }

@@ -472,8 +472,8 @@ async fn expired_assignments_time_out_and_free_their_slots() {
         assert_eq!(live(&app).await, 0, "{engine}");
         assert_eq!(
             report(&app, "b", ReportOutcome::Completed, EXPIRES + 1).await,
-            Err(Refusal::Finished(AssignmentState::TimedOut)),
-            "{engine}"
+            Err(Refusal::Expired),
+            "{engine}: a timed-out assignment is expired (410), as on the upload route"
         );
         assert!(assign(&app, &round, 2, "c").await, "{engine}: a freed slot");
     }

@@ -44,35 +44,50 @@ class Trust:
 
     @classmethod
     def load(cls, path: str) -> "Trust":
+        """Reads and checks a trust file; `ValueError` saying what is wrong."""
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
+        unknown = set(raw) - {"threshold", "keyservices", "limits", "tenant_id"}
+        if unknown:
+            raise ValueError(f"{path}: unknown fields {sorted(unknown)}")
         keys = {entry["id"]: ec.EllipticCurvePublicKey.from_encoded_point(
             ec.SECP256R1(), _b64url(entry["verifying_key"])) for entry in raw["keyservices"]}
-        return cls(raw["threshold"], keys, raw["limits"], raw.get("tenant_id"))
+        limits = raw["limits"]
+        missing = {"max_epsilon", "max_delta", "min_reports"} - set(limits)
+        if missing:
+            raise ValueError(f"{path}: limits lack {sorted(missing)}")
+        if not 1 <= raw["threshold"] <= len(keys):
+            raise ValueError(f"{path}: threshold {raw['threshold']} is not between 1 and the "
+                             f"{len(keys)} key services listed")
+        return cls(raw["threshold"], keys, limits, raw.get("tenant_id"))
 
     def verify_key(self, encryption: dict, now: float) -> bytes:
-        """The X25519 public key of an assignment's `encryption`, if at least `threshold`
-        trusted key services signed this exact entry and it is valid now."""
-        message_of = lambda service: "|".join([  # noqa: E731
-            "confed-keyset-v1", service, encryption["key_id"], encryption["suite"],
-            encryption["public_key"], str(encryption["not_before"]),
-            str(encryption["not_after"]), str(encryption["threshold"]),
-            str(encryption["shares"])]).encode("utf-8")
+        """The X25519 public key of an assignment's `encryption`, if at least `threshold` (and
+        at least one) trusted key services signed this exact entry and it is valid now."""
+        def message(service: str) -> bytes:
+            return "|".join([
+                "confed-keyset-v1", service, encryption["key_id"], encryption["suite"],
+                encryption["public_key"], str(encryption["not_before"]),
+                str(encryption["not_after"]), str(encryption["threshold"]),
+                str(encryption["shares"])]).encode("utf-8")
+
         signers = set()
         for entry in encryption.get("signatures", []):
-            service = entry["keyservice_id"]
+            service = entry.get("keyservice_id")
             key = self.keyservices.get(service)
-            raw = _b64url(entry["signature"])
-            if key is None or len(raw) != 64:
-                continue
-            der = encode_dss_signature(int.from_bytes(raw[:32], "big"),
-                                       int.from_bytes(raw[32:], "big"))
+            if key is None:
+                continue  # not a key service this device trusts
             try:
-                key.verify(der, message_of(service), ec.ECDSA(hashes.SHA256()))
-            except InvalidSignature:
+                raw = _b64url(entry["signature"])
+                if len(raw) != 64:
+                    continue
+                der = encode_dss_signature(int.from_bytes(raw[:32], "big"),
+                                           int.from_bytes(raw[32:], "big"))
+                key.verify(der, message(service), ec.ECDSA(hashes.SHA256()))
+            except (InvalidSignature, ValueError, KeyError):
                 continue
             signers.add(service)
-        if len(signers) < self.threshold:
+        if len(signers) < max(1, self.threshold):
             raise DeviceError(f"key {encryption['key_id']} is signed by {len(signers)} trusted "
                               f"key services; this device requires {self.threshold}")
         if not encryption["not_before"] <= now < encryption["not_after"]:
@@ -91,19 +106,44 @@ class Device:
     client_version: str = "1.0.0"
     attributes: dict = field(default_factory=dict)
     session: requests.Session = field(default_factory=requests.Session)
-    #: (task_id, round) this device contributed to: it contributes at most once per round.
+    #: (task_id, round) this device sealed an update for: it seals at most once per round. Kept
+    #: in memory only; a real device keeps it across restarts (docs/protocol.md).
     served: set = field(default_factory=set)
+    #: Attempts of an upload or report that the server answers 503/507 or the network fails.
+    attempts: int = 5
+    #: Longest wait between those attempts, in seconds (the server's `Retry-After`, else 1 s).
+    max_retry_after: float = 30.0
 
     def _url(self, path: str) -> str:
         return path if path.startswith("http") else self.server.rstrip("/") + path
+
+    def _send(self, method: str, url: str, **kwargs) -> requests.Response:
+        """The request, sent again after `Retry-After` while the server answers 503/507 or the
+        network fails (at most `attempts` times in all)."""
+        for attempt in range(1, self.attempts + 1):
+            try:
+                reply = self.session.request(method, url, **kwargs)
+            except requests.RequestException:
+                if attempt == self.attempts:
+                    raise
+                time.sleep(1.0)
+                continue
+            if reply.status_code not in (503, 507) or attempt == self.attempts:
+                return reply
+            try:
+                wait = float(reply.headers.get("retry-after", "1"))
+            except ValueError:
+                wait = 1.0
+            time.sleep(min(self.max_retry_after, max(0.0, wait)))
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def check_in(self) -> dict:
         """The assignment (201), or {"retry_window", "reason"} (200)."""
         body = {"client_version": self.client_version, "attributes": self.attributes}
         if self.trust.tenant_id:
             body["tenant_id"] = self.trust.tenant_id
-        reply = self.session.post(
-            self._url(f"/v1/populations/{self.population}/checkin"), json=body, timeout=30)
+        reply = self._send("POST", self._url(f"/v1/populations/{self.population}/checkin"),
+                           json=body, timeout=30)
         if reply.status_code not in (200, 201):
             raise DeviceError(f"check-in: HTTP {reply.status_code}: {reply.text}")
         return reply.json()
@@ -112,14 +152,26 @@ class Device:
         body = {"outcome": outcome}
         if error is not None:
             body["error"] = error[:1000]
-        reply = self.session.post(self._url(assignment["report_url"]), json=body, timeout=30)
+        reply = self._send("POST", self._url(assignment["report_url"]), json=body, timeout=30)
         if reply.status_code != 200:
             raise DeviceError(f"report {outcome}: HTTP {reply.status_code}: {reply.text}")
         return reply.json()
 
+    def _fail(self, assignment: dict, error: BaseException) -> None:
+        """Reports `failed` (freeing the slot) without hiding `error` if that report fails."""
+        try:
+            self.report(assignment, "failed", str(error))
+        except (DeviceError, requests.RequestException):
+            pass  # the original error is the one the caller needs
+
     def contribute(self, assignment: dict, train: Train) -> None:
         """Verifies, trains, seals, uploads and reports one assignment. On a failed check it
-        reports `failed` with the reason and raises."""
+        reports `failed` with the reason and raises. A device seals at most once per round: the
+        round is recorded as served before the update is sealed, whatever happens after."""
+        served = (assignment["task_id"], assignment["round"])
+        if served in self.served:
+            raise DeviceError(f"round {served[1]} of task {served[0]} was already served by "
+                              "this device: decline it (not_eligible)")
         try:
             policy_text = assignment["policy"]
             policy = parse_policy(policy_text)
@@ -127,7 +179,7 @@ class Device:
                          round_=assignment["round"], limits=self.trust.limits,
                          tenant_id=self.trust.tenant_id)
             public_key = self.trust.verify_key(assignment["encryption"], time.time())
-            reply = self.session.get(self._url(assignment["model_url"]), timeout=60)
+            reply = self._send("GET", self._url(assignment["model_url"]), timeout=60)
             if reply.status_code != 200:
                 raise DeviceError(f"model: HTTP {reply.status_code}: {reply.text}")
             model_bytes = reply.content
@@ -136,6 +188,7 @@ class Device:
             if set(update) != set(model) or any(
                     np.shape(update[k]) != model[k].shape for k in model):
                 raise DeviceError("the update does not have the model's tensors and shapes")
+            self.served.add(served)
             sealed = envelope.seal_update(
                 public_key, assignment["encryption"]["key_id"],
                 envelope.aad(assignment["task_id"], assignment["round"],
@@ -143,15 +196,21 @@ class Device:
                              hashlib.sha256(model_bytes).hexdigest()),
                 to_safetensors(update))
         except Exception as error:  # the server hears why, then the caller does
-            self.report(assignment, "failed", str(error))
+            self._fail(assignment, error)
             raise
         headers = assignment.get("upload_headers") or {"content-type": "application/cbor"}
-        reply = self.session.put(self._url(assignment["upload_url"]), data=sealed,
-                                 headers=headers, timeout=120)
-        if reply.status_code not in (200, 201):
-            raise DeviceError(f"upload: HTTP {reply.status_code}: {reply.text}")
+        reply = self._send("PUT", self._url(assignment["upload_url"]), data=sealed,
+                           headers=headers, timeout=120)
+        # A signed blob-store URL answers 412 when an earlier attempt (whose answer was lost)
+        # already stored the object: it is stored.
+        stored = reply.status_code in (200, 201) or (
+            reply.status_code == 412 and not assignment["upload_url"].startswith("/"))
+        if not stored:
+            error = DeviceError(f"upload: HTTP {reply.status_code}: {reply.text}")
+            if reply.status_code != 410:  # an expired assignment holds no slot to free
+                self._fail(assignment, error)
+            raise error
         self.report(assignment, "completed")
-        self.served.add((assignment["task_id"], assignment["round"]))
 
     def run_once(self, train: Train, max_wait: float = 600.0) -> str:
         """One check-in and what follows: "contributed", "declined" or a retry reason (after

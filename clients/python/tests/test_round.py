@@ -75,3 +75,10 @@ def test_a_key_not_signed_by_enough_trusted_services_is_refused(server):
     with pytest.raises(DeviceError, match="requires"):
         device.contribute(assignment, lambda w, plan: w)
     assert device.check_in()["task_id"] == assignment["task_id"], "the slot was freed (failed)"
+
+
+def test_a_device_never_seals_twice_for_a_round_it_served():
+    device = Device("http://127.0.0.1:9", "p", Trust(1, {}, {}))
+    device.served.add(("task", 3))
+    with pytest.raises(DeviceError, match="already served"):
+        device.contribute({"task_id": "task", "round": 3}, lambda w, plan: w)

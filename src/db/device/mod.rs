@@ -307,6 +307,10 @@ pub(in crate::db) fn report_step(
     if a.state == target {
         return Ok(ReportStep::Answer(Ok(target)));
     }
+    // Timed out is expired, as the upload and model routes say (410), not finished otherwise.
+    if a.state == AssignmentState::TimedOut {
+        return Ok(ReportStep::Answer(Err(Refusal::Expired)));
+    }
     if a.state.is_terminal() {
         return Ok(ReportStep::Answer(Err(Refusal::Finished(a.state))));
     }
