@@ -197,14 +197,19 @@ async fn scene(population: &str) -> (Scene, String) {
     )
 }
 
-/// Completes round 1 honestly; then resets it (replays its job) with `edit` applied.
-async fn complete_then_replay(scene: &Scene, edit: Edit) -> Result<(), JobError> {
+/// Runs the leased round 1 to its end.
+async fn run_round_1(scene: &Scene) {
     scene
         .worker
         .run_once()
         .await
         .unwrap()
         .expect("round 1 runs");
+}
+
+/// Completes round 1 honestly; then resets it (replays its job) with `edit` applied.
+async fn complete_then_replay(scene: &Scene, edit: Edit) -> Result<(), JobError> {
+    run_round_1(scene).await;
     assert_eq!(scene.operator.releases.lock().unwrap().len(), 1);
     let mut job = scene.operator.leased.lock().unwrap().clone().unwrap();
     job.committed_average = None;
@@ -365,23 +370,13 @@ async fn listed_digests_read_each_contribution_once_and_release_the_same_bytes()
     if uploads_are_direct() {
         // Devices upload straight to the bucket: the server never sees the bytes, lists no
         // digest, and the worker reads and digests each contribution itself.
-        scene
-            .worker
-            .run_once()
-            .await
-            .unwrap()
-            .expect("round 1 runs");
+        run_round_1(&scene).await;
         let job = scene.operator.leased.lock().unwrap().clone().unwrap();
         assert!(job.contributions.iter().all(|c| c.blake3.is_none()));
         scene.system.shutdown().await;
         return;
     }
-    scene
-        .worker
-        .run_once()
-        .await
-        .unwrap()
-        .expect("round 1 runs");
+    run_round_1(&scene).await;
     let reads = |expected: usize| {
         let reads = scene.operator.reads.lock().unwrap().clone();
         assert_eq!(reads.len(), GOAL);
