@@ -4,6 +4,7 @@ from .device import Device, DeviceError, Trust
 from .envelope import aad, encode_envelope, info, open_envelope, seal
 from .partner import Partner, PartnerError
 from .policy import PolicyError, check_policy, parse_policy
+from .release import ReleaseError, verify_release
 from .tensors import from_safetensors, to_safetensors
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "Partner",
     "PartnerError",
     "PolicyError",
+    "ReleaseError",
     "aad",
     "check_policy",
     "encode_envelope",
@@ -22,4 +24,5 @@ __all__ = [
     "parse_policy",
     "seal",
     "to_safetensors",
+    "verify_release",
 ]

@@ -63,6 +63,21 @@ class Partner:
             time.sleep(0.2)
         raise PartnerError(f"task {task_id} has no model version {version} after {timeout} s")
 
+    def verify_release(self, task_id: str, round_: int, trust) -> list[str]:
+        """Checks round `round_`'s release against `trust` (a `Trust`: the key services the
+        partner trusts) and the task's own policy; the checks that passed, or `ReleaseError`
+        listing those that failed (`confed verify release` does the same)."""
+        from .release import verify_release
+
+        base = f"/v1/tasks/{task_id}/releases/{round_}"
+        manifest = self._call("GET", f"{base}/manifest").content
+        average = self._call("GET", f"{base}/average").content
+        release = next((r for r in self.releases(task_id) if r["round"] == round_), None)
+        if release is None or not release.get("proof"):
+            raise PartnerError(f"round {round_} of task {task_id} has no release with a proof")
+        return verify_release(manifest, average, release["proof"], trust.keyservices,
+                              trust.threshold, self.task(task_id)["policy"])
+
     def wait_for_state(self, task_id: str, state: str, timeout: float = 120.0) -> dict:
         """The task once it is in `state` (e.g. "COMPLETED")."""
         deadline = time.monotonic() + timeout

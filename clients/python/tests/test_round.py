@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from confed_client import Device, DeviceError, Partner, Trust
+from confed_client import Device, DeviceError, Partner, ReleaseError, Trust, verify_release
 
 DEVICES = 10
 
@@ -82,3 +82,36 @@ def test_a_device_never_seals_twice_for_a_round_it_served():
     device.served.add(("task", 3))
     with pytest.raises(DeviceError, match="already served"):
         device.contribute({"task_id": "task", "round": 3}, lambda w, plan: w)
+
+
+def test_a_release_verifies_and_a_tampered_one_does_not(server):
+    partner = Partner(server["url"], server["token"])
+    population = "python-verify"
+    task = partner.create_task(dict(spec(population), report_goal=2, min_reports=2,
+                                    privacy={"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0}),
+                               {"w": np.zeros(4, np.float32)})
+    trust = Trust.load(server["trust"])
+    for _ in range(2):
+        device = Device(server["url"], population, trust)
+        assert device.run_once(lambda w, plan: {"w": np.full(4, 0.1, np.float32)}) == "contributed"
+    partner.wait_for_release(task, 1)
+    passed = partner.verify_release(task, 1, trust)
+    assert any("receipts needed" in line for line in passed), passed
+    # The same checks on tampered inputs.
+    base = f"/v1/tasks/{task}/releases/1"
+    manifest = partner._call("GET", f"{base}/manifest").content
+    average = partner._call("GET", f"{base}/average").content
+    proof = next(r for r in partner.releases(task) if r["round"] == 1)["proof"]
+    with pytest.raises(ReleaseError, match="average hashes"):
+        verify_release(manifest, average + b"\0", proof, trust.keyservices, trust.threshold)
+    forged = json.loads(json.dumps(proof))
+    for receipt in forged["receipts"]:
+        receipt["at"] += 1  # no longer what the key service signed
+    with pytest.raises(ReleaseError, match="receipts needed"):
+        verify_release(manifest, average, forged, trust.keyservices, trust.threshold)
+    with pytest.raises(ReleaseError, match="the task's policy"):
+        verify_release(manifest, average, proof, trust.keyservices, trust.threshold,
+                       policy_text="another policy\n")
+    untrusted = {name: key for name, key in list(trust.keyservices.items())[:1]}
+    with pytest.raises(ReleaseError, match="receipts needed"):
+        verify_release(manifest, average, proof, untrusted, 1)

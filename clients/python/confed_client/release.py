@@ -1,0 +1,123 @@
+"""Checking a release's proof of origin (docs/attestation.md, "Release commitments, the ledger
+and receipts"), as `confed verify release` does: the manifest and average hash as they say, the
+enclave's per-job key signed them, and enough trusted key services signed receipts for this
+commitment, released to that enclave key.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
+
+
+class ReleaseError(ValueError):
+    """A release does not verify; `failures` lists every check that failed."""
+
+    def __init__(self, failures: list[str]):
+        super().__init__("; ".join(failures))
+        self.failures = failures
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _b64url(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _verify(key: ec.EllipticCurvePublicKey, text: str, signature: str) -> bool:
+    try:
+        raw = _b64url(signature)
+        if len(raw) != 64:
+            return False
+        key.verify(encode_dss_signature(int.from_bytes(raw[:32], "big"),
+                                        int.from_bytes(raw[32:], "big")),
+                   text.encode("utf-8"), ec.ECDSA(hashes.SHA256()))
+        return True
+    except (InvalidSignature, ValueError):
+        return False
+
+
+def quorum(threshold: int, shares: int) -> int:
+    """Receipts a release needs: max(t, ceil((n + t) / 2))."""
+    return max(threshold, -(-(shares + threshold) // 2))
+
+
+def commitment_text(commitment: dict) -> str:
+    return "|".join(["confed-release-commitment-v1", commitment["task_id"],
+                     str(commitment["round"]), commitment["key_id"],
+                     commitment["policy_sha256"], commitment["model_sha256"],
+                     commitment["inputs_digest"]])
+
+
+def receipt_text(receipt: dict) -> str:
+    return "|".join(["confed-release-receipt-v1"] + [str(receipt[k]) for k in (
+        "keyservice_id", "key_id", "task_id", "round", "commitment_sha256",
+        "enclave_signing_key", "image_digest", "policy", "threshold", "shares", "at")])
+
+
+def verify_release(manifest_bytes: bytes, average_bytes: bytes, proof: dict,
+                   keyservices: dict[str, ec.EllipticCurvePublicKey], threshold: int,
+                   policy_text: str | None = None) -> list[str]:
+    """The checks that passed, one line each; `ReleaseError` listing those that failed.
+
+    `keyservices` and `threshold` are the partner's trust in the key services (a device trust
+    file's, `Trust.keyservices` and `Trust.threshold`); `policy_text`, if given, is the task
+    policy the partner created, which the manifest must name."""
+    passed, failed = [], []
+
+    def check(ok: bool, what: str) -> None:
+        (passed if ok else failed).append(what)
+
+    manifest = json.loads(manifest_bytes)
+    commitment = {k: manifest[k] for k in (
+        "task_id", "round", "key_id", "policy_sha256", "model_sha256", "inputs_digest")}
+    digest = _sha256(commitment_text(commitment).encode("utf-8"))
+    manifest_sha256, average_sha256 = _sha256(manifest_bytes), _sha256(average_bytes)
+    check(manifest.get("average_sha256") == average_sha256,
+          f"the average hashes to the manifest's average_sha256 ({average_sha256})")
+    if policy_text is not None:
+        check(manifest["policy_sha256"] == _sha256(policy_text.encode("utf-8")),
+              "the manifest names the task's policy")
+    check(proof.get("commitment") == commitment,
+          f"the proof's commitment is the manifest's (digest {digest})")
+    enclave = proof.get("enclave", {})
+    enclave_key_text = enclave.get("enclave_signing_key", "")
+    try:
+        enclave_key = ec.EllipticCurvePublicKey.from_encoded_point(
+            ec.SECP256R1(), _b64url(enclave_key_text))
+        signed = _verify(enclave_key, "|".join([
+            "confed-release-v1", commitment["task_id"], str(commitment["round"]), digest,
+            manifest_sha256, average_sha256]), enclave.get("signature", ""))
+    except ValueError:
+        signed = False
+    check(signed, "the enclave's per-job key signed this manifest and average")
+    vouching: dict[str, dict] = {}
+    for receipt in proof.get("receipts", []):
+        service = receipt.get("keyservice_id")
+        key = keyservices.get(service)
+        if key is None or service in vouching:
+            continue  # not trusted, or a second receipt of one key service
+        if (_verify(key, receipt_text(receipt), receipt.get("signature", ""))
+                and receipt["commitment_sha256"] == digest
+                and (receipt["task_id"], receipt["round"]) == (commitment["task_id"],
+                                                               commitment["round"])
+                and receipt["enclave_signing_key"] == enclave_key_text
+                and receipt["key_id"] == commitment["key_id"]):
+            vouching[service] = receipt
+    shares = max((r["shares"] for r in vouching.values()), default=0)
+    t = max([threshold] + [r["threshold"] for r in vouching.values()])
+    needed = quorum(t, shares)
+    check(len(vouching) >= max(1, needed),
+          f"{len(vouching)} of the {needed} receipts needed from trusted key services "
+          f"(threshold {t} of {shares} shares)")
+    if failed:
+        raise ReleaseError(failed)
+    return passed
