@@ -43,7 +43,7 @@ async fn upload(app: &TestApp, capability: &str, digest: &str, at: i64) -> Resul
         .record_upload(
             &cap(capability),
             UploadDigests {
-                sha256_hex: digest,
+                idempotency: digest,
                 blake3_hex: Some(digest),
             },
             100,
@@ -392,7 +392,7 @@ async fn a_rounds_job_lists_the_digest_recorded_with_each_upload() {
             .record_upload(
                 &cap("direct"),
                 UploadDigests {
-                    sha256_hex: "md5:00",
+                    idempotency: "md5:00",
                     blake3_hex: None,
                 },
                 100,

@@ -100,7 +100,7 @@ async fn concurrent_reports_close_the_round_once_and_one_worker_leases_its_job()
         .expect("a slot");
         let digest = format!("{i:064x}");
         let digests = UploadDigests {
-            sha256_hex: &digest,
+            idempotency: &digest,
             blake3_hex: Some(&digest),
         };
         db.record_upload(&capability(i), digests, 100, "log/x", now)

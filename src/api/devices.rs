@@ -240,21 +240,22 @@ pub async fn put_contribution(
             )));
         }
     }
-    let digest = confed_protocol::hex::sha256_hex(&body);
+    // The one digest of an upload, computed here: the round's job lists it (so the enclave
+    // commits to its inputs without a first read, and checks the bytes against it as it opens
+    // them), and it makes a repeated upload idempotent.
+    let blake3_hex = blake3::hash(&body).to_hex();
+    let digest = format!("{BLAKE3_PREFIX}{blake3_hex}");
     // An assignment that already holds a contribution stores nothing more: the same bytes again
     // are a retry (200), others are refused (409). Appending first would let one capability
     // write the task's limit to disk again and again, even after its round closed.
     if let Some(held) = &assignment.contribution_sha256 {
-        return if held.eq_ignore_ascii_case(&digest) {
+        return if same_bytes(held, &digest, &body) {
             Ok(StatusCode::OK)
         } else {
             Err(refusal(Refusal::DifferentBytes))
         };
     }
     let key = view_contribution_key(&assignment)?;
-    // Computed once, here: the round's job lists it, so the enclave commits to its inputs
-    // without a first read (and checks the bytes against it as it opens them).
-    let blake3_hex = blake3::hash(&body).to_hex();
     // The bytes are durable before the row that refers to them is written.
     let stored = match state.contributions.put_new(key, &body).await {
         Ok(stored) => stored,
@@ -266,7 +267,7 @@ pub async fn put_contribution(
         .record_upload(
             &capability,
             UploadDigests {
-                sha256_hex: &digest,
+                idempotency: &digest,
                 blake3_hex: Some(blake3_hex.as_str()),
             },
             body.len() as i64,
@@ -281,6 +282,20 @@ pub async fn put_contribution(
         }
         Ok(Stored::Again) => Ok(StatusCode::OK),
         Err(why) => Err(refusal(why)),
+    }
+}
+
+/// How an upload through the server is named for idempotency: `blake3:<hex>`, the BLAKE3 the
+/// round's job lists anyway (one hash per upload).
+const BLAKE3_PREFIX: &str = "blake3:";
+
+/// Whether `body` (whose named digest is `digest`) is the contribution `held` names. Rows stored
+/// before the BLAKE3 digest hold a bare lowercase hex SHA-256, computed only for them.
+fn same_bytes(held: &str, digest: &str, body: &[u8]) -> bool {
+    if held.starts_with(BLAKE3_PREFIX) {
+        held == digest
+    } else {
+        held.eq_ignore_ascii_case(&confed_protocol::hex::sha256_hex(body))
     }
 }
 
@@ -367,7 +382,7 @@ async fn note_direct_upload(state: &AppState, capability: &Capability) -> Result
         .record_upload(
             capability,
             UploadDigests {
-                sha256_hex: &object.digest,
+                idempotency: &object.digest,
                 blake3_hex: None,
             },
             object.size as i64,
@@ -389,6 +404,23 @@ async fn note_direct_upload(state: &AppState, capability: &Capability) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A retried upload is compared by the digest its row holds: `blake3:<hex>` now, a bare
+    /// SHA-256 in rows stored before (still answered 200 for the same bytes).
+    #[test]
+    fn a_repeated_upload_matches_by_blake3_or_by_a_legacy_sha256() {
+        let body = b"envelope bytes";
+        let digest = format!("{BLAKE3_PREFIX}{}", blake3::hash(body).to_hex());
+        assert!(same_bytes(&digest, &digest, body));
+        let legacy = confed_protocol::hex::sha256_hex(body);
+        assert!(same_bytes(&legacy, &digest, body));
+        assert!(same_bytes(&legacy.to_uppercase(), &digest, body));
+        let other = b"other bytes";
+        let other_digest = format!("{BLAKE3_PREFIX}{}", blake3::hash(other).to_hex());
+        assert!(!same_bytes(&digest, &other_digest, other));
+        assert!(!same_bytes(&legacy, &other_digest, other));
+        assert!(!same_bytes("md5:00", &digest, body));
+    }
 
     #[test]
     fn retry_waits_spread_over_the_window() {

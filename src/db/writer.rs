@@ -256,13 +256,7 @@ async fn run(
     synced: std::sync::mpsc::Sender<Committed>,
 ) {
     while let Some(first) = jobs.recv().await {
-        let mut batch = vec![first];
-        while batch.len() < MAX_BATCH {
-            match jobs.try_recv() {
-                Ok(job) => batch.push(job),
-                Err(_) => break,
-            }
-        }
+        let batch = take_batch(first, &mut jobs, MAX_BATCH);
         let size = batch.len();
         let mut raw = Vec::new();
         let mut asyncs = Vec::new();
@@ -361,6 +355,19 @@ async fn run_async(conn: &mut Conn, jobs: Vec<AsyncJob>) -> (Vec<Completion>, Op
         }
     };
     (completions, error)
+}
+
+/// `first` and whatever else `queue` holds right now, up to `max` in all: the jobs that arrived
+/// while the last batch ran (the SQLite writer's and PostgreSQL's group commit both batch so).
+pub(in crate::db) fn take_batch<T>(first: T, queue: &mut mpsc::Receiver<T>, max: usize) -> Vec<T> {
+    let mut batch = vec![first];
+    while batch.len() < max {
+        match queue.try_recv() {
+            Ok(job) => batch.push(job),
+            Err(_) => break,
+        }
+    }
+    batch
 }
 
 #[cfg(test)]

@@ -194,12 +194,12 @@ pub(in crate::db) struct NewAssignment {
     pub now: i64,
 }
 
-/// The digests of an upload: the one that makes a repeated upload idempotent (SHA-256 through
-/// the server, `md5:<hex>` for a direct upload), and the BLAKE3 the enclave checks (`None` for a
-/// direct upload, whose bytes the server never saw).
+/// The digests of an upload: the one that makes a repeated upload idempotent (`blake3:<hex>`
+/// through the server, `md5:<hex>` for a direct upload), and the BLAKE3 the enclave checks
+/// (`None` for a direct upload, whose bytes the server never saw).
 #[derive(Debug, Clone, Copy)]
 pub struct UploadDigests<'a> {
-    pub sha256_hex: &'a str,
+    pub idempotency: &'a str,
     pub blake3_hex: Option<&'a str>,
 }
 
@@ -443,7 +443,7 @@ impl Db {
     ) -> Result<Result<Stored, Refusal>, DbError> {
         let upload = NewUpload {
             id: capability.reference().into_string(),
-            sha256_hex: digests.sha256_hex.to_string(),
+            sha256_hex: digests.idempotency.to_string(),
             blake3_hex: digests.blake3_hex.map(str::to_string),
             size,
             blob_key: blob_key.to_string(),

@@ -104,13 +104,7 @@ impl Batcher {
 
 async fn run_batches(pool: AnyPool, mut queue: mpsc::Receiver<Queued>) {
     while let Some(first) = queue.recv().await {
-        let mut batch = vec![first];
-        while batch.len() < MAX_BATCH {
-            match queue.try_recv() {
-                Ok(job) => batch.push(job),
-                Err(_) => break,
-            }
-        }
+        let batch = crate::db::writer::take_batch(first, &mut queue, MAX_BATCH);
         // Each batch in its own task: a panicking job must not end this loop (every later device
         // write would then fail). Its batch's callers get an error (their answers are dropped),
         // and the next batch runs.
