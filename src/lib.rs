@@ -11,6 +11,7 @@ pub mod auth;
 pub mod blob;
 pub mod checkin;
 pub mod clock;
+pub mod console;
 pub mod db;
 pub mod embedded;
 pub mod keys;

@@ -66,6 +66,8 @@ fn fits_with<'a>(
 /// in one slice rather than a B-tree whose every node reserves room for eleven entries).
 struct Seen {
     at: Millis,
+    /// What the check-in came to: `assigned` or a retry reason (`RetryReason::as_str`).
+    outcome: &'static str,
     population: Box<str>,
     version: Box<[u32]>,
     attributes: Box<[(Box<str>, Attribute)]>,
@@ -115,6 +117,16 @@ struct Window {
     bytes: usize,
 }
 
+/// What one population's devices did lately (see `DeviceRegistry::activity`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PopulationActivity {
+    pub checkins: u64,
+    /// Check-ins per outcome: `assigned` or the retry reason devices were given.
+    pub outcomes: BTreeMap<&'static str, u64>,
+    /// Check-ins per minute of the window, oldest first.
+    pub per_minute: Vec<u64>,
+}
+
 /// The sliding window of recent check-ins, bounded by count and by bytes.
 pub struct DeviceRegistry {
     window_millis: i64,
@@ -148,9 +160,18 @@ impl DeviceRegistry {
         }
     }
 
-    pub fn record(&self, population: &str, version: Vec<u32>, attributes: Attributes, now: Millis) {
+    /// Remembers one check-in and what it came to (`outcome`: `assigned` or a retry reason).
+    pub fn record(
+        &self,
+        population: &str,
+        version: Vec<u32>,
+        attributes: Attributes,
+        outcome: &'static str,
+        now: Millis,
+    ) {
         let entry = Seen {
             at: now,
+            outcome,
             population: population.into(),
             version: version.into_boxed_slice(),
             // A BTreeMap iterates in key order: the slice is sorted for binary search.
@@ -197,6 +218,33 @@ impl DeviceRegistry {
             }
         }
         counts
+    }
+
+    /// One population's recent check-ins: how many, what they came to, and how many per minute
+    /// (oldest minute first), for the console's "why does my round fill slowly" view.
+    pub fn activity(&self, population: &str, now: Millis) -> PopulationActivity {
+        let minutes = usize::try_from(((self.window_millis + 59_999) / 60_000).max(1)).unwrap_or(1);
+        let mut activity = PopulationActivity {
+            checkins: 0,
+            outcomes: BTreeMap::new(),
+            per_minute: vec![0; minutes],
+        };
+        let Ok(window) = self.seen.lock() else {
+            return activity;
+        };
+        for (seen, _) in window
+            .entries
+            .iter()
+            .filter(|(s, _)| s.at > now - self.window_millis && *s.population == *population)
+        {
+            activity.checkins += 1;
+            *activity.outcomes.entry(seen.outcome).or_default() += 1;
+            let minutes_ago = usize::try_from((now - seen.at) / 60_000).unwrap_or(0);
+            if let Some(bucket) = minutes.checked_sub(minutes_ago + 1) {
+                activity.per_minute[bucket] += 1;
+            }
+        }
+        activity
     }
 
     /// Recent check-ins of the task's population that meet its version range and constraints.
@@ -270,23 +318,44 @@ mod tests {
             "p",
             vec![1],
             attrs(serde_json::json!({"charging": true})),
+            "assigned",
             0,
         );
         registry.record(
             "p",
             vec![1],
             attrs(serde_json::json!({"charging": false})),
+            "constraints_not_met",
             500,
         );
         registry.record(
             "other",
             vec![1],
             attrs(serde_json::json!({"charging": true})),
+            "assigned",
             500,
         );
         assert_eq!(registry.eligible(&task, 900), 1);
         assert_eq!(registry.by_population(900).get("p"), Some(&2));
         assert_eq!(registry.eligible(&task, 1500), 0);
+    }
+
+    #[test]
+    fn activity_counts_one_populations_outcomes_per_minute() {
+        let registry = DeviceRegistry::new(3 * 60_000, 100, 1 << 20);
+        let none = Attributes::new();
+        registry.record("p", vec![1], none.clone(), "assigned", 10_000);
+        registry.record("p", vec![1], none.clone(), "round_full", 130_000);
+        registry.record("p", vec![1], none.clone(), "round_full", 150_000);
+        registry.record("q", vec![1], none.clone(), "assigned", 150_000);
+        let activity = registry.activity("p", 170_000);
+        assert_eq!(activity.checkins, 3);
+        assert_eq!(activity.outcomes.get("round_full"), Some(&2));
+        assert_eq!(activity.outcomes.get("assigned"), Some(&1));
+        // Minutes ago 2 (the first), 0 (the last two); oldest minute first.
+        assert_eq!(activity.per_minute, vec![1, 0, 2]);
+        // Past the window, the first is forgotten.
+        assert_eq!(registry.activity("p", 200_000).checkins, 2);
     }
 
     #[test]
@@ -303,7 +372,7 @@ mod tests {
             .collect();
         check_attributes(&big).unwrap();
         for i in 0..1_000 {
-            registry.record("p", vec![1], big.clone(), i);
+            registry.record("p", vec![1], big.clone(), "assigned", i);
         }
         assert!(
             registry.bytes() <= budget,

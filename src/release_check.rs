@@ -90,6 +90,63 @@ pub fn verify_staged(
     serde_json::to_string(release.proof).map_err(|e| e.to_string())
 }
 
+/// What a stored release's proof comes to when checked again against the key services this
+/// server knows now (the console's verification column).
+#[derive(Debug, Clone)]
+pub struct StoredCheck {
+    pub lines: Vec<String>,
+    pub failures: Vec<String>,
+}
+
+/// Re-checks a committed release: its manifest parses and names the stored average, and its
+/// proof (the enclave's signature and a quorum of receipts) verifies against `keys`. This is
+/// the server's own view; a partner's independent check is `confed verify release`.
+pub fn check_stored(keys: &KeyDirectory, release: &crate::db::jobs::ReleaseRecord) -> StoredCheck {
+    let failed = |what: String| StoredCheck {
+        lines: vec![format!("FAILED: {what}")],
+        failures: vec![what],
+    };
+    let Some(proof_json) = &release.proof_json else {
+        return failed("the release carries no proof (it predates signed releases)".into());
+    };
+    let proof: confed_attestation::release::ReleaseProof = match serde_json::from_str(proof_json) {
+        Ok(proof) => proof,
+        Err(e) => return failed(format!("the stored proof does not parse: {e}")),
+    };
+    let manifest: Manifest = match serde_json::from_str(&release.manifest_json) {
+        Ok(manifest) => manifest,
+        Err(e) => return failed(format!("the stored manifest does not parse: {e}")),
+    };
+    if manifest.average_sha256 != release.average_sha256 {
+        return failed("the manifest names another average than the one stored".into());
+    }
+    let Some(key) = keys.key(&manifest.key_id) else {
+        return failed(format!(
+            "key {} is no longer published by the key services; check this release with `confed verify release`",
+            manifest.key_id
+        ));
+    };
+    let signers = keys.verifying_keys();
+    let trusted: Vec<TrustedSigner<'_>> = signers
+        .iter()
+        .map(|(id, key)| TrustedSigner {
+            id,
+            verifying_key: key,
+        })
+        .collect();
+    let check = proof.check(
+        &commitment_of(&manifest),
+        &sha256_hex(release.manifest_json.as_bytes()),
+        &release.average_sha256,
+        &trusted,
+        usize::from(key.threshold),
+    );
+    StoredCheck {
+        lines: check.lines,
+        failures: check.failures,
+    }
+}
+
 /// Decodes a published verifying key (helper for callers holding key-set text).
 pub fn verifying_key(text: &str) -> Option<p256::ecdsa::VerifyingKey> {
     decode_verifying_key(text)

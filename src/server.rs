@@ -194,6 +194,10 @@ pub async fn serve(
                 keys: keys.clone(),
                 registry: Default::default(),
                 worker_token: config.worker_token.clone(),
+                console: crate::console::ConsoleSettings {
+                    secure_cookies: config.tls.is_some(),
+                    ..Default::default()
+                },
             }));
         }
         if let (true, Some(worker_config)) = (has(Role::EnclaveWorker), embedded_worker) {

@@ -18,7 +18,13 @@ fn the_registry_holds_no_more_than_it_counts() {
     // what the registry holds (entries and its queue's buffer).
     let before = counting_alloc::live();
     for i in 0..50_000 {
-        registry.record("phones.en", vec![1, 4, 0], attributes.clone(), i);
+        registry.record(
+            "phones.en",
+            vec![1, 4, 0],
+            attributes.clone(),
+            "assigned",
+            i,
+        );
     }
     let held = counting_alloc::live() - before;
     let counted = registry.bytes() as isize;

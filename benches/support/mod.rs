@@ -36,6 +36,7 @@ pub async fn start(keys: KeyDirectory) -> BenchServer {
         keys,
         registry: Default::default(),
         worker_token: None,
+        console: Default::default(),
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());

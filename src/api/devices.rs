@@ -57,18 +57,19 @@ pub async fn checkin(
         ));
     }
     let now = state.now();
-    state.registry.record(
-        &population,
-        version.clone(),
-        request.attributes.clone(),
-        now,
-    );
     let checkin = Checkin {
         db: &state.db,
         keys: &state.keys,
         contributions: state.contributions.as_ref(),
     };
     let outcome = checkin.assign(&population, &version, &request, now).await?;
+    state.registry.record(
+        &population,
+        version,
+        request.attributes,
+        outcome.label(),
+        now,
+    );
     metrics::counter!("confed_checkins_total", "outcome" => outcome.label()).increment(1);
     Ok(match outcome {
         CheckinOutcome::Assigned(assignment) => {

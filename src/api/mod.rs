@@ -73,6 +73,8 @@ pub struct AppState {
     pub registry: Arc<DeviceRegistry>,
     /// `None` turns the worker API (`/internal/v1`) off.
     pub worker_token: Option<AdminToken>,
+    /// The partner console's cookie settings.
+    pub console: crate::console::ConsoleSettings,
 }
 
 impl AppState {
@@ -155,6 +157,7 @@ pub fn router(state: AppState) -> Router {
     let openapi = Arc::new(openapi);
     routes
         .merge(workers::router(&state.limits))
+        .merge(crate::console::router(&state.limits))
         .route(
             "/v1/openapi.json",
             axum::routing::get(move || {

@@ -33,7 +33,21 @@ pub async fn put_model(
     ApiPath(id): ApiPath<String>,
     ApiBytes(body): ApiBytes,
 ) -> Result<(StatusCode, axum::Json<TaskResponse>), ApiError> {
-    let task = state.db.task(&tenant.id, &id).await?;
+    let bytes = body.len();
+    let task = store_version_zero(&state, &tenant.id, &id, body).await?;
+    tracing::info!(tenant = %tenant.name, task = %id, bytes, "model version 0 stored; task open");
+    Ok((StatusCode::CREATED, axum::Json(task.into())))
+}
+
+/// Validates and stores model version 0 of a CREATED task, which opens it (round 1 starts).
+/// Shared by the API and the console.
+pub async fn store_version_zero(
+    state: &AppState,
+    tenant_id: &str,
+    id: &str,
+    body: axum::body::Bytes,
+) -> Result<crate::db::TaskRecord, ApiError> {
+    let task = state.db.task(tenant_id, id).await?;
     if task.state != TaskState::Created {
         return Err(ApiError::Conflict(format!(
             "task {id} is {}: model version 0 can only be uploaded while the task is CREATED",
@@ -47,7 +61,7 @@ pub async fn put_model(
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))?
     .map_err(|e| ApiError::BadRequest(format!("the body is not a usable model: {e}")))?;
-    let key = BlobKey::model(&tenant.id, &id, 0, &digest)?;
+    let key = BlobKey::model(tenant_id, id, 0, &digest)?;
     state.blobs.put(&key, &body).await?;
     let model = NewModel {
         blob_key: key.as_str().to_string(),
@@ -56,10 +70,9 @@ pub async fn put_model(
     };
     let task = state
         .db
-        .open_task_with_model(&tenant.id, &id, &model, state.now())
+        .open_task_with_model(tenant_id, id, &model, state.now())
         .await?;
-    tracing::info!(tenant = %tenant.name, task = %id, bytes = body.len(), "model version 0 stored; task open");
-    Ok((StatusCode::CREATED, axum::Json(task.into())))
+    Ok(task)
 }
 
 /// Download one model version (safetensors). Versions are immutable: strong ETag, long caching.

@@ -121,11 +121,11 @@ pub struct RoundList {
     pub rounds: Vec<RoundResponse>,
 }
 
-fn encode_cursor(task: &TaskRecord) -> String {
+pub(crate) fn encode_cursor(task: &TaskRecord) -> String {
     URL_SAFE_NO_PAD.encode(format!("{}:{}", task.created_at, task.id))
 }
 
-fn decode_cursor(token: &str) -> Result<TaskCursor, ApiError> {
+pub(crate) fn decode_cursor(token: &str) -> Result<TaskCursor, ApiError> {
     let bad = || {
         ApiError::BadRequest(
             "`page_token` is not one this server issued; start again without it".into(),

@@ -146,6 +146,7 @@ impl EmbeddedSystem {
             keys: keys.clone(),
             registry: Default::default(),
             worker_token: options.worker_token.clone(),
+            console: Default::default(),
         };
         let (url, handle) = serve_router(api::router(state), stop_rx.clone()).await?;
         tasks.push(handle);

@@ -188,6 +188,7 @@ impl TestApp {
             keys: keys.unwrap_or_else(|| confed::keys::directory::KeyDirectory::fixed(key_sets)),
             registry: Default::default(),
             worker_token: Some(AdminToken::from_secret(WORKER_TOKEN.to_string()).unwrap()),
+            console: Default::default(),
         };
         Self {
             router: api::router(state),

@@ -1,0 +1,230 @@
+//! Small hand-written SVG charts, drawn on the server (no script, no plotting dependency for three
+//! simple shapes). Each chart has a title and a description for screen readers, and the page shows
+//! the same numbers in a table next to it. Points carry `data-*` attributes with their exact
+//! values, so tests (and curious partners) read the numbers the chart was drawn from.
+
+use maud::{Markup, html};
+
+const WIDTH: f64 = 640.0;
+const LEFT: f64 = 64.0;
+const RIGHT: f64 = 20.0;
+const TOP: f64 = 16.0;
+const BOTTOM: f64 = 44.0;
+
+/// A round and the privacy spent through it.
+pub struct SpentPoint {
+    pub round: i64,
+    pub epsilon: f64,
+}
+
+/// Ticks at 1, 2 or 5 times a power of ten, about `wanted` of them from 0 to at least `max`.
+fn ticks(max: f64, wanted: usize) -> Vec<f64> {
+    if !(max.is_finite() && max > 0.0) {
+        return vec![0.0, 1.0];
+    }
+    let raw = max / wanted.max(1) as f64;
+    let power = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 5.0, 10.0]
+        .into_iter()
+        .map(|m| m * power)
+        .find(|s| *s >= raw)
+        .unwrap_or(10.0 * power);
+    let count = (max / step).ceil() as usize;
+    (0..=count).map(|i| i as f64 * step).collect()
+}
+
+fn label(value: f64) -> String {
+    let text = format!("{value:.3}");
+    text.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+/// Privacy spent per round (a line through the releases) against the task's budget (dashed).
+pub fn privacy_plot(points: &[SpentPoint], rounds_planned: i64, budget: f64) -> Markup {
+    let height = 280.0;
+    let plot_w = WIDTH - LEFT - RIGHT;
+    let plot_h = height - TOP - BOTTOM;
+    let top_value = points
+        .iter()
+        .map(|p| p.epsilon)
+        .fold(budget, f64::max)
+        .max(f64::MIN_POSITIVE);
+    let y_ticks = ticks(top_value * 1.05, 5);
+    let y_max = *y_ticks.last().unwrap_or(&1.0);
+    let x_max = rounds_planned
+        .max(points.last().map_or(1, |p| p.round))
+        .max(1) as f64;
+    let x = |round: f64| LEFT + plot_w * round / x_max;
+    let y = |epsilon: f64| TOP + plot_h * (1.0 - epsilon / y_max);
+    // Rounds are whole numbers: no tick between two of them.
+    let x_ticks: Vec<f64> = ticks(x_max, 10)
+        .into_iter()
+        .filter(|t| *t <= x_max && t.fract() == 0.0)
+        .collect();
+    let line: String = std::iter::once((0.0, 0.0))
+        .chain(points.iter().map(|p| (p.round as f64, p.epsilon)))
+        .map(|(r, e)| format!("{:.1},{:.1}", x(r), y(e)))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let summary = match points.last() {
+        Some(last) => format!(
+            "After round {} of {rounds_planned}, epsilon spent is {} of the budget {}.",
+            last.round,
+            label(last.epsilon),
+            label(budget)
+        ),
+        None => format!(
+            "No round has been released yet; the budget is epsilon {}.",
+            label(budget)
+        ),
+    };
+    html! {
+        svg.chart #privacy-plot viewBox={"0 0 " (WIDTH) " " (height)} role="img"
+            aria-labelledby="privacy-plot-title privacy-plot-desc" data-budget=(budget) {
+            title #privacy-plot-title { "Privacy spent per round" }
+            desc #privacy-plot-desc { (summary) }
+            @for t in &y_ticks {
+                line.grid x1=(LEFT) x2=(WIDTH - RIGHT) y1=(y(*t)) y2=(y(*t)) {}
+                text.tick x=(LEFT - 8.0) y=(y(*t) + 4.0) text-anchor="end" { (label(*t)) }
+            }
+            @for t in &x_ticks {
+                text.tick x=(x(*t)) y=(height - BOTTOM + 18.0) text-anchor="middle" { (label(*t)) }
+            }
+            text.axis x=(LEFT + plot_w / 2.0) y=(height - 6.0) text-anchor="middle" { "round" }
+            text.axis x="14" y=(TOP + plot_h / 2.0) text-anchor="middle"
+                transform={"rotate(-90 14 " (TOP + plot_h / 2.0) ")"} { "epsilon spent" }
+            line.budget x1=(LEFT) x2=(WIDTH - RIGHT) y1=(y(budget)) y2=(y(budget)) {}
+            text.budget-label x=(WIDTH - RIGHT) y=(y(budget) - 6.0) text-anchor="end" {
+                "budget " (label(budget))
+            }
+            polyline.spent points=(line) {}
+            @for p in points {
+                circle.spent cx=(x(p.round as f64)) cy=(y(p.epsilon)) r="3.5"
+                    data-round=(p.round) data-epsilon=(p.epsilon) {
+                    title { "round " (p.round) ": epsilon " (label(p.epsilon)) }
+                }
+            }
+        }
+    }
+}
+
+/// One round's collection and aggregation time.
+pub struct RoundTimes {
+    pub round: i64,
+    pub collection_millis: i64,
+    pub aggregation_millis: Option<i64>,
+}
+
+/// Horizontal stacked bars: how long each round collected, then aggregated.
+pub fn durations_chart(rows: &[RoundTimes]) -> Markup {
+    let bar = 16.0;
+    let gap = 6.0;
+    let height = TOP + rows.len() as f64 * (bar + gap) + BOTTOM;
+    let plot_w = WIDTH - LEFT - RIGHT - 70.0;
+    let longest = rows
+        .iter()
+        .map(|r| r.collection_millis + r.aggregation_millis.unwrap_or(0))
+        .max()
+        .unwrap_or(1)
+        .max(1) as f64;
+    let w = |millis: i64| plot_w * millis as f64 / longest;
+    html! {
+        svg.chart #durations-chart viewBox={"0 0 " (WIDTH) " " (height)} role="img"
+            aria-labelledby="durations-title durations-desc" {
+            title #durations-title { "Round durations" }
+            desc #durations-desc {
+                "Collection (until the round closed) and aggregation (until its release) per round; the table below lists the same times."
+            }
+            @for (i, row) in rows.iter().enumerate() {
+                @let top = TOP + i as f64 * (bar + gap);
+                text.tick x=(LEFT - 8.0) y=(top + bar - 4.0) text-anchor="end" { "round " (row.round) }
+                rect.collection x=(LEFT) y=(top) width=(w(row.collection_millis)) height=(bar)
+                    data-round=(row.round) data-millis=(row.collection_millis) {
+                    title { "round " (row.round) " collected for " (super::layout::duration(row.collection_millis)) }
+                }
+                @if let Some(aggregation) = row.aggregation_millis {
+                    rect.aggregation x=(LEFT + w(row.collection_millis)) y=(top) width=(w(aggregation).max(1.0)) height=(bar)
+                        data-round=(row.round) data-millis=(aggregation) {
+                        title { "round " (row.round) " aggregated in " (super::layout::duration(aggregation)) }
+                    }
+                }
+                text.tick x=(LEFT + w(row.collection_millis + row.aggregation_millis.unwrap_or(0)) + 6.0) y=(top + bar - 4.0) {
+                    (super::layout::duration(row.collection_millis + row.aggregation_millis.unwrap_or(0)))
+                }
+            }
+            @let legend = height - BOTTOM + 22.0;
+            rect.collection x=(LEFT) y=(legend - 10.0) width="12" height="12" {}
+            text.tick x=(LEFT + 18.0) y=(legend) { "collection" }
+            rect.aggregation x=(LEFT + 110.0) y=(legend - 10.0) width="12" height="12" {}
+            text.tick x=(LEFT + 128.0) y=(legend) { "aggregation" }
+        }
+    }
+}
+
+/// Horizontal bars for one round's funnel stages (assigned, uploaded, ...).
+pub fn funnel_bars(round: i64, stages: &[(&str, i64)]) -> Markup {
+    let bar = 20.0;
+    let gap = 8.0;
+    let height = TOP + stages.len() as f64 * (bar + gap) + 8.0;
+    let left = 110.0;
+    let plot_w = WIDTH - left - RIGHT - 70.0;
+    let widest = stages.iter().map(|(_, n)| *n).max().unwrap_or(1).max(1) as f64;
+    html! {
+        svg.chart #funnel-chart viewBox={"0 0 " (WIDTH) " " (height)} role="img"
+            aria-labelledby="funnel-title" {
+            title #funnel-title { "Funnel of round " (round) }
+            @for (i, (stage, n)) in stages.iter().enumerate() {
+                @let top = TOP + i as f64 * (bar + gap);
+                text.tick x=(left - 8.0) y=(top + bar - 6.0) text-anchor="end" { (stage) }
+                rect.stage x=(left) y=(top) width=(plot_w * *n as f64 / widest) height=(bar)
+                    data-stage=(stage) data-count=(n) {}
+                text.tick x=(left + plot_w * *n as f64 / widest + 6.0) y=(top + bar - 6.0) {
+                    (super::layout::count(*n))
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ticks_are_round_numbers_covering_the_range() {
+        let close = |got: Vec<f64>, want: &[f64]| {
+            got.len() == want.len() && got.iter().zip(want).all(|(g, w)| (g - w).abs() < 1e-9)
+        };
+        assert!(close(ticks(4.2, 5), &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]));
+        assert!(close(ticks(0.9, 5), &[0.0, 0.2, 0.4, 0.6, 0.8, 1.0]));
+        assert!(close(
+            ticks(30.0, 10),
+            &[0.0, 5.0, 10.0, 15.0, 20.0, 25.0, 30.0]
+        ));
+        assert!(close(ticks(0.0, 5), &[0.0, 1.0]));
+    }
+
+    #[test]
+    fn privacy_plot_carries_every_point_and_the_budget() {
+        let points = [
+            SpentPoint {
+                round: 1,
+                epsilon: 0.5,
+            },
+            SpentPoint {
+                round: 2,
+                epsilon: 0.75,
+            },
+        ];
+        let svg = privacy_plot(&points, 4, 2.0).into_string();
+        assert!(svg.contains(r#"data-budget="2""#), "{svg}");
+        assert!(
+            svg.contains(r#"data-round="1" data-epsilon="0.5""#),
+            "{svg}"
+        );
+        assert!(
+            svg.contains(r#"data-round="2" data-epsilon="0.75""#),
+            "{svg}"
+        );
+        assert!(svg.contains("After round 2 of 4, epsilon spent is 0.75 of the budget 2."));
+    }
+}

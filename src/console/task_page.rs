@@ -1,0 +1,388 @@
+//! One task: its progress, privacy spent per round against the budget, the per-round funnel and
+//! durations, model versions to download, each release's proof check; cancel and upload model
+//! version 0.
+
+use std::collections::BTreeMap;
+
+use axum::extract::{Multipart, State};
+use axum::http::{HeaderMap, HeaderValue, header};
+use axum::response::{Html, IntoResponse, Redirect, Response};
+use maud::{Markup, html};
+use serde::Deserialize;
+
+use super::charts::{self, RoundTimes, SpentPoint};
+use super::error::{ConsoleError, ConsoleForm, ConsolePath};
+use super::layout::{self, count, csrf_field, duration};
+use super::session::Session;
+use super::tasks::state_badge;
+use crate::api::AppState;
+use crate::api::error::ApiError;
+use crate::db::jobs::ReleaseRecord;
+use crate::db::progress::FunnelCount;
+use crate::db::{RoundRecord, TaskRecord};
+use crate::states::{AssignmentState, RoundState, TaskState};
+
+/// Rounds shown in the tables and the durations chart (the newest); the privacy plot shows all.
+const ROUNDS_SHOWN: usize = 30;
+/// Model versions listed (the newest).
+const MODELS_SHOWN: i64 = 20;
+/// How often a page of a task with a live round reloads itself.
+const REFRESH_SECONDS: u32 = 15;
+
+/// Everything the page says about one round (all its attempts).
+struct RoundView<'a> {
+    number: i64,
+    attempts: Vec<&'a RoundRecord>,
+    by_state: BTreeMap<&'static str, i64>,
+    assigned: i64,
+    uploaded: i64,
+    release: Option<&'a ReleaseRecord>,
+    excluded: BTreeMap<String, u64>,
+}
+
+impl RoundView<'_> {
+    fn latest(&self) -> &RoundRecord {
+        self.attempts.last().expect("a round view has an attempt")
+    }
+
+    fn count(&self, state: AssignmentState) -> i64 {
+        self.by_state.get(state.as_str()).copied().unwrap_or(0)
+    }
+
+    fn times(&self, now: i64) -> RoundTimes {
+        let latest = self.latest();
+        let closed = latest.closed_at.unwrap_or(now);
+        RoundTimes {
+            round: self.number,
+            collection_millis: (closed - latest.opened_at).max(0),
+            aggregation_millis: match (self.release, latest.closed_at) {
+                (Some(release), Some(closed)) => Some((release.created_at - closed).max(0)),
+                _ => None,
+            },
+        }
+    }
+}
+
+fn round_views<'a>(
+    rounds: &'a [RoundRecord],
+    funnel: &[FunnelCount],
+    releases: &'a [ReleaseRecord],
+) -> Vec<RoundView<'a>> {
+    let mut views: BTreeMap<i64, RoundView<'a>> = BTreeMap::new();
+    for round in rounds {
+        views
+            .entry(round.round_number)
+            .or_insert_with(|| RoundView {
+                number: round.round_number,
+                attempts: Vec::new(),
+                by_state: BTreeMap::new(),
+                assigned: 0,
+                uploaded: 0,
+                release: None,
+                excluded: BTreeMap::new(),
+            })
+            .attempts
+            .push(round);
+    }
+    for row in funnel {
+        if let Some(view) = views.get_mut(&row.round_number) {
+            *view.by_state.entry(row.state.as_str()).or_default() += row.assignments;
+            view.assigned += row.assignments;
+            view.uploaded += row.with_contribution;
+        }
+    }
+    for release in releases {
+        if let Some(view) = views.get_mut(&release.round_number) {
+            view.release = Some(release);
+            view.excluded =
+                serde_json::from_str::<confed_enclave::aggregate::Manifest>(&release.manifest_json)
+                    .map(|m| m.excluded)
+                    .unwrap_or_default();
+        }
+    }
+    for view in views.values_mut() {
+        view.attempts.sort_by_key(|r| r.attempt);
+    }
+    views.into_values().collect()
+}
+
+pub async fn show(
+    State(state): State<AppState>,
+    session: Session,
+    ConsolePath(id): ConsolePath<String>,
+) -> Result<Response, ConsoleError> {
+    let tenant_id = &session.tenant.id;
+    let task = state.db.task(tenant_id, &id).await?;
+    let rounds = state.db.rounds(tenant_id, &id).await?;
+    let releases = state.db.releases(tenant_id, &id).await?;
+    let funnel = state.db.round_funnel(tenant_id, &id).await?;
+    let mut models = Vec::new();
+    if let Some(latest) = task.model_version {
+        for version in (0..=latest).rev().take(MODELS_SHOWN as usize) {
+            models.push(state.db.model(tenant_id, &id, version).await?);
+        }
+    }
+    let now = state.now();
+    let views = round_views(&rounds, &funnel, &releases);
+    let shown: Vec<&RoundView> = views.iter().rev().take(ROUNDS_SHOWN).collect();
+    let checks: BTreeMap<i64, crate::release_check::StoredCheck> = shown
+        .iter()
+        .filter_map(|v| v.release)
+        .map(|r| {
+            (
+                r.round_number,
+                crate::release_check::check_stored(&state.keys, r),
+            )
+        })
+        .collect();
+    let eligible = state.registry.eligible(&task.spec, now);
+    let live = task.state == TaskState::Open;
+    let body = html! {
+        (summary(&task, &releases, eligible, &session))
+        section aria-labelledby="privacy-heading" {
+            h2 #privacy-heading { "Privacy spent per round" }
+            (charts::privacy_plot(
+                &releases.iter().map(|r| SpentPoint { round: r.round_number, epsilon: r.epsilon_spent }).collect::<Vec<_>>(),
+                i64::from(task.spec.rounds),
+                task.spec.privacy.epsilon,
+            ))
+        }
+        section aria-labelledby="rounds-heading" {
+            h2 #rounds-heading { "Rounds" }
+            @if let Some(view) = views.iter().rev().find(|v| v.release.is_some()) {
+                (charts::funnel_bars(view.number, &[
+                    ("assigned", view.assigned),
+                    ("uploaded", view.uploaded),
+                    ("reported", view.count(AssignmentState::Completed)),
+                    ("included", view.release.map_or(0, |r| r.included)),
+                ]))
+            }
+            @if shown.is_empty() {
+                p { "No round has started: upload model version 0 to open round 1." }
+            } @else {
+                p.note { "Where each round's assigned devices ended (failed counts failed and rejected reports), what its release included and excluded, and how long it collected and aggregated. Rows of rounds older than the retention period may count zero assignments." }
+                (funnel_table(&shown, &checks, now))
+            }
+        }
+        @if !shown.is_empty() {
+            section aria-labelledby="durations-heading" {
+                h2 #durations-heading { "Round durations" }
+                (charts::durations_chart(&shown.iter().rev().map(|v| v.times(now)).collect::<Vec<_>>()))
+            }
+        }
+        section aria-labelledby="models-heading" {
+            h2 #models-heading { "Model versions" }
+            @if models.is_empty() {
+                p { "None yet." }
+            } @else {
+                ul #models {
+                    @for model in &models {
+                        li {
+                            a href={"/console/tasks/" (task.id) "/models/" (model.version)} download {
+                                "version " (model.version)
+                            }
+                            " · " (count(model.size_bytes)) " bytes · SHA-256 " code.hash { (model.sha256_hex) }
+                        }
+                    }
+                }
+            }
+        }
+        section aria-labelledby="proof-heading" {
+            h2 #proof-heading { "Release proofs" }
+            p.note {
+                "Each release is checked again here against the key services this server knows: the enclave's signature and a quorum of key-service receipts for the round's commitment. "
+                "This page comes from the server, so it is the operator's word; check a release independently with your own trust file: "
+                code { "confed verify release --task " (task.id) " --round N" } " or the Python package's " code { "verify_release" } "."
+            }
+            @for (round, check) in checks.iter().rev() {
+                details data-round=(round) {
+                    summary {
+                        "round " (round) ": "
+                        @if check.failures.is_empty() { span.ok { "verified" } } @else { span.bad { "NOT verified" } }
+                    }
+                    ul { @for line in &check.lines { li { (line) } } }
+                }
+            }
+        }
+    };
+    let title = format!("Task {}", task.id);
+    let refresh = live.then_some(REFRESH_SECONDS);
+    Ok(Html(layout::page(&title, Some(&session), refresh, body).into_string()).into_response())
+}
+
+fn summary(
+    task: &TaskRecord,
+    releases: &[ReleaseRecord],
+    eligible: u64,
+    session: &Session,
+) -> Markup {
+    let spent = releases.last().map_or(0.0, |r| r.epsilon_spent);
+    let budget = task.spec.privacy.epsilon;
+    html! {
+        h1 { "Task " code { (task.id) } " " (state_badge(task.state)) }
+        dl.summary {
+            dt { "Population" } dd { (task.spec.population) }
+            dt { "Rounds done" } dd #rounds-done { (task.model_version.unwrap_or(0)) " of " (task.spec.rounds) }
+            dt { "Privacy spent" } dd #privacy-spent {
+                "ε " (format!("{spent:.4}")) " of " (budget) " (δ " (task.spec.privacy.delta) ")"
+                meter min="0" max=(budget) value=(spent) aria-label="privacy spent of the budget" {}
+            }
+            dt { "Report goal" } dd { (count(i64::from(task.spec.report_goal))) " (at least " (count(i64::from(task.spec.min_reports))) " at the deadline)" }
+            dt { "Clip norm" } dd { (task.spec.privacy.clip_norm) }
+            dt { "Eligible check-ins, last 15 min" } dd #eligible { (eligible) }
+            dt { "Created" } dd { (crate::clock::rfc3339(task.created_at)) }
+        }
+        @if task.state == TaskState::Created {
+            form.card method="post" action={"/console/tasks/" (task.id) "/model"} enctype="multipart/form-data" {
+                (csrf_field(session))
+                label for="model" { "Model version 0 (safetensors, F32 tensors)" }
+                input #model type="file" name="model" required accept=".safetensors,application/octet-stream";
+                button type="submit" { "Upload and open round 1" }
+            }
+        }
+        @if matches!(task.state, TaskState::Created | TaskState::Open) {
+            form.card method="post" action={"/console/tasks/" (task.id) "/cancel"} {
+                (csrf_field(session))
+                p { "Cancelling stops assignment at once and fails the live round. It cannot be undone." }
+                button.danger type="submit" { "Cancel task" }
+            }
+        }
+    }
+}
+
+fn funnel_table(
+    shown: &[&RoundView<'_>],
+    checks: &BTreeMap<i64, crate::release_check::StoredCheck>,
+    now: i64,
+) -> Markup {
+    html! {
+        div.scroll {
+            table #funnel {
+                caption { "Per round, newest first" }
+                thead { tr {
+                    th scope="col" { "Round" } th scope="col" { "State" } th scope="col" { "Assigned" }
+                    th scope="col" { "Uploaded" } th scope="col" { "Reported" } th scope="col" { "Failed" }
+                    th scope="col" { "Timed out" } th scope="col" { "Included" } th scope="col" { "Excluded" }
+                    th scope="col" { "ε spent" } th scope="col" { "Collection" } th scope="col" { "Aggregation" }
+                    th scope="col" { "Proof" }
+                } }
+                tbody {
+                    @for view in shown {
+                        @let latest = view.latest();
+                        @let times = view.times(now);
+                        tr data-round=(view.number) {
+                            th scope="row" { (view.number)
+                                @if view.attempts.len() > 1 { small { " (" (view.attempts.len()) " attempts)" } } }
+                            td { (round_state(latest.state)) }
+                            td.num data-field="assigned" { (count(view.assigned)) }
+                            td.num data-field="uploaded" { (count(view.uploaded)) }
+                            td.num data-field="reported" { (count(view.count(AssignmentState::Completed))) }
+                            td.num data-field="failed" { (count(view.count(AssignmentState::Failed) + view.count(AssignmentState::Rejected))) }
+                            td.num data-field="timed_out" { (count(view.count(AssignmentState::TimedOut))) }
+                            td.num data-field="included" { @if let Some(r) = view.release { (count(r.included)) } @else { "—" } }
+                            td data-field="excluded" {
+                                @if let Some(r) = view.release {
+                                    (count(r.excluded))
+                                    @for (reason, n) in &view.excluded { br; small { (reason) ": " (n) } }
+                                } @else { "—" }
+                            }
+                            td.num data-field="epsilon" { @if let Some(r) = view.release { (format!("{:.4}", r.epsilon_spent)) } @else { "—" } }
+                            td.num { (duration(times.collection_millis)) @if latest.closed_at.is_none() { " so far" } }
+                            td.num { @if let Some(a) = times.aggregation_millis { (duration(a)) } @else { "—" } }
+                            td {
+                                @match checks.get(&view.number) {
+                                    Some(check) if check.failures.is_empty() => span.ok { "verified" },
+                                    Some(_) => span.bad { "NOT verified" },
+                                    None => "—",
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn round_state(state: RoundState) -> Markup {
+    html! { span class={"state state-" (state.as_str().to_ascii_lowercase())} { (state.as_str()) } }
+}
+
+#[derive(Deserialize)]
+pub struct CsrfOnly {
+    #[serde(default)]
+    csrf: String,
+}
+
+pub async fn cancel(
+    State(state): State<AppState>,
+    session: Session,
+    ConsolePath(id): ConsolePath<String>,
+    ConsoleForm(form): ConsoleForm<CsrfOnly>,
+) -> Result<Response, ConsoleError> {
+    session.check_csrf(&form.csrf)?;
+    let task = state
+        .db
+        .cancel_task(&session.tenant.id, &id, state.now())
+        .await?;
+    tracing::info!(tenant = %session.tenant.name, task = %task.id, "task cancelled (console)");
+    Ok(Redirect::to(&format!("/console/tasks/{id}")).into_response())
+}
+
+/// Model version 0 from a multipart form: the CSRF field must come first (the form puts it
+/// there), so a forged post is refused before its file is read.
+pub async fn upload_model(
+    State(state): State<AppState>,
+    session: Session,
+    ConsolePath(id): ConsolePath<String>,
+    multipart: Result<Multipart, axum::extract::multipart::MultipartRejection>,
+) -> Result<Response, ConsoleError> {
+    let mut multipart = multipart?;
+    let bad = |e: axum::extract::multipart::MultipartError| {
+        ConsoleError::Api(if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::PayloadTooLarge(format!(
+                "the model is larger than this server's limit ({} bytes)",
+                state.limits.model_bytes
+            ))
+        } else {
+            ApiError::BadRequest(format!("the upload form is malformed: {e}"))
+        })
+    };
+    let first = multipart.next_field().await.map_err(bad)?;
+    match first {
+        Some(field) if field.name() == Some("csrf") => {
+            session.check_csrf(&field.text().await.map_err(bad)?)?;
+        }
+        _ => session.check_csrf("")?,
+    }
+    let mut model = None;
+    while let Some(field) = multipart.next_field().await.map_err(bad)? {
+        if field.name() == Some("model") {
+            model = Some(field.bytes().await.map_err(bad)?);
+        }
+    }
+    let model = model.filter(|m| !m.is_empty()).ok_or_else(|| {
+        ApiError::BadRequest("choose a safetensors file for model version 0".into())
+    })?;
+    crate::api::models::store_version_zero(&state, &session.tenant.id, &id, model).await?;
+    tracing::info!(tenant = %session.tenant.name, task = %id, "model version 0 stored (console)");
+    Ok(Redirect::to(&format!("/console/tasks/{id}")).into_response())
+}
+
+pub async fn download_model(
+    State(state): State<AppState>,
+    session: Session,
+    ConsolePath((id, version)): ConsolePath<(String, i64)>,
+    headers: HeaderMap,
+) -> Result<Response, ConsoleError> {
+    let model = state.db.model(&session.tenant.id, &id, version).await?;
+    let mut response =
+        crate::api::models::model_response(&state, &model, &headers, "private, no-store").await?;
+    let name = format!("attachment; filename=\"{id}-v{version}.safetensors\"");
+    if let Ok(value) = HeaderValue::from_str(&name) {
+        response
+            .headers_mut()
+            .insert(header::CONTENT_DISPOSITION, value);
+    }
+    Ok(response)
+}

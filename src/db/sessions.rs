@@ -1,0 +1,72 @@
+//! Console sessions: which tenant a browser signed in as, until when. Keyed by the SHA-256 of
+//! the cookie's secret (the caller hashes), so the table alone signs nobody in.
+
+use super::{Db, DbError, TenantRecord};
+
+impl Db {
+    /// Records a session for `tenant_id` until `expires_at`, and purges expired ones (sign-ins
+    /// are rare, so they carry the clean-up).
+    pub async fn create_console_session(
+        &self,
+        id_sha256: &str,
+        tenant_id: &str,
+        now: i64,
+        expires_at: i64,
+    ) -> Result<(), DbError> {
+        let row = (id_sha256.to_string(), tenant_id.to_string());
+        self.write(move |conn| {
+            Box::pin(async move {
+                sqlx::query("DELETE FROM console_sessions WHERE expires_at <= $1")
+                    .bind(now)
+                    .execute(&mut *conn)
+                    .await?;
+                sqlx::query(
+                    "INSERT INTO console_sessions (id_sha256, tenant_id, created_at, expires_at) \
+                     VALUES ($1, $2, $3, $4)",
+                )
+                .bind(row.0)
+                .bind(row.1)
+                .bind(now)
+                .bind(expires_at)
+                .execute(&mut *conn)
+                .await
+                .map_err(DbError::from)
+            })
+        })
+        .await
+        .map(|_| ())
+    }
+
+    /// The tenant of a live session, or `None` when the session is unknown or expired.
+    pub async fn console_session_tenant(
+        &self,
+        id_sha256: &str,
+        now: i64,
+    ) -> Result<Option<TenantRecord>, DbError> {
+        Ok(sqlx::query_as(
+            "SELECT t.id, t.name, t.max_active_tasks, t.max_report_goal, t.created_at \
+             FROM console_sessions s JOIN tenants t ON t.id = s.tenant_id \
+             WHERE s.id_sha256 = $1 AND s.expires_at > $2",
+        )
+        .bind(id_sha256)
+        .bind(now)
+        .fetch_optional(self.pool())
+        .await?)
+    }
+
+    /// Ends a session (sign out); ending an unknown one is not an error.
+    pub async fn delete_console_session(&self, id_sha256: &str) -> Result<(), DbError> {
+        let id = id_sha256.to_string();
+        self.write(move |conn| {
+            Box::pin(async move {
+                sqlx::query("DELETE FROM console_sessions WHERE id_sha256 = $1")
+                    .bind(id)
+                    .execute(&mut *conn)
+                    .await
+                    .map_err(DbError::from)
+            })
+        })
+        .await
+        .map(|_| ())
+    }
+}

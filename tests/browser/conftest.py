@@ -1,0 +1,109 @@
+"""A real `confed serve` (the binary `CONFED_BIN` names, else the workspace's debug build) with
+the admin API on, a task of the demo tenant with three completed rounds trained by Python devices
+(the confed-client package), and a headless Chromium driven by Selenium (Debian's `chromium` and
+`chromium-driver`)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import secrets
+import subprocess
+import tempfile
+import threading
+
+import numpy as np
+import pytest
+import requests
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+
+from confed_client import Device, Partner, Trust
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROUNDS = 3
+DEVICES_PER_ROUND = 4
+
+
+@pytest.fixture(scope="session")
+def server():
+    binary = os.environ.get("CONFED_BIN", str(ROOT / "target" / "debug" / "confed"))
+    admin = secrets.token_hex(32)
+    with tempfile.TemporaryDirectory() as data:
+        process = subprocess.Popen(
+            [binary, "serve", "--listen", "127.0.0.1:0", "--data-dir", data],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            env={**os.environ, "RUST_LOG": "error", "CONFED_ADMIN_TOKEN": admin})
+        found = {"admin": admin}
+        for line in process.stdout:
+            if line.startswith("CONFED_DEMO_TOKEN="):
+                found["token"] = line.split("=", 1)[1].strip()
+            if "Device trust file: " in line:
+                found["trust"] = line.split("Device trust file: ", 1)[1].strip()
+            if line.startswith("confed: serving on "):
+                found["url"] = line.removeprefix("confed: serving on ").strip()
+                break
+        else:
+            raise RuntimeError(f"{binary} serve stopped before it listened")
+        threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
+        try:
+            yield found
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def trained_task(server):
+    """A task of the demo tenant with ROUNDS completed rounds of DEVICES_PER_ROUND devices."""
+    partner = Partner(server["url"], server["token"])
+    spec = {"population": "console-phones", "rounds": ROUNDS, "report_goal": DEVICES_PER_ROUND,
+            "min_reports": DEVICES_PER_ROUND,
+            "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0}}
+    task = partner.create_task(spec, {"w": np.zeros(8, np.float32), "b": np.zeros(2, np.float32)})
+    trust = Trust.load(server["trust"])
+    rng = np.random.default_rng(7)
+    for round_ in range(1, ROUNDS + 1):
+        for _ in range(DEVICES_PER_ROUND):
+            device = Device(server["url"], "console-phones", trust)
+            update = {"w": rng.normal(0, 0.1, 8).astype(np.float32),
+                      "b": rng.normal(0, 0.1, 2).astype(np.float32)}
+            assert device.run_once(lambda weights, plan, u=update: u) == "contributed"
+        partner.wait_for_model(task, round_)
+    partner.wait_for_state(task, "COMPLETED")
+    # Devices that check in after the task completed are told there is no task.
+    for _ in range(2):
+        assert Device(server["url"], "console-phones", trust).run_once(
+            lambda weights, plan: {}, max_wait=0) == "no_task"
+    return task
+
+
+@pytest.fixture(scope="session")
+def other_tenant(server):
+    """A second tenant, with a task of its own."""
+    response = requests.post(f"{server['url']}/v1/admin/tenants",
+                             headers={"Authorization": f"Bearer {server['admin']}"},
+                             json={"name": "rival", "max_active_tasks": 5}, timeout=30)
+    response.raise_for_status()
+    token = response.json()["token"]
+    partner = Partner(server["url"], token)
+    spec = {"population": "rival-phones", "rounds": 1, "report_goal": 2,
+            "privacy": {"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0}}
+    task = partner.create_task(spec, {"w": np.zeros(4, np.float32)})
+    return {"token": token, "task": task}
+
+
+@pytest.fixture(scope="module")
+def browser():
+    options = webdriver.ChromeOptions()
+    options.binary_location = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                 "--window-size=1280,1000", "--lang=en-US"):
+        options.add_argument(flag)
+    service = Service(executable_path=os.environ.get("CHROMEDRIVER", "/usr/bin/chromedriver"))
+    driver = webdriver.Chrome(options=options, service=service)
+    driver.implicitly_wait(5)
+    try:
+        yield driver
+    finally:
+        driver.quit()

@@ -1,0 +1,253 @@
+"""The partner console in a real headless Chromium: sign in, the task list, a task with completed
+rounds whose plot and funnel show the API's numbers, creating and cancelling a task through the
+forms, another tenant's task out of reach, forged posts refused, the populations view, sign out.
+Screenshots go to $CONSOLE_SCREENSHOTS when it is set (docs/console/ holds the committed ones)."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import pathlib
+import re
+import threading
+
+import pytest
+import requests
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support import expected_conditions
+from selenium.webdriver.support.ui import WebDriverWait
+
+from conftest import DEVICES_PER_ROUND, ROUNDS
+
+
+def shoot(browser, name: str) -> None:
+    target = os.environ.get("CONSOLE_SCREENSHOTS")
+    if target:
+        pathlib.Path(target).mkdir(parents=True, exist_ok=True)
+        height = browser.execute_script("return document.documentElement.scrollHeight")
+        width = browser.get_window_size()["width"]
+        browser.set_window_size(width, max(height + 140, 600))
+        browser.save_screenshot(str(pathlib.Path(target) / f"{name}.png"))
+        browser.set_window_size(width, 1000)
+
+
+def sign_in(browser, server, token=None) -> None:
+    browser.get(f"{server['url']}/console")
+    assert browser.current_url.endswith("/console/sign-in")
+    field = browser.find_element(By.ID, "token")
+    field.send_keys(token or server["token"])
+    field.submit()
+    WebDriverWait(browser, 10).until(expected_conditions.url_contains("/console/tasks"))
+
+
+def api(server, path: str, token=None) -> dict:
+    reply = requests.get(f"{server['url']}{path}", timeout=30,
+                         headers={"Authorization": f"Bearer {token or server['token']}"})
+    reply.raise_for_status()
+    return reply.json()
+
+
+def session_cookie(browser) -> dict:
+    cookies = {c["name"]: c for c in browser.get_cookies()}
+    assert "confed_session" in cookies, cookies
+    return cookies["confed_session"]
+
+
+def test_sign_in_sets_a_strict_http_only_session_and_lists_only_this_tenants_tasks(
+        browser, server, trained_task, other_tenant):
+    sign_in(browser, server)
+    cookie = session_cookie(browser)
+    assert cookie["httpOnly"] is True
+    assert cookie["sameSite"] == "Strict"
+    # The token itself is nowhere in the browser.
+    assert server["token"] not in cookie["value"]
+    storage = browser.execute_script(
+        "return JSON.stringify(localStorage) + JSON.stringify(sessionStorage) + document.cookie")
+    assert server["token"] not in storage and "confed_session" not in storage
+    rows = browser.find_elements(By.CSS_SELECTOR, "#tasks tbody tr")
+    listed = {row.get_attribute("data-task") for row in rows}
+    assert trained_task in listed
+    assert other_tenant["task"] not in listed
+    row = browser.find_element(By.CSS_SELECTOR, f'#tasks tr[data-task="{trained_task}"]')
+    assert "COMPLETED" in row.text
+    assert row.find_element(By.CSS_SELECTOR, '[data-field="rounds"]').text == f"{ROUNDS} of {ROUNDS}"
+    spent = api(server, f"/v1/tasks/{trained_task}/releases")["releases"][-1]["epsilon_spent"]
+    assert f"{spent:.3f}" in row.find_element(By.CSS_SELECTOR, '[data-field="privacy"]').text
+
+
+def test_task_page_plot_and_funnel_show_the_releases_numbers(browser, server, trained_task):
+    browser.get(f"{server['url']}/console/tasks/{trained_task}")
+    releases = api(server, f"/v1/tasks/{trained_task}/releases")["releases"]
+    assert [r["round"] for r in releases] == list(range(1, ROUNDS + 1))
+    # The plot: one point per release at its epsilon, and the task's budget.
+    plot = browser.find_element(By.ID, "privacy-plot")
+    assert float(plot.get_attribute("data-budget")) == 8.0
+    points = plot.find_elements(By.CSS_SELECTOR, "circle.spent")
+    assert [(int(p.get_attribute("data-round")), float(p.get_attribute("data-epsilon")))
+            for p in points] == [(r["round"], r["epsilon_spent"]) for r in releases]
+    # The funnel: each round's assignments, uploads, reports and inclusions.
+    for release in releases:
+        row = browser.find_element(By.CSS_SELECTOR, f'#funnel tr[data-round="{release["round"]}"]')
+        cell = lambda field: row.find_element(By.CSS_SELECTOR, f'[data-field="{field}"]').text
+        assert int(cell("included")) == release["included"] == DEVICES_PER_ROUND
+        assert cell("excluded").startswith(str(release["excluded"]))
+        assert int(cell("assigned")) == DEVICES_PER_ROUND
+        assert int(cell("uploaded")) == DEVICES_PER_ROUND
+        assert int(cell("reported")) == DEVICES_PER_ROUND
+        assert cell("epsilon") == f"{release['epsilon_spent']:.4f}"
+        assert "verified" in row.text and "NOT verified" not in row.text
+    bars = {b.get_attribute("data-stage"): int(b.get_attribute("data-count"))
+            for b in browser.find_elements(By.CSS_SELECTOR, "#funnel-chart rect.stage")}
+    assert bars == {"assigned": DEVICES_PER_ROUND, "uploaded": DEVICES_PER_ROUND,
+                    "reported": DEVICES_PER_ROUND, "included": DEVICES_PER_ROUND}
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#durations-chart rect.collection[data-round]")) == ROUNDS
+    # Model versions 0..ROUNDS, each downloadable.
+    links = browser.find_elements(By.CSS_SELECTOR, "#models a")
+    assert [link.text for link in links] == [f"version {v}" for v in range(ROUNDS, -1, -1)]
+    shoot(browser, "task")
+    browser.set_window_size(390, 844)
+    shoot(browser, "task-phone")
+    browser.set_window_size(1280, 1000)
+
+
+def test_model_download_link_serves_the_version(browser, server, trained_task):
+    cookie = session_cookie(browser)
+    reply = requests.get(f"{server['url']}/console/tasks/{trained_task}/models/{ROUNDS}",
+                         cookies={"confed_session": cookie["value"]}, timeout=30)
+    assert reply.status_code == 200
+    assert "attachment" in reply.headers["Content-Disposition"]
+    api_bytes = requests.get(f"{server['url']}/v1/tasks/{trained_task}/models/{ROUNDS}",
+                             headers={"Authorization": f"Bearer {server['token']}"}, timeout=30)
+    assert reply.content == api_bytes.content
+
+
+def test_a_task_is_created_and_cancelled_through_the_forms(browser, server):
+    browser.get(f"{server['url']}/console/tasks/new")
+    population = browser.find_element(By.ID, "population")
+    population.send_keys("form-phones")
+    rounds = browser.find_element(By.ID, "rounds")
+    rounds.clear()
+    rounds.send_keys("5")
+    browser.find_element(By.CSS_SELECTOR, "form[action='/console/tasks'] button[type=submit]").click()
+    WebDriverWait(browser, 10).until(
+        lambda b: re.search(r"/console/tasks/[0-9a-f-]{36}$", b.current_url))
+    task = browser.current_url.rsplit("/", 1)[1]
+    created = api(server, f"/v1/tasks/{task}")
+    assert created["state"] == "CREATED" and created["rounds"] == 5
+    assert created["population"] == "form-phones"
+    assert "CREATED" in browser.find_element(By.TAG_NAME, "h1").text
+    browser.find_element(By.CSS_SELECTOR, "button.danger").click()
+    WebDriverWait(browser, 10).until(
+        lambda b: "CANCELLED" in b.find_element(By.TAG_NAME, "h1").text)
+    assert api(server, f"/v1/tasks/{task}")["state"] == "CANCELLED"
+
+
+def test_an_invalid_form_names_the_field_and_creates_nothing(browser, server):
+    before = len(api(server, "/v1/tasks?limit=100")["tasks"])
+    browser.get(f"{server['url']}/console/tasks/new")
+    browser.find_element(By.ID, "population").send_keys("bad-phones")
+    epsilon = browser.find_element(By.ID, "epsilon")
+    epsilon.clear()
+    epsilon.send_keys("0")
+    browser.find_element(By.CSS_SELECTOR, "form[action='/console/tasks'] button[type=submit]").click()
+    problem = browser.find_element(By.ID, "epsilon-problem")
+    assert problem.text
+    assert browser.find_element(By.ID, "epsilon").get_attribute("aria-invalid") == "true"
+    assert len(api(server, "/v1/tasks?limit=100")["tasks"]) == before
+
+
+def test_another_tenants_task_is_not_reachable_by_url(browser, server, other_tenant):
+    for path in (f"/console/tasks/{other_tenant['task']}",
+                 f"/console/tasks/{other_tenant['task']}/models/0"):
+        browser.get(f"{server['url']}{path}")
+        assert "404" in browser.find_element(By.TAG_NAME, "h1").text
+        assert other_tenant["task"] in browser.find_element(By.CSS_SELECTOR, "[role=alert]").text
+    # Nor can a form of this tenant's session cancel it.
+    cookie = session_cookie(browser)
+    browser.get(f"{server['url']}/console/tasks")
+    csrf = browser.find_element(By.NAME, "csrf").get_attribute("value")
+    reply = requests.post(f"{server['url']}/console/tasks/{other_tenant['task']}/cancel",
+                          data={"csrf": csrf}, cookies={"confed_session": cookie["value"]},
+                          allow_redirects=False, timeout=30)
+    assert reply.status_code == 404
+    assert api(server, f"/v1/tasks/{other_tenant['task']}", other_tenant["token"])["state"] == "OPEN"
+
+
+class _Attacker(http.server.BaseHTTPRequestHandler):
+    target = ""
+
+    def do_GET(self):
+        page = (f'<form method="post" action="{self.target}"><input type="hidden" name="csrf" '
+                f'value="guess"><button id="go">win a prize</button></form>').encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        self.wfile.write(page)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_forged_posts_without_the_csrf_token_are_refused(browser, server):
+    partner_task = requests.post(
+        f"{server['url']}/v1/tasks", headers={"Authorization": f"Bearer {server['token']}"},
+        json={"population": "forged-phones", "rounds": 1, "report_goal": 2,
+              "privacy": {"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0}}, timeout=30).json()["id"]
+    cancel = f"{server['url']}/console/tasks/{partner_task}/cancel"
+    # From another site (same host, other port: same-site, so the Strict cookie is sent).
+    _Attacker.target = cancel
+    attacker = http.server.HTTPServer(("127.0.0.1", 0), _Attacker)
+    threading.Thread(target=attacker.serve_forever, daemon=True).start()
+    try:
+        browser.get(f"http://127.0.0.1:{attacker.server_port}/")
+        browser.find_element(By.ID, "go").click()
+        WebDriverWait(browser, 10).until(expected_conditions.url_contains("/cancel"))
+        assert "403" in browser.find_element(By.TAG_NAME, "h1").text
+    finally:
+        attacker.shutdown()
+    # From this origin but without the session's token (a script or a copied form).
+    cookie = session_cookie(browser)
+    for data in ({"reason": "no token at all"}, {"csrf": "guess"}):
+        reply = requests.post(cancel, data=data, cookies={"confed_session": cookie["value"]},
+                              allow_redirects=False, timeout=30)
+        assert reply.status_code == 403, reply.text
+        assert "security token" in reply.text
+    assert api(server, f"/v1/tasks/{partner_task}")["state"] == "CREATED"
+
+
+def test_populations_show_recent_check_ins_and_their_outcomes(browser, server, trained_task):
+    browser.get(f"{server['url']}/console/populations")
+    section = browser.find_element(By.CSS_SELECTOR, 'section[data-population="console-phones"]')
+    checkins = int(section.find_element(By.CSS_SELECTOR, '[data-field="checkins"]').text)
+    assigned = int(section.find_element(By.CSS_SELECTOR, 'tr[data-outcome="assigned"] td').text)
+    no_task = int(section.find_element(By.CSS_SELECTOR, 'tr[data-outcome="no_task"] td').text)
+    assert assigned == ROUNDS * DEVICES_PER_ROUND
+    assert no_task == 2
+    assert checkins == assigned + no_task
+    shoot(browser, "populations")
+    # The task list, now with the tasks the other tests made (for docs/console/).
+    browser.get(f"{server['url']}/console/tasks")
+    shoot(browser, "tasks")
+
+
+def test_sign_out_ends_the_session_on_the_server(browser, server):
+    old = session_cookie(browser)["value"]
+    browser.get(f"{server['url']}/console/tasks")
+    browser.find_element(By.CSS_SELECTOR, "form[action='/console/sign-out'] button").click()
+    WebDriverWait(browser, 10).until(expected_conditions.url_contains("/console/sign-in"))
+    browser.get(f"{server['url']}/console/tasks")
+    assert browser.current_url.endswith("/console/sign-in")
+    # The old cookie, replayed, no longer signs anyone in.
+    reply = requests.get(f"{server['url']}/console/tasks", cookies={"confed_session": old},
+                         allow_redirects=False, timeout=30)
+    assert reply.status_code == 303 and reply.headers["Location"] == "/console/sign-in"
+
+
+def test_a_wrong_token_is_refused_with_a_clear_message(browser, server):
+    browser.get(f"{server['url']}/console/sign-in")
+    field = browser.find_element(By.ID, "token")
+    field.send_keys("cft_0000000000000000_not-a-real-secret")
+    field.submit()
+    assert "not valid" in browser.find_element(By.ID, "sign-in-problem").text
+    assert not [c for c in browser.get_cookies() if c["name"] == "confed_session"]
