@@ -2,12 +2,15 @@
 
 from .device import Device, DeviceError, Trust
 from .envelope import aad, encode_envelope, info, open_envelope, seal
+from .errors import ConfedError
 from .partner import Partner, PartnerError
 from .policy import PolicyError, check_policy, parse_policy
 from .release import ReleaseError, verify_release
-from .tensors import from_safetensors, to_safetensors
+from .simulation import RoundResult, run_simulation
+from .tensors import as_arrays, from_safetensors, to_safetensors, to_torch
 
 __all__ = [
+    "ConfedError",
     "Device",
     "DeviceError",
     "Trust",
@@ -15,7 +18,9 @@ __all__ = [
     "PartnerError",
     "PolicyError",
     "ReleaseError",
+    "RoundResult",
     "aad",
+    "as_arrays",
     "check_policy",
     "encode_envelope",
     "from_safetensors",
@@ -23,6 +28,8 @@ __all__ = [
     "open_envelope",
     "parse_policy",
     "seal",
+    "run_simulation",
     "to_safetensors",
+    "to_torch",
     "verify_release",
 ]

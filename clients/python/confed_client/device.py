@@ -19,14 +19,16 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from . import envelope
+from .errors import ConfedError
 from .policy import check_policy, parse_policy, policy_sha256
-from .tensors import from_safetensors, to_safetensors
+from .tensors import as_arrays, from_safetensors, to_safetensors, to_torch
 
-Train = Callable[[dict[str, np.ndarray], dict], dict[str, np.ndarray]]
+Train = Callable[[dict, dict], dict]
 
 
-class DeviceError(RuntimeError):
-    """A check failed, or the server refused (the message says which and why)."""
+class DeviceError(ConfedError):
+    """A check failed, or the server refused (the message says which and why; `status` is the
+    server's answer, None for a check of the device's own)."""
 
 
 def _b64url(text: str) -> bytes:
@@ -113,6 +115,10 @@ class Device:
     attempts: int = 5
     #: Longest wait between those attempts, in seconds (the server's `Retry-After`, else 1 s).
     max_retry_after: float = 30.0
+    #: Wait before uploading the same bytes again after a 422 (a replica behind on the key set).
+    key_retry_wait: float = 1.0
+    #: "numpy" or "torch": what `train` is given (it may return either).
+    tensors: str = "numpy"
 
     def _url(self, path: str) -> str:
         return path if path.startswith("http") else self.server.rstrip("/") + path
@@ -145,7 +151,7 @@ class Device:
         reply = self._send("POST", self._url(f"/v1/populations/{self.population}/checkin"),
                            json=body, timeout=30)
         if reply.status_code not in (200, 201):
-            raise DeviceError(f"check-in: HTTP {reply.status_code}: {reply.text}")
+            raise DeviceError.from_reply("check-in", reply)
         return reply.json()
 
     def report(self, assignment: dict, outcome: str, error: str | None = None) -> dict:
@@ -154,7 +160,7 @@ class Device:
             body["error"] = error[:1000]
         reply = self._send("POST", self._url(assignment["report_url"]), json=body, timeout=30)
         if reply.status_code != 200:
-            raise DeviceError(f"report {outcome}: HTTP {reply.status_code}: {reply.text}")
+            raise DeviceError.from_reply(f"report {outcome}", reply)
         return reply.json()
 
     def _fail(self, assignment: dict, error: BaseException) -> None:
@@ -181,10 +187,13 @@ class Device:
             public_key = self.trust.verify_key(assignment["encryption"], time.time())
             reply = self._send("GET", self._url(assignment["model_url"]), timeout=60)
             if reply.status_code != 200:
-                raise DeviceError(f"model: HTTP {reply.status_code}: {reply.text}")
+                raise DeviceError.from_reply("model", reply)
             model_bytes = reply.content
             model = from_safetensors(model_bytes)
-            update = train({k: v.copy() for k, v in model.items()}, policy["plan"])
+            weights = {k: v.copy() for k, v in model.items()}
+            if self.tensors == "torch":
+                weights = to_torch(weights)
+            update = as_arrays(train(weights, policy["plan"]))
             if set(update) != set(model) or any(
                     np.shape(update[k]) != model[k].shape for k in model):
                 raise DeviceError("the update does not have the model's tensors and shapes")
@@ -198,19 +207,30 @@ class Device:
         except Exception as error:  # the server hears why, then the caller does
             self._fail(assignment, error)
             raise
+        self.upload(assignment, sealed)
+        self.report(assignment, "completed")
+
+    def upload(self, assignment: dict, sealed: bytes) -> None:
+        """Uploads a sealed update, the same bytes on every attempt (docs/protocol.md, "What a
+        device does with each"): 503/507 again after `Retry-After`, 422 again after
+        `key_retry_wait` (a replica behind on the key set), then gives up. A refusal is
+        reported `failed` (freeing the slot), except 410: an expired assignment holds none."""
         headers = assignment.get("upload_headers") or {"content-type": "application/cbor"}
-        reply = self._send("PUT", self._url(assignment["upload_url"]), data=sealed,
-                           headers=headers, timeout=120)
+        for attempt in range(1, self.attempts + 1):
+            reply = self._send("PUT", self._url(assignment["upload_url"]), data=sealed,
+                               headers=headers, timeout=120)
+            if reply.status_code != 422 or attempt == self.attempts:
+                break
+            time.sleep(self.key_retry_wait)
         # A signed blob-store URL answers 412 when an earlier attempt (whose answer was lost)
         # already stored the object: it is stored.
         stored = reply.status_code in (200, 201) or (
             reply.status_code == 412 and not assignment["upload_url"].startswith("/"))
         if not stored:
-            error = DeviceError(f"upload: HTTP {reply.status_code}: {reply.text}")
-            if reply.status_code != 410:  # an expired assignment holds no slot to free
+            error = DeviceError.from_reply("upload", reply)
+            if reply.status_code != 410:
                 self._fail(assignment, error)
             raise error
-        self.report(assignment, "completed")
 
     def run_once(self, train: Train, max_wait: float = 600.0) -> str:
         """One check-in and what follows: "contributed", "declined" or a retry reason (after

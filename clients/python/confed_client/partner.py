@@ -7,11 +7,16 @@ import time
 import numpy as np
 import requests
 
+from .errors import ConfedError
 from .tensors import from_safetensors, to_safetensors
 
+#: Task states after which nothing changes.
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED")
 
-class PartnerError(RuntimeError):
-    """The server refused a request (the message carries its problem+json detail)."""
+
+class PartnerError(ConfedError):
+    """The server refused a request: `status`, `problem` (its problem+json, with
+    `invalid_params` naming each bad field of a task) and `detail` say why."""
 
 
 class Partner:
@@ -23,11 +28,12 @@ class Partner:
     def _call(self, method: str, path: str, expect=(200,), **kwargs):
         reply = self.session.request(method, self.server + path, timeout=60, **kwargs)
         if reply.status_code not in expect:
-            raise PartnerError(f"{method} {path}: HTTP {reply.status_code}: {reply.text}")
+            raise PartnerError.from_reply(f"{method} {path}", reply)
         return reply
 
-    def create_task(self, spec: dict, model: dict[str, np.ndarray]) -> str:
-        """Creates a task from its spec (`POST /v1/tasks`) and uploads `model` as version 0."""
+    def create_task(self, spec: dict, model) -> str:
+        """Creates a task from its spec (`POST /v1/tasks`) and uploads `model` (a dict of NumPy
+        arrays or a PyTorch state dict) as version 0."""
         task = self._call("POST", "/v1/tasks", expect=(201,), json=spec).json()
         self._call("PUT", f"/v1/tasks/{task['id']}/model", expect=(201,),
                    data=to_safetensors(model),
@@ -59,7 +65,7 @@ class Partner:
             if reply.status_code == 200:
                 return from_safetensors(reply.content)
             if reply.status_code != 404:
-                raise PartnerError(f"model {version}: HTTP {reply.status_code}: {reply.text}")
+                raise PartnerError.from_reply(f"model {version}", reply)
             time.sleep(0.2)
         raise PartnerError(f"task {task_id} has no model version {version} after {timeout} s")
 
@@ -97,3 +103,28 @@ class Partner:
             time.sleep(0.2)
         raise PartnerError(f"no release of round {round_} of task {task_id} in {timeout} s")
 
+    def watch(self, task_id: str, progress: bool = True, timeout: float | None = None,
+              poll: float = 1.0) -> dict:
+        """Follows a task until it completes, fails or is cancelled (or `timeout` seconds pass:
+        `PartnerError`), with a progress bar of rounds done and privacy spent on stderr when
+        `progress`. Returns the task as it ended."""
+        from tqdm.auto import tqdm
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        task = self.task(task_id)
+        budget = task["privacy"]["epsilon"]
+        with tqdm(total=task["rounds"], unit="round", disable=not progress,
+                  desc=f"task {task_id[:8]}") as bar:
+            while True:
+                done = task.get("model_version") or 0
+                bar.update(done - bar.n)
+                releases = self.releases(task_id) if done else []
+                spent = releases[-1]["epsilon_spent"] if releases else 0.0
+                bar.set_postfix_str(f"{task['state']}, epsilon {spent:.2f} of {budget}")
+                if task["state"] in FINAL_STATES:
+                    return task
+                if deadline is not None and time.monotonic() > deadline:
+                    raise PartnerError(f"task {task_id} is still {task['state']} after "
+                                       f"{timeout} s")
+                time.sleep(poll)
+                task = self.task(task_id)

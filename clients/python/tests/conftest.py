@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import secrets
 import subprocess
 import tempfile
 import threading
@@ -18,12 +19,13 @@ PROTOCOL_MD = ROOT / "docs" / "protocol.md"
 @pytest.fixture(scope="session")
 def server():
     binary = os.environ.get("CONFED_BIN", str(ROOT / "target" / "debug" / "confed"))
+    admin = secrets.token_hex(32)
     with tempfile.TemporaryDirectory() as data:
         process = subprocess.Popen(
             [binary, "serve", "--listen", "127.0.0.1:0", "--data-dir", data],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            env={**os.environ, "RUST_LOG": "error"})
-        found = {}
+            env={**os.environ, "RUST_LOG": "error", "CONFED_ADMIN_TOKEN": admin})
+        found = {"admin": admin}
         for line in process.stdout:
             if line.startswith("CONFED_DEMO_TOKEN="):
                 found["token"] = line.split("=", 1)[1].strip()

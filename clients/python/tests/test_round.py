@@ -115,3 +115,17 @@ def test_a_release_verifies_and_a_tampered_one_does_not(server):
     untrusted = {name: key for name, key in list(trust.keyservices.items())[:1]}
     with pytest.raises(ReleaseError, match="receipts needed"):
         verify_release(manifest, average, proof, untrusted, 1)
+
+
+def test_watch_follows_a_task_to_its_end(server):
+    partner = Partner(server["url"], server["token"])
+    task = partner.create_task(dict(spec("python-watch"), report_goal=2, min_reports=2),
+                               {"w": np.zeros(4, np.float32)})
+    trust = Trust.load(server["trust"])
+    for _ in range(2):
+        assert Device(server["url"], "python-watch", trust).run_once(
+            lambda w, plan: {"w": np.full(4, 0.1, np.float32)}) == "contributed"
+    assert partner.watch(task, progress=False, timeout=120)["state"] == "COMPLETED"
+    cancelled = partner.create_task(spec("python-watch-cancel"), {"w": np.zeros(4, np.float32)})
+    partner._call("POST", f"/v1/tasks/{cancelled}/cancel")
+    assert partner.watch(cancelled, progress=False, timeout=10)["state"] == "CANCELLED"

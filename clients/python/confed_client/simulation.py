@@ -1,0 +1,102 @@
+"""Many simulated devices against a real server, the way Flower users try a model with
+`run_simulation`: you give a task, a function that makes each device's training function, and
+optionally an evaluation of each new model version; the devices run concurrently, round after
+round, until the task ends."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .device import Device, DeviceError, Train, Trust
+from .partner import FINAL_STATES, Partner, PartnerError
+
+
+@dataclass
+class RoundResult:
+    """One round as the partner sees it: its release and, with `evaluate_fn`, your metrics of
+    the model version it produced."""
+
+    round: int
+    included: int
+    excluded: int
+    epsilon_spent: float
+    metrics: dict = field(default_factory=dict)
+
+
+def _until_contributed(device: Device, train: Train, stop: threading.Event,
+                       max_wait: float) -> bool:
+    """Runs one device until it contributes to the live round or `stop` is set (the round
+    ended); a device told to wait waits at most `max_wait` seconds at a time."""
+    while not stop.is_set():
+        try:
+            if device.run_once(train, max_wait=max_wait) == "contributed":
+                return True
+        except DeviceError as error:
+            # The round closed (its goal reached by others) between this device's check-in
+            # and its upload: the update is dropped, as protocol.md says; check in again.
+            if error.status != 410:
+                raise
+    return False
+
+
+def run_simulation(partner: Partner, task_id: str, trust: Trust,
+                   client_fn: Callable[[int], Train], num_devices: int,
+                   evaluate_fn: Callable[[dict[str, np.ndarray]], dict] | None = None,
+                   concurrency: int = 8, max_wait: float = 1.0, progress: bool = True,
+                   round_timeout: float = 600.0, **device_options) -> list[RoundResult]:
+    """Runs `num_devices` devices of the task's population until the task ends; returns one
+    `RoundResult` per completed round.
+
+    - `client_fn(i)` returns device i's training function `train(weights, plan) -> update`
+      (new weights minus the given ones), over that device's own data;
+    - `evaluate_fn(model)` (optional) returns metrics of each new model version, e.g. accuracy
+      on held-out data;
+    - every round, each device checks in until it has contributed or the round has ended (the
+      report goal reached by others); a device told to wait waits at most `max_wait` seconds;
+    - `device_options` go to each `Device` (e.g. `tensors="torch"`, `attributes={...}`).
+    """
+    task = partner.task(task_id)
+    population = task["population"]
+    devices = [Device(partner.server, population, trust, **device_options)
+               for _ in range(num_devices)]
+    trains = [client_fn(i) for i in range(num_devices)]
+    history: list[RoundResult] = []
+    from tqdm.auto import tqdm
+
+    with tqdm(total=task["rounds"], unit="round", disable=not progress,
+              desc=f"task {task_id[:8]}") as bar, ThreadPoolExecutor(concurrency) as pool:
+        while task["state"] not in FINAL_STATES:
+            round_ = (task.get("model_version") or 0) + 1
+            stop = threading.Event()
+            running = [pool.submit(_until_contributed, device, train, stop, max_wait)
+                       for device, train in zip(devices, trains)]
+            try:
+                model = partner.wait_for_model(task_id, round_, timeout=round_timeout)
+            except PartnerError:
+                if partner.task(task_id)["state"] in FINAL_STATES:
+                    break  # cancelled or failed while the round ran
+                raise
+            finally:
+                stop.set()
+                for future in running:
+                    future.result()
+            release = next(r for r in partner.releases(task_id) if r["round"] == round_)
+            result = RoundResult(round_, release["included"], release["excluded"],
+                                 release["epsilon_spent"],
+                                 evaluate_fn(model) if evaluate_fn else {})
+            history.append(result)
+            bar.update(1)
+            bar.set_postfix_str(f"epsilon {result.epsilon_spent:.2f}"
+                                + "".join(f", {k} {v:.3g}" for k, v in result.metrics.items()
+                                          if isinstance(v, (int, float))))
+            task = partner.task(task_id)
+            while task["state"] not in FINAL_STATES and (task.get("model_version") or 0) < round_:
+                time.sleep(0.1)
+                task = partner.task(task_id)
+    return history
