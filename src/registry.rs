@@ -117,7 +117,7 @@ struct Window {
     bytes: usize,
 }
 
-/// What one population's devices did lately (see `DeviceRegistry::activity`).
+/// What one population's devices did lately (see `DeviceRegistry::activities`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PopulationActivity {
     pub checkins: u64,
@@ -220,23 +220,37 @@ impl DeviceRegistry {
         counts
     }
 
-    /// One population's recent check-ins: how many, what they came to, and how many per minute
-    /// (oldest minute first), for the console's "why does my round fill slowly" view.
-    pub fn activity(&self, population: &str, now: Millis) -> PopulationActivity {
+    /// Recent check-ins of each of `populations`: how many, what they came to, and how many per
+    /// minute (oldest minute first), for the console's "why does my round fill slowly" view.
+    /// One pass over the window, whatever the number of populations asked for.
+    pub fn activities(
+        &self,
+        populations: &[&str],
+        now: Millis,
+    ) -> BTreeMap<String, PopulationActivity> {
         let minutes = usize::try_from(((self.window_millis + 59_999) / 60_000).max(1)).unwrap_or(1);
-        let mut activity = PopulationActivity {
-            checkins: 0,
-            outcomes: BTreeMap::new(),
-            per_minute: vec![0; minutes],
-        };
+        let mut out: BTreeMap<String, PopulationActivity> = populations
+            .iter()
+            .map(|p| {
+                let empty = PopulationActivity {
+                    checkins: 0,
+                    outcomes: BTreeMap::new(),
+                    per_minute: vec![0; minutes],
+                };
+                (p.to_string(), empty)
+            })
+            .collect();
         let Ok(window) = self.seen.lock() else {
-            return activity;
+            return out;
         };
         for (seen, _) in window
             .entries
             .iter()
-            .filter(|(s, _)| s.at > now - self.window_millis && *s.population == *population)
+            .filter(|(s, _)| s.at > now - self.window_millis)
         {
+            let Some(activity) = out.get_mut(&*seen.population) else {
+                continue;
+            };
             activity.checkins += 1;
             *activity.outcomes.entry(seen.outcome).or_default() += 1;
             let minutes_ago = usize::try_from((now - seen.at) / 60_000).unwrap_or(0);
@@ -244,7 +258,7 @@ impl DeviceRegistry {
                 activity.per_minute[bucket] += 1;
             }
         }
-        activity
+        out
     }
 
     /// Recent check-ins of the task's population that meet its version range and constraints.
@@ -348,14 +362,16 @@ mod tests {
         registry.record("p", vec![1], none.clone(), "round_full", 130_000);
         registry.record("p", vec![1], none.clone(), "round_full", 150_000);
         registry.record("q", vec![1], none.clone(), "assigned", 150_000);
-        let activity = registry.activity("p", 170_000);
+        let activities = registry.activities(&["p", "absent"], 170_000);
+        let activity = &activities["p"];
+        assert_eq!(activities["absent"].checkins, 0);
         assert_eq!(activity.checkins, 3);
         assert_eq!(activity.outcomes.get("round_full"), Some(&2));
         assert_eq!(activity.outcomes.get("assigned"), Some(&1));
         // Minutes ago 2 (the first), 0 (the last two); oldest minute first.
         assert_eq!(activity.per_minute, vec![1, 0, 2]);
         // Past the window, the first is forgotten.
-        assert_eq!(registry.activity("p", 200_000).checkins, 2);
+        assert_eq!(registry.activities(&["p"], 200_000)["p"].checkins, 2);
     }
 
     #[test]

@@ -90,61 +90,139 @@ pub fn verify_staged(
     serde_json::to_string(release.proof).map_err(|e| e.to_string())
 }
 
-/// What a stored release's proof comes to when checked again against the key services this
-/// server knows now (the console's verification column).
+/// What a stored release comes to when checked again against the key services this server
+/// knows now (the console's proof column), with its manifest when it parses.
 #[derive(Debug, Clone)]
 pub struct StoredCheck {
     pub lines: Vec<String>,
     pub failures: Vec<String>,
+    /// The manifest the enclave signed: where the console takes a release's numbers from.
+    pub manifest: Option<Manifest>,
 }
 
-/// Re-checks a committed release: its manifest parses and names the stored average, and its
-/// proof (the enclave's signature and a quorum of receipts) verifies against `keys`. This is
-/// the server's own view; a partner's independent check is `confed verify release`.
-pub fn check_stored(keys: &KeyDirectory, release: &crate::db::jobs::ReleaseRecord) -> StoredCheck {
-    let failed = |what: String| StoredCheck {
-        lines: vec![format!("FAILED: {what}")],
-        failures: vec![what],
+/// Re-checks a committed release as the commit did (`verify_staged`) and as a partner would:
+/// its manifest is for this task and round, under this task's policy, from model version
+/// `round - 1` (`base_model_sha256`), names the stored average, and its proof (the enclave's
+/// signature and a quorum of receipts) verifies against `keys`. A row copied from another
+/// round, task or tenant, or a task whose stored definition changed, fails here. This is the
+/// server's own view; a partner's independent check is `confed verify release`.
+pub fn check_stored(
+    keys: &KeyDirectory,
+    task: &crate::db::TaskRecord,
+    base_model_sha256: Option<&str>,
+    release: &crate::db::jobs::ReleaseRecord,
+) -> StoredCheck {
+    let mut out = StoredCheck {
+        lines: Vec::new(),
+        failures: Vec::new(),
+        manifest: None,
     };
-    let Some(proof_json) = &release.proof_json else {
-        return failed("the release carries no proof (it predates signed releases)".into());
-    };
-    let proof: confed_attestation::release::ReleaseProof = match serde_json::from_str(proof_json) {
-        Ok(proof) => proof,
-        Err(e) => return failed(format!("the stored proof does not parse: {e}")),
+    let note = |out: &mut StoredCheck, ok: bool, what: String| {
+        out.lines
+            .push(format!("{}: {what}", if ok { "ok" } else { "FAILED" }));
+        if !ok {
+            out.failures.push(what);
+        }
     };
     let manifest: Manifest = match serde_json::from_str(&release.manifest_json) {
         Ok(manifest) => manifest,
-        Err(e) => return failed(format!("the stored manifest does not parse: {e}")),
+        Err(e) => {
+            note(
+                &mut out,
+                false,
+                format!("the stored manifest does not parse: {e}"),
+            );
+            return out;
+        }
     };
-    if manifest.average_sha256 != release.average_sha256 {
-        return failed("the manifest names another average than the one stored".into());
-    }
-    let Some(key) = keys.key(&manifest.key_id) else {
-        return failed(format!(
-            "key {} is no longer published by the key services; check this release with `confed verify release`",
-            manifest.key_id
-        ));
-    };
-    let signers = keys.verifying_keys();
-    let trusted: Vec<TrustedSigner<'_>> = signers
-        .iter()
-        .map(|(id, key)| TrustedSigner {
-            id,
-            verifying_key: key,
-        })
-        .collect();
-    let check = proof.check(
-        &commitment_of(&manifest),
-        &sha256_hex(release.manifest_json.as_bytes()),
-        &release.average_sha256,
-        &trusted,
-        usize::from(key.threshold),
+    note(
+        &mut out,
+        manifest.task_id == task.id
+            && confed_protocol::ids::wire_round(release.round_number) == Some(manifest.round),
+        format!(
+            "the manifest is for task {} round {} (this is task {} round {})",
+            manifest.task_id, manifest.round, task.id, release.round_number
+        ),
     );
-    StoredCheck {
-        lines: check.lines,
-        failures: check.failures,
+    let policy_sha256 = task.spec.policy(&task.id, &task.tenant_id).sha256_hex();
+    note(
+        &mut out,
+        manifest.policy_sha256 == policy_sha256,
+        format!("the manifest names this task's policy ({policy_sha256})"),
+    );
+    note(
+        &mut out,
+        base_model_sha256 == Some(manifest.model_sha256.as_str()),
+        format!(
+            "the manifest's base model {} is model version {}",
+            manifest.model_sha256,
+            release.round_number - 1
+        ),
+    );
+    note(
+        &mut out,
+        manifest.average_sha256 == release.average_sha256,
+        format!(
+            "the manifest names the stored average ({})",
+            release.average_sha256
+        ),
+    );
+    let proof = match release
+        .proof_json
+        .as_deref()
+        .map(serde_json::from_str::<confed_attestation::release::ReleaseProof>)
+    {
+        Some(Ok(proof)) => proof,
+        Some(Err(e)) => {
+            note(
+                &mut out,
+                false,
+                format!("the stored proof does not parse: {e}"),
+            );
+            out.manifest = Some(manifest);
+            return out;
+        }
+        None => {
+            note(
+                &mut out,
+                false,
+                "the release carries no proof (it predates signed releases)".into(),
+            );
+            out.manifest = Some(manifest);
+            return out;
+        }
+    };
+    match keys.key(&manifest.key_id) {
+        None => note(
+            &mut out,
+            false,
+            format!(
+                "key {} is no longer published by the key services; check this release with `confed verify release`",
+                manifest.key_id
+            ),
+        ),
+        Some(key) => {
+            let signers = keys.verifying_keys();
+            let trusted: Vec<TrustedSigner<'_>> = signers
+                .iter()
+                .map(|(id, key)| TrustedSigner {
+                    id,
+                    verifying_key: key,
+                })
+                .collect();
+            let check = proof.check(
+                &commitment_of(&manifest),
+                &sha256_hex(release.manifest_json.as_bytes()),
+                &release.average_sha256,
+                &trusted,
+                usize::from(key.threshold),
+            );
+            out.lines.extend(check.lines);
+            out.failures.extend(check.failures);
+        }
     }
+    out.manifest = Some(manifest);
+    out
 }
 
 /// Decodes a published verifying key (helper for callers holding key-set text).

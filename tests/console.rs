@@ -436,3 +436,46 @@ async fn text_from_the_database_is_escaped_not_run() {
         "{page}"
     );
 }
+
+#[tokio::test]
+async fn a_tenant_keeps_at_most_twenty_sessions_the_oldest_end_first() {
+    for (engine, app) in TestApp::on_each_engine().await {
+        let token = app.tenant("acme").await;
+        let first = sign_in(&app, &token).await;
+        let mut second = String::new();
+        for i in 0..20 {
+            app.clock.advance(Duration::from_millis(1));
+            let cookie = sign_in(&app, &token).await;
+            if i == 0 {
+                second = cookie;
+            }
+        }
+        let ended = app.send(get("/console/tasks", Some(&first))).await;
+        assert_eq!(
+            ended.status,
+            StatusCode::SEE_OTHER,
+            "{engine}: the 21st ends the oldest"
+        );
+        let kept = app.send(get("/console/tasks", Some(&second))).await;
+        assert_eq!(
+            kept.status,
+            StatusCode::OK,
+            "{engine}: the twenty newest live on"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_post_that_does_not_say_where_it_comes_from_is_refused() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let mut request = form(
+        "/console/sign-in",
+        None,
+        &format!("token={}", urlencode(&token)),
+    );
+    request.headers_mut().remove(header::ORIGIN);
+    let reply = app.send(request).await;
+    assert_eq!(reply.status, StatusCode::FORBIDDEN);
+    assert!(reply.headers.get(header::SET_COOKIE).is_none());
+}

@@ -6,7 +6,7 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 export CONFED_BIN=${CONFED_BIN:-$here/../../target/debug/confed}
-if ! python3 -c 'import confed_client, pytest' 2>/dev/null; then
+if ! python3 -c 'import confed_client, pytest, matplotlib, tqdm' 2>/dev/null; then
     if ! python3 -m pip --version >/dev/null 2>&1; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-pip >/dev/null
     fi

@@ -157,7 +157,7 @@ pub fn router(state: AppState) -> Router {
     let openapi = Arc::new(openapi);
     routes
         .merge(workers::router(&state.limits))
-        .merge(crate::console::router(&state.limits))
+        .merge(crate::console::router(state.clone()))
         .route(
             "/v1/openapi.json",
             axum::routing::get(move || {

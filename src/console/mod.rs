@@ -17,13 +17,13 @@ mod task_page;
 mod tasks;
 
 use axum::Router;
-use axum::extract::{DefaultBodyLimit, Request};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{HeaderValue, Method, header};
-use axum::middleware::{Next, from_fn};
+use axum::middleware::{Next, from_fn, from_fn_with_state};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 
-use crate::api::{AppState, Limits};
+use crate::api::AppState;
 pub use error::ConsoleError;
 pub use session::ConsoleSettings;
 
@@ -31,7 +31,8 @@ pub use session::ConsoleSettings;
 const STYLESHEET: &str = include_str!("console.css");
 
 /// The console's routes; `api::router` merges them.
-pub fn router(limits: &Limits) -> Router<AppState> {
+pub fn router(state: AppState) -> Router<AppState> {
+    let limits = &state.limits;
     let model_upload = Router::new()
         .route("/console/tasks/{id}/model", post(task_page::upload_model))
         .layer(DefaultBodyLimit::max(limits.model_bytes));
@@ -54,7 +55,7 @@ pub fn router(limits: &Limits) -> Router<AppState> {
         .route("/console/console.css", get(stylesheet))
         .layer(DefaultBodyLimit::max(limits.json_body_bytes))
         .merge(model_upload)
-        .layer(from_fn(same_origin_posts))
+        .layer(from_fn_with_state(state, same_origin_posts))
         .layer(from_fn(security_headers))
 }
 
@@ -69,46 +70,66 @@ async fn stylesheet() -> Response {
         .into_response()
 }
 
-/// Refuses a POST another site made the browser send: `Sec-Fetch-Site` other than same-origin
-/// (or none: typed by the user), or an `Origin` whose host is not this request's `Host`. The
-/// CSRF token is the main defence; this one also covers the sign-in form, which has no session
-/// to derive a token from (login CSRF).
-async fn same_origin_posts(request: Request, next: Next) -> Response {
-    if request.method() == Method::POST
-        && let Err(refused) = check_same_origin(request.headers())
-    {
-        return refused.into_response();
+/// Refuses a POST another site made the browser send. A POST must name its origin: `Origin`
+/// equal to this server's (the scheme it speaks, and the host the request was sent to: the
+/// URI's authority under HTTP/2, else `Host`), and `Sec-Fetch-Site`, when sent, `same-origin`.
+/// Browsers send `Origin` with every form post; a request with neither header is refused too.
+/// The CSRF token is the main defence; this one also covers the sign-in form, which has no
+/// session to derive a token from (login CSRF), and same-site pages on other ports, to which
+/// `SameSite` alone would send the cookie.
+async fn same_origin_posts(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if request.method() == Method::POST {
+        let scheme = if state.console.secure_cookies {
+            "https"
+        } else {
+            "http"
+        };
+        if let Err(refused) = check_same_origin(request.uri(), request.headers(), scheme) {
+            return refused.into_response();
+        }
     }
     next.run(request).await
 }
 
-fn check_same_origin(headers: &axum::http::HeaderMap) -> Result<(), ConsoleError> {
+fn check_same_origin(
+    uri: &axum::http::Uri,
+    headers: &axum::http::HeaderMap,
+    scheme: &str,
+) -> Result<(), ConsoleError> {
     let cross = || {
         ConsoleError::Forbidden(
-            "this form was sent from another site; open the console and submit it from there"
+            "this form was sent from another site (or without saying where from); open the \
+             console and submit it from there"
                 .into(),
         )
     };
     if let Some(site) = headers.get("sec-fetch-site")
-        && !matches!(site.as_bytes(), b"same-origin" | b"none")
+        && site.as_bytes() != b"same-origin"
     {
         return Err(cross());
     }
-    if let Some(origin) = headers.get(header::ORIGIN) {
-        let origin = origin.to_str().map_err(|_| cross())?;
-        let host = headers
-            .get(header::HOST)
-            .and_then(|h| h.to_str().ok())
-            .ok_or_else(cross)?;
-        let origin_host = origin
-            .strip_prefix("https://")
-            .or_else(|| origin.strip_prefix("http://"))
-            .ok_or_else(cross)?;
-        if !origin_host.eq_ignore_ascii_case(host) {
-            return Err(cross());
-        }
+    let origin = headers
+        .get(header::ORIGIN)
+        .and_then(|o| o.to_str().ok())
+        .ok_or_else(cross)?;
+    let host = uri
+        .authority()
+        .map(|a| a.as_str())
+        .or_else(|| headers.get(header::HOST).and_then(|h| h.to_str().ok()))
+        .ok_or_else(cross)?;
+    let origin_host = origin
+        .strip_prefix(scheme)
+        .and_then(|rest| rest.strip_prefix("://"))
+        .ok_or_else(cross)?;
+    if origin_host.eq_ignore_ascii_case(host) {
+        Ok(())
+    } else {
+        Err(cross())
     }
-    Ok(())
 }
 
 /// Headers every console answer carries: a strict content security policy (no scripts at all,
@@ -157,31 +178,84 @@ mod tests {
 
     #[test]
     fn same_origin_check_refuses_other_sites_and_allows_this_one() {
+        let plain: axum::http::Uri = "/console/sign-in".parse().unwrap();
+        let h2: axum::http::Uri = "https://c.example/console/sign-in".parse().unwrap();
         let ok = [
-            headers(&[("host", "127.0.0.1:8080")]),
-            headers(&[
-                ("host", "127.0.0.1:8080"),
-                ("origin", "http://127.0.0.1:8080"),
-            ]),
-            headers(&[
-                ("host", "c.example"),
-                ("origin", "https://C.example"),
-                ("sec-fetch-site", "same-origin"),
-            ]),
-            headers(&[("host", "c.example"), ("sec-fetch-site", "none")]),
+            (
+                &plain,
+                "http",
+                headers(&[
+                    ("host", "127.0.0.1:8080"),
+                    ("origin", "http://127.0.0.1:8080"),
+                ]),
+            ),
+            (
+                &plain,
+                "http",
+                headers(&[
+                    ("host", "127.0.0.1:8080"),
+                    ("origin", "http://127.0.0.1:8080"),
+                    ("sec-fetch-site", "same-origin"),
+                ]),
+            ),
+            (
+                &plain,
+                "https",
+                headers(&[("host", "c.example"), ("origin", "https://C.example")]),
+            ),
+            // HTTP/2 carries the host in the URI's authority, not in a Host header.
+            (
+                &h2,
+                "https",
+                headers(&[
+                    ("origin", "https://c.example"),
+                    ("sec-fetch-site", "same-origin"),
+                ]),
+            ),
         ];
-        for h in &ok {
-            assert!(check_same_origin(h).is_ok(), "{h:?}");
+        for (uri, scheme, h) in &ok {
+            assert!(check_same_origin(uri, h, scheme).is_ok(), "{uri} {h:?}");
         }
         let refused = [
-            headers(&[("host", "c.example"), ("origin", "https://evil.example")]),
-            headers(&[("host", "c.example"), ("origin", "null")]),
-            headers(&[("host", "c.example"), ("sec-fetch-site", "cross-site")]),
-            headers(&[("host", "c.example"), ("sec-fetch-site", "same-site")]),
-            headers(&[("origin", "https://c.example")]),
+            (
+                &plain,
+                "https",
+                headers(&[("host", "c.example"), ("origin", "https://evil.example")]),
+            ),
+            (
+                &plain,
+                "https",
+                headers(&[("host", "c.example"), ("origin", "null")]),
+            ),
+            (
+                &plain,
+                "https",
+                headers(&[("host", "c.example"), ("origin", "http://c.example")]),
+            ),
+            (
+                &plain,
+                "https",
+                headers(&[
+                    ("host", "c.example"),
+                    ("origin", "https://c.example"),
+                    ("sec-fetch-site", "same-site"),
+                ]),
+            ),
+            (
+                &plain,
+                "https",
+                headers(&[
+                    ("host", "c.example"),
+                    ("origin", "https://c.example"),
+                    ("sec-fetch-site", "none"),
+                ]),
+            ),
+            (&plain, "https", headers(&[("host", "c.example")])),
+            (&plain, "https", headers(&[("origin", "https://c.example")])),
+            (&h2, "https", headers(&[("origin", "https://evil.example")])),
         ];
-        for h in &refused {
-            assert!(check_same_origin(h).is_err(), "{h:?}");
+        for (uri, scheme, h) in &refused {
+            assert!(check_same_origin(uri, h, scheme).is_err(), "{uri} {h:?}");
         }
     }
 }

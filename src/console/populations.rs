@@ -105,22 +105,31 @@ async fn open_tasks(
 
 /// Open tasks looked at for the fill view: the newest, by creation.
 const TASKS_SCANNED: u32 = 100;
+/// Populations shown (in name order); a tenant may register any number.
+const POPULATIONS_SHOWN: usize = 50;
 
 pub async fn show(
     State(state): State<AppState>,
     session: Session,
 ) -> Result<Response, ConsoleError> {
-    let populations = state.db.populations(&session.tenant.id).await?;
+    let mut populations = state.db.populations(&session.tenant.id).await?;
+    let hidden = populations.len().saturating_sub(POPULATIONS_SHOWN);
+    populations.truncate(POPULATIONS_SHOWN);
     let now = state.now();
     let open = open_tasks(&state, &session.tenant.id, now).await?;
+    let names: Vec<&str> = populations.iter().map(|p| p.name.as_str()).collect();
+    let activities = state.registry.activities(&names, now);
     let body = html! {
         h1 { "Populations" }
         p { "Check-ins this server saw in the last 15 minutes, and what each came to: an assignment, or the reason the device was told to come back later. Devices check in anonymously: one that checked in twice counts twice." }
         @if populations.is_empty() {
             p { "No populations yet: your first task on a population registers it." }
         }
+        @if hidden > 0 {
+            p { "The first " (POPULATIONS_SHOWN) " populations by name; " (hidden) " more are not shown." }
+        }
         @for population in &populations {
-            @let activity = state.registry.activity(&population.name, now);
+            @let Some(activity) = activities.get(&population.name) else { continue };
             section.card data-population=(population.name) {
                 h2 { (population.name) }
                 p {

@@ -20,7 +20,9 @@ use crate::api::error::ApiError;
 use crate::db::jobs::ReleaseRecord;
 use crate::db::progress::FunnelCount;
 use crate::db::{RoundRecord, TaskRecord};
+use crate::release_check::{StoredCheck, check_stored};
 use crate::states::{AssignmentState, RoundState, TaskState};
+use confed_enclave::aggregate::Manifest;
 
 /// Rounds shown in the tables and the durations chart (the newest); the privacy plot shows all.
 const ROUNDS_SHOWN: usize = 30;
@@ -29,15 +31,20 @@ const MODELS_SHOWN: i64 = 20;
 /// How often a page of a task with a live round reloads itself.
 const REFRESH_SECONDS: u32 = 15;
 
-/// Everything the page says about one round (all its attempts).
+/// Everything the page says about one round: its attempts, the latest attempt's assignments,
+/// and its release with the re-check that also parsed the signed manifest.
 struct RoundView<'a> {
     number: i64,
     attempts: Vec<&'a RoundRecord>,
+    /// Assignments of the latest attempt, by state (earlier attempts failed and released
+    /// nothing; counting them beside the release's inclusions would not add up).
     by_state: BTreeMap<&'static str, i64>,
     assigned: i64,
     uploaded: i64,
     release: Option<&'a ReleaseRecord>,
-    excluded: BTreeMap<String, u64>,
+    check: Option<&'a StoredCheck>,
+    /// When the latest attempt stopped collecting (None while it collects, or if it never did).
+    aggregating_since: Option<i64>,
 }
 
 impl RoundView<'_> {
@@ -49,16 +56,27 @@ impl RoundView<'_> {
         self.by_state.get(state.as_str()).copied().unwrap_or(0)
     }
 
+    /// The release's manifest, as the enclave signed it (None without a release, or when the
+    /// stored manifest does not parse: the proof column then says so).
+    fn manifest(&self) -> Option<&Manifest> {
+        self.check.and_then(|c| c.manifest.as_ref())
+    }
+
+    fn verified(&self) -> Option<bool> {
+        self.check.map(|c| c.failures.is_empty())
+    }
+
+    /// Collection: from opening until the round stopped collecting (its move to AGGREGATING),
+    /// or until it closed or now. Aggregation: from then until the round completed (the release
+    /// and the new model version), or until now.
     fn times(&self, now: i64) -> RoundTimes {
         let latest = self.latest();
-        let closed = latest.closed_at.unwrap_or(now);
+        let end = latest.closed_at.unwrap_or(now);
+        let collected_until = self.aggregating_since.unwrap_or(end);
         RoundTimes {
             round: self.number,
-            collection_millis: (closed - latest.opened_at).max(0),
-            aggregation_millis: match (self.release, latest.closed_at) {
-                (Some(release), Some(closed)) => Some((release.created_at - closed).max(0)),
-                _ => None,
-            },
+            collection_millis: (collected_until - latest.opened_at).max(0),
+            aggregation_millis: self.aggregating_since.map(|since| (end - since).max(0)),
         }
     }
 }
@@ -67,9 +85,12 @@ fn round_views<'a>(
     rounds: &'a [RoundRecord],
     funnel: &[FunnelCount],
     releases: &'a [ReleaseRecord],
+    checks: &'a [StoredCheck],
+    aggregating: &std::collections::HashMap<String, i64>,
+    first_shown: i64,
 ) -> Vec<RoundView<'a>> {
     let mut views: BTreeMap<i64, RoundView<'a>> = BTreeMap::new();
-    for round in rounds {
+    for round in rounds.iter().filter(|r| r.round_number >= first_shown) {
         views
             .entry(round.round_number)
             .or_insert_with(|| RoundView {
@@ -79,31 +100,60 @@ fn round_views<'a>(
                 assigned: 0,
                 uploaded: 0,
                 release: None,
-                excluded: BTreeMap::new(),
+                check: None,
+                aggregating_since: None,
             })
             .attempts
             .push(round);
     }
+    for view in views.values_mut() {
+        view.attempts.sort_by_key(|r| r.attempt);
+        view.aggregating_since = aggregating.get(&view.latest().id).copied();
+    }
     for row in funnel {
-        if let Some(view) = views.get_mut(&row.round_number) {
+        if let Some(view) = views.get_mut(&row.round_number)
+            && row.attempt == view.latest().attempt
+        {
             *view.by_state.entry(row.state.as_str()).or_default() += row.assignments;
             view.assigned += row.assignments;
             view.uploaded += row.with_contribution;
         }
     }
-    for release in releases {
+    for (release, check) in releases.iter().zip(checks) {
         if let Some(view) = views.get_mut(&release.round_number) {
             view.release = Some(release);
-            view.excluded =
-                serde_json::from_str::<confed_enclave::aggregate::Manifest>(&release.manifest_json)
-                    .map(|m| m.excluded)
-                    .unwrap_or_default();
+            view.check = Some(check);
         }
     }
-    for view in views.values_mut() {
-        view.attempts.sort_by_key(|r| r.attempt);
-    }
     views.into_values().collect()
+}
+
+/// Each shown release checked again (signatures: CPU work off the async threads).
+async fn check_releases(
+    state: &AppState,
+    task: &TaskRecord,
+    releases: &[ReleaseRecord],
+) -> Result<Vec<StoredCheck>, ConsoleError> {
+    let mut base_models = Vec::with_capacity(releases.len());
+    for release in releases {
+        let base = state
+            .db
+            .model(&task.tenant_id, &task.id, release.round_number - 1)
+            .await
+            .ok()
+            .map(|m| m.sha256_hex);
+        base_models.push(base);
+    }
+    let (keys, task, releases) = (state.keys.clone(), task.clone(), releases.to_vec());
+    tokio::task::spawn_blocking(move || {
+        releases
+            .iter()
+            .zip(&base_models)
+            .map(|(release, base)| check_stored(&keys, &task, base.as_deref(), release))
+            .collect()
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("release checks: {e}")).into())
 }
 
 pub async fn show(
@@ -114,8 +164,16 @@ pub async fn show(
     let tenant_id = &session.tenant.id;
     let task = state.db.task(tenant_id, &id).await?;
     let rounds = state.db.rounds(tenant_id, &id).await?;
-    let releases = state.db.releases(tenant_id, &id).await?;
-    let funnel = state.db.round_funnel(tenant_id, &id).await?;
+    let newest = rounds.iter().map(|r| r.round_number).max().unwrap_or(0);
+    let first_shown = (newest - ROUNDS_SHOWN as i64 + 1).max(1);
+    let series = state.db.release_series(tenant_id, &id).await?;
+    let releases = state.db.releases_from(tenant_id, &id, first_shown).await?;
+    let funnel = state.db.round_funnel(tenant_id, &id, first_shown).await?;
+    let checks = check_releases(&state, &task, &releases).await?;
+    let aggregating = state
+        .db
+        .aggregating_since(tenant_id, &id, first_shown)
+        .await?;
     let mut models = Vec::new();
     if let Some(latest) = task.model_version {
         for version in (0..=latest).rev().take(MODELS_SHOWN as usize) {
@@ -123,45 +181,43 @@ pub async fn show(
         }
     }
     let now = state.now();
-    let views = round_views(&rounds, &funnel, &releases);
-    let shown: Vec<&RoundView> = views.iter().rev().take(ROUNDS_SHOWN).collect();
-    let checks: BTreeMap<i64, crate::release_check::StoredCheck> = shown
-        .iter()
-        .filter_map(|v| v.release)
-        .map(|r| {
-            (
-                r.round_number,
-                crate::release_check::check_stored(&state.keys, r),
-            )
-        })
-        .collect();
+    let views = round_views(
+        &rounds,
+        &funnel,
+        &releases,
+        &checks,
+        &aggregating,
+        first_shown,
+    );
+    let shown: Vec<&RoundView> = views.iter().rev().collect();
     let eligible = state.registry.eligible(&task.spec, now);
     let live = task.state == TaskState::Open;
+    let spent = series.last().map_or(0.0, |(_, epsilon)| *epsilon);
     let body = html! {
-        (summary(&task, &releases, eligible, &session))
+        (summary(&task, spent, eligible, &session))
         section aria-labelledby="privacy-heading" {
             h2 #privacy-heading { "Privacy spent per round" }
             (charts::privacy_plot(
-                &releases.iter().map(|r| SpentPoint { round: r.round_number, epsilon: r.epsilon_spent }).collect::<Vec<_>>(),
+                &series.iter().map(|(round, epsilon)| SpentPoint { round: *round, epsilon: *epsilon }).collect::<Vec<_>>(),
                 i64::from(task.spec.rounds),
                 task.spec.privacy.epsilon,
             ))
         }
         section aria-labelledby="rounds-heading" {
             h2 #rounds-heading { "Rounds" }
-            @if let Some(view) = views.iter().rev().find(|v| v.release.is_some()) {
+            @if let Some(view) = views.iter().rev().find(|v| v.manifest().is_some()) {
                 (charts::funnel_bars(view.number, &[
                     ("assigned", view.assigned),
                     ("uploaded", view.uploaded),
                     ("reported", view.count(AssignmentState::Completed)),
-                    ("included", view.release.map_or(0, |r| r.included)),
+                    ("included", view.manifest().map_or(0, |m| m.included as i64)),
                 ]))
             }
             @if shown.is_empty() {
                 p { "No round has started: upload model version 0 to open round 1." }
             } @else {
-                p.note { "Where each round's assigned devices ended (failed counts failed and rejected reports), what its release included and excluded, and how long it collected and aggregated. Rows of rounds older than the retention period may count zero assignments." }
-                (funnel_table(&shown, &checks, now))
+                p.note { "Where the latest attempt of each round sent its assigned devices (failed counts failed and rejected reports), what its release included and excluded (from the manifest the enclave signed), and how long it collected and aggregated. Rows of rounds older than the retention period may count zero assignments." }
+                (funnel_table(&shown, now))
             }
         }
         @if !shown.is_empty() {
@@ -190,17 +246,19 @@ pub async fn show(
         section aria-labelledby="proof-heading" {
             h2 #proof-heading { "Release proofs" }
             p.note {
-                "Each release is checked again here against the key services this server knows: the enclave's signature and a quorum of key-service receipts for the round's commitment. "
+                "Each release is checked again here against the key services this server knows: the manifest is this round's, under this task's policy, from the previous model version, and the enclave's signature and a quorum of key-service receipts cover it. "
                 "This page comes from the server, so it is the operator's word; check a release independently with your own trust file: "
                 code { "confed verify release --task " (task.id) " --round N" } " or the Python package's " code { "verify_release" } "."
             }
-            @for (round, check) in checks.iter().rev() {
-                details data-round=(round) {
-                    summary {
-                        "round " (round) ": "
-                        @if check.failures.is_empty() { span.ok { "verified" } } @else { span.bad { "NOT verified" } }
+            @for view in &shown {
+                @if let Some(check) = view.check {
+                    details data-round=(view.number) {
+                        summary {
+                            "round " (view.number) ": "
+                            @if check.failures.is_empty() { span.ok { "verified" } } @else { span.bad { "NOT verified" } }
+                        }
+                        ul { @for line in &check.lines { li { (line) } } }
                     }
-                    ul { @for line in &check.lines { li { (line) } } }
                 }
             }
         }
@@ -210,13 +268,7 @@ pub async fn show(
     Ok(Html(layout::page(&title, Some(&session), refresh, body).into_string()).into_response())
 }
 
-fn summary(
-    task: &TaskRecord,
-    releases: &[ReleaseRecord],
-    eligible: u64,
-    session: &Session,
-) -> Markup {
-    let spent = releases.last().map_or(0.0, |r| r.epsilon_spent);
+fn summary(task: &TaskRecord, spent: f64, eligible: u64, session: &Session) -> Markup {
     let budget = task.spec.privacy.epsilon;
     html! {
         h1 { "Task " code { (task.id) } " " (state_badge(task.state)) }
@@ -250,13 +302,9 @@ fn summary(
     }
 }
 
-fn funnel_table(
-    shown: &[&RoundView<'_>],
-    checks: &BTreeMap<i64, crate::release_check::StoredCheck>,
-    now: i64,
-) -> Markup {
+fn funnel_table(shown: &[&RoundView<'_>], now: i64) -> Markup {
     html! {
-        div.scroll {
+        div.scroll tabindex="0" role="region" aria-label="Rounds (scrolls sideways)" {
             table #funnel {
                 caption { "Per round, newest first" }
                 thead { tr {
@@ -279,20 +327,20 @@ fn funnel_table(
                             td.num data-field="reported" { (count(view.count(AssignmentState::Completed))) }
                             td.num data-field="failed" { (count(view.count(AssignmentState::Failed) + view.count(AssignmentState::Rejected))) }
                             td.num data-field="timed_out" { (count(view.count(AssignmentState::TimedOut))) }
-                            td.num data-field="included" { @if let Some(r) = view.release { (count(r.included)) } @else { "—" } }
+                            td.num data-field="included" { @if let Some(m) = view.manifest() { (count(m.included as i64)) } @else { "—" } }
                             td data-field="excluded" {
-                                @if let Some(r) = view.release {
-                                    (count(r.excluded))
-                                    @for (reason, n) in &view.excluded { br; small { (reason) ": " (n) } }
+                                @if let Some(m) = view.manifest() {
+                                    (count(m.excluded.values().sum::<u64>() as i64))
+                                    @for (reason, n) in &m.excluded { br; small { (reason) ": " (n) } }
                                 } @else { "—" }
                             }
-                            td.num data-field="epsilon" { @if let Some(r) = view.release { (format!("{:.4}", r.epsilon_spent)) } @else { "—" } }
+                            td.num data-field="epsilon" { @if let Some(m) = view.manifest() { (format!("{:.4}", m.privacy.epsilon_spent)) } @else { "—" } }
                             td.num { (duration(times.collection_millis)) @if latest.closed_at.is_none() { " so far" } }
                             td.num { @if let Some(a) = times.aggregation_millis { (duration(a)) } @else { "—" } }
                             td {
-                                @match checks.get(&view.number) {
-                                    Some(check) if check.failures.is_empty() => span.ok { "verified" },
-                                    Some(_) => span.bad { "NOT verified" },
+                                @match view.verified() {
+                                    Some(true) => span.ok { "verified" },
+                                    Some(false) => span.bad { "NOT verified" },
                                     None => "—",
                                 }
                             }

@@ -50,7 +50,7 @@ pub async fn list(
         @if tasks.is_empty() {
             p { "No tasks yet. " a href="/console/tasks/new" { "Create one" } "." }
         } @else {
-            div.scroll {
+            div.scroll tabindex="0" role="region" aria-label="Your tasks (scrolls sideways)" {
                 table #tasks {
                     caption { "Your tasks, newest first" }
                     thead { tr {

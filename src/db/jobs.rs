@@ -96,7 +96,10 @@ async fn check_lease(conn: &mut Conn, round_id: &str, worker: &str) -> Result<()
     }
 }
 
-async fn load_release(conn: &mut Conn, round_id: &str) -> Result<Option<ReleaseRecord>, DbError> {
+pub(super) async fn load_release(
+    conn: &mut Conn,
+    round_id: &str,
+) -> Result<Option<ReleaseRecord>, DbError> {
     type Row = (
         String,
         String,

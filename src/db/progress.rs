@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 
+use super::jobs::ReleaseRecord;
 use super::{Db, DbError, tasks};
 use crate::states::{AssignmentState, StateMachine};
 
@@ -19,11 +20,13 @@ pub struct FunnelCount {
 }
 
 impl Db {
-    /// Assignment counts by round, attempt and state for one tenant's task.
+    /// Assignment counts by round, attempt and state for one tenant's task, from round
+    /// `min_round` on.
     pub async fn round_funnel(
         &self,
         tenant_id: &str,
         task_id: &str,
+        min_round: i64,
     ) -> Result<Vec<FunnelCount>, DbError> {
         let mut conn = self.pool().acquire().await?;
         tasks::load(&mut conn, tenant_id, task_id).await?;
@@ -31,11 +34,12 @@ impl Db {
             "SELECT r.round_number, r.attempt, a.state, COUNT(*), \
              SUM(CASE WHEN a.contribution_bytes IS NULL THEN 0 ELSE 1 END) \
              FROM assignments a JOIN rounds r ON r.id = a.round_id \
-             WHERE r.task_id = $1 \
+             WHERE r.task_id = $1 AND r.round_number >= $2 \
              GROUP BY r.round_number, r.attempt, a.state \
              ORDER BY r.round_number, r.attempt, a.state",
         )
         .bind(task_id)
+        .bind(min_round)
         .fetch_all(&mut *conn)
         .await?;
         rows.into_iter()
@@ -64,6 +68,73 @@ impl Db {
         )
         .bind(tenant_id)
         .fetch_all(self.pool())
+        .await?;
+        Ok(rows.into_iter().collect())
+    }
+
+    /// (round, epsilon spent through it) of every release of a tenant's task, in round order:
+    /// the privacy plot's series, without loading manifests and proofs.
+    pub async fn release_series(
+        &self,
+        tenant_id: &str,
+        task_id: &str,
+    ) -> Result<Vec<(i64, f64)>, DbError> {
+        let mut conn = self.pool().acquire().await?;
+        tasks::load(&mut conn, tenant_id, task_id).await?;
+        Ok(sqlx::query_as(
+            "SELECT round_number, epsilon_spent FROM releases WHERE task_id = $1 \
+             ORDER BY round_number",
+        )
+        .bind(task_id)
+        .fetch_all(&mut *conn)
+        .await?)
+    }
+
+    /// The releases of a tenant's task from round `min_round` on, in round order (the newest
+    /// rounds a page shows, without loading every release of a long task).
+    pub async fn releases_from(
+        &self,
+        tenant_id: &str,
+        task_id: &str,
+        min_round: i64,
+    ) -> Result<Vec<ReleaseRecord>, DbError> {
+        let mut conn = self.pool().acquire().await?;
+        tasks::load(&mut conn, tenant_id, task_id).await?;
+        let ids: Vec<String> = sqlx::query_scalar(
+            "SELECT round_id FROM releases WHERE task_id = $1 AND round_number >= $2 \
+             ORDER BY round_number",
+        )
+        .bind(task_id)
+        .bind(min_round)
+        .fetch_all(&mut *conn)
+        .await?;
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            out.extend(super::jobs::load_release(&mut conn, &id).await?);
+        }
+        Ok(out)
+    }
+
+    /// When each round attempt of a tenant's task (from round `min_round` on) stopped
+    /// collecting: the time of its move to AGGREGATING in the state history, by round id.
+    pub async fn aggregating_since(
+        &self,
+        tenant_id: &str,
+        task_id: &str,
+        min_round: i64,
+    ) -> Result<HashMap<String, i64>, DbError> {
+        let mut conn = self.pool().acquire().await?;
+        tasks::load(&mut conn, tenant_id, task_id).await?;
+        let rows: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT h.entity_id, MIN(h.at) FROM state_history h \
+             JOIN rounds r ON r.id = h.entity_id \
+             WHERE r.task_id = $1 AND r.round_number >= $2 AND h.entity = 'round' \
+             AND h.to_state = $3 GROUP BY h.entity_id",
+        )
+        .bind(task_id)
+        .bind(min_round)
+        .bind(crate::states::RoundState::Aggregating.as_str())
+        .fetch_all(&mut *conn)
         .await?;
         Ok(rows.into_iter().collect())
     }

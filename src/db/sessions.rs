@@ -3,9 +3,13 @@
 
 use super::{Db, DbError, TenantRecord};
 
+/// Most live console sessions one tenant keeps (browsers signed in at once).
+pub const MAX_SESSIONS_PER_TENANT: i64 = 20;
+
 impl Db {
-    /// Records a session for `tenant_id` until `expires_at`, and purges expired ones (sign-ins
-    /// are rare, so they carry the clean-up).
+    /// Records a session for `tenant_id` until `expires_at`, purges expired ones (sign-ins are
+    /// rare, so they carry the clean-up) and keeps at most `MAX_SESSIONS_PER_TENANT` per
+    /// tenant, ending the oldest: a script that signs in over and over cannot grow the table.
     pub async fn create_console_session(
         &self,
         id_sha256: &str,
@@ -25,9 +29,18 @@ impl Db {
                      VALUES ($1, $2, $3, $4)",
                 )
                 .bind(row.0)
-                .bind(row.1)
+                .bind(row.1.clone())
                 .bind(now)
                 .bind(expires_at)
+                .execute(&mut *conn)
+                .await?;
+                sqlx::query(
+                    "DELETE FROM console_sessions WHERE tenant_id = $1 AND id_sha256 NOT IN \
+                     (SELECT id_sha256 FROM console_sessions WHERE tenant_id = $1 \
+                      ORDER BY created_at DESC, id_sha256 LIMIT $2)",
+                )
+                .bind(row.1.clone())
+                .bind(MAX_SESSIONS_PER_TENANT)
                 .execute(&mut *conn)
                 .await
                 .map_err(DbError::from)

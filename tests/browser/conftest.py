@@ -34,7 +34,7 @@ def server():
             [binary, "serve", "--listen", "127.0.0.1:0", "--data-dir", data],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             env={**os.environ, "RUST_LOG": "error", "CONFED_ADMIN_TOKEN": admin})
-        found = {"admin": admin}
+        found = {"admin": admin, "data": data}
         for line in process.stdout:
             if line.startswith("CONFED_DEMO_TOKEN="):
                 found["token"] = line.split("=", 1)[1].strip()

@@ -11,7 +11,7 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
 fi
-if ! python3 -c 'import confed_client, pytest, selenium' 2>/dev/null; then
+if ! python3 -c 'import confed_client, pytest, selenium, tqdm' 2>/dev/null; then
     if ! python3 -m pip --version >/dev/null 2>&1; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-pip >/dev/null
     fi
@@ -19,5 +19,21 @@ if ! python3 -c 'import confed_client, pytest, selenium' 2>/dev/null; then
         python3 -m pip install --quiet --disable-pip-version-check --break-system-packages \
             "$root/clients/python[test]" selenium >&2
 fi
+# axe-core, the accessibility engine, straight from the npm registry (no node needed): pinned and
+# checked against the registry's published integrity digest.
+axe_version=4.14.1
+axe_sha512=FHfa+lmNjQZfJz1q8wKqIDwC6DExcHt/pkjNQb09a3NPjCKg2rhu5qb2S4r76ASyFNNtuFooJpZe37OgudVGtQ==
+axe_dir=${XDG_CACHE_HOME:-$HOME/.cache}/confed/axe-core-$axe_version
+if [[ ! -f "$axe_dir/axe.min.js" ]]; then
+    mkdir -p "$axe_dir"
+    curl -fsSL -o "$axe_dir/axe.tgz" "https://registry.npmjs.org/axe-core/-/axe-core-$axe_version.tgz"
+    got=$(openssl dgst -sha512 -binary "$axe_dir/axe.tgz" | base64 -w0)
+    if [[ "$got" != "$axe_sha512" ]]; then
+        echo "axe-core $axe_version: the download's digest is $got, not $axe_sha512" >&2
+        exit 1
+    fi
+    tar -xzf "$axe_dir/axe.tgz" -C "$axe_dir" --strip-components=1 package/axe.min.js
+fi
+export AXE_JS=$axe_dir/axe.min.js
 cd "$here"
-python3 -m pytest -q -p no:cacheprovider .
+python3 -m pytest -q -p no:cacheprovider --durations=5 "$@" .

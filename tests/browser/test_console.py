@@ -1,22 +1,28 @@
 """The partner console in a real headless Chromium: sign in, the task list, a task with completed
-rounds whose plot and funnel show the API's numbers, creating and cancelling a task through the
-forms, another tenant's task out of reach, forged posts refused, the populations view, sign out.
+rounds whose plot and funnel show the API's numbers, creating, opening (model upload) and
+cancelling a task through the forms, another tenant's task out of reach, forged posts refused, a
+copied release row not verified, the populations view, WCAG AA by axe-core, sign out.
 Screenshots go to $CONSOLE_SCREENSHOTS when it is set (docs/console/ holds the committed ones)."""
 
 from __future__ import annotations
 
+import datetime
 import http.server
 import os
 import pathlib
 import re
+import sqlite3
 import threading
 
+import numpy as np
 import pytest
 import requests
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.ui import WebDriverWait
 
+from confed_client import to_safetensors
 from conftest import DEVICES_PER_ROUND, ROUNDS
 
 
@@ -38,6 +44,13 @@ def sign_in(browser, server, token=None) -> None:
     field.send_keys(token or server["token"])
     field.submit()
     WebDriverWait(browser, 10).until(expected_conditions.url_contains("/console/tasks"))
+
+
+def heading_says(browser, text: str) -> None:
+    """Waits until the page's heading contains `text` (the old page's heading may go stale as
+    the form's answer replaces it)."""
+    WebDriverWait(browser, 10, ignored_exceptions=[StaleElementReferenceException]).until(
+        lambda b: text in b.find_element(By.TAG_NAME, "h1").text)
 
 
 def api(server, path: str, token=None) -> dict:
@@ -100,7 +113,18 @@ def test_task_page_plot_and_funnel_show_the_releases_numbers(browser, server, tr
             for b in browser.find_elements(By.CSS_SELECTOR, "#funnel-chart rect.stage")}
     assert bars == {"assigned": DEVICES_PER_ROUND, "uploaded": DEVICES_PER_ROUND,
                     "reported": DEVICES_PER_ROUND, "included": DEVICES_PER_ROUND}
-    assert len(browser.find_elements(By.CSS_SELECTOR, "#durations-chart rect.collection[data-round]")) == ROUNDS
+    # Durations: collection until the round stopped collecting, then aggregation until it
+    # completed; together, the round's life as the API reports it.
+    rounds = {r["round"]: r for r in api(server, f"/v1/tasks/{trained_task}/rounds")["rounds"]}
+    millis = lambda stamp: int(datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+                               .timestamp() * 1000 + 0.5)
+    for kind in ("collection", "aggregation"):
+        assert len(browser.find_elements(
+            By.CSS_SELECTOR, f"#durations-chart rect.{kind}[data-round]")) == ROUNDS
+    for number, round_ in rounds.items():
+        parts = [int(b.get_attribute("data-millis")) for b in browser.find_elements(
+            By.CSS_SELECTOR, f'#durations-chart rect[data-round="{number}"]')]
+        assert sum(parts) == millis(round_["closed_at"]) - millis(round_["opened_at"]), parts
     # Model versions 0..ROUNDS, each downloadable.
     links = browser.find_elements(By.CSS_SELECTOR, "#models a")
     assert [link.text for link in links] == [f"version {v}" for v in range(ROUNDS, -1, -1)]
@@ -121,7 +145,7 @@ def test_model_download_link_serves_the_version(browser, server, trained_task):
     assert reply.content == api_bytes.content
 
 
-def test_a_task_is_created_and_cancelled_through_the_forms(browser, server):
+def test_a_task_is_created_opened_and_cancelled_through_the_forms(browser, server, tmp_path):
     browser.get(f"{server['url']}/console/tasks/new")
     population = browser.find_element(By.ID, "population")
     population.send_keys("form-phones")
@@ -136,9 +160,16 @@ def test_a_task_is_created_and_cancelled_through_the_forms(browser, server):
     assert created["state"] == "CREATED" and created["rounds"] == 5
     assert created["population"] == "form-phones"
     assert "CREATED" in browser.find_element(By.TAG_NAME, "h1").text
+    # Upload model version 0 through the form: the task opens.
+    model = tmp_path / "model.safetensors"
+    model.write_bytes(to_safetensors({"w": np.zeros(3, np.float32)}))
+    browser.find_element(By.ID, "model").send_keys(str(model))
+    browser.find_element(By.CSS_SELECTOR, "form[enctype='multipart/form-data'] button").click()
+    heading_says(browser, "OPEN")
+    opened = api(server, f"/v1/tasks/{task}")
+    assert opened["state"] == "OPEN" and opened["model_version"] == 0
     browser.find_element(By.CSS_SELECTOR, "button.danger").click()
-    WebDriverWait(browser, 10).until(
-        lambda b: "CANCELLED" in b.find_element(By.TAG_NAME, "h1").text)
+    heading_says(browser, "CANCELLED")
     assert api(server, f"/v1/tasks/{task}")["state"] == "CANCELLED"
 
 
@@ -168,7 +199,7 @@ def test_another_tenants_task_is_not_reachable_by_url(browser, server, other_ten
     csrf = browser.find_element(By.NAME, "csrf").get_attribute("value")
     reply = requests.post(f"{server['url']}/console/tasks/{other_tenant['task']}/cancel",
                           data={"csrf": csrf}, cookies={"confed_session": cookie["value"]},
-                          allow_redirects=False, timeout=30)
+                          headers={"Origin": server["url"]}, allow_redirects=False, timeout=30)
     assert reply.status_code == 404
     assert api(server, f"/v1/tasks/{other_tenant['task']}", other_tenant["token"])["state"] == "OPEN"
 
@@ -210,10 +241,45 @@ def test_forged_posts_without_the_csrf_token_are_refused(browser, server):
     cookie = session_cookie(browser)
     for data in ({"reason": "no token at all"}, {"csrf": "guess"}):
         reply = requests.post(cancel, data=data, cookies={"confed_session": cookie["value"]},
-                              allow_redirects=False, timeout=30)
+                              headers={"Origin": server["url"]}, allow_redirects=False,
+                              timeout=30)
         assert reply.status_code == 403, reply.text
         assert "security token" in reply.text
+    # With the token but saying nothing of where it comes from (no Origin): refused too.
+    browser.get(f"{server['url']}/console/tasks")
+    csrf = browser.find_element(By.NAME, "csrf").get_attribute("value")
+    reply = requests.post(cancel, data={"csrf": csrf}, cookies={"confed_session": cookie["value"]},
+                          allow_redirects=False, timeout=30)
+    assert reply.status_code == 403 and "another site" in reply.text
     assert api(server, f"/v1/tasks/{partner_task}")["state"] == "CREATED"
+
+
+def test_a_release_row_copied_from_another_round_is_not_verified(browser, server, trained_task):
+    """The operator of the database copies round 1's genuine release (manifest, proof, average
+    digest) over round 2's: every signature still verifies, but it is not round 2's release."""
+    db = sqlite3.connect(os.path.join(server["data"], "confed.db"), timeout=30)
+    columns = "manifest_json, proof_json, average_sha256"
+    row = lambda n: db.execute(f"SELECT {columns} FROM releases WHERE task_id = ? AND "
+                               "round_number = ?", (trained_task, n)).fetchone()
+    original, copied = row(2), row(1)
+    update = (f"UPDATE releases SET manifest_json = ?, proof_json = ?, average_sha256 = ? "
+              "WHERE task_id = ? AND round_number = 2")
+    try:
+        db.execute(update, (*copied, trained_task))
+        db.commit()
+        browser.get(f"{server['url']}/console/tasks/{trained_task}")
+        row2 = browser.find_element(By.CSS_SELECTOR, '#funnel tr[data-round="2"]')
+        assert "NOT verified" in row2.text
+        details = browser.find_element(By.CSS_SELECTOR, 'details[data-round="2"]')
+        assert "FAILED: the manifest is for task" in details.get_attribute("textContent")
+        row1 = browser.find_element(By.CSS_SELECTOR, '#funnel tr[data-round="1"]')
+        assert "NOT verified" not in row1.text and "verified" in row1.text
+    finally:
+        db.execute(update, (*original, trained_task))
+        db.commit()
+        db.close()
+    browser.get(f"{server['url']}/console/tasks/{trained_task}")
+    assert "NOT verified" not in browser.find_element(By.ID, "funnel").text
 
 
 def test_populations_show_recent_check_ins_and_their_outcomes(browser, server, trained_task):
@@ -229,6 +295,31 @@ def test_populations_show_recent_check_ins_and_their_outcomes(browser, server, t
     # The task list, now with the tasks the other tests made (for docs/console/).
     browser.get(f"{server['url']}/console/tasks")
     shoot(browser, "tasks")
+
+
+def axe_violations(browser) -> list[str]:
+    """WCAG 2.0/2.1 A and AA violations axe-core finds on the current page (the script is
+    injected through WebDriver, which the page's script-free CSP does not govern)."""
+    browser.execute_script(pathlib.Path(os.environ["AXE_JS"]).read_text(encoding="utf-8"))
+    return browser.execute_async_script("""
+        const done = arguments[arguments.length - 1];
+        axe.run(document, {runOnly: {type: "tag",
+                                     values: ["wcag2a", "wcag2aa", "wcag21a", "wcag21aa"]}})
+           .then(r => done(r.violations.map(v => v.id + ": " + v.help + " at " +
+                                                 v.nodes.map(n => n.target.join(" ")).join(", "))));
+    """)
+
+
+@pytest.mark.skipif(not os.environ.get("AXE_JS"), reason="tests/browser/run.sh provides axe-core")
+def test_every_page_meets_wcag_aa_by_axe(browser, server, trained_task):
+    for path in ("/console/tasks", f"/console/tasks/{trained_task}", "/console/tasks/new",
+                 "/console/populations"):
+        browser.get(f"{server['url']}{path}")
+        assert axe_violations(browser) == [], path
+    browser.set_window_size(390, 844)
+    browser.get(f"{server['url']}/console/tasks/{trained_task}")
+    assert axe_violations(browser) == [], "the task page on a phone"
+    browser.set_window_size(1280, 1000)
 
 
 def test_sign_out_ends_the_session_on_the_server(browser, server):
@@ -251,3 +342,5 @@ def test_a_wrong_token_is_refused_with_a_clear_message(browser, server):
     field.submit()
     assert "not valid" in browser.find_element(By.ID, "sign-in-problem").text
     assert not [c for c in browser.get_cookies() if c["name"] == "confed_session"]
+    if os.environ.get("AXE_JS"):
+        assert axe_violations(browser) == [], "the sign-in page with its problem"
