@@ -266,6 +266,88 @@ async fn serves_tls_with_operator_certificate() {
         .strip_prefix("https://")
         .expect("TLS server announces https");
 
+    let connector = tokio_rustls::TlsConnector::from(tls_client_config(&cert));
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = tokio_rustls::rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let mut tls = connector.connect(name.clone(), tcp).await.unwrap();
+    tls.write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut response = String::new();
+    tls.read_to_string(&mut response).await.unwrap();
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    assert!(response.ends_with("ok"), "{response}");
+
+    // Over TLS the console's session cookie is Secure and __Host- prefixed.
+    let port = addr.rsplit_once(':').unwrap().1;
+    let token = server
+        .demo_token
+        .clone()
+        .expect("a new data directory prints its token");
+    let body = format!("token={token}");
+    let request = format!(
+        "POST /console/sign-in HTTP/1.1\r\nHost: localhost:{port}\r\n\
+         Origin: https://localhost:{port}\r\n\
+         Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut tls = connector.connect(name, tcp).await.unwrap();
+    tls.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    tls.read_to_string(&mut response).await.unwrap();
+    assert!(response.starts_with("HTTP/1.1 303"), "{response}");
+    let cookie = response
+        .lines()
+        .find(|l| l.to_ascii_lowercase().starts_with("set-cookie:"))
+        .expect("a session cookie");
+    assert!(cookie.contains("__Host-confed_session="), "{cookie}");
+    assert!(
+        cookie.contains("; Secure") && cookie.contains("HttpOnly"),
+        "{cookie}"
+    );
+
+    // The same over HTTP/2, as browsers send it: the host is the URI's authority, and there is
+    // no Host header for the console's same-origin check to read.
+    let mut h2_config = (*tls_client_config(&cert)).clone();
+    h2_config.alpn_protocols = vec![b"h2".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(h2_config));
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = tokio_rustls::rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let tls = connector.connect(name, tcp).await.unwrap();
+    assert_eq!(
+        tls.get_ref().1.alpn_protocol(),
+        Some(&b"h2"[..]),
+        "the server speaks HTTP/2"
+    );
+    let (mut sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tls),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(connection);
+    let request = http::Request::post(format!("https://localhost:{port}/console/sign-in"))
+        .header("origin", format!("https://localhost:{port}"))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .unwrap();
+    let response = sender.send_request(request).await.unwrap();
+    assert_eq!(
+        response.status(),
+        303,
+        "an HTTP/2 sign-in from this origin is accepted"
+    );
+    let cookie = response.headers()["set-cookie"].to_str().unwrap();
+    assert!(cookie.starts_with("__Host-confed_session="), "{cookie}");
+    assert!(terminate(server).await.success());
+}
+
+/// A TLS client configuration trusting the test's self-signed certificate.
+fn tls_client_config(
+    cert: &rcgen::CertifiedKey<rcgen::KeyPair>,
+) -> Arc<tokio_rustls::rustls::ClientConfig> {
     let mut roots = tokio_rustls::rustls::RootCertStore::empty();
     roots.add(cert.cert.der().clone()).unwrap();
     let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
@@ -274,18 +356,7 @@ async fn serves_tls_with_operator_certificate() {
         .unwrap()
         .with_root_certificates(roots)
         .with_no_client_auth();
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let name = tokio_rustls::rustls::pki_types::ServerName::try_from("localhost").unwrap();
-    let mut tls = connector.connect(name, tcp).await.unwrap();
-    tls.write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let mut response = String::new();
-    tls.read_to_string(&mut response).await.unwrap();
-    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
-    assert!(response.ends_with("ok"), "{response}");
-    assert!(terminate(server).await.success());
+    Arc::new(config)
 }
 
 /// Polls until model `version` of `task` exists (the embedded enclave worker released and
