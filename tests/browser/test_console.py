@@ -228,7 +228,9 @@ def test_forged_posts_without_the_csrf_token_are_refused(browser, server):
     cancel = f"{server['url']}/console/tasks/{partner_task}/cancel"
     # From another site (same host, other port: same-site, so the Strict cookie is sent).
     _Attacker.target = cancel
-    attacker = http.server.HTTPServer(("127.0.0.1", 0), _Attacker)
+    # Threaded: Chromium opens spare connections that a one-at-a-time server would wait on.
+    attacker = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Attacker)
+    attacker.daemon_threads = True
     threading.Thread(target=attacker.serve_forever, daemon=True).start()
     try:
         browser.get(f"http://127.0.0.1:{attacker.server_port}/")
