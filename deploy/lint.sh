@@ -25,5 +25,5 @@ python3 -m yamllint --strict -c deploy/gcp/.yamllint deploy/gcp/k8s
 python3 deploy/lint.py
 # pip puts shellcheck next to the interpreter's scripts, which need not be on PATH.
 "$scripts/shellcheck" deploy/local/*.sh deploy/lint.sh .ci/run clients/python/run-tests.sh \
-    tests/browser/run.sh
+    tests/browser/run.sh tests/privacy/run.sh
 echo "deploy/lint.sh: clean"

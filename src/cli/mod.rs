@@ -3,6 +3,7 @@
 mod demo;
 mod devices;
 mod keys;
+mod privacy;
 mod serve;
 mod tenant;
 mod tokens;
@@ -15,6 +16,7 @@ pub use confed::keyservice::cli::shutdown_signal;
 pub use demo::DemoArgs;
 pub use devices::DevicesCommand;
 pub use keys::KeysCommand;
+pub use privacy::PrivacyCommand;
 pub use serve::ServeArgs;
 pub use tenant::TenantCommand;
 pub use verify::VerifyCommand;
@@ -65,6 +67,11 @@ pub enum Command {
         #[command(subcommand)]
         command: VerifyCommand,
     },
+    /// Privacy budgets: the noise a budget buys and what each round spends.
+    Privacy {
+        #[command(subcommand)]
+        command: PrivacyCommand,
+    },
 }
 
 pub fn run() -> Result<()> {
@@ -102,6 +109,7 @@ pub fn run() -> Result<()> {
                 confed::keyservice::cli::run(command, run, shutdown_signal()).await
             }
             Command::Verify { command } => verify::run(command).await,
+            Command::Privacy { command } => privacy::run(command),
         }
     })
 }

@@ -1,0 +1,74 @@
+//! `confed privacy plan`: what a privacy budget buys, computed by the same OpenDP calibration and
+//! accounting the enclave runs (`confed_enclave::dp`), as JSON. For partners choosing a budget,
+//! and for the independent check of the accounting (`tests/privacy/`).
+
+use anyhow::{Result, anyhow};
+use clap::{Args, Subcommand};
+use confed_enclave::dp::{self, grid::GRID_UNITS_PER_CLIP};
+use serde::Serialize;
+
+#[derive(Subcommand)]
+pub enum PrivacyCommand {
+    /// The per-round noise a task's budget buys and the epsilon spent after each round, as the
+    /// enclave will calibrate and account them (Gaussian mechanism, zCDP, OpenDP).
+    Plan(PlanArgs),
+}
+
+#[derive(Args)]
+pub struct PlanArgs {
+    /// The task's total epsilon over all rounds.
+    #[arg(long)]
+    epsilon: f64,
+    /// The task's delta.
+    #[arg(long)]
+    delta: f64,
+    /// Planned rounds.
+    #[arg(long)]
+    rounds: u32,
+    /// Reports per round: also checks the plan is usable, as task creation does.
+    #[arg(long)]
+    report_goal: Option<u32>,
+}
+
+#[derive(Serialize)]
+struct Plan {
+    epsilon: f64,
+    delta: f64,
+    rounds: u32,
+    /// Per-round noise standard deviation in clip norms (sigma / C) on the sum.
+    noise_multiplier: f64,
+    /// zCDP rho each round spends.
+    rho_per_round: f64,
+    /// Epsilon at `delta` spent through round 1, 2, ..., `rounds`.
+    epsilon_spent: Vec<f64>,
+    /// With --report-goal: the noise on each coordinate of the average, in clip norms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    average_noise_per_clip: Option<f64>,
+}
+
+pub fn run(command: PrivacyCommand) -> Result<()> {
+    let PrivacyCommand::Plan(args) = command;
+    let calibration = match args.report_goal {
+        Some(goal) => dp::check_plan(args.epsilon, args.delta, args.rounds, goal)
+            .map_err(|e| anyhow!("{e}"))?,
+        None => dp::calibrate(args.epsilon, args.delta, args.rounds).map_err(|e| anyhow!("{e}"))?,
+    };
+    let scale_grid = calibration.noise_multiplier * GRID_UNITS_PER_CLIP as f64;
+    let epsilon_spent = (1..=args.rounds)
+        .map(|k| dp::spent(scale_grid, k, args.delta).map(|(_, epsilon)| epsilon))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| anyhow!("{e}"))?;
+    let plan = Plan {
+        epsilon: args.epsilon,
+        delta: args.delta,
+        rounds: args.rounds,
+        noise_multiplier: calibration.noise_multiplier,
+        rho_per_round: calibration.rho_per_round,
+        epsilon_spent,
+        average_noise_per_clip: args
+            .report_goal
+            .map(|goal| calibration.noise_multiplier / f64::from(goal.max(1))),
+    };
+    println!("{}", serde_json::to_string_pretty(&plan)?);
+    Ok(())
+}
