@@ -99,6 +99,7 @@ impl CheckinOutcome {
 /// The check-in service over the task database, the key directory and the contribution store.
 pub struct Checkin<'a> {
     pub db: &'a Db,
+    pub scheduling: crate::scheduling::SchedulingPolicy,
     pub keys: &'a KeyDirectory,
     pub contributions: &'a dyn BlobStore,
 }
@@ -143,15 +144,8 @@ impl Checkin<'_> {
                 },
             ));
         }
-        // Fair between tasks (and so tenants): the least-filled round first, then the earliest deadline.
-        fitting.sort_by(|a, b| {
-            let fill = |c: &crate::db::device::Candidate| {
-                c.live as f64 / c.spec.max_live_assignments().max(1) as f64
-            };
-            fill(a)
-                .total_cmp(&fill(b))
-                .then(a.deadline_at.cmp(&b.deadline_at))
-        });
+        // The deployment's scheduling policy decides which fitting round is tried first.
+        self.scheduling.order(&mut fitting);
         let now_seconds = seconds_of(now);
         let mut keyless = false;
         for candidate in fitting {

@@ -19,6 +19,7 @@ pub mod registry;
 pub mod release_check;
 pub mod retention;
 pub mod scheduler;
+pub mod scheduling;
 pub mod server;
 pub mod states;
 pub mod task_spec;

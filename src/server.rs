@@ -61,6 +61,8 @@ pub struct ServeConfig {
     pub scheduler_period: Duration,
     /// How long a closed round's contributions are kept (docs/operations.md, "Retention").
     pub retention: Duration,
+    /// Which fitting task a checking-in device serves first.
+    pub scheduling: crate::scheduling::SchedulingPolicy,
 }
 
 /// How often the retention pass runs.
@@ -198,6 +200,7 @@ pub async fn serve(
                     secure_cookies: config.tls.is_some(),
                     ..Default::default()
                 },
+                scheduling: config.scheduling,
             }));
         }
         if let (true, Some(worker_config)) = (has(Role::EnclaveWorker), embedded_worker) {

@@ -59,6 +59,7 @@ pub async fn checkin(
     let now = state.now();
     let checkin = Checkin {
         db: &state.db,
+        scheduling: state.scheduling,
         keys: &state.keys,
         contributions: state.contributions.as_ref(),
     };

@@ -75,6 +75,8 @@ pub struct AppState {
     pub worker_token: Option<AdminToken>,
     /// The partner console's cookie settings.
     pub console: crate::console::ConsoleSettings,
+    /// Which fitting task a checking-in device serves first (`confed serve --scheduling`).
+    pub scheduling: crate::scheduling::SchedulingPolicy,
 }
 
 impl AppState {

@@ -75,6 +75,15 @@ pub struct ServeArgs {
     /// one week; at least 1).
     #[arg(long, default_value_t = 10080)]
     pub retention_minutes: u64,
+    /// Which fitting task a checking-in device serves first: fair-share (the least-filled
+    /// round), fcfs (the oldest task) or shortest-remaining-demand (docs/operations.md).
+    #[arg(
+        long,
+        value_enum,
+        env = "CONFED_SCHEDULING",
+        default_value = "fair-share"
+    )]
+    pub scheduling: confed::scheduling::SchedulingPolicy,
 }
 
 pub async fn run(args: ServeArgs) -> Result<()> {
@@ -121,6 +130,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         },
         scheduler_period: Duration::from_secs(args.scheduler_period_seconds.max(1)),
         retention: Duration::from_secs(args.retention_minutes.max(1) * 60),
+        scheduling: args.scheduling,
     };
     server::serve(config, shutdown_signal()).await?;
     Ok(())

@@ -147,6 +147,7 @@ impl EmbeddedSystem {
             registry: Default::default(),
             worker_token: options.worker_token.clone(),
             console: Default::default(),
+            scheduling: Default::default(),
         };
         let (url, handle) = serve_router(api::router(state), stop_rx.clone()).await?;
         tasks.push(handle);

@@ -29,6 +29,9 @@ pub const START_MILLIS: i64 = 1_800_000_000_000;
 
 pub struct TestApp {
     pub router: Router,
+    /// What the router serves from (to rebuild it with other settings).
+    #[allow(dead_code)]
+    pub state: AppState,
     pub db: Db,
     /// The PostgreSQL database's URL when the tests run on PostgreSQL.
     pub database_url: Option<String>,
@@ -136,6 +139,14 @@ impl TestApp {
         Self::build(admin, limits, None).await
     }
 
+    /// The same app with another scheduling policy.
+    #[allow(dead_code)]
+    pub fn with_scheduling(mut self, policy: confed::scheduling::SchedulingPolicy) -> Self {
+        self.state.scheduling = policy;
+        self.router = api::router(self.state.clone());
+        self
+    }
+
     /// One app per engine a conformance suite runs on (`database::each_engine`), named.
     #[allow(dead_code)]
     pub async fn on_each_engine() -> Vec<(&'static str, Self)> {
@@ -189,9 +200,11 @@ impl TestApp {
             registry: Default::default(),
             worker_token: Some(AdminToken::from_secret(WORKER_TOKEN.to_string()).unwrap()),
             console: Default::default(),
+            scheduling: Default::default(),
         };
         Self {
-            router: api::router(state),
+            router: api::router(state.clone()),
+            state,
             db,
             database_url,
             clock,

@@ -29,6 +29,8 @@ pub struct Candidate {
     pub key_id: Option<String>,
     pub model_version: i64,
     pub live: i64,
+    /// When the task was created (first come, first served).
+    pub task_created_at: i64,
     /// Parsed once per task and shared: a task's definition never changes after creation.
     pub spec: std::sync::Arc<TaskSpec>,
 }
@@ -100,6 +102,7 @@ pub(in crate::db) type CandidateRow = (
     i64,
     String,
     i64,
+    i64,
 );
 pub(in crate::db) type ViewRow = (
     String,
@@ -128,7 +131,7 @@ pub(in crate::db) const VIEW_SQL: &str = "SELECT a.id, a.state, a.expires_at, r.
 pub(in crate::db) static CANDIDATES: LazyLock<String> = LazyLock::new(|| {
     format!(
         "SELECT r.id, t.id, t.tenant_id, r.round_number, r.deadline_at, r.key_id, \
-         t.model_version, r.live_assignments, t.spec_json, r.attempt \
+         t.model_version, r.live_assignments, t.spec_json, r.attempt, t.created_at \
          FROM rounds r JOIN tasks t ON t.id = r.task_id \
          JOIN populations p ON p.name = t.population AND p.tenant_id = t.tenant_id \
          WHERE t.population = $1 AND t.state = '{open}' AND r.state = '{collecting}'",
@@ -391,6 +394,7 @@ impl Db {
                     key_id: r.5,
                     model_version: r.6.unwrap_or(0),
                     live: r.7,
+                    task_created_at: r.10,
                     spec,
                 })
             })
