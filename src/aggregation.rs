@@ -101,6 +101,8 @@ impl TaskDbJobStore {
                 })
                 .collect(),
             committed_average_key: context.release.as_ref().map(|r| r.average_key.clone()),
+            optimizer: spec.server_optimizer,
+            optimizer_state_key: context.model.optimizer_state_key.clone(),
         })
     }
 
@@ -191,6 +193,85 @@ impl TaskDbJobStore {
             proof_json,
         })
     }
+
+    /// Stores `state` (a server optimizer's state file, checked to parse) write-once under its
+    /// digest next to the model version this job makes; returns the digest that
+    /// `commit_model_linked` takes. The first half of a model commit with state.
+    pub async fn put_optimizer_state(
+        &self,
+        job_id: &str,
+        state: &[u8],
+    ) -> Result<String, StoreError> {
+        confed_enclave::optimizer::OptimizerState::decode(state)
+            .map_err(|e| StoreError::Refused(e.to_string()))?;
+        let context = self.db.job_context(job_id).await.map_err(db_error)?;
+        let sha = hex(Sha256::digest(state));
+        let key = BlobKey::optimizer_state(
+            &context.task.tenant_id,
+            &context.task.id,
+            context.round.round_number,
+            &sha,
+        )
+        .map_err(backend)?;
+        match self.blobs.put(&key, state).await {
+            Ok(_) | Err(BlobError::Conflict(_)) => Ok(sha),
+            Err(e) => Err(backend(e)),
+        }
+    }
+
+    /// Stores model version `round` and commits it, linked to the optimizer state stored under
+    /// `optimizer_state_sha256` (by `put_optimizer_state`), if any.
+    pub async fn commit_model_linked(
+        &self,
+        job_id: &str,
+        worker: &str,
+        model: &[u8],
+        optimizer_state_sha256: Option<&str>,
+    ) -> Result<(), StoreError> {
+        let context = self.db.job_context(job_id).await.map_err(db_error)?;
+        let optimizer_state_key = match optimizer_state_sha256 {
+            Some(sha) => {
+                let key = BlobKey::optimizer_state(
+                    &context.task.tenant_id,
+                    &context.task.id,
+                    context.round.round_number,
+                    sha,
+                )
+                .map_err(backend)?;
+                if self.blob(key.as_str()).await?.is_none() {
+                    return Err(StoreError::Refused(format!(
+                        "no optimizer state {sha} was stored for this job; upload it first"
+                    )));
+                }
+                Some(key.as_str().to_string())
+            }
+            None => None,
+        };
+
+        let sha = hex(Sha256::digest(model));
+        let key = BlobKey::model(
+            &context.task.tenant_id,
+            &context.task.id,
+            context.round.round_number,
+            &sha,
+        )
+        .map_err(backend)?;
+        self.blobs.put(&key, model).await.map_err(backend)?;
+        self.db
+            .commit_model(
+                job_id,
+                worker,
+                NewModel {
+                    blob_key: key.as_str().to_string(),
+                    sha256_hex: sha,
+                    size_bytes: model.len() as i64,
+                    optimizer_state_key,
+                },
+                self.now(),
+            )
+            .await
+            .map_err(db_error)
+    }
 }
 
 impl BlobSource for TaskDbJobStore {
@@ -260,30 +341,14 @@ impl JobStore for TaskDbJobStore {
         job_id: &str,
         worker: &str,
         model: &[u8],
+        optimizer_state: Option<&[u8]>,
     ) -> Result<(), StoreError> {
-        let context = self.db.job_context(job_id).await.map_err(db_error)?;
-        let sha = hex(Sha256::digest(model));
-        let key = BlobKey::model(
-            &context.task.tenant_id,
-            &context.task.id,
-            context.round.round_number,
-            &sha,
-        )
-        .map_err(backend)?;
-        self.blobs.put(&key, model).await.map_err(backend)?;
-        self.db
-            .commit_model(
-                job_id,
-                worker,
-                NewModel {
-                    blob_key: key.as_str().to_string(),
-                    sha256_hex: sha,
-                    size_bytes: model.len() as i64,
-                },
-                self.now(),
-            )
+        let state_sha256 = match optimizer_state {
+            Some(state) => Some(self.put_optimizer_state(job_id, state).await?),
+            None => None,
+        };
+        self.commit_model_linked(job_id, worker, model, state_sha256.as_deref())
             .await
-            .map_err(db_error)
     }
 
     async fn fail(

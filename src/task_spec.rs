@@ -2,6 +2,7 @@
 //! Every field is checked; every problem is reported with the field's name and allowed range, all
 //! at once, so a partner fixes a request in one go.
 
+use confed_enclave::optimizer::ServerOptimizer;
 use confed_enclave::policy::TaskPolicy;
 use std::collections::BTreeMap;
 
@@ -121,6 +122,13 @@ pub struct CreateTaskRequest {
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub plan: Option<serde_json::Value>,
+    /// How the noised average becomes the next model version, with `server_learning_rate`:
+    /// `{"name": "fedavg"}` (default), `{"name": "fedavgm", "momentum": 0.9}`,
+    /// `{"name": "fedadam", "beta1": 0.9, "beta2": 0.99, "tau": 0.001}` or `{"name": "fedyogi",
+    /// ...}` (the same fields; each defaults as shown).
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub server_optimizer: Option<ServerOptimizer>,
 }
 
 /// A validated task definition, as stored and as returned to the partner.
@@ -142,6 +150,10 @@ pub struct TaskSpec {
     pub server_learning_rate: f64,
     #[schema(value_type = Object)]
     pub plan: serde_json::Value,
+    /// The server optimizer (tasks created before optimizers existed read as FedAvg).
+    #[serde(default)]
+    #[schema(value_type = Object)]
+    pub server_optimizer: ServerOptimizer,
 }
 
 impl TaskSpec {
@@ -307,6 +319,10 @@ impl CreateTaskRequest {
                 format!("must be at most {MAX_PLAN_BYTES} bytes as JSON"),
             );
         }
+        let server_optimizer = self.server_optimizer.unwrap_or_default();
+        if let Err(why) = server_optimizer.validate() {
+            p.add("server_optimizer", why);
+        }
         if p.0.is_empty()
             && let Err(problem) =
                 confed_enclave::dp::check_plan(privacy.epsilon, privacy.delta, rounds, report_goal)
@@ -332,6 +348,7 @@ impl CreateTaskRequest {
             privacy,
             server_learning_rate,
             plan,
+            server_optimizer,
         })
     }
 }

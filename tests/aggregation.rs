@@ -247,7 +247,13 @@ impl JobStore for DiesBeforeCommit {
             "killed between noising and commit".into(),
         ))
     }
-    async fn commit_model(&self, _: &str, _: &str, _: &[u8]) -> Result<(), StoreError> {
+    async fn commit_model(
+        &self,
+        _: &str,
+        _: &str,
+        _: &[u8],
+        _: Option<&[u8]>,
+    ) -> Result<(), StoreError> {
         unreachable!("the worker died before")
     }
     async fn fail(&self, _: &str, _: &str, _: &str, _: bool) -> Result<(), StoreError> {

@@ -14,6 +14,8 @@ async fn the_demo_learns_well_above_chance_with_dp_noise() {
         delta: 1e-6,
         clip_norm: 1.0,
         seed: 7,
+        optimizer: Default::default(),
+        server_learning_rate: 1.0,
         data_dir: dir.path().join("demo"),
         progress: false,
     })

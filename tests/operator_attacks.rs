@@ -144,11 +144,14 @@ impl JobStore for Operator {
         job_id: &str,
         worker: &str,
         model: &[u8],
+        optimizer_state: Option<&[u8]>,
     ) -> Result<(), StoreError> {
         if self.replaying() {
             return Ok(());
         }
-        self.inner.commit_model(job_id, worker, model).await
+        self.inner
+            .commit_model(job_id, worker, model, optimizer_state)
+            .await
     }
     async fn fail(
         &self,

@@ -111,7 +111,9 @@ async fn a_worker_whose_lease_was_taken_over_is_refused_over_http() {
         Err(StoreError::LeaseLost)
     ));
     assert!(matches!(
-        store.commit_model(&first.job_id, "A", &first.model).await,
+        store
+            .commit_model(&first.job_id, "A", &first.model, None)
+            .await,
         Err(StoreError::LeaseLost)
     ));
     store

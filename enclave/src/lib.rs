@@ -9,6 +9,7 @@ pub mod envelope;
 pub mod hpke_awslc;
 pub mod key_collection;
 pub mod model;
+pub mod optimizer;
 pub mod reads;
 pub mod remote;
 pub mod secret;

@@ -15,6 +15,7 @@ use zeroize::Zeroizing;
 
 use crate::aggregate::Manifest;
 use crate::hpke::PublicKey;
+use crate::optimizer::ServerOptimizer;
 use crate::worker::{JobContribution, JobSpec, JobStore, StagedRelease, StoreError};
 use confed_attestation::release::ReleaseProof;
 
@@ -54,6 +55,16 @@ pub struct JobWire {
     pub contributions: Vec<ContributionWire>,
     /// Blob key of the committed release's average, when the round is already APPLYING.
     pub committed_average_key: Option<String>,
+    /// The task's server optimizer (absent: FedAvg).
+    #[serde(default, skip_serializing_if = "is_fedavg")]
+    pub optimizer: ServerOptimizer,
+    /// Blob key of the optimizer's state after round `round - 1` (absent before its first round).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer_state_key: Option<String>,
+}
+
+fn is_fedavg(optimizer: &ServerOptimizer) -> bool {
+    *optimizer == ServerOptimizer::FedAvg
 }
 
 impl JobWire {
@@ -62,6 +73,7 @@ impl JobWire {
         self,
         model: Vec<u8>,
         committed_average: Option<Vec<u8>>,
+        optimizer_state: Option<Vec<u8>>,
     ) -> Result<JobSpec, String> {
         let public_key = URL_SAFE_NO_PAD
             .decode(&self.public_key)
@@ -77,6 +89,8 @@ impl JobWire {
             public_key,
             policy: self.policy,
             model,
+            optimizer: self.optimizer,
+            optimizer_state,
             contributions: self
                 .contributions
                 .into_iter()
@@ -138,8 +152,12 @@ pub async fn resolve<S: BlobSource>(
         Some(key) => Some(store.required_blob(key).await?),
         None => None,
     };
+    let optimizer_state = match &wire.optimizer_state_key {
+        Some(key) => Some(store.required_blob(key).await?),
+        None => None,
+    };
     let job_id = wire.job_id.clone();
-    match wire.into_spec(model, average) {
+    match wire.into_spec(model, average, optimizer_state) {
         Ok(spec) => Ok(spec),
         Err(reason) => {
             store.fail(&job_id, worker, &reason, true).await?;
@@ -153,6 +171,16 @@ pub async fn resolve<S: BlobSource>(
 #[serde(deny_unknown_fields)]
 pub struct WorkerId {
     pub worker: String,
+}
+
+/// The query of `PUT /internal/v1/jobs/{id}/model`: the worker, and the digest of the optimizer
+/// state it stored first with `PUT .../optimizer-state` (absent for FedAvg).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelCommitQuery {
+    pub worker: String,
+    #[serde(default)]
+    pub optimizer_state_sha256: Option<String>,
 }
 
 /// `POST /internal/v1/jobs/{id}/renew`.
@@ -366,11 +394,28 @@ impl JobStore for HttpJobStore {
         job_id: &str,
         worker: &str,
         model: &[u8],
+        optimizer_state: Option<&[u8]>,
     ) -> Result<(), StoreError> {
+        // The optimizer's state first (stored write-once under its digest), then the model,
+        // which names that digest: the server links both in the model's commit.
+        let mut link = String::new();
+        if let Some(state) = optimizer_state {
+            self.send(
+                self.http
+                    .put(self.url(&format!("jobs/{job_id}/optimizer-state?worker={worker}")))
+                    .header("content-type", "application/octet-stream")
+                    .body(state.to_vec()),
+            )
+            .await?;
+            link = format!(
+                "&optimizer_state_sha256={}",
+                crate::policy::sha256_hex(state)
+            );
+        }
         self.send(
             self.http
                 // Worker ids are `A-Z a-z 0-9 . _ -` (checked by the server): no escaping needed.
-                .put(self.url(&format!("jobs/{job_id}/model?worker={worker}")))
+                .put(self.url(&format!("jobs/{job_id}/model?worker={worker}{link}")))
                 .header("content-type", "application/octet-stream")
                 .body(model.to_vec()),
         )

@@ -1,12 +1,14 @@
-//! The model updater: FedAvg's server step. Version N+1 = version N + server_learning_rate x the
-//! noised average update, tensor by tensor, computed in f64 and stored as F32 safetensors with
-//! the same names and shapes. Deterministic, so a retried job writes the same bytes.
+//! The model updater: the server optimizer's step (`optimizer.rs`; FedAvg by default: version
+//! N+1 = version N + server_learning_rate x the noised average update), tensor by tensor,
+//! computed in f64 and stored as F32 safetensors with the same names and shapes, with the
+//! optimizer's new state beside it. Deterministic, so a retried job writes the same bytes.
 
 use safetensors::SafeTensors;
 use thiserror::Error;
 
 use crate::aggregate;
 use crate::model::{ModelError, ModelSchema};
+use crate::optimizer::{OptimizerError, OptimizerState, ServerOptimizer};
 
 #[derive(Debug, Error)]
 pub enum UpdateError {
@@ -18,42 +20,64 @@ pub enum UpdateError {
     NonFinite(f64),
     #[error(transparent)]
     Encode(#[from] ModelError),
+    #[error(transparent)]
+    Optimizer(#[from] OptimizerError),
 }
 
-/// Applies `average` (schema order, as released) to `base`, whose schema (`validate_model`) the
-/// caller already has, with `learning_rate`.
+/// A model version and, for optimizers with state, its optimizer state file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Updated {
+    pub model: Vec<u8>,
+    pub optimizer_state: Option<Vec<u8>>,
+}
+
+/// Applies `average` (schema order, as released) to `base` with FedAvg and `learning_rate`.
 pub fn apply(
     base: &[u8],
     schema: &ModelSchema,
     average: &[f32],
     learning_rate: f64,
 ) -> Result<Vec<u8>, UpdateError> {
+    Ok(apply_with(
+        base,
+        schema,
+        average,
+        learning_rate,
+        &ServerOptimizer::FedAvg,
+        None,
+    )?
+    .model)
+}
+
+/// Applies `average` to `base`, whose schema (`validate_model`) the caller already has, with
+/// `optimizer` from its `state` file (`None` before its first round, and for FedAvg).
+pub fn apply_with(
+    base: &[u8],
+    schema: &ModelSchema,
+    average: &[f32],
+    learning_rate: f64,
+    optimizer: &ServerOptimizer,
+    state: Option<&[u8]>,
+) -> Result<Updated, UpdateError> {
     if schema.parameter_count() != average.len() {
         return Err(UpdateError::Shape {
             got: average.len(),
             expected: schema.parameter_count(),
         });
     }
-    let parsed = SafeTensors::deserialize(base)
-        .map_err(|e| UpdateError::BaseModel(ModelError::NotSafetensors(e.to_string())))?;
-    let mut values = Vec::with_capacity(average.len());
-    for spec in schema.tensors() {
-        let view = parsed
-            .tensor(&spec.name)
-            .map_err(|e| UpdateError::BaseModel(ModelError::NotSafetensors(e.to_string())))?;
-        values.extend(
-            view.data()
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-        );
+    let mut values = average_values(schema, base).map_err(UpdateError::BaseModel)?;
+    let state = match (optimizer.has_state(), state) {
+        (true, Some(bytes)) => Some(OptimizerState::decode(bytes)?),
+        _ => None,
+    };
+    let state = optimizer.step(&mut values, average, learning_rate, state)?;
+    if values.iter().any(|v| !v.is_finite()) {
+        return Err(UpdateError::NonFinite(learning_rate));
     }
-    for (value, delta) in values.iter_mut().zip(average) {
-        *value = (f64::from(*value) + learning_rate * f64::from(*delta)) as f32;
-        if !value.is_finite() {
-            return Err(UpdateError::NonFinite(learning_rate));
-        }
-    }
-    Ok(aggregate::encode(schema, &values)?)
+    Ok(Updated {
+        model: aggregate::encode(schema, &values)?,
+        optimizer_state: state.map(|s| s.encode()).transpose()?,
+    })
 }
 
 /// The values of a released average (safetensors) in schema order.

@@ -34,6 +34,7 @@ use crate::envelope::RoundContext;
 use crate::hpke::PublicKey;
 use crate::key_collection::{CollectError, KeyRequest, KeyServiceEndpoint, obtain_private_key};
 use crate::model::{ModelError, ModelSchema, validate_model};
+use crate::optimizer::ServerOptimizer;
 use crate::policy::{PolicyError, TaskPolicy, sha256_hex};
 use crate::reads::{BufferPool, READ_AHEAD, next_batch};
 use crate::updater::{self, UpdateError};
@@ -55,6 +56,11 @@ pub struct JobSpec {
     pub policy: String,
     /// Model version `round - 1`.
     pub model: Vec<u8>,
+    /// The task's server optimizer (post-processing of the release: it spends no privacy, so
+    /// it may come from the store like the model does).
+    pub optimizer: ServerOptimizer,
+    /// The optimizer's state after round `round - 1` (None before its first round).
+    pub optimizer_state: Option<Vec<u8>>,
     /// Every completed contribution.
     pub contributions: Vec<JobContribution>,
     /// The committed release, when the round is already APPLYING.
@@ -129,13 +135,15 @@ pub trait JobStore: Send + Sync {
         worker: &str,
         release: StagedRelease<'_>,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
-    /// Stores model version `round` and completes the round (APPLYING -> COMPLETED), opening the
-    /// next round or completing the task.
+    /// Stores model version `round` (with the server optimizer's new state, if it keeps one)
+    /// and completes the round (APPLYING -> COMPLETED), opening the next round or completing
+    /// the task.
     fn commit_model(
         &self,
         job_id: &str,
         worker: &str,
         model: &[u8],
+        optimizer_state: Option<&[u8]>,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// Gives the job back: retried later, or (`permanent`) the round and task fail.
     fn fail(
@@ -368,9 +376,21 @@ impl<S: JobStore + 'static> Worker<S> {
         };
         let updating = Instant::now();
         let values = updater::average_values(&schema, &average)?;
-        let model = updater::apply(&job.model, &schema, &values, policy.server_learning_rate)?;
+        let updated = updater::apply_with(
+            &job.model,
+            &schema,
+            &values,
+            policy.server_learning_rate,
+            &job.optimizer,
+            job.optimizer_state.as_deref(),
+        )?;
         self.store
-            .commit_model(&job.job_id, &self.config.id, &model)
+            .commit_model(
+                &job.job_id,
+                &self.config.id,
+                &updated.model,
+                updated.optimizer_state.as_deref(),
+            )
             .await?;
         phases.update = updating.elapsed();
         Ok(JobOutcome {

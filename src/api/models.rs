@@ -67,6 +67,7 @@ pub async fn store_version_zero(
         blob_key: key.as_str().to_string(),
         sha256_hex: digest,
         size_bytes: body.len() as i64,
+        optimizer_state_key: None,
     };
     let task = state
         .db

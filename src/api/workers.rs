@@ -11,7 +11,8 @@ use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use confed_enclave::remote::{
-    FailRequest, LeaseRequest, MAX_LEASE_WAIT_SECONDS, ReleaseUpload, RenewRequest, WorkerId,
+    FailRequest, LeaseRequest, MAX_LEASE_WAIT_SECONDS, ModelCommitQuery, ReleaseUpload,
+    RenewRequest, WorkerId,
 };
 use confed_enclave::worker::{JobStore, StagedRelease, StoreError};
 use std::time::Duration;
@@ -186,14 +187,43 @@ async fn model(
     State(state): State<AppState>,
     _: WorkerAuth,
     ApiPath(job_id): ApiPath<String>,
+    ApiQuery(query): ApiQuery<ModelCommitQuery>,
+    ApiBytes(body): ApiBytes,
+) -> Result<StatusCode, ApiError> {
+    check_worker(&query.worker)?;
+    if let Some(sha) = &query.optimizer_state_sha256
+        && !(sha.len() == 64 && sha.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+    {
+        return Err(ApiError::BadRequest(
+            "`optimizer_state_sha256` must be 64 lowercase hex digits".into(),
+        ));
+    }
+    confed_enclave::model::validate_model(&body)
+        .map_err(|e| ApiError::Unprocessable(format!("the model is not valid: {e}")))?;
+    store(&state)
+        .commit_model_linked(
+            &job_id,
+            &query.worker,
+            &body,
+            query.optimizer_state_sha256.as_deref(),
+        )
+        .await
+        .map_err(store_error)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// A server optimizer's state for the model version this job makes, stored before the model
+/// (`PUT .../model?optimizer_state_sha256=` links it).
+async fn optimizer_state(
+    State(state): State<AppState>,
+    _: WorkerAuth,
+    ApiPath(job_id): ApiPath<String>,
     ApiQuery(worker): ApiQuery<WorkerId>,
     ApiBytes(body): ApiBytes,
 ) -> Result<StatusCode, ApiError> {
     check_worker(&worker.worker)?;
-    confed_enclave::model::validate_model(&body)
-        .map_err(|e| ApiError::Unprocessable(format!("the model is not valid: {e}")))?;
     store(&state)
-        .commit_model(&job_id, &worker.worker, &body)
+        .put_optimizer_state(&job_id, &body)
         .await
         .map_err(store_error)?;
     Ok(StatusCode::NO_CONTENT)
@@ -260,6 +290,10 @@ pub fn router(limits: &Limits) -> Router<AppState> {
         .route("/internal/v1/jobs/{id}/fail", post(fail))
         .route("/internal/v1/jobs/{id}/release", put(release))
         .route("/internal/v1/jobs/{id}/model", put(model))
+        .route(
+            "/internal/v1/jobs/{id}/optimizer-state",
+            put(optimizer_state),
+        )
         .route("/internal/v1/blobs/{*key}", get(blob))
         .route("/internal/v1/contributions/{*key}", get(contribution))
         .layer(DefaultBodyLimit::max(upload_limit))

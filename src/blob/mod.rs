@@ -53,6 +53,18 @@ impl BlobKey {
         ))
     }
 
+    /// The server optimizer's state after the round that made model `version`.
+    pub fn optimizer_state(
+        tenant_id: &str,
+        task_id: &str,
+        version: i64,
+        sha256_hex: &str,
+    ) -> Result<Self, BlobError> {
+        Self::new(format!(
+            "tenants/{tenant_id}/tasks/{task_id}/models/{version}-optimizer-{sha256_hex}.safetensors"
+        ))
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }

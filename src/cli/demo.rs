@@ -23,10 +23,38 @@ pub struct DemoArgs {
     pub clip_norm: f64,
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
+    /// The server optimizer (with its default hyperparameters: docs/api.md).
+    #[arg(long, value_enum, default_value = "fedavg")]
+    pub optimizer: Optimizer,
+    /// The server learning rate the optimizer steps with.
+    #[arg(long, default_value_t = 1.0)]
+    pub server_learning_rate: f64,
     /// Where the demo keeps its state (default: a new directory under the system's temp dir,
     /// removed at the end).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
+}
+
+/// `--optimizer`: each with its default hyperparameters.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum Optimizer {
+    Fedavg,
+    Fedavgm,
+    Fedadam,
+    Fedyogi,
+}
+
+impl From<Optimizer> for confed_enclave::optimizer::ServerOptimizer {
+    fn from(optimizer: Optimizer) -> Self {
+        let name = match optimizer {
+            Optimizer::Fedavg => "fedavg",
+            Optimizer::Fedavgm => "fedavgm",
+            Optimizer::Fedadam => "fedadam",
+            Optimizer::Fedyogi => "fedyogi",
+        };
+        serde_json::from_value(serde_json::json!({ "name": name }))
+            .expect("every optimizer has defaults for all its hyperparameters")
+    }
 }
 
 pub async fn run(args: DemoArgs) -> Result<()> {
@@ -52,6 +80,8 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         delta: args.delta,
         clip_norm: args.clip_norm,
         seed: args.seed,
+        optimizer: args.optimizer.into(),
+        server_learning_rate: args.server_learning_rate,
         data_dir: data_dir.clone(),
         progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
     })

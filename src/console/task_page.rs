@@ -281,6 +281,7 @@ fn summary(task: &TaskRecord, spent: f64, eligible: u64, session: &Session) -> M
             }
             dt { "Report goal" } dd { (count(i64::from(task.spec.report_goal))) " (at least " (count(i64::from(task.spec.min_reports))) " at the deadline)" }
             dt { "Clip norm" } dd { (task.spec.privacy.clip_norm) }
+            dt { "Server optimizer" } dd { (task.spec.server_optimizer.name()) ", learning rate " (task.spec.server_learning_rate) }
             dt { "Eligible check-ins, last 15 min" } dd #eligible { (eligible) }
             dt { "Created" } dd { (crate::clock::rfc3339(task.created_at)) }
         }

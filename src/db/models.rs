@@ -8,6 +8,8 @@ pub struct NewModel {
     pub blob_key: String,
     pub sha256_hex: String,
     pub size_bytes: i64,
+    /// The server optimizer's state after this version's round (None for FedAvg, version 0).
+    pub optimizer_state_key: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -18,6 +20,8 @@ pub struct ModelRecord {
     pub sha256_hex: String,
     pub size_bytes: i64,
     pub created_at: i64,
+    /// The server optimizer's state after this version's round (None for FedAvg, version 0).
+    pub optimizer_state_key: Option<String>,
 }
 
 pub(crate) async fn insert(
@@ -28,8 +32,8 @@ pub(crate) async fn insert(
     now: i64,
 ) -> Result<(), DbError> {
     sqlx::query(
-        "INSERT INTO models (task_id, version, blob_key, sha256, size_bytes, created_at) \
-         VALUES ($1, $2, $3, $4, $5, $6)",
+        "INSERT INTO models (task_id, version, blob_key, sha256, size_bytes, created_at, \
+         optimizer_state_key) VALUES ($1, $2, $3, $4, $5, $6, $7)",
     )
     .bind(task_id)
     .bind(version)
@@ -37,6 +41,7 @@ pub(crate) async fn insert(
     .bind(&model.sha256_hex)
     .bind(model.size_bytes)
     .bind(now)
+    .bind(&model.optimizer_state_key)
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -47,18 +52,19 @@ pub(crate) async fn load(
     task_id: &str,
     version: i64,
 ) -> Result<ModelRecord, DbError> {
-    let row: Option<(String, String, i64, i64)> = sqlx::query_as(
-        "SELECT blob_key, sha256, size_bytes, created_at FROM models \
+    let row: Option<(String, String, i64, i64, Option<String>)> = sqlx::query_as(
+        "SELECT blob_key, sha256, size_bytes, created_at, optimizer_state_key FROM models \
          WHERE task_id = $1 AND version = $2",
     )
     .bind(task_id)
     .bind(version)
     .fetch_optional(&mut *conn)
     .await?;
-    let (blob_key, sha256_hex, size_bytes, created_at) = row.ok_or_else(|| DbError::NotFound {
-        entity: "model",
-        id: format!("{task_id}/{version}"),
-    })?;
+    let (blob_key, sha256_hex, size_bytes, created_at, optimizer_state_key) =
+        row.ok_or_else(|| DbError::NotFound {
+            entity: "model",
+            id: format!("{task_id}/{version}"),
+        })?;
     Ok(ModelRecord {
         task_id: task_id.to_string(),
         version,
@@ -66,6 +72,7 @@ pub(crate) async fn load(
         sha256_hex,
         size_bytes,
         created_at,
+        optimizer_state_key,
     })
 }
 

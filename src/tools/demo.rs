@@ -28,6 +28,8 @@ pub struct DemoOptions {
     pub delta: f64,
     pub clip_norm: f64,
     pub seed: u64,
+    pub optimizer: confed_enclave::optimizer::ServerOptimizer,
+    pub server_learning_rate: f64,
     pub data_dir: PathBuf,
     pub progress: bool,
 }
@@ -105,7 +107,8 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         .json(&json!({
             "population": "demo", "rounds": options.rounds, "report_goal": options.report_goal,
             "privacy": {"epsilon": options.epsilon, "delta": options.delta, "clip_norm": options.clip_norm},
-            "server_learning_rate": 1.0,
+            "server_learning_rate": options.server_learning_rate,
+            "server_optimizer": options.optimizer,
             "plan": {"epochs": 2, "batch_size": 16, "learning_rate": 0.2},
         }))
         .send()
@@ -128,13 +131,15 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         return Err(api(uploaded.text().await.unwrap_or_default()));
     }
     println!(
-        "confed demo: task {task_id}: {} rounds of {} devices from a population of {}, epsilon {} delta {} over all rounds, clip norm {}",
+        "confed demo: task {task_id}: {} rounds of {} devices from a population of {}, epsilon {} delta {} over all rounds, clip norm {}, server optimizer {} (learning rate {})",
         options.rounds,
         options.report_goal,
         options.devices,
         options.epsilon,
         options.delta,
-        options.clip_norm
+        options.clip_norm,
+        options.optimizer.name(),
+        options.server_learning_rate
     );
     let held_out = Synthetic::standard(options.seed).test_set(2000);
     let model_accuracy = |bytes: &[u8]| {

@@ -1,0 +1,385 @@
+//! Server optimizers: how the model updater turns a round's noised average update into the next
+//! model version (Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Algorithm 2; Hsu et
+//! al. 2019 for server momentum). Post-processing of a DP release: they spend no privacy, and
+//! their state (moments) is kept between rounds as a write-once blob next to each model version.
+//!
+//! With `Δ` the round's average update, `η` the task's `server_learning_rate` and `x` the model:
+//!
+//! | optimizer | state update | model update |
+//! |---|---|---|
+//! | `fedavg` | none | `x += η Δ` |
+//! | `fedavgm` | `m = μ m + Δ` | `x += η m` |
+//! | `fedadam` | `m = β1 m + (1 - β1) Δ`; `v = β2 v + (1 - β2) Δ²` | `x += η m / (√v + τ)` |
+//! | `fedyogi` | `m` as Adam; `v = v - (1 - β2) Δ² sign(v - Δ²)` | `x += η m / (√v + τ)` |
+//!
+//! Before the first round `m = 0` and `v = τ²` (the paper's `v₋₁ ≥ τ²`); no bias correction
+//! (the paper has none). Computed per coordinate in f64, stored as f32: deterministic, so a
+//! retried job writes the same bytes.
+
+use safetensors::SafeTensors;
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::model::{ModelError, encode_f32_tensors};
+
+/// A task's server optimizer and its hyperparameters.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(tag = "name", deny_unknown_fields)]
+pub enum ServerOptimizer {
+    /// FedAvg: the model moves by the learning rate times the average update.
+    #[default]
+    #[serde(rename = "fedavg")]
+    FedAvg,
+    /// FedAvg with server momentum.
+    #[serde(rename = "fedavgm")]
+    FedAvgM {
+        #[serde(default = "default_momentum")]
+        momentum: f64,
+    },
+    #[serde(rename = "fedadam")]
+    FedAdam {
+        #[serde(default = "default_beta1")]
+        beta1: f64,
+        #[serde(default = "default_beta2")]
+        beta2: f64,
+        #[serde(default = "default_tau")]
+        tau: f64,
+    },
+    #[serde(rename = "fedyogi")]
+    FedYogi {
+        #[serde(default = "default_beta1")]
+        beta1: f64,
+        #[serde(default = "default_beta2")]
+        beta2: f64,
+        #[serde(default = "default_tau")]
+        tau: f64,
+    },
+}
+
+fn default_momentum() -> f64 {
+    0.9
+}
+fn default_beta1() -> f64 {
+    0.9
+}
+fn default_beta2() -> f64 {
+    0.99
+}
+fn default_tau() -> f64 {
+    1e-3
+}
+
+#[derive(Debug, Error)]
+pub enum OptimizerError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("the optimizer state is not usable: {0}")]
+    State(String),
+    #[error(transparent)]
+    Encode(#[from] ModelError),
+}
+
+impl ServerOptimizer {
+    /// Checks the hyperparameters: momentum and betas in [0, 1), tau in (0, 1].
+    pub fn validate(&self) -> Result<(), String> {
+        let unit = |name: &str, value: f64| {
+            if (0.0..1.0).contains(&value) {
+                Ok(())
+            } else {
+                Err(format!("`{name}` must be in [0, 1) (got {value})"))
+            }
+        };
+        let tau = |value: f64| {
+            if value > 0.0 && value <= 1.0 {
+                Ok(())
+            } else {
+                Err(format!("`tau` must be in (0, 1] (got {value})"))
+            }
+        };
+        match *self {
+            Self::FedAvg => Ok(()),
+            Self::FedAvgM { momentum } => unit("momentum", momentum),
+            Self::FedAdam {
+                beta1,
+                beta2,
+                tau: t,
+            }
+            | Self::FedYogi {
+                beta1,
+                beta2,
+                tau: t,
+            } => {
+                unit("beta1", beta1)?;
+                unit("beta2", beta2)?;
+                tau(t)
+            }
+        }
+    }
+
+    /// The optimizer's name as the API spells it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::FedAvg => "fedavg",
+            Self::FedAvgM { .. } => "fedavgm",
+            Self::FedAdam { .. } => "fedadam",
+            Self::FedYogi { .. } => "fedyogi",
+        }
+    }
+
+    /// Whether the optimizer keeps state between rounds.
+    pub fn has_state(&self) -> bool {
+        !matches!(self, Self::FedAvg)
+    }
+
+    /// One server step: moves `model` (f32 values in schema order) by `average`, updating the
+    /// state (`None` before the first round) and returning it (`None` for FedAvg).
+    pub fn step(
+        &self,
+        model: &mut [f32],
+        average: &[f32],
+        learning_rate: f64,
+        state: Option<OptimizerState>,
+    ) -> Result<Option<OptimizerState>, OptimizerError> {
+        let n = model.len();
+        if average.len() != n {
+            return Err(OptimizerError::State(format!(
+                "the average has {} values, the model {n}",
+                average.len()
+            )));
+        }
+        let moved = |x: &mut f32, by: f64| {
+            *x = (f64::from(*x) + learning_rate * by) as f32;
+        };
+        match *self {
+            Self::FedAvg => {
+                for (x, d) in model.iter_mut().zip(average) {
+                    moved(x, f64::from(*d));
+                }
+                Ok(None)
+            }
+            Self::FedAvgM { momentum } => {
+                let mut state = state.unwrap_or_else(|| OptimizerState::zeros(n, None));
+                state.check(n, false)?;
+                for ((x, d), m) in model.iter_mut().zip(average).zip(&mut state.m) {
+                    let next = momentum * f64::from(*m) + f64::from(*d);
+                    *m = next as f32;
+                    moved(x, f64::from(*m));
+                }
+                Ok(Some(state))
+            }
+            Self::FedAdam { beta1, beta2, tau } | Self::FedYogi { beta1, beta2, tau } => {
+                let yogi = matches!(self, Self::FedYogi { .. });
+                let mut state = state.unwrap_or_else(|| OptimizerState::zeros(n, Some(tau * tau)));
+                state.check(n, true)?;
+                let v = state.v.as_mut().expect("checked: adaptive state has v");
+                for (((x, d), m), v) in model.iter_mut().zip(average).zip(&mut state.m).zip(v) {
+                    let d = f64::from(*d);
+                    let m_next = beta1 * f64::from(*m) + (1.0 - beta1) * d;
+                    let v_prev = f64::from(*v);
+                    let v_next = if yogi {
+                        v_prev - (1.0 - beta2) * d * d * (v_prev - d * d).signum()
+                    } else {
+                        beta2 * v_prev + (1.0 - beta2) * d * d
+                    };
+                    *m = m_next as f32;
+                    *v = v_next as f32;
+                    moved(x, f64::from(*m) / (f64::from(*v).max(0.0).sqrt() + tau));
+                }
+                Ok(Some(state))
+            }
+        }
+    }
+}
+
+/// An optimizer's moments, one value per model coordinate (schema order).
+#[derive(Debug, Clone, PartialEq)]
+pub struct OptimizerState {
+    pub m: Vec<f32>,
+    /// The second moment (FedAdam, FedYogi).
+    pub v: Option<Vec<f32>>,
+}
+
+impl OptimizerState {
+    fn zeros(n: usize, v: Option<f64>) -> Self {
+        Self {
+            m: vec![0.0; n],
+            v: v.map(|init| vec![init as f32; n]),
+        }
+    }
+
+    fn check(&self, n: usize, adaptive: bool) -> Result<(), OptimizerError> {
+        let bad = |what: String| Err(OptimizerError::State(what));
+        if self.m.len() != n {
+            return bad(format!("m has {} values, the model {n}", self.m.len()));
+        }
+        match (&self.v, adaptive) {
+            (Some(v), true) if v.len() == n => {}
+            (None, false) => {}
+            (Some(v), true) => return bad(format!("v has {} values, the model {n}", v.len())),
+            (None, true) => return bad("an adaptive optimizer's state lacks v".into()),
+            (Some(_), false) => return bad("momentum's state has a v".into()),
+        }
+        if self
+            .m
+            .iter()
+            .chain(self.v.iter().flatten())
+            .any(|x| !x.is_finite())
+        {
+            return bad("a moment is not finite".into());
+        }
+        Ok(())
+    }
+
+    /// The state file: safetensors with F32 tensors `m` and (adaptive optimizers) `v`, each
+    /// one-dimensional over the model's coordinates in schema order.
+    pub fn encode(&self) -> Result<Vec<u8>, OptimizerError> {
+        let n = self.m.len();
+        let mut tensors = vec![("m", vec![n], self.m.as_slice())];
+        if let Some(v) = &self.v {
+            tensors.push(("v", vec![n], v.as_slice()));
+        }
+        Ok(encode_f32_tensors(&tensors)?)
+    }
+
+    /// Reads a state file (untrusted: the store keeps it); `step` checks its sizes.
+    pub fn decode(bytes: &[u8]) -> Result<Self, OptimizerError> {
+        let parsed =
+            SafeTensors::deserialize(bytes).map_err(|e| OptimizerError::State(e.to_string()))?;
+        let read = |name: &str| -> Result<Option<Vec<f32>>, OptimizerError> {
+            let Ok(view) = parsed.tensor(name) else {
+                return Ok(None);
+            };
+            if view.dtype() != safetensors::Dtype::F32 || view.shape().len() != 1 {
+                return Err(OptimizerError::State(format!(
+                    "`{name}` must be a one-dimensional F32 tensor"
+                )));
+            }
+            Ok(Some(
+                view.data()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            ))
+        };
+        let m = read("m")?.ok_or_else(|| OptimizerError::State("no tensor `m`".into()))?;
+        let v = read("v")?;
+        if parsed.names().len() != 1 + usize::from(v.is_some()) {
+            return Err(OptimizerError::State(
+                "only the tensors `m` and `v` belong in a state file".into(),
+            ));
+        }
+        Ok(Self { m, v })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn adam() -> ServerOptimizer {
+        ServerOptimizer::FedAdam {
+            beta1: 0.9,
+            beta2: 0.99,
+            tau: 1e-3,
+        }
+    }
+
+    #[test]
+    fn fedavg_moves_by_the_learning_rate_and_keeps_no_state() {
+        let mut x = [1.0, 2.0];
+        let state = ServerOptimizer::FedAvg
+            .step(&mut x, &[0.5, -1.0], 0.5, None)
+            .unwrap();
+        assert_eq!(x, [1.25, 1.5]);
+        assert_eq!(state, None);
+    }
+
+    #[test]
+    fn momentum_accumulates_the_updates() {
+        let opt = ServerOptimizer::FedAvgM { momentum: 0.5 };
+        let mut x = [0.0f32];
+        let s1 = opt.step(&mut x, &[1.0], 1.0, None).unwrap();
+        assert_eq!((x[0], s1.as_ref().unwrap().m[0]), (1.0, 1.0));
+        let s2 = opt.step(&mut x, &[1.0], 1.0, s1).unwrap();
+        // m = 0.5 * 1 + 1 = 1.5; x = 1 + 1.5.
+        assert_eq!((x[0], s2.unwrap().m[0]), (2.5, 1.5));
+    }
+
+    #[test]
+    fn adam_and_yogi_follow_the_paper_by_hand() {
+        // One coordinate, Δ = 0.1, η = 1, β1 0.9, β2 0.99, τ 1e-3, v₋₁ = τ².
+        let (d, tau) = (0.1f64, 1e-3f64);
+        let m = 0.1 * d;
+        let v_adam = 0.99 * tau * tau + 0.01 * d * d;
+        let v_yogi = tau * tau - 0.01 * d * d * (tau * tau - d * d).signum();
+        for (opt, v) in [
+            (adam(), v_adam),
+            (
+                ServerOptimizer::FedYogi {
+                    beta1: 0.9,
+                    beta2: 0.99,
+                    tau,
+                },
+                v_yogi,
+            ),
+        ] {
+            let mut x = [0.0f32];
+            let state = opt.step(&mut x, &[d as f32], 1.0, None).unwrap().unwrap();
+            // The moments are stored as f32 and the step uses the stored values.
+            let expected = f64::from(m as f32) / (f64::from(v as f32).sqrt() + tau);
+            assert!(
+                (f64::from(x[0]) - expected).abs() < 1e-6,
+                "{opt:?}: {} vs {expected}",
+                x[0]
+            );
+            assert!((f64::from(state.v.unwrap()[0]) - v).abs() < 1e-9, "{opt:?}");
+        }
+    }
+
+    #[test]
+    fn state_files_round_trip_and_wrong_sizes_are_refused() {
+        let mut x = [0.0f32; 3];
+        let state = adam()
+            .step(&mut x, &[0.1, 0.2, 0.3], 1.0, None)
+            .unwrap()
+            .unwrap();
+        let decoded = OptimizerState::decode(&state.encode().unwrap()).unwrap();
+        assert_eq!(decoded, state);
+        let mut two = [0.0f32; 2];
+        assert!(matches!(
+            adam().step(&mut two, &[0.1, 0.2], 1.0, Some(decoded)),
+            Err(OptimizerError::State(_))
+        ));
+        let momentum = ServerOptimizer::FedAvgM { momentum: 0.9 };
+        assert!(
+            momentum
+                .step(&mut x, &[0.1, 0.2, 0.3], 1.0, Some(state))
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn hyperparameters_are_checked_and_defaulted() {
+        let parsed: ServerOptimizer = serde_json::from_str(r#"{"name": "fedadam"}"#).unwrap();
+        assert_eq!(parsed, adam());
+        assert!(
+            ServerOptimizer::FedAvgM { momentum: 1.0 }
+                .validate()
+                .is_err()
+        );
+        assert!(
+            ServerOptimizer::FedYogi {
+                beta1: 0.9,
+                beta2: 0.99,
+                tau: 0.0
+            }
+            .validate()
+            .is_err()
+        );
+        assert!(serde_json::from_str::<ServerOptimizer>(r#"{"name": "sgd"}"#).is_err());
+        assert!(
+            serde_json::from_str::<ServerOptimizer>(r#"{"name": "fedavgm", "beta1": 0.9}"#)
+                .is_err()
+        );
+    }
+}
