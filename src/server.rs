@@ -264,6 +264,7 @@ async fn create_demo_tenant(db: &Db, now: i64) -> Result<(), ServeError> {
         name: "demo".into(),
         max_active_tasks: api::admin::DEFAULT_MAX_ACTIVE_TASKS,
         max_report_goal: api::admin::DEFAULT_MAX_REPORT_GOAL,
+        max_device_hours: api::admin::DEFAULT_MAX_DEVICE_HOURS,
     };
     let (_, token) = db.create_tenant(&demo, now).await?;
     println!(

@@ -129,6 +129,12 @@ pub struct CreateTaskRequest {
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub server_optimizer: Option<ServerOptimizer>,
+    /// Seconds of device time one device spends on one round (download, train, seal, upload),
+    /// as the partner estimates it, 1-86400 (default 60): what the tenant's compute budget
+    /// counts.
+    #[serde(default, deserialize_with = "crate::api::integers::option_i64")]
+    #[schema(minimum = 1, maximum = 86400)]
+    pub device_seconds_per_round: Option<i64>,
 }
 
 /// A validated task definition, as stored and as returned to the partner.
@@ -154,6 +160,17 @@ pub struct TaskSpec {
     #[serde(default)]
     #[schema(value_type = Object)]
     pub server_optimizer: ServerOptimizer,
+    /// The partner's estimate of one device's time for one round (tasks created before compute
+    /// budgets read as the default).
+    #[serde(default = "default_device_seconds")]
+    pub device_seconds_per_round: u32,
+}
+
+/// One device's time for one round when the partner does not say.
+pub const DEFAULT_DEVICE_SECONDS_PER_ROUND: u32 = 60;
+
+fn default_device_seconds() -> u32 {
+    DEFAULT_DEVICE_SECONDS_PER_ROUND
 }
 
 impl TaskSpec {
@@ -175,6 +192,14 @@ impl TaskSpec {
             server_learning_rate: self.server_learning_rate,
             plan: serde_json::to_string(&self.plan).unwrap_or_else(|_| "{}".into()),
         }
+    }
+
+    /// Device-hours the task's rounds from `first_round` on may use: every device a round can
+    /// assign (`max_live_assignments`) working `device_seconds_per_round` on it.
+    pub fn device_hours(&self, first_round: i64) -> f64 {
+        let rounds = (i64::from(self.rounds) - first_round + 1).max(0) as f64;
+        rounds * self.max_live_assignments() as f64 * f64::from(self.device_seconds_per_round)
+            / 3600.0
     }
 
     /// Most live assignments a round hands out: `ceil(report_goal * (1 + over_selection))`.
@@ -319,6 +344,13 @@ impl CreateTaskRequest {
                 format!("must be at most {MAX_PLAN_BYTES} bytes as JSON"),
             );
         }
+        let device_seconds_per_round = p.int(
+            "device_seconds_per_round",
+            self.device_seconds_per_round
+                .unwrap_or(i64::from(DEFAULT_DEVICE_SECONDS_PER_ROUND)),
+            1,
+            86_400,
+        );
         let server_optimizer = self.server_optimizer.unwrap_or_default();
         if let Err(why) = server_optimizer.validate() {
             p.add("server_optimizer", why);
@@ -349,6 +381,7 @@ impl CreateTaskRequest {
             server_learning_rate,
             plan,
             server_optimizer,
+            device_seconds_per_round,
         })
     }
 }

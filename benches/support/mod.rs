@@ -24,6 +24,7 @@ pub async fn start(keys: KeyDirectory) -> BenchServer {
         name: "bench".into(),
         max_active_tasks: 1_000_000,
         max_report_goal: 1_000_000,
+        max_device_hours: 1_000_000_000,
     };
     let (_, token) = db.create_tenant(&tenant, 0).await.unwrap();
     let state = AppState {

@@ -14,6 +14,9 @@ use crate::task_spec::{InvalidParam, MAX_REPORT_GOAL};
 
 pub const DEFAULT_MAX_ACTIVE_TASKS: i64 = 10;
 pub const DEFAULT_MAX_REPORT_GOAL: i64 = 10_000;
+/// Device-hours a tenant's active tasks may plan at once, unless the operator says otherwise.
+pub const DEFAULT_MAX_DEVICE_HOURS: i64 = 100_000;
+pub const MAX_DEVICE_HOURS_LIMIT: i64 = 1_000_000_000;
 pub const MAX_ACTIVE_TASKS_LIMIT: i64 = 10_000;
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -30,6 +33,11 @@ pub struct CreateTenantRequest {
     #[serde(default, deserialize_with = "super::integers::option_i64")]
     #[schema(minimum = 1, maximum = 1000000)]
     pub max_report_goal: Option<i64>,
+    /// Device-hours the tenant's active tasks may plan at once (each task's rounds x its
+    /// round's devices x its `device_seconds_per_round`), 1-1000000000 (default 100000).
+    #[serde(default, deserialize_with = "super::integers::option_i64")]
+    #[schema(minimum = 1, maximum = 1000000000)]
+    pub max_device_hours: Option<i64>,
 }
 
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
@@ -38,6 +46,7 @@ pub struct TenantResponse {
     pub name: String,
     pub max_active_tasks: i64,
     pub max_report_goal: i64,
+    pub max_device_hours: i64,
     pub created_at: String,
 }
 
@@ -48,6 +57,7 @@ impl From<TenantRecord> for TenantResponse {
             name: t.name,
             max_active_tasks: t.max_active_tasks,
             max_report_goal: t.max_report_goal,
+            max_device_hours: t.max_device_hours,
             created_at: rfc3339(t.created_at),
         }
     }
@@ -98,11 +108,18 @@ impl CreateTenantRequest {
             DEFAULT_MAX_REPORT_GOAL,
             MAX_REPORT_GOAL,
         );
+        let max_device_hours = bounded(
+            "max_device_hours",
+            self.max_device_hours,
+            DEFAULT_MAX_DEVICE_HOURS,
+            MAX_DEVICE_HOURS_LIMIT,
+        );
         if problems.is_empty() {
             Ok(NewTenant {
                 name: self.name,
                 max_active_tasks,
                 max_report_goal,
+                max_device_hours,
             })
         } else {
             Err(problems)

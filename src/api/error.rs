@@ -169,6 +169,10 @@ impl From<DbError> for ApiError {
             | DbError::AlreadyExists(_)
             | DbError::PopulationTaken(_)) => Self::Conflict(e.to_string()),
             e @ DbError::QuotaExceeded { .. } => Self::QuotaExceeded(e.to_string()),
+            DbError::ComputeBudget(detail) => Self::InvalidFields(vec![InvalidParam {
+                name: "device_seconds_per_round".into(),
+                reason: detail,
+            }]),
             other if other.is_disk_full() => disk_full(&other),
             other => Self::Internal(other.to_string()),
         }

@@ -19,6 +19,9 @@ pub enum TenantCommand {
         max_active_tasks: i64,
         #[arg(long, default_value_t = confed::api::admin::DEFAULT_MAX_REPORT_GOAL)]
         max_report_goal: i64,
+        /// Device-hours the tenant's active tasks may plan at once.
+        #[arg(long, default_value_t = confed::api::admin::DEFAULT_MAX_DEVICE_HOURS)]
+        max_device_hours: i64,
     },
     /// List tenants (never their tokens).
     List {
@@ -34,11 +37,13 @@ pub async fn run(command: TenantCommand) -> Result<()> {
             data,
             max_active_tasks,
             max_report_goal,
+            max_device_hours,
         } => {
             let request = confed::api::admin::CreateTenantRequest {
                 name,
                 max_active_tasks: Some(max_active_tasks),
                 max_report_goal: Some(max_report_goal),
+                max_device_hours: Some(max_device_hours),
             };
             let new: NewTenant = match request.validate() {
                 Ok(new) => new,
@@ -63,11 +68,12 @@ pub async fn run(command: TenantCommand) -> Result<()> {
             let (db, _) = server::open_data_dir(&data.data_dir, data.database.as_deref()).await?;
             for t in db.list_tenants().await? {
                 println!(
-                    "{}\t{}\tmax_active_tasks={}\tmax_report_goal={}\tcreated {}",
+                    "{}\t{}\tmax_active_tasks={}\tmax_report_goal={}\tmax_device_hours={}\tcreated {}",
                     t.name,
                     t.id,
                     t.max_active_tasks,
                     t.max_report_goal,
+                    t.max_device_hours,
                     rfc3339(t.created_at)
                 );
             }

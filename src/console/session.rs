@@ -288,6 +288,7 @@ mod tests {
                 name: "n".into(),
                 max_active_tasks: 1,
                 max_report_goal: 1,
+                max_device_hours: 1,
                 created_at: 0,
             },
             csrf: a.clone(),

@@ -306,7 +306,17 @@ pub async fn create(
             ) {
                 return Err(error.into());
             }
-            let summary = format!("The task was not created: {error}");
+            let summary = match &error {
+                ApiError::InvalidFields(problems) => format!(
+                    "The task was not created: {}",
+                    problems
+                        .iter()
+                        .map(|p| p.reason.as_str())
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                ),
+                other => format!("The task was not created: {other}"),
+            };
             return Ok(form_page(&session, &form, &[], Some(&summary)));
         }
     };

@@ -25,6 +25,9 @@ pub enum DbError {
         from: &'static str,
         to: &'static str,
     },
+    /// A task would take the tenant over its compute budget (a request to change, so 400).
+    #[error("{0}")]
+    ComputeBudget(String),
     #[error("quota `{quota}` is {limit}: {detail}")]
     QuotaExceeded {
         quota: &'static str,

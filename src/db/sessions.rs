@@ -57,7 +57,8 @@ impl Db {
         now: i64,
     ) -> Result<Option<TenantRecord>, DbError> {
         Ok(sqlx::query_as(
-            "SELECT t.id, t.name, t.max_active_tasks, t.max_report_goal, t.created_at \
+            "SELECT t.id, t.name, t.max_active_tasks, t.max_report_goal, t.max_device_hours, \
+             t.created_at \
              FROM console_sessions s JOIN tenants t ON t.id = s.tenant_id \
              WHERE s.id_sha256 = $1 AND s.expires_at > $2",
         )

@@ -49,6 +49,44 @@ fn task_from_row(row: TaskRow) -> Result<TaskRecord, DbError> {
 }
 
 /// Loads a task of one tenant; another tenant's task is reported exactly like a missing one.
+/// Refuses a task whose device-hours, with what the tenant's active tasks still plan (their
+/// remaining rounds), exceed the tenant's budget, saying by how much and what to change.
+async fn check_compute_budget(
+    tx: &mut Conn,
+    tenant_id: &str,
+    spec: &TaskSpec,
+    max_device_hours: i64,
+) -> Result<(), DbError> {
+    let active: Vec<(String, Option<i64>)> = sqlx::query_as(
+        "SELECT spec_json, model_version FROM tasks \
+         WHERE tenant_id = $1 AND state IN ('CREATED', 'OPEN')",
+    )
+    .bind(tenant_id)
+    .fetch_all(&mut *tx)
+    .await?;
+    let mut held = 0.0;
+    for (spec_json, model_version) in active {
+        let other: TaskSpec = serde_json::from_str(&spec_json)
+            .map_err(|e| DbError::Corrupt(format!("task spec: {e}")))?;
+        held += other.device_hours(model_version.unwrap_or(0) + 1);
+    }
+    let needed = spec.device_hours(1);
+    let limit = max_device_hours as f64;
+    if held + needed <= limit {
+        return Ok(());
+    }
+    let free = (limit - held).max(0.0);
+    let per_round = spec.device_hours(i64::from(spec.rounds));
+    let rounds_that_fit = (free / per_round).floor() as i64;
+    Err(DbError::ComputeBudget(format!(
+        "this task plans {needed:.1} device-hours ({} rounds x {} devices a round x {} s); the tenant's active tasks already plan {held:.1} of its {max_device_hours}, so it is {:.1} over. Plan at most {rounds_that_fit} rounds, a smaller report_goal, over_selection or device_seconds_per_round, cancel an active task, or ask the operator to raise max_device_hours",
+        spec.rounds,
+        spec.max_live_assignments(),
+        spec.device_seconds_per_round,
+        held + needed - limit,
+    )))
+}
+
 pub(crate) async fn load(
     conn: &mut Conn,
     tenant_id: &str,
@@ -95,14 +133,14 @@ impl Db {
             Box::pin(async move {
                 let tenant_id = tenant_id.as_str();
                 let spec = &spec;
-                let quotas: Option<(i64, i64)> = sqlx::query_as(
+                let quotas: Option<(i64, i64, i64)> = sqlx::query_as(
                     "UPDATE tenants SET lock_version = lock_version + 1 WHERE id = $1 \
-                     RETURNING max_active_tasks, max_report_goal",
+                     RETURNING max_active_tasks, max_report_goal, max_device_hours",
                 )
                 .bind(tenant_id)
                 .fetch_optional(&mut *tx)
                 .await?;
-                let (max_active_tasks, max_report_goal) = quotas.ok_or_else(|| DbError::NotFound {
+                let (max_active_tasks, max_report_goal, max_device_hours) = quotas.ok_or_else(|| DbError::NotFound {
                     entity: "tenant",
                     id: tenant_id.to_string(),
                 })?;
@@ -131,6 +169,7 @@ impl Db {
                         ),
                     });
                 }
+                check_compute_budget(&mut *tx, tenant_id, spec, max_device_hours).await?;
                 super::populations::claim(&mut *tx, tenant_id, &spec.population, now).await?;
                 let record = TaskRecord {
                     id: new_id(),

@@ -15,6 +15,8 @@ pub struct TenantRecord {
     pub name: String,
     pub max_active_tasks: i64,
     pub max_report_goal: i64,
+    /// Device-hours the tenant's active tasks may plan at once.
+    pub max_device_hours: i64,
     pub created_at: i64,
 }
 
@@ -24,6 +26,7 @@ pub struct NewTenant {
     pub name: String,
     pub max_active_tasks: i64,
     pub max_report_goal: i64,
+    pub max_device_hours: i64,
 }
 
 /// SHA-256 of nothing in particular: compared against when a token id is unknown, so an unknown
@@ -44,6 +47,7 @@ impl Db {
             name: tenant.name.clone(),
             max_active_tasks: tenant.max_active_tasks,
             max_report_goal: tenant.max_report_goal,
+            max_device_hours: tenant.max_device_hours,
             created_at: now,
         };
         let row = (
@@ -54,13 +58,15 @@ impl Db {
             record.max_active_tasks,
             record.max_report_goal,
             record.created_at,
+            record.max_device_hours,
         );
         let inserted = self
             .write(move |conn| {
                 Box::pin(async move {
                     sqlx::query(
                         "INSERT INTO tenants (id, name, token_id, token_sha256, max_active_tasks, \
-                         max_report_goal, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                         max_report_goal, created_at, max_device_hours) \
+                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
                     )
                     .bind(row.0)
                     .bind(row.1)
@@ -69,6 +75,7 @@ impl Db {
                     .bind(row.4)
                     .bind(row.5)
                     .bind(row.6)
+                    .bind(row.7)
                     .execute(&mut *conn)
                     .await
                     .map_err(DbError::from)
@@ -86,7 +93,8 @@ impl Db {
 
     pub async fn list_tenants(&self) -> Result<Vec<TenantRecord>, DbError> {
         Ok(sqlx::query_as(
-            "SELECT id, name, max_active_tasks, max_report_goal, created_at FROM tenants \
+            "SELECT id, name, max_active_tasks, max_report_goal, max_device_hours, created_at \
+             FROM tenants \
              ORDER BY created_at, name",
         )
         .fetch_all(self.pool())
@@ -99,8 +107,9 @@ impl Db {
         let Some((token_id, secret)) = auth::split_tenant_token(token) else {
             return Ok(None);
         };
-        let row: Option<(String, String, String, i64, i64, i64)> = sqlx::query_as(
-            "SELECT token_sha256, id, name, max_active_tasks, max_report_goal, created_at \
+        let row: Option<(String, String, String, i64, i64, i64, i64)> = sqlx::query_as(
+            "SELECT token_sha256, id, name, max_active_tasks, max_report_goal, created_at, \
+             max_device_hours \
              FROM tenants WHERE token_id = $1",
         )
         .bind(token_id)
@@ -114,6 +123,7 @@ impl Db {
             max_active_tasks: r.3,
             max_report_goal: r.4,
             created_at: r.5,
+            max_device_hours: r.6,
         }))
     }
 }

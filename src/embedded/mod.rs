@@ -214,6 +214,7 @@ impl EmbeddedSystem {
                     name: name.into(),
                     max_active_tasks: 10,
                     max_report_goal: 100_000,
+                    max_device_hours: crate::api::admin::DEFAULT_MAX_DEVICE_HOURS,
                 },
                 self.store.clock.now_millis(),
             )

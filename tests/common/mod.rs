@@ -224,10 +224,28 @@ impl TestApp {
         max_active_tasks: i64,
         max_report_goal: i64,
     ) -> String {
+        self.tenant_with_hours(
+            name,
+            max_active_tasks,
+            max_report_goal,
+            confed::api::admin::DEFAULT_MAX_DEVICE_HOURS,
+        )
+        .await
+    }
+
+    /// A tenant with its compute budget (device-hours) set.
+    pub async fn tenant_with_hours(
+        &self,
+        name: &str,
+        max_active_tasks: i64,
+        max_report_goal: i64,
+        max_device_hours: i64,
+    ) -> String {
         let new = NewTenant {
             name: name.into(),
             max_active_tasks,
             max_report_goal,
+            max_device_hours,
         };
         let (_, token) = self.db.create_tenant(&new, START_MILLIS).await.unwrap();
         token.to_string()
