@@ -821,3 +821,43 @@ async fn upload_answers_follow_the_documented_precedence() {
         .await
         .problem(StatusCode::CONFLICT);
 }
+
+/// Stragglers: a device that uploads, or reports completed, after its round closed is told 410
+/// and counted as late in the round's funnel, once however often it tries.
+#[tokio::test]
+async fn a_contribution_after_the_round_closed_is_counted_late_once() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let task = open_task(
+        &app,
+        &token,
+        json!({"report_goal": 1, "min_reports": 1, "over_selection": 2.0, "rounds": 1}),
+    )
+    .await;
+    let (punctual, slow, unreported) = (
+        assigned(&app).await,
+        assigned(&app).await,
+        assigned(&app).await,
+    );
+    // Uploaded in time, reported too late.
+    upload(&app, &unreported, sealed(&app, &unreported, b"in time")).await;
+    upload(&app, &punctual, sealed(&app, &punctual, b"on time")).await;
+    report(&app, &punctual, json!({"outcome": "completed"})).await;
+    assert_eq!(round_states(&app, &token, &task).await, ["AGGREGATING"]);
+    for _ in 0..2 {
+        upload(&app, &slow, sealed(&app, &slow, b"too late"))
+            .await
+            .problem(StatusCode::GONE);
+    }
+    // Nothing uploaded: 409 comes first (protocol.md's precedence), and it is late already.
+    report(&app, &slow, json!({"outcome": "completed"}))
+        .await
+        .problem(StatusCode::CONFLICT);
+    report(&app, &unreported, json!({"outcome": "completed"}))
+        .await
+        .problem(StatusCode::GONE);
+    let tenant = app.db.tenant_for_token(&token).await.unwrap().unwrap();
+    let funnel = app.db.round_funnel(&tenant.id, &task, 1).await.unwrap();
+    let late: i64 = funnel.iter().map(|row| row.late).sum();
+    assert_eq!(late, 2, "{funnel:?}");
+}

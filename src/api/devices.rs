@@ -115,6 +115,9 @@ pub async fn get_model(
         .await?
         .ok_or_else(|| refusal(Refusal::UnknownAssignment))?;
     if let Some(closed) = closed_for_upload(&assignment, state.now()) {
+        if closed == Refusal::RoundClosed {
+            count_late(&state, &assignment.id).await;
+        }
         return Err(refusal(closed));
     }
     let version = assignment
@@ -208,6 +211,9 @@ pub async fn put_contribution(
     if assignment.contribution_sha256.is_none()
         && let Some(closed) = closed_for_upload(&assignment, now)
     {
+        if closed == Refusal::RoundClosed {
+            count_late(&state, &assignment.id).await;
+        }
         return Err(refusal(closed));
     }
     // A body without a length (chunked) is read only up to the limit.
@@ -305,6 +311,15 @@ fn view_contribution_key(a: &crate::db::device::AssignmentView) -> Result<BlobKe
     contribution_key(&a.tenant_id, &a.task_id, a.round_number, a.attempt, &a.id)
 }
 
+/// A contribution that arrived after its round closed: counted (metric, and the round's funnel
+/// through the assignment's row). A failure to record it is logged, never the device's problem.
+async fn count_late(state: &AppState, assignment: &crate::db::device::AssignmentRef) {
+    metrics::counter!("confed_contributions_late_total").increment(1);
+    if let Err(error) = state.db.mark_late(assignment, state.now()).await {
+        tracing::warn!(%error, "could not record a late contribution");
+    }
+}
+
 fn closed_for_upload(a: &crate::db::device::AssignmentView, now: i64) -> Option<Refusal> {
     if a.round_state != crate::states::RoundState::Collecting {
         Some(Refusal::RoundClosed)
@@ -339,11 +354,19 @@ pub async fn report(
     if outcome == ReportOutcome::Completed && state.contributions.accepts_direct_uploads() {
         note_direct_upload(&state, &capability).await?;
     }
-    let recorded = state
+    let recorded = match state
         .db
         .record_report(&capability, outcome, request.error.as_deref(), state.now())
         .await?
-        .map_err(refusal)?;
+    {
+        Ok(recorded) => recorded,
+        Err(why) => {
+            if why == Refusal::RoundClosed && outcome == ReportOutcome::Completed {
+                count_late(&state, &capability.reference()).await;
+            }
+            return Err(refusal(why));
+        }
+    };
     metrics::counter!("confed_reports_total", "state" => recorded.as_str()).increment(1);
     let retry_window =
         (recorded == AssignmentState::Rejected).then(|| RetryReason::RoundFull.window());

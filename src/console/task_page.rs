@@ -41,6 +41,8 @@ struct RoundView<'a> {
     by_state: BTreeMap<&'static str, i64>,
     assigned: i64,
     uploaded: i64,
+    /// Devices that tried to deliver after the round closed.
+    late: i64,
     release: Option<&'a ReleaseRecord>,
     check: Option<&'a StoredCheck>,
     /// When the latest attempt stopped collecting (None while it collects, or if it never did).
@@ -99,6 +101,7 @@ fn round_views<'a>(
                 by_state: BTreeMap::new(),
                 assigned: 0,
                 uploaded: 0,
+                late: 0,
                 release: None,
                 check: None,
                 aggregating_since: None,
@@ -117,6 +120,7 @@ fn round_views<'a>(
             *view.by_state.entry(row.state.as_str()).or_default() += row.assignments;
             view.assigned += row.assignments;
             view.uploaded += row.with_contribution;
+            view.late += row.late;
         }
     }
     for (release, check) in releases.iter().zip(checks) {
@@ -311,7 +315,7 @@ fn funnel_table(shown: &[&RoundView<'_>], now: i64) -> Markup {
                 thead { tr {
                     th scope="col" { "Round" } th scope="col" { "State" } th scope="col" { "Assigned" }
                     th scope="col" { "Uploaded" } th scope="col" { "Reported" } th scope="col" { "Failed" }
-                    th scope="col" { "Timed out" } th scope="col" { "Included" } th scope="col" { "Excluded" }
+                    th scope="col" { "Timed out" } th scope="col" { "Late" } th scope="col" { "Included" } th scope="col" { "Excluded" }
                     th scope="col" { "ε spent" } th scope="col" { "Collection" } th scope="col" { "Aggregation" }
                     th scope="col" { "Proof" }
                 } }
@@ -328,6 +332,7 @@ fn funnel_table(shown: &[&RoundView<'_>], now: i64) -> Markup {
                             td.num data-field="reported" { (count(view.count(AssignmentState::Completed))) }
                             td.num data-field="failed" { (count(view.count(AssignmentState::Failed) + view.count(AssignmentState::Rejected))) }
                             td.num data-field="timed_out" { (count(view.count(AssignmentState::TimedOut))) }
+                            td.num data-field="late" { (count(view.late)) }
                             td.num data-field="included" { @if let Some(m) = view.manifest() { (count(m.included as i64)) } @else { "—" } }
                             td data-field="excluded" {
                                 @if let Some(m) = view.manifest() {

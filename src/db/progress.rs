@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 
+use super::device::AssignmentRef;
 use super::jobs::ReleaseRecord;
 use super::{Db, DbError, tasks};
 use crate::states::{AssignmentState, StateMachine};
@@ -17,6 +18,8 @@ pub struct FunnelCount {
     pub assignments: i64,
     /// Of these, how many carry an uploaded contribution.
     pub with_contribution: i64,
+    /// Of these, how many tried to deliver a contribution after the round closed.
+    pub late: i64,
 }
 
 impl Db {
@@ -30,9 +33,10 @@ impl Db {
     ) -> Result<Vec<FunnelCount>, DbError> {
         let mut conn = self.pool().acquire().await?;
         tasks::load(&mut conn, tenant_id, task_id).await?;
-        let rows: Vec<(i64, i64, String, i64, i64)> = sqlx::query_as(
+        let rows: Vec<(i64, i64, String, i64, i64, i64)> = sqlx::query_as(
             "SELECT r.round_number, r.attempt, a.state, COUNT(*), \
-             SUM(CASE WHEN a.contribution_bytes IS NULL THEN 0 ELSE 1 END) \
+             SUM(CASE WHEN a.contribution_bytes IS NULL THEN 0 ELSE 1 END), \
+             SUM(CASE WHEN a.late_at IS NULL THEN 0 ELSE 1 END) \
              FROM assignments a JOIN rounds r ON r.id = a.round_id \
              WHERE r.task_id = $1 AND r.round_number >= $2 \
              GROUP BY r.round_number, r.attempt, a.state \
@@ -43,7 +47,7 @@ impl Db {
         .fetch_all(&mut *conn)
         .await?;
         rows.into_iter()
-            .map(|(round_number, attempt, state, assignments, with)| {
+            .map(|(round_number, attempt, state, assignments, with, late)| {
                 Ok(FunnelCount {
                     round_number,
                     attempt,
@@ -51,6 +55,7 @@ impl Db {
                         .ok_or_else(|| DbError::Corrupt(format!("assignment state {state:?}")))?,
                     assignments,
                     with_contribution: with,
+                    late,
                 })
             })
             .collect()
@@ -137,5 +142,23 @@ impl Db {
         .fetch_all(&mut *conn)
         .await?;
         Ok(rows.into_iter().collect())
+    }
+
+    /// Marks an assignment as late (it tried to deliver its contribution after its round
+    /// closed), once: the first time counts.
+    pub async fn mark_late(&self, assignment: &AssignmentRef, now: i64) -> Result<(), DbError> {
+        let id = assignment.as_str().to_string();
+        self.write(move |conn| {
+            Box::pin(async move {
+                sqlx::query("UPDATE assignments SET late_at = $1 WHERE id = $2 AND late_at IS NULL")
+                    .bind(now)
+                    .bind(id)
+                    .execute(&mut *conn)
+                    .await
+                    .map_err(DbError::from)
+            })
+        })
+        .await
+        .map(|_| ())
     }
 }
