@@ -149,7 +149,7 @@ impl Checkin<'_> {
         let now_seconds = seconds_of(now);
         let mut keyless = false;
         for candidate in fitting {
-            let capacity = candidate.spec.max_live_assignments();
+            let capacity = candidate.capacity;
             if candidate.live as u64 >= capacity {
                 continue;
             }

@@ -65,7 +65,7 @@ impl SchedulingPolicy {
 
 impl Schedulable for crate::db::device::Candidate {
     fn fill(&self) -> f64 {
-        self.live as f64 / self.spec.max_live_assignments().max(1) as f64
+        self.live as f64 / self.capacity.max(1) as f64
     }
 
     fn deadline_at(&self) -> i64 {

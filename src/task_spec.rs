@@ -166,6 +166,9 @@ pub struct TaskSpec {
     pub device_seconds_per_round: u32,
 }
 
+/// The highest over-selection a task's rounds adapt up to (unless the task asks for more).
+pub const ADAPTIVE_OVER_SELECTION_CAP: f64 = 1.0;
+
 /// One device's time for one round when the partner does not say.
 pub const DEFAULT_DEVICE_SECONDS_PER_ROUND: u32 = 60;
 
@@ -200,6 +203,21 @@ impl TaskSpec {
         let rounds = (i64::from(self.rounds) - first_round + 1).max(0) as f64;
         rounds * self.max_live_assignments() as f64 * f64::from(self.device_seconds_per_round)
             / 3600.0
+    }
+
+    /// A round's capacity when the previous round lost `dropout` of its devices (failed, timed
+    /// out or late): over-selection rises to what replaces that share, `1 / (1 - dropout) - 1`,
+    /// never below the task's own `over_selection` and at most `ADAPTIVE_OVER_SELECTION_CAP`
+    /// (or the task's own, if higher).
+    pub fn capacity_for(&self, dropout: Option<f64>) -> u64 {
+        let cap = self.over_selection.max(ADAPTIVE_OVER_SELECTION_CAP);
+        let needed = match dropout {
+            Some(d) if d < 1.0 => 1.0 / (1.0 - d) - 1.0,
+            Some(_) => cap,
+            None => 0.0,
+        };
+        let over = needed.max(self.over_selection).min(cap);
+        (f64::from(self.report_goal) * (1.0 + over)).ceil() as u64
     }
 
     /// Most live assignments a round hands out: `ceil(report_goal * (1 + over_selection))`.
@@ -492,6 +510,27 @@ fn validate_constraints(p: &mut Problems, constraints: &BTreeMap<String, Constra
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn capacity_adapts_to_the_drop_out_rate_within_the_cap() {
+        let spec: TaskSpec = serde_json::from_value::<CreateTaskRequest>(serde_json::json!({
+            "population": "p", "rounds": 1, "report_goal": 10, "over_selection": 0.3,
+            "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0},
+        }))
+        .unwrap()
+        .validate()
+        .unwrap();
+        assert_eq!(spec.capacity_for(None), 13, "no evidence: the task's own");
+        assert_eq!(
+            spec.capacity_for(Some(0.1)),
+            13,
+            "never below the task's own"
+        );
+        // 40 % dropped: 1 / 0.6 - 1 = 0.667 over-selection.
+        assert_eq!(spec.capacity_for(Some(0.4)), 17);
+        assert_eq!(spec.capacity_for(Some(0.9)), 20, "at most doubled");
+        assert_eq!(spec.capacity_for(Some(1.0)), 20);
+    }
     use serde_json::json;
 
     fn request(overrides: serde_json::Value) -> CreateTaskRequest {

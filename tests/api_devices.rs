@@ -861,3 +861,52 @@ async fn a_contribution_after_the_round_closed_is_counted_late_once() {
     let late: i64 = funnel.iter().map(|row| row.late).sum();
     assert_eq!(late, 2, "{funnel:?}");
 }
+
+/// Adaptive over-selection: when most of a round's devices drop out, the next attempt takes more
+/// devices at once (enough to replace the share that dropped), up to the cap of doubling.
+#[tokio::test]
+async fn a_round_after_many_drop_outs_takes_more_devices() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    open_task(
+        &app,
+        &token,
+        json!({"report_goal": 10, "min_reports": 10, "over_selection": 0.3,
+               "round_deadline_seconds": 600, "rounds": 1}),
+    )
+    .await;
+    // Attempt 1 takes 13 devices at once; 8 of them fail (freeing their slots), 8 more come.
+    let mut first = Vec::new();
+    while let Some(assignment) = try_assigned(&app).await {
+        first.push(assignment);
+    }
+    assert_eq!(first.len(), 13, "ceil(10 x 1.3)");
+    for assignment in &first[..8] {
+        report(&app, assignment, json!({"outcome": "failed"})).await;
+    }
+    let mut replacements = 0;
+    while try_assigned(&app).await.is_some() {
+        replacements += 1;
+    }
+    assert_eq!(replacements, 8);
+    // The deadline passes with no report: attempt 2 opens, sized for that drop-out rate.
+    app.clock.advance(Duration::from_secs(600));
+    Scheduler::new(app.db.clone(), app.clock.clone())
+        .tick()
+        .await
+        .unwrap();
+    let mut second = 0;
+    while try_assigned(&app).await.is_some() {
+        second += 1;
+    }
+    assert!(
+        second > 13 && second <= 20,
+        "attempt 2 takes {second} devices"
+    );
+}
+
+/// Checks in; the assignment, or `None` when told to retry.
+async fn try_assigned(app: &TestApp) -> Option<Value> {
+    let reply = checkin(app, device()).await;
+    (reply.status == StatusCode::CREATED).then(|| reply.json())
+}

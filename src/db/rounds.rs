@@ -99,10 +99,12 @@ pub(crate) async fn open(
     let spec: &TaskSpec = &task.spec;
     let id = new_id();
     let deadline = now + crate::clock::millis_of(i64::from(spec.round_deadline_seconds));
+    let dropout = previous_dropout(conn, &task.id).await?;
+    let capacity = spec.capacity_for(dropout) as i64;
     sqlx::query(
         "INSERT INTO rounds (id, task_id, round_number, attempt, state, report_goal, min_reports, \
-         deadline_at, opened_at, closed_at, updated_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, NULL, $9)",
+         deadline_at, opened_at, closed_at, updated_at, capacity) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, NULL, $9, $10)",
     )
     .bind(&id)
     .bind(&task.id)
@@ -113,6 +115,7 @@ pub(crate) async fn open(
     .bind(i64::from(spec.min_reports))
     .bind(deadline)
     .bind(now)
+    .bind(capacity)
     .execute(&mut *conn)
     .await?;
     let reason = format!("round {round_number} attempt {attempt} opened");
@@ -128,6 +131,30 @@ pub(crate) async fn open(
     .await?;
     Ok(id)
 }
+
+/// The drop-out rate of the task's latest round attempt so far: the share of its assignments
+/// that failed, timed out or delivered after the round closed. `None` before any attempt, or
+/// with fewer than `MIN_ASSIGNMENTS_FOR_DROPOUT` assignments (too few to judge by).
+async fn previous_dropout(conn: &mut Conn, task_id: &str) -> Result<Option<f64>, DbError> {
+    let counts: Option<(i64, i64)> = sqlx::query_as(
+        "SELECT COUNT(*), COALESCE(SUM(CASE WHEN a.state IN ('FAILED', 'TIMED_OUT') \
+         OR a.late_at IS NOT NULL THEN 1 ELSE 0 END), 0) \
+         FROM assignments a WHERE a.round_id = (SELECT id FROM rounds WHERE task_id = $1 \
+         ORDER BY round_number DESC, attempt DESC LIMIT 1)",
+    )
+    .bind(task_id)
+    .fetch_optional(&mut *conn)
+    .await?;
+    Ok(match counts {
+        Some((assigned, dropped)) if assigned >= MIN_ASSIGNMENTS_FOR_DROPOUT => {
+            Some(dropped as f64 / assigned as f64)
+        }
+        _ => None,
+    })
+}
+
+/// Fewest assignments of a round whose drop-out rate the next round's capacity adapts to.
+pub const MIN_ASSIGNMENTS_FOR_DROPOUT: i64 = 10;
 
 /// Moves a round to a later state; a terminal state also stamps `closed_at`.
 pub(crate) async fn close(

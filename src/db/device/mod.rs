@@ -31,6 +31,8 @@ pub struct Candidate {
     pub live: i64,
     /// When the task was created (first come, first served).
     pub task_created_at: i64,
+    /// Most live assignments the round takes (fixed when it opened: adaptive over-selection).
+    pub capacity: u64,
     /// Parsed once per task and shared: a task's definition never changes after creation.
     pub spec: std::sync::Arc<TaskSpec>,
 }
@@ -103,6 +105,7 @@ pub(in crate::db) type CandidateRow = (
     String,
     i64,
     i64,
+    Option<i64>,
 );
 pub(in crate::db) type ViewRow = (
     String,
@@ -131,7 +134,7 @@ pub(in crate::db) const VIEW_SQL: &str = "SELECT a.id, a.state, a.expires_at, r.
 pub(in crate::db) static CANDIDATES: LazyLock<String> = LazyLock::new(|| {
     format!(
         "SELECT r.id, t.id, t.tenant_id, r.round_number, r.deadline_at, r.key_id, \
-         t.model_version, r.live_assignments, t.spec_json, r.attempt, t.created_at \
+         t.model_version, r.live_assignments, t.spec_json, r.attempt, t.created_at, r.capacity \
          FROM rounds r JOIN tasks t ON t.id = r.task_id \
          JOIN populations p ON p.name = t.population AND p.tenant_id = t.tenant_id \
          WHERE t.population = $1 AND t.state = '{open}' AND r.state = '{collecting}'",
@@ -395,6 +398,10 @@ impl Db {
                     model_version: r.6.unwrap_or(0),
                     live: r.7,
                     task_created_at: r.10,
+                    capacity: r
+                        .11
+                        .and_then(|c| u64::try_from(c).ok())
+                        .unwrap_or_else(|| spec.max_live_assignments()),
                     spec,
                 })
             })
