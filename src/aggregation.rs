@@ -206,13 +206,7 @@ impl TaskDbJobStore {
             .map_err(|e| StoreError::Refused(e.to_string()))?;
         let context = self.db.job_context(job_id).await.map_err(db_error)?;
         let sha = hex(Sha256::digest(state));
-        let key = BlobKey::optimizer_state(
-            &context.task.tenant_id,
-            &context.task.id,
-            context.round.round_number,
-            &sha,
-        )
-        .map_err(backend)?;
+        let key = optimizer_state_key(&context, &sha)?;
         match self.blobs.put(&key, state).await {
             Ok(_) | Err(BlobError::Conflict(_)) => Ok(sha),
             Err(e) => Err(backend(e)),
@@ -231,13 +225,7 @@ impl TaskDbJobStore {
         let context = self.db.job_context(job_id).await.map_err(db_error)?;
         let optimizer_state_key = match optimizer_state_sha256 {
             Some(sha) => {
-                let key = BlobKey::optimizer_state(
-                    &context.task.tenant_id,
-                    &context.task.id,
-                    context.round.round_number,
-                    sha,
-                )
-                .map_err(backend)?;
+                let key = optimizer_state_key(&context, sha)?;
                 if self.blob(key.as_str()).await?.is_none() {
                     return Err(StoreError::Refused(format!(
                         "no optimizer state {sha} was stored for this job; upload it first"
@@ -272,6 +260,17 @@ impl TaskDbJobStore {
             .await
             .map_err(db_error)
     }
+}
+
+/// Where the optimizer state after a job's round is stored, under its digest.
+fn optimizer_state_key(context: &JobContext, sha256_hex: &str) -> Result<BlobKey, StoreError> {
+    BlobKey::optimizer_state(
+        &context.task.tenant_id,
+        &context.task.id,
+        context.round.round_number,
+        sha256_hex,
+    )
+    .map_err(backend)
 }
 
 impl BlobSource for TaskDbJobStore {

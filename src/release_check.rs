@@ -66,19 +66,12 @@ pub fn verify_staged(
         .key(key_id)
         .map(|k| usize::from(k.threshold))
         .ok_or_else(|| format!("key {key_id} is not published by the key services"))?;
-    let signers = keys.verifying_keys();
-    let trusted: Vec<TrustedSigner<'_>> = signers
-        .iter()
-        .map(|(id, key)| TrustedSigner {
-            id,
-            verifying_key: key,
-        })
-        .collect();
-    let check = release.proof.check(
-        &commitment_of(manifest),
+    let check = check_proof(
+        keys,
+        release.proof,
+        manifest,
         &sha256_hex(&manifest.to_json()),
         &average_sha256,
-        &trusted,
         threshold,
     );
     if !check.failures.is_empty() {
@@ -88,6 +81,34 @@ pub fn verify_staged(
         ));
     }
     serde_json::to_string(release.proof).map_err(|e| e.to_string())
+}
+
+/// A release's proof checked against the key services `keys` publishes: the enclave's
+/// signature over `manifest_sha256` and `average_sha256`, and a quorum of receipts for the
+/// manifest's commitment.
+fn check_proof(
+    keys: &KeyDirectory,
+    proof: &confed_attestation::release::ReleaseProof,
+    manifest: &Manifest,
+    manifest_sha256: &str,
+    average_sha256: &str,
+    threshold: usize,
+) -> confed_attestation::release::ProofCheck {
+    let signers = keys.verifying_keys();
+    let trusted: Vec<TrustedSigner<'_>> = signers
+        .iter()
+        .map(|(id, key)| TrustedSigner {
+            id,
+            verifying_key: key,
+        })
+        .collect();
+    proof.check(
+        &commitment_of(manifest),
+        manifest_sha256,
+        average_sha256,
+        &trusted,
+        threshold,
+    )
 }
 
 /// What a stored release comes to when checked again against the key services this server
@@ -202,19 +223,12 @@ pub fn check_stored(
             ),
         ),
         Some(key) => {
-            let signers = keys.verifying_keys();
-            let trusted: Vec<TrustedSigner<'_>> = signers
-                .iter()
-                .map(|(id, key)| TrustedSigner {
-                    id,
-                    verifying_key: key,
-                })
-                .collect();
-            let check = proof.check(
-                &commitment_of(&manifest),
+            let check = check_proof(
+                keys,
+                &proof,
+                &manifest,
                 &sha256_hex(release.manifest_json.as_bytes()),
                 &release.average_sha256,
-                &trusted,
                 usize::from(key.threshold),
             );
             out.lines.extend(check.lines);

@@ -50,6 +50,14 @@ fn urlencode(value: &str) -> String {
         .collect()
 }
 
+/// A task's state, as the API reports it to its tenant.
+async fn task_state(app: &TestApp, token: &str, task: &str) -> serde_json::Value {
+    app.call(Method::GET, &format!("/v1/tasks/{task}"), Some(token), None)
+        .await
+        .json()["state"]
+        .clone()
+}
+
 /// Signs in with `token`; returns the cookie pair to send back (`name=value`).
 async fn sign_in(app: &TestApp, token: &str) -> String {
     let reply = app
@@ -206,16 +214,7 @@ async fn forms_without_the_csrf_token_or_from_another_site_change_nothing() {
             StatusCode::FORBIDDEN,
             "{engine}: cross-site"
         );
-        let state = app
-            .call(
-                Method::GET,
-                &format!("/v1/tasks/{task}"),
-                Some(&token),
-                None,
-            )
-            .await
-            .json()["state"]
-            .clone();
+        let state = task_state(&app, &token, &task).await;
         assert_eq!(state, "CREATED", "{engine}: nothing was cancelled");
         // The right token, from this site: cancelled.
         let reply = app
@@ -227,16 +226,7 @@ async fn forms_without_the_csrf_token_or_from_another_site_change_nothing() {
             "{engine}: {}",
             text(&reply)
         );
-        let state = app
-            .call(
-                Method::GET,
-                &format!("/v1/tasks/{task}"),
-                Some(&token),
-                None,
-            )
-            .await
-            .json()["state"]
-            .clone();
+        let state = task_state(&app, &token, &task).await;
         assert_eq!(state, "CANCELLED", "{engine}");
     }
 }
@@ -266,16 +256,7 @@ async fn another_tenants_task_is_not_reachable() {
             ))
             .await;
         assert_eq!(reply.status, StatusCode::NOT_FOUND, "{engine}");
-        let state = app
-            .call(
-                Method::GET,
-                &format!("/v1/tasks/{their_task}"),
-                Some(&theirs),
-                None,
-            )
-            .await
-            .json()["state"]
-            .clone();
+        let state = task_state(&app, &theirs, &their_task).await;
         assert_eq!(state, "OPEN", "{engine}");
     }
 }

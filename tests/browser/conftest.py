@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import secrets
-import subprocess
-import tempfile
-import threading
 
 import numpy as np
 import pytest
@@ -19,6 +15,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 
 from confed_client import Device, Partner, Trust
+from confed_client.testing import confed_server
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ROUNDS = 3
@@ -28,29 +25,8 @@ DEVICES_PER_ROUND = 4
 @pytest.fixture(scope="session")
 def server():
     binary = os.environ.get("CONFED_BIN", str(ROOT / "target" / "debug" / "confed"))
-    admin = secrets.token_hex(32)
-    with tempfile.TemporaryDirectory() as data:
-        process = subprocess.Popen(
-            [binary, "serve", "--listen", "127.0.0.1:0", "--data-dir", data],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            env={**os.environ, "RUST_LOG": "error", "CONFED_ADMIN_TOKEN": admin})
-        found = {"admin": admin, "data": data}
-        for line in process.stdout:
-            if line.startswith("CONFED_DEMO_TOKEN="):
-                found["token"] = line.split("=", 1)[1].strip()
-            if "Device trust file: " in line:
-                found["trust"] = line.split("Device trust file: ", 1)[1].strip()
-            if line.startswith("confed: serving on "):
-                found["url"] = line.removeprefix("confed: serving on ").strip()
-                break
-        else:
-            raise RuntimeError(f"{binary} serve stopped before it listened")
-        threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
-        try:
-            yield found
-        finally:
-            process.terminate()
-            process.wait(timeout=30)
+    with confed_server(binary, admin_api=True) as found:
+        yield found
 
 
 @pytest.fixture(scope="session")
