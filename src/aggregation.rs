@@ -194,17 +194,35 @@ impl TaskDbJobStore {
         })
     }
 
-    /// Stores `state` (a server optimizer's state file, checked to parse) write-once under its
-    /// digest next to the model version this job makes; returns the digest that
-    /// `commit_model_linked` takes. The first half of a model commit with state.
+    /// Stores `state` (a server optimizer's state file) write-once under its digest next to the
+    /// model version this job makes; returns the digest that `commit_model_linked` takes. The
+    /// first half of a model commit with state: only the lease holder, only while the round is
+    /// APPLYING, only a state that fits the task's optimizer.
     pub async fn put_optimizer_state(
         &self,
         job_id: &str,
+        worker: &str,
         state: &[u8],
     ) -> Result<String, StoreError> {
-        confed_enclave::optimizer::OptimizerState::decode(state)
-            .map_err(|e| StoreError::Refused(e.to_string()))?;
+        self.db
+            .check_job_lease(job_id, worker)
+            .await
+            .map_err(db_error)?;
         let context = self.db.job_context(job_id).await.map_err(db_error)?;
+        if context.round.state != crate::states::RoundState::Applying {
+            return Err(StoreError::Conflict(format!(
+                "round {} is {}, not APPLYING: its model is not being made",
+                context.round.round_number,
+                context.round.state.as_str()
+            )));
+        }
+        let model = self.required_blob(&context.model.blob_key).await?;
+        let parameters = confed_enclave::model::validate_model(&model)
+            .map_err(backend)?
+            .parameter_count();
+        confed_enclave::optimizer::OptimizerState::decode(state)
+            .and_then(|decoded| decoded.fits(&context.task.spec.server_optimizer, parameters))
+            .map_err(|e| StoreError::Refused(e.to_string()))?;
         let sha = hex(Sha256::digest(state));
         let key = optimizer_state_key(&context, &sha)?;
         match self.blobs.put(&key, state).await {
@@ -214,7 +232,8 @@ impl TaskDbJobStore {
     }
 
     /// Stores model version `round` and commits it, linked to the optimizer state stored under
-    /// `optimizer_state_sha256` (by `put_optimizer_state`), if any.
+    /// `optimizer_state_sha256` (by `put_optimizer_state`): required exactly when the task's
+    /// optimizer keeps state.
     pub async fn commit_model_linked(
         &self,
         job_id: &str,
@@ -223,19 +242,31 @@ impl TaskDbJobStore {
         optimizer_state_sha256: Option<&str>,
     ) -> Result<(), StoreError> {
         let context = self.db.job_context(job_id).await.map_err(db_error)?;
-        let optimizer_state_key = match optimizer_state_sha256 {
-            Some(sha) => {
+        let optimizer = &context.task.spec.server_optimizer;
+        let optimizer_state_key = match (optimizer.has_state(), optimizer_state_sha256) {
+            (true, Some(sha)) => {
                 let key = optimizer_state_key(&context, sha)?;
-                if self.blob(key.as_str()).await?.is_none() {
+                if self.blobs.stat(&key).await.map_err(backend)?.is_none() {
                     return Err(StoreError::Refused(format!(
                         "no optimizer state {sha} was stored for this job; upload it first"
                     )));
                 }
                 Some(key.as_str().to_string())
             }
-            None => None,
+            (true, None) => {
+                return Err(StoreError::Refused(format!(
+                    "the task's optimizer ({}) keeps state: store it first and name its digest",
+                    optimizer.name()
+                )));
+            }
+            (false, Some(_)) => {
+                return Err(StoreError::Refused(format!(
+                    "the task's optimizer ({}) keeps no state",
+                    optimizer.name()
+                )));
+            }
+            (false, None) => None,
         };
-
         let sha = hex(Sha256::digest(model));
         let key = BlobKey::model(
             &context.task.tenant_id,
@@ -343,7 +374,7 @@ impl JobStore for TaskDbJobStore {
         optimizer_state: Option<&[u8]>,
     ) -> Result<(), StoreError> {
         let state_sha256 = match optimizer_state {
-            Some(state) => Some(self.put_optimizer_state(job_id, state).await?),
+            Some(state) => Some(self.put_optimizer_state(job_id, worker, state).await?),
             None => None,
         };
         self.commit_model_linked(job_id, worker, model, state_sha256.as_deref())

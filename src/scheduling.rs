@@ -3,8 +3,10 @@
 //! device to the first with a free slot; `benches/scheduling.rs` runs the same ordering over a
 //! simulated population to compare the policies.
 //!
+//! A population belongs to one tenant, so the policy orders that tenant's tasks on it.
+//!
 //! - **Fair share** (the default): the least-filled round first (live assignments over the
-//!   round's capacity), then the earliest deadline. Tasks, and so tenants, progress together.
+//!   round's capacity), then the earliest deadline. Every task progresses.
 //! - **First come, first served**: the oldest task first. The earliest tasks finish as soon as
 //!   possible; later ones wait.
 //! - **Shortest remaining demand**: the task needing the fewest contributions to finish (its

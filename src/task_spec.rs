@@ -198,11 +198,16 @@ impl TaskSpec {
     }
 
     /// Device-hours the task's rounds from `first_round` on may use: every device a round can
-    /// assign (`max_live_assignments`) working `device_seconds_per_round` on it.
+    /// assign at the most (`most_devices_per_round`) working `device_seconds_per_round` on it.
     pub fn device_hours(&self, first_round: i64) -> f64 {
         let rounds = (i64::from(self.rounds) - first_round + 1).max(0) as f64;
-        rounds * self.max_live_assignments() as f64 * f64::from(self.device_seconds_per_round)
+        rounds * self.most_devices_per_round() as f64 * f64::from(self.device_seconds_per_round)
             / 3600.0
+    }
+
+    /// The largest capacity a round can have, adaptive over-selection at its cap.
+    pub fn most_devices_per_round(&self) -> u64 {
+        self.capacity_for(Some(1.0))
     }
 
     /// A round's capacity when the previous round lost `dropout` of its devices (failed, timed

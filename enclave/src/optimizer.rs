@@ -165,6 +165,7 @@ impl ServerOptimizer {
                     *m = next as f32;
                     moved(x, f64::from(*m));
                 }
+                state.check(n, false)?;
                 Ok(Some(state))
             }
             Self::FedAdam { beta1, beta2, tau } | Self::FedYogi { beta1, beta2, tau } => {
@@ -177,7 +178,13 @@ impl ServerOptimizer {
                     let m_next = beta1 * f64::from(*m) + (1.0 - beta1) * d;
                     let v_prev = f64::from(*v);
                     let v_next = if yogi {
-                        v_prev - (1.0 - beta2) * d * d * (v_prev - d * d).signum()
+                        // sign(v - Δ²) with sign(0) = 0, as the paper (f64::signum(0) is 1).
+                        let sign = match v_prev.partial_cmp(&(d * d)) {
+                            Some(std::cmp::Ordering::Greater) => 1.0,
+                            Some(std::cmp::Ordering::Less) => -1.0,
+                            _ => 0.0,
+                        };
+                        v_prev - (1.0 - beta2) * d * d * sign
                     } else {
                         beta2 * v_prev + (1.0 - beta2) * d * d
                     };
@@ -185,6 +192,7 @@ impl ServerOptimizer {
                     *v = v_next as f32;
                     moved(x, f64::from(*m) / (f64::from(*v).max(0.0).sqrt() + tau));
                 }
+                state.check(n, true)?;
                 Ok(Some(state))
             }
         }
@@ -205,6 +213,18 @@ impl OptimizerState {
             m: vec![0.0; n],
             v: v.map(|init| vec![init as f32; n]),
         }
+    }
+
+    /// Whether this state can be `optimizer`'s over a model of `n` coordinates: the right
+    /// moments, of the right length, finite.
+    pub fn fits(&self, optimizer: &ServerOptimizer, n: usize) -> Result<(), OptimizerError> {
+        if !optimizer.has_state() {
+            return Err(OptimizerError::State(format!(
+                "{} keeps no state",
+                optimizer.name()
+            )));
+        }
+        self.check(n, !matches!(optimizer, ServerOptimizer::FedAvgM { .. }))
     }
 
     fn check(&self, n: usize, adaptive: bool) -> Result<(), OptimizerError> {
@@ -356,6 +376,40 @@ mod tests {
                 .step(&mut x, &[0.1, 0.2, 0.3], 1.0, Some(state))
                 .is_err()
         );
+    }
+
+    #[test]
+    fn a_state_that_would_not_be_finite_is_refused_not_stored() {
+        // An update near f32's limit squares to infinity in v.
+        let mut x = [0.0f32];
+        let err = adam().step(&mut x, &[3.0e38], 1.0, None).unwrap_err();
+        assert!(matches!(err, OptimizerError::State(_)), "{err}");
+        // Yogi's sign of v - Δ² is 0 when they are equal (the paper's sign(0) = 0).
+        let yogi = ServerOptimizer::FedYogi {
+            beta1: 0.9,
+            beta2: 0.99,
+            tau: 0.5,
+        };
+        let mut y = [0.0f32];
+        let state = yogi.step(&mut y, &[0.5], 1.0, None).unwrap().unwrap();
+        assert_eq!(state.v.unwrap()[0], 0.25, "v = τ² = Δ²: unchanged");
+    }
+
+    #[test]
+    fn a_state_fits_only_its_optimizer_and_model() {
+        let mut x = [0.0f32; 2];
+        let adam_state = adam()
+            .step(&mut x, &[0.1, 0.2], 1.0, None)
+            .unwrap()
+            .unwrap();
+        assert!(adam_state.fits(&adam(), 2).is_ok());
+        assert!(adam_state.fits(&adam(), 3).is_err(), "another model size");
+        assert!(
+            adam_state
+                .fits(&ServerOptimizer::FedAvgM { momentum: 0.9 }, 2)
+                .is_err()
+        );
+        assert!(adam_state.fits(&ServerOptimizer::FedAvg, 2).is_err());
     }
 
     #[test]

@@ -80,6 +80,9 @@ impl JobWire {
             .ok()
             .and_then(|b| PublicKey::from_bytes(&b).ok())
             .ok_or_else(|| format!("key {} has a malformed public key", self.key_id))?;
+        self.optimizer
+            .validate()
+            .map_err(|why| format!("the job's server optimizer is invalid: {why}"))?;
         Ok(JobSpec {
             job_id: self.job_id,
             task_id: self.task_id,
@@ -475,5 +478,26 @@ mod tests {
         }
         assert!(serde_json::from_str::<ContributionWire>(r#"["r1"]"#).is_err());
         assert!(serde_json::from_str::<ContributionWire>(r#"["r", "k", "d", "x"]"#).is_err());
+    }
+
+    #[test]
+    fn a_job_without_an_optimizer_is_fedavg_and_an_invalid_one_is_refused() {
+        let public_key = URL_SAFE_NO_PAD.encode([9u8; 32]);
+        let job = serde_json::json!({
+            "job_id": "j", "task_id": "t", "round": 1, "attempt": 1, "key_id": "k",
+            "public_key": public_key, "policy": "p", "model_key": "m", "contributions": [],
+            "committed_average_key": null,
+        });
+        let wire: JobWire = serde_json::from_value(job.clone()).unwrap();
+        assert_eq!(
+            wire.optimizer,
+            ServerOptimizer::FedAvg,
+            "older servers list none"
+        );
+        let mut bad = job;
+        bad["optimizer"] = serde_json::json!({"name": "fedavgm", "momentum": 5.0});
+        let wire: JobWire = serde_json::from_value(bad).unwrap();
+        let error = wire.into_spec(Vec::new(), None, None).unwrap_err();
+        assert!(error.contains("`momentum` must be in [0, 1)"), "{error}");
     }
 }

@@ -115,9 +115,6 @@ pub async fn get_model(
         .await?
         .ok_or_else(|| refusal(Refusal::UnknownAssignment))?;
     if let Some(closed) = closed_for_upload(&assignment, state.now()) {
-        if closed == Refusal::RoundClosed {
-            count_late(&state, &assignment.id).await;
-        }
         return Err(refusal(closed));
     }
     let version = assignment
@@ -314,9 +311,10 @@ fn view_contribution_key(a: &crate::db::device::AssignmentView) -> Result<BlobKe
 /// A contribution that arrived after its round closed: counted (metric, and the round's funnel
 /// through the assignment's row). A failure to record it is logged, never the device's problem.
 async fn count_late(state: &AppState, assignment: &crate::db::device::AssignmentRef) {
-    metrics::counter!("confed_contributions_late_total").increment(1);
-    if let Err(error) = state.db.mark_late(assignment, state.now()).await {
-        tracing::warn!(%error, "could not record a late contribution");
+    match state.db.mark_late(assignment, state.now()).await {
+        Ok(true) => metrics::counter!("confed_contributions_late_total").increment(1),
+        Ok(false) => {} // counted the first time
+        Err(error) => tracing::warn!(%error, "could not record a late contribution"),
     }
 }
 
@@ -389,6 +387,9 @@ async fn note_direct_upload(state: &AppState, capability: &Capability) -> Result
         return Ok(()); // already noted, or finished: the report itself says what applies
     }
     if let Some(closed) = closed_for_upload(&assignment, state.now()) {
+        if closed == Refusal::RoundClosed {
+            count_late(state, &assignment.id).await;
+        }
         return Err(refusal(closed));
     }
     let key = view_contribution_key(&assignment)?;

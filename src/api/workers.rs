@@ -223,7 +223,7 @@ async fn optimizer_state(
 ) -> Result<StatusCode, ApiError> {
     check_worker(&worker.worker)?;
     store(&state)
-        .put_optimizer_state(&job_id, &body)
+        .put_optimizer_state(&job_id, &worker.worker, &body)
         .await
         .map_err(store_error)?;
     Ok(StatusCode::NO_CONTENT)
@@ -284,17 +284,22 @@ impl Drop for Sent {
 /// base64 inside JSON: 4/3 of the model plus the manifest).
 pub fn router(limits: &Limits) -> Router<AppState> {
     let upload_limit = limits.model_bytes / 3 * 4 + (4 << 20);
+    // FedAdam's and FedYogi's state holds two values per model parameter.
+    let state_limit = limits.model_bytes.saturating_mul(2) + (4 << 20);
+    let optimizer_state_route = Router::new()
+        .route(
+            "/internal/v1/jobs/{id}/optimizer-state",
+            put(optimizer_state),
+        )
+        .layer(DefaultBodyLimit::max(state_limit));
     Router::new()
         .route("/internal/v1/jobs/lease", post(lease))
         .route("/internal/v1/jobs/{id}/renew", post(renew))
         .route("/internal/v1/jobs/{id}/fail", post(fail))
         .route("/internal/v1/jobs/{id}/release", put(release))
         .route("/internal/v1/jobs/{id}/model", put(model))
-        .route(
-            "/internal/v1/jobs/{id}/optimizer-state",
-            put(optimizer_state),
-        )
         .route("/internal/v1/blobs/{*key}", get(blob))
         .route("/internal/v1/contributions/{*key}", get(contribution))
         .layer(DefaultBodyLimit::max(upload_limit))
+        .merge(optimizer_state_route)
 }

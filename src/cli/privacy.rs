@@ -53,7 +53,12 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
             .map_err(|e| anyhow!("{e}"))?,
         None => dp::calibrate(args.epsilon, args.delta, args.rounds).map_err(|e| anyhow!("{e}"))?,
     };
-    let scale_grid = calibration.noise_multiplier * GRID_UNITS_PER_CLIP as f64;
+    // The scale the enclave samples at: the calibrated one, its integer variance rounded up.
+    let scale_grid =
+        dp::DiscreteGaussian::at_least(calibration.noise_multiplier * GRID_UNITS_PER_CLIP as f64)
+            .map_err(|e| anyhow!("{e}"))?
+            .scale();
+    let noise_multiplier = scale_grid / GRID_UNITS_PER_CLIP as f64;
     let epsilon_spent = (1..=args.rounds)
         .map(|k| dp::spent(scale_grid, k, args.delta).map(|(_, epsilon)| epsilon))
         .collect::<Result<Vec<_>, _>>()
@@ -62,12 +67,12 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
         epsilon: args.epsilon,
         delta: args.delta,
         rounds: args.rounds,
-        noise_multiplier: calibration.noise_multiplier,
-        rho_per_round: calibration.rho_per_round,
+        noise_multiplier,
+        rho_per_round: dp::calibrate::rho_at(scale_grid).map_err(|e| anyhow!("{e}"))?,
         epsilon_spent,
         average_noise_per_clip: args
             .report_goal
-            .map(|goal| calibration.noise_multiplier / f64::from(goal.max(1))),
+            .map(|goal| noise_multiplier / f64::from(goal.max(1))),
     };
     println!("{}", serde_json::to_string_pretty(&plan)?);
     Ok(())

@@ -337,6 +337,12 @@ impl Db {
         .await
     }
 
+    /// Whether `worker` holds the lease of the job of `round_id` (`LeaseLost` otherwise).
+    pub async fn check_job_lease(&self, round_id: &str, worker: &str) -> Result<(), DbError> {
+        let mut conn = self.pool().acquire().await?;
+        check_lease(&mut conn, round_id, worker).await
+    }
+
     /// Records model version `round_number`, completes the round (APPLYING -> COMPLETED) and the
     /// job, and opens the next round or, after the last planned round, completes the task.
     pub async fn commit_model(

@@ -145,8 +145,17 @@ impl Db {
     }
 
     /// Marks an assignment as late (it tried to deliver its contribution after its round
-    /// closed), once: the first time counts.
-    pub async fn mark_late(&self, assignment: &AssignmentRef, now: i64) -> Result<(), DbError> {
+    /// closed), once: whether this call was the first. A read first, so a device that keeps
+    /// trying costs no write after the first.
+    pub async fn mark_late(&self, assignment: &AssignmentRef, now: i64) -> Result<bool, DbError> {
+        let already: Option<Option<i64>> =
+            sqlx::query_scalar("SELECT late_at FROM assignments WHERE id = $1")
+                .bind(assignment.as_str())
+                .fetch_optional(self.pool())
+                .await?;
+        if !matches!(already, Some(None)) {
+            return Ok(false);
+        }
         let id = assignment.as_str().to_string();
         self.write(move |conn| {
             Box::pin(async move {
@@ -155,10 +164,10 @@ impl Db {
                     .bind(id)
                     .execute(&mut *conn)
                     .await
+                    .map(|done| done.rows_affected() == 1)
                     .map_err(DbError::from)
             })
         })
         .await
-        .map(|_| ())
     }
 }

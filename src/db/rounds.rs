@@ -133,12 +133,14 @@ pub(crate) async fn open(
 }
 
 /// The drop-out rate of the task's latest round attempt so far: the share of its assignments
-/// that failed, timed out or delivered after the round closed. `None` before any attempt, or
-/// with fewer than `MIN_ASSIGNMENTS_FOR_DROPOUT` assignments (too few to judge by).
+/// that failed or timed out. Late deliveries do not count: when a round reaches its goal early,
+/// the devices still training are the over-selected surplus, and counting them would ratchet
+/// the capacity up round after round. `None` before any attempt, or with fewer than
+/// `MIN_ASSIGNMENTS_FOR_DROPOUT` assignments (too few to judge by).
 async fn previous_dropout(conn: &mut Conn, task_id: &str) -> Result<Option<f64>, DbError> {
     let counts: Option<(i64, i64)> = sqlx::query_as(
         "SELECT COUNT(*), COALESCE(SUM(CASE WHEN a.state IN ('FAILED', 'TIMED_OUT') \
-         OR a.late_at IS NOT NULL THEN 1 ELSE 0 END), 0) \
+         THEN 1 ELSE 0 END), 0) \
          FROM assignments a WHERE a.round_id = (SELECT id FROM rounds WHERE task_id = $1 \
          ORDER BY round_number DESC, attempt DESC LIMIT 1)",
     )

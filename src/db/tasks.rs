@@ -78,10 +78,15 @@ async fn check_compute_budget(
     let free = (limit - held).max(0.0);
     let per_round = spec.device_hours(i64::from(spec.rounds));
     let rounds_that_fit = (free / per_round).floor() as i64;
+    let fits = if rounds_that_fit > 0 {
+        format!("Plan at most {rounds_that_fit} rounds, or a smaller")
+    } else {
+        "Not one round fits: cancel an active task, or plan a smaller".to_string()
+    };
     Err(DbError::ComputeBudget(format!(
-        "this task plans {needed:.1} device-hours ({} rounds x {} devices a round x {} s); the tenant's active tasks already plan {held:.1} of its {max_device_hours}, so it is {:.1} over. Plan at most {rounds_that_fit} rounds, a smaller report_goal, over_selection or device_seconds_per_round, cancel an active task, or ask the operator to raise max_device_hours",
+        "this task plans up to {needed:.1} device-hours ({} rounds x at most {} devices a round x {} s); the tenant's active tasks already plan {held:.1} of its {max_device_hours}, so it is {:.1} over. {fits} report_goal, over_selection or device_seconds_per_round, cancel an active task, or ask the operator to raise max_device_hours",
         spec.rounds,
-        spec.max_live_assignments(),
+        spec.most_devices_per_round(),
         spec.device_seconds_per_round,
         held + needed - limit,
     )))
