@@ -40,5 +40,7 @@ open(f"{target}/axe.min.js", "wb").write(script)
 PY
 fi
 export AXE_JS=$axe_dir/axe.min.js
+# This checkout's confed_client, whatever version pip installed earlier.
+export PYTHONPATH=$root/clients/python${PYTHONPATH:+:$PYTHONPATH}
 cd "$here"
 python3 -m pytest -q -p no:cacheprovider --durations=5 "$@" .
