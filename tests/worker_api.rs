@@ -215,3 +215,154 @@ async fn a_release_forged_with_the_worker_token_is_refused_over_http() {
     assert!(system.db.releases_of_task(&task).await.unwrap().is_empty());
     system.shutdown().await;
 }
+
+/// A job store that, when the worker commits a FedAdam model, first tries what a confused or
+/// hostile worker might (through the worker API), then commits as the worker meant to.
+struct Probing {
+    inner: HttpJobStore,
+    url: String,
+    refused: std::sync::Mutex<Vec<(String, u16, String)>>,
+}
+
+impl Probing {
+    async fn try_put(&self, path: &str, body: Vec<u8>) -> (u16, String) {
+        let reply = reqwest::Client::new()
+            .put(format!("{}/internal/v1/{path}", self.url))
+            .bearer_auth(TOKEN)
+            .header("content-type", "application/octet-stream")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        (reply.status().as_u16(), reply.text().await.unwrap())
+    }
+}
+
+impl JobStore for Probing {
+    async fn lease(
+        &self,
+        worker: &str,
+        lease: Duration,
+    ) -> Result<Option<confed_enclave::worker::JobSpec>, StoreError> {
+        self.inner.lease(worker, lease).await
+    }
+    async fn renew(&self, job_id: &str, worker: &str, lease: Duration) -> Result<(), StoreError> {
+        self.inner.renew(job_id, worker, lease).await
+    }
+    async fn fetch(&self, blob_key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.inner.fetch(blob_key).await
+    }
+    async fn commit_release(
+        &self,
+        job_id: &str,
+        worker: &str,
+        release: confed_enclave::worker::StagedRelease<'_>,
+    ) -> Result<(), StoreError> {
+        self.inner.commit_release(job_id, worker, release).await
+    }
+    async fn commit_model(
+        &self,
+        job_id: &str,
+        worker: &str,
+        model: &[u8],
+        optimizer_state: Option<&[u8]>,
+    ) -> Result<(), StoreError> {
+        let state = optimizer_state.expect("FedAdam keeps state").to_vec();
+        let wrong_size = confed_enclave::optimizer::OptimizerState {
+            m: vec![0.0; 3],
+            v: Some(vec![1e-6; 3]),
+        }
+        .encode()
+        .unwrap();
+        let probes = [
+            (
+                "another worker's state",
+                format!("jobs/{job_id}/optimizer-state?worker=intruder"),
+                state.clone(),
+            ),
+            (
+                "a state of another size",
+                format!("jobs/{job_id}/optimizer-state?worker={worker}"),
+                wrong_size,
+            ),
+            (
+                "not a state file",
+                format!("jobs/{job_id}/optimizer-state?worker={worker}"),
+                b"junk".to_vec(),
+            ),
+            (
+                "a model without its state",
+                format!("jobs/{job_id}/model?worker={worker}"),
+                model.to_vec(),
+            ),
+            (
+                "a model naming a state never stored",
+                format!(
+                    "jobs/{job_id}/model?worker={worker}&optimizer_state_sha256={}",
+                    "0".repeat(64)
+                ),
+                model.to_vec(),
+            ),
+        ];
+        for (what, path, body) in probes {
+            let (status, detail) = self.try_put(&path, body).await;
+            self.refused
+                .lock()
+                .unwrap()
+                .push((what.to_string(), status, detail));
+        }
+        self.inner
+            .commit_model(job_id, worker, model, Some(&state))
+            .await
+    }
+    async fn fail(
+        &self,
+        job_id: &str,
+        worker: &str,
+        reason: &str,
+        permanent: bool,
+    ) -> Result<(), StoreError> {
+        self.inner.fail(job_id, worker, reason, permanent).await
+    }
+}
+
+/// The optimizer state's route takes only the lease holder's state, of the task's optimizer and
+/// the model's size, and a stateful optimizer's model commit must name a stored state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn optimizer_state_is_taken_only_from_the_lease_holder_and_must_fit() {
+    let (system, _dir) = start_with(now_clock(), Some(TOKEN)).await;
+    let (token, task) = common::system::open_task_with(
+        &system,
+        "adam",
+        8.0,
+        json!({"server_optimizer": {"name": "fedadam"}}),
+    )
+    .await;
+    collect(&system, "adam", 3, false).await;
+    let store = Arc::new(Probing {
+        inner: remote(&system.url, TOKEN),
+        url: system.url.clone(),
+        refused: Default::default(),
+    });
+    let worker = Worker::new(store.clone(), system.worker_config("adam-1"));
+    worker.run_once().await.unwrap().expect("a job");
+    let refused = store.refused.lock().unwrap().clone();
+    let statuses: Vec<(&str, u16)> = refused.iter().map(|(w, s, _)| (w.as_str(), *s)).collect();
+    assert_eq!(
+        statuses,
+        [
+            ("another worker's state", 409),
+            ("a state of another size", 422),
+            ("not a state file", 422),
+            ("a model without its state", 422),
+            ("a model naming a state never stored", 422),
+        ],
+        "{refused:?}"
+    );
+    // The worker's own commit went through: model version 1 exists, the round is complete.
+    assert_eq!(
+        rounds(&system, &token, &task).await[0]["state"],
+        "COMPLETED"
+    );
+    system.shutdown().await;
+}
