@@ -197,12 +197,14 @@ impl TaskDbJobStore {
     /// Stores `state` (a server optimizer's state file) write-once under its digest next to the
     /// model version this job makes; returns the digest that `commit_model_linked` takes. The
     /// first half of a model commit with state: only the lease holder, only while the round is
-    /// APPLYING, only a state that fits the task's optimizer.
+    /// APPLYING, only a state that fits the task's optimizer and the model's size
+    /// (`parameters`, else read from the base model's header).
     pub async fn put_optimizer_state(
         &self,
         job_id: &str,
         worker: &str,
         state: &[u8],
+        parameters: Option<usize>,
     ) -> Result<String, StoreError> {
         self.db
             .check_job_lease(job_id, worker)
@@ -216,10 +218,10 @@ impl TaskDbJobStore {
                 context.round.state.as_str()
             )));
         }
-        let model = self.required_blob(&context.model.blob_key).await?;
-        let parameters = confed_enclave::model::validate_model(&model)
-            .map_err(backend)?
-            .parameter_count();
+        let parameters = match parameters {
+            Some(parameters) => parameters,
+            None => parameter_count(&self.required_blob(&context.model.blob_key).await?)?,
+        };
         confed_enclave::optimizer::OptimizerState::decode(state)
             .and_then(|decoded| decoded.fits(&context.task.spec.server_optimizer, parameters))
             .map_err(|e| StoreError::Refused(e.to_string()))?;
@@ -291,6 +293,16 @@ impl TaskDbJobStore {
             .await
             .map_err(db_error)
     }
+}
+
+/// How many values a model file holds, from its safetensors header alone (no value is read).
+fn parameter_count(model: &[u8]) -> Result<usize, StoreError> {
+    let (_, metadata) = safetensors::SafeTensors::read_metadata(model).map_err(backend)?;
+    Ok(metadata
+        .tensors()
+        .values()
+        .map(|info| info.shape.iter().product::<usize>())
+        .sum())
 }
 
 /// Where the optimizer state after a job's round is stored, under its digest.
@@ -374,7 +386,14 @@ impl JobStore for TaskDbJobStore {
         optimizer_state: Option<&[u8]>,
     ) -> Result<(), StoreError> {
         let state_sha256 = match optimizer_state {
-            Some(state) => Some(self.put_optimizer_state(job_id, worker, state).await?),
+            Some(state) => {
+                // The new model is at hand: its header gives the size without reading the base.
+                let parameters = parameter_count(model)?;
+                Some(
+                    self.put_optimizer_state(job_id, worker, state, Some(parameters))
+                        .await?,
+                )
+            }
             None => None,
         };
         self.commit_model_linked(job_id, worker, model, state_sha256.as_deref())

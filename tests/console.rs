@@ -353,20 +353,8 @@ async fn task_page_and_populations_count_the_rounds_assignments_and_check_ins() 
     for (engine, app) in TestApp::on_each_engine().await {
         let token = app.tenant("acme").await;
         let task = app.open_task(&token, json!({})).await;
-        let population = common::task_body(json!({}))["population"]
-            .as_str()
-            .unwrap()
-            .to_string();
-        let checkin = json!({"client_version": "1.4.0", "attributes": {"os": "android", "ram_gb": 8, "charging": true}});
         for _ in 0..2 {
-            let reply = app
-                .call(
-                    Method::POST,
-                    &format!("/v1/populations/{population}/checkin"),
-                    None,
-                    Some(checkin.clone()),
-                )
-                .await;
+            let reply = app.check_in().await;
             assert_eq!(
                 reply.status,
                 StatusCode::CREATED,

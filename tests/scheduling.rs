@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use axum::http::{Method, StatusCode};
+use axum::http::StatusCode;
 use common::TestApp;
 use confed::scheduling::SchedulingPolicy;
 use serde_json::json;
@@ -33,20 +33,9 @@ async fn two_tasks(app: &TestApp) -> (String, String) {
 
 /// The task each of `n` check-ins is assigned to.
 async fn assigned_tasks(app: &TestApp, n: usize) -> Vec<String> {
-    let population = common::task_body(json!({}))["population"]
-        .as_str()
-        .unwrap()
-        .to_string();
     let mut tasks = Vec::new();
     for _ in 0..n {
-        let reply = app
-            .call(
-                Method::POST,
-                &format!("/v1/populations/{population}/checkin"),
-                None,
-                Some(json!({"client_version": "1.4.0", "attributes": {"os": "android", "ram_gb": 8, "charging": true}})),
-            )
-            .await;
+        let reply = app.check_in().await;
         assert_eq!(
             reply.status,
             StatusCode::CREATED,

@@ -223,7 +223,7 @@ async fn optimizer_state(
 ) -> Result<StatusCode, ApiError> {
     check_worker(&worker.worker)?;
     store(&state)
-        .put_optimizer_state(&job_id, &worker.worker, &body)
+        .put_optimizer_state(&job_id, &worker.worker, &body, None)
         .await
         .map_err(store_error)?;
     Ok(StatusCode::NO_CONTENT)

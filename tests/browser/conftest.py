@@ -10,12 +10,11 @@ import pathlib
 
 import numpy as np
 import pytest
-import requests
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 
 from confed_client import Device, Partner, Trust
-from confed_client.testing import confed_server
+from confed_client.testing import confed_server, create_tenant
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ROUNDS = 3
@@ -57,11 +56,7 @@ def trained_task(server):
 @pytest.fixture(scope="session")
 def other_tenant(server):
     """A second tenant, with a task of its own."""
-    response = requests.post(f"{server['url']}/v1/admin/tenants",
-                             headers={"Authorization": f"Bearer {server['admin']}"},
-                             json={"name": "rival", "max_active_tasks": 5}, timeout=30)
-    response.raise_for_status()
-    token = response.json()["token"]
+    token = create_tenant(server, "rival", max_active_tasks=5)
     partner = Partner(server["url"], token)
     spec = {"population": "rival-phones", "rounds": 1, "report_goal": 2,
             "privacy": {"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0}}

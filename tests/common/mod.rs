@@ -311,6 +311,22 @@ impl TestApp {
         self.send(request).await
     }
 
+    /// A device that fits `task_body()`'s defaults checks in to its population.
+    #[allow(dead_code)]
+    pub async fn check_in(&self) -> Reply {
+        let population = task_body(json!({}))["population"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        self.call(
+            Method::POST,
+            &format!("/v1/populations/{population}/checkin"),
+            None,
+            Some(json!({"client_version": "1.4.0", "attributes": {"os": "android", "ram_gb": 8, "charging": true}})),
+        )
+        .await
+    }
+
     /// Creates a task from `task_body()` merged with `overrides`; returns its id.
     pub async fn create_task(&self, token: &str, overrides: Value) -> String {
         let reply = self

@@ -12,6 +12,8 @@ import tempfile
 import threading
 from typing import Iterator
 
+import requests
+
 
 @contextlib.contextmanager
 def confed_server(binary: str, admin_api: bool = False) -> Iterator[dict]:
@@ -46,3 +48,13 @@ def confed_server(binary: str, admin_api: bool = False) -> Iterator[dict]:
         finally:
             process.terminate()
             process.wait(timeout=30)
+
+
+def create_tenant(server: dict, name: str, **quotas) -> str:
+    """Creates a tenant through the admin API of a `confed_server(..., admin_api=True)`, with
+    quotas such as `max_active_tasks=5`; returns its API token."""
+    reply = requests.post(f"{server['url']}/v1/admin/tenants",
+                          headers={"Authorization": f"Bearer {server['admin']}"},
+                          json={"name": name, **quotas}, timeout=30)
+    reply.raise_for_status()
+    return reply.json()["token"]

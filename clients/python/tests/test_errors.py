@@ -18,6 +18,7 @@ import requests
 
 from confed_client import Device, DeviceError, Partner, PartnerError, Trust
 from confed_client.envelope import encode_envelope
+from confed_client.testing import create_tenant
 
 MODEL = {"w": np.zeros(4, np.float32)}
 
@@ -42,11 +43,7 @@ class Counting(requests.Session):
 @pytest.fixture(scope="module")
 def token(server):
     """A tenant of its own, so these tests' open tasks leave the demo tenant's quota alone."""
-    reply = requests.post(f"{server['url']}/v1/admin/tenants",
-                          headers={"Authorization": f"Bearer {server['admin']}"},
-                          json={"name": "errors", "max_active_tasks": 50}, timeout=30)
-    reply.raise_for_status()
-    return reply.json()["token"]
+    return create_tenant(server, "errors", max_active_tasks=50)
 
 
 def device(server, population, **options) -> Device:
@@ -81,10 +78,7 @@ def test_partner_errors_carry_the_status_and_the_problem(server, token):
 
 
 def test_a_tenant_over_its_quota_gets_403(server):
-    reply = requests.post(f"{server['url']}/v1/admin/tenants",
-                          headers={"Authorization": f"Bearer {server['admin']}"},
-                          json={"name": "one-task-only", "max_active_tasks": 1}, timeout=30)
-    partner = Partner(server["url"], reply.json()["token"])
+    partner = Partner(server["url"], create_tenant(server, "one-task-only", max_active_tasks=1))
     partner.create_task(spec("errors-quota"), MODEL)
     error = raises(403, lambda: partner.create_task(spec("errors-quota"), MODEL))
     assert "quota" in error.problem["type"]

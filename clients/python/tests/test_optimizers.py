@@ -89,3 +89,9 @@ def test_a_bad_optimizer_is_refused_naming_the_field(server):
                  "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0}},
                 {"w": np.zeros(2, np.float32)})
         assert caught.value.status == 400
+        if bad["name"] == "fedavgm":  # a known optimizer with a bad value: the field is named
+            assert [p["name"] for p in caught.value.problem["invalid_params"]] == [
+                "server_optimizer"]
+            assert "momentum" in caught.value.problem["invalid_params"][0]["reason"]
+        else:  # an unknown optimizer: the body does not parse, and the detail says why
+            assert "sgd" in caught.value.detail
