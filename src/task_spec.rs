@@ -3,7 +3,7 @@
 //! at once, so a partner fixes a request in one go.
 
 use confed_enclave::optimizer::ServerOptimizer;
-use confed_enclave::policy::TaskPolicy;
+use confed_enclave::policy::{MAX_MIN_SEPARATION, Mechanism, TaskPolicy};
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
@@ -70,6 +70,35 @@ pub struct PrivacyBudget {
     /// L2 bound of one device's update, [1e-6, 1e6].
     #[schema(minimum = 0.000001, maximum = 1000000.0)]
     pub clip_norm: f64,
+    /// `gaussian` (default: independent noise on every round) or `tree_aggregation` (DP-FTRL:
+    /// correlated tree noise, devices serve rounds at least `min_separation` apart).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mechanism: Option<MechanismName>,
+    /// `tree_aggregation` only: fewest rounds between two rounds one device serves, and the
+    /// length of each noise tree, 1-1024 (default: the task's rounds, at most 1024).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1, maximum = 1024)]
+    pub min_separation: Option<u32>,
+}
+
+/// The DP mechanisms a task may choose (docs/privacy.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum MechanismName {
+    Gaussian,
+    TreeAggregation,
+}
+
+impl PrivacyBudget {
+    /// The mechanism the task policy names.
+    pub fn mechanism(&self) -> Mechanism {
+        match self.mechanism {
+            Some(MechanismName::TreeAggregation) => Mechanism::Tree {
+                min_separation: self.min_separation.unwrap_or(MAX_MIN_SEPARATION),
+            },
+            _ => Mechanism::Gaussian,
+        }
+    }
 }
 
 /// `POST /v1/tasks` body.
@@ -191,7 +220,7 @@ impl TaskSpec {
             epsilon: self.privacy.epsilon,
             delta: self.privacy.delta,
             clip_norm: self.privacy.clip_norm,
-            mechanism: confed_enclave::policy::MECHANISM.to_string(),
+            mechanism: self.privacy.mechanism().encode(),
             server_learning_rate: self.server_learning_rate,
             plan: serde_json::to_string(&self.plan).unwrap_or_else(|_| "{}".into()),
         }
@@ -348,6 +377,28 @@ impl CreateTaskRequest {
                 false,
                 MAX_CLIP_NORM,
             ),
+            mechanism: self.privacy.mechanism,
+            min_separation: match self.privacy.mechanism {
+                Some(MechanismName::TreeAggregation) => {
+                    let default = rounds.clamp(1, MAX_MIN_SEPARATION);
+                    let given = self.privacy.min_separation.unwrap_or(default);
+                    Some(p.int(
+                        "privacy.min_separation",
+                        i64::from(given),
+                        1,
+                        i64::from(MAX_MIN_SEPARATION),
+                    ))
+                }
+                _ => {
+                    if self.privacy.min_separation.is_some() {
+                        p.add(
+                            "privacy.min_separation",
+                            "applies to `\"mechanism\": \"tree_aggregation\"` only; set the mechanism or leave it out",
+                        );
+                    }
+                    None
+                }
+            },
         };
         let server_learning_rate = p.float(
             "server_learning_rate",
@@ -379,8 +430,13 @@ impl CreateTaskRequest {
             p.add("server_optimizer", why);
         }
         if p.0.is_empty()
-            && let Err(problem) =
-                confed_enclave::dp::check_plan(privacy.epsilon, privacy.delta, rounds, report_goal)
+            && let Err(problem) = confed_enclave::dp::check_plan(
+                privacy.mechanism(),
+                privacy.epsilon,
+                privacy.delta,
+                rounds,
+                report_goal,
+            )
         {
             // The enclave calibrates the same way at every release; a plan it could not run
             // usefully is refused now, saying what to change.

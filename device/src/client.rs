@@ -52,8 +52,45 @@ pub enum DeviceError {
         "this device already sealed an update for round {round} of task {task_id} (or cannot tell)"
     )]
     AlreadySealed { task_id: String, round: i64 },
+    #[error(
+        "this device served round {served} of task {task_id}; its policy keeps a device's rounds at least {min_separation} apart, so round {round} must wait"
+    )]
+    TooSoon {
+        task_id: String,
+        round: i64,
+        served: i64,
+        min_separation: u32,
+    },
     #[error("sealing")]
     Seal(#[from] EnvelopeError),
+}
+
+/// Why a device that sealed for the rounds in `done` must not serve `round` of `task_id` under a
+/// minimum separation of `separation` rounds (1: only the same round is refused).
+fn too_close(
+    done: &HashSet<(String, i64)>,
+    task_id: &str,
+    round: i64,
+    separation: u32,
+) -> Option<DeviceError> {
+    let served = done
+        .iter()
+        .filter(|(task, served)| task == task_id && (served - round).abs() < i64::from(separation))
+        .map(|(_, served)| *served)
+        .min_by_key(|served| (served - round).abs())?;
+    Some(if served == round {
+        DeviceError::AlreadySealed {
+            task_id: task_id.to_string(),
+            round,
+        }
+    } else {
+        DeviceError::TooSoon {
+            task_id: task_id.to_string(),
+            round,
+            served,
+            min_separation: separation,
+        }
+    })
 }
 
 /// Reads a device trust file (JSON, `docs/protocol.md` "The device trust file").
@@ -237,13 +274,26 @@ impl DeviceClient {
         }
     }
 
-    /// Whether this device already contributed to the assignment's round; a device contributes at
-    /// most once per round (the privacy unit), so such an assignment must be declined.
-    pub fn already_contributed(&self, assignment: &AssignmentResponse) -> bool {
-        self.done
-            .lock()
-            .map(|d| d.contains(&(assignment.task_id.clone(), assignment.round)))
-            .unwrap_or(true)
+    /// Whether this device must decline the assignment: it already contributed to the round (the
+    /// privacy unit is one contribution per round), or, under a tree mechanism (DP-FTRL), it
+    /// served a round of the task fewer than the policy's `min_separation` rounds before or
+    /// after this one. The accounting counts on this: the device is the only party that knows
+    /// which rounds it served, so it enforces the separation itself (`seal` refuses too).
+    pub fn declines(&self, assignment: &AssignmentResponse) -> Option<DeviceError> {
+        let separation = TaskPolicy::parse(&assignment.policy)
+            .ok()
+            .and_then(|p| p.mechanism().ok())
+            .map_or(1, |m| m.min_separation());
+        let done = match self.done.lock() {
+            Ok(done) => done,
+            Err(_) => {
+                return Some(DeviceError::AlreadySealed {
+                    task_id: assignment.task_id.clone(),
+                    round: assignment.round,
+                });
+            }
+        };
+        too_close(&done, &assignment.task_id, assignment.round, separation)
     }
 
     /// The X25519 key to seal to, if at least T trusted key services signed it and it is valid
@@ -361,16 +411,24 @@ impl DeviceClient {
         // for a round it declines further assignments to it, even if this upload never gets a
         // success answer (a server that stores the bytes and answers an error must not get a
         // second update for the same round).
-        let first = self
-            .done
-            .lock()
-            .map(|mut done| done.insert((assignment.task_id.clone(), assignment.round)))
-            .unwrap_or(false);
-        if !first {
-            return Err(DeviceError::AlreadySealed {
-                task_id: assignment.task_id.clone(),
-                round: assignment.round,
-            });
+        let separation = policy
+            .policy
+            .mechanism()
+            .map_err(|e| DeviceError::UntrustedPolicy(e.to_string()))?
+            .min_separation();
+        {
+            let Ok(mut done) = self.done.lock() else {
+                return Err(DeviceError::AlreadySealed {
+                    task_id: assignment.task_id.clone(),
+                    round: assignment.round,
+                });
+            };
+            if let Some(refusal) =
+                too_close(&done, &assignment.task_id, assignment.round, separation)
+            {
+                return Err(refusal);
+            }
+            done.insert((assignment.task_id.clone(), assignment.round));
         }
         let context = RoundContext {
             task_id: assignment.task_id.clone(),
@@ -535,7 +593,67 @@ mod tests {
             again,
             Err(DeviceError::AlreadySealed { round: 1, .. })
         ));
-        assert!(client.already_contributed(&a));
+        assert!(matches!(
+            client.declines(&a),
+            Some(DeviceError::AlreadySealed { .. })
+        ));
+    }
+
+    /// Under DP-FTRL the accounting assumes a device serves at most one round of any
+    /// `min_separation` consecutive rounds of a task: the device declines and refuses to seal
+    /// closer rounds, whatever the server assigns, and serves again once far enough.
+    #[test]
+    fn a_device_keeps_its_rounds_of_a_tree_task_min_separation_apart() {
+        let trust = TrustConfig {
+            threshold: 1,
+            keyservices: vec![],
+            limits: DeviceLimits::ENCLAVE,
+            tenant_id: None,
+        };
+        let client = DeviceClient::new("http://127.0.0.1:1", &trust).unwrap();
+        let mut policy = TaskPolicy::sample("t1", 20);
+        policy.mechanism = confed_protocol::policy::Mechanism::Tree { min_separation: 4 }.encode();
+        let (_, public) = confed_protocol::hpke::generate_keypair();
+        let key = key();
+        let accepted = AcceptedPolicy {
+            sha256: policy.sha256_hex(),
+            policy: policy.clone(),
+        };
+        let model = Model {
+            bytes: std::sync::Arc::new(vec![]),
+            sha256: "0".repeat(64),
+        };
+        let in_round = |round| AssignmentResponse {
+            round,
+            ..assignment(&policy, &key)
+        };
+        assert!(client.declines(&in_round(5)).is_none());
+        client
+            .seal(&in_round(5), &public, &accepted, &model, b"u")
+            .unwrap();
+        for round in [2, 6, 8] {
+            assert!(
+                matches!(
+                    client.declines(&in_round(round)),
+                    Some(DeviceError::TooSoon {
+                        served: 5,
+                        min_separation: 4,
+                        ..
+                    })
+                ),
+                "round {round}"
+            );
+            let sealed = client.seal(&in_round(round), &public, &accepted, &model, b"v");
+            assert!(
+                matches!(sealed, Err(DeviceError::TooSoon { .. })),
+                "{round}"
+            );
+        }
+        assert!(client.declines(&in_round(1)).is_none());
+        assert!(client.declines(&in_round(9)).is_none());
+        client
+            .seal(&in_round(9), &public, &accepted, &model, b"w")
+            .unwrap();
     }
 
     /// A policy looser than the trust file's limits, or another task's, is refused before

@@ -253,6 +253,7 @@ fn aggregation_peak(count: usize, params: usize) -> u64 {
                 clip_norm: 1.0,
                 rounds: 1,
                 min_reports: 1,
+                mechanism: confed_enclave::policy::Mechanism::Gaussian,
             },
         )
         .unwrap();

@@ -458,7 +458,7 @@ impl<S: JobStore + 'static> Worker<S> {
             key_id: job.key_id.clone(),
             inputs_digest,
         };
-        let privacy = PrivacyParams::from(policy);
+        let privacy = PrivacyParams::try_from(policy).map_err(JobError::Policy)?;
         let aggregator = Arc::new(Aggregator::new(
             binding,
             privacy.clip_norm,

@@ -61,6 +61,9 @@ pub struct Decision {
     /// The enclave's per-job signing key the receipt was issued to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub enclave_signing_key: Option<String>,
+    /// The rounds that must share this round's key (a tree task's tree: `Mechanism::key_scope`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_scope: Option<u64>,
 }
 
 /// A chained record as stored.
@@ -543,6 +546,7 @@ mod tests {
             policy_sha256: None,
             policy_rounds: None,
             enclave_signing_key: None,
+            key_scope: None,
         }
     }
 

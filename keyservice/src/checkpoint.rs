@@ -193,6 +193,7 @@ mod tests {
             policy_sha256: Some("p".repeat(64)),
             policy_rounds: Some(1000),
             enclave_signing_key: None,
+            key_scope: None,
         }
     }
 

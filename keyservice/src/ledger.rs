@@ -6,7 +6,10 @@
 //! for that round get the share again only for the identical commitment (so a crashed job can
 //! finish in a new enclave), never for another one. The first commitment of a task also pins the
 //! task's policy: every later round must be under the same policy hash, and rounds beyond the
-//! policy's are refused. The enclave goes on only when a quorum q = max(t, ceil((n+t)/2)) of
+//! policy's are refused. Under a tree mechanism (DP-FTRL) the first commitment of each tree also
+//! pins the tree's key: the tree's noise is derived from the round's private key and reused by
+//! every later round of the tree, so a round under another key would not continue the tree's
+//! noise (`confed_protocol::policy::Mechanism::key_scope`). The enclave goes on only when a quorum q = max(t, ceil((n+t)/2)) of
 //! key services recorded its commitment (`confed_attestation::release::quorum`); any two quorums
 //! share t key services, so a second commitment for a round needs t of them to betray or lose
 //! their ledgers.
@@ -36,6 +39,9 @@ struct TaskEntry {
     committed: BTreeMap<u64, String>,
     /// Unix seconds of the latest commitment.
     last_commit_at: i64,
+    /// key scope (a tree) -> the key its first commitment was under (tree mechanisms only).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    scoped_keys: BTreeMap<u64, String>,
     /// Every planned round was committed long enough ago: nothing more is released.
     closed: bool,
 }
@@ -50,6 +56,7 @@ impl TaskEntry {
         if !self.closed && self.complete() && now - self.last_commit_at >= CLOSE_AFTER_SECONDS {
             self.closed = true;
             self.committed = BTreeMap::new();
+            self.scoped_keys = BTreeMap::new();
             return true;
         }
         false
@@ -73,6 +80,9 @@ pub struct Entry<'a> {
     pub commitment_sha256: &'a str,
     pub policy_sha256: &'a str,
     pub policy_rounds: u32,
+    /// The key the round is encrypted under, and the rounds that must share it (if any).
+    pub key_id: &'a str,
+    pub key_scope: Option<u64>,
     /// Unix seconds of the request (the key service's clock).
     pub at: i64,
 }
@@ -109,6 +119,8 @@ impl Ledger {
                 commitment_sha256: commitment,
                 policy_sha256: policy,
                 policy_rounds: rounds,
+                key_id: &d.key_id,
+                key_scope: d.key_scope,
                 at: d.at,
             });
         }
@@ -151,6 +163,15 @@ impl Ledger {
                 entry.task_id, task.policy_sha256, entry.policy_sha256
             ));
         }
+        if let Some(scope) = entry.key_scope
+            && let Some(pinned) = task.scoped_keys.get(&scope)
+            && pinned != entry.key_id
+        {
+            return Err(format!(
+                "round {} of task {} is in tree {scope}, whose rounds are released under key {pinned}; this request names key {} (tree noise continues only under one key)",
+                entry.round, entry.task_id, entry.key_id
+            ));
+        }
         match task.committed.get(&entry.round) {
             None => Ok(Admission::New),
             Some(existing) if existing == entry.commitment_sha256 => Ok(Admission::Repeat),
@@ -172,11 +193,17 @@ impl Ledger {
                 committed: BTreeMap::new(),
                 last_commit_at: entry.at,
                 closed: false,
+                scoped_keys: BTreeMap::new(),
             });
         if task.closed {
             return;
         }
         task.last_commit_at = task.last_commit_at.max(entry.at);
+        if let Some(scope) = entry.key_scope {
+            task.scoped_keys
+                .entry(scope)
+                .or_insert_with(|| entry.key_id.to_string());
+        }
         task.committed
             .entry(entry.round)
             .or_insert_with(|| entry.commitment_sha256.to_string());
@@ -209,8 +236,40 @@ mod tests {
             commitment_sha256: commitment,
             policy_sha256: policy,
             policy_rounds: 3,
+            key_id: "k1",
+            key_scope: None,
             at: 1000,
         }
+    }
+
+    /// A tree task's rounds continue one noise tree only under one key: the first commitment of
+    /// each tree pins its key, a round of the same tree under another key is refused, and the
+    /// next tree may use another key (rotation between trees).
+    #[test]
+    fn a_tree_pins_its_first_rounds_key_and_survives_a_restore() {
+        let mut ledger = Ledger::default();
+        let tree = |round, commitment, key, scope| Entry {
+            key_id: key,
+            key_scope: Some(scope),
+            ..entry(round, commitment, "p")
+        };
+        ledger.record(&tree(1, "c1", "k1", 0));
+        let refused = ledger.admit(&tree(2, "c2", "k2", 0)).unwrap_err();
+        assert!(refused.contains("under key k1"), "{refused}");
+        assert_eq!(ledger.admit(&tree(2, "c2", "k1", 0)), Ok(Admission::New));
+        assert_eq!(ledger.admit(&tree(3, "c3", "k2", 1)), Ok(Admission::New));
+        // The checkpoint keeps the pin.
+        let restored = Ledger::from_json(&ledger.to_json()).unwrap();
+        let mut restored = restored;
+        assert!(restored.admit(&tree(2, "c2", "k2", 0)).is_err());
+        // Gaussian tasks pin nothing.
+        let mut plain = Ledger::default();
+        plain.record(&entry(1, "c1", "p"));
+        let other_key = Entry {
+            key_id: "k2",
+            ..entry(2, "c2", "p")
+        };
+        assert_eq!(plain.admit(&other_key), Ok(Admission::New));
     }
 
     #[test]

@@ -241,6 +241,12 @@ async fn release(
     report.extend(appraisal.report);
     let policy = check_task_policy(&request);
     let policy_rounds = policy.as_ref().map(|p| p.rounds).ok();
+    // check_task_policy parsed the mechanism already.
+    let key_scope = policy
+        .as_ref()
+        .ok()
+        .and_then(|p| p.mechanism().ok())
+        .and_then(|m| m.key_scope(request.round));
     report.record("task_policy", policy.map(|_| ()));
 
     let commitment_sha256 = request.commitment.digest();
@@ -284,10 +290,12 @@ async fn release(
         policy_sha256: Some(request.commitment.policy_sha256.clone()),
         policy_rounds,
         enclave_signing_key: Some(enclave_signing_key.clone()),
+        key_scope,
     };
     // The ledger's decision and its durable record are one step under one lock, off the async
     // workers (the append fsyncs): two requests for one round cannot both be admitted as new.
     let audit = service.audit.clone();
+    let ledger_key_id = key_id.clone();
     let record = tokio::task::spawn_blocking(move || {
         let mut guard = audit.lock().map_err(|_| "audit log poisoned".to_string())?;
         let (log, ledger) = &mut *guard;
@@ -297,6 +305,8 @@ async fn release(
             commitment_sha256: &commitment_sha256,
             policy_sha256: &request.commitment.policy_sha256,
             policy_rounds: policy_rounds.unwrap_or(0),
+            key_id: &ledger_key_id,
+            key_scope,
             at: now,
         };
         if report.passed() {

@@ -13,7 +13,7 @@
 //! task_id=<id>\n  tenant_id=<id>\n  population=<population>\n
 //! rounds=<u32>\n  report_goal=<u32>\n  min_reports=<u32>\n
 //! epsilon=<f64>\n  delta=<f64>\n  clip_norm=<f64>\n
-//! mechanism=discrete_gaussian_on_grid\n
+//! mechanism=discrete_gaussian_on_grid | tree_aggregation_on_grid;min_separation=<u32>\n
 //! server_learning_rate=<f64>\n
 //! plan=<compact JSON object>\n
 //! ```
@@ -28,8 +28,13 @@
 use thiserror::Error;
 
 pub const FORMAT: &str = "confed-task-policy/v2";
-/// The one DP mechanism this enclave runs.
+/// Independent discrete Gaussian noise on every round (the default mechanism).
 pub const MECHANISM: &str = "discrete_gaussian_on_grid";
+/// DP-FTRL's tree-aggregated noise (`Mechanism::Tree`), followed by `;min_separation=<u32>`.
+pub const TREE_MECHANISM: &str = "tree_aggregation_on_grid";
+/// Longest minimum separation (and so tree) a policy may ask for: a round at the end of a tree
+/// of `b` rounds samples `2b - 1` noise vectors (docs/privacy.md, "DP-FTRL").
+pub const MAX_MIN_SEPARATION: u32 = 1024;
 /// Longest policy text accepted (the plan is at most 64 KiB).
 pub const MAX_POLICY_BYTES: usize = 80 * 1024;
 
@@ -40,6 +45,74 @@ pub const MAX_TASK_DELTA: f64 = 1e-2;
 /// The clip norm's range: below the minimum the fixed-point grid's unit underflows.
 pub const MIN_CLIP_NORM: f64 = 1e-6;
 pub const MAX_CLIP_NORM: f64 = 1e6;
+
+/// The DP mechanism a policy names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mechanism {
+    /// Independent discrete Gaussian noise on each round's sum (`discrete_gaussian_on_grid`).
+    Gaussian,
+    /// DP-FTRL with tree aggregation (`tree_aggregation_on_grid;min_separation=<b>`): the noise
+    /// of the running sum of rounds comes from a binary tree restarted every `b` rounds, and a
+    /// device serves at most one round of any `b` consecutive rounds (so at most one per tree).
+    Tree { min_separation: u32 },
+}
+
+impl Mechanism {
+    /// Parses the policy's `mechanism` value (canonical form only).
+    pub fn parse(text: &str) -> Result<Self, String> {
+        if text == MECHANISM {
+            return Ok(Self::Gaussian);
+        }
+        let separation = text
+            .strip_prefix(TREE_MECHANISM)
+            .and_then(|rest| rest.strip_prefix(";min_separation="))
+            .ok_or_else(|| {
+                format!(
+                    "mechanism {text:?} (this enclave runs {MECHANISM} or {TREE_MECHANISM};min_separation=<rounds>)"
+                )
+            })?;
+        let min_separation = separation
+            .parse::<u32>()
+            .ok()
+            .filter(|b| (1..=MAX_MIN_SEPARATION).contains(b) && b.to_string() == separation)
+            .ok_or_else(|| {
+                format!(
+                    "min_separation {separation:?} (must be a decimal in 1..={MAX_MIN_SEPARATION})"
+                )
+            })?;
+        Ok(Self::Tree { min_separation })
+    }
+
+    /// The policy's `mechanism` value.
+    pub fn encode(&self) -> String {
+        match self {
+            Self::Gaussian => MECHANISM.to_string(),
+            Self::Tree { min_separation } => {
+                format!("{TREE_MECHANISM};min_separation={min_separation}")
+            }
+        }
+    }
+
+    /// Fewest rounds between two rounds one device serves (1: any rounds).
+    pub fn min_separation(&self) -> u32 {
+        match self {
+            Self::Gaussian => 1,
+            Self::Tree { min_separation } => *min_separation,
+        }
+    }
+
+    /// Rounds that must share one encryption key, as an index (`None`: no constraint). Tree
+    /// noise is derived from the round's private key and reused by every later round of the same
+    /// tree, so the key services pin one key per tree (`keyservice/src/ledger.rs`).
+    pub fn key_scope(&self, round: u64) -> Option<u64> {
+        match self {
+            Self::Gaussian => None,
+            Self::Tree { min_separation } => {
+                Some(round.saturating_sub(1) / u64::from(*min_separation))
+            }
+        }
+    }
+}
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum PolicyError {
@@ -210,6 +283,11 @@ impl TaskPolicy {
         Ok(policy)
     }
 
+    /// The mechanism the policy names (refused if this build does not run it).
+    pub fn mechanism(&self) -> Result<Mechanism, PolicyError> {
+        Mechanism::parse(&self.mechanism).map_err(PolicyError::Limits)
+    }
+
     /// Lowercase hex SHA-256 of the canonical text: what devices bind into their contributions.
     pub fn sha256_hex(&self) -> String {
         sha256_hex(self.encode().as_bytes())
@@ -247,11 +325,8 @@ impl TaskPolicy {
                 self.min_reports, self.report_goal
             ));
         }
-        if self.mechanism != MECHANISM {
-            problems.push(format!(
-                "mechanism {:?} (this enclave runs {MECHANISM})",
-                self.mechanism
-            ));
+        if let Err(why) = Mechanism::parse(&self.mechanism) {
+            problems.push(why);
         }
         if !(self.server_learning_rate > 0.0 && self.server_learning_rate <= 100.0) {
             problems.push(format!(
@@ -430,6 +505,36 @@ mod tests {
             refuse(&mut policy);
             assert!(policy.check_enclave_limits().is_err(), "{policy:?}");
         }
+    }
+
+    #[test]
+    fn mechanisms_parse_only_in_canonical_form() {
+        let tree = Mechanism::Tree { min_separation: 8 };
+        assert_eq!(tree.encode(), "tree_aggregation_on_grid;min_separation=8");
+        assert_eq!(Mechanism::parse(&tree.encode()), Ok(tree));
+        assert_eq!(Mechanism::parse(MECHANISM), Ok(Mechanism::Gaussian));
+        for bad in [
+            "tree_aggregation_on_grid",
+            "tree_aggregation_on_grid;min_separation=0",
+            "tree_aggregation_on_grid;min_separation=08",
+            "tree_aggregation_on_grid;min_separation=1025",
+            "tree_aggregation_on_grid;min_separation=8;x=1",
+            "laplace",
+        ] {
+            assert!(Mechanism::parse(bad).is_err(), "{bad} was accepted");
+        }
+        let mut policy = example();
+        policy.mechanism = tree.encode();
+        assert!(policy.check_enclave_limits().is_ok());
+        assert_eq!(policy.mechanism(), Ok(tree));
+    }
+
+    #[test]
+    fn a_tree_pins_one_key_per_tree_of_min_separation_rounds() {
+        let tree = Mechanism::Tree { min_separation: 4 };
+        let scopes: Vec<_> = (1..=9).map(|r| tree.key_scope(r).unwrap()).collect();
+        assert_eq!(scopes, [0, 0, 0, 0, 1, 1, 1, 1, 2]);
+        assert_eq!(Mechanism::Gaussian.key_scope(3), None);
     }
 
     #[test]

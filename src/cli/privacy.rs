@@ -5,12 +5,13 @@
 use anyhow::{Result, anyhow};
 use clap::{Args, Subcommand};
 use confed_enclave::dp::{self, grid::GRID_UNITS_PER_CLIP};
+use confed_enclave::policy::Mechanism;
 use serde::Serialize;
 
 #[derive(Subcommand)]
 pub enum PrivacyCommand {
-    /// The per-round noise a task's budget buys and the epsilon spent after each round, as the
-    /// enclave will calibrate and account them (Gaussian mechanism, zCDP, OpenDP).
+    /// The noise a task's budget buys and the epsilon spent after each round, as the enclave
+    /// will calibrate and account them (Gaussian or tree aggregation, zCDP, OpenDP).
     Plan(PlanArgs),
 }
 
@@ -28,6 +29,10 @@ pub struct PlanArgs {
     /// Reports per round: also checks the plan is usable, as task creation does.
     #[arg(long)]
     report_goal: Option<u32>,
+    /// DP-FTRL with tree aggregation, trees of this many rounds, each device serving rounds at
+    /// least this far apart (without it: the Gaussian mechanism).
+    #[arg(long)]
+    min_separation: Option<u32>,
 }
 
 #[derive(Serialize)]
@@ -35,9 +40,12 @@ struct Plan {
     epsilon: f64,
     delta: f64,
     rounds: u32,
-    /// Per-round noise standard deviation in clip norms (sigma / C) on the sum.
+    /// The task policy's `mechanism` value.
+    mechanism: String,
+    /// Noise standard deviation in clip norms (sigma / C) on the sum: per round (Gaussian) or
+    /// per tree node (tree aggregation).
     noise_multiplier: f64,
-    /// zCDP rho each round spends.
+    /// zCDP rho of one Gaussian release at that scale: one round's (Gaussian), one node's (tree).
     rho_per_round: f64,
     /// Epsilon at `delta` spent through round 1, 2, ..., `rounds`.
     epsilon_spent: Vec<f64>,
@@ -48,10 +56,16 @@ struct Plan {
 
 pub fn run(command: PrivacyCommand) -> Result<()> {
     let PrivacyCommand::Plan(args) = command;
+    let mechanism = match args.min_separation {
+        None => Mechanism::Gaussian,
+        Some(min_separation) => Mechanism::parse(&Mechanism::Tree { min_separation }.encode())
+            .map_err(|e| anyhow!("--min-separation: {e}"))?,
+    };
     let calibration = match args.report_goal {
-        Some(goal) => dp::check_plan(args.epsilon, args.delta, args.rounds, goal)
+        Some(goal) => dp::check_plan(mechanism, args.epsilon, args.delta, args.rounds, goal)
             .map_err(|e| anyhow!("{e}"))?,
-        None => dp::calibrate(args.epsilon, args.delta, args.rounds).map_err(|e| anyhow!("{e}"))?,
+        None => dp::calibrate_mechanism(mechanism, args.epsilon, args.delta, args.rounds)
+            .map_err(|e| anyhow!("{e}"))?,
     };
     // The scale the enclave samples at: the calibrated one, its integer variance rounded up.
     let scale_grid =
@@ -60,13 +74,18 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
             .scale();
     let noise_multiplier = scale_grid / GRID_UNITS_PER_CLIP as f64;
     let epsilon_spent = (1..=args.rounds)
-        .map(|k| dp::spent(scale_grid, k, args.delta).map(|(_, epsilon)| epsilon))
+        .map(|k| {
+            let releases =
+                u32::try_from(dp::releases_through(mechanism, u64::from(k))).unwrap_or(u32::MAX);
+            dp::spent(scale_grid, releases, args.delta).map(|(_, epsilon)| epsilon)
+        })
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| anyhow!("{e}"))?;
     let plan = Plan {
         epsilon: args.epsilon,
         delta: args.delta,
         rounds: args.rounds,
+        mechanism: mechanism.encode(),
         noise_multiplier,
         rho_per_round: dp::calibrate::rho_at(scale_grid).map_err(|e| anyhow!("{e}"))?,
         epsilon_spent,

@@ -101,10 +101,11 @@ pub(crate) async fn open(
     let deadline = now + crate::clock::millis_of(i64::from(spec.round_deadline_seconds));
     let dropout = previous_dropout(conn, &task.id).await?;
     let capacity = spec.capacity_for(dropout) as i64;
+    let key_id = tree_key(conn, task, round_number).await?;
     sqlx::query(
         "INSERT INTO rounds (id, task_id, round_number, attempt, state, report_goal, min_reports, \
-         deadline_at, opened_at, closed_at, updated_at, capacity) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, NULL, $9, $10)",
+         deadline_at, opened_at, closed_at, updated_at, capacity, key_id) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, NULL, $9, $10, $11)",
     )
     .bind(&id)
     .bind(&task.id)
@@ -116,6 +117,7 @@ pub(crate) async fn open(
     .bind(deadline)
     .bind(now)
     .bind(capacity)
+    .bind(key_id)
     .execute(&mut *conn)
     .await?;
     let reason = format!("round {round_number} attempt {attempt} opened");
@@ -130,6 +132,32 @@ pub(crate) async fn open(
     )
     .await?;
     Ok(id)
+}
+
+/// The key a round of a tree-mechanism task must use: the one its tree's first completed round
+/// was released under (the key services refuse any other: `Mechanism::key_scope`). `None`
+/// (the round's first check-in picks the current key) for the Gaussian mechanism and for a
+/// tree's first round.
+async fn tree_key(
+    conn: &mut Conn,
+    task: &tasks::TaskRecord,
+    round_number: i64,
+) -> Result<Option<String>, DbError> {
+    let Some(scope) = task.spec.privacy.mechanism().key_scope(round_number as u64) else {
+        return Ok(None);
+    };
+    let length = i64::from(task.spec.privacy.mechanism().min_separation());
+    let first = scope as i64 * length + 1;
+    Ok(sqlx::query_scalar(
+        "SELECT key_id FROM rounds WHERE task_id = $1 AND round_number >= $2 \
+         AND round_number < $3 AND state = 'COMPLETED' AND key_id IS NOT NULL \
+         ORDER BY round_number LIMIT 1",
+    )
+    .bind(&task.id)
+    .bind(first)
+    .bind(round_number)
+    .fetch_optional(&mut *conn)
+    .await?)
 }
 
 /// The drop-out rate of the task's latest round attempt so far: the share of its assignments

@@ -210,7 +210,7 @@ async fn device(shared: Arc<Shared>, index: u64) {
             }
             Ok(Checkin::Assigned(assignment)) => assignment,
         };
-        if client.already_contributed(&assignment) {
+        if client.declines(&assignment).is_some() {
             // Declining counts as idle: the device has nothing to give this round.
             idle += 1;
             let declined = client

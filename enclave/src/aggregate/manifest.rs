@@ -57,6 +57,26 @@ pub struct NoiseRecord {
     pub stddev_sum: f64,
     /// ... and on each coordinate of the released average.
     pub stddev_average: f64,
+    /// The tree mechanism only: where this release sits in its tree, and the noise of the running
+    /// sum it completes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tree: Option<TreeRecord>,
+}
+
+/// The tree mechanism's record of a release (docs/privacy.md, "DP-FTRL"). `variance_grid` is each
+/// raw node's variance; `stddev_sum` is this release's (an increment of the running sum).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TreeRecord {
+    /// Rounds per tree (the policy's minimum separation).
+    pub length: u32,
+    /// 0-based tree of this round, and the round's 1-based position in it.
+    pub tree: u64,
+    pub position: u64,
+    /// Raw nodes whose noise this release's increment combines.
+    pub nodes: u64,
+    /// Standard deviation of the noise of the tree's running sum through this round, on each
+    /// coordinate of the sum, in update units.
+    pub prefix_stddev_sum: f64,
 }
 
 impl NoiseRecord {
@@ -68,8 +88,46 @@ impl NoiseRecord {
             variance_grid: noise.variance(),
             stddev_sum,
             stddev_average: stddev_sum / count as f64,
+            tree: None,
         }
     }
+
+    /// The record of a tree release of `shape`.
+    pub fn tree(
+        noise: &DiscreteGaussian,
+        clip_norm: f64,
+        count: u64,
+        mechanism: String,
+        shape: &TreeShape,
+    ) -> Self {
+        let node_stddev_sum = noise.scale() * clip_norm / grid::GRID_UNITS_PER_CLIP as f64;
+        let stddev_sum = node_stddev_sum * shape.release_variance.sqrt();
+        Self {
+            mechanism,
+            grid_units_per_clip: grid::GRID_UNITS_PER_CLIP,
+            variance_grid: noise.variance(),
+            stddev_sum,
+            stddev_average: stddev_sum / count as f64,
+            tree: Some(TreeRecord {
+                length: shape.length,
+                tree: shape.tree,
+                position: shape.position,
+                nodes: shape.nodes,
+                prefix_stddev_sum: node_stddev_sum * shape.prefix_variance.sqrt(),
+            }),
+        }
+    }
+}
+
+/// Where a tree release sits and how much noise it carries, in raw node variances.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TreeShape {
+    pub length: u32,
+    pub tree: u64,
+    pub position: u64,
+    pub nodes: u64,
+    pub release_variance: f64,
+    pub prefix_variance: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

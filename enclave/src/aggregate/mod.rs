@@ -24,11 +24,12 @@ use crate::envelope::EnvelopeRef;
 use crate::hpke::PrivateKey;
 use crate::hpke_awslc::Recipient;
 use crate::model::{ModelError, ModelSchema, encode_f32_tensors};
+use crate::policy::Mechanism;
 use crate::policy::TaskPolicy;
 use accumulator::{Accumulator, StreamError};
 pub(crate) use confed_protocol::hex::encode as hex;
 pub use contribution::{Binding, Exclusion};
-pub use manifest::{Manifest, NoiseRecord, PrivacyRecord};
+pub use manifest::{Manifest, NoiseRecord, PrivacyRecord, TreeRecord, TreeShape};
 use stream::StreamProblem;
 
 /// Models of at least this many bytes of values are aggregated chunk by chunk: a thread then
@@ -68,17 +69,21 @@ pub struct PrivacyParams {
     pub rounds: u32,
     /// Fewest included contributions a release may average.
     pub min_reports: u32,
+    pub mechanism: Mechanism,
 }
 
-impl From<&TaskPolicy> for PrivacyParams {
-    fn from(policy: &TaskPolicy) -> Self {
-        Self {
+impl TryFrom<&TaskPolicy> for PrivacyParams {
+    type Error = crate::policy::PolicyError;
+
+    fn try_from(policy: &TaskPolicy) -> Result<Self, Self::Error> {
+        Ok(Self {
             epsilon: policy.epsilon,
             delta: policy.delta,
             clip_norm: policy.clip_norm,
             rounds: policy.rounds,
             min_reports: policy.min_reports,
-        }
+            mechanism: policy.mechanism()?,
+        })
     }
 }
 
@@ -250,27 +255,88 @@ impl Aggregator {
         }
         let included_digest = digest(&outcome.included);
         let inputs_digest = self.binding.inputs_digest.clone();
-        let calibration = dp::calibrate(privacy.epsilon, privacy.delta, privacy.rounds)?;
+        let calibration = dp::calibrate_mechanism(
+            privacy.mechanism,
+            privacy.epsilon,
+            privacy.delta,
+            privacy.rounds,
+        )?;
         let noise = DiscreteGaussian::at_least(
             calibration.noise_multiplier * grid::GRID_UNITS_PER_CLIP as f64,
         )?;
-        let seed = noise::seed(
-            private_key,
-            &noise::NoiseBinding {
-                context: &self.binding.context,
-                inputs_digest: &inputs_digest,
-            },
-        );
-        let mut sum = self.sum.into_sum();
-        noise::add(&mut sum, &noise, &seed);
-        let values: Vec<f32> = sum
-            .iter()
-            .map(|&units| grid::to_average(units, privacy.clip_norm, count))
-            .collect();
-        drop(sum);
+        let round = self.binding.context.round;
+        let (values, noise_record) = match privacy.mechanism {
+            Mechanism::Gaussian => {
+                let seed = noise::seed(
+                    private_key,
+                    &noise::NoiseBinding {
+                        context: &self.binding.context,
+                        inputs_digest: &inputs_digest,
+                    },
+                );
+                let mut sum = self.sum.into_sum();
+                noise::add(&mut sum, &noise, &seed);
+                let values: Vec<f32> = sum
+                    .iter()
+                    .map(|&units| grid::to_average(units, privacy.clip_norm, count))
+                    .collect();
+                let record = NoiseRecord::new(&noise, privacy.clip_norm, count);
+                (values, record)
+            }
+            Mechanism::Tree { min_separation } => {
+                let trees = dp::tree::Trees {
+                    length: min_separation,
+                };
+                let (tree, position) = trees.locate(round);
+                let weights = trees.release(round);
+                let seeded: Vec<_> = weights
+                    .iter()
+                    .map(|(node, weight)| {
+                        let context = &self.binding.context;
+                        let seed = noise::node_seed(
+                            private_key,
+                            &context.task_id,
+                            &context.policy_sha256,
+                            node,
+                        );
+                        (*weight, seed)
+                    })
+                    .collect();
+                let sum = self.sum.into_sum();
+                let mut noised = vec![0f64; sum.len()];
+                noise::add_weighted(&mut noised, &noise, &seeded);
+                let values: Vec<f32> = sum
+                    .iter()
+                    .zip(&noised)
+                    .map(|(&units, &extra)| {
+                        grid::to_average_f64(units as f64 + extra, privacy.clip_norm, count)
+                    })
+                    .collect();
+                let shape = TreeShape {
+                    length: min_separation,
+                    tree,
+                    position,
+                    nodes: weights.len() as u64,
+                    release_variance: dp::tree::variance(weights.iter().map(|(_, w)| w)),
+                    prefix_variance: dp::tree::variance(trees.prefix(tree, position).values()),
+                };
+                let record = NoiseRecord::tree(
+                    &noise,
+                    privacy.clip_norm,
+                    count,
+                    privacy.mechanism.encode(),
+                    &shape,
+                );
+                (values, record)
+            }
+        };
         let average = encode(&self.schema, &values)?;
-        let releases = u32::try_from(self.binding.context.round).unwrap_or(u32::MAX);
-        let (rho_spent, epsilon_spent) = dp::spent(noise.scale(), releases, privacy.delta)?;
+        let releases = |round: u64| {
+            u32::try_from(dp::releases_through(privacy.mechanism, round)).unwrap_or(u32::MAX)
+        };
+        let (rho_spent, epsilon_spent) = dp::spent(noise.scale(), releases(round), privacy.delta)?;
+        let rho_round = dp::calibrate::rho_at(noise.scale())?
+            * f64::from(releases(round) - releases(round.saturating_sub(1)));
         let mut excluded = BTreeMap::new();
         for (_, reason) in &outcome.excluded {
             *excluded.entry(reason.as_str().to_string()).or_insert(0u64) += 1;
@@ -293,13 +359,13 @@ impl Aggregator {
                 .map(|(r, reason)| (r.clone(), reason.as_str().to_string()))
                 .collect(),
             clip_norm: privacy.clip_norm,
-            noise: NoiseRecord::new(&noise, privacy.clip_norm, count),
+            noise: noise_record,
             privacy: PrivacyRecord {
                 epsilon_budget: privacy.epsilon,
                 delta: privacy.delta,
                 rounds_planned: privacy.rounds,
                 noise_multiplier: calibration.noise_multiplier,
-                rho_round: dp::calibrate::rho_at(noise.scale())?,
+                rho_round,
                 rho_spent,
                 epsilon_spent,
             },

@@ -22,10 +22,12 @@ use rayon::prelude::*;
 use zeroize::Zeroizing;
 
 use crate::dp::DiscreteGaussian;
+use crate::dp::tree::Node;
 use crate::envelope::RoundContext;
 use crate::hpke::PrivateKey;
 
 const LABEL: &[u8] = b"confed/dp-noise/v2";
+const TREE_LABEL: &[u8] = b"confed/dp-tree-node/v1";
 /// Coordinates per ChaCha12 stream.
 const BLOCK: usize = 1 << 14;
 
@@ -67,6 +69,59 @@ pub fn add(sum: &mut [i64], noise: &DiscreteGaussian, seed: &[u8; 32]) {
             rng.set_stream(block as u64);
             for value in values {
                 *value += noise.sample(&mut rng);
+            }
+        });
+}
+
+/// The ChaCha12 key of one raw tree node (`dp::tree`): bound to the task, its policy and the
+/// node, and to nothing a round changes (not the inputs, the model or the round), because every
+/// later round of the tree reuses it. Only the round's private key keeps it secret, so the key
+/// services pin one key per tree (`Mechanism::key_scope`); a round's one release rests on their
+/// ledger alone, since a second release of a round under the same tree noise would show the
+/// difference of the two sums exactly (docs/privacy.md, "DP-FTRL").
+pub fn node_seed(
+    private_key: &PrivateKey,
+    task_id: &str,
+    policy_sha256: &str,
+    node: &Node,
+) -> Zeroizing<[u8; 32]> {
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, private_key.as_bytes());
+    let mut context = ring::hmac::Context::with_key(&key);
+    for part in [
+        TREE_LABEL,
+        task_id.as_bytes(),
+        policy_sha256.as_bytes(),
+        node.tree.to_string().as_bytes(),
+        node.level.to_string().as_bytes(),
+        node.index.to_string().as_bytes(),
+    ] {
+        context.update(part);
+        context.update(&[0]);
+    }
+    let tag = context.sign();
+    let mut out = Zeroizing::new([0u8; 32]);
+    out.copy_from_slice(tag.as_ref());
+    out
+}
+
+/// Adds `sum of weight * z(node)` to every coordinate of `out`, where `z(node)` is the node's
+/// discrete Gaussian noise vector (block `b` on ChaCha12 stream `b` of the node's key, as in
+/// `add`). Nodes are summed in the given order for every coordinate, so the result does not
+/// depend on the thread count.
+pub fn add_weighted(
+    out: &mut [f64],
+    noise: &DiscreteGaussian,
+    nodes: &[(f64, Zeroizing<[u8; 32]>)],
+) {
+    out.par_chunks_mut(BLOCK)
+        .enumerate()
+        .for_each(|(block, values)| {
+            for (weight, seed) in nodes {
+                let mut rng = ChaCha12Rng::from_seed(**seed);
+                rng.set_stream(block as u64);
+                for value in values.iter_mut() {
+                    *value += weight * noise.sample(&mut rng) as f64;
+                }
             }
         });
 }

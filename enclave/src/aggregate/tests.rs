@@ -93,6 +93,7 @@ fn privacy() -> PrivacyParams {
         clip_norm: 1.0,
         rounds: 3,
         min_reports: 1,
+        mechanism: crate::policy::Mechanism::Gaussian,
     }
 }
 
@@ -510,4 +511,140 @@ fn streamed_and_buffered_aggregation_agree_exactly() {
     );
     assert_eq!(buffered, streamed);
     assert!(buffered.iter().any(|&v| v != 0));
+}
+
+/// The noise of each release of a tree task, in grid units on the sum: the release's average
+/// times its count (one all-zero contribution per round, so the sum itself is zero).
+fn tree_release_noises(len: usize, length: u32, rounds: u64) -> (Vec<Vec<f64>>, Vec<Manifest>) {
+    let r = round(len);
+    let mechanism = crate::policy::Mechanism::Tree {
+        min_separation: length,
+    };
+    let mut noises = Vec::new();
+    let mut manifests = Vec::new();
+    for round in 1..=rounds {
+        let (id, bytes) = sealed(&r, &format!("a{round}"), round, &update(&vec![0.0; len]));
+        let binding = Binding {
+            context: context(round),
+            key_id: KEY.into(),
+            inputs_digest: format!("{round:064}"),
+        };
+        let agg = Aggregator::new(binding, 1.0, r.schema.clone(), &r.private).unwrap();
+        agg.add_batch(&[(id, Some(bytes))]);
+        let params = PrivacyParams {
+            rounds: rounds as u32,
+            mechanism,
+            ..privacy()
+        };
+        let release = agg.finish(&r.private, params).unwrap();
+        let units = grid::GRID_UNITS_PER_CLIP as f64;
+        noises.push(
+            release
+                .values
+                .iter()
+                .map(|&v| f64::from(v) * units)
+                .collect(),
+        );
+        manifests.push(release.manifest);
+    }
+    (noises, manifests)
+}
+
+fn covariance_of(x: &[f64], y: &[f64]) -> f64 {
+    let n = x.len() as f64;
+    let (mx, my) = (x.iter().sum::<f64>() / n, y.iter().sum::<f64>() / n);
+    x.iter()
+        .zip(y)
+        .map(|(a, b)| (a - mx) * (b - my))
+        .sum::<f64>()
+        / (n - 1.0)
+}
+
+/// DP-FTRL's released running sums (the sums of a tree's releases) carry exactly the noise the
+/// tree says: every pair of prefixes has the covariance of the efficient estimator's node
+/// weights, each prefix's spread is what the manifest records, and a new tree starts afresh.
+#[test]
+fn tree_releases_sum_to_prefixes_with_the_recorded_noise_covariance() {
+    let len = 60_000;
+    let (noises, manifests) = tree_release_noises(len, 8, 9);
+    let node_variance = manifests[0].noise.variance_grid as f64;
+    let trees = dp::tree::Trees { length: 8 };
+    let mut prefixes: Vec<Vec<f64>> = Vec::new();
+    for (t, noise) in noises.iter().take(8).enumerate() {
+        let mut running = prefixes.last().cloned().unwrap_or_else(|| vec![0.0; len]);
+        running.iter_mut().zip(noise).for_each(|(p, n)| *p += n);
+        let tree = manifests[t].noise.tree.as_ref().expect("a tree record");
+        assert_eq!(
+            (tree.tree, tree.position, tree.length),
+            (0, t as u64 + 1, 8)
+        );
+        let measured = covariance_of(&running, &running).sqrt() / grid::GRID_UNITS_PER_CLIP as f64;
+        assert!(
+            (measured / tree.prefix_stddev_sum - 1.0).abs() < 0.02,
+            "round {}: measured {measured}, recorded {}",
+            t + 1,
+            tree.prefix_stddev_sum
+        );
+        let release_sd = covariance_of(noise, noise).sqrt() / grid::GRID_UNITS_PER_CLIP as f64;
+        assert!((release_sd / manifests[t].noise.stddev_sum - 1.0).abs() < 0.02);
+        prefixes.push(running);
+    }
+    for a in 1..=8u64 {
+        for b in a..=8u64 {
+            let expected =
+                node_variance * dp::tree::covariance(&trees.prefix(0, a), &trees.prefix(0, b));
+            let measured = covariance_of(&prefixes[a as usize - 1], &prefixes[b as usize - 1]);
+            let scale = node_variance * 2.0;
+            assert!(
+                (measured - expected).abs() < 0.03 * scale,
+                "prefixes {a} and {b}: measured {measured}, expected {expected}"
+            );
+        }
+    }
+    // Round 9 opens tree 1: its noise is one fresh leaf, independent of tree 0's sums.
+    let restart = &manifests[8].noise.tree.as_ref().unwrap();
+    assert_eq!((restart.tree, restart.position, restart.nodes), (1, 1, 1));
+    let cross = covariance_of(&noises[8], &prefixes[7]);
+    assert!(cross.abs() < 0.03 * node_variance * 2.0, "{cross}");
+    // Accounting: round 8 completes a full tree of depth 4; round 9 adds one leaf.
+    assert_eq!(
+        (
+            manifests[7].privacy.rho_round,
+            manifests[8].privacy.rho_round
+        ),
+        (
+            manifests[0].privacy.rho_round,
+            manifests[0].privacy.rho_round
+        )
+    );
+    assert!(manifests[7].privacy.rho_spent > 3.99 * manifests[0].privacy.rho_round);
+}
+
+/// A tree round's noise is a function of the task, its policy, the round and the key alone, so a
+/// retried job reproduces it (and a new model version or input set does not change it: the
+/// key services' ledger is what allows one release per round).
+#[test]
+fn a_tree_rounds_noise_is_reproduced_whatever_the_attempt() {
+    let (first, _) = tree_release_noises(1000, 4, 3);
+    let (again, _) = tree_release_noises(1000, 4, 3);
+    // Each call seals under a fresh key pair: different keys, independent noise.
+    assert_ne!(first[2], again[2]);
+    let r = round(1000);
+    let mechanism = crate::policy::Mechanism::Tree { min_separation: 4 };
+    let release = |digest: &str| {
+        let (id, bytes) = sealed(&r, "a", 3, &update(&vec![0.0; 1000]));
+        let binding = Binding {
+            context: context(3),
+            key_id: KEY.into(),
+            inputs_digest: digest.into(),
+        };
+        let agg = Aggregator::new(binding, 1.0, r.schema.clone(), &r.private).unwrap();
+        agg.add_batch(&[(id, Some(bytes))]);
+        let params = PrivacyParams {
+            mechanism,
+            ..privacy()
+        };
+        agg.finish(&r.private, params).unwrap().values
+    };
+    assert_eq!(release(&"1".repeat(64)), release(&"2".repeat(64)));
 }

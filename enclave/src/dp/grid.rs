@@ -26,3 +26,9 @@ pub fn units_per_value(clip_norm: f64, clip_factor: f64) -> f64 {
 pub fn to_average(sum_units: i64, clip_norm: f64, count: u64) -> f32 {
     (sum_units as f64 * clip_norm / GRID_UNITS_PER_CLIP as f64 / count as f64) as f32
 }
+
+/// Converts a noised sum in grid units that is not an integer (tree noise is a weighted sum of
+/// integer node noises) back to an average update value.
+pub fn to_average_f64(sum_units: f64, clip_norm: f64, count: u64) -> f32 {
+    (sum_units * clip_norm / GRID_UNITS_PER_CLIP as f64 / count as f64) as f32
+}
