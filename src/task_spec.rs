@@ -616,6 +616,53 @@ mod tests {
             .collect()
     }
 
+    /// DP-FTRL is chosen in `privacy`: its policy names the tree and the separation (the task's
+    /// rounds when not given); a separation without the tree, or outside 1..=1024, is refused.
+    #[test]
+    fn a_tree_aggregation_task_names_its_separation_in_the_policy() {
+        let tree = |privacy: serde_json::Value| request(json!({ "privacy": privacy }));
+        let spec = tree(json!({"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0,
+                               "mechanism": "tree_aggregation"}))
+        .validate()
+        .unwrap();
+        assert_eq!(spec.privacy.min_separation, Some(5));
+        assert_eq!(
+            spec.policy("t", "x").mechanism,
+            "tree_aggregation_on_grid;min_separation=5"
+        );
+        let spec = tree(json!({"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0,
+                               "mechanism": "tree_aggregation", "min_separation": 2}))
+        .validate()
+        .unwrap();
+        assert_eq!(
+            spec.privacy.mechanism(),
+            Mechanism::Tree { min_separation: 2 }
+        );
+        let gaussian = request(json!({})).validate().unwrap();
+        assert_eq!(
+            gaussian.policy("t", "x").mechanism,
+            "discrete_gaussian_on_grid"
+        );
+        assert!(
+            !serde_json::to_string(&gaussian)
+                .unwrap()
+                .contains("mechanism"),
+            "stored Gaussian tasks keep their old form"
+        );
+        for privacy in [
+            json!({"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0, "min_separation": 2}),
+            json!({"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0,
+                   "mechanism": "tree_aggregation", "min_separation": 0}),
+            json!({"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0,
+                   "mechanism": "tree_aggregation", "min_separation": 1025}),
+        ] {
+            assert_eq!(
+                invalid_names(json!({ "privacy": privacy })),
+                ["privacy.min_separation"]
+            );
+        }
+    }
+
     #[test]
     fn a_plan_whose_rounds_cannot_fit_the_budget_is_refused_with_what_to_change() {
         let problems = request(json!({"rounds": 1000, "report_goal": 20,

@@ -16,6 +16,7 @@ async fn the_demo_learns_well_above_chance_with_dp_noise() {
         seed: 7,
         optimizer: Default::default(),
         server_learning_rate: 1.0,
+        tree: false,
         data_dir: dir.path().join("demo"),
         progress: false,
     })
@@ -26,6 +27,36 @@ async fn the_demo_learns_well_above_chance_with_dp_noise() {
     assert!((summary.accuracy[0] - chance).abs() < 0.05);
     assert!(
         *summary.accuracy.last().unwrap() > 3.0 * chance,
+        "accuracy by round: {:?}",
+        summary.accuracy
+    );
+    assert!(summary.epsilon_spent <= 8.0 && summary.epsilon_spent > 7.9);
+}
+
+/// The same under DP-FTRL (one tree of 3 rounds, devices 3 rounds apart): every release verifies,
+/// the model learns, and the third round's release spends the whole budget (the tree's depth 2 is
+/// what was planned).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_learns_under_dp_ftrl_tree_aggregation() {
+    let dir = tempfile::tempdir().unwrap();
+    let summary = run(DemoOptions {
+        devices: 120,
+        rounds: 3,
+        report_goal: 40,
+        epsilon: 8.0,
+        delta: 1e-6,
+        clip_norm: 1.0,
+        seed: 7,
+        optimizer: Default::default(),
+        server_learning_rate: 1.0,
+        tree: true,
+        data_dir: dir.path().join("demo"),
+        progress: false,
+    })
+    .await
+    .unwrap();
+    assert!(
+        *summary.accuracy.last().unwrap() > 0.3,
         "accuracy by round: {:?}",
         summary.accuracy
     );

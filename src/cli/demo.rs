@@ -29,10 +29,22 @@ pub struct DemoArgs {
     /// The server learning rate the optimizer steps with.
     #[arg(long, default_value_t = 1.0)]
     pub server_learning_rate: f64,
+    /// The DP mechanism: `gaussian` (independent noise every round) or `ftrl` (DP-FTRL with tree
+    /// aggregation; the minimum separation is how often the demo's round-robin brings a device
+    /// back, devices / report_goal rounds).
+    #[arg(long, value_enum, default_value = "gaussian")]
+    pub mechanism: DemoMechanism,
     /// Where the demo keeps its state (default: a new directory under the system's temp dir,
     /// removed at the end).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
+}
+
+/// `--mechanism`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DemoMechanism {
+    Gaussian,
+    Ftrl,
 }
 
 /// `--optimizer`: each with its default hyperparameters.
@@ -82,6 +94,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         seed: args.seed,
         optimizer: args.optimizer.into(),
         server_learning_rate: args.server_learning_rate,
+        tree: args.mechanism == DemoMechanism::Ftrl,
         data_dir: data_dir.clone(),
         progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
     })

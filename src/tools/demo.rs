@@ -30,6 +30,9 @@ pub struct DemoOptions {
     pub seed: u64,
     pub optimizer: confed_enclave::optimizer::ServerOptimizer,
     pub server_learning_rate: f64,
+    /// DP-FTRL with tree aggregation instead of the Gaussian mechanism; the minimum separation is
+    /// the round-robin's period (`devices / report_goal` rounds, at most the task's rounds).
+    pub tree: bool,
     pub data_dir: PathBuf,
     pub progress: bool,
 }
@@ -101,12 +104,20 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         .map_err(|e| setup("creating the demo tenant")(e.into()))?;
     let http = confed_enclave::http::client(Duration::from_secs(30));
     let url = system.url.clone();
+    let mut privacy =
+        json!({"epsilon": options.epsilon, "delta": options.delta, "clip_norm": options.clip_norm});
+    let min_separation = (options.devices / options.report_goal.max(1) as usize)
+        .clamp(1, options.rounds.max(1) as usize);
+    if options.tree {
+        privacy["mechanism"] = json!("tree_aggregation");
+        privacy["min_separation"] = json!(min_separation);
+    }
     let created = http
         .post(format!("{url}/v1/tasks"))
         .bearer_auth(&token)
         .json(&json!({
             "population": "demo", "rounds": options.rounds, "report_goal": options.report_goal,
-            "privacy": {"epsilon": options.epsilon, "delta": options.delta, "clip_norm": options.clip_norm},
+            "privacy": privacy,
             "server_learning_rate": options.server_learning_rate,
             "server_optimizer": options.optimizer,
             "plan": {"epochs": 2, "batch_size": 16, "learning_rate": 0.2},
@@ -131,13 +142,20 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         return Err(api(uploaded.text().await.unwrap_or_default()));
     }
     println!(
-        "confed demo: task {task_id}: {} rounds of {} devices from a population of {}, epsilon {} delta {} over all rounds, clip norm {}, server optimizer {} (learning rate {})",
+        "confed demo: task {task_id}: {} rounds of {} devices from a population of {}, epsilon {} delta {} over all rounds, clip norm {}, {}, server optimizer {} (learning rate {})",
         options.rounds,
         options.report_goal,
         options.devices,
         options.epsilon,
         options.delta,
         options.clip_norm,
+        if options.tree {
+            format!(
+                "DP-FTRL tree aggregation (trees and minimum separation of {min_separation} rounds)"
+            )
+        } else {
+            "Gaussian mechanism".to_string()
+        },
         options.optimizer.name(),
         options.server_learning_rate
     );

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from . import envelope
 from .errors import ConfedError
-from .policy import check_policy, parse_policy, policy_sha256
+from .policy import PolicyError, check_policy, parse_policy, policy_sha256
 from .tensors import as_arrays, from_safetensors, to_safetensors, to_torch
 
 Train = Callable[[dict, dict], dict]
@@ -170,14 +170,33 @@ class Device:
         except (DeviceError, requests.RequestException):
             pass  # the original error is the one the caller needs
 
+    def declines(self, assignment: dict) -> str | None:
+        """Why this device must decline the assignment (report `not_eligible`), or None: it
+        served the round already, or, under DP-FTRL (`tree_aggregation_on_grid`), a round of the
+        task fewer than the policy's `min_separation` rounds away (docs/protocol.md)."""
+        task, round_ = assignment["task_id"], assignment["round"]
+        try:
+            separation = parse_policy(assignment["policy"])["min_separation"]
+        except (PolicyError, KeyError, ValueError):
+            separation = 1  # an unreadable policy is refused when the device contributes
+        close = [r for (t, r) in self.served if t == task and abs(r - round_) < separation]
+        if not close:
+            return None
+        nearest = min(close, key=lambda r: abs(r - round_))
+        if nearest == round_:
+            return f"round {round_} of task {task} was already served by this device"
+        return (f"this device served round {nearest} of task {task}; its policy keeps a "
+                f"device's rounds at least {separation} apart")
+
     def contribute(self, assignment: dict, train: Train) -> None:
         """Verifies, trains, seals, uploads and reports one assignment. On a failed check it
-        reports `failed` with the reason and raises. A device seals at most once per round: the
-        round is recorded as served before the update is sealed, whatever happens after."""
+        reports `failed` with the reason and raises. A device seals at most once per round (and
+        under DP-FTRL at most once per `min_separation` rounds): the round is recorded as served
+        before the update is sealed, whatever happens after."""
         served = (assignment["task_id"], assignment["round"])
-        if served in self.served:
-            raise DeviceError(f"round {served[1]} of task {served[0]} was already served by "
-                              "this device: decline it (not_eligible)")
+        why = self.declines(assignment)
+        if why:
+            raise DeviceError(f"{why}: decline it (not_eligible)")
         try:
             policy_text = assignment["policy"]
             policy = parse_policy(policy_text)
@@ -240,7 +259,7 @@ class Device:
             window = answer["retry_window"]
             time.sleep(min(max_wait, random.uniform(window["min_seconds"], window["max_seconds"])))
             return answer["reason"]
-        if (answer["task_id"], answer["round"]) in self.served:
+        if self.declines(answer):
             declined = self.report(answer, "not_eligible")
             window = declined.get("retry_window")
             if window:

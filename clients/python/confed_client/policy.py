@@ -74,13 +74,27 @@ def parse_policy(raw: bytes | str) -> dict:
         fields[key] = _u32(fields[key], key)
     for key in ("epsilon", "delta", "clip_norm", "server_learning_rate"):
         fields[key] = _float(fields[key], key)
-    if fields["mechanism"] != "discrete_gaussian_on_grid":
-        raise PolicyError(f"unknown mechanism {fields['mechanism']!r}")
+    fields["min_separation"] = min_separation(fields["mechanism"])
     plan = json.loads(fields["plan"])
     if not isinstance(plan, dict):
         raise PolicyError("plan is not a JSON object")
     fields["plan"] = plan
     return fields
+
+
+_TREE = re.compile(r"tree_aggregation_on_grid;min_separation=([1-9][0-9]{0,3})\Z")
+
+
+def min_separation(mechanism: str) -> int:
+    """Fewest rounds between two rounds of the task one device may serve: 1 for
+    `discrete_gaussian_on_grid`, `b` for `tree_aggregation_on_grid;min_separation=<b>` (DP-FTRL,
+    b in 1..=1024); `PolicyError` for any other mechanism."""
+    if mechanism == "discrete_gaussian_on_grid":
+        return 1
+    found = _TREE.match(mechanism)
+    if not found or int(found.group(1)) > 1024:
+        raise PolicyError(f"unknown mechanism {mechanism!r}")
+    return int(found.group(1))
 
 
 def policy_sha256(raw: bytes | str) -> str:

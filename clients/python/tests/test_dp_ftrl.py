@@ -1,0 +1,64 @@
+"""DP-FTRL from a Python device's side (docs/protocol.md, "Task policy"; docs/privacy.md,
+"DP-FTRL"): the policy names the tree, a device keeps its rounds of the task `min_separation`
+apart (declining closer ones, whatever the server assigns), and the releases of a tree verify and
+sum to the tree's running sum."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from confed_client import Device, DeviceError, Partner, PolicyError, Trust, parse_policy
+
+
+def test_the_policy_names_the_tree_and_unknown_mechanisms_are_refused():
+    from confed_client.policy import min_separation
+    assert min_separation("discrete_gaussian_on_grid") == 1
+    assert min_separation("tree_aggregation_on_grid;min_separation=16") == 16
+    for bad in ("tree_aggregation_on_grid", "tree_aggregation_on_grid;min_separation=0",
+                "tree_aggregation_on_grid;min_separation=016",
+                "tree_aggregation_on_grid;min_separation=1025", "laplace"):
+        with pytest.raises(PolicyError):
+            min_separation(bad)
+
+
+def test_a_device_serves_a_tree_task_only_min_separation_rounds_apart(server):
+    partner = Partner(server["url"], server["token"])
+    task = partner.create_task(
+        {"population": "python-ftrl", "rounds": 3, "report_goal": 1, "min_reports": 1,
+         "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0,
+                     "mechanism": "tree_aggregation", "min_separation": 2}},
+        {"w": np.zeros(4, np.float32)})
+    trust = Trust.load(server["trust"])
+    first = Device(server["url"], "python-ftrl", trust)
+    second = Device(server["url"], "python-ftrl", trust)
+    step = lambda w, plan: {"w": np.full(4, 0.1, np.float32)}  # noqa: E731
+
+    assert first.run_once(step) == "contributed"
+    partner.wait_for_model(task, 1)
+    # Round 2 is one round after the first device's: it declines, and refuses to seal if pushed.
+    assignment = first.check_in()
+    assert (assignment["task_id"], assignment["round"]) == (task, 2)
+    policy = parse_policy(assignment["policy"])
+    assert policy["mechanism"] == "tree_aggregation_on_grid;min_separation=2"
+    assert "at least 2 apart" in first.declines(assignment)
+    with pytest.raises(DeviceError, match="at least 2 apart"):
+        first.contribute(assignment, step)
+    # The second device serves round 2; the first serves round 3, two rounds after its first.
+    assert second.run_once(step) == "contributed"
+    partner.wait_for_model(task, 2)
+    assert first.run_once(step) == "contributed"
+    partner.wait_for_state(task, "COMPLETED")
+
+    manifests = []
+    for round_ in (1, 2, 3):
+        release = partner.wait_for_release(task, round_)
+        manifest = release["manifest"]
+        manifests.append(json.loads(manifest) if isinstance(manifest, str) else manifest)
+        assert partner.verify_release(task, round_, trust), "raises when a check fails"
+    trees = [(m["noise"]["tree"]["tree"], m["noise"]["tree"]["position"]) for m in manifests]
+    assert trees == [(0, 1), (0, 2), (1, 1)], "trees of 2 rounds: round 3 starts the second"
+    # Every round was released under one key per tree (the key services pin it).
+    assert manifests[0]["key_id"] == manifests[1]["key_id"]
