@@ -56,6 +56,36 @@ fn release_keys(context: &JobContext) -> Result<(BlobKey, BlobKey), BlobError> {
     ))
 }
 
+/// Under adaptive clipping, the round's clip norm: the policy's for round 1, then the previous
+/// release's `next_clip_norm` (post-processing of that release; the enclave binds it into the
+/// release commitment, and privacy does not depend on it). `None` without adaptive clipping.
+fn round_clip_norm(context: &JobContext) -> Result<Option<f64>, String> {
+    let spec = &context.task.spec;
+    if spec.privacy.adaptive_clipping.is_none() {
+        return Ok(None);
+    }
+    if context.round.round_number <= 1 {
+        return Ok(Some(spec.privacy.clip_norm));
+    }
+    let previous = context.previous_release.as_ref().ok_or_else(|| {
+        format!(
+            "round {} clips adaptively but round {} has no release",
+            context.round.round_number,
+            context.round.round_number - 1
+        )
+    })?;
+    serde_json::from_str::<serde_json::Value>(&previous.manifest_json)
+        .ok()
+        .and_then(|m| m["adaptive_clipping"]["next_clip_norm"].as_f64())
+        .map(Some)
+        .ok_or_else(|| {
+            format!(
+                "round {}'s release names no next clip norm",
+                previous.round_number
+            )
+        })
+}
+
 impl TaskDbJobStore {
     fn now(&self) -> i64 {
         self.clock.now_millis()
@@ -103,6 +133,7 @@ impl TaskDbJobStore {
             committed_average_key: context.release.as_ref().map(|r| r.average_key.clone()),
             optimizer: spec.server_optimizer,
             optimizer_state_key: context.model.optimizer_state_key.clone(),
+            clip_norm: round_clip_norm(context)?,
         })
     }
 

@@ -3,7 +3,9 @@
 //! at once, so a partner fixes a request in one go.
 
 use confed_enclave::optimizer::ServerOptimizer;
-use confed_enclave::policy::{MAX_MIN_SEPARATION, Mechanism, TaskPolicy};
+use confed_enclave::policy::{
+    AdaptiveClipping, DpMechanism, MAX_MIN_SEPARATION, Mechanism, TaskPolicy,
+};
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
@@ -79,6 +81,27 @@ pub struct PrivacyBudget {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(minimum = 1, maximum = 1024)]
     pub min_separation: Option<u32>,
+    /// Adaptive clipping (Andrew et al. 2021): `clip_norm` is the first round's, and each round's
+    /// moves toward the `target_quantile` of the update norms. Every field is optional:
+    /// `target_quantile` in (0, 0.99] (default 0.5), `learning_rate` in (0, 10] (default 0.2),
+    /// `count_stddev` in [0.1, 1e6] (default report_goal / 20, at least 0.1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adaptive_clipping: Option<AdaptiveClippingSpec>,
+}
+
+/// `privacy.adaptive_clipping`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AdaptiveClippingSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(exclusive_minimum = 0.0, maximum = 0.99)]
+    pub target_quantile: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(exclusive_minimum = 0.0, maximum = 10.0)]
+    pub learning_rate: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 0.1, maximum = 1000000.0)]
+    pub count_stddev: Option<f64>,
 }
 
 /// The DP mechanisms a task may choose (docs/privacy.md).
@@ -90,7 +113,20 @@ pub enum MechanismName {
 }
 
 impl PrivacyBudget {
-    /// The mechanism the task policy names.
+    /// The whole mechanism the task policy names (a validated spec has every adaptive-clipping
+    /// field filled in).
+    pub fn dp_mechanism(&self) -> DpMechanism {
+        DpMechanism {
+            noise: self.mechanism(),
+            adaptive_clipping: self.adaptive_clipping.map(|a| AdaptiveClipping {
+                target_quantile: a.target_quantile.unwrap_or(0.5),
+                learning_rate: a.learning_rate.unwrap_or(0.2),
+                count_stddev: a.count_stddev.unwrap_or(1.0),
+            }),
+        }
+    }
+
+    /// The noise mechanism the task policy names.
     pub fn mechanism(&self) -> Mechanism {
         match self.mechanism {
             Some(MechanismName::TreeAggregation) => Mechanism::Tree {
@@ -220,7 +256,7 @@ impl TaskSpec {
             epsilon: self.privacy.epsilon,
             delta: self.privacy.delta,
             clip_norm: self.privacy.clip_norm,
-            mechanism: self.privacy.mechanism().encode(),
+            mechanism: self.privacy.dp_mechanism().encode(),
             server_learning_rate: self.server_learning_rate,
             plan: serde_json::to_string(&self.plan).unwrap_or_else(|_| "{}".into()),
         }
@@ -399,6 +435,35 @@ impl CreateTaskRequest {
                     None
                 }
             },
+            adaptive_clipping: self
+                .privacy
+                .adaptive_clipping
+                .map(|a| AdaptiveClippingSpec {
+                    target_quantile: Some(p.float(
+                        "privacy.adaptive_clipping.target_quantile",
+                        a.target_quantile.unwrap_or(0.5),
+                        0.0,
+                        true,
+                        0.99,
+                    )),
+                    learning_rate: Some(p.float(
+                        "privacy.adaptive_clipping.learning_rate",
+                        a.learning_rate.unwrap_or(0.2),
+                        0.0,
+                        true,
+                        10.0,
+                    )),
+                    count_stddev: Some(
+                        p.float(
+                            "privacy.adaptive_clipping.count_stddev",
+                            a.count_stddev
+                                .unwrap_or((f64::from(report_goal) / 20.0).max(0.1)),
+                            0.1,
+                            false,
+                            1e6,
+                        ),
+                    ),
+                }),
         };
         let server_learning_rate = p.float(
             "server_learning_rate",
@@ -431,7 +496,7 @@ impl CreateTaskRequest {
         }
         if p.0.is_empty()
             && let Err(problem) = confed_enclave::dp::check_plan(
-                privacy.mechanism(),
+                privacy.dp_mechanism(),
                 privacy.epsilon,
                 privacy.delta,
                 rounds,

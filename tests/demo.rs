@@ -17,6 +17,7 @@ async fn the_demo_learns_well_above_chance_with_dp_noise() {
         optimizer: Default::default(),
         server_learning_rate: 1.0,
         tree: false,
+        adaptive_clipping: false,
         data_dir: dir.path().join("demo"),
         progress: false,
     })
@@ -50,6 +51,7 @@ async fn the_demo_learns_under_dp_ftrl_tree_aggregation() {
         optimizer: Default::default(),
         server_learning_rate: 1.0,
         tree: true,
+        adaptive_clipping: false,
         data_dir: dir.path().join("demo"),
         progress: false,
     })
@@ -60,5 +62,35 @@ async fn the_demo_learns_under_dp_ftrl_tree_aggregation() {
         "accuracy by round: {:?}",
         summary.accuracy
     );
+    assert!(summary.epsilon_spent <= 8.0 && summary.epsilon_spent > 7.9);
+}
+
+/// Adaptive clipping on top of DP-FTRL: each round's release names the clip norm it used, the
+/// first is the task's, later ones follow the previous release's `next_clip_norm` (the demo's
+/// updates are far smaller than a clip norm of 5, so it shrinks), every release verifies, and the
+/// whole budget (value noise and counts) is spent by the last round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adaptive_clipping_moves_the_clip_norm_round_by_round() {
+    let dir = tempfile::tempdir().unwrap();
+    let summary = run(DemoOptions {
+        devices: 120,
+        rounds: 3,
+        report_goal: 40,
+        epsilon: 8.0,
+        delta: 1e-6,
+        clip_norm: 5.0,
+        seed: 7,
+        optimizer: Default::default(),
+        server_learning_rate: 1.0,
+        tree: true,
+        adaptive_clipping: true,
+        data_dir: dir.path().join("demo"),
+        progress: false,
+    })
+    .await
+    .unwrap();
+    let clips = &summary.clip_norms;
+    assert_eq!(clips[0], 5.0);
+    assert!(clips[1] < clips[0] && clips[2] < clips[1], "{clips:?}");
     assert!(summary.epsilon_spent <= 8.0 && summary.epsilon_spent > 7.9);
 }

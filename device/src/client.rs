@@ -75,9 +75,9 @@ fn too_close(
 ) -> Option<DeviceError> {
     let served = done
         .iter()
-        .filter(|(task, served)| task == task_id && (served - round).abs() < i64::from(separation))
+        .filter(|(task, served)| task == task_id && served.abs_diff(round) < u64::from(separation))
         .map(|(_, served)| *served)
-        .min_by_key(|served| (served - round).abs())?;
+        .min_by_key(|served| served.abs_diff(round))?;
     Some(if served == round {
         DeviceError::AlreadySealed {
             task_id: task_id.to_string(),
@@ -272,6 +272,26 @@ impl DeviceClient {
             200 => Ok(Checkin::Retry(response.json().await?)),
             _ => Err(problem_detail(response).await),
         }
+    }
+
+    /// The (task, round) pairs this device sealed an update for: what it must keep across restarts
+    /// (`with_served` gives them back), since it is the only party that knows them.
+    pub fn served(&self) -> Vec<(String, i64)> {
+        let mut out: Vec<_> = self
+            .done
+            .lock()
+            .map(|d| d.iter().cloned().collect())
+            .unwrap_or_default();
+        out.sort();
+        out
+    }
+
+    /// The client with the rounds a previous run of this device served (from `served`).
+    pub fn with_served(self, served: impl IntoIterator<Item = (String, i64)>) -> Self {
+        if let Ok(mut done) = self.done.lock() {
+            done.extend(served);
+        }
+        self
     }
 
     /// Whether this device must decline the assignment: it already contributed to the round (the
@@ -651,6 +671,15 @@ mod tests {
         }
         assert!(client.declines(&in_round(1)).is_none());
         assert!(client.declines(&in_round(9)).is_none());
+        assert!(
+            client.declines(&in_round(i64::MIN)).is_none(),
+            "no overflow"
+        );
+        // A restarted device given its record declines as before.
+        let restarted = DeviceClient::new("http://127.0.0.1:1", &trust)
+            .unwrap()
+            .with_served(client.served());
+        assert!(restarted.declines(&in_round(6)).is_some());
         client
             .seal(&in_round(9), &public, &accepted, &model, b"w")
             .unwrap();

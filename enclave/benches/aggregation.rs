@@ -254,6 +254,7 @@ fn aggregation_peak(count: usize, params: usize) -> u64 {
                 rounds: 1,
                 min_reports: 1,
                 mechanism: confed_enclave::policy::Mechanism::Gaussian,
+                adaptive: None,
             },
         )
         .unwrap();

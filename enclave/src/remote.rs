@@ -61,6 +61,9 @@ pub struct JobWire {
     /// Blob key of the optimizer's state after round `round - 1` (absent before its first round).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optimizer_state_key: Option<String>,
+    /// Adaptive clipping only: this round's clip norm.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clip_norm: Option<f64>,
 }
 
 fn is_fedavg(optimizer: &ServerOptimizer) -> bool {
@@ -94,6 +97,7 @@ impl JobWire {
             model,
             optimizer: self.optimizer,
             optimizer_state,
+            clip_norm: self.clip_norm,
             contributions: self
                 .contributions
                 .into_iter()

@@ -61,6 +61,10 @@ pub struct JobSpec {
     pub optimizer: ServerOptimizer,
     /// The optimizer's state after round `round - 1` (None before its first round).
     pub optimizer_state: Option<Vec<u8>>,
+    /// Adaptive clipping only: this round's clip norm (the previous release's `next_clip_norm`,
+    /// or the policy's for round 1). Bound into the release commitment; privacy does not depend
+    /// on it (`PrivacyParams::for_round`).
+    pub clip_norm: Option<f64>,
     /// Every completed contribution.
     pub contributions: Vec<JobContribution>,
     /// The committed release, when the round is already APPLYING.
@@ -419,7 +423,12 @@ impl<S: JobStore + 'static> Worker<S> {
         phases: &mut Phases,
     ) -> Result<(Release, ReleaseProof), JobError> {
         let step = Instant::now();
+        let privacy = PrivacyParams::for_round(policy, job.clip_norm)?;
         let (inputs, inputs_digest) = self.gather(job).await?;
+        let inputs_digest = match privacy.adaptive {
+            Some(_) => crate::aggregate::inputs::bind_clip_norm(&inputs_digest, privacy.clip_norm),
+            None => inputs_digest,
+        };
         phases.read = step.elapsed();
         let step = Instant::now();
         let commitment = ReleaseCommitment {
@@ -458,7 +467,6 @@ impl<S: JobStore + 'static> Worker<S> {
             key_id: job.key_id.clone(),
             inputs_digest,
         };
-        let privacy = PrivacyParams::try_from(policy).map_err(JobError::Policy)?;
         let aggregator = Arc::new(Aggregator::new(
             binding,
             privacy.clip_norm,
@@ -469,9 +477,20 @@ impl<S: JobStore + 'static> Worker<S> {
         let aggregator = Arc::try_unwrap(aggregator).map_err(|_| JobError::StillShared)?;
         phases.open = step.elapsed();
         let step = Instant::now();
-        let release = tokio::task::spawn_blocking(move || aggregator.finish(&private_key, privacy))
-            .await
-            .map_err(JobError::Thread)??;
+        // Noising can take long (a tree round at the end of a long tree samples up to 2047 noise
+        // vectors): the lease is renewed every quarter lease until it is done.
+        let mut finishing =
+            tokio::task::spawn_blocking(move || aggregator.finish(&private_key, privacy));
+        let release = loop {
+            match tokio::time::timeout(self.config.lease / 4, &mut finishing).await {
+                Ok(joined) => break joined.map_err(JobError::Thread)??,
+                Err(_) => {
+                    self.store
+                        .renew(&job.job_id, &self.config.id, self.config.lease)
+                        .await?
+                }
+            }
+        };
         phases.noise = step.elapsed();
         let text = release_text(
             &commitment,

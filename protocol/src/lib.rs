@@ -19,6 +19,7 @@ pub mod http;
 pub mod ids;
 pub mod keys;
 pub mod keyset;
+pub mod mechanism;
 pub mod policy;
 #[cfg(feature = "shares")]
 pub mod shares;

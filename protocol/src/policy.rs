@@ -46,73 +46,7 @@ pub const MAX_TASK_DELTA: f64 = 1e-2;
 pub const MIN_CLIP_NORM: f64 = 1e-6;
 pub const MAX_CLIP_NORM: f64 = 1e6;
 
-/// The DP mechanism a policy names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mechanism {
-    /// Independent discrete Gaussian noise on each round's sum (`discrete_gaussian_on_grid`).
-    Gaussian,
-    /// DP-FTRL with tree aggregation (`tree_aggregation_on_grid;min_separation=<b>`): the noise
-    /// of the running sum of rounds comes from a binary tree restarted every `b` rounds, and a
-    /// device serves at most one round of any `b` consecutive rounds (so at most one per tree).
-    Tree { min_separation: u32 },
-}
-
-impl Mechanism {
-    /// Parses the policy's `mechanism` value (canonical form only).
-    pub fn parse(text: &str) -> Result<Self, String> {
-        if text == MECHANISM {
-            return Ok(Self::Gaussian);
-        }
-        let separation = text
-            .strip_prefix(TREE_MECHANISM)
-            .and_then(|rest| rest.strip_prefix(";min_separation="))
-            .ok_or_else(|| {
-                format!(
-                    "mechanism {text:?} (this enclave runs {MECHANISM} or {TREE_MECHANISM};min_separation=<rounds>)"
-                )
-            })?;
-        let min_separation = separation
-            .parse::<u32>()
-            .ok()
-            .filter(|b| (1..=MAX_MIN_SEPARATION).contains(b) && b.to_string() == separation)
-            .ok_or_else(|| {
-                format!(
-                    "min_separation {separation:?} (must be a decimal in 1..={MAX_MIN_SEPARATION})"
-                )
-            })?;
-        Ok(Self::Tree { min_separation })
-    }
-
-    /// The policy's `mechanism` value.
-    pub fn encode(&self) -> String {
-        match self {
-            Self::Gaussian => MECHANISM.to_string(),
-            Self::Tree { min_separation } => {
-                format!("{TREE_MECHANISM};min_separation={min_separation}")
-            }
-        }
-    }
-
-    /// Fewest rounds between two rounds one device serves (1: any rounds).
-    pub fn min_separation(&self) -> u32 {
-        match self {
-            Self::Gaussian => 1,
-            Self::Tree { min_separation } => *min_separation,
-        }
-    }
-
-    /// Rounds that must share one encryption key, as an index (`None`: no constraint). Tree
-    /// noise is derived from the round's private key and reused by every later round of the same
-    /// tree, so the key services pin one key per tree (`keyservice/src/ledger.rs`).
-    pub fn key_scope(&self, round: u64) -> Option<u64> {
-        match self {
-            Self::Gaussian => None,
-            Self::Tree { min_separation } => {
-                Some(round.saturating_sub(1) / u64::from(*min_separation))
-            }
-        }
-    }
-}
+pub use crate::mechanism::{AdaptiveClipping, DpMechanism, Mechanism};
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum PolicyError {
@@ -283,9 +217,14 @@ impl TaskPolicy {
         Ok(policy)
     }
 
-    /// The mechanism the policy names (refused if this build does not run it).
+    /// The noise mechanism the policy names (refused if this build does not run it).
     pub fn mechanism(&self) -> Result<Mechanism, PolicyError> {
         Mechanism::parse(&self.mechanism).map_err(PolicyError::Limits)
+    }
+
+    /// The whole mechanism: noise and adaptive clipping.
+    pub fn dp_mechanism(&self) -> Result<DpMechanism, PolicyError> {
+        DpMechanism::parse(&self.mechanism).map_err(PolicyError::Limits)
     }
 
     /// Lowercase hex SHA-256 of the canonical text: what devices bind into their contributions.
@@ -527,6 +466,39 @@ mod tests {
         policy.mechanism = tree.encode();
         assert!(policy.check_enclave_limits().is_ok());
         assert_eq!(policy.mechanism(), Ok(tree));
+    }
+
+    #[test]
+    fn adaptive_clipping_rides_on_either_noise_in_canonical_form() {
+        let adaptive = AdaptiveClipping {
+            target_quantile: 0.5,
+            learning_rate: 0.2,
+            count_stddev: 5.0,
+        };
+        for noise in [Mechanism::Gaussian, Mechanism::Tree { min_separation: 4 }] {
+            let m = DpMechanism {
+                noise,
+                adaptive_clipping: Some(adaptive),
+            };
+            let text = m.encode();
+            assert!(text.ends_with(";adaptive_clipping=5e-1,2e-1,5e0"), "{text}");
+            assert_eq!(DpMechanism::parse(&text), Ok(m));
+            assert_eq!(Mechanism::parse(&text), Ok(noise));
+        }
+        for bad in [
+            "discrete_gaussian_on_grid;adaptive_clipping=0.5,2e-1,5e0",
+            "discrete_gaussian_on_grid;adaptive_clipping=5e-1,2e-1",
+            "discrete_gaussian_on_grid;adaptive_clipping=1e0,2e-1,5e0",
+            "discrete_gaussian_on_grid;adaptive_clipping=5e-1,2e-1,0e0",
+            "discrete_gaussian_on_grid;adaptive_clipping=5e-1,2e-1,5e0;x",
+            "laplace;adaptive_clipping=5e-1,2e-1,5e0",
+        ] {
+            assert!(DpMechanism::parse(bad).is_err(), "{bad} was accepted");
+        }
+        // The rule moves the clip norm toward the quantile: too many unclipped -> smaller.
+        assert!(adaptive.next_clip_norm(1.0, 0.9) < 1.0);
+        assert!(adaptive.next_clip_norm(1.0, 0.1) > 1.0);
+        assert_eq!(adaptive.next_clip_norm(1.0, 0.5), 1.0);
     }
 
     #[test]

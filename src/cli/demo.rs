@@ -34,6 +34,10 @@ pub struct DemoArgs {
     /// back, devices / report_goal rounds).
     #[arg(long, value_enum, default_value = "gaussian")]
     pub mechanism: DemoMechanism,
+    /// Adaptive clipping (target quantile 0.5, learning rate 0.2, count noise report_goal / 20),
+    /// starting from --clip-norm.
+    #[arg(long)]
+    pub adaptive_clipping: bool,
     /// Where the demo keeps its state (default: a new directory under the system's temp dir,
     /// removed at the end).
     #[arg(long)]
@@ -95,6 +99,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         optimizer: args.optimizer.into(),
         server_learning_rate: args.server_learning_rate,
         tree: args.mechanism == DemoMechanism::Ftrl,
+        adaptive_clipping: args.adaptive_clipping,
         data_dir: data_dir.clone(),
         progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
     })

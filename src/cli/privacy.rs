@@ -5,7 +5,7 @@
 use anyhow::{Result, anyhow};
 use clap::{Args, Subcommand};
 use confed_enclave::dp::{self, grid::GRID_UNITS_PER_CLIP};
-use confed_enclave::policy::Mechanism;
+use confed_enclave::policy::{AdaptiveClipping, DpMechanism, Mechanism};
 use serde::Serialize;
 
 #[derive(Subcommand)]
@@ -33,6 +33,10 @@ pub struct PlanArgs {
     /// least this far apart (without it: the Gaussian mechanism).
     #[arg(long)]
     min_separation: Option<u32>,
+    /// Adaptive clipping with this noise (standard deviation, in contributions) on each round's
+    /// count of unclipped updates (the target quantile and learning rate cost no privacy).
+    #[arg(long)]
+    adaptive_count_stddev: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -47,6 +51,10 @@ struct Plan {
     noise_multiplier: f64,
     /// zCDP rho of one Gaussian release at that scale: one round's (Gaussian), one node's (tree).
     rho_per_round: f64,
+    /// Adaptive clipping: the standard deviation of the noise on `sum(2 b_i - 1)` the enclave
+    /// samples (twice the count_stddev, its variance rounded up).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    count_noise_scale: Option<f64>,
     /// Epsilon at `delta` spent through round 1, 2, ..., `rounds`.
     epsilon_spent: Vec<f64>,
     /// With --report-goal: the noise on each coordinate of the average, in clip norms.
@@ -56,16 +64,40 @@ struct Plan {
 
 pub fn run(command: PrivacyCommand) -> Result<()> {
     let PrivacyCommand::Plan(args) = command;
-    let mechanism = match args.min_separation {
+    let noise = match args.min_separation {
         None => Mechanism::Gaussian,
-        Some(min_separation) => Mechanism::parse(&Mechanism::Tree { min_separation }.encode())
-            .map_err(|e| anyhow!("--min-separation: {e}"))?,
+        Some(min_separation) => Mechanism::Tree { min_separation },
     };
+    let adaptive_clipping = args
+        .adaptive_count_stddev
+        .map(|count_stddev| AdaptiveClipping {
+            target_quantile: 0.5,
+            learning_rate: 0.2,
+            count_stddev,
+        });
+    // Parsed back from its policy text: the same checks a task's policy gets.
+    let whole = DpMechanism::parse(
+        &DpMechanism {
+            noise,
+            adaptive_clipping,
+        }
+        .encode(),
+    )
+    .map_err(|e| anyhow!("{e}"))?;
+    let mechanism = whole.noise;
     let calibration = match args.report_goal {
-        Some(goal) => dp::check_plan(mechanism, args.epsilon, args.delta, args.rounds, goal)
+        Some(goal) => dp::check_plan(whole, args.epsilon, args.delta, args.rounds, goal)
             .map_err(|e| anyhow!("{e}"))?,
-        None => dp::calibrate_mechanism(mechanism, args.epsilon, args.delta, args.rounds)
+        None => dp::calibrate_task(whole, args.epsilon, args.delta, args.rounds)
             .map_err(|e| anyhow!("{e}"))?,
+    };
+    let count_noise_scale = match whole.adaptive_clipping {
+        Some(a) => Some(
+            dp::DiscreteGaussian::at_least(2.0 * a.count_stddev)
+                .map_err(|e| anyhow!("{e}"))?
+                .scale(),
+        ),
+        None => None,
     };
     // The scale the enclave samples at: the calibrated one, its integer variance rounded up.
     let scale_grid =
@@ -75,9 +107,14 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
     let noise_multiplier = scale_grid / GRID_UNITS_PER_CLIP as f64;
     let epsilon_spent = (1..=args.rounds)
         .map(|k| {
-            let releases =
-                u32::try_from(dp::releases_through(mechanism, u64::from(k))).unwrap_or(u32::MAX);
-            dp::spent(scale_grid, releases, args.delta).map(|(_, epsilon)| epsilon)
+            dp::spent_task(
+                mechanism,
+                scale_grid,
+                count_noise_scale,
+                u64::from(k),
+                args.delta,
+            )
+            .map(|(_, epsilon)| epsilon)
         })
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| anyhow!("{e}"))?;
@@ -85,8 +122,9 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
         epsilon: args.epsilon,
         delta: args.delta,
         rounds: args.rounds,
-        mechanism: mechanism.encode(),
+        mechanism: whole.encode(),
         noise_multiplier,
+        count_noise_scale,
         rho_per_round: dp::calibrate::rho_at(scale_grid).map_err(|e| anyhow!("{e}"))?,
         epsilon_spent,
         average_noise_per_clip: args

@@ -32,6 +32,9 @@ pub struct JobContext {
     /// The round's completed contributions, sorted by ref.
     pub contributions: Vec<StoredContribution>,
     pub release: Option<ReleaseRecord>,
+    /// The release of round `round - 1`, for tasks that clip adaptively (its manifest gives this
+    /// round's clip norm); `None` otherwise and for round 1.
+    pub previous_release: Option<ReleaseRecord>,
 }
 
 /// A completed contribution as a job lists it.
@@ -266,6 +269,22 @@ impl Db {
             )
             .collect();
         let release = load_release(&mut conn, round_id).await?;
+        let previous_release = match task.spec.privacy.adaptive_clipping {
+            Some(_) if round.round_number > 1 => {
+                let previous: Option<String> = sqlx::query_scalar(
+                    "SELECT round_id FROM releases WHERE task_id = $1 AND round_number = $2",
+                )
+                .bind(&task.id)
+                .bind(round.round_number - 1)
+                .fetch_optional(&mut *conn)
+                .await?;
+                match previous {
+                    Some(id) => load_release(&mut conn, &id).await?,
+                    None => None,
+                }
+            }
+            _ => None,
+        };
         Ok(JobContext {
             task,
             round,
@@ -273,6 +292,7 @@ impl Db {
             model,
             contributions,
             release,
+            previous_release,
         })
     }
 

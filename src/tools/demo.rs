@@ -33,6 +33,8 @@ pub struct DemoOptions {
     /// DP-FTRL with tree aggregation instead of the Gaussian mechanism; the minimum separation is
     /// the round-robin's period (`devices / report_goal` rounds, at most the task's rounds).
     pub tree: bool,
+    /// Adaptive clipping with its defaults, from `clip_norm`.
+    pub adaptive_clipping: bool,
     pub data_dir: PathBuf,
     pub progress: bool,
 }
@@ -72,6 +74,8 @@ fn api(e: impl std::fmt::Display) -> DemoError {
 #[derive(Debug, Clone)]
 pub struct DemoSummary {
     pub accuracy: Vec<f64>,
+    /// The clip norm each round used (its release manifest's).
+    pub clip_norms: Vec<f64>,
     pub epsilon_spent: f64,
     pub elapsed: Duration,
 }
@@ -111,6 +115,9 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
     if options.tree {
         privacy["mechanism"] = json!("tree_aggregation");
         privacy["min_separation"] = json!(min_separation);
+    }
+    if options.adaptive_clipping {
+        privacy["adaptive_clipping"] = json!({});
     }
     let created = http
         .post(format!("{url}/v1/tasks"))
@@ -155,6 +162,10 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
             )
         } else {
             "Gaussian mechanism".to_string()
+        } + if options.adaptive_clipping {
+            " with adaptive clipping"
+        } else {
+            ""
         },
         options.optimizer.name(),
         options.server_learning_rate
@@ -192,6 +203,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         }
     };
     let mut epsilon_spent = 0.0;
+    let mut clip_norms = Vec::new();
     for round in 1..=options.rounds {
         // Each round draws the next `report_goal` devices of the population, round-robin.
         let first =
@@ -237,8 +249,13 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
                 verified.failures.join("; ")
             )));
         }
+        let clip = serde_json::from_str::<Value>(&release.manifest_json)
+            .ok()
+            .and_then(|m| m["clip_norm"].as_f64())
+            .unwrap_or(options.clip_norm);
+        clip_norms.push(clip);
         say(format!(
-            "round {round}: {} contributions aggregated ({} excluded), privacy spent epsilon {:.2} of {}, accuracy {:.1}%, release verified",
+            "round {round}: {} contributions aggregated ({} excluded), clip norm {clip:.3}, privacy spent epsilon {:.2} of {}, accuracy {:.1}%, release verified",
             release.included,
             release.excluded,
             epsilon_spent,
@@ -264,6 +281,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
     );
     Ok(DemoSummary {
         accuracy,
+        clip_norms,
         epsilon_spent,
         elapsed,
     })

@@ -7,6 +7,7 @@ import base64
 import hashlib
 import json
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -119,6 +120,7 @@ class Device:
     key_retry_wait: float = 1.0
     #: "numpy" or "torch": what `train` is given (it may return either).
     tensors: str = "numpy"
+    _serving: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def _url(self, path: str) -> str:
         return path if path.startswith("http") else self.server.rstrip("/") + path
@@ -216,7 +218,12 @@ class Device:
             if set(update) != set(model) or any(
                     np.shape(update[k]) != model[k].shape for k in model):
                 raise DeviceError("the update does not have the model's tensors and shapes")
-            self.served.add(served)
+            with self._serving:
+                # Again, under the lock: a concurrent contribution may have served a close round.
+                why = self.declines(assignment)
+                if why:
+                    raise DeviceError(f"{why}: decline it (not_eligible)")
+                self.served.add(served)
             sealed = envelope.seal_update(
                 public_key, assignment["encryption"]["key_id"],
                 envelope.aad(assignment["task_id"], assignment["round"],

@@ -75,6 +75,7 @@ def parse_policy(raw: bytes | str) -> dict:
     for key in ("epsilon", "delta", "clip_norm", "server_learning_rate"):
         fields[key] = _float(fields[key], key)
     fields["min_separation"] = min_separation(fields["mechanism"])
+    fields["adaptive_clipping"] = adaptive_clipping(fields["mechanism"])
     plan = json.loads(fields["plan"])
     if not isinstance(plan, dict):
         raise PolicyError("plan is not a JSON object")
@@ -82,19 +83,38 @@ def parse_policy(raw: bytes | str) -> dict:
     return fields
 
 
-_TREE = re.compile(r"tree_aggregation_on_grid;min_separation=([1-9][0-9]{0,3})\Z")
+_NOISE = re.compile(r"(discrete_gaussian_on_grid|tree_aggregation_on_grid;min_separation="
+                    r"([1-9][0-9]{0,3}))(;adaptive_clipping=([^,;]+),([^,;]+),([^,;]+))?\Z")
+
+
+def _mechanism(mechanism: str) -> re.Match:
+    found = _NOISE.match(mechanism)
+    if not found or (found.group(2) and int(found.group(2)) > 1024):
+        raise PolicyError(f"unknown mechanism {mechanism!r}")
+    return found
 
 
 def min_separation(mechanism: str) -> int:
     """Fewest rounds between two rounds of the task one device may serve: 1 for
     `discrete_gaussian_on_grid`, `b` for `tree_aggregation_on_grid;min_separation=<b>` (DP-FTRL,
-    b in 1..=1024); `PolicyError` for any other mechanism."""
-    if mechanism == "discrete_gaussian_on_grid":
-        return 1
-    found = _TREE.match(mechanism)
-    if not found or int(found.group(1)) > 1024:
-        raise PolicyError(f"unknown mechanism {mechanism!r}")
-    return int(found.group(1))
+    b in 1..=1024), either optionally followed by `;adaptive_clipping=...`; `PolicyError` for any
+    other mechanism."""
+    found = _mechanism(mechanism)
+    return int(found.group(2)) if found.group(2) else 1
+
+
+def adaptive_clipping(mechanism: str) -> dict | None:
+    """The adaptive clipping parameters (`target_quantile`, `learning_rate`, `count_stddev`) a
+    mechanism names, each canonical `{:e}` and in range, or None."""
+    found = _mechanism(mechanism)
+    if not found.group(3):
+        return None
+    names = ("target_quantile", "learning_rate", "count_stddev")
+    values = {n: _float(v, f"adaptive_clipping.{n}") for n, v in zip(names, found.group(4, 5, 6))}
+    if not (0 < values["target_quantile"] < 1 and 0 < values["learning_rate"] <= 10
+            and 0.1 <= values["count_stddev"] <= 1e6):
+        raise PolicyError(f"adaptive_clipping out of range in {mechanism!r}")
+    return values
 
 
 def policy_sha256(raw: bytes | str) -> str:

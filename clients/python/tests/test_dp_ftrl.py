@@ -14,14 +14,22 @@ from confed_client import Device, DeviceError, Partner, PolicyError, Trust, pars
 
 
 def test_the_policy_names_the_tree_and_unknown_mechanisms_are_refused():
-    from confed_client.policy import min_separation
+    from confed_client.policy import adaptive_clipping, min_separation
     assert min_separation("discrete_gaussian_on_grid") == 1
     assert min_separation("tree_aggregation_on_grid;min_separation=16") == 16
+    adaptive = ";adaptive_clipping=5e-1,2e-1,5e0"
+    assert min_separation("tree_aggregation_on_grid;min_separation=16" + adaptive) == 16
+    assert adaptive_clipping("discrete_gaussian_on_grid" + adaptive) == {
+        "target_quantile": 0.5, "learning_rate": 0.2, "count_stddev": 5.0}
+    assert adaptive_clipping("discrete_gaussian_on_grid") is None
     for bad in ("tree_aggregation_on_grid", "tree_aggregation_on_grid;min_separation=0",
                 "tree_aggregation_on_grid;min_separation=016",
-                "tree_aggregation_on_grid;min_separation=1025", "laplace"):
+                "tree_aggregation_on_grid;min_separation=1025", "laplace",
+                "discrete_gaussian_on_grid;adaptive_clipping=0.5,2e-1,5e0",
+                "discrete_gaussian_on_grid;adaptive_clipping=1e0,2e-1,5e0",
+                "discrete_gaussian_on_grid;adaptive_clipping=5e-1,2e-1"):
         with pytest.raises(PolicyError):
-            min_separation(bad)
+            adaptive_clipping(bad)
 
 
 def test_a_device_serves_a_tree_task_only_min_separation_rounds_apart(server):

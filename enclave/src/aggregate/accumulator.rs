@@ -75,17 +75,18 @@ impl Accumulator {
         update: &Update<'_>,
         clip_norm: f64,
         start: usize,
-    ) -> Result<(), NonFinite> {
+    ) -> Result<bool, NonFinite> {
         let norm_squared = float_norm_squared(update);
         if !norm_squared.is_finite() {
             return Err(NonFinite);
         }
+        let within = norm_squared.sqrt() <= clip_norm;
         let mut factor = self.clip_factor(norm_squared.sqrt(), clip_norm);
         for _ in 0..5 {
             let units = grid::units_per_value(clip_norm, factor);
             let (squares, _) = self.apply::<false>(update, units, start);
             if squares <= SENSITIVITY_SQUARED {
-                return Ok(());
+                return Ok(within);
             }
             self.apply::<true>(update, units, start);
             factor *= 1.0 - self.rounding_margin();
@@ -123,7 +124,7 @@ impl Accumulator {
         &self,
         source: &R,
         clip_norm: f64,
-    ) -> Result<(), StreamError<R::Error>> {
+    ) -> Result<bool, StreamError<R::Error>> {
         self.clip(
             clip_norm,
             |units| self.apply_stream::<false, R>(source, units),
@@ -142,7 +143,7 @@ impl Accumulator {
         clip_norm: f64,
         add: impl Fn(f64) -> (f64, f64, Result<(), E>),
         undo: impl Fn(f64),
-    ) -> Result<(), StreamError<E>> {
+    ) -> Result<bool, StreamError<E>> {
         let full = grid::units_per_value(clip_norm, 1.0);
         let (squares, norm_squared, read) = add(full);
         if let Err(error) = read {
@@ -153,8 +154,9 @@ impl Accumulator {
             undo(full);
             return Err(StreamError::NonFinite);
         }
+        let within = norm_squared.sqrt() <= clip_norm;
         if squares <= SENSITIVITY_SQUARED {
-            return Ok(());
+            return Ok(within);
         }
         undo(full);
         let mut factor = self.clip_factor(norm_squared.sqrt(), clip_norm);
@@ -167,7 +169,7 @@ impl Accumulator {
                 return Err(StreamError::Source(error));
             }
             if squares <= SENSITIVITY_SQUARED {
-                return Ok(());
+                return Ok(within);
             }
             undo(units);
             factor *= 1.0 - margin;

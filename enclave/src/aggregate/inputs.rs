@@ -73,6 +73,18 @@ pub fn inputs_digest<'a>(
     super::hex(hasher.finalize().as_bytes())
 }
 
+/// The inputs digest of an adaptive-clipping round: the contributions' digest with the round's
+/// clip norm (which the store chooses) bound in, `BLAKE3(inputs_digest (64 ASCII hex) ||
+/// "clip_norm=" || {:e} of the clip norm)`, so the release commitment and the noise change with
+/// it: a second release of the same inputs at another clip norm under the same noise would
+/// reveal the noise.
+pub fn bind_clip_norm(inputs_digest: &str, clip_norm: f64) -> String {
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(inputs_digest.as_bytes());
+    hasher.update(format!("clip_norm={clip_norm:e}").as_bytes());
+    super::hex(hasher.finalize().as_bytes())
+}
+
 /// A digest written as 64 lowercase hex digits (as the server lists it in a job).
 pub fn parse_digest(text: &str) -> Option<[u8; 32]> {
     if !is_ref(text) {

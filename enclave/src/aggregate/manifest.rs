@@ -33,6 +33,10 @@ pub struct Manifest {
     pub clip_norm: f64,
     pub noise: NoiseRecord,
     pub privacy: PrivacyRecord,
+    /// Adaptive clipping only: the round's noised fraction of unclipped updates and the clip
+    /// norm it gives the next round.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adaptive_clipping: Option<AdaptiveRecord>,
     /// SHA-256 (hex) of the released average's bytes.
     pub average_sha256: String,
 }
@@ -117,6 +121,21 @@ impl NoiseRecord {
             }),
         }
     }
+}
+
+/// Adaptive clipping's part of a release (docs/privacy.md, "Adaptive clipping").
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AdaptiveRecord {
+    pub target_quantile: f64,
+    pub learning_rate: f64,
+    /// Standard deviation of the noise on the count of unclipped updates, in contributions (the
+    /// sampled scale on `sum(2 b_i - 1)`, halved).
+    pub count_stddev: f64,
+    /// The noised fraction of included updates whose norm was at most `clip_norm`, in [0, 1].
+    pub unclipped_fraction: f64,
+    /// `clip_norm * exp(-learning_rate * (unclipped_fraction - target_quantile))`, within the
+    /// policy limits: the next round's clip norm.
+    pub next_clip_norm: f64,
 }
 
 /// Where a tree release sits and how much noise it carries, in raw node variances.

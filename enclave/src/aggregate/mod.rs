@@ -12,7 +12,7 @@ pub mod stream;
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
@@ -24,12 +24,12 @@ use crate::envelope::EnvelopeRef;
 use crate::hpke::PrivateKey;
 use crate::hpke_awslc::Recipient;
 use crate::model::{ModelError, ModelSchema, encode_f32_tensors};
-use crate::policy::Mechanism;
 use crate::policy::TaskPolicy;
+use crate::policy::{AdaptiveClipping, DpMechanism, Mechanism};
 use accumulator::{Accumulator, StreamError};
 pub(crate) use confed_protocol::hex::encode as hex;
 pub use contribution::{Binding, Exclusion};
-pub use manifest::{Manifest, NoiseRecord, PrivacyRecord, TreeRecord, TreeShape};
+pub use manifest::{AdaptiveRecord, Manifest, NoiseRecord, PrivacyRecord, TreeRecord, TreeShape};
 use stream::StreamProblem;
 
 /// Models of at least this many bytes of values are aggregated chunk by chunk: a thread then
@@ -70,20 +70,65 @@ pub struct PrivacyParams {
     /// Fewest included contributions a release may average.
     pub min_reports: u32,
     pub mechanism: Mechanism,
+    /// Adaptive clipping's parameters (then `clip_norm` is this round's, not the policy's).
+    pub adaptive: Option<AdaptiveClipping>,
 }
 
-impl TryFrom<&TaskPolicy> for PrivacyParams {
-    type Error = crate::policy::PolicyError;
-
-    fn try_from(policy: &TaskPolicy) -> Result<Self, Self::Error> {
+impl PrivacyParams {
+    /// The parameters of one round: all from the policy, except that under adaptive clipping the
+    /// clip norm is the round's (`round_clip_norm`, from the job: what the previous release's
+    /// manifest gave as `next_clip_norm`). Who chooses it does not matter for privacy (the noise
+    /// scales with it and the sensitivity on the grid is one clip norm whatever it is); it is
+    /// bound into the release commitment and the noise (`inputs::bind_clip_norm`). A round clip
+    /// norm for a policy without adaptive clipping, or none for one with it, is refused.
+    pub fn for_round(
+        policy: &TaskPolicy,
+        round_clip_norm: Option<f64>,
+    ) -> Result<Self, crate::policy::PolicyError> {
+        let DpMechanism {
+            noise,
+            adaptive_clipping,
+        } = policy.dp_mechanism()?;
+        let limits = crate::policy::PolicyError::Limits;
+        let clip_norm = match (adaptive_clipping, round_clip_norm) {
+            (None, None) => policy.clip_norm,
+            (Some(_), Some(c))
+                if (crate::policy::MIN_CLIP_NORM..=crate::policy::MAX_CLIP_NORM).contains(&c) =>
+            {
+                c
+            }
+            (Some(_), Some(c)) => {
+                return Err(limits(format!(
+                    "the round's clip norm {c} is outside the policy limits"
+                )));
+            }
+            (Some(_), None) => {
+                return Err(limits(
+                    "an adaptive-clipping round needs its clip norm in the job".into(),
+                ));
+            }
+            (None, Some(c)) => {
+                return Err(limits(format!(
+                    "the job names a round clip norm {c}, but the policy does not clip adaptively"
+                )));
+            }
+        };
         Ok(Self {
             epsilon: policy.epsilon,
             delta: policy.delta,
-            clip_norm: policy.clip_norm,
+            clip_norm,
             rounds: policy.rounds,
             min_reports: policy.min_reports,
-            mechanism: policy.mechanism()?,
+            mechanism: noise,
+            adaptive: adaptive_clipping,
         })
+    }
+
+    fn dp_mechanism(&self) -> DpMechanism {
+        DpMechanism {
+            noise: self.mechanism,
+            adaptive_clipping: self.adaptive,
+        }
     }
 }
 
@@ -95,6 +140,8 @@ pub struct Aggregator {
     sum: Accumulator,
     outcome: Mutex<Outcome>,
     next_start: AtomicUsize,
+    /// Included updates whose norm was at most the clip norm.
+    unclipped: AtomicU64,
     buffers: Mutex<Vec<Zeroizing<Vec<u8>>>>,
     /// Updates of at least this many bytes of values are streamed (`stream.rs`).
     stream_above: usize,
@@ -133,6 +180,7 @@ impl Aggregator {
             sum,
             outcome: Mutex::default(),
             next_start: AtomicUsize::new(0),
+            unclipped: AtomicU64::new(0),
             buffers: Mutex::default(),
             stream_above: STREAM_ABOVE_BYTES,
         })
@@ -194,7 +242,10 @@ impl Aggregator {
                 &self.schema,
             ) {
                 match self.sum.add_clipped_stream(&update, self.clip_norm) {
-                    Ok(()) => return Ok(()),
+                    Ok(within) => {
+                        self.count_unclipped(within);
+                        return Ok(());
+                    }
                     Err(StreamError::NonFinite) => return Err(Exclusion::NonFinite),
                     Err(StreamError::Source(StreamProblem::Excluded(why))) => return Err(why),
                     Err(StreamError::Source(StreamProblem::Buffer)) => {}
@@ -210,9 +261,19 @@ impl Aggregator {
         )?;
         let tensors = contribution::tensors(&self.schema, plaintext)?;
         let start = self.next_start.fetch_add(1, Ordering::Relaxed);
-        self.sum
+        let within = self
+            .sum
             .add_clipped(&tensors, self.clip_norm, start)
-            .map_err(|accumulator::NonFinite| Exclusion::NonFinite)
+            .map_err(|accumulator::NonFinite| Exclusion::NonFinite)?;
+        self.count_unclipped(within);
+        Ok(())
+    }
+
+    /// Counts an included update whose norm was at most the clip norm (adaptive clipping's `b_i`).
+    fn count_unclipped(&self, within: bool) {
+        if within {
+            self.unclipped.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Adds a batch across all cores.
@@ -255,12 +316,13 @@ impl Aggregator {
         }
         let included_digest = digest(&outcome.included);
         let inputs_digest = self.binding.inputs_digest.clone();
-        let calibration = dp::calibrate_mechanism(
-            privacy.mechanism,
+        let calibration = dp::calibrate_task(
+            privacy.dp_mechanism(),
             privacy.epsilon,
             privacy.delta,
             privacy.rounds,
         )?;
+        let unclipped = self.unclipped.load(Ordering::Relaxed);
         let noise = DiscreteGaussian::at_least(
             calibration.noise_multiplier * grid::GRID_UNITS_PER_CLIP as f64,
         )?;
@@ -302,14 +364,20 @@ impl Aggregator {
                         (*weight, seed)
                     })
                     .collect();
-                let sum = self.sum.into_sum();
-                let mut noised = vec![0f64; sum.len()];
-                noise::add_weighted(&mut noised, &noise, &seeded);
-                let values: Vec<f32> = sum
+                // Exactly, over the weights' common denominator, then rounded once.
+                let denominator = trees.denominator();
+                let mut noised: Vec<i128> = self
+                    .sum
+                    .into_sum()
                     .iter()
-                    .zip(&noised)
-                    .map(|(&units, &extra)| {
-                        grid::to_average_f64(units as f64 + extra, privacy.clip_norm, count)
+                    .map(|&units| i128::from(units) * i128::from(denominator))
+                    .collect();
+                noise::add_weighted(&mut noised, &noise, &seeded);
+                let values: Vec<f32> = noised
+                    .iter()
+                    .map(|&scaled| {
+                        let units = scaled as f64 / denominator as f64;
+                        grid::to_average_f64(units, privacy.clip_norm, count)
                     })
                     .collect();
                 let shape = TreeShape {
@@ -317,8 +385,14 @@ impl Aggregator {
                     tree,
                     position,
                     nodes: weights.len() as u64,
-                    release_variance: dp::tree::variance(weights.iter().map(|(_, w)| w)),
-                    prefix_variance: dp::tree::variance(trees.prefix(tree, position).values()),
+                    release_variance: dp::tree::variance(
+                        weights.iter().map(|(_, w)| w),
+                        trees.denominator(),
+                    ),
+                    prefix_variance: dp::tree::variance(
+                        trees.prefix(tree, position).values(),
+                        trees.denominator(),
+                    ),
                 };
                 let record = NoiseRecord::tree(
                     &noise,
@@ -331,12 +405,29 @@ impl Aggregator {
             }
         };
         let average = encode(&self.schema, &values)?;
-        let releases = |round: u64| {
-            u32::try_from(dp::releases_through(privacy.mechanism, round)).unwrap_or(u32::MAX)
+        let adaptive = match privacy.adaptive {
+            None => None,
+            Some(params) => Some(adaptive_count(
+                &params,
+                private_key,
+                &self.binding,
+                privacy.clip_norm,
+                unclipped,
+                count,
+            )?),
         };
-        let (rho_spent, epsilon_spent) = dp::spent(noise.scale(), releases(round), privacy.delta)?;
-        let rho_round = dp::calibrate::rho_at(noise.scale())?
-            * f64::from(releases(round) - releases(round.saturating_sub(1)));
+        let count_scale = adaptive.as_ref().map(|(_, scale)| *scale);
+        let spent = |round: u64| {
+            dp::spent_task(
+                privacy.mechanism,
+                noise.scale(),
+                count_scale,
+                round,
+                privacy.delta,
+            )
+        };
+        let (rho_spent, epsilon_spent) = spent(round)?;
+        let rho_round = rho_spent - spent(round.saturating_sub(1))?.0;
         let mut excluded = BTreeMap::new();
         for (_, reason) in &outcome.excluded {
             *excluded.entry(reason.as_str().to_string()).or_insert(0u64) += 1;
@@ -369,6 +460,7 @@ impl Aggregator {
                 rho_spent,
                 epsilon_spent,
             },
+            adaptive_clipping: adaptive.map(|(record, _)| record),
             average_sha256: hex(Sha256::digest(&average)),
         };
         Ok(Release {
@@ -377,6 +469,38 @@ impl Aggregator {
             values,
         })
     }
+}
+
+/// Adaptive clipping's noised count of the round: `sum(2 b_i - 1) = 2 * unclipped - count` plus
+/// discrete Gaussian noise of standard deviation `2 count_stddev` (sensitivity 1), keyed like the
+/// round's value noise but under its own label; the fraction it gives and the next round's clip
+/// norm. Returns the record and the count noise's scale.
+fn adaptive_count(
+    params: &AdaptiveClipping,
+    private_key: &PrivateKey,
+    binding: &Binding,
+    clip_norm: f64,
+    unclipped: u64,
+    count: u64,
+) -> Result<(AdaptiveRecord, f64), AggregateError> {
+    let noise = DiscreteGaussian::at_least(2.0 * params.count_stddev)?;
+    let seed = noise::count_seed(
+        private_key,
+        &noise::NoiseBinding {
+            context: &binding.context,
+            inputs_digest: &binding.inputs_digest,
+        },
+    );
+    let signed = 2 * unclipped as i64 - count as i64 + noise::samples(1, &noise, &seed)[0];
+    let fraction = ((signed as f64 / count as f64 + 1.0) / 2.0).clamp(0.0, 1.0);
+    let record = AdaptiveRecord {
+        target_quantile: params.target_quantile,
+        learning_rate: params.learning_rate,
+        count_stddev: noise.scale() / 2.0,
+        unclipped_fraction: fraction,
+        next_clip_norm: params.next_clip_norm(clip_norm, fraction),
+    };
+    Ok((record, noise.scale()))
 }
 
 /// SHA-256 (hex) over sorted refs, one per line.

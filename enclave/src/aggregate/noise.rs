@@ -28,6 +28,7 @@ use crate::hpke::PrivateKey;
 
 const LABEL: &[u8] = b"confed/dp-noise/v2";
 const TREE_LABEL: &[u8] = b"confed/dp-tree-node/v1";
+const COUNT_LABEL: &[u8] = b"confed/dp-count/v1";
 /// Coordinates per ChaCha12 stream.
 const BLOCK: usize = 1 << 14;
 
@@ -41,10 +42,24 @@ pub struct NoiseBinding<'a> {
 
 /// The ChaCha12 key of a release.
 pub fn seed(private_key: &PrivateKey, binding: &NoiseBinding<'_>) -> Zeroizing<[u8; 32]> {
+    labelled_seed(LABEL, private_key, binding)
+}
+
+/// The ChaCha12 key of adaptive clipping's count noise: bound to what the release's is, under
+/// its own label.
+pub fn count_seed(private_key: &PrivateKey, binding: &NoiseBinding<'_>) -> Zeroizing<[u8; 32]> {
+    labelled_seed(COUNT_LABEL, private_key, binding)
+}
+
+fn labelled_seed(
+    label: &[u8],
+    private_key: &PrivateKey,
+    binding: &NoiseBinding<'_>,
+) -> Zeroizing<[u8; 32]> {
     let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, private_key.as_bytes());
     let mut context = ring::hmac::Context::with_key(&key);
     for part in [
-        LABEL,
+        label,
         binding.context.task_id.as_bytes(),
         binding.context.round.to_string().as_bytes(),
         binding.context.policy_sha256.as_bytes(),
@@ -104,14 +119,15 @@ pub fn node_seed(
     out
 }
 
-/// Adds `sum of weight * z(node)` to every coordinate of `out`, where `z(node)` is the node's
-/// discrete Gaussian noise vector (block `b` on ChaCha12 stream `b` of the node's key, as in
-/// `add`). Nodes are summed in the given order for every coordinate, so the result does not
-/// depend on the thread count.
+/// Adds `sum of weight * z(node)` to every coordinate of `out`, exactly (integer weights:
+/// `dp::tree`'s numerators), where `z(node)` is the node's discrete Gaussian noise vector (block
+/// `b` on ChaCha12 stream `b` of the node's key, as in `add`). Every product is below 2^82 and
+/// there are at most 2047 nodes, so i128 never overflows; integer sums do not depend on order or
+/// thread count.
 pub fn add_weighted(
-    out: &mut [f64],
+    out: &mut [i128],
     noise: &DiscreteGaussian,
-    nodes: &[(f64, Zeroizing<[u8; 32]>)],
+    nodes: &[(i64, Zeroizing<[u8; 32]>)],
 ) {
     out.par_chunks_mut(BLOCK)
         .enumerate()
@@ -120,7 +136,7 @@ pub fn add_weighted(
                 let mut rng = ChaCha12Rng::from_seed(**seed);
                 rng.set_stream(block as u64);
                 for value in values.iter_mut() {
-                    *value += weight * noise.sample(&mut rng) as f64;
+                    *value += i128::from(*weight) * i128::from(noise.sample(&mut rng));
                 }
             }
         });

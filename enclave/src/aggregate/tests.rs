@@ -94,6 +94,7 @@ fn privacy() -> PrivacyParams {
         rounds: 3,
         min_reports: 1,
         mechanism: crate::policy::Mechanism::Gaussian,
+        adaptive: None,
     }
 }
 
@@ -591,8 +592,12 @@ fn tree_releases_sum_to_prefixes_with_the_recorded_noise_covariance() {
     }
     for a in 1..=8u64 {
         for b in a..=8u64 {
-            let expected =
-                node_variance * dp::tree::covariance(&trees.prefix(0, a), &trees.prefix(0, b));
+            let expected = node_variance
+                * dp::tree::covariance(
+                    &trees.prefix(0, a),
+                    &trees.prefix(0, b),
+                    trees.denominator(),
+                );
             let measured = covariance_of(&prefixes[a as usize - 1], &prefixes[b as usize - 1]);
             let scale = node_variance * 2.0;
             assert!(
@@ -606,17 +611,13 @@ fn tree_releases_sum_to_prefixes_with_the_recorded_noise_covariance() {
     assert_eq!((restart.tree, restart.position, restart.nodes), (1, 1, 1));
     let cross = covariance_of(&noises[8], &prefixes[7]);
     assert!(cross.abs() < 0.03 * node_variance * 2.0, "{cross}");
-    // Accounting: round 8 completes a full tree of depth 4; round 9 adds one leaf.
-    assert_eq!(
-        (
-            manifests[7].privacy.rho_round,
-            manifests[8].privacy.rho_round
-        ),
-        (
-            manifests[0].privacy.rho_round,
-            manifests[0].privacy.rho_round
-        )
-    );
+    // Accounting: round 8 completes a full tree of depth 4; round 9 adds one leaf; round 7
+    // completes no new level of tree 0 (depth(7) = depth(6) = 3) and costs nothing.
+    let leaf = manifests[0].privacy.rho_round;
+    for (round, cost) in [(8, leaf), (9, leaf), (7, 0.0), (3, 0.0)] {
+        let got = manifests[round - 1].privacy.rho_round;
+        assert!((got - cost).abs() < 1e-9 * leaf, "round {round}: {got}");
+    }
     assert!(manifests[7].privacy.rho_spent > 3.99 * manifests[0].privacy.rho_round);
 }
 
@@ -647,4 +648,91 @@ fn a_tree_rounds_noise_is_reproduced_whatever_the_attempt() {
         agg.finish(&r.private, params).unwrap().values
     };
     assert_eq!(release(&"1".repeat(64)), release(&"2".repeat(64)));
+}
+
+/// Adaptive clipping on known data: update norms uniform on [0, 2] (median 1). From a clip norm
+/// of 0.2, following each manifest's `next_clip_norm`, the clip norm converges to the median, and
+/// the noised fraction of unclipped updates to the target quantile.
+#[test]
+fn the_adaptive_clip_norm_converges_to_the_target_quantile() {
+    let r = round(4);
+    let adaptive = crate::policy::AdaptiveClipping {
+        target_quantile: 0.5,
+        learning_rate: 0.6,
+        count_stddev: 2.0,
+    };
+    let mut rng = Normal(7);
+    let (rounds, per_round) = (24u64, 50);
+    let mut clip = 0.2;
+    let mut clips: Vec<f64> = Vec::new();
+    let mut fractions = Vec::new();
+    for round in 1..=rounds {
+        let inputs: Vec<_> = (0..per_round)
+            .map(|i| {
+                let norm = 2.0 * rng.uniform() as f32;
+                let (id, bytes) = sealed(
+                    &r,
+                    &format!("a{round}-{i}"),
+                    round,
+                    &update(&[norm, 0.0, 0.0, 0.0]),
+                );
+                (id, Some(bytes))
+            })
+            .collect();
+        let binding = Binding {
+            context: context(round),
+            key_id: KEY.into(),
+            inputs_digest: inputs::digest_of(&inputs),
+        };
+        let agg = Aggregator::new(binding, clip, r.schema.clone(), &r.private).unwrap();
+        agg.add_batch(&inputs);
+        let params = PrivacyParams {
+            epsilon: 50.0,
+            clip_norm: clip,
+            rounds: rounds as u32,
+            adaptive: Some(adaptive),
+            ..privacy()
+        };
+        let manifest = agg.finish(&r.private, params).unwrap().manifest;
+        let record = manifest.adaptive_clipping.expect("an adaptive record");
+        assert_eq!(manifest.clip_norm, clip);
+        // The integer variance is rounded up: 16 -> 17 on the count's doubled scale.
+        assert!((2.0..2.1).contains(&record.count_stddev), "{record:?}");
+        fractions.push(record.unclipped_fraction);
+        clip = record.next_clip_norm;
+        clips.push(clip);
+    }
+    // The last 10 rounds, averaged: each round's fraction is noised (sampling and count noise,
+    // about 0.08 together), and the clip norm wanders by learning_rate times that.
+    let late_clip = clips[14..].iter().sum::<f64>() / 10.0;
+    assert!((late_clip - 1.0).abs() < 0.15, "clip norms: {clips:?}");
+    let late: f64 = fractions[14..].iter().sum::<f64>() / 10.0;
+    assert!(
+        (late - 0.5).abs() < 0.1,
+        "unclipped fractions: {fractions:?}"
+    );
+    assert!(
+        fractions[0] < 0.3,
+        "at 0.2 most updates are clipped: {fractions:?}"
+    );
+}
+
+/// The round's clip norm comes from the job only under adaptive clipping, within the policy
+/// limits; it is bound into the inputs digest (so into the release commitment and the noise).
+#[test]
+fn a_round_clip_norm_is_taken_only_under_adaptive_clipping_and_bound_into_the_digest() {
+    let mut policy = crate::policy::TaskPolicy::sample("t", 3);
+    assert!(PrivacyParams::for_round(&policy, None).is_ok());
+    assert!(PrivacyParams::for_round(&policy, Some(2.0)).is_err());
+    policy.mechanism = "discrete_gaussian_on_grid;adaptive_clipping=5e-1,2e-1,5e0".into();
+    assert!(PrivacyParams::for_round(&policy, None).is_err());
+    assert!(PrivacyParams::for_round(&policy, Some(1e7)).is_err());
+    let params = PrivacyParams::for_round(&policy, Some(2.0)).unwrap();
+    assert_eq!(params.clip_norm, 2.0);
+    assert!(params.adaptive.is_some());
+    let digest = "e".repeat(64);
+    assert_ne!(
+        inputs::bind_clip_norm(&digest, 2.0),
+        inputs::bind_clip_norm(&digest, 2.000001)
+    );
 }

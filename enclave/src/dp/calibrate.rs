@@ -125,6 +125,14 @@ pub fn calibrate(epsilon: f64, delta: f64, rounds: u32) -> Result<Calibration, D
     Ok(calibration)
 }
 
+/// (epsilon at `delta`) of a total zCDP `rho`: one grid release at the scale that costs `rho`.
+pub fn epsilon_of_rho(rho: f64, delta: f64) -> Result<f64, DpError> {
+    if rho <= 0.0 {
+        return Ok(0.0);
+    }
+    epsilon_at(GRID_UNITS_PER_CLIP as f64 / (2.0 * rho).sqrt(), delta)
+}
+
 /// Privacy spent after `releases` rounds at per-round grid scale `scale_grid`: (rho, epsilon at
 /// `delta`). Uses the same OpenDP maps as calibration.
 pub fn spent(scale_grid: f64, releases: u32, delta: f64) -> Result<(f64, f64), DpError> {

@@ -2,6 +2,7 @@
 //! (`calibrate`), the fixed-point grid updates are summed on (`grid`), and a fast exact discrete
 //! Gaussian sampler in machine words (`sampler`).
 
+pub mod accounting;
 pub mod calibrate;
 pub mod grid;
 pub mod plan;
@@ -14,31 +15,24 @@ pub use calibrate::{Calibration, calibrate, spent};
 pub use plan::{PlanProblem, check_plan};
 pub use sampler::DiscreteGaussian;
 
-use confed_protocol::policy::Mechanism;
+pub use accounting::{calibrate_task, releases_through, spent_task};
 
-/// Gaussian releases at the mechanism's noise scale (one per round for `Gaussian`, one per
-/// complete node over a device's round for `Tree`) that rounds `1..=round` cost one device at
-/// most: what calibration and accounting compose in zCDP.
-pub fn releases_through(mechanism: Mechanism, round: u64) -> u64 {
-    match mechanism {
-        Mechanism::Gaussian => round,
-        Mechanism::Tree { min_separation } => tree::Trees {
-            length: min_separation,
-        }
-        .releases_through(round),
-    }
-}
-
-/// The calibration of a task's planned rounds under `mechanism`.
+/// The calibration of a task's planned rounds under a noise mechanism without adaptive clipping.
 pub fn calibrate_mechanism(
-    mechanism: Mechanism,
+    mechanism: confed_protocol::policy::Mechanism,
     epsilon: f64,
     delta: f64,
     rounds: u32,
 ) -> Result<Calibration, DpError> {
-    let releases = u32::try_from(releases_through(mechanism, u64::from(rounds)))
-        .map_err(|_| DpError::InvalidBudget(format!("{rounds} rounds are too many")))?;
-    calibrate(epsilon, delta, releases)
+    calibrate_task(
+        confed_protocol::policy::DpMechanism {
+            noise: mechanism,
+            adaptive_clipping: None,
+        },
+        epsilon,
+        delta,
+        rounds,
+    )
 }
 
 #[derive(Debug, Clone, PartialEq, Error)]

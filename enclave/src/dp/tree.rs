@@ -10,7 +10,11 @@
 //! `w_h = v_h = 2^h / (2^(h+1) - 1)`, the estimate's variance in node variances (the inverse-
 //! variance weighting of two unbiased estimates; `v_0 = 1`, `v_h -> 1/2`). Every estimate is a
 //! fixed linear combination of the raw node noises of its subtree: a raw node at height `h'` below
-//! enters with `beta(h, h') = v_h' * prod_{l = h'+1..=h} (1 - v_l)`.
+//! enters with `beta(h, h') = v_h' * prod_{l = h'+1..=h} (1 - v_l) = 2^h' / (2^(h+1) - 1)` (the
+//! product telescopes). The weights are kept exact, as integers over one common denominator `D`
+//! (the lcm of `2^(g+1) - 1` for every level `g` of a tree, below 2^46 for trees of up to 1024
+//! rounds), so the release is computed exactly in integers and rounded once: a function of the
+//! noisy nodes alone, with no float error that could depend on the inputs.
 //!
 //! The enclave releases round `t`'s *increment*, the running sum at `t` minus the one at `t - 1`
 //! (round `t`'s sum plus the difference of the two prefix noises), so the model updater stays
@@ -55,11 +59,14 @@ pub fn estimate_variance(level: u32) -> f64 {
     leaves / (2.0 * leaves - 1.0)
 }
 
-/// Weight of each raw node at height `below` inside the efficient estimate of a node at `level`.
-fn beta(level: u32, below: u32) -> f64 {
-    (below + 1..=level).fold(estimate_variance(below), |w, l| {
-        w * (1.0 - estimate_variance(l))
-    })
+/// Exact weight of each raw node at height `below` inside the efficient estimate of a node at
+/// `level`, as a numerator over `denominator` (which `2^(level+1) - 1` divides).
+fn beta(level: u32, below: u32, denominator: i64) -> i64 {
+    (denominator / ((1i64 << (level + 1)) - 1)) << below
+}
+
+fn gcd(a: i64, b: i64) -> i64 {
+    if b == 0 { a } else { gcd(b, a % b) }
 }
 
 impl Trees {
@@ -79,9 +86,21 @@ impl Trees {
         tree * u64::from(depth(u64::from(self.length))) + u64::from(depth(position))
     }
 
+    /// The common denominator of every weight in a tree: the lcm of `2^(g+1) - 1` over its
+    /// levels `g` (3.5e13 for trees of 1024 rounds).
+    pub fn denominator(&self) -> i64 {
+        let top = u64::from(self.length).ilog2();
+        (0..=top).fold(1i64, |lcm, g| {
+            let d = (1i64 << (g + 1)) - 1;
+            lcm / gcd(lcm, d) * d
+        })
+    }
+
     /// The raw-node coefficients of the running sum's noise over a tree's first `rounds`
-    /// rounds (the efficient estimates of `rounds`' binary decomposition).
-    pub fn prefix(&self, tree: u64, rounds: u64) -> BTreeMap<Node, f64> {
+    /// rounds (the efficient estimates of `rounds`' binary decomposition), as numerators over
+    /// `denominator()`.
+    pub fn prefix(&self, tree: u64, rounds: u64) -> BTreeMap<Node, i64> {
+        let denominator = self.denominator();
         let mut out = BTreeMap::new();
         let mut start = 0u64; // leaves covered so far
         for level in (0..u64::BITS - rounds.leading_zeros()).rev() {
@@ -90,7 +109,7 @@ impl Trees {
             }
             let index = start >> level;
             for below in 0..=level {
-                let weight = beta(level, below);
+                let weight = beta(level, below, denominator);
                 let width = 1u64 << (level - below);
                 for i in index * width..(index + 1) * width {
                     out.insert(
@@ -108,28 +127,36 @@ impl Trees {
         out
     }
 
-    /// The raw-node coefficients of round `round`'s released noise: the running sum's noise at
-    /// its position minus the one before (nodes shared by both cancel and are left out).
-    pub fn release(&self, round: u64) -> Vec<(Node, f64)> {
+    /// The raw-node coefficients of round `round`'s released noise (numerators over
+    /// `denominator()`): the running sum's noise at its position minus the one before (nodes
+    /// shared by both cancel exactly and are left out).
+    pub fn release(&self, round: u64) -> Vec<(Node, i64)> {
         let (tree, position) = self.locate(round);
         let mut out = self.prefix(tree, position);
         for (node, weight) in self.prefix(tree, position - 1) {
-            *out.entry(node).or_insert(0.0) -= weight;
+            *out.entry(node).or_insert(0) -= weight;
         }
-        out.into_iter().filter(|&(_, w)| w != 0.0).collect()
+        out.into_iter().filter(|&(_, w)| w != 0).collect()
     }
 }
 
-/// Covariance of two noises given by raw-node coefficients, in raw node variances.
-pub fn covariance(a: &BTreeMap<Node, f64>, b: &BTreeMap<Node, f64>) -> f64 {
+/// Covariance of two noises given by raw-node coefficients over `denominator`, in raw node
+/// variances.
+pub fn covariance(a: &BTreeMap<Node, i64>, b: &BTreeMap<Node, i64>, denominator: i64) -> f64 {
+    let d = denominator as f64;
     a.iter()
-        .filter_map(|(node, x)| b.get(node).map(|y| x * y))
+        .filter_map(|(node, x)| b.get(node).map(|y| (*x as f64 / d) * (*y as f64 / d)))
         .sum()
 }
 
-/// Sum of squared coefficients: the variance of a noise, in raw node variances.
-pub fn variance<'a>(coefficients: impl IntoIterator<Item = &'a f64>) -> f64 {
-    coefficients.into_iter().map(|c| c * c).sum()
+/// Sum of squared coefficients over `denominator`: the variance of a noise, in raw node
+/// variances.
+pub fn variance<'a>(coefficients: impl IntoIterator<Item = &'a i64>, denominator: i64) -> f64 {
+    let d = denominator as f64;
+    coefficients
+        .into_iter()
+        .map(|&c| (c as f64 / d).powi(2))
+        .sum()
 }
 
 #[cfg(test)]
@@ -160,7 +187,7 @@ mod tests {
                 .filter(|l| rounds & (1 << l) != 0)
                 .map(estimate_variance)
                 .sum();
-            let got = variance(trees.prefix(0, rounds).values());
+            let got = variance(trees.prefix(0, rounds).values(), trees.denominator());
             assert!((got - expected).abs() < 1e-12, "{rounds}: {got} {expected}");
         }
     }
@@ -168,13 +195,13 @@ mod tests {
     #[test]
     fn releases_telescope_to_the_running_sum_and_only_touch_the_completing_subtree() {
         let trees = Trees { length: 16 };
-        let mut running: BTreeMap<Node, f64> = BTreeMap::new();
+        let mut running: BTreeMap<Node, i64> = BTreeMap::new();
         for round in 1..=16u64 {
             let release = trees.release(round);
             let completing_level = round.trailing_zeros();
             let first = (round - 1) >> completing_level << completing_level; // leaves before
             for (node, weight) in &release {
-                *running.entry(*node).or_insert(0.0) += weight;
+                *running.entry(*node).or_insert(0) += weight;
                 let span_start = node.index << node.level;
                 assert!(node.level <= completing_level, "{round}: {node:?}");
                 assert!(
@@ -183,10 +210,13 @@ mod tests {
                 );
             }
             for (node, weight) in trees.prefix(0, round) {
-                let got = running.get(&node).copied().unwrap_or(0.0);
-                assert!((got - weight).abs() < 1e-12, "{round}: {node:?}");
+                assert_eq!(
+                    running.get(&node).copied(),
+                    Some(weight),
+                    "{round}: {node:?}"
+                );
             }
-            running.retain(|_, w| w.abs() > 1e-12);
+            running.retain(|_, w| *w != 0);
             assert_eq!(running.len(), trees.prefix(0, round).len(), "{round}");
         }
     }
@@ -202,6 +232,23 @@ mod tests {
     }
 
     #[test]
+    fn exact_weights_are_the_inverse_variance_recursions() {
+        let trees = Trees { length: 1024 };
+        let d = trees.denominator();
+        assert!(d < 1 << 46, "{d}");
+        for level in 0..=10 {
+            for below in 0..=level {
+                let recursive = (below + 1..=level).fold(estimate_variance(below), |w, l| {
+                    w * (1.0 - estimate_variance(l))
+                });
+                let exact = beta(level, below, d) as f64 / d as f64;
+                assert!((exact - recursive).abs() < 1e-12, "{level} {below}");
+                assert_eq!(d % ((1 << (level + 1)) - 1), 0);
+            }
+        }
+    }
+
+    #[test]
     fn a_one_round_tree_is_the_gaussian_mechanism() {
         let trees = Trees { length: 1 };
         for round in 1..=5 {
@@ -213,7 +260,7 @@ mod tests {
                         level: 0,
                         index: 0
                     },
-                    1.0
+                    1
                 )]
             );
             assert_eq!(trees.releases_through(round), round);
