@@ -267,9 +267,11 @@ pub fn check(
     failures.extend(result.failures);
     if proof_ok {
         lines.push(format!(
-            "released under: policy {}, base model {}, {} contributions included, epsilon budget {} (delta {}) over {} rounds, spent through this round {:.4}",
+            "released under: policy {}, base model {}, mechanism {}, clip norm {}, {} contributions included, epsilon budget {} (delta {}) over {} rounds, spent through this round {:.4}",
             manifest.policy_sha256,
             manifest.model_sha256,
+            manifest.noise.mechanism,
+            manifest.clip_norm,
             manifest.included,
             manifest.privacy.epsilon_budget,
             manifest.privacy.delta,

@@ -207,6 +207,37 @@ fn bench_noise(c: &mut Criterion) {
         });
     }
     group.finish();
+    bench_tree_noise(c, &g);
+}
+
+/// DP-FTRL's noise for one release of a 2^20-value model, on both cores, at tree positions whose
+/// increments combine 1 (odd positions), 15 (position 8) and 127 (position 64) node vectors: the
+/// whole noising step, exact integer weights included.
+fn bench_tree_noise(c: &mut Criterion, g: &DiscreteGaussian) {
+    use confed_enclave::dp::tree::Trees;
+    let mut group = c.benchmark_group("tree_noise");
+    group
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(6));
+    let n = 1 << 20;
+    let trees = Trees { length: 1024 };
+    for position in [1u64, 8, 64] {
+        let nodes: Vec<_> = trees
+            .release(position)
+            .into_iter()
+            .enumerate()
+            .map(|(i, (_, weight))| (weight, zeroize::Zeroizing::new([i as u8; 32])))
+            .collect();
+        group.throughput(Throughput::Elements((n * nodes.len()) as u64));
+        group.bench_function(format!("position_{position}_{}_nodes", nodes.len()), |b| {
+            b.iter(|| {
+                let mut out = vec![0i128; n];
+                noise::add_weighted(&mut out, g, &nodes);
+                black_box(out)
+            })
+        });
+    }
+    group.finish();
 }
 
 fn peak_rss_bytes() -> u64 {
