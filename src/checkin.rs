@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use confed_protocol::device::{AssignmentResponse, CheckinRequest, RetryWindow};
+use confed_protocol::device::{AssignmentResponse, CheckinRequest, RetryWindow, ServedRound};
 use thiserror::Error;
 
 use crate::blob::{BlobError, BlobKey, BlobStore};
@@ -48,6 +48,9 @@ pub enum RetryReason {
     NoEncryptionKey,
     /// Every fitting round is full.
     RoundFull,
+    /// Every fitting round with room is one the device says it would decline: it served that
+    /// round, or one closer than the task's minimum separation (DP-FTRL).
+    MinSeparation,
 }
 
 impl RetryReason {
@@ -60,6 +63,7 @@ impl RetryReason {
             Self::VersionMismatch => "version_mismatch",
             Self::NoEncryptionKey => "no_encryption_key",
             Self::RoundFull => "round_full",
+            Self::MinSeparation => "min_separation",
         }
     }
 
@@ -69,7 +73,8 @@ impl RetryReason {
         let (min_seconds, max_seconds) = match self {
             Self::NoTask => (300, 600),
             Self::TenantMismatch | Self::VersionMismatch => (3600, 7200),
-            Self::ConstraintsNotMet => (600, 1200),
+            // The task must move on by a round or more before this device fits again.
+            Self::ConstraintsNotMet | Self::MinSeparation => (600, 1200),
             Self::NoEncryptionKey | Self::RoundFull => (60, 120),
         };
         RetryWindow {
@@ -94,6 +99,15 @@ impl CheckinOutcome {
             Self::Retry(reason) => reason.as_str(),
         }
     }
+}
+
+/// Whether a device that says it served `served` would decline a round of `candidate`: the
+/// same round, or (DP-FTRL) one fewer than the task's minimum separation away.
+fn would_decline(served: &[ServedRound], candidate: &Candidate) -> bool {
+    let separation = u64::from(candidate.spec.privacy.mechanism().min_separation());
+    served.iter().any(|s| {
+        s.task_id == candidate.task_id && s.round.abs_diff(candidate.round_number) < separation
+    })
 }
 
 /// The check-in service over the task database, the key directory and the contribution store.
@@ -148,9 +162,14 @@ impl Checkin<'_> {
         self.scheduling.order(&mut fitting);
         let now_seconds = seconds_of(now);
         let mut keyless = false;
+        let mut separated = false;
         for candidate in fitting {
             let capacity = candidate.capacity;
             if candidate.live as u64 >= capacity {
+                continue;
+            }
+            if would_decline(&request.served, &candidate) {
+                separated = true;
                 continue;
             }
             let key = match &candidate.key_id {
@@ -224,6 +243,8 @@ impl Checkin<'_> {
         }
         Ok(CheckinOutcome::Retry(if keyless {
             RetryReason::NoEncryptionKey
+        } else if separated {
+            RetryReason::MinSeparation
         } else {
             RetryReason::RoundFull
         }))

@@ -910,3 +910,50 @@ async fn try_assigned(app: &TestApp) -> Option<Value> {
     let reply = checkin(app, device()).await;
     (reply.status == StatusCode::CREATED).then(|| reply.json())
 }
+
+/// A device that says which rounds it served is not assigned one it would decline: the same
+/// round (any mechanism), or one closer than a tree task's minimum separation; it is told to
+/// come back later (`min_separation`), and another task's rounds are unaffected. Too long a
+/// list is a 400.
+#[tokio::test]
+async fn a_device_that_says_it_served_a_round_is_not_assigned_it_again() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let task = open_task(
+        &app,
+        &token,
+        json!({"rounds": 4, "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0,
+               "mechanism": "tree_aggregation", "min_separation": 2}}),
+    )
+    .await;
+    let with_served = |served: Value| {
+        let mut body = device();
+        body["served"] = served;
+        body
+    };
+    for served in [
+        json!([{"task_id": task, "round": 1}]),
+        json!([{"task_id": task, "round": 0}]),
+    ] {
+        let reply = checkin(&app, with_served(served)).await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert_eq!(reply.json()["reason"], "min_separation");
+        assert_eq!(reply.json()["retry_window"]["min_seconds"], 600);
+    }
+    // Two rounds back (separation 2) and another task's round: assigned.
+    for served in [
+        json!([{"task_id": task, "round": -1}]),
+        json!([{"task_id": "other", "round": 1}]),
+    ] {
+        assert_eq!(
+            checkin(&app, with_served(served)).await.status,
+            StatusCode::CREATED
+        );
+    }
+    let too_many: Vec<Value> = (0..257)
+        .map(|i| json!({"task_id": format!("t{i}"), "round": 1}))
+        .collect();
+    checkin(&app, with_served(json!(too_many)))
+        .await
+        .problem(StatusCode::BAD_REQUEST);
+}

@@ -264,6 +264,7 @@ impl DeviceClient {
                 client_version: client_version.to_string(),
                 attributes: attributes.clone(),
                 tenant_id: self.tenant_id.clone(),
+                served: self.latest_served(),
             })
             .send()
             .await?;
@@ -283,6 +284,28 @@ impl DeviceClient {
             .map(|d| d.iter().cloned().collect())
             .unwrap_or_default();
         out.sort();
+        out
+    }
+
+    /// The latest round served of each task (at most `MAX_SERVED` tasks, the most recent
+    /// rounds): what a check-in tells the server so it does not assign rounds this device would
+    /// decline.
+    fn latest_served(&self) -> Vec<confed_protocol::device::ServedRound> {
+        let mut latest: HashMap<String, i64> = HashMap::new();
+        for (task, round) in self.served() {
+            let entry = latest.entry(task).or_insert(round);
+            *entry = (*entry).max(round);
+        }
+        let mut out: Vec<_> = latest
+            .into_iter()
+            .map(|(task_id, round)| confed_protocol::device::ServedRound { task_id, round })
+            .collect();
+        out.sort_by(|a, b| {
+            b.round
+                .cmp(&a.round)
+                .then_with(|| a.task_id.cmp(&b.task_id))
+        });
+        out.truncate(confed_protocol::device::MAX_SERVED);
         out
     }
 

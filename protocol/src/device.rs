@@ -110,7 +110,26 @@ pub struct CheckinRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 128))]
     pub tenant_id: Option<String>,
+    /// The latest round this device served of each task (optional, at most 256): the server then
+    /// does not assign it a round it would decline (the same round, or one closer than the task's
+    /// minimum separation) and answers `min_separation` instead. Sending it tells the server
+    /// which rounds this device served; a device may omit it and decline instead.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[cfg_attr(feature = "openapi", schema(max_items = 256))]
+    pub served: Vec<ServedRound>,
 }
+
+/// A round a device served.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ServedRound {
+    pub task_id: String,
+    pub round: i64,
+}
+
+/// Most `served` entries a check-in may carry.
+pub const MAX_SERVED: usize = 256;
 
 /// A device's assignment (201). `Debug` leaves out the capability and every URL that carries it
 /// (or a signed upload URL): printing an assignment never prints a secret.

@@ -48,6 +48,13 @@ pub async fn checkin(
         ))
     })?;
     check_attributes(&request.attributes).map_err(ApiError::BadRequest)?;
+    if request.served.len() > confed_protocol::device::MAX_SERVED {
+        return Err(ApiError::BadRequest(format!(
+            "`served` lists {} rounds; send at most {} (the latest round of each task)",
+            request.served.len(),
+            confed_protocol::device::MAX_SERVED
+        )));
+    }
     if let Some(tenant) = &request.tenant_id
         && !(1..=128).contains(&tenant.len())
     {

@@ -30,6 +30,9 @@ fn explain(outcome: &str) -> &'static str {
         "round_full" => {
             "every fitting round had all its assignments out: raise over_selection or wait"
         }
+        "min_separation" => {
+            "the device served this round, or one closer than the task's min_separation: a larger population fills rounds faster"
+        }
         _ => "",
     }
 }
@@ -44,6 +47,7 @@ fn outcomes() -> impl Iterator<Item = &'static str> {
             RetryReason::VersionMismatch,
             RetryReason::TenantMismatch,
             RetryReason::NoEncryptionKey,
+            RetryReason::MinSeparation,
         ]
         .into_iter()
         .map(RetryReason::as_str),

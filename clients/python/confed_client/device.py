@@ -150,6 +150,14 @@ class Device:
         body = {"client_version": self.client_version, "attributes": self.attributes}
         if self.trust.tenant_id:
             body["tenant_id"] = self.trust.tenant_id
+        latest: dict[str, int] = {}
+        for task, round_ in self.served:
+            latest[task] = max(round_, latest.get(task, round_))
+        if latest:
+            # The latest round of each task (at most 256): the server skips rounds this device
+            # would decline (docs/protocol.md, "Check-in").
+            recent = sorted(latest.items(), key=lambda item: -item[1])[:256]
+            body["served"] = [{"task_id": t, "round": r} for t, r in recent]
         reply = self._send("POST", self._url(f"/v1/populations/{self.population}/checkin"),
                            json=body, timeout=30)
         if reply.status_code not in (200, 201):

@@ -46,8 +46,12 @@ def test_a_device_serves_a_tree_task_only_min_separation_rounds_apart(server):
 
     assert first.run_once(step) == "contributed"
     partner.wait_for_model(task, 1)
-    # Round 2 is one round after the first device's: it declines, and refuses to seal if pushed.
-    assignment = first.check_in()
+    # Round 2 is one round after the first device's: told so, the server does not assign it...
+    answer = first.check_in()
+    assert answer.get("reason") == "min_separation", answer
+    # ...and assigned it anyway (by a server that ignores `served`, here a device that does not
+    # send it), the device declines, and refuses to seal if pushed.
+    assignment = Device(server["url"], "python-ftrl", trust).check_in()
     assert (assignment["task_id"], assignment["round"]) == (task, 2)
     policy = parse_policy(assignment["policy"])
     assert policy["mechanism"] == "tree_aggregation_on_grid;min_separation=2"
