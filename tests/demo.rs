@@ -3,10 +3,9 @@
 
 use confed::tools::demo::{DemoOptions, run};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_demo_learns_well_above_chance_with_dp_noise() {
-    let dir = tempfile::tempdir().unwrap();
-    let summary = run(DemoOptions {
+/// The small demo the tests run: 3 rounds of 40 of 120 devices, epsilon 8, FedAvg, Gaussian.
+fn small(dir: &std::path::Path) -> DemoOptions {
+    DemoOptions {
         devices: 120,
         rounds: 3,
         report_goal: 40,
@@ -18,11 +17,15 @@ async fn the_demo_learns_well_above_chance_with_dp_noise() {
         server_learning_rate: 1.0,
         tree: false,
         adaptive_clipping: false,
-        data_dir: dir.path().join("demo"),
+        data_dir: dir.join("demo"),
         progress: false,
-    })
-    .await
-    .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_learns_well_above_chance_with_dp_noise() {
+    let dir = tempfile::tempdir().unwrap();
+    let summary = run(small(dir.path())).await.unwrap();
     assert_eq!(summary.accuracy.len(), 4);
     let chance = 0.1;
     assert!((summary.accuracy[0] - chance).abs() < 0.05);
@@ -41,19 +44,8 @@ async fn the_demo_learns_well_above_chance_with_dp_noise() {
 async fn the_demo_learns_under_dp_ftrl_tree_aggregation() {
     let dir = tempfile::tempdir().unwrap();
     let summary = run(DemoOptions {
-        devices: 120,
-        rounds: 3,
-        report_goal: 40,
-        epsilon: 8.0,
-        delta: 1e-6,
-        clip_norm: 1.0,
-        seed: 7,
-        optimizer: Default::default(),
-        server_learning_rate: 1.0,
         tree: true,
-        adaptive_clipping: false,
-        data_dir: dir.path().join("demo"),
-        progress: false,
+        ..small(dir.path())
     })
     .await
     .unwrap();
@@ -73,19 +65,10 @@ async fn the_demo_learns_under_dp_ftrl_tree_aggregation() {
 async fn adaptive_clipping_moves_the_clip_norm_round_by_round() {
     let dir = tempfile::tempdir().unwrap();
     let summary = run(DemoOptions {
-        devices: 120,
-        rounds: 3,
-        report_goal: 40,
-        epsilon: 8.0,
-        delta: 1e-6,
         clip_norm: 5.0,
-        seed: 7,
-        optimizer: Default::default(),
-        server_learning_rate: 1.0,
         tree: true,
         adaptive_clipping: true,
-        data_dir: dir.path().join("demo"),
-        progress: false,
+        ..small(dir.path())
     })
     .await
     .unwrap();

@@ -607,16 +607,21 @@ mod tests {
         }
     }
 
-    /// A server that stored an upload but answered an error must not get a second update from
-    /// the device for the same round.
-    #[test]
-    fn a_device_seals_at_most_one_update_per_round() {
-        let trust = TrustConfig {
+    /// A trust file with no key services and the enclave's own limits (sealing needs no key check).
+    fn open_trust() -> TrustConfig {
+        TrustConfig {
             threshold: 1,
             keyservices: vec![],
             limits: DeviceLimits::ENCLAVE,
             tenant_id: None,
-        };
+        }
+    }
+
+    /// A server that stored an upload but answered an error must not get a second update from
+    /// the device for the same round.
+    #[test]
+    fn a_device_seals_at_most_one_update_per_round() {
+        let trust = open_trust();
         let client = DeviceClient::new("http://127.0.0.1:1", &trust).unwrap();
         let policy = TaskPolicy::sample("t1", 3);
         let (_, public) = confed_protocol::hpke::generate_keypair();
@@ -647,12 +652,7 @@ mod tests {
     /// closer rounds, whatever the server assigns, and serves again once far enough.
     #[test]
     fn a_device_keeps_its_rounds_of_a_tree_task_min_separation_apart() {
-        let trust = TrustConfig {
-            threshold: 1,
-            keyservices: vec![],
-            limits: DeviceLimits::ENCLAVE,
-            tenant_id: None,
-        };
+        let trust = open_trust();
         let client = DeviceClient::new("http://127.0.0.1:1", &trust).unwrap();
         let mut policy = TaskPolicy::sample("t1", 20);
         policy.mechanism = confed_protocol::policy::Mechanism::Tree { min_separation: 4 }.encode();

@@ -56,16 +56,24 @@ fn labelled_seed(
     private_key: &PrivateKey,
     binding: &NoiseBinding<'_>,
 ) -> Zeroizing<[u8; 32]> {
+    keyed(
+        private_key,
+        &[
+            label,
+            binding.context.task_id.as_bytes(),
+            binding.context.round.to_string().as_bytes(),
+            binding.context.policy_sha256.as_bytes(),
+            binding.context.model_sha256.as_bytes(),
+            binding.inputs_digest.as_bytes(),
+        ],
+    )
+}
+
+/// `HMAC-SHA256(private key, part 0x00 part 0x00 ...)`: every noise key's form.
+fn keyed(private_key: &PrivateKey, parts: &[&[u8]]) -> Zeroizing<[u8; 32]> {
     let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, private_key.as_bytes());
     let mut context = ring::hmac::Context::with_key(&key);
-    for part in [
-        label,
-        binding.context.task_id.as_bytes(),
-        binding.context.round.to_string().as_bytes(),
-        binding.context.policy_sha256.as_bytes(),
-        binding.context.model_sha256.as_bytes(),
-        binding.inputs_digest.as_bytes(),
-    ] {
+    for part in parts {
         context.update(part);
         context.update(&[0]);
     }
@@ -100,23 +108,17 @@ pub fn node_seed(
     policy_sha256: &str,
     node: &Node,
 ) -> Zeroizing<[u8; 32]> {
-    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, private_key.as_bytes());
-    let mut context = ring::hmac::Context::with_key(&key);
-    for part in [
-        TREE_LABEL,
-        task_id.as_bytes(),
-        policy_sha256.as_bytes(),
-        node.tree.to_string().as_bytes(),
-        node.level.to_string().as_bytes(),
-        node.index.to_string().as_bytes(),
-    ] {
-        context.update(part);
-        context.update(&[0]);
-    }
-    let tag = context.sign();
-    let mut out = Zeroizing::new([0u8; 32]);
-    out.copy_from_slice(tag.as_ref());
-    out
+    keyed(
+        private_key,
+        &[
+            TREE_LABEL,
+            task_id.as_bytes(),
+            policy_sha256.as_bytes(),
+            node.tree.to_string().as_bytes(),
+            node.level.to_string().as_bytes(),
+            node.index.to_string().as_bytes(),
+        ],
+    )
 }
 
 /// Adds `sum of weight * z(node)` to every coordinate of `out`, exactly (integer weights:
