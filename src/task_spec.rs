@@ -84,7 +84,7 @@ pub struct PrivacyBudget {
     /// Adaptive clipping (Andrew et al. 2021): `clip_norm` is the first round's, and each round's
     /// moves toward the `target_quantile` of the update norms. Every field is optional:
     /// `target_quantile` in (0, 0.99] (default 0.5), `learning_rate` in (0, 10] (default 0.2),
-    /// `count_stddev` in [0.1, 1e6] (default report_goal / 20, at least 0.1).
+    /// `count_stddev` in [0.5, 1e6] (default report_goal / 20, at least 0.5).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adaptive_clipping: Option<AdaptiveClippingSpec>,
 }
@@ -100,7 +100,7 @@ pub struct AdaptiveClippingSpec {
     #[schema(exclusive_minimum = 0.0, maximum = 10.0)]
     pub learning_rate: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(minimum = 0.1, maximum = 1000000.0)]
+    #[schema(minimum = 0.5, maximum = 1000000.0)]
     pub count_stddev: Option<f64>,
 }
 
@@ -457,8 +457,8 @@ impl CreateTaskRequest {
                         p.float(
                             "privacy.adaptive_clipping.count_stddev",
                             a.count_stddev
-                                .unwrap_or((f64::from(report_goal) / 20.0).max(0.1)),
-                            0.1,
+                                .unwrap_or((f64::from(report_goal) / 20.0).max(0.5)),
+                            0.5,
                             false,
                             1e6,
                         ),

@@ -181,7 +181,7 @@ pub async fn verify_release_under(
             Ok(policy) => (
                 sha256_hex(text.as_bytes()) == manifest.policy_sha256,
                 format!(
-                    "the release names the expected policy {} (epsilon {}, delta {}, clip norm {}, {} rounds, min_reports {})",
+                    "the release names the expected policy {} (epsilon {}, delta {}, clip norm {} (the first round's under adaptive clipping), {} rounds, min_reports {})",
                     sha256_hex(text.as_bytes()),
                     policy.epsilon,
                     policy.delta,

@@ -164,6 +164,12 @@ pub struct DeviceClient {
     /// trusted). Keyed by the model, not the URL: each assignment has its own model URL.
     models: Mutex<HashMap<String, CachedModel>>,
     done: Mutex<HashSet<(String, i64)>>,
+    /// task -> (population, minimum separation, planned rounds) of tree tasks this device
+    /// served: which `served` entries a check-in may usefully carry.
+    separated: Mutex<HashMap<String, (String, u32, u32)>>,
+    /// Whether check-ins tell the server the rounds served (`served`); off, the device declines
+    /// instead and its check-ins stay unlinkable to its earlier assignments.
+    send_served: bool,
     verified: VerifiedKeys,
     sealer: std::sync::Arc<dyn Sealer>,
 }
@@ -230,6 +236,8 @@ impl DeviceClient {
             tenant_id: trust.tenant_id.clone(),
             models: Mutex::default(),
             done: Mutex::default(),
+            separated: Mutex::default(),
+            send_served: true,
             verified,
             sealer: std::sync::Arc::new(RustCrypto),
         })
@@ -264,7 +272,7 @@ impl DeviceClient {
                 client_version: client_version.to_string(),
                 attributes: attributes.clone(),
                 tenant_id: self.tenant_id.clone(),
-                served: self.latest_served(),
+                served: self.latest_served(population),
             })
             .send()
             .await?;
@@ -278,21 +286,41 @@ impl DeviceClient {
     /// The (task, round) pairs this device sealed an update for: what it must keep across restarts
     /// (`with_served` gives them back), since it is the only party that knows them.
     pub fn served(&self) -> Vec<(String, i64)> {
-        let mut out: Vec<_> = self
-            .done
-            .lock()
-            .map(|d| d.iter().cloned().collect())
-            .unwrap_or_default();
+        // A poisoned lock still holds the record: it must not be lost.
+        let done = self.done.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out: Vec<_> = done.iter().cloned().collect();
         out.sort();
         out
     }
 
-    /// The latest round served of each task (at most `MAX_SERVED` tasks, the most recent
-    /// rounds): what a check-in tells the server so it does not assign rounds this device would
-    /// decline.
-    fn latest_served(&self) -> Vec<confed_protocol::device::ServedRound> {
+    /// Check-ins without `served` (the device declines instead; see `latest_served`).
+    pub fn without_served_hints(mut self) -> Self {
+        self.send_served = false;
+        self
+    }
+
+    /// What a check-in into `population` tells the server so it does not assign rounds this
+    /// device would decline: the latest round served of each tree task of that population that
+    /// still has a round within its separation (at most `MAX_SERVED`). Gaussian tasks need no
+    /// hint (the same round's re-attempt is declined), and every entry links this check-in to an
+    /// earlier assignment, so nothing more is sent.
+    fn latest_served(&self, population: &str) -> Vec<confed_protocol::device::ServedRound> {
+        if !self.send_served {
+            return Vec::new();
+        }
+        let separated = self
+            .separated
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         let mut latest: HashMap<String, i64> = HashMap::new();
         for (task, round) in self.served() {
+            let Some((task_population, separation, rounds)) = separated.get(&task) else {
+                continue;
+            };
+            if task_population != population || *separation <= 1 || round >= i64::from(*rounds) {
+                continue;
+            }
             let entry = latest.entry(task).or_insert(round);
             *entry = (*entry).max(round);
         }
@@ -311,9 +339,10 @@ impl DeviceClient {
 
     /// The client with the rounds a previous run of this device served (from `served`).
     pub fn with_served(self, served: impl IntoIterator<Item = (String, i64)>) -> Self {
-        if let Ok(mut done) = self.done.lock() {
-            done.extend(served);
-        }
+        self.done
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(served);
         self
     }
 
@@ -472,6 +501,19 @@ impl DeviceClient {
                 return Err(refusal);
             }
             done.insert((assignment.task_id.clone(), assignment.round));
+        }
+        if separation > 1 {
+            self.separated
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(
+                    assignment.task_id.clone(),
+                    (
+                        policy.policy.population.clone(),
+                        separation,
+                        policy.policy.rounds,
+                    ),
+                );
         }
         let context = RoundContext {
             task_id: assignment.task_id.clone(),
@@ -703,6 +745,24 @@ mod tests {
             .unwrap()
             .with_served(client.served());
         assert!(restarted.declines(&in_round(6)).is_some());
+        // Check-ins into the task's population say the latest round served of this tree task;
+        // into another population, or with hints off, nothing.
+        let hints = client.latest_served("sample");
+        assert_eq!(
+            hints
+                .iter()
+                .map(|h| (h.task_id.as_str(), h.round))
+                .collect::<Vec<_>>(),
+            [("t1", 5)]
+        );
+        assert!(client.latest_served("other").is_empty());
+        let private = DeviceClient::new("http://127.0.0.1:1", &trust)
+            .unwrap()
+            .without_served_hints();
+        private
+            .seal(&in_round(1), &public, &accepted, &model, b"x")
+            .unwrap();
+        assert!(private.latest_served("sample").is_empty());
         client
             .seal(&in_round(9), &public, &accepted, &model, b"w")
             .unwrap();

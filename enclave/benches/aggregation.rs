@@ -230,10 +230,12 @@ fn bench_tree_noise(c: &mut Criterion, g: &DiscreteGaussian) {
             .collect();
         group.throughput(Throughput::Elements((n * nodes.len()) as u64));
         group.bench_function(format!("position_{position}_{}_nodes", nodes.len()), |b| {
+            let sum = vec![0i64; n];
+            let d = trees.denominator();
             b.iter(|| {
-                let mut out = vec![0i128; n];
-                noise::add_weighted(&mut out, g, &nodes);
-                black_box(out)
+                black_box(noise::tree_values(&sum, d, g, &nodes, |x| {
+                    (x / i128::from(d)) as f32
+                }))
             })
         });
     }

@@ -124,6 +124,7 @@ pub struct CheckinRequest {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ServedRound {
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 128))]
     pub task_id: String,
     pub round: i64,
 }
@@ -185,8 +186,8 @@ impl std::fmt::Debug for AssignmentResponse {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RetryResponse {
     pub retry_window: RetryWindow,
-    /// `no_task`, `round_full`, `version_mismatch`, `constraints_not_met`, `tenant_mismatch` or
-    /// `no_encryption_key`.
+    /// `no_task`, `round_full`, `version_mismatch`, `constraints_not_met`, `tenant_mismatch`,
+    /// `no_encryption_key` or `min_separation`.
     pub reason: String,
 }
 

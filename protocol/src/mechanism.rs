@@ -12,6 +12,10 @@ use crate::policy::{MAX_MIN_SEPARATION, MECHANISM, TREE_MECHANISM};
 
 const ADAPTIVE: &str = ";adaptive_clipping=";
 
+/// Smallest noise on adaptive clipping's count: the sampler draws the count's noise at twice this
+/// scale, and its exact range starts at 1.
+pub const MIN_COUNT_STDDEV: f64 = 0.5;
+
 /// The DP mechanism a policy names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mechanism {
@@ -98,16 +102,16 @@ pub struct AdaptiveClipping {
 
 impl AdaptiveClipping {
     /// Whether every parameter is in range: quantile in (0, 1), rate in (0, 10], the count's
-    /// noise in [0.1, 1e6] contributions.
+    /// noise in [0.5, 1e6] contributions.
     fn check(&self) -> Result<(), String> {
         let ok = self.target_quantile > 0.0
             && self.target_quantile < 1.0
             && self.learning_rate > 0.0
             && self.learning_rate <= 10.0
-            && (0.1..=1e6).contains(&self.count_stddev);
+            && (MIN_COUNT_STDDEV..=1e6).contains(&self.count_stddev);
         ok.then_some(()).ok_or_else(|| {
             format!(
-                "adaptive_clipping {:e},{:e},{:e} (target_quantile in (0, 1), learning_rate in (0, 10], count_stddev in [0.1, 1e6])",
+                "adaptive_clipping {:e},{:e},{:e} (target_quantile in (0, 1), learning_rate in (0, 10], count_stddev in [0.5, 1e6])",
                 self.target_quantile, self.learning_rate, self.count_stddev
             )
         })

@@ -490,6 +490,7 @@ mod tests {
             "discrete_gaussian_on_grid;adaptive_clipping=5e-1,2e-1",
             "discrete_gaussian_on_grid;adaptive_clipping=1e0,2e-1,5e0",
             "discrete_gaussian_on_grid;adaptive_clipping=5e-1,2e-1,0e0",
+            "discrete_gaussian_on_grid;adaptive_clipping=5e-1,2e-1,4e-1",
             "discrete_gaussian_on_grid;adaptive_clipping=5e-1,2e-1,5e0;x",
             "laplace;adaptive_clipping=5e-1,2e-1,5e0",
         ] {

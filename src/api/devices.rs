@@ -55,6 +55,16 @@ pub async fn checkin(
             confed_protocol::device::MAX_SERVED
         )));
     }
+    if let Some(bad) = request
+        .served
+        .iter()
+        .find(|s| !(1..=128).contains(&s.task_id.len()))
+    {
+        return Err(ApiError::BadRequest(format!(
+            "`served` names a task id of {} characters; task ids are 1-128",
+            bad.task_id.len()
+        )));
+    }
     if let Some(tenant) = &request.tenant_id
         && !(1..=128).contains(&tenant.len())
     {

@@ -120,7 +120,13 @@ class Device:
     key_retry_wait: float = 1.0
     #: "numpy" or "torch": what `train` is given (it may return either).
     tensors: str = "numpy"
-    _serving: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    #: Whether check-ins tell the server the rounds served (`served`, tree tasks only); off, the
+    #: device declines instead and its check-ins stay unlinkable to its earlier assignments.
+    send_served: bool = True
+    #: task -> (population, min_separation, rounds) of the tree tasks this device served.
+    separated: dict = field(default_factory=dict)
+    _serving: threading.Lock = field(default_factory=threading.Lock, init=False,
+                                     compare=False, repr=False)
 
     def _url(self, path: str) -> str:
         return path if path.startswith("http") else self.server.rstrip("/") + path
@@ -151,8 +157,10 @@ class Device:
         if self.trust.tenant_id:
             body["tenant_id"] = self.trust.tenant_id
         latest: dict[str, int] = {}
-        for task, round_ in self.served:
-            latest[task] = max(round_, latest.get(task, round_))
+        for task, round_ in self.served if self.send_served else ():
+            population, separation, rounds = self.separated.get(task, (None, 1, 0))
+            if population == self.population and separation > 1 and round_ < rounds:
+                latest[task] = max(round_, latest.get(task, round_))
         if latest:
             # The latest round of each task (at most 256): the server skips rounds this device
             # would decline (docs/protocol.md, "Check-in").
@@ -232,6 +240,9 @@ class Device:
                 if why:
                     raise DeviceError(f"{why}: decline it (not_eligible)")
                 self.served.add(served)
+                if policy["min_separation"] > 1:
+                    self.separated[served[0]] = (policy["population"], policy["min_separation"],
+                                                 policy["rounds"])
             sealed = envelope.seal_update(
                 public_key, assignment["encryption"]["key_id"],
                 envelope.aad(assignment["task_id"], assignment["round"],

@@ -112,7 +112,7 @@ def adaptive_clipping(mechanism: str) -> dict | None:
     names = ("target_quantile", "learning_rate", "count_stddev")
     values = {n: _float(v, f"adaptive_clipping.{n}") for n, v in zip(names, found.group(4, 5, 6))}
     if not (0 < values["target_quantile"] < 1 and 0 < values["learning_rate"] <= 10
-            and 0.1 <= values["count_stddev"] <= 1e6):
+            and 0.5 <= values["count_stddev"] <= 1e6):
         raise PolicyError(f"adaptive_clipping out of range in {mechanism!r}")
     return values
 

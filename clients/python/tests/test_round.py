@@ -50,7 +50,7 @@ def test_python_devices_complete_a_round_and_the_release_is_their_clipped_mean(s
     assert np.allclose(new["w"], average["w"], atol=1e-6)
 
 
-def test_a_device_that_served_a_round_is_not_assigned_it_again_or_declines_it(server):
+def test_a_device_that_served_a_round_declines_it_and_is_told_to_wait(server):
     partner = Partner(server["url"], server["token"])
     task = partner.create_task(
         dict(spec("python-decline"), report_goal=2, min_reports=2,
@@ -58,13 +58,9 @@ def test_a_device_that_served_a_round_is_not_assigned_it_again_or_declines_it(se
         {"w": np.zeros(4, np.float32)})
     device = Device(server["url"], "python-decline", Trust.load(server["trust"]))
     assert device.run_once(lambda w, plan: {"w": np.full(4, 0.1, np.float32)}) == "contributed"
-    # It says which round it served: the server does not assign that round again.
-    answer = device.check_in()
-    assert answer["reason"] == "min_separation", answer
-    assert answer["retry_window"] == {"min_seconds": 600, "max_seconds": 1200}
-    # Checking in without saying (as a device that keeps its record private would), it is
-    # assigned the round, and declines it.
-    assignment = Device(server["url"], "python-decline", Trust.load(server["trust"])).check_in()
+    # A Gaussian task: the device does not say what it served (that would link its check-ins),
+    # so the server offers the round again, and the device declines it.
+    assignment = device.check_in()
     assert assignment["task_id"] == task
     assert device.declines(assignment)
     declined = device.report(assignment, "not_eligible")

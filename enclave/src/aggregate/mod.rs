@@ -113,6 +113,12 @@ impl PrivacyParams {
                 )));
             }
         };
+        // The count's sampler must exist before any key is asked for: a round that could not
+        // noise its count would have its commitment recorded and never release.
+        if let Some(a) = adaptive_clipping {
+            DiscreteGaussian::at_least(2.0 * a.count_stddev)
+                .map_err(|e| limits(format!("adaptive clipping's count noise: {e}")))?;
+        }
         Ok(Self {
             epsilon: policy.epsilon,
             delta: policy.delta,
@@ -364,22 +370,15 @@ impl Aggregator {
                         (*weight, seed)
                     })
                     .collect();
-                // Exactly, over the weights' common denominator, then rounded once.
+                // Exactly, over the weights' common denominator; then one fixed function of the
+                // exact value (to f64, divided, to f32).
                 let denominator = trees.denominator();
-                let mut noised: Vec<i128> = self
-                    .sum
-                    .into_sum()
-                    .iter()
-                    .map(|&units| i128::from(units) * i128::from(denominator))
-                    .collect();
-                noise::add_weighted(&mut noised, &noise, &seeded);
-                let values: Vec<f32> = noised
-                    .iter()
-                    .map(|&scaled| {
-                        let units = scaled as f64 / denominator as f64;
-                        grid::to_average_f64(units, privacy.clip_norm, count)
-                    })
-                    .collect();
+                let sum = self.sum.into_sum();
+                let values = noise::tree_values(&sum, denominator, &noise, &seeded, |exact| {
+                    let units = exact as f64 / denominator as f64;
+                    grid::to_average_f64(units, privacy.clip_norm, count)
+                });
+                drop(sum);
                 let shape = TreeShape {
                     length: min_separation,
                     tree,

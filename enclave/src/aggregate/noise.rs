@@ -121,27 +121,41 @@ pub fn node_seed(
     )
 }
 
-/// Adds `sum of weight * z(node)` to every coordinate of `out`, exactly (integer weights:
-/// `dp::tree`'s numerators), where `z(node)` is the node's discrete Gaussian noise vector (block
-/// `b` on ChaCha12 stream `b` of the node's key, as in `add`). Every product is below 2^82 and
-/// there are at most 2047 nodes, so i128 never overflows; integer sums do not depend on order or
-/// thread count.
-pub fn add_weighted(
-    out: &mut [i128],
+/// The tree mechanism's release values: for each coordinate, `D * sum + sum of weight *
+/// z(node)`, computed exactly (integer weights: `dp::tree`'s numerators over `denominator` = D),
+/// then `to_value` of it. `z(node)` is the node's discrete Gaussian noise vector (block `b` on
+/// ChaCha12 stream `b` of the node's key, as in `add`). Every product is below 2^82 and there are
+/// at most 2047 nodes, so i128 never overflows; integer sums do not depend on order or thread
+/// count. Works block by block: the exact values of one block (256 KiB) per thread, never of the
+/// whole model.
+pub fn tree_values(
+    sum: &[i64],
+    denominator: i64,
     noise: &DiscreteGaussian,
     nodes: &[(i64, Zeroizing<[u8; 32]>)],
-) {
+    to_value: impl Fn(i128) -> f32 + Sync,
+) -> Vec<f32> {
+    let mut out = vec![0f32; sum.len()];
     out.par_chunks_mut(BLOCK)
+        .zip(sum.par_chunks(BLOCK))
         .enumerate()
-        .for_each(|(block, values)| {
+        .for_each(|(block, (values, sums))| {
+            let mut exact: Vec<i128> = sums
+                .iter()
+                .map(|&units| i128::from(units) * i128::from(denominator))
+                .collect();
             for (weight, seed) in nodes {
                 let mut rng = ChaCha12Rng::from_seed(**seed);
                 rng.set_stream(block as u64);
-                for value in values.iter_mut() {
+                for value in exact.iter_mut() {
                     *value += i128::from(*weight) * i128::from(noise.sample(&mut rng));
                 }
             }
+            for (value, exact) in values.iter_mut().zip(&exact) {
+                *value = to_value(*exact);
+            }
         });
+    out
 }
 
 /// Noise samples alone (for benchmarks and the distribution test): `count` draws.
