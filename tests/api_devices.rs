@@ -923,7 +923,7 @@ async fn a_device_that_says_it_served_a_round_is_not_assigned_it_again() {
         &app,
         &token,
         json!({"rounds": 4, "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0,
-               "mechanism": "tree_aggregation", "min_separation": 2}}),
+               "mechanism": "tree_aggregation", "min_separation": 3}}),
     )
     .await;
     let with_served = |served: Value| {
@@ -931,24 +931,35 @@ async fn a_device_that_says_it_served_a_round_is_not_assigned_it_again() {
         body["served"] = served;
         body
     };
-    for served in [
-        json!([{"task_id": task, "round": 1}]),
-        json!([{"task_id": task, "round": 0}]),
-    ] {
-        let reply = checkin(&app, with_served(served)).await;
+    // Round 1 is open: the same round, or round 3 (2 < 3 apart), would be declined.
+    for round in [json!(1), json!(3), json!(3.0)] {
+        let reply = checkin(
+            &app,
+            with_served(json!([{"task_id": task, "round": round}])),
+        )
+        .await;
         assert_eq!(reply.status, StatusCode::OK);
         assert_eq!(reply.json()["reason"], "min_separation");
         assert_eq!(reply.json()["retry_window"]["min_seconds"], 600);
     }
-    // Two rounds back (separation 2) and another task's round: assigned.
+    // Round 4 (3 apart) and another task's round 1: assigned.
     for served in [
-        json!([{"task_id": task, "round": -1}]),
+        json!([{"task_id": task, "round": 4}]),
         json!([{"task_id": "other", "round": 1}]),
     ] {
         assert_eq!(
             checkin(&app, with_served(served)).await.status,
             StatusCode::CREATED
         );
+    }
+    for bad in [
+        json!([{"task_id": task, "round": 0}]),
+        json!([{"task_id": "", "round": 1}]),
+        json!([{"task_id": task, "round": 1.5}]),
+    ] {
+        checkin(&app, with_served(bad))
+            .await
+            .problem(StatusCode::BAD_REQUEST);
     }
     let too_many: Vec<Value> = (0..257)
         .map(|i| json!({"task_id": format!("t{i}"), "round": 1}))

@@ -126,7 +126,29 @@ pub struct CheckinRequest {
 pub struct ServedRound {
     #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 128))]
     pub task_id: String,
+    /// 1-10000 (a task's rounds); `6.0` is read as 6, as JSON Schema's `integer` means it.
+    #[serde(deserialize_with = "integral")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 10000))]
     pub round: i64,
+}
+
+/// Largest round a `served` entry may name (a task's rounds are at most this).
+pub const MAX_SERVED_ROUND: i64 = 10_000;
+
+/// A JSON integer as JSON Schema means it: `6.0` is 6, `6.5` is refused.
+fn integral<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<i64, D::Error> {
+    let number = serde_json::Number::deserialize(deserializer)?;
+    if let Some(value) = number.as_i64() {
+        return Ok(value);
+    }
+    match number.as_f64() {
+        Some(value) if value.fract() == 0.0 && value.abs() < 9.007_199_254_740_992e15 => {
+            Ok(value as i64)
+        }
+        _ => Err(serde::de::Error::custom(format!(
+            "{number} is not an integer"
+        ))),
+    }
 }
 
 /// Most `served` entries a check-in may carry.

@@ -65,6 +65,14 @@ pub async fn checkin(
             bad.task_id.len()
         )));
     }
+    let rounds = 1..=confed_protocol::device::MAX_SERVED_ROUND;
+    if let Some(bad) = request.served.iter().find(|s| !rounds.contains(&s.round)) {
+        return Err(ApiError::BadRequest(format!(
+            "`served` names round {}; rounds are 1-{}",
+            bad.round,
+            confed_protocol::device::MAX_SERVED_ROUND
+        )));
+    }
     if let Some(tenant) = &request.tenant_id
         && !(1..=128).contains(&tenant.len())
     {
