@@ -17,7 +17,7 @@ import threading
 import numpy as np
 import pytest
 import requests
-from selenium.common.exceptions import StaleElementReferenceException
+from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.ui import WebDriverWait
@@ -48,8 +48,10 @@ def sign_in(browser, server, token=None) -> None:
 
 def heading_says(browser, text: str) -> None:
     """Waits until the page's heading contains `text` (the old page's heading may go stale as
-    the form's answer replaces it)."""
-    WebDriverWait(browser, 10, ignored_exceptions=[StaleElementReferenceException]).until(
+    the form's answer replaces it; Chromium then sometimes answers with an inspector error,
+    "Node with given id does not belong to the document", instead of a stale element)."""
+    WebDriverWait(browser, 10,
+                  ignored_exceptions=[StaleElementReferenceException, WebDriverException]).until(
         lambda b: text in b.find_element(By.TAG_NAME, "h1").text)
 
 
