@@ -288,6 +288,7 @@ fn aggregation_peak(count: usize, params: usize) -> u64 {
                 min_reports: 1,
                 mechanism: confed_enclave::policy::Mechanism::Gaussian,
                 adaptive: None,
+                evaluation: None,
             },
         )
         .unwrap();

@@ -467,12 +467,11 @@ impl<S: JobStore + 'static> Worker<S> {
             key_id: job.key_id.clone(),
             inputs_digest,
         };
-        let aggregator = Arc::new(Aggregator::new(
-            binding,
-            privacy.clip_norm,
-            schema,
-            &private_key,
-        )?);
+        let round = binding.context.round;
+        let aggregator = Arc::new(
+            Aggregator::new(binding, privacy.clip_norm, schema, &private_key)?
+                .evaluating(privacy.evaluation_in(round)),
+        );
         self.open_all(job, inputs, &aggregator).await?;
         let aggregator = Arc::try_unwrap(aggregator).map_err(|_| JobError::StillShared)?;
         phases.open = step.elapsed();

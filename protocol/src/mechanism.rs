@@ -1,16 +1,30 @@
 //! The DP mechanism a task policy names (its `mechanism` line): the noise (independent Gaussian
-//! per round, or DP-FTRL's tree aggregation) and, optionally, adaptive clipping.
+//! per round, or DP-FTRL's tree aggregation) and, optionally, adaptive clipping and evaluation.
 //!
 //! ```text
 //! <noise>[;adaptive_clipping=<target_quantile>,<learning_rate>,<count_stddev>]
+//!        [;evaluation=<every>,<max_loss>,<max_examples>,<stddev>]
 //! <noise> = discrete_gaussian_on_grid | tree_aggregation_on_grid;min_separation=<u32>
 //! ```
 //!
-//! Floats are in the policy's `{:e}` form; only the canonical text parses.
+//! Floats are in the policy's `{:e}` form, integers decimal; only the canonical text parses.
 
 use crate::policy::{MAX_MIN_SEPARATION, MECHANISM, TREE_MECHANISM};
 
 const ADAPTIVE: &str = ";adaptive_clipping=";
+const EVALUATION: &str = ";evaluation=";
+
+/// Name of the tensor that carries a device's evaluation metrics in an evaluation round's update:
+/// F32, shape `[3]`, `[loss_sum, correct, examples]` (docs/protocol.md, "Evaluation").
+pub const EVALUATION_TENSOR: &str = "confed.evaluation";
+/// Longest evaluation period, largest per-example loss bound, most examples per device and the
+/// range of the evaluation noise (in examples): within them the enclave's grid and sampler are
+/// exact (`enclave/src/aggregate/evaluation.rs`).
+pub const MAX_EVALUATION_EVERY: u32 = 10_000;
+pub const MAX_EVALUATION_LOSS: f64 = 1e6;
+pub const MAX_EVALUATION_EXAMPLES: u32 = 1_000_000;
+pub const MIN_EVALUATION_STDDEV: f64 = 1.0;
+pub const MAX_EVALUATION_STDDEV: f64 = 1e6;
 
 /// Smallest noise on adaptive clipping's count: the sampler draws the count's noise at twice this
 /// scale, and its exact range starts at 1.
@@ -126,17 +140,100 @@ impl AdaptiveClipping {
     }
 }
 
-/// The whole mechanism value: the noise and the optional adaptive clipping.
+/// Federated evaluation: in every `every`-th round (rounds 1, 1 + every, 1 + 2 every, ...) each
+/// device also measures the model version the round trains from on its own held-out examples and
+/// adds `[loss_sum, correct, examples]` to its update (`EVALUATION_TENSOR`). The enclave bounds
+/// each device's part (at most `max_examples` examples, each loss in `[0, max_loss]`), sums the
+/// three over the round's included contributions and releases the sums with discrete Gaussian
+/// noise of standard deviation `stddev` (in examples; the loss sum in units of `max_loss`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Evaluation {
+    pub every: u32,
+    pub max_loss: f64,
+    pub max_examples: u32,
+    pub stddev: f64,
+}
+
+impl Evaluation {
+    /// Whether round `round` (1-based) evaluates the model version it trains from, `round - 1`.
+    pub fn evaluates(&self, round: u64) -> bool {
+        round >= 1 && (round - 1).is_multiple_of(u64::from(self.every))
+    }
+
+    /// Evaluation rounds among rounds `1..=round`.
+    pub fn rounds_through(&self, round: u64) -> u64 {
+        if round == 0 {
+            0
+        } else {
+            (round - 1) / u64::from(self.every) + 1
+        }
+    }
+
+    fn check(&self) -> Result<(), String> {
+        let ok = (1..=MAX_EVALUATION_EVERY).contains(&self.every)
+            && self.max_loss > 0.0
+            && self.max_loss <= MAX_EVALUATION_LOSS
+            && (1..=MAX_EVALUATION_EXAMPLES).contains(&self.max_examples)
+            && (MIN_EVALUATION_STDDEV..=MAX_EVALUATION_STDDEV).contains(&self.stddev);
+        ok.then_some(()).ok_or_else(|| {
+            format!(
+                "evaluation {},{:e},{},{:e} (every in 1..={MAX_EVALUATION_EVERY}, max_loss in (0, {MAX_EVALUATION_LOSS:e}], max_examples in 1..={MAX_EVALUATION_EXAMPLES}, stddev in [{MIN_EVALUATION_STDDEV:e}, {MAX_EVALUATION_STDDEV:e}])",
+                self.every, self.max_loss, self.max_examples, self.stddev
+            )
+        })
+    }
+
+    fn parse(params: &str) -> Result<Self, String> {
+        let bad =
+            || format!("evaluation {params:?} (four numbers: every,max_loss,max_examples,stddev)");
+        let parts: Vec<&str> = params.split(',').collect();
+        let [every, max_loss, max_examples, stddev] = parts[..] else {
+            return Err(bad());
+        };
+        let real = |v: &str| v.parse::<f64>().ok().filter(|x| x.is_finite());
+        let evaluation = Self {
+            every: every.parse().map_err(|_| bad())?,
+            max_loss: real(max_loss).ok_or_else(bad)?,
+            max_examples: max_examples.parse().map_err(|_| bad())?,
+            stddev: real(stddev).ok_or_else(bad)?,
+        };
+        evaluation.check()?;
+        Ok(evaluation)
+    }
+
+    fn encode(&self) -> String {
+        format!(
+            "{EVALUATION}{},{:e},{},{:e}",
+            self.every, self.max_loss, self.max_examples, self.stddev
+        )
+    }
+}
+
+/// The whole mechanism value: the noise, the optional adaptive clipping and evaluation.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DpMechanism {
     pub noise: Mechanism,
     pub adaptive_clipping: Option<AdaptiveClipping>,
+    pub evaluation: Option<Evaluation>,
 }
 
 impl DpMechanism {
+    /// The noise alone: no adaptive clipping, no evaluation.
+    pub fn plain(noise: Mechanism) -> Self {
+        Self {
+            noise,
+            adaptive_clipping: None,
+            evaluation: None,
+        }
+    }
+
     pub fn parse(text: &str) -> Result<Self, String> {
-        let (base, adaptive) = match text.split_once(ADAPTIVE) {
+        let (text_before, evaluation) = match text.split_once(EVALUATION) {
             None => (text, None),
+            Some((before, params)) => (before, Some(Evaluation::parse(params)?)),
+        };
+        let (base, adaptive) = match text_before.split_once(ADAPTIVE) {
+            None => (text_before, None),
             Some((base, params)) => {
                 let values: Vec<f64> = params
                     .split(',')
@@ -158,6 +255,7 @@ impl DpMechanism {
         let parsed = Self {
             noise: Mechanism::parse_noise(base)?,
             adaptive_clipping: adaptive,
+            evaluation,
         };
         if parsed.encode() != text {
             return Err(format!(
@@ -174,6 +272,9 @@ impl DpMechanism {
                 "{ADAPTIVE}{:e},{:e},{:e}",
                 a.target_quantile, a.learning_rate, a.count_stddev
             ));
+        }
+        if let Some(e) = &self.evaluation {
+            out.push_str(&e.encode());
         }
         out
     }

@@ -46,7 +46,11 @@ pub const MAX_TASK_DELTA: f64 = 1e-2;
 pub const MIN_CLIP_NORM: f64 = 1e-6;
 pub const MAX_CLIP_NORM: f64 = 1e6;
 
-pub use crate::mechanism::{AdaptiveClipping, DpMechanism, Mechanism};
+pub use crate::mechanism::{
+    AdaptiveClipping, DpMechanism, EVALUATION_TENSOR, Evaluation, MAX_EVALUATION_EVERY,
+    MAX_EVALUATION_EXAMPLES, MAX_EVALUATION_LOSS, MAX_EVALUATION_STDDEV, MIN_EVALUATION_STDDEV,
+    Mechanism,
+};
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum PolicyError {
@@ -477,8 +481,8 @@ mod tests {
         };
         for noise in [Mechanism::Gaussian, Mechanism::Tree { min_separation: 4 }] {
             let m = DpMechanism {
-                noise,
                 adaptive_clipping: Some(adaptive),
+                ..DpMechanism::plain(noise)
             };
             let text = m.encode();
             assert!(text.ends_with(";adaptive_clipping=5e-1,2e-1,5e0"), "{text}");
@@ -500,6 +504,52 @@ mod tests {
         assert!(adaptive.next_clip_norm(1.0, 0.9) < 1.0);
         assert!(adaptive.next_clip_norm(1.0, 0.1) > 1.0);
         assert_eq!(adaptive.next_clip_norm(1.0, 0.5), 1.0);
+    }
+
+    #[test]
+    fn evaluation_follows_the_other_parts_in_canonical_form_and_names_its_rounds() {
+        let evaluation = Evaluation {
+            every: 3,
+            max_loss: 10.0,
+            max_examples: 50,
+            stddev: 25.0,
+        };
+        let m = DpMechanism {
+            adaptive_clipping: Some(AdaptiveClipping {
+                target_quantile: 0.5,
+                learning_rate: 0.2,
+                count_stddev: 5.0,
+            }),
+            evaluation: Some(evaluation),
+            ..DpMechanism::plain(Mechanism::Tree { min_separation: 4 })
+        };
+        let text = m.encode();
+        assert_eq!(
+            text,
+            "tree_aggregation_on_grid;min_separation=4;adaptive_clipping=5e-1,2e-1,5e0;evaluation=3,1e1,50,2.5e1"
+        );
+        assert_eq!(DpMechanism::parse(&text), Ok(m));
+        let alone = DpMechanism {
+            evaluation: Some(evaluation),
+            ..DpMechanism::plain(Mechanism::Gaussian)
+        };
+        assert_eq!(DpMechanism::parse(&alone.encode()), Ok(alone));
+        let evaluated: Vec<u64> = (0..=10).filter(|&r| evaluation.evaluates(r)).collect();
+        assert_eq!(evaluated, [1, 4, 7, 10]);
+        assert_eq!(evaluation.rounds_through(9), 3);
+        assert_eq!(evaluation.rounds_through(0), 0);
+        for bad in [
+            "discrete_gaussian_on_grid;evaluation=0,1e1,50,2.5e1",
+            "discrete_gaussian_on_grid;evaluation=3,10,50,2.5e1",
+            "discrete_gaussian_on_grid;evaluation=3,1e1,0,2.5e1",
+            "discrete_gaussian_on_grid;evaluation=3,1e1,50,5e-1",
+            "discrete_gaussian_on_grid;evaluation=3,0e0,50,2.5e1",
+            "discrete_gaussian_on_grid;evaluation=3,1e1,50",
+            "discrete_gaussian_on_grid;evaluation=3,1e1,50,2.5e1;evaluation=3,1e1,50,2.5e1",
+            "discrete_gaussian_on_grid;evaluation=3,1e1,50,2.5e1;adaptive_clipping=5e-1,2e-1,5e0",
+        ] {
+            assert!(DpMechanism::parse(bad).is_err(), "{bad} was accepted");
+        }
     }
 
     #[test]

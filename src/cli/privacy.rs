@@ -4,8 +4,9 @@
 
 use anyhow::{Result, anyhow};
 use clap::{Args, Subcommand};
+use confed_enclave::dp::accounting::{EVALUATION_UNITS_PER_EXAMPLE, SideScales};
 use confed_enclave::dp::{self, grid::GRID_UNITS_PER_CLIP};
-use confed_enclave::policy::{AdaptiveClipping, DpMechanism, Mechanism};
+use confed_enclave::policy::{AdaptiveClipping, DpMechanism, Evaluation, Mechanism};
 use serde::Serialize;
 
 #[derive(Subcommand)]
@@ -37,6 +38,11 @@ pub struct PlanArgs {
     /// count of unclipped updates (the target quantile and learning rate cost no privacy).
     #[arg(long)]
     adaptive_count_stddev: Option<f64>,
+    /// Evaluation every `EVERY` rounds with per-example loss bound `MAX_LOSS`, at most
+    /// `MAX_EXAMPLES` examples per device and noise `STDDEV` (in examples) on each sum, as
+    /// `EVERY,MAX_LOSS,MAX_EXAMPLES,STDDEV` (docs/privacy.md, "Evaluation").
+    #[arg(long, value_name = "EVERY,MAX_LOSS,MAX_EXAMPLES,STDDEV")]
+    evaluation: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -55,6 +61,10 @@ struct Plan {
     /// samples (twice the count_stddev, its variance rounded up).
     #[serde(skip_serializing_if = "Option::is_none")]
     count_noise_scale: Option<f64>,
+    /// Evaluation: the standard deviation of the noise on each of its sums the enclave samples,
+    /// in examples (its variance rounded up on the 1/1024-example grid).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    evaluation_noise_stddev: Option<f64>,
     /// Epsilon at `delta` spent through round 1, 2, ..., `rounds`.
     epsilon_spent: Vec<f64>,
     /// With --report-goal: the noise on each coordinate of the average, in clip norms.
@@ -75,11 +85,16 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
             learning_rate: 0.2,
             count_stddev,
         });
+    let evaluation = match &args.evaluation {
+        None => None,
+        Some(text) => Some(parse_evaluation(text)?),
+    };
     // Parsed back from its policy text: the same checks a task's policy gets.
     let whole = DpMechanism::parse(
         &DpMechanism {
             noise,
             adaptive_clipping,
+            evaluation,
         }
         .encode(),
     )
@@ -91,13 +106,19 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
         None => dp::calibrate_task(whole, args.epsilon, args.delta, args.rounds)
             .map_err(|e| anyhow!("{e}"))?,
     };
-    let count_noise_scale = match whole.adaptive_clipping {
-        Some(a) => Some(
-            dp::DiscreteGaussian::at_least(2.0 * a.count_stddev)
-                .map_err(|e| anyhow!("{e}"))?
-                .scale(),
-        ),
-        None => None,
+    // The side releases' scales as the enclave samples them (variance rounded up).
+    let sampled = |scale: f64| -> Result<f64> {
+        Ok(dp::DiscreteGaussian::at_least(scale)
+            .map_err(|e| anyhow!("{e}"))?
+            .scale())
+    };
+    let planned = SideScales::planned(&whole);
+    let side = SideScales {
+        count: planned.count.map(sampled).transpose()?,
+        evaluation: match planned.evaluation {
+            Some((e, scale)) => Some((e, sampled(scale)?)),
+            None => None,
+        },
     };
     // The scale the enclave samples at: the calibrated one, its integer variance rounded up.
     let scale_grid =
@@ -107,14 +128,8 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
     let noise_multiplier = scale_grid / GRID_UNITS_PER_CLIP as f64;
     let epsilon_spent = (1..=args.rounds)
         .map(|k| {
-            dp::spent_task(
-                mechanism,
-                scale_grid,
-                count_noise_scale,
-                u64::from(k),
-                args.delta,
-            )
-            .map(|(_, epsilon)| epsilon)
+            dp::spent_task(mechanism, scale_grid, &side, u64::from(k), args.delta)
+                .map(|(_, epsilon)| epsilon)
         })
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| anyhow!("{e}"))?;
@@ -124,7 +139,10 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
         rounds: args.rounds,
         mechanism: whole.encode(),
         noise_multiplier,
-        count_noise_scale,
+        count_noise_scale: side.count,
+        evaluation_noise_stddev: side
+            .evaluation
+            .map(|(_, scale)| scale / EVALUATION_UNITS_PER_EXAMPLE as f64),
         rho_per_round: dp::calibrate::rho_at(scale_grid).map_err(|e| anyhow!("{e}"))?,
         epsilon_spent,
         average_noise_per_clip: args
@@ -133,4 +151,22 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
     };
     println!("{}", serde_json::to_string_pretty(&plan)?);
     Ok(())
+}
+
+/// `EVERY,MAX_LOSS,MAX_EXAMPLES,STDDEV` as plain numbers (the policy's canonical form is made
+/// from them).
+fn parse_evaluation(text: &str) -> Result<Evaluation> {
+    let parts: Vec<&str> = text.split(',').collect();
+    let [every, max_loss, max_examples, stddev] = parts[..] else {
+        return Err(anyhow!(
+            "--evaluation {text:?}: four numbers EVERY,MAX_LOSS,MAX_EXAMPLES,STDDEV"
+        ));
+    };
+    let bad = |what: &str| anyhow!("--evaluation {text:?}: {what} is not a number");
+    Ok(Evaluation {
+        every: every.parse().map_err(|_| bad("EVERY"))?,
+        max_loss: max_loss.parse().map_err(|_| bad("MAX_LOSS"))?,
+        max_examples: max_examples.parse().map_err(|_| bad("MAX_EXAMPLES"))?,
+        stddev: stddev.parse().map_err(|_| bad("STDDEV"))?,
+    })
 }

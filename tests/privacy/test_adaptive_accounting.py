@@ -71,4 +71,4 @@ def test_counts_that_would_eat_the_budget_are_refused_naming_count_stddev():
                           "--rounds", "100", "--adaptive-count-stddev", "5"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
-    assert "raise count_stddev" in run.stderr
+    assert "raise their noise" in run.stderr

@@ -8,6 +8,7 @@ use serde::Serialize;
 use crate::envelope::{self, EnvelopeRef, RoundContext};
 use crate::hpke_awslc::Recipient;
 use crate::model::ModelSchema;
+use crate::policy::EVALUATION_TENSOR;
 
 /// Why a contribution was left out of the sum.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -92,14 +93,39 @@ pub fn open(
     .map_err(|_| Exclusion::DecryptionFailed)
 }
 
+/// An update's model tensors (schema order) and, in an evaluation round, its metrics tensor.
+pub type Tensors<'a> = (Vec<&'a [u8]>, Option<&'a [u8]>);
+
 /// The f32 data of each model tensor, in the schema's (name) order, as little-endian bytes,
-/// after checking names, shapes and dtype. Finiteness is checked while summing (one pass).
-pub fn tensors<'a>(schema: &ModelSchema, plaintext: &'a [u8]) -> Result<Vec<&'a [u8]>, Exclusion> {
+/// after checking names, shapes and dtype; and, when the round evaluates (`evaluating`), the
+/// device's evaluation tensor if it sent one (`EVALUATION_TENSOR`, F32 `[3]`). A device may leave
+/// it out of an evaluation round (it then adds nothing to the metrics), but an evaluation tensor
+/// in any other round is refused as `WrongTensors`. Finiteness of the model's values is checked
+/// while summing (one pass).
+pub fn tensors<'a>(
+    schema: &ModelSchema,
+    plaintext: &'a [u8],
+    evaluating: bool,
+) -> Result<Tensors<'a>, Exclusion> {
     let parsed = SafeTensors::deserialize(plaintext).map_err(|_| Exclusion::NotSafetensors)?;
-    if parsed.len() != schema.tensors().len() {
-        return Err(Exclusion::WrongTensors);
-    }
-    let mut data = Vec::with_capacity(schema.tensors().len());
+    let expected = schema.tensors().len();
+    let metrics = match parsed.len() {
+        n if n == expected => None,
+        n if evaluating && n == expected + 1 => {
+            let view = parsed
+                .tensor(EVALUATION_TENSOR)
+                .map_err(|_| Exclusion::WrongTensors)?;
+            if view.dtype() != Dtype::F32 {
+                return Err(Exclusion::WrongDtype);
+            }
+            if view.shape() != [3] {
+                return Err(Exclusion::WrongTensors);
+            }
+            Some(view.data())
+        }
+        _ => return Err(Exclusion::WrongTensors),
+    };
+    let mut data = Vec::with_capacity(expected);
     for spec in schema.tensors() {
         let view = parsed
             .tensor(&spec.name)
@@ -112,5 +138,5 @@ pub fn tensors<'a>(schema: &ModelSchema, plaintext: &'a [u8]) -> Result<Vec<&'a 
         }
         data.push(view.data());
     }
-    Ok(data)
+    Ok((data, metrics))
 }

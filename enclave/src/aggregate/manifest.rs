@@ -37,6 +37,9 @@ pub struct Manifest {
     /// norm it gives the next round.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adaptive_clipping: Option<AdaptiveRecord>,
+    /// Evaluation rounds only: the noised metrics of the model version the round trained from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluation: Option<super::EvaluationRecord>,
     /// SHA-256 (hex) of the released average's bytes.
     pub average_sha256: String,
 }

@@ -5,6 +5,7 @@
 
 pub mod accumulator;
 pub mod contribution;
+pub mod evaluation;
 pub mod inputs;
 pub mod manifest;
 pub mod noise;
@@ -25,10 +26,11 @@ use crate::hpke::PrivateKey;
 use crate::hpke_awslc::Recipient;
 use crate::model::{ModelError, ModelSchema, encode_f32_tensors};
 use crate::policy::TaskPolicy;
-use crate::policy::{AdaptiveClipping, DpMechanism, Mechanism};
+use crate::policy::{AdaptiveClipping, DpMechanism, Evaluation, Mechanism};
 use accumulator::{Accumulator, StreamError};
 pub(crate) use confed_protocol::hex::encode as hex;
 pub use contribution::{Binding, Exclusion};
+pub use evaluation::EvaluationRecord;
 pub use manifest::{AdaptiveRecord, Manifest, NoiseRecord, PrivacyRecord, TreeRecord, TreeShape};
 use stream::StreamProblem;
 
@@ -57,6 +59,12 @@ pub enum AggregateError {
     Dp(#[from] DpError),
     #[error("cannot encode the aggregate: {0}")]
     Encode(#[from] ModelError),
+    #[error(
+        "the aggregator was {} evaluation metrics, but the policy's round {round} {}",
+        if *.collected { "collecting" } else { "not collecting" },
+        if *.collected { "evaluates nothing" } else { "is an evaluation round" }
+    )]
+    EvaluationMismatch { collected: bool, round: u64 },
 }
 
 /// The privacy parameters of the task, as the enclave applies them: taken from the task policy
@@ -72,6 +80,8 @@ pub struct PrivacyParams {
     pub mechanism: Mechanism,
     /// Adaptive clipping's parameters (then `clip_norm` is this round's, not the policy's).
     pub adaptive: Option<AdaptiveClipping>,
+    /// Evaluation's parameters (whether this round evaluates: `Evaluation::evaluates`).
+    pub evaluation: Option<Evaluation>,
 }
 
 impl PrivacyParams {
@@ -88,6 +98,7 @@ impl PrivacyParams {
         let DpMechanism {
             noise,
             adaptive_clipping,
+            evaluation,
         } = policy.dp_mechanism()?;
         let limits = crate::policy::PolicyError::Limits;
         let clip_norm = match (adaptive_clipping, round_clip_norm) {
@@ -119,6 +130,12 @@ impl PrivacyParams {
             DiscreteGaussian::at_least(2.0 * a.count_stddev)
                 .map_err(|e| limits(format!("adaptive clipping's count noise: {e}")))?;
         }
+        if let Some(e) = evaluation {
+            DiscreteGaussian::at_least(
+                e.stddev * dp::accounting::EVALUATION_UNITS_PER_EXAMPLE as f64,
+            )
+            .map_err(|e| limits(format!("evaluation's noise: {e}")))?;
+        }
         Ok(Self {
             epsilon: policy.epsilon,
             delta: policy.delta,
@@ -127,6 +144,7 @@ impl PrivacyParams {
             min_reports: policy.min_reports,
             mechanism: noise,
             adaptive: adaptive_clipping,
+            evaluation,
         })
     }
 
@@ -134,7 +152,13 @@ impl PrivacyParams {
         DpMechanism {
             noise: self.mechanism,
             adaptive_clipping: self.adaptive,
+            evaluation: self.evaluation,
         }
+    }
+
+    /// The evaluation round `round` runs, if it is one.
+    pub fn evaluation_in(&self, round: u64) -> Option<Evaluation> {
+        self.evaluation.filter(|e| e.evaluates(round))
     }
 }
 
@@ -148,6 +172,8 @@ pub struct Aggregator {
     next_start: AtomicUsize,
     /// Included updates whose norm was at most the clip norm.
     unclipped: AtomicU64,
+    /// An evaluation round's parameters and its metric sums (`evaluating`).
+    evaluation: Option<(Evaluation, evaluation::Sums)>,
     buffers: Mutex<Vec<Zeroizing<Vec<u8>>>>,
     /// Updates of at least this many bytes of values are streamed (`stream.rs`).
     stream_above: usize,
@@ -187,9 +213,18 @@ impl Aggregator {
             outcome: Mutex::default(),
             next_start: AtomicUsize::new(0),
             unclipped: AtomicU64::new(0),
+            evaluation: None,
             buffers: Mutex::default(),
             stream_above: STREAM_ABOVE_BYTES,
         })
+    }
+
+    /// Collects evaluation metrics (`PrivacyParams::evaluation_in` of the round): devices' metric
+    /// tensors are then accepted and summed; without it they are refused. `finish` checks it
+    /// agrees with the policy.
+    pub fn evaluating(mut self, evaluation: Option<Evaluation>) -> Self {
+        self.evaluation = evaluation.map(|e| (e, evaluation::Sums::default()));
+        self
     }
 
     /// Streams updates of at least `bytes` bytes of values (tests use small values).
@@ -246,6 +281,7 @@ impl Aggregator {
                 &self.binding.context,
                 assignment_ref,
                 &self.schema,
+                self.evaluation.is_some(),
             ) {
                 match self.sum.add_clipped_stream(&update, self.clip_norm) {
                     Ok(within) => {
@@ -265,13 +301,22 @@ impl Aggregator {
             stored,
             plaintext,
         )?;
-        let tensors = contribution::tensors(&self.schema, plaintext)?;
+        let (tensors, metrics) =
+            contribution::tensors(&self.schema, plaintext, self.evaluation.is_some())?;
+        // Bounded before the update is added, so a contribution is in both sums or in neither.
+        let metrics = match (&self.evaluation, metrics) {
+            (Some((params, _)), Some(bytes)) => Some(evaluation::bound(params, bytes)?),
+            _ => None,
+        };
         let start = self.next_start.fetch_add(1, Ordering::Relaxed);
         let within = self
             .sum
             .add_clipped(&tensors, self.clip_norm, start)
             .map_err(|accumulator::NonFinite| Exclusion::NonFinite)?;
         self.count_unclipped(within);
+        if let (Some((_, sums)), Some(units)) = (&self.evaluation, metrics) {
+            sums.add(units);
+        }
         Ok(())
     }
 
@@ -320,6 +365,14 @@ impl Aggregator {
                 min_reports: privacy.min_reports,
             });
         }
+        let round = self.binding.context.round;
+        let expected = privacy.evaluation_in(round);
+        if expected.is_some() != self.evaluation.is_some() {
+            return Err(AggregateError::EvaluationMismatch {
+                collected: self.evaluation.is_some(),
+                round,
+            });
+        }
         let included_digest = digest(&outcome.included);
         let inputs_digest = self.binding.inputs_digest.clone();
         let calibration = dp::calibrate_task(
@@ -332,7 +385,6 @@ impl Aggregator {
         let noise = DiscreteGaussian::at_least(
             calibration.noise_multiplier * grid::GRID_UNITS_PER_CLIP as f64,
         )?;
-        let round = self.binding.context.round;
         let (values, noise_record) = match privacy.mechanism {
             Mechanism::Gaussian => {
                 let seed = noise::seed(
@@ -415,12 +467,34 @@ impl Aggregator {
                 count,
             )?),
         };
-        let count_scale = adaptive.as_ref().map(|(_, scale)| *scale);
+        let evaluated = match self.evaluation {
+            None => None,
+            Some((params, sums)) => Some((
+                params,
+                evaluation::release(&params, sums, private_key, &self.binding)?.0,
+            )),
+        };
+        // Every evaluation round so far is charged at the scale the sampler draws at (the same
+        // for every round of the task), whether or not this round evaluates.
+        let evaluation_scale = match privacy.evaluation {
+            None => None,
+            Some(e) => Some((
+                e,
+                DiscreteGaussian::at_least(
+                    e.stddev * dp::accounting::EVALUATION_UNITS_PER_EXAMPLE as f64,
+                )?
+                .scale(),
+            )),
+        };
+        let side = dp::SideScales {
+            count: adaptive.as_ref().map(|(_, scale)| *scale),
+            evaluation: evaluation_scale,
+        };
         let spent = |round: u64| {
             dp::spent_task(
                 privacy.mechanism,
                 noise.scale(),
-                count_scale,
+                &side,
                 round,
                 privacy.delta,
             )
@@ -460,6 +534,7 @@ impl Aggregator {
                 epsilon_spent,
             },
             adaptive_clipping: adaptive.map(|(record, _)| record),
+            evaluation: evaluated.map(|(_, record)| record),
             average_sha256: hex(Sha256::digest(&average)),
         };
         Ok(Release {
@@ -528,5 +603,7 @@ pub fn encode(schema: &ModelSchema, values: &[f32]) -> Result<Vec<u8>, ModelErro
     encode_f32_tensors(&tensors)
 }
 
+#[cfg(test)]
+mod evaluation_tests;
 #[cfg(test)]
 mod tests;

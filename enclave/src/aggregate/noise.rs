@@ -29,6 +29,7 @@ use crate::hpke::PrivateKey;
 const LABEL: &[u8] = b"confed/dp-noise/v2";
 const TREE_LABEL: &[u8] = b"confed/dp-tree-node/v1";
 const COUNT_LABEL: &[u8] = b"confed/dp-count/v1";
+const EVALUATION_LABEL: &[u8] = b"confed/dp-evaluation/v1";
 /// Coordinates per ChaCha12 stream.
 const BLOCK: usize = 1 << 14;
 
@@ -49,6 +50,15 @@ pub fn seed(private_key: &PrivateKey, binding: &NoiseBinding<'_>) -> Zeroizing<[
 /// its own label.
 pub fn count_seed(private_key: &PrivateKey, binding: &NoiseBinding<'_>) -> Zeroizing<[u8; 32]> {
     labelled_seed(COUNT_LABEL, private_key, binding)
+}
+
+/// The ChaCha12 key of an evaluation round's noised metric sums: bound to what the release's is,
+/// under its own label.
+pub fn evaluation_seed(
+    private_key: &PrivateKey,
+    binding: &NoiseBinding<'_>,
+) -> Zeroizing<[u8; 32]> {
+    labelled_seed(EVALUATION_LABEL, private_key, binding)
 }
 
 fn labelled_seed(

@@ -18,6 +18,7 @@ use super::contribution::Exclusion;
 use crate::envelope::{self, EnvelopeRef};
 use crate::hpke_awslc::Recipient;
 use crate::model::ModelSchema;
+use crate::policy::EVALUATION_TENSOR;
 
 /// Where each tensor's data lies in the update and where its values go in the sum.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,7 +44,7 @@ struct TensorInfo {
     data_offsets: (usize, usize),
 }
 
-fn layout(schema: &ModelSchema, first: &[u8]) -> Result<Layout, StreamProblem> {
+fn layout(schema: &ModelSchema, first: &[u8], evaluating: bool) -> Result<Layout, StreamProblem> {
     let not_tensors = StreamProblem::Excluded(Exclusion::NotSafetensors);
     let length = first
         .get(..8)
@@ -58,6 +59,14 @@ fn layout(schema: &ModelSchema, first: &[u8]) -> Result<Layout, StreamProblem> {
     let mut entries: std::collections::HashMap<String, serde_json::Value> =
         serde_json::from_slice(header).map_err(|_| not_tensors.clone())?;
     entries.remove("__metadata__");
+    // An evaluation round's update with its metrics tensor takes the buffered path, which reads
+    // the metrics (evaluation rounds are every few rounds; `contribution::tensors` checks it).
+    if evaluating
+        && entries.len() == schema.tensors().len() + 1
+        && entries.contains_key(EVALUATION_TENSOR)
+    {
+        return Err(StreamProblem::Buffer);
+    }
     if entries.len() != schema.tensors().len() {
         return Err(StreamProblem::Excluded(Exclusion::WrongTensors));
     }
@@ -102,6 +111,7 @@ pub struct ChunkedUpdate<'a> {
     info: Vec<u8>,
     aad: Vec<u8>,
     schema: &'a ModelSchema,
+    evaluating: bool,
     layout: OnceCell<Result<Layout, StreamProblem>>,
 }
 
@@ -113,6 +123,7 @@ impl<'a> ChunkedUpdate<'a> {
         context: &envelope::RoundContext,
         assignment_ref: &str,
         schema: &'a ModelSchema,
+        evaluating: bool,
     ) -> Option<Self> {
         let chunk = envelope.chunk? as usize;
         if !chunk.is_multiple_of(4) {
@@ -125,6 +136,7 @@ impl<'a> ChunkedUpdate<'a> {
             envelope,
             chunk,
             schema,
+            evaluating,
             layout: OnceCell::new(),
         })
     }
@@ -148,7 +160,10 @@ impl Replay for ChunkedUpdate<'_> {
                 if problem.is_some() {
                     return;
                 }
-                let layout = match self.layout.get_or_init(|| layout(self.schema, plain)) {
+                let layout = match self
+                    .layout
+                    .get_or_init(|| layout(self.schema, plain, self.evaluating))
+                {
                     Ok(layout) => layout,
                     Err(why) => {
                         problem = Some(why.clone());

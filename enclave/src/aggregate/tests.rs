@@ -6,17 +6,17 @@ use crate::envelope;
 use crate::hpke::generate_keypair;
 use crate::model::{encode_f32_tensors, validate_model};
 
-const TASK: &str = "task-1";
-const ROUND: u64 = 2;
-const KEY: &str = "key-1";
+pub(super) const TASK: &str = "task-1";
+pub(super) const ROUND: u64 = 2;
+pub(super) const KEY: &str = "key-1";
 
-struct Round {
-    private: PrivateKey,
-    public: crate::hpke::PublicKey,
-    schema: ModelSchema,
+pub(super) struct Round {
+    pub(super) private: PrivateKey,
+    pub(super) public: crate::hpke::PublicKey,
+    pub(super) schema: ModelSchema,
 }
 
-fn round(len: usize) -> Round {
+pub(super) fn round(len: usize) -> Round {
     let (private, public) = generate_keypair();
     let model = encode_f32_tensors(&[
         ("b", vec![2], &[0.0, 0.0]),
@@ -30,7 +30,7 @@ fn round(len: usize) -> Round {
     }
 }
 
-fn context(round: u64) -> envelope::RoundContext {
+pub(super) fn context(round: u64) -> envelope::RoundContext {
     envelope::RoundContext {
         task_id: TASK.into(),
         round,
@@ -39,7 +39,7 @@ fn context(round: u64) -> envelope::RoundContext {
     }
 }
 
-fn binding() -> Binding {
+pub(super) fn binding() -> Binding {
     Binding {
         context: context(ROUND),
         key_id: KEY.into(),
@@ -47,7 +47,7 @@ fn binding() -> Binding {
     }
 }
 
-fn update(values: &[f32]) -> Vec<u8> {
+pub(super) fn update(values: &[f32]) -> Vec<u8> {
     encode_f32_tensors(&[
         ("b", vec![2], &values[..2]),
         ("w", vec![values.len() - 2], &values[2..]),
@@ -56,7 +56,12 @@ fn update(values: &[f32]) -> Vec<u8> {
 }
 
 /// Seals `plaintext` as the device holding `assignment_id` would; returns (ref, stored bytes).
-fn sealed(r: &Round, assignment_id: &str, round: u64, plaintext: &[u8]) -> (String, Vec<u8>) {
+pub(super) fn sealed(
+    r: &Round,
+    assignment_id: &str,
+    round: u64,
+    plaintext: &[u8],
+) -> (String, Vec<u8>) {
     let env = envelope::seal(
         &r.public,
         KEY,
@@ -69,10 +74,10 @@ fn sealed(r: &Round, assignment_id: &str, round: u64, plaintext: &[u8]) -> (Stri
 }
 
 /// Test data only (splitmix64 + Box-Muller): never for privacy noise.
-struct Normal(u64);
+pub(super) struct Normal(u64);
 
 impl Normal {
-    fn uniform(&mut self) -> f64 {
+    pub(super) fn uniform(&mut self) -> f64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -80,13 +85,13 @@ impl Normal {
         ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
     }
 
-    fn normal(&mut self) -> f32 {
+    pub(super) fn normal(&mut self) -> f32 {
         let (u, v) = (self.uniform().max(1e-300), self.uniform());
         ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
     }
 }
 
-fn privacy() -> PrivacyParams {
+pub(super) fn privacy() -> PrivacyParams {
     PrivacyParams {
         epsilon: 4.0,
         delta: 1e-6,
@@ -95,6 +100,7 @@ fn privacy() -> PrivacyParams {
         min_reports: 1,
         mechanism: crate::policy::Mechanism::Gaussian,
         adaptive: None,
+        evaluation: None,
     }
 }
 
@@ -691,6 +697,7 @@ fn the_adaptive_clip_norm_converges_to_the_target_quantile() {
             clip_norm: clip,
             rounds: rounds as u32,
             adaptive: Some(adaptive),
+            evaluation: None,
             ..privacy()
         };
         let manifest = agg.finish(&r.private, params).unwrap().manifest;

@@ -1,9 +1,10 @@
 //! What a task's mechanism costs one device, in zCDP, and the noise that fits its budget: the
 //! Gaussian mechanism (one release per round), DP-FTRL's trees (`tree`: the depth of each tree
-//! begun), and adaptive clipping's noised count on top of either (one count per round the device
-//! may serve), all composed by adding rho and converted to (epsilon, delta) with OpenDP.
+//! begun), adaptive clipping's noised count on top of either (one count per round the device
+//! may serve) and evaluation's noised sums (one per evaluation round the device may serve), all
+//! composed by adding rho and converted to (epsilon, delta) with OpenDP.
 
-use confed_protocol::policy::{DpMechanism, Mechanism};
+use confed_protocol::policy::{DpMechanism, Evaluation, Mechanism};
 
 use super::calibrate::{epsilon_of_rho, rho_at};
 use super::grid::GRID_UNITS_PER_CLIP;
@@ -41,9 +42,77 @@ pub fn count_rho(count_scale: f64) -> f64 {
     1.0 / (2.0 * count_scale * count_scale)
 }
 
+/// Grid units per example of evaluation's sums (`aggregate::evaluation`): the loss sum, in units of
+/// `max_loss`, is rounded to 1/1024 of it per device.
+pub const EVALUATION_UNITS_PER_EXAMPLE: i64 = 1024;
+
+/// Evaluation releases one device can be in through `round`: one per evaluation round it may
+/// serve, so every evaluation round (Gaussian) or one per tree that has an evaluation round
+/// (DP-FTRL: a device serves one round per tree).
+pub fn evaluations_through(mechanism: Mechanism, evaluation: &Evaluation, round: u64) -> u64 {
+    let evaluated = evaluation.rounds_through(round);
+    match mechanism {
+        Mechanism::Gaussian => evaluated,
+        Mechanism::Tree { min_separation } => {
+            let mut trees = 0;
+            let mut last = None;
+            for k in 0..evaluated {
+                let tree = k * u64::from(evaluation.every) / u64::from(min_separation);
+                if last != Some(tree) {
+                    trees += 1;
+                    last = Some(tree);
+                }
+            }
+            trees
+        }
+    }
+}
+
+/// zCDP rho of one evaluation release: three sums, each device adding a vector in `[0,
+/// max_examples]^3` (examples units; integer grid units after rounding, each at most
+/// `max_examples * EVALUATION_UNITS_PER_EXAMPLE`), so L2 sensitivity `sqrt(3) max_examples`
+/// units, with discrete Gaussian noise of scale `scale_grid` on each: `3 M^2 / (2 scale^2)`.
+pub fn evaluation_rho(evaluation: &Evaluation, scale_grid: f64) -> f64 {
+    let m = f64::from(evaluation.max_examples) * EVALUATION_UNITS_PER_EXAMPLE as f64;
+    3.0 * m * m / (2.0 * scale_grid * scale_grid)
+}
+
+/// The scales the side releases were sampled at (grid units): adaptive clipping's count and
+/// evaluation's sums.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SideScales {
+    pub count: Option<f64>,
+    pub evaluation: Option<(Evaluation, f64)>,
+}
+
+impl SideScales {
+    /// The scales a mechanism asks for, before the sampler rounds them up.
+    pub fn planned(mechanism: &DpMechanism) -> Self {
+        Self {
+            count: mechanism.adaptive_clipping.map(|a| 2.0 * a.count_stddev),
+            evaluation: mechanism
+                .evaluation
+                .map(|e| (e, e.stddev * EVALUATION_UNITS_PER_EXAMPLE as f64)),
+        }
+    }
+
+    /// rho of the side releases one device can be in through `round`.
+    pub fn rho_through(&self, mechanism: Mechanism, round: u64) -> f64 {
+        let mut rho = 0.0;
+        if let Some(scale) = self.count {
+            rho += count_rho(scale) * counts_through(mechanism, round) as f64;
+        }
+        if let Some((evaluation, scale)) = &self.evaluation {
+            rho += evaluation_rho(evaluation, *scale)
+                * evaluations_through(mechanism, evaluation, round) as f64;
+        }
+        rho
+    }
+}
+
 /// The calibration of a task's planned rounds under `mechanism`: the value noise that leaves
-/// room in the budget for adaptive clipping's counts, if any (Andrew et al. 2021, Theorem 1 in
-/// zCDP form: `rho_value + rho_counts = rho_budget`).
+/// room in the budget for adaptive clipping's counts and evaluation's sums, if any (Andrew et
+/// al. 2021, Theorem 1 in zCDP form: `rho_value + rho_side = rho_budget`).
 pub fn calibrate_task(
     mechanism: DpMechanism,
     epsilon: f64,
@@ -54,19 +123,18 @@ pub fn calibrate_task(
     let releases = u32::try_from(units)
         .map_err(|_| DpError::InvalidBudget(format!("{rounds} rounds are too many")))?;
     let base = calibrate(epsilon, delta, releases)?;
-    let Some(adaptive) = mechanism.adaptive_clipping else {
+    if mechanism.adaptive_clipping.is_none() && mechanism.evaluation.is_none() {
         return Ok(base);
-    };
+    }
     let budget_rho = base.rho_per_round * units as f64;
-    let counts = counts_through(mechanism.noise, u64::from(rounds));
-    let counts_rho = counts as f64 * count_rho(2.0 * adaptive.count_stddev);
-    if counts_rho >= 0.9 * budget_rho {
+    let side = SideScales::planned(&mechanism);
+    let side_rho = side.rho_through(mechanism.noise, u64::from(rounds));
+    if side_rho >= 0.9 * budget_rho {
         return Err(DpError::InvalidBudget(format!(
-            "adaptive clipping's {counts} noised counts at count_stddev {} cost rho {counts_rho:.4}, at least 90 % of the whole budget's {budget_rho:.4}; raise count_stddev (about report_goal / 20 is usual) or epsilon",
-            adaptive.count_stddev
+            "adaptive clipping's counts and evaluation's sums cost rho {side_rho:.4}, at least 90 % of the whole budget's {budget_rho:.4}; raise their noise (count_stddev about report_goal / 20, evaluation stddev about report_goal x max_examples / 20 are usual), evaluate less often, or raise epsilon"
         )));
     }
-    let rho_per_release = (budget_rho - counts_rho) / units as f64;
+    let rho_per_release = (budget_rho - side_rho) / units as f64;
     let noise_multiplier = (1.0 / (2.0 * rho_per_release)).sqrt();
     Ok(Calibration {
         noise_multiplier,
@@ -74,19 +142,17 @@ pub fn calibrate_task(
     })
 }
 
-/// Privacy spent through `round` with the value noise sampled at `scale_grid` and the counts at
-/// `count_scale` (None without adaptive clipping): (rho, epsilon at `delta`).
+/// Privacy spent through `round` with the value noise sampled at `scale_grid` and the side
+/// releases at `side`: (rho, epsilon at `delta`).
 pub fn spent_task(
     mechanism: Mechanism,
     scale_grid: f64,
-    count_scale: Option<f64>,
+    side: &SideScales,
     round: u64,
     delta: f64,
 ) -> Result<(f64, f64), DpError> {
-    let mut rho = rho_at(scale_grid)? * releases_through(mechanism, round) as f64;
-    if let Some(scale) = count_scale {
-        rho += count_rho(scale) * counts_through(mechanism, round) as f64;
-    }
+    let rho = rho_at(scale_grid)? * releases_through(mechanism, round) as f64
+        + side.rho_through(mechanism, round);
     Ok((rho, epsilon_of_rho(rho, delta)?))
 }
 
@@ -97,35 +163,76 @@ mod tests {
 
     fn adaptive(noise: Mechanism, count_stddev: f64) -> DpMechanism {
         DpMechanism {
-            noise,
             adaptive_clipping: Some(AdaptiveClipping {
                 target_quantile: 0.5,
                 learning_rate: 0.2,
                 count_stddev,
             }),
+            ..DpMechanism::plain(noise)
+        }
+    }
+
+    fn evaluated(noise: Mechanism, every: u32, stddev: f64) -> DpMechanism {
+        DpMechanism {
+            evaluation: Some(Evaluation {
+                every,
+                max_loss: 10.0,
+                max_examples: 50,
+                stddev,
+            }),
+            ..DpMechanism::plain(noise)
         }
     }
 
     #[test]
     fn the_counts_take_their_share_and_the_whole_plan_still_spends_the_budget() {
         for noise in [Mechanism::Gaussian, Mechanism::Tree { min_separation: 5 }] {
-            let plain = DpMechanism {
-                noise,
-                adaptive_clipping: None,
-            };
-            let base = calibrate_task(plain, 4.0, 1e-6, 10).unwrap();
-            let with = calibrate_task(adaptive(noise, 5.0), 4.0, 1e-6, 10).unwrap();
-            assert!(with.noise_multiplier > base.noise_multiplier);
-            let scale = with.noise_multiplier * GRID_UNITS_PER_CLIP as f64;
-            let (_, epsilon) = spent_task(noise, scale, Some(10.0), 10, 1e-6).unwrap();
-            assert!((epsilon - 4.0).abs() < 1e-6, "{noise:?}: {epsilon}");
+            let base = calibrate_task(DpMechanism::plain(noise), 4.0, 1e-6, 10).unwrap();
+            for mechanism in [adaptive(noise, 5.0), evaluated(noise, 3, 500.0)] {
+                let with = calibrate_task(mechanism, 4.0, 1e-6, 10).unwrap();
+                assert!(with.noise_multiplier > base.noise_multiplier);
+                let scale = with.noise_multiplier * GRID_UNITS_PER_CLIP as f64;
+                let side = SideScales::planned(&mechanism);
+                let (_, epsilon) = spent_task(noise, scale, &side, 10, 1e-6).unwrap();
+                assert!((epsilon - 4.0).abs() < 1e-6, "{mechanism:?}: {epsilon}");
+            }
         }
+    }
+
+    #[test]
+    fn an_evaluation_costs_three_sums_of_max_examples_each() {
+        let e = evaluated(Mechanism::Gaussian, 1, 50.0).evaluation.unwrap();
+        // sqrt(3) * 50 examples of sensitivity at stddev 50 examples: rho = 3 / 2.
+        let scale = 50.0 * EVALUATION_UNITS_PER_EXAMPLE as f64;
+        assert!((evaluation_rho(&e, scale) - 1.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn an_evaluation_noise_that_would_eat_the_budget_is_refused() {
+        let error =
+            calibrate_task(evaluated(Mechanism::Gaussian, 1, 5.0), 1.0, 1e-6, 10).unwrap_err();
+        assert!(error.to_string().contains("evaluate less often"), "{error}");
+    }
+
+    #[test]
+    fn a_device_is_in_one_evaluation_per_evaluation_round_or_per_tree_with_one() {
+        let every_3 = evaluated(Mechanism::Gaussian, 3, 100.0).evaluation.unwrap();
+        // Evaluation rounds 1, 4, 7, 10.
+        assert_eq!(evaluations_through(Mechanism::Gaussian, &every_3, 10), 4);
+        assert_eq!(evaluations_through(Mechanism::Gaussian, &every_3, 9), 3);
+        // Trees of 5 rounds: [1-5] holds 1 and 4, [6-10] holds 7 and 10.
+        let tree = Mechanism::Tree { min_separation: 5 };
+        assert_eq!(evaluations_through(tree, &every_3, 10), 2);
+        assert_eq!(evaluations_through(tree, &every_3, 5), 1);
+        // Trees of 2 rounds: every evaluation round is in a tree of its own.
+        let short = Mechanism::Tree { min_separation: 2 };
+        assert_eq!(evaluations_through(short, &every_3, 10), 4);
     }
 
     #[test]
     fn a_count_noise_that_would_eat_the_budget_is_refused() {
         let error = calibrate_task(adaptive(Mechanism::Gaussian, 0.1), 1.0, 1e-6, 10).unwrap_err();
-        assert!(error.to_string().contains("raise count_stddev"), "{error}");
+        assert!(error.to_string().contains("raise their noise"), "{error}");
     }
 
     #[test]

@@ -15,7 +15,7 @@ pub use calibrate::{Calibration, calibrate, spent};
 pub use plan::{PlanProblem, check_plan};
 pub use sampler::DiscreteGaussian;
 
-pub use accounting::{calibrate_task, releases_through, spent_task};
+pub use accounting::{SideScales, calibrate_task, releases_through, spent_task};
 
 /// The calibration of a task's planned rounds under a noise mechanism without adaptive clipping.
 pub fn calibrate_mechanism(
@@ -25,10 +25,7 @@ pub fn calibrate_mechanism(
     rounds: u32,
 ) -> Result<Calibration, DpError> {
     calibrate_task(
-        confed_protocol::policy::DpMechanism {
-            noise: mechanism,
-            adaptive_clipping: None,
-        },
+        confed_protocol::policy::DpMechanism::plain(mechanism),
         epsilon,
         delta,
         rounds,

@@ -71,6 +71,7 @@ mod tests {
     const GAUSSIAN: DpMechanism = DpMechanism {
         noise: confed_protocol::policy::Mechanism::Gaussian,
         adaptive_clipping: None,
+        evaluation: None,
     };
 
     #[test]

@@ -2,11 +2,18 @@
 //! Every field is checked; every problem is reported with the field's name and allowed range, all
 //! at once, so a partner fixes a request in one go.
 
+mod evaluation;
+mod privacy;
+mod problems;
+
 use confed_enclave::optimizer::ServerOptimizer;
-use confed_enclave::policy::{
-    AdaptiveClipping, DpMechanism, MAX_MIN_SEPARATION, Mechanism, TaskPolicy,
-};
+use confed_enclave::policy::{DpMechanism, TaskPolicy};
 use std::collections::BTreeMap;
+
+pub use evaluation::{EarlyStopping, EvaluationSpec, MAX_PATIENCE, Metric};
+pub use privacy::{AdaptiveClippingSpec, MechanismName, PrivacyBudget};
+pub use problems::InvalidParam;
+use problems::Problems;
 
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -56,85 +63,6 @@ pub struct VersionRange {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(pattern = r"^[0-9]{1,9}(\.[0-9]{1,9}){0,3}$")]
     pub max: Option<String>,
-}
-
-/// The task's total differential-privacy budget over all its rounds, and the L2 clipping bound of
-/// one device's update.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct PrivacyBudget {
-    /// Total over all rounds, (0, 100].
-    #[schema(exclusive_minimum = 0.0, maximum = 100.0)]
-    pub epsilon: f64,
-    /// (0, 0.01].
-    #[schema(exclusive_minimum = 0.0, maximum = 0.01)]
-    pub delta: f64,
-    /// L2 bound of one device's update, [1e-6, 1e6].
-    #[schema(minimum = 0.000001, maximum = 1000000.0)]
-    pub clip_norm: f64,
-    /// `gaussian` (default: independent noise on every round) or `tree_aggregation` (DP-FTRL:
-    /// correlated tree noise, devices serve rounds at least `min_separation` apart).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mechanism: Option<MechanismName>,
-    /// `tree_aggregation` only: fewest rounds between two rounds one device serves, and the
-    /// length of each noise tree, 1-1024 (default: the task's rounds, at most 1024).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(minimum = 1, maximum = 1024)]
-    pub min_separation: Option<u32>,
-    /// Adaptive clipping (Andrew et al. 2021): `clip_norm` is the first round's, and each round's
-    /// moves toward the `target_quantile` of the update norms. Every field is optional:
-    /// `target_quantile` in (0, 0.99] (default 0.5), `learning_rate` in (0, 10] (default 0.2),
-    /// `count_stddev` in [0.5, 1e6] (default report_goal / 20, at least 0.5).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub adaptive_clipping: Option<AdaptiveClippingSpec>,
-}
-
-/// `privacy.adaptive_clipping`.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct AdaptiveClippingSpec {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(exclusive_minimum = 0.0, maximum = 0.99)]
-    pub target_quantile: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(exclusive_minimum = 0.0, maximum = 10.0)]
-    pub learning_rate: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(minimum = 0.5, maximum = 1000000.0)]
-    pub count_stddev: Option<f64>,
-}
-
-/// The DP mechanisms a task may choose (docs/privacy.md).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum MechanismName {
-    Gaussian,
-    TreeAggregation,
-}
-
-impl PrivacyBudget {
-    /// The whole mechanism the task policy names (a validated spec has every adaptive-clipping
-    /// field filled in).
-    pub fn dp_mechanism(&self) -> DpMechanism {
-        DpMechanism {
-            noise: self.mechanism(),
-            adaptive_clipping: self.adaptive_clipping.map(|a| AdaptiveClipping {
-                target_quantile: a.target_quantile.unwrap_or(0.5),
-                learning_rate: a.learning_rate.unwrap_or(0.2),
-                count_stddev: a.count_stddev.unwrap_or(1.0),
-            }),
-        }
-    }
-
-    /// The noise mechanism the task policy names.
-    pub fn mechanism(&self) -> Mechanism {
-        match self.mechanism {
-            Some(MechanismName::TreeAggregation) => Mechanism::Tree {
-                min_separation: self.min_separation.unwrap_or(MAX_MIN_SEPARATION),
-            },
-            _ => Mechanism::Gaussian,
-        }
-    }
 }
 
 /// `POST /v1/tasks` body.
@@ -200,6 +128,10 @@ pub struct CreateTaskRequest {
     #[serde(default, deserialize_with = "crate::api::integers::option_i64")]
     #[schema(minimum = 1, maximum = 86400)]
     pub device_seconds_per_round: Option<i64>,
+    /// Federated evaluation every few rounds, charged to the privacy budget, with an optional
+    /// early-stopping rule (docs/privacy.md, "Evaluation").
+    #[serde(default)]
+    pub evaluation: Option<EvaluationSpec>,
 }
 
 /// A validated task definition, as stored and as returned to the partner.
@@ -229,6 +161,9 @@ pub struct TaskSpec {
     /// budgets read as the default).
     #[serde(default = "default_device_seconds")]
     pub device_seconds_per_round: u32,
+    /// Federated evaluation (tasks created before it read as none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluation: Option<EvaluationSpec>,
 }
 
 /// The highest over-selection a task's rounds adapt up to (unless the task asks for more).
@@ -256,9 +191,18 @@ impl TaskSpec {
             epsilon: self.privacy.epsilon,
             delta: self.privacy.delta,
             clip_norm: self.privacy.clip_norm,
-            mechanism: self.privacy.dp_mechanism().encode(),
+            mechanism: self.dp_mechanism().encode(),
             server_learning_rate: self.server_learning_rate,
             plan: serde_json::to_string(&self.plan).unwrap_or_else(|_| "{}".into()),
+        }
+    }
+
+    /// The whole mechanism the task policy names: the noise, adaptive clipping and evaluation.
+    pub fn dp_mechanism(&self) -> DpMechanism {
+        DpMechanism {
+            noise: self.privacy.mechanism(),
+            adaptive_clipping: self.privacy.adaptive_clipping.map(|a| a.policy()),
+            evaluation: self.evaluation.map(|e| e.policy()),
         }
     }
 
@@ -293,51 +237,6 @@ impl TaskSpec {
     /// Most live assignments a round hands out: `ceil(report_goal * (1 + over_selection))`.
     pub fn max_live_assignments(&self) -> u64 {
         (f64::from(self.report_goal) * (1.0 + self.over_selection)).ceil() as u64
-    }
-}
-
-/// One invalid field of a request (RFC 7807 `invalid_params` member).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
-pub struct InvalidParam {
-    pub name: String,
-    pub reason: String,
-}
-
-#[derive(Default)]
-struct Problems(Vec<InvalidParam>);
-
-impl Problems {
-    fn add(&mut self, name: &str, reason: impl Into<String>) {
-        self.0.push(InvalidParam {
-            name: name.to_string(),
-            reason: reason.into(),
-        });
-    }
-
-    /// `Some(value)` if within [lo, hi]; otherwise records the problem and returns `None`.
-    fn checked_int(&mut self, name: &str, value: i64, lo: i64, hi: i64) -> Option<u32> {
-        if (lo..=hi).contains(&value) {
-            Some(value as u32)
-        } else {
-            self.add(name, format!("must be between {lo} and {hi} (got {value})"));
-            None
-        }
-    }
-
-    fn int(&mut self, name: &str, value: i64, lo: i64, hi: i64) -> u32 {
-        self.checked_int(name, value, lo, hi).unwrap_or(lo as u32)
-    }
-
-    /// `lo_open` makes the lower bound exclusive: (lo, hi] instead of [lo, hi].
-    fn float(&mut self, name: &str, value: f64, lo: f64, lo_open: bool, hi: f64) -> f64 {
-        let above_lo = if lo_open { value > lo } else { value >= lo };
-        if value.is_finite() && above_lo && value <= hi {
-            value
-        } else {
-            let open = if lo_open { "(" } else { "[" };
-            self.add(name, format!("must be in {open}{lo}, {hi}] (got {value})"));
-            hi
-        }
     }
 }
 
@@ -397,74 +296,11 @@ impl CreateTaskRequest {
             validate_version_range(&mut p, range);
         }
         validate_constraints(&mut p, &self.constraints);
-        let privacy = PrivacyBudget {
-            epsilon: p.float(
-                "privacy.epsilon",
-                self.privacy.epsilon,
-                0.0,
-                true,
-                MAX_EPSILON,
-            ),
-            delta: p.float("privacy.delta", self.privacy.delta, 0.0, true, MAX_DELTA),
-            clip_norm: p.float(
-                "privacy.clip_norm",
-                self.privacy.clip_norm,
-                MIN_CLIP_NORM,
-                false,
-                MAX_CLIP_NORM,
-            ),
-            mechanism: self.privacy.mechanism,
-            min_separation: match self.privacy.mechanism {
-                Some(MechanismName::TreeAggregation) => {
-                    let default = rounds.clamp(1, MAX_MIN_SEPARATION);
-                    let given = self.privacy.min_separation.unwrap_or(default);
-                    Some(p.int(
-                        "privacy.min_separation",
-                        i64::from(given),
-                        1,
-                        i64::from(MAX_MIN_SEPARATION),
-                    ))
-                }
-                _ => {
-                    if self.privacy.min_separation.is_some() {
-                        p.add(
-                            "privacy.min_separation",
-                            "applies to `\"mechanism\": \"tree_aggregation\"` only; set the mechanism or leave it out",
-                        );
-                    }
-                    None
-                }
-            },
-            adaptive_clipping: self
-                .privacy
-                .adaptive_clipping
-                .map(|a| AdaptiveClippingSpec {
-                    target_quantile: Some(p.float(
-                        "privacy.adaptive_clipping.target_quantile",
-                        a.target_quantile.unwrap_or(0.5),
-                        0.0,
-                        true,
-                        0.99,
-                    )),
-                    learning_rate: Some(p.float(
-                        "privacy.adaptive_clipping.learning_rate",
-                        a.learning_rate.unwrap_or(0.2),
-                        0.0,
-                        true,
-                        10.0,
-                    )),
-                    count_stddev: Some(
-                        p.float(
-                            "privacy.adaptive_clipping.count_stddev",
-                            a.count_stddev
-                                .unwrap_or((f64::from(report_goal) / 20.0).max(0.5)),
-                            0.5,
-                            false,
-                            1e6,
-                        ),
-                    ),
-                }),
-        };
+        let privacy = privacy::validate(&mut p, &self.privacy, rounds, report_goal);
+        let evaluation = self
+            .evaluation
+            .as_ref()
+            .map(|e| evaluation::validate(&mut p, e, rounds, report_goal));
         let server_learning_rate = p.float(
             "server_learning_rate",
             self.server_learning_rate.unwrap_or(1.0),
@@ -494,9 +330,14 @@ impl CreateTaskRequest {
         if let Err(why) = server_optimizer.validate() {
             p.add("server_optimizer", why);
         }
+        let mechanism = DpMechanism {
+            noise: privacy.mechanism(),
+            adaptive_clipping: privacy.adaptive_clipping.map(|a| a.policy()),
+            evaluation: evaluation.map(|e| e.policy()),
+        };
         if p.0.is_empty()
             && let Err(problem) = confed_enclave::dp::check_plan(
-                privacy.dp_mechanism(),
+                mechanism,
                 privacy.epsilon,
                 privacy.delta,
                 rounds,
@@ -526,6 +367,7 @@ impl CreateTaskRequest {
             plan,
             server_optimizer,
             device_seconds_per_round,
+            evaluation,
         })
     }
 }
@@ -634,224 +476,4 @@ fn validate_constraints(p: &mut Problems, constraints: &BTreeMap<String, Constra
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn capacity_adapts_to_the_drop_out_rate_within_the_cap() {
-        let spec: TaskSpec = serde_json::from_value::<CreateTaskRequest>(serde_json::json!({
-            "population": "p", "rounds": 1, "report_goal": 10, "over_selection": 0.3,
-            "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0},
-        }))
-        .unwrap()
-        .validate()
-        .unwrap();
-        assert_eq!(spec.capacity_for(None), 13, "no evidence: the task's own");
-        assert_eq!(
-            spec.capacity_for(Some(0.1)),
-            13,
-            "never below the task's own"
-        );
-        // 40 % dropped: 1 / 0.6 - 1 = 0.667 over-selection.
-        assert_eq!(spec.capacity_for(Some(0.4)), 17);
-        assert_eq!(spec.capacity_for(Some(0.9)), 20, "at most doubled");
-        assert_eq!(spec.capacity_for(Some(1.0)), 20);
-    }
-    use serde_json::json;
-
-    fn request(overrides: serde_json::Value) -> CreateTaskRequest {
-        let mut base = json!({
-            "population": "keyboards.en",
-            "rounds": 5,
-            "report_goal": 100,
-            "privacy": {"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0},
-        });
-        base.as_object_mut()
-            .unwrap()
-            .extend(overrides.as_object().unwrap().clone());
-        serde_json::from_value(base).unwrap()
-    }
-
-    fn invalid_names(overrides: serde_json::Value) -> Vec<String> {
-        request(overrides)
-            .validate()
-            .unwrap_err()
-            .into_iter()
-            .map(|p| p.name)
-            .collect()
-    }
-
-    /// DP-FTRL is chosen in `privacy`: its policy names the tree and the separation (the task's
-    /// rounds when not given); a separation without the tree, or outside 1..=1024, is refused.
-    #[test]
-    fn a_tree_aggregation_task_names_its_separation_in_the_policy() {
-        let tree = |privacy: serde_json::Value| request(json!({ "privacy": privacy }));
-        let spec = tree(json!({"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0,
-                               "mechanism": "tree_aggregation"}))
-        .validate()
-        .unwrap();
-        assert_eq!(spec.privacy.min_separation, Some(5));
-        assert_eq!(
-            spec.policy("t", "x").mechanism,
-            "tree_aggregation_on_grid;min_separation=5"
-        );
-        let spec = tree(json!({"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0,
-                               "mechanism": "tree_aggregation", "min_separation": 2}))
-        .validate()
-        .unwrap();
-        assert_eq!(
-            spec.privacy.mechanism(),
-            Mechanism::Tree { min_separation: 2 }
-        );
-        let gaussian = request(json!({})).validate().unwrap();
-        assert_eq!(
-            gaussian.policy("t", "x").mechanism,
-            "discrete_gaussian_on_grid"
-        );
-        assert!(
-            !serde_json::to_string(&gaussian)
-                .unwrap()
-                .contains("mechanism"),
-            "stored Gaussian tasks keep their old form"
-        );
-        for privacy in [
-            json!({"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0, "min_separation": 2}),
-            json!({"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0,
-                   "mechanism": "tree_aggregation", "min_separation": 0}),
-            json!({"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0,
-                   "mechanism": "tree_aggregation", "min_separation": 1025}),
-        ] {
-            assert_eq!(
-                invalid_names(json!({ "privacy": privacy })),
-                ["privacy.min_separation"]
-            );
-        }
-    }
-
-    #[test]
-    fn a_plan_whose_rounds_cannot_fit_the_budget_is_refused_with_what_to_change() {
-        let problems = request(json!({"rounds": 1000, "report_goal": 20,
-            "privacy": {"epsilon": 0.5, "delta": 1e-6, "clip_norm": 1.0}}))
-        .validate()
-        .unwrap_err();
-        assert_eq!(problems.len(), 1, "{problems:?}");
-        assert_eq!(problems[0].name, "privacy");
-        assert!(
-            problems[0].reason.contains("Raise report_goal to at least"),
-            "{}",
-            problems[0].reason
-        );
-        assert!(problems[0].reason.contains("plan fewer rounds"));
-    }
-
-    #[test]
-    fn defaults_fill_optional_fields() {
-        let spec = request(json!({})).validate().unwrap();
-        assert_eq!(spec.min_reports, 100);
-        assert_eq!(spec.over_selection, 0.3);
-        assert_eq!(spec.round_deadline_seconds, 3600);
-        assert_eq!(spec.assignment_timeout_seconds, 600);
-        assert_eq!(spec.max_round_attempts, 3);
-        assert_eq!(spec.server_learning_rate, 1.0);
-        assert_eq!(spec.plan, json!({}));
-        assert_eq!(spec.max_live_assignments(), 130);
-    }
-
-    #[test]
-    fn each_out_of_range_field_is_named() {
-        let cases = [
-            (json!({"population": ""}), "population"),
-            (json!({"population": "has space"}), "population"),
-            (json!({"rounds": 0}), "rounds"),
-            (json!({"rounds": 10_001}), "rounds"),
-            (json!({"report_goal": -1}), "report_goal"),
-            (json!({"min_reports": 101}), "min_reports"),
-            (json!({"min_reports": 0}), "min_reports"),
-            (json!({"over_selection": -0.1}), "over_selection"),
-            (
-                json!({"round_deadline_seconds": 5}),
-                "round_deadline_seconds",
-            ),
-            (
-                json!({"assignment_timeout_seconds": 4000}),
-                "assignment_timeout_seconds",
-            ),
-            (json!({"max_round_attempts": 11}), "max_round_attempts"),
-            (
-                json!({"client_version": {"min": "1.x"}}),
-                "client_version.min",
-            ),
-            (
-                json!({"client_version": {"min": "2.0", "max": "1.9"}}),
-                "client_version",
-            ),
-            (
-                json!({"constraints": {"Bad Name": true}}),
-                "constraints.Bad Name",
-            ),
-            (
-                json!({"constraints": {"ram_gb": {"min": 8, "max": 4}}}),
-                "constraints.ram_gb",
-            ),
-            (json!({"constraints": {"ram_gb": {}}}), "constraints.ram_gb"),
-            (
-                json!({"privacy": {"epsilon": 0.0, "delta": 1e-6, "clip_norm": 1.0}}),
-                "privacy.epsilon",
-            ),
-            (
-                json!({"privacy": {"epsilon": 1.0, "delta": 0.5, "clip_norm": 1.0}}),
-                "privacy.delta",
-            ),
-            (
-                json!({"privacy": {"epsilon": 1.0, "delta": 1e-6, "clip_norm": -1.0}}),
-                "privacy.clip_norm",
-            ),
-            (
-                // Subnormal: the grid's unit would underflow and no clip could ever fit.
-                json!({"privacy": {"epsilon": 1.0, "delta": 1e-6, "clip_norm": 5e-324}}),
-                "privacy.clip_norm",
-            ),
-            (json!({"server_learning_rate": 0.0}), "server_learning_rate"),
-            (json!({"plan": [1, 2]}), "plan"),
-        ];
-        for (overrides, field) in cases {
-            assert_eq!(invalid_names(overrides.clone()), vec![field], "{overrides}");
-        }
-    }
-
-    #[test]
-    fn all_problems_are_reported_together_with_ranges() {
-        let problems = request(json!({"rounds": 0, "report_goal": 0}))
-            .validate()
-            .unwrap_err();
-        assert_eq!(problems.len(), 2);
-        assert_eq!(problems[0].reason, "must be between 1 and 10000 (got 0)");
-    }
-
-    #[test]
-    fn oversized_plan_is_refused() {
-        let big = "x".repeat(MAX_PLAN_BYTES);
-        assert_eq!(invalid_names(json!({"plan": {"blob": big}})), vec!["plan"]);
-    }
-
-    #[test]
-    fn constraints_and_versions_round_trip() {
-        let spec = request(json!({
-            "client_version": {"min": "1.2", "max": "3"},
-            "constraints": {"os": "android", "charging": true, "ram_gb": {"min": 4}},
-        }))
-        .validate()
-        .unwrap();
-        let text = serde_json::to_string(&spec).unwrap();
-        let back: TaskSpec = serde_json::from_str(&text).unwrap();
-        assert_eq!(back, spec);
-        assert_eq!(back.constraints["charging"], Constraint::Flag(true));
-    }
-
-    #[test]
-    fn versions_parse_as_numbers() {
-        assert!(parse_version("1.10").unwrap() > parse_version("1.9").unwrap());
-        assert_eq!(parse_version("1.2.3.4.5"), None);
-        assert_eq!(parse_version(""), None);
-    }
-}
+mod tests;

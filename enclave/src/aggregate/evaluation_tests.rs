@@ -1,0 +1,237 @@
+//! Evaluation rounds: the metrics sums released within their recorded noise, charged to the
+//! budget, accepted only in evaluation rounds, and the same on the streamed path.
+
+use super::tests::{KEY, ROUND, Round, binding, context, privacy, round, sealed};
+use super::*;
+use crate::model::encode_f32_tensors;
+use crate::policy::{EVALUATION_TENSOR, Evaluation};
+
+const EVALUATION: Evaluation = Evaluation {
+    every: 1,
+    max_loss: 2.0,
+    max_examples: 10,
+    stddev: 60.0,
+};
+
+/// An update of `values` with the device's `[loss_sum, correct, examples]`.
+fn evaluated_update(values: &[f32], metrics: [f32; 3]) -> Vec<u8> {
+    encode_f32_tensors(&[
+        ("b", vec![2], &values[..2]),
+        ("w", vec![values.len() - 2], &values[2..]),
+        (EVALUATION_TENSOR, vec![3], &metrics),
+    ])
+    .unwrap()
+}
+
+fn evaluating_privacy() -> PrivacyParams {
+    PrivacyParams {
+        rounds: ROUND as u32,
+        evaluation: Some(EVALUATION),
+        ..privacy()
+    }
+}
+
+fn aggregator(r: &Round, binding: Binding) -> Aggregator {
+    Aggregator::new(binding, 1.0, r.schema.clone(), &r.private)
+        .unwrap()
+        .evaluating(Some(EVALUATION))
+}
+
+#[test]
+fn an_evaluation_round_releases_the_metric_sums_within_the_recorded_noise_and_spends_the_budget() {
+    // A large budget so that little noise fits: 200 devices (sealing is slow in debug builds).
+    let evaluation = Evaluation {
+        stddev: 6.0,
+        ..EVALUATION
+    };
+    let r = round(4);
+    let inputs: Vec<_> = (0..200)
+        .map(|i| {
+            let plaintext = evaluated_update(&[0.1, 0.0, 0.0, 0.0], [5.0, 7.0, 10.0]);
+            let (id, bytes) = sealed(&r, &format!("a{i}"), ROUND, &plaintext);
+            (id, Some(bytes))
+        })
+        .collect();
+    let binding = Binding {
+        inputs_digest: inputs::digest_of(&inputs),
+        ..binding()
+    };
+    let agg = Aggregator::new(binding, 1.0, r.schema.clone(), &r.private)
+        .unwrap()
+        .evaluating(Some(evaluation));
+    agg.add_batch(&inputs);
+    let params = PrivacyParams {
+        epsilon: 50.0,
+        evaluation: Some(evaluation),
+        ..evaluating_privacy()
+    };
+    let manifest = agg.finish(&r.private, params).unwrap().manifest;
+    assert_eq!(manifest.included, 200);
+    let record = manifest.evaluation.expect("an evaluation record");
+    assert_eq!(record.model_version, ROUND - 1);
+    assert!((6.0..6.01).contains(&record.stddev), "{record:?}");
+    for (noised, truth) in [
+        (record.examples, 2_000.0),
+        (record.correct, 1_400.0),
+        (record.loss_sum / evaluation.max_loss, 500.0),
+    ] {
+        assert!(
+            (noised - truth).abs() < 6.0 * record.stddev,
+            "{noised} vs {truth}: {record:?}"
+        );
+    }
+    assert!((record.accuracy.unwrap() - 0.7).abs() < 0.04, "{record:?}");
+    assert!((record.loss.unwrap() - 0.5).abs() < 0.04, "{record:?}");
+    // The last planned round: value noise and evaluations together spend the whole budget.
+    assert!(
+        (manifest.privacy.epsilon_spent - 50.0).abs() < 1e-3,
+        "{:?}",
+        manifest.privacy
+    );
+}
+
+/// Many releases of the same (empty) sums under different inputs: the noise's spread is the
+/// recorded standard deviation, and the same inputs reproduce the same noise.
+#[test]
+fn the_metric_noise_has_the_recorded_spread_and_is_reproduced_for_the_same_inputs() {
+    let r = round(4);
+    let release = |digest: String| {
+        let binding = Binding {
+            inputs_digest: digest,
+            ..binding()
+        };
+        evaluation::release(&EVALUATION, Default::default(), &r.private, &binding)
+            .unwrap()
+            .0
+    };
+    let examples: Vec<f64> = (0..400)
+        .map(|i| release(format!("{i:064}")).examples)
+        .collect();
+    let n = examples.len() as f64;
+    let mean = examples.iter().sum::<f64>() / n;
+    let spread = (examples.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt();
+    let recorded = release("0".repeat(64)).stddev;
+    assert!(mean.abs() < 4.0 * recorded / n.sqrt(), "mean {mean}");
+    assert!(
+        (spread / recorded - 1.0).abs() < 0.12,
+        "{spread} vs {recorded}"
+    );
+    assert_eq!(release("7".repeat(64)), release("7".repeat(64)));
+}
+
+#[test]
+fn metrics_are_refused_outside_an_evaluation_round_and_optional_in_one() {
+    let r = round(4);
+    let with = sealed(
+        &r,
+        "with",
+        ROUND,
+        &evaluated_update(&[0.1, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0]),
+    );
+    let without = sealed(
+        &r,
+        "without",
+        ROUND,
+        &super::tests::update(&[0.1, 0.0, 0.0, 0.0]),
+    );
+    let plain = Aggregator::new(binding(), 1.0, r.schema.clone(), &r.private).unwrap();
+    assert_eq!(
+        plain.add(&with.0, Some(&with.1)),
+        Err(Exclusion::WrongTensors)
+    );
+    let evaluating = aggregator(&r, binding());
+    assert_eq!(evaluating.add(&with.0, Some(&with.1)), Ok(()));
+    assert_eq!(evaluating.add(&without.0, Some(&without.1)), Ok(()));
+    let wrong_shape = encode_f32_tensors(&[
+        ("b", vec![2], &[0.0, 0.0]),
+        ("w", vec![2], &[0.0, 0.0]),
+        (EVALUATION_TENSOR, vec![2], &[1.0, 1.0]),
+    ])
+    .unwrap();
+    let wrong = sealed(&r, "wrong", ROUND, &wrong_shape);
+    assert_eq!(
+        evaluating.add(&wrong.0, Some(&wrong.1)),
+        Err(Exclusion::WrongTensors)
+    );
+    let infinite = sealed(
+        &r,
+        "infinite",
+        ROUND,
+        &evaluated_update(&[0.1, 0.0, 0.0, 0.0], [1.0, f32::INFINITY, 1.0]),
+    );
+    assert_eq!(
+        evaluating.add(&infinite.0, Some(&infinite.1)),
+        Err(Exclusion::NonFinite)
+    );
+    assert_eq!(evaluating.counts(), (2, 2));
+}
+
+/// A worker that collects metrics in a round the policy does not evaluate, or does not in one it
+/// does, releases nothing: the metrics would be noise over nothing or go uncharged.
+#[test]
+fn the_aggregator_must_collect_metrics_exactly_when_the_policy_evaluates() {
+    let r = round(4);
+    let contribution = sealed(&r, "a", ROUND, &super::tests::update(&[0.1, 0.0, 0.0, 0.0]));
+    let run = |agg: Aggregator, params: PrivacyParams| {
+        agg.add(&contribution.0, Some(&contribution.1)).unwrap();
+        agg.finish(&r.private, params)
+    };
+    let not_collecting = Aggregator::new(binding(), 1.0, r.schema.clone(), &r.private).unwrap();
+    assert!(matches!(
+        run(not_collecting, evaluating_privacy()),
+        Err(AggregateError::EvaluationMismatch {
+            collected: false,
+            ..
+        })
+    ));
+    let every_two = Evaluation {
+        every: 2,
+        ..EVALUATION
+    };
+    let params = PrivacyParams {
+        evaluation: Some(every_two),
+        ..evaluating_privacy()
+    };
+    assert_eq!(params.evaluation_in(ROUND), None, "round 2 of every 2: no");
+    assert!(matches!(
+        run(aggregator(&r, binding()), params),
+        Err(AggregateError::EvaluationMismatch {
+            collected: true,
+            ..
+        })
+    ));
+    // Not an evaluation round, not collecting: released without an evaluation record.
+    let plain = Aggregator::new(binding(), 1.0, r.schema.clone(), &r.private).unwrap();
+    assert_eq!(run(plain, params).unwrap().manifest.evaluation, None);
+}
+
+/// A large (chunked) update with metrics takes the buffered path and is summed exactly as the
+/// buffered aggregator sums it; without metrics it streams.
+#[test]
+fn a_streamed_evaluation_round_sums_what_the_buffered_one_does() {
+    let len = 300_000;
+    let r = round(len);
+    let values = vec![1e-4f32; len];
+    let inputs: Vec<_> = [
+        sealed(&r, "m", ROUND, &evaluated_update(&values, [3.0, 2.0, 4.0])),
+        sealed(&r, "n", ROUND, &super::tests::update(&values)),
+    ]
+    .into_iter()
+    .map(|(id, bytes)| (id, Some(bytes)))
+    .collect();
+    let binding = Binding {
+        context: context(ROUND),
+        key_id: KEY.into(),
+        inputs_digest: inputs::digest_of(&inputs),
+    };
+    let run = |agg: Aggregator| {
+        agg.add_batch(&inputs);
+        assert_eq!(agg.counts(), (2, 0));
+        agg.finish(&r.private, evaluating_privacy()).unwrap()
+    };
+    let buffered = run(aggregator(&r, binding.clone()).stream_above(usize::MAX));
+    let streamed = run(aggregator(&r, binding).stream_above(0));
+    assert_eq!(buffered.manifest, streamed.manifest);
+    assert_eq!(buffered.average, streamed.average);
+    assert!(buffered.manifest.evaluation.is_some());
+}

@@ -1,0 +1,280 @@
+//! Validation of task requests: ranges, defaults, the policy text each choice gives.
+
+use super::*;
+use confed_enclave::policy::Mechanism;
+
+#[test]
+fn capacity_adapts_to_the_drop_out_rate_within_the_cap() {
+    let spec: TaskSpec = serde_json::from_value::<CreateTaskRequest>(serde_json::json!({
+        "population": "p", "rounds": 1, "report_goal": 10, "over_selection": 0.3,
+        "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0},
+    }))
+    .unwrap()
+    .validate()
+    .unwrap();
+    assert_eq!(spec.capacity_for(None), 13, "no evidence: the task's own");
+    assert_eq!(
+        spec.capacity_for(Some(0.1)),
+        13,
+        "never below the task's own"
+    );
+    // 40 % dropped: 1 / 0.6 - 1 = 0.667 over-selection.
+    assert_eq!(spec.capacity_for(Some(0.4)), 17);
+    assert_eq!(spec.capacity_for(Some(0.9)), 20, "at most doubled");
+    assert_eq!(spec.capacity_for(Some(1.0)), 20);
+}
+use serde_json::json;
+
+fn request(overrides: serde_json::Value) -> CreateTaskRequest {
+    let mut base = json!({
+        "population": "keyboards.en",
+        "rounds": 5,
+        "report_goal": 100,
+        "privacy": {"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0},
+    });
+    base.as_object_mut()
+        .unwrap()
+        .extend(overrides.as_object().unwrap().clone());
+    serde_json::from_value(base).unwrap()
+}
+
+fn invalid_names(overrides: serde_json::Value) -> Vec<String> {
+    request(overrides)
+        .validate()
+        .unwrap_err()
+        .into_iter()
+        .map(|p| p.name)
+        .collect()
+}
+
+/// DP-FTRL is chosen in `privacy`: its policy names the tree and the separation (the task's
+/// rounds when not given); a separation without the tree, or outside 1..=1024, is refused.
+#[test]
+fn a_tree_aggregation_task_names_its_separation_in_the_policy() {
+    let tree = |privacy: serde_json::Value| request(json!({ "privacy": privacy }));
+    let spec = tree(json!({"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0,
+                           "mechanism": "tree_aggregation"}))
+    .validate()
+    .unwrap();
+    assert_eq!(spec.privacy.min_separation, Some(5));
+    assert_eq!(
+        spec.policy("t", "x").mechanism,
+        "tree_aggregation_on_grid;min_separation=5"
+    );
+    let spec = tree(json!({"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0,
+                           "mechanism": "tree_aggregation", "min_separation": 2}))
+    .validate()
+    .unwrap();
+    assert_eq!(
+        spec.privacy.mechanism(),
+        Mechanism::Tree { min_separation: 2 }
+    );
+    let gaussian = request(json!({})).validate().unwrap();
+    assert_eq!(
+        gaussian.policy("t", "x").mechanism,
+        "discrete_gaussian_on_grid"
+    );
+    assert!(
+        !serde_json::to_string(&gaussian)
+            .unwrap()
+            .contains("mechanism"),
+        "stored Gaussian tasks keep their old form"
+    );
+    for privacy in [
+        json!({"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0, "min_separation": 2}),
+        json!({"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0,
+               "mechanism": "tree_aggregation", "min_separation": 0}),
+        json!({"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0,
+               "mechanism": "tree_aggregation", "min_separation": 1025}),
+    ] {
+        assert_eq!(
+            invalid_names(json!({ "privacy": privacy })),
+            ["privacy.min_separation"]
+        );
+    }
+}
+
+/// Evaluation goes into the policy with its defaults filled in (the noise from the report goal);
+/// its fields are checked and named; its cost counts against the budget.
+#[test]
+fn an_evaluation_is_named_in_the_policy_with_its_defaults_and_checked() {
+    let spec = request(json!({"evaluation": {"every": 2,
+        "early_stopping": {"metric": "accuracy", "patience": 3}}}))
+    .validate()
+    .unwrap();
+    assert_eq!(
+        spec.policy("t", "x").mechanism,
+        "discrete_gaussian_on_grid;evaluation=2,1e1,100,5e2"
+    );
+    let rule = spec.evaluation.unwrap().early_stopping.unwrap();
+    assert_eq!(
+        (rule.metric, rule.patience, rule.min_delta),
+        (Metric::Accuracy, 3, Some(0.0))
+    );
+    assert!(
+        !serde_json::to_string(&request(json!({})).validate().unwrap())
+            .unwrap()
+            .contains("evaluation"),
+        "tasks without evaluation keep their stored form"
+    );
+    for (evaluation, field) in [
+        (json!({"every": 0}), "evaluation.every"),
+        (json!({"every": 6}), "evaluation.every"),
+        (json!({"every": 1, "max_loss": 0.0}), "evaluation.max_loss"),
+        (
+            json!({"every": 1, "max_examples": 0}),
+            "evaluation.max_examples",
+        ),
+        (json!({"every": 1, "stddev": 0.5}), "evaluation.stddev"),
+        (
+            json!({"every": 1, "early_stopping": {"metric": "loss", "patience": 0}}),
+            "evaluation.early_stopping.patience",
+        ),
+        (
+            json!({"every": 1, "early_stopping": {"metric": "loss", "patience": 1, "min_delta": -1.0}}),
+            "evaluation.early_stopping.min_delta",
+        ),
+    ] {
+        assert_eq!(
+            invalid_names(json!({ "evaluation": evaluation })),
+            [field],
+            "{evaluation}"
+        );
+    }
+    // Evaluating every round at little noise would eat the budget: refused, saying what to do.
+    let problems = request(json!({"evaluation": {"every": 1, "stddev": 20.0}}))
+        .validate()
+        .unwrap_err();
+    assert_eq!(problems[0].name, "privacy");
+    assert!(
+        problems[0].reason.contains("evaluate less often"),
+        "{problems:?}"
+    );
+}
+
+#[test]
+fn a_plan_whose_rounds_cannot_fit_the_budget_is_refused_with_what_to_change() {
+    let problems = request(json!({"rounds": 1000, "report_goal": 20,
+        "privacy": {"epsilon": 0.5, "delta": 1e-6, "clip_norm": 1.0}}))
+    .validate()
+    .unwrap_err();
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert_eq!(problems[0].name, "privacy");
+    assert!(
+        problems[0].reason.contains("Raise report_goal to at least"),
+        "{}",
+        problems[0].reason
+    );
+    assert!(problems[0].reason.contains("plan fewer rounds"));
+}
+
+#[test]
+fn defaults_fill_optional_fields() {
+    let spec = request(json!({})).validate().unwrap();
+    assert_eq!(spec.min_reports, 100);
+    assert_eq!(spec.over_selection, 0.3);
+    assert_eq!(spec.round_deadline_seconds, 3600);
+    assert_eq!(spec.assignment_timeout_seconds, 600);
+    assert_eq!(spec.max_round_attempts, 3);
+    assert_eq!(spec.server_learning_rate, 1.0);
+    assert_eq!(spec.plan, json!({}));
+    assert_eq!(spec.max_live_assignments(), 130);
+}
+
+#[test]
+fn each_out_of_range_field_is_named() {
+    let cases = [
+        (json!({"population": ""}), "population"),
+        (json!({"population": "has space"}), "population"),
+        (json!({"rounds": 0}), "rounds"),
+        (json!({"rounds": 10_001}), "rounds"),
+        (json!({"report_goal": -1}), "report_goal"),
+        (json!({"min_reports": 101}), "min_reports"),
+        (json!({"min_reports": 0}), "min_reports"),
+        (json!({"over_selection": -0.1}), "over_selection"),
+        (
+            json!({"round_deadline_seconds": 5}),
+            "round_deadline_seconds",
+        ),
+        (
+            json!({"assignment_timeout_seconds": 4000}),
+            "assignment_timeout_seconds",
+        ),
+        (json!({"max_round_attempts": 11}), "max_round_attempts"),
+        (
+            json!({"client_version": {"min": "1.x"}}),
+            "client_version.min",
+        ),
+        (
+            json!({"client_version": {"min": "2.0", "max": "1.9"}}),
+            "client_version",
+        ),
+        (
+            json!({"constraints": {"Bad Name": true}}),
+            "constraints.Bad Name",
+        ),
+        (
+            json!({"constraints": {"ram_gb": {"min": 8, "max": 4}}}),
+            "constraints.ram_gb",
+        ),
+        (json!({"constraints": {"ram_gb": {}}}), "constraints.ram_gb"),
+        (
+            json!({"privacy": {"epsilon": 0.0, "delta": 1e-6, "clip_norm": 1.0}}),
+            "privacy.epsilon",
+        ),
+        (
+            json!({"privacy": {"epsilon": 1.0, "delta": 0.5, "clip_norm": 1.0}}),
+            "privacy.delta",
+        ),
+        (
+            json!({"privacy": {"epsilon": 1.0, "delta": 1e-6, "clip_norm": -1.0}}),
+            "privacy.clip_norm",
+        ),
+        (
+            // Subnormal: the grid's unit would underflow and no clip could ever fit.
+            json!({"privacy": {"epsilon": 1.0, "delta": 1e-6, "clip_norm": 5e-324}}),
+            "privacy.clip_norm",
+        ),
+        (json!({"server_learning_rate": 0.0}), "server_learning_rate"),
+        (json!({"plan": [1, 2]}), "plan"),
+    ];
+    for (overrides, field) in cases {
+        assert_eq!(invalid_names(overrides.clone()), vec![field], "{overrides}");
+    }
+}
+
+#[test]
+fn all_problems_are_reported_together_with_ranges() {
+    let problems = request(json!({"rounds": 0, "report_goal": 0}))
+        .validate()
+        .unwrap_err();
+    assert_eq!(problems.len(), 2);
+    assert_eq!(problems[0].reason, "must be between 1 and 10000 (got 0)");
+}
+
+#[test]
+fn oversized_plan_is_refused() {
+    let big = "x".repeat(MAX_PLAN_BYTES);
+    assert_eq!(invalid_names(json!({"plan": {"blob": big}})), vec!["plan"]);
+}
+
+#[test]
+fn constraints_and_versions_round_trip() {
+    let spec = request(json!({
+        "client_version": {"min": "1.2", "max": "3"},
+        "constraints": {"os": "android", "charging": true, "ram_gb": {"min": 4}},
+    }))
+    .validate()
+    .unwrap();
+    let text = serde_json::to_string(&spec).unwrap();
+    let back: TaskSpec = serde_json::from_str(&text).unwrap();
+    assert_eq!(back, spec);
+    assert_eq!(back.constraints["charging"], Constraint::Flag(true));
+}
+
+#[test]
+fn versions_parse_as_numbers() {
+    assert!(parse_version("1.10").unwrap() > parse_version("1.9").unwrap());
+    assert_eq!(parse_version("1.2.3.4.5"), None);
+    assert_eq!(parse_version(""), None);
+}
