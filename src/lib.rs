@@ -14,6 +14,7 @@ pub mod clock;
 pub mod console;
 pub mod db;
 pub mod embedded;
+pub mod evaluation;
 pub mod keys;
 pub mod registry;
 pub mod release_check;

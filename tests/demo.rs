@@ -17,6 +17,7 @@ fn small(dir: &std::path::Path) -> DemoOptions {
         server_learning_rate: 1.0,
         tree: false,
         adaptive_clipping: false,
+        evaluate_every: None,
         data_dir: dir.join("demo"),
         progress: false,
     }
@@ -75,5 +76,37 @@ async fn adaptive_clipping_moves_the_clip_norm_round_by_round() {
     let clips = &summary.clip_norms;
     assert_eq!(clips[0], 5.0);
     assert!(clips[1] < clips[0] && clips[2] < clips[1], "{clips:?}");
+    assert!(summary.epsilon_spent <= 8.0 && summary.epsilon_spent > 7.9);
+}
+
+/// Evaluation every 2 rounds (rounds 1 and 3 evaluate model versions 0 and 2): each release of
+/// an evaluation round carries the devices' noised metrics, the example count is within its
+/// recorded noise of the 40 devices x 20 held-out examples, and the budget, evaluations
+/// included, is spent by the last round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evaluation_rounds_release_the_devices_noised_metrics_within_the_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let summary = run(DemoOptions {
+        evaluate_every: Some(2),
+        ..small(dir.path())
+    })
+    .await
+    .unwrap();
+    let versions: Vec<u64> = summary
+        .evaluations
+        .iter()
+        .map(|e| e.model_version)
+        .collect();
+    assert_eq!(versions, [0, 2]);
+    for point in &summary.evaluations {
+        assert!(
+            (point.examples - 800.0).abs() < 5.0 * point.stddev,
+            "{point:?}"
+        );
+        assert!(
+            point.accuracy.is_some() && point.loss.is_some(),
+            "{point:?}"
+        );
+    }
     assert!(summary.epsilon_spent <= 8.0 && summary.epsilon_spent > 7.9);
 }

@@ -13,7 +13,7 @@ use confed_protocol::device::{
 use confed_protocol::envelope::{EnvelopeError, RoundContext};
 use confed_protocol::hpke::{PublicKey, RustCrypto, Sealer};
 use confed_protocol::keys::{DeviceKey, KeyState};
-use confed_protocol::policy::{DeviceLimits, TaskPolicy, sha256_hex};
+use confed_protocol::policy::{DeviceLimits, Evaluation, TaskPolicy, sha256_hex};
 use confed_protocol::trust::{
     TrustConfig, TrustError, TrustFileError, TrustedKeyService, accept_device_key,
 };
@@ -189,6 +189,22 @@ pub struct Model {
 pub struct AcceptedPolicy {
     pub policy: TaskPolicy,
     pub sha256: String,
+}
+
+impl AcceptedPolicy {
+    /// The evaluation the assignment's round asks for, if it is an evaluation round: the device
+    /// then measures the model it downloaded (the version the round trains from) on its own
+    /// held-out examples and adds `[loss_sum, correct, examples]` to its update as the F32 `[3]`
+    /// tensor `EVALUATION_TENSOR` (docs/protocol.md, "Evaluation"). In any other round that
+    /// tensor makes the enclave refuse the whole update.
+    pub fn evaluation_in(&self, assignment: &AssignmentResponse) -> Option<Evaluation> {
+        let round = u64::try_from(assignment.round).ok()?;
+        self.policy
+            .dp_mechanism()
+            .ok()?
+            .evaluation
+            .filter(|e| e.evaluates(round))
+    }
 }
 
 async fn problem_detail(response: reqwest::Response) -> DeviceError {

@@ -9,4 +9,5 @@ pub use client::{
     AcceptedPolicy, Checkin, DeviceClient, DeviceError, Model, VerifiedKeys, load_trust,
 };
 pub use confed_protocol::device::{AssignmentResponse, ReportOutcome, RetryResponse, RetryWindow};
+pub use confed_protocol::policy::{EVALUATION_TENSOR, Evaluation};
 pub use confed_protocol::trust::{TrustConfig, TrustedEntry};

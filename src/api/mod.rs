@@ -5,6 +5,7 @@
 pub mod admin;
 pub mod devices;
 pub mod error;
+pub mod evaluations;
 pub mod extract;
 pub mod integers;
 pub mod models;
@@ -133,6 +134,7 @@ pub fn routes_and_openapi(limits: &Limits) -> (Router<AppState>, utoipa::openapi
         .routes(routes!(releases::list_releases))
         .routes(routes!(releases::get_average))
         .routes(routes!(releases::get_manifest))
+        .routes(routes!(evaluations::list_evaluations))
         .routes(routes!(models::get_model))
         .routes(routes!(admin::create_tenant, admin::list_tenants))
         .routes(routes!(populations::list_populations))

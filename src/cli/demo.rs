@@ -38,6 +38,10 @@ pub struct DemoArgs {
     /// starting from --clip-norm.
     #[arg(long)]
     pub adaptive_clipping: bool,
+    /// Federated evaluation every K rounds: the devices measure the model they train from on
+    /// held-out examples and the enclave releases noised accuracy and loss (charged to epsilon).
+    #[arg(long, value_name = "K")]
+    pub evaluate_every: Option<u32>,
     /// Where the demo keeps its state (default: a new directory under the system's temp dir,
     /// removed at the end).
     #[arg(long)]
@@ -100,6 +104,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         server_learning_rate: args.server_learning_rate,
         tree: args.mechanism == DemoMechanism::Ftrl,
         adaptive_clipping: args.adaptive_clipping,
+        evaluate_every: args.evaluate_every,
         data_dir: data_dir.clone(),
         progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
     })

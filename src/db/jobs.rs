@@ -364,7 +364,8 @@ impl Db {
     }
 
     /// Records model version `round_number`, completes the round (APPLYING -> COMPLETED) and the
-    /// job, and opens the next round or, after the last planned round, completes the task.
+    /// job, and opens the next round or, after the last planned round or when the task's
+    /// early-stopping rule says so, completes the task.
     pub async fn commit_model(
         &self,
         round_id: &str,
@@ -404,6 +405,18 @@ impl Db {
                     .execute(&mut *tx)
                     .await?;
                 if task.state != TaskState::Open {
+                    return Ok(());
+                }
+                if let Some(reason) = early_stop(&mut *tx, &task).await? {
+                    transition(
+                        &mut *tx,
+                        &task.id,
+                        TaskState::Open,
+                        TaskState::Completed,
+                        &reason,
+                        now,
+                    )
+                    .await?;
                     return Ok(());
                 }
                 if version < i64::from(task.spec.rounds) {
@@ -535,4 +548,16 @@ impl Db {
         }
         Ok(out)
     }
+}
+
+/// The early-stopping rule's verdict on the task's evaluations so far (`None`: go on).
+async fn early_stop(conn: &mut Conn, task: &tasks::TaskRecord) -> Result<Option<String>, DbError> {
+    let Some(evaluation) = task.spec.evaluation else {
+        return Ok(None);
+    };
+    let Some(rule) = evaluation.early_stopping else {
+        return Ok(None);
+    };
+    let points = super::evaluations::of_task(conn, &task.id, evaluation.every).await?;
+    Ok(crate::evaluation::early_stop(&rule, &points))
 }

@@ -19,6 +19,7 @@ mod assignments;
 mod blobs;
 pub mod device;
 mod error;
+mod evaluations;
 mod history;
 pub mod jobs;
 mod models;

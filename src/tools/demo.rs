@@ -35,6 +35,9 @@ pub struct DemoOptions {
     pub tree: bool,
     /// Adaptive clipping with its defaults, from `clip_norm`.
     pub adaptive_clipping: bool,
+    /// Federated evaluation every this many rounds (each device on 20 held-out examples, the
+    /// noise at its default), charged to the budget.
+    pub evaluate_every: Option<u32>,
     pub data_dir: PathBuf,
     pub progress: bool,
 }
@@ -76,11 +79,15 @@ pub struct DemoSummary {
     pub accuracy: Vec<f64>,
     /// The clip norm each round used (its release manifest's).
     pub clip_norms: Vec<f64>,
+    /// Each evaluation the devices made, as released.
+    pub evaluations: Vec<crate::evaluation::EvaluationPoint>,
     pub epsilon_spent: f64,
     pub elapsed: Duration,
 }
 
 const ROUND_TIMEOUT: Duration = Duration::from_secs(300);
+/// Held-out examples per device (it trains on twice as many).
+const HELD_OUT_ROWS: usize = 20;
 
 pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
     let started = Instant::now();
@@ -119,16 +126,20 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
     if options.adaptive_clipping {
         privacy["adaptive_clipping"] = json!({});
     }
+    let mut request = json!({
+        "population": "demo", "rounds": options.rounds, "report_goal": options.report_goal,
+        "privacy": privacy,
+        "server_learning_rate": options.server_learning_rate,
+        "server_optimizer": options.optimizer,
+        "plan": {"epochs": 2, "batch_size": 16, "learning_rate": 0.2},
+    });
+    if let Some(every) = options.evaluate_every {
+        request["evaluation"] = json!({"every": every, "max_examples": HELD_OUT_ROWS});
+    }
     let created = http
         .post(format!("{url}/v1/tasks"))
         .bearer_auth(&token)
-        .json(&json!({
-            "population": "demo", "rounds": options.rounds, "report_goal": options.report_goal,
-            "privacy": privacy,
-            "server_learning_rate": options.server_learning_rate,
-            "server_optimizer": options.optimizer,
-            "plan": {"epochs": 2, "batch_size": 16, "learning_rate": 0.2},
-        }))
+        .json(&request)
         .send()
         .await
         .map_err(api)?;
@@ -170,6 +181,11 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         options.optimizer.name(),
         options.server_learning_rate
     );
+    if let Some(every) = options.evaluate_every {
+        println!(
+            "confed demo: every {every} rounds the devices also evaluate the model they train from on {HELD_OUT_ROWS} held-out examples each; the enclave releases the sums with noise charged to the budget"
+        );
+    }
     let held_out = Synthetic::standard(options.seed).test_set(2000);
     let model_accuracy = |bytes: &[u8]| {
         Softmax::from_safetensors(bytes)
@@ -204,6 +220,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
     };
     let mut epsilon_spent = 0.0;
     let mut clip_norms = Vec::new();
+    let mut evaluations = Vec::new();
     for round in 1..=options.rounds {
         // Each round draws the next `report_goal` devices of the population, round-robin.
         let first =
@@ -218,7 +235,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
             trust: system.trust.clone(),
             train: true,
             seed: options.seed,
-            rows_per_device: 40,
+            rows_per_device: 2 * HELD_OUT_ROWS,
             max_retry_wait: Duration::from_millis(100),
             idle_limit: 600,
             client_version: "1.0.0".into(),
@@ -254,6 +271,25 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
             .and_then(|m| m["clip_norm"].as_f64())
             .unwrap_or(options.clip_norm);
         clip_norms.push(clip);
+        if let Some(point) =
+            crate::evaluation::point_of(release.round_number, &release.manifest_json)
+        {
+            let shown = |v: Option<f64>, scale: f64, unit: &str| {
+                v.map_or("none (no examples after noise)".into(), |v| {
+                    format!("{:.1}{unit}", v * scale)
+                })
+            };
+            say(format!(
+                "round {round}: the devices evaluated model version {}: accuracy {} (the demo's own held-out set: {:.1}%), loss {}, over {:.0} examples (noise {:.0} examples per sum)",
+                point.model_version,
+                shown(point.accuracy, 100.0, "%"),
+                accuracy[point.model_version as usize] * 100.0,
+                shown(point.loss, 1.0, ""),
+                point.examples,
+                point.stddev
+            ));
+            evaluations.push(point);
+        }
         say(format!(
             "round {round}: {} contributions aggregated ({} excluded), clip norm {clip:.3}, privacy spent epsilon {:.2} of {}, accuracy {:.1}%, release verified",
             release.included,
@@ -282,6 +318,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
     Ok(DemoSummary {
         accuracy,
         clip_norms,
+        evaluations,
         epsilon_spent,
         elapsed,
     })

@@ -158,6 +158,12 @@ fn random_update(model: &[u8], rng: &mut Rng) -> Result<Vec<u8>, DeviceError> {
         .map_err(|e| DeviceError::Training(e.to_string()))
 }
 
+/// A simulated device's rows: what it trains on and what it evaluates models on.
+struct LocalData {
+    train: super::train::Dataset,
+    held_out: super::train::Dataset,
+}
+
 /// One device until it has contributed `rounds` times or was told to retry `idle_limit` times in a row.
 async fn device(shared: Arc<Shared>, index: u64) {
     let config = &shared.config;
@@ -177,9 +183,12 @@ async fn device(shared: Arc<Shared>, index: u64) {
             });
         }
     };
-    let shard = config
-        .train
-        .then(|| shared.task.shard(index, config.rows_per_device));
+    let shard = config.train.then(|| LocalData {
+        train: shared.task.shard(index, config.rows_per_device),
+        held_out: shared
+            .task
+            .held_out(index, (config.rows_per_device / 2).max(1)),
+    });
     let mut rng = Rng::new(config.seed ^ index);
     let attributes = simulated_attributes();
     let (mut contributed, mut idle) = (0, 0);
@@ -251,7 +260,7 @@ async fn cycle(
     shared: &Shared,
     client: &DeviceClient,
     assignment: &crate::api::devices::AssignmentResponse,
-    shard: Option<&super::train::Dataset>,
+    shard: Option<&LocalData>,
     rng: &mut Rng,
 ) -> Result<(), DeviceError> {
     let public_key = client.verified_key(assignment, unix_now())?;
@@ -261,7 +270,10 @@ async fn cycle(
     let model_bytes = model.bytes.as_slice();
     shared.timed("model", started);
     let update = match shard {
-        Some(shard) => {
+        Some(LocalData {
+            train: shard,
+            held_out,
+        }) => {
             let base = Softmax::from_safetensors(model_bytes)?;
             if base.features != shard.features || base.classes != shard.classes {
                 return Err(DeviceError::Training(format!(
@@ -275,7 +287,11 @@ async fn cycle(
             );
             let mut local = base.clone();
             local.train(shard, plan.epochs, plan.batch_size, plan.learning_rate);
-            local.delta_from(&base).to_safetensors()
+            // An evaluation round: the downloaded model measured on held-out examples.
+            let metrics = policy
+                .evaluation_in(assignment)
+                .map(|_| base.evaluate(held_out));
+            local.delta_from(&base).to_safetensors_with(metrics)
         }
         None => random_update(model_bytes, rng)?,
     };

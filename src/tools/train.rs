@@ -7,6 +7,7 @@
 //! index per row) and split it over devices with `Dataset::shard`-like logic; the training and the
 //! protocol do not care where rows come from.
 
+use confed_enclave::policy::EVALUATION_TENSOR;
 use safetensors::SafeTensors;
 
 use confed_device::DeviceError;
@@ -107,7 +108,22 @@ impl Synthetic {
 
     /// Device `index`'s private shard: 80 % from two classes of its own, 20 % from any class.
     pub fn shard(&self, index: u64, rows: usize) -> Dataset {
-        let mut rng = Rng::new(self.seed ^ index.wrapping_mul(0xa076_1d64_78bd_642f));
+        self.shard_from(
+            index,
+            rows,
+            self.seed ^ index.wrapping_mul(0xa076_1d64_78bd_642f),
+        )
+    }
+
+    /// Device `index`'s held-out examples (what it evaluates models on): drawn as its shard is,
+    /// from other randomness.
+    pub fn held_out(&self, index: u64, rows: usize) -> Dataset {
+        let seed = self.seed ^ index.wrapping_mul(0xe703_7ed1_a0b4_28db) ^ 0x4e1d;
+        self.shard_from(index, rows, seed)
+    }
+
+    fn shard_from(&self, index: u64, rows: usize, seed: u64) -> Dataset {
+        let mut rng = Rng::new(seed);
         let own = [
             index as usize % self.classes,
             (index as usize + 1) % self.classes,
@@ -202,11 +218,21 @@ impl Softmax {
     }
 
     pub fn to_safetensors(&self) -> Vec<u8> {
-        confed_enclave::model::encode_f32_tensors(&[
-            (WEIGHT, vec![self.classes, self.features], &self.weight),
-            (BIAS, vec![self.classes], &self.bias),
-        ])
-        .expect("softmax tensors serialize")
+        self.to_safetensors_with(None)
+    }
+
+    /// The tensors and, in an evaluation round, the device's `[loss_sum, correct, examples]`
+    /// as the `confed.evaluation` tensor (docs/protocol.md, "Evaluation").
+    pub fn to_safetensors_with(&self, evaluation: Option<[f32; 3]>) -> Vec<u8> {
+        let metrics = evaluation.unwrap_or_default();
+        let mut tensors = vec![
+            (WEIGHT, vec![self.classes, self.features], &self.weight[..]),
+            (BIAS, vec![self.classes], &self.bias[..]),
+        ];
+        if evaluation.is_some() {
+            tensors.push((EVALUATION_TENSOR, vec![3], &metrics[..]));
+        }
+        confed_enclave::model::encode_f32_tensors(&tensors).expect("softmax tensors serialize")
     }
 
     fn probabilities(&self, row: &[f32], out: &mut [f32]) {
@@ -263,17 +289,23 @@ impl Softmax {
 
     /// Fraction of `data` classified correctly.
     pub fn accuracy(&self, data: &Dataset) -> f64 {
+        f64::from(self.evaluate(data)[1]) / data.len().max(1) as f64
+    }
+
+    /// `[loss_sum, correct, examples]` over `data`: the summed cross-entropy (each at most
+    /// `-ln 1e-12`, about 27.6), the rows classified correctly and the rows.
+    pub fn evaluate(&self, data: &Dataset) -> [f32; 3] {
         let mut p = vec![0.0; self.classes];
-        let correct = (0..data.len())
-            .filter(|&i| {
-                self.probabilities(data.row(i), &mut p);
-                let best = (0..self.classes)
-                    .max_by(|&a, &b| p[a].total_cmp(&p[b]))
-                    .unwrap_or(0);
-                best == data.y[i]
-            })
-            .count();
-        correct as f64 / data.len().max(1) as f64
+        let (mut loss, mut correct) = (0.0f64, 0usize);
+        for i in 0..data.len() {
+            self.probabilities(data.row(i), &mut p);
+            let best = (0..self.classes)
+                .max_by(|&a, &b| p[a].total_cmp(&p[b]))
+                .unwrap_or(0);
+            correct += usize::from(best == data.y[i]);
+            loss -= f64::from(p[data.y[i]].max(1e-12)).ln();
+        }
+        [loss as f32, correct as f32, data.len() as f32]
     }
 
     /// `self - base`, the update a device uploads.

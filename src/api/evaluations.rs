@@ -1,0 +1,50 @@
+//! A task's evaluations: per evaluated model version, the noised metrics the enclave released
+//! (read from the signed manifests, `.../releases/{round}/manifest`). Read-only, per tenant.
+
+use axum::extract::State;
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use super::AppState;
+use super::error::{ApiError, Problem};
+use super::extract::{ApiPath, Tenant};
+use crate::evaluation::EvaluationPoint;
+use crate::task_spec::EvaluationSpec;
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct EvaluationList {
+    /// The task's evaluation settings (null: the task does not evaluate).
+    pub evaluation: Option<EvaluationSpec>,
+    /// One per evaluation round released so far, by model version.
+    pub evaluations: Vec<EvaluationPoint>,
+    /// The evaluated version with the best noised value of the early-stopping metric (accuracy
+    /// without a rule); null before any evaluation with a metric.
+    pub best_model_version: Option<u64>,
+}
+
+/// The task's evaluations, by model version.
+#[utoipa::path(get, path = "/v1/tasks/{id}/evaluations", tag = "tasks",
+    params(("id" = String, Path, description = "Task id")),
+    security(("tenant_token" = [])),
+    responses(
+        (status = 200, body = EvaluationList),
+        (status = 401, body = Problem, content_type = "application/problem+json"),
+        (status = 404, body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn list_evaluations(
+    State(state): State<AppState>,
+    Tenant(tenant): Tenant,
+    ApiPath(id): ApiPath<String>,
+) -> Result<axum::Json<EvaluationList>, ApiError> {
+    let task = state.db.task(&tenant.id, &id).await?;
+    let evaluations = state.db.evaluations(&tenant.id, &id).await?;
+    let evaluation = task.spec.evaluation;
+    let metric = evaluation
+        .and_then(|e| e.early_stopping)
+        .map_or(crate::task_spec::Metric::Accuracy, |rule| rule.metric);
+    Ok(axum::Json(EvaluationList {
+        best_model_version: crate::evaluation::best(metric, &evaluations),
+        evaluation,
+        evaluations,
+    }))
+}

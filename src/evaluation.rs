@@ -1,0 +1,165 @@
+//! A task's evaluations as the server reads them from the enclave's release manifests, and the
+//! early-stopping rule over them. The rule is post-processing of noised, released metrics: it
+//! spends no privacy, and an operator who ignores it only trains longer (docs/privacy.md,
+//! "Evaluation").
+
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::task_spec::{EarlyStopping, Metric};
+
+/// One evaluated model version: the `evaluation` of a release manifest (docs/protocol.md).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct EvaluationPoint {
+    /// The version measured: the one round `round` trained from (`round - 1`).
+    pub model_version: u64,
+    /// The round whose devices measured it and whose release carries the metrics.
+    #[serde(default)]
+    pub round: u64,
+    /// Standard deviation of the noise on each sum, in examples.
+    pub stddev: f64,
+    /// Noised sums: examples, correct answers, loss.
+    pub examples: f64,
+    pub correct: f64,
+    pub loss_sum: f64,
+    /// Noised mean accuracy and loss (null when the noised example count is not positive).
+    pub accuracy: Option<f64>,
+    pub loss: Option<f64>,
+}
+
+/// The evaluation in a release manifest, if the round evaluated (a manifest that does not parse
+/// has none: the release's own check reports it).
+pub fn point_of(round: i64, manifest_json: &str) -> Option<EvaluationPoint> {
+    let manifest: serde_json::Value = serde_json::from_str(manifest_json).ok()?;
+    let mut point: EvaluationPoint =
+        serde_json::from_value(manifest.get("evaluation")?.clone()).ok()?;
+    point.round = u64::try_from(round).ok()?;
+    Some(point)
+}
+
+impl Metric {
+    fn of(self, point: &EvaluationPoint) -> Option<f64> {
+        match self {
+            Metric::Loss => point.loss,
+            Metric::Accuracy => point.accuracy,
+        }
+    }
+
+    /// How much better `value` is than `best` (positive: better).
+    fn gain(self, value: f64, best: f64) -> f64 {
+        match self {
+            Metric::Loss => best - value,
+            Metric::Accuracy => value - best,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Metric::Loss => "loss",
+            Metric::Accuracy => "accuracy",
+        }
+    }
+}
+
+/// The model version with the best value of `metric` (the first of equals), if any has one.
+pub fn best(metric: Metric, points: &[EvaluationPoint]) -> Option<u64> {
+    let mut best: Option<(f64, u64)> = None;
+    for point in points {
+        if let Some(value) = metric.of(point)
+            && best.is_none_or(|(b, _)| metric.gain(value, b) > 0.0)
+        {
+            best = Some((value, point.model_version));
+        }
+    }
+    best.map(|(_, version)| version)
+}
+
+/// Why the task should stop now, if it should: the rule's metric has not improved on its best by
+/// more than `min_delta` for `patience` evaluations in a row (an evaluation without a metric
+/// counts as no improvement). `points` are in model-version order.
+pub fn early_stop(rule: &EarlyStopping, points: &[EvaluationPoint]) -> Option<String> {
+    let min_delta = rule.min_delta.unwrap_or(0.0);
+    let mut best: Option<(f64, u64)> = None;
+    let mut waited = 0i64;
+    for point in points {
+        match (rule.metric.of(point), best) {
+            (Some(value), None) => best = Some((value, point.model_version)),
+            (Some(value), Some((best_value, _)))
+                if rule.metric.gain(value, best_value) > min_delta =>
+            {
+                best = Some((value, point.model_version));
+                waited = 0;
+            }
+            _ => waited += 1,
+        }
+    }
+    if waited < rule.patience {
+        return None;
+    }
+    let best = best.map_or(
+        "no evaluation had a metric".to_string(),
+        |(value, version)| format!("best {value:.4} at model version {version}"),
+    );
+    Some(format!(
+        "early stopping: the evaluated {} has not improved by more than {min_delta} for {waited} evaluations ({best})",
+        rule.metric.as_str()
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn points(values: &[Option<f64>]) -> Vec<EvaluationPoint> {
+        values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| EvaluationPoint {
+                model_version: 2 * i as u64,
+                round: 2 * i as u64 + 1,
+                stddev: 1.0,
+                examples: 100.0,
+                correct: 0.0,
+                loss_sum: 0.0,
+                accuracy: *v,
+                loss: v.map(|a| 1.0 - a),
+            })
+            .collect()
+    }
+
+    fn rule(metric: Metric, patience: i64, min_delta: f64) -> EarlyStopping {
+        EarlyStopping {
+            metric,
+            patience,
+            min_delta: Some(min_delta),
+        }
+    }
+
+    #[test]
+    fn training_stops_after_patience_evaluations_without_improvement() {
+        let accuracy = rule(Metric::Accuracy, 2, 0.0);
+        let rising = points(&[Some(0.1), Some(0.3), Some(0.5)]);
+        assert_eq!(early_stop(&accuracy, &rising), None);
+        let flat = points(&[Some(0.1), Some(0.5), Some(0.4), Some(0.5)]);
+        let reason = early_stop(&accuracy, &flat).expect("stops");
+        assert!(
+            reason.contains("accuracy") && reason.contains("best 0.5000 at model version 2"),
+            "{reason}"
+        );
+        // Loss: lower is better, so the same series read as loss keeps improving... until not.
+        assert_eq!(best(Metric::Accuracy, &flat), Some(2));
+        assert_eq!(best(Metric::Loss, &flat), Some(2));
+        let loss = rule(Metric::Loss, 2, 0.0);
+        assert!(early_stop(&loss, &rising).is_none());
+        assert!(early_stop(&loss, &points(&[Some(0.9), Some(0.5), Some(0.1)])).is_some());
+    }
+
+    #[test]
+    fn an_improvement_within_min_delta_or_a_missing_metric_counts_as_none() {
+        let rule = rule(Metric::Accuracy, 2, 0.05);
+        assert!(early_stop(&rule, &points(&[Some(0.5), Some(0.52), Some(0.54)])).is_some());
+        assert!(early_stop(&rule, &points(&[Some(0.5), Some(0.52), Some(0.56)])).is_none());
+        assert!(early_stop(&rule, &points(&[Some(0.5), None, None])).is_some());
+        assert!(early_stop(&rule, &points(&[])).is_none());
+    }
+}
