@@ -20,6 +20,9 @@ pub struct EvaluationList {
     /// The evaluated version with the best noised value of the early-stopping metric (accuracy
     /// without a rule); null before any evaluation with a metric.
     pub best_model_version: Option<u64>,
+    /// Why the task completed before its planned rounds, when the early-stopping rule stopped
+    /// it (null otherwise).
+    pub stopped_early: Option<String>,
 }
 
 /// The task's evaluations, by model version.
@@ -39,11 +42,21 @@ pub async fn list_evaluations(
     let task = state.db.task(&tenant.id, &id).await?;
     let evaluations = state.db.evaluations(&tenant.id, &id).await?;
     let evaluation = task.spec.evaluation;
-    let metric = evaluation
-        .and_then(|e| e.early_stopping)
-        .map_or(crate::task_spec::Metric::Accuracy, |rule| rule.metric);
+    let rule = evaluation.and_then(|e| e.early_stopping);
+    let metric = rule.map_or(crate::task_spec::Metric::Accuracy, |rule| rule.metric);
+    let planned = i64::from(task.spec.rounds);
+    let stopped_early = match rule {
+        Some(rule)
+            if task.state == crate::states::TaskState::Completed
+                && task.model_version.is_some_and(|v| v < planned) =>
+        {
+            crate::evaluation::early_stop(&rule, &evaluations)
+        }
+        _ => None,
+    };
     Ok(axum::Json(EvaluationList {
         best_model_version: crate::evaluation::best(metric, &evaluations),
+        stopped_early,
         evaluation,
         evaluations,
     }))

@@ -1,0 +1,104 @@
+//! Evaluation rounds end to end (one process, SQLite): simulated devices add their metrics for
+//! the model they train from, the enclave releases them noised, partners read them per model
+//! version, and the early-stopping rule completes the task.
+
+mod common;
+
+use common::system::{collect, get, now_clock, open_task, open_task_with, start};
+use serde_json::{Value, json};
+
+async fn evaluations(
+    system: &confed::embedded::EmbeddedSystem,
+    token: &str,
+    task: &str,
+) -> (u16, Value) {
+    let reply = get(system, token, &format!("/v1/tasks/{task}/evaluations")).await;
+    (reply.status().as_u16(), reply.json().await.unwrap())
+}
+
+/// Every round evaluates (20 devices x 20 held-out examples); the rule wants an accuracy gain of
+/// more than 1 (impossible) within one evaluation, so the second evaluation stops the task:
+/// round 2 completes, model version 2 is its last, and round 3 never opens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evaluations_are_listed_per_model_version_and_early_stopping_completes_the_task() {
+    let (system, _dir) = start(now_clock()).await;
+    let (token, task) = open_task_with(
+        &system,
+        "evaluated",
+        50.0,
+        json!({"evaluation": {"every": 1, "max_examples": 20, "stddev": 20.0,
+            "early_stopping": {"metric": "accuracy", "patience": 1, "min_delta": 1.0}}}),
+    )
+    .await;
+    let worker = system.worker("w1");
+    for round in 1..=2u64 {
+        collect(&system, "evaluated", round, true).await;
+        let outcome = worker.run_once().await.unwrap().expect("a job was ready");
+        assert_eq!(outcome.round, round);
+    }
+    let (status, body) = evaluations(&system, &token, &task).await;
+    assert_eq!(status, 200, "{body}");
+    let points = body["evaluations"].as_array().unwrap();
+    let versions: Vec<u64> = points
+        .iter()
+        .map(|p| p["model_version"].as_u64().unwrap())
+        .collect();
+    assert_eq!(versions, [0, 1]);
+    for point in points {
+        let stddev = point["stddev"].as_f64().unwrap();
+        assert!((20.0..20.01).contains(&stddev), "{point}");
+        let examples = point["examples"].as_f64().unwrap();
+        assert!((examples - 400.0).abs() < 5.0 * stddev, "{point}");
+        assert!(point["accuracy"].as_f64().is_some(), "{point}");
+    }
+    assert_eq!(body["evaluation"]["every"], 1);
+    let reason = body["stopped_early"].as_str().expect("stopped early");
+    assert!(reason.contains("early stopping"), "{reason}");
+
+    let task_now: Value = get(&system, &token, &format!("/v1/tasks/{task}"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(task_now["state"], "COMPLETED", "{task_now}");
+    assert_eq!(task_now["model_version"], 2);
+    assert!(worker.run_once().await.unwrap().is_none(), "no third round");
+    let history = system.db.history(&task).await.unwrap();
+    assert!(
+        history
+            .iter()
+            .any(|h| h.to_state == "COMPLETED" && h.reason.contains("early stopping")),
+        "{history:?}"
+    );
+
+    // The metrics come from the signed manifest of the evaluation round's release.
+    let manifest: Value = get(&system, &token, &format!("/v1/tasks/{task}/releases/1/manifest"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(manifest["evaluation"]["model_version"], 0);
+    assert_eq!(manifest["evaluation"]["examples"], points[0]["examples"]);
+
+    // Another tenant's partner cannot read them.
+    let stranger = system.tenant("stranger").await.unwrap();
+    assert_eq!(evaluations(&system, &stranger, &task).await.0, 404);
+}
+
+/// A task without evaluation lists none, and its devices send no metrics (a metrics tensor
+/// would have the whole update refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_without_evaluation_lists_none() {
+    let (system, _dir) = start(now_clock()).await;
+    let (token, task) = open_task(&system, "plain", 50.0).await;
+    collect(&system, "plain", 1, true).await;
+    let outcome = system.worker("w1").run_once().await.unwrap().unwrap();
+    assert_eq!(outcome.excluded, 0);
+    let (status, body) = evaluations(&system, &token, &task).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        body,
+        json!({"evaluation": null, "evaluations": [], "best_model_version": null,
+               "stopped_early": null})
+    );
+}
