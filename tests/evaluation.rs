@@ -72,11 +72,15 @@ async fn evaluations_are_listed_per_model_version_and_early_stopping_completes_t
     );
 
     // The metrics come from the signed manifest of the evaluation round's release.
-    let manifest: Value = get(&system, &token, &format!("/v1/tasks/{task}/releases/1/manifest"))
-        .await
-        .json()
-        .await
-        .unwrap();
+    let manifest: Value = get(
+        &system,
+        &token,
+        &format!("/v1/tasks/{task}/releases/1/manifest"),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
     assert_eq!(manifest["evaluation"]["model_version"], 0);
     assert_eq!(manifest["evaluation"]["examples"], points[0]["examples"]);
 

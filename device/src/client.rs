@@ -705,6 +705,35 @@ mod tests {
         ));
     }
 
+    /// The accepted policy names the evaluation rounds: 1, 1 + every, ...; none without one.
+    #[test]
+    fn the_accepted_policy_names_its_evaluation_rounds() {
+        let mut policy = TaskPolicy::sample("t1", 10);
+        let plain = AcceptedPolicy {
+            sha256: policy.sha256_hex(),
+            policy: policy.clone(),
+        };
+        let sample = plain.policy.clone();
+        let in_round = |round: i64| AssignmentResponse {
+            round,
+            ..assignment(&sample, &key())
+        };
+        assert_eq!(plain.evaluation_in(&in_round(1)), None);
+        policy.mechanism = "discrete_gaussian_on_grid;evaluation=3,1e1,50,2.5e1".into();
+        let evaluated = AcceptedPolicy {
+            sha256: policy.sha256_hex(),
+            policy: policy.clone(),
+        };
+        let rounds: Vec<i64> = (1..=10)
+            .filter(|&r| evaluated.evaluation_in(&in_round(r)).is_some())
+            .collect();
+        assert_eq!(rounds, [1, 4, 7, 10]);
+        assert_eq!(
+            evaluated.evaluation_in(&in_round(4)).unwrap().max_examples,
+            50
+        );
+    }
+
     /// Under DP-FTRL the accounting assumes a device serves at most one round of any
     /// `min_separation` consecutive rounds of a task: the device declines and refuses to seal
     /// closer rounds, whatever the server assigns, and serves again once far enough.

@@ -21,10 +21,13 @@ from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from . import envelope
 from .errors import ConfedError
-from .policy import PolicyError, check_policy, parse_policy, policy_sha256
+from .policy import (EVALUATION_TENSOR, PolicyError, check_policy, evaluates, parse_policy,
+                     policy_sha256)
 from .tensors import as_arrays, from_safetensors, to_safetensors, to_torch
 
 Train = Callable[[dict, dict], dict]
+#: A device's evaluation of a model: (loss_sum, correct, examples) over its held-out examples.
+Evaluate = Callable[[dict], tuple]
 
 
 class DeviceError(ConfedError):
@@ -125,6 +128,10 @@ class Device:
     send_served: bool = True
     #: task -> (population, min_separation, rounds) of the tree tasks this device served.
     separated: dict = field(default_factory=dict)
+    #: `evaluate(model) -> (loss_sum, correct, examples)` over this device's held-out examples:
+    #: called in a task's evaluation rounds on the model the device downloaded, and sent with
+    #: the update (docs/protocol.md, "Evaluation"). None: the device sends no metrics.
+    evaluate: Evaluate | None = None
     _serving: threading.Lock = field(default_factory=threading.Lock, init=False,
                                      compare=False, repr=False)
 
@@ -230,10 +237,20 @@ class Device:
             weights = {k: v.copy() for k, v in model.items()}
             if self.tensors == "torch":
                 weights = to_torch(weights)
+            metrics = None
+            if self.evaluate is not None and evaluates(policy, assignment["round"]):
+                # The model as downloaded, before training touches anything.
+                measured = {k: v.copy() for k, v in model.items()}
+                metrics = np.asarray(self.evaluate(
+                    to_torch(measured) if self.tensors == "torch" else measured), np.float32)
+                if metrics.shape != (3,):
+                    raise DeviceError("evaluate must return (loss_sum, correct, examples)")
             update = as_arrays(train(weights, policy["plan"]))
             if set(update) != set(model) or any(
                     np.shape(update[k]) != model[k].shape for k in model):
                 raise DeviceError("the update does not have the model's tensors and shapes")
+            if metrics is not None:
+                update[EVALUATION_TENSOR] = metrics
             with self._serving:
                 # Again, under the lock: a concurrent contribution may have served a close round.
                 why = self.declines(assignment)

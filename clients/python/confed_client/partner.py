@@ -46,6 +46,11 @@ class Partner:
     def releases(self, task_id: str) -> list[dict]:
         return self._call("GET", f"/v1/tasks/{task_id}/releases").json()["releases"]
 
+    def evaluations(self, task_id: str) -> dict:
+        """The task's evaluations (`GET /v1/tasks/{id}/evaluations`): the noised metrics per
+        evaluated model version, the best version and whether early stopping ended the task."""
+        return self._call("GET", f"/v1/tasks/{task_id}/evaluations").json()
+
     def model(self, task_id: str, version: int) -> dict[str, np.ndarray]:
         reply = self._call("GET", f"/v1/tasks/{task_id}/models/{version}")
         return from_safetensors(reply.content)

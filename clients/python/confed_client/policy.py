@@ -76,6 +76,7 @@ def parse_policy(raw: bytes | str) -> dict:
         fields[key] = _float(fields[key], key)
     fields["min_separation"] = min_separation(fields["mechanism"])
     fields["adaptive_clipping"] = adaptive_clipping(fields["mechanism"])
+    fields["evaluation"] = evaluation(fields["mechanism"])
     plan = json.loads(fields["plan"])
     if not isinstance(plan, dict):
         raise PolicyError("plan is not a JSON object")
@@ -84,7 +85,12 @@ def parse_policy(raw: bytes | str) -> dict:
 
 
 _NOISE = re.compile(r"(discrete_gaussian_on_grid|tree_aggregation_on_grid;min_separation="
-                    r"([1-9][0-9]{0,3}))(;adaptive_clipping=([^,;]+),([^,;]+),([^,;]+))?\Z")
+                    r"([1-9][0-9]{0,3}))(;adaptive_clipping=([^,;]+),([^,;]+),([^,;]+))?"
+                    r"(;evaluation=(0|[1-9][0-9]*),([^,;]+),(0|[1-9][0-9]*),([^,;]+))?\Z")
+
+#: The tensor a device adds to its update in an evaluation round: float32 [3],
+#: [loss_sum, correct, examples] of the model it downloaded on its own held-out examples.
+EVALUATION_TENSOR = "confed.evaluation"
 
 
 def _mechanism(mechanism: str) -> re.Match:
@@ -115,6 +121,28 @@ def adaptive_clipping(mechanism: str) -> dict | None:
             and 0.5 <= values["count_stddev"] <= 1e6):
         raise PolicyError(f"adaptive_clipping out of range in {mechanism!r}")
     return values
+
+
+def evaluation(mechanism: str) -> dict | None:
+    """The evaluation a mechanism names (`every`, `max_loss`, `max_examples`, `stddev`), each
+    canonical and in range, or None (docs/protocol.md, "Evaluation")."""
+    found = _mechanism(mechanism)
+    if not found.group(7):
+        return None
+    values = {"every": _u32(found.group(8), "evaluation.every"),
+              "max_loss": _float(found.group(9), "evaluation.max_loss"),
+              "max_examples": _u32(found.group(10), "evaluation.max_examples"),
+              "stddev": _float(found.group(11), "evaluation.stddev")}
+    if not (1 <= values["every"] <= 10000 and 0 < values["max_loss"] <= 1e6
+            and 1 <= values["max_examples"] <= 1_000_000 and 1 <= values["stddev"] <= 1e6):
+        raise PolicyError(f"evaluation out of range in {mechanism!r}")
+    return values
+
+
+def evaluates(policy: dict, round_: int) -> bool:
+    """Whether `round_` of the task is an evaluation round: rounds 1, 1 + every, 1 + 2 every..."""
+    e = policy.get("evaluation")
+    return e is not None and round_ >= 1 and (round_ - 1) % e["every"] == 0
 
 
 def policy_sha256(raw: bytes | str) -> str:

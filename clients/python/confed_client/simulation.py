@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from .device import Device, DeviceError, Train, Trust
+from .device import Device, DeviceError, Evaluate, Train, Trust
 from .partner import FINAL_STATES, Partner, PartnerError
 
 
@@ -48,6 +48,7 @@ def _until_contributed(device: Device, train: Train, stop: threading.Event,
 def run_simulation(partner: Partner, task_id: str, trust: Trust,
                    client_fn: Callable[[int], Train], num_devices: int,
                    evaluate_fn: Callable[[dict[str, np.ndarray]], dict] | None = None,
+                   client_evaluate_fn: Callable[[int], Evaluate] | None = None,
                    concurrency: int = 8, max_wait: float = 1.0, progress: bool = True,
                    round_timeout: float = 600.0, **device_options) -> list[RoundResult]:
     """Runs `num_devices` devices of the task's population until the task ends; returns one
@@ -57,14 +58,19 @@ def run_simulation(partner: Partner, task_id: str, trust: Trust,
       (new weights minus the given ones), over that device's own data;
     - `evaluate_fn(model)` (optional) returns metrics of each new model version, e.g. accuracy
       on held-out data;
+    - `client_evaluate_fn(i)` (optional) returns device i's `evaluate(model) -> (loss_sum,
+      correct, examples)` over its own held-out data, for tasks with federated evaluation (read
+      the released metrics with `Partner.evaluations`);
     - every round, each device checks in until it has contributed or the round has ended (the
       report goal reached by others); a device told to wait waits at most `max_wait` seconds;
     - `device_options` go to each `Device` (e.g. `tensors="torch"`, `attributes={...}`).
     """
     task = partner.task(task_id)
     population = task["population"]
-    devices = [Device(partner.server, population, trust, **device_options)
-               for _ in range(num_devices)]
+    devices = [Device(partner.server, population, trust,
+                      evaluate=client_evaluate_fn(i) if client_evaluate_fn else None,
+                      **device_options)
+               for i in range(num_devices)]
     trains = [client_fn(i) for i in range(num_devices)]
     history: list[RoundResult] = []
     from tqdm.auto import tqdm
