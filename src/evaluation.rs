@@ -6,6 +6,8 @@
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+use crate::db::TaskRecord;
+use crate::states::TaskState;
 use crate::task_spec::{EarlyStopping, Metric};
 
 /// One evaluated model version: the `evaluation` of a release manifest (docs/protocol.md).
@@ -58,6 +60,27 @@ impl Metric {
             Metric::Loss => "loss",
             Metric::Accuracy => "accuracy",
         }
+    }
+}
+
+/// The metric a task's evaluations are ranked by: its early-stopping rule's, else accuracy.
+pub fn ranking_metric(task: &TaskRecord) -> Metric {
+    task.spec
+        .evaluation
+        .and_then(|e| e.early_stopping)
+        .map_or(Metric::Accuracy, |rule| rule.metric)
+}
+
+/// Why the task completed before its planned rounds, if its early-stopping rule stopped it.
+pub fn stopped_early(task: &TaskRecord, points: &[EvaluationPoint]) -> Option<String> {
+    let rule = task.spec.evaluation?.early_stopping?;
+    let short = task
+        .model_version
+        .is_some_and(|v| v < i64::from(task.spec.rounds));
+    if task.state == TaskState::Completed && short {
+        early_stop(&rule, points)
+    } else {
+        None
     }
 }
 

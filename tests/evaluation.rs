@@ -16,6 +16,48 @@ async fn evaluations(
     (reply.status().as_u16(), reply.json().await.unwrap())
 }
 
+/// The console page at `path`, signed in with `token`.
+async fn console_page(
+    system: &confed::embedded::EmbeddedSystem,
+    token: &str,
+    path: &str,
+) -> String {
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let signed_in = http
+        .post(format!("{}/console/sign-in", system.url))
+        .header("origin", &system.url)
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(format!(
+            "token={}",
+            token
+                .replace('+', "%2B")
+                .replace('/', "%2F")
+                .replace('=', "%3D")
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(signed_in.status(), 303);
+    let cookie = signed_in.headers()["set-cookie"]
+        .to_str()
+        .unwrap()
+        .split(';')
+        .next()
+        .unwrap()
+        .to_string();
+    http.get(format!("{}{path}", system.url))
+        .header("cookie", cookie)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 /// Every round evaluates (20 devices x 20 held-out examples); the rule wants an accuracy gain of
 /// more than 1 (impossible) within one evaluation, so the second evaluation stops the task:
 /// round 2 completes, model version 2 is its last, and round 3 never opens.
@@ -83,6 +125,12 @@ async fn evaluations_are_listed_per_model_version_and_early_stopping_completes_t
     .unwrap();
     assert_eq!(manifest["evaluation"]["model_version"], 0);
     assert_eq!(manifest["evaluation"]["examples"], points[0]["examples"]);
+
+    // The console's task page shows them, the best version and why the task stopped.
+    let page = console_page(&system, &token, &format!("/console/tasks/{task}")).await;
+    assert!(page.contains(r#"id="evaluations""#), "{page}");
+    assert!(page.contains(r#"data-version="0""#) && page.contains(r#"data-version="1""#));
+    assert!(page.contains("Stopped early:"), "{page}");
 
     // Another tenant's partner cannot read them.
     let stranger = system.tenant("stranger").await.unwrap();

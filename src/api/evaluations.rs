@@ -41,23 +41,12 @@ pub async fn list_evaluations(
 ) -> Result<axum::Json<EvaluationList>, ApiError> {
     let task = state.db.task(&tenant.id, &id).await?;
     let evaluations = state.db.evaluations(&tenant.id, &id).await?;
-    let evaluation = task.spec.evaluation;
-    let rule = evaluation.and_then(|e| e.early_stopping);
-    let metric = rule.map_or(crate::task_spec::Metric::Accuracy, |rule| rule.metric);
-    let planned = i64::from(task.spec.rounds);
-    let stopped_early = match rule {
-        Some(rule)
-            if task.state == crate::states::TaskState::Completed
-                && task.model_version.is_some_and(|v| v < planned) =>
-        {
-            crate::evaluation::early_stop(&rule, &evaluations)
-        }
-        _ => None,
-    };
+    let best = crate::evaluation::best(crate::evaluation::ranking_metric(&task), &evaluations);
+    let stopped_early = crate::evaluation::stopped_early(&task, &evaluations);
     Ok(axum::Json(EvaluationList {
-        best_model_version: crate::evaluation::best(metric, &evaluations),
+        best_model_version: best,
         stopped_early,
-        evaluation,
+        evaluation: task.spec.evaluation,
         evaluations,
     }))
 }

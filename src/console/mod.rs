@@ -10,6 +10,7 @@
 
 mod charts;
 mod error;
+mod evaluations;
 mod layout;
 mod populations;
 mod session;

@@ -174,6 +174,7 @@ pub async fn show(
     let releases = state.db.releases_from(tenant_id, &id, first_shown).await?;
     let funnel = state.db.round_funnel(tenant_id, &id, first_shown).await?;
     let checks = check_releases(&state, &task, &releases).await?;
+    let evaluations = state.db.evaluations(tenant_id, &id).await?;
     let aggregating = state
         .db
         .aggregating_since(tenant_id, &id, first_shown)
@@ -223,6 +224,9 @@ pub async fn show(
                 p.note { "Where the latest attempt of each round sent its assigned devices (failed counts failed and rejected reports), what its release included and excluded (from the manifest the enclave signed), and how long it collected and aggregated. Rows of rounds older than the retention period may count zero assignments." }
                 (funnel_table(&shown, now))
             }
+        }
+        @if let Some(section) = super::evaluations::section(&task, &evaluations) {
+            (section)
         }
         @if !shown.is_empty() {
             section aria-labelledby="durations-heading" {

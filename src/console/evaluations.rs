@@ -1,0 +1,61 @@
+//! The task page's evaluation section: the devices' noised metrics per evaluated model version
+//! (from the signed manifests), the best version, and the early-stopping rule and its verdict.
+
+use maud::{Markup, html};
+
+use crate::db::TaskRecord;
+use crate::evaluation::EvaluationPoint;
+
+/// `None` for a task without evaluation.
+pub fn section(task: &TaskRecord, points: &[EvaluationPoint]) -> Option<Markup> {
+    let spec = task.spec.evaluation?;
+    let best = crate::evaluation::best(crate::evaluation::ranking_metric(task), points);
+    let stopped = crate::evaluation::stopped_early(task, points);
+    let policy = spec.policy();
+    let shown = |value: Option<f64>, digits: usize| {
+        value.map_or("—".to_string(), |v| format!("{v:.digits$}"))
+    };
+    Some(html! {
+        section aria-labelledby="evaluation-heading" {
+            h2 #evaluation-heading { "Evaluation" }
+            p.note {
+                "Every " (policy.every) " rounds the round's devices measure the model version it trains from on their own held-out examples (at most " (policy.max_examples) " each, losses at most " (policy.max_loss) "); the enclave releases the sums with noise of standard deviation " (policy.stddev) " examples on each, charged to the privacy budget. Values are noised: compare versions by more than a few standard deviations over the examples."
+                @if let Some(rule) = spec.early_stopping {
+                    " Training stops when " (rule.metric.as_str()) " has not improved by more than " (rule.min_delta.unwrap_or(0.0)) " for " (rule.patience) " evaluations."
+                }
+            }
+            @if let Some(reason) = &stopped {
+                p #stopped-early { strong { "Stopped early: " } (reason) }
+            }
+            @if points.is_empty() {
+                p { "No evaluation released yet." }
+            } @else {
+                div.scroll tabindex="0" role="region" aria-label="Evaluations (scrolls sideways)" {
+                    table #evaluations {
+                        caption { "Per evaluated model version" }
+                        thead { tr {
+                            th scope="col" { "Model version" } th scope="col" { "Round" }
+                            th scope="col" { "Accuracy" } th scope="col" { "Loss" }
+                            th scope="col" { "Examples" } th scope="col" { "Noise (examples)" }
+                        } }
+                        tbody {
+                            @for point in points {
+                                tr data-version=(point.model_version) {
+                                    th scope="row" {
+                                        (point.model_version)
+                                        @if best == Some(point.model_version) { " " small.ok { "best" } }
+                                    }
+                                    td.num { (point.round) }
+                                    td.num data-field="accuracy" { (shown(point.accuracy.map(|a| a * 100.0), 1)) @if point.accuracy.is_some() { "%" } }
+                                    td.num data-field="loss" { (shown(point.loss, 4)) }
+                                    td.num data-field="examples" { (format!("{:.0}", point.examples)) }
+                                    td.num { (format!("{:.1}", point.stddev)) }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    })
+}
