@@ -18,6 +18,7 @@ fn small(dir: &std::path::Path) -> DemoOptions {
         tree: false,
         adaptive_clipping: false,
         evaluate_every: None,
+        evaluation_stddev: None,
         data_dir: dir.join("demo"),
         progress: false,
     }

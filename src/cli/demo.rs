@@ -42,6 +42,10 @@ pub struct DemoArgs {
     /// held-out examples and the enclave releases noised accuracy and loss (charged to epsilon).
     #[arg(long, value_name = "K")]
     pub evaluate_every: Option<u32>,
+    /// With --evaluate-every: the noise on each evaluation sum, in examples (default
+    /// report_goal x 20 / 20, the API's default for 20 held-out examples per device).
+    #[arg(long, value_name = "EXAMPLES", requires = "evaluate_every")]
+    pub evaluation_stddev: Option<f64>,
     /// Where the demo keeps its state (default: a new directory under the system's temp dir,
     /// removed at the end).
     #[arg(long)]
@@ -105,6 +109,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         tree: args.mechanism == DemoMechanism::Ftrl,
         adaptive_clipping: args.adaptive_clipping,
         evaluate_every: args.evaluate_every,
+        evaluation_stddev: args.evaluation_stddev,
         data_dir: data_dir.clone(),
         progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
     })
