@@ -30,17 +30,20 @@ def server():
 
 @pytest.fixture(scope="session")
 def trained_task(server):
-    """A task of the demo tenant with ROUNDS completed rounds of DEVICES_PER_ROUND devices."""
+    """A task of the demo tenant with ROUNDS completed rounds of DEVICES_PER_ROUND devices,
+    evaluating every 2 rounds (model versions 0 and 2)."""
     partner = Partner(server["url"], server["token"])
     spec = {"population": "console-phones", "rounds": ROUNDS, "report_goal": DEVICES_PER_ROUND,
             "min_reports": DEVICES_PER_ROUND,
-            "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0}}
+            "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0},
+            "evaluation": {"every": 2, "max_examples": 10, "stddev": 40.0}}
     task = partner.create_task(spec, {"w": np.zeros(8, np.float32), "b": np.zeros(2, np.float32)})
     trust = Trust.load(server["trust"])
     rng = np.random.default_rng(7)
     for round_ in range(1, ROUNDS + 1):
         for _ in range(DEVICES_PER_ROUND):
-            device = Device(server["url"], "console-phones", trust)
+            device = Device(server["url"], "console-phones", trust,
+                            evaluate=lambda model: (3.0, 5.0, 10.0))
             update = {"w": rng.normal(0, 0.1, 8).astype(np.float32),
                       "b": rng.normal(0, 0.1, 2).astype(np.float32)}
             assert device.run_once(lambda weights, plan, u=update: u) == "contributed"

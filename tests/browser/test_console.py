@@ -22,7 +22,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.ui import WebDriverWait
 
-from confed_client import to_safetensors
+from confed_client import Partner, to_safetensors
 from conftest import DEVICES_PER_ROUND, ROUNDS
 
 
@@ -315,6 +315,15 @@ def axe_violations(browser) -> list[str]:
 
 
 @pytest.mark.skipif(not os.environ.get("AXE_JS"), reason="tests/browser/run.sh provides axe-core")
+def test_the_task_page_lists_the_evaluated_model_versions(browser, server, trained_task):
+    browser.get(f"{server['url']}/console/tasks/{trained_task}")
+    rows = browser.find_elements(By.CSS_SELECTOR, "#evaluations tbody tr")
+    assert [r.get_attribute("data-version") for r in rows] == ["0", "2"]
+    listed = Partner(server["url"], server["token"]).evaluations(trained_task)["evaluations"]
+    shown = [r.find_element(By.CSS_SELECTOR, "[data-field=examples]").text for r in rows]
+    assert shown == [f"{p['examples']:.0f}" for p in listed]
+
+
 def test_every_page_meets_wcag_aa_by_axe(browser, server, trained_task):
     for path in ("/console/tasks", f"/console/tasks/{trained_task}", "/console/tasks/new",
                  "/console/populations"):
