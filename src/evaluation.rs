@@ -18,7 +18,8 @@ pub struct EvaluationPoint {
     /// The round whose devices measured it and whose release carries the metrics.
     #[serde(default)]
     pub round: u64,
-    /// Standard deviation of the noise on each sum, in examples.
+    /// Standard deviation of the noise on each sum, in examples (on `loss_sum`, in loss units,
+    /// `stddev * max_loss`).
     pub stddev: f64,
     /// Noised sums: examples, correct answers, loss.
     pub examples: f64,
@@ -119,12 +120,11 @@ pub fn early_stop(rule: &EarlyStopping, points: &[EvaluationPoint]) -> Option<St
     if waited < rule.patience {
         return None;
     }
-    let best = best.map_or(
-        "no evaluation had a metric".to_string(),
-        |(value, version)| format!("best {value:.4} at model version {version}"),
-    );
+    let reference = best.map_or("no evaluation had a metric".to_string(), |(value, version)| {
+        format!("the last improvement by more than {min_delta}: {value:.4} at model version {version}")
+    });
     Some(format!(
-        "early stopping: the evaluated {} has not improved by more than {min_delta} for {waited} evaluations ({best})",
+        "early stopping: the evaluated {} has not improved by more than {min_delta} for {waited} evaluations ({reference})",
         rule.metric.as_str()
     ))
 }
@@ -166,7 +166,7 @@ mod tests {
         let flat = points(&[Some(0.1), Some(0.5), Some(0.4), Some(0.5)]);
         let reason = early_stop(&accuracy, &flat).expect("stops");
         assert!(
-            reason.contains("accuracy") && reason.contains("best 0.5000 at model version 2"),
+            reason.contains("accuracy") && reason.contains("0.5000 at model version 2"),
             "{reason}"
         );
         // Loss: lower is better, so the same series read as loss keeps improving... until not.
@@ -175,6 +175,15 @@ mod tests {
         let loss = rule(Metric::Loss, 2, 0.0);
         assert!(early_stop(&loss, &rising).is_none());
         assert!(early_stop(&loss, &points(&[Some(0.9), Some(0.5), Some(0.1)])).is_some());
+    }
+
+    #[test]
+    fn one_evaluation_fewer_than_patience_without_improvement_goes_on() {
+        let rule = rule(Metric::Accuracy, 3, 0.0);
+        let two_flat = points(&[Some(0.5), Some(0.4), Some(0.45)]);
+        assert_eq!(early_stop(&rule, &two_flat), None);
+        let three_flat = points(&[Some(0.5), Some(0.4), Some(0.45), Some(0.5)]);
+        assert!(early_stop(&rule, &three_flat).is_some());
     }
 
     #[test]

@@ -30,7 +30,14 @@ pub enum ModelError {
     UnsupportedDtype { name: String, dtype: String },
     #[error("tensor `{name}` holds a non-finite value (NaN or infinity) at element {index}")]
     NonFinite { name: String, index: usize },
+    #[error(
+        "tensor `{0}`: names starting with `confed.` are reserved for the protocol (an update's `confed.evaluation`); rename the tensor"
+    )]
+    ReservedName(String),
 }
+
+/// Tensor names a model may not use: the protocol's own tensors in updates start with it.
+pub const RESERVED_PREFIX: &str = "confed.";
 
 impl ModelSchema {
     pub fn tensors(&self) -> &[TensorSpec] {
@@ -46,12 +53,16 @@ impl ModelSchema {
     }
 }
 
-/// Parses and checks a model file: valid safetensors, at least one tensor, all `F32`, all finite.
+/// Parses and checks a model file: valid safetensors, at least one tensor, all `F32`, all finite,
+/// no name with the reserved `confed.` prefix.
 pub fn validate_model(bytes: &[u8]) -> Result<ModelSchema, ModelError> {
     let parsed =
         SafeTensors::deserialize(bytes).map_err(|e| ModelError::NotSafetensors(e.to_string()))?;
     let mut tensors = Vec::new();
     for (name, view) in parsed.tensors() {
+        if name.starts_with(RESERVED_PREFIX) {
+            return Err(ModelError::ReservedName(name));
+        }
         if view.dtype() != Dtype::F32 {
             return Err(ModelError::UnsupportedDtype {
                 name,
@@ -111,6 +122,19 @@ mod tests {
         let names: Vec<_> = schema.tensors().iter().map(|t| t.name.as_str()).collect();
         assert_eq!(names, ["b", "w"]);
         assert_eq!(schema.parameter_count(), 6);
+    }
+
+    #[test]
+    fn a_tensor_named_like_the_protocol_s_is_refused() {
+        let bytes = encode_f32_tensors(&[
+            ("w", vec![1], &[0.0]),
+            ("confed.evaluation", vec![3], &[0.0; 3]),
+        ])
+        .unwrap();
+        assert!(matches!(
+            validate_model(&bytes),
+            Err(ModelError::ReservedName(name)) if name == "confed.evaluation"
+        ));
     }
 
     #[test]

@@ -200,6 +200,7 @@ impl JobError {
                 | Self::Update(_)
                 | Self::Aggregate(AggregateError::NothingIncluded(_))
                 | Self::Aggregate(AggregateError::TooFewIncluded { .. })
+                | Self::Aggregate(AggregateError::EvaluationMismatch { .. })
         )
     }
 }

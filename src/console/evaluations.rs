@@ -19,7 +19,7 @@ pub fn section(task: &TaskRecord, points: &[EvaluationPoint]) -> Option<Markup> 
         section aria-labelledby="evaluation-heading" {
             h2 #evaluation-heading { "Evaluation" }
             p.note {
-                "Every " (policy.every) " rounds the round's devices measure the model version it trains from on their own held-out examples (at most " (policy.max_examples) " each, losses at most " (policy.max_loss) "); the enclave releases the sums with noise of standard deviation " (policy.stddev) " examples on each, charged to the privacy budget. Values are noised: compare versions by more than a few standard deviations over the examples."
+                "Every " (policy.every) " rounds the round's devices measure the model version it trains from on their own held-out examples (at most " (policy.max_examples) " each, mean loss at most " (policy.max_loss) "); the enclave releases the sums with noise of standard deviation " (policy.stddev) " examples on each (" (policy.stddev * policy.max_loss) " on the loss sum), charged to the privacy budget. Values are noised: compare versions by more than a few standard deviations over the examples."
                 @if let Some(rule) = spec.early_stopping {
                     " Training stops when " (rule.metric.as_str()) " has not improved by more than " (rule.min_delta.unwrap_or(0.0)) " for " (rule.patience) " evaluations."
                 }

@@ -407,7 +407,8 @@ impl Db {
                 if task.state != TaskState::Open {
                     return Ok(());
                 }
-                if let Some(reason) = early_stop(&mut *tx, &task).await? {
+                let more_rounds = version < i64::from(task.spec.rounds);
+                if more_rounds && let Some(reason) = early_stop(&mut *tx, &task).await? {
                     transition(
                         &mut *tx,
                         &task.id,
@@ -419,7 +420,7 @@ impl Db {
                     .await?;
                     return Ok(());
                 }
-                if version < i64::from(task.spec.rounds) {
+                if more_rounds {
                     sqlx::query("UPDATE tasks SET current_round = $1 WHERE id = $2")
                         .bind(version + 1)
                         .bind(&task.id)

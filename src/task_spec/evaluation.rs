@@ -4,8 +4,8 @@
 //! early-stopping rule is post-processing of released metrics and stays with the server.
 
 use confed_enclave::policy::{
-    Evaluation, MAX_EVALUATION_EXAMPLES, MAX_EVALUATION_LOSS, MAX_EVALUATION_STDDEV,
-    MIN_EVALUATION_STDDEV,
+    Evaluation, MAX_EVALUATION_EVERY, MAX_EVALUATION_EXAMPLES, MAX_EVALUATION_LOSS,
+    MAX_EVALUATION_STDDEV, MIN_EVALUATION_STDDEV,
 };
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -24,7 +24,8 @@ pub struct EvaluationSpec {
     #[serde(deserialize_with = "crate::api::integers::i64")]
     #[schema(minimum = 1, maximum = 10000)]
     pub every: i64,
-    /// Bound on one example's loss, (0, 1e6] (default 10): larger losses count as this.
+    /// Bound on one example's loss, (0, 1e6] (default 10): devices clip each loss at it, and the
+    /// enclave each device's mean loss.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(exclusive_minimum = 0.0, maximum = 1000000.0)]
     pub max_loss: Option<f64>,
@@ -72,13 +73,14 @@ pub enum Metric {
 }
 
 impl EvaluationSpec {
-    /// The policy's evaluation (a validated spec has every field filled in).
+    /// The policy's evaluation. A validated spec has every field filled in; a stored one missing
+    /// a field (edited by hand) gets the cheapest choice, the most noise.
     pub fn policy(&self) -> Evaluation {
         Evaluation {
             every: self.every as u32,
             max_loss: self.max_loss.unwrap_or(10.0),
             max_examples: self.max_examples.unwrap_or(100) as u32,
-            stddev: self.stddev.unwrap_or(MIN_EVALUATION_STDDEV),
+            stddev: self.stddev.unwrap_or(MAX_EVALUATION_STDDEV),
         }
     }
 }
@@ -87,10 +89,12 @@ impl EvaluationSpec {
 pub(super) fn validate(
     p: &mut Problems,
     given: &EvaluationSpec,
-    rounds: u32,
+    rounds: Option<u32>,
     report_goal: u32,
 ) -> EvaluationSpec {
-    let every = p.int("evaluation.every", given.every, 1, i64::from(rounds.max(1)));
+    // Bounded by `rounds` only when that is valid itself, so one mistake is reported once.
+    let most = rounds.map_or(i64::from(MAX_EVALUATION_EVERY), i64::from);
+    let every = p.int("evaluation.every", given.every, 1, most);
     let max_loss = p.float(
         "evaluation.max_loss",
         given.max_loss.unwrap_or(10.0),

@@ -252,6 +252,7 @@ impl CreateTaskRequest {
                 ),
             );
         }
+        let rounds_valid = (1..=MAX_ROUNDS).contains(&self.rounds);
         let rounds = p.int("rounds", self.rounds, 1, MAX_ROUNDS);
         // A field bounded by another is checked against that field only when it is valid itself,
         // so one mistake is reported once.
@@ -300,7 +301,7 @@ impl CreateTaskRequest {
         let evaluation = self
             .evaluation
             .as_ref()
-            .map(|e| evaluation::validate(&mut p, e, rounds, report_goal));
+            .map(|e| evaluation::validate(&mut p, e, rounds_valid.then_some(rounds), report_goal));
         let server_learning_rate = p.float(
             "server_learning_rate",
             self.server_learning_rate.unwrap_or(1.0),

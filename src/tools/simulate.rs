@@ -290,7 +290,7 @@ async fn cycle(
             // An evaluation round: the downloaded model measured on held-out examples.
             let metrics = policy
                 .evaluation_in(assignment)
-                .map(|_| base.evaluate(held_out));
+                .map(|e| base.evaluate(held_out, e.max_loss));
             local.delta_from(&base).to_safetensors_with(metrics)
         }
         None => random_update(model_bytes, rng)?,

@@ -289,12 +289,13 @@ impl Softmax {
 
     /// Fraction of `data` classified correctly.
     pub fn accuracy(&self, data: &Dataset) -> f64 {
-        f64::from(self.evaluate(data)[1]) / data.len().max(1) as f64
+        f64::from(self.evaluate(data, f64::INFINITY)[1]) / data.len().max(1) as f64
     }
 
-    /// `[loss_sum, correct, examples]` over `data`: the summed cross-entropy (each at most
-    /// `-ln 1e-12`, about 27.6), the rows classified correctly and the rows.
-    pub fn evaluate(&self, data: &Dataset) -> [f32; 3] {
+    /// `[loss_sum, correct, examples]` over `data`: the summed cross-entropy, each example's at
+    /// most `max_loss` (the task policy's bound; the probability is floored at 1e-12, so at most
+    /// about 27.6 anyway), the rows classified correctly and the rows.
+    pub fn evaluate(&self, data: &Dataset, max_loss: f64) -> [f32; 3] {
         let mut p = vec![0.0; self.classes];
         let (mut loss, mut correct) = (0.0f64, 0usize);
         for i in 0..data.len() {
@@ -303,7 +304,7 @@ impl Softmax {
                 .max_by(|&a, &b| p[a].total_cmp(&p[b]))
                 .unwrap_or(0);
             correct += usize::from(best == data.y[i]);
-            loss -= f64::from(p[data.y[i]].max(1e-12)).ln();
+            loss += (-f64::from(p[data.y[i]].max(1e-12)).ln()).min(max_loss);
         }
         [loss as f32, correct as f32, data.len() as f32]
     }

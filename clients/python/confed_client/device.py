@@ -243,8 +243,10 @@ class Device:
                 measured = {k: v.copy() for k, v in model.items()}
                 metrics = np.asarray(self.evaluate(
                     to_torch(measured) if self.tensors == "torch" else measured), np.float32)
-                if metrics.shape != (3,):
-                    raise DeviceError("evaluate must return (loss_sum, correct, examples)")
+                if metrics.shape != (3,) or not np.isfinite(metrics).all():
+                    raise DeviceError("evaluate must return three finite numbers: (loss_sum, "
+                                      "correct, examples); clip each example's loss at the "
+                                      "policy's max_loss")
             update = as_arrays(train(weights, policy["plan"]))
             if set(update) != set(model) or any(
                     np.shape(update[k]) != model[k].shape for k in model):

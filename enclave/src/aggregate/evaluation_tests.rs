@@ -153,17 +153,96 @@ fn metrics_are_refused_outside_an_evaluation_round_and_optional_in_one() {
         evaluating.add(&wrong.0, Some(&wrong.1)),
         Err(Exclusion::WrongTensors)
     );
-    let infinite = sealed(
-        &r,
-        "infinite",
-        ROUND,
-        &evaluated_update(&[0.1, 0.0, 0.0, 0.0], [1.0, f32::INFINITY, 1.0]),
-    );
-    assert_eq!(
-        evaluating.add(&infinite.0, Some(&infinite.1)),
-        Err(Exclusion::NonFinite)
-    );
-    assert_eq!(evaluating.counts(), (2, 2));
+    assert_eq!(evaluating.counts(), (2, 1));
+}
+
+/// Metrics count only with their update: an excluded update adds none; metrics with a NaN count
+/// as none and leave the update in (excluding it would publish that its data gave a NaN).
+#[test]
+fn metrics_go_with_their_update_and_non_finite_ones_count_as_none() {
+    let evaluation = Evaluation {
+        every: 1,
+        max_loss: 1.0,
+        max_examples: 1,
+        stddev: 1.0,
+    };
+    let r = round(4);
+    let mut inputs = Vec::new();
+    let cases: [(usize, [f32; 4], [f32; 3]); 3] = [
+        (10, [0.1, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0]),
+        (20, [f32::NAN, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0]),
+        (20, [0.1, 0.0, 0.0, 0.0], [f32::NAN, 1.0, 1.0]),
+    ];
+    for (case, (count, values, metrics)) in cases.iter().enumerate() {
+        for i in 0..*count {
+            let plaintext = evaluated_update(values, *metrics);
+            let (id, bytes) = sealed(&r, &format!("c{case}-{i}"), ROUND, &plaintext);
+            inputs.push((id, Some(bytes)));
+        }
+    }
+    let binding = Binding {
+        inputs_digest: inputs::digest_of(&inputs),
+        ..binding()
+    };
+    let agg = Aggregator::new(binding, 1.0, r.schema.clone(), &r.private)
+        .unwrap()
+        .evaluating(Some(evaluation));
+    agg.add_batch(&inputs);
+    let params = PrivacyParams {
+        epsilon: 50.0,
+        evaluation: Some(evaluation),
+        ..evaluating_privacy()
+    };
+    let manifest = agg.finish(&r.private, params).unwrap().manifest;
+    assert_eq!(manifest.included, 30);
+    assert_eq!(manifest.excluded["non_finite"], 20);
+    let record = manifest.evaluation.unwrap();
+    // Only the first ten count: 10 examples, with noise of 1 example.
+    assert!((record.examples - 10.0).abs() < 6.0, "{record:?}");
+    assert!((record.correct - 10.0).abs() < 6.0, "{record:?}");
+}
+
+#[test]
+fn a_metrics_tensor_of_another_dtype_or_an_extra_tensor_is_refused() {
+    let r = round(4);
+    let agg = aggregator(&r, binding());
+    let as_f64 = {
+        let mut tensors = safetensors_f64_metrics();
+        tensors.push(("b", vec![2], vec![0u8; 8], safetensors::Dtype::F32));
+        tensors.push(("w", vec![2], vec![0u8; 8], safetensors::Dtype::F32));
+        serialize(tensors)
+    };
+    let (id, bytes) = sealed(&r, "f64", ROUND, &as_f64);
+    assert_eq!(agg.add(&id, Some(&bytes)), Err(Exclusion::WrongDtype));
+    let extra = encode_f32_tensors(&[
+        ("b", vec![2], &[0.0, 0.0]),
+        ("w", vec![2], &[0.0, 0.0]),
+        ("x", vec![3], &[1.0, 1.0, 1.0]),
+    ])
+    .unwrap();
+    let (id, bytes) = sealed(&r, "extra", ROUND, &extra);
+    assert_eq!(agg.add(&id, Some(&bytes)), Err(Exclusion::WrongTensors));
+}
+
+fn safetensors_f64_metrics() -> Vec<(&'static str, Vec<usize>, Vec<u8>, safetensors::Dtype)> {
+    let values: Vec<u8> = [1.0f64, 1.0, 1.0]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    vec![(EVALUATION_TENSOR, vec![3], values, safetensors::Dtype::F64)]
+}
+
+fn serialize(tensors: Vec<(&'static str, Vec<usize>, Vec<u8>, safetensors::Dtype)>) -> Vec<u8> {
+    let views: Vec<_> = tensors
+        .iter()
+        .map(|(name, shape, data, dtype)| {
+            (
+                name.to_string(),
+                safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize(views, None).unwrap()
 }
 
 /// A worker that collects metrics in a round the policy does not evaluate, or does not in one it
@@ -230,8 +309,14 @@ fn a_streamed_evaluation_round_sums_what_the_buffered_one_does() {
         agg.finish(&r.private, evaluating_privacy()).unwrap()
     };
     let buffered = run(aggregator(&r, binding.clone()).stream_above(usize::MAX));
-    let streamed = run(aggregator(&r, binding).stream_above(0));
+    let streamed = run(aggregator(&r, binding.clone()).stream_above(0));
     assert_eq!(buffered.manifest, streamed.manifest);
     assert_eq!(buffered.average, streamed.average);
     assert!(buffered.manifest.evaluation.is_some());
+    // Outside an evaluation round the streamed path refuses the metrics tensor too.
+    let plain = Aggregator::new(binding, 1.0, r.schema.clone(), &r.private)
+        .unwrap()
+        .stream_above(0);
+    let (id, bytes) = (inputs[0].0.clone(), inputs[0].1.clone().unwrap());
+    assert_eq!(plain.add(&id, Some(&bytes)), Err(Exclusion::WrongTensors));
 }

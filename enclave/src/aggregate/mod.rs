@@ -286,6 +286,9 @@ impl Aggregator {
                 match self.sum.add_clipped_stream(&update, self.clip_norm) {
                     Ok(within) => {
                         self.count_unclipped(within);
+                        if let Some(bytes) = update.metrics() {
+                            self.add_metrics(&bytes);
+                        }
                         return Ok(());
                     }
                     Err(StreamError::NonFinite) => return Err(Exclusion::NonFinite),
@@ -303,21 +306,24 @@ impl Aggregator {
         )?;
         let (tensors, metrics) =
             contribution::tensors(&self.schema, plaintext, self.evaluation.is_some())?;
-        // Bounded before the update is added, so a contribution is in both sums or in neither.
-        let metrics = match (&self.evaluation, metrics) {
-            (Some((params, _)), Some(bytes)) => Some(evaluation::bound(params, bytes)?),
-            _ => None,
-        };
         let start = self.next_start.fetch_add(1, Ordering::Relaxed);
         let within = self
             .sum
             .add_clipped(&tensors, self.clip_norm, start)
             .map_err(|accumulator::NonFinite| Exclusion::NonFinite)?;
         self.count_unclipped(within);
-        if let (Some((_, sums)), Some(units)) = (&self.evaluation, metrics) {
-            sums.add(units);
+        // Only after the update is in: a contribution is in both sums or in neither.
+        if let Some(bytes) = metrics {
+            self.add_metrics(bytes);
         }
         Ok(())
+    }
+
+    /// Adds an included contribution's metrics tensor to the evaluation sums (bounded).
+    fn add_metrics(&self, bytes: &[u8]) {
+        if let Some((params, sums)) = &self.evaluation {
+            sums.add(evaluation::bound(params, bytes));
+        }
     }
 
     /// Counts an included update whose norm was at most the clip norm (adaptive clipping's `b_i`).

@@ -6,9 +6,10 @@
 //!
 //! The safetensors header must fit in the first chunk and the data must start at a multiple of 4
 //! bytes (the safetensors writer pads the header to 8); otherwise the update takes the buffered
-//! path.
+//! path. In an evaluation round the device's metrics tensor (12 bytes) is copied aside as its
+//! chunk passes (`ChunkedUpdate::metrics`).
 
-use std::cell::OnceCell;
+use std::cell::{OnceCell, RefCell};
 
 use safetensors::Dtype;
 use serde::Deserialize;
@@ -27,6 +28,8 @@ struct Layout {
     data_start: usize,
     /// (begin, end) in the data region and the flat index of the first value, sorted by begin.
     runs: Vec<(usize, usize, usize)>,
+    /// (begin, end) of the evaluation metrics tensor in the data region, if the update has one.
+    metrics: Option<(usize, usize)>,
 }
 
 /// Why a chunked update is not streamed.
@@ -59,14 +62,27 @@ fn layout(schema: &ModelSchema, first: &[u8], evaluating: bool) -> Result<Layout
     let mut entries: std::collections::HashMap<String, serde_json::Value> =
         serde_json::from_slice(header).map_err(|_| not_tensors.clone())?;
     entries.remove("__metadata__");
-    // An evaluation round's update with its metrics tensor takes the buffered path, which reads
-    // the metrics (evaluation rounds are every few rounds; `contribution::tensors` checks it).
-    if evaluating
-        && entries.len() == schema.tensors().len() + 1
-        && entries.contains_key(EVALUATION_TENSOR)
-    {
-        return Err(StreamProblem::Buffer);
-    }
+    // An evaluation round's update may carry the metrics tensor: F32 [3], 12 bytes of the data
+    // region that are not summed with the model.
+    let metrics = match entries.remove(EVALUATION_TENSOR) {
+        Some(entry) if evaluating && entries.len() == schema.tensors().len() => {
+            let info: TensorInfo =
+                serde_json::from_value(entry).map_err(|_| not_tensors.clone())?;
+            if info.dtype != Dtype::F32 {
+                return Err(StreamProblem::Excluded(Exclusion::WrongDtype));
+            }
+            if info.shape != [3] {
+                return Err(StreamProblem::Excluded(Exclusion::WrongTensors));
+            }
+            let (begin, end) = info.data_offsets;
+            if end.checked_sub(begin) != Some(12) {
+                return Err(not_tensors);
+            }
+            Some((begin, end))
+        }
+        Some(_) => return Err(StreamProblem::Excluded(Exclusion::WrongTensors)),
+        None => None,
+    };
     if entries.len() != schema.tensors().len() {
         return Err(StreamProblem::Excluded(Exclusion::WrongTensors));
     }
@@ -93,14 +109,21 @@ fn layout(schema: &ModelSchema, first: &[u8], evaluating: bool) -> Result<Layout
     }
     runs.sort_unstable();
     // The tensors tile the data region exactly, as safetensors requires.
+    let mut spans: Vec<(usize, usize)> = runs.iter().map(|&(b, e, _)| (b, e)).collect();
+    spans.extend(metrics);
+    spans.sort_unstable();
     let mut expected = 0;
-    for &(begin, end, _) in &runs {
+    for &(begin, end) in &spans {
         if begin != expected {
             return Err(not_tensors);
         }
         expected = end;
     }
-    Ok(Layout { data_start, runs })
+    Ok(Layout {
+        data_start,
+        runs,
+        metrics,
+    })
 }
 
 /// One chunked contribution, readable again and again.
@@ -113,6 +136,8 @@ pub struct ChunkedUpdate<'a> {
     schema: &'a ModelSchema,
     evaluating: bool,
     layout: OnceCell<Result<Layout, StreamProblem>>,
+    /// The metrics tensor's bytes, copied as they pass (each replay writes the same bytes).
+    metrics: RefCell<[u8; 12]>,
 }
 
 impl<'a> ChunkedUpdate<'a> {
@@ -138,7 +163,19 @@ impl<'a> ChunkedUpdate<'a> {
             schema,
             evaluating,
             layout: OnceCell::new(),
+            metrics: RefCell::new([0; 12]),
         })
+    }
+}
+
+impl ChunkedUpdate<'_> {
+    /// The metrics tensor's bytes, once a replay has read the whole update (`None` if it has
+    /// none, or before).
+    pub fn metrics(&self) -> Option<[u8; 12]> {
+        match self.layout.get() {
+            Some(Ok(layout)) if layout.metrics.is_some() => Some(*self.metrics.borrow()),
+            _ => None,
+        }
     }
 }
 
@@ -180,6 +217,14 @@ impl Replay for ChunkedUpdate<'_> {
                         each(flat + (a - begin) / 4, &plain[offset..offset + (b - a)]);
                     }
                 }
+                if let Some((begin, end)) = layout.metrics {
+                    let (a, b) = (begin.max(lo), end.min(hi));
+                    if a < b {
+                        let offset = a + layout.data_start - start;
+                        self.metrics.borrow_mut()[a - begin..b - begin]
+                            .copy_from_slice(&plain[offset..offset + (b - a)]);
+                    }
+                }
             },
         );
         if opened.is_err() {
@@ -193,7 +238,13 @@ impl Replay for ChunkedUpdate<'_> {
             Some(Err(problem)) => return Err(problem.clone()),
             None => return Err(StreamProblem::Excluded(Exclusion::NotSafetensors)),
         };
-        let total = layout.runs.last().map_or(0, |r| r.1);
+        let total = layout
+            .runs
+            .iter()
+            .map(|r| r.1)
+            .chain(layout.metrics.map(|m| m.1))
+            .max()
+            .unwrap_or(0);
         if position != layout.data_start + total {
             return Err(StreamProblem::Excluded(Exclusion::NotSafetensors));
         }
