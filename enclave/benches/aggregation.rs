@@ -15,6 +15,7 @@ use confed_enclave::dp::{DiscreteGaussian, grid};
 use confed_enclave::envelope;
 use confed_enclave::hpke::{PrivateKey, PublicKey, generate_keypair};
 use confed_enclave::model::{ModelSchema, encode_f32_tensors, validate_model};
+use confed_enclave::policy::{EVALUATION_TENSOR, Evaluation};
 use criterion::{Criterion, Throughput};
 use ring::aead::{AES_128_GCM, Aad, LessSafeKey, Nonce, UnboundKey};
 
@@ -28,7 +29,17 @@ struct Fixture {
     /// Raw AES-GCM ciphertexts of the same plaintexts, for the bound.
     raw: Vec<Vec<u8>>,
     ciphertext_bytes: usize,
+    /// An evaluation round's: every update carries a metrics tensor, the aggregator sums them.
+    evaluation: Option<Evaluation>,
 }
+
+/// Evaluation every round, 100 examples a device at most, noise of 1,000 examples.
+const EVALUATION: Evaluation = Evaluation {
+    every: 1,
+    max_loss: 10.0,
+    max_examples: 100,
+    stddev: 1000.0,
+};
 
 fn values(params: usize, seed: u32) -> Vec<f32> {
     (0..params)
@@ -39,6 +50,16 @@ fn values(params: usize, seed: u32) -> Vec<f32> {
 
 fn update(params: usize, seed: u32) -> Vec<u8> {
     encode_f32_tensors(&[("w", vec![params], &values(params, seed))]).unwrap()
+}
+
+/// An update of `values`, with the metrics tensor when `evaluation`.
+fn encoded(values: &[f32], evaluation: bool) -> Vec<u8> {
+    let metrics = [20.0f32, 7.0, 10.0];
+    let mut tensors = vec![("w", vec![values.len()], values)];
+    if evaluation {
+        tensors.push((EVALUATION_TENSOR, vec![3], &metrics[..]));
+    }
+    encode_f32_tensors(&tensors).unwrap()
 }
 
 fn seal(public: &PublicKey, index: usize, plaintext: &[u8]) -> (String, Vec<u8>) {
@@ -68,6 +89,20 @@ fn fixture(params: usize, count: usize) -> Fixture {
 /// `fixture` with contribution `i`'s values multiplied by `scale(i)`: at 20 a 1 MB update's L2
 /// norm is about 3, above the clip norm of 1, so the aggregator clips it.
 fn fixture_scaled(params: usize, count: usize, scale: impl Fn(usize) -> f32) -> Fixture {
+    fixture_with(params, count, scale, None)
+}
+
+/// `fixture` for an evaluation round: every update carries the device's metrics.
+fn fixture_evaluated(params: usize, count: usize) -> Fixture {
+    fixture_with(params, count, |_| 1.0, Some(EVALUATION))
+}
+
+fn fixture_with(
+    params: usize,
+    count: usize,
+    scale: impl Fn(usize) -> f32,
+    evaluation: Option<Evaluation>,
+) -> Fixture {
     let (private, public) = generate_keypair();
     let schema = validate_model(&update(params, 0)).unwrap();
     let key = raw_key();
@@ -80,7 +115,7 @@ fn fixture_scaled(params: usize, count: usize, scale: impl Fn(usize) -> f32) -> 
             .into_iter()
             .map(|v| v * factor)
             .collect();
-        let plaintext = encode_f32_tensors(&[("w", vec![params], &scaled)]).unwrap();
+        let plaintext = encoded(&scaled, evaluation.is_some());
         let (id, bytes) = seal(&public, i, &plaintext);
         ciphertext_bytes += bytes.len();
         contributions.push((id, Some(bytes)));
@@ -99,6 +134,7 @@ fn fixture_scaled(params: usize, count: usize, scale: impl Fn(usize) -> f32) -> 
         contributions,
         raw,
         ciphertext_bytes,
+        evaluation,
     }
 }
 
@@ -128,7 +164,9 @@ fn pool(threads: usize) -> rayon::ThreadPool {
 
 /// Opens, checks, clips and sums every contribution (no noise: that is measured apart).
 fn aggregate(f: &Fixture, pool: &rayon::ThreadPool) {
-    let agg = Aggregator::new(binding(), 1.0, f.schema.clone(), &f.private).unwrap();
+    let agg = Aggregator::new(binding(), 1.0, f.schema.clone(), &f.private)
+        .unwrap()
+        .evaluating(f.evaluation);
     pool.install(|| agg.add_batch(&f.contributions));
     assert_eq!(agg.counts(), (f.contributions.len(), 0));
     black_box(agg);
@@ -260,10 +298,10 @@ fn reset_peak_rss() {
 /// Aggregates `count` pre-sealed contributions of a model with `params` values, two at a time,
 /// and returns the growth of peak RSS during aggregation alone (the sealed inputs exist before
 /// the measurement starts). Models of 8 MiB and more are streamed chunk by chunk.
-fn aggregation_peak(count: usize, params: usize) -> u64 {
+fn aggregation_peak(count: usize, params: usize, evaluating: bool) -> u64 {
     let (private, public) = generate_keypair();
     let schema = validate_model(&update(params, 0)).unwrap();
-    let plaintext = update(params, 1);
+    let plaintext = encoded(&values(params, 1), evaluating);
     let inputs: Vec<(String, Option<Vec<u8>>)> = (0..count)
         .map(|i| {
             let (id, bytes) = seal(&public, i, &plaintext);
@@ -273,7 +311,10 @@ fn aggregation_peak(count: usize, params: usize) -> u64 {
     drop(plaintext);
     reset_peak_rss();
     let start = peak_rss_bytes();
-    let agg = Aggregator::new(binding(), 1.0, schema, &private).unwrap();
+    let evaluation = evaluating.then_some(EVALUATION);
+    let agg = Aggregator::new(binding(), 1.0, schema, &private)
+        .unwrap()
+        .evaluating(evaluation);
     for pair in inputs.chunks(2) {
         agg.add_batch(pair);
     }
@@ -288,7 +329,7 @@ fn aggregation_peak(count: usize, params: usize) -> u64 {
                 min_reports: 1,
                 mechanism: confed_enclave::policy::Mechanism::Gaussian,
                 adaptive: None,
-                evaluation: None,
+                evaluation,
             },
         )
         .unwrap();
@@ -306,12 +347,20 @@ fn summary(small: &Fixture, large: &Fixture, large_params: usize) {
     let none_clipped = fixture_scaled(large_params, count, |_| 1.0);
     let half_clipped = fixture_scaled(large_params, count, |i| if i % 2 == 0 { 20.0 } else { 1.0 });
     let all_clipped = fixture_scaled(large_params, count, |_| 20.0);
+    let evaluated = fixture_evaluated(large_params, count);
+    let huge_evaluated = fixture_evaluated(huge_params, 6);
     for (label, f, params) in [
         ("1 KB", small, 256),
         ("1 MB", &none_clipped, large_params),
         ("1 MB, half clipped", &half_clipped, large_params),
         ("1 MB, all clipped", &all_clipped, large_params),
+        ("1 MB, evaluation round", &evaluated, large_params),
         ("16 MB (streamed)", &huge, huge_params),
+        (
+            "16 MB (streamed), evaluation round",
+            &huge_evaluated,
+            huge_params,
+        ),
     ] {
         let n = f.contributions.len() as f64;
         let gb = f.ciphertext_bytes as f64 / 1e9;
@@ -366,12 +415,19 @@ fn summary(small: &Fixture, large: &Fixture, large_params: usize) {
             n as f64 / s / 1e6
         );
     }
-    for (params, counts) in [(large_params, [8usize, 32]), (4 << 20, [4, 8])] {
+    for (params, counts, evaluating) in [
+        (large_params, [8usize, 32], false),
+        (4 << 20, [4, 8], false),
+        (4 << 20, [4, 8], true),
+    ] {
         let model_bytes = (params * 4) as f64 / 1e6;
         for count in counts {
             // In a fresh process: this one's allocator already holds memory from the runs above.
             let output = std::process::Command::new(std::env::current_exe().unwrap())
-                .env("CONFED_BENCH_MEMORY", format!("{count}:{params}"))
+                .env(
+                    "CONFED_BENCH_MEMORY",
+                    format!("{count}:{params}:{evaluating}"),
+                )
                 .output()
                 .unwrap();
             let peak = String::from_utf8_lossy(&output.stdout)
@@ -380,7 +436,8 @@ fn summary(small: &Fixture, large: &Fixture, large_params: usize) {
                 .unwrap_or(f64::NAN)
                 / 1e6;
             println!(
-                "memory: {count} contributions of a {model_bytes:.0} MB model on 2 threads: aggregation peak RSS +{peak:.1} MB ({:.2}x the model)",
+                "memory: {count} contributions of a {model_bytes:.0} MB model on 2 threads{}: aggregation peak RSS +{peak:.1} MB ({:.2}x the model)",
+                if evaluating { ", evaluation round" } else { "" },
                 peak / model_bytes
             );
         }
@@ -389,12 +446,18 @@ fn summary(small: &Fixture, large: &Fixture, large_params: usize) {
 
 fn main() {
     if let Ok(spec) = std::env::var("CONFED_BENCH_MEMORY") {
-        let (count, params) = spec.split_once(':').expect("count:params");
+        let mut parts = spec.split(':');
+        let (count, params, evaluating) = (
+            parts.next().expect("count"),
+            parts.next().expect("params"),
+            parts.next() == Some("true"),
+        );
         let pool = pool(2);
         let peak = pool.install(|| {
             aggregation_peak(
                 count.parse().expect("count"),
                 params.parse().expect("params"),
+                evaluating,
             )
         });
         println!("{peak}");
