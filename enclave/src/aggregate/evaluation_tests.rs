@@ -37,9 +37,32 @@ fn aggregator(r: &Round, binding: Binding) -> Aggregator {
         .evaluating(Some(EVALUATION))
 }
 
+/// The manifest of an evaluation round over `inputs` under a large budget (epsilon 50), so that
+/// little noise fits.
+fn released_at_epsilon_50(
+    r: &Round,
+    evaluation: Evaluation,
+    inputs: &[(String, Option<Vec<u8>>)],
+) -> Manifest {
+    let binding = Binding {
+        inputs_digest: inputs::digest_of(inputs),
+        ..binding()
+    };
+    let agg = Aggregator::new(binding, 1.0, r.schema.clone(), &r.private)
+        .unwrap()
+        .evaluating(Some(evaluation));
+    agg.add_batch(inputs);
+    let params = PrivacyParams {
+        epsilon: 50.0,
+        evaluation: Some(evaluation),
+        ..evaluating_privacy()
+    };
+    agg.finish(&r.private, params).unwrap().manifest
+}
+
 #[test]
 fn an_evaluation_round_releases_the_metric_sums_within_the_recorded_noise_and_spends_the_budget() {
-    // A large budget so that little noise fits: 200 devices (sealing is slow in debug builds).
+    // 200 devices: sealing is slow in debug builds.
     let evaluation = Evaluation {
         stddev: 6.0,
         ..EVALUATION
@@ -52,20 +75,7 @@ fn an_evaluation_round_releases_the_metric_sums_within_the_recorded_noise_and_sp
             (id, Some(bytes))
         })
         .collect();
-    let binding = Binding {
-        inputs_digest: inputs::digest_of(&inputs),
-        ..binding()
-    };
-    let agg = Aggregator::new(binding, 1.0, r.schema.clone(), &r.private)
-        .unwrap()
-        .evaluating(Some(evaluation));
-    agg.add_batch(&inputs);
-    let params = PrivacyParams {
-        epsilon: 50.0,
-        evaluation: Some(evaluation),
-        ..evaluating_privacy()
-    };
-    let manifest = agg.finish(&r.private, params).unwrap().manifest;
+    let manifest = released_at_epsilon_50(&r, evaluation, &inputs);
     assert_eq!(manifest.included, 200);
     let record = manifest.evaluation.expect("an evaluation record");
     assert_eq!(record.model_version, ROUND - 1);
@@ -180,20 +190,7 @@ fn metrics_go_with_their_update_and_non_finite_ones_count_as_none() {
             inputs.push((id, Some(bytes)));
         }
     }
-    let binding = Binding {
-        inputs_digest: inputs::digest_of(&inputs),
-        ..binding()
-    };
-    let agg = Aggregator::new(binding, 1.0, r.schema.clone(), &r.private)
-        .unwrap()
-        .evaluating(Some(evaluation));
-    agg.add_batch(&inputs);
-    let params = PrivacyParams {
-        epsilon: 50.0,
-        evaluation: Some(evaluation),
-        ..evaluating_privacy()
-    };
-    let manifest = agg.finish(&r.private, params).unwrap().manifest;
+    let manifest = released_at_epsilon_50(&r, evaluation, &inputs);
     assert_eq!(manifest.included, 30);
     assert_eq!(manifest.excluded["non_finite"], 20);
     let record = manifest.evaluation.unwrap();
