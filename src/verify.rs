@@ -266,6 +266,16 @@ pub fn check(
     lines.extend(result.lines);
     failures.extend(result.failures);
     if proof_ok {
+        if let Some(e) = &manifest.evaluation {
+            lines.push(format!(
+                "evaluation of model version {}: accuracy {}, loss {}, over {:.0} examples (noise {:.1} examples per sum)",
+                e.model_version,
+                e.accuracy.map_or("none".into(), |a| format!("{a:.4}")),
+                e.loss.map_or("none".into(), |l| format!("{l:.4}")),
+                e.examples,
+                e.stddev
+            ));
+        }
         lines.push(format!(
             "released under: policy {}, base model {}, mechanism {}, clip norm {}, {} contributions included, epsilon budget {} (delta {}) over {} rounds, spent through this round {:.4}",
             manifest.policy_sha256,

@@ -125,6 +125,19 @@ async fn evaluations_are_listed_per_model_version_and_early_stopping_completes_t
     .unwrap();
     assert_eq!(manifest["evaluation"]["model_version"], 0);
     assert_eq!(manifest["evaluation"]["examples"], points[0]["examples"]);
+    // ...which a partner checks offline: the release verifies and names the evaluation.
+    let verified = confed::verify::verify_release(&system.url, &token, &task, 1, &system.trust)
+        .await
+        .unwrap();
+    assert!(verified.ok(), "{:?}", verified.failures);
+    assert!(
+        verified
+            .lines
+            .iter()
+            .any(|l| l.starts_with("evaluation of model version 0")),
+        "{:?}",
+        verified.lines
+    );
 
     // The console's task page shows them, the best version and why the task stopped.
     let page = console_page(&system, &token, &format!("/console/tasks/{task}")).await;
