@@ -134,6 +134,7 @@ impl TaskDbJobStore {
             optimizer: spec.server_optimizer,
             optimizer_state_key: context.model.optimizer_state_key.clone(),
             clip_norm: round_clip_norm(context)?,
+            on_demand_evaluation: context.round.on_demand_evaluation,
         })
     }
 

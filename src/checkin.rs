@@ -239,6 +239,7 @@ impl Checkin<'_> {
                 model_version: candidate.model_version,
                 encryption: key,
                 max_contribution_bytes,
+                evaluate: candidate.on_demand_evaluation,
             })));
         }
         Ok(CheckinOutcome::Retry(if keyless {

@@ -167,3 +167,91 @@ async fn a_task_without_evaluation_lists_none() {
                "stopped_early": null})
     );
 }
+
+/// On demand: the partner asks (202) while round 2 collects; round 3, the next to open, takes
+/// the request: its assignments say `evaluate` and its release carries the metrics; one more
+/// request than the policy allows is refused (409), as is one for a task that allows none, and
+/// another tenant's task is 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_on_demand_evaluation_evaluates_the_next_round_to_open_within_the_policy() {
+    let (system, _dir) = start(now_clock()).await;
+    let (token, task) = open_task_with(
+        &system,
+        "on-demand",
+        50.0,
+        json!({"evaluation": {"every": 0, "max_examples": 20, "stddev": 20.0, "on_demand": 1}}),
+    )
+    .await;
+    let ask = |token: String| {
+        let url = format!("{}/v1/tasks/{task}/evaluations", system.url);
+        async move {
+            let reply = reqwest::Client::new()
+                .post(url)
+                .bearer_auth(token)
+                .send()
+                .await
+                .unwrap();
+            (
+                reply.status().as_u16(),
+                reply.json::<Value>().await.unwrap(),
+            )
+        }
+    };
+    let worker = system.worker("w1");
+    collect(&system, "on-demand", 1, true).await;
+    worker.run_once().await.unwrap().unwrap();
+    let (status, body) = ask(token.clone()).await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(
+        (body["used"].as_u64(), body["allowed"].as_u64()),
+        (Some(0), Some(1))
+    );
+    // Round 2 was open already: it does not evaluate; round 3 takes the request.
+    collect(&system, "on-demand", 2, true).await;
+    worker.run_once().await.unwrap().unwrap();
+    let assigned = system.db.checkin_candidates("on-demand").await.unwrap();
+    assert_eq!(assigned.len(), 1);
+    assert!(assigned[0].on_demand_evaluation && assigned[0].round_number == 3);
+    // Round 3 took the one on-demand evaluation the policy allows: another is refused.
+    let (status, body) = ask(token.clone()).await;
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body["detail"].as_str().unwrap().contains("used all 1"),
+        "{body}"
+    );
+    collect(&system, "on-demand", 3, true).await;
+    worker.run_once().await.unwrap().unwrap();
+    let (_, listed) = evaluations(&system, &token, &task).await;
+    let points = listed["evaluations"].as_array().unwrap();
+    assert_eq!(points.len(), 1, "{listed}");
+    assert_eq!(
+        (
+            points[0]["round"].as_u64(),
+            points[0]["model_version"].as_u64()
+        ),
+        (Some(3), Some(2))
+    );
+    assert!(
+        (points[0]["examples"].as_f64().unwrap() - 400.0).abs() < 100.0,
+        "{listed}"
+    );
+    // The task completed: nothing more to evaluate.
+    let (status, body) = ask(token.clone()).await;
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body["detail"].as_str().unwrap().contains("COMPLETED"),
+        "{body}"
+    );
+    let stranger = system.tenant("stranger").await.unwrap();
+    assert_eq!(ask(stranger).await.0, 404);
+
+    let (plain_token, plain) = open_task(&system, "no-on-demand", 50.0).await;
+    let reply = reqwest::Client::new()
+        .post(format!("{}/v1/tasks/{plain}/evaluations", system.url))
+        .bearer_auth(&plain_token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reply.status(), 409);
+    assert_eq!(reply.headers()["content-type"], "application/problem+json");
+}

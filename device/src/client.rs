@@ -167,6 +167,9 @@ pub struct DeviceClient {
     /// task -> (population, minimum separation, planned rounds) of tree tasks this device
     /// served: which `served` entries a check-in may usefully carry.
     separated: Mutex<HashMap<String, (String, u32, u32)>>,
+    /// (task, round) of the on-demand evaluations this device granted: at most the policy's
+    /// `on_demand` per task, which the accounting counts on.
+    on_demand: Mutex<HashSet<(String, i64)>>,
     /// Whether check-ins tell the server the rounds served (`served`); off, the device declines
     /// instead and its check-ins stay unlinkable to its earlier assignments.
     send_served: bool,
@@ -192,11 +195,12 @@ pub struct AcceptedPolicy {
 }
 
 impl AcceptedPolicy {
-    /// The evaluation the assignment's round asks for, if it is an evaluation round: the device
-    /// then measures the model it downloaded (the version the round trains from) on its own
-    /// held-out examples and adds `[loss_sum, correct, examples]` to its update as the F32 `[3]`
-    /// tensor `EVALUATION_TENSOR` (docs/protocol.md, "Evaluation"). In any other round that
-    /// tensor makes the enclave refuse the whole update.
+    /// The evaluation the policy schedules for the assignment's round, if it is a scheduled
+    /// evaluation round: the device then measures the model it downloaded (the version the round
+    /// trains from) on its own held-out examples and adds `[loss_sum, correct, examples]` to its
+    /// update as the F32 `[3]` tensor `EVALUATION_TENSOR` (docs/protocol.md, "Evaluation"). In a
+    /// round that does not evaluate that tensor makes the enclave refuse the whole update.
+    /// `DeviceClient::evaluation_for` also grants on-demand evaluations.
     pub fn evaluation_in(&self, assignment: &AssignmentResponse) -> Option<Evaluation> {
         let round = u64::try_from(assignment.round).ok()?;
         self.policy
@@ -253,6 +257,7 @@ impl DeviceClient {
             models: Mutex::default(),
             done: Mutex::default(),
             separated: Mutex::default(),
+            on_demand: Mutex::default(),
             send_served: true,
             verified,
             sealer: std::sync::Arc::new(RustCrypto),
@@ -359,6 +364,57 @@ impl DeviceClient {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .extend(served);
+        self
+    }
+
+    /// The evaluation this assignment asks of the device, if any: a round the policy's schedule
+    /// evaluates, or one the partner asked to evaluate on demand (`assignment.evaluate`, the
+    /// server's word) while this device has granted fewer than the policy's `on_demand` of the
+    /// task. An on-demand one is counted when granted, whether or not the caller then sends the
+    /// metrics: this count is what bounds the device's privacy cost, so keep it across restarts
+    /// (`on_demand_evaluated`, `with_on_demand_evaluated`). The caller adds `[loss_sum, correct,
+    /// examples]` of the downloaded model to its update as the F32 `[3]` tensor
+    /// `EVALUATION_TENSOR`.
+    pub fn evaluation_for(
+        &self,
+        assignment: &AssignmentResponse,
+        policy: &AcceptedPolicy,
+    ) -> Option<Evaluation> {
+        if let Some(scheduled) = policy.evaluation_in(assignment) {
+            return Some(scheduled);
+        }
+        let evaluation = policy.policy.dp_mechanism().ok()?.evaluation?;
+        if !assignment.evaluate || evaluation.on_demand == 0 {
+            return None;
+        }
+        let mut granted = self.on_demand.lock().unwrap_or_else(|p| p.into_inner());
+        let key = (assignment.task_id.clone(), assignment.round);
+        let of_task = granted.iter().filter(|(t, _)| *t == key.0).count();
+        if granted.contains(&key) || of_task < evaluation.on_demand as usize {
+            granted.insert(key);
+            Some(evaluation)
+        } else {
+            None
+        }
+    }
+
+    /// The (task, round) on-demand evaluations this device granted: keep them across restarts.
+    pub fn on_demand_evaluated(&self) -> Vec<(String, i64)> {
+        let granted = self.on_demand.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out: Vec<_> = granted.iter().cloned().collect();
+        out.sort();
+        out
+    }
+
+    /// The client with the on-demand evaluations a previous run granted.
+    pub fn with_on_demand_evaluated(
+        self,
+        granted: impl IntoIterator<Item = (String, i64)>,
+    ) -> Self {
+        self.on_demand
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(granted);
         self
     }
 

@@ -39,6 +39,7 @@ const EVALUATION: Evaluation = Evaluation {
     max_loss: 10.0,
     max_examples: 100,
     stddev: 1000.0,
+    on_demand: 0,
 };
 
 fn values(params: usize, seed: u32) -> Vec<f32> {
@@ -330,6 +331,7 @@ fn aggregation_peak(count: usize, params: usize, evaluating: bool) -> u64 {
                 mechanism: confed_enclave::policy::Mechanism::Gaussian,
                 adaptive: None,
                 evaluation,
+                on_demand: false,
             },
         )
         .unwrap();

@@ -64,6 +64,9 @@ pub struct JobWire {
     /// Adaptive clipping only: this round's clip norm.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clip_norm: Option<f64>,
+    /// The partner asked to evaluate this round on demand (absent: no).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub on_demand_evaluation: bool,
 }
 
 fn is_fedavg(optimizer: &ServerOptimizer) -> bool {
@@ -98,6 +101,7 @@ impl JobWire {
             optimizer: self.optimizer,
             optimizer_state,
             clip_norm: self.clip_norm,
+            on_demand_evaluation: self.on_demand_evaluation,
             contributions: self
                 .contributions
                 .into_iter()

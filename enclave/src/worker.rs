@@ -65,6 +65,10 @@ pub struct JobSpec {
     /// or the policy's for round 1). Bound into the release commitment; privacy does not depend
     /// on it (`PrivacyParams::for_round`).
     pub clip_norm: Option<f64>,
+    /// Whether the partner asked to evaluate this round on demand (the store's word: each device
+    /// counts its own on-demand evaluations against the policy's `on_demand`, and the enclave
+    /// charges that many; `PrivacyParams::for_round`).
+    pub on_demand_evaluation: bool,
     /// Every completed contribution.
     pub contributions: Vec<JobContribution>,
     /// The committed release, when the round is already APPLYING.
@@ -424,11 +428,15 @@ impl<S: JobStore + 'static> Worker<S> {
         phases: &mut Phases,
     ) -> Result<(Release, ReleaseProof), JobError> {
         let step = Instant::now();
-        let privacy = PrivacyParams::for_round(policy, job.clip_norm)?;
+        let privacy = PrivacyParams::for_round(policy, job.clip_norm, job.on_demand_evaluation)?;
         let (inputs, inputs_digest) = self.gather(job).await?;
         let inputs_digest = match privacy.adaptive {
             Some(_) => crate::aggregate::inputs::bind_clip_norm(&inputs_digest, privacy.clip_norm),
             None => inputs_digest,
+        };
+        let inputs_digest = match privacy.on_demand {
+            true => crate::aggregate::inputs::bind_on_demand_evaluation(&inputs_digest),
+            false => inputs_digest,
         };
         phases.read = step.elapsed();
         let step = Instant::now();

@@ -187,6 +187,11 @@ pub struct AssignmentResponse {
     pub report_url: String,
     /// Largest envelope the upload accepts.
     pub max_contribution_bytes: u64,
+    /// The partner asked to evaluate this round on demand: a device whose policy allows
+    /// on-demand evaluations and that has not used them all adds its metrics (docs/protocol.md,
+    /// "Evaluation"). Absent: false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub evaluate: bool,
 }
 
 impl std::fmt::Debug for AssignmentResponse {

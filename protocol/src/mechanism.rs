@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! <noise>[;adaptive_clipping=<target_quantile>,<learning_rate>,<count_stddev>]
-//!        [;evaluation=<every>,<max_loss>,<max_examples>,<stddev>]
+//!        [;evaluation=<every>,<max_loss>,<max_examples>,<stddev>,<on_demand>]
 //! <noise> = discrete_gaussian_on_grid | tree_aggregation_on_grid;min_separation=<u32>
 //! ```
 //!
@@ -21,6 +21,8 @@ pub const EVALUATION_TENSOR: &str = "confed.evaluation";
 /// range of the evaluation noise (in examples): within them the enclave's grid and sampler are
 /// exact (`enclave/src/aggregate/evaluation.rs`).
 pub const MAX_EVALUATION_EVERY: u32 = 10_000;
+/// Most on-demand evaluations a policy may allow each device.
+pub const MAX_ON_DEMAND_EVALUATIONS: u32 = 1000;
 pub const MAX_EVALUATION_LOSS: f64 = 1e6;
 pub const MAX_EVALUATION_EXAMPLES: u32 = 1_000_000;
 pub const MIN_EVALUATION_STDDEV: f64 = 1.0;
@@ -140,54 +142,69 @@ impl AdaptiveClipping {
     }
 }
 
-/// Federated evaluation: in every `every`-th round (rounds 1, 1 + every, 1 + 2 every, ...) each
-/// device also measures the model version the round trains from on its own held-out examples and
-/// adds `[loss_sum, correct, examples]` to its update (`EVALUATION_TENSOR`). The enclave bounds
-/// each device's part (at most `max_examples` examples, each loss in `[0, max_loss]`), sums the
-/// three over the round's included contributions and releases the sums with discrete Gaussian
-/// noise of standard deviation `stddev` (in examples; the loss sum in units of `max_loss`).
+/// Federated evaluation: in every `every`-th round (rounds 1, 1 + every, 1 + 2 every, ...; none
+/// when `every` is 0) each device also measures the model version the round trains from on its
+/// own held-out examples and adds `[loss_sum, correct, examples]` to its update
+/// (`EVALUATION_TENSOR`); so it does in rounds the partner asks to evaluate on demand, at most
+/// `on_demand` of them per device (the device counts). The enclave bounds each device's part (at
+/// most `max_examples` examples, a mean loss in `[0, max_loss]`), sums the three over the round's
+/// included contributions and releases the sums with discrete Gaussian noise of standard
+/// deviation `stddev` (in examples; the loss sum in units of `max_loss`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Evaluation {
     pub every: u32,
     pub max_loss: f64,
     pub max_examples: u32,
     pub stddev: f64,
+    pub on_demand: u32,
 }
 
 impl Evaluation {
-    /// Whether round `round` (1-based) evaluates the model version it trains from, `round - 1`.
+    /// Whether round `round` (1-based) is a scheduled evaluation round: it evaluates the model
+    /// version it trains from, `round - 1`.
     pub fn evaluates(&self, round: u64) -> bool {
-        round >= 1 && (round - 1).is_multiple_of(u64::from(self.every))
+        self.every > 0 && round >= 1 && (round - 1).is_multiple_of(u64::from(self.every))
     }
 
-    /// Evaluation rounds among rounds `1..=round`.
+    /// Scheduled evaluation rounds among rounds `1..=round`.
     pub fn rounds_through(&self, round: u64) -> u64 {
-        if round == 0 {
+        if round == 0 || self.every == 0 {
             0
         } else {
             (round - 1) / u64::from(self.every) + 1
         }
     }
 
+    /// On-demand evaluations one device can have made through `round`: at most `on_demand`, and
+    /// at most one per round that is not a scheduled evaluation round.
+    pub fn on_demand_through(&self, round: u64) -> u64 {
+        u64::from(self.on_demand).min(round - self.rounds_through(round))
+    }
+
     fn check(&self) -> Result<(), String> {
-        let ok = (1..=MAX_EVALUATION_EVERY).contains(&self.every)
+        let ok = self.every <= MAX_EVALUATION_EVERY
+            && self.on_demand <= MAX_ON_DEMAND_EVALUATIONS
+            && (self.every > 0 || self.on_demand > 0)
             && self.max_loss > 0.0
             && self.max_loss <= MAX_EVALUATION_LOSS
             && (1..=MAX_EVALUATION_EXAMPLES).contains(&self.max_examples)
             && (MIN_EVALUATION_STDDEV..=MAX_EVALUATION_STDDEV).contains(&self.stddev);
         ok.then_some(()).ok_or_else(|| {
             format!(
-                "evaluation {},{:e},{},{:e} (every in 1..={MAX_EVALUATION_EVERY}, max_loss in (0, {MAX_EVALUATION_LOSS:e}], max_examples in 1..={MAX_EVALUATION_EXAMPLES}, stddev in [{MIN_EVALUATION_STDDEV:e}, {MAX_EVALUATION_STDDEV:e}])",
-                self.every, self.max_loss, self.max_examples, self.stddev
+                "evaluation {},{:e},{},{:e},{} (every in 0..={MAX_EVALUATION_EVERY}, max_loss in (0, {MAX_EVALUATION_LOSS:e}], max_examples in 1..={MAX_EVALUATION_EXAMPLES}, stddev in [{MIN_EVALUATION_STDDEV:e}, {MAX_EVALUATION_STDDEV:e}], on_demand in 0..={MAX_ON_DEMAND_EVALUATIONS}, not both 0)",
+                self.every, self.max_loss, self.max_examples, self.stddev, self.on_demand
             )
         })
     }
 
     fn parse(params: &str) -> Result<Self, String> {
-        let bad =
-            || format!("evaluation {params:?} (four numbers: every,max_loss,max_examples,stddev)");
+        let bad = || {
+            format!(
+                "evaluation {params:?} (five numbers: every,max_loss,max_examples,stddev,on_demand)"
+            )
+        };
         let parts: Vec<&str> = params.split(',').collect();
-        let [every, max_loss, max_examples, stddev] = parts[..] else {
+        let [every, max_loss, max_examples, stddev, on_demand] = parts[..] else {
             return Err(bad());
         };
         let real = |v: &str| v.parse::<f64>().ok().filter(|x| x.is_finite());
@@ -196,6 +213,7 @@ impl Evaluation {
             max_loss: real(max_loss).ok_or_else(bad)?,
             max_examples: max_examples.parse().map_err(|_| bad())?,
             stddev: real(stddev).ok_or_else(bad)?,
+            on_demand: on_demand.parse().map_err(|_| bad())?,
         };
         evaluation.check()?;
         Ok(evaluation)
@@ -203,8 +221,8 @@ impl Evaluation {
 
     fn encode(&self) -> String {
         format!(
-            "{EVALUATION}{},{:e},{},{:e}",
-            self.every, self.max_loss, self.max_examples, self.stddev
+            "{EVALUATION}{},{:e},{},{:e},{}",
+            self.every, self.max_loss, self.max_examples, self.stddev, self.on_demand
         )
     }
 }

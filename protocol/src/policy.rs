@@ -48,8 +48,8 @@ pub const MAX_CLIP_NORM: f64 = 1e6;
 
 pub use crate::mechanism::{
     AdaptiveClipping, DpMechanism, EVALUATION_TENSOR, Evaluation, MAX_EVALUATION_EVERY,
-    MAX_EVALUATION_EXAMPLES, MAX_EVALUATION_LOSS, MAX_EVALUATION_STDDEV, MIN_EVALUATION_STDDEV,
-    Mechanism,
+    MAX_EVALUATION_EXAMPLES, MAX_EVALUATION_LOSS, MAX_EVALUATION_STDDEV, MAX_ON_DEMAND_EVALUATIONS,
+    MIN_EVALUATION_STDDEV, Mechanism,
 };
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -513,6 +513,7 @@ mod tests {
             max_loss: 10.0,
             max_examples: 50,
             stddev: 25.0,
+            on_demand: 2,
         };
         let m = DpMechanism {
             adaptive_clipping: Some(AdaptiveClipping {
@@ -526,7 +527,7 @@ mod tests {
         let text = m.encode();
         assert_eq!(
             text,
-            "tree_aggregation_on_grid;min_separation=4;adaptive_clipping=5e-1,2e-1,5e0;evaluation=3,1e1,50,2.5e1"
+            "tree_aggregation_on_grid;min_separation=4;adaptive_clipping=5e-1,2e-1,5e0;evaluation=3,1e1,50,2.5e1,2"
         );
         assert_eq!(DpMechanism::parse(&text), Ok(m));
         let alone = DpMechanism {
@@ -538,15 +539,28 @@ mod tests {
         assert_eq!(evaluated, [1, 4, 7, 10]);
         assert_eq!(evaluation.rounds_through(9), 3);
         assert_eq!(evaluation.rounds_through(0), 0);
+        // On demand: at most 2, and only in rounds the schedule does not evaluate.
+        assert_eq!(evaluation.on_demand_through(1), 0);
+        assert_eq!(evaluation.on_demand_through(2), 1);
+        assert_eq!(evaluation.on_demand_through(9), 2);
+        let only_on_demand = Evaluation {
+            every: 0,
+            ..evaluation
+        };
+        assert!(!only_on_demand.evaluates(1));
+        assert_eq!(only_on_demand.rounds_through(5), 0);
+        assert_eq!(only_on_demand.on_demand_through(1), 1);
         for bad in [
-            "discrete_gaussian_on_grid;evaluation=0,1e1,50,2.5e1",
-            "discrete_gaussian_on_grid;evaluation=3,10,50,2.5e1",
-            "discrete_gaussian_on_grid;evaluation=3,1e1,0,2.5e1",
-            "discrete_gaussian_on_grid;evaluation=3,1e1,50,5e-1",
-            "discrete_gaussian_on_grid;evaluation=3,0e0,50,2.5e1",
-            "discrete_gaussian_on_grid;evaluation=3,1e1,50",
-            "discrete_gaussian_on_grid;evaluation=3,1e1,50,2.5e1;evaluation=3,1e1,50,2.5e1",
-            "discrete_gaussian_on_grid;evaluation=3,1e1,50,2.5e1;adaptive_clipping=5e-1,2e-1,5e0",
+            "discrete_gaussian_on_grid;evaluation=0,1e1,50,2.5e1,0",
+            "discrete_gaussian_on_grid;evaluation=3,10,50,2.5e1,0",
+            "discrete_gaussian_on_grid;evaluation=3,1e1,0,2.5e1,0",
+            "discrete_gaussian_on_grid;evaluation=3,1e1,50,5e-1,0",
+            "discrete_gaussian_on_grid;evaluation=3,0e0,50,2.5e1,0",
+            "discrete_gaussian_on_grid;evaluation=3,1e1,50,2.5e1",
+            "discrete_gaussian_on_grid;evaluation=3,1e1,50,2.5e1,1001",
+            "discrete_gaussian_on_grid;evaluation=3,1e1,50,2.5e1,02",
+            "discrete_gaussian_on_grid;evaluation=3,1e1,50,2.5e1,0;evaluation=3,1e1,50,2.5e1,0",
+            "discrete_gaussian_on_grid;evaluation=3,1e1,50,2.5e1,0;adaptive_clipping=5e-1,2e-1,5e0",
         ] {
             assert!(DpMechanism::parse(bad).is_err(), "{bad} was accepted");
         }

@@ -167,6 +167,7 @@ impl From<DbError> for ApiError {
             e @ (DbError::StateConflict { .. }
             | DbError::IllegalTransition { .. }
             | DbError::AlreadyExists(_)
+            | DbError::Conflict(_)
             | DbError::PopulationTaken(_)) => Self::Conflict(e.to_string()),
             e @ DbError::QuotaExceeded { .. } => Self::QuotaExceeded(e.to_string()),
             DbError::ComputeBudget(detail) => Self::InvalidFields(vec![InvalidParam {

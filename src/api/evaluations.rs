@@ -50,3 +50,40 @@ pub async fn list_evaluations(
         evaluations,
     }))
 }
+
+/// An accepted request for an on-demand evaluation.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct EvaluationRequested {
+    /// The round the request applies to: the next round of the task that opens (a round the
+    /// schedule evaluates anyway takes it at no extra cost).
+    pub applies_to: &'static str,
+    /// On-demand evaluations of rounds opened so far, and how many the policy allows.
+    pub used: u32,
+    pub allowed: u32,
+}
+
+/// Ask for an evaluation of the task's next round (within the policy's `evaluation.on_demand`).
+#[utoipa::path(post, path = "/v1/tasks/{id}/evaluations", tag = "tasks",
+    params(("id" = String, Path, description = "Task id")),
+    security(("tenant_token" = [])),
+    responses(
+        (status = 202, description = "The next round to open will evaluate", body = EvaluationRequested),
+        (status = 401, body = Problem, content_type = "application/problem+json"),
+        (status = 404, body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The task allows no on-demand evaluation, has used them all, or is finished", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn request_evaluation(
+    State(state): State<AppState>,
+    Tenant(tenant): Tenant,
+    ApiPath(id): ApiPath<String>,
+) -> Result<(axum::http::StatusCode, axum::Json<EvaluationRequested>), ApiError> {
+    let request = state.db.request_evaluation(&tenant.id, &id).await?;
+    Ok((
+        axum::http::StatusCode::ACCEPTED,
+        axum::Json(EvaluationRequested {
+            applies_to: "the next round that opens",
+            used: request.used,
+            allowed: request.allowed,
+        }),
+    ))
+}

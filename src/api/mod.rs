@@ -134,7 +134,10 @@ pub fn routes_and_openapi(limits: &Limits) -> (Router<AppState>, utoipa::openapi
         .routes(routes!(releases::list_releases))
         .routes(routes!(releases::get_average))
         .routes(routes!(releases::get_manifest))
-        .routes(routes!(evaluations::list_evaluations))
+        .routes(routes!(
+            evaluations::list_evaluations,
+            evaluations::request_evaluation
+        ))
         .routes(routes!(models::get_model))
         .routes(routes!(admin::create_tenant, admin::list_tenants))
         .routes(routes!(populations::list_populations))

@@ -38,10 +38,11 @@ pub struct PlanArgs {
     /// count of unclipped updates (the target quantile and learning rate cost no privacy).
     #[arg(long)]
     adaptive_count_stddev: Option<f64>,
-    /// Evaluation every `EVERY` rounds with per-example loss bound `MAX_LOSS`, at most
-    /// `MAX_EXAMPLES` examples per device and noise `STDDEV` (in examples) on each sum, as
-    /// `EVERY,MAX_LOSS,MAX_EXAMPLES,STDDEV` (docs/privacy.md, "Evaluation").
-    #[arg(long, value_name = "EVERY,MAX_LOSS,MAX_EXAMPLES,STDDEV")]
+    /// Evaluation every `EVERY` rounds (0: none scheduled) with per-example loss bound
+    /// `MAX_LOSS`, at most `MAX_EXAMPLES` examples per device, noise `STDDEV` (in examples) on each
+    /// sum and up to `ON_DEMAND` evaluations on demand (default 0), as
+    /// `EVERY,MAX_LOSS,MAX_EXAMPLES,STDDEV[,ON_DEMAND]` (docs/privacy.md, "Evaluation").
+    #[arg(long, value_name = "EVERY,MAX_LOSS,MAX_EXAMPLES,STDDEV[,ON_DEMAND]")]
     evaluation: Option<String>,
 }
 
@@ -153,14 +154,18 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
     Ok(())
 }
 
-/// `EVERY,MAX_LOSS,MAX_EXAMPLES,STDDEV` as plain numbers (the policy's canonical form is made
-/// from them).
+/// `EVERY,MAX_LOSS,MAX_EXAMPLES,STDDEV[,ON_DEMAND]` as plain numbers (the policy's canonical
+/// form is made from them).
 fn parse_evaluation(text: &str) -> Result<Evaluation> {
     let parts: Vec<&str> = text.split(',').collect();
-    let [every, max_loss, max_examples, stddev] = parts[..] else {
-        return Err(anyhow!(
-            "--evaluation {text:?}: four numbers EVERY,MAX_LOSS,MAX_EXAMPLES,STDDEV"
-        ));
+    let (every, max_loss, max_examples, stddev, on_demand) = match parts[..] {
+        [a, b, c, d] => (a, b, c, d, "0"),
+        [a, b, c, d, e] => (a, b, c, d, e),
+        _ => {
+            return Err(anyhow!(
+                "--evaluation {text:?}: four or five numbers EVERY,MAX_LOSS,MAX_EXAMPLES,STDDEV[,ON_DEMAND]"
+            ));
+        }
     };
     let bad = |what: &str| anyhow!("--evaluation {text:?}: {what} is not a number");
     Ok(Evaluation {
@@ -168,5 +173,6 @@ fn parse_evaluation(text: &str) -> Result<Evaluation> {
         max_loss: max_loss.parse().map_err(|_| bad("MAX_LOSS"))?,
         max_examples: max_examples.parse().map_err(|_| bad("MAX_EXAMPLES"))?,
         stddev: stddev.parse().map_err(|_| bad("STDDEV"))?,
+        on_demand: on_demand.parse().map_err(|_| bad("ON_DEMAND"))?,
     })
 }

@@ -40,6 +40,9 @@ pub enum DbError {
     PopulationTaken(String),
     #[error("{0} already exists")]
     AlreadyExists(String),
+    /// A request the task's definition or state does not allow now (409), saying why.
+    #[error("{0}")]
+    Conflict(String),
     #[error("the lease on aggregation job {0} is held by another worker (or the job is finished)")]
     LeaseLost(String),
     #[error("stored data is corrupt: {0}")]

@@ -2,22 +2,31 @@
 
 use super::{Conn, Db, DbError, tasks};
 use crate::evaluation::{EvaluationPoint, point_of};
+use crate::states::TaskState;
+use crate::task_spec::EvaluationSpec;
 
-/// The evaluations of task `task_id` that evaluates every `every` rounds, by model version. A
-/// round released twice (an operator's doing: the key services' ledger allows one commitment
-/// per round) counts once, its newest release.
+/// The evaluations of task `task_id` under `evaluation`, by model version: the releases of its
+/// scheduled evaluation rounds, or of all its rounds when it may evaluate on demand. A round
+/// released twice (an operator's doing: the key services' ledger allows one commitment per
+/// round) counts once, its newest release.
 pub(super) async fn of_task(
     conn: &mut Conn,
     task_id: &str,
-    every: i64,
+    evaluation: &EvaluationSpec,
 ) -> Result<Vec<EvaluationPoint>, DbError> {
+    let policy = evaluation.policy();
+    let every = if policy.on_demand > 0 || policy.every == 0 {
+        1
+    } else {
+        i64::from(policy.every)
+    };
     let rows: Vec<(i64, String)> = sqlx::query_as(
         "SELECT round_number, manifest_json FROM releases \
          WHERE task_id = $1 AND (round_number - 1) % $2 = 0 \
          ORDER BY round_number, created_at",
     )
     .bind(task_id)
-    .bind(every.max(1))
+    .bind(every)
     .fetch_all(&mut *conn)
     .await?;
     let mut points: Vec<EvaluationPoint> = Vec::with_capacity(rows.len());
@@ -43,8 +52,70 @@ impl Db {
         let mut conn = self.pool().acquire().await?;
         let task = tasks::load(&mut conn, tenant_id, task_id).await?;
         match task.spec.evaluation {
-            Some(evaluation) => of_task(&mut conn, task_id, evaluation.every).await,
+            Some(evaluation) => of_task(&mut conn, task_id, &evaluation).await,
             None => Ok(Vec::new()),
         }
+    }
+}
+
+/// Where a partner's on-demand evaluation request stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EvaluationRequest {
+    /// On-demand evaluations of rounds opened so far (distinct rounds).
+    pub used: u32,
+    /// What the policy allows each device.
+    pub allowed: u32,
+}
+
+impl Db {
+    /// Asks for an evaluation of the task's next round to open (idempotent while it waits).
+    /// Refused (409) when the task allows none, has used them all, or is finished.
+    pub async fn request_evaluation(
+        &self,
+        tenant_id: &str,
+        task_id: &str,
+    ) -> Result<EvaluationRequest, DbError> {
+        let (tenant_id, task_id) = (tenant_id.to_string(), task_id.to_string());
+        self.write(move |tx| {
+            Box::pin(async move {
+                let task = tasks::load(&mut *tx, &tenant_id, &task_id).await?;
+                let allowed = task.spec.evaluation.map_or(0, |e| e.policy().on_demand);
+                if allowed == 0 {
+                    return Err(DbError::Conflict(format!(
+                        "task {task_id} allows no on-demand evaluation (its evaluation.on_demand is 0); create the task with evaluation.on_demand >= 1"
+                    )));
+                }
+                if !matches!(task.state, TaskState::Created | TaskState::Open) {
+                    return Err(DbError::Conflict(format!(
+                        "task {task_id} is {}: no round will open to evaluate",
+                        task.state.as_str()
+                    )));
+                }
+                let used: i64 = sqlx::query_scalar(
+                    "SELECT COUNT(DISTINCT round_number) FROM rounds \
+                     WHERE task_id = $1 AND on_demand_evaluation <> 0",
+                )
+                .bind(&task_id)
+                .fetch_one(&mut *tx)
+                .await?;
+                let used = u32::try_from(used).unwrap_or(u32::MAX);
+                let pending: i64 =
+                    sqlx::query_scalar("SELECT evaluation_requested FROM tasks WHERE id = $1")
+                        .bind(&task_id)
+                        .fetch_one(&mut *tx)
+                        .await?;
+                if pending == 0 && used >= allowed {
+                    return Err(DbError::Conflict(format!(
+                        "task {task_id} has used all {allowed} of its on-demand evaluations"
+                    )));
+                }
+                sqlx::query("UPDATE tasks SET evaluation_requested = 1 WHERE id = $1")
+                    .bind(&task_id)
+                    .execute(&mut *tx)
+                    .await?;
+                Ok(EvaluationRequest { used, allowed })
+            })
+        })
+        .await
     }
 }

@@ -559,6 +559,6 @@ async fn early_stop(conn: &mut Conn, task: &tasks::TaskRecord) -> Result<Option<
     let Some(rule) = evaluation.early_stopping else {
         return Ok(None);
     };
-    let points = super::evaluations::of_task(conn, &task.id, evaluation.every).await?;
+    let points = super::evaluations::of_task(conn, &task.id, &evaluation).await?;
     Ok(crate::evaluation::early_stop(&rule, &points))
 }

@@ -25,6 +25,8 @@ pub struct RoundRecord {
     pub deadline_at: i64,
     pub opened_at: i64,
     pub closed_at: Option<i64>,
+    /// The partner asked to evaluate this round on demand.
+    pub on_demand_evaluation: bool,
 }
 
 /// What the scheduler did with a round whose deadline passed.
@@ -52,12 +54,13 @@ type RoundRow = (
     i64,
     i64,
     Option<i64>,
+    i64,
 );
 
 const ROUND_SELECT: &str = "SELECT r.id, r.task_id, r.round_number, r.attempt, r.state, \
      r.report_goal, r.min_reports, \
      r.completed_reports, \
-     r.deadline_at, r.opened_at, r.closed_at FROM rounds r";
+     r.deadline_at, r.opened_at, r.closed_at, r.on_demand_evaluation FROM rounds r";
 
 fn round_from_row(row: RoundRow) -> Result<RoundRecord, DbError> {
     let (
@@ -72,6 +75,7 @@ fn round_from_row(row: RoundRow) -> Result<RoundRecord, DbError> {
         deadline_at,
         opened_at,
         closed_at,
+        on_demand_evaluation,
     ) = row;
     Ok(RoundRecord {
         state: parse_state(&state)?,
@@ -85,6 +89,7 @@ fn round_from_row(row: RoundRow) -> Result<RoundRecord, DbError> {
         deadline_at,
         opened_at,
         closed_at,
+        on_demand_evaluation: on_demand_evaluation != 0,
     })
 }
 
@@ -102,10 +107,11 @@ pub(crate) async fn open(
     let dropout = previous_dropout(conn, &task.id).await?;
     let capacity = spec.capacity_for(dropout) as i64;
     let key_id = tree_key(conn, task, round_number).await?;
+    let on_demand = take_evaluation_request(conn, task, round_number).await?;
     sqlx::query(
         "INSERT INTO rounds (id, task_id, round_number, attempt, state, report_goal, min_reports, \
-         deadline_at, opened_at, closed_at, updated_at, capacity, key_id) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, NULL, $9, $10, $11)",
+         deadline_at, opened_at, closed_at, updated_at, capacity, key_id, on_demand_evaluation) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, NULL, $9, $10, $11, $12)",
     )
     .bind(&id)
     .bind(&task.id)
@@ -118,9 +124,14 @@ pub(crate) async fn open(
     .bind(now)
     .bind(capacity)
     .bind(key_id)
+    .bind(i64::from(on_demand))
     .execute(&mut *conn)
     .await?;
-    let reason = format!("round {round_number} attempt {attempt} opened");
+    let reason = if on_demand {
+        format!("round {round_number} attempt {attempt} opened, evaluating on demand")
+    } else {
+        format!("round {round_number} attempt {attempt} opened")
+    };
     history::append(
         conn,
         "round",
@@ -341,4 +352,38 @@ impl Db {
         }
         Ok(outcome)
     }
+}
+
+/// Whether round `round_number`, now opening, evaluates on demand: an earlier attempt of it did,
+/// or the partner's pending request (`Db::request_evaluation`) is taken now. A round the
+/// schedule evaluates anyway takes the request without marking itself (it costs nothing more).
+async fn take_evaluation_request(
+    conn: &mut Conn,
+    task: &tasks::TaskRecord,
+    round_number: i64,
+) -> Result<bool, DbError> {
+    let Some(evaluation) = task.spec.evaluation else {
+        return Ok(false);
+    };
+    let earlier: Option<i64> = sqlx::query_scalar(
+        "SELECT MAX(on_demand_evaluation) FROM rounds WHERE task_id = $1 AND round_number = $2",
+    )
+    .bind(&task.id)
+    .bind(round_number)
+    .fetch_one(&mut *conn)
+    .await?;
+    if earlier.unwrap_or(0) != 0 {
+        return Ok(true);
+    }
+    // Test and clear in one statement: a request made meanwhile is never lost.
+    let requested = sqlx::query(
+        "UPDATE tasks SET evaluation_requested = 0 WHERE id = $1 AND evaluation_requested <> 0",
+    )
+    .bind(&task.id)
+    .execute(&mut *conn)
+    .await?
+    .rows_affected()
+        > 0;
+    let scheduled = u64::try_from(round_number).is_ok_and(|r| evaluation.policy().evaluates(r));
+    Ok(requested && !scheduled)
 }

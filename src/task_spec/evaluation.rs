@@ -5,7 +5,7 @@
 
 use confed_enclave::policy::{
     Evaluation, MAX_EVALUATION_EVERY, MAX_EVALUATION_EXAMPLES, MAX_EVALUATION_LOSS,
-    MAX_EVALUATION_STDDEV, MIN_EVALUATION_STDDEV,
+    MAX_EVALUATION_STDDEV, MAX_ON_DEMAND_EVALUATIONS, MIN_EVALUATION_STDDEV,
 };
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -19,10 +19,11 @@ pub const MAX_PATIENCE: i64 = 1000;
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EvaluationSpec {
-    /// Rounds between evaluations, 1..=rounds: rounds 1, 1 + every, 1 + 2 every, ... evaluate
-    /// the model version they train from (version 0, every, 2 every, ...).
+    /// Rounds between evaluations, 0..=rounds: rounds 1, 1 + every, 1 + 2 every, ... evaluate
+    /// the model version they train from (version 0, every, 2 every, ...); 0: none scheduled
+    /// (then `on_demand` must be at least 1).
     #[serde(deserialize_with = "crate::api::integers::i64")]
-    #[schema(minimum = 1, maximum = 10000)]
+    #[schema(minimum = 0, maximum = 10000)]
     pub every: i64,
     /// Bound on one example's loss, (0, 1e6] (default 10): devices clip each loss at it, and the
     /// enclave each device's mean loss.
@@ -44,6 +45,16 @@ pub struct EvaluationSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(minimum = 1.0, maximum = 1000000.0)]
     pub stddev: Option<f64>,
+    /// Evaluations the partner may ask for outside the schedule (`POST
+    /// /v1/tasks/{id}/evaluations`), 0-1000 (default 0): each device takes part in at most this
+    /// many, and the budget is charged for them from the start.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::api::integers::option_i64"
+    )]
+    #[schema(minimum = 0, maximum = 1000)]
+    pub on_demand: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub early_stopping: Option<EarlyStopping>,
 }
@@ -81,6 +92,7 @@ impl EvaluationSpec {
             max_loss: self.max_loss.unwrap_or(10.0),
             max_examples: self.max_examples.unwrap_or(100) as u32,
             stddev: self.stddev.unwrap_or(MAX_EVALUATION_STDDEV),
+            on_demand: self.on_demand.unwrap_or(0) as u32,
         }
     }
 }
@@ -94,7 +106,19 @@ pub(super) fn validate(
 ) -> EvaluationSpec {
     // Bounded by `rounds` only when that is valid itself, so one mistake is reported once.
     let most = rounds.map_or(i64::from(MAX_EVALUATION_EVERY), i64::from);
-    let every = p.int("evaluation.every", given.every, 1, most);
+    let every = p.int("evaluation.every", given.every, 0, most);
+    let on_demand = p.int(
+        "evaluation.on_demand",
+        given.on_demand.unwrap_or(0),
+        0,
+        i64::from(MAX_ON_DEMAND_EVALUATIONS),
+    );
+    if every == 0 && on_demand == 0 {
+        p.add(
+            "evaluation.every",
+            "0 schedules no evaluation: give every >= 1, or on_demand >= 1",
+        );
+    }
     let max_loss = p.float(
         "evaluation.max_loss",
         given.max_loss.unwrap_or(10.0),
@@ -138,6 +162,7 @@ pub(super) fn validate(
         max_loss: Some(max_loss),
         max_examples: Some(i64::from(max_examples)),
         stddev: Some(stddev),
+        on_demand: Some(i64::from(on_demand)),
         early_stopping,
     }
 }

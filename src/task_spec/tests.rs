@@ -104,7 +104,7 @@ fn an_evaluation_is_named_in_the_policy_with_its_defaults_and_checked() {
     .unwrap();
     assert_eq!(
         spec.policy("t", "x").mechanism,
-        "discrete_gaussian_on_grid;evaluation=2,1e1,100,5e2"
+        "discrete_gaussian_on_grid;evaluation=2,1e1,100,5e2,0"
     );
     let rule = spec.evaluation.unwrap().early_stopping.unwrap();
     assert_eq!(

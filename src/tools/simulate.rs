@@ -288,8 +288,8 @@ async fn cycle(
             let mut local = base.clone();
             local.train(shard, plan.epochs, plan.batch_size, plan.learning_rate);
             // An evaluation round: the downloaded model measured on held-out examples.
-            let metrics = policy
-                .evaluation_in(assignment)
+            let metrics = client
+                .evaluation_for(assignment, &policy)
                 .map(|e| base.evaluate(held_out, e.max_loss));
             local.delta_from(&base).to_safetensors_with(metrics)
         }

@@ -132,6 +132,10 @@ class Device:
     #: called in a task's evaluation rounds on the model the device downloaded, and sent with
     #: the update (docs/protocol.md, "Evaluation"). None: the device sends no metrics.
     evaluate: Evaluate | None = None
+    #: (task_id, round) of the on-demand evaluations this device granted: at most the policy's
+    #: `on_demand` per task, whatever the server asks (the accounting counts on it). Kept in
+    #: memory only; a real device keeps it across restarts.
+    on_demand: set = field(default_factory=set)
     _serving: threading.Lock = field(default_factory=threading.Lock, init=False,
                                      compare=False, repr=False)
 
@@ -213,6 +217,23 @@ class Device:
         return (f"this device served round {nearest} of task {task}; its policy keeps a "
                 f"device's rounds at least {separation} apart")
 
+    def _evaluates(self, policy: dict, assignment: dict) -> bool:
+        """Whether to evaluate in this assignment: a scheduled evaluation round, or one the
+        server says the partner asked for on demand (`evaluate`) while this device has granted
+        fewer than the policy's `on_demand` of the task (granted here, counted at once)."""
+        if evaluates(policy, assignment["round"]):
+            return True
+        allowed = (policy.get("evaluation") or {}).get("on_demand", 0)
+        if not assignment.get("evaluate") or not allowed:
+            return False
+        key = (assignment["task_id"], assignment["round"])
+        with self._serving:
+            granted = sum(1 for (task, _) in self.on_demand if task == key[0])
+            if key not in self.on_demand and granted >= allowed:
+                return False
+            self.on_demand.add(key)
+        return True
+
     def contribute(self, assignment: dict, train: Train) -> None:
         """Verifies, trains, seals, uploads and reports one assignment. On a failed check it
         reports `failed` with the reason and raises. A device seals at most once per round (and
@@ -238,7 +259,7 @@ class Device:
             if self.tensors == "torch":
                 weights = to_torch(weights)
             metrics = None
-            if self.evaluate is not None and evaluates(policy, assignment["round"]):
+            if self.evaluate is not None and self._evaluates(policy, assignment):
                 # The model as downloaded, before training touches anything.
                 measured = {k: v.copy() for k, v in model.items()}
                 metrics = np.asarray(self.evaluate(

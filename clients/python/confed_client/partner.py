@@ -51,6 +51,11 @@ class Partner:
         evaluated model version, the best version and whether early stopping ended the task."""
         return self._call("GET", f"/v1/tasks/{task_id}/evaluations").json()
 
+    def request_evaluation(self, task_id: str) -> dict:
+        """Asks for an on-demand evaluation of the task's next round (`POST
+        /v1/tasks/{id}/evaluations`, within the policy's `evaluation.on_demand`)."""
+        return self._call("POST", f"/v1/tasks/{task_id}/evaluations", expect=(202,)).json()
+
     def model(self, task_id: str, version: int) -> dict[str, np.ndarray]:
         reply = self._call("GET", f"/v1/tasks/{task_id}/models/{version}")
         return from_safetensors(reply.content)

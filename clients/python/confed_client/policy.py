@@ -86,7 +86,8 @@ def parse_policy(raw: bytes | str) -> dict:
 
 _NOISE = re.compile(r"(discrete_gaussian_on_grid|tree_aggregation_on_grid;min_separation="
                     r"([1-9][0-9]{0,3}))(;adaptive_clipping=([^,;]+),([^,;]+),([^,;]+))?"
-                    r"(;evaluation=(0|[1-9][0-9]*),([^,;]+),(0|[1-9][0-9]*),([^,;]+))?\Z")
+                    r"(;evaluation=(0|[1-9][0-9]*),([^,;]+),(0|[1-9][0-9]*),([^,;]+),"
+                    r"(0|[1-9][0-9]*))?\Z")
 
 #: The tensor a device adds to its update in an evaluation round: float32 [3],
 #: [loss_sum, correct, examples] of the model it downloaded on its own held-out examples.
@@ -124,25 +125,28 @@ def adaptive_clipping(mechanism: str) -> dict | None:
 
 
 def evaluation(mechanism: str) -> dict | None:
-    """The evaluation a mechanism names (`every`, `max_loss`, `max_examples`, `stddev`), each
-    canonical and in range, or None (docs/protocol.md, "Evaluation")."""
+    """The evaluation a mechanism names (`every`, `max_loss`, `max_examples`, `stddev`,
+    `on_demand`), each canonical and in range, or None (docs/protocol.md, "Evaluation")."""
     found = _mechanism(mechanism)
     if not found.group(7):
         return None
     values = {"every": _u32(found.group(8), "evaluation.every"),
               "max_loss": _float(found.group(9), "evaluation.max_loss"),
               "max_examples": _u32(found.group(10), "evaluation.max_examples"),
-              "stddev": _float(found.group(11), "evaluation.stddev")}
-    if not (1 <= values["every"] <= 10000 and 0 < values["max_loss"] <= 1e6
-            and 1 <= values["max_examples"] <= 1_000_000 and 1 <= values["stddev"] <= 1e6):
+              "stddev": _float(found.group(11), "evaluation.stddev"),
+              "on_demand": _u32(found.group(12), "evaluation.on_demand")}
+    if not (values["every"] <= 10000 and 0 < values["max_loss"] <= 1e6
+            and 1 <= values["max_examples"] <= 1_000_000 and 1 <= values["stddev"] <= 1e6
+            and values["on_demand"] <= 1000 and (values["every"] or values["on_demand"])):
         raise PolicyError(f"evaluation out of range in {mechanism!r}")
     return values
 
 
 def evaluates(policy: dict, round_: int) -> bool:
-    """Whether `round_` of the task is an evaluation round: rounds 1, 1 + every, 1 + 2 every..."""
+    """Whether `round_` of the task is a scheduled evaluation round: rounds 1, 1 + every, ...
+    (none when every is 0)."""
     e = policy.get("evaluation")
-    return e is not None and round_ >= 1 and (round_ - 1) % e["every"] == 0
+    return e is not None and e["every"] > 0 and round_ >= 1 and (round_ - 1) % e["every"] == 0
 
 
 def policy_sha256(raw: bytes | str) -> str:

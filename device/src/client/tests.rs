@@ -32,6 +32,7 @@ fn assignment(policy: &TaskPolicy, key: &DeviceKey) -> AssignmentResponse {
         upload_headers: Default::default(),
         report_url: "/r".into(),
         max_contribution_bytes: 1 << 20,
+        evaluate: false,
     }
 }
 
@@ -89,7 +90,7 @@ fn the_accepted_policy_names_its_evaluation_rounds() {
         ..assignment(&sample, &key())
     };
     assert_eq!(plain.evaluation_in(&in_round(1)), None);
-    policy.mechanism = "discrete_gaussian_on_grid;evaluation=3,1e1,50,2.5e1".into();
+    policy.mechanism = "discrete_gaussian_on_grid;evaluation=3,1e1,50,2.5e1,1".into();
     let evaluated = AcceptedPolicy {
         sha256: policy.sha256_hex(),
         policy: policy.clone(),
@@ -102,6 +103,32 @@ fn the_accepted_policy_names_its_evaluation_rounds() {
         evaluated.evaluation_in(&in_round(4)).unwrap().max_examples,
         50
     );
+    // On demand (the server's `evaluate`): the device grants the policy's one, then no more,
+    // whatever the server asks; a restarted device keeps its count.
+    let client = DeviceClient::new("http://127.0.0.1:1", &open_trust()).unwrap();
+    let asked = |round: i64| AssignmentResponse {
+        evaluate: true,
+        ..in_round(round)
+    };
+    assert!(client.evaluation_for(&in_round(2), &evaluated).is_none());
+    assert!(client.evaluation_for(&asked(2), &evaluated).is_some());
+    assert!(
+        client.evaluation_for(&asked(2), &evaluated).is_some(),
+        "the same round again"
+    );
+    assert!(client.evaluation_for(&asked(3), &evaluated).is_none());
+    assert!(
+        client.evaluation_for(&in_round(4), &evaluated).is_some(),
+        "scheduled rounds do not count"
+    );
+    assert!(
+        client.evaluation_for(&asked(5), &plain).is_none(),
+        "none allowed"
+    );
+    let restarted = DeviceClient::new("http://127.0.0.1:1", &open_trust())
+        .unwrap()
+        .with_on_demand_evaluated(client.on_demand_evaluated());
+    assert!(restarted.evaluation_for(&asked(6), &evaluated).is_none());
 }
 
 /// Under DP-FTRL the accounting assumes a device serves at most one round of any

@@ -132,6 +132,7 @@ mod tests {
             max_loss: 4.0,
             max_examples: 10,
             stddev: 1.0,
+            on_demand: 0,
         }
     }
 

@@ -11,6 +11,7 @@ const EVALUATION: Evaluation = Evaluation {
     max_loss: 2.0,
     max_examples: 10,
     stddev: 60.0,
+    on_demand: 0,
 };
 
 /// An update of `values` with the device's `[loss_sum, correct, examples]`.
@@ -175,6 +176,7 @@ fn metrics_go_with_their_update_and_non_finite_ones_count_as_none() {
         max_loss: 1.0,
         max_examples: 1,
         stddev: 1.0,
+        on_demand: 0,
     };
     let r = round(4);
     let mut inputs = Vec::new();
@@ -316,4 +318,27 @@ fn a_streamed_evaluation_round_sums_what_the_buffered_one_does() {
         .stream_above(0);
     let (id, bytes) = (inputs[0].0.clone(), inputs[0].1.clone().unwrap());
     assert_eq!(plain.add(&id, Some(&bytes)), Err(Exclusion::WrongTensors));
+}
+
+/// On demand: the job's flag (the store's word) makes a round outside the schedule evaluate,
+/// only under a policy that allows on-demand evaluations, and binds itself into the digest.
+#[test]
+fn an_on_demand_evaluation_needs_a_policy_that_allows_one_and_changes_the_commitment() {
+    let mut policy = crate::policy::TaskPolicy::sample("t", 6);
+    policy.epsilon = 50.0;
+    policy.mechanism = "discrete_gaussian_on_grid;evaluation=3,1e1,10,2e2,0".into();
+    assert!(PrivacyParams::for_round(&policy, None, true).is_err());
+    let params = PrivacyParams::for_round(&policy, None, false).unwrap();
+    assert_eq!(params.evaluation_in(2), None);
+    policy.mechanism = "discrete_gaussian_on_grid;evaluation=3,1e1,10,2e2,1".into();
+    let asked = PrivacyParams::for_round(&policy, None, true).unwrap();
+    assert!(
+        asked.evaluation_in(2).is_some(),
+        "round 2 of every 3, on demand"
+    );
+    let not_asked = PrivacyParams::for_round(&policy, None, false).unwrap();
+    assert_eq!(not_asked.evaluation_in(2), None);
+    assert!(not_asked.evaluation_in(4).is_some(), "scheduled");
+    let digest = "e".repeat(64);
+    assert_ne!(inputs::bind_on_demand_evaluation(&digest), digest);
 }

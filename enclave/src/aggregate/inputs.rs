@@ -85,6 +85,16 @@ pub fn bind_clip_norm(inputs_digest: &str, clip_norm: f64) -> String {
     super::hex(hasher.finalize().as_bytes())
 }
 
+/// The inputs digest of a round evaluated on demand: `BLAKE3(inputs_digest (64 ASCII hex) ||
+/// "on_demand_evaluation")`, so a release of the same inputs with and without the evaluation has
+/// another commitment (which the key services' ledger admits once per round) and other noise.
+pub fn bind_on_demand_evaluation(inputs_digest: &str) -> String {
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(inputs_digest.as_bytes());
+    hasher.update(b"on_demand_evaluation");
+    super::hex(hasher.finalize().as_bytes())
+}
+
 /// A digest written as 64 lowercase hex digits (as the server lists it in a job).
 pub fn parse_digest(text: &str) -> Option<[u8; 32]> {
     if !is_ref(text) {

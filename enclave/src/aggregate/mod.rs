@@ -80,8 +80,10 @@ pub struct PrivacyParams {
     pub mechanism: Mechanism,
     /// Adaptive clipping's parameters (then `clip_norm` is this round's, not the policy's).
     pub adaptive: Option<AdaptiveClipping>,
-    /// Evaluation's parameters (whether this round evaluates: `Evaluation::evaluates`).
+    /// Evaluation's parameters (whether this round evaluates: `evaluation_in`).
     pub evaluation: Option<Evaluation>,
+    /// The partner asked to evaluate this round on demand.
+    pub on_demand: bool,
 }
 
 impl PrivacyParams {
@@ -91,9 +93,15 @@ impl PrivacyParams {
     /// scales with it and the sensitivity on the grid is one clip norm whatever it is); it is
     /// bound into the release commitment and the noise (`inputs::bind_clip_norm`). A round clip
     /// norm for a policy without adaptive clipping, or none for one with it, is refused.
+    ///
+    /// `on_demand` (the job's, so the store's word) asks for an evaluation outside the policy's
+    /// schedule. The store may ask in any round: what bounds the privacy cost is each device,
+    /// which sends metrics in at most `on_demand` such rounds of the task, and the accounting
+    /// charges that many (`Evaluation::on_demand_through`). A policy that allows none refuses it.
     pub fn for_round(
         policy: &TaskPolicy,
         round_clip_norm: Option<f64>,
+        on_demand: bool,
     ) -> Result<Self, crate::policy::PolicyError> {
         let DpMechanism {
             noise,
@@ -130,6 +138,11 @@ impl PrivacyParams {
             DiscreteGaussian::at_least(2.0 * a.count_stddev)
                 .map_err(|e| limits(format!("adaptive clipping's count noise: {e}")))?;
         }
+        if on_demand && evaluation.is_none_or(|e| e.on_demand == 0) {
+            return Err(limits(
+                "the job asks for an on-demand evaluation, but the policy allows none".into(),
+            ));
+        }
         if let Some(e) = evaluation {
             DiscreteGaussian::at_least(
                 e.stddev * dp::accounting::EVALUATION_UNITS_PER_EXAMPLE as f64,
@@ -145,6 +158,7 @@ impl PrivacyParams {
             mechanism: noise,
             adaptive: adaptive_clipping,
             evaluation,
+            on_demand,
         })
     }
 
@@ -156,9 +170,10 @@ impl PrivacyParams {
         }
     }
 
-    /// The evaluation round `round` runs, if it is one.
+    /// The evaluation round `round` runs, if it is one: scheduled, or asked for on demand.
     pub fn evaluation_in(&self, round: u64) -> Option<Evaluation> {
-        self.evaluation.filter(|e| e.evaluates(round))
+        self.evaluation
+            .filter(|e| e.evaluates(round) || (self.on_demand && e.on_demand > 0))
     }
 }
 

@@ -101,6 +101,7 @@ pub(super) fn privacy() -> PrivacyParams {
         mechanism: crate::policy::Mechanism::Gaussian,
         adaptive: None,
         evaluation: None,
+        on_demand: false,
     }
 }
 
@@ -698,6 +699,7 @@ fn the_adaptive_clip_norm_converges_to_the_target_quantile() {
             rounds: rounds as u32,
             adaptive: Some(adaptive),
             evaluation: None,
+            on_demand: false,
             ..privacy()
         };
         let manifest = agg.finish(&r.private, params).unwrap().manifest;
@@ -729,12 +731,12 @@ fn the_adaptive_clip_norm_converges_to_the_target_quantile() {
 #[test]
 fn a_round_clip_norm_is_taken_only_under_adaptive_clipping_and_bound_into_the_digest() {
     let mut policy = crate::policy::TaskPolicy::sample("t", 3);
-    assert!(PrivacyParams::for_round(&policy, None).is_ok());
-    assert!(PrivacyParams::for_round(&policy, Some(2.0)).is_err());
+    assert!(PrivacyParams::for_round(&policy, None, false).is_ok());
+    assert!(PrivacyParams::for_round(&policy, Some(2.0), false).is_err());
     policy.mechanism = "discrete_gaussian_on_grid;adaptive_clipping=5e-1,2e-1,5e0".into();
-    assert!(PrivacyParams::for_round(&policy, None).is_err());
-    assert!(PrivacyParams::for_round(&policy, Some(1e7)).is_err());
-    let params = PrivacyParams::for_round(&policy, Some(2.0)).unwrap();
+    assert!(PrivacyParams::for_round(&policy, None, false).is_err());
+    assert!(PrivacyParams::for_round(&policy, Some(1e7), false).is_err());
+    let params = PrivacyParams::for_round(&policy, Some(2.0), false).unwrap();
     assert_eq!(params.clip_norm, 2.0);
     assert!(params.adaptive.is_some());
     let digest = "e".repeat(64);

@@ -46,10 +46,15 @@ pub fn count_rho(count_scale: f64) -> f64 {
 /// `max_loss`, is rounded to 1/1024 of it per device.
 pub const EVALUATION_UNITS_PER_EXAMPLE: i64 = 1024;
 
-/// Evaluation releases one device can be in through `round`: one per evaluation round it may
-/// serve, so every evaluation round (Gaussian) or one per tree that has an evaluation round
-/// (DP-FTRL: a device serves one round per tree).
+/// Evaluation releases one device can be in through `round`: one per scheduled evaluation round
+/// it may serve, so every one (Gaussian) or one per tree that has one (DP-FTRL: a device serves
+/// one round per tree); plus its on-demand evaluations, which the device itself counts, at most
+/// `on_demand` and one per round outside the schedule.
 pub fn evaluations_through(mechanism: Mechanism, evaluation: &Evaluation, round: u64) -> u64 {
+    scheduled_through(mechanism, evaluation, round) + evaluation.on_demand_through(round)
+}
+
+fn scheduled_through(mechanism: Mechanism, evaluation: &Evaluation, round: u64) -> u64 {
     let evaluated = evaluation.rounds_through(round);
     match mechanism {
         Mechanism::Gaussian => evaluated,
@@ -179,6 +184,7 @@ mod tests {
                 max_loss: 10.0,
                 max_examples: 50,
                 stddev,
+                on_demand: 0,
             }),
             ..DpMechanism::plain(noise)
         }
@@ -227,6 +233,15 @@ mod tests {
         // Trees of 2 rounds: every evaluation round is in a tree of its own.
         let short = Mechanism::Tree { min_separation: 2 };
         assert_eq!(evaluations_through(short, &every_3, 10), 4);
+        // Two on demand: one per round outside the schedule, at most two.
+        let on_demand = Evaluation {
+            on_demand: 2,
+            ..every_3
+        };
+        assert_eq!(evaluations_through(Mechanism::Gaussian, &on_demand, 1), 1);
+        assert_eq!(evaluations_through(Mechanism::Gaussian, &on_demand, 2), 2);
+        assert_eq!(evaluations_through(Mechanism::Gaussian, &on_demand, 10), 6);
+        assert_eq!(evaluations_through(tree, &on_demand, 10), 4);
     }
 
     #[test]

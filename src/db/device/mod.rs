@@ -33,6 +33,8 @@ pub struct Candidate {
     pub task_created_at: i64,
     /// Most live assignments the round takes (fixed when it opened: adaptive over-selection).
     pub capacity: u64,
+    /// The partner asked to evaluate this round on demand (devices are told so).
+    pub on_demand_evaluation: bool,
     /// Parsed once per task and shared: a task's definition never changes after creation.
     pub spec: std::sync::Arc<TaskSpec>,
 }
@@ -106,6 +108,7 @@ pub(in crate::db) type CandidateRow = (
     i64,
     i64,
     Option<i64>,
+    i64,
 );
 pub(in crate::db) type ViewRow = (
     String,
@@ -134,7 +137,8 @@ pub(in crate::db) const VIEW_SQL: &str = "SELECT a.id, a.state, a.expires_at, r.
 pub(in crate::db) static CANDIDATES: LazyLock<String> = LazyLock::new(|| {
     format!(
         "SELECT r.id, t.id, t.tenant_id, r.round_number, r.deadline_at, r.key_id, \
-         t.model_version, r.live_assignments, t.spec_json, r.attempt, t.created_at, r.capacity \
+         t.model_version, r.live_assignments, t.spec_json, r.attempt, t.created_at, r.capacity, \
+         r.on_demand_evaluation \
          FROM rounds r JOIN tasks t ON t.id = r.task_id \
          JOIN populations p ON p.name = t.population AND p.tenant_id = t.tenant_id \
          WHERE t.population = $1 AND t.state = '{open}' AND r.state = '{collecting}'",
@@ -402,6 +406,7 @@ impl Db {
                         .11
                         .and_then(|c| u64::try_from(c).ok())
                         .unwrap_or_else(|| spec.max_live_assignments()),
+                    on_demand_evaluation: r.12 != 0,
                     spec,
                 })
             })
