@@ -16,27 +16,27 @@ async fn evaluations(
     (reply.status().as_u16(), reply.json().await.unwrap())
 }
 
-/// The console page at `path`, signed in with `token`.
-async fn console_page(
+/// A console session for `token`: the client (no redirects followed) and the cookie to send.
+async fn console_session(
     system: &confed::embedded::EmbeddedSystem,
     token: &str,
-    path: &str,
-) -> String {
+) -> (reqwest::Client, String) {
     let http = reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
         .build()
         .unwrap();
+    let form = format!(
+        "token={}",
+        token
+            .replace('+', "%2B")
+            .replace('/', "%2F")
+            .replace('=', "%3D")
+    );
     let signed_in = http
         .post(format!("{}/console/sign-in", system.url))
         .header("origin", &system.url)
         .header("content-type", "application/x-www-form-urlencoded")
-        .body(format!(
-            "token={}",
-            token
-                .replace('+', "%2B")
-                .replace('/', "%2F")
-                .replace('=', "%3D")
-        ))
+        .body(form)
         .send()
         .await
         .unwrap();
@@ -48,6 +48,16 @@ async fn console_page(
         .next()
         .unwrap()
         .to_string();
+    (http, cookie)
+}
+
+/// The console page at `path`, signed in with `token`.
+async fn console_page(
+    system: &confed::embedded::EmbeddedSystem,
+    token: &str,
+    path: &str,
+) -> String {
+    let (http, cookie) = console_session(system, token).await;
     http.get(format!("{}{path}", system.url))
         .header("cookie", cookie)
         .send()
@@ -200,6 +210,32 @@ async fn an_on_demand_evaluation_evaluates_the_next_round_to_open_within_the_pol
     let worker = system.worker("w1");
     collect(&system, "on-demand", 1, true).await;
     worker.run_once().await.unwrap().unwrap();
+    // Through the console's form (with its CSRF token), then the API: one request, waiting.
+    let (http, cookie) = console_session(&system, &token).await;
+    let page = http
+        .get(format!("{}/console/tasks/{task}", system.url))
+        .header("cookie", &cookie)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let action = format!(r#"action="/console/tasks/{task}/evaluations""#);
+    let form = &page[page.find(&action).expect("the on-demand form")..];
+    let marker = r#"name="csrf" value=""#;
+    let start = form.find(marker).unwrap() + marker.len();
+    let csrf = &form[start..start + form[start..].find('"').unwrap()];
+    let posted = http
+        .post(format!("{}/console/tasks/{task}/evaluations", system.url))
+        .header("cookie", &cookie)
+        .header("origin", &system.url)
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(format!("csrf={csrf}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(posted.status(), 303);
     let (status, body) = ask(token.clone()).await;
     assert_eq!(status, 202, "{body}");
     assert_eq!(

@@ -1,13 +1,21 @@
 //! The task page's evaluation section: the devices' noised metrics per evaluated model version
 //! (from the signed manifests), the best version, and the early-stopping rule and its verdict.
 
+use axum::extract::State;
+use axum::response::{IntoResponse, Redirect, Response};
 use maud::{Markup, html};
 
+use super::error::{ConsoleError, ConsoleForm, ConsolePath};
+use super::layout::csrf_field;
+use super::session::Session;
+use super::task_page::CsrfOnly;
+use crate::api::AppState;
 use crate::db::TaskRecord;
 use crate::evaluation::EvaluationPoint;
+use crate::states::TaskState;
 
 /// `None` for a task without evaluation.
-pub fn section(task: &TaskRecord, points: &[EvaluationPoint]) -> Option<Markup> {
+pub fn section(task: &TaskRecord, points: &[EvaluationPoint], session: &Session) -> Option<Markup> {
     let spec = task.spec.evaluation?;
     let best = crate::evaluation::best(crate::evaluation::ranking_metric(task), points);
     let stopped = crate::evaluation::stopped_early(task, points);
@@ -19,13 +27,22 @@ pub fn section(task: &TaskRecord, points: &[EvaluationPoint]) -> Option<Markup> 
         section aria-labelledby="evaluation-heading" {
             h2 #evaluation-heading { "Evaluation" }
             p.note {
-                "Every " (policy.every) " rounds the round's devices measure the model version it trains from on their own held-out examples (at most " (policy.max_examples) " each, mean loss at most " (policy.max_loss) "); the enclave releases the sums with noise of standard deviation " (policy.stddev) " examples on each (" (policy.stddev * policy.max_loss) " on the loss sum), charged to the privacy budget. Values are noised: compare versions by more than a few standard deviations over the examples."
+                @if policy.every > 0 { "Every " (policy.every) " rounds" } @else { "In rounds asked for on demand" }
+                @if policy.every > 0 && policy.on_demand > 0 { " (and in up to " (policy.on_demand) " rounds asked for on demand)" }
+                " the round's devices measure the model version it trains from on their own held-out examples (at most " (policy.max_examples) " each, mean loss at most " (policy.max_loss) "); the enclave releases the sums with noise of standard deviation " (policy.stddev) " examples on each (" (policy.stddev * policy.max_loss) " on the loss sum), charged to the privacy budget. Values are noised: compare versions by more than a few standard deviations over the examples."
                 @if let Some(rule) = spec.early_stopping {
                     " Training stops when " (rule.metric.as_str()) " has not improved by more than " (rule.min_delta.unwrap_or(0.0)) " for " (rule.patience) " evaluations."
                 }
             }
             @if let Some(reason) = &stopped {
                 p #stopped-early { strong { "Stopped early: " } (reason) }
+            }
+            @if policy.on_demand > 0 && matches!(task.state, TaskState::Created | TaskState::Open) {
+                form.card method="post" action={"/console/tasks/" (task.id) "/evaluations"} {
+                    (csrf_field(session))
+                    p { "Ask the next round that opens to evaluate the model it trains from (this task allows " (policy.on_demand) " such evaluations; each device takes part in at most that many)." }
+                    button type="submit" { "Evaluate the next round" }
+                }
             }
             @if points.is_empty() {
                 p { "No evaluation released yet." }
@@ -58,4 +75,18 @@ pub fn section(task: &TaskRecord, points: &[EvaluationPoint]) -> Option<Markup> 
             }
         }
     })
+}
+
+/// Asks for an on-demand evaluation (`Db::request_evaluation`, as `POST
+/// /v1/tasks/{id}/evaluations`); a refusal shows as the console's error page.
+pub async fn request(
+    State(state): State<AppState>,
+    session: Session,
+    ConsolePath(id): ConsolePath<String>,
+    ConsoleForm(form): ConsoleForm<CsrfOnly>,
+) -> Result<Response, ConsoleError> {
+    session.check_csrf(&form.csrf)?;
+    state.db.request_evaluation(&session.tenant.id, &id).await?;
+    tracing::info!(tenant = %session.tenant.name, task = %id, "on-demand evaluation asked for (console)");
+    Ok(Redirect::to(&format!("/console/tasks/{id}")).into_response())
 }

@@ -49,6 +49,10 @@ pub fn router(state: AppState) -> Router<AppState> {
         .route("/console/tasks/{id}", get(task_page::show))
         .route("/console/tasks/{id}/cancel", post(task_page::cancel))
         .route(
+            "/console/tasks/{id}/evaluations",
+            post(evaluations::request),
+        )
+        .route(
             "/console/tasks/{id}/models/{version}",
             get(task_page::download_model),
         )

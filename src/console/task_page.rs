@@ -225,7 +225,7 @@ pub async fn show(
                 (funnel_table(&shown, now))
             }
         }
-        @if let Some(section) = super::evaluations::section(&task, &evaluations) {
+        @if let Some(section) = super::evaluations::section(&task, &evaluations, &session) {
             (section)
         }
         @if !shown.is_empty() {
@@ -369,7 +369,7 @@ fn round_state(state: RoundState) -> Markup {
 #[derive(Deserialize)]
 pub struct CsrfOnly {
     #[serde(default)]
-    csrf: String,
+    pub(super) csrf: String,
 }
 
 pub async fn cancel(
