@@ -106,14 +106,14 @@ pub(super) fn validate(
 ) -> EvaluationSpec {
     // Bounded by `rounds` only when that is valid itself, so one mistake is reported once.
     let most = rounds.map_or(i64::from(MAX_EVALUATION_EVERY), i64::from);
-    let every = p.int("evaluation.every", given.every, 0, most);
+    let every = p.checked_int("evaluation.every", given.every, 0, most);
     let on_demand = p.int(
         "evaluation.on_demand",
         given.on_demand.unwrap_or(0),
         0,
         i64::from(MAX_ON_DEMAND_EVALUATIONS),
     );
-    if every == 0 && on_demand == 0 {
+    if every == Some(0) && on_demand == 0 {
         p.add(
             "evaluation.every",
             "0 schedules no evaluation: give every >= 1, or on_demand >= 1",
@@ -158,7 +158,7 @@ pub(super) fn validate(
         )),
     });
     EvaluationSpec {
-        every: i64::from(every),
+        every: i64::from(every.unwrap_or(0)),
         max_loss: Some(max_loss),
         max_examples: Some(i64::from(max_examples)),
         stddev: Some(stddev),
