@@ -255,6 +255,27 @@ async fn an_on_demand_evaluation_evaluates_the_next_round_to_open_within_the_pol
         body["detail"].as_str().unwrap().contains("used all 1"),
         "{body}"
     );
+    // With one left but round 3 the last: nothing would take a request.
+    let (wide_token, wide) = open_task_with(
+        &system,
+        "on-demand-wide",
+        50.0,
+        json!({"evaluation": {"every": 0, "max_examples": 20, "stddev": 20.0, "on_demand": 3},
+               "rounds": 1}),
+    )
+    .await;
+    let reply = reqwest::Client::new()
+        .post(format!("{}/v1/tasks/{wide}/evaluations", system.url))
+        .bearer_auth(&wide_token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reply.status(), 409);
+    let body: Value = reply.json().await.unwrap();
+    assert!(
+        body["detail"].as_str().unwrap().contains("last round"),
+        "{body}"
+    );
     collect(&system, "on-demand", 3, true).await;
     worker.run_once().await.unwrap().unwrap();
     let (_, listed) = evaluations(&system, &token, &task).await;

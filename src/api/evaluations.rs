@@ -70,7 +70,7 @@ pub struct EvaluationRequested {
         (status = 202, description = "The next round to open will evaluate", body = EvaluationRequested),
         (status = 401, body = Problem, content_type = "application/problem+json"),
         (status = 404, body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "The task allows no on-demand evaluation, has used them all, or is finished", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The task allows no on-demand evaluation, has used them all, is in its last round, or is finished", body = Problem, content_type = "application/problem+json"),
     ))]
 pub async fn request_evaluation(
     State(state): State<AppState>,

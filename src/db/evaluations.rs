@@ -109,6 +109,12 @@ impl Db {
                         "task {task_id} has used all {allowed} of its on-demand evaluations"
                     )));
                 }
+                if task.current_round >= i64::from(task.spec.rounds) {
+                    return Err(DbError::Conflict(format!(
+                        "task {task_id} is in its last round ({}): no round will open to evaluate",
+                        task.spec.rounds
+                    )));
+                }
                 sqlx::query("UPDATE tasks SET evaluation_requested = 1 WHERE id = $1")
                     .bind(&task_id)
                     .execute(&mut *tx)
