@@ -18,6 +18,10 @@ pub struct EvaluationPoint {
     /// The round whose devices measured it and whose release carries the metrics.
     #[serde(default)]
     pub round: u64,
+    /// Asked for on demand rather than scheduled: only devices that still had an on-demand
+    /// evaluation to grant took part, so the sums may hold few examples or none.
+    #[serde(default)]
+    pub on_demand: bool,
     /// Standard deviation of the noise on each sum, in examples (on `loss_sum`, in loss units,
     /// `stddev * max_loss`).
     pub stddev: f64,
@@ -140,6 +144,7 @@ mod tests {
             .map(|(i, v)| EvaluationPoint {
                 model_version: 2 * i as u64,
                 round: 2 * i as u64 + 1,
+                on_demand: false,
                 stddev: 1.0,
                 examples: 100.0,
                 correct: 0.0,

@@ -268,8 +268,9 @@ pub fn check(
     if proof_ok {
         if let Some(e) = &manifest.evaluation {
             lines.push(format!(
-                "evaluation of model version {}: accuracy {}, loss {}, over {:.0} examples (noise {:.1} examples per sum)",
+                "evaluation of model version {}{}: accuracy {}, loss {}, over {:.0} examples (noise {:.1} examples per sum)",
                 e.model_version,
+                if e.on_demand { " (on demand)" } else { "" },
                 e.accuracy.map_or("none".into(), |a| format!("{a:.4}")),
                 e.loss.map_or("none".into(), |l| format!("{l:.4}")),
                 e.examples,

@@ -1,6 +1,7 @@
-//! Evaluation rounds end to end (one process, SQLite): simulated devices add their metrics for
-//! the model they train from, the enclave releases them noised, partners read them per model
-//! version, and the early-stopping rule completes the task.
+//! Evaluation rounds end to end (one process; SQLite, or PostgreSQL with
+//! `CONFED_TEST_DATABASE_URL`): simulated devices add their metrics for the model they train
+//! from, the enclave releases them noised, partners read them per model version, the
+//! early-stopping rule completes the task, and partners ask for evaluations on demand.
 
 mod common;
 
@@ -255,7 +256,7 @@ async fn an_on_demand_evaluation_evaluates_the_next_round_to_open_within_the_pol
         body["detail"].as_str().unwrap().contains("used all 1"),
         "{body}"
     );
-    // With one left but round 3 the last: nothing would take a request.
+    // A task in its last round (here its only one), with requests left: nothing would take one.
     let (wide_token, wide) = open_task_with(
         &system,
         "on-demand-wide",
@@ -288,6 +289,7 @@ async fn an_on_demand_evaluation_evaluates_the_next_round_to_open_within_the_pol
         ),
         (Some(3), Some(2))
     );
+    assert_eq!(points[0]["on_demand"], true, "{listed}");
     assert!(
         (points[0]["examples"].as_f64().unwrap() - 400.0).abs() < 100.0,
         "{listed}"
@@ -311,4 +313,86 @@ async fn an_on_demand_evaluation_evaluates_the_next_round_to_open_within_the_pol
         .unwrap();
     assert_eq!(reply.status(), 409);
     assert_eq!(reply.headers()["content-type"], "application/problem+json");
+}
+
+/// The round that takes a request: a retried attempt of an on-demand round keeps the flag (and
+/// the request stays used), and a round the schedule evaluates anyway takes a request without
+/// using one up.
+#[tokio::test]
+async fn a_retried_attempt_keeps_its_on_demand_flag_and_a_scheduled_round_absorbs_a_request() {
+    let app = common::TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let evaluation =
+        |every: u32| json!({"every": every, "max_examples": 10, "stddev": 20.0, "on_demand": 1});
+    let ask = |task: String| {
+        let (app, token) = (&app, token.clone());
+        async move {
+            app.call(
+                axum::http::Method::POST,
+                &format!("/v1/tasks/{task}/evaluations"),
+                Some(&token),
+                None,
+            )
+            .await
+        }
+    };
+    let flagged = |population: &'static str| {
+        let app = &app;
+        async move {
+            let candidates = app.db.checkin_candidates(population).await.unwrap();
+            assert_eq!(candidates.len(), 1);
+            (candidates[0].attempt, candidates[0].on_demand_evaluation)
+        }
+    };
+    // Only on demand: asked for before round 1 opens, round 1 takes it.
+    let task = app
+        .create_task(
+            &token,
+            json!({"population": "retried", "rounds": 2, "report_goal": 1, "min_reports": 1,
+                   "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0},
+                   "evaluation": evaluation(0)}),
+        )
+        .await;
+    assert_eq!(ask(task.clone()).await.status, 202);
+    let put = app
+        .put_bytes(
+            &format!("/v1/tasks/{task}/model"),
+            &token,
+            common::model_bytes(),
+        )
+        .await;
+    assert_eq!(put.status, 201);
+    assert_eq!(flagged("retried").await, (1, true));
+    // Its deadline passes with no report: attempt 2 of round 1 is still the on-demand round.
+    app.clock.advance(std::time::Duration::from_secs(600));
+    confed::scheduler::Scheduler::new(app.db.clone(), app.clock.clone())
+        .tick()
+        .await
+        .unwrap();
+    assert_eq!(flagged("retried").await, (2, true));
+    let again = ask(task).await;
+    assert_eq!(again.status, 409, "the one allowed is used");
+
+    // Scheduled every round: round 1 takes the request, evaluates anyway, uses nothing up.
+    let scheduled = app
+        .create_task(
+            &token,
+            json!({"population": "scheduled", "rounds": 2, "report_goal": 1, "min_reports": 1,
+                   "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0},
+                   "evaluation": evaluation(1)}),
+        )
+        .await;
+    assert_eq!(ask(scheduled.clone()).await.status, 202);
+    let put = app
+        .put_bytes(
+            &format!("/v1/tasks/{scheduled}/model"),
+            &token,
+            common::model_bytes(),
+        )
+        .await;
+    assert_eq!(put.status, 201);
+    assert_eq!(flagged("scheduled").await, (1, false));
+    let reply = ask(scheduled).await;
+    assert_eq!(reply.status, 202);
+    assert_eq!(reply.json()["used"], 0);
 }

@@ -384,7 +384,10 @@ impl DeviceClient {
             return Some(scheduled);
         }
         let evaluation = policy.policy.dp_mechanism().ok()?.evaluation?;
-        if !assignment.evaluate || evaluation.on_demand == 0 {
+        if !assignment.evaluate
+            || evaluation.on_demand == 0
+            || policy.policy.task_id != assignment.task_id
+        {
             return None;
         }
         let mut granted = self.on_demand.lock().unwrap_or_else(|p| p.into_inner());

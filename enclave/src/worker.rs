@@ -430,14 +430,7 @@ impl<S: JobStore + 'static> Worker<S> {
         let step = Instant::now();
         let privacy = PrivacyParams::for_round(policy, job.clip_norm, job.on_demand_evaluation)?;
         let (inputs, inputs_digest) = self.gather(job).await?;
-        let inputs_digest = match privacy.adaptive {
-            Some(_) => crate::aggregate::inputs::bind_clip_norm(&inputs_digest, privacy.clip_norm),
-            None => inputs_digest,
-        };
-        let inputs_digest = match privacy.on_demand {
-            true => crate::aggregate::inputs::bind_on_demand_evaluation(&inputs_digest),
-            false => inputs_digest,
-        };
+        let inputs_digest = privacy.bind_round_choices(inputs_digest);
         phases.read = step.elapsed();
         let step = Instant::now();
         let commitment = ReleaseCommitment {

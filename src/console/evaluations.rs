@@ -37,7 +37,10 @@ pub fn section(task: &TaskRecord, points: &[EvaluationPoint], session: &Session)
             @if let Some(reason) = &stopped {
                 p #stopped-early { strong { "Stopped early: " } (reason) }
             }
-            @if policy.on_demand > 0 && matches!(task.state, TaskState::Created | TaskState::Open) {
+            @if policy.on_demand > 0
+                && matches!(task.state, TaskState::Created | TaskState::Open)
+                && task.current_round < i64::from(task.spec.rounds)
+            {
                 form.card method="post" action={"/console/tasks/" (task.id) "/evaluations"} {
                     (csrf_field(session))
                     p { "Ask the next round that opens to evaluate the model it trains from (this task allows " (policy.on_demand) " such evaluations; each device takes part in at most that many)." }
@@ -60,6 +63,7 @@ pub fn section(task: &TaskRecord, points: &[EvaluationPoint], session: &Session)
                                 tr data-version=(point.model_version) {
                                     th scope="row" {
                                         (point.model_version)
+                                        @if point.on_demand { " " small { "on demand" } }
                                         @if best == Some(point.model_version) { " " small.ok { "best" } }
                                     }
                                     td.num { (point.round) }

@@ -78,6 +78,17 @@ impl Db {
         let (tenant_id, task_id) = (tenant_id.to_string(), task_id.to_string());
         self.write(move |tx| {
             Box::pin(async move {
+                // Locked first on PostgreSQL: a round opening (which takes a pending request and
+                // moves current_round) commits before this reads anything, or waits for it.
+                let lock = format!(
+                    "SELECT id FROM tasks WHERE id = $1 AND tenant_id = $2{}",
+                    super::lock_clause(&*tx, " FOR UPDATE")
+                );
+                sqlx::query(sqlx::AssertSqlSafe(lock))
+                    .bind(&task_id)
+                    .bind(&tenant_id)
+                    .fetch_optional(&mut *tx)
+                    .await?;
                 let task = tasks::load(&mut *tx, &tenant_id, &task_id).await?;
                 let allowed = task.spec.evaluation.map_or(0, |e| e.policy().on_demand);
                 if allowed == 0 {

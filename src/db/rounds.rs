@@ -362,9 +362,13 @@ async fn take_evaluation_request(
     task: &tasks::TaskRecord,
     round_number: i64,
 ) -> Result<bool, DbError> {
-    let Some(evaluation) = task.spec.evaluation else {
+    let Some(evaluation) = task.spec.evaluation.map(|e| e.policy()) else {
         return Ok(false);
     };
+    if evaluation.on_demand == 0 {
+        // A stray request (a row edited by hand) would flag a round the enclave must refuse.
+        return Ok(false);
+    }
     let earlier: Option<i64> = sqlx::query_scalar(
         "SELECT MAX(on_demand_evaluation) FROM rounds WHERE task_id = $1 AND round_number = $2",
     )
@@ -384,6 +388,6 @@ async fn take_evaluation_request(
     .await?
     .rows_affected()
         > 0;
-    let scheduled = u64::try_from(round_number).is_ok_and(|r| evaluation.policy().evaluates(r));
+    let scheduled = u64::try_from(round_number).is_ok_and(|r| evaluation.evaluates(r));
     Ok(requested && !scheduled)
 }

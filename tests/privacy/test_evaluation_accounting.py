@@ -7,7 +7,7 @@ evaluation round: L2 sensitivity sqrt(3) MAX_EXAMPLES, so each evaluation is one
 of noise multiplier STDDEV / (sqrt(3) MAX_EXAMPLES). A device is in every evaluation round
 (Gaussian) or in one per tree that has an evaluation round (DP-FTRL: one round per tree), and
 in at most ON_DEMAND on-demand evaluations (the device counts them), one per round outside the
-schedule. Here
+schedule; under DP-FTRL never more than one per tree begun. Here
 dp-accounting composes those with the value releases (and adaptive clipping's counts in one
 case) and converts with its own code; they must agree within 1 %, and the plan must spend the
 budget."""
@@ -54,7 +54,9 @@ def evaluations_through(round_: int, every: int, on_demand: int, separation: int
     asked = min(on_demand, round_ - len(scheduled))
     if separation is None:
         return len(scheduled) + asked
-    return len({(r - 1) // separation for r in scheduled}) + asked
+    # A device serves one round per tree: at most one evaluation per tree begun.
+    trees_begun = (round_ - 1) // separation + 1
+    return min(trees_begun, len({(r - 1) // separation for r in scheduled}) + asked)
 
 
 def independent_epsilon(got: dict, round_: int, separation, every, on_demand) -> float:

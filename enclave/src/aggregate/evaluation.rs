@@ -72,6 +72,10 @@ impl Sums {
 pub struct EvaluationRecord {
     /// The model version the round trained from and its devices evaluated (`round - 1`).
     pub model_version: u64,
+    /// Asked for on demand (the store's word: only devices that granted one of their on-demand
+    /// evaluations sent metrics, so the sums may hold few or none), not a scheduled round.
+    #[serde(default)]
+    pub on_demand: bool,
     pub max_loss: f64,
     pub max_examples: u32,
     /// Standard deviation of the noise on each sum, in examples (the loss sum's in units of
@@ -91,6 +95,7 @@ pub struct EvaluationRecord {
 /// Noises the sums once and makes the record; returns it with the noise's scale (grid units).
 pub fn release(
     evaluation: &Evaluation,
+    on_demand: bool,
     sums: Sums,
     private_key: &PrivateKey,
     binding: &Binding,
@@ -110,6 +115,7 @@ pub fn release(
     let positive = examples > 0.0;
     let record = EvaluationRecord {
         model_version: binding.context.round.saturating_sub(1),
+        on_demand,
         max_loss: evaluation.max_loss,
         max_examples: evaluation.max_examples,
         stddev: noise.scale() / UNITS,

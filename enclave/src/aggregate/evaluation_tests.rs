@@ -111,7 +111,7 @@ fn the_metric_noise_has_the_recorded_spread_and_is_reproduced_for_the_same_input
             inputs_digest: digest,
             ..binding()
         };
-        evaluation::release(&EVALUATION, Default::default(), &r.private, &binding)
+        evaluation::release(&EVALUATION, false, Default::default(), &r.private, &binding)
             .unwrap()
             .0
     };
@@ -339,6 +339,8 @@ fn an_on_demand_evaluation_needs_a_policy_that_allows_one_and_changes_the_commit
     let not_asked = PrivacyParams::for_round(&policy, None, false).unwrap();
     assert_eq!(not_asked.evaluation_in(2), None);
     assert!(not_asked.evaluation_in(4).is_some(), "scheduled");
+    // The flag is bound into what the worker commits to (and keys the noise with).
     let digest = "e".repeat(64);
-    assert_ne!(inputs::bind_on_demand_evaluation(&digest), digest);
+    assert_ne!(asked.bind_round_choices(digest.clone()), digest);
+    assert_eq!(not_asked.bind_round_choices(digest.clone()), digest);
 }

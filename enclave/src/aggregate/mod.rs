@@ -170,6 +170,21 @@ impl PrivacyParams {
         }
     }
 
+    /// `inputs_digest` with the round's parameters the store chose bound in (docs/protocol.md,
+    /// `inputs_digest`): adaptive clipping's clip norm, an on-demand evaluation. The release
+    /// commitment and the noise then differ with either, so a second release of the same inputs
+    /// under other choices needs a second commitment, which the key services' ledger refuses.
+    pub fn bind_round_choices(&self, inputs_digest: String) -> String {
+        let digest = match self.adaptive {
+            Some(_) => inputs::bind_clip_norm(&inputs_digest, self.clip_norm),
+            None => inputs_digest,
+        };
+        match self.on_demand {
+            true => inputs::bind_on_demand_evaluation(&digest),
+            false => digest,
+        }
+    }
+
     /// The evaluation round `round` runs, if it is one: scheduled, or asked for on demand.
     pub fn evaluation_in(&self, round: u64) -> Option<Evaluation> {
         self.evaluation
@@ -492,7 +507,15 @@ impl Aggregator {
             None => None,
             Some((params, sums)) => Some((
                 params,
-                evaluation::release(&params, sums, private_key, &self.binding)?.0,
+                // Outside the schedule, this round evaluates because the job asked on demand.
+                evaluation::release(
+                    &params,
+                    !params.evaluates(round),
+                    sums,
+                    private_key,
+                    &self.binding,
+                )?
+                .0,
             )),
         };
         // Every evaluation round so far is charged at the scale the sampler draws at (the same

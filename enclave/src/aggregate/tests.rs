@@ -744,4 +744,9 @@ fn a_round_clip_norm_is_taken_only_under_adaptive_clipping_and_bound_into_the_di
         inputs::bind_clip_norm(&digest, 2.0),
         inputs::bind_clip_norm(&digest, 2.000001)
     );
+    // What the worker commits to: the clip norm bound in.
+    assert_eq!(
+        params.bind_round_choices(digest.clone()),
+        inputs::bind_clip_norm(&digest, 2.0)
+    );
 }

@@ -49,9 +49,14 @@ pub const EVALUATION_UNITS_PER_EXAMPLE: i64 = 1024;
 /// Evaluation releases one device can be in through `round`: one per scheduled evaluation round
 /// it may serve, so every one (Gaussian) or one per tree that has one (DP-FTRL: a device serves
 /// one round per tree); plus its on-demand evaluations, which the device itself counts, at most
-/// `on_demand` and one per round outside the schedule.
+/// `on_demand` and one per round outside the schedule. Under DP-FTRL never more than one per tree
+/// begun, whatever the sum says.
 pub fn evaluations_through(mechanism: Mechanism, evaluation: &Evaluation, round: u64) -> u64 {
-    scheduled_through(mechanism, evaluation, round) + evaluation.on_demand_through(round)
+    let sum = scheduled_through(mechanism, evaluation, round) + evaluation.on_demand_through(round);
+    match mechanism {
+        Mechanism::Gaussian => sum,
+        Mechanism::Tree { .. } => sum.min(counts_through(mechanism, round)),
+    }
 }
 
 fn scheduled_through(mechanism: Mechanism, evaluation: &Evaluation, round: u64) -> u64 {
@@ -241,7 +246,9 @@ mod tests {
         assert_eq!(evaluations_through(Mechanism::Gaussian, &on_demand, 1), 1);
         assert_eq!(evaluations_through(Mechanism::Gaussian, &on_demand, 2), 2);
         assert_eq!(evaluations_through(Mechanism::Gaussian, &on_demand, 10), 6);
-        assert_eq!(evaluations_through(tree, &on_demand, 10), 4);
+        // Trees of 5: at most one evaluation per tree a device can serve, so 2, not 2 + 2.
+        assert_eq!(evaluations_through(tree, &on_demand, 10), 2);
+        assert_eq!(evaluations_through(short, &on_demand, 10), 5);
     }
 
     #[test]
