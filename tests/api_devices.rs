@@ -967,4 +967,14 @@ async fn a_device_that_says_it_served_a_round_is_not_assigned_it_again() {
     checkin(&app, with_served(json!(too_many)))
         .await
         .problem(StatusCode::BAD_REQUEST);
+    // Task ids are counted in characters, as the schema's maxLength is (found by schemathesis:
+    // 100 characters of 2-3 bytes each were refused): 128 pass, 129 do not.
+    let wide = |n: usize| json!([{"task_id": "\u{2248}".repeat(n), "round": 1}]);
+    assert_ne!(
+        checkin(&app, with_served(wide(128))).await.status,
+        StatusCode::BAD_REQUEST
+    );
+    checkin(&app, with_served(wide(129)))
+        .await
+        .problem(StatusCode::BAD_REQUEST);
 }

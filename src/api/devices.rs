@@ -55,14 +55,15 @@ pub async fn checkin(
             confed_protocol::device::MAX_SERVED
         )));
     }
+    // Characters, as the schema's maxLength counts them (at most 512 bytes of UTF-8).
     if let Some(bad) = request
         .served
         .iter()
-        .find(|s| !(1..=128).contains(&s.task_id.len()))
+        .find(|s| !(1..=128).contains(&s.task_id.chars().count()))
     {
         return Err(ApiError::BadRequest(format!(
             "`served` names a task id of {} characters; task ids are 1-128",
-            bad.task_id.len()
+            bad.task_id.chars().count()
         )));
     }
     let rounds = 1..=confed_protocol::device::MAX_SERVED_ROUND;
