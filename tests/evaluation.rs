@@ -344,24 +344,42 @@ async fn a_retried_attempt_keeps_its_on_demand_flag_and_a_scheduled_round_absorb
             (candidates[0].attempt, candidates[0].on_demand_evaluation)
         }
     };
-    // Only on demand: asked for before round 1 opens, round 1 takes it.
-    let task = app
-        .create_task(
-            &token,
-            json!({"population": "retried", "rounds": 2, "report_goal": 1, "min_reports": 1,
-                   "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0},
-                   "evaluation": evaluation(0)}),
-        )
-        .await;
-    assert_eq!(ask(task.clone()).await.status, 202);
-    let put = app
-        .put_bytes(
-            &format!("/v1/tasks/{task}/model"),
-            &token,
-            common::model_bytes(),
-        )
-        .await;
-    assert_eq!(put.status, 201);
+    // A task of `population` evaluating every `every` rounds, asked to evaluate on demand
+    // before round 1 opens; then model version 0 opens round 1.
+    let asked_then_opened = |population: &'static str, every: u32| {
+        let (app, token) = (&app, token.clone());
+        async move {
+            let task = app
+                .create_task(
+                    &token,
+                    json!({"population": population, "rounds": 2, "report_goal": 1,
+                           "min_reports": 1,
+                           "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0},
+                           "evaluation": evaluation(every)}),
+                )
+                .await;
+            let reply = app
+                .call(
+                    axum::http::Method::POST,
+                    &format!("/v1/tasks/{task}/evaluations"),
+                    Some(&token),
+                    None,
+                )
+                .await;
+            assert_eq!(reply.status, 202);
+            let put = app
+                .put_bytes(
+                    &format!("/v1/tasks/{task}/model"),
+                    &token,
+                    common::model_bytes(),
+                )
+                .await;
+            assert_eq!(put.status, 201);
+            task
+        }
+    };
+    // Only on demand: round 1 takes the request.
+    let task = asked_then_opened("retried", 0).await;
     assert_eq!(flagged("retried").await, (1, true));
     // Its deadline passes with no report: attempt 2 of round 1 is still the on-demand round.
     app.clock.advance(std::time::Duration::from_secs(600));
@@ -374,23 +392,7 @@ async fn a_retried_attempt_keeps_its_on_demand_flag_and_a_scheduled_round_absorb
     assert_eq!(again.status, 409, "the one allowed is used");
 
     // Scheduled every round: round 1 takes the request, evaluates anyway, uses nothing up.
-    let scheduled = app
-        .create_task(
-            &token,
-            json!({"population": "scheduled", "rounds": 2, "report_goal": 1, "min_reports": 1,
-                   "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0},
-                   "evaluation": evaluation(1)}),
-        )
-        .await;
-    assert_eq!(ask(scheduled.clone()).await.status, 202);
-    let put = app
-        .put_bytes(
-            &format!("/v1/tasks/{scheduled}/model"),
-            &token,
-            common::model_bytes(),
-        )
-        .await;
-    assert_eq!(put.status, 201);
+    let scheduled = asked_then_opened("scheduled", 1).await;
     assert_eq!(flagged("scheduled").await, (1, false));
     let reply = ask(scheduled).await;
     assert_eq!(reply.status, 202);
