@@ -6,7 +6,8 @@ use crate::states::TaskState;
 use crate::task_spec::EvaluationSpec;
 
 /// The evaluations of task `task_id` under `evaluation`, by model version: the releases of its
-/// scheduled evaluation rounds, or of all its rounds when it may evaluate on demand. A round
+/// scheduled evaluation rounds and of the rounds opened to evaluate on demand, and no other
+/// manifest is read (each model commit of a task with early stopping runs this). A round
 /// released twice (an operator's doing: the key services' ledger allows one commitment per
 /// round) counts once, its newest release.
 pub(super) async fn of_task(
@@ -14,15 +15,16 @@ pub(super) async fn of_task(
     task_id: &str,
     evaluation: &EvaluationSpec,
 ) -> Result<Vec<EvaluationPoint>, DbError> {
-    let policy = evaluation.policy();
-    let every = if policy.on_demand > 0 || policy.every == 0 {
-        1
-    } else {
-        i64::from(policy.every)
+    // No schedule: a period no round reaches but round 1 (whose manifest is skipped below if it
+    // did not evaluate), so the modulo never divides by zero.
+    let every = match evaluation.policy().every {
+        0 => i64::MAX,
+        every => i64::from(every),
     };
     let rows: Vec<(i64, String)> = sqlx::query_as(
         "SELECT round_number, manifest_json FROM releases \
-         WHERE task_id = $1 AND (round_number - 1) % $2 = 0 \
+         WHERE task_id = $1 AND ((round_number - 1) % $2 = 0 OR round_id IN \
+         (SELECT id FROM rounds WHERE task_id = $1 AND on_demand_evaluation <> 0)) \
          ORDER BY round_number, created_at",
     )
     .bind(task_id)
