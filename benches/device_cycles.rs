@@ -53,6 +53,7 @@ fn key_directory() -> (KeyDirectory, TrustConfig) {
         TrustConfig {
             threshold: 2,
             keyservices: trusted,
+            shares: None,
             limits: confed_enclave::policy::DeviceLimits::ENCLAVE,
             tenant_id: None,
         },
@@ -107,6 +108,8 @@ async fn main() {
             client_version: "1.0.0".into(),
             progress: false,
             bars: None,
+            // A load generator: its devices keep nothing on disk (this measures the server).
+            state_dir: None,
         })
         .await
         .unwrap();

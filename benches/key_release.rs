@@ -264,7 +264,13 @@ async fn collection() {
     let rounds = 200;
     let started = Instant::now();
     for _ in 0..rounds {
-        let check = proof.check(&commitment, "m", "a", &trusted, 3);
+        let check = proof.check(
+            &commitment,
+            "m",
+            "a",
+            &trusted,
+            confed_attestation::release::KeySetShape::new(3, 5),
+        );
         assert!(check.failures.is_empty(), "{:?}", check.lines);
     }
     println!(

@@ -7,7 +7,7 @@
 //! view of the key services, is `confed verify release` (`src/verify.rs`).
 
 use confed_attestation::exchange::decode_verifying_key;
-use confed_attestation::release::{ReleaseCommitment, TrustedSigner};
+use confed_attestation::release::{KeySetShape, ReleaseCommitment, TrustedSigner};
 use confed_enclave::aggregate::Manifest;
 use confed_enclave::policy::sha256_hex;
 use confed_enclave::worker::StagedRelease;
@@ -62,9 +62,7 @@ pub fn verify_staged(
         return Err("the average's bytes do not hash to the manifest's average_sha256".into());
     }
     let key_id = context.key_id.as_deref().unwrap_or_default();
-    let threshold = keys
-        .key(key_id)
-        .map(|k| usize::from(k.threshold))
+    let key_set = key_set_of(keys, key_id)
         .ok_or_else(|| format!("key {key_id} is not published by the key services"))?;
     let check = check_proof(
         keys,
@@ -72,7 +70,7 @@ pub fn verify_staged(
         manifest,
         &sha256_hex(&manifest.to_json()),
         &average_sha256,
-        threshold,
+        key_set,
     );
     if !check.failures.is_empty() {
         return Err(format!(
@@ -83,16 +81,28 @@ pub fn verify_staged(
     serde_json::to_string(release.proof).map_err(|e| e.to_string())
 }
 
+/// The key set the front end pins for `key_id`: the threshold and share count of the key entry
+/// its configured key services signed (the same entry for every signer, as devices require),
+/// and at least as many shares as key services it is configured with. Never a receipt's word.
+pub fn key_set_of(keys: &KeyDirectory, key_id: &str) -> Option<KeySetShape> {
+    let key = keys.key(key_id)?;
+    let configured = keys.verifying_keys().len();
+    Some(KeySetShape::new(
+        usize::from(key.threshold),
+        usize::from(key.shares).max(configured),
+    ))
+}
+
 /// A release's proof checked against the key services `keys` publishes: the enclave's
 /// signature over `manifest_sha256` and `average_sha256`, and a quorum of receipts for the
-/// manifest's commitment.
+/// manifest's commitment, under the key set `key_set` (`key_set_of`).
 fn check_proof(
     keys: &KeyDirectory,
     proof: &confed_attestation::release::ReleaseProof,
     manifest: &Manifest,
     manifest_sha256: &str,
     average_sha256: &str,
-    threshold: usize,
+    key_set: KeySetShape,
 ) -> confed_attestation::release::ProofCheck {
     let signers = keys.verifying_keys();
     let trusted: Vec<TrustedSigner<'_>> = signers
@@ -107,7 +117,7 @@ fn check_proof(
         manifest_sha256,
         average_sha256,
         &trusted,
-        threshold,
+        key_set,
     )
 }
 
@@ -213,7 +223,7 @@ pub fn check_stored(
             return out;
         }
     };
-    match keys.key(&manifest.key_id) {
+    match key_set_of(keys, &manifest.key_id) {
         None => note(
             &mut out,
             false,
@@ -222,14 +232,14 @@ pub fn check_stored(
                 manifest.key_id
             ),
         ),
-        Some(key) => {
+        Some(key_set) => {
             let check = check_proof(
                 keys,
                 &proof,
                 &manifest,
                 &sha256_hex(release.manifest_json.as_bytes()),
                 &release.average_sha256,
-                usize::from(key.threshold),
+                key_set,
             );
             out.lines.extend(check.lines);
             out.failures.extend(check.failures);
@@ -243,3 +253,6 @@ pub fn check_stored(
 pub fn verifying_key(text: &str) -> Option<p256::ecdsa::VerifyingKey> {
     decode_verifying_key(text)
 }
+
+#[cfg(test)]
+mod tests;

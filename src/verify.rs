@@ -239,6 +239,13 @@ pub fn check(
         average_sha256 == manifest.average_sha256,
         format!("the average's bytes hash to the manifest's average_sha256 ({average_sha256})"),
     );
+    if trust.threshold == 0 || trust.threshold > trust.shares() {
+        return Err(VerifyError::Trust(format!(
+            "threshold {} is not between 1 and the {} shares the trust file names",
+            trust.threshold,
+            trust.shares()
+        )));
+    }
     let trusted: Vec<TrustedKeyService> = trust
         .keyservices
         .iter()
@@ -260,7 +267,7 @@ pub fn check(
         &sha256_hex(manifest_bytes),
         &average_sha256,
         &signers,
-        trust.threshold,
+        confed_attestation::release::KeySetShape::new(trust.threshold, trust.shares()),
     );
     let proof_ok = result.failures.is_empty();
     lines.extend(result.lines);

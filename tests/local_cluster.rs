@@ -117,6 +117,7 @@ fn devices(api: &str, first_device: u64, trust: &TrustConfig, seed: u64) -> Simu
         client_version: "1.0.0".into(),
         progress: false,
         bars: None,
+        state_dir: None,
     }
 }
 

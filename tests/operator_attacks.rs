@@ -485,7 +485,7 @@ async fn a_release_committed_with_the_worker_token_but_no_valid_receipts_is_refu
     let Err(StoreError::Refused(why)) = refused else {
         panic!("a forged release was accepted: {refused:?}");
     };
-    assert!(why.contains("0 of the 2 receipts"), "{why}");
+    assert!(why.contains("0 of the 3 receipts"), "{why}");
     assert!(
         scene
             .system

@@ -398,6 +398,7 @@ async fn devices(url: &str, trust: &Path, first: u64) {
         client_version: "1.0.0".into(),
         progress: false,
         bars: None,
+        state_dir: None,
     })
     .await
     .unwrap();

@@ -182,6 +182,8 @@ async fn simulated_devices_fill_a_round_with_stored_contributions_that_open() {
             ])
             .args(["--max-retry-wait-ms", "100", "--trust"])
             .arg(&trust_file)
+            .arg("--state-dir")
+            .arg(dir.path().join("devices"))
             .output(),
     )
     .await
@@ -196,6 +198,24 @@ async fn simulated_devices_fill_a_round_with_stored_contributions_that_open() {
     assert!(
         stdout.contains(&format!("contributions: {GOAL} ")),
         "{stdout}"
+    );
+    // Each device kept what it served in its state file, as a real device does across restarts.
+    let served: usize = (0..DEVICES)
+        .map(|i| dir.path().join(format!("devices/device-{i}.json")))
+        .map(|path| confed_device::FileStore::new(path))
+        .map(|store| {
+            confed_device::StateStore::load(&store)
+                .unwrap()
+                .expect("every device wrote its state file")
+                .served
+                .len()
+        })
+        .sum();
+    // A device that sealed counts the round as served even when its upload came after the goal
+    // was reached (410): sealed once is served.
+    assert!(
+        (GOAL..=DEVICES).contains(&served),
+        "{served} served rounds recorded for {GOAL} contributions"
     );
 
     let rounds: Value = http

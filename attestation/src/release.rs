@@ -217,13 +217,18 @@ impl ReleaseProof {
     /// commitment, key and enclave key, at least `quorum(threshold, n)` of them, where n is the
     /// largest number of shares a valid receipt states. `commitment` is what the caller derived
     /// from the manifest itself; the proof's copy must equal it.
+    ///
+    /// The key set is the verifier's, never the receipts': `key_set` is the threshold t and the
+    /// number of shares n its trust file pins, the quorum is `quorum(t, n)`, and a receipt that
+    /// states another t or n (t key services whose share files say n = t would otherwise lower
+    /// the quorum to t) is a failed check.
     pub fn check(
         &self,
         commitment: &ReleaseCommitment,
         manifest_sha256: &str,
         average_sha256: &str,
         trusted: &[TrustedSigner<'_>],
-        threshold: usize,
+        key_set: KeySetShape,
     ) -> ProofCheck {
         let mut out = ProofCheck {
             lines: Vec::new(),
@@ -291,6 +296,24 @@ impl ReleaseProof {
                 Some(_) if receipt.key_id != commitment.key_id => {
                     Some("for another task key".into())
                 }
+                Some(_)
+                    if (receipt.threshold, receipt.shares)
+                        != (key_set.threshold, key_set.shares) =>
+                {
+                    record(
+                        &mut out,
+                        false,
+                        format!(
+                            "receipt of key service {} states threshold {} of {} shares; the trust file pins {} of {}",
+                            receipt.keyservice_id,
+                            receipt.threshold,
+                            receipt.shares,
+                            key_set.threshold,
+                            key_set.shares
+                        ),
+                    );
+                    Some("states another key set".into())
+                }
                 Some(_) => None,
             };
             match problem {
@@ -314,27 +337,37 @@ impl ReleaseProof {
                 )),
             }
         }
-        let valid = || {
-            self.receipts
-                .iter()
-                .filter(|r| vouching.contains(&r.keyservice_id.as_str()))
-        };
-        let shares = valid().map(|r| r.shares).max().unwrap_or(0);
-        let threshold16 = valid()
-            .map(|r| r.threshold)
-            .max()
-            .unwrap_or(0)
-            .max(u16::try_from(threshold).unwrap_or(u16::MAX));
-        let needed = quorum(threshold16, shares);
+        let needed = quorum(key_set.threshold, key_set.shares);
         record(
             &mut out,
             vouching.len() >= needed,
             format!(
-                "{} of the {needed} receipts needed from trusted key services (threshold {threshold16} of {shares} shares)",
-                vouching.len()
+                "{} of the {needed} receipts needed from trusted key services (threshold {} of {} shares, from the trust file)",
+                vouching.len(),
+                key_set.threshold,
+                key_set.shares
             ),
         );
         out
+    }
+}
+
+/// The key set a verifier pins: the threshold t and the number of shares n (its trust file's,
+/// never a receipt's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeySetShape {
+    pub threshold: u16,
+    pub shares: u16,
+}
+
+impl KeySetShape {
+    /// From a trust file's numbers; saturates (a threshold or share count beyond u16 cannot be
+    /// met by any receipt set, so it fails closed).
+    pub fn new(threshold: usize, shares: usize) -> Self {
+        Self {
+            threshold: u16::try_from(threshold).unwrap_or(u16::MAX),
+            shares: u16::try_from(shares).unwrap_or(u16::MAX),
+        }
     }
 }
 
@@ -450,7 +483,13 @@ mod tests {
                 verifying_key: key,
             })
             .collect();
-        proof.check(&commitment(), manifest, "a", &trusted, 2)
+        proof.check(
+            &commitment(),
+            manifest,
+            "a",
+            &trusted,
+            KeySetShape::new(2, 3),
+        )
     }
 
     #[test]
@@ -493,6 +532,49 @@ mod tests {
         tampered.receipts[0].round = 3;
         assert!(!check(&s, &tampered, "m").failures.is_empty());
         let _ = &s.enclave;
+    }
+
+    /// t colluding key services whose share files say n = t would lower the quorum to t if the
+    /// receipts were believed: the verifier's own t and n decide, and such receipts fail.
+    #[test]
+    fn receipts_stating_another_key_set_are_a_failed_check() {
+        let s = setup(3);
+        let mut colluding = s.proof.clone();
+        colluding.receipts.pop();
+        for (receipt, (_, key)) in colluding.receipts.iter_mut().zip(&s.services) {
+            receipt.shares = 2;
+            receipt.sign(key);
+        }
+        let result = check(&s, &colluding, "m");
+        assert!(
+            result
+                .failures
+                .iter()
+                .any(|f| f.contains("states threshold 2 of 2 shares; the trust file pins 2 of 3")),
+            "{:?}",
+            result.failures
+        );
+        assert!(
+            result.failures.iter().any(|f| f.contains("0 of the 3")),
+            "{:?}",
+            result.failures
+        );
+        // The same three honest receipts verify only against the key set they were issued for.
+        let trusted_keys: Vec<VerifyingKey> =
+            s.services.iter().map(|(_, k)| *k.verifying_key()).collect();
+        let trusted: Vec<TrustedSigner> = s
+            .services
+            .iter()
+            .zip(&trusted_keys)
+            .map(|((id, _), key)| TrustedSigner {
+                id,
+                verifying_key: key,
+            })
+            .collect();
+        let as_two_of_two =
+            s.proof
+                .check(&commitment(), "m", "a", &trusted, KeySetShape::new(2, 2));
+        assert!(!as_two_of_two.failures.is_empty());
     }
 
     #[test]

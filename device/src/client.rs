@@ -1,7 +1,7 @@
 //! HTTP client for the task assignment API.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use thiserror::Error;
@@ -17,6 +17,8 @@ use confed_protocol::policy::{DeviceLimits, Evaluation, TaskPolicy, sha256_hex};
 use confed_protocol::trust::{
     TrustConfig, TrustError, TrustFileError, TrustedKeyService, accept_device_key,
 };
+
+use crate::state::{DeviceState, FileStore, StateError, StateStore};
 
 #[derive(Debug, Error)]
 pub enum DeviceError {
@@ -63,12 +65,16 @@ pub enum DeviceError {
     },
     #[error("sealing")]
     Seal(#[from] EnvelopeError),
+    #[error("the model cannot be trained from")]
+    Model(#[from] crate::update::ModelShapeError),
+    #[error("device state")]
+    State(#[from] StateError),
 }
 
 /// Why a device that sealed for the rounds in `done` must not serve `round` of `task_id` under a
 /// minimum separation of `separation` rounds (1: only the same round is refused).
 fn too_close(
-    done: &HashSet<(String, i64)>,
+    done: &BTreeSet<(String, i64)>,
     task_id: &str,
     round: i64,
     separation: u32,
@@ -163,13 +169,11 @@ pub struct DeviceClient {
     /// (task, model version) -> (ETag, bytes, SHA-256 computed here: the server's ETag is not
     /// trusted). Keyed by the model, not the URL: each assignment has its own model URL.
     models: Mutex<HashMap<String, CachedModel>>,
-    done: Mutex<HashSet<(String, i64)>>,
-    /// task -> (population, minimum separation, planned rounds) of tree tasks this device
-    /// served: which `served` entries a check-in may usefully carry.
-    separated: Mutex<HashMap<String, (String, u32, u32)>>,
-    /// (task, round) of the on-demand evaluations this device granted: at most the policy's
-    /// `on_demand` per task, which the accounting counts on.
-    on_demand: Mutex<HashSet<(String, i64)>>,
+    /// The rounds this device served, the DP-FTRL tasks among them and the on-demand
+    /// evaluations it granted (`state::DeviceState`): what only it knows.
+    state: Mutex<DeviceState>,
+    /// Where `state` is kept across restarts; `None`: memory only (`with_state`, `open`).
+    store: Option<Arc<dyn StateStore>>,
     /// Whether check-ins tell the server the rounds served (`served`); off, the device declines
     /// instead and its check-ins stay unlinkable to its earlier assignments.
     send_served: bool,
@@ -185,6 +189,14 @@ pub struct Model {
     pub bytes: std::sync::Arc<Vec<u8>>,
     /// Lowercase hex SHA-256 of `bytes`, computed by the device.
     pub sha256: String,
+}
+
+impl Model {
+    /// The shape every update to this model has (`UpdateShape::well_formed` makes one), or why
+    /// the model cannot be trained from (a fault of the model, the same for every device).
+    pub fn update_shape(&self) -> Result<crate::update::UpdateShape, DeviceError> {
+        Ok(crate::update::UpdateShape::of_model(&self.bytes)?)
+    }
 }
 
 /// A task policy the device accepted: parsed, this assignment's, within its limits.
@@ -255,13 +267,61 @@ impl DeviceClient {
             limits: trust.limits,
             tenant_id: trust.tenant_id.clone(),
             models: Mutex::default(),
-            done: Mutex::default(),
-            separated: Mutex::default(),
-            on_demand: Mutex::default(),
+            state: Mutex::default(),
+            store: None,
             send_served: true,
             verified,
             sealer: std::sync::Arc::new(RustCrypto),
         })
+    }
+
+    /// A device over `base` that keeps its state in the file `state_file` (created if missing):
+    /// what a real device should use.
+    pub fn open(
+        base: &str,
+        trust: &TrustConfig,
+        state_file: &std::path::Path,
+    ) -> Result<Self, DeviceError> {
+        Self::new(base, trust)?.with_state(Arc::new(FileStore::new(state_file)))
+    }
+
+    /// Keeps the rounds served and the on-demand evaluations granted in `store`: what it holds
+    /// is loaded (added to anything already given) and saved back at once, so a store that
+    /// cannot be written fails here, not at the first seal. Without a store the device keeps
+    /// them in memory only and says so on its first seal: a restarted device would forget the
+    /// rounds it served and could serve rounds its policies' accounting forbids.
+    pub fn with_state(mut self, store: Arc<dyn StateStore>) -> Result<Self, DeviceError> {
+        let loaded = store.load()?;
+        {
+            let state = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+            if let Some(loaded) = loaded {
+                state.merge(loaded);
+            }
+            store.save(state)?;
+        }
+        self.store = Some(store);
+        Ok(self)
+    }
+
+    /// The device's state, locked (a poisoned lock still holds the record: it must not be lost).
+    fn state(&self) -> std::sync::MutexGuard<'_, DeviceState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Saves `state` to the store, if there is one; warns once per process if there is none.
+    fn persist(&self, state: &DeviceState) -> Result<(), StateError> {
+        match &self.store {
+            Some(store) => store.save(state),
+            None => {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    eprintln!(
+                        "confed-device: WARNING: this device keeps the rounds it served in memory only (no state store: DeviceClient::open or with_state); restarted, it forgets them and may serve rounds its task policies' privacy accounting forbids"
+                    );
+                });
+                Ok(())
+            }
+        }
     }
 
     /// Seals with another HPKE implementation (e.g. AWS-LC's in a load generator); the default
@@ -307,11 +367,7 @@ impl DeviceClient {
     /// The (task, round) pairs this device sealed an update for: what it must keep across restarts
     /// (`with_served` gives them back), since it is the only party that knows them.
     pub fn served(&self) -> Vec<(String, i64)> {
-        // A poisoned lock still holds the record: it must not be lost.
-        let done = self.done.lock().unwrap_or_else(|p| p.into_inner());
-        let mut out: Vec<_> = done.iter().cloned().collect();
-        out.sort();
-        out
+        self.state().served.iter().cloned().collect()
     }
 
     /// Check-ins without `served` (the device declines instead; see `latest_served`).
@@ -329,13 +385,10 @@ impl DeviceClient {
         if !self.send_served {
             return Vec::new();
         }
-        let separated = self
-            .separated
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+        let state = self.state().clone();
+        let separated = &state.separated;
         let mut latest: HashMap<String, i64> = HashMap::new();
-        for (task, round) in self.served() {
+        for (task, round) in state.served {
             let Some((task_population, separation, rounds)) = separated.get(&task) else {
                 continue;
             };
@@ -360,10 +413,7 @@ impl DeviceClient {
 
     /// The client with the rounds a previous run of this device served (from `served`).
     pub fn with_served(self, served: impl IntoIterator<Item = (String, i64)>) -> Self {
-        self.done
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend(served);
+        self.state().served.extend(served);
         self
     }
 
@@ -390,23 +440,23 @@ impl DeviceClient {
         {
             return None;
         }
-        let mut granted = self.on_demand.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = self.state();
         let key = (assignment.task_id.clone(), assignment.round);
-        let of_task = granted.iter().filter(|(t, _)| *t == key.0).count();
-        if granted.contains(&key) || of_task < evaluation.on_demand as usize {
-            granted.insert(key);
-            Some(evaluation)
-        } else {
-            None
+        if state.on_demand.contains(&key) {
+            return Some(evaluation);
         }
+        let of_task = state.on_demand.iter().filter(|(t, _)| *t == key.0).count();
+        if of_task >= evaluation.on_demand as usize {
+            return None;
+        }
+        state.on_demand.insert(key);
+        // Granted only once kept: a device that could not record the grant sends no metrics.
+        self.persist(&state).ok().map(|()| evaluation)
     }
 
     /// The (task, round) on-demand evaluations this device granted: keep them across restarts.
     pub fn on_demand_evaluated(&self) -> Vec<(String, i64)> {
-        let granted = self.on_demand.lock().unwrap_or_else(|p| p.into_inner());
-        let mut out: Vec<_> = granted.iter().cloned().collect();
-        out.sort();
-        out
+        self.state().on_demand.iter().cloned().collect()
     }
 
     /// The client with the on-demand evaluations a previous run granted.
@@ -414,10 +464,7 @@ impl DeviceClient {
         self,
         granted: impl IntoIterator<Item = (String, i64)>,
     ) -> Self {
-        self.on_demand
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend(granted);
+        self.state().on_demand.extend(granted);
         self
     }
 
@@ -431,16 +478,12 @@ impl DeviceClient {
             .ok()
             .and_then(|p| p.mechanism().ok())
             .map_or(1, |m| m.min_separation());
-        let done = match self.done.lock() {
-            Ok(done) => done,
-            Err(_) => {
-                return Some(DeviceError::AlreadySealed {
-                    task_id: assignment.task_id.clone(),
-                    round: assignment.round,
-                });
-            }
-        };
-        too_close(&done, &assignment.task_id, assignment.round, separation)
+        too_close(
+            &self.state().served,
+            &assignment.task_id,
+            assignment.round,
+            separation,
+        )
     }
 
     /// The X25519 key to seal to, if at least T trusted key services signed it and it is valid
@@ -545,15 +588,19 @@ impl DeviceClient {
     }
 
     /// Seals an update for the assignment: to the checked key, bound to the task, round,
-    /// assignment, the accepted policy and the model the device trained from.
+    /// assignment, the accepted policy and the model the device trained from. The update is a
+    /// `WellFormedUpdate` (`Model::update_shape`, then `UpdateShape::well_formed`): the model's
+    /// exact tensors, finite, whatever training did, so nothing the device sends depends on its
+    /// data but the values the enclave clips and noises.
     pub fn seal(
         &self,
         assignment: &AssignmentResponse,
         public_key: &PublicKey,
         policy: &AcceptedPolicy,
         model: &Model,
-        update: &[u8],
+        update: &crate::update::WellFormedUpdate,
     ) -> Result<Vec<u8>, DeviceError> {
+        let update = update.bytes();
         // The device's privacy unit is one contribution per round: once it has sealed an update
         // for a round it declines further assignments to it, even if this upload never gets a
         // success answer (a server that stores the bytes and answers an error must not get a
@@ -564,24 +611,20 @@ impl DeviceClient {
             .map_err(|e| DeviceError::UntrustedPolicy(e.to_string()))?
             .min_separation();
         {
-            let Ok(mut done) = self.done.lock() else {
-                return Err(DeviceError::AlreadySealed {
-                    task_id: assignment.task_id.clone(),
-                    round: assignment.round,
-                });
-            };
-            if let Some(refusal) =
-                too_close(&done, &assignment.task_id, assignment.round, separation)
-            {
+            let mut state = self.state();
+            if let Some(refusal) = too_close(
+                &state.served,
+                &assignment.task_id,
+                assignment.round,
+                separation,
+            ) {
                 return Err(refusal);
             }
-            done.insert((assignment.task_id.clone(), assignment.round));
-        }
-        if separation > 1 {
-            self.separated
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(
+            state
+                .served
+                .insert((assignment.task_id.clone(), assignment.round));
+            if separation > 1 {
+                state.separated.insert(
                     assignment.task_id.clone(),
                     (
                         policy.policy.population.clone(),
@@ -589,6 +632,11 @@ impl DeviceClient {
                         policy.policy.rounds,
                     ),
                 );
+            }
+            // Kept before anything is sealed: a device that forgot it served this round could
+            // serve it (or one too close) again after a restart. The round stays recorded in
+            // memory either way.
+            self.persist(&state)?;
         }
         let context = RoundContext {
             task_id: assignment.task_id.clone(),
@@ -636,9 +684,9 @@ impl DeviceClient {
                 Ok(response)
                     if response.status().is_success() || direct_again(response.status()) =>
                 {
-                    if let Ok(mut done) = self.done.lock() {
-                        done.insert((assignment.task_id.clone(), assignment.round));
-                    }
+                    self.state()
+                        .served
+                        .insert((assignment.task_id.clone(), assignment.round));
                     return Ok(());
                 }
                 Ok(response) if response.status().is_server_error() => {

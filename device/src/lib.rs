@@ -4,6 +4,8 @@
 //! with retries (idempotent), report. The wire formats are `confed-protocol`'s.
 
 pub mod client;
+pub mod state;
+pub mod update;
 
 pub use client::{
     AcceptedPolicy, Checkin, DeviceClient, DeviceError, Model, VerifiedKeys, load_trust,
@@ -11,3 +13,5 @@ pub use client::{
 pub use confed_protocol::device::{AssignmentResponse, ReportOutcome, RetryResponse, RetryWindow};
 pub use confed_protocol::policy::{EVALUATION_TENSOR, Evaluation};
 pub use confed_protocol::trust::{TrustConfig, TrustedEntry};
+pub use state::{DeviceState, FileStore, StateError, StateStore};
+pub use update::{ModelShapeError, TrainingProblem, UpdateShape, WellFormedUpdate};

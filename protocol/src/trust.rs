@@ -35,6 +35,11 @@ impl TrustedKeyService {
 pub struct TrustConfig {
     pub threshold: usize,
     pub keyservices: Vec<TrustedEntry>,
+    /// n: how many key services hold a share of each task key. With `threshold` it fixes the
+    /// release quorum a verifier asks for (`confed verify release`, the Python
+    /// `verify_release`), whatever receipts claim. Absent: the number of key services listed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shares: Option<usize>,
     pub limits: DeviceLimits,
     /// The tenant the device works for, if it pins one: sent at check-in, and a policy of any
     /// other tenant is refused whatever the server assigns.
@@ -51,6 +56,11 @@ pub struct TrustedEntry {
 }
 
 impl TrustConfig {
+    /// n, the number of shares of each task key: `shares`, else the key services listed.
+    pub fn shares(&self) -> usize {
+        self.shares.unwrap_or(self.keyservices.len())
+    }
+
     /// The key services as the signature checks take them; refused if a verifying key is not a
     /// P-256 point.
     pub fn trusted(&self) -> Result<Vec<TrustedKeyService>, TrustFileError> {

@@ -42,6 +42,15 @@ pub enum DevicesCommand {
         idle_limit: usize,
         #[arg(long, default_value = "1.0.0")]
         client_version: String,
+        /// Where each simulated device keeps the rounds it served and the evaluations it
+        /// granted (device-<index>.json), so that devices run again remember them, as real
+        /// devices must (DP-FTRL's min_separation and on-demand evaluation counts rest on it).
+        #[arg(long, default_value = "confed-devices", conflicts_with = "forgetful")]
+        state_dir: PathBuf,
+        /// Keep that in memory only (a load generator's devices): restarted, they forget which
+        /// rounds they served. Says so.
+        #[arg(long)]
+        forgetful: bool,
     },
     /// Write the synthetic task's initial model (zeros, safetensors) to upload as version 0.
     InitModel {
@@ -57,6 +66,10 @@ pub enum DevicesCommand {
         keyservices: Vec<String>,
         #[arg(long)]
         threshold: usize,
+        /// n, the number of key services holding a share of each key (default: the key services
+        /// given). Verifiers ask for a quorum of receipts computed from it and the threshold.
+        #[arg(long)]
+        shares: Option<usize>,
         /// Largest total epsilon of a task the device contributes to.
         #[arg(long)]
         max_epsilon: f64,
@@ -88,8 +101,15 @@ pub async fn run(command: DevicesCommand) -> Result<()> {
             max_retry_wait_ms,
             idle_limit,
             client_version,
+            state_dir,
+            forgetful,
         } => {
             let trust = confed_device::load_trust(&trust)?;
+            if forgetful {
+                eprintln!(
+                    "confed devices simulate: --forgetful: the devices keep the rounds they served in memory only; run again, they may serve rounds their tasks' privacy accounting forbids"
+                );
+            }
             let summary = run(SimulationConfig {
                 server,
                 population,
@@ -106,6 +126,7 @@ pub async fn run(command: DevicesCommand) -> Result<()> {
                 client_version,
                 progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
                 bars: None,
+                state_dir: (!forgetful).then_some(state_dir),
             })
             .await?;
             summary.print();
@@ -127,6 +148,7 @@ pub async fn run(command: DevicesCommand) -> Result<()> {
         DevicesCommand::TrustConfig {
             keyservices,
             threshold,
+            shares,
             max_epsilon,
             max_delta,
             min_reports,
@@ -151,6 +173,7 @@ pub async fn run(command: DevicesCommand) -> Result<()> {
             }
             let config = confed_protocol::trust::TrustConfig {
                 threshold,
+                shares: Some(shares.unwrap_or(entries.len())),
                 keyservices: entries,
                 limits: confed_enclave::policy::DeviceLimits {
                     max_epsilon,

@@ -102,6 +102,7 @@ pub async fn start(
         trust: TrustConfig {
             threshold: usize::from(threshold),
             keyservices: Vec::new(),
+            shares: Some(usize::from(count)),
             // The embedded system is for development: its devices accept whatever the enclave
             // itself would (a device of a real deployment states its own, tighter limits).
             limits: confed_enclave::policy::DeviceLimits::ENCLAVE,

@@ -249,6 +249,8 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
             client_version: "1.0.0".into(),
             progress: options.progress,
             bars: Some(bars.clone()),
+            // The population's devices keep what they served, as real devices do.
+            state_dir: Some(options.data_dir.join("devices")),
         })
         .await?;
         if let Some(failure) = summary.failures.first() {

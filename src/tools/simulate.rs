@@ -35,6 +35,11 @@ pub struct SimulationConfig {
     pub progress: bool,
     /// Draw the bars into this group (a caller showing its own bars), else into a new one.
     pub bars: Option<MultiProgress>,
+    /// Where each device keeps the rounds it served and the evaluations it granted
+    /// (`device-<index>.json`), so a simulation run again over the same devices remembers them
+    /// as real devices do. `None`: in memory only (the device library warns once): right for a
+    /// load generator, wrong for anything that restarts devices of a DP-FTRL task.
+    pub state_dir: Option<std::path::PathBuf>,
 }
 
 /// Latencies of one kind of call.
@@ -57,6 +62,9 @@ pub struct Summary {
     pub contributions: usize,
     pub declined: usize,
     pub failures: Vec<String>,
+    /// Updates sent as zeros because training or evaluation failed on the device (the server saw
+    /// an ordinary completed contribution), with the device's own reasons.
+    pub zeroed: Vec<String>,
     pub retries: BTreeMap<String, usize>,
     pub calls: BTreeMap<&'static str, Latencies>,
     pub elapsed: Duration,
@@ -94,6 +102,15 @@ impl Summary {
         }
         for failure in self.failures.iter().take(5) {
             println!("failure: {failure}");
+        }
+        if !self.zeroed.is_empty() {
+            println!(
+                "updates sent as zeros (training failed on the device; the server saw ordinary completions): {}",
+                self.zeroed.len()
+            );
+            for problem in self.zeroed.iter().take(5) {
+                println!("zeroed: {problem}");
+            }
         }
     }
 }
@@ -175,7 +192,25 @@ async fn device(shared: Arc<Shared>, index: u64) {
     ) {
         // Simulated devices seal with AWS-LC: in a load generator sharing the server's cores,
         // RustCrypto's X25519 was ~30 % of the simulator's CPU.
-        Ok(client) => client.with_sealer(std::sync::Arc::new(confed_enclave::hpke_awslc::AwsLc)),
+        Ok(client) => {
+            let client = client.with_sealer(Arc::new(confed_enclave::hpke_awslc::AwsLc));
+            match &config.state_dir {
+                None => client,
+                Some(dir) => {
+                    let store =
+                        confed_device::FileStore::new(dir.join(format!("device-{index}.json")));
+                    match client.with_state(Arc::new(store)) {
+                        Ok(client) => client,
+                        Err(e) => {
+                            return shared.note(|s| {
+                                s.failures
+                                    .push(format!("device {index}: {}", e.with_causes()))
+                            });
+                        }
+                    }
+                }
+            }
+        }
         Err(e) => {
             return shared.note(|s| {
                 s.failures
@@ -263,38 +298,41 @@ async fn cycle(
     shard: Option<&LocalData>,
     rng: &mut Rng,
 ) -> Result<(), DeviceError> {
+    // Accepting the assignment: the checks and the download depend on the policy, the key and
+    // the model (the same for every device of the round), never on this device's data, so a
+    // refusal here may be reported with its reason.
     let public_key = client.verified_key(assignment, unix_now())?;
     let policy = client.accepted_policy(assignment, &shared.config.population)?;
     let started = Instant::now();
     let model = client.model(assignment).await?;
-    let model_bytes = model.bytes.as_slice();
+    let shape = model.update_shape()?;
     shared.timed("model", started);
+    // From here on, nothing the server hears depends on what training does: a failure, a NaN or
+    // the wrong tensors become a zero update of the model's shape, sealed, uploaded and reported
+    // `completed` like any other (docs/privacy.md, "What leaves a device").
+    let evaluation = client.evaluation_for(assignment, &policy);
     let update = match shard {
         Some(LocalData {
             train: shard,
             held_out,
         }) => {
-            let base = Softmax::from_safetensors(model_bytes)?;
-            if base.features != shard.features || base.classes != shard.classes {
-                return Err(DeviceError::Training(format!(
-                    "the model is {}x{} but the data set has {} classes of {} features",
-                    base.classes, base.features, shard.classes, shard.features
-                )));
-            }
-            // The plan the device agreed to: the policy's, not the assignment's loose copy.
-            let plan = Plan::from_json(
-                &serde_json::from_str(&policy.policy.plan).unwrap_or(serde_json::Value::Null),
-            );
-            let mut local = base.clone();
-            local.train(shard, plan.epochs, plan.batch_size, plan.learning_rate);
-            // An evaluation round: the downloaded model measured on held-out examples.
-            let metrics = client
-                .evaluation_for(assignment, &policy)
-                .map(|e| base.evaluate(held_out, e.max_loss));
-            local.delta_from(&base).to_safetensors_with(metrics)
+            let trained = train_softmax(&model.bytes, &policy, shard);
+            let metrics = evaluation.map(|e| {
+                Softmax::from_safetensors(&model.bytes)
+                    .map(|base| base.evaluate(held_out, e.max_loss))
+                    .map_err(|e| e.with_causes())
+            });
+            shape.well_formed(trained, metrics)
         }
-        None => random_update(model_bytes, rng)?,
+        None => {
+            let random = random_update(&model.bytes, rng).map_err(|e| e.with_causes());
+            shape.well_formed(random, evaluation.map(|_| Ok([0.0; 3])))
+        }
     };
+    if !update.problems().is_empty() {
+        let problems: Vec<String> = update.problems().iter().map(|p| p.to_string()).collect();
+        shared.note(|s| s.zeroed.push(problems.join("; ")));
+    }
     let envelope = client.seal(assignment, &public_key, &policy, &model, &update)?;
     let started = Instant::now();
     client.upload(assignment, envelope).await?;
@@ -307,10 +345,41 @@ async fn cycle(
     Ok(())
 }
 
+/// One device's local training of the softmax model on its shard, as the update's safetensors
+/// (the new weights minus the model's), or why it could not train.
+fn train_softmax(
+    model: &[u8],
+    policy: &confed_device::AcceptedPolicy,
+    shard: &super::train::Dataset,
+) -> Result<Vec<u8>, String> {
+    let base = Softmax::from_safetensors(model).map_err(|e| e.with_causes())?;
+    if base.features != shard.features || base.classes != shard.classes {
+        return Err(format!(
+            "the model is {}x{} but the data set has {} classes of {} features",
+            base.classes, base.features, shard.classes, shard.features
+        ));
+    }
+    // The plan the device agreed to: the policy's, not the assignment's loose copy.
+    let plan = Plan::from_json(
+        &serde_json::from_str(&policy.policy.plan).unwrap_or(serde_json::Value::Null),
+    );
+    let mut local = base.clone();
+    local.train(shard, plan.epochs, plan.batch_size, plan.learning_rate);
+    Ok(local.delta_from(&base).to_safetensors())
+}
+
 /// Runs the simulation and returns its summary.
 pub async fn run(config: SimulationConfig) -> Result<Summary, DeviceError> {
-    // Fail early on a bad trust configuration, before any device starts.
+    // Fail early on a bad trust configuration or state directory, before any device starts.
     DeviceClient::new(&config.server, &config.trust)?;
+    if let Some(dir) = &config.state_dir {
+        std::fs::create_dir_all(dir).map_err(|source| {
+            DeviceError::State(confed_device::StateError::Write {
+                path: dir.display().to_string(),
+                source,
+            })
+        })?;
+    }
     let bars = config.bars.clone().unwrap_or_default();
     if !config.progress {
         bars.set_draw_target(indicatif::ProgressDrawTarget::hidden());

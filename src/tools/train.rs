@@ -7,7 +7,6 @@
 //! index per row) and split it over devices with `Dataset::shard`-like logic; the training and the
 //! protocol do not care where rows come from.
 
-use confed_enclave::policy::EVALUATION_TENSOR;
 use safetensors::SafeTensors;
 
 use confed_device::DeviceError;
@@ -218,20 +217,10 @@ impl Softmax {
     }
 
     pub fn to_safetensors(&self) -> Vec<u8> {
-        self.to_safetensors_with(None)
-    }
-
-    /// The tensors and, in an evaluation round, the device's `[loss_sum, correct, examples]`
-    /// as the `confed.evaluation` tensor (docs/protocol.md, "Evaluation").
-    pub fn to_safetensors_with(&self, evaluation: Option<[f32; 3]>) -> Vec<u8> {
-        let metrics = evaluation.unwrap_or_default();
-        let mut tensors = vec![
+        let tensors = [
             (WEIGHT, vec![self.classes, self.features], &self.weight[..]),
             (BIAS, vec![self.classes], &self.bias[..]),
         ];
-        if evaluation.is_some() {
-            tensors.push((EVALUATION_TENSOR, vec![3], &metrics[..]));
-        }
         confed_enclave::model::encode_f32_tensors(&tensors).expect("softmax tensors serialize")
     }
 

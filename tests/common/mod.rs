@@ -7,6 +7,7 @@ pub mod database;
 pub mod forgery;
 pub mod gcs;
 pub mod keyservices;
+pub mod process;
 pub mod system;
 
 use std::sync::Arc;

@@ -155,6 +155,7 @@ pub async fn collect(system: &EmbeddedSystem, population: &str, seed: u64, train
         client_version: "1.0.0".into(),
         progress: false,
         bars: None,
+        state_dir: None,
     })
     .await
     .unwrap();

@@ -1,6 +1,6 @@
 """Python clients for confed (docs/protocol.md, docs/api.md)."""
 
-from .device import Device, DeviceError, Trust
+from .device import Device, DeviceError, TrainingProblem, Trust, well_formed_update
 from .envelope import aad, encode_envelope, info, open_envelope, seal
 from .errors import ConfedError
 from .partner import Partner, PartnerError
@@ -13,6 +13,7 @@ __all__ = [
     "ConfedError",
     "Device",
     "DeviceError",
+    "TrainingProblem",
     "Trust",
     "Partner",
     "PartnerError",
@@ -32,4 +33,5 @@ __all__ = [
     "to_safetensors",
     "to_torch",
     "verify_release",
+    "well_formed_update",
 ]

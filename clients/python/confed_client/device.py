@@ -6,9 +6,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
+import os
 import random
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -26,6 +29,14 @@ from .policy import (EVALUATION_TENSOR, PolicyError, check_policy, evaluates, pa
 from .tensors import as_arrays, from_safetensors, to_safetensors, to_torch
 
 Train = Callable[[dict, dict], dict]
+#: Called on the device when training or evaluation failed and a zero update (or zero metrics)
+#: was sent instead: `(assignment, problem)`. The server is never told (docs/privacy.md).
+OnProblem = Callable[[dict, "TrainingProblem"], None]
+
+log = logging.getLogger("confed_client.device")
+
+#: The `format` of a device's state file (`Device.state_file`).
+STATE_FORMAT = "confed-device-state/v1"
 #: A device's evaluation of a model: (loss_sum, correct, examples) over its held-out examples.
 Evaluate = Callable[[dict], tuple]
 
@@ -33,6 +44,81 @@ Evaluate = Callable[[dict], tuple]
 class DeviceError(ConfedError):
     """A check failed, or the server refused (the message says which and why; `status` is the
     server's answer, None for a check of the device's own)."""
+
+
+@dataclass(frozen=True)
+class TrainingProblem:
+    """What went wrong between accepting an assignment and sealing, kept on the device: `kind`
+    is `training_failed`, `wrong_tensors` (a programming error: the train function's output is
+    not the model's tensors and shapes), `non_finite`, `evaluation_failed` or
+    `evaluation_non_finite`; `detail` says more."""
+
+    kind: str
+    detail: str
+
+    @property
+    def is_programming_error(self) -> bool:
+        return self.kind == "wrong_tensors"
+
+
+def _well_formed_metrics(evaluate: Callable[[], object]
+                         ) -> tuple[np.ndarray, list[TrainingProblem]]:
+    """`evaluate()` as three finite F32 numbers, or zeros and why."""
+    try:
+        metrics = np.asarray(evaluate(), np.float32)
+        if metrics.shape != (3,):
+            raise ValueError(f"evaluate returned shape {metrics.shape}, not three numbers")
+    except Exception as error:  # noqa: BLE001 - any failure of the partner's code is the same
+        return np.zeros(3, np.float32), [TrainingProblem("evaluation_failed",
+                                                         f"{type(error).__name__}: {error}")]
+    if not np.isfinite(metrics).all():
+        return np.zeros(3, np.float32), [TrainingProblem("evaluation_non_finite",
+                                                         str(metrics.tolist()))]
+    return metrics, []
+
+
+def well_formed_update(model: dict[str, np.ndarray], train: Callable[[], dict],
+                       evaluate: Callable[[], object] | None = None
+                       ) -> tuple[dict[str, np.ndarray], list[TrainingProblem]]:
+    """The update a device seals, whatever `train()` and `evaluate()` do: the model's exact
+    tensors and shapes as finite F32 (zeros where training raised, gave the wrong tensors or a
+    NaN/infinity) and, when `evaluate` is given (an evaluation round: it runs first, on the
+    model before training), the metrics tensor (zeros where evaluation raised or was not three
+    finite numbers); and the problems, for the device's own log. Nothing of the server's view
+    then depends on the device's data but the values the enclave clips and noises
+    (docs/privacy.md, "What leaves a device")."""
+    problems: list[TrainingProblem] = []
+    metrics = None
+    if evaluate is not None:
+        metrics, problems = _well_formed_metrics(evaluate)
+    zeros = {name: np.zeros(array.shape, np.float32) for name, array in model.items()}
+    try:
+        trained = as_arrays(train())
+    except Exception as error:  # noqa: BLE001 - any failure of the partner's code is the same
+        problems.append(TrainingProblem("training_failed", f"{type(error).__name__}: {error}"))
+        trained = None
+    update = zeros
+    if trained is None:
+        pass
+    elif set(trained) != set(model) or any(trained[k].shape != model[k].shape for k in model):
+        problems.append(TrainingProblem(
+            "wrong_tensors", "the update does not have the model's tensors and shapes: got "
+            f"{sorted((k, tuple(v.shape)) for k, v in trained.items())}, the model has "
+            f"{sorted((k, tuple(v.shape)) for k, v in model.items())}"))
+    elif bad := sorted(k for k in model if not np.isfinite(trained[k]).all()):
+        problems.append(TrainingProblem("non_finite", f"tensors {bad}"))
+    else:
+        update = {k: trained[k] for k in model}
+    if metrics is not None:
+        update = dict(update)
+        update[EVALUATION_TENSOR] = metrics
+    return update, problems
+
+
+def _log_problem(assignment: dict, problem: TrainingProblem) -> None:
+    level = logging.ERROR if problem.is_programming_error else logging.WARNING
+    log.log(level, "task %s round %s: sent a zero update instead (%s: %s)",
+            assignment.get("task_id"), assignment.get("round"), problem.kind, problem.detail)
 
 
 def _b64url(text: str) -> bytes:
@@ -47,13 +133,20 @@ class Trust:
     keyservices: dict[str, ec.EllipticCurvePublicKey]
     limits: dict
     tenant_id: str | None = None
+    #: n, the number of key services holding a share of each key (the file's `shares`, else the
+    #: key services listed): with `threshold`, the release quorum `verify_release` asks for.
+    shares: int | None = None
+
+    @property
+    def n(self) -> int:
+        return len(self.keyservices) if self.shares is None else self.shares
 
     @classmethod
     def load(cls, path: str) -> "Trust":
         """Reads and checks a trust file; `ValueError` saying what is wrong."""
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
-        unknown = set(raw) - {"threshold", "keyservices", "limits", "tenant_id"}
+        unknown = set(raw) - {"threshold", "keyservices", "limits", "tenant_id", "shares"}
         if unknown:
             raise ValueError(f"{path}: unknown fields {sorted(unknown)}")
         keys = {entry["id"]: ec.EllipticCurvePublicKey.from_encoded_point(
@@ -65,7 +158,11 @@ class Trust:
         if not 1 <= raw["threshold"] <= len(keys):
             raise ValueError(f"{path}: threshold {raw['threshold']} is not between 1 and the "
                              f"{len(keys)} key services listed")
-        return cls(raw["threshold"], keys, limits, raw.get("tenant_id"))
+        shares = raw.get("shares")
+        if shares is not None and not raw["threshold"] <= shares <= 1000:
+            raise ValueError(f"{path}: shares {shares} is not between the threshold "
+                             f"{raw['threshold']} and 1000")
+        return cls(raw["threshold"], keys, limits, raw.get("tenant_id"), shares)
 
     def verify_key(self, encryption: dict, now: float) -> bytes:
         """The X25519 public key of an assignment's `encryption`, if at least `threshold` (and
@@ -112,8 +209,8 @@ class Device:
     client_version: str = "1.0.0"
     attributes: dict = field(default_factory=dict)
     session: requests.Session = field(default_factory=requests.Session)
-    #: (task_id, round) this device sealed an update for: it seals at most once per round. Kept
-    #: in memory only; a real device keeps it across restarts (docs/protocol.md).
+    #: (task_id, round) this device sealed an update for: it seals at most once per round (and
+    #: under DP-FTRL keeps its rounds `min_separation` apart). Kept in `state_file`.
     served: set = field(default_factory=set)
     #: Attempts of an upload or report that the server answers 503/507 or the network fails.
     attempts: int = 5
@@ -134,10 +231,66 @@ class Device:
     evaluate: Evaluate | None = None
     #: (task_id, round) of the on-demand evaluations this device granted: at most the policy's
     #: `on_demand` per task, whatever the server asks (the accounting counts on it). Kept in
-    #: memory only; a real device keeps it across restarts.
+    #: `state_file`.
     on_demand: set = field(default_factory=set)
+    #: Where the device keeps `served`, `separated` and `on_demand` across restarts (JSON,
+    #: replaced atomically and fsync'd before the update or the metrics they guard are sealed):
+    #: only the device knows them, and the privacy accounting counts on them. Loaded when the
+    #: device is made (added to what is given). None keeps them in memory only, with a warning:
+    #: a restarted device would then serve rounds closer than `min_separation` and grant
+    #: on-demand evaluations again.
+    state_file: str | os.PathLike | None = None
+    #: Called when training or evaluation failed and zeros were sent instead (default: a log
+    #: line, an error for a programming error such as the wrong tensors). The server hears an
+    #: ordinary `completed` contribution either way.
+    on_problem: OnProblem = _log_problem
+    #: Every (task_id, round, TrainingProblem) of this device, for its own inspection.
+    problems: list = field(default_factory=list)
     _serving: threading.Lock = field(default_factory=threading.Lock, init=False,
                                      compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.state_file is None:
+            warnings.warn("this confed Device keeps the rounds it served and the evaluations it "
+                          "granted in memory only: a restarted device forgets them and may serve "
+                          "rounds its policies' accounting forbids; pass state_file=...",
+                          stacklevel=3)
+            return
+        try:
+            with open(self.state_file, encoding="utf-8") as f:
+                saved = json.load(f)
+        except FileNotFoundError:
+            self._save()
+            return
+        if saved.get("format") != STATE_FORMAT:
+            raise ValueError(f"{self.state_file}: not a {STATE_FORMAT} file")
+        self.served |= {(t, r) for t, r in saved["served"]}
+        self.on_demand |= {(t, r) for t, r in saved["on_demand"]}
+        for task, (population, separation, rounds) in saved["separated"].items():
+            self.separated.setdefault(task, (population, separation, rounds))
+
+    def _save(self) -> None:
+        """Writes the state to `state_file` durably (a temporary file fsync'd, renamed over the
+        old one, the directory fsync'd); raises if it cannot, so nothing is sealed that the
+        device might forget."""
+        if self.state_file is None:
+            return
+        state = {"format": STATE_FORMAT, "served": sorted(self.served),
+                 "on_demand": sorted(self.on_demand),
+                 "separated": {t: list(v) for t, v in sorted(self.separated.items())}}
+        path = os.fspath(self.state_file)
+        directory = os.path.dirname(os.path.abspath(path))
+        temporary = f"{path}.tmp"
+        with open(temporary, "w", encoding="utf-8") as f:
+            json.dump(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+        descriptor = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
 
     def _url(self, path: str) -> str:
         return path if path.startswith("http") else self.server.rstrip("/") + path
@@ -231,14 +384,21 @@ class Device:
             granted = sum(1 for (task, _) in self.on_demand if task == key[0])
             if key not in self.on_demand and granted >= allowed:
                 return False
-            self.on_demand.add(key)
+            if key not in self.on_demand:
+                self.on_demand.add(key)
+                self._save()  # before the metrics are measured and sealed
         return True
 
     def contribute(self, assignment: dict, train: Train) -> None:
-        """Verifies, trains, seals, uploads and reports one assignment. On a failed check it
-        reports `failed` with the reason and raises. A device seals at most once per round (and
-        under DP-FTRL at most once per `min_separation` rounds): the round is recorded as served
-        before the update is sealed, whatever happens after."""
+        """Verifies, trains, seals, uploads and reports one assignment. A failed check before
+        training (the policy, the key, the model download: the same for every device of the
+        round) is reported `failed` with the reason and raised. Once the assignment is accepted,
+        nothing the server hears depends on what training does: an exception, a NaN or the
+        wrong tensors become a zero update of the model's shape, sealed, uploaded and reported
+        `completed` like any other, and the problem goes to `on_problem` and `problems` on the
+        device only (docs/privacy.md, "What leaves a device"). A device seals at most once per
+        round (and under DP-FTRL at most once per `min_separation` rounds): the round is
+        recorded as served before the update is sealed, whatever happens after."""
         served = (assignment["task_id"], assignment["round"])
         why = self.declines(assignment)
         if why:
@@ -254,44 +414,48 @@ class Device:
             if reply.status_code != 200:
                 raise DeviceError.from_reply("model", reply)
             model_bytes = reply.content
-            model = from_safetensors(model_bytes)
-            weights = {k: v.copy() for k, v in model.items()}
-            if self.tensors == "torch":
-                weights = to_torch(weights)
-            metrics = None
-            if self.evaluate is not None and self._evaluates(policy, assignment):
-                # The model as downloaded, before training touches anything.
-                measured = {k: v.copy() for k, v in model.items()}
-                metrics = np.asarray(self.evaluate(
-                    to_torch(measured) if self.tensors == "torch" else measured), np.float32)
-                if metrics.shape != (3,) or not np.isfinite(metrics).all():
-                    raise DeviceError("evaluate must return three finite numbers: (loss_sum, "
-                                      "correct, examples); clip each example's loss at the "
-                                      "policy's max_loss")
-            update = as_arrays(train(weights, policy["plan"]))
-            if set(update) != set(model) or any(
-                    np.shape(update[k]) != model[k].shape for k in model):
-                raise DeviceError("the update does not have the model's tensors and shapes")
-            if metrics is not None:
-                update[EVALUATION_TENSOR] = metrics
-            with self._serving:
-                # Again, under the lock: a concurrent contribution may have served a close round.
-                why = self.declines(assignment)
-                if why:
-                    raise DeviceError(f"{why}: decline it (not_eligible)")
-                self.served.add(served)
-                if policy["min_separation"] > 1:
-                    self.separated[served[0]] = (policy["population"], policy["min_separation"],
-                                                 policy["rounds"])
-            sealed = envelope.seal_update(
-                public_key, assignment["encryption"]["key_id"],
-                envelope.aad(assignment["task_id"], assignment["round"],
-                             assignment["assignment_id"], policy_sha256(policy_text),
-                             hashlib.sha256(model_bytes).hexdigest()),
-                to_safetensors(update))
+            try:
+                model = from_safetensors(model_bytes)
+            except Exception as error:  # noqa: BLE001 - the model's fault, not the data's
+                raise DeviceError(f"the model is not safetensors: {error}") from error
+            if not model or any(a.dtype != np.float32 for a in model.values()):
+                raise DeviceError("the model must be F32 tensors")
         except Exception as error:  # the server hears why, then the caller does
             self._fail(assignment, error)
             raise
+        evaluating = self.evaluate is not None and self._evaluates(policy, assignment)
+
+        def trained() -> dict:
+            weights = {k: v.copy() for k, v in model.items()}
+            return train(to_torch(weights) if self.tensors == "torch" else weights,
+                         policy["plan"])
+
+        def evaluated():
+            # The model as downloaded, before training touches anything.
+            measured = {k: v.copy() for k, v in model.items()}
+            return self.evaluate(to_torch(measured) if self.tensors == "torch" else measured)
+
+        update, problems = well_formed_update(model, trained,
+                                              evaluated if evaluating else None)
+        for problem in problems:
+            self.problems.append((served[0], served[1], problem))
+            self.on_problem(assignment, problem)
+        with self._serving:
+            # Again, under the lock: a concurrent contribution may have served a close round.
+            why = self.declines(assignment)
+            if why:
+                raise DeviceError(f"{why}: decline it (not_eligible)")
+            self.served.add(served)
+            if policy["min_separation"] > 1:
+                self.separated[served[0]] = (policy["population"], policy["min_separation"],
+                                             policy["rounds"])
+            self._save()  # before sealing: a device that forgot could serve the round again
+        sealed = envelope.seal_update(
+            public_key, assignment["encryption"]["key_id"],
+            envelope.aad(assignment["task_id"], assignment["round"],
+                         assignment["assignment_id"], policy_sha256(policy_text),
+                         hashlib.sha256(model_bytes).hexdigest()),
+            to_safetensors(update))
         self.upload(assignment, sealed)
         self.report(assignment, "completed")
 

@@ -92,7 +92,7 @@ class Partner:
         if release is None or not release.get("proof"):
             raise PartnerError(f"round {round_} of task {task_id} has no release with a proof")
         return verify_release(manifest, average, release["proof"], trust.keyservices,
-                              trust.threshold, self.task(task_id)["policy"])
+                              trust.threshold, self.task(task_id)["policy"], shares=trust.n)
 
     def wait_for_state(self, task_id: str, state: str, timeout: float = 120.0) -> dict:
         """The task once it is in `state` (e.g. "COMPLETED")."""

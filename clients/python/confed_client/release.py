@@ -65,12 +65,16 @@ def receipt_text(receipt: dict) -> str:
 
 def verify_release(manifest_bytes: bytes, average_bytes: bytes, proof: dict,
                    keyservices: dict[str, ec.EllipticCurvePublicKey], threshold: int,
-                   policy_text: str | None = None) -> list[str]:
+                   policy_text: str | None = None, shares: int | None = None) -> list[str]:
     """The checks that passed, one line each; `ReleaseError` listing those that failed.
 
-    `keyservices` and `threshold` are the partner's trust in the key services (a device trust
-    file's, `Trust.keyservices` and `Trust.threshold`); `policy_text`, if given, is the task
-    policy the partner created, which the manifest must name."""
+    `keyservices`, `threshold` and `shares` (n; default: the key services given) are the
+    partner's trust in the key services (a device trust file's, `Trust.keyservices`,
+    `Trust.threshold` and `Trust.n`): the quorum of receipts is computed from them alone, and a
+    receipt that states another threshold or number of shares is a failed check (t colluding key
+    services whose share files say n = t would otherwise lower the quorum). `policy_text`, if
+    given, is the task policy the partner created, which the manifest must name."""
+    n = len(keyservices) if shares is None else shares
     passed, failed = [], []
 
     def check(ok: bool, what: str) -> None:
@@ -111,13 +115,16 @@ def verify_release(manifest_bytes: bytes, average_bytes: bytes, proof: dict,
                                                                commitment["round"])
                 and receipt["enclave_signing_key"] == enclave_key_text
                 and receipt["key_id"] == commitment["key_id"]):
+            if (receipt["threshold"], receipt["shares"]) != (threshold, n):
+                check(False, f"receipt of key service {service} states threshold "
+                             f"{receipt['threshold']} of {receipt['shares']} shares; the trust "
+                             f"file pins {threshold} of {n}")
+                continue
             vouching[service] = receipt
-    shares = max((r["shares"] for r in vouching.values()), default=0)
-    t = max([threshold] + [r["threshold"] for r in vouching.values()])
-    needed = quorum(t, shares)
+    needed = quorum(threshold, n)
     check(len(vouching) >= max(1, needed),
           f"{len(vouching)} of the {needed} receipts needed from trusted key services "
-          f"(threshold {t} of {shares} shares)")
+          f"(threshold {threshold} of {n} shares, from the trust file)")
     if failed:
         raise ReleaseError(failed)
     return passed

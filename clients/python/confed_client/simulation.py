@@ -5,6 +5,7 @@ round, until the task ends."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +51,8 @@ def run_simulation(partner: Partner, task_id: str, trust: Trust,
                    evaluate_fn: Callable[[dict[str, np.ndarray]], dict] | None = None,
                    client_evaluate_fn: Callable[[int], Evaluate] | None = None,
                    concurrency: int = 8, max_wait: float = 1.0, progress: bool = True,
-                   round_timeout: float = 600.0, **device_options) -> list[RoundResult]:
+                   round_timeout: float = 600.0, state_dir: str | None = None,
+                   **device_options) -> list[RoundResult]:
     """Runs `num_devices` devices of the task's population until the task ends; returns one
     `RoundResult` per completed round.
 
@@ -63,12 +65,19 @@ def run_simulation(partner: Partner, task_id: str, trust: Trust,
       the released metrics with `Partner.evaluations`);
     - every round, each device checks in until it has contributed or the round has ended (the
       report goal reached by others); a device told to wait waits at most `max_wait` seconds;
+    - `state_dir` (optional): device i keeps what it served in `state_dir/device-<i>.json`, so
+      a simulation run again with the same directory has devices that remember (without it
+      they keep it in memory, with a warning);
     - `device_options` go to each `Device` (e.g. `tensors="torch"`, `attributes={...}`).
     """
     task = partner.task(task_id)
     population = task["population"]
+    if state_dir is not None:
+        os.makedirs(state_dir, exist_ok=True)
     devices = [Device(partner.server, population, trust,
                       evaluate=client_evaluate_fn(i) if client_evaluate_fn else None,
+                      state_file=(os.path.join(state_dir, f"device-{i}.json")
+                                  if state_dir is not None else None),
                       **device_options)
                for i in range(num_devices)]
     trains = [client_fn(i) for i in range(num_devices)]

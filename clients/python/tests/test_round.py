@@ -118,6 +118,16 @@ def test_a_release_verifies_and_a_tampered_one_does_not(server):
     untrusted = {name: key for name, key in list(trust.keyservices.items())[:1]}
     with pytest.raises(ReleaseError, match="receipts needed"):
         verify_release(manifest, average, proof, untrusted, 1)
+    # t and n come from the trust file alone: receipts that state another key set (as t
+    # colluding key services whose share files say n = t would) are a failed check.
+    assert trust.n == len(trust.keyservices) == proof["receipts"][0]["shares"]
+    with pytest.raises(ReleaseError, match=f"the trust file pins {trust.threshold} of "
+                                           f"{trust.n + 1}"):
+        verify_release(manifest, average, proof, trust.keyservices, trust.threshold,
+                       shares=trust.n + 1)
+    with pytest.raises(ReleaseError, match="states threshold"):
+        partner.verify_release(task, 1, Trust(trust.threshold, trust.keyservices, trust.limits,
+                                              shares=trust.threshold))
 
 
 def test_watch_follows_a_task_to_its_end(server):

@@ -36,11 +36,26 @@ fn assignment(policy: &TaskPolicy, key: &DeviceKey) -> AssignmentResponse {
     }
 }
 
+/// A zero update of a one-tensor model (what is sealed does not matter to these tests).
+fn update() -> crate::update::WellFormedUpdate {
+    use safetensors::{Dtype, tensor::TensorView};
+    let data = [0u8; 8];
+    let model = safetensors::serialize(
+        [("w", TensorView::new(Dtype::F32, vec![2], &data).unwrap())],
+        None,
+    )
+    .unwrap();
+    crate::update::UpdateShape::of_model(&model)
+        .unwrap()
+        .well_formed(Ok(model), None)
+}
+
 /// A trust file with no key services and the enclave's own limits (sealing needs no key check).
 fn open_trust() -> TrustConfig {
     TrustConfig {
         threshold: 1,
         keyservices: vec![],
+        shares: None,
         limits: DeviceLimits::ENCLAVE,
         tenant_id: None,
     }
@@ -64,8 +79,12 @@ fn a_device_seals_at_most_one_update_per_round() {
         bytes: std::sync::Arc::new(vec![]),
         sha256: "0".repeat(64),
     };
-    assert!(client.seal(&a, &public, &accepted, &model, b"u").is_ok());
-    let again = client.seal(&a, &public, &accepted, &model, b"v");
+    assert!(
+        client
+            .seal(&a, &public, &accepted, &model, &update())
+            .is_ok()
+    );
+    let again = client.seal(&a, &public, &accepted, &model, &update());
     assert!(matches!(
         again,
         Err(DeviceError::AlreadySealed { round: 1, .. })
@@ -156,7 +175,7 @@ fn a_device_keeps_its_rounds_of_a_tree_task_min_separation_apart() {
     };
     assert!(client.declines(&in_round(5)).is_none());
     client
-        .seal(&in_round(5), &public, &accepted, &model, b"u")
+        .seal(&in_round(5), &public, &accepted, &model, &update())
         .unwrap();
     for round in [2, 6, 8] {
         assert!(
@@ -170,7 +189,7 @@ fn a_device_keeps_its_rounds_of_a_tree_task_min_separation_apart() {
             ),
             "round {round}"
         );
-        let sealed = client.seal(&in_round(round), &public, &accepted, &model, b"v");
+        let sealed = client.seal(&in_round(round), &public, &accepted, &model, &update());
         assert!(
             matches!(sealed, Err(DeviceError::TooSoon { .. })),
             "{round}"
@@ -202,11 +221,11 @@ fn a_device_keeps_its_rounds_of_a_tree_task_min_separation_apart() {
         .unwrap()
         .without_served_hints();
     private
-        .seal(&in_round(1), &public, &accepted, &model, b"x")
+        .seal(&in_round(1), &public, &accepted, &model, &update())
         .unwrap();
     assert!(private.latest_served("sample").is_empty());
     client
-        .seal(&in_round(9), &public, &accepted, &model, b"w")
+        .seal(&in_round(9), &public, &accepted, &model, &update())
         .unwrap();
 }
 
@@ -217,6 +236,7 @@ fn a_policy_outside_the_devices_limits_is_refused() {
     let trust = TrustConfig {
         threshold: 1,
         keyservices: vec![],
+        shares: None,
         limits: DeviceLimits {
             max_epsilon: 4.0,
             max_delta: 1e-5,
@@ -259,6 +279,7 @@ fn a_pinned_device_refuses_another_tenants_policy() {
     let trust = TrustConfig {
         threshold: 1,
         keyservices: vec![],
+        shares: None,
         limits: DeviceLimits::ENCLAVE,
         tenant_id: Some("acme".into()),
     };
@@ -285,4 +306,66 @@ fn a_pinned_device_refuses_another_tenants_policy() {
         refused.to_string().contains("only for tenant acme"),
         "{refused}"
     );
+}
+
+/// With a state file (`DeviceClient::open`), a restarted device remembers the rounds it served
+/// (and keeps its DP-FTRL separation) and the on-demand evaluations it granted.
+#[test]
+fn a_device_with_a_state_file_remembers_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("device.json");
+    let mut policy = TaskPolicy::sample("t1", 20);
+    policy.mechanism =
+        "tree_aggregation_on_grid;min_separation=4;evaluation=3,1e1,50,2.5e1,1".into();
+    let accepted = AcceptedPolicy {
+        sha256: policy.sha256_hex(),
+        policy: policy.clone(),
+    };
+    let key = key();
+    let in_round = |round: i64, evaluate: bool| AssignmentResponse {
+        round,
+        evaluate,
+        ..assignment(&policy, &key)
+    };
+    let (_, public) = confed_protocol::hpke::generate_keypair();
+    let model = Model {
+        bytes: std::sync::Arc::new(vec![]),
+        sha256: "0".repeat(64),
+    };
+    {
+        let device = DeviceClient::open("http://127.0.0.1:1", &open_trust(), &path).unwrap();
+        device
+            .seal(&in_round(5, false), &public, &accepted, &model, &update())
+            .unwrap();
+        assert!(
+            device
+                .evaluation_for(&in_round(6, true), &accepted)
+                .is_some()
+        );
+    }
+    let restarted = DeviceClient::open("http://127.0.0.1:1", &open_trust(), &path).unwrap();
+    assert_eq!(restarted.served(), [("t1".to_string(), 5)]);
+    assert!(matches!(
+        restarted.declines(&in_round(7, false)),
+        Some(DeviceError::TooSoon { served: 5, .. })
+    ));
+    assert!(
+        restarted
+            .seal(&in_round(8, false), &public, &accepted, &model, &update())
+            .is_err(),
+        "still within the separation after a restart"
+    );
+    assert_eq!(restarted.latest_served("sample").len(), 1);
+    assert!(
+        restarted
+            .evaluation_for(&in_round(9, true), &accepted)
+            .is_none(),
+        "the one on-demand evaluation was granted before the restart"
+    );
+    // A state file that cannot be read is an error, not a fresh start.
+    std::fs::write(&path, "{").unwrap();
+    assert!(matches!(
+        DeviceClient::open("http://127.0.0.1:1", &open_trust(), &path),
+        Err(DeviceError::State(StateError::Parse { .. }))
+    ));
 }

@@ -1,6 +1,8 @@
 //! One contribution, from stored bytes to checked f32 tensors: CBOR envelope, HPKE open under
 //! the round's associated data, safetensors with exactly the model's names, shapes and dtype,
-//! every value finite. Any failure is an `Exclusion`: counted with its reason, never fatal.
+//! Any failure is an `Exclusion`: counted with its reason, never fatal. Every reason is one an
+//! honest device's data cannot cause (docs/privacy.md, "What leaves a device"): a non-finite
+//! value is not one of them (the aggregator includes such an update as a zero update).
 
 use safetensors::{Dtype, SafeTensors};
 use serde::Serialize;
@@ -29,21 +31,18 @@ pub enum Exclusion {
     WrongTensors,
     /// A tensor is not F32.
     WrongDtype,
-    /// A value is NaN or infinite.
-    NonFinite,
     /// The stored bytes could not be read (missing blob).
     Missing,
 }
 
 impl Exclusion {
-    pub const ALL: [Exclusion; 8] = [
+    pub const ALL: [Exclusion; 7] = [
         Self::MalformedEnvelope,
         Self::WrongKey,
         Self::DecryptionFailed,
         Self::NotSafetensors,
         Self::WrongTensors,
         Self::WrongDtype,
-        Self::NonFinite,
         Self::Missing,
     ];
 
@@ -55,7 +54,6 @@ impl Exclusion {
             Self::NotSafetensors => "not_safetensors",
             Self::WrongTensors => "wrong_tensors",
             Self::WrongDtype => "wrong_dtype",
-            Self::NonFinite => "non_finite",
             Self::Missing => "missing",
         }
     }
@@ -100,8 +98,8 @@ pub type Tensors<'a> = (Vec<&'a [u8]>, Option<&'a [u8]>);
 /// after checking names, shapes and dtype; and, when the round evaluates (`evaluating`), the
 /// device's evaluation tensor if it sent one (`EVALUATION_TENSOR`, F32 `[3]`). A device may leave
 /// it out of an evaluation round (it then adds nothing to the metrics), but an evaluation tensor
-/// in any other round is refused as `WrongTensors`. Finiteness of the model's values is checked
-/// while summing (one pass).
+/// in any other round is refused as `WrongTensors`. Non-finite values are found while summing
+/// (one pass), and make the update a zero update, not an exclusion.
 pub fn tensors<'a>(
     schema: &ModelSchema,
     plaintext: &'a [u8],

@@ -84,6 +84,17 @@ pub struct TreeRecord {
     /// Standard deviation of the noise of the tree's running sum through this round, on each
     /// coordinate of the sum, in update units.
     pub prefix_stddev_sum: f64,
+    /// What the accounting guarantees, per coordinate of the sum, in update units: the error
+    /// below which nobody can estimate one device's contribution to this round, even knowing
+    /// every other contribution of the task and every release of its tree (the whole tree, as
+    /// planned). A device's round is in `accounted_depth` complete nodes of its tree, each
+    /// noised at the node scale, so this is the node scale over `sqrt(accounted_depth)`:
+    /// `clip_norm / sqrt(2 rho)` for the tree's rho. `stddev_sum` is only what this one release
+    /// carries, and an operator who fills the tree's other rounds gets closer than it.
+    pub accounted_stddev_sum: f64,
+    /// Complete nodes over one round of the tree as planned (`ceil(log2(rounds + 1))` for the
+    /// tree's planned rounds): what the accounting charges one device per tree.
+    pub accounted_depth: u32,
 }
 
 impl NoiseRecord {
@@ -121,6 +132,8 @@ impl NoiseRecord {
                 position: shape.position,
                 nodes: shape.nodes,
                 prefix_stddev_sum: node_stddev_sum * shape.prefix_variance.sqrt(),
+                accounted_stddev_sum: node_stddev_sum / f64::from(shape.accounted_depth).sqrt(),
+                accounted_depth: shape.accounted_depth,
             }),
         }
     }
@@ -150,6 +163,8 @@ pub struct TreeShape {
     pub nodes: u64,
     pub release_variance: f64,
     pub prefix_variance: f64,
+    /// `dp::tree::depth` of the tree's planned rounds (at least 1).
+    pub accounted_depth: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

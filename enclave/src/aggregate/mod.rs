@@ -38,6 +38,14 @@ use stream::StreamProblem;
 /// holds one chunk of plaintext (1 MiB) instead of a whole update.
 pub const STREAM_ABOVE_BYTES: usize = 8 << 20;
 
+/// An update holding a NaN or an infinity is included as a zero update (nothing of it is added;
+/// it counts as one contribution, and as unclipped, which a zero update is). Excluding it would
+/// publish, exactly and without noise, one bit that the device's data decides: a model chosen
+/// by a tenant or the operator can make training overflow on a chosen condition of a device's
+/// private data (docs/privacy.md, "What leaves a device"). A buggy or malicious device's NaN
+/// costs its own contribution, nothing more.
+const ZERO_UPDATE_IS_WITHIN: bool = true;
+
 /// Excluded refs listed one by one in the manifest, at most (counts are always complete).
 const LISTED_EXCLUSIONS: usize = 1000;
 
@@ -313,17 +321,18 @@ impl Aggregator {
                 &self.schema,
                 self.evaluation.is_some(),
             ) {
-                match self.sum.add_clipped_stream(&update, self.clip_norm) {
-                    Ok(within) => {
-                        self.count_unclipped(within);
-                        if let Some(bytes) = update.metrics() {
-                            self.add_metrics(&bytes);
-                        }
-                        return Ok(());
-                    }
-                    Err(StreamError::NonFinite) => return Err(Exclusion::NonFinite),
+                let within = match self.sum.add_clipped_stream(&update, self.clip_norm) {
+                    Ok(within) => Some(within),
+                    Err(StreamError::NonFinite) => Some(ZERO_UPDATE_IS_WITHIN),
                     Err(StreamError::Source(StreamProblem::Excluded(why))) => return Err(why),
-                    Err(StreamError::Source(StreamProblem::Buffer)) => {}
+                    Err(StreamError::Source(StreamProblem::Buffer)) => None,
+                };
+                if let Some(within) = within {
+                    self.count_unclipped(within);
+                    if let Some(bytes) = update.metrics() {
+                        self.add_metrics(&bytes);
+                    }
+                    return Ok(());
                 }
             }
         }
@@ -340,7 +349,7 @@ impl Aggregator {
         let within = self
             .sum
             .add_clipped(&tensors, self.clip_norm, start)
-            .map_err(|accumulator::NonFinite| Exclusion::NonFinite)?;
+            .unwrap_or(ZERO_UPDATE_IS_WITHIN);
         self.count_unclipped(within);
         // Only after the update is in: a contribution is in both sums or in neither.
         if let Some(bytes) = metrics {
@@ -480,6 +489,8 @@ impl Aggregator {
                         trees.prefix(tree, position).values(),
                         trees.denominator(),
                     ),
+                    accounted_depth: dp::tree::depth(trees.planned_rounds(tree, privacy.rounds))
+                        .max(1),
                 };
                 let record = NoiseRecord::tree(
                     &noise,

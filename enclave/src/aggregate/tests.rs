@@ -134,15 +134,19 @@ fn exclusion_wrong_shape() {
     );
 }
 
+/// A NaN or an infinity is what a chosen model makes a device's training produce on a chosen
+/// condition of its data: the update is included as a zero update (it adds nothing and counts in
+/// the denominator), so nothing exact in the release tells that it happened.
 #[test]
-fn exclusion_nan_and_infinity() {
+fn a_non_finite_update_is_included_as_a_zero_update() {
     let r = round(4);
-    for bad in [f32::NAN, f32::INFINITY] {
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let agg = Aggregator::new(binding(), 1.0, r.schema.clone(), &r.private).unwrap();
         let (id, bytes) = sealed(&r, "a1", ROUND, &update(&[0.1, bad, 0.3, 0.4]));
-        assert_eq!(
-            exclusion_of(&r, &id, Some(&bytes)),
-            Err(Exclusion::NonFinite)
-        );
+        assert_eq!(agg.add(&id, Some(&bytes)), Ok(()), "{bad}");
+        assert_eq!(agg.counts(), (1, 0), "{bad}");
+        assert_eq!(agg.unclipped.load(Ordering::Relaxed), 1, "{bad}");
+        assert!(agg.sum.into_sum().iter().all(|&v| v == 0), "{bad}");
     }
 }
 
@@ -236,10 +240,16 @@ fn exclusions_are_counted_in_the_manifest_and_never_poison_the_sum() {
     ]);
     let release = agg.finish(&r.private, privacy()).unwrap();
     let m = &release.manifest;
-    assert_eq!(m.included, 1);
-    assert_eq!(m.excluded.get("non_finite"), Some(&1));
+    assert_eq!(m.included, 2, "the NaN update is in, as zeros");
+    assert_eq!(m.excluded.get("non_finite"), None);
     assert_eq!(m.excluded.get("missing"), Some(&1));
-    assert_eq!(m.included_digest, digest(&[good.0.as_str()]));
+    assert_eq!(
+        m.excluded_refs,
+        vec![("missing".to_string(), "missing".to_string())]
+    );
+    let mut refs = [good.0.as_str(), nan.0.as_str()];
+    refs.sort();
+    assert_eq!(m.included_digest, digest(&refs));
     assert_eq!(m.inputs_digest, binding().inputs_digest);
     assert!(release.values.iter().all(|v| v.is_finite()));
 }
@@ -493,7 +503,7 @@ fn streamed_and_buffered_aggregation_agree_exactly() {
     let inputs = [
         (id_small.as_str(), &small_bytes[..], Ok(())),
         (id_big.as_str(), &big_bytes[..], Ok(())),
-        (id_nan.as_str(), &nan_bytes[..], Err(Exclusion::NonFinite)),
+        (id_nan.as_str(), &nan_bytes[..], Ok(())),
         (
             id_tampered.as_str(),
             &tampered[..],
@@ -626,6 +636,80 @@ fn tree_releases_sum_to_prefixes_with_the_recorded_noise_covariance() {
         assert!((got - cost).abs() < 1e-9 * leaf, "round {round}: {got}");
     }
     assert!(manifests[7].privacy.rho_spent > 3.99 * manifests[0].privacy.rho_round);
+}
+
+/// An operator who knows every other contribution of a tree (it filled those rounds) estimates
+/// one device's contribution to round r from all the tree's releases with error variance
+/// `1 / (Sigma^-1)_rr`, Sigma the covariance of the releases' noise. That beats the release's
+/// own `stddev_sum` (which is why the manifest must not be read as the guarantee), and never
+/// beats `accounted_stddev_sum`, the accounting's bound the manifest states.
+#[test]
+fn a_tree_manifest_states_no_more_noise_than_the_accounting_guarantees() {
+    let (_, manifests) = tree_release_noises(16, 8, 9);
+    let trees = dp::tree::Trees { length: 8 };
+    let d = trees.denominator();
+    let node_sd = manifests[0].noise.stddev_sum; // position 1: one raw node
+    // Covariance of the increments (releases) 1..=8, in raw node variances.
+    let prefix = |t: u64| trees.prefix(0, t);
+    let cov = |a: u64, b: u64| {
+        let p = |x: u64, y: u64| {
+            if x == 0 || y == 0 {
+                0.0
+            } else {
+                dp::tree::covariance(&prefix(x), &prefix(y), d)
+            }
+        };
+        p(a, b) - p(a - 1, b) - p(a, b - 1) + p(a - 1, b - 1)
+    };
+    let sigma: Vec<Vec<f64>> = (1..=8)
+        .map(|a| (1..=8).map(|b| cov(a, b)).collect())
+        .collect();
+    let inverse = invert(sigma);
+    let mut beaten = 0;
+    for r in 0..8 {
+        let tree = manifests[r].noise.tree.as_ref().unwrap();
+        assert_eq!(tree.accounted_depth, 4, "8 planned rounds: depth 4");
+        assert!((tree.accounted_stddev_sum - node_sd / 2.0).abs() < 1e-12 * node_sd);
+        let attack = node_sd / inverse[r][r].sqrt();
+        assert!(
+            attack >= tree.accounted_stddev_sum * (1.0 - 1e-9),
+            "round {}: the attack's error {attack} is below the accounted {}",
+            r + 1,
+            tree.accounted_stddev_sum
+        );
+        if attack < manifests[r].noise.stddev_sum * 0.99 {
+            beaten += 1;
+        }
+    }
+    assert!(
+        beaten > 0,
+        "the release's own stddev overstates the guarantee somewhere"
+    );
+}
+
+/// Gauss-Jordan inverse of a small symmetric positive definite matrix.
+fn invert(mut a: Vec<Vec<f64>>) -> Vec<Vec<f64>> {
+    let n = a.len();
+    let mut inv: Vec<Vec<f64>> = (0..n)
+        .map(|i| (0..n).map(|j| f64::from(u8::from(i == j))).collect())
+        .collect();
+    for col in 0..n {
+        let pivot = a[col][col];
+        for j in 0..n {
+            a[col][j] /= pivot;
+            inv[col][j] /= pivot;
+        }
+        for row in 0..n {
+            if row != col {
+                let factor = a[row][col];
+                for j in 0..n {
+                    a[row][j] -= factor * a[col][j];
+                    inv[row][j] -= factor * inv[col][j];
+                }
+            }
+        }
+    }
+    inv
 }
 
 /// A tree round's noise is a function of the task, its policy, the round and the key alone, so a

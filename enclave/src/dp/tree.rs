@@ -76,6 +76,13 @@ impl Trees {
         ((round - 1) / length, (round - 1) % length + 1)
     }
 
+    /// Rounds of tree `tree` (0-based) that a task of `planned` rounds releases: the tree's
+    /// length, or fewer for a last tree the plan cuts short.
+    pub fn planned_rounds(&self, tree: u64, planned: u32) -> u64 {
+        let length = u64::from(self.length);
+        u64::from(planned).saturating_sub(tree * length).min(length)
+    }
+
     /// Gaussian releases at the node scale that rounds `1..=round` cost one device, at most: the
     /// sum over the trees begun so far of the depth of what each released.
     pub fn releases_through(&self, round: u64) -> u64 {
@@ -162,6 +169,15 @@ pub fn variance<'a>(coefficients: impl IntoIterator<Item = &'a i64>, denominator
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_trees_planned_rounds_are_its_length_or_what_the_plan_leaves() {
+        let trees = Trees { length: 4 };
+        assert_eq!(trees.planned_rounds(0, 10), 4);
+        assert_eq!(trees.planned_rounds(1, 10), 4);
+        assert_eq!(trees.planned_rounds(2, 10), 2);
+        assert_eq!(trees.planned_rounds(3, 10), 0);
+    }
 
     #[test]
     fn depth_is_the_number_of_complete_nodes_over_a_leaf() {

@@ -1,0 +1,222 @@
+//! What a device sends once it has accepted an assignment: always the model's exact tensors and
+//! shapes, finite, with the round's metrics when it evaluates, whatever training did.
+//!
+//! A tenant or the operator chooses the model and the plan, so it can make training fail, raise or
+//! overflow on a condition of a device's private data that it picked (a weight of 1e37 on one
+//! feature). If what the device sends then differed (no upload, a `failed` report, an error text,
+//! another size, a NaN the enclave would exclude), that difference would carry the condition's
+//! bit out beside the noised release. So the device replaces anything it cannot send as trained
+//! with a zero update of the model's shape and reports `completed` like any other; the problem
+//! stays on the device (`WellFormedUpdate::problems`) for its own log (docs/privacy.md, "What
+//! leaves a device").
+
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+use thiserror::Error;
+
+use confed_protocol::policy::EVALUATION_TENSOR;
+
+/// Why the downloaded model cannot be trained from: a fault of the model (the same for every
+/// device of the round, so reporting it tells nothing of any device's data).
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ModelShapeError {
+    #[error("the model is not safetensors: {0}")]
+    NotSafetensors(String),
+    #[error("model tensor {0} is not F32")]
+    NotF32(String),
+    #[error("the model has a tensor named {EVALUATION_TENSOR}, a name confed reserves")]
+    ReservedName,
+    #[error("the model has no tensors")]
+    Empty,
+}
+
+/// What went wrong between accepting the assignment and sealing: the device's own business,
+/// never sent to the server (the update sent is a zero update, or zero metrics, instead).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TrainingProblem {
+    /// The training function failed (an exception, too few examples, ...): its text.
+    TrainingFailed(String),
+    /// The update is not safetensors: a programming error of the training code.
+    NotSafetensors(String),
+    /// The update's tensors differ from the model's (names, shapes or dtype): a programming
+    /// error of the training code.
+    WrongTensors(String),
+    /// The update holds a NaN or an infinity (in this tensor).
+    NonFinite(String),
+    /// The evaluation function failed: its text.
+    EvaluationFailed(String),
+    /// The evaluation gave a NaN or an infinity.
+    EvaluationNonFinite,
+}
+
+impl TrainingProblem {
+    /// A fault of the training code that no data would fix (the wrong tensors): a device should
+    /// fail loudly on it, in its own log, after sending the zero update like any other.
+    pub fn is_programming_error(&self) -> bool {
+        matches!(self, Self::NotSafetensors(_) | Self::WrongTensors(_))
+    }
+}
+
+impl std::fmt::Display for TrainingProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::TrainingFailed(why) => write!(f, "training failed: {why}"),
+            Self::NotSafetensors(why) => write!(f, "the update is not safetensors: {why}"),
+            Self::WrongTensors(why) => write!(f, "the update does not match the model: {why}"),
+            Self::NonFinite(name) => write!(f, "the update's tensor {name} is not finite"),
+            Self::EvaluationFailed(why) => write!(f, "evaluation failed: {why}"),
+            Self::EvaluationNonFinite => write!(f, "the evaluation is not finite"),
+        }
+    }
+}
+
+/// The model's tensors, names in safetensors (sorted) order, every one F32.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpdateShape {
+    tensors: Vec<(String, Vec<usize>)>,
+}
+
+/// An update ready to seal: the model's exact tensors, finite, plus the metrics tensor in an
+/// evaluation round. Only `UpdateShape::well_formed` makes one, so a sealed update always has
+/// the size and shape the model fixes, whatever the device's data did.
+#[derive(Debug, Clone)]
+pub struct WellFormedUpdate {
+    bytes: Vec<u8>,
+    problems: Vec<TrainingProblem>,
+}
+
+impl WellFormedUpdate {
+    /// The safetensors bytes to seal.
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// What was replaced by zeros, and why: for the device's own log, never for the server.
+    pub fn problems(&self) -> &[TrainingProblem] {
+        &self.problems
+    }
+}
+
+impl UpdateShape {
+    /// The shape of updates to `model` (safetensors bytes, as downloaded).
+    pub fn of_model(model: &[u8]) -> Result<Self, ModelShapeError> {
+        let parsed = SafeTensors::deserialize(model)
+            .map_err(|e| ModelShapeError::NotSafetensors(e.to_string()))?;
+        let mut tensors = Vec::with_capacity(parsed.len());
+        for (name, view) in parsed.tensors() {
+            if name == EVALUATION_TENSOR {
+                return Err(ModelShapeError::ReservedName);
+            }
+            if view.dtype() != Dtype::F32 {
+                return Err(ModelShapeError::NotF32(name));
+            }
+            tensors.push((name, view.shape().to_vec()));
+        }
+        if tensors.is_empty() {
+            return Err(ModelShapeError::Empty);
+        }
+        tensors.sort();
+        Ok(Self { tensors })
+    }
+
+    /// The update to seal, from what training gave (`trained`: the update's safetensors, the new
+    /// weights minus the model's, or the training's error) and, in an evaluation round, what
+    /// evaluation gave (`evaluation`: `[loss_sum, correct, examples]` or its error; `None`
+    /// outside evaluation rounds). Whatever they hold, the result has exactly the model's
+    /// tensors (re-encoded: nothing of the caller's bytes but the values passes), every value
+    /// finite, and in an evaluation round the metrics tensor: a zero update where training
+    /// failed, zero metrics where evaluation did, each with its problem noted.
+    pub fn well_formed(
+        &self,
+        trained: Result<Vec<u8>, String>,
+        evaluation: Option<Result<[f32; 3], String>>,
+    ) -> WellFormedUpdate {
+        let mut problems = Vec::new();
+        let values = match trained.map_err(TrainingProblem::TrainingFailed) {
+            Ok(bytes) => self.checked_values(&bytes),
+            Err(problem) => Err(problem),
+        };
+        let values = values.unwrap_or_else(|problem| {
+            problems.push(problem);
+            self.zeros()
+        });
+        let metrics = evaluation.map(|result| match result {
+            Ok(m) if m.iter().all(|v| v.is_finite()) => m,
+            Ok(_) => {
+                problems.push(TrainingProblem::EvaluationNonFinite);
+                [0.0; 3]
+            }
+            Err(why) => {
+                problems.push(TrainingProblem::EvaluationFailed(why));
+                [0.0; 3]
+            }
+        });
+        WellFormedUpdate {
+            bytes: self.encode(&values, metrics),
+            problems,
+        }
+    }
+
+    /// The update's values per model tensor (little-endian f32 bytes), if it is exactly the
+    /// model's tensors and finite.
+    fn checked_values(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, TrainingProblem> {
+        let parsed = SafeTensors::deserialize(bytes)
+            .map_err(|e| TrainingProblem::NotSafetensors(e.to_string()))?;
+        if parsed.len() != self.tensors.len() {
+            return Err(TrainingProblem::WrongTensors(format!(
+                "{} tensors, the model has {}",
+                parsed.len(),
+                self.tensors.len()
+            )));
+        }
+        let mut values = Vec::with_capacity(self.tensors.len());
+        for (name, shape) in &self.tensors {
+            let view = parsed
+                .tensor(name)
+                .map_err(|_| TrainingProblem::WrongTensors(format!("no tensor {name}")))?;
+            if view.dtype() != Dtype::F32 || view.shape() != shape.as_slice() {
+                return Err(TrainingProblem::WrongTensors(format!(
+                    "{name} is {:?} {:?}, the model's is F32 {shape:?}",
+                    view.dtype(),
+                    view.shape()
+                )));
+            }
+            let finite = view
+                .data()
+                .chunks_exact(4)
+                .all(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite());
+            if !finite {
+                return Err(TrainingProblem::NonFinite(name.clone()));
+            }
+            values.push(view.data().to_vec());
+        }
+        Ok(values)
+    }
+
+    fn zeros(&self) -> Vec<Vec<u8>> {
+        self.tensors
+            .iter()
+            .map(|(_, shape)| vec![0u8; 4 * shape.iter().product::<usize>()])
+            .collect()
+    }
+
+    fn encode(&self, values: &[Vec<u8>], metrics: Option<[f32; 3]>) -> Vec<u8> {
+        let metric_bytes: Option<Vec<u8>> =
+            metrics.map(|m| m.iter().flat_map(|v| v.to_le_bytes()).collect());
+        let mut views = Vec::with_capacity(self.tensors.len() + 1);
+        for ((name, shape), data) in self.tensors.iter().zip(values) {
+            views.push((name.as_str(), view(shape.clone(), data)));
+        }
+        if let Some(bytes) = &metric_bytes {
+            views.push((EVALUATION_TENSOR, view(vec![3], bytes)));
+        }
+        safetensors::serialize(views, None).expect("F32 tensors of checked shapes serialize")
+    }
+}
+
+fn view(shape: Vec<usize>, data: &[u8]) -> TensorView<'_> {
+    TensorView::new(Dtype::F32, shape, data).expect("the data has the shape's length")
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,198 @@
+//! The key set a release is checked against is the verifier's own (the front end's key entry and
+//! configured key services, a partner's trust file), never the receipts': t colluding key
+//! services whose share files say n = t must not lower the quorum to t.
+
+use super::*;
+use confed_attestation::exchange::{
+    KeySet, SignedPublicKey, encode_verifying_key, generate_signing_key, sign_key,
+};
+use confed_attestation::release::{
+    Receipt, ReleaseProof, ReleaseSignature, release_text, sign_text,
+};
+use confed_protocol::trust::{TrustConfig, TrustedEntry};
+use p256::ecdsa::SigningKey;
+
+const KEY: &str = "k1";
+
+struct Scene {
+    keys: KeyDirectory,
+    services: Vec<(String, SigningKey)>,
+    manifest: Manifest,
+    average: Vec<u8>,
+}
+
+/// Three key services vouching for one 2-of-3 key, and a manifest for round 1 of task t1.
+fn scene() -> Scene {
+    let services: Vec<(String, SigningKey)> = (1..=3)
+        .map(|i| (format!("ks{i}"), generate_signing_key()))
+        .collect();
+    let sets = services
+        .iter()
+        .map(|(id, signing)| {
+            let mut entry = SignedPublicKey {
+                key_id: KEY.into(),
+                suite: confed_enclave::hpke::SUITE.into(),
+                public_key: "AAAA".into(),
+                not_before: 0,
+                not_after: i64::MAX,
+                threshold: 2,
+                shares: 3,
+                state: "active".into(),
+                signature: String::new(),
+            };
+            sign_key(signing, id, &mut entry);
+            KeySet {
+                keyservice_id: id.clone(),
+                verifying_key: encode_verifying_key(signing.verifying_key()),
+                keys: vec![entry],
+            }
+        })
+        .collect();
+    let average = b"the noised average".to_vec();
+    let manifest: Manifest = serde_json::from_value(serde_json::json!({
+        "format": "confed-release/v2", "task_id": "t1", "round": 1, "key_id": KEY,
+        "policy_sha256": "a".repeat(64), "model_sha256": "b".repeat(64),
+        "included": 3, "included_digest": "0".repeat(64), "inputs_digest": "c".repeat(64),
+        "excluded": {}, "excluded_refs": [], "clip_norm": 1.0,
+        "noise": {"mechanism": "discrete_gaussian_on_grid", "grid_units_per_clip": 65536,
+                  "variance_grid": 1, "stddev_sum": 0.0, "stddev_average": 0.0},
+        "privacy": {"epsilon_budget": 8.0, "delta": 1e-6, "rounds_planned": 3,
+                    "noise_multiplier": 0.0, "rho_round": 0.0, "rho_spent": 0.0,
+                    "epsilon_spent": 0.0},
+        "average_sha256": sha256_hex(&average),
+    }))
+    .unwrap();
+    Scene {
+        keys: KeyDirectory::fixed(sets),
+        services,
+        manifest,
+        average,
+    }
+}
+
+/// A proof signed by a real enclave key, with receipts of the services `from` (their real
+/// signing keys) stating `threshold` of `shares`.
+fn proof(scene: &Scene, from: &[usize], threshold: u16, shares: u16) -> ReleaseProof {
+    let commitment = commitment_of(&scene.manifest);
+    let enclave = generate_signing_key();
+    let enclave_key = encode_verifying_key(enclave.verifying_key());
+    let receipts = from
+        .iter()
+        .map(|&i| {
+            let (id, signing) = &scene.services[i];
+            let mut receipt = Receipt {
+                keyservice_id: id.clone(),
+                key_id: KEY.into(),
+                task_id: "t1".into(),
+                round: 1,
+                commitment_sha256: commitment.digest(),
+                enclave_signing_key: enclave_key.clone(),
+                image_digest: "none".into(),
+                policy: "dev".into(),
+                threshold,
+                shares,
+                at: 0,
+                signature: String::new(),
+            };
+            receipt.sign(signing);
+            receipt
+        })
+        .collect();
+    ReleaseProof {
+        enclave: ReleaseSignature {
+            enclave_signing_key: enclave_key,
+            signature: sign_text(
+                &enclave,
+                &release_text(
+                    &commitment,
+                    &sha256_hex(&scene.manifest.to_json()),
+                    &scene.manifest.average_sha256,
+                ),
+            ),
+        },
+        commitment,
+        receipts,
+    }
+}
+
+fn front_end_check(scene: &Scene, proof: &ReleaseProof) -> Vec<String> {
+    let key_set = key_set_of(&scene.keys, KEY).unwrap();
+    check_proof(
+        &scene.keys,
+        proof,
+        &scene.manifest,
+        &sha256_hex(&scene.manifest.to_json()),
+        &scene.manifest.average_sha256,
+        key_set,
+    )
+    .failures
+}
+
+fn partner_check(scene: &Scene, proof: &ReleaseProof, shares: Option<usize>) -> Vec<String> {
+    let trust = TrustConfig {
+        threshold: 2,
+        keyservices: scene
+            .services
+            .iter()
+            .map(|(id, signing)| TrustedEntry {
+                id: id.clone(),
+                verifying_key: encode_verifying_key(signing.verifying_key()),
+            })
+            .collect(),
+        shares,
+        limits: confed_enclave::policy::DeviceLimits::ENCLAVE,
+        tenant_id: None,
+    };
+    crate::verify::check(
+        proof,
+        &scene.manifest.to_json(),
+        &scene.average,
+        "t1",
+        1,
+        &trust,
+    )
+    .unwrap()
+    .failures
+}
+
+#[test]
+fn the_front_end_pins_the_key_entrys_threshold_and_shares() {
+    let scene = scene();
+    assert_eq!(key_set_of(&scene.keys, KEY), Some(KeySetShape::new(2, 3)));
+    assert!(front_end_check(&scene, &proof(&scene, &[0, 1, 2], 2, 3)).is_empty());
+    // Two colluding key services whose share files say 2 of 2: a quorum of 2 if believed.
+    let colluding = proof(&scene, &[0, 1], 2, 2);
+    let failures = front_end_check(&scene, &colluding);
+    assert!(
+        failures
+            .iter()
+            .any(|f| f.contains("states threshold 2 of 2 shares; the trust file pins 2 of 3")),
+        "{failures:?}"
+    );
+    assert!(
+        failures.iter().any(|f| f.contains("0 of the 3")),
+        "{failures:?}"
+    );
+    // Honest receipts, but too few for 2 of 3.
+    let two = front_end_check(&scene, &proof(&scene, &[0, 1], 2, 3));
+    assert!(two.iter().any(|f| f.contains("2 of the 3")), "{two:?}");
+}
+
+#[test]
+fn confed_verify_takes_t_and_n_from_the_trust_file_only() {
+    let scene = scene();
+    assert!(partner_check(&scene, &proof(&scene, &[0, 1, 2], 2, 3), None).is_empty());
+    let colluding = proof(&scene, &[0, 1], 2, 2);
+    for shares in [None, Some(3)] {
+        let failures = partner_check(&scene, &colluding, shares);
+        assert!(
+            failures
+                .iter()
+                .any(|f| f.contains("the trust file pins 2 of 3")),
+            "{shares:?}: {failures:?}"
+        );
+    }
+    // A trust file that says 2 of 2 accepts 2-of-2 receipts, and refuses 2-of-3 ones.
+    assert!(partner_check(&scene, &colluding, Some(2)).is_empty());
+    assert!(!partner_check(&scene, &proof(&scene, &[0, 1, 2], 2, 3), Some(2)).is_empty());
+}

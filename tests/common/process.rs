@@ -1,0 +1,143 @@
+//! `confed serve` as a process on a loopback port, with its embedded key services and enclave
+//! worker, and the partner calls the process-level tests make of it.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdout, Command};
+
+/// Upper bound for the server to start or a round to complete; only reached if something broke.
+pub const BOUND: Duration = Duration::from_secs(120);
+
+pub struct Server {
+    child: Child,
+    lines: Lines<BufReader<ChildStdout>>,
+    pub url: String,
+    /// The demo tenant's token (printed on the first start).
+    pub token: String,
+    pub data: PathBuf,
+    http: reqwest::Client,
+}
+
+impl Server {
+    /// Starts `confed serve` on a new data directory `data`.
+    pub async fn start(data: &Path) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_confed"))
+            .env("RUST_LOG", "warn")
+            .kill_on_drop(true)
+            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(data)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let (url, token) = tokio::time::timeout(BOUND, async {
+            let mut token = None;
+            loop {
+                let line = lines.next_line().await.unwrap().expect("server exited");
+                if let Some(t) = line.strip_prefix("CONFED_DEMO_TOKEN=") {
+                    token = Some(t.to_string());
+                }
+                if let Some(url) = line.strip_prefix("confed: serving on ") {
+                    return (
+                        url.to_string(),
+                        token.expect("a new data directory's token"),
+                    );
+                }
+            }
+        })
+        .await
+        .expect("the server started");
+        Self {
+            child,
+            lines,
+            url,
+            token,
+            data: data.to_path_buf(),
+            http: confed_enclave::http::client(BOUND),
+        }
+    }
+
+    /// The device trust file of the embedded key services.
+    pub fn trust_file(&self) -> PathBuf {
+        self.data.join("embedded").join("trust.json")
+    }
+
+    pub async fn get_bytes(&self, path: &str) -> Vec<u8> {
+        let reply = self
+            .http
+            .get(format!("{}{path}", self.url))
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(reply.status(), 200, "GET {path}");
+        reply.bytes().await.unwrap().to_vec()
+    }
+
+    pub async fn get(&self, path: &str) -> Value {
+        serde_json::from_slice(&self.get_bytes(path).await).unwrap()
+    }
+
+    /// Creates a task of `spec` and uploads `model` as version 0 (the task opens); its id.
+    pub async fn open_task(&self, spec: Value, model: Vec<u8>) -> String {
+        let created = self
+            .http
+            .post(format!("{}/v1/tasks", self.url))
+            .bearer_auth(&self.token)
+            .json(&spec)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(created.status(), 201, "{}", created.text().await.unwrap());
+        let id = created.json::<Value>().await.unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let put = self
+            .http
+            .put(format!("{}/v1/tasks/{id}/model", self.url))
+            .bearer_auth(&self.token)
+            .body(model)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(put.status(), 201, "{}", put.text().await.unwrap());
+        id
+    }
+
+    /// Polls until model `version` of `task` exists (the enclave worker released and applied
+    /// the round) and returns it.
+    pub async fn wait_for_model(&self, task: &str, version: u32) -> Vec<u8> {
+        tokio::time::timeout(BOUND, async {
+            loop {
+                let reply = self
+                    .http
+                    .get(format!("{}/v1/tasks/{task}/models/{version}", self.url))
+                    .bearer_auth(&self.token)
+                    .send()
+                    .await
+                    .unwrap();
+                if reply.status() == 200 {
+                    return reply.bytes().await.unwrap().to_vec();
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .expect("the round was aggregated")
+    }
+
+    /// SIGTERM, then waits for a clean exit.
+    pub async fn stop(mut self) {
+        let pid = self.child.id().unwrap().to_string();
+        let killed = Command::new("kill").args(["-TERM", &pid]).status().await;
+        assert!(killed.unwrap().success());
+        while let Ok(Some(_)) = self.lines.next_line().await {}
+        let status = tokio::time::timeout(BOUND, self.child.wait()).await;
+        assert!(status.unwrap().unwrap().success());
+    }
+}
