@@ -81,15 +81,15 @@ pub fn verify_staged(
     serde_json::to_string(release.proof).map_err(|e| e.to_string())
 }
 
-/// The key set the front end pins for `key_id`: the threshold and share count of the key entry
-/// its configured key services signed (the same entry for every signer, as devices require),
-/// and at least as many shares as key services it is configured with. Never a receipt's word.
+/// The key set the front end pins for `key_id`: the threshold and number of shares of the key
+/// entry that at least its threshold of the configured key services signed
+/// (`KeyDirectory::signed_shape`; devices accept the same entry only with t signatures,
+/// threshold and shares included). Never a receipt's word.
 pub fn key_set_of(keys: &KeyDirectory, key_id: &str) -> Option<KeySetShape> {
-    let key = keys.key(key_id)?;
-    let configured = keys.verifying_keys().len();
+    let (threshold, shares) = keys.signed_shape(key_id)?;
     Some(KeySetShape::new(
-        usize::from(key.threshold),
-        usize::from(key.shares).max(configured),
+        usize::from(threshold),
+        usize::from(shares),
     ))
 }
 

@@ -239,13 +239,9 @@ pub fn check(
         average_sha256 == manifest.average_sha256,
         format!("the average's bytes hash to the manifest's average_sha256 ({average_sha256})"),
     );
-    if trust.threshold == 0 || trust.threshold > trust.shares() {
-        return Err(VerifyError::Trust(format!(
-            "threshold {} is not between 1 and the {} shares the trust file names",
-            trust.threshold,
-            trust.shares()
-        )));
-    }
+    trust
+        .check()
+        .map_err(|e| VerifyError::Trust(e.to_string()))?;
     let trusted: Vec<TrustedKeyService> = trust
         .keyservices
         .iter()

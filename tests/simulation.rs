@@ -202,7 +202,7 @@ async fn simulated_devices_fill_a_round_with_stored_contributions_that_open() {
     // Each device kept what it served in its state file, as a real device does across restarts.
     let served: usize = (0..DEVICES)
         .map(|i| dir.path().join(format!("devices/device-{i}.json")))
-        .map(|path| confed_device::FileStore::new(path))
+        .map(confed_device::FileStore::new)
         .map(|store| {
             confed_device::StateStore::load(&store)
                 .unwrap()

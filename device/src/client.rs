@@ -106,10 +106,13 @@ pub fn load_trust(path: &std::path::Path) -> Result<TrustConfig, DeviceError> {
         path: shown(),
         source,
     })?;
-    serde_json::from_str(&text).map_err(|source| DeviceError::TrustFileParse {
-        path: shown(),
-        source,
-    })
+    let trust: TrustConfig =
+        serde_json::from_str(&text).map_err(|source| DeviceError::TrustFileParse {
+            path: shown(),
+            source,
+        })?;
+    trust.check()?;
+    Ok(trust)
 }
 
 impl From<reqwest::Error> for DeviceError {
@@ -449,9 +452,16 @@ impl DeviceClient {
         if of_task >= evaluation.on_demand as usize {
             return None;
         }
-        state.on_demand.insert(key);
-        // Granted only once kept: a device that could not record the grant sends no metrics.
-        self.persist(&state).ok().map(|()| evaluation)
+        state.on_demand.insert(key.clone());
+        // Granted only once kept: a device that could not record the grant sends no metrics
+        // (and forgets the grant, so asking again does not find it granted).
+        match self.persist(&state) {
+            Ok(()) => Some(evaluation),
+            Err(_) => {
+                state.on_demand.remove(&key);
+                None
+            }
+        }
     }
 
     /// The (task, round) on-demand evaluations this device granted: keep them across restarts.

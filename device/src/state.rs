@@ -83,8 +83,10 @@ pub trait StateStore: Send + Sync + std::fmt::Debug {
     fn save(&self, state: &DeviceState) -> Result<(), StateError>;
 }
 
-/// One JSON file: written to `<path>.tmp`, fsync'd, renamed over `path`, and the directory
-/// fsync'd, so a crash leaves the old record or the new one, never a torn one.
+/// One JSON file: written to a temporary file beside it (unique to this process and write),
+/// fsync'd, renamed over `path`, and the directory fsync'd, so a crash leaves the old record or
+/// the new one, never a torn one. One device per file: two processes sharing a file would each
+/// overwrite the other's record.
 #[derive(Debug, Clone)]
 pub struct FileStore {
     path: PathBuf,
@@ -104,8 +106,10 @@ impl FileStore {
     }
 
     fn write(&self, bytes: &[u8]) -> std::io::Result<()> {
+        static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let write = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut temporary = self.path.clone().into_os_string();
-        temporary.push(".tmp");
+        temporary.push(format!(".{}.{write}.tmp", std::process::id()));
         let temporary = PathBuf::from(temporary);
         {
             let mut file = std::fs::File::create(&temporary)?;
@@ -177,7 +181,11 @@ mod tests {
         assert!(store.load().unwrap().is_none());
         store.save(&sample()).unwrap();
         assert_eq!(store.load().unwrap(), Some(sample()));
-        assert!(!dir.path().join("device.json.tmp").exists());
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["device.json"], "no temporary file is left");
     }
 
     /// The file the Python `Device.state_file` writes reads here, and the other way round.

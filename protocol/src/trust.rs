@@ -61,6 +61,21 @@ impl TrustConfig {
         self.shares.unwrap_or(self.keyservices.len())
     }
 
+    /// Whether the key set it pins is one: `1 <= threshold <= shares` and `shares` at least the
+    /// key services listed (a smaller n would lower the release quorum below what the listed
+    /// key services make).
+    pub fn check(&self) -> Result<(), TrustFileError> {
+        let (t, n, listed) = (self.threshold, self.shares(), self.keyservices.len());
+        if t == 0 || t > n || n < listed {
+            return Err(TrustFileError::KeySet {
+                threshold: t,
+                shares: n,
+                listed,
+            });
+        }
+        Ok(())
+    }
+
     /// The key services as the signature checks take them; refused if a verifying key is not a
     /// P-256 point.
     pub fn trusted(&self) -> Result<Vec<TrustedKeyService>, TrustFileError> {
@@ -78,6 +93,14 @@ impl TrustConfig {
 pub enum TrustFileError {
     #[error("key service {0}: verifying_key is not a base64url SEC1 P-256 point")]
     VerifyingKey(String),
+    #[error(
+        "threshold {threshold} of {shares} shares with {listed} key services listed: the threshold must be between 1 and shares, and shares at least the key services listed"
+    )]
+    KeySet {
+        threshold: usize,
+        shares: usize,
+        listed: usize,
+    },
 }
 
 #[derive(Debug, Error, PartialEq, Eq)]

@@ -182,6 +182,7 @@ pub async fn run(command: DevicesCommand) -> Result<()> {
                 },
                 tenant_id,
             };
+            config.check()?;
             println!("{}", serde_json::to_string_pretty(&config)?);
         }
     }

@@ -77,6 +77,58 @@ impl KeyDirectory {
             .collect()
     }
 
+    /// (threshold, shares) of key `key_id` as its key services signed it: the entry whose
+    /// signatures verify under the signing key services' own keys, from at least its threshold
+    /// of distinct key services. `None` when no entry has that, or when two different entries
+    /// do (the key services disagree: nothing to pin). What the front end checks a release's
+    /// receipts against, instead of anything the receipts state.
+    pub fn signed_shape(&self, key_id: &str) -> Option<(u16, u16)> {
+        let Ok(sets) = self.sets.read() else {
+            return None;
+        };
+        let mut signers: Vec<(&SignedPublicKey, Vec<&str>)> = Vec::new();
+        for set in sets.iter() {
+            let Some(verifying) =
+                confed_attestation::exchange::decode_verifying_key(&set.verifying_key)
+            else {
+                continue;
+            };
+            for key in set.keys.iter().filter(|k| k.key_id == key_id) {
+                if !confed_protocol::keyset::verify_key(&verifying, &set.keyservice_id, key) {
+                    continue;
+                }
+                let same = |k: &SignedPublicKey| {
+                    (
+                        &k.public_key,
+                        k.not_before,
+                        k.not_after,
+                        k.threshold,
+                        k.shares,
+                    ) == (
+                        &key.public_key,
+                        key.not_before,
+                        key.not_after,
+                        key.threshold,
+                        key.shares,
+                    )
+                };
+                match signers.iter_mut().find(|(k, _)| same(k)) {
+                    Some((_, ids)) if !ids.contains(&set.keyservice_id.as_str()) => {
+                        ids.push(&set.keyservice_id)
+                    }
+                    Some(_) => {}
+                    None => signers.push((key, vec![&set.keyservice_id])),
+                }
+            }
+        }
+        let mut agreed = signers
+            .iter()
+            .filter(|(k, ids)| ids.len() >= usize::from(k.threshold.max(1)))
+            .map(|(k, _)| (k.threshold, k.shares));
+        let first = agreed.next()?;
+        agreed.all(|other| other == first).then_some(first)
+    }
+
     /// The key with this id, with every signature over it.
     pub fn key(&self, key_id: &str) -> Option<DeviceKey> {
         self.collect(|k| k.key_id == key_id)

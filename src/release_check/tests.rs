@@ -128,12 +128,13 @@ fn front_end_check(scene: &Scene, proof: &ReleaseProof) -> Vec<String> {
     .failures
 }
 
-fn partner_check(scene: &Scene, proof: &ReleaseProof, shares: Option<usize>) -> Vec<String> {
-    let trust = TrustConfig {
+fn trust(scene: &Scene, listed: usize, shares: Option<usize>) -> TrustConfig {
+    TrustConfig {
         threshold: 2,
         keyservices: scene
             .services
             .iter()
+            .take(listed)
             .map(|(id, signing)| TrustedEntry {
                 id: id.clone(),
                 verifying_key: encode_verifying_key(signing.verifying_key()),
@@ -142,17 +143,65 @@ fn partner_check(scene: &Scene, proof: &ReleaseProof, shares: Option<usize>) -> 
         shares,
         limits: confed_enclave::policy::DeviceLimits::ENCLAVE,
         tenant_id: None,
-    };
+    }
+}
+
+fn verify(
+    scene: &Scene,
+    proof: &ReleaseProof,
+    trust: &TrustConfig,
+) -> Result<crate::verify::Verified, crate::verify::VerifyError> {
     crate::verify::check(
         proof,
         &scene.manifest.to_json(),
         &scene.average,
         "t1",
         1,
-        &trust,
+        trust,
     )
-    .unwrap()
-    .failures
+}
+
+fn partner_check(scene: &Scene, proof: &ReleaseProof, shares: Option<usize>) -> Vec<String> {
+    verify(scene, proof, &trust(scene, 3, shares))
+        .unwrap()
+        .failures
+}
+
+/// One key service publishing another entry for the key (2 of 2), or the same entry twice,
+/// does not move what the front end pins: that takes t distinct valid signatures.
+#[test]
+fn one_key_service_cannot_change_the_pinned_key_set() {
+    let scene = scene();
+    let mut sets = Vec::new();
+    for (i, (id, signing)) in scene.services.iter().enumerate() {
+        let mut entry = SignedPublicKey {
+            key_id: KEY.into(),
+            suite: confed_enclave::hpke::SUITE.into(),
+            public_key: "AAAA".into(),
+            not_before: 0,
+            not_after: i64::MAX,
+            threshold: 2,
+            shares: if i == 0 { 2 } else { 3 },
+            state: "active".into(),
+            signature: String::new(),
+        };
+        sign_key(signing, id, &mut entry);
+        let keys = if i == 0 {
+            vec![entry.clone(), entry.clone(), entry]
+        } else {
+            vec![entry]
+        };
+        sets.push(KeySet {
+            keyservice_id: id.clone(),
+            verifying_key: encode_verifying_key(signing.verifying_key()),
+            keys,
+        });
+    }
+    let keys = KeyDirectory::fixed(sets.clone());
+    assert_eq!(key_set_of(&keys, KEY), Some(KeySetShape::new(2, 3)));
+    // An entry whose signature does not verify counts for nothing.
+    sets[1].keys[0].signature = sets[2].keys[0].signature.clone();
+    assert_eq!(key_set_of(&KeyDirectory::fixed(sets), KEY), None);
 }
 
 #[test]
@@ -192,7 +241,25 @@ fn confed_verify_takes_t_and_n_from_the_trust_file_only() {
             "{shares:?}: {failures:?}"
         );
     }
-    // A trust file that says 2 of 2 accepts 2-of-2 receipts, and refuses 2-of-3 ones.
-    assert!(partner_check(&scene, &colluding, Some(2)).is_empty());
-    assert!(!partner_check(&scene, &proof(&scene, &[0, 1, 2], 2, 3), Some(2)).is_empty());
+    // A trust file of two key services that says 2 of 2 accepts 2-of-2 receipts, and refuses
+    // 2-of-3 ones.
+    let two_of_two = trust(&scene, 2, Some(2));
+    assert!(
+        verify(&scene, &colluding, &two_of_two)
+            .unwrap()
+            .failures
+            .is_empty()
+    );
+    let honest = proof(&scene, &[0, 1, 2], 2, 3);
+    assert!(
+        !verify(&scene, &honest, &two_of_two)
+            .unwrap()
+            .failures
+            .is_empty()
+    );
+    // A trust file whose n is below the key services it lists would lower the quorum: refused.
+    assert!(matches!(
+        verify(&scene, &honest, &trust(&scene, 3, Some(2))),
+        Err(crate::verify::VerifyError::Trust(_))
+    ));
 }

@@ -61,6 +61,14 @@ class TrainingProblem:
         return self.kind == "wrong_tensors"
 
 
+def _describe(error: BaseException) -> str:
+    """`Type: message` of an exception, even one whose `__str__` raises."""
+    try:
+        return f"{type(error).__name__}: {error}"
+    except Exception:  # noqa: BLE001
+        return type(error).__name__
+
+
 def _well_formed_metrics(evaluate: Callable[[], object]
                          ) -> tuple[np.ndarray, list[TrainingProblem]]:
     """`evaluate()` as three finite F32 numbers, or zeros and why."""
@@ -70,7 +78,7 @@ def _well_formed_metrics(evaluate: Callable[[], object]
             raise ValueError(f"evaluate returned shape {metrics.shape}, not three numbers")
     except Exception as error:  # noqa: BLE001 - any failure of the partner's code is the same
         return np.zeros(3, np.float32), [TrainingProblem("evaluation_failed",
-                                                         f"{type(error).__name__}: {error}")]
+                                                         _describe(error))]
     if not np.isfinite(metrics).all():
         return np.zeros(3, np.float32), [TrainingProblem("evaluation_non_finite",
                                                          str(metrics.tolist()))]
@@ -95,7 +103,7 @@ def well_formed_update(model: dict[str, np.ndarray], train: Callable[[], dict],
     try:
         trained = as_arrays(train())
     except Exception as error:  # noqa: BLE001 - any failure of the partner's code is the same
-        problems.append(TrainingProblem("training_failed", f"{type(error).__name__}: {error}"))
+        problems.append(TrainingProblem("training_failed", _describe(error)))
         trained = None
     update = zeros
     if trained is None:
@@ -159,9 +167,9 @@ class Trust:
             raise ValueError(f"{path}: threshold {raw['threshold']} is not between 1 and the "
                              f"{len(keys)} key services listed")
         shares = raw.get("shares")
-        if shares is not None and not raw["threshold"] <= shares <= 1000:
-            raise ValueError(f"{path}: shares {shares} is not between the threshold "
-                             f"{raw['threshold']} and 1000")
+        if shares is not None and not max(raw["threshold"], len(keys)) <= shares <= 1000:
+            raise ValueError(f"{path}: shares {shares} must be at least the threshold "
+                             f"{raw['threshold']} and the {len(keys)} key services listed")
         return cls(raw["threshold"], keys, limits, raw.get("tenant_id"), shares)
 
     def verify_key(self, encryption: dict, now: float) -> bytes:
@@ -395,8 +403,8 @@ class Device:
         round) is reported `failed` with the reason and raised. Once the assignment is accepted,
         nothing the server hears depends on what training does: an exception, a NaN or the
         wrong tensors become a zero update of the model's shape, sealed, uploaded and reported
-        `completed` like any other, and the problem goes to `on_problem` and `problems` on the
-        device only (docs/privacy.md, "What leaves a device"). A device seals at most once per
+        `completed` like any other, and the problem goes to `problems` and, once the report is
+        sent, to `on_problem` (whose own exceptions are logged, never raised), on the device only (docs/privacy.md, "What leaves a device"). A device seals at most once per
         round (and under DP-FTRL at most once per `min_separation` rounds): the round is
         recorded as served before the update is sealed, whatever happens after."""
         served = (assignment["task_id"], assignment["round"])
@@ -437,9 +445,7 @@ class Device:
 
         update, problems = well_formed_update(model, trained,
                                               evaluated if evaluating else None)
-        for problem in problems:
-            self.problems.append((served[0], served[1], problem))
-            self.on_problem(assignment, problem)
+        self.problems.extend((served[0], served[1], problem) for problem in problems)
         with self._serving:
             # Again, under the lock: a concurrent contribution may have served a close round.
             why = self.declines(assignment)
@@ -458,6 +464,13 @@ class Device:
             to_safetensors(update))
         self.upload(assignment, sealed)
         self.report(assignment, "completed")
+        # Only now, after the server heard what it hears whatever training did: a callback
+        # that raises (or is slow) must not change that.
+        for problem in problems:
+            try:
+                self.on_problem(assignment, problem)
+            except Exception:  # noqa: BLE001 - the device's own callback, not the server's
+                log.exception("on_problem raised")
 
     def upload(self, assignment: dict, sealed: bytes) -> None:
         """Uploads a sealed update, the same bytes on every attempt (docs/protocol.md, "What a

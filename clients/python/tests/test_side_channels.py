@@ -56,6 +56,10 @@ def trainer(index: int, raise_on_overflow: bool):
     return train
 
 
+def loud(assignment: dict, problem) -> None:
+    raise RuntimeError(f"a loud callback: {problem.kind}")
+
+
 def probe(server: dict, population: str, theta: float) -> tuple[dict, list[Device]]:
     partner = Partner(server["url"], server["token"])
     task = partner.create_task(
@@ -66,7 +70,9 @@ def probe(server: dict, population: str, theta: float) -> tuple[dict, list[Devic
     trust = Trust.load(server["trust"])
     devices = []
     for index in range(DEVICES):
-        device = Device(server["url"], population, trust, on_problem=lambda a, p: None)
+        # Half the devices' problem callbacks raise: that must change nothing the server sees.
+        device = Device(server["url"], population, trust,
+                        on_problem=loud if index % 2 == 0 else (lambda a, p: None))
         assert device.run_once(trainer(index, index % 2 == 1)) == "contributed"
         devices.append(device)
     release = partner.wait_for_release(task, 1)
