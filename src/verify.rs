@@ -280,6 +280,14 @@ pub fn check(
                 e.stddev
             ));
         }
+        if let Some(tree) = &manifest.noise.tree {
+            // A tree release's own noise is not its guarantee (docs/privacy.md, "Reading a
+            // DP-FTRL manifest"): say both, the guarantee first.
+            lines.push(format!(
+                "noise: the accounting guarantees {:.6} per coordinate of the sum on one device's contribution, even to whoever knows every other round of tree {} ({} complete nodes over a round); this release alone carries {:.6}",
+                tree.accounted_stddev_sum, tree.tree, tree.accounted_depth, manifest.noise.stddev_sum
+            ));
+        }
         lines.push(format!(
             "released under: policy {}, base model {}, mechanism {}, clip norm {}, {} contributions included, epsilon budget {} (delta {}) over {} rounds, spent through this round {:.4}",
             manifest.policy_sha256,

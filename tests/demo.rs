@@ -57,6 +57,23 @@ async fn the_demo_learns_under_dp_ftrl_tree_aggregation() {
         summary.accuracy
     );
     assert!(summary.epsilon_spent <= 8.0 && summary.epsilon_spent > 7.9);
+    // Every device of the population kept the one round it served in its state file, as a
+    // real device must across restarts (its separation rests on it).
+    for device in 0..120 {
+        let path = dir
+            .path()
+            .join(format!("demo/devices/device-{device}.json"));
+        let state = confed_device::StateStore::load(&confed_device::FileStore::new(&path))
+            .unwrap()
+            .unwrap_or_else(|| panic!("device {device} kept no state"));
+        assert_eq!(state.served.len(), 1, "device {device}: {:?}", state.served);
+        assert_eq!(
+            state.separated.len(),
+            1,
+            "a DP-FTRL task: {:?}",
+            state.separated
+        );
+    }
 }
 
 /// Adaptive clipping on top of DP-FTRL: each round's release names the clip norm it used, the

@@ -263,3 +263,32 @@ fn confed_verify_takes_t_and_n_from_the_trust_file_only() {
         Err(crate::verify::VerifyError::Trust(_))
     ));
 }
+
+/// `confed verify release` states a DP-FTRL release's guarantee (the accounted noise), not only
+/// the noise the release itself carries.
+#[test]
+fn confed_verify_states_a_tree_releases_accounted_noise() {
+    let mut scene = scene();
+    scene.manifest.noise.stddev_sum = 1.175;
+    scene.manifest.noise.tree = Some(confed_enclave::aggregate::TreeRecord {
+        length: 8,
+        tree: 0,
+        position: 4,
+        nodes: 7,
+        prefix_stddev_sum: 0.9,
+        accounted_stddev_sum: 0.5,
+        accounted_depth: 4,
+    });
+    let proof = proof(&scene, &[0, 1, 2], 2, 3);
+    let verified = verify(&scene, &proof, &trust(&scene, 3, None)).unwrap();
+    assert!(verified.failures.is_empty(), "{:?}", verified.failures);
+    let line = verified
+        .lines
+        .iter()
+        .find(|l| l.starts_with("noise:"))
+        .expect("a noise line");
+    assert!(
+        line.contains("guarantees 0.500000") && line.contains("carries 1.175000"),
+        "{line}"
+    );
+}
