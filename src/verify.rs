@@ -280,12 +280,17 @@ pub fn check(
                 e.stddev
             ));
         }
-        if let Some(tree) = &manifest.noise.tree {
+        if let Some((tree, accounted, depth)) = manifest
+            .noise
+            .tree
+            .as_ref()
+            .and_then(|tree| Some((tree, tree.accounted_stddev_sum?, tree.accounted_depth?)))
+        {
             // A tree release's own noise is not its guarantee (docs/privacy.md, "Reading a
             // DP-FTRL manifest"): say both, the guarantee first.
             lines.push(format!(
                 "noise: the accounting guarantees {:.6} per coordinate of the sum on one device's contribution, even to whoever knows every other round of tree {} ({} complete nodes over a round); this release alone carries {:.6}",
-                tree.accounted_stddev_sum, tree.tree, tree.accounted_depth, manifest.noise.stddev_sum
+                accounted, tree.tree, depth, manifest.noise.stddev_sum
             ));
         }
         lines.push(format!(

@@ -61,12 +61,12 @@ impl TrustConfig {
         self.shares.unwrap_or(self.keyservices.len())
     }
 
-    /// Whether the key set it pins is one: `1 <= threshold <= shares` and `shares` at least the
-    /// key services listed (a smaller n would lower the release quorum below what the listed
-    /// key services make).
+    /// Whether the key set it pins is one: `1 <= threshold <= listed <= shares <= 65535` for the
+    /// key services listed (a threshold above them can never be met; a smaller n would lower the
+    /// release quorum below what the listed key services make).
     pub fn check(&self) -> Result<(), TrustFileError> {
         let (t, n, listed) = (self.threshold, self.shares(), self.keyservices.len());
-        if t == 0 || t > n || n < listed {
+        if t == 0 || t > n || t > listed || n < listed || n > usize::from(u16::MAX) {
             return Err(TrustFileError::KeySet {
                 threshold: t,
                 shares: n,
@@ -94,7 +94,7 @@ pub enum TrustFileError {
     #[error("key service {0}: verifying_key is not a base64url SEC1 P-256 point")]
     VerifyingKey(String),
     #[error(
-        "threshold {threshold} of {shares} shares with {listed} key services listed: the threshold must be between 1 and shares, and shares at least the key services listed"
+        "threshold {threshold} of {shares} shares with {listed} key services listed: the threshold must be between 1 and the key services listed, and shares between the key services listed and 65535"
     )]
     KeySet {
         threshold: usize,
@@ -170,4 +170,49 @@ pub fn accept_device_key(
         .ok()
         .and_then(|bytes| crate::hpke::PublicKey::from_bytes(&bytes).ok())
         .ok_or(TrustError::NotEnoughSignatures { threshold, best: 0 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trust(threshold: usize, listed: usize, shares: Option<usize>) -> TrustConfig {
+        TrustConfig {
+            threshold,
+            keyservices: (0..listed)
+                .map(|i| TrustedEntry {
+                    id: format!("ks{i}"),
+                    verifying_key: String::new(),
+                })
+                .collect(),
+            shares,
+            limits: DeviceLimits::ENCLAVE,
+            tenant_id: None,
+        }
+    }
+
+    #[test]
+    fn a_trust_file_pins_a_key_set_that_can_be() {
+        assert!(trust(2, 3, None).check().is_ok());
+        assert_eq!(trust(2, 3, None).shares(), 3);
+        assert!(
+            trust(2, 3, Some(5)).check().is_ok(),
+            "n may exceed the services listed"
+        );
+        for (t, listed, n) in [
+            (0, 3, None),
+            (4, 3, None),
+            (3, 2, Some(3)),
+            (2, 3, Some(2)),
+            (2, 3, Some(70_000)),
+        ] {
+            assert!(
+                matches!(
+                    trust(t, listed, n).check(),
+                    Err(TrustFileError::KeySet { .. })
+                ),
+                "t={t} listed={listed} n={n:?}"
+            );
+        }
+    }
 }

@@ -276,8 +276,8 @@ fn confed_verify_states_a_tree_releases_accounted_noise() {
         position: 4,
         nodes: 7,
         prefix_stddev_sum: 0.9,
-        accounted_stddev_sum: 0.5,
-        accounted_depth: 4,
+        accounted_stddev_sum: Some(0.5),
+        accounted_depth: Some(4),
     });
     let proof = proof(&scene, &[0, 1, 2], 2, 3);
     let verified = verify(&scene, &proof, &trust(&scene, 3, None)).unwrap();

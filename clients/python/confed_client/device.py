@@ -167,7 +167,7 @@ class Trust:
             raise ValueError(f"{path}: threshold {raw['threshold']} is not between 1 and the "
                              f"{len(keys)} key services listed")
         shares = raw.get("shares")
-        if shares is not None and not max(raw["threshold"], len(keys)) <= shares <= 1000:
+        if shares is not None and not max(raw["threshold"], len(keys)) <= shares <= 65535:
             raise ValueError(f"{path}: shares {shares} must be at least the threshold "
                              f"{raw['threshold']} and the {len(keys)} key services listed")
         return cls(raw["threshold"], keys, limits, raw.get("tenant_id"), shares)
@@ -270,12 +270,21 @@ class Device:
         except FileNotFoundError:
             self._save()
             return
-        if saved.get("format") != STATE_FORMAT:
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{self.state_file}: not JSON ({error})") from error
+        members = {"format", "served", "on_demand", "separated"}
+        if not isinstance(saved, dict) or saved.get("format") != STATE_FORMAT:
             raise ValueError(f"{self.state_file}: not a {STATE_FORMAT} file")
-        self.served |= {(t, r) for t, r in saved["served"]}
-        self.on_demand |= {(t, r) for t, r in saved["on_demand"]}
-        for task, (population, separation, rounds) in saved["separated"].items():
-            self.separated.setdefault(task, (population, separation, rounds))
+        if set(saved) != members:
+            raise ValueError(f"{self.state_file}: members {sorted(saved)}, expected "
+                             f"{sorted(members)}")
+        try:
+            self.served |= {(str(t), int(r)) for t, r in saved["served"]}
+            self.on_demand |= {(str(t), int(r)) for t, r in saved["on_demand"]}
+            for task, (population, separation, rounds) in saved["separated"].items():
+                self.separated.setdefault(task, (population, int(separation), int(rounds)))
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{self.state_file}: {error}") from error
 
     def _save(self) -> None:
         """Writes the state to `state_file` durably (a temporary file fsync'd, renamed over the
@@ -394,7 +403,13 @@ class Device:
                 return False
             if key not in self.on_demand:
                 self.on_demand.add(key)
-                self._save()  # before the metrics are measured and sealed
+                try:
+                    self._save()  # before the metrics are measured and sealed
+                except OSError:
+                    # Not kept, not granted: no metrics (the device's disk, not its data).
+                    self.on_demand.discard(key)
+                    log.exception("cannot save the on-demand evaluation grant; sending none")
+                    return False
         return True
 
     def contribute(self, assignment: dict, train: Train) -> None:

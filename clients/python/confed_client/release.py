@@ -75,6 +75,10 @@ def verify_release(manifest_bytes: bytes, average_bytes: bytes, proof: dict,
     services whose share files say n = t would otherwise lower the quorum). `policy_text`, if
     given, is the task policy the partner created, which the manifest must name."""
     n = len(keyservices) if shares is None else shares
+    if not 1 <= threshold <= n or n < len(keyservices):
+        raise ValueError(f"threshold {threshold} of {n} shares with {len(keyservices)} key "
+                         "services: the threshold must be between 1 and n, and n at least the "
+                         "key services given")
     passed, failed = [], []
 
     def check(ok: bool, what: str) -> None:

@@ -59,3 +59,19 @@ def test_a_device_without_a_state_file_warns(tmp_path):
     (tmp_path / "bad.json").write_text('{"format": "other"}')
     with pytest.raises(ValueError, match="not a confed-device-state/v1 file"):
         Device("http://127.0.0.1:9", "p", trust, state_file=tmp_path / "bad.json")
+    (tmp_path / "garbled.json").write_text("{")
+    with pytest.raises(ValueError, match="not JSON"):
+        Device("http://127.0.0.1:9", "p", trust, state_file=tmp_path / "garbled.json")
+    (tmp_path / "short.json").write_text('{"format": "confed-device-state/v1", "served": []}')
+    with pytest.raises(ValueError, match="members"):
+        Device("http://127.0.0.1:9", "p", trust, state_file=tmp_path / "short.json")
+
+
+def test_an_on_demand_grant_that_cannot_be_kept_is_not_granted(tmp_path):
+    trust = Trust(1, {}, {"max_epsilon": 10, "max_delta": 1e-5, "min_reports": 1})
+    state = tmp_path / "device.json"
+    device = Device("http://127.0.0.1:9", "p", trust, state_file=state)
+    device.state_file = tmp_path / "no-such-directory" / "device.json"
+    asked = {"task_id": "t1", "round": 3, "evaluate": True}
+    assert not device._evaluates(policy_with_on_demand(1), asked)
+    assert device.on_demand == set(), "forgotten, so asking again does not find it granted"

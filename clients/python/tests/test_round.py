@@ -125,9 +125,13 @@ def test_a_release_verifies_and_a_tampered_one_does_not(server):
                                            f"{trust.n + 1}"):
         verify_release(manifest, average, proof, trust.keyservices, trust.threshold,
                        shares=trust.n + 1)
-    with pytest.raises(ReleaseError, match="states threshold"):
-        partner.verify_release(task, 1, Trust(trust.threshold, trust.keyservices, trust.limits,
-                                              shares=trust.threshold))
+    two = dict(list(trust.keyservices.items())[:2])
+    with pytest.raises(ReleaseError, match="states threshold 2 of 3 shares; the trust file pins "
+                                           "2 of 2"):
+        partner.verify_release(task, 1, Trust(trust.threshold, two, trust.limits, shares=2))
+    # A trust whose n is below the key services it lists would lower the quorum: refused.
+    with pytest.raises(ValueError, match="at least the key services"):
+        verify_release(manifest, average, proof, trust.keyservices, trust.threshold, shares=2)
 
 
 def test_watch_follows_a_task_to_its_end(server):

@@ -90,11 +90,14 @@ pub struct TreeRecord {
     /// planned). A device's round is in `accounted_depth` complete nodes of its tree, each
     /// noised at the node scale, so this is the node scale over `sqrt(accounted_depth)`:
     /// `clip_norm / sqrt(2 rho)` for the tree's rho. `stddev_sum` is only what this one release
-    /// carries, and an operator who fills the tree's other rounds gets closer than it.
-    pub accounted_stddev_sum: f64,
+    /// carries, and an operator who fills the tree's other rounds gets closer than it. Absent in
+    /// releases of servers before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accounted_stddev_sum: Option<f64>,
     /// Complete nodes over one round of the tree as planned (`ceil(log2(rounds + 1))` for the
     /// tree's planned rounds): what the accounting charges one device per tree.
-    pub accounted_depth: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accounted_depth: Option<u32>,
 }
 
 impl NoiseRecord {
@@ -132,8 +135,10 @@ impl NoiseRecord {
                 position: shape.position,
                 nodes: shape.nodes,
                 prefix_stddev_sum: node_stddev_sum * shape.prefix_variance.sqrt(),
-                accounted_stddev_sum: node_stddev_sum / f64::from(shape.accounted_depth).sqrt(),
-                accounted_depth: shape.accounted_depth,
+                accounted_stddev_sum: Some(
+                    node_stddev_sum / f64::from(shape.accounted_depth).sqrt(),
+                ),
+                accounted_depth: Some(shape.accounted_depth),
             }),
         }
     }
