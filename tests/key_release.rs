@@ -554,6 +554,60 @@ async fn a_token_for_another_key_service_is_refused() {
     );
 }
 
+/// One issuer-signed token (the attacker's own VM: another audience), replayed with fresh
+/// nonces, wrote a signed, fsync'd refusal every time: 40 GB a day from one client. The token is
+/// recorded once; the replays are answered the same and only counted; distinct refused tokens
+/// are written at most `refusals::PER_MINUTE` a minute.
+#[tokio::test]
+async fn one_issuer_signed_token_replayed_with_fresh_nonces_is_recorded_once() {
+    let world = World::new(2, 2);
+    let s = session(&world, &world.share_files[..1]).await;
+    let token = mint(&world, "confed-keyservice/ks2", vec![s.binding()]).await;
+    for _ in 0..30 {
+        let challenge = s.challenge(&s.key_id).await;
+        let (status, problem) = s
+            .release(&s.key_id, &s.request(token.clone(), &challenge.nonce))
+            .await;
+        assert_eq!(status, 403);
+        assert!(
+            failed_checks(&problem).contains(&"aud".to_string()),
+            "{problem}"
+        );
+    }
+    assert_eq!(audit_records(&world), 1, "the same token is written once");
+    // Distinct refused tokens: at most the minute's budget is written (the test's clock does
+    // not move).
+    for _ in 0..(confed::keyservice::refusals::PER_MINUTE + 10) {
+        let challenge = s.challenge(&s.key_id).await;
+        let fresh = mint(
+            &world,
+            "confed-keyservice/ks2",
+            vec![challenge.nonce.clone(), s.binding()],
+        )
+        .await;
+        let (status, _) = s
+            .release(&s.key_id, &s.request(fresh, &challenge.nonce))
+            .await;
+        assert_eq!(status, 403);
+    }
+    assert_eq!(
+        audit_records(&world),
+        u64::from(confed::keyservice::refusals::PER_MINUTE),
+        "one minute's budget of refusal records"
+    );
+    // An honest exchange still goes through, and is recorded.
+    let challenge = s.challenge(&s.key_id).await;
+    let token = mint(&world, AUDIENCE, vec![challenge.nonce.clone(), s.binding()]).await;
+    let (status, _) = s
+        .release(&s.key_id, &s.request(token, &challenge.nonce))
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        audit_records(&world),
+        u64::from(confed::keyservice::refusals::PER_MINUTE) + 1
+    );
+}
+
 #[tokio::test]
 async fn pending_and_long_expired_keys_are_not_released() {
     let world = World::new(2, 2);

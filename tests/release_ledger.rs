@@ -167,7 +167,9 @@ async fn with_the_ledgers_of_t_minus_1_key_services_wiped_no_second_release_is_p
     collect(&endpoints, &world, &request_for(&world, &policy, 1, "a"))
         .await
         .unwrap();
+    // Its whole state: the log and the checkpoint that would otherwise refuse the start.
     std::fs::remove_file(world.dir.path().join("audit-ks1.jsonl")).unwrap();
+    std::fs::remove_file(world.dir.path().join("audit-ks1.jsonl.checkpoint")).unwrap();
     let wiped = start_one(&world, 1).await;
     let endpoints = vec![wiped, endpoints[1].clone(), endpoints[2].clone()];
     let error = collect(&endpoints, &world, &request_for(&world, &policy, 1, "b"))

@@ -306,7 +306,9 @@ fn swversion(claims: &Value, minimum: u64) -> Result<(), String> {
         return Err("swversion is an empty array".into());
     }
     for version in &versions {
-        match version.parse::<u64>() {
+        // Digits only: `u64::from_str` also takes a leading `+`.
+        let digits = !version.is_empty() && version.bytes().all(|b| b.is_ascii_digit());
+        match version.parse::<u64>().ok().filter(|_| digits).ok_or(()) {
             Ok(v) if v >= minimum => {}
             Ok(v) => {
                 return Err(format!(

@@ -94,7 +94,13 @@ pub fn parse(token: &str) -> Result<UnverifiedJws, JwsError> {
     crate::strict_json::reject_duplicate_keys(&payload_bytes).map_err(JwsError::Payload)?;
     let header: Header =
         serde_json::from_slice(&header_bytes).map_err(|e| JwsError::Header(e.to_string()))?;
-    if header.crit.is_some() {
+    // Present at all, whatever its value: `"crit": null` deserializes as no `crit`, and a
+    // header that names it is one this verifier must refuse.
+    let names_crit =
+        serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(&header_bytes)
+            .map_err(|e| JwsError::Header(e.to_string()))?
+            .contains_key("crit");
+    if names_crit || header.crit.is_some() {
         return Err(JwsError::Header(
             "`crit` names extensions this verifier does not understand (RFC 7515 4.1.11)".into(),
         ));

@@ -441,6 +441,46 @@ fn an_unknown_crit_header_is_refused() {
     assert!(reason.contains("crit"), "{reason}");
 }
 
+/// `"crit": null` read as no `crit` and passed: a header that names `crit` at all is refused.
+#[test]
+fn a_crit_header_of_null_is_refused() {
+    let root = TestRoot::load();
+    let header = r#"{"alg":"RS256","kid":"test-root-1","crit":null}"#;
+    let token = sign_raw(&root, header, &good_claims().to_json().to_string());
+    let reason = refusal(
+        &run(&token, &production_policy(), &root.jwks()),
+        "token_format",
+    );
+    assert!(reason.contains("crit"), "{reason}");
+}
+
+/// `swversion: ["+250301"]` parsed as 250301 and passed: digits only.
+#[rstest]
+#[case::plus_sign("+250301")]
+#[case::spaces(" 250301")]
+#[case::empty("")]
+fn a_swversion_that_is_not_only_digits_is_refused(#[case] version: &str) {
+    let root = TestRoot::load();
+    let token = signed_with(&root, |c| c["swversion"] = serde_json::json!([version]));
+    let reason = refusal(
+        &run(&token, &production_policy(), &root.jwks()),
+        "swversion",
+    );
+    assert!(reason.contains("not a number"), "{reason}");
+}
+
+/// A token over 16 KiB is a malformed token (403 `token_format`), not a malformed request.
+#[test]
+fn a_token_over_the_size_limit_fails_token_format() {
+    let root = TestRoot::load();
+    let token = format!("{}.{}", signed_with(&root, |_| {}), "A".repeat(20 * 1024));
+    let reason = refusal(
+        &run(&token, &production_policy(), &root.jwks()),
+        "token_format",
+    );
+    assert!(reason.contains("larger than"), "{reason}");
+}
+
 /// Duplicate members were last-wins: `"aud": "theirs", "aud": "ours"` read as ours here and as
 /// theirs to a first-wins parser. Refused in the claims and in the header.
 #[test]

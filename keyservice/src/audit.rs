@@ -28,6 +28,16 @@ pub enum AuditError {
         line: usize,
         reason: String,
     },
+    /// The log lost records this key service had made durable: its own signed checkpoint names
+    /// a record the log no longer has.
+    #[error(
+        "audit log {path} is behind this key service's own checkpoint ({why}): release decisions it made durable are gone (a rollback, or a restore from an older copy), and its release ledger with them. Restore the newer log; only to accept the loss, move {checkpoint} aside and start again (the ledger then forgets those rounds)"
+    )]
+    RolledBack {
+        path: PathBuf,
+        checkpoint: PathBuf,
+        why: String,
+    },
 }
 
 /// What a release decision records.
@@ -141,6 +151,23 @@ pub struct Verified {
     pub unsigned: u64,
 }
 
+/// Why `record` does not carry a valid signature of `check`'s key service, if it does not.
+fn signature_problem(record: &Record, check: SignatureCheck<'_>) -> Option<String> {
+    let Some(signature) = &record.signature else {
+        return Some(format!(
+            "it is not signed (signatures stripped, or a record forged without key service {}'s key)",
+            check.keyservice_id
+        ));
+    };
+    let text = head_text(check.keyservice_id, record.seq, &record.hash);
+    (!confed_attestation::release::verify_text(check.verifying_key, &text, signature)).then(|| {
+        format!(
+            "its signature is not key service {}'s (the log was rewritten, or this is another service's log)",
+            check.keyservice_id
+        )
+    })
+}
+
 /// Checks every record's chain and signature: after the first signed record, every record must
 /// carry a valid signature of `check`'s key service.
 pub fn verify_file_signed(path: &Path, check: SignatureCheck<'_>) -> Result<Verified, AuditError> {
@@ -159,19 +186,9 @@ pub fn verify_file_signed(path: &Path, check: SignatureCheck<'_>) -> Result<Veri
                     "unsigned after signed records (a record was replaced)".into(),
                 ))
             }
-            Some(signature) => {
+            Some(_) => {
                 signed_seen = true;
-                let text = head_text(check.keyservice_id, record.seq, &record.hash);
-                if !confed_attestation::release::verify_text(check.verifying_key, &text, signature)
-                {
-                    problem = Some((
-                        record.seq,
-                        format!(
-                            "its signature is not key service {}'s (the log was rewritten, or this is another service's log)",
-                            check.keyservice_id
-                        ),
-                    ));
-                }
+                problem = signature_problem(record, check).map(|why| (record.seq, why));
             }
         }
     })?;
@@ -374,6 +391,14 @@ impl AuditLog {
     /// Opens a key service's log and rebuilds its ledger, from its checkpoint when one matches
     /// (`checkpoint.rs`), else from the start; then writes a fresh checkpoint after a full
     /// verification, so the next start is short.
+    ///
+    /// Every record it replays must carry this key service's valid signature, not only a valid
+    /// chain: a log whose granted records were deleted and the chain recomputed, stripped of its
+    /// signatures, or with a forged record appended would otherwise rebuild a ledger that admits
+    /// a second commitment for a round (or pins the forger's). Only a prefix that a checkpoint
+    /// this service signed stands for is not re-verified (it was when the checkpoint was
+    /// written). A checkpoint signed by this service that the log no longer matches refuses the
+    /// start (`RolledBack`): records it had made durable are gone.
     pub fn open_checkpointed(
         path: &Path,
         keyservice_id: &str,
@@ -387,17 +412,40 @@ impl AuditLog {
                  line was removed and the whole file kept as the copy; nothing was answered for it"
             );
         }
-        let checkpoint = super::checkpoint::load_matching(path, keyservice_id, key.verifying_key())
-            .unwrap_or_else(|why| {
-                // A checkpoint this service signed that the log no longer matches means records
-                // it had made durable are gone (a rollback, or a restore from an older backup):
-                // loud, since the release ledger lost them too.
-                tracing::error!(log = %path.display(), %why,
-                    "not using the audit checkpoint; verifying the whole log. If the log is \
-                     shorter than the checkpoint, release decisions were lost");
-                None
-            })
+        use super::checkpoint::Unmatched;
+        let checkpoint =
+            match super::checkpoint::load_matching(path, keyservice_id, key.verifying_key()) {
+                Ok(found) => found,
+                Err(Unmatched::Unusable(why)) => {
+                    // Not this service's, or not readable: it stands for nothing, and the whole
+                    // log (signatures included) is verified instead.
+                    tracing::warn!(log = %path.display(), %why,
+                        "not using the audit checkpoint; verifying the whole log");
+                    None
+                }
+                Err(Unmatched::LogBehind(why)) => {
+                    return Err(AuditError::RolledBack {
+                        path: path.to_path_buf(),
+                        checkpoint: super::checkpoint::path_for(path),
+                        why,
+                    });
+                }
+            }
             .and_then(|c| Some((super::ledger::Ledger::from_json(&c.ledger).ok()?, c)));
+        let verifying = *key.verifying_key();
+        let check = SignatureCheck {
+            keyservice_id,
+            verifying_key: &verifying,
+        };
+        let mut unsigned: Option<(u64, String)> = None;
+        let mut replay = |ledger: &mut super::ledger::Ledger, r: &Record| {
+            if unsigned.is_none() {
+                unsigned = signature_problem(r, check).map(|why| (r.seq, why));
+            }
+            if unsigned.is_none() {
+                ledger.restore(r);
+            }
+        };
         let (log, from) = match checkpoint {
             Some((restored, c)) => {
                 *ledger = restored;
@@ -406,7 +454,7 @@ impl AuditLog {
                     hash: c.hash.clone(),
                     signature: c.record_signature.clone(),
                 };
-                let (head, length) = verify_from(path, c.offset, start, |r| ledger.restore(r))?;
+                let (head, length) = verify_from(path, c.offset, start, |r| replay(ledger, r))?;
                 let from = VerifiedFrom::Checkpoint { records: c.records };
                 (Self::opened(path, head, length)?, from)
             }
@@ -416,10 +464,19 @@ impl AuditLog {
                     hash: GENESIS_HASH.into(),
                     signature: None,
                 };
-                let (head, length) = verify_from(path, 0, genesis, |r| ledger.restore(r))?;
+                let (head, length) = verify_from(path, 0, genesis, |r| replay(ledger, r))?;
                 (Self::opened(path, head, length)?, VerifiedFrom::Start)
             }
         };
+        if let Some((seq, reason)) = unsigned {
+            return Err(AuditError::Broken {
+                path: path.to_path_buf(),
+                line: seq as usize + 1,
+                reason: format!(
+                    "{reason}. `confed keyservice audit verify` shows the whole log; restore a copy whose records all verify"
+                ),
+            });
+        }
         let log = log.signed_by(keyservice_id, key);
         if from == VerifiedFrom::Start {
             log.checkpoint(ledger);
@@ -743,3 +800,6 @@ mod tests {
         ));
     }
 }
+
+#[cfg(test)]
+mod start_tests;

@@ -22,7 +22,8 @@ use serde::{Deserialize, Serialize};
 use super::audit::Record;
 use super::ledger::Ledger;
 
-/// Records between checkpoints.
+/// Records between checkpoints (a checkpoint is also written after every granted record: what a
+/// rollback would take away).
 pub const CHECKPOINT_EVERY: u64 = 1000;
 const FORMAT: &str = "confed-audit-checkpoint/v1";
 
@@ -98,6 +99,17 @@ pub fn write(
     Ok(())
 }
 
+/// Why an existing checkpoint is not used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unmatched {
+    /// Not readable, another format or service, or not signed by this service: it stands for
+    /// nothing (the whole log is verified instead).
+    Unusable(String),
+    /// Signed by this service, but the log no longer has the record it names where it names it:
+    /// records this service made durable are gone.
+    LogBehind(String),
+}
+
 /// The checkpoint of `log`, if there is one this service signed and it matches the log: the
 /// record it names is the line that ends at its offset, with its hash. `Err` says why one that
 /// exists is not used.
@@ -105,34 +117,44 @@ pub fn load_matching(
     log: &Path,
     keyservice_id: &str,
     key: &p256::ecdsa::VerifyingKey,
-) -> Result<Option<Checkpoint>, String> {
+) -> Result<Option<Checkpoint>, Unmatched> {
+    let unusable = |why: String| Unmatched::Unusable(why);
     let text = match std::fs::read(path_for(log)) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e.to_string()),
+        Err(e) => return Err(unusable(e.to_string())),
     };
-    let checkpoint: Checkpoint = serde_json::from_slice(&text).map_err(|e| e.to_string())?;
+    let checkpoint: Checkpoint =
+        serde_json::from_slice(&text).map_err(|e| unusable(e.to_string()))?;
     if checkpoint.format != FORMAT || checkpoint.keyservice_id != keyservice_id {
-        return Err("another format or another key service's checkpoint".into());
+        return Err(unusable(
+            "another format or another key service's checkpoint".into(),
+        ));
     }
     if !confed_attestation::release::verify_text(
         key,
         &checkpoint.signed_text(),
         &checkpoint.signature,
     ) {
-        return Err("its signature is not this key service's".into());
+        return Err(unusable("its signature is not this key service's".into()));
     }
     if checkpoint.records == 0 {
         return Ok(Some(checkpoint));
     }
-    let record = line_ending_at(log, checkpoint.offset).map_err(|e| e.to_string())?;
+    let behind = |why: String| {
+        Unmatched::LogBehind(format!(
+            "the checkpoint covers {} records up to byte {}; {why}",
+            checkpoint.records, checkpoint.offset
+        ))
+    };
+    let record = line_ending_at(log, checkpoint.offset).map_err(|e| behind(e.to_string()))?;
     let record: Record = serde_json::from_slice(&record)
-        .map_err(|e| format!("the line it names is not a record: {e}"))?;
+        .map_err(|e| behind(format!("the line it names is not a record: {e}")))?;
     if record.seq + 1 != checkpoint.records || record.hash != checkpoint.hash {
-        return Err(format!(
-            "the log's record at byte {} is seq {} with another hash",
-            checkpoint.offset, record.seq
-        ));
+        return Err(behind(format!(
+            "the log's record there is seq {} with another hash",
+            record.seq
+        )));
     }
     Ok(Some(checkpoint))
 }
@@ -263,9 +285,9 @@ mod tests {
         assert_eq!(reopened, w.ledger);
     }
 
-    /// A checkpoint another key signed, one edited after signing, or one the log no longer
-    /// matches (rolled back below it) is not used: the whole log is verified and the ledger
-    /// rebuilt from it.
+    /// A checkpoint another key signed, or one edited after signing, is not used: the whole log
+    /// is verified and the ledger rebuilt from it. One this service signed that the log no
+    /// longer matches (rolled back below it) refuses the start.
     #[test]
     fn a_checkpoint_that_does_not_match_is_ignored() {
         let w = written(12, 0);
@@ -283,22 +305,30 @@ mod tests {
             "an edited ledger breaks the signature"
         );
         assert_eq!(ledger, w.ledger);
-        let (from, _, _) = with(&original, self::key());
-        assert_eq!(from, VerifiedFrom::Start, "another key service's key");
+        // Under another key the checkpoint stands for nothing, and neither do the records'
+        // signatures: the start is refused.
+        std::fs::write(path_for(&w.path), &original).unwrap();
+        let other =
+            AuditLog::open_checkpointed(&w.path, "ks1", self::key(), &mut Ledger::default());
+        assert!(
+            matches!(&other, Err(AuditError::Broken { line: 1, reason, .. }) if reason.contains("signature")),
+            "{other:?}"
+        );
         let mut moved: Checkpoint = serde_json::from_slice(&original).unwrap();
         moved.offset -= 1;
         let (from, _, _) = with(&serde_json::to_vec(&moved).unwrap(), w.key.clone());
         assert_eq!(from, VerifiedFrom::Start, "unsigned change of the offset");
 
-        // Validly signed, but the log was rolled back to 8 records: not the log it names.
+        // Validly signed, but the log was rolled back to 8 records: records are gone.
         std::fs::write(path_for(&w.path), &original).unwrap();
         let text = std::fs::read_to_string(&w.path).unwrap();
         let kept: String = text.split_inclusive('\n').take(8).collect();
         std::fs::write(&w.path, kept).unwrap();
-        let (from, records, ledger) = reopen(&w.path, w.key.clone());
-        assert_eq!(from, VerifiedFrom::Start, "a rolled-back log");
-        assert_eq!(records, 8);
-        assert_eq!(ledger, rebuilt(&w.path));
+        let opened = AuditLog::open_checkpointed(&w.path, "ks1", w.key, &mut Ledger::default());
+        assert!(
+            matches!(&opened, Err(AuditError::RolledBack { why, .. }) if why.contains("12 records")),
+            "{opened:?}"
+        );
     }
 
     /// After a checkpoint, a modified record still refuses the start.

@@ -14,6 +14,7 @@ pub mod keys;
 pub mod ledger;
 pub mod listen;
 pub mod nonces;
+pub mod refusals;
 pub mod routes;
 pub mod serve;
 
@@ -80,6 +81,8 @@ pub struct KeyService {
     pub audit: Arc<Mutex<(audit::AuditLog, ledger::Ledger)>>,
     pub clock: Arc<dyn Clock>,
     pub release_grace_seconds: i64,
+    /// Which refusals are written to the audit log (`refusals.rs`).
+    pub refusals: Arc<Mutex<refusals::RefusalBudget>>,
 }
 
 /// What a key service is built from (files and settings, no network).
@@ -139,6 +142,7 @@ impl KeyService {
             audit: Arc::new(Mutex::new((audit, ledger))),
             clock: parts.clock,
             release_grace_seconds: DEFAULT_RELEASE_GRACE_SECONDS,
+            refusals: Arc::default(),
         })
     }
 

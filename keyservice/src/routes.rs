@@ -295,6 +295,7 @@ async fn release(
     // The ledger's decision and its durable record are one step under one lock, off the async
     // workers (the append fsyncs): two requests for one round cannot both be admitted as new.
     let audit = service.audit.clone();
+    let refusals = service.refusals.clone();
     let ledger_key_id = key_id.clone();
     let record = tokio::task::spawn_blocking(move || {
         let mut guard = audit.lock().map_err(|_| "audit log poisoned".to_string())?;
@@ -334,20 +335,51 @@ async fn release(
             failed_checks: failed.iter().map(|f| f.check.clone()).collect(),
             ..decision
         };
+        if !granted {
+            // A refusal changes no ledger: whether it is written is the budget's call.
+            let admitted = refusals
+                .lock()
+                .map_err(|_| "refusal budget poisoned".to_string())?
+                .admit(&decision.token_sha256, now);
+            if let Err(why) = admitted {
+                metrics::counter!("confed_keyservice_refusals_unrecorded_total", "why" => why.as_str())
+                    .increment(1);
+                return Ok::<_, String>((None, failed, request));
+            }
+        }
         let record = log.append(decision).map_err(|e| e.to_string())?;
         if granted {
             ledger.record(&entry);
         }
-        if log.head().records % super::checkpoint::CHECKPOINT_EVERY == 0 {
+        // After every grant (what a rollback of the log would take away: a restored older log
+        // no longer matches this checkpoint and refuses the start) and every so many records.
+        if granted || log.head().records % super::checkpoint::CHECKPOINT_EVERY == 0 {
             log.checkpoint(ledger);
         }
-        Ok::<_, String>((record, failed, request))
+        Ok::<_, String>((Some(record), failed, request))
     })
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))?
     .map_err(|e| ApiError::Internal(format!("audit append failed, nothing released: {e}")))?;
     let (record, failed, request) = record;
     let granted = failed.is_empty();
+    let Some(record) = record else {
+        // A refusal the budget did not write (`refusals.rs`): answered the same.
+        metrics::counter!("confed_keyservice_decisions_total", "decision" => "refused")
+            .increment(1);
+        return Err(ApiError::AttestationRefused {
+            detail: format!(
+                "the evidence or the release does not satisfy policy `{}`: {}",
+                service.policy.name,
+                failed
+                    .iter()
+                    .map(|f| f.check.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            failed_checks: failed,
+        });
+    };
     tracing::info!(
         keyservice = %service.id, key = %key_id, task = %request.task_id, round = request.round,
         granted, audit_seq = record.seq, audit_head = %record.hash, "release decision"

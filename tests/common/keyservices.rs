@@ -29,6 +29,9 @@ pub struct World {
     pub attester: Arc<DevAttester>,
     pub key: PublicKeyRecord,
     pub share_files: Vec<PathBuf>,
+    /// Each key service's signing key, by index: a restarted service keeps its key (it checks
+    /// its audit log's signatures against it at start).
+    signing_keys: std::sync::Mutex<std::collections::HashMap<usize, p256::ecdsa::SigningKey>>,
 }
 
 /// How a test key service misbehaves.
@@ -64,7 +67,18 @@ impl World {
             attester,
             key: outcome.key,
             share_files: outcome.share_files,
+            signing_keys: Default::default(),
         }
+    }
+
+    /// Key service `index`'s signing key (made on first use, the same for every restart).
+    pub fn signing_key(&self, index: usize) -> p256::ecdsa::SigningKey {
+        self.signing_keys
+            .lock()
+            .unwrap()
+            .entry(index)
+            .or_insert_with(confed_attestation::exchange::generate_signing_key)
+            .clone()
     }
 
     pub fn policy(&self, behaviour: Behaviour) -> AppraisalPolicy {
@@ -92,7 +106,7 @@ impl World {
         KeyService::new(KeyServiceParts {
             id: format!("ks{index}"),
             audience: format!("confed-keyservice/ks{index}"),
-            signing_key: confed_attestation::exchange::generate_signing_key(),
+            signing_key: self.signing_key(index),
             shares: held,
             policy: self.policy(behaviour),
             key_source: KeySource::fixed(self.attester.jwks()),
