@@ -112,6 +112,36 @@ async fn upload_over_the_model_limit_is_413() {
         .problem(StatusCode::PAYLOAD_TOO_LARGE);
 }
 
+/// A model upload declaring 10 GB was read into memory up to the 512 MiB limit before the 413.
+/// Refused on its declared length: the body is never polled (it would panic here).
+#[tokio::test]
+async fn a_model_upload_declaring_ten_gigabytes_is_refused_before_a_byte_is_read() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let id = app.create_task(&token, json!({})).await;
+    let never_read = futures_util::stream::once(async {
+        panic!("the body of a refused upload was read");
+        #[allow(unreachable_code)]
+        Ok::<_, std::io::Error>(bytes::Bytes::new())
+    });
+    let request = Request::builder()
+        .method("PUT")
+        .uri(format!("/v1/tasks/{id}/model"))
+        .header("authorization", format!("Bearer {token}"))
+        .header("content-type", "application/octet-stream")
+        .header("content-length", (10u64 << 30).to_string())
+        .body(Body::from_stream(never_read))
+        .unwrap();
+    let problem = app
+        .send(request)
+        .await
+        .problem(StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(
+        problem["detail"].as_str().unwrap().contains("10737418240"),
+        "{problem}"
+    );
+}
+
 #[tokio::test]
 async fn download_returns_bytes_with_strong_etag_and_304_on_match() {
     let app = TestApp::new().await;

@@ -78,6 +78,53 @@ async fn a_waiting_lease_gets_the_job_when_the_round_closes() {
     system.shutdown().await;
 }
 
+/// A failed attempt (retried 2 s later) cost about 20 s with `confed-enclave` workers: a waiting
+/// lease woke for newly closed rounds only, never for a retry becoming due. It is leased again
+/// within 2.5 s of failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_attempt_is_leased_again_by_a_waiting_worker_when_its_retry_is_due() {
+    let clock = now_clock();
+    let (system, _dir) = start_with(clock.clone(), Some(TOKEN)).await;
+    let (_, _task) = open_task(&system, "retried", 8.0).await;
+    collect(&system, "retried", 1, false).await;
+    let http = reqwest::Client::new();
+    let lease = |wait: u64| {
+        http.post(format!("{}/internal/v1/jobs/lease", system.url))
+            .bearer_auth(TOKEN)
+            .json(&json!({"worker": "w1", "lease_seconds": 60, "wait_seconds": wait}))
+            .send()
+    };
+    let job: Value = lease(0).await.unwrap().json().await.unwrap();
+    let job_id = job["job_id"].as_str().unwrap().to_string();
+    let failed = http
+        .post(format!("{}/internal/v1/jobs/{job_id}/fail", system.url))
+        .bearer_auth(TOKEN)
+        .json(&json!({"worker": "w1", "reason": "key services unreachable", "permanent": false}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(failed.status(), 204);
+    let started = std::time::Instant::now();
+    let waiting = tokio::spawn(lease(25));
+    // The server's clock reaches the retry (2 s after the failure) while the lease waits.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    clock.advance(Duration::from_secs(2));
+    let reply = waiting.await.unwrap().unwrap();
+    assert_eq!(
+        reply.status(),
+        200,
+        "the retried job, while the lease waited"
+    );
+    let again: Value = reply.json().await.unwrap();
+    assert_eq!(again["job_id"], job_id.as_str());
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "leased again {:?} after the failure",
+        started.elapsed()
+    );
+    system.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_whose_lease_was_taken_over_is_refused_over_http() {
     let clock = now_clock();

@@ -33,6 +33,31 @@ impl<S: Send + Sync> FromRequest<S> for ApiBytes {
     }
 }
 
+/// Refuses (413) a model upload whose declared `Content-Length` is over the server's model limit
+/// before a byte of its body is read: an upload declaring 10 GB was read into memory up to the
+/// limit (512 MiB) before. Must come before the body extractor.
+pub struct DeclaredModelLength;
+
+impl FromRequestParts<AppState> for DeclaredModelLength {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let limit = state.limits.model_bytes as u64;
+        if let Some(declared) = parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            && declared > limit
+        {
+            return Err(ApiError::PayloadTooLarge(format!(
+                "the model is {declared} bytes; this server accepts models of at most {limit} bytes"
+            )));
+        }
+        Ok(Self)
+    }
+}
+
 pub(crate) fn bearer(parts: &Parts) -> Option<&str> {
     let value = parts.headers.get(header::AUTHORIZATION)?.to_str().ok()?;
     let (scheme, token) = value.split_once(' ')?;

@@ -7,7 +7,7 @@ use sha2::{Digest, Sha256};
 
 use super::AppState;
 use super::error::{ApiError, Problem};
-use super::extract::{ApiBytes, ApiPath, Tenant};
+use super::extract::{ApiBytes, ApiPath, DeclaredModelLength, Tenant};
 use super::tasks::TaskResponse;
 use crate::blob::BlobKey;
 use crate::db::NewModel;
@@ -31,6 +31,7 @@ pub async fn put_model(
     State(state): State<AppState>,
     Tenant(tenant): Tenant,
     ApiPath(id): ApiPath<String>,
+    _declared: DeclaredModelLength,
     ApiBytes(body): ApiBytes,
 ) -> Result<(StatusCode, axum::Json<TaskResponse>), ApiError> {
     let bytes = body.len();

@@ -95,6 +95,10 @@ fn lease_duration(seconds: u64) -> Result<Duration, ApiError> {
     }
 }
 
+/// How often a waiting lease looks again at a pending job that is not due yet (its retry time is
+/// by the server's clock, which a replica or a test may move differently from this timer).
+const DUE_CHECK: Duration = Duration::from_millis(500);
+
 async fn lease(
     State(state): State<AppState>,
     _: WorkerAuth,
@@ -113,12 +117,26 @@ async fn lease(
         .lease_wire(&request.worker, lease)
         .await
         .map_err(store_error)?;
-    if job.is_none() && request.wait_seconds > 0 {
-        // Long polling: a round closed by this process, or on PostgreSQL by any replica (its
-        // NOTIFY), wakes the wait at once (`Db::job_ready`); otherwise it ends at `wait_seconds`.
+    // Long polling: a round closed by this process, or on PostgreSQL by any replica (its
+    // NOTIFY), wakes the wait at once (`Db::job_ready`); so does a pending job becoming due (a
+    // failed attempt's retry, 2, 4, 8 ... s after it failed, or an expired lease), by the
+    // server's clock, looked at least every `DUE_CHECK`; otherwise the wait ends at
+    // `wait_seconds`.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(request.wait_seconds);
+    while job.is_none() {
+        let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if remaining.is_zero() {
+            break;
+        }
+        let nap = match state.db.next_job_due().await? {
+            Some(due) => Duration::from_millis(due.saturating_sub(state.now()).max(0) as u64)
+                .min(DUE_CHECK)
+                .min(remaining),
+            None => remaining,
+        };
         tokio::select! {
             _ = state.db.job_ready() => {}
-            _ = tokio::time::sleep(Duration::from_secs(request.wait_seconds)) => {}
+            _ = tokio::time::sleep(nap) => {}
         }
         job = store
             .lease_wire(&request.worker, lease)

@@ -205,6 +205,19 @@ impl Db {
         .await
     }
 
+    /// When the next pending job becomes leasable (Unix ms): the earliest over pending jobs of
+    /// its `not_before` (a failed attempt's retry) or, later, its current lease's expiry. `None`
+    /// when no job is pending. What a waiting lease sleeps until.
+    pub async fn next_job_due(&self) -> Result<Option<i64>, DbError> {
+        Ok(sqlx::query_scalar::<_, Option<i64>>(
+            "SELECT MIN(CASE WHEN lease_expires_at IS NOT NULL AND lease_expires_at > not_before \
+             THEN lease_expires_at ELSE not_before END) \
+             FROM aggregation_jobs WHERE state = 'PENDING'",
+        )
+        .fetch_one(self.pool())
+        .await?)
+    }
+
     /// Pending jobs that failed transiently at least `failures` times in a row.
     pub async fn failing_jobs(&self, failures: i64) -> Result<i64, DbError> {
         Ok(sqlx::query_scalar(
