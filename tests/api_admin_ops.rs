@@ -106,6 +106,9 @@ async fn healthz_answers_ok() {
     let reply = app.call(Method::GET, "/healthz", None, None).await;
     assert_eq!(reply.status, StatusCode::OK);
     assert_eq!(reply.body, b"ok");
+    let reply = app.call(Method::GET, "/readyz", None, None).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.body, b"ready");
 }
 
 #[tokio::test]
@@ -127,6 +130,7 @@ async fn openapi_documents_every_route() {
         ("/v1/admin/tenants", "post"),
         ("/v1/admin/tenants", "get"),
         ("/healthz", "get"),
+        ("/readyz", "get"),
         ("/metrics", "get"),
     ];
     for (path, method) in expected {

@@ -145,6 +145,7 @@ pub fn routes_and_openapi(limits: &Limits) -> (Router<AppState>, utoipa::openapi
         .routes(routes!(populations::assign_population))
         .routes(routes!(admin::resume_round))
         .routes(routes!(ops::healthz))
+        .routes(routes!(ops::readyz))
         .routes(routes!(ops::metrics_text))
         .routes(routes!(devices::checkin))
         .routes(routes!(devices::get_model))

@@ -75,12 +75,22 @@ pub async fn track_metrics(request: Request, next: Next) -> Response {
     response
 }
 
-/// Liveness and database reachability.
+/// Liveness: the process serves requests. It does not touch the database, so a database outage
+/// does not get healthy replicas restarted (`/readyz` reports it).
 #[utoipa::path(get, path = "/healthz", tag = "operations",
-    responses((status = 200, description = "Serving", body = String), (status = 500, description = "Database unreachable")))]
-pub async fn healthz(State(state): State<AppState>) -> Result<&'static str, ApiError> {
+    responses((status = 200, description = "Serving", body = String)))]
+pub async fn healthz() -> &'static str {
+    "ok"
+}
+
+/// Readiness: the task database answers (within the pool's 2 s on PostgreSQL). 503 with
+/// `Retry-After` while it does not: take the replica out of the load balancer, do not restart it.
+#[utoipa::path(get, path = "/readyz", tag = "operations",
+    responses((status = 200, description = "Ready: the database answers", body = String),
+              (status = 503, description = "The database does not answer", content_type = "application/problem+json")))]
+pub async fn readyz(State(state): State<AppState>) -> Result<&'static str, ApiError> {
     state.db.count_by_state::<TaskState>().await?;
-    Ok("ok")
+    Ok("ready")
 }
 
 /// Prometheus text format: HTTP requests and latency per route and status, tasks and rounds by

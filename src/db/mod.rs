@@ -164,18 +164,16 @@ impl Db {
         // The writer's commits are made durable by its own sync thread (`writer.rs`) and
         // checkpointed by its own thread, never during a commit.
         let mut writer_connection = sqlx::AnyConnection::connect(&url).await?;
-        sqlx::raw_sql(
-            "PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 10000; \
-             PRAGMA synchronous = NORMAL; PRAGMA wal_autocheckpoint = 0",
-        )
-        .execute(&mut writer_connection)
-        .await?;
+        sqlx::raw_sql("PRAGMA busy_timeout = 10000")
+            .execute(&mut writer_connection)
+            .await?;
+        sqlx::raw_sql(writer::WRITER_PRAGMAS)
+            .execute(&mut writer_connection)
+            .await?;
         // The writer's own rusqlite connection for the raw hot paths (`writer.rs`).
         let raw_writer = rusqlite::Connection::open(path)?;
         raw_writer.busy_timeout(Duration::from_secs(10))?;
-        raw_writer.execute_batch(
-            "PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON; PRAGMA wal_autocheckpoint = 0",
-        )?;
+        raw_writer.execute_batch(writer::WRITER_PRAGMAS)?;
         let writer = writer::Writer::start(writer_connection, raw_writer, path.to_path_buf());
         let pool = AnyPoolOptions::new()
             .max_connections(8)
@@ -208,9 +206,14 @@ impl Db {
     /// advisory lock meanwhile, so replicas starting together migrate once).
     pub async fn open_postgres(url: &str) -> Result<Self, DbError> {
         sqlx::any::install_default_drivers();
+        // A request that cannot get a connection within 2 s answers 503 with Retry-After
+        // (`DbError::is_unavailable`) instead of holding the client 30 s for a 500; a pooled
+        // connection is checked before it is handed out, so one that PostgreSQL dropped while
+        // it was down is replaced rather than failing the next request.
         let pool = AnyPoolOptions::new()
             .max_connections(16)
-            .acquire_timeout(Duration::from_secs(30))
+            .acquire_timeout(Duration::from_secs(2))
+            .test_before_acquire(true)
             .connect(url)
             .await?;
         POSTGRES_MIGRATOR.run(&pool).await?;
