@@ -1,10 +1,13 @@
 //! End to end: the real `confed` binary, started as a process on a loopback port.
 
+mod common;
+
 use std::path::Path;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::process::wait_for_model;
 use serde_json::json;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdout, Command};
@@ -359,49 +362,9 @@ fn tls_client_config(
     Arc::new(config)
 }
 
-/// Polls until model `version` of `task` exists (the embedded enclave worker released and
-/// applied the round) and returns it.
-async fn wait_for_model(url: &str, token: &str, task: &str, version: u32) -> Vec<u8> {
-    let http = confed_enclave::http::client(STARTUP_BOUND);
-    tokio::time::timeout(STARTUP_BOUND, async {
-        loop {
-            let reply = http
-                .get(format!("{url}/v1/tasks/{task}/models/{version}"))
-                .bearer_auth(token)
-                .send()
-                .await
-                .unwrap();
-            if reply.status() == 200 {
-                return reply.bytes().await.unwrap().to_vec();
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await
-    .expect("the round was aggregated")
-}
-
 async fn devices(url: &str, trust: &Path, first: u64) {
-    let summary = confed::tools::simulate::run(confed::tools::simulate::SimulationConfig {
-        server: url.to_string(),
-        population: "embedded".into(),
-        devices: 8,
-        first_device: first,
-        concurrency: 4,
-        rounds: 1,
-        trust: confed_device::load_trust(trust).unwrap(),
-        train: true,
-        seed: 7,
-        rows_per_device: 30,
-        max_retry_wait: Duration::from_millis(20),
-        idle_limit: 50,
-        client_version: "1.0.0".into(),
-        progress: false,
-        bars: None,
-        state_dir: None,
-    })
-    .await
-    .unwrap();
+    let config = common::process::simulated_devices(url, "embedded", trust, 8, first, 30);
+    let summary = confed::tools::simulate::run(config).await.unwrap();
     assert_eq!(summary.contributions, 8, "{:?}", summary.failures);
 }
 

@@ -11,9 +11,8 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
-use confed::tools::simulate::{self, SimulationConfig, Summary};
+use confed::tools::simulate::{self, Summary};
 use confed::tools::train::{Softmax, Synthetic};
 use serde_json::{Value, json};
 
@@ -21,6 +20,7 @@ use common::process::Server;
 
 const DEVICES: usize = 6;
 const ROWS: usize = 30;
+/// The simulator's seed, as `common::process::simulated_devices` sets it.
 const SEED: u64 = 7;
 
 /// The largest value of feature 0 in each simulated device's shard.
@@ -53,26 +53,15 @@ fn probe_model(theta: f32) -> Vec<u8> {
 }
 
 async fn simulate(server: &Server, population: &str) -> Summary {
-    simulate::run(SimulationConfig {
-        server: server.url.clone(),
-        population: population.into(),
-        devices: DEVICES,
-        first_device: 0,
-        concurrency: 3,
-        rounds: 1,
-        trust: confed_device::load_trust(&server.trust_file()).unwrap(),
-        train: true,
-        seed: SEED,
-        rows_per_device: ROWS,
-        max_retry_wait: Duration::from_millis(20),
-        idle_limit: 50,
-        client_version: "1.0.0".into(),
-        progress: false,
-        bars: None,
-        state_dir: None,
-    })
-    .await
-    .unwrap()
+    let config = common::process::simulated_devices(
+        &server.url,
+        population,
+        &server.trust_file(),
+        DEVICES,
+        0,
+        ROWS,
+    );
+    simulate::run(config).await.unwrap()
 }
 
 /// Everything of one probe run that the tenant or the operator can read, with what differs

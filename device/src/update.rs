@@ -119,6 +119,11 @@ impl UpdateShape {
         Ok(Self { tensors })
     }
 
+    /// The model's tensors: (name, shape), in safetensors (name) order, all F32.
+    pub fn tensors(&self) -> &[(String, Vec<usize>)] {
+        &self.tensors
+    }
+
     /// The update to seal, from what training gave (`trained`: the update's safetensors, the new
     /// weights minus the model's, or the training's error) and, in an evaluation round, what
     /// evaluation gave (`evaluation`: `[loss_sum, correct, examples]` or its error; `None`

@@ -21,6 +21,23 @@ struct Scene {
     average: Vec<u8>,
 }
 
+/// Key service `id`'s signed entry for the key, stating 2 of `shares`.
+fn signed_entry(id: &str, signing: &SigningKey, shares: u16) -> SignedPublicKey {
+    let mut entry = SignedPublicKey {
+        key_id: KEY.into(),
+        suite: confed_enclave::hpke::SUITE.into(),
+        public_key: "AAAA".into(),
+        not_before: 0,
+        not_after: i64::MAX,
+        threshold: 2,
+        shares,
+        state: "active".into(),
+        signature: String::new(),
+    };
+    sign_key(signing, id, &mut entry);
+    entry
+}
+
 /// Three key services vouching for one 2-of-3 key, and a manifest for round 1 of task t1.
 fn scene() -> Scene {
     let services: Vec<(String, SigningKey)> = (1..=3)
@@ -28,24 +45,10 @@ fn scene() -> Scene {
         .collect();
     let sets = services
         .iter()
-        .map(|(id, signing)| {
-            let mut entry = SignedPublicKey {
-                key_id: KEY.into(),
-                suite: confed_enclave::hpke::SUITE.into(),
-                public_key: "AAAA".into(),
-                not_before: 0,
-                not_after: i64::MAX,
-                threshold: 2,
-                shares: 3,
-                state: "active".into(),
-                signature: String::new(),
-            };
-            sign_key(signing, id, &mut entry);
-            KeySet {
-                keyservice_id: id.clone(),
-                verifying_key: encode_verifying_key(signing.verifying_key()),
-                keys: vec![entry],
-            }
+        .map(|(id, signing)| KeySet {
+            keyservice_id: id.clone(),
+            verifying_key: encode_verifying_key(signing.verifying_key()),
+            keys: vec![signed_entry(id, signing, 3)],
         })
         .collect();
     let average = b"the noised average".to_vec();
@@ -174,18 +177,7 @@ fn one_key_service_cannot_change_the_pinned_key_set() {
     let scene = scene();
     let mut sets = Vec::new();
     for (i, (id, signing)) in scene.services.iter().enumerate() {
-        let mut entry = SignedPublicKey {
-            key_id: KEY.into(),
-            suite: confed_enclave::hpke::SUITE.into(),
-            public_key: "AAAA".into(),
-            not_before: 0,
-            not_after: i64::MAX,
-            threshold: 2,
-            shares: if i == 0 { 2 } else { 3 },
-            state: "active".into(),
-            signature: String::new(),
-        };
-        sign_key(signing, id, &mut entry);
+        let entry = signed_entry(id, signing, if i == 0 { 2 } else { 3 });
         let keys = if i == 0 {
             vec![entry.clone(), entry.clone(), entry]
         } else {

@@ -150,29 +150,25 @@ fn unix_now() -> i64 {
         .map_or(0, |d| d.as_secs() as i64)
 }
 
-/// A random update with the model's tensors, names and shapes (load generation).
-fn random_update(model: &[u8], rng: &mut Rng) -> Result<Vec<u8>, DeviceError> {
-    let parsed = safetensors::SafeTensors::deserialize(model)
-        .map_err(|e| DeviceError::Training(e.to_string()))?;
-    let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = parsed
+/// A random update with the model's tensors, names and shapes (load generation), from the shape
+/// the device already read off the model.
+fn random_update(shape: &confed_device::UpdateShape, rng: &mut Rng) -> Result<Vec<u8>, String> {
+    let values: Vec<Vec<f32>> = shape
         .tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let n: usize = view.shape().iter().product();
-            (
-                name,
-                view.shape().to_vec(),
-                // Uniform noise: cheap, so the generator does not steal CPU from the server it measures.
-                (0..n).map(|_| 0.02 * (rng.uniform() - 0.5)).collect(),
-            )
+        .iter()
+        .map(|(_, dims)| {
+            let n: usize = dims.iter().product();
+            // Uniform noise: cheap, so the generator does not steal CPU from the server it measures.
+            (0..n).map(|_| 0.02 * (rng.uniform() - 0.5)).collect()
         })
         .collect();
-    let borrowed: Vec<(&str, Vec<usize>, &[f32])> = tensors
+    let tensors: Vec<(&str, Vec<usize>, &[f32])> = shape
+        .tensors()
         .iter()
-        .map(|(n, s, v)| (n.as_str(), s.clone(), v.as_slice()))
+        .zip(&values)
+        .map(|((name, dims), v)| (name.as_str(), dims.clone(), v.as_slice()))
         .collect();
-    confed_enclave::model::encode_f32_tensors(&borrowed)
-        .map_err(|e| DeviceError::Training(e.to_string()))
+    confed_enclave::model::encode_f32_tensors(&tensors).map_err(|e| e.to_string())
 }
 
 /// A simulated device's rows: what it trains on and what it evaluates models on.
@@ -316,18 +312,17 @@ async fn cycle(
             train: shard,
             held_out,
         }) => {
-            let trained = train_softmax(&model.bytes, &policy, shard);
+            // Read once: training starts from it and evaluation measures it.
+            let base = Softmax::from_safetensors(&model.bytes).map_err(|e| e.with_causes());
             let metrics = evaluation.map(|e| {
-                Softmax::from_safetensors(&model.bytes)
+                base.as_ref()
                     .map(|base| base.evaluate(held_out, e.max_loss))
-                    .map_err(|e| e.with_causes())
+                    .map_err(Clone::clone)
             });
+            let trained = base.and_then(|base| train_softmax(base, &policy, shard));
             shape.well_formed(trained, metrics)
         }
-        None => {
-            let random = random_update(&model.bytes, rng).map_err(|e| e.with_causes());
-            shape.well_formed(random, evaluation.map(|_| Ok([0.0; 3])))
-        }
+        None => shape.well_formed(random_update(&shape, rng), evaluation.map(|_| Ok([0.0; 3]))),
     };
     if !update.problems().is_empty() {
         let problems: Vec<String> = update.problems().iter().map(|p| p.to_string()).collect();
@@ -348,11 +343,10 @@ async fn cycle(
 /// One device's local training of the softmax model on its shard, as the update's safetensors
 /// (the new weights minus the model's), or why it could not train.
 fn train_softmax(
-    model: &[u8],
+    base: Softmax,
     policy: &confed_device::AcceptedPolicy,
     shard: &super::train::Dataset,
 ) -> Result<Vec<u8>, String> {
-    let base = Softmax::from_safetensors(model).map_err(|e| e.with_causes())?;
     if base.features != shard.features || base.classes != shard.classes {
         return Err(format!(
             "the model is {}x{} but the data set has {} classes of {} features",

@@ -12,6 +12,58 @@ use tokio::process::{Child, ChildStdout, Command};
 /// Upper bound for the server to start or a round to complete; only reached if something broke.
 pub const BOUND: Duration = Duration::from_secs(120);
 
+/// Polls until model `version` of `task` exists on the server at `url` (its enclave worker
+/// released and applied the round) and returns it.
+pub async fn wait_for_model(url: &str, token: &str, task: &str, version: u32) -> Vec<u8> {
+    let http = confed_enclave::http::client(BOUND);
+    tokio::time::timeout(BOUND, async {
+        loop {
+            let reply = http
+                .get(format!("{url}/v1/tasks/{task}/models/{version}"))
+                .bearer_auth(token)
+                .send()
+                .await
+                .unwrap();
+            if reply.status() == 200 {
+                return reply.bytes().await.unwrap().to_vec();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the round was aggregated")
+}
+
+/// Simulated training devices `first..first + devices` of `population` (seed 7, the trust file
+/// at `trust`), one contribution each, short retry waits, no state kept on disk.
+pub fn simulated_devices(
+    url: &str,
+    population: &str,
+    trust: &Path,
+    devices: usize,
+    first: u64,
+    rows: usize,
+) -> confed::tools::simulate::SimulationConfig {
+    confed::tools::simulate::SimulationConfig {
+        server: url.to_string(),
+        population: population.into(),
+        devices,
+        first_device: first,
+        concurrency: 4,
+        rounds: 1,
+        trust: confed_device::load_trust(trust).unwrap(),
+        train: true,
+        seed: 7,
+        rows_per_device: rows,
+        max_retry_wait: Duration::from_millis(20),
+        idle_limit: 50,
+        client_version: "1.0.0".into(),
+        progress: false,
+        bars: None,
+        state_dir: None,
+    }
+}
+
 pub struct Server {
     child: Child,
     lines: Lines<BufReader<ChildStdout>>,
@@ -109,26 +161,9 @@ impl Server {
         id
     }
 
-    /// Polls until model `version` of `task` exists (the enclave worker released and applied
-    /// the round) and returns it.
+    /// Polls until model `version` of `task` exists and returns it (`wait_for_model`).
     pub async fn wait_for_model(&self, task: &str, version: u32) -> Vec<u8> {
-        tokio::time::timeout(BOUND, async {
-            loop {
-                let reply = self
-                    .http
-                    .get(format!("{}/v1/tasks/{task}/models/{version}", self.url))
-                    .bearer_auth(&self.token)
-                    .send()
-                    .await
-                    .unwrap();
-                if reply.status() == 200 {
-                    return reply.bytes().await.unwrap().to_vec();
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-        .await
-        .expect("the round was aggregated")
+        wait_for_model(&self.url, &self.token, task, version).await
     }
 
     /// SIGTERM, then waits for a clean exit.

@@ -4,6 +4,7 @@ model, train, seal, upload, report."""
 from __future__ import annotations
 
 import base64
+import collections
 import hashlib
 import json
 import logging
@@ -252,8 +253,9 @@ class Device:
     #: line, an error for a programming error such as the wrong tensors). The server hears an
     #: ordinary `completed` contribution either way.
     on_problem: OnProblem = _log_problem
-    #: Every (task_id, round, TrainingProblem) of this device, for its own inspection.
-    problems: list = field(default_factory=list)
+    #: The latest 100 (task_id, round, TrainingProblem) of this device, for its own inspection
+    #: (bounded: a device whose training fails every round for months must not grow with it).
+    problems: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100))
     _serving: threading.Lock = field(default_factory=threading.Lock, init=False,
                                      compare=False, repr=False)
 
