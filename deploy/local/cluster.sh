@@ -89,13 +89,31 @@ start() {
     cp "$repo/policies/dev.toml" "$dir/policy/dev.toml"
     cp "$dir/secrets/dev-attester.jwks.json" "$dir/policy/dev-attester.jwks.json"
 
+    # Each key service witnesses the others' signed audit heads (rollback detection,
+    # docs/attestation.md): its peers file names the other two with their verifying keys.
+    local verifying=()
+    for i in 1 2 3; do
+        verifying[i]=$("$confed" keyservice signing-key "$dir/secrets/ks$i-signing.pem")
+    done
+    for i in 1 2 3; do
+        local entries=()
+        for j in 1 2 3; do
+            if [[ $j != "$i" ]]; then
+                entries+=("{\"id\": \"ks$j\", \"url\": \"http://127.0.0.1:$((base + 10 + j))\", \"verifying_key\": \"${verifying[j]}\"}")
+            fi
+        done
+        local joined
+        joined=$(IFS=,; echo "${entries[*]}")
+        echo "{\"peers\": [$joined]}" >"$dir/policy/peers-ks$i.json"
+    done
+
     local keyservice_args=() enclave_keyservices=()
     for i in 1 2 3; do
         local port=$((base + 10 + i))
         local share
         share=$(ls "$dir"/ceremony/*-"$i".json)
         spawn "ks$i" "$confed" keyservice --id "ks$i" --listen "127.0.0.1:$port" \
-            --share "$share" --policy "$dir/policy/dev.toml" \
+            --share "$share" --policy "$dir/policy/dev.toml" --peers "$dir/policy/peers-ks$i.json" \
             --signing-key "$dir/secrets/ks$i-signing.pem" --audit-log "$dir/logs/audit-ks$i.jsonl"
         keyservice_args+=(--keyservice "http://127.0.0.1:$port")
         enclave_keyservices+=(--keyservice "ks$i=http://127.0.0.1:$port")

@@ -85,15 +85,23 @@ pub fn write(
         signature: String::new(),
     };
     checkpoint.signature = confed_attestation::release::sign_text(key, &checkpoint.signed_text());
-    let path = path_for(log);
+    write_atomically(
+        &path_for(log),
+        &serde_json::to_vec(&checkpoint).map_err(std::io::Error::other)?,
+    )
+}
+
+/// Replaces `path` with `bytes` so that a crash leaves the old or the new content, never half:
+/// a temporary file, fsync, rename, directory fsync.
+pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let temp = PathBuf::from(format!("{}.partial", path.display()));
     {
         let mut file = File::create(&temp)?;
-        file.write_all(&serde_json::to_vec(&checkpoint).map_err(std::io::Error::other)?)?;
+        file.write_all(bytes)?;
         file.sync_all()?;
     }
-    std::fs::rename(&temp, &path)?;
-    if let Some(dir) = path.parent() {
+    std::fs::rename(&temp, path)?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         File::open(dir)?.sync_all()?;
     }
     Ok(())
@@ -106,8 +114,11 @@ pub enum Unmatched {
     /// nothing (the whole log is verified instead).
     Unusable(String),
     /// Signed by this service, but the log no longer has the record it names where it names it:
-    /// records this service made durable are gone.
-    LogBehind(String),
+    /// records this service made durable are gone, up to `lost`.
+    LogBehind {
+        why: String,
+        lost: super::audit::LostHead,
+    },
 }
 
 /// The checkpoint of `log`, if there is one this service signed and it matches the log: the
@@ -141,11 +152,15 @@ pub fn load_matching(
     if checkpoint.records == 0 {
         return Ok(Some(checkpoint));
     }
-    let behind = |why: String| {
-        Unmatched::LogBehind(format!(
+    let behind = |why: String| Unmatched::LogBehind {
+        why: format!(
             "the checkpoint covers {} records up to byte {}; {why}",
             checkpoint.records, checkpoint.offset
-        ))
+        ),
+        lost: super::audit::LostHead {
+            records: checkpoint.records,
+            hash: checkpoint.hash.clone(),
+        },
     };
     let record = line_ending_at(log, checkpoint.offset).map_err(|e| behind(e.to_string()))?;
     let record: Record = serde_json::from_slice(&record)
@@ -216,6 +231,7 @@ mod tests {
             policy_rounds: Some(1000),
             enclave_signing_key: None,
             key_scope: None,
+            acknowledged_loss: None,
         }
     }
 

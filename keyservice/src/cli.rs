@@ -17,6 +17,9 @@ pub enum KeyserviceCommand {
         #[command(subcommand)]
         command: AuditCommand,
     },
+    /// Create the key service's signing key if missing (PKCS#8 PEM, mode 0600) and print its
+    /// verifying key, as peers files and device trust files pin it.
+    SigningKey { file: PathBuf },
 }
 
 #[derive(Subcommand)]
@@ -38,6 +41,26 @@ pub enum AuditCommand {
         /// ... or its signing key file (PKCS#8 PEM), on the operator's own machine.
         #[arg(long)]
         signing_key: Option<PathBuf>,
+    },
+    /// Accept that the log lost records up to a head (named by the key service's refusal: a log
+    /// behind its own checkpoint, or behind what a peer witnessed), with the service stopped.
+    /// Appends a signed `loss_acknowledged` record; the release ledger forgets the lost rounds.
+    AcknowledgeLoss {
+        file: PathBuf,
+        #[arg(long)]
+        id: String,
+        /// The key service's signing key file (PKCS#8 PEM).
+        #[arg(long)]
+        signing_key: PathBuf,
+        /// The lost head's record count, as the refusal names it.
+        #[arg(long)]
+        records: u64,
+        /// The lost head's hash, as the refusal names it.
+        #[arg(long)]
+        hash: String,
+        /// Why the loss is accepted (kept in the record).
+        #[arg(long)]
+        note: String,
     },
 }
 
@@ -67,6 +90,17 @@ pub struct KeyserviceArgs {
     /// The `aud` tokens must carry; default `confed-keyservice/<id>`.
     #[arg(long)]
     pub audience: Option<String>,
+    /// The other key services (JSON: {"peers": [{"id", "url", "verifying_key"}]}): each
+    /// witnesses this one's audit head and is witnessed by it; after a start this service
+    /// grants only once a quorum of them said its log is not behind (docs/attestation.md).
+    #[arg(long)]
+    pub peers: Option<PathBuf>,
+    /// Peers that must answer after a start before this service grants; default ceil(peers/2).
+    #[arg(long, requires = "peers")]
+    pub witness_quorum: Option<usize>,
+    /// Seconds between pulls of the peers' heads (pushes follow every record at once).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub witness_pull_seconds: u64,
 }
 
 fn audit_verify(
@@ -123,6 +157,39 @@ pub async fn run(
     {
         return audit_verify(&file, &id, verifying_key.as_deref(), signing_key.as_deref());
     }
+    if let Some(KeyserviceCommand::Audit {
+        command:
+            AuditCommand::AcknowledgeLoss {
+                file,
+                id,
+                signing_key,
+                records,
+                hash,
+                note,
+            },
+    }) = command
+    {
+        let key = std::sync::Arc::new(crate::load_existing_signing_key(&signing_key)?);
+        let _lock = crate::serve::lock_log(&file)?;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64);
+        let lost = crate::audit::LostHead { records, hash };
+        let record = crate::acknowledge::acknowledge_loss(&file, &id, key, lost, &note, now)?;
+        println!(
+            "loss acknowledged in record {} (head {}); start the key service again",
+            record.seq, record.hash
+        );
+        return Ok(());
+    }
+    if let Some(KeyserviceCommand::SigningKey { file }) = command {
+        let key = crate::load_or_create_signing_key(&file)?;
+        println!(
+            "{}",
+            confed_attestation::exchange::encode_verifying_key(key.verifying_key())
+        );
+        return Ok(());
+    }
     let Some(args) = run else {
         bail!(
             "pass --id, --share, --policy, --signing-key and --audit-log to run a key service, or `audit verify FILE`"
@@ -144,6 +211,9 @@ pub async fn run(
         signing_key: args.signing_key,
         audit_log: args.audit_log,
         audience,
+        peers: args.peers,
+        witness_quorum: args.witness_quorum,
+        witness_pull: std::time::Duration::from_secs(args.witness_pull_seconds),
     };
     crate::serve::run(config, shutdown).await?;
     Ok(())

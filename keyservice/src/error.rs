@@ -20,11 +20,16 @@ pub enum KeyServiceApiError {
         failed_checks: Vec<FailedCheck>,
     },
     #[error("{0}")]
+    Forbidden(String),
+    #[error("{0}")]
     NotFound(String),
     #[error("{0}")]
     PayloadTooLarge(String),
     #[error("{0}")]
     Unavailable(String),
+    /// A peer witnessed a head this service's audit log does not contain (`rollback.rs`).
+    #[error("{0}")]
+    RolledBack(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -57,6 +62,7 @@ impl KeyServiceApiError {
                 "attestation-refused",
                 "Attestation refused",
             ),
+            Self::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden", "Forbidden"),
             Self::NotFound(_) => (StatusCode::NOT_FOUND, "not-found", "Not found"),
             Self::PayloadTooLarge(_) => (
                 StatusCode::PAYLOAD_TOO_LARGE,
@@ -67,6 +73,11 @@ impl KeyServiceApiError {
                 StatusCode::SERVICE_UNAVAILABLE,
                 "unavailable",
                 "Unavailable",
+            ),
+            Self::RolledBack(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "audit-rolled-back",
+                "Audit log rolled back",
             ),
             Self::Internal(_) => (
                 StatusCode::INTERNAL_SERVER_ERROR,

@@ -90,14 +90,26 @@ pub struct Entry<'a> {
 #[derive(Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Ledger {
     tasks: HashMap<String, TaskEntry>,
+    /// The largest head (in records) of lost records the operator acknowledged
+    /// (`loss_acknowledged` records): a peer's witnessed head up to it no longer stops grants
+    /// (`rollback.rs`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    acknowledged_through: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl Ledger {
     /// The ledger as JSON with tasks in a fixed order (what a checkpoint stores and signs).
     pub fn to_json(&self) -> String {
         let ordered: BTreeMap<&String, &TaskEntry> = self.tasks.iter().collect();
-        serde_json::to_string(&serde_json::json!({ "tasks": ordered }))
-            .expect("the ledger serializes")
+        let mut json = serde_json::json!({ "tasks": ordered });
+        if self.acknowledged_through > 0 {
+            json["acknowledged_through"] = self.acknowledged_through.into();
+        }
+        serde_json::to_string(&json).expect("the ledger serializes")
     }
 
     pub fn from_json(text: &str) -> Result<Self, serde_json::Error> {
@@ -107,6 +119,10 @@ impl Ledger {
     /// Rebuilds the ledger from an audit log's records (only granted ones with a commitment).
     pub fn restore(&mut self, record: &Record) {
         let d = &record.decision;
+        if let Some(lost) = &d.acknowledged_loss {
+            self.acknowledged_through = self.acknowledged_through.max(lost.records);
+            return;
+        }
         if d.decision != "granted" {
             return;
         }
@@ -210,6 +226,11 @@ impl Ledger {
     }
 
     /// Committed rounds over all tasks.
+    /// Lost records up to this head (in records) were acknowledged by the operator.
+    pub fn acknowledged_through(&self) -> u64 {
+        self.acknowledged_through
+    }
+
     pub fn rounds(&self) -> usize {
         self.tasks.values().map(|t| t.committed.len()).sum()
     }

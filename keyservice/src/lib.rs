@@ -4,6 +4,7 @@
 //! when every check passes and its release ledger admits the release commitment (one per round).
 //! Every decision goes to a hash-chained audit log first; the ledger is rebuilt from it.
 
+pub mod acknowledge;
 pub mod audit;
 pub mod checkpoint;
 pub mod cli;
@@ -14,9 +15,12 @@ pub mod keys;
 pub mod ledger;
 pub mod listen;
 pub mod nonces;
+pub mod peers;
 pub mod refusals;
+pub mod rollback;
 pub mod routes;
 pub mod serve;
+pub mod witness;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -83,6 +87,16 @@ pub struct KeyService {
     pub release_grace_seconds: i64,
     /// Which refusals are written to the audit log (`refusals.rs`).
     pub refusals: Arc<Mutex<refusals::RefusalBudget>>,
+    /// The key services that witness this one's audit head, and that it witnesses
+    /// (`peers.rs`); `None` when none are configured.
+    pub peers: Option<Arc<peers::Peers>>,
+    /// The latest head of each peer this service witnessed (`witness.rs`).
+    pub witnesses: Arc<Mutex<witness::WitnessStore>>,
+    /// Whether this service grants: closed until a quorum of peers answered after a start, and
+    /// for good when one shows a rollback (`rollback.rs`).
+    pub gate: Arc<rollback::GrantGate>,
+    /// Notified after every appended record: the witness task pushes the new head to the peers.
+    pub head_changed: Arc<tokio::sync::Notify>,
 }
 
 /// What a key service is built from (files and settings, no network).
@@ -143,7 +157,34 @@ impl KeyService {
             clock: parts.clock,
             release_grace_seconds: DEFAULT_RELEASE_GRACE_SECONDS,
             refusals: Arc::default(),
+            peers: None,
+            witnesses: Arc::new(Mutex::new(witness::WitnessStore::open(&parts.audit_log))),
+            gate: Arc::new(rollback::GrantGate::open()),
+            head_changed: Arc::default(),
         })
+    }
+
+    /// Witnesses `peers` and is witnessed by them: grants nothing until `peers.quorum` of them
+    /// said what they witnessed of this service (`spawn_peer_tasks` asks them).
+    pub fn with_peers(mut self, peers: peers::Peers) -> Self {
+        self.gate = Arc::new(rollback::GrantGate::waiting_for(peers.quorum));
+        self.peers = Some(Arc::new(peers));
+        self
+    }
+
+    /// Starts asking the peers what they witnessed of this service, and the witness loop
+    /// (pushes after every record, pulls every `pull_every`). Nothing without peers.
+    pub fn spawn_peer_tasks(
+        &self,
+        pull_every: std::time::Duration,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        let Some(peers) = self.peers.clone() else {
+            return Vec::new();
+        };
+        vec![
+            tokio::spawn(rollback::ask_until_answered(self.clone(), peers.clone())),
+            tokio::spawn(witness::run(self.clone(), peers, pull_every)),
+        ]
     }
 
     pub fn now_seconds(&self) -> i64 {

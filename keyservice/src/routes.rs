@@ -30,6 +30,14 @@ pub fn router(service: KeyService) -> axum::Router {
         )
         .route("/v1/keys/{key_id}/release", axum::routing::post(release))
         .route("/v1/audit/head", axum::routing::get(audit_head))
+        .route(
+            "/v1/audit/witness",
+            axum::routing::post(super::witness::accept),
+        )
+        .route(
+            "/v1/audit/witnessed/{keyservice_id}",
+            axum::routing::get(super::witness::witnessed),
+        )
         .route("/healthz", axum::routing::get(|| async { "ok" }))
         .fallback(|| async { ApiError::NotFound("no such route on this key service".into()) })
         // A release request carries the task policy (up to 80 KiB) besides the token.
@@ -122,6 +130,8 @@ async fn release(
         .shares
         .get(&key_id)
         .ok_or_else(|| unknown_key(&key_id))?;
+    // Before anything is consumed or written: a log that may be behind grants nothing.
+    service.gate.check()?;
     let request = ReleaseRequest::decode(&body).map_err(ApiError::BadRequest)?;
     let ephemeral =
         hpke::PublicKey::from_peer_bytes(&request.ephemeral_public_key).map_err(|e| {
@@ -291,12 +301,14 @@ async fn release(
         policy_rounds,
         enclave_signing_key: Some(enclave_signing_key.clone()),
         key_scope,
+        acknowledged_loss: None,
     };
     // The ledger's decision and its durable record are one step under one lock, off the async
     // workers (the append fsyncs): two requests for one round cannot both be admitted as new.
     let audit = service.audit.clone();
     let refusals = service.refusals.clone();
     let ledger_key_id = key_id.clone();
+    let head_changed = service.head_changed.clone();
     let record = tokio::task::spawn_blocking(move || {
         let mut guard = audit.lock().map_err(|_| "audit log poisoned".to_string())?;
         let (log, ledger) = &mut *guard;
@@ -348,6 +360,7 @@ async fn release(
             }
         }
         let record = log.append(decision).map_err(|e| e.to_string())?;
+        head_changed.notify_one();
         if granted {
             ledger.record(&entry);
         }

@@ -24,6 +24,10 @@ pub struct KeyServiceConfig {
     pub signing_key: PathBuf,
     pub audit_log: PathBuf,
     pub audience: String,
+    /// The peers file (`peers.rs`), if any.
+    pub peers: Option<PathBuf>,
+    pub witness_quorum: Option<usize>,
+    pub witness_pull: std::time::Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -32,6 +36,35 @@ pub enum KeyServiceRunError {
     Setup(#[from] KeyServiceError),
     #[error(transparent)]
     Serve(#[from] ListenError),
+    #[error(transparent)]
+    Peers(#[from] crate::peers::PeersError),
+    #[error(transparent)]
+    Audit(#[from] crate::audit::AuditError),
+}
+
+/// Takes the exclusive lock `<log>.lock` for the life of the returned file: one writer per
+/// audit log (a second key service, or `audit acknowledge-loss` while the service runs, is
+/// refused instead of interleaving records).
+pub fn lock_log(log: &std::path::Path) -> Result<std::fs::File, crate::audit::AuditError> {
+    let lock = PathBuf::from(format!("{}.lock", log.display()));
+    let io = |source| crate::audit::AuditError::Io {
+        path: lock.clone(),
+        source,
+    };
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock)
+        .map_err(io)?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(crate::audit::AuditError::InUse {
+            path: log.to_path_buf(),
+            lock,
+        }),
+        Err(std::fs::TryLockError::Error(e)) => Err(io(e)),
+    }
 }
 
 pub async fn run(
@@ -41,6 +74,7 @@ pub async fn run(
     crate::listen::check_listen(config.listen, config.tls.as_ref())?;
     let policy = AppraisalPolicy::load(&config.policy).map_err(KeyServiceError::from)?;
     let key_source = key_source_for(&policy)?;
+    let _lock = lock_log(&config.audit_log)?;
     tracing::info!(policy = %policy.name, path = %config.policy.display(), "appraisal policy loaded");
     let service = KeyService::new(KeyServiceParts {
         id: config.id.clone(),
@@ -52,6 +86,26 @@ pub async fn run(
         audit_log: config.audit_log.clone(),
         clock: Arc::new(SystemClock),
     })?;
+    let service = match &config.peers {
+        Some(path) => {
+            let peers = crate::peers::load(path, &service.id)?;
+            let peers = crate::peers::Peers::new(peers, config.witness_quorum);
+            tracing::info!(
+                peers = peers.list.len(),
+                quorum = peers.quorum,
+                "peers configured: granting once a quorum of them said this log is not behind"
+            );
+            service.with_peers(peers)
+        }
+        None => {
+            tracing::warn!(
+                "no --peers: a restore of this service's whole state from an older copy is \
+                 detected only by comparing its head with signed heads kept elsewhere"
+            );
+            service
+        }
+    };
+    let _peer_tasks = service.spawn_peer_tasks(config.witness_pull);
     tracing::info!(keyservice = %service.id, keys = service.shares.len(), audience = %service.audience, "key service ready");
     serve_app(
         config.listen,

@@ -26,6 +26,7 @@ fn granted(n: u64, commitment: &str) -> Decision {
         policy_rounds: Some(1000),
         enclave_signing_key: None,
         key_scope: None,
+        acknowledged_loss: None,
     }
 }
 
