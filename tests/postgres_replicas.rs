@@ -145,3 +145,182 @@ async fn concurrent_reports_close_the_round_once_and_one_worker_leases_its_job()
     assert_eq!(leased.len(), 1, "one job, leased once: {leased:?}");
     assert_eq!(leased[0].round_id, round_id);
 }
+
+/// A PostgreSQL server of the test's own (so stopping it disturbs no other test), started with
+/// `deploy/local/postgres.sh` like `.ci/run`'s.
+struct OwnPostgres {
+    dir: tempfile::TempDir,
+    port: u16,
+}
+
+impl OwnPostgres {
+    fn script() -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/local/postgres.sh")
+    }
+
+    /// A port below the ephemeral range that nothing listens on now.
+    fn free_port() -> u16 {
+        let seed = std::process::id() as u16;
+        (0..400)
+            .map(|i| 16_000 + (seed.wrapping_add(i * 7)) % 4000)
+            .find(|&port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
+            .expect("a free port")
+    }
+
+    fn start_new() -> (Self, String) {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        // The server runs as `postgres` when the tests run as root: it must reach the directory.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let server = Self {
+            dir,
+            port: Self::free_port(),
+        };
+        let url = server.run("start");
+        (server, url)
+    }
+
+    fn run(&self, command: &str) -> String {
+        let output = std::process::Command::new(Self::script())
+            .arg(command)
+            .arg(self.dir.path().join("cluster"))
+            .arg(self.port.to_string())
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "postgres.sh {command}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8(output.stdout).unwrap().trim().to_string()
+    }
+}
+
+impl Drop for OwnPostgres {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new(Self::script())
+            .arg("stop")
+            .arg(self.dir.path().join("cluster"))
+            .output();
+    }
+}
+
+/// PostgreSQL stopped mid-round: every request that needs it fails fast with 503 and
+/// `Retry-After` (not 30 s and a 500), `/healthz` stays 200 while `/readyz` says 503; once it is
+/// back, the very next requests succeed (no 500 from connections broken under the pool) and the
+/// round goes on with everything acknowledged before the outage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgresql_stopped_mid_round_answers_503_fast_and_the_round_goes_on_when_it_returns() {
+    if common::database::postgres_url().is_none() {
+        return; // PostgreSQL is not installed here (`replicas` says so for this binary).
+    }
+    let (server, url) = OwnPostgres::start_new();
+    let app = TestApp::on_postgres(&url).await;
+    let token = app.tenant("acme").await;
+    let task = app
+        .open_task(
+            &token,
+            json!({"report_goal": 3, "min_reports": 1, "over_selection": 0.0}),
+        )
+        .await;
+    let tenant = app.db.list_tenants().await.unwrap().remove(0);
+    let round = app.db.rounds(&tenant.id, &task).await.unwrap().remove(0);
+    // One device is done (acknowledged) before the outage.
+    let expires = START_MILLIS + 600_000;
+    app.db
+        .assign(&round.id, 3, &capability(1), expires, "k1", START_MILLIS)
+        .await
+        .unwrap()
+        .expect("a slot");
+    let digest = format!("{:064x}", 1);
+    let digests = UploadDigests {
+        idempotency: &digest,
+        blake3_hex: Some(&digest),
+    };
+    app.db
+        .record_upload(&capability(1), digests, 100, "log/x", START_MILLIS + 1)
+        .await
+        .unwrap()
+        .unwrap();
+    app.db
+        .record_report(
+            &capability(1),
+            ReportOutcome::Completed,
+            None,
+            START_MILLIS + 2,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let task_path = format!("/v1/tasks/{task}");
+    assert_eq!(
+        app.call(axum::http::Method::GET, &task_path, Some(&token), None)
+            .await
+            .status,
+        200
+    );
+
+    server.run("stop");
+    for (path, tenant_token) in [
+        (task_path.as_str(), Some(token.as_str())),
+        ("/readyz", None),
+        ("/metrics", None),
+    ] {
+        let started = std::time::Instant::now();
+        let reply = app
+            .call(axum::http::Method::GET, path, tenant_token, None)
+            .await;
+        assert_eq!(
+            reply.status,
+            503,
+            "{path}: {:?}",
+            String::from_utf8_lossy(&reply.body)
+        );
+        assert!(reply.headers.contains_key("retry-after"), "{path}");
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "{path} answered after {:?}, not within the pool's 2 s acquire timeout",
+            started.elapsed()
+        );
+    }
+    assert_eq!(app.check_in().await.status, 503, "check-in");
+    let health = app
+        .call(axum::http::Method::GET, "/healthz", None, None)
+        .await;
+    assert_eq!(
+        health.status, 200,
+        "liveness does not depend on the database"
+    );
+
+    server.run("start");
+    for attempt in 0..5 {
+        let reply = app
+            .call(axum::http::Method::GET, &task_path, Some(&token), None)
+            .await;
+        assert_eq!(
+            reply.status,
+            200,
+            "request {attempt} after PostgreSQL returned: {:?}",
+            String::from_utf8_lossy(&reply.body)
+        );
+    }
+    assert_eq!(
+        app.call(axum::http::Method::GET, "/readyz", None, None)
+            .await
+            .status,
+        200
+    );
+    let assigned = app.check_in().await;
+    assert_eq!(
+        assigned.status,
+        200,
+        "{:?}",
+        String::from_utf8_lossy(&assigned.body)
+    );
+    let round = app.db.rounds(&tenant.id, &task).await.unwrap().remove(0);
+    assert_eq!(round.state, RoundState::Collecting);
+    assert_eq!(
+        round.reports_received, 1,
+        "the acknowledged report survived"
+    );
+}

@@ -83,13 +83,19 @@ pub async fn healthz() -> &'static str {
     "ok"
 }
 
-/// Readiness: the task database answers (within the pool's 2 s on PostgreSQL). 503 with
-/// `Retry-After` while it does not: take the replica out of the load balancer, do not restart it.
+/// Readiness: the task database answers (within the pool's 2 s on PostgreSQL), and, where the
+/// front end fetches key sets from key services, an active device key signed by its threshold of
+/// them is known. 503 with `Retry-After` while not: take the replica out of the load balancer,
+/// do not restart it.
 #[utoipa::path(get, path = "/readyz", tag = "operations",
-    responses((status = 200, description = "Ready: the database answers", body = String),
-              (status = 503, description = "The database does not answer", content_type = "application/problem+json")))]
+    responses((status = 200, description = "Ready: the database answers and devices can be given a key", body = String),
+              (status = 503, description = "The database does not answer, or no device key signed by enough key services is known", content_type = "application/problem+json")))]
 pub async fn readyz(State(state): State<AppState>) -> Result<&'static str, ApiError> {
     state.db.count_by_state::<TaskState>().await?;
+    state
+        .keys
+        .readiness(state.now() / 1000)
+        .map_err(ApiError::Unavailable)?;
     Ok("ready")
 }
 

@@ -64,6 +64,12 @@ impl DbError {
             Self::Sqlx(sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed) => true,
             Self::Sqlx(sqlx::Error::Io(e)) => !crate::blob::is_disk_full(e),
             Self::Sqlx(sqlx::Error::Tls(_)) => true,
+            // PostgreSQL going down under a connection: `57P01` admin_shutdown, `57P02`
+            // crash_shutdown, `57P03` cannot_connect_now (starting up or shutting down), and
+            // class `08`, connection exceptions.
+            Self::Sqlx(sqlx::Error::Database(e)) => e
+                .code()
+                .is_some_and(|code| code.starts_with("57P") || code.starts_with("08")),
             _ => false,
         }
     }

@@ -13,13 +13,34 @@ pub use confed_protocol::keys::{DeviceKey, KeySignature};
 #[derive(Debug, Clone, Default)]
 pub struct KeyDirectory {
     sets: Arc<RwLock<Vec<KeySet>>>,
+    /// (answered, asked) at the last refresh; `None` for a fixed directory (never refreshed).
+    reach: Arc<RwLock<Option<(usize, usize)>>>,
 }
 
 impl KeyDirectory {
     pub fn fixed(sets: Vec<KeySet>) -> Self {
         Self {
             sets: Arc::new(RwLock::new(sets)),
+            reach: Arc::default(),
         }
+    }
+
+    /// Whether devices can be assigned: an active key signed by its threshold of key services is
+    /// known (kept from earlier refreshes while key services are unreachable: the signatures
+    /// stay valid). `Err` says what is missing, with how many key services answered the last
+    /// refresh. A fixed directory is always ready.
+    pub fn readiness(&self, now: i64) -> Result<(), String> {
+        let Some((answered, asked)) = self.reach.read().ok().and_then(|r| *r) else {
+            return Ok(());
+        };
+        if self.current_key(now).is_some() {
+            return Ok(());
+        }
+        Err(format!(
+            "no active device key signed by its threshold of key services is known \
+             ({answered} of {asked} key services answered the last refresh): devices cannot be \
+             assigned; check the key services' reachability and their keys' validity"
+        ))
     }
 
     pub fn replace(&self, sets: Vec<KeySet>) {
@@ -148,6 +169,7 @@ impl KeyDirectory {
     /// Fetches every key service's key set; keeps the previous set of any that fails.
     pub async fn refresh(&self, client: &reqwest::Client, urls: &[String]) {
         let mut fresh = Vec::new();
+        let asked = urls.len();
         for url in urls {
             let answer = client
                 .get(format!("{}/v1/keys", url.trim_end_matches('/')))
@@ -165,6 +187,11 @@ impl KeyDirectory {
                     tracing::warn!(%url, %error, "key service unreachable; keeping its previous key set")
                 }
             }
+        }
+        let answered = fresh.len();
+        metrics::gauge!("confed_keyservices_reachable").set(answered as f64);
+        if let Ok(mut reach) = self.reach.write() {
+            *reach = Some((answered, asked));
         }
         let Ok(mut sets) = self.sets.write() else {
             return;
@@ -187,5 +214,30 @@ impl KeyDirectory {
                 tokio::time::sleep(period).await;
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A front end whose key services never answered has no key for devices: not ready, and
+    /// the reason names the key services.
+    #[tokio::test]
+    async fn a_directory_no_key_service_answered_is_not_ready() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        drop(listener);
+        let directory = KeyDirectory::default();
+        assert_eq!(
+            directory.readiness(0),
+            Ok(()),
+            "never refreshed: not judged"
+        );
+        let client = confed_enclave::http::client(Duration::from_secs(2));
+        directory.refresh(&client, &[url.clone(), url]).await;
+        let not_ready = directory.readiness(0).unwrap_err();
+        assert!(not_ready.contains("0 of 2 key services"), "{not_ready}");
+        assert_eq!(KeyDirectory::fixed(Vec::new()).readiness(0), Ok(()));
     }
 }

@@ -170,6 +170,25 @@ impl TestApp {
         apps
     }
 
+    /// A test app on a fresh database of the PostgreSQL server at `server` (a test's own
+    /// server, which it may stop and start).
+    #[allow(dead_code)]
+    pub async fn on_postgres(server: &str) -> Self {
+        let url = database::fresh_postgres_database(server).await;
+        let db = confed::db::Db::open_postgres(&url)
+            .await
+            .expect("opening the test database on PostgreSQL");
+        let dir = tempfile::tempdir().unwrap();
+        Self::on(
+            db,
+            Some(url),
+            dir,
+            Some(ADMIN_TOKEN),
+            Limits::default(),
+            None,
+        )
+    }
+
     async fn build(
         admin: Option<&str>,
         limits: Limits,
