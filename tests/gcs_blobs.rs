@@ -86,6 +86,50 @@ async fn objects_are_written_once_read_back_whole_and_described_by_metadata() {
     ));
 }
 
+/// A file (a spooled model upload) is streamed to the bucket, create-only like `put`, on both
+/// stores; what is read back is the file's content.
+#[tokio::test]
+async fn a_file_is_streamed_to_the_store_once_and_compared_when_present() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model");
+    let content: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+    std::fs::write(&file, &content).unwrap();
+    let other = dir.path().join("other");
+    std::fs::write(&other, b"different").unwrap();
+    let mut stores: Vec<(&str, Box<dyn BlobStore>)> = vec![(
+        "local",
+        Box::new(confed::blob::LocalBlobStore::open(dir.path().join("blobs")).unwrap()),
+    )];
+    match emulator() {
+        Some(endpoint) => {
+            let gcs = Gcs::connect(fresh_bucket(&endpoint).await).await.unwrap();
+            stores.push(("gcs", Box::new(gcs.store("blobs"))));
+        }
+        None => skip_note(),
+    }
+    for (name, store) in stores {
+        let key = key("m.safetensors");
+        assert_eq!(
+            store.put_file(&key, &file).await.unwrap(),
+            PutOutcome::Created,
+            "{name}"
+        );
+        assert_eq!(store.get(&key).await.unwrap(), content, "{name}");
+        assert_eq!(
+            store.put_file(&key, &file).await.unwrap(),
+            PutOutcome::AlreadyPresent,
+            "{name}"
+        );
+        assert!(
+            matches!(
+                store.put_file(&key, &other).await,
+                Err(BlobError::Conflict(_))
+            ),
+            "{name}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn signed_upload_urls_carry_the_headers_they_require_and_accept_a_put() {
     let Some(endpoint) = emulator() else {

@@ -215,7 +215,7 @@ impl From<BlobError> for ApiError {
     }
 }
 
-fn disk_full(cause: &dyn std::fmt::Display) -> ApiError {
+pub(crate) fn disk_full(cause: &dyn std::fmt::Display) -> ApiError {
     metrics::counter!("confed_disk_full_total").increment(1);
     tracing::error!(%cause, "storage is full; requests that write are refused with 507");
     ApiError::InsufficientStorage(

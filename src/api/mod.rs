@@ -13,6 +13,7 @@ pub mod openapi;
 pub mod ops;
 pub mod populations;
 pub mod releases;
+pub mod spool;
 pub mod tasks;
 pub mod workers;
 

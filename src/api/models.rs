@@ -3,16 +3,14 @@
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use sha2::{Digest, Sha256};
 
 use super::AppState;
 use super::error::{ApiError, Problem};
-use super::extract::{ApiBytes, ApiPath, DeclaredModelLength, Tenant};
+use super::extract::{ApiPath, DeclaredModelLength, Tenant};
 use super::tasks::TaskResponse;
 use crate::blob::BlobKey;
 use crate::db::NewModel;
 use crate::states::TaskState;
-use confed_protocol::hex::encode as hex;
 
 /// Upload model version 0 (safetensors, F32 tensors); the task opens and round 1 starts.
 #[utoipa::path(put, path = "/v1/tasks/{id}/model", tag = "models",
@@ -32,42 +30,55 @@ pub async fn put_model(
     Tenant(tenant): Tenant,
     ApiPath(id): ApiPath<String>,
     _declared: DeclaredModelLength,
-    ApiBytes(body): ApiBytes,
+    body: axum::body::Body,
 ) -> Result<(StatusCode, axum::Json<TaskResponse>), ApiError> {
-    let bytes = body.len();
-    let task = store_version_zero(&state, &tenant.id, &id, body).await?;
+    let task = state.db.task(&tenant.id, &id).await?;
+    check_created(&task, &id)?;
+    // To a temporary file as it arrives, hashed on the way: never the whole model in memory.
+    let spooled = super::spool::spool(body, state.limits.model_bytes as u64, "model").await?;
+    let bytes = spooled.len;
+    let task = store_version_zero(&state, &tenant.id, &id, spooled).await?;
     tracing::info!(tenant = %tenant.name, task = %id, bytes, "model version 0 stored; task open");
     Ok((StatusCode::CREATED, axum::Json(task.into())))
 }
 
-/// Validates and stores model version 0 of a CREATED task, which opens it (round 1 starts).
-/// Shared by the API and the console.
-pub async fn store_version_zero(
-    state: &AppState,
-    tenant_id: &str,
-    id: &str,
-    body: axum::body::Bytes,
-) -> Result<crate::db::TaskRecord, ApiError> {
-    let task = state.db.task(tenant_id, id).await?;
+fn check_created(task: &crate::db::TaskRecord, id: &str) -> Result<(), ApiError> {
     if task.state != TaskState::Created {
         return Err(ApiError::Conflict(format!(
             "task {id} is {}: model version 0 can only be uploaded while the task is CREATED",
             task.state.as_str()
         )));
     }
-    let checked = body.clone();
-    let digest = tokio::task::spawn_blocking(move || {
-        confed_enclave::model::validate_model(&checked).map(|_| hex(Sha256::digest(&checked)))
+    Ok(())
+}
+
+/// Validates and stores model version 0 of a CREATED task, which opens it (round 1 starts).
+pub async fn store_version_zero(
+    state: &AppState,
+    tenant_id: &str,
+    id: &str,
+    spooled: super::spool::Spooled,
+) -> Result<crate::db::TaskRecord, ApiError> {
+    check_created(&state.db.task(tenant_id, id).await?, id)?;
+    let spooled = std::sync::Arc::new(spooled);
+    let checked = spooled.clone();
+    tokio::task::spawn_blocking(move || {
+        let mapped = checked
+            .map()
+            .map_err(|e| ApiError::Internal(e.to_string()))?;
+        confed_enclave::model::validate_model(&mapped)
+            .map(|_| ())
+            .map_err(|e| ApiError::BadRequest(format!("the body is not a usable model: {e}")))
     })
     .await
-    .map_err(|e| ApiError::Internal(e.to_string()))?
-    .map_err(|e| ApiError::BadRequest(format!("the body is not a usable model: {e}")))?;
+    .map_err(|e| ApiError::Internal(e.to_string()))??;
+    let digest = spooled.sha256_hex.clone();
     let key = BlobKey::model(tenant_id, id, 0, &digest)?;
-    state.blobs.put(&key, &body).await?;
+    state.blobs.put_file(&key, spooled.path()).await?;
     let model = NewModel {
         blob_key: key.as_str().to_string(),
         sha256_hex: digest,
-        size_bytes: body.len() as i64,
+        size_bytes: spooled.len as i64,
         optimizer_state_key: None,
     };
     let task = state

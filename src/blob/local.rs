@@ -53,14 +53,14 @@ impl LocalBlobStore {
         self.root.join(key.as_str())
     }
 
-    fn put_blocking(&self, key: &BlobKey, bytes: &[u8]) -> Result<PutOutcome, BlobError> {
+    fn put_blocking(&self, key: &BlobKey, source: Source<'_>) -> Result<PutOutcome, BlobError> {
         let io = |source| BlobError::Io {
             key: key.as_str().to_string(),
             source,
         };
         let target = self.path(key);
         if target.exists() {
-            return same_content(&target, bytes, key);
+            return same_content(&target, source, key);
         }
         let parent = target.parent().unwrap_or(&self.root);
         fs::create_dir_all(parent).map_err(io)?;
@@ -73,7 +73,7 @@ impl LocalBlobStore {
         let temp = parent.join(format!(".{name}.{}.partial", uuid::Uuid::new_v4()));
         let written = (|| {
             let mut file = File::create(&temp)?;
-            file.write_all(bytes)?;
+            source.write_to(&mut file)?;
             file.sync_all()
         })();
         if let Err(e) = written {
@@ -90,7 +90,7 @@ impl LocalBlobStore {
                 Ok(PutOutcome::Created)
             }
             // Another writer won the race: fine if it stored the same bytes.
-            Err(e) if e.kind() == ErrorKind::AlreadyExists => same_content(&target, bytes, key),
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => same_content(&target, source, key),
             Err(e) => Err(io(e)),
         }
     }
@@ -151,12 +151,53 @@ fn publish_no_replace(temp: &Path, target: &Path) -> std::io::Result<()> {
     fs::remove_file(temp)
 }
 
-fn same_content(path: &Path, bytes: &[u8], key: &BlobKey) -> Result<PutOutcome, BlobError> {
-    let existing = fs::read(path).map_err(|source| BlobError::Io {
+/// What a put stores: bytes in memory, or a file's content, copied without holding it whole.
+#[derive(Debug, Clone, Copy)]
+enum Source<'a> {
+    Bytes(&'a [u8]),
+    File(&'a Path),
+}
+
+impl Source<'_> {
+    fn write_to(self, file: &mut File) -> std::io::Result<()> {
+        match self {
+            Self::Bytes(bytes) => file.write_all(bytes),
+            Self::File(path) => std::io::copy(&mut File::open(path)?, file).map(|_| ()),
+        }
+    }
+
+    /// Whether the file at `path` holds exactly this content (read in 1 MiB pieces).
+    fn is_content_of(self, path: &Path) -> std::io::Result<bool> {
+        use std::io::Read;
+        match self {
+            Self::Bytes(bytes) => Ok(fs::read(path)? == bytes),
+            Self::File(mine) => {
+                let (mut a, mut b) = (File::open(mine)?, File::open(path)?);
+                if a.metadata()?.len() != b.metadata()?.len() {
+                    return Ok(false);
+                }
+                let (mut x, mut y) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
+                loop {
+                    let n = a.read(&mut x)?;
+                    if n == 0 {
+                        return Ok(true);
+                    }
+                    b.read_exact(&mut y[..n])?;
+                    if x[..n] != y[..n] {
+                        return Ok(false);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn same_content(path: &Path, source: Source<'_>, key: &BlobKey) -> Result<PutOutcome, BlobError> {
+    let same = source.is_content_of(path).map_err(|source| BlobError::Io {
         key: key.as_str().to_string(),
         source,
     })?;
-    if existing == bytes {
+    if same {
         Ok(PutOutcome::AlreadyPresent)
     } else {
         Err(BlobError::Conflict(key.as_str().to_string()))
@@ -170,7 +211,23 @@ impl BlobStore for LocalBlobStore {
             let store = self.clone();
             let key_owned = key.clone();
             let bytes_owned = bytes.to_vec();
-            tokio::task::spawn_blocking(move || store.put_blocking(&key_owned, &bytes_owned))
+            tokio::task::spawn_blocking(move || {
+                store.put_blocking(&key_owned, Source::Bytes(&bytes_owned))
+            })
+            .await
+            .map_err(|e| BlobError::Io {
+                key: key.as_str().to_string(),
+                source: std::io::Error::other(e),
+            })?
+        })
+    }
+
+    fn put_file<'a>(&'a self, key: &'a BlobKey, path: &'a Path) -> BlobFuture<'a, PutOutcome> {
+        Box::pin(async move {
+            let store = self.clone();
+            let key_owned = key.clone();
+            let path = path.to_path_buf();
+            tokio::task::spawn_blocking(move || store.put_blocking(&key_owned, Source::File(&path)))
                 .await
                 .map_err(|e| BlobError::Io {
                     key: key.as_str().to_string(),

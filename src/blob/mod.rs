@@ -171,6 +171,24 @@ pub trait BlobStore: Send + Sync + std::fmt::Debug {
     /// no-op (`AlreadyPresent`); different bytes under an existing key are refused (`Conflict`).
     fn put<'a>(&'a self, key: &'a BlobKey, bytes: &'a [u8]) -> BlobFuture<'a, PutOutcome>;
 
+    /// `put` of a file's content (a spooled upload), streamed where the store can, so a large
+    /// object is never held whole in memory. The default reads the file and calls `put`.
+    fn put_file<'a>(
+        &'a self,
+        key: &'a BlobKey,
+        path: &'a std::path::Path,
+    ) -> BlobFuture<'a, PutOutcome> {
+        Box::pin(async move {
+            let bytes = tokio::fs::read(path)
+                .await
+                .map_err(|source| BlobError::Io {
+                    key: key.as_str().to_string(),
+                    source,
+                })?;
+            self.put(key, &bytes).await
+        })
+    }
+
     /// The whole object.
     fn get<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, Vec<u8>>;
 

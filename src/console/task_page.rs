@@ -416,10 +416,12 @@ pub async fn upload_model(
     let mut model = None;
     while let Some(field) = multipart.next_field().await.map_err(bad)? {
         if field.name() == Some("model") {
-            model = Some(field.bytes().await.map_err(bad)?);
+            // Spooled to a temporary file like the API's upload, never whole in memory.
+            let limit = state.limits.model_bytes as u64;
+            model = Some(crate::api::spool::spool_chunks(field, limit, "model").await?);
         }
     }
-    let model = model.filter(|m| !m.is_empty()).ok_or_else(|| {
+    let model = model.filter(|m| m.len > 0).ok_or_else(|| {
         ApiError::BadRequest("choose a safetensors file for model version 0".into())
     })?;
     crate::api::models::store_version_zero(&state, &session.tenant.id, &id, model).await?;

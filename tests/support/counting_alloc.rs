@@ -7,15 +7,30 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 pub struct Counting;
 
 static LIVE: AtomicIsize = AtomicIsize::new(0);
+static PEAK: AtomicIsize = AtomicIsize::new(0);
 
 /// Bytes allocated and not yet freed, process-wide.
 pub fn live() -> isize {
     LIVE.load(Ordering::SeqCst)
 }
 
+/// The most bytes live at once since the last `reset_peak`.
+#[allow(dead_code)]
+pub fn peak() -> isize {
+    PEAK.load(Ordering::SeqCst)
+}
+
+/// Starts a new peak from what is live now.
+#[allow(dead_code)]
+pub fn reset_peak() {
+    PEAK.store(live(), Ordering::SeqCst);
+}
+
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst);
+        let live =
+            LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst) + layout.size() as isize;
+        PEAK.fetch_max(live, Ordering::SeqCst);
         // SAFETY: forwarded unchanged to the system allocator.
         unsafe { System.alloc(layout) }
     }

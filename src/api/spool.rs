@@ -1,0 +1,97 @@
+//! Large request bodies (model uploads) go to a temporary file as they arrive, hashed on the
+//! way, instead of into memory: a 512 MiB model costs the front end a file in the temporary
+//! directory (`TMPDIR`), not 512 MiB of RSS, and a body over the limit is cut off at the limit.
+
+use std::path::Path;
+
+use axum::body::Body;
+use futures_util::StreamExt;
+use sha2::{Digest, Sha256};
+use tokio::io::AsyncWriteExt;
+
+use super::error::ApiError;
+
+/// Model uploads spooled at once by one process; more wait for a slot. Each may take up to the
+/// model limit on disk (docs/operations.md: size the temporary directory for it).
+pub const CONCURRENT_SPOOLS: usize = 4;
+
+static SPOOLS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(CONCURRENT_SPOOLS);
+
+/// A body written to a private temporary file (removed when this is dropped).
+#[derive(Debug)]
+pub struct Spooled {
+    file: tempfile::NamedTempFile,
+    pub len: u64,
+    pub sha256_hex: String,
+    _slot: tokio::sync::SemaphorePermit<'static>,
+}
+
+impl Spooled {
+    pub fn path(&self) -> &Path {
+        self.file.path()
+    }
+
+    /// The file's bytes mapped read-only (for validation without reading them into memory).
+    pub fn map(&self) -> std::io::Result<memmap2::Mmap> {
+        // SAFETY: the file is this process's own temporary file (random name, mode 0600, in the
+        // temporary directory), written completely before this call and never written again
+        // while the map lives (`Spooled` owns it and offers no writer), so the mapped bytes do
+        // not change under the reader.
+        unsafe { memmap2::Mmap::map(self.file.as_file()) }
+    }
+}
+
+/// Streams `body` into a temporary file, refusing (413) at the first byte past `limit`.
+pub async fn spool(body: Body, limit: u64, what: &str) -> Result<Spooled, ApiError> {
+    spool_chunks(body.into_data_stream(), limit, what).await
+}
+
+/// `spool` of any stream of chunks (a multipart field of the console's form).
+pub async fn spool_chunks<E: std::fmt::Display>(
+    chunks: impl futures_util::Stream<Item = Result<axum::body::Bytes, E>>,
+    limit: u64,
+    what: &str,
+) -> Result<Spooled, ApiError> {
+    let slot = SPOOLS
+        .acquire()
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let io = |e: std::io::Error| {
+        if crate::blob::is_disk_full(&e) {
+            super::error::disk_full(&format!("spooling the {what}: {e}"))
+        } else {
+            ApiError::Internal(format!("spooling the {what}: {e}"))
+        }
+    };
+    let file = tokio::task::spawn_blocking(tempfile::NamedTempFile::new)
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?
+        .map_err(io)?;
+    let mut writer = tokio::io::BufWriter::with_capacity(
+        1 << 20,
+        tokio::fs::File::from_std(file.reopen().map_err(io)?),
+    );
+    let mut digest = Sha256::new();
+    let mut len = 0u64;
+    let mut chunks = std::pin::pin!(chunks);
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk.map_err(|e| {
+            ApiError::BadRequest(format!("the {what} upload broke off: {e}; send it again"))
+        })?;
+        len += chunk.len() as u64;
+        if len > limit {
+            return Err(ApiError::PayloadTooLarge(format!(
+                "the {what} is larger than this server's limit of {limit} bytes"
+            )));
+        }
+        digest.update(&chunk);
+        writer.write_all(&chunk).await.map_err(io)?;
+    }
+    writer.flush().await.map_err(io)?;
+    Ok(Spooled {
+        file,
+        len,
+        sha256_hex: confed_protocol::hex::encode(digest.finalize()),
+        _slot: slot,
+    })
+}
