@@ -17,6 +17,8 @@
 //!
 //! Record: `CFL1` | payload length u32 LE | SHA-256 of payload (32) | key length u16 LE | key |
 //! payload.
+//!
+//! A record whose write fails (a full disk) gives its bytes back at once (`log/reclaim.rs`).
 
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
@@ -47,6 +49,9 @@ pub struct ContributionLog {
     readers: Arc<Readers>,
     sync: Arc<SyncQueue>,
     fallback: Arc<dyn BlobStore>,
+    /// Makes the next record's write fail halfway, as a full disk does.
+    #[cfg(test)]
+    fail_writes: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for ContributionLog {
@@ -160,6 +165,8 @@ impl ContributionLog {
             }),
             sync,
             fallback,
+            #[cfg(test)]
+            fail_writes: Default::default(),
         })
     }
 
@@ -208,8 +215,23 @@ impl ContributionLog {
                 .await
                 .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
         };
-        written.map_err(|e| io_error(key.as_str(), e))?;
+        #[cfg(test)]
+        let written = match self
+            .fail_writes
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            // A disk that fills halfway through the record.
+            true => file
+                .write_all_at(&[0xAB; 64][..64.min(record_len)], offset)
+                .and(Err(std::io::Error::from_raw_os_error(libc::ENOSPC))),
+            false => written,
+        };
+        if let Err(e) = written {
+            self.abandon(segment, &file, offset, record_len as u64);
+            return Err(io_error(key.as_str(), e));
+        }
         self.synced(file).await.map_err(|reason| {
+            Self::count_unsynced(record_len as u64);
             // A full disk at fdatasync keeps its kind, so devices get 507 rather than 500.
             let kind = if reason.contains("os error 28") || reason.contains("os error 122") {
                 std::io::ErrorKind::StorageFull
@@ -591,6 +613,8 @@ impl ContributionLog {
             .map_err(not_found)
     }
 }
+
+mod reclaim;
 
 #[cfg(test)]
 mod tests;

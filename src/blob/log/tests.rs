@@ -232,3 +232,57 @@ async fn retired_segments_are_old_unreferenced_and_idle() {
     );
     assert_eq!(log.get(&stored[3]).await.unwrap(), vec![3u8; 100]);
 }
+
+/// A disk that fills halfway through a record: the put fails as a full disk (507 upstream), and
+/// the torn bytes do not stay: the segment is cut back, and the next record goes where it was.
+#[tokio::test]
+async fn a_record_torn_by_a_full_disk_is_cut_back_and_its_place_reused() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = ContributionLog::open(dir.path().join("log"), fallback(dir.path())).unwrap();
+    let first = log.put_new(key("a"), b"first").await.unwrap();
+    let segment = dir.path().join("log").join(segment_name(1));
+    let before = fs::metadata(&segment).unwrap().len();
+    log.fail_writes
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let failed = log.put_new(key("b"), &[7u8; 5000]).await.unwrap_err();
+    assert!(
+        matches!(&failed, BlobError::Io { source, .. } if crate::blob::is_disk_full(source)),
+        "{failed:?}"
+    );
+    assert_eq!(
+        fs::metadata(&segment).unwrap().len(),
+        before,
+        "the torn record's bytes are gone"
+    );
+    let next = log.put_new(key("c"), b"after").await.unwrap();
+    assert!(
+        next.as_str()
+            .starts_with(&format!("log/00000001/{before}/")),
+        "{next:?}"
+    );
+    assert_eq!(log.get(&first).await.unwrap(), b"first");
+    assert_eq!(log.get(&next).await.unwrap(), b"after");
+}
+
+/// A torn record with a later record already reserved after it: its range is punched out (it
+/// reads as zeros and takes no space) and the later record is intact.
+#[tokio::test]
+async fn a_torn_record_before_a_later_one_is_punched_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = ContributionLog::open(dir.path().join("log"), fallback(dir.path())).unwrap();
+    let (segment, file, offset) = log.reserve(1 << 20).unwrap();
+    let later = log.put_new(key("later"), b"later bytes").await.unwrap();
+    file.write_all_at(&vec![0xAB; 1 << 19], offset).unwrap();
+    let outcome = log.abandon(segment, &file, offset, 1 << 20);
+    assert_ne!(
+        outcome,
+        reclaim::Reclaimed::Truncated,
+        "a record follows it"
+    );
+    if outcome == reclaim::Reclaimed::Punched {
+        let mut torn = vec![1u8; 1 << 19];
+        file.read_exact_at(&mut torn, offset).unwrap();
+        assert!(torn.iter().all(|&b| b == 0), "the torn bytes are gone");
+    }
+    assert_eq!(log.get(&later).await.unwrap(), b"later bytes");
+}
