@@ -2,7 +2,11 @@
 //! production (RS256) and dev (ES256) policies, Shamir split/combine, the whole enclave key
 //! collection against in-process key services over loopback HTTP (a new release commitment per
 //! collection, recorded in each ledger and fsync'd before the answer), the ledger's bytes per
-//! round, and the time to verify a release's proof offline.
+//! round, the time to verify a release's proof offline, and a refusal flood against one key
+//! service (`support/refusal_flood.rs`).
+
+#[path = "support/refusal_flood.rs"]
+mod refusal_flood;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -285,7 +289,12 @@ fn main() {
     appraisal_rs256();
     appraisal_es256();
     shamir();
-    tokio::runtime::Runtime::new()
-        .unwrap()
-        .block_on(collection());
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(collection());
+    // 65 s: the refusal budget is per minute, so a run crosses a minute's boundary.
+    let seconds = std::env::var("CONFED_FLOOD_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(65);
+    runtime.block_on(refusal_flood::refusal_flood(seconds));
 }

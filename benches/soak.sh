@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Soak: `confed serve` (release build) under continuous honest load for MINUTES (default 30),
 # with retention at RETENTION_MINUTES (default 2) so it applies within the run. Every 30 s it
-# samples the server's RSS, open files, the data directory's size and its SQLite WAL's (included
-# in the directory's), and the rounds released;
+# samples the server's RSS, open files, the data directory's size and, within it, the SQLite
+# database's and WAL's, the contribution log's and the blob directory's, and the rounds released;
 # prints a CSV and a summary. All three should level off once retention applies.
 #
 #   cargo build --release && benches/soak.sh [MINUTES] [RETENTION_MINUTES]
@@ -64,7 +64,7 @@ PY
     done
 ) &
 load=$!
-echo "minute,rss_mb,open_files,data_dir_mb,wal_mb,rounds_released" | tee "$out"
+echo "minute,rss_mb,open_files,data_dir_mb,wal_mb,db_mb,contributions_mb,blobs_mb,rounds_released" | tee "$out"
 end=$(($(date +%s) + minutes * 60))
 start=$(date +%s)
 while (($(date +%s) < end)); do
@@ -73,12 +73,15 @@ while (($(date +%s) < end)); do
     fds=$(find "/proc/$server/fd" -mindepth 1 -maxdepth 1 | wc -l)
     disk=$(du -sm "$dir/data" | cut -f1)
     wal=$(($(stat -c %s "$dir/data/confed.db-wal" 2>/dev/null || echo 0) / 1048576))
+    db=$(($(stat -c %s "$dir/data/confed.db" 2>/dev/null || echo 0) / 1048576))
+    contributions=$(du -sm "$dir/data/contributions" 2>/dev/null | cut -f1)
+    blobs=$(du -sm "$dir/data/blobs" 2>/dev/null | cut -f1)
     rounds=$(python3 -c "
 import json, sys, urllib.request
 r = urllib.request.Request('$url/v1/tasks/$task', headers={'Authorization': 'Bearer $token'})
 print(json.loads(urllib.request.urlopen(r).read())['current_round'] - 1)")
     minute=$(awk -v s="$start" -v n="$(date +%s)" 'BEGIN { printf "%.1f", (n - s) / 60 }')
-    echo "$minute,$rss,$fds,$disk,$wal,$rounds" | tee -a "$out"
+    echo "$minute,$rss,$fds,$disk,$wal,$db,$contributions,$blobs,$rounds" | tee -a "$out"
 done
 echo "segments at the end: $(find "$dir/data/contributions" -name 'segment-*' | wc -l)"
 echo "retention passes that deleted rounds: $(grep -c 'retention deleted' "$dir/server.err" || true)"

@@ -270,6 +270,7 @@ use confed::keyservice::KeyService;
 use confed::keyservice::audit::{LostHead, SignedHead};
 use confed::keyservice::peers::{Peer, Peers};
 use confed::keyservice::rollback::{GateState, ask_once};
+use confed::keyservice::witness::push_once;
 
 /// A loopback port bound before its key service is built (its peers must know its URL).
 async fn bind() -> (tokio::net::TcpListener, String) {
@@ -286,55 +287,93 @@ fn peer(world: &World, index: usize, url: &str) -> Peer {
     }
 }
 
-/// Key service `index` over its audit log, with every other entry of `urls` as a peer, served on
-/// `listener`.
-fn start_witnessing(
-    world: &World,
-    index: usize,
-    urls: &[String],
-    quorum: Option<usize>,
-    listener: tokio::net::TcpListener,
-) -> KeyService {
-    let peers = (1..=urls.len())
+/// Peers `urls` (1-based by position) other than `index`.
+fn peers_of(world: &World, index: usize, urls: &[String], quorum: Option<usize>) -> Peers {
+    let list = (1..=urls.len())
         .filter(|&i| i != index)
         .map(|i| peer(world, i, &urls[i - 1]))
         .collect();
-    let service = world
-        .service(
-            index,
-            Behaviour::Honest,
-            &world.share_files[index - 1..index],
-        )
-        .with_peers(Peers::new(peers, quorum));
-    let router = routes::router(service.clone());
-    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
-    service
+    Peers::new(list, quorum)
 }
 
-/// Asks each of `service`'s peers once what it witnessed of it.
-async fn ask_peers(service: &KeyService) -> GateState {
-    let peers = service.peers.clone().unwrap();
-    ask_once(service, &peers, peers.list.iter().collect()).await;
-    service.gate.state()
+/// A key service with peers, served until stopped (gracefully: its connections close, so a
+/// restart on the same address is the one answering).
+struct Witnessing {
+    service: KeyService,
+    url: String,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
 }
 
-fn audit_file(world: &World, index: usize, suffix: &str) -> std::path::PathBuf {
-    world
-        .dir
-        .path()
-        .join(format!("audit-ks{index}.jsonl{suffix}"))
+impl Witnessing {
+    async fn start(
+        world: &World,
+        index: usize,
+        urls: &[String],
+        quorum: Option<usize>,
+        listener: tokio::net::TcpListener,
+    ) -> Self {
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let service = world
+            .service(
+                index,
+                Behaviour::Honest,
+                &world.share_files[index - 1..index],
+            )
+            .with_peers(peers_of(world, index, urls, quorum));
+        let router = routes::router(service.clone());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            axum::serve(listener, router)
+                .with_graceful_shutdown(async {
+                    let _ = stopped.await;
+                })
+                .await
+                .unwrap()
+        });
+        Self {
+            service,
+            url,
+            stop,
+            task,
+        }
+    }
+
+    /// Stops this process and starts key service `index` again over its files, same address.
+    async fn restart(self, world: &World, index: usize, urls: &[String]) -> Self {
+        let _ = self.stop.send(());
+        self.task.await.unwrap();
+        let address = self.url.trim_start_matches("http://").to_string();
+        let listener = tokio::net::TcpListener::bind(address).await.unwrap();
+        Self::start(world, index, urls, None, listener).await
+    }
+
+    /// Asks each peer once what it witnessed of this service.
+    async fn ask_peers(&self) -> GateState {
+        let peers = self.service.peers.clone().unwrap();
+        ask_once(&self.service, &peers, peers.list.iter().collect()).await;
+        self.service.gate.state()
+    }
+
+    async fn push(&self) {
+        let peers = self.service.peers.clone().unwrap();
+        push_once(&self.service, &peers).await;
+    }
+
+    fn witnessed(&self, of: &str) -> Option<SignedHead> {
+        self.service.witnesses.lock().unwrap().latest(of).cloned()
+    }
+
+    fn endpoint(&self) -> KeyServiceEndpoint {
+        KeyServiceEndpoint {
+            id: self.service.id.clone(),
+            url: self.url.clone(),
+        }
+    }
 }
 
-/// The operator of key service 1 restores its whole state (log, checkpoint, witness file) from a
-/// copy taken before round 1 was committed, then asks for a second, different release of round
-/// 1. The copy is self-consistent, so ks1's own checks pass; its peers witnessed the newer head,
-/// so it grants nothing until its operator acknowledges the loss (a signed audit record). Even
-/// then the other key services' ledgers hold round 1: no second release.
-#[tokio::test]
-async fn a_key_service_restored_from_an_older_copy_grants_nothing_once_a_peer_shows_its_newer_head()
-{
-    let world = World::new(2, 3);
-    let policy = TaskPolicy::sample("task-1", 3);
+/// Three key services, each the others' peer, all of them asked once (a fresh deployment).
+async fn witnessing_deployment(world: &World) -> (Vec<Witnessing>, Vec<String>) {
     let mut listeners = Vec::new();
     let mut urls = Vec::new();
     for _ in 0..3 {
@@ -344,65 +383,71 @@ async fn a_key_service_restored_from_an_older_copy_grants_nothing_once_a_peer_sh
     }
     let mut services = Vec::new();
     for (i, listener) in listeners.into_iter().enumerate() {
-        services.push(start_witnessing(&world, i + 1, &urls, None, listener));
+        services.push(Witnessing::start(world, i + 1, &urls, None, listener).await);
     }
     for service in &services {
         assert!(matches!(
-            service.gate.state(),
+            service.service.gate.state(),
             GateState::Waiting { needed: 1, .. }
         ));
         assert_eq!(
-            ask_peers(service).await,
+            service.ask_peers().await,
             GateState::Open,
             "a fresh deployment"
         );
     }
-    // The copy: ks1's whole state before round 1.
-    let backup = world.dir.path().join("backup");
-    std::fs::create_dir(&backup).unwrap();
+    (services, urls)
+}
+
+fn audit_file(world: &World, index: usize, suffix: &str) -> std::path::PathBuf {
+    world
+        .dir
+        .path()
+        .join(format!("audit-ks{index}.jsonl{suffix}"))
+}
+
+/// Copies key service `index`'s whole state (log and checkpoint) to `name`, or back from it.
+fn copy_state(world: &World, index: usize, name: &str, restore: bool) {
+    let copy = world.dir.path().join(name);
+    std::fs::create_dir_all(&copy).unwrap();
     for suffix in ["", ".checkpoint"] {
-        std::fs::copy(
-            audit_file(&world, 1, suffix),
-            backup.join(format!("f{suffix}")),
-        )
-        .unwrap();
+        let (from, to) = (
+            audit_file(world, index, suffix),
+            copy.join(format!("f{suffix}")),
+        );
+        let (from, to) = if restore { (to, from) } else { (from, to) };
+        let _ = std::fs::remove_file(&to);
+        std::fs::copy(from, to).unwrap();
     }
-    let endpoints: Vec<_> = (0..3)
-        .map(|i| KeyServiceEndpoint {
-            id: format!("ks{}", i + 1),
-            url: urls[i].clone(),
-        })
-        .collect();
+}
+
+/// The operator of key service 1 restores its whole state (log, checkpoint) from a copy taken
+/// before round 1 was committed, then asks for a second, different release of round 1. The
+/// copy is self-consistent, so ks1's own checks pass; its peers witnessed the newer head, so it
+/// grants nothing until its operator acknowledges the loss (a signed audit record). Even then
+/// the other key services' ledgers hold round 1: no second release. The peers then follow ks1's
+/// new history from its acknowledgement on.
+#[tokio::test]
+async fn a_key_service_restored_from_an_older_copy_grants_nothing_once_a_peer_shows_its_newer_head()
+{
+    let world = World::new(2, 3);
+    let policy = TaskPolicy::sample("task-1", 3);
+    let (mut services, urls) = witnessing_deployment(&world).await;
+    copy_state(&world, 1, "backup", false);
+    let endpoints: Vec<_> = services.iter().map(Witnessing::endpoint).collect();
     collect(&endpoints, &world, &request_for(&world, &policy, 1, "a"))
         .await
         .unwrap();
     // ks1 pushes its new head (the witness task does this after every record).
-    let ks1_peers = services[0].peers.clone().unwrap();
-    confed::keyservice::witness::push_once(&services[0], &ks1_peers).await;
-    let witnessed: SignedHead = services[1]
-        .witnesses
-        .lock()
-        .unwrap()
-        .latest("ks1")
-        .cloned()
+    services[0].push().await;
+    let witnessed = services[1]
+        .witnessed("ks1")
         .expect("ks2 witnessed ks1's head after the grant");
     assert!(witnessed.records >= 1);
 
-    // Restore and restart ks1 on a new port.
-    for suffix in ["", ".checkpoint"] {
-        std::fs::remove_file(audit_file(&world, 1, suffix)).unwrap();
-        std::fs::copy(
-            backup.join(format!("f{suffix}")),
-            audit_file(&world, 1, suffix),
-        )
-        .unwrap();
-    }
-    let (listener, url) = bind().await;
-    let restored = start_witnessing(&world, 1, &urls, None, listener);
-    let alone = [KeyServiceEndpoint {
-        id: "ks1".into(),
-        url,
-    }];
+    copy_state(&world, 1, "backup", true);
+    let ks1 = services.remove(0).restart(&world, 1, &urls).await;
+    let alone = [ks1.endpoint()];
     let error = collect_with(
         &alone,
         &world,
@@ -415,7 +460,7 @@ async fn a_key_service_restored_from_an_older_copy_grants_nothing_once_a_peer_sh
         error.to_string().contains("(503)") && error.to_string().contains("just started"),
         "nothing is granted before the peers answered: {error}"
     );
-    let GateState::RolledBack { detail } = ask_peers(&restored).await else {
+    let GateState::RolledBack { detail } = ks1.ask_peers().await else {
         panic!("the restored log was not detected");
     };
     assert!(
@@ -436,31 +481,25 @@ async fn a_key_service_restored_from_an_older_copy_grants_nothing_once_a_peer_sh
     );
 
     // The operator accepts the loss: a signed record; ks1 grants again after its next start.
+    let lost = LostHead {
+        records: witnessed.records,
+        hash: witnessed.hash.clone(),
+    };
     let record = confed::keyservice::acknowledge::acknowledge_loss(
         &audit_file(&world, 1, ""),
         "ks1",
         std::sync::Arc::new(world.signing_key(1)),
-        LostHead {
-            records: witnessed.records,
-            hash: witnessed.hash.clone(),
-        },
+        lost,
+        witnessed.signature.as_deref().unwrap(),
         "disk lost; restored from the nightly copy",
         START,
     )
     .unwrap();
     assert_eq!(record.decision.decision, "loss_acknowledged");
-    let (listener, url) = bind().await;
-    let acknowledged = start_witnessing(&world, 1, &urls, None, listener);
-    assert_eq!(ask_peers(&acknowledged).await, GateState::Open);
+    let ks1 = ks1.restart(&world, 1, &urls).await;
+    assert_eq!(ks1.ask_peers().await, GateState::Open);
     // Its ledger forgot round 1, the others' did not: one share for "b", never two.
-    let endpoints = vec![
-        KeyServiceEndpoint {
-            id: "ks1".into(),
-            url,
-        },
-        endpoints[1].clone(),
-        endpoints[2].clone(),
-    ];
+    let endpoints = vec![ks1.endpoint(), endpoints[1].clone(), endpoints[2].clone()];
     let error = collect(&endpoints, &world, &request_for(&world, &policy, 1, "b"))
         .await
         .unwrap_err();
@@ -468,34 +507,97 @@ async fn a_key_service_restored_from_an_older_copy_grants_nothing_once_a_peer_sh
         matches!(error, CollectError::NotEnoughShares { usable: 1, .. }),
         "{error}"
     );
+    // The peers follow ks1's new history from its acknowledgement on (it extends the signed
+    // record naming the head they kept), so they witness its later heads again.
+    ks1.push().await;
+    let now = ks1.service.audit.lock().unwrap().0.signed_head("ks1");
+    assert_eq!(services[0].witnessed("ks1"), Some(now));
 }
 
-/// A peer that is down, or that answers a head not signed by the service's own key (a
-/// compromised peer inventing a loss), neither stops nor rolls back an honest service: a forged
-/// answer counts as no answer, and the quorum is met by the peers that answer.
+/// The restored ks1 starts while the one peer that witnessed its newer head is unreachable
+/// (another peer answers with an older head, so the start quorum is met), grants until its log
+/// is longer than that head, then pushes to that peer. A longer head on another history does
+/// not replace the witnessed one: the peer keeps it, answers with it, and ks1 closes.
 #[tokio::test]
-async fn a_down_or_lying_peer_neither_stops_nor_rolls_back_an_honest_service() {
+async fn a_restored_key_service_that_grows_past_the_witnessed_head_is_still_caught() {
+    let world = World::new(2, 3);
+    let policy = TaskPolicy::sample("task-1", 9);
+    let (services, urls) = witnessing_deployment(&world).await;
+    copy_state(&world, 1, "backup", false);
+    let alone = |w: &Witnessing| [w.endpoint()];
+    // Round 1 at ks1 alone (its share is granted and recorded; one share opens nothing).
+    let _ = collect_with(
+        &alone(&services[0]),
+        &world,
+        &request_for(&world, &policy, 1, "a"),
+        TIMEOUT,
+    )
+    .await;
+    // Only ks2 witnesses the new head (ks3 was down then).
+    let ks1_peers = services[0].service.peers.clone().unwrap();
+    let ks2_only = Peers::new(vec![ks1_peers.list[0].clone()], None);
+    push_once(&services[0].service, &ks2_only).await;
+    let witnessed = services[1].witnessed("ks1").unwrap();
+
+    // Restored; ks2 unreachable at start, ks3 (nothing witnessed) answers: the gate opens.
+    copy_state(&world, 1, "backup", true);
+    let mut services = services;
+    let ks1 = services.remove(0); // ks2 and ks3 keep serving (dropping them would stop them)
+    let ks2_down = [urls[0].clone(), down_url().await, urls[2].clone()];
+    let _ = ks1.stop.send(());
+    ks1.task.await.unwrap();
+    let (listener, _) = bind().await;
+    let restored = Witnessing::start(&world, 1, &ks2_down, None, listener).await;
+    assert_eq!(restored.ask_peers().await, GateState::Open);
+    for round in 2..=(witnessed.records + 2) {
+        let _ = collect_with(
+            &alone(&restored),
+            &world,
+            &request_for(&world, &policy, round, "b"),
+            TIMEOUT,
+        )
+        .await;
+    }
+    let grown = restored.service.audit.lock().unwrap().0.signed_head("ks1");
+    assert!(grown.records > witnessed.records, "{grown:?}");
+
+    // ks2 is reachable again: the push.
+    let ks2 = Peers::new(vec![peer(&world, 2, &urls[1])], None);
+    push_once(&restored.service, &ks2).await;
+    assert!(
+        matches!(restored.service.gate.state(), GateState::RolledBack { .. }),
+        "{:?}",
+        restored.service.gate.state()
+    );
+}
+
+/// A peer that is down, answers 404 (an older version, a wrong path), or answers a head not
+/// signed by the service's own key (a compromised peer inventing a loss) neither opens the gate
+/// nor rolls the service back: none of these is an answer, and the quorum is met by the peers
+/// that do answer.
+#[tokio::test]
+async fn a_down_lying_or_unversioned_peer_neither_opens_the_gate_nor_rolls_it_back() {
     let world = World::new(2, 3);
     let (listener, ks2_url) = bind().await;
-    let ks2 = start_witnessing(
+    let _ks2 = Witnessing::start(
         &world,
         2,
         &[down_url().await, ks2_url.clone()],
         None,
         listener,
-    );
-    drop(ks2);
+    )
+    .await;
     // ks3 is compromised: it claims to have witnessed ks1 far ahead, signed with its own key.
     let forger = world.signing_key(3);
     let forged = {
         let hash = "f".repeat(64);
         let text = confed::keyservice::audit::head_text("ks1", 99, &hash);
-        SignedHead {
+        serde_json::json!({"keyservice_id": "ks1", "witnessed": SignedHead {
             keyservice_id: "ks1".into(),
             records: 100,
             hash,
             signature: Some(confed_attestation::release::sign_text(&forger, &text)),
-        }
+        }})
     };
     let lying = axum::Router::new().route(
         "/v1/audit/witnessed/{id}",
@@ -505,22 +607,24 @@ async fn a_down_or_lying_peer_neither_stops_nor_rolls_back_an_honest_service() {
         }),
     );
     let ks3_url = serve(lying).await;
-    let urls = [String::new(), ks2_url, ks3_url];
+    let unversioned = serve(axum::Router::new()).await;
+    let urls = [String::new(), ks2_url.clone(), ks3_url.clone()];
     let (listener, _) = bind().await;
-    let both = start_witnessing(&world, 1, &urls, Some(2), listener);
+    let both = Witnessing::start(&world, 1, &urls, Some(2), listener).await;
     assert!(
-        matches!(ask_peers(&both).await, GateState::Waiting { ref answered, needed: 2 } if answered.len() == 1),
+        matches!(both.ask_peers().await, GateState::Waiting { ref answered, needed: 2 } if answered.len() == 1),
         "the forged answer is no answer, and no rollback"
     );
     let (listener, _) = bind().await;
-    let quorum = start_witnessing(&world, 1, &urls, None, listener);
-    assert_eq!(ask_peers(&quorum).await, GateState::Open);
+    let quorum = Witnessing::start(&world, 1, &urls, None, listener).await;
+    assert_eq!(quorum.ask_peers().await, GateState::Open);
 
-    // With ks2 down as well, ks1 waits (and says so) rather than granting on no evidence.
-    let urls = [String::new(), down_url().await, urls[2].clone()];
+    // With ks2 down and ks3 answering 404, ks1 waits (and says so) rather than granting on no
+    // evidence.
+    let urls = [String::new(), down_url().await, unversioned];
     let (listener, _) = bind().await;
-    let alone = start_witnessing(&world, 1, &urls, None, listener);
-    assert!(matches!(ask_peers(&alone).await, GateState::Waiting { .. }));
+    let alone = Witnessing::start(&world, 1, &urls, None, listener).await;
+    assert!(matches!(alone.ask_peers().await, GateState::Waiting { .. }));
 }
 
 /// Anyone can push a head; only a configured peer's, signed with its key, is kept.
@@ -529,7 +633,7 @@ async fn a_pushed_head_not_signed_by_the_peer_it_names_is_refused_and_not_kept()
     let world = World::new(2, 3);
     let (listener, ks2_url) = bind().await;
     let urls = [down_url().await, ks2_url.clone()];
-    let ks2 = start_witnessing(&world, 2, &urls, None, listener);
+    let ks2 = Witnessing::start(&world, 2, &urls, None, listener).await;
     let client = reqwest::Client::new();
     let attacker = confed_attestation::exchange::generate_signing_key();
     for (id, key) in [("ks1", &attacker), ("ks9", &world.signing_key(1))] {
@@ -549,11 +653,17 @@ async fn a_pushed_head_not_signed_by_the_peer_it_names_is_refused_and_not_kept()
             .unwrap();
         assert_eq!(response.status(), 403, "{id}");
     }
-    assert!(ks2.witnesses.lock().unwrap().latest("ks1").is_none());
-    let response = client
+    assert!(ks2.witnessed("ks1").is_none());
+    let answer: serde_json::Value = client
         .get(format!("{ks2_url}/v1/audit/witnessed/ks1"))
         .send()
         .await
+        .unwrap()
+        .json()
+        .await
         .unwrap();
-    assert_eq!(response.status(), 404);
+    assert_eq!(
+        answer,
+        serde_json::json!({"keyservice_id": "ks1", "witnessed": null})
+    );
 }

@@ -17,43 +17,51 @@ use crate::ledger::Ledger;
 /// The decision name of an acknowledgement record.
 pub const LOSS_ACKNOWLEDGED: &str = "loss_acknowledged";
 
-/// Appends the acknowledgement of `lost` to the log at `path` (the service stopped). A local
-/// checkpoint that names exactly `lost` is moved aside to `<checkpoint>.superseded-<records>`
-/// first (it would refuse the open); any other mismatch refuses.
+/// Appends the acknowledgement of `lost` to the log at `path` (the service stopped), after
+/// verifying every record, then writes a checkpoint after it. A local checkpoint that named
+/// exactly `lost` is kept as `<checkpoint>.superseded-<records>`. Refuses a head the log
+/// contains and one already acknowledged.
 pub fn acknowledge_loss(
     path: &Path,
     keyservice_id: &str,
     key: Arc<p256::ecdsa::SigningKey>,
     lost: LostHead,
+    signature: &str,
     note: &str,
     now: i64,
 ) -> Result<Record, AuditError> {
+    // Only a head this service signed can have been lost (a typo names nothing, and would
+    // otherwise be written as an acknowledgement of it).
+    let signed = lost.records > 0
+        && confed_attestation::release::verify_text(
+            key.verifying_key(),
+            &crate::audit::head_text(keyservice_id, lost.records - 1, &lost.hash),
+            signature,
+        );
+    if !signed {
+        return Err(AuditError::Broken {
+            path: path.to_path_buf(),
+            line: 0,
+            reason: format!(
+                "the head ({} records, hash {}) with that signature is not one key service {keyservice_id} signed: copy --records, --hash and --signature from the refusal",
+                lost.records, lost.hash
+            ),
+        });
+    }
+    // Every record is verified, the checkpoint neither used nor rewritten yet: if this stops
+    // before the acknowledgement is written, the next start still refuses.
     let mut ledger = Ledger::default();
-    let (mut log, _) =
-        match AuditLog::open_checkpointed(path, keyservice_id, key.clone(), &mut ledger) {
-            Err(AuditError::RolledBack { lost: named, .. }) if named == lost => {
-                let checkpoint = crate::checkpoint::path_for(path);
-                let aside = PathBuf::from(format!(
-                    "{}.superseded-{}",
-                    checkpoint.display(),
-                    lost.records
-                ));
-                std::fs::rename(&checkpoint, &aside).map_err(|source| AuditError::Io {
-                    path: checkpoint.clone(),
-                    source,
-                })?;
-                ledger = Ledger::default();
-                AuditLog::open_checkpointed(path, keyservice_id, key, &mut ledger)?
-            }
-            other => other?,
-        };
-    let contained = lost.records == 0
-        || (log.head().records >= lost.records
-            && crate::rollback::hash_at(path, lost.records - 1)
-                .ok()
-                .flatten()
-                .as_deref()
-                == Some(lost.hash.as_str()));
+    let mut log =
+        AuditLog::open_ignoring_checkpoint(path, keyservice_id, key.clone(), &mut ledger)?;
+    let io = |source| AuditError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let contained = log.head().records >= lost.records
+        && crate::rollback::hash_at(path, lost.records - 1)
+            .map_err(io)?
+            .as_deref()
+            == Some(lost.hash.as_str());
     if contained {
         return Err(AuditError::Broken {
             path: path.to_path_buf(),
@@ -61,6 +69,17 @@ pub fn acknowledge_loss(
             reason: "the log contains this head: nothing was lost, nothing to acknowledge".into(),
         });
     }
+    if ledger.acknowledged(&lost) {
+        return Err(AuditError::Broken {
+            path: path.to_path_buf(),
+            line: log.head().records as usize,
+            reason: "this loss is already acknowledged in the log".into(),
+        });
+    }
+    // A checkpoint naming exactly the lost head is kept aside (it stands for the lost records).
+    let checkpoint = crate::checkpoint::path_for(path);
+    let named = crate::checkpoint::load_matching(path, keyservice_id, key.verifying_key());
+    let aside = matches!(&named, Err(crate::checkpoint::Unmatched::LogBehind { lost: n, .. }) if *n == lost);
     let record = log.append(Decision {
         at: now,
         keyservice_id: keyservice_id.into(),
@@ -79,9 +98,18 @@ pub fn acknowledge_loss(
         policy_rounds: None,
         enclave_signing_key: None,
         key_scope: None,
-        acknowledged_loss: Some(lost),
+        acknowledged_loss: Some(lost.clone()),
     })?;
     ledger.restore(&record);
+    if aside {
+        let kept = PathBuf::from(format!(
+            "{}.superseded-{}",
+            checkpoint.display(),
+            lost.records
+        ));
+        std::fs::copy(&checkpoint, &kept).map_err(io)?;
+    }
+    // Replaces the checkpoint: the next start begins after the acknowledgement.
     log.checkpoint(&ledger);
     Ok(record)
 }
@@ -138,6 +166,7 @@ mod tests {
             records: 4,
             hash: log.head().hash.clone(),
         };
+        let signature = log.head().signature.clone().unwrap();
         drop(log);
         std::fs::copy(dir.path().join("backup"), &path).unwrap();
         let refused = open(&key).unwrap_err();
@@ -154,9 +183,21 @@ mod tests {
             records: 9,
             hash: "f".repeat(64),
         };
-        assert!(acknowledge_loss(&path, "ks1", key.clone(), other, "no", 2_000).is_err());
-        let record =
-            acknowledge_loss(&path, "ks1", key.clone(), lost.clone(), "disk lost", 2_000).unwrap();
+        let typo = acknowledge_loss(&path, "ks1", key.clone(), other, &signature, "no", 2_000);
+        assert!(
+            matches!(&typo, Err(AuditError::Broken { reason, .. }) if reason.contains("not one key service ks1 signed")),
+            "{typo:?}"
+        );
+        let record = acknowledge_loss(
+            &path,
+            "ks1",
+            key.clone(),
+            lost.clone(),
+            &signature,
+            "disk lost",
+            2_000,
+        )
+        .unwrap();
         assert_eq!(record.seq, 2);
         assert_eq!(record.decision.decision, LOSS_ACKNOWLEDGED);
         assert_eq!(record.decision.acknowledged_loss, Some(lost.clone()));
@@ -164,14 +205,26 @@ mod tests {
         let mut reopened = Ledger::default();
         let started = AuditLog::open_checkpointed(&path, "ks1", key.clone(), &mut reopened);
         assert!(started.is_ok(), "{:?}", started.err());
-        assert_eq!(reopened.acknowledged_through(), 4);
+        assert!(reopened.acknowledged(&lost));
+        assert!(
+            dir.path()
+                .join("audit.jsonl.checkpoint.superseded-4")
+                .exists(),
+            "the checkpoint that named the lost head is kept"
+        );
+        let (started, _) = started.unwrap();
         let head = LostHead {
             records: 3,
-            hash: started.unwrap().0.head().hash.clone(),
+            hash: started.head().hash.clone(),
         };
+        let signed = started.head().signature.clone().unwrap();
         assert!(
-            acknowledge_loss(&path, "ks1", key, head, "x", 3).is_err(),
+            acknowledge_loss(&path, "ks1", key.clone(), head, &signed, "x", 3).is_err(),
             "a head the log contains is not a loss"
+        );
+        assert!(
+            acknowledge_loss(&path, "ks1", key, lost, &signature, "again", 3).is_err(),
+            "acknowledged once"
         );
     }
 }

@@ -31,12 +31,13 @@ pub enum AuditError {
     /// The log lost records this key service had made durable: its own signed checkpoint names
     /// a record the log no longer has.
     #[error(
-        "audit log {path} is behind this key service's own checkpoint ({why}): release decisions it made durable are gone (a rollback, or a restore from an older copy), and its release ledger with them. Restore the newer log; only to accept the loss, run `confed keyservice audit acknowledge-loss {path} --id ID --signing-key FILE --records {} --hash {} --note WHY` with the service stopped (the ledger then forgets those rounds)", lost.records, lost.hash
+        "audit log {path} is behind this key service's own checkpoint ({why}): release decisions it made durable are gone (a rollback, or a restore from an older copy), and its release ledger with them. Restore the newer log; only to accept the loss, run `confed keyservice audit acknowledge-loss {path} --id ID --signing-key FILE --records {} --hash {} --signature {signature} --note WHY` with the service stopped (the ledger then forgets those rounds)", lost.records, lost.hash
     )]
     RolledBack {
         path: PathBuf,
         why: String,
         lost: LostHead,
+        signature: String,
     },
     #[error(
         "audit log {path} is in use by a running key service ({lock} is locked); stop it first"
@@ -348,7 +349,13 @@ pub struct AuditLog {
     broken: bool,
     /// Bytes of the file up to the head (a checkpoint's offset).
     length: u64,
+    /// (seq, byte offset) of the records appended by this process, the latest
+    /// `RECENT_OFFSETS`: where a peer's request for recent records starts reading.
+    recent: std::collections::VecDeque<(u64, u64)>,
 }
+
+/// Appended records whose offsets are remembered (`records_from`).
+const RECENT_OFFSETS: usize = 4096;
 
 /// Where an opened log's verification started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -401,6 +408,7 @@ impl AuditLog {
             signer: None,
             broken: false,
             length,
+            recent: Default::default(),
         })
     }
 
@@ -421,6 +429,27 @@ impl AuditLog {
         key: std::sync::Arc<p256::ecdsa::SigningKey>,
         ledger: &mut super::ledger::Ledger,
     ) -> Result<(Self, VerifiedFrom), AuditError> {
+        Self::open_signed(path, keyservice_id, key, ledger, true)
+    }
+
+    /// `open_checkpointed` without looking at the checkpoint or writing one: every record is
+    /// verified (what acknowledging a loss below the checkpoint needs).
+    pub fn open_ignoring_checkpoint(
+        path: &Path,
+        keyservice_id: &str,
+        key: std::sync::Arc<p256::ecdsa::SigningKey>,
+        ledger: &mut super::ledger::Ledger,
+    ) -> Result<Self, AuditError> {
+        Self::open_signed(path, keyservice_id, key, ledger, false).map(|(log, _)| log)
+    }
+
+    fn open_signed(
+        path: &Path,
+        keyservice_id: &str,
+        key: std::sync::Arc<p256::ecdsa::SigningKey>,
+        ledger: &mut super::ledger::Ledger,
+        use_checkpoint: bool,
+    ) -> Result<(Self, VerifiedFrom), AuditError> {
         if let Some(copy) = recover_torn_tail(path)? {
             tracing::error!(
                 log = %path.display(), copy = %copy.display(),
@@ -429,25 +458,33 @@ impl AuditLog {
             );
         }
         use super::checkpoint::Unmatched;
-        let checkpoint =
-            match super::checkpoint::load_matching(path, keyservice_id, key.verifying_key()) {
-                Ok(found) => found,
-                Err(Unmatched::Unusable(why)) => {
-                    // Not this service's, or not readable: it stands for nothing, and the whole
-                    // log (signatures included) is verified instead.
-                    tracing::warn!(log = %path.display(), %why,
+        let found = match use_checkpoint {
+            true => super::checkpoint::load_matching(path, keyservice_id, key.verifying_key()),
+            false => Ok(None),
+        };
+        let checkpoint = match found {
+            Ok(found) => found,
+            Err(Unmatched::Unusable(why)) => {
+                // Not this service's, or not readable: it stands for nothing, and the whole
+                // log (signatures included) is verified instead.
+                tracing::warn!(log = %path.display(), %why,
                         "not using the audit checkpoint; verifying the whole log");
-                    None
-                }
-                Err(Unmatched::LogBehind { why, lost }) => {
-                    return Err(AuditError::RolledBack {
-                        path: path.to_path_buf(),
-                        why,
-                        lost,
-                    });
-                }
+                None
             }
-            .and_then(|c| Some((super::ledger::Ledger::from_json(&c.ledger).ok()?, c)));
+            Err(Unmatched::LogBehind {
+                why,
+                lost,
+                signature,
+            }) => {
+                return Err(AuditError::RolledBack {
+                    path: path.to_path_buf(),
+                    why,
+                    lost,
+                    signature,
+                });
+            }
+        }
+        .and_then(|c| Some((super::ledger::Ledger::from_json(&c.ledger).ok()?, c)));
         let verifying = *key.verifying_key();
         let check = SignatureCheck {
             keyservice_id,
@@ -494,7 +531,7 @@ impl AuditLog {
             });
         }
         let log = log.signed_by(keyservice_id, key);
-        if from == VerifiedFrom::Start {
+        if from == VerifiedFrom::Start && use_checkpoint {
             log.checkpoint(ledger);
         }
         Ok((log, from))
@@ -533,6 +570,18 @@ impl AuditLog {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Where to start reading for record `seq`: its offset when this process appended it
+    /// (recently), else the file's start.
+    pub fn offset_hint(&self, seq: u64) -> (u64, u64) {
+        match self.recent.front() {
+            Some(&(first, _)) if seq >= first => {
+                let index = (seq - first) as usize;
+                self.recent.get(index).map_or((0, 0), |&(s, at)| (s, at))
+            }
+            _ => (0, 0),
+        }
     }
 
     /// The latest head, signed (what `GET /v1/audit/head` serves).
@@ -592,9 +641,16 @@ impl AuditLog {
             signature,
         };
         self.length = before + line.len() as u64;
+        if self.recent.len() == RECENT_OFFSETS {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((seq, before));
         Ok(record)
     }
 }
+
+mod history;
+pub use history::{find_acknowledgement, head_of, read_records, verify_extension};
 
 #[cfg(test)]
 mod tests;

@@ -118,6 +118,8 @@ pub enum Unmatched {
     LogBehind {
         why: String,
         lost: super::audit::LostHead,
+        /// The lost head's signature (what `acknowledge-loss --signature` takes).
+        signature: String,
     },
 }
 
@@ -161,6 +163,10 @@ pub fn load_matching(
             records: checkpoint.records,
             hash: checkpoint.hash.clone(),
         },
+        signature: checkpoint
+            .record_signature
+            .clone()
+            .unwrap_or_else(|| "none".into()),
     };
     let record = line_ending_at(log, checkpoint.offset).map_err(|e| behind(e.to_string()))?;
     let record: Record = serde_json::from_slice(&record)

@@ -58,6 +58,10 @@ pub enum AuditCommand {
         /// The lost head's hash, as the refusal names it.
         #[arg(long)]
         hash: String,
+        /// The lost head's signature, as the refusal names it (only a head this service
+        /// signed is accepted).
+        #[arg(long)]
+        signature: String,
         /// Why the loss is accepted (kept in the record).
         #[arg(long)]
         note: String,
@@ -165,6 +169,7 @@ pub async fn run(
                 signing_key,
                 records,
                 hash,
+                signature,
                 note,
             },
     }) = command
@@ -175,7 +180,8 @@ pub async fn run(
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs() as i64);
         let lost = crate::audit::LostHead { records, hash };
-        let record = crate::acknowledge::acknowledge_loss(&file, &id, key, lost, &note, now)?;
+        let record =
+            crate::acknowledge::acknowledge_loss(&file, &id, key, lost, &signature, &note, now)?;
         println!(
             "loss acknowledged in record {} (head {}); start the key service again",
             record.seq, record.hash

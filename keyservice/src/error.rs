@@ -112,7 +112,8 @@ impl IntoResponse for KeyServiceApiError {
         let mut response = (status, axum::Json(problem)).into_response();
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        if status == StatusCode::SERVICE_UNAVAILABLE {
+        // A rolled-back service stays closed until its operator acts: no retry hint.
+        if status == StatusCode::SERVICE_UNAVAILABLE && kind != "audit-rolled-back" {
             headers.insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
         }
         response

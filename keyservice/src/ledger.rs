@@ -90,15 +90,10 @@ pub struct Entry<'a> {
 #[derive(Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Ledger {
     tasks: HashMap<String, TaskEntry>,
-    /// The largest head (in records) of lost records the operator acknowledged
-    /// (`loss_acknowledged` records): a peer's witnessed head up to it no longer stops grants
-    /// (`rollback.rs`).
-    #[serde(default, skip_serializing_if = "is_zero")]
-    acknowledged_through: u64,
-}
-
-fn is_zero(n: &u64) -> bool {
-    *n == 0
+    /// The heads of lost records the operator acknowledged (`loss_acknowledged` records),
+    /// exactly: a peer's witnessed head among them no longer stops grants (`rollback.rs`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    acknowledged_losses: Vec<super::audit::LostHead>,
 }
 
 impl Ledger {
@@ -106,8 +101,8 @@ impl Ledger {
     pub fn to_json(&self) -> String {
         let ordered: BTreeMap<&String, &TaskEntry> = self.tasks.iter().collect();
         let mut json = serde_json::json!({ "tasks": ordered });
-        if self.acknowledged_through > 0 {
-            json["acknowledged_through"] = self.acknowledged_through.into();
+        if !self.acknowledged_losses.is_empty() {
+            json["acknowledged_losses"] = serde_json::json!(self.acknowledged_losses);
         }
         serde_json::to_string(&json).expect("the ledger serializes")
     }
@@ -120,7 +115,9 @@ impl Ledger {
     pub fn restore(&mut self, record: &Record) {
         let d = &record.decision;
         if let Some(lost) = &d.acknowledged_loss {
-            self.acknowledged_through = self.acknowledged_through.max(lost.records);
+            if !self.acknowledged_losses.contains(lost) {
+                self.acknowledged_losses.push(lost.clone());
+            }
             return;
         }
         if d.decision != "granted" {
@@ -226,9 +223,9 @@ impl Ledger {
     }
 
     /// Committed rounds over all tasks.
-    /// Lost records up to this head (in records) were acknowledged by the operator.
-    pub fn acknowledged_through(&self) -> u64 {
-        self.acknowledged_through
+    /// Whether the operator acknowledged losing the records up to exactly this head.
+    pub fn acknowledged(&self, head: &super::audit::LostHead) -> bool {
+        self.acknowledged_losses.contains(head)
     }
 
     pub fn rounds(&self) -> usize {

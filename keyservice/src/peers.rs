@@ -13,12 +13,14 @@ use p256::ecdsa::VerifyingKey;
 use serde::Deserialize;
 use thiserror::Error;
 
-use crate::audit::SignedHead;
+use crate::audit::{Record, SignedHead};
 
 /// What one call to a peer may take: a lost peer costs at most this per attempt.
 pub const PEER_TIMEOUT: Duration = Duration::from_secs(5);
-/// A signed head is a few hundred bytes; anything larger is not one.
+/// A signed head (or one record) is a few hundred bytes; anything larger is not one.
 const MAX_ANSWER_BYTES: usize = 16 * 1024;
+/// `MAX_RECORDS_PER_ANSWER` records of at most ~2 KB each.
+const MAX_RECORDS_BYTES: usize = 1 << 20;
 
 #[derive(Debug, Error)]
 pub enum PeersError {
@@ -135,6 +137,37 @@ pub fn head_is_signed_by(head: &SignedHead, keyservice_id: &str, key: &Verifying
     confed_attestation::release::verify_text(key, &text, signature)
 }
 
+/// What `GET /v1/audit/witnessed/{id}` and `POST /v1/audit/witness` answer: the latest head of
+/// `keyservice_id` the answering service witnessed, or `null`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Witnessed {
+    pub keyservice_id: String,
+    pub witnessed: Option<SignedHead>,
+}
+
+/// `GET /v1/audit/records?from=K`: records `K..` of the answering service's log (at most
+/// `MAX_RECORDS_PER_ANSWER`).
+#[derive(Debug, Clone, serde::Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Records {
+    pub records: Vec<Record>,
+}
+
+/// `GET /v1/audit/acknowledgement?records=R&hash=H`: the `loss_acknowledged` record naming
+/// that head, or `null`.
+#[derive(Debug, Clone, serde::Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Acknowledgement {
+    pub record: Option<Record>,
+}
+
+/// Records per answer of `GET /v1/audit/records`.
+pub const MAX_RECORDS_PER_ANSWER: usize = 256;
+/// Records a witness fetches to verify one advance at most (a peer further ahead is verified
+/// over several pulls: each advances the kept head as far as it verified).
+pub const MAX_RECORDS_PER_ADVANCE: usize = 16 * MAX_RECORDS_PER_ANSWER;
+
 impl Peers {
     pub fn new(list: Vec<Peer>, quorum: Option<usize>) -> Self {
         let quorum = quorum.unwrap_or_else(|| default_quorum(list.len()));
@@ -148,45 +181,90 @@ impl Peers {
     /// `GET {peer}/v1/audit/head`: the peer's own latest signed head.
     pub async fn head(&self, peer: &Peer) -> Result<SignedHead, String> {
         let url = format!("{}/v1/audit/head", peer.url);
-        self.json(self.client.get(&url), &url)
-            .await?
-            .ok_or_else(|| format!("{url} answered 404"))
+        self.json(self.client.get(&url), &url, MAX_ANSWER_BYTES)
+            .await
     }
 
     /// `GET {peer}/v1/audit/witnessed/{of}`: the latest head of key service `of` the peer
-    /// witnessed (`None`: it witnessed none).
+    /// witnessed (`None`: it witnessed none). Anything but that answer is an error.
     pub async fn witnessed(&self, peer: &Peer, of: &str) -> Result<Option<SignedHead>, String> {
         let url = format!("{}/v1/audit/witnessed/{of}", peer.url);
-        self.json(self.client.get(&url), &url).await
+        let answer: Witnessed = self
+            .json(self.client.get(&url), &url, MAX_ANSWER_BYTES)
+            .await?;
+        Self::about(answer, of, &url)
     }
 
     /// `POST {peer}/v1/audit/witness` with this service's head; the peer answers with the
-    /// latest head of this service it witnessed (the one sent, or a later one it saw before).
+    /// latest head of this service it witnessed (the one sent, or one it kept before).
     pub async fn push(&self, peer: &Peer, head: &SignedHead) -> Result<Option<SignedHead>, String> {
         let url = format!("{}/v1/audit/witness", peer.url);
-        self.json(self.client.post(&url).json(head), &url).await
+        let answer: Witnessed = self
+            .json(self.client.post(&url).json(head), &url, MAX_ANSWER_BYTES)
+            .await?;
+        Self::about(answer, &head.keyservice_id, &url)
     }
 
-    async fn json(
+    fn about(answer: Witnessed, of: &str, url: &str) -> Result<Option<SignedHead>, String> {
+        if answer.keyservice_id != of
+            || answer
+                .witnessed
+                .as_ref()
+                .is_some_and(|h| h.keyservice_id != of)
+        {
+            return Err(format!("{url} answered about another key service"));
+        }
+        Ok(answer.witnessed)
+    }
+
+    /// `GET {peer}/v1/audit/records?from=K`.
+    pub async fn records(&self, peer: &Peer, from: u64) -> Result<Vec<Record>, String> {
+        let url = format!("{}/v1/audit/records?from={from}", peer.url);
+        let answer: Records = self
+            .json(self.client.get(&url), &url, MAX_RECORDS_BYTES)
+            .await?;
+        Ok(answer.records)
+    }
+
+    /// `GET {peer}/v1/audit/acknowledgement?records=R&hash=H`.
+    pub async fn acknowledgement(
+        &self,
+        peer: &Peer,
+        lost: &crate::audit::LostHead,
+    ) -> Result<Option<Record>, String> {
+        let url = format!(
+            "{}/v1/audit/acknowledgement?records={}&hash={}",
+            peer.url, lost.records, lost.hash
+        );
+        let answer: Acknowledgement = self
+            .json(self.client.get(&url), &url, MAX_ANSWER_BYTES)
+            .await?;
+        Ok(answer.record)
+    }
+
+    /// Sends `request`; a 200 answer of at most `cap` bytes, as `T`.
+    async fn json<T: serde::de::DeserializeOwned>(
         &self,
         request: reqwest::RequestBuilder,
         url: &str,
-    ) -> Result<Option<SignedHead>, String> {
-        let response = request.send().await.map_err(|e| format!("{url}: {e}"))?;
+        cap: usize,
+    ) -> Result<T, String> {
+        let mut response = request.send().await.map_err(|e| format!("{url}: {e}"))?;
         let status = response.status();
-        if status == reqwest::StatusCode::NOT_FOUND {
-            return Ok(None);
-        }
-        if !status.is_success() {
+        if status != reqwest::StatusCode::OK {
             return Err(format!("{url} answered {status}"));
         }
-        let bytes = response.bytes().await.map_err(|e| format!("{url}: {e}"))?;
-        if bytes.len() > MAX_ANSWER_BYTES {
-            return Err(format!("{url} answered more than {MAX_ANSWER_BYTES} bytes"));
+        if response.content_length().is_some_and(|n| n > cap as u64) {
+            return Err(format!("{url} answered more than {cap} bytes"));
         }
-        serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| format!("{url} did not answer a signed head: {e}"))
+        let mut bytes = Vec::new();
+        while let Some(chunk) = response.chunk().await.map_err(|e| format!("{url}: {e}"))? {
+            if bytes.len() + chunk.len() > cap {
+                return Err(format!("{url} answered more than {cap} bytes"));
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        serde_json::from_slice(&bytes).map_err(|e| format!("{url}: not the expected answer: {e}"))
     }
 }
 

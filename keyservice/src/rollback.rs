@@ -107,7 +107,7 @@ impl GrantGate {
 pub enum Verdict {
     /// The log contains the head.
     Consistent,
-    /// The log does not contain it, but the operator acknowledged losing records up to it.
+    /// The log does not contain it, but the operator acknowledged losing exactly this head.
     Acknowledged,
     /// Not this service's signed head: it proves nothing (the peer counts as not answering).
     Unusable(String),
@@ -126,11 +126,15 @@ pub async fn judge(service: &KeyService, witnessed: &SignedHead) -> Verdict {
     if witnessed.records == 0 {
         return Verdict::Consistent;
     }
+    let lost = crate::audit::LostHead {
+        records: witnessed.records,
+        hash: witnessed.hash.clone(),
+    };
     let Ok((own, path, acknowledged)) = service.audit.lock().map(|g| {
         (
             g.0.head().clone(),
             g.0.path().to_path_buf(),
-            g.1.acknowledged_through(),
+            g.1.acknowledged(&lost),
         )
     }) else {
         return Verdict::Unusable("the audit log is poisoned".into());
@@ -153,7 +157,7 @@ pub async fn judge(service: &KeyService, witnessed: &SignedHead) -> Verdict {
     if ours.as_deref() == Some(witnessed.hash.as_str()) {
         return Verdict::Consistent;
     }
-    if witnessed.records <= acknowledged {
+    if acknowledged {
         return Verdict::Acknowledged;
     }
     Verdict::Behind(format!(
@@ -162,14 +166,15 @@ pub async fn judge(service: &KeyService, witnessed: &SignedHead) -> Verdict {
          restore from an older copy, or a rollback), and its release ledger with them. It grants \
          nothing until its operator restores the newer log, or accepts the loss with the service \
          stopped: `confed keyservice audit acknowledge-loss LOG --id {} --signing-key FILE \
-         --records {} --hash {} --note WHY`",
+         --records {} --hash {} --signature {} --note WHY`",
         witnessed.records,
         witnessed.hash,
         own.records,
         own.hash,
         service.id,
         witnessed.records,
-        witnessed.hash
+        witnessed.hash,
+        witnessed.signature.as_deref().unwrap_or("none")
     ))
 }
 

@@ -38,6 +38,14 @@ pub fn router(service: KeyService) -> axum::Router {
             "/v1/audit/witnessed/{keyservice_id}",
             axum::routing::get(super::witness::witnessed),
         )
+        .route(
+            "/v1/audit/records",
+            axum::routing::get(super::witness::records),
+        )
+        .route(
+            "/v1/audit/acknowledgement",
+            axum::routing::get(super::witness::acknowledgement),
+        )
         .route("/healthz", axum::routing::get(|| async { "ok" }))
         .fallback(|| async { ApiError::NotFound("no such route on this key service".into()) })
         // A release request carries the task policy (up to 80 KiB) besides the token.
@@ -309,6 +317,7 @@ async fn release(
     let refusals = service.refusals.clone();
     let ledger_key_id = key_id.clone();
     let head_changed = service.head_changed.clone();
+    let gate = service.gate.clone();
     let record = tokio::task::spawn_blocking(move || {
         let mut guard = audit.lock().map_err(|_| "audit log poisoned".to_string())?;
         let (log, ledger) = &mut *guard;
@@ -323,6 +332,11 @@ async fn release(
             at: now,
         };
         if report.passed() {
+            // The gate again, under the audit lock: a rollback found while the evidence was
+            // appraised closes it before anything is granted.
+            if let Err(closed) = gate.check() {
+                return Ok(Err(closed));
+            }
             report.record("release_ledger", ledger.admit(&entry).map(|_| ()));
         }
         let failed: Vec<FailedCheck> = report
@@ -356,7 +370,7 @@ async fn release(
             if let Err(why) = admitted {
                 metrics::counter!("confed_keyservice_refusals_unrecorded_total", "why" => why.as_str())
                     .increment(1);
-                return Ok::<_, String>((None, failed, request));
+                return Ok::<_, String>(Ok((None, failed, request)));
             }
         }
         let record = log.append(decision).map_err(|e| e.to_string())?;
@@ -369,11 +383,11 @@ async fn release(
         if granted || log.head().records % super::checkpoint::CHECKPOINT_EVERY == 0 {
             log.checkpoint(ledger);
         }
-        Ok::<_, String>((Some(record), failed, request))
+        Ok::<_, String>(Ok((Some(record), failed, request)))
     })
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))?
-    .map_err(|e| ApiError::Internal(format!("audit append failed, nothing released: {e}")))?;
+    .map_err(|e| ApiError::Internal(format!("audit append failed, nothing released: {e}")))??;
     let (record, failed, request) = record;
     let granted = failed.is_empty();
     let Some(record) = record else {

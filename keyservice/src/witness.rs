@@ -5,10 +5,14 @@
 //! Heads arrive two ways: a peer pushes its head after each record it appends
 //! (`POST /v1/audit/witness`), and this service pulls every peer's head periodically
 //! (`GET /v1/audit/head`), which covers pushes lost while either side was down. A head is kept
-//! only if its peer's key signed it and it is ahead of the one kept: a stored head moves forward
-//! only, so the file is written at most once per record a peer appends. A head behind the one
-//! kept, or another hash at the same length, means the peer lost records (or acknowledged a loss
-//! and has not yet grown past it): logged and counted, never stored.
+//! only if its peer's key signed it and it **extends** the one kept: this service fetches the
+//! records between the two (`GET /v1/audit/records`) and checks that they chain from the kept
+//! head to the new one. A restored log that grew past the kept head on another history is a
+//! fork: not kept, so the kept head keeps showing the loss. The one way off a kept head that is
+//! not extended: the peer's log holds a signed `loss_acknowledged` record naming exactly that
+//! head, and the new head extends that record. A head behind the kept one, or another hash at
+//! its length, means the peer lost records: counted, never stored (logged loudly on pulls; a
+//! push of an old head is anyone's replay). The file is written at most once per advance.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -20,7 +24,7 @@ use crate::KeyService;
 use crate::audit::SignedHead;
 use crate::error::KeyServiceApiError as ApiError;
 use crate::extract::{ApiBytes, ApiPath};
-use crate::peers::{Peers, head_is_signed_by};
+use crate::peers::{Acknowledgement, Peers, Records, Witnessed, head_is_signed_by};
 
 const FORMAT: &str = "confed-audit-witness/v1";
 
@@ -45,6 +49,9 @@ pub enum Observation {
     Same,
     /// Behind the kept one, or another hash at its length: the peer lost records.
     Rewound { witnessed: SignedHead },
+    /// Ahead of the kept one, but not on its history (and no acknowledgement of the kept head
+    /// leads to it), or its records could not be fetched: not kept.
+    Unverified { witnessed: SignedHead, why: String },
 }
 
 /// The latest head of each peer, kept in `<audit log>.witnessed.json`.
@@ -64,8 +71,11 @@ impl WitnessStore {
                 Ok(file) if file.format == FORMAT => file.heads,
                 outcome => {
                     let why = outcome.map_or_else(|e| e.to_string(), |f| f.format);
-                    tracing::error!(file = %path.display(), %why,
-                        "the witness file is not readable; starting without witnessed heads");
+                    let aside = PathBuf::from(format!("{}.unreadable", path.display()));
+                    let moved = std::fs::rename(&path, &aside);
+                    tracing::error!(file = %path.display(), aside = %aside.display(), %why,
+                        moved = moved.is_ok(),
+                        "the witness file is not readable; set aside, starting without witnessed heads");
                     BTreeMap::new()
                 }
             },
@@ -83,9 +93,10 @@ impl WitnessStore {
         self.heads.get(peer)
     }
 
-    /// Keeps `head` (already verified as its peer's) if it is ahead of the kept one.
-    pub fn observe(&mut self, head: SignedHead) -> std::io::Result<Observation> {
-        let observation = match self.heads.get(&head.keyservice_id) {
+    /// What `head` (already verified as its peer's) is to the kept one: `Advanced` means it is
+    /// ahead (or the first) and still has to be shown to extend the kept one before `keep`.
+    pub fn classify(&self, head: &SignedHead) -> Observation {
+        match self.heads.get(&head.keyservice_id) {
             Some(kept) if kept.records == head.records && kept.hash == head.hash => {
                 Observation::Same
             }
@@ -93,27 +104,45 @@ impl WitnessStore {
                 witnessed: kept.clone(),
             },
             _ => Observation::Advanced,
-        };
-        if observation == Observation::Advanced {
-            let mut heads = self.heads.clone();
-            heads.insert(head.keyservice_id.clone(), head);
-            let file = WitnessFile {
-                format: FORMAT.into(),
-                heads,
-            };
-            let bytes = serde_json::to_vec(&file).map_err(std::io::Error::other)?;
-            crate::checkpoint::write_atomically(&self.path, &bytes)?;
-            self.heads = file.heads;
         }
-        Ok(observation)
+    }
+
+    /// Keeps `head` as its peer's latest (durably: the file is replaced atomically).
+    pub fn keep(&mut self, head: SignedHead) -> std::io::Result<()> {
+        let mut heads = self.heads.clone();
+        heads.insert(head.keyservice_id.clone(), head);
+        let file = WitnessFile {
+            format: FORMAT.into(),
+            heads,
+        };
+        let bytes = serde_json::to_vec(&file).map_err(std::io::Error::other)?;
+        crate::checkpoint::write_atomically(&self.path, &bytes)?;
+        self.heads = file.heads;
+        Ok(())
     }
 }
 
-/// Verifies `head` against the configured peer it names and keeps it; what happened, or why it
-/// was not a peer's head.
-pub fn observe(service: &KeyService, head: SignedHead) -> Result<Observation, ApiError> {
-    let peers = service.peers.as_deref().map_or(&[][..], |p| &p.list[..]);
-    let Some(peer) = peers.iter().find(|p| p.id == head.keyservice_id) else {
+/// How a head reached this service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Via {
+    /// Pushed by whoever sent it (possibly a replay of an old head).
+    Push,
+    /// Pulled from the peer itself.
+    Pull,
+}
+
+/// Verifies `head` against the configured peer it names and keeps it if it extends the kept
+/// one; what happened, or why it was not a peer's head.
+pub async fn observe(
+    service: &KeyService,
+    head: SignedHead,
+    via: Via,
+) -> Result<Observation, ApiError> {
+    let peers = service.peers.clone();
+    let Some(peer) = peers
+        .as_deref()
+        .and_then(|p| p.list.iter().find(|p| p.id == head.keyservice_id))
+    else {
         return Err(ApiError::Forbidden(format!(
             "{:?} is not a peer of key service {}",
             head.keyservice_id, service.id
@@ -125,56 +154,174 @@ pub fn observe(service: &KeyService, head: SignedHead) -> Result<Observation, Ap
             peer.id
         )));
     }
-    let id = head.keyservice_id.clone();
-    let observed = service
-        .witnesses
-        .lock()
-        .map_err(|_| ApiError::Internal("witness store poisoned".into()))?
-        .observe(head.clone())
-        .map_err(|e| ApiError::Internal(format!("the witness file cannot be written: {e}")))?;
-    if let Observation::Rewound { witnessed } = &observed {
-        metrics::counter!("confed_keyservice_peer_rewinds_seen_total", "peer" => id.clone())
-            .increment(1);
-        tracing::error!(
-            peer = %id, shown_records = head.records, shown_hash = %head.hash,
-            witnessed_records = witnessed.records, witnessed_hash = %witnessed.hash,
-            "a peer's audit log is behind what this service witnessed of it: it lost records \
-             (a rollback or a restore), unless its operator acknowledged the loss"
-        );
+    let (observed, kept) = {
+        let store = service
+            .witnesses
+            .lock()
+            .map_err(|_| ApiError::Internal("witness store poisoned".into()))?;
+        (store.classify(&head), store.latest(&peer.id).cloned())
+    };
+    let observed = match (observed, kept) {
+        (Observation::Advanced, kept) => {
+            let extends = match &kept {
+                None => Ok(()), // the first head of a peer is taken as it is
+                Some(kept) => {
+                    let peers = peers.as_deref().expect("a peer was found above");
+                    extends(peers, peer, kept, &head).await
+                }
+            };
+            match extends {
+                Ok(()) => {
+                    keep(service, head.clone()).await?;
+                    Observation::Advanced
+                }
+                Err(why) => Observation::Unverified {
+                    witnessed: kept.unwrap_or_else(|| head.clone()),
+                    why,
+                },
+            }
+        }
+        (other, _) => other,
+    };
+    let loud = via == Via::Pull;
+    match &observed {
+        Observation::Rewound { witnessed } if loud => {
+            metrics::counter!("confed_keyservice_peer_rewinds_seen_total", "peer" => peer.id.clone())
+                .increment(1);
+            tracing::error!(
+                peer = %peer.id, shown_records = head.records, shown_hash = %head.hash,
+                witnessed_records = witnessed.records, witnessed_hash = %witnessed.hash,
+                "a peer's audit log is behind what this service witnessed of it: it lost records \
+                 (a rollback or a restore), unless its operator acknowledged the loss"
+            );
+        }
+        Observation::Unverified { witnessed, why } if loud => {
+            metrics::counter!("confed_keyservice_peer_rewinds_seen_total", "peer" => peer.id.clone())
+                .increment(1);
+            tracing::error!(
+                peer = %peer.id, shown_records = head.records,
+                witnessed_records = witnessed.records, witnessed_hash = %witnessed.hash, %why,
+                "a peer's head does not extend what this service witnessed of it: kept the \
+                 witnessed head"
+            );
+        }
+        Observation::Rewound { .. } | Observation::Unverified { .. } => {
+            tracing::debug!(peer = %peer.id, ?observed, "a pushed head was not kept")
+        }
+        _ => {}
     }
     Ok(observed)
 }
 
+/// Whether `head` extends `kept` in `peer`'s log: the records between chain from one to the
+/// other, or (after an acknowledged loss) from the peer's signed acknowledgement of `kept`.
+async fn extends(
+    peers: &Peers,
+    peer: &crate::peers::Peer,
+    kept: &SignedHead,
+    head: &SignedHead,
+) -> Result<(), String> {
+    let direct = chain_between(peers, peer, kept, head).await;
+    let Err(why) = direct else {
+        return Ok(());
+    };
+    let lost = crate::audit::LostHead {
+        records: kept.records,
+        hash: kept.hash.clone(),
+    };
+    let Some(acknowledgement) = peers.acknowledgement(peer, &lost).await.ok().flatten() else {
+        return Err(why);
+    };
+    // The acknowledgement must be a record the peer signed, naming exactly the kept head, and
+    // the new head must extend it.
+    let from = crate::audit::head_of(&peer.id, &acknowledgement);
+    let signed = acknowledgement.decision.acknowledged_loss.as_ref() == Some(&lost)
+        && head_is_signed_by(&from, &peer.id, &peer.verifying_key);
+    if !signed {
+        return Err(format!(
+            "{why}; its acknowledgement of the kept head is not valid"
+        ));
+    }
+    if from.records == head.records && from.hash == head.hash {
+        tracing::info!(peer = %peer.id, "a peer acknowledged the loss of the head kept of it");
+        return Ok(());
+    }
+    chain_between(peers, peer, &from, head).await.map(|()| {
+        tracing::info!(peer = %peer.id, "a peer acknowledged the loss of the head kept of it");
+    })
+}
+
+/// Fetches the records from `from` to `to` and checks that they chain.
+async fn chain_between(
+    peers: &Peers,
+    peer: &crate::peers::Peer,
+    from: &SignedHead,
+    to: &SignedHead,
+) -> Result<(), String> {
+    let Some(wanted) = to.records.checked_sub(from.records) else {
+        return Err("the head is behind the record it should extend".into());
+    };
+    if wanted > crate::peers::MAX_RECORDS_PER_ADVANCE as u64 {
+        return Err(format!(
+            "{wanted} records since the kept head: more than one advance verifies"
+        ));
+    }
+    let mut records = Vec::with_capacity(wanted as usize);
+    while (records.len() as u64) < wanted {
+        let page = peers
+            .records(peer, from.records + records.len() as u64)
+            .await?;
+        if page.is_empty() {
+            break;
+        }
+        records.extend(page);
+    }
+    records.truncate(wanted as usize);
+    crate::audit::verify_extension(from, &records, to, &peer.id, &peer.verifying_key)
+}
+
+async fn keep(service: &KeyService, head: SignedHead) -> Result<(), ApiError> {
+    let witnesses = service.witnesses.clone();
+    tokio::task::spawn_blocking(move || {
+        witnesses
+            .lock()
+            .map_err(|_| ApiError::Internal("witness store poisoned".into()))?
+            .keep(head)
+            .map_err(|e| ApiError::Internal(format!("the witness file cannot be written: {e}")))
+    })
+    .await
+    .map_err(|e| ApiError::Internal(e.to_string()))?
+}
+
 /// `POST /v1/audit/witness`: a peer's signed head; answers the latest head of that peer this
-/// service witnessed (after keeping this one if it is ahead).
+/// service witnessed (after keeping this one if it extends the kept one).
 pub async fn accept(
     State(service): State<KeyService>,
     ApiBytes(body): ApiBytes,
-) -> Result<Json<SignedHead>, ApiError> {
+) -> Result<Json<Witnessed>, ApiError> {
     let head: SignedHead = serde_json::from_slice(&body).map_err(|e| {
         ApiError::BadRequest(format!(
             "the body is not a signed head ({{keyservice_id, records, hash, signature}}): {e}"
         ))
     })?;
     let id = head.keyservice_id.clone();
-    observe(&service, head)?;
-    latest_of(&service, &id)?
-        .map(Json)
-        .ok_or_else(|| ApiError::Internal("a kept head is missing".into()))
+    observe(&service, head, Via::Push).await?;
+    Ok(Json(Witnessed {
+        witnessed: latest_of(&service, &id)?,
+        keyservice_id: id,
+    }))
 }
 
 /// `GET /v1/audit/witnessed/{keyservice_id}`: the latest head of that key service this service
-/// witnessed; 404 when none.
+/// witnessed (`witnessed: null` when none).
 pub async fn witnessed(
     State(service): State<KeyService>,
     ApiPath(of): ApiPath<String>,
-) -> Result<Json<SignedHead>, ApiError> {
-    latest_of(&service, &of)?.map(Json).ok_or_else(|| {
-        ApiError::NotFound(format!(
-            "key service {} has witnessed no head of {of:?}",
-            service.id
-        ))
-    })
+) -> Result<Json<Witnessed>, ApiError> {
+    Ok(Json(Witnessed {
+        witnessed: latest_of(&service, &of)?,
+        keyservice_id: of,
+    }))
 }
 
 fn latest_of(service: &KeyService, of: &str) -> Result<Option<SignedHead>, ApiError> {
@@ -186,17 +333,92 @@ fn latest_of(service: &KeyService, of: &str) -> Result<Option<SignedHead>, ApiEr
         .cloned())
 }
 
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RecordsQuery {
+    from: u64,
+}
+
+/// `GET /v1/audit/records?from=K`: this service's records `K..`, at most
+/// `MAX_RECORDS_PER_ANSWER` (what a witness checks a new head against).
+pub async fn records(
+    State(service): State<KeyService>,
+    query: Result<axum::extract::Query<RecordsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<Records>, ApiError> {
+    let axum::extract::Query(RecordsQuery { from }) =
+        query.map_err(|e| ApiError::BadRequest(format!("send ?from=<record number>: {e}")))?;
+    let (path, hint, records) = {
+        let guard = service
+            .audit
+            .lock()
+            .map_err(|_| ApiError::Internal("audit log poisoned".into()))?;
+        (
+            guard.0.path().to_path_buf(),
+            guard.0.offset_hint(from),
+            guard.0.head().records,
+        )
+    };
+    if from >= records {
+        return Ok(Json(Records {
+            records: Vec::new(),
+        }));
+    }
+    let max = crate::peers::MAX_RECORDS_PER_ANSWER.min((records - from) as usize);
+    let read =
+        tokio::task::spawn_blocking(move || crate::audit::read_records(&path, hint, from, max))
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))?
+            .map_err(|e| ApiError::Internal(format!("reading the audit log: {e}")))?;
+    Ok(Json(Records { records: read }))
+}
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AcknowledgementQuery {
+    records: u64,
+    hash: String,
+}
+
+/// `GET /v1/audit/acknowledgement?records=R&hash=H`: this service's `loss_acknowledged` record
+/// naming that head, or `null`.
+pub async fn acknowledgement(
+    State(service): State<KeyService>,
+    query: Result<
+        axum::extract::Query<AcknowledgementQuery>,
+        axum::extract::rejection::QueryRejection,
+    >,
+) -> Result<Json<Acknowledgement>, ApiError> {
+    let axum::extract::Query(AcknowledgementQuery { records, hash }) = query
+        .map_err(|e| ApiError::BadRequest(format!("send ?records=<count>&hash=<hex>: {e}")))?;
+    let path = service
+        .audit
+        .lock()
+        .map_err(|_| ApiError::Internal("audit log poisoned".into()))?
+        .0
+        .path()
+        .to_path_buf();
+    let lost = crate::audit::LostHead { records, hash };
+    let record =
+        tokio::task::spawn_blocking(move || crate::audit::find_acknowledgement(&path, &lost))
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))?
+            .map_err(|e| ApiError::Internal(format!("reading the audit log: {e}")))?;
+    Ok(Json(Acknowledgement { record }))
+}
+
 /// Pulls every peer's head once and keeps those ahead; returns how many peers answered.
 pub async fn pull_once(service: &KeyService, peers: &Peers) -> usize {
     let mut answered = 0;
     for peer in &peers.list {
         match peers.head(peer).await {
-            Ok(head) if head.keyservice_id == peer.id => match observe(service, head) {
-                Ok(_) => answered += 1,
-                Err(error) => {
-                    tracing::warn!(peer = %peer.id, %error, "a peer's head was not kept")
+            Ok(head) if head.keyservice_id == peer.id => {
+                match observe(service, head, Via::Pull).await {
+                    Ok(_) => answered += 1,
+                    Err(error) => {
+                        tracing::warn!(peer = %peer.id, %error, "a peer's head was not kept")
+                    }
                 }
-            },
+            }
             Ok(head) => tracing::warn!(peer = %peer.id, named = %head.keyservice_id,
                 "a peer answered another key service's head"),
             Err(error) => {
@@ -211,6 +433,7 @@ pub async fn pull_once(service: &KeyService, peers: &Peers) -> usize {
 /// service) is judged like a start-up answer (`rollback::judge_answer`).
 pub async fn push_once(service: &KeyService, peers: &Peers) {
     let Ok(head) = service.audit.lock().map(|g| g.0.signed_head(&service.id)) else {
+        tracing::error!("the audit log is poisoned: not pushing its head");
         return;
     };
     for peer in &peers.list {
@@ -256,16 +479,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join("audit.jsonl");
         let mut store = WitnessStore::open(&log);
+        assert_eq!(store.classify(&head("ks2", 5, 'a')), Observation::Advanced);
+        store.keep(head("ks2", 5, 'a')).unwrap();
+        assert_eq!(store.classify(&head("ks2", 5, 'a')), Observation::Same);
         assert_eq!(
-            store.observe(head("ks2", 5, 'a')).unwrap(),
-            Observation::Advanced
-        );
-        assert_eq!(
-            store.observe(head("ks2", 5, 'a')).unwrap(),
-            Observation::Same
-        );
-        assert_eq!(
-            store.observe(head("ks2", 3, 'b')).unwrap(),
+            store.classify(&head("ks2", 3, 'b')),
             Observation::Rewound {
                 witnessed: head("ks2", 5, 'a')
             },
@@ -273,25 +491,25 @@ mod tests {
         );
         assert!(
             matches!(
-                store.observe(head("ks2", 5, 'c')).unwrap(),
+                store.classify(&head("ks2", 5, 'c')),
                 Observation::Rewound { .. }
             ),
             "another hash at the same length: a fork"
         );
-        assert_eq!(
-            store.observe(head("ks3", 1, 'd')).unwrap(),
-            Observation::Advanced
-        );
+        assert_eq!(store.classify(&head("ks2", 6, 'e')), Observation::Advanced);
+        store.keep(head("ks3", 1, 'd')).unwrap();
         let reopened = WitnessStore::open(&log);
         assert_eq!(reopened.latest("ks2"), Some(&head("ks2", 5, 'a')));
         assert_eq!(reopened.latest("ks3"), Some(&head("ks3", 1, 'd')));
     }
 
     #[test]
-    fn an_unreadable_witness_file_starts_empty() {
+    fn an_unreadable_witness_file_is_set_aside_and_the_store_starts_empty() {
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join("audit.jsonl");
         std::fs::write(path_for(&log), b"{not json").unwrap();
         assert!(WitnessStore::open(&log).latest("ks2").is_none());
+        let aside = format!("{}.unreadable", path_for(&log).display());
+        assert_eq!(std::fs::read(aside).unwrap(), b"{not json");
     }
 }
