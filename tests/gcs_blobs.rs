@@ -86,16 +86,17 @@ async fn objects_are_written_once_read_back_whole_and_described_by_metadata() {
     ));
 }
 
-/// A file (a spooled model upload) is streamed to the bucket, create-only like `put`, on both
-/// stores; what is read back is the file's content.
+/// A file (a spooled model upload) is stored create-only like `put`, on both stores; what is
+/// read back is the file's content; the same again is `AlreadyPresent` (GCS: the same size
+/// under a key that names the content's digest), another content a `Conflict`.
 #[tokio::test]
 async fn a_file_is_streamed_to_the_store_once_and_compared_when_present() {
     let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("model");
     let content: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
-    std::fs::write(&file, &content).unwrap();
-    let other = dir.path().join("other");
-    std::fs::write(&other, b"different").unwrap();
+    std::fs::write(dir.path().join("model"), &content).unwrap();
+    std::fs::write(dir.path().join("other"), b"different").unwrap();
+    let file = std::fs::File::open(dir.path().join("model")).unwrap();
+    let other = std::fs::File::open(dir.path().join("other")).unwrap();
     let mut stores: Vec<(&str, Box<dyn BlobStore>)> = vec![(
         "local",
         Box::new(confed::blob::LocalBlobStore::open(dir.path().join("blobs")).unwrap()),

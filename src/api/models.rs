@@ -74,7 +74,7 @@ pub async fn store_version_zero(
     .map_err(|e| ApiError::Internal(e.to_string()))??;
     let digest = spooled.sha256_hex.clone();
     let key = BlobKey::model(tenant_id, id, 0, &digest)?;
-    state.blobs.put_file(&key, spooled.path()).await?;
+    state.blobs.put_file(&key, spooled.file()).await?;
     let model = NewModel {
         blob_key: key.as_str().to_string(),
         sha256_hex: digest,

@@ -1,8 +1,8 @@
 //! Large request bodies (model uploads) go to a temporary file as they arrive, hashed on the
 //! way, instead of into memory: a 512 MiB model costs the front end a file in the temporary
 //! directory (`TMPDIR`), not 512 MiB of RSS, and a body over the limit is cut off at the limit.
-
-use std::path::Path;
+//! The file has no name (`O_TMPFILE`, or unlinked at once): whatever ends the request, a crash
+//! included, its space is given back.
 
 use axum::body::Body;
 use futures_util::StreamExt;
@@ -11,33 +11,35 @@ use tokio::io::AsyncWriteExt;
 
 use super::error::ApiError;
 
-/// Model uploads spooled at once by one process; more wait for a slot. Each may take up to the
-/// model limit on disk (docs/operations.md: size the temporary directory for it).
+/// Model uploads spooled at once by one process. Each may take up to the model limit on disk
+/// (docs/operations.md: size the temporary directory for it).
 pub const CONCURRENT_SPOOLS: usize = 4;
+/// How long an upload waits for a slot before it is answered 503 with `Retry-After`.
+const SLOT_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 static SPOOLS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(CONCURRENT_SPOOLS);
 
-/// A body written to a private temporary file (removed when this is dropped).
+/// A body written to a private, nameless temporary file (gone when this is dropped).
 #[derive(Debug)]
 pub struct Spooled {
-    file: tempfile::NamedTempFile,
+    file: std::fs::File,
     pub len: u64,
     pub sha256_hex: String,
     _slot: tokio::sync::SemaphorePermit<'static>,
 }
 
 impl Spooled {
-    pub fn path(&self) -> &Path {
-        self.file.path()
+    pub fn file(&self) -> &std::fs::File {
+        &self.file
     }
 
     /// The file's bytes mapped read-only (for validation without reading them into memory).
     pub fn map(&self) -> std::io::Result<memmap2::Mmap> {
-        // SAFETY: the file is this process's own temporary file (random name, mode 0600, in the
-        // temporary directory), written completely before this call and never written again
+        // SAFETY: the file is this process's own temporary file without a name (no other
+        // process can open it), written completely before this call and never written again
         // while the map lives (`Spooled` owns it and offers no writer), so the mapped bytes do
         // not change under the reader.
-        unsafe { memmap2::Mmap::map(self.file.as_file()) }
+        unsafe { memmap2::Mmap::map(&self.file) }
     }
 }
 
@@ -52,10 +54,15 @@ pub async fn spool_chunks<E: std::fmt::Display>(
     limit: u64,
     what: &str,
 ) -> Result<Spooled, ApiError> {
-    let slot = SPOOLS
-        .acquire()
-        .await
-        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let slot = match tokio::time::timeout(SLOT_WAIT, SPOOLS.acquire()).await {
+        Ok(slot) => slot.map_err(|e| ApiError::Internal(e.to_string()))?,
+        Err(_) => {
+            return Err(ApiError::Unavailable(format!(
+                "{CONCURRENT_SPOOLS} uploads of a {what} are in progress on this server; retry \
+                 after the Retry-After seconds"
+            )));
+        }
+    };
     let io = |e: std::io::Error| {
         if crate::blob::is_disk_full(&e) {
             super::error::disk_full(&format!("spooling the {what}: {e}"))
@@ -63,13 +70,13 @@ pub async fn spool_chunks<E: std::fmt::Display>(
             ApiError::Internal(format!("spooling the {what}: {e}"))
         }
     };
-    let file = tokio::task::spawn_blocking(tempfile::NamedTempFile::new)
+    let file = tokio::task::spawn_blocking(tempfile::tempfile)
         .await
         .map_err(|e| ApiError::Internal(e.to_string()))?
         .map_err(io)?;
     let mut writer = tokio::io::BufWriter::with_capacity(
         1 << 20,
-        tokio::fs::File::from_std(file.reopen().map_err(io)?),
+        tokio::fs::File::from_std(file.try_clone().map_err(io)?),
     );
     let mut digest = Sha256::new();
     let mut len = 0u64;

@@ -279,32 +279,41 @@ impl GcsBlobStore {
         }
     }
 
-    /// `put_inner` of a file's content, streamed from the file in pieces of at most
-    /// `FILE_UPLOAD_BUFFER` (a resumable upload above the crate's threshold), never held whole
-    /// in memory.
+    /// `put_inner` of a file's whole content, read from the file: the crate buffers a
+    /// single-shot upload (below its 16 MiB resumable threshold) and sends larger ones in
+    /// pieces of `FILE_UPLOAD_BUFFER`.
     async fn put_file_inner(
         &self,
         key: &BlobKey,
-        path: &std::path::Path,
+        file: &std::fs::File,
     ) -> Result<PutOutcome, BlobError> {
+        use tokio::io::AsyncSeekExt;
         let io = |source| BlobError::Io {
             key: key.as_str().to_string(),
             source,
         };
-        let file = tokio::fs::File::open(path).await.map_err(io)?;
+        let size = file.metadata().map_err(io)?.len();
+        let mut source = tokio::fs::File::from_std(file.try_clone().map_err(io)?);
+        source.rewind().await.map_err(io)?;
         let write = self
             .gcs
             .client
-            .write_object(self.gcs.bucket_resource(), self.object(key), file)
+            .write_object(self.gcs.bucket_resource(), self.object(key), source)
             .set_if_generation_match(0)
             .with_resumable_upload_buffer_size(FILE_UPLOAD_BUFFER);
         match write.send_buffered().await {
             Ok(_) => Ok(PutOutcome::Created),
-            Err(e) if e.http_status_code() == Some(412) => {
-                // Rare (the key names the content's digest): compare in memory.
-                let bytes = tokio::fs::read(path).await.map_err(io)?;
-                self.compare_existing(key, &bytes).await
-            }
+            // The object exists. Model keys name their content's SHA-256, so the same size
+            // under the same key is the same upload again (a retry after the database commit
+            // failed); comparing the bytes would read both into memory.
+            Err(e) if e.http_status_code() == Some(412) => match self.stat_inner(key).await? {
+                Some(existing) if existing.size == size => Ok(PutOutcome::AlreadyPresent),
+                Some(_) => Err(BlobError::Conflict(key.as_str().to_string())),
+                None => Err(self.remote(
+                    key,
+                    "GCS refused the create-only write (412) but has no such object",
+                )),
+            },
             Err(e) => Err(self.remote(key, e)),
         }
     }
@@ -420,9 +429,9 @@ impl BlobStore for GcsBlobStore {
     fn put_file<'a>(
         &'a self,
         key: &'a BlobKey,
-        path: &'a std::path::Path,
+        file: &'a std::fs::File,
     ) -> BlobFuture<'a, PutOutcome> {
-        Box::pin(self.put_file_inner(key, path))
+        Box::pin(self.put_file_inner(key, file))
     }
 
     fn get<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, Vec<u8>> {

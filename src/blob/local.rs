@@ -155,14 +155,16 @@ fn publish_no_replace(temp: &Path, target: &Path) -> std::io::Result<()> {
 #[derive(Debug, Clone, Copy)]
 enum Source<'a> {
     Bytes(&'a [u8]),
-    File(&'a Path),
+    File(&'a File),
 }
 
 impl Source<'_> {
     fn write_to(self, file: &mut File) -> std::io::Result<()> {
         match self {
             Self::Bytes(bytes) => file.write_all(bytes),
-            Self::File(path) => std::io::copy(&mut File::open(path)?, file).map(|_| ()),
+            Self::File(source) => {
+                std::io::copy(&mut super::FileFromStart::new(source), file).map(|_| ())
+            }
         }
     }
 
@@ -172,8 +174,8 @@ impl Source<'_> {
         match self {
             Self::Bytes(bytes) => Ok(fs::read(path)? == bytes),
             Self::File(mine) => {
-                let (mut a, mut b) = (File::open(mine)?, File::open(path)?);
-                if a.metadata()?.len() != b.metadata()?.len() {
+                let (mut a, mut b) = (super::FileFromStart::new(mine), File::open(path)?);
+                if mine.metadata()?.len() != b.metadata()?.len() {
                     return Ok(false);
                 }
                 let (mut x, mut y) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
@@ -222,12 +224,16 @@ impl BlobStore for LocalBlobStore {
         })
     }
 
-    fn put_file<'a>(&'a self, key: &'a BlobKey, path: &'a Path) -> BlobFuture<'a, PutOutcome> {
+    fn put_file<'a>(&'a self, key: &'a BlobKey, file: &'a File) -> BlobFuture<'a, PutOutcome> {
         Box::pin(async move {
             let store = self.clone();
             let key_owned = key.clone();
-            let path = path.to_path_buf();
-            tokio::task::spawn_blocking(move || store.put_blocking(&key_owned, Source::File(&path)))
+            let io = |source| BlobError::Io {
+                key: key.as_str().to_string(),
+                source,
+            };
+            let file = file.try_clone().map_err(io)?;
+            tokio::task::spawn_blocking(move || store.put_blocking(&key_owned, Source::File(&file)))
                 .await
                 .map_err(|e| BlobError::Io {
                     key: key.as_str().to_string(),

@@ -99,6 +99,36 @@ pub fn is_disk_full(error: &std::io::Error) -> bool {
         || error.kind() == std::io::ErrorKind::QuotaExceeded
 }
 
+/// A file's whole content, read by offset (its position is not used or moved).
+pub(crate) fn read_whole(file: &std::fs::File) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    FileFromStart::new(file).read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
+/// Reads a file from its start by offset (`pread`), leaving its position alone: the same open
+/// file can be read this way more than once.
+pub(crate) struct FileFromStart<'a> {
+    file: &'a std::fs::File,
+    at: u64,
+}
+
+impl<'a> FileFromStart<'a> {
+    pub(crate) fn new(file: &'a std::fs::File) -> Self {
+        Self { file, at: 0 }
+    }
+}
+
+impl std::io::Read for FileFromStart<'_> {
+    fn read(&mut self, buffer: &mut [u8]) -> std::io::Result<usize> {
+        use std::os::unix::fs::FileExt;
+        let n = self.file.read_at(buffer, self.at)?;
+        self.at += n as u64;
+        Ok(n)
+    }
+}
+
 /// The stores of one process: GCS when configured (`blobs/` and `contributions/` under the
 /// bucket's prefix), else `<data dir>/blobs` and the contribution log.
 pub async fn open_stores(
@@ -171,20 +201,19 @@ pub trait BlobStore: Send + Sync + std::fmt::Debug {
     /// no-op (`AlreadyPresent`); different bytes under an existing key are refused (`Conflict`).
     fn put<'a>(&'a self, key: &'a BlobKey, bytes: &'a [u8]) -> BlobFuture<'a, PutOutcome>;
 
-    /// `put` of a file's content (a spooled upload), streamed where the store can, so a large
-    /// object is never held whole in memory. The default reads the file and calls `put`.
+    /// `put` of a file's whole content (a spooled upload; read from its start whatever its
+    /// position), streamed where the store can, so a large object is never held whole in
+    /// memory. The default reads the file and calls `put`.
     fn put_file<'a>(
         &'a self,
         key: &'a BlobKey,
-        path: &'a std::path::Path,
+        file: &'a std::fs::File,
     ) -> BlobFuture<'a, PutOutcome> {
         Box::pin(async move {
-            let bytes = tokio::fs::read(path)
-                .await
-                .map_err(|source| BlobError::Io {
-                    key: key.as_str().to_string(),
-                    source,
-                })?;
+            let bytes = read_whole(file).map_err(|source| BlobError::Io {
+                key: key.as_str().to_string(),
+                source,
+            })?;
             self.put(key, &bytes).await
         })
     }

@@ -416,6 +416,9 @@ pub async fn upload_model(
     let mut model = None;
     while let Some(field) = multipart.next_field().await.map_err(bad)? {
         if field.name() == Some("model") {
+            if model.is_some() {
+                return Err(ApiError::BadRequest("the form sends one model file".into()).into());
+            }
             // Spooled to a temporary file like the API's upload, never whole in memory.
             let limit = state.limits.model_bytes as u64;
             model = Some(crate::api::spool::spool_chunks(field, limit, "model").await?);

@@ -65,11 +65,15 @@ impl DbError {
             Self::Sqlx(sqlx::Error::Io(e)) => !crate::blob::is_disk_full(e),
             Self::Sqlx(sqlx::Error::Tls(_)) => true,
             // PostgreSQL going down under a connection: `57P01` admin_shutdown, `57P02`
-            // crash_shutdown, `57P03` cannot_connect_now (starting up or shutting down), and
-            // class `08`, connection exceptions.
-            Self::Sqlx(sqlx::Error::Database(e)) => e
-                .code()
-                .is_some_and(|code| code.starts_with("57P") || code.starts_with("08")),
+            // crash_shutdown, `57P03` cannot_connect_now (starting up or shutting down), and the
+            // connection exceptions `08000`, `08001`, `08003`, `08006` (not `08P01`, a protocol
+            // violation, nor `57P04`, a dropped database: those are faults, not outages).
+            Self::Sqlx(sqlx::Error::Database(e)) => e.code().is_some_and(|code| {
+                matches!(
+                    &*code,
+                    "57P01" | "57P02" | "57P03" | "08000" | "08001" | "08003" | "08006"
+                )
+            }),
             _ => false,
         }
     }

@@ -206,6 +206,12 @@ impl KeyDirectory {
 
     /// Refreshes every `period` until the process ends.
     pub fn spawn_refresh(&self, urls: Vec<String>, period: Duration) {
+        // Not ready until the first refresh has answered (it runs in the background).
+        if let Ok(mut reach) = self.reach.write()
+            && reach.is_none()
+        {
+            *reach = Some((0, urls.len()));
+        }
         let directory = self.clone();
         tokio::spawn(async move {
             let client = confed_enclave::http::client(Duration::from_secs(10));
