@@ -95,8 +95,8 @@ impl Flood {
 pub async fn refusal_flood(seconds: u64) {
     let dir = tempfile::tempdir().unwrap();
     let outcome = generate(&CeremonyOptions {
-        shares: 1,
-        threshold: 1,
+        shares: 2,
+        threshold: 2,
         out_dir: dir.path().join("c"),
         not_before: 0,
         not_after: i64::from(u32::MAX),
@@ -179,11 +179,15 @@ pub async fn refusal_flood(seconds: u64) {
         let records =
             std::fs::read_to_string(&log).map_or(0, |t| t.lines().count()) - records_before;
         let answered = answered.load(Ordering::Relaxed);
+        // The bound: the refusal budget's records a minute, every minute of a day, at the size
+        // the records of this run had.
+        let per_record = bytes as f64 / records.max(1) as f64;
+        let budget = f64::from(confed::keyservice::refusals::PER_MINUTE);
         println!(
-            "refusal flood, {name}, {CLIENTS} connections, {elapsed:.0} s: {answered} releases answered ({:.0}/s, {} refused 403), {records} audit records written ({bytes} bytes): {:.1} MB a day at this rate",
+            "refusal flood, {name}, {CLIENTS} connections, {elapsed:.0} s: {answered} releases answered ({:.0}/s, {} refused 403), {records} audit records written ({bytes} bytes; the budget bounds a day at {budget:.0} x 1,440 x {per_record:.0} B = {:.1} MB)",
             answered as f64 / elapsed,
             refused.load(Ordering::Relaxed),
-            bytes as f64 / elapsed * 86_400.0 / 1e6
+            budget * 1440.0 * per_record / 1e6
         );
     }
 }
