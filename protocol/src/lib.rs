@@ -1,7 +1,8 @@
 //! The wire formats of confed, one definition for every party: the device messages of the task
 //! assignment API (`device`), key sets and their signatures (`keyset`, `keys`), the task policy a
 //! device agrees to (`policy`), the contribution envelope and its HPKE sealing (`envelope`,
-//! `hpke`), the device's trust file, and the state names the API reports (`states`).
+//! `hpke`), the device's trust file, the state names the API reports (`states`), and Privacy
+//! Pass device tokens (`privacy_pass`).
 //!
 //! This crate is what a device links (through `confed-device`), so it depends on no other confed
 //! crate, no database, HTTP server, DP or thread-pool crate; `docs/protocol.md` describes every
@@ -21,6 +22,7 @@ pub mod keys;
 pub mod keyset;
 pub mod mechanism;
 pub mod policy;
+pub mod privacy_pass;
 #[cfg(feature = "shares")]
 pub mod shares;
 pub mod states;
