@@ -344,3 +344,116 @@ async fn a_killed_key_service_remembers_the_rounds_it_committed() {
     );
     assert!(String::from_utf8_lossy(&verified.stdout).contains("3 records"));
 }
+
+/// The operator's path through a rolled-back log, as commands: `confed keyservice signing-key`
+/// prints the verifying key peers pin; `audit acknowledge-loss` is refused while the service
+/// runs (its lock) and for a head the service never signed; the start refused on a log behind
+/// its checkpoint names the exact command, which then lets it start, with the acknowledgement
+/// in the log that `audit verify` accepts.
+#[tokio::test]
+async fn an_operator_acknowledges_a_rolled_back_log_with_the_command_the_refusal_names() {
+    use std::os::unix::fs::PermissionsExt;
+    let setup = setup().await;
+    let dir = setup.dir.path();
+    let signing = dir.join("ks1-signing.pem");
+    let printed = confed()
+        .args(["keyservice", "signing-key"])
+        .arg(&signing)
+        .output()
+        .await
+        .unwrap();
+    assert!(printed.status.success());
+    let verifying = String::from_utf8(printed.stdout)
+        .unwrap()
+        .trim()
+        .to_string();
+    assert_eq!(
+        std::fs::metadata(&signing).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+
+    let (mut child, url) = start(&setup).await;
+    assert_eq!(key_set(&url).await.verifying_key, verifying);
+    let log = dir.join("audit.jsonl");
+    std::fs::copy(&log, dir.join("before.jsonl")).unwrap();
+    let (status, answer) = release(&setup, &url, "a").await;
+    assert_eq!(status, 200, "{answer}");
+    let acknowledge = |records: &str, hash: &str, signature: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_confed"))
+            .args(["keyservice", "audit", "acknowledge-loss"])
+            .arg(&log)
+            .args(["--id", "ks1", "--signing-key"])
+            .arg(&signing)
+            .args([
+                "--records",
+                records,
+                "--hash",
+                hash,
+                "--signature",
+                signature,
+            ])
+            .args(["--note", "restored from the nightly copy"])
+            .output()
+            .unwrap()
+    };
+    let busy = acknowledge("1", &"0".repeat(64), "x");
+    assert!(!busy.status.success());
+    assert!(
+        String::from_utf8_lossy(&busy.stderr).contains("in use by a running key service"),
+        "{}",
+        String::from_utf8_lossy(&busy.stderr)
+    );
+    child.kill().await.unwrap();
+    child.wait().await.unwrap();
+
+    // The log (not its checkpoint) restored from before the grant: the start is refused.
+    std::fs::copy(dir.join("before.jsonl"), &log).unwrap();
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_confed"))
+        .args([
+            "keyservice",
+            "--id",
+            "ks1",
+            "--listen",
+            "127.0.0.1:0",
+            "--share",
+        ])
+        .arg(&setup.share)
+        .arg("--policy")
+        .arg(dir.join("policies/dev.toml"))
+        .arg("--signing-key")
+        .arg(&signing)
+        .arg("--audit-log")
+        .arg(&log)
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let text = String::from_utf8_lossy(&refused.stderr).to_string();
+    let value = |flag: &str| {
+        let at = text
+            .find(flag)
+            .unwrap_or_else(|| panic!("{flag} in {text}"))
+            + flag.len()
+            + 1;
+        text[at..].split([' ', '`']).next().unwrap().to_string()
+    };
+    let (records, hash, signature) = (value("--records"), value("--hash"), value("--signature"));
+    let typo = acknowledge(&records, &"f".repeat(64), &signature);
+    assert!(!typo.status.success(), "a head the service never signed");
+    let accepted = acknowledge(&records, &hash, &signature);
+    assert!(
+        accepted.status.success(),
+        "{}",
+        String::from_utf8_lossy(&accepted.stderr)
+    );
+    assert!(String::from_utf8_lossy(&accepted.stdout).contains("loss acknowledged"));
+
+    let (_child, url) = start(&setup).await;
+    let (status, answer) = release(&setup, &url, "b").await;
+    assert_eq!(status, 200, "the ledger forgot the lost round: {answer}");
+    let verified = audit_verify(dir, &verifying);
+    assert!(
+        verified.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verified.stderr)
+    );
+}
