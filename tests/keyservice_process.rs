@@ -197,24 +197,34 @@ async fn setup() -> Setup {
     }
 }
 
-async fn start(setup: &Setup) -> (Child, String) {
+/// `confed keyservice ...` over the setup's share, policy, signing key and audit log.
+fn keyservice_args(setup: &Setup) -> Vec<std::ffi::OsString> {
     let dir = setup.dir.path();
+    let mut args: Vec<std::ffi::OsString> = [
+        "keyservice",
+        "--id",
+        "ks1",
+        "--listen",
+        "127.0.0.1:0",
+        "--share",
+    ]
+    .map(Into::into)
+    .to_vec();
+    args.push(setup.share.clone().into());
+    for (flag, path) in [
+        ("--policy", dir.join("policies/dev.toml")),
+        ("--signing-key", dir.join("ks1-signing.pem")),
+        ("--audit-log", dir.join("audit.jsonl")),
+    ] {
+        args.push(flag.into());
+        args.push(path.into());
+    }
+    args
+}
+
+async fn start(setup: &Setup) -> (Child, String) {
     let mut child = confed()
-        .args([
-            "keyservice",
-            "--id",
-            "ks1",
-            "--listen",
-            "127.0.0.1:0",
-            "--share",
-        ])
-        .arg(&setup.share)
-        .arg("--policy")
-        .arg(dir.join("policies/dev.toml"))
-        .arg("--signing-key")
-        .arg(dir.join("ks1-signing.pem"))
-        .arg("--audit-log")
-        .arg(dir.join("audit.jsonl"))
+        .args(keyservice_args(setup))
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -409,21 +419,7 @@ async fn an_operator_acknowledges_a_rolled_back_log_with_the_command_the_refusal
     // The log (not its checkpoint) restored from before the grant: the start is refused.
     std::fs::copy(dir.join("before.jsonl"), &log).unwrap();
     let refused = std::process::Command::new(env!("CARGO_BIN_EXE_confed"))
-        .args([
-            "keyservice",
-            "--id",
-            "ks1",
-            "--listen",
-            "127.0.0.1:0",
-            "--share",
-        ])
-        .arg(&setup.share)
-        .arg("--policy")
-        .arg(dir.join("policies/dev.toml"))
-        .arg("--signing-key")
-        .arg(&signing)
-        .arg("--audit-log")
-        .arg(&log)
+        .args(keyservice_args(&setup))
         .output()
         .unwrap();
     assert!(!refused.status.success());
