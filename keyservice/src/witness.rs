@@ -108,7 +108,16 @@ impl WitnessStore {
     }
 
     /// Keeps `head` as its peer's latest (durably: the file is replaced atomically).
+    /// Two heads of one peer verified at once (a push and a pull) must not leave the older one
+    /// kept: a head not ahead of the one kept by now is not written.
     pub fn keep(&mut self, head: SignedHead) -> std::io::Result<()> {
+        if self
+            .heads
+            .get(&head.keyservice_id)
+            .is_some_and(|kept| kept.records >= head.records)
+        {
+            return Ok(());
+        }
         let mut heads = self.heads.clone();
         heads.insert(head.keyservice_id.clone(), head);
         let file = WitnessFile {
@@ -363,6 +372,15 @@ pub async fn records(
             records: Vec::new(),
         }));
     }
+    // A request for records this process did not append reads the log from its start: anyone
+    // can ask, so one such scan runs at a time and the others are told to come back.
+    static SCANS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
+    let _scan = match hint {
+        (0, 0) => Some(SCANS.try_acquire().map_err(|_| {
+            ApiError::Unavailable("another peer's read of older records is in progress".into())
+        })?),
+        _ => None,
+    };
     let max = crate::peers::MAX_RECORDS_PER_ANSWER.min((records - from) as usize);
     let read =
         tokio::task::spawn_blocking(move || crate::audit::read_records(&path, hint, from, max))
@@ -390,14 +408,19 @@ pub async fn acknowledgement(
 ) -> Result<Json<Acknowledgement>, ApiError> {
     let axum::extract::Query(AcknowledgementQuery { records, hash }) = query
         .map_err(|e| ApiError::BadRequest(format!("send ?records=<count>&hash=<hex>: {e}")))?;
-    let path = service
-        .audit
-        .lock()
-        .map_err(|_| ApiError::Internal("audit log poisoned".into()))?
-        .0
-        .path()
-        .to_path_buf();
     let lost = crate::audit::LostHead { records, hash };
+    // The ledger knows every acknowledged head: only those are looked up in the log (a scan of
+    // the whole file, which an unauthenticated caller must not be able to start at will).
+    let path = {
+        let guard = service
+            .audit
+            .lock()
+            .map_err(|_| ApiError::Internal("audit log poisoned".into()))?;
+        if !guard.1.acknowledged(&lost) {
+            return Ok(Json(Acknowledgement { record: None }));
+        }
+        guard.0.path().to_path_buf()
+    };
     let record =
         tokio::task::spawn_blocking(move || crate::audit::find_acknowledgement(&path, &lost))
             .await
@@ -498,6 +521,12 @@ mod tests {
         );
         assert_eq!(store.classify(&head("ks2", 6, 'e')), Observation::Advanced);
         store.keep(head("ks3", 1, 'd')).unwrap();
+        store.keep(head("ks2", 4, 'f')).unwrap();
+        assert_eq!(
+            store.latest("ks2"),
+            Some(&head("ks2", 5, 'a')),
+            "never backwards"
+        );
         let reopened = WitnessStore::open(&log);
         assert_eq!(reopened.latest("ks2"), Some(&head("ks2", 5, 'a')));
         assert_eq!(reopened.latest("ks3"), Some(&head("ks3", 1, 'd')));
