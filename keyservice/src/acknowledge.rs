@@ -119,26 +119,7 @@ mod tests {
     use super::*;
 
     fn granted(n: u64) -> Decision {
-        Decision {
-            at: 1_000,
-            keyservice_id: "ks1".into(),
-            key_id: "k1".into(),
-            decision: "granted".into(),
-            reason: "every check passed".into(),
-            failed_checks: vec![],
-            token_sha256: "ab".into(),
-            image_digest: None,
-            nonce: format!("nonce-{n}"),
-            task_id: "task".into(),
-            round: n + 1,
-            policy: "dev".into(),
-            commitment_sha256: Some(format!("{n:064x}")),
-            policy_sha256: Some("p".repeat(64)),
-            policy_rounds: Some(100),
-            enclave_signing_key: None,
-            key_scope: None,
-            acknowledged_loss: None,
-        }
+        crate::audit::test_grant(n, &format!("{n:064x}"))
     }
 
     /// A log rolled back below its own checkpoint refuses the start; the acknowledgement of

@@ -649,6 +649,31 @@ impl AuditLog {
     }
 }
 
+/// A granted decision of key service `ks1` for round `n + 1` of task `task` (tests).
+#[cfg(test)]
+pub(crate) fn test_grant(n: u64, commitment: &str) -> Decision {
+    Decision {
+        at: 1_000 + n as i64,
+        keyservice_id: "ks1".into(),
+        key_id: "k1".into(),
+        decision: "granted".into(),
+        reason: "every check passed".into(),
+        failed_checks: vec![],
+        token_sha256: "ab".into(),
+        image_digest: None,
+        nonce: format!("nonce-{n}"),
+        task_id: "task".into(),
+        round: n + 1,
+        policy: "dev".into(),
+        commitment_sha256: Some(commitment.into()),
+        policy_sha256: Some("p".repeat(64)),
+        policy_rounds: Some(1000),
+        enclave_signing_key: None,
+        key_scope: None,
+        acknowledged_loss: None,
+    }
+}
+
 mod history;
 pub use history::{find_acknowledgement, head_of, read_records, verify_extension};
 

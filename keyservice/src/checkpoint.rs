@@ -218,26 +218,12 @@ mod tests {
     use super::*;
     use crate::audit::{AuditError, AuditLog, Decision, VerifiedFrom, verify_file_with};
 
+    /// Grants spread over three tasks.
     fn granted(n: u64) -> Decision {
         Decision {
-            at: 1_000 + n as i64,
-            keyservice_id: "ks1".into(),
-            key_id: "k1".into(),
-            decision: "granted".into(),
-            reason: "every check passed".into(),
-            failed_checks: vec![],
-            token_sha256: "ab".into(),
-            image_digest: None,
-            nonce: format!("nonce-{n}"),
             task_id: format!("task-{}", n % 3),
             round: n / 3 + 1,
-            policy: "dev".into(),
-            commitment_sha256: Some(format!("{n:064x}")),
-            policy_sha256: Some("p".repeat(64)),
-            policy_rounds: Some(1000),
-            enclave_signing_key: None,
-            key_scope: None,
-            acknowledged_loss: None,
+            ..crate::audit::test_grant(n, &format!("{n:064x}"))
         }
     }
 
