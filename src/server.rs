@@ -21,7 +21,7 @@ use crate::scheduler::Scheduler;
 /// How often the key services' key sets are fetched again.
 const KEY_REFRESH: Duration = Duration::from_secs(60);
 
-pub use confed_keyservice::listen::{ListenError, TlsFiles, check_listen, serve_app};
+pub use confed_serving::{ListenError, TlsFiles, check_listen, serve_app};
 
 /// What one `confed serve` process does. Several processes with different roles can share one
 /// PostgreSQL database: API replicas behind a load balancer, one or more schedulers (their

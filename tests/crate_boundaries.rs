@@ -118,3 +118,24 @@ fn the_enclave_and_attestation_never_link_the_front_ends() {
         );
     }
 }
+
+#[test]
+fn the_token_issuer_links_no_front_end_key_service_enclave_or_database() {
+    let found = normal_dependencies("confed-issuer", &[]);
+    assert_none_of(
+        "confed-issuer",
+        &found,
+        &[
+            "confed",
+            "confed-enclave",
+            "confed-keyservice",
+            "confed-attestation",
+            "confed-device",
+            "sqlx",
+            "rusqlite",
+            "opendp",
+            "rayon",
+            "google-cloud-storage",
+        ],
+    );
+}

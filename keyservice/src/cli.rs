@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 
-use crate::listen::TlsFiles;
+use confed_serving::TlsFiles;
 
 #[derive(Subcommand)]
 pub enum KeyserviceCommand {
@@ -225,22 +225,7 @@ pub async fn run(
     Ok(())
 }
 
-/// Completes on SIGINT or SIGTERM. The handlers are installed when this is called, not when the
-/// future is first polled: a process that announced itself may be signalled at once (a
-/// supervisor, a test), and a signal before the handler exists would kill it uncleanly. Call it
-/// inside the runtime.
-pub fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut interrupt = signal(SignalKind::interrupt()).expect("installing the SIGINT handler");
-    let mut terminate = signal(SignalKind::terminate()).expect("installing the SIGTERM handler");
-    async move {
-        tokio::select! {
-            _ = interrupt.recv() => {},
-            _ = terminate.recv() => {},
-        }
-        tracing::info!("shutdown signal received; draining");
-    }
-}
+pub use confed_serving::shutdown_signal;
 
 /// Whatever a key service writes (its audit log, signing key, checkpoints) is for its operator
 /// only (`docs/operations.md`).

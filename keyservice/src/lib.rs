@@ -13,7 +13,7 @@ mod extract;
 pub mod fetcher;
 pub mod keys;
 pub mod ledger;
-pub mod listen;
+
 pub mod nonces;
 pub mod peers;
 pub mod refusals;

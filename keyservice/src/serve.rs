@@ -11,8 +11,8 @@ use super::{
     KeyService, KeyServiceError, KeyServiceParts, key_source_for, load_or_create_signing_key,
     load_shares,
 };
-use crate::listen::{ListenError, TlsFiles, serve_app};
 use confed_protocol::clock::SystemClock;
+use confed_serving::{ListenError, TlsFiles, serve_app};
 
 #[derive(Debug, Clone)]
 pub struct KeyServiceConfig {
@@ -71,7 +71,7 @@ pub async fn run(
     config: KeyServiceConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), KeyServiceRunError> {
-    crate::listen::check_listen(config.listen, config.tls.as_ref())?;
+    confed_serving::check_listen(config.listen, config.tls.as_ref())?;
     let policy = AppraisalPolicy::load(&config.policy).map_err(KeyServiceError::from)?;
     let key_source = key_source_for(&policy)?;
     let _lock = lock_log(&config.audit_log)?;

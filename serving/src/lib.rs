@@ -1,6 +1,6 @@
 //! Serving a router: plain HTTP on loopback only, otherwise TLS (rustls with the operator's
-//! certificate and key files), with a graceful drain on shutdown. The key service owns this so its
-//! operator reviews what it listens with; the front ends (`confed serve`) use the same code.
+//! certificate and key files), with a graceful drain on shutdown. One small crate, so each
+//! operator (front ends, key services, the token issuer) reviews the same code it listens with.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -96,4 +96,21 @@ async fn serve_tls(
         .serve(app.into_make_service())
         .await
         .map_err(ListenError::Serve)
+}
+
+/// Completes on SIGINT or SIGTERM. The handlers are installed when this is called, not when the
+/// future is first polled: a process that announced itself may be signalled at once (a
+/// supervisor, a test), and a signal before the handler exists would kill it uncleanly. Call it
+/// inside the runtime.
+pub fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut interrupt = signal(SignalKind::interrupt()).expect("installing the SIGINT handler");
+    let mut terminate = signal(SignalKind::terminate()).expect("installing the SIGTERM handler");
+    async move {
+        tokio::select! {
+            _ = interrupt.recv() => {},
+            _ = terminate.recv() => {},
+        }
+        tracing::info!("shutdown signal received; draining");
+    }
 }

@@ -1,0 +1,131 @@
+//! The dev attester: a device proves only that it holds a P-256 key, by signing
+//! `"confed-dev-attestation-v1" 0x00 || challenge` with it; its identity is the SHA-256 of the
+//! key's uncompressed SEC1 encoding. Anyone can make keys, so this bounds nothing: it exists so
+//! tests and `confed demo --device-auth` run the whole token flow without Android hardware, and the
+//! issuer says so in its log and its directory whenever it runs with it.
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use p256::ecdsa::signature::Verifier;
+use p256::ecdsa::{Signature, VerifyingKey};
+use sha2::{Digest, Sha256};
+
+use super::{Attester, DeviceIdentity, Evidence, FailedCheck};
+
+pub const FORMAT: &str = "dev";
+pub const LABEL: &[u8] = b"confed-dev-attestation-v1\0";
+
+/// What a dev device signs.
+pub fn signed_message(challenge: &[u8]) -> Vec<u8> {
+    [LABEL, challenge].concat()
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct DevAttester;
+
+impl Attester for DevAttester {
+    fn format(&self) -> &'static str {
+        FORMAT
+    }
+
+    fn insecure(&self) -> bool {
+        true
+    }
+
+    fn attest(
+        &self,
+        evidence: &Evidence,
+        challenge: &[u8],
+    ) -> Result<DeviceIdentity, Vec<FailedCheck>> {
+        let Evidence::Dev {
+            public_key,
+            signature,
+        } = evidence;
+        let key = URL_SAFE_NO_PAD
+            .decode(public_key)
+            .ok()
+            .and_then(|bytes| VerifyingKey::from_sec1_bytes(&bytes).ok())
+            .ok_or_else(|| {
+                vec![FailedCheck::new(
+                    "public_key",
+                    "not a base64url SEC1 P-256 point",
+                )]
+            })?;
+        let signature = URL_SAFE_NO_PAD
+            .decode(signature)
+            .ok()
+            .and_then(|bytes| Signature::from_slice(&bytes).ok())
+            .ok_or_else(|| {
+                vec![FailedCheck::new(
+                    "signature",
+                    "not a base64url 64-byte r || s ECDSA signature",
+                )]
+            })?;
+        key.verify(&signed_message(challenge), &signature)
+            .map_err(|_| {
+                vec![FailedCheck::new(
+                    "signature",
+                    "does not verify over the challenge under public_key",
+                )]
+            })?;
+        let point = key.to_sec1_point(false);
+        Ok(DeviceIdentity(Sha256::digest(point.as_bytes()).into()))
+    }
+}
+
+/// A dev device's key and evidence (for tests, the simulator and the demo).
+pub fn evidence(key: &p256::ecdsa::SigningKey, challenge: &[u8]) -> Evidence {
+    use p256::ecdsa::signature::Signer;
+    let signature: Signature = key.sign(&signed_message(challenge));
+    Evidence::Dev {
+        public_key: URL_SAFE_NO_PAD.encode(key.verifying_key().to_sec1_point(true).as_bytes()),
+        signature: URL_SAFE_NO_PAD.encode(signature.to_bytes()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(byte: u8) -> p256::ecdsa::SigningKey {
+        p256::ecdsa::SigningKey::from_slice(&[byte; 32]).unwrap()
+    }
+
+    #[test]
+    fn a_signature_over_the_challenge_attests_and_names_the_key_however_it_is_encoded() {
+        let device = key(1);
+        let identity = DevAttester
+            .attest(&evidence(&device, b"c1"), b"c1")
+            .unwrap();
+        let Evidence::Dev { signature, .. } = evidence(&device, b"c2");
+        let uncompressed = Evidence::Dev {
+            public_key: URL_SAFE_NO_PAD
+                .encode(device.verifying_key().to_sec1_point(false).as_bytes()),
+            signature,
+        };
+        assert_eq!(DevAttester.attest(&uncompressed, b"c2").unwrap(), identity);
+        assert_ne!(
+            DevAttester
+                .attest(&evidence(&key(2), b"c1"), b"c1")
+                .unwrap(),
+            identity
+        );
+    }
+
+    #[test]
+    fn a_signature_over_another_challenge_or_garbage_is_refused_by_name() {
+        let device = key(1);
+        let refused = DevAttester
+            .attest(&evidence(&device, b"old"), b"new")
+            .unwrap_err();
+        assert_eq!(refused[0].check, "signature");
+        let garbage = Evidence::Dev {
+            public_key: "AAAA".into(),
+            signature: "AAAA".into(),
+        };
+        assert_eq!(
+            DevAttester.attest(&garbage, b"c").unwrap_err()[0].check,
+            "public_key"
+        );
+    }
+}

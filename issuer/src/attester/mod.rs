@@ -1,0 +1,57 @@
+//! Attesters: what proves a device genuine before the issuer grants it tokens (RFC 9576's
+//! attester role). Each turns the device's evidence, bound to a fresh issuer challenge, into a
+//! device identity: a 32-byte value that is the same for the same device within a window and
+//! different for different devices, used only to count grants (`limiter.rs`) and never stored.
+
+pub mod dev;
+
+use serde::Deserialize;
+
+/// The evidence a device sends with its token requests.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "format", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum Evidence {
+    /// A self-made P-256 key signing the challenge (`dev.rs`): for tests and the demo only.
+    Dev {
+        /// base64url SEC1 P-256 point.
+        public_key: String,
+        /// base64url 64-byte `r || s` ECDSA-P256-SHA256 signature.
+        signature: String,
+    },
+}
+
+/// One failed attestation check, as the refusal names it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct FailedCheck {
+    pub check: &'static str,
+    pub reason: String,
+}
+
+impl FailedCheck {
+    pub fn new(check: &'static str, reason: impl Into<String>) -> Self {
+        Self {
+            check,
+            reason: reason.into(),
+        }
+    }
+}
+
+/// An attested device, as the limiter counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceIdentity(pub [u8; 32]);
+
+pub trait Attester: Send + Sync + std::fmt::Debug {
+    /// The evidence format this attester accepts (`Evidence`'s `format`).
+    fn format(&self) -> &'static str;
+
+    /// Whether anyone can produce evidence this attester accepts (the dev attester): said loudly
+    /// wherever the issuer describes itself.
+    fn insecure(&self) -> bool;
+
+    /// Checks `evidence` against `challenge` (already checked fresh by the issuer).
+    fn attest(
+        &self,
+        evidence: &Evidence,
+        challenge: &[u8],
+    ) -> Result<DeviceIdentity, Vec<FailedCheck>>;
+}

@@ -1,0 +1,166 @@
+//! `confed-issuer` (and `confed issuer`): serve the issuer, or make its signing key
+//! (`docs/operations.md`, "Token issuer").
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use clap::{Args, Subcommand, ValueEnum};
+use confed_protocol::clock::SystemClock;
+use confed_protocol::privacy_pass::issuance::TokenSigner;
+use confed_serving::TlsFiles;
+
+use crate::attester::{Attester, dev::DevAttester};
+use crate::limiter::Limiter;
+use crate::{Issuer, routes};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AttesterKind {
+    /// Self-made P-256 keys: anyone can attest. Tests and demos only; said loudly.
+    Dev,
+}
+
+#[derive(Debug, Args)]
+pub struct IssuerArgs {
+    /// Address to listen on (plain HTTP only on loopback; otherwise pass --tls-cert/--tls-key).
+    #[arg(long, default_value = "127.0.0.1:8480")]
+    pub listen: SocketAddr,
+    #[arg(long, requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// The issuer name task policies and token challenges name (1-128 of A-Z a-z 0-9 . _ -).
+    #[arg(long)]
+    pub name: String,
+    /// PKCS#8 PEM RSA-2048 signing key (`confed-issuer generate-key FILE`).
+    #[arg(long)]
+    pub signing_key: PathBuf,
+    /// Directory of the per-window grant counts (`limiter.rs`); keep it on durable storage.
+    #[arg(long)]
+    pub state: PathBuf,
+    /// L: tokens one attested device may obtain per window.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub tokens_per_window: u32,
+    /// The window's length in seconds (a day by default).
+    #[arg(long, default_value_t = 86_400, value_parser = clap::value_parser!(i64).range(60..=31_622_400))]
+    pub window_seconds: i64,
+    #[arg(long, value_enum)]
+    pub attester: AttesterKind,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum IssuerCommand {
+    /// Generate an RSA-2048 signing key into FILE (owner-only) and print its token key.
+    GenerateKey { file: PathBuf },
+}
+
+fn valid_name(name: &str) -> bool {
+    (1..=128).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
+/// Reads the signing key, refusing a file others can read.
+pub fn load_signer(path: &Path) -> anyhow::Result<TokenSigner> {
+    use std::os::unix::fs::PermissionsExt;
+    let metadata =
+        std::fs::metadata(path).with_context(|| format!("signing key {}", path.display()))?;
+    if metadata.permissions().mode() & 0o077 != 0 {
+        anyhow::bail!(
+            "signing key {} is readable by others (mode {:o}): chmod 600 it",
+            path.display(),
+            metadata.permissions().mode() & 0o777
+        );
+    }
+    let pem = zeroize::Zeroizing::new(
+        std::fs::read_to_string(path).with_context(|| format!("signing key {}", path.display()))?,
+    );
+    TokenSigner::from_pem(&pem).with_context(|| format!("signing key {}", path.display()))
+}
+
+pub fn generate_key(file: &Path) -> anyhow::Result<String> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let signer = TokenSigner::generate()?;
+    let pem = signer.to_pem()?;
+    let mut out = std::fs::OpenOptions::new()
+        .create_new(true)
+        .write(true)
+        .mode(0o600)
+        .open(file)
+        .with_context(|| format!("creating {} (it must not exist yet)", file.display()))?;
+    out.write_all(pem.as_bytes())
+        .and_then(|()| out.sync_all())
+        .with_context(|| format!("writing {}", file.display()))?;
+    Ok(serde_json::json!({
+        "token-type": confed_protocol::privacy_pass::TOKEN_TYPE_BLIND_RSA,
+        "token-key": URL_SAFE_NO_PAD.encode(signer.spki()),
+        "token_key_id": confed_protocol::hex::encode(signer.issuer_key().token_key_id),
+    })
+    .to_string())
+}
+
+/// Builds the issuer the arguments describe.
+pub fn build(args: &IssuerArgs) -> anyhow::Result<Arc<Issuer>> {
+    if !valid_name(&args.name) {
+        anyhow::bail!("--name must be 1-128 of A-Z a-z 0-9 . _ -");
+    }
+    let signer = load_signer(&args.signing_key)?;
+    let limiter = Limiter::open(&args.state, args.tokens_per_window, args.window_seconds)?;
+    let attester: Box<dyn Attester> = match args.attester {
+        AttesterKind::Dev => Box::new(DevAttester),
+    };
+    if attester.insecure() {
+        tracing::warn!("{}", routes::DEV_ATTESTER_WARNING);
+        eprintln!("confed-issuer: {}", routes::DEV_ATTESTER_WARNING);
+    }
+    Ok(Arc::new(
+        Issuer::new(
+            args.name.clone(),
+            signer,
+            attester,
+            limiter,
+            args.window_seconds,
+            Arc::new(SystemClock),
+        )
+        .map_err(|e| anyhow::anyhow!("drawing the challenge key: {e}"))?,
+    ))
+}
+
+pub async fn run(
+    command: Option<IssuerCommand>,
+    args: Option<IssuerArgs>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    match (command, args) {
+        (Some(IssuerCommand::GenerateKey { file }), _) => {
+            println!("{}", generate_key(&file)?);
+            Ok(())
+        }
+        (None, Some(args)) => {
+            let tls = match (&args.tls_cert, &args.tls_key) {
+                (Some(cert), Some(key)) => Some(TlsFiles {
+                    cert: cert.clone(),
+                    key: key.clone(),
+                }),
+                _ => None,
+            };
+            confed_serving::check_listen(args.listen, tls.as_ref())?;
+            let issuer = build(&args)?;
+            tracing::info!(
+                name = issuer.name(),
+                tokens_per_window = args.tokens_per_window,
+                window_seconds = args.window_seconds,
+                "token issuer starting"
+            );
+            confed_serving::serve_app(args.listen, tls.as_ref(), routes::router(issuer), shutdown)
+                .await?;
+            Ok(())
+        }
+        (None, None) => anyhow::bail!("pass the issuer's arguments or a subcommand (see --help)"),
+    }
+}

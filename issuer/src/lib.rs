@@ -1,0 +1,192 @@
+//! The confed token issuer: the attester and issuer of Privacy Pass (RFC 9576), run by a party
+//! other than the front ends' operator. A device proves its integrity with evidence bound to a
+//! fresh challenge; the issuer grants it at most `tokens_per_window` blind-signed tokens of type
+//! 0x0002 (RFC 9578) per window, recording the grant durably before signing. It sees only blinded
+//! messages, so it cannot tell which task, round or upload a token is spent on; what it keeps is
+//! the per-window count `limiter.rs` describes, nothing else (`docs/protocol.md`, "Device tokens";
+//! `docs/threat-model.md`, "Device tokens").
+
+pub mod attester;
+pub mod challenge;
+pub mod cli;
+pub mod error;
+pub mod limiter;
+pub mod routes;
+
+use std::sync::{Arc, Mutex};
+
+use confed_protocol::clock::{Clock, Seconds};
+use confed_protocol::privacy_pass::issuance::TokenSigner;
+use confed_protocol::privacy_pass::{TokenRequest, TokenResponse};
+use thiserror::Error;
+
+use crate::attester::{Attester, Evidence, FailedCheck};
+use crate::challenge::{ChallengeProblem, Challenges};
+use crate::limiter::{Exhausted, Limiter, LimiterError};
+
+/// Most token requests one call may carry.
+pub const MAX_TOKENS_PER_REQUEST: usize = 64;
+
+#[derive(Debug, Error)]
+pub enum IssueError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{}", .0.reason())]
+    Challenge(ChallengeProblem),
+    #[error("the device's evidence was refused")]
+    Attestation(Vec<FailedCheck>),
+    #[error(
+        "this device has {} tokens left in the current window, which ends at {} (Unix seconds); ask for at most that many, or after the window ends",
+        .0.remaining, .0.window_ends_at
+    )]
+    Exhausted(Exhausted),
+    #[error(transparent)]
+    Storage(#[from] LimiterError),
+    #[error("signing failed: {0}")]
+    Signing(String),
+}
+
+/// One call's worth of token requests with the evidence that backs them.
+#[derive(Debug)]
+pub struct IssueRequest {
+    pub challenge: Vec<u8>,
+    pub evidence: Evidence,
+    pub token_requests: Vec<TokenRequest>,
+}
+
+#[derive(Debug)]
+pub struct Issued {
+    pub token_responses: Vec<TokenResponse>,
+    pub remaining: u32,
+    pub window_ends_at: Seconds,
+}
+
+pub struct Issuer {
+    name: String,
+    signer: TokenSigner,
+    attester: Box<dyn Attester>,
+    challenges: Challenges,
+    limiter: Mutex<Limiter>,
+    window_seconds: Seconds,
+    clock: Arc<dyn Clock>,
+}
+
+impl std::fmt::Debug for Issuer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Issuer")
+            .field("name", &self.name)
+            .field("attester", &self.attester)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Issuer {
+    pub fn new(
+        name: String,
+        signer: TokenSigner,
+        attester: Box<dyn Attester>,
+        limiter: Limiter,
+        window_seconds: Seconds,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, getrandom::Error> {
+        Ok(Self {
+            name,
+            signer,
+            attester,
+            challenges: Challenges::new()?,
+            limiter: Mutex::new(limiter),
+            window_seconds,
+            clock,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn signer(&self) -> &TokenSigner {
+        &self.signer
+    }
+
+    pub fn attester(&self) -> &dyn Attester {
+        self.attester.as_ref()
+    }
+
+    pub fn now(&self) -> Seconds {
+        self.clock.now_seconds()
+    }
+
+    pub fn window_seconds(&self) -> Seconds {
+        self.window_seconds
+    }
+
+    pub fn tokens_per_window(&self) -> u32 {
+        self.limiter
+            .lock()
+            .map(|l| l.tokens_per_window())
+            .unwrap_or(0)
+    }
+
+    /// A fresh attestation challenge and when it stops being accepted.
+    pub fn challenge(&self) -> Result<(Vec<u8>, Seconds), IssueError> {
+        let now = self.clock.now_seconds();
+        let challenge = self
+            .challenges
+            .issue(now)
+            .map_err(|e| IssueError::Signing(e.to_string()))?;
+        Ok((challenge.to_vec(), now + challenge::CHALLENGE_TTL_SECONDS))
+    }
+
+    /// Checks the request, the challenge and the evidence, records the grant durably, then
+    /// signs. Blocking (the record is synced to disk): call it off the async runtime.
+    pub fn issue(&self, request: &IssueRequest) -> Result<Issued, IssueError> {
+        let count = request.token_requests.len();
+        if !(1..=MAX_TOKENS_PER_REQUEST).contains(&count) {
+            return Err(IssueError::BadRequest(format!(
+                "token_requests must hold 1 to {MAX_TOKENS_PER_REQUEST} requests; it holds {count}"
+            )));
+        }
+        let want = self.signer.issuer_key().truncated_id();
+        if let Some(i) = request
+            .token_requests
+            .iter()
+            .position(|r| r.truncated_token_key_id != want)
+        {
+            return Err(IssueError::BadRequest(format!(
+                "token_requests[{i}] names a key this issuer does not hold (truncated key id {:#04x}, this issuer's is {want:#04x}); fetch GET /v1/directory",
+                request.token_requests[i].truncated_token_key_id
+            )));
+        }
+        let now = self.clock.now_seconds();
+        self.challenges
+            .check(&request.challenge, now)
+            .map_err(IssueError::Challenge)?;
+        let identity = self
+            .attester
+            .attest(&request.evidence, &request.challenge)
+            .map_err(IssueError::Attestation)?;
+        let grant = self
+            .limiter
+            .lock()
+            .map_err(|_| IssueError::Signing("the limiter lock was poisoned".into()))?
+            .take(&identity.0, count as u32, now)??;
+        let token_responses = request
+            .token_requests
+            .iter()
+            .map(|r| self.signer.sign(r))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| IssueError::Signing(e.to_string()))?;
+        metrics::counter!("confed_issuer_tokens_issued_total").increment(count as u64);
+        Ok(Issued {
+            token_responses,
+            remaining: grant.remaining,
+            window_ends_at: grant.window_ends_at,
+        })
+    }
+}
+
+impl From<Exhausted> for IssueError {
+    fn from(exhausted: Exhausted) -> Self {
+        Self::Exhausted(exhausted)
+    }
+}

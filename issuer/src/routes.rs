@@ -1,0 +1,173 @@
+//! The issuer's HTTP API (`docs/protocol.md`, "Device tokens"): its directory, attestation
+//! challenges, and token requests. JSON bodies; binary values in base64url without padding.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::extract::rejection::JsonRejection;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use confed_protocol::privacy_pass::{TOKEN_TYPE_BLIND_RSA, TokenRequest};
+use serde::{Deserialize, Serialize};
+
+use crate::attester::Evidence;
+use crate::error::ApiError;
+use crate::{IssueRequest, Issuer};
+
+/// Largest request body: 64 token requests of 346 base64url characters, evidence and slack.
+pub const MAX_BODY_BYTES: usize = 96 * 1024;
+
+pub const DEV_ATTESTER_WARNING: &str = "DEV ATTESTER: anyone can create device identities, so the per-device token limit bounds nothing; for tests and demos only";
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct TokenKey {
+    #[serde(rename = "token-type")]
+    pub token_type: u16,
+    /// base64url DER SubjectPublicKeyInfo (RSASSA-PSS).
+    #[serde(rename = "token-key")]
+    pub token_key: String,
+}
+
+/// `GET /v1/directory`: the RFC 9578 issuer directory, plus what a device needs to plan.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Directory {
+    pub issuer_name: String,
+    #[serde(rename = "issuer-request-uri")]
+    pub issuer_request_uri: String,
+    #[serde(rename = "token-keys")]
+    pub token_keys: Vec<TokenKey>,
+    /// Lowercase hex SHA-256 of the token key's SPKI: the key id tokens carry.
+    pub token_key_id: String,
+    pub tokens_per_window: u32,
+    pub window_seconds: i64,
+    /// The evidence `format` this issuer accepts.
+    pub attester: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warning: Option<String>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ChallengeResponse {
+    /// base64url, 40 bytes.
+    pub challenge: String,
+    pub expires_at: i64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenRequestBody {
+    pub challenge: String,
+    pub evidence: Evidence,
+    /// base64url `TokenRequest`s of type 0x0002 (259 bytes each).
+    pub token_requests: Vec<String>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct TokenResponseBody {
+    /// base64url `TokenResponse`s (256 bytes each), in the order of the requests.
+    pub token_responses: Vec<String>,
+    /// Tokens this device may still ask for in the current window.
+    pub remaining: u32,
+    pub window_ends_at: i64,
+}
+
+pub fn router(issuer: Arc<Issuer>) -> Router {
+    Router::new()
+        .route("/v1/directory", get(directory))
+        .route("/v1/challenge", post(challenge))
+        .route("/v1/token-request", post(token_request))
+        .route("/healthz", get(|| async { "ok" }))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(issuer)
+}
+
+pub fn directory_of(issuer: &Issuer) -> Directory {
+    let key = issuer.signer().issuer_key();
+    let insecure = issuer.attester().insecure();
+    Directory {
+        issuer_name: issuer.name().to_string(),
+        issuer_request_uri: "/v1/token-request".into(),
+        token_keys: vec![TokenKey {
+            token_type: TOKEN_TYPE_BLIND_RSA,
+            token_key: URL_SAFE_NO_PAD.encode(issuer.signer().spki()),
+        }],
+        token_key_id: confed_protocol::hex::encode(key.token_key_id),
+        tokens_per_window: issuer.tokens_per_window(),
+        window_seconds: issuer.window_seconds(),
+        attester: issuer.attester().format().into(),
+        warning: insecure.then(|| DEV_ATTESTER_WARNING.to_string()),
+    }
+}
+
+async fn directory(State(issuer): State<Arc<Issuer>>) -> Json<Directory> {
+    Json(directory_of(&issuer))
+}
+
+async fn challenge(State(issuer): State<Arc<Issuer>>) -> Response {
+    match issuer.challenge() {
+        Ok((challenge, expires_at)) => Json(ChallengeResponse {
+            challenge: URL_SAFE_NO_PAD.encode(challenge),
+            expires_at,
+        })
+        .into_response(),
+        Err(error) => ApiError::from(error).into_response_at(issuer.now()),
+    }
+}
+
+fn parse(body: TokenRequestBody) -> Result<IssueRequest, ApiError> {
+    let challenge = URL_SAFE_NO_PAD
+        .decode(&body.challenge)
+        .map_err(|_| ApiError::bad_request("challenge is not base64url (no padding)"))?;
+    let token_requests = body
+        .token_requests
+        .iter()
+        .enumerate()
+        .map(|(i, text)| {
+            let bytes = URL_SAFE_NO_PAD.decode(text).map_err(|_| {
+                ApiError::bad_request(format!("token_requests[{i}] is not base64url (no padding)"))
+            })?;
+            TokenRequest::decode(&bytes)
+                .map_err(|e| ApiError::bad_request(format!("token_requests[{i}]: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(IssueRequest {
+        challenge,
+        evidence: body.evidence,
+        token_requests,
+    })
+}
+
+async fn token_request(
+    State(issuer): State<Arc<Issuer>>,
+    body: Result<Json<TokenRequestBody>, JsonRejection>,
+) -> Response {
+    let now = issuer.now();
+    let request = match body.map_err(ApiError::from).and_then(|Json(b)| parse(b)) {
+        Ok(request) => request,
+        Err(error) => return error.into_response_at(now),
+    };
+    let worker = issuer.clone();
+    // The grant is synced to disk and RSA signing takes milliseconds: off the async workers.
+    let outcome = tokio::task::spawn_blocking(move || worker.issue(&request)).await;
+    match outcome {
+        Ok(Ok(issued)) => Json(TokenResponseBody {
+            token_responses: issued
+                .token_responses
+                .iter()
+                .map(|r| URL_SAFE_NO_PAD.encode(r.blind_sig))
+                .collect(),
+            remaining: issued.remaining,
+            window_ends_at: issued.window_ends_at,
+        })
+        .into_response(),
+        Ok(Err(error)) => {
+            metrics::counter!("confed_issuer_refusals_total").increment(1);
+            ApiError::from(error).into_response_at(issuer.now())
+        }
+        Err(join) => ApiError::from(crate::IssueError::Signing(join.to_string()))
+            .into_response_at(issuer.now()),
+    }
+}

@@ -1,0 +1,306 @@
+//! The issuer over HTTP, as a device meets it: directory, challenge, evidence, blinded requests,
+//! and the refusals (stale challenge, bad evidence, more than L tokens, malformed bodies), with
+//! the unlinkability check on what it keeps.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode, header};
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use confed_issuer::Issuer;
+use confed_issuer::attester::Evidence;
+use confed_issuer::attester::dev::{DevAttester, evidence};
+use confed_issuer::limiter::Limiter;
+use confed_issuer::routes::{self, ChallengeResponse, Directory, TokenResponseBody};
+use confed_protocol::clock::ManualClock;
+use confed_protocol::privacy_pass::context::encoded_round_challenge;
+use confed_protocol::privacy_pass::issuance::{TokenClient, TokenSigner};
+use confed_protocol::privacy_pass::{Token, TokenResponse};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+
+const L: u32 = 3;
+const DAY: i64 = 86_400;
+
+fn signer() -> TokenSigner {
+    let cases: Vec<std::collections::BTreeMap<String, String>> = serde_json::from_str(
+        include_str!("../../protocol/testdata/privacy_pass_type2_vectors.json"),
+    )
+    .unwrap();
+    TokenSigner::from_pem(&cases[0]["skS_pem"]).unwrap()
+}
+
+struct Fixture {
+    app: axum::Router,
+    clock: Arc<ManualClock>,
+    state: tempfile::TempDir,
+}
+
+fn fixture() -> Fixture {
+    let state = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::starting_at(1_000 * DAY * 1000 + 5_000));
+    let issuer = Issuer::new(
+        "issuer.test".into(),
+        signer(),
+        Box::new(DevAttester),
+        Limiter::open(state.path(), L, DAY).unwrap(),
+        DAY,
+        clock.clone(),
+    )
+    .unwrap();
+    Fixture {
+        app: routes::router(Arc::new(issuer)),
+        clock,
+        state,
+    }
+}
+
+async fn call(
+    app: &axum::Router,
+    method: &str,
+    uri: &str,
+    body: Option<String>,
+) -> (StatusCode, axum::http::HeaderMap, Vec<u8>) {
+    let mut request = Request::builder().method(method).uri(uri);
+    if body.is_some() {
+        request = request.header(header::CONTENT_TYPE, "application/json");
+    }
+    let response = app
+        .clone()
+        .oneshot(request.body(Body::from(body.unwrap_or_default())).unwrap())
+        .await
+        .unwrap();
+    let status = response.status();
+    let headers = response.headers().clone();
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .unwrap()
+        .to_bytes()
+        .to_vec();
+    (status, headers, bytes)
+}
+
+async fn challenge(app: &axum::Router) -> Vec<u8> {
+    let (status, _, body) = call(app, "POST", "/v1/challenge", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let response: ChallengeResponse = serde_json::from_slice(&body).unwrap();
+    URL_SAFE_NO_PAD.decode(response.challenge).unwrap()
+}
+
+fn body(challenge: &[u8], evidence: &Evidence, requests: &[Vec<u8>]) -> String {
+    let Evidence::Dev {
+        public_key,
+        signature,
+    } = evidence;
+    serde_json::json!({
+        "challenge": URL_SAFE_NO_PAD.encode(challenge),
+        "evidence": {"format": "dev", "public_key": public_key, "signature": signature},
+        "token_requests": requests.iter().map(|r| URL_SAFE_NO_PAD.encode(r)).collect::<Vec<_>>(),
+    })
+    .to_string()
+}
+
+fn device_key(byte: u8) -> p256::ecdsa::SigningKey {
+    p256::ecdsa::SigningKey::from_slice(&[byte; 32]).unwrap()
+}
+
+#[tokio::test]
+async fn a_device_obtains_tokens_that_verify_for_its_round_and_the_issuer_keeps_nothing_of_them() {
+    let f = fixture();
+    let (status, _, directory) = call(&f.app, "GET", "/v1/directory", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let directory: Directory = serde_json::from_slice(&directory).unwrap();
+    assert_eq!(directory.issuer_name, "issuer.test");
+    assert_eq!(directory.tokens_per_window, L);
+    assert!(directory.warning.unwrap().starts_with("DEV ATTESTER"));
+    let spki = URL_SAFE_NO_PAD
+        .decode(&directory.token_keys[0].token_key)
+        .unwrap();
+    let client = TokenClient::from_spki(&spki).unwrap();
+
+    let round = encoded_round_challenge("issuer.test", "task-1", 7).unwrap();
+    let pending: Vec<_> = (0..2).map(|_| client.begin(&round).unwrap()).collect();
+    let requests: Vec<Vec<u8>> = pending.iter().map(|(r, _)| r.encode()).collect();
+    let c = challenge(&f.app).await;
+    let (status, _, answer) = call(
+        &f.app,
+        "POST",
+        "/v1/token-request",
+        Some(body(&c, &evidence(&device_key(1), &c), &requests)),
+    )
+    .await;
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    let answer: TokenResponseBody = serde_json::from_slice(&answer).unwrap();
+    assert_eq!(answer.remaining, L - 2);
+    let mut tokens: Vec<Token> = Vec::new();
+    for ((_, pending), response) in pending.into_iter().zip(&answer.token_responses) {
+        let response = TokenResponse::decode(&URL_SAFE_NO_PAD.decode(response).unwrap()).unwrap();
+        tokens.push(client.finish(pending, &response).unwrap());
+    }
+    for token in &tokens {
+        client.issuer_key().verify(token, &round).unwrap();
+        let other_round = encoded_round_challenge("issuer.test", "task-1", 8).unwrap();
+        assert!(client.issuer_key().verify(token, &other_round).is_err());
+    }
+
+    // Unlinkability: nothing the issuer stored holds any piece of a token (nonce, challenge
+    // digest, authenticator) or of what it was sent (the blinded messages).
+    let mut stored = Vec::new();
+    for entry in std::fs::read_dir(f.state.path()).unwrap() {
+        stored.extend(std::fs::read(entry.unwrap().path()).unwrap());
+    }
+    assert!(!stored.is_empty());
+    let pieces: Vec<Vec<u8>> = tokens
+        .iter()
+        .flat_map(|t| {
+            [
+                t.nonce.to_vec(),
+                t.challenge_digest.to_vec(),
+                t.authenticator[..32].to_vec(),
+            ]
+        })
+        .chain(requests.iter().map(|r| r[3..35].to_vec()))
+        .collect();
+    for piece in pieces {
+        assert!(!stored.windows(piece.len()).any(|w| w == piece.as_slice()));
+    }
+}
+
+#[tokio::test]
+async fn a_device_asking_past_its_allowance_is_refused_until_the_window_ends() {
+    let f = fixture();
+    let client = TokenClient::from_spki(signer().spki()).unwrap();
+    let request = |n: usize| -> Vec<Vec<u8>> {
+        (0..n)
+            .map(|_| client.begin(b"c").unwrap().0.encode())
+            .collect()
+    };
+    let device = device_key(2);
+    let c = challenge(&f.app).await;
+    let ask = |n| Some(body(&c, &evidence(&device, &c), &request(n)));
+    let (status, _, _) = call(&f.app, "POST", "/v1/token-request", ask(2)).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, headers, problem) = call(&f.app, "POST", "/v1/token-request", ask(2)).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(headers[header::CONTENT_TYPE], "application/problem+json");
+    let problem: serde_json::Value = serde_json::from_slice(&problem).unwrap();
+    assert_eq!(problem["type"], "urn:confed:problem:token-limit-reached");
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("1 tokens left")
+    );
+    let retry: i64 = headers[header::RETRY_AFTER]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(retry, DAY - 5);
+    // Another device is not affected; the same device gets a fresh allowance next window.
+    let other = device_key(3);
+    let (status, _, _) = call(
+        &f.app,
+        "POST",
+        "/v1/token-request",
+        Some(body(&c, &evidence(&other, &c), &request(3))),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    f.clock.advance(Duration::from_secs(DAY as u64));
+    let c = challenge(&f.app).await;
+    let (status, _, _) = call(
+        &f.app,
+        "POST",
+        "/v1/token-request",
+        Some(body(&c, &evidence(&device, &c), &request(3))),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn stale_challenges_foreign_evidence_and_malformed_requests_are_refused_by_name() {
+    let f = fixture();
+    let client = TokenClient::from_spki(signer().spki()).unwrap();
+    let one = vec![client.begin(b"c").unwrap().0.encode()];
+    let device = device_key(4);
+    let c = challenge(&f.app).await;
+
+    // Evidence over another challenge.
+    let other = challenge(&f.app).await;
+    let (status, _, problem) = call(
+        &f.app,
+        "POST",
+        "/v1/token-request",
+        Some(body(&c, &evidence(&device, &other), &one)),
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    let problem: serde_json::Value = serde_json::from_slice(&problem).unwrap();
+    assert_eq!(problem["type"], "urn:confed:problem:attestation-refused");
+    assert_eq!(problem["failed_checks"][0]["check"], "signature");
+
+    // A challenge past its five minutes.
+    f.clock.advance(Duration::from_secs(301));
+    let (status, _, problem) = call(
+        &f.app,
+        "POST",
+        "/v1/token-request",
+        Some(body(&c, &evidence(&device, &c), &one)),
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert!(String::from_utf8_lossy(&problem).contains("challenge expired"));
+
+    let c = challenge(&f.app).await;
+    let good = evidence(&device, &c);
+    // No requests, too many, a truncated one, one for another key, and a body that is not JSON.
+    let too_many: Vec<Vec<u8>> = (0..65).map(|_| one[0].clone()).collect();
+    let mut foreign = one[0].clone();
+    foreign[2] ^= 1;
+    for (requests, words) in [
+        (vec![], "1 to 64"),
+        (too_many, "1 to 64"),
+        (vec![one[0][..100].to_vec()], "token_requests[0]"),
+        (vec![foreign], "does not hold"),
+    ] {
+        let (status, _, problem) = call(
+            &f.app,
+            "POST",
+            "/v1/token-request",
+            Some(body(&c, &good, &requests)),
+        )
+        .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert!(
+            String::from_utf8_lossy(&problem).contains(words),
+            "{}",
+            String::from_utf8_lossy(&problem)
+        );
+    }
+    let (status, headers, _) = call(&f.app, "POST", "/v1/token-request", Some("{".into())).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(headers[header::CONTENT_TYPE], "application/problem+json");
+    // Nothing of the refused requests counted: the device still has its whole allowance.
+    let full: Vec<Vec<u8>> = (0..L)
+        .map(|_| client.begin(b"c").unwrap().0.encode())
+        .collect();
+    let (status, _, _) = call(
+        &f.app,
+        "POST",
+        "/v1/token-request",
+        Some(body(&c, &good, &full)),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+}
