@@ -56,6 +56,7 @@ fn key_directory() -> (KeyDirectory, TrustConfig) {
             shares: None,
             limits: confed_enclave::policy::DeviceLimits::ENCLAVE,
             tenant_id: None,
+            token_issuers: Vec::new(),
         },
     )
 }

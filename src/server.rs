@@ -201,6 +201,7 @@ pub async fn serve(
                     ..Default::default()
                 },
                 scheduling: config.scheduling,
+                device_auth: Default::default(),
             }));
         }
         if let (true, Some(worker_config)) = (has(Role::EnclaveWorker), embedded_worker) {

@@ -286,6 +286,7 @@ async fn forged_for_first(scene: &Scene, task: &str, job: &JobSpec) -> Vec<u8> {
         encapsulated_key: enc,
         ciphertext: ct,
         chunk: None,
+        token: None,
     }
     .to_cbor()
 }

@@ -472,7 +472,8 @@ impl<S: JobStore + 'static> Worker<S> {
         let round = binding.context.round;
         let aggregator = Arc::new(
             Aggregator::new(binding, privacy.clip_norm, schema, &private_key)?
-                .evaluating(privacy.evaluation_in(round)),
+                .evaluating(privacy.evaluation_in(round))
+                .authenticating(policy.device_auth.clone()),
         );
         self.open_all(job, inputs, &aggregator).await?;
         let aggregator = Arc::try_unwrap(aggregator).map_err(|_| JobError::StillShared)?;

@@ -122,7 +122,7 @@ async fn a_device_obtains_tokens_that_verify_for_its_round_and_the_issuer_keeps_
         .unwrap();
     let client = TokenClient::from_spki(&spki).unwrap();
 
-    let round = encoded_round_challenge("issuer.test", "task-1", 7).unwrap();
+    let round = encoded_round_challenge("issuer.test", "task-1", 7, "ab").unwrap();
     let pending: Vec<_> = (0..2).map(|_| client.begin(&round).unwrap()).collect();
     let requests: Vec<Vec<u8>> = pending.iter().map(|(r, _)| r.encode()).collect();
     let c = challenge(&f.app).await;
@@ -148,7 +148,7 @@ async fn a_device_obtains_tokens_that_verify_for_its_round_and_the_issuer_keeps_
     }
     for token in &tokens {
         client.issuer_key().verify(token, &round).unwrap();
-        let other_round = encoded_round_challenge("issuer.test", "task-1", 8).unwrap();
+        let other_round = encoded_round_challenge("issuer.test", "task-1", 8, "ab").unwrap();
         assert!(client.issuer_key().verify(token, &other_round).is_err());
     }
 

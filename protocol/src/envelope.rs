@@ -4,7 +4,8 @@
 //!
 //! ```text
 //! { "v": 2, "key_id": text, "enc": bytes(32), "ct": bytes }      (CBOR map, exactly these keys,
-//!   plus "chunk": uint when the update is sealed in chunks, see `hpke::seal_chunked`)
+//!   plus "chunk": uint when the update is sealed in chunks, see `hpke::seal_chunked`, and
+//!   "token": bytes(354), a device token, when the task requires one: `privacy_pass::context`)
 //! info = "confed contribution v2" 0x00 key_id 0x00
 //! aad  = "confed contribution v2" 0x00 task_id 0x00 decimal(round) 0x00 assignment_ref 0x00
 //!        policy_sha256 0x00 model_sha256 0x00
@@ -51,6 +52,9 @@ pub struct Envelope {
     pub ciphertext: Vec<u8>,
     /// Plaintext bytes per chunk when sealed in chunks (large updates); `None` for one piece.
     pub chunk: Option<u32>,
+    /// A Privacy Pass token of type 0x0002 whose nonce binds `encapsulated_key`
+    /// (`privacy_pass::context::token_nonce`).
+    pub token: Option<Vec<u8>>,
 }
 
 /// Updates larger than this are sealed in chunks of this size, so the enclave opens them in
@@ -109,6 +113,9 @@ impl Envelope {
         if let Some(chunk) = self.chunk {
             entries.push((text("chunk"), Value::Integer(chunk.into())));
         }
+        if let Some(token) = &self.token {
+            entries.push((text("token"), Value::Bytes(token.clone())));
+        }
         let mut out =
             Vec::with_capacity(self.ciphertext.len() + OVERHEAD_BYTES + self.key_id.len());
         ciborium::into_writer(&Value::Map(entries), &mut out)
@@ -130,6 +137,7 @@ pub struct EnvelopeRef<'a> {
     pub encapsulated_key: &'a [u8],
     pub ciphertext: &'a [u8],
     pub chunk: Option<u32>,
+    pub token: Option<&'a [u8]>,
 }
 
 impl EnvelopeRef<'_> {
@@ -144,6 +152,7 @@ impl EnvelopeRef<'_> {
             encapsulated_key: self.encapsulated_key.to_vec(),
             ciphertext: self.ciphertext.to_vec(),
             chunk: self.chunk,
+            token: self.token.map(<[u8]>::to_vec),
         }
     }
 }
@@ -156,6 +165,7 @@ pub fn validate<'a>(
     enc: Option<&'a [u8]>,
     ct: Option<&'a [u8]>,
     chunk: Option<u64>,
+    token: Option<&'a [u8]>,
 ) -> Result<EnvelopeRef<'a>, EnvelopeError> {
     let missing = |name: &str| EnvelopeError::Shape(format!("`{name}` is missing"));
     let version = version.ok_or_else(|| missing("v"))?;
@@ -190,11 +200,20 @@ pub fn validate<'a>(
             )));
         }
     };
+    if let Some(token) = token
+        && token.len() != crate::privacy_pass::TOKEN_BYTES
+    {
+        return Err(EnvelopeError::Shape(format!(
+            "`token` must be {} bytes (a Privacy Pass token of type 0x0002)",
+            crate::privacy_pass::TOKEN_BYTES
+        )));
+    }
     Ok(EnvelopeRef {
         key_id: key_id.ok_or_else(|| missing("key_id"))?,
         encapsulated_key,
         ciphertext,
         chunk,
+        token,
     })
 }
 
@@ -241,6 +260,42 @@ pub fn seal_with(
         encapsulated_key,
         ciphertext,
         chunk,
+        token: None,
+    })
+}
+
+/// `seal` under an ephemeral key drawn ahead, carrying the device token obtained for it (its
+/// nonce must be `token_nonce` of the ephemeral's encapsulated key: checked here, so a device
+/// never uploads a token that cannot count).
+pub fn seal_with_token(
+    ephemeral: crate::hpke_ephemeral::Ephemeral,
+    token: &crate::privacy_pass::Token,
+    public_key: &PublicKey,
+    key_id: &str,
+    context: &RoundContext,
+    capability: &Capability,
+    update: &[u8],
+) -> Result<Envelope, EnvelopeError> {
+    if token.nonce != crate::privacy_pass::context::token_nonce(ephemeral.encapsulated_key()) {
+        return Err(EnvelopeError::Shape(
+            "the token's nonce does not bind this envelope's encapsulated key".into(),
+        ));
+    }
+    let aad = aad(context, capability.reference().as_str());
+    let info = info(key_id);
+    let (encapsulated_key, ciphertext, chunk) = if update.len() > CHUNK_THRESHOLD {
+        let (enc, ct) = ephemeral.seal_chunked(public_key, &info, &aad, update, CHUNK_THRESHOLD)?;
+        (enc, ct, Some(CHUNK_THRESHOLD as u32))
+    } else {
+        let (enc, ct) = ephemeral.seal(public_key, &info, &aad, update)?;
+        (enc, ct, None)
+    };
+    Ok(Envelope {
+        key_id: key_id.to_string(),
+        encapsulated_key,
+        ciphertext,
+        chunk,
+        token: Some(token.encode()),
     })
 }
 
@@ -255,6 +310,7 @@ mod tests {
             encapsulated_key: vec![1; 32],
             ciphertext: vec![2; 40],
             chunk: None,
+            token: None,
         };
         let build = |entries: Vec<(Value, Value)>| {
             let mut out = Vec::new();

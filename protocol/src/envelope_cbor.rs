@@ -1,7 +1,8 @@
 //! The envelope's CBOR decoding, strict and without copying: the ciphertext stays a slice of
 //! the stored bytes (for a 1 MB update, one copy and one fresh allocation fewer per contribution
 //! in the enclave's hot loop). Accepted: exactly one definite-length map with text keys `v`
-//! (uint), `key_id` (text), `enc` (bytes), `ct` (bytes) and optionally `chunk` (uint), in any
+//! (uint), `key_id` (text), `enc` (bytes), `ct` (bytes) and optionally `chunk` (uint) and `token`
+//! (bytes), in any
 //! order, no duplicates, nothing after the map. Indefinite lengths, tags and floats are refused.
 
 use super_envelope::{EnvelopeError, EnvelopeRef, validate};
@@ -93,6 +94,7 @@ pub fn parse(bytes: &[u8]) -> Result<EnvelopeRef<'_>, EnvelopeError> {
         return Err(EnvelopeError::Shape("the top level is not a map".into()));
     }
     let (mut version, mut key_id, mut enc, mut ct, mut chunk) = (None, None, None, None, None);
+    let mut token = None;
     for _ in 0..entries {
         let key = match item(&mut reader)? {
             Item::Text(key) => key,
@@ -105,7 +107,8 @@ pub fn parse(bytes: &[u8]) -> Result<EnvelopeRef<'_>, EnvelopeError> {
             ("enc", Item::Bytes(b)) => enc.replace(b).is_some(),
             ("ct", Item::Bytes(b)) => ct.replace(b).is_some(),
             ("chunk", Item::Uint(c)) => chunk.replace(c).is_some(),
-            (name @ ("v" | "key_id" | "enc" | "ct" | "chunk"), _) => {
+            ("token", Item::Bytes(b)) => token.replace(b).is_some(),
+            (name @ ("v" | "key_id" | "enc" | "ct" | "chunk" | "token"), _) => {
                 return Err(EnvelopeError::Shape(format!("`{name}` has the wrong type")));
             }
             (other, _) => return Err(EnvelopeError::Shape(format!("unknown key `{other}`"))),
@@ -117,7 +120,7 @@ pub fn parse(bytes: &[u8]) -> Result<EnvelopeRef<'_>, EnvelopeError> {
     if reader.at != bytes.len() {
         return Err(cbor("bytes follow the envelope's map"));
     }
-    validate(version, key_id, enc, ct, chunk)
+    validate(version, key_id, enc, ct, chunk, token)
 }
 
 #[cfg(test)]
@@ -144,6 +147,7 @@ mod tests {
             encapsulated_key: vec![1; 32],
             ciphertext: vec![2; 100],
             chunk: None,
+            token: None,
         }
         .to_cbor();
         for end in 0..envelope.len() {
@@ -165,6 +169,7 @@ mod tests {
             encapsulated_key: vec![1; 32],
             ciphertext: vec![2; 16],
             chunk: None,
+            token: None,
         }
         .to_cbor();
         trailing.push(0);

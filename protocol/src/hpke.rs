@@ -6,9 +6,9 @@ use hpke::{Deserializable, Kem as KemTrait, OpModeR, OpModeS, Serializable};
 use thiserror::Error;
 use zeroize::Zeroizing;
 
-type Kem = hpke::kem::X25519HkdfSha256;
-type Kdf = hpke::kdf::HkdfSha256;
-type Aead = hpke::aead::AesGcm128;
+pub(crate) type Kem = hpke::kem::X25519HkdfSha256;
+pub(crate) type Kdf = hpke::kdf::HkdfSha256;
+pub(crate) type Aead = hpke::aead::AesGcm128;
 
 /// The suite's name in key sets and envelopes.
 pub const SUITE: &str = "DHKEM-X25519-HKDF-SHA256/HKDF-SHA256/AES-128-GCM";

@@ -10,11 +10,13 @@
 
 pub mod clock;
 pub mod device;
+pub mod device_auth;
 pub mod envelope;
 mod envelope_cbor;
 pub mod errors;
 pub mod hex;
 pub mod hpke;
+pub mod hpke_ephemeral;
 #[cfg(feature = "http")]
 pub mod http;
 pub mod ids;

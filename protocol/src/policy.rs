@@ -16,9 +16,11 @@
 //! mechanism=discrete_gaussian_on_grid | tree_aggregation_on_grid;min_separation=<u32>\n
 //! server_learning_rate=<f64>\n
 //! plan=<compact JSON object>\n
+//! [device_auth=privacy_pass;issuer=<name>;token_keys=<base64url SPKI>,...\n]
 //! ```
 //!
-//! Exactly these lines, in this order, each ended by one `\n`. Integers are decimal without sign
+//! Exactly these lines, in this order, each ended by one `\n`; the last, `device_auth`, only when
+//! the task requires device tokens (`device_auth.rs`), so a policy without it hashes as before. Integers are decimal without sign
 //! or leading zeros; every `<f64>` is Rust's `{:e}` form of the value (the shortest digits that
 //! read back to the same binary64, e.g. `4e0`, `1e-6`, `5e-2`), which every language's float
 //! parser reads exactly. Ids and the population are 1-128 of `A-Z a-z 0-9 . _ -`. The plan is
@@ -26,6 +28,8 @@
 //! parse them; only the producer (the server) needs to encode.
 
 use thiserror::Error;
+
+pub use crate::device_auth::DeviceAuth;
 
 pub const FORMAT: &str = "confed-task-policy/v2";
 /// Independent discrete Gaussian noise on every round (the default mechanism).
@@ -76,6 +80,8 @@ pub struct TaskPolicy {
     pub server_learning_rate: f64,
     /// Compact JSON of the task's plan.
     pub plan: String,
+    /// Device tokens every counted contribution must carry (`device_auth.rs`).
+    pub device_auth: Option<DeviceAuth>,
 }
 
 const KEYS: [&str; 12] = [
@@ -117,6 +123,7 @@ impl TaskPolicy {
             mechanism: MECHANISM.into(),
             server_learning_rate: 1.0,
             plan: "{}".into(),
+            device_auth: None,
         }
     }
 
@@ -143,6 +150,11 @@ impl TaskPolicy {
             out.push_str(key);
             out.push('=');
             out.push_str(&value);
+            out.push('\n');
+        }
+        if let Some(auth) = &self.device_auth {
+            out.push_str("device_auth=");
+            out.push_str(&auth.encode());
             out.push('\n');
         }
         out
@@ -173,8 +185,17 @@ impl TaskPolicy {
                 .ok_or_else(|| bad(format!("expected `{key}=` at line `{line}`")))?;
             values.push(value);
         }
+        let device_auth = match lines.next() {
+            None => None,
+            Some(line) => {
+                let value = line.strip_prefix("device_auth=").ok_or_else(|| {
+                    bad("the only line allowed after `plan` is `device_auth=`".into())
+                })?;
+                Some(DeviceAuth::parse(value).map_err(bad)?)
+            }
+        };
         if lines.next().is_some() {
-            return Err(bad("lines after `plan`".into()));
+            return Err(bad("lines after `device_auth`".into()));
         }
         let name = |i: usize| -> Result<String, PolicyError> {
             valid_name(values[i])
@@ -211,6 +232,7 @@ impl TaskPolicy {
             mechanism: values[9].to_string(),
             server_learning_rate: real(10)?,
             plan: plan.to_string(),
+            device_auth,
         };
         if policy.encode() != text {
             return Err(bad(
@@ -357,6 +379,7 @@ mod tests {
             mechanism: MECHANISM.into(),
             server_learning_rate: 1.0,
             plan: r#"{"batch_size":32,"epochs":1,"learning_rate":0.05}"#.into(),
+            device_auth: None,
         }
     }
 
@@ -373,6 +396,25 @@ mod tests {
              plan={\"batch_size\":32,\"epochs\":1,\"learning_rate\":0.05}\n"
         );
         assert_eq!(TaskPolicy::parse(&text).unwrap(), policy);
+    }
+
+    #[test]
+    fn a_device_auth_line_follows_the_plan_and_parses_back_strictly() {
+        let mut policy = example();
+        let key = crate::device_auth::tests::vector_key();
+        policy.device_auth = Some(DeviceAuth::new("issuer.example", vec![key]).unwrap());
+        let text = policy.encode();
+        assert!(text.contains("\ndevice_auth=privacy_pass;issuer=issuer.example;token_keys="));
+        assert!(text.ends_with('\n'));
+        assert_eq!(TaskPolicy::parse(&text).unwrap(), policy);
+        assert_ne!(policy.sha256_hex(), example().sha256_hex());
+        for bad in [
+            format!("{text}x=1\n"),
+            text.replace("device_auth=", "device-auth="),
+            text.replace("issuer=issuer.example", "issuer=other;"),
+        ] {
+            assert!(TaskPolicy::parse(&bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

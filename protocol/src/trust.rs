@@ -45,6 +45,22 @@ pub struct TrustConfig {
     /// other tenant is refused whatever the server assigns.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant_id: Option<String>,
+    /// The token issuers the device accepts a task's `device_auth` from (`device_auth.rs`):
+    /// a policy naming any other issuer or key is refused. Absent: no task requiring tokens is
+    /// accepted.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub token_issuers: Vec<TrustedIssuer>,
+}
+
+/// A token issuer a device trusts: its name and the token keys it may sign with.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrustedIssuer {
+    pub name: String,
+    /// base64url DER SubjectPublicKeyInfo of each token key, as the issuer's directory lists it.
+    pub token_keys: Vec<String>,
+    /// Where the device obtains tokens (the issuer's base URL).
+    pub url: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -74,6 +90,43 @@ impl TrustConfig {
             });
         }
         Ok(())
+    }
+
+    /// Refuses a policy whose `device_auth` names an issuer or a token key this trust file does
+    /// not list; returns the trusted issuer to obtain tokens from, if the policy requires them.
+    pub fn accept_device_auth(
+        &self,
+        policy: &crate::policy::TaskPolicy,
+    ) -> Result<Option<&TrustedIssuer>, crate::policy::PolicyError> {
+        use base64::Engine as _;
+        use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+        let Some(auth) = &policy.device_auth else {
+            return Ok(None);
+        };
+        let refuse = |why: String| crate::policy::PolicyError::Limits(why);
+        let issuer = self
+            .token_issuers
+            .iter()
+            .find(|i| i.name == auth.issuer)
+            .ok_or_else(|| {
+                refuse(format!(
+                    "the task requires tokens of issuer {}, which this device's trust file does not list (token_issuers)",
+                    auth.issuer
+                ))
+            })?;
+        for key in &auth.token_keys {
+            let listed = issuer
+                .token_keys
+                .iter()
+                .any(|k| URL_SAFE_NO_PAD.decode(k).is_ok_and(|k| &k == key));
+            if !listed {
+                return Err(refuse(format!(
+                    "the task names a token key of issuer {} that this device's trust file does not list",
+                    auth.issuer
+                )));
+            }
+        }
+        Ok(Some(issuer))
     }
 
     /// The key services as the signature checks take them; refused if a verifying key is not a
@@ -188,6 +241,7 @@ mod tests {
             shares,
             limits: DeviceLimits::ENCLAVE,
             tenant_id: None,
+            token_issuers: Vec::new(),
         }
     }
 

@@ -271,6 +271,11 @@ pub async fn put_contribution(
             )));
         }
     }
+    // A task that requires device tokens stores nothing unauthenticated.
+    state
+        .device_auth
+        .check_upload(&state.db, &assignment, &parsed)
+        .await?;
     // The one digest of an upload, computed here: the round's job lists it (so the enclave
     // commits to its inputs without a first read, and checks the bytes against it as it opens
     // them), and it makes a repeated upload idempotent.

@@ -44,6 +44,16 @@ pub enum ApiError {
     InsufficientStorage(String),
     #[error("{0}")]
     Unprocessable(String),
+    /// The task requires a device token and the upload carries none: 401 with an RFC 9577
+    /// `WWW-Authenticate: PrivateToken` challenge for the upload's assignment.
+    #[error("{detail}")]
+    TokenRequired {
+        detail: String,
+        www_authenticate: String,
+    },
+    /// The upload's device token does not authenticate it.
+    #[error("{0}")]
+    TokenRefused(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -101,6 +111,12 @@ impl ApiError {
                 "unprocessable",
                 "Unprocessable",
             ),
+            Self::TokenRequired { .. } => (
+                StatusCode::UNAUTHORIZED,
+                "token-required",
+                "Device token required",
+            ),
+            Self::TokenRefused(_) => (StatusCode::FORBIDDEN, "token-refused", "Token refused"),
             Self::Internal(_) => (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal",
@@ -143,7 +159,14 @@ impl IntoResponse for ApiError {
         let mut response = (status, axum::Json(problem)).into_response();
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        if status == StatusCode::UNAUTHORIZED {
+        if let Self::TokenRequired {
+            www_authenticate, ..
+        } = &self
+        {
+            if let Ok(value) = HeaderValue::from_str(www_authenticate) {
+                headers.insert(header::WWW_AUTHENTICATE, value);
+            }
+        } else if status == StatusCode::UNAUTHORIZED {
             headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         // When to try again (RFC 9110 10.2.3): a full disk takes an operator; a store hiccup less.

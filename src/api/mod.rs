@@ -3,6 +3,7 @@
 //! drift.
 
 pub mod admin;
+pub mod device_tokens;
 pub mod devices;
 pub mod error;
 pub mod evaluations;
@@ -79,6 +80,8 @@ pub struct AppState {
     pub console: crate::console::ConsoleSettings,
     /// Which fitting task a checking-in device serves first (`confed serve --scheduling`).
     pub scheduling: crate::scheduling::SchedulingPolicy,
+    /// Each task's device-token requirement, for the upload check (`device_tokens.rs`).
+    pub device_auth: device_tokens::DeviceAuthCache,
 }
 
 impl AppState {

@@ -181,6 +181,7 @@ pub async fn run(command: DevicesCommand) -> Result<()> {
                     min_reports,
                 },
                 tenant_id,
+                token_issuers: Vec::new(),
             };
             config.check()?;
             println!("{}", serde_json::to_string_pretty(&config)?);

@@ -107,6 +107,7 @@ pub async fn start(
             // itself would (a device of a real deployment states its own, tighter limits).
             limits: confed_enclave::policy::DeviceLimits::ENCLAVE,
             tenant_id: None,
+            token_issuers: Vec::new(),
         },
         tasks: Vec::new(),
     };

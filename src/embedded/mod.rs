@@ -148,6 +148,7 @@ impl EmbeddedSystem {
             worker_token: options.worker_token.clone(),
             console: Default::default(),
             scheduling: Default::default(),
+            device_auth: Default::default(),
         };
         let (url, handle) = serve_router(api::router(state), stop_rx.clone()).await?;
         tasks.push(handle);

@@ -146,6 +146,7 @@ fn trust(scene: &Scene, listed: usize, shares: Option<usize>) -> TrustConfig {
         shares,
         limits: confed_enclave::policy::DeviceLimits::ENCLAVE,
         tenant_id: None,
+        token_issuers: Vec::new(),
     }
 }
 

@@ -2,6 +2,7 @@
 //! Every field is checked; every problem is reported with the field's name and allowed range, all
 //! at once, so a partner fixes a request in one go.
 
+mod device_auth;
 mod evaluation;
 mod privacy;
 mod problems;
@@ -10,6 +11,7 @@ use confed_enclave::optimizer::ServerOptimizer;
 use confed_enclave::policy::{DpMechanism, TaskPolicy};
 use std::collections::BTreeMap;
 
+pub use device_auth::DeviceAuthSpec;
 pub use evaluation::{EarlyStopping, EvaluationSpec, MAX_PATIENCE, Metric};
 pub use privacy::{AdaptiveClippingSpec, MechanismName, PrivacyBudget};
 pub use problems::InvalidParam;
@@ -132,6 +134,10 @@ pub struct CreateTaskRequest {
     /// early-stopping rule (docs/privacy.md, "Evaluation").
     #[serde(default)]
     pub evaluation: Option<EvaluationSpec>,
+    /// Count only contributions carrying a device token of this issuer (docs/protocol.md,
+    /// "Device tokens"); devices whose trust file does not list the issuer decline the task.
+    #[serde(default)]
+    pub device_auth: Option<DeviceAuthSpec>,
 }
 
 /// A validated task definition, as stored and as returned to the partner.
@@ -164,6 +170,9 @@ pub struct TaskSpec {
     /// Federated evaluation (tasks created before it read as none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub evaluation: Option<EvaluationSpec>,
+    /// Device tokens (tasks created before them read as none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_auth: Option<DeviceAuthSpec>,
 }
 
 /// The highest over-selection a task's rounds adapt up to (unless the task asks for more).
@@ -194,6 +203,7 @@ impl TaskSpec {
             mechanism: self.dp_mechanism().encode(),
             server_learning_rate: self.server_learning_rate,
             plan: serde_json::to_string(&self.plan).unwrap_or_else(|_| "{}".into()),
+            device_auth: self.device_auth.as_ref().and_then(DeviceAuthSpec::policy),
         }
     }
 
@@ -327,6 +337,9 @@ impl CreateTaskRequest {
             1,
             86_400,
         );
+        if let Some(auth) = &self.device_auth {
+            auth.validate(&mut p);
+        }
         let server_optimizer = self.server_optimizer.unwrap_or_default();
         if let Err(why) = server_optimizer.validate() {
             p.add("server_optimizer", why);
@@ -369,6 +382,7 @@ impl CreateTaskRequest {
             server_optimizer,
             device_seconds_per_round,
             evaluation,
+            device_auth: self.device_auth,
         })
     }
 }

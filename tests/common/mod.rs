@@ -221,6 +221,7 @@ impl TestApp {
             worker_token: Some(AdminToken::from_secret(WORKER_TOKEN.to_string()).unwrap()),
             console: Default::default(),
             scheduling: Default::default(),
+            device_auth: Default::default(),
         };
         Self {
             router: api::router(state.clone()),

@@ -58,6 +58,7 @@ fn open_trust() -> TrustConfig {
         shares: None,
         limits: DeviceLimits::ENCLAVE,
         tenant_id: None,
+        token_issuers: Vec::new(),
     }
 }
 
@@ -243,6 +244,7 @@ fn a_policy_outside_the_devices_limits_is_refused() {
             min_reports: 1,
         },
         tenant_id: None,
+        token_issuers: Vec::new(),
     };
     let client = DeviceClient::new("http://127.0.0.1:1", &trust).unwrap();
     let key = key();
@@ -282,6 +284,7 @@ fn a_pinned_device_refuses_another_tenants_policy() {
         shares: None,
         limits: DeviceLimits::ENCLAVE,
         tenant_id: Some("acme".into()),
+        token_issuers: Vec::new(),
     };
     let client = DeviceClient::new("http://127.0.0.1:1", &trust).unwrap();
     let key = key();

@@ -33,10 +33,15 @@ pub enum Exclusion {
     WrongDtype,
     /// The stored bytes could not be read (missing blob).
     Missing,
+    /// The task requires device tokens and this contribution carries none that authenticates it
+    /// (missing, under a key the policy does not name, for another task, round or assignment,
+    /// not bound to this envelope, or forged): `device_auth::TokenRefusal`. Whether a device has
+    /// a token is not something its data decides.
+    Unauthenticated,
 }
 
 impl Exclusion {
-    pub const ALL: [Exclusion; 7] = [
+    pub const ALL: [Exclusion; 8] = [
         Self::MalformedEnvelope,
         Self::WrongKey,
         Self::DecryptionFailed,
@@ -44,6 +49,7 @@ impl Exclusion {
         Self::WrongTensors,
         Self::WrongDtype,
         Self::Missing,
+        Self::Unauthenticated,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -55,6 +61,7 @@ impl Exclusion {
             Self::WrongTensors => "wrong_tensors",
             Self::WrongDtype => "wrong_dtype",
             Self::Missing => "missing",
+            Self::Unauthenticated => "unauthenticated",
         }
     }
 }
@@ -89,6 +96,25 @@ pub fn open(
         plaintext,
     )
     .map_err(|_| Exclusion::DecryptionFailed)
+}
+
+/// Checks the token of a stored envelope for `assignment_ref` against the policy's requirement.
+pub fn authenticate(
+    device_auth: &confed_protocol::device_auth::DeviceAuth,
+    binding: &Binding,
+    assignment_ref: &str,
+    stored: &[u8],
+) -> Result<(), Exclusion> {
+    let envelope = EnvelopeRef::parse(stored).map_err(|_| Exclusion::MalformedEnvelope)?;
+    device_auth
+        .verify(
+            envelope.token,
+            envelope.encapsulated_key,
+            &binding.context.task_id,
+            binding.context.round,
+            assignment_ref,
+        )
+        .map_err(|_| Exclusion::Unauthenticated)
 }
 
 /// An update's model tensors (schema order) and, in an evaluation round, its metrics tensor.

@@ -21,6 +21,10 @@ pub struct Manifest {
     pub model_sha256: String,
     /// Contributions in the sum (the average's denominator).
     pub included: u64,
+    /// Tasks requiring device tokens only: the included contributions whose token the enclave
+    /// verified (all of them: an unauthenticated one is excluded as `unauthenticated`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub authenticated: Option<u64>,
     /// SHA-256 (hex) over the sorted refs of the included contributions, one per line.
     pub included_digest: String,
     /// BLAKE3 (hex) over the stored bytes of every contribution the job was given, valid or not

@@ -215,6 +215,8 @@ pub struct Aggregator {
     buffers: Mutex<Vec<Zeroizing<Vec<u8>>>>,
     /// Updates of at least this many bytes of values are streamed (`stream.rs`).
     stream_above: usize,
+    /// The policy's device-token requirement: only contributions it authenticates are added.
+    device_auth: Option<confed_protocol::device_auth::DeviceAuth>,
 }
 
 #[derive(Default)]
@@ -254,6 +256,7 @@ impl Aggregator {
             evaluation: None,
             buffers: Mutex::default(),
             stream_above: STREAM_ABOVE_BYTES,
+            device_auth: None,
         })
     }
 
@@ -262,6 +265,16 @@ impl Aggregator {
     /// agrees with the policy.
     pub fn evaluating(mut self, evaluation: Option<Evaluation>) -> Self {
         self.evaluation = evaluation.map(|e| (e, evaluation::Sums::default()));
+        self
+    }
+
+    /// Adds only contributions whose device token the policy's `device_auth` accepts (the policy
+    /// the contributions are bound to); the manifest then says how many were authenticated.
+    pub fn authenticating(
+        mut self,
+        device_auth: Option<confed_protocol::device_auth::DeviceAuth>,
+    ) -> Self {
+        self.device_auth = device_auth;
         self
     }
 
@@ -285,6 +298,11 @@ impl Aggregator {
 
     fn try_add(&self, assignment_ref: &str, stored: Option<&[u8]>) -> Result<(), Exclusion> {
         let stored = stored.ok_or(Exclusion::Missing)?;
+        // A token is checked before anything is decrypted: an unauthenticated contribution
+        // costs one signature check, and nothing of it reaches the sum.
+        if let Some(auth) = &self.device_auth {
+            contribution::authenticate(auth, &self.binding, assignment_ref, stored)?;
+        }
         // A plaintext buffer from the pool: reused across contributions (no allocation and page
         // faults per contribution), wiped when the aggregator is dropped.
         let mut plaintext = self
@@ -568,6 +586,7 @@ impl Aggregator {
             policy_sha256: self.binding.context.policy_sha256.clone(),
             model_sha256: self.binding.context.model_sha256.clone(),
             included: count,
+            authenticated: self.device_auth.is_some().then_some(count),
             included_digest,
             inputs_digest,
             excluded,
@@ -658,6 +677,8 @@ pub fn encode(schema: &ModelSchema, values: &[f32]) -> Result<Vec<u8>, ModelErro
     encode_f32_tensors(&tensors)
 }
 
+#[cfg(test)]
+mod auth_tests;
 #[cfg(test)]
 mod evaluation_tests;
 #[cfg(test)]

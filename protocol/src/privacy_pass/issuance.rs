@@ -72,11 +72,21 @@ impl TokenClient {
         &self.key
     }
 
-    /// Starts a token for `challenge` (encoded): a fresh random nonce, the token input blinded.
-    /// The request goes to the issuer; the pending token stays on the device.
+    /// Starts a token for `challenge` (encoded) with a fresh random nonce.
     pub fn begin(&self, challenge: &[u8]) -> Result<(TokenRequest, PendingToken), IssuanceError> {
         let mut nonce = [0u8; 32];
         getrandom::fill(&mut nonce).map_err(|e| IssuanceError::Blind(e.to_string()))?;
+        self.begin_with_nonce(challenge, nonce)
+    }
+
+    /// Starts a token for `challenge` (encoded) with `nonce` (confed's: `context::token_nonce` of
+    /// the envelope's encapsulated key): the token input blinded. The request goes to the issuer;
+    /// the pending token stays on the device.
+    pub fn begin_with_nonce(
+        &self,
+        challenge: &[u8],
+        nonce: [u8; 32],
+    ) -> Result<(TokenRequest, PendingToken), IssuanceError> {
         let token = Token {
             nonce,
             challenge_digest: Sha256::digest(challenge).into(),
@@ -252,7 +262,7 @@ mod tests {
         let signer = TokenSigner::from_pem(&case["skS_pem"]).unwrap();
         let client = TokenClient::from_spki(signer.spki()).unwrap();
         let challenge =
-            super::super::context::encoded_round_challenge("issuer.example", "t", 1).unwrap();
+            super::super::context::encoded_round_challenge("issuer.example", "t", 1, "a").unwrap();
         let (request, pending) = client.begin(&challenge).unwrap();
         let nonce = pending.token.nonce;
         let response = signer.sign(&request).unwrap();

@@ -1,0 +1,118 @@
+//! The front end's check of device tokens at upload (`docs/protocol.md`, "Device tokens"): a task
+//! whose policy requires them stores only uploads whose envelope carries a token that verifies
+//! for its assignment, so an outsider's flood costs one signature check and no storage. The
+//! enclave checks again (it trusts nothing the front end decided); this check only saves work.
+//! Nothing is kept: the token stays inside the stored envelope, and no value the issuer knows
+//! appears in it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use confed_protocol::device_auth::{DeviceAuth, TokenRefusal};
+use confed_protocol::privacy_pass::context::encoded_round_challenge;
+
+use crate::api::error::ApiError;
+use crate::db::Db;
+use crate::db::device::AssignmentView;
+use confed_protocol::envelope::Envelope;
+
+/// Tasks whose requirement is remembered at most (a task's definition never changes, so an entry
+/// is never stale; past this the map starts over).
+const CACHED_TASKS: usize = 10_000;
+
+/// Each task's device-token requirement, read once from its definition.
+#[derive(Debug, Clone, Default)]
+pub struct DeviceAuthCache(Arc<Mutex<HashMap<String, Option<Arc<DeviceAuth>>>>>);
+
+impl DeviceAuthCache {
+    async fn of(
+        &self,
+        db: &Db,
+        tenant_id: &str,
+        task_id: &str,
+    ) -> Result<Option<Arc<DeviceAuth>>, ApiError> {
+        if let Some(known) = self.0.lock().ok().and_then(|m| m.get(task_id).cloned()) {
+            return Ok(known);
+        }
+        let task = db.task(tenant_id, task_id).await?;
+        let auth = task
+            .spec
+            .device_auth
+            .as_ref()
+            .and_then(|spec| spec.policy())
+            .map(Arc::new);
+        if let Ok(mut map) = self.0.lock() {
+            if map.len() >= CACHED_TASKS {
+                map.clear();
+            }
+            map.insert(task_id.to_string(), auth.clone());
+        }
+        Ok(auth)
+    }
+
+    /// Refuses an upload for `assignment` whose envelope's token does not authenticate it.
+    pub async fn check_upload(
+        &self,
+        db: &Db,
+        assignment: &AssignmentView,
+        envelope: &Envelope,
+    ) -> Result<(), ApiError> {
+        let Some(auth) = self
+            .of(db, &assignment.tenant_id, &assignment.task_id)
+            .await?
+        else {
+            return Ok(());
+        };
+        let round = u64::try_from(assignment.round_number).unwrap_or(0);
+        let outcome = auth.verify(
+            envelope.token.as_deref(),
+            &envelope.encapsulated_key,
+            &assignment.task_id,
+            round,
+            assignment.id.as_str(),
+        );
+        match outcome {
+            Ok(()) => Ok(()),
+            Err(refusal) => {
+                let reason = match &refusal {
+                    TokenRefusal::Missing(_) => "missing",
+                    TokenRefusal::Malformed(_) => "malformed",
+                    TokenRefusal::UnknownKey => "unknown_key",
+                    TokenRefusal::NotBound => "not_bound",
+                    TokenRefusal::Challenge => "challenge",
+                    TokenRefusal::Signature => "signature",
+                };
+                metrics::counter!("confed_device_tokens_refused_total", "reason" => reason)
+                    .increment(1);
+                Err(match refusal {
+                    TokenRefusal::Missing(_) => ApiError::TokenRequired {
+                        detail: refusal.to_string(),
+                        www_authenticate: challenge_header(
+                            &auth,
+                            &assignment.task_id,
+                            round,
+                            assignment.id.as_str(),
+                        ),
+                    },
+                    other => ApiError::TokenRefused(other.to_string()),
+                })
+            }
+        }
+    }
+}
+
+/// `PrivateToken challenge="<base64url TokenChallenge>", token-key="<base64url SPKI>"` (RFC 9577,
+/// section 2.1) for the assignment, under the policy's first key.
+fn challenge_header(auth: &DeviceAuth, task_id: &str, round: u64, assignment_ref: &str) -> String {
+    let challenge = encoded_round_challenge(&auth.issuer, task_id, round, assignment_ref)
+        .map(|c| URL_SAFE_NO_PAD.encode(c))
+        .unwrap_or_default();
+    let key = auth
+        .token_keys
+        .first()
+        .map(|k| URL_SAFE_NO_PAD.encode(k))
+        .unwrap_or_default();
+    format!("PrivateToken challenge=\"{challenge}\", token-key=\"{key}\"")
+}
