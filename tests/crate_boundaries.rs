@@ -72,9 +72,10 @@ const SERVER_SIDE: &[&str] = &[
 fn the_device_library_links_no_database_server_dp_or_thread_pool_crate() {
     let found = normal_dependencies("confed-device", &[]);
     assert_none_of("confed-device", &found, SERVER_SIDE);
-    // The footprint the README states (155 packages on 2026-12-01): a jump means a new heavy
-    // dependency; look at it before raising this bound.
-    assert!(found.len() <= 170, "{} crates: {found:?}", found.len());
+    // The footprint the README states (171 packages on 2026-12-02; 155 before device tokens, whose
+    // blind RSA brought 16, five of them proc-macros that leave no code): a jump means a new
+    // heavy dependency; look at it before raising this bound.
+    assert!(found.len() <= 180, "{} crates: {found:?}", found.len());
 }
 
 #[test]

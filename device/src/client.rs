@@ -15,7 +15,7 @@ use confed_protocol::hpke::{PublicKey, RustCrypto, Sealer};
 use confed_protocol::keys::{DeviceKey, KeyState};
 use confed_protocol::policy::{DeviceLimits, Evaluation, TaskPolicy, sha256_hex};
 use confed_protocol::trust::{
-    TrustConfig, TrustError, TrustFileError, TrustedKeyService, accept_device_key,
+    TrustConfig, TrustError, TrustFileError, TrustedIssuer, TrustedKeyService, accept_device_key,
 };
 
 use crate::state::{DeviceState, FileStore, StateError, StateStore};
@@ -69,6 +69,8 @@ pub enum DeviceError {
     Model(#[from] crate::update::ModelShapeError),
     #[error("device state")]
     State(#[from] StateError),
+    #[error("device token: {0}")]
+    Token(String),
 }
 
 /// Why a device that sealed for the rounds in `done` must not serve `round` of `task_id` under a
@@ -163,7 +165,7 @@ impl VerifiedKeys {
 
 #[derive(Debug)]
 pub struct DeviceClient {
-    http: reqwest::Client,
+    pub(crate) http: reqwest::Client,
     base: String,
     trusted: Vec<TrustedKeyService>,
     threshold: usize,
@@ -182,6 +184,11 @@ pub struct DeviceClient {
     send_served: bool,
     verified: VerifiedKeys,
     sealer: std::sync::Arc<dyn Sealer>,
+    /// The token issuers of the trust file, and how this device attests to them (`tokens.rs`):
+    /// without an attestation it declines tasks that require device tokens.
+    pub(crate) token_issuers: Vec<TrustedIssuer>,
+    pub(crate) attestation: Option<Arc<dyn crate::tokens::Attestation>>,
+    pub(crate) token_sources: Mutex<HashMap<String, Arc<crate::tokens::TokenSource>>>,
 }
 
 type CachedModel = (String, std::sync::Arc<Vec<u8>>, String);
@@ -226,7 +233,7 @@ impl AcceptedPolicy {
     }
 }
 
-async fn problem_detail(response: reqwest::Response) -> DeviceError {
+pub(crate) async fn problem_detail(response: reqwest::Response) -> DeviceError {
     let status = response.status().as_u16();
     let text = response.text().await.unwrap_or_default();
     let detail = serde_json::from_str::<serde_json::Value>(&text)
@@ -275,6 +282,9 @@ impl DeviceClient {
             send_served: true,
             verified,
             sealer: std::sync::Arc::new(RustCrypto),
+            token_issuers: trust.token_issuers.clone(),
+            attestation: None,
+            token_sources: Mutex::default(),
         })
     }
 
@@ -593,6 +603,13 @@ impl DeviceClient {
         self.limits
             .check(&policy)
             .map_err(|e| refuse(e.to_string()))?;
+        confed_protocol::trust::accept_device_auth(&self.token_issuers, &policy)
+            .map_err(|e| refuse(e.to_string()))?;
+        if policy.device_auth.is_some() && self.attestation.is_none() {
+            return Err(refuse(
+                "the task requires device tokens and this device has no attestation to obtain them (DeviceClient::with_attestation)".into(),
+            ));
+        }
         let sha256 = sha256_hex(assignment.policy.as_bytes());
         Ok(AcceptedPolicy { policy, sha256 })
     }
@@ -609,6 +626,37 @@ impl DeviceClient {
         policy: &AcceptedPolicy,
         model: &Model,
         update: &crate::update::WellFormedUpdate,
+    ) -> Result<Vec<u8>, DeviceError> {
+        if policy.policy.device_auth.is_some() {
+            return Err(DeviceError::Token(
+                "the task requires a device token: obtain one with `token_for` and seal with `seal_with_token`".into(),
+            ));
+        }
+        self.seal_envelope(assignment, public_key, policy, model, update, None)
+    }
+
+    /// `seal` for a task that requires device tokens, with the token `token_for` obtained for
+    /// this assignment (spent: it binds this envelope only).
+    pub fn seal_with_token(
+        &self,
+        assignment: &AssignmentResponse,
+        public_key: &PublicKey,
+        policy: &AcceptedPolicy,
+        model: &Model,
+        update: &crate::update::WellFormedUpdate,
+        token: crate::tokens::AssignmentToken,
+    ) -> Result<Vec<u8>, DeviceError> {
+        self.seal_envelope(assignment, public_key, policy, model, update, Some(token))
+    }
+
+    fn seal_envelope(
+        &self,
+        assignment: &AssignmentResponse,
+        public_key: &PublicKey,
+        policy: &AcceptedPolicy,
+        model: &Model,
+        update: &crate::update::WellFormedUpdate,
+        token: Option<crate::tokens::AssignmentToken>,
     ) -> Result<Vec<u8>, DeviceError> {
         let update = update.bytes();
         // The device's privacy unit is one contribution per round: once it has sealed an update
@@ -656,15 +704,26 @@ impl DeviceClient {
             policy_sha256: policy.sha256.clone(),
             model_sha256: model.sha256.clone(),
         };
-        Ok(confed_protocol::envelope::seal_with(
-            self.sealer.as_ref(),
-            public_key,
-            &assignment.encryption.key_id,
-            &context,
-            &assignment.assignment_id,
-            update,
-        )?
-        .to_cbor())
+        let envelope = match token {
+            Some(token) => confed_protocol::envelope::seal_with_token(
+                token.ephemeral,
+                &token.token,
+                public_key,
+                &assignment.encryption.key_id,
+                &context,
+                &assignment.assignment_id,
+                update,
+            )?,
+            None => confed_protocol::envelope::seal_with(
+                self.sealer.as_ref(),
+                public_key,
+                &assignment.encryption.key_id,
+                &context,
+                &assignment.assignment_id,
+                update,
+            )?,
+        };
+        Ok(envelope.to_cbor())
     }
 
     /// Uploads the envelope; retried on network errors and 5xx (the server answers 200 for the same

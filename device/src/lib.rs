@@ -5,6 +5,7 @@
 
 pub mod client;
 pub mod state;
+pub mod tokens;
 pub mod update;
 
 pub use client::{
@@ -12,6 +13,7 @@ pub use client::{
 };
 pub use confed_protocol::device::{AssignmentResponse, ReportOutcome, RetryResponse, RetryWindow};
 pub use confed_protocol::policy::{EVALUATION_TENSOR, Evaluation};
-pub use confed_protocol::trust::{TrustConfig, TrustedEntry};
+pub use confed_protocol::trust::{TrustConfig, TrustedEntry, TrustedIssuer};
 pub use state::{DeviceState, FileStore, StateError, StateStore};
+pub use tokens::{AssignmentToken, Attestation, DevAttestation, TokenSource};
 pub use update::{ModelShapeError, TrainingProblem, UpdateShape, WellFormedUpdate};

@@ -99,6 +99,14 @@ impl From<IssueError> for ApiError {
                 failed_checks,
                 retry_after: None,
             },
+            IssueError::Credential => Self {
+                status: StatusCode::FORBIDDEN,
+                kind: "credential-refused",
+                title: "Credential refused",
+                detail,
+                failed_checks: Vec::new(),
+                retry_after: None,
+            },
             IssueError::Exhausted(exhausted) => Self {
                 status: StatusCode::TOO_MANY_REQUESTS,
                 kind: "token-limit-reached",

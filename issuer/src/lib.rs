@@ -9,6 +9,7 @@
 pub mod attester;
 pub mod challenge;
 pub mod cli;
+pub mod credential;
 pub mod error;
 pub mod limiter;
 pub mod routes;
@@ -22,6 +23,7 @@ use thiserror::Error;
 
 use crate::attester::{Attester, Evidence, FailedCheck};
 use crate::challenge::{ChallengeProblem, Challenges};
+use crate::credential::Credentials;
 use crate::limiter::{Exhausted, Limiter, LimiterError};
 
 /// Most token requests one call may carry.
@@ -36,6 +38,10 @@ pub enum IssueError {
     #[error("the device's evidence was refused")]
     Attestation(Vec<FailedCheck>),
     #[error(
+        "the credential is not this issuer's, or its window ended; attest again (challenge and evidence)"
+    )]
+    Credential,
+    #[error(
         "this device has {} tokens left in the current window, which ends at {} (Unix seconds); ask for at most that many, or after the window ends",
         .0.remaining, .0.window_ends_at
     )]
@@ -46,11 +52,21 @@ pub enum IssueError {
     Signing(String),
 }
 
-/// One call's worth of token requests with the evidence that backs them.
+/// What shows that a request comes from an attested device.
+#[derive(Debug)]
+pub enum Proof {
+    Attested {
+        challenge: Vec<u8>,
+        evidence: Evidence,
+    },
+    /// The credential an earlier answer of this window gave (`credential.rs`).
+    Credential(Vec<u8>),
+}
+
+/// One call's worth of token requests with what backs them.
 #[derive(Debug)]
 pub struct IssueRequest {
-    pub challenge: Vec<u8>,
-    pub evidence: Evidence,
+    pub proof: Proof,
     pub token_requests: Vec<TokenRequest>,
 }
 
@@ -59,6 +75,7 @@ pub struct Issued {
     pub token_responses: Vec<TokenResponse>,
     pub remaining: u32,
     pub window_ends_at: Seconds,
+    pub credential: Vec<u8>,
 }
 
 pub struct Issuer {
@@ -66,6 +83,7 @@ pub struct Issuer {
     signer: TokenSigner,
     attester: Box<dyn Attester>,
     challenges: Challenges,
+    credentials: Credentials,
     limiter: Mutex<Limiter>,
     window_seconds: Seconds,
     clock: Arc<dyn Clock>,
@@ -94,6 +112,7 @@ impl Issuer {
             signer,
             attester,
             challenges: Challenges::new()?,
+            credentials: Credentials::new(limiter.derived_key(b"confed-issuer-credential-key-v1")),
             limiter: Mutex::new(limiter),
             window_seconds,
             clock,
@@ -158,13 +177,24 @@ impl Issuer {
             )));
         }
         let now = self.clock.now_seconds();
-        self.challenges
-            .check(&request.challenge, now)
-            .map_err(IssueError::Challenge)?;
-        let identity = self
-            .attester
-            .attest(&request.evidence, &request.challenge)
-            .map_err(IssueError::Attestation)?;
+        let window = now.div_euclid(self.window_seconds);
+        let identity = match &request.proof {
+            Proof::Attested {
+                challenge,
+                evidence,
+            } => {
+                self.challenges
+                    .check(challenge, now)
+                    .map_err(IssueError::Challenge)?;
+                self.attester
+                    .attest(evidence, challenge)
+                    .map_err(IssueError::Attestation)?
+            }
+            Proof::Credential(credential) => self
+                .credentials
+                .check(credential, window)
+                .ok_or(IssueError::Credential)?,
+        };
         let grant = self
             .limiter
             .lock()
@@ -181,6 +211,7 @@ impl Issuer {
             token_responses,
             remaining: grant.remaining,
             window_ends_at: grant.window_ends_at,
+            credential: self.credentials.issue(window, &identity),
         })
     }
 }

@@ -115,6 +115,12 @@ impl Limiter {
         })
     }
 
+    /// A key for another purpose (`label`), derived from the persistent limiter key.
+    pub fn derived_key(&self, label: &[u8]) -> ring::hmac::Key {
+        let derived = ring::hmac::sign(&self.key, label);
+        ring::hmac::Key::new(ring::hmac::HMAC_SHA256, derived.as_ref())
+    }
+
     pub fn tokens_per_window(&self) -> u32 {
         self.tokens_per_window
     }

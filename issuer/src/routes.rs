@@ -10,69 +10,18 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+pub use confed_protocol::privacy_pass::issuer_api::{
+    ChallengeResponse, Directory, TokenKey, TokenRequestBody, TokenResponseBody,
+};
 use confed_protocol::privacy_pass::{TOKEN_TYPE_BLIND_RSA, TokenRequest};
-use serde::{Deserialize, Serialize};
 
-use crate::attester::Evidence;
 use crate::error::ApiError;
-use crate::{IssueRequest, Issuer};
+use crate::{IssueRequest, Issuer, Proof};
 
 /// Largest request body: 64 token requests of 346 base64url characters, evidence and slack.
 pub const MAX_BODY_BYTES: usize = 96 * 1024;
 
 pub const DEV_ATTESTER_WARNING: &str = "DEV ATTESTER: anyone can create device identities, so the per-device token limit bounds nothing; for tests and demos only";
-
-#[derive(Debug, Serialize, Deserialize)]
-pub struct TokenKey {
-    #[serde(rename = "token-type")]
-    pub token_type: u16,
-    /// base64url DER SubjectPublicKeyInfo (RSASSA-PSS).
-    #[serde(rename = "token-key")]
-    pub token_key: String,
-}
-
-/// `GET /v1/directory`: the RFC 9578 issuer directory, plus what a device needs to plan.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct Directory {
-    pub issuer_name: String,
-    #[serde(rename = "issuer-request-uri")]
-    pub issuer_request_uri: String,
-    #[serde(rename = "token-keys")]
-    pub token_keys: Vec<TokenKey>,
-    /// Lowercase hex SHA-256 of the token key's SPKI: the key id tokens carry.
-    pub token_key_id: String,
-    pub tokens_per_window: u32,
-    pub window_seconds: i64,
-    /// The evidence `format` this issuer accepts.
-    pub attester: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub warning: Option<String>,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-pub struct ChallengeResponse {
-    /// base64url, 40 bytes.
-    pub challenge: String,
-    pub expires_at: i64,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TokenRequestBody {
-    pub challenge: String,
-    pub evidence: Evidence,
-    /// base64url `TokenRequest`s of type 0x0002 (259 bytes each).
-    pub token_requests: Vec<String>,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-pub struct TokenResponseBody {
-    /// base64url `TokenResponse`s (256 bytes each), in the order of the requests.
-    pub token_responses: Vec<String>,
-    /// Tokens this device may still ask for in the current window.
-    pub remaining: u32,
-    pub window_ends_at: i64,
-}
 
 pub fn router(issuer: Arc<Issuer>) -> Router {
     Router::new()
@@ -118,9 +67,23 @@ async fn challenge(State(issuer): State<Arc<Issuer>>) -> Response {
 }
 
 fn parse(body: TokenRequestBody) -> Result<IssueRequest, ApiError> {
-    let challenge = URL_SAFE_NO_PAD
-        .decode(&body.challenge)
-        .map_err(|_| ApiError::bad_request("challenge is not base64url (no padding)"))?;
+    let base64 = |text: &str, field: &str| {
+        URL_SAFE_NO_PAD
+            .decode(text)
+            .map_err(|_| ApiError::bad_request(format!("{field} is not base64url (no padding)")))
+    };
+    let proof = match (body.challenge, body.evidence, body.credential) {
+        (Some(challenge), Some(evidence), None) => Proof::Attested {
+            challenge: base64(&challenge, "challenge")?,
+            evidence,
+        },
+        (None, None, Some(credential)) => Proof::Credential(base64(&credential, "credential")?),
+        _ => {
+            return Err(ApiError::bad_request(
+                "send either `challenge` and `evidence` (attest: POST /v1/challenge first) or the `credential` an earlier answer of this window gave",
+            ));
+        }
+    };
     let token_requests = body
         .token_requests
         .iter()
@@ -134,8 +97,7 @@ fn parse(body: TokenRequestBody) -> Result<IssueRequest, ApiError> {
         })
         .collect::<Result<Vec<_>, _>>()?;
     Ok(IssueRequest {
-        challenge,
-        evidence: body.evidence,
+        proof,
         token_requests,
     })
 }
@@ -161,6 +123,7 @@ async fn token_request(
                 .collect(),
             remaining: issued.remaining,
             window_ends_at: issued.window_ends_at,
+            credential: URL_SAFE_NO_PAD.encode(&issued.credential),
         })
         .into_response(),
         Ok(Err(error)) => {

@@ -13,7 +13,9 @@ use confed_issuer::Issuer;
 use confed_issuer::attester::Evidence;
 use confed_issuer::attester::dev::{DevAttester, evidence};
 use confed_issuer::limiter::Limiter;
-use confed_issuer::routes::{self, ChallengeResponse, Directory, TokenResponseBody};
+use confed_issuer::routes::{
+    self, ChallengeResponse, Directory, TokenRequestBody, TokenResponseBody,
+};
 use confed_protocol::clock::ManualClock;
 use confed_protocol::privacy_pass::context::encoded_round_challenge;
 use confed_protocol::privacy_pass::issuance::{TokenClient, TokenSigner};
@@ -92,16 +94,23 @@ async fn challenge(app: &axum::Router) -> Vec<u8> {
 }
 
 fn body(challenge: &[u8], evidence: &Evidence, requests: &[Vec<u8>]) -> String {
-    let Evidence::Dev {
-        public_key,
-        signature,
-    } = evidence;
-    serde_json::json!({
-        "challenge": URL_SAFE_NO_PAD.encode(challenge),
-        "evidence": {"format": "dev", "public_key": public_key, "signature": signature},
-        "token_requests": requests.iter().map(|r| URL_SAFE_NO_PAD.encode(r)).collect::<Vec<_>>(),
+    serde_json::to_string(&TokenRequestBody {
+        challenge: Some(URL_SAFE_NO_PAD.encode(challenge)),
+        evidence: Some(evidence.clone()),
+        credential: None,
+        token_requests: requests.iter().map(|r| URL_SAFE_NO_PAD.encode(r)).collect(),
     })
-    .to_string()
+    .unwrap()
+}
+
+fn with_credential(credential: &str, requests: &[Vec<u8>]) -> String {
+    serde_json::to_string(&TokenRequestBody {
+        challenge: None,
+        evidence: None,
+        credential: Some(credential.to_string()),
+        token_requests: requests.iter().map(|r| URL_SAFE_NO_PAD.encode(r)).collect(),
+    })
+    .unwrap()
 }
 
 fn device_key(byte: u8) -> p256::ecdsa::SigningKey {
@@ -303,4 +312,74 @@ async fn stale_challenges_foreign_evidence_and_malformed_requests_are_refused_by
     )
     .await;
     assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_device_attests_once_per_window_and_its_credential_carries_its_allowance_only() {
+    let f = fixture();
+    let client = TokenClient::from_spki(signer().spki()).unwrap();
+    let request = |n: usize| -> Vec<Vec<u8>> {
+        (0..n)
+            .map(|_| client.begin(b"c").unwrap().0.encode())
+            .collect()
+    };
+    let device = device_key(5);
+    let c = challenge(&f.app).await;
+    let (status, _, answer) = call(
+        &f.app,
+        "POST",
+        "/v1/token-request",
+        Some(body(&c, &evidence(&device, &c), &request(1))),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let answer: TokenResponseBody = serde_json::from_slice(&answer).unwrap();
+    // The credential stands in for evidence, and counts against the same allowance.
+    let (status, _, again) = call(
+        &f.app,
+        "POST",
+        "/v1/token-request",
+        Some(with_credential(&answer.credential, &request(2))),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let again: TokenResponseBody = serde_json::from_slice(&again).unwrap();
+    assert_eq!(again.remaining, 0);
+    let (status, _, _) = call(
+        &f.app,
+        "POST",
+        "/v1/token-request",
+        Some(with_credential(&answer.credential, &request(1))),
+    )
+    .await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    // A forged or stale credential is refused: attest again.
+    let mut forged = URL_SAFE_NO_PAD.decode(&answer.credential).unwrap();
+    forged[10] ^= 1;
+    let (status, _, problem) = call(
+        &f.app,
+        "POST",
+        "/v1/token-request",
+        Some(with_credential(
+            &URL_SAFE_NO_PAD.encode(forged),
+            &request(1),
+        )),
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert!(String::from_utf8_lossy(&problem).contains("credential-refused"));
+    f.clock.advance(Duration::from_secs(DAY as u64));
+    let (status, _, _) = call(
+        &f.app,
+        "POST",
+        "/v1/token-request",
+        Some(with_credential(&answer.credential, &request(1))),
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    // Neither proof, or both, is a bad request that says what to send.
+    let neither = serde_json::json!({"token_requests": []}).to_string();
+    let (status, _, problem) = call(&f.app, "POST", "/v1/token-request", Some(neither)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(String::from_utf8_lossy(&problem).contains("either"));
 }

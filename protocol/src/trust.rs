@@ -98,35 +98,7 @@ impl TrustConfig {
         &self,
         policy: &crate::policy::TaskPolicy,
     ) -> Result<Option<&TrustedIssuer>, crate::policy::PolicyError> {
-        use base64::Engine as _;
-        use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-        let Some(auth) = &policy.device_auth else {
-            return Ok(None);
-        };
-        let refuse = |why: String| crate::policy::PolicyError::Limits(why);
-        let issuer = self
-            .token_issuers
-            .iter()
-            .find(|i| i.name == auth.issuer)
-            .ok_or_else(|| {
-                refuse(format!(
-                    "the task requires tokens of issuer {}, which this device's trust file does not list (token_issuers)",
-                    auth.issuer
-                ))
-            })?;
-        for key in &auth.token_keys {
-            let listed = issuer
-                .token_keys
-                .iter()
-                .any(|k| URL_SAFE_NO_PAD.decode(k).is_ok_and(|k| &k == key));
-            if !listed {
-                return Err(refuse(format!(
-                    "the task names a token key of issuer {} that this device's trust file does not list",
-                    auth.issuer
-                )));
-            }
-        }
-        Ok(Some(issuer))
+        accept_device_auth(&self.token_issuers, policy)
     }
 
     /// The key services as the signature checks take them; refused if a verifying key is not a
@@ -225,6 +197,43 @@ pub fn accept_device_key(
         .ok_or(TrustError::NotEnoughSignatures { threshold, best: 0 })
 }
 
+/// Refuses a policy whose `device_auth` names an issuer or a token key not among `issuers` (a
+/// trust file's `token_issuers`); returns the issuer to obtain tokens from, if the policy requires
+/// them.
+pub fn accept_device_auth<'a>(
+    issuers: &'a [TrustedIssuer],
+    policy: &crate::policy::TaskPolicy,
+) -> Result<Option<&'a TrustedIssuer>, crate::policy::PolicyError> {
+    use base64::Engine as _;
+    use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let Some(auth) = &policy.device_auth else {
+        return Ok(None);
+    };
+    let refuse = |why: String| crate::policy::PolicyError::Limits(why);
+    let issuer = issuers
+            .iter()
+            .find(|i| i.name == auth.issuer)
+            .ok_or_else(|| {
+                refuse(format!(
+                    "the task requires tokens of issuer {}, which this device's trust file does not list (token_issuers)",
+                    auth.issuer
+                ))
+            })?;
+    for key in &auth.token_keys {
+        let listed = issuer
+            .token_keys
+            .iter()
+            .any(|k| URL_SAFE_NO_PAD.decode(k).is_ok_and(|k| &k == key));
+        if !listed {
+            return Err(refuse(format!(
+                "the task names a token key of issuer {} that this device's trust file does not list",
+                auth.issuer
+            )));
+        }
+    }
+    Ok(Some(issuer))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -268,5 +277,40 @@ mod tests {
                 "t={t} listed={listed} n={n:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_policy_naming_an_issuer_or_key_the_trust_file_lacks_is_refused() {
+        use base64::Engine as _;
+        use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+        let key = crate::device_auth::tests::vector_key();
+        let mut policy = crate::policy::TaskPolicy::sample("t", 1);
+        let listed = TrustedIssuer {
+            name: "issuer.example".into(),
+            token_keys: vec![URL_SAFE_NO_PAD.encode(&key)],
+            url: "https://issuer.example".into(),
+        };
+        assert!(matches!(accept_device_auth(&[], &policy), Ok(None)));
+        policy.device_auth = Some(
+            crate::device_auth::DeviceAuth::new("issuer.example", vec![key.clone()]).unwrap(),
+        );
+        let accepted = accept_device_auth(std::slice::from_ref(&listed), &policy).unwrap();
+        assert_eq!(accepted.unwrap().url, "https://issuer.example");
+        assert!(
+            accept_device_auth(&[], &policy)
+                .unwrap_err()
+                .to_string()
+                .contains("does not list")
+        );
+        let other_key = TrustedIssuer {
+            token_keys: vec![URL_SAFE_NO_PAD.encode(&key[..key.len() - 1])],
+            ..listed.clone()
+        };
+        assert!(accept_device_auth(&[other_key], &policy).is_err());
+        let other_name = TrustedIssuer {
+            name: "other".into(),
+            ..listed
+        };
+        assert!(accept_device_auth(&[other_name], &policy).is_err());
     }
 }

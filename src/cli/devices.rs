@@ -51,6 +51,11 @@ pub enum DevicesCommand {
         /// rounds they served. Says so.
         #[arg(long)]
         forgetful: bool,
+        /// A token issuer (its base URL) to trust besides the trust file's: the devices then
+        /// take tasks requiring its tokens and obtain them with the dev attestation (only a dev
+        /// issuer accepts it).
+        #[arg(long)]
+        issuer: Option<String>,
     },
     /// Write the synthetic task's initial model (zeros, safetensors) to upload as version 0.
     InitModel {
@@ -103,8 +108,16 @@ pub async fn run(command: DevicesCommand) -> Result<()> {
             client_version,
             state_dir,
             forgetful,
+            issuer,
         } => {
-            let trust = confed_device::load_trust(&trust)?;
+            let mut trust = confed_device::load_trust(&trust)?;
+            if let Some(url) = issuer {
+                let issuer = confed::tools::issuer::trusted_issuer(&url)
+                    .await
+                    .map_err(anyhow::Error::msg)?;
+                trust.token_issuers.retain(|i| i.name != issuer.name);
+                trust.token_issuers.push(issuer);
+            }
             if forgetful {
                 eprintln!(
                     "confed devices simulate: --forgetful: the devices keep the rounds they served in memory only; run again, they may serve rounds their tasks' privacy accounting forbids"

@@ -2,5 +2,6 @@
 //! training of the synthetic demo model, and `confed demo`, which runs a whole task end to end.
 
 pub mod demo;
+pub mod issuer;
 pub mod simulate;
 pub mod train;

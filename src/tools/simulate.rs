@@ -190,6 +190,21 @@ async fn device(shared: Arc<Shared>, index: u64) {
         // RustCrypto's X25519 was ~30 % of the simulator's CPU.
         Ok(client) => {
             let client = client.with_sealer(Arc::new(confed_enclave::hpke_awslc::AwsLc));
+            // A simulated device has no hardware to attest with: where its trust lists token
+            // issuers it uses the dev attestation, which only a dev issuer accepts.
+            let client = if config.trust.token_issuers.is_empty() {
+                client
+            } else {
+                match confed_device::DevAttestation::generate() {
+                    Ok(attestation) => client.with_attestation(Arc::new(attestation)),
+                    Err(e) => {
+                        return shared.note(|s| {
+                            s.failures
+                                .push(format!("device {index}: {}", e.with_causes()))
+                        });
+                    }
+                }
+            };
             match &config.state_dir {
                 None => client,
                 Some(dir) => {
@@ -303,6 +318,13 @@ async fn cycle(
     let model = client.model(assignment).await?;
     let shape = model.update_shape()?;
     shared.timed("model", started);
+    // The device token (when the task requires one) is asked for before training, as a phone
+    // would while it trains: it depends on the assignment only.
+    let started = Instant::now();
+    let token = client.token_for(assignment, &policy).await?;
+    if token.is_some() {
+        shared.timed("token", started);
+    }
     // From here on, nothing the server hears depends on what training does: a failure, a NaN or
     // the wrong tensors become a zero update of the model's shape, sealed, uploaded and reported
     // `completed` like any other (docs/privacy.md, "What leaves a device").
@@ -328,7 +350,12 @@ async fn cycle(
         let problems: Vec<String> = update.problems().iter().map(|p| p.to_string()).collect();
         shared.note(|s| s.zeroed.push(problems.join("; ")));
     }
-    let envelope = client.seal(assignment, &public_key, &policy, &model, &update)?;
+    let envelope = match token {
+        Some(token) => {
+            client.seal_with_token(assignment, &public_key, &policy, &model, &update, token)?
+        }
+        None => client.seal(assignment, &public_key, &policy, &model, &update)?,
+    };
     let started = Instant::now();
     client.upload(assignment, envelope).await?;
     shared.timed("upload", started);

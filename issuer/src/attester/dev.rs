@@ -1,5 +1,5 @@
 //! The dev attester: a device proves only that it holds a P-256 key, by signing
-//! `"confed-dev-attestation-v1" 0x00 || challenge` with it; its identity is the SHA-256 of the
+//! `"confed-dev-attestation-v1" 0x00 || challenge` with it (`Evidence::dev`); its identity is the SHA-256 of the
 //! key's uncompressed SEC1 encoding. Anyone can make keys, so this bounds nothing: it exists so
 //! tests and `confed demo --device-auth` run the whole token flow without Android hardware, and the
 //! issuer says so in its log and its directory whenever it runs with it.
@@ -13,11 +13,14 @@ use sha2::{Digest, Sha256};
 use super::{Attester, DeviceIdentity, Evidence, FailedCheck};
 
 pub const FORMAT: &str = "dev";
-pub const LABEL: &[u8] = b"confed-dev-attestation-v1\0";
 
 /// What a dev device signs.
 pub fn signed_message(challenge: &[u8]) -> Vec<u8> {
-    [LABEL, challenge].concat()
+    [
+        confed_protocol::privacy_pass::issuer_api::DEV_ATTESTATION_LABEL,
+        challenge,
+    ]
+    .concat()
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -73,14 +76,9 @@ impl Attester for DevAttester {
     }
 }
 
-/// A dev device's key and evidence (for tests, the simulator and the demo).
+/// A dev device's evidence (for tests, the simulator and the demo).
 pub fn evidence(key: &p256::ecdsa::SigningKey, challenge: &[u8]) -> Evidence {
-    use p256::ecdsa::signature::Signer;
-    let signature: Signature = key.sign(&signed_message(challenge));
-    Evidence::Dev {
-        public_key: URL_SAFE_NO_PAD.encode(key.verifying_key().to_sec1_point(true).as_bytes()),
-        signature: URL_SAFE_NO_PAD.encode(signature.to_bytes()),
-    }
+    Evidence::dev(key, challenge)
 }
 
 #[cfg(test)]

@@ -5,20 +5,7 @@
 
 pub mod dev;
 
-use serde::Deserialize;
-
-/// The evidence a device sends with its token requests.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(tag = "format", rename_all = "kebab-case", deny_unknown_fields)]
-pub enum Evidence {
-    /// A self-made P-256 key signing the challenge (`dev.rs`): for tests and the demo only.
-    Dev {
-        /// base64url SEC1 P-256 point.
-        public_key: String,
-        /// base64url 64-byte `r || s` ECDSA-P256-SHA256 signature.
-        signature: String,
-    },
-}
+pub use confed_protocol::privacy_pass::issuer_api::Evidence;
 
 /// One failed attestation check, as the refusal names it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]

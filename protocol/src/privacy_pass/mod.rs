@@ -10,6 +10,7 @@
 pub mod context;
 #[cfg(feature = "privacy-pass")]
 pub mod issuance;
+pub mod issuer_api;
 
 use sha2::{Digest, Sha256};
 use thiserror::Error;

@@ -1,0 +1,238 @@
+//! Device tokens (`docs/protocol.md`, "Device tokens"): for a task whose policy requires them, the
+//! device obtains one Privacy Pass token per contribution from the issuer its trust file lists,
+//! bound to the assignment (its redemption context) and to the envelope it will seal (its nonce
+//! is the hash of the envelope's HPKE encapsulated key, drawn now). The issuer sees only a blinded
+//! message: it learns neither the task, the round, the assignment nor the token.
+//!
+//! The device attests once per window (`Attestation`) and presents the issuer's credential for the
+//! rest of it.
+
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use confed_protocol::device::AssignmentResponse;
+use confed_protocol::hpke_ephemeral::Ephemeral;
+use confed_protocol::privacy_pass::context::{encoded_round_challenge, token_nonce};
+use confed_protocol::privacy_pass::issuance::TokenClient;
+use confed_protocol::privacy_pass::issuer_api::{
+    ChallengeResponse, Evidence, TokenRequestBody, TokenResponseBody,
+};
+use confed_protocol::privacy_pass::{Token, TokenResponse};
+use confed_protocol::trust::TrustedIssuer;
+
+use crate::client::{AcceptedPolicy, DeviceError};
+
+/// How a device proves its integrity to the issuer.
+pub trait Attestation: Send + Sync + std::fmt::Debug {
+    /// Evidence bound to the issuer's `challenge`.
+    fn evidence(&self, challenge: &[u8]) -> Result<Evidence, DeviceError>;
+}
+
+/// The dev attestation: a P-256 key the device made itself. It proves nothing about the device,
+/// and an issuer running the dev attester says so; for tests, the simulator and the demo.
+#[derive(Debug)]
+pub struct DevAttestation(p256::ecdsa::SigningKey);
+
+impl DevAttestation {
+    pub fn generate() -> Result<Self, DeviceError> {
+        loop {
+            let mut bytes = zeroize::Zeroizing::new([0u8; 32]);
+            getrandom::fill(bytes.as_mut())
+                .map_err(|e| DeviceError::Token(format!("no randomness: {e}")))?;
+            if let Ok(key) = p256::ecdsa::SigningKey::from_slice(bytes.as_ref()) {
+                return Ok(Self(key));
+            }
+        }
+    }
+}
+
+impl Attestation for DevAttestation {
+    fn evidence(&self, challenge: &[u8]) -> Result<Evidence, DeviceError> {
+        Ok(Evidence::dev(&self.0, challenge))
+    }
+}
+
+/// A token for one assignment and the ephemeral key it binds: spent by sealing with both.
+#[derive(Debug)]
+pub struct AssignmentToken {
+    pub(crate) ephemeral: Ephemeral,
+    pub(crate) token: Token,
+}
+
+/// One trusted issuer, as a device asks it for tokens.
+#[derive(Debug)]
+pub struct TokenSource {
+    http: reqwest::Client,
+    url: String,
+    attestation: std::sync::Arc<dyn Attestation>,
+    /// The credential of the current window and when it ends (Unix seconds).
+    credential: Mutex<Option<(String, i64)>>,
+}
+
+fn unix_now() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+async fn json_or_problem<T: serde::de::DeserializeOwned>(
+    response: reqwest::Response,
+) -> Result<T, DeviceError> {
+    if response.status().is_success() {
+        return Ok(response.json().await?);
+    }
+    Err(crate::client::problem_detail(response).await)
+}
+
+impl TokenSource {
+    pub fn new(
+        http: reqwest::Client,
+        issuer: &TrustedIssuer,
+        attestation: std::sync::Arc<dyn Attestation>,
+    ) -> Self {
+        Self {
+            http,
+            url: issuer.url.trim_end_matches('/').to_string(),
+            attestation,
+            credential: Mutex::default(),
+        }
+    }
+
+    /// A token for `assignment` under the accepted policy's first token key.
+    pub async fn obtain(
+        &self,
+        policy: &AcceptedPolicy,
+        assignment: &AssignmentResponse,
+    ) -> Result<AssignmentToken, DeviceError> {
+        let auth = policy.policy.device_auth.as_ref().ok_or_else(|| {
+            DeviceError::Token("the task's policy does not require device tokens".into())
+        })?;
+        let spki = auth
+            .token_keys
+            .first()
+            .ok_or_else(|| DeviceError::Token("the policy names no token key".into()))?;
+        let client = TokenClient::from_spki(spki).map_err(|e| DeviceError::Token(e.to_string()))?;
+        let round = confed_protocol::ids::wire_round(assignment.round).ok_or_else(|| {
+            DeviceError::Token(format!("round {} is not a round", assignment.round))
+        })?;
+        let challenge = encoded_round_challenge(
+            &auth.issuer,
+            &assignment.task_id,
+            round,
+            assignment.assignment_id.reference().as_str(),
+        )
+        .map_err(|e| DeviceError::Token(e.to_string()))?;
+        let ephemeral =
+            Ephemeral::generate().map_err(confed_protocol::envelope::EnvelopeError::from)?;
+        let (request, pending) = client
+            .begin_with_nonce(&challenge, token_nonce(ephemeral.encapsulated_key()))
+            .map_err(|e| DeviceError::Token(e.to_string()))?;
+        let requests = vec![URL_SAFE_NO_PAD.encode(request.encode())];
+        let answer = self.request(requests).await?;
+        let response = answer
+            .token_responses
+            .first()
+            .and_then(|r| URL_SAFE_NO_PAD.decode(r).ok())
+            .and_then(|r| TokenResponse::decode(&r).ok())
+            .ok_or_else(|| DeviceError::Token("the issuer's answer holds no token".into()))?;
+        let token = client
+            .finish(pending, &response)
+            .map_err(|e| DeviceError::Token(e.to_string()))?;
+        Ok(AssignmentToken { ephemeral, token })
+    }
+
+    /// Sends token requests with the window's credential, or attests first if there is none
+    /// (or the issuer no longer takes it).
+    async fn request(&self, requests: Vec<String>) -> Result<TokenResponseBody, DeviceError> {
+        let held = self
+            .credential
+            .lock()
+            .ok()
+            .and_then(|c| c.clone())
+            .filter(|(_, ends)| unix_now() < *ends);
+        if let Some((credential, _)) = held {
+            let body = TokenRequestBody {
+                challenge: None,
+                evidence: None,
+                credential: Some(credential),
+                token_requests: requests.clone(),
+            };
+            match self.send(&body).await {
+                Err(DeviceError::Server { status: 403, .. }) => {}
+                other => return other,
+            }
+        }
+        let challenge: ChallengeResponse = json_or_problem(
+            self.http
+                .post(format!("{}/v1/challenge", self.url))
+                .send()
+                .await?,
+        )
+        .await?;
+        let raw = URL_SAFE_NO_PAD
+            .decode(&challenge.challenge)
+            .map_err(|_| DeviceError::Token("the issuer's challenge is not base64url".into()))?;
+        let body = TokenRequestBody {
+            evidence: Some(self.attestation.evidence(&raw)?),
+            challenge: Some(challenge.challenge),
+            credential: None,
+            token_requests: requests,
+        };
+        self.send(&body).await
+    }
+
+    async fn send(&self, body: &TokenRequestBody) -> Result<TokenResponseBody, DeviceError> {
+        let answer: TokenResponseBody = json_or_problem(
+            self.http
+                .post(format!("{}/v1/token-request", self.url))
+                .json(body)
+                .send()
+                .await?,
+        )
+        .await?;
+        if let Ok(mut held) = self.credential.lock() {
+            *held = Some((answer.credential.clone(), answer.window_ends_at));
+        }
+        Ok(answer)
+    }
+}
+
+impl crate::client::DeviceClient {
+    /// Attests to token issuers with `attestation` (`tokens::DevAttestation` for tests and
+    /// demos): the device then accepts tasks that require device tokens of an issuer its trust
+    /// file lists.
+    pub fn with_attestation(mut self, attestation: std::sync::Arc<dyn Attestation>) -> Self {
+        self.attestation = Some(attestation);
+        self
+    }
+
+    /// The device token the assignment's task requires (`None` if it requires none), obtained
+    /// from the trusted issuer while the device trains.
+    pub async fn token_for(
+        &self,
+        assignment: &AssignmentResponse,
+        policy: &AcceptedPolicy,
+    ) -> Result<Option<AssignmentToken>, DeviceError> {
+        let Some(issuer) =
+            confed_protocol::trust::accept_device_auth(&self.token_issuers, &policy.policy)
+                .map_err(|e| DeviceError::UntrustedPolicy(e.to_string()))?
+        else {
+            return Ok(None);
+        };
+        let attestation = self.attestation.clone().ok_or_else(|| {
+            DeviceError::Token("this device has no attestation (with_attestation)".into())
+        })?;
+        let source = {
+            let mut sources = self.token_sources.lock().unwrap_or_else(|p| p.into_inner());
+            sources
+                .entry(issuer.name.clone())
+                .or_insert_with(|| {
+                    std::sync::Arc::new(TokenSource::new(self.http.clone(), issuer, attestation))
+                })
+                .clone()
+        };
+        source.obtain(policy, assignment).await.map(Some)
+    }
+}
