@@ -21,7 +21,28 @@ fn small(dir: &std::path::Path) -> DemoOptions {
         evaluation_stddev: None,
         data_dir: dir.join("demo"),
         progress: false,
+        device_auth: false,
     }
+}
+
+/// `confed demo --device-auth`: every contribution carries a device token from the in-process
+/// dev issuer, and every release counts them all as authenticated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_with_device_tokens_releases_only_authenticated_contributions() {
+    let dir = tempfile::tempdir().unwrap();
+    let summary = run(DemoOptions {
+        rounds: 2,
+        device_auth: true,
+        ..small(dir.path())
+    })
+    .await
+    .unwrap();
+    assert_eq!(summary.authenticated, vec![Some(40), Some(40)]);
+    assert!(
+        *summary.accuracy.last().unwrap() > 0.2,
+        "{:?}",
+        summary.accuracy
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

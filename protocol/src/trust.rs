@@ -291,9 +291,8 @@ mod tests {
             url: "https://issuer.example".into(),
         };
         assert!(matches!(accept_device_auth(&[], &policy), Ok(None)));
-        policy.device_auth = Some(
-            crate::device_auth::DeviceAuth::new("issuer.example", vec![key.clone()]).unwrap(),
-        );
+        policy.device_auth =
+            Some(crate::device_auth::DeviceAuth::new("issuer.example", vec![key.clone()]).unwrap());
         let accepted = accept_device_auth(std::slice::from_ref(&listed), &policy).unwrap();
         assert_eq!(accepted.unwrap().url, "https://issuer.example");
         assert!(

@@ -46,6 +46,11 @@ pub struct DemoArgs {
     /// report_goal x 20 / 20, the API's default for 20 held-out examples per device).
     #[arg(long, value_name = "EXAMPLES", requires = "evaluate_every")]
     pub evaluation_stddev: Option<f64>,
+    /// The task requires Privacy Pass device tokens, from a DEV issuer started in process (dev
+    /// attester: it shows the flow, it bounds nothing); releases state how many contributions
+    /// carried a verified token.
+    #[arg(long)]
+    pub device_auth: bool,
     /// Where the demo keeps its state (default: a new directory under the system's temp dir,
     /// removed at the end).
     #[arg(long)]
@@ -112,6 +117,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         evaluation_stddev: args.evaluation_stddev,
         data_dir: data_dir.clone(),
         progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        device_auth: args.device_auth,
     })
     .await;
     if temporary {

@@ -62,6 +62,15 @@ pub enum Command {
         #[command(flatten)]
         run: Option<confed::keyservice::cli::KeyserviceArgs>,
     },
+    /// Run the device-token issuer (Privacy Pass attester and issuer), or make its signing key:
+    /// the same as the `confed-issuer` binary.
+    #[command(args_conflicts_with_subcommands = true)]
+    Issuer {
+        #[command(subcommand)]
+        command: Option<confed_issuer::cli::IssuerCommand>,
+        #[command(flatten)]
+        run: Option<confed_issuer::cli::IssuerArgs>,
+    },
     /// Check what a server published, against your own trust file.
     Verify {
         #[command(subcommand)]
@@ -91,7 +100,10 @@ pub fn run() -> Result<()> {
         .init();
     // Whatever a server or key service writes (databases, logs, blobs, keys) is for its owner
     // only (docs/operations.md).
-    if matches!(cli.command, Command::Serve(_) | Command::Keyservice { .. }) {
+    if matches!(
+        cli.command,
+        Command::Serve(_) | Command::Keyservice { .. } | Command::Issuer { .. }
+    ) {
         // SAFETY: umask only sets the process's file-creation mask; it cannot fail.
         unsafe { libc::umask(0o077) };
     }
@@ -105,6 +117,9 @@ pub fn run() -> Result<()> {
             Command::Tenant { command } => tenant::run(command).await,
             Command::Keys { command } => keys::run(command),
             Command::Devices { command } => devices::run(command).await,
+            Command::Issuer { command, run } => {
+                confed_issuer::cli::run(command, run, shutdown_signal()).await
+            }
             Command::Keyservice { command, run } => {
                 confed::keyservice::cli::run(command, run, shutdown_signal()).await
             }

@@ -42,6 +42,8 @@ pub struct DemoOptions {
     pub evaluation_stddev: Option<f64>,
     pub data_dir: PathBuf,
     pub progress: bool,
+    /// The task requires device tokens from an in-process DEV issuer (dev attester).
+    pub device_auth: bool,
 }
 
 #[derive(Debug, Error)]
@@ -85,6 +87,8 @@ pub struct DemoSummary {
     pub evaluations: Vec<crate::evaluation::EvaluationPoint>,
     pub epsilon_spent: f64,
     pub elapsed: Duration,
+    /// Each round's authenticated contributions (the manifest's `authenticated`).
+    pub authenticated: Vec<Option<u64>>,
 }
 
 const ROUND_TIMEOUT: Duration = Duration::from_secs(300);
@@ -128,6 +132,11 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
     if options.adaptive_clipping {
         privacy["adaptive_clipping"] = json!({});
     }
+    let mut trust = system.trust.clone();
+    let issuer = match options.device_auth {
+        true => Some(dev_issuer(&options).await?),
+        false => None,
+    };
     let mut request = json!({
         "population": "demo", "rounds": options.rounds, "report_goal": options.report_goal,
         "privacy": privacy,
@@ -143,6 +152,15 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         if let Some(stddev) = options.evaluation_stddev {
             request["evaluation"]["stddev"] = json!(stddev);
         }
+    }
+    if let Some((issuer, _)) = &issuer {
+        request["device_auth"] = json!({"issuer": issuer.name, "token_keys": issuer.token_keys});
+        trust.token_issuers.push(issuer.clone());
+        println!(
+            "confed demo: the task requires device tokens (Privacy Pass) from an in-process DEV issuer at {}: {}",
+            issuer.url,
+            confed_issuer::routes::DEV_ATTESTER_WARNING
+        );
     }
     let created = http
         .post(format!("{url}/v1/tasks"))
@@ -229,6 +247,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
     let mut epsilon_spent = 0.0;
     let mut clip_norms = Vec::new();
     let mut evaluations = Vec::new();
+    let mut authenticated = Vec::new();
     for round in 1..=options.rounds {
         // Each round draws the next `report_goal` devices of the population, round-robin.
         let first =
@@ -240,7 +259,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
             first_device: first,
             concurrency: 16,
             rounds: 1,
-            trust: system.trust.clone(),
+            trust: trust.clone(),
             train: true,
             seed: options.seed,
             rows_per_device: 2 * HELD_OUT_ROWS,
@@ -276,10 +295,13 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
                 verified.failures.join("; ")
             )));
         }
-        let clip = serde_json::from_str::<Value>(&release.manifest_json)
-            .ok()
+        let manifest = serde_json::from_str::<Value>(&release.manifest_json).ok();
+        let clip = manifest
+            .as_ref()
             .and_then(|m| m["clip_norm"].as_f64())
             .unwrap_or(options.clip_norm);
+        let authenticated_now = manifest.as_ref().and_then(|m| m["authenticated"].as_u64());
+        authenticated.push(authenticated_now);
         clip_norms.push(clip);
         if let Some(point) =
             crate::evaluation::point_of(release.round_number, &release.manifest_json)
@@ -301,8 +323,11 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
             evaluations.push(point);
         }
         say(format!(
-            "round {round}: {} contributions aggregated ({} excluded), clip norm {clip:.3}, privacy spent epsilon {:.2} of {}, accuracy {:.1}%, release verified",
+            "round {round}: {} contributions aggregated{} ({} excluded), clip norm {clip:.3}, privacy spent epsilon {:.2} of {}, accuracy {:.1}%, release verified",
             release.included,
+            authenticated_now.map_or(String::new(), |n| format!(
+                ", {n} with a verified device token"
+            )),
             release.excluded,
             epsilon_spent,
             options.epsilon,
@@ -315,6 +340,9 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         ));
     }
     rounds_bar.finish_and_clear();
+    if let Some((_, serving)) = issuer {
+        serving.abort();
+    }
     system.shutdown().await;
     let elapsed = started.elapsed();
     println!(
@@ -331,7 +359,64 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         evaluations,
         epsilon_spent,
         elapsed,
+        authenticated,
     })
+}
+
+/// A DEV token issuer in this process (`confed-issuer` with the dev attester and a fresh key): L
+/// is the task's rounds, so each device may serve every round.
+async fn dev_issuer(
+    options: &DemoOptions,
+) -> Result<
+    (
+        confed_protocol::trust::TrustedIssuer,
+        tokio::task::JoinHandle<()>,
+    ),
+    DemoError,
+> {
+    use base64::Engine as _;
+    let signer =
+        tokio::task::spawn_blocking(confed_protocol::privacy_pass::issuance::TokenSigner::generate)
+            .await
+            .map_err(|e| setup("generating the issuer key")(e.into()))?
+            .map_err(|e| setup("generating the issuer key")(e.into()))?;
+    let token_key = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(signer.spki());
+    let limiter = confed_issuer::limiter::Limiter::open(
+        &options.data_dir.join("issuer"),
+        options.rounds.max(1),
+        86_400,
+    )
+    .map_err(|e| setup("opening the issuer's state")(e.into()))?;
+    let issuer = confed_issuer::Issuer::new(
+        "demo-issuer".into(),
+        signer,
+        Box::new(confed_issuer::attester::dev::DevAttester),
+        limiter,
+        86_400,
+        Arc::new(SystemClock),
+    )
+    .map_err(|e| setup("starting the issuer")(e.to_string().into()))?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| setup("starting the issuer")(e.into()))?;
+    let url = format!(
+        "http://{}",
+        listener
+            .local_addr()
+            .map_err(|e| setup("starting the issuer")(e.into()))?
+    );
+    let app = confed_issuer::routes::router(Arc::new(issuer));
+    let serving = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    Ok((
+        confed_protocol::trust::TrustedIssuer {
+            name: "demo-issuer".into(),
+            token_keys: vec![token_key],
+            url,
+        },
+        serving,
+    ))
 }
 
 /// Polls until model version `round` exists (the enclave worker released and applied the round).

@@ -1,0 +1,106 @@
+//! The `confed-issuer` binary as its operator runs it: a key generated owner-only, a key others
+//! can read refused, the service announcing itself (dev attester loudly), answering its
+//! directory, and stopping cleanly on SIGTERM.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::process::{Command, Stdio};
+
+fn issuer() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_confed-issuer"))
+}
+
+fn get(address: &str, path: &str) -> String {
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    answer
+}
+
+#[test]
+fn the_issuer_generates_its_key_refuses_a_readable_one_serves_and_stops_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("token-key.pem");
+    let made = issuer().arg("generate-key").arg(&key).output().unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let printed: serde_json::Value = serde_json::from_slice(&made.stdout).unwrap();
+    assert_eq!(printed["token-type"], 2);
+    assert_eq!(
+        std::fs::metadata(&key).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    // A second generate-key into the same file refuses to overwrite it.
+    assert!(
+        !issuer()
+            .arg("generate-key")
+            .arg(&key)
+            .output()
+            .unwrap()
+            .status
+            .success()
+    );
+
+    let args = |state: &str| {
+        let mut command = issuer();
+        command
+            .args([
+                "--name",
+                "issuer.test",
+                "--attester",
+                "dev",
+                "--listen",
+                "127.0.0.1:0",
+            ])
+            .arg("--signing-key")
+            .arg(&key)
+            .arg("--state")
+            .arg(dir.path().join(state));
+        command
+    };
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let refused = args("state").output().unwrap();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("chmod 600"));
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+
+    let mut child = args("state")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let address = line
+        .trim()
+        .strip_prefix("confed: serving on http://")
+        .unwrap_or_else(|| panic!("{line}"))
+        .to_string();
+    let directory = get(&address, "/v1/directory");
+    assert!(directory.starts_with("HTTP/1.1 200"), "{directory}");
+    assert!(directory.contains("\"issuer_name\":\"issuer.test\""));
+    assert!(directory.contains(printed["token-key"].as_str().unwrap()));
+    assert!(directory.contains("DEV ATTESTER"));
+    // SAFETY: kill only sends a signal to the child this test started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    assert!(stderr.contains("DEV ATTESTER"), "{stderr}");
+}
