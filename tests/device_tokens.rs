@@ -70,7 +70,7 @@ async fn only_devices_with_tokens_fill_a_round_and_the_release_counts_them() {
     let issuer_state = tempfile::tempdir().unwrap();
     let issuer_url = issuer(issuer_state.path(), clock.clone()).await;
     let spki = URL_SAFE_NO_PAD.encode(signer().spki());
-    let (_token, task) = open_task_with(
+    let (token, task) = open_task_with(
         &system,
         "authed",
         50.0,
@@ -148,6 +148,38 @@ async fn only_devices_with_tokens_fill_a_round_and_the_release_counts_them() {
     let releases = system.db.releases_of_task(&task).await.unwrap();
     let manifest: Manifest = serde_json::from_str(&releases[0].manifest_json).unwrap();
     assert_eq!(manifest.authenticated, Some(GOAL as u64));
+    // The partner's console says so next to the round's included count.
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let signed_in = http
+        .post(format!("{}/console/sign-in", system.url))
+        .header("origin", system.url.as_str())
+        .form(&[("token", token.as_str())])
+        .send()
+        .await
+        .unwrap();
+    let cookie = signed_in.headers()["set-cookie"]
+        .to_str()
+        .unwrap()
+        .split(';')
+        .next()
+        .unwrap()
+        .to_string();
+    let page = http
+        .get(format!("{}/console/tasks/{task}", system.url))
+        .header("cookie", cookie)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        page.contains(&format!("{GOAL} with a device token")),
+        "{page}"
+    );
 
     // Unlinkability: the issuer's state holds no piece of any stored token, and the front end's
     // state (database and blobs) holds none of the issuer's records.

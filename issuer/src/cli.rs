@@ -127,7 +127,7 @@ pub fn build(args: &IssuerArgs) -> anyhow::Result<Arc<Issuer>> {
             args.window_seconds,
             Arc::new(SystemClock),
         )
-        .map_err(|e| anyhow::anyhow!("drawing the challenge key: {e}"))?,
+        .map_err(|e| anyhow::anyhow!("starting the issuer: {e}"))?,
     ))
 }
 

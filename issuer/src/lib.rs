@@ -13,6 +13,7 @@ pub mod credential;
 pub mod error;
 pub mod limiter;
 pub mod routes;
+pub mod rsa_awslc;
 
 use std::sync::{Arc, Mutex};
 
@@ -81,6 +82,7 @@ pub struct Issued {
 pub struct Issuer {
     name: String,
     signer: TokenSigner,
+    fast: rsa_awslc::AwsLcSigner,
     attester: Box<dyn Attester>,
     challenges: Challenges,
     credentials: Credentials,
@@ -106,12 +108,18 @@ impl Issuer {
         limiter: Limiter,
         window_seconds: Seconds,
         clock: Arc<dyn Clock>,
-    ) -> Result<Self, getrandom::Error> {
+    ) -> Result<Self, IssueError> {
+        let fast = signer
+            .pkcs8_der()
+            .ok()
+            .and_then(|der| rsa_awslc::AwsLcSigner::from_pkcs8_der(&der))
+            .ok_or_else(|| IssueError::Signing("AWS-LC cannot load the signing key".into()))?;
         Ok(Self {
             name,
             signer,
+            fast,
             attester,
-            challenges: Challenges::new()?,
+            challenges: Challenges::new().map_err(|e| IssueError::Signing(e.to_string()))?,
             credentials: Credentials::new(limiter.derived_key(b"confed-issuer-credential-key-v1")),
             limiter: Mutex::new(limiter),
             window_seconds,
@@ -200,12 +208,22 @@ impl Issuer {
             .lock()
             .map_err(|_| IssueError::Signing("the limiter lock was poisoned".into()))?
             .take(&identity.0, count as u32, now)??;
+        // The key ids were checked above; a blinded message at or above the modulus is the
+        // device's mistake (its tokens of this grant are lost, as a crash would lose them).
         let token_responses = request
             .token_requests
             .iter()
-            .map(|r| self.signer.sign(r))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| IssueError::Signing(e.to_string()))?;
+            .map(|r| {
+                self.fast
+                    .sign(&r.blinded_msg)
+                    .map(|blind_sig| TokenResponse { blind_sig })
+                    .ok_or_else(|| {
+                        IssueError::BadRequest(
+                            "a blinded message is not below the issuer's modulus".into(),
+                        )
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         metrics::counter!("confed_issuer_tokens_issued_total").increment(count as u64);
         Ok(Issued {
             token_responses,

@@ -221,7 +221,7 @@ pub async fn show(
             @if shown.is_empty() {
                 p { "No round has started: upload model version 0 to open round 1." }
             } @else {
-                p.note { "Where the latest attempt of each round sent its assigned devices (failed counts failed and rejected reports), what its release included and excluded (from the manifest the enclave signed), and how long it collected and aggregated. Rows of rounds older than the retention period may count zero assignments." }
+                p.note { "Where the latest attempt of each round sent its assigned devices (failed counts failed and rejected reports), what its release included (with, for a task requiring device tokens, how many carried a token the enclave verified) and excluded (from the manifest the enclave signed), and how long it collected and aggregated. Rows of rounds older than the retention period may count zero assignments." }
                 (funnel_table(&shown, now))
             }
         }
@@ -337,7 +337,13 @@ fn funnel_table(shown: &[&RoundView<'_>], now: i64) -> Markup {
                             td.num data-field="failed" { (count(view.count(AssignmentState::Failed) + view.count(AssignmentState::Rejected))) }
                             td.num data-field="timed_out" { (count(view.count(AssignmentState::TimedOut))) }
                             td.num data-field="late" { (count(view.late)) }
-                            td.num data-field="included" { @if let Some(m) = view.manifest() { (count(m.included as i64)) } @else { "—" } }
+                            td.num data-field="included" {
+                                @if let Some(m) = view.manifest() {
+                                    (count(m.included as i64))
+                                    // A task requiring device tokens: how many the enclave verified.
+                                    @if let Some(n) = m.authenticated { br; small data-field="authenticated" { (count(n as i64)) " with a device token" } }
+                                } @else { "—" }
+                            }
                             td data-field="excluded" {
                                 @if let Some(m) = view.manifest() {
                                     (count(m.excluded.values().sum::<u64>() as i64))

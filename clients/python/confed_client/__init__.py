@@ -8,9 +8,12 @@ from .policy import PolicyError, check_policy, parse_policy
 from .release import ReleaseError, verify_release
 from .simulation import RoundResult, run_simulation
 from .tensors import as_arrays, from_safetensors, to_safetensors, to_torch
+from . import tokens
+from .tokens import DevAttestation
 
 __all__ = [
     "ConfedError",
+    "DevAttestation",
     "Device",
     "DeviceError",
     "TrainingProblem",
@@ -32,6 +35,7 @@ __all__ = [
     "run_simulation",
     "to_safetensors",
     "to_torch",
+    "tokens",
     "verify_release",
     "well_formed_update",
 ]

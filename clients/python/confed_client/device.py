@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
-from . import envelope
+from . import envelope, tokens
 from .errors import ConfedError
 from .policy import (EVALUATION_TENSOR, PolicyError, check_policy, evaluates, parse_policy,
                      policy_sha256)
@@ -145,6 +145,9 @@ class Trust:
     #: n, the number of key services holding a share of each key (the file's `shares`, else the
     #: key services listed): with `threshold`, the release quorum `verify_release` asks for.
     shares: int | None = None
+    #: issuer name -> {"token_keys": [DER SPKI], "url"}: the token issuers whose tokens the
+    #: device obtains for tasks that require them (docs/protocol.md, "Device tokens").
+    token_issuers: dict = field(default_factory=dict)
 
     @property
     def n(self) -> int:
@@ -155,7 +158,8 @@ class Trust:
         """Reads and checks a trust file; `ValueError` saying what is wrong."""
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
-        unknown = set(raw) - {"threshold", "keyservices", "limits", "tenant_id", "shares"}
+        unknown = set(raw) - {"threshold", "keyservices", "limits", "tenant_id", "shares",
+                              "token_issuers"}
         if unknown:
             raise ValueError(f"{path}: unknown fields {sorted(unknown)}")
         keys = {entry["id"]: ec.EllipticCurvePublicKey.from_encoded_point(
@@ -171,7 +175,10 @@ class Trust:
         if shares is not None and not max(raw["threshold"], len(keys)) <= shares <= 65535:
             raise ValueError(f"{path}: shares {shares} must be at least the threshold "
                              f"{raw['threshold']} and the {len(keys)} key services listed")
-        return cls(raw["threshold"], keys, limits, raw.get("tenant_id"), shares)
+        issuers = {entry["name"]: {"token_keys": [_b64url(k) for k in entry["token_keys"]],
+                                   "url": entry["url"]}
+                   for entry in raw.get("token_issuers", [])}
+        return cls(raw["threshold"], keys, limits, raw.get("tenant_id"), shares, issuers)
 
     def verify_key(self, encryption: dict, now: float) -> bytes:
         """The X25519 public key of an assignment's `encryption`, if at least `threshold` (and
@@ -256,6 +263,10 @@ class Device:
     #: The latest 100 (task_id, round, TrainingProblem) of this device, for its own inspection
     #: (bounded: a device whose training fails every round for months must not grow with it).
     problems: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100))
+    #: How the device attests to token issuers (`tokens.DevAttestation` for tests and demos).
+    #: None: it declines tasks that require device tokens.
+    attestation: tokens.DevAttestation | None = None
+    _token_sources: dict = field(default_factory=dict, init=False, compare=False, repr=False)
     _serving: threading.Lock = field(default_factory=threading.Lock, init=False,
                                      compare=False, repr=False)
 
@@ -433,7 +444,8 @@ class Device:
             policy = parse_policy(policy_text)
             check_policy(policy, task_id=assignment["task_id"], population=self.population,
                          round_=assignment["round"], limits=self.trust.limits,
-                         tenant_id=self.trust.tenant_id)
+                         tenant_id=self.trust.tenant_id, token_issuers=self.trust.token_issuers)
+            eks, token = self._token(policy, assignment)
             public_key = self.trust.verify_key(assignment["encryption"], time.time())
             reply = self._send("GET", self._url(assignment["model_url"]), timeout=60)
             if reply.status_code != 200:
@@ -478,7 +490,7 @@ class Device:
             envelope.aad(assignment["task_id"], assignment["round"],
                          assignment["assignment_id"], policy_sha256(policy_text),
                          hashlib.sha256(model_bytes).hexdigest()),
-            to_safetensors(update))
+            to_safetensors(update), eks=eks, token=token)
         self.upload(assignment, sealed)
         self.report(assignment, "completed")
         # Only now, after the server heard what it hears whatever training did: a callback
@@ -488,6 +500,25 @@ class Device:
                 self.on_problem(assignment, problem)
             except Exception:  # noqa: BLE001 - the device's own callback, not the server's
                 log.exception("on_problem raised")
+
+    def _token(self, policy: dict, assignment: dict):
+        """(ephemeral key, device token) when the task requires tokens, else (None, None): the
+        envelope's key drawn now, the token bound to it and to the assignment."""
+        auth = policy.get("device_auth")
+        if auth is None:
+            return None, None
+        if self.attestation is None:
+            raise DeviceError("the task requires device tokens and this device has no "
+                              "attestation (Device(attestation=...))")
+        issuer = self.trust.token_issuers[auth["issuer"]]
+        source = self._token_sources.setdefault(
+            auth["issuer"], tokens.TokenSource(issuer["url"], self.attestation))
+        eks = envelope.ephemeral()
+        token = tokens.obtain(source, auth["issuer"], auth["token_keys"][0],
+                              assignment["task_id"], assignment["round"],
+                              envelope.assignment_ref(assignment["assignment_id"]),
+                              envelope.ephemeral_enc(eks))
+        return eks, token
 
     def upload(self, assignment: dict, sealed: bytes) -> None:
         """Uploads a sealed update, the same bytes on every attempt (docs/protocol.md, "What a

@@ -4,6 +4,7 @@ DHKEM(X25519, HKDF-SHA256), HKDF-SHA256, AES-128-GCM, in a CBOR map."""
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 
 import cbor2
@@ -41,12 +42,23 @@ def _piece_aad(base: bytes, index: int, last: bool) -> bytes:
     return base + struct.pack(">I", index) + (b"\x01" if last else b"\x00")
 
 
+def ephemeral():
+    """An ephemeral key drawn before sealing (RFC 9180 DeriveKeyPair of 32 fresh bytes), so a
+    device token can bind its encapsulated key (`ephemeral_enc`)."""
+    return SUITE.kem.derive_key_pair(os.urandom(32))
+
+
+def ephemeral_enc(key_pair) -> bytes:
+    return key_pair.public_key.to_public_bytes()
+
+
 def seal(public_key: bytes, info_bytes: bytes, aad_bytes: bytes, update: bytes,
-         chunk: int | None = None) -> tuple[bytes, bytes]:
+         chunk: int | None = None, eks=None) -> tuple[bytes, bytes]:
     """(enc, ct). With `chunk`, one sender context seals `max(1, ceil(len / chunk))` pieces, the
-    last holding the rest (an update of exactly k * chunk bytes is k full pieces)."""
+    last holding the rest (an update of exactly k * chunk bytes is k full pieces). `eks`: an
+    ephemeral key drawn ahead (`ephemeral`), else a fresh one."""
     enc, sender = SUITE.create_sender_context(
-        SUITE.kem.deserialize_public_key(public_key), info=info_bytes)
+        SUITE.kem.deserialize_public_key(public_key), info=info_bytes, eks=eks)
     if chunk is None:
         return enc, sender.seal(update, aad=aad_bytes)
     count = max(1, -(-len(update) // chunk))
@@ -56,25 +68,31 @@ def seal(public_key: bytes, info_bytes: bytes, aad_bytes: bytes, update: bytes,
         for i, piece in enumerate(pieces))
 
 
-def encode_envelope(key_id: str, enc: bytes, ct: bytes, chunk: int | None = None) -> bytes:
+def encode_envelope(key_id: str, enc: bytes, ct: bytes, chunk: int | None = None,
+                    token: bytes | None = None) -> bytes:
     fields = {"v": ENVELOPE_VERSION, "key_id": key_id, "enc": enc, "ct": ct}
     if chunk is not None:
         fields["chunk"] = chunk
+    if token is not None:
+        fields["token"] = token
     return cbor2.dumps(fields)
 
 
-def seal_update(public_key: bytes, key_id: str, aad_bytes: bytes, update: bytes) -> bytes:
-    """The envelope a device uploads: chunked when the update is over 1 MiB."""
+def seal_update(public_key: bytes, key_id: str, aad_bytes: bytes, update: bytes, eks=None,
+                token: bytes | None = None) -> bytes:
+    """The envelope a device uploads: chunked when the update is over 1 MiB; with the device
+    token obtained for `eks` when the task requires one."""
     chunk = CHUNK if len(update) > CHUNK_ABOVE else None
-    enc, ct = seal(public_key, info(key_id), aad_bytes, update, chunk)
-    return encode_envelope(key_id, enc, ct, chunk)
+    enc, ct = seal(public_key, info(key_id), aad_bytes, update, chunk, eks)
+    return encode_envelope(key_id, enc, ct, chunk, token)
 
 
 def decode_envelope(data: bytes) -> dict:
     """The envelope's fields (for tests and tools); `ValueError` if it is not a v2 envelope."""
     fields = cbor2.loads(data)
     required = {"v", "key_id", "enc", "ct"}
-    if not isinstance(fields, dict) or not required <= set(fields) <= required | {"chunk"}:
+    if not isinstance(fields, dict) or not required <= set(fields) <= required | {"chunk",
+                                                                                  "token"}:
         raise ValueError("not a contribution envelope")
     if fields["v"] != ENVELOPE_VERSION or len(fields["enc"]) != 32:
         raise ValueError("not a version 2 envelope")

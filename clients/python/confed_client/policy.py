@@ -7,6 +7,7 @@ floats in Rust's shortest `{:e}` form (`4e0`, `1e-6`, `1.5e1`).
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import math
@@ -59,6 +60,9 @@ def parse_policy(raw: bytes | str) -> dict:
     if not text.endswith("\n"):
         raise PolicyError("the last line must end with a line feed")
     lines = text[:-1].split("\n")
+    device_auth = None
+    if len(lines) == len(KEYS) + 2:
+        device_auth = _device_auth(lines.pop())
     if len(lines) != len(KEYS) + 1 or lines[0] != HEADER:
         raise PolicyError(f"expected {HEADER!r} and {len(KEYS)} lines of key=value")
     fields: dict = {}
@@ -81,7 +85,33 @@ def parse_policy(raw: bytes | str) -> dict:
     if not isinstance(plan, dict):
         raise PolicyError("plan is not a JSON object")
     fields["plan"] = plan
+    fields["device_auth"] = device_auth
     return fields
+
+
+_ISSUER = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
+
+
+def _device_auth(line: str) -> dict:
+    """The optional last line (docs/protocol.md, "Device tokens"): the issuer whose tokens every
+    counted contribution must carry, and its token keys (DER SPKI)."""
+    value = line.removeprefix("device_auth=")
+    parts = value.split(";")
+    if (value == line or len(parts) != 3 or parts[0] != "privacy_pass"
+            or not parts[1].startswith("issuer=") or not parts[2].startswith("token_keys=")):
+        raise PolicyError("the only line allowed after plan is "
+                          "device_auth=privacy_pass;issuer=<name>;token_keys=<keys>")
+    issuer = parts[1].removeprefix("issuer=")
+    if not _ISSUER.match(issuer):
+        raise PolicyError("device_auth's issuer is not 1-128 characters of A-Z a-z 0-9 . _ -")
+    keys = parts[2].removeprefix("token_keys=").split(",")
+    if not 1 <= len(keys) <= 4:
+        raise PolicyError("device_auth names 1 to 4 token keys")
+    try:
+        decoded = [base64.urlsafe_b64decode(k + "=" * (-len(k) % 4)) for k in keys]
+    except ValueError as error:
+        raise PolicyError("a device_auth token key is not base64url") from error
+    return {"issuer": issuer, "token_keys": decoded}
 
 
 _NOISE = re.compile(r"(discrete_gaussian_on_grid|tree_aggregation_on_grid;min_separation="
@@ -149,6 +179,13 @@ def evaluates(policy: dict, round_: int) -> bool:
     return e is not None and e["every"] > 0 and round_ >= 1 and (round_ - 1) % e["every"] == 0
 
 
+def _issuer_trusted(device_auth: dict | None, token_issuers: dict) -> bool:
+    if device_auth is None:
+        return True
+    trusted = token_issuers.get(device_auth["issuer"])
+    return trusted is not None and all(k in trusted["token_keys"] for k in device_auth["token_keys"])
+
+
 def policy_sha256(raw: bytes | str) -> str:
     """Lowercase hex SHA-256 of the policy text: what a contribution is bound to."""
     data = raw.encode("utf-8") if isinstance(raw, str) else raw
@@ -156,7 +193,8 @@ def policy_sha256(raw: bytes | str) -> str:
 
 
 def check_policy(policy: dict, *, task_id: str, population: str, round_: int,
-                 limits: dict, tenant_id: str | None = None) -> None:
+                 limits: dict, tenant_id: str | None = None,
+                 token_issuers: dict | None = None) -> None:
     """The device's checks before it seals anything (docs/protocol.md, "Check-in"): the
     enclave's limits and the device's own from its trust file. Raises `PolicyError` naming the
     first field that fails."""
@@ -174,6 +212,8 @@ def check_policy(policy: dict, *, task_id: str, population: str, round_: int,
         ("delta (device limit)", policy["delta"] <= limits["max_delta"]),
         ("min_reports (device limit)", policy["min_reports"] >= limits["min_reports"]),
         ("tenant_id", tenant_id is None or policy["tenant_id"] == tenant_id),
+        ("device_auth (the issuer and its keys must be in the trust file's token_issuers)",
+         _issuer_trusted(policy.get("device_auth"), token_issuers or {})),
     ]
     for name, ok in checks:
         if not ok:

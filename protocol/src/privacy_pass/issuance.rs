@@ -174,6 +174,15 @@ impl TokenSigner {
             .map_err(|e| IssuanceError::SecretKey(e.to_string()))
     }
 
+    /// The PKCS#8 DER of the private key (for another implementation of the private operation,
+    /// e.g. the issuer's AWS-LC signer).
+    pub fn pkcs8_der(&self) -> Result<zeroize::Zeroizing<Vec<u8>>, IssuanceError> {
+        self.secret
+            .to_der()
+            .map(zeroize::Zeroizing::new)
+            .map_err(|e| IssuanceError::SecretKey(e.to_string()))
+    }
+
     /// The DER SubjectPublicKeyInfo (RSASSA-PSS OID) devices and origins are given.
     pub fn spki(&self) -> &[u8] {
         &self.spki

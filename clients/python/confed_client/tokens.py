@@ -1,0 +1,210 @@
+"""Device tokens (docs/protocol.md, "Device tokens"): Privacy Pass type 0x0002 (RFC 9578, blind
+RSA-2048, RFC 9474 RSABSSA-SHA384-PSS-Deterministic), bound to one assignment and one envelope.
+
+A task whose policy has a `device_auth` line counts only contributions carrying such a token. The
+device draws its envelope's ephemeral X25519 key first, asks the issuer (whose trust-file entry
+it must have) for a token whose nonce is SHA-256("confed token nonce v1" 0x00 enc), then seals
+with that key. The issuer sees only a blinded message.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import requests
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
+from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+TOKEN_TYPE = 0x0002
+CONTEXT_LABEL = b"confed token context v1\x00"
+NONCE_LABEL = b"confed token nonce v1\x00"
+DEV_ATTESTATION_LABEL = b"confed-dev-attestation-v1\x00"
+_SALT = 48
+_HASH = 48
+
+
+class TokenError(Exception):
+    """A token could not be obtained or does not verify."""
+
+
+def b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def unb64url(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def redemption_context(task_id: str, round_: int, assignment_ref: str) -> bytes:
+    parts = [CONTEXT_LABEL, task_id.encode(), b"\x00", str(round_).encode(), b"\x00",
+             assignment_ref.encode(), b"\x00"]
+    return hashlib.sha256(b"".join(parts)).digest()
+
+
+def challenge(issuer_name: str, task_id: str, round_: int, assignment_ref: str) -> bytes:
+    """The encoded TokenChallenge of one assignment (origin_info empty)."""
+    name = issuer_name.encode()
+    return (TOKEN_TYPE.to_bytes(2, "big") + len(name).to_bytes(2, "big") + name + b"\x20"
+            + redemption_context(task_id, round_, assignment_ref) + b"\x00\x00")
+
+
+def token_nonce(enc: bytes) -> bytes:
+    return hashlib.sha256(NONCE_LABEL + enc).digest()
+
+
+def _der(data: bytes, tag: int) -> tuple[bytes, bytes]:
+    if not data or data[0] != tag:
+        raise TokenError("malformed token key")
+    length, at = data[1], 2
+    if length & 0x80:
+        count = length & 0x7F
+        length, at = int.from_bytes(data[2:2 + count], "big"), 2 + count
+    return data[at:at + length], data[at + length:]
+
+
+def issuer_public_key(spki: bytes) -> rsa.RSAPublicKey:
+    """The RSA key inside an RSASSA-PSS SubjectPublicKeyInfo."""
+    outer, _ = _der(spki, 0x30)
+    _, rest = _der(outer, 0x30)  # AlgorithmIdentifier (id-RSASSA-PSS, checked by the servers)
+    bits, _ = _der(rest, 0x03)
+    key, _ = _der(bits[1:], 0x30)
+    n, rest = _der(key, 0x02)
+    e, _ = _der(rest, 0x02)
+    return rsa.RSAPublicNumbers(int.from_bytes(e, "big"), int.from_bytes(n, "big")).public_key()
+
+
+def _mgf1(seed: bytes, length: int) -> bytes:
+    out = b""
+    counter = 0
+    while len(out) < length:
+        out += hashlib.sha384(seed + counter.to_bytes(4, "big")).digest()
+        counter += 1
+    return out[:length]
+
+
+def _emsa_pss_encode(message: bytes, em_bits: int) -> bytes:
+    em_len = math.ceil(em_bits / 8)
+    m_hash = hashlib.sha384(message).digest()
+    salt = os.urandom(_SALT)
+    h = hashlib.sha384(b"\x00" * 8 + m_hash + salt).digest()
+    db = b"\x00" * (em_len - _SALT - _HASH - 2) + b"\x01" + salt
+    masked = bytearray(a ^ b for a, b in zip(db, _mgf1(h, em_len - _HASH - 1)))
+    masked[0] &= 0xFF >> (8 * em_len - em_bits)
+    return bytes(masked) + h + b"\xbc"
+
+
+@dataclass
+class PendingToken:
+    """A token input blinded for the issuer, and what unblinds its answer."""
+
+    token_input: bytes
+    blinded: bytes
+    inverse: int
+
+
+def begin(spki: bytes, challenge_bytes: bytes, nonce: bytes) -> PendingToken:
+    """RFC 9474 `Blind` of the token input `0x0002 || nonce || SHA-256(challenge) || key id`."""
+    key = issuer_public_key(spki).public_numbers()
+    n, e = key.n, key.e
+    token_input = (TOKEN_TYPE.to_bytes(2, "big") + nonce + hashlib.sha256(challenge_bytes).digest()
+                   + hashlib.sha256(spki).digest())
+    m = int.from_bytes(_emsa_pss_encode(token_input, n.bit_length() - 1), "big")
+    if math.gcd(m, n) != 1:
+        raise TokenError("the encoded message is not invertible modulo the key")
+    while True:
+        r = int.from_bytes(os.urandom(256), "big") % n
+        if r > 1 and math.gcd(r, n) == 1:
+            break
+    blinded = (m * pow(r, e, n)) % n
+    return PendingToken(token_input, blinded.to_bytes(256, "big"), pow(r, -1, n))
+
+
+def finish(spki: bytes, pending: PendingToken, blind_signature: bytes) -> bytes:
+    """RFC 9474 `Finalize`: the token (354 bytes), verified before it is returned."""
+    public = issuer_public_key(spki)
+    n = public.public_numbers().n
+    signature = (int.from_bytes(blind_signature, "big") * pending.inverse % n).to_bytes(256, "big")
+    try:
+        public.verify(signature, pending.token_input,
+                      padding.PSS(mgf=padding.MGF1(hashes.SHA384()), salt_length=_SALT),
+                      hashes.SHA384())
+    except Exception as error:  # noqa: BLE001 - cryptography's InvalidSignature
+        raise TokenError("the issuer's answer does not unblind to a valid token") from error
+    return pending.token_input + signature
+
+
+@dataclass
+class DevAttestation:
+    """A P-256 key the device made itself: proves nothing about the device; only a dev issuer
+    accepts it (tests, simulations, demos)."""
+
+    key: ec.EllipticCurvePrivateKey = field(
+        default_factory=lambda: ec.generate_private_key(ec.SECP256R1()))
+
+    def evidence(self, challenge_bytes: bytes) -> dict:
+        der = self.key.sign(DEV_ATTESTATION_LABEL + challenge_bytes, ec.ECDSA(hashes.SHA256()))
+        r, s = decode_dss_signature(der)
+        point = self.key.public_key().public_bytes(Encoding.X962, PublicFormat.CompressedPoint)
+        return {"format": "dev", "public_key": b64url(point),
+                "signature": b64url(r.to_bytes(32, "big") + s.to_bytes(32, "big"))}
+
+
+@dataclass
+class TokenSource:
+    """One issuer, as a device asks it for tokens: attests once per window, then presents the
+    issuer's credential."""
+
+    url: str
+    attestation: DevAttestation
+    session: requests.Session = field(default_factory=requests.Session)
+    _credential: tuple[str, int] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _post(self, path: str, body: dict | None = None) -> dict:
+        reply = self.session.post(self.url.rstrip("/") + path, json=body, timeout=30)
+        if reply.status_code != 200:
+            try:
+                detail = reply.json().get("detail", reply.text)
+            except ValueError:
+                detail = reply.text
+            raise TokenError(f"issuer {path}: {reply.status_code}: {detail}")
+        return reply.json()
+
+    def sign(self, spki: bytes, blinded: bytes) -> bytes:
+        """The issuer's blind signature of one blinded message for the key `spki`."""
+        truncated = hashlib.sha256(spki).digest()[31:]
+        requests_ = [b64url(TOKEN_TYPE.to_bytes(2, "big") + truncated + blinded)]
+        with self._lock:
+            held = self._credential
+        answer = None
+        if held and time.time() < held[1]:
+            try:
+                answer = self._post("/v1/token-request",
+                                    {"credential": held[0], "token_requests": requests_})
+            except TokenError as error:
+                if ": 403:" not in str(error):
+                    raise
+        if answer is None:
+            issued = unb64url(self._post("/v1/challenge")["challenge"])
+            answer = self._post("/v1/token-request", {
+                "challenge": b64url(issued), "evidence": self.attestation.evidence(issued),
+                "token_requests": requests_})
+        with self._lock:
+            self._credential = (answer["credential"], answer["window_ends_at"])
+        return unb64url(answer["token_responses"][0])
+
+
+def obtain(source: TokenSource, issuer_name: str, spki: bytes, task_id: str, round_: int,
+           assignment_ref: str, enc: bytes) -> bytes:
+    """A token for one assignment, bound to the envelope whose encapsulated key is `enc`."""
+    pending = begin(spki, challenge(issuer_name, task_id, round_, assignment_ref),
+                    token_nonce(enc))
+    return finish(spki, pending, source.sign(spki, pending.blinded))

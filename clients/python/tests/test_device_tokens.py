@@ -1,0 +1,101 @@
+"""Device tokens from Python (docs/protocol.md, "Device tokens"): Python devices obtain Privacy
+Pass tokens from a real `confed issuer` (dev attester) and fill a round of a task that requires
+them; the release counts them as authenticated. Devices without an attestation, or whose trust
+file does not list the issuer, decline. The blind RSA half matches the RFC 9578 vectors."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+import requests
+
+from confed_client import Device, DeviceError, Partner, Trust, tokens
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+DEVICES = 4
+
+
+@pytest.fixture(scope="module")
+def issuer(tmp_path_factory):
+    binary = os.environ.get("CONFED_BIN", str(ROOT / "target" / "debug" / "confed"))
+    state = tmp_path_factory.mktemp("issuer")
+    key = state / "token-key.pem"
+    subprocess.run([binary, "issuer", "generate-key", str(key)], check=True,
+                   capture_output=True)
+    process = subprocess.Popen(
+        [binary, "issuer", "--name", "py-issuer", "--attester", "dev", "--signing-key", str(key),
+         "--state", str(state / "state"), "--listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "RUST_LOG": "error"})
+    line = process.stdout.readline()
+    assert line.startswith("confed: serving on "), line
+    threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
+    url = line.removeprefix("confed: serving on ").strip()
+    directory = requests.get(f"{url}/v1/directory", timeout=10).json()
+    try:
+        yield {"url": url, "name": directory["issuer_name"],
+               "token_key": directory["token-keys"][0]["token-key"]}
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def spec(population: str, issuer: dict) -> dict:
+    return {"population": population, "rounds": 1, "report_goal": DEVICES,
+            "min_reports": DEVICES,
+            "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0},
+            "device_auth": {"issuer": issuer["name"], "token_keys": [issuer["token_key"]]}}
+
+
+def trusting(server: dict, issuer: dict) -> Trust:
+    trust = Trust.load(server["trust"])
+    trust.token_issuers = {issuer["name"]: {"token_keys": [tokens.unb64url(issuer["token_key"])],
+                                            "url": issuer["url"]}}
+    return trust
+
+
+def test_python_devices_with_tokens_fill_a_round_that_counts_them_authenticated(server, issuer):
+    partner = Partner(server["url"], server["token"])
+    task = partner.create_task(spec("python-tokens", issuer), {"w": np.zeros(8, np.float32)})
+    trust = trusting(server, issuer)
+    for _ in range(DEVICES):
+        device = Device(server["url"], "python-tokens", trust,
+                        attestation=tokens.DevAttestation())
+        assert device.run_once(lambda w, plan: {"w": np.full(8, 0.1, np.float32)}) == "contributed"
+    release = partner.wait_for_release(task, 1)
+    manifest = release["manifest"]
+    manifest = json.loads(manifest) if isinstance(manifest, str) else manifest
+    assert manifest["included"] == DEVICES
+    assert manifest["authenticated"] == DEVICES
+
+
+def test_devices_without_attestation_or_trust_in_the_issuer_decline(server, issuer):
+    partner = Partner(server["url"], server["token"])
+    partner.create_task(spec("python-tokens-refused", issuer), {"w": np.zeros(4, np.float32)})
+    without_issuer = Device(server["url"], "python-tokens-refused", Trust.load(server["trust"]),
+                            attestation=tokens.DevAttestation())
+    with pytest.raises(Exception, match="device_auth"):
+        without_issuer.contribute(without_issuer.check_in(), lambda w, plan: w)
+    without_attestation = Device(server["url"], "python-tokens-refused",
+                                 trusting(server, issuer))
+    with pytest.raises(DeviceError, match="attestation"):
+        without_attestation.contribute(without_attestation.check_in(), lambda w, plan: w)
+
+
+def test_the_blind_rsa_half_matches_the_rfc_9578_vectors():
+    vectors = json.loads((ROOT / "protocol/testdata/privacy_pass_type2_vectors.json").read_text())
+    for vector in vectors:
+        spki = bytes.fromhex(vector["pkS"])
+        token = bytes.fromhex(vector["token"])
+        pending = tokens.PendingToken(token[:98], bytes.fromhex(vector["token_request"])[3:],
+                                      int(vector["unblinder"], 16))
+        assert tokens.finish(spki, pending, bytes.fromhex(vector["token_response"])) == token
+    # The confed context and nonce, as docs/protocol.md spells them.
+    assert tokens.redemption_context("task-a", 3, "ab") == __import__("hashlib").sha256(
+        b"confed token context v1\x00task-a\x003\x00ab\x00").digest()
