@@ -150,6 +150,13 @@ pub async fn run(
                 _ => None,
             };
             confed_serving::check_listen(args.listen, tls.as_ref())?;
+            // Anyone can attest to the dev attester, so an issuer running it grants tokens to
+            // anyone: it serves this machine only (tests, demos), never a network.
+            if args.attester == AttesterKind::Dev && !args.listen.ip().is_loopback() {
+                anyhow::bail!(
+                    "--attester dev lets anyone obtain tokens, so it listens on loopback only (127.0.0.1 or ::1); a networked issuer needs a real attester"
+                );
+            }
             let issuer = build(&args)?;
             tracing::info!(
                 name = issuer.name(),

@@ -203,11 +203,13 @@ impl Issuer {
                 .check(credential, window)
                 .ok_or(IssueError::Credential)?,
         };
+        // The limiter reads the clock under its lock (and never moves back a window): a request
+        // stamped before a rollover must not count in a window whose file is gone.
         let grant = self
             .limiter
             .lock()
             .map_err(|_| IssueError::Signing("the limiter lock was poisoned".into()))?
-            .take(&identity.0, count as u32, now)??;
+            .take(&identity.0, count as u32, self.clock.now_seconds())??;
         // The key ids were checked above; a blinded message at or above the modulus is the
         // device's mistake (its tokens of this grant are lost, as a crash would lose them).
         let token_responses = request

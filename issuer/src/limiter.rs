@@ -8,7 +8,12 @@
 //! SHA-256(rate_key || count)`) and syncs it before the tokens are signed, so a crash can lose
 //! tokens a device was granted but never hand out more than L. A record torn by a crash (a short
 //! tail, or a last record whose check fails) is cut off at start; damage anywhere else refuses the
-//! start. Files of past windows are deleted when a new window opens.
+//! start. A write or sync that fails is cut back to the last whole record (or, if that fails too,
+//! the limiter refuses every grant until a restart replays the file). Files of earlier windows are
+//! deleted when a later window opens; the window never moves back (a request stamped before the
+//! rollover, or a clock stepped backwards, counts in the current window), so no device's count is
+//! ever read from an emptied file. The state directory is locked (`flock` on `limiter.lock`) for the
+//! life of the process: two issuers on one directory would each keep their own counts.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -39,6 +44,14 @@ pub enum LimiterError {
     Damaged { path: PathBuf, record: usize },
     #[error("{0}: the limiter key must be exactly 32 bytes")]
     KeyFile(PathBuf),
+    #[error(
+        "{0} is in use by another issuer process (its limiter.lock is held); stop it, or give this one another --state"
+    )]
+    Locked(PathBuf),
+    #[error(
+        "an earlier grant could not be recorded nor cut back; restart the issuer (it replays the window file)"
+    )]
+    Poisoned,
 }
 
 /// A device's allowance was used up: nothing was granted.
@@ -58,6 +71,8 @@ struct Window {
     index: i64,
     path: PathBuf,
     file: File,
+    /// Bytes of whole records in the file.
+    length: u64,
     counts: HashMap<[u8; 32], u32>,
 }
 
@@ -67,6 +82,10 @@ pub struct Limiter {
     tokens_per_window: u32,
     window_seconds: Seconds,
     window: Option<Window>,
+    /// A failed write could not be cut back: nothing more is granted.
+    poisoned: bool,
+    /// Held for the process's life: the `flock` on `limiter.lock`.
+    _lock: File,
 }
 
 impl std::fmt::Debug for Limiter {
@@ -105,6 +124,7 @@ impl Limiter {
         window_seconds: Seconds,
     ) -> Result<Self, LimiterError> {
         std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let lock = lock_dir(dir)?;
         let key = load_or_create_key(dir)?;
         Ok(Self {
             dir: dir.to_path_buf(),
@@ -112,6 +132,8 @@ impl Limiter {
             tokens_per_window,
             window_seconds,
             window: None,
+            poisoned: false,
+            _lock: lock,
         })
     }
 
@@ -142,7 +164,13 @@ impl Limiter {
         count: u32,
         now: Seconds,
     ) -> Result<Result<Grant, Exhausted>, LimiterError> {
-        let index = now.div_euclid(self.window_seconds);
+        if self.poisoned {
+            return Err(LimiterError::Poisoned);
+        }
+        // Never back to an earlier window: its file may be gone, and its counts with it.
+        let index = now
+            .div_euclid(self.window_seconds)
+            .max(self.window.as_ref().map_or(i64::MIN, |w| w.index));
         let window_ends_at = (index + 1) * self.window_seconds;
         self.enter(index)?;
         let rate_key = self.rate_key(index, identity);
@@ -160,11 +188,22 @@ impl Limiter {
         record[32..36].copy_from_slice(&count.to_be_bytes());
         let sum = check(&record[..32], &record[32..36]);
         record[36..].copy_from_slice(&sum);
-        window
+        if let Err(error) = window
             .file
             .write_all(&record)
             .and_then(|()| window.file.sync_data())
-            .map_err(io(&window.path))?;
+        {
+            // Cut back to the last whole record, so a later append does not follow a torn one.
+            let cut = window
+                .file
+                .set_len(window.length)
+                .and_then(|()| window.file.sync_data());
+            if cut.is_err() {
+                self.poisoned = true;
+            }
+            return Err(io(&window.path)(error));
+        }
+        window.length += RECORD_BYTES as u64;
         window.counts.insert(rate_key, used + count);
         Ok(Ok(Grant {
             remaining: remaining - count,
@@ -181,7 +220,7 @@ impl Limiter {
         self.window = None;
         let name = format!("window-{}-{index}.log", self.window_seconds);
         let path = self.dir.join(&name);
-        let counts = replay(&path)?;
+        let (counts, length) = replay(&path)?;
         let file = OpenOptions::new()
             .create(true)
             .append(true)
@@ -192,8 +231,7 @@ impl Limiter {
         for entry in std::fs::read_dir(&self.dir).map_err(io(&self.dir))? {
             let entry = entry.map_err(io(&self.dir))?;
             let other = entry.file_name();
-            let other = other.to_string_lossy();
-            if other.starts_with("window-") && other.ends_with(".log") && other != name {
+            if window_index(&other.to_string_lossy()).is_some_and(|other| other < index) {
                 std::fs::remove_file(entry.path()).map_err(io(&entry.path()))?;
             }
         }
@@ -201,19 +239,45 @@ impl Limiter {
             index,
             path,
             file,
+            length,
             counts,
         });
         Ok(())
     }
 }
 
-/// The counts of a window file (none if it does not exist), cutting off a torn tail.
-fn replay(path: &Path) -> Result<HashMap<[u8; 32], u32>, LimiterError> {
+/// The window index in a window file's name (`window-<seconds>-<index>.log`, any length).
+fn window_index(name: &str) -> Option<i64> {
+    let rest = name.strip_prefix("window-")?.strip_suffix(".log")?;
+    rest.split_once('-')?.1.parse().ok()
+}
+
+/// Locks `dir` for this process (`flock` on `limiter.lock`, released when the file is closed).
+fn lock_dir(dir: &Path) -> Result<File, LimiterError> {
+    use std::os::fd::AsRawFd;
+    let path = dir.join("limiter.lock");
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(io(&path))?;
+    // SAFETY: flock only takes an advisory lock on an open descriptor this function owns.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(LimiterError::Locked(dir.to_path_buf()));
+    }
+    Ok(file)
+}
+
+/// The counts of a window file (none if it does not exist) and its length, cutting off a torn
+/// tail.
+fn replay(path: &Path) -> Result<(HashMap<[u8; 32], u32>, u64), LimiterError> {
     let mut counts = HashMap::new();
     let mut bytes = Vec::new();
     match File::open(path) {
         Ok(mut file) => file.read_to_end(&mut bytes).map_err(io(path))?,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(counts),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((counts, 0)),
         Err(e) => return Err(io(path)(e)),
     };
     let records = bytes.len() / RECORD_BYTES;
@@ -249,7 +313,7 @@ fn replay(path: &Path) -> Result<HashMap<[u8; 32], u32>, LimiterError> {
             .and_then(|()| file.sync_all())
             .map_err(io(path))?;
     }
-    Ok(counts)
+    Ok((counts, keep))
 }
 
 fn load_or_create_key(dir: &Path) -> Result<Zeroizing<[u8; 32]>, LimiterError> {
@@ -367,6 +431,50 @@ mod tests {
     }
 
     #[test]
+    fn a_request_stamped_before_the_rollover_counts_in_the_new_window_and_empties_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut limiter = Limiter::open(dir.path(), 3, DAY).unwrap();
+        let device = [5u8; 32];
+        limiter.take(&device, 3, DAY + 1).unwrap().unwrap();
+        // A request read the clock just before midnight and got the lock after this one, or
+        // the clock stepped back: it counts in the current window, whose count holds.
+        assert_eq!(
+            limiter.take(&device, 1, DAY - 1).unwrap(),
+            Err(Exhausted {
+                remaining: 0,
+                window_ends_at: 2 * DAY
+            })
+        );
+        assert_eq!(
+            limiter.take(&device, 1, DAY + 2).unwrap(),
+            Err(Exhausted {
+                remaining: 0,
+                window_ends_at: 2 * DAY
+            })
+        );
+        assert!(dir.path().join(format!("window-{DAY}-1.log")).exists());
+    }
+
+    #[test]
+    fn a_second_limiter_on_the_same_directory_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = Limiter::open(dir.path(), 3, DAY).unwrap();
+        assert!(matches!(
+            Limiter::open(dir.path(), 3, DAY),
+            Err(LimiterError::Locked(_))
+        ));
+        drop(first);
+        Limiter::open(dir.path(), 3, DAY).unwrap();
+    }
+
+    #[test]
+    fn window_file_names_give_their_index() {
+        assert_eq!(window_index("window-86400-20424.log"), Some(20424));
+        assert_eq!(window_index("window-60--3.log"), Some(-3));
+        assert_eq!(window_index("limiter.key"), None);
+    }
+
+    #[test]
     fn the_same_device_has_unrelated_rate_keys_in_different_windows_and_issuers() {
         let dir = tempfile::tempdir().unwrap();
         let other = tempfile::tempdir().unwrap();
@@ -382,10 +490,9 @@ mod tests {
             second.rate_key(0, &identity)
         );
         // The key persists: the same issuer names the device the same way after a restart.
+        let before = limiter.rate_key(0, &identity);
+        drop(limiter);
         let reopened = Limiter::open(dir.path(), 5, DAY).unwrap();
-        assert_eq!(
-            limiter.rate_key(0, &identity),
-            reopened.rate_key(0, &identity)
-        );
+        assert_eq!(before, reopened.rate_key(0, &identity));
     }
 }

@@ -49,7 +49,7 @@ fn the_issuer_generates_its_key_refuses_a_readable_one_serves_and_stops_cleanly(
             .success()
     );
 
-    let args = |state: &str| {
+    let args_on = |state: &str, listen: &str| {
         let mut command = issuer();
         command
             .args([
@@ -58,7 +58,7 @@ fn the_issuer_generates_its_key_refuses_a_readable_one_serves_and_stops_cleanly(
                 "--attester",
                 "dev",
                 "--listen",
-                "127.0.0.1:0",
+                listen,
             ])
             .arg("--signing-key")
             .arg(&key)
@@ -66,11 +66,24 @@ fn the_issuer_generates_its_key_refuses_a_readable_one_serves_and_stops_cleanly(
             .arg(dir.path().join(state));
         command
     };
+    let args = |state: &str| args_on(state, "127.0.0.1:0");
     std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
     let refused = args("state").output().unwrap();
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("chmod 600"));
     std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+
+    // The dev attester lets anyone obtain tokens: never on a network address.
+    let networked = args_on("state", "0.0.0.0:0")
+        .args(["--tls-cert", "cert.pem", "--tls-key", "key.pem"])
+        .output()
+        .unwrap();
+    assert!(!networked.status.success());
+    assert!(
+        String::from_utf8_lossy(&networked.stderr).contains("loopback only"),
+        "{}",
+        String::from_utf8_lossy(&networked.stderr)
+    );
 
     let mut child = args("state")
         .stdout(Stdio::piped())

@@ -1,11 +1,13 @@
 //! Sealing under an ephemeral key drawn ahead of time (RFC 9180 `DeriveKeyPair` from 32 bytes of
 //! fresh randomness), so a device knows its contribution's encapsulated key before it seals: a
-//! device token binds it (`privacy_pass::binding`), and the token is obtained while the device
+//! device token binds it (`privacy_pass::context`), and the token is obtained while the device
 //! trains. The result is ordinary HPKE base mode; `hpke::open`/`open_chunked` open it.
 //!
 //! The `hpke` crate draws an ephemeral key from the generator it is handed; handing it one that
-//! yields the drawn bytes gives the same key, and every seal checks that the encapsulated key it
-//! produced is the one announced, so a change in how the crate draws fails loudly, never silently.
+//! yields the drawn bytes once (and fresh operating-system randomness after that, so the bytes
+//! are never used for anything else) gives the same key, and every seal checks that the
+//! encapsulated key it produced is the one announced, so a change in how the crate draws fails
+//! loudly, never silently.
 
 use hpke::{Deserializable, Kem as KemTrait, OpModeS, Serializable};
 use zeroize::Zeroizing;
@@ -34,23 +36,45 @@ impl std::fmt::Debug for Ephemeral {
     }
 }
 
-/// Yields the drawn bytes, as many times as asked (the seal checks it was asked once).
-struct Drawn<'a>(&'a [u8; KEY_BYTES]);
+/// Yields the drawn bytes to the first request for exactly their length, and fresh randomness
+/// to any other: the drawn key material feeds one key derivation and nothing else. (Asked for
+/// anything else first, the seal's check of the encapsulated key fails.)
+struct Drawn<'a> {
+    ikm: &'a [u8; KEY_BYTES],
+    used: bool,
+}
+
+impl Drawn<'_> {
+    fn fresh(dest: &mut [u8]) {
+        // A generator cannot fail here (`Infallible`); zeros if the OS has no randomness only
+        // make the seal's check of the announced key fail.
+        if getrandom::fill(dest).is_err() {
+            dest.fill(0);
+        }
+    }
+}
 
 impl rand_core::TryRng for Drawn<'_> {
     type Error = std::convert::Infallible;
 
     fn try_next_u32(&mut self) -> Result<u32, Self::Error> {
-        Ok(u32::from_le_bytes(self.0[..4].try_into().expect("4 bytes")))
+        let mut bytes = [0u8; 4];
+        Self::fresh(&mut bytes);
+        Ok(u32::from_le_bytes(bytes))
     }
 
     fn try_next_u64(&mut self) -> Result<u64, Self::Error> {
-        Ok(u64::from_le_bytes(self.0[..8].try_into().expect("8 bytes")))
+        let mut bytes = [0u8; 8];
+        Self::fresh(&mut bytes);
+        Ok(u64::from_le_bytes(bytes))
     }
 
     fn try_fill_bytes(&mut self, dest: &mut [u8]) -> Result<(), Self::Error> {
-        for (out, byte) in dest.iter_mut().zip(self.0.iter().cycle()) {
-            *out = *byte;
+        if !self.used && dest.len() == KEY_BYTES {
+            self.used = true;
+            dest.copy_from_slice(self.ikm);
+        } else {
+            Self::fresh(dest);
         }
         Ok(())
     }
@@ -85,7 +109,10 @@ impl Ephemeral {
             &OpModeS::Base,
             &public,
             info,
-            &mut Drawn(&self.ikm),
+            &mut Drawn {
+                ikm: &self.ikm,
+                used: false,
+            },
         )
         .map_err(|_| HpkeError::Seal)?;
         let encapsulated = encapsulated.to_bytes().to_vec();

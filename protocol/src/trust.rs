@@ -89,6 +89,14 @@ impl TrustConfig {
                 listed,
             });
         }
+        let mut names = std::collections::BTreeSet::new();
+        if let Some(twice) = self
+            .token_issuers
+            .iter()
+            .find(|i| !names.insert(i.name.as_str()))
+        {
+            return Err(TrustFileError::DuplicateIssuer(twice.name.clone()));
+        }
         Ok(())
     }
 
@@ -116,6 +124,8 @@ impl TrustConfig {
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum TrustFileError {
+    #[error("token issuer {0} is listed twice; list each issuer once, with all its keys")]
+    DuplicateIssuer(String),
     #[error("key service {0}: verifying_key is not a base64url SEC1 P-256 point")]
     VerifyingKey(String),
     #[error(

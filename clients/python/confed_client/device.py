@@ -175,6 +175,9 @@ class Trust:
         if shares is not None and not max(raw["threshold"], len(keys)) <= shares <= 65535:
             raise ValueError(f"{path}: shares {shares} must be at least the threshold "
                              f"{raw['threshold']} and the {len(keys)} key services listed")
+        names = [entry["name"] for entry in raw.get("token_issuers", [])]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{path}: a token issuer is listed twice; list each once")
         issuers = {entry["name"]: {"token_keys": [_b64url(k) for k in entry["token_keys"]],
                                    "url": entry["url"]}
                    for entry in raw.get("token_issuers", [])}
@@ -445,8 +448,9 @@ class Device:
             check_policy(policy, task_id=assignment["task_id"], population=self.population,
                          round_=assignment["round"], limits=self.trust.limits,
                          tenant_id=self.trust.tenant_id, token_issuers=self.trust.token_issuers)
-            eks, token = self._token(policy, assignment)
             public_key = self.trust.verify_key(assignment["encryption"], time.time())
+            # After the key checks: a refused key must not cost one of the device's tokens.
+            eks, token = self._token(policy, assignment)
             reply = self._send("GET", self._url(assignment["model_url"]), timeout=60)
             if reply.status_code != 200:
                 raise DeviceError.from_reply("model", reply)

@@ -108,9 +108,13 @@ def _device_auth(line: str) -> dict:
     if not 1 <= len(keys) <= 4:
         raise PolicyError("device_auth names 1 to 4 token keys")
     try:
-        decoded = [base64.urlsafe_b64decode(k + "=" * (-len(k) % 4)) for k in keys]
+        decoded = [base64.b64decode(k + "=" * (-len(k) % 4), altchars=b"-_", validate=True)
+                   for k in keys]
     except ValueError as error:
         raise PolicyError("a device_auth token key is not base64url") from error
+    if any(base64.urlsafe_b64encode(d).rstrip(b"=").decode() != k
+           for d, k in zip(decoded, keys)):
+        raise PolicyError("a device_auth token key is not canonical base64url without padding")
     return {"issuer": issuer, "token_keys": decoded}
 
 

@@ -70,15 +70,25 @@ def _der(data: bytes, tag: int) -> tuple[bytes, bytes]:
     return data[at:at + length], data[at + length:]
 
 
+#: 1.2.840.113549.1.1.10, id-RSASSA-PSS, as DER OBJECT IDENTIFIER content.
+_RSASSA_PSS = bytes([0x2A, 0x86, 0x48, 0x86, 0xF7, 0x0D, 0x01, 0x01, 0x0A])
+
+
 def issuer_public_key(spki: bytes) -> rsa.RSAPublicKey:
-    """The RSA key inside an RSASSA-PSS SubjectPublicKeyInfo."""
+    """The RSA-2048 key inside an RSASSA-PSS SubjectPublicKeyInfo; `TokenError` otherwise."""
     outer, _ = _der(spki, 0x30)
-    _, rest = _der(outer, 0x30)  # AlgorithmIdentifier (id-RSASSA-PSS, checked by the servers)
+    algorithm, rest = _der(outer, 0x30)
+    oid, _ = _der(algorithm, 0x06)
+    if oid != _RSASSA_PSS:
+        raise TokenError("the token key is not an id-RSASSA-PSS key")
     bits, _ = _der(rest, 0x03)
     key, _ = _der(bits[1:], 0x30)
     n, rest = _der(key, 0x02)
     e, _ = _der(rest, 0x02)
-    return rsa.RSAPublicNumbers(int.from_bytes(e, "big"), int.from_bytes(n, "big")).public_key()
+    modulus = int.from_bytes(n, "big")
+    if modulus.bit_length() != 2048:
+        raise TokenError("the token key is not RSA-2048 (token type 0x0002)")
+    return rsa.RSAPublicNumbers(int.from_bytes(e, "big"), modulus).public_key()
 
 
 def _mgf1(seed: bytes, length: int) -> bytes:

@@ -99,3 +99,27 @@ def test_the_blind_rsa_half_matches_the_rfc_9578_vectors():
     # The confed context and nonce, as docs/protocol.md spells them.
     assert tokens.redemption_context("task-a", 3, "ab") == __import__("hashlib").sha256(
         b"confed token context v1\x00task-a\x003\x00ab\x00").digest()
+
+
+def test_a_policy_with_a_non_canonical_token_key_and_a_trust_file_listing_an_issuer_twice_are_refused(
+        tmp_path, server):
+    from confed_client import PolicyError
+    from confed_client.policy import _device_auth
+    vector = json.loads((ROOT / "protocol/testdata/privacy_pass_type2_vectors.json").read_text())[0]
+    key = tokens.b64url(bytes.fromhex(vector["pkS"]))
+    assert _device_auth(f"device_auth=privacy_pass;issuer=i;token_keys={key}")["issuer"] == "i"
+    for bad in (f"device_auth=privacy_pass;issuer=i;token_keys={key}=",
+                f"device_auth=privacy_pass;issuer=i;token_keys={key[:-1]}*",
+                "device_auth=privacy_pass;issuer=i"):
+        with pytest.raises(PolicyError):
+            _device_auth(bad)
+    with pytest.raises(tokens.TokenError, match="RSASSA-PSS"):
+        tokens.issuer_public_key(bytes.fromhex(vector["pkS"]).replace(
+            bytes([0x01, 0x01, 0x0A]), bytes([0x01, 0x01, 0x01]), 1))
+    raw = json.loads(pathlib.Path(server["trust"]).read_text())
+    issuer_entry = {"name": "twice", "token_keys": [key], "url": "http://127.0.0.1:1"}
+    raw["token_issuers"] = [issuer_entry, issuer_entry]
+    path = tmp_path / "trust.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="twice"):
+        Trust.load(str(path))
