@@ -87,6 +87,11 @@ pub enum DevicesCommand {
         /// Pin the tenant (id) the device works for: other tenants' tasks are refused.
         #[arg(long)]
         tenant_id: Option<String>,
+        /// A token issuer (base URL) whose directory's name and keys to list under
+        /// token_issuers: the device then takes tasks requiring its tokens (check the keys with
+        /// the issuer's operator out of band: this trusts whatever answers).
+        #[arg(long = "issuer")]
+        issuers: Vec<String>,
     },
 }
 
@@ -166,7 +171,16 @@ pub async fn run(command: DevicesCommand) -> Result<()> {
             max_delta,
             min_reports,
             tenant_id,
+            issuers,
         } => {
+            let mut token_issuers = Vec::new();
+            for url in &issuers {
+                token_issuers.push(
+                    confed::tools::issuer::trusted_issuer(url)
+                        .await
+                        .map_err(anyhow::Error::msg)?,
+                );
+            }
             let client = confed_enclave::http::client(Duration::from_secs(10));
             let mut entries = Vec::new();
             for url in &keyservices {
@@ -194,7 +208,7 @@ pub async fn run(command: DevicesCommand) -> Result<()> {
                     min_reports,
                 },
                 tenant_id,
-                token_issuers: Vec::new(),
+                token_issuers,
             };
             config.check()?;
             println!("{}", serde_json::to_string_pretty(&config)?);
