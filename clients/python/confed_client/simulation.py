@@ -52,6 +52,7 @@ def run_simulation(partner: Partner, task_id: str, trust: Trust,
                    client_evaluate_fn: Callable[[int], Evaluate] | None = None,
                    concurrency: int = 8, max_wait: float = 1.0, progress: bool = True,
                    round_timeout: float = 600.0, state_dir: str | None = None,
+                   attestation_fn: Callable[[int], object] | None = None,
                    **device_options) -> list[RoundResult]:
     """Runs `num_devices` devices of the task's population until the task ends; returns one
     `RoundResult` per completed round.
@@ -68,6 +69,9 @@ def run_simulation(partner: Partner, task_id: str, trust: Trust,
     - `state_dir` (optional): device i keeps what it served in `state_dir/device-<i>.json`, so
       a simulation run again with the same directory has devices that remember (without it
       they keep it in memory, with a warning);
+    - `attestation_fn(i)` (optional) returns device i's attestation (e.g. `DevAttestation()`),
+      for tasks that require device tokens of an issuer listed in `trust.token_issuers`: one
+      per device, since an issuer grants each attested device its own allowance;
     - `device_options` go to each `Device` (e.g. `tensors="torch"`, `attributes={...}`).
     """
     task = partner.task(task_id)
@@ -76,6 +80,7 @@ def run_simulation(partner: Partner, task_id: str, trust: Trust,
         os.makedirs(state_dir, exist_ok=True)
     devices = [Device(partner.server, population, trust,
                       evaluate=client_evaluate_fn(i) if client_evaluate_fn else None,
+                      attestation=attestation_fn(i) if attestation_fn else None,
                       state_file=(os.path.join(state_dir, f"device-{i}.json")
                                   if state_dir is not None else None),
                       **device_options)

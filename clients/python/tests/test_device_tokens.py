@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import requests
 
-from confed_client import Device, DeviceError, Partner, Trust, tokens
+from confed_client import Device, DeviceError, Partner, Trust, envelope, run_simulation, tokens
+from confed_client.policy import parse_policy, policy_sha256
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 DEVICES = 4
@@ -123,3 +124,53 @@ def test_a_policy_with_a_non_canonical_token_key_and_a_trust_file_listing_an_iss
     path.write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="twice"):
         Trust.load(str(path))
+
+
+def test_run_simulation_gives_each_device_its_attestation_and_the_round_counts_them(
+        server, issuer):
+    partner = Partner(server["url"], server["token"])
+    task = partner.create_task(dict(spec("python-tokens-sim", issuer), rounds=2),
+                               {"w": np.zeros(4, np.float32)})
+    history = run_simulation(partner, task, trusting(server, issuer),
+                             lambda i: (lambda w, plan: {"w": np.full(4, 0.1, np.float32)}),
+                             num_devices=2 * DEVICES, progress=False, max_wait=0.05,
+                             attestation_fn=lambda i: tokens.DevAttestation())
+    assert len(history) == 2
+    for round_ in (1, 2):
+        manifest = partner.wait_for_release(task, round_)["manifest"]
+        manifest = json.loads(manifest) if isinstance(manifest, str) else manifest
+        assert manifest["authenticated"] == DEVICES
+
+
+def test_a_token_obtained_for_one_assignment_is_refused_on_another(server, issuer):
+    partner = Partner(server["url"], server["token"])
+    partner.create_task(dict(spec("python-tokens-moved", issuer), report_goal=2, min_reports=2),
+                        {"w": np.zeros(4, np.float32)})
+    trust = trusting(server, issuer)
+    device = Device(server["url"], "python-tokens-moved", trust,
+                    attestation=tokens.DevAttestation())
+    first, second = device.check_in(), device.check_in()
+    assert first["assignment_id"] != second["assignment_id"]
+    policy = parse_policy(second["policy"])
+    eks, token = device._token(policy, first)  # a token for the first assignment
+    public_key = trust.verify_key(second["encryption"], __import__("time").time())
+    model = requests.get(server["url"] + second["model_url"], timeout=30).content
+    sealed = envelope.seal_update(
+        public_key, second["encryption"]["key_id"],
+        envelope.aad(second["task_id"], second["round"], second["assignment_id"],
+                     policy_sha256(second["policy"]), __import__("hashlib").sha256(model).hexdigest()),
+        model, eks=eks, token=token)
+    reply = requests.put(server["url"] + second["upload_url"], data=sealed,
+                         headers={"content-type": "application/cbor"}, timeout=30)
+    assert reply.status_code == 403, reply.text
+    assert reply.json()["type"] == "urn:confed:problem:token-refused"
+    # Without a token: 401 with the RFC 9577 challenge for this assignment.
+    plain = envelope.seal_update(
+        public_key, second["encryption"]["key_id"],
+        envelope.aad(second["task_id"], second["round"], second["assignment_id"],
+                     policy_sha256(second["policy"]), __import__("hashlib").sha256(model).hexdigest()),
+        model)
+    reply = requests.put(server["url"] + second["upload_url"], data=plain,
+                         headers={"content-type": "application/cbor"}, timeout=30)
+    assert reply.status_code == 401, reply.text
+    assert reply.headers["www-authenticate"].startswith("PrivateToken challenge=")
