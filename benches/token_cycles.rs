@@ -11,10 +11,12 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use confed::tools::simulate::{SimulationConfig, run};
+use confed::tools::simulate::run;
 use confed_protocol::trust::TrustConfig;
 
-const DEVICES: usize = 6000;
+mod cycles;
+use cycles::{DEVICES, load, task};
+
 const CONCURRENCY: usize = 64;
 
 /// utime + stime of `pid`, in seconds.
@@ -68,56 +70,6 @@ fn url_of(lines: &[String]) -> String {
         .strip_prefix("confed: serving on ")
         .unwrap()
         .to_string()
-}
-
-async fn task(http: &reqwest::Client, base: &str, token: &str, spec: serde_json::Value) {
-    let task: serde_json::Value = http
-        .post(format!("{base}/v1/tasks"))
-        .bearer_auth(token)
-        .json(&spec)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let id = task["id"].as_str().unwrap_or_else(|| panic!("{task}"));
-    let model = confed::tools::train::Softmax::zeros(4, 1023).to_safetensors();
-    let put = http
-        .put(format!("{base}/v1/tasks/{id}/model"))
-        .bearer_auth(token)
-        .body(model)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(put.status(), 201);
-}
-
-fn load(
-    base: &str,
-    population: &str,
-    trust: &TrustConfig,
-    first_device: u64,
-    concurrency: usize,
-) -> SimulationConfig {
-    SimulationConfig {
-        server: base.to_string(),
-        population: population.into(),
-        devices: DEVICES,
-        first_device,
-        concurrency,
-        rounds: 1,
-        trust: trust.clone(),
-        train: false,
-        seed: 1,
-        rows_per_device: 0,
-        max_retry_wait: Duration::from_millis(10),
-        idle_limit: 3,
-        client_version: "1.0.0".into(),
-        progress: false,
-        bars: None,
-        state_dir: None,
-    }
 }
 
 #[tokio::main]

@@ -246,22 +246,17 @@ pub fn seal_with(
     capability: &Capability,
     update: &[u8],
 ) -> Result<Envelope, EnvelopeError> {
-    let aad = aad(context, capability.reference().as_str());
-    let info = info(key_id);
-    let (encapsulated_key, ciphertext, chunk) = if update.len() > CHUNK_THRESHOLD {
-        let (enc, ct) = sealer.seal_chunked(public_key, &info, &aad, update, CHUNK_THRESHOLD)?;
-        (enc, ct, Some(CHUNK_THRESHOLD as u32))
-    } else {
-        let (enc, ct) = sealer.seal(public_key, &info, &aad, update)?;
-        (enc, ct, None)
-    };
-    Ok(Envelope {
-        key_id: key_id.to_string(),
-        encapsulated_key,
-        ciphertext,
-        chunk,
-        token: None,
-    })
+    sealed(
+        key_id,
+        context,
+        capability,
+        update,
+        None,
+        |info, aad, chunk| match chunk {
+            Some(chunk) => sealer.seal_chunked(public_key, info, aad, update, chunk),
+            None => sealer.seal(public_key, info, aad, update),
+        },
+    )
 }
 
 /// `seal` under an ephemeral key drawn ahead, carrying the device token obtained for it (its
@@ -281,21 +276,39 @@ pub fn seal_with_token(
             "the token's nonce does not bind this envelope's encapsulated key".into(),
         ));
     }
+    let token = Some(token.encode());
+    sealed(
+        key_id,
+        context,
+        capability,
+        update,
+        token,
+        |info, aad, chunk| match chunk {
+            Some(chunk) => ephemeral.seal_chunked(public_key, info, aad, update, chunk),
+            None => ephemeral.seal(public_key, info, aad, update),
+        },
+    )
+}
+
+/// The envelope of `update` for the assignment: `seal(info, aad, chunk)` seals it (in chunks of
+/// `CHUNK_THRESHOLD` bytes above that size) and returns (enc, ct).
+fn sealed(
+    key_id: &str,
+    context: &RoundContext,
+    capability: &Capability,
+    update: &[u8],
+    token: Option<Vec<u8>>,
+    seal: impl FnOnce(&[u8], &[u8], Option<usize>) -> Result<(Vec<u8>, Vec<u8>), HpkeError>,
+) -> Result<Envelope, EnvelopeError> {
     let aad = aad(context, capability.reference().as_str());
-    let info = info(key_id);
-    let (encapsulated_key, ciphertext, chunk) = if update.len() > CHUNK_THRESHOLD {
-        let (enc, ct) = ephemeral.seal_chunked(public_key, &info, &aad, update, CHUNK_THRESHOLD)?;
-        (enc, ct, Some(CHUNK_THRESHOLD as u32))
-    } else {
-        let (enc, ct) = ephemeral.seal(public_key, &info, &aad, update)?;
-        (enc, ct, None)
-    };
+    let chunk = (update.len() > CHUNK_THRESHOLD).then_some(CHUNK_THRESHOLD);
+    let (encapsulated_key, ciphertext) = seal(&info(key_id), &aad, chunk)?;
     Ok(Envelope {
         key_id: key_id.to_string(),
         encapsulated_key,
         ciphertext,
-        chunk,
-        token: Some(token.encode()),
+        chunk: chunk.map(|c| c as u32),
+        token,
     })
 }
 

@@ -228,6 +228,24 @@ pub fn seal_chunked(
     let (encapsulated, mut context) =
         hpke::setup_sender::<Aead, Kdf, Kem>(&OpModeS::Base, &public, info)
             .map_err(|_| HpkeError::Seal)?;
+    let ciphertext = seal_pieces(&mut context, aad, plaintext, chunk)?;
+    Ok((encapsulated.to_bytes().to_vec(), ciphertext))
+}
+
+/// A sender's HPKE context of the suite.
+pub(crate) type SenderContext = hpke::aead::AeadCtxS<Aead, Kdf, Kem>;
+
+/// The chunked ciphertext of `plaintext` under one sender `context` (`seal_chunked`'s layout),
+/// for any way of setting the context up (`hpke_ephemeral`).
+pub(crate) fn seal_pieces(
+    context: &mut SenderContext,
+    aad: &[u8],
+    plaintext: &[u8],
+    chunk: usize,
+) -> Result<Vec<u8>, HpkeError> {
+    if !(MIN_CHUNK..=MAX_CHUNK).contains(&chunk) {
+        return Err(HpkeError::Seal);
+    }
     let count = chunk_lengths(plaintext.len(), chunk).count();
     let mut out = Vec::with_capacity(plaintext.len() + 16 * count);
     let mut offset = 0;
@@ -243,7 +261,7 @@ pub fn seal_chunked(
         out.extend_from_slice(&sealed);
         offset += length;
     }
-    Ok((encapsulated.to_bytes().to_vec(), out))
+    Ok(out)
 }
 
 /// Splits a chunked ciphertext into its chunks' ciphertexts (each `chunk + 16` bytes, the last

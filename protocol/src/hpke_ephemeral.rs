@@ -12,12 +12,7 @@
 use hpke::{Deserializable, Kem as KemTrait, OpModeS, Serializable};
 use zeroize::Zeroizing;
 
-use crate::hpke::{
-    Aead, HpkeError, KEY_BYTES, Kdf, Kem, MAX_CHUNK, MIN_CHUNK, PublicKey, chunk_aad, chunk_lengths,
-};
-
-/// A sender's HPKE context of the suite.
-type SenderContext = hpke::aead::AeadCtxS<Aead, Kdf, Kem>;
+use crate::hpke::{Aead, HpkeError, KEY_BYTES, Kdf, Kem, PublicKey, SenderContext, seal_pieces};
 
 /// An ephemeral key for one seal: used once (sealing consumes it), wiped when dropped.
 pub struct Ephemeral {
@@ -144,33 +139,18 @@ impl Ephemeral {
         plaintext: &[u8],
         chunk: usize,
     ) -> Result<(Vec<u8>, Vec<u8>), HpkeError> {
-        if !(MIN_CHUNK..=MAX_CHUNK).contains(&chunk) {
-            return Err(HpkeError::Seal);
-        }
         let (encapsulated, mut context) = self.sender(recipient, info)?;
-        let count = chunk_lengths(plaintext.len(), chunk).count();
-        let mut out = Vec::with_capacity(plaintext.len() + 16 * count);
-        let mut offset = 0;
-        for (index, length) in chunk_lengths(plaintext.len(), chunk).enumerate() {
-            let last = index + 1 == count;
-            let index = u32::try_from(index).map_err(|_| HpkeError::Seal)?;
-            let sealed = context
-                .seal(
-                    &plaintext[offset..offset + length],
-                    &chunk_aad(aad, index, last),
-                )
-                .map_err(|_| HpkeError::Seal)?;
-            out.extend_from_slice(&sealed);
-            offset += length;
-        }
-        Ok((encapsulated, out))
+        Ok((
+            encapsulated,
+            seal_pieces(&mut context, aad, plaintext, chunk)?,
+        ))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hpke::{generate_keypair, open, open_chunked};
+    use crate::hpke::{MIN_CHUNK, generate_keypair, open, open_chunked};
 
     #[test]
     fn a_seal_under_a_drawn_ephemeral_produces_the_announced_key_and_opens() {

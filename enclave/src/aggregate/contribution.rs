@@ -76,21 +76,26 @@ pub struct Binding {
     pub inputs_digest: String,
 }
 
-/// Decrypts a stored envelope for `assignment_ref` into `plaintext` (cleared first).
-pub fn open(
-    recipient: &Recipient,
-    binding: &Binding,
-    assignment_ref: &str,
-    stored: &[u8],
-    plaintext: &mut Vec<u8>,
-) -> Result<(), Exclusion> {
+/// The stored bytes as an envelope sealed to the round's key (parsed once per contribution).
+pub fn parse<'a>(binding: &Binding, stored: &'a [u8]) -> Result<EnvelopeRef<'a>, Exclusion> {
     let envelope = EnvelopeRef::parse(stored).map_err(|_| Exclusion::MalformedEnvelope)?;
     if envelope.key_id != binding.key_id {
         return Err(Exclusion::WrongKey);
     }
+    Ok(envelope)
+}
+
+/// Decrypts an envelope for `assignment_ref` into `plaintext` (cleared first).
+pub fn open(
+    recipient: &Recipient,
+    binding: &Binding,
+    assignment_ref: &str,
+    envelope: &EnvelopeRef<'_>,
+    plaintext: &mut Vec<u8>,
+) -> Result<(), Exclusion> {
     envelope::open_into(
         recipient,
-        &envelope,
+        envelope,
         &binding.context,
         assignment_ref,
         plaintext,
@@ -98,14 +103,13 @@ pub fn open(
     .map_err(|_| Exclusion::DecryptionFailed)
 }
 
-/// Checks the token of a stored envelope for `assignment_ref` against the policy's requirement.
+/// Checks an envelope's token for `assignment_ref` against the policy's requirement.
 pub fn authenticate(
     device_auth: &confed_protocol::device_auth::DeviceAuth,
     binding: &Binding,
     assignment_ref: &str,
-    stored: &[u8],
+    envelope: &EnvelopeRef<'_>,
 ) -> Result<(), Exclusion> {
-    let envelope = EnvelopeRef::parse(stored).map_err(|_| Exclusion::MalformedEnvelope)?;
     device_auth
         .verify(
             envelope.token,

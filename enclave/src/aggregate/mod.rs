@@ -298,10 +298,11 @@ impl Aggregator {
 
     fn try_add(&self, assignment_ref: &str, stored: Option<&[u8]>) -> Result<(), Exclusion> {
         let stored = stored.ok_or(Exclusion::Missing)?;
+        let envelope = contribution::parse(&self.binding, stored)?;
         // A token is checked before anything is decrypted: an unauthenticated contribution
         // costs one signature check, and nothing of it reaches the sum.
         if let Some(auth) = &self.device_auth {
-            contribution::authenticate(auth, &self.binding, assignment_ref, stored)?;
+            contribution::authenticate(auth, &self.binding, assignment_ref, &envelope)?;
         }
         // A plaintext buffer from the pool: reused across contributions (no allocation and page
         // faults per contribution), wiped when the aggregator is dropped.
@@ -311,7 +312,7 @@ impl Aggregator {
             .expect("plaintext buffers")
             .pop()
             .unwrap_or_default();
-        let outcome = self.add_plaintext(assignment_ref, stored, &mut plaintext);
+        let outcome = self.add_plaintext(assignment_ref, envelope, &mut plaintext);
         self.buffers
             .lock()
             .expect("plaintext buffers")
@@ -322,43 +323,39 @@ impl Aggregator {
     fn add_plaintext(
         &self,
         assignment_ref: &str,
-        stored: &[u8],
+        envelope: EnvelopeRef<'_>,
         plaintext: &mut Vec<u8>,
     ) -> Result<(), Exclusion> {
         // Large chunked updates go straight from each decrypted chunk into the sum.
-        if self.schema.parameter_count() * 4 >= self.stream_above {
-            let envelope = EnvelopeRef::parse(stored).map_err(|_| Exclusion::MalformedEnvelope)?;
-            if envelope.key_id != self.binding.key_id {
-                return Err(Exclusion::WrongKey);
-            }
-            if let Some(update) = stream::ChunkedUpdate::new(
+        if self.schema.parameter_count() * 4 >= self.stream_above
+            && let Some(update) = stream::ChunkedUpdate::new(
                 &self.recipient,
                 envelope,
                 &self.binding.context,
                 assignment_ref,
                 &self.schema,
                 self.evaluation.is_some(),
-            ) {
-                let within = match self.sum.add_clipped_stream(&update, self.clip_norm) {
-                    Ok(within) => Some(within),
-                    Err(StreamError::NonFinite) => Some(ZERO_UPDATE_IS_WITHIN),
-                    Err(StreamError::Source(StreamProblem::Excluded(why))) => return Err(why),
-                    Err(StreamError::Source(StreamProblem::Buffer)) => None,
-                };
-                if let Some(within) = within {
-                    self.count_unclipped(within);
-                    if let Some(bytes) = update.metrics() {
-                        self.add_metrics(&bytes);
-                    }
-                    return Ok(());
+            )
+        {
+            let within = match self.sum.add_clipped_stream(&update, self.clip_norm) {
+                Ok(within) => Some(within),
+                Err(StreamError::NonFinite) => Some(ZERO_UPDATE_IS_WITHIN),
+                Err(StreamError::Source(StreamProblem::Excluded(why))) => return Err(why),
+                Err(StreamError::Source(StreamProblem::Buffer)) => None,
+            };
+            if let Some(within) = within {
+                self.count_unclipped(within);
+                if let Some(bytes) = update.metrics() {
+                    self.add_metrics(&bytes);
                 }
+                return Ok(());
             }
         }
         contribution::open(
             &self.recipient,
             &self.binding,
             assignment_ref,
-            stored,
+            &envelope,
             plaintext,
         )?;
         let (tensors, metrics) =
