@@ -15,5 +15,7 @@ pub use confed_protocol::device::{AssignmentResponse, ReportOutcome, RetryRespon
 pub use confed_protocol::policy::{EVALUATION_TENSOR, Evaluation};
 pub use confed_protocol::trust::{TrustConfig, TrustedEntry, TrustedIssuer};
 pub use state::{DeviceState, FileStore, StateError, StateStore};
-pub use tokens::{AssignmentToken, Attestation, DevAttestation, TokenSource};
+pub use tokens::{
+    AndroidKeyAttestation, AssignmentToken, Attestation, DevAttestation, TokenSource,
+};
 pub use update::{ModelShapeError, TrainingProblem, UpdateShape, WellFormedUpdate};

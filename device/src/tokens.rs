@@ -54,6 +54,33 @@ impl Attestation for DevAttestation {
     }
 }
 
+/// Android key attestation: `make_chain` is the app's platform code, which generates a key in
+/// the Android keystore with `KeyGenParameterSpec.Builder.setAttestationChallenge(challenge)`
+/// and returns `KeyStore.getCertificateChain` of it as DER certificates, the key's first.
+pub struct AndroidKeyAttestation<F>(pub F);
+
+impl<F> std::fmt::Debug for AndroidKeyAttestation<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AndroidKeyAttestation")
+    }
+}
+
+impl<F> Attestation for AndroidKeyAttestation<F>
+where
+    F: Fn(&[u8]) -> Result<Vec<Vec<u8>>, String> + Send + Sync,
+{
+    fn evidence(&self, challenge: &[u8]) -> Result<Evidence, DeviceError> {
+        let chain = (self.0)(challenge)
+            .map_err(|e| DeviceError::Token(format!("Android key attestation: {e}")))?;
+        Ok(Evidence::AndroidKeyAttestation {
+            certificate_chain: chain
+                .iter()
+                .map(|der| URL_SAFE_NO_PAD.encode(der))
+                .collect(),
+        })
+    }
+}
+
 /// A token for one assignment and the ephemeral key it binds: spent by sealing with both.
 #[derive(Debug)]
 pub struct AssignmentToken {
@@ -234,5 +261,26 @@ impl crate::client::DeviceClient {
                 .clone()
         };
         source.obtain(policy, assignment).await.map(Some)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn android_attestation_sends_the_platforms_chain_for_the_challenge_as_base64url() {
+        let attestation = AndroidKeyAttestation(|challenge: &[u8]| {
+            Ok(vec![challenge.to_vec(), vec![0xfb, 0xff]])
+        });
+        assert_eq!(
+            attestation.evidence(b"c").unwrap(),
+            Evidence::AndroidKeyAttestation {
+                certificate_chain: vec!["Yw".into(), "-_8".into()]
+            }
+        );
+        let failing = AndroidKeyAttestation(|_: &[u8]| Err("no secure hardware".into()));
+        let error = failing.evidence(b"c").unwrap_err().to_string();
+        assert!(error.contains("no secure hardware"), "{error}");
     }
 }

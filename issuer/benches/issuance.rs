@@ -3,6 +3,8 @@
 //! checked, grant appended and synced to a file under `target/`, tokens signed) with 1 and 16
 //! tokens a request; and the device's half (blind, then unblind and verify). The issue's goal is
 //! 500 issuances a second a core; verification by an origin is in `benches/key_release.rs`.
+//! Last, Android key attestations checked per second (real Pixel chains under each Google root),
+//! the cost a device pays once per window.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -108,6 +110,63 @@ fn main() {
         println!(
             "Issuer::issue, {per_request} token(s) a request (credential, synced grant, signing): {:.0} tokens/s on one core",
             per_second(calls * per_request, started)
+        );
+    }
+
+    android_attestations();
+}
+
+fn android_attestations() {
+    use confed_issuer::attester::Attester;
+    use confed_issuer::attester::android::{AndroidAttester, AndroidPolicy, google_root_keys};
+    let attester = AndroidAttester::new(AndroidPolicy {
+        trusted_roots: google_root_keys(),
+        apps: vec![
+            "com.google.android.attestation:103938ee4537e59e8ee792f654504fb8346fc6b346d0bbc4415fc339fcfc8ec1"
+                .parse()
+                .unwrap(),
+        ],
+        status_list: Default::default(),
+        min_os_patch_level: None,
+    })
+    .unwrap();
+    let samples = [
+        (
+            "EC P-384 root, 5 certificates",
+            include_str!("../testdata/android/tegu_sdk36_TEE_EC_2026_ROOT.pem"),
+            &b"6417f92c-daef-4cc1-8828-5bb39338ffd5"[..],
+            1_772_323_200,
+        ),
+        (
+            "RSA-4096 root, 5 certificates",
+            include_str!("../testdata/android/caiman_sdk36_TEE_EC_RKP.pem"),
+            &b"d688d763-6118-4ca6-94b2-e6cd9ed7e4e4"[..],
+            1_759_190_400,
+        ),
+    ];
+    for (name, pem, challenge, now) in samples {
+        let chain: Vec<String> = pem
+            .split("-----END CERTIFICATE-----")
+            .filter_map(|block| block.split("-----BEGIN CERTIFICATE-----").nth(1))
+            .map(|body| {
+                use base64::Engine as _;
+                let der = base64::engine::general_purpose::STANDARD
+                    .decode(body.split_whitespace().collect::<String>())
+                    .unwrap();
+                base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(der)
+            })
+            .collect();
+        let evidence = Evidence::AndroidKeyAttestation {
+            certificate_chain: chain,
+        };
+        let count = 2000;
+        let started = Instant::now();
+        for _ in 0..count {
+            attester.attest(&evidence, challenge, now).unwrap();
+        }
+        println!(
+            "Android key attestation checked ({name}): {:.0}/s on one core",
+            per_second(count, started)
         );
     }
 }

@@ -13,6 +13,10 @@ use confed_protocol::clock::SystemClock;
 use confed_protocol::privacy_pass::issuance::TokenSigner;
 use confed_serving::TlsFiles;
 
+use crate::attester::android::revocation::StatusList;
+use crate::attester::android::{
+    AllowedApp, AndroidAttester, AndroidPolicy, google_root_keys, root_keys_from_pem,
+};
 use crate::attester::{Attester, dev::DevAttester};
 use crate::limiter::Limiter;
 use crate::{Issuer, routes};
@@ -21,6 +25,8 @@ use crate::{Issuer, routes};
 pub enum AttesterKind {
     /// Self-made P-256 keys: anyone can attest. Tests and demos only; said loudly.
     Dev,
+    /// Android key attestation under Google's hardware attestation roots (RKP keys only).
+    AndroidKeyAttestation,
 }
 
 #[derive(Debug, Args)]
@@ -49,6 +55,20 @@ pub struct IssuerArgs {
     pub window_seconds: i64,
     #[arg(long, value_enum)]
     pub attester: AttesterKind,
+    /// Android: an app whose keys may attest, as its package name and the lowercase hex SHA-256
+    /// of its signing certificate (repeat for several apps).
+    #[arg(long = "android-app", value_name = "PACKAGE:SHA256HEX")]
+    pub android_apps: Vec<AllowedApp>,
+    /// Android: the operator's copy of Google's certificate status list
+    /// (https://android.googleapis.com/attestation/status), refreshed on a schedule.
+    #[arg(long, value_name = "FILE")]
+    pub android_status: Option<PathBuf>,
+    /// Android: PEM roots to trust instead of Google's built-in hardware attestation roots.
+    #[arg(long, value_name = "FILE")]
+    pub android_roots: Option<PathBuf>,
+    /// Android: the lowest OS patch level accepted, as YYYYMM.
+    #[arg(long, value_name = "YYYYMM", value_parser = clap::value_parser!(i64).range(201_501..=299_912))]
+    pub android_min_patch_level: Option<i64>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -112,7 +132,19 @@ pub fn build(args: &IssuerArgs) -> anyhow::Result<Arc<Issuer>> {
     let signer = load_signer(&args.signing_key)?;
     let limiter = Limiter::open(&args.state, args.tokens_per_window, args.window_seconds)?;
     let attester: Box<dyn Attester> = match args.attester {
-        AttesterKind::Dev => Box::new(DevAttester),
+        AttesterKind::Dev => {
+            if !args.android_apps.is_empty()
+                || args.android_status.is_some()
+                || args.android_roots.is_some()
+                || args.android_min_patch_level.is_some()
+            {
+                anyhow::bail!(
+                    "the --android-* options configure --attester android-key-attestation; remove them or choose that attester"
+                );
+            }
+            Box::new(DevAttester)
+        }
+        AttesterKind::AndroidKeyAttestation => Box::new(android_attester(args)?),
     };
     if attester.insecure() {
         tracing::warn!("{}", routes::DEV_ATTESTER_WARNING);
@@ -129,6 +161,48 @@ pub fn build(args: &IssuerArgs) -> anyhow::Result<Arc<Issuer>> {
         )
         .map_err(|e| anyhow::anyhow!("starting the issuer: {e}"))?,
     ))
+}
+
+/// How old the status list may be before the issuer warns (Google updates it within hours).
+const STATUS_LIST_WARN_AGE: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+
+fn android_attester(args: &IssuerArgs) -> anyhow::Result<AndroidAttester> {
+    let status_path = args.android_status.as_ref().context(
+        "--attester android-key-attestation needs --android-status FILE: fetch https://android.googleapis.com/attestation/status into FILE (and refresh it on a schedule) so revoked attestation keys are refused",
+    )?;
+    let status = std::fs::read(status_path)
+        .with_context(|| format!("status list {}", status_path.display()))?;
+    let status_list = StatusList::parse(&status)
+        .with_context(|| format!("status list {}", status_path.display()))?;
+    let age = std::fs::metadata(status_path)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|modified| modified.elapsed().ok());
+    if age.is_some_and(|age| age > STATUS_LIST_WARN_AGE) {
+        tracing::warn!(
+            file = %status_path.display(),
+            "the Android status list is more than a day old: refresh it, or newly revoked attestation keys are still accepted"
+        );
+    }
+    let trusted_roots = match &args.android_roots {
+        Some(path) => root_keys_from_pem(
+            &std::fs::read(path).with_context(|| format!("roots {}", path.display()))?,
+        )
+        .with_context(|| format!("roots {}", path.display()))?,
+        None => google_root_keys(),
+    };
+    tracing::info!(
+        apps = args.android_apps.len(),
+        revoked_serials = status_list.len(),
+        roots = trusted_roots.len(),
+        "Android key attestation"
+    );
+    Ok(AndroidAttester::new(AndroidPolicy {
+        trusted_roots,
+        apps: args.android_apps.clone(),
+        status_list,
+        min_os_patch_level: args.android_min_patch_level,
+    })?)
 }
 
 pub async fn run(

@@ -195,7 +195,7 @@ impl Issuer {
                     .check(challenge, now)
                     .map_err(IssueError::Challenge)?;
                 self.attester
-                    .attest(evidence, challenge)
+                    .attest(evidence, challenge, now)
                     .map_err(IssueError::Attestation)?
             }
             Proof::Credential(credential) => self

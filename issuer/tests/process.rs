@@ -117,3 +117,86 @@ fn the_issuer_generates_its_key_refuses_a_readable_one_serves_and_stops_cleanly(
         .unwrap();
     assert!(stderr.contains("DEV ATTESTER"), "{stderr}");
 }
+
+#[test]
+fn the_android_attester_needs_its_allow_list_and_status_list_and_then_serves_without_a_warning() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("token-key.pem");
+    assert!(
+        issuer()
+            .arg("generate-key")
+            .arg(&key)
+            .output()
+            .unwrap()
+            .status
+            .success()
+    );
+    let status = dir.path().join("status.json");
+    std::fs::write(
+        &status,
+        br#"{"entries": {"2c8cdddfd5e03bfc": {"status": "REVOKED"}}}"#,
+    )
+    .unwrap();
+    let app = format!("com.example.fl:{}", "5a".repeat(32));
+    let command = |extra: &[&str]| {
+        let mut command = issuer();
+        command
+            .args(["--name", "issuer.test", "--listen", "127.0.0.1:0"])
+            .args(["--attester", "android-key-attestation"])
+            .arg("--signing-key")
+            .arg(&key)
+            .arg("--state")
+            .arg(dir.path().join("state"))
+            .args(extra);
+        command
+    };
+    let stderr_of = |extra: &[&str]| {
+        let output = command(extra).output().unwrap();
+        assert!(!output.status.success());
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    let status_arg = status.to_str().unwrap();
+    assert!(stderr_of(&["--android-app", &app]).contains("--android-status"));
+    assert!(stderr_of(&["--android-status", status_arg]).contains("--android-app"));
+    assert!(
+        stderr_of(&[
+            "--android-status",
+            status_arg,
+            "--android-app",
+            "com.example.fl"
+        ])
+        .contains("PACKAGE:SHA256HEX")
+    );
+    let mut dev = issuer();
+    dev.args(["--name", "i", "--attester", "dev", "--android-app", &app])
+        .arg("--signing-key")
+        .arg(&key)
+        .arg("--state")
+        .arg(dir.path().join("state"));
+    let output = dev.output().unwrap();
+    assert!(String::from_utf8_lossy(&output.stderr).contains("--attester android-key-attestation"));
+
+    let mut child = command(&["--android-status", status_arg, "--android-app", &app])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let address = line
+        .trim()
+        .strip_prefix("confed: serving on http://")
+        .unwrap_or_else(|| panic!("{line}"))
+        .to_string();
+    let directory = get(&address, "/v1/directory");
+    assert!(
+        directory.contains("\"attester\":\"android-key-attestation\""),
+        "{directory}"
+    );
+    assert!(!directory.contains("DEV ATTESTER"));
+    // SAFETY: kill only sends a signal to the child this test started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+}

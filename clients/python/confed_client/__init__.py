@@ -9,10 +9,11 @@ from .release import ReleaseError, verify_release
 from .simulation import RoundResult, run_simulation
 from .tensors import as_arrays, from_safetensors, to_safetensors, to_torch
 from . import tokens
-from .tokens import DevAttestation
+from .tokens import AndroidKeyAttestation, DevAttestation
 
 __all__ = [
     "ConfedError",
+    "AndroidKeyAttestation",
     "DevAttestation",
     "Device",
     "DeviceError",

@@ -15,6 +15,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import requests
@@ -168,12 +169,25 @@ class DevAttestation:
 
 
 @dataclass
+class AndroidKeyAttestation:
+    """Android key attestation: ``make_chain(challenge)`` is the platform code that generates a
+    keystore key with the challenge as its attestation challenge and returns the key's
+    certificate chain as DER bytes, the key's certificate first."""
+
+    make_chain: Callable[[bytes], list[bytes]]
+
+    def evidence(self, challenge_bytes: bytes) -> dict:
+        return {"format": "android-key-attestation",
+                "certificate_chain": [b64url(der) for der in self.make_chain(challenge_bytes)]}
+
+
+@dataclass
 class TokenSource:
     """One issuer, as a device asks it for tokens: attests once per window, then presents the
     issuer's credential."""
 
     url: str
-    attestation: DevAttestation
+    attestation: DevAttestation | AndroidKeyAttestation
     session: requests.Session = field(default_factory=requests.Session)
     _credential: tuple[str, int] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -174,3 +174,16 @@ def test_a_token_obtained_for_one_assignment_is_refused_on_another(server, issue
                          headers={"content-type": "application/cbor"}, timeout=30)
     assert reply.status_code == 401, reply.text
     assert reply.headers["www-authenticate"].startswith("PrivateToken challenge=")
+
+
+def test_android_key_attestation_sends_the_platforms_chain_as_base64url():
+    pem = (ROOT / "issuer" / "testdata" / "android" / "tegu_sdk36_TEE_EC_2026_ROOT.pem").read_text()
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import Encoding
+    chain = [c.public_bytes(Encoding.DER) for c in x509.load_pem_x509_certificates(pem.encode())]
+    seen = []
+    evidence = tokens.AndroidKeyAttestation(lambda c: seen.append(c) or chain).evidence(b"fresh")
+    assert seen == [b"fresh"]
+    assert evidence["format"] == "android-key-attestation"
+    assert [tokens.unb64url(c) for c in evidence["certificate_chain"]] == chain
+    assert all("=" not in c and "+" not in c and "/" not in c for c in evidence["certificate_chain"])

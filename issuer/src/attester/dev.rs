@@ -10,7 +10,7 @@ use p256::ecdsa::signature::Verifier;
 use p256::ecdsa::{Signature, VerifyingKey};
 use sha2::{Digest, Sha256};
 
-use super::{Attester, DeviceIdentity, Evidence, FailedCheck};
+use super::{Attester, DeviceIdentity, Evidence, FailedCheck, Seconds};
 
 pub const FORMAT: &str = "dev";
 
@@ -39,11 +39,18 @@ impl Attester for DevAttester {
         &self,
         evidence: &Evidence,
         challenge: &[u8],
+        _now: Seconds,
     ) -> Result<DeviceIdentity, Vec<FailedCheck>> {
         let Evidence::Dev {
             public_key,
             signature,
-        } = evidence;
+        } = evidence
+        else {
+            return Err(vec![FailedCheck::new(
+                "format",
+                "this issuer's attester takes evidence of format \"dev\"",
+            )]);
+        };
         let key = URL_SAFE_NO_PAD
             .decode(public_key)
             .ok()
@@ -93,18 +100,23 @@ mod tests {
     fn a_signature_over_the_challenge_attests_and_names_the_key_however_it_is_encoded() {
         let device = key(1);
         let identity = DevAttester
-            .attest(&evidence(&device, b"c1"), b"c1")
+            .attest(&evidence(&device, b"c1"), b"c1", 0)
             .unwrap();
-        let Evidence::Dev { signature, .. } = evidence(&device, b"c2");
+        let Evidence::Dev { signature, .. } = evidence(&device, b"c2") else {
+            unreachable!("dev evidence")
+        };
         let uncompressed = Evidence::Dev {
             public_key: URL_SAFE_NO_PAD
                 .encode(device.verifying_key().to_sec1_point(false).as_bytes()),
             signature,
         };
-        assert_eq!(DevAttester.attest(&uncompressed, b"c2").unwrap(), identity);
+        assert_eq!(
+            DevAttester.attest(&uncompressed, b"c2", 0).unwrap(),
+            identity
+        );
         assert_ne!(
             DevAttester
-                .attest(&evidence(&key(2), b"c1"), b"c1")
+                .attest(&evidence(&key(2), b"c1"), b"c1", 0)
                 .unwrap(),
             identity
         );
@@ -114,7 +126,7 @@ mod tests {
     fn a_signature_over_another_challenge_or_garbage_is_refused_by_name() {
         let device = key(1);
         let refused = DevAttester
-            .attest(&evidence(&device, b"old"), b"new")
+            .attest(&evidence(&device, b"old"), b"new", 0)
             .unwrap_err();
         assert_eq!(refused[0].check, "signature");
         let garbage = Evidence::Dev {
@@ -122,7 +134,7 @@ mod tests {
             signature: "AAAA".into(),
         };
         assert_eq!(
-            DevAttester.attest(&garbage, b"c").unwrap_err()[0].check,
+            DevAttester.attest(&garbage, b"c", 0).unwrap_err()[0].check,
             "public_key"
         );
     }

@@ -3,8 +3,10 @@
 //! device identity: a 32-byte value that is the same for the same device within a window and
 //! different for different devices, used only to count grants (`limiter.rs`) and never stored.
 
+pub mod android;
 pub mod dev;
 
+pub use confed_protocol::clock::Seconds;
 pub use confed_protocol::privacy_pass::issuer_api::Evidence;
 
 /// One failed attestation check, as the refusal names it.
@@ -35,10 +37,12 @@ pub trait Attester: Send + Sync + std::fmt::Debug {
     /// wherever the issuer describes itself.
     fn insecure(&self) -> bool;
 
-    /// Checks `evidence` against `challenge` (already checked fresh by the issuer).
+    /// Checks `evidence` against `challenge` (already checked fresh by the issuer) at `now`
+    /// (Unix seconds, for certificate validity).
     fn attest(
         &self,
         evidence: &Evidence,
         challenge: &[u8],
+        now: Seconds,
     ) -> Result<DeviceIdentity, Vec<FailedCheck>>;
 }

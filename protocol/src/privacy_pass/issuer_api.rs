@@ -62,6 +62,13 @@ pub enum Evidence {
         /// base64url 64-byte `r || s` ECDSA-P256-SHA256 signature.
         signature: String,
     },
+    /// Android key attestation (`issuer/src/attester/android/`): the certificate chain of a
+    /// key the device generated with the issuer's challenge as its attestation challenge, as
+    /// Android's `KeyStore.getCertificateChain` returns it.
+    AndroidKeyAttestation {
+        /// base64url DER certificates, the attested key's first and the root's last.
+        certificate_chain: Vec<String>,
+    },
 }
 
 impl Evidence {
