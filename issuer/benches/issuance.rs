@@ -113,7 +113,38 @@ fn main() {
         );
     }
 
+    limiter_group_commit();
     android_attestations();
+}
+
+/// The limiter alone (HMAC, append, synced to a real file system under `target/`), one thread
+/// against many: concurrent grants share a sync (group commit).
+fn limiter_group_commit() {
+    for threads in [1usize, 4, 16, 64] {
+        let state = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let limiter = Limiter::open(state.path(), u32::MAX, 86_400).unwrap();
+        let per_thread = 3200 / threads;
+        let started = Instant::now();
+        std::thread::scope(|scope| {
+            for t in 0..threads {
+                let limiter = &limiter;
+                scope.spawn(move || {
+                    for i in 0..per_thread {
+                        let mut device = [0u8; 32];
+                        device[..8].copy_from_slice(&(t as u64).to_be_bytes());
+                        device[8..16].copy_from_slice(&(i as u64).to_be_bytes());
+                        limiter.take(&device, 1, || 1_000).unwrap().unwrap();
+                    }
+                });
+            }
+        });
+        let grants = threads * per_thread;
+        println!(
+            "limiter grants, {threads} thread(s): {:.0}/s, {:.2} syncs a grant",
+            per_second(grants, started),
+            limiter.syncs() as f64 / grants as f64
+        );
+    }
 }
 
 fn android_attestations() {

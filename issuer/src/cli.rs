@@ -44,7 +44,7 @@ pub struct IssuerArgs {
     /// PKCS#8 PEM RSA-2048 signing key (`confed-issuer generate-key FILE`).
     #[arg(long)]
     pub signing_key: PathBuf,
-    /// Directory of the per-window grant counts (`limiter.rs`); keep it on durable storage.
+    /// Directory of the per-window grant counts (`limiter/`); keep it on durable storage.
     #[arg(long)]
     pub state: PathBuf,
     /// L: tokens one attested device may obtain per window.

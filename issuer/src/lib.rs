@@ -3,7 +3,7 @@
 //! fresh challenge; the issuer grants it at most `tokens_per_window` blind-signed tokens of type
 //! 0x0002 (RFC 9578) per window, recording the grant durably before signing. It sees only blinded
 //! messages, so it cannot tell which task, round or upload a token is spent on; what it keeps is
-//! the per-window count `limiter.rs` describes, nothing else (`docs/protocol.md`, "Device tokens";
+//! the per-window count `limiter/` describes, nothing else (`docs/protocol.md`, "Device tokens";
 //! `docs/threat-model.md`, "Device tokens").
 
 pub mod attester;
@@ -15,7 +15,7 @@ pub mod limiter;
 pub mod routes;
 pub mod rsa_awslc;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use confed_protocol::clock::{Clock, Seconds};
 use confed_protocol::privacy_pass::issuance::TokenSigner;
@@ -86,7 +86,7 @@ pub struct Issuer {
     attester: Box<dyn Attester>,
     challenges: Challenges,
     credentials: Credentials,
-    limiter: Mutex<Limiter>,
+    limiter: Limiter,
     window_seconds: Seconds,
     clock: Arc<dyn Clock>,
 }
@@ -121,7 +121,7 @@ impl Issuer {
             attester,
             challenges: Challenges::new().map_err(|e| IssueError::Signing(e.to_string()))?,
             credentials: Credentials::new(limiter.derived_key(b"confed-issuer-credential-key-v1")),
-            limiter: Mutex::new(limiter),
+            limiter,
             window_seconds,
             clock,
         })
@@ -148,10 +148,7 @@ impl Issuer {
     }
 
     pub fn tokens_per_window(&self) -> u32 {
-        self.limiter
-            .lock()
-            .map(|l| l.tokens_per_window())
-            .unwrap_or(0)
+        self.limiter.tokens_per_window()
     }
 
     /// A fresh attestation challenge and when it stops being accepted.
@@ -207,9 +204,7 @@ impl Issuer {
         // stamped before a rollover must not count in a window whose file is gone.
         let grant = self
             .limiter
-            .lock()
-            .map_err(|_| IssueError::Signing("the limiter lock was poisoned".into()))?
-            .take(&identity.0, count as u32, self.clock.now_seconds())??;
+            .take(&identity.0, count as u32, || self.clock.now_seconds())??;
         // The key ids were checked above; a blinded message at or above the modulus is the
         // device's mistake (its tokens of this grant are lost, as a crash would lose them).
         let token_responses = request

@@ -1,7 +1,7 @@
 //! Attesters: what proves a device genuine before the issuer grants it tokens (RFC 9576's
 //! attester role). Each turns the device's evidence, bound to a fresh issuer challenge, into a
 //! device identity: a 32-byte value that is the same for the same device within a window and
-//! different for different devices, used only to count grants (`limiter.rs`) and never stored.
+//! different for different devices, used only to count grants (`limiter/`) and never stored.
 
 pub mod android;
 pub mod dev;
