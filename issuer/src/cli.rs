@@ -9,11 +9,11 @@ use anyhow::Context as _;
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use clap::{Args, Subcommand, ValueEnum};
-use confed_protocol::clock::SystemClock;
+use confed_protocol::clock::{Clock as _, SystemClock};
 use confed_protocol::privacy_pass::issuance::TokenSigner;
 use confed_serving::TlsFiles;
 
-use crate::attester::android::revocation::StatusList;
+use crate::attester::android::revocation::{StatusFile, StatusList};
 use crate::attester::android::{
     AllowedApp, AndroidAttester, AndroidPolicy, google_root_keys, root_keys_from_pem,
 };
@@ -63,6 +63,10 @@ pub struct IssuerArgs {
     /// (https://android.googleapis.com/attestation/status), refreshed on a schedule.
     #[arg(long, value_name = "FILE")]
     pub android_status: Option<PathBuf>,
+    /// Android: hours after which the status list file counts as stale; the issuer then refuses
+    /// attestations (503) until a fresh copy arrives.
+    #[arg(long, value_name = "HOURS", default_value_t = 48, value_parser = clap::value_parser!(i64).range(1..=720))]
+    pub android_status_max_age_hours: i64,
     /// Android: PEM roots to trust instead of Google's built-in hardware attestation roots.
     #[arg(long, value_name = "FILE")]
     pub android_roots: Option<PathBuf>,
@@ -163,22 +167,27 @@ pub fn build(args: &IssuerArgs) -> anyhow::Result<Arc<Issuer>> {
     ))
 }
 
-/// How old the status list may be before the issuer warns (Google updates it within hours).
-const STATUS_LIST_WARN_AGE: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+/// How old the status list may be before the issuer warns at start (Google updates it within hours).
+const STATUS_LIST_WARN_AGE: i64 = 24 * 3600;
+/// The longest window the Android attester allows (RKP keys rotate about every two weeks).
+const MAX_ANDROID_WINDOW_SECONDS: i64 = 7 * 86_400;
 
 fn android_attester(args: &IssuerArgs) -> anyhow::Result<AndroidAttester> {
     let status_path = args.android_status.as_ref().context(
         "--attester android-key-attestation needs --android-status FILE: fetch https://android.googleapis.com/attestation/status into FILE (and refresh it on a schedule) so revoked attestation keys are refused",
     )?;
-    let status = std::fs::read(status_path)
-        .with_context(|| format!("status list {}", status_path.display()))?;
-    let status_list = StatusList::parse(&status)
-        .with_context(|| format!("status list {}", status_path.display()))?;
-    let age = std::fs::metadata(status_path)
-        .and_then(|m| m.modified())
-        .ok()
-        .and_then(|modified| modified.elapsed().ok());
-    if age.is_some_and(|age| age > STATUS_LIST_WARN_AGE) {
+    // RKP attestation keys live about two weeks: a longer window would let one key rotate within
+    // it several times, each a fresh allowance.
+    if args.window_seconds > MAX_ANDROID_WINDOW_SECONDS {
+        anyhow::bail!(
+            "--window-seconds {} is longer than 7 days: an Android attestation key rotates about every two weeks, so one device could draw several allowances in one window; use a shorter window",
+            args.window_seconds
+        );
+    }
+    let status_file = StatusFile::open(status_path, args.android_status_max_age_hours * 3600)
+        .map_err(anyhow::Error::msg)?;
+    let now = SystemClock.now_seconds();
+    if status_file.age(now) > STATUS_LIST_WARN_AGE {
         tracing::warn!(
             file = %status_path.display(),
             "the Android status list is more than a day old: refresh it, or newly revoked attestation keys are still accepted"
@@ -193,16 +202,17 @@ fn android_attester(args: &IssuerArgs) -> anyhow::Result<AndroidAttester> {
     };
     tracing::info!(
         apps = args.android_apps.len(),
-        revoked_serials = status_list.len(),
+        revoked_serials = status_file.list().len(),
         roots = trusted_roots.len(),
         "Android key attestation"
     );
     Ok(AndroidAttester::new(AndroidPolicy {
         trusted_roots,
         apps: args.android_apps.clone(),
-        status_list,
+        status_list: StatusList::default(),
         min_os_patch_level: args.android_min_patch_level,
-    })?)
+    })?
+    .with_status_file(status_file))
 }
 
 pub async fn run(

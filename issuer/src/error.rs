@@ -116,6 +116,17 @@ impl From<IssueError> for ApiError {
                 retry_after: Some(exhausted.window_ends_at),
             },
             IssueError::Storage(cause) => Self::unavailable(&cause.to_string()),
+            IssueError::AttesterUnavailable(cause) => {
+                tracing::error!(%cause, "refusing attestations");
+                Self {
+                    status: StatusCode::SERVICE_UNAVAILABLE,
+                    kind: "unavailable",
+                    title: "Unavailable",
+                    detail,
+                    failed_checks: Vec::new(),
+                    retry_after: Some(300),
+                }
+            }
             IssueError::Signing(cause) => Self::internal(&cause),
         }
     }

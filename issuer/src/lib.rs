@@ -49,6 +49,8 @@ pub enum IssueError {
     Exhausted(Exhausted),
     #[error(transparent)]
     Storage(#[from] LimiterError),
+    #[error("the issuer cannot check attestations right now: {0}")]
+    AttesterUnavailable(String),
     #[error("signing failed: {0}")]
     Signing(String),
 }
@@ -191,6 +193,9 @@ impl Issuer {
                 self.challenges
                     .check(challenge, now)
                     .map_err(IssueError::Challenge)?;
+                if let Some(reason) = self.attester.unavailable(now) {
+                    return Err(IssueError::AttesterUnavailable(reason));
+                }
                 self.attester
                     .attest(evidence, challenge, now)
                     .map_err(IssueError::Attestation)?

@@ -299,6 +299,26 @@ fn each_generated_refusal_names_the_check_that_failed() {
             &["validity"],
         ),
         (
+            "no key description on the leaf",
+            |s| s.leaf_descriptions = 0,
+            &["key_description"],
+        ),
+        (
+            "two key descriptions on the leaf",
+            |s| s.leaf_descriptions = 2,
+            &["key_description"],
+        ),
+        (
+            "no attestation application id",
+            |s| s.description.with_application_id = false,
+            &["application"],
+        ),
+        (
+            "no patch level while a minimum is set",
+            |s| s.description.with_os_patch_level = false,
+            &["os_patch_level"],
+        ),
+        (
             "attestation key not yet valid",
             |s| s.attestation_key_valid = ((2026, 6, 2), (2026, 6, 16)),
             &["validity"],
@@ -313,6 +333,112 @@ fn each_generated_refusal_names_the_check_that_failed() {
         let checks: Vec<_> = refused.iter().map(|f| f.check).collect();
         assert_eq!(checks, expected, "{name}: {refused:?}");
     }
+}
+
+#[test]
+fn the_leafs_own_dates_are_ignored_but_an_expired_intermediate_is_refused() {
+    let device = KeyPair::generate().unwrap();
+    let pki = TestPki::new();
+    let mut expired_leaf = ChainSpec::genuine(b"c");
+    expired_leaf.leaf_valid = ((2020, 1, 1), (2021, 1, 1));
+    test_attester(&pki, None)
+        .attest(&evidence(pki.chain(&device, &expired_leaf)), b"c", now())
+        .unwrap();
+    let stale = TestPki::with_intermediate_valid((2025, 1, 1), (2026, 5, 1));
+    assert_eq!(
+        refused_checks(test_attester(&stale, None).attest(
+            &evidence(stale.chain(&device, &ChainSpec::genuine(b"c"))),
+            b"c",
+            now()
+        )),
+        ["validity"]
+    );
+}
+
+#[test]
+fn a_package_and_a_digest_of_two_different_allowed_apps_do_not_make_an_allowed_app() {
+    let pki = TestPki::new();
+    let attester = AndroidAttester::new(AndroidPolicy {
+        apps: vec![
+            AllowedApp {
+                package: PACKAGE.into(),
+                signature_digest: [0x11; 32],
+            },
+            AllowedApp {
+                package: "com.example.other".into(),
+                signature_digest: SIGNATURE_DIGEST,
+            },
+        ],
+        ..test_policy(&pki)
+    })
+    .unwrap();
+    let device = KeyPair::generate().unwrap();
+    assert_eq!(
+        refused_checks(attester.attest(
+            &evidence(pki.chain(&device, &ChainSpec::genuine(b"c"))),
+            b"c",
+            now()
+        )),
+        ["application"]
+    );
+}
+
+#[test]
+fn a_status_list_file_is_reloaded_when_it_changes_and_refused_when_stale() {
+    use confed_issuer::attester::android::revocation::StatusFile;
+    use std::time::{Duration, UNIX_EPOCH};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("status.json");
+    let write = |json: &str, written_at: i64| {
+        std::fs::write(&path, json).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_modified(UNIX_EPOCH + Duration::from_secs(written_at as u64))
+            .unwrap();
+    };
+    write(NO_REVOCATIONS, now() - 3600);
+    let pki = TestPki::new();
+    let attester = AndroidAttester::new(test_policy(&pki))
+        .unwrap()
+        .with_status_file(StatusFile::open(&path, 48 * 3600).unwrap());
+    let device = KeyPair::generate().unwrap();
+    let chain = || evidence(pki.chain(&device, &ChainSpec::genuine(b"c")));
+    assert_eq!(attester.unavailable(now()), None);
+    attester.attest(&chain(), b"c", now()).unwrap();
+    // The operator's cron fetches a list naming this device's attestation key (serial 2c85cdc1).
+    write(
+        r#"{"entries": {"2c85cdc1": {"status": "REVOKED", "reason": "KEY_COMPROMISE"}}}"#,
+        now() - 60,
+    );
+    assert_eq!(attester.unavailable(now()), None);
+    assert_eq!(
+        refused_checks(attester.attest(&chain(), b"c", now())),
+        ["revocation"]
+    );
+    // A broken copy keeps the loaded list; once that is older than the limit, attestation stops.
+    write("{", now() - 30);
+    assert_eq!(attester.unavailable(now()), None);
+    assert_eq!(
+        refused_checks(attester.attest(&chain(), b"c", now())),
+        ["revocation"]
+    );
+    let stale = attester.unavailable(now() + 49 * 3600).unwrap();
+    assert!(stale.contains("hours old"), "{stale}");
+}
+
+#[test]
+fn a_serial_with_a_leading_zero_octet_is_looked_up_without_it() {
+    // Google's EC root has serial 0x84a9..., encoded 00 84 a9 ...; the list keys it without 00.
+    let revoked = google_attester(
+        &[SAMPLE_APP],
+        r#"{"entries": {"84a9d0297b0eb58ae7ff0e80de760605": {"status": "REVOKED"}}}"#,
+    );
+    assert_eq!(
+        refused_checks(revoked.attest(&evidence(chain_from_pem(TEGU)), TEGU_CHALLENGE, TEGU_TIME)),
+        ["revocation"]
+    );
 }
 
 #[test]
@@ -505,6 +631,61 @@ async fn an_android_device_attests_over_http_and_its_allowance_follows_its_attes
     let problem: serde_json::Value = serde_json::from_slice(&problem).unwrap();
     assert_eq!(
         problem["failed_checks"][0]["check"], "device_locked",
+        "{problem}"
+    );
+}
+
+#[tokio::test]
+async fn an_issuer_whose_status_list_went_stale_answers_503_and_grants_nothing() {
+    use confed_issuer::attester::android::revocation::StatusFile;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("status.json");
+    std::fs::write(&path, NO_REVOCATIONS).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_modified(std::time::UNIX_EPOCH + std::time::Duration::from_secs(now() as u64))
+        .unwrap();
+    let pki = TestPki::new();
+    let clock = Arc::new(ManualClock::starting_at(now() * 1000));
+    let issuer = Issuer::new(
+        "issuer.test".into(),
+        TokenSigner::generate().unwrap(),
+        Box::new(
+            test_attester(&pki, None).with_status_file(StatusFile::open(&path, 48 * 3600).unwrap()),
+        ),
+        Limiter::open(&dir.path().join("state"), 2, 86_400).unwrap(),
+        86_400,
+        clock.clone(),
+    )
+    .unwrap();
+    let client = TokenClient::from_spki(issuer.signer().spki()).unwrap();
+    let app = routes::router(Arc::new(issuer));
+    clock.advance(std::time::Duration::from_secs(49 * 3600));
+    let (_, body) = call(&app, "/v1/challenge", None).await;
+    let challenge = URL_SAFE_NO_PAD
+        .decode(
+            serde_json::from_slice::<ChallengeResponse>(&body)
+                .unwrap()
+                .challenge,
+        )
+        .unwrap();
+    let body = serde_json::to_string(&TokenRequestBody {
+        challenge: Some(URL_SAFE_NO_PAD.encode(&challenge)),
+        evidence: Some(evidence(pki.chain(
+            &KeyPair::generate().unwrap(),
+            &ChainSpec::genuine(&challenge),
+        ))),
+        credential: None,
+        token_requests: vec![URL_SAFE_NO_PAD.encode(client.begin(b"round").unwrap().0.encode())],
+    })
+    .unwrap();
+    let (status, problem) = call(&app, "/v1/token-request", Some(body)).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    let problem: serde_json::Value = serde_json::from_slice(&problem).unwrap();
+    assert!(
+        problem["detail"].as_str().unwrap().contains("status list"),
         "{problem}"
     );
 }

@@ -167,6 +167,17 @@ fn the_android_attester_needs_its_allow_list_and_status_list_and_then_serves_wit
         ])
         .contains("PACKAGE:SHA256HEX")
     );
+    assert!(
+        stderr_of(&[
+            "--android-status",
+            status_arg,
+            "--android-app",
+            &app,
+            "--window-seconds",
+            "1209600"
+        ])
+        .contains("longer than 7 days")
+    );
     let mut dev = issuer();
     dev.args(["--name", "i", "--attester", "dev", "--android-app", &app])
         .arg("--signing-key")

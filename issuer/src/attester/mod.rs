@@ -37,6 +37,12 @@ pub trait Attester: Send + Sync + std::fmt::Debug {
     /// wherever the issuer describes itself.
     fn insecure(&self) -> bool;
 
+    /// Why the attester cannot take evidence now (e.g. its revocation data is stale), if so:
+    /// the issuer answers 503 before looking at the evidence.
+    fn unavailable(&self, _now: Seconds) -> Option<String> {
+        None
+    }
+
     /// Checks `evidence` against `challenge` (already checked fresh by the issuer) at `now`
     /// (Unix seconds, for certificate validity).
     fn attest(

@@ -35,6 +35,8 @@ pub struct Description {
     /// Where the root of trust sits: the hardware-enforced list (true) or the software one.
     pub root_of_trust_in_hardware_list: bool,
     pub duplicate_root_of_trust: bool,
+    pub with_application_id: bool,
+    pub with_os_patch_level: bool,
 }
 
 impl Description {
@@ -50,6 +52,8 @@ impl Description {
             os_patch_level: 202_605,
             root_of_trust_in_hardware_list: true,
             duplicate_root_of_trust: false,
+            with_application_id: true,
+            with_os_patch_level: true,
         }
     }
 
@@ -85,6 +89,16 @@ impl Description {
             rot_entries.extend(explicit(704, &unlocked.root_of_trust_only()));
         }
         let patch = self.os_patch_level.to_be_bytes();
+        let patch_entry = if self.with_os_patch_level {
+            explicit(706, &tlv(0x02, &patch[1..]))
+        } else {
+            Vec::new()
+        };
+        let application_entry = if self.with_application_id {
+            explicit(709, &tlv(0x04, &application_id))
+        } else {
+            Vec::new()
+        };
         let hardware_common = [
             explicit(1, &tlv(0x31, &tlv(0x02, &[2]))),
             explicit(2, &tlv(0x02, &[3])),
@@ -92,18 +106,13 @@ impl Description {
         .concat();
         let (software, hardware) = if self.root_of_trust_in_hardware_list {
             (
-                explicit(709, &tlv(0x04, &application_id)),
-                [
-                    hardware_common,
-                    rot_entries,
-                    explicit(706, &tlv(0x02, &patch[1..])),
-                ]
-                .concat(),
+                application_entry,
+                [hardware_common, rot_entries, patch_entry].concat(),
             )
         } else {
             (
-                [rot_entries, explicit(709, &tlv(0x04, &application_id))].concat(),
-                [hardware_common, explicit(706, &tlv(0x02, &patch[1..]))].concat(),
+                [rot_entries, application_entry].concat(),
+                [hardware_common, patch_entry].concat(),
             )
         };
         tlv(
@@ -183,6 +192,9 @@ pub struct ChainSpec {
     /// The attestation key's certificate validity, as (year, month, day) pairs.
     pub attestation_key_valid: ((i32, u8, u8), (i32, u8, u8)),
     pub attestation_key_serial: Vec<u8>,
+    /// Key descriptions on the leaf (1 in a genuine chain).
+    pub leaf_descriptions: usize,
+    pub leaf_valid: ((i32, u8, u8), (i32, u8, u8)),
 }
 
 impl ChainSpec {
@@ -193,6 +205,8 @@ impl ChainSpec {
             description_on_attestation_key: false,
             attestation_key_valid: ((2026, 5, 25), (2026, 6, 8)),
             attestation_key_serial: vec![0x2c, 0x85, 0xcd, 0xc1],
+            leaf_descriptions: 1,
+            leaf_valid: ((1970, 1, 1), (2048, 1, 1)),
         }
     }
 }
@@ -224,12 +238,22 @@ pub struct TestPki {
 
 impl TestPki {
     pub fn new() -> Self {
+        Self::with_intermediate_valid((2025, 1, 1), (2035, 1, 1))
+    }
+
+    /// A PKI whose intermediate ("Droid CA3") is valid between two (year, month, day) dates.
+    pub fn with_intermediate_valid(
+        (y0, m0, d0): (i32, u8, u8),
+        (y1, m1, d1): (i32, u8, u8),
+    ) -> Self {
         let root_key = KeyPair::generate().unwrap();
         let root_params = ca_params("Test Attestation Root");
         let root_cert = root_params.self_signed(&root_key).unwrap();
         let root = Issuer::new(root_params, root_key);
         let intermediate_key = KeyPair::generate().unwrap();
-        let intermediate_params = ca_params("Droid CA3");
+        let mut intermediate_params = ca_params("Droid CA3");
+        intermediate_params.not_before = date_time_ymd(y0, m0, d0);
+        intermediate_params.not_after = date_time_ymd(y1, m1, d1);
         let intermediate_cert = intermediate_params
             .signed_by(&intermediate_key, &root)
             .unwrap();
@@ -277,14 +301,17 @@ impl TestPki {
         leaf_params
             .distinguished_name
             .push(DnType::CommonName, "Android Keystore Key");
-        leaf_params.not_before = date_time_ymd(1970, 1, 1);
-        leaf_params.not_after = date_time_ymd(2048, 1, 1);
-        leaf_params
-            .custom_extensions
-            .push(CustomExtension::from_oid_content(
-                KEY_DESCRIPTION_OID,
-                spec.description.der(),
-            ));
+        let ((y0, m0, d0), (y1, m1, d1)) = spec.leaf_valid;
+        leaf_params.not_before = date_time_ymd(y0, m0, d0);
+        leaf_params.not_after = date_time_ymd(y1, m1, d1);
+        for _ in 0..spec.leaf_descriptions {
+            leaf_params
+                .custom_extensions
+                .push(CustomExtension::from_oid_content(
+                    KEY_DESCRIPTION_OID,
+                    spec.description.der(),
+                ));
+        }
         let leaf = leaf_params.signed_by(&leaf_key, &attestation_key).unwrap();
         [
             leaf.der().to_vec(),

@@ -4,13 +4,14 @@
 //! attestation application id (`[709]`, software-enforced list) and the OS patch level (`[706]`).
 //!
 //! The layout is the same in every attestation version seen (3 to 500; the field names changed
-//! at 100, the encoding did not), so it is read by structure, not by version. The reading is
-//! BER-lenient where real devices are known to deviate from DER (a BOOLEAN encoded 0x01, tags out
-//! of order): the bytes are signed by the device's secure hardware, so leniency accepts only what
-//! a TEE emitted, never something an attacker edited. Everything else unexpected is refused.
+//! at 100, the encoding did not), so it is read by structure, not by version. Lengths and tags are
+//! DER (definite, minimal); values are read leniently where real devices are known to deviate
+//! (a BOOLEAN encoded 0x01, tags out of order). The bytes are signed by the device's secure
+//! hardware and read only after the chain verified, so leniency accepts only what a TEE or
+//! Android's keystore emitted. Everything else unexpected is refused.
 
 use thiserror::Error;
-use x509_parser::asn1_rs::{Any, Class, FromBer, Tag};
+use x509_parser::asn1_rs::{Any, Class, FromDer, Tag};
 
 /// The extension's OID, as dotted text.
 pub const OID: &str = "1.3.6.1.4.1.11129.2.1.17";
@@ -159,7 +160,7 @@ impl<'a> AuthorizationList<'a> {
             return Ok(None);
         };
         expect(any, Tag::OctetString, "attestationApplicationId")?;
-        let (rest, sequence) = Any::from_ber(any.data)
+        let (rest, sequence) = Any::from_der(any.data)
             .map_err(|_| malformed("attestationApplicationId is not DER"))?;
         if !rest.is_empty() {
             return Err(malformed("attestationApplicationId has trailing bytes"));
@@ -217,7 +218,7 @@ pub struct KeyDescription<'a> {
 impl<'a> KeyDescription<'a> {
     /// Reads the extension's value (the content of its OCTET STRING).
     pub fn parse(value: &'a [u8]) -> Result<Self, Malformed> {
-        let (rest, sequence) = Any::from_ber(value).map_err(|_| malformed("not a DER SEQUENCE"))?;
+        let (rest, sequence) = Any::from_der(value).map_err(|_| malformed("not a DER SEQUENCE"))?;
         if !rest.is_empty() {
             return Err(malformed("trailing bytes after the SEQUENCE"));
         }
@@ -276,14 +277,18 @@ impl<'a> Reader<'a> {
             return Err(malformed(format!("{what} is missing")));
         }
         let (rest, any) =
-            Any::from_ber(self.0).map_err(|_| malformed(format!("{what} is not DER")))?;
+            Any::from_der(self.0).map_err(|_| malformed(format!("{what} is not DER")))?;
         self.0 = rest;
         Ok(any)
     }
 }
 
 fn expect(any: &Any<'_>, tag: Tag, what: &str) -> Result<(), Malformed> {
-    if any.class() == Class::Universal && any.tag() == tag {
+    let constructed = matches!(tag, Tag::Sequence | Tag::Set);
+    if any.class() == Class::Universal
+        && any.tag() == tag
+        && any.header.is_constructed() == constructed
+    {
         Ok(())
     } else {
         Err(malformed(format!(

@@ -35,7 +35,7 @@ use thiserror::Error;
 use x509_parser::certificate::X509Certificate;
 
 use self::key_description::{KeyDescription, SecurityLevel, VerifiedBootState};
-use self::revocation::StatusList;
+use self::revocation::{StatusFile, StatusList};
 use super::{Attester, DeviceIdentity, Evidence, FailedCheck, Seconds};
 
 pub const FORMAT: &str = "android-key-attestation";
@@ -130,6 +130,8 @@ pub fn google_root_keys() -> Vec<Vec<u8>> {
 #[derive(Debug)]
 pub struct AndroidAttester {
     policy: AndroidPolicy,
+    /// When set, the status list comes from this file instead of `policy.status_list`.
+    status_file: Option<StatusFile>,
 }
 
 impl AndroidAttester {
@@ -137,11 +139,27 @@ impl AndroidAttester {
         if policy.apps.is_empty() {
             return Err(AndroidConfigError::NoApps);
         }
-        Ok(Self { policy })
+        Ok(Self {
+            policy,
+            status_file: None,
+        })
+    }
+
+    /// Takes the status list from `file`, reloaded when it changes and refused when stale.
+    pub fn with_status_file(mut self, file: StatusFile) -> Self {
+        self.status_file = Some(file);
+        self
+    }
+
+    fn revoked(&self, serial_key: &str) -> bool {
+        match &self.status_file {
+            Some(file) => file.list().contains(serial_key),
+            None => self.policy.status_list.contains(serial_key),
+        }
     }
 
     fn check_chain(&self, certs: &[X509Certificate<'_>], now: Seconds) -> Result<(), FailedCheck> {
-        chain::verify_links(certs)?;
+        // The root first: a chain under any other key costs no signature verification.
         let root = &certs[certs.len() - 1];
         if !self
             .policy
@@ -154,6 +172,7 @@ impl AndroidAttester {
                 "the chain does not end at a trusted root (Google's hardware attestation roots)",
             ));
         }
+        chain::verify_links(certs)?;
         if let Some(i) = (1..certs.len() - 1).find(|&i| !chain::valid_at(&certs[i], now)) {
             return Err(FailedCheck::new(
                 "validity",
@@ -162,7 +181,7 @@ impl AndroidAttester {
         }
         if let Some(i) = certs
             .iter()
-            .position(|cert| self.policy.status_list.contains(&chain::serial_key(cert)))
+            .position(|cert| self.revoked(&chain::serial_key(cert)))
         {
             return Err(FailedCheck::new(
                 "revocation",
@@ -319,6 +338,10 @@ impl Attester for AndroidAttester {
 
     fn insecure(&self) -> bool {
         false
+    }
+
+    fn unavailable(&self, now: Seconds) -> Option<String> {
+        self.status_file.as_ref()?.refresh(now).err()
     }
 
     fn attest(

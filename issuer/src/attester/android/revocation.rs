@@ -18,7 +18,7 @@ pub enum StatusListError {
 }
 
 #[derive(Debug, Deserialize)]
-struct StatusFile {
+struct StatusJson {
     entries: BTreeMap<String, StatusEntry>,
 }
 
@@ -42,7 +42,7 @@ pub struct StatusList {
 
 impl StatusList {
     pub fn parse(json: &[u8]) -> Result<Self, StatusListError> {
-        let file: StatusFile = serde_json::from_slice(json)?;
+        let file: StatusJson = serde_json::from_slice(json)?;
         let mut serials = HashSet::with_capacity(file.entries.len());
         for (serial, entry) in file.entries {
             let valid = serial
@@ -96,5 +96,90 @@ mod tests {
         ));
         assert!(StatusList::parse(br#"{"entries": {"2c8": {"status": "MAYBE"}}}"#).is_err());
         assert!(StatusList::parse(b"[]").is_err());
+    }
+}
+
+/// The status list as a file the operator refreshes: reloaded whenever its modification time
+/// changes, and too old to rely on after `max_age` (the issuer then stops taking attestations
+/// until a fresh copy arrives, as Google's own verifier fails closed).
+#[derive(Debug)]
+pub struct StatusFile {
+    path: std::path::PathBuf,
+    max_age: i64,
+    loaded: std::sync::RwLock<(std::time::SystemTime, std::sync::Arc<StatusList>)>,
+}
+
+fn unix_seconds(time: std::time::SystemTime) -> i64 {
+    match time.duration_since(std::time::UNIX_EPOCH) {
+        Ok(after) => after.as_secs() as i64,
+        Err(before) => -(before.duration().as_secs() as i64),
+    }
+}
+
+impl StatusFile {
+    /// Reads the file now; an unreadable or malformed file is an error (the issuer does not start).
+    pub fn open(path: &std::path::Path, max_age: i64) -> Result<Self, String> {
+        let (modified, list) = Self::read(path)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            max_age,
+            loaded: std::sync::RwLock::new((modified, std::sync::Arc::new(list))),
+        })
+    }
+
+    fn read(path: &std::path::Path) -> Result<(std::time::SystemTime, StatusList), String> {
+        let describe = |e: &dyn std::fmt::Display| format!("status list {}: {e}", path.display());
+        let modified = std::fs::metadata(path)
+            .and_then(|m| m.modified())
+            .map_err(|e| describe(&e))?;
+        let bytes = std::fs::read(path).map_err(|e| describe(&e))?;
+        let list = StatusList::parse(&bytes).map_err(|e| describe(&e))?;
+        Ok((modified, list))
+    }
+
+    /// Seconds since the loaded copy was written, at `now`.
+    pub fn age(&self, now: i64) -> i64 {
+        let loaded = self
+            .loaded
+            .read()
+            .map(|l| l.0)
+            .unwrap_or(std::time::UNIX_EPOCH);
+        now - unix_seconds(loaded)
+    }
+
+    /// Reloads the file if it changed (a copy that fails to read or parse is logged and the
+    /// loaded one kept), then says whether the loaded copy is fresh enough at `now`.
+    pub fn refresh(&self, now: i64) -> Result<(), String> {
+        let changed = std::fs::metadata(&self.path)
+            .and_then(|m| m.modified())
+            .ok()
+            .is_some_and(|modified| self.loaded.read().map(|l| l.0 != modified).unwrap_or(true));
+        if changed {
+            match Self::read(&self.path) {
+                Ok((modified, list)) => {
+                    tracing::info!(revoked_serials = list.len(), "Android status list reloaded");
+                    if let Ok(mut loaded) = self.loaded.write() {
+                        *loaded = (modified, std::sync::Arc::new(list));
+                    }
+                }
+                Err(error) => tracing::warn!(%error, "keeping the loaded Android status list"),
+            }
+        }
+        let age = self.age(now);
+        if age > self.max_age {
+            return Err(format!(
+                "its copy of Google's attestation status list is {} hours old (the limit is {}) and its operator must refresh it; nothing was granted, retry later",
+                age / 3600,
+                self.max_age / 3600
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn list(&self) -> std::sync::Arc<StatusList> {
+        self.loaded
+            .read()
+            .map(|l| std::sync::Arc::clone(&l.1))
+            .unwrap_or_default()
     }
 }
