@@ -52,7 +52,7 @@ async fn main() {
     let server = support::start(Default::default()).await;
     let token = Arc::new(server.token.clone());
     let base = Arc::new(server.base.clone());
-    let client = confed_enclave::http::client(Duration::from_secs(30));
+    let client = confed_protocol::http::client(Duration::from_secs(30));
     let body = Arc::new(json!({
         "population": "bench", "rounds": 10, "report_goal": 100,
         "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0},

@@ -17,7 +17,7 @@ use confed_protocol::trust::{TrustConfig, TrustedEntry};
 const CONCURRENCY: usize = 64;
 
 fn key_directory() -> (KeyDirectory, TrustConfig) {
-    let (_, public) = confed_enclave::hpke::generate_keypair();
+    let (_, public) = confed_protocol::hpke::generate_keypair();
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -28,7 +28,7 @@ fn key_directory() -> (KeyDirectory, TrustConfig) {
         let signing = generate_signing_key();
         let mut entry = SignedPublicKey {
             key_id: "kbench".into(),
-            suite: confed_enclave::hpke::SUITE.into(),
+            suite: confed_protocol::hpke::SUITE.into(),
             public_key: base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(public.0),
             not_before: now - 60,
             not_after: now + 86_400,
@@ -55,7 +55,7 @@ fn key_directory() -> (KeyDirectory, TrustConfig) {
             threshold: 2,
             keyservices: trusted,
             shares: None,
-            limits: confed_enclave::policy::DeviceLimits::ENCLAVE,
+            limits: confed_protocol::policy::DeviceLimits::ENCLAVE,
             tenant_id: None,
             token_issuers: Vec::new(),
         },
@@ -72,7 +72,7 @@ async fn main() {
     let (keys, trust) = key_directory();
     let server = support::start(keys).await;
     let (base, token) = (server.base.clone(), server.token.clone());
-    let http = confed_enclave::http::client(Duration::from_secs(30));
+    let http = confed_protocol::http::client(Duration::from_secs(30));
     let spec = serde_json::json!({
         "population": "bench", "rounds": 1, "report_goal": 1_000_000, "min_reports": 1,
         "over_selection": 0.0, "round_deadline_seconds": 3600, "assignment_timeout_seconds": 600,

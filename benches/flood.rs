@@ -131,9 +131,9 @@ where
 }
 
 fn junk_release(key_id: &str) -> serde_json::Value {
-    let (_, ephemeral) = confed_enclave::hpke::generate_keypair();
+    let (_, ephemeral) = confed_protocol::hpke::generate_keypair();
     let signing = confed_attestation::exchange::generate_signing_key();
-    let policy = confed_enclave::policy::TaskPolicy::sample("flood-task", 3);
+    let policy = confed_protocol::policy::TaskPolicy::sample("flood-task", 3);
     serde_json::json!({
         "token": "eyJhbGciOiJFUzI1NiJ9.e30.c2ln",
         "ephemeral_public_key": URL_SAFE_NO_PAD.encode(ephemeral.0),
@@ -149,7 +149,7 @@ fn junk_release(key_id: &str) -> serde_json::Value {
 }
 
 fn main() {
-    confed_enclave::http::install_crypto_provider();
+    confed_protocol::http::install_crypto_provider();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -157,7 +157,7 @@ fn main() {
     runtime.block_on(async {
         let server = start();
         let pid = server.child.id();
-        let http = confed_enclave::http::client(Duration::from_secs(30));
+        let http = confed_protocol::http::client(Duration::from_secs(30));
         let model = std::env::temp_dir().join(format!("flood-model-{pid}.safetensors"));
         assert!(Command::new(binary()).args(["devices", "init-model", "--out"]).arg(&model)
             .stdout(Stdio::null()).status().unwrap().success());

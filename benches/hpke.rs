@@ -4,8 +4,8 @@
 
 use std::time::Instant;
 
-use confed_enclave::hpke::{self, generate_keypair};
 use confed_enclave::hpke_awslc::Recipient;
+use confed_protocol::hpke::{self, generate_keypair};
 
 fn sum(plaintext: &[u8], acc: &mut [f64]) {
     for (slot, c) in acc.iter_mut().zip(plaintext.chunks_exact(4)) {

@@ -22,8 +22,8 @@ use confed_attestation::claims::TokenClaims;
 use confed_attestation::dev::DevAttester;
 use confed_attestation::jwk::{Jwk, Jwks};
 use confed_attestation::{AppraisalPolicy, Expectations, KeySource, appraise, jws};
-use confed_enclave::hpke;
 use confed_enclave::key_collection::{KeyRequest, KeyServiceEndpoint, obtain_private_key};
+use confed_protocol::hpke;
 use ring::signature::{RSA_PKCS1_SHA256, RsaKeyPair, RsaPublicKeyComponents};
 
 const NOW: i64 = 1_800_000_000;
@@ -132,10 +132,10 @@ fn shamir() {
     let n = 20_000;
     let started = Instant::now();
     for _ in 0..n {
-        let shares = confed_enclave::shares::split(&secret, 3, 5).unwrap();
+        let shares = confed_protocol::shares::split(&secret, 3, 5).unwrap();
         let picked: Vec<&[u8]> = shares[..3].iter().map(|s| s.as_slice()).collect();
         assert_eq!(
-            confed_enclave::shares::combine(3, &picked)
+            confed_protocol::shares::combine(3, &picked)
                 .unwrap()
                 .as_slice(),
             &secret
@@ -193,7 +193,7 @@ async fn collection() {
         hpke::PublicKey::from_bytes(&URL_SAFE_NO_PAD.decode(&outcome.key.public_key).unwrap())
             .unwrap();
     let n = 200;
-    let policy = confed_enclave::policy::TaskPolicy::sample("t", n as u32);
+    let policy = confed_protocol::policy::TaskPolicy::sample("t", n as u32);
     let request = |round: u64| KeyRequest {
         key_id: outcome.key.key_id.clone(),
         public_key: public,
@@ -211,7 +211,7 @@ async fn collection() {
         policy: policy.encode(),
     };
     let signing_key = confed_attestation::exchange::generate_signing_key();
-    let client = confed_enclave::http::client(Duration::from_secs(10));
+    let client = confed_protocol::http::client(Duration::from_secs(10));
     let mut latencies = Vec::with_capacity(n);
     let mut last = None;
     for round in 1..=n as u64 {
@@ -308,7 +308,7 @@ fn token_verification() {
 }
 
 fn main() {
-    confed_enclave::http::install_crypto_provider();
+    confed_protocol::http::install_crypto_provider();
     token_verification();
     appraisal_rs256();
     appraisal_es256();

@@ -127,7 +127,7 @@ async fn main() {
         .await
         .unwrap();
 
-    let http = confed_enclave::http::client(Duration::from_secs(30));
+    let http = confed_protocol::http::client(Duration::from_secs(30));
     let tenant: serde_json::Value = http
         .post(format!("{base}/v1/admin/tenants"))
         .bearer_auth(&admin)

@@ -312,7 +312,7 @@ async fn start_embedded_enclave(
             .map_err(|e| ServeError::Embedded(confed_protocol::errors::with_causes(&e)))?;
     let urls: Vec<String> = services.endpoints.iter().map(|e| e.url.clone()).collect();
     keys.refresh(
-        &confed_enclave::http::client(Duration::from_secs(10)),
+        &confed_protocol::http::client(Duration::from_secs(10)),
         &urls,
     )
     .await;

@@ -5,7 +5,7 @@
 
 use confed_attestation::release::{ReleaseProof, TrustedSigner};
 use confed_enclave::aggregate::Manifest;
-use confed_enclave::policy::sha256_hex;
+use confed_protocol::policy::sha256_hex;
 use thiserror::Error;
 
 use crate::release_check::commitment_of;
@@ -160,7 +160,7 @@ pub async fn verify_release_under(
     trust: &TrustConfig,
     expected_policy: Option<&str>,
 ) -> Result<Verified, VerifyError> {
-    let http = confed_enclave::http::client(std::time::Duration::from_secs(30));
+    let http = confed_protocol::http::client(std::time::Duration::from_secs(30));
     let fetched = fetch(&http, server, token, task, round).await?;
     let mut verified = check(
         &fetched.proof,
@@ -177,7 +177,7 @@ pub async fn verify_release_under(
                 source: e,
             }
         })?;
-        let (ok, what) = match confed_enclave::policy::TaskPolicy::parse(text) {
+        let (ok, what) = match confed_protocol::policy::TaskPolicy::parse(text) {
             Ok(policy) => (
                 sha256_hex(text.as_bytes()) == manifest.policy_sha256,
                 format!(

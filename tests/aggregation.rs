@@ -25,7 +25,7 @@ fn params_len() -> usize {
 
 /// The round's key, reconstructed from the ceremony's share files (test only: the point of the
 /// system is that nothing outside the enclave does this).
-fn round_key(dir: &std::path::Path) -> confed_enclave::hpke::PrivateKey {
+fn round_key(dir: &std::path::Path) -> confed_protocol::hpke::PrivateKey {
     let mut shares = Vec::new();
     for entry in std::fs::read_dir(dir.join("data/ceremony")).unwrap() {
         let path = entry.unwrap().path();
@@ -39,8 +39,8 @@ fn round_key(dir: &std::path::Path) -> confed_enclave::hpke::PrivateKey {
         }
     }
     let refs: Vec<&[u8]> = shares.iter().map(|s| &s[..]).collect();
-    let secret = confed_enclave::shares::combine(2, &refs[..2]).unwrap();
-    confed_enclave::hpke::PrivateKey::from_bytes(&secret).unwrap()
+    let secret = confed_protocol::shares::combine(2, &refs[..2]).unwrap();
+    confed_protocol::hpke::PrivateKey::from_bytes(&secret).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -64,7 +64,7 @@ async fn three_rounds_complete_with_consistent_manifests_and_a_model_that_follow
         let context = system.db.round_context(&task, round as i64).await.unwrap();
         for (assignment_ref, blob_key) in &contributions {
             let stored = system.store.fetch(blob_key).await.unwrap().unwrap();
-            let envelope = confed_enclave::envelope::Envelope::from_cbor(&stored).unwrap();
+            let envelope = confed_protocol::envelope::Envelope::from_cbor(&stored).unwrap();
             let plain =
                 confed_enclave::envelope::open(&key, &envelope, &context, assignment_ref).unwrap();
             let update = model_values(&plain);

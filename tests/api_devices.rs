@@ -49,7 +49,7 @@ fn context(assignment: &Value, round: u64) -> envelope::RoundContext {
     envelope::RoundContext {
         task_id: assignment["task_id"].as_str().unwrap().to_string(),
         round,
-        policy_sha256: confed_enclave::policy::sha256_hex(
+        policy_sha256: confed_protocol::policy::sha256_hex(
             assignment["policy"].as_str().unwrap().as_bytes(),
         ),
         model_sha256: "0".repeat(64),
@@ -531,7 +531,7 @@ async fn a_device_refuses_a_key_without_enough_trusted_signatures() {
     let a = assigned(&app).await;
     let mut key: DeviceKey = serde_json::from_value(a["encryption"].clone()).unwrap();
     assert!(accept_device_key(&key, &app.key.trusted, 2, NOW_S).is_ok());
-    let forged = confed_enclave::hpke::generate_keypair().1;
+    let forged = confed_protocol::hpke::generate_keypair().1;
     key.public_key =
         base64::Engine::encode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, forged.0);
     assert!(
@@ -975,6 +975,31 @@ async fn a_device_that_says_it_served_a_round_is_not_assigned_it_again() {
         StatusCode::BAD_REQUEST
     );
     checkin(&app, with_served(wide(129)))
+        .await
+        .problem(StatusCode::BAD_REQUEST);
+}
+
+/// `tenant_id` is counted in characters, as the schema's maxLength is (the bug fixed for task
+/// ids, found again by review): 128 characters of 3 bytes each pass, 129 do not, and an empty
+/// one is refused.
+#[tokio::test]
+async fn a_tenant_id_is_counted_in_characters_not_bytes() {
+    let app = TestApp::new().await;
+    let with_tenant = |tenant: String| {
+        let mut body = device();
+        body["tenant_id"] = json!(tenant);
+        body
+    };
+    assert_ne!(
+        checkin(&app, with_tenant("\u{2248}".repeat(128)))
+            .await
+            .status,
+        StatusCode::BAD_REQUEST
+    );
+    checkin(&app, with_tenant("\u{2248}".repeat(129)))
+        .await
+        .problem(StatusCode::BAD_REQUEST);
+    checkin(&app, with_tenant(String::new()))
         .await
         .problem(StatusCode::BAD_REQUEST);
 }

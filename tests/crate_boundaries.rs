@@ -140,3 +140,72 @@ fn the_token_issuer_links_no_front_end_key_service_enclave_or_database() {
         ],
     );
 }
+
+/// Every source file of the workspace's crates that contains `unsafe` code is listed in
+/// docs/architecture.md's "Unsafe code" table, and every file listed there has some (tests
+/// excepted: they only `kill` their own children).
+#[test]
+fn the_unsafe_code_list_in_the_architecture_doc_names_exactly_the_files_with_unsafe() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let doc = std::fs::read_to_string(root.join("docs/architecture.md")).unwrap();
+    let section = doc
+        .split("\n## Unsafe code\n")
+        .nth(1)
+        .and_then(|rest| rest.split("\n## ").next())
+        .expect("docs/architecture.md has an \"Unsafe code\" section");
+    let listed: BTreeSet<String> = section
+        .lines()
+        .filter(|line| line.starts_with("| `"))
+        .flat_map(|line| {
+            let first_cell = line.split(" | ").next().unwrap_or_default();
+            first_cell
+                .split('`')
+                .skip(1)
+                .step_by(2)
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let mut found = BTreeSet::new();
+    let mut pending: Vec<std::path::PathBuf> = [
+        "src",
+        "protocol/src",
+        "device/src",
+        "enclave/src",
+        "attestation/src",
+        "keyservice/src",
+        "issuer/src",
+        "serving/src",
+    ]
+    .iter()
+    .map(|dir| root.join(dir))
+    .collect();
+    while let Some(dir) = pending.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                pending.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                let has_unsafe = text.lines().any(|line| {
+                    let code = line.split("//").next().unwrap_or_default();
+                    code.contains("unsafe {")
+                        || code.contains("unsafe impl")
+                        || code.contains("unsafe fn")
+                });
+                if has_unsafe {
+                    found.insert(
+                        path.strip_prefix(root)
+                            .unwrap()
+                            .to_string_lossy()
+                            .into_owned(),
+                    );
+                }
+            }
+        }
+    }
+    assert_eq!(
+        found, listed,
+        "files with unsafe code (left) and docs/architecture.md's list (right) differ"
+    );
+}

@@ -190,7 +190,7 @@ async fn only_devices_with_tokens_fill_a_round_and_the_release_counts_them() {
     files_under(&dir.path().join("data"), &mut front_end_bytes);
     for (_, blob_key) in &contributions {
         let stored = system.store.fetch(blob_key).await.unwrap().unwrap();
-        let envelope = confed_enclave::envelope::Envelope::from_cbor(&stored).unwrap();
+        let envelope = confed_protocol::envelope::Envelope::from_cbor(&stored).unwrap();
         let token = Token::decode(envelope.token.as_deref().unwrap()).unwrap();
         for piece in [
             &token.nonce[..],

@@ -30,7 +30,7 @@ fn skip_note() {
 }
 
 fn http() -> reqwest::Client {
-    confed_enclave::http::client(Duration::from_secs(30))
+    confed_protocol::http::client(Duration::from_secs(30))
 }
 
 fn key(name: &str) -> BlobKey {

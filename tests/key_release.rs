@@ -13,9 +13,9 @@ use confed::keyservice::{audit, routes};
 use confed_attestation::exchange::{Challenge, KeySet, ReleaseRequest, encode_verifying_key};
 use confed_attestation::release::key_binding;
 use confed_attestation::{Attester, TokenRequest};
-use confed_enclave::hpke;
 use confed_enclave::key_collection::{CollectError, KeyServiceEndpoint, ServiceFailure};
-use confed_enclave::policy::TaskPolicy;
+use confed_protocol::hpke;
+use confed_protocol::policy::TaskPolicy;
 use confed_protocol::trust::{TrustedKeyService, accept_public_key};
 use serde_json::Value;
 use tokio::sync::watch;
@@ -310,7 +310,7 @@ async fn session(world: &World, share_files: &[PathBuf]) -> Session {
     Session {
         url: serve(routes::router(service)).await,
         key_id,
-        client: confed_enclave::http::client(TIMEOUT),
+        client: confed_protocol::http::client(TIMEOUT),
         ephemeral: hpke::generate_keypair().1,
         signing: confed_attestation::exchange::generate_signing_key(),
     }
@@ -673,7 +673,7 @@ async fn devices_accept_a_key_only_with_threshold_signatures_from_trusted_servic
     for i in 0..3 {
         let service = world.service(i + 1, Behaviour::Honest, &world.share_files[i..=i]);
         let url = serve(routes::router(service)).await;
-        let set: KeySet = confed_enclave::http::client(TIMEOUT)
+        let set: KeySet = confed_protocol::http::client(TIMEOUT)
             .get(format!("{url}/v1/keys"))
             .send()
             .await

@@ -13,7 +13,7 @@ use confed_attestation::exchange::{Challenge, KeySet, ReleaseRequest, encode_ver
 use confed_attestation::keys::JwksFetcher;
 use confed_attestation::release::{ReleaseCommitment, key_binding};
 use confed_attestation::{Attester, DevAttester, TokenRequest};
-use confed_enclave::policy::TaskPolicy;
+use confed_protocol::policy::TaskPolicy;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -39,7 +39,7 @@ async fn ceremony_then_key_service_serves_a_signed_key_set_and_audit_verify_chec
         "ks1",
         &set.keys[0]
     ));
-    let head: serde_json::Value = confed_enclave::http::client(BOUND)
+    let head: serde_json::Value = confed_protocol::http::client(BOUND)
         .get(format!("{url}/v1/audit/head"))
         .send()
         .await
@@ -248,7 +248,7 @@ async fn start(setup: &Setup) -> (Child, String) {
 
 /// One release request for round 1 over inputs named `inputs`; returns the HTTP status and body.
 async fn release(setup: &Setup, url: &str, inputs: &str) -> (u16, serde_json::Value) {
-    let http = confed_enclave::http::client(BOUND);
+    let http = confed_protocol::http::client(BOUND);
     let key_id = &setup.key_id;
     let challenge: Challenge = http
         .post(format!("{url}/v1/keys/{key_id}/challenge"))
@@ -267,7 +267,7 @@ async fn release(setup: &Setup, url: &str, inputs: &str) -> (u16, serde_json::Va
         model_sha256: "0".repeat(64),
         inputs_digest: inputs.repeat(64),
     };
-    let (_, ephemeral) = confed_enclave::hpke::generate_keypair();
+    let (_, ephemeral) = confed_protocol::hpke::generate_keypair();
     let signing = confed_attestation::exchange::generate_signing_key();
     let binding = key_binding(
         &ephemeral.0,
@@ -303,7 +303,7 @@ async fn release(setup: &Setup, url: &str, inputs: &str) -> (u16, serde_json::Va
 }
 
 async fn key_set(url: &str) -> KeySet {
-    confed_enclave::http::client(BOUND)
+    confed_protocol::http::client(BOUND)
         .get(format!("{url}/v1/keys"))
         .send()
         .await

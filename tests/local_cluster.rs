@@ -145,7 +145,7 @@ async fn devices_over_two_api_replicas_complete_every_round_once_with_every_cont
         .trim()
         .to_string();
     let trust = confed_device::load_trust(Path::new(cluster.get("CONFED_TRUST_FILE"))).unwrap();
-    confed_enclave::http::install_crypto_provider(); // the helpers use plain reqwest clients
+    confed_protocol::http::install_crypto_provider(); // the helpers use plain reqwest clients
     let task = create_task(&apis[0], &token, "cluster", 50.0, GOAL).await;
 
     let mut acknowledged = [0usize; 2];

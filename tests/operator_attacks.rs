@@ -12,8 +12,8 @@ use std::time::Duration;
 use common::system::{GOAL, collect, now_clock, open_task_with, start};
 use confed::aggregation::TaskDbJobStore;
 use confed_enclave::aggregate::Manifest;
-use confed_enclave::policy::TaskPolicy;
 use confed_enclave::worker::{JobError, JobSpec, JobStore, StagedRelease, StoreError, Worker};
+use confed_protocol::policy::TaskPolicy;
 use serde_json::json;
 
 /// What the enclave says of a contribution the store did not serve as committed.
@@ -281,7 +281,7 @@ async fn forged_for_first(scene: &Scene, task: &str, job: &JobSpec) -> Vec<u8> {
         &update,
     )
     .unwrap();
-    confed_enclave::envelope::Envelope {
+    confed_protocol::envelope::Envelope {
         key_id: job.key_id.clone(),
         encapsulated_key: enc,
         ciphertext: ct,

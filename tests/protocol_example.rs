@@ -37,7 +37,7 @@ fn hex(text: &str) -> Vec<u8> {
 fn the_documented_envelope_opens_to_the_documented_update() {
     let ex = example();
     let private =
-        confed_enclave::hpke::PrivateKey::from_bytes(&hex(&ex["recipient_private_key"])).unwrap();
+        confed_protocol::hpke::PrivateKey::from_bytes(&hex(&ex["recipient_private_key"])).unwrap();
     assert_eq!(
         private.public_key().unwrap().0.to_vec(),
         hex(&ex["recipient_public_key"])
@@ -49,15 +49,15 @@ fn the_documented_envelope_opens_to_the_documented_update() {
 
     // The policy block is the exact text (its last line ends with a line break).
     let policy_text = block("worked-example-policy");
-    let policy = confed_enclave::policy::TaskPolicy::parse(&policy_text).unwrap();
+    let policy = confed_protocol::policy::TaskPolicy::parse(&policy_text).unwrap();
     assert_eq!(policy.task_id, ex["task_id"]);
     assert_eq!(policy.encode(), policy_text, "canonical as documented");
     assert_eq!(
-        confed_enclave::policy::sha256_hex(policy_text.as_bytes()),
+        confed_protocol::policy::sha256_hex(policy_text.as_bytes()),
         ex["policy_sha256"]
     );
     assert_eq!(
-        confed_enclave::policy::sha256_hex(&hex(&ex["model"])),
+        confed_protocol::policy::sha256_hex(&hex(&ex["model"])),
         ex["model_sha256"]
     );
     let context = envelope::RoundContext {
@@ -94,7 +94,7 @@ fn the_documented_envelope_opens_to_the_documented_update() {
 fn print_a_fresh_worked_example() {
     let ex = example();
     let private =
-        confed_enclave::hpke::PrivateKey::from_bytes(&hex(&ex["recipient_private_key"])).unwrap();
+        confed_protocol::hpke::PrivateKey::from_bytes(&hex(&ex["recipient_private_key"])).unwrap();
     let public = private.public_key().unwrap();
     let policy_text = block("worked-example-policy");
     let model =
@@ -102,8 +102,8 @@ fn print_a_fresh_worked_example() {
     let context = envelope::RoundContext {
         task_id: ex["task_id"].clone(),
         round: ex["round"].parse().unwrap(),
-        policy_sha256: confed_enclave::policy::sha256_hex(policy_text.as_bytes()),
-        model_sha256: confed_enclave::policy::sha256_hex(&model),
+        policy_sha256: confed_protocol::policy::sha256_hex(policy_text.as_bytes()),
+        model_sha256: confed_protocol::policy::sha256_hex(&model),
     };
     let update = hex(&ex["update"]);
     let sealed = envelope::seal(

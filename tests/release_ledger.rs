@@ -10,7 +10,7 @@ use confed::keyservice::routes;
 use confed_enclave::key_collection::{
     CollectError, KeyRequest, KeyServiceEndpoint, ServiceFailure,
 };
-use confed_enclave::policy::TaskPolicy;
+use confed_protocol::policy::TaskPolicy;
 
 /// Key services 1..=n of `world`, each holding its own share, on fresh ports.
 async fn start_all(world: &World, n: usize) -> Vec<KeyServiceEndpoint> {

@@ -74,7 +74,7 @@ async fn serve() -> (String, Fake) {
 
 fn manager(url: &str) -> SecretManager {
     SecretManager::with_endpoints(
-        confed_enclave::http::client(std::time::Duration::from_secs(10)),
+        confed_protocol::http::client(std::time::Duration::from_secs(10)),
         &format!("{url}/computeMetadata/v1/instance/service-accounts/default/token"),
         &format!("{url}/v1"),
     )

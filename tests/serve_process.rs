@@ -89,7 +89,7 @@ async fn serve_creates_demo_tenant_once_and_keeps_state_across_restarts() {
         .demo_token
         .clone()
         .expect("first start prints the demo token");
-    let http = confed_enclave::http::client(STARTUP_BOUND);
+    let http = confed_protocol::http::client(STARTUP_BOUND);
     let health = http
         .get(format!("{}/healthz", server.url))
         .send()
@@ -376,7 +376,7 @@ async fn serve_alone_runs_rounds_with_its_embedded_enclave_across_restarts() {
     let data = dir.path().join("data");
     let server = start(&data, &[]).await;
     let token = server.demo_token.clone().unwrap();
-    let http = confed_enclave::http::client(STARTUP_BOUND);
+    let http = confed_protocol::http::client(STARTUP_BOUND);
     let task: serde_json::Value = http
         .post(format!("{}/v1/tasks", server.url))
         .bearer_auth(&token)

@@ -23,7 +23,7 @@ const BOUND: Duration = Duration::from_secs(120);
 const DEVICES: usize = 30;
 const GOAL: usize = 24;
 
-async fn key_services(dir: &Path) -> (Vec<String>, confed_enclave::hpke::PrivateKey) {
+async fn key_services(dir: &Path) -> (Vec<String>, confed_protocol::hpke::PrivateKey) {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -41,8 +41,8 @@ async fn key_services(dir: &Path) -> (Vec<String>, confed_enclave::hpke::Private
         .iter()
         .map(|p| ShareFile::load(p).unwrap())
         .collect();
-    let secret = confed_enclave::shares::combine(2, &[&held[0].share, &held[1].share]).unwrap();
-    let private = confed_enclave::hpke::PrivateKey::from_bytes(&secret).unwrap();
+    let secret = confed_protocol::shares::combine(2, &[&held[0].share, &held[1].share]).unwrap();
+    let private = confed_protocol::hpke::PrivateKey::from_bytes(&secret).unwrap();
     let attester = confed_attestation::DevAttester::new(
         confed_attestation::exchange::generate_signing_key(),
         Arc::new(|| 0),
@@ -108,7 +108,7 @@ async fn simulated_devices_fill_a_round_with_stored_contributions_that_open() {
     .await
     .unwrap();
 
-    let http = confed_enclave::http::client(BOUND);
+    let http = confed_protocol::http::client(BOUND);
     let task: Value = http
         .post(format!("{url}/v1/tasks"))
         .bearer_auth(&token)

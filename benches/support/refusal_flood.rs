@@ -19,8 +19,8 @@ use confed_attestation::dev::DevAttester;
 use confed_attestation::exchange::{Challenge, ReleaseRequest, encode_verifying_key};
 use confed_attestation::release::{ReleaseCommitment, key_binding};
 use confed_attestation::{AppraisalPolicy, Attester, KeySource, TokenRequest};
-use confed_enclave::hpke;
-use confed_enclave::policy::TaskPolicy;
+use confed_protocol::hpke;
+use confed_protocol::policy::TaskPolicy;
 
 const CLIENTS: usize = 8;
 
@@ -160,7 +160,7 @@ pub async fn refusal_flood(seconds: u64) {
                 let (flood, answered, refused) = (flood.clone(), answered.clone(), refused.clone());
                 let replayed = replay.then(|| replayed.clone());
                 tokio::spawn(async move {
-                    let client = confed_enclave::http::client(Duration::from_secs(10));
+                    let client = confed_protocol::http::client(Duration::from_secs(10));
                     while Instant::now() < end {
                         let status = flood.once(&client, replayed.as_deref()).await;
                         answered.fetch_add(1, Ordering::Relaxed);

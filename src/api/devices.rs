@@ -5,7 +5,7 @@
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use confed_enclave::envelope::Envelope;
+use confed_protocol::envelope::Envelope;
 
 use super::AppState;
 use super::error::{ApiError, Problem};
@@ -75,7 +75,7 @@ pub async fn checkin(
         )));
     }
     if let Some(tenant) = &request.tenant_id
-        && !(1..=128).contains(&tenant.len())
+        && !(1..=128).contains(&tenant.chars().count())
     {
         return Err(ApiError::BadRequest(
             "`tenant_id` must be 1-128 characters (the id of the tenant the device works for)"

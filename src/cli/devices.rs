@@ -181,7 +181,7 @@ pub async fn run(command: DevicesCommand) -> Result<()> {
                         .map_err(anyhow::Error::msg)?,
                 );
             }
-            let client = confed_enclave::http::client(Duration::from_secs(10));
+            let client = confed_protocol::http::client(Duration::from_secs(10));
             let mut entries = Vec::new();
             for url in &keyservices {
                 let set: confed_attestation::exchange::KeySet = client
@@ -202,7 +202,7 @@ pub async fn run(command: DevicesCommand) -> Result<()> {
                 threshold,
                 shares: Some(shares.unwrap_or(entries.len())),
                 keyservices: entries,
-                limits: confed_enclave::policy::DeviceLimits {
+                limits: confed_protocol::policy::DeviceLimits {
                     max_epsilon,
                     max_delta,
                     min_reports,

@@ -108,7 +108,7 @@ pub fn run() -> Result<()> {
         unsafe { libc::umask(0o077) };
     }
     // One crypto backend for rustls, chosen explicitly (see docs/architecture.md).
-    confed_enclave::http::install_crypto_provider();
+    confed_protocol::http::install_crypto_provider();
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async {
         match cli.command {

@@ -6,7 +6,7 @@ use anyhow::{Result, anyhow};
 use clap::{Args, Subcommand};
 use confed_enclave::dp::accounting::{EVALUATION_UNITS_PER_EXAMPLE, SideScales};
 use confed_enclave::dp::{self, grid::GRID_UNITS_PER_CLIP};
-use confed_enclave::policy::{AdaptiveClipping, DpMechanism, Evaluation, Mechanism};
+use confed_protocol::policy::{AdaptiveClipping, DpMechanism, Evaluation, Mechanism};
 use serde::Serialize;
 
 #[derive(Subcommand)]

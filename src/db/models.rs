@@ -85,13 +85,13 @@ impl Db {
         &self,
         task_id: &str,
         round: i64,
-    ) -> Result<confed_enclave::envelope::RoundContext, DbError> {
+    ) -> Result<confed_protocol::envelope::RoundContext, DbError> {
         let task = {
             let mut conn = self.pool().acquire().await?;
             super::tasks::load_any(&mut conn, task_id).await?
         };
         let model = self.model_of_task(task_id, round - 1).await?;
-        Ok(confed_enclave::envelope::RoundContext {
+        Ok(confed_protocol::envelope::RoundContext {
             task_id: task_id.to_string(),
             round: confed_protocol::ids::wire_round(round)
                 .ok_or_else(|| DbError::Corrupt(format!("round number {round}")))?,

@@ -105,7 +105,7 @@ pub async fn start(
             shares: Some(usize::from(count)),
             // The embedded system is for development: its devices accept whatever the enclave
             // itself would (a device of a real deployment states its own, tighter limits).
-            limits: confed_enclave::policy::DeviceLimits::ENCLAVE,
+            limits: confed_protocol::policy::DeviceLimits::ENCLAVE,
             tenant_id: None,
             token_issuers: Vec::new(),
         },

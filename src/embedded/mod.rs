@@ -97,7 +97,7 @@ async fn serve_router(
 
 impl EmbeddedSystem {
     pub async fn start(options: EmbeddedOptions) -> Result<Self, EmbeddedError> {
-        confed_enclave::http::install_crypto_provider();
+        confed_protocol::http::install_crypto_provider();
         let dir = &options.data_dir;
         std::fs::create_dir_all(dir).map_err(setup)?;
         let clock = options.clock.clone();
@@ -132,7 +132,7 @@ impl EmbeddedSystem {
         let keys = KeyDirectory::default();
         let urls: Vec<String> = keyservices.iter().map(|k| k.url.clone()).collect();
         keys.refresh(
-            &confed_enclave::http::client(Duration::from_secs(10)),
+            &confed_protocol::http::client(Duration::from_secs(10)),
             &urls,
         )
         .await;

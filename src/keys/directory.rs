@@ -214,7 +214,7 @@ impl KeyDirectory {
         }
         let directory = self.clone();
         tokio::spawn(async move {
-            let client = confed_enclave::http::client(Duration::from_secs(10));
+            let client = confed_protocol::http::client(Duration::from_secs(10));
             loop {
                 directory.refresh(&client, &urls).await;
                 tokio::time::sleep(period).await;
@@ -240,7 +240,7 @@ mod tests {
             Ok(()),
             "never refreshed: not judged"
         );
-        let client = confed_enclave::http::client(Duration::from_secs(2));
+        let client = confed_protocol::http::client(Duration::from_secs(2));
         directory.refresh(&client, &[url.clone(), url]).await;
         let not_ready = directory.readiness(0).unwrap_err();
         assert!(not_ready.contains("0 of 2 key services"), "{not_ready}");

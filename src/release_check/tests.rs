@@ -25,7 +25,7 @@ struct Scene {
 fn signed_entry(id: &str, signing: &SigningKey, shares: u16) -> SignedPublicKey {
     let mut entry = SignedPublicKey {
         key_id: KEY.into(),
-        suite: confed_enclave::hpke::SUITE.into(),
+        suite: confed_protocol::hpke::SUITE.into(),
         public_key: "AAAA".into(),
         not_before: 0,
         not_after: i64::MAX,
@@ -144,7 +144,7 @@ fn trust(scene: &Scene, listed: usize, shares: Option<usize>) -> TrustConfig {
             })
             .collect(),
         shares,
-        limits: confed_enclave::policy::DeviceLimits::ENCLAVE,
+        limits: confed_protocol::policy::DeviceLimits::ENCLAVE,
         tenant_id: None,
         token_issuers: Vec::new(),
     }

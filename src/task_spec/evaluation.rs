@@ -3,7 +3,7 @@
 //! noise go into the task policy (so devices bind them and the enclave charges them); the
 //! early-stopping rule is post-processing of released metrics and stays with the server.
 
-use confed_enclave::policy::{
+use confed_protocol::policy::{
     Evaluation, MAX_EVALUATION_EVERY, MAX_EVALUATION_EXAMPLES, MAX_EVALUATION_LOSS,
     MAX_EVALUATION_STDDEV, MAX_ON_DEMAND_EVALUATIONS, MIN_EVALUATION_STDDEV,
 };

@@ -8,7 +8,7 @@ mod privacy;
 mod problems;
 
 use confed_enclave::optimizer::ServerOptimizer;
-use confed_enclave::policy::{DpMechanism, TaskPolicy};
+use confed_protocol::policy::{DpMechanism, TaskPolicy};
 use std::collections::BTreeMap;
 
 pub use device_auth::DeviceAuthSpec;
@@ -27,11 +27,11 @@ pub const MIN_DEADLINE_SECONDS: i64 = 10;
 pub const MAX_DEADLINE_SECONDS: i64 = 7 * 24 * 3600;
 pub const MAX_ROUND_ATTEMPTS: i64 = 10;
 /// The enclave's own limits: it refuses to release under a looser budget whatever the database says.
-pub const MAX_EPSILON: f64 = confed_enclave::policy::MAX_TASK_EPSILON;
-pub const MAX_DELTA: f64 = confed_enclave::policy::MAX_TASK_DELTA;
+pub const MAX_EPSILON: f64 = confed_protocol::policy::MAX_TASK_EPSILON;
+pub const MAX_DELTA: f64 = confed_protocol::policy::MAX_TASK_DELTA;
 /// The enclave's range for the clip norm (below it the grid's unit underflows).
-pub const MIN_CLIP_NORM: f64 = confed_enclave::policy::MIN_CLIP_NORM;
-pub const MAX_CLIP_NORM: f64 = confed_enclave::policy::MAX_CLIP_NORM;
+pub const MIN_CLIP_NORM: f64 = confed_protocol::policy::MIN_CLIP_NORM;
+pub const MAX_CLIP_NORM: f64 = confed_protocol::policy::MAX_CLIP_NORM;
 pub const MAX_LEARNING_RATE: f64 = 100.0;
 pub const MAX_PLAN_BYTES: usize = 64 * 1024;
 pub const MAX_CONSTRAINTS: usize = 32;
@@ -187,7 +187,7 @@ fn default_device_seconds() -> u32 {
 
 impl TaskSpec {
     /// The task policy devices bind their contributions to and the enclave takes its parameters
-    /// from (`confed_enclave::policy`): derived from the stored definition, which never changes
+    /// from (`confed_protocol::policy`): derived from the stored definition, which never changes
     /// after creation, so every check-in and every job of the task produce the same text.
     pub fn policy(&self, task_id: &str, tenant_id: &str) -> TaskPolicy {
         TaskPolicy {

@@ -1,7 +1,7 @@
 //! `privacy`: a task's budget, its clip norm and its DP mechanism (Gaussian or tree aggregation,
 //! optionally adaptive clipping), with their validation.
 
-use confed_enclave::policy::{AdaptiveClipping, MAX_MIN_SEPARATION, Mechanism};
+use confed_protocol::policy::{AdaptiveClipping, MAX_MIN_SEPARATION, Mechanism};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 

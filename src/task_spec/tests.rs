@@ -1,7 +1,7 @@
 //! Validation of task requests: ranges, defaults, the policy text each choice gives.
 
 use super::*;
-use confed_enclave::policy::Mechanism;
+use confed_protocol::policy::Mechanism;
 
 #[test]
 fn capacity_adapts_to_the_drop_out_rate_within_the_cap() {

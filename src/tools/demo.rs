@@ -119,7 +119,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         .tenant("demo-partner")
         .await
         .map_err(|e| setup("creating the demo tenant")(e.into()))?;
-    let http = confed_enclave::http::client(Duration::from_secs(30));
+    let http = confed_protocol::http::client(Duration::from_secs(30));
     let url = system.url.clone();
     let mut privacy =
         json!({"epsilon": options.epsilon, "delta": options.delta, "clip_norm": options.clip_norm});

@@ -420,7 +420,7 @@ pub async fn run(config: SimulationConfig) -> Result<Summary, DeviceError> {
     );
     let shared = Arc::new(Shared {
         task: Synthetic::standard(config.seed),
-        http: confed_enclave::http::client(Duration::from_secs(30)),
+        http: confed_protocol::http::client(Duration::from_secs(30)),
         verified: Default::default(),
         summary: Mutex::default(),
         contributions,

@@ -27,7 +27,7 @@ pub async fn forged_release(
                   "variance_grid": 1, "stddev_sum": 0.0, "stddev_average": 0.0},
         "privacy": {"epsilon_budget": 8.0, "delta": 1e-6, "rounds_planned": 3,
                     "noise_multiplier": 0.0, "rho_round": 0.0, "rho_spent": 0.0, "epsilon_spent": 0.0},
-        "average_sha256": confed_enclave::policy::sha256_hex(&average),
+        "average_sha256": confed_protocol::policy::sha256_hex(&average),
     });
     let manifest: Manifest = serde_json::from_value(manifest_json).unwrap();
     let commitment = confed::release_check::commitment_of(&manifest);
@@ -62,7 +62,7 @@ pub async fn forged_release(
                 &enclave,
                 &confed_attestation::release::release_text(
                     &commitment,
-                    &confed_enclave::policy::sha256_hex(&manifest.to_json()),
+                    &confed_protocol::policy::sha256_hex(&manifest.to_json()),
                     &manifest.average_sha256,
                 ),
             ),

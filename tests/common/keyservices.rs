@@ -14,11 +14,11 @@ use confed::keyservice::{KeyService, KeyServiceParts, routes};
 use confed_attestation::dev::DevAttester;
 use confed_attestation::release::ReleaseCommitment;
 use confed_attestation::{AppraisalPolicy, KeySource};
-use confed_enclave::hpke;
 use confed_enclave::key_collection::{
     CollectError, KeyRequest, KeyServiceEndpoint, ObtainedKey, obtain_private_key,
 };
-use confed_enclave::policy::TaskPolicy;
+use confed_protocol::hpke;
+use confed_protocol::policy::TaskPolicy;
 
 pub const START: i64 = 1_800_000_000;
 pub const TIMEOUT: Duration = Duration::from_secs(20);
@@ -189,7 +189,7 @@ pub async fn collect_with(
     timeout: Duration,
 ) -> Result<ObtainedKey, CollectError> {
     obtain_private_key(
-        &confed_enclave::http::client(TIMEOUT),
+        &confed_protocol::http::client(TIMEOUT),
         endpoints,
         request,
         world.attester.as_ref(),

@@ -44,7 +44,7 @@ pub struct TestApp {
 
 pub struct TestKey {
     pub key_id: String,
-    pub private_key: confed_enclave::hpke::PrivateKey,
+    pub private_key: confed_protocol::hpke::PrivateKey,
     pub trusted: Vec<confed_protocol::trust::TrustedKeyService>,
 }
 
@@ -54,14 +54,14 @@ fn test_key() -> (TestKey, Vec<confed_attestation::exchange::KeySet>) {
     use confed_attestation::exchange::{
         KeySet, SignedPublicKey, encode_verifying_key, generate_signing_key, sign_key,
     };
-    let (private_key, public) = confed_enclave::hpke::generate_keypair();
+    let (private_key, public) = confed_protocol::hpke::generate_keypair();
     let mut sets = Vec::new();
     let mut trusted = Vec::new();
     for id in ["ks1", "ks2"] {
         let signing = generate_signing_key();
         let mut entry = SignedPublicKey {
             key_id: "ktest".into(),
-            suite: confed_enclave::hpke::SUITE.into(),
+            suite: confed_protocol::hpke::SUITE.into(),
             public_key: base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(public.0),
             not_before: START_MILLIS / 1000 - 3600,
             not_after: START_MILLIS / 1000 + 30 * 86_400,

@@ -15,7 +15,7 @@ pub const BOUND: Duration = Duration::from_secs(120);
 /// Polls until model `version` of `task` exists on the server at `url` (its enclave worker
 /// released and applied the round) and returns it.
 pub async fn wait_for_model(url: &str, token: &str, task: &str, version: u32) -> Vec<u8> {
-    let http = confed_enclave::http::client(BOUND);
+    let http = confed_protocol::http::client(BOUND);
     tokio::time::timeout(BOUND, async {
         loop {
             let reply = http
@@ -109,7 +109,7 @@ impl Server {
             url,
             token,
             data: data.to_path_buf(),
-            http: confed_enclave::http::client(BOUND),
+            http: confed_protocol::http::client(BOUND),
         }
     }
 
