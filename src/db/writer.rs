@@ -55,6 +55,8 @@ const QUEUE: usize = 4096;
 #[derive(Debug, Clone)]
 pub struct Writer {
     jobs: mpsc::Sender<Job>,
+    /// Successful syncs of the WAL, counted before the jobs they cover are answered.
+    wal_syncs: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// The caller's answer channel, as a completion that reports the job's outcome once the commit
@@ -85,9 +87,11 @@ impl Writer {
         let mut wal = database.as_os_str().to_owned();
         wal.push("-wal");
         let wal = PathBuf::from(wal);
+        let wal_syncs = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counted = wal_syncs.clone();
         std::thread::Builder::new()
             .name("confed-wal-sync".into())
-            .spawn(move || sync_loop(wal, to_sync, checkpoint))
+            .spawn(move || sync_loop(wal, to_sync, checkpoint, &counted))
             .expect("starting the WAL sync thread");
         std::thread::Builder::new()
             .name("confed-wal-checkpoint".into())
@@ -107,7 +111,12 @@ impl Writer {
                 }
             })
             .expect("starting the database writer thread");
-        Self { jobs }
+        Self { jobs, wal_syncs }
+    }
+
+    /// Successful WAL syncs so far.
+    pub fn wal_syncs(&self) -> u64 {
+        self.wal_syncs.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     async fn submit<T>(
@@ -186,6 +195,7 @@ fn sync_loop(
     wal: PathBuf,
     batches: std::sync::mpsc::Receiver<Committed>,
     checkpoint: std::sync::mpsc::SyncSender<()>,
+    wal_syncs: &std::sync::atomic::AtomicU64,
 ) {
     let mut file: Option<std::fs::File> = None;
     while let Ok(first) = batches.recv() {
@@ -199,6 +209,8 @@ fn sync_loop(
         };
         if let Some(error) = &sync_error {
             tracing::error!(%error, "fsync of the WAL failed; the jobs of these batches are refused");
+        } else if needs_sync {
+            wal_syncs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }
         for (completions, commit_error) in ready {
             let error = commit_error.or_else(|| sync_error.clone());
@@ -426,12 +438,26 @@ mod tests {
         }
     }
 
+    /// Each answer comes after a WAL sync that covers it: the sync count has grown by the time
+    /// a write returns (an answer sent before its sync would find the count unchanged).
     #[tokio::test]
     async fn writes_are_answered_once_the_wal_syncs() {
         let dir = tempfile::tempdir().unwrap();
         let writer = writer_on_table(dir.path(), dir.path().join("t.db")).await;
-        writer.write(insert(1)).await.unwrap();
-        writer.write(insert(2)).await.unwrap();
+        for value in 1..=3 {
+            let before = writer.wal_syncs();
+            writer.write(insert(value)).await.unwrap();
+            assert!(writer.wal_syncs() > before, "write {value} answered before a sync");
+        }
+        let before = writer.wal_syncs();
+        writer
+            .write_raw(|c| {
+                c.execute("INSERT INTO t (v) VALUES (4)", [])?;
+                Ok(())
+            })
+            .await
+            .unwrap();
+        assert!(writer.wal_syncs() > before, "a raw write answered before a sync");
     }
 
     fn count(dir: &std::path::Path) -> i64 {
