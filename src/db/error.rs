@@ -48,9 +48,66 @@ pub enum DbError {
     #[error("stored data is corrupt: {0}")]
     Corrupt(String),
     #[error("the write was not committed: {0}")]
-    Commit(String),
+    Commit(CommitFailure),
     #[error("could not issue a token: {0}")]
     Token(#[from] crate::auth::AuthError),
+}
+
+/// Why a write was not committed or not made durable, as callers branch on it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommitFailure {
+    pub cause: CommitCause,
+    pub detail: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommitCause {
+    /// The disk under the database is full (SQLITE_FULL, ENOSPC): 507, retry later.
+    DiskFull,
+    /// The writer or batcher is gone (shutting down): nothing more is written.
+    Stopped,
+    /// Anything else the commit or the sync reported.
+    Failed,
+}
+
+impl std::fmt::Display for CommitFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.detail)
+    }
+}
+
+impl CommitFailure {
+    pub fn new(cause: CommitCause, detail: impl Into<String>) -> Self {
+        Self {
+            cause,
+            detail: detail.into(),
+        }
+    }
+
+    /// From an I/O error of the WAL's sync (ENOSPC is a full disk).
+    pub fn io(what: &str, error: &std::io::Error) -> Self {
+        let cause = if crate::blob::is_disk_full(error) {
+            CommitCause::DiskFull
+        } else {
+            CommitCause::Failed
+        };
+        Self::new(cause, format!("{what}: {error}"))
+    }
+
+    /// From the database's own error (its full-disk codes kept).
+    pub fn of(error: DbError) -> Self {
+        match error {
+            DbError::Commit(failure) => failure,
+            other => {
+                let cause = if other.is_disk_full() {
+                    CommitCause::DiskFull
+                } else {
+                    CommitCause::Failed
+                };
+                Self::new(cause, other.to_string())
+            }
+        }
+    }
 }
 
 impl DbError {
@@ -89,10 +146,7 @@ impl DbError {
                     || e.code().as_deref() == Some("13")
                     || e.message().contains("database or disk is full")
             }
-            Self::Commit(message) => {
-                message.contains("database or disk is full")
-                    || message.contains("No space left on device")
-            }
+            Self::Commit(failure) => failure.cause == CommitCause::DiskFull,
             _ => false,
         }
     }
@@ -100,5 +154,27 @@ impl DbError {
     /// Whether the error is a unique-constraint violation (e.g. a duplicate tenant name).
     pub(crate) fn is_unique_violation(error: &sqlx::Error) -> bool {
         matches!(error, sqlx::Error::Database(e) if e.is_unique_violation())
+    }
+}
+
+#[cfg(test)]
+mod commit_failure_tests {
+    use super::*;
+
+    #[test]
+    fn a_full_disk_is_known_by_its_code_not_by_the_text_of_a_message() {
+        let enospc = std::io::Error::from_raw_os_error(libc::ENOSPC);
+        let full = DbError::Commit(CommitFailure::io("fsync of t.db-wal", &enospc));
+        assert!(full.is_disk_full());
+        let eio = std::io::Error::from_raw_os_error(libc::EIO);
+        assert!(!DbError::Commit(CommitFailure::io("fsync of t.db-wal", &eio)).is_disk_full());
+        let sqlite_full = DbError::Sqlite(rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_FULL),
+            None,
+        ));
+        assert_eq!(CommitFailure::of(sqlite_full).cause, CommitCause::DiskFull);
+        // A message that merely says so is not a full disk.
+        let said = CommitFailure::new(CommitCause::Failed, "No space left on device");
+        assert!(!DbError::Commit(said).is_disk_full());
     }
 }

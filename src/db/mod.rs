@@ -42,7 +42,7 @@ use std::time::Duration;
 use sqlx::any::AnyPoolOptions;
 use sqlx::{AnyPool, Connection, Executor};
 
-pub use error::DbError;
+pub use error::{CommitCause, CommitFailure, DbError};
 pub use history::HistoryRecord;
 pub use models::{ModelRecord, NewModel};
 pub use resume::Resumed;

@@ -28,12 +28,12 @@ use sqlx::Connection;
 use super::Conn;
 use tokio::sync::{mpsc, oneshot};
 
-use super::DbError;
+use super::{CommitCause, CommitFailure, DbError};
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// Called after the batch's commit is durable, with the commit's error if it failed.
-type Completion = Box<dyn FnOnce(Option<&str>) + Send>;
+type Completion = Box<dyn FnOnce(Option<&CommitFailure>) + Send>;
 
 /// An async job over sqlx (any statement, any logic; each sqlx call is a round trip to the
 /// connection's worker thread).
@@ -69,7 +69,7 @@ fn completion<T: Send + 'static>(
     let completion: Completion = Box::new(move |commit_error| {
         let _ = answer.send(match (outcome, commit_error) {
             (Ok(value), None) => Ok(value),
-            (Ok(_), Some(e)) => Err(DbError::Commit(e.to_string())),
+            (Ok(_), Some(failure)) => Err(DbError::Commit(failure.clone())),
             (Err(e), _) => Err(e),
         });
     });
@@ -124,13 +124,18 @@ impl Writer {
         job: Job,
         result: oneshot::Receiver<Result<T, DbError>>,
     ) -> Result<T, DbError> {
-        self.jobs
-            .send(job)
-            .await
-            .map_err(|_| DbError::Commit("the database writer has stopped".into()))?;
-        result
-            .await
-            .map_err(|_| DbError::Commit("the database writer dropped a job".into()))?
+        self.jobs.send(job).await.map_err(|_| {
+            DbError::Commit(CommitFailure::new(
+                CommitCause::Stopped,
+                "the database writer has stopped",
+            ))
+        })?;
+        result.await.map_err(|_| {
+            DbError::Commit(CommitFailure::new(
+                CommitCause::Stopped,
+                "the database writer dropped a job",
+            ))
+        })?
     }
 
     /// Runs `job` in the next batch; returns its result once the batch's commit is durable.
@@ -159,12 +164,12 @@ impl Writer {
 }
 
 /// Runs one or more `;`-separated statements in one round trip to the SQLite worker.
-async fn exec(conn: &mut Conn, sql: &'static str) -> Result<(), String> {
+async fn exec(conn: &mut Conn, sql: &'static str) -> Result<(), CommitFailure> {
     sqlx::raw_sql(sql)
         .execute(&mut *conn)
         .await
         .map(|_| ())
-        .map_err(|e| e.to_string())
+        .map_err(|e| CommitFailure::of(DbError::Sqlx(e)))
 }
 
 /// What ends one job's savepoint.
@@ -177,7 +182,7 @@ fn end_job(ok: bool) -> &'static str {
 }
 
 /// A committed batch waiting for its fsync: its completions and the commit's error, if any.
-type Committed = (Vec<Completion>, Option<String>);
+type Committed = (Vec<Completion>, Option<CommitFailure>);
 
 /// Answers committed batches after an `fdatasync` of the WAL that covers them. Batches that
 /// arrive while one fsync runs share the next.
@@ -215,7 +220,7 @@ fn sync_loop(
         for (completions, commit_error) in ready {
             let error = commit_error.or_else(|| sync_error.clone());
             for completion in completions {
-                completion(error.as_deref());
+                completion(error.as_ref());
             }
         }
         let wal_bytes = file
@@ -253,16 +258,18 @@ fn checkpoint_loop(database: PathBuf, requests: std::sync::mpsc::Receiver<()>) {
     }
 }
 
-fn sync(wal: &std::path::Path, file: &mut Option<std::fs::File>) -> Result<(), String> {
+fn sync(wal: &std::path::Path, file: &mut Option<std::fs::File>) -> Result<(), CommitFailure> {
     if file.is_none() {
-        *file =
-            Some(std::fs::File::open(wal).map_err(|e| format!("opening {}: {e}", wal.display()))?);
+        *file = Some(
+            std::fs::File::open(wal)
+                .map_err(|e| CommitFailure::io(&format!("opening {}", wal.display()), &e))?,
+        );
     }
     file.as_ref()
         .map(std::fs::File::sync_data)
         .transpose()
         .map(drop)
-        .map_err(|e| format!("fsync of {}: {e}", wal.display()))
+        .map_err(|e| CommitFailure::io(&format!("fsync of {}", wal.display()), &e))
 }
 
 /// Each batch: its raw jobs in one transaction on the rusqlite connection, then its async jobs in
@@ -302,7 +309,7 @@ async fn run(
 fn send(
     synced: &std::sync::mpsc::Sender<Committed>,
     completions: Vec<Completion>,
-    commit_error: Option<String>,
+    commit_error: Option<CommitFailure>,
 ) {
     if let Some(error) = &commit_error {
         tracing::error!(%error, jobs = completions.len(), "database batch failed; every job in it is refused");
@@ -310,7 +317,9 @@ fn send(
     if let Err(std::sync::mpsc::SendError((completions, error))) =
         synced.send((completions, commit_error))
     {
-        let error = error.unwrap_or_else(|| "the WAL sync thread has stopped".into());
+        let error = error.unwrap_or_else(|| {
+            CommitFailure::new(CommitCause::Stopped, "the WAL sync thread has stopped")
+        });
         for completion in completions {
             completion(Some(&error));
         }
@@ -319,9 +328,15 @@ fn send(
 
 /// Raw jobs in one transaction, each in its own savepoint; returns their completions and the
 /// transaction's error if it did not commit.
-fn run_raw(conn: &rusqlite::Connection, jobs: Vec<RawJob>) -> (Vec<Completion>, Option<String>) {
+fn run_raw(
+    conn: &rusqlite::Connection,
+    jobs: Vec<RawJob>,
+) -> (Vec<Completion>, Option<CommitFailure>) {
     let mut completions = Vec::with_capacity(jobs.len());
-    let sql = |statement: &str| conn.execute_batch(statement).map_err(|e| e.to_string());
+    let sql = |statement: &str| {
+        conn.execute_batch(statement)
+            .map_err(|e| CommitFailure::of(DbError::Sqlite(e)))
+    };
     let mut failure = sql("BEGIN IMMEDIATE").err();
     for job in jobs {
         if failure.is_some() {
@@ -349,7 +364,10 @@ fn run_raw(conn: &rusqlite::Connection, jobs: Vec<RawJob>) -> (Vec<Completion>, 
 }
 
 /// Async jobs in one transaction through sqlx, each in its own savepoint.
-async fn run_async(conn: &mut Conn, jobs: Vec<AsyncJob>) -> (Vec<Completion>, Option<String>) {
+async fn run_async(
+    conn: &mut Conn,
+    jobs: Vec<AsyncJob>,
+) -> (Vec<Completion>, Option<CommitFailure>) {
     let mut completions = Vec::with_capacity(jobs.len());
     let mut failure = exec(conn, "BEGIN IMMEDIATE").await.err();
     for job in jobs {
@@ -447,7 +465,10 @@ mod tests {
         for value in 1..=3 {
             let before = writer.wal_syncs();
             writer.write(insert(value)).await.unwrap();
-            assert!(writer.wal_syncs() > before, "write {value} answered before a sync");
+            assert!(
+                writer.wal_syncs() > before,
+                "write {value} answered before a sync"
+            );
         }
         let before = writer.wal_syncs();
         writer
@@ -457,7 +478,10 @@ mod tests {
             })
             .await
             .unwrap();
-        assert!(writer.wal_syncs() > before, "a raw write answered before a sync");
+        assert!(
+            writer.wal_syncs() > before,
+            "a raw write answered before a sync"
+        );
     }
 
     fn count(dir: &std::path::Path) -> i64 {
@@ -556,7 +580,7 @@ mod tests {
         let writer = writer_on_table(dir.path(), dir.path().join("missing-dir").join("t.db")).await;
         let error = writer.write(insert(1)).await.unwrap_err();
         assert!(
-            matches!(&error, DbError::Commit(m) if m.contains("missing-dir")),
+            matches!(&error, DbError::Commit(f) if f.cause == CommitCause::Failed && f.detail.contains("missing-dir")),
             "{error}"
         );
     }

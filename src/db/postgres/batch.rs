@@ -31,7 +31,7 @@ use sqlx::{AnyPool, Connection};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::db::writer::BoxFuture;
-use crate::db::{Conn, DbError};
+use crate::db::{CommitCause, CommitFailure, Conn, DbError};
 
 /// Most jobs in one transaction.
 const MAX_BATCH: usize = 128;
@@ -88,17 +88,27 @@ impl Batcher {
                 slot.lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .take()
-                    .ok_or_else(|| DbError::Commit("a batched job left no result".into()))
+                    .ok_or_else(|| {
+                        DbError::Commit(CommitFailure::new(
+                            CommitCause::Failed,
+                            "a batched job left no result",
+                        ))
+                    })
             });
             let _ = sender.send(value);
         });
-        self.jobs
-            .send(Queued { run, answer })
-            .await
-            .map_err(|_| DbError::Commit("the device write batcher has stopped".into()))?;
-        receiver
-            .await
-            .map_err(|_| DbError::Commit("the device write batcher dropped a job".into()))?
+        self.jobs.send(Queued { run, answer }).await.map_err(|_| {
+            DbError::Commit(CommitFailure::new(
+                CommitCause::Stopped,
+                "the device write batcher has stopped",
+            ))
+        })?;
+        receiver.await.map_err(|_| {
+            DbError::Commit(CommitFailure::new(
+                CommitCause::Stopped,
+                "the device write batcher dropped a job",
+            ))
+        })?
     }
 }
 
@@ -151,9 +161,10 @@ async fn run_batch(pool: &AnyPool, mut batch: Vec<Queued>) {
                 return;
             }
             Err((Some(_), error)) => {
+                let failure = CommitFailure::of(error);
                 batch
                     .into_iter()
-                    .for_each(|job| (job.answer)(Err(DbError::Commit(error.to_string()))));
+                    .for_each(|job| (job.answer)(Err(DbError::Commit(failure.clone()))));
                 return;
             }
         }
