@@ -97,9 +97,54 @@ impl StateMachine for AssignmentState {
     }
 }
 
+/// An aggregation job's state (`aggregation_jobs.state`). A job is created PENDING with its
+/// round's move to AGGREGATING (leases are columns of a pending job, not a state); it ends DONE
+/// when its round completes or FAILED when its round fails. Only the operator's resume
+/// (`db/resume.rs`) makes a FAILED job PENDING again, outside the machine like its round's return.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobState {
+    Pending,
+    Done,
+    Failed,
+}
+
+impl JobState {
+    pub const ALL: &'static [Self] = &[Self::Pending, Self::Done, Self::Failed];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "PENDING",
+            Self::Done => "DONE",
+            Self::Failed => "FAILED",
+        }
+    }
+}
+
+impl StateMachine for JobState {
+    const ENTITY: &'static str = "aggregation job";
+    const TABLE: &'static str = "aggregation_jobs";
+    const ALL: &'static [Self] = JobState::ALL;
+
+    fn as_str(self) -> &'static str {
+        JobState::as_str(self)
+    }
+
+    fn can_become(self, next: Self) -> bool {
+        use JobState::*;
+        matches!((self, next), (Pending, Done | Failed))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn job_transitions_are_exactly_the_design() {
+        use JobState::*;
+        assert_exactly(&[(Pending, Done), (Pending, Failed)]);
+        assert!(Done.is_terminal() && Failed.is_terminal());
+    }
 
     /// Checks a machine's table against the complete list of allowed transitions: every listed pair
     /// is allowed, every other pair is refused.

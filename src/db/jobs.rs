@@ -3,7 +3,49 @@
 //! APPLYING -> COMPLETED), each one transaction guarded by the lease.
 
 use super::{Conn, Db, DbError, models, rounds, tasks, transition};
-use crate::states::{RoundState, TaskState};
+use crate::states::{JobState, RoundState, TaskState};
+
+/// The one text of "create the job of the round that just closed" (in the transaction that
+/// moved it to AGGREGATING), with the engine's placeholders for the round id and the time: the
+/// sqlx paths and both engines' device stores use it.
+pub(crate) fn create_job_sql(round_id: &str, now: &str) -> String {
+    format!(
+        "INSERT INTO aggregation_jobs (round_id, task_id, state, not_before, created_at, updated_at) \
+         SELECT id, task_id, '{pending}', {now}, {now}, {now} FROM rounds WHERE id = {round_id}",
+        pending = JobState::Pending.as_str()
+    )
+}
+
+static CREATE_JOB: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| create_job_sql("$1", "$2"));
+static NEXT_JOB_DUE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "SELECT MIN(CASE WHEN lease_expires_at IS NOT NULL AND lease_expires_at > not_before \
+         THEN lease_expires_at ELSE not_before END) \
+         FROM aggregation_jobs WHERE state = '{}'",
+        JobState::Pending.as_str()
+    )
+});
+static FAILING_JOBS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "SELECT COUNT(*) FROM aggregation_jobs WHERE state = '{}' AND failures >= $1",
+        JobState::Pending.as_str()
+    )
+});
+static JOB_DONE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "UPDATE aggregation_jobs SET state = '{}', lease_owner = NULL, \
+         lease_expires_at = NULL, updated_at = $1 WHERE round_id = $2",
+        JobState::Done.as_str()
+    )
+});
+static JOB_FAILED: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "UPDATE aggregation_jobs SET state = '{}', lease_owner = NULL, \
+         lease_expires_at = NULL, last_error = $1, updated_at = $2 WHERE round_id = $3",
+        JobState::Failed.as_str()
+    )
+});
 
 /// Transient failures after which a job is reported as failing (logged as an error, counted in
 /// `confed_aggregation_jobs_failing`); it is still retried.
@@ -66,14 +108,11 @@ pub struct ReleaseRecord {
 
 /// Inserts the job of a round that just moved to AGGREGATING (same transaction).
 pub(crate) async fn create(conn: &mut Conn, round_id: &str, now: i64) -> Result<(), DbError> {
-    sqlx::query(
-        "INSERT INTO aggregation_jobs (round_id, task_id, state, not_before, created_at, updated_at) \
-         SELECT id, task_id, 'PENDING', $2, $2, $2 FROM rounds WHERE id = $1",
-    )
-    .bind(round_id)
-    .bind(now)
-    .execute(&mut *conn)
-    .await?;
+    sqlx::query(sqlx::AssertSqlSafe(CREATE_JOB.as_str()))
+        .bind(round_id)
+        .bind(now)
+        .execute(&mut *conn)
+        .await?;
     Ok(())
 }
 
@@ -90,7 +129,9 @@ async fn check_lease(conn: &mut Conn, round_id: &str, worker: &str) -> Result<()
         .fetch_optional(&mut *conn)
         .await?;
     match row {
-        Some((state, Some(owner))) if state == "PENDING" && owner == worker => Ok(()),
+        Some((state, Some(owner))) if state == JobState::Pending.as_str() && owner == worker => {
+            Ok(())
+        }
         Some(_) => Err(DbError::LeaseLost(round_id.to_string())),
         None => Err(DbError::NotFound {
             entity: "aggregation job",
@@ -186,11 +227,12 @@ impl Db {
                     "UPDATE aggregation_jobs SET lease_owner = $1, lease_expires_at = $2, \
                      attempts = attempts + 1, updated_at = $3 \
                      WHERE round_id = (SELECT round_id FROM aggregation_jobs \
-                       WHERE state = 'PENDING' AND not_before <= $3 AND {free} \
+                       WHERE state = '{pending}' AND not_before <= $3 AND {free} \
                        ORDER BY created_at, round_id LIMIT 1{}) \
-                     AND state = 'PENDING' AND {free} \
+                     AND state = '{pending}' AND {free} \
                      RETURNING round_id",
-                    super::lock_clause(tx, " FOR UPDATE SKIP LOCKED")
+                    super::lock_clause(tx, " FOR UPDATE SKIP LOCKED"),
+                    pending = JobState::Pending.as_str(),
                 );
                 let row: Option<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
                     .bind(&worker)
@@ -209,23 +251,21 @@ impl Db {
     /// its `not_before` (a failed attempt's retry) or, later, its current lease's expiry. `None`
     /// when no job is pending. What a waiting lease sleeps until.
     pub async fn next_job_due(&self) -> Result<Option<i64>, DbError> {
-        Ok(sqlx::query_scalar::<_, Option<i64>>(
-            "SELECT MIN(CASE WHEN lease_expires_at IS NOT NULL AND lease_expires_at > not_before \
-             THEN lease_expires_at ELSE not_before END) \
-             FROM aggregation_jobs WHERE state = 'PENDING'",
+        Ok(
+            sqlx::query_scalar::<_, Option<i64>>(sqlx::AssertSqlSafe(NEXT_JOB_DUE.as_str()))
+                .fetch_one(self.pool())
+                .await?,
         )
-        .fetch_one(self.pool())
-        .await?)
     }
 
     /// Pending jobs that failed transiently at least `failures` times in a row.
     pub async fn failing_jobs(&self, failures: i64) -> Result<i64, DbError> {
-        Ok(sqlx::query_scalar(
-            "SELECT COUNT(*) FROM aggregation_jobs WHERE state = 'PENDING' AND failures >= $1",
+        Ok(
+            sqlx::query_scalar(sqlx::AssertSqlSafe(FAILING_JOBS.as_str()))
+                .bind(failures)
+                .fetch_one(self.pool())
+                .await?,
         )
-        .bind(failures)
-        .fetch_one(self.pool())
-        .await?)
     }
 
     /// Extends `worker`'s lease on a job; `LeaseLost` if another worker took it over.
@@ -403,14 +443,11 @@ impl Db {
                     now,
                 )
                 .await?;
-                sqlx::query(
-                    "UPDATE aggregation_jobs SET state = 'DONE', lease_owner = NULL, \
-                     lease_expires_at = NULL, updated_at = $1 WHERE round_id = $2",
-                )
-                .bind(now)
-                .bind(&round_id)
-                .execute(&mut *tx)
-                .await?;
+                sqlx::query(sqlx::AssertSqlSafe(JOB_DONE.as_str()))
+                    .bind(now)
+                    .bind(&round_id)
+                    .execute(&mut *tx)
+                    .await?;
                 sqlx::query("UPDATE tasks SET model_version = $1, updated_at = $2 WHERE id = $3")
                     .bind(version)
                     .bind(now)
@@ -497,15 +534,12 @@ impl Db {
                     }
                     return Ok(());
                 }
-                sqlx::query(
-                    "UPDATE aggregation_jobs SET state = 'FAILED', lease_owner = NULL, \
-                     lease_expires_at = NULL, last_error = $1, updated_at = $2 WHERE round_id = $3",
-                )
-                .bind(&reason)
-                .bind(now)
-                .bind(&round_id)
-                .execute(&mut *tx)
-                .await?;
+                sqlx::query(sqlx::AssertSqlSafe(JOB_FAILED.as_str()))
+                    .bind(&reason)
+                    .bind(now)
+                    .bind(&round_id)
+                    .execute(&mut *tx)
+                    .await?;
                 let round = rounds::load_one(&mut *tx, &round_id).await?;
                 let why = format!("aggregation failed: {reason}");
                 rounds::close(

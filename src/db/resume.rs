@@ -6,7 +6,26 @@
 //! is an operator's decision, recorded in the state history as one.
 
 use super::{Db, DbError, history, tasks};
-use crate::states::{RoundState, TaskState};
+use crate::states::{JobState, RoundState, TaskState};
+
+static FAILED_ROUND: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "SELECT r.id FROM rounds r JOIN aggregation_jobs j ON j.round_id = r.id \
+         WHERE r.task_id = $1 AND r.round_number = $2 AND r.state = '{round_failed}' \
+         AND j.state = '{job_failed}' ORDER BY r.attempt DESC LIMIT 1",
+        round_failed = RoundState::Failed.as_str(),
+        job_failed = JobState::Failed.as_str(),
+    )
+});
+static JOB_PENDING_AGAIN: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "UPDATE aggregation_jobs SET state = '{pending}', failures = 0, not_before = $1, \
+         lease_owner = NULL, lease_expires_at = NULL, updated_at = $1 \
+         WHERE round_id = $2 AND state = '{failed}'",
+        pending = JobState::Pending.as_str(),
+        failed = JobState::Failed.as_str(),
+    )
+});
 
 /// What a resume did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,11 +50,8 @@ impl Db {
         self.write(move |tx| {
             Box::pin(async move {
                 let task = tasks::load_any(&mut *tx, &task_id).await?;
-                let round_id: Option<String> = sqlx::query_scalar(
-                    "SELECT r.id FROM rounds r JOIN aggregation_jobs j ON j.round_id = r.id \
-                     WHERE r.task_id = $1 AND r.round_number = $2 AND r.state = 'FAILED' \
-                     AND j.state = 'FAILED' ORDER BY r.attempt DESC LIMIT 1",
-                )
+                let round_id: Option<String> =
+                    sqlx::query_scalar(sqlx::AssertSqlSafe(FAILED_ROUND.as_str()))
                 .bind(&task_id)
                 .bind(round_number)
                 .fetch_optional(&mut *tx)
@@ -96,11 +112,7 @@ impl Db {
                 .execute(&mut *tx)
                 .await?
                 .rows_affected();
-                let pending = sqlx::query(
-                    "UPDATE aggregation_jobs SET state = 'PENDING', failures = 0, not_before = $1, \
-                     lease_owner = NULL, lease_expires_at = NULL, updated_at = $1 \
-                     WHERE round_id = $2 AND state = 'FAILED'",
-                )
+                let pending = sqlx::query(sqlx::AssertSqlSafe(JOB_PENDING_AGAIN.as_str()))
                 .bind(now)
                 .bind(&round_id)
                 .execute(&mut *tx)

@@ -108,8 +108,7 @@ static CLOSE_ROUND: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-const CREATE_JOB: &str = "INSERT INTO aggregation_jobs (round_id, task_id, state, not_before, created_at, updated_at) \
-     SELECT id, task_id, 'PENDING', $2, $2, $2 FROM rounds WHERE id = $1";
+static CREATE_JOB: LazyLock<String> = LazyLock::new(|| crate::db::jobs::create_job_sql("$1", "$2"));
 
 async fn write_view(conn: &mut Conn, id: &str) -> Result<Option<WriteView>, DbError> {
     let row: Option<WriteViewRow> = sqlx::query_as(WRITE_VIEW_SQL)
@@ -180,7 +179,7 @@ async fn complete(
         report.now,
     )
     .await?;
-    sqlx::query(CREATE_JOB)
+    sqlx::query(CREATE_JOB.as_str())
         .bind(&round_id)
         .bind(report.now)
         .execute(&mut *tx)

@@ -81,8 +81,7 @@ static CLOSE_ROUND: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-const CREATE_JOB: &str = "INSERT INTO aggregation_jobs (round_id, task_id, state, not_before, created_at, updated_at) \
-     SELECT id, task_id, 'PENDING', ?2, ?2, ?2 FROM rounds WHERE id = ?1";
+static CREATE_JOB: LazyLock<String> = LazyLock::new(|| crate::db::jobs::create_job_sql("?1", "?2"));
 
 /// Appends a history row for one transition.
 fn append_history(
@@ -248,7 +247,7 @@ fn complete(
         &format!("report goal {goal} reached"),
         now,
     )?;
-    c.prepare_cached(CREATE_JOB)?
+    c.prepare_cached(&CREATE_JOB)?
         .execute(rusqlite::params![round_id, now])?;
     on_close();
     Ok(Some(COMPLETED))
