@@ -45,6 +45,30 @@ pub enum AuditError {
     InUse { path: PathBuf, lock: PathBuf },
 }
 
+/// A release decision's outcome, as the record's `decision` field spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Granted,
+    Refused,
+}
+
+impl Verdict {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Granted => "granted",
+            Self::Refused => "refused",
+        }
+    }
+
+    /// The verdict a record's `decision` names (`None` for other records, e.g. an
+    /// acknowledged loss).
+    pub fn parse(decision: &str) -> Option<Self> {
+        [Self::Granted, Self::Refused]
+            .into_iter()
+            .find(|v| v.as_str() == decision)
+    }
+}
+
 /// What a release decision records.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -120,7 +120,7 @@ impl Ledger {
             }
             return;
         }
-        if d.decision != "granted" {
+        if super::audit::Verdict::parse(&d.decision) != Some(super::audit::Verdict::Granted) {
             return;
         }
         if let (Some(commitment), Some(policy), Some(rounds)) =

@@ -17,6 +17,7 @@ pub mod ledger;
 pub mod nonces;
 pub mod peers;
 pub mod refusals;
+mod release;
 pub mod rollback;
 pub mod routes;
 pub mod serve;
