@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Partner API load figures (run with `cargo bench --bench api`): a real server on loopback over a
 //! SQLite database in a temp directory, driven by concurrent HTTP clients. Bounded in count; prints
 //! throughput and latency percentiles per operation.

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Full device cycles (check-in, 16 KB sealed upload, report) against the server with SQLite and
 //! local blobs on loopback, driven by the load generator (`confed devices simulate --no-train`).
 //! Run with `cargo bench --bench device_cycles`; prints cycles/s and per-call p50/p99.

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Honest load under a flood (issue 13): a real `confed serve` (the release binary: run
 //! `cargo build --release` first, or set CONFED_BIN), honest devices from a second process
 //! (`confed devices simulate --no-train`), and from this process a flood of

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! HPKE open throughput, one core: the RustCrypto `hpke` crate versus AWS-LC's HPKE (what the
 //! enclave uses), for 1 KB and 1 MB updates, each followed by the f32 -> f64 sum the aggregator
 //! does. Run with `cargo bench --bench hpke`.

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Key release figures (run with `cargo bench --bench key_release`): appraisal throughput of the
 //! production (RS256) and dev (ES256) policies, Shamir split/combine, the whole enclave key
 //! collection against in-process key services over loopback HTTP (a new release commitment per

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! How soon a replica hears of a round that another replica closed, on PostgreSQL (issue 15):
 //! two `Db`s on one database stand for two replicas; 200 times, replica A announces a new job
 //! as it does after a round's close commits (`Db::announce_job`: its own signal and `NOTIFY

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! A whole round as a user runs it (issue 15): a real `confed serve` (the release binary: run
 //! `cargo build --release` first, or set CONFED_BIN), a task with a 1 MB model (262,144 f32) and
 //! a report goal of 1,000, and `confed devices simulate --no-train` for 1,000 devices from a

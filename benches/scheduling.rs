@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Scheduling policies compared on a simulated population (`cargo bench --bench scheduling`): many
 //! tasks of different demands arrive over time and share one population of devices; the check-in
 //! picks among the fitting rounds with the real ordering (`confed::scheduling`), everything else

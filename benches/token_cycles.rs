@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! What device tokens cost the server, measured on the server alone
 //! (`cargo bench --bench token_cycles`): `confed serve` and `confed issuer` run as processes of
 //! their own, the load generator (6,000 devices, 64 concurrent, 16 KB updates, SQLite) in this

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Cost of a device's signed upload URL (one per check-in when blobs are on GCS), signed locally
 //! with a service-account key (`--gcs-signing-key-file`; the test-only fixture key here). With
 //! the default IAM `signBlob` the cost is a network call instead. Run with

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! End to end, in one process: key services, APIs, simulated devices and enclave workers over
 //! SQLite and the blob directory. Rounds go from encrypted uploads to released, noised averages
 //! and new model versions, exactly once, also when a worker dies or stalls.

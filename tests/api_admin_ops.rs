@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Operator routes (admin API), health, metrics, OpenAPI and the unknown-route fallback.
 
 mod common;

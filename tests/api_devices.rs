@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Task assignment for devices: check-in and its retry reasons, capacity under concurrency,
 //! fairness, uploads (every answer), reports, expiry, model download, and the binding of a
 //! contribution to its task, round and assignment.

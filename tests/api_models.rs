@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Model routes: upload version 0 (opens the task) and download with caching.
 
 mod common;

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Partner task routes: happy paths and every error each route can answer.
 
 mod common;

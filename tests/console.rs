@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The partner console's security properties, on each database engine: sign-in exchanges the
 //! token for an HttpOnly, SameSite=Strict session cookie; sessions expire and end at sign-out
 //! on the server; forms without the session's CSRF token, or posted from another site, are

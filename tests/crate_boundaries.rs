@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The crate graph is the trust boundary and the device's footprint: these tests read it with
 //! `cargo tree` and fail when a crate appears where it must not (docs/architecture.md, "Crates").
 

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Persisted state transitions: compare-and-set on the old state, refusal of transitions the state
 //! machine does not allow, and one history row per transition.
 

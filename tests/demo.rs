@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! `confed demo`'s engine, smaller: the accuracy of the global model must rise well above chance
 //! with the DP noise on, and every round must spend privacy within the budget.
 

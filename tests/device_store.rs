@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The device store's conformance suite: the same device-path cases on every engine (SQLite
 //! always; PostgreSQL too when `CONFED_TEST_DATABASE_URL` names a server, as on the CI's second
 //! pass). Each engine has its own statements (`src/db/sqlite/device.rs`,

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Device tokens end to end, in one process: a task that requires tokens of a dev issuer, an
 //! outsider whose uploads are refused before anything is stored, simulated devices that obtain
 //! tokens and fill the round, and a release that counts only authenticated contributions. Then

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The `confed-enclave` binary as a separate process (as in Confidential Space, with the dev
 //! attester standing in): it reaches the server only through the worker API and the key services
 //! only over HTTP, and completes a round.

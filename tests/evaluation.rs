@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Evaluation rounds end to end (one process; SQLite, or PostgreSQL with
 //! `CONFED_TEST_DATABASE_URL`): simulated devices add their metrics for the model they train
 //! from, the enclave releases them noised, partners read them per model version, the

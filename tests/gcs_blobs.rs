@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The Google Cloud Storage blob store against a GCS emulator (fake-gcs-server): every operation
 //! the backend uses — create-only writes, reads, metadata, signed upload URLs — and a device's
 //! round trip through a signed URL and its report. Runs when `CONFED_TEST_GCS_ENDPOINT` names

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Aggregation jobs under faults: a transient failure (a full disk, a key service down) is
 //! retried without limit and never fails the task, a crash takeover is not a failure, a restarted
 //! worker takes its own job back at once, and the operator can resume a round that failed.

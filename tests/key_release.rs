@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Key services and the enclave's key collection, in-process over real HTTP on loopback: the
 //! ceremony's shares, dev attestation, threshold behaviour with down, refusing and lying key
 //! services, every refusal of the release protocol, and the signed key set.

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The `confed keys` and `confed keyservice` commands as processes (the signed key set, the
 //! signed audit log, and a release ledger that survives kill -9), and the HTTPS key fetcher
 //! against a local issuer serving a discovery document and a JWKS.

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The scale-out deployment as separate processes, started by `deploy/local/cluster.sh`: two API
 //! replicas, a scheduler and two `confed-enclave` workers on one PostgreSQL database and one GCS
 //! bucket (emulator), with three key services. Simulated devices are spread over both APIs for

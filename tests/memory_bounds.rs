@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Memory bounds, measured with a counting global allocator (one binary, the tests one at a
 //! time: the allocator counts the whole process).
 //!

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The operator of the front ends, the task database and the blob store as the attacker (issue
 //! 12), against the embedded system with its real key services and an in-process enclave worker.
 //! The operator's power is modelled exactly: it chooses what the job store tells the enclave (the

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Several replicas on one PostgreSQL database: two `Db` handles (two connection pools, as two
 //! server processes have) race for the same rows. Runs when `CONFED_TEST_DATABASE_URL` names a
 //! PostgreSQL server (`.ci/run` starts one); otherwise it says, once, that it did not run.

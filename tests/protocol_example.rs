@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Checks the worked example in docs/protocol.md byte for byte, so the document a device author
 //! reads cannot drift from the code.
 

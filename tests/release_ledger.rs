@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The key services' release ledger, as an operator attacking it would: one release per round,
 //! only under the task's policy and within its rounds, across restarts, and with t-1 ledgers
 //! wiped. Key services run in-process over real HTTP on loopback; the enclave side is the real

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Local retention: segments and rows were never deleted (5.8 GB of segments and a 589 MB
 //! database after ten minutes of load), which led straight to a full disk. A closed round's
 //! contributions are deleted once the retention window has passed, and nothing still needed

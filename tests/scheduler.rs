@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Round deadlines, driven by the scheduler with an injected clock (no sleeping).
 
 mod common;

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The deployment's scheduling policy decides which fitting task a checking-in device serves
 //! (src/scheduling.rs), on each database engine: fair share (the least-filled round first, the
 //! default), first come first served (the oldest task), shortest remaining demand.

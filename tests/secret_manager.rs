@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The enclave reads its worker token from Secret Manager with the VM's service account (never
 //! from a launch variable, which Confidential Space copies into every attestation token). Fakes
 //! of the GCE metadata server and of Secret Manager's `:access` method, on loopback, speak the

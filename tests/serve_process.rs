@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! End to end: the real `confed` binary, started as a process on a loopback port.
 
 mod common;

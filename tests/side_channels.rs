@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The overflow probe of issue 27, end to end through `confed serve` and its enclave worker: a
 //! tenant uploads a model whose weights are finite but make training overflow exactly when a
 //! training row's feature 0 exceeds a threshold theta (`weight[0, 0] = 1e37`, `bias[0] =

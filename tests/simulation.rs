@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! End to end over processes: `confed serve` with two key services, a task with a model, and
 //! `confed devices simulate` running a few dozen devices that train, seal and upload through one
 //! round's collection. The round must reach its goal with that many stored contributions, and each

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Tenant isolation: every tenant route of tenant A, called with tenant B's token, answers exactly
 //! what a missing task answers (404), and never any of A's data.
 

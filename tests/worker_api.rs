@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The worker API over HTTP: an enclave worker that reaches the server only through
 //! `/internal/v1` (as `confed-enclave` does from Confidential Space) completes a round; the API is
 //! off without a token, refuses wrong tokens and bad input, and fences a worker whose lease was

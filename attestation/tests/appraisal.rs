@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Appraisal of generated good and bad tokens: the production policy (`policies/
 //! confidential-space.toml`) against RS256 tokens from a local test root, and the dev policy
 //! against the dev attester. Each refusal is its own named case.

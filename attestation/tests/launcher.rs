@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The Confidential Space attester against a fake launcher serving `POST /v1/token` on a unix
 //! socket, as the real launcher does at /run/container_launcher/teeserver.sock.
 

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The key service's attacker-facing parsers on thousands of generated inputs: random bytes,
 //! truncations and single-byte mutations of valid inputs. They must return errors, never panic.
 //! (The cargo-fuzz targets in `fuzz/` explore the same functions far longer.)

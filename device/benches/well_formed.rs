@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! What making every update well formed costs a device (`UpdateShape::well_formed`: parse the
 //! trained update, check names, shapes and finiteness, re-encode), beside sealing it, for the
 //! device cycle's 16 KB update and a 1 MB one. Run with

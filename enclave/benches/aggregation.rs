@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Aggregation throughput (criterion): 1 KB and 1 MB contributions on 1 and 2 threads, against
 //! the bound (ring's AES-128-GCM opening the same number of bytes plus the f32 -> f64 sum, no key
 //! encapsulation, no validation, no clipping), and the noise sampler. After criterion's figures a

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The enclave's machine-word discrete Gaussian sampler against the exact distribution and
 //! against OpenDP's arbitrary-precision sampler of the same distribution.
 

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! RFC 9180 Appendix A.1.1 (DHKEM(X25519, HKDF-SHA256), HKDF-SHA256, AES-128-GCM, base mode):
 //! both HPKE implementations confed uses -- the RustCrypto `hpke` crate (devices, key services) and
 //! AWS-LC (the enclave) -- must reproduce the RFC's known answers.

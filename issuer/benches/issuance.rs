@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Token issuance per second on one core (`cargo bench -p confed-issuer --bench issuance`):
 //! the blind signature alone (the pure-Rust reference and AWS-LC, which the issuer uses); whole requests through `Issuer::issue` (credential
 //! checked, grant appended and synced to a file under `target/`, tokens signed) with 1 and 16

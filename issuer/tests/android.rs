@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The Android key attestation attester against real chains (Pixel devices, recorded by
 //! android/keyattestation, under Google's roots) and against generated chains of the same shape
 //! under a test root, one refusal per check; then the whole issuance over HTTP with it.

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The issuer over HTTP, as a device meets it: directory, challenge, evidence, blinded requests,
 //! and the refusals (stale challenge, bad evidence, more than L tokens, malformed bodies), with
 //! the unlinkability check on what it keeps.

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The `confed-issuer` binary as its operator runs it: a key generated owner-only, a key others
 //! can read refused, the service announcing itself (dev attester loudly), answering its
 //! directory, and stopping cleanly on SIGTERM.

@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The `confed-keyservice` binary on its own: started from a ceremony's share file and the dev
 //! policy, it serves its signed key set, and SIGTERM stops it cleanly.
 
