@@ -25,6 +25,7 @@ pub mod server;
 pub mod states;
 pub mod task_spec;
 pub mod tools;
+pub mod uploads;
 pub mod verify;
 
 pub use confed_device as device;

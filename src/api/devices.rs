@@ -5,18 +5,16 @@
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use confed_protocol::envelope::Envelope;
 
 use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::{ApiJson, ApiPath};
-use crate::blob::{BlobError, BlobKey};
-use crate::checkin::{Checkin, CheckinOutcome, RetryReason, contribution_key, contribution_limit};
-use crate::db::device::{Capability, Refusal, Stored, UploadDigests};
-use crate::keys::KeyState;
+use crate::checkin::{Checkin, CheckinOutcome, RetryReason};
+use crate::db::device::{Capability, Refusal, Stored};
 use crate::registry::check_attributes;
 use crate::states::AssignmentState;
 use crate::task_spec::{parse_version, valid_population};
+use crate::uploads::UploadError;
 pub use confed_protocol::device::{
     AssignmentResponse, CheckinRequest, ReportOutcome, ReportRequest, ReportResponse,
     RetryResponse, RetryWindow,
@@ -140,7 +138,7 @@ pub async fn get_model(
         .assignment(&capability)
         .await?
         .ok_or_else(|| refusal(Refusal::UnknownAssignment))?;
-    if let Some(closed) = closed_for_upload(&assignment, state.now()) {
+    if let Some(closed) = crate::uploads::closed_for_upload(&assignment, state.now()) {
         return Err(refusal(closed));
     }
     let version = assignment
@@ -198,13 +196,10 @@ pub async fn put_contribution(
     body: axum::body::Body,
 ) -> Result<StatusCode, ApiError> {
     let now = state.now();
+    let uploads = state.uploads();
     // Everything that can refuse the upload is decided before a byte of the body is read: a
     // made-up capability or a declared size over the task's limit costs the server no memory.
-    let assignment = state
-        .db
-        .assignment(&capability)
-        .await?
-        .ok_or_else(|| refusal(Refusal::UnknownAssignment))?;
+    let assignment = uploads.find(&capability).await?;
     let content_type = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -217,28 +212,12 @@ pub async fn put_contribution(
             "send the envelope as `Content-Type: application/cbor`".into(),
         ));
     }
-    let limit = contribution_limit(assignment.model_bytes);
-    let too_large = |size: String| {
-        ApiError::PayloadTooLarge(format!(
-            "the envelope is {size} bytes; this task accepts at most {limit}"
-        ))
-    };
-    if let Some(declared) = headers
+    let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
-        && declared > limit
-    {
-        return Err(too_large(declared.to_string()));
-    }
-    if assignment.contribution_sha256.is_none()
-        && let Some(closed) = closed_for_upload(&assignment, now)
-    {
-        if closed == Refusal::RoundClosed {
-            count_late(&state, &assignment.id).await;
-        }
-        return Err(refusal(closed));
-    }
+        .and_then(|v| v.parse::<u64>().ok());
+    let admitted = uploads.admit(assignment, declared, now).await?;
+    let limit = admitted.limit;
     // A body without a length (chunked) is read only up to the limit.
     let body = http_body_util::BodyExt::collect(http_body_util::Limited::new(
         body,
@@ -247,117 +226,41 @@ pub async fn put_contribution(
     .await
     .map_err(|e| {
         if e.is::<http_body_util::LengthLimitError>() {
-            too_large(format!("more than {limit}"))
+            UploadError::TooLarge {
+                size: format!("more than {limit}"),
+                limit,
+            }
+            .into()
         } else {
             ApiError::BadRequest(format!("the upload was cut off: {e}"))
         }
     })?
     .to_bytes();
-    let parsed = Envelope::from_cbor(&body).map_err(|e| ApiError::BadRequest(e.to_string()))?;
-    let round_key = assignment.key_id.as_deref().unwrap_or("");
-    if parsed.key_id != round_key {
-        return Err(ApiError::Unprocessable(format!(
-            "key id {:?} is not this round's key {round_key:?}; seal to the key in the assignment",
-            parsed.key_id
-        )));
-    }
-    match state.keys.key(round_key) {
-        Some(key)
-            if KeyState::at(key.not_before, key.not_after, crate::clock::seconds_of(now))
-                != KeyState::Pending => {}
-        _ => {
-            return Err(ApiError::Unprocessable(format!(
-                "key {round_key:?} is unknown or not active"
-            )));
-        }
-    }
+    let envelope = uploads.open_envelope(&admitted, &body, now)?;
     // A task that requires device tokens stores nothing unauthenticated.
     state
         .device_auth
-        .check_upload(&state.db, &assignment, &parsed)
+        .check_upload(&state.db, &admitted.assignment, &envelope)
         .await?;
-    // The one digest of an upload, computed here: the round's job lists it (so the enclave
-    // commits to its inputs without a first read, and checks the bytes against it as it opens
-    // them), and it makes a repeated upload idempotent.
-    let blake3_hex = blake3::hash(&body).to_hex();
-    let digest = format!("{BLAKE3_PREFIX}{blake3_hex}");
-    // An assignment that already holds a contribution stores nothing more: the same bytes again
-    // are a retry (200), others are refused (409). Appending first would let one capability
-    // write the task's limit to disk again and again, even after its round closed.
-    if let Some(held) = &assignment.contribution_sha256 {
-        return if same_bytes(held, &digest, &body) {
-            Ok(StatusCode::OK)
-        } else {
-            Err(refusal(Refusal::DifferentBytes))
-        };
-    }
-    let key = view_contribution_key(&assignment)?;
-    // The bytes are durable before the row that refers to them is written.
-    let stored = match state.contributions.put_new(key, &body).await {
-        Ok(stored) => stored,
-        Err(crate::blob::BlobError::Conflict(_)) => return Err(refusal(Refusal::DifferentBytes)),
-        Err(other) => return Err(other.into()),
-    };
-    match state
-        .db
-        .record_upload(
-            &capability,
-            UploadDigests {
-                idempotency: &digest,
-                blake3_hex: Some(blake3_hex.as_str()),
-            },
-            body.len() as i64,
-            stored.as_str(),
-            now,
-        )
-        .await?
-    {
-        Ok(Stored::New) => {
-            metrics::counter!("confed_contributions_total", "outcome" => "stored").increment(1);
-            Ok(StatusCode::CREATED)
+    Ok(
+        match uploads.store(&capability, &admitted, &body, now).await? {
+            Stored::New => StatusCode::CREATED,
+            Stored::Again => StatusCode::OK,
+        },
+    )
+}
+
+impl From<UploadError> for ApiError {
+    fn from(error: UploadError) -> Self {
+        match error {
+            UploadError::Refused(why) => refusal(why),
+            UploadError::TooLarge { .. } => ApiError::PayloadTooLarge(error.to_string()),
+            UploadError::Malformed(detail) => ApiError::BadRequest(detail),
+            UploadError::WrongKey(detail) => ApiError::Unprocessable(detail),
+            UploadError::DirectUploadSize { .. } => ApiError::Unprocessable(error.to_string()),
+            UploadError::Db(error) => error.into(),
+            UploadError::Blob(error) => error.into(),
         }
-        Ok(Stored::Again) => Ok(StatusCode::OK),
-        Err(why) => Err(refusal(why)),
-    }
-}
-
-/// How an upload through the server is named for idempotency: `blake3:<hex>`, the BLAKE3 the
-/// round's job lists anyway (one hash per upload).
-const BLAKE3_PREFIX: &str = "blake3:";
-
-/// Whether `body` (whose named digest is `digest`) is the contribution `held` names. Rows stored
-/// before the BLAKE3 digest hold a bare lowercase hex SHA-256, computed only for them.
-fn same_bytes(held: &str, digest: &str, body: &[u8]) -> bool {
-    if held.starts_with(BLAKE3_PREFIX) {
-        held == digest
-    } else {
-        held.eq_ignore_ascii_case(&confed_protocol::hex::sha256_hex(body))
-    }
-}
-
-fn view_contribution_key(a: &crate::db::device::AssignmentView) -> Result<BlobKey, BlobError> {
-    contribution_key(&a.tenant_id, &a.task_id, a.round_number, a.attempt, &a.id)
-}
-
-/// A contribution that arrived after its round closed: counted (metric, and the round's funnel
-/// through the assignment's row). A failure to record it is logged, never the device's problem.
-async fn count_late(state: &AppState, assignment: &crate::db::device::AssignmentRef) {
-    match state.db.mark_late(assignment, state.now()).await {
-        Ok(true) => metrics::counter!("confed_contributions_late_total").increment(1),
-        Ok(false) => {} // counted the first time
-        Err(error) => tracing::warn!(%error, "could not record a late contribution"),
-    }
-}
-
-fn closed_for_upload(a: &crate::db::device::AssignmentView, now: i64) -> Option<Refusal> {
-    if a.round_state != crate::states::RoundState::Collecting {
-        Some(Refusal::RoundClosed)
-    } else if now >= a.expires_at || a.state == AssignmentState::TimedOut {
-        Some(Refusal::Expired)
-    } else if a.state != AssignmentState::Assigned {
-        Some(Refusal::Finished(a.state))
-    } else {
-        None
     }
 }
 
@@ -381,7 +284,10 @@ pub async fn report(
 ) -> Result<axum::Json<ReportResponse>, ApiError> {
     let outcome = request.outcome;
     if outcome == ReportOutcome::Completed && state.contributions.accepts_direct_uploads() {
-        note_direct_upload(&state, &capability).await?;
+        state
+            .uploads()
+            .note_direct_upload(&capability, state.now())
+            .await?;
     }
     let recorded = match state
         .db
@@ -391,7 +297,10 @@ pub async fn report(
         Ok(recorded) => recorded,
         Err(why) => {
             if why == Refusal::RoundClosed && outcome == ReportOutcome::Completed {
-                count_late(&state, &capability.reference()).await;
+                state
+                    .uploads()
+                    .count_late(&capability.reference(), state.now())
+                    .await;
             }
             return Err(refusal(why));
         }
@@ -405,79 +314,9 @@ pub async fn report(
     }))
 }
 
-/// A device that uploaded straight to the blob store reports completion: the server checks that
-/// the object is there and within the task's size limit, and records it like an upload through
-/// the server (the state machine's ASSIGNED -> UPLOADED). Nothing is listed; one metadata read.
-async fn note_direct_upload(state: &AppState, capability: &Capability) -> Result<(), ApiError> {
-    let assignment = state
-        .db
-        .assignment(capability)
-        .await?
-        .ok_or_else(|| refusal(Refusal::UnknownAssignment))?;
-    if assignment.contribution_sha256.is_some() || assignment.state != AssignmentState::Assigned {
-        return Ok(()); // already noted, or finished: the report itself says what applies
-    }
-    if let Some(closed) = closed_for_upload(&assignment, state.now()) {
-        if closed == Refusal::RoundClosed {
-            count_late(state, &assignment.id).await;
-        }
-        return Err(refusal(closed));
-    }
-    let key = view_contribution_key(&assignment)?;
-    let Some(object) = state.contributions.stat(&key).await? else {
-        return Err(refusal(Refusal::NotUploaded));
-    };
-    let limit = contribution_limit(assignment.model_bytes);
-    if object.size > limit || object.size == 0 {
-        return Err(ApiError::Unprocessable(format!(
-            "the uploaded contribution is {} bytes; this task accepts 1 to {limit}",
-            object.size
-        )));
-    }
-    match state
-        .db
-        .record_upload(
-            capability,
-            UploadDigests {
-                idempotency: &object.digest,
-                blake3_hex: None,
-            },
-            object.size as i64,
-            key.as_str(),
-            state.now(),
-        )
-        .await?
-    {
-        Ok(Stored::New) => {
-            metrics::counter!("confed_contributions_total", "outcome" => "stored_direct")
-                .increment(1);
-            Ok(())
-        }
-        Ok(Stored::Again) => Ok(()),
-        Err(why) => Err(refusal(why)),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A retried upload is compared by the digest its row holds: `blake3:<hex>` now, a bare
-    /// SHA-256 in rows stored before (still answered 200 for the same bytes).
-    #[test]
-    fn a_repeated_upload_matches_by_blake3_or_by_a_legacy_sha256() {
-        let body = b"envelope bytes";
-        let digest = format!("{BLAKE3_PREFIX}{}", blake3::hash(body).to_hex());
-        assert!(same_bytes(&digest, &digest, body));
-        let legacy = confed_protocol::hex::sha256_hex(body);
-        assert!(same_bytes(&legacy, &digest, body));
-        assert!(same_bytes(&legacy.to_uppercase(), &digest, body));
-        let other = b"other bytes";
-        let other_digest = format!("{BLAKE3_PREFIX}{}", blake3::hash(other).to_hex());
-        assert!(!same_bytes(&digest, &other_digest, other));
-        assert!(!same_bytes(&legacy, &other_digest, other));
-        assert!(!same_bytes("md5:00", &digest, body));
-    }
 
     #[test]
     fn retry_waits_spread_over_the_window() {

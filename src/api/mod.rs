@@ -88,6 +88,15 @@ impl AppState {
     pub fn now(&self) -> Millis {
         self.clock.now_millis()
     }
+
+    /// The upload service over this state's database, keys and contribution store.
+    pub fn uploads(&self) -> crate::uploads::Uploads<'_> {
+        crate::uploads::Uploads {
+            db: &self.db,
+            keys: &self.keys,
+            contributions: self.contributions.as_ref(),
+        }
+    }
 }
 
 #[derive(OpenApi)]

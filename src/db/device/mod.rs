@@ -575,12 +575,23 @@ pub(crate) async fn insert_row(
 
 /// Whether the assignment can no longer take uploads or reports.
 fn closed(a: &WriteView, now: i64) -> Option<Refusal> {
-    if a.round_state != RoundState::Collecting {
+    closed_at(a.round_state, a.expires_at, a.state, now)
+}
+
+/// The one rule of when an assignment is closed, from its round's state, its expiry and its
+/// own state: the round closed, then expired, then finished.
+pub(crate) fn closed_at(
+    round_state: RoundState,
+    expires_at: i64,
+    state: AssignmentState,
+    now: i64,
+) -> Option<Refusal> {
+    if round_state != RoundState::Collecting {
         Some(Refusal::RoundClosed)
-    } else if now >= a.expires_at || a.state == AssignmentState::TimedOut {
+    } else if now >= expires_at || state == AssignmentState::TimedOut {
         Some(Refusal::Expired)
-    } else if a.state.is_terminal() {
-        Some(Refusal::Finished(a.state))
+    } else if state.is_terminal() {
+        Some(Refusal::Finished(state))
     } else {
         None
     }

@@ -1,0 +1,280 @@
+//! The contribution upload as a service, beside check-in (`checkin.rs`): the rules of
+//! `PUT /v1/assignments/{id}/contribution` without HTTP. The handler reads the request, calls
+//! these steps in order and maps their errors; everything that can refuse an upload is decided
+//! before a byte of the body is read, and the bytes are durable before the row that refers to
+//! them is written.
+
+use confed_protocol::envelope::Envelope;
+use thiserror::Error;
+
+use crate::blob::{BlobError, BlobKey, BlobStore};
+use crate::checkin::{contribution_key, contribution_limit};
+use crate::db::device::{AssignmentView, Capability, Refusal, Stored, UploadDigests};
+use crate::db::{Db, DbError};
+use crate::keys::KeyState;
+use crate::keys::directory::KeyDirectory;
+use crate::states::AssignmentState;
+
+/// How an upload through the server is named for idempotency: `blake3:<hex>`, the BLAKE3 the
+/// round's job lists anyway (one hash per upload).
+const BLAKE3_PREFIX: &str = "blake3:";
+
+#[derive(Debug, Error)]
+pub enum UploadError {
+    #[error("{0:?}")]
+    Refused(Refusal),
+    #[error("the envelope is {size} bytes; this task accepts at most {limit}")]
+    TooLarge { size: String, limit: u64 },
+    #[error("{0}")]
+    Malformed(String),
+    #[error("{0}")]
+    WrongKey(String),
+    /// An object uploaded straight to the blob store that is empty or over the limit.
+    #[error("the uploaded contribution is {size} bytes; this task accepts 1 to {limit}")]
+    DirectUploadSize { size: u64, limit: u64 },
+    #[error(transparent)]
+    Db(#[from] DbError),
+    #[error(transparent)]
+    Blob(#[from] BlobError),
+}
+
+/// An assignment that may take an upload, and the most bytes it takes.
+#[derive(Debug)]
+pub struct Admitted {
+    pub assignment: AssignmentView,
+    pub limit: u64,
+}
+
+/// The upload service over the task database, the key directory and the contribution store.
+pub struct Uploads<'a> {
+    pub db: &'a Db,
+    pub keys: &'a KeyDirectory,
+    pub contributions: &'a dyn BlobStore,
+}
+
+impl Uploads<'_> {
+    /// The assignment `capability` names (404 otherwise).
+    pub async fn find(&self, capability: &Capability) -> Result<AssignmentView, UploadError> {
+        self.db
+            .assignment(capability)
+            .await?
+            .ok_or(UploadError::Refused(Refusal::UnknownAssignment))
+    }
+
+    /// Whether `assignment` takes an upload of `declared` bytes (the Content-Length, if any)
+    /// at `now`: within the task's limit and, unless it already holds a contribution (a retry
+    /// is answered by `store`), still open. A contribution for a closed round is counted late.
+    pub async fn admit(
+        &self,
+        assignment: AssignmentView,
+        declared: Option<u64>,
+        now: i64,
+    ) -> Result<Admitted, UploadError> {
+        let limit = contribution_limit(assignment.model_bytes);
+        if let Some(declared) = declared
+            && declared > limit
+        {
+            return Err(UploadError::TooLarge {
+                size: declared.to_string(),
+                limit,
+            });
+        }
+        if assignment.contribution_sha256.is_none()
+            && let Some(closed) = closed_for_upload(&assignment, now)
+        {
+            if closed == Refusal::RoundClosed {
+                self.count_late(&assignment.id, now).await;
+            }
+            return Err(UploadError::Refused(closed));
+        }
+        Ok(Admitted { assignment, limit })
+    }
+
+    /// The envelope in `body`, sealed to the round's key, which is active at `now`.
+    pub fn open_envelope(
+        &self,
+        admitted: &Admitted,
+        body: &[u8],
+        now: i64,
+    ) -> Result<Envelope, UploadError> {
+        let parsed =
+            Envelope::from_cbor(body).map_err(|e| UploadError::Malformed(e.to_string()))?;
+        let round_key = admitted.assignment.key_id.as_deref().unwrap_or("");
+        if parsed.key_id != round_key {
+            return Err(UploadError::WrongKey(format!(
+                "key id {:?} is not this round's key {round_key:?}; seal to the key in the assignment",
+                parsed.key_id
+            )));
+        }
+        match self.keys.key(round_key) {
+            Some(key)
+                if KeyState::at(key.not_before, key.not_after, crate::clock::seconds_of(now))
+                    != KeyState::Pending =>
+            {
+                Ok(parsed)
+            }
+            _ => Err(UploadError::WrongKey(format!(
+                "key {round_key:?} is unknown or not active"
+            ))),
+        }
+    }
+
+    /// Stores `body` durably and records it against the assignment: `Stored::New` the first
+    /// time, `Stored::Again` for the same bytes again; different bytes are refused.
+    pub async fn store(
+        &self,
+        capability: &Capability,
+        admitted: &Admitted,
+        body: &[u8],
+        now: i64,
+    ) -> Result<Stored, UploadError> {
+        let assignment = &admitted.assignment;
+        // The one digest of an upload, computed here: the round's job lists it (so the enclave
+        // commits to its inputs without a first read, and checks the bytes against it as it
+        // opens them), and it makes a repeated upload idempotent.
+        let blake3_hex = blake3::hash(body).to_hex();
+        let digest = format!("{BLAKE3_PREFIX}{blake3_hex}");
+        // An assignment that already holds a contribution stores nothing more: the same bytes
+        // again are a retry, others are refused. Appending first would let one capability write
+        // the task's limit to disk again and again, even after its round closed.
+        if let Some(held) = &assignment.contribution_sha256 {
+            return if same_bytes(held, &digest, body) {
+                Ok(Stored::Again)
+            } else {
+                Err(UploadError::Refused(Refusal::DifferentBytes))
+            };
+        }
+        let key = view_contribution_key(assignment)?;
+        // The bytes are durable before the row that refers to them is written.
+        let stored = match self.contributions.put_new(key, body).await {
+            Ok(stored) => stored,
+            Err(BlobError::Conflict(_)) => {
+                return Err(UploadError::Refused(Refusal::DifferentBytes));
+            }
+            Err(other) => return Err(other.into()),
+        };
+        let recorded = self
+            .db
+            .record_upload(
+                capability,
+                UploadDigests {
+                    idempotency: &digest,
+                    blake3_hex: Some(blake3_hex.as_str()),
+                },
+                body.len() as i64,
+                stored.as_str(),
+                now,
+            )
+            .await?
+            .map_err(UploadError::Refused)?;
+        if recorded == Stored::New {
+            metrics::counter!("confed_contributions_total", "outcome" => "stored").increment(1);
+        }
+        Ok(recorded)
+    }
+
+    /// A device that uploaded straight to the blob store reports completion: the object must be
+    /// there and within the task's size limit, and is recorded like an upload through the
+    /// server (ASSIGNED -> UPLOADED). Nothing is listed; one metadata read.
+    pub async fn note_direct_upload(
+        &self,
+        capability: &Capability,
+        now: i64,
+    ) -> Result<(), UploadError> {
+        let assignment = self.find(capability).await?;
+        if assignment.contribution_sha256.is_some() || assignment.state != AssignmentState::Assigned
+        {
+            return Ok(()); // already noted, or finished: the report itself says what applies
+        }
+        if let Some(closed) = closed_for_upload(&assignment, now) {
+            if closed == Refusal::RoundClosed {
+                self.count_late(&assignment.id, now).await;
+            }
+            return Err(UploadError::Refused(closed));
+        }
+        let key = view_contribution_key(&assignment)?;
+        let Some(object) = self.contributions.stat(&key).await? else {
+            return Err(UploadError::Refused(Refusal::NotUploaded));
+        };
+        let limit = contribution_limit(assignment.model_bytes);
+        if object.size > limit || object.size == 0 {
+            return Err(UploadError::DirectUploadSize {
+                size: object.size,
+                limit,
+            });
+        }
+        let recorded = self
+            .db
+            .record_upload(
+                capability,
+                UploadDigests {
+                    idempotency: &object.digest,
+                    blake3_hex: None,
+                },
+                object.size as i64,
+                key.as_str(),
+                now,
+            )
+            .await?
+            .map_err(UploadError::Refused)?;
+        if recorded == Stored::New {
+            metrics::counter!("confed_contributions_total", "outcome" => "stored_direct")
+                .increment(1);
+        }
+        Ok(())
+    }
+
+    /// A contribution that arrived after its round closed: counted (metric, and the round's
+    /// funnel through the assignment's row). A failure to record it is logged, never the
+    /// device's problem.
+    pub async fn count_late(&self, assignment: &crate::db::device::AssignmentRef, now: i64) {
+        match self.db.mark_late(assignment, now).await {
+            Ok(true) => metrics::counter!("confed_contributions_late_total").increment(1),
+            Ok(false) => {} // counted the first time
+            Err(error) => tracing::warn!(%error, "could not record a late contribution"),
+        }
+    }
+}
+
+/// Whether `body` (whose named digest is `digest`) is the contribution `held` names. Rows stored
+/// before the BLAKE3 digest hold a bare lowercase hex SHA-256, computed only for them.
+fn same_bytes(held: &str, digest: &str, body: &[u8]) -> bool {
+    if held.starts_with(BLAKE3_PREFIX) {
+        held == digest
+    } else {
+        held.eq_ignore_ascii_case(&confed_protocol::hex::sha256_hex(body))
+    }
+}
+
+fn view_contribution_key(a: &AssignmentView) -> Result<BlobKey, BlobError> {
+    contribution_key(&a.tenant_id, &a.task_id, a.round_number, a.attempt, &a.id)
+}
+
+/// The store's rule of a closed assignment (`db::device::closed_at`), and for an upload also
+/// any assignment past ASSIGNED: it has stored a contribution or finished.
+pub(crate) fn closed_for_upload(a: &AssignmentView, now: i64) -> Option<Refusal> {
+    crate::db::device::closed_at(a.round_state, a.expires_at, a.state, now)
+        .or_else(|| (a.state != AssignmentState::Assigned).then_some(Refusal::Finished(a.state)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A retried upload is compared by the digest its row holds: `blake3:<hex>` now, a bare
+    /// SHA-256 in rows stored before (still answered 200 for the same bytes).
+    #[test]
+    fn a_repeated_upload_matches_by_blake3_or_by_a_legacy_sha256() {
+        let body = b"envelope bytes";
+        let digest = format!("{BLAKE3_PREFIX}{}", blake3::hash(body).to_hex());
+        assert!(same_bytes(&digest, &digest, body));
+        let legacy = confed_protocol::hex::sha256_hex(body);
+        assert!(same_bytes(&legacy, &digest, body));
+        assert!(same_bytes(&legacy.to_uppercase(), &digest, body));
+        let other = b"other bytes";
+        let other_digest = format!("{BLAKE3_PREFIX}{}", blake3::hash(other).to_hex());
+        assert!(!same_bytes(&digest, &other_digest, other));
+        assert!(!same_bytes(&legacy, &other_digest, other));
+        assert!(!same_bytes("md5:00", &digest, body));
+    }
+}
