@@ -11,6 +11,18 @@ fn issuer() -> Command {
     Command::new(env!("CARGO_BIN_EXE_confed-issuer"))
 }
 
+/// The address a started issuer announces on its first line of standard output.
+fn serving_address(child: &mut std::process::Child) -> String {
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    line.trim()
+        .strip_prefix("confed: serving on http://")
+        .unwrap_or_else(|| panic!("{line}"))
+        .to_string()
+}
+
 fn get(address: &str, path: &str) -> String {
     let mut stream = std::net::TcpStream::connect(address).unwrap();
     write!(
@@ -91,15 +103,7 @@ fn the_issuer_generates_its_key_refuses_a_readable_one_serves_and_stops_cleanly(
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let address = line
-        .trim()
-        .strip_prefix("confed: serving on http://")
-        .unwrap_or_else(|| panic!("{line}"))
-        .to_string();
+    let address = serving_address(&mut child);
     let directory = get(&address, "/v1/directory");
     assert!(directory.starts_with("HTTP/1.1 200"), "{directory}");
     assert!(directory.contains("\"issuer_name\":\"issuer.test\""));
@@ -193,15 +197,7 @@ fn the_android_attester_needs_its_allow_list_and_status_list_and_then_serves_wit
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let address = line
-        .trim()
-        .strip_prefix("confed: serving on http://")
-        .unwrap_or_else(|| panic!("{line}"))
-        .to_string();
+    let address = serving_address(&mut child);
     let directory = get(&address, "/v1/directory");
     assert!(
         directory.contains("\"attester\":\"android-key-attestation\""),

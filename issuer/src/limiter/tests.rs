@@ -179,8 +179,10 @@ fn concurrent_requests_of_one_device_get_exactly_l_tokens_between_them() {
     );
 }
 
+/// (Whether concurrent grants share syncs is measured by `cargo bench -p confed-issuer --bench
+/// issuance`, which prints syncs a grant; a test cannot force the overlap without sleeping.)
 #[test]
-fn every_grant_answered_under_concurrency_is_in_the_file_and_syncs_are_shared_not_added() {
+fn every_grant_answered_under_concurrency_is_in_the_file_and_no_grant_costs_two_syncs() {
     let dir = tempfile::tempdir().unwrap();
     let limiter = Limiter::open(dir.path(), 3, DAY).unwrap();
     const THREADS: u8 = 8;
