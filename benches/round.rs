@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 
 use confed_enclave::aggregate::{Aggregator, Binding};
 use confed_enclave::envelope::{self, RoundContext};
-use confed_enclave::model::{encode_f32_tensors, validate_model};
 use confed_protocol::hpke::generate_keypair;
+use confed_worker_api::model::{encode_f32_tensors, validate_model};
 
 const DEFAULT_DEVICES: usize = 1000;
 const PARAMS: usize = 262_144;

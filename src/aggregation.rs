@@ -1,6 +1,6 @@
 //! The untrusted side of aggregation: the task database and blob store offered to enclave workers
-//! as `confed_enclave::worker::JobStore`, and the loop that runs a worker in-process (the embedded
-//! default; in production the worker runs in its own TEE process behind the same interface).
+//! as `confed_worker_api::JobStore`: over HTTP to `confed-enclave` processes (`api::workers`), or
+//! in process to the embedded default's worker (`embedded::serve::run_worker`).
 //!
 //! Nothing here sees a key, a plaintext or an un-noised sum: it hands out ciphertexts and stores
 //! what the enclave releases (the noised average, its manifest, the next model).
@@ -8,10 +8,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use confed_enclave::remote::{BlobSource, ContributionWire, JobWire, resolve};
-use confed_enclave::worker::{JobSpec, JobStore, StagedRelease, StoreError, Worker};
+use confed_worker_api::store::{JobSpec, JobStore, StagedRelease, StoreError};
+use confed_worker_api::wire::{BlobSource, ContributionWire, JobWire, resolve};
 use sha2::{Digest, Sha256};
-use tokio::sync::watch;
 
 use crate::blob::{BlobError, BlobKey, BlobStore};
 use crate::clock::Clock;
@@ -254,7 +253,7 @@ impl TaskDbJobStore {
             Some(parameters) => parameters,
             None => parameter_count(&self.required_blob(&context.model.blob_key).await?)?,
         };
-        confed_enclave::optimizer::OptimizerState::decode(state)
+        confed_worker_api::optimizer::OptimizerState::decode(state)
             .and_then(|decoded| decoded.fits(&context.task.spec.server_optimizer, parameters))
             .map_err(|e| StoreError::Refused(e.to_string()))?;
         let sha = hex(Sha256::digest(state));
@@ -443,42 +442,5 @@ impl JobStore for TaskDbJobStore {
             .fail_job(job_id, worker, reason, permanent, self.now())
             .await
             .map_err(db_error)
-    }
-}
-
-/// Runs `worker` until `shutdown`: a job right after a job, at once when this process closes a
-/// round (`Db::job_ready`), otherwise a poll every `idle` (jobs created by other processes).
-pub async fn run_worker(
-    worker: Worker<TaskDbJobStore>,
-    db: Db,
-    idle: Duration,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    loop {
-        let busy = match worker.run_once().await {
-            Ok(Some(outcome)) => {
-                tracing::info!(task = %outcome.task_id, round = outcome.round, included = outcome.included,
-                    excluded = outcome.excluded, epsilon_spent = ?outcome.epsilon_spent,
-                    seconds = outcome.phases.after_lease().as_secs_f64(), phases = %outcome.phases, "round aggregated");
-                metrics::counter!("confed_rounds_aggregated_total").increment(1);
-                true
-            }
-            Ok(None) => false,
-            Err(error) => {
-                tracing::warn!(%error, "aggregation job not finished; it will be retried");
-                false
-            }
-        };
-        if busy {
-            continue;
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(idle) => {}
-            _ = db.job_ready() => {}
-            _ = shutdown.changed() => {}
-        }
-        if *shutdown.borrow() {
-            break;
-        }
     }
 }

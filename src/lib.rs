@@ -3,7 +3,14 @@
 //! Nothing here ever sees a plaintext update, a key share or an un-noised sum.
 //!
 //! The device library is `confed-device` (re-exported as `confed::device` for the tools), the
-//! wire formats are `confed-protocol`; `tools` holds the simulator, local training and the demo.
+//! wire formats are `confed-protocol`, what the front end and enclave workers agree on is
+//! `confed-worker-api`, and the privacy accounting `confed-dp`.
+//!
+//! The `embedded` feature (on by default) adds the embedded default: key services and an enclave
+//! worker in process (`embedded`, DEV attester only) and the tools built on it (`tools`: the
+//! simulator, local training and the demo). Without it the crate links no enclave, key-service
+//! or issuer code (`cargo tree -p confed --no-default-features`; tests/crate_boundaries.rs):
+//! the production front end is built that way (deploy/gcp/Dockerfile).
 
 pub mod aggregation;
 pub mod api;
@@ -13,6 +20,7 @@ pub mod checkin;
 pub mod clock;
 pub mod console;
 pub mod db;
+#[cfg(feature = "embedded")]
 pub mod embedded;
 pub mod evaluation;
 pub mod keys;
@@ -24,9 +32,11 @@ pub mod scheduling;
 pub mod server;
 pub mod states;
 pub mod task_spec;
+#[cfg(feature = "embedded")]
 pub mod tools;
 pub mod uploads;
 pub mod verify;
 
 pub use confed_device as device;
+#[cfg(feature = "embedded")]
 pub use confed_keyservice as keyservice;

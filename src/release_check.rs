@@ -8,9 +8,9 @@
 
 use confed_attestation::exchange::decode_verifying_key;
 use confed_attestation::release::{KeySetShape, ReleaseCommitment, TrustedSigner};
-use confed_enclave::aggregate::Manifest;
-use confed_enclave::worker::StagedRelease;
 use confed_protocol::policy::sha256_hex;
+use confed_worker_api::manifest::Manifest;
+use confed_worker_api::store::StagedRelease;
 
 use crate::db::jobs::JobContext;
 use crate::keys::directory::KeyDirectory;

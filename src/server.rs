@@ -19,7 +19,7 @@ use crate::keys::directory::KeyDirectory;
 use crate::scheduler::Scheduler;
 
 /// How often the key services' key sets are fetched again.
-const KEY_REFRESH: Duration = Duration::from_secs(60);
+pub(crate) const KEY_REFRESH: Duration = Duration::from_secs(60);
 
 pub use confed_serving::{ListenError, TlsFiles, check_listen, serve_app};
 
@@ -91,6 +91,10 @@ pub enum ServeError {
     Blob(#[from] BlobError),
     #[error("cannot start the embedded key services: {0}")]
     Embedded(String),
+    #[error(
+        "no --keyservice given, and this confed was built without the `embedded` feature (in-process key services and enclave worker): pass --keyservice URL for each key service, and run enclave workers as confed-enclave processes"
+    )]
+    NotEmbedded,
 }
 
 /// The database file inside a data directory.
@@ -177,10 +181,20 @@ pub async fn serve(
         open_contributions = Some(contributions.clone());
         let keys = KeyDirectory::default();
         let embedded_worker = if config.keyservices.is_empty() {
-            let (worker_config, tasks) =
-                start_embedded_enclave(&config.data_dir, &clock, &keys, stop_rx.clone()).await?;
-            background.extend(tasks);
-            Some(worker_config)
+            #[cfg(not(feature = "embedded"))]
+            return Err(ServeError::NotEmbedded);
+            #[cfg(feature = "embedded")]
+            {
+                let (worker_config, tasks) = crate::embedded::serve::start_enclave(
+                    &config.data_dir,
+                    &clock,
+                    &keys,
+                    stop_rx.clone(),
+                )
+                .await?;
+                background.extend(tasks);
+                Some(worker_config)
+            }
         } else {
             keys.spawn_refresh(config.keyservices.clone(), KEY_REFRESH);
             None
@@ -204,6 +218,7 @@ pub async fn serve(
                 device_auth: Default::default(),
             }));
         }
+        #[cfg(feature = "embedded")]
         if let (true, Some(worker_config)) = (has(Role::EnclaveWorker), embedded_worker) {
             let store = crate::aggregation::TaskDbJobStore {
                 db: db.clone(),
@@ -213,13 +228,15 @@ pub async fn serve(
                 clock: clock.clone(),
             };
             let worker = confed_enclave::worker::Worker::new(Arc::new(store), worker_config);
-            background.push(tokio::spawn(crate::aggregation::run_worker(
+            background.push(tokio::spawn(crate::embedded::serve::run_worker(
                 worker,
                 db.clone(),
                 Duration::from_secs(1),
                 stop_rx.clone(),
             )));
         }
+        #[cfg(not(feature = "embedded"))]
+        let _: Option<std::convert::Infallible> = embedded_worker;
     }
     if has(Role::Scheduler) {
         let retention = crate::retention::Retention::new(
@@ -273,84 +290,4 @@ async fn create_demo_tenant(db: &Db, now: i64) -> Result<(), ServeError> {
     );
     println!("CONFED_DEMO_TOKEN={}", token.as_str());
     Ok(())
-}
-
-/// The embedded default without `--keyservice`: three key services (any two reconstruct a key)
-/// and an enclave worker in this process, attesting with the DEV attester; state in
-/// `DATA_DIR/embedded`, and the device trust file at `DATA_DIR/embedded/trust.json`.
-async fn start_embedded_enclave(
-    data_dir: &std::path::Path,
-    clock: &Arc<dyn Clock>,
-    keys: &KeyDirectory,
-    stop: watch::Receiver<bool>,
-) -> Result<
-    (
-        confed_enclave::worker::WorkerConfig,
-        Vec<tokio::task::JoinHandle<()>>,
-    ),
-    ServeError,
-> {
-    let embedded = data_dir.join("embedded");
-    std::fs::create_dir_all(&embedded).map_err(|source| ServeError::DataDir {
-        path: embedded.clone(),
-        source,
-    })?;
-    let token_clock = clock.clone();
-    // Kept in the data directory (which already holds the embedded key services' shares), so a
-    // `confed-enclave --attester dev --dev-key <it>` can stand in for the in-process worker.
-    let attester_key = embedded.join("dev-attester.pem");
-    let attester = Arc::new(
-        confed_attestation::DevAttester::from_key_file(
-            &attester_key,
-            Arc::new(move || token_clock.now_seconds()),
-        )
-        .map_err(ServeError::Embedded)?,
-    );
-    let services =
-        crate::embedded::keyservices::start(&embedded, 3, 2, clock.clone(), &attester, stop)
-            .await
-            .map_err(|e| ServeError::Embedded(confed_protocol::errors::with_causes(&e)))?;
-    let urls: Vec<String> = services.endpoints.iter().map(|e| e.url.clone()).collect();
-    keys.refresh(
-        &confed_protocol::http::client(Duration::from_secs(10)),
-        &urls,
-    )
-    .await;
-    keys.spawn_refresh(urls, KEY_REFRESH);
-    let trust_file = embedded.join("trust.json");
-    let trust = serde_json::to_vec_pretty(&services.trust)
-        .map_err(|e| ServeError::Embedded(confed_protocol::errors::with_causes(&e)))?;
-    std::fs::write(&trust_file, trust).map_err(|source| ServeError::DataDir {
-        path: trust_file.clone(),
-        source,
-    })?;
-    println!(
-        "confed: no --keyservice given: 3 key services (any 2 reconstruct a key) and an enclave worker run in this process with the DEV attester; nothing here is confidential. Device trust file: {}",
-        trust_file.display()
-    );
-    println!(
-        "confed: dev attester key (for confed-enclave --attester dev --dev-key): {}",
-        attester_key.display()
-    );
-    println!(
-        "confed: embedded key services: {}",
-        services
-            .endpoints
-            .iter()
-            .map(|e| format!("{}={}", e.id, e.url))
-            .collect::<Vec<_>>()
-            .join(" ")
-    );
-    let worker = confed_enclave::worker::WorkerConfig {
-        // A new incarnation per process: after a crash, this worker takes its job back at once.
-        id: format!("embedded-enclave-worker/{}", uuid::Uuid::new_v4().simple()),
-        lease: Duration::from_secs(60),
-        key_services: services.endpoints,
-        threshold: 2,
-        attester,
-        key_timeout: Duration::from_secs(10),
-        batch: 256,
-        batch_bytes: 16 << 20,
-    };
-    Ok((worker, services.tasks))
 }

@@ -4,8 +4,8 @@
 //! manifest as the enclave signed it, the average, and the proof.
 
 use confed_attestation::release::{ReleaseProof, TrustedSigner};
-use confed_enclave::aggregate::Manifest;
 use confed_protocol::policy::sha256_hex;
+use confed_worker_api::manifest::Manifest;
 use thiserror::Error;
 
 use crate::release_check::commitment_of;

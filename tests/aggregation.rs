@@ -11,12 +11,12 @@ use std::time::Duration;
 use common::system::{GOAL, collect, get, now_clock, open_task, rounds, start};
 
 use confed::tools::simulate;
-use confed_enclave::aggregate::Manifest;
-use confed_enclave::worker::{JobSpec, JobStore, StagedRelease, StoreError};
+use confed_worker_api::manifest::Manifest;
+use confed_worker_api::store::{JobSpec, JobStore, StagedRelease, StoreError};
 use serde_json::Value;
 
 fn model_values(bytes: &[u8]) -> Vec<f32> {
-    let schema = confed_enclave::model::validate_model(bytes).unwrap();
+    let schema = confed_worker_api::model::validate_model(bytes).unwrap();
     confed_enclave::updater::average_values(&schema, bytes).unwrap()
 }
 

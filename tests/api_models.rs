@@ -36,7 +36,7 @@ async fn upload_refuses_what_is_not_a_model() {
     let token = app.tenant("acme").await;
     let id = app.create_task(&token, json!({})).await;
     let nan_model =
-        confed_enclave::model::encode_f32_tensors(&[("w", vec![1], &[f32::NAN])]).unwrap();
+        confed_worker_api::model::encode_f32_tensors(&[("w", vec![1], &[f32::NAN])]).unwrap();
     for (bytes, expect) in [
         (b"not safetensors".to_vec(), "not a valid safetensors"),
         (nan_model, "non-finite"),
@@ -63,7 +63,7 @@ async fn second_upload_is_409_and_keeps_version_zero() {
     let app = TestApp::new().await;
     let token = app.tenant("acme").await;
     let id = app.open_task(&token, json!({})).await;
-    let other = confed_enclave::model::encode_f32_tensors(&[("w", vec![1], &[9.0])]).unwrap();
+    let other = confed_worker_api::model::encode_f32_tensors(&[("w", vec![1], &[9.0])]).unwrap();
     let reply = app
         .put_bytes(&format!("/v1/tasks/{id}/model"), &token, other)
         .await;
@@ -107,7 +107,7 @@ async fn upload_over_the_model_limit_is_413() {
     let token = app.tenant("acme").await;
     let id = app.create_task(&token, json!({})).await;
     let big =
-        confed_enclave::model::encode_f32_tensors(&[("w", vec![1000], &[0.5; 1000])]).unwrap();
+        confed_worker_api::model::encode_f32_tensors(&[("w", vec![1000], &[0.5; 1000])]).unwrap();
     app.put_bytes(&format!("/v1/tasks/{id}/model"), &token, big)
         .await
         .problem(StatusCode::PAYLOAD_TOO_LARGE);

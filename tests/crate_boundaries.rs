@@ -7,6 +7,15 @@ use std::process::Command;
 
 /// Every package `package` links in normal builds (no dev or build dependencies), by name.
 fn normal_dependencies(package: &str, features: &[&str]) -> BTreeSet<String> {
+    normal_dependencies_with(package, features, true)
+}
+
+/// `normal_dependencies`, with or without the package's default features.
+fn normal_dependencies_with(
+    package: &str,
+    features: &[&str],
+    default_features: bool,
+) -> BTreeSet<String> {
     let mut command = Command::new(env!("CARGO"));
     command.args([
         "tree",
@@ -20,6 +29,9 @@ fn normal_dependencies(package: &str, features: &[&str]) -> BTreeSet<String> {
     ]);
     if !features.is_empty() {
         command.args(["--features", &features.join(",")]);
+    }
+    if !default_features {
+        command.arg("--no-default-features");
     }
     let output = command
         .current_dir(env!("CARGO_MANIFEST_DIR"))
@@ -117,6 +129,57 @@ fn the_enclave_and_attestation_never_link_the_front_ends() {
             package,
             &found,
             &["confed", "confed-keyservice", "sqlx", "rusqlite", "axum"],
+        );
+    }
+}
+
+#[test]
+fn the_production_front_end_links_no_enclave_key_service_or_issuer_code() {
+    // `confed` without its `embedded` feature is what deploy/gcp/Dockerfile builds: the front
+    // ends an operator runs, which must hold no key handling, noise, or the enclave's
+    // OpenDP/AWS-LC/rayon (docs/architecture.md, "Crates").
+    let found = normal_dependencies_with("confed", &[], false);
+    assert_none_of(
+        "confed --no-default-features",
+        &found,
+        &[
+            "confed-enclave",
+            "confed-keyservice",
+            "confed-issuer",
+            "opendp",
+            "aws-lc-rs",
+            "aws-lc-sys",
+            "rayon",
+        ],
+    );
+    // The shared crates it does link are the ones meant for it.
+    for needed in ["confed-protocol", "confed-worker-api", "confed-dp"] {
+        assert!(found.contains(needed), "{needed} missing: {found:?}");
+    }
+    // And the embedded default (the default features) is what brings the enclave in.
+    let embedded = normal_dependencies("confed", &[]);
+    assert!(embedded.contains("confed-enclave") && embedded.contains("opendp"));
+}
+
+#[test]
+fn the_shared_crates_link_neither_side() {
+    // What the front end and the enclave share holds nothing of either (and no OpenDP: the
+    // front end's plan check is the closed form).
+    for package in ["confed-worker-api", "confed-dp"] {
+        let found = normal_dependencies(package, &[]);
+        assert_none_of(
+            package,
+            &found,
+            &[
+                "confed",
+                "confed-enclave",
+                "confed-keyservice",
+                "opendp",
+                "aws-lc-sys",
+                "rayon",
+                "sqlx",
+                "axum",
+            ],
         );
     }
 }

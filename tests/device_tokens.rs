@@ -16,13 +16,13 @@ use common::system::{GOAL, now_clock, open_task_with, start};
 use confed::clock::Clock;
 use confed::tools::simulate::{self, SimulationConfig};
 use confed_device::{Checkin, DeviceClient, DeviceError};
-use confed_enclave::aggregate::Manifest;
-use confed_enclave::worker::JobStore;
 use confed_issuer::Issuer;
 use confed_issuer::attester::dev::DevAttester;
 use confed_issuer::limiter::Limiter;
 use confed_protocol::privacy_pass::Token;
 use confed_protocol::privacy_pass::issuance::TokenSigner;
+use confed_worker_api::manifest::Manifest;
+use confed_worker_api::store::JobStore;
 use serde_json::json;
 
 const ISSUER: &str = "issuer.test";

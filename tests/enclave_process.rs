@@ -77,7 +77,7 @@ async fn the_enclave_binary_completes_a_round_through_the_worker_api() {
                 .to_vec()
         }
     };
-    let optimizer = confed_enclave::optimizer::ServerOptimizer::FedAdam {
+    let optimizer = confed_worker_api::optimizer::ServerOptimizer::FedAdam {
         beta1: 0.9,
         beta2: 0.99,
         tau: 0.01,
@@ -85,7 +85,7 @@ async fn the_enclave_binary_completes_a_round_through_the_worker_api() {
     let mut model = bytes(format!("/v1/tasks/{task}/models/0")).await;
     let mut state: Option<Vec<u8>> = None;
     for round in 1..=2 {
-        let schema = confed_enclave::model::validate_model(&model).unwrap();
+        let schema = confed_worker_api::model::validate_model(&model).unwrap();
         let average = bytes(format!("/v1/tasks/{task}/releases/{round}/average")).await;
         let values = confed_enclave::updater::average_values(&schema, &average).unwrap();
         let expected = confed_enclave::updater::apply_with(

@@ -12,9 +12,10 @@ use std::time::Duration;
 
 use common::system::{GOAL, collect, now_clock, open_task_with, start};
 use confed::aggregation::TaskDbJobStore;
-use confed_enclave::aggregate::Manifest;
-use confed_enclave::worker::{JobError, JobSpec, JobStore, StagedRelease, StoreError, Worker};
+use confed_enclave::worker::{JobError, Worker};
 use confed_protocol::policy::TaskPolicy;
+use confed_worker_api::manifest::Manifest;
+use confed_worker_api::store::{JobSpec, JobStore, StagedRelease, StoreError};
 use serde_json::json;
 
 /// What the enclave says of a contribution the store did not serve as committed.
@@ -271,7 +272,7 @@ fn without_digests(job: &mut JobSpec) {
 async fn forged_for_first(scene: &Scene, task: &str, job: &JobSpec) -> Vec<u8> {
     let victim_ref = &job.contributions[0].assignment_ref;
     let context = scene.system.db.round_context(task, 1).await.unwrap();
-    let zero = confed_enclave::model::validate_model(&job.model).unwrap();
+    let zero = confed_worker_api::model::validate_model(&job.model).unwrap();
     let values = vec![0f32; zero.parameter_count()];
     let update = confed_enclave::aggregate::encode(&zero, &values).unwrap();
     let aad = confed_enclave::envelope::aad(&context, victim_ref);

@@ -99,7 +99,8 @@ fn print_a_fresh_worked_example() {
     let public = private.public_key().unwrap();
     let policy_text = block("worked-example-policy");
     let model =
-        confed_enclave::model::encode_f32_tensors(&[("dense.bias", vec![2], &[0.0, 0.0])]).unwrap();
+        confed_worker_api::model::encode_f32_tensors(&[("dense.bias", vec![2], &[0.0, 0.0])])
+            .unwrap();
     let context = envelope::RoundContext {
         task_id: ex["task_id"].clone(),
         round: ex["round"].parse().unwrap(),

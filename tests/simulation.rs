@@ -239,7 +239,7 @@ async fn simulated_devices_fill_a_round_with_stored_contributions_that_open() {
     let completed = db.completed_contributions(&task_id, 1).await.unwrap();
     assert_eq!(completed.len(), GOAL);
     let store = confed::blob::embedded_contributions(&data, &db).unwrap();
-    let schema = confed_enclave::model::validate_model(&model).unwrap();
+    let schema = confed_worker_api::model::validate_model(&model).unwrap();
     let context = db.round_context(&task_id, 1).await.unwrap();
     let next_round = envelope::RoundContext {
         round: 2,
@@ -253,7 +253,7 @@ async fn simulated_devices_fill_a_round_with_stored_contributions_that_open() {
         let sealed = Envelope::from_cbor(&bytes).unwrap();
         let update = envelope::open(&private_key, &sealed, &context, assignment_ref).unwrap();
         assert_eq!(
-            confed_enclave::model::validate_model(&update).unwrap(),
+            confed_worker_api::model::validate_model(&update).unwrap(),
             schema
         );
         assert!(envelope::open(&private_key, &sealed, &next_round, assignment_ref).is_err());

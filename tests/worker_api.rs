@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use common::system::{collect, get, now_clock, open_task, rounds, start, start_with};
 use confed_enclave::remote::HttpJobStore;
-use confed_enclave::worker::{JobStore, StoreError, Worker};
+use confed_enclave::worker::Worker;
+use confed_worker_api::store::{JobStore, StoreError};
 use serde_json::{Value, json};
 use zeroize::Zeroizing;
 
@@ -249,7 +250,7 @@ async fn a_release_forged_with_the_worker_token_is_refused_over_http() {
         .commit_release(
             &job.job_id,
             "forger",
-            confed_enclave::worker::StagedRelease {
+            confed_worker_api::store::StagedRelease {
                 average: &average,
                 manifest: &manifest,
                 proof: &proof,
@@ -291,7 +292,7 @@ impl JobStore for Probing {
         &self,
         worker: &str,
         lease: Duration,
-    ) -> Result<Option<confed_enclave::worker::JobSpec>, StoreError> {
+    ) -> Result<Option<confed_worker_api::store::JobSpec>, StoreError> {
         self.inner.lease(worker, lease).await
     }
     async fn renew(&self, job_id: &str, worker: &str, lease: Duration) -> Result<(), StoreError> {
@@ -304,7 +305,7 @@ impl JobStore for Probing {
         &self,
         job_id: &str,
         worker: &str,
-        release: confed_enclave::worker::StagedRelease<'_>,
+        release: confed_worker_api::store::StagedRelease<'_>,
     ) -> Result<(), StoreError> {
         self.inner.commit_release(job_id, worker, release).await
     }
@@ -316,7 +317,7 @@ impl JobStore for Probing {
         optimizer_state: Option<&[u8]>,
     ) -> Result<(), StoreError> {
         let state = optimizer_state.expect("FedAdam keeps state").to_vec();
-        let wrong_size = confed_enclave::optimizer::OptimizerState {
+        let wrong_size = confed_worker_api::optimizer::OptimizerState {
             m: vec![0.0; 3],
             v: Some(vec![1e-6; 3]),
         }

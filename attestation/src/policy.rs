@@ -153,7 +153,7 @@ impl AppraisalPolicy {
         }
         for digest in &self.workload.image_digests {
             let hex = digest.strip_prefix("sha256:").unwrap_or("");
-            if hex.len() != 64 || !hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+            if !confed_protocol::hex::is_digest_hex(hex) {
                 return Err(format!(
                     "workload.image_digests entry {digest:?} is not `sha256:` and 64 lowercase hex digits (never a tag)"
                 ));

@@ -42,7 +42,7 @@ pub struct ReleaseCommitment {
 }
 
 fn is_hex64(text: &str) -> bool {
-    text.len() == 64 && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    confed_protocol::hex::is_digest_hex(text)
 }
 
 fn is_id(text: &str) -> bool {

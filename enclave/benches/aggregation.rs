@@ -15,8 +15,8 @@ use confed_enclave::aggregate::{Aggregator, Binding, PrivacyParams, noise};
 use confed_enclave::dp::{DiscreteGaussian, grid};
 use confed_enclave::envelope;
 use confed_enclave::hpke::{PrivateKey, PublicKey, generate_keypair};
-use confed_enclave::model::{ModelSchema, encode_f32_tensors, validate_model};
 use confed_enclave::policy::{EVALUATION_TENSOR, Evaluation};
+use confed_worker_api::model::{ModelSchema, encode_f32_tensors, validate_model};
 use criterion::{Criterion, Throughput};
 use ring::aead::{AES_128_GCM, Aad, LessSafeKey, Nonce, UnboundKey};
 

@@ -7,8 +7,9 @@ use safetensors::SafeTensors;
 use thiserror::Error;
 
 use crate::aggregate;
-use crate::model::{ModelError, ModelSchema};
-use crate::optimizer::{OptimizerError, OptimizerState, ServerOptimizer};
+use crate::optimizer::Step;
+use confed_worker_api::model::{ModelError, ModelSchema};
+use confed_worker_api::optimizer::{OptimizerError, OptimizerState, ServerOptimizer};
 
 #[derive(Debug, Error)]
 pub enum UpdateError {
@@ -109,7 +110,7 @@ pub fn average_values(schema: &ModelSchema, average: &[u8]) -> Result<Vec<f32>, 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{encode_f32_tensors, validate_model};
+    use confed_worker_api::model::{encode_f32_tensors, validate_model};
 
     #[test]
     fn fedavg_step_moves_the_model_by_the_learning_rate_times_the_average() {

@@ -66,7 +66,7 @@ pub async fn store_version_zero(
         let mapped = checked
             .map()
             .map_err(|e| ApiError::Internal(e.to_string()))?;
-        confed_enclave::model::validate_model(&mapped)
+        confed_worker_api::model::validate_model(&mapped)
             .map(|_| ())
             .map_err(|e| ApiError::BadRequest(format!("the body is not a usable model: {e}")))
     })

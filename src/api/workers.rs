@@ -10,11 +10,11 @@ use axum::http::StatusCode;
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
-use confed_enclave::remote::{
+use confed_worker_api::store::{JobStore, StagedRelease, StoreError};
+use confed_worker_api::wire::{
     FailRequest, LeaseRequest, MAX_LEASE_WAIT_SECONDS, ModelCommitQuery, ReleaseUpload,
     RenewRequest, WorkerId,
 };
-use confed_enclave::worker::{JobStore, StagedRelease, StoreError};
 use std::time::Duration;
 
 use super::error::ApiError;
@@ -210,13 +210,13 @@ async fn model(
 ) -> Result<StatusCode, ApiError> {
     check_worker(&query.worker)?;
     if let Some(sha) = &query.optimizer_state_sha256
-        && !(sha.len() == 64 && sha.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+        && !confed_protocol::hex::is_digest_hex(sha)
     {
         return Err(ApiError::BadRequest(
             "`optimizer_state_sha256` must be 64 lowercase hex digits".into(),
         ));
     }
-    confed_enclave::model::validate_model(&body)
+    confed_worker_api::model::validate_model(&body)
         .map_err(|e| ApiError::Unprocessable(format!("the model is not valid: {e}")))?;
     store(&state)
         .commit_model_linked(
@@ -280,8 +280,8 @@ async fn contribution(
 /// Buffers the contribution route reads into, back in the pool once their response is sent:
 /// a worker reading a round (eight requests in flight) reuses a few dozen instead of faulting in
 /// a fresh megabyte per request.
-static SENT_BUFFERS: std::sync::LazyLock<confed_enclave::reads::BufferPool> =
-    std::sync::LazyLock::new(|| confed_enclave::reads::BufferPool::new(64 << 20));
+static SENT_BUFFERS: std::sync::LazyLock<confed_worker_api::reads::BufferPool> =
+    std::sync::LazyLock::new(|| confed_worker_api::reads::BufferPool::new(64 << 20));
 
 /// A response body that gives its buffer back when dropped.
 struct Sent(Vec<u8>);

@@ -73,7 +73,7 @@ pub enum Optimizer {
     Fedyogi,
 }
 
-impl From<Optimizer> for confed_enclave::optimizer::ServerOptimizer {
+impl From<Optimizer> for confed_worker_api::optimizer::ServerOptimizer {
     fn from(optimizer: Optimizer) -> Self {
         let name = match optimizer {
             Optimizer::Fedavg => "fedavg",

@@ -1,8 +1,12 @@
 //! The `confed` command line: one module per command, each owning its arguments and `run`.
 
+#[cfg(feature = "embedded")]
 mod demo;
+#[cfg(feature = "embedded")]
 mod devices;
+#[cfg(feature = "embedded")]
 mod keys;
+#[cfg(feature = "embedded")]
 mod privacy;
 mod serve;
 mod tenant;
@@ -12,10 +16,14 @@ mod verify;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
-pub use confed::keyservice::cli::shutdown_signal;
+pub use confed_serving::shutdown_signal;
+#[cfg(feature = "embedded")]
 pub use demo::DemoArgs;
+#[cfg(feature = "embedded")]
 pub use devices::DevicesCommand;
+#[cfg(feature = "embedded")]
 pub use keys::KeysCommand;
+#[cfg(feature = "embedded")]
 pub use privacy::PrivacyCommand;
 pub use serve::ServeArgs;
 pub use tenant::TenantCommand;
@@ -34,6 +42,7 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 pub enum Command {
+    #[cfg(feature = "embedded")]
     /// The whole system in one process (DEV attestation): a task trained by simulated devices
     /// over several rounds with differential privacy, printing accuracy after each round.
     Demo(DemoArgs),
@@ -44,16 +53,19 @@ pub enum Command {
         #[command(subcommand)]
         command: TenantCommand,
     },
+    #[cfg(feature = "embedded")]
     /// Task encryption keys: the generation ceremony.
     Keys {
         #[command(subcommand)]
         command: KeysCommand,
     },
+    #[cfg(feature = "embedded")]
     /// Simulated devices: the device client library driven at scale, also the load generator.
     Devices {
         #[command(subcommand)]
         command: DevicesCommand,
     },
+    #[cfg(feature = "embedded")]
     /// Run one key service (one operator's share holder), or check its audit log.
     #[command(args_conflicts_with_subcommands = true)]
     Keyservice {
@@ -62,6 +74,7 @@ pub enum Command {
         #[command(flatten)]
         run: Option<confed::keyservice::cli::KeyserviceArgs>,
     },
+    #[cfg(feature = "embedded")]
     /// Run the device-token issuer (Privacy Pass attester and issuer), or make its signing key:
     /// the same as the `confed-issuer` binary.
     #[command(args_conflicts_with_subcommands = true)]
@@ -76,6 +89,7 @@ pub enum Command {
         #[command(subcommand)]
         command: VerifyCommand,
     },
+    #[cfg(feature = "embedded")]
     /// Privacy budgets: the noise a budget buys and what each round spends.
     Privacy {
         #[command(subcommand)]
@@ -83,10 +97,23 @@ pub enum Command {
     },
 }
 
+impl Command {
+    /// Whether the command writes files only their owner may read (databases, logs, blobs, keys).
+    fn writes_owner_files(&self) -> bool {
+        match self {
+            Command::Serve(_) => true,
+            #[cfg(feature = "embedded")]
+            Command::Keyservice { .. } | Command::Issuer { .. } => true,
+            _ => false,
+        }
+    }
+}
+
 pub fn run() -> Result<()> {
     let cli = Cli::parse();
     // The demo reports its own progress; its components' info logs would bury it.
     let default_filter = match cli.command {
+        #[cfg(feature = "embedded")]
         Command::Demo(_) => "warn",
         _ => "info,sqlx=warn",
     };
@@ -100,10 +127,7 @@ pub fn run() -> Result<()> {
         .init();
     // Whatever a server or key service writes (databases, logs, blobs, keys) is for its owner
     // only (docs/operations.md).
-    if matches!(
-        cli.command,
-        Command::Serve(_) | Command::Keyservice { .. } | Command::Issuer { .. }
-    ) {
+    if cli.command.writes_owner_files() {
         // SAFETY: umask only sets the process's file-creation mask; it cannot fail.
         unsafe { libc::umask(0o077) };
     }
@@ -112,18 +136,24 @@ pub fn run() -> Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async {
         match cli.command {
+            #[cfg(feature = "embedded")]
             Command::Demo(args) => demo::run(args).await,
             Command::Serve(args) => serve::run(args).await,
             Command::Tenant { command } => tenant::run(command).await,
+            #[cfg(feature = "embedded")]
             Command::Keys { command } => keys::run(command),
+            #[cfg(feature = "embedded")]
             Command::Devices { command } => devices::run(command).await,
+            #[cfg(feature = "embedded")]
             Command::Issuer { command, run } => {
                 confed_issuer::cli::run(command, run, shutdown_signal()).await
             }
+            #[cfg(feature = "embedded")]
             Command::Keyservice { command, run } => {
                 confed::keyservice::cli::run(command, run, shutdown_signal()).await
             }
             Command::Verify { command } => verify::run(command).await,
+            #[cfg(feature = "embedded")]
             Command::Privacy { command } => privacy::run(command),
         }
     })

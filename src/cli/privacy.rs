@@ -1,11 +1,12 @@
 //! `confed privacy plan`: what a privacy budget buys, computed by the same OpenDP calibration and
-//! accounting the enclave runs (`confed_enclave::dp`), as JSON. For partners choosing a budget,
+//! accounting the enclave runs (confed-dp over `confed_enclave::dp::OpenDp`), as JSON. For partners choosing a budget,
 //! and for the independent check of the accounting (`tests/privacy/`).
 
 use anyhow::{Result, anyhow};
 use clap::{Args, Subcommand};
-use confed_enclave::dp::accounting::{EVALUATION_UNITS_PER_EXAMPLE, SideScales};
-use confed_enclave::dp::{self, grid::GRID_UNITS_PER_CLIP};
+use confed_dp::accounting::{EVALUATION_UNITS_PER_EXAMPLE, SideScales};
+use confed_dp::{self as dp, Accountant, grid::GRID_UNITS_PER_CLIP};
+use confed_enclave::dp::{DiscreteGaussian, OpenDp};
 use confed_protocol::policy::{AdaptiveClipping, DpMechanism, Evaluation, Mechanism};
 use serde::Serialize;
 
@@ -102,14 +103,14 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
     .map_err(|e| anyhow!("{e}"))?;
     let mechanism = whole.noise;
     let calibration = match args.report_goal {
-        Some(goal) => dp::check_plan(whole, args.epsilon, args.delta, args.rounds, goal)
+        Some(goal) => dp::check_plan(&OpenDp, whole, args.epsilon, args.delta, args.rounds, goal)
             .map_err(|e| anyhow!("{e}"))?,
-        None => dp::calibrate_task(whole, args.epsilon, args.delta, args.rounds)
+        None => dp::calibrate_task(&OpenDp, whole, args.epsilon, args.delta, args.rounds)
             .map_err(|e| anyhow!("{e}"))?,
     };
     // The side releases' scales as the enclave samples them (variance rounded up).
     let sampled = |scale: f64| -> Result<f64> {
-        Ok(dp::DiscreteGaussian::at_least(scale)
+        Ok(DiscreteGaussian::at_least(scale)
             .map_err(|e| anyhow!("{e}"))?
             .scale())
     };
@@ -123,14 +124,21 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
     };
     // The scale the enclave samples at: the calibrated one, its integer variance rounded up.
     let scale_grid =
-        dp::DiscreteGaussian::at_least(calibration.noise_multiplier * GRID_UNITS_PER_CLIP as f64)
+        DiscreteGaussian::at_least(calibration.noise_multiplier * GRID_UNITS_PER_CLIP as f64)
             .map_err(|e| anyhow!("{e}"))?
             .scale();
     let noise_multiplier = scale_grid / GRID_UNITS_PER_CLIP as f64;
     let epsilon_spent = (1..=args.rounds)
         .map(|k| {
-            dp::spent_task(mechanism, scale_grid, &side, u64::from(k), args.delta)
-                .map(|(_, epsilon)| epsilon)
+            dp::spent_task(
+                &OpenDp,
+                mechanism,
+                scale_grid,
+                &side,
+                u64::from(k),
+                args.delta,
+            )
+            .map(|(_, epsilon)| epsilon)
         })
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| anyhow!("{e}"))?;
@@ -144,7 +152,7 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
         evaluation_noise_stddev: side
             .evaluation
             .map(|(_, scale)| scale / EVALUATION_UNITS_PER_EXAMPLE as f64),
-        rho_per_round: dp::calibrate::rho_at(scale_grid).map_err(|e| anyhow!("{e}"))?,
+        rho_per_round: OpenDp.rho_at(scale_grid).map_err(|e| anyhow!("{e}"))?,
         epsilon_spent,
         average_noise_per_clip: args
             .report_goal

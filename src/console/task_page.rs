@@ -22,7 +22,7 @@ use crate::db::progress::FunnelCount;
 use crate::db::{RoundRecord, TaskRecord};
 use crate::release_check::{StoredCheck, check_stored};
 use crate::states::{AssignmentState, RoundState, TaskState};
-use confed_enclave::aggregate::Manifest;
+use confed_worker_api::manifest::Manifest;
 
 /// Rounds shown in the tables and the durations chart (the newest); the privacy plot shows all.
 const ROUNDS_SHOWN: usize = 30;

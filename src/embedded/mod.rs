@@ -7,6 +7,7 @@
 //! key services as separately operated processes (see docs/architecture.md).
 
 pub mod keyservices;
+pub mod serve;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -20,13 +21,14 @@ use thiserror::Error;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::aggregation::{TaskDbJobStore, run_worker};
+use crate::aggregation::TaskDbJobStore;
 use crate::api::{self, AppState, Limits};
 use crate::clock::Clock;
 use crate::db::{Db, NewTenant};
 use crate::keys::directory::KeyDirectory;
 use crate::scheduler::Scheduler;
 use confed_protocol::trust::TrustConfig;
+use serve::run_worker;
 
 #[derive(Debug, Error)]
 pub enum EmbeddedError {

@@ -263,7 +263,7 @@ fn confed_verify_takes_t_and_n_from_the_trust_file_only() {
 fn confed_verify_states_a_tree_releases_accounted_noise() {
     let mut scene = scene();
     scene.manifest.noise.stddev_sum = 1.175;
-    scene.manifest.noise.tree = Some(confed_enclave::aggregate::TreeRecord {
+    scene.manifest.noise.tree = Some(confed_worker_api::manifest::TreeRecord {
         length: 8,
         tree: 0,
         position: 4,

@@ -7,8 +7,8 @@ mod evaluation;
 mod privacy;
 mod problems;
 
-use confed_enclave::optimizer::ServerOptimizer;
 use confed_protocol::policy::{DpMechanism, TaskPolicy};
+use confed_worker_api::optimizer::ServerOptimizer;
 use std::collections::BTreeMap;
 
 pub use device_auth::DeviceAuthSpec;
@@ -350,7 +350,8 @@ impl CreateTaskRequest {
             evaluation: evaluation.map(|e| e.policy()),
         };
         if p.0.is_empty()
-            && let Err(problem) = confed_enclave::dp::check_plan(
+            && let Err(problem) = confed_dp::check_plan(
+                &confed_dp::ClosedForm,
                 mechanism,
                 privacy.epsilon,
                 privacy.delta,
@@ -358,8 +359,9 @@ impl CreateTaskRequest {
                 report_goal,
             )
         {
-            // The enclave calibrates the same way at every release; a plan it could not run
-            // usefully is refused now, saying what to change.
+            // The enclave calibrates the same way at every release (with OpenDP's maps, which
+            // the closed form matches to 1e-9); a plan it could not run usefully is refused
+            // now, saying what to change.
             p.add("privacy", problem.to_string());
         }
         if !p.0.is_empty() {

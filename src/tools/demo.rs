@@ -28,7 +28,7 @@ pub struct DemoOptions {
     pub delta: f64,
     pub clip_norm: f64,
     pub seed: u64,
-    pub optimizer: confed_enclave::optimizer::ServerOptimizer,
+    pub optimizer: confed_worker_api::optimizer::ServerOptimizer,
     pub server_learning_rate: f64,
     /// DP-FTRL with tree aggregation instead of the Gaussian mechanism; the minimum separation is
     /// the round-robin's period (`devices / report_goal` rounds, at most the task's rounds).

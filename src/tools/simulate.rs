@@ -168,7 +168,7 @@ fn random_update(shape: &confed_device::UpdateShape, rng: &mut Rng) -> Result<Ve
         .zip(&values)
         .map(|((name, dims), v)| (name.as_str(), dims.clone(), v.as_slice()))
         .collect();
-    confed_enclave::model::encode_f32_tensors(&tensors).map_err(|e| e.to_string())
+    confed_worker_api::model::encode_f32_tensors(&tensors).map_err(|e| e.to_string())
 }
 
 /// A simulated device's rows: what it trains on and what it evaluates models on.

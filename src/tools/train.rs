@@ -221,7 +221,7 @@ impl Softmax {
             (WEIGHT, vec![self.classes, self.features], &self.weight[..]),
             (BIAS, vec![self.classes], &self.bias[..]),
         ];
-        confed_enclave::model::encode_f32_tensors(&tensors).expect("softmax tensors serialize")
+        confed_worker_api::model::encode_f32_tensors(&tensors).expect("softmax tensors serialize")
     }
 
     fn probabilities(&self, row: &[f32], out: &mut [f32]) {

@@ -4,8 +4,8 @@
 
 use confed::embedded::EmbeddedSystem;
 use confed_attestation::release::ReleaseProof;
-use confed_enclave::aggregate::Manifest;
-use confed_enclave::worker::JobSpec;
+use confed_worker_api::manifest::Manifest;
+use confed_worker_api::store::JobSpec;
 
 use super::system::GOAL;
 
@@ -15,7 +15,7 @@ pub async fn forged_release(
     job: &JobSpec,
 ) -> (Vec<u8>, Manifest, ReleaseProof) {
     let context = system.db.round_context(&job.task_id, 1).await.unwrap();
-    let schema = confed_enclave::model::validate_model(&job.model).unwrap();
+    let schema = confed_worker_api::model::validate_model(&job.model).unwrap();
     let average =
         confed_enclave::aggregate::encode(&schema, &vec![0.5; schema.parameter_count()]).unwrap();
     let manifest_json = serde_json::json!({

@@ -401,7 +401,7 @@ pub fn task_body(overrides: Value) -> Value {
 }
 
 pub fn model_bytes() -> Vec<u8> {
-    confed_enclave::model::encode_f32_tensors(&[
+    confed_worker_api::model::encode_f32_tensors(&[
         ("dense.weight", vec![2, 3], &[0.1, 0.2, 0.3, 0.4, 0.5, 0.6]),
         ("dense.bias", vec![2], &[0.0, 0.0]),
     ])

@@ -9,8 +9,8 @@ use serde::Serialize;
 
 use crate::envelope::{self, EnvelopeRef, RoundContext};
 use crate::hpke_awslc::Recipient;
-use crate::model::ModelSchema;
 use crate::policy::EVALUATION_TENSOR;
+use confed_worker_api::model::ModelSchema;
 
 /// Why a contribution was left out of the sum.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]

@@ -9,7 +9,7 @@
 
 use std::sync::atomic::{AtomicI64, Ordering};
 
-use serde::{Deserialize, Serialize};
+use confed_worker_api::manifest::EvaluationRecord;
 
 use super::AggregateError;
 use super::contribution::Binding;
@@ -64,32 +64,6 @@ impl Sums {
     fn take(self) -> [i64; 3] {
         self.0.map(AtomicI64::into_inner)
     }
-}
-
-/// The evaluation part of a release's manifest: the model version measured and the noised
-/// sums, with what follows from them.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct EvaluationRecord {
-    /// The model version the round trained from and its devices evaluated (`round - 1`).
-    pub model_version: u64,
-    /// Asked for on demand (the store's word: only devices that granted one of their on-demand
-    /// evaluations sent metrics, so the sums may hold few or none), not a scheduled round.
-    #[serde(default)]
-    pub on_demand: bool,
-    pub max_loss: f64,
-    pub max_examples: u32,
-    /// Standard deviation of the noise on each sum, in examples (the loss sum's in units of
-    /// `max_loss`): the sampled scale over 1024.
-    pub stddev: f64,
-    /// Noised sums over the included contributions: examples, correct answers, and the loss
-    /// (in loss units).
-    pub examples: f64,
-    pub correct: f64,
-    pub loss_sum: f64,
-    /// `correct / examples` within [0, 1], and `loss_sum / examples` within [0, max_loss]; null
-    /// when the noised example count is not positive.
-    pub accuracy: Option<f64>,
-    pub loss: Option<f64>,
 }
 
 /// Noises the sums once and makes the record; returns it with the noise's scale (grid units).

@@ -3,8 +3,8 @@
 
 use super::tests::{KEY, ROUND, Round, binding, context, privacy, round, sealed};
 use super::*;
-use crate::model::encode_f32_tensors;
 use crate::policy::{EVALUATION_TENSOR, Evaluation};
+use confed_worker_api::model::encode_f32_tensors;
 
 const EVALUATION: Evaluation = Evaluation {
     every: 1,

@@ -95,17 +95,9 @@ pub fn bind_on_demand_evaluation(inputs_digest: &str) -> String {
     super::hex(hasher.finalize().as_bytes())
 }
 
-/// A digest written as 64 lowercase hex digits (as the server lists it in a job).
-pub fn parse_digest(text: &str) -> Option<[u8; 32]> {
-    if !is_ref(text) {
-        return None;
-    }
-    confed_protocol::hex::decode(text)?.try_into().ok()
-}
-
 /// Whether `text` is an assignment ref: exactly 64 lowercase hex digits (SHA-256 of an id).
 pub fn is_ref(text: &str) -> bool {
-    text.len() == 64 && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    confed_protocol::hex::is_digest_hex(text)
 }
 
 /// Sorts inputs by ref and computes their digest; refuses (saying why) a ref that is not 64

@@ -1,166 +1,51 @@
-//! The manifest released with every round's noised average: what went in, what was left out and
-//! why, and what the release cost in privacy. Stored next to the average, never overwritten.
+//! Builds the noise part of a release's manifest (the manifest's format is the worker API's,
+//! `confed_worker_api::manifest`).
 
-use std::collections::BTreeMap;
-
-use serde::{Deserialize, Serialize};
+pub use confed_worker_api::manifest::{
+    AdaptiveRecord, EvaluationRecord, FORMAT, Manifest, NoiseRecord, PrivacyRecord, TreeRecord,
+};
 
 use crate::dp::{DiscreteGaussian, grid};
 
-pub const FORMAT: &str = "confed-release/v2";
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Manifest {
-    pub format: String,
-    pub task_id: String,
-    pub round: u64,
-    pub key_id: String,
-    /// SHA-256 (hex) of the task policy text the contributions were sealed under.
-    pub policy_sha256: String,
-    /// SHA-256 (hex) of the model version the round trained from.
-    pub model_sha256: String,
-    /// Contributions in the sum (the average's denominator).
-    pub included: u64,
-    /// Tasks requiring device tokens only: the included contributions whose token the enclave
-    /// verified (all of them: an unauthenticated one is excluded as `unauthenticated`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub authenticated: Option<u64>,
-    /// SHA-256 (hex) over the sorted refs of the included contributions, one per line.
-    pub included_digest: String,
-    /// BLAKE3 (hex) over the stored bytes of every contribution the job was given, valid or not
-    /// (see `aggregate::inputs`): what the noise and the release commitment are keyed by.
-    pub inputs_digest: String,
-    /// Excluded contributions per reason.
-    pub excluded: BTreeMap<String, u64>,
-    /// (assignment ref, reason) of the first 1000 excluded contributions.
-    pub excluded_refs: Vec<(String, String)>,
-    pub clip_norm: f64,
-    pub noise: NoiseRecord,
-    pub privacy: PrivacyRecord,
-    /// Adaptive clipping only: the round's noised fraction of unclipped updates and the clip
-    /// norm it gives the next round.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub adaptive_clipping: Option<AdaptiveRecord>,
-    /// Evaluation rounds only: the noised metrics of the model version the round trained from.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub evaluation: Option<super::EvaluationRecord>,
-    /// SHA-256 (hex) of the released average's bytes.
-    pub average_sha256: String,
-}
-
-impl Manifest {
-    /// The manifest file's bytes (pretty JSON, fields in declaration order): what the enclave
-    /// signs (by SHA-256) and what the store writes, byte for byte.
-    pub fn to_json(&self) -> Vec<u8> {
-        serde_json::to_vec_pretty(self).expect("a manifest serializes")
+/// The record of a plain Gaussian release of `count` contributions.
+pub fn noise_record(noise: &DiscreteGaussian, clip_norm: f64, count: u64) -> NoiseRecord {
+    let stddev_sum = noise.scale() * clip_norm / grid::GRID_UNITS_PER_CLIP as f64;
+    NoiseRecord {
+        mechanism: "discrete_gaussian_on_grid".into(),
+        grid_units_per_clip: grid::GRID_UNITS_PER_CLIP,
+        variance_grid: noise.variance(),
+        stddev_sum,
+        stddev_average: stddev_sum / count as f64,
+        tree: None,
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct NoiseRecord {
-    /// `discrete_gaussian_on_grid`: integer noise on the fixed-point grid.
-    pub mechanism: String,
-    /// Grid units per clip norm.
-    pub grid_units_per_clip: i64,
-    /// The integer variance of the noise, in grid units squared.
-    pub variance_grid: u64,
-    /// Standard deviation of the noise on each coordinate of the sum, in update units.
-    pub stddev_sum: f64,
-    /// ... and on each coordinate of the released average.
-    pub stddev_average: f64,
-    /// The tree mechanism only: where this release sits in its tree, and the noise of the running
-    /// sum it completes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tree: Option<TreeRecord>,
-}
-
-/// The tree mechanism's record of a release (docs/privacy.md, "DP-FTRL"). `variance_grid` is each
-/// raw node's variance; `stddev_sum` is this release's (an increment of the running sum).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TreeRecord {
-    /// Rounds per tree (the policy's minimum separation).
-    pub length: u32,
-    /// 0-based tree of this round, and the round's 1-based position in it.
-    pub tree: u64,
-    pub position: u64,
-    /// Raw nodes whose noise this release's increment combines.
-    pub nodes: u64,
-    /// Standard deviation of the noise of the tree's running sum through this round, on each
-    /// coordinate of the sum, in update units.
-    pub prefix_stddev_sum: f64,
-    /// What the accounting guarantees, per coordinate of the sum, in update units: the error
-    /// below which nobody can estimate one device's contribution to this round, even knowing
-    /// every other contribution of the task and every release of its tree (the whole tree, as
-    /// planned). A device's round is in `accounted_depth` complete nodes of its tree, each
-    /// noised at the node scale, so this is the node scale over `sqrt(accounted_depth)`:
-    /// `clip_norm / sqrt(2 rho)` for the tree's rho. `stddev_sum` is only what this one release
-    /// carries, and an operator who fills the tree's other rounds gets closer than it. Absent in
-    /// releases of servers before it was recorded.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub accounted_stddev_sum: Option<f64>,
-    /// Complete nodes over one round of the tree as planned (`ceil(log2(rounds + 1))` for the
-    /// tree's planned rounds): what the accounting charges one device per tree.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub accounted_depth: Option<u32>,
-}
-
-impl NoiseRecord {
-    pub fn new(noise: &DiscreteGaussian, clip_norm: f64, count: u64) -> Self {
-        let stddev_sum = noise.scale() * clip_norm / grid::GRID_UNITS_PER_CLIP as f64;
-        Self {
-            mechanism: "discrete_gaussian_on_grid".into(),
-            grid_units_per_clip: grid::GRID_UNITS_PER_CLIP,
-            variance_grid: noise.variance(),
-            stddev_sum,
-            stddev_average: stddev_sum / count as f64,
-            tree: None,
-        }
+/// The record of a tree release of `shape`.
+pub fn tree_noise_record(
+    noise: &DiscreteGaussian,
+    clip_norm: f64,
+    count: u64,
+    mechanism: String,
+    shape: &TreeShape,
+) -> NoiseRecord {
+    let node_stddev_sum = noise.scale() * clip_norm / grid::GRID_UNITS_PER_CLIP as f64;
+    let stddev_sum = node_stddev_sum * shape.release_variance.sqrt();
+    NoiseRecord {
+        mechanism,
+        grid_units_per_clip: grid::GRID_UNITS_PER_CLIP,
+        variance_grid: noise.variance(),
+        stddev_sum,
+        stddev_average: stddev_sum / count as f64,
+        tree: Some(TreeRecord {
+            length: shape.length,
+            tree: shape.tree,
+            position: shape.position,
+            nodes: shape.nodes,
+            prefix_stddev_sum: node_stddev_sum * shape.prefix_variance.sqrt(),
+            accounted_stddev_sum: Some(node_stddev_sum / f64::from(shape.accounted_depth).sqrt()),
+            accounted_depth: Some(shape.accounted_depth),
+        }),
     }
-
-    /// The record of a tree release of `shape`.
-    pub fn tree(
-        noise: &DiscreteGaussian,
-        clip_norm: f64,
-        count: u64,
-        mechanism: String,
-        shape: &TreeShape,
-    ) -> Self {
-        let node_stddev_sum = noise.scale() * clip_norm / grid::GRID_UNITS_PER_CLIP as f64;
-        let stddev_sum = node_stddev_sum * shape.release_variance.sqrt();
-        Self {
-            mechanism,
-            grid_units_per_clip: grid::GRID_UNITS_PER_CLIP,
-            variance_grid: noise.variance(),
-            stddev_sum,
-            stddev_average: stddev_sum / count as f64,
-            tree: Some(TreeRecord {
-                length: shape.length,
-                tree: shape.tree,
-                position: shape.position,
-                nodes: shape.nodes,
-                prefix_stddev_sum: node_stddev_sum * shape.prefix_variance.sqrt(),
-                accounted_stddev_sum: Some(
-                    node_stddev_sum / f64::from(shape.accounted_depth).sqrt(),
-                ),
-                accounted_depth: Some(shape.accounted_depth),
-            }),
-        }
-    }
-}
-
-/// Adaptive clipping's part of a release (docs/privacy.md, "Adaptive clipping").
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct AdaptiveRecord {
-    pub target_quantile: f64,
-    pub learning_rate: f64,
-    /// Standard deviation of the noise on the count of unclipped updates, in contributions (the
-    /// sampled scale on `sum(2 b_i - 1)`, halved).
-    pub count_stddev: f64,
-    /// The noised fraction of included updates whose norm was at most `clip_norm`, in [0, 1].
-    pub unclipped_fraction: f64,
-    /// `clip_norm * exp(-learning_rate * (unclipped_fraction - target_quantile))`, within the
-    /// policy limits: the next round's clip norm.
-    pub next_clip_norm: f64,
 }
 
 /// Where a tree release sits and how much noise it carries, in raw node variances.
@@ -174,19 +59,4 @@ pub struct TreeShape {
     pub prefix_variance: f64,
     /// `dp::tree::depth` of the tree's planned rounds (at least 1).
     pub accounted_depth: u32,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PrivacyRecord {
-    pub epsilon_budget: f64,
-    pub delta: f64,
-    pub rounds_planned: u32,
-    /// Calibrated per-round noise in clip norms (before rounding the variance up).
-    pub noise_multiplier: f64,
-    /// zCDP rho of this release.
-    pub rho_round: f64,
-    /// rho spent by the task through this round (one release per round number).
-    pub rho_spent: f64,
-    /// ... as epsilon at `delta` (OpenDP's zCDP -> approximate-DP conversion).
-    pub epsilon_spent: f64,
 }

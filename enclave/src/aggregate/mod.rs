@@ -24,14 +24,16 @@ use crate::dp::{self, DiscreteGaussian, DpError, grid};
 use crate::envelope::EnvelopeRef;
 use crate::hpke::PrivateKey;
 use crate::hpke_awslc::Recipient;
-use crate::model::{ModelError, ModelSchema, encode_f32_tensors};
 use crate::policy::TaskPolicy;
 use crate::policy::{AdaptiveClipping, DpMechanism, Evaluation, Mechanism};
 use accumulator::{Accumulator, StreamError};
 pub(crate) use confed_protocol::hex::encode as hex;
+use confed_worker_api::model::{ModelError, ModelSchema, encode_f32_tensors};
 pub use contribution::{Binding, Exclusion};
-pub use evaluation::EvaluationRecord;
-pub use manifest::{AdaptiveRecord, Manifest, NoiseRecord, PrivacyRecord, TreeRecord, TreeShape};
+pub use manifest::{
+    AdaptiveRecord, EvaluationRecord, Manifest, NoiseRecord, PrivacyRecord, TreeRecord, TreeShape,
+    noise_record, tree_noise_record,
+};
 use stream::StreamProblem;
 
 /// Models of at least this many bytes of values are aggregated chunk by chunk: a thread then
@@ -436,6 +438,7 @@ impl Aggregator {
         let included_digest = digest(&outcome.included);
         let inputs_digest = self.binding.inputs_digest.clone();
         let calibration = dp::calibrate_task(
+            &dp::OpenDp,
             privacy.dp_mechanism(),
             privacy.epsilon,
             privacy.delta,
@@ -460,7 +463,7 @@ impl Aggregator {
                     .iter()
                     .map(|&units| grid::to_average(units, privacy.clip_norm, count))
                     .collect();
-                let record = NoiseRecord::new(&noise, privacy.clip_norm, count);
+                let record = noise_record(&noise, privacy.clip_norm, count);
                 (values, record)
             }
             Mechanism::Tree { min_separation } => {
@@ -507,7 +510,7 @@ impl Aggregator {
                     accounted_depth: dp::tree::depth(trees.planned_rounds(tree, privacy.rounds))
                         .max(1),
                 };
-                let record = NoiseRecord::tree(
+                let record = tree_noise_record(
                     &noise,
                     privacy.clip_norm,
                     count,
@@ -562,6 +565,7 @@ impl Aggregator {
         };
         let spent = |round: u64| {
             dp::spent_task(
+                &dp::OpenDp,
                 privacy.mechanism,
                 noise.scale(),
                 &side,

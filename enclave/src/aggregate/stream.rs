@@ -18,8 +18,8 @@ use super::accumulator::Replay;
 use super::contribution::Exclusion;
 use crate::envelope::{self, EnvelopeRef};
 use crate::hpke_awslc::Recipient;
-use crate::model::ModelSchema;
 use crate::policy::EVALUATION_TENSOR;
+use confed_worker_api::model::ModelSchema;
 
 /// Where each tensor's data lies in the update and where its values go in the sum.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -4,7 +4,7 @@
 use super::*;
 use crate::envelope;
 use crate::hpke::generate_keypair;
-use crate::model::{encode_f32_tensors, validate_model};
+use confed_worker_api::model::{encode_f32_tensors, validate_model};
 
 pub(super) const TASK: &str = "task-1";
 pub(super) const ROUND: u64 = 2;

@@ -13,7 +13,7 @@ use std::sync::Mutex;
 
 use futures_util::{Stream, StreamExt};
 
-use crate::worker::StoreError;
+use crate::store::StoreError;
 
 /// Store reads in flight at once. A local store overlaps its file reads with one another and
 /// with the hashing; a remote one its round trips.

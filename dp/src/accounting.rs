@@ -2,13 +2,13 @@
 //! Gaussian mechanism (one release per round), DP-FTRL's trees (`tree`: the depth of each tree
 //! begun), adaptive clipping's noised count on top of either (one count per round the device
 //! may serve) and evaluation's noised sums (one per evaluation round the device may serve), all
-//! composed by adding rho and converted to (epsilon, delta) with OpenDP.
+//! composed by adding rho and converted to (epsilon, delta) by the `Accountant`.
 
 use confed_protocol::policy::{DpMechanism, Evaluation, Mechanism};
 
-use super::calibrate::{epsilon_of_rho, rho_at};
+use super::calibrate::epsilon_of_rho;
 use super::grid::GRID_UNITS_PER_CLIP;
-use super::{Calibration, DpError, calibrate, tree};
+use super::{Accountant, Calibration, DpError, calibrate, tree};
 
 /// Gaussian releases at the mechanism's noise scale (one per round for `Gaussian`, one per
 /// complete node over a device's round for `Tree`) that rounds `1..=round` cost one device at
@@ -124,6 +124,7 @@ impl SideScales {
 /// room in the budget for adaptive clipping's counts and evaluation's sums, if any (Andrew et
 /// al. 2021, Theorem 1 in zCDP form: `rho_value + rho_side = rho_budget`).
 pub fn calibrate_task(
+    accountant: &dyn Accountant,
     mechanism: DpMechanism,
     epsilon: f64,
     delta: f64,
@@ -132,7 +133,7 @@ pub fn calibrate_task(
     let units = releases_through(mechanism.noise, u64::from(rounds));
     let releases = u32::try_from(units)
         .map_err(|_| DpError::InvalidBudget(format!("{rounds} rounds are too many")))?;
-    let base = calibrate(epsilon, delta, releases)?;
+    let base = calibrate(accountant, epsilon, delta, releases)?;
     if mechanism.adaptive_clipping.is_none() && mechanism.evaluation.is_none() {
         return Ok(base);
     }
@@ -148,27 +149,29 @@ pub fn calibrate_task(
     let noise_multiplier = (1.0 / (2.0 * rho_per_release)).sqrt();
     Ok(Calibration {
         noise_multiplier,
-        rho_per_round: rho_at(noise_multiplier * GRID_UNITS_PER_CLIP as f64)?,
+        rho_per_round: accountant.rho_at(noise_multiplier * GRID_UNITS_PER_CLIP as f64)?,
     })
 }
 
 /// Privacy spent through `round` with the value noise sampled at `scale_grid` and the side
 /// releases at `side`: (rho, epsilon at `delta`).
 pub fn spent_task(
+    accountant: &dyn Accountant,
     mechanism: Mechanism,
     scale_grid: f64,
     side: &SideScales,
     round: u64,
     delta: f64,
 ) -> Result<(f64, f64), DpError> {
-    let rho = rho_at(scale_grid)? * releases_through(mechanism, round) as f64
+    let rho = accountant.rho_at(scale_grid)? * releases_through(mechanism, round) as f64
         + side.rho_through(mechanism, round);
-    Ok((rho, epsilon_of_rho(rho, delta)?))
+    Ok((rho, epsilon_of_rho(accountant, rho, delta)?))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ClosedForm;
     use confed_protocol::policy::AdaptiveClipping;
 
     fn adaptive(noise: Mechanism, count_stddev: f64) -> DpMechanism {
@@ -198,13 +201,14 @@ mod tests {
     #[test]
     fn the_counts_take_their_share_and_the_whole_plan_still_spends_the_budget() {
         for noise in [Mechanism::Gaussian, Mechanism::Tree { min_separation: 5 }] {
-            let base = calibrate_task(DpMechanism::plain(noise), 4.0, 1e-6, 10).unwrap();
+            let base =
+                calibrate_task(&ClosedForm, DpMechanism::plain(noise), 4.0, 1e-6, 10).unwrap();
             for mechanism in [adaptive(noise, 5.0), evaluated(noise, 3, 500.0)] {
-                let with = calibrate_task(mechanism, 4.0, 1e-6, 10).unwrap();
+                let with = calibrate_task(&ClosedForm, mechanism, 4.0, 1e-6, 10).unwrap();
                 assert!(with.noise_multiplier > base.noise_multiplier);
                 let scale = with.noise_multiplier * GRID_UNITS_PER_CLIP as f64;
                 let side = SideScales::planned(&mechanism);
-                let (_, epsilon) = spent_task(noise, scale, &side, 10, 1e-6).unwrap();
+                let (_, epsilon) = spent_task(&ClosedForm, noise, scale, &side, 10, 1e-6).unwrap();
                 assert!((epsilon - 4.0).abs() < 1e-6, "{mechanism:?}: {epsilon}");
             }
         }
@@ -220,8 +224,14 @@ mod tests {
 
     #[test]
     fn an_evaluation_noise_that_would_eat_the_budget_is_refused() {
-        let error =
-            calibrate_task(evaluated(Mechanism::Gaussian, 1, 5.0), 1.0, 1e-6, 10).unwrap_err();
+        let error = calibrate_task(
+            &ClosedForm,
+            evaluated(Mechanism::Gaussian, 1, 5.0),
+            1.0,
+            1e-6,
+            10,
+        )
+        .unwrap_err();
         assert!(error.to_string().contains("evaluate less often"), "{error}");
     }
 
@@ -253,7 +263,14 @@ mod tests {
 
     #[test]
     fn a_count_noise_that_would_eat_the_budget_is_refused() {
-        let error = calibrate_task(adaptive(Mechanism::Gaussian, 0.1), 1.0, 1e-6, 10).unwrap_err();
+        let error = calibrate_task(
+            &ClosedForm,
+            adaptive(Mechanism::Gaussian, 0.1),
+            1.0,
+            1e-6,
+            10,
+        )
+        .unwrap_err();
         assert!(error.to_string().contains("raise their noise"), "{error}");
     }
 

@@ -9,7 +9,7 @@
 use confed_protocol::policy::DpMechanism;
 
 use super::calibrate::MAX_NOISE_MULTIPLIER;
-use super::{Calibration, DpError, calibrate_task};
+use super::{Accountant, Calibration, DpError, calibrate_task};
 
 /// Noise standard deviation per coordinate of the averaged update, in clip norms, at most.
 pub const MAX_AVERAGE_NOISE_PER_CLIP: f64 = 1.0;
@@ -37,13 +37,14 @@ pub enum PlanProblem {
 /// The calibration a plan gets, or why it cannot work. For the tree mechanism the limit applies
 /// to each node's noise (the running sum's noise is a few node scales; docs/privacy.md).
 pub fn check_plan(
+    accountant: &dyn Accountant,
     mechanism: DpMechanism,
     epsilon: f64,
     delta: f64,
     rounds: u32,
     report_goal: u32,
 ) -> Result<Calibration, PlanProblem> {
-    let calibration = calibrate_task(mechanism, epsilon, delta, rounds)?;
+    let calibration = calibrate_task(accountant, mechanism, epsilon, delta, rounds)?;
     let z = calibration.noise_multiplier;
     if z > MAX_NOISE_MULTIPLIER {
         return Err(DpError::BudgetTooSmall { epsilon, delta }.into());
@@ -67,6 +68,7 @@ pub fn check_plan(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ClosedForm;
 
     const GAUSSIAN: DpMechanism = DpMechanism {
         noise: confed_protocol::policy::Mechanism::Gaussian,
@@ -77,12 +79,12 @@ mod tests {
     #[test]
     fn a_plan_with_too_few_reports_names_the_report_goal_it_needs() {
         // epsilon 1 over 10 rounds: sigma ~ 14.3 clip norms per round.
-        let err = check_plan(GAUSSIAN, 1.0, 1e-6, 10, 5).unwrap_err();
+        let err = check_plan(&ClosedForm, GAUSSIAN, 1.0, 1e-6, 10, 5).unwrap_err();
         let PlanProblem::TooNoisy { needed_goal, .. } = &err else {
             panic!("{err}")
         };
         assert_eq!(*needed_goal, 15);
         assert!(err.to_string().contains("Raise report_goal to at least 15"));
-        assert!(check_plan(GAUSSIAN, 1.0, 1e-6, 10, 15).is_ok());
+        assert!(check_plan(&ClosedForm, GAUSSIAN, 1.0, 1e-6, 10, 15).is_ok());
     }
 }

@@ -1,0 +1,124 @@
+//! Noise calibration and privacy accounting, over an `Accountant`'s two privacy maps.
+//!
+//! The privacy unit is one device per round (add/remove neighbours), so one round's sum of
+//! clipped updates has L2 sensitivity `clip_norm`. Each round adds discrete Gaussian noise on a
+//! fixed-point grid (see `grid`); rounds compose under zero-concentrated DP (zCDP) by adding rho,
+//! and the task's total rho converts to (epsilon, delta) with the accountant's zCDP ->
+//! approximate-DP conversion (OpenDP's in the enclave, `closed_form` in the front end).
+//!
+//! `R` rounds at per-round scale `sigma` spend exactly what one release at scale `sigma / sqrt(R)`
+//! spends (rho adds: `R * D^2 / (2 sigma^2)`), so calibration searches one release for the scale
+//! that meets (epsilon, delta) and multiplies it by `sqrt(R)`. Every figure below comes from the
+//! accountant's maps on the integer grid the enclave really samples on.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+use super::grid::{GRID_UNITS_PER_CLIP, MAX_SCALE_GRID};
+use super::{Accountant, DpError};
+
+/// Largest noise multiplier a task may be calibrated to: beyond this the grid's exact sampler
+/// would leave its machine-word range (`MAX_SCALE_GRID`).
+pub const MAX_NOISE_MULTIPLIER: f64 = MAX_SCALE_GRID as f64 / GRID_UNITS_PER_CLIP as f64;
+
+/// A task's noise, fixed once from its budget and planned rounds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Calibration {
+    /// Per-round noise standard deviation in units of the clip norm (sigma / C).
+    pub noise_multiplier: f64,
+    /// zCDP rho one round spends.
+    pub rho_per_round: f64,
+}
+
+/// (accountant, epsilon bits, delta bits, rounds).
+type Key = (&'static str, u64, u64, u32);
+
+fn cache() -> &'static Mutex<HashMap<Key, Calibration>> {
+    static CACHE: OnceLock<Mutex<HashMap<Key, Calibration>>> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+/// The smallest per-round noise that keeps `rounds` releases within (epsilon, delta).
+/// Cached per accountant and budget: the search evaluates the maps a few dozen times.
+pub fn calibrate(
+    accountant: &dyn Accountant,
+    epsilon: f64,
+    delta: f64,
+    rounds: u32,
+) -> Result<Calibration, DpError> {
+    let valid = epsilon.is_finite() && epsilon > 0.0 && delta > 0.0 && delta < 1.0 && rounds > 0;
+    if !valid {
+        return Err(DpError::InvalidBudget(format!(
+            "epsilon must be > 0, delta in (0, 1) and rounds >= 1 (got {epsilon}, {delta}, {rounds})"
+        )));
+    }
+    let key = (
+        accountant.name(),
+        epsilon.to_bits(),
+        delta.to_bits(),
+        rounds,
+    );
+    if let Some(found) = cache().lock().expect("calibration cache").get(&key) {
+        return Ok(*found);
+    }
+    // Bisection on the single-release scale in grid units: epsilon falls as the scale grows.
+    let fits = |scale: f64| accountant.epsilon_at(scale, delta).map(|e| e <= epsilon);
+    let (mut lo, mut hi) = (
+        1e-3 * GRID_UNITS_PER_CLIP as f64,
+        GRID_UNITS_PER_CLIP as f64,
+    );
+    while !fits(hi)? {
+        hi *= 2.0;
+        if hi > MAX_SCALE_GRID as f64 {
+            return Err(DpError::BudgetTooSmall { epsilon, delta });
+        }
+    }
+    for _ in 0..60 {
+        let mid = 0.5 * (lo + hi);
+        if fits(mid)? {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+        if hi - lo < 1e-9 * hi {
+            break;
+        }
+    }
+    let single = hi / GRID_UNITS_PER_CLIP as f64;
+    let noise_multiplier = single * f64::from(rounds).sqrt();
+    let calibration = Calibration {
+        noise_multiplier,
+        rho_per_round: accountant.rho_at(noise_multiplier * GRID_UNITS_PER_CLIP as f64)?,
+    };
+    cache()
+        .lock()
+        .expect("calibration cache")
+        .insert(key, calibration);
+    Ok(calibration)
+}
+
+/// (epsilon at `delta`) of a total zCDP `rho`: one grid release at the scale that costs `rho`.
+pub fn epsilon_of_rho(accountant: &dyn Accountant, rho: f64, delta: f64) -> Result<f64, DpError> {
+    if rho <= 0.0 {
+        return Ok(0.0);
+    }
+    accountant.epsilon_at(GRID_UNITS_PER_CLIP as f64 / (2.0 * rho).sqrt(), delta)
+}
+
+/// Privacy spent after `releases` rounds at per-round grid scale `scale_grid`: (rho, epsilon at
+/// `delta`). Uses the same maps as calibration.
+pub fn spent(
+    accountant: &dyn Accountant,
+    scale_grid: f64,
+    releases: u32,
+    delta: f64,
+) -> Result<(f64, f64), DpError> {
+    if releases == 0 {
+        return Ok((0.0, 0.0));
+    }
+    let equivalent = scale_grid / f64::from(releases).sqrt();
+    Ok((
+        accountant.rho_at(scale_grid)? * f64::from(releases),
+        accountant.epsilon_at(equivalent, delta)?,
+    ))
+}

@@ -1,0 +1,160 @@
+//! The manifest released with every round's noised average: what went in, what was left out and
+//! why, and what the release cost in privacy. Stored next to the average, never overwritten.
+//! The enclave writes it (`confed_enclave::aggregate`); the front end stores, shows and checks it.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+pub const FORMAT: &str = "confed-release/v2";
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub task_id: String,
+    pub round: u64,
+    pub key_id: String,
+    /// SHA-256 (hex) of the task policy text the contributions were sealed under.
+    pub policy_sha256: String,
+    /// SHA-256 (hex) of the model version the round trained from.
+    pub model_sha256: String,
+    /// Contributions in the sum (the average's denominator).
+    pub included: u64,
+    /// Tasks requiring device tokens only: the included contributions whose token the enclave
+    /// verified (all of them: an unauthenticated one is excluded as `unauthenticated`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub authenticated: Option<u64>,
+    /// SHA-256 (hex) over the sorted refs of the included contributions, one per line.
+    pub included_digest: String,
+    /// BLAKE3 (hex) over the stored bytes of every contribution the job was given, valid or not
+    /// (see `confed_enclave::aggregate::inputs`): what the noise and the release commitment are keyed by.
+    pub inputs_digest: String,
+    /// Excluded contributions per reason.
+    pub excluded: BTreeMap<String, u64>,
+    /// (assignment ref, reason) of the first 1000 excluded contributions.
+    pub excluded_refs: Vec<(String, String)>,
+    pub clip_norm: f64,
+    pub noise: NoiseRecord,
+    pub privacy: PrivacyRecord,
+    /// Adaptive clipping only: the round's noised fraction of unclipped updates and the clip
+    /// norm it gives the next round.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adaptive_clipping: Option<AdaptiveRecord>,
+    /// Evaluation rounds only: the noised metrics of the model version the round trained from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluation: Option<EvaluationRecord>,
+    /// SHA-256 (hex) of the released average's bytes.
+    pub average_sha256: String,
+}
+
+impl Manifest {
+    /// The manifest file's bytes (pretty JSON, fields in declaration order): what the enclave
+    /// signs (by SHA-256) and what the store writes, byte for byte.
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec_pretty(self).expect("a manifest serializes")
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NoiseRecord {
+    /// `discrete_gaussian_on_grid`: integer noise on the fixed-point grid.
+    pub mechanism: String,
+    /// Grid units per clip norm.
+    pub grid_units_per_clip: i64,
+    /// The integer variance of the noise, in grid units squared.
+    pub variance_grid: u64,
+    /// Standard deviation of the noise on each coordinate of the sum, in update units.
+    pub stddev_sum: f64,
+    /// ... and on each coordinate of the released average.
+    pub stddev_average: f64,
+    /// The tree mechanism only: where this release sits in its tree, and the noise of the running
+    /// sum it completes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tree: Option<TreeRecord>,
+}
+
+/// The tree mechanism's record of a release (docs/privacy.md, "DP-FTRL"). `variance_grid` is each
+/// raw node's variance; `stddev_sum` is this release's (an increment of the running sum).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TreeRecord {
+    /// Rounds per tree (the policy's minimum separation).
+    pub length: u32,
+    /// 0-based tree of this round, and the round's 1-based position in it.
+    pub tree: u64,
+    pub position: u64,
+    /// Raw nodes whose noise this release's increment combines.
+    pub nodes: u64,
+    /// Standard deviation of the noise of the tree's running sum through this round, on each
+    /// coordinate of the sum, in update units.
+    pub prefix_stddev_sum: f64,
+    /// What the accounting guarantees, per coordinate of the sum, in update units: the error
+    /// below which nobody can estimate one device's contribution to this round, even knowing
+    /// every other contribution of the task and every release of its tree (the whole tree, as
+    /// planned). A device's round is in `accounted_depth` complete nodes of its tree, each
+    /// noised at the node scale, so this is the node scale over `sqrt(accounted_depth)`:
+    /// `clip_norm / sqrt(2 rho)` for the tree's rho. `stddev_sum` is only what this one release
+    /// carries, and an operator who fills the tree's other rounds gets closer than it. Absent in
+    /// releases of servers before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accounted_stddev_sum: Option<f64>,
+    /// Complete nodes over one round of the tree as planned (`ceil(log2(rounds + 1))` for the
+    /// tree's planned rounds): what the accounting charges one device per tree.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accounted_depth: Option<u32>,
+}
+
+/// Adaptive clipping's part of a release (docs/privacy.md, "Adaptive clipping").
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AdaptiveRecord {
+    pub target_quantile: f64,
+    pub learning_rate: f64,
+    /// Standard deviation of the noise on the count of unclipped updates, in contributions (the
+    /// sampled scale on `sum(2 b_i - 1)`, halved).
+    pub count_stddev: f64,
+    /// The noised fraction of included updates whose norm was at most `clip_norm`, in [0, 1].
+    pub unclipped_fraction: f64,
+    /// `clip_norm * exp(-learning_rate * (unclipped_fraction - target_quantile))`, within the
+    /// policy limits: the next round's clip norm.
+    pub next_clip_norm: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PrivacyRecord {
+    pub epsilon_budget: f64,
+    pub delta: f64,
+    pub rounds_planned: u32,
+    /// Calibrated per-round noise in clip norms (before rounding the variance up).
+    pub noise_multiplier: f64,
+    /// zCDP rho of this release.
+    pub rho_round: f64,
+    /// rho spent by the task through this round (one release per round number).
+    pub rho_spent: f64,
+    /// ... as epsilon at `delta` (OpenDP's zCDP -> approximate-DP conversion).
+    pub epsilon_spent: f64,
+}
+
+/// The evaluation part of a release's manifest: the model version measured and the noised
+/// sums, with what follows from them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EvaluationRecord {
+    /// The model version the round trained from and its devices evaluated (`round - 1`).
+    pub model_version: u64,
+    /// Asked for on demand (the store's word: only devices that granted one of their on-demand
+    /// evaluations sent metrics, so the sums may hold few or none), not a scheduled round.
+    #[serde(default)]
+    pub on_demand: bool,
+    pub max_loss: f64,
+    pub max_examples: u32,
+    /// Standard deviation of the noise on each sum, in examples (the loss sum's in units of
+    /// `max_loss`): the sampled scale over 1024.
+    pub stddev: f64,
+    /// Noised sums over the included contributions: examples, correct answers, and the loss
+    /// (in loss units).
+    pub examples: f64,
+    pub correct: f64,
+    pub loss_sum: f64,
+    /// `correct / examples` within [0, 1], and `loss_sum / examples` within [0, max_loss]; null
+    /// when the noised example count is not positive.
+    pub accuracy: Option<f64>,
+    pub loss: Option<f64>,
+}

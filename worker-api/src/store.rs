@@ -1,0 +1,136 @@
+//! The task database and blob store as an enclave worker sees them (`JobStore`), and the job it
+//! leases from them. The untrusted side implements the trait (in process: `confed`'s aggregation
+//! store; over HTTP: the worker API), and everything it returns is untrusted input to the
+//! enclave (`confed_enclave::worker` says how each part is checked).
+
+use std::future::Future;
+use std::time::Duration;
+
+use confed_attestation::release::ReleaseProof;
+use confed_protocol::hpke::PublicKey;
+use thiserror::Error;
+
+use crate::manifest::Manifest;
+use crate::optimizer::ServerOptimizer;
+
+/// One leased aggregation job, as the untrusted store describes it.
+#[derive(Debug, Clone)]
+pub struct JobSpec {
+    /// The round's id.
+    pub job_id: String,
+    pub task_id: String,
+    pub round: u64,
+    /// The store's attempt counter: for logs only, nothing the enclave computes depends on it.
+    pub attempt: u64,
+    pub key_id: String,
+    pub public_key: PublicKey,
+    /// The task policy text (`policy.rs`): the only source of the privacy parameters.
+    pub policy: String,
+    /// Model version `round - 1`.
+    pub model: Vec<u8>,
+    /// The task's server optimizer (post-processing of the release: it spends no privacy, so
+    /// it may come from the store like the model does).
+    pub optimizer: ServerOptimizer,
+    /// The optimizer's state after round `round - 1` (None before its first round).
+    pub optimizer_state: Option<Vec<u8>>,
+    /// Adaptive clipping only: this round's clip norm (the previous release's `next_clip_norm`,
+    /// or the policy's for round 1). Bound into the release commitment; privacy does not depend
+    /// on it (`PrivacyParams::for_round`).
+    pub clip_norm: Option<f64>,
+    /// Whether the partner asked to evaluate this round on demand (the store's word: each device
+    /// counts its own on-demand evaluations against the policy's `on_demand`, and the enclave
+    /// charges that many; `PrivacyParams::for_round`).
+    pub on_demand_evaluation: bool,
+    /// Every completed contribution.
+    pub contributions: Vec<JobContribution>,
+    /// The committed release, when the round is already APPLYING.
+    pub committed_average: Option<Vec<u8>>,
+}
+
+/// One completed contribution of a job, as the store lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobContribution {
+    pub assignment_ref: String,
+    pub blob_key: String,
+    /// BLAKE3 of the stored bytes, as the server computed it when they arrived; `None` where it
+    /// never saw them (a direct upload to the blob store), and the enclave digests them itself
+    /// before it asks for the key. Untrusted like the rest of the job: the round's commitment
+    /// names it, and a contribution whose bytes have another digest (or none) when it is opened
+    /// fails the job, so whatever the store claims, the release is over the committed bytes.
+    pub blake3: Option<[u8; 32]>,
+}
+
+/// What a worker hands the store to commit.
+pub struct StagedRelease<'a> {
+    pub average: &'a [u8],
+    pub manifest: &'a Manifest,
+    /// The enclave's signature and the key services' receipts.
+    pub proof: &'a ReleaseProof,
+}
+
+#[derive(Debug, Error)]
+pub enum StoreError {
+    #[error("the job's lease was lost to another worker")]
+    LeaseLost,
+    #[error("conflict: {0}")]
+    Conflict(String),
+    #[error("release refused: {0}")]
+    Refused(String),
+    #[error("store: {0}")]
+    Backend(String),
+}
+
+/// The task database and blob store, as the enclave sees them.
+pub trait JobStore: Send + Sync {
+    fn lease(
+        &self,
+        worker: &str,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Option<JobSpec>, StoreError>> + Send;
+    fn renew(
+        &self,
+        job_id: &str,
+        worker: &str,
+        lease: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// A contribution's stored bytes (`None` if missing).
+    fn fetch(
+        &self,
+        blob_key: &str,
+    ) -> impl Future<Output = Result<Option<Vec<u8>>, StoreError>> + Send;
+    /// `fetch`, reading into `buffer` (a pooled one, whatever its length and contents) where the
+    /// store can, so its memory is reused instead of a fresh allocation per contribution.
+    fn fetch_into(
+        &self,
+        blob_key: &str,
+        buffer: Vec<u8>,
+    ) -> impl Future<Output = Result<Option<Vec<u8>>, StoreError>> + Send {
+        drop(buffer);
+        self.fetch(blob_key)
+    }
+    /// Commits the round's release (AGGREGATING -> APPLYING), once.
+    fn commit_release(
+        &self,
+        job_id: &str,
+        worker: &str,
+        release: StagedRelease<'_>,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Stores model version `round` (with the server optimizer's new state, if it keeps one)
+    /// and completes the round (APPLYING -> COMPLETED), opening the next round or completing
+    /// the task.
+    fn commit_model(
+        &self,
+        job_id: &str,
+        worker: &str,
+        model: &[u8],
+        optimizer_state: Option<&[u8]>,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Gives the job back: retried later, or (`permanent`) the round and task fail.
+    fn fail(
+        &self,
+        job_id: &str,
+        worker: &str,
+        reason: &str,
+        permanent: bool,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+}
