@@ -32,6 +32,7 @@ pub mod scheduling;
 pub mod server;
 pub mod states;
 pub mod task_spec;
+pub mod tasks;
 #[cfg(feature = "embedded")]
 pub mod tools;
 pub mod uploads;

@@ -145,7 +145,7 @@ pub async fn get_model(
         .model_version
         .ok_or_else(|| ApiError::NotFound("the task has no model yet".into()))?;
     let model = state.db.model_of_task(&assignment.task_id, version).await?;
-    super::models::model_response(
+    super::model_body::model_response(
         &state,
         &model,
         &headers,

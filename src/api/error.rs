@@ -221,6 +221,22 @@ impl From<crate::checkin::CheckinError> for ApiError {
     }
 }
 
+impl From<crate::tasks::TaskError> for ApiError {
+    fn from(error: crate::tasks::TaskError) -> Self {
+        use crate::tasks::TaskError;
+        match error {
+            TaskError::InvalidFields(problems) => Self::InvalidFields(problems),
+            TaskError::BadPageToken | TaskError::NotAModel(_) => {
+                Self::BadRequest(error.to_string())
+            }
+            TaskError::NotCreated { .. } => Self::Conflict(error.to_string()),
+            TaskError::Spool(detail) => Self::Internal(detail),
+            TaskError::Db(error) => error.into(),
+            TaskError::Blob(error) => error.into(),
+        }
+    }
+}
+
 impl From<BlobError> for ApiError {
     fn from(error: BlobError) -> Self {
         match error {

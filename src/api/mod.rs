@@ -9,6 +9,7 @@ pub mod error;
 pub mod evaluations;
 pub mod extract;
 pub mod integers;
+pub mod model_body;
 pub mod models;
 pub mod openapi;
 pub mod ops;
@@ -90,6 +91,14 @@ impl AppState {
     }
 
     /// The upload service over this state's database, keys and contribution store.
+    pub fn tasks(&self) -> crate::tasks::Tasks<'_> {
+        crate::tasks::Tasks {
+            db: &self.db,
+            blobs: self.blobs.as_ref(),
+            registry: &self.registry,
+        }
+    }
+
     pub fn uploads(&self) -> crate::uploads::Uploads<'_> {
         crate::uploads::Uploads {
             db: &self.db,

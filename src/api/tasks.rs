@@ -2,8 +2,6 @@
 
 use axum::extract::State;
 use axum::http::StatusCode;
-use base64::Engine as _;
-use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
@@ -11,7 +9,7 @@ use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::{ApiJson, ApiPath, ApiQuery, Tenant};
 use crate::clock::rfc3339;
-use crate::db::{RoundRecord, TaskCursor, TaskRecord};
+use crate::db::{RoundRecord, TaskRecord};
 use crate::states::{RoundState, TaskState};
 use crate::task_spec::{CreateTaskRequest, TaskSpec};
 
@@ -121,25 +119,6 @@ pub struct RoundList {
     pub rounds: Vec<RoundResponse>,
 }
 
-pub(crate) fn encode_cursor(task: &TaskRecord) -> String {
-    URL_SAFE_NO_PAD.encode(format!("{}:{}", task.created_at, task.id))
-}
-
-pub(crate) fn decode_cursor(token: &str) -> Result<TaskCursor, ApiError> {
-    let bad = || {
-        ApiError::BadRequest(
-            "`page_token` is not one this server issued; start again without it".into(),
-        )
-    };
-    let text = URL_SAFE_NO_PAD.decode(token).map_err(|_| bad())?;
-    let text = String::from_utf8(text).map_err(|_| bad())?;
-    let (created_at, id) = text.split_once(':').ok_or_else(bad)?;
-    Ok(TaskCursor {
-        created_at: created_at.parse().map_err(|_| bad())?,
-        id: id.to_string(),
-    })
-}
-
 /// Create a task (state CREATED); upload model version 0 to open it.
 #[utoipa::path(post, path = "/v1/tasks", tag = "tasks", request_body = CreateTaskRequest,
     security(("tenant_token" = [])),
@@ -155,8 +134,10 @@ pub async fn create_task(
     Tenant(tenant): Tenant,
     ApiJson(request): ApiJson<CreateTaskRequest>,
 ) -> Result<(StatusCode, axum::Json<TaskResponse>), ApiError> {
-    let spec = request.validate().map_err(ApiError::InvalidFields)?;
-    let task = state.db.create_task(&tenant.id, &spec, state.now()).await?;
+    let task = state
+        .tasks()
+        .create(&tenant.id, request, state.now())
+        .await?;
     tracing::info!(tenant = %tenant.name, task = %task.id, "task created");
     Ok((StatusCode::CREATED, axum::Json(task.into())))
 }
@@ -180,25 +161,13 @@ pub async fn list_tasks(
             "`limit` must be between 1 and {MAX_PAGE_SIZE} (got {limit})"
         )));
     }
-    let cursor = params
-        .page_token
-        .as_deref()
-        .map(decode_cursor)
-        .transpose()?;
-    // One extra row tells whether another page follows.
-    let mut tasks = state
-        .db
-        .list_tasks(&tenant.id, limit + 1, cursor.as_ref())
+    let page = state
+        .tasks()
+        .page(&tenant.id, limit, params.page_token.as_deref())
         .await?;
-    let next_page_token = if tasks.len() > limit as usize {
-        tasks.truncate(limit as usize);
-        tasks.last().map(encode_cursor)
-    } else {
-        None
-    };
     Ok(axum::Json(TaskList {
-        tasks: tasks.into_iter().map(Into::into).collect(),
-        next_page_token,
+        tasks: page.tasks.into_iter().map(Into::into).collect(),
+        next_page_token: page.next_page_token,
     }))
 }
 
@@ -216,8 +185,10 @@ pub async fn get_task(
     Tenant(tenant): Tenant,
     ApiPath(id): ApiPath<String>,
 ) -> Result<axum::Json<TaskResponse>, ApiError> {
-    let task = state.db.task(&tenant.id, &id).await?;
-    let eligible = state.registry.eligible(&task.spec, state.now());
+    let (task, eligible) = state
+        .tasks()
+        .with_eligible(&tenant.id, &id, state.now())
+        .await?;
     let mut response = TaskResponse::from(task);
     response.recent_eligible_checkins = Some(eligible);
     response.recent_eligible_devices = Some(eligible);
@@ -239,7 +210,7 @@ pub async fn cancel_task(
     Tenant(tenant): Tenant,
     ApiPath(id): ApiPath<String>,
 ) -> Result<axum::Json<TaskResponse>, ApiError> {
-    let task = state.db.cancel_task(&tenant.id, &id, state.now()).await?;
+    let task = state.tasks().cancel(&tenant.id, &id, state.now()).await?;
     tracing::info!(tenant = %tenant.name, task = %task.id, "task cancelled");
     Ok(axum::Json(task.into()))
 }
@@ -258,7 +229,7 @@ pub async fn list_rounds(
     Tenant(tenant): Tenant,
     ApiPath(id): ApiPath<String>,
 ) -> Result<axum::Json<RoundList>, ApiError> {
-    let rounds = state.db.rounds(&tenant.id, &id).await?;
+    let rounds = state.tasks().rounds(&tenant.id, &id).await?;
     Ok(axum::Json(RoundList {
         rounds: rounds.into_iter().map(Into::into).collect(),
     }))

@@ -433,7 +433,11 @@ pub async fn upload_model(
     let model = model.filter(|m| m.len > 0).ok_or_else(|| {
         ApiError::BadRequest("choose a safetensors file for model version 0".into())
     })?;
-    crate::api::models::store_version_zero(&state, &session.tenant.id, &id, model).await?;
+    state
+        .tasks()
+        .store_version_zero(&session.tenant.id, &id, model, state.now())
+        .await
+        .map_err(ApiError::from)?;
     tracing::info!(tenant = %session.tenant.name, task = %id, "model version 0 stored (console)");
     Ok(Redirect::to(&format!("/console/tasks/{id}")).into_response())
 }
@@ -446,7 +450,8 @@ pub async fn download_model(
 ) -> Result<Response, ConsoleError> {
     let model = state.db.model(&session.tenant.id, &id, version).await?;
     let mut response =
-        crate::api::models::model_response(&state, &model, &headers, "private, no-store").await?;
+        crate::api::model_body::model_response(&state, &model, &headers, "private, no-store")
+            .await?;
     let name = format!("attachment; filename=\"{id}-v{version}.safetensors\"");
     if let Ok(value) = HeaderValue::from_str(&name) {
         response

@@ -12,10 +12,10 @@ use super::layout::{self, csrf_field};
 use super::session::Session;
 use crate::api::AppState;
 use crate::api::error::ApiError;
-use crate::api::tasks::{decode_cursor, encode_cursor};
 use crate::db::TaskRecord;
 use crate::states::TaskState;
 use crate::task_spec::{CreateTaskRequest, InvalidParam};
+use crate::tasks::TaskError;
 
 const PAGE_SIZE: u32 = 50;
 
@@ -34,16 +34,13 @@ pub async fn list(
     session: Session,
     ConsoleQuery(query): ConsoleQuery<ListQuery>,
 ) -> Result<Response, ConsoleError> {
-    let cursor = query.page.as_deref().map(decode_cursor).transpose()?;
     let tenant = &session.tenant;
-    let mut tasks = state
-        .db
-        .list_tasks(&tenant.id, PAGE_SIZE + 1, cursor.as_ref())
-        .await?;
-    let next = (tasks.len() > PAGE_SIZE as usize).then(|| {
-        tasks.truncate(PAGE_SIZE as usize);
-        tasks.last().map(encode_cursor)
-    });
+    let page = state
+        .tasks()
+        .page(&tenant.id, PAGE_SIZE, query.page.as_deref())
+        .await
+        .map_err(ApiError::from)?;
+    let (tasks, next) = (page.tasks, page.next_page_token);
     let spent = state.db.privacy_spent_by_task(&tenant.id).await?;
     let body = html! {
         h1 { "Tasks" }
@@ -76,7 +73,7 @@ pub async fn list(
                     }
                 }
             }
-            @if let Some(Some(token)) = &next {
+            @if let Some(token) = &next {
                 p { a href={"/console/tasks?page=" (token)} rel="next" { "Older tasks" } }
             }
         }
@@ -281,9 +278,13 @@ pub async fn create(
             return Ok(form_page(&session, &form, &[], Some(&summary)));
         }
     };
-    let spec = match request.validate() {
-        Ok(spec) => spec,
-        Err(problems) => {
+    let task = match state
+        .tasks()
+        .create(&session.tenant.id, request, state.now())
+        .await
+    {
+        Ok(task) => task,
+        Err(TaskError::InvalidFields(problems)) => {
             return Ok(form_page(
                 &session,
                 &form,
@@ -291,13 +292,6 @@ pub async fn create(
                 Some("The task was not created; correct the fields marked below."),
             ));
         }
-    };
-    let task = match state
-        .db
-        .create_task(&session.tenant.id, &spec, state.now())
-        .await
-    {
-        Ok(task) => task,
         Err(e) => {
             let error = ApiError::from(e);
             if matches!(

@@ -1,0 +1,210 @@
+//! Tasks as a service, beside check-in (`checkin.rs`) and uploads (`uploads.rs`): creating a task
+//! from a partner's request, listing a tenant's tasks a page at a time, a task with its recent
+//! eligible check-ins, cancelling, and storing model version 0 (which opens the task). The partner
+//! API (`api::tasks`, `api::models`) and the console call these and only map what they return.
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use thiserror::Error;
+
+use crate::api::spool::Spooled;
+use crate::blob::{BlobError, BlobKey, BlobStore};
+use crate::clock::Millis;
+use crate::db::{Db, DbError, NewModel, RoundRecord, TaskCursor, TaskRecord};
+use crate::registry::DeviceRegistry;
+use crate::states::TaskState;
+use crate::task_spec::{CreateTaskRequest, InvalidParam};
+
+#[derive(Debug, Error)]
+pub enum TaskError {
+    /// The request's fields, each with what is wrong (the privacy plan under `privacy`).
+    #[error("the request has {} invalid field(s)", .0.len())]
+    InvalidFields(Vec<InvalidParam>),
+    #[error("`page_token` is not one this server issued; start again without it")]
+    BadPageToken,
+    #[error(
+        "task {id} is {}: model version 0 can only be uploaded while the task is CREATED",
+        .state.as_str()
+    )]
+    NotCreated { id: String, state: TaskState },
+    #[error("the body is not a usable model: {0}")]
+    NotAModel(String),
+    /// Reading the spooled model back failed (the server's temporary file).
+    #[error("the spooled model cannot be read: {0}")]
+    Spool(String),
+    #[error(transparent)]
+    Db(#[from] DbError),
+    #[error(transparent)]
+    Blob(#[from] BlobError),
+}
+
+/// One page of a tenant's tasks, newest first, and the token of the next page if there is one.
+#[derive(Debug)]
+pub struct Page {
+    pub tasks: Vec<TaskRecord>,
+    pub next_page_token: Option<String>,
+}
+
+/// The task service over the task database, the model store and the check-in registry.
+pub struct Tasks<'a> {
+    pub db: &'a Db,
+    pub blobs: &'a dyn BlobStore,
+    pub registry: &'a DeviceRegistry,
+}
+
+impl Tasks<'_> {
+    /// Validates `request` field by field (and its privacy plan) and creates the task, CREATED.
+    pub async fn create(
+        &self,
+        tenant_id: &str,
+        request: CreateTaskRequest,
+        now: Millis,
+    ) -> Result<TaskRecord, TaskError> {
+        let spec = request.validate().map_err(TaskError::InvalidFields)?;
+        Ok(self.db.create_task(tenant_id, &spec, now).await?)
+    }
+
+    /// At most `limit` of the tenant's tasks after `page_token` (a token `page` gave).
+    pub async fn page(
+        &self,
+        tenant_id: &str,
+        limit: u32,
+        page_token: Option<&str>,
+    ) -> Result<Page, TaskError> {
+        let cursor = page_token.map(decode_cursor).transpose()?;
+        // One extra row tells whether another page follows.
+        let mut tasks = self
+            .db
+            .list_tasks(tenant_id, limit + 1, cursor.as_ref())
+            .await?;
+        let next_page_token = if tasks.len() > limit as usize {
+            tasks.truncate(limit as usize);
+            tasks.last().map(encode_cursor)
+        } else {
+            None
+        };
+        Ok(Page {
+            tasks,
+            next_page_token,
+        })
+    }
+
+    /// The task and the check-ins of the last 15 minutes that would fit it.
+    pub async fn with_eligible(
+        &self,
+        tenant_id: &str,
+        id: &str,
+        now: Millis,
+    ) -> Result<(TaskRecord, u64), TaskError> {
+        let task = self.db.task(tenant_id, id).await?;
+        let eligible = self.registry.eligible(&task.spec, now);
+        Ok((task, eligible))
+    }
+
+    pub async fn cancel(
+        &self,
+        tenant_id: &str,
+        id: &str,
+        now: Millis,
+    ) -> Result<TaskRecord, TaskError> {
+        Ok(self.db.cancel_task(tenant_id, id, now).await?)
+    }
+
+    pub async fn rounds(&self, tenant_id: &str, id: &str) -> Result<Vec<RoundRecord>, TaskError> {
+        Ok(self.db.rounds(tenant_id, id).await?)
+    }
+
+    /// Refuses before the body is read when the task cannot take model version 0.
+    pub async fn check_open_for_model(&self, tenant_id: &str, id: &str) -> Result<(), TaskError> {
+        check_created(&self.db.task(tenant_id, id).await?)
+    }
+
+    /// Validates and stores model version 0 of a CREATED task, which opens it (round 1 starts).
+    /// The model is read through a map of its spooled file, never whole in memory.
+    pub async fn store_version_zero(
+        &self,
+        tenant_id: &str,
+        id: &str,
+        spooled: Spooled,
+        now: Millis,
+    ) -> Result<TaskRecord, TaskError> {
+        self.check_open_for_model(tenant_id, id).await?;
+        let spooled = std::sync::Arc::new(spooled);
+        let checked = spooled.clone();
+        tokio::task::spawn_blocking(move || {
+            let mapped = checked.map().map_err(|e| TaskError::Spool(e.to_string()))?;
+            confed_worker_api::model::validate_model(&mapped)
+                .map(|_| ())
+                .map_err(|e| TaskError::NotAModel(e.to_string()))
+        })
+        .await
+        .map_err(|e| TaskError::Spool(e.to_string()))??;
+        let digest = spooled.sha256_hex.clone();
+        let key = BlobKey::model(tenant_id, id, 0, &digest)?;
+        self.blobs.put_file(&key, spooled.file()).await?;
+        let model = NewModel {
+            blob_key: key.as_str().to_string(),
+            sha256_hex: digest,
+            size_bytes: spooled.len as i64,
+            optimizer_state_key: None,
+        };
+        Ok(self
+            .db
+            .open_task_with_model(tenant_id, id, &model, now)
+            .await?)
+    }
+}
+
+fn check_created(task: &TaskRecord) -> Result<(), TaskError> {
+    if task.state != TaskState::Created {
+        return Err(TaskError::NotCreated {
+            id: task.id.clone(),
+            state: task.state,
+        });
+    }
+    Ok(())
+}
+
+/// A page token: the last task's creation time and id, base64url (opaque to partners).
+fn encode_cursor(task: &TaskRecord) -> String {
+    URL_SAFE_NO_PAD.encode(format!("{}:{}", task.created_at, task.id))
+}
+
+fn decode_cursor(token: &str) -> Result<TaskCursor, TaskError> {
+    let text = URL_SAFE_NO_PAD
+        .decode(token)
+        .ok()
+        .and_then(|bytes| String::from_utf8(bytes).ok())
+        .ok_or(TaskError::BadPageToken)?;
+    let (created_at, id) = text.split_once(':').ok_or(TaskError::BadPageToken)?;
+    Ok(TaskCursor {
+        created_at: created_at.parse().map_err(|_| TaskError::BadPageToken)?,
+        id: id.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_page_token_names_the_last_task_and_a_foreign_one_is_refused() {
+        let token = URL_SAFE_NO_PAD.encode("1700000000000:0193abcd");
+        let cursor = decode_cursor(&token).unwrap();
+        assert_eq!(
+            (cursor.created_at, cursor.id.as_str()),
+            (1_700_000_000_000, "0193abcd")
+        );
+        for foreign in [
+            "",
+            "!!",
+            &URL_SAFE_NO_PAD.encode("no-colon"),
+            &URL_SAFE_NO_PAD.encode("x:1"),
+        ] {
+            assert!(
+                matches!(decode_cursor(foreign), Err(TaskError::BadPageToken)),
+                "{foreign}"
+            );
+        }
+    }
+}
