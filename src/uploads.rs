@@ -79,7 +79,7 @@ impl Uploads<'_> {
                 limit,
             });
         }
-        if assignment.contribution_sha256.is_none()
+        if assignment.contribution_digest.is_none()
             && let Some(closed) = closed_for_upload(&assignment, now)
         {
             if closed == Refusal::RoundClosed {
@@ -137,7 +137,7 @@ impl Uploads<'_> {
         // An assignment that already holds a contribution stores nothing more: the same bytes
         // again are a retry, others are refused. Appending first would let one capability write
         // the task's limit to disk again and again, even after its round closed.
-        if let Some(held) = &assignment.contribution_sha256 {
+        if let Some(held) = &assignment.contribution_digest {
             return if same_bytes(held, &digest, body) {
                 Ok(Stored::Again)
             } else {
@@ -182,7 +182,7 @@ impl Uploads<'_> {
         now: i64,
     ) -> Result<(), UploadError> {
         let assignment = self.find(capability).await?;
-        if assignment.contribution_sha256.is_some() || assignment.state != AssignmentState::Assigned
+        if assignment.contribution_digest.is_some() || assignment.state != AssignmentState::Assigned
         {
             return Ok(()); // already noted, or finished: the report itself says what applies
         }

@@ -219,7 +219,7 @@ async fn an_upload_is_stored_once_repeated_idempotently_and_refused_otherwise() 
         );
         let view = app.db.assignment(&cap("a")).await.unwrap().unwrap();
         assert_eq!(view.state, AssignmentState::Uploaded, "{engine}");
-        assert_eq!(view.contribution_sha256.as_deref(), Some("d1"), "{engine}");
+        assert_eq!(view.contribution_digest.as_deref(), Some("d1"), "{engine}");
     }
 }
 

@@ -88,8 +88,8 @@ pub struct StoredContribution {
     pub blake3_hex: Option<String>,
 }
 
-/// A committed release of one round.
-#[derive(Debug, Clone, PartialEq)]
+/// A committed release of one round (read by column name: the `releases` table's columns).
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
 pub struct ReleaseRecord {
     pub round_id: String,
     pub task_id: String,
@@ -144,42 +144,14 @@ pub(super) async fn load_release(
     conn: &mut Conn,
     round_id: &str,
 ) -> Result<Option<ReleaseRecord>, DbError> {
-    type Row = (
-        String,
-        String,
-        i64,
-        String,
-        String,
-        String,
-        String,
-        i64,
-        i64,
-        f64,
-        i64,
-        Option<String>,
-    );
-    let row: Option<Row> = sqlx::query_as(
+    Ok(sqlx::query_as(
         "SELECT round_id, task_id, round_number, average_key, average_sha256, manifest_key, \
          manifest_json, included, excluded, epsilon_spent, created_at, proof_json \
          FROM releases WHERE round_id = $1",
     )
     .bind(round_id)
     .fetch_optional(&mut *conn)
-    .await?;
-    Ok(row.map(|r| ReleaseRecord {
-        round_id: r.0,
-        task_id: r.1,
-        round_number: r.2,
-        average_key: r.3,
-        average_sha256: r.4,
-        manifest_key: r.5,
-        manifest_json: r.6,
-        included: r.7,
-        excluded: r.8,
-        epsilon_spent: r.9,
-        created_at: r.10,
-        proof_json: r.11,
-    }))
+    .await?)
 }
 
 /// The release a worker asks to commit.

@@ -42,20 +42,22 @@ pub enum DeadlineOutcome {
     Skipped,
 }
 
-type RoundRow = (
-    String,
-    String,
-    i64,
-    i64,
-    String,
-    i64,
-    i64,
-    i64,
-    i64,
-    i64,
-    Option<i64>,
-    i64,
-);
+/// A round's row, by the column names of `ROUND_SELECT`.
+#[derive(sqlx::FromRow)]
+struct RoundRow {
+    id: String,
+    task_id: String,
+    round_number: i64,
+    attempt: i64,
+    state: String,
+    report_goal: i64,
+    min_reports: i64,
+    completed_reports: i64,
+    deadline_at: i64,
+    opened_at: i64,
+    closed_at: Option<i64>,
+    on_demand_evaluation: i64,
+}
 
 const ROUND_SELECT: &str = "SELECT r.id, r.task_id, r.round_number, r.attempt, r.state, \
      r.report_goal, r.min_reports, \
@@ -63,33 +65,19 @@ const ROUND_SELECT: &str = "SELECT r.id, r.task_id, r.round_number, r.attempt, r
      r.deadline_at, r.opened_at, r.closed_at, r.on_demand_evaluation FROM rounds r";
 
 fn round_from_row(row: RoundRow) -> Result<RoundRecord, DbError> {
-    let (
-        id,
-        task_id,
-        round_number,
-        attempt,
-        state,
-        report_goal,
-        min_reports,
-        reports,
-        deadline_at,
-        opened_at,
-        closed_at,
-        on_demand_evaluation,
-    ) = row;
     Ok(RoundRecord {
-        state: parse_state(&state)?,
-        id,
-        task_id,
-        round_number,
-        attempt,
-        report_goal,
-        min_reports,
-        reports_received: reports,
-        deadline_at,
-        opened_at,
-        closed_at,
-        on_demand_evaluation: on_demand_evaluation != 0,
+        state: parse_state(&row.state)?,
+        id: row.id,
+        task_id: row.task_id,
+        round_number: row.round_number,
+        attempt: row.attempt,
+        report_goal: row.report_goal,
+        min_reports: row.min_reports,
+        reports_received: row.completed_reports,
+        deadline_at: row.deadline_at,
+        opened_at: row.opened_at,
+        closed_at: row.closed_at,
+        on_demand_evaluation: row.on_demand_evaluation != 0,
     })
 }
 

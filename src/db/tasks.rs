@@ -26,25 +26,34 @@ pub struct TaskCursor {
     pub id: String,
 }
 
-type TaskRow = (String, String, String, String, i64, Option<i64>, i64, i64);
+/// A task's row, by the column names of `TASK_COLUMNS`.
+#[derive(sqlx::FromRow)]
+struct TaskRow {
+    id: String,
+    tenant_id: String,
+    state: String,
+    spec_json: String,
+    current_round: i64,
+    model_version: Option<i64>,
+    created_at: i64,
+    updated_at: i64,
+}
 
 const TASK_COLUMNS: &str =
     "id, tenant_id, state, spec_json, current_round, model_version, created_at, updated_at";
 
 fn task_from_row(row: TaskRow) -> Result<TaskRecord, DbError> {
-    let (id, tenant_id, state, spec_json, current_round, model_version, created_at, updated_at) =
-        row;
-    let spec = serde_json::from_str(&spec_json)
-        .map_err(|e| DbError::Corrupt(format!("task {id} spec: {e}")))?;
+    let spec = serde_json::from_str(&row.spec_json)
+        .map_err(|e| DbError::Corrupt(format!("task {} spec: {e}", row.id)))?;
     Ok(TaskRecord {
-        state: parse_state(&state)?,
-        id,
-        tenant_id,
+        state: parse_state(&row.state)?,
+        id: row.id,
+        tenant_id: row.tenant_id,
         spec,
-        current_round,
-        model_version,
-        created_at,
-        updated_at,
+        current_round: row.current_round,
+        model_version: row.model_version,
+        created_at: row.created_at,
+        updated_at: row.updated_at,
     })
 }
 

@@ -107,7 +107,14 @@ impl Db {
         let Some((token_id, secret)) = auth::split_tenant_token(token) else {
             return Ok(None);
         };
-        let row: Option<(String, String, String, i64, i64, i64, i64)> = sqlx::query_as(
+        /// A tenant's row with its token digest, by column name.
+        #[derive(sqlx::FromRow)]
+        struct TokenRow {
+            token_sha256: String,
+            #[sqlx(flatten)]
+            tenant: TenantRecord,
+        }
+        let row: Option<TokenRow> = sqlx::query_as(
             "SELECT token_sha256, id, name, max_active_tasks, max_report_goal, created_at, \
              max_device_hours \
              FROM tenants WHERE token_id = $1",
@@ -115,15 +122,10 @@ impl Db {
         .bind(token_id)
         .fetch_optional(self.pool())
         .await?;
-        let stored = row.as_ref().map_or(DUMMY_SHA256, |r| r.0.as_str());
+        let stored = row
+            .as_ref()
+            .map_or(DUMMY_SHA256, |r| r.token_sha256.as_str());
         let matches = auth::secret_matches(secret, stored);
-        Ok(row.filter(|_| matches).map(|r| TenantRecord {
-            id: r.1,
-            name: r.2,
-            max_active_tasks: r.3,
-            max_report_goal: r.4,
-            created_at: r.5,
-            max_device_hours: r.6,
-        }))
+        Ok(row.filter(|_| matches).map(|r| r.tenant))
     }
 }

@@ -11,6 +11,10 @@
 use std::future::Future;
 use std::sync::LazyLock;
 
+mod rows;
+
+pub(in crate::db) use rows::{CandidateRow, ViewRow, WriteViewRow};
+
 use super::postgres::device::PostgresDevices;
 use super::sqlite::device::SqliteDevices;
 use super::{Conn, Db, DbError, Engine, history, parse_state, transition};
@@ -58,7 +62,7 @@ pub struct AssignmentView {
     pub key_id: Option<String>,
     pub task_id: String,
     pub tenant_id: String,
-    pub contribution_sha256: Option<String>,
+    pub contribution_digest: Option<String>,
     /// Size of the task's current model: an update has the same tensors, so about the same size.
     pub model_bytes: i64,
     /// The task's current model version (the one the assignment's round trains from).
@@ -95,40 +99,12 @@ fn report_target(outcome: ReportOutcome) -> AssignmentState {
 
 pub use confed_protocol::ids::{AssignmentRef, Capability};
 
-pub(in crate::db) type CandidateRow = (
-    String,
-    String,
-    String,
-    i64,
-    i64,
-    Option<String>,
-    Option<i64>,
-    i64,
-    String,
-    i64,
-    i64,
-    Option<i64>,
-    i64,
-);
-pub(in crate::db) type ViewRow = (
-    String,
-    String,
-    i64,
-    String,
-    i64,
-    i64,
-    Option<String>,
-    String,
-    String,
-    Option<String>,
-    Option<i64>,
-    Option<i64>,
-);
-
-pub(in crate::db) const VIEW_SQL: &str = "SELECT a.id, a.state, a.expires_at, r.state, r.round_number, \
-     r.attempt, r.key_id, t.id, t.tenant_id, a.contribution_sha256, \
-     (SELECT m.size_bytes FROM models m WHERE m.task_id = t.id AND m.version = t.model_version), \
-     t.model_version \
+pub(in crate::db) const VIEW_SQL: &str = "SELECT a.id AS id, a.state AS state, \
+     a.expires_at AS expires_at, r.state AS round_state, r.round_number AS round_number, \
+     r.attempt AS attempt, r.key_id AS key_id, t.id AS task_id, t.tenant_id AS tenant_id, \
+     a.contribution_digest AS contribution_digest, \
+     (SELECT m.size_bytes FROM models m WHERE m.task_id = t.id AND m.version = t.model_version) \
+     AS model_bytes, t.model_version AS model_version \
      FROM assignments a JOIN rounds r ON r.id = a.round_id JOIN tasks t ON t.id = r.task_id \
      WHERE a.id = $1";
 
@@ -136,9 +112,11 @@ pub(in crate::db) const VIEW_SQL: &str = "SELECT a.id, a.state, a.expires_at, r.
 /// SQLite binds `$1` by position too).
 pub(in crate::db) static CANDIDATES: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "SELECT r.id, t.id, t.tenant_id, r.round_number, r.deadline_at, r.key_id, \
-         t.model_version, r.live_assignments, t.spec_json, r.attempt, t.created_at, r.capacity, \
-         r.on_demand_evaluation \
+        "SELECT r.id AS round_id, t.id AS task_id, t.tenant_id AS tenant_id, \
+         r.round_number AS round_number, r.deadline_at AS deadline_at, r.key_id AS key_id, \
+         t.model_version AS model_version, r.live_assignments AS live_assignments, \
+         t.spec_json AS spec_json, r.attempt AS attempt, t.created_at AS task_created_at, \
+         r.capacity AS capacity, r.on_demand_evaluation AS on_demand_evaluation \
          FROM rounds r JOIN tasks t ON t.id = r.task_id \
          JOIN populations p ON p.name = t.population AND p.tenant_id = t.tenant_id \
          WHERE t.population = $1 AND t.state = '{open}' AND r.state = '{collecting}'",
@@ -149,18 +127,18 @@ pub(in crate::db) static CANDIDATES: LazyLock<String> = LazyLock::new(|| {
 
 pub(in crate::db) fn view_from_row(r: ViewRow) -> Result<AssignmentView, DbError> {
     Ok(AssignmentView {
-        id: AssignmentRef::from_stored(r.0),
-        state: parse_state(&r.1)?,
-        expires_at: r.2,
-        round_state: parse_state(&r.3)?,
-        round_number: r.4,
-        attempt: r.5,
-        key_id: r.6,
-        task_id: r.7,
-        tenant_id: r.8,
-        contribution_sha256: r.9,
-        model_bytes: r.10.unwrap_or(0),
-        model_version: r.11,
+        id: AssignmentRef::from_stored(r.id),
+        state: parse_state(&r.state)?,
+        expires_at: r.expires_at,
+        round_state: parse_state(&r.round_state)?,
+        round_number: r.round_number,
+        attempt: r.attempt,
+        key_id: r.key_id,
+        task_id: r.task_id,
+        tenant_id: r.tenant_id,
+        contribution_digest: r.contribution_digest,
+        model_bytes: r.model_bytes.unwrap_or(0),
+        model_version: r.model_version,
     })
 }
 
@@ -171,23 +149,23 @@ pub(in crate::db) struct WriteView {
     pub state: AssignmentState,
     pub expires_at: i64,
     pub round_state: RoundState,
-    pub contribution_sha256: Option<String>,
+    pub contribution_digest: Option<String>,
 }
 
 /// The columns of a `WriteView`, in SQL both engines accept (`$1` is the assignment id).
-pub(in crate::db) const WRITE_VIEW_SQL: &str = "SELECT a.id, a.state, a.expires_at, r.state, a.contribution_sha256 \
+pub(in crate::db) const WRITE_VIEW_SQL: &str = "SELECT a.id AS id, a.state AS state, \
+     a.expires_at AS expires_at, r.state AS round_state, \
+     a.contribution_digest AS contribution_digest \
      FROM assignments a JOIN rounds r ON r.id = a.round_id WHERE a.id = $1";
-
-pub(in crate::db) type WriteViewRow = (String, String, i64, String, Option<String>);
 
 impl WriteView {
     pub(in crate::db) fn from_row(r: WriteViewRow) -> Result<Self, DbError> {
         Ok(Self {
-            id: r.0,
-            state: super::parse_state(&r.1)?,
-            expires_at: r.2,
-            round_state: super::parse_state(&r.3)?,
-            contribution_sha256: r.4,
+            id: r.id,
+            state: super::parse_state(&r.state)?,
+            expires_at: r.expires_at,
+            round_state: super::parse_state(&r.round_state)?,
+            contribution_digest: r.contribution_digest,
         })
     }
 }
@@ -281,7 +259,7 @@ pub(in crate::db) fn upload_outcome(
     let Some(a) = view else {
         return Err(Refusal::UnknownAssignment);
     };
-    if let Some(stored) = &a.contribution_sha256 {
+    if let Some(stored) = &a.contribution_digest {
         return if stored == sha256_hex {
             Ok(Stored::Again)
         } else {
@@ -390,23 +368,23 @@ impl Db {
         let rows = on_store!(self, store => store.candidates(population))?;
         rows.into_iter()
             .map(|r| {
-                let spec = self.spec_of(&r.1, &r.8)?;
+                let spec = self.spec_of(&r.task_id, &r.spec_json)?;
                 Ok(Candidate {
-                    round_id: r.0,
-                    task_id: r.1,
-                    tenant_id: r.2,
-                    round_number: r.3,
-                    attempt: r.9,
-                    deadline_at: r.4,
-                    key_id: r.5,
-                    model_version: r.6.unwrap_or(0),
-                    live: r.7,
-                    task_created_at: r.10,
+                    round_id: r.round_id,
+                    task_id: r.task_id,
+                    tenant_id: r.tenant_id,
+                    round_number: r.round_number,
+                    attempt: r.attempt,
+                    deadline_at: r.deadline_at,
+                    key_id: r.key_id,
+                    model_version: r.model_version.unwrap_or(0),
+                    live: r.live_assignments,
+                    task_created_at: r.task_created_at,
                     capacity: r
-                        .11
+                        .capacity
                         .and_then(|c| u64::try_from(c).ok())
                         .unwrap_or_else(|| spec.max_live_assignments()),
-                    on_demand_evaluation: r.12 != 0,
+                    on_demand_evaluation: r.on_demand_evaluation != 0,
                     spec,
                 })
             })

@@ -53,9 +53,9 @@ static ASSIGN: LazyLock<String> = LazyLock::new(|| {
 static UPLOAD: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH u AS (UPDATE assignments SET state = '{uploaded}', updated_at = $1, \
-         contribution_sha256 = $2, contribution_bytes = $3, blob_key = $4, \
+         contribution_digest = $2, contribution_bytes = $3, blob_key = $4, \
          contribution_blake3 = $7 \
-         WHERE id = $5 AND state = '{assigned}' AND contribution_sha256 IS NULL \
+         WHERE id = $5 AND state = '{assigned}' AND contribution_digest IS NULL \
          AND expires_at > $1 AND EXISTS (SELECT 1 FROM rounds r \
          WHERE r.id = assignments.round_id AND r.state = '{collecting}') RETURNING id), \
          h AS (INSERT INTO state_history \

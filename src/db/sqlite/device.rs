@@ -45,9 +45,9 @@ const FIRST_HISTORY: &str = "INSERT INTO state_history (id, entity, entity_id, s
 static UPLOAD: LazyLock<String> = LazyLock::new(|| {
     format!(
         "UPDATE assignments SET state = '{uploaded}', updated_at = ?1, \
-         contribution_sha256 = ?2, contribution_bytes = ?3, blob_key = ?4, \
+         contribution_digest = ?2, contribution_bytes = ?3, blob_key = ?4, \
          contribution_blake3 = ?6 \
-         WHERE id = ?5 AND state = '{assigned}' AND contribution_sha256 IS NULL \
+         WHERE id = ?5 AND state = '{assigned}' AND contribution_digest IS NULL \
          AND expires_at > ?1 AND EXISTS (SELECT 1 FROM rounds r \
          WHERE r.id = assignments.round_id AND r.state = '{collecting}')",
         uploaded = UPLOADED.as_str(),
@@ -110,7 +110,7 @@ fn write_view(c: &rusqlite::Connection, id: &str) -> Result<Option<WriteView>, D
     // SQLite reads `$1` as a parameter too (bound by position here).
     let row = c
         .prepare_cached(WRITE_VIEW_SQL)?
-        .query_row([id], |r| WriteViewRow::try_from(r))
+        .query_row([id], WriteViewRow::from_sqlite)
         .optional()?;
     row.map(WriteView::from_row).transpose()
 }
@@ -259,7 +259,7 @@ impl DeviceStore for SqliteDevices<'_> {
         // thread costs more than the read.
         self.0.read_raw(|c| {
             let mut statement = c.prepare_cached(&CANDIDATES)?;
-            let rows = statement.query_map([population], |r| CandidateRow::try_from(r))?;
+            let rows = statement.query_map([population], CandidateRow::from_sqlite)?;
             Ok(rows.collect::<Result<Vec<_>, _>>()?)
         })
     }
@@ -307,7 +307,7 @@ impl DeviceStore for SqliteDevices<'_> {
         // to a sqlx worker thread costs more than the read.
         let row: Option<ViewRow> = self.0.read_raw(|c| {
             Ok(c.prepare_cached(VIEW_SQL)?
-                .query_row([&id], |r| ViewRow::try_from(r))
+                .query_row([&id], ViewRow::from_sqlite)
                 .optional()?)
         })?;
         row.map(view_from_row).transpose()
