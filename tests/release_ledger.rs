@@ -63,7 +63,7 @@ fn refused_by(error: &CollectError, check: &str) -> usize {
     failures
         .iter()
         .filter(|(_, why)| {
-            matches!(why, ServiceFailure::Refused { status: 403, detail } if detail.contains(check))
+            matches!(why, ServiceFailure::Refused { status: 403, detail, .. } if detail.contains(check))
         })
         .count()
 }

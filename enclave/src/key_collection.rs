@@ -54,7 +54,13 @@ pub enum ServiceFailure {
     #[error("no answer within {0:?}")]
     Timeout(Duration),
     #[error("refused ({status}): {detail}")]
-    Refused { status: u16, detail: String },
+    Refused {
+        status: u16,
+        detail: String,
+        /// The `check` names of the problem's `failed_checks` (docs/protocol.md): what the
+        /// enclave decides on, never the detail's text.
+        failed_checks: Vec<String>,
+    },
     #[error("attester failed: {0}")]
     Attester(String),
     #[error("malformed answer: {0}")]
@@ -114,8 +120,8 @@ impl CollectError {
             failures
                 .iter()
                 .filter(|(_, f)| {
-                    matches!(f, ServiceFailure::Refused { status: 403, detail }
-                        if detail.contains("release_ledger"))
+                    matches!(f, ServiceFailure::Refused { status: 403, failed_checks, .. }
+                        if failed_checks.iter().any(|check| check == "release_ledger"))
                 })
                 .count()
         };
@@ -498,18 +504,29 @@ async fn post_json<T: serde::de::DeserializeOwned>(
     let status = response.status();
     if !status.is_success() {
         let text = response.text().await.unwrap_or_default();
-        let detail = serde_json::from_str::<serde_json::Value>(&text)
-            .ok()
-            .and_then(|problem| {
-                problem
-                    .get("detail")
-                    .and_then(|d| d.as_str())
+        let problem = serde_json::from_str::<serde_json::Value>(&text).ok();
+        let failed_checks = problem
+            .as_ref()
+            .and_then(|p| p.get("failed_checks"))
+            .and_then(|checks| checks.as_array())
+            .map(|checks| {
+                checks
+                    .iter()
+                    .filter_map(|c| c.get("check").and_then(|name| name.as_str()))
                     .map(str::to_string)
+                    .collect()
             })
+            .unwrap_or_default();
+        let detail = problem
+            .as_ref()
+            .and_then(|p| p.get("detail"))
+            .and_then(|d| d.as_str())
+            .map(str::to_string)
             .unwrap_or(text);
         return Err(ServiceFailure::Refused {
             status: status.as_u16(),
             detail,
+            failed_checks,
         });
     }
     response
@@ -523,13 +540,15 @@ mod ledger_refusal_tests {
     use super::*;
 
     fn refused(ledger: bool) -> ServiceFailure {
+        let check = if ledger {
+            "release_ledger"
+        } else {
+            "image_digest"
+        };
         ServiceFailure::Refused {
             status: 403,
-            detail: if ledger {
-                "failed: release_ledger".into()
-            } else {
-                "failed: image_digest".into()
-            },
+            detail: format!("failed: {check}"),
+            failed_checks: vec![check.into()],
         }
     }
 

@@ -76,15 +76,34 @@ struct SyncQueue {
     wake: Condvar,
 }
 
-/// Told whether the fdatasync covering a record succeeded (the reason if not).
-type SyncDone = oneshot::Sender<Result<(), String>>;
+/// Told whether the fdatasync covering a record succeeded (why not, if not).
+type SyncDone = oneshot::Sender<Result<(), SyncFailure>>;
+
+/// A failed fdatasync: whether the disk was full (so devices are told 507, not 500) and what the
+/// kernel said.
+#[derive(Debug, Clone)]
+struct SyncFailure {
+    disk_full: bool,
+    reason: String,
+}
+
+impl SyncFailure {
+    fn into_io(self) -> std::io::Error {
+        let kind = if self.disk_full {
+            std::io::ErrorKind::StorageFull
+        } else {
+            std::io::ErrorKind::Other
+        };
+        std::io::Error::new(kind, self.reason)
+    }
+}
 
 #[derive(Default)]
 struct SyncState {
     waiting: Vec<(Arc<File>, SyncDone)>,
     /// Set after a failed fdatasync: the kernel may have dropped the dirty pages, so nothing
     /// written before it can be called durable again. Every later put fails until a restart.
-    poisoned: Option<String>,
+    poisoned: Option<SyncFailure>,
     stop: bool,
 }
 
@@ -230,18 +249,14 @@ impl ContributionLog {
             self.abandon(segment, &file, offset, record_len as u64);
             return Err(io_error(key.as_str(), e));
         }
-        self.synced(file).await.map_err(|reason| {
+        self.synced(file).await.map_err(|failure| {
             Self::count_unsynced(record_len as u64);
             // A full disk at fdatasync keeps its kind, so devices get 507 rather than 500.
-            let kind = if reason.contains("os error 28") || reason.contains("os error 122") {
-                std::io::ErrorKind::StorageFull
-            } else {
-                std::io::ErrorKind::Other
+            let failure = SyncFailure {
+                reason: format!("contribution log not durable: {}", failure.reason),
+                ..failure
             };
-            io_error(
-                key.as_str(),
-                std::io::Error::new(kind, format!("contribution log not durable: {reason}")),
-            )
+            io_error(key.as_str(), failure.into_io())
         })?;
         BlobKey::new(format!(
             "log/{segment:08}/{offset}/{record_len}/{}",
@@ -250,7 +265,7 @@ impl ContributionLog {
     }
 
     /// Waits until an fdatasync of `file` that started after this call has finished.
-    async fn synced(&self, file: Arc<File>) -> Result<(), String> {
+    async fn synced(&self, file: Arc<File>) -> Result<(), SyncFailure> {
         let (tx, rx) = oneshot::channel();
         {
             let mut state = self.sync.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -260,8 +275,12 @@ impl ContributionLog {
             state.waiting.push((file, tx));
         }
         self.sync.wake.notify_one();
-        rx.await
-            .unwrap_or_else(|_| Err("the log's sync thread stopped".into()))
+        rx.await.unwrap_or_else(|_| {
+            Err(SyncFailure {
+                disk_full: false,
+                reason: "the log's sync thread stopped".into(),
+            })
+        })
     }
 }
 
@@ -421,17 +440,20 @@ fn sync_loop(queue: &SyncQueue) {
                 continue;
             }
             if let Err(e) = file.sync_data() {
-                failure = Some(format!("fdatasync failed: {e}"));
+                failure = Some(SyncFailure {
+                    disk_full: super::is_disk_full(&e),
+                    reason: format!("fdatasync failed: {e}"),
+                });
             }
             synced.push(ptr);
         }
-        if let Some(reason) = &failure {
-            tracing::error!(%reason, "contribution log: fdatasync failed; refusing further uploads until restart");
+        if let Some(failure) = &failure {
+            tracing::error!(reason = %failure.reason, "contribution log: fdatasync failed; refusing further uploads until restart");
             queue
                 .state
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .poisoned = Some(reason.clone());
+                .poisoned = Some(failure.clone());
         }
         for (_, done) in batch {
             let _ = done.send(failure.clone().map_or(Ok(()), Err));
