@@ -238,7 +238,7 @@ async fn simulated_devices_fill_a_round_with_stored_contributions_that_open() {
         .unwrap();
     let completed = db.completed_contributions(&task_id, 1).await.unwrap();
     assert_eq!(completed.len(), GOAL);
-    let store = confed::blob::embedded_contributions(&data, &db).unwrap();
+    let store = confed::blob::embedded_contributions(&data).unwrap();
     let schema = confed_worker_api::model::validate_model(&model).unwrap();
     let context = db.round_context(&task_id, 1).await.unwrap();
     let next_round = envelope::RoundContext {

@@ -30,7 +30,7 @@ pub async fn start(keys: KeyDirectory) -> BenchServer {
     let state = AppState {
         db: db.clone(),
         blobs: Arc::new(LocalBlobStore::open(dir.path().join("blobs")).unwrap()),
-        contributions: confed::blob::embedded_contributions(dir.path(), &db).unwrap(),
+        contributions: confed::blob::embedded_contributions(dir.path()).unwrap(),
         clock: Arc::new(SystemClock),
         admin: None,
         limits: Limits::default(),

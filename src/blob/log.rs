@@ -13,7 +13,7 @@
 //! (`log/<segment>/<offset>/<length>/<caller's key>`), and `get` reads exactly there and checks
 //! the record's magic, key and SHA-256. Write-once per caller key is the database row's job
 //! (an assignment takes one contribution digest); the log therefore refuses the keyed `put`.
-//! Keys that are not log keys are read from `fallback` (contributions stored before the log).
+//! A key that is not a log key names nothing here (`NotFound`).
 //!
 //! Record: `CFL1` | payload length u32 LE | SHA-256 of payload (32) | key length u16 LE | key |
 //! payload.
@@ -48,7 +48,6 @@ pub struct ContributionLog {
     active: Mutex<Active>,
     readers: Arc<Readers>,
     sync: Arc<SyncQueue>,
-    fallback: Arc<dyn BlobStore>,
     /// Makes the next record's write fail halfway, as a full disk does.
     #[cfg(test)]
     fail_writes: std::sync::atomic::AtomicBool,
@@ -121,15 +120,11 @@ fn io_error(what: impl Into<String>, source: std::io::Error) -> BlobError {
 impl ContributionLog {
     /// Opens (or creates) the log in `dir`; new records go to a fresh segment after the highest
     /// non-empty one, so a torn tail left by a crash is never appended to.
-    pub fn open(dir: impl Into<PathBuf>, fallback: Arc<dyn BlobStore>) -> Result<Self, BlobError> {
-        Self::open_with_segment_bytes(dir.into(), fallback, SEGMENT_BYTES)
+    pub fn open(dir: impl Into<PathBuf>) -> Result<Self, BlobError> {
+        Self::open_with_segment_bytes(dir.into(), SEGMENT_BYTES)
     }
 
-    fn open_with_segment_bytes(
-        dir: PathBuf,
-        fallback: Arc<dyn BlobStore>,
-        segment_bytes: u64,
-    ) -> Result<Self, BlobError> {
+    fn open_with_segment_bytes(dir: PathBuf, segment_bytes: u64) -> Result<Self, BlobError> {
         let shown = dir.display().to_string();
         fs::create_dir_all(&dir).map_err(|e| io_error(&shown, e))?;
         let lock = lock_dir(&dir)?;
@@ -183,7 +178,6 @@ impl ContributionLog {
                 open: Mutex::new(ReaderCache::default()),
             }),
             sync,
-            fallback,
             #[cfg(test)]
             fail_writes: Default::default(),
         })
@@ -615,11 +609,7 @@ impl ContributionLog {
         buffer: Vec<u8>,
     ) -> Result<Vec<u8>, BlobError> {
         let Some(location) = parse_location(key.as_str()) else {
-            return if digest {
-                self.fallback.get(key).await
-            } else {
-                self.fallback.get_sealed_into(key, buffer).await
-            };
+            return Err(BlobError::NotFound(key.as_str().to_string()));
         };
         let not_found = |e: std::io::Error| {
             if e.kind() == std::io::ErrorKind::NotFound {

@@ -4,7 +4,6 @@
 
 mod cache;
 mod gcs;
-mod legacy;
 mod local;
 mod log;
 
@@ -14,7 +13,6 @@ use std::pin::Pin;
 use thiserror::Error;
 
 pub use gcs::{Gcs, GcsBlobStore, GcsConfig};
-pub use legacy::LegacyDatabaseContributions;
 pub use local::LocalBlobStore;
 pub use log::ContributionLog;
 
@@ -143,23 +141,37 @@ pub async fn open_stores(
             std::sync::Arc::new(gcs.store("contributions")),
         ));
     }
+    refuse_contributions_in_the_database(db).await?;
     Ok((
         std::sync::Arc::new(LocalBlobStore::open(data_dir.join("blobs"))?),
-        embedded_contributions(data_dir, db)?,
+        embedded_contributions(data_dir)?,
     ))
 }
 
-/// The embedded default's contribution store: the log in `<data dir>/contributions`, reading
-/// older contributions from the task database.
+/// The embedded default's contribution store: the log in `<data dir>/contributions`.
 pub fn embedded_contributions(
     data_dir: &std::path::Path,
-    db: &crate::db::Db,
 ) -> Result<std::sync::Arc<dyn BlobStore>, BlobError> {
-    let fallback = std::sync::Arc::new(LegacyDatabaseContributions::new(db.clone()));
     Ok(std::sync::Arc::new(ContributionLog::open(
         data_dir.join("contributions"),
-        fallback,
     )?))
+}
+
+/// Releases before the contribution log kept contributions in the task database's `blobs` table;
+/// this one no longer reads them. Their rounds' retention deletes them, so a data directory
+/// upgraded after one retention window holds none; one that still does is refused at start
+/// rather than failing those rounds' jobs with "not found" (docs/operations.md, "Upgrades").
+async fn refuse_contributions_in_the_database(db: &crate::db::Db) -> Result<(), BlobError> {
+    let stored = db
+        .contributions_in_database()
+        .await
+        .map_err(|e| BlobError::Setup(e.to_string()))?;
+    if stored > 0 {
+        return Err(BlobError::Setup(format!(
+            "the task database still holds {stored} contribution(s) stored before the contribution log, which this release does not read; run the previous release until retention has deleted them (--retention-minutes after their rounds close), or, if their rounds are COMPLETED or FAILED, delete them with DELETE FROM blobs"
+        )));
+    }
+    Ok(())
 }
 
 pub type BlobFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, BlobError>> + Send + 'a>>;
@@ -302,5 +314,29 @@ mod tests {
             assert!(BlobKey::new(bad).is_err(), "{bad:?}");
         }
         assert!(BlobKey::new("tenants/t1/tasks/x/models/0-ab.safetensors").is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_data_directory_still_holding_contributions_in_the_database_is_refused_saying_what_to_do()
+     {
+        let dir = tempfile::tempdir().unwrap();
+        let db = crate::db::Db::open_sqlite(&dir.path().join("t.db"))
+            .await
+            .unwrap();
+        assert!(open_stores(dir.path(), &db, None).await.is_ok());
+        sqlx::query("INSERT INTO blobs (key, sha256, bytes) VALUES ($1, $2, $3)")
+            .bind("a/b.cbor")
+            .bind("digest")
+            .bind(b"stored before the log".to_vec())
+            .execute(db.pool())
+            .await
+            .unwrap();
+        let refused = open_stores(dir.path(), &db, None)
+            .await
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(refused.contains("still holds 1 contribution"), "{refused}");
+        assert!(refused.contains("previous release"), "{refused}");
     }
 }

@@ -1,14 +1,13 @@
-//! Contributions stored in the task database before the contribution log: read-only now
-//! (`blob::LegacyDatabaseContributions`).
+//! The `blobs` table, where releases before the contribution log kept contributions: only counted
+//! now, so a data directory that still holds some is refused at start (`blob::open_stores`).
 
 use super::{Db, DbError};
 
 impl Db {
-    /// An object of the `blobs` table (contributions stored before the contribution log).
-    pub async fn get_blob(&self, key: &str) -> Result<Option<Vec<u8>>, DbError> {
-        Ok(sqlx::query_scalar("SELECT bytes FROM blobs WHERE key = $1")
-            .bind(key)
-            .fetch_optional(self.pool())
+    /// How many contributions the `blobs` table still holds.
+    pub async fn contributions_in_database(&self) -> Result<i64, DbError> {
+        Ok(sqlx::query_scalar("SELECT COUNT(*) FROM blobs")
+            .fetch_one(self.pool())
             .await?)
     }
 }

@@ -61,17 +61,9 @@ impl Db {
         let round_id = round_id.to_string();
         self.write(move |tx| {
             Box::pin(async move {
-                // The same `max_rows` assignments (first by id) in all three statements.
+                // The same `max_rows` assignments (first by id) in both statements.
                 const CHUNK: &str =
                     "SELECT id FROM assignments WHERE round_id = $1 ORDER BY id LIMIT $2";
-                sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "DELETE FROM blobs WHERE key IN (SELECT blob_key FROM assignments \
-                     WHERE id IN ({CHUNK}) AND blob_key IS NOT NULL)"
-                )))
-                .bind(&round_id)
-                .bind(max_rows)
-                .execute(&mut *tx)
-                .await?;
                 sqlx::query(sqlx::AssertSqlSafe(format!(
                     "DELETE FROM state_history WHERE entity = 'assignment' AND entity_id IN ({CHUNK})"
                 )))

@@ -212,7 +212,7 @@ impl TestApp {
         let state = AppState {
             db: db.clone(),
             blobs: Arc::new(LocalBlobStore::open(dir.path().join("blobs")).unwrap()),
-            contributions: confed::blob::embedded_contributions(dir.path(), &db).unwrap(),
+            contributions: confed::blob::embedded_contributions(dir.path()).unwrap(),
             clock: clock.clone(),
             admin: admin.map(|t| AdminToken::from_secret(t.to_string()).unwrap()),
             limits,

@@ -1,9 +1,4 @@
 use super::*;
-use crate::blob::LocalBlobStore;
-
-fn fallback(dir: &Path) -> Arc<dyn BlobStore> {
-    Arc::new(LocalBlobStore::open(dir.join("fallback")).unwrap())
-}
 
 fn key(name: &str) -> BlobKey {
     BlobKey::new(format!(
@@ -24,7 +19,7 @@ fn segment_files(dir: &Path) -> Vec<String> {
 #[tokio::test]
 async fn a_stored_contribution_reads_back_by_the_key_put_new_returned() {
     let dir = tempfile::tempdir().unwrap();
-    let log = ContributionLog::open(dir.path().join("log"), fallback(dir.path())).unwrap();
+    let log = ContributionLog::open(dir.path().join("log")).unwrap();
     let first = log.put_new(key("a"), b"first bytes").await.unwrap();
     let second = log.put_new(key("b"), b"second").await.unwrap();
     assert!(first.as_str().starts_with("log/00000001/0/"), "{first:?}");
@@ -37,8 +32,7 @@ async fn a_stored_contribution_reads_back_by_the_key_put_new_returned() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_puts_are_all_durable_and_distinct() {
     let dir = tempfile::tempdir().unwrap();
-    let log =
-        Arc::new(ContributionLog::open(dir.path().join("log"), fallback(dir.path())).unwrap());
+    let log = Arc::new(ContributionLog::open(dir.path().join("log")).unwrap());
     let puts = (0..64u32).map(|i| {
         let log = Arc::clone(&log);
         tokio::spawn(async move {
@@ -60,7 +54,7 @@ async fn a_reopened_log_reads_old_records_and_appends_to_a_new_segment() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("log");
     let stored = {
-        let log = ContributionLog::open(&path, fallback(dir.path())).unwrap();
+        let log = ContributionLog::open(&path).unwrap();
         log.put_new(key("a"), b"kept").await.unwrap()
     };
     // A torn record after the last acknowledged one, as a crash mid-write leaves it.
@@ -69,7 +63,7 @@ async fn a_reopened_log_reads_old_records_and_appends_to_a_new_segment() {
         .open(path.join("segment-00000001.log"))
         .unwrap();
     std::io::Write::write_all(&mut torn, b"CFL1\x10\x00").unwrap();
-    let log = ContributionLog::open(&path, fallback(dir.path())).unwrap();
+    let log = ContributionLog::open(&path).unwrap();
     assert_eq!(log.get(&stored).await.unwrap(), b"kept");
     let next = log.put_new(key("b"), b"new").await.unwrap();
     assert!(next.as_str().starts_with("log/00000002/0/"), "{next:?}");
@@ -79,10 +73,10 @@ async fn a_reopened_log_reads_old_records_and_appends_to_a_new_segment() {
     );
     drop(log);
     // A restart without uploads reuses the empty last segment.
-    drop(ContributionLog::open(&path, fallback(dir.path())).unwrap());
-    let _again = ContributionLog::open(&path, fallback(dir.path())).unwrap();
+    drop(ContributionLog::open(&path).unwrap());
+    let _again = ContributionLog::open(&path).unwrap();
     assert_eq!(segment_files(&path).len(), 4, "three segments and LOCK");
-    let second = ContributionLog::open(&path, fallback(dir.path())).unwrap_err();
+    let second = ContributionLog::open(&path).unwrap_err();
     assert!(second.to_string().contains("another process"), "{second}");
 }
 
@@ -90,8 +84,7 @@ async fn a_reopened_log_reads_old_records_and_appends_to_a_new_segment() {
 async fn a_full_segment_moves_on_to_the_next() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("log");
-    let log =
-        ContributionLog::open_with_segment_bytes(path.clone(), fallback(dir.path()), 300).unwrap();
+    let log = ContributionLog::open_with_segment_bytes(path.clone(), 300).unwrap();
     let stored: Vec<BlobKey> = futures_util::future::join_all(
         (0..3).map(|i| log.put_new(key(&format!("k{i}")), &[7u8; 200])),
     )
@@ -109,14 +102,14 @@ async fn a_full_segment_moves_on_to_the_next() {
 async fn a_corrupted_record_is_refused_with_the_reason() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("log");
-    let log = ContributionLog::open(&path, fallback(dir.path())).unwrap();
+    let log = ContributionLog::open(&path).unwrap();
     let stored = log.put_new(key("a"), b"payload").await.unwrap();
     let segment = path.join("segment-00000001.log");
     let mut bytes = fs::read(&segment).unwrap();
     *bytes.last_mut().unwrap() ^= 1;
     fs::write(&segment, bytes).unwrap();
     drop(log);
-    let log = ContributionLog::open(&path, fallback(dir.path())).unwrap();
+    let log = ContributionLog::open(&path).unwrap();
     let error = log.get(&stored).await.unwrap_err().to_string();
     assert!(error.contains("do not match its digest"), "{error}");
     // A reader that authenticates the bytes itself (the enclave's AEAD) gets them unhashed,
@@ -127,7 +120,7 @@ async fn a_corrupted_record_is_refused_with_the_reason() {
 #[tokio::test]
 async fn a_key_pointing_at_another_record_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let log = ContributionLog::open(dir.path().join("log"), fallback(dir.path())).unwrap();
+    let log = ContributionLog::open(dir.path().join("log")).unwrap();
     let stored = log.put_new(key("a"), b"payload").await.unwrap();
     let forged = BlobKey::new(stored.as_str().replace("/a.cbor", "/b.cbor")).unwrap();
     let error = log.get(&forged).await.unwrap_err().to_string();
@@ -145,17 +138,13 @@ async fn a_key_pointing_at_another_record_is_refused() {
 }
 
 #[tokio::test]
-async fn other_keys_are_read_from_the_fallback_and_keyed_puts_refused() {
+async fn a_key_that_is_not_a_log_key_is_not_found_and_keyed_puts_are_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let old = fallback(dir.path());
-    old.put(&key("old"), b"stored before the log")
-        .await
-        .unwrap();
-    let log = ContributionLog::open(dir.path().join("log"), old).unwrap();
-    assert_eq!(
-        log.get(&key("old")).await.unwrap(),
-        b"stored before the log"
-    );
+    let log = ContributionLog::open(dir.path().join("log")).unwrap();
+    assert!(matches!(
+        log.get(&key("old")).await,
+        Err(BlobError::NotFound(found)) if found == key("old").as_str()
+    ));
     let refused = log.put(&key("x"), b"x").await.unwrap_err().to_string();
     assert!(refused.contains("put_new"), "{refused}");
 }
@@ -164,9 +153,7 @@ async fn other_keys_are_read_from_the_fallback_and_keyed_puts_refused() {
 #[tokio::test]
 async fn open_segment_readers_are_bounded() {
     let dir = tempfile::tempdir().unwrap();
-    let log =
-        ContributionLog::open_with_segment_bytes(dir.path().join("log"), fallback(dir.path()), 64)
-            .unwrap();
+    let log = ContributionLog::open_with_segment_bytes(dir.path().join("log"), 64).unwrap();
     let mut stored = Vec::new();
     for i in 0..40u32 {
         stored.push(
@@ -193,9 +180,7 @@ async fn open_segment_readers_are_bounded() {
 #[tokio::test]
 async fn retired_segments_are_old_unreferenced_and_idle() {
     let dir = tempfile::tempdir().unwrap();
-    let log =
-        ContributionLog::open_with_segment_bytes(dir.path().join("log"), fallback(dir.path()), 64)
-            .unwrap();
+    let log = ContributionLog::open_with_segment_bytes(dir.path().join("log"), 64).unwrap();
     let mut stored = Vec::new();
     for i in 0..4u32 {
         stored.push(
@@ -238,7 +223,7 @@ async fn retired_segments_are_old_unreferenced_and_idle() {
 #[tokio::test]
 async fn a_record_torn_by_a_full_disk_is_cut_back_and_its_place_reused() {
     let dir = tempfile::tempdir().unwrap();
-    let log = ContributionLog::open(dir.path().join("log"), fallback(dir.path())).unwrap();
+    let log = ContributionLog::open(dir.path().join("log")).unwrap();
     let first = log.put_new(key("a"), b"first").await.unwrap();
     let segment = dir.path().join("log").join(segment_name(1));
     let before = fs::metadata(&segment).unwrap().len();
@@ -269,7 +254,7 @@ async fn a_record_torn_by_a_full_disk_is_cut_back_and_its_place_reused() {
 #[tokio::test]
 async fn a_torn_record_before_a_later_one_is_punched_out() {
     let dir = tempfile::tempdir().unwrap();
-    let log = ContributionLog::open(dir.path().join("log"), fallback(dir.path())).unwrap();
+    let log = ContributionLog::open(dir.path().join("log")).unwrap();
     let (segment, file, offset) = log.reserve(1 << 20).unwrap();
     let later = log.put_new(key("later"), b"later bytes").await.unwrap();
     file.write_all_at(&vec![0xAB; 1 << 19], offset).unwrap();
