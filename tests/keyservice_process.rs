@@ -4,7 +4,6 @@
 //! against a local issuer serving a discovery document and a JWKS.
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,16 +14,13 @@ use confed_attestation::keys::JwksFetcher;
 use confed_attestation::release::{ReleaseCommitment, key_binding};
 use confed_attestation::{Attester, DevAttester, TokenRequest};
 use confed_protocol::policy::TaskPolicy;
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 
 const BOUND: Duration = Duration::from_secs(60);
 
-fn confed() -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_confed"));
-    command.env("RUST_LOG", "warn").kill_on_drop(true);
-    command
-}
+#[path = "common/serving.rs"]
+mod serving;
+use serving::{confed, serving};
 
 #[tokio::test]
 async fn ceremony_then_key_service_serves_a_signed_key_set_and_audit_verify_checks_the_log() {
@@ -224,27 +220,10 @@ fn keyservice_args(setup: &Setup) -> Vec<std::ffi::OsString> {
 }
 
 async fn start(setup: &Setup) -> (Child, String) {
-    let mut child = confed()
-        .args(keyservice_args(setup))
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let url = tokio::time::timeout(BOUND, async {
-        loop {
-            let line = lines
-                .next_line()
-                .await
-                .unwrap()
-                .expect("key service exited");
-            if let Some(url) = line.strip_prefix("confed: serving on ") {
-                return url.to_string();
-            }
-        }
-    })
-    .await
-    .unwrap();
-    (child, url)
+    let mut command = confed();
+    command.args(keyservice_args(setup));
+    let started = serving(command, BOUND).await;
+    (started.child, started.url)
 }
 
 /// One release request for round 1 over inputs named `inputs`; returns the HTTP status and body.

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::process::wait_for_model;
+use common::serving::{confed, serving};
 use serde_json::json;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdout, Command};
@@ -24,45 +25,19 @@ struct Server {
     demo_token: Option<String>,
 }
 
-fn confed() -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_confed"));
-    command.env("RUST_LOG", "warn").kill_on_drop(true);
-    command
-}
-
 async fn start(data_dir: &Path, extra: &[&str]) -> Server {
-    let mut child = confed()
+    let mut command = confed();
+    command
         .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
         .arg(data_dir)
         .args(extra)
-        .env("CONFED_ADMIN_TOKEN", ADMIN)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut demo_token = None;
-    let url = tokio::time::timeout(STARTUP_BOUND, async {
-        loop {
-            let line = lines
-                .next_line()
-                .await
-                .unwrap()
-                .expect("server exited before serving");
-            if let Some(token) = line.strip_prefix("CONFED_DEMO_TOKEN=") {
-                demo_token = Some(token.to_string());
-            }
-            if let Some(url) = line.strip_prefix("confed: serving on ") {
-                return url.to_string();
-            }
-        }
-    })
-    .await
-    .expect("server did not start");
+        .env("CONFED_ADMIN_TOKEN", ADMIN);
+    let started = serving(command, STARTUP_BOUND).await;
     Server {
-        child,
-        lines,
-        url,
-        demo_token,
+        child: started.child,
+        lines: started.lines,
+        url: started.url,
+        demo_token: started.demo_token,
     }
 }
 

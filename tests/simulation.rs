@@ -5,8 +5,10 @@
 //! stored contribution must open, with the key the shares reconstruct, as an update of the model's
 //! shape bound to its assignment.
 
+#[path = "common/serving.rs"]
+mod serving;
+
 use std::path::Path;
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,7 +19,7 @@ use confed::keyservice::{KeyService, KeyServiceParts, routes};
 use confed_attestation::{AppraisalPolicy, KeySource};
 use confed_enclave::envelope::{self, Envelope};
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, BufReader};
+
 use tokio::process::Command;
 
 const BOUND: Duration = Duration::from_secs(120);
@@ -80,34 +82,20 @@ async fn simulated_devices_fill_a_round_with_stored_contributions_that_open() {
     let dir = tempfile::tempdir().unwrap();
     let (keyservices, private_key) = key_services(dir.path()).await;
     let data = dir.path().join("data");
-    let mut serve = Command::new(env!("CARGO_BIN_EXE_confed"));
+    let mut serve = serving::confed();
     serve
         .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
         .arg(&data);
     for url in &keyservices {
         serve.args(["--keyservice", url]);
     }
-    let mut server = serve
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(server.stdout.take().unwrap()).lines();
-    let (url, token) = tokio::time::timeout(BOUND, async {
-        let mut token = None;
-        loop {
-            let line = lines.next_line().await.unwrap().expect("server exited");
-            if let Some(t) = line.strip_prefix("CONFED_DEMO_TOKEN=") {
-                token = Some(t.to_string());
-            }
-            if let Some(url) = line.strip_prefix("confed: serving on ") {
-                return (url.to_string(), token.unwrap());
-            }
-        }
-    })
-    .await
-    .unwrap();
+    let serving::Serving {
+        child: mut server,
+        url,
+        demo_token,
+        ..
+    } = serving::serving(serve, BOUND).await;
+    let token = demo_token.unwrap();
 
     let http = confed_protocol::http::client(BOUND);
     let task: Value = http

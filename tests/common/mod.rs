@@ -8,6 +8,7 @@ pub mod forgery;
 pub mod gcs;
 pub mod keyservices;
 pub mod process;
+pub mod serving;
 pub mod system;
 
 use std::sync::Arc;

@@ -2,11 +2,10 @@
 //! worker, and the partner calls the process-level tests make of it.
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::Value;
-use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::io::{BufReader, Lines};
 use tokio::process::{Child, ChildStdout, Command};
 
 /// Upper bound for the server to start or a round to complete; only reached if something broke.
@@ -77,37 +76,16 @@ pub struct Server {
 impl Server {
     /// Starts `confed serve` on a new data directory `data`.
     pub async fn start(data: &Path) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_confed"))
-            .env("RUST_LOG", "warn")
-            .kill_on_drop(true)
+        let mut command = super::serving::confed();
+        command
             .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
-            .arg(data)
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let (url, token) = tokio::time::timeout(BOUND, async {
-            let mut token = None;
-            loop {
-                let line = lines.next_line().await.unwrap().expect("server exited");
-                if let Some(t) = line.strip_prefix("CONFED_DEMO_TOKEN=") {
-                    token = Some(t.to_string());
-                }
-                if let Some(url) = line.strip_prefix("confed: serving on ") {
-                    return (
-                        url.to_string(),
-                        token.expect("a new data directory's token"),
-                    );
-                }
-            }
-        })
-        .await
-        .expect("the server started");
+            .arg(data);
+        let started = super::serving::serving(command, BOUND).await;
         Self {
-            child,
-            lines,
-            url,
-            token,
+            child: started.child,
+            lines: started.lines,
+            url: started.url,
+            token: started.demo_token.expect("a new data directory's token"),
             data: data.to_path_buf(),
             http: confed_protocol::http::client(BOUND),
         }
