@@ -163,10 +163,18 @@ pub async fn serve(
     if has(Role::EnclaveWorker) && !config.keyservices.is_empty() {
         return Err(ServeError::WorkerNeedsEmbeddedKeyServices);
     }
+    // Before anything is created or printed: without the embedded default there are no key
+    // services to fall back on.
+    #[cfg(not(feature = "embedded"))]
+    if (has(Role::Api) || has(Role::EnclaveWorker)) && config.keyservices.is_empty() {
+        return Err(ServeError::NotEmbedded);
+    }
     if has(Role::Api) {
         check_listen(config.listen, config.tls.as_ref())?;
     }
     let (db, fresh) = open_data_dir(&config.data_dir, config.database.as_deref()).await?;
+    // Every role: a scheduler's retention would otherwise delete the rows naming them.
+    crate::blob::refuse_contributions_in_the_database(&db).await?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     if fresh {
         create_demo_tenant(&db, clock.now_millis()).await?;
@@ -181,6 +189,7 @@ pub async fn serve(
         open_contributions = Some(contributions.clone());
         let keys = KeyDirectory::default();
         let embedded_worker = if config.keyservices.is_empty() {
+            // Refused at the start already; kept so this branch never runs without key services.
             #[cfg(not(feature = "embedded"))]
             return Err(ServeError::NotEmbedded);
             #[cfg(feature = "embedded")]

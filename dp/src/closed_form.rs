@@ -44,7 +44,11 @@ impl Accountant for ClosedForm {
             return Err(self.refusal(format!("delta must be in [0, 1] (got {delta})")));
         }
         let rho = self.rho_at(scale_grid)?;
-        Ok(epsilon_of(rho, delta))
+        epsilon_of(rho, delta).ok_or_else(|| {
+            self.refusal(format!(
+                "the conversion of rho {rho} at delta {delta} leaves the range of f64"
+            ))
+        })
     }
 }
 
@@ -57,10 +61,11 @@ impl ClosedForm {
     }
 }
 
-/// The smallest delta the conversion gives a rho-zCDP release at `epsilon`.
-pub fn delta_of(rho: f64, epsilon: f64) -> f64 {
+/// The smallest delta the conversion gives a rho-zCDP release at `epsilon`; `None` where an
+/// intermediate leaves f64's range (OpenDP refuses there too), never a made-up bound.
+pub fn delta_of(rho: f64, epsilon: f64) -> Option<f64> {
     if rho == 0.0 || epsilon.is_infinite() {
-        return 0.0;
+        return Some(0.0);
     }
     // The optimal alpha is below (epsilon + 1) / (2 rho) + 2, where the derivative is positive.
     let (mut low, mut high) = (MIN_ALPHA, (epsilon + 1.0) / (2.0 * rho) + 2.0);
@@ -78,28 +83,29 @@ pub fn delta_of(rho: f64, epsilon: f64) -> f64 {
     }
     let alpha = high;
     let exponent = (alpha - 1.0) * (alpha * rho - epsilon) + alpha * (-1.0 / alpha).ln_1p();
-    (exponent.exp() / (alpha - 1.0)).min(1.0)
+    let delta = exponent.exp() / (alpha - 1.0);
+    (alpha.is_finite() && delta.is_finite()).then(|| delta.min(1.0))
 }
 
-/// The smallest epsilon whose delta (`delta_of`) is at most `delta`.
-pub fn epsilon_of(rho: f64, delta: f64) -> f64 {
-    if rho == 0.0 || delta >= 1.0 || delta_of(rho, 0.0) <= delta {
-        return 0.0;
+/// The smallest epsilon whose delta (`delta_of`) is at most `delta`; `None` where `delta_of` is.
+pub fn epsilon_of(rho: f64, delta: f64) -> Option<f64> {
+    if rho == 0.0 || delta >= 1.0 || delta_of(rho, 0.0)? <= delta {
+        return Some(0.0);
     }
     let mut high = 2.0f64;
-    while delta_of(rho, high) > delta {
+    while delta_of(rho, high)? > delta {
         high *= high;
         if high.is_infinite() {
-            return f64::INFINITY;
+            return Some(f64::INFINITY);
         }
     }
     let mut low = 0.0f64;
     loop {
         let middle = low + (high - low) / 2.0;
         if middle == low || middle == high {
-            return high;
+            return Some(high);
         }
-        if delta_of(rho, middle) > delta {
+        if delta_of(rho, middle)? > delta {
             low = middle;
         } else {
             high = middle;
@@ -125,24 +131,24 @@ mod tests {
         let rho = 0.05;
         let mut last = f64::INFINITY;
         for epsilon in [0.1, 0.5, 1.0, 2.0, 4.0, 8.0] {
-            let delta = delta_of(rho, epsilon);
+            let delta = delta_of(rho, epsilon).unwrap();
             assert!(
                 (0.0..=1.0).contains(&delta) && delta < last,
                 "{epsilon}: {delta}"
             );
             last = delta;
         }
-        assert!(epsilon_of(0.05, 1e-6) < epsilon_of(0.05, 1e-9));
-        assert!(epsilon_of(0.01, 1e-6) < epsilon_of(0.05, 1e-6));
-        assert_eq!(epsilon_of(0.0, 1e-6), 0.0);
+        assert!(epsilon_of(0.05, 1e-6).unwrap() < epsilon_of(0.05, 1e-9).unwrap());
+        assert!(epsilon_of(0.01, 1e-6).unwrap() < epsilon_of(0.05, 1e-6).unwrap());
+        assert_eq!(epsilon_of(0.0, 1e-6), Some(0.0));
     }
 
     #[test]
     fn the_found_epsilon_meets_delta_and_a_hair_less_does_not() {
         for (rho, delta) in [(0.01, 1e-6), (0.5, 1e-5), (3.0, 1e-9)] {
-            let epsilon = epsilon_of(rho, delta);
-            assert!(delta_of(rho, epsilon) <= delta);
-            assert!(delta_of(rho, epsilon * (1.0 - 1e-9)) > delta);
+            let epsilon = epsilon_of(rho, delta).unwrap();
+            assert!(delta_of(rho, epsilon).unwrap() <= delta);
+            assert!(delta_of(rho, epsilon * (1.0 - 1e-9)).unwrap() > delta);
         }
     }
 
@@ -156,5 +162,13 @@ mod tests {
             );
         }
         assert!(ClosedForm.epsilon_at(1e5, 1.5).is_err());
+    }
+
+    #[test]
+    fn a_conversion_that_leaves_f64_is_refused_not_bounded() {
+        // rho this large overflows exp (OpenDP refuses it too); a made-up delta of 1 would let
+        // a search conclude anything.
+        assert_eq!(delta_of(1e6, 1.0), None);
+        assert!(ClosedForm.epsilon_at(1e-3, 1e-6).is_err());
     }
 }

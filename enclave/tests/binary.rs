@@ -1,7 +1,7 @@
 #![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! The `confed-enclave` binary's command line: help works, and missing or bad configuration is
 //! a clear error with exit status 1 (never a panic). The job loop it runs is tested over HTTP in
-//! the root package (`tests/worker_api.rs`).
+//! the root package (`tests/rounds/worker_api.rs`).
 
 use std::process::Command;
 

@@ -90,7 +90,7 @@ impl AppState {
         self.clock.now_millis()
     }
 
-    /// The upload service over this state's database, keys and contribution store.
+    /// The task service over this state's database, model store and check-in registry.
     pub fn tasks(&self) -> crate::tasks::Tasks<'_> {
         crate::tasks::Tasks {
             db: &self.db,
@@ -99,6 +99,7 @@ impl AppState {
         }
     }
 
+    /// The upload service over this state's database, keys and contribution store.
     pub fn uploads(&self) -> crate::uploads::Uploads<'_> {
         crate::uploads::Uploads {
             db: &self.db,

@@ -22,13 +22,7 @@ const LATENCY_BUCKETS: &[f64] = &[
 pub fn prometheus() -> &'static PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE.get_or_init(|| {
-        let recorder = PrometheusBuilder::new()
-            .set_buckets_for_metric(
-                Matcher::Full("http_request_duration_seconds".into()),
-                LATENCY_BUCKETS,
-            )
-            .expect("latency buckets are non-empty")
-            .build_recorder();
+        let recorder = recorder();
         let handle = recorder.handle();
         if metrics::set_global_recorder(recorder).is_err() {
             tracing::warn!("a metrics recorder was already installed; /metrics may be empty");
@@ -50,6 +44,18 @@ pub fn prometheus() -> &'static PrometheusHandle {
         }
         handle
     })
+}
+
+/// The server's Prometheus recorder (its latency buckets), not installed and without upkeep: what
+/// `prometheus` installs globally, and what a test can use alone.
+pub fn recorder() -> metrics_exporter_prometheus::PrometheusRecorder {
+    PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full("http_request_duration_seconds".into()),
+            LATENCY_BUCKETS,
+        )
+        .expect("latency buckets are non-empty")
+        .build_recorder()
 }
 
 /// How often histogram samples are folded into buckets.

@@ -161,15 +161,15 @@ pub fn embedded_contributions(
 /// this one no longer reads them. Their rounds' retention deletes them, so a data directory
 /// upgraded after one retention window holds none; one that still does is refused at start
 /// rather than failing those rounds' jobs with "not found" (docs/operations.md, "Upgrades").
-async fn refuse_contributions_in_the_database(db: &crate::db::Db) -> Result<(), BlobError> {
+pub async fn refuse_contributions_in_the_database(db: &crate::db::Db) -> Result<(), BlobError> {
     let stored = db
-        .contributions_in_database()
+        .has_contributions_in_database()
         .await
         .map_err(|e| BlobError::Setup(e.to_string()))?;
-    if stored > 0 {
-        return Err(BlobError::Setup(format!(
-            "the task database still holds {stored} contribution(s) stored before the contribution log, which this release does not read; run the previous release until retention has deleted them (--retention-minutes after their rounds close), or, if their rounds are COMPLETED or FAILED, delete them with DELETE FROM blobs"
-        )));
+    if stored {
+        return Err(BlobError::Setup(
+            "the task database still holds contributions stored before the contribution log, which this release does not read; run the previous release until retention has deleted them (--retention-minutes after their rounds close), or, if their rounds are COMPLETED or FAILED, delete them with DELETE FROM blobs".into(),
+        ));
     }
     Ok(())
 }
@@ -336,7 +336,7 @@ mod tests {
             .err()
             .unwrap()
             .to_string();
-        assert!(refused.contains("still holds 1 contribution"), "{refused}");
+        assert!(refused.contains("still holds contributions"), "{refused}");
         assert!(refused.contains("previous release"), "{refused}");
     }
 }

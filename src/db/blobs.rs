@@ -4,10 +4,11 @@
 use super::{Db, DbError};
 
 impl Db {
-    /// How many contributions the `blobs` table still holds.
-    pub async fn contributions_in_database(&self) -> Result<i64, DbError> {
-        Ok(sqlx::query_scalar("SELECT COUNT(*) FROM blobs")
-            .fetch_one(self.pool())
-            .await?)
+    /// Whether the `blobs` table still holds any contribution (without scanning it).
+    pub async fn has_contributions_in_database(&self) -> Result<bool, DbError> {
+        let any: Option<i64> = sqlx::query_scalar("SELECT 1 FROM blobs LIMIT 1")
+            .fetch_optional(self.pool())
+            .await?;
+        Ok(any.is_some())
     }
 }

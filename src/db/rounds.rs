@@ -59,10 +59,12 @@ struct RoundRow {
     on_demand_evaluation: i64,
 }
 
-const ROUND_SELECT: &str = "SELECT r.id, r.task_id, r.round_number, r.attempt, r.state, \
-     r.report_goal, r.min_reports, \
-     r.completed_reports, \
-     r.deadline_at, r.opened_at, r.closed_at, r.on_demand_evaluation FROM rounds r";
+const ROUND_SELECT: &str = "SELECT r.id AS id, r.task_id AS task_id, \
+     r.round_number AS round_number, r.attempt AS attempt, r.state AS state, \
+     r.report_goal AS report_goal, r.min_reports AS min_reports, \
+     r.completed_reports AS completed_reports, r.deadline_at AS deadline_at, \
+     r.opened_at AS opened_at, r.closed_at AS closed_at, \
+     r.on_demand_evaluation AS on_demand_evaluation FROM rounds r";
 
 fn round_from_row(row: RoundRow) -> Result<RoundRecord, DbError> {
     Ok(RoundRecord {

@@ -107,7 +107,11 @@ mod tests {
     fn the_front_ends_closed_form_agrees_with_opendp_to_1e_9() {
         // The front end refuses plans with `ClosedForm`; the enclave calibrates with OpenDP. They
         // must agree on every map, or a plan accepted at creation could be calibrated otherwise.
-        for multiplier in [0.3, 0.5, 1.0, 2.0, 4.53, 10.0, 50.0, 300.0, 2000.0] {
+        // From epsilon 100's scale (about 0.06) to the sampler's limit, and every delta the API
+        // takes (up to 0.01).
+        for multiplier in [
+            0.05, 0.1, 0.3, 0.5, 1.0, 2.0, 4.53, 10.0, 50.0, 300.0, 2000.0, 16000.0,
+        ] {
             let scale = multiplier * GRID_UNITS_PER_CLIP as f64;
             let (rho, reference) = (
                 ClosedForm.rho_at(scale).unwrap(),
@@ -117,7 +121,7 @@ mod tests {
                 (rho / reference - 1.0).abs() < 1e-9,
                 "rho at {multiplier}: {rho} vs {reference}"
             );
-            for delta in [1e-3, 1e-5, 1e-6, 1e-8, 1e-10] {
+            for delta in [1e-2, 1e-3, 1e-5, 1e-6, 1e-8, 1e-10] {
                 let ours = ClosedForm.epsilon_at(scale, delta).unwrap();
                 let reference = OpenDp.epsilon_at(scale, delta).unwrap();
                 assert!(
@@ -135,11 +139,17 @@ mod tests {
             DpMechanism::plain(Mechanism::Tree { min_separation: 4 }),
         ];
         for mechanism in mechanisms {
-            for (epsilon, rounds, goal) in
-                [(1.0, 10, 5), (1.0, 10, 15), (4.0, 100, 50), (8.0, 3, 2)]
-            {
-                let ours = check_plan(&ClosedForm, mechanism, epsilon, 1e-6, rounds, goal);
-                let reference = check_plan(&OpenDp, mechanism, epsilon, 1e-6, rounds, goal);
+            let plans = [
+                (1.0, 1e-6, 10, 5),
+                (1.0, 1e-6, 10, 15),
+                (4.0, 1e-6, 100, 50),
+                (8.0, 1e-2, 3, 2),
+                (100.0, 1e-2, 1, 1),
+                (0.01, 1e-10, 1000, 1_000_000),
+            ];
+            for (epsilon, delta, rounds, goal) in plans {
+                let ours = check_plan(&ClosedForm, mechanism, epsilon, delta, rounds, goal);
+                let reference = check_plan(&OpenDp, mechanism, epsilon, delta, rounds, goal);
                 assert_eq!(
                     ours.is_ok(),
                     reference.is_ok(),

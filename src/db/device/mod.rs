@@ -6,7 +6,7 @@
 //! `postgres/device.rs` (single-statement CTEs and row locks for many replicas). What the two
 //! share lives here: the types, the decisions a request takes when its guarded statement changed
 //! nothing (`upload_outcome`, `report_step`), and the rarely run operations in SQL both engines
-//! accept. `tests/device_store.rs` runs one conformance suite over both.
+//! accept. `tests/store/device_store.rs` runs one conformance suite over both.
 
 use std::future::Future;
 use std::sync::LazyLock;

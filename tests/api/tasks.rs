@@ -1,0 +1,463 @@
+//! Partner task routes: happy paths and every error each route can answer.
+
+use crate::common;
+
+use axum::body::Body;
+use axum::http::{Method, Request, StatusCode, header};
+use common::{TestApp, task_body};
+use serde_json::json;
+
+#[tokio::test]
+async fn create_task_returns_201_with_defaults_and_progress_fields() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let reply = app
+        .call(
+            Method::POST,
+            "/v1/tasks",
+            Some(&token),
+            Some(task_body(json!({}))),
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::CREATED);
+    let task = reply.json();
+    assert_eq!(task["state"], "CREATED");
+    assert_eq!(task["current_round"], 0);
+    assert_eq!(task["model_version"], serde_json::Value::Null);
+    assert_eq!(task["over_selection"], 0.3);
+    assert_eq!(task["max_round_attempts"], 3);
+    assert_eq!(task["plan"]["batch_size"], 32);
+    assert_eq!(task["created_at"], "2027-01-15T08:00:00Z");
+    assert_eq!(task["id"].as_str().unwrap().len(), 36);
+}
+
+#[tokio::test]
+async fn create_task_names_every_invalid_field() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let body = task_body(
+        json!({"rounds": 0, "privacy": {"epsilon": -1.0, "delta": 1e-6, "clip_norm": 1.0}}),
+    );
+    let reply = app
+        .call(Method::POST, "/v1/tasks", Some(&token), Some(body))
+        .await;
+    let problem = reply.problem(StatusCode::BAD_REQUEST);
+    let names: Vec<_> = problem["invalid_params"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["rounds", "privacy.epsilon"]);
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("between 1 and 10000")
+    );
+}
+
+#[tokio::test]
+async fn create_task_refuses_unknown_fields_and_bad_json() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let reply = app
+        .call(
+            Method::POST,
+            "/v1/tasks",
+            Some(&token),
+            Some(task_body(json!({"surprise": 1}))),
+        )
+        .await;
+    let problem = reply.problem(StatusCode::BAD_REQUEST);
+    assert!(problem["detail"].as_str().unwrap().contains("surprise"));
+
+    let reply = app
+        .call(
+            Method::POST,
+            "/v1/tasks",
+            Some(&token),
+            Some(json!({"population": "p"})),
+        )
+        .await;
+    assert!(
+        reply.problem(StatusCode::BAD_REQUEST)["detail"]
+            .as_str()
+            .unwrap()
+            .contains("missing field")
+    );
+
+    let request = Request::post("/v1/tasks")
+        .header(header::AUTHORIZATION, format!("Bearer {token}"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from("{not json"))
+        .unwrap();
+    app.send(request).await.problem(StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn create_task_without_json_content_type_is_415() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let request = Request::post("/v1/tasks")
+        .header(header::AUTHORIZATION, format!("Bearer {token}"))
+        .body(Body::from(
+            serde_json::to_vec(&task_body(json!({}))).unwrap(),
+        ))
+        .unwrap();
+    app.send(request)
+        .await
+        .problem(StatusCode::UNSUPPORTED_MEDIA_TYPE);
+}
+
+#[tokio::test]
+async fn oversized_json_body_is_413() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let huge = "x".repeat(300 * 1024);
+    let reply = app
+        .call(
+            Method::POST,
+            "/v1/tasks",
+            Some(&token),
+            Some(task_body(json!({"plan": {"x": huge}}))),
+        )
+        .await;
+    reply.problem(StatusCode::PAYLOAD_TOO_LARGE);
+}
+
+#[tokio::test]
+async fn missing_or_wrong_token_is_401_with_challenge() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let body = Some(task_body(json!({})));
+    for bad in [None, Some("nonsense"), Some(&token[..token.len() - 1])] {
+        let reply = app.call(Method::POST, "/v1/tasks", bad, body.clone()).await;
+        reply.problem(StatusCode::UNAUTHORIZED);
+        assert_eq!(
+            reply.headers.get(header::WWW_AUTHENTICATE).unwrap(),
+            "Bearer"
+        );
+    }
+    // A valid token id with another tenant's secret must fail too.
+    let other = app.tenant("other").await;
+    let (id_part, _) = token.rsplit_once('_').unwrap();
+    let (_, secret) = other.rsplit_once('_').unwrap();
+    let forged = format!("{id_part}_{secret}");
+    app.call(Method::GET, "/v1/tasks", Some(&forged), None)
+        .await
+        .problem(StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test]
+async fn quota_on_report_goal_is_checked_before_creation() {
+    let app = TestApp::new().await;
+    let token = app.tenant_with("small", 5, 50).await;
+    let reply = app
+        .call(
+            Method::POST,
+            "/v1/tasks",
+            Some(&token),
+            Some(task_body(json!({"report_goal": 51}))),
+        )
+        .await;
+    let detail = reply.problem(StatusCode::FORBIDDEN)["detail"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        detail.contains("max_report_goal") && detail.contains("lower report_goal"),
+        "{detail}"
+    );
+    let list = app
+        .call(Method::GET, "/v1/tasks", Some(&token), None)
+        .await
+        .json();
+    assert_eq!(list["tasks"].as_array().unwrap().len(), 0);
+}
+
+#[tokio::test]
+async fn quota_on_active_tasks_counts_only_live_tasks() {
+    let app = TestApp::new().await;
+    let token = app.tenant_with("small", 2, 100).await;
+    let first = app.create_task(&token, json!({})).await;
+    app.create_task(&token, json!({})).await;
+    let reply = app
+        .call(
+            Method::POST,
+            "/v1/tasks",
+            Some(&token),
+            Some(task_body(json!({}))),
+        )
+        .await;
+    let detail = reply.problem(StatusCode::FORBIDDEN)["detail"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        detail.contains("max_active_tasks") && detail.contains("cancel"),
+        "{detail}"
+    );
+    // Cancelling one frees a slot.
+    app.call(
+        Method::POST,
+        &format!("/v1/tasks/{first}/cancel"),
+        Some(&token),
+        None,
+    )
+    .await;
+    app.create_task(&token, json!({})).await;
+}
+
+#[tokio::test]
+async fn list_tasks_is_newest_first_and_paginates() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let mut ids = Vec::new();
+    for _ in 0..5 {
+        ids.push(app.create_task(&token, json!({})).await);
+        app.clock.advance(std::time::Duration::from_millis(1));
+    }
+    ids.reverse();
+    let page1 = app
+        .call(Method::GET, "/v1/tasks?limit=2", Some(&token), None)
+        .await
+        .json();
+    let page_ids = |page: &serde_json::Value| -> Vec<String> {
+        page["tasks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(page_ids(&page1), ids[0..2]);
+    let next = page1["next_page_token"].as_str().unwrap();
+    let page2 = app
+        .call(
+            Method::GET,
+            &format!("/v1/tasks?limit=2&page_token={next}"),
+            Some(&token),
+            None,
+        )
+        .await
+        .json();
+    assert_eq!(page_ids(&page2), ids[2..4]);
+    let next = page2["next_page_token"].as_str().unwrap();
+    let page3 = app
+        .call(
+            Method::GET,
+            &format!("/v1/tasks?limit=2&page_token={next}"),
+            Some(&token),
+            None,
+        )
+        .await
+        .json();
+    assert_eq!(page_ids(&page3), ids[4..5]);
+    assert!(page3.get("next_page_token").is_none());
+}
+
+#[tokio::test]
+async fn list_tasks_refuses_bad_paging_parameters() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    for query in [
+        "limit=0",
+        "limit=101",
+        "limit=abc",
+        "page_token=!!!",
+        "page_token=Zm9v",
+        "color=red",
+    ] {
+        let reply = app
+            .call(
+                Method::GET,
+                &format!("/v1/tasks?{query}"),
+                Some(&token),
+                None,
+            )
+            .await;
+        reply.problem(StatusCode::BAD_REQUEST);
+    }
+}
+
+#[tokio::test]
+async fn get_task_returns_it_and_404_for_unknown() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let id = app.create_task(&token, json!({})).await;
+    let task = app
+        .call(Method::GET, &format!("/v1/tasks/{id}"), Some(&token), None)
+        .await
+        .json();
+    assert_eq!(task["id"], id.as_str());
+    assert_eq!(task["population"], "phones.en");
+    app.call(Method::GET, "/v1/tasks/does-not-exist", Some(&token), None)
+        .await
+        .problem(StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn cancel_fails_the_live_round_and_refuses_a_second_cancel() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let id = app.open_task(&token, json!({})).await;
+    let reply = app
+        .call(
+            Method::POST,
+            &format!("/v1/tasks/{id}/cancel"),
+            Some(&token),
+            None,
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.json()["state"], "CANCELLED");
+    let rounds = app
+        .call(
+            Method::GET,
+            &format!("/v1/tasks/{id}/rounds"),
+            Some(&token),
+            None,
+        )
+        .await
+        .json();
+    assert_eq!(rounds["rounds"][0]["state"], "FAILED");
+    assert!(rounds["rounds"][0]["closed_at"].is_string());
+    let again = app
+        .call(
+            Method::POST,
+            &format!("/v1/tasks/{id}/cancel"),
+            Some(&token),
+            None,
+        )
+        .await;
+    assert!(
+        again.problem(StatusCode::CONFLICT)["detail"]
+            .as_str()
+            .unwrap()
+            .contains("CANCELLED")
+    );
+    app.call(Method::POST, "/v1/tasks/nope/cancel", Some(&token), None)
+        .await
+        .problem(StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn cancel_of_a_created_task_works() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let id = app.create_task(&token, json!({})).await;
+    let reply = app
+        .call(
+            Method::POST,
+            &format!("/v1/tasks/{id}/cancel"),
+            Some(&token),
+            None,
+        )
+        .await;
+    assert_eq!(reply.json()["state"], "CANCELLED");
+    let history = app.db.history(&id).await.unwrap();
+    let states: Vec<_> = history.iter().map(|h| h.to_state.as_str()).collect();
+    assert_eq!(states, ["CREATED", "CANCELLED"]);
+}
+
+#[tokio::test]
+async fn rounds_lists_state_reports_goal_and_deadline() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let id = app.create_task(&token, json!({})).await;
+    let empty = app
+        .call(
+            Method::GET,
+            &format!("/v1/tasks/{id}/rounds"),
+            Some(&token),
+            None,
+        )
+        .await
+        .json();
+    assert_eq!(empty["rounds"].as_array().unwrap().len(), 0);
+    app.put_bytes(
+        &format!("/v1/tasks/{id}/model"),
+        &token,
+        common::model_bytes(),
+    )
+    .await;
+    let rounds = app
+        .call(
+            Method::GET,
+            &format!("/v1/tasks/{id}/rounds"),
+            Some(&token),
+            None,
+        )
+        .await
+        .json();
+    let round = &rounds["rounds"][0];
+    assert_eq!(round["round"], 1);
+    assert_eq!(round["attempt"], 1);
+    assert_eq!(round["state"], "COLLECTING");
+    assert_eq!(round["reports_received"], 0);
+    assert_eq!(round["report_goal"], 10);
+    assert_eq!(round["min_reports"], 5);
+    assert_eq!(round["opened_at"], "2027-01-15T08:00:00Z");
+    assert_eq!(round["deadline"], "2027-01-15T08:10:00Z");
+    assert_eq!(round["closed_at"], serde_json::Value::Null);
+    app.call(Method::GET, "/v1/tasks/nope/rounds", Some(&token), None)
+        .await
+        .problem(StatusCode::NOT_FOUND);
+}
+
+/// A tenant's compute budget: a task whose device-hours (rounds x the most devices a round may
+/// take x device_seconds_per_round), with what its active tasks still plan, exceed the budget is
+/// refused with 400, saying by how much and how many rounds would fit; cancelling frees it.
+#[tokio::test]
+async fn a_task_over_the_tenants_compute_budget_is_refused_saying_what_fits() {
+    let app = TestApp::new().await;
+    let token = app.tenant_with_hours("acme", 10, 10_000, 10).await;
+    // 100 reports: at most 200 devices a round (adaptive over-selection's cap), 60 s each:
+    // 3.33 h a round.
+    let body = |rounds: i64| json!({"rounds": rounds, "report_goal": 100, "min_reports": 100});
+    let create = |body: serde_json::Value| {
+        let (app, token) = (&app, &token);
+        async move {
+            app.call(
+                Method::POST,
+                "/v1/tasks",
+                Some(token),
+                Some(common::task_body(body)),
+            )
+            .await
+        }
+    };
+    let problem = create(body(10)).await.problem(StatusCode::BAD_REQUEST);
+    let reason = problem["invalid_params"][0]["reason"].as_str().unwrap();
+    assert_eq!(
+        problem["invalid_params"][0]["name"],
+        "device_seconds_per_round"
+    );
+    assert!(reason.contains("plans up to 33.3 device-hours"), "{reason}");
+    assert!(
+        reason.contains("23.3 over") && reason.contains("at most 3 rounds"),
+        "{reason}"
+    );
+    let first = app.create_task(&token, body(3)).await;
+    // 10 h held: not one more round fits, until the first task is cancelled.
+    let problem = create(body(1)).await.problem(StatusCode::BAD_REQUEST);
+    let detail = problem["detail"].as_str().unwrap();
+    assert!(detail.contains("already plan 10.0 of its 10"), "{detail}");
+    assert!(detail.contains("Not one round fits"), "{detail}");
+    let cancelled = app
+        .call(
+            Method::POST,
+            &format!("/v1/tasks/{first}/cancel"),
+            Some(&token),
+            None,
+        )
+        .await;
+    assert_eq!(cancelled.status, StatusCode::OK);
+    app.create_task(&token, body(1)).await;
+    // A declared device time counts as declared: 10 rounds of 200 devices x 10 s = 5.6 h.
+    let mut short = body(10);
+    short["device_seconds_per_round"] = json!(10);
+    app.create_task(&token, short).await;
+    create(body(1)).await.problem(StatusCode::BAD_REQUEST);
+}

@@ -1,0 +1,245 @@
+//! The scale-out deployment as separate processes, started by `deploy/local/cluster.sh`: two API
+//! replicas, a scheduler and two `confed-enclave` workers on one PostgreSQL database and one GCS
+//! bucket (emulator), with three key services. Simulated devices are spread over both APIs for
+//! three rounds; every round must complete exactly once, with every acknowledged contribution
+//! included once.
+//!
+//! Runs when `CONFED_TEST_DATABASE_URL` and `CONFED_TEST_GCS_ENDPOINT` are set (`.ci/run` sets
+//! both); otherwise says so once and passes.
+
+use crate::common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::database::{fresh_postgres_database, postgres_url};
+use common::gcs::emulator;
+use common::system::{create_task, rounds_at};
+use confed::tools::simulate::{self, SimulationConfig};
+use confed_protocol::trust::TrustConfig;
+
+/// The rounds `create_task` plans.
+const ROUNDS: i64 = 3;
+const GOAL: usize = 20;
+/// Devices per API replica per batch: together more than a round's goal (over-selection).
+const DEVICES_PER_API: usize = 15;
+const BOUND: Duration = Duration::from_secs(180);
+
+/// Stops every process of the cluster when the test ends, also when it fails.
+struct Cluster {
+    dir: tempfile::TempDir,
+    settings: BTreeMap<String, String>,
+}
+
+impl Cluster {
+    fn script() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/local/cluster.sh")
+    }
+
+    fn start(database: &str, endpoint: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let output = std::process::Command::new(Self::script())
+            .arg("start")
+            .arg(dir.path().join("cluster"))
+            .env("CONFED_BIN", env!("CARGO_BIN_EXE_confed"))
+            .env("CONFED_ENCLAVE_BIN", common::enclave_binary())
+            .env("CONFED_DATABASE_URL", database)
+            .env("CONFED_GCS_ENDPOINT", endpoint)
+            .env("CONFED_LOCAL_BASE_PORT", free_port_block(14).to_string())
+            .output()
+            .unwrap();
+        let cluster = Self {
+            settings: String::from_utf8_lossy(&output.stdout)
+                .lines()
+                .filter_map(|l| l.split_once('='))
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            dir,
+        };
+        assert!(
+            output.status.success(),
+            "cluster.sh start failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        cluster
+    }
+
+    fn get(&self, name: &str) -> &str {
+        self.settings
+            .get(name)
+            .unwrap_or_else(|| panic!("cluster.sh printed no {name}"))
+    }
+
+    fn log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("cluster/logs/{name}.log")))
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new(Self::script())
+            .arg("stop")
+            .arg(self.dir.path().join("cluster"))
+            .status();
+    }
+}
+
+/// The first of `count` consecutive free loopback ports (the script uses fixed offsets), below
+/// Linux's ephemeral range (32768-60999) so other tests' port-0 listeners cannot take them.
+fn free_port_block(count: u16) -> u16 {
+    let seed = std::process::id() as u16;
+    for attempt in 0..200u16 {
+        let base = 20_000 + (seed.wrapping_add(attempt.wrapping_mul(97)) % 12_000);
+        let free = (0..count).all(|i| std::net::TcpListener::bind(("127.0.0.1", base + i)).is_ok());
+        if free {
+            return base;
+        }
+    }
+    panic!("no block of {count} free ports");
+}
+
+fn devices(api: &str, first_device: u64, trust: &TrustConfig, seed: u64) -> SimulationConfig {
+    SimulationConfig {
+        server: api.to_string(),
+        population: "cluster".into(),
+        devices: DEVICES_PER_API,
+        first_device,
+        concurrency: 8,
+        rounds: 1,
+        trust: trust.clone(),
+        train: false,
+        seed,
+        rows_per_device: 40,
+        max_retry_wait: Duration::from_millis(50),
+        idle_limit: 10,
+        client_version: "1.0.0".into(),
+        progress: false,
+        bars: None,
+        state_dir: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn devices_over_two_api_replicas_complete_every_round_once_with_every_contribution() {
+    let (Some(server), Some(endpoint)) = (postgres_url(), emulator()) else {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "NOTE: CONFED_TEST_DATABASE_URL and CONFED_TEST_GCS_ENDPOINT are not both set: the \
+             multi-process deployment test did not run"
+        );
+        return;
+    };
+    let database = fresh_postgres_database(&server).await;
+    let cluster = Cluster::start(&database, &endpoint);
+    let apis: Vec<String> = cluster
+        .get("CONFED_API_URLS")
+        .split(',')
+        .map(str::to_string)
+        .collect();
+    assert_eq!(apis.len(), 2);
+    let token = std::fs::read_to_string(cluster.get("CONFED_TENANT_TOKEN_FILE"))
+        .unwrap()
+        .trim()
+        .to_string();
+    let trust = confed_device::load_trust(Path::new(cluster.get("CONFED_TRUST_FILE"))).unwrap();
+    confed_protocol::http::install_crypto_provider(); // the helpers use plain reqwest clients
+    let task = create_task(&apis[0], &token, "cluster", 50.0, GOAL).await;
+
+    let mut acknowledged = [0usize; 2];
+    for round in 1..=ROUNDS {
+        // One batch of devices per round, half on each replica, all at once.
+        let first = (round as u64 - 1) * 2 * DEVICES_PER_API as u64;
+        let (a, b) = tokio::join!(
+            simulate::run(devices(&apis[0], first, &trust, round as u64)),
+            simulate::run(devices(
+                &apis[1],
+                first + DEVICES_PER_API as u64,
+                &trust,
+                round as u64 + 100
+            )),
+        );
+        acknowledged[0] += a.unwrap().contributions;
+        acknowledged[1] += b.unwrap().contributions;
+
+        // The scheduler, a worker and the key services finish the round on their own.
+        let finished = tokio::time::timeout(BOUND, async {
+            let mut tick = tokio::time::interval(Duration::from_millis(200));
+            loop {
+                tick.tick().await;
+                let states = rounds_at(&apis[1], &token, &task).await;
+                let done = states
+                    .iter()
+                    .any(|r| r["round"] == round && r["state"] == "COMPLETED");
+                if done {
+                    return states;
+                }
+            }
+        })
+        .await;
+        assert!(
+            finished.is_ok(),
+            "round {round} did not complete within {BOUND:?}\nworker1: {}\nworker2: {}\napi1: {}",
+            cluster.log("worker1"),
+            cluster.log("worker2"),
+            cluster.log("api1")
+        );
+    }
+
+    assert!(
+        acknowledged.iter().all(|&n| n > 0),
+        "both replicas served contributions: {acknowledged:?}"
+    );
+    let db = confed::db::Db::open_postgres(&database).await.unwrap();
+    let releases = db.releases_of_task(&task).await.unwrap();
+    let numbers: Vec<i64> = releases.iter().map(|r| r.round_number).collect();
+    assert_eq!(numbers, vec![1, 2, 3], "one release per round");
+    let states = rounds_at(&apis[0], &token, &task).await;
+    assert_eq!(
+        states.len(),
+        ROUNDS as usize,
+        "no retried attempts: {states:?}"
+    );
+    for state in &states {
+        assert_eq!(state["state"], "COMPLETED", "{state}");
+        assert_eq!(state["attempt"], 1, "{state}");
+    }
+    // Exactly once in the persisted state machine too: one transition into each state per round.
+    sqlx::any::install_default_drivers();
+    let sql = sqlx::AnyPool::connect(&database).await.unwrap();
+    for state in ["AGGREGATING", "APPLYING", "COMPLETED"] {
+        let transitions: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM state_history WHERE entity = 'round' AND to_state = $1 \
+             AND entity_id IN (SELECT id FROM rounds WHERE task_id = $2)",
+        )
+        .bind(state)
+        .bind(&task)
+        .fetch_one(&sql)
+        .await
+        .unwrap();
+        assert_eq!(transitions, ROUNDS, "rounds entering {state}");
+    }
+    let mut included = 0;
+    for release in &releases {
+        assert_eq!(release.excluded, 0, "round {}", release.round_number);
+        let completed = db
+            .completed_contributions(&task, release.round_number)
+            .await
+            .unwrap();
+        assert_eq!(
+            completed.len() as i64,
+            release.included,
+            "round {}: every completed contribution is in the release, once",
+            release.round_number
+        );
+        included += release.included;
+    }
+    assert_eq!(
+        included as usize,
+        acknowledged.iter().sum::<usize>(),
+        "every acknowledged contribution was included once"
+    );
+    assert_eq!(included as usize, GOAL * ROUNDS as usize);
+}

@@ -1,0 +1,247 @@
+//! End to end over processes: `confed serve` with two key services, a task with a model, and
+//! `confed devices simulate` running a few dozen devices that train, seal and upload through one
+//! round's collection. The round must reach its goal with that many stored contributions, and each
+//! stored contribution must open, with the key the shares reconstruct, as an update of the model's
+//! shape bound to its assignment.
+
+use crate::common::serving;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use confed::clock::ManualClock;
+use confed::keys::ShareFile;
+use confed::keys::ceremony::{CeremonyOptions, generate};
+use confed::keyservice::{KeyService, KeyServiceParts, routes};
+use confed_attestation::{AppraisalPolicy, KeySource};
+use confed_enclave::envelope::{self, Envelope};
+use serde_json::{Value, json};
+
+use tokio::process::Command;
+
+const BOUND: Duration = Duration::from_secs(120);
+const DEVICES: usize = 30;
+const GOAL: usize = 24;
+
+async fn key_services(dir: &Path) -> (Vec<String>, confed_protocol::hpke::PrivateKey) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let outcome = generate(&CeremonyOptions {
+        shares: 2,
+        threshold: 2,
+        out_dir: dir.join("ceremony"),
+        not_before: now - 60,
+        not_after: now + 86_400,
+    })
+    .unwrap();
+    let held: Vec<_> = outcome
+        .share_files
+        .iter()
+        .map(|p| ShareFile::load(p).unwrap())
+        .collect();
+    let secret = confed_protocol::shares::combine(2, &[&held[0].share, &held[1].share]).unwrap();
+    let private = confed_protocol::hpke::PrivateKey::from_bytes(&secret).unwrap();
+    let attester = confed_attestation::DevAttester::new(
+        confed_attestation::exchange::generate_signing_key(),
+        Arc::new(|| 0),
+    );
+    let mut urls = Vec::new();
+    for (i, path) in outcome.share_files.iter().enumerate() {
+        let service = KeyService::new(KeyServiceParts {
+            id: format!("ks{}", i + 1),
+            audience: format!("confed-keyservice/ks{}", i + 1),
+            signing_key: confed_attestation::exchange::generate_signing_key(),
+            shares: vec![ShareFile::load(path).unwrap()],
+            policy: AppraisalPolicy::load(
+                &Path::new(env!("CARGO_MANIFEST_DIR")).join("policies/dev.toml"),
+            )
+            .unwrap(),
+            key_source: KeySource::fixed(attester.jwks()),
+            audit_log: dir.join(format!("audit-{i}.jsonl")),
+            clock: Arc::new(ManualClock::starting_at(now * 1000)),
+        })
+        .unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        urls.push(format!("http://{}", listener.local_addr().unwrap()));
+        tokio::spawn(async move {
+            axum::serve(listener, routes::router(service))
+                .await
+                .unwrap()
+        });
+    }
+    (urls, private)
+}
+
+#[tokio::test]
+async fn simulated_devices_fill_a_round_with_stored_contributions_that_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let (keyservices, private_key) = key_services(dir.path()).await;
+    let data = dir.path().join("data");
+    let mut serve = serving::confed();
+    serve
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(&data);
+    for url in &keyservices {
+        serve.args(["--keyservice", url]);
+    }
+    let serving::Serving {
+        child: mut server,
+        url,
+        demo_token,
+        ..
+    } = serving::serving(serve, BOUND).await;
+    let token = demo_token.unwrap();
+
+    let http = confed_protocol::http::client(BOUND);
+    let task: Value = http
+        .post(format!("{url}/v1/tasks"))
+        .bearer_auth(&token)
+        .json(&json!({
+            "population": "sim", "rounds": 3, "report_goal": GOAL, "min_reports": GOAL,
+            "over_selection": 0.25, "round_deadline_seconds": 3600, "assignment_timeout_seconds": 600,
+            "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0},
+            "plan": {"epochs": 2, "batch_size": 16, "learning_rate": 0.1},
+        }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let task_id = task["id"].as_str().unwrap().to_string();
+    let model = confed::tools::simulate::initial_model(1);
+    let opened = http
+        .put(format!("{url}/v1/tasks/{task_id}/model"))
+        .bearer_auth(&token)
+        .body(model.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(opened.status(), 201);
+
+    let trust = Command::new(env!("CARGO_BIN_EXE_confed"))
+        .args(["devices", "trust-config", "--threshold", "2"])
+        .args([
+            "--max-epsilon",
+            "8",
+            "--max-delta",
+            "1e-5",
+            "--min-reports",
+            "2",
+        ])
+        .args(
+            keyservices
+                .iter()
+                .flat_map(|u| ["--keyservice".to_string(), u.clone()]),
+        )
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        trust.status.success(),
+        "{}",
+        String::from_utf8_lossy(&trust.stderr)
+    );
+    let trust_file = dir.path().join("trust.json");
+    std::fs::write(&trust_file, &trust.stdout).unwrap();
+
+    let simulation = tokio::time::timeout(
+        BOUND,
+        Command::new(env!("CARGO_BIN_EXE_confed"))
+            .args([
+                "devices",
+                "simulate",
+                "--server",
+                &url,
+                "--population",
+                "sim",
+            ])
+            .args([
+                "--devices",
+                &DEVICES.to_string(),
+                "--concurrency",
+                "8",
+                "--idle-limit",
+                "25",
+            ])
+            .args(["--max-retry-wait-ms", "100", "--trust"])
+            .arg(&trust_file)
+            .arg("--state-dir")
+            .arg(dir.path().join("devices"))
+            .output(),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&simulation.stdout);
+    assert!(
+        simulation.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&simulation.stderr)
+    );
+    assert!(
+        stdout.contains(&format!("contributions: {GOAL} ")),
+        "{stdout}"
+    );
+    // Each device kept what it served in its state file, as a real device does across restarts.
+    let served: usize = (0..DEVICES)
+        .map(|i| dir.path().join(format!("devices/device-{i}.json")))
+        .map(confed_device::FileStore::new)
+        .map(|store| {
+            confed_device::StateStore::load(&store)
+                .unwrap()
+                .expect("every device wrote its state file")
+                .served
+                .len()
+        })
+        .sum();
+    // A device that sealed counts the round as served even when its upload came after the goal
+    // was reached (410): sealed once is served.
+    assert!(
+        (GOAL..=DEVICES).contains(&served),
+        "{served} served rounds recorded for {GOAL} contributions"
+    );
+
+    let rounds: Value = http
+        .get(format!("{url}/v1/tasks/{task_id}/rounds"))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(rounds["rounds"][0]["state"], "AGGREGATING", "{rounds}");
+    assert_eq!(rounds["rounds"][0]["reports_received"], GOAL);
+
+    // Every completed assignment's contribution is on disk and opens only under its own binding.
+    server.kill().await.unwrap();
+    let db = confed::db::Db::open_sqlite(&data.join("confed.db"))
+        .await
+        .unwrap();
+    let completed = db.completed_contributions(&task_id, 1).await.unwrap();
+    assert_eq!(completed.len(), GOAL);
+    let store = confed::blob::embedded_contributions(&data).unwrap();
+    let schema = confed_worker_api::model::validate_model(&model).unwrap();
+    let context = db.round_context(&task_id, 1).await.unwrap();
+    let next_round = envelope::RoundContext {
+        round: 2,
+        ..context.clone()
+    };
+    for (assignment_ref, blob_key) in &completed {
+        let bytes = store
+            .get(&confed::blob::BlobKey::new(blob_key.as_str()).unwrap())
+            .await
+            .expect("stored contribution");
+        let sealed = Envelope::from_cbor(&bytes).unwrap();
+        let update = envelope::open(&private_key, &sealed, &context, assignment_ref).unwrap();
+        assert_eq!(
+            confed_worker_api::model::validate_model(&update).unwrap(),
+            schema
+        );
+        assert!(envelope::open(&private_key, &sealed, &next_round, assignment_ref).is_err());
+    }
+}

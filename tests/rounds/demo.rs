@@ -1,0 +1,151 @@
+//! `confed demo`'s engine, smaller: the accuracy of the global model must rise well above chance
+//! with the DP noise on, and every round must spend privacy within the budget.
+
+use confed::tools::demo::{DemoOptions, run};
+
+/// The small demo the tests run: 3 rounds of 40 of 120 devices, epsilon 8, FedAvg, Gaussian.
+fn small(dir: &std::path::Path) -> DemoOptions {
+    DemoOptions {
+        devices: 120,
+        rounds: 3,
+        report_goal: 40,
+        epsilon: 8.0,
+        delta: 1e-6,
+        clip_norm: 1.0,
+        seed: 7,
+        optimizer: Default::default(),
+        server_learning_rate: 1.0,
+        tree: false,
+        adaptive_clipping: false,
+        evaluate_every: None,
+        evaluation_stddev: None,
+        data_dir: dir.join("demo"),
+        progress: false,
+        device_auth: false,
+    }
+}
+
+/// `confed demo --device-auth`: every contribution carries a device token from the in-process
+/// dev issuer, and every release counts them all as authenticated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_with_device_tokens_releases_only_authenticated_contributions() {
+    let dir = tempfile::tempdir().unwrap();
+    let summary = run(DemoOptions {
+        rounds: 2,
+        device_auth: true,
+        ..small(dir.path())
+    })
+    .await
+    .unwrap();
+    assert_eq!(summary.authenticated, vec![Some(40), Some(40)]);
+    assert!(
+        *summary.accuracy.last().unwrap() > 0.2,
+        "{:?}",
+        summary.accuracy
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_learns_well_above_chance_with_dp_noise() {
+    let dir = tempfile::tempdir().unwrap();
+    let summary = run(small(dir.path())).await.unwrap();
+    assert_eq!(summary.accuracy.len(), 4);
+    let chance = 0.1;
+    assert!((summary.accuracy[0] - chance).abs() < 0.05);
+    assert!(
+        *summary.accuracy.last().unwrap() > 3.0 * chance,
+        "accuracy by round: {:?}",
+        summary.accuracy
+    );
+    assert!(summary.epsilon_spent <= 8.0 && summary.epsilon_spent > 7.9);
+}
+
+/// The same under DP-FTRL (one tree of 3 rounds, devices 3 rounds apart): every release verifies,
+/// the model learns, and the third round's release spends the whole budget (the tree's depth 2 is
+/// what was planned).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_learns_under_dp_ftrl_tree_aggregation() {
+    let dir = tempfile::tempdir().unwrap();
+    let summary = run(DemoOptions {
+        tree: true,
+        ..small(dir.path())
+    })
+    .await
+    .unwrap();
+    assert!(
+        *summary.accuracy.last().unwrap() > 0.3,
+        "accuracy by round: {:?}",
+        summary.accuracy
+    );
+    assert!(summary.epsilon_spent <= 8.0 && summary.epsilon_spent > 7.9);
+    // Every device of the population kept the one round it served in its state file, as a
+    // real device must across restarts (its separation rests on it).
+    for device in 0..120 {
+        let path = dir
+            .path()
+            .join(format!("demo/devices/device-{device}.json"));
+        let state = confed_device::StateStore::load(&confed_device::FileStore::new(&path))
+            .unwrap()
+            .unwrap_or_else(|| panic!("device {device} kept no state"));
+        assert_eq!(state.served.len(), 1, "device {device}: {:?}", state.served);
+        assert_eq!(
+            state.separated.len(),
+            1,
+            "a DP-FTRL task: {:?}",
+            state.separated
+        );
+    }
+}
+
+/// Adaptive clipping on top of DP-FTRL: each round's release names the clip norm it used, the
+/// first is the task's, later ones follow the previous release's `next_clip_norm` (the demo's
+/// updates are far smaller than a clip norm of 5, so it shrinks), every release verifies, and the
+/// whole budget (value noise and counts) is spent by the last round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adaptive_clipping_moves_the_clip_norm_round_by_round() {
+    let dir = tempfile::tempdir().unwrap();
+    let summary = run(DemoOptions {
+        clip_norm: 5.0,
+        tree: true,
+        adaptive_clipping: true,
+        ..small(dir.path())
+    })
+    .await
+    .unwrap();
+    let clips = &summary.clip_norms;
+    assert_eq!(clips[0], 5.0);
+    assert!(clips[1] < clips[0] && clips[2] < clips[1], "{clips:?}");
+    assert!(summary.epsilon_spent <= 8.0 && summary.epsilon_spent > 7.9);
+}
+
+/// Evaluation every 2 rounds (rounds 1 and 3 evaluate model versions 0 and 2): each release of
+/// an evaluation round carries the devices' noised metrics, the example count is within its
+/// recorded noise of the 40 devices x 20 held-out examples, and the budget, evaluations
+/// included, is spent by the last round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evaluation_rounds_release_the_devices_noised_metrics_within_the_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let summary = run(DemoOptions {
+        evaluate_every: Some(2),
+        ..small(dir.path())
+    })
+    .await
+    .unwrap();
+    let versions: Vec<u64> = summary
+        .evaluations
+        .iter()
+        .map(|e| e.model_version)
+        .collect();
+    assert_eq!(versions, [0, 2]);
+    for point in &summary.evaluations {
+        assert!(
+            (point.examples - 800.0).abs() < 5.0 * point.stddev,
+            "{point:?}"
+        );
+        assert!(
+            point.accuracy.is_some() && point.loss.is_some(),
+            "{point:?}"
+        );
+    }
+    assert!(summary.epsilon_spent <= 8.0 && summary.epsilon_spent > 7.9);
+}

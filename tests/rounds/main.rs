@@ -1,0 +1,16 @@
+#![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
+//! Integration tests of whole rounds in process: aggregation, operator attacks, the worker API, key
+//! release and the release ledger, the demo, side channels: one binary (each test binary links the
+//! whole crate, so a few grouped binaries build and link much faster than one per file on a 2-core
+//! machine).
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod aggregation;
+mod demo;
+mod key_release;
+mod operator_attacks;
+mod release_ledger;
+mod side_channels;
+mod worker_api;

@@ -1,0 +1,293 @@
+//! The overflow probe of issue 27, end to end through `confed serve` and its enclave worker: a
+//! tenant uploads a model whose weights are finite but make training overflow exactly when a
+//! training row's feature 0 exceeds a threshold theta (`weight[0, 0] = 1e37`, `bias[0] =
+//! f32::MAX - 1e37 * theta`). Run once with theta below every device's feature and once above,
+//! everything the tenant and the operator can see (the manifest apart from noised values and
+//! per-run ids, the releases API, the rounds, the task, the assignments' states and every
+//! recorded reason) must be the same: the devices send zero updates and report `completed`, and
+//! the enclave has nothing to exclude. And a raw client that seals NaNs itself is included as
+//! a zero update: the manifest has no `non_finite`.
+
+use crate::common;
+
+use std::collections::BTreeMap;
+
+use confed::tools::simulate::{self, Summary};
+use confed::tools::train::{Softmax, Synthetic};
+use serde_json::{Value, json};
+
+use common::process::Server;
+
+const DEVICES: usize = 6;
+const ROWS: usize = 30;
+/// The simulator's seed, as `common::process::simulated_devices` sets it.
+const SEED: u64 = 7;
+
+/// The largest value of feature 0 in each simulated device's shard.
+fn feature_0_maxima() -> Vec<f32> {
+    let task = Synthetic::standard(SEED);
+    (0..DEVICES as u64)
+        .map(|i| {
+            let shard = task.shard(i, ROWS);
+            shard
+                .x
+                .chunks(shard.features)
+                .map(|row| row[0])
+                .fold(f32::NEG_INFINITY, f32::max)
+        })
+        .collect()
+}
+
+/// The probe model: training overflows (class 0's logit passes f32::MAX) exactly on a row whose
+/// feature 0 exceeds `theta`.
+fn probe_model(theta: f32) -> Vec<u8> {
+    let task = Synthetic::standard(SEED);
+    let mut model = Softmax::zeros(task.classes, task.features);
+    model.weight[0] = 1e37;
+    model.bias[0] = f32::MAX - 1e37 * theta;
+    assert!(
+        model.bias[0].is_finite(),
+        "the model must be one the server accepts"
+    );
+    model.to_safetensors()
+}
+
+async fn simulate(server: &Server, population: &str) -> Summary {
+    let config = common::process::simulated_devices(
+        &server.url,
+        population,
+        &server.trust_file(),
+        DEVICES,
+        0,
+        ROWS,
+    );
+    simulate::run(config).await.unwrap()
+}
+
+/// Everything of one probe run that the tenant or the operator can read, with what differs
+/// between any two runs whatever the data (ids, hashes of per-run bytes, times) left out.
+#[derive(Debug, PartialEq)]
+struct Seen {
+    manifest: Value,
+    releases: Vec<Value>,
+    rounds: Vec<Value>,
+    task: Value,
+    assignment_states: BTreeMap<String, i64>,
+    assignment_reasons: BTreeMap<String, i64>,
+}
+
+fn without(mut value: Value, fields: &[&str]) -> Value {
+    for field in fields {
+        value.as_object_mut().unwrap().remove(*field);
+    }
+    value
+}
+
+async fn seen(server: &Server, task: &str) -> Seen {
+    let manifest: Value = serde_json::from_slice(
+        &server
+            .get_bytes(&format!("/v1/tasks/{task}/releases/1/manifest"))
+            .await,
+    )
+    .unwrap();
+    // Per-run values: the task's id and policy, the model's hash (theta), the refs' digests
+    // (assignment ids are random) and the noised average's hash.
+    let manifest = without(
+        manifest,
+        &[
+            "task_id",
+            "policy_sha256",
+            "model_sha256",
+            "included_digest",
+            "inputs_digest",
+            "average_sha256",
+        ],
+    );
+    let releases = server.get(&format!("/v1/tasks/{task}/releases")).await["releases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| json!({"round": r["round"], "included": r["included"], "excluded": r["excluded"], "epsilon_spent": r["epsilon_spent"]}))
+        .collect();
+    let rounds = server.get(&format!("/v1/tasks/{task}/rounds")).await["rounds"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| without(r.clone(), &["deadline", "opened_at", "closed_at"]))
+        .collect();
+    let task_view = without(
+        server.get(&format!("/v1/tasks/{task}")).await,
+        &[
+            "id",
+            "population",
+            "policy",
+            "policy_sha256",
+            "created_at",
+            "updated_at",
+            "recent_eligible_checkins",
+            "recent_eligible_devices",
+        ],
+    );
+    let db = rusqlite::Connection::open(server.data.join("confed.db")).unwrap();
+    let grouped = |sql: &str| -> BTreeMap<String, i64> {
+        let mut statement = db.prepare(sql).unwrap();
+        statement
+            .query_map([task], |row| Ok((row.get(0)?, row.get(1)?)))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    };
+    let assignment_states = grouped(
+        "SELECT a.state, COUNT(*) FROM assignments a JOIN rounds r ON a.round_id = r.id
+         WHERE r.task_id = ?1 GROUP BY a.state",
+    );
+    let assignment_reasons = grouped(
+        "SELECT COALESCE(h.from_state, '') || ' -> ' || h.to_state || ': ' || h.reason, COUNT(*)
+         FROM state_history h JOIN assignments a ON h.entity_id = a.id
+         JOIN rounds r ON a.round_id = r.id WHERE r.task_id = ?1 GROUP BY 1",
+    );
+    Seen {
+        manifest,
+        releases,
+        rounds,
+        task: task_view,
+        assignment_states,
+        assignment_reasons,
+    }
+}
+
+async fn probe(server: &Server, population: &str, theta: f32) -> (Seen, Summary) {
+    let task = server
+        .open_task(
+            json!({
+                "population": population, "rounds": 1, "report_goal": DEVICES,
+                "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0},
+                "plan": {"epochs": 1, "batch_size": 10, "learning_rate": 0.1},
+            }),
+            probe_model(theta),
+        )
+        .await;
+    let summary = simulate(server, population).await;
+    server.wait_for_model(&task, 1).await;
+    (seen(server, &task).await, summary)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_overflow_probe_reads_the_same_whichever_side_of_theta_the_data_lies() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data")).await;
+    let maxima = feature_0_maxima();
+    let lowest = maxima.iter().copied().fold(f32::INFINITY, f32::min);
+    let highest = maxima.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    assert!(
+        lowest > 0.0,
+        "every shard has a positive feature 0: {maxima:?}"
+    );
+    let (below, below_devices) = probe(&server, "probe-below", lowest / 2.0).await;
+    let (above, above_devices) = probe(&server, "probe-above", highest + 1.0).await;
+
+    // The probe did what it is meant to: every device's training overflowed below theta, and
+    // none above it; the devices alone know.
+    assert_eq!(
+        below_devices.zeroed.len(),
+        DEVICES,
+        "{:?}",
+        below_devices.zeroed
+    );
+    assert!(
+        below_devices
+            .zeroed
+            .iter()
+            .all(|p| p.contains("not finite")),
+        "{:?}",
+        below_devices.zeroed
+    );
+    assert!(
+        above_devices.zeroed.is_empty(),
+        "{:?}",
+        above_devices.zeroed
+    );
+    for summary in [&below_devices, &above_devices] {
+        assert_eq!(summary.contributions, DEVICES);
+        assert!(summary.failures.is_empty(), "{:?}", summary.failures);
+    }
+    // What the tenant and the operator see is the same.
+    assert_eq!(below.manifest["included"], DEVICES);
+    assert_eq!(below.manifest["excluded"], json!({}));
+    assert_eq!(below, above);
+    assert_eq!(
+        below.assignment_states,
+        BTreeMap::from([("COMPLETED".to_string(), DEVICES as i64)])
+    );
+    server.stop().await;
+}
+
+/// A client that skips the device library and seals an update of NaNs and infinities itself:
+/// the enclave includes it as a zero update and the manifest names no reason for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_raw_clients_non_finite_update_is_included_as_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data")).await;
+    let task = server
+        .open_task(
+            json!({
+                "population": "raw", "rounds": 1, "report_goal": 2,
+                "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0},
+            }),
+            probe_model(1.0),
+        )
+        .await;
+    let trust = confed_device::load_trust(&server.trust_file()).unwrap();
+    let client = confed_device::DeviceClient::new(&server.url, &trust).unwrap();
+    for value in [f32::NAN, f32::INFINITY] {
+        let confed_device::Checkin::Assigned(assignment) = client
+            .checkin("raw", "1.0.0", &Default::default())
+            .await
+            .unwrap()
+        else {
+            panic!("an assignment");
+        };
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
+        let key = client.verified_key(&assignment, now).unwrap();
+        let policy = client.accepted_policy(&assignment, "raw").unwrap();
+        let model = client.model(&assignment).await.unwrap();
+        let mut poisoned = Softmax::from_safetensors(&model.bytes).unwrap();
+        poisoned.weight.iter_mut().for_each(|w| *w = value);
+        let context = confed_protocol::envelope::RoundContext {
+            task_id: assignment.task_id.clone(),
+            round: 1,
+            policy_sha256: policy.sha256.clone(),
+            model_sha256: model.sha256.clone(),
+        };
+        let sealed = confed_protocol::envelope::seal_with(
+            &confed_protocol::hpke::RustCrypto,
+            &key,
+            &assignment.encryption.key_id,
+            &context,
+            &assignment.assignment_id,
+            &poisoned.to_safetensors(),
+        )
+        .unwrap()
+        .to_cbor();
+        client.upload(&assignment, sealed).await.unwrap();
+        client
+            .report(&assignment, confed_device::ReportOutcome::Completed, None)
+            .await
+            .unwrap();
+    }
+    let next = server.wait_for_model(&task, 1).await;
+    let manifest: Value = serde_json::from_slice(
+        &server
+            .get_bytes(&format!("/v1/tasks/{task}/releases/1/manifest"))
+            .await,
+    )
+    .unwrap();
+    assert_eq!(manifest["included"], 2);
+    assert_eq!(manifest["excluded"], json!({}));
+    let next = Softmax::from_safetensors(&next).unwrap();
+    assert!(next.weight.iter().chain(&next.bias).all(|v| v.is_finite()));
+    server.stop().await;
+}

@@ -1,0 +1,416 @@
+//! The worker API over HTTP: an enclave worker that reaches the server only through
+//! `/internal/v1` (as `confed-enclave` does from Confidential Space) completes a round; the API is
+//! off without a token, refuses wrong tokens and bad input, and fences a worker whose lease was
+//! taken over.
+
+use crate::common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::system::{collect, get, now_clock, open_task, rounds, start, start_with};
+use confed_enclave::remote::HttpJobStore;
+use confed_enclave::worker::Worker;
+use confed_worker_api::store::{JobStore, StoreError};
+use serde_json::{Value, json};
+use zeroize::Zeroizing;
+
+const TOKEN: &str = "worker-token-for-tests-0123456789abcdefghij";
+
+fn remote(url: &str, token: &str) -> HttpJobStore {
+    HttpJobStore::new(
+        url,
+        Zeroizing::new(token.to_string()),
+        Duration::from_secs(30),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_over_http_completes_a_round() {
+    let (system, _dir) = start_with(now_clock(), Some(TOKEN)).await;
+    let (token, task) = open_task(&system, "remote", 8.0).await;
+    collect(&system, "remote", 3, false).await;
+    let worker = Worker::new(
+        Arc::new(remote(&system.url, TOKEN)),
+        system.worker_config("remote-1"),
+    );
+    let outcome = worker.run_once().await.unwrap().expect("a job");
+    assert_eq!(
+        (outcome.round, outcome.included),
+        (1, common::system::GOAL as u64)
+    );
+    let states = rounds(&system, &token, &task).await;
+    assert_eq!(states[0]["state"], "COMPLETED");
+    assert_eq!(
+        get(&system, &token, &format!("/v1/tasks/{task}/models/1"))
+            .await
+            .status(),
+        200
+    );
+    assert!(worker.run_once().await.unwrap().is_none());
+    system.shutdown().await;
+}
+
+/// A lease that waits (long polling) is answered with the job as soon as this server closes the
+/// round, not when the wait ends; a wait above the limit is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_lease_gets_the_job_when_the_round_closes() {
+    let (system, _dir) = start_with(now_clock(), Some(TOKEN)).await;
+    let (_, _task) = open_task(&system, "waiting", 8.0).await;
+    let http = reqwest::Client::new();
+    let lease = |wait: u64| {
+        http.post(format!("{}/internal/v1/jobs/lease", system.url))
+            .bearer_auth(TOKEN)
+            .json(&json!({"worker": "w1", "lease_seconds": 60, "wait_seconds": wait}))
+            .send()
+    };
+    assert_eq!(lease(26).await.unwrap().status(), 400);
+    assert_eq!(lease(0).await.unwrap().status(), 204, "no job, no wait");
+    let waiting = tokio::spawn(lease(25));
+    let started = std::time::Instant::now();
+    collect(&system, "waiting", 1, false).await;
+    let reply = waiting.await.unwrap().unwrap();
+    assert_eq!(reply.status(), 200, "the job, while the lease waited");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "answered when the round closed, not when the wait ended ({:?})",
+        started.elapsed()
+    );
+    system.shutdown().await;
+}
+
+/// A failed attempt (retried 2 s later) cost about 20 s with `confed-enclave` workers: a waiting
+/// lease woke for newly closed rounds only, never for a retry becoming due. It is leased again
+/// within 2.5 s of failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_attempt_is_leased_again_by_a_waiting_worker_when_its_retry_is_due() {
+    let clock = now_clock();
+    let (system, _dir) = start_with(clock.clone(), Some(TOKEN)).await;
+    let (_, _task) = open_task(&system, "retried", 8.0).await;
+    collect(&system, "retried", 1, false).await;
+    let http = reqwest::Client::new();
+    let lease = |wait: u64| {
+        http.post(format!("{}/internal/v1/jobs/lease", system.url))
+            .bearer_auth(TOKEN)
+            .json(&json!({"worker": "w1", "lease_seconds": 60, "wait_seconds": wait}))
+            .send()
+    };
+    let job: Value = lease(0).await.unwrap().json().await.unwrap();
+    let job_id = job["job_id"].as_str().unwrap().to_string();
+    let failed = http
+        .post(format!("{}/internal/v1/jobs/{job_id}/fail", system.url))
+        .bearer_auth(TOKEN)
+        .json(&json!({"worker": "w1", "reason": "key services unreachable", "permanent": false}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(failed.status(), 204);
+    let started = std::time::Instant::now();
+    let waiting = tokio::spawn(lease(25));
+    // The server's clock reaches the retry (2 s after the failure) while the lease waits.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    clock.advance(Duration::from_secs(2));
+    let reply = waiting.await.unwrap().unwrap();
+    assert_eq!(
+        reply.status(),
+        200,
+        "the retried job, while the lease waited"
+    );
+    let again: Value = reply.json().await.unwrap();
+    assert_eq!(again["job_id"], job_id.as_str());
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "leased again {:?} after the failure",
+        started.elapsed()
+    );
+    system.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_lease_was_taken_over_is_refused_over_http() {
+    let clock = now_clock();
+    let (system, _dir) = start_with(clock.clone(), Some(TOKEN)).await;
+    let (_, _task) = open_task(&system, "fence", 8.0).await;
+    collect(&system, "fence", 4, false).await;
+    let store = remote(&system.url, TOKEN);
+    let first = store
+        .lease("A", Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("a job");
+    assert!(
+        store
+            .lease("B", Duration::from_secs(60))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    clock.advance(Duration::from_secs(61));
+    let second = store
+        .lease("B", Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("taken over");
+    assert_eq!(first.job_id, second.job_id);
+    assert!(matches!(
+        store
+            .renew(&first.job_id, "A", Duration::from_secs(60))
+            .await,
+        Err(StoreError::LeaseLost)
+    ));
+    assert!(matches!(
+        store
+            .commit_model(&first.job_id, "A", &first.model, None)
+            .await,
+        Err(StoreError::LeaseLost)
+    ));
+    store
+        .renew(&second.job_id, "B", Duration::from_secs(60))
+        .await
+        .unwrap();
+    system.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_worker_api_is_off_without_a_token_and_refuses_wrong_ones_and_bad_input() {
+    let (off, _d1) = start(now_clock()).await;
+    let http = reqwest::Client::new();
+    let lease = |url: &str, token: &str, body: Value| {
+        http.post(format!("{url}/internal/v1/jobs/lease"))
+            .bearer_auth(token)
+            .json(&body)
+            .send()
+    };
+    let body = json!({"worker": "w1", "lease_seconds": 60});
+    let reply = lease(&off.url, TOKEN, body.clone()).await.unwrap();
+    assert_eq!(reply.status(), 404);
+    assert_eq!(reply.headers()["content-type"], "application/problem+json");
+    off.shutdown().await;
+
+    let (on, _d2) = start_with(now_clock(), Some(TOKEN)).await;
+    let wrong = lease(&on.url, "not-the-token", body.clone()).await.unwrap();
+    assert_eq!(wrong.status(), 401);
+    let bad_worker = lease(
+        &on.url,
+        TOKEN,
+        json!({"worker": "has space", "lease_seconds": 60}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(bad_worker.status(), 400);
+    let bad_lease = lease(&on.url, TOKEN, json!({"worker": "w1", "lease_seconds": 5}))
+        .await
+        .unwrap();
+    assert_eq!(bad_lease.status(), 400);
+    let unknown_field = lease(
+        &on.url,
+        TOKEN,
+        json!({"worker": "w1", "lease_seconds": 60, "x": 1}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(unknown_field.status(), 400);
+    let nothing = lease(&on.url, TOKEN, body).await.unwrap();
+    assert_eq!(nothing.status(), 204);
+    let missing = http
+        .get(format!(
+            "{}/internal/v1/blobs/tenants/x/nothing.bin",
+            on.url
+        ))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(missing.status(), 404);
+    assert!(matches!(
+        remote(&on.url, "wrong-token")
+            .lease("w", Duration::from_secs(60))
+            .await,
+        Err(StoreError::Backend(_))
+    ));
+    on.shutdown().await;
+}
+
+/// A holder of the worker token commits, over the worker API, a release no enclave made (its own
+/// average, enclave key and receipts): 422, and nothing is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_forged_with_the_worker_token_is_refused_over_http() {
+    let (system, _dir) = start_with(now_clock(), Some(TOKEN)).await;
+    let (_, task) = open_task(&system, "forged", 8.0).await;
+    collect(&system, "forged", 6, false).await;
+    let store = remote(&system.url, TOKEN);
+    let job = store
+        .lease("forger", Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("a job");
+    let (average, manifest, proof) = common::forgery::forged_release(&system, &job).await;
+    let refused = store
+        .commit_release(
+            &job.job_id,
+            "forger",
+            confed_worker_api::store::StagedRelease {
+                average: &average,
+                manifest: &manifest,
+                proof: &proof,
+            },
+        )
+        .await;
+    assert!(
+        matches!(&refused, Err(StoreError::Refused(why)) if why.contains("receipts needed")),
+        "{refused:?}"
+    );
+    assert!(system.db.releases_of_task(&task).await.unwrap().is_empty());
+    system.shutdown().await;
+}
+
+/// A job store that, when the worker commits a FedAdam model, first tries what a confused or
+/// hostile worker might (through the worker API), then commits as the worker meant to.
+struct Probing {
+    inner: HttpJobStore,
+    url: String,
+    refused: std::sync::Mutex<Vec<(String, u16, String)>>,
+}
+
+impl Probing {
+    async fn try_put(&self, path: &str, body: Vec<u8>) -> (u16, String) {
+        let reply = reqwest::Client::new()
+            .put(format!("{}/internal/v1/{path}", self.url))
+            .bearer_auth(TOKEN)
+            .header("content-type", "application/octet-stream")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        (reply.status().as_u16(), reply.text().await.unwrap())
+    }
+}
+
+impl JobStore for Probing {
+    async fn lease(
+        &self,
+        worker: &str,
+        lease: Duration,
+    ) -> Result<Option<confed_worker_api::store::JobSpec>, StoreError> {
+        self.inner.lease(worker, lease).await
+    }
+    async fn renew(&self, job_id: &str, worker: &str, lease: Duration) -> Result<(), StoreError> {
+        self.inner.renew(job_id, worker, lease).await
+    }
+    async fn fetch(&self, blob_key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.inner.fetch(blob_key).await
+    }
+    async fn commit_release(
+        &self,
+        job_id: &str,
+        worker: &str,
+        release: confed_worker_api::store::StagedRelease<'_>,
+    ) -> Result<(), StoreError> {
+        self.inner.commit_release(job_id, worker, release).await
+    }
+    async fn commit_model(
+        &self,
+        job_id: &str,
+        worker: &str,
+        model: &[u8],
+        optimizer_state: Option<&[u8]>,
+    ) -> Result<(), StoreError> {
+        let state = optimizer_state.expect("FedAdam keeps state").to_vec();
+        let wrong_size = confed_worker_api::optimizer::OptimizerState {
+            m: vec![0.0; 3],
+            v: Some(vec![1e-6; 3]),
+        }
+        .encode()
+        .unwrap();
+        let probes = [
+            (
+                "another worker's state",
+                format!("jobs/{job_id}/optimizer-state?worker=intruder"),
+                state.clone(),
+            ),
+            (
+                "a state of another size",
+                format!("jobs/{job_id}/optimizer-state?worker={worker}"),
+                wrong_size,
+            ),
+            (
+                "not a state file",
+                format!("jobs/{job_id}/optimizer-state?worker={worker}"),
+                b"junk".to_vec(),
+            ),
+            (
+                "a model without its state",
+                format!("jobs/{job_id}/model?worker={worker}"),
+                model.to_vec(),
+            ),
+            (
+                "a model naming a state never stored",
+                format!(
+                    "jobs/{job_id}/model?worker={worker}&optimizer_state_sha256={}",
+                    "0".repeat(64)
+                ),
+                model.to_vec(),
+            ),
+        ];
+        for (what, path, body) in probes {
+            let (status, detail) = self.try_put(&path, body).await;
+            self.refused
+                .lock()
+                .unwrap()
+                .push((what.to_string(), status, detail));
+        }
+        self.inner
+            .commit_model(job_id, worker, model, Some(&state))
+            .await
+    }
+    async fn fail(
+        &self,
+        job_id: &str,
+        worker: &str,
+        reason: &str,
+        permanent: bool,
+    ) -> Result<(), StoreError> {
+        self.inner.fail(job_id, worker, reason, permanent).await
+    }
+}
+
+/// The optimizer state's route takes only the lease holder's state, of the task's optimizer and
+/// the model's size, and a stateful optimizer's model commit must name a stored state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn optimizer_state_is_taken_only_from_the_lease_holder_and_must_fit() {
+    let (system, _dir) = start_with(now_clock(), Some(TOKEN)).await;
+    let (token, task) = common::system::open_task_with(
+        &system,
+        "adam",
+        8.0,
+        json!({"server_optimizer": {"name": "fedadam"}}),
+    )
+    .await;
+    collect(&system, "adam", 3, false).await;
+    let store = Arc::new(Probing {
+        inner: remote(&system.url, TOKEN),
+        url: system.url.clone(),
+        refused: Default::default(),
+    });
+    let worker = Worker::new(store.clone(), system.worker_config("adam-1"));
+    worker.run_once().await.unwrap().expect("a job");
+    let refused = store.refused.lock().unwrap().clone();
+    let statuses: Vec<(&str, u16)> = refused.iter().map(|(w, s, _)| (w.as_str(), *s)).collect();
+    assert_eq!(
+        statuses,
+        [
+            ("another worker's state", 409),
+            ("a state of another size", 422),
+            ("not a state file", 422),
+            ("a model without its state", 422),
+            ("a model naming a state never stored", 422),
+        ],
+        "{refused:?}"
+    );
+    // The worker's own commit went through: model version 1 exists, the round is complete.
+    assert_eq!(
+        rounds(&system, &token, &task).await[0]["state"],
+        "COMPLETED"
+    );
+    system.shutdown().await;
+}

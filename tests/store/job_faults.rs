@@ -1,0 +1,237 @@
+//! Aggregation jobs under faults: a transient failure (a full disk, a key service down) is
+//! retried without limit and never fails the task, a crash takeover is not a failure, a restarted
+//! worker takes its own job back at once, and the operator can resume a round that failed.
+
+use crate::common;
+
+use std::time::Duration;
+
+use common::system::{collect, now_clock, open_task, rounds, start};
+use confed::clock::Clock;
+use confed::db::DbError;
+use confed::db::jobs::{MAX_RETRY_BACKOFF_MS, retry_backoff_ms};
+
+async fn task_state(system: &confed::embedded::EmbeddedSystem, token: &str, task: &str) -> String {
+    common::system::get(system, token, &format!("/v1/tasks/{task}"))
+        .await
+        .json::<serde_json::Value>()
+        .await
+        .unwrap()["state"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+const LEASE_MS: i64 = 60_000;
+
+/// ENOSPC while writing a release once used up all 5 attempts in ~31 s and failed the task for
+/// good. Transient failures are now retried with a backoff capped at 5 minutes, without limit.
+#[tokio::test]
+async fn a_transient_failure_like_a_full_disk_is_retried_and_never_fails_the_task() {
+    let clock = now_clock();
+    let (system, _dir) = start(clock.clone()).await;
+    let (token, task) = open_task(&system, "disk", 8.0).await;
+    collect(&system, "disk", 1, false).await;
+    for failure in 1..=12 {
+        let now = clock.now_millis();
+        let job = system
+            .db
+            .lease_job("w/1", now, LEASE_MS)
+            .await
+            .unwrap()
+            .expect("the job is ready again after its backoff");
+        system
+            .db
+            .fail_job(
+                &job.round_id,
+                "w/1",
+                "No space left on device (os error 28)",
+                false,
+                now,
+            )
+            .await
+            .unwrap();
+        let wait = retry_backoff_ms(failure);
+        assert!(wait <= MAX_RETRY_BACKOFF_MS);
+        clock.advance(Duration::from_millis(wait as u64 - 1));
+        let early = system
+            .db
+            .lease_job("w/1", clock.now_millis(), LEASE_MS)
+            .await;
+        assert!(
+            early.unwrap().is_none(),
+            "failure {failure}: backoff respected"
+        );
+        clock.advance(Duration::from_millis(1));
+    }
+    assert_eq!(retry_backoff_ms(12), MAX_RETRY_BACKOFF_MS, "capped");
+    assert_eq!(task_state(&system, &token, &task).await, "OPEN");
+    assert_eq!(system.db.failing_jobs(5).await.unwrap(), 1, "alerting");
+    // Space is back: the next attempt releases the round.
+    let outcome = system
+        .worker("after")
+        .run_once()
+        .await
+        .unwrap()
+        .expect("a job");
+    assert_eq!(outcome.round, 1);
+    assert_eq!(
+        rounds(&system, &token, &task).await[0]["state"],
+        "COMPLETED"
+    );
+    assert_eq!(system.db.failing_jobs(5).await.unwrap(), 0);
+}
+
+/// Lease takeovers after crashes were counted as attempts; six crashes then failed the task.
+#[tokio::test]
+async fn crash_takeovers_are_not_failures() {
+    let clock = now_clock();
+    let (system, _dir) = start(clock.clone()).await;
+    let (token, task) = open_task(&system, "crashes", 8.0).await;
+    collect(&system, "crashes", 1, false).await;
+    for crash in 0..8 {
+        let job = system
+            .db
+            .lease_job(&format!("crashed-{crash}/x"), clock.now_millis(), LEASE_MS)
+            .await
+            .unwrap();
+        assert!(job.is_some(), "crash {crash}");
+        clock.advance(Duration::from_millis(LEASE_MS as u64));
+    }
+    assert_eq!(task_state(&system, &token, &task).await, "OPEN");
+    let job = system
+        .db
+        .lease_job("w/1", clock.now_millis(), LEASE_MS)
+        .await
+        .unwrap()
+        .unwrap();
+    system
+        .db
+        .fail_job(&job.round_id, "w/1", "transient", false, clock.now_millis())
+        .await
+        .unwrap();
+    clock.advance(Duration::from_millis(retry_backoff_ms(1) as u64));
+    assert!(
+        system
+            .db
+            .lease_job("w/1", clock.now_millis(), LEASE_MS)
+            .await
+            .unwrap()
+            .is_some(),
+        "the first real failure waits 2 s, as a first failure does"
+    );
+}
+
+/// A restarted worker (fixed name) could not reclaim its own lease and stalled ~60 s. A new
+/// incarnation of the same name takes the job at once; another worker still cannot.
+#[tokio::test]
+async fn a_restarted_worker_takes_its_own_job_back_at_once() {
+    let clock = now_clock();
+    let (system, _dir) = start(clock.clone()).await;
+    open_task(&system, "restart", 8.0).await;
+    collect(&system, "restart", 1, false).await;
+    let now = clock.now_millis();
+    let before = system
+        .db
+        .lease_job("enclave-a/1111", now, LEASE_MS)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        system
+            .db
+            .lease_job("enclave-b/2222", now, LEASE_MS)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(
+        system
+            .db
+            .lease_job("enclave-a", now, LEASE_MS)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let after = system
+        .db
+        .lease_job("enclave-a/3333", now, LEASE_MS)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(before.round_id, after.round_id);
+    assert!(matches!(
+        system
+            .db
+            .renew_job(&before.round_id, "enclave-a/1111", now, LEASE_MS)
+            .await,
+        Err(DbError::LeaseLost(_))
+    ));
+    // A job that keeps killing its worker: after a few immediate takeovers it waits for its
+    // lease like any other, so it cannot hold every later round behind it.
+    for incarnation in ["4444", "5555"] {
+        let again = system
+            .db
+            .lease_job(&format!("enclave-a/{incarnation}"), now, LEASE_MS)
+            .await;
+        assert!(again.unwrap().is_some(), "{incarnation}");
+    }
+    let stuck = system.db.lease_job("enclave-a/6666", now, LEASE_MS).await;
+    assert!(stuck.unwrap().is_none());
+    let expired = now + LEASE_MS;
+    let later = system
+        .db
+        .lease_job("enclave-a/6666", expired, LEASE_MS)
+        .await;
+    assert!(later.unwrap().is_some());
+}
+
+/// A round whose aggregation failed for good can be resumed by the operator: the job runs
+/// again, the task reopens and the round completes.
+#[tokio::test]
+async fn the_operator_resumes_a_failed_round() {
+    let clock = now_clock();
+    let (system, _dir) = start(clock.clone()).await;
+    let (token, task) = open_task(&system, "resume", 8.0).await;
+    collect(&system, "resume", 1, false).await;
+    let now = clock.now_millis();
+    assert!(
+        matches!(
+            system.db.resume_failed_round(&task, 1, now).await,
+            Err(DbError::StateConflict { .. })
+        ),
+        "nothing failed yet"
+    );
+    let job = system
+        .db
+        .lease_job("w/1", now, LEASE_MS)
+        .await
+        .unwrap()
+        .unwrap();
+    system
+        .db
+        .fail_job(&job.round_id, "w/1", "given up", true, now)
+        .await
+        .unwrap();
+    assert_eq!(task_state(&system, &token, &task).await, "FAILED");
+    assert_eq!(rounds(&system, &token, &task).await[0]["state"], "FAILED");
+
+    let resumed = system.db.resume_failed_round(&task, 1, now).await.unwrap();
+    assert_eq!(resumed.round_state, confed::states::RoundState::Aggregating);
+    assert_eq!(task_state(&system, &token, &task).await, "OPEN");
+    let outcome = system
+        .worker("w2")
+        .run_once()
+        .await
+        .unwrap()
+        .expect("the job runs again");
+    assert_eq!(outcome.round, 1);
+    assert_eq!(
+        rounds(&system, &token, &task).await[0]["state"],
+        "COMPLETED"
+    );
+    assert!(
+        system.db.resume_failed_round(&task, 1, now).await.is_err(),
+        "once"
+    );
+}
