@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use confed::clock::ManualClock;
+use confed::clock::{ManualClock, Millis};
 use confed::keys::ShareFile;
 use confed::keys::ceremony::{CeremonyOptions, generate};
 use confed::keyservice::{KeyService, KeyServiceParts, routes};
@@ -158,7 +158,7 @@ async fn collection() {
         not_after: NOW + 86_400,
     })
     .unwrap();
-    let clock = Arc::new(ManualClock::starting_at(NOW * 1000));
+    let clock = Arc::new(ManualClock::starting_at(Millis(NOW * 1000)));
     let attester = DevAttester::new(
         confed_attestation::exchange::generate_signing_key(),
         Arc::new(|| NOW),

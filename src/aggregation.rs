@@ -87,7 +87,7 @@ fn round_clip_norm(context: &JobContext) -> Result<Option<f64>, String> {
 
 impl TaskDbJobStore {
     fn now(&self) -> i64 {
-        self.clock.now_millis()
+        self.clock.now_millis().0
     }
 
     /// The job as the enclave sees it; `Err(reason)` when the stored job cannot be run at all.

@@ -14,7 +14,7 @@ use confed_protocol::device::{AssignmentResponse, CheckinRequest, RetryWindow, S
 use thiserror::Error;
 
 use crate::blob::{BlobError, BlobKey, BlobStore};
-use crate::clock::{Millis, millis_of, seconds_of};
+use crate::clock::{Millis, seconds_of};
 use crate::db::device::{AssignmentRef, Candidate, Capability};
 use crate::db::{Db, DbError};
 use crate::keys::directory::KeyDirectory;
@@ -174,7 +174,7 @@ impl Checkin<'_> {
             }
             let key = match &candidate.key_id {
                 Some(key_id) => self.keys.key(key_id),
-                None => self.keys.current_key(now_seconds),
+                None => self.keys.current_key(now_seconds.0),
             };
             let Some(key) = key else {
                 keyless = true;
@@ -182,8 +182,8 @@ impl Checkin<'_> {
             };
             let capability =
                 Capability::new(URL_SAFE_NO_PAD.encode(crate::auth::random_bytes::<32>()?));
-            let timeout = millis_of(i64::from(candidate.spec.assignment_timeout_seconds));
-            let expires_at = (now + timeout).min(candidate.deadline_at);
+            let timeout = Duration::from_secs(u64::from(candidate.spec.assignment_timeout_seconds));
+            let expires_at = now.plus(timeout).0.min(candidate.deadline_at);
             let Some(assigned) = self
                 .db
                 .assign(
@@ -192,7 +192,7 @@ impl Checkin<'_> {
                     &capability,
                     expires_at,
                     &key.key_id,
-                    now,
+                    now.0,
                 )
                 .await?
             else {
@@ -217,7 +217,7 @@ impl Checkin<'_> {
                 .upload_target(
                     &candidate,
                     &capability,
-                    Duration::from_millis((assigned.expires_at - now).max(1000) as u64),
+                    Duration::from_millis((assigned.expires_at - now.0).max(1000) as u64),
                     max_contribution_bytes,
                 )
                 .await?;
@@ -233,7 +233,7 @@ impl Checkin<'_> {
                 assignment_id: capability,
                 task_id: candidate.task_id,
                 round: candidate.round_number,
-                expires_at: seconds_of(assigned.expires_at),
+                expires_at: seconds_of(Millis(assigned.expires_at)).0,
                 plan: candidate.spec.plan.clone(),
                 policy,
                 model_version: candidate.model_version,

@@ -188,7 +188,7 @@ impl DeviceRegistry {
         while let Some((front, front_size)) = window.entries.front() {
             let full =
                 window.entries.len() >= self.capacity || window.bytes + size > self.byte_budget;
-            if front.at > now - self.window_millis && !full {
+            if front.at > Millis(now.0 - self.window_millis) && !full {
                 break;
             }
             window.bytes -= *front_size;
@@ -212,7 +212,7 @@ impl DeviceRegistry {
             for (s, _) in window
                 .entries
                 .iter()
-                .filter(|(s, _)| s.at > now - self.window_millis)
+                .filter(|(s, _)| s.at > Millis(now.0 - self.window_millis))
             {
                 *counts.entry(s.population.to_string()).or_default() += 1;
             }
@@ -246,14 +246,14 @@ impl DeviceRegistry {
         for (seen, _) in window
             .entries
             .iter()
-            .filter(|(s, _)| s.at > now - self.window_millis)
+            .filter(|(s, _)| s.at > Millis(now.0 - self.window_millis))
         {
             let Some(activity) = out.get_mut(&*seen.population) else {
                 continue;
             };
             activity.checkins += 1;
             *activity.outcomes.entry(seen.outcome).or_default() += 1;
-            let minutes_ago = usize::try_from((now - seen.at) / 60_000).unwrap_or(0);
+            let minutes_ago = usize::try_from((now.0 - seen.at.0) / 60_000).unwrap_or(0);
             if let Some(bucket) = minutes.checked_sub(minutes_ago + 1) {
                 activity.per_minute[bucket] += 1;
             }
@@ -270,7 +270,9 @@ impl DeviceRegistry {
             .entries
             .iter()
             .map(|(s, _)| s)
-            .filter(|s| s.at > now - self.window_millis && *s.population == *spec.population)
+            .filter(|s| {
+                s.at > Millis(now.0 - self.window_millis) && *s.population == *spec.population
+            })
             .filter(|s| fits_with(spec, &s.version, |name| s.attribute(name)).is_ok())
             .count() as u64
     }
@@ -333,36 +335,36 @@ mod tests {
             vec![1],
             attrs(serde_json::json!({"charging": true})),
             "assigned",
-            0,
+            Millis(0),
         );
         registry.record(
             "p",
             vec![1],
             attrs(serde_json::json!({"charging": false})),
             "constraints_not_met",
-            500,
+            Millis(500),
         );
         registry.record(
             "other",
             vec![1],
             attrs(serde_json::json!({"charging": true})),
             "assigned",
-            500,
+            Millis(500),
         );
-        assert_eq!(registry.eligible(&task, 900), 1);
-        assert_eq!(registry.by_population(900).get("p"), Some(&2));
-        assert_eq!(registry.eligible(&task, 1500), 0);
+        assert_eq!(registry.eligible(&task, Millis(900)), 1);
+        assert_eq!(registry.by_population(Millis(900)).get("p"), Some(&2));
+        assert_eq!(registry.eligible(&task, Millis(1500)), 0);
     }
 
     #[test]
     fn activity_counts_one_populations_outcomes_per_minute() {
         let registry = DeviceRegistry::new(3 * 60_000, 100, 1 << 20);
         let none = Attributes::new();
-        registry.record("p", vec![1], none.clone(), "assigned", 10_000);
-        registry.record("p", vec![1], none.clone(), "round_full", 130_000);
-        registry.record("p", vec![1], none.clone(), "round_full", 150_000);
-        registry.record("q", vec![1], none.clone(), "assigned", 150_000);
-        let activities = registry.activities(&["p", "absent"], 170_000);
+        registry.record("p", vec![1], none.clone(), "assigned", Millis(10_000));
+        registry.record("p", vec![1], none.clone(), "round_full", Millis(130_000));
+        registry.record("p", vec![1], none.clone(), "round_full", Millis(150_000));
+        registry.record("q", vec![1], none.clone(), "assigned", Millis(150_000));
+        let activities = registry.activities(&["p", "absent"], Millis(170_000));
         let activity = &activities["p"];
         assert_eq!(activities["absent"].checkins, 0);
         assert_eq!(activity.checkins, 3);
@@ -371,7 +373,10 @@ mod tests {
         // Minutes ago 2 (the first), 0 (the last two); oldest minute first.
         assert_eq!(activity.per_minute, vec![1, 0, 2]);
         // Past the window, the first is forgotten.
-        assert_eq!(registry.activities(&["p"], 200_000)["p"].checkins, 2);
+        assert_eq!(
+            registry.activities(&["p"], Millis(200_000))["p"].checkins,
+            2
+        );
     }
 
     #[test]
@@ -388,14 +393,14 @@ mod tests {
             .collect();
         check_attributes(&big).unwrap();
         for i in 0..1_000 {
-            registry.record("p", vec![1], big.clone(), "assigned", i);
+            registry.record("p", vec![1], big.clone(), "assigned", Millis(i));
         }
         assert!(
             registry.bytes() <= budget,
             "{} > {budget}",
             registry.bytes()
         );
-        let kept = registry.by_population(1_000)["p"];
+        let kept = registry.by_population(Millis(1_000))["p"];
         assert!(
             (1..1_000).contains(&kept),
             "the oldest were evicted: kept {kept}"

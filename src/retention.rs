@@ -72,7 +72,8 @@ impl Retention {
 
     pub async fn run_once(&self) -> Result<Purged, RetentionError> {
         let now = self.clock.now_millis();
-        let before = now - self.window.as_millis() as i64;
+        let before = now.minus(self.window).0;
+        let now = now.0;
         let mut purged = Purged::default();
         while purged.rounds < MAX_ROUNDS_PER_PASS {
             let Some(round) = self.db.next_round_to_purge(before, now).await? else {

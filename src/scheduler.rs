@@ -41,7 +41,7 @@ impl Scheduler {
         let mut summary = TickSummary {
             assignments_timed_out: self
                 .db
-                .expire_assignments(now, ASSIGNMENTS_PER_TICK)
+                .expire_assignments(now.0, ASSIGNMENTS_PER_TICK)
                 .await?,
             ..TickSummary::default()
         };
@@ -49,8 +49,8 @@ impl Scheduler {
             metrics::counter!("confed_assignments_timed_out_total")
                 .increment(summary.assignments_timed_out as u64);
         }
-        for round_id in self.db.rounds_past_deadline(now, ROUNDS_PER_TICK).await? {
-            let outcome = self.db.close_round_at_deadline(&round_id, now).await?;
+        for round_id in self.db.rounds_past_deadline(now.0, ROUNDS_PER_TICK).await? {
+            let outcome = self.db.close_round_at_deadline(&round_id, now.0).await?;
             match &outcome {
                 DeadlineOutcome::Aggregating { .. } => summary.aggregating += 1,
                 DeadlineOutcome::Retried { .. } => summary.retried += 1,

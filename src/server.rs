@@ -177,7 +177,7 @@ pub async fn serve(
     crate::blob::refuse_contributions_in_the_database(&db).await?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     if fresh {
-        create_demo_tenant(&db, clock.now_millis()).await?;
+        create_demo_tenant(&db, clock.now_millis().0).await?;
     }
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut background = Vec::new();

@@ -61,7 +61,7 @@ impl Tasks<'_> {
         now: Millis,
     ) -> Result<TaskRecord, TaskError> {
         let spec = request.validate().map_err(TaskError::InvalidFields)?;
-        Ok(self.db.create_task(tenant_id, &spec, now).await?)
+        Ok(self.db.create_task(tenant_id, &spec, now.0).await?)
     }
 
     /// At most `limit` of the tenant's tasks after `page_token` (a token `page` gave).
@@ -107,7 +107,7 @@ impl Tasks<'_> {
         id: &str,
         now: Millis,
     ) -> Result<TaskRecord, TaskError> {
-        Ok(self.db.cancel_task(tenant_id, id, now).await?)
+        Ok(self.db.cancel_task(tenant_id, id, now.0).await?)
     }
 
     pub async fn rounds(&self, tenant_id: &str, id: &str) -> Result<Vec<RoundRecord>, TaskError> {
@@ -150,7 +150,7 @@ impl Tasks<'_> {
         };
         Ok(self
             .db
-            .open_task_with_model(tenant_id, id, &model, now)
+            .open_task_with_model(tenant_id, id, &model, now.0)
             .await?)
     }
 }

@@ -9,6 +9,7 @@ use thiserror::Error;
 
 use crate::blob::{BlobError, BlobKey, BlobStore};
 use crate::checkin::{contribution_key, contribution_limit};
+use crate::clock::Millis;
 use crate::db::device::{AssignmentView, Capability, Refusal, Stored, UploadDigests};
 use crate::db::{Db, DbError};
 use crate::keys::KeyState;
@@ -68,7 +69,7 @@ impl Uploads<'_> {
         &self,
         assignment: AssignmentView,
         declared: Option<u64>,
-        now: i64,
+        now: Millis,
     ) -> Result<Admitted, UploadError> {
         let limit = contribution_limit(assignment.model_bytes);
         if let Some(declared) = declared
@@ -80,10 +81,10 @@ impl Uploads<'_> {
             });
         }
         if assignment.contribution_digest.is_none()
-            && let Some(closed) = closed_for_upload(&assignment, now)
+            && let Some(closed) = closed_for_upload(&assignment, now.0)
         {
             if closed == Refusal::RoundClosed {
-                self.count_late(&assignment.id, now).await;
+                self.count_late(&assignment.id, now.0).await;
             }
             return Err(UploadError::Refused(closed));
         }
@@ -95,7 +96,7 @@ impl Uploads<'_> {
         &self,
         admitted: &Admitted,
         body: &[u8],
-        now: i64,
+        now: Millis,
     ) -> Result<Envelope, UploadError> {
         let parsed =
             Envelope::from_cbor(body).map_err(|e| UploadError::Malformed(e.to_string()))?;
@@ -108,7 +109,7 @@ impl Uploads<'_> {
         }
         match self.keys.key(round_key) {
             Some(key)
-                if KeyState::at(key.not_before, key.not_after, crate::clock::seconds_of(now))
+                if KeyState::at(key.not_before, key.not_after, now.seconds().0)
                     != KeyState::Pending =>
             {
                 Ok(parsed)
@@ -126,7 +127,7 @@ impl Uploads<'_> {
         capability: &Capability,
         admitted: &Admitted,
         body: &[u8],
-        now: i64,
+        now: Millis,
     ) -> Result<Stored, UploadError> {
         let assignment = &admitted.assignment;
         // The one digest of an upload, computed here: the round's job lists it (so the enclave
@@ -163,7 +164,7 @@ impl Uploads<'_> {
                 },
                 body.len() as i64,
                 stored.as_str(),
-                now,
+                now.0,
             )
             .await?
             .map_err(UploadError::Refused)?;
@@ -179,16 +180,16 @@ impl Uploads<'_> {
     pub async fn note_direct_upload(
         &self,
         capability: &Capability,
-        now: i64,
+        now: Millis,
     ) -> Result<(), UploadError> {
         let assignment = self.find(capability).await?;
         if assignment.contribution_digest.is_some() || assignment.state != AssignmentState::Assigned
         {
             return Ok(()); // already noted, or finished: the report itself says what applies
         }
-        if let Some(closed) = closed_for_upload(&assignment, now) {
+        if let Some(closed) = closed_for_upload(&assignment, now.0) {
             if closed == Refusal::RoundClosed {
-                self.count_late(&assignment.id, now).await;
+                self.count_late(&assignment.id, now.0).await;
             }
             return Err(UploadError::Refused(closed));
         }
@@ -213,7 +214,7 @@ impl Uploads<'_> {
                 },
                 object.size as i64,
                 key.as_str(),
-                now,
+                now.0,
             )
             .await?
             .map_err(UploadError::Refused)?;

@@ -14,6 +14,7 @@ mod common;
 #[path = "support/counting_alloc.rs"]
 mod counting_alloc;
 
+use confed::clock::Millis;
 use confed::registry::{Attributes, DeviceRegistry};
 
 /// The tests measure the whole process: one at a time.
@@ -39,7 +40,7 @@ fn the_registry_holds_no_more_than_it_counts() {
             vec![1, 4, 0],
             attributes.clone(),
             "assigned",
-            i,
+            Millis(i),
         );
     }
     let held = counting_alloc::live() - before;

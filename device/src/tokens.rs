@@ -7,6 +7,7 @@
 //! The device attests once per window (`Attestation`) and presents the issuer's credential for the
 //! rest of it.
 
+use confed_protocol::clock::Seconds;
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -95,13 +96,15 @@ pub struct TokenSource {
     url: String,
     attestation: std::sync::Arc<dyn Attestation>,
     /// The credential of the current window and when it ends (Unix seconds).
-    credential: Mutex<Option<(String, i64)>>,
+    credential: Mutex<Option<(String, Seconds)>>,
 }
 
-fn unix_now() -> i64 {
+fn unix_now() -> Seconds {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() as i64)
+        .map_or(Seconds(0), |d| {
+            Seconds(i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+        })
 }
 
 async fn json_or_problem<T: serde::de::DeserializeOwned>(

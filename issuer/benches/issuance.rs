@@ -13,7 +13,7 @@ use std::time::Instant;
 use confed_issuer::attester::dev::DevAttester;
 use confed_issuer::limiter::Limiter;
 use confed_issuer::{IssueRequest, Issuer, Proof};
-use confed_protocol::clock::SystemClock;
+use confed_protocol::clock::{Seconds, SystemClock};
 use confed_protocol::privacy_pass::issuance::{TokenClient, TokenSigner};
 use confed_protocol::privacy_pass::issuer_api::Evidence;
 
@@ -134,7 +134,10 @@ fn limiter_group_commit() {
                         let mut device = [0u8; 32];
                         device[..8].copy_from_slice(&(t as u64).to_be_bytes());
                         device[8..16].copy_from_slice(&(i as u64).to_be_bytes());
-                        limiter.take(&device, 1, || 1_000).unwrap().unwrap();
+                        limiter
+                            .take(&device, 1, || Seconds(1_000))
+                            .unwrap()
+                            .unwrap();
                     }
                 });
             }
@@ -194,7 +197,7 @@ fn android_attestations() {
         let count = 2000;
         let started = Instant::now();
         for _ in 0..count {
-            attester.attest(&evidence, challenge, now).unwrap();
+            attester.attest(&evidence, challenge, Seconds(now)).unwrap();
         }
         println!(
             "Android key attestation checked ({name}): {:.0}/s on one core",

@@ -12,7 +12,7 @@ use confed_protocol as protocol;
 
 /// How long a challenge stays usable (seconds): room for an Android device to generate an
 /// attested key in secure hardware (seconds on slow StrongBox chips).
-pub const CHALLENGE_TTL_SECONDS: Seconds = 300;
+pub const CHALLENGE_TTL_SECONDS: i64 = 300;
 pub const CHALLENGE_BYTES: usize = 40;
 const DOMAIN: &[u8] = b"confed-issuer-challenge-v1\0";
 
@@ -64,7 +64,7 @@ impl Challenges {
 
     pub fn issue(&self, now: Seconds) -> Result<[u8; CHALLENGE_BYTES], getrandom::Error> {
         let mut out = [0u8; CHALLENGE_BYTES];
-        out[..8].copy_from_slice(&now.to_be_bytes());
+        out[..8].copy_from_slice(&now.0.to_be_bytes());
         getrandom::fill(&mut out[8..24])?;
         let tag = self.tag(&out[..24]);
         out[24..].copy_from_slice(&tag);
@@ -80,8 +80,8 @@ impl Challenges {
         if !bool::from(tag.ct_eq(&challenge[24..])) {
             return Err(ChallengeProblem::Unknown);
         }
-        let issued_at = Seconds::from_be_bytes(challenge[..8].try_into().expect("8 bytes"));
-        if now < issued_at || now - issued_at > CHALLENGE_TTL_SECONDS {
+        let issued_at = i64::from_be_bytes(challenge[..8].try_into().expect("8 bytes"));
+        if now.0 < issued_at || now.0 - issued_at > CHALLENGE_TTL_SECONDS {
             return Err(ChallengeProblem::Expired);
         }
         Ok(())
@@ -95,30 +95,30 @@ mod tests {
     #[test]
     fn a_challenge_is_ours_fresh_and_tamper_evident() {
         let challenges = Challenges::new().unwrap();
-        let challenge = challenges.issue(1_000).unwrap();
-        assert_eq!(challenges.check(&challenge, 1_000), Ok(()));
-        assert_eq!(challenges.check(&challenge, 1_300), Ok(()));
+        let challenge = challenges.issue(Seconds(1_000)).unwrap();
+        assert_eq!(challenges.check(&challenge, Seconds(1_000)), Ok(()));
+        assert_eq!(challenges.check(&challenge, Seconds(1_300)), Ok(()));
         assert_eq!(
-            challenges.check(&challenge, 1_301),
+            challenges.check(&challenge, Seconds(1_301)),
             Err(ChallengeProblem::Expired)
         );
         assert_eq!(
-            challenges.check(&challenge, 999),
+            challenges.check(&challenge, Seconds(999)),
             Err(ChallengeProblem::Expired)
         );
         let mut forged = challenge;
         forged[..8].copy_from_slice(&5_000i64.to_be_bytes());
         assert_eq!(
-            challenges.check(&forged, 5_000),
+            challenges.check(&forged, Seconds(5_000)),
             Err(ChallengeProblem::Unknown)
         );
         let other = Challenges::new().unwrap();
         assert_eq!(
-            other.check(&challenge, 1_000),
+            other.check(&challenge, Seconds(1_000)),
             Err(ChallengeProblem::Unknown)
         );
         assert_eq!(
-            challenges.check(&challenge[..39], 1_000),
+            challenges.check(&challenge[..39], Seconds(1_000)),
             Err(ChallengeProblem::Unknown)
         );
     }

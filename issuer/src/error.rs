@@ -31,7 +31,15 @@ pub struct ApiError {
     title: &'static str,
     detail: String,
     failed_checks: Vec<FailedCheck>,
-    retry_after: Option<i64>,
+    retry_after: Option<RetryAfter>,
+}
+
+/// When a refused client may try again: at a point in time (the end of a spent window) or after
+/// a number of seconds (a short outage).
+#[derive(Debug, Clone, Copy)]
+enum RetryAfter {
+    At(confed_protocol::clock::Seconds),
+    In(i64),
 }
 
 impl ApiError {
@@ -73,7 +81,7 @@ impl ApiError {
             detail: "the issuer cannot record grants right now; nothing was granted, retry shortly"
                 .into(),
             failed_checks: Vec::new(),
-            retry_after: Some(5),
+            retry_after: Some(RetryAfter::In(5)),
         }
     }
 }
@@ -113,7 +121,7 @@ impl From<IssueError> for ApiError {
                 title: "Token limit reached",
                 detail,
                 failed_checks: Vec::new(),
-                retry_after: Some(exhausted.window_ends_at),
+                retry_after: Some(RetryAfter::At(exhausted.window_ends_at)),
             },
             IssueError::Storage(cause) => Self::unavailable(&cause.to_string()),
             IssueError::AttesterUnavailable(cause) => {
@@ -124,7 +132,7 @@ impl From<IssueError> for ApiError {
                     title: "Unavailable",
                     detail,
                     failed_checks: Vec::new(),
-                    retry_after: Some(300),
+                    retry_after: Some(RetryAfter::In(300)),
                 }
             }
             IssueError::Signing(cause) => Self::internal(&cause),
@@ -146,13 +154,10 @@ impl From<JsonRejection> for ApiError {
 
 impl ApiError {
     /// `Retry-After` in seconds from `now`, for a 429 whose window ends at `retry_after`.
-    pub fn into_response_at(self, now: i64) -> Response {
-        let retry = self.retry_after.map(|at| {
-            if self.status == StatusCode::TOO_MANY_REQUESTS {
-                (at - now).max(1)
-            } else {
-                at
-            }
+    pub fn into_response_at(self, now: confed_protocol::clock::Seconds) -> Response {
+        let retry = self.retry_after.map(|after| match after {
+            RetryAfter::At(at) => (at.0 - now.0).max(1),
+            RetryAfter::In(seconds) => seconds,
         });
         let problem = Problem {
             problem_type: format!("urn:confed:problem:{}", self.kind),

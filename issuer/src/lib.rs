@@ -89,7 +89,7 @@ pub struct Issuer {
     challenges: Challenges,
     credentials: Credentials,
     limiter: Limiter,
-    window_seconds: Seconds,
+    window_seconds: i64,
     clock: Arc<dyn Clock>,
 }
 
@@ -108,7 +108,7 @@ impl Issuer {
         signer: TokenSigner,
         attester: Box<dyn Attester>,
         limiter: Limiter,
-        window_seconds: Seconds,
+        window_seconds: i64,
         clock: Arc<dyn Clock>,
     ) -> Result<Self, IssueError> {
         let fast = signer
@@ -145,7 +145,7 @@ impl Issuer {
         self.clock.now_seconds()
     }
 
-    pub fn window_seconds(&self) -> Seconds {
+    pub fn window_seconds(&self) -> i64 {
         self.window_seconds
     }
 
@@ -160,7 +160,10 @@ impl Issuer {
             .challenges
             .issue(now)
             .map_err(|e| IssueError::Signing(e.to_string()))?;
-        Ok((challenge.to_vec(), now + challenge::CHALLENGE_TTL_SECONDS))
+        Ok((
+            challenge.to_vec(),
+            Seconds(now.0 + challenge::CHALLENGE_TTL_SECONDS),
+        ))
     }
 
     /// Checks the request, the challenge and the evidence, records the grant durably, then
@@ -184,7 +187,7 @@ impl Issuer {
             )));
         }
         let now = self.clock.now_seconds();
-        let window = now.div_euclid(self.window_seconds);
+        let window = now.0.div_euclid(self.window_seconds);
         let identity = match &request.proof {
             Proof::Attested {
                 challenge,

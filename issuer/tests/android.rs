@@ -20,6 +20,7 @@ use confed_issuer::attester::{Attester, DeviceIdentity, Evidence, FailedCheck};
 use confed_issuer::limiter::Limiter;
 use confed_issuer::routes::{self, ChallengeResponse, TokenRequestBody, TokenResponseBody};
 use confed_protocol::clock::ManualClock;
+use confed_protocol::clock::Seconds;
 use confed_protocol::privacy_pass::issuance::{TokenClient, TokenSigner};
 use http_body_util::BodyExt;
 use rcgen::KeyPair;
@@ -76,13 +77,17 @@ const NO_REVOCATIONS: &str = r#"{"entries": {}}"#;
 fn real_pixel_rkp_chains_under_both_google_roots_attest() {
     let attester = google_attester(&[SAMPLE_APP], NO_REVOCATIONS);
     let tegu = attester
-        .attest(&evidence(chain_from_pem(TEGU)), TEGU_CHALLENGE, TEGU_TIME)
+        .attest(
+            &evidence(chain_from_pem(TEGU)),
+            TEGU_CHALLENGE,
+            Seconds(TEGU_TIME),
+        )
         .unwrap();
     let caiman = attester
         .attest(
             &evidence(chain_from_pem(CAIMAN)),
             CAIMAN_CHALLENGE,
-            CAIMAN_TIME,
+            Seconds(CAIMAN_TIME),
         )
         .unwrap();
     assert_ne!(tegu, caiman, "two devices are two identities");
@@ -91,7 +96,7 @@ fn real_pixel_rkp_chains_under_both_google_roots_attest() {
             .attest(
                 &evidence(chain_from_pem(TEGU)),
                 TEGU_CHALLENGE,
-                TEGU_TIME + 60
+                Seconds(TEGU_TIME + 60)
             )
             .unwrap(),
         tegu
@@ -104,7 +109,7 @@ fn a_real_factory_provisioned_chain_is_refused_because_its_key_is_a_batch_key() 
     let blueline = chain_from_pem(BLUELINE);
     assert_eq!(blueline.len(), 4);
     assert_eq!(
-        refused_checks(attester.attest(&evidence(blueline), b"challenge", TEGU_TIME)),
+        refused_checks(attester.attest(&evidence(blueline), b"challenge", Seconds(TEGU_TIME))),
         ["provisioning"]
     );
 }
@@ -114,19 +119,19 @@ fn a_real_chain_with_another_challenge_app_time_or_a_revoked_key_is_refused() {
     let attester = google_attester(&[SAMPLE_APP], NO_REVOCATIONS);
     let tegu = || evidence(chain_from_pem(TEGU));
     assert_eq!(
-        refused_checks(attester.attest(&tegu(), b"a fresh issuer challenge", TEGU_TIME)),
+        refused_checks(attester.attest(&tegu(), b"a fresh issuer challenge", Seconds(TEGU_TIME))),
         ["challenge"]
     );
     let another_app = "com.example.fl:".to_owned() + &"5a".repeat(32);
     let other_app = google_attester(&[another_app.as_str()], NO_REVOCATIONS);
     let refused = other_app
-        .attest(&tegu(), TEGU_CHALLENGE, TEGU_TIME)
+        .attest(&tegu(), TEGU_CHALLENGE, Seconds(TEGU_TIME))
         .unwrap_err();
     assert_eq!(refused[0].check, "application");
     assert!(refused[0].reason.contains("com.google.android.attestation"));
     // The RKP attestation key's certificate lived two weeks: after it, the chain is stale.
     assert_eq!(
-        refused_checks(attester.attest(&tegu(), TEGU_CHALLENGE, TEGU_TIME + 30 * 86_400)),
+        refused_checks(attester.attest(&tegu(), TEGU_CHALLENGE, Seconds(TEGU_TIME + 30 * 86_400))),
         ["validity"]
     );
     let revoked = google_attester(
@@ -134,7 +139,7 @@ fn a_real_chain_with_another_challenge_app_time_or_a_revoked_key_is_refused() {
         r#"{"entries": {"2c85cdc15c3042f25698906669c35137": {"status": "REVOKED", "reason": "KEY_COMPROMISE"}}}"#,
     );
     assert_eq!(
-        refused_checks(revoked.attest(&tegu(), TEGU_CHALLENGE, TEGU_TIME)),
+        refused_checks(revoked.attest(&tegu(), TEGU_CHALLENGE, Seconds(TEGU_TIME))),
         ["revocation"]
     );
 }
@@ -157,20 +162,20 @@ fn a_real_chain_with_a_changed_byte_or_a_missing_link_is_refused() {
     *edited.last_mut().unwrap() ^= 1;
     chain[0] = URL_SAFE_NO_PAD.encode(&leaf);
     assert_eq!(
-        refused_checks(attester.attest(&evidence(chain), &edited, TEGU_TIME)),
+        refused_checks(attester.attest(&evidence(chain), &edited, Seconds(TEGU_TIME))),
         ["chain_signatures"]
     );
     let mut missing = chain_from_pem(TEGU);
     missing.remove(2);
     assert_eq!(
-        refused_checks(attester.attest(&evidence(missing), TEGU_CHALLENGE, TEGU_TIME)),
+        refused_checks(attester.attest(&evidence(missing), TEGU_CHALLENGE, Seconds(TEGU_TIME))),
         ["chain_signatures"]
     );
     // The CAIMAN chain's root in place of the TEGU chain's: not the issuer of its Droid CA2.
     let mut swapped = chain_from_pem(TEGU);
     *swapped.last_mut().unwrap() = chain_from_pem(CAIMAN).pop().unwrap();
     assert_eq!(
-        refused_checks(attester.attest(&evidence(swapped), TEGU_CHALLENGE, TEGU_TIME)),
+        refused_checks(attester.attest(&evidence(swapped), TEGU_CHALLENGE, Seconds(TEGU_TIME))),
         ["chain_signatures"]
     );
 }
@@ -399,7 +404,7 @@ fn a_status_list_file_is_reloaded_when_it_changes_and_refused_when_stale() {
             .set_modified(UNIX_EPOCH + Duration::from_secs(written_at as u64))
             .unwrap();
     };
-    write(NO_REVOCATIONS, now() - 3600);
+    write(NO_REVOCATIONS, now().0 - 3600);
     let pki = TestPki::new();
     let attester = AndroidAttester::new(test_policy(&pki))
         .unwrap()
@@ -411,7 +416,7 @@ fn a_status_list_file_is_reloaded_when_it_changes_and_refused_when_stale() {
     // The operator's cron fetches a list naming this device's attestation key (serial 2c85cdc1).
     write(
         r#"{"entries": {"2c85cdc1": {"status": "REVOKED", "reason": "KEY_COMPROMISE"}}}"#,
-        now() - 60,
+        now().0 - 60,
     );
     assert_eq!(attester.unavailable(now()), None);
     assert_eq!(
@@ -419,13 +424,13 @@ fn a_status_list_file_is_reloaded_when_it_changes_and_refused_when_stale() {
         ["revocation"]
     );
     // A broken copy keeps the loaded list; once that is older than the limit, attestation stops.
-    write("{", now() - 30);
+    write("{", now().0 - 30);
     assert_eq!(attester.unavailable(now()), None);
     assert_eq!(
         refused_checks(attester.attest(&chain(), b"c", now())),
         ["revocation"]
     );
-    let stale = attester.unavailable(now() + 49 * 3600).unwrap();
+    let stale = attester.unavailable(Seconds(now().0 + 49 * 3600)).unwrap();
     assert!(stale.contains("hours old"), "{stale}");
 }
 
@@ -437,7 +442,11 @@ fn a_serial_with_a_leading_zero_octet_is_looked_up_without_it() {
         r#"{"entries": {"84a9d0297b0eb58ae7ff0e80de760605": {"status": "REVOKED"}}}"#,
     );
     assert_eq!(
-        refused_checks(revoked.attest(&evidence(chain_from_pem(TEGU)), TEGU_CHALLENGE, TEGU_TIME)),
+        refused_checks(revoked.attest(
+            &evidence(chain_from_pem(TEGU)),
+            TEGU_CHALLENGE,
+            Seconds(TEGU_TIME)
+        )),
         ["revocation"]
     );
 }
@@ -571,7 +580,7 @@ async fn an_android_device_attests_over_http_and_its_allowance_follows_its_attes
         Box::new(test_attester(&pki, None)),
         Limiter::open(state.path(), L, 86_400).unwrap(),
         86_400,
-        Arc::new(ManualClock::starting_at(now() * 1000)),
+        Arc::new(ManualClock::starting_at(now().millis())),
     )
     .unwrap();
     let app = routes::router(Arc::new(issuer));
@@ -646,10 +655,10 @@ async fn an_issuer_whose_status_list_went_stale_answers_503_and_grants_nothing()
         .write(true)
         .open(&path)
         .unwrap()
-        .set_modified(std::time::UNIX_EPOCH + std::time::Duration::from_secs(now() as u64))
+        .set_modified(std::time::UNIX_EPOCH + std::time::Duration::from_secs(now().0 as u64))
         .unwrap();
     let pki = TestPki::new();
-    let clock = Arc::new(ManualClock::starting_at(now() * 1000));
+    let clock = Arc::new(ManualClock::starting_at(now().millis()));
     let issuer = Issuer::new(
         "issuer.test".into(),
         TokenSigner::generate().unwrap(),

@@ -17,7 +17,7 @@ use confed_issuer::limiter::Limiter;
 use confed_issuer::routes::{
     self, ChallengeResponse, Directory, TokenRequestBody, TokenResponseBody,
 };
-use confed_protocol::clock::ManualClock;
+use confed_protocol::clock::{ManualClock, Millis};
 use confed_protocol::privacy_pass::context::encoded_round_challenge;
 use confed_protocol::privacy_pass::issuance::{TokenClient, TokenSigner};
 use confed_protocol::privacy_pass::{Token, TokenResponse};
@@ -43,7 +43,7 @@ struct Fixture {
 
 fn fixture() -> Fixture {
     let state = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::starting_at(1_000 * DAY * 1000 + 5_000));
+    let clock = Arc::new(ManualClock::starting_at(Millis(1_000 * DAY * 1000 + 5_000)));
     let issuer = Issuer::new(
         "issuer.test".into(),
         signer(),

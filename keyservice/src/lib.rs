@@ -135,7 +135,7 @@ impl KeyService {
             signing_key.clone(),
             &mut ledger,
         )?;
-        let closed = ledger.compact(parts.clock.now_seconds());
+        let closed = ledger.compact(parts.clock.now_seconds().0);
         tracing::info!(
             keyservice = %parts.id,
             verified_from = ?verified_from,
@@ -188,8 +188,10 @@ impl KeyService {
         ]
     }
 
+    /// Unix seconds now, as the key service's records (key validity, ledger entries, audit
+    /// times) hold them.
     pub fn now_seconds(&self) -> i64 {
-        self.clock.now_seconds()
+        self.clock.now_seconds().0
     }
 }
 

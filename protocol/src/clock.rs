@@ -1,25 +1,108 @@
 //! Time as an injected dependency, so deadlines, expiries and leases are tested without sleeping.
-//! All timestamps in confed are Unix milliseconds (UTC) as `i64`, which both SQLite and
-//! PostgreSQL store as `BIGINT` without conversion.
+//! Points in time are Unix milliseconds (UTC) inside (`Millis`) and Unix seconds on the wire
+//! (`Seconds`): two types, so one is never passed for the other, nor a duration for either. Both
+//! hold an `i64`, which SQLite and PostgreSQL store as `BIGINT` (bound as `.0`), and serialize as
+//! that plain number.
 
 use std::fmt::Debug;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// Unix time in milliseconds.
-pub type Millis = i64;
+/// A point in Unix time, in milliseconds.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(transparent)]
+pub struct Millis(pub i64);
 
-/// Unix time in seconds (what the wire carries: key validity, expiries, token times).
-pub type Seconds = i64;
+/// A point in Unix time, in seconds (what the wire carries: key validity, expiries, token times).
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(transparent)]
+pub struct Seconds(pub i64);
+
+impl Millis {
+    /// This time plus `duration` (saturating).
+    pub fn plus(self, duration: Duration) -> Self {
+        Self(self.0.saturating_add(duration_millis(duration)))
+    }
+
+    /// This time minus `duration` (saturating).
+    pub fn minus(self, duration: Duration) -> Self {
+        Self(self.0.saturating_sub(duration_millis(duration)))
+    }
+
+    /// How long after `earlier` this is (zero if it is not after).
+    pub fn since(self, earlier: Millis) -> Duration {
+        Duration::from_millis(u64::try_from(self.0.saturating_sub(earlier.0)).unwrap_or(0))
+    }
+
+    /// The whole seconds of this time (floored, also before 1970).
+    pub fn seconds(self) -> Seconds {
+        Seconds(self.0.div_euclid(1000))
+    }
+}
+
+impl Seconds {
+    /// This time plus `duration`, in whole seconds (saturating).
+    pub fn plus(self, duration: Duration) -> Self {
+        Self(
+            self.0
+                .saturating_add(i64::try_from(duration.as_secs()).unwrap_or(i64::MAX)),
+        )
+    }
+
+    /// This time in milliseconds (saturating).
+    pub fn millis(self) -> Millis {
+        Millis(self.0.saturating_mul(1000))
+    }
+}
+
+impl std::fmt::Display for Millis {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl std::fmt::Display for Seconds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&self.0, f)
+    }
+}
+
+fn duration_millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
 
 /// The whole seconds of a Unix time in milliseconds (floored, also before 1970).
 pub fn seconds_of(millis: Millis) -> Seconds {
-    millis.div_euclid(1000)
+    millis.seconds()
 }
 
-/// A Unix time or duration in seconds as milliseconds (saturating).
+/// A Unix time in seconds as milliseconds (saturating).
 pub fn millis_of(seconds: Seconds) -> Millis {
-    seconds.saturating_mul(1000)
+    seconds.millis()
 }
 
 pub trait Clock: Send + Sync + Debug {
@@ -39,8 +122,8 @@ impl Clock for SystemClock {
     fn now_millis(&self) -> Millis {
         SystemTime::now()
             .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_millis() as Millis)
-            .unwrap_or(0)
+            .map(|d| Millis(duration_millis(d)))
+            .unwrap_or_default()
     }
 }
 
@@ -50,21 +133,21 @@ pub struct ManualClock(AtomicI64);
 
 impl ManualClock {
     pub fn starting_at(millis: Millis) -> Self {
-        Self(AtomicI64::new(millis))
+        Self(AtomicI64::new(millis.0))
     }
 
     pub fn advance(&self, by: Duration) {
-        self.0.fetch_add(by.as_millis() as Millis, Ordering::SeqCst);
+        self.0.fetch_add(duration_millis(by), Ordering::SeqCst);
     }
 
     pub fn set(&self, millis: Millis) {
-        self.0.store(millis, Ordering::SeqCst);
+        self.0.store(millis.0, Ordering::SeqCst);
     }
 }
 
 impl Clock for ManualClock {
     fn now_millis(&self) -> Millis {
-        self.0.load(Ordering::SeqCst)
+        Millis(self.0.load(Ordering::SeqCst))
     }
 }
 
@@ -74,19 +157,22 @@ mod tests {
 
     #[test]
     fn seconds_floor_and_millis_saturate() {
-        assert_eq!(seconds_of(1_999), 1);
-        assert_eq!(seconds_of(-1), -1);
-        assert_eq!(millis_of(3), 3_000);
-        assert_eq!(millis_of(i64::MAX), i64::MAX);
+        assert_eq!(seconds_of(Millis(1_999)), Seconds(1));
+        assert_eq!(seconds_of(Millis(-1)), Seconds(-1));
+        assert_eq!(millis_of(Seconds(3)), Millis(3_000));
+        assert_eq!(millis_of(Seconds(i64::MAX)), Millis(i64::MAX));
+        assert_eq!(Millis(1_000).plus(Duration::from_secs(2)), Millis(3_000));
+        assert_eq!(Millis(3_000).since(Millis(1_000)), Duration::from_secs(2));
+        assert_eq!(Millis(1_000).since(Millis(3_000)), Duration::ZERO);
     }
 
     #[test]
     fn manual_clock_moves_only_when_told() {
-        let clock = ManualClock::starting_at(1_000);
-        assert_eq!(clock.now_millis(), 1_000);
+        let clock = ManualClock::starting_at(Millis(1_000));
+        assert_eq!(clock.now_millis(), Millis(1_000));
         clock.advance(Duration::from_secs(2));
-        assert_eq!(clock.now_millis(), 3_000);
-        clock.set(5);
-        assert_eq!(clock.now_millis(), 5);
+        assert_eq!(clock.now_millis(), Millis(3_000));
+        clock.set(Millis(5));
+        assert_eq!(clock.now_millis(), Millis(5));
     }
 }

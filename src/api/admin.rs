@@ -8,7 +8,7 @@ use utoipa::ToSchema;
 use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::{Admin, ApiJson};
-use crate::clock::rfc3339;
+use crate::clock::{Millis, rfc3339};
 use crate::db::{NewTenant, TenantRecord};
 use crate::task_spec::{InvalidParam, MAX_REPORT_GOAL};
 
@@ -58,7 +58,7 @@ impl From<TenantRecord> for TenantResponse {
             max_active_tasks: t.max_active_tasks,
             max_report_goal: t.max_report_goal,
             max_device_hours: t.max_device_hours,
-            created_at: rfc3339(t.created_at),
+            created_at: rfc3339(Millis(t.created_at)),
         }
     }
 }
@@ -150,7 +150,7 @@ pub async fn create_tenant(
     ApiJson(request): ApiJson<CreateTenantRequest>,
 ) -> Result<(StatusCode, axum::Json<CreatedTenant>), ApiError> {
     let new = request.validate().map_err(ApiError::InvalidFields)?;
-    let (tenant, token) = state.db.create_tenant(&new, state.now()).await?;
+    let (tenant, token) = state.db.create_tenant(&new, state.now().0).await?;
     tracing::info!(tenant = %tenant.name, "tenant created through the admin API");
     Ok((
         StatusCode::CREATED,
@@ -206,7 +206,7 @@ pub async fn resume_round(
 ) -> Result<axum::Json<ResumedRound>, ApiError> {
     let resumed = state
         .db
-        .resume_failed_round(&task_id, round, state.now())
+        .resume_failed_round(&task_id, round, state.now().0)
         .await?;
     tracing::warn!(task = %task_id, round, state = resumed.round_state.as_str(),
         "a failed round was resumed by the operator");

@@ -138,7 +138,7 @@ pub async fn get_model(
         .assignment(&capability)
         .await?
         .ok_or_else(|| refusal(Refusal::UnknownAssignment))?;
-    if let Some(closed) = crate::uploads::closed_for_upload(&assignment, state.now()) {
+    if let Some(closed) = crate::uploads::closed_for_upload(&assignment, state.now().0) {
         return Err(refusal(closed));
     }
     let version = assignment
@@ -291,7 +291,12 @@ pub async fn report(
     }
     let recorded = match state
         .db
-        .record_report(&capability, outcome, request.error.as_deref(), state.now())
+        .record_report(
+            &capability,
+            outcome,
+            request.error.as_deref(),
+            state.now().0,
+        )
         .await?
     {
         Ok(recorded) => recorded,
@@ -299,7 +304,7 @@ pub async fn report(
             if why == Refusal::RoundClosed && outcome == ReportOutcome::Completed {
                 state
                     .uploads()
-                    .count_late(&capability.reference(), state.now())
+                    .count_late(&capability.reference(), state.now().0)
                     .await;
             }
             return Err(refusal(why));

@@ -100,7 +100,7 @@ pub async fn readyz(State(state): State<AppState>) -> Result<&'static str, ApiEr
     state.db.count_by_state::<TaskState>().await?;
     state
         .keys
-        .readiness(state.now() / 1000)
+        .readiness(state.now().seconds().0)
         .map_err(ApiError::Unavailable)?;
     Ok("ready")
 }

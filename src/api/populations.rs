@@ -9,7 +9,7 @@ use utoipa::ToSchema;
 use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::{Admin, ApiJson, ApiPath, Tenant};
-use crate::clock::rfc3339;
+use crate::clock::{Millis, rfc3339};
 use crate::db::populations::{Claimed, PopulationRecord};
 use crate::task_spec::valid_population;
 
@@ -25,7 +25,7 @@ impl From<PopulationRecord> for PopulationResponse {
         Self {
             name: p.name,
             tenant_id: p.tenant_id,
-            created_at: rfc3339(p.created_at),
+            created_at: rfc3339(Millis(p.created_at)),
         }
     }
 }
@@ -75,7 +75,7 @@ pub async fn register_population(
     checked(&population)?;
     let claimed = state
         .db
-        .claim_population(&tenant.id, &population, state.now())
+        .claim_population(&tenant.id, &population, state.now().0)
         .await?;
     let record = state
         .db
@@ -133,14 +133,14 @@ pub async fn assign_population(
             .other_tenants_active_tasks(&population, &request.tenant_id)
             .await?
         {
-            state.db.cancel_task(&tenant, &task, state.now()).await?;
+            state.db.cancel_task(&tenant, &task, state.now().0).await?;
             tracing::warn!(%population, %tenant, %task,
                 "task cancelled by the operator to reassign its population");
         }
     }
     let record = state
         .db
-        .assign_population(&population, &request.tenant_id, state.now())
+        .assign_population(&population, &request.tenant_id, state.now().0)
         .await?;
     tracing::info!(%population, tenant = %request.tenant_id, "population assigned by the operator");
     Ok(axum::Json(record.into()))

@@ -11,7 +11,7 @@ use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::{ApiPath, Tenant};
 use crate::blob::BlobKey;
-use crate::clock::rfc3339;
+use crate::clock::{Millis, rfc3339};
 
 /// One round's release.
 #[derive(Debug, Serialize, ToSchema)]
@@ -67,7 +67,7 @@ pub async fn list_releases(
             excluded: release.excluded,
             epsilon_spent: release.epsilon_spent,
             average_sha256: release.average_sha256,
-            created_at: rfc3339(release.created_at),
+            created_at: rfc3339(Millis(release.created_at)),
             manifest: serde_json::value::RawValue::from_string(release.manifest_json)
                 .map_err(|e| ApiError::Internal(format!("stored manifest: {e}")))?,
             proof: release

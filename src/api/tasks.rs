@@ -8,7 +8,7 @@ use utoipa::{IntoParams, ToSchema};
 use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::{ApiJson, ApiPath, ApiQuery, Tenant};
-use crate::clock::rfc3339;
+use crate::clock::{Millis, rfc3339};
 use crate::db::{RoundRecord, TaskRecord};
 use crate::states::{RoundState, TaskState};
 use crate::task_spec::{CreateTaskRequest, TaskSpec};
@@ -56,8 +56,8 @@ impl From<TaskRecord> for TaskResponse {
             state: task.state,
             current_round: task.current_round,
             model_version: task.model_version,
-            created_at: rfc3339(task.created_at),
-            updated_at: rfc3339(task.updated_at),
+            created_at: rfc3339(Millis(task.created_at)),
+            updated_at: rfc3339(Millis(task.updated_at)),
             recent_eligible_checkins: None,
             recent_eligible_devices: None,
             spec: task.spec,
@@ -107,9 +107,9 @@ impl From<RoundRecord> for RoundResponse {
             reports_received: round.reports_received,
             report_goal: round.report_goal,
             min_reports: round.min_reports,
-            deadline: rfc3339(round.deadline_at),
-            opened_at: rfc3339(round.opened_at),
-            closed_at: round.closed_at.map(rfc3339),
+            deadline: rfc3339(Millis(round.deadline_at)),
+            opened_at: rfc3339(Millis(round.opened_at)),
+            closed_at: round.closed_at.map(|at| rfc3339(Millis(at))),
         }
     }
 }

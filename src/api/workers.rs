@@ -129,7 +129,7 @@ async fn lease(
             break;
         }
         let nap = match state.db.next_job_due().await? {
-            Some(due) => Duration::from_millis(due.saturating_sub(state.now()).max(0) as u64)
+            Some(due) => Duration::from_millis(due.saturating_sub(state.now().0).max(0) as u64)
                 .min(DUE_CHECK)
                 .min(remaining),
             None => remaining,

@@ -77,7 +77,7 @@ pub fn run(command: KeysCommand) -> Result<()> {
             development,
         } => {
             confed::keys::ceremony::check_quorum(threshold, shares, development)?;
-            let now = SystemClock.now_seconds();
+            let now = SystemClock.now_seconds().0;
             let not_before = parse_time(valid_from.as_deref(), now)?;
             let not_after = parse_time(valid_until.as_deref(), not_before + 30 * 24 * 3600)?;
             let outcome =
@@ -91,8 +91,8 @@ pub fn run(command: KeysCommand) -> Result<()> {
             println!(
                 "key {} ({threshold}-of-{shares}), valid {} to {}",
                 outcome.key.key_id,
-                rfc3339(confed::clock::millis_of(not_before)),
-                rfc3339(confed::clock::millis_of(not_after))
+                rfc3339(confed::clock::Seconds(not_before).millis()),
+                rfc3339(confed::clock::Seconds(not_after).millis())
             );
             println!("public key set: {}", outcome.key_set_file.display());
             for path in &outcome.share_files {

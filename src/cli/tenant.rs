@@ -56,7 +56,7 @@ pub async fn run(command: TenantCommand) -> Result<()> {
                 }
             };
             let (db, _) = server::open_data_dir(&data.data_dir, data.database.as_deref()).await?;
-            let (tenant, token) = db.create_tenant(&new, SystemClock.now_millis()).await?;
+            let (tenant, token) = db.create_tenant(&new, SystemClock.now_millis().0).await?;
             db.close().await;
             eprintln!(
                 "created tenant {} ({}); its token follows, shown only this once",
@@ -74,7 +74,7 @@ pub async fn run(command: TenantCommand) -> Result<()> {
                     t.max_active_tasks,
                     t.max_report_goal,
                     t.max_device_hours,
-                    rfc3339(t.created_at)
+                    rfc3339(confed::clock::Millis(t.created_at))
                 );
             }
             db.close().await;

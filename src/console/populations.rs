@@ -84,7 +84,7 @@ struct OpenTask {
 async fn open_tasks(
     state: &AppState,
     tenant_id: &str,
-    now: i64,
+    now: crate::clock::Millis,
 ) -> Result<Vec<(String, OpenTask)>, ConsoleError> {
     let tasks = state.db.list_tasks(tenant_id, TASKS_SCANNED, None).await?;
     let mut out = Vec::new();

@@ -128,7 +128,7 @@ impl Session {
         let id_sha256 = session_digest(&secret);
         let tenant = state
             .db
-            .console_session_tenant(&id_sha256, state.now())
+            .console_session_tenant(&id_sha256, state.now().0)
             .await?
             .ok_or(ConsoleError::SignedOut)?;
         Ok(Self {
@@ -192,7 +192,7 @@ pub async fn sign_in(
         Zeroizing::new(URL_SAFE_NO_PAD.encode(
             crate::auth::random_bytes::<32>().map_err(|e| ApiError::Internal(e.to_string()))?,
         ));
-    let now = state.now();
+    let now = state.now().0;
     let ttl = state.console.session_ttl_millis;
     state
         .db

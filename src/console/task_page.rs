@@ -222,7 +222,7 @@ pub async fn show(
                 p { "No round has started: upload model version 0 to open round 1." }
             } @else {
                 p.note { "Where the latest attempt of each round sent its assigned devices (failed counts failed and rejected reports), what its release included (with, for a task requiring device tokens, how many carried a token the enclave verified) and excluded (from the manifest the enclave signed), and how long it collected and aggregated. Rows of rounds older than the retention period may count zero assignments." }
-                (funnel_table(&shown, now))
+                (funnel_table(&shown, now.0))
             }
         }
         @if let Some(section) = super::evaluations::section(&task, &evaluations, &session) {
@@ -231,7 +231,7 @@ pub async fn show(
         @if !shown.is_empty() {
             section aria-labelledby="durations-heading" {
                 h2 #durations-heading { "Round durations" }
-                (charts::durations_chart(&shown.iter().rev().map(|v| v.times(now)).collect::<Vec<_>>()))
+                (charts::durations_chart(&shown.iter().rev().map(|v| v.times(now.0)).collect::<Vec<_>>()))
             }
         }
         section aria-labelledby="models-heading" {
@@ -291,7 +291,7 @@ fn summary(task: &TaskRecord, spent: f64, eligible: u64, session: &Session) -> M
             dt { "Clip norm" } dd { (task.spec.privacy.clip_norm) }
             dt { "Server optimizer" } dd { (task.spec.server_optimizer.name()) ", learning rate " (task.spec.server_learning_rate) }
             dt { "Eligible check-ins, last 15 min" } dd #eligible { (eligible) }
-            dt { "Created" } dd { (crate::clock::rfc3339(task.created_at)) }
+            dt { "Created" } dd { (crate::clock::rfc3339(crate::clock::Millis(task.created_at))) }
         }
         @if task.state == TaskState::Created {
             form.card method="post" action={"/console/tasks/" (task.id) "/model"} enctype="multipart/form-data" {
@@ -387,7 +387,7 @@ pub async fn cancel(
     session.check_csrf(&form.csrf)?;
     let task = state
         .db
-        .cancel_task(&session.tenant.id, &id, state.now())
+        .cancel_task(&session.tenant.id, &id, state.now().0)
         .await?;
     tracing::info!(tenant = %session.tenant.name, task = %task.id, "task cancelled (console)");
     Ok(Redirect::to(&format!("/console/tasks/{id}")).into_response())

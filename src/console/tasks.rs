@@ -67,7 +67,7 @@ pub async fn list(
                                     meter min="0" max=(task.spec.privacy.epsilon) value=(used)
                                         aria-label={"privacy spent of task " (task.id)} {}
                                 }
-                                td { (crate::clock::rfc3339(task.created_at)) }
+                                td { (crate::clock::rfc3339(crate::clock::Millis(task.created_at))) }
                             }
                         }
                     }

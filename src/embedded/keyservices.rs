@@ -96,7 +96,7 @@ pub async fn start(
     stop: watch::Receiver<bool>,
 ) -> Result<EmbeddedKeyServices, EmbeddedError> {
     let policy = AppraisalPolicy::from_toml(DEV_POLICY).map_err(setup)?;
-    let mut shares = ensure_keys(dir, count, threshold, clock.now_seconds())?;
+    let mut shares = ensure_keys(dir, count, threshold, clock.now_seconds().0)?;
     let mut services = EmbeddedKeyServices {
         endpoints: Vec::new(),
         trust: TrustConfig {

@@ -109,7 +109,7 @@ impl EmbeddedSystem {
                 .attester_key
                 .clone()
                 .unwrap_or_else(generate_signing_key),
-            Arc::new(move || token_clock.now_seconds()),
+            Arc::new(move || token_clock.now_seconds().0),
         ));
         let (stop, stop_rx) = watch::channel(false);
         let services = keyservices::start(
@@ -219,7 +219,7 @@ impl EmbeddedSystem {
                     max_report_goal: 100_000,
                     max_device_hours: crate::api::admin::DEFAULT_MAX_DEVICE_HOURS,
                 },
-                self.store.clock.now_millis(),
+                self.store.clock.now_millis().0,
             )
             .await
             .map_err(setup)?;

@@ -36,7 +36,7 @@ pub async fn start_enclave(
     let attester = Arc::new(
         confed_attestation::DevAttester::from_key_file(
             &attester_key,
-            Arc::new(move || token_clock.now_seconds()),
+            Arc::new(move || token_clock.now_seconds().0),
         )
         .map_err(ServeError::Embedded)?,
     );

@@ -92,7 +92,7 @@ async fn only_devices_with_tokens_fill_a_round_and_the_release_counts_them() {
         Err(DeviceError::UntrustedPolicy(why)) if why.contains("issuer.test")
     ));
     let public_key = outsider
-        .verified_key(&assignment, clock.now_seconds())
+        .verified_key(&assignment, clock.now_seconds().0)
         .unwrap();
     let context = system.db.round_context(&task, 1).await.unwrap();
     let forged = confed_protocol::envelope::seal(

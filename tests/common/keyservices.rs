@@ -1,6 +1,7 @@
 //! Key services for tests: a ceremony's shares, dev attestation, key services that are honest,
 //! refusing or lying, served over real HTTP on loopback.
 
+use confed::clock::Millis;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -55,11 +56,11 @@ impl World {
             not_after: START + 86_400,
         })
         .unwrap();
-        let clock = Arc::new(ManualClock::starting_at(START * 1000));
+        let clock = Arc::new(ManualClock::starting_at(Millis(START * 1000)));
         let token_clock = clock.clone();
         let attester = Arc::new(DevAttester::new(
             confed_attestation::exchange::generate_signing_key(),
-            Arc::new(move || token_clock.now_millis() / 1000),
+            Arc::new(move || token_clock.now_millis().0 / 1000),
         ));
         Self {
             dir,

@@ -11,6 +11,7 @@ pub mod process;
 pub mod serving;
 pub mod system;
 
+use confed::clock::Millis;
 use std::sync::Arc;
 
 use axum::Router;
@@ -208,7 +209,7 @@ impl TestApp {
         limits: Limits,
         keys: Option<confed::keys::directory::KeyDirectory>,
     ) -> Self {
-        let clock = Arc::new(ManualClock::starting_at(START_MILLIS));
+        let clock = Arc::new(ManualClock::starting_at(Millis(START_MILLIS)));
         let (key, key_sets) = test_key();
         let state = AppState {
             db: db.clone(),

@@ -1,6 +1,7 @@
 //! The embedded system (key services, APIs, scheduler) in-process for end-to-end tests, with
 //! helpers to open a task and let simulated devices fill a round.
 
+use confed::clock::Millis;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,7 +57,7 @@ pub fn now_clock() -> Arc<ManualClock> {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_millis() as i64;
-    Arc::new(ManualClock::starting_at(now))
+    Arc::new(ManualClock::starting_at(Millis(now)))
 }
 
 /// Creates a task on `population` with a zero model and returns (token, task id).

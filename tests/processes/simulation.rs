@@ -10,7 +10,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use confed::clock::ManualClock;
+use confed::clock::{ManualClock, Millis};
 use confed::keys::ShareFile;
 use confed::keys::ceremony::{CeremonyOptions, generate};
 use confed::keyservice::{KeyService, KeyServiceParts, routes};
@@ -61,7 +61,7 @@ async fn key_services(dir: &Path) -> (Vec<String>, confed_protocol::hpke::Privat
             .unwrap(),
             key_source: KeySource::fixed(attester.jwks()),
             audit_log: dir.join(format!("audit-{i}.jsonl")),
-            clock: Arc::new(ManualClock::starting_at(now * 1000)),
+            clock: Arc::new(ManualClock::starting_at(Millis(now * 1000))),
         })
         .unwrap();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -2,6 +2,7 @@
 //! ceremony's shares, dev attestation, threshold behaviour with down, refusing and lying key
 //! services, every refusal of the release protocol, and the signed key set.
 
+use confed::clock::Millis;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -612,14 +613,16 @@ async fn one_issuer_signed_token_replayed_with_fresh_nonces_is_recorded_once() {
 async fn pending_and_long_expired_keys_are_not_released() {
     let world = World::new(2, 2);
     let s = session(&world, &world.share_files[..1]).await;
-    world.clock.set((START - 3600) * 1000);
+    world.clock.set(Millis((START - 3600) * 1000));
     let challenge = s.challenge(&s.key_id).await;
     let token = mint(&world, AUDIENCE, vec![challenge.nonce.clone(), s.binding()]).await;
     let (_, problem) = s
         .release(&s.key_id, &s.request(token, &challenge.nonce))
         .await;
     assert_eq!(failed_checks(&problem), ["key_state"]);
-    world.clock.set((START + 86_400 + 9 * 86_400) * 1000);
+    world
+        .clock
+        .set(Millis((START + 86_400 + 9 * 86_400) * 1000));
     let challenge = s.challenge(&s.key_id).await;
     let token = mint(&world, AUDIENCE, vec![challenge.nonce.clone(), s.binding()]).await;
     let (_, problem) = s

@@ -246,7 +246,7 @@ async fn devices_upload_to_signed_urls_and_the_report_checks_the_object() {
         .and_then(|rest| rest.split('&').next())
         .and_then(|s| s.parse().ok())
         .unwrap();
-    let lifetime = first["expires_at"].as_i64().unwrap() - clock.now_millis() / 1000;
+    let lifetime = first["expires_at"].as_i64().unwrap() - clock.now_millis().0 / 1000;
     assert!(
         valid_for <= lifetime + 1,
         "the URL ({valid_for} s) dies with the assignment ({lifetime} s)"

@@ -33,7 +33,7 @@ async fn a_transient_failure_like_a_full_disk_is_retried_and_never_fails_the_tas
     let (token, task) = open_task(&system, "disk", 8.0).await;
     collect(&system, "disk", 1, false).await;
     for failure in 1..=12 {
-        let now = clock.now_millis();
+        let now = clock.now_millis().0;
         let job = system
             .db
             .lease_job("w/1", now, LEASE_MS)
@@ -56,7 +56,7 @@ async fn a_transient_failure_like_a_full_disk_is_retried_and_never_fails_the_tas
         clock.advance(Duration::from_millis(wait as u64 - 1));
         let early = system
             .db
-            .lease_job("w/1", clock.now_millis(), LEASE_MS)
+            .lease_job("w/1", clock.now_millis().0, LEASE_MS)
             .await;
         assert!(
             early.unwrap().is_none(),
@@ -92,7 +92,11 @@ async fn crash_takeovers_are_not_failures() {
     for crash in 0..8 {
         let job = system
             .db
-            .lease_job(&format!("crashed-{crash}/x"), clock.now_millis(), LEASE_MS)
+            .lease_job(
+                &format!("crashed-{crash}/x"),
+                clock.now_millis().0,
+                LEASE_MS,
+            )
             .await
             .unwrap();
         assert!(job.is_some(), "crash {crash}");
@@ -101,20 +105,26 @@ async fn crash_takeovers_are_not_failures() {
     assert_eq!(task_state(&system, &token, &task).await, "OPEN");
     let job = system
         .db
-        .lease_job("w/1", clock.now_millis(), LEASE_MS)
+        .lease_job("w/1", clock.now_millis().0, LEASE_MS)
         .await
         .unwrap()
         .unwrap();
     system
         .db
-        .fail_job(&job.round_id, "w/1", "transient", false, clock.now_millis())
+        .fail_job(
+            &job.round_id,
+            "w/1",
+            "transient",
+            false,
+            clock.now_millis().0,
+        )
         .await
         .unwrap();
     clock.advance(Duration::from_millis(retry_backoff_ms(1) as u64));
     assert!(
         system
             .db
-            .lease_job("w/1", clock.now_millis(), LEASE_MS)
+            .lease_job("w/1", clock.now_millis().0, LEASE_MS)
             .await
             .unwrap()
             .is_some(),
@@ -130,7 +140,7 @@ async fn a_restarted_worker_takes_its_own_job_back_at_once() {
     let (system, _dir) = start(clock.clone()).await;
     open_task(&system, "restart", 8.0).await;
     collect(&system, "restart", 1, false).await;
-    let now = clock.now_millis();
+    let now = clock.now_millis().0;
     let before = system
         .db
         .lease_job("enclave-a/1111", now, LEASE_MS)
@@ -194,7 +204,7 @@ async fn the_operator_resumes_a_failed_round() {
     let (system, _dir) = start(clock.clone()).await;
     let (token, task) = open_task(&system, "resume", 8.0).await;
     collect(&system, "resume", 1, false).await;
-    let now = clock.now_millis();
+    let now = clock.now_millis().0;
     assert!(
         matches!(
             system.db.resume_failed_round(&task, 1, now).await,

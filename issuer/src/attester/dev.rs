@@ -100,7 +100,7 @@ mod tests {
     fn a_signature_over_the_challenge_attests_and_names_the_key_however_it_is_encoded() {
         let device = key(1);
         let identity = DevAttester
-            .attest(&evidence(&device, b"c1"), b"c1", 0)
+            .attest(&evidence(&device, b"c1"), b"c1", Seconds(0))
             .unwrap();
         let Evidence::Dev { signature, .. } = evidence(&device, b"c2") else {
             unreachable!("dev evidence")
@@ -111,12 +111,14 @@ mod tests {
             signature,
         };
         assert_eq!(
-            DevAttester.attest(&uncompressed, b"c2", 0).unwrap(),
+            DevAttester
+                .attest(&uncompressed, b"c2", Seconds(0))
+                .unwrap(),
             identity
         );
         assert_ne!(
             DevAttester
-                .attest(&evidence(&key(2), b"c1"), b"c1", 0)
+                .attest(&evidence(&key(2), b"c1"), b"c1", Seconds(0))
                 .unwrap(),
             identity
         );
@@ -126,7 +128,7 @@ mod tests {
     fn a_signature_over_another_challenge_or_garbage_is_refused_by_name() {
         let device = key(1);
         let refused = DevAttester
-            .attest(&evidence(&device, b"old"), b"new", 0)
+            .attest(&evidence(&device, b"old"), b"new", Seconds(0))
             .unwrap_err();
         assert_eq!(refused[0].check, "signature");
         let garbage = Evidence::Dev {
@@ -134,7 +136,7 @@ mod tests {
             signature: "AAAA".into(),
         };
         assert_eq!(
-            DevAttester.attest(&garbage, b"c", 0).unwrap_err()[0].check,
+            DevAttester.attest(&garbage, b"c", Seconds(0)).unwrap_err()[0].check,
             "public_key"
         );
     }

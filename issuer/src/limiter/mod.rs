@@ -100,7 +100,7 @@ pub struct Limiter {
     dir: PathBuf,
     key: ring::hmac::Key,
     tokens_per_window: u32,
-    window_seconds: Seconds,
+    window_seconds: i64,
     state: Mutex<State>,
     /// Signalled when a sync ends.
     synced: Condvar,
@@ -124,7 +124,7 @@ impl Limiter {
     pub fn open(
         dir: &Path,
         tokens_per_window: u32,
-        window_seconds: Seconds,
+        window_seconds: i64,
     ) -> Result<Self, LimiterError> {
         std::fs::create_dir_all(dir).map_err(io(dir))?;
         let lock = lock_dir(dir)?;
@@ -185,9 +185,10 @@ impl Limiter {
         }
         // Never back to an earlier window: its file may be gone, and its counts with it.
         let index = now()
+            .0
             .div_euclid(self.window_seconds)
             .max(state.window.as_ref().map_or(i64::MIN, |w| w.index));
-        let window_ends_at = (index + 1) * self.window_seconds;
+        let window_ends_at = Seconds((index + 1) * self.window_seconds);
         self.enter(&mut state, index)?;
         let rate_key = self.rate_key(index, identity);
         let State {

@@ -1,30 +1,45 @@
 use super::*;
 
-const DAY: Seconds = 86_400;
+const DAY: i64 = 86_400;
 
 #[test]
 fn a_device_gets_at_most_l_tokens_per_window_and_a_fresh_allowance_in_the_next() {
     let dir = tempfile::tempdir().unwrap();
     let limiter = Limiter::open(dir.path(), 5, DAY).unwrap();
     let (alice, bob) = ([1u8; 32], [2u8; 32]);
-    let grant = limiter.take(&alice, 3, || 10).unwrap().unwrap();
+    let grant = limiter.take(&alice, 3, || Seconds(10)).unwrap().unwrap();
     assert_eq!(grant.remaining, 2);
-    assert_eq!(grant.window_ends_at, DAY);
+    assert_eq!(grant.window_ends_at, Seconds(DAY));
     assert_eq!(
-        limiter.take(&alice, 3, || 20).unwrap(),
+        limiter.take(&alice, 3, || Seconds(20)).unwrap(),
         Err(Exhausted {
             remaining: 2,
-            window_ends_at: DAY
+            window_ends_at: Seconds(DAY)
         })
     );
     assert_eq!(
-        limiter.take(&alice, 2, || 30).unwrap().unwrap().remaining,
+        limiter
+            .take(&alice, 2, || Seconds(30))
+            .unwrap()
+            .unwrap()
+            .remaining,
         0
     );
-    assert_eq!(limiter.take(&bob, 5, || 30).unwrap().unwrap().remaining, 0);
+    assert_eq!(
+        limiter
+            .take(&bob, 5, || Seconds(30))
+            .unwrap()
+            .unwrap()
+            .remaining,
+        0
+    );
     // The next window: a fresh allowance, and the past window's file is gone.
     assert_eq!(
-        limiter.take(&alice, 5, || DAY).unwrap().unwrap().remaining,
+        limiter
+            .take(&alice, 5, || Seconds(DAY))
+            .unwrap()
+            .unwrap()
+            .remaining,
         0
     );
     let files: Vec<_> = std::fs::read_dir(dir.path())
@@ -41,7 +56,7 @@ fn grants_survive_a_restart_and_a_torn_last_record_is_cut_off() {
     let alice = [1u8; 32];
     {
         let limiter = Limiter::open(dir.path(), 5, DAY).unwrap();
-        limiter.take(&alice, 4, || 10).unwrap().unwrap();
+        limiter.take(&alice, 4, || Seconds(10)).unwrap().unwrap();
     }
     let path = dir.path().join(format!("window-{DAY}-0.log"));
     // A crash in the middle of the next append.
@@ -50,14 +65,18 @@ fn grants_survive_a_restart_and_a_torn_last_record_is_cut_off() {
     drop(file);
     let limiter = Limiter::open(dir.path(), 5, DAY).unwrap();
     assert_eq!(
-        limiter.take(&alice, 2, || 11).unwrap(),
+        limiter.take(&alice, 2, || Seconds(11)).unwrap(),
         Err(Exhausted {
             remaining: 1,
-            window_ends_at: DAY
+            window_ends_at: Seconds(DAY)
         })
     );
     assert_eq!(
-        limiter.take(&alice, 1, || 12).unwrap().unwrap().remaining,
+        limiter
+            .take(&alice, 1, || Seconds(12))
+            .unwrap()
+            .unwrap()
+            .remaining,
         0
     );
     assert_eq!(
@@ -72,8 +91,11 @@ fn a_damaged_record_before_others_refuses_the_start_and_nothing_names_the_device
     let identity = [9u8; 32];
     {
         let limiter = Limiter::open(dir.path(), 5, DAY).unwrap();
-        limiter.take(&identity, 1, || 10).unwrap().unwrap();
-        limiter.take(&[3u8; 32], 1, || 10).unwrap().unwrap();
+        limiter.take(&identity, 1, || Seconds(10)).unwrap().unwrap();
+        limiter
+            .take(&[3u8; 32], 1, || Seconds(10))
+            .unwrap()
+            .unwrap();
     }
     let path = dir.path().join(format!("window-{DAY}-0.log"));
     let mut bytes = std::fs::read(&path).unwrap();
@@ -82,7 +104,7 @@ fn a_damaged_record_before_others_refuses_the_start_and_nothing_names_the_device
     std::fs::write(&path, &bytes).unwrap();
     let limiter = Limiter::open(dir.path(), 5, DAY).unwrap();
     assert!(matches!(
-        limiter.take(&identity, 1, || 11),
+        limiter.take(&identity, 1, || Seconds(11)),
         Err(LimiterError::Damaged { record: 0, .. })
     ));
 }
@@ -92,21 +114,24 @@ fn a_request_stamped_before_the_rollover_counts_in_the_new_window_and_empties_no
     let dir = tempfile::tempdir().unwrap();
     let limiter = Limiter::open(dir.path(), 3, DAY).unwrap();
     let device = [5u8; 32];
-    limiter.take(&device, 3, || DAY + 1).unwrap().unwrap();
+    limiter
+        .take(&device, 3, || Seconds(DAY + 1))
+        .unwrap()
+        .unwrap();
     // A request read the clock just before midnight and got the lock after this one, or
     // the clock stepped back: it counts in the current window, whose count holds.
     assert_eq!(
-        limiter.take(&device, 1, || DAY - 1).unwrap(),
+        limiter.take(&device, 1, || Seconds(DAY - 1)).unwrap(),
         Err(Exhausted {
             remaining: 0,
-            window_ends_at: 2 * DAY
+            window_ends_at: Seconds(2 * DAY)
         })
     );
     assert_eq!(
-        limiter.take(&device, 1, || DAY + 2).unwrap(),
+        limiter.take(&device, 1, || Seconds(DAY + 2)).unwrap(),
         Err(Exhausted {
             remaining: 0,
-            window_ends_at: 2 * DAY
+            window_ends_at: Seconds(2 * DAY)
         })
     );
     assert!(dir.path().join(format!("window-{DAY}-1.log")).exists());
@@ -160,7 +185,7 @@ fn concurrent_requests_of_one_device_get_exactly_l_tokens_between_them() {
     let device = [6u8; 32];
     let granted: usize = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..8)
-            .map(|_| scope.spawn(|| limiter.take(&device, 1, || 10).unwrap().is_ok()))
+            .map(|_| scope.spawn(|| limiter.take(&device, 1, || Seconds(10)).unwrap().is_ok()))
             .collect();
         handles
             .into_iter()
@@ -171,10 +196,10 @@ fn concurrent_requests_of_one_device_get_exactly_l_tokens_between_them() {
     drop(limiter);
     let reopened = Limiter::open(dir.path(), 5, DAY).unwrap();
     assert_eq!(
-        reopened.take(&device, 1, || 11).unwrap(),
+        reopened.take(&device, 1, || Seconds(11)).unwrap(),
         Err(Exhausted {
             remaining: 0,
-            window_ends_at: DAY
+            window_ends_at: Seconds(DAY)
         })
     );
 }
@@ -195,7 +220,7 @@ fn every_grant_answered_under_concurrency_is_in_the_file_and_no_grant_costs_two_
                     let mut device = [0u8; 32];
                     device[0] = thread;
                     device[1] = i;
-                    limiter.take(&device, 2, || 10).unwrap().unwrap();
+                    limiter.take(&device, 2, || Seconds(10)).unwrap().unwrap();
                 }
             });
         }
@@ -214,7 +239,11 @@ fn every_grant_answered_under_concurrency_is_in_the_file_and_no_grant_costs_two_
         device[0] = thread;
         device[1] = PER_THREAD - 1;
         assert_eq!(
-            reopened.take(&device, 1, || 11).unwrap().unwrap().remaining,
+            reopened
+                .take(&device, 1, || Seconds(11))
+                .unwrap()
+                .unwrap()
+                .remaining,
             0
         );
     }

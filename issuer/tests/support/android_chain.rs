@@ -17,8 +17,8 @@ pub const PACKAGE: &str = "com.example.fl";
 pub const SIGNATURE_DIGEST: [u8; 32] = [0x5a; 32];
 
 /// Unix seconds inside every generated certificate's validity: 2026-06-01.
-pub fn now() -> i64 {
-    date_time_ymd(2026, 6, 1).unix_timestamp()
+pub fn now() -> confed_protocol::clock::Seconds {
+    confed_protocol::clock::Seconds(date_time_ymd(2026, 6, 1).unix_timestamp())
 }
 
 /// The key description's fields, as a TEE would state them.

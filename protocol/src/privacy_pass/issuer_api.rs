@@ -48,7 +48,7 @@ pub struct ChallengeResponse {
     /// base64url, 40 bytes: what the evidence must bind.
     pub challenge: String,
     /// Unix seconds after which the issuer refuses evidence bound to it.
-    pub expires_at: i64,
+    pub expires_at: crate::clock::Seconds,
 }
 
 /// The evidence a device attests with.
@@ -105,7 +105,7 @@ pub struct TokenResponseBody {
     pub token_responses: Vec<String>,
     /// Tokens this device may still ask for in the current window.
     pub remaining: u32,
-    pub window_ends_at: i64,
+    pub window_ends_at: crate::clock::Seconds,
     /// Present instead of evidence in this device's further requests of the window.
     pub credential: String,
 }

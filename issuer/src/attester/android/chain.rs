@@ -152,9 +152,9 @@ fn verify_signature(
 }
 
 /// Whether `now` (Unix seconds) lies within the certificate's validity.
-pub fn valid_at(cert: &X509Certificate<'_>, now: i64) -> bool {
+pub fn valid_at(cert: &X509Certificate<'_>, now: confed_protocol::clock::Seconds) -> bool {
     let validity = cert.validity();
-    validity.not_before.timestamp() <= now && now <= validity.not_after.timestamp()
+    validity.not_before.timestamp() <= now.0 && now.0 <= validity.not_after.timestamp()
 }
 
 /// The serial as Google's revocation list keys it: lowercase hex without leading zeros.

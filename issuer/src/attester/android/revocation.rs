@@ -138,18 +138,18 @@ impl StatusFile {
     }
 
     /// Seconds since the loaded copy was written, at `now`.
-    pub fn age(&self, now: i64) -> i64 {
+    pub fn age(&self, now: confed_protocol::clock::Seconds) -> i64 {
         let loaded = self
             .loaded
             .read()
             .map(|l| l.0)
             .unwrap_or(std::time::UNIX_EPOCH);
-        now - unix_seconds(loaded)
+        now.0 - unix_seconds(loaded)
     }
 
     /// Reloads the file if it changed (a copy that fails to read or parse is logged and the
     /// loaded one kept), then says whether the loaded copy is fresh enough at `now`.
-    pub fn refresh(&self, now: i64) -> Result<(), String> {
+    pub fn refresh(&self, now: confed_protocol::clock::Seconds) -> Result<(), String> {
         let changed = std::fs::metadata(&self.path)
             .and_then(|m| m.modified())
             .ok()
