@@ -93,7 +93,11 @@ pub(crate) async fn open(
 ) -> Result<String, DbError> {
     let spec: &TaskSpec = &task.spec;
     let id = new_id();
-    let deadline = now + 1000 * i64::from(spec.round_deadline_seconds);
+    let deadline = crate::clock::Millis(now)
+        .plus(std::time::Duration::from_secs(u64::from(
+            spec.round_deadline_seconds,
+        )))
+        .0;
     let dropout = previous_dropout(conn, &task.id).await?;
     let capacity = spec.capacity_for(dropout) as i64;
     let key_id = tree_key(conn, task, round_number).await?;
