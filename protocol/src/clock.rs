@@ -53,11 +53,6 @@ impl Millis {
         Self(self.0.saturating_sub(duration_millis(duration)))
     }
 
-    /// How long after `earlier` this is (zero if it is not after).
-    pub fn since(self, earlier: Millis) -> Duration {
-        Duration::from_millis(u64::try_from(self.0.saturating_sub(earlier.0)).unwrap_or(0))
-    }
-
     /// The whole seconds of this time (floored, also before 1970).
     pub fn seconds(self) -> Seconds {
         Seconds(self.0.div_euclid(1000))
@@ -65,14 +60,6 @@ impl Millis {
 }
 
 impl Seconds {
-    /// This time plus `duration`, in whole seconds (saturating).
-    pub fn plus(self, duration: Duration) -> Self {
-        Self(
-            self.0
-                .saturating_add(i64::try_from(duration.as_secs()).unwrap_or(i64::MAX)),
-        )
-    }
-
     /// This time in milliseconds (saturating).
     pub fn millis(self) -> Millis {
         Millis(self.0.saturating_mul(1000))
@@ -162,8 +149,7 @@ mod tests {
         assert_eq!(millis_of(Seconds(3)), Millis(3_000));
         assert_eq!(millis_of(Seconds(i64::MAX)), Millis(i64::MAX));
         assert_eq!(Millis(1_000).plus(Duration::from_secs(2)), Millis(3_000));
-        assert_eq!(Millis(3_000).since(Millis(1_000)), Duration::from_secs(2));
-        assert_eq!(Millis(1_000).since(Millis(3_000)), Duration::ZERO);
+        assert_eq!(Millis(3_000).minus(Duration::from_secs(2)), Millis(1_000));
     }
 
     #[test]
