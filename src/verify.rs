@@ -22,8 +22,13 @@ pub enum VerifyError {
         what: String,
         detail: String,
     },
-    #[error("round {round} of task {task} has no release on this server")]
-    NoRelease { task: String, round: u64 },
+    #[error("round {round} of task {task} has no release on this server: {why}")]
+    NoRelease {
+        task: String,
+        round: u64,
+        /// What the server says of the round (its latest attempt's state and failure reason).
+        why: String,
+    },
     #[error("the release of round {0} carries no proof (it predates signed releases)")]
     NoProof(u64),
     #[error("malformed {what}")]
@@ -87,6 +92,27 @@ async fn get(
     Ok(body.to_vec())
 }
 
+/// What `GET /v1/tasks/{id}/rounds` says of `round`: its latest attempt's state, and why it
+/// failed (the server's word: an explanation, not something verified).
+fn round_status(rounds: &[u8], round: u64) -> String {
+    let list: serde_json::Value = serde_json::from_slice(rounds).unwrap_or_default();
+    let latest = list["rounds"].as_array().and_then(|all| {
+        all.iter()
+            .filter(|r| r["round"].as_u64() == Some(round))
+            .max_by_key(|r| r["attempt"].as_u64())
+    });
+    match latest {
+        None => "the round has not started".into(),
+        Some(r) => {
+            let state = r["state"].as_str().unwrap_or("in an unknown state");
+            match r["failure_reason"].as_str() {
+                Some(reason) => format!("its attempt {} is {state}: {reason}", r["attempt"]),
+                None => format!("its attempt {} is {state}", r["attempt"]),
+            }
+        }
+    }
+}
+
 async fn fetch(
     http: &reqwest::Client,
     server: &str,
@@ -104,11 +130,21 @@ async fn fetch(
         })?;
     let entry = list["releases"]
         .as_array()
-        .and_then(|all| all.iter().find(|r| r["round"].as_u64() == Some(round)))
-        .ok_or_else(|| VerifyError::NoRelease {
+        .and_then(|all| all.iter().find(|r| r["round"].as_u64() == Some(round)));
+    let Some(entry) = entry else {
+        let rounds = get(
+            http,
+            &format!("{}/v1/tasks/{task}/rounds", server.trim_end_matches('/')),
+            token,
+            "the rounds",
+        )
+        .await?;
+        return Err(VerifyError::NoRelease {
             task: task.into(),
             round,
-        })?;
+            why: round_status(&rounds, round),
+        });
+    };
     let proof = entry
         .get("proof")
         .filter(|p| !p.is_null())

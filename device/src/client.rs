@@ -40,6 +40,8 @@ pub enum DeviceError {
     /// upload URL, and error text travels into logs and reports.
     #[error("network")]
     Network(#[source] reqwest::Error),
+    #[error("the server URL {0:?} is not an http:// or https:// URL (e.g. http://127.0.0.1:8080)")]
+    ServerUrl(String),
     #[error("the server answered 304 Not Modified for a model this device has not cached")]
     UncachedNotModified,
     #[error("server answered {status}: {detail}")]
@@ -269,6 +271,11 @@ impl DeviceClient {
         trust: &TrustConfig,
         verified: VerifiedKeys,
     ) -> Result<Self, DeviceError> {
+        // Refused here, not at the first request: reqwest's "builder error" names no URL.
+        let parsed = reqwest::Url::parse(base).map_err(|_| DeviceError::ServerUrl(base.into()))?;
+        if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none() {
+            return Err(DeviceError::ServerUrl(base.into()));
+        }
         Ok(Self {
             http,
             base: base.trim_end_matches('/').to_string(),

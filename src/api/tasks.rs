@@ -27,6 +27,10 @@ pub struct TaskResponse {
     pub model_version: Option<i64>,
     pub created_at: String,
     pub updated_at: String,
+    /// Why the task failed or was cancelled, in words (e.g. "round 2 aggregation failed: ...");
+    /// null in any other state. It says what the server saw, never anything a device's data
+    /// decided (docs/api.md, "Why a task or round failed").
+    pub failure_reason: Option<String>,
     /// Check-ins of the last 15 minutes that meet this task's version range and constraints
     /// (only on `GET /v1/tasks/{id}`): why a round fills slowly. Check-ins, not devices: devices
     /// check in anonymously, so one that checked in twice counts twice.
@@ -58,6 +62,7 @@ impl From<TaskRecord> for TaskResponse {
             model_version: task.model_version,
             created_at: rfc3339(Millis(task.created_at)),
             updated_at: rfc3339(Millis(task.updated_at)),
+            failure_reason: task.failure_reason,
             recent_eligible_checkins: None,
             recent_eligible_devices: None,
             spec: task.spec,
@@ -96,6 +101,9 @@ pub struct RoundResponse {
     pub deadline: String,
     pub opened_at: String,
     pub closed_at: Option<String>,
+    /// Why this attempt failed, in words (too few reports by the deadline, an aggregation
+    /// error, the task cancelled); null unless `state` is FAILED.
+    pub failure_reason: Option<String>,
 }
 
 impl From<RoundRecord> for RoundResponse {
@@ -110,6 +118,7 @@ impl From<RoundRecord> for RoundResponse {
             deadline: rfc3339(Millis(round.deadline_at)),
             opened_at: rfc3339(Millis(round.opened_at)),
             closed_at: round.closed_at.map(|at| rfc3339(Millis(at))),
+            failure_reason: round.failure_reason,
         }
     }
 }

@@ -37,8 +37,10 @@ pub enum DevicesCommand {
         /// Longest wait when told to retry, in milliseconds (real devices wait the whole window).
         #[arg(long, default_value_t = 200)]
         max_retry_wait_ms: u64,
-        /// Consecutive retry answers after which a device stops.
-        #[arg(long, default_value_t = 3)]
+        /// Consecutive retry answers after which a device that has not yet contributed
+        /// --rounds times stops (with --max-retry-wait-ms 200, 50 answers wait about 10 s: long
+        /// enough to span the aggregation between two rounds).
+        #[arg(long, default_value_t = 50)]
         idle_limit: usize,
         #[arg(long, default_value = "1.0.0")]
         client_version: String,
@@ -130,7 +132,7 @@ pub async fn run(command: DevicesCommand) -> Result<()> {
             }
             let summary = run(SimulationConfig {
                 server,
-                population,
+                population: population.clone(),
                 devices,
                 first_device: 0,
                 concurrency,
@@ -148,6 +150,19 @@ pub async fn run(command: DevicesCommand) -> Result<()> {
             })
             .await?;
             summary.print();
+            // A run in which devices failed, or none contributed, is not a success for a
+            // script or CI either.
+            if let Some(first) = summary.failures.first() {
+                anyhow::bail!(
+                    "{} device operations failed; the first: {first}",
+                    summary.failures.len()
+                );
+            }
+            if summary.contributions == 0 {
+                anyhow::bail!(
+                    "no device contributed: is a task of population {population:?} open (model version 0 uploaded), and do the devices' trust limits accept its policy?"
+                );
+            }
         }
         DevicesCommand::InitModel { out, seed } => {
             std::fs::write(&out, initial_model(seed))

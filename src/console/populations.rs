@@ -14,10 +14,14 @@ use crate::api::AppState;
 use crate::checkin::RetryReason;
 use crate::states::TaskState;
 
-/// What each outcome means to a partner, and what to do about it.
-fn explain(outcome: &str) -> &'static str {
+/// What each outcome means to a partner, and what to do about it; `has_open_task`: whether the
+/// population has an open task of this tenant (then `no_task` means "between two rounds").
+fn explain(outcome: &str, has_open_task: bool) -> &'static str {
     match outcome {
         "assigned" => "got an assignment",
+        "no_task" if has_open_task => {
+            "no round was collecting: between two rounds, while the last one aggregates and the next model version is written (normal); or another tenant's task"
+        }
         "no_task" => "no open task runs in this population: open one (upload model version 0)",
         "tenant_mismatch" => "the device is pinned to another tenant",
         "constraints_not_met" => {
@@ -167,7 +171,7 @@ pub async fn show(
                                     tr data-outcome=(outcome) {
                                         th scope="row" { code { (outcome) } }
                                         td.num { (count(n as i64)) }
-                                        td { (explain(outcome)) }
+                                        td { (explain(outcome, !tasks.is_empty())) }
                                     }
                                 }
                             }

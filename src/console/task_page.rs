@@ -199,7 +199,7 @@ pub async fn show(
     let live = task.state == TaskState::Open;
     let spent = series.last().map_or(0.0, |(_, epsilon)| *epsilon);
     let body = html! {
-        (summary(&task, spent, eligible, &session))
+        (summary(&task, rounds.last(), now, spent, eligible, &session))
         section aria-labelledby="privacy-heading" {
             h2 #privacy-heading { "Privacy spent per round" }
             (charts::privacy_plot(
@@ -221,7 +221,7 @@ pub async fn show(
             @if shown.is_empty() {
                 p { "No round has started: upload model version 0 to open round 1." }
             } @else {
-                p.note { "Where the latest attempt of each round sent its assigned devices (failed counts failed and rejected reports), what its release included (with, for a task requiring device tokens, how many carried a token the enclave verified) and excluded (from the manifest the enclave signed), and how long it collected and aggregated. Rows of rounds older than the retention period may count zero assignments." }
+                p.note { "Where the latest attempt of each round sent its assigned devices (declined: devices that had already served the round, or one too close under the task's minimum separation, and said so; not a failure), what its release included (with, for a task requiring device tokens, how many carried a token the enclave verified) and excluded (from the manifest the enclave signed), and how long it collected and aggregated. Rows of rounds older than the retention period may count zero assignments." }
                 (funnel_table(&shown, now.0))
             }
         }
@@ -276,13 +276,45 @@ pub async fn show(
     Ok(Html(layout::page(&title, Some(&session), refresh, body).into_string()).into_response())
 }
 
-fn summary(task: &TaskRecord, spent: f64, eligible: u64, session: &Session) -> Markup {
+/// The live round's line: its number, state, reports and deadline (with the time left).
+fn live_round(round: &RoundRecord, now: crate::clock::Millis) -> Markup {
+    let left = round.deadline_at - now.0;
+    html! {
+        (round.round_number)
+        @if round.attempt > 1 { " (attempt " (round.attempt) ")" }
+        ", " (round_state(round.state)) ", " (count(round.reports_received)) " of " (count(round.report_goal)) " reports"
+        @if round.state == RoundState::Collecting {
+            ", deadline " time datetime=(crate::clock::rfc3339(crate::clock::Millis(round.deadline_at))) {
+                (crate::clock::rfc3339(crate::clock::Millis(round.deadline_at)))
+            }
+            @if left > 0 { " (in " (duration(left)) ")" } @else { " (passed; closing)" }
+        }
+    }
+}
+
+fn summary(
+    task: &TaskRecord,
+    latest: Option<&RoundRecord>,
+    now: crate::clock::Millis,
+    spent: f64,
+    eligible: u64,
+    session: &Session,
+) -> Markup {
     let budget = task.spec.privacy.epsilon;
     html! {
         h1 { "Task " code { (task.id) } " " (state_badge(task.state)) }
+        @if let Some(reason) = &task.failure_reason {
+            p.problem #failure-reason role="status" {
+                @if task.state == TaskState::Cancelled { "Cancelled: " } @else { "Failed: " }
+                (reason)
+            }
+        }
         dl.summary {
             dt { "Population" } dd { (task.spec.population) }
             dt { "Rounds done" } dd #rounds-done { (task.model_version.unwrap_or(0)) " of " (task.spec.rounds) }
+            @if let Some(round) = latest.filter(|r| task.state == TaskState::Open && r.closed_at.is_none()) {
+                dt { "Live round" } dd #live-round { (live_round(round, now)) }
+            }
             dt { "Privacy spent" } dd #privacy-spent {
                 "ε " (format!("{spent:.4}")) " of " (budget) " (δ " (task.spec.privacy.delta) ")"
                 meter min="0" max=(budget) value=(spent) aria-label="privacy spent of the budget" {}
@@ -318,7 +350,7 @@ fn funnel_table(shown: &[&RoundView<'_>], now: i64) -> Markup {
                 caption { "Per round, newest first" }
                 thead { tr {
                     th scope="col" { "Round" } th scope="col" { "State" } th scope="col" { "Assigned" }
-                    th scope="col" { "Uploaded" } th scope="col" { "Reported" } th scope="col" { "Failed" }
+                    th scope="col" { "Uploaded" } th scope="col" { "Reported" } th scope="col" { "Declined" } th scope="col" { "Failed" }
                     th scope="col" { "Timed out" } th scope="col" { "Late" } th scope="col" { "Included" } th scope="col" { "Excluded" }
                     th scope="col" { "ε spent" } th scope="col" { "Collection" } th scope="col" { "Aggregation" }
                     th scope="col" { "Proof" }
@@ -330,11 +362,17 @@ fn funnel_table(shown: &[&RoundView<'_>], now: i64) -> Markup {
                         tr data-round=(view.number) {
                             th scope="row" { (view.number)
                                 @if view.attempts.len() > 1 { small { " (" (view.attempts.len()) " attempts)" } } }
-                            td { (round_state(latest.state)) }
+                            td {
+                                (round_state(latest.state))
+                                @if let Some(reason) = &latest.failure_reason {
+                                    details.reason data-field="failure_reason" { summary { "why" } (reason) }
+                                }
+                            }
                             td.num data-field="assigned" { (count(view.assigned)) }
                             td.num data-field="uploaded" { (count(view.uploaded)) }
                             td.num data-field="reported" { (count(view.count(AssignmentState::Completed))) }
-                            td.num data-field="failed" { (count(view.count(AssignmentState::Failed) + view.count(AssignmentState::Rejected))) }
+                            td.num data-field="declined" { (count(view.count(AssignmentState::Rejected))) }
+                            td.num data-field="failed" { (count(view.count(AssignmentState::Failed))) }
                             td.num data-field="timed_out" { (count(view.count(AssignmentState::TimedOut))) }
                             td.num data-field="late" { (count(view.late)) }
                             td.num data-field="included" {

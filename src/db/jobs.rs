@@ -525,6 +525,7 @@ impl Db {
                 .await?;
                 let task = tasks::load_any(&mut *tx, &round.task_id).await?;
                 if task.state == TaskState::Open {
+                    let why = format!("round {} {why}", round.round_number);
                     transition(
                         &mut *tx,
                         &task.id,

@@ -27,6 +27,9 @@ pub struct RoundRecord {
     pub closed_at: Option<i64>,
     /// The partner asked to evaluate this round on demand.
     pub on_demand_evaluation: bool,
+    /// Why the round failed (the reason of its last transition, from the state history);
+    /// `None` in any other state.
+    pub failure_reason: Option<String>,
 }
 
 /// What the scheduler did with a round whose deadline passed.
@@ -57,6 +60,7 @@ struct RoundRow {
     opened_at: i64,
     closed_at: Option<i64>,
     on_demand_evaluation: i64,
+    failure_reason: Option<String>,
 }
 
 const ROUND_SELECT: &str = "SELECT r.id AS id, r.task_id AS task_id, \
@@ -64,7 +68,9 @@ const ROUND_SELECT: &str = "SELECT r.id AS id, r.task_id AS task_id, \
      r.report_goal AS report_goal, r.min_reports AS min_reports, \
      r.completed_reports AS completed_reports, r.deadline_at AS deadline_at, \
      r.opened_at AS opened_at, r.closed_at AS closed_at, \
-     r.on_demand_evaluation AS on_demand_evaluation FROM rounds r";
+     r.on_demand_evaluation AS on_demand_evaluation, \
+     CASE WHEN r.state = 'FAILED' THEN (SELECT h.reason FROM state_history h \
+      WHERE h.entity_id = r.id ORDER BY h.seq DESC LIMIT 1) END AS failure_reason FROM rounds r";
 
 fn round_from_row(row: RoundRow) -> Result<RoundRecord, DbError> {
     Ok(RoundRecord {
@@ -80,6 +86,7 @@ fn round_from_row(row: RoundRow) -> Result<RoundRecord, DbError> {
         opened_at: row.opened_at,
         closed_at: row.closed_at,
         on_demand_evaluation: row.on_demand_evaluation != 0,
+        failure_reason: row.failure_reason,
     })
 }
 
@@ -298,7 +305,10 @@ impl Db {
                         DeadlineOutcome::Aggregating { reports }
                     } else {
                         let reason = format!(
-                            "deadline reached with {reports} reports, fewer than the minimum {}",
+                            "deadline reached with {reports} reports, fewer than the minimum {}: \
+                             too few devices of the population checked in and reported in time \
+                             (the task's recent_eligible_checkins counts those that match it); \
+                             lengthen round_deadline_seconds or lower min_reports",
                             round.min_reports
                         );
                         close(
@@ -322,7 +332,8 @@ impl Db {
                             }
                         } else {
                             let reason = format!(
-                                "round {} failed {} times, the task's max_round_attempts",
+                                "round {} failed {} times, the task's max_round_attempts; \
+                                 the last attempt: {reason}",
                                 round.round_number, round.attempt
                             );
                             transition(

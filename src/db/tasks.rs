@@ -17,6 +17,9 @@ pub struct TaskRecord {
     pub model_version: Option<i64>,
     pub created_at: i64,
     pub updated_at: i64,
+    /// Why the task failed or was cancelled (the reason of its last transition, from the state
+    /// history); `None` in any other state.
+    pub failure_reason: Option<String>,
 }
 
 /// Where a page of the task list continues: after this (created_at, id), newest first.
@@ -37,10 +40,15 @@ struct TaskRow {
     model_version: Option<i64>,
     created_at: i64,
     updated_at: i64,
+    failure_reason: Option<String>,
 }
 
-const TASK_COLUMNS: &str =
-    "id, tenant_id, state, spec_json, current_round, model_version, created_at, updated_at";
+/// The columns of a task, and the reason of its last transition when that ended it badly (the
+/// state history is the record of why; one index lookup, only for such tasks).
+const TASK_COLUMNS: &str = "id, tenant_id, state, spec_json, current_round, model_version, \
+     created_at, updated_at, CASE WHEN state IN ('FAILED', 'CANCELLED') THEN \
+     (SELECT h.reason FROM state_history h WHERE h.entity_id = tasks.id \
+      ORDER BY h.seq DESC LIMIT 1) END AS failure_reason";
 
 fn task_from_row(row: TaskRow) -> Result<TaskRecord, DbError> {
     let spec = serde_json::from_str(&row.spec_json)
@@ -54,6 +62,7 @@ fn task_from_row(row: TaskRow) -> Result<TaskRecord, DbError> {
         model_version: row.model_version,
         created_at: row.created_at,
         updated_at: row.updated_at,
+        failure_reason: row.failure_reason,
     })
 }
 
@@ -194,6 +203,7 @@ impl Db {
                     model_version: None,
                     created_at: now,
                     updated_at: now,
+                    failure_reason: None,
                 };
                 let spec_json =
                     serde_json::to_string(spec).map_err(|e| DbError::Corrupt(format!("task spec: {e}")))?;

@@ -61,6 +61,9 @@ impl Latencies {
 pub struct Summary {
     pub contributions: usize,
     pub declined: usize,
+    /// Uploads refused because the round had closed meanwhile (its goal reached by other
+    /// devices: over-selection at work, not a failure).
+    pub late: usize,
     pub failures: Vec<String>,
     /// Updates sent as zeros because training or evaluation failed on the device (the server saw
     /// an ordinary completed contribution), with the device's own reasons.
@@ -76,9 +79,10 @@ impl Summary {
     pub fn print(&self) {
         let secs = self.elapsed.as_secs_f64().max(1e-9);
         println!(
-            "contributions: {}  declined (already contributed): {}  failures: {}  elapsed: {:.2} s  cycles/s: {:.1}",
+            "contributions: {}  declined (already contributed): {}  late (round closed first): {}  failures: {}  elapsed: {:.2} s  cycles/s: {:.1}",
             self.contributions,
             self.declined,
+            self.late,
             self.failures.len(),
             secs,
             self.contributions as f64 / secs
@@ -289,6 +293,9 @@ async fn device(shared: Arc<Shared>, index: u64) {
                 shared.note(|s| s.contributions += 1);
                 shared.contributions.inc(1);
             }
+            // The round reached its goal with other devices' uploads first: what an
+            // over-selected round is for. Not a failure, and nothing to report.
+            Err(DeviceError::Server { status: 410, .. }) => shared.note(|s| s.late += 1),
             Err(e) => {
                 let _ = client
                     .report(&assignment, ReportOutcome::Failed, Some(&e.with_causes()))

@@ -392,6 +392,67 @@ async fn task_page_and_populations_count_the_rounds_assignments_and_check_ins() 
     }
 }
 
+/// Declines are counted apart from failures, the live round shows its deadline, and a cancelled
+/// task says why on its page and on its failed round.
+#[tokio::test]
+async fn task_page_counts_declines_apart_shows_the_deadline_and_why_the_task_ended() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let task = app.open_task(&token, json!({})).await;
+    let mut reports = Vec::new();
+    for outcome in [
+        json!({"outcome": "not_eligible"}),
+        json!({"outcome": "failed"}),
+    ] {
+        let assignment = app.check_in().await.json();
+        let path = assignment["report_url"].as_str().unwrap().to_string();
+        reports.push(
+            app.call(Method::POST, &path, None, Some(outcome))
+                .await
+                .status,
+        );
+    }
+    assert_eq!(reports, [StatusCode::OK, StatusCode::OK]);
+    let cookie = sign_in(&app, &token).await;
+    let page = text(
+        &app.send(get(&format!("/console/tasks/{task}"), Some(&cookie)))
+            .await,
+    );
+    assert!(
+        page.contains(r#"<td class="num" data-field="declined">1</td>"#)
+            && page.contains(r#"<td class="num" data-field="failed">1</td>"#),
+        "{page}"
+    );
+    assert!(page.contains(r#"<dd id="live-round">1, "#), "{page}");
+    assert!(page.contains("deadline <time datetime="), "{page}");
+    assert!(page.contains(" (in 10 min 0 s)"), "{page}");
+
+    let cancelled = app
+        .call(
+            Method::POST,
+            &format!("/v1/tasks/{task}/cancel"),
+            Some(&token),
+            None,
+        )
+        .await;
+    assert_eq!(cancelled.json()["failure_reason"], "cancelled by partner");
+    let page = text(
+        &app.send(get(&format!("/console/tasks/{task}"), Some(&cookie)))
+            .await,
+    );
+    assert!(
+        page.contains(r#"<p class="problem" id="failure-reason" role="status">Cancelled: cancelled by partner</p>"#),
+        "{page}"
+    );
+    assert!(
+        page.contains(
+            r#"data-field="failure_reason"><summary>why</summary>task cancelled</details>"#
+        ),
+        "{page}"
+    );
+    assert!(!page.contains("live-round"), "no live round once cancelled");
+}
+
 #[tokio::test]
 async fn text_from_the_database_is_escaped_not_run() {
     let app = TestApp::new().await;

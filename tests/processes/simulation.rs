@@ -245,3 +245,68 @@ async fn simulated_devices_fill_a_round_with_stored_contributions_that_open() {
         assert!(envelope::open(&private_key, &sealed, &next_round, assignment_ref).is_err());
     }
 }
+
+/// A trust file that parses (one key service with a fresh key); the runs below fail before
+/// any key is fetched.
+fn any_trust_file(dir: &Path) -> std::path::PathBuf {
+    let signing = confed_attestation::exchange::generate_signing_key();
+    let trust = json!({
+        "threshold": 1, "shares": 1,
+        "keyservices": [{"id": "ks1", "verifying_key":
+            confed_attestation::exchange::encode_verifying_key(signing.verifying_key())}],
+        "limits": {"max_epsilon": 10.0, "max_delta": 1e-5, "min_reports": 1}
+    });
+    let path = dir.join("trust.json");
+    std::fs::write(&path, trust.to_string()).unwrap();
+    path
+}
+
+async fn simulate(server: &str, trust: &Path) -> std::process::Output {
+    tokio::time::timeout(
+        BOUND,
+        Command::new(env!("CARGO_BIN_EXE_confed"))
+            .args(["devices", "simulate", "--server", server])
+            .args(["--population", "sim", "--devices", "2", "--forgetful"])
+            .args(["--idle-limit", "2", "--max-retry-wait-ms", "10", "--trust"])
+            .arg(trust)
+            .output(),
+    )
+    .await
+    .unwrap()
+    .unwrap()
+}
+
+#[tokio::test]
+async fn simulate_refuses_a_server_url_without_a_scheme() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = simulate("127.0.0.1:8080", &any_trust_file(dir.path())).await;
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("\"127.0.0.1:8080\" is not an http:// or https:// URL"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn simulate_exits_with_failure_when_the_server_is_down() {
+    let dir = tempfile::tempdir().unwrap();
+    // A port nothing listens on: bound, then closed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let run = simulate(
+        &format!("http://127.0.0.1:{port}"),
+        &any_trust_file(dir.path()),
+    )
+    .await;
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("device operations failed; the first: device"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("check-in: network"), "{stderr}");
+}

@@ -224,11 +224,39 @@ async fn the_operator_resumes_a_failed_round() {
         .await
         .unwrap();
     assert_eq!(task_state(&system, &token, &task).await, "FAILED");
-    assert_eq!(rounds(&system, &token, &task).await[0]["state"], "FAILED");
+    let failed = &rounds(&system, &token, &task).await[0];
+    assert_eq!(failed["state"], "FAILED");
+    assert_eq!(
+        failed["failure_reason"], "aggregation failed: given up",
+        "the partner reads why the round failed"
+    );
+    let task_body: serde_json::Value =
+        common::system::get(&system, &token, &format!("/v1/tasks/{task}"))
+            .await
+            .json()
+            .await
+            .unwrap();
+    assert_eq!(
+        task_body["failure_reason"],
+        "round 1 aggregation failed: given up"
+    );
+    let unverified = confed::verify::verify_release(&system.url, &token, &task, 1, &system.trust)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        unverified.to_string(),
+        format!(
+            "round 1 of task {task} has no release on this server: its attempt 1 is FAILED: aggregation failed: given up"
+        )
+    );
 
     let resumed = system.db.resume_failed_round(&task, 1, now).await.unwrap();
     assert_eq!(resumed.round_state, confed::states::RoundState::Aggregating);
     assert_eq!(task_state(&system, &token, &task).await, "OPEN");
+    assert!(
+        rounds(&system, &token, &task).await[0]["failure_reason"].is_null(),
+        "a resumed round is not failed"
+    );
     let outcome = system
         .worker("w2")
         .run_once()

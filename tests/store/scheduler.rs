@@ -137,6 +137,26 @@ async fn task_fails_after_its_last_attempt() {
     let rounds = rounds(&app, &token, &task).await;
     assert!(rounds.iter().all(|r| r["state"] == "FAILED"));
     assert_eq!(rounds.len(), 2);
+    let why = rounds[1]["failure_reason"].as_str().unwrap();
+    assert!(
+        why.starts_with("deadline reached with 0 reports, fewer than the minimum")
+            && why.contains("round_deadline_seconds"),
+        "{why}"
+    );
+    let body = app
+        .call(
+            Method::GET,
+            &format!("/v1/tasks/{task}"),
+            Some(&token),
+            None,
+        )
+        .await
+        .json();
+    let task_why = body["failure_reason"].as_str().unwrap();
+    assert!(
+        task_why.starts_with("round 1 failed 2 times, the task's max_round_attempts; the last attempt: deadline reached"),
+        "{task_why}"
+    );
     let history = app.db.history(&task).await.unwrap();
     let last = history.last().unwrap();
     assert_eq!(last.to_state, "FAILED");

@@ -3,10 +3,10 @@
 from .device import Device, DeviceError, TrainingProblem, Trust, well_formed_update
 from .envelope import aad, encode_envelope, info, open_envelope, seal
 from .errors import ConfedError
-from .partner import Partner, PartnerError
+from .partner import Partner, PartnerError, TaskEnded
 from .policy import PolicyError, check_policy, parse_policy
 from .release import ReleaseError, verify_release
-from .simulation import RoundResult, run_simulation
+from .simulation import RoundResult, SimulationError, run_simulation
 from .tensors import as_arrays, from_safetensors, to_safetensors, to_torch
 from . import tokens
 from .tokens import AndroidKeyAttestation, DevAttestation
@@ -24,6 +24,8 @@ __all__ = [
     "PolicyError",
     "ReleaseError",
     "RoundResult",
+    "SimulationError",
+    "TaskEnded",
     "aad",
     "as_arrays",
     "check_policy",

@@ -19,6 +19,25 @@ class PartnerError(ConfedError):
     `invalid_params` naming each bad field of a task) and `detail` say why."""
 
 
+class TaskEnded(PartnerError):
+    """The task failed or was cancelled while you waited for something it will now never do:
+    `task` is the task as it ended, `state` its state (FAILED or CANCELLED) and `reason` the
+    server's `failure_reason` (docs/api.md, "Why a task or round failed")."""
+
+    def __init__(self, task: dict):
+        self.task = task
+        self.state = task["state"]
+        self.reason = task.get("failure_reason") or "no reason recorded"
+        super().__init__(f"task {task['id']} is {self.state}: {self.reason}")
+
+
+def _unless_ended(task: dict) -> dict:
+    """`task`, or `TaskEnded` when it failed or was cancelled."""
+    if task["state"] in ("FAILED", "CANCELLED"):
+        raise TaskEnded(task)
+    return task
+
+
 class Partner:
     def __init__(self, server: str, token: str, session: requests.Session | None = None):
         self.server = server.rstrip("/")
@@ -60,6 +79,16 @@ class Partner:
         reply = self._call("GET", f"/v1/tasks/{task_id}/models/{version}")
         return from_safetensors(reply.content)
 
+    def model_if_stored(self, task_id: str, version: int) -> dict[str, np.ndarray] | None:
+        """Model version `version`, or None while it does not exist yet."""
+        reply = self.session.get(f"{self.server}/v1/tasks/{task_id}/models/{version}",
+                                 timeout=60)
+        if reply.status_code == 404:
+            return None
+        if reply.status_code != 200:
+            raise PartnerError.from_reply(f"model {version}", reply)
+        return from_safetensors(reply.content)
+
     def average(self, task_id: str, round_: int) -> dict[str, np.ndarray]:
         """A release's noised average update, as arrays."""
         reply = self._call("GET", f"/v1/tasks/{task_id}/releases/{round_}/average")
@@ -67,15 +96,15 @@ class Partner:
 
     def wait_for_model(self, task_id: str, version: int,
                        timeout: float = 120.0) -> dict[str, np.ndarray]:
-        """Model version `version` once it exists (the next round opens with it)."""
+        """Model version `version` once it exists (the next round opens with it); `TaskEnded`
+        as soon as the task fails or is cancelled instead."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            reply = self.session.get(f"{self.server}/v1/tasks/{task_id}/models/{version}",
-                                     timeout=60)
-            if reply.status_code == 200:
-                return from_safetensors(reply.content)
-            if reply.status_code != 404:
-                raise PartnerError.from_reply(f"model {version}", reply)
+            model = self.model_if_stored(task_id, version)
+            if model is not None:
+                return model
+            if _unless_ended(self.task(task_id))["state"] == "COMPLETED":
+                raise PartnerError(f"task {task_id} completed without model version {version}")
             time.sleep(0.2)
         raise PartnerError(f"task {task_id} has no model version {version} after {timeout} s")
 
@@ -95,12 +124,16 @@ class Partner:
                               trust.threshold, self.task(task_id)["policy"], shares=trust.n)
 
     def wait_for_state(self, task_id: str, state: str, timeout: float = 120.0) -> dict:
-        """The task once it is in `state` (e.g. "COMPLETED")."""
+        """The task once it is in `state` (e.g. "COMPLETED"); `TaskEnded` as soon as it fails
+        or is cancelled instead, `PartnerError` when it ended in another state."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             task = self.task(task_id)
             if task["state"] == state:
                 return task
+            _unless_ended(task)
+            if task["state"] in FINAL_STATES:
+                raise PartnerError(f"task {task_id} is {task['state']}, and will never be {state}")
             time.sleep(0.2)
         raise PartnerError(f"task {task_id} is not {state} after {timeout} s")
 
@@ -110,14 +143,16 @@ class Partner:
             for release in self.releases(task_id):
                 if release["round"] == round_:
                     return release
+            if _unless_ended(self.task(task_id))["state"] == "COMPLETED":
+                raise PartnerError(f"task {task_id} completed without a release of round {round_}")
             time.sleep(0.2)
         raise PartnerError(f"no release of round {round_} of task {task_id} in {timeout} s")
 
     def watch(self, task_id: str, progress: bool = True, timeout: float | None = None,
               poll: float = 1.0) -> dict:
-        """Follows a task until it completes, fails or is cancelled (or `timeout` seconds pass:
-        `PartnerError`), with a progress bar of rounds done and privacy spent on stderr when
-        `progress`. Returns the task as it ended."""
+        """Follows a task until it completes (returns the task), fails or is cancelled
+        (`TaskEnded`, with the server's reason) or `timeout` seconds pass (`PartnerError`),
+        with a progress bar of rounds done and privacy spent on stderr when `progress`."""
         from tqdm.auto import tqdm
 
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -132,7 +167,7 @@ class Partner:
                 spent = releases[-1]["epsilon_spent"] if releases else 0.0
                 bar.set_postfix_str(f"{task['state']}, epsilon {spent:.2f} of {budget}")
                 if task["state"] in FINAL_STATES:
-                    return task
+                    return _unless_ended(task)
                 if deadline is not None and time.monotonic() > deadline:
                     raise PartnerError(f"task {task_id} is still {task['state']} after "
                                        f"{timeout} s")

@@ -8,14 +8,28 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
 from .device import Device, DeviceError, Evaluate, Train, Trust
-from .partner import FINAL_STATES, Partner, PartnerError
+from .errors import ConfedError
+from .partner import FINAL_STATES, Partner, PartnerError, TaskEnded
+
+
+class SimulationError(ConfedError):
+    """A simulated device's own code is wrong (its train or evaluate function returned the
+    wrong tensors): the devices sent zero updates, as real ones would, but a simulation is where
+    you find such a bug, so it stops at once. `device` is its index, `training_problem` the
+    `TrainingProblem`."""
+
+    def __init__(self, device: int, task_id: str, round_: int, problem):
+        super().__init__(f"device {device}, task {task_id} round {round_}: your function is "
+                         f"wrong ({problem.kind}): {problem.detail}")
+        self.device = device
+        self.training_problem = problem
 
 
 @dataclass
@@ -46,6 +60,44 @@ def _until_contributed(device: Device, train: Train, stop: threading.Event,
     return False
 
 
+def _programming_error(devices: list[Device], task_id: str) -> SimulationError | None:
+    """The first programming error any device met in this task (its own log of problems)."""
+    for index, device in enumerate(devices):
+        for task, round_, problem in list(device.problems):
+            if task == task_id and problem.is_programming_error:
+                return SimulationError(index, task_id, round_, problem)
+    return None
+
+
+def _await_round(partner: Partner, task_id: str, round_: int, devices: list[Device],
+                 running: list, timeout: float) -> dict[str, np.ndarray]:
+    """Model version `round_` once the round completes. Raises at once, instead of waiting for
+    `timeout`: `TaskEnded` when the task fails or is cancelled, `SimulationError` when a
+    device's function is wrong, and whatever a device's own thread raised."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if (error := _programming_error(devices, task_id)) is not None:
+            raise error
+        model = partner.model_if_stored(task_id, round_)
+        if model is not None:
+            return model
+        task = partner.task(task_id)
+        if task["state"] in FINAL_STATES:
+            # Before the devices' errors: their uploads to an ended task are refused, and the
+            # task's end is what explains that.
+            if task["state"] != "COMPLETED":
+                raise TaskEnded(task)
+            raise PartnerError(f"task {task_id} completed without model version {round_}")
+        for future in running:
+            if future.done() and future.exception() is not None:
+                raise future.exception()
+        if time.monotonic() > deadline:
+            raise PartnerError(f"round {round_} of task {task_id} did not complete in "
+                               f"{timeout} s (the task is {task['state']}; its rounds, with "
+                               f"reports_received, are at GET /v1/tasks/{task_id}/rounds)")
+        time.sleep(0.2)
+
+
 def run_simulation(partner: Partner, task_id: str, trust: Trust,
                    client_fn: Callable[[int], Train], num_devices: int,
                    evaluate_fn: Callable[[dict[str, np.ndarray]], dict] | None = None,
@@ -54,8 +106,11 @@ def run_simulation(partner: Partner, task_id: str, trust: Trust,
                    round_timeout: float = 600.0, state_dir: str | None = None,
                    attestation_fn: Callable[[int], object] | None = None,
                    **device_options) -> list[RoundResult]:
-    """Runs `num_devices` devices of the task's population until the task ends; returns one
-    `RoundResult` per completed round.
+    """Runs `num_devices` devices of the task's population until the task completes; returns
+    one `RoundResult` per round. Raises as soon as something goes wrong, not at the round
+    timeout: `TaskEnded` (with the server's `reason`) when the task fails or is cancelled,
+    `SimulationError` when `client_fn`'s or `client_evaluate_fn`'s function returns the wrong
+    tensors, `PartnerError` when a round does not complete in `round_timeout` seconds.
 
     - `client_fn(i)` returns device i's training function `train(weights, plan) -> update`
       (new weights minus the given ones), over that device's own data;
@@ -97,15 +152,12 @@ def run_simulation(partner: Partner, task_id: str, trust: Trust,
             running = [pool.submit(_until_contributed, device, train, stop, max_wait)
                        for device, train in zip(devices, trains)]
             try:
-                model = partner.wait_for_model(task_id, round_, timeout=round_timeout)
-            except PartnerError:
-                if partner.task(task_id)["state"] in FINAL_STATES:
-                    break  # cancelled or failed while the round ran
-                raise
+                model = _await_round(partner, task_id, round_, devices, running, round_timeout)
             finally:
                 stop.set()
-                for future in running:
-                    future.result()
+                wait(running)
+            for future in running:
+                future.result()
             release = next(r for r in partner.releases(task_id) if r["round"] == round_)
             result = RoundResult(round_, release["included"], release["excluded"],
                                  release["epsilon_spent"],
@@ -119,4 +171,6 @@ def run_simulation(partner: Partner, task_id: str, trust: Trust,
             while task["state"] not in FINAL_STATES and (task.get("model_version") or 0) < round_:
                 time.sleep(0.1)
                 task = partner.task(task_id)
+    if task["state"] != "COMPLETED":
+        raise TaskEnded(task)
     return history

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from confed_client import Device, DeviceError, Partner, ReleaseError, Trust, verify_release
+from confed_client import (Device, DeviceError, Partner, ReleaseError, TaskEnded, Trust,
+                           verify_release)
 
 DEVICES = 10
 
@@ -145,4 +146,5 @@ def test_watch_follows_a_task_to_its_end(server):
     assert partner.watch(task, progress=False, timeout=120)["state"] == "COMPLETED"
     cancelled = partner.create_task(spec("python-watch-cancel"), {"w": np.zeros(4, np.float32)})
     partner._call("POST", f"/v1/tasks/{cancelled}/cancel")
-    assert partner.watch(cancelled, progress=False, timeout=10)["state"] == "CANCELLED"
+    with pytest.raises(TaskEnded, match="CANCELLED: cancelled by partner"):
+        partner.watch(cancelled, progress=False, timeout=10)
