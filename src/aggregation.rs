@@ -401,6 +401,9 @@ impl JobStore for TaskDbJobStore {
             .commit_release(job_id, worker, staged, self.now())
             .await
             .map_err(db_error)?;
+        // Counted where the release commits, so whichever process runs the worker (in process,
+        // or confed-enclave over an API replica's worker API) the front end counts it.
+        metrics::counter!("confed_rounds_aggregated_total").increment(1);
         metrics::counter!("confed_contributions_included_total").increment(manifest.included);
         for (reason, count) in &manifest.excluded {
             metrics::counter!("confed_contributions_excluded_total", "reason" => reason.clone())
@@ -441,6 +444,9 @@ impl JobStore for TaskDbJobStore {
         self.db
             .fail_job(job_id, worker, reason, permanent, self.now())
             .await
-            .map_err(db_error)
+            .map_err(db_error)?;
+        let kind = if permanent { "permanent" } else { "transient" };
+        metrics::counter!("confed_aggregation_jobs_failed_total", "kind" => kind).increment(1);
+        Ok(())
     }
 }

@@ -54,6 +54,16 @@ pub enum RetryReason {
 }
 
 impl RetryReason {
+    pub const ALL: [RetryReason; 7] = [
+        Self::NoTask,
+        Self::TenantMismatch,
+        Self::ConstraintsNotMet,
+        Self::VersionMismatch,
+        Self::NoEncryptionKey,
+        Self::RoundFull,
+        Self::MinSeparation,
+    ];
+
     /// The name devices and metrics see (`docs/protocol.md`).
     pub fn as_str(self) -> &'static str {
         match self {

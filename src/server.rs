@@ -21,7 +21,7 @@ use crate::scheduler::Scheduler;
 /// How often the key services' key sets are fetched again.
 pub(crate) const KEY_REFRESH: Duration = Duration::from_secs(60);
 
-pub use confed_serving::{ListenError, TlsFiles, check_listen, serve_app};
+pub use confed_serving::{ListenError, TlsFiles, bind_app, check_listen, serve_app, serve_bound};
 
 /// What one `confed serve` process does. Several processes with different roles can share one
 /// PostgreSQL database: API replicas behind a load balancer, one or more schedulers (their
@@ -169,15 +169,27 @@ pub async fn serve(
     if (has(Role::Api) || has(Role::EnclaveWorker)) && config.keyservices.is_empty() {
         return Err(ServeError::NotEmbedded);
     }
-    if has(Role::Api) {
-        check_listen(config.listen, config.tls.as_ref())?;
-    }
+    // Every role listens: the API on its routes, the others for /metrics, /healthz and
+    // /readyz alone. Bound before the data directory is created or a token printed, so a busy
+    // port stops a first start before it leaves anything behind.
+    let bound = if has(Role::Api) {
+        bind_app(config.listen, config.tls.as_ref()).await?
+    } else {
+        confed_serving::bind_ops_only(config.listen).await?
+    };
     let (db, fresh) = open_data_dir(&config.data_dir, config.database.as_deref()).await?;
     // Every role: a scheduler's retention would otherwise delete the rows naming them.
     crate::blob::refuse_contributions_in_the_database(&db).await?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     if fresh {
         create_demo_tenant(&db, clock.now_millis().0).await?;
+    } else if has(Role::Api) && config.database.is_none() {
+        // The demo token was shown once, on the first start: say how to get another.
+        let tenants = db.list_tenants().await?.len();
+        println!(
+            "confed: {tenants} tenant(s) in {dir}; a new one, with its token: confed tenant create NAME --data-dir {dir}",
+            dir = config.data_dir.display()
+        );
     }
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut background = Vec::new();
@@ -263,17 +275,28 @@ pub async fn serve(
         ));
     }
     tracing::info!(roles = ?config.roles, admin_api = config.admin.is_some(), data_dir = %config.data_dir.display(), "starting");
-    let result = match app {
-        Some(app) => serve_app(config.listen, config.tls.as_ref(), app, shutdown).await,
+    let app = match app {
+        Some(app) => app,
         None => {
             println!(
-                "confed: running {:?} (no API role: not listening)",
+                "confed: running {:?} (no API role: serving /metrics, /healthz and /readyz only)",
                 config.roles
             );
-            shutdown.await;
-            Ok(())
+            api::ops::install_metrics();
+            let probed = db.clone();
+            let readiness: confed_ops::Readiness = Arc::new(move || {
+                let db = probed.clone();
+                Box::pin(async move {
+                    db.count_by_state::<crate::states::TaskState>()
+                        .await
+                        .map(drop)
+                        .map_err(|e| format!("the task database does not answer: {e}"))
+                })
+            });
+            confed_serving::ops::ops_router(readiness)
         }
     };
+    let result = serve_bound(bound, config.tls.as_ref(), app, shutdown).await;
     tracing::info!("stopping the background roles");
     let _ = stop_tx.send(true);
     for task in background {

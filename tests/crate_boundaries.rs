@@ -185,6 +185,32 @@ fn the_shared_crates_link_neither_side() {
 }
 
 #[test]
+fn the_operator_crate_links_no_role_and_no_web_framework() {
+    // Every process links confed-ops, the enclave image too: it must bring none of a role's
+    // code, and no axum into the enclave (its listener is hyper's HTTP/1 server alone).
+    let found = normal_dependencies("confed-ops", &[]);
+    assert_none_of(
+        "confed-ops",
+        &found,
+        &[
+            "confed",
+            "confed-protocol",
+            "confed-enclave",
+            "confed-keyservice",
+            "confed-attestation",
+            "confed-serving",
+            "axum",
+            "axum-server",
+            "tower-http",
+            "sqlx",
+            "reqwest",
+            "opendp",
+        ],
+    );
+    assert!(found.contains("hyper") && found.contains("metrics-process"));
+}
+
+#[test]
 fn the_token_issuer_links_no_front_end_key_service_enclave_or_database() {
     let found = normal_dependencies("confed-issuer", &[]);
     assert_none_of(
@@ -240,6 +266,9 @@ fn the_unsafe_code_list_in_the_architecture_doc_names_exactly_the_files_with_uns
         "keyservice/src",
         "issuer/src",
         "serving/src",
+        "worker-api/src",
+        "dp/src",
+        "ops/src",
     ]
     .iter()
     .map(|dir| root.join(dir))

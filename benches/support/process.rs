@@ -181,6 +181,7 @@ pub fn start_with(aggregator: WorkerKind) -> Server {
         command
             .args(["--server", &url, "--threshold", "2", "--attester", "dev"])
             .args(["--dev-key", &dev_key, "--id", "bench-enclave"])
+            .args(["--ops-listen", "127.0.0.1:0"])
             .env("CONFED_WORKER_TOKEN", &worker_token)
             .env("RUST_LOG", "error,confed_enclave=info")
             .env("NO_COLOR", "1")

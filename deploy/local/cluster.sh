@@ -7,12 +7,17 @@
 #   2 API replicas                      confed serve --role api
 #   1 scheduler                         confed serve --role scheduler
 #   2 enclave workers                   confed-enclave --attester dev (each on its own API replica)
+#   1 token issuer                      confed issuer --attester dev (devices' Privacy Pass tokens)
+#
+# Every process serves /metrics, /healthz and /readyz (the scheduler and the workers on a
+# listener of their own); DIR/env lists them as CONFED_METRICS_TARGETS (host:port, comma-separated).
 #
 #   deploy/local/cluster.sh start DIR   # start everything; prints the settings (also in DIR/env)
 #   deploy/local/cluster.sh stop DIR    # stop everything it started
 #
 # Settings (environment): CONFED_BIN, CONFED_ENCLAVE_BIN (default: cargo build --release),
-# CONFED_LOCAL_BASE_PORT (18080: APIs on BASE and BASE+1, key services on BASE+11..13),
+# CONFED_LOCAL_BASE_PORT (18080: APIs on BASE and BASE+1, the scheduler's probes on BASE+2, the
+# workers' on BASE+3 and BASE+4, the issuer on BASE+5, key services on BASE+11..13),
 # CONFED_LOCAL_PG_PORT (15442), CONFED_LOCAL_GCS_PORT (4453), CONFED_DATABASE_URL and
 # CONFED_GCS_ENDPOINT to use running services instead of starting them.
 #
@@ -138,7 +143,7 @@ start() {
             "${common[@]}"
     done
     spawn scheduler "$confed" serve --role scheduler --data-dir "$dir/scheduler" \
-        --scheduler-period-seconds 1 "${common[@]}"
+        --listen "127.0.0.1:$((base + 2))" --scheduler-period-seconds 1 "${common[@]}"
     for i in 1 2; do
         wait_http "http://127.0.0.1:$((base + i - 1))/healthz" "api$i"
     done
@@ -146,7 +151,20 @@ start() {
         spawn "worker$i" "$enclave" --server "http://127.0.0.1:$((base + i - 1))" \
             --worker-token-file "$dir/secrets/worker-token" --threshold 2 \
             "${enclave_keyservices[@]}" --attester dev --dev-key "$dir/secrets/dev-attester.pem" \
-            --id "worker$i" --lease-seconds 30
+            --id "worker$i" --lease-seconds 30 --ops-listen "127.0.0.1:$((base + 2 + i))"
+    done
+    "$confed" issuer generate-key "$dir/secrets/issuer.pem" >/dev/null
+    spawn issuer "$confed" issuer --name local-dev --signing-key "$dir/secrets/issuer.pem" \
+        --state "$dir/issuer" --attester dev --listen "127.0.0.1:$((base + 5))"
+    wait_http "http://127.0.0.1:$((base + 2))/healthz" scheduler
+    for i in 1 2; do
+        wait_http "http://127.0.0.1:$((base + 2 + i))/healthz" "worker$i"
+    done
+    wait_http "http://127.0.0.1:$((base + 5))/healthz" issuer
+    local targets=()
+    for port in $base $((base + 1)) $((base + 2)) $((base + 3)) $((base + 4)) $((base + 5)) \
+        $((base + 11)) $((base + 12)) $((base + 13)); do
+        targets+=("127.0.0.1:$port")
     done
 
     "$confed" devices trust-config --threshold 2 --max-epsilon 100 --max-delta 0.01 --min-reports 1 "${keyservice_args[@]}" >"$dir/trust.json"
@@ -158,6 +176,7 @@ CONFED_BLOBS=gs://$bucket/confed
 CONFED_GCS_ENDPOINT=$endpoint
 CONFED_TENANT_TOKEN_FILE=$dir/secrets/tenant-token
 CONFED_TRUST_FILE=$dir/trust.json
+CONFED_METRICS_TARGETS=$(IFS=,; echo "${targets[*]}")
 EOF
     echo "cluster.sh: DEV ONLY (dev attester, emulator, trust authentication): nothing here is confidential" >&2
     cat "$dir/env"

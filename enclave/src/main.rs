@@ -85,6 +85,39 @@ struct Args {
     /// Process at most one job, then exit (0 whether or not one was ready).
     #[arg(long)]
     once: bool,
+    /// Where to serve /metrics, /healthz and /readyz (plain HTTP; they take no input and hold
+    /// no secret). The Confidential Space image fixes 0.0.0.0:9464 in its entrypoint.
+    #[arg(long, default_value = "127.0.0.1:9464")]
+    ops_listen: std::net::SocketAddr,
+}
+
+/// What `/readyz` says: whether the last lease attempt reached the server's worker API.
+#[derive(Clone, Default)]
+struct Contact(Arc<std::sync::Mutex<Option<String>>>);
+
+impl Contact {
+    fn reached(&self) {
+        if let Ok(mut last) = self.0.lock() {
+            *last = None;
+        }
+    }
+
+    fn failed(&self, why: String) {
+        if let Ok(mut last) = self.0.lock() {
+            *last = Some(why);
+        }
+    }
+
+    fn readiness(&self) -> confed_ops::Readiness {
+        let contact = self.clone();
+        Arc::new(move || {
+            let state = contact.0.lock().map_or_else(
+                |_| Err("the readiness state is poisoned".to_string()),
+                |last| last.as_ref().map_or(Ok(()), |why| Err(why.clone())),
+            );
+            Box::pin(async move { state })
+        })
+    }
 }
 
 fn parse_keyservice(text: &str) -> Result<KeyServiceEndpoint, String> {
@@ -157,6 +190,23 @@ fn dev_attester(path: &Path) -> Result<DevAttester> {
 }
 
 async fn run(args: Args) -> Result<()> {
+    // First: a busy port stops the start, instead of leaving a worker nobody can probe.
+    let ops = confed_ops::bind_ops(args.ops_listen).await?;
+    confed_ops::install(confed_ops::BuildInfo {
+        process: "confed-enclave",
+        version: env!("CARGO_PKG_VERSION"),
+    });
+    for outcome in ["released", "failed"] {
+        metrics::counter!("confed_enclave_jobs_total", "outcome" => outcome).absolute(0);
+    }
+    let contact = Contact::default();
+    contact.failed("no lease attempted yet".into());
+    tracing::info!(listen = %args.ops_listen, "serving /metrics, /healthz and /readyz");
+    tokio::spawn(confed_ops::serve_ops(
+        ops,
+        contact.readiness(),
+        std::future::pending(),
+    ));
     let token = worker_token(
         args.worker_token_file.as_deref(),
         args.worker_token_secret.as_deref(),
@@ -202,13 +252,29 @@ async fn run(args: Args) -> Result<()> {
         let pause = tokio::select! {
             outcome = worker.run_once() => match outcome {
                 Ok(Some(done)) => {
+                    contact.reached();
+                    metrics::counter!("confed_enclave_jobs_total", "outcome" => "released").increment(1);
+                    metrics::histogram!("confed_enclave_job_seconds")
+                        .record(done.phases.after_lease().as_secs_f64());
                     tracing::info!(task = %done.task_id, round = done.round, included = done.included,
                         excluded = done.excluded, epsilon_spent = ?done.epsilon_spent,
                         seconds = done.phases.after_lease().as_secs_f64(), phases = %done.phases, "round released");
                     Duration::ZERO
                 }
-                Ok(None) => Duration::from_millis(200),
+                Ok(None) => {
+                    contact.reached();
+                    Duration::from_millis(200)
+                }
                 Err(error) => {
+                    // A store error is the server out of reach; any other, a job that failed
+                    // after the server answered.
+                    match &error {
+                        confed_enclave::worker::JobError::Store(store) => {
+                            contact.failed(format!("the worker API did not answer: {store}"));
+                        }
+                        _ => contact.reached(),
+                    }
+                    metrics::counter!("confed_enclave_jobs_total", "outcome" => "failed").increment(1);
                     tracing::warn!(%error, "job not finished; it will be retried");
                     Duration::from_secs(1)
                 }
@@ -228,12 +294,12 @@ async fn run(args: Args) -> Result<()> {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+    // Text on a terminal (colour only there: the log files and Cloud Logging get none) or JSON
+    // lines (CONFED_LOG_FORMAT=json).
+    if let Err(error) = confed_ops::init_logs("info") {
+        eprintln!("error: {error}");
+        std::process::exit(2);
+    }
     confed_enclave::http::install_crypto_provider();
     let args = Args::parse();
     let result = tokio::runtime::Runtime::new()

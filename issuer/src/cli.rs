@@ -242,6 +242,13 @@ pub async fn run(
                 );
             }
             let issuer = build(&args)?;
+            confed_ops::install(confed_ops::BuildInfo {
+                process: "confed-issuer",
+                version: env!("CARGO_PKG_VERSION"),
+            });
+            // The series the shipped alert rules watch exist from the start (at 0).
+            metrics::counter!("confed_issuer_tokens_issued_total").absolute(0);
+            metrics::counter!("confed_issuer_refusals_total").absolute(0);
             tracing::info!(
                 name = issuer.name(),
                 tokens_per_window = args.tokens_per_window,

@@ -19,12 +19,11 @@ struct Cli {
 }
 
 fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    // Text on a terminal (colour only there) or JSON lines (CONFED_LOG_FORMAT=json).
+    if let Err(error) = confed_ops::init_logs("info") {
+        eprintln!("error: {error}");
+        return std::process::ExitCode::from(2);
+    }
     let cli = Cli::parse();
     // SAFETY: umask only sets the process's file-creation mask; it cannot fail.
     unsafe { libc::umask(0o077) };

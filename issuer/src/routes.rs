@@ -24,13 +24,19 @@ pub const MAX_BODY_BYTES: usize = 96 * 1024;
 pub const DEV_ATTESTER_WARNING: &str = "DEV ATTESTER: anyone can create device identities, so the per-device token limit bounds nothing; for tests and demos only";
 
 pub fn router(issuer: Arc<Issuer>) -> Router {
+    // Ready while the attester can take evidence (e.g. an Android status list not stale).
+    let probed = issuer.clone();
+    let readiness: confed_ops::Readiness = Arc::new(move || {
+        let why = probed.attester().unavailable(probed.now());
+        Box::pin(async move { why.map_or(Ok(()), Err) })
+    });
     Router::new()
         .route("/v1/directory", get(directory))
         .route("/v1/challenge", post(challenge))
         .route("/v1/token-request", post(token_request))
-        .route("/healthz", get(|| async { "ok" }))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(issuer)
+        .merge(confed_serving::ops::ops_router(readiness))
 }
 
 pub fn directory_of(issuer: &Issuer) -> Directory {

@@ -20,14 +20,11 @@ struct Cli {
 }
 
 fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        // No colour codes in log files and collectors, only on a terminal (as `confed`).
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    // Text on a terminal (colour only there) or JSON lines (CONFED_LOG_FORMAT=json).
+    if let Err(error) = confed_ops::init_logs("info") {
+        eprintln!("error: {error}");
+        return std::process::ExitCode::from(2);
+    }
     let cli = Cli::parse();
     cli::owner_only_files();
     confed_protocol::http::install_crypto_provider();

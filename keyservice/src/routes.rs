@@ -14,6 +14,13 @@ use crate::extract::ApiPath;
 use crate::keys::KeyState;
 
 pub fn router(service: KeyService) -> axum::Router {
+    // Ready while the grant gate is open: not while waiting for peers after a start, nor after
+    // a rollback (the key set is still served; releases are what it cannot do).
+    let gate = service.gate.clone();
+    let readiness: confed_ops::Readiness = std::sync::Arc::new(move || {
+        let ready = gate.check().map_err(|refusal| refusal.to_string());
+        Box::pin(async move { ready })
+    });
     axum::Router::new()
         .route("/v1/keys", axum::routing::get(key_set))
         .route(
@@ -41,11 +48,11 @@ pub fn router(service: KeyService) -> axum::Router {
             "/v1/audit/acknowledgement",
             axum::routing::get(super::witness::acknowledgement),
         )
-        .route("/healthz", axum::routing::get(|| async { "ok" }))
         .fallback(|| async { ApiError::NotFound("no such route on this key service".into()) })
         // A release request carries the task policy (up to 80 KiB) besides the token.
         .layer(axum::extract::DefaultBodyLimit::max(128 * 1024))
         .with_state(service)
+        .merge(confed_serving::ops::ops_router(readiness))
 }
 
 /// `GET /v1/keys`: every key this service holds a share of, signed by this service.

@@ -105,6 +105,11 @@ pub async fn run(
             service
         }
     };
+    confed_ops::install(confed_ops::BuildInfo {
+        process: "confed-keyservice",
+        version: env!("CARGO_PKG_VERSION"),
+    });
+    zero_metrics(&service);
     let _peer_tasks = service.spawn_peer_tasks(config.witness_pull);
     tracing::info!(keyservice = %service.id, keys = service.shares.len(), audience = %service.audience, "key service ready");
     serve_app(
@@ -115,4 +120,23 @@ pub async fn run(
     )
     .await?;
     Ok(())
+}
+
+/// Every series the shipped alert rules watch exists from the start (at 0), so an alert on it
+/// is never silently "no data", and a renamed metric fails CI's rules check
+/// (deploy/monitoring/).
+fn zero_metrics(service: &KeyService) {
+    metrics::gauge!("confed_keyservice_rolled_back").set(0.0);
+    for why in ["rate", "repeat"] {
+        metrics::counter!("confed_keyservice_refusals_unrecorded_total", "why" => why).absolute(0);
+    }
+    for decision in ["granted", "refused"] {
+        metrics::counter!("confed_keyservice_decisions_total", "decision" => decision).absolute(0);
+    }
+    if let Some(peers) = &service.peers {
+        for peer in &peers.list {
+            metrics::counter!("confed_keyservice_peer_rewinds_seen_total", "peer" => peer.id.clone())
+                .absolute(0);
+        }
+    }
 }

@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use thiserror::Error;
 
+pub mod ops;
+
 /// How long in-flight requests may finish after a shutdown signal.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -53,13 +55,47 @@ pub async fn serve_app(
     app: axum::Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ListenError> {
+    let bound = bind_app(listen, tls).await?;
+    serve_bound(bound, tls, app, shutdown).await
+}
+
+/// A listener bound by `bind_app`, not yet serving.
+#[derive(Debug)]
+pub struct Bound(tokio::net::TcpListener);
+
+/// Checks the address and binds it: a process binds before it creates or prints anything, so a
+/// busy port stops a first start before it leaves state behind.
+pub async fn bind_app(listen: SocketAddr, tls: Option<&TlsFiles>) -> Result<Bound, ListenError> {
     check_listen(listen, tls)?;
-    let listener = tokio::net::TcpListener::bind(listen)
+    tokio::net::TcpListener::bind(listen)
         .await
+        .map(Bound)
         .map_err(|source| ListenError::Listen {
             addr: listen,
             source,
-        })?;
+        })
+}
+
+/// Binds a listener for the operator routes alone (`ops::ops_router`): plain HTTP is allowed on
+/// any address there, since they take no input but a path and hold no secret (a scheduler's
+/// probes and scrapes come from the cluster network).
+pub async fn bind_ops_only(listen: SocketAddr) -> Result<Bound, ListenError> {
+    tokio::net::TcpListener::bind(listen)
+        .await
+        .map(Bound)
+        .map_err(|source| ListenError::Listen {
+            addr: listen,
+            source,
+        })
+}
+
+/// Serves `app` on a bound listener until `shutdown` completes (see `serve_app`).
+pub async fn serve_bound(
+    Bound(listener): Bound,
+    tls: Option<&TlsFiles>,
+    app: axum::Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ListenError> {
     let local = listener.local_addr().map_err(ListenError::Serve)?;
     let scheme = if tls.is_some() { "https" } else { "http" };
     println!("confed: serving on {scheme}://{local}");

@@ -183,7 +183,7 @@ pub fn routes_and_openapi(limits: &Limits) -> (Router<AppState>, utoipa::openapi
 
 /// The complete application: routes, OpenAPI, metrics, limits, timeouts.
 pub fn router(state: AppState) -> Router {
-    ops::prometheus();
+    ops::install_metrics();
     let (routes, openapi) = routes_and_openapi(&state.limits);
     let openapi = Arc::new(openapi);
     routes

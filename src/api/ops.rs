@@ -1,65 +1,68 @@
 //! Operational routes: health, the OpenAPI document, Prometheus metrics; the per-request metrics
 //! middleware and the problem+json fallback for unknown routes.
 
-use std::sync::OnceLock;
 use std::time::Instant;
 
 use axum::extract::{MatchedPath, Request, State};
 use axum::http::{HeaderValue, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use super::AppState;
 use super::error::ApiError;
 use crate::states::{RoundState, TaskState};
 
-const LATENCY_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-];
+/// confed's recorder (its histogram buckets), not installed: what a test can use alone.
+pub use confed_ops::metrics::recorder;
 
-/// The process-wide Prometheus recorder, installed on first use.
-pub fn prometheus() -> &'static PrometheusHandle {
-    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
-    HANDLE.get_or_init(|| {
-        let recorder = recorder();
-        let handle = recorder.handle();
-        if metrics::set_global_recorder(recorder).is_err() {
-            tracing::warn!("a metrics recorder was already installed; /metrics may be empty");
+/// Installs the process's Prometheus recorder (once) as `confed`, and creates at 0 every series
+/// the shipped alert rules watch that the front ends and the scheduler record: an alert on a
+/// series that does not exist yet is silently "no data", and CI's check that every metric the
+/// rules name is scraped from the local cluster (deploy/monitoring/) would not see a renamed one.
+pub fn install_metrics() {
+    static ZEROED: std::sync::Once = std::sync::Once::new();
+    confed_ops::install(confed_ops::BuildInfo {
+        process: "confed",
+        version: env!("CARGO_PKG_VERSION"),
+    });
+    ZEROED.call_once(|| {
+        for name in [
+            "confed_database_unavailable_total",
+            "confed_disk_full_total",
+            "confed_blob_store_errors_total",
+            "confed_contributions_late_total",
+            "confed_rounds_aggregated_total",
+            "confed_contributions_included_total",
+        ] {
+            metrics::counter!(name).absolute(0);
         }
-        // Histograms keep every sample until they are folded into their buckets, which happens
-        // on a scrape or on upkeep: unscraped, they grew by ~2 MB a minute under load (found
-        // by the soak). Fold them every few seconds whether or not anyone scrapes.
-        let upkeep = handle.clone();
-        let spawned = std::thread::Builder::new()
-            .name("metrics-upkeep".into())
-            .spawn(move || {
-                loop {
-                    std::thread::sleep(METRICS_UPKEEP);
-                    upkeep.run_upkeep();
-                }
-            });
-        if let Err(error) = spawned {
-            tracing::warn!(%error, "no metrics upkeep thread; histograms drain only on scrapes");
+        for reclaimed in ["truncated", "punched", "kept"] {
+            metrics::counter!("confed_contribution_log_abandoned_bytes_total", "reclaimed" => reclaimed)
+                .absolute(0);
         }
-        handle
-    })
+        for reason in ["decryption_failed", "wrong_key"] {
+            metrics::counter!("confed_contributions_excluded_total", "reason" => reason).absolute(0);
+        }
+        for outcome in ["stored", "stored_direct"] {
+            metrics::counter!("confed_contributions_total", "outcome" => outcome).absolute(0);
+        }
+        for outcome in ["aggregating", "retried", "task_failed"] {
+            metrics::counter!("confed_round_deadlines_total", "outcome" => outcome).absolute(0);
+        }
+        for kind in ["transient", "permanent"] {
+            metrics::counter!("confed_aggregation_jobs_failed_total", "kind" => kind).absolute(0);
+        }
+        let outcomes = std::iter::once("assigned").chain(
+            crate::checkin::RetryReason::ALL
+                .into_iter()
+                .map(crate::checkin::RetryReason::as_str),
+        );
+        for outcome in outcomes {
+            metrics::counter!("confed_checkins_total", "outcome" => outcome).absolute(0);
+        }
+        metrics::gauge!("confed_aggregation_jobs_failing").set(0.0);
+    });
 }
-
-/// The server's Prometheus recorder (its latency buckets), not installed and without upkeep: what
-/// `prometheus` installs globally, and what a test can use alone.
-pub fn recorder() -> metrics_exporter_prometheus::PrometheusRecorder {
-    PrometheusBuilder::new()
-        .set_buckets_for_metric(
-            Matcher::Full("http_request_duration_seconds".into()),
-            LATENCY_BUCKETS,
-        )
-        .expect("latency buckets are non-empty")
-        .build_recorder()
-}
-
-/// How often histogram samples are folded into buckets.
-const METRICS_UPKEEP: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Counts requests and records latency per route template, method and status.
 pub async fn track_metrics(request: Request, next: Next) -> Response {
@@ -97,19 +100,21 @@ pub async fn healthz() -> &'static str {
     responses((status = 200, description = "Ready: the database answers and devices can be given a key", body = String),
               (status = 503, description = "The database does not answer, or no device key signed by enough key services is known", content_type = "application/problem+json")))]
 pub async fn readyz(State(state): State<AppState>) -> Result<&'static str, ApiError> {
+    readiness(&state).await?;
+    Ok("ready")
+}
+
+/// What `/readyz` checks; `/metrics` records it as `confed_ready`.
+async fn readiness(state: &AppState) -> Result<(), ApiError> {
     state.db.count_by_state::<TaskState>().await?;
     state
         .keys
         .readiness(state.now().seconds().0)
-        .map_err(ApiError::Unavailable)?;
-    Ok("ready")
+        .map_err(ApiError::Unavailable)
 }
 
-/// Prometheus text format: HTTP requests and latency per route and status, tasks and rounds by
-/// state, check-ins in the recent-devices window per population.
-#[utoipa::path(get, path = "/metrics", tag = "operations",
-    responses((status = 200, description = "Prometheus text exposition format", body = String, content_type = "text/plain")))]
-pub async fn metrics_text(State(state): State<AppState>) -> Result<Response, ApiError> {
+/// The gauges read from the task database at each scrape.
+async fn database_gauges(state: &AppState) -> Result<(), crate::db::DbError> {
     for (task_state, count) in state.db.count_by_state::<TaskState>().await? {
         metrics::gauge!("confed_tasks", "state" => task_state.as_str()).set(count as f64);
     }
@@ -123,18 +128,31 @@ pub async fn metrics_text(State(state): State<AppState>) -> Result<Response, Api
             .failing_jobs(crate::db::jobs::ALERT_AFTER_FAILURES)
             .await? as f64,
     );
+    Ok(())
+}
+
+/// Prometheus text format: HTTP requests and latency per route and status, tasks and rounds by
+/// state, check-ins in the recent-devices window per population, readiness, build info and the
+/// process's resources. Answered also while the database is down (its gauges keep their last
+/// values, `confed_ready` is 0): a scrape that fails would hide what the alerts need.
+#[utoipa::path(get, path = "/metrics", tag = "operations",
+    responses((status = 200, description = "Prometheus text exposition format", body = String, content_type = "text/plain")))]
+pub async fn metrics_text(State(state): State<AppState>) -> Response {
+    confed_ops::record_readiness(&readiness(&state).await.map_err(|e| e.to_string()));
+    if let Err(error) = database_gauges(&state).await {
+        tracing::warn!(%error, "metrics: the task database did not answer; its gauges are stale");
+    }
     for (population, count) in state.registry.by_population(state.now()) {
         metrics::gauge!("confed_recent_checkins", "population" => population).set(count as f64);
     }
-    let body = prometheus().render();
-    Ok((
+    (
         [(
             header::CONTENT_TYPE,
-            HeaderValue::from_static("text/plain; version=0.0.4"),
+            HeaderValue::from_static(confed_ops::listener::METRICS_CONTENT_TYPE),
         )],
-        body,
+        confed_ops::render(),
     )
-        .into_response())
+        .into_response()
 }
 
 pub async fn fallback(request: Request) -> ApiError {

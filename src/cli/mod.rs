@@ -117,14 +117,8 @@ pub fn run() -> Result<()> {
         Command::Demo(_) => "warn",
         _ => "info,sqlx=warn",
     };
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| default_filter.into()),
-        )
-        .init();
+    // Text on a terminal (colour only there) or JSON lines (CONFED_LOG_FORMAT=json).
+    confed_ops::init_logs(default_filter)?;
     // Whatever a server or key service writes (databases, logs, blobs, keys) is for its owner
     // only (docs/operations.md).
     if cli.command.writes_owner_files() {

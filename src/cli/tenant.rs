@@ -55,7 +55,15 @@ pub async fn run(command: TenantCommand) -> Result<()> {
                     bail!("invalid tenant: {}", text.join("; "));
                 }
             };
-            let (db, _) = server::open_data_dir(&data.data_dir, data.database.as_deref()).await?;
+            let (db, fresh) =
+                server::open_data_dir(&data.data_dir, data.database.as_deref()).await?;
+            if fresh {
+                eprintln!(
+                    "no task database in {} yet: created one (confed serve --data-dir {} uses it)",
+                    data.data_dir.display(),
+                    data.data_dir.display()
+                );
+            }
             let (tenant, token) = db.create_tenant(&new, SystemClock.now_millis().0).await?;
             db.close().await;
             eprintln!(
@@ -65,6 +73,17 @@ pub async fn run(command: TenantCommand) -> Result<()> {
             println!("{}", token.as_str());
         }
         TenantCommand::List { data } => {
+            // Listing never creates: a mistyped --data-dir would otherwise become a new, empty
+            // database (and list nothing, as if the tenants were gone).
+            if data.database.is_none() {
+                let path = server::database_path(&data.data_dir);
+                if !path.exists() {
+                    bail!(
+                        "no task database at {}: is --data-dir right? (confed serve creates it on its first start)",
+                        path.display()
+                    );
+                }
+            }
             let (db, _) = server::open_data_dir(&data.data_dir, data.database.as_deref()).await?;
             for t in db.list_tenants().await? {
                 println!(

@@ -102,7 +102,6 @@ pub async fn run_worker(
                 tracing::info!(task = %outcome.task_id, round = outcome.round, included = outcome.included,
                     excluded = outcome.excluded, epsilon_spent = ?outcome.epsilon_spent,
                     seconds = outcome.phases.after_lease().as_secs_f64(), phases = %outcome.phases, "round aggregated");
-                metrics::counter!("confed_rounds_aggregated_total").increment(1);
                 true
             }
             Ok(None) => false,

@@ -190,6 +190,15 @@ impl KeyDirectory {
         }
         let answered = fresh.len();
         metrics::gauge!("confed_keyservices_reachable").set(answered as f64);
+        // What "reachable" is compared with (the alert rule): the largest threshold among the
+        // keys the answering key services hold; kept when none answered.
+        if let Some(threshold) = fresh
+            .iter()
+            .flat_map(|set| set.keys.iter().map(|key| key.threshold))
+            .max()
+        {
+            metrics::gauge!("confed_keyservices_threshold").set(f64::from(threshold));
+        }
         if let Ok(mut reach) = self.reach.write() {
             *reach = Some((answered, asked));
         }

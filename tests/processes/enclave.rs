@@ -46,7 +46,13 @@ async fn the_enclave_binary_completes_a_round_through_the_worker_api() {
                 "dev",
                 "--once",
             ])
-            .args(["--id", "enclave-process-1", "--dev-key"])
+            .args([
+                "--id",
+                "enclave-process-1",
+                "--ops-listen",
+                "127.0.0.1:0",
+                "--dev-key",
+            ])
             .arg(&key_file)
             .env("CONFED_WORKER_TOKEN", TOKEN)
             .env("RUST_LOG", "warn")
@@ -105,6 +111,10 @@ async fn the_enclave_binary_completes_a_round_through_the_worker_api() {
     }
     // It said loudly that its attestation proves nothing.
     assert!(stderr.contains("DEV ATTESTER"));
+    assert!(
+        !stderr.contains('\u{1b}'),
+        "no colour codes in a log that is not a terminal: {stderr}"
+    );
     let states = rounds(&system, &token, &task).await;
     assert_eq!(states[0]["state"], "COMPLETED", "{states:?}");
     let releases: serde_json::Value = get(&system, &token, &format!("/v1/tasks/{task}/releases"))

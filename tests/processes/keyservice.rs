@@ -44,6 +44,26 @@ async fn ceremony_then_key_service_serves_a_signed_key_set_and_audit_verify_chec
         .unwrap();
     assert_eq!(head["keyservice_id"], "ks1");
     assert_eq!(head["records"], 0);
+    // Its operator's routes: ready (no peers to wait for), and its metrics.
+    let http = confed_protocol::http::client(BOUND);
+    let ready = http.get(format!("{url}/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 200);
+    let metrics = http
+        .get(format!("{url}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "confed_build_info{process=\"confed-keyservice\"",
+        "confed_keyservice_decisions_total{decision=\"granted\"} 0",
+        "confed_keyservice_rolled_back 0",
+        "confed_ready 1",
+    ] {
+        assert!(metrics.contains(line), "{line} in {metrics}");
+    }
     child.kill().await.unwrap();
 
     let verify = confed()
@@ -430,4 +450,65 @@ async fn an_operator_acknowledges_a_rolled_back_log_with_the_command_the_refusal
         "{}",
         String::from_utf8_lossy(&verified.stderr)
     );
+}
+
+/// A key service waiting for its peers after a start answers /readyz with 503 and the reason,
+/// and says so in `confed_ready`; /healthz stays 200 (the peers must still reach it).
+#[tokio::test]
+async fn a_key_service_waiting_for_its_peers_is_alive_but_not_ready() {
+    let setup = setup().await;
+    let dir = setup.dir.path();
+    let peer_key = confed()
+        .args(["keyservice", "signing-key"])
+        .arg(dir.join("ks2-signing.pem"))
+        .output()
+        .await
+        .unwrap();
+    let peer_key = String::from_utf8(peer_key.stdout).unwrap();
+    let peers = serde_json::json!({"peers": [
+        {"id": "ks2", "url": "http://127.0.0.1:9", "verifying_key": peer_key.trim()}
+    ]});
+    std::fs::write(dir.join("peers.json"), peers.to_string()).unwrap();
+    let mut command = confed();
+    command
+        .args(keyservice_args(&setup))
+        .arg("--peers")
+        .arg(dir.join("peers.json"));
+    let mut started = serving(command, BOUND).await;
+    let http = confed_protocol::http::client(BOUND);
+    assert_eq!(
+        http.get(format!("{}/healthz", started.url))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let ready = http
+        .get(format!("{}/readyz", started.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 503);
+    assert_eq!(ready.headers()["retry-after"], "5");
+    let problem: serde_json::Value = ready.json().await.unwrap();
+    let detail = problem["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("grants nothing until 1 of its peers"),
+        "{detail}"
+    );
+    let metrics = http
+        .get(format!("{}/metrics", started.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains("confed_ready 0"), "{metrics}");
+    assert!(
+        metrics.contains("confed_keyservice_peer_rewinds_seen_total{peer=\"ks2\"} 0"),
+        "{metrics}"
+    );
+    started.child.kill().await.unwrap();
 }

@@ -242,4 +242,7 @@ async fn devices_over_two_api_replicas_complete_every_round_once_with_every_cont
         "every acknowledged contribution was included once"
     );
     assert_eq!(included as usize, GOAL * ROUNDS as usize);
+
+    // The shipped alert rules and dashboard, against what these processes export.
+    crate::monitoring::check_shipped_monitoring(cluster.get("CONFED_METRICS_TARGETS")).await;
 }

@@ -10,6 +10,7 @@ mod common;
 mod enclave;
 mod keyservice;
 mod local_cluster;
+mod monitoring;
 mod secret_manager;
 mod serve;
 mod simulation;

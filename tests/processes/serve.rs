@@ -111,28 +111,67 @@ async fn serve_creates_demo_tenant_once_and_keeps_state_across_restarts() {
 }
 
 #[tokio::test]
-async fn a_scheduler_only_process_does_not_listen_and_stops_on_sigterm() {
+async fn a_scheduler_only_process_serves_only_metrics_and_probes_and_stops_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
     let mut child = confed()
-        .args(["serve", "--role", "scheduler", "--data-dir"])
+        .args([
+            "serve",
+            "--role",
+            "scheduler",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+        ])
         .arg(dir.path())
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let announced = tokio::time::timeout(STARTUP_BOUND, async {
+    let (announced, url) = tokio::time::timeout(STARTUP_BOUND, async {
+        let mut announced = None;
         loop {
             let line = lines.next_line().await.unwrap().expect("exited early");
-            if line.starts_with("confed: running") || line.starts_with("confed: serving") {
-                return line;
+            if line.starts_with("confed: running") {
+                announced = Some(line);
+            } else if let Some(url) = line.strip_prefix("confed: serving on ") {
+                return (announced, url.to_string());
             }
         }
     })
     .await
     .expect("the scheduler did not start");
     assert_eq!(
-        announced,
-        "confed: running [Scheduler] (no API role: not listening)"
+        announced.as_deref(),
+        Some(
+            "confed: running [Scheduler] (no API role: serving /metrics, /healthz and /readyz only)"
+        )
+    );
+    let http = confed_protocol::http::client(Duration::from_secs(10));
+    let get = |path: &str| http.get(format!("{url}{path}")).send();
+    assert_eq!(get("/healthz").await.unwrap().status(), 200);
+    let ready = get("/readyz").await.unwrap();
+    assert_eq!(ready.status(), 200);
+    assert_eq!(ready.text().await.unwrap(), "ready");
+    let metrics = get("/metrics").await.unwrap().text().await.unwrap();
+    assert!(
+        metrics.contains(&format!(
+            "confed_build_info{{process=\"confed\",version=\"{}\"}} 1",
+            env!("CARGO_PKG_VERSION")
+        )),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("confed_round_deadlines_total{outcome=\"task_failed\"} 0"),
+        "the alerted series exist from the start: {metrics}"
+    );
+    assert!(
+        metrics.contains("process_resident_memory_bytes"),
+        "{metrics}"
+    );
+    assert_eq!(
+        get("/v1/tasks").await.unwrap().status(),
+        404,
+        "no API on a scheduler"
     );
     let pid = child.id().unwrap().to_string();
     assert!(
@@ -148,6 +187,39 @@ async fn a_scheduler_only_process_does_not_listen_and_stops_on_sigterm() {
         .unwrap()
         .unwrap();
     assert!(status.success(), "{status}");
+}
+
+/// A first start on a busy port used to create the data directory and print the demo tenant's
+/// token, "shown only this once", then fail: the next start had no token and no hint.
+#[tokio::test]
+async fn a_busy_port_stops_a_first_start_before_it_creates_anything() {
+    let dir = tempfile::tempdir().unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let data = dir.path().join("data");
+    let output = confed()
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--data-dir",
+        ])
+        .arg(&data)
+        .output()
+        .await
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(&format!("cannot listen on 127.0.0.1:{port}")),
+        "{stderr}"
+    );
+    assert!(
+        output.stdout.is_empty(),
+        "no token printed: {:?}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+    assert!(!data.exists(), "no data directory left behind");
 }
 
 #[tokio::test]
@@ -218,6 +290,22 @@ async fn tenant_create_prints_only_the_token() {
         .unwrap();
     let listed = String::from_utf8(list.stdout).unwrap();
     assert!(listed.starts_with("acme\t") && !listed.contains(lines[0]));
+
+    // A mistyped directory is an error, not a new empty database.
+    let typo = dir.path().join("typo");
+    let list = confed()
+        .args(["tenant", "list", "--data-dir"])
+        .arg(&typo)
+        .output()
+        .await
+        .unwrap();
+    assert!(!list.status.success());
+    let stderr = String::from_utf8_lossy(&list.stderr);
+    assert!(
+        stderr.contains("no task database at") && stderr.contains("is --data-dir right?"),
+        "{stderr}"
+    );
+    assert!(!typo.exists(), "nothing created at the typo");
 }
 
 #[tokio::test]
@@ -460,4 +548,58 @@ async fn the_data_directory_and_database_are_owner_only() {
         );
     }
     terminate(server).await;
+}
+
+/// `CONFED_LOG_FORMAT=json`: one JSON object a line on stderr; an unknown format is refused at
+/// start with the choices.
+#[tokio::test]
+async fn logs_are_json_lines_on_request_and_an_unknown_format_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = confed()
+        .args([
+            "serve",
+            "--role",
+            "scheduler",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+        ])
+        .arg(dir.path())
+        .env("CONFED_LOG_FORMAT", "json")
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let first = tokio::time::timeout(STARTUP_BOUND, lines.next_line())
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("a log line");
+    child.kill().await.unwrap();
+    let event: serde_json::Value = serde_json::from_str(&first).expect("a JSON object");
+    assert!(
+        event["level"].is_string()
+            && event["target"].is_string()
+            && event["timestamp"].is_string()
+            && event["message"].is_string(),
+        "{first}"
+    );
+
+    let refused = confed()
+        .args(["tenant", "list", "--data-dir"])
+        .arg(dir.path())
+        .env("CONFED_LOG_FORMAT", "xml")
+        .output()
+        .await
+        .unwrap();
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains(
+            "CONFED_LOG_FORMAT=\"xml\" is not a log format: use text (the default) or json"
+        ),
+        "{stderr}"
+    );
 }
