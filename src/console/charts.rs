@@ -185,6 +185,105 @@ pub fn funnel_bars(round: i64, stages: &[(&str, i64)]) -> Markup {
     }
 }
 
+/// Ticks at round numbers from at most `lo` to at least `hi` (either may be negative).
+fn ticks_between(lo: f64, hi: f64, wanted: usize) -> Vec<f64> {
+    let span = ticks((hi - lo).max(f64::MIN_POSITIVE), wanted);
+    let step = span.get(1).copied().unwrap_or(1.0);
+    let first = (lo / step).floor() as i64;
+    let last = (hi / step).ceil() as i64;
+    (first..=last.max(first + 1))
+        .map(|i| i as f64 * step)
+        .collect()
+}
+
+/// One measured value of a model version.
+pub struct VersionPoint {
+    pub version: i64,
+    pub value: f64,
+}
+
+/// A line through a metric per model version: the model's quality as training goes on (noised
+/// values: the chart shows them as released, below 0 or above 100 % included). The axis covers
+/// at least `at_least` (e.g. 0-100 for a percentage) and every value.
+pub fn version_chart(
+    id: &str,
+    title: &str,
+    axis: &str,
+    at_least: (f64, f64),
+    points: &[VersionPoint],
+) -> Markup {
+    let height = 240.0;
+    let plot_w = WIDTH - LEFT - RIGHT;
+    let plot_h = height - TOP - BOTTOM;
+    let lo = points.iter().map(|p| p.value).fold(at_least.0, f64::min);
+    let hi = points.iter().map(|p| p.value).fold(at_least.1, f64::max);
+    // All values equal (and no range asked for): one unit around them.
+    let hi = if hi - lo < 1e-12 { lo + 1.0 } else { hi };
+    let y_ticks = ticks_between(lo, hi, 5);
+    let (y_lo, y_hi) = (
+        *y_ticks.first().unwrap_or(&0.0),
+        *y_ticks.last().unwrap_or(&1.0),
+    );
+    let x_max = points.iter().map(|p| p.version).max().unwrap_or(1).max(1) as f64;
+    let x = |version: f64| LEFT + plot_w * version / x_max;
+    let y =
+        |value: f64| TOP + plot_h * (1.0 - (value - y_lo) / (y_hi - y_lo).max(f64::MIN_POSITIVE));
+    let x_ticks: Vec<f64> = ticks(x_max, 10)
+        .into_iter()
+        .filter(|t| *t <= x_max && t.fract() == 0.0)
+        .collect();
+    let line: String = points
+        .iter()
+        .map(|p| format!("{:.1},{:.1}", x(p.version as f64), y(p.value)))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let summary = match (points.first(), points.last()) {
+        (Some(first), Some(last)) => format!(
+            "{title}: {} at model version {}, {} at version {} ({} evaluations).",
+            significant(first.value),
+            first.version,
+            significant(last.value),
+            last.version,
+            points.len()
+        ),
+        _ => format!("{title}: no evaluation released yet."),
+    };
+    let (title_id, desc_id) = (format!("{id}-title"), format!("{id}-desc"));
+    html! {
+        svg.chart id=(id) viewBox={"0 0 " (WIDTH) " " (height)} role="img"
+            aria-labelledby={(title_id) " " (desc_id)} {
+            title id=(title_id) { (title) }
+            desc id=(desc_id) { (summary) }
+            @for t in &y_ticks {
+                line.grid x1=(LEFT) x2=(WIDTH - RIGHT) y1=(y(*t)) y2=(y(*t)) {}
+                text.tick x=(LEFT - 8.0) y=(y(*t) + 4.0) text-anchor="end" { (label(*t)) }
+            }
+            @for t in &x_ticks {
+                text.tick x=(x(*t)) y=(height - BOTTOM + 18.0) text-anchor="middle" { (label(*t)) }
+            }
+            text.axis x=(LEFT + plot_w / 2.0) y=(height - 6.0) text-anchor="middle" { "model version" }
+            text.axis x="14" y=(TOP + plot_h / 2.0) text-anchor="middle"
+                transform={"rotate(-90 14 " (TOP + plot_h / 2.0) ")"} { (axis) }
+            polyline.spent points=(line) {}
+            @for p in points {
+                circle.spent cx=(x(p.version as f64)) cy=(y(p.value)) r="3.5"
+                    data-version=(p.version) data-value=(p.value) {
+                    title { "version " (p.version) ": " (significant(p.value)) }
+                }
+            }
+        }
+    }
+}
+
+/// A value to 3 significant digits (0.000123, 1.23, 1230), without an exponent.
+pub fn significant(value: f64) -> String {
+    if value == 0.0 || !value.is_finite() {
+        return format!("{value}");
+    }
+    let digits = (2 - value.abs().log10().floor() as i32).clamp(0, 12) as usize;
+    format!("{value:.digits$}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,5 +325,52 @@ mod tests {
             "{svg}"
         );
         assert!(svg.contains("After round 2 of 4, epsilon spent is 0.75 of the budget 2."));
+    }
+
+    #[test]
+    fn a_version_chart_keeps_noised_values_outside_the_usual_range() {
+        let points = [
+            VersionPoint {
+                version: 0,
+                value: -0.02,
+            },
+            VersionPoint {
+                version: 2,
+                value: 1.37,
+            },
+        ];
+        let svg =
+            version_chart("loss-chart", "Loss", "mean loss", (0.0, 0.0), &points).into_string();
+        assert!(
+            svg.contains(r#"data-version="0" data-value="-0.02""#),
+            "{svg}"
+        );
+        assert!(
+            svg.contains(r#"data-version="2" data-value="1.37""#),
+            "{svg}"
+        );
+        assert!(
+            svg.contains("Loss: -0.0200 at model version 0, 1.37 at version 2 (2 evaluations)."),
+            "{svg}"
+        );
+        assert_eq!(ticks_between(-0.02, 1.37, 5).first(), Some(&-0.5));
+        let flat = [VersionPoint {
+            version: 0,
+            value: 0.0,
+        }];
+        let svg = version_chart("a", "Accuracy", "%", (0.0, 100.0), &flat).into_string();
+        assert!(
+            svg.contains(">100</text>"),
+            "a percentage's axis reaches 100: {svg}"
+        );
+    }
+
+    #[test]
+    fn values_show_three_significant_digits() {
+        assert_eq!(significant(0.000_123_4), "0.000123");
+        assert_eq!(significant(1.2345), "1.23");
+        assert_eq!(significant(98.76), "98.8");
+        assert_eq!(significant(1234.6), "1235");
+        assert_eq!(significant(0.0), "0");
     }
 }

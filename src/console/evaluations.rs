@@ -20,9 +20,20 @@ pub fn section(task: &TaskRecord, points: &[EvaluationPoint], session: &Session)
     let best = crate::evaluation::best(crate::evaluation::ranking_metric(task), points);
     let stopped = crate::evaluation::stopped_early(task, points);
     let policy = spec.policy();
-    let shown = |value: Option<f64>, digits: usize| {
-        value.map_or("—".to_string(), |v| format!("{v:.digits$}"))
+    let shown = |value: Option<f64>| value.map_or("—".to_string(), super::charts::significant);
+    let series = |value: fn(&EvaluationPoint) -> Option<f64>| {
+        points
+            .iter()
+            .filter_map(|p| {
+                value(p).map(|value| super::charts::VersionPoint {
+                    version: i64::try_from(p.model_version).unwrap_or(i64::MAX),
+                    value,
+                })
+            })
+            .collect::<Vec<_>>()
     };
+    let accuracy = series(|p| p.accuracy.map(|a| a * 100.0));
+    let loss = series(|p| p.loss);
     Some(html! {
         section aria-labelledby="evaluation-heading" {
             h2 #evaluation-heading { "Evaluation" }
@@ -50,6 +61,10 @@ pub fn section(task: &TaskRecord, points: &[EvaluationPoint], session: &Session)
             @if points.is_empty() {
                 p { "No evaluation released yet." }
             } @else {
+                div.charts {
+                    (super::charts::version_chart("accuracy-chart", "Accuracy per model version", "accuracy (%)", (0.0, 100.0), &accuracy))
+                    (super::charts::version_chart("loss-chart", "Loss per model version", "mean loss", (0.0, 0.0), &loss))
+                }
                 div.scroll tabindex="0" role="region" aria-label="Evaluations (scrolls sideways)" {
                     table #evaluations {
                         caption { "Per evaluated model version" }
@@ -67,8 +82,8 @@ pub fn section(task: &TaskRecord, points: &[EvaluationPoint], session: &Session)
                                         @if best == Some(point.model_version) { " " small.ok { "best" } }
                                     }
                                     td.num { (point.round) }
-                                    td.num data-field="accuracy" { (shown(point.accuracy.map(|a| a * 100.0), 1)) @if point.accuracy.is_some() { "%" } }
-                                    td.num data-field="loss" { (shown(point.loss, 4)) }
+                                    td.num data-field="accuracy" { (shown(point.accuracy.map(|a| a * 100.0))) @if point.accuracy.is_some() { " %" } }
+                                    td.num data-field="loss" { (shown(point.loss)) }
                                     td.num data-field="examples" { (format!("{:.0}", point.examples)) }
                                     td.num { (format!("{:.1}", point.stddev)) }
                                 }

@@ -12,6 +12,7 @@ mod charts;
 mod error;
 mod evaluations;
 mod layout;
+mod new_task;
 mod populations;
 mod session;
 mod task_page;
@@ -44,8 +45,8 @@ pub fn router(state: AppState) -> Router<AppState> {
             get(session::sign_in_page).post(session::sign_in),
         )
         .route("/console/sign-out", post(session::sign_out))
-        .route("/console/tasks", get(tasks::list).post(tasks::create))
-        .route("/console/tasks/new", get(tasks::new_form))
+        .route("/console/tasks", get(tasks::list).post(new_task::create))
+        .route("/console/tasks/new", get(new_task::new_form))
         .route("/console/tasks/{id}", get(task_page::show))
         .route("/console/tasks/{id}/cancel", post(task_page::cancel))
         .route(

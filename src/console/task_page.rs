@@ -271,7 +271,10 @@ pub async fn show(
             }
         }
     };
-    let title = format!("Task {}", task.id);
+    let title = match &task.spec.name {
+        Some(name) => format!("{name} (task {})", task.id),
+        None => format!("Task {}", task.id),
+    };
     let refresh = live.then_some(REFRESH_SECONDS);
     Ok(Html(layout::page(&title, Some(&session), refresh, body).into_string()).into_response())
 }
@@ -302,7 +305,11 @@ fn summary(
 ) -> Markup {
     let budget = task.spec.privacy.epsilon;
     html! {
-        h1 { "Task " code { (task.id) } " " (state_badge(task.state)) }
+        h1 {
+            @if let Some(name) = &task.spec.name { (name) } @else { "Task" }
+            " " (state_badge(task.state))
+        }
+        p.task-id { "Task id " code.hash #task-id { (task.id) } }
         @if let Some(reason) = &task.failure_reason {
             p.problem #failure-reason role="status" {
                 @if task.state == TaskState::Cancelled { "Cancelled: " } @else { "Failed: " }
@@ -352,7 +359,7 @@ fn funnel_table(shown: &[&RoundView<'_>], now: i64) -> Markup {
                     th scope="col" { "Round" } th scope="col" { "State" } th scope="col" { "Assigned" }
                     th scope="col" { "Uploaded" } th scope="col" { "Reported" } th scope="col" { "Declined" } th scope="col" { "Failed" }
                     th scope="col" { "Timed out" } th scope="col" { "Late" } th scope="col" { "Included" } th scope="col" { "Excluded" }
-                    th scope="col" { "ε spent" } th scope="col" { "Collection" } th scope="col" { "Aggregation" }
+                    th scope="col" { "ε spent" } th scope="col" { "Time" small { "collect + aggregate" } }
                     th scope="col" { "Proof" }
                 } }
                 tbody {
@@ -389,8 +396,10 @@ fn funnel_table(shown: &[&RoundView<'_>], now: i64) -> Markup {
                                 } @else { "—" }
                             }
                             td.num data-field="epsilon" { @if let Some(m) = view.manifest() { (format!("{:.4}", m.privacy.epsilon_spent)) } @else { "—" } }
-                            td.num { (duration(times.collection_millis)) @if latest.closed_at.is_none() { " so far" } }
-                            td.num { @if let Some(a) = times.aggregation_millis { (duration(a)) } @else { "—" } }
+                            td.num data-field="time" {
+                                (duration(times.collection_millis)) @if latest.closed_at.is_none() { " so far" }
+                                @if let Some(a) = times.aggregation_millis { br; "+ " (duration(a)) }
+                            }
                             td {
                                 @match view.verified() {
                                     Some(true) => span.ok { "verified" },

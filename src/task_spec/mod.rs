@@ -67,10 +67,18 @@ pub struct VersionRange {
     pub max: Option<String>,
 }
 
+/// Longest task name, in characters.
+pub const MAX_TASK_NAME_CHARS: usize = 100;
+
 /// `POST /v1/tasks` body.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateTaskRequest {
+    /// What the partner calls the task, shown beside its id: 1-100 characters, no control
+    /// characters (optional; it is not part of the task policy).
+    #[serde(default)]
+    #[schema(min_length = 1, max_length = 100)]
+    pub name: Option<String>,
     /// Device population this task trains on: 1-128 of `A-Z a-z 0-9 . _ -`.
     #[schema(pattern = r"^[A-Za-z0-9._-]{1,128}$")]
     pub population: String,
@@ -94,7 +102,8 @@ pub struct CreateTaskRequest {
     #[serde(default, deserialize_with = "crate::api::integers::option_i64")]
     #[schema(minimum = 10, maximum = 604800)]
     pub round_deadline_seconds: Option<i64>,
-    /// How long a device has for one assignment, 10..=round_deadline_seconds (default 600).
+    /// How long a device has for one assignment, 10..=round_deadline_seconds (default 600, or
+    /// the round deadline when that is shorter).
     #[serde(default, deserialize_with = "crate::api::integers::option_i64")]
     #[schema(minimum = 10, maximum = 604800)]
     pub assignment_timeout_seconds: Option<i64>,
@@ -143,6 +152,9 @@ pub struct CreateTaskRequest {
 /// A validated task definition, as stored and as returned to the partner.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct TaskSpec {
+    /// The partner's name for the task (tasks created before names, or without one: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
     pub population: String,
     pub rounds: u32,
     pub report_goal: u32,
@@ -254,6 +266,21 @@ impl CreateTaskRequest {
     /// Checks every field; on failure returns every invalid field with what is allowed.
     pub fn validate(self) -> Result<TaskSpec, Vec<InvalidParam>> {
         let mut p = Problems::default();
+        // Lengths as sent (JSON Schema's maxLength counts them so), kept without the spaces
+        // around.
+        let too_long = self
+            .name
+            .as_ref()
+            .is_some_and(|n| n.chars().count() > MAX_TASK_NAME_CHARS);
+        let name = self.name.map(|n| n.trim().to_string());
+        if let Some(name) = &name
+            && (name.is_empty() || too_long || name.chars().any(char::is_control))
+        {
+            p.add(
+                "name",
+                format!("must be 1-{MAX_TASK_NAME_CHARS} characters without control characters"),
+            );
+        }
         if !valid_population(&self.population) {
             p.add(
                 "population",
@@ -290,9 +317,12 @@ impl CreateTaskRequest {
             MIN_DEADLINE_SECONDS,
             MAX_DEADLINE_SECONDS,
         );
+        // The default fits the deadline: a partner who sets a short deadline alone is never
+        // refused over a field it did not send.
+        let default_timeout = round_deadline_seconds.map_or(600, |d| i64::from(d).min(600));
         let assignment_timeout_seconds = p.int(
             "assignment_timeout_seconds",
-            self.assignment_timeout_seconds.unwrap_or(600),
+            self.assignment_timeout_seconds.unwrap_or(default_timeout),
             MIN_DEADLINE_SECONDS,
             round_deadline_seconds.map_or(MAX_DEADLINE_SECONDS, i64::from),
         );
@@ -368,6 +398,7 @@ impl CreateTaskRequest {
             return Err(p.0);
         }
         Ok(TaskSpec {
+            name,
             population: self.population,
             rounds,
             report_goal,

@@ -278,3 +278,44 @@ fn versions_parse_as_numbers() {
     assert_eq!(parse_version("1.2.3.4.5"), None);
     assert_eq!(parse_version(""), None);
 }
+
+#[test]
+fn a_short_deadline_alone_brings_its_own_assignment_timeout() {
+    // A 120 s deadline with the old fixed default of 600 s was refused over a field the partner
+    // never sent.
+    let spec = request(json!({"round_deadline_seconds": 120}))
+        .validate()
+        .unwrap();
+    assert_eq!(spec.assignment_timeout_seconds, 120);
+    let spec = request(json!({"round_deadline_seconds": 7200}))
+        .validate()
+        .unwrap();
+    assert_eq!(spec.assignment_timeout_seconds, 600);
+    assert_eq!(
+        invalid_names(json!({"round_deadline_seconds": 120, "assignment_timeout_seconds": 300})),
+        ["assignment_timeout_seconds"],
+        "one the partner did send is still checked"
+    );
+}
+
+#[test]
+fn a_task_name_is_kept_trimmed_and_out_of_the_policy() {
+    let spec = request(json!({"name": "  keyboard next-word, en-US  "}))
+        .validate()
+        .unwrap();
+    assert_eq!(spec.name.as_deref(), Some("keyboard next-word, en-US"));
+    let unnamed = request(json!({})).validate().unwrap();
+    assert_eq!(
+        spec.policy("t", "tenant").encode(),
+        unnamed.policy("t", "tenant").encode(),
+        "devices never see it"
+    );
+    for bad in [
+        json!(""),
+        json!("   "),
+        json!("a\u{7}b"),
+        json!("x".repeat(101)),
+    ] {
+        assert_eq!(invalid_names(json!({ "name": bad })), ["name"], "{bad}");
+    }
+}

@@ -313,6 +313,77 @@ async fn the_new_task_form_creates_a_task_or_names_the_bad_fields() {
     );
 }
 
+/// A refusal no field shows (the privacy plan) is in the banner in the API's words; text in a
+/// number field is named with its field, all at once; a named task is listed by its name.
+#[tokio::test]
+async fn the_form_shows_every_refusal_and_a_task_keeps_its_name() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let cookie = sign_in(&app, &token).await;
+    let csrf = csrf_of(&app, &cookie, "/console/tasks/new").await;
+    let post = |fields: String| {
+        let cookie = cookie.clone();
+        let csrf = csrf.clone();
+        let app = &app;
+        async move {
+            app.send(form(
+                "/console/tasks",
+                Some(&cookie),
+                &format!("csrf={csrf}&{fields}"),
+            ))
+            .await
+        }
+    };
+    let unusable = post(
+        "population=phones&rounds=100&report_goal=2&epsilon=0.5&delta=1e-6&clip_norm=1".into(),
+    )
+    .await;
+    assert_eq!(unusable.status, StatusCode::BAD_REQUEST);
+    let page = text(&unusable);
+    assert!(
+        page.contains(r#"<div class="problem" id="form-problems" role="alert"><p>The task was not created: privacy: "#)
+            && page.contains("report_goal"),
+        "the plan's refusal, in the banner: {page}"
+    );
+    let typed =
+        post("population=phones&rounds=abc&report_goal=10&epsilon=x&delta=1e-6&clip_norm=1".into())
+            .await;
+    let page = text(&typed);
+    assert!(
+        page.contains(r#"<p class="problem" id="rounds-problem">must be a whole number (got &quot;abc&quot;)</p>"#)
+            && page.contains(r#"<p class="problem" id="epsilon-problem">must be a number (got &quot;x&quot;)</p>"#),
+        "{page}"
+    );
+    assert!(page.contains(r#"type="number""#), "number inputs");
+    let named = post(format!(
+        "name={}&population=phones&rounds=3&report_goal=10&epsilon=8&delta=1e-6&clip_norm=1&round_deadline_seconds=120&server_optimizer=fedadam&mechanism=gaussian",
+        urlencode("Next word <en-US>")
+    ))
+    .await;
+    assert_eq!(named.status, StatusCode::SEE_OTHER, "{}", text(&named));
+    let id = named.headers[header::LOCATION]
+        .to_str()
+        .unwrap()
+        .strip_prefix("/console/tasks/")
+        .unwrap()
+        .to_string();
+    let task = app
+        .call(Method::GET, &format!("/v1/tasks/{id}"), Some(&token), None)
+        .await
+        .json();
+    assert_eq!(task["name"], "Next word <en-US>");
+    assert_eq!(
+        task["assignment_timeout_seconds"], 120,
+        "a short deadline brings its own assignment timeout"
+    );
+    assert_eq!(task["server_optimizer"]["name"], "fedadam");
+    let list = text(&app.send(get("/console/tasks", Some(&cookie))).await);
+    assert!(
+        list.contains("Next word &lt;en-US&gt;<br><code class=\"id\">"),
+        "{list}"
+    );
+}
+
 #[tokio::test]
 async fn every_console_answer_carries_the_security_headers() {
     let app = TestApp::new().await;

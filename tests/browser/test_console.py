@@ -20,7 +20,7 @@ import requests
 from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions
-from selenium.webdriver.support.ui import WebDriverWait
+from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from confed_client import Partner, to_safetensors
 from conftest import DEVICES_PER_ROUND, ROUNDS
@@ -149,11 +149,17 @@ def test_model_download_link_serves_the_version(browser, server, trained_task):
 
 def test_a_task_is_created_opened_and_cancelled_through_the_forms(browser, server, tmp_path):
     browser.get(f"{server['url']}/console/tasks/new")
+    shoot(browser, "new-task")
+    browser.find_element(By.ID, "name").send_keys("Form phones, FedAdam")
     population = browser.find_element(By.ID, "population")
     population.send_keys("form-phones")
     rounds = browser.find_element(By.ID, "rounds")
     rounds.clear()
     rounds.send_keys("5")
+    deadline = browser.find_element(By.ID, "round_deadline_seconds")
+    deadline.send_keys("120")
+    Select(browser.find_element(By.ID, "server_optimizer")).select_by_value("fedadam")
+    browser.find_element(By.ID, "adaptive_clipping").click()
     browser.find_element(By.CSS_SELECTOR, "form[action='/console/tasks'] button[type=submit]").click()
     WebDriverWait(browser, 10).until(
         lambda b: re.search(r"/console/tasks/[0-9a-f-]{36}$", b.current_url))
@@ -161,7 +167,13 @@ def test_a_task_is_created_opened_and_cancelled_through_the_forms(browser, serve
     created = api(server, f"/v1/tasks/{task}")
     assert created["state"] == "CREATED" and created["rounds"] == 5
     assert created["population"] == "form-phones"
-    assert "CREATED" in browser.find_element(By.TAG_NAME, "h1").text
+    assert created["name"] == "Form phones, FedAdam"
+    assert created["assignment_timeout_seconds"] == 120, "follows the short deadline"
+    assert created["server_optimizer"]["name"] == "fedadam"
+    assert created["privacy"]["adaptive_clipping"]["target_quantile"] == 0.5
+    heading = browser.find_element(By.TAG_NAME, "h1").text
+    assert "CREATED" in heading and "Form phones, FedAdam" in heading
+    assert browser.find_element(By.ID, "task-id").text == task
     # Upload model version 0 through the form: the task opens.
     model = tmp_path / "model.safetensors"
     model.write_bytes(to_safetensors({"w": np.zeros(3, np.float32)}))
@@ -170,9 +182,11 @@ def test_a_task_is_created_opened_and_cancelled_through_the_forms(browser, serve
     heading_says(browser, "OPEN")
     opened = api(server, f"/v1/tasks/{task}")
     assert opened["state"] == "OPEN" and opened["model_version"] == 0
+    assert "deadline" in browser.find_element(By.ID, "live-round").text
     browser.find_element(By.CSS_SELECTOR, "button.danger").click()
     heading_says(browser, "CANCELLED")
     assert api(server, f"/v1/tasks/{task}")["state"] == "CANCELLED"
+    assert browser.find_element(By.ID, "failure-reason").text == "Cancelled: cancelled by partner"
 
 
 def test_an_invalid_form_names_the_field_and_creates_nothing(browser, server):
@@ -187,6 +201,20 @@ def test_an_invalid_form_names_the_field_and_creates_nothing(browser, server):
     assert problem.text
     assert browser.find_element(By.ID, "epsilon").get_attribute("aria-invalid") == "true"
     assert len(api(server, "/v1/tasks?limit=100")["tasks"]) == before
+
+
+def test_a_refusal_no_field_shows_is_in_the_banner_in_the_apis_words(browser, server):
+    browser.get(f"{server['url']}/console/tasks/new")
+    browser.find_element(By.ID, "population").send_keys("tiny-phones")
+    for field, value in (("rounds", "100"), ("report_goal", "2"), ("epsilon", "0.5")):
+        element = browser.find_element(By.ID, field)
+        element.clear()
+        element.send_keys(value)
+    browser.find_element(By.CSS_SELECTOR, "form[action='/console/tasks'] button[type=submit]").click()
+    banner = browser.find_element(By.ID, "form-problems").text
+    assert banner.startswith("The task was not created: privacy: ") and "report_goal" in banner
+    assert "marked below" not in banner, "no field is marked, so none is promised"
+    shoot(browser, "new-task-refused")
 
 
 def test_another_tenants_task_is_not_reachable_by_url(browser, server, other_tenant):
@@ -320,6 +348,16 @@ def test_the_task_page_lists_the_evaluated_model_versions(browser, server, train
     rows = browser.find_elements(By.CSS_SELECTOR, "#evaluations tbody tr")
     assert [r.get_attribute("data-version") for r in rows] == ["0", "2"]
     listed = Partner(server["url"], server["token"]).evaluations(trained_task)["evaluations"]
+    # The model-quality charts: one point per evaluated version that has the metric (noise can
+    # leave too few examples for one), at the released value.
+    for chart, metric, scale in (("accuracy-chart", "accuracy", 100.0), ("loss-chart", "loss", 1.0)):
+        points = browser.find_elements(By.CSS_SELECTOR, f"#{chart} circle[data-version]")
+        drawn = [(int(p.get_attribute("data-version")), float(p.get_attribute("data-value")))
+                 for p in points]
+        released = [(p["model_version"], p[metric] * scale) for p in listed
+                    if p.get(metric) is not None]
+        assert [v for v, _ in drawn] == [v for v, _ in released], chart
+        assert all(abs(a - b) < 1e-9 * max(1.0, abs(b)) for (_, a), (_, b) in zip(drawn, released))
     shown = [r.find_element(By.CSS_SELECTOR, "[data-field=examples]").text for r in rows]
     assert shown == [f"{p['examples']:.0f}" for p in listed]
 
@@ -332,7 +370,16 @@ def test_every_page_meets_wcag_aa_by_axe(browser, server, trained_task):
     browser.set_window_size(390, 844)
     browser.get(f"{server['url']}/console/tasks/{trained_task}")
     assert axe_violations(browser) == [], "the task page on a phone"
+    # Chart text stays readable on a phone (at least 10 px as drawn).
+    sizes = browser.execute_script(
+        "return [...document.querySelectorAll('svg text')].map(t => t.getBoundingClientRect().height)")
+    assert sizes and min(sizes) >= 10, sizes
     browser.set_window_size(1280, 1000)
+    # ...and the round table fits a laptop's width without scrolling sideways.
+    browser.get(f"{server['url']}/console/tasks/{trained_task}")
+    region = browser.find_element(By.CSS_SELECTOR, "div.scroll:has(#funnel)")
+    assert browser.execute_script("return arguments[0].scrollWidth <= arguments[0].clientWidth",
+                                  region), "the round table overflows at 1280 px"
 
 
 def test_sign_out_ends_the_session_on_the_server(browser, server):
