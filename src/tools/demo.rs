@@ -66,6 +66,8 @@ pub enum DemoError {
     Devices(#[from] confed_device::DeviceError),
     #[error("a device failed: {0}")]
     DeviceFailed(String),
+    #[error("{0}")]
+    Options(String),
 }
 
 /// A `DemoError::Setup` for `step`, keeping the cause.
@@ -95,7 +97,35 @@ const ROUND_TIMEOUT: Duration = Duration::from_secs(300);
 /// Held-out examples per device (it trains on twice as many).
 const HELD_OUT_ROWS: usize = 20;
 
+impl DemoOptions {
+    /// Refuses options that cannot make the run their header would announce, before anything
+    /// starts.
+    pub fn check(&self) -> Result<(), DemoError> {
+        let refuse = |why: String| Err(DemoError::Options(why));
+        if self.rounds == 0 || self.report_goal == 0 || self.devices == 0 {
+            return refuse(
+                "--devices, --rounds and --report-goal must each be at least 1".to_string(),
+            );
+        }
+        if self.report_goal as usize > self.devices {
+            return refuse(format!(
+                "--report-goal {} is more than --devices {}: a round needs that many distinct devices; raise --devices to at least {} or lower --report-goal",
+                self.report_goal, self.devices, self.report_goal
+            ));
+        }
+        if self.evaluate_every.is_some_and(|k| k > self.rounds) {
+            return refuse(format!(
+                "--evaluate-every {} is more than --rounds {}: no round would evaluate",
+                self.evaluate_every.unwrap_or_default(),
+                self.rounds
+            ));
+        }
+        Ok(())
+    }
+}
+
 pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
+    options.check()?;
     let started = Instant::now();
     println!(
         "confed demo: DEV MODE. Dev attester (no TEE), all key services in this process: nothing here is confidential."

@@ -149,3 +149,31 @@ async fn evaluation_rounds_release_the_devices_noised_metrics_within_the_budget(
     }
     assert!(summary.epsilon_spent <= 8.0 && summary.epsilon_spent > 7.9);
 }
+
+/// Options that cannot make the run the header announces are refused before anything starts
+/// (`confed demo --report-goal 500 --devices 300` once ran under a header it could not keep).
+#[tokio::test]
+async fn inconsistent_demo_options_are_refused_before_anything_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let error = run(DemoOptions {
+        report_goal: 500,
+        devices: 300,
+        ..small(dir.path())
+    })
+    .await
+    .unwrap_err()
+    .to_string();
+    assert_eq!(
+        error,
+        "--report-goal 500 is more than --devices 300: a round needs that many distinct devices; raise --devices to at least 500 or lower --report-goal"
+    );
+    assert!(!dir.path().join("demo").exists(), "nothing was created");
+    let error = run(DemoOptions {
+        evaluate_every: Some(4),
+        ..small(dir.path())
+    })
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(error.contains("no round would evaluate"), "{error}");
+}

@@ -34,8 +34,15 @@ impl DiscreteGaussian {
         if !(scale.is_finite() && scale >= 1.0 && scale <= MAX_SCALE_GRID as f64) {
             return Err(DpError::ScaleOutOfRange(scale));
         }
-        // One part in 2^40 upward absorbs the float rounding of the square.
-        let sigma2 = (scale * scale * (1.0 + 1e-12)).ceil() as u64;
+        // A whole-number scale (a count's 2 x count_stddev, an evaluation's 1024 x stddev)
+        // squares exactly; any other takes one part in 2^40 upward, absorbing the float rounding
+        // of the square. Adding it to an exact square gave one unit too many (count_stddev 5
+        // recorded as 5.0249).
+        let sigma2 = if scale.fract() == 0.0 {
+            (scale as u64).pow(2)
+        } else {
+            (scale * scale * (1.0 + 1e-12)).ceil() as u64
+        };
         Ok(Self::with_variance(sigma2))
     }
 
@@ -159,6 +166,20 @@ mod tests {
         let g = DiscreteGaussian::at_least(4.5).unwrap();
         assert_eq!(g.variance(), 21); // 20.25 -> 21
         assert!(g.scale() >= 4.5);
+        // A whole-number scale is its own square, not one more (a count_stddev of 5 is
+        // recorded as 5, not 5.0249).
+        assert_eq!(DiscreteGaussian::at_least(10.0).unwrap().variance(), 100);
+        assert_eq!(
+            DiscreteGaussian::at_least(2f64.powi(30))
+                .unwrap()
+                .variance(),
+            1 << 60
+        );
+        // Just above a whole number still rounds up.
+        assert_eq!(
+            DiscreteGaussian::at_least(10.0 + 1e-9).unwrap().variance(),
+            101
+        );
         assert!(DiscreteGaussian::at_least(0.5).is_err());
         assert!(DiscreteGaussian::at_least(f64::NAN).is_err());
         assert!(DiscreteGaussian::at_least(2f64.powi(31)).is_err());
