@@ -166,6 +166,8 @@ impl TaskDbJobStore {
                         .fail_job(&leased.round_id, worker, &reason, true, self.now())
                         .await
                         .map_err(db_error)?;
+                    metrics::counter!("confed_aggregation_jobs_failed_total", "kind" => "permanent")
+                        .increment(1);
                 }
             }
         }

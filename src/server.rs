@@ -175,8 +175,10 @@ pub async fn serve(
     let bound = if has(Role::Api) {
         bind_app(config.listen, config.tls.as_ref()).await?
     } else {
-        confed_serving::bind_ops_only(config.listen).await?
+        confed_serving::bind_ops_only(config.listen, config.tls.as_ref()).await?
     };
+    // Before any role runs: their first records must reach the recorder.
+    api::ops::install_metrics();
     let (db, fresh) = open_data_dir(&config.data_dir, config.database.as_deref()).await?;
     // Every role: a scheduler's retention would otherwise delete the rows naming them.
     crate::blob::refuse_contributions_in_the_database(&db).await?;
@@ -282,7 +284,6 @@ pub async fn serve(
                 "confed: running {:?} (no API role: serving /metrics, /healthz and /readyz only)",
                 config.roles
             );
-            api::ops::install_metrics();
             let probed = db.clone();
             let readiness: confed_ops::Readiness = Arc::new(move || {
                 let db = probed.clone();
@@ -290,13 +291,17 @@ pub async fn serve(
                     db.count_by_state::<crate::states::TaskState>()
                         .await
                         .map(drop)
-                        .map_err(|e| format!("the task database does not answer: {e}"))
+                        .map_err(|error| {
+                            // The details (host, user) go to the log, not to whoever probes.
+                            tracing::warn!(%error, "readiness: the task database does not answer");
+                            "the task database does not answer (the log says why)".to_string()
+                        })
                 })
             });
-            confed_serving::ops::ops_router(readiness)
+            confed_serving::ops::ops_router("scheduler", readiness)
         }
     };
-    let result = serve_bound(bound, config.tls.as_ref(), app, shutdown).await;
+    let result = serve_bound(bound, app, shutdown).await;
     tracing::info!("stopping the background roles");
     let _ = stop_tx.send(true);
     for task in background {

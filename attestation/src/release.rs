@@ -214,8 +214,8 @@ pub struct ProofCheck {
 impl ReleaseProof {
     /// Checks the proof of a release of `manifest_sha256` / `average_sha256`: the enclave's
     /// signature, and valid receipts from distinct trusted key services, each for this
-    /// commitment, key and enclave key, at least `quorum(threshold, n)` of them, where n is the
-    /// largest number of shares a valid receipt states. `commitment` is what the caller derived
+    /// commitment, key and enclave key, at least `quorum(t, n)` of them (t and n below).
+    /// `commitment` is what the caller derived
     /// from the manifest itself; the proof's copy must equal it.
     ///
     /// The key set is the verifier's, never the receipts': `key_set` is the threshold t and the

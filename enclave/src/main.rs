@@ -196,7 +196,7 @@ async fn run(args: Args) -> Result<()> {
         process: "confed-enclave",
         version: env!("CARGO_PKG_VERSION"),
     });
-    for outcome in ["released", "failed"] {
+    for outcome in ["released", "failed", "unreachable"] {
         metrics::counter!("confed_enclave_jobs_total", "outcome" => outcome).absolute(0);
     }
     let contact = Contact::default();
@@ -204,6 +204,7 @@ async fn run(args: Args) -> Result<()> {
     tracing::info!(listen = %args.ops_listen, "serving /metrics, /healthz and /readyz");
     tokio::spawn(confed_ops::serve_ops(
         ops,
+        "enclave",
         contact.readiness(),
         std::future::pending(),
     ));
@@ -266,15 +267,22 @@ async fn run(args: Args) -> Result<()> {
                     Duration::from_millis(200)
                 }
                 Err(error) => {
-                    // A store error is the server out of reach; any other, a job that failed
-                    // after the server answered.
-                    match &error {
-                        confed_enclave::worker::JobError::Store(store) => {
-                            contact.failed(format!("the worker API did not answer: {store}"));
+                    // A store backend error is the worker API out of reach (at the lease, or
+                    // mid-job); any other (a refused release, a lost lease, a job that failed)
+                    // came after the server answered.
+                    let outcome = match &error {
+                        confed_enclave::worker::JobError::Store(
+                            confed_worker_api::store::StoreError::Backend(why),
+                        ) => {
+                            contact.failed(format!("the worker API did not answer: {why}"));
+                            "unreachable"
                         }
-                        _ => contact.reached(),
-                    }
-                    metrics::counter!("confed_enclave_jobs_total", "outcome" => "failed").increment(1);
+                        _ => {
+                            contact.reached();
+                            "failed"
+                        }
+                    };
+                    metrics::counter!("confed_enclave_jobs_total", "outcome" => outcome).increment(1);
                     tracing::warn!(%error, "job not finished; it will be retried");
                     Duration::from_secs(1)
                 }

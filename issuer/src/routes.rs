@@ -36,7 +36,7 @@ pub fn router(issuer: Arc<Issuer>) -> Router {
         .route("/v1/token-request", post(token_request))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(issuer)
-        .merge(confed_serving::ops::ops_router(readiness))
+        .merge(confed_serving::ops::ops_router("issuer", readiness))
 }
 
 pub fn directory_of(issuer: &Issuer) -> Directory {

@@ -52,7 +52,7 @@ pub fn router(service: KeyService) -> axum::Router {
         // A release request carries the task policy (up to 80 KiB) besides the token.
         .layer(axum::extract::DefaultBodyLimit::max(128 * 1024))
         .with_state(service)
-        .merge(confed_serving::ops::ops_router(readiness))
+        .merge(confed_serving::ops::ops_router("keyservice", readiness))
 }
 
 /// `GET /v1/keys`: every key this service holds a share of, signed by this service.

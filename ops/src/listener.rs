@@ -29,6 +29,12 @@ pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
 const NOT_READY_RETRY_SECONDS: u32 = 5;
 /// A client that has not sent its request head by then is dropped.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// A connection's whole life, answer included: one that does not read its answer is dropped.
+const CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
+/// Connections served at once; more are closed at once. A scraper and two probes need three.
+const MAX_CONNECTIONS: usize = 32;
+/// Largest request head read: the three routes need a request line and a few headers.
+const MAX_HEAD_BYTES: usize = 8 * 1024;
 
 #[derive(Debug, Error)]
 pub enum ListenerError {
@@ -48,12 +54,17 @@ pub async fn bind_ops(addr: SocketAddr) -> Result<TcpListener, ListenerError> {
         .map_err(|source| ListenerError::Bind { addr, source })
 }
 
-/// Serves the three routes on `listener` until `shutdown` completes.
+/// Serves the three routes on `listener` until `shutdown` completes; `role` labels
+/// `confed_ready`. The listener can hold no more than `MAX_CONNECTIONS` connections of
+/// `MAX_HEAD_BYTES` each for at most `CONNECTION_TIMEOUT`, one request each: in an enclave image
+/// it must not be a way to exhaust memory or file descriptors.
 pub async fn serve_ops(
     listener: TcpListener,
+    role: &'static str,
     readiness: Readiness,
     shutdown: impl Future<Output = ()> + Send,
 ) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     tokio::pin!(shutdown);
     loop {
         let accepted = tokio::select! {
@@ -69,31 +80,45 @@ pub async fn serve_ops(
                 continue;
             }
         };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            // Full: closing is the answer (dropping the stream).
+            continue;
+        };
         let readiness = readiness.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             let service = hyper::service::service_fn(move |request| {
                 let readiness = readiness.clone();
-                async move { Ok::<_, Infallible>(answer(&request, &readiness).await) }
+                async move { Ok::<_, Infallible>(answer(&request, role, &readiness).await) }
             });
-            let served = hyper::server::conn::http1::Builder::new()
+            let connection = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(HEADER_TIMEOUT)
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-            if let Err(error) = served {
-                tracing::debug!(%error, "ops listener: connection ended with an error");
+                .keep_alive(false)
+                .max_buf_size(MAX_HEAD_BYTES)
+                .serve_connection(TokioIo::new(stream), service);
+            match tokio::time::timeout(CONNECTION_TIMEOUT, connection).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => {
+                    tracing::debug!(%error, "ops listener: connection ended with an error");
+                }
+                Err(_) => tracing::debug!("ops listener: connection outlived its time; closed"),
             }
         });
     }
 }
 
-async fn answer(request: &Request<Incoming>, readiness: &Readiness) -> Response<Full<Bytes>> {
+async fn answer(
+    request: &Request<Incoming>,
+    role: &'static str,
+    readiness: &Readiness,
+) -> Response<Full<Bytes>> {
     let path = request.uri().path();
     if !matches!(*request.method(), Method::GET | Method::HEAD) {
         let mut response = problem(
             StatusCode::METHOD_NOT_ALLOWED,
             &format!(
-                "{} {path}: this listener answers GET only",
+                "{} {path}: this listener answers GET and HEAD only",
                 request.method()
             ),
         );
@@ -104,7 +129,7 @@ async fn answer(request: &Request<Incoming>, readiness: &Readiness) -> Response<
     }
     match path {
         "/metrics" => {
-            crate::metrics::record_readiness(&readiness().await);
+            crate::metrics::record_readiness(role, &readiness().await);
             text(
                 StatusCode::OK,
                 METRICS_CONTENT_TYPE,
@@ -181,7 +206,7 @@ mod tests {
         let listener = bind_ops("127.0.0.1:0".parse().unwrap()).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(serve_ops(listener, readiness, async {
+        let server = tokio::spawn(serve_ops(listener, "test", readiness, async {
             let _ = stopped.await;
         }));
 
@@ -210,6 +235,18 @@ mod tests {
             post.starts_with("HTTP/1.1 405") && post.contains("allow: GET, HEAD"),
             "{post}"
         );
+        let huge = format!(
+            "GET /healthz HTTP/1.1\r\nx-filler: {}\r\n\r\n",
+            "a".repeat(64 * 1024)
+        );
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let _ = stream.write_all(huge.as_bytes()).await;
+        let mut reply = String::new();
+        let _ = stream.read_to_string(&mut reply).await;
+        assert!(
+            !reply.starts_with("HTTP/1.1 200"),
+            "a 64 KiB head is not read: {reply}"
+        );
 
         stop.send(()).unwrap();
         server.await.unwrap();
@@ -217,6 +254,38 @@ mod tests {
             tokio::net::TcpStream::connect(addr).await.is_err(),
             "the listener closed at shutdown"
         );
+    }
+
+    #[tokio::test]
+    async fn idle_connections_beyond_the_cap_are_closed_and_probes_still_answer_after() {
+        let readiness: Readiness = Arc::new(|| Box::pin(async { Ok(()) }));
+        let listener = bind_ops("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(serve_ops(
+            listener,
+            "test",
+            readiness,
+            std::future::pending(),
+        ));
+        // Hold every slot with connections that never send a request.
+        let mut idle = Vec::new();
+        for _ in 0..MAX_CONNECTIONS {
+            idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        // Let the listener accept them all before the next one.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut extra = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut buffer = [0u8; 16];
+        let read = tokio::time::timeout(Duration::from_secs(5), extra.read(&mut buffer))
+            .await
+            .expect("closed at once, not left waiting");
+        assert!(
+            matches!(read, Ok(0) | Err(_)),
+            "the connection over the cap is closed"
+        );
+        drop(idle);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(get(addr, "GET /healthz").await.starts_with("HTTP/1.1 200"));
     }
 
     #[tokio::test]

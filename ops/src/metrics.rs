@@ -91,10 +91,11 @@ pub fn install(info: BuildInfo) -> &'static PrometheusHandle {
         .handle
 }
 
-/// Sets `confed_ready` (1 or 0) from a readiness check, so that an alert sees what `/readyz`
-/// answers (each `/metrics` scrape checks it).
-pub fn record_readiness(ready: &Result<(), String>) {
-    metrics::gauge!("confed_ready").set(if ready.is_ok() { 1.0 } else { 0.0 });
+/// Sets `confed_ready{role}` (1 or 0) from a readiness check, so that an alert sees what
+/// `/readyz` answers (each `/metrics` scrape checks it). The role label keeps apart the services
+/// one process may hold (the embedded system's API, key services and issuer).
+pub fn record_readiness(role: &'static str, ready: &Result<(), String>) {
+    metrics::gauge!("confed_ready", "role" => role).set(if ready.is_ok() { 1.0 } else { 0.0 });
 }
 
 /// The Prometheus text of everything recorded, with the process metrics measured now; empty

@@ -56,43 +56,58 @@ pub async fn serve_app(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ListenError> {
     let bound = bind_app(listen, tls).await?;
-    serve_bound(bound, tls, app, shutdown).await
+    serve_bound(bound, app, shutdown).await
 }
 
-/// A listener bound by `bind_app`, not yet serving.
-#[derive(Debug)]
-pub struct Bound(tokio::net::TcpListener);
+/// A listener bound by `bind_app` or `bind_ops_only`, with its TLS configuration already
+/// loaded, not yet serving.
+pub struct Bound {
+    listener: tokio::net::TcpListener,
+    tls: Option<axum_server::tls_rustls::RustlsConfig>,
+}
 
-/// Checks the address and binds it: a process binds before it creates or prints anything, so a
-/// busy port stops a first start before it leaves state behind.
+/// Checks the address, loads the TLS files and binds: a process does this before it creates or
+/// prints anything, so a busy port or a bad certificate stops a first start before it leaves
+/// state behind (or prints a token it will not show again).
 pub async fn bind_app(listen: SocketAddr, tls: Option<&TlsFiles>) -> Result<Bound, ListenError> {
     check_listen(listen, tls)?;
-    tokio::net::TcpListener::bind(listen)
-        .await
-        .map(Bound)
-        .map_err(|source| ListenError::Listen {
-            addr: listen,
-            source,
-        })
+    bind(listen, tls).await
 }
 
 /// Binds a listener for the operator routes alone (`ops::ops_router`): plain HTTP is allowed on
 /// any address there, since they take no input but a path and hold no secret (a scheduler's
-/// probes and scrapes come from the cluster network).
-pub async fn bind_ops_only(listen: SocketAddr) -> Result<Bound, ListenError> {
-    tokio::net::TcpListener::bind(listen)
+/// probes and scrapes come from the cluster network). TLS when given.
+pub async fn bind_ops_only(
+    listen: SocketAddr,
+    tls: Option<&TlsFiles>,
+) -> Result<Bound, ListenError> {
+    bind(listen, tls).await
+}
+
+async fn bind(listen: SocketAddr, tls: Option<&TlsFiles>) -> Result<Bound, ListenError> {
+    let tls = match tls {
+        Some(files) => {
+            confed_protocol::http::install_crypto_provider();
+            Some(
+                axum_server::tls_rustls::RustlsConfig::from_pem_file(&files.cert, &files.key)
+                    .await
+                    .map_err(ListenError::Tls)?,
+            )
+        }
+        None => None,
+    };
+    let listener = tokio::net::TcpListener::bind(listen)
         .await
-        .map(Bound)
         .map_err(|source| ListenError::Listen {
             addr: listen,
             source,
-        })
+        })?;
+    Ok(Bound { listener, tls })
 }
 
 /// Serves `app` on a bound listener until `shutdown` completes (see `serve_app`).
 pub async fn serve_bound(
-    Bound(listener): Bound,
-    tls: Option<&TlsFiles>,
+    Bound { listener, tls }: Bound,
     app: axum::Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ListenError> {
@@ -105,20 +120,16 @@ pub async fn serve_bound(
             .with_graceful_shutdown(shutdown)
             .await
             .map_err(ListenError::Serve),
-        Some(tls) => serve_tls(listener, app, tls, shutdown).await,
+        Some(config) => serve_tls(listener, app, config, shutdown).await,
     }
 }
 
 async fn serve_tls(
     listener: tokio::net::TcpListener,
     app: axum::Router,
-    tls: &TlsFiles,
+    config: axum_server::tls_rustls::RustlsConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ListenError> {
-    confed_protocol::http::install_crypto_provider();
-    let config = axum_server::tls_rustls::RustlsConfig::from_pem_file(&tls.cert, &tls.key)
-        .await
-        .map_err(ListenError::Tls)?;
     let handle = axum_server::Handle::new();
     let drain = handle.clone();
     tokio::spawn(async move {

@@ -11,8 +11,8 @@ use confed_ops::Readiness;
 /// What `/readyz` asks the prober to wait before asking again.
 const NOT_READY_RETRY_SECONDS: u32 = 5;
 
-/// The three operator routes; `readiness` decides `/readyz`.
-pub fn ops_router(readiness: Readiness) -> Router {
+/// The three operator routes; `readiness` decides `/readyz` (and `confed_ready{role}`).
+pub fn ops_router(role: &'static str, readiness: Readiness) -> Router {
     let scraped = readiness.clone();
     Router::new()
         .route(
@@ -20,7 +20,7 @@ pub fn ops_router(readiness: Readiness) -> Router {
             get(move || {
                 let readiness = scraped.clone();
                 async move {
-                    confed_ops::record_readiness(&readiness().await);
+                    confed_ops::record_readiness(role, &readiness().await);
                     metrics().await
                 }
             }),

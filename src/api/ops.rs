@@ -138,7 +138,7 @@ async fn database_gauges(state: &AppState) -> Result<(), crate::db::DbError> {
 #[utoipa::path(get, path = "/metrics", tag = "operations",
     responses((status = 200, description = "Prometheus text exposition format", body = String, content_type = "text/plain")))]
 pub async fn metrics_text(State(state): State<AppState>) -> Response {
-    confed_ops::record_readiness(&readiness(&state).await.map_err(|e| e.to_string()));
+    confed_ops::record_readiness("api", &readiness(&state).await.map_err(|e| e.to_string()));
     if let Err(error) = database_gauges(&state).await {
         tracing::warn!(%error, "metrics: the task database did not answer; its gauges are stale");
     }

@@ -133,7 +133,15 @@ pub async fn assign_population(
             .other_tenants_active_tasks(&population, &request.tenant_id)
             .await?
         {
-            state.db.cancel_task(&tenant, &task, state.now().0).await?;
+            state
+                .db
+                .cancel_task_because(
+                    &tenant,
+                    &task,
+                    "cancelled by the operator: its population was given to another tenant",
+                    state.now().0,
+                )
+                .await?;
             tracing::warn!(%population, %tenant, %task,
                 "task cancelled by the operator to reassign its population");
         }

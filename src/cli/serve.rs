@@ -40,9 +40,11 @@ pub struct ServeArgs {
     /// signBlob as the ambient identity (one network call per check-in).
     #[arg(long, env = "CONFED_GCS_SIGNING_KEY_FILE", requires = "blobs")]
     pub gcs_signing_key_file: Option<PathBuf>,
-    /// Address to listen on; plain HTTP only on loopback addresses.
-    #[arg(long, default_value = "127.0.0.1:8080")]
-    pub listen: SocketAddr,
+    /// Address to listen on (default 127.0.0.1:8080; without the api role, which then serves
+    /// only /metrics, /healthz and /readyz, 127.0.0.1:9464); the API's plain HTTP only on
+    /// loopback addresses.
+    #[arg(long)]
+    pub listen: Option<SocketAddr>,
     /// PEM certificate chain for TLS (with --tls-key).
     #[arg(long, requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
@@ -110,13 +112,21 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         }),
         None => None,
     };
+    let default_port = if roles.contains(&server::Role::Api) {
+        8080
+    } else {
+        9464
+    };
+    let listen = args
+        .listen
+        .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], default_port)));
     let config = ServeConfig {
         roles,
         blobs,
         data_dir: args.data.data_dir,
         database: args.data.database,
         keyservices: args.keyservices,
-        listen: args.listen,
+        listen,
         tls,
         admin: admin_token(args.admin_token_file.as_ref())?,
         worker_token: shared_token(

@@ -224,7 +224,7 @@ const MODEL: &[NumberField] = &[
         label: "Evaluate every (rounds)",
         hint: "Federated evaluation of the model every this many rounds, charged to the privacy budget; empty for none",
         kind: Number::Integer {
-            min: 0,
+            min: 1,
             max: 10_000,
         },
         required: false,
@@ -267,12 +267,13 @@ fn form_fields() -> impl Iterator<Item = &'static str> {
 
 /// Whether a refusal named `param` belongs to the form field `field`.
 fn belongs(param: &str, field: &str) -> bool {
-    let field = if field == "evaluation_every" {
+    // The form's own name (a local parse error) or the API's path.
+    let api = if field == "evaluation_every" {
         "evaluation.every"
     } else {
         field
     };
-    param == field || param.ends_with(&format!(".{field}"))
+    param == field || param == api || param.ends_with(&format!(".{api}"))
 }
 
 fn value(form: &NewTaskForm, name: &str) -> String {
@@ -705,6 +706,7 @@ mod tests {
             "The task was not created; correct the fields marked below."
         );
         assert!(belongs("evaluation.every", "evaluation_every"));
+        assert!(belongs("evaluation_every", "evaluation_every"));
         assert!(belongs(
             "privacy.adaptive_clipping.target_quantile",
             "target_quantile"

@@ -47,6 +47,18 @@ static JOB_FAILED: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     )
 });
 
+/// Longest failure reason kept, in characters: it comes from the worker-token holder and is shown
+/// to the task's partner (`failure_reason`).
+pub const MAX_REASON_CHARS: usize = 1000;
+
+/// `reason`, cut to `MAX_REASON_CHARS` characters (with an ellipsis when cut).
+fn bounded_reason(reason: &str) -> String {
+    match reason.char_indices().nth(MAX_REASON_CHARS) {
+        Some((end, _)) => format!("{}…", &reason[..end]),
+        None => reason.to_string(),
+    }
+}
+
 /// Transient failures after which a job is reported as failing (logged as an error, counted in
 /// `confed_aggregation_jobs_failing`); it is still retried.
 pub const ALERT_AFTER_FAILURES: i64 = 5;
@@ -476,8 +488,11 @@ impl Db {
         permanent: bool,
         now: i64,
     ) -> Result<(), DbError> {
-        let (round_id, worker, reason) =
-            (round_id.to_string(), worker.to_string(), reason.to_string());
+        let (round_id, worker, reason) = (
+            round_id.to_string(),
+            worker.to_string(),
+            bounded_reason(reason),
+        );
         self.write(move |tx| {
             Box::pin(async move {
                 check_lease(&mut *tx, &round_id, &worker).await?;

@@ -304,12 +304,25 @@ impl Db {
         .await
     }
 
-    /// Cancels a live task: assignment stops at once because its live round fails in the same
-    /// transaction. A finished task answers `StateConflict`.
+    /// Cancels a live task at its partner's request (see `cancel_task_because`).
     pub async fn cancel_task(
         &self,
         tenant_id: &str,
         task_id: &str,
+        now: i64,
+    ) -> Result<TaskRecord, DbError> {
+        self.cancel_task_because(tenant_id, task_id, "cancelled by partner", now)
+            .await
+    }
+
+    /// Cancels a live task, `reason` recorded as its `failure_reason`: assignment stops at once
+    /// because its live round fails in the same transaction. A finished task answers
+    /// `StateConflict`.
+    pub async fn cancel_task_because(
+        &self,
+        tenant_id: &str,
+        task_id: &str,
+        reason: &'static str,
         now: i64,
     ) -> Result<TaskRecord, DbError> {
         let tenant_id = tenant_id.to_string();
@@ -332,7 +345,7 @@ impl Db {
                     task_id,
                     task.state,
                     TaskState::Cancelled,
-                    "cancelled by partner",
+                    reason,
                     now,
                 )
                 .await?;

@@ -113,10 +113,11 @@ impl DemoOptions {
                 self.report_goal, self.devices, self.report_goal
             ));
         }
-        if self.evaluate_every.is_some_and(|k| k > self.rounds) {
+        if let Some(k) = self.evaluate_every
+            && !(1..=self.rounds).contains(&k)
+        {
             return refuse(format!(
-                "--evaluate-every {} is more than --rounds {}: no round would evaluate",
-                self.evaluate_every.unwrap_or_default(),
+                "--evaluate-every {k} must be between 1 and --rounds {}",
                 self.rounds
             ));
         }

@@ -294,8 +294,12 @@ async fn device(shared: Arc<Shared>, index: u64) {
                 shared.contributions.inc(1);
             }
             // The round reached its goal with other devices' uploads first: what an
-            // over-selected round is for. Not a failure, and nothing to report.
-            Err(DeviceError::Server { status: 410, .. }) => shared.note(|s| s.late += 1),
+            // over-selected round is for. Not a failure, and nothing to report. (An expired
+            // assignment is also 410, and is a failure: the device was too slow.)
+            Err(DeviceError::Server {
+                status: 410,
+                detail,
+            }) if detail.contains("round is closed") => shared.note(|s| s.late += 1),
             Err(e) => {
                 let _ = client
                     .report(&assignment, ReportOutcome::Failed, Some(&e.with_causes()))

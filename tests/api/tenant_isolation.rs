@@ -251,3 +251,38 @@ async fn the_operator_assigns_populations_but_not_from_under_an_active_task() {
     .await
     .problem(StatusCode::NOT_FOUND);
 }
+
+/// An operator that takes a population with `cancel_active_tasks` cancels the tasks on it, and
+/// their partner reads that the operator did it, not that they did.
+#[tokio::test]
+async fn tasks_the_operator_cancels_to_move_a_population_say_so() {
+    let app = TestApp::new().await;
+    let alice = app.tenant("alice").await;
+    app.tenant("bob").await;
+    let task = app.open_task(&alice, json!({"population": "p1"})).await;
+    let tenants = app.db.list_tenants().await.unwrap();
+    let bob_id = tenants.iter().find(|t| t.name == "bob").unwrap().id.clone();
+    let moved = app
+        .call(
+            Method::PUT,
+            "/v1/admin/populations/p1",
+            Some(common::ADMIN_TOKEN),
+            Some(json!({"tenant_id": bob_id, "cancel_active_tasks": true})),
+        )
+        .await;
+    assert_eq!(moved.status, StatusCode::OK);
+    let cancelled = app
+        .call(
+            Method::GET,
+            &format!("/v1/tasks/{task}"),
+            Some(&alice),
+            None,
+        )
+        .await
+        .json();
+    assert_eq!(cancelled["state"], "CANCELLED");
+    assert_eq!(
+        cancelled["failure_reason"],
+        "cancelled by the operator: its population was given to another tenant"
+    );
+}

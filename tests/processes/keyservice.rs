@@ -60,7 +60,7 @@ async fn ceremony_then_key_service_serves_a_signed_key_set_and_audit_verify_chec
         "confed_build_info{process=\"confed-keyservice\"",
         "confed_keyservice_decisions_total{decision=\"granted\"} 0",
         "confed_keyservice_rolled_back 0",
-        "confed_ready 1",
+        "confed_ready{role=\"keyservice\"} 1",
     ] {
         assert!(metrics.contains(line), "{line} in {metrics}");
     }
@@ -505,7 +505,10 @@ async fn a_key_service_waiting_for_its_peers_is_alive_but_not_ready() {
         .text()
         .await
         .unwrap();
-    assert!(metrics.contains("confed_ready 0"), "{metrics}");
+    assert!(
+        metrics.contains("confed_ready{role=\"keyservice\"} 0"),
+        "{metrics}"
+    );
     assert!(
         metrics.contains("confed_keyservice_peer_rewinds_seen_total{peer=\"ks2\"} 0"),
         "{metrics}"

@@ -220,6 +220,26 @@ async fn a_busy_port_stops_a_first_start_before_it_creates_anything() {
         String::from_utf8_lossy(&output.stdout)
     );
     assert!(!data.exists(), "no data directory left behind");
+
+    // Nor does a certificate that cannot be loaded.
+    let output = confed()
+        .args(["serve", "--listen", "127.0.0.1:0", "--tls-cert"])
+        .arg(dir.path().join("missing.pem"))
+        .arg("--tls-key")
+        .arg(dir.path().join("missing.key"))
+        .arg("--data-dir")
+        .arg(&data)
+        .output()
+        .await
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("cannot load the TLS certificate or key"),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.stdout.is_empty(), "no token printed");
+    assert!(!data.exists(), "no data directory left behind");
 }
 
 #[tokio::test]

@@ -264,7 +264,6 @@ async fn postgresql_stopped_mid_round_answers_503_fast_and_the_round_goes_on_whe
     for (path, tenant_token) in [
         (task_path.as_str(), Some(token.as_str())),
         ("/readyz", None),
-        ("/metrics", None),
     ] {
         let started = std::time::Instant::now();
         let reply = app
@@ -283,6 +282,18 @@ async fn postgresql_stopped_mid_round_answers_503_fast_and_the_round_goes_on_whe
             started.elapsed()
         );
     }
+    // /metrics still answers (a failing scrape would hide what the alerts need), not ready.
+    let started = std::time::Instant::now();
+    let metrics = app
+        .call(axum::http::Method::GET, "/metrics", None, None)
+        .await;
+    assert_eq!(metrics.status, 200);
+    assert!(
+        String::from_utf8_lossy(&metrics.body).contains("\nconfed_ready{role=\"api\"} 0\n"),
+        "{}",
+        String::from_utf8_lossy(&metrics.body)
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
     assert_eq!(app.check_in().await.status, 503, "check-in");
     let health = app
         .call(axum::http::Method::GET, "/healthz", None, None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
@@ -28,8 +29,19 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+_B64URL = re.compile(r"[A-Za-z0-9_-]*")
+
+
 def _b64url(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    """Unpadded base64url, strictly (docs/attestation.md): padding or any other character is a
+    ValueError, as in the Rust verifier."""
+    if not isinstance(text, str) or not _B64URL.fullmatch(text) or len(text) % 4 == 1:
+        raise ValueError("not unpadded base64url")
+    decoded = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    # Non-canonical trailing bits (another text for the same bytes) are refused too.
+    if base64.urlsafe_b64encode(decoded).rstrip(b"=").decode() != text:
+        raise ValueError("not canonical base64url")
+    return decoded
 
 
 def _verify(key: ec.EllipticCurvePublicKey, text: str, signature: str) -> bool:
