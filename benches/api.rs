@@ -140,4 +140,50 @@ async fn main() {
         }
     };
     run("GET /v1/tasks, wrong token (401)", 10_000, unauthorized).await;
+
+    // A cancelled task: its failure_reason is read from the state history (issue 31).
+    let cancelled = client
+        .post(format!("{base}/v1/tasks/{id}/cancel"))
+        .bearer_auth(&*token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(cancelled.status(), 200);
+    let get_cancelled = {
+        let (client, base, token, id) = (client.clone(), base.clone(), token.clone(), id.clone());
+        move |_| {
+            let (client, base, token, id) =
+                (client.clone(), base.clone(), token.clone(), id.clone());
+            async move {
+                let r = client
+                    .get(format!("{base}/v1/tasks/{id}"))
+                    .bearer_auth(&*token)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+                let task: serde_json::Value = r.json().await.unwrap();
+                assert_eq!(task["failure_reason"], "cancelled by partner");
+            }
+        }
+    };
+    run(
+        "GET /v1/tasks/{id} of a cancelled task (+ failure_reason)",
+        10_000,
+        get_cancelled,
+    )
+    .await;
+
+    // A Prometheus scrape: database gauges, readiness and the process metrics.
+    let scrape = {
+        let (client, base) = (client.clone(), base.clone());
+        move |_| {
+            let (client, base) = (client.clone(), base.clone());
+            async move {
+                let r = client.get(format!("{base}/metrics")).send().await.unwrap();
+                assert_eq!(r.status(), 200);
+            }
+        }
+    };
+    run("GET /metrics (a scrape)", 1_000, scrape).await;
 }
