@@ -34,6 +34,10 @@ pub struct IssuerArgs {
     /// Address to listen on (plain HTTP only on loopback; otherwise pass --tls-cert/--tls-key).
     #[arg(long, default_value = "127.0.0.1:8480")]
     pub listen: SocketAddr,
+    /// Serve /metrics and /readyz on this address instead of the API's (plain HTTP unless TLS
+    /// files are given): keep the issuer's counts off a public port.
+    #[arg(long)]
+    pub ops_listen: Option<SocketAddr>,
     #[arg(long, requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
     #[arg(long, requires = "tls_cert")]
@@ -255,8 +259,26 @@ pub async fn run(
                 window_seconds = args.window_seconds,
                 "token issuer starting"
             );
-            confed_serving::serve_app(args.listen, tls.as_ref(), routes::router(issuer), shutdown)
-                .await?;
+            let app = match args.ops_listen {
+                None => routes::router(issuer),
+                Some(addr) => {
+                    let bound = confed_serving::bind_ops_only(addr, tls.as_ref())
+                        .await?
+                        .quiet();
+                    let ops = routes::ops_router(&issuer);
+                    tracing::info!(listen = %addr, "serving /metrics, /healthz and /readyz apart from the API");
+                    tokio::spawn(async move {
+                        if let Err(error) =
+                            confed_serving::serve_bound(bound, ops, std::future::pending()).await
+                        {
+                            tracing::error!(%error, "the operator listener stopped");
+                        }
+                    });
+                    routes::api_router(issuer)
+                        .route("/healthz", axum::routing::get(|| async { "ok" }))
+                }
+            };
+            confed_serving::serve_app(args.listen, tls.as_ref(), app, shutdown).await?;
             Ok(())
         }
         (None, None) => anyhow::bail!("pass the issuer's arguments or a subcommand (see --help)"),

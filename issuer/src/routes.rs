@@ -23,20 +23,31 @@ pub const MAX_BODY_BYTES: usize = 96 * 1024;
 
 pub const DEV_ATTESTER_WARNING: &str = "DEV ATTESTER: anyone can create device identities, so the per-device token limit bounds nothing; for tests and demos only";
 
+/// The issuer's API with `/metrics`, `/healthz` and `/readyz` beside it.
 pub fn router(issuer: Arc<Issuer>) -> Router {
-    // Ready while the attester can take evidence (e.g. an Android status list not stale).
+    let ops = ops_router(&issuer);
+    api_router(issuer).merge(ops)
+}
+
+/// `/metrics`, `/healthz` and `/readyz`: ready while the attester can take evidence (e.g. an
+/// Android status list not stale).
+pub fn ops_router(issuer: &Arc<Issuer>) -> Router {
     let probed = issuer.clone();
     let readiness: confed_ops::Readiness = Arc::new(move || {
         let why = probed.attester().unavailable(probed.now());
         Box::pin(async move { why.map_or(Ok(()), Err) })
     });
+    confed_serving::ops::ops_router("issuer", readiness)
+}
+
+/// The issuer's API alone (with `--ops-listen`, the operator routes are served elsewhere).
+pub fn api_router(issuer: Arc<Issuer>) -> Router {
     Router::new()
         .route("/v1/directory", get(directory))
         .route("/v1/challenge", post(challenge))
         .route("/v1/token-request", post(token_request))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(issuer)
-        .merge(confed_serving::ops::ops_router("issuer", readiness))
 }
 
 pub fn directory_of(issuer: &Issuer) -> Directory {

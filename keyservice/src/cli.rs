@@ -81,6 +81,10 @@ pub struct KeyserviceArgs {
     pub policy: PathBuf,
     #[arg(long, default_value = "127.0.0.1:8090")]
     pub listen: SocketAddr,
+    /// Serve /metrics and /readyz on this address instead of the API's (plain HTTP unless TLS
+    /// files are given): keep the service's counts off a public port.
+    #[arg(long)]
+    pub ops_listen: Option<SocketAddr>,
     #[arg(long, requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
     #[arg(long, requires = "tls_cert")]
@@ -220,6 +224,7 @@ pub async fn run(
         peers: args.peers,
         witness_quorum: args.witness_quorum,
         witness_pull: std::time::Duration::from_secs(args.witness_pull_seconds),
+        ops_listen: args.ops_listen,
     };
     crate::serve::run(config, shutdown).await?;
     Ok(())

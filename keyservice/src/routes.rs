@@ -13,14 +13,27 @@ use crate::error::KeyServiceApiError as ApiError;
 use crate::extract::ApiPath;
 use crate::keys::KeyState;
 
+/// The key service's API with `/metrics`, `/healthz` and `/readyz` beside it.
 pub fn router(service: KeyService) -> axum::Router {
-    // Ready while the grant gate is open: not while waiting for peers after a start, nor after
-    // a rollback (the key set is still served; releases are what it cannot do).
+    let ops = ops_router(&service);
+    api_router(service).merge(ops)
+}
+
+/// `/metrics`, `/healthz` and `/readyz`: ready while the grant gate is open, not while waiting
+/// for peers after a start, nor after a rollback (the key set is still served; releases are
+/// what it cannot do).
+pub fn ops_router(service: &KeyService) -> axum::Router {
     let gate = service.gate.clone();
     let readiness: confed_ops::Readiness = std::sync::Arc::new(move || {
         let ready = gate.check().map_err(|refusal| refusal.to_string());
         Box::pin(async move { ready })
     });
+    confed_serving::ops::ops_router("keyservice", readiness)
+}
+
+/// The key service's API alone (with `--ops-listen`, the operator routes are served elsewhere
+/// and only `/healthz` is added here, for liveness probes).
+pub fn api_router(service: KeyService) -> axum::Router {
     axum::Router::new()
         .route("/v1/keys", axum::routing::get(key_set))
         .route(
@@ -52,7 +65,6 @@ pub fn router(service: KeyService) -> axum::Router {
         // A release request carries the task policy (up to 80 KiB) besides the token.
         .layer(axum::extract::DefaultBodyLimit::max(128 * 1024))
         .with_state(service)
-        .merge(confed_serving::ops::ops_router("keyservice", readiness))
 }
 
 /// `GET /v1/keys`: every key this service holds a share of, signed by this service.

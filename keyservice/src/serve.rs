@@ -28,6 +28,9 @@ pub struct KeyServiceConfig {
     pub peers: Option<PathBuf>,
     pub witness_quorum: Option<usize>,
     pub witness_pull: std::time::Duration,
+    /// Serve `/metrics` and `/readyz` here (plain HTTP, or TLS with the service's files) instead
+    /// of on `listen`, which then keeps only `/healthz` besides the API.
+    pub ops_listen: Option<SocketAddr>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -112,13 +115,26 @@ pub async fn run(
     zero_metrics(&service);
     let _peer_tasks = service.spawn_peer_tasks(config.witness_pull);
     tracing::info!(keyservice = %service.id, keys = service.shares.len(), audience = %service.audience, "key service ready");
-    serve_app(
-        config.listen,
-        config.tls.as_ref(),
-        super::routes::router(service),
-        shutdown,
-    )
-    .await?;
+    let app = match config.ops_listen {
+        None => super::routes::router(service),
+        Some(addr) => {
+            let bound = confed_serving::bind_ops_only(addr, config.tls.as_ref())
+                .await?
+                .quiet();
+            let ops = super::routes::ops_router(&service);
+            tracing::info!(listen = %addr, "serving /metrics, /healthz and /readyz apart from the API");
+            tokio::spawn(async move {
+                if let Err(error) =
+                    confed_serving::serve_bound(bound, ops, std::future::pending()).await
+                {
+                    tracing::error!(%error, "the operator listener stopped");
+                }
+            });
+            super::routes::api_router(service)
+                .route("/healthz", axum::routing::get(|| async { "ok" }))
+        }
+    };
+    serve_app(config.listen, config.tls.as_ref(), app, shutdown).await?;
     Ok(())
 }
 

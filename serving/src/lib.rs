@@ -64,6 +64,19 @@ pub async fn serve_app(
 pub struct Bound {
     listener: tokio::net::TcpListener,
     tls: Option<axum_server::tls_rustls::RustlsConfig>,
+    /// Print `confed: serving on URL` (the line scripts read the process's address from).
+    announce: bool,
+}
+
+impl Bound {
+    /// A second listener of the process (its operator routes): logged, not announced on stdout,
+    /// where the first `confed: serving on` line must stay the API's.
+    pub fn quiet(self) -> Self {
+        Self {
+            announce: false,
+            ..self
+        }
+    }
 }
 
 /// Checks the address, loads the TLS files and binds: a process does this before it creates or
@@ -102,18 +115,28 @@ async fn bind(listen: SocketAddr, tls: Option<&TlsFiles>) -> Result<Bound, Liste
             addr: listen,
             source,
         })?;
-    Ok(Bound { listener, tls })
+    Ok(Bound {
+        listener,
+        tls,
+        announce: true,
+    })
 }
 
 /// Serves `app` on a bound listener until `shutdown` completes (see `serve_app`).
 pub async fn serve_bound(
-    Bound { listener, tls }: Bound,
+    Bound {
+        listener,
+        tls,
+        announce,
+    }: Bound,
     app: axum::Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ListenError> {
     let local = listener.local_addr().map_err(ListenError::Serve)?;
     let scheme = if tls.is_some() { "https" } else { "http" };
-    println!("confed: serving on {scheme}://{local}");
+    if announce {
+        println!("confed: serving on {scheme}://{local}");
+    }
     tracing::info!(%local, scheme, "serving");
     match tls {
         None => axum::serve(listener, app)

@@ -515,3 +515,43 @@ async fn a_key_service_waiting_for_its_peers_is_alive_but_not_ready() {
     );
     started.child.kill().await.unwrap();
 }
+
+/// `--ops-listen` moves /metrics and /readyz off the service's API port (which keeps /healthz).
+#[tokio::test]
+async fn ops_listen_keeps_the_counts_off_the_api_port() {
+    let setup = setup().await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut command = confed();
+    command
+        .args(keyservice_args(&setup))
+        .args(["--ops-listen", &format!("127.0.0.1:{port}")]);
+    let mut started = serving(command, BOUND).await;
+    let http = confed_protocol::http::client(BOUND);
+    let status = |url: String| {
+        let http = http.clone();
+        async move { http.get(url).send().await.unwrap().status().as_u16() }
+    };
+    assert_eq!(status(format!("{}/metrics", started.url)).await, 404);
+    assert_eq!(status(format!("{}/readyz", started.url)).await, 404);
+    assert_eq!(status(format!("{}/healthz", started.url)).await, 200);
+    assert_eq!(status(format!("{}/v1/keys", started.url)).await, 200);
+    let ops = format!("http://127.0.0.1:{port}");
+    assert_eq!(status(format!("{ops}/readyz")).await, 200);
+    let metrics = http
+        .get(format!("{ops}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("confed_keyservice_decisions_total"),
+        "{metrics}"
+    );
+    started.child.kill().await.unwrap();
+}
