@@ -190,24 +190,6 @@ fn dev_attester(path: &Path) -> Result<DevAttester> {
 }
 
 async fn run(args: Args) -> Result<()> {
-    // First: a busy port stops the start, instead of leaving a worker nobody can probe.
-    let ops = confed_ops::bind_ops(args.ops_listen).await?;
-    confed_ops::install(confed_ops::BuildInfo {
-        process: "confed-enclave",
-        version: env!("CARGO_PKG_VERSION"),
-    });
-    for outcome in ["released", "failed", "unreachable"] {
-        metrics::counter!("confed_enclave_jobs_total", "outcome" => outcome).absolute(0);
-    }
-    let contact = Contact::default();
-    contact.failed("no lease attempted yet".into());
-    tracing::info!(listen = %args.ops_listen, "serving /metrics, /healthz and /readyz");
-    tokio::spawn(confed_ops::serve_ops(
-        ops,
-        "enclave",
-        contact.readiness(),
-        std::future::pending(),
-    ));
     let token = worker_token(
         args.worker_token_file.as_deref(),
         args.worker_token_secret.as_deref(),
@@ -225,6 +207,25 @@ async fn run(args: Args) -> Result<()> {
             Arc::new(dev_attester(path)?)
         }
     };
+    // Once the configuration is read (its errors come first), and before the first lease: a
+    // busy port stops the start instead of leaving a worker nobody can probe.
+    let ops = confed_ops::bind_ops(args.ops_listen).await?;
+    confed_ops::install(confed_ops::BuildInfo {
+        process: "confed-enclave",
+        version: env!("CARGO_PKG_VERSION"),
+    });
+    for outcome in ["released", "failed", "unreachable"] {
+        metrics::counter!("confed_enclave_jobs_total", "outcome" => outcome).absolute(0);
+    }
+    let contact = Contact::default();
+    contact.failed("no lease attempted yet".into());
+    tracing::info!(listen = %args.ops_listen, "serving /metrics, /healthz and /readyz");
+    tokio::spawn(confed_ops::serve_ops(
+        ops,
+        "enclave",
+        contact.readiness(),
+        std::future::pending(),
+    ));
     // `name/incarnation`: the name is stable (given, or the host's), the incarnation new in every
     // process, so a restarted worker takes back at once a job its previous process held.
     let name = args.id.unwrap_or_else(default_worker_name);
