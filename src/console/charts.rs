@@ -38,33 +38,83 @@ fn label(value: f64) -> String {
     text.trim_end_matches('0').trim_end_matches('.').to_string()
 }
 
+/// The plot area of a line chart: whole-number x from 0 to `x_max`, y over `y_ticks`.
+struct Frame {
+    height: f64,
+    x_max: f64,
+    y_ticks: Vec<f64>,
+}
+
+impl Frame {
+    fn new(height: f64, x_max: f64, y_ticks: Vec<f64>) -> Self {
+        Self {
+            height,
+            x_max: x_max.max(1.0),
+            y_ticks,
+        }
+    }
+
+    fn plot_w(&self) -> f64 {
+        WIDTH - LEFT - RIGHT
+    }
+
+    fn plot_h(&self) -> f64 {
+        self.height - TOP - BOTTOM
+    }
+
+    fn x(&self, value: f64) -> f64 {
+        LEFT + self.plot_w() * value / self.x_max
+    }
+
+    fn y(&self, value: f64) -> f64 {
+        let lo = *self.y_ticks.first().unwrap_or(&0.0);
+        let hi = *self.y_ticks.last().unwrap_or(&1.0);
+        TOP + self.plot_h() * (1.0 - (value - lo) / (hi - lo).max(f64::MIN_POSITIVE))
+    }
+
+    /// The points as an SVG polyline's `points`.
+    fn line(&self, points: impl Iterator<Item = (f64, f64)>) -> String {
+        points
+            .map(|(a, b)| format!("{:.1},{:.1}", self.x(a), self.y(b)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// Grid lines and y ticks, whole-number x ticks (rounds and versions: none between two),
+    /// and both axes' labels.
+    fn axes(&self, x_label: &str, y_label: &str) -> Markup {
+        let x_ticks: Vec<f64> = ticks(self.x_max, 10)
+            .into_iter()
+            .filter(|t| *t <= self.x_max && t.fract() == 0.0)
+            .collect();
+        let middle = TOP + self.plot_h() / 2.0;
+        html! {
+            @for t in &self.y_ticks {
+                line.grid x1=(LEFT) x2=(WIDTH - RIGHT) y1=(self.y(*t)) y2=(self.y(*t)) {}
+                text.tick x=(LEFT - 8.0) y=(self.y(*t) + 4.0) text-anchor="end" { (label(*t)) }
+            }
+            @for t in &x_ticks {
+                text.tick x=(self.x(*t)) y=(self.height - BOTTOM + 18.0) text-anchor="middle" { (label(*t)) }
+            }
+            text.axis x=(LEFT + self.plot_w() / 2.0) y=(self.height - 6.0) text-anchor="middle" { (x_label) }
+            text.axis x="14" y=(middle) text-anchor="middle"
+                transform={"rotate(-90 14 " (middle) ")"} { (y_label) }
+        }
+    }
+}
+
 /// Privacy spent per round (a line through the releases) against the task's budget (dashed).
 pub fn privacy_plot(points: &[SpentPoint], rounds_planned: i64, budget: f64) -> Markup {
-    let height = 280.0;
-    let plot_w = WIDTH - LEFT - RIGHT;
-    let plot_h = height - TOP - BOTTOM;
     let top_value = points
         .iter()
         .map(|p| p.epsilon)
         .fold(budget, f64::max)
         .max(f64::MIN_POSITIVE);
-    let y_ticks = ticks(top_value * 1.05, 5);
-    let y_max = *y_ticks.last().unwrap_or(&1.0);
-    let x_max = rounds_planned
-        .max(points.last().map_or(1, |p| p.round))
-        .max(1) as f64;
-    let x = |round: f64| LEFT + plot_w * round / x_max;
-    let y = |epsilon: f64| TOP + plot_h * (1.0 - epsilon / y_max);
-    // Rounds are whole numbers: no tick between two of them.
-    let x_ticks: Vec<f64> = ticks(x_max, 10)
-        .into_iter()
-        .filter(|t| *t <= x_max && t.fract() == 0.0)
-        .collect();
-    let line: String = std::iter::once((0.0, 0.0))
-        .chain(points.iter().map(|p| (p.round as f64, p.epsilon)))
-        .map(|(r, e)| format!("{:.1},{:.1}", x(r), y(e)))
-        .collect::<Vec<_>>()
-        .join(" ");
+    let x_max = rounds_planned.max(points.last().map_or(1, |p| p.round)) as f64;
+    let frame = Frame::new(280.0, x_max, ticks(top_value * 1.05, 5));
+    let line = frame.line(
+        std::iter::once((0.0, 0.0)).chain(points.iter().map(|p| (p.round as f64, p.epsilon))),
+    );
     let summary = match points.last() {
         Some(last) => format!(
             "After round {} of {rounds_planned}, epsilon spent is {} of the budget {}.",
@@ -78,27 +128,18 @@ pub fn privacy_plot(points: &[SpentPoint], rounds_planned: i64, budget: f64) -> 
         ),
     };
     html! {
-        svg.chart #privacy-plot viewBox={"0 0 " (WIDTH) " " (height)} role="img"
+        svg.chart #privacy-plot viewBox={"0 0 " (WIDTH) " " (frame.height)} role="img"
             aria-labelledby="privacy-plot-title privacy-plot-desc" data-budget=(budget) {
             title #privacy-plot-title { "Privacy spent per round" }
             desc #privacy-plot-desc { (summary) }
-            @for t in &y_ticks {
-                line.grid x1=(LEFT) x2=(WIDTH - RIGHT) y1=(y(*t)) y2=(y(*t)) {}
-                text.tick x=(LEFT - 8.0) y=(y(*t) + 4.0) text-anchor="end" { (label(*t)) }
-            }
-            @for t in &x_ticks {
-                text.tick x=(x(*t)) y=(height - BOTTOM + 18.0) text-anchor="middle" { (label(*t)) }
-            }
-            text.axis x=(LEFT + plot_w / 2.0) y=(height - 6.0) text-anchor="middle" { "round" }
-            text.axis x="14" y=(TOP + plot_h / 2.0) text-anchor="middle"
-                transform={"rotate(-90 14 " (TOP + plot_h / 2.0) ")"} { "epsilon spent" }
-            line.budget x1=(LEFT) x2=(WIDTH - RIGHT) y1=(y(budget)) y2=(y(budget)) {}
-            text.budget-label x=(WIDTH - RIGHT) y=(y(budget) - 6.0) text-anchor="end" {
+            (frame.axes("round", "epsilon spent"))
+            line.budget x1=(LEFT) x2=(WIDTH - RIGHT) y1=(frame.y(budget)) y2=(frame.y(budget)) {}
+            text.budget-label x=(WIDTH - RIGHT) y=(frame.y(budget) - 6.0) text-anchor="end" {
                 "budget " (label(budget))
             }
             polyline.spent points=(line) {}
             @for p in points {
-                circle.spent cx=(x(p.round as f64)) cy=(y(p.epsilon)) r="3.5"
+                circle.spent cx=(frame.x(p.round as f64)) cy=(frame.y(p.epsilon)) r="3.5"
                     data-round=(p.round) data-epsilon=(p.epsilon) {
                     title { "round " (p.round) ": epsilon " (label(p.epsilon)) }
                 }
@@ -212,31 +253,13 @@ pub fn version_chart(
     at_least: (f64, f64),
     points: &[VersionPoint],
 ) -> Markup {
-    let height = 240.0;
-    let plot_w = WIDTH - LEFT - RIGHT;
-    let plot_h = height - TOP - BOTTOM;
     let lo = points.iter().map(|p| p.value).fold(at_least.0, f64::min);
     let hi = points.iter().map(|p| p.value).fold(at_least.1, f64::max);
     // All values equal (and no range asked for): one unit around them.
     let hi = if hi - lo < 1e-12 { lo + 1.0 } else { hi };
-    let y_ticks = ticks_between(lo, hi, 5);
-    let (y_lo, y_hi) = (
-        *y_ticks.first().unwrap_or(&0.0),
-        *y_ticks.last().unwrap_or(&1.0),
-    );
-    let x_max = points.iter().map(|p| p.version).max().unwrap_or(1).max(1) as f64;
-    let x = |version: f64| LEFT + plot_w * version / x_max;
-    let y =
-        |value: f64| TOP + plot_h * (1.0 - (value - y_lo) / (y_hi - y_lo).max(f64::MIN_POSITIVE));
-    let x_ticks: Vec<f64> = ticks(x_max, 10)
-        .into_iter()
-        .filter(|t| *t <= x_max && t.fract() == 0.0)
-        .collect();
-    let line: String = points
-        .iter()
-        .map(|p| format!("{:.1},{:.1}", x(p.version as f64), y(p.value)))
-        .collect::<Vec<_>>()
-        .join(" ");
+    let x_max = points.iter().map(|p| p.version).max().unwrap_or(1) as f64;
+    let frame = Frame::new(240.0, x_max, ticks_between(lo, hi, 5));
+    let line = frame.line(points.iter().map(|p| (p.version as f64, p.value)));
     let summary = match (points.first(), points.last()) {
         (Some(first), Some(last)) => format!(
             "{title}: {} at model version {}, {} at version {} ({} evaluations).",
@@ -250,23 +273,14 @@ pub fn version_chart(
     };
     let (title_id, desc_id) = (format!("{id}-title"), format!("{id}-desc"));
     html! {
-        svg.chart id=(id) viewBox={"0 0 " (WIDTH) " " (height)} role="img"
+        svg.chart id=(id) viewBox={"0 0 " (WIDTH) " " (frame.height)} role="img"
             aria-labelledby={(title_id) " " (desc_id)} {
             title id=(title_id) { (title) }
             desc id=(desc_id) { (summary) }
-            @for t in &y_ticks {
-                line.grid x1=(LEFT) x2=(WIDTH - RIGHT) y1=(y(*t)) y2=(y(*t)) {}
-                text.tick x=(LEFT - 8.0) y=(y(*t) + 4.0) text-anchor="end" { (label(*t)) }
-            }
-            @for t in &x_ticks {
-                text.tick x=(x(*t)) y=(height - BOTTOM + 18.0) text-anchor="middle" { (label(*t)) }
-            }
-            text.axis x=(LEFT + plot_w / 2.0) y=(height - 6.0) text-anchor="middle" { "model version" }
-            text.axis x="14" y=(TOP + plot_h / 2.0) text-anchor="middle"
-                transform={"rotate(-90 14 " (TOP + plot_h / 2.0) ")"} { (axis) }
+            (frame.axes("model version", axis))
             polyline.spent points=(line) {}
             @for p in points {
-                circle.spent cx=(x(p.version as f64)) cy=(y(p.value)) r="3.5"
+                circle.spent cx=(frame.x(p.version as f64)) cy=(frame.y(p.value)) r="3.5"
                     data-version=(p.version) data-value=(p.value) {
                     title { "version " (p.version) ": " (significant(p.value)) }
                 }

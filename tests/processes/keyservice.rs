@@ -45,17 +45,8 @@ async fn ceremony_then_key_service_serves_a_signed_key_set_and_audit_verify_chec
     assert_eq!(head["keyservice_id"], "ks1");
     assert_eq!(head["records"], 0);
     // Its operator's routes: ready (no peers to wait for), and its metrics.
-    let http = confed_protocol::http::client(BOUND);
-    let ready = http.get(format!("{url}/readyz")).send().await.unwrap();
-    assert_eq!(ready.status(), 200);
-    let metrics = http
-        .get(format!("{url}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    assert_eq!(get_text(&format!("{url}/readyz")).await.0, 200);
+    let (_, metrics) = get_text(&format!("{url}/metrics")).await;
     for line in [
         "confed_build_info{process=\"confed-keyservice\"",
         "confed_keyservice_decisions_total{decision=\"granted\"} 0",
@@ -475,16 +466,8 @@ async fn a_key_service_waiting_for_its_peers_is_alive_but_not_ready() {
         .arg("--peers")
         .arg(dir.join("peers.json"));
     let mut started = serving(command, BOUND).await;
-    let http = confed_protocol::http::client(BOUND);
-    assert_eq!(
-        http.get(format!("{}/healthz", started.url))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
-    let ready = http
+    assert_eq!(get_text(&format!("{}/healthz", started.url)).await.0, 200);
+    let ready = confed_protocol::http::client(BOUND)
         .get(format!("{}/readyz", started.url))
         .send()
         .await
@@ -497,14 +480,7 @@ async fn a_key_service_waiting_for_its_peers_is_alive_but_not_ready() {
         detail.contains("grants nothing until 1 of its peers"),
         "{detail}"
     );
-    let metrics = http
-        .get(format!("{}/metrics", started.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let (_, metrics) = get_text(&format!("{}/metrics", started.url)).await;
     assert!(
         metrics.contains("confed_ready{role=\"keyservice\"} 0"),
         "{metrics}"
@@ -530,28 +506,27 @@ async fn ops_listen_keeps_the_counts_off_the_api_port() {
         .args(keyservice_args(&setup))
         .args(["--ops-listen", &format!("127.0.0.1:{port}")]);
     let mut started = serving(command, BOUND).await;
-    let http = confed_protocol::http::client(BOUND);
-    let status = |url: String| {
-        let http = http.clone();
-        async move { http.get(url).send().await.unwrap().status().as_u16() }
-    };
-    assert_eq!(status(format!("{}/metrics", started.url)).await, 404);
-    assert_eq!(status(format!("{}/readyz", started.url)).await, 404);
-    assert_eq!(status(format!("{}/healthz", started.url)).await, 200);
-    assert_eq!(status(format!("{}/v1/keys", started.url)).await, 200);
+    let api = &started.url;
+    assert_eq!(get_text(&format!("{api}/metrics")).await.0, 404);
+    assert_eq!(get_text(&format!("{api}/readyz")).await.0, 404);
+    assert_eq!(get_text(&format!("{api}/healthz")).await.0, 200);
+    assert_eq!(get_text(&format!("{api}/v1/keys")).await.0, 200);
     let ops = format!("http://127.0.0.1:{port}");
-    assert_eq!(status(format!("{ops}/readyz")).await, 200);
-    let metrics = http
-        .get(format!("{ops}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    assert_eq!(get_text(&format!("{ops}/readyz")).await.0, 200);
+    let (_, metrics) = get_text(&format!("{ops}/metrics")).await;
     assert!(
         metrics.contains("confed_keyservice_decisions_total"),
         "{metrics}"
     );
     started.child.kill().await.unwrap();
+}
+
+/// A GET's status and body text.
+async fn get_text(url: &str) -> (u16, String) {
+    let reply = confed_protocol::http::client(BOUND)
+        .get(url)
+        .send()
+        .await
+        .unwrap();
+    (reply.status().as_u16(), reply.text().await.unwrap())
 }
