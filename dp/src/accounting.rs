@@ -1,37 +1,50 @@
 //! What a task's mechanism costs one device, in zCDP, and the noise that fits its budget: the
 //! Gaussian mechanism (one release per round), DP-FTRL's trees (`tree`: the depth of each tree
-//! begun), adaptive clipping's noised count on top of either (one count per round the device
+//! begun) or BLT (`blt_accounting`: its squared min-separation sensitivity), adaptive clipping's noised count on top of either (one count per round the device
 //! may serve) and evaluation's noised sums (one per evaluation round the device may serve), all
 //! composed by adding rho and converted to (epsilon, delta) by the `Accountant`.
 
 use confed_protocol::policy::{DpMechanism, Evaluation, Mechanism};
 
-use super::calibrate::epsilon_of_rho;
-use super::grid::GRID_UNITS_PER_CLIP;
-use super::{Accountant, Calibration, DpError, calibrate, tree};
+use super::calibrate::{calibrate_units, epsilon_of_rho};
+use super::grid::{GRID_UNITS_PER_CLIP, MAX_SCALE_GRID};
+use super::{Accountant, Calibration, DpError, blt_accounting, tree};
 
-/// Gaussian releases at the mechanism's noise scale (one per round for `Gaussian`, one per
-/// complete node over a device's round for `Tree`) that rounds `1..=round` cost one device at
-/// most: what calibration and accounting compose in zCDP.
-pub fn releases_through(mechanism: Mechanism, round: u64) -> u64 {
+/// Gaussian releases of one clip norm's sensitivity at the mechanism's noise multiplier that
+/// rounds `1..=round` cost one device at most (one per round for `Gaussian`, one per complete
+/// node over a device's round for `Tree`, a BLT's squared sensitivity with its rounding for
+/// `Blt`): what calibration and accounting compose in zCDP.
+pub fn units_through(mechanism: Mechanism, round: u64) -> f64 {
     match mechanism {
-        Mechanism::Gaussian => round,
+        Mechanism::Gaussian => round as f64,
         Mechanism::Tree { min_separation } => tree::Trees {
             length: min_separation,
         }
-        .releases_through(round),
+        .releases_through(round) as f64,
+        Mechanism::Blt(blt) => blt_accounting::units_through(&blt, round),
     }
 }
 
+/// Noise lattice units per clip norm: the grid's, or a BLT's finer lattice.
+pub fn units_per_clip(mechanism: Mechanism) -> f64 {
+    match mechanism {
+        Mechanism::Blt(blt) => blt_accounting::units_per_clip(&blt),
+        _ => GRID_UNITS_PER_CLIP as f64,
+    }
+}
+
+/// Largest noise multiplier the exact sampler can draw for `mechanism` (2^30 lattice units).
+pub fn max_noise_multiplier(mechanism: Mechanism) -> f64 {
+    MAX_SCALE_GRID as f64 / units_per_clip(mechanism)
+}
+
 /// Noised counts (adaptive clipping) one device can be in through `round`: one per round it may
-/// serve, so one per round (Gaussian) or one per tree begun (DP-FTRL).
+/// serve, so one per round (Gaussian) or one per `min_separation` rounds begun (DP-FTRL).
 pub fn counts_through(mechanism: Mechanism, round: u64) -> u64 {
     match mechanism {
         Mechanism::Gaussian => round,
-        Mechanism::Tree { min_separation } if round > 0 => {
-            (round - 1) / u64::from(min_separation) + 1
-        }
-        Mechanism::Tree { .. } => 0,
+        _ if round == 0 => 0,
+        other => (round - 1) / u64::from(other.min_separation()) + 1,
     }
 }
 
@@ -55,7 +68,7 @@ pub fn evaluations_through(mechanism: Mechanism, evaluation: &Evaluation, round:
     let sum = scheduled_through(mechanism, evaluation, round) + evaluation.on_demand_through(round);
     match mechanism {
         Mechanism::Gaussian => sum,
-        Mechanism::Tree { .. } => sum.min(counts_through(mechanism, round)),
+        _ => sum.min(counts_through(mechanism, round)),
     }
 }
 
@@ -74,6 +87,20 @@ fn scheduled_through(mechanism: Mechanism, evaluation: &Evaluation, round: u64) 
                 }
             }
             trees
+        }
+        Mechanism::Blt(blt) => {
+            // The most evaluation rounds pairwise at least `b` apart (earliest first is optimal).
+            let b = u64::from(blt.min_separation);
+            let mut served = 0;
+            let mut last: Option<u64> = None;
+            for k in 0..evaluated {
+                let round = 1 + k * u64::from(evaluation.every);
+                if last.is_none_or(|l| round >= l + b) {
+                    served += 1;
+                    last = Some(round);
+                }
+            }
+            served
         }
     }
 }
@@ -130,14 +157,15 @@ pub fn calibrate_task(
     delta: f64,
     rounds: u32,
 ) -> Result<Calibration, DpError> {
-    let units = releases_through(mechanism.noise, u64::from(rounds));
-    let releases = u32::try_from(units)
-        .map_err(|_| DpError::InvalidBudget(format!("{rounds} rounds are too many")))?;
-    let base = calibrate(accountant, epsilon, delta, releases)?;
+    if rounds == 0 {
+        return Err(DpError::InvalidBudget("rounds must be >= 1 (got 0)".into()));
+    }
+    let units = units_through(mechanism.noise, u64::from(rounds));
+    let base = calibrate_units(accountant, epsilon, delta, units)?;
     if mechanism.adaptive_clipping.is_none() && mechanism.evaluation.is_none() {
         return Ok(base);
     }
-    let budget_rho = base.rho_per_round * units as f64;
+    let budget_rho = base.rho_per_round * units;
     let side = SideScales::planned(&mechanism);
     let side_rho = side.rho_through(mechanism.noise, u64::from(rounds));
     if side_rho >= 0.9 * budget_rho {
@@ -145,7 +173,7 @@ pub fn calibrate_task(
             "adaptive clipping's counts and evaluation's sums cost rho {side_rho:.4}, at least 90 % of the whole budget's {budget_rho:.4}; raise their noise (count_stddev about report_goal / 20, evaluation stddev about report_goal x max_examples / 20 are usual), evaluate less often, or raise epsilon"
         )));
     }
-    let rho_per_release = (budget_rho - side_rho) / units as f64;
+    let rho_per_release = (budget_rho - side_rho) / units;
     let noise_multiplier = (1.0 / (2.0 * rho_per_release)).sqrt();
     Ok(Calibration {
         noise_multiplier,
@@ -163,7 +191,7 @@ pub fn spent_task(
     round: u64,
     delta: f64,
 ) -> Result<(f64, f64), DpError> {
-    let rho = accountant.rho_at(scale_grid)? * releases_through(mechanism, round) as f64
+    let rho = accountant.rho_at(scale_grid)? * units_through(mechanism, round)
         + side.rho_through(mechanism, round);
     Ok((rho, epsilon_of_rho(accountant, rho, delta)?))
 }

@@ -30,8 +30,8 @@ pub struct Calibration {
     pub rho_per_round: f64,
 }
 
-/// (accountant, epsilon bits, delta bits, rounds).
-type Key = (&'static str, u64, u64, u32);
+/// (accountant, epsilon bits, delta bits, release units bits).
+type Key = (&'static str, u64, u64, u64);
 
 fn cache() -> &'static Mutex<HashMap<Key, Calibration>> {
     static CACHE: OnceLock<Mutex<HashMap<Key, Calibration>>> = OnceLock::new();
@@ -46,17 +46,39 @@ pub fn calibrate(
     delta: f64,
     rounds: u32,
 ) -> Result<Calibration, DpError> {
-    let valid = epsilon.is_finite() && epsilon > 0.0 && delta > 0.0 && delta < 1.0 && rounds > 0;
+    if rounds == 0 {
+        return Err(DpError::InvalidBudget(format!(
+            "rounds must be >= 1 (got {rounds})"
+        )));
+    }
+    calibrate_units(accountant, epsilon, delta, f64::from(rounds))
+}
+
+/// The smallest noise multiplier that keeps a mechanism costing `units` Gaussian releases of
+/// sensitivity one clip norm (a real number: a BLT's squared sensitivity) within (epsilon,
+/// delta).
+pub fn calibrate_units(
+    accountant: &dyn Accountant,
+    epsilon: f64,
+    delta: f64,
+    units: f64,
+) -> Result<Calibration, DpError> {
+    let valid = epsilon.is_finite()
+        && epsilon > 0.0
+        && delta > 0.0
+        && delta < 1.0
+        && units.is_finite()
+        && units > 0.0;
     if !valid {
         return Err(DpError::InvalidBudget(format!(
-            "epsilon must be > 0, delta in (0, 1) and rounds >= 1 (got {epsilon}, {delta}, {rounds})"
+            "epsilon must be > 0, delta in (0, 1) and the releases positive (got {epsilon}, {delta}, {units})"
         )));
     }
     let key = (
         accountant.name(),
         epsilon.to_bits(),
         delta.to_bits(),
-        rounds,
+        units.to_bits(),
     );
     if let Some(found) = cache().lock().expect("calibration cache").get(&key) {
         return Ok(*found);
@@ -85,7 +107,7 @@ pub fn calibrate(
         }
     }
     let single = hi / GRID_UNITS_PER_CLIP as f64;
-    let noise_multiplier = single * f64::from(rounds).sqrt();
+    let noise_multiplier = single * units.sqrt();
     let calibration = Calibration {
         noise_multiplier,
         rho_per_round: accountant.rho_at(noise_multiplier * GRID_UNITS_PER_CLIP as f64)?,

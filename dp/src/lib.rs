@@ -13,16 +13,20 @@
 //! Nothing here is secret or samples noise: the sampler is the enclave's.
 
 pub mod accounting;
+pub mod blt;
+pub mod blt_accounting;
+pub mod blt_optimize;
 pub mod calibrate;
 pub mod closed_form;
 pub mod grid;
 pub mod plan;
+pub mod running_sum;
 pub mod tree;
 
 use thiserror::Error;
 
-pub use accounting::{SideScales, calibrate_task, releases_through, spent_task};
-pub use calibrate::{Calibration, MAX_NOISE_MULTIPLIER, calibrate, spent};
+pub use accounting::{SideScales, calibrate_task, spent_task, units_through};
+pub use calibrate::{Calibration, MAX_NOISE_MULTIPLIER, calibrate, calibrate_units, spent};
 pub use closed_form::ClosedForm;
 pub use plan::{PlanProblem, check_plan};
 

@@ -8,6 +8,7 @@
 
 use confed_protocol::policy::DpMechanism;
 
+use super::accounting::max_noise_multiplier;
 use super::calibrate::MAX_NOISE_MULTIPLIER;
 use super::{Accountant, Calibration, DpError, calibrate_task};
 
@@ -35,7 +36,8 @@ pub enum PlanProblem {
 }
 
 /// The calibration a plan gets, or why it cannot work. For the tree mechanism the limit applies
-/// to each node's noise (the running sum's noise is a few node scales; docs/privacy.md).
+/// to each node's noise (the running sum's noise is a few node scales; docs/privacy.md), for
+/// BLT to each round's fresh noise `z_t`.
 pub fn check_plan(
     accountant: &dyn Accountant,
     mechanism: DpMechanism,
@@ -48,7 +50,8 @@ pub fn check_plan(
     let z = calibration.noise_multiplier;
     // A hair below the sampler's limit: accountants agree to 1e-9, not to the last bit, and a
     // plan the enclave could not sample for must be refused here, never accepted.
-    if z > MAX_NOISE_MULTIPLIER * (1.0 - 1e-6) {
+    let most = MAX_NOISE_MULTIPLIER.min(max_noise_multiplier(mechanism.noise));
+    if z > most * (1.0 - 1e-6) {
         return Err(DpError::BudgetTooSmall { epsilon, delta }.into());
     }
     let per_average = z / f64::from(report_goal.max(1));

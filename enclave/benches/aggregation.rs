@@ -248,6 +248,47 @@ fn bench_noise(c: &mut Criterion) {
     }
     group.finish();
     bench_tree_noise(c, &g);
+    bench_blt_noise(c, &g);
+}
+
+/// BLT noise for one round of a 2^20-value model on one thread: the whole step (the sampler,
+/// the exact fixed-point strategy buffers, the inverse's f64 buffers) with 1, 3 and 7 buffers.
+/// Throughput is noised values (coordinates) per second.
+fn bench_blt_noise(c: &mut Criterion, g: &DiscreteGaussian) {
+    use confed_enclave::dp::blt::BltKernel;
+    use confed_protocol::blt_noise::quantize;
+    let mut group = c.benchmark_group("blt_noise");
+    group
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(6));
+    let n = 1 << 20;
+    group.throughput(Throughput::Elements(n as u64));
+    let one = pool(1);
+    for buffers in [1usize, 3, 7] {
+        let (blt, _) = confed_dp::blt_optimize::optimize_buffers(
+            &confed_dp::blt::Setting::new(2000, 100, confed_dp::blt::ErrorKind::Max),
+            buffers.min(3),
+        );
+        // Up to 3 buffers as optimized; 7 as the rational approximation's start (a valid BLT).
+        let blt = if buffers > 3 {
+            confed_dp::blt::initial(buffers)
+        } else {
+            blt
+        };
+        let decays: Vec<f64> = blt.decays.iter().map(|t| quantize(*t)).collect();
+        let scales: Vec<f64> = blt.scales.iter().map(|w| quantize(*w)).collect();
+        let inverse = confed_dp::blt::Blt::new(decays.clone(), scales.clone()).inverse();
+        let kernel =
+            BltKernel::new(&decays, &scales, (&inverse.decays, &inverse.scales), 9).unwrap();
+        let sum: Vec<i64> = (0..n as i64).map(|i| i % 1000 - 500).collect();
+        let mut state = kernel.initial_state(n);
+        group.bench_function(format!("{buffers}_buffers_1_thread"), |b| {
+            b.iter(|| {
+                one.install(|| black_box(kernel.step(&mut state, &sum, g, &[5; 32]).unwrap()))
+            })
+        });
+    }
+    group.finish();
 }
 
 /// DP-FTRL's noise for one release of a 2^20-value model, on both cores, at tree positions whose

@@ -8,6 +8,7 @@
 //! crate, no database, HTTP server, DP or thread-pool crate; `docs/protocol.md` describes every
 //! format here byte for byte.
 
+pub mod blt_noise;
 pub mod clock;
 pub mod device;
 pub mod device_auth;

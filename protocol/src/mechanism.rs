@@ -5,10 +5,15 @@
 //! <noise>[;adaptive_clipping=<target_quantile>,<learning_rate>,<count_stddev>]
 //!        [;evaluation=<every>,<max_loss>,<max_examples>,<stddev>,<on_demand>]
 //! <noise> = discrete_gaussian_on_grid | tree_aggregation_on_grid;min_separation=<u32>
+//!         | blt_on_grid;min_separation=<u32>;buffers=...;max_values=<u64>;lattice_bits=<u32>
 //! ```
+//!
+//! (`blt_noise` describes the BLT's fields.)
 //!
 //! Floats are in the policy's `{:e}` form, integers decimal; only the canonical text parses.
 
+use crate::blt_noise::BLT_MECHANISM;
+pub use crate::blt_noise::BltNoise;
 use crate::policy::{MAX_MIN_SEPARATION, MECHANISM, TREE_MECHANISM};
 
 const ADAPTIVE: &str = ";adaptive_clipping=";
@@ -41,6 +46,10 @@ pub enum Mechanism {
     /// of the running sum of rounds comes from a binary tree restarted every `b` rounds, and a
     /// device serves at most one round of any `b` consecutive rounds (so at most one per tree).
     Tree { min_separation: u32 },
+    /// DP-FTRL with buffered linear Toeplitz noise (`blt_on_grid;...`, `blt_noise`): the noise
+    /// of the running sum is correlated across all rounds by a BLT, and a device serves rounds
+    /// at least `min_separation` apart.
+    Blt(BltNoise),
 }
 
 impl Mechanism {
@@ -53,12 +62,18 @@ impl Mechanism {
         if text == MECHANISM {
             return Ok(Self::Gaussian);
         }
+        if let Some(rest) = text
+            .strip_prefix(BLT_MECHANISM)
+            .and_then(|rest| rest.strip_prefix(';'))
+        {
+            return BltNoise::parse_params(rest).map(Self::Blt);
+        }
         let separation = text
             .strip_prefix(TREE_MECHANISM)
             .and_then(|rest| rest.strip_prefix(";min_separation="))
             .ok_or_else(|| {
                 format!(
-                    "mechanism {text:?} (this enclave runs {MECHANISM} or {TREE_MECHANISM};min_separation=<rounds>)"
+                    "mechanism {text:?} (this enclave runs {MECHANISM}, {TREE_MECHANISM};min_separation=<rounds> or {BLT_MECHANISM};...)"
                 )
             })?;
         let min_separation = separation
@@ -80,6 +95,7 @@ impl Mechanism {
             Self::Tree { min_separation } => {
                 format!("{TREE_MECHANISM};min_separation={min_separation}")
             }
+            Self::Blt(blt) => blt.encode(),
         }
     }
 
@@ -88,18 +104,22 @@ impl Mechanism {
         match self {
             Self::Gaussian => 1,
             Self::Tree { min_separation } => *min_separation,
+            Self::Blt(blt) => blt.min_separation,
         }
     }
 
     /// Rounds that must share one encryption key, as an index (`None`: no constraint). Tree
     /// noise is derived from the round's private key and reused by every later round of the same
-    /// tree, so the key services pin one key per tree (`keyservice/src/ledger.rs`).
+    /// tree, so the key services pin one key per tree (`keyservice/src/ledger.rs`). BLT noise is
+    /// derived from the task's one key for all its rounds (the noise lattice's state runs
+    /// through them all), so every round of a BLT task shares scope 0.
     pub fn key_scope(&self, round: u64) -> Option<u64> {
         match self {
             Self::Gaussian => None,
             Self::Tree { min_separation } => {
                 Some(round.saturating_sub(1) / u64::from(*min_separation))
             }
+            Self::Blt(_) => Some(0),
         }
     }
 }

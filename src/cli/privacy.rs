@@ -5,15 +5,18 @@
 use anyhow::{Result, anyhow};
 use clap::{Args, Subcommand};
 use confed_dp::accounting::{EVALUATION_UNITS_PER_EXAMPLE, SideScales};
+use confed_dp::blt::{Blt, ErrorKind, Setting};
+use confed_dp::running_sum::{max_and_mean, running_sum_noise};
 use confed_dp::{self as dp, Accountant, grid::GRID_UNITS_PER_CLIP};
 use confed_enclave::dp::{DiscreteGaussian, OpenDp};
+use confed_protocol::blt_noise::{BltNoise, DEFAULT_BLT_MAX_VALUES};
 use confed_protocol::policy::{AdaptiveClipping, DpMechanism, Evaluation, Mechanism};
 use serde::Serialize;
 
 #[derive(Subcommand)]
 pub enum PrivacyCommand {
     /// The noise a task's budget buys and the epsilon spent after each round, as the enclave
-    /// will calibrate and account them (Gaussian or tree aggregation, zCDP, OpenDP).
+    /// will calibrate and account them (Gaussian, tree aggregation or BLT; zCDP, OpenDP).
     Plan(PlanArgs),
 }
 
@@ -31,10 +34,27 @@ pub struct PlanArgs {
     /// Reports per round: also checks the plan is usable, as task creation does.
     #[arg(long)]
     report_goal: Option<u32>,
-    /// DP-FTRL with tree aggregation, trees of this many rounds, each device serving rounds at
-    /// least this far apart (without it: the Gaussian mechanism).
+    /// The noise: `gaussian` (independent per round), `tree` (DP-FTRL with tree aggregation) or
+    /// `blt` (DP-FTRL with buffered linear Toeplitz noise). Default: `tree` with
+    /// --min-separation, else `gaussian`.
+    #[arg(long, value_enum)]
+    mechanism: Option<MechanismArg>,
+    /// DP-FTRL (tree or BLT): each device serves rounds at least this far apart; under tree
+    /// aggregation also the trees' length. Default for BLT: the rounds (one participation).
     #[arg(long)]
     min_separation: Option<u32>,
+    /// BLT: the error its matrix is optimized for, the running sums' largest (`max`) or mean
+    /// (`mean`) variance (jax_privacy's `buffered_toeplitz.optimize`).
+    #[arg(long, value_enum, default_value = "max")]
+    blt_error: BltErrorArg,
+    /// BLT: the strategy matrix given instead of optimized, as `THETA:OMEGA,...` (decays in
+    /// decreasing order, scales; rounded to multiples of 2^-52).
+    #[arg(long, value_name = "THETA:OMEGA,...")]
+    blt_buffers: Option<String>,
+    /// BLT: the most model values a release noises (the rounding to the noise lattice is
+    /// charged for this many; the enclave refuses larger models).
+    #[arg(long, default_value_t = DEFAULT_BLT_MAX_VALUES)]
+    max_values: u64,
     /// Adaptive clipping with this noise (standard deviation, in contributions) on each round's
     /// count of unclipped updates (the target quantile and learning rate cost no privacy).
     #[arg(long)]
@@ -47,6 +67,48 @@ pub struct PlanArgs {
     evaluation: Option<String>,
 }
 
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum MechanismArg {
+    Gaussian,
+    Tree,
+    Blt,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum BltErrorArg {
+    Max,
+    Mean,
+}
+
+/// The standard deviation of the noise on the released running sum, in clip norms, over the
+/// rounds.
+#[derive(Serialize)]
+struct RunningSumNoise {
+    max: f64,
+    /// The mean over rounds 1..=rounds of each round's standard deviation.
+    mean: f64,
+}
+
+/// What a BLT plan's matrix is and costs.
+#[derive(Serialize)]
+struct BltPlan {
+    /// `[theta, omega]` of each buffer of the strategy matrix `C`, as the policy has them.
+    buffers: Vec<[f64; 2]>,
+    /// The error it was optimized for (`given`: --blt-buffers).
+    optimized_for: &'static str,
+    /// Its loss (the optimized-for error of the running sums, in noise variances, times its
+    /// squared sensitivity) for the max and the mean error: jax_privacy's `LossFn.loss`.
+    loss_max: f64,
+    loss_mean: f64,
+    /// Min-separation sensitivity of `C` over the planned rounds, in clip norms.
+    sensitivity: f64,
+    /// The rounding to the noise lattice's share of the sensitivity, in clip norms.
+    rounding_slack: f64,
+    /// The noise lattice: 2^lattice_bits units per grid unit.
+    lattice_bits: u32,
+    max_values: u64,
+}
+
 #[derive(Serialize)]
 struct Plan {
     epsilon: f64,
@@ -54,8 +116,8 @@ struct Plan {
     rounds: u32,
     /// The task policy's `mechanism` value.
     mechanism: String,
-    /// Noise standard deviation in clip norms (sigma / C) on the sum: per round (Gaussian) or
-    /// per tree node (tree aggregation).
+    /// Noise standard deviation in clip norms (sigma / C) on the sum: per round (Gaussian), per
+    /// tree node (tree aggregation) or per round before correlation (BLT's `z_t`).
     noise_multiplier: f64,
     /// zCDP rho of one Gaussian release at that scale: one round's (Gaussian), one node's (tree).
     rho_per_round: f64,
@@ -69,6 +131,12 @@ struct Plan {
     evaluation_noise_stddev: Option<f64>,
     /// Epsilon at `delta` spent through round 1, 2, ..., `rounds`.
     epsilon_spent: Vec<f64>,
+    /// zCDP rho spent through round 1, 2, ..., `rounds`.
+    rho_spent: Vec<f64>,
+    /// The noise on the released running sum (what DP-FTRL's model carries), in clip norms.
+    running_sum_noise: RunningSumNoise,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    blt: Option<BltPlan>,
     /// With --report-goal: the noise on each coordinate of the average, in clip norms.
     #[serde(skip_serializing_if = "Option::is_none")]
     average_noise_per_clip: Option<f64>,
@@ -76,9 +144,41 @@ struct Plan {
 
 pub fn run(command: PrivacyCommand) -> Result<()> {
     let PrivacyCommand::Plan(args) = command;
-    let noise = match args.min_separation {
-        None => Mechanism::Gaussian,
-        Some(min_separation) => Mechanism::Tree { min_separation },
+    let chosen = args.mechanism.unwrap_or(match args.min_separation {
+        Some(_) => MechanismArg::Tree,
+        None => MechanismArg::Gaussian,
+    });
+    let noise = match chosen {
+        MechanismArg::Gaussian => {
+            if args.min_separation.is_some() {
+                return Err(anyhow!(
+                    "--min-separation applies to --mechanism tree or blt, not gaussian"
+                ));
+            }
+            Mechanism::Gaussian
+        }
+        MechanismArg::Tree => Mechanism::Tree {
+            min_separation: args.min_separation.ok_or_else(|| {
+                anyhow!("--mechanism tree needs --min-separation (the trees' length)")
+            })?,
+        },
+        MechanismArg::Blt => Mechanism::Blt(
+            dp::blt_accounting::task_blt(
+                &OpenDp,
+                args.epsilon,
+                args.delta,
+                args.rounds,
+                args.min_separation.unwrap_or(args.rounds),
+                blt_error(args.blt_error),
+                args.blt_buffers
+                    .as_deref()
+                    .map(parse_buffers)
+                    .transpose()?
+                    .as_ref(),
+                args.max_values,
+            )
+            .map_err(|e| anyhow!("{e}"))?,
+        ),
     };
     let adaptive_clipping = args
         .adaptive_count_stddev
@@ -122,13 +222,15 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
             None => None,
         },
     };
-    // The scale the enclave samples at: the calibrated one, its integer variance rounded up.
-    let scale_grid =
-        DiscreteGaussian::at_least(calibration.noise_multiplier * GRID_UNITS_PER_CLIP as f64)
-            .map_err(|e| anyhow!("{e}"))?
-            .scale();
-    let noise_multiplier = scale_grid / GRID_UNITS_PER_CLIP as f64;
-    let epsilon_spent = (1..=args.rounds)
+    // The scale the enclave samples at: the calibrated one on the mechanism's lattice, its
+    // integer variance rounded up; then as the same ratio on the grid.
+    let lattice = dp::accounting::units_per_clip(mechanism);
+    let noise_multiplier = DiscreteGaussian::at_least(calibration.noise_multiplier * lattice)
+        .map_err(|e| anyhow!("{e}"))?
+        .scale()
+        / lattice;
+    let scale_grid = noise_multiplier * GRID_UNITS_PER_CLIP as f64;
+    let spent = (1..=args.rounds)
         .map(|k| {
             dp::spent_task(
                 &OpenDp,
@@ -138,10 +240,15 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
                 u64::from(k),
                 args.delta,
             )
-            .map(|(_, epsilon)| epsilon)
         })
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| anyhow!("{e}"))?;
+    let noise_on_sums = running_sum_noise(mechanism, noise_multiplier, args.rounds);
+    let (max, mean) = max_and_mean(&noise_on_sums);
+    let blt = match mechanism {
+        Mechanism::Blt(noise) => Some(blt_plan(&noise, args.rounds, &args)),
+        _ => None,
+    };
     let plan = Plan {
         epsilon: args.epsilon,
         delta: args.delta,
@@ -153,13 +260,60 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
             .evaluation
             .map(|(_, scale)| scale / EVALUATION_UNITS_PER_EXAMPLE as f64),
         rho_per_round: OpenDp.rho_at(scale_grid).map_err(|e| anyhow!("{e}"))?,
-        epsilon_spent,
+        epsilon_spent: spent.iter().map(|(_, epsilon)| *epsilon).collect(),
+        rho_spent: spent.iter().map(|(rho, _)| *rho).collect(),
+        running_sum_noise: RunningSumNoise { max, mean },
+        blt,
         average_noise_per_clip: args
             .report_goal
             .map(|goal| noise_multiplier / f64::from(goal.max(1))),
     };
     println!("{}", serde_json::to_string_pretty(&plan)?);
     Ok(())
+}
+
+fn blt_error(arg: BltErrorArg) -> ErrorKind {
+    match arg {
+        BltErrorArg::Max => ErrorKind::Max,
+        BltErrorArg::Mean => ErrorKind::Mean,
+    }
+}
+
+/// `THETA:OMEGA,...` as a BLT (checked when it becomes the policy's).
+fn parse_buffers(text: &str) -> Result<Blt> {
+    let mut decays = Vec::new();
+    let mut scales = Vec::new();
+    for pair in text.split(',').filter(|p| !p.is_empty()) {
+        let bad = || anyhow!("--blt-buffers {text:?}: {pair:?} is not THETA:OMEGA (two numbers)");
+        let (t, w) = pair.split_once(':').ok_or_else(bad)?;
+        decays.push(t.trim().parse::<f64>().map_err(|_| bad())?);
+        scales.push(w.trim().parse::<f64>().map_err(|_| bad())?);
+    }
+    Ok(Blt::new(decays, scales))
+}
+
+fn blt_plan(noise: &BltNoise, rounds: u32, args: &PlanArgs) -> BltPlan {
+    let matrix = Blt::new(noise.decays(), noise.scales());
+    let setting = |error| Setting::new(rounds, noise.min_separation, error);
+    BltPlan {
+        buffers: matrix
+            .decays
+            .iter()
+            .zip(&matrix.scales)
+            .map(|(t, w)| [*t, *w])
+            .collect(),
+        optimized_for: match (&args.blt_buffers, args.blt_error) {
+            (Some(_), _) => "given",
+            (None, BltErrorArg::Max) => "max",
+            (None, BltErrorArg::Mean) => "mean",
+        },
+        loss_max: setting(ErrorKind::Max).loss(&matrix),
+        loss_mean: setting(ErrorKind::Mean).loss(&matrix),
+        sensitivity: dp::blt_accounting::sensitivity_through(noise, u64::from(rounds)),
+        rounding_slack: dp::blt_accounting::rounding_slack(noise, u64::from(rounds)),
+        lattice_bits: noise.lattice_bits,
+        max_values: noise.max_values,
+    }
 }
 
 /// `EVERY,MAX_LOSS,MAX_EXAMPLES,STDDEV[,ON_DEMAND]` as plain numbers (the policy's canonical

@@ -75,6 +75,8 @@ pub enum AggregateError {
         if *.collected { "evaluates nothing" } else { "is an evaluation round" }
     )]
     EvaluationMismatch { collected: bool, round: u64 },
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 /// The privacy parameters of the task, as the enclave applies them: taken from the task policy
@@ -142,6 +144,12 @@ impl PrivacyParams {
                 )));
             }
         };
+        // Refused before any key is asked for, like every check here.
+        if let Mechanism::Blt(_) = noise {
+            return Err(limits(
+                "this enclave build does not run BLT noise yet (blt_on_grid); use discrete_gaussian_on_grid or tree_aggregation_on_grid".into(),
+            ));
+        }
         // The count's sampler must exist before any key is asked for: a round that could not
         // noise its count would have its commitment recorded and never release.
         if let Some(a) = adaptive_clipping {
@@ -518,6 +526,11 @@ impl Aggregator {
                     &shape,
                 );
                 (values, record)
+            }
+            Mechanism::Blt(_) => {
+                return Err(AggregateError::Unsupported(
+                    "this enclave build does not run BLT noise yet".into(),
+                ));
             }
         };
         let average = encode(&self.schema, &values)?;

@@ -1,7 +1,9 @@
 //! Central differential privacy inside the enclave: the accounting is confed-dp's (composition,
 //! calibration, the grid, DP-FTRL's trees), over OpenDP's privacy maps (`opendp`); the noise
-//! itself is sampled here, exactly, in machine words (`sampler`).
+//! itself is sampled here, exactly, in machine words (`sampler`), and BLT noise's rounds run here
+//! (`blt`).
 
+pub mod blt;
 pub mod opendp;
 pub mod sampler;
 

@@ -130,15 +130,19 @@ fn bernoulli_exp_fraction<R: RngCore>(rng: &mut R, n: u128, d: u128) -> bool {
     }
 }
 
-/// Uniform in [0, n) for n >= 1 (Lemire's multiply-shift with rejection: unbiased).
+/// Uniform in [0, n) for n >= 1 (Lemire's multiply-shift with rejection: unbiased). The
+/// rejection threshold `2^64 mod n` is below `n`, so a draw whose low word is at least `n` is
+/// accepted without computing it: the same draws accepted and rejected as always computing it
+/// (so the same output, bit for bit), without a 64-bit division on nearly every call.
 fn uniform_below_u64<R: RngCore>(rng: &mut R, n: u64) -> u64 {
-    let threshold = n.wrapping_neg() % n;
-    loop {
-        let product = u128::from(rng.next_u64()) * u128::from(n);
-        if (product as u64) >= threshold {
-            return (product >> 64) as u64;
+    let mut product = u128::from(rng.next_u64()) * u128::from(n);
+    if (product as u64) < n {
+        let threshold = n.wrapping_neg() % n;
+        while (product as u64) < threshold {
+            product = u128::from(rng.next_u64()) * u128::from(n);
         }
     }
+    (product >> 64) as u64
 }
 
 /// Uniform in [0, n) for n >= 1.
