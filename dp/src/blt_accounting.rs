@@ -23,7 +23,9 @@ use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
 use confed_protocol::blt_noise::{BltNoise, MAX_LATTICE_BITS, quantize};
+use confed_protocol::policy::{DpMechanism, Mechanism};
 
+use super::accounting::calibrate_task;
 use super::blt::{Blt, ErrorKind, coefficients, minsep_sensitivity_squared};
 use super::blt_optimize::optimize_for;
 use super::calibrate::calibrate_units;
@@ -33,8 +35,10 @@ use super::{Accountant, DpError};
 /// Relative allowance on the f64 sensitivity for its rounding (the coefficients' powers and the
 /// sums are exact to about 1e-13 relative).
 pub const SENSITIVITY_MARGIN: f64 = 1e-9;
-/// Relative allowance on the rounding slack for the fixed point's own error (at most `rounds *
-/// buffers * 2^-40` units per value: below 1e-7 for every policy).
+/// Relative allowance on the rounding slack for the fixed point's own error: the two runs' buffers
+/// each drift by less than `(rounds * sum(omega) + buffers) * 2^-40` lattice units per value, so
+/// the two roundings differ from the exact difference by less than `1 + 2 (rounds + 10) 2^-40`,
+/// below `1 + 2e-8` for the at most `MAX_BLT_ROUNDS` (10,000) rounds a BLT policy may plan.
 pub const ROUNDING_MARGIN: f64 = 1e-6;
 
 /// Lattice units per clip norm.
@@ -70,8 +74,8 @@ pub fn units_through(blt: &BltNoise, round: u64) -> f64 {
 
 /// The finest lattice for noise multiplier `nominal` (the calibration without the rounding
 /// slack): the most bits, up to `MAX_LATTICE_BITS`, that keep the noise's standard deviation in
-/// lattice units at most half the sampler's range (the other half leaves room for the slack's
-/// extra noise and the variance's rounding up).
+/// lattice units at most half the sampler's range. Usually room enough for the slack and the side
+/// releases' share; `fit_lattice` coarsens it when not.
 pub fn lattice_bits_for(nominal: f64) -> u32 {
     let mut bits = 0;
     while bits < MAX_LATTICE_BITS
@@ -102,6 +106,39 @@ pub fn with_lattice(
         lattice_bits_for(nominal.noise_multiplier),
     )
     .map_err(DpError::InvalidBudget)
+}
+
+/// `mechanism` with its BLT lattice coarsened, one bit at a time, until the noise of the whole
+/// calibration (the rounding charge, adaptive clipping's and evaluation's shares included) fits
+/// the sampler's range; other mechanisms unchanged.
+pub fn fit_lattice(
+    accountant: &dyn Accountant,
+    mechanism: DpMechanism,
+    epsilon: f64,
+    delta: f64,
+    rounds: u32,
+) -> Result<DpMechanism, DpError> {
+    let mut current = mechanism;
+    loop {
+        let Mechanism::Blt(blt) = current.noise else {
+            return Ok(current);
+        };
+        let z = calibrate_task(accountant, current, epsilon, delta, rounds)?.noise_multiplier;
+        if blt.lattice_bits == 0 || z * units_per_clip(&blt) <= MAX_SCALE_GRID as f64 * (1.0 - 1e-6)
+        {
+            return Ok(current);
+        }
+        current.noise = Mechanism::Blt(
+            BltNoise::new(
+                blt.min_separation,
+                &blt.decays(),
+                &blt.scales(),
+                blt.max_values,
+                blt.lattice_bits - 1,
+            )
+            .map_err(DpError::InvalidBudget)?,
+        );
+    }
 }
 
 /// The BLT a task of `rounds` rounds at min separation `min_separation` gets when it names none:
@@ -209,5 +246,16 @@ mod tests {
         assert_eq!(lattice_bits_for(10_000.0), 0);
         let blt = with_lattice(&ClosedForm, example(0, 1 << 24), 4.0, 1e-6, 2000).unwrap();
         assert!(blt.lattice_bits > 0);
+        // A lattice too fine for the noise is coarsened until it fits.
+        let fine = DpMechanism::plain(Mechanism::Blt(example(14, 1 << 24)));
+        let fitted = fit_lattice(&ClosedForm, fine, 4.0, 1e-6, 2000).unwrap();
+        let Mechanism::Blt(fitted_blt) = fitted.noise else {
+            panic!("{fitted:?}")
+        };
+        assert!(fitted_blt.lattice_bits < 14);
+        let z = calibrate_task(&ClosedForm, fitted, 4.0, 1e-6, 2000)
+            .unwrap()
+            .noise_multiplier;
+        assert!(z * units_per_clip(&fitted_blt) <= MAX_SCALE_GRID as f64);
     }
 }

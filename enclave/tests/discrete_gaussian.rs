@@ -61,6 +61,35 @@ fn machine_word_sampler_matches_the_exact_discrete_gaussian() {
 }
 
 #[test]
+fn the_bit_thrifty_sampler_matches_the_exact_discrete_gaussian() {
+    use confed_enclave::dp::sampler_bits::Bits;
+    use rand_chacha::ChaCha12Rng;
+    use rand_core::SeedableRng;
+    for sigma2 in [1u64, 10, 1000, 1 << 40] {
+        let g = DiscreteGaussian::with_variance(sigma2);
+        let mut rng = ChaCha12Rng::from_seed([sigma2 as u8; 32]);
+        let mut bits = Bits::new(&mut rng);
+        let samples: Vec<i64> = (0..200_000).map(|_| g.sample_bits(&mut bits)).collect();
+        let n = samples.len() as f64;
+        let variance = samples.iter().map(|&s| (s as f64).powi(2)).sum::<f64>() / n;
+        assert!(
+            (variance / sigma2 as f64 - 1.0).abs() < 0.02,
+            "sigma^2 {sigma2}: variance {variance}"
+        );
+        if sigma2 > 1000 {
+            continue;
+        }
+        let bound = (6.0 * (sigma2 as f64).sqrt()).ceil() as i64;
+        let pmf = exact_pmf(sigma2 as f64, bound);
+        let (stat, dof) = chi_square(&samples, &pmf, bound);
+        assert!(
+            stat < critical(dof),
+            "sigma^2 {sigma2}: chi2 {stat} over {dof} dof"
+        );
+    }
+}
+
+#[test]
 fn machine_word_sampler_agrees_with_opendp() {
     use dashu::rational::RBig;
     let sigma2 = 25u64;

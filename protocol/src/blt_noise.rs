@@ -23,8 +23,11 @@ pub const BLT_MECHANISM: &str = "blt_on_grid";
 pub const MAX_BLT_BUFFERS: usize = 10;
 /// Smallest gap between two decays: closer ones make the inverse ill-conditioned.
 pub const MIN_BLT_DECAY_GAP: f64 = 1e-9;
-/// Longest minimum separation (a task's rounds are at most 10,000).
-pub const MAX_BLT_MIN_SEPARATION: u32 = 10_000;
+/// Most rounds of a BLT task (the enclave's policy check): the accounting's allowance for the
+/// fixed point's error is sized for them.
+pub const MAX_BLT_ROUNDS: u32 = 10_000;
+/// Longest minimum separation: the most rounds.
+pub const MAX_BLT_MIN_SEPARATION: u32 = MAX_BLT_ROUNDS;
 /// Largest `max_values` (2^32 values: 16 GiB of f32).
 pub const MAX_BLT_VALUES: u64 = 1 << 32;
 /// `max_values` when a task does not say (2^24 values: a 64 MiB model).

@@ -290,8 +290,18 @@ impl TaskPolicy {
                 self.min_reports, self.report_goal
             ));
         }
-        if let Err(why) = Mechanism::parse(&self.mechanism) {
-            problems.push(why);
+        match Mechanism::parse(&self.mechanism) {
+            Err(why) => problems.push(why),
+            // The accounting's allowance for the BLT fixed point's error holds up to this many
+            // rounds (`confed_dp::blt_accounting::ROUNDING_MARGIN`).
+            Ok(Mechanism::Blt(_)) if self.rounds > crate::blt_noise::MAX_BLT_ROUNDS => {
+                problems.push(format!(
+                    "rounds {} (BLT noise runs at most {} rounds)",
+                    self.rounds,
+                    crate::blt_noise::MAX_BLT_ROUNDS
+                ));
+            }
+            Ok(_) => {}
         }
         if !(self.server_learning_rate > 0.0 && self.server_learning_rate <= 100.0) {
             problems.push(format!(
@@ -606,6 +616,25 @@ mod tests {
         ] {
             assert!(DpMechanism::parse(bad).is_err(), "{bad} was accepted");
         }
+    }
+
+    #[test]
+    fn a_blt_policy_runs_at_most_its_round_limit_and_pins_one_key() {
+        let mut policy = example();
+        policy.mechanism =
+            "blt_on_grid;min_separation=5;buffers=5e-1:2.5e-1;max_values=1000;lattice_bits=3"
+                .into();
+        policy.rounds = crate::blt_noise::MAX_BLT_ROUNDS;
+        assert!(policy.check_enclave_limits().is_ok());
+        let blt = policy.mechanism().unwrap();
+        assert_eq!(blt.min_separation(), 5);
+        assert_eq!([1, 7, 9999].map(|r| blt.key_scope(r)), [Some(0); 3]);
+        policy.rounds += 1;
+        let err = policy.check_enclave_limits().unwrap_err();
+        assert!(
+            format!("{err:?}").contains("BLT noise runs at most"),
+            "{err:?}"
+        );
     }
 
     #[test]

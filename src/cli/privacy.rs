@@ -9,7 +9,9 @@ use confed_dp::blt::{Blt, ErrorKind, Setting};
 use confed_dp::running_sum::{max_and_mean, running_sum_noise};
 use confed_dp::{self as dp, Accountant, grid::GRID_UNITS_PER_CLIP};
 use confed_enclave::dp::{DiscreteGaussian, OpenDp};
-use confed_protocol::blt_noise::{BltNoise, DEFAULT_BLT_MAX_VALUES};
+use confed_protocol::blt_noise::{
+    BltNoise, DEFAULT_BLT_MAX_VALUES, MAX_BLT_MIN_SEPARATION, MAX_BLT_ROUNDS,
+};
 use confed_protocol::policy::{AdaptiveClipping, DpMechanism, Evaluation, Mechanism};
 use serde::Serialize;
 
@@ -45,16 +47,17 @@ pub struct PlanArgs {
     min_separation: Option<u32>,
     /// BLT: the error its matrix is optimized for, the running sums' largest (`max`) or mean
     /// (`mean`) variance (jax_privacy's `buffered_toeplitz.optimize`).
-    #[arg(long, value_enum, default_value = "max")]
-    blt_error: BltErrorArg,
+    #[arg(long, value_enum)]
+    blt_error: Option<BltErrorArg>,
     /// BLT: the strategy matrix given instead of optimized, as `THETA:OMEGA,...` (decays in
     /// decreasing order, scales; rounded to multiples of 2^-52).
     #[arg(long, value_name = "THETA:OMEGA,...")]
     blt_buffers: Option<String>,
     /// BLT: the most model values a release noises (the rounding to the noise lattice is
     /// charged for this many; the enclave refuses larger models).
-    #[arg(long, default_value_t = DEFAULT_BLT_MAX_VALUES)]
-    max_values: u64,
+    /// Default 2^24.
+    #[arg(long)]
+    max_values: Option<u64>,
     /// Adaptive clipping with this noise (standard deviation, in contributions) on each round's
     /// count of unclipped updates (the target quantile and learning rate cost no privacy).
     #[arg(long)]
@@ -148,6 +151,13 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
         Some(_) => MechanismArg::Tree,
         None => MechanismArg::Gaussian,
     });
+    let blt_only =
+        args.blt_error.is_some() || args.blt_buffers.is_some() || args.max_values.is_some();
+    if blt_only && chosen != MechanismArg::Blt {
+        return Err(anyhow!(
+            "--blt-error, --blt-buffers and --max-values apply to --mechanism blt only"
+        ));
+    }
     let noise = match chosen {
         MechanismArg::Gaussian => {
             if args.min_separation.is_some() {
@@ -163,21 +173,25 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
             })?,
         },
         MechanismArg::Blt => Mechanism::Blt(
-            dp::blt_accounting::task_blt(
-                &OpenDp,
-                args.epsilon,
-                args.delta,
-                args.rounds,
-                args.min_separation.unwrap_or(args.rounds),
-                blt_error(args.blt_error),
-                args.blt_buffers
-                    .as_deref()
-                    .map(parse_buffers)
-                    .transpose()?
-                    .as_ref(),
-                args.max_values,
-            )
-            .map_err(|e| anyhow!("{e}"))?,
+            check_blt_shape(args.rounds, args.min_separation.unwrap_or(args.rounds)).and_then(
+                |()| {
+                    dp::blt_accounting::task_blt(
+                        &OpenDp,
+                        args.epsilon,
+                        args.delta,
+                        args.rounds,
+                        args.min_separation.unwrap_or(args.rounds),
+                        blt_error(args.blt_error.unwrap_or(BltErrorArg::Max)),
+                        args.blt_buffers
+                            .as_deref()
+                            .map(parse_buffers)
+                            .transpose()?
+                            .as_ref(),
+                        args.max_values.unwrap_or(DEFAULT_BLT_MAX_VALUES),
+                    )
+                    .map_err(|e| anyhow!("{e}"))
+                },
+            )?,
         ),
     };
     let adaptive_clipping = args
@@ -201,6 +215,9 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
         .encode(),
     )
     .map_err(|e| anyhow!("{e}"))?;
+    let whole =
+        dp::blt_accounting::fit_lattice(&OpenDp, whole, args.epsilon, args.delta, args.rounds)
+            .map_err(|e| anyhow!("{e}"))?;
     let mechanism = whole.noise;
     let calibration = match args.report_goal {
         Some(goal) => dp::check_plan(&OpenDp, whole, args.epsilon, args.delta, args.rounds, goal)
@@ -272,6 +289,21 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
     Ok(())
 }
 
+/// The shape a BLT plan needs, checked before the optimizer runs.
+fn check_blt_shape(rounds: u32, min_separation: u32) -> Result<()> {
+    if !(1..=MAX_BLT_ROUNDS).contains(&rounds) {
+        return Err(anyhow!(
+            "--rounds {rounds}: BLT noise runs 1 to {MAX_BLT_ROUNDS} rounds"
+        ));
+    }
+    if !(1..=MAX_BLT_MIN_SEPARATION).contains(&min_separation) {
+        return Err(anyhow!(
+            "--min-separation {min_separation}: must be in 1..={MAX_BLT_MIN_SEPARATION}"
+        ));
+    }
+    Ok(())
+}
+
 fn blt_error(arg: BltErrorArg) -> ErrorKind {
     match arg {
         BltErrorArg::Max => ErrorKind::Max,
@@ -304,8 +336,8 @@ fn blt_plan(noise: &BltNoise, rounds: u32, args: &PlanArgs) -> BltPlan {
             .collect(),
         optimized_for: match (&args.blt_buffers, args.blt_error) {
             (Some(_), _) => "given",
-            (None, BltErrorArg::Max) => "max",
-            (None, BltErrorArg::Mean) => "mean",
+            (None, Some(BltErrorArg::Mean)) => "mean",
+            (None, _) => "max",
         },
         loss_max: setting(ErrorKind::Max).loss(&matrix),
         loss_mean: setting(ErrorKind::Mean).loss(&matrix),

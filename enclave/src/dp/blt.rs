@@ -13,7 +13,8 @@
 //! exact fixed point with `FRACTION_BITS` fractional bits in i128, multiplied by the policy's
 //! decays and scales exactly: they are multiples of 2^-52) plus discrete Gaussian noise `z` on the
 //! lattice, so the mechanism is an exact discrete Gaussian mechanism on a deterministic function
-//! of the sums. `r = (C^-1 y)` is what the model updater adds, computed in f64 from the `y`s alone
+//! of the sums (drawn by `sampler_bits`: the same distribution from fewer ChaCha words). `r =
+//! (C^-1 y)` is what the model updater adds, computed in f64 from the `y`s alone
 //! (post-processing: its rounding costs accuracy, never privacy). The noise is keyed like
 //! everything else (`aggregate::noise`): block `k` of values draws from ChaCha12 stream `k` of the
 //! round's seed, so the result does not depend on the thread count.
@@ -24,10 +25,11 @@ use rayon::prelude::*;
 use thiserror::Error;
 
 use super::DiscreteGaussian;
+use super::sampler_bits::Bits;
 
-/// Fractional bits of the strategy buffers: their accumulated rounding stays below `rounds *
-/// buffers * 2^-40` lattice units per value, far inside the accounting's allowance
-/// (`confed_dp::blt_accounting::ROUNDING_MARGIN`).
+/// Fractional bits of the strategy buffers: the products are truncated, and their accumulated
+/// error stays below `(rounds * sum(omega) + buffers) * 2^-40` lattice units per value, far inside
+/// the accounting's allowance (`confed_dp::blt_accounting::ROUNDING_MARGIN`).
 pub const FRACTION_BITS: u32 = 40;
 /// Decays and scales are `k / 2^52`.
 const QUANTUM_BITS: u32 = 52;
@@ -44,7 +46,7 @@ pub enum BltError {
         buffers: usize,
         expected: usize,
     },
-    #[error("a BLT strategy buffer left the fixed point's range (sums beyond 2^60 lattice units)")]
+    #[error("a BLT strategy buffer left the fixed point's range (2^87 lattice units)")]
     Overflow,
 }
 
@@ -84,6 +86,15 @@ fn times_quantum(b: i128, k: u64) -> i128 {
     if b < 0 { -product } else { product }
 }
 
+/// `items` as `blocks` consecutive slices of `width` (the last may be shorter; all empty when
+/// `width` is 0).
+fn split_blocks<T>(items: &mut [T], width: usize, blocks: usize) -> Vec<&mut [T]> {
+    if width == 0 {
+        return (0..blocks).map(|_| <&mut [T]>::default()).collect();
+    }
+    items.chunks_mut(width).collect()
+}
+
 impl BltKernel {
     /// The kernel of `C` (decays, scales) and its inverse (decays, scales), on a lattice of
     /// `2^lattice_bits` units per grid unit.
@@ -121,7 +132,8 @@ impl BltKernel {
     }
 
     /// One round: noises `sum` (grid units) with `noise` (on the lattice) keyed by `seed`,
-    /// advances `state`, and returns `r` for every value in lattice units.
+    /// advances `state`, and returns `r` for every value in lattice units. After an error
+    /// `state` is partly advanced and must be dropped (the caller keeps the stored state).
     pub fn step(
         &self,
         state: &mut BltState,
@@ -141,10 +153,15 @@ impl BltKernel {
         }
         let mut out = vec![0f64; values];
         let failed = std::sync::atomic::AtomicBool::new(false);
+        // Each block's share of the buffers, taken by index: a kernel without buffers (the
+        // identity, no correlation) still gets one (empty) share per block, not none.
+        let blocks = values.div_ceil(BLOCK);
+        let strategy: Vec<&mut [i128]> = split_blocks(&mut state.strategy, BLOCK * d, blocks);
+        let release: Vec<&mut [f64]> = split_blocks(&mut state.release, BLOCK * dhat, blocks);
         out.par_chunks_mut(BLOCK)
             .zip(sum.par_chunks(BLOCK))
-            .zip(state.strategy.par_chunks_mut((BLOCK * d).max(1)))
-            .zip(state.release.par_chunks_mut((BLOCK * dhat).max(1)))
+            .zip(strategy)
+            .zip(release)
             .enumerate()
             .for_each(|(block, (((out, sums), strategy), release))| {
                 let mut rng = ChaCha12Rng::from_seed(*seed);
@@ -174,6 +191,7 @@ impl BltKernel {
         let d = self.decays.len();
         let dhat = self.inverse_decays.len();
         let half = 1i128 << (FRACTION_BITS - 1);
+        let mut bits = Bits::new(rng);
         for (i, (r, &x)) in out.iter_mut().zip(sums).enumerate() {
             let x = i128::from(x) << self.lattice_bits;
             let buffers = &mut strategy[i * d..(i + 1) * d];
@@ -183,7 +201,7 @@ impl BltKernel {
                 *b = times_quantum(*b, t).checked_add(x.checked_shl(FRACTION_BITS)?)?;
             }
             let rounded = running.checked_add(half)? >> FRACTION_BITS;
-            let y = (x + rounded + i128::from(noise.sample(rng))) as f64;
+            let y = (x + rounded + i128::from(noise.sample_bits(&mut bits))) as f64;
             let mine = &mut release[i * dhat..(i + 1) * dhat];
             let mut value = y;
             for (s, (&w, &t)) in mine
@@ -287,6 +305,22 @@ mod tests {
             })
         };
         assert_eq!(run(1), run(2));
+    }
+
+    #[test]
+    fn without_buffers_a_round_is_its_sum_plus_fresh_noise() {
+        let kernel = BltKernel::new(&[], &[], (&[], &[]), 2).unwrap();
+        let mut state = kernel.initial_state(40_000);
+        let sums: Vec<i64> = (0..40_000).map(|i| i % 7).collect();
+        let g = DiscreteGaussian::with_variance(100);
+        let r = kernel.step(&mut state, &sums, &g, &[9; 32]).unwrap();
+        let noise: Vec<f64> = r
+            .iter()
+            .zip(&sums)
+            .map(|(r, x)| r - (x << 2) as f64)
+            .collect();
+        let variance = noise.iter().map(|n| n * n).sum::<f64>() / noise.len() as f64;
+        assert!((variance / 100.0 - 1.0).abs() < 0.05, "{variance}");
     }
 
     #[test]

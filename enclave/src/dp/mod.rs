@@ -6,6 +6,7 @@
 pub mod blt;
 pub mod opendp;
 pub mod sampler;
+pub mod sampler_bits;
 
 pub use confed_dp::{
     Calibration, DpError, SideScales, accounting, calibrate_task, grid, spent_task, tree,

@@ -64,6 +64,11 @@ impl DiscreteGaussian {
         self.sigma2
     }
 
+    /// (sigma^2, t): what `sampler_bits` runs the same algorithm with.
+    pub(crate) fn parameters(&self) -> (u64, u64) {
+        (self.sigma2, self.t)
+    }
+
     /// One sample (Algorithm 3: discrete Laplace proposal, Bernoulli(exp(-gamma)) acceptance).
     pub fn sample<R: RngCore>(&self, rng: &mut R) -> i64 {
         let t = u128::from(self.t);
