@@ -308,6 +308,65 @@ mod tests {
     }
 
     #[test]
+    fn one_device_moves_the_release_by_at_most_the_charged_sensitivity() {
+        // The accounting's bound on the actual kernel: a device adding a vector of norm one clip
+        // (2^16 grid units) at rounds 1, 1 + b, ... (the worst case) to arbitrary other sums
+        // moves G (the noise-free part of y) by at most U (sens + slack), and, this being the
+        // worst case, by nearly that much. Same seeds, so the same z on both sides: y - y' = G -
+        // G', recovered from the releases as C (r - r') (float error far below a lattice unit).
+        let (kernel, blt) = kernel(3);
+        let (values, rounds, b) = (64usize, 30usize, 5usize);
+        let lattice = f64::from(1u32 << 3) * 65536.0;
+        let g = DiscreteGaussian::with_variance(1 << 20);
+        let mut with = kernel.initial_state(values);
+        let mut without = kernel.initial_state(values);
+        let mut differences: Vec<Vec<f64>> = Vec::new();
+        let mut seed = 12345u64;
+        for round in 0..rounds {
+            let others: Vec<i64> = (0..values)
+                .map(|_| {
+                    seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((seed >> 33) as i64 % 2_000_001) - 1_000_000
+                })
+                .collect();
+            let mut mine = others.clone();
+            if round % b == 0 {
+                // 64 values of 8192: L2 norm exactly 2^16.
+                mine.iter_mut().for_each(|x| *x += 8192);
+            }
+            let key = [round as u8; 32];
+            let r = kernel.step(&mut with, &mine, &g, &key).unwrap();
+            let r_other = kernel.step(&mut without, &others, &g, &key).unwrap();
+            differences.push(r.iter().zip(&r_other).map(|(a, b)| a - b).collect());
+        }
+        let c = blt.coefficients(rounds);
+        let mut squared = 0.0;
+        for t in 0..rounds {
+            for v in 0..values {
+                let moved: f64 = differences[..=t]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, row)| c[t - i] * row[v])
+                    .sum();
+                squared += moved * moved;
+            }
+        }
+        let moved = squared.sqrt();
+        let sensitivity: f64 =
+            confed_dp::blt::minsep_sensitivity_squared(&c, b as u32, rounds.div_ceil(b) as u32)
+                .sqrt();
+        let slack = ((rounds * values) as f64).sqrt() * (1.0 + 1e-6);
+        assert!(
+            moved <= lattice * sensitivity + slack,
+            "{moved} > {} + {slack}",
+            lattice * sensitivity
+        );
+        assert!(moved >= lattice * sensitivity - slack, "{moved}");
+    }
+
+    #[test]
     fn without_buffers_a_round_is_its_sum_plus_fresh_noise() {
         let kernel = BltKernel::new(&[], &[], (&[], &[]), 2).unwrap();
         let mut state = kernel.initial_state(40_000);
