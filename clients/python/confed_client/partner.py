@@ -104,6 +104,11 @@ class Partner:
             if model is not None:
                 return model
             if _unless_ended(self.task(task_id))["state"] == "COMPLETED":
+                # Looked again: the task may have completed, with this version, between the two
+                # reads; a model stored before completion is there now or never.
+                model = self.model_if_stored(task_id, version)
+                if model is not None:
+                    return model
                 raise PartnerError(f"task {task_id} completed without model version {version}")
             time.sleep(0.2)
         raise PartnerError(f"task {task_id} has no model version {version} after {timeout} s")
@@ -144,6 +149,10 @@ class Partner:
                 if release["round"] == round_:
                     return release
             if _unless_ended(self.task(task_id))["state"] == "COMPLETED":
+                # As in wait_for_model: the round may have completed between the two reads.
+                for release in self.releases(task_id):
+                    if release["round"] == round_:
+                        return release
                 raise PartnerError(f"task {task_id} completed without a release of round {round_}")
             time.sleep(0.2)
         raise PartnerError(f"no release of round {round_} of task {task_id} in {timeout} s")
