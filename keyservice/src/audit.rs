@@ -31,7 +31,7 @@ pub enum AuditError {
     /// The log lost records this key service had made durable: its own signed checkpoint names
     /// a record the log no longer has.
     #[error(
-        "audit log {path} is behind this key service's own checkpoint ({why}): release decisions it made durable are gone (a rollback, or a restore from an older copy), and its release ledger with them. Restore the newer log; only to accept the loss, run `confed keyservice audit acknowledge-loss {path} --id ID --signing-key FILE --records {} --hash {} --signature {signature} --note WHY` with the service stopped (the ledger then forgets those rounds)", lost.records, lost.hash
+        "audit log {path} is behind this key service's own checkpoint ({why}): release decisions it made durable are gone (a rollback, or a restore from an older copy), and its release ledger with them. Restore the newer log; only to accept the loss, run `confed keyservice audit acknowledge-loss {path} --id ID --signing-key FILE --records {} --hash {} --signature={signature} --note WHY` with the service stopped (the ledger then forgets those rounds)", lost.records, lost.hash
     )]
     RolledBack {
         path: PathBuf,

@@ -166,7 +166,7 @@ pub async fn judge(service: &KeyService, witnessed: &SignedHead) -> Verdict {
          restore from an older copy, or a rollback), and its release ledger with them. It grants \
          nothing until its operator restores the newer log, or accepts the loss with the service \
          stopped: `confed keyservice audit acknowledge-loss LOG --id {} --signing-key FILE \
-         --records {} --hash {} --signature {} --note WHY`",
+         --records {} --hash {} --signature={} --note WHY` (the signature is base64url and may begin with `-`, hence the `=`)",
         witnessed.records,
         witnessed.hash,
         own.records,

@@ -383,14 +383,9 @@ async fn an_operator_acknowledges_a_rolled_back_log_with_the_command_the_refusal
             .arg(&log)
             .args(["--id", "ks1", "--signing-key"])
             .arg(&signing)
-            .args([
-                "--records",
-                records,
-                "--hash",
-                hash,
-                "--signature",
-                signature,
-            ])
+            .args(["--records", records, "--hash", hash])
+            // `=`: a base64url signature may begin with `-`, which clap would take for a flag.
+            .arg(format!("--signature={signature}"))
             .args(["--note", "restored from the nightly copy"])
             .output()
             .unwrap()
