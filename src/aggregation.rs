@@ -85,6 +85,46 @@ fn round_clip_norm(context: &JobContext) -> Result<Option<f64>, String> {
         })
 }
 
+/// The BLAKE3 (hex) of the sealed BLT state a release's manifest says its round left.
+fn state_out_blake3(manifest_json: &str) -> Option<String> {
+    serde_json::from_str::<serde_json::Value>(manifest_json)
+        .ok()?
+        .pointer("/noise/blt/state_out_blake3")?
+        .as_str()
+        .filter(|hex| confed_protocol::hex::is_digest_hex(hex))
+        .map(str::to_string)
+}
+
+/// Under BLT noise, the blob key of the sealed state round `round - 1` left (its release's
+/// manifest names it); `None` for round 1 and other mechanisms. What the enclave checks of it is
+/// in `confed_enclave::aggregate::blt_state`: nothing here is trusted.
+fn previous_blt_state(context: &JobContext) -> Result<Option<String>, String> {
+    if !context.task.spec.privacy.is_blt() || context.round.round_number <= 1 {
+        return Ok(None);
+    }
+    let previous = context.previous_release.as_ref().ok_or_else(|| {
+        format!(
+            "round {} continues BLT noise, but round {} has no release",
+            context.round.round_number,
+            context.round.round_number - 1
+        )
+    })?;
+    let blake3 = state_out_blake3(&previous.manifest_json).ok_or_else(|| {
+        format!(
+            "round {}'s release names no BLT state",
+            previous.round_number
+        )
+    })?;
+    let key = BlobKey::blt_state(
+        &context.task.tenant_id,
+        &context.task.id,
+        previous.round_number,
+        &blake3,
+    )
+    .map_err(|e| e.to_string())?;
+    Ok(Some(key.as_str().to_string()))
+}
+
 impl TaskDbJobStore {
     fn now(&self) -> i64 {
         self.clock.now_millis().0
@@ -134,6 +174,7 @@ impl TaskDbJobStore {
             optimizer_state_key: context.model.optimizer_state_key.clone(),
             clip_norm: round_clip_norm(context)?,
             on_demand_evaluation: context.round.on_demand_evaluation,
+            blt_state_key: previous_blt_state(context)?,
         })
     }
 
@@ -198,6 +239,7 @@ impl TaskDbJobStore {
                 tracing::warn!(job = %job_id, %why, "refused a release");
                 StoreError::Refused(why)
             })?;
+        self.check_blt_state(&context, release.manifest).await?;
         let (average_key, manifest_key) = release_keys(&context).map_err(backend)?;
         let manifest_json = release.manifest.to_json();
         for (key, bytes) in [
@@ -225,6 +267,73 @@ impl TaskDbJobStore {
             epsilon_spent: manifest.privacy.epsilon_spent,
             proof_json,
         })
+    }
+
+    /// Under BLT noise a release names the sealed state its round left, which must be stored
+    /// (`put_blt_state`) before the release commits; other releases name none.
+    async fn check_blt_state(
+        &self,
+        context: &JobContext,
+        manifest: &confed_worker_api::Manifest,
+    ) -> Result<(), StoreError> {
+        let named = manifest
+            .noise
+            .blt
+            .as_ref()
+            .map(|blt| blt.state_out_blake3.clone());
+        match (context.task.spec.privacy.is_blt(), named) {
+            (false, None) => Ok(()),
+            (false, Some(_)) => Err(StoreError::Refused(
+                "the release names a BLT state, but the task's noise is not BLT".into(),
+            )),
+            (true, None) => Err(StoreError::Refused(
+                "a BLT release must name the state its round leaves (`noise.blt.state_out_blake3`)"
+                    .into(),
+            )),
+            (true, Some(blake3)) => {
+                let key = blt_state_key(context, &blake3)?;
+                match self.blobs.stat(&key).await.map_err(backend)? {
+                    Some(_) => Ok(()),
+                    None => Err(StoreError::Refused(format!(
+                        "no BLT state {blake3} was stored for this job; upload it first"
+                    ))),
+                }
+            }
+        }
+    }
+
+    /// Stores a sealed BLT state write-once under its BLAKE3, the first half of a BLT release's
+    /// commit (the release's manifest names the digest): only the lease holder, only while the
+    /// round is AGGREGATING, only for a BLT task. Returns the digest (hex).
+    pub async fn put_blt_state(
+        &self,
+        job_id: &str,
+        worker: &str,
+        state: &[u8],
+    ) -> Result<String, StoreError> {
+        self.db
+            .check_job_lease(job_id, worker)
+            .await
+            .map_err(db_error)?;
+        let context = self.db.job_context(job_id).await.map_err(db_error)?;
+        if !context.task.spec.privacy.is_blt() {
+            return Err(StoreError::Refused(
+                "the task's noise is not BLT: it keeps no state".into(),
+            ));
+        }
+        if context.round.state != crate::states::RoundState::Aggregating {
+            return Err(StoreError::Conflict(format!(
+                "round {} is {}, not AGGREGATING: its release is not being made",
+                context.round.round_number,
+                context.round.state.as_str()
+            )));
+        }
+        let blake3 = hex(blake3::hash(state).as_bytes());
+        let key = blt_state_key(&context, &blake3)?;
+        match self.blobs.put(&key, state).await {
+            Ok(_) | Err(BlobError::Conflict(_)) => Ok(blake3),
+            Err(e) => Err(backend(e)),
+        }
     }
 
     /// Stores `state` (a server optimizer's state file) write-once under its digest next to the
@@ -338,6 +447,17 @@ fn parameter_count(model: &[u8]) -> Result<usize, StoreError> {
         .sum())
 }
 
+/// Where the sealed BLT state a job's round leaves is stored, under its BLAKE3.
+fn blt_state_key(context: &JobContext, blake3_hex: &str) -> Result<BlobKey, StoreError> {
+    BlobKey::blt_state(
+        &context.task.tenant_id,
+        &context.task.id,
+        context.round.round_number,
+        blake3_hex,
+    )
+    .map_err(backend)
+}
+
 /// Where the optimizer state after a job's round is stored, under its digest.
 fn optimizer_state_key(context: &JobContext, sha256_hex: &str) -> Result<BlobKey, StoreError> {
     BlobKey::optimizer_state(
@@ -398,6 +518,9 @@ impl JobStore for TaskDbJobStore {
         release: StagedRelease<'_>,
     ) -> Result<(), StoreError> {
         let manifest = release.manifest;
+        if let Some(state) = release.blt_state {
+            self.put_blt_state(job_id, worker, state).await?;
+        }
         let staged = self.stage_release(job_id, release).await?;
         self.db
             .commit_release(job_id, worker, staged, self.now())

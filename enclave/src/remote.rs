@@ -168,6 +168,18 @@ impl JobStore for HttpJobStore {
         worker: &str,
         release: StagedRelease<'_>,
     ) -> Result<(), StoreError> {
+        // BLT: the sealed state first (stored write-once under its BLAKE3), then the release,
+        // whose manifest names that digest (`noise.blt.state_out_blake3`): the server links both
+        // in the release's commit.
+        if let Some(state) = release.blt_state {
+            self.send(
+                self.http
+                    .put(self.url(&format!("jobs/{job_id}/blt-state?worker={worker}")))
+                    .header("content-type", "application/octet-stream")
+                    .body(state.to_vec()),
+            )
+            .await?;
+        }
         let upload = ReleaseUpload {
             worker: worker.to_string(),
             manifest: release.manifest.clone(),

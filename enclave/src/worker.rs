@@ -27,9 +27,10 @@ use confed_attestation::release::{
 use thiserror::Error;
 
 use crate::aggregate::inputs::{self, Input};
-use crate::aggregate::{AggregateError, Aggregator, Binding, PrivacyParams, Release};
+use crate::aggregate::{AggregateError, Aggregator, Binding, PrivacyParams, Release, blt_round};
 use crate::envelope::RoundContext;
 use crate::key_collection::{CollectError, KeyRequest, KeyServiceEndpoint, obtain_private_key};
+use crate::policy::Mechanism;
 use crate::policy::{PolicyError, TaskPolicy, sha256_hex};
 use crate::updater::{self, UpdateError};
 use confed_worker_api::model::{ModelError, ModelSchema, validate_model};
@@ -80,6 +81,9 @@ impl JobError {
                 | Self::Aggregate(AggregateError::NothingIncluded(_))
                 | Self::Aggregate(AggregateError::TooFewIncluded { .. })
                 | Self::Aggregate(AggregateError::EvaluationMismatch { .. })
+                | Self::Aggregate(AggregateError::Unsupported(_))
+                | Self::Aggregate(AggregateError::BltState(_))
+                | Self::Aggregate(AggregateError::Blt(_))
         )
     }
 }
@@ -251,6 +255,7 @@ impl<S: JobStore + 'static> Worker<S> {
                             average: &release.average,
                             manifest: &release.manifest,
                             proof: &proof,
+                            blt_state: release.blt_state.as_deref(),
                         },
                     )
                     .await?;
@@ -304,8 +309,26 @@ impl<S: JobStore + 'static> Worker<S> {
     ) -> Result<(Release, ReleaseProof), JobError> {
         let step = Instant::now();
         let privacy = PrivacyParams::for_round(policy, job.clip_norm, job.on_demand_evaluation)?;
+        // BLT: the model's size and the state's header, before anything is read or asked for.
+        let blt_state = match privacy.mechanism {
+            Mechanism::Blt(blt) => Some(blt_round::check_before_key(
+                &blt,
+                &context,
+                schema.parameter_count(),
+                job.blt_state.as_deref(),
+            )?),
+            _ if job.blt_state.is_some() => {
+                return Err(JobError::MalformedJob(
+                    "the job names a BLT state, but the policy's noise is not BLT".into(),
+                ));
+            }
+            _ => None,
+        };
         let (inputs, inputs_digest) = self.gather(job).await?;
-        let inputs_digest = privacy.bind_round_choices(inputs_digest);
+        let mut inputs_digest = privacy.bind_round_choices(inputs_digest);
+        if let Some(state) = blt_state {
+            inputs_digest = inputs::bind_blt_state(&inputs_digest, state.as_ref());
+        }
         phases.read = step.elapsed();
         let step = Instant::now();
         let commitment = ReleaseCommitment {
@@ -348,7 +371,8 @@ impl<S: JobStore + 'static> Worker<S> {
         let aggregator = Arc::new(
             Aggregator::new(binding, privacy.clip_norm, schema, &private_key)?
                 .evaluating(privacy.evaluation_in(round))
-                .authenticating(policy.device_auth.clone()),
+                .authenticating(policy.device_auth.clone())
+                .continuing(job.blt_state.clone()),
         );
         self.open_all(job, inputs, &aggregator).await?;
         let aggregator = Arc::try_unwrap(aggregator).map_err(|_| JobError::StillShared)?;

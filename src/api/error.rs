@@ -230,7 +230,7 @@ impl From<crate::tasks::TaskError> for ApiError {
                 Self::BadRequest(error.to_string())
             }
             TaskError::NotCreated { .. } => Self::Conflict(error.to_string()),
-            TaskError::Spool(detail) => Self::Internal(detail),
+            TaskError::Spool(detail) | TaskError::Validation(detail) => Self::Internal(detail),
             TaskError::Db(error) => error.into(),
             TaskError::Blob(error) => error.into(),
         }

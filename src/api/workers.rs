@@ -194,6 +194,8 @@ async fn release(
                 average: &average,
                 manifest: &upload.manifest,
                 proof: &upload.proof,
+                // Stored first with `PUT .../blt-state`; the manifest names it.
+                blt_state: None,
             },
         )
         .await
@@ -242,6 +244,23 @@ async fn optimizer_state(
     check_worker(&worker.worker)?;
     store(&state)
         .put_optimizer_state(&job_id, &worker.worker, &body, None)
+        .await
+        .map_err(store_error)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// A BLT round's sealed state, stored before its release (whose manifest names its BLAKE3:
+/// the release's commit links them).
+async fn blt_state(
+    State(state): State<AppState>,
+    _: WorkerAuth,
+    ApiPath(job_id): ApiPath<String>,
+    ApiQuery(worker): ApiQuery<WorkerId>,
+    ApiBytes(body): ApiBytes,
+) -> Result<StatusCode, ApiError> {
+    check_worker(&worker.worker)?;
+    store(&state)
+        .put_blt_state(&job_id, &worker.worker, &body)
         .await
         .map_err(store_error)?;
     Ok(StatusCode::NO_CONTENT)
@@ -310,6 +329,12 @@ pub fn router(limits: &Limits) -> Router<AppState> {
             put(optimizer_state),
         )
         .layer(DefaultBodyLimit::max(state_limit));
+    // A sealed BLT state holds up to 10 strategy (16 bytes) and 10 inverse (8 bytes) buffers
+    // per 4-byte model value.
+    let blt_state_limit = limits.model_bytes.saturating_mul(60) + (4 << 20);
+    let blt_state_route = Router::new()
+        .route("/internal/v1/jobs/{id}/blt-state", put(blt_state))
+        .layer(DefaultBodyLimit::max(blt_state_limit));
     Router::new()
         .route("/internal/v1/jobs/lease", post(lease))
         .route("/internal/v1/jobs/{id}/renew", post(renew))
@@ -320,4 +345,5 @@ pub fn router(limits: &Limits) -> Router<AppState> {
         .route("/internal/v1/contributions/{*key}", get(contribution))
         .layer(DefaultBodyLimit::max(upload_limit))
         .merge(optimizer_state_route)
+        .merge(blt_state_route)
 }

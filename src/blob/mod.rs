@@ -63,6 +63,19 @@ impl BlobKey {
         ))
     }
 
+    /// The sealed BLT state round `round` left, under its BLAKE3 (the release manifest's
+    /// `noise.blt.state_out_blake3`).
+    pub fn blt_state(
+        tenant_id: &str,
+        task_id: &str,
+        round: i64,
+        blake3_hex: &str,
+    ) -> Result<Self, BlobError> {
+        Self::new(format!(
+            "tenants/{tenant_id}/tasks/{task_id}/rounds/{round}/blt-state-{blake3_hex}.sealed"
+        ))
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }

@@ -29,9 +29,10 @@ pub struct DemoArgs {
     /// The server learning rate the optimizer steps with.
     #[arg(long, default_value_t = 1.0)]
     pub server_learning_rate: f64,
-    /// The DP mechanism: `gaussian` (independent noise every round) or `ftrl` (DP-FTRL with tree
-    /// aggregation; the minimum separation is how often the demo's round-robin brings a device
-    /// back, devices / report_goal rounds).
+    /// The DP mechanism: `gaussian` (independent noise every round), `ftrl` (DP-FTRL with tree
+    /// aggregation; also `tree`) or `blt` (DP-FTRL with BLT noise); under both DP-FTRL choices
+    /// the minimum separation is how often the demo's round-robin brings a device back, devices /
+    /// report_goal rounds.
     #[arg(long, value_enum, default_value = "gaussian")]
     pub mechanism: DemoMechanism,
     /// Adaptive clipping (target quantile 0.5, learning rate 0.2, count noise report_goal / 20),
@@ -61,7 +62,9 @@ pub struct DemoArgs {
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum DemoMechanism {
     Gaussian,
+    #[value(alias = "tree")]
     Ftrl,
+    Blt,
 }
 
 /// `--optimizer`: each with its default hyperparameters.
@@ -111,7 +114,11 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         seed: args.seed,
         optimizer: args.optimizer.into(),
         server_learning_rate: args.server_learning_rate,
-        tree: args.mechanism == DemoMechanism::Ftrl,
+        noise: match args.mechanism {
+            DemoMechanism::Gaussian => confed::tools::demo::DemoNoise::Gaussian,
+            DemoMechanism::Ftrl => confed::tools::demo::DemoNoise::Tree,
+            DemoMechanism::Blt => confed::tools::demo::DemoNoise::Blt,
+        },
         adaptive_clipping: args.adaptive_clipping,
         evaluate_every: args.evaluate_every,
         evaluation_stddev: args.evaluation_stddev,

@@ -188,9 +188,12 @@ const PRIVACY: &[NumberField] = &[
     NumberField {
         name: "min_separation",
         path: &["privacy", "min_separation"],
-        label: "Minimum separation (tree aggregation)",
-        hint: "Fewest rounds between two a device serves, 1-1024 (default: the rounds, at most 1024)",
-        kind: Number::Integer { min: 1, max: 1024 },
+        label: "Minimum separation (DP-FTRL)",
+        hint: "Fewest rounds between two a device serves: 1-1024 for tree aggregation, 1-10,000 for BLT (default: the rounds, at most that)",
+        kind: Number::Integer {
+            min: 1,
+            max: 10_000,
+        },
         required: false,
     },
     NumberField {
@@ -237,6 +240,10 @@ const MECHANISMS: &[(&str, &str)] = &[
     (
         "tree_aggregation",
         "DP-FTRL tree aggregation (devices serve rounds apart)",
+    ),
+    (
+        "blt",
+        "DP-FTRL with BLT noise (devices serve rounds apart; the server optimizes the matrix)",
     ),
 ];
 const OPTIMIZERS: &[(&str, &str)] = &[

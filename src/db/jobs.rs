@@ -87,7 +87,8 @@ pub struct JobContext {
     pub contributions: Vec<StoredContribution>,
     pub release: Option<ReleaseRecord>,
     /// The release of round `round - 1`, for tasks that clip adaptively (its manifest gives this
-    /// round's clip norm); `None` otherwise and for round 1.
+    /// round's clip norm) or run BLT noise (it names the state this round continues); `None`
+    /// otherwise and for round 1.
     pub previous_release: Option<ReleaseRecord>,
 }
 
@@ -306,8 +307,9 @@ impl Db {
             )
             .collect();
         let release = load_release(&mut conn, round_id).await?;
-        let previous_release = match task.spec.privacy.adaptive_clipping {
-            Some(_) if round.round_number > 1 => {
+        let continues = task.spec.privacy.adaptive_clipping.is_some() || task.spec.privacy.is_blt();
+        let previous_release = match continues {
+            true if round.round_number > 1 => {
                 let previous: Option<String> = sqlx::query_scalar(
                     "SELECT round_id FROM releases WHERE task_id = $1 AND round_number = $2",
                 )

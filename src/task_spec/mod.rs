@@ -7,7 +7,7 @@ mod evaluation;
 mod privacy;
 mod problems;
 
-use confed_protocol::policy::{DpMechanism, TaskPolicy};
+use confed_protocol::policy::{DpMechanism, Mechanism, TaskPolicy};
 use confed_worker_api::optimizer::ServerOptimizer;
 use std::collections::BTreeMap;
 
@@ -374,8 +374,23 @@ impl CreateTaskRequest {
         if let Err(why) = server_optimizer.validate() {
             p.add("server_optimizer", why);
         }
+        let mut privacy = privacy;
+        if p.0.is_empty() && privacy.is_blt() {
+            let side = DpMechanism {
+                noise: Mechanism::Gaussian,
+                adaptive_clipping: privacy.adaptive_clipping.map(|a| a.policy()),
+                evaluation: evaluation.map(|e| e.policy()),
+            };
+            if let Err(problem) = privacy::resolve_blt(&mut privacy, side, rounds) {
+                p.add("privacy.blt", problem);
+            }
+        }
         let mechanism = DpMechanism {
-            noise: privacy.mechanism(),
+            // Only a valid request's is checked (an unresolved BLT makes none).
+            noise: match p.0.is_empty() {
+                true => privacy.mechanism(),
+                false => Mechanism::Gaussian,
+            },
             adaptive_clipping: privacy.adaptive_clipping.map(|a| a.policy()),
             evaluation: evaluation.map(|e| e.policy()),
         };

@@ -1,7 +1,11 @@
-//! `privacy`: a task's budget, its clip norm and its DP mechanism (Gaussian or tree aggregation,
-//! optionally adaptive clipping), with their validation.
+//! `privacy`: a task's budget, its clip norm and its DP mechanism (Gaussian, tree aggregation or
+//! BLT, optionally adaptive clipping), with their validation.
 
-use confed_protocol::policy::{AdaptiveClipping, MAX_MIN_SEPARATION, Mechanism};
+use confed_protocol::blt_noise::{
+    BltNoise, DEFAULT_BLT_MAX_VALUES, MAX_BLT_BUFFERS, MAX_BLT_MIN_SEPARATION, MAX_BLT_ROUNDS,
+    MAX_BLT_VALUES,
+};
+use confed_protocol::policy::{AdaptiveClipping, DpMechanism, MAX_MIN_SEPARATION, Mechanism};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -10,7 +14,7 @@ use super::{MAX_CLIP_NORM, MAX_DELTA, MAX_EPSILON, MIN_CLIP_NORM};
 
 /// The task's total differential-privacy budget over all its rounds, and the L2 clipping bound of
 /// one device's update.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, ToSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PrivacyBudget {
     /// Total over all rounds, (0, 100].
@@ -22,15 +26,21 @@ pub struct PrivacyBudget {
     /// L2 bound of one device's update, [1e-6, 1e6].
     #[schema(minimum = 0.000001, maximum = 1000000.0)]
     pub clip_norm: f64,
-    /// `gaussian` (default: independent noise on every round) or `tree_aggregation` (DP-FTRL:
-    /// correlated tree noise, devices serve rounds at least `min_separation` apart).
+    /// `gaussian` (default: independent noise on every round), `tree_aggregation` (DP-FTRL:
+    /// correlated tree noise, devices serve rounds at least `min_separation` apart) or `blt`
+    /// (DP-FTRL with buffered linear Toeplitz noise, the same separation; at most 10,000 rounds).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mechanism: Option<MechanismName>,
-    /// `tree_aggregation` only: fewest rounds between two rounds one device serves, and the
-    /// length of each noise tree, 1-1024 (default: the task's rounds, at most 1024).
+    /// `tree_aggregation` and `blt` only: fewest rounds between two rounds one device serves
+    /// (and, for the tree, the length of each noise tree), 1-1024 for the tree, 1-10,000 for BLT
+    /// (default: the task's rounds, at most that).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(minimum = 1, maximum = 1024)]
+    #[schema(minimum = 1, maximum = 10000)]
     pub min_separation: Option<u32>,
+    /// `blt` only: the noise-correlating matrix and what its rounding is charged for. Every field
+    /// is optional; the task as created shows them all as the server resolved them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blt: Option<BltSpec>,
     /// Adaptive clipping (Andrew et al. 2021): `clip_norm` is the first round's, and each round's
     /// moves toward the `target_quantile` of the update norms. Every field is optional:
     /// `target_quantile` in (0, 0.99] (default 0.5), `learning_rate` in (0, 10] (default 0.2),
@@ -54,23 +64,85 @@ pub struct AdaptiveClippingSpec {
     pub count_stddev: Option<f64>,
 }
 
+/// `privacy.blt` (docs/privacy.md, "DP-FTRL with BLT noise").
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BltSpec {
+    /// The running-sum error the server's matrix minimizes: `max` over the rounds (default) or
+    /// `mean`. Ignored when `buffers` are given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<BltErrorName>,
+    /// The matrix `C` as `[decay, scale]` pairs, 0-10 of them: decays in (0, 1) decreasing,
+    /// scales positive with sum at most 1 and `sum(scale / decay) < 1`. Absent: optimized by the
+    /// server for the task's rounds and min_separation (as jax_privacy's
+    /// `buffered_toeplitz.optimize`). Stored rounded to multiples of 2^-52.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(max_items = 10)]
+    pub buffers: Option<Vec<[f64; 2]>>,
+    /// Most values the task's model may have, 1 to 2^32 (default 2^24): the accounting charges
+    /// the release's rounding for this many, and the enclave refuses a larger model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1, maximum = 4294967296_u64)]
+    pub max_values: Option<u64>,
+    /// Set by the server (refused in a request): the noise lattice, `2^lattice_bits` units per
+    /// grid unit, the finest the budget's noise allows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lattice_bits: Option<u32>,
+}
+
+/// `privacy.blt.error`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum BltErrorName {
+    Max,
+    Mean,
+}
+
 /// The DP mechanisms a task may choose (docs/privacy.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum MechanismName {
     Gaussian,
     TreeAggregation,
+    Blt,
 }
 
 impl PrivacyBudget {
-    /// The noise mechanism the task policy names.
+    /// The noise mechanism the task policy names. A BLT spec is resolved at creation
+    /// (`resolve_blt`); one that does not make a valid BLT (a stored spec rewritten in the
+    /// database) names the Gaussian mechanism instead, logged: still private at the budget, and
+    /// its policy is not the one devices agreed to, so nothing they sealed opens under it.
     pub fn mechanism(&self) -> Mechanism {
         match self.mechanism {
             Some(MechanismName::TreeAggregation) => Mechanism::Tree {
                 min_separation: self.min_separation.unwrap_or(MAX_MIN_SEPARATION),
             },
+            Some(MechanismName::Blt) => match self.blt_noise() {
+                Ok(blt) => Mechanism::Blt(blt),
+                Err(why) => {
+                    tracing::error!(%why, "a stored BLT spec is not valid");
+                    Mechanism::Gaussian
+                }
+            },
             _ => Mechanism::Gaussian,
         }
+    }
+
+    pub fn is_blt(&self) -> bool {
+        self.mechanism == Some(MechanismName::Blt)
+    }
+
+    fn blt_noise(&self) -> Result<BltNoise, String> {
+        let spec = self.blt.as_ref().ok_or("no `blt` parameters")?;
+        let buffers = spec.buffers.as_ref().ok_or("no `blt.buffers`")?;
+        let (decays, scales): (Vec<f64>, Vec<f64>) = buffers.iter().map(|[t, w]| (*t, *w)).unzip();
+        BltNoise::new(
+            self.min_separation.ok_or("no `min_separation`")?,
+            &decays,
+            &scales,
+            spec.max_values.unwrap_or(DEFAULT_BLT_MAX_VALUES),
+            spec.lattice_bits.ok_or("no `blt.lattice_bits`")?,
+        )
     }
 }
 
@@ -104,26 +176,30 @@ pub(super) fn validate(
         ),
         mechanism: given.mechanism,
         min_separation: match given.mechanism {
-            Some(MechanismName::TreeAggregation) => {
-                let default = rounds.clamp(1, MAX_MIN_SEPARATION);
-                let given = given.min_separation.unwrap_or(default);
+            Some(name @ (MechanismName::TreeAggregation | MechanismName::Blt)) => {
+                let most = match name {
+                    MechanismName::Blt => MAX_BLT_MIN_SEPARATION,
+                    _ => MAX_MIN_SEPARATION,
+                };
+                let given = given.min_separation.unwrap_or(rounds.clamp(1, most));
                 Some(p.int(
                     "privacy.min_separation",
                     i64::from(given),
                     1,
-                    i64::from(MAX_MIN_SEPARATION),
+                    i64::from(most),
                 ))
             }
             _ => {
                 if given.min_separation.is_some() {
                     p.add(
                         "privacy.min_separation",
-                        "applies to `\"mechanism\": \"tree_aggregation\"` only; set the mechanism or leave it out",
+                        "applies to `\"mechanism\": \"tree_aggregation\"` and `\"blt\"` only; set the mechanism or leave it out",
                     );
                 }
                 None
             }
         },
+        blt: validate_blt(p, given, rounds),
         adaptive_clipping: given.adaptive_clipping.map(|a| AdaptiveClippingSpec {
             target_quantile: Some(p.float(
                 "privacy.adaptive_clipping.target_quantile",
@@ -151,4 +227,125 @@ pub(super) fn validate(
             ),
         }),
     }
+}
+
+/// Checks `privacy.blt` as given (the matrix is resolved later, `resolve_blt`, once the whole
+/// request is valid).
+fn validate_blt(p: &mut Problems, given: &PrivacyBudget, rounds: u32) -> Option<BltSpec> {
+    if !given.is_blt() {
+        if given.blt.is_some() {
+            p.add(
+                "privacy.blt",
+                "applies to `\"mechanism\": \"blt\"` only; set the mechanism or leave it out",
+            );
+        }
+        return None;
+    }
+    if rounds > MAX_BLT_ROUNDS {
+        p.add(
+            "rounds",
+            format!("a BLT task plans at most {MAX_BLT_ROUNDS} rounds; plan fewer or use tree_aggregation"),
+        );
+    }
+    let spec = given.blt.clone().unwrap_or(BltSpec {
+        error: None,
+        buffers: None,
+        max_values: None,
+        lattice_bits: None,
+    });
+    if spec.lattice_bits.is_some() {
+        p.add(
+            "privacy.blt.lattice_bits",
+            "is chosen by the server for the budget; leave it out",
+        );
+    }
+    if let Some(buffers) = &spec.buffers {
+        let (decays, scales): (Vec<f64>, Vec<f64>) = buffers.iter().map(|[t, w]| (*t, *w)).unzip();
+        let quantize = confed_protocol::blt_noise::quantize;
+        let decays: Vec<f64> = decays.into_iter().map(quantize).collect();
+        let scales: Vec<f64> = scales.into_iter().map(quantize).collect();
+        if buffers.len() > MAX_BLT_BUFFERS {
+            p.add(
+                "privacy.blt.buffers",
+                format!("at most {MAX_BLT_BUFFERS} [decay, scale] pairs"),
+            );
+        } else if let Err(why) = BltNoise::new(1, &decays, &scales, 1, 0) {
+            p.add("privacy.blt.buffers", why);
+        }
+    }
+    let max_values = spec.max_values.unwrap_or(DEFAULT_BLT_MAX_VALUES);
+    if !(1..=MAX_BLT_VALUES).contains(&max_values) {
+        p.add(
+            "privacy.blt.max_values",
+            format!("must be between 1 and {MAX_BLT_VALUES} (got {max_values})"),
+        );
+    }
+    Some(BltSpec {
+        error: Some(spec.error.unwrap_or(BltErrorName::Max)),
+        buffers: spec.buffers,
+        max_values: Some(max_values),
+        lattice_bits: None,
+    })
+}
+
+/// Fills in a valid BLT request's matrix (given, rounded to 2^-52, or optimized: up to seconds
+/// the first time for a shape, so task creation runs on a blocking thread) and its lattice:
+/// the finest for the budget's nominal noise, coarsened until the whole calibration (rounding,
+/// adaptive clipping's and evaluation's shares included) fits the exact sampler. The calibration
+/// is the closed form's, which OpenDP's maps in the enclave match to 1e-9 (the lattice leaves
+/// 1e-6 of room).
+pub(super) fn resolve_blt(
+    privacy: &mut PrivacyBudget,
+    mechanism: DpMechanism,
+    rounds: u32,
+) -> Result<(), String> {
+    use confed_dp::blt::{Blt, ErrorKind};
+    use confed_dp::blt_accounting::{fit_lattice, task_blt};
+    let Some(spec) = privacy.blt.as_mut() else {
+        return Ok(());
+    };
+    let explicit = spec.buffers.as_ref().map(|buffers| {
+        let (decays, scales) = buffers.iter().map(|[t, w]| (*t, *w)).unzip();
+        Blt::new(decays, scales)
+    });
+    let error = match spec.error {
+        Some(BltErrorName::Mean) => ErrorKind::Mean,
+        _ => ErrorKind::Max,
+    };
+    let min_separation = privacy.min_separation.unwrap_or(rounds);
+    let accountant = confed_dp::ClosedForm;
+    let blt = task_blt(
+        &accountant,
+        privacy.epsilon,
+        privacy.delta,
+        rounds,
+        min_separation,
+        error,
+        explicit.as_ref(),
+        spec.max_values.unwrap_or(DEFAULT_BLT_MAX_VALUES),
+    )
+    .map_err(|e| e.to_string())?;
+    let fitted = fit_lattice(
+        &accountant,
+        DpMechanism {
+            noise: Mechanism::Blt(blt),
+            ..mechanism
+        },
+        privacy.epsilon,
+        privacy.delta,
+        rounds,
+    )
+    .map_err(|e| e.to_string())?;
+    let Mechanism::Blt(blt) = fitted.noise else {
+        return Err("the BLT was lost fitting its lattice (a bug)".into());
+    };
+    spec.buffers = Some(
+        blt.decays()
+            .into_iter()
+            .zip(blt.scales())
+            .map(|(t, w)| [t, w])
+            .collect(),
+    );
+    spec.lattice_bits = Some(blt.lattice_bits);
+    Ok(())
 }

@@ -319,3 +319,85 @@ fn a_task_name_is_kept_trimmed_and_out_of_the_policy() {
         assert_eq!(invalid_names(json!({ "name": bad })), ["name"], "{bad}");
     }
 }
+
+/// A BLT task: the server optimizes the matrix (or rounds the given one to 2^-52), picks the
+/// lattice for the budget, and stores them, so the policy text is the same at every check-in and
+/// job; the stored spec, read back, gives that same policy.
+#[test]
+fn a_blt_task_stores_its_resolved_matrix_and_lattice_and_names_them_in_the_policy() {
+    let blt = |privacy: serde_json::Value| request(json!({ "privacy": privacy }));
+    let spec = blt(json!({"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0,
+                          "mechanism": "blt", "min_separation": 2}))
+    .validate()
+    .unwrap();
+    let stored = spec.privacy.blt.clone().expect("resolved");
+    let buffers = stored.buffers.clone().expect("optimized buffers");
+    assert!(!buffers.is_empty() && buffers.len() <= 10, "{buffers:?}");
+    assert!(stored.lattice_bits.is_some_and(|bits| bits > 0));
+    assert_eq!(stored.max_values, Some(1 << 24));
+    let Mechanism::Blt(noise) = spec.privacy.mechanism() else {
+        panic!("not BLT: {:?}", spec.privacy.mechanism());
+    };
+    assert_eq!(noise.min_separation, 2);
+    let policy = spec.policy("t", "x").mechanism;
+    assert!(
+        policy.starts_with("blt_on_grid;min_separation=2;buffers="),
+        "{policy}"
+    );
+    let reread: TaskSpec = serde_json::from_str(&serde_json::to_string(&spec).unwrap()).unwrap();
+    assert_eq!(reread.policy("t", "x").mechanism, policy);
+
+    let given = blt(
+        json!({"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0, "mechanism": "blt",
+                           "blt": {"buffers": [[0.9, 0.3], [0.4, 0.2]], "max_values": 1000}}),
+    )
+    .validate()
+    .unwrap();
+    let resolved = given.privacy.blt.unwrap();
+    let q = confed_protocol::blt_noise::quantize;
+    assert_eq!(
+        resolved.buffers,
+        Some(vec![[q(0.9), q(0.3)], [q(0.4), q(0.2)]])
+    );
+    assert_eq!(resolved.max_values, Some(1000));
+    assert_eq!(given.privacy.min_separation, Some(5), "the task's rounds");
+}
+
+#[test]
+fn a_blt_request_with_server_chosen_or_invalid_parameters_is_refused_by_name() {
+    let names = |privacy: serde_json::Value| invalid_names(json!({ "privacy": privacy }));
+    let base = |extra: serde_json::Value| {
+        let mut privacy = json!({"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0,
+                                 "mechanism": "blt"});
+        privacy
+            .as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        privacy
+    };
+    assert_eq!(
+        names(base(json!({"blt": {"lattice_bits": 3}}))),
+        ["privacy.blt.lattice_bits"]
+    );
+    // Decays must decrease; scales must keep sum(scale / decay) below 1.
+    assert_eq!(
+        names(base(json!({"blt": {"buffers": [[0.4, 0.1], [0.9, 0.1]]}}))),
+        ["privacy.blt.buffers"]
+    );
+    assert_eq!(
+        names(base(json!({"blt": {"buffers": [[0.5, 0.6]]}}))),
+        ["privacy.blt.buffers"]
+    );
+    assert_eq!(
+        names(base(json!({"blt": {"max_values": 0}}))),
+        ["privacy.blt.max_values"]
+    );
+    assert_eq!(
+        names(base(json!({"min_separation": 10001}))),
+        ["privacy.min_separation"]
+    );
+    assert_eq!(
+        names(json!({"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0, "blt": {}})),
+        ["privacy.blt"]
+    );
+}

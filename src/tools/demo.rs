@@ -30,9 +30,10 @@ pub struct DemoOptions {
     pub seed: u64,
     pub optimizer: confed_worker_api::optimizer::ServerOptimizer,
     pub server_learning_rate: f64,
-    /// DP-FTRL with tree aggregation instead of the Gaussian mechanism; the minimum separation is
-    /// the round-robin's period (`devices / report_goal` rounds, at most the task's rounds).
-    pub tree: bool,
+    /// The noise: the Gaussian mechanism, or DP-FTRL with tree aggregation or BLT noise, whose
+    /// minimum separation is the round-robin's period (`devices / report_goal` rounds, at most
+    /// the task's rounds).
+    pub noise: DemoNoise,
     /// Adaptive clipping with its defaults, from `clip_norm`.
     pub adaptive_clipping: bool,
     /// Federated evaluation every this many rounds (each device on 20 held-out examples, the
@@ -44,6 +45,14 @@ pub struct DemoOptions {
     pub progress: bool,
     /// The task requires device tokens from an in-process DEV issuer (dev attester).
     pub device_auth: bool,
+}
+
+/// `DemoOptions::noise`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DemoNoise {
+    Gaussian,
+    Tree,
+    Blt,
 }
 
 #[derive(Debug, Error)]
@@ -91,6 +100,8 @@ pub struct DemoSummary {
     pub elapsed: Duration,
     /// Each round's authenticated contributions (the manifest's `authenticated`).
     pub authenticated: Vec<Option<u64>>,
+    /// Each round's release manifest, as stored (and verified).
+    pub manifests: Vec<Value>,
 }
 
 const ROUND_TIMEOUT: Duration = Duration::from_secs(300);
@@ -156,9 +167,16 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         json!({"epsilon": options.epsilon, "delta": options.delta, "clip_norm": options.clip_norm});
     let min_separation = (options.devices / options.report_goal.max(1) as usize)
         .clamp(1, options.rounds.max(1) as usize);
-    if options.tree {
-        privacy["mechanism"] = json!("tree_aggregation");
-        privacy["min_separation"] = json!(min_separation);
+    match options.noise {
+        DemoNoise::Gaussian => {}
+        DemoNoise::Tree => {
+            privacy["mechanism"] = json!("tree_aggregation");
+            privacy["min_separation"] = json!(min_separation);
+        }
+        DemoNoise::Blt => {
+            privacy["mechanism"] = json!("blt");
+            privacy["min_separation"] = json!(min_separation);
+        }
     }
     if options.adaptive_clipping {
         privacy["adaptive_clipping"] = json!({});
@@ -224,12 +242,14 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         options.epsilon,
         options.delta,
         options.clip_norm,
-        if options.tree {
-            format!(
+        match options.noise {
+            DemoNoise::Tree => format!(
                 "DP-FTRL tree aggregation (trees and minimum separation of {min_separation} rounds)"
-            )
-        } else {
-            "Gaussian mechanism".to_string()
+            ),
+            DemoNoise::Blt => format!(
+                "DP-FTRL with BLT noise (minimum separation of {min_separation} rounds, buffers optimized by the server)"
+            ),
+            DemoNoise::Gaussian => "Gaussian mechanism".to_string(),
         } + if options.adaptive_clipping {
             " with adaptive clipping"
         } else {
@@ -279,6 +299,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
     let mut clip_norms = Vec::new();
     let mut evaluations = Vec::new();
     let mut authenticated = Vec::new();
+    let mut manifests = Vec::new();
     for round in 1..=options.rounds {
         // Each round draws the next `report_goal` devices of the population, round-robin.
         let first =
@@ -334,6 +355,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         let authenticated_now = manifest.as_ref().and_then(|m| m["authenticated"].as_u64());
         authenticated.push(authenticated_now);
         clip_norms.push(clip);
+        manifests.extend(manifest);
         if let Some(point) =
             crate::evaluation::point_of(release.round_number, &release.manifest_json)
         {
@@ -391,6 +413,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         epsilon_spent,
         elapsed,
         authenticated,
+        manifests,
     })
 }
 

@@ -239,6 +239,7 @@ impl JobStore for DiesBeforeCommit {
                     average: release.average,
                     manifest: release.manifest,
                     proof: release.proof,
+                    blt_state: release.blt_state,
                 },
             )
             .await?;
@@ -348,6 +349,7 @@ async fn a_stalled_workers_job_is_taken_over_and_released_once() {
                     average: &other,
                     manifest: &manifest,
                     proof: &proof,
+                    blt_state: None,
                 }
             )
             .await,

@@ -1,7 +1,7 @@
 //! `confed demo`'s engine, smaller: the accuracy of the global model must rise well above chance
 //! with the DP noise on, and every round must spend privacy within the budget.
 
-use confed::tools::demo::{DemoOptions, run};
+use confed::tools::demo::{DemoNoise, DemoOptions, run};
 
 /// The small demo the tests run: 3 rounds of 40 of 120 devices, epsilon 8, FedAvg, Gaussian.
 fn small(dir: &std::path::Path) -> DemoOptions {
@@ -15,7 +15,7 @@ fn small(dir: &std::path::Path) -> DemoOptions {
         seed: 7,
         optimizer: Default::default(),
         server_learning_rate: 1.0,
-        tree: false,
+        noise: DemoNoise::Gaussian,
         adaptive_clipping: false,
         evaluate_every: None,
         evaluation_stddev: None,
@@ -67,7 +67,7 @@ async fn the_demo_learns_well_above_chance_with_dp_noise() {
 async fn the_demo_learns_under_dp_ftrl_tree_aggregation() {
     let dir = tempfile::tempdir().unwrap();
     let summary = run(DemoOptions {
-        tree: true,
+        noise: DemoNoise::Tree,
         ..small(dir.path())
     })
     .await
@@ -97,6 +97,47 @@ async fn the_demo_learns_under_dp_ftrl_tree_aggregation() {
     }
 }
 
+/// The same under BLT noise: the server optimizes the matrix when the task is created, every
+/// release verifies, each round continues exactly the sealed state the round before left (its
+/// manifest names it), the model learns, and the last release spends the whole budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_learns_under_dp_ftrl_with_blt_noise() {
+    let dir = tempfile::tempdir().unwrap();
+    let summary = run(DemoOptions {
+        noise: DemoNoise::Blt,
+        ..small(dir.path())
+    })
+    .await
+    .unwrap();
+    assert!(
+        *summary.accuracy.last().unwrap() > 0.3,
+        "accuracy by round: {:?}",
+        summary.accuracy
+    );
+    assert!(
+        summary.epsilon_spent <= 8.0 && summary.epsilon_spent > 7.9,
+        "{}",
+        summary.epsilon_spent
+    );
+    assert_eq!(summary.manifests.len(), 3);
+    let mut previous = serde_json::Value::Null;
+    for (round, manifest) in summary.manifests.iter().enumerate() {
+        let noise = &manifest["noise"];
+        assert!(
+            noise["mechanism"]
+                .as_str()
+                .unwrap()
+                .starts_with("blt_on_grid;"),
+            "{noise}"
+        );
+        let blt = &noise["blt"];
+        assert_eq!(blt["state_in_blake3"], previous, "round {}", round + 1);
+        assert!(blt["prefix_stddev_sum"].as_f64().unwrap() > 0.0);
+        previous = blt["state_out_blake3"].clone();
+        assert!(previous.is_string());
+    }
+}
+
 /// Adaptive clipping on top of DP-FTRL: each round's release names the clip norm it used, the
 /// first is the task's, later ones follow the previous release's `next_clip_norm` (the demo's
 /// updates are far smaller than a clip norm of 5, so it shrinks), every release verifies, and the
@@ -106,7 +147,7 @@ async fn adaptive_clipping_moves_the_clip_norm_round_by_round() {
     let dir = tempfile::tempdir().unwrap();
     let summary = run(DemoOptions {
         clip_norm: 5.0,
-        tree: true,
+        noise: DemoNoise::Tree,
         adaptive_clipping: true,
         ..small(dir.path())
     })

@@ -481,6 +481,7 @@ async fn a_release_committed_with_the_worker_token_but_no_valid_receipts_is_refu
                 average: &average,
                 manifest: &manifest,
                 proof: &proof,
+                blt_state: None,
             },
         )
         .await;

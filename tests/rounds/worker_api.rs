@@ -51,6 +51,62 @@ async fn a_worker_over_http_completes_a_round() {
     system.shutdown().await;
 }
 
+/// A BLT task's rounds over HTTP: the worker stores each round's sealed state (`PUT
+/// .../blt-state`) before its release, whose manifest names it; the next round's job hands that
+/// state back, and round 2's manifest says it continued round 1's. Nobody but the lease holder
+/// may store a state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blt_task_carries_its_sealed_state_through_the_worker_api() {
+    let (system, _dir) = start_with(now_clock(), Some(TOKEN)).await;
+    let privacy = json!({"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0,
+                         "mechanism": "blt", "min_separation": 1});
+    let (token, task) =
+        common::system::open_task_with(&system, "remote-blt", 8.0, json!({"privacy": privacy}))
+            .await;
+    let worker = Worker::new(
+        Arc::new(remote(&system.url, TOKEN)),
+        system.worker_config("remote-blt"),
+    );
+    for round in 1..=2u64 {
+        collect(&system, "remote-blt", round, false).await;
+        let outcome = worker.run_once().await.unwrap().expect("a job");
+        assert_eq!(outcome.round, round);
+    }
+    let releases = system.db.releases_of_task(&task).await.unwrap();
+    let blt = |i: usize| -> Value {
+        serde_json::from_str::<Value>(&releases[i].manifest_json).unwrap()["noise"]["blt"].clone()
+    };
+    assert_eq!(blt(0)["state_in_blake3"], Value::Null);
+    assert_eq!(blt(1)["state_in_blake3"], blt(0)["state_out_blake3"]);
+    // Round 3's job lists round 2's state; a worker without the lease cannot store one.
+    collect(&system, "remote-blt", 3, false).await;
+    let store = remote(&system.url, TOKEN);
+    let job = store
+        .lease("remote-blt-2", Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("round 3's job");
+    assert_eq!(job.round, 3);
+    let state = job.blt_state.as_deref().expect("round 2's state");
+    assert_eq!(
+        blt(1)["state_out_blake3"],
+        json!(confed_protocol::hex::encode(blake3::hash(state).as_bytes()))
+    );
+    let refused = reqwest::Client::new()
+        .put(format!(
+            "{}/internal/v1/jobs/{}/blt-state?worker=intruder",
+            system.url, job.job_id
+        ))
+        .bearer_auth(TOKEN)
+        .body(state.to_vec())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 409, "{}", refused.text().await.unwrap());
+    let _ = token;
+    system.shutdown().await;
+}
+
 /// A lease that waits (long polling) is answered with the job as soon as this server closes the
 /// round, not when the wait ends; a wait above the limit is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -253,6 +309,7 @@ async fn a_release_forged_with_the_worker_token_is_refused_over_http() {
                 average: &average,
                 manifest: &manifest,
                 proof: &proof,
+                blt_state: None,
             },
         )
         .await;

@@ -71,6 +71,36 @@ pub struct NoiseRecord {
     /// sum it completes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tree: Option<TreeRecord>,
+    /// BLT noise only (docs/privacy.md, "DP-FTRL with BLT noise"): the lattice, the state the
+    /// round continued and the one it left, and the noise of the running sum.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blt: Option<BltRecord>,
+}
+
+/// BLT noise's record of a release. `variance_grid` is then the variance of the fresh noise
+/// `z_t` in lattice units squared (`2^lattice_bits` lattice units per grid unit); `stddev_sum`
+/// is the noise this release carries, `C^-1 z` at this round.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BltRecord {
+    /// Buffers of the noise-correlating matrix `C` (`[decay, scale]` pairs, the policy's).
+    pub buffers: u32,
+    /// Lattice units per grid unit, as a power of two.
+    pub lattice_bits: u32,
+    /// Most values a model of the task may have (what the rounding is charged for).
+    pub max_values: u64,
+    /// BLAKE3 (hex) of the sealed state this round continued: round `round - 1`'s
+    /// `state_out_blake3`; absent in round 1, which starts from zero buffers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_in_blake3: Option<String>,
+    /// BLAKE3 (hex) of the sealed state this round left for round `round + 1`.
+    pub state_out_blake3: String,
+    /// Standard deviation of the noise of the released running sum through this round (the sum
+    /// of every release so far), on each coordinate of the sum, in update units, at this
+    /// round's clip norm.
+    pub prefix_stddev_sum: f64,
+    /// Min-separation sensitivity of `C`'s first `round` rows, in clip norms: the accounting
+    /// charges `(sensitivity + rounding)^2` Gaussian releases through this round.
+    pub sensitivity: f64,
 }
 
 /// The tree mechanism's record of a release (docs/privacy.md, "DP-FTRL"). `variance_grid` is each

@@ -45,6 +45,10 @@ pub struct JobSpec {
     pub contributions: Vec<JobContribution>,
     /// The committed release, when the round is already APPLYING.
     pub committed_average: Option<Vec<u8>>,
+    /// BLT noise only: the sealed state round `round - 1` left (`None` in round 1). Opaque here:
+    /// only the enclave can open it, and it refuses one not sealed by round `round - 1` of this
+    /// task and policy.
+    pub blt_state: Option<Vec<u8>>,
 }
 
 /// One completed contribution of a job, as the store lists it.
@@ -66,6 +70,9 @@ pub struct StagedRelease<'a> {
     pub manifest: &'a Manifest,
     /// The enclave's signature and the key services' receipts.
     pub proof: &'a ReleaseProof,
+    /// BLT noise only: the sealed state the round leaves for the next (its BLAKE3 is the
+    /// manifest's `noise.blt.state_out_blake3`); committed with the release, atomically.
+    pub blt_state: Option<&'a [u8]>,
 }
 
 #[derive(Debug, Error)]

@@ -62,6 +62,10 @@ pub struct JobWire {
     /// The partner asked to evaluate this round on demand (absent: no).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub on_demand_evaluation: bool,
+    /// BLT noise only: blob key of the sealed state round `round - 1` left (absent in round 1
+    /// and for other mechanisms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blt_state_key: Option<String>,
 }
 
 fn is_fedavg(optimizer: &ServerOptimizer) -> bool {
@@ -75,6 +79,7 @@ impl JobWire {
         model: Vec<u8>,
         committed_average: Option<Vec<u8>>,
         optimizer_state: Option<Vec<u8>>,
+        blt_state: Option<Vec<u8>>,
     ) -> Result<JobSpec, String> {
         let public_key = URL_SAFE_NO_PAD
             .decode(&self.public_key)
@@ -103,6 +108,7 @@ impl JobWire {
                 .map(ContributionWire::into_listed)
                 .collect::<Result<_, _>>()?,
             committed_average,
+            blt_state,
         })
     }
 }
@@ -162,8 +168,13 @@ pub async fn resolve<S: BlobSource>(
         Some(key) => Some(store.required_blob(key).await?),
         None => None,
     };
+    // A retried job whose release is committed only applies it: it needs no state.
+    let blt_state = match (&wire.blt_state_key, &wire.committed_average_key) {
+        (Some(key), None) => Some(store.required_blob(key).await?),
+        _ => None,
+    };
     let job_id = wire.job_id.clone();
-    match wire.into_spec(model, average, optimizer_state) {
+    match wire.into_spec(model, average, optimizer_state, blt_state) {
         Ok(spec) => Ok(spec),
         Err(reason) => {
             store.fail(&job_id, worker, &reason, true).await?;
@@ -278,7 +289,7 @@ mod tests {
         let mut bad = job;
         bad["optimizer"] = serde_json::json!({"name": "fedavgm", "momentum": 5.0});
         let wire: JobWire = serde_json::from_value(bad).unwrap();
-        let error = wire.into_spec(Vec::new(), None, None).unwrap_err();
+        let error = wire.into_spec(Vec::new(), None, None, None).unwrap_err();
         assert!(error.contains("`momentum` must be in [0, 1)"), "{error}");
     }
 }

@@ -118,10 +118,13 @@ def _device_auth(line: str) -> dict:
     return {"issuer": issuer, "token_keys": decoded}
 
 
-_NOISE = re.compile(r"(discrete_gaussian_on_grid|tree_aggregation_on_grid;min_separation="
-                    r"([1-9][0-9]{0,3}))(;adaptive_clipping=([^,;]+),([^,;]+),([^,;]+))?"
-                    r"(;evaluation=(0|[1-9][0-9]*),([^,;]+),(0|[1-9][0-9]*),([^,;]+),"
-                    r"(0|[1-9][0-9]*))?\Z")
+_NOISE = re.compile(r"(?P<noise>discrete_gaussian_on_grid"
+                    r"|tree_aggregation_on_grid;min_separation=(?P<tree>[1-9][0-9]{0,3})"
+                    r"|blt_on_grid;min_separation=(?P<blt>[1-9][0-9]{0,4});buffers=(?P<buffers>[^;]*)"
+                    r";max_values=(?P<max_values>[1-9][0-9]{0,9});lattice_bits=(?P<lattice_bits>0|[1-9][0-9]?))"
+                    r"(;adaptive_clipping=(?P<a1>[^,;]+),(?P<a2>[^,;]+),(?P<a3>[^,;]+))?"
+                    r"(;evaluation=(?P<e1>0|[1-9][0-9]*),(?P<e2>[^,;]+),(?P<e3>0|[1-9][0-9]*),"
+                    r"(?P<e4>[^,;]+),(?P<e5>0|[1-9][0-9]*))?\Z")
 
 #: The tensor a device adds to its update in an evaluation round: float32 [3],
 #: [loss_sum, correct, examples] of the model it downloaded on its own held-out examples.
@@ -130,28 +133,58 @@ EVALUATION_TENSOR = "confed.evaluation"
 
 def _mechanism(mechanism: str) -> re.Match:
     found = _NOISE.match(mechanism)
-    if not found or (found.group(2) and int(found.group(2)) > 1024):
+    if not found or (found.group("tree") and int(found.group("tree")) > 1024):
         raise PolicyError(f"unknown mechanism {mechanism!r}")
+    if found.group("blt"):
+        _check_blt(found, mechanism)
     return found
+
+
+def _check_blt(found: re.Match, mechanism: str) -> None:
+    """BLT noise's parameters in range (docs/protocol.md, "Task policy"): separation 1..=10000,
+    0-10 buffers with decays in (0, 1) decreasing at least 1e-9 apart, positive scales summing to
+    at most 1 with sum(scale / decay) < 1, every number a multiple of 2^-52, max_values
+    1..=2^32, lattice_bits 0..=14."""
+    bad = PolicyError(f"BLT parameters out of range in {mechanism!r}")
+    listed = found.group("buffers")
+    pairs = [p.split(":") for p in listed.split(",")] if listed else []
+    if len(pairs) > 10 or any(len(p) != 2 for p in pairs):
+        raise bad
+    try:
+        decays = [float(t) for t, _ in pairs]
+        scales = [float(w) for _, w in pairs]
+    except ValueError as error:
+        raise bad from error
+    on_grid = all(math.isfinite(x) and (x * 2.0**52).is_integer() for x in decays + scales)
+    decreasing = all(a - b >= 1e-9 for a, b in zip(decays, decays[1:]))
+    if not (int(found.group("blt")) <= 10_000 and on_grid and decreasing
+            and all(0 < t < 1 for t in decays) and all(w > 0 for w in scales)
+            and sum(scales) <= 1 and sum(w / t for t, w in zip(decays, scales)) < 1
+            and int(found.group("max_values")) <= 2**32
+            and int(found.group("lattice_bits")) <= 14):
+        raise bad
 
 
 def min_separation(mechanism: str) -> int:
     """Fewest rounds between two rounds of the task one device may serve: 1 for
     `discrete_gaussian_on_grid`, `b` for `tree_aggregation_on_grid;min_separation=<b>` (DP-FTRL,
-    b in 1..=1024), either optionally followed by `;adaptive_clipping=...`; `PolicyError` for any
+    b in 1..=1024) and `blt_on_grid;min_separation=<b>;...` (DP-FTRL with BLT noise, b in
+    1..=10000), each optionally followed by `;adaptive_clipping=...`; `PolicyError` for any
     other mechanism."""
     found = _mechanism(mechanism)
-    return int(found.group(2)) if found.group(2) else 1
+    separation = found.group("tree") or found.group("blt")
+    return int(separation) if separation else 1
 
 
 def adaptive_clipping(mechanism: str) -> dict | None:
     """The adaptive clipping parameters (`target_quantile`, `learning_rate`, `count_stddev`) a
     mechanism names, each canonical `{:e}` and in range, or None."""
     found = _mechanism(mechanism)
-    if not found.group(3):
+    if not found.group("a1"):
         return None
     names = ("target_quantile", "learning_rate", "count_stddev")
-    values = {n: _float(v, f"adaptive_clipping.{n}") for n, v in zip(names, found.group(4, 5, 6))}
+    values = {n: _float(v, f"adaptive_clipping.{n}")
+              for n, v in zip(names, found.group("a1", "a2", "a3"))}
     if not (0 < values["target_quantile"] < 1 and 0 < values["learning_rate"] <= 10
             and 0.5 <= values["count_stddev"] <= 1e6):
         raise PolicyError(f"adaptive_clipping out of range in {mechanism!r}")
@@ -162,13 +195,13 @@ def evaluation(mechanism: str) -> dict | None:
     """The evaluation a mechanism names (`every`, `max_loss`, `max_examples`, `stddev`,
     `on_demand`), each canonical and in range, or None (docs/protocol.md, "Evaluation")."""
     found = _mechanism(mechanism)
-    if not found.group(7):
+    if not found.group("e1"):
         return None
-    values = {"every": _u32(found.group(8), "evaluation.every"),
-              "max_loss": _float(found.group(9), "evaluation.max_loss"),
-              "max_examples": _u32(found.group(10), "evaluation.max_examples"),
-              "stddev": _float(found.group(11), "evaluation.stddev"),
-              "on_demand": _u32(found.group(12), "evaluation.on_demand")}
+    values = {"every": _u32(found.group("e1"), "evaluation.every"),
+              "max_loss": _float(found.group("e2"), "evaluation.max_loss"),
+              "max_examples": _u32(found.group("e3"), "evaluation.max_examples"),
+              "stddev": _float(found.group("e4"), "evaluation.stddev"),
+              "on_demand": _u32(found.group("e5"), "evaluation.on_demand")}
     if not (values["every"] <= 10000 and 0 < values["max_loss"] <= 1e6
             and 1 <= values["max_examples"] <= 1_000_000 and 1 <= values["stddev"] <= 1e6
             and values["on_demand"] <= 1000 and (values["every"] or values["on_demand"])):

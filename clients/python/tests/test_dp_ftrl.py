@@ -74,3 +74,51 @@ def test_a_device_serves_a_tree_task_only_min_separation_rounds_apart(server):
     assert trees == [(0, 1), (0, 2), (1, 1)], "trees of 2 rounds: round 3 starts the second"
     # Every round was released under one key per tree (the key services pin it).
     assert manifests[0]["key_id"] == manifests[1]["key_id"]
+
+
+def test_a_blt_policy_parses_and_out_of_range_parameters_are_refused():
+    from confed_client.policy import min_separation
+    good = ("blt_on_grid;min_separation=100;buffers=9.375e-1:2.5e-1,5e-1:1.25e-1;"
+            "max_values=16777216;lattice_bits=12")
+    assert min_separation(good) == 100
+    assert min_separation(good + ";adaptive_clipping=5e-1,2e-1,5e0") == 100
+    assert min_separation("blt_on_grid;min_separation=3;buffers=;max_values=1;lattice_bits=0") == 3
+    pairs = "9.375e-1:2.5e-1,5e-1:1.25e-1"
+    for bad in (good.replace("=100;", "=10001;"),
+                good.replace(pairs, "5e-1:1.25e-1,9.375e-1:2.5e-1"),  # not decreasing
+                good.replace(pairs, "5e-1:5e-1"),  # sum(scale / decay) >= 1
+                good.replace("9.375e-1:2.5e-1", "9.375e-1:0e0"),  # a scale not positive
+                good.replace("9.375e-1", "9e-1"),  # not a multiple of 2^-52
+                good.replace("16777216", "4294967297"),
+                good.replace("lattice_bits=12", "lattice_bits=15"),
+                "blt_on_grid;min_separation=100"):
+        with pytest.raises(PolicyError):
+            min_separation(bad)
+
+
+def test_a_blt_task_runs_round_after_round_and_its_releases_chain_their_state(server):
+    """DP-FTRL with BLT noise from a Python device's side: the server resolves the matrix, the
+    policy names it, every release verifies, and each names the sealed state the one before left."""
+    partner = Partner(server["url"], server["token"])
+    task = partner.create_task(
+        {"population": "python-blt", "rounds": 2, "report_goal": 1, "min_reports": 1,
+         "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0,
+                     "mechanism": "blt", "min_separation": 1}},
+        {"w": np.zeros(4, np.float32)})
+    trust = Trust.load(server["trust"])
+    device = Device(server["url"], "python-blt", trust)
+    step = lambda w, plan: {"w": np.full(4, 0.1, np.float32)}  # noqa: E731
+    assert device.run_once(step) == "contributed"
+    partner.wait_for_model(task, 1)
+    assert device.run_once(step) == "contributed"
+    partner.wait_for_state(task, "COMPLETED")
+    blts = []
+    for round_ in (1, 2):
+        release = partner.wait_for_release(task, round_)
+        manifest = release["manifest"]
+        manifest = json.loads(manifest) if isinstance(manifest, str) else manifest
+        assert manifest["noise"]["mechanism"].startswith("blt_on_grid;min_separation=1;")
+        blts.append(manifest["noise"]["blt"])
+        assert partner.verify_release(task, round_, trust), "raises when a check fails"
+    assert "state_in_blake3" not in blts[0]
+    assert blts[1]["state_in_blake3"] == blts[0]["state_out_blake3"]

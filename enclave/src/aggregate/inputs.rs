@@ -95,6 +95,21 @@ pub fn bind_on_demand_evaluation(inputs_digest: &str) -> String {
     super::hex(hasher.finalize().as_bytes())
 }
 
+/// The inputs digest of a BLT round: `BLAKE3(inputs_digest (64 ASCII hex) || "blt_state=" ||
+/// BLAKE3 hex of the sealed state it continues, or "initial" in round 1)`. The release
+/// commitment then names the state, and the key services' ledger (one commitment per round) lets
+/// each round continue exactly one: no rolled-back or forked state is ever continued.
+pub fn bind_blt_state(inputs_digest: &str, state: Option<&[u8; 32]>) -> String {
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(inputs_digest.as_bytes());
+    hasher.update(b"blt_state=");
+    match state {
+        Some(digest) => hasher.update(super::hex(digest).as_bytes()),
+        None => hasher.update(b"initial"),
+    };
+    super::hex(hasher.finalize().as_bytes())
+}
+
 /// Whether `text` is an assignment ref: exactly 64 lowercase hex digits (SHA-256 of an id).
 pub fn is_ref(text: &str) -> bool {
     confed_protocol::hex::is_digest_hex(text)

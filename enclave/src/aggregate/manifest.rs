@@ -2,7 +2,8 @@
 //! `confed_worker_api::manifest`).
 
 pub use confed_worker_api::manifest::{
-    AdaptiveRecord, EvaluationRecord, FORMAT, Manifest, NoiseRecord, PrivacyRecord, TreeRecord,
+    AdaptiveRecord, BltRecord, EvaluationRecord, FORMAT, Manifest, NoiseRecord, PrivacyRecord,
+    TreeRecord,
 };
 
 use crate::dp::{DiscreteGaussian, grid};
@@ -17,6 +18,7 @@ pub fn noise_record(noise: &DiscreteGaussian, clip_norm: f64, count: u64) -> Noi
         stddev_sum,
         stddev_average: stddev_sum / count as f64,
         tree: None,
+        blt: None,
     }
 }
 
@@ -45,6 +47,7 @@ pub fn tree_noise_record(
             accounted_stddev_sum: Some(node_stddev_sum / f64::from(shape.accounted_depth).sqrt()),
             accounted_depth: Some(shape.accounted_depth),
         }),
+        blt: None,
     }
 }
 

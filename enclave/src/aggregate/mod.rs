@@ -4,6 +4,8 @@
 //! leaves this module: `finish` consumes it.
 
 pub mod accumulator;
+pub mod blt_round;
+pub mod blt_state;
 pub mod contribution;
 pub mod evaluation;
 pub mod inputs;
@@ -77,6 +79,10 @@ pub enum AggregateError {
     EvaluationMismatch { collected: bool, round: u64 },
     #[error("{0}")]
     Unsupported(String),
+    #[error(transparent)]
+    BltState(#[from] blt_state::StateError),
+    #[error("BLT noise: {0}")]
+    Blt(#[from] dp::blt::BltError),
 }
 
 /// The privacy parameters of the task, as the enclave applies them: taken from the task policy
@@ -144,11 +150,26 @@ impl PrivacyParams {
                 )));
             }
         };
-        // Refused before any key is asked for, like every check here.
+        // Refused before any key is asked for, like every check here: a BLT lattice too fine
+        // for the noise the budget needs would leave the sampler out of its exact range, and a
+        // round that could not noise would have its commitment recorded and never release.
         if let Mechanism::Blt(_) = noise {
-            return Err(limits(
-                "this enclave build does not run BLT noise yet (blt_on_grid); use discrete_gaussian_on_grid or tree_aggregation_on_grid".into(),
-            ));
+            let mechanism = DpMechanism {
+                noise,
+                adaptive_clipping,
+                evaluation,
+            };
+            let z = dp::calibrate_task(
+                &dp::OpenDp,
+                mechanism,
+                policy.epsilon,
+                policy.delta,
+                policy.rounds,
+            )
+            .map_err(|e| limits(format!("BLT noise: {e}")))?
+            .noise_multiplier;
+            DiscreteGaussian::at_least(z * dp::accounting::units_per_clip(noise))
+                .map_err(|e| limits(format!("BLT noise on its lattice: {e}")))?;
         }
         // The count's sampler must exist before any key is asked for: a round that could not
         // noise its count would have its commitment recorded and never release.
@@ -227,6 +248,8 @@ pub struct Aggregator {
     stream_above: usize,
     /// The policy's device-token requirement: only contributions it authenticates are added.
     device_auth: Option<confed_protocol::device_auth::DeviceAuth>,
+    /// BLT noise only: the sealed state the round continues (`None` in round 1).
+    blt_state: Option<Vec<u8>>,
 }
 
 #[derive(Default)]
@@ -242,6 +265,8 @@ pub struct Release {
     pub manifest: Manifest,
     /// The average as f32 values in schema order (for the model updater).
     pub values: Vec<f32>,
+    /// BLT noise only: the sealed state the round leaves for the next.
+    pub blt_state: Option<Vec<u8>>,
 }
 
 impl Aggregator {
@@ -267,6 +292,7 @@ impl Aggregator {
             buffers: Mutex::default(),
             stream_above: STREAM_ABOVE_BYTES,
             device_auth: None,
+            blt_state: None,
         })
     }
 
@@ -285,6 +311,13 @@ impl Aggregator {
         device_auth: Option<confed_protocol::device_auth::DeviceAuth>,
     ) -> Self {
         self.device_auth = device_auth;
+        self
+    }
+
+    /// Continues BLT noise from `sealed`, the state round `round - 1` left (`blt_round`; checked
+    /// before the key with `blt_round::check_before_key`, opened in `finish`).
+    pub fn continuing(mut self, sealed: Option<Vec<u8>>) -> Self {
+        self.blt_state = sealed;
         self
     }
 
@@ -453,9 +486,12 @@ impl Aggregator {
             privacy.rounds,
         )?;
         let unclipped = self.unclipped.load(Ordering::Relaxed);
-        let noise = DiscreteGaussian::at_least(
-            calibration.noise_multiplier * grid::GRID_UNITS_PER_CLIP as f64,
-        )?;
+        // On the grid, or on a BLT's finer lattice.
+        let units_per_clip = dp::accounting::units_per_clip(privacy.mechanism);
+        let noise = DiscreteGaussian::at_least(calibration.noise_multiplier * units_per_clip)?;
+        // The scale in grid units, what the accounting takes (exact: a power of two apart).
+        let scale_grid = noise.scale() * grid::GRID_UNITS_PER_CLIP as f64 / units_per_clip;
+        let mut blt_state_out = None;
         let (values, noise_record) = match privacy.mechanism {
             Mechanism::Gaussian => {
                 let seed = noise::seed(
@@ -527,10 +563,20 @@ impl Aggregator {
                 );
                 (values, record)
             }
-            Mechanism::Blt(_) => {
-                return Err(AggregateError::Unsupported(
-                    "this enclave build does not run BLT noise yet".into(),
-                ));
+            Mechanism::Blt(blt) => {
+                let sum = self.sum.into_sum();
+                let (values, record, sealed) = blt_round::release(
+                    &blt,
+                    self.blt_state.as_deref(),
+                    private_key,
+                    &self.binding,
+                    &sum,
+                    &noise,
+                    privacy.clip_norm,
+                    count,
+                )?;
+                blt_state_out = Some(sealed);
+                (values, record)
             }
         };
         let average = encode(&self.schema, &values)?;
@@ -580,7 +626,7 @@ impl Aggregator {
             dp::spent_task(
                 &dp::OpenDp,
                 privacy.mechanism,
-                noise.scale(),
+                scale_grid,
                 &side,
                 round,
                 privacy.delta,
@@ -629,6 +675,7 @@ impl Aggregator {
             average,
             manifest,
             values,
+            blt_state: blt_state_out,
         })
     }
 }
@@ -693,6 +740,8 @@ pub fn encode(schema: &ModelSchema, values: &[f32]) -> Result<Vec<u8>, ModelErro
 
 #[cfg(test)]
 mod auth_tests;
+#[cfg(test)]
+mod blt_tests;
 #[cfg(test)]
 mod evaluation_tests;
 #[cfg(test)]

@@ -30,6 +30,7 @@ const LABEL: &[u8] = b"confed/dp-noise/v2";
 const TREE_LABEL: &[u8] = b"confed/dp-tree-node/v1";
 const COUNT_LABEL: &[u8] = b"confed/dp-count/v1";
 const EVALUATION_LABEL: &[u8] = b"confed/dp-evaluation/v1";
+const BLT_LABEL: &[u8] = b"confed/dp-blt/v1";
 /// Coordinates per ChaCha12 stream.
 const BLOCK: usize = 1 << 14;
 
@@ -50,6 +51,14 @@ pub fn seed(private_key: &PrivateKey, binding: &NoiseBinding<'_>) -> Zeroizing<[
 /// its own label.
 pub fn count_seed(private_key: &PrivateKey, binding: &NoiseBinding<'_>) -> Zeroizing<[u8; 32]> {
     labelled_seed(COUNT_LABEL, private_key, binding)
+}
+
+/// The ChaCha12 key of a BLT round's fresh noise `z_t`: bound to what a Gaussian release's is
+/// (the inputs digest then also binds the state the round continues, `inputs::bind_blt_state`),
+/// under its own label. Each round draws independent `z_t`; the correlation across rounds is the
+/// matrix's, applied exactly to the releases (`dp::blt`), not shared noise.
+pub fn blt_seed(private_key: &PrivateKey, binding: &NoiseBinding<'_>) -> Zeroizing<[u8; 32]> {
+    labelled_seed(BLT_LABEL, private_key, binding)
 }
 
 /// The ChaCha12 key of an evaluation round's noised metric sums: bound to what the release's is,
@@ -80,7 +89,7 @@ fn labelled_seed(
 }
 
 /// `HMAC-SHA256(private key, part 0x00 part 0x00 ...)`: every noise key's form.
-fn keyed(private_key: &PrivateKey, parts: &[&[u8]]) -> Zeroizing<[u8; 32]> {
+pub(crate) fn keyed(private_key: &PrivateKey, parts: &[&[u8]]) -> Zeroizing<[u8; 32]> {
     let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, private_key.as_bytes());
     let mut context = ring::hmac::Context::with_key(&key);
     for part in parts {

@@ -62,10 +62,31 @@ pub struct BltKernel {
 
 /// What the enclave keeps between rounds, per value: `C`'s buffers (`buffers` i128 each) and
 /// `C^-1`'s (as many f64).
-#[derive(Debug, Clone, PartialEq)]
+/// The strategy buffers are linear combinations of past un-noised sums: never printed, wiped
+/// when dropped, and sealed whenever they leave the enclave (`aggregate::blt_state`).
+#[derive(Clone, PartialEq)]
 pub struct BltState {
     pub strategy: Vec<i128>,
     pub release: Vec<f64>,
+}
+
+impl std::fmt::Debug for BltState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "BltState {{ {} strategy and {} release buffers, redacted }}",
+            self.strategy.len(),
+            self.release.len()
+        )
+    }
+}
+
+impl Drop for BltState {
+    fn drop(&mut self) {
+        use zeroize::Zeroize;
+        self.strategy.zeroize();
+        self.release.zeroize();
+    }
 }
 
 fn quantum(x: f64) -> Result<u64, BltError> {

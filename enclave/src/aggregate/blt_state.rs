@@ -1,0 +1,327 @@
+//! The BLT state a round leaves for the next, sealed (docs/protocol.md, "Sealed BLT state").
+//!
+//! The strategy buffers are linear combinations of past un-noised sums: they leave the enclave
+//! only encrypted, under AES-256-GCM with a key only an enclave holding the task's private key can
+//! derive (`HMAC-SHA256(private key, "confed/blt-state/v1" 0x00 task 0x00 policy hash 0x00)`).
+//! The header is the associated data: which task, policy and round sealed it, over which inputs,
+//! and its shape. Round `t` opens only a state sealed by round `t - 1` of its task and policy, and
+//! binds the sealed bytes' BLAKE3 into its release commitment (`inputs::bind_blt_state`): the key
+//! services' ledger admits one commitment per round, so each round continues exactly one state,
+//! the one round `t - 1` released with, and no rolled-back or forked state can be continued.
+//!
+//! ```text
+//! "confed-blt-state/v1\n" || u32 BE header length || header (JSON) || nonce (12) || ciphertext || tag (16)
+//! ```
+//!
+//! The plaintext is every value's strategy buffers (`buffers` i128, little endian) then every
+//! value's inverse buffers (`inverse_buffers` f64 bit patterns, little endian). The nonce is
+//! random: a retried round may seal its (identical) state again, and only the bytes committed
+//! with the release are ever continued.
+
+use ring::aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
+use ring::rand::{SecureRandom, SystemRandom};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+use zeroize::Zeroizing;
+
+use super::noise::keyed;
+use crate::dp::blt::BltState;
+use crate::hpke::PrivateKey;
+
+const MAGIC: &[u8] = b"confed-blt-state/v1\n";
+const KEY_LABEL: &[u8] = b"confed/blt-state/v1";
+const TAG_LEN: usize = 16;
+/// A header is a few hundred bytes; anything longer is not one.
+const MAX_HEADER: usize = 4096;
+
+#[derive(Debug, Error, PartialEq)]
+pub enum StateError {
+    #[error("the BLT state is malformed: {0}")]
+    Malformed(String),
+    #[error("the BLT state does not continue this round: {0}")]
+    Mismatch(String),
+    #[error("the BLT state was not sealed by an enclave of this task (authentication failed)")]
+    Unauthentic,
+}
+
+/// Who sealed a state, over what, and its shape (public: the associated data).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StateHeader {
+    pub task_id: String,
+    pub policy_sha256: String,
+    /// The round that left it.
+    pub round: u64,
+    /// That round's bound inputs digest (its release commitment's).
+    pub inputs_digest: String,
+    pub values: u64,
+    pub buffers: u32,
+    pub inverse_buffers: u32,
+}
+
+/// What the round about to run expects of the state it continues.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Continuing<'a> {
+    pub task_id: &'a str,
+    pub policy_sha256: &'a str,
+    /// The round about to run (so the state must be round `round - 1`'s).
+    pub round: u64,
+    pub values: u64,
+    pub buffers: u32,
+    pub inverse_buffers: u32,
+}
+
+impl StateHeader {
+    fn body_len(&self) -> Result<usize, StateError> {
+        let per_value = u64::from(self.buffers) * 16 + u64::from(self.inverse_buffers) * 8;
+        self.values
+            .checked_mul(per_value)
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or_else(|| StateError::Malformed("its shape overflows".into()))
+    }
+
+    /// Refuses a state that is not round `expected.round - 1`'s of this task, policy and shape.
+    pub fn check_continues(&self, expected: &Continuing<'_>) -> Result<(), StateError> {
+        let mismatch = |what: String| Err(StateError::Mismatch(what));
+        if self.task_id != expected.task_id || self.policy_sha256 != expected.policy_sha256 {
+            return mismatch(format!(
+                "it is task {}'s under policy {}, the round task {}'s under policy {}",
+                self.task_id, self.policy_sha256, expected.task_id, expected.policy_sha256
+            ));
+        }
+        if self.round.checked_add(1) != Some(expected.round) {
+            return mismatch(format!(
+                "round {} left it, and round {} continues only round {}'s",
+                self.round,
+                expected.round,
+                expected.round.saturating_sub(1)
+            ));
+        }
+        let shape = (self.values, self.buffers, self.inverse_buffers);
+        let wanted = (expected.values, expected.buffers, expected.inverse_buffers);
+        if shape != wanted {
+            return mismatch(format!(
+                "it holds (values, buffers, inverse buffers) {shape:?}, the round needs {wanted:?}"
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn cipher(private_key: &PrivateKey, task_id: &str, policy_sha256: &str) -> LessSafeKey {
+    let key = keyed(
+        private_key,
+        &[KEY_LABEL, task_id.as_bytes(), policy_sha256.as_bytes()],
+    );
+    LessSafeKey::new(UnboundKey::new(&AES_256_GCM, &key[..]).expect("a 32-byte AES-256 key"))
+}
+
+/// The header of a sealed state and the length of the associated data (everything before the
+/// nonce), without opening it: what can be checked before the key is asked for.
+pub fn read_header(sealed: &[u8]) -> Result<(StateHeader, usize), StateError> {
+    let malformed = |why: &str| StateError::Malformed(why.into());
+    let rest = sealed
+        .strip_prefix(MAGIC)
+        .ok_or_else(|| malformed("it does not start with \"confed-blt-state/v1\\n\""))?;
+    let (length, rest) = rest
+        .split_first_chunk::<4>()
+        .ok_or_else(|| malformed("it ends inside its header length"))?;
+    let length = u32::from_be_bytes(*length) as usize;
+    if length > MAX_HEADER || rest.len() < length {
+        return Err(malformed("its header length is out of range"));
+    }
+    let header: StateHeader = serde_json::from_slice(&rest[..length])
+        .map_err(|e| StateError::Malformed(format!("its header is not valid: {e}")))?;
+    let ad_len = MAGIC.len() + 4 + length;
+    if sealed.len() - ad_len != NONCE_LEN + header.body_len()? + TAG_LEN {
+        return Err(malformed("its length does not match its header's shape"));
+    }
+    Ok((header, ad_len))
+}
+
+/// Seals `state` under `header` (the round that leaves it).
+pub fn seal(
+    private_key: &PrivateKey,
+    header: &StateHeader,
+    state: &BltState,
+) -> Result<Vec<u8>, StateError> {
+    let header_json = serde_json::to_vec(header).expect("a header serializes");
+    let body_len = header.body_len()?;
+    let shape_ok = state.strategy.len() as u64 == header.values * u64::from(header.buffers)
+        && state.release.len() as u64 == header.values * u64::from(header.inverse_buffers);
+    if !shape_ok {
+        return Err(StateError::Malformed(
+            "the state does not have its header's shape".into(),
+        ));
+    }
+    let mut body = Zeroizing::new(Vec::with_capacity(body_len + TAG_LEN));
+    for b in &state.strategy {
+        body.extend_from_slice(&b.to_le_bytes());
+    }
+    for s in &state.release {
+        body.extend_from_slice(&s.to_bits().to_le_bytes());
+    }
+    let mut nonce = [0u8; NONCE_LEN];
+    SystemRandom::new()
+        .fill(&mut nonce)
+        .map_err(|_| StateError::Malformed("no randomness for the nonce".into()))?;
+    let mut out = Vec::with_capacity(MAGIC.len() + 4 + header_json.len() + NONCE_LEN + body_len);
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&(header_json.len() as u32).to_be_bytes());
+    out.extend_from_slice(&header_json);
+    let ad_len = out.len();
+    let tag = cipher(private_key, &header.task_id, &header.policy_sha256)
+        .seal_in_place_separate_tag(
+            Nonce::assume_unique_for_key(nonce),
+            Aad::from(&out[..ad_len]),
+            &mut body[..],
+        )
+        .map_err(|_| StateError::Malformed("the state could not be sealed".into()))?;
+    out.extend_from_slice(&nonce);
+    out.extend_from_slice(&body);
+    out.extend_from_slice(tag.as_ref());
+    Ok(out)
+}
+
+/// Opens a sealed state that continues into `expected` (its header checked first).
+pub fn open(
+    private_key: &PrivateKey,
+    sealed: &[u8],
+    expected: &Continuing<'_>,
+) -> Result<BltState, StateError> {
+    let (header, ad_len) = read_header(sealed)?;
+    header.check_continues(expected)?;
+    let (ad, rest) = sealed.split_at(ad_len);
+    let (nonce, ciphertext) = rest.split_at(NONCE_LEN);
+    let nonce = Nonce::try_assume_unique_for_key(nonce).map_err(|_| StateError::Unauthentic)?;
+    let mut body = Zeroizing::new(ciphertext.to_vec());
+    let plain = cipher(private_key, &header.task_id, &header.policy_sha256)
+        .open_in_place(nonce, Aad::from(ad), &mut body[..])
+        .map_err(|_| StateError::Unauthentic)?;
+    let strategy_len = header.values as usize * header.buffers as usize;
+    let (strategy, release) = plain.split_at(strategy_len * 16);
+    Ok(BltState {
+        strategy: strategy
+            .chunks_exact(16)
+            .map(|b| i128::from_le_bytes(b.try_into().expect("16 bytes")))
+            .collect(),
+        release: release
+            .chunks_exact(8)
+            .map(|b| f64::from_bits(u64::from_le_bytes(b.try_into().expect("8 bytes"))))
+            .collect(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(byte: u8) -> PrivateKey {
+        PrivateKey::from_bytes(&[byte; 32]).unwrap()
+    }
+
+    fn header(round: u64) -> StateHeader {
+        StateHeader {
+            task_id: "t1".into(),
+            policy_sha256: "ab".repeat(32),
+            round,
+            inputs_digest: "cd".repeat(32),
+            values: 3,
+            buffers: 2,
+            inverse_buffers: 2,
+        }
+    }
+
+    fn next(round: u64) -> Continuing<'static> {
+        Continuing {
+            task_id: "t1",
+            policy_sha256: Box::leak("ab".repeat(32).into_boxed_str()),
+            round,
+            values: 3,
+            buffers: 2,
+            inverse_buffers: 2,
+        }
+    }
+
+    fn state() -> BltState {
+        BltState {
+            strategy: vec![1, -2, i128::MAX, i128::MIN, 5 << 90, -7],
+            release: vec![0.5, -1e300, f64::MIN_POSITIVE, 3.0, -0.0, 1e-12],
+        }
+    }
+
+    #[test]
+    fn a_sealed_state_opens_in_the_next_round_only() {
+        let sealed = seal(&key(1), &header(4), &state()).unwrap();
+        assert_eq!(open(&key(1), &sealed, &next(5)).unwrap(), state());
+        for round in [4, 6, 1] {
+            assert!(
+                matches!(
+                    open(&key(1), &sealed, &next(round)),
+                    Err(StateError::Mismatch(_))
+                ),
+                "round {round}"
+            );
+        }
+        let mut other_task = next(5);
+        other_task.task_id = "t2";
+        assert!(matches!(
+            open(&key(1), &sealed, &other_task),
+            Err(StateError::Mismatch(_))
+        ));
+        let mut other_shape = next(5);
+        other_shape.values = 4;
+        assert!(matches!(
+            open(&key(1), &sealed, &other_shape),
+            Err(StateError::Mismatch(_))
+        ));
+    }
+
+    #[test]
+    fn another_key_a_changed_byte_or_a_rewritten_header_fails_authentication() {
+        let sealed = seal(&key(1), &header(4), &state()).unwrap();
+        assert_eq!(
+            open(&key(2), &sealed, &next(5)),
+            Err(StateError::Unauthentic)
+        );
+        let mut flipped = sealed.clone();
+        let last = flipped.len() - 20;
+        flipped[last] ^= 1;
+        assert_eq!(
+            open(&key(1), &flipped, &next(5)),
+            Err(StateError::Unauthentic)
+        );
+        // The header says round 5 left it (so round 6 would take it): the AEAD refuses.
+        let mut rewritten = sealed.clone();
+        let at = rewritten
+            .windows(9)
+            .position(|w| w == b"\"round\":4")
+            .unwrap();
+        rewritten[at + 8] = b'5';
+        assert_eq!(
+            open(&key(1), &rewritten, &next(6)),
+            Err(StateError::Unauthentic)
+        );
+    }
+
+    #[test]
+    fn truncated_or_foreign_bytes_are_malformed_not_a_panic() {
+        let sealed = seal(&key(1), &header(1), &state()).unwrap();
+        for cut in [0, 5, MAGIC.len() + 2, MAGIC.len() + 30, sealed.len() - 1] {
+            assert!(
+                matches!(read_header(&sealed[..cut]), Err(StateError::Malformed(_))),
+                "cut at {cut}"
+            );
+        }
+        assert!(matches!(
+            read_header(b"something else entirely"),
+            Err(StateError::Malformed(_))
+        ));
+        let mut wrong_shape = header(1);
+        wrong_shape.values = 4;
+        assert!(matches!(
+            seal(&key(1), &wrong_shape, &state()),
+            Err(StateError::Malformed(_))
+        ));
+    }
+}
