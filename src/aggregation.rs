@@ -331,7 +331,11 @@ impl TaskDbJobStore {
         let blake3 = hex(blake3::hash(state).as_bytes());
         let key = blt_state_key(&context, &blake3)?;
         match self.blobs.put(&key, state).await {
-            Ok(_) | Err(BlobError::Conflict(_)) => Ok(blake3),
+            Ok(_) => Ok(blake3),
+            // Named by its content: other bytes under the name are a corrupted store.
+            Err(BlobError::Conflict(what)) => Err(StoreError::Conflict(format!(
+                "other bytes are stored under the BLT state's digest ({what})"
+            ))),
             Err(e) => Err(backend(e)),
         }
     }

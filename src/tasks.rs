@@ -65,10 +65,11 @@ impl Tasks<'_> {
     ) -> Result<TaskRecord, TaskError> {
         // A BLT task's matrix is optimized when the request names none: 0.1-2 s at a few
         // thousand rounds, up to about 25 s at 10,000, the first time for a shape (then cached).
-        // On a blocking thread, and one such request at a time, so task creation can never take
-        // more than one core from the server whatever shapes tenants ask for.
+        // On a blocking thread, one such validation at a time: the permit moves into the thread,
+        // so a request dropped while it runs (a client that hung up, the request timeout) still
+        // holds it until the work ends, and task creation never takes more than one core.
         static OPTIMIZING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
-        let _one_at_a_time = match request.privacy.is_blt() {
+        let permit = match request.privacy.names_blt() {
             true => Some(
                 OPTIMIZING
                     .acquire()
@@ -77,10 +78,13 @@ impl Tasks<'_> {
             ),
             false => None,
         };
-        let spec = tokio::task::spawn_blocking(move || request.validate())
-            .await
-            .map_err(|e| TaskError::Validation(e.to_string()))?
-            .map_err(TaskError::InvalidFields)?;
+        let spec = tokio::task::spawn_blocking(move || {
+            let _one_at_a_time = permit;
+            request.validate()
+        })
+        .await
+        .map_err(|e| TaskError::Validation(e.to_string()))?
+        .map_err(TaskError::InvalidFields)?;
         Ok(self.db.create_task(tenant_id, &spec, now.0).await?)
     }
 
@@ -148,14 +152,29 @@ impl Tasks<'_> {
         spooled: Spooled,
         now: Millis,
     ) -> Result<TaskRecord, TaskError> {
-        self.check_open_for_model(tenant_id, id).await?;
+        let task = self.db.task(tenant_id, id).await?;
+        check_created(&task)?;
+        // A BLT task's rounds refuse a model with more values than its policy's max_values
+        // (what the rounding is charged for): refused now, not at round 1.
+        let max_values = match task.spec.privacy.mechanism() {
+            confed_protocol::policy::Mechanism::Blt(blt) => Some(blt.max_values),
+            _ => None,
+        };
         let spooled = std::sync::Arc::new(spooled);
         let checked = spooled.clone();
         tokio::task::spawn_blocking(move || {
             let mapped = checked.map().map_err(|e| TaskError::Spool(e.to_string()))?;
-            confed_worker_api::model::validate_model(&mapped)
-                .map(|_| ())
-                .map_err(|e| TaskError::NotAModel(e.to_string()))
+            let schema = confed_worker_api::model::validate_model(&mapped)
+                .map_err(|e| TaskError::NotAModel(e.to_string()))?;
+            match max_values {
+                Some(most) if schema.parameter_count() as u64 > most => {
+                    Err(TaskError::NotAModel(format!(
+                        "it has {} values, more than the task's BLT max_values {most}; create the task with a larger privacy.blt.max_values",
+                        schema.parameter_count()
+                    )))
+                }
+                _ => Ok(()),
+            }
         })
         .await
         .map_err(|e| TaskError::Spool(e.to_string()))??;

@@ -206,13 +206,20 @@ pub async fn verify_release_under(
         round,
         trust,
     )?;
-    if let Some(text) = expected_policy {
-        let manifest: Manifest = serde_json::from_slice(&fetched.manifest_bytes).map_err(|e| {
-            VerifyError::Malformed {
-                what: "manifest".into(),
-                source: e,
-            }
+    let manifest: Manifest =
+        serde_json::from_slice(&fetched.manifest_bytes).map_err(|e| VerifyError::Malformed {
+            what: "manifest".into(),
+            source: e,
         })?;
+    if let Some((ok, what)) = blt_chain(&http, server, token, task, &manifest).await? {
+        verified
+            .lines
+            .push(format!("{}: {what}", if ok { "ok" } else { "FAILED" }));
+        if !ok {
+            verified.failures.push(what);
+        }
+    }
+    if let Some(text) = expected_policy {
         let (ok, what) = match confed_protocol::policy::TaskPolicy::parse(text) {
             Ok(policy) => (
                 sha256_hex(text.as_bytes()) == manifest.policy_sha256,
@@ -239,6 +246,49 @@ pub async fn verify_release_under(
         }
     }
     Ok(verified)
+}
+
+/// Under BLT noise, whether the state the release continued is the one round `round - 1`'s
+/// release names as left (round 1: none): the chain of states through the task's releases
+/// (docs/privacy.md, "DP-FTRL with BLT noise"). `None` for other mechanisms.
+async fn blt_chain(
+    http: &reqwest::Client,
+    server: &str,
+    token: &str,
+    task: &str,
+    manifest: &Manifest,
+) -> Result<Option<(bool, String)>, VerifyError> {
+    let Some(blt) = &manifest.noise.blt else {
+        return Ok(None);
+    };
+    let round = manifest.round;
+    if round <= 1 {
+        return Ok(Some((
+            blt.state_in_blake3.is_none(),
+            "BLT: round 1 starts from zero buffers (it names no state it continued)".into(),
+        )));
+    }
+    let url = format!(
+        "{}/v1/tasks/{task}/releases/{}/manifest",
+        server.trim_end_matches('/'),
+        round - 1
+    );
+    let previous: Manifest =
+        serde_json::from_slice(&get(http, &url, token, "the previous round's manifest").await?)
+            .map_err(|e| VerifyError::Malformed {
+                what: "the previous round's manifest".into(),
+                source: e,
+            })?;
+    let left = previous.noise.blt.map(|b| b.state_out_blake3);
+    Ok(Some((
+        left.is_some() && left == blt.state_in_blake3,
+        format!(
+            "BLT: the state this round continued ({}) is the one round {}'s release left ({})",
+            blt.state_in_blake3.as_deref().unwrap_or("none"),
+            round - 1,
+            left.as_deref().unwrap_or("none")
+        ),
+    )))
 }
 
 /// The offline part: everything from bytes.

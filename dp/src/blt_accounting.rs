@@ -141,6 +141,9 @@ pub fn fit_lattice(
     }
 }
 
+/// Most optimized shapes kept; the cache starts over beyond.
+const CACHED_SHAPES: usize = 1024;
+
 /// The BLT a task of `rounds` rounds at min separation `min_separation` gets when it names none:
 /// optimized for `error` (`blt_optimize`), its numbers rounded to the policy's 2^-52 grid.
 /// Cached: the optimization takes up to seconds and depends on nothing else.
@@ -163,10 +166,12 @@ pub fn optimized(rounds: u32, min_separation: u32, error: ErrorKind) -> Result<B
         blt.scales.iter().map(|w| quantize(*w)).collect(),
     );
     quantized.check_strategy().map_err(DpError::InvalidBudget)?;
-    cache
-        .lock()
-        .expect("BLT cache")
-        .insert(key, quantized.clone());
+    let mut cache = cache.lock().expect("BLT cache");
+    // Bounded: tenants choose the shapes, and a shape costs a few hundred bytes.
+    if cache.len() >= CACHED_SHAPES {
+        cache.clear();
+    }
+    cache.insert(key, quantized.clone());
     Ok(quantized)
 }
 

@@ -287,8 +287,47 @@ fn bench_blt_noise(c: &mut Criterion, g: &DiscreteGaussian) {
                 one.install(|| black_box(kernel.step(&mut state, &sum, g, &[5; 32]).unwrap()))
             })
         });
+        if buffers == 3 {
+            bench_blt_state(&mut group, &kernel, &state, n);
+        }
     }
     group.finish();
+}
+
+/// Sealing the state a round leaves for the next (AES-256-GCM and the synthetic nonce's keyed
+/// BLAKE3 over 16 bytes a strategy buffer and 8 an inverse buffer, per value), and opening it.
+fn bench_blt_state(
+    group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    kernel: &confed_enclave::dp::blt::BltKernel,
+    state: &confed_enclave::dp::blt::BltState,
+    n: usize,
+) {
+    use confed_enclave::aggregate::blt_state::{Continuing, StateHeader, open, seal};
+    let (private, _) = confed_enclave::hpke::generate_keypair();
+    let header = StateHeader {
+        task_id: "bench".into(),
+        policy_sha256: "ab".repeat(32),
+        round: 1,
+        inputs_digest: "cd".repeat(32),
+        values: n as u64,
+        buffers: kernel.buffers() as u32,
+        inverse_buffers: (state.release.len() / n) as u32,
+    };
+    let sealed = seal(&private, &header, state).unwrap();
+    let next = Continuing {
+        task_id: "bench",
+        policy_sha256: &header.policy_sha256,
+        round: 2,
+        values: n as u64,
+        buffers: header.buffers,
+        inverse_buffers: header.inverse_buffers,
+    };
+    group.bench_function("3_buffers_seal_state", |b| {
+        b.iter(|| black_box(seal(&private, &header, state).unwrap()))
+    });
+    group.bench_function("3_buffers_open_state", |b| {
+        b.iter(|| black_box(open(&private, &sealed, &next).unwrap()))
+    });
 }
 
 /// DP-FTRL's noise for one release of a 2^20-value model, on both cores, at tree positions whose

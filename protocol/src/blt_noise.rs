@@ -93,6 +93,43 @@ pub fn check_blt(decays: &[f64], scales: &[f64]) -> Result<(), String> {
     Ok(())
 }
 
+/// `<theta>:<omega>,...` as (decays, scales), each a finite number (the empty text: no
+/// buffers). Whether they make a valid BLT is `BltNoise::new`'s to say.
+pub fn parse_buffer_pairs(text: &str) -> Result<(Vec<f64>, Vec<f64>), String> {
+    let mut decays = Vec::new();
+    let mut scales = Vec::new();
+    if text.is_empty() {
+        return Ok((decays, scales));
+    }
+    for pair in text.split(',') {
+        let number = |x: &str| x.parse::<f64>().ok().filter(|x| x.is_finite());
+        let (t, w) = pair
+            .split_once(':')
+            .and_then(|(t, w)| Some((number(t)?, number(w)?)))
+            .ok_or_else(|| format!("{pair:?} is not <theta>:<omega> (two finite numbers)"))?;
+        decays.push(t);
+        scales.push(w);
+    }
+    Ok((decays, scales))
+}
+
+/// Whether a task of `rounds` rounds at `min_separation` may run BLT noise: 1 to
+/// `MAX_BLT_ROUNDS` rounds (the fixed point's allowance is valid that far), a separation in
+/// 1..=`MAX_BLT_MIN_SEPARATION`.
+pub fn check_shape(rounds: u32, min_separation: u32) -> Result<(), String> {
+    if !(1..=MAX_BLT_ROUNDS).contains(&rounds) {
+        return Err(format!(
+            "BLT noise runs 1 to {MAX_BLT_ROUNDS} rounds (got {rounds})"
+        ));
+    }
+    if !(1..=MAX_BLT_MIN_SEPARATION).contains(&min_separation) {
+        return Err(format!(
+            "min_separation {min_separation} (must be in 1..={MAX_BLT_MIN_SEPARATION})"
+        ));
+    }
+    Ok(())
+}
+
 impl BltNoise {
     /// A configuration from its parts, checked (`check_blt`, numbers on the 2^-52 grid, the
     /// ranges of the rest).
@@ -181,22 +218,8 @@ impl BltNoise {
                 .map(str::to_string)
                 .ok_or_else(bad)
         };
-        let number = |text: &str| -> Result<f64, String> {
-            text.parse::<f64>()
-                .ok()
-                .filter(|x| x.is_finite())
-                .ok_or_else(bad)
-        };
-        let mut decays = Vec::new();
-        let mut scales = Vec::new();
-        let listed = value(buffers, "buffers")?;
-        if !listed.is_empty() {
-            for pair in listed.split(',') {
-                let (t, w) = pair.split_once(':').ok_or_else(bad)?;
-                decays.push(number(t)?);
-                scales.push(number(w)?);
-            }
-        }
+        let (decays, scales) =
+            parse_buffer_pairs(&value(buffers, "buffers")?).map_err(|_| bad())?;
         Self::new(
             value(separation, "min_separation")?
                 .parse()

@@ -9,9 +9,7 @@ use confed_dp::blt::{Blt, ErrorKind, Setting};
 use confed_dp::running_sum::{max_and_mean, running_sum_noise};
 use confed_dp::{self as dp, Accountant, grid::GRID_UNITS_PER_CLIP};
 use confed_enclave::dp::{DiscreteGaussian, OpenDp};
-use confed_protocol::blt_noise::{
-    BltNoise, DEFAULT_BLT_MAX_VALUES, MAX_BLT_MIN_SEPARATION, MAX_BLT_ROUNDS,
-};
+use confed_protocol::blt_noise::{BltNoise, DEFAULT_BLT_MAX_VALUES};
 use confed_protocol::policy::{AdaptiveClipping, DpMechanism, Evaluation, Mechanism};
 use serde::Serialize;
 
@@ -291,17 +289,8 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
 
 /// The shape a BLT plan needs, checked before the optimizer runs.
 fn check_blt_shape(rounds: u32, min_separation: u32) -> Result<()> {
-    if !(1..=MAX_BLT_ROUNDS).contains(&rounds) {
-        return Err(anyhow!(
-            "--rounds {rounds}: BLT noise runs 1 to {MAX_BLT_ROUNDS} rounds"
-        ));
-    }
-    if !(1..=MAX_BLT_MIN_SEPARATION).contains(&min_separation) {
-        return Err(anyhow!(
-            "--min-separation {min_separation}: must be in 1..={MAX_BLT_MIN_SEPARATION}"
-        ));
-    }
-    Ok(())
+    confed_protocol::blt_noise::check_shape(rounds, min_separation)
+        .map_err(|why| anyhow!("--rounds {rounds} --min-separation {min_separation}: {why}"))
 }
 
 fn blt_error(arg: BltErrorArg) -> ErrorKind {
@@ -311,16 +300,11 @@ fn blt_error(arg: BltErrorArg) -> ErrorKind {
     }
 }
 
-/// `THETA:OMEGA,...` as a BLT (checked when it becomes the policy's).
+/// `THETA:OMEGA,...` as a BLT (checked when it becomes the policy's; spaces are ignored).
 fn parse_buffers(text: &str) -> Result<Blt> {
-    let mut decays = Vec::new();
-    let mut scales = Vec::new();
-    for pair in text.split(',').filter(|p| !p.is_empty()) {
-        let bad = || anyhow!("--blt-buffers {text:?}: {pair:?} is not THETA:OMEGA (two numbers)");
-        let (t, w) = pair.split_once(':').ok_or_else(bad)?;
-        decays.push(t.trim().parse::<f64>().map_err(|_| bad())?);
-        scales.push(w.trim().parse::<f64>().map_err(|_| bad())?);
-    }
+    let compact: String = text.chars().filter(|c| !c.is_whitespace()).collect();
+    let (decays, scales) = confed_protocol::blt_noise::parse_buffer_pairs(&compact)
+        .map_err(|why| anyhow!("--blt-buffers {text:?}: {why}"))?;
     Ok(Blt::new(decays, scales))
 }
 

@@ -375,7 +375,7 @@ impl CreateTaskRequest {
             p.add("server_optimizer", why);
         }
         let mut privacy = privacy;
-        if p.0.is_empty() && privacy.is_blt() {
+        if p.0.is_empty() && privacy.names_blt() {
             let side = DpMechanism {
                 noise: Mechanism::Gaussian,
                 adaptive_clipping: privacy.adaptive_clipping.map(|a| a.policy()),

@@ -128,7 +128,14 @@ impl PrivacyBudget {
         }
     }
 
+    /// Whether the task's policy runs BLT noise: what the store goes by (a stored spec that
+    /// names BLT but does not make one names the Gaussian mechanism, `mechanism`).
     pub fn is_blt(&self) -> bool {
+        matches!(self.mechanism(), Mechanism::Blt(_))
+    }
+
+    /// Whether the request names BLT (before its matrix is resolved).
+    pub fn names_blt(&self) -> bool {
         self.mechanism == Some(MechanismName::Blt)
     }
 
@@ -232,7 +239,7 @@ pub(super) fn validate(
 /// Checks `privacy.blt` as given (the matrix is resolved later, `resolve_blt`, once the whole
 /// request is valid).
 fn validate_blt(p: &mut Problems, given: &PrivacyBudget, rounds: u32) -> Option<BltSpec> {
-    if !given.is_blt() {
+    if !given.names_blt() {
         if given.blt.is_some() {
             p.add(
                 "privacy.blt",
@@ -244,7 +251,9 @@ fn validate_blt(p: &mut Problems, given: &PrivacyBudget, rounds: u32) -> Option<
     if rounds > MAX_BLT_ROUNDS {
         p.add(
             "rounds",
-            format!("a BLT task plans at most {MAX_BLT_ROUNDS} rounds; plan fewer or use tree_aggregation"),
+            format!(
+                "a BLT task plans at most {MAX_BLT_ROUNDS} rounds; plan fewer or use tree_aggregation"
+            ),
         );
     }
     let spec = given.blt.clone().unwrap_or(BltSpec {

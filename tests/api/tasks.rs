@@ -461,3 +461,46 @@ async fn a_task_over_the_tenants_compute_budget_is_refused_saying_what_fits() {
     app.create_task(&token, short).await;
     create(body(1)).await.problem(StatusCode::BAD_REQUEST);
 }
+
+/// A BLT task shows its resolved matrix and lattice, and refuses a model version 0 with more
+/// values than its `max_values` (what its rounding is charged for) when it is uploaded, not at
+/// round 1; a model that fits opens it.
+#[tokio::test]
+async fn a_blt_task_shows_its_matrix_and_refuses_a_model_above_its_max_values() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let privacy = |max_values: u64| {
+        json!({"privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0,
+               "mechanism": "blt", "min_separation": 1, "blt": {"max_values": max_values}}})
+    };
+    let small = app.create_task(&token, privacy(7)).await;
+    let task = app
+        .call(
+            Method::GET,
+            &format!("/v1/tasks/{small}"),
+            Some(&token),
+            None,
+        )
+        .await
+        .json();
+    let blt = &task["privacy"]["blt"];
+    assert_eq!(blt["max_values"], 7, "{task}");
+    // Resolved (at 3 rounds, every round a device's, the optimum keeps no buffer).
+    assert!(blt["buffers"].is_array(), "{blt}");
+    assert!(blt["lattice_bits"].is_u64(), "{blt}");
+    // The test model has 8 values.
+    let refused = app
+        .put_bytes(
+            &format!("/v1/tasks/{small}/model"),
+            &token,
+            common::model_bytes(),
+        )
+        .await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST);
+    let problem = refused.json();
+    assert!(
+        problem["detail"].as_str().unwrap().contains("max_values 7"),
+        "{problem}"
+    );
+    app.open_task(&token, privacy(8)).await;
+}

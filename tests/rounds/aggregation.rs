@@ -12,7 +12,7 @@ use common::system::{GOAL, collect, get, now_clock, open_task, rounds, start};
 use confed::tools::simulate;
 use confed_worker_api::manifest::Manifest;
 use confed_worker_api::store::{JobSpec, JobStore, StagedRelease, StoreError};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 fn model_values(bytes: &[u8]) -> Vec<f32> {
     let schema = confed_worker_api::model::validate_model(bytes).unwrap();
@@ -229,9 +229,12 @@ impl JobStore for DiesBeforeCommit {
     async fn commit_release(
         &self,
         job_id: &str,
-        _: &str,
+        worker: &str,
         release: StagedRelease<'_>,
     ) -> Result<(), StoreError> {
+        if let Some(state) = release.blt_state {
+            self.inner.put_blt_state(job_id, worker, state).await?;
+        }
         self.inner
             .stage_release(
                 job_id,
@@ -264,10 +267,23 @@ impl JobStore for DiesBeforeCommit {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_between_noising_and_commit_leads_to_one_identical_release() {
+    killed_between_noising_and_commit("crash", json!({})).await;
+}
+
+/// The same under BLT noise, where the manifest names the sealed state: the retry seals the same
+/// state byte for byte (the release was staged under write-once names), so it commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blt_worker_killed_between_noising_and_commit_leads_to_one_identical_release() {
+    let privacy = json!({"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0,
+                         "mechanism": "blt", "min_separation": 1});
+    killed_between_noising_and_commit("crash-blt", json!({ "privacy": privacy })).await;
+}
+
+async fn killed_between_noising_and_commit(population: &str, spec: Value) {
     let clock = now_clock();
     let (system, _dir) = start(clock.clone()).await;
-    let (token, task) = open_task(&system, "crash", 8.0).await;
-    collect(&system, "crash", 1, false).await;
+    let (token, task) = common::system::open_task_with(&system, population, 8.0, spec).await;
+    collect(&system, population, 1, false).await;
 
     let dying = Arc::new(DiesBeforeCommit {
         inner: system.store.clone(),

@@ -103,6 +103,38 @@ async fn a_blt_task_carries_its_sealed_state_through_the_worker_api() {
         .await
         .unwrap();
     assert_eq!(refused.status(), 409, "{}", refused.text().await.unwrap());
+    let put_state = |job: String, worker: &'static str| {
+        let url = system.url.clone();
+        let body = state.to_vec();
+        async move {
+            reqwest::Client::new()
+                .put(format!(
+                    "{url}/internal/v1/jobs/{job}/blt-state?worker={worker}"
+                ))
+                .bearer_auth(TOKEN)
+                .body(body)
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    // The lease holder may (the same bytes again are fine: stored under their digest) ...
+    assert_eq!(put_state(job.job_id.clone(), "remote-blt-2").await, 204);
+    assert_eq!(put_state(job.job_id.clone(), "remote-blt-2").await, 204);
+    // ... but not for a task whose noise is not BLT.
+    store
+        .fail(&job.job_id, "remote-blt-2", "test done", true)
+        .await
+        .unwrap();
+    let _ = open_task(&system, "remote-gauss", 8.0).await;
+    collect(&system, "remote-gauss", 4, false).await;
+    let gaussian = store
+        .lease("remote-gauss", Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("the Gaussian task's job");
+    assert_eq!(put_state(gaussian.job_id, "remote-gauss").await, 422);
     let _ = token;
     system.shutdown().await;
 }

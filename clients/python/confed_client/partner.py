@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -125,8 +126,36 @@ class Partner:
         release = next((r for r in self.releases(task_id) if r["round"] == round_), None)
         if release is None or not release.get("proof"):
             raise PartnerError(f"round {round_} of task {task_id} has no release with a proof")
-        return verify_release(manifest, average, release["proof"], trust.keyservices,
-                              trust.threshold, self.task(task_id)["policy"], shares=trust.n)
+        passed = verify_release(manifest, average, release["proof"], trust.keyservices,
+                                trust.threshold, self.task(task_id)["policy"], shares=trust.n)
+        chain = self._blt_chain(task_id, round_, json.loads(manifest))
+        if chain is not None:
+            passed.append(chain)
+        return passed
+
+    def _blt_chain(self, task_id: str, round_: int, manifest: dict) -> str | None:
+        """Under BLT noise, checks that the state the release continued is the one round
+        `round_ - 1`'s release names as left (round 1: none); the check's line, `ReleaseError`
+        when it fails, None for other mechanisms (docs/privacy.md, "DP-FTRL with BLT noise")."""
+        from .release import ReleaseError
+
+        blt = manifest.get("noise", {}).get("blt")
+        if blt is None:
+            return None
+        continued = blt.get("state_in_blake3")
+        if round_ <= 1:
+            left = None
+        else:
+            previous = json.loads(self._call(
+                "GET", f"/v1/tasks/{task_id}/releases/{round_ - 1}/manifest").content)
+            left = (previous.get("noise", {}).get("blt") or {}).get("state_out_blake3")
+            if left is None:
+                raise ReleaseError([f"BLT: round {round_ - 1}'s release names no state left"])
+        line = (f"BLT: the state round {round_} continued ({continued}) is the one round "
+                f"{round_ - 1} left ({left})")
+        if continued != left:
+            raise ReleaseError([line])
+        return line
 
     def wait_for_state(self, task_id: str, state: str, timeout: float = 120.0) -> dict:
         """The task once it is in `state` (e.g. "COMPLETED"); `TaskEnded` as soon as it fails

@@ -14,6 +14,14 @@ use crate::dp::{DiscreteGaussian, grid};
 use crate::envelope::RoundContext;
 use crate::hpke::PrivateKey;
 
+/// Most contributions a BLT release sums. It bounds the sums whatever the devices' data: each
+/// value of a clipped update is at most 2^16 grid units, so a sum is below 2^48 grid units, 2^62
+/// lattice units (at most 14 lattice bits), 2^102 in the strategy buffers' fixed point, and a
+/// buffer (a decayed sum of at most 10,000 rounds, decays below 1) below 2^116: the kernel's i128
+/// never overflows. Its overflow error is therefore unreachable, and the only refusal here is
+/// on the count, which the manifest publishes anyway (`included`), never on the data.
+pub const MAX_BLT_INCLUDED: u64 = 1 << 32;
+
 /// The matrices of `blt`: `C` exactly as the policy gives it, `C^-1` computed from it.
 fn kernel(blt: &BltNoise) -> Result<(BltKernel, Blt), AggregateError> {
     let matrix = Blt::new(blt.decays(), blt.scales());
@@ -96,6 +104,11 @@ pub fn release(
     clip_norm: f64,
     count: u64,
 ) -> Result<(Vec<f32>, NoiseRecord, Vec<u8>), AggregateError> {
+    if count > MAX_BLT_INCLUDED {
+        return Err(AggregateError::Unsupported(format!(
+            "a BLT release sums at most {MAX_BLT_INCLUDED} contributions (this round includes {count})"
+        )));
+    }
     let context = &binding.context;
     let state_in = check_before_key(blt, context, sum.len(), sealed)?;
     let (kernel, inverse) = kernel(blt)?;

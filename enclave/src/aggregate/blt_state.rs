@@ -15,11 +15,14 @@
 //!
 //! The plaintext is every value's strategy buffers (`buffers` i128, little endian) then every
 //! value's inverse buffers (`inverse_buffers` f64 bit patterns, little endian). The nonce is
-//! random: a retried round may seal its (identical) state again, and only the bytes committed
-//! with the release are ever continued.
+//! synthetic (as in SIV): the first 12 bytes of `BLAKE3-keyed(nonce key, associated data ||
+//! plaintext)`, the nonce key `HMAC-SHA256(private key, "confed/blt-state-nonce/v1" 0x00 task 0x00
+//! policy hash 0x00)`. A nonce repeats only for the same header and buffers, which sealing then
+//! maps to the same bytes: a retried round (whose state is a function of its commitment) seals
+//! byte for byte what the first attempt did, so its manifest, which names the state's BLAKE3, is
+//! the same too, and the write-once release it staged before a crash can still be committed.
 
 use ring::aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
-use ring::rand::{SecureRandom, SystemRandom};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use zeroize::Zeroizing;
@@ -30,6 +33,7 @@ use crate::hpke::PrivateKey;
 
 const MAGIC: &[u8] = b"confed-blt-state/v1\n";
 const KEY_LABEL: &[u8] = b"confed/blt-state/v1";
+const NONCE_LABEL: &[u8] = b"confed/blt-state-nonce/v1";
 const TAG_LEN: usize = 16;
 /// A header is a few hundred bytes; anything longer is not one.
 const MAX_HEADER: usize = 4096;
@@ -133,7 +137,11 @@ pub fn read_header(sealed: &[u8]) -> Result<(StateHeader, usize), StateError> {
     let header: StateHeader = serde_json::from_slice(&rest[..length])
         .map_err(|e| StateError::Malformed(format!("its header is not valid: {e}")))?;
     let ad_len = MAGIC.len() + 4 + length;
-    if sealed.len() - ad_len != NONCE_LEN + header.body_len()? + TAG_LEN {
+    let expected = header
+        .body_len()?
+        .checked_add(NONCE_LEN + TAG_LEN)
+        .ok_or_else(|| malformed("its shape overflows"))?;
+    if sealed.len() - ad_len != expected {
         return Err(malformed("its length does not match its header's shape"));
     }
     Ok((header, ad_len))
@@ -161,15 +169,27 @@ pub fn seal(
     for s in &state.release {
         body.extend_from_slice(&s.to_bits().to_le_bytes());
     }
-    let mut nonce = [0u8; NONCE_LEN];
-    SystemRandom::new()
-        .fill(&mut nonce)
-        .map_err(|_| StateError::Malformed("no randomness for the nonce".into()))?;
     let mut out = Vec::with_capacity(MAGIC.len() + 4 + header_json.len() + NONCE_LEN + body_len);
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&(header_json.len() as u32).to_be_bytes());
     out.extend_from_slice(&header_json);
     let ad_len = out.len();
+    let nonce_key = keyed(
+        private_key,
+        &[
+            NONCE_LABEL,
+            header.task_id.as_bytes(),
+            header.policy_sha256.as_bytes(),
+        ],
+    );
+    let mut nonce = [0u8; NONCE_LEN];
+    nonce.copy_from_slice(
+        &blake3::Hasher::new_keyed(&nonce_key)
+            .update(&out[..ad_len])
+            .update(&body)
+            .finalize()
+            .as_bytes()[..NONCE_LEN],
+    );
     let tag = cipher(private_key, &header.task_id, &header.policy_sha256)
         .seal_in_place_separate_tag(
             Nonce::assume_unique_for_key(nonce),
@@ -305,6 +325,38 @@ mod tests {
     }
 
     #[test]
+    fn sealing_is_deterministic_so_a_retried_round_seals_the_same_bytes() {
+        let once = seal(&key(1), &header(4), &state()).unwrap();
+        assert_eq!(seal(&key(1), &header(4), &state()).unwrap(), once);
+        // Any other buffers, header or key: another nonce, other bytes.
+        let mut other = state();
+        other.strategy[0] += 1;
+        let nonce = |sealed: &[u8]| {
+            let (_, ad_len) = read_header(sealed).unwrap();
+            sealed[ad_len..ad_len + NONCE_LEN].to_vec()
+        };
+        let changed = seal(&key(1), &header(4), &other).unwrap();
+        assert_ne!(nonce(&changed), nonce(&once));
+        assert_ne!(
+            nonce(&seal(&key(1), &header(5), &state()).unwrap()),
+            nonce(&once)
+        );
+        assert_ne!(
+            nonce(&seal(&key(2), &header(4), &state()).unwrap()),
+            nonce(&once)
+        );
+    }
+
+    /// A sealed state with `header` (any JSON text) and `body` bytes after it.
+    fn framed(header: &str, body: usize) -> Vec<u8> {
+        let mut out = MAGIC.to_vec();
+        out.extend_from_slice(&(header.len() as u32).to_be_bytes());
+        out.extend_from_slice(header.as_bytes());
+        out.extend(std::iter::repeat_n(0u8, body));
+        out
+    }
+
+    #[test]
     fn truncated_or_foreign_bytes_are_malformed_not_a_panic() {
         let sealed = seal(&key(1), &header(1), &state()).unwrap();
         for cut in [0, 5, MAGIC.len() + 2, MAGIC.len() + 30, sealed.len() - 1] {
@@ -317,6 +369,26 @@ mod tests {
             read_header(b"something else entirely"),
             Err(StateError::Malformed(_))
         ));
+        // A header naming a shape whose length overflows, an unknown field, an overlong header.
+        let fields = |values: &str, extra: &str| {
+            format!(
+                r#"{{"task_id":"t1","policy_sha256":"p","round":1,"inputs_digest":"d","values":{values},"buffers":10,"inverse_buffers":10{extra}}}"#
+            )
+        };
+        for (text, body) in [
+            (fields(&(u64::MAX / 240).to_string(), ""), 8),
+            (fields("2305843009213693951", ""), 20),
+            (fields("1", r#","x":1"#), 268),
+            (format!("{:<5000}", fields("1", "")), 268),
+        ] {
+            assert!(
+                matches!(
+                    read_header(&framed(&text, body)),
+                    Err(StateError::Malformed(_))
+                ),
+                "{text:.80}"
+            );
+        }
         let mut wrong_shape = header(1);
         wrong_shape.values = 4;
         assert!(matches!(

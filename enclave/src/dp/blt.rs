@@ -219,7 +219,7 @@ impl BltKernel {
             let mut running = 0i128;
             for (b, (&w, &t)) in buffers.iter_mut().zip(self.scales.iter().zip(&self.decays)) {
                 running = running.checked_add(times_quantum(*b, w))?;
-                *b = times_quantum(*b, t).checked_add(x.checked_shl(FRACTION_BITS)?)?;
+                *b = times_quantum(*b, t).checked_add(x.checked_mul(1 << FRACTION_BITS)?)?;
             }
             let rounded = running.checked_add(half)? >> FRACTION_BITS;
             let y = (x + rounded + i128::from(noise.sample_bits(&mut bits))) as f64;
