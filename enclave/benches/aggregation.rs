@@ -264,6 +264,19 @@ fn bench_blt_noise(c: &mut Criterion, g: &DiscreteGaussian) {
     let n = 1 << 20;
     group.throughput(Throughput::Elements(n as u64));
     let one = pool(1);
+    // The sampler alone (what BLT noise draws from), for the split of the step's time.
+    group.bench_function("sampler_alone_1_thread", |b| {
+        use rand_core::SeedableRng;
+        b.iter(|| {
+            let mut rng = rand_chacha::ChaCha12Rng::from_seed([7; 32]);
+            let mut bits = confed_enclave::dp::sampler_bits::Bits::new(&mut rng);
+            let mut total = 0i64;
+            for _ in 0..n {
+                total = total.wrapping_add(g.sample_bits(&mut bits));
+            }
+            black_box(total)
+        })
+    });
     for buffers in [1usize, 3, 7] {
         let (blt, _) = confed_dp::blt_optimize::optimize_buffers(
             &confed_dp::blt::Setting::new(2000, 100, confed_dp::blt::ErrorKind::Max),

@@ -65,9 +65,10 @@ fn the_bit_thrifty_sampler_matches_the_exact_discrete_gaussian() {
     use confed_enclave::dp::sampler_bits::Bits;
     use rand_chacha::ChaCha12Rng;
     use rand_core::SeedableRng;
-    for sigma2 in [1u64, 10, 1000, 1 << 40] {
+    // Perfect squares (interval ends on integers), others, and scales up to the grid's largest.
+    for sigma2 in [1u64, 2, 4, 7, 10, 1000, 123_457, 1 << 40, 1 << 60] {
         let g = DiscreteGaussian::with_variance(sigma2);
-        let mut rng = ChaCha12Rng::from_seed([sigma2 as u8; 32]);
+        let mut rng = ChaCha12Rng::from_seed([sigma2 as u8 ^ (sigma2 >> 32) as u8; 32]);
         let mut bits = Bits::new(&mut rng);
         let samples: Vec<i64> = (0..200_000).map(|_| g.sample_bits(&mut bits)).collect();
         let n = samples.len() as f64;
@@ -76,7 +77,12 @@ fn the_bit_thrifty_sampler_matches_the_exact_discrete_gaussian() {
             (variance / sigma2 as f64 - 1.0).abs() < 0.02,
             "sigma^2 {sigma2}: variance {variance}"
         );
-        if sigma2 > 1000 {
+        let mean = samples.iter().sum::<i64>() as f64 / n;
+        assert!(
+            mean.abs() < 5.0 * (sigma2 as f64 / n).sqrt(),
+            "sigma^2 {sigma2}: mean {mean}"
+        );
+        if sigma2 > 200_000 {
             continue;
         }
         let bound = (6.0 * (sigma2 as f64).sqrt()).ceil() as i64;

@@ -48,6 +48,8 @@ pub enum BltError {
     },
     #[error("a BLT strategy buffer left the fixed point's range (2^87 lattice units)")]
     Overflow,
+    #[error("a BLT lattice of {0} bits (at most 14)")]
+    Lattice(u32),
 }
 
 /// The matrices of one task: `C`'s decays and scales as integers over 2^52, `C^-1`'s as floats.
@@ -125,6 +127,9 @@ impl BltKernel {
         inverse: (&[f64], &[f64]),
         lattice_bits: u32,
     ) -> Result<Self, BltError> {
+        if lattice_bits > confed_protocol::blt_noise::MAX_LATTICE_BITS {
+            return Err(BltError::Lattice(lattice_bits));
+        }
         Ok(Self {
             decays: decays
                 .iter()
@@ -219,7 +224,9 @@ impl BltKernel {
             let mut running = 0i128;
             for (b, (&w, &t)) in buffers.iter_mut().zip(self.scales.iter().zip(&self.decays)) {
                 running = running.checked_add(times_quantum(*b, w))?;
-                *b = times_quantum(*b, t).checked_add(x.checked_mul(1 << FRACTION_BITS)?)?;
+                // |x| < 2^77 (an i64 moved up at most 14 lattice bits): the shift stays below
+                // 2^117 and cannot overflow; only the sums with the decayed buffers are checked.
+                *b = times_quantum(*b, t).checked_add(x << FRACTION_BITS)?;
             }
             let rounded = running.checked_add(half)? >> FRACTION_BITS;
             let y = (x + rounded + i128::from(noise.sample_bits(&mut bits))) as f64;
