@@ -89,6 +89,41 @@ fn the_bit_thrifty_sampler_matches_the_exact_discrete_gaussian() {
     }
 }
 
+/// BLT's sampler (Karney's algorithm) against the other mechanisms' (Canonne, Kamath and
+/// Steinke's), both exact, at a scale of the grid where the chi-square against the pmf would need
+/// too many bins: 48 bins of a quarter sigma over +-6 sigma, tails pooled, two-sample chi-square.
+#[test]
+fn the_two_exact_samplers_agree_at_a_large_scale() {
+    use confed_enclave::dp::sampler_bits::Bits;
+    use rand_chacha::ChaCha12Rng;
+    use rand_core::SeedableRng;
+    let sigma2 = 937_000u64.pow(2) + 12_345;
+    let g = DiscreteGaussian::with_variance(sigma2);
+    let n = 300_000;
+    let reference = noise::samples(n, &g, &[9; 32]);
+    let mut rng = ChaCha12Rng::from_seed([10; 32]);
+    let mut bits = Bits::new(&mut rng);
+    let karney: Vec<i64> = (0..n).map(|_| g.sample_bits(&mut bits)).collect();
+    let sigma = (sigma2 as f64).sqrt();
+    let bin = |x: i64| ((x as f64 / (sigma / 4.0)).floor().clamp(-24.0, 23.0) + 24.0) as usize;
+    let (mut a, mut b) = ([0f64; 48], [0f64; 48]);
+    reference.iter().for_each(|&x| a[bin(x)] += 1.0);
+    karney.iter().for_each(|&x| b[bin(x)] += 1.0);
+    let mut stat = 0.0;
+    let mut bins = 0;
+    for (x, y) in a.iter().zip(&b) {
+        if x + y >= 10.0 {
+            stat += (x - y).powi(2) / (x + y);
+            bins += 1;
+        }
+    }
+    assert!(
+        stat < critical(bins - 1),
+        "chi2 {stat} over {} dof",
+        bins - 1
+    );
+}
+
 #[test]
 fn machine_word_sampler_agrees_with_opendp() {
     use dashu::rational::RBig;

@@ -13,8 +13,8 @@
 //! exact fixed point with `FRACTION_BITS` fractional bits in i128, multiplied by the policy's
 //! decays and scales exactly: they are multiples of 2^-52) plus discrete Gaussian noise `z` on the
 //! lattice, so the mechanism is an exact discrete Gaussian mechanism on a deterministic function
-//! of the sums (drawn by `sampler_bits`: the same distribution from fewer ChaCha words). `r =
-//! (C^-1 y)` is what the model updater adds, computed in f64 from the `y`s alone
+//! of the sums (drawn by `sampler_bits`: the same distribution by Karney's exact algorithm,
+//! faster). `r = (C^-1 y)` is what the model updater adds, computed in f64 from the `y`s alone
 //! (post-processing: its rounding costs accuracy, never privacy). The noise is keyed like
 //! everything else (`aggregate::noise`): block `k` of values draws from ChaCha12 stream `k` of the
 //! round's seed, so the result does not depend on the thread count.
