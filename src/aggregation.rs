@@ -302,6 +302,31 @@ impl TaskDbJobStore {
         }
     }
 
+    /// The job's context, if `worker` holds its lease and its round is in `state` (what the
+    /// round is making then: `making`); the guard of every state a worker stores beside a commit.
+    async fn leased_in(
+        &self,
+        job_id: &str,
+        worker: &str,
+        state: crate::states::RoundState,
+        making: &str,
+    ) -> Result<JobContext, StoreError> {
+        self.db
+            .check_job_lease(job_id, worker)
+            .await
+            .map_err(db_error)?;
+        let context = self.db.job_context(job_id).await.map_err(db_error)?;
+        if context.round.state != state {
+            return Err(StoreError::Conflict(format!(
+                "round {} is {}, not {}: {making} is not being made",
+                context.round.round_number,
+                context.round.state.as_str(),
+                state.as_str()
+            )));
+        }
+        Ok(context)
+    }
+
     /// Stores a sealed BLT state write-once under its BLAKE3, the first half of a BLT release's
     /// commit (the release's manifest names the digest): only the lease holder, only while the
     /// round is AGGREGATING, only for a BLT task. Returns the digest (hex).
@@ -311,22 +336,18 @@ impl TaskDbJobStore {
         worker: &str,
         state: &[u8],
     ) -> Result<String, StoreError> {
-        self.db
-            .check_job_lease(job_id, worker)
-            .await
-            .map_err(db_error)?;
-        let context = self.db.job_context(job_id).await.map_err(db_error)?;
+        let context = self
+            .leased_in(
+                job_id,
+                worker,
+                crate::states::RoundState::Aggregating,
+                "its release",
+            )
+            .await?;
         if !context.task.spec.privacy.is_blt() {
             return Err(StoreError::Refused(
                 "the task's noise is not BLT: it keeps no state".into(),
             ));
-        }
-        if context.round.state != crate::states::RoundState::Aggregating {
-            return Err(StoreError::Conflict(format!(
-                "round {} is {}, not AGGREGATING: its release is not being made",
-                context.round.round_number,
-                context.round.state.as_str()
-            )));
         }
         let blake3 = hex(blake3::hash(state).as_bytes());
         let key = blt_state_key(&context, &blake3)?;
@@ -352,18 +373,14 @@ impl TaskDbJobStore {
         state: &[u8],
         parameters: Option<usize>,
     ) -> Result<String, StoreError> {
-        self.db
-            .check_job_lease(job_id, worker)
-            .await
-            .map_err(db_error)?;
-        let context = self.db.job_context(job_id).await.map_err(db_error)?;
-        if context.round.state != crate::states::RoundState::Applying {
-            return Err(StoreError::Conflict(format!(
-                "round {} is {}, not APPLYING: its model is not being made",
-                context.round.round_number,
-                context.round.state.as_str()
-            )));
-        }
+        let context = self
+            .leased_in(
+                job_id,
+                worker,
+                crate::states::RoundState::Applying,
+                "its model",
+            )
+            .await?;
         let parameters = match parameters {
             Some(parameters) => parameters,
             None => parameter_count(&self.required_blob(&context.model.blob_key).await?)?,

@@ -122,6 +122,10 @@ pub fn check_shape(rounds: u32, min_separation: u32) -> Result<(), String> {
             "BLT noise runs 1 to {MAX_BLT_ROUNDS} rounds (got {rounds})"
         ));
     }
+    check_min_separation(min_separation)
+}
+
+fn check_min_separation(min_separation: u32) -> Result<(), String> {
     if !(1..=MAX_BLT_MIN_SEPARATION).contains(&min_separation) {
         return Err(format!(
             "min_separation {min_separation} (must be in 1..={MAX_BLT_MIN_SEPARATION})"
@@ -150,11 +154,7 @@ impl BltNoise {
                 "BLT numbers are multiples of 2^-52 (got {bad:e}; round with `quantize`)"
             ));
         }
-        if !(1..=MAX_BLT_MIN_SEPARATION).contains(&min_separation) {
-            return Err(format!(
-                "min_separation {min_separation} (must be in 1..={MAX_BLT_MIN_SEPARATION})"
-            ));
-        }
+        check_min_separation(min_separation)?;
         if !(1..=MAX_BLT_VALUES).contains(&max_values) {
             return Err(format!(
                 "max_values {max_values} (must be in 1..={MAX_BLT_VALUES})"
