@@ -248,7 +248,12 @@ fn bench_noise(c: &mut Criterion) {
     }
     group.finish();
     bench_tree_noise(c, &g);
-    bench_blt_noise(c, &g);
+    // BLT draws on its lattice (2^lattice_bits units per grid unit; 9 bits at this noise, as
+    // `lattice_bits_for` picks): a standard deviation near 2^29, where the sampler's acceptance
+    // tests take their long path.
+    let lattice =
+        DiscreteGaussian::at_least(14.3 * (grid::GRID_UNITS_PER_CLIP << 9) as f64).unwrap();
+    bench_blt_noise(c, &lattice);
 }
 
 /// BLT noise for one round of a 2^20-value model on one thread: the whole step (the sampler,
