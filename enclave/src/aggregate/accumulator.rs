@@ -266,6 +266,20 @@ impl Accumulator {
             .fold((0.0, 0.0), |(s, n), (q, x)| (s + q, n + x))
     }
 
+    /// Adds another sum of the same length (a partition's, `partition::merge`), with the
+    /// wrapping addition every update is added with: the result is the one sum of all the
+    /// updates, bit for bit, whichever partition added which.
+    pub fn add_exact(&self, other: &[i64]) {
+        assert_eq!(other.len(), self.len, "sums of one model");
+        for (index, stripe) in self.stripes.iter().enumerate() {
+            let mut stripe = stripe.lock().expect("accumulator stripe");
+            let first = index * STRIPE;
+            for (slot, value) in stripe.iter_mut().zip(&other[first..]) {
+                *slot = slot.wrapping_add(*value);
+            }
+        }
+    }
+
     /// The sum, consuming the accumulator.
     pub fn into_sum(self) -> Vec<i64> {
         let mut sum = Vec::with_capacity(self.len);

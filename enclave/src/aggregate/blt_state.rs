@@ -22,21 +22,21 @@
 //! byte for byte what the first attempt did, so its manifest, which names the state's BLAKE3, is
 //! the same too, and the write-once release it staged before a crash can still be committed.
 
-use ring::aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use zeroize::Zeroizing;
 
-use super::noise::keyed;
+use super::sealed::{Kind, SealedError};
 use crate::dp::blt::BltState;
 use crate::hpke::PrivateKey;
 
-const MAGIC: &[u8] = b"confed-blt-state/v1\n";
-const KEY_LABEL: &[u8] = b"confed/blt-state/v1";
-const NONCE_LABEL: &[u8] = b"confed/blt-state-nonce/v1";
-const TAG_LEN: usize = 16;
-/// A header is a few hundred bytes; anything longer is not one.
-const MAX_HEADER: usize = 4096;
+const KIND: Kind = Kind {
+    magic: b"confed-blt-state/v1\n",
+    key_label: b"confed/blt-state/v1",
+    nonce_label: b"confed/blt-state-nonce/v1",
+    // A header is a few hundred bytes; anything longer is not one.
+    max_header: 4096,
+};
 
 #[derive(Debug, Error, PartialEq)]
 pub enum StateError {
@@ -112,38 +112,22 @@ impl StateHeader {
     }
 }
 
-fn cipher(private_key: &PrivateKey, task_id: &str, policy_sha256: &str) -> LessSafeKey {
-    let key = keyed(
-        private_key,
-        &[KEY_LABEL, task_id.as_bytes(), policy_sha256.as_bytes()],
-    );
-    LessSafeKey::new(UnboundKey::new(&AES_256_GCM, &key[..]).expect("a 32-byte AES-256 key"))
+impl From<SealedError> for StateError {
+    fn from(error: SealedError) -> Self {
+        match error {
+            SealedError::Malformed(why) => Self::Malformed(why),
+            SealedError::Unauthentic => Self::Unauthentic,
+        }
+    }
 }
 
 /// The header of a sealed state and the length of the associated data (everything before the
 /// nonce), without opening it: what can be checked before the key is asked for.
 pub fn read_header(sealed: &[u8]) -> Result<(StateHeader, usize), StateError> {
-    let malformed = |why: &str| StateError::Malformed(why.into());
-    let rest = sealed
-        .strip_prefix(MAGIC)
-        .ok_or_else(|| malformed("it does not start with \"confed-blt-state/v1\\n\""))?;
-    let (length, rest) = rest
-        .split_first_chunk::<4>()
-        .ok_or_else(|| malformed("it ends inside its header length"))?;
-    let length = u32::from_be_bytes(*length) as usize;
-    if length > MAX_HEADER || rest.len() < length {
-        return Err(malformed("its header length is out of range"));
-    }
-    let header: StateHeader = serde_json::from_slice(&rest[..length])
+    let (json, ad_len) = KIND.header(sealed)?;
+    let header: StateHeader = serde_json::from_slice(json)
         .map_err(|e| StateError::Malformed(format!("its header is not valid: {e}")))?;
-    let ad_len = MAGIC.len() + 4 + length;
-    let expected = header
-        .body_len()?
-        .checked_add(NONCE_LEN + TAG_LEN)
-        .ok_or_else(|| malformed("its shape overflows"))?;
-    if sealed.len() - ad_len != expected {
-        return Err(malformed("its length does not match its header's shape"));
-    }
+    KIND.check_body_len(sealed, ad_len, header.body_len()?)?;
     Ok((header, ad_len))
 }
 
@@ -162,45 +146,20 @@ pub fn seal(
             "the state does not have its header's shape".into(),
         ));
     }
-    let mut body = Zeroizing::new(Vec::with_capacity(body_len + TAG_LEN));
+    // Room for the tag, so sealing in place does not reallocate (and leave a copy unwiped).
+    let mut body = Zeroizing::new(Vec::with_capacity(body_len + 16));
     for b in &state.strategy {
         body.extend_from_slice(&b.to_le_bytes());
     }
     for s in &state.release {
         body.extend_from_slice(&s.to_bits().to_le_bytes());
     }
-    let mut out = Vec::with_capacity(MAGIC.len() + 4 + header_json.len() + NONCE_LEN + body_len);
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&(header_json.len() as u32).to_be_bytes());
-    out.extend_from_slice(&header_json);
-    let ad_len = out.len();
-    let nonce_key = keyed(
-        private_key,
-        &[
-            NONCE_LABEL,
-            header.task_id.as_bytes(),
-            header.policy_sha256.as_bytes(),
-        ],
-    );
-    let mut nonce = [0u8; NONCE_LEN];
-    nonce.copy_from_slice(
-        &blake3::Hasher::new_keyed(&nonce_key)
-            .update(&out[..ad_len])
-            .update(&body)
-            .finalize()
-            .as_bytes()[..NONCE_LEN],
-    );
-    let tag = cipher(private_key, &header.task_id, &header.policy_sha256)
-        .seal_in_place_separate_tag(
-            Nonce::assume_unique_for_key(nonce),
-            Aad::from(&out[..ad_len]),
-            &mut body[..],
-        )
-        .map_err(|_| StateError::Malformed("the state could not be sealed".into()))?;
-    out.extend_from_slice(&nonce);
-    out.extend_from_slice(&body);
-    out.extend_from_slice(tag.as_ref());
-    Ok(out)
+    Ok(KIND.seal(private_key, &context(header), &header_json, body)?)
+}
+
+/// Who may open a state: an enclave holding the task's private key, for its task and policy.
+fn context(header: &StateHeader) -> [&[u8]; 2] {
+    [header.task_id.as_bytes(), header.policy_sha256.as_bytes()]
 }
 
 /// Opens a sealed state that continues into `expected` (its header checked first).
@@ -211,13 +170,7 @@ pub fn open(
 ) -> Result<BltState, StateError> {
     let (header, ad_len) = read_header(sealed)?;
     header.check_continues(expected)?;
-    let (ad, rest) = sealed.split_at(ad_len);
-    let (nonce, ciphertext) = rest.split_at(NONCE_LEN);
-    let nonce = Nonce::try_assume_unique_for_key(nonce).map_err(|_| StateError::Unauthentic)?;
-    let mut body = Zeroizing::new(ciphertext.to_vec());
-    let plain = cipher(private_key, &header.task_id, &header.policy_sha256)
-        .open_in_place(nonce, Aad::from(ad), &mut body[..])
-        .map_err(|_| StateError::Unauthentic)?;
+    let plain = KIND.open(private_key, &context(&header), sealed, ad_len)?;
     let strategy_len = header.values as usize * header.buffers as usize;
     let (strategy, release) = plain.split_at(strategy_len * 16);
     Ok(BltState {
@@ -333,7 +286,7 @@ mod tests {
         other.strategy[0] += 1;
         let nonce = |sealed: &[u8]| {
             let (_, ad_len) = read_header(sealed).unwrap();
-            sealed[ad_len..ad_len + NONCE_LEN].to_vec()
+            sealed[ad_len..ad_len + ring::aead::NONCE_LEN].to_vec()
         };
         let changed = seal(&key(1), &header(4), &other).unwrap();
         assert_ne!(nonce(&changed), nonce(&once));
@@ -349,7 +302,7 @@ mod tests {
 
     /// A sealed state with `header` (any JSON text) and `body` bytes after it.
     fn framed(header: &str, body: usize) -> Vec<u8> {
-        let mut out = MAGIC.to_vec();
+        let mut out = KIND.magic.to_vec();
         out.extend_from_slice(&(header.len() as u32).to_be_bytes());
         out.extend_from_slice(header.as_bytes());
         out.extend(std::iter::repeat_n(0u8, body));
@@ -359,7 +312,13 @@ mod tests {
     #[test]
     fn truncated_or_foreign_bytes_are_malformed_not_a_panic() {
         let sealed = seal(&key(1), &header(1), &state()).unwrap();
-        for cut in [0, 5, MAGIC.len() + 2, MAGIC.len() + 30, sealed.len() - 1] {
+        for cut in [
+            0,
+            5,
+            KIND.magic.len() + 2,
+            KIND.magic.len() + 30,
+            sealed.len() - 1,
+        ] {
             assert!(
                 matches!(read_header(&sealed[..cut]), Err(StateError::Malformed(_))),
                 "cut at {cut}"

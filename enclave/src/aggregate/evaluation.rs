@@ -61,7 +61,7 @@ impl Sums {
         }
     }
 
-    fn take(self) -> [i64; 3] {
+    pub(super) fn take(self) -> [i64; 3] {
         self.0.map(AtomicI64::into_inner)
     }
 }

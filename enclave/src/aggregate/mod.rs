@@ -11,6 +11,8 @@ pub mod evaluation;
 pub mod inputs;
 pub mod manifest;
 pub mod noise;
+pub mod partition;
+pub mod sealed;
 pub mod stream;
 
 use std::collections::BTreeMap;
@@ -744,5 +746,7 @@ mod auth_tests;
 mod blt_tests;
 #[cfg(test)]
 mod evaluation_tests;
+#[cfg(test)]
+mod partition_tests;
 #[cfg(test)]
 mod tests;

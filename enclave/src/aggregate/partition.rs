@@ -1,0 +1,356 @@
+//! One round aggregated in partitions (docs/architecture.md, "Partitioned rounds"; the format in
+//! docs/protocol.md, "Sealed partition"): the round's committed inputs, sorted by ref as their
+//! digest is (`inputs`), are cut into `count` consecutive ranges; a worker holding the round's key
+//! (obtained against the round's one commitment) opens, checks, clips and sums one range exactly
+//! on the grid and seals that exact state (`seal`); the root opens every range's sealed state,
+//! checks that together they are the plan's ranges, each exactly once, and adds them into one
+//! aggregator (`merge`), which then noises once and releases (`Aggregator::finish`).
+//!
+//! The merged aggregator holds exactly what one worker adding every input would: the same
+//! integer sums (integer addition does not care about order or grouping), the same outcome per
+//! ref, the same counts; so the release, noise keyed by the round's inputs digest as ever, is
+//! byte for byte the one-worker release, whatever the partitioning. Nothing in it names the
+//! partitioning.
+//!
+//! What a sealed partition holds is un-noised: it leaves the enclave only in the sealed
+//! container (`sealed`), under a key only an enclave holding the task's private key derives.
+//! Its length depends on the model and the range only (an outcome is one byte per input, whatever
+//! it is), never on what the devices sent.
+
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+use zeroize::Zeroizing;
+
+use super::inputs::{self, Input};
+use super::sealed::{Kind, SealedError};
+use super::{Aggregator, Exclusion, Outcome};
+use crate::hpke::PrivateKey;
+
+const KIND: Kind = Kind {
+    magic: b"confed-partition/v1\n",
+    key_label: b"confed/partition/v1",
+    nonce_label: b"confed/partition-nonce/v1",
+    max_header: 4096,
+};
+
+/// Most partitions a round is cut into.
+pub const MAX_PARTITIONS: u32 = 4096;
+
+/// An outcome byte: included.
+const INCLUDED: u8 = 0;
+
+#[derive(Debug, Error, PartialEq)]
+pub enum PartitionError {
+    #[error("the partition plan is not valid: {0}")]
+    Plan(String),
+    #[error("a sealed partition is malformed: {0}")]
+    Malformed(String),
+    #[error("a sealed partition was not sealed by an enclave of this task (authentication failed)")]
+    Unauthentic,
+    #[error("a sealed partition is not one of this round's plan: {0}")]
+    Foreign(String),
+    #[error("partition {index} of {count} is sealed twice")]
+    Duplicate { index: u32, count: u32 },
+    #[error("partitions {missing:?} of {count} are missing")]
+    Missing { missing: Vec<u32>, count: u32 },
+    #[error("the aggregator did not add exactly its partition's inputs: {0}")]
+    Incomplete(String),
+}
+
+impl From<SealedError> for PartitionError {
+    fn from(error: SealedError) -> Self {
+        match error {
+            SealedError::Malformed(why) => Self::Malformed(why),
+            SealedError::Unauthentic => Self::Unauthentic,
+        }
+    }
+}
+
+/// The ranges of `count` partitions over `inputs` inputs sorted by ref: consecutive, covering
+/// every input once, their lengths differing by at most one (partition `i` is `[i n / count,
+/// (i + 1) n / count)`). A round of no input has one empty partition.
+pub fn ranges(inputs: usize, count: u32) -> Result<Vec<Range<usize>>, PartitionError> {
+    if count == 0 || count > MAX_PARTITIONS || count as usize > inputs.max(1) {
+        return Err(PartitionError::Plan(format!(
+            "{count} partitions of {inputs} inputs (at least 1, at most the inputs and {MAX_PARTITIONS})"
+        )));
+    }
+    let count = count as usize;
+    Ok((0..count)
+        .map(|i| i * inputs / count..(i + 1) * inputs / count)
+        .collect())
+}
+
+/// Which partition of which round a sealed partition is (public: the associated data).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PartitionHeader {
+    pub task_id: String,
+    pub round: u64,
+    pub key_id: String,
+    pub policy_sha256: String,
+    pub model_sha256: String,
+    /// The round's bound inputs digest: its release commitment's.
+    pub inputs_digest: String,
+    /// This partition's index, of `count`.
+    pub index: u32,
+    pub count: u32,
+    /// Its range of the round's inputs sorted by ref, `[first, end)`.
+    pub first: u64,
+    pub end: u64,
+    /// `inputs::inputs_digest` over the range's inputs alone.
+    pub range_digest: String,
+    /// The model's values.
+    pub values: u64,
+    /// Whether it holds an evaluation round's metric sums.
+    pub evaluation: bool,
+}
+
+impl PartitionHeader {
+    /// The plaintext's length: the sum (8 bytes a value), one outcome byte an input, the
+    /// unclipped count (8), the metric sums (24) if evaluating.
+    fn body_len(&self) -> Result<usize, PartitionError> {
+        let malformed = || PartitionError::Malformed("its shape overflows".into());
+        let inputs = self.end.checked_sub(self.first).ok_or_else(malformed)?;
+        self.values
+            .checked_mul(8)
+            .and_then(|n| n.checked_add(inputs))
+            .and_then(|n| n.checked_add(8 + if self.evaluation { 24 } else { 0 }))
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or_else(malformed)
+    }
+
+    fn context(&self) -> [&[u8]; 2] {
+        [self.task_id.as_bytes(), self.policy_sha256.as_bytes()]
+    }
+}
+
+/// One partition of a round: the round's inputs, sorted by ref (`inputs::sort_and_digest`), and
+/// the plan's partition `index` of `count`.
+pub struct Partition<'a> {
+    pub inputs: &'a [Input],
+    pub index: u32,
+    pub count: u32,
+}
+
+impl Partition<'_> {
+    fn range(&self) -> Result<Range<usize>, PartitionError> {
+        ranges(self.inputs.len(), self.count)?
+            .get(self.index as usize)
+            .cloned()
+            .ok_or_else(|| {
+                PartitionError::Plan(format!("partition {} of {}", self.index, self.count))
+            })
+    }
+
+    /// The inputs this partition sums.
+    pub fn inputs(&self) -> Result<&[Input], PartitionError> {
+        Ok(&self.inputs[self.range()?])
+    }
+
+    /// The header a sealed partition of this round and plan must have.
+    fn header(&self, aggregator: &Aggregator) -> Result<PartitionHeader, PartitionError> {
+        let range = self.range()?;
+        let binding = &aggregator.binding;
+        Ok(PartitionHeader {
+            task_id: binding.context.task_id.clone(),
+            round: binding.context.round,
+            key_id: binding.key_id.clone(),
+            policy_sha256: binding.context.policy_sha256.clone(),
+            model_sha256: binding.context.model_sha256.clone(),
+            inputs_digest: binding.inputs_digest.clone(),
+            index: self.index,
+            count: self.count,
+            first: range.start as u64,
+            end: range.end as u64,
+            range_digest: inputs::inputs_digest(
+                self.inputs[range]
+                    .iter()
+                    .map(|i| (i.assignment_ref.as_str(), i.digest.as_ref())),
+            ),
+            values: aggregator.schema.parameter_count() as u64,
+            evaluation: aggregator.evaluation.is_some(),
+        })
+    }
+}
+
+impl Aggregator {
+    /// Seals the exact state after this aggregator added `partition`'s inputs, every one of
+    /// them and nothing else, for the root's `merge`. Consumes the aggregator: its sum leaves
+    /// only sealed.
+    pub fn seal_partition(
+        self,
+        private_key: &PrivateKey,
+        partition: &Partition<'_>,
+    ) -> Result<Vec<u8>, PartitionError> {
+        let header = partition.header(&self)?;
+        let header_json = serde_json::to_vec(&header).expect("a header serializes");
+        let outcomes = outcome_bytes(
+            self.outcome.into_inner().expect("aggregation outcome"),
+            partition.inputs()?,
+        )?;
+        let mut body = Zeroizing::new(Vec::with_capacity(header.body_len()? + 16));
+        for value in self.sum.into_sum() {
+            body.extend_from_slice(&value.to_le_bytes());
+        }
+        body.extend_from_slice(&outcomes);
+        body.extend_from_slice(&self.unclipped.into_inner().to_le_bytes());
+        if let Some((_, sums)) = self.evaluation {
+            for sum in sums.take() {
+                body.extend_from_slice(&sum.to_le_bytes());
+            }
+        }
+        Ok(KIND.seal(private_key, &header.context(), &header_json, body)?)
+    }
+
+    /// The root's step: adds every partition of the round's plan (`inputs` sorted by ref, cut
+    /// into `count`), each sealed exactly once, into this aggregator, which must have added
+    /// nothing itself. A partition missing, sealed twice, of another plan, round, task, policy,
+    /// model, key or inputs, or not sealed by an enclave of this task, fails the merge, and the
+    /// aggregator must then be dropped.
+    pub fn merge(
+        &self,
+        private_key: &PrivateKey,
+        inputs: &[Input],
+        count: u32,
+        sealed: &[Vec<u8>],
+    ) -> Result<(), PartitionError> {
+        if self.counts() != (0, 0) {
+            return Err(PartitionError::Incomplete(
+                "the root merged into an aggregator that had added inputs itself".into(),
+            ));
+        }
+        let mut seen = vec![false; ranges(inputs.len(), count)?.len()];
+        for bytes in sealed {
+            let (json, ad_len) = KIND.header(bytes)?;
+            let header: PartitionHeader = serde_json::from_slice(json)
+                .map_err(|e| PartitionError::Malformed(format!("its header is not valid: {e}")))?;
+            KIND.check_body_len(bytes, ad_len, header.body_len()?)?;
+            let slot = seen
+                .get_mut(header.index as usize)
+                .filter(|_| header.count == count);
+            let Some(slot) = slot else {
+                return Err(PartitionError::Foreign(format!(
+                    "partition {} of {}, the round's plan has {count}",
+                    header.index, header.count
+                )));
+            };
+            if std::mem::replace(slot, true) {
+                return Err(PartitionError::Duplicate {
+                    index: header.index,
+                    count,
+                });
+            }
+            let partition = Partition {
+                inputs,
+                index: header.index,
+                count,
+            };
+            let expected = partition.header(self)?;
+            if header != expected {
+                return Err(PartitionError::Foreign(foreign(&header, &expected)));
+            }
+            let plain = KIND.open(private_key, &header.context(), bytes, ad_len)?;
+            self.absorb(&plain, partition.inputs()?)?;
+        }
+        let missing: Vec<u32> = (0..count).filter(|i| !seen[*i as usize]).collect();
+        if !missing.is_empty() {
+            return Err(PartitionError::Missing { missing, count });
+        }
+        Ok(())
+    }
+
+    /// Adds an opened partition (its length checked against its header) for `inputs`.
+    fn absorb(&self, plain: &[u8], inputs: &[Input]) -> Result<(), PartitionError> {
+        let values = self.schema.parameter_count();
+        let (sum, rest) = plain.split_at(values * 8);
+        let (outcomes, rest) = rest.split_at(inputs.len());
+        let reasons = outcomes
+            .iter()
+            .map(|&code| match code {
+                INCLUDED => Ok(None),
+                _ => Exclusion::ALL
+                    .get(usize::from(code) - 1)
+                    .map(|reason| Some(*reason))
+                    .ok_or_else(|| PartitionError::Malformed(format!("outcome code {code}"))),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let (unclipped, metrics) = rest.split_at(8);
+        let sum: Zeroizing<Vec<i64>> = Zeroizing::new(
+            sum.chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
+                .collect(),
+        );
+        self.sum.add_exact(&sum);
+        self.unclipped.fetch_add(
+            u64::from_le_bytes(unclipped.try_into().expect("8 bytes")),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        if let Some((_, sums)) = &self.evaluation {
+            let mut units = [0i64; 3];
+            for (unit, bytes) in units.iter_mut().zip(metrics.chunks_exact(8)) {
+                *unit = i64::from_le_bytes(bytes.try_into().expect("8 bytes"));
+            }
+            sums.add(units);
+        }
+        let mut outcome = self.outcome.lock().expect("aggregation outcome");
+        for (input, reason) in inputs.iter().zip(reasons) {
+            let assignment_ref = input.assignment_ref.clone();
+            match reason {
+                Some(reason) => outcome.excluded.push((assignment_ref, reason)),
+                None => outcome.included.push(assignment_ref),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One byte per input of the range, in its order: `INCLUDED`, or 1 + the exclusion's index in
+/// `Exclusion::ALL`. Refuses outcomes that are not exactly the range's inputs, once each.
+fn outcome_bytes(outcome: Outcome, inputs: &[Input]) -> Result<Vec<u8>, PartitionError> {
+    let mut by_ref: std::collections::HashMap<String, u8> =
+        std::collections::HashMap::with_capacity(inputs.len());
+    let coded = outcome.included.into_iter().map(|r| (r, INCLUDED)).chain(
+        outcome.excluded.into_iter().map(|(r, why)| {
+            let index = Exclusion::ALL.iter().position(|e| *e == why);
+            (r, index.map_or(u8::MAX, |i| i as u8 + 1))
+        }),
+    );
+    for (assignment_ref, code) in coded {
+        if by_ref.insert(assignment_ref.clone(), code).is_some() {
+            return Err(PartitionError::Incomplete(format!(
+                "contribution {assignment_ref} was added twice"
+            )));
+        }
+    }
+    let bytes = inputs
+        .iter()
+        .map(|input| by_ref.remove(&input.assignment_ref))
+        .collect::<Option<Vec<u8>>>()
+        .ok_or_else(|| {
+            PartitionError::Incomplete("an input of the partition was not added".into())
+        })?;
+    if let Some(extra) = by_ref.keys().next() {
+        return Err(PartitionError::Incomplete(format!(
+            "contribution {extra} is not in the partition"
+        )));
+    }
+    Ok(bytes)
+}
+
+/// The first field in which a sealed partition's header differs from the plan's.
+fn foreign(got: &PartitionHeader, expected: &PartitionHeader) -> String {
+    let got = serde_json::to_value(got).expect("a header serializes");
+    let expected = serde_json::to_value(expected).expect("a header serializes");
+    let field = got
+        .as_object()
+        .and_then(|g| {
+            g.iter()
+                .find(|(k, v)| expected.get(k.as_str()) != Some(v))
+                .map(|(k, v)| format!("its {k} is {v}, the round's {}", expected[k.as_str()]))
+        })
+        .unwrap_or_default();
+    format!("partition {}: {field}", got["index"])
+}
