@@ -17,6 +17,7 @@ use crate::clock::Clock;
 use crate::db::jobs::{JobContext, NewRelease};
 use crate::db::{Db, DbError, NewModel};
 use crate::keys::directory::KeyDirectory;
+use crate::partitioning::PartitionPolicy;
 use confed_protocol::hex::encode as hex;
 
 /// The task database and blob stores, as enclave workers use them.
@@ -28,13 +29,15 @@ pub struct TaskDbJobStore {
     pub contributions: Arc<dyn BlobStore>,
     pub keys: KeyDirectory,
     pub clock: Arc<dyn Clock>,
+    /// How large rounds are cut into partitions for several workers.
+    pub partitioning: PartitionPolicy,
 }
 
-fn backend(e: impl std::fmt::Display) -> StoreError {
+pub(crate) fn backend(e: impl std::fmt::Display) -> StoreError {
     StoreError::Backend(e.to_string())
 }
 
-fn db_error(e: DbError) -> StoreError {
+pub(crate) fn db_error(e: DbError) -> StoreError {
     match e {
         DbError::LeaseLost(_) => StoreError::LeaseLost,
         DbError::AlreadyExists(what) => StoreError::Conflict(what),
@@ -126,12 +129,12 @@ fn previous_blt_state(context: &JobContext) -> Result<Option<String>, String> {
 }
 
 impl TaskDbJobStore {
-    fn now(&self) -> i64 {
+    pub(crate) fn now(&self) -> i64 {
         self.clock.now_millis().0
     }
 
     /// The job as the enclave sees it; `Err(reason)` when the stored job cannot be run at all.
-    fn wire(&self, context: &JobContext) -> Result<JobWire, String> {
+    pub(crate) fn wire(&self, context: &JobContext) -> Result<JobWire, String> {
         let key_id = context
             .key_id
             .clone()
@@ -175,17 +178,24 @@ impl TaskDbJobStore {
             clip_norm: round_clip_norm(context)?,
             on_demand_evaluation: context.round.on_demand_evaluation,
             blt_state_key: previous_blt_state(context)?,
+            partitioning: None,
         })
     }
 
     /// Leases the next runnable job and describes it (keys, not bytes): what both the in-process
-    /// worker and the worker API start from. A job that cannot run at all fails at once.
+    /// worker and the worker API start from: a partition of a partitioned round first, else a
+    /// round's job, which its first lease plans (`plan`: cut into partitions, or not); a
+    /// partitioned round's job is leasable only once every partition is stored, and then merges
+    /// them. A job that cannot run at all fails at once.
     pub async fn lease_wire(
         &self,
         worker: &str,
         lease: Duration,
     ) -> Result<Option<JobWire>, StoreError> {
         loop {
+            if let Some(partition) = self.lease_partition_wire(worker, lease).await? {
+                return Ok(Some(partition));
+            }
             let Some(leased) = self
                 .db
                 .lease_job(worker, self.now(), lease.as_millis() as i64)
@@ -200,7 +210,14 @@ impl TaskDbJobStore {
                 .await
                 .map_err(db_error)?;
             match self.wire(&context) {
-                Ok(wire) => return Ok(Some(wire)),
+                Ok(mut wire) => {
+                    if self.plan(&context, worker).await? {
+                        // Cut into partitions: lease one of them instead.
+                        continue;
+                    }
+                    wire.partitioning = self.root_partitioning(&context).await?;
+                    return Ok(Some(wire));
+                }
                 Err(reason) => {
                     tracing::error!(round = %leased.round_id, %reason, "aggregation job cannot run");
                     self.db
@@ -507,10 +524,7 @@ impl JobStore for TaskDbJobStore {
     }
 
     async fn renew(&self, job_id: &str, worker: &str, lease: Duration) -> Result<(), StoreError> {
-        self.db
-            .renew_job(job_id, worker, self.now(), lease.as_millis() as i64)
-            .await
-            .map_err(db_error)
+        self.renew_any(job_id, worker, lease).await
     }
 
     async fn fetch(&self, blob_key: &str) -> Result<Option<Vec<u8>>, StoreError> {
@@ -580,6 +594,15 @@ impl JobStore for TaskDbJobStore {
             .await
     }
 
+    async fn put_partition(
+        &self,
+        job_id: &str,
+        worker: &str,
+        sealed: &[u8],
+    ) -> Result<(), StoreError> {
+        self.put_partition_sealed(job_id, worker, sealed).await
+    }
+
     async fn fail(
         &self,
         job_id: &str,
@@ -587,10 +610,7 @@ impl JobStore for TaskDbJobStore {
         reason: &str,
         permanent: bool,
     ) -> Result<(), StoreError> {
-        self.db
-            .fail_job(job_id, worker, reason, permanent, self.now())
-            .await
-            .map_err(db_error)?;
+        self.fail_any(job_id, worker, reason, permanent).await?;
         let kind = if permanent { "permanent" } else { "transient" };
         metrics::counter!("confed_aggregation_jobs_failed_total", "kind" => kind).increment(1);
         Ok(())

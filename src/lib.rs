@@ -24,6 +24,7 @@ pub mod db;
 pub mod embedded;
 pub mod evaluation;
 pub mod keys;
+pub mod partitioning;
 pub mod registry;
 pub mod release_check;
 pub mod retention;

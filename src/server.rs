@@ -63,6 +63,8 @@ pub struct ServeConfig {
     pub retention: Duration,
     /// Which fitting task a checking-in device serves first.
     pub scheduling: crate::scheduling::SchedulingPolicy,
+    /// How large rounds are cut into partitions for several enclave workers.
+    pub partitioning: crate::partitioning::PartitionPolicy,
 }
 
 /// How often the retention pass runs.
@@ -238,6 +240,7 @@ pub async fn serve(
                     ..Default::default()
                 },
                 scheduling: config.scheduling,
+                partitioning: config.partitioning,
                 device_auth: Default::default(),
             }));
         }
@@ -249,6 +252,7 @@ pub async fn serve(
                 contributions,
                 keys: keys.clone(),
                 clock: clock.clone(),
+                partitioning: config.partitioning,
             };
             let worker = confed_enclave::worker::Worker::new(Arc::new(store), worker_config);
             background.push(tokio::spawn(crate::embedded::serve::run_worker(

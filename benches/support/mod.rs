@@ -39,6 +39,7 @@ pub async fn start(keys: KeyDirectory) -> BenchServer {
         worker_token: None,
         console: Default::default(),
         scheduling: Default::default(),
+        partitioning: Default::default(),
         device_auth: Default::default(),
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -255,12 +255,17 @@ async fn run(args: Args) -> Result<()> {
             outcome = worker.run_once() => match outcome {
                 Ok(Some(done)) => {
                     contact.reached();
-                    metrics::counter!("confed_enclave_jobs_total", "outcome" => "released").increment(1);
+                    metrics::counter!("confed_enclave_jobs_total", "outcome" => done.step()).increment(1);
                     metrics::histogram!("confed_enclave_job_seconds")
                         .record(done.phases.after_lease().as_secs_f64());
-                    tracing::info!(task = %done.task_id, round = done.round, included = done.included,
-                        excluded = done.excluded, epsilon_spent = ?done.epsilon_spent,
-                        seconds = done.phases.after_lease().as_secs_f64(), phases = %done.phases, "round released");
+                    match done.partition {
+                        Some((index, count)) => tracing::info!(task = %done.task_id, round = done.round,
+                            partition = index, partitions = count,
+                            seconds = done.phases.after_lease().as_secs_f64(), phases = %done.phases, "partition sealed"),
+                        None => tracing::info!(task = %done.task_id, round = done.round, included = done.included,
+                            excluded = done.excluded, epsilon_spent = ?done.epsilon_spent,
+                            seconds = done.phases.after_lease().as_secs_f64(), phases = %done.phases, "round released"),
+                    }
                     Duration::ZERO
                 }
                 Ok(None) => {

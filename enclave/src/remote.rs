@@ -229,6 +229,22 @@ impl JobStore for HttpJobStore {
         .map(drop)
     }
 
+    async fn put_partition(
+        &self,
+        job_id: &str,
+        worker: &str,
+        sealed: &[u8],
+    ) -> Result<(), StoreError> {
+        self.send(
+            self.http
+                .put(self.url(&format!("jobs/{job_id}/partition?worker={worker}")))
+                .header("content-type", "application/octet-stream")
+                .body(sealed.to_vec()),
+        )
+        .await
+        .map(drop)
+    }
+
     async fn fail(
         &self,
         job_id: &str,

@@ -27,6 +27,7 @@ use confed_attestation::release::{
 use thiserror::Error;
 
 use crate::aggregate::inputs::{self, Input};
+use crate::aggregate::partition::{self, Partition, PartitionError};
 use crate::aggregate::{AggregateError, Aggregator, Binding, PrivacyParams, Release, blt_round};
 use crate::envelope::RoundContext;
 use crate::key_collection::{CollectError, KeyRequest, KeyServiceEndpoint, obtain_private_key};
@@ -35,7 +36,7 @@ use crate::policy::{PolicyError, TaskPolicy, sha256_hex};
 use crate::updater::{self, UpdateError};
 use confed_worker_api::model::{ModelError, ModelSchema, validate_model};
 use confed_worker_api::reads::{BufferPool, READ_AHEAD, next_batch};
-use confed_worker_api::store::{JobSpec, JobStore, StagedRelease, StoreError};
+use confed_worker_api::store::{JobSpec, JobStore, Partitioning, StagedRelease, StoreError};
 
 pub use crate::policy::{MAX_TASK_DELTA, MAX_TASK_EPSILON};
 
@@ -61,6 +62,8 @@ pub enum JobError {
     Thread(#[source] tokio::task::JoinError),
     #[error("the aggregator is still shared after its last contribution (a bug)")]
     StillShared,
+    #[error(transparent)]
+    Partition(#[from] PartitionError),
 }
 
 impl JobError {
@@ -84,6 +87,8 @@ impl JobError {
                 | Self::Aggregate(AggregateError::Unsupported(_))
                 | Self::Aggregate(AggregateError::BltState(_))
                 | Self::Aggregate(AggregateError::Blt(_))
+                | Self::Partition(PartitionError::Plan(_))
+                | Self::Partition(PartitionError::Incomplete(_))
         )
     }
 }
@@ -110,6 +115,9 @@ pub struct JobOutcome {
     pub included: u64,
     pub excluded: u64,
     pub epsilon_spent: Option<f64>,
+    /// A partition's job: its (index, count). It releases nothing, and says nothing of its
+    /// partition's outcomes (`included` and `excluded` are 0): only the release publishes them.
+    pub partition: Option<(u32, u32)>,
     /// Where the job's time went, for operators' logs and the round benchmark.
     pub phases: Phases,
 }
@@ -135,6 +143,17 @@ pub struct Phases {
     pub release: Duration,
     /// Applying the average to the model and committing model N+1.
     pub update: Duration,
+}
+
+impl JobOutcome {
+    /// What the job did, for logs and metrics: `released` (a round's release, or its model
+    /// update after a retry) or `partition` (one partition sealed for its round's root).
+    pub fn step(&self) -> &'static str {
+        match self.partition {
+            Some(_) => "partition",
+            None => "released",
+        }
+    }
 }
 
 impl Phases {
@@ -240,6 +259,25 @@ impl<S: JobStore + 'static> Worker<S> {
         let (policy, context) = round_context(job)?;
         let schema = validate_model(&job.model)?;
         let mut phases = Phases::default();
+        if let Some(Partitioning::Partition { index, count }) = job.partitioning {
+            let sealed = self
+                .aggregate_partition(job, &schema, &policy, context, index, count, &mut phases)
+                .await?;
+            let storing = Instant::now();
+            self.store
+                .put_partition(&job.job_id, &self.config.id, &sealed)
+                .await?;
+            phases.release = storing.elapsed();
+            return Ok(JobOutcome {
+                task_id: job.task_id.clone(),
+                round: job.round,
+                included: 0,
+                excluded: 0,
+                epsilon_spent: None,
+                partition: Some((index, count)),
+                phases,
+            });
+        }
         let (average, manifest) = match &job.committed_average {
             Some(average) => (average.clone(), None),
             None => {
@@ -288,6 +326,7 @@ impl<S: JobStore + 'static> Worker<S> {
             included: manifest.as_ref().map_or(0, |m| m.included),
             excluded: manifest.as_ref().map_or(0, |m| m.excluded.values().sum()),
             epsilon_spent: manifest.map(|m| m.privacy.epsilon_spent),
+            partition: None,
             phases,
         })
     }
@@ -296,7 +335,9 @@ impl<S: JobStore + 'static> Worker<S> {
     /// `aggregate::inputs`), then the key (against the release commitment, which every key
     /// service records in its ledger and answers with a receipt), then the contributions (each
     /// checked against its committed digest and opened as it arrives, across all cores: `open_all`),
-    /// then noise; the release is signed with a key made for this job and bound into its attestation.
+    /// or, for a partitioned round's root, every partition's sealed sums (`Aggregator::merge`);
+    /// then noise; the release is signed with a key made for this job and bound into its
+    /// attestation.
     /// `schema`: the job's model's, validated once by the caller; `policy` and `context` from
     /// `round_context`. Records the time of each step in `phases`.
     pub async fn aggregate(
@@ -307,6 +348,119 @@ impl<S: JobStore + 'static> Worker<S> {
         context: RoundContext,
         phases: &mut Phases,
     ) -> Result<(Release, ReleaseProof), JobError> {
+        let prepared = self.prepare(job, schema, policy, context, phases).await?;
+        let step = Instant::now();
+        let Prepared {
+            privacy,
+            inputs,
+            commitment,
+            signing_key,
+            receipts,
+            private_key,
+            aggregator,
+        } = prepared;
+        match &job.partitioning {
+            Some(Partitioning::Root { count, sealed }) => {
+                let (count, sealed) = (*count, sealed.clone());
+                let (key, merging) = (Arc::clone(&private_key), Arc::clone(&aggregator));
+                tokio::task::spawn_blocking(move || merging.merge(&key, &inputs, count, &sealed))
+                    .await
+                    .map_err(JobError::Thread)??;
+            }
+            _ => self.open_all(job, inputs, &aggregator).await?,
+        }
+        let aggregator = Arc::try_unwrap(aggregator).map_err(|_| JobError::StillShared)?;
+        phases.open = step.elapsed();
+        let step = Instant::now();
+        // Noising can take long (a tree round at the end of a long tree samples up to 2047 noise
+        // vectors): the lease is renewed every quarter lease until it is done.
+        let mut finishing =
+            tokio::task::spawn_blocking(move || aggregator.finish(&private_key, privacy));
+        let release = loop {
+            match tokio::time::timeout(self.config.lease / 4, &mut finishing).await {
+                Ok(joined) => break joined.map_err(JobError::Thread)??,
+                Err(_) => {
+                    self.store
+                        .renew(&job.job_id, &self.config.id, self.config.lease)
+                        .await?
+                }
+            }
+        };
+        phases.noise = step.elapsed();
+        let text = release_text(
+            &commitment,
+            &sha256_hex(&release.manifest.to_json()),
+            &release.manifest.average_sha256,
+        );
+        let proof = ReleaseProof {
+            enclave: ReleaseSignature {
+                enclave_signing_key: encode_verifying_key(signing_key.verifying_key()),
+                signature: sign_text(&signing_key, &text),
+            },
+            commitment,
+            receipts,
+        };
+        Ok((release, proof))
+    }
+
+    /// One partition of a partitioned round: the round's inputs and key exactly as the whole
+    /// round's (the same commitment), then only the partition's inputs opened and summed, and
+    /// the exact state sealed for the root (`Aggregator::seal_partition`).
+    #[allow(clippy::too_many_arguments)]
+    async fn aggregate_partition(
+        &self,
+        job: &JobSpec,
+        schema: &ModelSchema,
+        policy: &TaskPolicy,
+        context: RoundContext,
+        index: u32,
+        count: u32,
+        phases: &mut Phases,
+    ) -> Result<Vec<u8>, JobError> {
+        let prepared = self.prepare(job, schema, policy, context, phases).await?;
+        let step = Instant::now();
+        let Prepared {
+            mut inputs,
+            private_key,
+            aggregator,
+            ..
+        } = prepared;
+        let listing = inputs::listing(&inputs);
+        let range = partition::ranges(inputs.len(), count)?
+            .get(index as usize)
+            .cloned()
+            .ok_or_else(|| PartitionError::Plan(format!("partition {index} of {count}")))?;
+        let mine: Vec<Input> = inputs.drain(range).collect();
+        drop(inputs);
+        self.open_all(job, mine, &aggregator).await?;
+        let aggregator = Arc::try_unwrap(aggregator).map_err(|_| JobError::StillShared)?;
+        phases.open = step.elapsed();
+        let step = Instant::now();
+        let sealed = tokio::task::spawn_blocking(move || {
+            let partition = Partition {
+                inputs: &listing,
+                index,
+                count,
+            };
+            aggregator.seal_partition(&private_key, &partition)
+        })
+        .await
+        .map_err(JobError::Thread)??;
+        phases.noise = step.elapsed();
+        Ok(sealed)
+    }
+
+    /// What every kind of job does first: the round's privacy parameters, its inputs and their
+    /// digest (the BLT state bound in), the release commitment, the key against it, and an
+    /// aggregator bound to it all.
+    async fn prepare(
+        &self,
+        job: &JobSpec,
+        schema: &ModelSchema,
+        policy: &TaskPolicy,
+        context: RoundContext,
+        phases: &mut Phases,
+    ) -> Result<Prepared, JobError> {
         let step = Instant::now();
         let privacy = PrivacyParams::for_round(policy, job.clip_norm, job.on_demand_evaluation)?;
         // BLT: the model's size and the state's header, before anything is read or asked for.
@@ -358,10 +512,8 @@ impl<S: JobStore + 'static> Worker<S> {
         )
         .await?;
         phases.key = step.elapsed();
-        let step = Instant::now();
         let receipts = key.receipts;
         let private_key = Arc::new(key.private_key);
-        let schema = schema.clone();
         let binding = Binding {
             context,
             key_id: job.key_id.clone(),
@@ -369,44 +521,20 @@ impl<S: JobStore + 'static> Worker<S> {
         };
         let round = binding.context.round;
         let aggregator = Arc::new(
-            Aggregator::new(binding, privacy.clip_norm, schema, &private_key)?
+            Aggregator::new(binding, privacy.clip_norm, schema.clone(), &private_key)?
                 .evaluating(privacy.evaluation_in(round))
                 .authenticating(policy.device_auth.clone())
                 .continuing(job.blt_state.clone()),
         );
-        self.open_all(job, inputs, &aggregator).await?;
-        let aggregator = Arc::try_unwrap(aggregator).map_err(|_| JobError::StillShared)?;
-        phases.open = step.elapsed();
-        let step = Instant::now();
-        // Noising can take long (a tree round at the end of a long tree samples up to 2047 noise
-        // vectors): the lease is renewed every quarter lease until it is done.
-        let mut finishing =
-            tokio::task::spawn_blocking(move || aggregator.finish(&private_key, privacy));
-        let release = loop {
-            match tokio::time::timeout(self.config.lease / 4, &mut finishing).await {
-                Ok(joined) => break joined.map_err(JobError::Thread)??,
-                Err(_) => {
-                    self.store
-                        .renew(&job.job_id, &self.config.id, self.config.lease)
-                        .await?
-                }
-            }
-        };
-        phases.noise = step.elapsed();
-        let text = release_text(
-            &commitment,
-            &sha256_hex(&release.manifest.to_json()),
-            &release.manifest.average_sha256,
-        );
-        let proof = ReleaseProof {
-            enclave: ReleaseSignature {
-                enclave_signing_key: encode_verifying_key(signing_key.verifying_key()),
-                signature: sign_text(&signing_key, &text),
-            },
+        Ok(Prepared {
+            privacy,
+            inputs,
             commitment,
+            signing_key,
             receipts,
-        };
-        Ok((release, proof))
+            private_key,
+            aggregator,
+        })
     }
 
     /// Reads, checks and opens every input into `aggregator`. Each contribution is opened as
@@ -574,6 +702,18 @@ fn not_committed(assignment_ref: &str) -> StoreError {
         "contribution {assignment_ref} is not the bytes the round's commitment names \
          (missing or changed in the store since they were digested)"
     ))
+}
+
+/// A job after its key: what `prepare` hands the step that follows.
+struct Prepared {
+    privacy: PrivacyParams,
+    /// The round's inputs, sorted by ref, as their digest names them.
+    inputs: Vec<Input>,
+    commitment: ReleaseCommitment,
+    signing_key: p256::ecdsa::SigningKey,
+    receipts: Vec<confed_attestation::release::Receipt>,
+    private_key: Arc<crate::hpke::PrivateKey>,
+    aggregator: Arc<Aggregator>,
 }
 
 /// A contribution to open: its ref, and the digest its bytes must have (`None` when they are the

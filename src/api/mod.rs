@@ -81,6 +81,8 @@ pub struct AppState {
     pub console: crate::console::ConsoleSettings,
     /// Which fitting task a checking-in device serves first (`confed serve --scheduling`).
     pub scheduling: crate::scheduling::SchedulingPolicy,
+    /// How large rounds are cut into partitions for several enclave workers.
+    pub partitioning: crate::partitioning::PartitionPolicy,
     /// Each task's device-token requirement, for the upload check (`device_tokens.rs`).
     pub device_auth: device_tokens::DeviceAuthCache,
 }

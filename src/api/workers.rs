@@ -51,6 +51,7 @@ fn store(state: &AppState) -> TaskDbJobStore {
         contributions: state.contributions.clone(),
         keys: state.keys.clone(),
         clock: state.clock.clone(),
+        partitioning: state.partitioning,
     }
 }
 
@@ -266,6 +267,23 @@ async fn blt_state(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// A partition's sealed result (`<job id>.p<index>`): stored under the partition's name and
+/// recorded; the round's root is leasable once every partition's is.
+async fn partition(
+    State(state): State<AppState>,
+    _: WorkerAuth,
+    ApiPath(job_id): ApiPath<String>,
+    ApiQuery(worker): ApiQuery<WorkerId>,
+    ApiBytes(body): ApiBytes,
+) -> Result<StatusCode, ApiError> {
+    check_worker(&worker.worker)?;
+    store(&state)
+        .put_partition_sealed(&job_id, &worker.worker, &body)
+        .await
+        .map_err(store_error)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
 async fn blob(
     State(state): State<AppState>,
     _: WorkerAuth,
@@ -335,6 +353,13 @@ pub fn router(limits: &Limits) -> Router<AppState> {
     let blt_state_route = Router::new()
         .route("/internal/v1/jobs/{id}/blt-state", put(blt_state))
         .layer(DefaultBodyLimit::max(blt_state_limit));
+    let partition_limit = limits
+        .model_bytes
+        .saturating_mul(2)
+        .saturating_add(crate::partitioning::PARTITION_SLACK_BYTES);
+    let partition_route = Router::new()
+        .route("/internal/v1/jobs/{id}/partition", put(partition))
+        .layer(DefaultBodyLimit::max(partition_limit));
     Router::new()
         .route("/internal/v1/jobs/lease", post(lease))
         .route("/internal/v1/jobs/{id}/renew", post(renew))
@@ -346,4 +371,5 @@ pub fn router(limits: &Limits) -> Router<AppState> {
         .layer(DefaultBodyLimit::max(upload_limit))
         .merge(optimizer_state_route)
         .merge(blt_state_route)
+        .merge(partition_route)
 }

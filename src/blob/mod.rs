@@ -76,6 +76,21 @@ impl BlobKey {
         ))
     }
 
+    /// Partition `index` of `count` of a round attempt's aggregation, sealed by its enclave
+    /// worker (the same bytes whichever worker sealed it, so a fixed name).
+    pub fn partition(
+        tenant_id: &str,
+        task_id: &str,
+        round: i64,
+        attempt: i64,
+        index: u32,
+        count: u32,
+    ) -> Result<Self, BlobError> {
+        Self::new(format!(
+            "tenants/{tenant_id}/tasks/{task_id}/rounds/{round}/attempt-{attempt}/partition-{index}-of-{count}.sealed"
+        ))
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }

@@ -86,6 +86,14 @@ pub struct ServeArgs {
         default_value = "fair-share"
     )]
     pub scheduling: confed::scheduling::SchedulingPolicy,
+    /// Enclave workers the deployment runs for partitioned rounds: a round of at least twice
+    /// --partition-min-contributions is cut into up to this many partitions, each aggregated by
+    /// any worker, then merged (docs/architecture.md, "Partitioned rounds"). 1: never.
+    #[arg(long, env = "CONFED_PARTITION_WORKERS", default_value_t = confed::partitioning::PartitionPolicy::default().workers)]
+    pub partition_workers: u32,
+    /// Fewest contributions a partition sums.
+    #[arg(long, default_value_t = confed::partitioning::PartitionPolicy::default().min_contributions)]
+    pub partition_min_contributions: usize,
 }
 
 pub async fn run(args: ServeArgs) -> Result<()> {
@@ -141,6 +149,10 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         scheduler_period: Duration::from_secs(args.scheduler_period_seconds.max(1)),
         retention: Duration::from_secs(args.retention_minutes.max(1) * 60),
         scheduling: args.scheduling,
+        partitioning: confed::partitioning::PartitionPolicy {
+            workers: args.partition_workers.max(1),
+            min_contributions: args.partition_min_contributions.max(1),
+        },
     };
     server::serve(config, shutdown_signal()).await?;
     Ok(())

@@ -18,12 +18,24 @@ pub(crate) fn create_job_sql(round_id: &str, now: &str) -> String {
 
 static CREATE_JOB: std::sync::LazyLock<String> =
     std::sync::LazyLock::new(|| create_job_sql("$1", "$2"));
+/// A pending job whose partitions (if it has any) are all stored: its root can run.
+pub(super) const PARTITIONS_STORED: &str = "NOT EXISTS (SELECT 1 FROM job_partitions p \
+     WHERE p.round_id = aggregation_jobs.round_id AND p.sealed_key IS NULL)";
+
+/// The earliest of: a leasable job's retry time or lease expiry, and a partition's (under its
+/// job's retry time). A job waiting for its partitions is not due by itself.
 static NEXT_JOB_DUE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
-        "SELECT MIN(CASE WHEN lease_expires_at IS NOT NULL AND lease_expires_at > not_before \
-         THEN lease_expires_at ELSE not_before END) \
-         FROM aggregation_jobs WHERE state = '{}'",
-        JobState::Pending.as_str()
+        "SELECT MIN(due) FROM ( \
+           SELECT CASE WHEN lease_expires_at IS NOT NULL AND lease_expires_at > not_before \
+             THEN lease_expires_at ELSE not_before END AS due \
+           FROM aggregation_jobs WHERE state = '{pending}' AND {PARTITIONS_STORED} \
+           UNION ALL \
+           SELECT CASE WHEN p.lease_expires_at IS NOT NULL AND p.lease_expires_at > j.not_before \
+             THEN p.lease_expires_at ELSE j.not_before END AS due \
+           FROM job_partitions p JOIN aggregation_jobs j ON j.round_id = p.round_id \
+           WHERE j.state = '{pending}' AND p.sealed_key IS NULL) AS dues",
+        pending = JobState::Pending.as_str()
     )
 });
 static FAILING_JOBS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
@@ -52,7 +64,7 @@ static JOB_FAILED: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
 pub const MAX_REASON_CHARS: usize = 1000;
 
 /// `reason`, cut to `MAX_REASON_CHARS` characters (with an ellipsis when cut).
-fn bounded_reason(reason: &str) -> String {
+pub(super) fn bounded_reason(reason: &str) -> String {
     match reason.char_indices().nth(MAX_REASON_CHARS) {
         Some((end, _)) => format!("{}…", &reason[..end]),
         None => reason.to_string(),
@@ -131,7 +143,7 @@ pub(crate) async fn create(conn: &mut Conn, round_id: &str, now: i64) -> Result<
 
 /// Fails with `LeaseLost` unless `worker` holds the job's lease (fencing: a worker whose lease
 /// was taken over can no longer commit anything).
-async fn check_lease(conn: &mut Conn, round_id: &str, worker: &str) -> Result<(), DbError> {
+pub(super) async fn check_lease(conn: &mut Conn, round_id: &str, worker: &str) -> Result<(), DbError> {
     // Locked on PostgreSQL so a takeover cannot slip in between this check and the caller's write.
     let sql = format!(
         "SELECT state, lease_owner FROM aggregation_jobs WHERE round_id = $1{}",
@@ -182,7 +194,8 @@ pub struct NewRelease {
 }
 
 impl Db {
-    /// Leases the oldest ready job (never leased, or its lease expired, and past its backoff).
+    /// Leases the oldest ready job (never leased, or its lease expired, past its backoff, and
+    /// with every partition stored if it was cut into any).
     pub async fn lease_job(
         &self,
         worker: &str,
@@ -213,6 +226,7 @@ impl Db {
                      attempts = attempts + 1, updated_at = $3 \
                      WHERE round_id = (SELECT round_id FROM aggregation_jobs \
                        WHERE state = '{pending}' AND not_before <= $3 AND {free} \
+                       AND {PARTITIONS_STORED} \
                        ORDER BY created_at, round_id LIMIT 1{}) \
                      AND state = '{pending}' AND {free} \
                      RETURNING round_id",
@@ -498,62 +512,7 @@ impl Db {
         self.write(move |tx| {
             Box::pin(async move {
                 check_lease(&mut *tx, &round_id, &worker).await?;
-                if !permanent {
-                    // Transient (a key service down, a full disk, the network): retried without
-                    // limit, the wait doubling up to 5 minutes; a crash takeover is no failure.
-                    let failures: i64 = sqlx::query_scalar(
-                        "UPDATE aggregation_jobs SET failures = failures + 1, lease_owner = NULL, \
-                         lease_expires_at = NULL, last_error = $1, updated_at = $2 \
-                         WHERE round_id = $3 RETURNING failures",
-                    )
-                    .bind(&reason)
-                    .bind(now)
-                    .bind(&round_id)
-                    .fetch_one(&mut *tx)
-                    .await?;
-                    sqlx::query("UPDATE aggregation_jobs SET not_before = $1 WHERE round_id = $2")
-                        .bind(now + retry_backoff_ms(failures))
-                        .bind(&round_id)
-                        .execute(&mut *tx)
-                        .await?;
-                    if failures >= ALERT_AFTER_FAILURES {
-                        tracing::error!(round = %round_id, failures, %reason,
-                            "an aggregation job keeps failing; it is retried every few minutes \
-                             until the cause is fixed (docs/operations.md, \"Failed rounds\")");
-                    }
-                    return Ok(());
-                }
-                sqlx::query(sqlx::AssertSqlSafe(JOB_FAILED.as_str()))
-                    .bind(&reason)
-                    .bind(now)
-                    .bind(&round_id)
-                    .execute(&mut *tx)
-                    .await?;
-                let round = rounds::load_one(&mut *tx, &round_id).await?;
-                let why = format!("aggregation failed: {reason}");
-                rounds::close(
-                    &mut *tx,
-                    &round_id,
-                    round.state,
-                    RoundState::Failed,
-                    &why,
-                    now,
-                )
-                .await?;
-                let task = tasks::load_any(&mut *tx, &round.task_id).await?;
-                if task.state == TaskState::Open {
-                    let why = format!("round {} {why}", round.round_number);
-                    transition(
-                        &mut *tx,
-                        &task.id,
-                        TaskState::Open,
-                        TaskState::Failed,
-                        &why,
-                        now,
-                    )
-                    .await?;
-                }
-                Ok(())
+                fail_leased(&mut *tx, &round_id, &reason, permanent, now).await
             })
         })
         .await
@@ -598,4 +557,72 @@ async fn early_stop(conn: &mut Conn, task: &tasks::TaskRecord) -> Result<Option<
     };
     let points = super::evaluations::of_task(conn, &task.id, &evaluation).await?;
     Ok(crate::evaluation::early_stop(&rule, &points))
+}
+
+/// Fails a job whose lease the caller checked (the job's, or one of its partitions'): a
+/// transient failure waits for a retry (the job's backoff, whichever part of it failed), a
+/// permanent one fails the round and the task.
+pub(super) async fn fail_leased(
+    tx: &mut Conn,
+    round_id: &str,
+    reason: &str,
+    permanent: bool,
+    now: i64,
+) -> Result<(), DbError> {
+    if !permanent {
+        // Transient (a key service down, a full disk, the network): retried without
+        // limit, the wait doubling up to 5 minutes; a crash takeover is no failure.
+        let failures: i64 = sqlx::query_scalar(
+            "UPDATE aggregation_jobs SET failures = failures + 1, lease_owner = NULL, \
+             lease_expires_at = NULL, last_error = $1, updated_at = $2 \
+             WHERE round_id = $3 RETURNING failures",
+        )
+        .bind(reason)
+        .bind(now)
+        .bind(round_id)
+        .fetch_one(&mut *tx)
+        .await?;
+        sqlx::query("UPDATE aggregation_jobs SET not_before = $1 WHERE round_id = $2")
+            .bind(now + retry_backoff_ms(failures))
+            .bind(round_id)
+            .execute(&mut *tx)
+            .await?;
+        if failures >= ALERT_AFTER_FAILURES {
+            tracing::error!(round = %round_id, failures, %reason,
+                "an aggregation job keeps failing; it is retried every few minutes \
+                 until the cause is fixed (docs/operations.md, \"Failed rounds\")");
+        }
+        return Ok(());
+    }
+    sqlx::query(sqlx::AssertSqlSafe(JOB_FAILED.as_str()))
+        .bind(reason)
+        .bind(now)
+        .bind(round_id)
+        .execute(&mut *tx)
+        .await?;
+    let round = rounds::load_one(&mut *tx, round_id).await?;
+    let why = format!("aggregation failed: {reason}");
+    rounds::close(
+        &mut *tx,
+        round_id,
+        round.state,
+        RoundState::Failed,
+        &why,
+        now,
+    )
+    .await?;
+    let task = tasks::load_any(&mut *tx, &round.task_id).await?;
+    if task.state == TaskState::Open {
+        let why = format!("round {} {why}", round.round_number);
+        transition(
+            &mut *tx,
+            &task.id,
+            TaskState::Open,
+            TaskState::Failed,
+            &why,
+            now,
+        )
+        .await?;
+    }
+    Ok(())
 }

@@ -22,6 +22,7 @@ mod error;
 mod evaluations;
 mod history;
 pub mod jobs;
+pub mod partitions;
 mod models;
 pub mod populations;
 mod postgres;

@@ -58,6 +58,8 @@ pub struct EmbeddedOptions {
     pub database: Option<String>,
     /// GCS (or its emulator) instead of the data directory's blobs and contribution log.
     pub blobs: Option<crate::blob::GcsConfig>,
+    /// How large rounds are cut into partitions (default: never).
+    pub partitioning: crate::partitioning::PartitionPolicy,
 }
 
 pub struct EmbeddedSystem {
@@ -150,6 +152,7 @@ impl EmbeddedSystem {
             worker_token: options.worker_token.clone(),
             console: Default::default(),
             scheduling: Default::default(),
+            partitioning: options.partitioning,
             device_auth: Default::default(),
         };
         let (url, handle) = serve_router(api::router(state), stop_rx.clone()).await?;
@@ -164,6 +167,7 @@ impl EmbeddedSystem {
             contributions,
             keys,
             clock,
+            partitioning: options.partitioning,
         });
         let system = Self {
             url,

@@ -99,7 +99,8 @@ pub async fn run_worker(
     loop {
         let busy = match worker.run_once().await {
             Ok(Some(outcome)) => {
-                tracing::info!(task = %outcome.task_id, round = outcome.round, included = outcome.included,
+                tracing::info!(task = %outcome.task_id, round = outcome.round, step = outcome.step(),
+                    partition = ?outcome.partition, included = outcome.included,
                     excluded = outcome.excluded, epsilon_spent = ?outcome.epsilon_spent,
                     seconds = outcome.phases.after_lease().as_secs_f64(), phases = %outcome.phases, "round aggregated");
                 true

@@ -154,6 +154,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         worker_token: None,
         attester_key: None,
         database: None,
+        partitioning: Default::default(),
     })
     .await
     .map_err(|e| setup("starting the embedded system")(e.into()))?;

@@ -223,6 +223,7 @@ impl TestApp {
             worker_token: Some(AdminToken::from_secret(WORKER_TOKEN.to_string()).unwrap()),
             console: Default::default(),
             scheduling: Default::default(),
+            partitioning: Default::default(),
             device_auth: Default::default(),
         };
         Self {

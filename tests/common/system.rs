@@ -30,6 +30,16 @@ pub async fn start_full(
     worker_token: Option<&str>,
     attester_key: Option<p256::ecdsa::SigningKey>,
 ) -> (EmbeddedSystem, tempfile::TempDir) {
+    start_partitioned(clock, worker_token, attester_key, Default::default()).await
+}
+
+/// `start_full`, with large rounds cut into partitions as `partitioning` says.
+pub async fn start_partitioned(
+    clock: Arc<ManualClock>,
+    worker_token: Option<&str>,
+    attester_key: Option<p256::ecdsa::SigningKey>,
+    partitioning: confed::partitioning::PartitionPolicy,
+) -> (EmbeddedSystem, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let system = EmbeddedSystem::start(EmbeddedOptions {
         blobs: super::gcs::test_blobs().await,
@@ -46,6 +56,7 @@ pub async fn start_full(
             Some(server) => Some(super::database::fresh_postgres_database(&server).await),
             None => None,
         },
+        partitioning,
     })
     .await
     .unwrap();

@@ -260,6 +260,14 @@ impl JobStore for DiesBeforeCommit {
     ) -> Result<(), StoreError> {
         unreachable!("the worker died before")
     }
+    async fn put_partition(
+        &self,
+        job_id: &str,
+        worker: &str,
+        sealed: &[u8],
+    ) -> Result<(), StoreError> {
+        self.inner.put_partition(job_id, worker, sealed).await
+    }
     async fn fail(&self, _: &str, _: &str, _: &str, _: bool) -> Result<(), StoreError> {
         Ok(())
     }

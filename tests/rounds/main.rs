@@ -11,6 +11,7 @@ mod aggregation;
 mod demo;
 mod key_release;
 mod operator_attacks;
+mod partitions;
 mod release_ledger;
 mod side_channels;
 mod worker_api;

@@ -154,6 +154,15 @@ impl JobStore for Operator {
             .commit_model(job_id, worker, model, optimizer_state)
             .await
     }
+    async fn put_partition(
+        &self,
+        job_id: &str,
+        worker: &str,
+        sealed: &[u8],
+    ) -> Result<(), StoreError> {
+        self.inner.put_partition(job_id, worker, sealed).await
+    }
+
     async fn fail(
         &self,
         job_id: &str,

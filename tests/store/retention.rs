@@ -29,6 +29,7 @@ async fn start_in(dir: &Path, clock: Arc<ManualClock>, database: Option<String>)
         worker_token: None,
         attester_key: None,
         database,
+        partitioning: Default::default(),
     })
     .await
     .unwrap()

@@ -49,6 +49,43 @@ pub struct JobSpec {
     /// only the enclave can open it, and it refuses one not sealed by round `round - 1` of this
     /// task and policy.
     pub blt_state: Option<Vec<u8>>,
+    /// A partitioned round's step: one partition to sum and seal, or the root that merges them
+    /// (`None`: the whole round in one job).
+    pub partitioning: Option<Partitioning>,
+}
+
+/// What a job of a partitioned round does (docs/architecture.md, "Partitioned rounds").
+#[derive(Debug, Clone, PartialEq)]
+pub enum Partitioning {
+    /// Sum partition `index` of `count` of the round's inputs and store it sealed
+    /// (`JobStore::put_partition`); release nothing.
+    Partition { index: u32, count: u32 },
+    /// Merge the `count` partitions' sealed results (untrusted until the enclave opens and
+    /// checks them: any missing, repeated or foreign one fails the merge), noise and release.
+    Root { count: u32, sealed: Vec<Vec<u8>> },
+}
+
+/// Most partitions a round is cut into.
+pub const MAX_PARTITIONS: u32 = 4096;
+
+/// The job id of partition `index` of the round whose job is `job_id` (job ids are UUIDs, which
+/// hold no `.`): what its lease, renewals, failure and sealed result are addressed by.
+pub fn partition_job_id(job_id: &str, index: u32) -> String {
+    format!("{job_id}.p{index}")
+}
+
+/// A job id's round job id and, for a partition's, its index; `None` for a malformed suffix.
+pub fn parse_job_id(job_id: &str) -> Option<(&str, Option<u32>)> {
+    match job_id.split_once('.') {
+        None => Some((job_id, None)),
+        Some((round, suffix)) => {
+            let index = suffix.strip_prefix('p')?;
+            if index.is_empty() || !index.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            Some((round, Some(index.parse().ok()?)))
+        }
+    }
 }
 
 /// One completed contribution of a job, as the store lists it.
@@ -131,6 +168,14 @@ pub trait JobStore: Send + Sync {
         worker: &str,
         model: &[u8],
         optimizer_state: Option<&[u8]>,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Stores a partition's sealed result (`Partitioning::Partition`; its lease holder only,
+    /// once): when it is the round's last, the root can be leased.
+    fn put_partition(
+        &self,
+        job_id: &str,
+        worker: &str,
+        sealed: &[u8],
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// Gives the job back: retried later, or (`permanent`) the round and task fail.
     fn fail(

@@ -12,7 +12,7 @@ use std::future::Future;
 
 use crate::manifest::Manifest;
 use crate::optimizer::ServerOptimizer;
-use crate::store::{JobContribution, JobSpec, JobStore, StoreError};
+use crate::store::{JobContribution, JobSpec, JobStore, Partitioning, StoreError};
 
 /// `POST /internal/v1/jobs/lease`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -66,6 +66,29 @@ pub struct JobWire {
     /// and for other mechanisms).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub blt_state_key: Option<String>,
+    /// A partitioned round's step (absent: the whole round in one job).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partitioning: Option<PartitioningWire>,
+}
+
+/// `JobWire::partitioning`: one partition to sum and seal, or the root with the blob keys of
+/// every partition's sealed result (`GET /internal/v1/blobs/{key}`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+pub enum PartitioningWire {
+    Partition { index: u32, count: u32 },
+    Root { count: u32, sealed_keys: Vec<String> },
+}
+
+/// A job's bytes, fetched by the keys its description names.
+#[derive(Debug, Default)]
+pub struct Fetched {
+    pub model: Vec<u8>,
+    pub committed_average: Option<Vec<u8>>,
+    pub optimizer_state: Option<Vec<u8>>,
+    pub blt_state: Option<Vec<u8>>,
+    /// The root's partitions' sealed results, in the order of `sealed_keys`.
+    pub sealed_partitions: Vec<Vec<u8>>,
 }
 
 fn is_fedavg(optimizer: &ServerOptimizer) -> bool {
@@ -74,13 +97,14 @@ fn is_fedavg(optimizer: &ServerOptimizer) -> bool {
 
 impl JobWire {
     /// The job with its bytes, as the worker runs it.
-    pub fn into_spec(
-        self,
-        model: Vec<u8>,
-        committed_average: Option<Vec<u8>>,
-        optimizer_state: Option<Vec<u8>>,
-        blt_state: Option<Vec<u8>>,
-    ) -> Result<JobSpec, String> {
+    pub fn into_spec(self, fetched: Fetched) -> Result<JobSpec, String> {
+        let Fetched {
+            model,
+            committed_average,
+            optimizer_state,
+            blt_state,
+            sealed_partitions,
+        } = fetched;
         let public_key = URL_SAFE_NO_PAD
             .decode(&self.public_key)
             .ok()
@@ -109,6 +133,15 @@ impl JobWire {
                 .collect::<Result<_, _>>()?,
             committed_average,
             blt_state,
+            partitioning: self.partitioning.map(|p| match p {
+                PartitioningWire::Partition { index, count } => {
+                    Partitioning::Partition { index, count }
+                }
+                PartitioningWire::Root { count, .. } => Partitioning::Root {
+                    count,
+                    sealed: sealed_partitions,
+                },
+            }),
         })
     }
 }
@@ -173,8 +206,24 @@ pub async fn resolve<S: BlobSource>(
         (Some(key), None) => Some(store.required_blob(key).await?),
         _ => None,
     };
+    let mut sealed_partitions = Vec::new();
+    // As for the BLT state: a root whose release is committed only applies it.
+    if let (Some(PartitioningWire::Root { sealed_keys, .. }), None) =
+        (&wire.partitioning, &wire.committed_average_key)
+    {
+        for key in sealed_keys {
+            sealed_partitions.push(store.required_blob(key).await?);
+        }
+    }
     let job_id = wire.job_id.clone();
-    match wire.into_spec(model, average, optimizer_state, blt_state) {
+    let fetched = Fetched {
+        model,
+        committed_average: average,
+        optimizer_state,
+        blt_state,
+        sealed_partitions,
+    };
+    match wire.into_spec(fetched) {
         Ok(spec) => Ok(spec),
         Err(reason) => {
             store.fail(&job_id, worker, &reason, true).await?;
@@ -289,7 +338,7 @@ mod tests {
         let mut bad = job;
         bad["optimizer"] = serde_json::json!({"name": "fedavgm", "momentum": 5.0});
         let wire: JobWire = serde_json::from_value(bad).unwrap();
-        let error = wire.into_spec(Vec::new(), None, None, None).unwrap_err();
+        let error = wire.into_spec(Fetched::default()).unwrap_err();
         assert!(error.contains("`momentum` must be in [0, 1)"), "{error}");
     }
 }

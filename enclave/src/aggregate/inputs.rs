@@ -110,6 +110,20 @@ pub fn bind_blt_state(inputs_digest: &str, state: Option<&[u8; 32]>) -> String {
     super::hex(hasher.finalize().as_bytes())
 }
 
+/// The inputs' listing without their bytes: what a partition's header is computed from after
+/// its inputs went to be opened.
+pub fn listing(inputs: &[Input]) -> Vec<Input> {
+    inputs
+        .iter()
+        .map(|input| Input {
+            assignment_ref: input.assignment_ref.clone(),
+            blob_key: input.blob_key.clone(),
+            digest: input.digest,
+            retained: None,
+        })
+        .collect()
+}
+
 /// Whether `text` is an assignment ref: exactly 64 lowercase hex digits (SHA-256 of an id).
 pub fn is_ref(text: &str) -> bool {
     confed_protocol::hex::is_digest_hex(text)

@@ -35,8 +35,7 @@ const KIND: Kind = Kind {
     max_header: 4096,
 };
 
-/// Most partitions a round is cut into.
-pub const MAX_PARTITIONS: u32 = 4096;
+pub use confed_worker_api::store::MAX_PARTITIONS;
 
 /// An outcome byte: included.
 const INCLUDED: u8 = 0;

@@ -1,0 +1,364 @@
+//! Partitions of an aggregation job (docs/architecture.md, "Partitioned rounds"): the first
+//! lease of a large round's job plans it into `count` partitions; each is leased by a worker of
+//! its own (lease, renew, store its sealed result, or fail), and the job itself (the root, which
+//! merges them) becomes leasable once every partition is stored. Every change is one transaction
+//! guarded by the lease it needs, like the job's.
+
+use super::jobs::fail_leased;
+use super::{Conn, Db, DbError};
+use crate::states::JobState;
+
+/// A partition a worker just leased.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeasedPartition {
+    pub round_id: String,
+    pub index: u32,
+    pub count: u32,
+}
+
+/// A partition of a planned job, and where its sealed result is once stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredPartition {
+    pub index: u32,
+    pub count: u32,
+    pub sealed_key: Option<String>,
+}
+
+fn to_u32(value: i64) -> Result<u32, DbError> {
+    u32::try_from(value).map_err(|_| DbError::Corrupt(format!("partition number {value}")))
+}
+
+/// Fails with `LeaseLost` unless `worker` holds the partition's lease, the partition is not
+/// stored yet and its job is pending (fencing, as `jobs::check_lease`).
+async fn check_partition_lease(
+    conn: &mut Conn,
+    round_id: &str,
+    index: u32,
+    worker: &str,
+) -> Result<(), DbError> {
+    let sql = format!(
+        "SELECT p.lease_owner, p.sealed_key, j.state FROM job_partitions p \
+         JOIN aggregation_jobs j ON j.round_id = p.round_id \
+         WHERE p.round_id = $1 AND p.partition_index = $2{}",
+        super::lock_clause(conn, " FOR UPDATE OF p")
+    );
+    let row: Option<(Option<String>, Option<String>, String)> =
+        sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(round_id)
+            .bind(i64::from(index))
+            .fetch_optional(&mut *conn)
+            .await?;
+    match row {
+        Some((Some(owner), None, state))
+            if owner == worker && state == JobState::Pending.as_str() =>
+        {
+            Ok(())
+        }
+        Some(_) => Err(DbError::LeaseLost(format!("{round_id} partition {index}"))),
+        None => Err(DbError::NotFound {
+            entity: "job partition",
+            id: format!("{round_id} partition {index}"),
+        }),
+    }
+}
+
+impl Db {
+    /// Leases the first partition not stored yet whose lease is free or expired, of the oldest
+    /// pending job past its backoff.
+    pub async fn lease_partition(
+        &self,
+        worker: &str,
+        now: i64,
+        lease_ms: i64,
+    ) -> Result<Option<LeasedPartition>, DbError> {
+        let worker = worker.to_string();
+        self.write(move |tx| {
+            Box::pin(async move {
+                // Locked with SKIP LOCKED on PostgreSQL, so concurrent workers take different
+                // partitions; the update repeats the guard (a compare-and-set).
+                let sql = format!(
+                    "SELECT p.round_id, p.partition_index, p.partition_count \
+                     FROM job_partitions p JOIN aggregation_jobs j ON j.round_id = p.round_id \
+                     WHERE j.state = '{pending}' AND j.not_before <= $1 AND p.sealed_key IS NULL \
+                     AND (p.lease_expires_at IS NULL OR p.lease_expires_at <= $1) \
+                     ORDER BY j.created_at, p.round_id, p.partition_index LIMIT 1{}",
+                    super::lock_clause(tx, " FOR UPDATE OF p SKIP LOCKED"),
+                    pending = JobState::Pending.as_str(),
+                );
+                let candidate: Option<(String, i64, i64)> =
+                    sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                        .bind(now)
+                        .fetch_optional(&mut *tx)
+                        .await?;
+                let Some((round_id, index, count)) = candidate else {
+                    return Ok(None);
+                };
+                let taken = sqlx::query(
+                    "UPDATE job_partitions SET lease_owner = $1, lease_expires_at = $2, \
+                     attempts = attempts + 1, updated_at = $3 \
+                     WHERE round_id = $4 AND partition_index = $5 AND sealed_key IS NULL \
+                     AND (lease_expires_at IS NULL OR lease_expires_at <= $3)",
+                )
+                .bind(&worker)
+                .bind(now + lease_ms)
+                .bind(now)
+                .bind(&round_id)
+                .bind(index)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+                if taken == 0 {
+                    return Ok(None);
+                }
+                Ok(Some(LeasedPartition {
+                    round_id,
+                    index: to_u32(index)?,
+                    count: to_u32(count)?,
+                }))
+            })
+        })
+        .await
+    }
+
+    /// How the job was planned: `None` before its first lease planned it, else its partition
+    /// count (1: not partitioned).
+    pub async fn job_plan(&self, round_id: &str) -> Result<Option<u32>, DbError> {
+        let plan: Option<i64> =
+            sqlx::query_scalar("SELECT partitions FROM aggregation_jobs WHERE round_id = $1")
+                .bind(round_id)
+                .fetch_optional(self.pool())
+                .await?
+                .flatten();
+        plan.map(to_u32).transpose()
+    }
+
+    /// Plans the job `worker` leased into `count` partitions, once (a job already planned keeps
+    /// its plan). With more than one, the partitions are created and the job's lease given
+    /// back: workers lease the partitions, and the job again once they are all stored.
+    pub async fn plan_job(
+        &self,
+        round_id: &str,
+        worker: &str,
+        count: u32,
+        now: i64,
+    ) -> Result<(), DbError> {
+        let (round_id, worker) = (round_id.to_string(), worker.to_string());
+        let partitioned = self
+            .write(move |tx| {
+                Box::pin(async move {
+                    super::jobs::check_lease(&mut *tx, &round_id, &worker).await?;
+                    let planned = sqlx::query(
+                        "UPDATE aggregation_jobs SET partitions = $1, updated_at = $2 \
+                         WHERE round_id = $3 AND partitions IS NULL",
+                    )
+                    .bind(i64::from(count))
+                    .bind(now)
+                    .bind(&round_id)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+                    if planned == 0 || count <= 1 {
+                        return Ok(false);
+                    }
+                    for index in 0..count {
+                        sqlx::query(
+                            "INSERT INTO job_partitions (round_id, partition_index, \
+                             partition_count, created_at, updated_at) VALUES ($1, $2, $3, $4, $4)",
+                        )
+                        .bind(&round_id)
+                        .bind(i64::from(index))
+                        .bind(i64::from(count))
+                        .bind(now)
+                        .execute(&mut *tx)
+                        .await?;
+                    }
+                    sqlx::query(
+                        "UPDATE aggregation_jobs SET lease_owner = NULL, lease_expires_at = NULL, \
+                         updated_at = $1 WHERE round_id = $2",
+                    )
+                    .bind(now)
+                    .bind(&round_id)
+                    .execute(&mut *tx)
+                    .await?;
+                    Ok(true)
+                })
+            })
+            .await?;
+        if partitioned {
+            self.announce_job().await;
+        }
+        Ok(())
+    }
+
+    /// `LeaseLost` unless `worker` holds the partition's lease (read-only, before a blob is
+    /// written under the partition's name; the write's own transaction checks again).
+    pub async fn check_partition_lease(
+        &self,
+        round_id: &str,
+        index: u32,
+        worker: &str,
+    ) -> Result<(), DbError> {
+        let mut conn = self.pool().acquire().await?;
+        check_partition_lease(&mut conn, round_id, index, worker).await
+    }
+
+    /// Records the BLAKE3 (hex) of contributions the server did not see arrive (direct uploads
+    /// to the blob store), computed by the store before it plans a round into partitions; only
+    /// the job's lease holder, only where none is recorded. Untrusted like every listed digest:
+    /// the enclave fails a job whose bytes do not have their committed digest.
+    pub async fn record_contribution_digests(
+        &self,
+        round_id: &str,
+        worker: &str,
+        digests: Vec<(String, String)>,
+        now: i64,
+    ) -> Result<(), DbError> {
+        let (round_id, worker) = (round_id.to_string(), worker.to_string());
+        self.write(move |tx| {
+            Box::pin(async move {
+                super::jobs::check_lease(&mut *tx, &round_id, &worker).await?;
+                for (assignment_ref, blake3_hex) in &digests {
+                    sqlx::query(
+                        "UPDATE assignments SET contribution_blake3 = $1, updated_at = $2 \
+                         WHERE id = $3 AND round_id = $4 AND contribution_blake3 IS NULL",
+                    )
+                    .bind(blake3_hex)
+                    .bind(now)
+                    .bind(assignment_ref)
+                    .bind(&round_id)
+                    .execute(&mut *tx)
+                    .await?;
+                }
+                Ok(())
+            })
+        })
+        .await
+    }
+
+    /// Extends `worker`'s lease on a partition; `LeaseLost` if it is not (or no longer) its.
+    pub async fn renew_partition(
+        &self,
+        round_id: &str,
+        index: u32,
+        worker: &str,
+        now: i64,
+        lease_ms: i64,
+    ) -> Result<(), DbError> {
+        let (round_id, worker) = (round_id.to_string(), worker.to_string());
+        self.write(move |tx| {
+            Box::pin(async move {
+                check_partition_lease(&mut *tx, &round_id, index, &worker).await?;
+                sqlx::query(
+                    "UPDATE job_partitions SET lease_expires_at = $1, updated_at = $2 \
+                     WHERE round_id = $3 AND partition_index = $4",
+                )
+                .bind(now + lease_ms)
+                .bind(now)
+                .bind(&round_id)
+                .bind(i64::from(index))
+                .execute(&mut *tx)
+                .await?;
+                Ok(())
+            })
+        })
+        .await
+    }
+
+    /// Records where the partition's sealed result is stored (its lease holder only, once);
+    /// when it is the job's last, the job's root becomes leasable and waiting workers are woken.
+    pub async fn store_partition(
+        &self,
+        round_id: &str,
+        index: u32,
+        worker: &str,
+        sealed_key: &str,
+        now: i64,
+    ) -> Result<(), DbError> {
+        let (round_id, worker, sealed_key) =
+            (round_id.to_string(), worker.to_string(), sealed_key.to_string());
+        let last = self
+            .write(move |tx| {
+                Box::pin(async move {
+                    check_partition_lease(&mut *tx, &round_id, index, &worker).await?;
+                    sqlx::query(
+                        "UPDATE job_partitions SET sealed_key = $1, lease_owner = NULL, \
+                         lease_expires_at = NULL, updated_at = $2 \
+                         WHERE round_id = $3 AND partition_index = $4",
+                    )
+                    .bind(&sealed_key)
+                    .bind(now)
+                    .bind(&round_id)
+                    .bind(i64::from(index))
+                    .execute(&mut *tx)
+                    .await?;
+                    let open: i64 = sqlx::query_scalar(
+                        "SELECT COUNT(*) FROM job_partitions \
+                         WHERE round_id = $1 AND sealed_key IS NULL",
+                    )
+                    .bind(&round_id)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                    Ok(open == 0)
+                })
+            })
+            .await?;
+        if last {
+            self.announce_job().await;
+        }
+        Ok(())
+    }
+
+    /// A partition's worker gives it back: transient (the partition is leased again after the
+    /// job's backoff) or permanent (the round and task fail, as for the job).
+    pub async fn fail_partition(
+        &self,
+        round_id: &str,
+        index: u32,
+        worker: &str,
+        reason: &str,
+        permanent: bool,
+        now: i64,
+    ) -> Result<(), DbError> {
+        let (round_id, worker, reason) = (
+            round_id.to_string(),
+            worker.to_string(),
+            super::jobs::bounded_reason(reason),
+        );
+        self.write(move |tx| {
+            Box::pin(async move {
+                check_partition_lease(&mut *tx, &round_id, index, &worker).await?;
+                sqlx::query(
+                    "UPDATE job_partitions SET lease_owner = NULL, lease_expires_at = NULL, \
+                     updated_at = $1 WHERE round_id = $2 AND partition_index = $3",
+                )
+                .bind(now)
+                .bind(&round_id)
+                .bind(i64::from(index))
+                .execute(&mut *tx)
+                .await?;
+                fail_leased(&mut *tx, &round_id, &reason, permanent, now).await
+            })
+        })
+        .await
+    }
+
+    /// The job's partitions, by index (none for a job not partitioned).
+    pub async fn partitions(&self, round_id: &str) -> Result<Vec<StoredPartition>, DbError> {
+        let rows: Vec<(i64, i64, Option<String>)> = sqlx::query_as(
+            "SELECT partition_index, partition_count, sealed_key FROM job_partitions \
+             WHERE round_id = $1 ORDER BY partition_index",
+        )
+        .bind(round_id)
+        .fetch_all(self.pool())
+        .await?;
+        rows.into_iter()
+            .map(|(index, count, sealed_key)| {
+                Ok(StoredPartition {
+                    index: to_u32(index)?,
+                    count: to_u32(count)?,
+                    sealed_key,
+                })
+            })
+            .collect()
+    }
+}

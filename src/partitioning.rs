@@ -1,0 +1,341 @@
+//! Partitioned rounds on the untrusted side (docs/architecture.md, "Partitioned rounds"): how
+//! many partitions a round's job is cut into, and the store's part of them: leasing a partition,
+//! storing its sealed result, and handing the root the keys of them all. Nothing here can open a
+//! partition: it holds un-noised sums sealed under a key only an enclave with the round's key
+//! derives, and the root checks every one of them.
+
+use std::time::Duration;
+
+use confed_worker_api::store::{MAX_PARTITIONS, StoreError, parse_job_id, partition_job_id};
+use confed_worker_api::wire::{JobWire, PartitioningWire};
+
+use crate::aggregation::{TaskDbJobStore, backend, db_error};
+use crate::blob::{BlobError, BlobKey};
+use crate::db::jobs::JobContext;
+use crate::states::RoundState;
+
+/// How rounds are cut into partitions (`confed serve --partition-workers`,
+/// `--partition-min-contributions`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PartitionPolicy {
+    /// Enclave workers the deployment runs: a round is cut into at most this many partitions.
+    /// 1, the default: never (one worker aggregates each round, as the embedded default does).
+    pub workers: u32,
+    /// Fewest contributions a partition sums: a smaller round stays one job, with no overhead.
+    pub min_contributions: usize,
+}
+
+impl Default for PartitionPolicy {
+    fn default() -> Self {
+        Self {
+            workers: 1,
+            min_contributions: 1000,
+        }
+    }
+}
+
+impl PartitionPolicy {
+    /// The partitions of a round of `contributions`.
+    pub fn partitions(&self, contributions: usize) -> u32 {
+        if self.workers <= 1 {
+            return 1;
+        }
+        let by_size = contributions / self.min_contributions.max(1);
+        by_size.clamp(1, self.workers.min(MAX_PARTITIONS) as usize) as u32
+    }
+}
+
+/// Contributions read at once when the store digests direct uploads before partitioning.
+const DIGEST_READS: usize = 8;
+
+/// A sealed partition is a sum (8 bytes a value: twice the model's 4) and one byte per
+/// contribution: its upload is bounded by twice the largest model plus this.
+pub const PARTITION_SLACK_BYTES: usize = 64 << 20;
+
+impl TaskDbJobStore {
+    /// Plans a job just leased (its first lease only): `true` when it was cut into partitions,
+    /// its lease then given back so that workers lease the partitions.
+    pub(crate) async fn plan(
+        &self,
+        context: &JobContext,
+        worker: &str,
+    ) -> Result<bool, StoreError> {
+        let round_id = &context.round.id;
+        if context.release.is_some() || self.db.job_plan(round_id).await.map_err(db_error)?.is_some()
+        {
+            return Ok(false);
+        }
+        let count = self
+            .partitioning
+            .partitions(context.contributions.len());
+        if count > 1 {
+            self.digest_direct_uploads(context, worker).await?;
+        }
+        self.db
+            .plan_job(round_id, worker, count, self.now())
+            .await
+            .map_err(db_error)?;
+        if count > 1 {
+            tracing::info!(round = %round_id, partitions = count, contributions = context.contributions.len(),
+                "aggregation job cut into partitions");
+        }
+        Ok(count > 1)
+    }
+
+    /// Computes and records the digest of every contribution the server did not see arrive
+    /// (direct uploads to the blob store), so that each partition's worker reads only its own
+    /// range: without them, each would have to read and digest the whole round to compute its
+    /// commitment. A contribution missing from the store stays without one (the enclave commits
+    /// it as missing). The digests are claims like any the store lists: a wrong one fails the
+    /// job, never changes a release.
+    async fn digest_direct_uploads(
+        &self,
+        context: &JobContext,
+        worker: &str,
+    ) -> Result<(), StoreError> {
+        use futures_util::StreamExt;
+        let undigested: Vec<(String, String)> = context
+            .contributions
+            .iter()
+            .filter(|c| c.blake3_hex.is_none())
+            .map(|c| (c.assignment_ref.clone(), c.blob_key.clone()))
+            .collect();
+        if undigested.is_empty() {
+            return Ok(());
+        }
+        let digests: Vec<Option<(String, String)>> = futures_util::stream::iter(undigested)
+            .map(|(assignment_ref, blob_key)| async move {
+                let key = BlobKey::new(blob_key).map_err(backend)?;
+                match self.contributions.get_sealed_into(&key, Vec::new()).await {
+                    Ok(bytes) => {
+                        let digest = tokio::task::spawn_blocking(move || {
+                            confed_protocol::hex::encode(blake3::hash(&bytes).as_bytes())
+                        })
+                        .await
+                        .map_err(backend)?;
+                        Ok(Some((assignment_ref, digest)))
+                    }
+                    Err(BlobError::NotFound(_)) => Ok(None),
+                    Err(e) => Err(backend(e)),
+                }
+            })
+            .buffer_unordered(DIGEST_READS)
+            .collect::<Vec<Result<_, StoreError>>>()
+            .await
+            .into_iter()
+            .collect::<Result<_, _>>()?;
+        self.db
+            .record_contribution_digests(
+                &context.round.id,
+                worker,
+                digests.into_iter().flatten().collect(),
+                self.now(),
+            )
+            .await
+            .map_err(db_error)
+    }
+
+    /// The root's part of a leased job's description: the keys of every partition's sealed
+    /// result, when the job was partitioned and its release is not committed yet.
+    pub(crate) async fn root_partitioning(
+        &self,
+        context: &JobContext,
+    ) -> Result<Option<PartitioningWire>, StoreError> {
+        if context.release.is_some() {
+            return Ok(None);
+        }
+        let partitions = self
+            .db
+            .partitions(&context.round.id)
+            .await
+            .map_err(db_error)?;
+        let Some(first) = partitions.first() else {
+            return Ok(None);
+        };
+        let sealed_keys = partitions
+            .iter()
+            .map(|p| p.sealed_key.clone())
+            .collect::<Option<Vec<String>>>()
+            .ok_or_else(|| backend("a partition of the job is not stored yet"))?;
+        Ok(Some(PartitioningWire::Root {
+            count: first.count,
+            sealed_keys,
+        }))
+    }
+
+    /// Leases a partition of a pending job, described as its own job (`partition_job_id`);
+    /// `Ok(None)` when none is free. One whose job cannot run at all fails the round.
+    pub(crate) async fn lease_partition_wire(
+        &self,
+        worker: &str,
+        lease: Duration,
+    ) -> Result<Option<JobWire>, StoreError> {
+        loop {
+            let Some(leased) = self
+                .db
+                .lease_partition(worker, self.now(), lease.as_millis() as i64)
+                .await
+                .map_err(db_error)?
+            else {
+                return Ok(None);
+            };
+            let context = self
+                .db
+                .job_context(&leased.round_id)
+                .await
+                .map_err(db_error)?;
+            match self.wire(&context) {
+                Ok(mut wire) => {
+                    wire.job_id = partition_job_id(&wire.job_id, leased.index);
+                    wire.committed_average_key = None;
+                    wire.partitioning = Some(PartitioningWire::Partition {
+                        index: leased.index,
+                        count: leased.count,
+                    });
+                    return Ok(Some(wire));
+                }
+                Err(reason) => {
+                    tracing::error!(round = %leased.round_id, %reason, "aggregation job cannot run");
+                    self.db
+                        .fail_partition(
+                            &leased.round_id,
+                            leased.index,
+                            worker,
+                            &reason,
+                            true,
+                            self.now(),
+                        )
+                        .await
+                        .map_err(db_error)?;
+                }
+            }
+        }
+    }
+
+    /// Stores a partition's sealed result under its fixed name and records it: only the
+    /// partition's lease holder, only while its round is AGGREGATING. The bytes are the same
+    /// whichever worker sealed the partition, so a second store of them is a no-op and other
+    /// bytes under the name are refused.
+    pub async fn put_partition_sealed(
+        &self,
+        job_id: &str,
+        worker: &str,
+        sealed: &[u8],
+    ) -> Result<(), StoreError> {
+        let (round_id, index) = partition_of(job_id)?;
+        self.db
+            .check_partition_lease(round_id, index, worker)
+            .await
+            .map_err(db_error)?;
+        let context = self.db.job_context(round_id).await.map_err(db_error)?;
+        if context.round.state != RoundState::Aggregating {
+            return Err(StoreError::Conflict(format!(
+                "round {} is {}, not AGGREGATING: its partitions are not being made",
+                context.round.round_number,
+                context.round.state.as_str()
+            )));
+        }
+        let count = self
+            .db
+            .partitions(round_id)
+            .await
+            .map_err(db_error)?
+            .first()
+            .map(|p| p.count)
+            .ok_or_else(|| backend("the job has no partitions"))?;
+        let key = BlobKey::partition(
+            &context.task.tenant_id,
+            &context.task.id,
+            context.round.round_number,
+            context.round.attempt,
+            index,
+            count,
+        )
+        .map_err(backend)?;
+        match self.blobs.put(&key, sealed).await {
+            Ok(_) => {}
+            Err(BlobError::Conflict(what)) => {
+                return Err(StoreError::Conflict(format!(
+                    "other bytes are stored for this partition ({what})"
+                )));
+            }
+            Err(e) => return Err(backend(e)),
+        }
+        self.db
+            .store_partition(round_id, index, worker, key.as_str(), self.now())
+            .await
+            .map_err(db_error)
+    }
+
+    /// `JobStore::renew` for either kind of job id.
+    pub(crate) async fn renew_any(
+        &self,
+        job_id: &str,
+        worker: &str,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        let lease_ms = lease.as_millis() as i64;
+        match parse_job_id(job_id) {
+            Some((round_id, Some(index))) => self
+                .db
+                .renew_partition(round_id, index, worker, self.now(), lease_ms)
+                .await
+                .map_err(db_error),
+            _ => self
+                .db
+                .renew_job(job_id, worker, self.now(), lease_ms)
+                .await
+                .map_err(db_error),
+        }
+    }
+
+    /// `JobStore::fail` for either kind of job id.
+    pub(crate) async fn fail_any(
+        &self,
+        job_id: &str,
+        worker: &str,
+        reason: &str,
+        permanent: bool,
+    ) -> Result<(), StoreError> {
+        match parse_job_id(job_id) {
+            Some((round_id, Some(index))) => self
+                .db
+                .fail_partition(round_id, index, worker, reason, permanent, self.now())
+                .await
+                .map_err(db_error),
+            _ => self
+                .db
+                .fail_job(job_id, worker, reason, permanent, self.now())
+                .await
+                .map_err(db_error),
+        }
+    }
+}
+
+/// A partition's job id split into its round's job id and its index.
+fn partition_of(job_id: &str) -> Result<(&str, u32), StoreError> {
+    match parse_job_id(job_id) {
+        Some((round_id, Some(index))) => Ok((round_id, index)),
+        _ => Err(StoreError::Refused(format!(
+            "{job_id:?} is not a partition's job id (`<job id>.p<index>`)"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_rounds_and_single_worker_deployments_stay_one_job() {
+        let one_worker = PartitionPolicy::default();
+        assert_eq!(one_worker.partitions(1_000_000), 1);
+        let eight = PartitionPolicy {
+            workers: 8,
+            min_contributions: 1000,
+        };
+        assert_eq!(eight.partitions(999), 1);
+        assert_eq!(eight.partitions(2500), 2);
+        assert_eq!(eight.partitions(100_000), 8);
+    }
+}

@@ -1,0 +1,161 @@
+//! Partitioned rounds end to end, in one process (docs/architecture.md, "Partitioned rounds"):
+//! the store cuts a round into partitions, a worker of its own seals each, and the root merges
+//! them into the release one worker would make; a partition whose worker died is leased again,
+//! and nothing is counted twice. On SQLite, and on PostgreSQL + GCS when CI provides them.
+
+use crate::common;
+
+use std::time::Duration;
+
+use common::system::{GOAL, collect, now_clock, open_task, start_partitioned};
+use confed::partitioning::PartitionPolicy;
+use confed_enclave::worker::{Phases, round_context};
+use confed_worker_api::manifest::Manifest;
+use confed_worker_api::model::validate_model;
+use confed_worker_api::store::{JobSpec, JobStore, Partitioning, StoreError};
+
+const LEASE: Duration = Duration::from_secs(60);
+
+/// Rounds of at least 10 contributions cut into up to 4 partitions: the tests' 20 into 4.
+fn four_partitions() -> PartitionPolicy {
+    PartitionPolicy {
+        workers: 4,
+        min_contributions: 5,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_in_four_partitions_releases_the_bytes_one_worker_would() {
+    let clock = now_clock();
+    let (system, _dir) = start_partitioned(clock.clone(), None, None, four_partitions()).await;
+    let (_, task) = open_task(&system, "parts", 50.0).await;
+    collect(&system, "parts", 1, true).await;
+    // Four workers, a partition each (the first lease planned the round). A partition's job
+    // says nothing of its contributions' outcomes: only the release does.
+    let mut sealed = Vec::new();
+    for name in ["w1", "w2", "w3", "w4"] {
+        let outcome = system.worker(name).run_once().await.unwrap().unwrap();
+        let (index, count) = outcome.partition.expect("a partition's job");
+        assert_eq!(count, 4);
+        sealed.push(index);
+        assert_eq!((outcome.included, outcome.excluded), (0, 0));
+        assert_eq!(outcome.epsilon_spent, None);
+    }
+    sealed.sort();
+    assert_eq!(sealed, [0, 1, 2, 3]);
+    // The root, as the store describes it: every partition's sealed result.
+    let root = system.store.lease("probe", LEASE).await.unwrap().unwrap();
+    let Some(Partitioning::Root { count, sealed }) = &root.partitioning else {
+        panic!("the root's job, got {:?}", root.partitioning);
+    };
+    assert_eq!((*count, sealed.len()), (4, 4));
+    // One worker over the same committed inputs, and the root over the partitions: the same
+    // bytes (and the same commitment, so the key services release the key for both).
+    let probe = system.worker("probe");
+    let (policy, context) = round_context(&root).unwrap();
+    let schema = validate_model(&root.model).unwrap();
+    let whole_job = JobSpec {
+        partitioning: None,
+        ..root.clone()
+    };
+    let (whole, _) = probe
+        .aggregate(
+            &whole_job,
+            &schema,
+            &policy,
+            context.clone(),
+            &mut Phases::default(),
+        )
+        .await
+        .unwrap();
+    let (merged, _) = probe
+        .aggregate(&root, &schema, &policy, context, &mut Phases::default())
+        .await
+        .unwrap();
+    assert_eq!(merged.average, whole.average);
+    assert_eq!(merged.manifest.to_json(), whole.manifest.to_json());
+    assert_eq!(merged.manifest.included, GOAL as u64);
+    // The probe's lease lapses; a worker takes the root and commits those bytes.
+    clock.advance(LEASE + Duration::from_secs(1));
+    let outcome = system.worker("w1").run_once().await.unwrap().unwrap();
+    assert_eq!((outcome.partition, outcome.included), (None, GOAL as u64));
+    let releases = system.db.releases_of_task(&task).await.unwrap();
+    assert_eq!(
+        releases[0].manifest_json.as_bytes(),
+        &whole.manifest.to_json()[..]
+    );
+    let average = system.store.blob(&releases[0].average_key).await.unwrap();
+    assert_eq!(average.as_deref(), Some(&whole.average[..]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_whose_worker_died_is_leased_again_and_nothing_counts_twice() {
+    let clock = now_clock();
+    let (system, _dir) = start_partitioned(clock.clone(), None, None, four_partitions()).await;
+    let (_, task) = open_task(&system, "failover", 50.0).await;
+    collect(&system, "failover", 1, true).await;
+    // A worker leases the first partition and dies holding it.
+    let dead = system.store.lease("dead", LEASE).await.unwrap().unwrap();
+    assert_eq!(
+        dead.partitioning,
+        Some(Partitioning::Partition { index: 0, count: 4 })
+    );
+    for name in ["w2", "w3", "w4"] {
+        let outcome = system.worker(name).run_once().await.unwrap().unwrap();
+        assert!(matches!(outcome.partition, Some((1..=3, 4))));
+    }
+    // Neither the dead worker's partition nor the root can be leased while its lease runs.
+    assert!(system.store.lease("w5", LEASE).await.unwrap().is_none());
+    clock.advance(LEASE + Duration::from_secs(1));
+    let again = system.worker("w5").run_once().await.unwrap().unwrap();
+    assert_eq!(again.partition, Some((0, 4)));
+    // The dead worker, back, can store nothing (its lease was taken over), nor can anyone
+    // store under a round's own job id.
+    assert!(matches!(
+        system.store.put_partition(&dead.job_id, "dead", b"x").await,
+        Err(StoreError::LeaseLost)
+    ));
+    let round_job = dead.job_id.split_once('.').unwrap().0.to_string();
+    assert!(matches!(
+        system.store.put_partition(&round_job, "w5", b"x").await,
+        Err(StoreError::Refused(_))
+    ));
+    let root = system.worker("w2").run_once().await.unwrap().unwrap();
+    assert_eq!((root.partition, root.included, root.excluded), (None, GOAL as u64, 0));
+    // Every contribution once: the manifest's digest is over the round's 20 distinct refs.
+    let releases = system.db.releases_of_task(&task).await.unwrap();
+    let manifest: Manifest = serde_json::from_str(&releases[0].manifest_json).unwrap();
+    let mut refs: Vec<String> = system
+        .db
+        .completed_contributions(&task, 1)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(assignment_ref, _)| assignment_ref)
+        .collect();
+    refs.sort();
+    assert_eq!(refs.len(), GOAL);
+    assert_eq!(
+        manifest.included_digest,
+        confed_enclave::aggregate::digest(&refs)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_round_stays_one_job() {
+    let (system, _dir) = start_partitioned(
+        now_clock(),
+        None,
+        None,
+        PartitionPolicy {
+            workers: 4,
+            min_contributions: 1000,
+        },
+    )
+    .await;
+    open_task(&system, "small", 50.0).await;
+    collect(&system, "small", 1, true).await;
+    let job = system.store.lease("w1", LEASE).await.unwrap().unwrap();
+    assert_eq!(job.partitioning, None);
+    assert!(!job.job_id.contains('.'));
+}
