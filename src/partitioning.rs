@@ -61,13 +61,17 @@ impl TaskDbJobStore {
         worker: &str,
     ) -> Result<bool, StoreError> {
         let round_id = &context.round.id;
-        if context.release.is_some() || self.db.job_plan(round_id).await.map_err(db_error)?.is_some()
+        if context.release.is_some()
+            || self
+                .db
+                .job_plan(round_id)
+                .await
+                .map_err(db_error)?
+                .is_some()
         {
             return Ok(false);
         }
-        let count = self
-            .partitioning
-            .partitions(context.contributions.len());
+        let count = self.partitioning.partitions(context.contributions.len());
         if count > 1 {
             self.digest_direct_uploads(context, worker).await?;
         }

@@ -143,7 +143,11 @@ pub(crate) async fn create(conn: &mut Conn, round_id: &str, now: i64) -> Result<
 
 /// Fails with `LeaseLost` unless `worker` holds the job's lease (fencing: a worker whose lease
 /// was taken over can no longer commit anything).
-pub(super) async fn check_lease(conn: &mut Conn, round_id: &str, worker: &str) -> Result<(), DbError> {
+pub(super) async fn check_lease(
+    conn: &mut Conn,
+    round_id: &str,
+    worker: &str,
+) -> Result<(), DbError> {
     // Locked on PostgreSQL so a takeover cannot slip in between this check and the caller's write.
     let sql = format!(
         "SELECT state, lease_owner FROM aggregation_jobs WHERE round_id = $1{}",

@@ -22,6 +22,21 @@ pub struct StoredPartition {
     pub index: u32,
     pub count: u32,
     pub sealed_key: Option<String>,
+    /// The worker holding its lease, if any (an expired lease included).
+    pub lease_owner: Option<String>,
+}
+
+type PartitionRow = (i64, i64, Option<String>, Option<String>);
+
+fn stored(
+    (index, count, sealed_key, lease_owner): PartitionRow,
+) -> Result<StoredPartition, DbError> {
+    Ok(StoredPartition {
+        index: to_u32(index)?,
+        count: to_u32(count)?,
+        sealed_key,
+        lease_owner,
+    })
 }
 
 fn to_u32(value: i64) -> Result<u32, DbError> {
@@ -274,8 +289,11 @@ impl Db {
         sealed_key: &str,
         now: i64,
     ) -> Result<(), DbError> {
-        let (round_id, worker, sealed_key) =
-            (round_id.to_string(), worker.to_string(), sealed_key.to_string());
+        let (round_id, worker, sealed_key) = (
+            round_id.to_string(),
+            worker.to_string(),
+            sealed_key.to_string(),
+        );
         let last = self
             .write(move |tx| {
                 Box::pin(async move {
@@ -344,21 +362,33 @@ impl Db {
 
     /// The job's partitions, by index (none for a job not partitioned).
     pub async fn partitions(&self, round_id: &str) -> Result<Vec<StoredPartition>, DbError> {
-        let rows: Vec<(i64, i64, Option<String>)> = sqlx::query_as(
-            "SELECT partition_index, partition_count, sealed_key FROM job_partitions \
+        let rows: Vec<PartitionRow> = sqlx::query_as(
+            "SELECT partition_index, partition_count, sealed_key, lease_owner FROM job_partitions \
              WHERE round_id = $1 ORDER BY partition_index",
         )
         .bind(round_id)
         .fetch_all(self.pool())
         .await?;
-        rows.into_iter()
-            .map(|(index, count, sealed_key)| {
-                Ok(StoredPartition {
-                    index: to_u32(index)?,
-                    count: to_u32(count)?,
-                    sealed_key,
-                })
-            })
-            .collect()
+        rows.into_iter().map(stored).collect()
+    }
+
+    /// The partitions of a task's round `round` (its latest attempt's), by index.
+    pub async fn round_partitions(
+        &self,
+        task_id: &str,
+        round: i64,
+    ) -> Result<Vec<StoredPartition>, DbError> {
+        let rows: Vec<PartitionRow> = sqlx::query_as(
+            "SELECT p.partition_index, p.partition_count, p.sealed_key, p.lease_owner \
+             FROM job_partitions p JOIN rounds r ON r.id = p.round_id \
+             WHERE r.task_id = $1 AND r.round_number = $2 AND r.attempt = \
+               (SELECT MAX(attempt) FROM rounds WHERE task_id = $1 AND round_number = $2) \
+             ORDER BY p.partition_index",
+        )
+        .bind(task_id)
+        .bind(round)
+        .fetch_all(self.pool())
+        .await?;
+        rows.into_iter().map(stored).collect()
     }
 }

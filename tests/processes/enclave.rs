@@ -7,10 +7,46 @@ use crate::common;
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::system::{collect, get, now_clock, open_task_with, rounds, start_full};
+use common::system::{
+    collect, get, now_clock, open_task_with, rounds, start_full, start_partitioned,
+};
+use confed::embedded::EmbeddedSystem;
+use confed::partitioning::PartitionPolicy;
+use confed_worker_api::manifest::Manifest;
 use p256::pkcs8::{EncodePrivateKey, LineEnding};
 
 const TOKEN: &str = "worker-token-for-process-tests-0123456789ab";
+
+/// A `confed-enclave` process for `system`, trusted through the dev attester's key in
+/// `key_file`, its stderr piped.
+fn enclave_command(
+    binary: &std::path::Path,
+    system: &EmbeddedSystem,
+    key_file: &std::path::Path,
+    id: &str,
+) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(binary);
+    command
+        .args([
+            "--server",
+            &system.url,
+            "--threshold",
+            "2",
+            "--attester",
+            "dev",
+        ])
+        .args(["--id", id, "--ops-listen", "127.0.0.1:0", "--dev-key"])
+        .arg(key_file)
+        .env("CONFED_WORKER_TOKEN", TOKEN)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    for service in &system.keyservices {
+        command.args(["--keyservice", &format!("{}={}", service.id, service.url)]);
+    }
+    command
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_enclave_binary_completes_a_round_through_the_worker_api() {
@@ -35,33 +71,8 @@ async fn the_enclave_binary_completes_a_round_through_the_worker_api() {
     let mut stderr = String::new();
     for round in 1..=2u64 {
         collect(&system, "process", 5 + round, false).await;
-        let mut command = tokio::process::Command::new(&binary);
-        command
-            .args([
-                "--server",
-                &system.url,
-                "--threshold",
-                "2",
-                "--attester",
-                "dev",
-                "--once",
-            ])
-            .args([
-                "--id",
-                "enclave-process-1",
-                "--ops-listen",
-                "127.0.0.1:0",
-                "--dev-key",
-            ])
-            .arg(&key_file)
-            .env("CONFED_WORKER_TOKEN", TOKEN)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        for service in &system.keyservices {
-            command.args(["--keyservice", &format!("{}={}", service.id, service.url)]);
-        }
+        let mut command = enclave_command(&binary, &system, &key_file, "enclave-process-1");
+        command.arg("--once");
         let output = tokio::time::timeout(Duration::from_secs(120), command.output())
             .await
             .expect("confed-enclave finished")
@@ -137,5 +148,108 @@ async fn the_enclave_binary_completes_a_round_through_the_worker_api() {
     .await
     .unwrap();
     assert!(verified.ok(), "{:?}", verified.lines);
+    system.shutdown().await;
+}
+
+/// Issue 33's failover: a `confed-enclave` process holding a partition's lease is killed with
+/// SIGKILL before it stored anything; once its lease lapses (by the server's clock) the partition
+/// is leased again, and the round releases every contribution exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_confed_enclave_killed_mid_partition_loses_nothing_and_counts_nothing_twice() {
+    let binary = common::enclave_binary();
+    let key = confed_attestation::exchange::generate_signing_key();
+    let clock = now_clock();
+    let partitioning = PartitionPolicy {
+        workers: 4,
+        min_contributions: 5,
+    };
+    let (system, dir) =
+        start_partitioned(clock.clone(), Some(TOKEN), Some(key.clone()), partitioning).await;
+    let key_file = dir.path().join("dev-attester.pem");
+    std::fs::write(
+        &key_file,
+        key.to_pkcs8_pem(LineEnding::LF).unwrap().as_bytes(),
+    )
+    .unwrap();
+    let (token, task) = open_task_with(&system, "killed", 8.0, serde_json::json!({})).await;
+    collect(&system, "killed", 3, false).await;
+    // Each try: a process leases a partition and is killed the moment the store shows it
+    // holding one (polled, the process runs on its own); a process fast enough to store its
+    // partition first is no failover, and the next try kills another.
+    let mut killed_holding = None;
+    for attempt in 0..5 {
+        let name = format!("doomed-{attempt}");
+        let mut child = enclave_command(&binary, &system, &key_file, &name)
+            .args(["--lease-seconds", "10"])
+            .spawn()
+            .unwrap();
+        let waiting = tokio::time::Instant::now();
+        let held = loop {
+            let partitions = system.db.round_partitions(&task, 1).await.unwrap();
+            let holding = partitions.iter().find(|p| {
+                p.sealed_key.is_none()
+                    && p.lease_owner
+                        .as_deref()
+                        .is_some_and(|owner| owner.starts_with(&format!("{name}/")))
+            });
+            if let Some(partition) = holding {
+                break partition.index;
+            }
+            assert!(
+                waiting.elapsed() < Duration::from_secs(60),
+                "{name} never leased a partition"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        };
+        child.start_kill().unwrap();
+        child.wait().await.unwrap();
+        let partitions = system.db.round_partitions(&task, 1).await.unwrap();
+        if partitions[held as usize].sealed_key.is_none() {
+            killed_holding = Some(held);
+            break;
+        }
+    }
+    let held = killed_holding.expect("a process was killed holding an unsealed partition");
+    // The dead process's 10 s lease lapses (by the server's clock: the processes' own dev
+    // tokens stay within the key services' age limit); `confed-enclave --once` processes take
+    // what is left, a job each (the killed partition too, stored through `PUT .../partition`),
+    // then the root, which fetches every sealed partition and releases.
+    clock.advance(Duration::from_secs(11));
+    let mut releases = Vec::new();
+    for run in 0..6 {
+        let mut command = enclave_command(&binary, &system, &key_file, "rescuer");
+        command.arg("--once");
+        let output = tokio::time::timeout(Duration::from_secs(120), command.output())
+            .await
+            .expect("confed-enclave finished")
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "run {run}: {stderr}");
+        releases = system.db.releases_of_task(&task).await.unwrap();
+        if !releases.is_empty() {
+            break;
+        }
+    }
+    let partitions = system.db.round_partitions(&task, 1).await.unwrap();
+    assert!(partitions.iter().all(|p| p.sealed_key.is_some()));
+    assert!(partitions[held as usize].lease_owner.is_none());
+    assert_eq!(releases.len(), 1, "the root released");
+    assert_eq!(releases[0].included, common::system::GOAL as i64);
+    let manifest: Manifest = serde_json::from_str(&releases[0].manifest_json).unwrap();
+    let mut refs: Vec<String> = system
+        .db
+        .completed_contributions(&task, 1)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(assignment_ref, _)| assignment_ref)
+        .collect();
+    refs.sort();
+    assert_eq!(
+        manifest.included_digest,
+        confed_enclave::aggregate::digest(&refs)
+    );
+    let states = rounds(&system, &token, &task).await;
+    assert_eq!(states[0]["state"], "COMPLETED", "{states:?}");
     system.shutdown().await;
 }

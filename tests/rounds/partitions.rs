@@ -121,7 +121,10 @@ async fn a_partition_whose_worker_died_is_leased_again_and_nothing_counts_twice(
         Err(StoreError::Refused(_))
     ));
     let root = system.worker("w2").run_once().await.unwrap().unwrap();
-    assert_eq!((root.partition, root.included, root.excluded), (None, GOAL as u64, 0));
+    assert_eq!(
+        (root.partition, root.included, root.excluded),
+        (None, GOAL as u64, 0)
+    );
     // Every contribution once: the manifest's digest is over the round's 20 distinct refs.
     let releases = system.db.releases_of_task(&task).await.unwrap();
     let manifest: Manifest = serde_json::from_str(&releases[0].manifest_json).unwrap();

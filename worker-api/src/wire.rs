@@ -76,8 +76,14 @@ pub struct JobWire {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "snake_case")]
 pub enum PartitioningWire {
-    Partition { index: u32, count: u32 },
-    Root { count: u32, sealed_keys: Vec<String> },
+    Partition {
+        index: u32,
+        count: u32,
+    },
+    Root {
+        count: u32,
+        sealed_keys: Vec<String>,
+    },
 }
 
 /// A job's bytes, fetched by the keys its description names.
