@@ -17,7 +17,9 @@
 //! `cargo bench --bench round`; `CONFED_BENCH_DEVICES=10000` for a 10 GB round;
 //! `CONFED_BENCH_WORKER=remote` to aggregate in a `confed-enclave` process over the worker API
 //! (`cargo build --release -p confed-enclave` first), as production does
-//! (`CONFED_BENCH_RETAIN_MIB` sets its `--retain-mib`).
+//! (`CONFED_BENCH_RETAIN_MIB` sets its `--retain-mib`). `CONFED_BENCH_WORKERS=K` cuts the round
+//! into K partitions, aggregated by K `confed-enclave` processes and merged by a root
+//! (`support/partitioned.rs`).
 
 use std::time::{Duration, Instant};
 
@@ -139,15 +141,9 @@ fn model() -> Vec<u8> {
     bytes
 }
 
-/// One round of `devices` 1 MB contributions with `clip_norm`.
-async fn round(
-    http: &reqwest::Client,
-    server: &Server,
-    population: &str,
-    devices: usize,
-    clip_norm: f64,
-) -> Measured {
-    let spec = serde_json::json!({
+/// The benchmark's task: one round of `devices` contributions, all of them needed.
+fn spec(population: &str, devices: usize, clip_norm: f64) -> serde_json::Value {
+    serde_json::json!({
         "population": population,
         "rounds": 1,
         "report_goal": devices,
@@ -156,8 +152,52 @@ async fn round(
         "assignment_timeout_seconds": 600,
         "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": clip_norm},
         "plan": {"epochs": 1, "batch_size": 32, "learning_rate": 0.1},
-    });
-    let task = server.open_task(http, spec, model()).await;
+    })
+}
+
+/// `devices` simulated devices of `population` (a second process, `--no-train`) fill the round;
+/// returns how long they took.
+async fn simulate(server: &Server, population: &str, devices: usize) -> f64 {
+    let started = Instant::now();
+    let output = tokio::process::Command::new(binary())
+        .args(["devices", "simulate", "--server", &server.url])
+        .args([
+            "--population",
+            population,
+            "--devices",
+            &devices.to_string(),
+        ])
+        .args([
+            "--concurrency",
+            "32",
+            "--trust",
+            &server.trust,
+            "--no-train",
+        ])
+        .args(["--max-retry-wait-ms", "50"])
+        .env("RUST_LOG", "error")
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    started.elapsed().as_secs_f64()
+}
+
+/// One round of `devices` 1 MB contributions with `clip_norm`.
+async fn round(
+    http: &reqwest::Client,
+    server: &Server,
+    population: &str,
+    devices: usize,
+    clip_norm: f64,
+) -> Measured {
+    let task = server
+        .open_task(http, spec(population, devices, clip_norm), model())
+        .await;
     // A poller watches the round: the first time it is seen out of COLLECTING is its close, the
     // first time model version 1 is readable the end of the turnaround (both to within the 5 ms
     // poll and one loopback request).
@@ -206,33 +246,7 @@ async fn round(
             }
         })
     };
-    let started = Instant::now();
-    let output = tokio::process::Command::new(binary())
-        .args(["devices", "simulate", "--server", &server.url])
-        .args([
-            "--population",
-            population,
-            "--devices",
-            &devices.to_string(),
-        ])
-        .args([
-            "--concurrency",
-            "32",
-            "--trust",
-            &server.trust,
-            "--no-train",
-        ])
-        .args(["--max-retry-wait-ms", "50"])
-        .env("RUST_LOG", "error")
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let collection = started.elapsed().as_secs_f64();
+    let collection = simulate(server, population, devices).await;
     let (turnaround, peak_rss_mb) = watcher.await.unwrap();
     Measured {
         collection,
@@ -241,9 +255,16 @@ async fn round(
     }
 }
 
+#[path = "support/partitioned.rs"]
+mod partitioned;
+
 fn main() {
     let devices = devices();
     let runtime = tokio::runtime::Runtime::new().unwrap();
+    if let Some(workers) = partitioned::workers() {
+        runtime.block_on(partitioned::run(devices, workers));
+        return;
+    }
     runtime.block_on(async {
         let remote = std::env::var("CONFED_BENCH_WORKER").is_ok_and(|w| w == "remote");
         let kind = if remote {

@@ -6,7 +6,9 @@
 
 use std::time::Duration;
 
-use confed_worker_api::store::{MAX_PARTITIONS, StoreError, parse_job_id, partition_job_id};
+use confed_worker_api::store::{
+    MAX_PARTITIONS, MIN_PARTITION_INPUTS, StoreError, parse_job_id, partition_job_id,
+};
 use confed_worker_api::wire::{JobWire, PartitioningWire};
 
 use crate::aggregation::{TaskDbJobStore, backend, db_error};
@@ -21,7 +23,8 @@ pub struct PartitionPolicy {
     /// Enclave workers the deployment runs: a round is cut into at most this many partitions.
     /// 1, the default: never (one worker aggregates each round, as the embedded default does).
     pub workers: u32,
-    /// Fewest contributions a partition sums: a smaller round stays one job, with no overhead.
+    /// Fewest contributions a partition sums (at least `MIN_PARTITION_INPUTS`, 50, which the
+    /// enclave enforces): a smaller round stays one job, with no overhead.
     pub min_contributions: usize,
 }
 
@@ -40,13 +43,17 @@ impl PartitionPolicy {
         if self.workers <= 1 {
             return 1;
         }
-        let by_size = contributions / self.min_contributions.max(1);
+        let by_size = contributions / self.min_contributions.max(MIN_PARTITION_INPUTS);
         by_size.clamp(1, self.workers.min(MAX_PARTITIONS) as usize) as u32
     }
 }
 
 /// Contributions read at once when the store digests direct uploads before partitioning.
 const DIGEST_READS: usize = 8;
+/// ... and recorded at once (1 GB of 1 MB contributions: about a second of reading).
+const DIGEST_CHUNK: usize = 1024;
+/// How long each recorded chunk extends the planner's lease on the job.
+const PLANNING_LEASE: Duration = Duration::from_secs(120);
 
 /// A sealed partition is a sum (8 bytes a value: twice the model's 4) and one byte per
 /// contribution: its upload is bounded by twice the largest model plus this.
@@ -97,7 +104,6 @@ impl TaskDbJobStore {
         context: &JobContext,
         worker: &str,
     ) -> Result<(), StoreError> {
-        use futures_util::StreamExt;
         let undigested: Vec<(String, String)> = context
             .contributions
             .iter()
@@ -107,7 +113,31 @@ impl TaskDbJobStore {
         if undigested.is_empty() {
             return Ok(());
         }
-        let digests: Vec<Option<(String, String)>> = futures_util::stream::iter(undigested)
+        // In chunks, each recorded under the job's lease, which the recording renews: a large
+        // round's digests survive a takeover, and its planner keeps the job while it reads.
+        for chunk in undigested.chunks(DIGEST_CHUNK) {
+            let digests = self.digest_chunk(chunk.to_vec()).await?;
+            self.db
+                .record_contribution_digests(
+                    &context.round.id,
+                    worker,
+                    digests,
+                    self.now(),
+                    PLANNING_LEASE.as_millis() as i64,
+                )
+                .await
+                .map_err(db_error)?;
+        }
+        Ok(())
+    }
+
+    /// The BLAKE3 (hex) of each of `chunk`'s contributions present in the store.
+    async fn digest_chunk(
+        &self,
+        chunk: Vec<(String, String)>,
+    ) -> Result<Vec<(String, String)>, StoreError> {
+        use futures_util::StreamExt;
+        let digests: Vec<Option<(String, String)>> = futures_util::stream::iter(chunk)
             .map(|(assignment_ref, blob_key)| async move {
                 let key = BlobKey::new(blob_key).map_err(backend)?;
                 match self.contributions.get_sealed_into(&key, Vec::new()).await {
@@ -128,15 +158,7 @@ impl TaskDbJobStore {
             .await
             .into_iter()
             .collect::<Result<_, _>>()?;
-        self.db
-            .record_contribution_digests(
-                &context.round.id,
-                worker,
-                digests.into_iter().flatten().collect(),
-                self.now(),
-            )
-            .await
-            .map_err(db_error)
+        Ok(digests.into_iter().flatten().collect())
     }
 
     /// The root's part of a leased job's description: the keys of every partition's sealed
@@ -216,10 +238,10 @@ impl TaskDbJobStore {
         }
     }
 
-    /// Stores a partition's sealed result under its fixed name and records it: only the
-    /// partition's lease holder, only while its round is AGGREGATING. The bytes are the same
-    /// whichever worker sealed the partition, so a second store of them is a no-op and other
-    /// bytes under the name are refused.
+    /// Stores a partition's sealed result under its BLAKE3 and records it: only the partition's
+    /// lease holder, only while its round is AGGREGATING. The bytes are the same whichever worker
+    /// sealed the partition, so a second store of them is a no-op; and a partition sealed again
+    /// after an operator's resume never collides with a stored copy that was damaged.
     pub async fn put_partition_sealed(
         &self,
         job_id: &str,
@@ -254,13 +276,15 @@ impl TaskDbJobStore {
             context.round.attempt,
             index,
             count,
+            &confed_protocol::hex::encode(blake3::hash(sealed).as_bytes()),
         )
         .map_err(backend)?;
         match self.blobs.put(&key, sealed).await {
             Ok(_) => {}
+            // Named by its content: other bytes under the name are a corrupted store.
             Err(BlobError::Conflict(what)) => {
                 return Err(StoreError::Conflict(format!(
-                    "other bytes are stored for this partition ({what})"
+                    "other bytes are stored under the partition's digest ({what})"
                 )));
             }
             Err(e) => return Err(backend(e)),
@@ -341,5 +365,12 @@ mod tests {
         assert_eq!(eight.partitions(999), 1);
         assert_eq!(eight.partitions(2500), 2);
         assert_eq!(eight.partitions(100_000), 8);
+        // Never below the enclave's floor, whatever the operator asks.
+        let tiny = PartitionPolicy {
+            workers: 8,
+            min_contributions: 1,
+        };
+        assert_eq!(tiny.partitions(99), 1);
+        assert_eq!(tiny.partitions(100), 2);
     }
 }

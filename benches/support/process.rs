@@ -21,6 +21,11 @@ pub struct Server {
     pub jobs: std::sync::mpsc::Receiver<f64>,
     /// The `confed-enclave` process, when rounds are aggregated outside the server.
     pub worker: Option<Child>,
+    /// What a `confed-enclave` needs to work for this server: the worker token, the dev
+    /// attester's key file, the key services as `ID=URL`.
+    pub worker_token: String,
+    pub dev_key: String,
+    pub named_keyservices: Vec<String>,
     _dir: tempfile::TempDir,
 }
 
@@ -76,6 +81,14 @@ pub fn binary() -> String {
         .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/target/release/confed").into())
 }
 
+/// The `confed-enclave` binary: `CONFED_ENCLAVE_BIN`, else the workspace's release build.
+#[allow(dead_code)]
+pub fn enclave_binary() -> String {
+    std::env::var("CONFED_ENCLAVE_BIN").unwrap_or_else(|_| {
+        concat!(env!("CARGO_MANIFEST_DIR"), "/target/release/confed-enclave").into()
+    })
+}
+
 /// Who aggregates: the in-process worker of `confed serve`, or a `confed-enclave` process
 /// reaching it over the worker API (`CONFED_ENCLAVE_BIN`, else the workspace's release build:
 /// `cargo build --release -p confed-enclave`).
@@ -84,6 +97,9 @@ pub fn binary() -> String {
 pub enum WorkerKind {
     InProcess,
     Remote,
+    /// No worker started with the server, which cuts rounds into this many partitions
+    /// (`--partition-workers`): the benchmark starts the workers itself.
+    Partitioned(u32),
 }
 
 /// Forwards a process's log to ours, sending the `seconds=` of each line holding `marker`.
@@ -127,10 +143,15 @@ pub fn start_with(aggregator: WorkerKind) -> Server {
         .env("RUST_LOG", "error,confed::aggregation=info")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    if aggregator == WorkerKind::Remote {
+    if aggregator != WorkerKind::InProcess {
         command
             .args(["--role", "api", "--role", "scheduler"])
             .env("CONFED_WORKER_TOKEN", &worker_token);
+    }
+    if let WorkerKind::Partitioned(workers) = aggregator {
+        command
+            .args(["--partition-workers", &workers.to_string()])
+            .args(["--partition-min-contributions", "1"]);
     }
     let mut child = command
         .spawn()
@@ -174,10 +195,7 @@ pub fn start_with(aggregator: WorkerKind) -> Server {
     };
     std::thread::spawn(move || for _ in lines {});
     let worker = (aggregator == WorkerKind::Remote).then(|| {
-        let binary = std::env::var("CONFED_ENCLAVE_BIN").unwrap_or_else(|_| {
-            concat!(env!("CARGO_MANIFEST_DIR"), "/target/release/confed-enclave").into()
-        });
-        let mut command = Command::new(binary);
+        let mut command = Command::new(enclave_binary());
         command
             .args(["--server", &url, "--threshold", "2", "--attester", "dev"])
             .args(["--dev-key", &dev_key, "--id", "bench-enclave"])
@@ -187,7 +205,7 @@ pub fn start_with(aggregator: WorkerKind) -> Server {
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
-        for service in &named {
+        for service in named.iter() {
             command.args(["--keyservice", service]);
         }
         if let Ok(mib) = std::env::var("CONFED_BENCH_RETAIN_MIB") {
@@ -207,6 +225,9 @@ pub fn start_with(aggregator: WorkerKind) -> Server {
         trust,
         keyservices,
         jobs,
+        worker_token,
+        dev_key,
+        named_keyservices: named,
         _dir: dir,
     }
 }

@@ -214,7 +214,7 @@ async fn run(args: Args) -> Result<()> {
         process: "confed-enclave",
         version: env!("CARGO_PKG_VERSION"),
     });
-    for outcome in ["released", "failed", "unreachable"] {
+    for outcome in ["released", "partition", "failed", "unreachable"] {
         metrics::counter!("confed_enclave_jobs_total", "outcome" => outcome).absolute(0);
     }
     let contact = Contact::default();

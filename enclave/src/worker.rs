@@ -36,7 +36,9 @@ use crate::policy::{PolicyError, TaskPolicy, sha256_hex};
 use crate::updater::{self, UpdateError};
 use confed_worker_api::model::{ModelError, ModelSchema, validate_model};
 use confed_worker_api::reads::{BufferPool, READ_AHEAD, next_batch};
-use confed_worker_api::store::{JobSpec, JobStore, Partitioning, StagedRelease, StoreError};
+use confed_worker_api::store::{
+    JobSpec, JobStore, MIN_PARTITION_INPUTS, Partitioning, StagedRelease, StoreError,
+};
 
 pub use crate::policy::{MAX_TASK_DELTA, MAX_TASK_EPSILON};
 
@@ -87,8 +89,9 @@ impl JobError {
                 | Self::Aggregate(AggregateError::Unsupported(_))
                 | Self::Aggregate(AggregateError::BltState(_))
                 | Self::Aggregate(AggregateError::Blt(_))
-                | Self::Partition(PartitionError::Plan(_))
-                | Self::Partition(PartitionError::Incomplete(_))
+                // A bad sealed partition cannot fix itself: the store never recomputes a
+                // stored one. The round fails; the operator's resume plans it afresh.
+                | Self::Partition(_)
         )
     }
 }
@@ -255,7 +258,9 @@ impl<S: JobStore + 'static> Worker<S> {
         }
     }
 
-    async fn run_job(&self, job: &JobSpec) -> Result<JobOutcome, JobError> {
+    /// Runs a job this worker already leased (`run_once` leases, then runs it here; a
+    /// benchmark that inspects the job first calls it itself). Commits through the store.
+    pub async fn run_job(&self, job: &JobSpec) -> Result<JobOutcome, JobError> {
         let (policy, context) = round_context(job)?;
         let schema = validate_model(&job.model)?;
         let mut phases = Phases::default();
@@ -348,6 +353,9 @@ impl<S: JobStore + 'static> Worker<S> {
         context: RoundContext,
         phases: &mut Phases,
     ) -> Result<(Release, ReleaseProof), JobError> {
+        if let Some(Partitioning::Root { count, .. }) = &job.partitioning {
+            check_plan(job.contributions.len(), *count)?;
+        }
         let prepared = self.prepare(job, schema, policy, context, phases).await?;
         let step = Instant::now();
         let Prepared {
@@ -361,7 +369,7 @@ impl<S: JobStore + 'static> Worker<S> {
         } = prepared;
         match &job.partitioning {
             Some(Partitioning::Root { count, sealed }) => {
-                let (count, sealed) = (*count, sealed.clone());
+                let (count, sealed) = (*count, Arc::clone(sealed));
                 let (key, merging) = (Arc::clone(&private_key), Arc::clone(&aggregator));
                 tokio::task::spawn_blocking(move || merging.merge(&key, &inputs, count, &sealed))
                     .await
@@ -417,6 +425,7 @@ impl<S: JobStore + 'static> Worker<S> {
         count: u32,
         phases: &mut Phases,
     ) -> Result<Vec<u8>, JobError> {
+        check_plan(job.contributions.len(), count)?;
         let prepared = self.prepare(job, schema, policy, context, phases).await?;
         let step = Instant::now();
         let Prepared {
@@ -704,6 +713,17 @@ fn not_committed(assignment_ref: &str) -> StoreError {
     ))
 }
 
+/// Refuses a partition plan with a partition of fewer than `MIN_PARTITION_INPUTS` inputs (one
+/// partition, the whole round, is always fine), before anything is read or asked for.
+fn check_plan(inputs: usize, count: u32) -> Result<(), PartitionError> {
+    if count > 1 && inputs / (count as usize) < MIN_PARTITION_INPUTS {
+        return Err(PartitionError::Plan(format!(
+            "{count} partitions of {inputs} contributions: a partition holds at least {MIN_PARTITION_INPUTS}"
+        )));
+    }
+    Ok(())
+}
+
 /// A job after its key: what `prepare` hands the step that follows.
 struct Prepared {
     privacy: PrivacyParams,
@@ -764,4 +784,23 @@ pub fn round_context(job: &JobSpec) -> Result<(TaskPolicy, RoundContext), JobErr
         model_sha256: sha256_hex(&job.model),
     };
     Ok((policy, context))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_with_a_partition_below_the_floor_is_refused() {
+        assert!(check_plan(10, 1).is_ok());
+        assert!(check_plan(2 * MIN_PARTITION_INPUTS, 2).is_ok());
+        assert!(matches!(
+            check_plan(2 * MIN_PARTITION_INPUTS - 1, 2),
+            Err(PartitionError::Plan(_))
+        ));
+        assert!(matches!(
+            check_plan(100_000, 4096),
+            Err(PartitionError::Plan(_))
+        ));
+    }
 }

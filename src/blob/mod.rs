@@ -77,7 +77,7 @@ impl BlobKey {
     }
 
     /// Partition `index` of `count` of a round attempt's aggregation, sealed by its enclave
-    /// worker (the same bytes whichever worker sealed it, so a fixed name).
+    /// worker, under its BLAKE3.
     pub fn partition(
         tenant_id: &str,
         task_id: &str,
@@ -85,9 +85,10 @@ impl BlobKey {
         attempt: i64,
         index: u32,
         count: u32,
+        blake3_hex: &str,
     ) -> Result<Self, BlobError> {
         Self::new(format!(
-            "tenants/{tenant_id}/tasks/{task_id}/rounds/{round}/attempt-{attempt}/partition-{index}-of-{count}.sealed"
+            "tenants/{tenant_id}/tasks/{task_id}/rounds/{round}/attempt-{attempt}/partition-{index}-of-{count}-{blake3_hex}.sealed"
         ))
     }
 

@@ -219,7 +219,7 @@ impl Db {
 
     /// Records the BLAKE3 (hex) of contributions the server did not see arrive (direct uploads
     /// to the blob store), computed by the store before it plans a round into partitions; only
-    /// the job's lease holder, only where none is recorded. Untrusted like every listed digest:
+    /// the job's lease holder, only where none is recorded; extends the lease by `lease_ms`. Untrusted like every listed digest:
     /// the enclave fails a job whose bytes do not have their committed digest.
     pub async fn record_contribution_digests(
         &self,
@@ -227,11 +227,21 @@ impl Db {
         worker: &str,
         digests: Vec<(String, String)>,
         now: i64,
+        lease_ms: i64,
     ) -> Result<(), DbError> {
         let (round_id, worker) = (round_id.to_string(), worker.to_string());
         self.write(move |tx| {
             Box::pin(async move {
                 super::jobs::check_lease(&mut *tx, &round_id, &worker).await?;
+                sqlx::query(
+                    "UPDATE aggregation_jobs SET lease_expires_at = $1, updated_at = $2 \
+                     WHERE round_id = $3",
+                )
+                .bind(now + lease_ms)
+                .bind(now)
+                .bind(&round_id)
+                .execute(&mut *tx)
+                .await?;
                 for (assignment_ref, blake3_hex) in &digests {
                     sqlx::query(
                         "UPDATE assignments SET contribution_blake3 = $1, updated_at = $2 \
@@ -298,6 +308,16 @@ impl Db {
             .write(move |tx| {
                 Box::pin(async move {
                     check_partition_lease(&mut *tx, &round_id, index, &worker).await?;
+                    // The job's row first (locked on PostgreSQL): two partitions stored at once
+                    // then count in turn, and the second sees the first, so the last announces.
+                    let lock = format!(
+                        "SELECT round_id FROM aggregation_jobs WHERE round_id = $1{}",
+                        super::lock_clause(tx, " FOR UPDATE")
+                    );
+                    sqlx::query(sqlx::AssertSqlSafe(lock))
+                        .bind(&round_id)
+                        .fetch_one(&mut *tx)
+                        .await?;
                     sqlx::query(
                         "UPDATE job_partitions SET sealed_key = $1, lease_owner = NULL, \
                          lease_expires_at = NULL, updated_at = $2 \

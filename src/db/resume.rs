@@ -20,7 +20,7 @@ static FAILED_ROUND: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
 static JOB_PENDING_AGAIN: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         "UPDATE aggregation_jobs SET state = '{pending}', failures = 0, not_before = $1, \
-         lease_owner = NULL, lease_expires_at = NULL, updated_at = $1 \
+         lease_owner = NULL, lease_expires_at = NULL, partitions = NULL, updated_at = $1 \
          WHERE round_id = $2 AND state = '{failed}'",
         pending = JobState::Pending.as_str(),
         failed = JobState::Failed.as_str(),
@@ -38,7 +38,8 @@ pub struct Resumed {
 
 impl Db {
     /// Resumes round `round_number` of `task_id` if its aggregation job failed: the job is
-    /// pending again (failures reset), the round back in AGGREGATING or APPLYING, the task OPEN.
+    /// pending again (failures reset, partitions to be planned again), the round back in
+    /// AGGREGATING or APPLYING, the task OPEN.
     /// Only the task's latest round, and only while the task is FAILED because of it.
     pub async fn resume_failed_round(
         &self,
@@ -121,6 +122,12 @@ impl Db {
                 if (moved, reopened, pending) != (1, 1, 1) {
                     return Err(not_resumable("changed concurrently".into()));
                 }
+                // A partitioned round is planned afresh at its next lease: whatever its stored
+                // partitions were (the merge may have failed on one), they are sealed again.
+                sqlx::query("DELETE FROM job_partitions WHERE round_id = $1")
+                    .bind(&round_id)
+                    .execute(&mut *tx)
+                    .await?;
                 history::append(&mut *tx, "round", &round_id, Some("FAILED"), to.as_str(), reason, now)
                     .await?;
                 history::append(&mut *tx, "task", &task_id, Some("FAILED"), "OPEN", reason, now)

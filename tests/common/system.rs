@@ -151,10 +151,21 @@ pub async fn create_task_with(
 
 /// `GOAL` devices each contribute once to the collecting round.
 pub async fn collect(system: &EmbeddedSystem, population: &str, seed: u64, train: bool) {
+    collect_n(system, population, seed, train, GOAL).await;
+}
+
+/// `devices` devices each contribute once to the collecting round (of that report goal).
+pub async fn collect_n(
+    system: &EmbeddedSystem,
+    population: &str,
+    seed: u64,
+    train: bool,
+    devices: usize,
+) {
     let summary = simulate::run(SimulationConfig {
         server: system.url.clone(),
         population: population.into(),
-        devices: GOAL,
+        devices,
         first_device: 0,
         concurrency: 4,
         rounds: 1,
@@ -171,7 +182,22 @@ pub async fn collect(system: &EmbeddedSystem, population: &str, seed: u64, train
     })
     .await
     .unwrap();
-    assert_eq!(summary.contributions, GOAL, "{:?}", summary.failures);
+    assert_eq!(summary.contributions, devices, "{:?}", summary.failures);
+}
+
+/// `open_task` with a report goal of `goal` devices.
+pub async fn open_task_of(
+    system: &EmbeddedSystem,
+    population: &str,
+    epsilon: f64,
+    goal: usize,
+) -> (String, String) {
+    let token = system
+        .tenant(&format!("tenant-{population}"))
+        .await
+        .unwrap();
+    let id = create_task_with(&system.url, &token, population, epsilon, goal, json!({})).await;
+    (token, id)
 }
 
 pub async fn get(system: &EmbeddedSystem, token: &str, path: &str) -> reqwest::Response {

@@ -8,7 +8,8 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::system::{
-    collect, get, now_clock, open_task_with, rounds, start_full, start_partitioned,
+    collect, collect_n, get, now_clock, open_task_of, open_task_with, rounds, start_full,
+    start_partitioned,
 };
 use confed::embedded::EmbeddedSystem;
 use confed::partitioning::PartitionPolicy;
@@ -159,9 +160,11 @@ async fn a_confed_enclave_killed_mid_partition_loses_nothing_and_counts_nothing_
     let binary = common::enclave_binary();
     let key = confed_attestation::exchange::generate_signing_key();
     let clock = now_clock();
+    // 100 contributions in two partitions of 50, the enclave's smallest.
+    let devices = 100;
     let partitioning = PartitionPolicy {
-        workers: 4,
-        min_contributions: 5,
+        workers: 2,
+        min_contributions: 50,
     };
     let (system, dir) =
         start_partitioned(clock.clone(), Some(TOKEN), Some(key.clone()), partitioning).await;
@@ -171,8 +174,8 @@ async fn a_confed_enclave_killed_mid_partition_loses_nothing_and_counts_nothing_
         key.to_pkcs8_pem(LineEnding::LF).unwrap().as_bytes(),
     )
     .unwrap();
-    let (token, task) = open_task_with(&system, "killed", 8.0, serde_json::json!({})).await;
-    collect(&system, "killed", 3, false).await;
+    let (token, task) = open_task_of(&system, "killed", 8.0, devices).await;
+    collect_n(&system, "killed", 3, false, devices).await;
     // Each try: a process leases a partition and is killed the moment the store shows it
     // holding one (polled, the process runs on its own); a process fast enough to store its
     // partition first is no failover, and the next try kills another.
@@ -234,7 +237,7 @@ async fn a_confed_enclave_killed_mid_partition_loses_nothing_and_counts_nothing_
     assert!(partitions.iter().all(|p| p.sealed_key.is_some()));
     assert!(partitions[held as usize].lease_owner.is_none());
     assert_eq!(releases.len(), 1, "the root released");
-    assert_eq!(releases[0].included, common::system::GOAL as i64);
+    assert_eq!(releases[0].included, devices as i64);
     let manifest: Manifest = serde_json::from_str(&releases[0].manifest_json).unwrap();
     let mut refs: Vec<String> = system
         .db

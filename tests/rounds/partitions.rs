@@ -7,7 +7,8 @@ use crate::common;
 
 use std::time::Duration;
 
-use common::system::{GOAL, collect, now_clock, open_task, start_partitioned};
+use common::system::{collect, collect_n, now_clock, open_task, open_task_of, start_partitioned};
+use confed::clock::Clock;
 use confed::partitioning::PartitionPolicy;
 use confed_enclave::worker::{Phases, round_context};
 use confed_worker_api::manifest::Manifest;
@@ -16,39 +17,43 @@ use confed_worker_api::store::{JobSpec, JobStore, Partitioning, StoreError};
 
 const LEASE: Duration = Duration::from_secs(60);
 
-/// Rounds of at least 10 contributions cut into up to 4 partitions: the tests' 20 into 4.
-fn four_partitions() -> PartitionPolicy {
+/// Contributions of the tests' rounds: two partitions of the enclave's smallest (50).
+const DEVICES: usize = 100;
+
+/// Rounds of at least 100 contributions cut into up to 4 partitions of 50 or more: the tests'
+/// 100 into 2.
+fn partitioned() -> PartitionPolicy {
     PartitionPolicy {
         workers: 4,
-        min_contributions: 5,
+        min_contributions: 50,
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_round_in_four_partitions_releases_the_bytes_one_worker_would() {
+async fn a_round_in_partitions_releases_the_bytes_one_worker_would() {
     let clock = now_clock();
-    let (system, _dir) = start_partitioned(clock.clone(), None, None, four_partitions()).await;
-    let (_, task) = open_task(&system, "parts", 50.0).await;
-    collect(&system, "parts", 1, true).await;
-    // Four workers, a partition each (the first lease planned the round). A partition's job
+    let (system, _dir) = start_partitioned(clock.clone(), None, None, partitioned()).await;
+    let (_, task) = open_task_of(&system, "parts", 50.0, DEVICES).await;
+    collect_n(&system, "parts", 1, false, DEVICES).await;
+    // Two workers, a partition each (the first lease planned the round). A partition's job
     // says nothing of its contributions' outcomes: only the release does.
     let mut sealed = Vec::new();
-    for name in ["w1", "w2", "w3", "w4"] {
+    for name in ["w1", "w2"] {
         let outcome = system.worker(name).run_once().await.unwrap().unwrap();
         let (index, count) = outcome.partition.expect("a partition's job");
-        assert_eq!(count, 4);
+        assert_eq!(count, 2);
         sealed.push(index);
         assert_eq!((outcome.included, outcome.excluded), (0, 0));
         assert_eq!(outcome.epsilon_spent, None);
     }
     sealed.sort();
-    assert_eq!(sealed, [0, 1, 2, 3]);
+    assert_eq!(sealed, [0, 1]);
     // The root, as the store describes it: every partition's sealed result.
     let root = system.store.lease("probe", LEASE).await.unwrap().unwrap();
     let Some(Partitioning::Root { count, sealed }) = &root.partitioning else {
         panic!("the root's job, got {:?}", root.partitioning);
     };
-    assert_eq!((*count, sealed.len()), (4, 4));
+    assert_eq!((*count, sealed.len()), (2, 2));
     // One worker over the same committed inputs, and the root over the partitions: the same
     // bytes (and the same commitment, so the key services release the key for both).
     let probe = system.worker("probe");
@@ -74,11 +79,14 @@ async fn a_round_in_four_partitions_releases_the_bytes_one_worker_would() {
         .unwrap();
     assert_eq!(merged.average, whole.average);
     assert_eq!(merged.manifest.to_json(), whole.manifest.to_json());
-    assert_eq!(merged.manifest.included, GOAL as u64);
+    assert_eq!(merged.manifest.included, DEVICES as u64);
     // The probe's lease lapses; a worker takes the root and commits those bytes.
     clock.advance(LEASE + Duration::from_secs(1));
     let outcome = system.worker("w1").run_once().await.unwrap().unwrap();
-    assert_eq!((outcome.partition, outcome.included), (None, GOAL as u64));
+    assert_eq!(
+        (outcome.partition, outcome.included),
+        (None, DEVICES as u64)
+    );
     let releases = system.db.releases_of_task(&task).await.unwrap();
     assert_eq!(
         releases[0].manifest_json.as_bytes(),
@@ -91,24 +99,22 @@ async fn a_round_in_four_partitions_releases_the_bytes_one_worker_would() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_whose_worker_died_is_leased_again_and_nothing_counts_twice() {
     let clock = now_clock();
-    let (system, _dir) = start_partitioned(clock.clone(), None, None, four_partitions()).await;
-    let (_, task) = open_task(&system, "failover", 50.0).await;
-    collect(&system, "failover", 1, true).await;
+    let (system, _dir) = start_partitioned(clock.clone(), None, None, partitioned()).await;
+    let (_, task) = open_task_of(&system, "failover", 50.0, DEVICES).await;
+    collect_n(&system, "failover", 1, false, DEVICES).await;
     // A worker leases the first partition and dies holding it.
     let dead = system.store.lease("dead", LEASE).await.unwrap().unwrap();
     assert_eq!(
         dead.partitioning,
-        Some(Partitioning::Partition { index: 0, count: 4 })
+        Some(Partitioning::Partition { index: 0, count: 2 })
     );
-    for name in ["w2", "w3", "w4"] {
-        let outcome = system.worker(name).run_once().await.unwrap().unwrap();
-        assert!(matches!(outcome.partition, Some((1..=3, 4))));
-    }
+    let outcome = system.worker("w2").run_once().await.unwrap().unwrap();
+    assert_eq!(outcome.partition, Some((1, 2)));
     // Neither the dead worker's partition nor the root can be leased while its lease runs.
     assert!(system.store.lease("w5", LEASE).await.unwrap().is_none());
     clock.advance(LEASE + Duration::from_secs(1));
     let again = system.worker("w5").run_once().await.unwrap().unwrap();
-    assert_eq!(again.partition, Some((0, 4)));
+    assert_eq!(again.partition, Some((0, 2)));
     // The dead worker, back, can store nothing (its lease was taken over), nor can anyone
     // store under a round's own job id.
     assert!(matches!(
@@ -123,9 +129,9 @@ async fn a_partition_whose_worker_died_is_leased_again_and_nothing_counts_twice(
     let root = system.worker("w2").run_once().await.unwrap().unwrap();
     assert_eq!(
         (root.partition, root.included, root.excluded),
-        (None, GOAL as u64, 0)
+        (None, DEVICES as u64, 0)
     );
-    // Every contribution once: the manifest's digest is over the round's 20 distinct refs.
+    // Every contribution once: the manifest's digest is over the round's distinct refs.
     let releases = system.db.releases_of_task(&task).await.unwrap();
     let manifest: Manifest = serde_json::from_str(&releases[0].manifest_json).unwrap();
     let mut refs: Vec<String> = system
@@ -137,11 +143,64 @@ async fn a_partition_whose_worker_died_is_leased_again_and_nothing_counts_twice(
         .map(|(assignment_ref, _)| assignment_ref)
         .collect();
     refs.sort();
-    assert_eq!(refs.len(), GOAL);
+    assert_eq!(refs.len(), DEVICES);
     assert_eq!(
         manifest.included_digest,
         confed_enclave::aggregate::digest(&refs)
     );
+}
+
+/// A partition's transient failure puts the whole job on its backoff; a permanent one fails the
+/// round and the task; the operator's resume plans the round afresh (its partitions sealed
+/// again, whatever was stored).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitions_failure_backs_off_its_job_or_fails_the_round_and_a_resume_replans_it() {
+    let clock = now_clock();
+    let (system, _dir) = start_partitioned(clock.clone(), None, None, partitioned()).await;
+    let (token, task) = open_task_of(&system, "flaky", 50.0, DEVICES).await;
+    collect_n(&system, "flaky", 1, false, DEVICES).await;
+    let first = system.store.lease("a", LEASE).await.unwrap().unwrap();
+    system
+        .store
+        .fail(&first.job_id, "a", "a key service was down", false)
+        .await
+        .unwrap();
+    // Backing off: neither partition, nor the root, is leasable for 2 s.
+    assert!(system.store.lease("b", LEASE).await.unwrap().is_none());
+    clock.advance(Duration::from_secs(3));
+    let again = system.store.lease("b", LEASE).await.unwrap().unwrap();
+    assert_eq!(again.job_id, first.job_id);
+    // Sealed and stored by one worker, then the other partition fails for good.
+    let stored = system.worker("c").run_once().await.unwrap().unwrap();
+    assert_eq!(stored.partition, Some((1, 2)));
+    system
+        .store
+        .fail(&again.job_id, "b", "the model is invalid", true)
+        .await
+        .unwrap();
+    let states = common::system::rounds(&system, &token, &task).await;
+    assert_eq!(states[0]["state"], "FAILED", "{states:?}");
+    assert!(system.store.lease("d", LEASE).await.unwrap().is_none());
+    // Resumed: planned again at the next lease, every partition to seal anew.
+    system
+        .db
+        .resume_failed_round(&task, 1, clock.now_millis().0)
+        .await
+        .unwrap();
+    assert!(
+        system
+            .db
+            .round_partitions(&task, 1)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    for _ in 0..2 {
+        let outcome = system.worker("e").run_once().await.unwrap().unwrap();
+        assert!(outcome.partition.is_some());
+    }
+    let root = system.worker("e").run_once().await.unwrap().unwrap();
+    assert_eq!((root.partition, root.included), (None, DEVICES as u64));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -62,11 +62,21 @@ pub enum Partitioning {
     Partition { index: u32, count: u32 },
     /// Merge the `count` partitions' sealed results (untrusted until the enclave opens and
     /// checks them: any missing, repeated or foreign one fails the merge), noise and release.
-    Root { count: u32, sealed: Vec<Vec<u8>> },
+    /// (Shared: the worker hands them to a blocking thread without copying them.)
+    Root {
+        count: u32,
+        sealed: std::sync::Arc<Vec<Vec<u8>>>,
+    },
 }
 
 /// Most partitions a round is cut into.
 pub const MAX_PARTITIONS: u32 = 4096;
+
+/// Fewest contributions a partition of a partitioned round may hold (the batches of the ODP
+/// server's workers are 50). The enclave refuses a plan with smaller ones: the store chooses the
+/// plan and can run a partition's job as often as it likes, so a partition of one contribution
+/// would time that device's update alone (docs/threat-model.md, row 9).
+pub const MIN_PARTITION_INPUTS: usize = 50;
 
 /// The job id of partition `index` of the round whose job is `job_id` (job ids are UUIDs, which
 /// hold no `.`): what its lease, renewals, failure and sealed result are addressed by.

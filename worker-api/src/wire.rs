@@ -145,7 +145,7 @@ impl JobWire {
                 }
                 PartitioningWire::Root { count, .. } => Partitioning::Root {
                     count,
-                    sealed: sealed_partitions,
+                    sealed: std::sync::Arc::new(sealed_partitions),
                 },
             }),
         })

@@ -141,6 +141,88 @@ fn a_round_in_1_2_3_or_4_partitions_releases_the_one_worker_bytes() {
 }
 
 #[test]
+fn adaptive_clippings_count_is_merged_exactly() {
+    // Clip norm 5: some of the six valid updates are within it, one is far above; the noised
+    // count of those within, and so the next clip norm, must come out the same merged.
+    let r = round(16);
+    let (inputs, binding) = committed(&contributions(&r, false));
+    let adaptive = PrivacyParams {
+        epsilon: 50.0,
+        clip_norm: 5.0,
+        adaptive: Some(crate::policy::AdaptiveClipping {
+            target_quantile: 0.5,
+            learning_rate: 0.2,
+            count_stddev: 0.5,
+        }),
+        ..params(false)
+    };
+    let clipped =
+        |clip: f64| Aggregator::new(binding.clone(), clip, r.schema.clone(), &r.private).unwrap();
+    let whole = clipped(5.0);
+    add(&whole, &inputs);
+    assert!(whole.unclipped.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    let expected = whole.finish(&r.private, adaptive).unwrap();
+    let sealed: Vec<Vec<u8>> = (0..2)
+        .map(|index| {
+            let partition = Partition {
+                inputs: &inputs,
+                index,
+                count: 2,
+            };
+            let worker = clipped(5.0);
+            add(&worker, partition.inputs().unwrap());
+            worker.seal_partition(&r.private, &partition).unwrap()
+        })
+        .collect();
+    let root = clipped(5.0);
+    root.merge(&r.private, &inputs, 2, &sealed).unwrap();
+    let release = root.finish(&r.private, adaptive).unwrap();
+    assert_eq!(
+        release.manifest.adaptive_clipping,
+        expected.manifest.adaptive_clipping
+    );
+    assert_eq!(release.manifest.to_json(), expected.manifest.to_json());
+}
+
+#[test]
+fn a_partition_of_another_round_or_kind_of_round_fails_the_merge() {
+    let r = round(16);
+    let (inputs, binding) = committed(&contributions(&r, false));
+    let halves: Vec<_> = (0..2)
+        .map(|i| seal(&r, &inputs, &binding, false, i, 2))
+        .collect();
+    let foreign_field = |sealed: Vec<u8>, root: Aggregator| -> String {
+        match root.merge(&r.private, &inputs, 2, &[halves[0].clone(), sealed]) {
+            Err(PartitionError::Foreign(why)) => why,
+            other => panic!("{other:?}"),
+        }
+    };
+    // Sealed for the next round (same inputs, key and plan).
+    let next_round = Binding {
+        context: super::tests::context(ROUND + 1),
+        ..binding.clone()
+    };
+    let why = foreign_field(
+        seal(&r, &inputs, &next_round, false, 1, 2),
+        aggregator(&r, &binding, false),
+    );
+    assert!(why.contains("round"), "{why}");
+    // Sealed by a round that evaluates, merged by one that does not.
+    let why = foreign_field(
+        seal(&r, &inputs, &binding, true, 1, 2),
+        aggregator(&r, &binding, false),
+    );
+    assert!(why.contains("evaluation"), "{why}");
+    // A root that added contributions itself merges nothing.
+    let busy = aggregator(&r, &binding, false);
+    add(&busy, &inputs[..1]);
+    assert!(matches!(
+        busy.merge(&r.private, &inputs, 2, &halves),
+        Err(PartitionError::Incomplete(_))
+    ));
+}
+
+#[test]
 fn a_missing_partition_fails_the_merge() {
     let r = round(16);
     let (inputs, binding) = committed(&contributions(&r, false));
