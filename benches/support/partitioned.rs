@@ -19,7 +19,7 @@ use confed_enclave::key_collection::KeyServiceEndpoint;
 use confed_enclave::remote::HttpJobStore;
 use confed_enclave::worker::{Phases, Worker, WorkerConfig, round_context};
 use confed_worker_api::model::validate_model;
-use confed_worker_api::store::{JobSpec, JobStore, Partitioning};
+use confed_worker_api::store::{JobSpec, JobStore, Partitioning, StagedRelease, StoreError};
 
 use crate::process::{Server, WorkerKind, enclave_binary, start_with};
 use crate::{model, simulate, spec};
@@ -122,9 +122,55 @@ fn partition_worker(server: &Server, index: u32, sealed: Sender<Steps>) -> Child
     child
 }
 
+/// The worker API for the check after the round: it reads the committed round's contributions
+/// again, and there is no lease to renew any more (the job is done); nothing else.
+struct Rereading(Arc<HttpJobStore>);
+
+impl JobStore for Rereading {
+    async fn lease(&self, _: &str, _: Duration) -> Result<Option<JobSpec>, StoreError> {
+        Ok(None)
+    }
+    async fn renew(&self, _: &str, _: &str, _: Duration) -> Result<(), StoreError> {
+        Ok(())
+    }
+    async fn fetch(&self, blob_key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.0.fetch(blob_key).await
+    }
+    async fn fetch_into(
+        &self,
+        blob_key: &str,
+        buffer: Vec<u8>,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        self.0.fetch_into(blob_key, buffer).await
+    }
+    async fn commit_release(
+        &self,
+        _: &str,
+        _: &str,
+        _: StagedRelease<'_>,
+    ) -> Result<(), StoreError> {
+        Err(StoreError::Refused("a check commits nothing".into()))
+    }
+    async fn commit_model(
+        &self,
+        _: &str,
+        _: &str,
+        _: &[u8],
+        _: Option<&[u8]>,
+    ) -> Result<(), StoreError> {
+        Err(StoreError::Refused("a check commits nothing".into()))
+    }
+    async fn put_partition(&self, _: &str, _: &str, _: &[u8]) -> Result<(), StoreError> {
+        Err(StoreError::Refused("a check stores nothing".into()))
+    }
+    async fn fail(&self, _: &str, _: &str, _: &str, _: bool) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
 /// The root: this process's worker over the worker API, trusted like `confed-enclave --attester
-/// dev` with the server's dev key.
-fn root_worker(server: &Server) -> (Arc<HttpJobStore>, Worker<HttpJobStore>) {
+/// dev` with the server's dev key; and a worker for the check after the round.
+fn root_worker(server: &Server) -> (Arc<HttpJobStore>, Worker<HttpJobStore>, Worker<Rereading>) {
     let store = Arc::new(
         HttpJobStore::new(
             &server.url,
@@ -138,9 +184,11 @@ fn root_worker(server: &Server) -> (Arc<HttpJobStore>, Worker<HttpJobStore>) {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs() as i64)
     });
-    let attester = DevAttester::from_key_file(std::path::Path::new(&server.dev_key), clock)
-        .expect("the server's dev key");
-    let key_services = server
+    let attester: Arc<dyn confed_attestation::Attester> = Arc::new(
+        DevAttester::from_key_file(std::path::Path::new(&server.dev_key), clock)
+            .expect("the server's dev key"),
+    );
+    let key_services: Vec<KeyServiceEndpoint> = server
         .named_keyservices
         .iter()
         .map(|named| {
@@ -151,17 +199,18 @@ fn root_worker(server: &Server) -> (Arc<HttpJobStore>, Worker<HttpJobStore>) {
             }
         })
         .collect();
-    let config = WorkerConfig {
+    let config = || WorkerConfig {
         id: "bench-root/1".into(),
         lease: Duration::from_secs(600),
-        key_services,
+        key_services: key_services.clone(),
         threshold: 2,
-        attester: Arc::new(attester),
+        attester: attester.clone(),
         key_timeout: Duration::from_secs(10),
         batch: 256,
         batch_bytes: 16 << 20,
     };
-    (Arc::clone(&store), Worker::new(store, config))
+    let checker = Worker::new(Arc::new(Rereading(Arc::clone(&store))), config());
+    (Arc::clone(&store), Worker::new(store, config()), checker)
 }
 
 async fn bytes(http: &reqwest::Client, server: &Server, path: &str) -> Vec<u8> {
@@ -228,7 +277,7 @@ pub async fn run(devices: usize, workers: u32) {
         let _ = child.wait();
     }
     // The root: its lease fetches every sealed partition (and the model).
-    let (store, root_worker) = root_worker(&server);
+    let (store, root_worker, checker) = root_worker(&server);
     let leasing = Instant::now();
     let root = loop {
         if let Some(job) = store
@@ -256,7 +305,7 @@ pub async fn run(devices: usize, workers: u32) {
     let (policy, context) = round_context(&whole_job).unwrap();
     let schema = validate_model(&whole_job.model).unwrap();
     let mut phases = Phases::default();
-    let (whole, _) = root_worker
+    let (whole, _) = checker
         .aggregate(&whole_job, &schema, &policy, context, &mut phases)
         .await
         .unwrap();
