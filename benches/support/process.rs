@@ -140,7 +140,10 @@ pub fn start_with(aggregator: WorkerKind) -> Server {
         .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
         .arg(dir.path().join("data"))
         // Errors, and each aggregated round's line with the time of its steps.
-        .env("RUST_LOG", "error,confed::aggregation=info,confed::embedded::serve=info")
+        .env(
+            "RUST_LOG",
+            "error,confed::aggregation=info,confed::embedded::serve=info",
+        )
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     if aggregator != WorkerKind::InProcess {

@@ -26,7 +26,9 @@ pub mod tree;
 use thiserror::Error;
 
 pub use accounting::{SideScales, calibrate_task, spent_task, units_through};
-pub use calibrate::{Calibration, MAX_NOISE_MULTIPLIER, calibrate, calibrate_units, spent};
+pub use calibrate::{
+    Calibration, MAX_NOISE_MULTIPLIER, calibrate, calibrate_units, search_scale, spent,
+};
 pub use closed_form::ClosedForm;
 pub use plan::{PlanProblem, check_plan};
 

@@ -88,6 +88,23 @@ mod tests {
     }
 
     #[test]
+    fn the_closed_forms_shortcut_leaves_the_search_exactly_opendps() {
+        // The search with the shortcut must land on OpenDP's own bisection's scale bit for bit
+        // (a retried round's noise is a function of it), over budgets a task may have.
+        for epsilon in [0.05, 0.5, 1.0, 4.0, 8.0, 50.0] {
+            for delta in [1e-10, 1e-6, 1e-3] {
+                let quick = confed_dp::search_scale(&OpenDp, epsilon, delta, true);
+                let full = confed_dp::search_scale(&OpenDp, epsilon, delta, false);
+                assert_eq!(
+                    quick.map(f64::to_bits),
+                    full.map(f64::to_bits),
+                    "epsilon {epsilon}, delta {delta}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn invalid_budgets_are_refused() {
         assert!(matches!(
             calibrate(&OpenDp, 0.0, 1e-6, 1),
