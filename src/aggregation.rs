@@ -594,6 +594,10 @@ impl JobStore for TaskDbJobStore {
             .await
     }
 
+    async fn fetch_sealed(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.blob(key).await
+    }
+
     async fn put_partition(
         &self,
         job_id: &str,

@@ -160,6 +160,9 @@ impl JobStore for Rereading {
     ) -> Result<(), StoreError> {
         Err(StoreError::Refused("a check commits nothing".into()))
     }
+    async fn fetch_sealed(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.0.fetch_sealed(key).await
+    }
     async fn put_partition(&self, _: &str, _: &str, _: &[u8]) -> Result<(), StoreError> {
         Err(StoreError::Refused("a check stores nothing".into()))
     }

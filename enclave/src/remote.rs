@@ -229,6 +229,10 @@ impl JobStore for HttpJobStore {
         .map(drop)
     }
 
+    async fn fetch_sealed(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.bytes(&format!("blobs/{key}")).await
+    }
+
     async fn put_partition(
         &self,
         job_id: &str,

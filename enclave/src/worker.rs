@@ -368,12 +368,9 @@ impl<S: JobStore + 'static> Worker<S> {
             aggregator,
         } = prepared;
         match &job.partitioning {
-            Some(Partitioning::Root { count, sealed }) => {
-                let (count, sealed) = (*count, Arc::clone(sealed));
-                let (key, merging) = (Arc::clone(&private_key), Arc::clone(&aggregator));
-                tokio::task::spawn_blocking(move || merging.merge(&key, &inputs, count, &sealed))
-                    .await
-                    .map_err(JobError::Thread)??;
+            Some(Partitioning::Root { count, sealed_keys }) => {
+                self.merge_all(job, inputs, *count, sealed_keys, &private_key, &aggregator)
+                    .await?
             }
             _ => self.open_all(job, inputs, &aggregator).await?,
         }
@@ -409,6 +406,47 @@ impl<S: JobStore + 'static> Worker<S> {
             receipts,
         };
         Ok((release, proof))
+    }
+
+    /// The root's merge: each partition's sealed result fetched, checked and added one at a
+    /// time (on a blocking thread), so the root holds one sealed partition in memory, whatever
+    /// their number; the lease renewed every quarter lease.
+    async fn merge_all(
+        &self,
+        job: &JobSpec,
+        inputs: Vec<Input>,
+        count: u32,
+        sealed_keys: &[String],
+        private_key: &Arc<crate::hpke::PrivateKey>,
+        aggregator: &Arc<Aggregator>,
+    ) -> Result<(), JobError> {
+        let inputs = Arc::new(inputs);
+        let mut merge = aggregator.start_merge(inputs.len(), count)?;
+        let mut renewed = Instant::now();
+        for key in sealed_keys {
+            let sealed = self.store.fetch_sealed(key).await?.ok_or_else(|| {
+                StoreError::Conflict(format!("the sealed partition {key} is missing"))
+            })?;
+            let (merging, private_key, inputs) = (
+                Arc::clone(aggregator),
+                Arc::clone(private_key),
+                Arc::clone(&inputs),
+            );
+            merge = tokio::task::spawn_blocking(move || {
+                merging
+                    .merge_one(&mut merge, &private_key, &inputs, &sealed)
+                    .map(|()| merge)
+            })
+            .await
+            .map_err(JobError::Thread)??;
+            if renewed.elapsed() >= self.config.lease / 4 {
+                self.store
+                    .renew(&job.job_id, &self.config.id, self.config.lease)
+                    .await?;
+                renewed = Instant::now();
+            }
+        }
+        Ok(merge.end()?)
     }
 
     /// One partition of a partitioned round: the round's inputs and key exactly as the whole

@@ -260,6 +260,9 @@ impl JobStore for DiesBeforeCommit {
     ) -> Result<(), StoreError> {
         unreachable!("the worker died before")
     }
+    async fn fetch_sealed(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.inner.fetch_sealed(key).await
+    }
     async fn put_partition(
         &self,
         job_id: &str,

@@ -154,6 +154,9 @@ impl JobStore for Operator {
             .commit_model(job_id, worker, model, optimizer_state)
             .await
     }
+    async fn fetch_sealed(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.inner.fetch_sealed(key).await
+    }
     async fn put_partition(
         &self,
         job_id: &str,

@@ -30,30 +30,49 @@ fn partitioned() -> PartitionPolicy {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_round_in_partitions_releases_the_bytes_one_worker_would() {
+async fn a_round_in_two_partitions_releases_the_bytes_one_worker_would() {
+    releases_the_one_worker_bytes(2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_in_four_partitions_releases_the_bytes_one_worker_would() {
+    releases_the_one_worker_bytes(4).await;
+}
+
+/// A round of `partitions` x 50 contributions, cut into `partitions`.
+async fn releases_the_one_worker_bytes(partitions: u32) {
+    let devices = 50 * partitions as usize;
     let clock = now_clock();
     let (system, _dir) = start_partitioned(clock.clone(), None, None, partitioned()).await;
-    let (_, task) = open_task_of(&system, "parts", 50.0, DEVICES).await;
-    collect_n(&system, "parts", 1, false, DEVICES).await;
-    // Two workers, a partition each (the first lease planned the round). A partition's job
-    // says nothing of its contributions' outcomes: only the release does.
+    let (_, task) = open_task_of(&system, "parts", 50.0, devices).await;
+    collect_n(&system, "parts", 1, false, devices).await;
+    // A worker per partition (the first lease planned the round). A partition's job says
+    // nothing of its contributions' outcomes: only the release does.
     let mut sealed = Vec::new();
-    for name in ["w1", "w2"] {
-        let outcome = system.worker(name).run_once().await.unwrap().unwrap();
+    for worker in 0..partitions {
+        let outcome = system
+            .worker(&format!("w{worker}"))
+            .run_once()
+            .await
+            .unwrap()
+            .unwrap();
         let (index, count) = outcome.partition.expect("a partition's job");
-        assert_eq!(count, 2);
+        assert_eq!(count, partitions);
         sealed.push(index);
         assert_eq!((outcome.included, outcome.excluded), (0, 0));
         assert_eq!(outcome.epsilon_spent, None);
     }
     sealed.sort();
-    assert_eq!(sealed, [0, 1]);
+    assert_eq!(sealed, (0..partitions).collect::<Vec<_>>());
     // The root, as the store describes it: every partition's sealed result.
     let root = system.store.lease("probe", LEASE).await.unwrap().unwrap();
-    let Some(Partitioning::Root { count, sealed }) = &root.partitioning else {
+    let Some(Partitioning::Root { count, sealed_keys }) = &root.partitioning else {
         panic!("the root's job, got {:?}", root.partitioning);
     };
-    assert_eq!((*count, sealed.len()), (2, 2));
+    assert_eq!(
+        (*count, sealed_keys.len()),
+        (partitions, partitions as usize)
+    );
     // One worker over the same committed inputs, and the root over the partitions: the same
     // bytes (and the same commitment, so the key services release the key for both).
     let probe = system.worker("probe");
@@ -79,13 +98,13 @@ async fn a_round_in_partitions_releases_the_bytes_one_worker_would() {
         .unwrap();
     assert_eq!(merged.average, whole.average);
     assert_eq!(merged.manifest.to_json(), whole.manifest.to_json());
-    assert_eq!(merged.manifest.included, DEVICES as u64);
+    assert_eq!(merged.manifest.included, devices as u64);
     // The probe's lease lapses; a worker takes the root and commits those bytes.
     clock.advance(LEASE + Duration::from_secs(1));
     let outcome = system.worker("w1").run_once().await.unwrap().unwrap();
     assert_eq!(
         (outcome.partition, outcome.included),
-        (None, DEVICES as u64)
+        (None, devices as u64)
     );
     let releases = system.db.releases_of_task(&task).await.unwrap();
     assert_eq!(

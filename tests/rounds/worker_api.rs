@@ -452,6 +452,9 @@ impl JobStore for Probing {
             .commit_model(job_id, worker, model, Some(&state))
             .await
     }
+    async fn fetch_sealed(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.inner.fetch_sealed(key).await
+    }
     async fn put_partition(
         &self,
         job_id: &str,

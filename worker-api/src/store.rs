@@ -60,12 +60,12 @@ pub enum Partitioning {
     /// Sum partition `index` of `count` of the round's inputs and store it sealed
     /// (`JobStore::put_partition`); release nothing.
     Partition { index: u32, count: u32 },
-    /// Merge the `count` partitions' sealed results (untrusted until the enclave opens and
-    /// checks them: any missing, repeated or foreign one fails the merge), noise and release.
-    /// (Shared: the worker hands them to a blocking thread without copying them.)
+    /// Merge the `count` partitions' sealed results, fetched one at a time by their blob keys
+    /// (`JobStore::fetch_sealed`; untrusted until the enclave opens and checks them: any
+    /// missing, repeated or foreign one fails the merge), noise and release.
     Root {
         count: u32,
-        sealed: std::sync::Arc<Vec<Vec<u8>>>,
+        sealed_keys: Vec<String>,
     },
 }
 
@@ -179,6 +179,11 @@ pub trait JobStore: Send + Sync {
         model: &[u8],
         optimizer_state: Option<&[u8]>,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// A partition's sealed result by its blob key (`Partitioning::Root`; `None` if missing).
+    fn fetch_sealed(
+        &self,
+        key: &str,
+    ) -> impl Future<Output = Result<Option<Vec<u8>>, StoreError>> + Send;
     /// Stores a partition's sealed result (`Partitioning::Partition`; its lease holder only,
     /// once): when it is the round's last, the root can be leased.
     fn put_partition(

@@ -93,8 +93,6 @@ pub struct Fetched {
     pub committed_average: Option<Vec<u8>>,
     pub optimizer_state: Option<Vec<u8>>,
     pub blt_state: Option<Vec<u8>>,
-    /// The root's partitions' sealed results, in the order of `sealed_keys`.
-    pub sealed_partitions: Vec<Vec<u8>>,
 }
 
 fn is_fedavg(optimizer: &ServerOptimizer) -> bool {
@@ -109,7 +107,6 @@ impl JobWire {
             committed_average,
             optimizer_state,
             blt_state,
-            sealed_partitions,
         } = fetched;
         let public_key = URL_SAFE_NO_PAD
             .decode(&self.public_key)
@@ -143,10 +140,9 @@ impl JobWire {
                 PartitioningWire::Partition { index, count } => {
                     Partitioning::Partition { index, count }
                 }
-                PartitioningWire::Root { count, .. } => Partitioning::Root {
-                    count,
-                    sealed: std::sync::Arc::new(sealed_partitions),
-                },
+                PartitioningWire::Root { count, sealed_keys } => {
+                    Partitioning::Root { count, sealed_keys }
+                }
             }),
         })
     }
@@ -212,22 +208,12 @@ pub async fn resolve<S: BlobSource>(
         (Some(key), None) => Some(store.required_blob(key).await?),
         _ => None,
     };
-    let mut sealed_partitions = Vec::new();
-    // As for the BLT state: a root whose release is committed only applies it.
-    if let (Some(PartitioningWire::Root { sealed_keys, .. }), None) =
-        (&wire.partitioning, &wire.committed_average_key)
-    {
-        for key in sealed_keys {
-            sealed_partitions.push(store.required_blob(key).await?);
-        }
-    }
     let job_id = wire.job_id.clone();
     let fetched = Fetched {
         model,
         committed_average: average,
         optimizer_state,
         blt_state,
-        sealed_partitions,
     };
     match wire.into_spec(fetched) {
         Ok(spec) => Ok(spec),

@@ -126,6 +126,29 @@ impl PartitionHeader {
     }
 }
 
+/// A merge in progress (`Aggregator::start_merge`): which of the plan's partitions came in.
+#[derive(Debug)]
+pub struct Merge {
+    count: u32,
+    seen: Vec<bool>,
+}
+
+impl Merge {
+    /// Ends the merge: every partition of the plan must have come in.
+    pub fn end(self) -> Result<(), PartitionError> {
+        let missing: Vec<u32> = (0..self.count)
+            .filter(|i| !self.seen[*i as usize])
+            .collect();
+        if !missing.is_empty() {
+            return Err(PartitionError::Missing {
+                missing,
+                count: self.count,
+            });
+        }
+        Ok(())
+    }
+}
+
 /// One partition of a round: the round's inputs, sorted by ref (`inputs::sort_and_digest`), and
 /// the plan's partition `index` of `count`.
 pub struct Partition<'a> {
@@ -204,11 +227,7 @@ impl Aggregator {
         Ok(KIND.seal(private_key, &header.context(), &header_json, body)?)
     }
 
-    /// The root's step: adds every partition of the round's plan (`inputs` sorted by ref, cut
-    /// into `count`), each sealed exactly once, into this aggregator, which must have added
-    /// nothing itself. A partition missing, sealed twice, of another plan, round, task, policy,
-    /// model, key or inputs, or not sealed by an enclave of this task, fails the merge, and the
-    /// aggregator must then be dropped.
+    /// The root's step, whole: `start_merge`, `merge_one` for each of `sealed`, `end_merge`.
     pub fn merge(
         &self,
         private_key: &PrivateKey,
@@ -216,49 +235,71 @@ impl Aggregator {
         count: u32,
         sealed: &[Vec<u8>],
     ) -> Result<(), PartitionError> {
+        let mut merge = self.start_merge(inputs.len(), count)?;
+        for bytes in sealed {
+            self.merge_one(&mut merge, private_key, inputs, bytes)?;
+        }
+        merge.end()
+    }
+
+    /// Starts the root's merge of the round's plan (`inputs` contributions sorted by ref, cut
+    /// into `count`) into this aggregator, which must have added nothing itself. Each partition
+    /// then comes in with `merge_one`, one at a time (the root holds one sealed partition in
+    /// memory, not all), and `Merge::end` checks none is missing. After any error the
+    /// aggregator must be dropped.
+    pub fn start_merge(&self, inputs: usize, count: u32) -> Result<Merge, PartitionError> {
         if self.counts() != (0, 0) {
             return Err(PartitionError::Incomplete(
                 "the root merged into an aggregator that had added inputs itself".into(),
             ));
         }
-        let mut seen = vec![false; ranges(inputs.len(), count)?.len()];
-        for bytes in sealed {
-            let (json, ad_len) = KIND.header(bytes)?;
-            let header: PartitionHeader = serde_json::from_slice(json)
-                .map_err(|e| PartitionError::Malformed(format!("its header is not valid: {e}")))?;
-            KIND.check_body_len(bytes, ad_len, header.body_len()?)?;
-            let slot = seen
-                .get_mut(header.index as usize)
-                .filter(|_| header.count == count);
-            let Some(slot) = slot else {
-                return Err(PartitionError::Foreign(format!(
-                    "partition {} of {}, the round's plan has {count}",
-                    header.index, header.count
-                )));
-            };
-            if std::mem::replace(slot, true) {
-                return Err(PartitionError::Duplicate {
-                    index: header.index,
-                    count,
-                });
-            }
-            let partition = Partition {
-                inputs,
+        Ok(Merge {
+            count,
+            seen: vec![false; ranges(inputs, count)?.len()],
+        })
+    }
+
+    /// Adds one sealed partition of the merge's plan: refused if it is sealed twice, of another
+    /// plan, round, task, policy, model, key or inputs, or not sealed by an enclave of this task.
+    pub fn merge_one(
+        &self,
+        merge: &mut Merge,
+        private_key: &PrivateKey,
+        inputs: &[Input],
+        bytes: &[u8],
+    ) -> Result<(), PartitionError> {
+        let count = merge.count;
+        let (json, ad_len) = KIND.header(bytes)?;
+        let header: PartitionHeader = serde_json::from_slice(json)
+            .map_err(|e| PartitionError::Malformed(format!("its header is not valid: {e}")))?;
+        KIND.check_body_len(bytes, ad_len, header.body_len()?)?;
+        let slot = merge
+            .seen
+            .get_mut(header.index as usize)
+            .filter(|_| header.count == count);
+        let Some(slot) = slot else {
+            return Err(PartitionError::Foreign(format!(
+                "partition {} of {}, the round's plan has {count}",
+                header.index, header.count
+            )));
+        };
+        if std::mem::replace(slot, true) {
+            return Err(PartitionError::Duplicate {
                 index: header.index,
                 count,
-            };
-            let expected = partition.header(self)?;
-            if header != expected {
-                return Err(PartitionError::Foreign(foreign(&header, &expected)));
-            }
-            let plain = KIND.open(private_key, &header.context(), bytes, ad_len)?;
-            self.absorb(&plain, partition.inputs()?)?;
+            });
         }
-        let missing: Vec<u32> = (0..count).filter(|i| !seen[*i as usize]).collect();
-        if !missing.is_empty() {
-            return Err(PartitionError::Missing { missing, count });
+        let partition = Partition {
+            inputs,
+            index: header.index,
+            count,
+        };
+        let expected = partition.header(self)?;
+        if header != expected {
+            return Err(PartitionError::Foreign(foreign(&header, &expected)));
         }
-        Ok(())
+        let plain = KIND.open(private_key, &header.context(), bytes, ad_len)?;
+        self.absorb(&plain, partition.inputs()?)
     }
 
     /// Adds an opened partition (its length checked against its header) for `inputs`.
