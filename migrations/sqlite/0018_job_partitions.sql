@@ -18,3 +18,5 @@ CREATE TABLE job_partitions (
     updated_at        BIGINT NOT NULL,
     PRIMARY KEY (round_id, partition_index)
 );
+-- The partitions still to store: what leases and the due-time query look for.
+CREATE INDEX job_partitions_open ON job_partitions (round_id) WHERE sealed_key IS NULL;

@@ -78,8 +78,10 @@ async fn check_partition_lease(
 }
 
 impl Db {
-    /// Leases the first partition not stored yet whose lease is free or expired, of the oldest
-    /// pending job past its backoff.
+    /// Leases the first partition not stored yet whose lease is free or expired, or held by
+    /// another incarnation of this worker's name (that is this worker before a restart, as for
+    /// jobs; at most three such takeovers of a partition, so one that keeps killing its worker
+    /// waits for its lease like any other), of the oldest pending job past its backoff.
     pub async fn lease_partition(
         &self,
         worker: &str,
@@ -87,41 +89,57 @@ impl Db {
         lease_ms: i64,
     ) -> Result<Option<LeasedPartition>, DbError> {
         let worker = worker.to_string();
+        let own_name = worker
+            .split_once('/')
+            .map(|(name, _)| format!("{name}/"))
+            .unwrap_or_default();
         self.write(move |tx| {
             Box::pin(async move {
                 // Locked with SKIP LOCKED on PostgreSQL, so concurrent workers take different
                 // partitions; the update repeats the guard (a compare-and-set).
+                let free = |p: &str| {
+                    format!(
+                        "({p}lease_expires_at IS NULL OR {p}lease_expires_at <= $1 \
+                         OR (length($2) > 0 AND substr({p}lease_owner, 1, length($2)) = $2 \
+                             AND {p}lease_owner <> $3 AND {p}attempts < 4))"
+                    )
+                };
                 let sql = format!(
                     "SELECT p.round_id, p.partition_index, p.partition_count \
                      FROM job_partitions p JOIN aggregation_jobs j ON j.round_id = p.round_id \
                      WHERE j.state = '{pending}' AND j.not_before <= $1 AND p.sealed_key IS NULL \
-                     AND (p.lease_expires_at IS NULL OR p.lease_expires_at <= $1) \
+                     AND {} \
                      ORDER BY j.created_at, p.round_id, p.partition_index LIMIT 1{}",
+                    free("p."),
                     super::lock_clause(tx, " FOR UPDATE OF p SKIP LOCKED"),
                     pending = JobState::Pending.as_str(),
                 );
                 let candidate: Option<(String, i64, i64)> =
                     sqlx::query_as(sqlx::AssertSqlSafe(sql))
                         .bind(now)
+                        .bind(&own_name)
+                        .bind(&worker)
                         .fetch_optional(&mut *tx)
                         .await?;
                 let Some((round_id, index, count)) = candidate else {
                     return Ok(None);
                 };
-                let taken = sqlx::query(
-                    "UPDATE job_partitions SET lease_owner = $1, lease_expires_at = $2, \
-                     attempts = attempts + 1, updated_at = $3 \
-                     WHERE round_id = $4 AND partition_index = $5 AND sealed_key IS NULL \
-                     AND (lease_expires_at IS NULL OR lease_expires_at <= $3)",
-                )
-                .bind(&worker)
-                .bind(now + lease_ms)
-                .bind(now)
-                .bind(&round_id)
-                .bind(index)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
+                let update = format!(
+                    "UPDATE job_partitions SET lease_owner = $3, lease_expires_at = $4, \
+                     attempts = attempts + 1, updated_at = $1 \
+                     WHERE round_id = $5 AND partition_index = $6 AND sealed_key IS NULL AND {}",
+                    free("")
+                );
+                let taken = sqlx::query(sqlx::AssertSqlSafe(update))
+                    .bind(now)
+                    .bind(&own_name)
+                    .bind(&worker)
+                    .bind(now + lease_ms)
+                    .bind(&round_id)
+                    .bind(index)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
                 if taken == 0 {
                     return Ok(None);
                 }

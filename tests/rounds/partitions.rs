@@ -222,6 +222,25 @@ async fn a_partitions_failure_backs_off_its_job_or_fails_the_round_and_a_resume_
     assert_eq!((root.partition, root.included), (None, DEVICES as u64));
 }
 
+/// A worker that restarts under its name (a new incarnation) takes its partition back at once,
+/// as it does a job; a worker of another name waits for the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_worker_takes_its_partition_back_at_once() {
+    let (system, _dir) = start_partitioned(now_clock(), None, None, partitioned()).await;
+    open_task_of(&system, "restart", 50.0, DEVICES).await;
+    collect_n(&system, "restart", 1, false, DEVICES).await;
+    let before = system.store.lease("vm-1/a", LEASE).await.unwrap().unwrap();
+    let other = system.store.lease("vm-2/a", LEASE).await.unwrap().unwrap();
+    assert_ne!(other.job_id, before.job_id);
+    assert!(system.store.lease("vm-3/a", LEASE).await.unwrap().is_none());
+    let after = system.store.lease("vm-1/b", LEASE).await.unwrap().unwrap();
+    assert_eq!(after.job_id, before.job_id);
+    assert!(matches!(
+        system.store.renew(&before.job_id, "vm-1/a", LEASE).await,
+        Err(StoreError::LeaseLost)
+    ));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_small_round_stays_one_job() {
     let (system, _dir) = start_partitioned(
