@@ -77,7 +77,8 @@ impl BlobKey {
     }
 
     /// Partition `index` of `count` of a round attempt's aggregation, sealed by its enclave
-    /// worker, under its BLAKE3.
+    /// worker, under its BLAKE3. The `.partition` suffix is what GCS's lifecycle rule for them
+    /// matches (deploy/gcp/terraform/storage.tf): only the round's merge reads one.
     pub fn partition(
         tenant_id: &str,
         task_id: &str,
@@ -88,7 +89,7 @@ impl BlobKey {
         blake3_hex: &str,
     ) -> Result<Self, BlobError> {
         Self::new(format!(
-            "tenants/{tenant_id}/tasks/{task_id}/rounds/{round}/attempt-{attempt}/partition-{index}-of-{count}-{blake3_hex}.sealed"
+            "tenants/{tenant_id}/tasks/{task_id}/rounds/{round}/attempt-{attempt}/partition-{index}-of-{count}-{blake3_hex}.partition"
         ))
     }
 

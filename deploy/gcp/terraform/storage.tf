@@ -22,6 +22,19 @@ resource "google_storage_bucket" "blobs" {
     }
   }
 
+  # Sealed partitions of partitioned rounds (`*.partition`): only their round's merge reads
+  # them, and they hold (encrypted) un-noised sums; expired with the contributions.
+  lifecycle_rule {
+    condition {
+      age            = var.contribution_retention_days
+      matches_prefix = ["${var.blob_prefix}/blobs/tenants/"]
+      matches_suffix = [".partition"]
+    }
+    action {
+      type = "Delete"
+    }
+  }
+
   # Incomplete multipart/resumable uploads from devices that gave up.
   lifecycle_rule {
     condition {
