@@ -41,6 +41,8 @@ pub(crate) fn db_error(e: DbError) -> StoreError {
     match e {
         DbError::LeaseLost(_) => StoreError::LeaseLost,
         DbError::AlreadyExists(what) => StoreError::Conflict(what),
+        // A job or partition that does not exist: the caller named it wrong (422, not 500).
+        not_found @ DbError::NotFound { .. } => StoreError::Refused(not_found.to_string()),
         other => backend(other),
     }
 }

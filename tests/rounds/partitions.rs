@@ -241,6 +241,57 @@ async fn a_restarted_worker_takes_its_partition_back_at_once() {
     ));
 }
 
+/// The worker API's partition route: only the partition's lease holder stores (409 for anyone
+/// else, 422 for a round's own job id or an unknown partition). What it stores is not checked
+/// there (the store cannot open it): a forged partition fails the root's merge, and the round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_partition_route_fences_and_a_forged_partition_fails_the_merge() {
+    const TOKEN: &str = "worker-token-for-partition-tests-0123456789";
+    let (system, _dir) = start_partitioned(now_clock(), Some(TOKEN), None, partitioned()).await;
+    let (token, task) = open_task_of(&system, "forged", 50.0, DEVICES).await;
+    collect_n(&system, "forged", 1, false, DEVICES).await;
+    let held = system.store.lease("holder", LEASE).await.unwrap().unwrap();
+    let put = |job: String, worker: &'static str, body: &'static [u8]| {
+        let url = system.url.clone();
+        async move {
+            let response = reqwest::Client::new()
+                .put(format!(
+                    "{url}/internal/v1/jobs/{job}/partition?worker={worker}"
+                ))
+                .bearer_auth(TOKEN)
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            (response.status().as_u16(), response.text().await.unwrap())
+        }
+    };
+    let (status, body) = put(held.job_id.clone(), "intruder", b"x").await;
+    assert_eq!(status, 409, "{body}");
+    assert!(body.contains("lease-lost"), "{body}");
+    let round_job = held.job_id.split_once('.').unwrap().0.to_string();
+    assert_eq!(put(round_job, "holder", b"x").await.0, 422);
+    let unknown = "00000000-0000-4000-8000-000000000000.p0".to_string();
+    assert_eq!(put(unknown, "holder", b"x").await.0, 422);
+    // The holder stores bytes that are no sealed partition; the other is sealed honestly.
+    assert_eq!(put(held.job_id.clone(), "holder", b"forged").await.0, 204);
+    let honest = system.worker("honest").run_once().await.unwrap().unwrap();
+    assert!(honest.partition.is_some());
+    let root = system.worker("root").run_once().await;
+    assert!(
+        matches!(
+            &root,
+            Err(confed_enclave::worker::JobError::Partition(
+                confed_enclave::aggregate::partition::PartitionError::Malformed(_)
+            ))
+        ),
+        "{root:?}"
+    );
+    let states = common::system::rounds(&system, &token, &task).await;
+    assert_eq!(states[0]["state"], "FAILED", "{states:?}");
+    assert!(system.db.releases_of_task(&task).await.unwrap().is_empty());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_small_round_stays_one_job() {
     let (system, _dir) = start_partitioned(
