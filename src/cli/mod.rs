@@ -47,7 +47,7 @@ pub enum Command {
     /// over several rounds with differential privacy, printing accuracy after each round.
     Demo(DemoArgs),
     /// Run the server: partner API, scheduler and task database in one process.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Manage tenants (partners) directly in a data directory.
     Tenant {
         #[command(subcommand)]
@@ -132,7 +132,7 @@ pub fn run() -> Result<()> {
         match cli.command {
             #[cfg(feature = "embedded")]
             Command::Demo(args) => demo::run(args).await,
-            Command::Serve(args) => serve::run(args).await,
+            Command::Serve(args) => serve::run(*args).await,
             Command::Tenant { command } => tenant::run(command).await,
             #[cfg(feature = "embedded")]
             Command::Keys { command } => keys::run(command),
