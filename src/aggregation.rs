@@ -597,7 +597,12 @@ impl JobStore for TaskDbJobStore {
     }
 
     async fn fetch_sealed(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        self.blob(key).await
+        let key = BlobKey::new(key.to_string()).map_err(backend)?;
+        match self.blobs.get_sealed(&key).await {
+            Ok(bytes) => Ok(Some(bytes)),
+            Err(BlobError::NotFound(_)) => Ok(None),
+            Err(e) => Err(backend(e)),
+        }
     }
 
     async fn put_partition(

@@ -279,7 +279,8 @@ pub async fn run(devices: usize, workers: u32) {
     for child in &mut children {
         let _ = child.wait();
     }
-    // The root: its lease fetches every sealed partition (and the model).
+    // The root: its lease (the job and the model; the sealed partitions are fetched by the
+    // merge, one at a time).
     let (store, root_worker, checker) = root_worker(&server);
     let leasing = Instant::now();
     let root = loop {
@@ -291,7 +292,7 @@ pub async fn run(devices: usize, workers: u32) {
             break job;
         }
     };
-    let fetch = leasing.elapsed().as_secs_f64();
+    let lease = leasing.elapsed().as_secs_f64();
     let Some(Partitioning::Root { count, .. }) = &root.partitioning else {
         panic!("the root's job, got {:?}", root.partitioning);
     };
@@ -337,7 +338,7 @@ pub async fn run(devices: usize, workers: u32) {
         collection,
         turnaround,
         &partitions,
-        fetch,
+        lease,
         &root_steps,
         &whole_steps,
     );
@@ -351,7 +352,7 @@ fn report(
     collection: f64,
     turnaround: f64,
     partitions: &[Steps],
-    fetch: f64,
+    lease: f64,
     root: &Steps,
     whole: &Steps,
 ) {
@@ -369,7 +370,7 @@ fn report(
         mean(|p| p.store)
     );
     println!(
-        "root: lease with the {workers} sealed partitions {fetch:.3} s, job {:.3} s (key {:.3} s, merge {:.3} s, noise {:.3} s, release and update {:.3} s)",
+        "root: lease {lease:.3} s, job {:.3} s (key {:.3} s, fetch and merge of the {workers} partitions {:.3} s, noise {:.3} s, release and update {:.3} s)",
         root.seconds,
         root.key,
         root.open,
@@ -384,22 +385,23 @@ fn report(
         whole.seal
     );
     // Projection: K machines like this one, each running one partition alone. Per contribution
-    // the open step of one worker alone; per partition the key, its seal and store; per merged
-    // partition the root's fetch and merge; once the root's key, noise, release and update.
+    // the open step of one worker alone; per partition a lease (the root's), its key, seal and
+    // store; per merged partition the root's fetch and merge; once the root's lease, key,
+    // noise, release and update (the one worker's job pays a lease, its key and that tail too).
     let per_contribution = whole.open / devices as f64;
     let tail = root.seconds - root.key - root.open;
-    let per_merged = (fetch + root.open) / f64::from(workers);
-    let partition_fixed = mean(|p| p.key) + mean(|p| p.seal) + mean(|p| p.store);
-    let one = |n: f64| whole.key + per_contribution * n + tail;
+    let per_merged = root.open / f64::from(workers);
+    let partition_fixed = lease + mean(|p| p.key) + mean(|p| p.seal) + mean(|p| p.store);
+    let one = |n: f64| lease + whole.key + per_contribution * n + tail;
     let k_machines = |n: f64, k: f64| {
-        partition_fixed + per_contribution * n / k + root.key + per_merged * k + tail
+        partition_fixed + per_contribution * n / k + lease + root.key + per_merged * k + tail
     };
     println!(
-        "projection (per contribution {:.2} ms, per partition {:.3} s, per merged partition {:.3} s, root's key and tail {:.3} s):",
+        "projection (per contribution {:.2} ms, per partition {:.3} s, per merged partition {:.4} s, root's lease, key and tail {:.3} s):",
         per_contribution * 1e3,
         partition_fixed,
         per_merged,
-        root.key + tail
+        lease + root.key + tail
     );
     for n in [devices as f64, 100_000.0] {
         let line: Vec<String> = [2.0, 4.0, 8.0, 16.0]

@@ -85,12 +85,7 @@ pub fn calibrate_units(
         return Ok(*found);
     }
     let shortcut = accountant.name() != ClosedForm.name();
-    let mut hi = search_scale(accountant, epsilon, delta, shortcut)?;
-    // The accountant's own word on the result: had the closed form decided a step the other
-    // way (they would have to differ by SHORTCUT_MARGIN), search again without it.
-    if shortcut && accountant.epsilon_at(hi, delta)? > epsilon {
-        hi = search_scale(accountant, epsilon, delta, false)?;
-    }
+    let hi = search_scale(accountant, epsilon, delta, shortcut)?;
     let single = hi / GRID_UNITS_PER_CLIP as f64;
     let noise_multiplier = single * units.sqrt();
     let calibration = Calibration {
@@ -113,25 +108,57 @@ const SHORTCUT_MARGIN: f64 = 1e-6;
 /// within (epsilon, delta) by `accountant`: a bisection, epsilon falling as the scale grows. With
 /// `shortcut`, a step whose scale the closed form (the same published conversion in plain f64)
 /// puts clearly inside or outside the budget takes its answer, and only the steps near the
-/// budget ask the accountant: the same decisions, so the same result bit for bit (the enclave's
-/// tests compare both over a grid), with about a third of the accountant's evaluations (OpenDP's
-/// cost 2 ms each: a first calibration took 64 ms, 26 ms with it).
+/// budget ask the accountant, with about a third of its evaluations (OpenDP's cost 2 ms each: a
+/// first calibration took 64 ms, 26 ms with it). The result is then the accountant's own word:
+/// it confirms the smallest scale the search took as fitting and the largest it took as not
+/// (epsilon being monotone in the scale, every decision between agrees), or the search runs
+/// again without the shortcut. So the result is the plain search's bit for bit (the enclave's
+/// tests compare both over a grid of budgets, and this module's with an accountant the shortcut
+/// gets wrong).
 pub fn search_scale(
     accountant: &dyn Accountant,
     epsilon: f64,
     delta: f64,
     shortcut: bool,
 ) -> Result<f64, DpError> {
+    let (hi, refused) = bisect(accountant, epsilon, delta, shortcut)?;
+    if !shortcut {
+        return Ok(hi);
+    }
+    let fits = |scale: f64| accountant.epsilon_at(scale, delta).map(|e| e <= epsilon);
+    let confirmed = fits(hi)? && refused.map_or(Ok(true), |lo| fits(lo).map(|f| !f))?;
+    if confirmed {
+        Ok(hi)
+    } else {
+        bisect(accountant, epsilon, delta, false).map(|(hi, _)| hi)
+    }
+}
+
+/// `search_scale`'s bisection: the scale found and the largest scale it took as not fitting.
+fn bisect(
+    accountant: &dyn Accountant,
+    epsilon: f64,
+    delta: f64,
+    shortcut: bool,
+) -> Result<(f64, Option<f64>), DpError> {
+    let refused = std::cell::Cell::new(None::<f64>);
     let fits = |scale: f64| -> Result<bool, DpError> {
+        let mut decided = None;
         if shortcut && let Ok(approx) = ClosedForm.epsilon_at(scale, delta) {
             if approx <= epsilon * (1.0 - SHORTCUT_MARGIN) {
-                return Ok(true);
-            }
-            if approx > epsilon * (1.0 + SHORTCUT_MARGIN) {
-                return Ok(false);
+                decided = Some(true);
+            } else if approx > epsilon * (1.0 + SHORTCUT_MARGIN) {
+                decided = Some(false);
             }
         }
-        accountant.epsilon_at(scale, delta).map(|e| e <= epsilon)
+        let fits = match decided {
+            Some(fits) => fits,
+            None => accountant.epsilon_at(scale, delta)? <= epsilon,
+        };
+        if !fits {
+            refused.set(Some(refused.get().map_or(scale, |r: f64| r.max(scale))));
+        }
+        Ok(fits)
     };
     let (mut lo, mut hi) = (
         1e-3 * GRID_UNITS_PER_CLIP as f64,
@@ -154,7 +181,7 @@ pub fn search_scale(
             break;
         }
     }
-    Ok(hi)
+    Ok((hi, refused.get()))
 }
 
 /// (epsilon at `delta`) of a total zCDP `rho`: one grid release at the scale that costs `rho`.
@@ -181,4 +208,38 @@ pub fn spent(
         accountant.rho_at(scale_grid)? * f64::from(releases),
         accountant.epsilon_at(equivalent, delta)?,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An accountant a hair off the closed form (0.1 %, a thousand times the shortcut's
+    /// margin): the shortcut's decisions near the budget are then wrong, and the search must
+    /// notice and land where the plain one does.
+    struct Skewed;
+
+    impl Accountant for Skewed {
+        fn name(&self) -> &'static str {
+            "skewed"
+        }
+        fn rho_at(&self, scale_grid: f64) -> Result<f64, DpError> {
+            ClosedForm.rho_at(scale_grid)
+        }
+        fn epsilon_at(&self, scale_grid: f64, delta: f64) -> Result<f64, DpError> {
+            Ok(ClosedForm.epsilon_at(scale_grid, delta)? * 1.001)
+        }
+    }
+
+    #[test]
+    fn a_shortcut_that_decided_wrong_is_caught_and_the_plain_search_wins() {
+        for epsilon in [0.5, 4.0, 20.0] {
+            let quick = search_scale(&Skewed, epsilon, 1e-6, true).unwrap();
+            let plain = search_scale(&Skewed, epsilon, 1e-6, false).unwrap();
+            assert_eq!(quick.to_bits(), plain.to_bits(), "epsilon {epsilon}");
+            // ... and what the shortcut alone would have found differs (so the test bites).
+            let (unchecked, _) = bisect(&Skewed, epsilon, 1e-6, true).unwrap();
+            assert_ne!(unchecked.to_bits(), plain.to_bits(), "epsilon {epsilon}");
+        }
+    }
 }

@@ -424,9 +424,13 @@ impl<S: JobStore + 'static> Worker<S> {
         let mut merge = aggregator.start_merge(inputs.len(), count)?;
         let mut renewed = Instant::now();
         for key in sealed_keys {
-            let sealed = self.store.fetch_sealed(key).await?.ok_or_else(|| {
-                StoreError::Conflict(format!("the sealed partition {key} is missing"))
-            })?;
+            // Lost from the store: it is never sealed again by itself, so the round fails (a
+            // resume seals the partitions again) instead of retrying forever.
+            let sealed = self
+                .store
+                .fetch_sealed(key)
+                .await?
+                .ok_or_else(|| PartitionError::NotStored(key.clone()))?;
             let (merging, private_key, inputs) = (
                 Arc::clone(aggregator),
                 Arc::clone(private_key),

@@ -80,8 +80,9 @@ async fn check_partition_lease(
 impl Db {
     /// Leases the first partition not stored yet whose lease is free or expired, or held by
     /// another incarnation of this worker's name (that is this worker before a restart, as for
-    /// jobs; at most three such takeovers of a partition, so one that keeps killing its worker
-    /// waits for its lease like any other), of the oldest pending job past its backoff.
+    /// jobs; only while the partition has been leased fewer than four times, all leases
+    /// counted, so one that keeps killing its worker waits for its lease like any other), of
+    /// the oldest pending job past its backoff.
     pub async fn lease_partition(
         &self,
         worker: &str,

@@ -54,6 +54,8 @@ pub enum PartitionError {
     Duplicate { index: u32, count: u32 },
     #[error("partitions {missing:?} of {count} are missing")]
     Missing { missing: Vec<u32>, count: u32 },
+    #[error("the sealed partition {0} the job lists is not in the store")]
+    NotStored(String),
     #[error("the aggregator did not add exactly its partition's inputs: {0}")]
     Incomplete(String),
 }
