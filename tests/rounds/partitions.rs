@@ -292,6 +292,87 @@ async fn the_partition_route_fences_and_a_forged_partition_fails_the_merge() {
     assert!(system.db.releases_of_task(&task).await.unwrap().is_empty());
 }
 
+/// A store that lost its sealed partitions (they are listed, but not served).
+struct LostPartitions(std::sync::Arc<confed::aggregation::TaskDbJobStore>);
+
+impl JobStore for LostPartitions {
+    async fn lease(&self, worker: &str, lease: Duration) -> Result<Option<JobSpec>, StoreError> {
+        self.0.lease(worker, lease).await
+    }
+    async fn renew(&self, job_id: &str, worker: &str, lease: Duration) -> Result<(), StoreError> {
+        self.0.renew(job_id, worker, lease).await
+    }
+    async fn fetch(&self, blob_key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.0.fetch(blob_key).await
+    }
+    async fn fetch_sealed(&self, _: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(None)
+    }
+    async fn commit_release(
+        &self,
+        job_id: &str,
+        worker: &str,
+        release: confed_worker_api::store::StagedRelease<'_>,
+    ) -> Result<(), StoreError> {
+        self.0.commit_release(job_id, worker, release).await
+    }
+    async fn commit_model(
+        &self,
+        job_id: &str,
+        worker: &str,
+        model: &[u8],
+        state: Option<&[u8]>,
+    ) -> Result<(), StoreError> {
+        self.0.commit_model(job_id, worker, model, state).await
+    }
+    async fn put_partition(
+        &self,
+        job_id: &str,
+        worker: &str,
+        sealed: &[u8],
+    ) -> Result<(), StoreError> {
+        self.0.put_partition(job_id, worker, sealed).await
+    }
+    async fn fail(
+        &self,
+        job_id: &str,
+        worker: &str,
+        reason: &str,
+        permanent: bool,
+    ) -> Result<(), StoreError> {
+        self.0.fail(job_id, worker, reason, permanent).await
+    }
+}
+
+/// A sealed partition the store lists but no longer has is never sealed again by itself: the
+/// round fails at once (a resume seals them anew) instead of retrying forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_sealed_partition_fails_the_round_instead_of_retrying_forever() {
+    let (system, _dir) = start_partitioned(now_clock(), None, None, partitioned()).await;
+    let (token, task) = open_task_of(&system, "lost", 50.0, DEVICES).await;
+    collect_n(&system, "lost", 1, false, DEVICES).await;
+    for worker in ["w1", "w2"] {
+        let outcome = system.worker(worker).run_once().await.unwrap().unwrap();
+        assert!(outcome.partition.is_some());
+    }
+    let root = confed_enclave::worker::Worker::new(
+        std::sync::Arc::new(LostPartitions(system.store.clone())),
+        system.worker_config("root"),
+    );
+    let failed = root.run_once().await;
+    assert!(
+        matches!(
+            &failed,
+            Err(confed_enclave::worker::JobError::Partition(
+                confed_enclave::aggregate::partition::PartitionError::NotStored(_)
+            ))
+        ),
+        "{failed:?}"
+    );
+    let states = common::system::rounds(&system, &token, &task).await;
+    assert_eq!(states[0]["state"], "FAILED", "{states:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_small_round_stays_one_job() {
     let (system, _dir) = start_partitioned(
