@@ -82,6 +82,15 @@ pub fn retry_backoff_ms(failures: i64) -> i64 {
     (1000i64 << failures.clamp(1, 20)).min(MAX_RETRY_BACKOFF_MS)
 }
 
+/// `name/` of a worker id `name/incarnation` (empty without an incarnation): the prefix of the
+/// leases an incarnation of the same worker may take over at once.
+pub(super) fn own_name(worker: &str) -> String {
+    worker
+        .split_once('/')
+        .map(|(name, _)| format!("{name}/"))
+        .unwrap_or_default()
+}
+
 /// A job a worker just leased.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeasedJob {
@@ -210,10 +219,7 @@ impl Db {
         // A worker id `name/incarnation` may take over at once a job leased to another
         // incarnation of `name`: that is this worker before a restart, whose lease would
         // otherwise stall the job until it expired. (Names must be unique among live workers.)
-        let own_name = worker
-            .split_once('/')
-            .map(|(name, _)| format!("{name}/"))
-            .unwrap_or_default();
+        let own_name = own_name(&worker);
         self.write(move |tx| {
             Box::pin(async move {
                 // The guard is repeated outside the subquery: the update is a compare-and-set.

@@ -90,10 +90,7 @@ impl Db {
         lease_ms: i64,
     ) -> Result<Option<LeasedPartition>, DbError> {
         let worker = worker.to_string();
-        let own_name = worker
-            .split_once('/')
-            .map(|(name, _)| format!("{name}/"))
-            .unwrap_or_default();
+        let own_name = super::jobs::own_name(&worker);
         self.write(move |tx| {
             Box::pin(async move {
                 // Locked with SKIP LOCKED on PostgreSQL, so concurrent workers take different

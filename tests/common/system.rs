@@ -230,3 +230,32 @@ pub async fn rounds_at(base: &str, token: &str, task: &str) -> Vec<Value> {
         .cloned()
         .unwrap_or_default()
 }
+
+/// Asserts that round 1 of `task` released every completed contribution exactly once: its one
+/// release's manifest names the digest of the round's `devices` distinct refs.
+pub async fn assert_released_every_contribution_once(
+    system: &EmbeddedSystem,
+    task: &str,
+    devices: usize,
+) {
+    let releases = system.db.releases_of_task(task).await.unwrap();
+    assert_eq!(releases.len(), 1, "one release");
+    let manifest: confed_worker_api::manifest::Manifest =
+        serde_json::from_str(&releases[0].manifest_json).unwrap();
+    let mut refs: Vec<String> = system
+        .db
+        .completed_contributions(task, 1)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(assignment_ref, _)| assignment_ref)
+        .collect();
+    refs.sort();
+    refs.dedup();
+    assert_eq!(refs.len(), devices);
+    assert_eq!(manifest.included, devices as u64);
+    assert_eq!(
+        manifest.included_digest,
+        confed_enclave::aggregate::digest(&refs)
+    );
+}

@@ -13,7 +13,6 @@ use common::system::{
 };
 use confed::embedded::EmbeddedSystem;
 use confed::partitioning::PartitionPolicy;
-use confed_worker_api::manifest::Manifest;
 use p256::pkcs8::{EncodePrivateKey, LineEnding};
 
 const TOKEN: &str = "worker-token-for-process-tests-0123456789ab";
@@ -238,20 +237,7 @@ async fn a_confed_enclave_killed_mid_partition_loses_nothing_and_counts_nothing_
     assert!(partitions[held as usize].lease_owner.is_none());
     assert_eq!(releases.len(), 1, "the root released");
     assert_eq!(releases[0].included, devices as i64);
-    let manifest: Manifest = serde_json::from_str(&releases[0].manifest_json).unwrap();
-    let mut refs: Vec<String> = system
-        .db
-        .completed_contributions(&task, 1)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|(assignment_ref, _)| assignment_ref)
-        .collect();
-    refs.sort();
-    assert_eq!(
-        manifest.included_digest,
-        confed_enclave::aggregate::digest(&refs)
-    );
+    common::system::assert_released_every_contribution_once(&system, &task, devices).await;
     let states = rounds(&system, &token, &task).await;
     assert_eq!(states[0]["state"], "COMPLETED", "{states:?}");
     system.shutdown().await;

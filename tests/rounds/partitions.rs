@@ -11,7 +11,6 @@ use common::system::{collect, collect_n, now_clock, open_task, open_task_of, sta
 use confed::clock::Clock;
 use confed::partitioning::PartitionPolicy;
 use confed_enclave::worker::{Phases, round_context};
-use confed_worker_api::manifest::Manifest;
 use confed_worker_api::model::validate_model;
 use confed_worker_api::store::{JobSpec, JobStore, Partitioning, StoreError};
 
@@ -151,22 +150,7 @@ async fn a_partition_whose_worker_died_is_leased_again_and_nothing_counts_twice(
         (None, DEVICES as u64, 0)
     );
     // Every contribution once: the manifest's digest is over the round's distinct refs.
-    let releases = system.db.releases_of_task(&task).await.unwrap();
-    let manifest: Manifest = serde_json::from_str(&releases[0].manifest_json).unwrap();
-    let mut refs: Vec<String> = system
-        .db
-        .completed_contributions(&task, 1)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|(assignment_ref, _)| assignment_ref)
-        .collect();
-    refs.sort();
-    assert_eq!(refs.len(), DEVICES);
-    assert_eq!(
-        manifest.included_digest,
-        confed_enclave::aggregate::digest(&refs)
-    );
+    common::system::assert_released_every_contribution_once(&system, &task, DEVICES).await;
 }
 
 /// A partition's transient failure puts the whole job on its backoff; a permanent one fails the
