@@ -276,6 +276,47 @@ async fn the_partition_route_fences_and_a_forged_partition_fails_the_merge() {
     assert!(system.db.releases_of_task(&task).await.unwrap().is_empty());
 }
 
+/// A BLT task's rounds partitioned: each round's root continues the state the previous round's
+/// root left (the partitions bind the same state into the one commitment), and the chain holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_blt_rounds_continue_the_state_chain() {
+    let (system, _dir) = start_partitioned(now_clock(), None, None, partitioned()).await;
+    let token = system.tenant("tenant-blt").await.unwrap();
+    let privacy = serde_json::json!({"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0,
+                                      "mechanism": "blt", "min_separation": 1});
+    let task = common::system::create_task_with(
+        &system.url,
+        &token,
+        "blt-parts",
+        8.0,
+        DEVICES,
+        serde_json::json!({"privacy": privacy}),
+    )
+    .await;
+    let worker = system.worker("w");
+    for round in 1..=2u64 {
+        collect_n(&system, "blt-parts", round, false, DEVICES).await;
+        let mut partitions = 0;
+        let released = loop {
+            let outcome = worker.run_once().await.unwrap().expect("a job");
+            match outcome.partition {
+                Some(_) => partitions += 1,
+                None => break outcome,
+            }
+        };
+        assert_eq!((partitions, released.round), (2, round));
+        assert_eq!(released.included, DEVICES as u64);
+    }
+    let releases = system.db.releases_of_task(&task).await.unwrap();
+    let blt = |i: usize| -> serde_json::Value {
+        serde_json::from_str::<serde_json::Value>(&releases[i].manifest_json).unwrap()["noise"]
+            ["blt"]
+            .clone()
+    };
+    assert_eq!(blt(0)["state_in_blake3"], serde_json::Value::Null);
+    assert_eq!(blt(1)["state_in_blake3"], blt(0)["state_out_blake3"]);
+}
+
 /// A store that lost its sealed partitions (they are listed, but not served).
 struct LostPartitions(std::sync::Arc<confed::aggregation::TaskDbJobStore>);
 
