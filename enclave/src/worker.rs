@@ -571,11 +571,17 @@ impl<S: JobStore + 'static> Worker<S> {
             inputs_digest,
         };
         let round = binding.context.round;
+        // Only the step that noises continues the BLT state: a partition only binds its digest
+        // (above), and a copy of the state per partition would cost up to 240 bytes a value.
+        let continues = match job.partitioning {
+            Some(Partitioning::Partition { .. }) => None,
+            _ => job.blt_state.clone(),
+        };
         let aggregator = Arc::new(
             Aggregator::new(binding, privacy.clip_norm, schema.clone(), &private_key)?
                 .evaluating(privacy.evaluation_in(round))
                 .authenticating(policy.device_auth.clone())
-                .continuing(job.blt_state.clone()),
+                .continuing(continues),
         );
         Ok(Prepared {
             privacy,
