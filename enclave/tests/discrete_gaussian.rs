@@ -75,7 +75,7 @@ fn machine_word_sampler_matches_the_exact_discrete_gaussian() {
 }
 
 #[test]
-fn the_bit_thrifty_sampler_matches_the_exact_discrete_gaussian() {
+fn blts_step_sampler_matches_the_exact_discrete_gaussian() {
     use confed_enclave::dp::sampler_bits::Bits;
     use rand_chacha::ChaCha12Rng;
     use rand_core::SeedableRng;
@@ -95,12 +95,13 @@ fn the_bit_thrifty_sampler_matches_the_exact_discrete_gaussian() {
         let g = DiscreteGaussian::with_variance(sigma2);
         let mut rng = ChaCha12Rng::from_seed([(sigma2 % 251) as u8 ^ (sigma2 >> 56) as u8; 32]);
         let mut bits = Bits::new(&mut rng);
-        let samples: Vec<i64> = (0..200_000).map(|_| g.sample_bits(&mut bits)).collect();
+        let steps = g.steps();
+        let samples: Vec<i64> = (0..200_000).map(|_| steps.sample(&mut bits)).collect();
         check_distribution(&samples, sigma2, 200_000);
     }
 }
 
-/// BLT's sampler (Karney's algorithm) against the other mechanisms' (Canonne, Kamath and
+/// BLT's sampler (rejection from a step envelope) against the other mechanisms' (Canonne, Kamath and
 /// Steinke's), both exact, at a scale of the grid where the chi-square against the pmf would need
 /// too many bins: 48 bins of a quarter sigma over +-6 sigma, tails pooled, two-sample chi-square.
 #[test]
@@ -120,12 +121,13 @@ fn the_two_exact_samplers_agree_at_a_large_scale() {
         let reference = noise::samples(n, &g, &[seed; 32]);
         let mut rng = ChaCha12Rng::from_seed([seed + 1; 32]);
         let mut bits = Bits::new(&mut rng);
-        let karney: Vec<i64> = (0..n).map(|_| g.sample_bits(&mut bits)).collect();
+        let steps = g.steps();
+        let blt: Vec<i64> = (0..n).map(|_| steps.sample(&mut bits)).collect();
         let sigma = (sigma2 as f64).sqrt();
         let bin = |x: i64| ((x as f64 / (sigma / 4.0)).floor().clamp(-24.0, 23.0) + 24.0) as usize;
         let (mut a, mut b) = ([0f64; 48], [0f64; 48]);
         reference.iter().for_each(|&x| a[bin(x)] += 1.0);
-        karney.iter().for_each(|&x| b[bin(x)] += 1.0);
+        blt.iter().for_each(|&x| b[bin(x)] += 1.0);
         let mut stat = 0.0;
         let mut bins = 0;
         for (x, y) in a.iter().zip(&b) {

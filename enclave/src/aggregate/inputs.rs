@@ -95,10 +95,18 @@ pub fn bind_on_demand_evaluation(inputs_digest: &str) -> String {
     super::hex(hasher.finalize().as_bytes())
 }
 
+/// The sampler BLT noise is drawn with, as bound into a BLT round's inputs digest: an enclave
+/// whose sampler maps the noise stream to other values must name another, so that it cannot
+/// finish a round an enclave of the other kind started (two releases of one round with other
+/// noise would average it away).
+pub const BLT_SAMPLER: &str = "steps-v1";
+
 /// The inputs digest of a BLT round: `BLAKE3(inputs_digest (64 ASCII hex) || "blt_state=" ||
-/// BLAKE3 hex of the sealed state it continues, or "initial" in round 1)`. The release
-/// commitment then names the state, and the key services' ledger (one commitment per round) lets
-/// each round continue exactly one: no rolled-back or forked state is ever continued.
+/// BLAKE3 hex of the sealed state it continues, or "initial" in round 1 || ";sampler=" ||
+/// BLT_SAMPLER)`. The release commitment then names the state, and the key services' ledger (one
+/// commitment per round) lets each round continue exactly one: no rolled-back or forked state is
+/// ever continued. It names the sampler too, so the ledger also refuses a second release of a
+/// round by an enclave version that draws other noise from the same key.
 pub fn bind_blt_state(inputs_digest: &str, state: Option<&[u8; 32]>) -> String {
     let mut hasher = blake3::Hasher::new();
     hasher.update(inputs_digest.as_bytes());
@@ -107,6 +115,8 @@ pub fn bind_blt_state(inputs_digest: &str, state: Option<&[u8; 32]>) -> String {
         Some(digest) => hasher.update(super::hex(digest).as_bytes()),
         None => hasher.update(b"initial"),
     };
+    hasher.update(b";sampler=");
+    hasher.update(BLT_SAMPLER.as_bytes());
     super::hex(hasher.finalize().as_bytes())
 }
 

@@ -13,7 +13,7 @@
 //! exact fixed point with `FRACTION_BITS` fractional bits in i128, multiplied by the policy's
 //! decays and scales exactly: they are multiples of 2^-52) plus discrete Gaussian noise `z` on the
 //! lattice, so the mechanism is an exact discrete Gaussian mechanism on a deterministic function
-//! of the sums (drawn by `sampler_bits`: the same distribution by Karney's exact algorithm,
+//! of the sums (drawn by `sampler_steps`: the same distribution by another exact algorithm,
 //! faster). `r = (C^-1 y)` is what the model updater adds, computed in f64 from the `y`s alone
 //! (post-processing: its rounding costs accuracy, never privacy). The noise is keyed like
 //! everything else (`aggregate::noise`): block `k` of values draws from ChaCha12 stream `k` of the
@@ -26,6 +26,7 @@ use thiserror::Error;
 
 use super::DiscreteGaussian;
 use super::sampler_bits::Bits;
+use super::sampler_steps::StepSampler;
 
 /// Fractional bits of the strategy buffers: the products are truncated, and their accumulated
 /// error stays below `(rounds * sum(omega) + buffers) * 2^-40` lattice units per value, far inside
@@ -179,6 +180,7 @@ impl BltKernel {
         }
         let mut out = vec![0f64; values];
         let failed = std::sync::atomic::AtomicBool::new(false);
+        let noise = noise.steps();
         // Each block's share of the buffers, taken by index: a kernel without buffers (the
         // identity, no correlation) still gets one (empty) share per block, not none.
         let blocks = values.div_ceil(BLOCK);
@@ -193,7 +195,7 @@ impl BltKernel {
                 let mut rng = ChaCha12Rng::from_seed(*seed);
                 rng.set_stream(block as u64);
                 if self
-                    .block(out, sums, strategy, release, noise, &mut rng)
+                    .block(out, sums, strategy, release, &noise, &mut rng)
                     .is_none()
                 {
                     failed.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -211,7 +213,7 @@ impl BltKernel {
         sums: &[i64],
         strategy: &mut [i128],
         release: &mut [f64],
-        noise: &DiscreteGaussian,
+        noise: &StepSampler,
         rng: &mut ChaCha12Rng,
     ) -> Option<()> {
         let d = self.decays.len();
@@ -229,7 +231,7 @@ impl BltKernel {
                 *b = times_quantum(*b, t).checked_add(x << FRACTION_BITS)?;
             }
             let rounded = running.checked_add(half)? >> FRACTION_BITS;
-            let y = (x + rounded + i128::from(noise.sample_bits(&mut bits))) as f64;
+            let y = (x + rounded + i128::from(noise.sample(&mut bits))) as f64;
             let mine = &mut release[i * dhat..(i + 1) * dhat];
             let mut value = y;
             for (s, (&w, &t)) in mine

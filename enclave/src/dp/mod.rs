@@ -4,9 +4,11 @@
 //! (`blt`).
 
 pub mod blt;
+mod exp_bounds;
 pub mod opendp;
 pub mod sampler;
 pub mod sampler_bits;
+pub mod sampler_steps;
 
 pub use confed_dp::{
     Calibration, DpError, SideScales, accounting, calibrate_task, grid, spent_task, tree,

@@ -26,8 +26,6 @@ pub struct DiscreteGaussian {
     sigma2: u64,
     /// floor(sigma) + 1: the Laplace proposal's scale.
     t: u64,
-    /// `ceil(k sigma)` for k = 0..8: where `sampler_bits`'s unit intervals of sigma begin.
-    interval_starts: [u64; 8],
 }
 
 /// `ceil(sqrt(v))`, exactly.
@@ -57,15 +55,9 @@ impl DiscreteGaussian {
     /// The discrete Gaussian with integer variance `sigma2` (1..=2^60).
     pub fn with_variance(sigma2: u64) -> Self {
         let sigma2 = sigma2.clamp(1, MAX_SCALE_GRID * MAX_SCALE_GRID);
-        let mut interval_starts = [0u64; 8];
-        for (k, start) in interval_starts.iter_mut().enumerate() {
-            // k^2 sigma^2 <= 49 * 2^60: the root is below 2^33.
-            *start = ceil_sqrt((k * k) as u128 * u128::from(sigma2)) as u64;
-        }
         Self {
             sigma2,
             t: sigma2.isqrt() + 1,
-            interval_starts,
         }
     }
 
@@ -81,14 +73,6 @@ impl DiscreteGaussian {
     /// (sigma^2, t): the algorithm's parameters.
     pub(crate) fn parameters(&self) -> (u64, u64) {
         (self.sigma2, self.t)
-    }
-
-    /// `ceil(k sigma)`, exactly (`sampler_bits`).
-    pub(crate) fn interval_start(&self, k: u64) -> u128 {
-        match self.interval_starts.get(k as usize) {
-            Some(start) => u128::from(*start),
-            None => ceil_sqrt(u128::from(k) * u128::from(k) * u128::from(self.sigma2)),
-        }
     }
 
     /// One sample (Algorithm 3: discrete Laplace proposal, Bernoulli(exp(-gamma)) acceptance).
