@@ -7,7 +7,7 @@
 //! partial sums of odd length are below `exp(-t)`, of even length above, because the terms
 //! `t^n / n!` do not increase), in fixed point rounded outwards, then squared `h` times with the
 //! lower bound rounded down and the upper up. Each undecided comparison reads 32 more digits of
-//! `U` and doubles the precision. It ends with probability 1: `exp(-p/q)` is irrational for `p >
+//! `U` and takes 64 more bits of precision. It ends with probability 1: `exp(-p/q)` is irrational for `p >
 //! 0`, and a dyadic `U` boundary of a rational is met in finitely many digits.
 
 use dashu_int::UBig;
@@ -43,7 +43,9 @@ pub fn below<R: RngCore>(
         }
         known = (known << 32) + UBig::from(bits.bits(32));
         digits += 32;
-        precision *= 2;
+        // Linear growth: each undecided round is as likely as the last to be the final one, so
+        // the work of one comparison stays bounded by the digits it read.
+        precision += 64;
     }
 }
 

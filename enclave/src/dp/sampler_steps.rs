@@ -284,6 +284,24 @@ mod tests {
         assert!(envelope.masses.iter().all(|m| *m >= 1));
     }
 
+    /// The table is computed at start with the platform's `exp`; the stream-to-value map that
+    /// `inputs::BLT_SAMPLER` names must not move with a libm. The nearest mass is 470 ulps from
+    /// a rounding boundary and `c` 12,000, so a libm within an ulp gives these exactly.
+    #[test]
+    fn the_table_is_the_one_the_sampler_is_named_for() {
+        let envelope = Envelope::get();
+        let c = envelope.denominators[0] / u128::from(envelope.masses[0]);
+        assert_eq!(c, 45_211_029_608);
+        let mut hasher = blake3::Hasher::new();
+        for mass in envelope.masses {
+            hasher.update(&mass.to_le_bytes());
+        }
+        assert_eq!(
+            hasher.finalize().to_hex().as_str(),
+            "4053e46fb95b4a8f0f2e69181a78385ad64001265ec56b3617edbcda5e6fd4dd"
+        );
+    }
+
     #[test]
     fn the_envelope_lies_above_the_curve_at_every_step() {
         // a <= 1 needs exp(-j^2 / 128) <= C q_j = K_j / 2^SHIFT, checked here in exact bounds.
