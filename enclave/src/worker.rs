@@ -514,6 +514,12 @@ impl<S: JobStore + 'static> Worker<S> {
     ) -> Result<Prepared, JobError> {
         let step = Instant::now();
         let privacy = PrivacyParams::for_round(policy, job.clip_norm, job.on_demand_evaluation)?;
+        // The noise's calibration (26 ms the first time a process meets a policy) on a spare
+        // thread while the inputs are listed and the key is fetched, not after the contributions
+        // open; `finish` then finds it cached. Its errors are `finish`'s to report.
+        if !matches!(job.partitioning, Some(Partitioning::Partition { .. })) {
+            drop(tokio::task::spawn_blocking(move || privacy.calibration()));
+        }
         // BLT: the model's size and the state's header, before anything is read or asked for.
         let blt_state = match privacy.mechanism {
             Mechanism::Blt(blt) => Some(blt_round::check_before_key(

@@ -211,6 +211,19 @@ impl PrivacyParams {
         }
     }
 
+    /// The task's noise calibration: a function of the policy alone, worked out once per
+    /// process and policy (`confed_dp`'s cache), so the worker can have it ready before the
+    /// round's contributions are in.
+    pub fn calibration(&self) -> Result<dp::Calibration, DpError> {
+        dp::calibrate_task(
+            &dp::OpenDp,
+            self.dp_mechanism(),
+            self.epsilon,
+            self.delta,
+            self.rounds,
+        )
+    }
+
     /// `inputs_digest` with the round's parameters the store chose bound in (docs/protocol.md,
     /// `inputs_digest`): adaptive clipping's clip norm, an on-demand evaluation. The release
     /// commitment and the noise then differ with either, so a second release of the same inputs
@@ -480,13 +493,7 @@ impl Aggregator {
         }
         let included_digest = digest(&outcome.included);
         let inputs_digest = self.binding.inputs_digest.clone();
-        let calibration = dp::calibrate_task(
-            &dp::OpenDp,
-            privacy.dp_mechanism(),
-            privacy.epsilon,
-            privacy.delta,
-            privacy.rounds,
-        )?;
+        let calibration = privacy.calibration()?;
         let unclipped = self.unclipped.load(Ordering::Relaxed);
         // On the grid, or on a BLT's finer lattice.
         let units_per_clip = dp::accounting::units_per_clip(privacy.mechanism);
