@@ -8,11 +8,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use confed_worker_api::store::{JobSpec, JobStore, StagedRelease, StoreError};
+use confed_worker_api::store::{BlockingFetch, JobSpec, JobStore, StagedRelease, StoreError};
 use confed_worker_api::wire::{BlobSource, ContributionWire, JobWire, resolve};
 use sha2::{Digest, Sha256};
 
-use crate::blob::{BlobError, BlobKey, BlobStore};
+use crate::blob::{BlobError, BlobKey, BlobStore, SealedReader};
 use crate::clock::Clock;
 use crate::db::jobs::{JobContext, NewRelease};
 use crate::db::{Db, DbError, NewModel};
@@ -517,6 +517,25 @@ impl BlobSource for TaskDbJobStore {
     }
 }
 
+/// A contribution read from the store: its bytes, `None` when the store has none.
+fn fetched(read: Result<Vec<u8>, BlobError>) -> Result<Option<Vec<u8>>, StoreError> {
+    match read {
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(BlobError::NotFound(_)) => Ok(None),
+        Err(e) => Err(backend(e)),
+    }
+}
+
+/// `TaskDbJobStore::fetch_into` on the calling thread, over a store that reads local files.
+struct ContributionReader(Arc<dyn SealedReader>);
+
+impl BlockingFetch for ContributionReader {
+    fn fetch_into(&self, blob_key: &str, buffer: Vec<u8>) -> Result<Option<Vec<u8>>, StoreError> {
+        let key = BlobKey::new(blob_key.to_string()).map_err(backend)?;
+        fetched(self.0.get_sealed_into(&key, buffer))
+    }
+}
+
 impl JobStore for TaskDbJobStore {
     async fn lease(&self, worker: &str, lease: Duration) -> Result<Option<JobSpec>, StoreError> {
         let Some(wire) = self.lease_wire(worker, lease).await? else {
@@ -541,11 +560,12 @@ impl JobStore for TaskDbJobStore {
         let key = BlobKey::new(blob_key.to_string()).map_err(backend)?;
         // The enclave checks every byte against its committed BLAKE3 (and the AEAD): no store
         // digest on the way.
-        match self.contributions.get_sealed_into(&key, buffer).await {
-            Ok(bytes) => Ok(Some(bytes)),
-            Err(BlobError::NotFound(_)) => Ok(None),
-            Err(e) => Err(backend(e)),
-        }
+        fetched(self.contributions.get_sealed_into(&key, buffer).await)
+    }
+
+    fn blocking_fetch(&self) -> Option<Arc<dyn BlockingFetch>> {
+        let reader = self.contributions.sealed_reader()?;
+        Some(Arc::new(ContributionReader(reader)))
     }
 
     async fn commit_release(

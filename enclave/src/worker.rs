@@ -16,7 +16,7 @@
 
 use futures_util::StreamExt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+
 use std::time::{Duration, Instant};
 
 use confed_attestation::Attester;
@@ -39,6 +39,8 @@ use confed_worker_api::reads::{BufferPool, READ_AHEAD, next_batch};
 use confed_worker_api::store::{
     JobSpec, JobStore, MIN_PARTITION_INPUTS, Partitioning, StagedRelease, StoreError,
 };
+
+mod open;
 
 pub use crate::policy::{MAX_TASK_DELTA, MAX_TASK_EPSILON};
 
@@ -600,68 +602,6 @@ impl<S: JobStore + 'static> Worker<S> {
         })
     }
 
-    /// Reads, checks and opens every input into `aggregator`. Each contribution is opened as
-    /// soon as it is read, one per core at a time, while the next are read (`READ_AHEAD`): no
-    /// batch boundary where a core waits for the slowest contribution of its batch, and at most
-    /// `READ_AHEAD` + one per core contributions in memory, whatever the round's size. The lease
-    /// is renewed before, every quarter lease during, and after.
-    async fn open_all(
-        &self,
-        job: &JobSpec,
-        inputs: Vec<Input>,
-        aggregator: &Arc<Aggregator>,
-    ) -> Result<(), JobError> {
-        let renew = || {
-            self.store
-                .renew(&job.job_id, &self.config.id, self.config.lease)
-        };
-        renew().await?;
-        let cores = std::thread::available_parallelism().map_or(1, usize::from);
-        let opening = Arc::new(tokio::sync::Semaphore::new(cores));
-        // Set at the first failure: opens already queued then add nothing more (the job fails,
-        // and its aggregator is dropped unreleased; no need to keep its cores busy).
-        let stopped = Arc::new(AtomicBool::new(false));
-        // Owned items: a stream over borrowed ones makes the job's future not provably `Send`.
-        let opened = futures_util::stream::iter(inputs)
-            .map(|input| {
-                let aggregator = Arc::clone(aggregator);
-                let (opening, stopped) = (Arc::clone(&opening), Arc::clone(&stopped));
-                async move {
-                    let (reread, stored) = self.read_committed(input).await?;
-                    // Never closed: an error would only mean opening without waiting.
-                    let _core = opening.acquire().await.ok();
-                    tokio::task::spawn_blocking(move || {
-                        if stopped.load(Ordering::Relaxed) {
-                            return Ok(None);
-                        }
-                        open_one(&aggregator, reread, stored)
-                    })
-                    .await
-                    .map_err(JobError::Thread)?
-                    .map_err(|changed| JobError::from(not_committed(&changed)))
-                }
-            })
-            .buffer_unordered(READ_AHEAD + cores);
-        let mut opened = std::pin::pin!(opened);
-        let mut renewed = Instant::now();
-        while let Some(buffer) = opened.next().await {
-            match buffer {
-                Ok(Some(buffer)) => self.buffers.give(buffer),
-                Ok(None) => {}
-                Err(error) => {
-                    stopped.store(true, Ordering::Relaxed);
-                    return Err(error);
-                }
-            }
-            if renewed.elapsed() >= self.config.lease / 4 {
-                renew().await?;
-                renewed = Instant::now();
-            }
-        }
-        renew().await?;
-        Ok(())
-    }
-
     /// The inputs the round's commitment names: a contribution the job lists with a digest is
     /// not read here (it is read once, after the key, and must have that digest); one without is
     /// read and digested in batches on all cores (one batch while the next is read), kept in
@@ -734,37 +674,6 @@ impl<S: JobStore + 'static> Worker<S> {
         let digest = inputs::sort_and_digest(&mut inputs).map_err(JobError::MalformedJob)?;
         Ok((inputs, digest))
     }
-
-    /// A contribution's bytes to open: those kept from the first read, or read now with the
-    /// digest the commitment names for them (the store is not trusted to serve those bytes;
-    /// `open_one` checks them on all cores). A contribution committed as missing stays so.
-    async fn read_committed(&self, input: Input) -> Result<(Reread, Option<Vec<u8>>), StoreError> {
-        let assignment_ref = input.assignment_ref;
-        if let Some(bytes) = input.retained {
-            return Ok(((assignment_ref, None), Some(bytes)));
-        }
-        let Some(expected) = input.digest else {
-            return Ok(((assignment_ref, None), None));
-        };
-        let stored = self
-            .store
-            .fetch_into(&input.blob_key, self.buffers.take())
-            .await?;
-        if stored.is_none() {
-            return Err(not_committed(&assignment_ref));
-        }
-        Ok(((assignment_ref, Some(expected)), stored))
-    }
-}
-
-/// A contribution the store did not serve as committed: missing, or with another digest. The
-/// job fails (it is not excluded): a release without it would differ from the committed one by
-/// that device's update under the same noise.
-fn not_committed(assignment_ref: &str) -> StoreError {
-    StoreError::Conflict(format!(
-        "contribution {assignment_ref} is not the bytes the round's commitment names \
-         (missing or changed in the store since they were digested)"
-    ))
 }
 
 /// Refuses a partition plan with a partition of fewer than `MIN_PARTITION_INPUTS` inputs (one
@@ -788,30 +697,6 @@ struct Prepared {
     receipts: Vec<confed_attestation::release::Receipt>,
     private_key: Arc<crate::hpke::PrivateKey>,
     aggregator: Arc<Aggregator>,
-}
-
-/// A contribution to open: its ref, and the digest its bytes must have (`None` when they are the
-/// ones this job read and digested itself).
-type Reread = (String, Option<[u8; 32]>);
-
-/// Checks a contribution against its committed digest and adds it (the check just before it is
-/// opened, while its bytes are in this core's cache); gives back its buffer, or its ref when it
-/// is not as committed. The job then fails, and what was added before is dropped with the
-/// aggregator, unreleased.
-fn open_one(
-    aggregator: &Aggregator,
-    (assignment_ref, expected): Reread,
-    stored: Option<Vec<u8>>,
-) -> Result<Option<Vec<u8>>, String> {
-    if let Some(expected) = expected
-        && stored
-            .as_deref()
-            .is_none_or(|bytes| *blake3::hash(bytes).as_bytes() != expected)
-    {
-        return Err(assignment_ref);
-    }
-    let _ = aggregator.add(&assignment_ref, stored.as_deref());
-    Ok(stored)
 }
 
 /// The job's policy, checked, and the round context every contribution must be bound to: the

@@ -29,7 +29,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 
-use super::{BlobError, BlobFuture, BlobKey, BlobStore, PutOutcome};
+use super::{BlobError, BlobFuture, BlobKey, BlobStore, PutOutcome, SealedReader};
 
 const MAGIC: &[u8; 4] = b"CFL1";
 const HEADER_BYTES: usize = 4 + 4 + 32 + 2;
@@ -599,6 +599,35 @@ impl BlobStore for ContributionLog {
     fn get_sealed_into<'a>(&'a self, key: &'a BlobKey, buffer: Vec<u8>) -> BlobFuture<'a, Vec<u8>> {
         Box::pin(self.read_object(key, false, buffer))
     }
+
+    fn sealed_reader(&self) -> Option<Arc<dyn SealedReader>> {
+        Some(Arc::new(SegmentReader(Arc::clone(&self.readers))))
+    }
+}
+
+/// The log's sealed reads on the calling thread: a positioned read from a segment file.
+struct SegmentReader(Arc<Readers>);
+
+impl SealedReader for SegmentReader {
+    fn get_sealed_into(&self, key: &BlobKey, buffer: Vec<u8>) -> Result<Vec<u8>, BlobError> {
+        let location = located(key)?;
+        self.0
+            .read(&location, false, buffer)
+            .map_err(|e| read_error(key, e))
+    }
+}
+
+/// Where `key`'s record is, or `NotFound` for a key the log never gave out.
+fn located(key: &BlobKey) -> Result<Location, BlobError> {
+    parse_location(key.as_str()).ok_or_else(|| BlobError::NotFound(key.as_str().to_string()))
+}
+
+fn read_error(key: &BlobKey, e: std::io::Error) -> BlobError {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        BlobError::NotFound(key.as_str().to_string())
+    } else {
+        io_error(key.as_str(), e)
+    }
 }
 
 impl ContributionLog {
@@ -608,21 +637,12 @@ impl ContributionLog {
         digest: bool,
         buffer: Vec<u8>,
     ) -> Result<Vec<u8>, BlobError> {
-        let Some(location) = parse_location(key.as_str()) else {
-            return Err(BlobError::NotFound(key.as_str().to_string()));
-        };
-        let not_found = |e: std::io::Error| {
-            if e.kind() == std::io::ErrorKind::NotFound {
-                BlobError::NotFound(key.as_str().to_string())
-            } else {
-                io_error(key.as_str(), e)
-            }
-        };
+        let location = located(key)?;
         let readers = Arc::clone(&self.readers);
         tokio::task::spawn_blocking(move || readers.read(&location, digest, buffer))
             .await
             .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
-            .map_err(not_found)
+            .map_err(|e| read_error(key, e))
     }
 }
 

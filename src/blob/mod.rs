@@ -231,6 +231,12 @@ impl ObjectInfo {
     }
 }
 
+/// Reads sealed objects on the calling thread (`BlobStore::sealed_reader`).
+pub trait SealedReader: Send + Sync {
+    /// `BlobStore::get_sealed_into`, on the calling thread.
+    fn get_sealed_into(&self, key: &BlobKey, buffer: Vec<u8>) -> Result<Vec<u8>, BlobError>;
+}
+
 /// A device's upload straight to the store: PUT the bytes to `url` with exactly `headers`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DirectUpload {
@@ -277,6 +283,13 @@ pub trait BlobStore: Send + Sync + std::fmt::Debug {
     fn get_sealed_into<'a>(&'a self, key: &'a BlobKey, buffer: Vec<u8>) -> BlobFuture<'a, Vec<u8>> {
         drop(buffer);
         self.get_sealed(key)
+    }
+
+    /// A reader of sealed objects on the calling thread, for a store whose reads are local file
+    /// reads (the contribution log): the in-process worker reads, checks and opens each
+    /// contribution on one thread. `None` (the default): reads go through `get_sealed_into`.
+    fn sealed_reader(&self) -> Option<std::sync::Arc<dyn SealedReader>> {
+        None
     }
 
     /// Size and digest of a stored object (`None` when there is none). Cloud stores answer from

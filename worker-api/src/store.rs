@@ -4,6 +4,7 @@
 //! enclave (`confed_enclave::worker` says how each part is checked).
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use confed_attestation::release::ReleaseProof;
@@ -134,6 +135,12 @@ pub enum StoreError {
     Backend(String),
 }
 
+/// Reads contributions on the calling thread (`JobStore::blocking_fetch`).
+pub trait BlockingFetch: Send + Sync {
+    /// `JobStore::fetch_into`, on the calling thread.
+    fn fetch_into(&self, blob_key: &str, buffer: Vec<u8>) -> Result<Option<Vec<u8>>, StoreError>;
+}
+
 /// The task database and blob store, as the enclave sees them.
 pub trait JobStore: Send + Sync {
     fn lease(
@@ -161,6 +168,13 @@ pub trait JobStore: Send + Sync {
     ) -> impl Future<Output = Result<Option<Vec<u8>>, StoreError>> + Send {
         drop(buffer);
         self.fetch(blob_key)
+    }
+    /// A reader of contributions on the calling thread, for a store whose reads are local file
+    /// reads (the in-process store over the contribution log): the worker then reads, checks and
+    /// opens each contribution on one thread, with no hand-off between the steps. `None` (the
+    /// default, and any store over a network): contributions are read with `fetch_into`.
+    fn blocking_fetch(&self) -> Option<Arc<dyn BlockingFetch>> {
+        None
     }
     /// Commits the round's release (AGGREGATING -> APPLYING), once.
     fn commit_release(

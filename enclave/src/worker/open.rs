@@ -1,0 +1,246 @@
+//! The open step of a job: every committed contribution read, checked against its digest
+//! and opened into the aggregator, across all cores.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use confed_worker_api::reads::READ_AHEAD;
+use confed_worker_api::store::{BlockingFetch, JobSpec, JobStore, StoreError};
+use futures_util::StreamExt;
+
+use super::{JobError, Worker};
+use crate::aggregate::Aggregator;
+use crate::aggregate::inputs::Input;
+
+impl<S: JobStore + 'static> Worker<S> {
+    /// Reads, checks and opens every input into `aggregator`. Each contribution is opened as
+    /// soon as it is read, one per core at a time, while the next are read (`READ_AHEAD`): no
+    /// batch boundary where a core waits for the slowest contribution of its batch, and at most
+    /// `READ_AHEAD` + one per core contributions in memory, whatever the round's size. The lease
+    /// is renewed before, every quarter lease during, and after.
+    pub(super) async fn open_all(
+        &self,
+        job: &JobSpec,
+        inputs: Vec<Input>,
+        aggregator: &Arc<Aggregator>,
+    ) -> Result<(), JobError> {
+        if let Some(fetch) = self.store.blocking_fetch() {
+            return self.open_on_cores(job, inputs, aggregator, fetch).await;
+        }
+        let renew = || {
+            self.store
+                .renew(&job.job_id, &self.config.id, self.config.lease)
+        };
+        renew().await?;
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let opening = Arc::new(tokio::sync::Semaphore::new(cores));
+        // Set at the first failure: opens already queued then add nothing more (the job fails,
+        // and its aggregator is dropped unreleased; no need to keep its cores busy).
+        let stopped = Arc::new(AtomicBool::new(false));
+        // Owned items: a stream over borrowed ones makes the job's future not provably `Send`.
+        let opened = futures_util::stream::iter(inputs)
+            .map(|input| {
+                let aggregator = Arc::clone(aggregator);
+                let (opening, stopped) = (Arc::clone(&opening), Arc::clone(&stopped));
+                async move {
+                    let (reread, stored) = self.read_committed(input).await?;
+                    // Never closed: an error would only mean opening without waiting.
+                    let _core = opening.acquire().await.ok();
+                    tokio::task::spawn_blocking(move || {
+                        if stopped.load(Ordering::Relaxed) {
+                            return Ok(None);
+                        }
+                        open_one(&aggregator, reread, stored)
+                    })
+                    .await
+                    .map_err(JobError::Thread)?
+                    .map_err(|changed| JobError::from(not_committed(&changed)))
+                }
+            })
+            .buffer_unordered(READ_AHEAD + cores);
+        let mut opened = std::pin::pin!(opened);
+        let mut renewed = Instant::now();
+        while let Some(buffer) = opened.next().await {
+            match buffer {
+                Ok(Some(buffer)) => self.buffers.give(buffer),
+                Ok(None) => {}
+                Err(error) => {
+                    stopped.store(true, Ordering::Relaxed);
+                    return Err(error);
+                }
+            }
+            if renewed.elapsed() >= self.config.lease / 4 {
+                renew().await?;
+                renewed = Instant::now();
+            }
+        }
+        renew().await?;
+        Ok(())
+    }
+
+    /// `open_all` over a store that reads on the calling thread: one blocking task per core
+    /// takes the next input, reads it into that task's own buffer, checks it and opens it, with
+    /// no hand-off between the steps (a read and an open each handed to the blocking pool left
+    /// the cores idle a fifth of the time, and switching tasks took another tenth). One
+    /// contribution per core in memory. The lease is renewed before, every quarter lease during,
+    /// and after.
+    async fn open_on_cores(
+        &self,
+        job: &JobSpec,
+        inputs: Vec<Input>,
+        aggregator: &Arc<Aggregator>,
+        fetch: Arc<dyn BlockingFetch>,
+    ) -> Result<(), JobError> {
+        let renew = || {
+            self.store
+                .renew(&job.job_id, &self.config.id, self.config.lease)
+        };
+        renew().await?;
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let queue = Arc::new(std::sync::Mutex::new(inputs.into_iter()));
+        // Set at the first failure: the other cores stop after the contribution in hand.
+        let stopped = Arc::new(AtomicBool::new(false));
+        let tasks = (0..cores).map(|_| {
+            let (queue, stopped) = (Arc::clone(&queue), Arc::clone(&stopped));
+            let (fetch, aggregator) = (Arc::clone(&fetch), Arc::clone(aggregator));
+            tokio::task::spawn_blocking(move || {
+                let outcome = open_queue(&queue, &stopped, &*fetch, &aggregator);
+                if outcome.is_err() {
+                    stopped.store(true, Ordering::Relaxed);
+                }
+                outcome
+            })
+        });
+        let mut opening = std::pin::pin!(futures_util::future::join_all(tasks));
+        let finished = loop {
+            match tokio::time::timeout(self.config.lease / 4, &mut opening).await {
+                Ok(finished) => break finished,
+                Err(_) => {
+                    if let Err(error) = renew().await {
+                        stopped.store(true, Ordering::Relaxed);
+                        return Err(error.into());
+                    }
+                }
+            }
+        };
+        for task in finished {
+            task.map_err(JobError::Thread)??;
+        }
+        renew().await?;
+        Ok(())
+    }
+
+    /// A contribution's bytes to open: those kept from the first read, or read now with the
+    /// digest the commitment names for them (the store is not trusted to serve those bytes;
+    /// `open_one` checks them on all cores). A contribution committed as missing stays so.
+    async fn read_committed(&self, input: Input) -> Result<(Reread, Option<Vec<u8>>), StoreError> {
+        match listed(input) {
+            Listed::InHand(reread, bytes) => Ok((reread, bytes)),
+            Listed::ToRead(reread, blob_key) => {
+                let stored = self
+                    .store
+                    .fetch_into(&blob_key, self.buffers.take())
+                    .await?;
+                served(reread, stored)
+            }
+        }
+    }
+}
+
+/// An input as the open step finds it: its bytes already in hand (kept from the first read, or
+/// none to read: a contribution listed without a digest that the store did not have), or to be
+/// read from `blob_key` and checked against its committed digest.
+enum Listed {
+    InHand(Reread, Option<Vec<u8>>),
+    ToRead(Reread, String),
+}
+
+fn listed(input: Input) -> Listed {
+    let assignment_ref = input.assignment_ref;
+    if let Some(bytes) = input.retained {
+        return Listed::InHand((assignment_ref, None), Some(bytes));
+    }
+    match input.digest {
+        Some(expected) => Listed::ToRead((assignment_ref, Some(expected)), input.blob_key),
+        None => Listed::InHand((assignment_ref, None), None),
+    }
+}
+
+/// What the store served for a committed contribution: missing fails the job.
+fn served(
+    reread: Reread,
+    stored: Option<Vec<u8>>,
+) -> Result<(Reread, Option<Vec<u8>>), StoreError> {
+    if stored.is_none() {
+        return Err(not_committed(&reread.0));
+    }
+    Ok((reread, stored))
+}
+
+/// One core's share of `open_on_cores`: the next input from `queue` until it is empty or
+/// another core failed, each read into this core's buffer, checked and opened.
+fn open_queue(
+    queue: &std::sync::Mutex<std::vec::IntoIter<Input>>,
+    stopped: &AtomicBool,
+    fetch: &dyn BlockingFetch,
+    aggregator: &Aggregator,
+) -> Result<(), JobError> {
+    let mut buffer = Vec::new();
+    while !stopped.load(Ordering::Relaxed) {
+        let next = queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .next();
+        let Some(input) = next else {
+            return Ok(());
+        };
+        let (reread, stored) = match listed(input) {
+            Listed::InHand(reread, bytes) => (reread, bytes),
+            Listed::ToRead(reread, blob_key) => served(
+                reread,
+                fetch.fetch_into(&blob_key, std::mem::take(&mut buffer))?,
+            )?,
+        };
+        match open_one(aggregator, reread, stored) {
+            Ok(Some(back)) => buffer = back,
+            Ok(None) => {}
+            Err(changed) => return Err(not_committed(&changed).into()),
+        }
+    }
+    Ok(())
+}
+
+/// A contribution the store did not serve as committed: missing, or with another digest. The
+/// job fails (it is not excluded): a release without it would differ from the committed one by
+/// that device's update under the same noise.
+fn not_committed(assignment_ref: &str) -> StoreError {
+    StoreError::Conflict(format!(
+        "contribution {assignment_ref} is not the bytes the round's commitment names \
+         (missing or changed in the store since they were digested)"
+    ))
+}
+
+/// A contribution to open: its ref, and the digest its bytes must have (`None` when they are the
+/// ones this job read and digested itself).
+type Reread = (String, Option<[u8; 32]>);
+
+/// Checks a contribution against its committed digest and adds it (the check just before it is
+/// opened, while its bytes are in this core's cache); gives back its buffer, or its ref when it
+/// is not as committed. The job then fails, and what was added before is dropped with the
+/// aggregator, unreleased.
+fn open_one(
+    aggregator: &Aggregator,
+    (assignment_ref, expected): Reread,
+    stored: Option<Vec<u8>>,
+) -> Result<Option<Vec<u8>>, String> {
+    if let Some(expected) = expected
+        && stored
+            .as_deref()
+            .is_none_or(|bytes| *blake3::hash(bytes).as_bytes() != expected)
+    {
+        return Err(assignment_ref);
+    }
+    let _ = aggregator.add(&assignment_ref, stored.as_deref());
+    Ok(stored)
+}
