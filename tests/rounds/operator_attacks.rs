@@ -14,7 +14,7 @@ use confed::aggregation::TaskDbJobStore;
 use confed_enclave::worker::{JobError, Worker};
 use confed_protocol::policy::TaskPolicy;
 use confed_worker_api::manifest::Manifest;
-use confed_worker_api::store::{JobSpec, JobStore, StagedRelease, StoreError};
+use confed_worker_api::store::{BlockingFetch, JobSpec, JobStore, StagedRelease, StoreError};
 use serde_json::json;
 
 /// What the enclave says of a contribution the store did not serve as committed.
@@ -27,21 +27,82 @@ struct Operator {
     inner: Arc<TaskDbJobStore>,
     /// Edits every leased job (the database row).
     edit: Mutex<Option<Edit>>,
-    /// (blob key, bytes) served instead of what is stored.
-    swap: Mutex<Option<(String, Vec<u8>)>>,
     /// A job handed out again, as if the round had been reset in the database.
     replay: Mutex<Option<JobSpec>>,
     /// The last job leased from the real store.
     leased: Mutex<Option<JobSpec>>,
     /// Every release the enclave handed over (average, manifest).
     releases: Mutex<Vec<(Vec<u8>, Manifest)>>,
+    /// What it does to contribution reads, the asynchronous ones and the blocking ones alike.
+    reads: Arc<Reads>,
+    /// Whether it offers the worker reads on the calling thread (as the in-process store over
+    /// the contribution log does), so the worker takes its other open path.
+    blocking_reads: std::sync::atomic::AtomicBool,
+}
+
+/// What the operator does to contribution reads.
+#[derive(Default)]
+struct Reads {
+    /// (blob key, bytes) served instead of what is stored.
+    swap: Mutex<Option<(String, Vec<u8>)>>,
     /// Which read (1 or 2) of one contribution, the first the worker asks for, serves what
     /// instead of the stored bytes.
     tamper: Mutex<Option<(usize, Tamper)>>,
     /// The contribution `tamper` applies to: the first blob key fetched.
     victim: Mutex<Option<String>>,
     /// Reads of each contribution so far.
-    reads: Mutex<std::collections::HashMap<String, usize>>,
+    counts: Mutex<std::collections::HashMap<String, usize>>,
+}
+
+impl Reads {
+    /// The bytes served instead of `blob_key`'s, when it is the swapped one.
+    fn swapped(&self, blob_key: &str) -> Option<Vec<u8>> {
+        match self.swap.lock().unwrap().as_ref() {
+            Some((key, bytes)) if key == blob_key => Some(bytes.clone()),
+            _ => None,
+        }
+    }
+
+    /// Counts a read of `blob_key` and serves `stored` as the operator chose.
+    fn serve(&self, blob_key: &str, stored: Option<Vec<u8>>) -> Option<Vec<u8>> {
+        let read = {
+            let mut counts = self.counts.lock().unwrap();
+            let count = counts.entry(blob_key.to_string()).or_default();
+            *count += 1;
+            *count
+        };
+        let victim = self
+            .victim
+            .lock()
+            .unwrap()
+            .get_or_insert_with(|| blob_key.to_string())
+            == blob_key;
+        match *self.tamper.lock().unwrap() {
+            Some((at, Tamper::Missing)) if victim && at == read => None,
+            Some((at, Tamper::Garbled)) if victim && at == read => stored.map(|mut bytes| {
+                let last = bytes.len() - 1;
+                bytes[last] ^= 1;
+                bytes
+            }),
+            _ => stored,
+        }
+    }
+}
+
+/// The operator's reads on the calling thread, over the real store's.
+struct BlockingReads {
+    reads: Arc<Reads>,
+    inner: Arc<dyn BlockingFetch>,
+}
+
+impl BlockingFetch for BlockingReads {
+    fn fetch_into(&self, blob_key: &str, buffer: Vec<u8>) -> Result<Option<Vec<u8>>, StoreError> {
+        if let Some(bytes) = self.reads.swapped(blob_key) {
+            return Ok(Some(bytes));
+        }
+        let stored = self.inner.fetch_into(blob_key, buffer)?;
+        Ok(self.reads.serve(blob_key, stored))
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -57,13 +118,11 @@ impl Operator {
         Arc::new(Self {
             inner,
             edit: Mutex::default(),
-            swap: Mutex::default(),
             replay: Mutex::default(),
             leased: Mutex::default(),
             releases: Mutex::default(),
-            tamper: Mutex::default(),
-            victim: Mutex::default(),
-            reads: Mutex::default(),
+            reads: Arc::default(),
+            blocking_reads: Default::default(),
         })
     }
 
@@ -97,33 +156,23 @@ impl JobStore for Operator {
         self.inner.renew(job_id, worker, lease).await
     }
     async fn fetch(&self, blob_key: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        if let Some((key, bytes)) = self.swap.lock().unwrap().as_ref()
-            && key == blob_key
-        {
-            return Ok(Some(bytes.clone()));
+        if let Some(bytes) = self.reads.swapped(blob_key) {
+            return Ok(Some(bytes));
         }
-        let read = {
-            let mut reads = self.reads.lock().unwrap();
-            let count = reads.entry(blob_key.to_string()).or_default();
-            *count += 1;
-            *count
-        };
-        let victim = self
-            .victim
-            .lock()
-            .unwrap()
-            .get_or_insert_with(|| blob_key.to_string())
-            == blob_key;
         let stored = self.inner.fetch(blob_key).await?;
-        match *self.tamper.lock().unwrap() {
-            Some((at, Tamper::Missing)) if victim && at == read => Ok(None),
-            Some((at, Tamper::Garbled)) if victim && at == read => Ok(stored.map(|mut bytes| {
-                let last = bytes.len() - 1;
-                bytes[last] ^= 1;
-                bytes
-            })),
-            _ => Ok(stored),
+        Ok(self.reads.serve(blob_key, stored))
+    }
+    fn blocking_fetch(&self) -> Option<Arc<dyn BlockingFetch>> {
+        if !self
+            .blocking_reads
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return None;
         }
+        Some(Arc::new(BlockingReads {
+            reads: Arc::clone(&self.reads),
+            inner: self.inner.blocking_fetch()?,
+        }))
     }
     async fn commit_release(
         &self,
@@ -317,7 +366,7 @@ async fn a_swapped_envelope_for_a_committed_round_is_refused_by_the_key_services
         let forged = forged_for_first(&scene, &task, &job).await;
         let forged_digest = *blake3::hash(&forged).as_bytes();
         let victim_key = job.contributions[0].blob_key.clone();
-        *scene.operator.swap.lock().unwrap() = Some((victim_key, forged));
+        *scene.operator.reads.swap.lock().unwrap() = Some((victim_key, forged));
         let mut replay = job.clone();
         replay.committed_average = None;
         if listed {
@@ -353,14 +402,36 @@ async fn contributions_not_served_as_committed_release_nothing() {
         ("reread-missing", false, Some(Tamper::Missing), false),
         ("reread-garbled", false, Some(Tamper::Garbled), false),
     ];
-    for (population, listed, tamper, wrong_digest) in cases {
+    // Each case on both open paths: reads handed across threads (a store over the network),
+    // and each core reading, checking and opening on its own (the in-process store over the
+    // contribution log; it has no blocking reads over GCS, whose reads are asynchronous only).
+    let paths = [false, true];
+    for ((population, listed, tamper, wrong_digest), blocking) in cases
+        .into_iter()
+        .flat_map(|case| paths.map(move |blocking| (case, blocking)))
+    {
         if listed && uploads_are_direct() {
             continue; // no digest is listed for a direct upload: the local pass covers these
         }
-        let (scene, _) = scene(population).await;
+        let population = format!(
+            "{population}-{}",
+            if blocking { "blocking" } else { "async" }
+        );
+        let (scene, _) = scene(&population).await;
+        scene
+            .operator
+            .blocking_reads
+            .store(blocking, std::sync::atomic::Ordering::Relaxed);
+        // Over GCS the real store has no blocking reads: both runs take the asynchronous path.
+        let offered = scene.operator.inner.blocking_fetch().is_some();
+        assert_eq!(
+            scene.operator.blocking_fetch().is_some(),
+            blocking && offered,
+            "{population}"
+        );
         // A listed contribution is read once (after the key); an unlisted one is digested on
         // the first read and opened from the second.
-        *scene.operator.tamper.lock().unwrap() =
+        *scene.operator.reads.tamper.lock().unwrap() =
             tamper.map(|tamper| (if listed { 1 } else { 2 }, tamper));
         *scene.operator.edit.lock().unwrap() = Some(Box::new(move |job| {
             if !listed {
@@ -395,7 +466,7 @@ async fn listed_digests_read_each_contribution_once_and_release_the_same_bytes()
     }
     run_round_1(&scene).await;
     let reads = |expected: usize| {
-        let reads = scene.operator.reads.lock().unwrap().clone();
+        let reads = scene.operator.reads.counts.lock().unwrap().clone();
         assert_eq!(reads.len(), GOAL);
         assert!(
             reads.values().all(|&n| n == expected),

@@ -99,8 +99,11 @@ impl<S: JobStore + 'static> Worker<S> {
         renew().await?;
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
         let queue = Arc::new(std::sync::Mutex::new(inputs.into_iter()));
-        // Set at the first failure: the other cores stop after the contribution in hand.
+        // Set at the first failure, or when this future is dropped (a worker shutting down):
+        // the cores stop after the contribution in hand instead of opening the rest of the
+        // round for nobody.
         let stopped = Arc::new(AtomicBool::new(false));
+        let _stop_when_dropped = StopWhenDropped(Arc::clone(&stopped));
         let tasks = (0..cores).map(|_| {
             let (queue, stopped) = (Arc::clone(&queue), Arc::clone(&stopped));
             let (fetch, aggregator) = (Arc::clone(&fetch), Arc::clone(aggregator));
@@ -145,6 +148,15 @@ impl<S: JobStore + 'static> Worker<S> {
                 served(reread, stored)
             }
         }
+    }
+}
+
+/// Sets its flag when dropped.
+struct StopWhenDropped(Arc<AtomicBool>);
+
+impl Drop for StopWhenDropped {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
     }
 }
 
