@@ -359,6 +359,18 @@ impl Readers {
         let mut head = vec![0u8; head_len];
         file.read_exact_at(&mut head, location.offset)?;
         let payload_len = location.len - head_len;
+        // The record's own length before the buffer is sized: a key naming more than its record
+        // holds (whoever writes the database writes keys) must cost an error, not that memory.
+        if head[..4] != *MAGIC {
+            return Err(std::io::Error::other(
+                "no record at this offset (bad magic)",
+            ));
+        }
+        if u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize != payload_len {
+            return Err(std::io::Error::other(
+                "the record at this offset is not of the key's length",
+            ));
+        }
         if payload.len() >= payload_len {
             payload.truncate(payload_len);
         } else {

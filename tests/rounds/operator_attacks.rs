@@ -423,7 +423,9 @@ async fn contributions_not_served_as_committed_release_nothing() {
             .blocking_reads
             .store(blocking, std::sync::atomic::Ordering::Relaxed);
         // Over GCS the real store has no blocking reads: both runs take the asynchronous path.
+        // The contribution log always offers them.
         let offered = scene.operator.inner.blocking_fetch().is_some();
+        assert!(offered || uploads_are_direct(), "{population}");
         assert_eq!(
             scene.operator.blocking_fetch().is_some(),
             blocking && offered,
@@ -454,7 +456,23 @@ async fn contributions_not_served_as_committed_release_nothing() {
 /// release the same bytes (the digest names the bytes, whoever computed it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn listed_digests_read_each_contribution_once_and_release_the_same_bytes() {
-    let (scene, _) = scene("listed").await;
+    // On both open paths: reads handed across threads, and each core reading on its own.
+    for blocking in [false, true] {
+        reads_and_releases(blocking).await;
+    }
+}
+
+async fn reads_and_releases(blocking: bool) {
+    let (scene, _) = scene(if blocking {
+        "listed-blocking"
+    } else {
+        "listed"
+    })
+    .await;
+    scene
+        .operator
+        .blocking_reads
+        .store(blocking, std::sync::atomic::Ordering::Relaxed);
     if uploads_are_direct() {
         // Devices upload straight to the bucket: the server never sees the bytes, lists no
         // digest, and the worker reads and digests each contribution itself.

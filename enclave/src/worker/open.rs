@@ -14,11 +14,12 @@ use crate::aggregate::Aggregator;
 use crate::aggregate::inputs::Input;
 
 impl<S: JobStore + 'static> Worker<S> {
-    /// Reads, checks and opens every input into `aggregator`. Each contribution is opened as
-    /// soon as it is read, one per core at a time, while the next are read (`READ_AHEAD`): no
-    /// batch boundary where a core waits for the slowest contribution of its batch, and at most
-    /// `READ_AHEAD` + one per core contributions in memory, whatever the round's size. The lease
-    /// is renewed before, every quarter lease during, and after.
+    /// Reads, checks and opens every input into `aggregator`. Over a store that reads on the
+    /// calling thread, `open_on_cores`. Otherwise each contribution is opened as soon as it is
+    /// read, one per core at a time, while the next are read (`READ_AHEAD`): no batch boundary
+    /// where a core waits for the slowest contribution of its batch, and at most `READ_AHEAD` +
+    /// one per core contributions in memory, whatever the round's size. The lease is renewed
+    /// before, every quarter lease during, and after.
     pub(super) async fn open_all(
         &self,
         job: &JobSpec,
@@ -102,15 +103,19 @@ impl<S: JobStore + 'static> Worker<S> {
         // Set at the first failure, or when this future is dropped (a worker shutting down):
         // the cores stop after the contribution in hand instead of opening the rest of the
         // round for nobody.
+        // (Dropped, it leaves the cores' tasks to end on their own; they hold the aggregator
+        // until then, and nothing is released from it.)
         let stopped = Arc::new(AtomicBool::new(false));
-        let _stop_when_dropped = StopWhenDropped(Arc::clone(&stopped));
+        let _stop_when_dropped = StopOnExit::new(Arc::clone(&stopped));
         let tasks = (0..cores).map(|_| {
             let (queue, stopped) = (Arc::clone(&queue), Arc::clone(&stopped));
             let (fetch, aggregator) = (Arc::clone(&fetch), Arc::clone(aggregator));
             tokio::task::spawn_blocking(move || {
+                // Stops the other cores unless this one ends well: an error, or a panic.
+                let stop = StopOnExit::new(Arc::clone(&stopped));
                 let outcome = open_queue(&queue, &stopped, &*fetch, &aggregator);
-                if outcome.is_err() {
-                    stopped.store(true, Ordering::Relaxed);
+                if outcome.is_ok() {
+                    stop.disarm();
                 }
                 outcome
             })
@@ -151,12 +156,24 @@ impl<S: JobStore + 'static> Worker<S> {
     }
 }
 
-/// Sets its flag when dropped.
-struct StopWhenDropped(Arc<AtomicBool>);
+/// Sets its flag when dropped, unless disarmed.
+struct StopOnExit(Option<Arc<AtomicBool>>);
 
-impl Drop for StopWhenDropped {
+impl StopOnExit {
+    fn new(flag: Arc<AtomicBool>) -> Self {
+        Self(Some(flag))
+    }
+
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for StopOnExit {
     fn drop(&mut self) {
-        self.0.store(true, Ordering::Relaxed);
+        if let Some(flag) = &self.0 {
+            flag.store(true, Ordering::Relaxed);
+        }
     }
 }
 

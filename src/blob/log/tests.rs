@@ -129,6 +129,23 @@ async fn a_key_pointing_at_another_record_is_refused() {
     assert!(error.contains("belongs to another object"), "{error}");
     let nowhere = BlobKey::new(format!("log/00000001/5/{}/{}", 60, key("a").as_str())).unwrap();
     assert!(log.get(&nowhere).await.is_err());
+    // A key claiming a huge record at a real record's offset: refused before any buffer is
+    // sized for it, on the blocking reader too.
+    let offset = stored.as_str().split('/').nth(2).unwrap();
+    let huge = format!(
+        "log/00000001/{offset}/{}/{}",
+        usize::MAX / 2,
+        key("a").as_str()
+    );
+    let huge = BlobKey::new(huge).unwrap();
+    let error = log.get_sealed(&huge).await.unwrap_err().to_string();
+    assert!(error.contains("not of the key's length"), "{error}");
+    let reader = log.sealed_reader().unwrap();
+    let error = reader
+        .get_sealed_into(&huge, Vec::new())
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("not of the key's length"), "{error}");
     let missing_segment =
         BlobKey::new(stored.as_str().replacen("00000001", "00000009", 1)).unwrap();
     assert!(matches!(
