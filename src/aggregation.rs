@@ -473,7 +473,15 @@ impl TaskDbJobStore {
                 self.now(),
             )
             .await
-            .map_err(db_error)
+            .map_err(db_error)?;
+        // The round is complete: its sealed partitions, if it had any, are read no more.
+        match self.db.partitions(job_id).await {
+            Ok(partitions) => crate::partitioning::discard(self.blobs.as_ref(), &partitions).await,
+            Err(error) => {
+                tracing::warn!(round = job_id, %error, "the round's sealed partitions could not be listed for deletion")
+            }
+        }
+        Ok(())
     }
 }
 

@@ -12,8 +12,10 @@ use confed_worker_api::store::{
 use confed_worker_api::wire::{JobWire, PartitioningWire};
 
 use crate::aggregation::{TaskDbJobStore, backend, db_error};
-use crate::blob::{BlobError, BlobKey};
+use crate::blob::{BlobError, BlobKey, BlobStore};
 use crate::db::jobs::JobContext;
+use crate::db::partitions::StoredPartition;
+use crate::db::{Db, DbError, Resumed};
 use crate::states::RoundState;
 
 /// How rounds are cut into partitions (`confed serve --partition-workers`,
@@ -347,6 +349,39 @@ fn partition_of(job_id: &str) -> Result<(&str, u32), StoreError> {
         _ => Err(StoreError::Refused(format!(
             "{job_id:?} is not a partition's job id (`<job id>.p<index>`)"
         ))),
+    }
+}
+
+/// Resumes a failed round (`Db::resume_failed_round`), then deletes the sealed partitions of the
+/// attempt that failed: the resumed round plans its partitions again, under its next attempt's
+/// names, so nothing reads those any more.
+pub async fn resume_failed_round(
+    db: &Db,
+    blobs: &dyn BlobStore,
+    task_id: &str,
+    round: i64,
+    now: i64,
+) -> Result<Resumed, DbError> {
+    let failed = db.round_partitions(task_id, round).await?;
+    let resumed = db.resume_failed_round(task_id, round, now).await?;
+    discard(blobs, &failed).await;
+    Ok(resumed)
+}
+
+/// Deletes the stored sealed partitions among `partitions`, once nothing will read them (their
+/// round completed, or was resumed under a new attempt). A partition holds a round's exact,
+/// un-noised sums, sealed: sealed objects that outlive their use are still the one thing not to
+/// keep. A failure is logged and left to the store's own expiry (GCS's lifecycle rule); the
+/// local data directory would keep the object.
+pub(crate) async fn discard(blobs: &dyn BlobStore, partitions: &[StoredPartition]) {
+    for sealed in partitions.iter().filter_map(|p| p.sealed_key.as_deref()) {
+        let discarded = match BlobKey::new(sealed.to_string()) {
+            Ok(key) => blobs.discard(&key).await,
+            Err(e) => Err(e),
+        };
+        if let Err(error) = discarded {
+            tracing::warn!(key = sealed, %error, "a sealed partition could not be deleted");
+        }
     }
 }
 

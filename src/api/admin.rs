@@ -204,10 +204,14 @@ pub async fn resume_round(
     _admin: Admin,
     super::extract::ApiPath((task_id, round)): super::extract::ApiPath<(String, i64)>,
 ) -> Result<axum::Json<ResumedRound>, ApiError> {
-    let resumed = state
-        .db
-        .resume_failed_round(&task_id, round, state.now().0)
-        .await?;
+    let resumed = crate::partitioning::resume_failed_round(
+        &state.db,
+        state.blobs.as_ref(),
+        &task_id,
+        round,
+        state.now().0,
+    )
+    .await?;
     tracing::warn!(task = %task_id, round, state = resumed.round_state.as_str(),
         "a failed round was resumed by the operator");
     Ok(axum::Json(ResumedRound {

@@ -19,6 +19,13 @@ impl ReadCache {
         self.objects.get(key.as_str()).map(|b| b.as_ref().clone())
     }
 
+    /// Forgets `key` (its object was deleted).
+    pub(super) fn remove(&mut self, key: &BlobKey) {
+        if let Some(bytes) = self.objects.remove(key.as_str()) {
+            self.bytes -= bytes.len();
+        }
+    }
+
     pub(super) fn insert(&mut self, key: &BlobKey, bytes: &[u8]) {
         if bytes.len() > CACHE_OBJECT_BYTES {
             return;

@@ -264,6 +264,22 @@ impl BlobStore for LocalBlobStore {
             }
         })
     }
+
+    fn discard<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, ()> {
+        Box::pin(async move {
+            if let Ok(mut cache) = self.cache.lock() {
+                cache.remove(key);
+            }
+            match tokio::fs::remove_file(self.path(key)).await {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+                Err(source) => Err(BlobError::Io {
+                    key: key.as_str().to_string(),
+                    source,
+                }),
+            }
+        })
+    }
 }
 
 #[cfg(test)]
@@ -290,6 +306,21 @@ mod tests {
         store.get(&big).await.unwrap();
         std::fs::remove_file(dir.path().join(big.as_str())).unwrap();
         assert!(matches!(store.get(&big).await, Err(BlobError::NotFound(_))));
+    }
+
+    #[tokio::test]
+    async fn a_discarded_object_is_gone_from_disk_and_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = LocalBlobStore::open(dir.path()).unwrap();
+        let key = BlobKey::new("tenants/a/tasks/b/rounds/1/attempt-1/partition-0-of-2-x.partition")
+            .unwrap();
+        store.put(&key, b"sealed").await.unwrap();
+        assert_eq!(store.get(&key).await.unwrap(), b"sealed");
+        store.discard(&key).await.unwrap();
+        assert!(!dir.path().join(key.as_str()).exists());
+        assert!(matches!(store.get(&key).await, Err(BlobError::NotFound(_))));
+        // Again: nothing to delete is not an error.
+        store.discard(&key).await.unwrap();
     }
 
     #[tokio::test]

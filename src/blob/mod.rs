@@ -285,6 +285,16 @@ pub trait BlobStore: Send + Sync + std::fmt::Debug {
         self.get_sealed(key)
     }
 
+    /// Deletes an object nothing needs any more (a completed round's sealed partitions): the
+    /// one exception to write-once, for intermediates only. Deleting one that is not there is
+    /// not an error. A store whose objects of that kind expire by a rule of their own keeps the
+    /// default, which deletes nothing (GCS: the bucket's lifecycle rule for `*.partition`,
+    /// deploy/terraform).
+    fn discard<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, ()> {
+        let _ = key;
+        Box::pin(async { Ok(()) })
+    }
+
     /// A reader of sealed objects on the calling thread, for a store whose reads are local file
     /// reads (the contribution log): the in-process worker reads, checks and opens each
     /// contribution on one thread. `None` (the default): reads go through `get_sealed_into`.

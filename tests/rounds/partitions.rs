@@ -112,6 +112,13 @@ async fn releases_the_one_worker_bytes(partitions: u32) {
     );
     let average = system.store.blob(&releases[0].average_key).await.unwrap();
     assert_eq!(average.as_deref(), Some(&whole.average[..]));
+    // The round is complete: its sealed partitions are deleted from the data directory (a GCS
+    // bucket expires them by its lifecycle rule instead).
+    if common::gcs::emulator().is_none() {
+        for key in sealed_keys {
+            assert_eq!(system.store.fetch_sealed(key).await.unwrap(), None, "{key}");
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -184,12 +191,24 @@ async fn a_partitions_failure_backs_off_its_job_or_fails_the_round_and_a_resume_
     let states = common::system::rounds(&system, &token, &task).await;
     assert_eq!(states[0]["state"], "FAILED", "{states:?}");
     assert!(system.store.lease("d", LEASE).await.unwrap().is_none());
-    // Resumed: planned again at the next lease, every partition to seal anew.
-    system
-        .db
-        .resume_failed_round(&task, 1, clock.now_millis().0)
-        .await
-        .unwrap();
+    // Resumed: planned again at the next lease, every partition to seal anew; the failed
+    // attempt's sealed partition is deleted (locally; GCS's lifecycle rule expires it).
+    let failed = system.db.round_partitions(&task, 1).await.unwrap();
+    let stale = failed[1]
+        .sealed_key
+        .clone()
+        .expect("partition 1 was stored");
+    confed::partitioning::resume_failed_round(
+        &system.db,
+        system.store.blobs.as_ref(),
+        &task,
+        1,
+        clock.now_millis().0,
+    )
+    .await
+    .unwrap();
+    let left = system.store.fetch_sealed(&stale).await.unwrap();
+    assert_eq!(left.is_none(), common::gcs::emulator().is_none());
     assert!(
         system
             .db
