@@ -626,11 +626,7 @@ impl JobStore for TaskDbJobStore {
 
     async fn fetch_sealed(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
         let key = BlobKey::new(key.to_string()).map_err(backend)?;
-        match self.blobs.get_sealed(&key).await {
-            Ok(bytes) => Ok(Some(bytes)),
-            Err(BlobError::NotFound(_)) => Ok(None),
-            Err(e) => Err(backend(e)),
-        }
+        fetched(self.blobs.get_sealed(&key).await)
     }
 
     async fn put_partition(

@@ -373,8 +373,17 @@ pub async fn resume_failed_round(
 /// un-noised sums, sealed: sealed objects that outlive their use are still the one thing not to
 /// keep. A failure is logged and left to the store's own expiry (GCS's lifecycle rule); the
 /// local data directory would keep the object.
+/// Only a key of `BlobKey::partition`'s shape is deleted: the keys come from the database, and
+/// a row naming a model, release or state must not turn the cleanup into a delete of it.
 pub(crate) async fn discard(blobs: &dyn BlobStore, partitions: &[StoredPartition]) {
     for sealed in partitions.iter().filter_map(|p| p.sealed_key.as_deref()) {
+        if !is_partition_key(sealed) {
+            tracing::warn!(
+                key = sealed,
+                "a partition row names an object that is not a sealed partition; not deleted"
+            );
+            continue;
+        }
         let discarded = match BlobKey::new(sealed.to_string()) {
             Ok(key) => blobs.discard(&key).await,
             Err(e) => Err(e),
@@ -385,9 +394,43 @@ pub(crate) async fn discard(blobs: &dyn BlobStore, partitions: &[StoredPartition
     }
 }
 
+/// Whether `key` has `BlobKey::partition`'s shape:
+/// `tenants/{t}/tasks/{task}/rounds/{r}/attempt-{a}/partition-{i}-of-{k}-{blake3}.partition`.
+fn is_partition_key(key: &str) -> bool {
+    let parts: Vec<&str> = key.split('/').collect();
+    matches!(
+        parts.as_slice(),
+        ["tenants", _, "tasks", _, "rounds", _, attempt, name]
+            if attempt.starts_with("attempt-")
+                && name.starts_with("partition-")
+                && name.ends_with(".partition")
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn the_cleanup_deletes_sealed_partitions_only_whatever_the_rows_say() {
+        let dir = tempfile::tempdir().unwrap();
+        let blobs = crate::blob::LocalBlobStore::open(dir.path()).unwrap();
+        let partition = BlobKey::partition("a", "t", 1, 1, 0, 2, &"ab".repeat(32)).unwrap();
+        let model = BlobKey::model("a", "t", 1, &"cd".repeat(32)).unwrap();
+        for key in [&partition, &model] {
+            blobs.put(key, b"bytes").await.unwrap();
+        }
+        let row = |key: &BlobKey| StoredPartition {
+            index: 0,
+            count: 2,
+            sealed_key: Some(key.as_str().to_string()),
+            lease_owner: None,
+        };
+        // A rewritten row names the model: it stays; the real partition goes.
+        discard(&blobs, &[row(&model), row(&partition)]).await;
+        assert!(dir.path().join(model.as_str()).exists());
+        assert!(!dir.path().join(partition.as_str()).exists());
+    }
 
     #[test]
     fn small_rounds_and_single_worker_deployments_stay_one_job() {

@@ -247,20 +247,22 @@ impl StepSampler {
         i: u64,
         step: usize,
     ) -> bool {
-        let x = i as f64;
-        let y = x * x * self.inverse;
-        let u_float = u as f64;
-        if !FLOAT {
-        } else if y <= FLOAT_LIMIT {
-            let a = (-y).exp() * self.envelope.scales[step];
-            if u_float + 1.0 <= a * (1.0 - MARGIN) * TWO_32 {
-                return true;
-            }
-            if u_float >= a * (1.0 + MARGIN) * TWO_32 {
+        if FLOAT {
+            let x = i as f64;
+            let y = x * x * self.inverse;
+            let u_float = u as f64;
+            if y <= FLOAT_LIMIT {
+                let a = (-y).exp() * self.envelope.scales[step];
+                if u_float + 1.0 <= a * (1.0 - MARGIN) * TWO_32 {
+                    return true;
+                }
+                if u_float >= a * (1.0 + MARGIN) * TWO_32 {
+                    return false;
+                }
+            } else if u != 0 {
+                // a < 2^-54: any u > 0 is above it.
                 return false;
             }
-        } else if u != 0 {
-            return false;
         }
         let exact = (u128::from(i) * u128::from(i), 2 * u128::from(self.sigma2));
         exp_bounds::below(bits, u, exact, SHIFT, self.envelope.denominators[step])
