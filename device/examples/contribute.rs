@@ -1,6 +1,7 @@
 //! One device cycle from the command line, the smallest complete program on `confed-device`:
-//! check in, verify the key and the task policy, download the model, seal an update file you
-//! trained elsewhere, upload it and report. Its release binary size is the device footprint
+//! check in, verify the key and the task policy, draw the send instant from the policy's upload
+//! window, download the model, read an update file you trained elsewhere, and at the instant
+//! seal it, upload it and report. Its release binary size is the device footprint
 //! the README states.
 //!
 //! ```text
@@ -10,7 +11,7 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use confed_device::{Checkin, DeviceClient, ReportOutcome, load_trust};
+use confed_device::{Checkin, DeviceClient, Trained, load_trust};
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -35,18 +36,25 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let now = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs() as i64;
     let key = client.verified_key(&assignment, now)?;
     let policy = client.accepted_policy(&assignment, population)?;
+    // Drawn before anything reads the update: when this device sends does not depend on it.
+    let schedule = client.schedule(&assignment, &policy)?;
     let model = client.model(&assignment).await?;
-    // An update file that is not the model's exact tensors, or not finite, is sent as a zero
-    // update (and reported completed): the server never learns that anything went wrong.
-    let trained = std::fs::read(update).map_err(|e| e.to_string());
-    let update = model.update_shape()?.well_formed(trained, None);
-    for problem in update.problems() {
+    let token = client.token_for(&assignment, &policy).await?;
+    // An update file that is not the model's exact tensors, or not finite, or not read by the
+    // send instant, is sent as a zero update (and reported completed): the server never learns
+    // that anything went wrong.
+    let path = update.clone();
+    let due = schedule
+        .train_until(&model.update_shape()?, false, move |_| Trained {
+            update: std::fs::read(path).map_err(|e| e.to_string()),
+            metrics: None,
+        })
+        .await;
+    for problem in due.problems() {
         eprintln!("sending a zero update instead: {problem}");
     }
-    let envelope = client.seal(&assignment, &key, &policy, &model, &update)?;
-    client.upload(&assignment, envelope).await?;
     client
-        .report(&assignment, ReportOutcome::Completed, None)
+        .send(&assignment, &key, &policy, &model, &due, token)
         .await?;
     println!(
         "contributed to round {} of task {}",

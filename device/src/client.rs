@@ -10,7 +10,7 @@ use confed_protocol::device::{
     AssignmentResponse, Attributes, CheckinRequest, ReportOutcome, ReportRequest, ReportResponse,
     RetryResponse,
 };
-use confed_protocol::envelope::{EnvelopeError, RoundContext};
+use confed_protocol::envelope::EnvelopeError;
 use confed_protocol::hpke::{PublicKey, RustCrypto, Sealer};
 use confed_protocol::keys::{DeviceKey, KeyState};
 use confed_protocol::policy::{DeviceLimits, Evaluation, TaskPolicy, sha256_hex};
@@ -621,118 +621,6 @@ impl DeviceClient {
         Ok(AcceptedPolicy { policy, sha256 })
     }
 
-    /// Seals an update for the assignment: to the checked key, bound to the task, round,
-    /// assignment, the accepted policy and the model the device trained from. The update is a
-    /// `WellFormedUpdate` (`Model::update_shape`, then `UpdateShape::well_formed`): the model's
-    /// exact tensors, finite, whatever training did, so nothing the device sends depends on its
-    /// data but the values the enclave clips and noises.
-    pub fn seal(
-        &self,
-        assignment: &AssignmentResponse,
-        public_key: &PublicKey,
-        policy: &AcceptedPolicy,
-        model: &Model,
-        update: &crate::update::WellFormedUpdate,
-    ) -> Result<Vec<u8>, DeviceError> {
-        if policy.policy.device_auth.is_some() {
-            return Err(DeviceError::Token(
-                "the task requires a device token: obtain one with `token_for` and seal with `seal_with_token`".into(),
-            ));
-        }
-        self.seal_envelope(assignment, public_key, policy, model, update, None)
-    }
-
-    /// `seal` for a task that requires device tokens, with the token `token_for` obtained for
-    /// this assignment (spent: it binds this envelope only).
-    pub fn seal_with_token(
-        &self,
-        assignment: &AssignmentResponse,
-        public_key: &PublicKey,
-        policy: &AcceptedPolicy,
-        model: &Model,
-        update: &crate::update::WellFormedUpdate,
-        token: crate::tokens::AssignmentToken,
-    ) -> Result<Vec<u8>, DeviceError> {
-        self.seal_envelope(assignment, public_key, policy, model, update, Some(token))
-    }
-
-    fn seal_envelope(
-        &self,
-        assignment: &AssignmentResponse,
-        public_key: &PublicKey,
-        policy: &AcceptedPolicy,
-        model: &Model,
-        update: &crate::update::WellFormedUpdate,
-        token: Option<crate::tokens::AssignmentToken>,
-    ) -> Result<Vec<u8>, DeviceError> {
-        let update = update.bytes();
-        // The device's privacy unit is one contribution per round: once it has sealed an update
-        // for a round it declines further assignments to it, even if this upload never gets a
-        // success answer (a server that stores the bytes and answers an error must not get a
-        // second update for the same round).
-        let separation = policy
-            .policy
-            .mechanism()
-            .map_err(|e| DeviceError::UntrustedPolicy(e.to_string()))?
-            .min_separation();
-        {
-            let mut state = self.state();
-            if let Some(refusal) = too_close(
-                &state.served,
-                &assignment.task_id,
-                assignment.round,
-                separation,
-            ) {
-                return Err(refusal);
-            }
-            state
-                .served
-                .insert((assignment.task_id.clone(), assignment.round));
-            if separation > 1 {
-                state.separated.insert(
-                    assignment.task_id.clone(),
-                    (
-                        policy.policy.population.clone(),
-                        separation,
-                        policy.policy.rounds,
-                    ),
-                );
-            }
-            // Kept before anything is sealed: a device that forgot it served this round could
-            // serve it (or one too close) again after a restart. The round stays recorded in
-            // memory either way.
-            self.persist(&state)?;
-        }
-        let context = RoundContext {
-            task_id: assignment.task_id.clone(),
-            round: confed_protocol::ids::wire_round(assignment.round).ok_or(
-                DeviceError::UntrustedPolicy(format!("round {} is not a round", assignment.round)),
-            )?,
-            policy_sha256: policy.sha256.clone(),
-            model_sha256: model.sha256.clone(),
-        };
-        let envelope = match token {
-            Some(token) => confed_protocol::envelope::seal_with_token(
-                token.ephemeral,
-                &token.token,
-                public_key,
-                &assignment.encryption.key_id,
-                &context,
-                &assignment.assignment_id,
-                update,
-            )?,
-            None => confed_protocol::envelope::seal_with(
-                self.sealer.as_ref(),
-                public_key,
-                &assignment.encryption.key_id,
-                &context,
-                &assignment.assignment_id,
-                update,
-            )?,
-        };
-        Ok(envelope.to_cbor())
-    }
-
     /// Uploads the envelope; retried on network errors and 5xx (the server answers 200 for the same
     /// bytes again, so a retry after a lost answer is safe).
     pub async fn upload(
@@ -797,6 +685,7 @@ impl DeviceClient {
                 .await
             {
                 Ok(response) if response.status().is_success() => {
+                    self.forget_schedule(assignment);
                     return Ok(response.json().await?);
                 }
                 Ok(response) if response.status().is_server_error() => {
@@ -811,5 +700,6 @@ impl DeviceClient {
     }
 }
 
+mod send;
 #[cfg(test)]
 mod tests;

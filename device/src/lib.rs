@@ -4,6 +4,7 @@
 //! with retries (idempotent), report. The wire formats are `confed-protocol`'s.
 
 pub mod client;
+pub mod schedule;
 pub mod state;
 pub mod tokens;
 pub mod update;
@@ -14,6 +15,7 @@ pub use client::{
 pub use confed_protocol::device::{AssignmentResponse, ReportOutcome, RetryResponse, RetryWindow};
 pub use confed_protocol::policy::{EVALUATION_TENSOR, Evaluation};
 pub use confed_protocol::trust::{TrustConfig, TrustedEntry, TrustedIssuer};
+pub use schedule::{Cancel, DueUpdate, Schedule, SendTimes, Trained};
 pub use state::{DeviceState, FileStore, StateError, StateStore};
 pub use tokens::{
     AndroidKeyAttestation, AssignmentToken, Attestation, DevAttestation, TokenSource,

@@ -12,8 +12,14 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::schedule::SendTimes;
+
 /// The `format` of a state file; the Python `Device.state_file` writes the same.
 pub const STATE_FORMAT: &str = "confed-device-state/v1";
+
+/// How long a drawn schedule is kept after its send instant: longer than any assignment lives
+/// (the longest round deadline is a week).
+pub const SCHEDULE_RETENTION_MS: i64 = 8 * 24 * 3600 * 1000;
 
 /// A device's record (docs/protocol.md, "The device's state file").
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -27,6 +33,11 @@ pub struct DeviceState {
     /// task -> (population, minimum separation, planned rounds) of the DP-FTRL tasks it served:
     /// which `served` entries a check-in may usefully carry.
     pub separated: BTreeMap<String, (String, u32, u32)>,
+    /// assignment reference (the SHA-256 of its id) -> the instants drawn for it before
+    /// training (`schedule::SendTimes`), until it is reported. Files written before upload
+    /// windows have none.
+    #[serde(default)]
+    pub sends: BTreeMap<String, SendTimes>,
 }
 
 impl Default for DeviceState {
@@ -36,6 +47,7 @@ impl Default for DeviceState {
             served: BTreeSet::new(),
             on_demand: BTreeSet::new(),
             separated: BTreeMap::new(),
+            sends: BTreeMap::new(),
         }
     }
 }
@@ -48,6 +60,17 @@ impl DeviceState {
         for (task, entry) in other.separated {
             self.separated.entry(task).or_insert(entry);
         }
+        for (assignment, times) in other.sends {
+            self.sends.entry(assignment).or_insert(times);
+        }
+    }
+
+    /// Forgets the schedules of assignments whose send instant is more than
+    /// `SCHEDULE_RETENTION_MS` before `now_ms`: no assignment lives that long, and the file must
+    /// not grow with every assignment a device ever took.
+    pub fn prune_sends(&mut self, now_ms: i64) {
+        self.sends
+            .retain(|_, times| times.send_ms >= now_ms.saturating_sub(SCHEDULE_RETENTION_MS));
     }
 }
 

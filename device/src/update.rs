@@ -47,6 +47,9 @@ pub enum TrainingProblem {
     EvaluationFailed(String),
     /// The evaluation gave a NaN or an infinity.
     EvaluationNonFinite,
+    /// Training had not finished at the send instant drawn before it started
+    /// (`schedule::Schedule`): zeros were sent, and whatever it finished later was dropped.
+    Late,
 }
 
 impl TrainingProblem {
@@ -66,6 +69,10 @@ impl std::fmt::Display for TrainingProblem {
             Self::NonFinite(name) => write!(f, "the update's tensor {name} is not finite"),
             Self::EvaluationFailed(why) => write!(f, "evaluation failed: {why}"),
             Self::EvaluationNonFinite => write!(f, "the evaluation is not finite"),
+            Self::Late => write!(
+                f,
+                "training had not finished at the send instant (drawn from the policy's upload window); zeros were sent"
+            ),
         }
     }
 }
@@ -94,6 +101,11 @@ impl WellFormedUpdate {
     /// What was replaced by zeros, and why: for the device's own log, never for the server.
     pub fn problems(&self) -> &[TrainingProblem] {
         &self.problems
+    }
+
+    /// The same bytes, with `problems` as the reason they are what they are.
+    pub(crate) fn with_problems(self, problems: Vec<TrainingProblem>) -> Self {
+        Self { problems, ..self }
     }
 }
 

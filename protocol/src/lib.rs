@@ -30,3 +30,4 @@ pub mod privacy_pass;
 pub mod shares;
 pub mod states;
 pub mod trust;
+pub mod upload_window;

@@ -9,18 +9,22 @@
 //! sealed under the original fail to open.
 //!
 //! ```text
-//! confed-task-policy/v2\n
+//! confed-task-policy/v3\n
 //! task_id=<id>\n  tenant_id=<id>\n  population=<population>\n
 //! rounds=<u32>\n  report_goal=<u32>\n  min_reports=<u32>\n
 //! epsilon=<f64>\n  delta=<f64>\n  clip_norm=<f64>\n
 //! mechanism=discrete_gaussian_on_grid | tree_aggregation_on_grid;min_separation=<u32>\n
 //! server_learning_rate=<f64>\n
 //! plan=<compact JSON object>\n
+//! upload_window=<start_ms>,<end_ms>\n
 //! [device_auth=privacy_pass;issuer=<name>;token_keys=<base64url SPKI>,...\n]
 //! ```
 //!
 //! Exactly these lines, in this order, each ended by one `\n`; the last, `device_auth`, only when
-//! the task requires device tokens (`device_auth.rs`), so a policy without it hashes as before. Integers are decimal without sign
+//! the task requires device tokens (`device_auth.rs`), so a policy without it hashes as before.
+//! `upload_window` is when the device sends, in milliseconds after it received the assignment
+//! (`upload_window.rs`; v3 added it: a v2 text is refused, its devices sent when training
+//! ended). Integers are decimal without sign
 //! or leading zeros; every `<f64>` is Rust's `{:e}` form of the value (the shortest digits that
 //! read back to the same binary64, e.g. `4e0`, `1e-6`, `5e-2`), which every language's float
 //! parser reads exactly. Ids and the population are 1-128 of `A-Z a-z 0-9 . _ -`. The plan is
@@ -30,8 +34,9 @@
 use thiserror::Error;
 
 pub use crate::device_auth::DeviceAuth;
+pub use crate::upload_window::{MAX_UPLOAD_WINDOW_MS, UploadWindow};
 
-pub const FORMAT: &str = "confed-task-policy/v2";
+pub const FORMAT: &str = "confed-task-policy/v3";
 /// Independent discrete Gaussian noise on every round (the default mechanism).
 pub const MECHANISM: &str = "discrete_gaussian_on_grid";
 /// DP-FTRL's tree-aggregated noise (`Mechanism::Tree`), followed by `;min_separation=<u32>`.
@@ -80,11 +85,13 @@ pub struct TaskPolicy {
     pub server_learning_rate: f64,
     /// Compact JSON of the task's plan.
     pub plan: String,
+    /// When a device sends after receiving its assignment (`upload_window.rs`).
+    pub upload_window: UploadWindow,
     /// Device tokens every counted contribution must carry (`device_auth.rs`).
     pub device_auth: Option<DeviceAuth>,
 }
 
-const KEYS: [&str; 12] = [
+const KEYS: [&str; 13] = [
     "task_id",
     "tenant_id",
     "population",
@@ -97,6 +104,7 @@ const KEYS: [&str; 12] = [
     "mechanism",
     "server_learning_rate",
     "plan",
+    "upload_window",
 ];
 
 fn valid_name(text: &str) -> bool {
@@ -123,6 +131,10 @@ impl TaskPolicy {
             mechanism: MECHANISM.into(),
             server_learning_rate: 1.0,
             plan: "{}".into(),
+            upload_window: UploadWindow {
+                start_ms: 0,
+                end_ms: 0,
+            },
             device_auth: None,
         }
     }
@@ -142,6 +154,7 @@ impl TaskPolicy {
             self.mechanism.clone(),
             format!("{:e}", self.server_learning_rate),
             self.plan.clone(),
+            self.upload_window.encode(),
         ];
         let mut out = String::with_capacity(256 + self.plan.len());
         out.push_str(FORMAT);
@@ -189,7 +202,7 @@ impl TaskPolicy {
             None => None,
             Some(line) => {
                 let value = line.strip_prefix("device_auth=").ok_or_else(|| {
-                    bad("the only line allowed after `plan` is `device_auth=`".into())
+                    bad("the only line allowed after `upload_window` is `device_auth=`".into())
                 })?;
                 Some(DeviceAuth::parse(value).map_err(bad)?)
             }
@@ -232,6 +245,7 @@ impl TaskPolicy {
             mechanism: values[9].to_string(),
             server_learning_rate: real(10)?,
             plan: plan.to_string(),
+            upload_window: UploadWindow::parse(values[12]).map_err(bad)?,
             device_auth,
         };
         if policy.encode() != text {
@@ -389,6 +403,10 @@ mod tests {
             mechanism: MECHANISM.into(),
             server_learning_rate: 1.0,
             plan: r#"{"batch_size":32,"epochs":1,"learning_rate":0.05}"#.into(),
+            upload_window: UploadWindow {
+                start_ms: 30_000,
+                end_ms: 90_000,
+            },
             device_auth: None,
         }
     }
@@ -399,11 +417,12 @@ mod tests {
         let text = policy.encode();
         assert_eq!(
             text,
-            "confed-task-policy/v2\ntask_id=d63967eb-1074-43a4-92b2-8968c90e7949\n\
+            "confed-task-policy/v3\ntask_id=d63967eb-1074-43a4-92b2-8968c90e7949\n\
              tenant_id=3f1c9a0e6b7d4e21\npopulation=phones.en\nrounds=5\nreport_goal=100\n\
              min_reports=60\nepsilon=4e0\ndelta=1e-6\nclip_norm=1e0\n\
              mechanism=discrete_gaussian_on_grid\nserver_learning_rate=1e0\n\
-             plan={\"batch_size\":32,\"epochs\":1,\"learning_rate\":0.05}\n"
+             plan={\"batch_size\":32,\"epochs\":1,\"learning_rate\":0.05}\n\
+             upload_window=30000,90000\n"
         );
         assert_eq!(TaskPolicy::parse(&text).unwrap(), policy);
     }
@@ -441,7 +460,16 @@ mod tests {
     fn non_canonical_or_malformed_texts_are_refused() {
         let text = example().encode();
         let cases = [
-            ("other format", text.replace("policy/v2", "policy/v1")),
+            ("other format", text.replace("policy/v3", "policy/v2")),
+            (
+                "v2 without a window",
+                text.replace("policy/v3", "policy/v2")
+                    .replace("upload_window=30000,90000\n", ""),
+            ),
+            (
+                "window backwards",
+                text.replace("upload_window=30000,90000", "upload_window=90000,30000"),
+            ),
             (
                 "decimal epsilon",
                 text.replace("epsilon=4e0", "epsilon=4.0"),
@@ -469,7 +497,8 @@ mod tests {
     #[test]
     fn the_hash_changes_with_every_field() {
         let base = example().sha256_hex();
-        let changes: [fn(&mut TaskPolicy); 6] = [
+        let changes: [fn(&mut TaskPolicy); 7] = [
+            |p| p.upload_window.end_ms += 1,
             |p| p.epsilon = 4.000001,
             |p| p.clip_norm = 2.0,
             |p| p.rounds = 6,

@@ -6,6 +6,7 @@ mod device_auth;
 mod evaluation;
 mod privacy;
 mod problems;
+mod upload_window;
 
 use confed_protocol::policy::{DpMechanism, Mechanism, TaskPolicy};
 use confed_worker_api::optimizer::ServerOptimizer;
@@ -16,6 +17,7 @@ pub use evaluation::{EarlyStopping, EvaluationSpec, MAX_PATIENCE, Metric};
 pub use privacy::{AdaptiveClippingSpec, MechanismName, PrivacyBudget};
 pub use problems::InvalidParam;
 use problems::Problems;
+pub use upload_window::{UPLOAD_ALLOWANCE_MS, UploadWindowSpec};
 
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -147,6 +149,12 @@ pub struct CreateTaskRequest {
     /// "Device tokens"); devices whose trust file does not list the issuer decline the task.
     #[serde(default)]
     pub device_auth: Option<DeviceAuthSpec>,
+    /// When devices send, in ms after they receive an assignment: each device draws its instant
+    /// uniformly in the window before it touches its data, and sends whatever is ready then
+    /// (a zero update if training is still running). `end_ms` is at most the assignment
+    /// timeout less 5 s (default: one to two `device_seconds_per_round`, within that).
+    #[serde(default)]
+    pub upload_window: Option<UploadWindowSpec>,
 }
 
 /// A validated task definition, as stored and as returned to the partner.
@@ -185,6 +193,10 @@ pub struct TaskSpec {
     /// Device tokens (tasks created before them read as none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_auth: Option<DeviceAuthSpec>,
+    /// When devices send (tasks created before upload windows read as the default,
+    /// `upload_window()`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upload_window: Option<UploadWindowSpec>,
 }
 
 /// The highest over-selection a task's rounds adapt up to (unless the task asks for more).
@@ -215,8 +227,19 @@ impl TaskSpec {
             mechanism: self.dp_mechanism().encode(),
             server_learning_rate: self.server_learning_rate,
             plan: serde_json::to_string(&self.plan).unwrap_or_else(|_| "{}".into()),
+            upload_window: self.upload_window().policy(),
             device_auth: self.device_auth.as_ref().and_then(DeviceAuthSpec::policy),
         }
+    }
+
+    /// When devices send: the stored window, or the default for tasks stored without one.
+    pub fn upload_window(&self) -> UploadWindowSpec {
+        self.upload_window.unwrap_or_else(|| {
+            UploadWindowSpec::default_for(
+                self.device_seconds_per_round,
+                self.assignment_timeout_seconds,
+            )
+        })
     }
 
     /// The whole mechanism the task policy names: the noise, adaptive clipping and evaluation.
@@ -370,6 +393,12 @@ impl CreateTaskRequest {
         if let Some(auth) = &self.device_auth {
             auth.validate(&mut p);
         }
+        let upload_window = match self.upload_window {
+            Some(window) => window.validate(&mut p, assignment_timeout_seconds),
+            None => {
+                UploadWindowSpec::default_for(device_seconds_per_round, assignment_timeout_seconds)
+            }
+        };
         let server_optimizer = self.server_optimizer.unwrap_or_default();
         if let Err(why) = server_optimizer.validate() {
             p.add("server_optimizer", why);
@@ -431,6 +460,7 @@ impl CreateTaskRequest {
             device_seconds_per_round,
             evaluation,
             device_auth: self.device_auth,
+            upload_window: Some(upload_window),
         })
     }
 }

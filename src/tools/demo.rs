@@ -108,6 +108,10 @@ const ROUND_TIMEOUT: Duration = Duration::from_secs(300);
 /// Held-out examples per device (it trains on twice as many).
 const HELD_OUT_ROWS: usize = 20;
 
+/// The demo task's upload window, in ms after an assignment: where each device's send instant
+/// falls (every device of a round waits at once, so a round takes about its end).
+const DEMO_WINDOW_MS: (u32, u32) = (300, 600);
+
 impl DemoOptions {
     /// Refuses options that cannot make the run their header would announce, before anything
     /// starts.
@@ -193,6 +197,10 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         "server_learning_rate": options.server_learning_rate,
         "server_optimizer": options.optimizer,
         "plan": {"epochs": 2, "batch_size": 16, "learning_rate": 0.2},
+        // Each device sends at an instant it draws in this window after its assignment,
+        // whatever its training did (docs/privacy.md, "Time"): short here, so the demo is quick;
+        // training a round takes a few milliseconds.
+        "upload_window": {"start_ms": DEMO_WINDOW_MS.0, "end_ms": DEMO_WINDOW_MS.1},
     });
     if let Some(every) = options.evaluate_every {
         // Cross-entropy of a 10-class model starts at ln 10 (2.3): a bound of 5 keeps the loss
@@ -259,6 +267,10 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         options.optimizer.name(),
         options.server_learning_rate
     );
+    println!(
+        "confed demo: each device sends {}-{} ms after its assignment, at an instant it draws before it trains, whatever its training did",
+        DEMO_WINDOW_MS.0, DEMO_WINDOW_MS.1
+    );
     if let Some(every) = options.evaluate_every {
         println!(
             "confed demo: every {every} rounds the devices also evaluate the model they train from on {HELD_OUT_ROWS} held-out examples each; the enclave releases the sums with noise charged to the budget"
@@ -310,7 +322,8 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
             population: "demo".into(),
             devices: options.report_goal as usize,
             first_device: first,
-            concurrency: 16,
+            // Every device of the round at once: each waits for its send instant.
+            concurrency: options.report_goal as usize,
             rounds: 1,
             trust: trust.clone(),
             train: true,
@@ -375,6 +388,13 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
                 point.stddev
             ));
             evaluations.push(point);
+        }
+        if !summary.zeroed.is_empty() {
+            // Only the devices know (the demo runs them): the server saw ordinary completions.
+            say(format!(
+                "round {round}: {} devices sent zeros (training late at their send instant, or failed); the server cannot tell",
+                summary.zeroed.len()
+            ));
         }
         say(format!(
             "round {round}: {} contributions aggregated{} ({} excluded), clip norm {clip:.3}, privacy spent epsilon {:.2} of {}, accuracy {:.1}%, release verified",

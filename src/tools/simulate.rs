@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 
 use super::train::{Plan, Rng, Softmax, Synthetic};
-use confed_device::{Checkin, DeviceClient, DeviceError, ReportOutcome, TrustConfig};
+use confed_device::{Checkin, DeviceClient, DeviceError, ReportOutcome, Trained, TrustConfig};
 
 #[derive(Debug, Clone)]
 pub struct SimulationConfig {
@@ -73,6 +73,17 @@ pub struct Summary {
     pub elapsed: Duration,
     /// Accuracy of the last downloaded model on a held-out test set (training mode).
     pub model_accuracy: Option<f64>,
+    /// Each contribution's send instant as drawn and as kept (docs/privacy.md, "Time").
+    pub sends: Vec<SendTiming>,
+}
+
+/// When one contribution was sent: its send instant, drawn before training, in ms after the
+/// device received the assignment, and how far past that instant the seal started (scheduling
+/// jitter: whatever training did, the device waits for the instant).
+#[derive(Debug, Clone, Copy)]
+pub struct SendTiming {
+    pub drawn_ms: i64,
+    pub started_late_by: Duration,
 }
 
 impl Summary {
@@ -233,11 +244,13 @@ async fn device(shared: Arc<Shared>, index: u64) {
             });
         }
     };
-    let shard = config.train.then(|| LocalData {
-        train: shared.task.shard(index, config.rows_per_device),
-        held_out: shared
-            .task
-            .held_out(index, (config.rows_per_device / 2).max(1)),
+    let shard = config.train.then(|| {
+        Arc::new(LocalData {
+            train: shared.task.shard(index, config.rows_per_device),
+            held_out: shared
+                .task
+                .held_out(index, (config.rows_per_device / 2).max(1)),
+        })
     });
     let mut rng = Rng::new(config.seed ^ index);
     let attributes = simulated_attributes();
@@ -317,7 +330,7 @@ async fn cycle(
     shared: &Shared,
     client: &DeviceClient,
     assignment: &crate::api::devices::AssignmentResponse,
-    shard: Option<&LocalData>,
+    shard: Option<&Arc<LocalData>>,
     rng: &mut Rng,
 ) -> Result<(), DeviceError> {
     // Accepting the assignment: the checks and the download depend on the policy, the key and
@@ -325,65 +338,91 @@ async fn cycle(
     // refusal here may be reported with its reason.
     let public_key = client.verified_key(assignment, unix_now())?;
     let policy = client.accepted_policy(assignment, &shared.config.population)?;
+    // When this device asks for its token and when it sends: drawn before anything reads its
+    // data (docs/privacy.md, "Time").
+    let schedule = client.schedule(assignment, &policy)?;
     let started = Instant::now();
     let model = client.model(assignment).await?;
     let shape = model.update_shape()?;
     shared.timed("model", started);
-    // The device token (when the task requires one) is asked for before training, as a phone
-    // would while it trains: it depends on the assignment only.
-    let started = Instant::now();
-    let token = client.token_for(assignment, &policy).await?;
-    if token.is_some() {
-        shared.timed("token", started);
-    }
-    // From here on, nothing the server hears depends on what training does: a failure, a NaN or
-    // the wrong tensors become a zero update of the model's shape, sealed, uploaded and reported
-    // `completed` like any other (docs/privacy.md, "What leaves a device").
+    // From here on, nothing the server hears depends on what training does, nor when: a
+    // failure, a NaN, the wrong tensors or training still running at the send instant become a
+    // zero update of the model's shape, sealed, uploaded and reported `completed` like any other
+    // at the drawn instant (docs/privacy.md, "What leaves a device").
     let evaluation = client.evaluation_for(assignment, &policy);
-    let update = match shard {
-        Some(LocalData {
-            train: shard,
-            held_out,
-        }) => {
-            // Read once: training starts from it and evaluation measures it.
-            let base = Softmax::from_safetensors(&model.bytes).map_err(|e| e.with_causes());
-            let metrics = evaluation.map(|e| {
-                base.as_ref()
-                    .map(|base| base.evaluate(held_out, e.max_loss))
-                    .map_err(Clone::clone)
-            });
-            let trained = base.and_then(|base| train_softmax(base, &policy, shard));
-            shape.well_formed(trained, metrics)
+    let train = trainer(&model, &policy, shard.cloned(), evaluation, &shape, rng);
+    let token = async {
+        schedule.token_due().await;
+        let started = Instant::now();
+        let token = client.token_for(assignment, &policy).await;
+        if matches!(token, Ok(Some(_))) {
+            shared.timed("token", started);
         }
-        None => shape.well_formed(random_update(&shape, rng), evaluation.map(|_| Ok([0.0; 3]))),
+        token
     };
-    if !update.problems().is_empty() {
-        let problems: Vec<String> = update.problems().iter().map(|p| p.to_string()).collect();
+    let (token, due) = tokio::join!(
+        token,
+        schedule.train_until(&shape, evaluation.is_some(), train)
+    );
+    let times = schedule.times();
+    let timing = SendTiming {
+        drawn_ms: times.send_ms - times.received_ms,
+        started_late_by: tokio::time::Instant::now().saturating_duration_since(schedule.send_at()),
+    };
+    shared.note(|s| s.sends.push(timing));
+    if !due.problems().is_empty() {
+        let problems: Vec<String> = due.problems().iter().map(|p| p.to_string()).collect();
         shared.note(|s| s.zeroed.push(problems.join("; ")));
     }
-    let envelope = match token {
-        Some(token) => {
-            client.seal_with_token(assignment, &public_key, &policy, &model, &update, token)?
-        }
-        None => client.seal(assignment, &public_key, &policy, &model, &update)?,
-    };
-    let started = Instant::now();
-    client.upload(assignment, envelope).await?;
-    shared.timed("upload", started);
+    let token = token?;
     let started = Instant::now();
     client
-        .report(assignment, ReportOutcome::Completed, None)
+        .send(assignment, &public_key, &policy, &model, &due, token)
         .await?;
-    shared.timed("report", started);
+    shared.timed("send", started);
     Ok(())
 }
 
+/// What the device runs on its training thread: softmax training on its shard (with the round's
+/// metrics when it evaluates), or, without data (`--no-train`), a random update of the model's
+/// shape drawn now.
+fn trainer(
+    model: &confed_device::Model,
+    policy: &confed_device::AcceptedPolicy,
+    shard: Option<Arc<LocalData>>,
+    evaluation: Option<confed_device::Evaluation>,
+    shape: &confed_device::UpdateShape,
+    rng: &mut Rng,
+) -> impl FnOnce(&confed_device::Cancel) -> Trained + Send + 'static {
+    let random = shard.is_none().then(|| random_update(shape, rng));
+    let (bytes, policy) = (model.bytes.clone(), policy.clone());
+    move |cancel| match (shard, random) {
+        (Some(data), _) => {
+            // Read once: training starts from it and evaluation measures it.
+            let base = Softmax::from_safetensors(&bytes).map_err(|e| e.with_causes());
+            let metrics = evaluation.map(|e| {
+                base.as_ref()
+                    .map(|base| base.evaluate(&data.held_out, e.max_loss))
+                    .map_err(Clone::clone)
+            });
+            let update = base.and_then(|base| train_softmax(base, &policy, &data.train, cancel));
+            Trained { update, metrics }
+        }
+        (None, random) => Trained {
+            update: random.unwrap_or_else(|| Err("no update".into())),
+            metrics: evaluation.map(|_| Ok([0.0; 3])),
+        },
+    }
+}
+
 /// One device's local training of the softmax model on its shard, as the update's safetensors
-/// (the new weights minus the model's), or why it could not train.
+/// (the new weights minus the model's), or why it could not train. Stops between batches once
+/// the send instant has passed (what it would give then is not sent).
 fn train_softmax(
     base: Softmax,
     policy: &confed_device::AcceptedPolicy,
     shard: &super::train::Dataset,
+    cancel: &confed_device::Cancel,
 ) -> Result<Vec<u8>, String> {
     if base.features != shard.features || base.classes != shard.classes {
         return Err(format!(
@@ -396,7 +435,13 @@ fn train_softmax(
         &serde_json::from_str(&policy.policy.plan).unwrap_or(serde_json::Value::Null),
     );
     let mut local = base.clone();
-    local.train(shard, plan.epochs, plan.batch_size, plan.learning_rate);
+    local.train_until(
+        shard,
+        plan.epochs,
+        plan.batch_size,
+        plan.learning_rate,
+        || cancel.is_cancelled(),
+    );
     Ok(local.delta_from(&base).to_safetensors())
 }
 

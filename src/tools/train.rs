@@ -189,7 +189,9 @@ impl Softmax {
         }
     }
 
-    /// Reads a model file of the expected shape.
+    /// Reads a model file of the expected shape. Subnormal weights read as zero: a model of
+    /// subnormal weights would otherwise make every step slow until the data steers it out of
+    /// them (timing defence in depth; the send instant is the fix, docs/privacy.md, "Time").
     pub fn from_safetensors(bytes: &[u8]) -> Result<Self, DeviceError> {
         let bad = |why: String| {
             DeviceError::Training(format!(
@@ -208,12 +210,20 @@ impl Softmax {
         {
             return Err(bad("shapes or dtypes disagree".into()));
         }
-        Ok(Self {
+        let mut model = Self {
             classes,
             features,
             weight: f32s(&weight),
             bias: f32s(&bias),
-        })
+        };
+        model.flush_subnormals();
+        Ok(model)
+    }
+
+    /// Sets subnormal parameters to zero (the CPU computes on them tens of times slower).
+    fn flush_subnormals(&mut self) {
+        flush_subnormals(&mut self.weight);
+        flush_subnormals(&mut self.bias);
     }
 
     pub fn to_safetensors(&self) -> Vec<u8> {
@@ -238,14 +248,31 @@ impl Softmax {
         for v in out.iter_mut() {
             *v /= total;
         }
+        flush_subnormals(out);
     }
 
     /// Mini-batch SGD over `data` for `epochs`.
     pub fn train(&mut self, data: &Dataset, epochs: usize, batch: usize, learning_rate: f32) {
+        self.train_until(data, epochs, batch, learning_rate, || false);
+    }
+
+    /// `train`, stopping before the next batch once `stop()` says so (the device's send instant
+    /// has passed: nothing computed after it is sent). Subnormals are flushed after every step.
+    pub fn train_until(
+        &mut self,
+        data: &Dataset,
+        epochs: usize,
+        batch: usize,
+        learning_rate: f32,
+        stop: impl Fn() -> bool,
+    ) {
         let mut p = vec![0.0; self.classes];
         let batch = batch.max(1);
         for _ in 0..epochs {
             for start in (0..data.len()).step_by(batch) {
+                if stop() {
+                    return;
+                }
                 let end = (start + batch).min(data.len());
                 let mut grad_w = vec![0.0; self.weight.len()];
                 let mut grad_b = vec![0.0; self.classes];
@@ -272,6 +299,7 @@ impl Softmax {
                     .iter_mut()
                     .zip(&grad_b)
                     .for_each(|(b, g)| *b -= scale * g);
+                self.flush_subnormals();
             }
         }
     }
@@ -315,6 +343,15 @@ impl Softmax {
                 .zip(&base.bias)
                 .map(|(a, b)| a - b)
                 .collect(),
+        }
+    }
+}
+
+/// Sets every subnormal value of `values` to zero (keeping its sign).
+fn flush_subnormals(values: &mut [f32]) {
+    for v in values.iter_mut() {
+        if v.is_subnormal() {
+            *v = 0.0f32.copysign(*v);
         }
     }
 }
@@ -365,6 +402,20 @@ mod tests {
         assert_eq!(a.y, task.shard(3, 200).y);
         let own = a.y.iter().filter(|&&c| c == 3 || c == 4).count();
         assert!(own > 140, "{own} of 200 rows from the device's two classes");
+    }
+
+    #[test]
+    fn subnormal_weights_read_as_zero_and_training_stops_when_told() {
+        let mut model = Softmax::zeros(2, 2);
+        model.weight = vec![1e-40, -1e-40, 0.5, f32::MIN_POSITIVE];
+        let read = Softmax::from_safetensors(&model.to_safetensors()).unwrap();
+        assert_eq!(read.weight, [0.0, -0.0, 0.5, f32::MIN_POSITIVE]);
+        assert!(read.weight[1].is_sign_negative());
+        let task = Synthetic::new(2, 2, 3, 1.5);
+        let shard = task.shard(0, 64);
+        let mut stopped = read.clone();
+        stopped.train_until(&shard, 5, 8, 0.1, || true);
+        assert_eq!(stopped, read, "no step after the stop");
     }
 
     #[test]

@@ -386,6 +386,21 @@ impl TestApp {
     }
 }
 
+/// The upload window of the tests' tasks: devices send 100-200 ms after their assignment
+/// (training in the tests takes a few milliseconds; the API's default is a minute or two).
+pub static FAST_UPLOAD_WINDOW: std::sync::LazyLock<Value> =
+    std::sync::LazyLock::new(|| json!({"start_ms": 100, "end_ms": 200}));
+
+/// `spec` with `FAST_UPLOAD_WINDOW` where it names no upload window.
+pub fn with_fast_window(mut spec: Value) -> Value {
+    if let Some(fields) = spec.as_object_mut() {
+        fields
+            .entry("upload_window")
+            .or_insert_with(|| FAST_UPLOAD_WINDOW.clone());
+    }
+    spec
+}
+
 pub fn task_body(overrides: Value) -> Value {
     let mut body = json!({
         "population": "phones.en",
@@ -396,6 +411,7 @@ pub fn task_body(overrides: Value) -> Value {
         "assignment_timeout_seconds": 60,
         "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0},
         "plan": {"epochs": 1, "batch_size": 32, "learning_rate": 0.1},
+        "upload_window": FAST_UPLOAD_WINDOW.clone(),
     });
     body.as_object_mut()
         .unwrap()

@@ -112,13 +112,14 @@ impl Server {
         serde_json::from_slice(&self.get_bytes(path).await).unwrap()
     }
 
-    /// Creates a task of `spec` and uploads `model` as version 0 (the task opens); its id.
+    /// Creates a task of `spec` (with the tests' fast upload window unless it names one) and
+    /// uploads `model` as version 0 (the task opens); its id.
     pub async fn open_task(&self, spec: Value, model: Vec<u8>) -> String {
         let created = self
             .http
             .post(format!("{}/v1/tasks", self.url))
             .bearer_auth(&self.token)
-            .json(&spec)
+            .json(&super::with_fast_window(spec))
             .send()
             .await
             .unwrap();

@@ -122,6 +122,7 @@ pub async fn create_task_with(
         "privacy": {"epsilon": epsilon, "delta": 1e-6, "clip_norm": 1.0},
         "server_learning_rate": 1.0,
         "plan": {"epochs": 2, "batch_size": 16, "learning_rate": 0.1},
+        "upload_window": super::FAST_UPLOAD_WINDOW.clone(),
     });
     if let (Some(spec), Some(extra)) = (spec.as_object_mut(), extra.as_object()) {
         spec.extend(extra.clone());

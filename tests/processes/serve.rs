@@ -463,10 +463,10 @@ async fn serve_alone_runs_rounds_with_its_embedded_enclave_across_restarts() {
     let task: serde_json::Value = http
         .post(format!("{}/v1/tasks", server.url))
         .bearer_auth(&token)
-        .json(&json!({
+        .json(&common::with_fast_window(json!({
             "population": "embedded", "rounds": 2, "report_goal": 8,
             "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0},
-        }))
+        })))
         .send()
         .await
         .unwrap()

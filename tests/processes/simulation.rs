@@ -4,7 +4,7 @@
 //! stored contribution must open, with the key the shares reconstruct, as an update of the model's
 //! shape bound to its assignment.
 
-use crate::common::serving;
+use crate::common::{self, serving};
 
 use std::path::Path;
 use std::sync::Arc;
@@ -104,6 +104,7 @@ async fn simulated_devices_fill_a_round_with_stored_contributions_that_open() {
             "over_selection": 0.25, "round_deadline_seconds": 3600, "assignment_timeout_seconds": 600,
             "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0},
             "plan": {"epochs": 2, "batch_size": 16, "learning_rate": 0.1},
+            "upload_window": common::FAST_UPLOAD_WINDOW.clone(),
         }))
         .send()
         .await

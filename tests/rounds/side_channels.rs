@@ -291,3 +291,100 @@ async fn a_raw_clients_non_finite_update_is_included_as_zero() {
     assert!(next.weight.iter().chain(&next.bias).all(|v| v.is_finite()));
     server.stop().await;
 }
+
+/// The amplifier of issue 45: the probe model with subnormal weights for the other classes and a
+/// plan of 100 epochs of batch 1 at learning rate 0, so that training is slow on subnormals
+/// until a row crosses theta. The simulated devices flush subnormals (defence in depth), but the
+/// property does not rest on that: every contribution is sent at the instant its device drew
+/// before training, and what the operator records of each assignment (created to completed) is
+/// one of those instants, on both sides of theta.
+fn amplifier_model(theta: f32) -> Vec<u8> {
+    let mut model = Softmax::from_safetensors(&probe_model(theta)).unwrap();
+    for w in model.weight.iter_mut().skip(model.features) {
+        *w = 1e-40;
+    }
+    model.to_safetensors()
+}
+
+/// The upload window of the amplifier tasks, in ms after the assignment.
+const AMPLIFIER_WINDOW: (i64, i64) = (300, 900);
+/// How far past its drawn instant a send may start, or a report be recorded, on a loaded 2-core
+/// CI machine: scheduling and the loopback round trip, not training.
+const JITTER_MS: i64 = 300;
+
+async fn amplifier(server: &Server, population: &str, theta: f32) -> (Summary, Vec<i64>) {
+    let task = server
+        .open_task(
+            json!({
+                "population": population, "rounds": 1, "report_goal": DEVICES,
+                "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0},
+                "plan": {"epochs": 100, "batch_size": 1, "learning_rate": 0.0},
+                "upload_window": {"start_ms": AMPLIFIER_WINDOW.0, "end_ms": AMPLIFIER_WINDOW.1},
+            }),
+            amplifier_model(theta),
+        )
+        .await;
+    let summary = simulate(server, population).await;
+    server.wait_for_model(&task, 1).await;
+    let db = rusqlite::Connection::open(server.data.join("confed.db")).unwrap();
+    let mut statement = db
+        .prepare(
+            "SELECT a.updated_at - a.created_at FROM assignments a JOIN rounds r
+             ON a.round_id = r.id WHERE r.task_id = ?1 AND a.state = 'COMPLETED'",
+        )
+        .unwrap();
+    let recorded = statement
+        .query_map([&task], |row| row.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    (summary, recorded)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_amplifier_is_sent_at_each_devices_drawn_instant_whichever_side_of_theta() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data")).await;
+    let maxima = feature_0_maxima();
+    let lowest = maxima.iter().copied().fold(f32::INFINITY, f32::min);
+    let highest = maxima.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    for (population, theta, zeroed) in [
+        ("amp-below", lowest / 2.0, DEVICES),
+        ("amp-above", highest + 1.0, 0),
+    ] {
+        let (summary, mut recorded) = amplifier(&server, population, theta).await;
+        assert_eq!(summary.contributions, DEVICES, "{population}");
+        assert!(summary.failures.is_empty(), "{:?}", summary.failures);
+        assert_eq!(
+            summary.zeroed.len(),
+            zeroed,
+            "{population}: {:?}",
+            summary.zeroed
+        );
+        // On the device: every seal started at its drawn instant, inside the window.
+        let mut drawn: Vec<i64> = summary.sends.iter().map(|s| s.drawn_ms).collect();
+        assert_eq!(drawn.len(), DEVICES);
+        for send in &summary.sends {
+            assert!(
+                (AMPLIFIER_WINDOW.0..=AMPLIFIER_WINDOW.1).contains(&send.drawn_ms),
+                "{population}: {send:?}"
+            );
+            assert!(
+                send.started_late_by.as_millis() < JITTER_MS as u128,
+                "{population}: {send:?}"
+            );
+        }
+        // At the operator: each assignment's created -> completed is one device's drawn instant
+        // plus the round trips (matched in order: the smallest with the smallest).
+        drawn.sort_unstable();
+        recorded.sort_unstable();
+        assert_eq!(recorded.len(), DEVICES, "{population}");
+        for (drawn, recorded) in drawn.iter().zip(&recorded) {
+            assert!(
+                (0..JITTER_MS).contains(&(recorded - drawn)),
+                "{population}: drawn {drawn} ms, recorded {recorded} ms"
+            );
+        }
+    }
+    server.stop().await;
+}

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import threading
 import time
 import warnings
@@ -52,7 +53,8 @@ class TrainingProblem:
     """What went wrong between accepting an assignment and sealing, kept on the device: `kind`
     is `training_failed`, `wrong_tensors` (a programming error: the train function's output is
     not the model's tensors and shapes), `non_finite`, `evaluation_failed` or
-    `evaluation_non_finite`; `detail` says more."""
+    `evaluation_non_finite`, or `late` (training had not finished at the send instant drawn
+    before it started); `detail` says more."""
 
     kind: str
     detail: str
@@ -122,6 +124,36 @@ def well_formed_update(model: dict[str, np.ndarray], train: Callable[[], dict],
         update = dict(update)
         update[EVALUATION_TENSOR] = metrics
     return update, problems
+
+
+def flush_subnormals(model: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The model with every subnormal F32 value set to zero: a model of subnormal weights would
+    make training slow until the data steers it out of them (defence in depth; the send instant
+    is the fix, docs/privacy.md, "Time")."""
+    tiny = np.finfo(np.float32).tiny
+    return {name: np.where(np.abs(array) < tiny, np.float32(0) * np.sign(array), array)
+            .astype(np.float32) for name, array in model.items()}
+
+
+def _late() -> dict:
+    raise TimeoutError("late")
+
+
+#: What a device keeps before the assignment expires, at the latest, to seal, upload and report.
+EXPIRY_ALLOWANCE_MS = 2000
+
+
+def draw_send_times(received_ms: int, window: tuple[int, int], expires_ms: int,
+                    send_unit: float, token_unit: float) -> dict:
+    """The instants of an assignment received at `received_ms` (Unix ms) under the policy's
+    upload window, from two uniform draws in [0, 1) (docs/protocol.md, "Upload window"): the
+    send instant `received + start + floor(u * (end - start))`, moved to 2 s before the expiry
+    if later; the token request `received + floor(v * (send - received))`."""
+    start, end = window
+    latest = max(received_ms, expires_ms - EXPIRY_ALLOWANCE_MS)
+    send = min(received_ms + start + min(int(send_unit * (end - start)), end - start), latest)
+    token = received_ms + min(int(token_unit * (send - received_ms)), send - received_ms)
+    return {"received_ms": received_ms, "token_ms": token, "send_ms": send}
 
 
 def _log_problem(assignment: dict, problem: TrainingProblem) -> None:
@@ -269,6 +301,12 @@ class Device:
     #: How the device attests to token issuers (`tokens.DevAttestation` for tests and demos).
     #: None: it declines tasks that require device tokens.
     attestation: tokens.DevAttestation | None = None
+    #: The latest 100 sends of this device, for its own inspection: {"task_id", "round",
+    #: "received_ms", "send_ms" (drawn before training), "sealed_ms" (when the seal started)}.
+    sent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100))
+    #: assignment reference -> the instants drawn for it before training ({"received_ms",
+    #: "token_ms", "send_ms"}, Unix ms), until it is reported. Kept in `state_file`.
+    sends: dict = field(default_factory=dict)
     _token_sources: dict = field(default_factory=dict, init=False, compare=False, repr=False)
     _serving: threading.Lock = field(default_factory=threading.Lock, init=False,
                                      compare=False, repr=False)
@@ -291,14 +329,18 @@ class Device:
         members = {"format", "served", "on_demand", "separated"}
         if not isinstance(saved, dict) or saved.get("format") != STATE_FORMAT:
             raise ValueError(f"{self.state_file}: not a {STATE_FORMAT} file")
-        if set(saved) != members:
+        if set(saved) - {"sends"} != members:
             raise ValueError(f"{self.state_file}: members {sorted(saved)}, expected "
-                             f"{sorted(members)}")
+                             f"{sorted(members)} and optionally sends")
         try:
             self.served |= {(str(t), int(r)) for t, r in saved["served"]}
             self.on_demand |= {(str(t), int(r)) for t, r in saved["on_demand"]}
             for task, (population, separation, rounds) in saved["separated"].items():
                 self.separated.setdefault(task, (population, int(separation), int(rounds)))
+            for ref, times in saved.get("sends", {}).items():
+                if set(times) != {"received_ms", "token_ms", "send_ms"}:
+                    raise ValueError(f"sends[{ref}] has members {sorted(times)}")
+                self.sends.setdefault(str(ref), {k: int(v) for k, v in times.items()})
         except (TypeError, ValueError) as error:
             raise ValueError(f"{self.state_file}: {error}") from error
 
@@ -310,7 +352,8 @@ class Device:
             return
         state = {"format": STATE_FORMAT, "served": sorted(self.served),
                  "on_demand": sorted(self.on_demand),
-                 "separated": {t: list(v) for t, v in sorted(self.separated.items())}}
+                 "separated": {t: list(v) for t, v in sorted(self.separated.items())},
+                 "sends": dict(sorted(self.sends.items()))}
         path = os.fspath(self.state_file)
         directory = os.path.dirname(os.path.abspath(path))
         temporary = f"{path}.tmp"
@@ -431,13 +474,19 @@ class Device:
     def contribute(self, assignment: dict, train: Train) -> None:
         """Verifies, trains, seals, uploads and reports one assignment. A failed check before
         training (the policy, the key, the model download: the same for every device of the
-        round) is reported `failed` with the reason and raised. Once the assignment is accepted,
-        nothing the server hears depends on what training does: an exception, a NaN or the
-        wrong tensors become a zero update of the model's shape, sealed, uploaded and reported
-        `completed` like any other, and the problem goes to `problems` and, once the report is
-        sent, to `on_problem` (whose own exceptions are logged, never raised), on the device only (docs/privacy.md, "What leaves a device"). A device seals at most once per
+        round) is reported `failed` with the reason and raised. Once the policy is accepted the
+        device draws when it will ask for its device token and when it will send (uniform in
+        the policy's upload window, from the operating system's randomness, before anything
+        reads its data; kept in `state_file`), trains on a thread, and at the send instant
+        seals whatever is ready: nothing the server hears, nor when, depends on what training
+        does. An exception, a NaN, the wrong tensors or training still running at the instant
+        become a zero update of the model's shape, sealed, uploaded and reported `completed`
+        like any other; the problem goes to `problems` and, once the report is sent, to
+        `on_problem` (whose own exceptions are logged, never raised), on the device only
+        (docs/privacy.md, "What leaves a device" and "Time"). A device seals at most once per
         round (and under DP-FTRL at most once per `min_separation` rounds): the round is
         recorded as served before the update is sealed, whatever happens after."""
+        received_ms = int(time.time() * 1000)
         served = (assignment["task_id"], assignment["round"])
         why = self.declines(assignment)
         if why:
@@ -449,8 +498,10 @@ class Device:
                          round_=assignment["round"], limits=self.trust.limits,
                          tenant_id=self.trust.tenant_id, token_issuers=self.trust.token_issuers)
             public_key = self.trust.verify_key(assignment["encryption"], time.time())
-            # After the key checks: a refused key must not cost one of the device's tokens.
-            eks, token = self._token(policy, assignment)
+            if policy["device_auth"] is not None and self.attestation is None:
+                raise DeviceError("the task requires device tokens and this device has no "
+                                  "attestation (Device(attestation=...))")
+            times = self._schedule(assignment, policy, received_ms)
             reply = self._send("GET", self._url(assignment["model_url"]), timeout=60)
             if reply.status_code != 200:
                 raise DeviceError.from_reply("model", reply)
@@ -465,6 +516,7 @@ class Device:
             self._fail(assignment, error)
             raise
         evaluating = self.evaluate is not None and self._evaluates(policy, assignment)
+        model = flush_subnormals(model)
 
         def trained() -> dict:
             weights = {k: v.copy() for k, v in model.items()}
@@ -476,8 +528,11 @@ class Device:
             measured = {k: v.copy() for k, v in model.items()}
             return self.evaluate(to_torch(measured) if self.tensors == "torch" else measured)
 
-        update, problems = well_formed_update(model, trained,
-                                              evaluated if evaluating else None)
+        update, problems, (eks, token) = self._train_until(
+            times, model, trained, evaluated if evaluating else None, policy, assignment)
+        self.sent.append({"task_id": served[0], "round": served[1],
+                          "received_ms": times["received_ms"], "send_ms": times["send_ms"],
+                          "sealed_ms": int(time.time() * 1000)})
         self.problems.extend((served[0], served[1], problem) for problem in problems)
         with self._serving:
             # Again, under the lock: a concurrent contribution may have served a close round.
@@ -497,6 +552,7 @@ class Device:
             to_safetensors(update), eks=eks, token=token)
         self.upload(assignment, sealed)
         self.report(assignment, "completed")
+        self._forget_schedule(assignment)
         # Only now, after the server heard what it hears whatever training did: a callback
         # that raises (or is slow) must not change that.
         for problem in problems:
@@ -504,6 +560,71 @@ class Device:
                 self.on_problem(assignment, problem)
             except Exception:  # noqa: BLE001 - the device's own callback, not the server's
                 log.exception("on_problem raised")
+
+    def _schedule(self, assignment: dict, policy: dict, received_ms: int) -> dict:
+        """The assignment's token and send instants (Unix ms): drawn now from the operating
+        system's randomness and kept in `state_file` before training starts, or the ones drawn
+        when this device first received the same assignment."""
+        ref = envelope.assignment_ref(assignment["assignment_id"])
+        with self._serving:
+            times = self.sends.get(ref)
+            if times is None:
+                draw = secrets.SystemRandom()
+                times = draw_send_times(received_ms, policy["upload_window"],
+                                        int(assignment["expires_at"]) * 1000,
+                                        draw.random(), draw.random())
+                week = 8 * 24 * 3600 * 1000
+                self.sends = {r: t for r, t in self.sends.items()
+                              if t["send_ms"] >= received_ms - week}
+                self.sends[ref] = times
+                self._save()
+        return times
+
+    def _forget_schedule(self, assignment: dict) -> None:
+        ref = envelope.assignment_ref(assignment["assignment_id"])
+        with self._serving:
+            if self.sends.pop(ref, None) is not None:
+                try:
+                    self._save()
+                except OSError:
+                    log.warning("cannot save the state file; a finished schedule stays a week")
+
+    def _train_until(self, times: dict, model: dict, trained, evaluated, policy: dict,
+                     assignment: dict) -> tuple[dict, list, tuple]:
+        """Trains on a thread; asks for the device token at its instant; returns at the send
+        instant with whatever is ready: the trained update, or the zero update made before
+        training started (zero metrics in an evaluation round) when training is still running
+        (its late result is dropped); and (ephemeral key, device token) of `_token`."""
+        def wait_until(ms: int) -> None:
+            time.sleep(max(0.0, ms / 1000 - time.time()))
+
+        zeros, _ = well_formed_update(model, _late, (lambda: (0.0, 0.0, 0.0))
+                                      if evaluated else None)
+        done: dict = {}
+        finished = threading.Event()
+
+        def work() -> None:
+            try:
+                done["result"] = well_formed_update(model, trained, evaluated)
+            finally:
+                finished.set()
+
+        threading.Thread(target=work, name="confed-training", daemon=True).start()
+        wait_until(times["token_ms"])
+        try:
+            token = self._token(policy, assignment)
+        except Exception as error:
+            wait_until(times["send_ms"])  # a refusal, too, leaves at the send instant
+            self._fail(assignment, error)
+            raise
+        wait_until(times["send_ms"])
+        if finished.is_set() and "result" in done:
+            update, problems = done["result"]
+        else:
+            update, problems = zeros, [TrainingProblem(
+                "late", "training had not finished at the send instant drawn from the "
+                "policy's upload window; zeros were sent")]
+        return update, problems, token
 
     def _token(self, policy: dict, assignment: dict):
         """(ephemeral key, device token) when the task requires tokens, else (None, None): the

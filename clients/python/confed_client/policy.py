@@ -1,7 +1,7 @@
 """The task policy text (docs/protocol.md, "Task policy"): parsed strictly and checked.
 
 A device binds its contribution to the policy's SHA-256, so it must read the policy exactly as
-the enclave does: 13 lines, each key in its place, integers in decimal without leading zeros, and
+the enclave does: 14 lines (15 with `device_auth`), each key in its place, integers in decimal without leading zeros, and
 floats in Rust's shortest `{:e}` form (`4e0`, `1e-6`, `1.5e1`).
 """
 
@@ -14,11 +14,13 @@ import math
 import re
 from decimal import Decimal
 
-HEADER = "confed-task-policy/v2"
+HEADER = "confed-task-policy/v3"
 KEYS = [
     "task_id", "tenant_id", "population", "rounds", "report_goal", "min_reports", "epsilon",
-    "delta", "clip_norm", "mechanism", "server_learning_rate", "plan",
+    "delta", "clip_norm", "mechanism", "server_learning_rate", "plan", "upload_window",
 ]
+#: The latest send instant a policy may name: a week, in ms.
+MAX_UPLOAD_WINDOW_MS = 7 * 24 * 3600 * 1000
 _ID = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
 _U32 = re.compile(r"(0|[1-9][0-9]*)\Z")
 _E = re.compile(r"-?[0-9](\.[0-9]+)?e-?[0-9]+\Z")
@@ -85,8 +87,21 @@ def parse_policy(raw: bytes | str) -> dict:
     if not isinstance(plan, dict):
         raise PolicyError("plan is not a JSON object")
     fields["plan"] = plan
+    fields["upload_window"] = _upload_window(fields["upload_window"])
     fields["device_auth"] = device_auth
     return fields
+
+
+def _upload_window(text: str) -> tuple[int, int]:
+    """`<start_ms>,<end_ms>`: when the device sends, in ms after it received the assignment
+    (docs/protocol.md, "Upload window")."""
+    start, sep, end = text.partition(",")
+    if not sep:
+        raise PolicyError(f"upload_window={text!r} is not <start_ms>,<end_ms>")
+    window = (_u32(start, "upload_window"), _u32(end, "upload_window"))
+    if not window[0] <= window[1] <= MAX_UPLOAD_WINDOW_MS:
+        raise PolicyError(f"upload_window={text!r}: need start <= end <= {MAX_UPLOAD_WINDOW_MS}")
+    return window
 
 
 _ISSUER = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
@@ -99,7 +114,7 @@ def _device_auth(line: str) -> dict:
     parts = value.split(";")
     if (value == line or len(parts) != 3 or parts[0] != "privacy_pass"
             or not parts[1].startswith("issuer=") or not parts[2].startswith("token_keys=")):
-        raise PolicyError("the only line allowed after plan is "
+        raise PolicyError("the only line allowed after upload_window is "
                           "device_auth=privacy_pass;issuer=<name>;token_keys=<keys>")
     issuer = parts[1].removeprefix("issuer=")
     if not _ISSUER.match(issuer):

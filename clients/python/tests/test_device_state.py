@@ -17,7 +17,7 @@ def test_a_restarted_device_remembers_the_round_it_served(server, tmp_path):
     partner = Partner(server["url"], server["token"])
     population = "python-restart"
     task = partner.create_task(
-        {"population": population, "rounds": 1, "report_goal": 2, "min_reports": 2,
+        {"upload_window": {"start_ms": 300, "end_ms": 500}, "population": population, "rounds": 1, "report_goal": 2, "min_reports": 2,
          "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0}},
         {"w": np.zeros(4, np.float32)})
     trust = Trust.load(server["trust"])

@@ -48,7 +48,7 @@ def issuer(tmp_path_factory):
 
 
 def spec(population: str, issuer: dict) -> dict:
-    return {"population": population, "rounds": 1, "report_goal": DEVICES,
+    return {"upload_window": {"start_ms": 300, "end_ms": 500}, "population": population, "rounds": 1, "report_goal": DEVICES,
             "min_reports": DEVICES,
             "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0},
             "device_auth": {"issuer": issuer["name"], "token_keys": [issuer["token_key"]]}}

@@ -35,7 +35,7 @@ def test_the_policy_names_the_tree_and_unknown_mechanisms_are_refused():
 def test_a_device_serves_a_tree_task_only_min_separation_rounds_apart(server):
     partner = Partner(server["url"], server["token"])
     task = partner.create_task(
-        {"population": "python-ftrl", "rounds": 3, "report_goal": 1, "min_reports": 1,
+        {"upload_window": {"start_ms": 300, "end_ms": 500}, "population": "python-ftrl", "rounds": 3, "report_goal": 1, "min_reports": 1,
          "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0,
                      "mechanism": "tree_aggregation", "min_separation": 2}},
         {"w": np.zeros(4, np.float32)})
@@ -101,7 +101,7 @@ def test_a_blt_task_runs_round_after_round_and_its_releases_chain_their_state(se
     policy names it, every release verifies, and each names the sealed state the one before left."""
     partner = Partner(server["url"], server["token"])
     task = partner.create_task(
-        {"population": "python-blt", "rounds": 2, "report_goal": 1, "min_reports": 1,
+        {"upload_window": {"start_ms": 300, "end_ms": 500}, "population": "python-blt", "rounds": 2, "report_goal": 1, "min_reports": 1,
          "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0,
                      "mechanism": "blt", "min_separation": 1}},
         {"w": np.zeros(4, np.float32)})

@@ -24,7 +24,7 @@ MODEL = {"w": np.zeros(4, np.float32)}
 
 
 def spec(population: str, **extra) -> dict:
-    return {"population": population, "rounds": 1, "report_goal": 5,
+    return {"upload_window": {"start_ms": 300, "end_ms": 500}, "population": population, "rounds": 1, "report_goal": 5,
             "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0}, **extra}
 
 

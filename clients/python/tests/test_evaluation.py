@@ -33,7 +33,7 @@ def test_the_policy_names_the_evaluation_rounds_and_refuses_a_malformed_one():
 def test_devices_evaluate_in_evaluation_rounds_and_the_partner_reads_the_noised_metrics(server):
     partner = Partner(server["url"], server["token"])
     task = partner.create_task(
-        {"population": "python-eval", "rounds": 2, "report_goal": 4, "min_reports": 4,
+        {"upload_window": {"start_ms": 300, "end_ms": 500}, "population": "python-eval", "rounds": 2, "report_goal": 4, "min_reports": 4,
          "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0},
          "evaluation": {"every": 2, "max_loss": 5.0, "max_examples": 10, "stddev": 5.0}},
         {"w": np.zeros(4, np.float32)})
@@ -67,7 +67,7 @@ def test_devices_evaluate_in_evaluation_rounds_and_the_partner_reads_the_noised_
 def test_an_on_demand_evaluation_is_asked_for_and_each_device_grants_at_most_its_policys(server):
     partner = Partner(server["url"], server["token"])
     task = partner.create_task(
-        {"population": "python-on-demand", "rounds": 3, "report_goal": 2, "min_reports": 2,
+        {"upload_window": {"start_ms": 300, "end_ms": 500}, "population": "python-on-demand", "rounds": 3, "report_goal": 2, "min_reports": 2,
          "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0},
          "evaluation": {"every": 0, "max_examples": 10, "stddev": 5.0, "on_demand": 1}},
         {"w": np.zeros(4, np.float32)})

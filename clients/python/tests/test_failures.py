@@ -14,7 +14,7 @@ from confed_client import Partner, SimulationError, TaskEnded, Trust, run_simula
 
 
 def spec(population: str, devices: int) -> dict:
-    return {"population": population, "rounds": 2, "report_goal": devices,
+    return {"upload_window": {"start_ms": 300, "end_ms": 500}, "population": population, "rounds": 2, "report_goal": devices,
             "min_reports": devices,
             "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0}}
 

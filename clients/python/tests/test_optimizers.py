@@ -53,7 +53,7 @@ def test_each_model_version_is_the_reference_step(server, name, params):
     partner = Partner(server["url"], server["token"])
     population = f"python-{name}"
     task = partner.create_task(
-        {"population": population, "rounds": ROUNDS, "report_goal": DEVICES,
+        {"upload_window": {"start_ms": 300, "end_ms": 500}, "population": population, "rounds": ROUNDS, "report_goal": DEVICES,
          "min_reports": DEVICES, "server_learning_rate": LR,
          "server_optimizer": {"name": name, **params},
          "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0}},
@@ -84,7 +84,7 @@ def test_a_bad_optimizer_is_refused_naming_the_field(server):
     for bad in ({"name": "fedavgm", "momentum": 1.0}, {"name": "sgd"}):
         with pytest.raises(PartnerError) as caught:
             partner.create_task(
-                {"population": "python-bad-optimizer", "rounds": 1, "report_goal": 2,
+                {"upload_window": {"start_ms": 300, "end_ms": 500}, "population": "python-bad-optimizer", "rounds": 1, "report_goal": 2,
                  "server_optimizer": bad,
                  "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0}},
                 {"w": np.zeros(2, np.float32)})

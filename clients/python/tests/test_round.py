@@ -14,7 +14,7 @@ DEVICES = 10
 
 
 def spec(population: str) -> dict:
-    return {"population": population, "rounds": 1, "report_goal": DEVICES,
+    return {"upload_window": {"start_ms": 300, "end_ms": 500}, "population": population, "rounds": 1, "report_goal": DEVICES,
             "min_reports": DEVICES,
             "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0},
             "plan": {"epochs": 1, "batch_size": 16, "learning_rate": 0.1}}

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 
 import numpy as np
 
 from confed_client import Device, Partner, Trust, well_formed_update
+from confed_client.device import draw_send_times, flush_subnormals
 
 DEVICES = 4
 CLASSES, FEATURES, ROWS = 3, 5, 20
@@ -63,7 +65,7 @@ def loud(assignment: dict, problem) -> None:
 def probe(server: dict, population: str, theta: float) -> tuple[dict, list[Device]]:
     partner = Partner(server["url"], server["token"])
     task = partner.create_task(
-        {"population": population, "rounds": 1, "report_goal": DEVICES,
+        {"upload_window": {"start_ms": 300, "end_ms": 500}, "population": population, "rounds": 1, "report_goal": DEVICES,
          "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0},
          "plan": {"epochs": 1, "batch_size": ROWS, "learning_rate": 0.1}},
         probe_model(theta))
@@ -114,6 +116,68 @@ def test_the_overflow_probe_reads_the_same_whichever_side_of_theta_the_data_lies
     assert below["manifest"]["included"] == DEVICES and below["manifest"]["excluded"] == {}
     assert below["states"] == [("COMPLETED", DEVICES)]
     assert below == above
+
+
+def test_slow_or_fast_training_is_sent_at_each_devices_drawn_instant(server):
+    """Issue 45's amplifier, as its effect: training that is slow on one side of theta (here it
+    outlasts the whole upload window) and fast on the other. Every device seals at the instant
+    it drew before training, and each assignment's created -> completed time the operator
+    records is one of those instants plus the round trip, on both sides."""
+    window = (300, 900)
+    for population, slow in (("py-time-slow", True), ("py-time-fast", False)):
+        partner = Partner(server["url"], server["token"])
+        task = partner.create_task(
+            {"upload_window": {"start_ms": window[0], "end_ms": window[1]},
+             "population": population, "rounds": 1, "report_goal": DEVICES,
+             "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0},
+             "plan": {"epochs": 1, "batch_size": ROWS, "learning_rate": 0.1}},
+            probe_model(10.0))
+        trust = Trust.load(server["trust"])
+        released = threading.Event()
+        devices = []
+        for index in range(DEVICES):
+            fast = trainer(index, False)
+
+            def train(weights, plan, fast=fast):
+                if slow:  # the device's workload, slower than the window: it is sent as zeros
+                    released.wait(timeout=30)
+                return fast(weights, plan)
+
+            device = Device(server["url"], population, trust, on_problem=lambda a, p: None)
+            assert device.run_once(train) == "contributed"
+            devices.append(device)
+        released.set()
+        partner.wait_for_release(task, 1)
+        kinds = [[p.kind for (_, _, p) in d.problems] for d in devices]
+        assert kinds == ([["late"]] * DEVICES if slow else [[]] * DEVICES), kinds
+        drawn = sorted(s["send_ms"] - s["received_ms"] for d in devices for s in d.sent)
+        assert len(drawn) == DEVICES and all(window[0] <= t <= window[1] for t in drawn), drawn
+        for d in devices:
+            for s in d.sent:
+                assert 0 <= s["sealed_ms"] - s["send_ms"] < 300, s
+        with sqlite3.connect(f"file:{server['data']}/confed.db?mode=ro", uri=True) as db:
+            recorded = sorted(t for (t,) in db.execute(
+                "SELECT a.updated_at - a.created_at FROM assignments a JOIN rounds r "
+                "ON a.round_id = r.id WHERE r.task_id = ? AND a.state = 'COMPLETED'", (task,)))
+        assert len(recorded) == DEVICES
+        assert all(0 <= r - t < 300 for r, t in zip(recorded, drawn)), (drawn, recorded)
+
+
+def test_send_instants_follow_the_documented_rule():
+    times = draw_send_times(1_000_000, (10_000, 20_000), 1_600_000, 0.5, 0.5)
+    assert times == {"received_ms": 1_000_000, "token_ms": 1_007_500, "send_ms": 1_015_000}
+    # An assignment expiring inside the window: 2 s before its expiry.
+    assert draw_send_times(1_000_000, (10_000, 20_000), 1_012_000, 0.9, 0.0)["send_ms"] == 1_010_000
+    # Already expired: now.
+    assert draw_send_times(1_000_000, (10_000, 20_000), 0, 0.9, 0.9) == {
+        "received_ms": 1_000_000, "token_ms": 1_000_000, "send_ms": 1_000_000}
+
+
+def test_subnormal_weights_reach_training_as_zero():
+    model = {"w": np.array([1e-40, -1e-40, 0.5, np.finfo(np.float32).tiny], np.float32)}
+    flushed = flush_subnormals(model)["w"]
+    assert flushed.tolist() == [0.0, 0.0, 0.5, float(np.finfo(np.float32).tiny)]
+    assert np.signbit(flushed[1]) and flushed.dtype == np.float32
 
 
 def test_whatever_training_does_the_update_has_the_models_shape():

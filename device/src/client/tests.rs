@@ -37,7 +37,7 @@ fn assignment(policy: &TaskPolicy, key: &DeviceKey) -> AssignmentResponse {
 }
 
 /// A zero update of a one-tensor model (what is sealed does not matter to these tests).
-fn update() -> crate::update::WellFormedUpdate {
+fn update() -> crate::schedule::DueUpdate {
     use safetensors::{Dtype, tensor::TensorView};
     let data = [0u8; 8];
     let model = safetensors::serialize(
@@ -45,9 +45,11 @@ fn update() -> crate::update::WellFormedUpdate {
         None,
     )
     .unwrap();
-    crate::update::UpdateShape::of_model(&model)
-        .unwrap()
-        .well_formed(Ok(model), None)
+    crate::schedule::DueUpdate::now(
+        crate::update::UpdateShape::of_model(&model)
+            .unwrap()
+            .well_formed(Ok(model), None),
+    )
 }
 
 /// A trust file with no key services and the enclave's own limits (sealing needs no key check).

@@ -1,0 +1,265 @@
+//! When a device sends, decided before it touches its data (docs/privacy.md, "Time";
+//! docs/protocol.md, "Upload window").
+//!
+//! A model or plan someone else chose can make training slow or fast on a condition of the
+//! device's data, and anyone who reads when the device uploads or reports would read that
+//! condition. So, once the device accepts an assignment and before anything reads its data, it
+//! draws two instants from the operating system's randomness: when it asks for its device token
+//! (uniform between receiving the assignment and sending) and when it sends (uniform in the
+//! policy's upload window after receiving the assignment). `Schedule` is the only way to an
+//! update that `DeviceClient::seal` takes (`DueUpdate`): training runs on a blocking thread
+//! while the schedule waits, and at the send instant the device takes whatever is ready, the
+//! trained update or, if training is still running, a zero update of the model's shape made
+//! beforehand, so the moment the seal starts and the bytes it seals have the same cost either way.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use confed_protocol::clock::Millis;
+use confed_protocol::device::AssignmentResponse;
+use confed_protocol::policy::UploadWindow;
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use crate::update::{TrainingProblem, UpdateShape, WellFormedUpdate};
+
+/// What a device keeps of a drawn schedule in its state file (docs/protocol.md, "The device's
+/// state file"): Unix milliseconds of receipt, token request and send. A device resuming an
+/// assignment after a restart keeps its instants instead of drawing new ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SendTimes {
+    pub received_ms: i64,
+    pub token_ms: i64,
+    pub send_ms: i64,
+}
+
+/// How long before the assignment expires a send instant is moved to at the latest: time to
+/// seal, upload and report (the server keeps 5 s between a window's end and the timeout).
+pub const EXPIRY_ALLOWANCE: Duration = Duration::from_secs(2);
+
+impl SendTimes {
+    /// Draws the instants of an assignment received at `received` under `window`, from the
+    /// uniform draws `send_unit` and `token_unit` in `[0, 1)`: the send instant in the window
+    /// (moved to `EXPIRY_ALLOWANCE` before `expires` if it would fall later), the token request
+    /// between receipt and the send instant.
+    pub fn draw(
+        received: Millis,
+        window: UploadWindow,
+        expires: Millis,
+        send_unit: f64,
+        token_unit: f64,
+    ) -> Self {
+        let latest = expires.minus(EXPIRY_ALLOWANCE).max(received);
+        let send = received.plus(window.offset(send_unit)).min(latest);
+        let span = (send.0 - received.0).max(0) as f64;
+        let token_unit = if token_unit.is_finite() {
+            token_unit.clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        let token = received.0 + ((token_unit * span).floor() as i64).min(send.0 - received.0);
+        Self {
+            received_ms: received.0,
+            token_ms: token.max(received.0),
+            send_ms: send.0,
+        }
+    }
+}
+
+/// A uniform draw in `[0, 1)` from the operating system: nothing the device's data decides.
+pub(crate) fn uniform_unit() -> Result<f64, getrandom::Error> {
+    let mut bytes = [0u8; 8];
+    getrandom::fill(&mut bytes)?;
+    Ok((u64::from_le_bytes(bytes) >> 11) as f64 / (1u64 << 53) as f64)
+}
+
+/// Asked by the training code between steps: once set, the send instant has passed and nothing
+/// training computes from here on will be sent.
+#[derive(Debug, Clone, Default)]
+pub struct Cancel(Arc<AtomicBool>);
+
+impl Cancel {
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// What the training code gives: the update's safetensors (the new weights minus the model's)
+/// or why not, and in an evaluation round the metrics `[loss_sum, correct, examples]` or why not.
+#[derive(Debug, Clone)]
+pub struct Trained {
+    pub update: Result<Vec<u8>, String>,
+    pub metrics: Option<Result<[f32; 3], String>>,
+}
+
+/// An update that is due: what was ready at the send instant. Only `Schedule::train_until`
+/// makes one (and `DueUpdate::now` for callers that trained before accepting, in tests).
+#[derive(Debug, Clone)]
+pub struct DueUpdate {
+    update: WellFormedUpdate,
+    late: bool,
+}
+
+impl DueUpdate {
+    /// An update sent without a schedule: for tests of sealing only.
+    #[doc(hidden)]
+    pub fn now(update: WellFormedUpdate) -> Self {
+        Self {
+            update,
+            late: false,
+        }
+    }
+
+    pub fn update(&self) -> &WellFormedUpdate {
+        &self.update
+    }
+
+    /// Training had not finished at the send instant: zeros were sent.
+    pub fn late(&self) -> bool {
+        self.late
+    }
+
+    /// Whether zeros were sent in place of the trained update (late, failed or non-finite).
+    pub fn zeroed(&self) -> bool {
+        self.late
+            || self.update.problems().iter().any(|p| {
+                !matches!(
+                    p,
+                    TrainingProblem::EvaluationFailed(_) | TrainingProblem::EvaluationNonFinite
+                )
+            })
+    }
+
+    /// What was replaced by zeros, and why: for the device's own log, never for the server.
+    pub fn problems(&self) -> &[TrainingProblem] {
+        self.update.problems()
+    }
+}
+
+/// An accepted assignment's instants (`DeviceClient::schedule`), as monotonic deadlines.
+#[derive(Debug, Clone)]
+pub struct Schedule {
+    times: SendTimes,
+    token_at: Instant,
+    send_at: Instant,
+}
+
+impl Schedule {
+    /// The schedule of `times` for a device whose wall clock reads `now` at the monotonic
+    /// instant `at`: instants already past are due at once.
+    pub fn new(times: SendTimes, now: Millis, at: Instant) -> Self {
+        let after = |ms: i64| at + Duration::from_millis((ms - now.0).max(0) as u64);
+        Self {
+            times,
+            token_at: after(times.token_ms),
+            send_at: after(times.send_ms),
+        }
+    }
+
+    pub fn times(&self) -> SendTimes {
+        self.times
+    }
+
+    /// When to ask for the device token.
+    pub fn token_at(&self) -> Instant {
+        self.token_at
+    }
+
+    /// When to seal, upload and report.
+    pub fn send_at(&self) -> Instant {
+        self.send_at
+    }
+
+    /// Waits until the token instant (`DeviceClient::token_for` then).
+    pub async fn token_due(&self) {
+        tokio::time::sleep_until(self.token_at).await;
+    }
+
+    /// Runs `train` on a blocking thread and returns at the send instant with what is ready:
+    /// the trained update made well formed, or, if training has not finished, a zero update of
+    /// the model's shape (with zero metrics in an evaluation round) made before training
+    /// started. `train` is told to stop (`Cancel`) once the instant has passed; whatever it
+    /// returns after that is dropped. It never returns before the instant, whatever `train`
+    /// did: fast, slow, failing or panicking.
+    pub async fn train_until<F>(&self, shape: &UpdateShape, evaluating: bool, train: F) -> DueUpdate
+    where
+        F: FnOnce(&Cancel) -> Trained + Send + 'static,
+    {
+        let late = DueUpdate {
+            update: shape
+                .well_formed(Err(String::new()), evaluating.then_some(Ok([0.0; 3])))
+                .with_problems(vec![TrainingProblem::Late]),
+            late: true,
+        };
+        let cancel = Cancel::default();
+        let shape = shape.clone();
+        let stop = cancel.clone();
+        let mut training = tokio::task::spawn_blocking(move || {
+            let trained = train(&stop);
+            let metrics = match (evaluating, trained.metrics) {
+                (true, Some(metrics)) => Some(metrics),
+                (true, None) => Some(Err("the training code gave no metrics".into())),
+                (false, _) => None,
+            };
+            shape.well_formed(trained.update, metrics)
+        });
+        let deadline = tokio::time::sleep_until(self.send_at);
+        tokio::pin!(deadline);
+        let ready = tokio::select! {
+            biased;
+            () = &mut deadline => None,
+            done = &mut training => Some(done),
+        };
+        let due = match ready {
+            Some(Ok(update)) => {
+                deadline.await;
+                DueUpdate {
+                    update,
+                    late: false,
+                }
+            }
+            // The training code panicked: as a failure, sent as zeros at the instant.
+            Some(Err(_)) => {
+                deadline.await;
+                DueUpdate {
+                    update: shape_failure(&late, "the training code panicked"),
+                    late: false,
+                }
+            }
+            None => late,
+        };
+        cancel.cancel();
+        due
+    }
+}
+
+/// The zero update of `late`, noted as a training failure instead of lateness.
+fn shape_failure(late: &DueUpdate, why: &str) -> WellFormedUpdate {
+    late.update
+        .clone()
+        .with_problems(vec![TrainingProblem::TrainingFailed(why.into())])
+}
+
+/// The instants of `assignment` as the device first received it at `received` (wall clock).
+pub(crate) fn draw_for(
+    assignment: &AssignmentResponse,
+    window: UploadWindow,
+    received: Millis,
+) -> Result<SendTimes, getrandom::Error> {
+    Ok(SendTimes::draw(
+        received,
+        window,
+        Millis(assignment.expires_at.saturating_mul(1000)),
+        uniform_unit()?,
+        uniform_unit()?,
+    ))
+}
+
+#[cfg(test)]
+mod tests;
