@@ -366,18 +366,10 @@ pub fn check(
                 e.stddev
             ));
         }
-        if let Some((tree, accounted, depth)) = manifest
-            .noise
-            .tree
-            .as_ref()
-            .and_then(|tree| Some((tree, tree.accounted_stddev_sum?, tree.accounted_depth?)))
-        {
-            // A tree release's own noise is not its guarantee (docs/privacy.md, "Reading a
-            // DP-FTRL manifest"): say both, the guarantee first.
-            lines.push(format!(
-                "noise: the accounting guarantees {:.6} per coordinate of the sum on one device's contribution, even to whoever knows every other round of tree {} ({} complete nodes over a round); this release alone carries {:.6}",
-                accounted, tree.tree, depth, manifest.noise.stddev_sum
-            ));
+        // A DP-FTRL release's own noise is not its guarantee (docs/privacy.md, "Reading a
+        // DP-FTRL manifest", "Reading a BLT manifest"): the guarantee goes first, then the rest.
+        if let Some(guarantee) = guarantee_line(&manifest) {
+            lines.insert(0, guarantee);
         }
         lines.push(format!(
             "released under: policy {}, base model {}, mechanism {}, clip norm {}, {} contributions included, epsilon budget {} (delta {}) over {} rounds, spent through this round {:.4}",
@@ -393,4 +385,24 @@ pub fn check(
         ));
     }
     Ok(Verified { lines, failures })
+}
+
+/// What the accounting guarantees on one device's contribution to a DP-FTRL round (tree or BLT),
+/// beside what the release alone carries; `None` for independent noise (the two are the same)
+/// and for releases of servers that did not record it.
+fn guarantee_line(manifest: &Manifest) -> Option<String> {
+    let noise = &manifest.noise;
+    if let Some(tree) = &noise.tree {
+        let (accounted, depth) = (tree.accounted_stddev_sum?, tree.accounted_depth?);
+        return Some(format!(
+            "noise: the accounting guarantees {accounted:.6} per coordinate of the sum on one device's contribution, even to whoever knows every other round of tree {} ({depth} complete nodes over a round); this release alone carries {:.6}",
+            tree.tree, noise.stddev_sum
+        ));
+    }
+    let blt = noise.blt.as_ref()?;
+    let (accounted, sensitivity) = (blt.accounted_stddev_sum?, blt.accounted_sensitivity?);
+    Some(format!(
+        "noise: the accounting guarantees {accounted:.6} per coordinate of the sum on one device's contribution, even to whoever knows every other contribution and every release of the task's {} planned rounds (sensitivity {sensitivity:.4} clip norms); this release alone carries {:.6}",
+        manifest.privacy.rounds_planned, noise.stddev_sum
+    ))
 }

@@ -15,6 +15,9 @@ pub struct KeyDirectory {
     sets: Arc<RwLock<Vec<KeySet>>>,
     /// (answered, asked) at the last refresh; `None` for a fixed directory (never refreshed).
     reach: Arc<RwLock<Option<(usize, usize)>>>,
+    /// How many key services this front end is configured with (its `--keyservice` URLs): the
+    /// least n it checks a release's receipts against, whatever the key entries state.
+    configured: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl KeyDirectory {
@@ -22,7 +25,21 @@ impl KeyDirectory {
         Self {
             sets: Arc::new(RwLock::new(sets)),
             reach: Arc::default(),
+            configured: Arc::default(),
         }
+    }
+
+    /// This directory, for a front end configured with `services` key services (`refresh`
+    /// sets it from its URLs).
+    pub fn with_configured(self, services: usize) -> Self {
+        self.configured
+            .store(services, std::sync::atomic::Ordering::Relaxed);
+        self
+    }
+
+    /// The key services this front end is configured with (0: a fixed directory).
+    pub fn configured(&self) -> usize {
+        self.configured.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether devices can be assigned: an active key signed by its threshold of key services is
@@ -170,6 +187,8 @@ impl KeyDirectory {
     pub async fn refresh(&self, client: &reqwest::Client, urls: &[String]) {
         let mut fresh = Vec::new();
         let asked = urls.len();
+        self.configured
+            .store(asked, std::sync::atomic::Ordering::Relaxed);
         for url in urls {
             let answer = client
                 .get(format!("{}/v1/keys", url.trim_end_matches('/')))

@@ -220,6 +220,37 @@ fn the_front_end_pins_the_key_entrys_threshold_and_shares() {
     assert!(two.iter().any(|f| f.contains("2 of the 3")), "{two:?}");
 }
 
+/// Issue 45: t lying key services sign an entry saying 2 of 2 (the honest one's 2 of 3 has one
+/// signature, below its threshold, so theirs is the only entry that counts) and return receipts
+/// that say the same. The front end pins n = 3 from its own configuration and refuses.
+#[test]
+fn the_front_end_pins_n_from_its_configuration_when_the_key_entries_lie() {
+    let mut scene = scene();
+    let sets: Vec<KeySet> = scene
+        .services
+        .iter()
+        .enumerate()
+        .map(|(i, (id, signing))| KeySet {
+            keyservice_id: id.clone(),
+            verifying_key: encode_verifying_key(signing.verifying_key()),
+            keys: vec![signed_entry(id, signing, if i < 2 { 2 } else { 3 })],
+        })
+        .collect();
+    scene.keys = KeyDirectory::fixed(sets.clone());
+    assert_eq!(
+        key_set_of(&scene.keys, KEY),
+        Some(KeySetShape::new(2, 2)),
+        "believed without a configuration"
+    );
+    scene.keys = KeyDirectory::fixed(sets).with_configured(3);
+    assert_eq!(key_set_of(&scene.keys, KEY), Some(KeySetShape::new(2, 3)));
+    let failures = front_end_check(&scene, &proof(&scene, &[0, 1], 2, 2));
+    assert!(
+        failures.iter().any(|f| f.contains("pins 2 of 3")),
+        "{failures:?}"
+    );
+}
+
 #[test]
 fn confed_verify_takes_t_and_n_from_the_trust_file_only() {
     let scene = scene();
@@ -275,13 +306,39 @@ fn confed_verify_states_a_tree_releases_accounted_noise() {
     let proof = proof(&scene, &[0, 1, 2], 2, 3);
     let verified = verify(&scene, &proof, &trust(&scene, 3, None)).unwrap();
     assert!(verified.failures.is_empty(), "{:?}", verified.failures);
-    let line = verified
-        .lines
-        .iter()
-        .find(|l| l.starts_with("noise:"))
-        .expect("a noise line");
+    let line = &verified.lines[0];
     assert!(
-        line.contains("guarantees 0.500000") && line.contains("carries 1.175000"),
+        line.starts_with("noise: the accounting guarantees 0.500000")
+            && line.contains("carries 1.175000"),
+        "the guarantee comes first: {line}"
+    );
+}
+
+/// The same for a BLT release (issue 45): its round 1 states the fresh noise as its own, and
+/// the guarantee over the task's planned rounds is printed first.
+#[test]
+fn confed_verify_states_a_blt_releases_accounted_noise_first() {
+    let mut scene = scene();
+    scene.manifest.noise.stddev_sum = 1.29;
+    scene.manifest.noise.blt = Some(confed_worker_api::manifest::BltRecord {
+        buffers: 2,
+        lattice_bits: 3,
+        max_values: 1000,
+        state_in_blake3: None,
+        state_out_blake3: "0".repeat(64),
+        prefix_stddev_sum: 1.29,
+        sensitivity: 1.2,
+        accounted_stddev_sum: Some(0.8),
+        accounted_sensitivity: Some(1.6125),
+    });
+    let proof = proof(&scene, &[0, 1, 2], 2, 3);
+    let verified = verify(&scene, &proof, &trust(&scene, 3, None)).unwrap();
+    assert!(verified.failures.is_empty(), "{:?}", verified.failures);
+    let line = &verified.lines[0];
+    assert!(
+        line.starts_with("noise: the accounting guarantees 0.800000")
+            && line.contains("3 planned rounds")
+            && line.contains("carries 1.290000"),
         "{line}"
     );
 }

@@ -36,7 +36,9 @@ def trained_task(server):
     spec = {"population": "console-phones", "rounds": ROUNDS, "report_goal": DEVICES_PER_ROUND,
             "min_reports": DEVICES_PER_ROUND,
             "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0},
-            "evaluation": {"every": 2, "max_examples": 10, "stddev": 40.0}}
+            "evaluation": {"every": 2, "max_examples": 10, "stddev": 40.0},
+            # Devices send 100-200 ms after their assignment (the default is a minute or two).
+            "upload_window": {"start_ms": 100, "end_ms": 200}}
     task = partner.create_task(spec, {"w": np.zeros(8, np.float32), "b": np.zeros(2, np.float32)})
     trust = Trust.load(server["trust"])
     rng = np.random.default_rng(7)

@@ -101,6 +101,19 @@ pub struct BltRecord {
     /// Min-separation sensitivity of `C`'s first `round` rows, in clip norms: the accounting
     /// charges `(sensitivity + rounding)^2` Gaussian releases through this round.
     pub sensitivity: f64,
+    /// What the accounting guarantees, per coordinate of the sum, in update units: the error
+    /// below which nobody can estimate one device's contribution to this round, even knowing
+    /// every other contribution of the task and every release of all its planned rounds. The
+    /// fresh noise's standard deviation over `accounted_sensitivity` (`clip_norm / sqrt(2 rho)`
+    /// for the rho the whole task charges its value noise). `stddev_sum` is only what this one
+    /// release carries; an operator who fills the other rounds gets closer than it (round 1's
+    /// by the factor `||C e_1||`). Absent in releases of servers before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accounted_stddev_sum: Option<f64>,
+    /// The sensitivity the accounting charges one device over the task's planned rounds, in clip
+    /// norms, margins and rounding included: `sqrt(units_through(rounds_planned))`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accounted_sensitivity: Option<f64>,
 }
 
 /// The tree mechanism's record of a release (docs/privacy.md, "DP-FTRL"). `variance_grid` is each

@@ -143,4 +143,27 @@ def verify_release(manifest_bytes: bytes, average_bytes: bytes, proof: dict,
           f"(threshold {threshold} of {n} shares, from the trust file)")
     if failed:
         raise ReleaseError(failed)
-    return passed
+    guarantee = guarantee_line(manifest)
+    return ([guarantee] if guarantee else []) + passed
+
+
+def guarantee_line(manifest: dict) -> str | None:
+    """What the accounting guarantees on one device's contribution to a DP-FTRL round (tree or
+    BLT), before what the release alone carries: a DP-FTRL release's own noise is not its
+    guarantee (docs/privacy.md, "Reading a DP-FTRL manifest", "Reading a BLT manifest"). None
+    for independent noise and for releases of servers that did not record it."""
+    noise = manifest.get("noise", {})
+    tree, blt = noise.get("tree"), noise.get("blt")
+    if tree and "accounted_stddev_sum" in tree and "accounted_depth" in tree:
+        return (f"noise: the accounting guarantees {tree['accounted_stddev_sum']:.6f} per "
+                "coordinate of the sum on one device's contribution, even to whoever knows "
+                f"every other round of tree {tree['tree']} ({tree['accounted_depth']} complete "
+                f"nodes over a round); this release alone carries {noise['stddev_sum']:.6f}")
+    if blt and "accounted_stddev_sum" in blt and "accounted_sensitivity" in blt:
+        return (f"noise: the accounting guarantees {blt['accounted_stddev_sum']:.6f} per "
+                "coordinate of the sum on one device's contribution, even to whoever knows "
+                "every other contribution and every release of the task's "
+                f"{manifest['privacy']['rounds_planned']} planned rounds (sensitivity "
+                f"{blt['accounted_sensitivity']:.4f} clip norms); this release alone carries "
+                f"{noise['stddev_sum']:.6f}")
+    return None

@@ -119,6 +119,12 @@ def test_a_blt_task_runs_round_after_round_and_its_releases_chain_their_state(se
         manifest = json.loads(manifest) if isinstance(manifest, str) else manifest
         assert manifest["noise"]["mechanism"].startswith("blt_on_grid;min_separation=1;")
         blts.append(manifest["noise"]["blt"])
-        assert partner.verify_release(task, round_, trust), "raises when a check fails"
+        lines = partner.verify_release(task, round_, trust)
+        # The guarantee over the planned rounds first, then what this release alone carries.
+        assert lines[0].startswith("noise: the accounting guarantees "), lines
+        blt = manifest["noise"]["blt"]
+        assert blt["accounted_stddev_sum"] <= manifest["noise"]["stddev_sum"]
+        assert abs(blt["accounted_stddev_sum"] * blt["accounted_sensitivity"]
+                   - blts[0]["accounted_stddev_sum"] * blts[0]["accounted_sensitivity"]) < 1e-9
     assert "state_in_blake3" not in blts[0]
     assert blts[1]["state_in_blake3"] == blts[0]["state_out_blake3"]

@@ -103,6 +103,7 @@ pub fn release(
     noise: &DiscreteGaussian,
     clip_norm: f64,
     count: u64,
+    rounds_planned: u32,
 ) -> Result<(Vec<f32>, NoiseRecord, Vec<u8>), AggregateError> {
     if count > MAX_BLT_INCLUDED {
         return Err(AggregateError::Unsupported(format!(
@@ -149,7 +150,7 @@ pub fn release(
         noise,
         clip_norm,
         count,
-        context.round,
+        (context.round, rounds_planned),
         state_in,
         &sealed_out,
     );
@@ -164,7 +165,7 @@ fn record(
     noise: &DiscreteGaussian,
     clip_norm: f64,
     count: u64,
-    round: u64,
+    (round, rounds_planned): (u64, u32),
     state_in: Option<[u8; 32]>,
     sealed_out: &[u8],
 ) -> NoiseRecord {
@@ -177,6 +178,11 @@ fn record(
         .copied()
         .unwrap_or(0.0);
     let stddev_sum = noise.scale() * unit * own.sqrt();
+    // The whole task's accounted sensitivity bounds every single round's ||C e_t|| (one
+    // participation is one of the patterns it maximises over): docs/privacy.md, "Reading a BLT
+    // manifest".
+    let accounted_sensitivity =
+        blt_accounting::units_through(blt, u64::from(rounds_planned).max(round)).sqrt();
     NoiseRecord {
         mechanism: blt.encode(),
         grid_units_per_clip: grid::GRID_UNITS_PER_CLIP,
@@ -192,6 +198,8 @@ fn record(
             state_out_blake3: hex(blake3::hash(sealed_out).as_bytes()),
             prefix_stddev_sum: noise.scale() * unit * prefix.sqrt(),
             sensitivity: blt_accounting::sensitivity_through(blt, round),
+            accounted_stddev_sum: Some(noise.scale() * unit / accounted_sensitivity),
+            accounted_sensitivity: Some(accounted_sensitivity),
         }),
     }
 }

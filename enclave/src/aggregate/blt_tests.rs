@@ -243,3 +243,61 @@ fn a_blt_policy_runs_and_a_lattice_too_fine_for_its_noise_is_refused_before_the_
     let error = PrivacyParams::for_round(&policy, None, false).unwrap_err();
     assert!(error.to_string().contains("lattice"), "{error}");
 }
+
+/// Issue 45: an operator who knows every other contribution of the task (it filled those rounds)
+/// estimates one device's contribution to round t from all the planned rounds' releases
+/// `r = x + C^-1 z` with error variance `sigma^2 / (Sigma^-1)_tt`, Sigma = `C^-1 C^-T` the
+/// releases' noise covariance in units of the fresh noise's variance. That beats round 1's own
+/// `stddev_sum` (so the release's noise must not be read as the guarantee) and never beats
+/// `accounted_stddev_sum`, the accounting's bound the manifest states.
+#[test]
+fn a_blt_manifest_states_no_more_noise_than_the_accounting_guarantees() {
+    let r = round(VALUES);
+    let blt = blt(ROUNDS);
+    let n = ROUNDS as usize;
+    let mut state = None;
+    let mut records = Vec::new();
+    for round in 1..=u64::from(ROUNDS) {
+        let release = run(&r, blt, round, 20, state.take()).unwrap();
+        state = release.blt_state.clone();
+        records.push((
+            release.manifest.noise.stddev_sum,
+            release.manifest.noise.blt.clone().expect("a BLT record"),
+        ));
+    }
+    // The fresh noise's standard deviation: round 1's release carries exactly it (C^-1 has a
+    // unit diagonal).
+    let fresh = records[0].0;
+    let inverse = Blt::new(blt.decays(), blt.scales())
+        .inverse()
+        .coefficients(n);
+    let c_inverse = |i: usize, j: usize| if i >= j { inverse[i - j] } else { 0.0 };
+    let sigma: Vec<Vec<f64>> = (0..n)
+        .map(|a| {
+            (0..n)
+                .map(|b| (0..n).map(|k| c_inverse(a, k) * c_inverse(b, k)).sum())
+                .collect()
+        })
+        .collect();
+    let precision = super::tests::invert(sigma);
+    let mut beaten = 0;
+    for (t, (stddev_sum, record)) in records.iter().enumerate() {
+        let accounted = record.accounted_stddev_sum.expect("the accounted bound");
+        let sensitivity = record.accounted_sensitivity.expect("its sensitivity");
+        assert!((accounted * sensitivity - fresh).abs() < 1e-9 * fresh);
+        let attack = fresh / precision[t][t].sqrt();
+        assert!(
+            attack >= accounted * (1.0 - 1e-9),
+            "round {}: the attack's error {attack} is below the accounted {accounted}",
+            t + 1
+        );
+        if attack < stddev_sum * 0.99 {
+            beaten += 1;
+        }
+    }
+    assert!(
+        records[0].0 > fresh / precision[0][0].sqrt() * 1.01,
+        "round 1's own noise overstates what a device keeps once later rounds are out"
+    );
+    assert!(beaten > 0);
+}

@@ -583,6 +583,7 @@ impl Aggregator {
                     &noise,
                     privacy.clip_norm,
                     count,
+                    privacy.rounds,
                 )?;
                 blt_state_out = Some(sealed);
                 (values, record)

@@ -703,7 +703,7 @@ fn an_older_tree_record_without_the_accounted_noise_parses() {
 }
 
 /// Gauss-Jordan inverse of a small symmetric positive definite matrix.
-fn invert(mut a: Vec<Vec<f64>>) -> Vec<Vec<f64>> {
+pub(super) fn invert(mut a: Vec<Vec<f64>>) -> Vec<Vec<f64>> {
     let n = a.len();
     let mut inv: Vec<Vec<f64>> = (0..n)
         .map(|i| (0..n).map(|j| f64::from(u8::from(i == j))).collect())
