@@ -39,6 +39,10 @@ pub struct NewTaskForm {
     #[serde(default)]
     assignment_timeout_seconds: String,
     #[serde(default)]
+    upload_window_start_ms: String,
+    #[serde(default)]
+    upload_window_end_ms: String,
+    #[serde(default)]
     epsilon: String,
     #[serde(default)]
     delta: String,
@@ -146,6 +150,28 @@ const TRAINING: &[NumberField] = &[
         kind: Number::Integer {
             min: 10,
             max: 604_800,
+        },
+        required: false,
+    },
+    NumberField {
+        name: "upload_window_start_ms",
+        path: &["upload_window", "start_ms"],
+        label: "Upload window start (ms)",
+        hint: "Devices send at an instant drawn between start and end after their assignment, whatever their training did; give both (default: one to two minutes)",
+        kind: Number::Integer {
+            min: 0,
+            max: 604_800_000,
+        },
+        required: false,
+    },
+    NumberField {
+        name: "upload_window_end_ms",
+        path: &["upload_window", "end_ms"],
+        label: "Upload window end (ms)",
+        hint: "At most the assignment timeout less 5 s",
+        kind: Number::Integer {
+            min: 0,
+            max: 604_800_000,
         },
         required: false,
     },
@@ -275,10 +301,11 @@ fn form_fields() -> impl Iterator<Item = &'static str> {
 /// Whether a refusal named `param` belongs to the form field `field`.
 fn belongs(param: &str, field: &str) -> bool {
     // The form's own name (a local parse error) or the API's path.
-    let api = if field == "evaluation_every" {
-        "evaluation.every"
-    } else {
-        field
+    let api = match field {
+        "evaluation_every" => "evaluation.every",
+        "upload_window_start_ms" => "upload_window.start_ms",
+        "upload_window_end_ms" => "upload_window.end_ms",
+        _ => field,
     };
     param == field || param == api || param.ends_with(&format!(".{api}"))
 }
@@ -291,6 +318,8 @@ fn value(form: &NewTaskForm, name: &str) -> String {
         "over_selection" => &form.over_selection,
         "round_deadline_seconds" => &form.round_deadline_seconds,
         "assignment_timeout_seconds" => &form.assignment_timeout_seconds,
+        "upload_window_start_ms" => &form.upload_window_start_ms,
+        "upload_window_end_ms" => &form.upload_window_end_ms,
         "epsilon" => &form.epsilon,
         "delta" => &form.delta,
         "clip_norm" => &form.clip_norm,

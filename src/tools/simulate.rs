@@ -88,6 +88,25 @@ pub struct SendTiming {
 
 impl Summary {
     pub fn print(&self) {
+        self.print_calls();
+        if !self.zeroed.is_empty() {
+            println!(
+                "updates sent as zeros (training failed or late on the device; the server saw ordinary completions): {}",
+                self.zeroed.len()
+            );
+            for problem in self.zeroed.iter().take(5) {
+                println!("zeroed: {problem}");
+            }
+        }
+    }
+
+    /// `print` without the zero updates: for a load generator whose devices send at once, before
+    /// anything could be ready.
+    pub fn print_without_zeroed(&self) {
+        self.print_calls();
+    }
+
+    fn print_calls(&self) {
         let secs = self.elapsed.as_secs_f64().max(1e-9);
         println!(
             "contributions: {}  declined (already contributed): {}  late (round closed first): {}  failures: {}  elapsed: {:.2} s  cycles/s: {:.1}",
@@ -117,15 +136,6 @@ impl Summary {
         }
         for failure in self.failures.iter().take(5) {
             println!("failure: {failure}");
-        }
-        if !self.zeroed.is_empty() {
-            println!(
-                "updates sent as zeros (training failed on the device; the server saw ordinary completions): {}",
-                self.zeroed.len()
-            );
-            for problem in self.zeroed.iter().take(5) {
-                println!("zeroed: {problem}");
-            }
         }
     }
 }

@@ -377,6 +377,32 @@ async fn the_form_shows_every_refusal_and_a_task_keeps_its_name() {
         "a short deadline brings its own assignment timeout"
     );
     assert_eq!(task["server_optimizer"]["name"], "fedadam");
+    assert_eq!(
+        task["upload_window"],
+        serde_json::json!({"start_ms": 57_500, "end_ms": 115_000}),
+        "the default window, within the 120 s assignment timeout less 5 s (its start at most half its end)"
+    );
+    // The upload window, and a refusal of its end named on its field.
+    let windowed = post(
+        "population=phones&rounds=3&report_goal=10&epsilon=8&delta=1e-6&clip_norm=1&upload_window_start_ms=200&upload_window_end_ms=900".into(),
+    )
+    .await;
+    assert_eq!(
+        windowed.status,
+        StatusCode::SEE_OTHER,
+        "{}",
+        text(&windowed)
+    );
+    let late = post(
+        "population=phones&rounds=3&report_goal=10&epsilon=8&delta=1e-6&clip_norm=1&assignment_timeout_seconds=10&upload_window_start_ms=0&upload_window_end_ms=9000".into(),
+    )
+    .await;
+    assert_eq!(late.status, StatusCode::BAD_REQUEST);
+    assert!(
+        text(&late).contains(r#"id="upload_window_end_ms-problem">must be between 0 and 5000"#),
+        "{}",
+        text(&late)
+    );
     let list = text(&app.send(get("/console/tasks", Some(&cookie))).await);
     assert!(
         list.contains("Next word &lt;en-US&gt;<br><code class=\"id\">"),

@@ -31,6 +31,71 @@ async fn create_task_returns_201_with_defaults_and_progress_fields() {
     assert_eq!(task["id"].as_str().unwrap().len(), 36);
 }
 
+/// The upload window goes into the task policy devices bind; one that ends past the assignment
+/// timeout less 5 s, or starts after it ends, is refused naming its field (issue 45).
+#[tokio::test]
+async fn the_upload_window_is_in_the_policy_and_must_fit_the_assignment_timeout() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let task = app
+        .call(
+            Method::POST,
+            "/v1/tasks",
+            Some(&token),
+            Some(task_body(
+                json!({"upload_window": {"start_ms": 1500, "end_ms": 55000}}),
+            )),
+        )
+        .await
+        .json();
+    assert_eq!(
+        task["upload_window"],
+        json!({"start_ms": 1500, "end_ms": 55000})
+    );
+    let policy = task["policy"].as_str().unwrap();
+    assert!(policy.contains("\nupload_window=1500,55000\n"), "{policy}");
+    let policy = confed_protocol::policy::TaskPolicy::parse(policy).unwrap();
+    assert_eq!(policy.upload_window.end_ms, 55_000);
+    for (window, field, why) in [
+        (
+            json!({"start_ms": 0, "end_ms": 55001}),
+            "upload_window.end_ms",
+            "between 0 and 55000",
+        ),
+        (
+            json!({"start_ms": 900, "end_ms": 800}),
+            "upload_window.start_ms",
+            "end_ms 800",
+        ),
+    ] {
+        let reply = app
+            .call(
+                Method::POST,
+                "/v1/tasks",
+                Some(&token),
+                Some(task_body(json!({"upload_window": window}))),
+            )
+            .await;
+        let problem = reply.problem(StatusCode::BAD_REQUEST);
+        let params = problem["invalid_params"].as_array().unwrap();
+        assert_eq!(params.len(), 1, "{problem}");
+        assert_eq!(params[0]["name"], field);
+        assert!(
+            params[0]["reason"].as_str().unwrap().contains(why),
+            "{problem}"
+        );
+    }
+    let reply = app
+        .call(
+            Method::POST,
+            "/v1/tasks",
+            Some(&token),
+            Some(task_body(json!({"upload_window": {"start_ms": 5}}))),
+        )
+        .await;
+    reply.problem(StatusCode::BAD_REQUEST);
+}
+
 #[tokio::test]
 async fn create_task_names_every_invalid_field() {
     let app = TestApp::new().await;
