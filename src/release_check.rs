@@ -83,15 +83,15 @@ pub fn verify_staged(
 
 /// The key set the front end pins for `key_id`: the threshold of the key entry that at least
 /// its threshold of the configured key services signed (`KeyDirectory::signed_shape`; devices
-/// accept the same entry only with t signatures), and as n the larger of that entry's shares
-/// and the key services this front end is configured with, as the verifiers take n from the
-/// trust file: t colluding key services that sign an entry saying n = t (so that only theirs
-/// reaches its threshold) do not lower the quorum to t. Never a receipt's word.
+/// accept the same entry only with t signatures), and as n the most that any validly signed
+/// entry of the key states, at least its holders: t colluding key services that sign an entry
+/// saying n = t (so that only theirs reaches its threshold) do not lower the quorum to t while
+/// an honest holder says n. Never a receipt's word.
 pub fn key_set_of(keys: &KeyDirectory, key_id: &str) -> Option<KeySetShape> {
     let (threshold, shares) = keys.signed_shape(key_id)?;
     Some(KeySetShape::new(
         usize::from(threshold),
-        usize::from(shares).max(keys.configured()),
+        usize::from(shares),
     ))
 }
 

@@ -39,17 +39,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Drawn before anything reads the update: when this device sends does not depend on it.
     let schedule = client.schedule(&assignment, &policy)?;
     let model = client.model(&assignment).await?;
-    let token = client.token_for(&assignment, &policy).await?;
     // An update file that is not the model's exact tensors, or not finite, or not read by the
     // send instant, is sent as a zero update (and reported completed): the server never learns
-    // that anything went wrong.
+    // that anything went wrong. The device token (tasks that require one) is asked for at its
+    // own drawn instant, neither at the assignment nor at the upload.
     let path = update.clone();
-    let due = schedule
-        .train_until(&model.update_shape()?, false, move |_| Trained {
-            update: std::fs::read(path).map_err(|e| e.to_string()),
-            metrics: None,
-        })
-        .await;
+    let token = async {
+        schedule.token_due().await;
+        client.token_for(&assignment, &policy).await
+    };
+    let shape = model.update_shape()?;
+    let training = schedule.train_until(&shape, false, move |_| Trained {
+        update: std::fs::read(path).map_err(|e| e.to_string()),
+        metrics: None,
+    });
+    let (token, due) = tokio::join!(token, training);
+    let token = token?;
     for problem in due.problems() {
         eprintln!("sending a zero update instead: {problem}");
     }

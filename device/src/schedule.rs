@@ -98,21 +98,27 @@ pub struct Trained {
     pub metrics: Option<Result<[f32; 3], String>>,
 }
 
-/// An update that is due: what was ready at the send instant. Only `Schedule::train_until`
-/// makes one (and `DueUpdate::now` for callers that trained before accepting, in tests).
-#[derive(Debug, Clone)]
+/// An update that is due: what was ready at the send instant of one assignment. Only
+/// `Schedule::train_until` makes one, and `DeviceClient::seal` takes it only for the assignment
+/// its schedule was drawn for and not before its instant.
+#[derive(Debug)]
 pub struct DueUpdate {
     update: WellFormedUpdate,
     late: bool,
+    /// The assignment's reference and send instant: what `seal` checks.
+    pub(crate) assignment_ref: String,
+    pub(crate) send_at: Instant,
 }
 
 impl DueUpdate {
-    /// An update sent without a schedule: for tests of sealing only.
-    #[doc(hidden)]
-    pub fn now(update: WellFormedUpdate) -> Self {
+    /// An update due now for `assignment_ref`: for tests of sealing only.
+    #[cfg(test)]
+    pub(crate) fn now(update: WellFormedUpdate, assignment_ref: String) -> Self {
         Self {
             update,
             late: false,
+            assignment_ref,
+            send_at: Instant::now(),
         }
     }
 
@@ -142,20 +148,28 @@ impl DueUpdate {
     }
 }
 
+/// The latest a schedule waits, whatever a state file says: longer than any assignment lives.
+const LONGEST_WAIT: Duration = Duration::from_secs(8 * 24 * 3600);
+
 /// An accepted assignment's instants (`DeviceClient::schedule`), as monotonic deadlines.
 #[derive(Debug, Clone)]
 pub struct Schedule {
+    assignment_ref: String,
     times: SendTimes,
     token_at: Instant,
     send_at: Instant,
 }
 
 impl Schedule {
-    /// The schedule of `times` for a device whose wall clock reads `now` at the monotonic
-    /// instant `at`: instants already past are due at once.
-    pub fn new(times: SendTimes, now: Millis, at: Instant) -> Self {
-        let after = |ms: i64| at + Duration::from_millis((ms - now.0).max(0) as u64);
+    /// The schedule of `times` for the assignment `assignment_ref`, on a device whose wall
+    /// clock reads `now` at the monotonic instant `at`: instants already past are due at once.
+    pub(crate) fn new(assignment_ref: String, times: SendTimes, now: Millis, at: Instant) -> Self {
+        let after = |ms: i64| {
+            let wait = u64::try_from(ms.saturating_sub(now.0)).unwrap_or(0);
+            at + Duration::from_millis(wait).min(LONGEST_WAIT)
+        };
         Self {
+            assignment_ref,
             times,
             token_at: after(times.token_ms),
             send_at: after(times.send_ms),
@@ -191,23 +205,26 @@ impl Schedule {
     where
         F: FnOnce(&Cancel) -> Trained + Send + 'static,
     {
-        let late = DueUpdate {
-            update: shape
-                .well_formed(Err(String::new()), evaluating.then_some(Ok([0.0; 3])))
-                .with_problems(vec![TrainingProblem::Late]),
-            late: true,
-        };
+        // Everything sent late is made now, before training: at the instant only a choice is
+        // left, and the seal that follows has the same bytes to work on either way.
+        let late = shape
+            .well_formed(Err(String::new()), evaluating.then_some(Ok([0.0; 3])))
+            .with_problems(vec![TrainingProblem::Late]);
         let cancel = Cancel::default();
         let shape = shape.clone();
         let stop = cancel.clone();
         let mut training = tokio::task::spawn_blocking(move || {
             let trained = train(&stop);
+            // Past the instant nothing of it is sent: no more work on it.
+            if stop.is_cancelled() {
+                return None;
+            }
             let metrics = match (evaluating, trained.metrics) {
                 (true, Some(metrics)) => Some(metrics),
                 (true, None) => Some(Err("the training code gave no metrics".into())),
                 (false, _) => None,
             };
-            shape.well_formed(trained.update, metrics)
+            Some(shape.well_formed(trained.update, metrics))
         });
         let deadline = tokio::time::sleep_until(self.send_at);
         tokio::pin!(deadline);
@@ -216,34 +233,31 @@ impl Schedule {
             () = &mut deadline => None,
             done = &mut training => Some(done),
         };
-        let due = match ready {
-            Some(Ok(update)) => {
+        let (update, late) = match ready {
+            Some(Ok(Some(update))) => {
+                // Freed before the instant, not after it.
+                drop(late);
                 deadline.await;
-                DueUpdate {
-                    update,
-                    late: false,
-                }
+                (update, false)
             }
-            // The training code panicked: as a failure, sent as zeros at the instant.
-            Some(Err(_)) => {
+            // The training code panicked: a failure, sent as zeros at the instant.
+            Some(Ok(None) | Err(_)) => {
+                let failed = late.with_problems(vec![TrainingProblem::TrainingFailed(
+                    "the training code panicked".into(),
+                )]);
                 deadline.await;
-                DueUpdate {
-                    update: shape_failure(&late, "the training code panicked"),
-                    late: false,
-                }
+                (failed, false)
             }
-            None => late,
+            None => (late, true),
         };
         cancel.cancel();
-        due
+        DueUpdate {
+            update,
+            late,
+            assignment_ref: self.assignment_ref.clone(),
+            send_at: self.send_at,
+        }
     }
-}
-
-/// The zero update of `late`, noted as a training failure instead of lateness.
-fn shape_failure(late: &DueUpdate, why: &str) -> WellFormedUpdate {
-    late.update
-        .clone()
-        .with_problems(vec![TrainingProblem::TrainingFailed(why.into())])
 }
 
 /// The instants of `assignment` as the device first received it at `received` (wall clock).

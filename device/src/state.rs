@@ -35,8 +35,9 @@ pub struct DeviceState {
     pub separated: BTreeMap<String, (String, u32, u32)>,
     /// assignment reference (the SHA-256 of its id) -> the instants drawn for it before
     /// training (`schedule::SendTimes`), until it is reported. Files written before upload
-    /// windows have none.
-    #[serde(default)]
+    /// windows have none, and it is left out when empty, so a file without pending sends
+    /// reads in a client of the previous release too.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub sends: BTreeMap<String, SendTimes>,
 }
 

@@ -15,9 +15,6 @@ pub struct KeyDirectory {
     sets: Arc<RwLock<Vec<KeySet>>>,
     /// (answered, asked) at the last refresh; `None` for a fixed directory (never refreshed).
     reach: Arc<RwLock<Option<(usize, usize)>>>,
-    /// How many key services this front end is configured with (its `--keyservice` URLs): the
-    /// least n it checks a release's receipts against, whatever the key entries state.
-    configured: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl KeyDirectory {
@@ -25,21 +22,7 @@ impl KeyDirectory {
         Self {
             sets: Arc::new(RwLock::new(sets)),
             reach: Arc::default(),
-            configured: Arc::default(),
         }
-    }
-
-    /// This directory, for a front end configured with `services` key services (`refresh`
-    /// sets it from its URLs).
-    pub fn with_configured(self, services: usize) -> Self {
-        self.configured
-            .store(services, std::sync::atomic::Ordering::Relaxed);
-        self
-    }
-
-    /// The key services this front end is configured with (0: a fixed directory).
-    pub fn configured(&self) -> usize {
-        self.configured.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether devices can be assigned: an active key signed by its threshold of key services is
@@ -115,11 +98,15 @@ impl KeyDirectory {
             .collect()
     }
 
-    /// (threshold, shares) of key `key_id` as its key services signed it: the entry whose
-    /// signatures verify under the signing key services' own keys, from at least its threshold
-    /// of distinct key services. `None` when no entry has that, or when two different entries
-    /// do (the key services disagree: nothing to pin). What the front end checks a release's
-    /// receipts against, instead of anything the receipts state.
+    /// (threshold, shares) of key `key_id` as its key services signed it: the threshold of the
+    /// entry whose signatures verify under the signing key services' own keys, from at least its
+    /// threshold of distinct key services; as shares, the largest that any validly signed entry
+    /// of the key states, and at least the number of distinct key services that list the key.
+    /// t colluding key services that sign an entry saying n = t (so that theirs is the only
+    /// entry reaching its threshold) cannot lower n below what an honest holder of a share
+    /// says, or below the holders there are. `None` when no entry reaches its threshold, or
+    /// when two different entries do (the key services disagree: nothing to pin). What the
+    /// front end checks a release's receipts against, instead of anything the receipts state.
     pub fn signed_shape(&self, key_id: &str) -> Option<(u16, u16)> {
         let Ok(sets) = self.sets.read() else {
             return None;
@@ -164,7 +151,20 @@ impl KeyDirectory {
             .filter(|(k, ids)| ids.len() >= usize::from(k.threshold.max(1)))
             .map(|(k, _)| (k.threshold, k.shares));
         let first = agreed.next()?;
-        agreed.all(|other| other == first).then_some(first)
+        if !agreed.all(|other| other == first) {
+            return None;
+        }
+        let stated = signers.iter().map(|(k, _)| k.shares).max().unwrap_or(0);
+        let holders = signers
+            .iter()
+            .flat_map(|(_, ids)| ids.iter().copied())
+            .collect::<std::collections::BTreeSet<&str>>()
+            .len();
+        let shares = first
+            .1
+            .max(stated)
+            .max(u16::try_from(holders).unwrap_or(u16::MAX));
+        Some((first.0, shares))
     }
 
     /// The key with this id, with every signature over it.
@@ -187,8 +187,6 @@ impl KeyDirectory {
     pub async fn refresh(&self, client: &reqwest::Client, urls: &[String]) {
         let mut fresh = Vec::new();
         let asked = urls.len();
-        self.configured
-            .store(asked, std::sync::atomic::Ordering::Relaxed);
         for url in urls {
             let answer = client
                 .get(format!("{}/v1/keys", url.trim_end_matches('/')))

@@ -380,15 +380,17 @@ async fn cycle(
         started_late_by: tokio::time::Instant::now().saturating_duration_since(schedule.send_at()),
     };
     shared.note(|s| s.sends.push(timing));
+    let token = token?;
+    let started = Instant::now();
+    let sent = client
+        .send(assignment, &public_key, &policy, &model, &due, token)
+        .await;
+    // Noted after the send: the zero path must do nothing more than the trained one before it.
     if !due.problems().is_empty() {
         let problems: Vec<String> = due.problems().iter().map(|p| p.to_string()).collect();
         shared.note(|s| s.zeroed.push(problems.join("; ")));
     }
-    let token = token?;
-    let started = Instant::now();
-    client
-        .send(assignment, &public_key, &policy, &model, &due, token)
-        .await?;
+    sent?;
     shared.timed("send", started);
     Ok(())
 }
@@ -410,10 +412,10 @@ fn trainer(
         (Some(data), _) => {
             // Read once: training starts from it and evaluation measures it.
             let base = Softmax::from_safetensors(&bytes).map_err(|e| e.with_causes());
-            let metrics = evaluation.map(|e| {
-                base.as_ref()
-                    .map(|base| base.evaluate(&data.held_out, e.max_loss))
-                    .map_err(Clone::clone)
+            let metrics = evaluation.map(|e| match (&base, cancel.is_cancelled()) {
+                (_, true) => Err("the send instant passed".to_string()),
+                (Ok(base), false) => Ok(base.evaluate(&data.held_out, e.max_loss)),
+                (Err(e), false) => Err(e.clone()),
             });
             let update = base.and_then(|base| train_softmax(base, &policy, &data.train, cancel));
             Trained { update, metrics }

@@ -102,8 +102,9 @@ pub struct BltRecord {
     /// charges `(sensitivity + rounding)^2` Gaussian releases through this round.
     pub sensitivity: f64,
     /// What the accounting guarantees, per coordinate of the sum, in update units: the error
-    /// below which nobody can estimate one device's contribution to this round, even knowing
-    /// every other contribution of the task and every release of all its planned rounds. The
+    /// below which no unbiased estimate of one device's contribution to this round gets, even
+    /// knowing every other contribution of the task and every release of all its planned rounds
+    /// (Cramer-Rao). The
     /// fresh noise's standard deviation over `accounted_sensitivity` (`clip_norm / sqrt(2 rho)`
     /// for the rho the whole task charges its value noise). `stddev_sum` is only what this one
     /// release carries; an operator who fills the other rounds gets closer than it (round 1's

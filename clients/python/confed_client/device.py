@@ -338,9 +338,11 @@ class Device:
             for task, (population, separation, rounds) in saved["separated"].items():
                 self.separated.setdefault(task, (population, int(separation), int(rounds)))
             for ref, times in saved.get("sends", {}).items():
-                if set(times) != {"received_ms", "token_ms", "send_ms"}:
-                    raise ValueError(f"sends[{ref}] has members {sorted(times)}")
-                self.sends.setdefault(str(ref), {k: int(v) for k, v in times.items()})
+                if set(times) != {"received_ms", "token_ms", "send_ms"} or not all(
+                        type(v) is int for v in times.values()):
+                    raise ValueError(f"sends[{ref}] is not three integers received_ms, "
+                                     f"token_ms, send_ms: {times}")
+                self.sends.setdefault(str(ref), dict(times))
         except (TypeError, ValueError) as error:
             raise ValueError(f"{self.state_file}: {error}") from error
 
@@ -352,8 +354,9 @@ class Device:
             return
         state = {"format": STATE_FORMAT, "served": sorted(self.served),
                  "on_demand": sorted(self.on_demand),
-                 "separated": {t: list(v) for t, v in sorted(self.separated.items())},
-                 "sends": dict(sorted(self.sends.items()))}
+                 "separated": {t: list(v) for t, v in sorted(self.separated.items())}}
+        if self.sends:  # left out when empty: the previous release reads such a file too
+            state["sends"] = dict(sorted(self.sends.items()))
         path = os.fspath(self.state_file)
         directory = os.path.dirname(os.path.abspath(path))
         temporary = f"{path}.tmp"
@@ -425,6 +428,7 @@ class Device:
         """Reports `failed` (freeing the slot) without hiding `error` if that report fails."""
         try:
             self.report(assignment, "failed", str(error))
+            self._forget_schedule(assignment)
         except (DeviceError, requests.RequestException):
             pass  # the original error is the one the caller needs
 
@@ -528,7 +532,7 @@ class Device:
             measured = {k: v.copy() for k, v in model.items()}
             return self.evaluate(to_torch(measured) if self.tensors == "torch" else measured)
 
-        update, problems, (eks, token) = self._train_until(
+        update_bytes, problems, (eks, token) = self._train_until(
             times, model, trained, evaluated if evaluating else None, policy, assignment)
         self.sent.append({"task_id": served[0], "round": served[1],
                           "received_ms": times["received_ms"], "send_ms": times["send_ms"],
@@ -549,7 +553,7 @@ class Device:
             envelope.aad(assignment["task_id"], assignment["round"],
                          assignment["assignment_id"], policy_sha256(policy_text),
                          hashlib.sha256(model_bytes).hexdigest()),
-            to_safetensors(update), eks=eks, token=token)
+            update_bytes, eks=eks, token=token)
         self.upload(assignment, sealed)
         self.report(assignment, "completed")
         self._forget_schedule(assignment)
@@ -592,20 +596,24 @@ class Device:
     def _train_until(self, times: dict, model: dict, trained, evaluated, policy: dict,
                      assignment: dict) -> tuple[dict, list, tuple]:
         """Trains on a thread; asks for the device token at its instant; returns at the send
-        instant with whatever is ready: the trained update, or the zero update made before
-        training started (zero metrics in an evaluation round) when training is still running
-        (its late result is dropped); and (ephemeral key, device token) of `_token`."""
+        instant with whatever is ready, as safetensors bytes: the trained update (serialized on
+        the training thread), or the zero update serialized before training started (zero
+        metrics in an evaluation round) when training is still running (its late result is
+        dropped); and (ephemeral key, device token) of `_token`. Both candidates are bytes of
+        the same length before the instant, so the seal after it costs the same either way."""
         def wait_until(ms: int) -> None:
             time.sleep(max(0.0, ms / 1000 - time.time()))
 
         zeros, _ = well_formed_update(model, _late, (lambda: (0.0, 0.0, 0.0))
                                       if evaluated else None)
+        zeros = to_safetensors(zeros)
         done: dict = {}
         finished = threading.Event()
 
         def work() -> None:
             try:
-                done["result"] = well_formed_update(model, trained, evaluated)
+                update, problems = well_formed_update(model, trained, evaluated)
+                done["result"] = (to_safetensors(update), problems)
             finally:
                 finished.set()
 

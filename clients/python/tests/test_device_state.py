@@ -75,3 +75,25 @@ def test_an_on_demand_grant_that_cannot_be_kept_is_not_granted(tmp_path):
     asked = {"task_id": "t1", "round": 3, "evaluate": True}
     assert not device._evaluates(policy_with_on_demand(1), asked)
     assert device.on_demand == set(), "forgotten, so asking again does not find it granted"
+
+
+def test_drawn_send_instants_survive_a_restart_and_read_strictly(tmp_path):
+    """The instants drawn for an assignment are kept before training (docs/protocol.md, "Upload
+    window"); a file without pending sends leaves the member out, as the Rust client does."""
+    import json
+
+    trust = Trust(1, {}, {"max_epsilon": 10, "max_delta": 1e-5, "min_reports": 1})
+    state = tmp_path / "device.json"
+    device = Device("http://127.0.0.1:9", "p", trust, state_file=state)
+    assert "sends" not in json.loads(state.read_text())
+    assignment = {"assignment_id": "a1", "expires_at": 2_000_000_000}
+    times = device._schedule(assignment, {"upload_window": (1000, 2000)}, 1_700_000_000_000)
+    assert 1_700_000_001_000 <= times["send_ms"] <= 1_700_000_002_000
+    restarted = Device("http://127.0.0.1:9", "p", trust, state_file=state)
+    assert restarted._schedule(assignment, {"upload_window": (0, 0)}, 0) == times, "kept"
+    saved = json.loads(state.read_text())
+    ref = next(iter(saved["sends"]))
+    saved["sends"][ref]["send_ms"] = 1.5
+    state.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="three integers"):
+        Device("http://127.0.0.1:9", "p", trust, state_file=state)

@@ -30,12 +30,12 @@ impl DeviceClient {
                 let times = draw_for(assignment, policy.policy.upload_window, now)
                     .map_err(|e| DeviceError::Training(format!("no randomness: {e}")))?;
                 state.prune_sends(now.0);
-                state.sends.insert(key, times);
+                state.sends.insert(key.clone(), times);
                 self.persist(&state)?;
                 times
             }
         };
-        Ok(Schedule::new(times, now, tokio::time::Instant::now()))
+        Ok(Schedule::new(key, times, now, tokio::time::Instant::now()))
     }
 
     /// Forgets the schedule of a reported assignment.
@@ -115,6 +115,19 @@ impl DeviceClient {
         update: &DueUpdate,
         token: Option<AssignmentToken>,
     ) -> Result<Vec<u8>, DeviceError> {
+        // Only the update due for this assignment, and not before its instant: nothing else
+        // makes a `DueUpdate`, so "drawn before training, sent at the instant" holds for every
+        // caller of the crate.
+        if update.assignment_ref != assignment.assignment_id.reference().as_str() {
+            return Err(DeviceError::Training(
+                "this update is due for another assignment".into(),
+            ));
+        }
+        if tokio::time::Instant::now() < update.send_at {
+            return Err(DeviceError::Training(
+                "this update is not due yet: seal it at its send instant (Schedule::train_until returns then)".into(),
+            ));
+        }
         let update = update.update().bytes();
         // The device's privacy unit is one contribution per round: once it has sealed an update
         // for a round it declines further assignments to it, even if this upload never gets a

@@ -45,10 +45,14 @@ fn update() -> crate::schedule::DueUpdate {
         None,
     )
     .unwrap();
+    // Every assignment of these tests has the id "a1".
     crate::schedule::DueUpdate::now(
         crate::update::UpdateShape::of_model(&model)
             .unwrap()
             .well_formed(Ok(model), None),
+        confed_protocol::ids::Capability::from("a1")
+            .reference()
+            .into_string(),
     )
 }
 
@@ -96,6 +100,41 @@ fn a_device_seals_at_most_one_update_per_round() {
         client.declines(&a),
         Some(DeviceError::AlreadySealed { .. })
     ));
+}
+
+/// A due update seals only for its own assignment, and not before its send instant: no caller
+/// of the crate can send before the instant drawn for the assignment (issue 45).
+#[tokio::test(start_paused = true)]
+async fn a_due_update_seals_only_for_its_assignment_and_from_its_instant() {
+    let client = DeviceClient::new("http://127.0.0.1:1", &open_trust()).unwrap();
+    let policy = TaskPolicy::sample("t1", 3);
+    let (_, public) = confed_protocol::hpke::generate_keypair();
+    let a = assignment(&policy, &key());
+    let accepted = AcceptedPolicy {
+        sha256: policy.sha256_hex(),
+        policy,
+    };
+    let model = Model {
+        bytes: std::sync::Arc::new(vec![]),
+        sha256: "0".repeat(64),
+    };
+    let mut early = update();
+    early.send_at = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    let refused = client.seal(&a, &public, &accepted, &model, &early);
+    assert!(
+        matches!(&refused, Err(DeviceError::Training(why)) if why.contains("not due yet")),
+        "{refused:?}"
+    );
+    let mut foreign = update();
+    foreign.assignment_ref = "0".repeat(64);
+    let refused = client.seal(&a, &public, &accepted, &model, &foreign);
+    assert!(
+        matches!(&refused, Err(DeviceError::Training(why)) if why.contains("another assignment")),
+        "{refused:?}"
+    );
+    // Neither refusal recorded the round as served: the due update still seals.
+    tokio::time::advance(std::time::Duration::from_secs(30)).await;
+    assert!(client.seal(&a, &public, &accepted, &model, &early).is_ok());
 }
 
 /// The accepted policy names the evaluation rounds: 1, 1 + every, ...; none without one.

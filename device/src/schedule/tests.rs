@@ -42,7 +42,7 @@ fn schedule_in(send_ms: i64) -> Schedule {
         token_ms: now.0 + send_ms / 2,
         send_ms: now.0 + send_ms,
     };
-    Schedule::new(times, now, Instant::now())
+    Schedule::new("ref".into(), times, now, Instant::now())
 }
 
 const SEND_MS: i64 = 40_000;
@@ -153,12 +153,25 @@ async fn an_instant_already_past_sends_at_once() {
         send_ms: now.0 - 30_000,
     };
     let started = Instant::now();
-    let schedule = Schedule::new(times, now, started);
+    let schedule = Schedule::new("ref".into(), times, now, started);
     assert_eq!(schedule.send_at(), started);
     let due = schedule.train_until(&shape(), false, |_| trained()).await;
     assert_eq!(started.elapsed(), Duration::ZERO);
     // Nothing was ready at the instant (training had not even started): zeros.
     assert!(due.late());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_state_file_instant_far_in_the_future_waits_at_most_eight_days() {
+    let now = Millis(1_700_000_000_000);
+    let times = SendTimes {
+        received_ms: now.0,
+        token_ms: i64::MAX,
+        send_ms: i64::MAX,
+    };
+    let at = Instant::now();
+    let schedule = Schedule::new("ref".into(), times, now, at);
+    assert_eq!(schedule.send_at() - at, LONGEST_WAIT);
 }
 
 #[test]
