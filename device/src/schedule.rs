@@ -226,18 +226,19 @@ impl Schedule {
             };
             Some(shape.well_formed(trained.update, metrics))
         });
-        let deadline = tokio::time::sleep_until(self.send_at);
-        tokio::pin!(deadline);
-        let ready = tokio::select! {
-            biased;
-            () = &mut deadline => None,
-            done = &mut training => Some(done),
+        // What is ready by the instant; an instant already past (a schedule resumed late) finds
+        // nothing ready.
+        let ready = match tokio::time::Instant::now() < self.send_at {
+            true => tokio::time::timeout_at(self.send_at, &mut training)
+                .await
+                .ok(),
+            false => None,
         };
         let (update, late) = match ready {
             Some(Ok(Some(update))) => {
                 // Freed before the instant, not after it.
                 drop(late);
-                deadline.await;
+                tokio::time::sleep_until(self.send_at).await;
                 (update, false)
             }
             // The training code panicked: a failure, sent as zeros at the instant.
@@ -245,7 +246,7 @@ impl Schedule {
                 let failed = late.with_problems(vec![TrainingProblem::TrainingFailed(
                     "the training code panicked".into(),
                 )]);
-                deadline.await;
+                tokio::time::sleep_until(self.send_at).await;
                 (failed, false)
             }
             None => (late, true),
