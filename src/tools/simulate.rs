@@ -100,6 +100,23 @@ impl Summary {
         }
     }
 
+    /// Where the send instants fell and how closely they were kept (docs/privacy.md, "Time").
+    pub fn send_instants(&self) -> Option<String> {
+        let drawn = self.sends.iter().map(|s| s.drawn_ms);
+        let (first, last) = (drawn.clone().min()?, drawn.max()?);
+        let latest = self
+            .sends
+            .iter()
+            .map(|s| s.started_late_by)
+            .max()
+            .unwrap_or_default();
+        Some(format!(
+            "send instants: {} drawn {first}-{last} ms after their assignments, before training; every seal started at most {:.1} ms after its instant",
+            self.sends.len(),
+            latest.as_secs_f64() * 1e3
+        ))
+    }
+
     /// `print` without the zero updates: for a load generator whose devices send at once, before
     /// anything could be ready.
     pub fn print_without_zeroed(&self) {
@@ -127,6 +144,9 @@ impl Summary {
                 latencies.percentile(50).as_secs_f64() * 1e3,
                 latencies.percentile(99).as_secs_f64() * 1e3
             );
+        }
+        if let Some(line) = self.send_instants() {
+            println!("{line}");
         }
         if let Some(accuracy) = self.model_accuracy {
             println!(

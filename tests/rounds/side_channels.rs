@@ -361,7 +361,15 @@ async fn the_amplifier_is_sent_at_each_devices_drawn_instant_whichever_side_of_t
             "{population}: {:?}",
             summary.zeroed
         );
-        // On the device: every seal started at its drawn instant, inside the window.
+        // On the device: every seal started at its drawn instant, inside the window (and the
+        // simulator's summary says so).
+        let line = summary
+            .send_instants()
+            .expect("a line on the send instants");
+        assert!(
+            line.starts_with(&format!("send instants: {DEVICES} drawn ")),
+            "{line}"
+        );
         let mut drawn: Vec<i64> = summary.sends.iter().map(|s| s.drawn_ms).collect();
         assert_eq!(drawn.len(), DEVICES);
         for send in &summary.sends {
