@@ -403,6 +403,13 @@ async fn the_form_shows_every_refusal_and_a_task_keeps_its_name() {
         "{}",
         text(&late)
     );
+    // Only one end of the window: refused with a message, not stored half.
+    let half = post(
+        "population=phones&rounds=3&report_goal=10&epsilon=8&delta=1e-6&clip_norm=1&upload_window_start_ms=200".into(),
+    )
+    .await;
+    assert_eq!(half.status, StatusCode::BAD_REQUEST, "{}", text(&half));
+    assert!(text(&half).contains("end_ms"), "{}", text(&half));
     let list = text(&app.send(get("/console/tasks", Some(&cookie))).await);
     assert!(
         list.contains("Next word &lt;en-US&gt;<br><code class=\"id\">"),
