@@ -366,6 +366,12 @@ pub fn check(
                 e.stddev
             ));
         }
+        if let Some(h) = &manifest.health {
+            lines.push(format!(
+                "health: about {} of {} included devices sent zeros in place of a trained update (noised count, standard deviation {:.2} devices)",
+                h.zeroed, manifest.included, h.stddev
+            ));
+        }
         // A DP-FTRL release's own noise is not its guarantee (docs/privacy.md, "Reading a
         // DP-FTRL manifest", "Reading a BLT manifest"): the guarantee goes first, then the rest.
         if let Some(guarantee) = guarantee_line(&manifest) {

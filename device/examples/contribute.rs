@@ -48,7 +48,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         schedule.token_due().await;
         client.token_for(&assignment, &policy).await
     };
-    let shape = model.update_shape()?;
+    let shape = model.update_shape(&policy)?;
     let training = schedule.train_until(&shape, false, move |_| Trained {
         update: std::fs::read(path).map_err(|e| e.to_string()),
         metrics: None,

@@ -204,10 +204,14 @@ pub struct Model {
 }
 
 impl Model {
-    /// The shape every update to this model has (`UpdateShape::well_formed` makes one), or why
-    /// the model cannot be trained from (a fault of the model, the same for every device).
-    pub fn update_shape(&self) -> Result<crate::update::UpdateShape, DeviceError> {
-        Ok(crate::update::UpdateShape::of_model(&self.bytes)?)
+    /// The shape every update to this model has under `policy` (`UpdateShape::well_formed`
+    /// makes one: the model's tensors, and the health flag when the policy names `health`), or
+    /// why the model cannot be trained from (a fault of the model, the same for every device).
+    pub fn update_shape(
+        &self,
+        policy: &AcceptedPolicy,
+    ) -> Result<crate::update::UpdateShape, DeviceError> {
+        Ok(crate::update::UpdateShape::of_model(&self.bytes)?.reporting_health(policy.health()))
     }
 }
 
@@ -219,6 +223,14 @@ pub struct AcceptedPolicy {
 }
 
 impl AcceptedPolicy {
+    /// Whether the policy names the health signal: then every update carries the flag
+    /// `HEALTH_TENSOR` (docs/protocol.md, "Health").
+    pub fn health(&self) -> bool {
+        self.policy
+            .dp_mechanism()
+            .is_ok_and(|mechanism| mechanism.health.is_some())
+    }
+
     /// The evaluation the policy schedules for the assignment's round, if it is a scheduled
     /// evaluation round: the device then measures the model it downloaded (the version the round
     /// trains from) on its own held-out examples and adds `[loss_sum, correct, examples]` to its

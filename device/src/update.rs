@@ -1,5 +1,6 @@
 //! What a device sends once it has accepted an assignment: always the model's exact tensors and
-//! shapes, finite, with the round's metrics when it evaluates, whatever training did.
+//! shapes, finite, with the round's metrics when it evaluates and, under a policy that names
+//! `health`, the flag saying whether it sent zeros, whatever training did.
 //!
 //! A tenant or the operator chooses the model and the plan, so it can make training fail, raise or
 //! overflow on a condition of a device's private data that it picked (a weight of 1e37 on one
@@ -14,7 +15,10 @@ use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use thiserror::Error;
 
-use confed_protocol::policy::EVALUATION_TENSOR;
+use confed_protocol::policy::{EVALUATION_TENSOR, HEALTH_TENSOR};
+
+/// The prefix of tensor names the protocol reserves (`EVALUATION_TENSOR`, `HEALTH_TENSOR`).
+const RESERVED_PREFIX: &str = "confed.";
 
 /// Why the downloaded model cannot be trained from: a fault of the model (the same for every
 /// device of the round, so reporting it tells nothing of any device's data).
@@ -24,8 +28,8 @@ pub enum ModelShapeError {
     NotSafetensors(String),
     #[error("model tensor {0} is not F32")]
     NotF32(String),
-    #[error("the model has a tensor named {EVALUATION_TENSOR}, a name confed reserves")]
-    ReservedName,
+    #[error("the model has a tensor named {0}: names starting with `confed.` are reserved")]
+    ReservedName(String),
     #[error("the model has no tensors")]
     Empty,
 }
@@ -77,10 +81,12 @@ impl std::fmt::Display for TrainingProblem {
     }
 }
 
-/// The model's tensors, names in safetensors (sorted) order, every one F32.
+/// The model's tensors, names in safetensors (sorted) order, every one F32; and whether every
+/// update carries the health flag (`reporting_health`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UpdateShape {
     tensors: Vec<(String, Vec<usize>)>,
+    health: bool,
 }
 
 /// An update ready to seal: the model's exact tensors, finite, plus the metrics tensor in an
@@ -116,8 +122,8 @@ impl UpdateShape {
             .map_err(|e| ModelShapeError::NotSafetensors(e.to_string()))?;
         let mut tensors = Vec::with_capacity(parsed.len());
         for (name, view) in parsed.tensors() {
-            if name == EVALUATION_TENSOR {
-                return Err(ModelShapeError::ReservedName);
+            if name.starts_with(RESERVED_PREFIX) {
+                return Err(ModelShapeError::ReservedName(name));
             }
             if view.dtype() != Dtype::F32 {
                 return Err(ModelShapeError::NotF32(name));
@@ -128,7 +134,23 @@ impl UpdateShape {
             return Err(ModelShapeError::Empty);
         }
         tensors.sort();
-        Ok(Self { tensors })
+        Ok(Self {
+            tensors,
+            health: false,
+        })
+    }
+
+    /// Every update of this shape carries `HEALTH_TENSOR` (F32 `[1]`): `1` when the model's
+    /// values were replaced by zeros, else `0`. On exactly when the task policy names `health`
+    /// (`AcceptedPolicy::update_shape` sets it): the enclave refuses an update with the flag
+    /// under any other policy, and one without it under such a policy.
+    pub fn reporting_health(self, health: bool) -> Self {
+        Self { health, ..self }
+    }
+
+    /// Whether updates of this shape carry the health flag.
+    pub fn reports_health(&self) -> bool {
+        self.health
     }
 
     /// The model's tensors: (name, shape), in safetensors (name) order, all F32.
@@ -142,7 +164,9 @@ impl UpdateShape {
     /// outside evaluation rounds). Whatever they hold, the result has exactly the model's
     /// tensors (re-encoded: nothing of the caller's bytes but the values passes), every value
     /// finite, and in an evaluation round the metrics tensor: a zero update where training
-    /// failed, zero metrics where evaluation did, each with its problem noted.
+    /// failed, zero metrics where evaluation did, each with its problem noted. With
+    /// `reporting_health`, the health flag says whether the model's values are zeros sent for a
+    /// problem (failed evaluation alone does not set it: the update itself is the trained one).
     pub fn well_formed(
         &self,
         trained: Result<Vec<u8>, String>,
@@ -155,6 +179,7 @@ impl UpdateShape {
             Err(problem) => Err(problem.clone()),
         };
         let zeros;
+        let zeroed = checked.is_err();
         let values: Vec<&[u8]> = match checked {
             Ok(values) => values,
             Err(problem) => {
@@ -175,7 +200,7 @@ impl UpdateShape {
             }
         });
         WellFormedUpdate {
-            bytes: self.encode(&values, metrics),
+            bytes: self.encode(&values, metrics, self.health.then_some(zeroed)),
             problems,
         }
     }
@@ -219,15 +244,19 @@ impl UpdateShape {
             .collect()
     }
 
-    fn encode(&self, values: &[&[u8]], metrics: Option<[f32; 3]>) -> Vec<u8> {
+    fn encode(&self, values: &[&[u8]], metrics: Option<[f32; 3]>, zeroed: Option<bool>) -> Vec<u8> {
         let metric_bytes: Option<Vec<u8>> =
             metrics.map(|m| m.iter().flat_map(|v| v.to_le_bytes()).collect());
-        let mut views = Vec::with_capacity(self.tensors.len() + 1);
+        let flag_bytes: Option<[u8; 4]> = zeroed.map(|z| f32::from(u8::from(z)).to_le_bytes());
+        let mut views = Vec::with_capacity(self.tensors.len() + 2);
         for ((name, shape), data) in self.tensors.iter().zip(values) {
             views.push((name.as_str(), view(shape.clone(), data)));
         }
         if let Some(bytes) = &metric_bytes {
             views.push((EVALUATION_TENSOR, view(vec![3], bytes)));
+        }
+        if let Some(bytes) = &flag_bytes {
+            views.push((HEALTH_TENSOR, view(vec![1], bytes)));
         }
         safetensors::serialize(views, None).expect("F32 tensors of checked shapes serialize")
     }

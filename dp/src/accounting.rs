@@ -114,12 +114,13 @@ pub fn evaluation_rho(evaluation: &Evaluation, scale_grid: f64) -> f64 {
     3.0 * m * m / (2.0 * scale_grid * scale_grid)
 }
 
-/// The scales the side releases were sampled at (grid units): adaptive clipping's count and
-/// evaluation's sums.
+/// The scales the side releases were sampled at (grid units): adaptive clipping's count,
+/// evaluation's sums and the health count (in devices).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct SideScales {
     pub count: Option<f64>,
     pub evaluation: Option<(Evaluation, f64)>,
+    pub health: Option<f64>,
 }
 
 impl SideScales {
@@ -130,6 +131,7 @@ impl SideScales {
             evaluation: mechanism
                 .evaluation
                 .map(|e| (e, e.stddev * EVALUATION_UNITS_PER_EXAMPLE as f64)),
+            health: mechanism.health.map(|h| h.stddev),
         }
     }
 
@@ -143,8 +145,33 @@ impl SideScales {
             rho += evaluation_rho(evaluation, *scale)
                 * evaluations_through(mechanism, evaluation, round) as f64;
         }
+        // The health count: each device adds 0 or 1 in every round it may serve, like
+        // adaptive clipping's count (sensitivity 1 at the count's own scale).
+        if let Some(scale) = self.health {
+            rho += count_rho(scale) * counts_through(mechanism, round) as f64;
+        }
         rho
     }
+}
+
+/// Share of a task's budget (in rho) the default health signal may cost at most.
+pub const DEFAULT_HEALTH_SHARE: f64 = 0.05;
+
+/// The health signal's default noise, in devices, for a budget of (epsilon, delta) over rounds
+/// whose devices may each be in `counts` health counts (`counts_through`): the smallest at
+/// which the counts cost at most `DEFAULT_HEALTH_SHARE` of the budget, and never finer than a
+/// tenth of the report goal (a count no one needs to the device), at least 1.
+pub fn default_health_stddev(
+    accountant: &dyn Accountant,
+    epsilon: f64,
+    delta: f64,
+    counts: u64,
+    report_goal: u32,
+) -> Result<f64, DpError> {
+    let budget_rho = calibrate_units(accountant, epsilon, delta, 1.0)?.rho_per_round;
+    // counts / (2 stddev^2) = share * budget_rho.
+    let within_share = (counts as f64 / (2.0 * DEFAULT_HEALTH_SHARE * budget_rho)).sqrt();
+    Ok(within_share.max(f64::from(report_goal) / 10.0).max(1.0))
 }
 
 /// The calibration of a task's planned rounds under `mechanism`: the value noise that leaves
@@ -162,7 +189,10 @@ pub fn calibrate_task(
     }
     let units = units_through(mechanism.noise, u64::from(rounds));
     let base = calibrate_units(accountant, epsilon, delta, units)?;
-    if mechanism.adaptive_clipping.is_none() && mechanism.evaluation.is_none() {
+    if mechanism.adaptive_clipping.is_none()
+        && mechanism.evaluation.is_none()
+        && mechanism.health.is_none()
+    {
         return Ok(base);
     }
     let budget_rho = base.rho_per_round * units;
@@ -170,7 +200,7 @@ pub fn calibrate_task(
     let side_rho = side.rho_through(mechanism.noise, u64::from(rounds));
     if side_rho >= 0.9 * budget_rho {
         return Err(DpError::InvalidBudget(format!(
-            "adaptive clipping's counts and evaluation's sums cost rho {side_rho:.4}, at least 90 % of the whole budget's {budget_rho:.4}; raise their noise (count_stddev about report_goal / 20, evaluation stddev about report_goal x max_examples / 20 are usual), evaluate less often, or raise epsilon"
+            "adaptive clipping's counts, evaluation's sums and the health counts cost rho {side_rho:.4}, at least 90 % of the whole budget's {budget_rho:.4}; raise their noise (count_stddev about report_goal / 20, evaluation stddev about report_goal x max_examples / 20, health stddev about report_goal / 10 are usual), evaluate less often, or raise epsilon"
         )));
     }
     let rho_per_release = (budget_rho - side_rho) / units;
@@ -239,6 +269,65 @@ mod tests {
                 let (_, epsilon) = spent_task(&ClosedForm, noise, scale, &side, 10, 1e-6).unwrap();
                 assert!((epsilon - 4.0).abs() < 1e-6, "{mechanism:?}: {epsilon}");
             }
+        }
+    }
+
+    #[test]
+    fn the_health_count_costs_one_count_per_round_a_device_may_serve() {
+        use confed_protocol::policy::Health;
+        for noise in [Mechanism::Gaussian, Mechanism::Tree { min_separation: 5 }] {
+            let watched = DpMechanism {
+                health: Some(Health { stddev: 10.0 }),
+                ..DpMechanism::plain(noise)
+            };
+            let side = SideScales::planned(&watched);
+            // Sensitivity 1 at stddev 10: rho 1/200 per count, 10 counts (Gaussian) or one per
+            // tree of 5 (2 trees in 10 rounds).
+            let counts = counts_through(noise, 10) as f64;
+            assert!((side.rho_through(noise, 10) - counts / 200.0).abs() < 1e-15);
+            // Calibration makes room for it, and the plan still spends exactly the budget.
+            let base =
+                calibrate_task(&ClosedForm, DpMechanism::plain(noise), 4.0, 1e-6, 10).unwrap();
+            let with = calibrate_task(&ClosedForm, watched, 4.0, 1e-6, 10).unwrap();
+            assert!(with.noise_multiplier > base.noise_multiplier);
+            let scale = with.noise_multiplier * GRID_UNITS_PER_CLIP as f64;
+            let (_, epsilon) = spent_task(&ClosedForm, noise, scale, &side, 10, 1e-6).unwrap();
+            assert!((epsilon - 4.0).abs() < 1e-6, "{noise:?}: {epsilon}");
+        }
+        // A health noise too small for the budget is refused and names it.
+        let greedy = DpMechanism {
+            health: Some(Health { stddev: 1.0 }),
+            ..DpMechanism::plain(Mechanism::Gaussian)
+        };
+        let error = calibrate_task(&ClosedForm, greedy, 0.5, 1e-6, 100).unwrap_err();
+        assert!(error.to_string().contains("health stddev"), "{error}");
+    }
+
+    #[test]
+    fn the_default_health_noise_costs_at_most_its_share_and_is_no_finer_than_a_tenth_of_the_goal() {
+        use confed_protocol::policy::Health;
+        for (epsilon, rounds, goal) in [(8.0, 3, 10), (1.0, 100, 1000), (50.0, 5, 200)] {
+            let stddev =
+                default_health_stddev(&ClosedForm, epsilon, 1e-6, u64::from(rounds), goal).unwrap();
+            assert!(stddev >= f64::from(goal) / 10.0 && stddev >= 1.0);
+            let budget = calibrate_units(&ClosedForm, epsilon, 1e-6, 1.0)
+                .unwrap()
+                .rho_per_round;
+            let side = SideScales {
+                health: Some(stddev),
+                ..SideScales::default()
+            };
+            let cost = side.rho_through(Mechanism::Gaussian, u64::from(rounds));
+            assert!(
+                cost <= DEFAULT_HEALTH_SHARE * budget * (1.0 + 1e-9),
+                "{cost} of {budget}"
+            );
+            // The task it makes calibrates (never refused for the health signal's sake).
+            let watched = DpMechanism {
+                health: Some(Health { stddev }),
+                ..DpMechanism::plain(Mechanism::Gaussian)
+            };
+            calibrate_task(&ClosedForm, watched, epsilon, 1e-6, rounds).unwrap();
         }
     }
 

@@ -25,7 +25,9 @@ pub mod tree;
 
 use thiserror::Error;
 
-pub use accounting::{SideScales, calibrate_task, spent_task, units_through};
+pub use accounting::{
+    SideScales, calibrate_task, default_health_stddev, spent_task, units_through,
+};
 pub use calibrate::{
     Calibration, MAX_NOISE_MULTIPLIER, calibrate, calibrate_units, search_scale, spent,
 };

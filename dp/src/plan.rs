@@ -79,6 +79,7 @@ mod tests {
         noise: confed_protocol::policy::Mechanism::Gaussian,
         adaptive_clipping: None,
         evaluation: None,
+        health: None,
     };
 
     #[test]

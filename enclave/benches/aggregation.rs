@@ -432,6 +432,7 @@ fn aggregation_peak(count: usize, params: usize, evaluating: bool) -> u64 {
                 adaptive: None,
                 evaluation,
                 on_demand: false,
+                health: None,
             },
         )
         .unwrap();

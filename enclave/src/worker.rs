@@ -588,6 +588,7 @@ impl<S: JobStore + 'static> Worker<S> {
         let aggregator = Arc::new(
             Aggregator::new(binding, privacy.clip_norm, schema.clone(), &private_key)?
                 .evaluating(privacy.evaluation_in(round))
+                .watching_health(privacy.health)
                 .authenticating(policy.device_auth.clone())
                 .continuing(continues),
         );

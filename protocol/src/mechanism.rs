@@ -4,6 +4,7 @@
 //! ```text
 //! <noise>[;adaptive_clipping=<target_quantile>,<learning_rate>,<count_stddev>]
 //!        [;evaluation=<every>,<max_loss>,<max_examples>,<stddev>,<on_demand>]
+//!        [;health=<stddev>]
 //! <noise> = discrete_gaussian_on_grid | tree_aggregation_on_grid;min_separation=<u32>
 //!         | blt_on_grid;min_separation=<u32>;buffers=...;max_values=<u64>;lattice_bits=<u32>
 //! ```
@@ -18,6 +19,16 @@ use crate::policy::{MAX_MIN_SEPARATION, MECHANISM, TREE_MECHANISM};
 
 const ADAPTIVE: &str = ";adaptive_clipping=";
 const EVALUATION: &str = ";evaluation=";
+const HEALTH: &str = ";health=";
+
+/// Name of the tensor that carries a device's health flag in every update of a task whose policy
+/// names `health`: F32, shape `[1]`, `1` when the device sent zeros in place of its trained update
+/// (training failed, ran past the send instant or went non-finite), else `0` (docs/protocol.md,
+/// "Health").
+pub const HEALTH_TENSOR: &str = "confed.health";
+/// The range of the health count's noise, in devices: the sampler is exact from 1.
+pub const MIN_HEALTH_STDDEV: f64 = 1.0;
+pub const MAX_HEALTH_STDDEV: f64 = 1e6;
 
 /// Name of the tensor that carries a device's evaluation metrics in an evaluation round's update:
 /// F32, shape `[3]`, `[loss_sum, correct, examples]` (docs/protocol.md, "Evaluation").
@@ -247,27 +258,62 @@ impl Evaluation {
     }
 }
 
-/// The whole mechanism value: the noise, the optional adaptive clipping and evaluation.
+/// The noised health signal (`;health=<stddev>`): every update carries the device's "I sent
+/// zeros" flag (`HEALTH_TENSOR`), and the enclave releases the round's count of included
+/// contributions that carried it (or were non-finite, and so summed as zeros) with discrete
+/// Gaussian noise of standard deviation `stddev` (in devices). Each device adds 0 or 1:
+/// sensitivity 1, charged like adaptive clipping's count in every round a device may serve.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Health {
+    pub stddev: f64,
+}
+
+impl Health {
+    fn parse(params: &str) -> Result<Self, String> {
+        let stddev = params
+            .parse::<f64>()
+            .ok()
+            .filter(|s| (MIN_HEALTH_STDDEV..=MAX_HEALTH_STDDEV).contains(s))
+            .ok_or_else(|| {
+                format!(
+                    "health {params:?} (one number: stddev, in [{MIN_HEALTH_STDDEV:e}, {MAX_HEALTH_STDDEV:e}] devices)"
+                )
+            })?;
+        Ok(Self { stddev })
+    }
+
+    fn encode(&self) -> String {
+        format!("{HEALTH}{:e}", self.stddev)
+    }
+}
+
+/// The whole mechanism value: the noise, the optional adaptive clipping, evaluation and health.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DpMechanism {
     pub noise: Mechanism,
     pub adaptive_clipping: Option<AdaptiveClipping>,
     pub evaluation: Option<Evaluation>,
+    pub health: Option<Health>,
 }
 
 impl DpMechanism {
-    /// The noise alone: no adaptive clipping, no evaluation.
+    /// The noise alone: no adaptive clipping, no evaluation, no health signal.
     pub fn plain(noise: Mechanism) -> Self {
         Self {
             noise,
             adaptive_clipping: None,
             evaluation: None,
+            health: None,
         }
     }
 
     pub fn parse(text: &str) -> Result<Self, String> {
-        let (text_before, evaluation) = match text.split_once(EVALUATION) {
+        let (text_rest, health) = match text.split_once(HEALTH) {
             None => (text, None),
+            Some((before, params)) => (before, Some(Health::parse(params)?)),
+        };
+        let (text_before, evaluation) = match text_rest.split_once(EVALUATION) {
+            None => (text_rest, None),
             Some((before, params)) => (before, Some(Evaluation::parse(params)?)),
         };
         let (base, adaptive) = match text_before.split_once(ADAPTIVE) {
@@ -294,6 +340,7 @@ impl DpMechanism {
             noise: Mechanism::parse_noise(base)?,
             adaptive_clipping: adaptive,
             evaluation,
+            health,
         };
         if parsed.encode() != text {
             return Err(format!(
@@ -314,6 +361,54 @@ impl DpMechanism {
         if let Some(e) = &self.evaluation {
             out.push_str(&e.encode());
         }
+        if let Some(h) = &self.health {
+            out.push_str(&h.encode());
+        }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn health_comes_last_in_canonical_form_and_refuses_noise_the_sampler_cannot_draw() {
+        let m = DpMechanism {
+            evaluation: Some(Evaluation {
+                every: 3,
+                max_loss: 10.0,
+                max_examples: 50,
+                stddev: 25.0,
+                on_demand: 0,
+            }),
+            health: Some(Health { stddev: 2.5 }),
+            ..DpMechanism::plain(Mechanism::Tree { min_separation: 4 })
+        };
+        let text = m.encode();
+        assert_eq!(
+            text,
+            "tree_aggregation_on_grid;min_separation=4;evaluation=3,1e1,50,2.5e1,0;health=2.5e0"
+        );
+        assert_eq!(DpMechanism::parse(&text), Ok(m));
+        let alone = DpMechanism {
+            health: Some(Health { stddev: 1.0 }),
+            ..DpMechanism::plain(Mechanism::Gaussian)
+        };
+        assert_eq!(
+            DpMechanism::parse("discrete_gaussian_on_grid;health=1e0"),
+            Ok(alone)
+        );
+        for bad in [
+            "discrete_gaussian_on_grid;health=5e-1",
+            "discrete_gaussian_on_grid;health=2e6",
+            "discrete_gaussian_on_grid;health=2",
+            "discrete_gaussian_on_grid;health=NaN",
+            "discrete_gaussian_on_grid;health=",
+            "discrete_gaussian_on_grid;health=2e0;evaluation=3,1e1,50,2.5e1,0",
+            "discrete_gaussian_on_grid;health=2e0;health=2e0",
+        ] {
+            assert!(DpMechanism::parse(bad).is_err(), "{bad} was accepted");
+        }
     }
 }

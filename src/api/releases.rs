@@ -25,6 +25,10 @@ pub struct ReleaseResponse {
     pub epsilon_spent: f64,
     /// SHA-256 (hex) of the average's bytes.
     pub average_sha256: String,
+    /// Tasks with `privacy.health` only: the manifest's noised count of the round's devices
+    /// that sent zeros in place of a trained update (docs/privacy.md, "Health").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health: Option<HealthCount>,
     pub created_at: String,
     /// The enclave's manifest, verbatim (format `confed-release/v2`, docs/protocol.md). Its exact
     /// bytes, which the enclave signed, are at `.../releases/{round}/manifest`.
@@ -37,6 +41,27 @@ pub struct ReleaseResponse {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
     pub proof: Option<Box<serde_json::value::RawValue>>,
+}
+
+/// A round's noised health count (the manifest's `health`).
+#[derive(Debug, Serialize, serde::Deserialize, ToSchema)]
+pub struct HealthCount {
+    /// Included devices that sent zeros, plus discrete Gaussian noise: unbiased, so it may lie
+    /// below 0 or above `included`.
+    pub zeroed: i64,
+    /// Standard deviation of the noise, in devices.
+    pub stddev: f64,
+}
+
+/// The health count a stored manifest states, if any.
+fn health_of(manifest_json: &str) -> Option<HealthCount> {
+    #[derive(serde::Deserialize)]
+    struct WithHealth {
+        health: Option<HealthCount>,
+    }
+    serde_json::from_str::<WithHealth>(manifest_json)
+        .ok()
+        .and_then(|m| m.health)
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -67,6 +92,7 @@ pub async fn list_releases(
             excluded: release.excluded,
             epsilon_spent: release.epsilon_spent,
             average_sha256: release.average_sha256,
+            health: health_of(&release.manifest_json),
             created_at: rfc3339(Millis(release.created_at)),
             manifest: serde_json::value::RawValue::from_string(release.manifest_json)
                 .map_err(|e| ApiError::Internal(format!("stored manifest: {e}")))?,

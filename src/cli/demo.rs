@@ -52,6 +52,10 @@ pub struct DemoArgs {
     /// carried a verified token.
     #[arg(long)]
     pub device_auth: bool,
+    /// The noised health signal: every release says about how many devices sent zeros (at the
+    /// API's default noise, charged to epsilon).
+    #[arg(long)]
+    pub health: bool,
     /// Where the demo keeps its state (default: a new directory under the system's temp dir,
     /// removed at the end).
     #[arg(long)]
@@ -125,6 +129,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         data_dir: data_dir.clone(),
         progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
         device_auth: args.device_auth,
+        health: args.health,
     })
     .await;
     if temporary {

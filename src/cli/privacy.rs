@@ -10,7 +10,7 @@ use confed_dp::running_sum::{max_and_mean, running_sum_noise};
 use confed_dp::{self as dp, Accountant, grid::GRID_UNITS_PER_CLIP};
 use confed_enclave::dp::{DiscreteGaussian, OpenDp};
 use confed_protocol::blt_noise::{BltNoise, DEFAULT_BLT_MAX_VALUES};
-use confed_protocol::policy::{AdaptiveClipping, DpMechanism, Evaluation, Mechanism};
+use confed_protocol::policy::{AdaptiveClipping, DpMechanism, Evaluation, Health, Mechanism};
 use serde::Serialize;
 
 #[derive(Subcommand)]
@@ -66,6 +66,10 @@ pub struct PlanArgs {
     /// `EVERY,MAX_LOSS,MAX_EXAMPLES,STDDEV[,ON_DEMAND]` (docs/privacy.md, "Evaluation").
     #[arg(long, value_name = "EVERY,MAX_LOSS,MAX_EXAMPLES,STDDEV[,ON_DEMAND]")]
     evaluation: Option<String>,
+    /// The noised health signal with this noise (standard deviation, in devices) on each
+    /// round's count of devices that sent zeros (docs/privacy.md, "Health").
+    #[arg(long)]
+    health_stddev: Option<f64>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -130,6 +134,10 @@ struct Plan {
     /// in examples (its variance rounded up on the 1/1024-example grid).
     #[serde(skip_serializing_if = "Option::is_none")]
     evaluation_noise_stddev: Option<f64>,
+    /// Health signal: the standard deviation of the noise on each round's count of devices
+    /// that sent zeros, as the enclave samples it (its variance rounded up).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    health_noise_stddev: Option<f64>,
     /// Epsilon at `delta` spent through round 1, 2, ..., `rounds`.
     epsilon_spent: Vec<f64>,
     /// zCDP rho spent through round 1, 2, ..., `rounds`.
@@ -209,6 +217,7 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
             noise,
             adaptive_clipping,
             evaluation,
+            health: args.health_stddev.map(|stddev| Health { stddev }),
         }
         .encode(),
     )
@@ -236,6 +245,7 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
             Some((e, scale)) => Some((e, sampled(scale)?)),
             None => None,
         },
+        health: planned.health.map(sampled).transpose()?,
     };
     // The scale the enclave samples at: the calibrated one on the mechanism's lattice, its
     // integer variance rounded up; then as the same ratio on the grid.
@@ -274,6 +284,7 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
         evaluation_noise_stddev: side
             .evaluation
             .map(|(_, scale)| scale / EVALUATION_UNITS_PER_EXAMPLE as f64),
+        health_noise_stddev: side.health,
         rho_per_round: OpenDp.rho_at(scale_grid).map_err(|e| anyhow!("{e}"))?,
         epsilon_spent: spent.iter().map(|(_, epsilon)| *epsilon).collect(),
         rho_spent: spent.iter().map(|(rho, _)| *rho).collect(),

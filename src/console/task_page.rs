@@ -198,8 +198,22 @@ pub async fn show(
     let eligible = state.registry.eligible(&task.spec, now);
     let live = task.state == TaskState::Open;
     let spent = series.last().map_or(0.0, |(_, epsilon)| *epsilon);
+    // The newest release's noised health count, if the task has the signal.
+    let health = views.iter().rev().find_map(|v| {
+        v.manifest()
+            .and_then(|m| health_text(m).map(|t| (v.number, t)))
+    });
     let body = html! {
         (summary(&task, rounds.last(), now, spent, eligible, &session))
+        @if task.spec.privacy.health.is_some() {
+            p.note #health role="status" {
+                "Health (noised, docs/privacy.md \"Health\"): "
+                @match &health {
+                    Some((round, text)) => { "round " (round) ": " (text) }
+                    None => "no release yet.",
+                }
+            }
+        }
         section aria-labelledby="privacy-heading" {
             h2 #privacy-heading { "Privacy spent per round" }
             (charts::privacy_plot(
@@ -387,6 +401,7 @@ fn funnel_table(shown: &[&RoundView<'_>], now: i64) -> Markup {
                                     (count(m.included as i64))
                                     // A task requiring device tokens: how many the enclave verified.
                                     @if let Some(n) = m.authenticated { br; small data-field="authenticated" { (count(n as i64)) " with a device token" } }
+                                    @if let Some(h) = &m.health { br; small data-field="zeroed" { "≈ " (h.zeroed) " sent zeros (±" (format!("{:.0}", 2.0 * h.stddev)) ")" } }
                                 } @else { "—" }
                             }
                             td data-field="excluded" {
@@ -413,6 +428,18 @@ fn funnel_table(shown: &[&RoundView<'_>], now: i64) -> Markup {
             }
         }
     }
+}
+
+/// A release's health count as a partner reads it: noised, so it is stated with its 95 % band,
+/// and may lie outside 0..=included.
+fn health_text(manifest: &Manifest) -> Option<String> {
+    let h = manifest.health.as_ref()?;
+    Some(format!(
+        "about {} of {} included devices sent zeros in place of a trained update (noised count; ±{:.0} at 95 %)",
+        h.zeroed,
+        manifest.included,
+        2.0 * h.stddev
+    ))
 }
 
 fn round_state(state: RoundState) -> Markup {

@@ -242,12 +242,14 @@ impl TaskSpec {
         })
     }
 
-    /// The whole mechanism the task policy names: the noise, adaptive clipping and evaluation.
+    /// The whole mechanism the task policy names: the noise, adaptive clipping, evaluation and
+    /// the health signal.
     pub fn dp_mechanism(&self) -> DpMechanism {
         DpMechanism {
             noise: self.privacy.mechanism(),
             adaptive_clipping: self.privacy.adaptive_clipping.map(|a| a.policy()),
             evaluation: self.evaluation.map(|e| e.policy()),
+            health: self.privacy.health.map(|h| h.policy()),
         }
     }
 
@@ -409,6 +411,7 @@ impl CreateTaskRequest {
                 noise: Mechanism::Gaussian,
                 adaptive_clipping: privacy.adaptive_clipping.map(|a| a.policy()),
                 evaluation: evaluation.map(|e| e.policy()),
+                health: privacy.health.map(|h| h.policy()),
             };
             if let Err(problem) = privacy::resolve_blt(&mut privacy, side, rounds) {
                 p.add("privacy.blt", problem);
@@ -422,6 +425,7 @@ impl CreateTaskRequest {
             },
             adaptive_clipping: privacy.adaptive_clipping.map(|a| a.policy()),
             evaluation: evaluation.map(|e| e.policy()),
+            health: privacy.health.map(|h| h.policy()),
         };
         if p.0.is_empty()
             && let Err(problem) = confed_dp::check_plan(

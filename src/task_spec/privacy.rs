@@ -5,7 +5,10 @@ use confed_protocol::blt_noise::{
     BltNoise, DEFAULT_BLT_MAX_VALUES, MAX_BLT_BUFFERS, MAX_BLT_MIN_SEPARATION, MAX_BLT_ROUNDS,
     MAX_BLT_VALUES,
 };
-use confed_protocol::policy::{AdaptiveClipping, DpMechanism, MAX_MIN_SEPARATION, Mechanism};
+use confed_protocol::policy::{
+    AdaptiveClipping, DpMechanism, Health, MAX_HEALTH_STDDEV, MAX_MIN_SEPARATION,
+    MIN_HEALTH_STDDEV, Mechanism,
+};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -47,6 +50,31 @@ pub struct PrivacyBudget {
     /// `count_stddev` in [0.5, 1e6] (default report_goal / 20, at least 0.5).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adaptive_clipping: Option<AdaptiveClippingSpec>,
+    /// The noised health signal (docs/privacy.md, "Health"): every round's release says about
+    /// how many devices sent zeros (training failed, ran past its send instant or went
+    /// non-finite), with Gaussian noise of `stddev` devices, charged to this budget. Off unless
+    /// given; `{}` turns it on with the default `stddev`: the least noise whose counts cost at
+    /// most 5 % of the budget, and no less than report_goal / 10 (at least 1). In [1, 1e6].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<HealthSpec>,
+}
+
+/// `privacy.health`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct HealthSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1.0, maximum = 1000000.0)]
+    pub stddev: Option<f64>,
+}
+
+impl HealthSpec {
+    /// The policy's health signal (a validated spec has its stddev filled in).
+    pub fn policy(&self) -> Health {
+        Health {
+            stddev: self.stddev.unwrap_or(MIN_HEALTH_STDDEV),
+        }
+    }
 }
 
 /// `privacy.adaptive_clipping`.
@@ -233,7 +261,43 @@ pub(super) fn validate(
                 ),
             ),
         }),
+        health: given.health.map(|h| HealthSpec {
+            stddev: Some(
+                p.float(
+                    "privacy.health.stddev",
+                    h.stddev
+                        .unwrap_or_else(|| default_health_stddev(given, rounds, report_goal)),
+                    MIN_HEALTH_STDDEV,
+                    false,
+                    MAX_HEALTH_STDDEV,
+                ),
+            ),
+        }),
     }
+}
+
+/// `privacy.health.stddev` when not given: `confed_dp::default_health_stddev` for the request's
+/// budget and the counts a device may be in (one per round, one per `min_separation` rounds
+/// under DP-FTRL); a budget that does not calibrate (refused elsewhere) gets report_goal / 10.
+fn default_health_stddev(given: &PrivacyBudget, rounds: u32, report_goal: u32) -> f64 {
+    let rounds = u64::from(rounds.max(1));
+    let counts = match given.mechanism {
+        Some(MechanismName::TreeAggregation | MechanismName::Blt) => {
+            // The default separation is the task's rounds: one count per device.
+            let b = u64::from(given.min_separation.unwrap_or(u32::MAX).max(1));
+            (rounds - 1) / b + 1
+        }
+        _ => rounds,
+    };
+    confed_dp::default_health_stddev(
+        &confed_dp::ClosedForm,
+        given.epsilon,
+        given.delta,
+        counts,
+        report_goal,
+    )
+    .unwrap_or((f64::from(report_goal) / 10.0).max(MIN_HEALTH_STDDEV))
+    .min(MAX_HEALTH_STDDEV)
 }
 
 /// Checks `privacy.blt` as given (the matrix is resolved later, `resolve_blt`, once the whole

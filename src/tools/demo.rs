@@ -45,6 +45,8 @@ pub struct DemoOptions {
     pub progress: bool,
     /// The task requires device tokens from an in-process DEV issuer (dev attester).
     pub device_auth: bool,
+    /// The noised health signal, at its default noise (`privacy.health: {}`).
+    pub health: bool,
 }
 
 /// `DemoOptions::noise`.
@@ -185,6 +187,9 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
     }
     if options.adaptive_clipping {
         privacy["adaptive_clipping"] = json!({});
+    }
+    if options.health {
+        privacy["health"] = json!({});
     }
     let mut trust = system.trust.clone();
     let issuer = match options.device_auth {
@@ -388,6 +393,20 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
                 point.stddev
             ));
             evaluations.push(point);
+        }
+        if let Some(health) = manifests
+            .last()
+            .filter(|_| options.health)
+            .map(|m: &Value| &m["health"])
+            .filter(|h| h.is_object())
+        {
+            say(format!(
+                "round {round}: health (noised): about {} of {} devices sent zeros (±{:.0} at 95 %); the devices themselves know of {}",
+                health["zeroed"],
+                release.included,
+                2.0 * health["stddev"].as_f64().unwrap_or_default(),
+                summary.zeroed.len()
+            ));
         }
         if !summary.zeroed.is_empty() {
             // Only the devices know (the demo runs them): the server saw ordinary completions.

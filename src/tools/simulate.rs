@@ -373,7 +373,7 @@ async fn cycle(
     let schedule = client.schedule(assignment, &policy)?;
     let started = Instant::now();
     let model = client.model(assignment).await?;
-    let shape = model.update_shape()?;
+    let shape = model.update_shape(&policy)?;
     shared.timed("model", started);
     // From here on, nothing the server hears depends on what training does, nor when: a
     // failure, a NaN, the wrong tensors or training still running at the send instant become a

@@ -96,6 +96,74 @@ async fn the_upload_window_is_in_the_policy_and_must_fit_the_assignment_timeout(
     reply.problem(StatusCode::BAD_REQUEST);
 }
 
+/// `privacy.health` goes into the policy's mechanism; `{}` takes the default noise (at most 5 %
+/// of the budget, no finer than report_goal / 10); a stddev the sampler cannot draw, or one whose
+/// counts would eat the budget, is refused naming what to change.
+#[tokio::test]
+async fn the_health_signal_is_in_the_policy_with_a_default_noise_and_is_refused_out_of_range() {
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let create = |privacy: serde_json::Value| {
+        let app = &app;
+        let token = &token;
+        async move {
+            app.call(
+                Method::POST,
+                "/v1/tasks",
+                Some(token),
+                Some(task_body(json!({"privacy": privacy}))),
+            )
+            .await
+        }
+    };
+    let budget = json!({"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0});
+    let with = |health: serde_json::Value| {
+        let mut privacy = budget.clone();
+        privacy["health"] = health;
+        privacy
+    };
+    let task = create(with(json!({}))).await.json();
+    let stddev = task["privacy"]["health"]["stddev"].as_f64().unwrap();
+    // epsilon 8 over 3 rounds: 5 % of the budget needs more than report_goal / 10 = 1.
+    assert!(stddev > 1.0, "{task}");
+    let policy =
+        confed_protocol::policy::TaskPolicy::parse(task["policy"].as_str().unwrap()).unwrap();
+    let health = policy.dp_mechanism().unwrap().health.unwrap();
+    assert_eq!(health.stddev, stddev);
+    let chosen = create(with(json!({"stddev": 2.5}))).await.json();
+    assert!(
+        chosen["policy"]
+            .as_str()
+            .unwrap()
+            .contains(";health=2.5e0\n"),
+        "{chosen}"
+    );
+    let without = create(budget.clone()).await.json();
+    assert!(without["privacy"].get("health").is_none(), "{without}");
+    assert!(!without["policy"].as_str().unwrap().contains("health"));
+    for (health, field) in [
+        (json!({"stddev": 0.5}), "privacy.health.stddev"),
+        (json!({"stddev": 1.0}), "privacy"),
+    ] {
+        let reply = create(with(health.clone())).await;
+        let problem = reply.problem(StatusCode::BAD_REQUEST);
+        let params = problem["invalid_params"].as_array().unwrap();
+        assert_eq!(params[0]["name"], field, "{health}: {problem}");
+        if field == "privacy" {
+            assert!(
+                params[0]["reason"]
+                    .as_str()
+                    .unwrap()
+                    .contains("health stddev"),
+                "{problem}"
+            );
+        }
+    }
+    create(with(json!({"sigma": 3})))
+        .await
+        .problem(StatusCode::BAD_REQUEST);
+}
+
 #[tokio::test]
 async fn create_task_names_every_invalid_field() {
     let app = TestApp::new().await;

@@ -22,6 +22,7 @@ fn small(dir: &std::path::Path) -> DemoOptions {
         data_dir: dir.join("demo"),
         progress: false,
         device_auth: false,
+        health: false,
     }
 }
 

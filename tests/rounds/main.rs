@@ -9,6 +9,7 @@ mod common;
 
 mod aggregation;
 mod demo;
+mod health;
 mod key_release;
 mod operator_attacks;
 mod partitions;

@@ -19,14 +19,14 @@ use serde_json::{Value, json};
 use common::process::Server;
 
 const DEVICES: usize = 6;
-const ROWS: usize = 30;
+pub(crate) const ROWS: usize = 30;
 /// The simulator's seed, as `common::process::simulated_devices` sets it.
 const SEED: u64 = 7;
 
-/// The largest value of feature 0 in each simulated device's shard.
-fn feature_0_maxima() -> Vec<f32> {
+/// The largest value of feature 0 in each of the first `devices` simulated devices' shards.
+pub(crate) fn feature_0_maxima(devices: usize) -> Vec<f32> {
     let task = Synthetic::standard(SEED);
-    (0..DEVICES as u64)
+    (0..devices as u64)
         .map(|i| {
             let shard = task.shard(i, ROWS);
             shard
@@ -40,7 +40,7 @@ fn feature_0_maxima() -> Vec<f32> {
 
 /// The probe model: training overflows (class 0's logit passes f32::MAX) exactly on a row whose
 /// feature 0 exceeds `theta`.
-fn probe_model(theta: f32) -> Vec<u8> {
+pub(crate) fn probe_model(theta: f32) -> Vec<u8> {
     let task = Synthetic::standard(SEED);
     let mut model = Softmax::zeros(task.classes, task.features);
     model.weight[0] = 1e37;
@@ -176,7 +176,7 @@ async fn probe(server: &Server, population: &str, theta: f32) -> (Seen, Summary)
 async fn the_overflow_probe_reads_the_same_whichever_side_of_theta_the_data_lies() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(&dir.path().join("data")).await;
-    let maxima = feature_0_maxima();
+    let maxima = feature_0_maxima(DEVICES);
     let lowest = maxima.iter().copied().fold(f32::INFINITY, f32::min);
     let highest = maxima.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     assert!(
@@ -345,7 +345,7 @@ async fn amplifier(server: &Server, population: &str, theta: f32) -> (Summary, V
 async fn the_amplifier_is_sent_at_each_devices_drawn_instant_whichever_side_of_theta() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(&dir.path().join("data")).await;
-    let maxima = feature_0_maxima();
+    let maxima = feature_0_maxima(DEVICES);
     let lowest = maxima.iter().copied().fold(f32::INFINITY, f32::min);
     let highest = maxima.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     for (population, theta, zeroed) in [

@@ -43,6 +43,9 @@ pub struct Manifest {
     /// Evaluation rounds only: the noised metrics of the model version the round trained from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub evaluation: Option<EvaluationRecord>,
+    /// Tasks whose policy names `health` only: how many of the round's devices sent zeros, noised.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<HealthRecord>,
     /// SHA-256 (hex) of the released average's bytes.
     pub average_sha256: String,
 }
@@ -53,6 +56,19 @@ impl Manifest {
     pub fn to_json(&self) -> Vec<u8> {
         serde_json::to_vec_pretty(self).expect("a manifest serializes")
     }
+}
+
+/// The noised health signal of a round (docs/privacy.md, "Health"): the count of included
+/// contributions whose device sent zeros in place of its trained update (its health flag, or
+/// values that were not finite), plus discrete Gaussian noise. Never exact: whether one device's
+/// training failed is a bit its data can decide.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HealthRecord {
+    /// The noised count, in devices. Unbiased, so it may lie below 0 or above `included`: read
+    /// it as `zeroed +- 2 stddev`, or sum it over rounds.
+    pub zeroed: i64,
+    /// Standard deviation of its noise, in devices (the sampler's, at least the policy's).
+    pub stddev: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -26,8 +26,8 @@ from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from . import envelope, tokens
 from .errors import ConfedError
-from .policy import (EVALUATION_TENSOR, PolicyError, check_policy, evaluates, parse_policy,
-                     policy_sha256)
+from .policy import (EVALUATION_TENSOR, HEALTH_TENSOR, PolicyError, check_policy, evaluates,
+                     parse_policy, policy_sha256)
 from .tensors import as_arrays, from_safetensors, to_safetensors, to_torch
 
 Train = Callable[[dict, dict], dict]
@@ -89,13 +89,15 @@ def _well_formed_metrics(evaluate: Callable[[], object]
 
 
 def well_formed_update(model: dict[str, np.ndarray], train: Callable[[], dict],
-                       evaluate: Callable[[], object] | None = None
+                       evaluate: Callable[[], object] | None = None, health: bool = False
                        ) -> tuple[dict[str, np.ndarray], list[TrainingProblem]]:
     """The update a device seals, whatever `train()` and `evaluate()` do: the model's exact
     tensors and shapes as finite F32 (zeros where training raised, gave the wrong tensors or a
     NaN/infinity) and, when `evaluate` is given (an evaluation round: it runs first, on the
     model before training), the metrics tensor (zeros where evaluation raised or was not three
-    finite numbers); and the problems, for the device's own log. Nothing of the server's view
+    finite numbers); with `health` (a policy naming it) the health flag, 1.0 exactly when the
+    model's values were replaced by zeros; and the problems, for the device's own log. Nothing
+    of the server's view
     then depends on the device's data but the values the enclave clips and noises
     (docs/privacy.md, "What leaves a device")."""
     problems: list[TrainingProblem] = []
@@ -109,6 +111,7 @@ def well_formed_update(model: dict[str, np.ndarray], train: Callable[[], dict],
         problems.append(TrainingProblem("training_failed", _describe(error)))
         trained = None
     update = zeros
+    zeroed = True
     if trained is None:
         pass
     elif set(trained) != set(model) or any(trained[k].shape != model[k].shape for k in model):
@@ -120,9 +123,13 @@ def well_formed_update(model: dict[str, np.ndarray], train: Callable[[], dict],
         problems.append(TrainingProblem("non_finite", f"tensors {bad}"))
     else:
         update = {k: trained[k] for k in model}
+        zeroed = False
     if metrics is not None:
         update = dict(update)
         update[EVALUATION_TENSOR] = metrics
+    if health:
+        update = dict(update)
+        update[HEALTH_TENSOR] = np.array([1.0 if zeroed else 0.0], np.float32)
     return update, problems
 
 
@@ -604,15 +611,16 @@ class Device:
         def wait_until(ms: int) -> None:
             time.sleep(max(0.0, ms / 1000 - time.time()))
 
+        health = policy.get("health") is not None
         zeros, _ = well_formed_update(model, _late, (lambda: (0.0, 0.0, 0.0))
-                                      if evaluated else None)
+                                      if evaluated else None, health)
         zeros = to_safetensors(zeros)
         done: dict = {}
         finished = threading.Event()
 
         def work() -> None:
             try:
-                update, problems = well_formed_update(model, trained, evaluated)
+                update, problems = well_formed_update(model, trained, evaluated, health)
                 done["result"] = (to_safetensors(update), problems)
             finally:
                 finished.set()

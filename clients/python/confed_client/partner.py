@@ -66,6 +66,14 @@ class Partner:
     def releases(self, task_id: str) -> list[dict]:
         return self._call("GET", f"/v1/tasks/{task_id}/releases").json()["releases"]
 
+    def health(self, task_id: str) -> list[dict]:
+        """Per released round of a task with `privacy.health`: `round`, `included` and the
+        noised count of devices that sent zeros in place of a trained update (`zeroed`, with
+        its noise's `stddev`; docs/privacy.md, "Health"). Unbiased, so a count may lie below 0
+        or above `included`; sum it over rounds for a steadier reading."""
+        return [{"round": r["round"], "included": r["included"], **r["health"]}
+                for r in self.releases(task_id) if r.get("health")]
+
     def evaluations(self, task_id: str) -> dict:
         """The task's evaluations (`GET /v1/tasks/{id}/evaluations`): the noised metrics per
         evaluated model version, the best version and whether early stopping ended the task."""

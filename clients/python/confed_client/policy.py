@@ -83,6 +83,7 @@ def parse_policy(raw: bytes | str) -> dict:
     fields["min_separation"] = min_separation(fields["mechanism"])
     fields["adaptive_clipping"] = adaptive_clipping(fields["mechanism"])
     fields["evaluation"] = evaluation(fields["mechanism"])
+    fields["health"] = health(fields["mechanism"])
     plan = json.loads(fields["plan"])
     if not isinstance(plan, dict):
         raise PolicyError("plan is not a JSON object")
@@ -139,11 +140,15 @@ _NOISE = re.compile(r"(?P<noise>discrete_gaussian_on_grid"
                     r";max_values=(?P<max_values>[1-9][0-9]{0,9});lattice_bits=(?P<lattice_bits>0|[1-9][0-9]?))"
                     r"(;adaptive_clipping=(?P<a1>[^,;]+),(?P<a2>[^,;]+),(?P<a3>[^,;]+))?"
                     r"(;evaluation=(?P<e1>0|[1-9][0-9]*),(?P<e2>[^,;]+),(?P<e3>0|[1-9][0-9]*),"
-                    r"(?P<e4>[^,;]+),(?P<e5>0|[1-9][0-9]*))?\Z")
+                    r"(?P<e4>[^,;]+),(?P<e5>0|[1-9][0-9]*))?"
+                    r"(;health=(?P<h1>[^,;]+))?\Z")
 
 #: The tensor a device adds to its update in an evaluation round: float32 [3],
 #: [loss_sum, correct, examples] of the model it downloaded on its own held-out examples.
 EVALUATION_TENSOR = "confed.evaluation"
+#: The tensor every update carries under a policy that names `health`: float32 [1], 1.0 when
+#: the device sent zeros in place of its trained update, else 0.0 (docs/protocol.md, "Health").
+HEALTH_TENSOR = "confed.health"
 
 
 def _mechanism(mechanism: str) -> re.Match:
@@ -222,6 +227,17 @@ def evaluation(mechanism: str) -> dict | None:
             and values["on_demand"] <= 1000 and (values["every"] or values["on_demand"])):
         raise PolicyError(f"evaluation out of range in {mechanism!r}")
     return values
+
+
+def health(mechanism: str) -> dict | None:
+    """The health signal a mechanism names (`stddev`, canonical `{:e}` in [1, 1e6]), or None."""
+    found = _mechanism(mechanism)
+    if not found.group("h1"):
+        return None
+    stddev = _float(found.group("h1"), "health.stddev")
+    if not 1 <= stddev <= 1e6:
+        raise PolicyError(f"health out of range in {mechanism!r}")
+    return {"stddev": stddev}
 
 
 def evaluates(policy: dict, round_: int) -> bool:

@@ -144,7 +144,20 @@ def verify_release(manifest_bytes: bytes, average_bytes: bytes, proof: dict,
     if failed:
         raise ReleaseError(failed)
     guarantee = guarantee_line(manifest)
-    return ([guarantee] if guarantee else []) + passed
+    health = health_line(manifest)
+    return ([guarantee] if guarantee else []) + passed + ([health] if health else [])
+
+
+def health_line(manifest: dict) -> str | None:
+    """The round's noised health count (docs/privacy.md, "Health"), as `confed verify release`
+    prints it; None for tasks without the health signal. The count is unbiased noise added to
+    the true number, so it may lie below 0 or above `included`."""
+    health = manifest.get("health")
+    if not health:
+        return None
+    return (f"health: about {health['zeroed']} of {manifest['included']} included devices sent "
+            "zeros in place of a trained update (noised count, standard deviation "
+            f"{health['stddev']:.2f} devices)")
 
 
 def guarantee_line(manifest: dict) -> str | None:

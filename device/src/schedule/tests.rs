@@ -12,9 +12,14 @@ fn f32_tensor(name: &str, values: &[f32]) -> Vec<u8> {
     safetensors::serialize([(name, view)], None).unwrap()
 }
 
+/// Under a health policy: every update carries the flag.
 fn shape() -> UpdateShape {
-    UpdateShape::of_model(&f32_tensor("w", &[1.0, 2.0, 3.0])).unwrap()
+    UpdateShape::of_model(&f32_tensor("w", &[1.0, 2.0, 3.0]))
+        .unwrap()
+        .reporting_health(true)
 }
+
+const HEALTH: &str = confed_protocol::policy::HEALTH_TENSOR;
 
 fn trained() -> Trained {
     Trained {
@@ -55,6 +60,7 @@ async fn fast_training_is_sent_at_the_drawn_instant_not_when_it_ends() {
     assert_eq!(started.elapsed(), Duration::from_millis(SEND_MS as u64));
     assert!(!due.late() && !due.zeroed(), "{:?}", due.problems());
     assert_eq!(values(&due, "w"), [0.25, -0.5, 1.0]);
+    assert_eq!(values(&due, HEALTH), [0.0]);
     assert_eq!(
         values(&due, confed_protocol::policy::EVALUATION_TENSOR),
         [1.5, 2.0, 3.0]
@@ -84,6 +90,7 @@ async fn slow_training_is_stopped_and_zeros_go_at_the_drawn_instant() {
     assert!(due.late() && due.zeroed());
     assert_eq!(due.problems(), [TrainingProblem::Late]);
     assert_eq!(values(&due, "w"), [0.0; 3]);
+    assert_eq!(values(&due, HEALTH), [1.0], "zeros sent: the flag says so");
     assert_eq!(
         values(&due, confed_protocol::policy::EVALUATION_TENSOR),
         [0.0; 3]
@@ -141,6 +148,7 @@ async fn failing_non_finite_or_panicking_training_sends_zeros_at_the_drawn_insta
         );
         assert!(due.zeroed() && !due.late(), "{case}: {:?}", due.problems());
         assert_eq!(values(&due, "w"), [0.0; 3], "{case}");
+        assert_eq!(values(&due, HEALTH), [1.0], "{case}");
     }
 }
 

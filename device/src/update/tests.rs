@@ -148,17 +148,64 @@ fn an_evaluation_round_always_carries_metrics_zero_when_evaluation_failed() {
     assert_eq!(metrics(&shape.well_formed(Ok(good.clone()), None)), None);
 }
 
+/// Under a health policy every update carries the flag, in the same shape: 1 exactly when the
+/// model's values were replaced by zeros (a failed evaluation alone does not set it).
+#[test]
+fn a_health_policy_update_always_carries_the_flag_one_exactly_when_zeros_were_sent() {
+    let shape = UpdateShape::of_model(&model())
+        .unwrap()
+        .reporting_health(true);
+    let good = encode(&[("b", vec![2], &[0.1, 0.2]), ("w", vec![2, 2], &[1.; 4])]);
+    let nan = encode(&[
+        ("b", vec![2], &[f32::NAN, 0.2]),
+        ("w", vec![2, 2], &[1.; 4]),
+    ]);
+    let flag = |update: &WellFormedUpdate| {
+        values_of(update)
+            .into_iter()
+            .find(|(name, _, _)| name == HEALTH_TENSOR)
+            .map(|(_, shape, v)| (shape, v))
+    };
+    let cases: [(&str, WellFormedUpdate, f32); 5] = [
+        ("trained", shape.well_formed(Ok(good.clone()), None), 0.0),
+        ("failed", shape.well_formed(Err("raised".into()), None), 1.0),
+        ("non-finite", shape.well_formed(Ok(nan), None), 1.0),
+        (
+            "not safetensors",
+            shape.well_formed(Ok(b"x".to_vec()), None),
+            1.0,
+        ),
+        (
+            "evaluation failed",
+            shape.well_formed(Ok(good.clone()), Some(Err("no rows".into()))),
+            0.0,
+        ),
+    ];
+    let length = cases[0].1.bytes().len();
+    for (case, update, expected) in &cases[..4] {
+        assert_eq!(flag(update), Some((vec![1], vec![*expected])), "{case}");
+        assert_eq!(update.bytes().len(), length, "{case}");
+    }
+    assert_eq!(flag(&cases[4].1), Some((vec![1], vec![0.0])));
+    // Without a health policy there is no flag at all.
+    let plain = UpdateShape::of_model(&model()).unwrap();
+    assert!(!plain.reports_health());
+    assert_eq!(flag(&plain.well_formed(Err("raised".into()), None)), None);
+}
+
 #[test]
 fn a_model_that_cannot_be_trained_from_is_refused_before_training() {
     assert!(matches!(
         UpdateShape::of_model(b"junk"),
         Err(ModelShapeError::NotSafetensors(_))
     ));
-    let reserved = encode(&[(EVALUATION_TENSOR, vec![3], &[0.0; 3])]);
-    assert_eq!(
-        UpdateShape::of_model(&reserved),
-        Err(ModelShapeError::ReservedName)
-    );
+    for name in [EVALUATION_TENSOR, HEALTH_TENSOR, "confed.future"] {
+        let reserved = encode(&[(name, vec![3], &[0.0; 3])]);
+        assert_eq!(
+            UpdateShape::of_model(&reserved),
+            Err(ModelShapeError::ReservedName(name.into()))
+        );
+    }
     let data = [0u8; 8];
     let f64_model = safetensors::serialize(
         [("w", TensorView::new(Dtype::F64, vec![1], &data).unwrap())],

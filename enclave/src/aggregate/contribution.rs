@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use crate::envelope::{self, EnvelopeRef, RoundContext};
 use crate::hpke_awslc::Recipient;
-use crate::policy::EVALUATION_TENSOR;
+use crate::policy::{EVALUATION_TENSOR, HEALTH_TENSOR};
 use confed_worker_api::model::ModelSchema;
 
 /// Why a contribution was left out of the sum.
@@ -121,38 +121,63 @@ pub fn authenticate(
         .map_err(|_| Exclusion::Unauthenticated)
 }
 
-/// An update's model tensors (schema order) and, in an evaluation round, its metrics tensor.
-pub type Tensors<'a> = (Vec<&'a [u8]>, Option<&'a [u8]>);
+/// The tensors a round's updates carry beside the model's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Sides {
+    /// The round evaluates: an update may carry `EVALUATION_TENSOR` (F32 `[3]`).
+    pub evaluating: bool,
+    /// The policy names `health`: every update carries `HEALTH_TENSOR` (F32 `[1]`).
+    pub health: bool,
+}
+
+/// An update's model tensors (schema order) and the side tensors it carries.
+pub struct Tensors<'a> {
+    pub model: Vec<&'a [u8]>,
+    pub metrics: Option<&'a [u8]>,
+    pub health: Option<&'a [u8]>,
+}
+
+/// One side tensor of `parsed`, if present: F32 of `shape`, else refused.
+fn side<'a>(
+    parsed: &SafeTensors<'a>,
+    name: &str,
+    shape: &[usize],
+) -> Result<Option<&'a [u8]>, Exclusion> {
+    let Ok(view) = parsed.tensor(name) else {
+        return Ok(None);
+    };
+    if view.dtype() != Dtype::F32 {
+        return Err(Exclusion::WrongDtype);
+    }
+    if view.shape() != shape {
+        return Err(Exclusion::WrongTensors);
+    }
+    Ok(Some(view.data()))
+}
 
 /// The f32 data of each model tensor, in the schema's (name) order, as little-endian bytes,
-/// after checking names, shapes and dtype; and, when the round evaluates (`evaluating`), the
-/// device's evaluation tensor if it sent one (`EVALUATION_TENSOR`, F32 `[3]`). A device may leave
-/// it out of an evaluation round (it then adds nothing to the metrics), but an evaluation tensor
-/// in any other round is refused as `WrongTensors`. Non-finite values are found while summing
-/// (one pass), and make the update a zero update, not an exclusion.
+/// after checking names, shapes and dtype; and the side tensors `sides` allows. In an
+/// evaluation round the device's evaluation tensor, if it sent one (`EVALUATION_TENSOR`, F32
+/// `[3]`): a device may leave it out (it then adds nothing to the metrics), but an evaluation
+/// tensor in any other round is refused as `WrongTensors`. Under a health policy the health
+/// tensor (`HEALTH_TENSOR`, F32 `[1]`) is required, always, and refused otherwise. Non-finite
+/// values are found while summing (one pass), and make the update a zero update, not an
+/// exclusion.
 pub fn tensors<'a>(
     schema: &ModelSchema,
     plaintext: &'a [u8],
-    evaluating: bool,
+    sides: Sides,
 ) -> Result<Tensors<'a>, Exclusion> {
     let parsed = SafeTensors::deserialize(plaintext).map_err(|_| Exclusion::NotSafetensors)?;
     let expected = schema.tensors().len();
-    let metrics = match parsed.len() {
-        n if n == expected => None,
-        n if evaluating && n == expected + 1 => {
-            let view = parsed
-                .tensor(EVALUATION_TENSOR)
-                .map_err(|_| Exclusion::WrongTensors)?;
-            if view.dtype() != Dtype::F32 {
-                return Err(Exclusion::WrongDtype);
-            }
-            if view.shape() != [3] {
-                return Err(Exclusion::WrongTensors);
-            }
-            Some(view.data())
-        }
-        _ => return Err(Exclusion::WrongTensors),
-    };
+    let metrics = side(&parsed, EVALUATION_TENSOR, &[3])?;
+    let health = side(&parsed, HEALTH_TENSOR, &[1])?;
+    if (metrics.is_some() && !sides.evaluating) || health.is_some() != sides.health {
+        return Err(Exclusion::WrongTensors);
+    }
+    if parsed.len() != expected + usize::from(metrics.is_some()) + usize::from(health.is_some()) {
+        return Err(Exclusion::WrongTensors);
+    }
     let mut data = Vec::with_capacity(expected);
     for spec in schema.tensors() {
         let view = parsed
@@ -166,5 +191,9 @@ pub fn tensors<'a>(
         }
         data.push(view.data());
     }
-    Ok((data, metrics))
+    Ok(Tensors {
+        model: data,
+        metrics,
+        health,
+    })
 }

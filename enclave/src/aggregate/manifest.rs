@@ -2,8 +2,8 @@
 //! `confed_worker_api::manifest`).
 
 pub use confed_worker_api::manifest::{
-    AdaptiveRecord, BltRecord, EvaluationRecord, FORMAT, Manifest, NoiseRecord, PrivacyRecord,
-    TreeRecord,
+    AdaptiveRecord, BltRecord, EvaluationRecord, FORMAT, HealthRecord, Manifest, NoiseRecord,
+    PrivacyRecord, TreeRecord,
 };
 
 use crate::dp::{DiscreteGaussian, grid};

@@ -8,9 +8,11 @@ pub mod blt_round;
 pub mod blt_state;
 pub mod contribution;
 pub mod evaluation;
+pub mod health;
 pub mod inputs;
 pub mod manifest;
 pub mod noise;
+pub mod params;
 pub mod partition;
 pub mod sealed;
 pub mod stream;
@@ -28,16 +30,16 @@ use crate::dp::{self, DiscreteGaussian, DpError, grid};
 use crate::envelope::EnvelopeRef;
 use crate::hpke::PrivateKey;
 use crate::hpke_awslc::Recipient;
-use crate::policy::TaskPolicy;
-use crate::policy::{AdaptiveClipping, DpMechanism, Evaluation, Mechanism};
+use crate::policy::{AdaptiveClipping, Evaluation, Health, Mechanism};
 use accumulator::{Accumulator, StreamError};
 pub(crate) use confed_protocol::hex::encode as hex;
 use confed_worker_api::model::{ModelError, ModelSchema, encode_f32_tensors};
-pub use contribution::{Binding, Exclusion};
+pub use contribution::{Binding, Exclusion, Sides};
 pub use manifest::{
     AdaptiveRecord, EvaluationRecord, Manifest, NoiseRecord, PrivacyRecord, TreeRecord, TreeShape,
     noise_record, tree_noise_record,
 };
+pub use params::PrivacyParams;
 use stream::StreamProblem;
 
 /// Models of at least this many bytes of values are aggregated chunk by chunk: a thread then
@@ -87,165 +89,6 @@ pub enum AggregateError {
     Blt(#[from] dp::blt::BltError),
 }
 
-/// The privacy parameters of the task, as the enclave applies them: taken from the task policy
-/// the contributions are bound to, never from anywhere else.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct PrivacyParams {
-    pub epsilon: f64,
-    pub delta: f64,
-    pub clip_norm: f64,
-    pub rounds: u32,
-    /// Fewest included contributions a release may average.
-    pub min_reports: u32,
-    pub mechanism: Mechanism,
-    /// Adaptive clipping's parameters (then `clip_norm` is this round's, not the policy's).
-    pub adaptive: Option<AdaptiveClipping>,
-    /// Evaluation's parameters (whether this round evaluates: `evaluation_in`).
-    pub evaluation: Option<Evaluation>,
-    /// The partner asked to evaluate this round on demand.
-    pub on_demand: bool,
-}
-
-impl PrivacyParams {
-    /// The parameters of one round: all from the policy, except that under adaptive clipping the
-    /// clip norm is the round's (`round_clip_norm`, from the job: what the previous release's
-    /// manifest gave as `next_clip_norm`). Who chooses it does not matter for privacy (the noise
-    /// scales with it and the sensitivity on the grid is one clip norm whatever it is); it is
-    /// bound into the release commitment and the noise (`inputs::bind_clip_norm`). A round clip
-    /// norm for a policy without adaptive clipping, or none for one with it, is refused.
-    ///
-    /// `on_demand` (the job's, so the store's word) asks for an evaluation outside the policy's
-    /// schedule. The store may ask in any round: what bounds the privacy cost is each device,
-    /// which sends metrics in at most `on_demand` such rounds of the task, and the accounting
-    /// charges that many (`Evaluation::on_demand_through`). A policy that allows none refuses it.
-    pub fn for_round(
-        policy: &TaskPolicy,
-        round_clip_norm: Option<f64>,
-        on_demand: bool,
-    ) -> Result<Self, crate::policy::PolicyError> {
-        let DpMechanism {
-            noise,
-            adaptive_clipping,
-            evaluation,
-        } = policy.dp_mechanism()?;
-        let limits = crate::policy::PolicyError::Limits;
-        let clip_norm = match (adaptive_clipping, round_clip_norm) {
-            (None, None) => policy.clip_norm,
-            (Some(_), Some(c))
-                if (crate::policy::MIN_CLIP_NORM..=crate::policy::MAX_CLIP_NORM).contains(&c) =>
-            {
-                c
-            }
-            (Some(_), Some(c)) => {
-                return Err(limits(format!(
-                    "the round's clip norm {c} is outside the policy limits"
-                )));
-            }
-            (Some(_), None) => {
-                return Err(limits(
-                    "an adaptive-clipping round needs its clip norm in the job".into(),
-                ));
-            }
-            (None, Some(c)) => {
-                return Err(limits(format!(
-                    "the job names a round clip norm {c}, but the policy does not clip adaptively"
-                )));
-            }
-        };
-        // Refused before any key is asked for, like every check here: a BLT lattice too fine
-        // for the noise the budget needs would leave the sampler out of its exact range, and a
-        // round that could not noise would have its commitment recorded and never release.
-        if let Mechanism::Blt(_) = noise {
-            let mechanism = DpMechanism {
-                noise,
-                adaptive_clipping,
-                evaluation,
-            };
-            let z = dp::calibrate_task(
-                &dp::OpenDp,
-                mechanism,
-                policy.epsilon,
-                policy.delta,
-                policy.rounds,
-            )
-            .map_err(|e| limits(format!("BLT noise: {e}")))?
-            .noise_multiplier;
-            DiscreteGaussian::at_least(z * dp::accounting::units_per_clip(noise))
-                .map_err(|e| limits(format!("BLT noise on its lattice: {e}")))?;
-        }
-        // The count's sampler must exist before any key is asked for: a round that could not
-        // noise its count would have its commitment recorded and never release.
-        if let Some(a) = adaptive_clipping {
-            DiscreteGaussian::at_least(2.0 * a.count_stddev)
-                .map_err(|e| limits(format!("adaptive clipping's count noise: {e}")))?;
-        }
-        if on_demand && evaluation.is_none_or(|e| e.on_demand == 0) {
-            return Err(limits(
-                "the job asks for an on-demand evaluation, but the policy allows none".into(),
-            ));
-        }
-        if let Some(e) = evaluation {
-            DiscreteGaussian::at_least(
-                e.stddev * dp::accounting::EVALUATION_UNITS_PER_EXAMPLE as f64,
-            )
-            .map_err(|e| limits(format!("evaluation's noise: {e}")))?;
-        }
-        Ok(Self {
-            epsilon: policy.epsilon,
-            delta: policy.delta,
-            clip_norm,
-            rounds: policy.rounds,
-            min_reports: policy.min_reports,
-            mechanism: noise,
-            adaptive: adaptive_clipping,
-            evaluation,
-            on_demand,
-        })
-    }
-
-    fn dp_mechanism(&self) -> DpMechanism {
-        DpMechanism {
-            noise: self.mechanism,
-            adaptive_clipping: self.adaptive,
-            evaluation: self.evaluation,
-        }
-    }
-
-    /// The task's noise calibration: a function of the policy alone, worked out once per
-    /// process and policy (`confed_dp`'s cache), so the worker can have it ready before the
-    /// round's contributions are in.
-    pub fn calibration(&self) -> Result<dp::Calibration, DpError> {
-        dp::calibrate_task(
-            &dp::OpenDp,
-            self.dp_mechanism(),
-            self.epsilon,
-            self.delta,
-            self.rounds,
-        )
-    }
-
-    /// `inputs_digest` with the round's parameters the store chose bound in (docs/protocol.md,
-    /// `inputs_digest`): adaptive clipping's clip norm, an on-demand evaluation. The release
-    /// commitment and the noise then differ with either, so a second release of the same inputs
-    /// under other choices needs a second commitment, which the key services' ledger refuses.
-    pub fn bind_round_choices(&self, inputs_digest: String) -> String {
-        let digest = match self.adaptive {
-            Some(_) => inputs::bind_clip_norm(&inputs_digest, self.clip_norm),
-            None => inputs_digest,
-        };
-        match self.on_demand {
-            true => inputs::bind_on_demand_evaluation(&digest),
-            false => digest,
-        }
-    }
-
-    /// The evaluation round `round` runs, if it is one: scheduled, or asked for on demand.
-    pub fn evaluation_in(&self, round: u64) -> Option<Evaluation> {
-        self.evaluation
-            .filter(|e| e.evaluates(round) || (self.on_demand && e.on_demand > 0))
-    }
-}
-
 pub struct Aggregator {
     binding: Binding,
     clip_norm: f64,
@@ -258,6 +101,8 @@ pub struct Aggregator {
     unclipped: AtomicU64,
     /// An evaluation round's parameters and its metric sums (`evaluating`).
     evaluation: Option<(Evaluation, evaluation::Sums)>,
+    /// The health signal's parameters and its count (`watching_health`).
+    health: Option<health::Watch>,
     buffers: Mutex<Vec<Zeroizing<Vec<u8>>>>,
     /// Updates of at least this many bytes of values are streamed (`stream.rs`).
     stream_above: usize,
@@ -304,6 +149,7 @@ impl Aggregator {
             next_start: AtomicUsize::new(0),
             unclipped: AtomicU64::new(0),
             evaluation: None,
+            health: None,
             buffers: Mutex::default(),
             stream_above: STREAM_ABOVE_BYTES,
             device_auth: None,
@@ -317,6 +163,21 @@ impl Aggregator {
     pub fn evaluating(mut self, evaluation: Option<Evaluation>) -> Self {
         self.evaluation = evaluation.map(|e| (e, evaluation::Sums::default()));
         self
+    }
+
+    /// Counts the devices that sent zeros (`health`, the policy's): every update must then carry
+    /// the health tensor, and without it none may.
+    pub fn watching_health(mut self, health: Option<Health>) -> Self {
+        self.health = health.map(health::Watch::new);
+        self
+    }
+
+    /// The side tensors this round's updates carry.
+    fn sides(&self) -> Sides {
+        Sides {
+            evaluating: self.evaluation.is_some(),
+            health: self.health.is_some(),
+        }
     }
 
     /// Adds only contributions whose device token the policy's `device_auth` accepts (the policy
@@ -392,20 +253,22 @@ impl Aggregator {
                 &self.binding.context,
                 assignment_ref,
                 &self.schema,
-                self.evaluation.is_some(),
+                self.sides(),
             )
         {
-            let within = match self.sum.add_clipped_stream(&update, self.clip_norm) {
-                Ok(within) => Some(within),
-                Err(StreamError::NonFinite) => Some(ZERO_UPDATE_IS_WITHIN),
+            // (within the clip norm, summed as zeros because not finite)
+            let added = match self.sum.add_clipped_stream(&update, self.clip_norm) {
+                Ok(within) => Some((within, false)),
+                Err(StreamError::NonFinite) => Some((ZERO_UPDATE_IS_WITHIN, true)),
                 Err(StreamError::Source(StreamProblem::Excluded(why))) => return Err(why),
                 Err(StreamError::Source(StreamProblem::Buffer)) => None,
             };
-            if let Some(within) = within {
+            if let Some((within, non_finite)) = added {
                 self.count_unclipped(within);
                 if let Some(bytes) = update.metrics() {
                     self.add_metrics(&bytes);
                 }
+                self.count_health(update.health().as_ref().map(|b| &b[..]), non_finite);
                 return Ok(());
             }
         }
@@ -416,19 +279,24 @@ impl Aggregator {
             &envelope,
             plaintext,
         )?;
-        let (tensors, metrics) =
-            contribution::tensors(&self.schema, plaintext, self.evaluation.is_some())?;
+        let tensors = contribution::tensors(&self.schema, plaintext, self.sides())?;
         let start = self.next_start.fetch_add(1, Ordering::Relaxed);
-        let within = self
-            .sum
-            .add_clipped(&tensors, self.clip_norm, start)
-            .unwrap_or(ZERO_UPDATE_IS_WITHIN);
-        self.count_unclipped(within);
-        // Only after the update is in: a contribution is in both sums or in neither.
-        if let Some(bytes) = metrics {
+        let added = self.sum.add_clipped(&tensors.model, self.clip_norm, start);
+        self.count_unclipped(added.unwrap_or(ZERO_UPDATE_IS_WITHIN));
+        // Only after the update is in: a contribution is in every sum or in none.
+        if let Some(bytes) = tensors.metrics {
             self.add_metrics(bytes);
         }
+        self.count_health(tensors.health, added.is_err());
         Ok(())
+    }
+
+    /// Counts an included contribution in the health signal (under a health policy): it sent
+    /// zeros if its flag says so or its values were not finite (summed as zeros).
+    fn count_health(&self, flag: Option<&[u8]>, non_finite: bool) {
+        if let Some(watch) = &self.health {
+            watch.count(non_finite || flag.is_some_and(health::flagged));
+        }
     }
 
     /// Adds an included contribution's metrics tensor to the evaluation sums (bounded).
@@ -490,6 +358,21 @@ impl Aggregator {
                 collected: self.evaluation.is_some(),
                 round,
             });
+        }
+        if privacy.health.is_some() != self.health.is_some() {
+            return Err(AggregateError::Unsupported(format!(
+                "the aggregator was {} the health signal, but the policy {}",
+                if self.health.is_some() {
+                    "counting"
+                } else {
+                    "not counting"
+                },
+                if self.health.is_some() {
+                    "names none"
+                } else {
+                    "names one"
+                },
+            )));
         }
         let included_digest = digest(&outcome.included);
         let inputs_digest = self.binding.inputs_digest.clone();
@@ -628,9 +511,22 @@ impl Aggregator {
                 .scale(),
             )),
         };
+        let health = match self.health {
+            None => None,
+            Some(watch) => {
+                let params = watch.params;
+                Some(health::release(
+                    &params,
+                    watch.take(),
+                    private_key,
+                    &self.binding,
+                )?)
+            }
+        };
         let side = dp::SideScales {
             count: adaptive.as_ref().map(|(_, scale)| *scale),
             evaluation: evaluation_scale,
+            health: health.as_ref().map(|(_, scale)| *scale),
         };
         let spent = |round: u64| {
             dp::spent_task(
@@ -679,6 +575,7 @@ impl Aggregator {
             },
             adaptive_clipping: adaptive.map(|(record, _)| record),
             evaluation: evaluated.map(|(_, record)| record),
+            health: health.map(|(record, _)| record),
             average_sha256: hex(Sha256::digest(&average)),
         };
         Ok(Release {
@@ -754,6 +651,8 @@ mod auth_tests;
 mod blt_tests;
 #[cfg(test)]
 mod evaluation_tests;
+#[cfg(test)]
+mod health_tests;
 #[cfg(test)]
 mod partition_tests;
 #[cfg(test)]

@@ -31,6 +31,7 @@ const TREE_LABEL: &[u8] = b"confed/dp-tree-node/v1";
 const COUNT_LABEL: &[u8] = b"confed/dp-count/v1";
 const EVALUATION_LABEL: &[u8] = b"confed/dp-evaluation/v1";
 const BLT_LABEL: &[u8] = b"confed/dp-blt/v1";
+const HEALTH_LABEL: &[u8] = b"confed/dp-health/v1";
 /// Coordinates per ChaCha12 stream.
 const BLOCK: usize = 1 << 14;
 
@@ -68,6 +69,12 @@ pub fn evaluation_seed(
     binding: &NoiseBinding<'_>,
 ) -> Zeroizing<[u8; 32]> {
     labelled_seed(EVALUATION_LABEL, private_key, binding)
+}
+
+/// The seed of the health count's noise: keyed like the round's value noise, under its own
+/// label.
+pub fn health_seed(private_key: &PrivateKey, binding: &NoiseBinding<'_>) -> Zeroizing<[u8; 32]> {
+    labelled_seed(HEALTH_LABEL, private_key, binding)
 }
 
 fn labelled_seed(

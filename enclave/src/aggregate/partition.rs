@@ -107,11 +107,16 @@ pub struct PartitionHeader {
     pub values: u64,
     /// Whether it holds an evaluation round's metric sums.
     pub evaluation: bool,
+    /// Whether it holds the health count (a policy naming `health`). Left out when false, so a
+    /// header without it reads as before.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub health: bool,
 }
 
 impl PartitionHeader {
     /// The plaintext's length: the sum (8 bytes a value), one outcome byte an input, the
-    /// unclipped count (8), the metric sums (24) if evaluating.
+    /// unclipped count (8), the metric sums (24) if evaluating, the health count (8) if
+    /// counting.
     fn body_len(&self) -> Result<usize, PartitionError> {
         let malformed = || PartitionError::Malformed("its shape overflows".into());
         let inputs = self.end.checked_sub(self.first).ok_or_else(malformed)?;
@@ -119,6 +124,7 @@ impl PartitionHeader {
             .checked_mul(8)
             .and_then(|n| n.checked_add(inputs))
             .and_then(|n| n.checked_add(8 + if self.evaluation { 24 } else { 0 }))
+            .and_then(|n| n.checked_add(if self.health { 8 } else { 0 }))
             .and_then(|n| usize::try_from(n).ok())
             .ok_or_else(malformed)
     }
@@ -196,6 +202,7 @@ impl Partition<'_> {
             ),
             values: aggregator.schema.parameter_count() as u64,
             evaluation: aggregator.evaluation.is_some(),
+            health: aggregator.health.is_some(),
         })
     }
 }
@@ -225,6 +232,9 @@ impl Aggregator {
             for sum in sums.take() {
                 body.extend_from_slice(&sum.to_le_bytes());
             }
+        }
+        if let Some(watch) = self.health {
+            body.extend_from_slice(&watch.take().to_le_bytes());
         }
         Ok(KIND.seal(private_key, &header.context(), &header_json, body)?)
     }
@@ -319,7 +329,8 @@ impl Aggregator {
                     .ok_or_else(|| PartitionError::Malformed(format!("outcome code {code}"))),
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let (unclipped, metrics) = rest.split_at(8);
+        let (unclipped, rest) = rest.split_at(8);
+        let (metrics, zeroed) = rest.split_at(if self.evaluation.is_some() { 24 } else { 0 });
         let sum: Zeroizing<Vec<i64>> = Zeroizing::new(
             sum.chunks_exact(8)
                 .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
@@ -336,6 +347,9 @@ impl Aggregator {
                 *unit = i64::from_le_bytes(bytes.try_into().expect("8 bytes"));
             }
             sums.add(units);
+        }
+        if let Some(watch) = &self.health {
+            watch.add(u64::from_le_bytes(zeroed.try_into().expect("8 bytes")));
         }
         let mut outcome = self.outcome.lock().expect("aggregation outcome");
         for (input, reason) in inputs.iter().zip(reasons) {

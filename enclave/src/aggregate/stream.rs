@@ -6,8 +6,8 @@
 //!
 //! The safetensors header must fit in the first chunk and the data must start at a multiple of 4
 //! bytes (the safetensors writer pads the header to 8); otherwise the update takes the buffered
-//! path. In an evaluation round the device's metrics tensor (12 bytes) is copied aside as its
-//! chunk passes (`ChunkedUpdate::metrics`).
+//! path. The side tensors (an evaluation round's metrics, 12 bytes; a health policy's flag, 4
+//! bytes) are copied aside as their chunk passes (`ChunkedUpdate::metrics`, `health`).
 
 use std::cell::{OnceCell, RefCell};
 
@@ -15,10 +15,11 @@ use safetensors::Dtype;
 use serde::Deserialize;
 
 use super::accumulator::Replay;
-use super::contribution::Exclusion;
+use super::contribution::{Exclusion, Sides};
+use super::health::FLAG_BYTES;
 use crate::envelope::{self, EnvelopeRef};
 use crate::hpke_awslc::Recipient;
-use crate::policy::EVALUATION_TENSOR;
+use crate::policy::{EVALUATION_TENSOR, HEALTH_TENSOR};
 use confed_worker_api::model::ModelSchema;
 
 /// Where each tensor's data lies in the update and where its values go in the sum.
@@ -30,6 +31,8 @@ struct Layout {
     runs: Vec<(usize, usize, usize)>,
     /// (begin, end) of the evaluation metrics tensor in the data region, if the update has one.
     metrics: Option<(usize, usize)>,
+    /// (begin, end) of the health tensor in the data region, if the update has one.
+    health: Option<(usize, usize)>,
 }
 
 /// Why a chunked update is not streamed.
@@ -47,7 +50,33 @@ struct TensorInfo {
     data_offsets: (usize, usize),
 }
 
-fn layout(schema: &ModelSchema, first: &[u8], evaluating: bool) -> Result<Layout, StreamProblem> {
+/// Where a side tensor lies in the data region, if the header names it: F32 of `shape`
+/// (`bytes` long), else refused.
+fn side(
+    entries: &mut std::collections::HashMap<String, serde_json::Value>,
+    name: &str,
+    shape: &[usize],
+    bytes: usize,
+) -> Result<Option<(usize, usize)>, StreamProblem> {
+    let not_tensors = StreamProblem::Excluded(Exclusion::NotSafetensors);
+    let Some(entry) = entries.remove(name) else {
+        return Ok(None);
+    };
+    let info: TensorInfo = serde_json::from_value(entry).map_err(|_| not_tensors.clone())?;
+    if info.dtype != Dtype::F32 {
+        return Err(StreamProblem::Excluded(Exclusion::WrongDtype));
+    }
+    if info.shape != shape {
+        return Err(StreamProblem::Excluded(Exclusion::WrongTensors));
+    }
+    let (begin, end) = info.data_offsets;
+    if end.checked_sub(begin) != Some(bytes) {
+        return Err(not_tensors);
+    }
+    Ok(Some((begin, end)))
+}
+
+fn layout(schema: &ModelSchema, first: &[u8], sides: Sides) -> Result<Layout, StreamProblem> {
     let not_tensors = StreamProblem::Excluded(Exclusion::NotSafetensors);
     let length = first
         .get(..8)
@@ -62,27 +91,13 @@ fn layout(schema: &ModelSchema, first: &[u8], evaluating: bool) -> Result<Layout
     let mut entries: std::collections::HashMap<String, serde_json::Value> =
         serde_json::from_slice(header).map_err(|_| not_tensors.clone())?;
     entries.remove("__metadata__");
-    // An evaluation round's update may carry the metrics tensor: F32 [3], 12 bytes of the data
-    // region that are not summed with the model.
-    let metrics = match entries.remove(EVALUATION_TENSOR) {
-        Some(entry) if evaluating && entries.len() == schema.tensors().len() => {
-            let info: TensorInfo =
-                serde_json::from_value(entry).map_err(|_| not_tensors.clone())?;
-            if info.dtype != Dtype::F32 {
-                return Err(StreamProblem::Excluded(Exclusion::WrongDtype));
-            }
-            if info.shape != [3] {
-                return Err(StreamProblem::Excluded(Exclusion::WrongTensors));
-            }
-            let (begin, end) = info.data_offsets;
-            if end.checked_sub(begin) != Some(12) {
-                return Err(not_tensors);
-            }
-            Some((begin, end))
-        }
-        Some(_) => return Err(StreamProblem::Excluded(Exclusion::WrongTensors)),
-        None => None,
-    };
+    // The side tensors, not summed with the model: an evaluation round's metrics (F32 [3], 12
+    // bytes) if the device sent them, and under a health policy always the flag (F32 [1]).
+    let metrics = side(&mut entries, EVALUATION_TENSOR, &[3], 12)?;
+    let health = side(&mut entries, HEALTH_TENSOR, &[1], FLAG_BYTES)?;
+    if (metrics.is_some() && !sides.evaluating) || health.is_some() != sides.health {
+        return Err(StreamProblem::Excluded(Exclusion::WrongTensors));
+    }
     if entries.len() != schema.tensors().len() {
         return Err(StreamProblem::Excluded(Exclusion::WrongTensors));
     }
@@ -111,6 +126,7 @@ fn layout(schema: &ModelSchema, first: &[u8], evaluating: bool) -> Result<Layout
     // The tensors tile the data region exactly, as safetensors requires.
     let mut spans: Vec<(usize, usize)> = runs.iter().map(|&(b, e, _)| (b, e)).collect();
     spans.extend(metrics);
+    spans.extend(health);
     spans.sort_unstable();
     let mut expected = 0;
     for &(begin, end) in &spans {
@@ -123,6 +139,7 @@ fn layout(schema: &ModelSchema, first: &[u8], evaluating: bool) -> Result<Layout
         data_start,
         runs,
         metrics,
+        health,
     })
 }
 
@@ -134,10 +151,12 @@ pub struct ChunkedUpdate<'a> {
     info: Vec<u8>,
     aad: Vec<u8>,
     schema: &'a ModelSchema,
-    evaluating: bool,
+    sides: Sides,
     layout: OnceCell<Result<Layout, StreamProblem>>,
     /// The metrics tensor's bytes, copied as they pass (each replay writes the same bytes).
     metrics: RefCell<[u8; 12]>,
+    /// The health tensor's bytes, likewise.
+    health: RefCell<[u8; FLAG_BYTES]>,
 }
 
 impl<'a> ChunkedUpdate<'a> {
@@ -148,7 +167,7 @@ impl<'a> ChunkedUpdate<'a> {
         context: &envelope::RoundContext,
         assignment_ref: &str,
         schema: &'a ModelSchema,
-        evaluating: bool,
+        sides: Sides,
     ) -> Option<Self> {
         let chunk = envelope.chunk? as usize;
         if !chunk.is_multiple_of(4) {
@@ -161,9 +180,10 @@ impl<'a> ChunkedUpdate<'a> {
             envelope,
             chunk,
             schema,
-            evaluating,
+            sides,
             layout: OnceCell::new(),
             metrics: RefCell::new([0; 12]),
+            health: RefCell::new([0; FLAG_BYTES]),
         })
     }
 }
@@ -174,6 +194,15 @@ impl ChunkedUpdate<'_> {
     pub fn metrics(&self) -> Option<[u8; 12]> {
         match self.layout.get() {
             Some(Ok(layout)) if layout.metrics.is_some() => Some(*self.metrics.borrow()),
+            _ => None,
+        }
+    }
+
+    /// The health tensor's bytes, once a replay has read the whole update (`None` if it has
+    /// none, or before).
+    pub fn health(&self) -> Option<[u8; FLAG_BYTES]> {
+        match self.layout.get() {
+            Some(Ok(layout)) if layout.health.is_some() => Some(*self.health.borrow()),
             _ => None,
         }
     }
@@ -199,7 +228,7 @@ impl Replay for ChunkedUpdate<'_> {
                 }
                 let layout = match self
                     .layout
-                    .get_or_init(|| layout(self.schema, plain, self.evaluating))
+                    .get_or_init(|| layout(self.schema, plain, self.sides))
                 {
                     Ok(layout) => layout,
                     Err(why) => {
@@ -217,14 +246,19 @@ impl Replay for ChunkedUpdate<'_> {
                         each(flat + (a - begin) / 4, &plain[offset..offset + (b - a)]);
                     }
                 }
-                if let Some((begin, end)) = layout.metrics {
-                    let (a, b) = (begin.max(lo), end.min(hi));
-                    if a < b {
-                        let offset = a + layout.data_start - start;
-                        self.metrics.borrow_mut()[a - begin..b - begin]
-                            .copy_from_slice(&plain[offset..offset + (b - a)]);
+                // The side tensors' bytes are copied aside as their chunk passes.
+                let aside = |range: Option<(usize, usize)>, into: &mut [u8]| {
+                    if let Some((begin, end)) = range {
+                        let (a, b) = (begin.max(lo), end.min(hi));
+                        if a < b {
+                            let offset = a + layout.data_start - start;
+                            into[a - begin..b - begin]
+                                .copy_from_slice(&plain[offset..offset + (b - a)]);
+                        }
                     }
-                }
+                };
+                aside(layout.metrics, &mut self.metrics.borrow_mut()[..]);
+                aside(layout.health, &mut self.health.borrow_mut()[..]);
             },
         );
         if opened.is_err() {
@@ -243,6 +277,7 @@ impl Replay for ChunkedUpdate<'_> {
             .iter()
             .map(|r| r.1)
             .chain(layout.metrics.map(|m| m.1))
+            .chain(layout.health.map(|h| h.1))
             .max()
             .unwrap_or(0);
         if position != layout.data_start + total {

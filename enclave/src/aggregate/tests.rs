@@ -102,6 +102,7 @@ pub(super) fn privacy() -> PrivacyParams {
         adaptive: None,
         evaluation: None,
         on_demand: false,
+        health: None,
     }
 }
 
