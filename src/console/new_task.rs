@@ -57,6 +57,9 @@ pub struct NewTaskForm {
     adaptive_clipping: String,
     #[serde(default)]
     target_quantile: String,
+    /// "on" when the health signal's box is ticked (the API's default noise).
+    #[serde(default)]
+    health: String,
     #[serde(default)]
     server_optimizer: String,
     #[serde(default)]
@@ -292,6 +295,7 @@ fn form_fields() -> impl Iterator<Item = &'static str> {
             "population",
             "mechanism",
             "adaptive_clipping",
+            "health",
             "server_optimizer",
             "plan",
             "every",
@@ -415,6 +419,7 @@ fn form_page(
             }
         };
     let adaptive_problem = problem_of("adaptive_clipping");
+    let health_problem = problem_of("health");
     let body = html! {
         h1 { "New task" }
         p { "The task starts in state CREATED; upload model version 0 on its page to open round 1. Device constraints, client versions and the optimizers' hyperparameters are set through the API (" code { "POST /v1/tasks" } ", docs/api.md)." }
@@ -447,6 +452,15 @@ fn form_page(
                     @if !adaptive_problem.is_empty() { p.problem #adaptive_clipping-problem { (adaptive_problem) } }
                 }
                 (number_field(&PRIVACY[4]))
+                div.field {
+                    label.check for="health" {
+                        input #health type="checkbox" name="health" value="on"
+                            checked[form.health == "on"] aria-describedby="health-hint";
+                        " Health signal"
+                    }
+                    small #health-hint { "Each release says, noised, about how many devices sent zeros because their training failed or ran late (at most 5 % of the budget pays for it; docs/privacy.md, \"Health\")" }
+                    @if !health_problem.is_empty() { p.problem #health-problem { (health_problem) } }
+                }
             }
             fieldset {
                 legend { "Model" }
@@ -562,6 +576,9 @@ fn request_body(form: &NewTaskForm) -> Result<Value, Vec<InvalidParam>> {
             reason: "applies to adaptive clipping only: tick the box, or leave it empty".into(),
         });
     }
+    if form.health == "on" {
+        insert(&mut body, &["privacy", "health"], Value::Object(Map::new()));
+    }
     if !form.server_optimizer.is_empty() {
         insert(
             &mut body,
@@ -671,6 +688,7 @@ mod tests {
             min_separation: "2".into(),
             adaptive_clipping: "on".into(),
             target_quantile: "0.7".into(),
+            health: "on".into(),
             server_optimizer: "fedadam".into(),
             evaluation_every: "2".into(),
             plan: r#"{"lr": 0.1}"#.into(),
@@ -682,7 +700,7 @@ mod tests {
                 "name": "keyboard", "population": "phones", "rounds": 3, "report_goal": 10,
                 "privacy": {"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0,
                     "mechanism": "tree_aggregation", "min_separation": 2,
-                    "adaptive_clipping": {"target_quantile": 0.7}},
+                    "adaptive_clipping": {"target_quantile": 0.7}, "health": {}},
                 "server_optimizer": {"name": "fedadam"},
                 "evaluation": {"every": 2},
                 "plan": {"lr": 0.1},
