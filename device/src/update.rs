@@ -142,7 +142,7 @@ impl UpdateShape {
 
     /// Every update of this shape carries `HEALTH_TENSOR` (F32 `[1]`): `1` when the model's
     /// values were replaced by zeros, else `0`. On exactly when the task policy names `health`
-    /// (`AcceptedPolicy::update_shape` sets it): the enclave refuses an update with the flag
+    /// (`Model::update_shape` sets it): the enclave refuses an update with the flag
     /// under any other policy, and one without it under such a policy.
     pub fn reporting_health(self, health: bool) -> Self {
         Self { health, ..self }

@@ -309,6 +309,7 @@ fn belongs(param: &str, field: &str) -> bool {
         "evaluation_every" => "evaluation.every",
         "upload_window_start_ms" => "upload_window.start_ms",
         "upload_window_end_ms" => "upload_window.end_ms",
+        "health" => "health.stddev",
         _ => field,
     };
     param == field || param == api || param.ends_with(&format!(".{api}"))

@@ -199,7 +199,7 @@ pub(super) fn validate(
     rounds: u32,
     report_goal: u32,
 ) -> PrivacyBudget {
-    PrivacyBudget {
+    let mut validated = PrivacyBudget {
         epsilon: p.float("privacy.epsilon", given.epsilon, 0.0, true, MAX_EPSILON),
         delta: p.float("privacy.delta", given.delta, 0.0, true, MAX_DELTA),
         clip_norm: p.float(
@@ -261,38 +261,42 @@ pub(super) fn validate(
                 ),
             ),
         }),
-        health: given.health.map(|h| HealthSpec {
-            stddev: Some(
-                p.float(
-                    "privacy.health.stddev",
-                    h.stddev
-                        .unwrap_or_else(|| default_health_stddev(given, rounds, report_goal)),
-                    MIN_HEALTH_STDDEV,
-                    false,
-                    MAX_HEALTH_STDDEV,
-                ),
+        health: None,
+    };
+    // After the rest: the default noise depends on the validated separation.
+    validated.health = given.health.map(|h| HealthSpec {
+        stddev: Some(
+            p.float(
+                "privacy.health.stddev",
+                h.stddev
+                    .unwrap_or_else(|| default_health_stddev(&validated, rounds, report_goal)),
+                MIN_HEALTH_STDDEV,
+                false,
+                MAX_HEALTH_STDDEV,
             ),
-        }),
-    }
+        ),
+    });
+    validated
 }
 
-/// `privacy.health.stddev` when not given: `confed_dp::default_health_stddev` for the request's
-/// budget and the counts a device may be in (one per round, one per `min_separation` rounds
-/// under DP-FTRL); a budget that does not calibrate (refused elsewhere) gets report_goal / 10.
-fn default_health_stddev(given: &PrivacyBudget, rounds: u32, report_goal: u32) -> f64 {
-    let rounds = u64::from(rounds.max(1));
-    let counts = match given.mechanism {
-        Some(MechanismName::TreeAggregation | MechanismName::Blt) => {
-            // The default separation is the task's rounds: one count per device.
-            let b = u64::from(given.min_separation.unwrap_or(u32::MAX).max(1));
-            (rounds - 1) / b + 1
-        }
-        _ => rounds,
+/// `privacy.health.stddev` when not given: `confed_dp::default_health_stddev` for the validated
+/// budget and the counts a device may be in through the task's rounds (one per round, one per
+/// `min_separation` rounds begun under DP-FTRL: `counts_through`, as the enclave charges); a
+/// budget that does not calibrate (refused elsewhere) gets report_goal / 10.
+fn default_health_stddev(validated: &PrivacyBudget, rounds: u32, report_goal: u32) -> f64 {
+    let noise = match validated.mechanism {
+        // The separation is what counts here, and it is validated; the BLT's matrix is not
+        // resolved yet.
+        Some(MechanismName::TreeAggregation | MechanismName::Blt) => Mechanism::Tree {
+            min_separation: validated.min_separation.unwrap_or(rounds).max(1),
+        },
+        _ => Mechanism::Gaussian,
     };
+    let counts = confed_dp::accounting::counts_through(noise, u64::from(rounds.max(1)));
     confed_dp::default_health_stddev(
         &confed_dp::ClosedForm,
-        given.epsilon,
-        given.delta,
+        validated.epsilon,
+        validated.delta,
         counts,
         report_goal,
     )

@@ -401,3 +401,35 @@ fn a_blt_request_with_server_chosen_or_invalid_parameters_is_refused_by_name() {
         ["privacy.blt"]
     );
 }
+
+/// The default health noise is sized for the counts a device may really be in: one per round,
+/// or one per separation begun under DP-FTRL, with the validated separation (a tree of more
+/// than 1,024 rounds has its separation capped, so several counts).
+#[test]
+fn the_default_health_noise_is_sized_for_the_counts_the_enclave_charges() {
+    let with_health = |privacy: serde_json::Value, rounds: u32| {
+        request(json!({"rounds": rounds, "report_goal": 20, "privacy": privacy}))
+            .validate()
+            .unwrap()
+    };
+    for (mechanism, rounds, counts) in [
+        (None, 5, 5),
+        (Some("tree_aggregation"), 5, 1),
+        (Some("tree_aggregation"), 2048, 2),
+    ] {
+        let mut privacy = json!({"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0, "health": {}});
+        if let Some(name) = mechanism {
+            privacy["mechanism"] = json!(name);
+        }
+        let spec = with_health(privacy, rounds);
+        let expected =
+            confed_dp::default_health_stddev(&confed_dp::ClosedForm, 8.0, 1e-6, counts, 20)
+                .unwrap();
+        assert_eq!(
+            spec.privacy.health.unwrap().stddev,
+            Some(expected),
+            "{mechanism:?} over {rounds} rounds"
+        );
+        assert_eq!(spec.dp_mechanism().health.unwrap().stddev, expected);
+    }
+}

@@ -9,6 +9,7 @@ import pytest
 
 from confed_client import Device, Partner, Trust, well_formed_update
 from confed_client.policy import HEALTH_TENSOR, PolicyError, health
+from confed_client.tensors import to_safetensors
 
 from test_side_channels import ROWS, probe_model, trainer
 
@@ -56,11 +57,15 @@ def test_the_flag_is_always_there_under_a_health_policy_and_one_exactly_when_zer
 
     cases = [(lambda: good, 0.0), (raises, 1.0),
              (lambda: {"w": np.full((2, 3), np.nan), "b": np.zeros(2)}, 1.0)]
+    sizes = set()
     for train, flag in cases:
         update, _ = well_formed_update(model, train, None, health=True)
         assert sorted(update) == ["b", HEALTH_TENSOR, "w"]
         assert update[HEALTH_TENSOR].dtype == np.float32
         assert update[HEALTH_TENSOR].tolist() == [flag]
+        sizes.add(len(to_safetensors(update)))
+    assert len(sizes) == 1, "what the device sends is the same size whatever the flag says"
+
     # A failed evaluation alone does not set it: the update is the trained one.
     update, problems = well_formed_update(model, lambda: good, lambda: (np.nan, 1.0, 1.0),
                                           health=True)

@@ -6,7 +6,7 @@ use super::inputs::{Input, sort_and_digest};
 use super::partition::Partition;
 use super::tests::{ROUND, Round, binding, privacy, round, sealed};
 use super::*;
-use crate::policy::{HEALTH_TENSOR, Health};
+use crate::policy::{EVALUATION_TENSOR, Evaluation, HEALTH_TENSOR, Health};
 use confed_worker_api::model::encode_f32_tensors;
 
 const HEALTH: Health = Health { stddev: 4.0 };
@@ -277,5 +277,96 @@ fn the_round_parameters_take_the_health_signal_from_the_policy() {
             .unwrap()
             .health,
         None
+    );
+}
+
+/// An evaluation round of a health task: both side tensors, streamed and buffered alike, and
+/// merged from partitions (the sealed body holds the metric sums, then the count).
+#[test]
+fn an_evaluation_round_with_health_streams_and_merges_both_side_tensors() {
+    const EVALUATION: Evaluation = Evaluation {
+        every: 1,
+        max_loss: 2.0,
+        max_examples: 10,
+        stddev: 60.0,
+        on_demand: 0,
+    };
+    let both = |values: &[f32], metrics: [f32; 3], flag: f32| {
+        encode_f32_tensors(&[
+            ("b", vec![2], &values[..2]),
+            ("w", vec![values.len() - 2], &values[2..]),
+            (EVALUATION_TENSOR, vec![3], &metrics),
+            (HEALTH_TENSOR, vec![1], &[flag]),
+        ])
+        .unwrap()
+    };
+    let len = 300_000;
+    let r = round(len);
+    let values = vec![1e-4f32; len];
+    let pairs: Vec<_> = [
+        sealed(&r, "e0", ROUND, &both(&vec![0.0; len], [0.0; 3], 1.0)),
+        sealed(&r, "e1", ROUND, &both(&values, [3.0, 2.0, 4.0], 0.0)),
+        sealed(&r, "e2", ROUND, &both(&values, [1.0, 1.0, 2.0], 0.0)),
+    ]
+    .into_iter()
+    .map(|(id, bytes)| (id, Some(bytes)))
+    .collect();
+    let params = PrivacyParams {
+        evaluation: Some(EVALUATION),
+        ..health_privacy(50.0)
+    };
+    let aggregator = |binding: Binding| watching(&r, binding).evaluating(Some(EVALUATION));
+    let run = |agg: Aggregator| {
+        agg.add_batch(&pairs);
+        assert_eq!(agg.counts(), (3, 0));
+        assert_eq!(agg.health.as_ref().unwrap().zeroed(), 1);
+        agg.finish(&r.private, params).unwrap()
+    };
+    let buffered = run(aggregator(bound(&pairs)).stream_above(usize::MAX));
+    let streamed = run(aggregator(bound(&pairs)).stream_above(0));
+    assert_eq!(buffered.manifest, streamed.manifest);
+    assert!(buffered.manifest.evaluation.is_some() && buffered.manifest.health.is_some());
+    let mut inputs: Vec<Input> = pairs
+        .iter()
+        .map(|(assignment_ref, bytes)| Input {
+            assignment_ref: assignment_ref.clone(),
+            blob_key: format!("blob/{assignment_ref}"),
+            digest: bytes.as_deref().map(|b| *blake3::hash(b).as_bytes()),
+            retained: bytes.clone(),
+        })
+        .collect();
+    let binding = Binding {
+        inputs_digest: sort_and_digest(&mut inputs).unwrap(),
+        ..binding()
+    };
+    let sealed_parts: Vec<Vec<u8>> = (0..3)
+        .map(|index| {
+            let partition = Partition {
+                inputs: &inputs,
+                index,
+                count: 3,
+            };
+            let worker = aggregator(binding.clone());
+            for input in partition.inputs().unwrap() {
+                let _ = worker.add(&input.assignment_ref, input.retained.as_deref());
+            }
+            worker.seal_partition(&r.private, &partition).unwrap()
+        })
+        .collect();
+    let root = aggregator(binding.clone());
+    root.merge(&r.private, &inputs, 3, &sealed_parts).unwrap();
+    let merged = root.finish(&r.private, params).unwrap();
+    assert_eq!(merged.manifest.to_json(), buffered.manifest.to_json());
+    // A root that does not count health names the field the partitions differ in.
+    let plain = Aggregator::new(binding, 1.0, r.schema.clone(), &r.private)
+        .unwrap()
+        .evaluating(Some(EVALUATION));
+    let error = plain
+        .merge(&r.private, &inputs, 3, &sealed_parts)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("its health is true, the round's absent"),
+        "{error}"
     );
 }

@@ -359,19 +359,11 @@ impl Aggregator {
                 round,
             });
         }
-        if privacy.health.is_some() != self.health.is_some() {
+        let counted = self.health.as_ref().map(|watch| watch.params);
+        if privacy.health != counted {
             return Err(AggregateError::Unsupported(format!(
-                "the aggregator was {} the health signal, but the policy {}",
-                if self.health.is_some() {
-                    "counting"
-                } else {
-                    "not counting"
-                },
-                if self.health.is_some() {
-                    "names none"
-                } else {
-                    "names one"
-                },
+                "the aggregator counted the health signal as {counted:?}, but the policy names {:?}",
+                privacy.health
             )));
         }
         let included_digest = digest(&outcome.included);

@@ -400,12 +400,23 @@ fn outcome_bytes(outcome: Outcome, inputs: &[Input]) -> Result<Vec<u8>, Partitio
 fn foreign(got: &PartitionHeader, expected: &PartitionHeader) -> String {
     let got = serde_json::to_value(got).expect("a header serializes");
     let expected = serde_json::to_value(expected).expect("a header serializes");
-    let field = got
-        .as_object()
-        .and_then(|g| {
-            g.iter()
-                .find(|(k, v)| expected.get(k.as_str()) != Some(v))
-                .map(|(k, v)| format!("its {k} is {v}, the round's {}", expected[k.as_str()]))
+    // Over the fields of both: a field left out of one (`health` when false) differs too.
+    let keys: std::collections::BTreeSet<&String> = [&got, &expected]
+        .iter()
+        .filter_map(|header| header.as_object())
+        .flat_map(|fields| fields.keys())
+        .collect();
+    let field = keys
+        .into_iter()
+        .find(|k| got.get(k.as_str()) != expected.get(k.as_str()))
+        .map(|k| {
+            let shown =
+                |v: Option<&serde_json::Value>| v.map_or("absent".into(), |v| v.to_string());
+            format!(
+                "its {k} is {}, the round's {}",
+                shown(got.get(k.as_str())),
+                shown(expected.get(k.as_str()))
+            )
         })
         .unwrap_or_default();
     format!("partition {}: {field}", got["index"])
