@@ -2,7 +2,7 @@
 //! simulator's devices: a round where about half the devices' training overflows (the probe
 //! model of `side_channels`, theta at the devices' median) releases a health count near the
 //! number of devices that sent zeros, within its stated noise, in the manifest, the releases API
-//! and `confed verify`; while nothing exact says which or how many.
+//! and `confed verify`. (That nothing exact says which or how many is `side_channels`' test.)
 
 use crate::common;
 
