@@ -368,8 +368,8 @@ pub fn check(
         }
         if let Some(h) = &manifest.health {
             lines.push(format!(
-                "health: about {} of {} included devices sent zeros in place of a trained update (noised count, standard deviation {:.2} devices)",
-                h.zeroed, manifest.included, h.stddev
+                "health: {} of {} included devices sent zeros in place of a trained update, noised (standard deviation {:.2} devices; the count may fall outside 0..={})",
+                h.zeroed, manifest.included, h.stddev, manifest.included
             ));
         }
         // A DP-FTRL release's own noise is not its guarantee (docs/privacy.md, "Reading a

@@ -435,7 +435,7 @@ fn funnel_table(shown: &[&RoundView<'_>], now: i64) -> Markup {
 fn health_text(manifest: &Manifest) -> Option<String> {
     let h = manifest.health.as_ref()?;
     Some(format!(
-        "about {} of {} included devices sent zeros in place of a trained update (noised count; ±{:.0} at 95 %)",
+        "{} of {} included devices sent zeros in place of a trained update, noised (±{:.0} at 95 %; a noised count may fall below 0 or above the devices included)",
         h.zeroed,
         manifest.included,
         2.0 * h.stddev

@@ -268,6 +268,10 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
             " with adaptive clipping"
         } else {
             ""
+        } + if options.health {
+            ", the noised health signal"
+        } else {
+            ""
         },
         options.optimizer.name(),
         options.server_learning_rate
@@ -401,7 +405,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
             .filter(|h| h.is_object())
         {
             say(format!(
-                "round {round}: health (noised): about {} of {} devices sent zeros (±{:.0} at 95 %); the devices themselves know of {}",
+                "round {round}: health: {} of {} devices sent zeros, noised (±{:.0} at 95 %; the devices themselves know of {})",
                 health["zeroed"],
                 release.included,
                 2.0 * health["stddev"].as_f64().unwrap_or_default(),

@@ -155,9 +155,10 @@ def health_line(manifest: dict) -> str | None:
     health = manifest.get("health")
     if not health:
         return None
-    return (f"health: about {health['zeroed']} of {manifest['included']} included devices sent "
-            "zeros in place of a trained update (noised count, standard deviation "
-            f"{health['stddev']:.2f} devices)")
+    return (f"health: {health['zeroed']} of {manifest['included']} included devices sent zeros "
+            "in place of a trained update, noised (standard deviation "
+            f"{health['stddev']:.2f} devices; the count may fall outside "
+            f"0..={manifest['included']})")
 
 
 def guarantee_line(manifest: dict) -> str | None:
