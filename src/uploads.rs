@@ -4,7 +4,9 @@
 //! before a byte of the body is read, and the bytes are durable before the row that refers to
 //! them is written.
 
-use confed_protocol::envelope::Envelope;
+use confed_protocol::device_auth::DeviceAuth;
+use confed_protocol::envelope::{Envelope, EnvelopeError};
+use confed_protocol::envelope_scan::{self, EnvelopeHeader, HEAD_BYTES, Scan};
 use thiserror::Error;
 
 use crate::blob::{BlobError, BlobKey, BlobStore};
@@ -33,6 +35,12 @@ pub enum UploadError {
     /// An object uploaded straight to the blob store that is empty or over the limit.
     #[error("the uploaded contribution is {size} bytes; this task accepts 1 to {limit}")]
     DirectUploadSize { size: u64, limit: u64 },
+    /// A direct upload whose envelope's device token does not authenticate it for its
+    /// assignment (a task that requires device tokens): refused before it counts.
+    #[error(
+        "the uploaded contribution does not count: {0}; the task requires a device token for this assignment in the envelope"
+    )]
+    Unauthenticated(String),
     #[error(transparent)]
     Db(#[from] DbError),
     #[error(transparent)]
@@ -180,9 +188,10 @@ impl Uploads<'_> {
     pub async fn note_direct_upload(
         &self,
         capability: &Capability,
+        assignment: AssignmentView,
+        device_auth: Option<&DeviceAuth>,
         now: Millis,
     ) -> Result<(), UploadError> {
-        let assignment = self.find(capability).await?;
         if assignment.contribution_digest.is_some() || assignment.state != AssignmentState::Assigned
         {
             return Ok(()); // already noted, or finished: the report itself says what applies
@@ -204,6 +213,26 @@ impl Uploads<'_> {
                 limit,
             });
         }
+        // Nothing counts before its token is checked, as on the upload through the server. The
+        // object is create-only, so what is checked here is what a job will read.
+        if let Some(auth) = device_auth {
+            let header = self.direct_upload_header(&key, object.size).await?;
+            let round = u64::try_from(assignment.round_number).unwrap_or(0);
+            if let Err(refusal) = auth.verify(
+                header.token.as_deref(),
+                &header.encapsulated_key,
+                &assignment.task_id,
+                round,
+                assignment.id.as_str(),
+            ) {
+                metrics::counter!("confed_device_tokens_refused_total", "reason" => refusal.label())
+                    .increment(1);
+                if let Err(error) = self.contributions.discard(&key).await {
+                    tracing::warn!(%error, "could not remove an unauthenticated direct upload");
+                }
+                return Err(UploadError::Unauthenticated(refusal.to_string()));
+            }
+        }
         let recorded = self
             .db
             .record_upload(
@@ -223,6 +252,31 @@ impl Uploads<'_> {
                 .increment(1);
         }
         Ok(())
+    }
+
+    /// A direct upload's envelope fields but its ciphertext, from at most two bounded reads of the
+    /// stored object (`envelope_scan`: its first 4 KiB, and at most 4 KiB after the ciphertext).
+    async fn direct_upload_header(
+        &self,
+        key: &BlobKey,
+        size: u64,
+    ) -> Result<EnvelopeHeader, UploadError> {
+        let malformed = |e: EnvelopeError| {
+            UploadError::Malformed(format!(
+                "the uploaded object is not a contribution envelope: {e}"
+            ))
+        };
+        let head = self
+            .contributions
+            .get_range(key, 0, size.min(HEAD_BYTES))
+            .await?;
+        match envelope_scan::scan(&head, size).map_err(malformed)? {
+            Scan::Header(header) => Ok(header),
+            Scan::NeedTail { at } => {
+                let tail = self.contributions.get_range(key, at, size - at).await?;
+                envelope_scan::scan_with_tail(&head, at, &tail, size).map_err(malformed)
+            }
+        }
     }
 
     /// A contribution that arrived after its round closed: counted (metric, and the round's

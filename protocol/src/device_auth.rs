@@ -43,6 +43,20 @@ pub enum TokenRefusal {
     Signature,
 }
 
+impl TokenRefusal {
+    /// A short name for metrics labels.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Missing(_) => "missing",
+            Self::Malformed(_) => "malformed",
+            Self::UnknownKey => "unknown_key",
+            Self::NotBound => "not_bound",
+            Self::Challenge => "challenge",
+            Self::Signature => "signature",
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct DeviceAuth {
     pub issuer: String,

@@ -4,21 +4,33 @@
 //! (uint), `key_id` (text), `enc` (bytes), `ct` (bytes) and optionally `chunk` (uint) and `token`
 //! (bytes), in any
 //! order, no duplicates, nothing after the map. Indefinite lengths, tags and floats are refused.
+//!
+//! The same decoder reads an envelope's other fields from windows of a stored object without its
+//! ciphertext (`envelope_scan`): the source of the bytes is a parameter (`Source`).
 
 use super_envelope::{EnvelopeError, EnvelopeRef, validate};
 
 use crate::envelope as super_envelope;
 
-struct Reader<'a> {
+/// Where the decoder's bytes come from.
+pub(crate) trait Source<'a> {
+    /// The next `n` bytes.
+    fn take(&mut self, n: usize) -> Result<&'a [u8], EnvelopeError>;
+}
+
+impl<'a, S: Source<'a> + ?Sized> Source<'a> for &mut S {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], EnvelopeError> {
+        (**self).take(n)
+    }
+}
+
+/// The whole envelope in memory.
+struct Whole<'a> {
     bytes: &'a [u8],
     at: usize,
 }
 
-fn cbor(reason: impl Into<String>) -> EnvelopeError {
-    EnvelopeError::Cbor(reason.into())
-}
-
-impl<'a> Reader<'a> {
+impl<'a> Source<'a> for Whole<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], EnvelopeError> {
         let end = self
             .at
@@ -29,9 +41,23 @@ impl<'a> Reader<'a> {
         self.at = end;
         Ok(out)
     }
+}
+
+pub(crate) struct Reader<S> {
+    pub(crate) source: S,
+}
+
+pub(crate) fn cbor(reason: impl Into<String>) -> EnvelopeError {
+    EnvelopeError::Cbor(reason.into())
+}
+
+impl<'a, S: Source<'a>> Reader<S> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], EnvelopeError> {
+        self.source.take(n)
+    }
 
     /// One item's head: (major type, argument).
-    fn head(&mut self) -> Result<(u8, u64), EnvelopeError> {
+    pub(crate) fn head(&mut self) -> Result<(u8, u64), EnvelopeError> {
         let first = self.take(1)?[0];
         let major = first >> 5;
         let info = first & 0x1f;
@@ -55,19 +81,19 @@ impl<'a> Reader<'a> {
         Ok((major, argument))
     }
 
-    fn length(&mut self, argument: u64) -> Result<usize, EnvelopeError> {
+    pub(crate) fn length(&mut self, argument: u64) -> Result<usize, EnvelopeError> {
         usize::try_from(argument).map_err(|_| cbor("length out of range"))
     }
 }
 
 /// A value of the envelope's map.
-enum Item<'a> {
+pub(crate) enum Item<'a> {
     Uint(u64),
     Bytes(&'a [u8]),
     Text(&'a str),
 }
 
-fn item<'a>(reader: &mut Reader<'a>) -> Result<Item<'a>, EnvelopeError> {
+pub(crate) fn item<'a, S: Source<'a>>(reader: &mut Reader<S>) -> Result<Item<'a>, EnvelopeError> {
     match reader.head()? {
         (0, value) => Ok(Item::Uint(value)),
         (2, length) => {
@@ -88,7 +114,9 @@ fn item<'a>(reader: &mut Reader<'a>) -> Result<Item<'a>, EnvelopeError> {
 
 /// Parses an envelope, borrowing its byte strings from `bytes`.
 pub fn parse(bytes: &[u8]) -> Result<EnvelopeRef<'_>, EnvelopeError> {
-    let mut reader = Reader { bytes, at: 0 };
+    let mut reader = Reader {
+        source: Whole { bytes, at: 0 },
+    };
     let (major, entries) = reader.head()?;
     if major != 5 {
         return Err(EnvelopeError::Shape("the top level is not a map".into()));
@@ -117,7 +145,7 @@ pub fn parse(bytes: &[u8]) -> Result<EnvelopeRef<'_>, EnvelopeError> {
             return Err(EnvelopeError::Shape(format!("`{key}` appears twice")));
         }
     }
-    if reader.at != bytes.len() {
+    if reader.source.at != bytes.len() {
         return Err(cbor("bytes follow the envelope's map"));
     }
     validate(version, key_id, enc, ct, chunk, token)

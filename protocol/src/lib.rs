@@ -14,6 +14,7 @@ pub mod device;
 pub mod device_auth;
 pub mod envelope;
 mod envelope_cbor;
+pub mod envelope_scan;
 pub mod errors;
 pub mod hex;
 pub mod hpke;

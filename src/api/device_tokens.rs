@@ -52,6 +52,16 @@ impl DeviceAuthCache {
         Ok(auth)
     }
 
+    /// The device-token requirement of `assignment`'s task, if it has one.
+    pub async fn requirement(
+        &self,
+        db: &Db,
+        assignment: &AssignmentView,
+    ) -> Result<Option<Arc<DeviceAuth>>, ApiError> {
+        self.of(db, &assignment.tenant_id, &assignment.task_id)
+            .await
+    }
+
     /// Refuses an upload for `assignment` whose envelope's token does not authenticate it.
     pub async fn check_upload(
         &self,
@@ -76,15 +86,7 @@ impl DeviceAuthCache {
         match outcome {
             Ok(()) => Ok(()),
             Err(refusal) => {
-                let reason = match &refusal {
-                    TokenRefusal::Missing(_) => "missing",
-                    TokenRefusal::Malformed(_) => "malformed",
-                    TokenRefusal::UnknownKey => "unknown_key",
-                    TokenRefusal::NotBound => "not_bound",
-                    TokenRefusal::Challenge => "challenge",
-                    TokenRefusal::Signature => "signature",
-                };
-                metrics::counter!("confed_device_tokens_refused_total", "reason" => reason)
+                metrics::counter!("confed_device_tokens_refused_total", "reason" => refusal.label())
                     .increment(1);
                 Err(match refusal {
                     TokenRefusal::Missing(_) => ApiError::TokenRequired {

@@ -258,6 +258,7 @@ impl From<UploadError> for ApiError {
             UploadError::Malformed(detail) => ApiError::BadRequest(detail),
             UploadError::WrongKey(detail) => ApiError::Unprocessable(detail),
             UploadError::DirectUploadSize { .. } => ApiError::Unprocessable(error.to_string()),
+            UploadError::Unauthenticated(_) => ApiError::TokenRefused(error.to_string()),
             UploadError::Db(error) => error.into(),
             UploadError::Blob(error) => error.into(),
         }
@@ -274,6 +275,7 @@ impl From<UploadError> for ApiError {
         (status = 404, description = "Unknown assignment", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "Not uploaded yet, or already finished otherwise", body = Problem, content_type = "application/problem+json"),
         (status = 410, description = "Expired or round closed", body = Problem, content_type = "application/problem+json"),
+        (status = 403, description = "The object uploaded straight to the blob store carries no device token that authenticates it (a task requiring tokens); it does not count", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "The object uploaded straight to the blob store is empty or too large", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "The blob store could not be asked; retry", body = Problem, content_type = "application/problem+json"),
     ))]
@@ -284,9 +286,14 @@ pub async fn report(
 ) -> Result<axum::Json<ReportResponse>, ApiError> {
     let outcome = request.outcome;
     if outcome == ReportOutcome::Completed && state.contributions.accepts_direct_uploads() {
-        state
-            .uploads()
-            .note_direct_upload(&capability, state.now())
+        let uploads = state.uploads();
+        let assignment = uploads.find(&capability).await?;
+        let device_auth = state
+            .device_auth
+            .requirement(&state.db, &assignment)
+            .await?;
+        uploads
+            .note_direct_upload(&capability, assignment, device_auth.as_deref(), state.now())
             .await?;
     }
     let recorded = match state

@@ -461,6 +461,37 @@ impl BlobStore for GcsBlobStore {
         })
     }
 
+    fn get_range<'a>(&'a self, key: &'a BlobKey, offset: u64, len: u64) -> BlobFuture<'a, Vec<u8>> {
+        Box::pin(async move {
+            let response = self
+                .gcs
+                .client
+                .read_object(self.gcs.bucket_resource(), self.object(key))
+                .set_read_range(google_cloud_storage::model_ext::ReadRange::segment(
+                    offset, len,
+                ))
+                .send()
+                .await;
+            let mut response = match response {
+                Ok(r) => r,
+                Err(e) if e.http_status_code() == Some(404) => {
+                    return Err(BlobError::NotFound(key.as_str().to_string()));
+                }
+                // A range that starts at or past the end: no bytes, as the default reads it.
+                Err(e) if e.http_status_code() == Some(416) => return Ok(Vec::new()),
+                Err(e) => return Err(self.remote(key, e)),
+            };
+            let mut bytes = Vec::new();
+            while let Some(chunk) = response.next().await {
+                bytes.extend_from_slice(&chunk.map_err(|e| self.remote(key, e))?);
+                if bytes.len() as u64 > len {
+                    return Err(self.remote(key, "the store sent more than the range asked"));
+                }
+            }
+            Ok(bytes)
+        })
+    }
+
     fn stat<'a>(&'a self, key: &'a BlobKey) -> BlobFuture<'a, Option<ObjectInfo>> {
         Box::pin(self.stat_inner(key))
     }

@@ -278,6 +278,22 @@ pub trait BlobStore: Send + Sync + std::fmt::Debug {
         self.get(key)
     }
 
+    /// Bytes `[offset, offset + len)` of an object (fewer at its end): what the front end reads
+    /// of a direct upload to check its device token without the update. Cloud stores read only
+    /// those bytes; the default reads the object.
+    fn get_range<'a>(&'a self, key: &'a BlobKey, offset: u64, len: u64) -> BlobFuture<'a, Vec<u8>> {
+        Box::pin(async move {
+            let bytes = self.get_sealed(key).await?;
+            let start = usize::try_from(offset)
+                .unwrap_or(usize::MAX)
+                .min(bytes.len());
+            let end = start
+                .saturating_add(usize::try_from(len).unwrap_or(usize::MAX))
+                .min(bytes.len());
+            Ok(bytes[start..end].to_vec())
+        })
+    }
+
     /// `get_sealed`, reading into `buffer` (whatever its length and contents) where the store
     /// can, so a reader going through many objects reuses its memory.
     fn get_sealed_into<'a>(&'a self, key: &'a BlobKey, buffer: Vec<u8>) -> BlobFuture<'a, Vec<u8>> {

@@ -6,51 +6,17 @@
 
 use crate::common;
 
-use std::sync::Arc;
-use std::time::Duration;
-
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use common::issuer::{ISSUER, issuer, signer};
 use common::system::{GOAL, now_clock, open_task_with, start};
 use confed::clock::Clock;
-use confed::tools::simulate::{self, SimulationConfig};
+use confed::tools::simulate;
 use confed_device::{Checkin, DeviceClient, DeviceError};
-use confed_issuer::Issuer;
-use confed_issuer::attester::dev::DevAttester;
-use confed_issuer::limiter::Limiter;
 use confed_protocol::privacy_pass::Token;
-use confed_protocol::privacy_pass::issuance::TokenSigner;
 use confed_worker_api::manifest::Manifest;
 use confed_worker_api::store::JobStore;
 use serde_json::json;
-
-const ISSUER: &str = "issuer.test";
-
-fn signer() -> TokenSigner {
-    let cases: Vec<std::collections::BTreeMap<String, String>> = serde_json::from_str(
-        include_str!("../../protocol/testdata/privacy_pass_type2_vectors.json"),
-    )
-    .unwrap();
-    TokenSigner::from_pem(&cases[1]["skS_pem"]).unwrap()
-}
-
-/// The issuer on a local port; returns its URL.
-async fn issuer(state: &std::path::Path, clock: Arc<confed::clock::ManualClock>) -> String {
-    let issuer = Issuer::new(
-        ISSUER.into(),
-        signer(),
-        Box::new(DevAttester),
-        Limiter::open(state, 2, 86_400).unwrap(),
-        86_400,
-        clock,
-    )
-    .unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let app = confed_issuer::routes::router(Arc::new(issuer));
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    url
-}
 
 fn files_under(dir: &std::path::Path, out: &mut Vec<u8>) {
     for entry in std::fs::read_dir(dir).unwrap() {
@@ -116,27 +82,7 @@ async fn only_devices_with_tokens_fill_a_round_and_the_release_counts_them() {
             .await
             .unwrap(),
     );
-    let summary = simulate::run(SimulationConfig {
-        server: system.url.clone(),
-        population: "authed".into(),
-        devices: GOAL,
-        first_device: 0,
-        concurrency: 4,
-        rounds: 1,
-        trust,
-        train: false,
-        seed: 3,
-        rows_per_device: 40,
-        max_retry_wait: Duration::from_millis(20),
-        idle_limit: 20,
-        client_version: "1.0.0".into(),
-        progress: false,
-        bars: None,
-        state_dir: None,
-    })
-    .await
-    .unwrap();
-    assert_eq!(summary.contributions, GOAL, "{:?}", summary.failures);
+    common::system::collect_trusting(&system, "authed", 3, false, GOAL, trust).await;
 
     let outcome = system
         .worker("w1")

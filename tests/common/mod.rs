@@ -6,6 +6,7 @@
 pub mod database;
 pub mod forgery;
 pub mod gcs;
+pub mod issuer;
 pub mod keyservices;
 pub mod process;
 pub mod serving;

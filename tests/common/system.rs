@@ -163,6 +163,26 @@ pub async fn collect_n(
     train: bool,
     devices: usize,
 ) {
+    collect_trusting(
+        system,
+        population,
+        seed,
+        train,
+        devices,
+        system.trust.clone(),
+    )
+    .await;
+}
+
+/// `collect_n` by devices holding `trust` (e.g. with a token issuer).
+pub async fn collect_trusting(
+    system: &EmbeddedSystem,
+    population: &str,
+    seed: u64,
+    train: bool,
+    devices: usize,
+    trust: confed_device::TrustConfig,
+) {
     let summary = simulate::run(SimulationConfig {
         server: system.url.clone(),
         population: population.into(),
@@ -170,7 +190,7 @@ pub async fn collect_n(
         first_device: 0,
         concurrency: 4,
         rounds: 1,
-        trust: system.trust.clone(),
+        trust,
         train,
         seed,
         rows_per_device: 40,

@@ -62,6 +62,24 @@ async fn objects_are_written_once_read_back_whole_and_described_by_metadata() {
         "different bytes under an existing name are refused"
     );
     assert_eq!(store.get(&key("a.bin")).await.unwrap(), bytes);
+    // Ranges, as the token check of a direct upload reads them; short at the object's end.
+    let mut numbered = vec![0u8; 10_000];
+    for (i, b) in numbered.iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    store.put(&key("r.bin"), &numbered).await.unwrap();
+    for (offset, len) in [(0, 4096), (5, 3), (9_990, 100), (10_000, 10)] {
+        let end = (offset + len).min(10_000) as usize;
+        assert_eq!(
+            store.get_range(&key("r.bin"), offset, len).await.unwrap(),
+            numbered[offset as usize..end],
+            "[{offset}, +{len})"
+        );
+    }
+    assert!(matches!(
+        store.get_range(&key("missing.bin"), 0, 10).await,
+        Err(BlobError::NotFound(_))
+    ));
     assert!(matches!(
         store.get(&key("missing.bin")).await,
         Err(BlobError::NotFound(_))
@@ -332,4 +350,92 @@ async fn a_cached_store_serves_models_from_memory_after_the_first_read() {
         gcs.store("blobs").get(&model).await,
         Err(BlobError::NotFound(_))
     ));
+}
+
+/// A task that requires device tokens, on GCS: a direct upload counts only once the front end
+/// has read its envelope's fields from the object (a bounded read) and verified its token. An
+/// outsider's token-less or forged uploads are refused at the report (403) and never counted,
+/// the round keeps collecting, and devices with tokens fill it (issue 46).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_upload_without_a_valid_token_never_counts_and_the_round_keeps_collecting() {
+    use base64::Engine as _;
+    use common::issuer::{ISSUER, issuer, signer};
+    if emulator().is_none() {
+        return skip_note();
+    }
+    let clock = now_clock();
+    let (system, _dir) = start(clock.clone()).await;
+    let issuer_state = tempfile::tempdir().unwrap();
+    let issuer_url = issuer(issuer_state.path(), clock.clone()).await;
+    let spki = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(signer().spki());
+    let (_token, task) = common::system::open_task_with(
+        &system,
+        "gcs-authed",
+        50.0,
+        json!({"device_auth": {"issuer": ISSUER, "token_keys": [spki]}}),
+    )
+    .await;
+    let context = system.db.round_context(&task, 1).await.unwrap();
+    let client = confed_device::DeviceClient::new(&system.url, &system.trust).unwrap();
+    let update = confed::tools::simulate::initial_model(7);
+    for (case, token) in [
+        ("no token", None),
+        (
+            "a forged token",
+            Some(vec![2u8; confed_protocol::privacy_pass::TOKEN_BYTES]),
+        ),
+    ] {
+        let assignment = checkin(&system.url, "gcs-authed").await;
+        let parsed: confed_device::AssignmentResponse =
+            serde_json::from_value(assignment.clone()).unwrap();
+        let key = client.verified_key(&parsed, clock.now_seconds().0).unwrap();
+        let mut envelope = confed_protocol::envelope::seal(
+            &key,
+            &parsed.encryption.key_id,
+            &context,
+            &parsed.assignment_id,
+            &update,
+        )
+        .unwrap();
+        envelope.token = token;
+        assert!(
+            upload(&assignment, envelope.to_cbor()).await.is_success(),
+            "{case}"
+        );
+        let refused = report(&system.url, &assignment).await;
+        assert_eq!(refused.status(), 403, "{case}");
+        let detail = refused.text().await.unwrap();
+        assert!(detail.contains("does not count"), "{case}: {detail}");
+        // Refused again, never counted.
+        assert_eq!(
+            report(&system.url, &assignment).await.status(),
+            403,
+            "{case}"
+        );
+    }
+    assert!(
+        system
+            .db
+            .completed_contributions(&task, 1)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // Devices with tokens fill the round through the bucket.
+    let mut trust = system.trust.clone();
+    trust.token_issuers.push(
+        confed::tools::issuer::trusted_issuer(&issuer_url)
+            .await
+            .unwrap(),
+    );
+    common::system::collect_trusting(&system, "gcs-authed", 3, false, common::system::GOAL, trust)
+        .await;
+    let outcome = system
+        .worker("w1")
+        .run_once()
+        .await
+        .unwrap()
+        .expect("a job");
+    assert_eq!(outcome.included, common::system::GOAL as u64);
+    system.shutdown().await;
 }
