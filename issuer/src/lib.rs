@@ -213,8 +213,8 @@ impl Issuer {
         let grant = self
             .limiter
             .take(&identity.0, count as u32, || self.clock.now_seconds())??;
-        // The key ids were checked above; a blinded message at or above the modulus is the
-        // device's mistake (its tokens of this grant are lost, as a crash would lose them).
+        // The key ids were checked above; a blinded message of 0 or 1, or at or above the
+        // modulus, is the device's mistake (its tokens of this grant are lost, as a crash would lose them).
         let token_responses = request
             .token_requests
             .iter()
@@ -224,7 +224,7 @@ impl Issuer {
                     .map(|blind_sig| TokenResponse { blind_sig })
                     .ok_or_else(|| {
                         IssueError::BadRequest(
-                            "a blinded message is not below the issuer's modulus".into(),
+                            "a blinded message is 0, 1 or not below the issuer's modulus (blind a token input as RFC 9474 describes)".into(),
                         )
                     })
             })

@@ -18,8 +18,9 @@ use confed_protocol::privacy_pass::{TOKEN_TYPE_BLIND_RSA, TokenRequest};
 use crate::error::ApiError;
 use crate::{IssueRequest, Issuer, Proof};
 
-/// Largest request body: 64 token requests of 346 base64url characters, evidence and slack.
-pub const MAX_BODY_BYTES: usize = 96 * 1024;
+/// Largest request body: the largest Android evidence (10 certificates of 8 KiB: about 110 KB
+/// in base64url) with 64 token requests of 346 base64url characters, and slack.
+pub const MAX_BODY_BYTES: usize = 256 * 1024;
 
 pub const DEV_ATTESTER_WARNING: &str = "DEV ATTESTER: anyone can create device identities, so the per-device token limit bounds nothing; for tests and demos only";
 

@@ -384,3 +384,42 @@ async fn a_device_attests_once_per_window_and_its_credential_carries_its_allowan
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(String::from_utf8_lossy(&problem).contains("either"));
 }
+
+/// The largest Android evidence (10 certificates of 8 KiB, about 110 KB in base64url) fits the
+/// body limit: such a request is judged on its evidence, not refused for its size (issue 46);
+/// a body over 256 KiB is a 413. A blinded message of 0 or 1 is refused saying so.
+#[tokio::test]
+async fn the_largest_android_evidence_fits_and_trivial_blinded_messages_are_named() {
+    let f = fixture();
+    let c = challenge(&f.app).await;
+    let certificate = URL_SAFE_NO_PAD.encode(vec![0x30u8; 8 * 1024]);
+    let large = serde_json::json!({
+        "challenge": URL_SAFE_NO_PAD.encode(&c),
+        "evidence": {"format": "android-key-attestation", "certificate_chain": vec![certificate; 10]},
+        "token_requests": vec![URL_SAFE_NO_PAD.encode(vec![0u8; 259]); 64],
+    })
+    .to_string();
+    assert!(large.len() > 120_000, "{}", large.len());
+    let (status, _, _) = call(&f.app, "POST", "/v1/token-request", Some(large)).await;
+    assert_ne!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    let huge = "x".repeat(257 * 1024);
+    let (status, _, _) = call(&f.app, "POST", "/v1/token-request", Some(huge)).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    // A dev device asking a token for the blinded message 1.
+    let device = device_key(9);
+    let c = challenge(&f.app).await;
+    let key_id = signer().issuer_key().truncated_id();
+    let mut one = vec![0u8, 2, key_id];
+    one.extend(std::iter::repeat_n(0u8, 255));
+    one.push(1);
+    let (status, _, problem) = call(
+        &f.app,
+        "POST",
+        "/v1/token-request",
+        Some(body(&c, &evidence(&device, &c), &[one])),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let problem = String::from_utf8(problem).unwrap();
+    assert!(problem.contains("0, 1 or not below"), "{problem}");
+}

@@ -74,6 +74,24 @@ async fn only_devices_with_tokens_fill_a_round_and_the_release_counts_them() {
         matches!(&refused, Err(DeviceError::Server { status: 401, detail }) if detail.contains("device token")),
         "{refused:?}"
     );
+    // A token of the right length that does not verify (here: another token type) is a 403; one
+    // of another length makes the envelope malformed, a 400 (docs/protocol.md, "Upload").
+    let mut other_type = forged.clone();
+    let mut bytes = vec![0u8; confed_protocol::privacy_pass::TOKEN_BYTES];
+    bytes[1] = 1;
+    other_type.token = Some(bytes);
+    let refused = outsider.upload(&assignment, other_type.to_cbor()).await;
+    assert!(
+        matches!(&refused, Err(DeviceError::Server { status: 403, detail }) if detail.contains("0x0002")),
+        "{refused:?}"
+    );
+    let mut short = forged.clone();
+    short.token = Some(vec![0u8; 258]);
+    let refused = outsider.upload(&assignment, short.to_cbor()).await;
+    assert!(
+        matches!(&refused, Err(DeviceError::Server { status: 400, detail }) if detail.contains("354 bytes")),
+        "{refused:?}"
+    );
 
     // Devices whose trust lists the issuer obtain tokens and fill the round.
     let mut trust = system.trust.clone();

@@ -26,8 +26,13 @@ pub const TOKEN_BYTES: usize = TOKEN_INPUT_BYTES + AUTHENTICATOR_BYTES;
 
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum TokenError {
-    #[error("a token of type 0x0002 is {TOKEN_BYTES} bytes; this one is {0}")]
-    Length(usize),
+    /// A token, token request or token response of the wrong length.
+    #[error("a {what} of type 0x0002 is {expected} bytes; this one is {got}")]
+    Length {
+        what: &'static str,
+        expected: usize,
+        got: usize,
+    },
     #[error("token type {0:#06x} is not 0x0002 (blind RSA, publicly verifiable)")]
     Type(u16),
     #[error("the token was issued for another challenge (its challenge digest differs)")]
@@ -147,7 +152,11 @@ pub struct Token {
 impl Token {
     pub fn decode(bytes: &[u8]) -> Result<Self, TokenError> {
         if bytes.len() != TOKEN_BYTES {
-            return Err(TokenError::Length(bytes.len()));
+            return Err(TokenError::Length {
+                what: "token",
+                expected: TOKEN_BYTES,
+                got: bytes.len(),
+            });
         }
         let token_type = u16::from_be_bytes([bytes[0], bytes[1]]);
         if token_type != TOKEN_TYPE_BLIND_RSA {
@@ -196,7 +205,11 @@ pub const TOKEN_REQUEST_BYTES: usize = 2 + 1 + AUTHENTICATOR_BYTES;
 impl TokenRequest {
     pub fn decode(bytes: &[u8]) -> Result<Self, TokenError> {
         if bytes.len() != TOKEN_REQUEST_BYTES {
-            return Err(TokenError::Length(bytes.len()));
+            return Err(TokenError::Length {
+                what: "token request",
+                expected: TOKEN_REQUEST_BYTES,
+                got: bytes.len(),
+            });
         }
         let token_type = u16::from_be_bytes([bytes[0], bytes[1]]);
         if token_type != TOKEN_TYPE_BLIND_RSA {
@@ -227,9 +240,11 @@ pub struct TokenResponse {
 impl TokenResponse {
     pub fn decode(bytes: &[u8]) -> Result<Self, TokenError> {
         Ok(Self {
-            blind_sig: bytes
-                .try_into()
-                .map_err(|_| TokenError::Length(bytes.len()))?,
+            blind_sig: bytes.try_into().map_err(|_| TokenError::Length {
+                what: "token response",
+                expected: AUTHENTICATOR_BYTES,
+                got: bytes.len(),
+            })?,
         })
     }
 
@@ -355,13 +370,21 @@ mod tests {
             let response = TokenResponse::decode(&bytes("token_response")).unwrap();
             assert_eq!(response.encode(), bytes("token_response"));
         }
-        assert_eq!(TokenRequest::decode(&[0, 2, 8]), Err(TokenError::Length(3)));
+        let short = TokenRequest::decode(&[0, 2, 8]).unwrap_err();
+        assert_eq!(
+            short.to_string(),
+            "a token request of type 0x0002 is 259 bytes; this one is 3"
+        );
         let mut other = vec![0u8; TOKEN_REQUEST_BYTES];
         other[1] = 1;
         assert_eq!(TokenRequest::decode(&other), Err(TokenError::Type(1)));
         assert_eq!(
             TokenResponse::decode(&[1; 255]),
-            Err(TokenError::Length(255))
+            Err(TokenError::Length {
+                what: "token response",
+                expected: 256,
+                got: 255
+            })
         );
     }
 
@@ -403,7 +426,11 @@ mod tests {
         }
         assert!(matches!(
             Token::decode(&[0u8; 10]),
-            Err(TokenError::Length(10))
+            Err(TokenError::Length {
+                what: "token",
+                expected: TOKEN_BYTES,
+                got: 10
+            })
         ));
         let mut typed = token.encode();
         typed[1] = 1;
