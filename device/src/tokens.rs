@@ -18,7 +18,7 @@ use confed_protocol::hpke_ephemeral::Ephemeral;
 use confed_protocol::privacy_pass::context::{encoded_round_challenge, token_nonce};
 use confed_protocol::privacy_pass::issuance::TokenClient;
 use confed_protocol::privacy_pass::issuer_api::{
-    ChallengeResponse, Evidence, TokenRequestBody, TokenResponseBody,
+    ChallengeResponse, Directory, Evidence, TokenRequestBody, TokenResponseBody,
 };
 use confed_protocol::privacy_pass::{Token, TokenResponse};
 use confed_protocol::trust::TrustedIssuer;
@@ -97,6 +97,9 @@ pub struct TokenSource {
     attestation: std::sync::Arc<dyn Attestation>,
     /// The credential of the current window and when it ends (Unix seconds).
     credential: Mutex<Option<(String, Seconds)>>,
+    /// The token keys (DER SPKI) the issuer's directory offered when last asked; asked again
+    /// when none of a policy's keys is among them, or the issuer refused a request.
+    offered: Mutex<Option<Vec<Vec<u8>>>>,
 }
 
 fn unix_now() -> Seconds {
@@ -116,6 +119,16 @@ async fn json_or_problem<T: serde::de::DeserializeOwned>(
     Err(crate::client::problem_detail(response).await)
 }
 
+/// How long a device waits before checking in again after an assignment it could not serve (no
+/// device token, a refused upload): a failure that will fail again (an issuer that offers none
+/// of a policy's keys during a rotation) must not become a loop of assignments, each of which
+/// holds a slot of the round until it is reported.
+pub const AFTER_FAILURE: confed_protocol::device::RetryWindow =
+    confed_protocol::device::RetryWindow {
+        min_seconds: 60,
+        max_seconds: 120,
+    };
+
 impl TokenSource {
     pub fn new(
         http: reqwest::Client,
@@ -127,10 +140,52 @@ impl TokenSource {
             url: issuer.url.trim_end_matches('/').to_string(),
             attestation,
             credential: Mutex::default(),
+            offered: Mutex::default(),
         }
     }
 
-    /// A token for `assignment` under the accepted policy's first token key.
+    /// The issuer's token keys, from its directory (`GET /v1/directory`; kept until `forget`).
+    async fn offered_keys(&self, fresh: bool) -> Result<Vec<Vec<u8>>, DeviceError> {
+        if !fresh && let Some(keys) = self.offered.lock().ok().and_then(|k| k.clone()) {
+            return Ok(keys);
+        }
+        let directory: Directory = json_or_problem(
+            self.http
+                .get(format!("{}/v1/directory", self.url))
+                .send()
+                .await?,
+        )
+        .await?;
+        let keys: Vec<Vec<u8>> = directory
+            .token_keys
+            .iter()
+            .filter_map(|k| URL_SAFE_NO_PAD.decode(&k.token_key).ok())
+            .collect();
+        if let Ok(mut held) = self.offered.lock() {
+            *held = Some(keys.clone());
+        }
+        Ok(keys)
+    }
+
+    /// The key to ask for: the first of the policy's `token_keys` that the issuer offers (during
+    /// a rotation a policy may name a key the issuer does not hold yet, or no longer). The
+    /// directory is asked again once before giving up.
+    async fn key_for(&self, policy_keys: &[Vec<u8>]) -> Result<Vec<u8>, DeviceError> {
+        for fresh in [false, true] {
+            let offered = self.offered_keys(fresh).await?;
+            if let Some(key) = policy_keys.iter().find(|k| offered.contains(k)) {
+                return Ok(key.clone());
+            }
+        }
+        Err(DeviceError::Token(format!(
+            "the issuer at {} offers none of the {} token keys the task's policy names (a key rotation in progress?); decline the task for now",
+            self.url,
+            policy_keys.len()
+        )))
+    }
+
+    /// A token for `assignment` under a token key that both the accepted policy names and the
+    /// issuer offers (`key_for`).
     pub async fn obtain(
         &self,
         policy: &AcceptedPolicy,
@@ -139,11 +194,12 @@ impl TokenSource {
         let auth = policy.policy.device_auth.as_ref().ok_or_else(|| {
             DeviceError::Token("the task's policy does not require device tokens".into())
         })?;
-        let spki = auth
-            .token_keys
-            .first()
-            .ok_or_else(|| DeviceError::Token("the policy names no token key".into()))?;
-        let client = TokenClient::from_spki(spki).map_err(|e| DeviceError::Token(e.to_string()))?;
+        if auth.token_keys.is_empty() {
+            return Err(DeviceError::Token("the policy names no token key".into()));
+        }
+        let spki = self.key_for(&auth.token_keys).await?;
+        let client =
+            TokenClient::from_spki(&spki).map_err(|e| DeviceError::Token(e.to_string()))?;
         let round = confed_protocol::ids::wire_round(assignment.round).ok_or_else(|| {
             DeviceError::Token(format!("round {} is not a round", assignment.round))
         })?;
@@ -160,7 +216,16 @@ impl TokenSource {
             .begin_with_nonce(&challenge, token_nonce(ephemeral.encapsulated_key()))
             .map_err(|e| DeviceError::Token(e.to_string()))?;
         let requests = vec![URL_SAFE_NO_PAD.encode(request.encode())];
-        let answer = self.request(requests).await?;
+        let answer = match self.request(requests).await {
+            Ok(answer) => answer,
+            Err(error) => {
+                // The issuer may have rotated its keys since its directory was read.
+                if let Ok(mut held) = self.offered.lock() {
+                    *held = None;
+                }
+                return Err(error);
+            }
+        };
         let response = answer
             .token_responses
             .first()

@@ -48,6 +48,12 @@ pub struct IssuerArgs {
     /// PKCS#8 PEM RSA-2048 signing key (`confed-issuer generate-key FILE`).
     #[arg(long)]
     pub signing_key: PathBuf,
+    /// Another PKCS#8 PEM signing key held beside `--signing-key` during a key rotation (the
+    /// next key, before tasks name it, or the previous one while tasks still do); repeat for
+    /// several. The directory lists every key held (docs/operations.md, "Rotating a token
+    /// issuer's key").
+    #[arg(long = "also-signing-key", value_name = "FILE")]
+    pub also_signing_keys: Vec<PathBuf>,
     /// Directory of the per-window grant counts (`limiter/`); keep it on durable storage.
     #[arg(long)]
     pub state: PathBuf,
@@ -158,17 +164,21 @@ pub fn build(args: &IssuerArgs) -> anyhow::Result<Arc<Issuer>> {
         tracing::warn!("{}", routes::DEV_ATTESTER_WARNING);
         eprintln!("confed-issuer: {}", routes::DEV_ATTESTER_WARNING);
     }
-    Ok(Arc::new(
-        Issuer::new(
-            args.name.clone(),
-            signer,
-            attester,
-            limiter,
-            args.window_seconds,
-            Arc::new(SystemClock),
-        )
-        .map_err(|e| anyhow::anyhow!("starting the issuer: {e}"))?,
-    ))
+    let mut issuer = Issuer::new(
+        args.name.clone(),
+        signer,
+        attester,
+        limiter,
+        args.window_seconds,
+        Arc::new(SystemClock),
+    )
+    .map_err(|e| anyhow::anyhow!("starting the issuer: {e}"))?;
+    for path in &args.also_signing_keys {
+        issuer = issuer
+            .with_key(load_signer(path)?)
+            .map_err(|e| anyhow::anyhow!("--also-signing-key {}: {e}", path.display()))?;
+    }
+    Ok(Arc::new(issuer))
 }
 
 /// How old the status list may be before the issuer warns at start (Google updates it within hours).

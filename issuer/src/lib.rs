@@ -85,6 +85,9 @@ pub struct Issuer {
     name: String,
     signer: TokenSigner,
     fast: rsa_awslc::AwsLcSigner,
+    /// Keys held besides the first, for a rotation (`with_key`): each signs the requests that
+    /// name its truncated key id.
+    others: Vec<(TokenSigner, rsa_awslc::AwsLcSigner)>,
     attester: Box<dyn Attester>,
     challenges: Challenges,
     credentials: Credentials,
@@ -111,15 +114,12 @@ impl Issuer {
         window_seconds: i64,
         clock: Arc<dyn Clock>,
     ) -> Result<Self, IssueError> {
-        let fast = signer
-            .pkcs8_der()
-            .ok()
-            .and_then(|der| rsa_awslc::AwsLcSigner::from_pkcs8_der(&der))
-            .ok_or_else(|| IssueError::Signing("AWS-LC cannot load the signing key".into()))?;
+        let fast = aws_lc_signer(&signer)?;
         Ok(Self {
             name,
             signer,
             fast,
+            others: Vec::new(),
             attester,
             challenges: Challenges::new().map_err(|e| IssueError::Signing(e.to_string()))?,
             credentials: Credentials::new(limiter.derived_key(b"confed-issuer-credential-key-v1")),
@@ -135,6 +135,41 @@ impl Issuer {
 
     pub fn signer(&self) -> &TokenSigner {
         &self.signer
+    }
+
+    /// Holds `signer`'s key too, as during a key rotation (docs/operations.md, "Rotating a token
+    /// issuer's key"): the directory lists it after the first, and requests that name it are
+    /// signed with it. Refused when its truncated key id (the last byte of its key id, what a
+    /// token request names) is a held key's: RFC 9578 asks issuers to keep them apart.
+    pub fn with_key(mut self, signer: TokenSigner) -> Result<Self, IssueError> {
+        let id = signer.issuer_key().truncated_id();
+        if self
+            .signers()
+            .any(|held| held.issuer_key().truncated_id() == id)
+        {
+            return Err(IssueError::Signing(format!(
+                "a held key has the same truncated key id {id:#04x}; generate another key"
+            )));
+        }
+        let fast = aws_lc_signer(&signer)?;
+        self.others.push((signer, fast));
+        Ok(self)
+    }
+
+    /// Every key held, the first first.
+    pub fn signers(&self) -> impl Iterator<Item = &TokenSigner> {
+        std::iter::once(&self.signer).chain(self.others.iter().map(|(s, _)| s))
+    }
+
+    /// The signer of the key a request names by its truncated key id.
+    fn fast_signer(&self, truncated_id: u8) -> Option<&rsa_awslc::AwsLcSigner> {
+        if self.signer.issuer_key().truncated_id() == truncated_id {
+            return Some(&self.fast);
+        }
+        self.others
+            .iter()
+            .find(|(s, _)| s.issuer_key().truncated_id() == truncated_id)
+            .map(|(_, fast)| fast)
     }
 
     pub fn attester(&self) -> &dyn Attester {
@@ -175,15 +210,19 @@ impl Issuer {
                 "token_requests must hold 1 to {MAX_TOKENS_PER_REQUEST} requests; it holds {count}"
             )));
         }
-        let want = self.signer.issuer_key().truncated_id();
         if let Some(i) = request
             .token_requests
             .iter()
-            .position(|r| r.truncated_token_key_id != want)
+            .position(|r| self.fast_signer(r.truncated_token_key_id).is_none())
         {
+            let held: Vec<String> = self
+                .signers()
+                .map(|s| format!("{:#04x}", s.issuer_key().truncated_id()))
+                .collect();
             return Err(IssueError::BadRequest(format!(
-                "token_requests[{i}] names a key this issuer does not hold (truncated key id {:#04x}, this issuer's is {want:#04x}); fetch GET /v1/directory",
-                request.token_requests[i].truncated_token_key_id
+                "token_requests[{i}] names a key this issuer does not hold (truncated key id {:#04x}; it holds {}); fetch GET /v1/directory",
+                request.token_requests[i].truncated_token_key_id,
+                held.join(", ")
             )));
         }
         let now = self.clock.now_seconds();
@@ -219,8 +258,8 @@ impl Issuer {
             .token_requests
             .iter()
             .map(|r| {
-                self.fast
-                    .sign(&r.blinded_msg)
+                self.fast_signer(r.truncated_token_key_id)
+                    .and_then(|fast| fast.sign(&r.blinded_msg))
                     .map(|blind_sig| TokenResponse { blind_sig })
                     .ok_or_else(|| {
                         IssueError::BadRequest(
@@ -243,4 +282,13 @@ impl From<Exhausted> for IssueError {
     fn from(exhausted: Exhausted) -> Self {
         Self::Exhausted(exhausted)
     }
+}
+
+/// The AWS-LC signer of `signer`'s key (the fast path every request takes).
+fn aws_lc_signer(signer: &TokenSigner) -> Result<rsa_awslc::AwsLcSigner, IssueError> {
+    signer
+        .pkcs8_der()
+        .ok()
+        .and_then(|der| rsa_awslc::AwsLcSigner::from_pkcs8_der(&der))
+        .ok_or_else(|| IssueError::Signing("AWS-LC cannot load the signing key".into()))
 }

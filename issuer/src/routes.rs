@@ -57,10 +57,14 @@ pub fn directory_of(issuer: &Issuer) -> Directory {
     Directory {
         issuer_name: issuer.name().to_string(),
         issuer_request_uri: "/v1/token-request".into(),
-        token_keys: vec![TokenKey {
-            token_type: TOKEN_TYPE_BLIND_RSA,
-            token_key: URL_SAFE_NO_PAD.encode(issuer.signer().spki()),
-        }],
+        // Every key held (RFC 9578: a directory may list several), the first first.
+        token_keys: issuer
+            .signers()
+            .map(|signer| TokenKey {
+                token_type: TOKEN_TYPE_BLIND_RSA,
+                token_key: URL_SAFE_NO_PAD.encode(signer.spki()),
+            })
+            .collect(),
         token_key_id: confed_protocol::hex::encode(key.token_key_id),
         tokens_per_window: issuer.tokens_per_window(),
         window_seconds: issuer.window_seconds(),

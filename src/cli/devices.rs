@@ -122,8 +122,23 @@ pub async fn run(command: DevicesCommand) -> Result<()> {
                 let issuer = confed::tools::issuer::trusted_issuer(&url)
                     .await
                     .map_err(anyhow::Error::msg)?;
-                trust.token_issuers.retain(|i| i.name != issuer.name);
-                trust.token_issuers.push(issuer);
+                // The directory's keys join the trust file's (a rotation lists the next key
+                // there before the issuer holds it): nothing the file trusts is dropped.
+                match trust
+                    .token_issuers
+                    .iter_mut()
+                    .find(|i| i.name == issuer.name)
+                {
+                    Some(listed) => {
+                        for key in issuer.token_keys {
+                            if !listed.token_keys.contains(&key) {
+                                listed.token_keys.push(key);
+                            }
+                        }
+                        listed.url = issuer.url;
+                    }
+                    None => trust.token_issuers.push(issuer),
+                }
             }
             if forgetful {
                 eprintln!(

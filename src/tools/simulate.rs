@@ -329,9 +329,10 @@ async fn device(shared: Arc<Shared>, index: u64) {
             }
             continue;
         }
-        idle = 0;
+        // Idle again only after a contribution or a late one: failures in a row add up.
         match cycle(&shared, &client, &assignment, shard.as_ref(), &mut rng).await {
             Ok(()) => {
+                idle = 0;
                 contributed += 1;
                 shared.note(|s| s.contributions += 1);
                 shared.contributions.inc(1);
@@ -342,7 +343,10 @@ async fn device(shared: Arc<Shared>, index: u64) {
             Err(DeviceError::Server {
                 status: 410,
                 detail,
-            }) if detail.contains("round is closed") => shared.note(|s| s.late += 1),
+            }) if detail.contains("round is closed") => {
+                idle = 0;
+                shared.note(|s| s.late += 1)
+            }
             Err(e) => {
                 let _ = client
                     .report(&assignment, ReportOutcome::Failed, Some(&e.with_causes()))
@@ -351,6 +355,12 @@ async fn device(shared: Arc<Shared>, index: u64) {
                     s.failures
                         .push(format!("device {index}: {}", e.with_causes()))
                 });
+                // Not progress: wait before the next check-in, never loop on a failure.
+                idle += 1;
+                let wait = confed_device::tokens::AFTER_FAILURE
+                    .jittered(f64::from(rng.uniform()))
+                    .min(config.max_retry_wait);
+                tokio::time::sleep(wait).await;
             }
         }
     }

@@ -16,3 +16,4 @@ mod models;
 mod protocol_example;
 mod tasks;
 mod tenant_isolation;
+mod token_rotation;

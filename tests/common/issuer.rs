@@ -21,15 +21,30 @@ pub fn signer() -> TokenSigner {
 
 /// The issuer on a local port, keeping its state in `state`; returns its URL.
 pub async fn issuer(state: &std::path::Path, clock: Arc<confed::clock::ManualClock>) -> String {
-    let issuer = Issuer::new(
+    issuer_holding(state, clock, vec![signer()], 2).await
+}
+
+/// An issuer holding `keys` (the first first, as during a rotation), `tokens_per_window` tokens
+/// per device and day, on a local port; returns its URL.
+pub async fn issuer_holding(
+    state: &std::path::Path,
+    clock: Arc<confed::clock::ManualClock>,
+    keys: Vec<TokenSigner>,
+    tokens_per_window: u32,
+) -> String {
+    let mut keys = keys.into_iter();
+    let mut issuer = Issuer::new(
         ISSUER.into(),
-        signer(),
+        keys.next().expect("a key"),
         Box::new(DevAttester),
-        Limiter::open(state, 2, 86_400).unwrap(),
+        Limiter::open(state, tokens_per_window, 86_400).unwrap(),
         86_400,
         clock,
     )
     .unwrap();
+    for key in keys {
+        issuer = issuer.with_key(key).unwrap();
+    }
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let app = confed_issuer::routes::router(Arc::new(issuer));

@@ -655,7 +655,7 @@ class Device:
         source = self._token_sources.setdefault(
             auth["issuer"], tokens.TokenSource(issuer["url"], self.attestation))
         eks = envelope.ephemeral()
-        token = tokens.obtain(source, auth["issuer"], auth["token_keys"][0],
+        token = tokens.obtain(source, auth["issuer"], source.key_for(auth["token_keys"]),
                               assignment["task_id"], assignment["round"],
                               envelope.assignment_ref(assignment["assignment_id"]),
                               envelope.ephemeral_enc(eks))

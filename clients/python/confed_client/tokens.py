@@ -202,6 +202,34 @@ class TokenSource:
             raise TokenError(f"issuer {path}: {reply.status_code}: {detail}")
         return reply.json()
 
+    _offered: list[bytes] | None = None
+
+    def offered_keys(self, fresh: bool = False) -> list[bytes]:
+        """The token keys (DER SPKI) the issuer's directory offers (`GET /v1/directory`), read
+        once and again when `fresh`."""
+        with self._lock:
+            if self._offered is not None and not fresh:
+                return self._offered
+        reply = self.session.get(self.url.rstrip("/") + "/v1/directory", timeout=30)
+        if reply.status_code != 200:
+            raise TokenError(f"issuer /v1/directory: {reply.status_code}: {reply.text}")
+        keys = [unb64url(k["token-key"]) for k in reply.json().get("token-keys", [])]
+        with self._lock:
+            self._offered = keys
+        return keys
+
+    def key_for(self, policy_keys: list[bytes]) -> bytes:
+        """The first of a policy's token keys that the issuer offers (docs/protocol.md, "Device
+        tokens": during a key rotation a policy may name a key the issuer does not hold yet, or no
+        longer); the directory is read again once before giving up."""
+        for fresh in (False, True):
+            offered = self.offered_keys(fresh)
+            for key in policy_keys:
+                if key in offered:
+                    return key
+        raise TokenError(f"the issuer at {self.url} offers none of the {len(policy_keys)} token "
+                         "keys the task's policy names (a key rotation in progress?)")
+
     def sign(self, spki: bytes, blinded: bytes) -> bytes:
         """The issuer's blind signature of one blinded message for the key `spki`."""
         truncated = hashlib.sha256(spki).digest()[31:]
