@@ -22,7 +22,10 @@ use confed_protocol::hpke;
 use confed_protocol::policy::TaskPolicy;
 
 pub const START: i64 = 1_800_000_000;
-pub const TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a collection may take: 13 key services take about 7 s in a debug build alone, and
+/// the rounds binary runs its tests side by side on 2 cores; no test service hangs, so a larger
+/// bound only ever waits when something is wrong.
+pub const TIMEOUT: Duration = Duration::from_secs(60);
 
 pub struct World {
     pub dir: tempfile::TempDir,
