@@ -217,16 +217,12 @@ impl Uploads<'_> {
         // object is create-only, so what is checked here is what a job will read.
         if let Some(auth) = device_auth {
             let header = self.direct_upload_header(&key, object.size).await?;
-            let round = u64::try_from(assignment.round_number).unwrap_or(0);
-            if let Err(refusal) = auth.verify(
+            if let Err(refusal) = verify_token(
+                auth,
+                &assignment,
                 header.token.as_deref(),
                 &header.encapsulated_key,
-                &assignment.task_id,
-                round,
-                assignment.id.as_str(),
             ) {
-                metrics::counter!("confed_device_tokens_refused_total", "reason" => refusal.label())
-                    .increment(1);
                 if let Err(error) = self.contributions.discard(&key).await {
                     tracing::warn!(%error, "could not remove an unauthenticated direct upload");
                 }
@@ -289,6 +285,29 @@ impl Uploads<'_> {
             Err(error) => tracing::warn!(%error, "could not record a late contribution"),
         }
     }
+}
+
+/// Whether a contribution's token (and the envelope key `enc` it must bind) authenticates it for
+/// `assignment`: the one check of both upload paths (through the server, `api::device_tokens`,
+/// and straight to the blob store, `note_direct_upload`); a refusal is counted by reason.
+pub fn verify_token(
+    auth: &DeviceAuth,
+    assignment: &AssignmentView,
+    token: Option<&[u8]>,
+    enc: &[u8],
+) -> Result<(), confed_protocol::device_auth::TokenRefusal> {
+    let round = u64::try_from(assignment.round_number).unwrap_or(0);
+    auth.verify(
+        token,
+        enc,
+        &assignment.task_id,
+        round,
+        assignment.id.as_str(),
+    )
+    .inspect_err(|refusal| {
+        metrics::counter!("confed_device_tokens_refused_total", "reason" => refusal.label())
+            .increment(1);
+    })
 }
 
 /// Whether `body` (whose named digest is `digest`) is the contribution `held` names. Rows stored

@@ -76,31 +76,26 @@ impl DeviceAuthCache {
             return Ok(());
         };
         let round = u64::try_from(assignment.round_number).unwrap_or(0);
-        let outcome = auth.verify(
+        let outcome = crate::uploads::verify_token(
+            &auth,
+            assignment,
             envelope.token.as_deref(),
             &envelope.encapsulated_key,
-            &assignment.task_id,
-            round,
-            assignment.id.as_str(),
         );
         match outcome {
             Ok(()) => Ok(()),
-            Err(refusal) => {
-                metrics::counter!("confed_device_tokens_refused_total", "reason" => refusal.label())
-                    .increment(1);
-                Err(match refusal {
-                    TokenRefusal::Missing(_) => ApiError::TokenRequired {
-                        detail: refusal.to_string(),
-                        www_authenticate: challenge_header(
-                            &auth,
-                            &assignment.task_id,
-                            round,
-                            assignment.id.as_str(),
-                        ),
-                    },
-                    other => ApiError::TokenRefused(other.to_string()),
-                })
-            }
+            Err(refusal) => Err(match refusal {
+                TokenRefusal::Missing(_) => ApiError::TokenRequired {
+                    detail: refusal.to_string(),
+                    www_authenticate: challenge_header(
+                        &auth,
+                        &assignment.task_id,
+                        round,
+                        assignment.id.as_str(),
+                    ),
+                },
+                other => ApiError::TokenRefused(other.to_string()),
+            }),
         }
     }
 }

@@ -13,11 +13,10 @@ import json
 import subprocess
 
 import pytest
-from dp_accounting import dp_event
-from dp_accounting.rdp import rdp_privacy_accountant
-
-from test_accounting import BINARY, ORDERS
-from test_tree_accounting import trees_through
+from test_accounting import BINARY
+# The health count composes exactly as adaptive clipping's count does: one Gaussian of
+# sensitivity 1 per round a device may serve (one per tree under DP-FTRL).
+from test_adaptive_accounting import independent_epsilon
 
 DELTA = 1e-6
 GRID = [(epsilon, rounds, separation, stddev)
@@ -33,22 +32,6 @@ def plan(epsilon, rounds, separation, stddev) -> dict:
         args += ["--min-separation", str(separation)]
     return json.loads(subprocess.run(args, capture_output=True, text=True, timeout=120,
                                      check=True).stdout)
-
-
-def independent_epsilon(value_z, health_z, round_, separation) -> float:
-    if separation:
-        trees = trees_through(round_, separation)
-        value = [dp_event.SingleEpochTreeAggregationDpEvent(value_z, steps) for steps in trees]
-        counts = len(trees)
-        relation = rdp_privacy_accountant.NeighborRel.REPLACE_SPECIAL  # see test_tree_accounting
-    else:
-        value = [dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(value_z), round_)]
-        counts = round_
-        relation = rdp_privacy_accountant.NeighborRel.ADD_OR_REMOVE_ONE
-    events = value + [dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(health_z), counts)]
-    accountant = rdp_privacy_accountant.RdpAccountant(list(ORDERS), relation)
-    accountant.compose(dp_event.ComposedDpEvent(events))
-    return accountant.get_epsilon(DELTA)
 
 
 @pytest.mark.parametrize("epsilon,rounds,separation,stddev", GRID)

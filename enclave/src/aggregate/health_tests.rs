@@ -2,8 +2,9 @@
 //! noise and charged to the budget; the flag required in every update of a health policy and
 //! refused elsewhere; the same count streamed, buffered and merged from partitions.
 
-use super::inputs::{Input, sort_and_digest};
+use super::inputs::Input;
 use super::partition::Partition;
+use super::partition_tests::committed;
 use super::tests::{ROUND, Round, binding, privacy, round, sealed};
 use super::*;
 use crate::policy::{EVALUATION_TENSOR, Evaluation, HEALTH_TENSOR, Health};
@@ -219,19 +220,7 @@ fn a_streamed_health_round_counts_what_the_buffered_one_does() {
 fn a_partitioned_health_round_releases_the_one_worker_bytes() {
     let r = round(4);
     let pairs = devices(&r, 3, 4);
-    let mut inputs: Vec<Input> = pairs
-        .iter()
-        .map(|(assignment_ref, bytes)| Input {
-            assignment_ref: assignment_ref.clone(),
-            blob_key: format!("blob/{assignment_ref}"),
-            digest: bytes.as_deref().map(|b| *blake3::hash(b).as_bytes()),
-            retained: bytes.clone(),
-        })
-        .collect();
-    let binding = Binding {
-        inputs_digest: sort_and_digest(&mut inputs).unwrap(),
-        ..binding()
-    };
+    let (inputs, binding) = committed(&pairs);
     let add = |agg: &Aggregator, inputs: &[Input]| {
         for input in inputs {
             let _ = agg.add(&input.assignment_ref, input.retained.as_deref());
@@ -326,19 +315,7 @@ fn an_evaluation_round_with_health_streams_and_merges_both_side_tensors() {
     let streamed = run(aggregator(bound(&pairs)).stream_above(0));
     assert_eq!(buffered.manifest, streamed.manifest);
     assert!(buffered.manifest.evaluation.is_some() && buffered.manifest.health.is_some());
-    let mut inputs: Vec<Input> = pairs
-        .iter()
-        .map(|(assignment_ref, bytes)| Input {
-            assignment_ref: assignment_ref.clone(),
-            blob_key: format!("blob/{assignment_ref}"),
-            digest: bytes.as_deref().map(|b| *blake3::hash(b).as_bytes()),
-            retained: bytes.clone(),
-        })
-        .collect();
-    let binding = Binding {
-        inputs_digest: sort_and_digest(&mut inputs).unwrap(),
-        ..binding()
-    };
+    let (inputs, binding) = committed(&pairs);
     let sealed_parts: Vec<Vec<u8>> = (0..3)
         .map(|index| {
             let partition = Partition {

@@ -53,7 +53,7 @@ fn contributions(r: &Round, evaluating: bool) -> Vec<(String, Option<Vec<u8>>)> 
 }
 
 /// The round's inputs sorted by ref, as the worker commits them, and their digest.
-fn committed(pairs: &[(String, Option<Vec<u8>>)]) -> (Vec<Input>, Binding) {
+pub(super) fn committed(pairs: &[(String, Option<Vec<u8>>)]) -> (Vec<Input>, Binding) {
     let mut inputs: Vec<Input> = pairs
         .iter()
         .map(|(assignment_ref, bytes)| Input {
