@@ -18,6 +18,7 @@ pub use confed_protocol::trust::{TrustConfig, TrustedEntry, TrustedIssuer};
 pub use schedule::{Cancel, DueUpdate, Schedule, SendTimes, Trained};
 pub use state::{DeviceState, FileStore, StateError, StateStore};
 pub use tokens::{
-    AndroidKeyAttestation, AssignmentToken, Attestation, DevAttestation, TokenSource,
+    AndroidKeyAttestation, AppAttestService, AppleAppAttest, AssignmentToken, Attestation,
+    DevAttestation, TokenSource,
 };
 pub use update::{ModelShapeError, TrainingProblem, UpdateShape, WellFormedUpdate};

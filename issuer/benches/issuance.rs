@@ -5,7 +5,9 @@
 //! tokens a request; and the device's half (blind, then unblind and verify). The goal is
 //! 500 issuances a second a core; verification by an origin is in `benches/key_release.rs`.
 //! Last, Android key attestations checked per second (real Pixel chains under each Google root),
-//! the cost a device pays once per window.
+//! the cost a device pays once per window, and Apple App Attest: the recorded iOS attestation and
+//! assertion checked, and a whole assertion through the attester (its key record replaced and
+//! synced under `target/`), what an iOS device costs once per window after its first.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -116,6 +118,7 @@ fn main() {
 
     limiter_group_commit();
     android_attestations();
+    apple_attestations();
 }
 
 /// The limiter alone (HMAC, append, synced to a real file system under `target/`), one thread
@@ -204,4 +207,121 @@ fn android_attestations() {
             per_second(count, started)
         );
     }
+}
+
+#[path = "../tests/support/app_attest.rs"]
+#[allow(dead_code, reason = "the benchmark uses part of the tests' generator")]
+mod app_attest;
+
+fn apple_attestations() {
+    use base64::Engine as _;
+    use base64::engine::general_purpose::STANDARD;
+    use confed_issuer::attester::Attester;
+    use confed_issuer::attester::apple::registry::{Registered, Registry};
+    use confed_issuer::attester::apple::{AppleAttester, ApplePolicy, apple_roots};
+    use confed_protocol::privacy_pass::issuer_api::app_attest_client_data_hash;
+
+    let sample: serde_json::Value =
+        serde_json::from_str(include_str!("../testdata/apple/ios-14.4.json")).unwrap();
+    let field = |path: [&str; 2]| {
+        STANDARD
+            .decode(sample[path[0]][path[1]].as_str().unwrap())
+            .unwrap()
+    };
+    let state = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-app-attest");
+    let _ = std::fs::remove_dir_all(&state);
+    let registry = |roots: Vec<Vec<u8>>, app: &str| {
+        AppleAttester::new(
+            ApplePolicy {
+                trusted_roots: roots,
+                apps: vec![app.parse().unwrap()],
+                allow_development: true,
+            },
+            Registry::open(
+                &state,
+                ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &[1; 32]),
+            )
+            .unwrap(),
+        )
+        .unwrap()
+    };
+    let real = registry(
+        apple_roots(),
+        "6MURL8TA57.de.vincent-haupert.apple-appattest-poc",
+    );
+    let key_id = field(["attestation", "keyIdBase64"]);
+    let object = field(["attestation", "attestationBase64"]);
+    let hash: [u8; 32] = field(["attestation", "clientDataHashSha256Base64"])
+        .try_into()
+        .unwrap();
+    let at = Seconds(1_611_446_400);
+    let count = 2000;
+    let started = Instant::now();
+    for _ in 0..count {
+        real.verify_attestation(&key_id, &object, &hash, at)
+            .unwrap();
+    }
+    println!(
+        "App Attest attestation checked (recorded iOS 14.4, P-384 root, 2 certificates): {:.0}/s on one core",
+        per_second(count, started)
+    );
+    let attested = real
+        .verify_attestation(&key_id, &object, &hash, at)
+        .unwrap();
+    let registered = Registered {
+        development: attested.development,
+        rp_id_hash: attested.rp_id_hash,
+        public_key: attested.public_key,
+        counter: 0,
+    };
+    let assertion = field(["assertion", "assertionBase64"]);
+    let count = 5000;
+    let started = Instant::now();
+    for _ in 0..count {
+        real.verify_assertion(&registered, &assertion, &hash)
+            .unwrap();
+    }
+    println!(
+        "App Attest assertion checked (recorded iOS 14.4): {:.0}/s on one core",
+        per_second(count, started)
+    );
+
+    let apple = app_attest::TestApple::new();
+    let roots =
+        confed_issuer::attester::apple::root_certificates_from_pem(apple.root_pem.as_bytes())
+            .unwrap();
+    let attester = registry(roots, app_attest::APP_ID);
+    let device = app_attest::TestDevice::new();
+    let now = Seconds(1_780_272_000);
+    let object = apple.attestation(
+        &device,
+        &app_attest_client_data_hash(b"c"),
+        &app_attest::AttestationSpec::genuine(),
+    );
+    attester
+        .attest(
+            &app_attest::attestation_evidence(&device.key_id, &object),
+            b"c",
+            now,
+        )
+        .unwrap();
+    let count = 500u32;
+    let evidence: Vec<_> = (1..=count)
+        .map(|counter| {
+            let assertion = device.assertion(
+                &app_attest_client_data_hash(b"c"),
+                app_attest::APP_ID,
+                counter,
+            );
+            app_attest::assertion_evidence(&device.key_id, &assertion)
+        })
+        .collect();
+    let started = Instant::now();
+    for evidence in &evidence {
+        attester.attest(evidence, b"c", now).unwrap();
+    }
+    println!(
+        "App Attest assertion through the attester (record replaced and synced): {:.0}/s",
+        per_second(count as usize, started)
+    );
 }

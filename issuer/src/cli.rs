@@ -17,6 +17,11 @@ use crate::attester::android::revocation::{StatusFile, StatusList};
 use crate::attester::android::{
     AllowedApp, AndroidAttester, AndroidPolicy, google_root_keys, root_keys_from_pem,
 };
+use crate::attester::apple::registry::Registry;
+use crate::attester::apple::{
+    AllowedAppId, AppleAttester, ApplePolicy, apple_roots, root_certificates_from_pem,
+};
+use crate::attester::several::Attesters;
 use crate::attester::{Attester, dev::DevAttester};
 use crate::limiter::Limiter;
 use crate::{Issuer, routes};
@@ -27,6 +32,8 @@ pub enum AttesterKind {
     Dev,
     /// Android key attestation under Google's hardware attestation roots (RKP keys only).
     AndroidKeyAttestation,
+    /// Apple App Attest under Apple's App Attestation Root CA (iOS, iPadOS).
+    AppleAppAttest,
 }
 
 #[derive(Debug, Args)]
@@ -63,8 +70,10 @@ pub struct IssuerArgs {
     /// The window's length in seconds (a day by default).
     #[arg(long, default_value_t = 86_400, value_parser = clap::value_parser!(i64).range(60..=31_622_400))]
     pub window_seconds: i64,
-    #[arg(long, value_enum)]
-    pub attester: AttesterKind,
+    /// How devices prove their integrity; repeat for an app on several platforms (e.g.
+    /// `--attester android-key-attestation --attester apple-app-attest`). `dev` stands alone.
+    #[arg(long = "attester", value_enum, required = true)]
+    pub attesters: Vec<AttesterKind>,
     /// Android: an app whose keys may attest, as its package name and the lowercase hex SHA-256
     /// of its signing certificate (repeat for several apps).
     #[arg(long = "android-app", value_name = "PACKAGE:SHA256HEX")]
@@ -83,6 +92,17 @@ pub struct IssuerArgs {
     /// Android: the lowest OS patch level accepted, as YYYYMM.
     #[arg(long, value_name = "YYYYMM", value_parser = clap::value_parser!(i64).range(201_501..=299_912))]
     pub android_min_patch_level: Option<i64>,
+    /// Apple: an app whose App Attest keys may attest, by its App ID: the 10-character team id, a
+    /// dot, the bundle id (repeat for several apps).
+    #[arg(long = "apple-app", value_name = "TEAMID.BUNDLEID")]
+    pub apple_apps: Vec<AllowedAppId>,
+    /// Apple: PEM roots to trust instead of the built-in Apple App Attestation Root CA.
+    #[arg(long, value_name = "FILE")]
+    pub apple_roots: Option<PathBuf>,
+    /// Apple: also accept keys of development builds (AAGUID `appattestdevelop`, apps signed with
+    /// a development profile); leave off in production.
+    #[arg(long)]
+    pub apple_development: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -145,21 +165,7 @@ pub fn build(args: &IssuerArgs) -> anyhow::Result<Arc<Issuer>> {
     }
     let signer = load_signer(&args.signing_key)?;
     let limiter = Limiter::open(&args.state, args.tokens_per_window, args.window_seconds)?;
-    let attester: Box<dyn Attester> = match args.attester {
-        AttesterKind::Dev => {
-            if !args.android_apps.is_empty()
-                || args.android_status.is_some()
-                || args.android_roots.is_some()
-                || args.android_min_patch_level.is_some()
-            {
-                anyhow::bail!(
-                    "the --android-* options configure --attester android-key-attestation; remove them or choose that attester"
-                );
-            }
-            Box::new(DevAttester)
-        }
-        AttesterKind::AndroidKeyAttestation => Box::new(android_attester(args)?),
-    };
+    let attester = attesters(args, &limiter)?;
     if attester.insecure() {
         tracing::warn!("{}", routes::DEV_ATTESTER_WARNING);
         eprintln!("confed-issuer: {}", routes::DEV_ATTESTER_WARNING);
@@ -179,6 +185,83 @@ pub fn build(args: &IssuerArgs) -> anyhow::Result<Arc<Issuer>> {
             .map_err(|e| anyhow::anyhow!("--also-signing-key {}: {e}", path.display()))?;
     }
     Ok(Arc::new(issuer))
+}
+
+/// The attesters `--attester` names, each given only its own options.
+fn attesters(args: &IssuerArgs, limiter: &Limiter) -> anyhow::Result<Box<dyn Attester>> {
+    let named = |kind| args.attesters.contains(&kind);
+    let android_options = !args.android_apps.is_empty()
+        || args.android_status.is_some()
+        || args.android_roots.is_some()
+        || args.android_min_patch_level.is_some();
+    if android_options && !named(AttesterKind::AndroidKeyAttestation) {
+        anyhow::bail!(
+            "the --android-* options configure --attester android-key-attestation; remove them or add that attester"
+        );
+    }
+    let apple_options =
+        !args.apple_apps.is_empty() || args.apple_roots.is_some() || args.apple_development;
+    if apple_options && !named(AttesterKind::AppleAppAttest) {
+        anyhow::bail!(
+            "the --apple-* options configure --attester apple-app-attest; remove them or add that attester"
+        );
+    }
+    if named(AttesterKind::Dev) {
+        if args.attesters.len() > 1 {
+            anyhow::bail!(
+                "--attester dev lets anyone obtain tokens, so it cannot sit beside a real attester; run it alone"
+            );
+        }
+        return Ok(Box::new(DevAttester));
+    }
+    let mut parts: Vec<Box<dyn Attester>> = Vec::new();
+    for kind in &args.attesters {
+        match kind {
+            AttesterKind::Dev => {}
+            AttesterKind::AndroidKeyAttestation => parts.push(Box::new(android_attester(args)?)),
+            AttesterKind::AppleAppAttest => parts.push(Box::new(apple_attester(args, limiter)?)),
+        }
+    }
+    if parts.len() == 1 {
+        return Ok(parts.remove(0));
+    }
+    Attesters::new(parts)
+        .map(|several| Box::new(several) as Box<dyn Attester>)
+        .context("name each --attester once")
+}
+
+fn apple_attester(args: &IssuerArgs, limiter: &Limiter) -> anyhow::Result<AppleAttester> {
+    let trusted_roots = match &args.apple_roots {
+        Some(path) => root_certificates_from_pem(
+            &std::fs::read(path).with_context(|| format!("roots {}", path.display()))?,
+        )
+        .with_context(|| format!("roots {}", path.display()))?,
+        None => apple_roots(),
+    };
+    if args.apple_development {
+        tracing::warn!(
+            "--apple-development: keys of development builds attest too; production issuers leave it off"
+        );
+    }
+    let registry = Registry::open(
+        &args.state,
+        limiter.derived_key(b"confed-issuer-app-attest-registry-key-v1"),
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    tracing::info!(
+        apps = args.apple_apps.len(),
+        roots = trusted_roots.len(),
+        development = args.apple_development,
+        "Apple App Attest"
+    );
+    Ok(AppleAttester::new(
+        ApplePolicy {
+            trusted_roots,
+            apps: args.apple_apps.clone(),
+            allow_development: args.apple_development,
+        },
+        registry,
+    )?)
 }
 
 /// How old the status list may be before the issuer warns at start (Google updates it within hours).
@@ -250,7 +333,7 @@ pub async fn run(
             confed_serving::check_listen(args.listen, tls.as_ref())?;
             // Anyone can attest to the dev attester, so an issuer running it grants tokens to
             // anyone: it serves this machine only (tests, demos), never a network.
-            if args.attester == AttesterKind::Dev && !args.listen.ip().is_loopback() {
+            if args.attesters.contains(&AttesterKind::Dev) && !args.listen.ip().is_loopback() {
                 anyhow::bail!(
                     "--attester dev lets anyone obtain tokens, so it listens on loopback only (127.0.0.1 or ::1); a networked issuer needs a real attester"
                 );
@@ -292,5 +375,99 @@ pub async fn run(
             Ok(())
         }
         (None, None) => anyhow::bail!("pass the issuer's arguments or a subcommand (see --help)"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: IssuerArgs,
+    }
+
+    fn attesters_of(extra: &[&str]) -> anyhow::Result<Vec<&'static str>> {
+        let dir = tempfile::tempdir()?;
+        let status = dir.path().join("status.json");
+        std::fs::write(&status, r#"{"entries": {}}"#)?;
+        let state = dir.path().join("state");
+        let mut argv = vec![
+            "issuer",
+            "--name",
+            "issuer.test",
+            "--signing-key",
+            "unused.pem",
+            "--state",
+            state.to_str().unwrap_or_default(),
+        ];
+        argv.extend_from_slice(extra);
+        let status = format!("--android-status={}", status.display());
+        argv.push(&status);
+        let mut args = Cli::try_parse_from(argv)?.args;
+        if !args
+            .attesters
+            .contains(&AttesterKind::AndroidKeyAttestation)
+        {
+            args.android_status = None;
+        }
+        let limiter = Limiter::open(&args.state, 1, 86_400)?;
+        Ok(attesters(&args, &limiter)?.formats())
+    }
+
+    #[test]
+    fn attesters_combine_for_an_app_on_both_platforms_but_never_with_dev_or_foreign_options() {
+        let app = format!("--android-app=com.example.fl:{}", "5a".repeat(32));
+        let both = [
+            "--attester",
+            "android-key-attestation",
+            "--attester",
+            "apple-app-attest",
+            app.as_str(),
+            "--apple-app",
+            "A1B2C3D4E5.com.example.fl",
+        ];
+        assert_eq!(
+            attesters_of(&both).unwrap(),
+            ["android-key-attestation", "apple-app-attest"]
+        );
+        let apple = [
+            "--attester",
+            "apple-app-attest",
+            "--apple-app",
+            "A1B2C3D4E5.com.example.fl",
+        ];
+        assert_eq!(attesters_of(&apple).unwrap(), ["apple-app-attest"]);
+        for (argv, says) in [
+            (
+                &["--attester", "dev", "--attester", "apple-app-attest"][..],
+                "cannot sit beside a real attester",
+            ),
+            (
+                &[
+                    "--attester",
+                    "dev",
+                    "--apple-app",
+                    "A1B2C3D4E5.com.example.fl",
+                ][..],
+                "--apple-* options configure",
+            ),
+            (&["--attester", "apple-app-attest"][..], "--apple-app"),
+            (
+                &[
+                    "--attester",
+                    "apple-app-attest",
+                    "--apple-app",
+                    "com.example.fl",
+                ][..],
+                "TEAMID.BUNDLEID",
+            ),
+        ] {
+            let error = format!("{:#}", attesters_of(argv).unwrap_err());
+            assert!(error.contains(says), "{argv:?}: {error}");
+        }
     }
 }

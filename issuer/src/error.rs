@@ -124,6 +124,7 @@ impl From<IssueError> for ApiError {
                 retry_after: Some(RetryAfter::At(exhausted.window_ends_at)),
             },
             IssueError::Storage(cause) => Self::unavailable(&cause.to_string()),
+            IssueError::AttesterStorage(cause) => Self::unavailable(&cause),
             IssueError::AttesterUnavailable(cause) => {
                 tracing::error!(%cause, "refusing attestations");
                 Self {

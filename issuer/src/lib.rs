@@ -22,7 +22,7 @@ use confed_protocol::privacy_pass::issuance::TokenSigner;
 use confed_protocol::privacy_pass::{TokenRequest, TokenResponse};
 use thiserror::Error;
 
-use crate::attester::{Attester, Evidence, FailedCheck};
+use crate::attester::{AttestError, Attester, Evidence, FailedCheck};
 use crate::challenge::{ChallengeProblem, Challenges};
 use crate::credential::Credentials;
 use crate::limiter::{Exhausted, Limiter, LimiterError};
@@ -51,6 +51,9 @@ pub enum IssueError {
     Storage(#[from] LimiterError),
     #[error("the issuer cannot check attestations right now: {0}")]
     AttesterUnavailable(String),
+    /// The attester could not read or record its own state (App Attest's key registry).
+    #[error("the attester's records are unavailable: {0}")]
+    AttesterStorage(String),
     #[error("signing failed: {0}")]
     Signing(String),
 }
@@ -235,12 +238,15 @@ impl Issuer {
                 self.challenges
                     .check(challenge, now)
                     .map_err(IssueError::Challenge)?;
-                if let Some(reason) = self.attester.unavailable(now) {
+                if let Some(reason) = self.attester.unavailable_for(evidence, now) {
                     return Err(IssueError::AttesterUnavailable(reason));
                 }
                 self.attester
                     .attest(evidence, challenge, now)
-                    .map_err(IssueError::Attestation)?
+                    .map_err(|error| match error {
+                        AttestError::Refused(failed) => IssueError::Attestation(failed),
+                        AttestError::Storage(cause) => IssueError::AttesterStorage(cause),
+                    })?
             }
             Proof::Credential(credential) => self
                 .credentials

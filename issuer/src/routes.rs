@@ -69,6 +69,12 @@ pub fn directory_of(issuer: &Issuer) -> Directory {
         tokens_per_window: issuer.tokens_per_window(),
         window_seconds: issuer.window_seconds(),
         attester: issuer.attester().format().into(),
+        attesters: issuer
+            .attester()
+            .formats()
+            .into_iter()
+            .map(String::from)
+            .collect(),
         warning: insecure.then(|| DEV_ATTESTER_WARNING.to_string()),
     }
 }

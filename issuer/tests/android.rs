@@ -5,10 +5,11 @@
 
 mod support;
 
+use support::http::{challenge, refused_checks, token_request};
+
 use std::sync::Arc;
 
-use axum::body::Body;
-use axum::http::{Request, StatusCode, header};
+use axum::http::StatusCode;
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use confed_issuer::Issuer;
@@ -16,16 +17,14 @@ use confed_issuer::attester::android::revocation::StatusList;
 use confed_issuer::attester::android::{
     AllowedApp, AndroidAttester, AndroidPolicy, google_root_keys, root_keys_from_pem,
 };
-use confed_issuer::attester::{Attester, DeviceIdentity, Evidence, FailedCheck};
+use confed_issuer::attester::{Attester, Evidence};
 use confed_issuer::limiter::Limiter;
-use confed_issuer::routes::{self, ChallengeResponse, TokenRequestBody, TokenResponseBody};
+use confed_issuer::routes::{self, TokenRequestBody, TokenResponseBody};
 use confed_protocol::clock::ManualClock;
 use confed_protocol::clock::Seconds;
 use confed_protocol::privacy_pass::issuance::{TokenClient, TokenSigner};
-use http_body_util::BodyExt;
 use rcgen::KeyPair;
 use support::android_chain::{ChainSpec, PACKAGE, SIGNATURE_DIGEST, TestPki, chain_from_pem, now};
-use tower::ServiceExt;
 
 const TEGU: &str = include_str!("../testdata/android/tegu_sdk36_TEE_EC_2026_ROOT.pem");
 const CAIMAN: &str = include_str!("../testdata/android/caiman_sdk36_TEE_EC_RKP.pem");
@@ -65,10 +64,6 @@ fn evidence(chain: Vec<String>) -> Evidence {
     Evidence::AndroidKeyAttestation {
         certificate_chain: chain,
     }
-}
-
-fn refused_checks(result: Result<DeviceIdentity, Vec<FailedCheck>>) -> Vec<&'static str> {
-    result.unwrap_err().iter().map(|f| f.check).collect()
 }
 
 const NO_REVOCATIONS: &str = r#"{"entries": {}}"#;
@@ -127,6 +122,7 @@ fn a_real_chain_with_another_challenge_app_time_or_a_revoked_key_is_refused() {
     let refused = other_app
         .attest(&tegu(), TEGU_CHALLENGE, Seconds(TEGU_TIME))
         .unwrap_err();
+    let refused = refused.checks();
     assert_eq!(refused[0].check, "application");
     assert!(refused[0].reason.contains("com.google.android.attestation"));
     // The RKP attestation key's certificate lived two weeks: after it, the chain is stale.
@@ -336,7 +332,7 @@ fn each_generated_refusal_names_the_check_that_failed() {
         let refused = attester
             .attest(&evidence(pki.chain(&device, &spec)), challenge, now())
             .expect_err(name);
-        let checks: Vec<_> = refused.iter().map(|f| f.check).collect();
+        let checks: Vec<_> = refused.checks().iter().map(|f| f.check).collect();
         assert_eq!(checks, expected, "{name}: {refused:?}");
     }
 }
@@ -544,29 +540,6 @@ fn allowed_apps_parse_from_package_and_digest_and_bad_ones_say_what_to_write() {
     );
 }
 
-async fn call(app: &axum::Router, uri: &str, body: Option<String>) -> (StatusCode, Vec<u8>) {
-    let mut request = Request::builder().method("POST").uri(uri);
-    if body.is_some() {
-        request = request.header(header::CONTENT_TYPE, "application/json");
-    }
-    let response = app
-        .clone()
-        .oneshot(request.body(Body::from(body.unwrap_or_default())).unwrap())
-        .await
-        .unwrap();
-    let status = response.status();
-    (
-        status,
-        response
-            .into_body()
-            .collect()
-            .await
-            .unwrap()
-            .to_bytes()
-            .to_vec(),
-    )
-}
-
 #[tokio::test]
 async fn an_android_device_attests_over_http_and_its_allowance_follows_its_attestation_key() {
     const L: u32 = 2;
@@ -598,35 +571,24 @@ async fn an_android_device_attests_over_http_and_its_allowance_follows_its_attes
         })
         .unwrap()
     };
-    let fresh = || async {
-        let (status, body) = call(&app, "/v1/challenge", None).await;
-        assert_eq!(status, StatusCode::OK);
-        let response: ChallengeResponse = serde_json::from_slice(&body).unwrap();
-        URL_SAFE_NO_PAD.decode(response.challenge).unwrap()
-    };
 
-    let c = fresh().await;
-    let (status, body) = call(&app, "/v1/token-request", Some(ask(&c, &device, 2))).await;
+    let c = challenge(&app).await;
+    let (status, body) = token_request(&app, ask(&c, &device, 2)).await;
     assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
     let answer: TokenResponseBody = serde_json::from_slice(&body).unwrap();
     assert_eq!((answer.token_responses.len(), answer.remaining), (2, 0));
 
     // A new leaf key (a new challenge) of the same device draws on the same allowance.
-    let c = fresh().await;
-    let (status, _) = call(&app, "/v1/token-request", Some(ask(&c, &device, 1))).await;
+    let c = challenge(&app).await;
+    let (status, _) = token_request(&app, ask(&c, &device, 1)).await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
     // Another device has its own.
-    let c = fresh().await;
-    let (status, _) = call(
-        &app,
-        "/v1/token-request",
-        Some(ask(&c, &KeyPair::generate().unwrap(), 1)),
-    )
-    .await;
+    let c = challenge(&app).await;
+    let (status, _) = token_request(&app, ask(&c, &KeyPair::generate().unwrap(), 1)).await;
     assert_eq!(status, StatusCode::OK);
 
     // An unlocked device is refused with the check named, as problem+json.
-    let c = fresh().await;
+    let c = challenge(&app).await;
     let mut spec = ChainSpec::genuine(&c);
     spec.description.locked_byte = 0;
     let body = serde_json::to_string(&TokenRequestBody {
@@ -636,7 +598,7 @@ async fn an_android_device_attests_over_http_and_its_allowance_follows_its_attes
         token_requests: vec![URL_SAFE_NO_PAD.encode(client.begin(b"round").unwrap().0.encode())],
     })
     .unwrap();
-    let (status, problem) = call(&app, "/v1/token-request", Some(body)).await;
+    let (status, problem) = token_request(&app, body).await;
     assert_eq!(status, StatusCode::FORBIDDEN);
     let problem: serde_json::Value = serde_json::from_slice(&problem).unwrap();
     assert_eq!(
@@ -673,14 +635,7 @@ async fn an_issuer_whose_status_list_went_stale_answers_503_and_grants_nothing()
     let client = TokenClient::from_spki(issuer.signer().spki()).unwrap();
     let app = routes::router(Arc::new(issuer));
     clock.advance(std::time::Duration::from_secs(49 * 3600));
-    let (_, body) = call(&app, "/v1/challenge", None).await;
-    let challenge = URL_SAFE_NO_PAD
-        .decode(
-            serde_json::from_slice::<ChallengeResponse>(&body)
-                .unwrap()
-                .challenge,
-        )
-        .unwrap();
+    let challenge = challenge(&app).await;
     let body = serde_json::to_string(&TokenRequestBody {
         challenge: Some(URL_SAFE_NO_PAD.encode(&challenge)),
         evidence: Some(evidence(pki.chain(
@@ -691,7 +646,7 @@ async fn an_issuer_whose_status_list_went_stale_answers_503_and_grants_nothing()
         token_requests: vec![URL_SAFE_NO_PAD.encode(client.begin(b"round").unwrap().0.encode())],
     })
     .unwrap();
-    let (status, problem) = call(&app, "/v1/token-request", Some(body)).await;
+    let (status, problem) = token_request(&app, body).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     let problem: serde_json::Value = serde_json::from_slice(&problem).unwrap();
     assert!(

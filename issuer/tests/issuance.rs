@@ -3,26 +3,26 @@
 //! and the refusals (stale challenge, bad evidence, more than L tokens, malformed bodies), with
 //! the unlinkability check on what it keeps.
 
+#[path = "support/http.rs"]
+#[allow(dead_code, reason = "each test binary uses part of the helpers")]
+mod http;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
-use axum::http::{Request, StatusCode, header};
+use axum::http::{StatusCode, header};
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use confed_issuer::Issuer;
 use confed_issuer::attester::Evidence;
 use confed_issuer::attester::dev::{DevAttester, evidence};
 use confed_issuer::limiter::Limiter;
-use confed_issuer::routes::{
-    self, ChallengeResponse, Directory, TokenRequestBody, TokenResponseBody,
-};
+use confed_issuer::routes::{self, Directory, TokenRequestBody, TokenResponseBody};
 use confed_protocol::clock::{ManualClock, Millis};
 use confed_protocol::privacy_pass::context::encoded_round_challenge;
 use confed_protocol::privacy_pass::issuance::{TokenClient, TokenSigner};
 use confed_protocol::privacy_pass::{Token, TokenResponse};
-use http_body_util::BodyExt;
-use tower::ServiceExt;
+use http::{call, challenge};
 
 const L: u32 = 3;
 const DAY: i64 = 86_400;
@@ -58,40 +58,6 @@ fn fixture() -> Fixture {
         clock,
         state,
     }
-}
-
-async fn call(
-    app: &axum::Router,
-    method: &str,
-    uri: &str,
-    body: Option<String>,
-) -> (StatusCode, axum::http::HeaderMap, Vec<u8>) {
-    let mut request = Request::builder().method(method).uri(uri);
-    if body.is_some() {
-        request = request.header(header::CONTENT_TYPE, "application/json");
-    }
-    let response = app
-        .clone()
-        .oneshot(request.body(Body::from(body.unwrap_or_default())).unwrap())
-        .await
-        .unwrap();
-    let status = response.status();
-    let headers = response.headers().clone();
-    let bytes = response
-        .into_body()
-        .collect()
-        .await
-        .unwrap()
-        .to_bytes()
-        .to_vec();
-    (status, headers, bytes)
-}
-
-async fn challenge(app: &axum::Router) -> Vec<u8> {
-    let (status, _, body) = call(app, "POST", "/v1/challenge", None).await;
-    assert_eq!(status, StatusCode::OK);
-    let response: ChallengeResponse = serde_json::from_slice(&body).unwrap();
-    URL_SAFE_NO_PAD.decode(response.challenge).unwrap()
 }
 
 fn body(challenge: &[u8], evidence: &Evidence, requests: &[Vec<u8>]) -> String {

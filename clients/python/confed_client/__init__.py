@@ -9,11 +9,12 @@ from .release import ReleaseError, verify_release
 from .simulation import RoundResult, SimulationError, run_simulation
 from .tensors import as_arrays, from_safetensors, to_safetensors, to_torch
 from . import tokens
-from .tokens import AndroidKeyAttestation, DevAttestation
+from .tokens import AndroidKeyAttestation, AppleAppAttest, DevAttestation
 
 __all__ = [
     "ConfedError",
     "AndroidKeyAttestation",
+    "AppleAppAttest",
     "DevAttestation",
     "Device",
     "DeviceError",

@@ -181,13 +181,54 @@ class AndroidKeyAttestation:
                 "certificate_chain": [b64url(der) for der in self.make_chain(challenge_bytes)]}
 
 
+APP_ATTEST_CLIENT_DATA_LABEL = b"confed-app-attest-v1\x00"
+
+
+def app_attest_client_data_hash(challenge_bytes: bytes) -> bytes:
+    """The ``clientDataHash`` an App Attest device passes to ``attestKey`` or
+    ``generateAssertion`` for the issuer's challenge (docs/protocol.md, "Device tokens")."""
+    return hashlib.sha256(APP_ATTEST_CLIENT_DATA_LABEL + challenge_bytes).digest()
+
+
+@dataclass
+class AppleAppAttest:
+    """Apple App Attest: ``generate_key()``, ``attest_key(key_id, client_data_hash)`` and
+    ``generate_assertion(key_id, client_data_hash)`` are the platform's ``DCAppAttestService``
+    calls. The first evidence attests a new key; later ones assert with it. Keep ``key_id`` across
+    launches (pass it back as ``key_id`` with ``attested=True``): one key per install, so the
+    issuer's allowance follows the install. A refused key is dropped; the next evidence attests a
+    new one."""
+
+    generate_key: Callable[[], bytes]
+    attest_key: Callable[[bytes, bytes], bytes]
+    generate_assertion: Callable[[bytes, bytes], bytes]
+    key_id: bytes | None = None
+    attested: bool = False
+
+    def evidence(self, challenge_bytes: bytes) -> dict:
+        client_data_hash = app_attest_client_data_hash(challenge_bytes)
+        if self.key_id is not None and self.attested:
+            return {"format": "apple-app-attest", "key_id": b64url(self.key_id),
+                    "assertion": b64url(self.generate_assertion(self.key_id, client_data_hash))}
+        if self.key_id is None:
+            self.key_id = self.generate_key()
+        # A key whose attestation failed (Apple's server unreachable) is attested again.
+        obj = self.attest_key(self.key_id, client_data_hash)
+        self.attested = True
+        return {"format": "apple-app-attest", "key_id": b64url(self.key_id),
+                "attestation": b64url(obj)}
+
+    def refused(self) -> None:
+        self.key_id, self.attested = None, False
+
+
 @dataclass
 class TokenSource:
     """One issuer, as a device asks it for tokens: attests once per window, then presents the
     issuer's credential."""
 
     url: str
-    attestation: DevAttestation | AndroidKeyAttestation
+    attestation: DevAttestation | AndroidKeyAttestation | AppleAppAttest
     session: requests.Session = field(default_factory=requests.Session)
     _credential: tuple[str, int] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -246,9 +287,14 @@ class TokenSource:
                     raise
         if answer is None:
             issued = unb64url(self._post("/v1/challenge")["challenge"])
-            answer = self._post("/v1/token-request", {
-                "challenge": b64url(issued), "evidence": self.attestation.evidence(issued),
-                "token_requests": requests_})
+            try:
+                answer = self._post("/v1/token-request", {
+                    "challenge": b64url(issued), "evidence": self.attestation.evidence(issued),
+                    "token_requests": requests_})
+            except TokenError as error:
+                if ": 403:" in str(error) and hasattr(self.attestation, "refused"):
+                    self.attestation.refused()
+                raise
         with self._lock:
             self._credential = (answer["credential"], answer["window_ends_at"])
         return unb64url(answer["token_responses"][0])

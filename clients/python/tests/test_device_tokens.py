@@ -5,6 +5,7 @@ file does not list the issuer, decline. The blind RSA half matches the RFC 9578 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -187,3 +188,31 @@ def test_android_key_attestation_sends_the_platforms_chain_as_base64url():
     assert evidence["format"] == "android-key-attestation"
     assert [tokens.unb64url(c) for c in evidence["certificate_chain"]] == chain
     assert all("=" not in c and "+" not in c and "/" not in c for c in evidence["certificate_chain"])
+
+
+def test_apple_app_attest_attests_one_key_then_asserts_and_starts_over_when_refused():
+    calls = []
+
+    def generate_key():
+        calls.append("generate")
+        return bytes([len(calls)]) * 32
+
+    def attest_key(key_id, client_data_hash):
+        calls.append(f"attest {key_id[0]}")
+        return client_data_hash
+
+    def generate_assertion(key_id, client_data_hash):
+        calls.append(f"assert {key_id[0]}")
+        return client_data_hash
+
+    attestation = tokens.AppleAppAttest(generate_key, attest_key, generate_assertion)
+    first = attestation.evidence(b"c1")
+    assert first["format"] == "apple-app-attest" and "assertion" not in first
+    # clientDataHash = SHA-256("confed-app-attest-v1" 0x00 || challenge), as the issuer checks it.
+    assert tokens.unb64url(first["attestation"]) == hashlib.sha256(
+        b"confed-app-attest-v1\x00c1").digest()
+    second = attestation.evidence(b"c2")
+    assert "attestation" not in second and second["key_id"] == first["key_id"]
+    attestation.refused()
+    attestation.evidence(b"c3")
+    assert calls == ["generate", "attest 1", "assert 1", "generate", "attest 4"]

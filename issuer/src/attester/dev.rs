@@ -10,7 +10,7 @@ use p256::ecdsa::signature::Verifier;
 use p256::ecdsa::{Signature, VerifyingKey};
 use sha2::{Digest, Sha256};
 
-use super::{Attester, DeviceIdentity, Evidence, FailedCheck, Seconds};
+use super::{AttestError, Attester, DeviceIdentity, Evidence, FailedCheck, Seconds};
 
 pub const FORMAT: &str = "dev";
 
@@ -40,43 +40,40 @@ impl Attester for DevAttester {
         evidence: &Evidence,
         challenge: &[u8],
         _now: Seconds,
-    ) -> Result<DeviceIdentity, Vec<FailedCheck>> {
+    ) -> Result<DeviceIdentity, AttestError> {
         let Evidence::Dev {
             public_key,
             signature,
         } = evidence
         else {
-            return Err(vec![FailedCheck::new(
-                "format",
-                "this issuer's attester takes evidence of format \"dev\"",
-            )]);
+            return Err(FailedCheck::format(&[FORMAT]).into());
         };
         let key = URL_SAFE_NO_PAD
             .decode(public_key)
             .ok()
             .and_then(|bytes| VerifyingKey::from_sec1_bytes(&bytes).ok())
             .ok_or_else(|| {
-                vec![FailedCheck::new(
+                AttestError::from(FailedCheck::new(
                     "public_key",
                     "not a base64url SEC1 P-256 point",
-                )]
+                ))
             })?;
         let signature = URL_SAFE_NO_PAD
             .decode(signature)
             .ok()
             .and_then(|bytes| Signature::from_slice(&bytes).ok())
             .ok_or_else(|| {
-                vec![FailedCheck::new(
+                AttestError::from(FailedCheck::new(
                     "signature",
                     "not a base64url 64-byte r || s ECDSA signature",
-                )]
+                ))
             })?;
         key.verify(&signed_message(challenge), &signature)
             .map_err(|_| {
-                vec![FailedCheck::new(
+                AttestError::from(FailedCheck::new(
                     "signature",
                     "does not verify over the challenge under public_key",
-                )]
+                ))
             })?;
         let point = key.to_sec1_point(false);
         Ok(DeviceIdentity(Sha256::digest(point.as_bytes()).into()))
@@ -130,13 +127,17 @@ mod tests {
         let refused = DevAttester
             .attest(&evidence(&device, b"old"), b"new", Seconds(0))
             .unwrap_err();
-        assert_eq!(refused[0].check, "signature");
+        assert_eq!(refused.checks()[0].check, "signature");
         let garbage = Evidence::Dev {
             public_key: "AAAA".into(),
             signature: "AAAA".into(),
         };
         assert_eq!(
-            DevAttester.attest(&garbage, b"c", Seconds(0)).unwrap_err()[0].check,
+            DevAttester
+                .attest(&garbage, b"c", Seconds(0))
+                .unwrap_err()
+                .checks()[0]
+                .check,
             "public_key"
         );
     }

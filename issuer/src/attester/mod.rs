@@ -4,7 +4,10 @@
 //! different for different devices, used only to count grants (`limiter/`) and never stored.
 
 pub mod android;
+pub mod apple;
+pub mod chain;
 pub mod dev;
+pub mod several;
 
 pub use confed_protocol::clock::Seconds;
 pub use confed_protocol::privacy_pass::issuer_api::Evidence;
@@ -23,6 +26,50 @@ impl FailedCheck {
             reason: reason.into(),
         }
     }
+
+    /// Evidence of a format none of `accepted` takes.
+    pub fn format(accepted: &[&str]) -> Self {
+        let quoted: Vec<String> = accepted.iter().map(|f| format!("\"{f}\"")).collect();
+        Self::new(
+            "format",
+            format!(
+                "this issuer takes evidence of format {}",
+                quoted.join(" or ")
+            ),
+        )
+    }
+}
+
+/// Why an attester did not attest a device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AttestError {
+    /// The evidence failed these checks (403, each named).
+    Refused(Vec<FailedCheck>),
+    /// The attester could not read or record what it keeps (App Attest's key registry): nothing
+    /// was decided; the device may retry (503).
+    Storage(String),
+}
+
+impl AttestError {
+    /// The failed checks of a refusal (none for a storage failure).
+    pub fn checks(&self) -> &[FailedCheck] {
+        match self {
+            Self::Refused(failed) => failed,
+            Self::Storage(_) => &[],
+        }
+    }
+}
+
+impl From<Vec<FailedCheck>> for AttestError {
+    fn from(failed: Vec<FailedCheck>) -> Self {
+        Self::Refused(failed)
+    }
+}
+
+impl From<FailedCheck> for AttestError {
+    fn from(failed: FailedCheck) -> Self {
+        Self::Refused(vec![failed])
+    }
 }
 
 /// An attested device, as the limiter counts it.
@@ -37,18 +84,30 @@ pub trait Attester: Send + Sync + std::fmt::Debug {
     /// wherever the issuer describes itself.
     fn insecure(&self) -> bool;
 
+    /// Every evidence format accepted (several for `Attesters`).
+    fn formats(&self) -> Vec<&'static str> {
+        vec![self.format()]
+    }
+
     /// Why the attester cannot take evidence now (e.g. its revocation data is stale), if so:
     /// the issuer answers 503 before looking at the evidence.
     fn unavailable(&self, _now: Seconds) -> Option<String> {
         None
     }
 
+    /// Why the attester cannot take this evidence now, if so (`unavailable`, unless several
+    /// attesters share the issuer and another one takes `evidence`).
+    fn unavailable_for(&self, _evidence: &Evidence, now: Seconds) -> Option<String> {
+        self.unavailable(now)
+    }
+
     /// Checks `evidence` against `challenge` (already checked fresh by the issuer) at `now`
-    /// (Unix seconds, for certificate validity).
+    /// (Unix seconds, for certificate validity). Blocking: an attester may sync what it
+    /// records (App Attest's key registry) before answering.
     fn attest(
         &self,
         evidence: &Evidence,
         challenge: &[u8],
         now: Seconds,
-    ) -> Result<DeviceIdentity, Vec<FailedCheck>>;
+    ) -> Result<DeviceIdentity, AttestError>;
 }

@@ -1,1 +1,2 @@
 pub mod android_chain;
+pub mod http;

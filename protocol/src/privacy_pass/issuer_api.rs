@@ -15,6 +15,22 @@ use serde::{Deserialize, Serialize};
 /// The dev attester's signed message: this label, then the raw challenge bytes.
 pub const DEV_ATTESTATION_LABEL: &[u8] = b"confed-dev-attestation-v1\0";
 
+/// What an App Attest key signs over for the issuer (its `clientDataHash`): SHA-256 of this
+/// label, then the raw challenge bytes. The label keeps an assertion made for the issuer apart
+/// from any the app's own servers ask the same key for.
+pub const APP_ATTEST_CLIENT_DATA_LABEL: &[u8] = b"confed-app-attest-v1\0";
+
+/// The `clientDataHash` an App Attest device passes to `attestKey` or `generateAssertion` for the
+/// issuer's `challenge`.
+pub fn app_attest_client_data_hash(challenge: &[u8]) -> [u8; 32] {
+    use sha2::Digest as _;
+    sha2::Sha256::new()
+        .chain_update(APP_ATTEST_CLIENT_DATA_LABEL)
+        .chain_update(challenge)
+        .finalize()
+        .into()
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TokenKey {
     #[serde(rename = "token-type")]
@@ -36,8 +52,11 @@ pub struct Directory {
     /// L: tokens one attested device may obtain per window.
     pub tokens_per_window: u32,
     pub window_seconds: i64,
-    /// The evidence `format` the issuer accepts.
+    /// The evidence `format` the issuer accepts (the first, when it accepts several).
     pub attester: String,
+    /// Every evidence `format` the issuer accepts (e.g. Android's and Apple's for an app on both).
+    #[serde(default)]
+    pub attesters: Vec<String>,
     /// Present when the attester bounds nothing (the dev attester).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warning: Option<String>,
@@ -69,9 +88,32 @@ pub enum Evidence {
         /// base64url DER certificates, the attested key's first and the root's last.
         certificate_chain: Vec<String>,
     },
+    /// Apple App Attest (`issuer/src/attester/apple/`): once per key, the attestation object
+    /// `DCAppAttestService.attestKey` returns; afterwards an assertion of the same key
+    /// (`generateAssertion`), both over `app_attest_client_data_hash(challenge)`. Exactly one of
+    /// `attestation` and `assertion`.
+    AppleAppAttest {
+        /// base64url, 32 bytes: the key identifier `generateKey` returned (SHA-256 of its public key).
+        key_id: String,
+        /// base64url CBOR attestation object (`fmt` "apple-appattest", `attStmt`, `authData`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        attestation: Option<String>,
+        /// base64url CBOR assertion (`signature`, `authenticatorData`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        assertion: Option<String>,
+    },
 }
 
 impl Evidence {
+    /// The `format` this evidence carries on the wire.
+    pub fn format(&self) -> &'static str {
+        match self {
+            Self::Dev { .. } => "dev",
+            Self::AndroidKeyAttestation { .. } => "android-key-attestation",
+            Self::AppleAppAttest { .. } => "apple-app-attest",
+        }
+    }
+
     /// A dev device's evidence for `challenge` under `key`.
     pub fn dev(key: &p256::ecdsa::SigningKey, challenge: &[u8]) -> Self {
         use p256::ecdsa::signature::Signer;

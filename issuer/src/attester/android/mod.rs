@@ -23,7 +23,6 @@
 //! The device identity the limiter counts is the SHA-256 of the RKP attestation key's
 //! SubjectPublicKeyInfo: one per (device, app, TEE or StrongBox) per provisioning period.
 
-pub mod chain;
 pub mod key_description;
 pub mod revocation;
 
@@ -36,7 +35,8 @@ use x509_parser::certificate::X509Certificate;
 
 use self::key_description::{KeyDescription, SecurityLevel, VerifiedBootState};
 use self::revocation::{StatusFile, StatusList};
-use super::{Attester, DeviceIdentity, Evidence, FailedCheck, Seconds};
+pub use super::chain;
+use super::{AttestError, Attester, DeviceIdentity, Evidence, FailedCheck, Seconds};
 
 pub const FORMAT: &str = "android-key-attestation";
 /// Google's provisioning-info extension, on certificates its remote key provisioning issued.
@@ -103,22 +103,17 @@ pub struct AndroidPolicy {
 
 /// The public keys of the certificates in a PEM bundle.
 pub fn root_keys_from_pem(pem: &[u8]) -> Result<Vec<Vec<u8>>, AndroidConfigError> {
-    let mut keys = Vec::new();
-    for item in x509_parser::pem::Pem::iter_from_buffer(pem) {
-        let item = match item {
-            Ok(item) => item,
-            Err(x509_parser::error::PEMError::MissingHeader) => break,
-            Err(e) => return Err(AndroidConfigError::Roots(e.to_string())),
-        };
-        let cert = item
-            .parse_x509()
-            .map_err(|e| AndroidConfigError::Roots(e.to_string()))?;
-        keys.push(cert.public_key().raw.to_vec());
-    }
-    if keys.is_empty() {
-        return Err(AndroidConfigError::Roots("no CERTIFICATE block".into()));
-    }
-    Ok(keys)
+    chain::pem_certificates(pem)
+        .and_then(|ders| {
+            ders.iter()
+                .map(|der| {
+                    x509_parser::parse_x509_certificate(der)
+                        .map(|(_, cert)| cert.public_key().raw.to_vec())
+                        .map_err(|e| e.to_string())
+                })
+                .collect()
+        })
+        .map_err(AndroidConfigError::Roots)
 }
 
 /// Google's roots' public keys.
@@ -349,31 +344,28 @@ impl Attester for AndroidAttester {
         evidence: &Evidence,
         challenge: &[u8],
         now: Seconds,
-    ) -> Result<DeviceIdentity, Vec<FailedCheck>> {
+    ) -> Result<DeviceIdentity, AttestError> {
         let Evidence::AndroidKeyAttestation { certificate_chain } = evidence else {
-            return Err(vec![FailedCheck::new(
-                "format",
-                format!("this issuer's attester takes evidence of format \"{FORMAT}\""),
-            )]);
+            return Err(FailedCheck::format(&[FORMAT]).into());
         };
-        let ders = chain::decode(certificate_chain).map_err(|e| vec![e])?;
-        let certs = chain::parse(&ders).map_err(|e| vec![e])?;
-        self.check_chain(&certs, now).map_err(|e| vec![e])?;
-        let description = Self::key_description(&certs).map_err(|e| vec![e])?;
+        let ders = chain::decode(certificate_chain)?;
+        let certs = chain::parse(&ders)?;
+        self.check_chain(&certs, now)?;
+        let description = Self::key_description(&certs)?;
         let attestation_key = &certs[1];
         if !attestation_key
             .extensions()
             .iter()
             .any(|e| e.oid.to_id_string() == PROVISIONING_INFO_OID)
         {
-            return Err(vec![FailedCheck::new(
+            return Err(AttestError::from(FailedCheck::new(
                 "provisioning",
                 "the attestation key was provisioned in the factory, shared by a batch of devices, so it cannot bound tokens per device; this issuer takes remotely provisioned (RKP) attestation keys only",
-            )]);
+            )));
         }
         let failed = self.check_description(&description, challenge);
         if !failed.is_empty() {
-            return Err(failed);
+            return Err(AttestError::Refused(failed));
         }
         let mut hash = Sha256::new();
         hash.update(IDENTITY_LABEL);

@@ -1,10 +1,10 @@
-//! The certificate chain of an Android key attestation: decoded, every link's signature checked
-//! with ring, and its root matched by public key against the trusted roots.
+//! Attestation certificate chains (Android key attestation, Apple App Attest): decoded, every
+//! link's signature checked with ring; each attester matches the root against its trust anchors.
 //!
-//! The signature algorithms accepted are the pairs Google's attestation chains use (ECDSA P-256 and
-//! P-384 with SHA-256 or SHA-384, RSA PKCS#1 v1.5 2048-8192 bits with SHA-256/384/512) and nothing
-//! else: no SHA-1, no RSA-PSS, no Ed25519. That is why the links are checked here rather than with
-//! x509-parser's `verify` feature, which also accepts SHA-1 RSA.
+//! The signature algorithms accepted are the pairs Google's and Apple's attestation chains use
+//! (ECDSA P-256 and P-384 with SHA-256 or SHA-384, RSA PKCS#1 v1.5 2048-8192 bits with
+//! SHA-256/384/512) and nothing else: no SHA-1, no RSA-PSS, no Ed25519. That is why the links are
+//! checked here rather than with x509-parser's `verify` feature, which also accepts SHA-1 RSA.
 
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
@@ -24,6 +24,25 @@ use crate::attester::FailedCheck;
 pub const MAX_CERTIFICATES: usize = 10;
 /// Largest certificate accepted, in DER bytes (Google's are under 1.5 KiB).
 pub const MAX_CERTIFICATE_BYTES: usize = 8 * 1024;
+
+/// The DER certificates of a PEM bundle (text around the blocks is ignored), each checked to
+/// parse; an error says why, or that there is none.
+pub fn pem_certificates(pem: &[u8]) -> Result<Vec<Vec<u8>>, String> {
+    let mut certificates = Vec::new();
+    for item in x509_parser::pem::Pem::iter_from_buffer(pem) {
+        let item = match item {
+            Ok(item) => item,
+            Err(x509_parser::error::PEMError::MissingHeader) => break,
+            Err(e) => return Err(e.to_string()),
+        };
+        item.parse_x509().map_err(|e| e.to_string())?;
+        certificates.push(item.contents);
+    }
+    if certificates.is_empty() {
+        return Err("no CERTIFICATE block".into());
+    }
+    Ok(certificates)
+}
 
 /// Decodes the evidence's base64url certificates, leaf first.
 pub fn decode(chain: &[String]) -> Result<Vec<Vec<u8>>, FailedCheck> {
