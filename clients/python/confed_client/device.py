@@ -305,9 +305,19 @@ class Device:
     #: The latest 100 (task_id, round, TrainingProblem) of this device, for its own inspection
     #: (bounded: a device whose training fails every round for months must not grow with it).
     problems: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100))
-    #: How the device attests to token issuers (`tokens.DevAttestation` for tests and demos).
-    #: None: it declines tasks that require device tokens.
-    attestation: tokens.DevAttestation | None = None
+    #: How the device attests to token issuers (`tokens.DevAttestation` for tests and demos,
+    #: `tokens.AndroidKeyAttestation`, `tokens.AppleAppAttest`). None: it declines tasks that
+    #: require device tokens.
+    attestation: tokens.DevAttestation | tokens.AndroidKeyAttestation | tokens.AppleAppAttest \
+        | None = None
+    #: After an assignment it could not serve (no device token, a refused upload, ...), the
+    #: device's next `run_once` first waits a uniform time in this window (seconds), as the Rust
+    #: device does (`tokens::AFTER_FAILURE`): a failure that will fail again (an issuer that offers
+    #: none of a policy's keys during a rotation) must not become a loop of assignments, each
+    #: holding a slot of the round until it is reported.
+    after_failure: tuple[float, float] = (60.0, 120.0)
+    #: How the device waits (injectable for tests).
+    sleep: Callable[[float], None] = time.sleep
     #: The latest 100 sends of this device, for its own inspection: {"task_id", "round",
     #: "received_ms", "send_ms" (drawn before training), "sealed_ms" (when the seal started)}.
     sent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100))
@@ -315,6 +325,8 @@ class Device:
     #: "token_ms", "send_ms"}, Unix ms), until it is reported. Kept in `state_file`.
     sends: dict = field(default_factory=dict)
     _token_sources: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    #: Unix seconds before which `run_once` does not check in (after a failed assignment).
+    _not_before: float = field(default=0.0, init=False, compare=False, repr=False)
     _serving: threading.Lock = field(default_factory=threading.Lock, init=False,
                                      compare=False, repr=False)
 
@@ -685,18 +697,29 @@ class Device:
 
     def run_once(self, train: Train, max_wait: float = 600.0) -> str:
         """One check-in and what follows: "contributed", "declined" or a retry reason (after
-        waiting inside the retry window, at most `max_wait` seconds)."""
+        waiting inside the retry window, at most `max_wait` seconds). After an assignment that
+        failed (raised), the next call first waits inside `after_failure`, at most `max_wait`."""
+        backoff = self._not_before - time.time()
+        if backoff > 0:
+            self.sleep(min(max_wait, backoff))
         answer = self.check_in()
         if "assignment_id" not in answer:
             window = answer["retry_window"]
-            time.sleep(min(max_wait, random.uniform(window["min_seconds"], window["max_seconds"])))
+            self.sleep(min(max_wait, random.uniform(window["min_seconds"], window["max_seconds"])))
             return answer["reason"]
         if self.declines(answer):
             declined = self.report(answer, "not_eligible")
             window = declined.get("retry_window")
             if window:
-                time.sleep(min(max_wait, random.uniform(window["min_seconds"],
+                self.sleep(min(max_wait, random.uniform(window["min_seconds"],
                                                         window["max_seconds"])))
             return "declined"
-        self.contribute(answer, train)
+        try:
+            self.contribute(answer, train)
+        except Exception as error:
+            # 410: the round closed under the device (others reached its goal): not a failure
+            # that repeats.
+            if not (isinstance(error, DeviceError) and error.status == 410):
+                self._not_before = time.time() + random.uniform(*self.after_failure)
+            raise
         return "contributed"

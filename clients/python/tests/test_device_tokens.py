@@ -90,6 +90,25 @@ def test_devices_without_attestation_or_trust_in_the_issuer_decline(server, issu
         without_attestation.contribute(without_attestation.check_in(), lambda w, plan: w)
 
 
+def test_a_device_that_cannot_get_a_token_waits_a_retry_window_before_checking_in_again(
+        server, issuer):
+    partner = Partner(server["url"], server["token"])
+    partner.create_task(spec("python-tokens-backoff", issuer), {"w": np.zeros(4, np.float32)})
+    trust = trusting(server, issuer)
+    # The issuer the trust file names is unreachable: no token, the assignment fails.
+    trust.token_issuers[issuer["name"]]["url"] = "http://127.0.0.1:9"
+    waits = []
+    device = Device(server["url"], "python-tokens-backoff", trust,
+                    attestation=tokens.DevAttestation(), sleep=waits.append)
+    train = lambda w, plan: {"w": np.full(4, 0.1, np.float32)}  # noqa: E731
+    for _ in range(2):
+        with pytest.raises(Exception):
+            device.run_once(train)
+    # The first failure is reported at once; the second check-in came only after a wait of
+    # 60-120 s (the first wait run_once made), not in a loop.
+    assert 55 <= waits[0] <= 120, waits
+
+
 def test_the_blind_rsa_half_matches_the_rfc_9578_vectors():
     vectors = json.loads((ROOT / "protocol/testdata/privacy_pass_type2_vectors.json").read_text())
     for vector in vectors:
