@@ -175,6 +175,7 @@ CONFED_DATABASE_URL=$database
 CONFED_BLOBS=gs://$bucket/confed
 CONFED_GCS_ENDPOINT=$endpoint
 CONFED_TENANT_TOKEN_FILE=$dir/secrets/tenant-token
+CONFED_ISSUER_URL=http://127.0.0.1:$((base + 5))
 CONFED_TRUST_FILE=$dir/trust.json
 CONFED_METRICS_TARGETS=$(IFS=,; echo "${targets[*]}")
 EOF

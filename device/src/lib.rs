@@ -3,12 +3,14 @@
 //! caching, check the task policy against the device's limits, seal the update with HPKE, upload
 //! with retries (idempotent), report. The wire formats are `confed-protocol`'s.
 
+pub mod app_attest;
 pub mod client;
 pub mod schedule;
 pub mod state;
 pub mod tokens;
 pub mod update;
 
+pub use app_attest::{AppAttestError, AppAttestService, AppleAppAttest};
 pub use client::{
     AcceptedPolicy, Checkin, DeviceClient, DeviceError, Model, VerifiedKeys, load_trust,
 };
@@ -18,7 +20,6 @@ pub use confed_protocol::trust::{TrustConfig, TrustedEntry, TrustedIssuer};
 pub use schedule::{Cancel, DueUpdate, Schedule, SendTimes, Trained};
 pub use state::{DeviceState, FileStore, StateError, StateStore};
 pub use tokens::{
-    AndroidKeyAttestation, AppAttestService, AppleAppAttest, AssignmentToken, Attestation,
-    DevAttestation, TokenSource,
+    AndroidKeyAttestation, AssignmentToken, Attestation, DevAttestation, TokenSource,
 };
 pub use update::{ModelShapeError, TrainingProblem, UpdateShape, WellFormedUpdate};

@@ -30,9 +30,12 @@ pub trait Attestation: Send + Sync + std::fmt::Debug {
     /// Evidence bound to the issuer's `challenge`.
     fn evidence(&self, challenge: &[u8]) -> Result<Evidence, DeviceError>;
 
-    /// The issuer refused the last evidence (403): an attestation that keeps state (App Attest's
-    /// key) starts over.
-    fn refused(&self) {}
+    /// The issuer took the last evidence (it answered 200, or 429: attested, but out of tokens).
+    fn accepted(&self) {}
+
+    /// The issuer refused the last evidence (403 `attestation-refused`) with these failed checks:
+    /// an attestation that keeps state (App Attest's key) may start over.
+    fn refused(&self, _failed_checks: &[String]) {}
 }
 
 /// The dev attestation: a P-256 key the device made itself. It proves nothing about the device,
@@ -83,108 +86,6 @@ where
                 .map(|der| URL_SAFE_NO_PAD.encode(der))
                 .collect(),
         })
-    }
-}
-
-/// The app's platform code for Apple App Attest (`DCAppAttestService`).
-pub trait AppAttestService: Send + Sync {
-    /// `generateKey`: a new key's identifier (32 bytes, the SHA-256 of its public key).
-    fn generate_key(&self) -> Result<Vec<u8>, String>;
-    /// `attestKey(keyId, clientDataHash)`: the attestation object (CBOR).
-    fn attest_key(&self, key_id: &[u8], client_data_hash: &[u8; 32]) -> Result<Vec<u8>, String>;
-    /// `generateAssertion(keyId, clientDataHash)`: the assertion (CBOR).
-    fn generate_assertion(
-        &self,
-        key_id: &[u8],
-        client_data_hash: &[u8; 32],
-    ) -> Result<Vec<u8>, String>;
-}
-
-/// Apple App Attest: the first time, a new key attested by Apple; afterwards assertions of that
-/// key, both over `app_attest_client_data_hash(challenge)`. The key id is what the app keeps
-/// across launches (`key_id`, `with_key`): one key per install, so the issuer's allowance
-/// follows the install. A refused key is dropped and the next evidence attests a new one (Apple
-/// attests a key once).
-pub struct AppleAppAttest<S> {
-    service: S,
-    /// The key in use and whether Apple has attested it.
-    key: Mutex<Option<(Vec<u8>, bool)>>,
-}
-
-impl<S> std::fmt::Debug for AppleAppAttest<S> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("AppleAppAttest")
-    }
-}
-
-impl<S: AppAttestService> AppleAppAttest<S> {
-    /// A device that has no key yet: the first evidence generates and attests one.
-    pub fn new(service: S) -> Self {
-        Self {
-            service,
-            key: Mutex::new(None),
-        }
-    }
-
-    /// A device that kept `key_id`, attested by an earlier launch: it asserts with it.
-    pub fn with_key(service: S, key_id: Vec<u8>) -> Self {
-        Self {
-            service,
-            key: Mutex::new(Some((key_id, true))),
-        }
-    }
-
-    /// The attested key's id, for the app to keep.
-    pub fn key_id(&self) -> Option<Vec<u8>> {
-        self.key
-            .lock()
-            .ok()?
-            .as_ref()
-            .filter(|(_, attested)| *attested)
-            .map(|(id, _)| id.clone())
-    }
-}
-
-impl<S: AppAttestService> Attestation for AppleAppAttest<S> {
-    fn evidence(&self, challenge: &[u8]) -> Result<Evidence, DeviceError> {
-        let failed = |e: String| DeviceError::Token(format!("App Attest: {e}"));
-        let hash =
-            confed_protocol::privacy_pass::issuer_api::app_attest_client_data_hash(challenge);
-        let mut key = self
-            .key
-            .lock()
-            .map_err(|_| DeviceError::Token("App Attest: the key's lock is poisoned".into()))?;
-        if let Some((key_id, true)) = key.as_ref() {
-            let assertion = self
-                .service
-                .generate_assertion(key_id, &hash)
-                .map_err(failed)?;
-            return Ok(Evidence::AppleAppAttest {
-                key_id: URL_SAFE_NO_PAD.encode(key_id),
-                attestation: None,
-                assertion: Some(URL_SAFE_NO_PAD.encode(assertion)),
-            });
-        }
-        // A key generated but not attested (attestKey failed, e.g. Apple's server was
-        // unreachable) is attested now, as Apple advises, rather than replaced.
-        let key_id = match key.take() {
-            Some((key_id, false)) => key_id,
-            _ => self.service.generate_key().map_err(failed)?,
-        };
-        *key = Some((key_id.clone(), false));
-        let object = self.service.attest_key(&key_id, &hash).map_err(failed)?;
-        *key = Some((key_id.clone(), true));
-        Ok(Evidence::AppleAppAttest {
-            key_id: URL_SAFE_NO_PAD.encode(&key_id),
-            attestation: Some(URL_SAFE_NO_PAD.encode(object)),
-            assertion: None,
-        })
-    }
-
-    fn refused(&self) {
-        if let Ok(mut key) = self.key.lock() {
-            *key = None;
-        }
     }
 }
 
@@ -381,22 +282,47 @@ impl TokenSource {
             credential: None,
             token_requests: requests,
         };
-        let answer = self.send(&body).await;
-        if let Err(DeviceError::Server { status: 403, .. }) = &answer {
-            self.attestation.refused();
+        let response = self.post(&body).await?;
+        let status = response.status().as_u16();
+        if status == 403 {
+            // The failed checks tell the attestation whether its key is what was refused.
+            let text = response.text().await.unwrap_or_default();
+            let problem: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+            if problem["type"] == "urn:confed:problem:attestation-refused" {
+                let checks: Vec<String> = problem["failed_checks"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|c| c["check"].as_str().map(String::from))
+                    .collect();
+                self.attestation.refused(&checks);
+            }
+            let detail = problem["detail"].as_str().map_or(text, String::from);
+            return Err(DeviceError::Server { status, detail });
         }
-        answer
+        if status == 200 || status == 429 {
+            self.attestation.accepted();
+        }
+        self.finish(response).await
+    }
+
+    async fn post(&self, body: &TokenRequestBody) -> Result<reqwest::Response, DeviceError> {
+        Ok(self
+            .http
+            .post(format!("{}/v1/token-request", self.url))
+            .json(body)
+            .send()
+            .await?)
     }
 
     async fn send(&self, body: &TokenRequestBody) -> Result<TokenResponseBody, DeviceError> {
-        let answer: TokenResponseBody = json_or_problem(
-            self.http
-                .post(format!("{}/v1/token-request", self.url))
-                .json(body)
-                .send()
-                .await?,
-        )
-        .await?;
+        let response = self.post(body).await?;
+        self.finish(response).await
+    }
+
+    /// The answer, its credential kept for the rest of the window.
+    async fn finish(&self, response: reqwest::Response) -> Result<TokenResponseBody, DeviceError> {
+        let answer: TokenResponseBody = json_or_problem(response).await?;
         if let Ok(mut held) = self.credential.lock() {
             *held = Some((answer.credential.clone(), answer.window_ends_at));
         }
@@ -460,94 +386,5 @@ mod tests {
         let failing = AndroidKeyAttestation(|_: &[u8]| Err("no secure hardware".into()));
         let error = failing.evidence(b"c").unwrap_err().to_string();
         assert!(error.contains("no secure hardware"), "{error}");
-    }
-
-    /// A stand-in for `DCAppAttestService` that records what it was asked.
-    #[derive(Default)]
-    struct FakeService {
-        calls: Mutex<Vec<String>>,
-        fail_next_attestation: std::sync::atomic::AtomicBool,
-    }
-
-    impl AppAttestService for &FakeService {
-        fn generate_key(&self) -> Result<Vec<u8>, String> {
-            let mut calls = self.calls.lock().unwrap();
-            calls.push("generate".into());
-            Ok(vec![u8::try_from(calls.len()).unwrap(); 32])
-        }
-        fn attest_key(&self, key_id: &[u8], hash: &[u8; 32]) -> Result<Vec<u8>, String> {
-            self.calls
-                .lock()
-                .unwrap()
-                .push(format!("attest {}", key_id[0]));
-            if self
-                .fail_next_attestation
-                .swap(false, std::sync::atomic::Ordering::SeqCst)
-            {
-                return Err("serverUnavailable".into());
-            }
-            Ok(hash.to_vec())
-        }
-        fn generate_assertion(&self, key_id: &[u8], hash: &[u8; 32]) -> Result<Vec<u8>, String> {
-            self.calls
-                .lock()
-                .unwrap()
-                .push(format!("assert {}", key_id[0]));
-            Ok(hash.to_vec())
-        }
-    }
-
-    #[test]
-    fn app_attest_attests_one_key_then_asserts_and_starts_over_when_refused() {
-        use confed_protocol::privacy_pass::issuer_api::app_attest_client_data_hash;
-        let service = FakeService::default();
-        service
-            .fail_next_attestation
-            .store(true, std::sync::atomic::Ordering::SeqCst);
-        let attestation = AppleAppAttest::new(&service);
-        // Apple's server unreachable: the same key is attested at the next try.
-        assert!(attestation.evidence(b"c0").is_err());
-        assert_eq!(attestation.key_id(), None);
-        let Evidence::AppleAppAttest {
-            key_id,
-            attestation: Some(object),
-            assertion: None,
-        } = attestation.evidence(b"c1").unwrap()
-        else {
-            panic!("an attestation first")
-        };
-        assert_eq!(
-            URL_SAFE_NO_PAD.decode(object).unwrap(),
-            app_attest_client_data_hash(b"c1")
-        );
-        assert_eq!(
-            attestation.key_id(),
-            Some(URL_SAFE_NO_PAD.decode(&key_id).unwrap())
-        );
-        let Evidence::AppleAppAttest {
-            assertion: Some(signed),
-            attestation: None,
-            ..
-        } = attestation.evidence(b"c2").unwrap()
-        else {
-            panic!("then assertions")
-        };
-        assert_eq!(
-            URL_SAFE_NO_PAD.decode(signed).unwrap(),
-            app_attest_client_data_hash(b"c2")
-        );
-        attestation.refused();
-        assert_eq!(attestation.key_id(), None);
-        attestation.evidence(b"c3").unwrap();
-        assert_eq!(
-            *service.calls.lock().unwrap(),
-            [
-                "generate", "attest 1", "attest 1", "assert 1", "generate", "attest 5"
-            ]
-        );
-        // A key kept from an earlier launch asserts at once.
-        let kept = AppleAppAttest::with_key(&service, vec![9; 32]);
-        kept.evidence(b"c4").unwrap();
-        assert_eq!(service.calls.lock().unwrap().last().unwrap(), "assert 9");
     }
 }

@@ -206,6 +206,12 @@ fn attesters(args: &IssuerArgs, limiter: &Limiter) -> anyhow::Result<Box<dyn Att
             "the --apple-* options configure --attester apple-app-attest; remove them or add that attester"
         );
     }
+    let mut distinct = args.attesters.clone();
+    distinct.sort_by_key(|kind| *kind as u8);
+    distinct.dedup();
+    if distinct.len() != args.attesters.len() {
+        anyhow::bail!("name each --attester once");
+    }
     if named(AttesterKind::Dev) {
         if args.attesters.len() > 1 {
             anyhow::bail!(
@@ -227,7 +233,7 @@ fn attesters(args: &IssuerArgs, limiter: &Limiter) -> anyhow::Result<Box<dyn Att
     }
     Attesters::new(parts)
         .map(|several| Box::new(several) as Box<dyn Attester>)
-        .context("name each --attester once")
+        .context("the attesters must be distinct and none of them dev")
 }
 
 fn apple_attester(args: &IssuerArgs, limiter: &Limiter) -> anyhow::Result<AppleAttester> {
@@ -456,6 +462,10 @@ mod tests {
                 "--apple-* options configure",
             ),
             (&["--attester", "apple-app-attest"][..], "--apple-app"),
+            (
+                &["--attester", "dev", "--attester", "dev"][..],
+                "name each --attester once",
+            ),
             (
                 &[
                     "--attester",

@@ -480,6 +480,22 @@ fn app_ids_parse_as_team_and_bundle_and_bad_ones_say_what_to_write() {
         assert!(error.contains("TEAMID.BUNDLEID"), "{error}");
     }
     let dir = tempfile::tempdir().unwrap();
+    // A root that would fail every attestation fails the start instead.
+    let mut trailing = apple_roots();
+    trailing[0].push(0);
+    for roots in [vec![], vec![b"junk".to_vec()], trailing] {
+        assert!(
+            AppleAttester::new(
+                ApplePolicy {
+                    trusted_roots: roots,
+                    apps: vec![SAMPLE_APP.parse().unwrap()],
+                    allow_development: false
+                },
+                registry(dir.path()),
+            )
+            .is_err()
+        );
+    }
     assert!(
         AppleAttester::new(
             ApplePolicy {

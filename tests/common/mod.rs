@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod database;
+pub mod direct_upload;
 pub mod forgery;
 pub mod gcs;
 pub mod issuer;

@@ -2,7 +2,9 @@
 //! replicas, a scheduler and two `confed-enclave` workers on one PostgreSQL database and one GCS
 //! bucket (emulator), with three key services. Simulated devices are spread over both APIs for
 //! three rounds; every round must complete exactly once, with every acknowledged contribution
-//! included once.
+//! included once. Then a task that requires device tokens: an outsider's token-less upload
+//! straight to the bucket is refused at its report, and devices holding the cluster issuer's
+//! tokens fill the round, every contribution authenticated.
 //!
 //! Runs when `CONFED_TEST_DATABASE_URL` and `CONFED_TEST_GCS_ENDPOINT` are set (`.ci/run` sets
 //! both); otherwise says so once and passes.
@@ -14,8 +16,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::database::{fresh_postgres_database, postgres_url};
+use common::direct_upload::outsider_upload;
 use common::gcs::emulator;
-use common::system::{create_task, rounds_at};
+use common::system::{create_task, create_task_with, rounds_at};
 use confed::tools::simulate::{self, SimulationConfig};
 use confed_protocol::trust::TrustConfig;
 
@@ -101,9 +104,19 @@ fn free_port_block(count: u16) -> u16 {
 }
 
 fn devices(api: &str, first_device: u64, trust: &TrustConfig, seed: u64) -> SimulationConfig {
+    devices_of("cluster", api, first_device, trust, seed)
+}
+
+fn devices_of(
+    population: &str,
+    api: &str,
+    first_device: u64,
+    trust: &TrustConfig,
+    seed: u64,
+) -> SimulationConfig {
     SimulationConfig {
         server: api.to_string(),
-        population: "cluster".into(),
+        population: population.into(),
         devices: DEVICES_PER_API,
         first_device,
         concurrency: 8,
@@ -243,6 +256,83 @@ async fn devices_over_two_api_replicas_complete_every_round_once_with_every_cont
     );
     assert_eq!(included as usize, GOAL * ROUNDS as usize);
 
+    tokens_on_the_bucket_path(&cluster, &apis, &token, &trust, &db).await;
+
     // The shipped alert rules and dashboard, against what these processes export.
     crate::monitoring::check_shipped_monitoring(cluster.get("CONFED_METRICS_TARGETS")).await;
+}
+
+/// Device tokens where devices upload straight to the bucket (issue 46): the report counts an
+/// upload only once its token verifies, so an outsider cannot fill (and fail) a round, and devices
+/// with the cluster issuer's tokens complete it.
+async fn tokens_on_the_bucket_path(
+    cluster: &Cluster,
+    apis: &[String],
+    token: &str,
+    trust: &TrustConfig,
+    db: &confed::db::Db,
+) {
+    let issuer = confed::tools::issuer::trusted_issuer(cluster.get("CONFED_ISSUER_URL"))
+        .await
+        .unwrap();
+    const AUTHED_GOAL: usize = 10;
+    let task = create_task_with(
+        &apis[0],
+        token,
+        "cluster-tokens",
+        50.0,
+        AUTHED_GOAL,
+        serde_json::json!({
+            "rounds": 1,
+            "device_auth": {"issuer": issuer.name, "token_keys": issuer.token_keys},
+        }),
+    )
+    .await;
+    let context = db.round_context(&task, 1).await.unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    for (case, forged) in [
+        ("no token", None),
+        (
+            "a forged token",
+            Some(vec![2u8; confed_protocol::privacy_pass::TOKEN_BYTES]),
+        ),
+    ] {
+        let (status, detail) =
+            outsider_upload(&apis[1], "cluster-tokens", trust, &context, now, forged).await;
+        assert_eq!(status, 403, "{case}: {detail}");
+    }
+    assert!(
+        db.completed_contributions(&task, 1)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let mut trusting = trust.clone();
+    trusting.token_issuers.push(issuer);
+    let outcome = simulate::run(devices_of("cluster-tokens", &apis[0], 1_000, &trusting, 7))
+        .await
+        .unwrap();
+    assert!(outcome.contributions >= AUTHED_GOAL, "{outcome:?}");
+    let completed = tokio::time::timeout(BOUND, async {
+        let mut tick = tokio::time::interval(Duration::from_millis(200));
+        loop {
+            tick.tick().await;
+            if let Some(release) = db.releases_of_task(&task).await.unwrap().pop() {
+                return release;
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "the token task's round did not complete\n{}",
+            cluster.log("worker1")
+        )
+    });
+    let manifest: serde_json::Value = serde_json::from_str(&completed.manifest_json).unwrap();
+    assert_eq!(completed.included, AUTHED_GOAL as i64, "{manifest}");
+    assert_eq!(manifest["authenticated"], AUTHED_GOAL as i64, "{manifest}");
 }

@@ -11,6 +11,7 @@ use crate::common;
 use std::sync::Once;
 use std::time::Duration;
 
+use common::direct_upload::{checkin, outsider_upload, report, upload};
 use common::gcs::{GCS_ENV, emulator, fresh_bucket};
 use common::system::{collect, now_clock, open_task, rounds, start};
 use confed::blob::{BlobError, BlobKey, BlobStore, Gcs, PutOutcome};
@@ -209,39 +210,6 @@ async fn signed_upload_urls_carry_the_headers_they_require_and_accept_a_put() {
     assert_eq!(store.stat(&object).await.unwrap().unwrap().size, 6);
 }
 
-async fn checkin(url: &str, population: &str) -> Value {
-    let response = http()
-        .post(format!("{url}/v1/populations/{population}/checkin"))
-        .json(&json!({"client_version": "1.0.0"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 201);
-    response.json().await.unwrap()
-}
-
-async fn report(url: &str, assignment: &Value) -> reqwest::Response {
-    http()
-        .post(format!(
-            "{url}{}",
-            assignment["report_url"].as_str().unwrap()
-        ))
-        .json(&json!({"outcome": "completed"}))
-        .send()
-        .await
-        .unwrap()
-}
-
-async fn upload(assignment: &Value, body: Vec<u8>) -> reqwest::StatusCode {
-    let mut put = http()
-        .put(assignment["upload_url"].as_str().unwrap())
-        .body(body);
-    for (name, value) in assignment["upload_headers"].as_object().unwrap() {
-        put = put.header(name, value.as_str().unwrap());
-    }
-    put.send().await.unwrap().status()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn devices_upload_to_signed_urls_and_the_report_checks_the_object() {
     if emulator().is_none() {
@@ -376,8 +344,6 @@ async fn a_direct_upload_without_a_valid_token_never_counts_and_the_round_keeps_
     )
     .await;
     let context = system.db.round_context(&task, 1).await.unwrap();
-    let client = confed_device::DeviceClient::new(&system.url, &system.trust).unwrap();
-    let update = confed::tools::simulate::initial_model(7);
     for (case, token) in [
         ("no token", None),
         (
@@ -385,33 +351,17 @@ async fn a_direct_upload_without_a_valid_token_never_counts_and_the_round_keeps_
             Some(vec![2u8; confed_protocol::privacy_pass::TOKEN_BYTES]),
         ),
     ] {
-        let assignment = checkin(&system.url, "gcs-authed").await;
-        let parsed: confed_device::AssignmentResponse =
-            serde_json::from_value(assignment.clone()).unwrap();
-        let key = client.verified_key(&parsed, clock.now_seconds().0).unwrap();
-        let mut envelope = confed_protocol::envelope::seal(
-            &key,
-            &parsed.encryption.key_id,
+        let (status, detail) = outsider_upload(
+            &system.url,
+            "gcs-authed",
+            &system.trust,
             &context,
-            &parsed.assignment_id,
-            &update,
+            clock.now_seconds().0,
+            token,
         )
-        .unwrap();
-        envelope.token = token;
-        assert!(
-            upload(&assignment, envelope.to_cbor()).await.is_success(),
-            "{case}"
-        );
-        let refused = report(&system.url, &assignment).await;
-        assert_eq!(refused.status(), 403, "{case}");
-        let detail = refused.text().await.unwrap();
+        .await;
+        assert_eq!(status, 403, "{case}: {detail}");
         assert!(detail.contains("does not count"), "{case}: {detail}");
-        // Refused again, never counted.
-        assert_eq!(
-            report(&system.url, &assignment).await.status(),
-            403,
-            "{case}"
-        );
     }
     assert!(
         system

@@ -9,12 +9,15 @@ from .release import ReleaseError, verify_release
 from .simulation import RoundResult, SimulationError, run_simulation
 from .tensors import as_arrays, from_safetensors, to_safetensors, to_torch
 from . import tokens
-from .tokens import AndroidKeyAttestation, AppleAppAttest, DevAttestation
+from .tokens import (AndroidKeyAttestation, AppAttestInvalidKey, AppAttestServerUnavailable,
+                     AppleAppAttest, DevAttestation)
 
 __all__ = [
     "ConfedError",
     "AndroidKeyAttestation",
     "AppleAppAttest",
+    "AppAttestInvalidKey",
+    "AppAttestServerUnavailable",
     "DevAttestation",
     "Device",
     "DeviceError",

@@ -33,7 +33,13 @@ _HASH = 48
 
 
 class TokenError(Exception):
-    """A token could not be obtained or does not verify."""
+    """A token could not be obtained or does not verify. ``status`` and ``problem`` (the
+    issuer's problem+json) are set when the issuer refused."""
+
+    def __init__(self, message: str, status: int | None = None, problem: dict | None = None):
+        super().__init__(message)
+        self.status = status
+        self.problem = problem or {}
 
 
 def b64url(data: bytes) -> str:
@@ -190,36 +196,66 @@ def app_attest_client_data_hash(challenge_bytes: bytes) -> bytes:
     return hashlib.sha256(APP_ATTEST_CLIENT_DATA_LABEL + challenge_bytes).digest()
 
 
+class AppAttestServerUnavailable(Exception):
+    """Raised by the platform's App Attest calls for ``DCError.serverUnavailable``: try again
+    later with the same key."""
+
+
+class AppAttestInvalidKey(Exception):
+    """Raised by the platform's App Attest calls for ``DCError.invalidKey``: make a new key."""
+
+
+#: The issuer's checks whose refusal means the App Attest key itself is unusable.
+APP_ATTEST_KEY_CHECKS = frozenset({"key_id", "signature", "counter", "credential_id"})
+
+
 @dataclass
 class AppleAppAttest:
     """Apple App Attest: ``generate_key()``, ``attest_key(key_id, client_data_hash)`` and
     ``generate_assertion(key_id, client_data_hash)`` are the platform's ``DCAppAttestService``
-    calls. The first evidence attests a new key; later ones assert with it. Keep ``key_id`` across
-    launches (pass it back as ``key_id`` with ``attested=True``): one key per install, so the
-    issuer's allowance follows the install. A refused key is dropped; the next evidence attests a
-    new one."""
+    calls (raising ``AppAttestServerUnavailable`` or ``AppAttestInvalidKey`` where Apple says
+    so). The first evidence attests a new key; later ones assert with it. Keep ``key_id`` across
+    launches once ``state`` is "accepted" (pass both back). The key is dropped, and a new one
+    attested, only when Apple or the issuer say the key is the problem (the Rust device's
+    ``app_attest`` module does the same)."""
 
     generate_key: Callable[[], bytes]
     attest_key: Callable[[bytes, bytes], bytes]
     generate_assertion: Callable[[bytes, bytes], bytes]
     key_id: bytes | None = None
-    attested: bool = False
+    #: "generated" (attestKey to retry), "sent" (awaiting the issuer), "accepted".
+    state: str = "accepted"
 
     def evidence(self, challenge_bytes: bytes) -> dict:
         client_data_hash = app_attest_client_data_hash(challenge_bytes)
-        if self.key_id is not None and self.attested:
+        if self.key_id is not None and self.state in ("sent", "accepted"):
+            try:
+                assertion = self.generate_assertion(self.key_id, client_data_hash)
+            except AppAttestInvalidKey:
+                self.key_id = None
+                raise
             return {"format": "apple-app-attest", "key_id": b64url(self.key_id),
-                    "assertion": b64url(self.generate_assertion(self.key_id, client_data_hash))}
+                    "assertion": b64url(assertion)}
         if self.key_id is None:
-            self.key_id = self.generate_key()
-        # A key whose attestation failed (Apple's server unreachable) is attested again.
-        obj = self.attest_key(self.key_id, client_data_hash)
-        self.attested = True
+            self.key_id, self.state = self.generate_key(), "generated"
+        try:
+            obj = self.attest_key(self.key_id, client_data_hash)
+        except AppAttestServerUnavailable:
+            raise  # the same key next time, as Apple advises
+        except Exception:
+            self.key_id = None
+            raise
+        self.state = "sent"
         return {"format": "apple-app-attest", "key_id": b64url(self.key_id),
                 "attestation": b64url(obj)}
 
-    def refused(self) -> None:
-        self.key_id, self.attested = None, False
+    def accepted(self) -> None:
+        if self.state == "sent":
+            self.state = "accepted"
+
+    def refused(self, failed_checks: list[str]) -> None:
+        if APP_ATTEST_KEY_CHECKS.intersection(failed_checks):
+            self.key_id = None
 
 
 @dataclass
@@ -237,10 +273,13 @@ class TokenSource:
         reply = self.session.post(self.url.rstrip("/") + path, json=body, timeout=30)
         if reply.status_code != 200:
             try:
-                detail = reply.json().get("detail", reply.text)
+                problem = reply.json()
             except ValueError:
-                detail = reply.text
-            raise TokenError(f"issuer {path}: {reply.status_code}: {detail}")
+                problem = {}
+            problem = problem if isinstance(problem, dict) else {}
+            detail = problem.get("detail", reply.text)
+            raise TokenError(f"issuer {path}: {reply.status_code}: {detail}",
+                             status=reply.status_code, problem=problem)
         return reply.json()
 
     _offered: list[bytes] | None = None
@@ -283,7 +322,7 @@ class TokenSource:
                 answer = self._post("/v1/token-request",
                                     {"credential": held[0], "token_requests": requests_})
             except TokenError as error:
-                if ": 403:" not in str(error):
+                if error.status != 403:
                     raise
         if answer is None:
             issued = unb64url(self._post("/v1/challenge")["challenge"])
@@ -292,9 +331,16 @@ class TokenSource:
                     "challenge": b64url(issued), "evidence": self.attestation.evidence(issued),
                     "token_requests": requests_})
             except TokenError as error:
-                if ": 403:" in str(error) and hasattr(self.attestation, "refused"):
-                    self.attestation.refused()
+                # 429: attested, out of tokens; 403 attestation-refused names the failed checks.
+                if error.status == 429 and hasattr(self.attestation, "accepted"):
+                    self.attestation.accepted()
+                if (error.problem.get("type") == "urn:confed:problem:attestation-refused"
+                        and hasattr(self.attestation, "refused")):
+                    self.attestation.refused(
+                        [c.get("check") for c in error.problem.get("failed_checks", [])])
                 raise
+            if hasattr(self.attestation, "accepted"):
+                self.attestation.accepted()
         with self._lock:
             self._credential = (answer["credential"], answer["window_ends_at"])
         return unb64url(answer["token_responses"][0])

@@ -209,8 +209,9 @@ def test_android_key_attestation_sends_the_platforms_chain_as_base64url():
     assert all("=" not in c and "+" not in c and "/" not in c for c in evidence["certificate_chain"])
 
 
-def test_apple_app_attest_attests_one_key_then_asserts_and_starts_over_when_refused():
+def test_apple_app_attest_keeps_one_key_and_drops_it_only_when_apple_or_the_issuer_say_so():
     calls = []
+    failures = []
 
     def generate_key():
         calls.append("generate")
@@ -218,20 +219,43 @@ def test_apple_app_attest_attests_one_key_then_asserts_and_starts_over_when_refu
 
     def attest_key(key_id, client_data_hash):
         calls.append(f"attest {key_id[0]}")
+        if failures:
+            raise failures.pop()
         return client_data_hash
 
     def generate_assertion(key_id, client_data_hash):
         calls.append(f"assert {key_id[0]}")
+        if failures:
+            raise failures.pop()
         return client_data_hash
 
     attestation = tokens.AppleAppAttest(generate_key, attest_key, generate_assertion)
+    # Apple's server unavailable: the same key is attested at the next try.
+    failures.append(tokens.AppAttestServerUnavailable("down"))
+    with pytest.raises(tokens.AppAttestServerUnavailable):
+        attestation.evidence(b"c0")
     first = attestation.evidence(b"c1")
     assert first["format"] == "apple-app-attest" and "assertion" not in first
     # clientDataHash = SHA-256("confed-app-attest-v1" 0x00 || challenge), as the issuer checks it.
     assert tokens.unb64url(first["attestation"]) == hashlib.sha256(
         b"confed-app-attest-v1\x00c1").digest()
+    assert attestation.state == "sent"
+    attestation.accepted()
+    assert attestation.state == "accepted"
     second = attestation.evidence(b"c2")
     assert "attestation" not in second and second["key_id"] == first["key_id"]
-    attestation.refused()
+    attestation.refused(["rp_id"])  # not about the key: kept
     attestation.evidence(b"c3")
-    assert calls == ["generate", "attest 1", "assert 1", "generate", "attest 4"]
+    attestation.refused(["counter"])  # the key itself: a new one next time
+    attestation.evidence(b"c4")
+    assert calls == ["generate", "attest 1", "attest 1", "assert 1", "assert 1", "generate",
+                     "attest 6"]
+    # A kept key the platform no longer has: dropped, and a new one attested next time.
+    calls.clear()
+    restored = tokens.AppleAppAttest(generate_key, attest_key, generate_assertion,
+                                     key_id=b"\x09" * 32)
+    failures.append(tokens.AppAttestInvalidKey("gone"))
+    with pytest.raises(tokens.AppAttestInvalidKey):
+        restored.evidence(b"c")
+    restored.evidence(b"c")
+    assert calls == ["assert 9", "generate", "attest 2"]

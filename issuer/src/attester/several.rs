@@ -41,15 +41,22 @@ impl Attester for Attesters {
         false
     }
 
-    /// Not ready while any part cannot take evidence (the operator should act), though the
-    /// others still attest (`unavailable_for`).
+    /// Not ready only while no part can take evidence: a stale Android status list must not cut
+    /// off iOS devices (its 503s still count in `confed_issuer_refusals_total`, and it is
+    /// logged at every probe).
     fn unavailable(&self, now: Seconds) -> Option<String> {
         let reasons: Vec<String> = self
             .0
             .iter()
             .filter_map(|part| Some(format!("{}: {}", part.format(), part.unavailable(now)?)))
             .collect();
-        (!reasons.is_empty()).then(|| reasons.join("; "))
+        if reasons.len() < self.0.len() {
+            for reason in &reasons {
+                tracing::warn!(%reason, "one attester cannot take evidence; the others can");
+            }
+            return None;
+        }
+        Some(reasons.join("; "))
     }
 
     fn unavailable_for(&self, evidence: &Evidence, now: Seconds) -> Option<String> {
@@ -66,5 +73,74 @@ impl Attester for Attesters {
             Some(part) => part.attest(evidence, challenge, now),
             None => Err(FailedCheck::format(&self.formats()).into()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Part(&'static str, Option<&'static str>);
+
+    impl Attester for Part {
+        fn format(&self) -> &'static str {
+            self.0
+        }
+        fn insecure(&self) -> bool {
+            false
+        }
+        fn unavailable(&self, _now: Seconds) -> Option<String> {
+            self.1.map(String::from)
+        }
+        fn attest(
+            &self,
+            _: &Evidence,
+            _: &[u8],
+            _: Seconds,
+        ) -> Result<DeviceIdentity, AttestError> {
+            Ok(DeviceIdentity([0; 32]))
+        }
+    }
+
+    fn several(android: Option<&'static str>, apple: Option<&'static str>) -> Attesters {
+        Attesters::new(vec![
+            Box::new(Part("android-key-attestation", android)),
+            Box::new(Part("apple-app-attest", apple)),
+        ])
+        .unwrap()
+    }
+
+    #[test]
+    fn one_part_unavailable_refuses_its_own_evidence_only_and_the_issuer_stays_ready() {
+        let stale = several(Some("stale status list"), None);
+        assert_eq!(stale.unavailable(Seconds(0)), None);
+        let android = Evidence::AndroidKeyAttestation {
+            certificate_chain: vec![],
+        };
+        let apple = Evidence::AppleAppAttest {
+            key_id: String::new(),
+            attestation: None,
+            assertion: None,
+        };
+        assert_eq!(
+            stale.unavailable_for(&android, Seconds(0)).as_deref(),
+            Some("stale status list")
+        );
+        assert_eq!(stale.unavailable_for(&apple, Seconds(0)), None);
+        let both = several(Some("stale"), Some("down"));
+        assert_eq!(
+            both.unavailable(Seconds(0)).as_deref(),
+            Some("android-key-attestation: stale; apple-app-attest: down")
+        );
+        // Same formats twice, or a dev part, are refused.
+        assert!(
+            Attesters::new(vec![
+                Box::new(Part("apple-app-attest", None)),
+                Box::new(Part("apple-app-attest", None)),
+            ])
+            .is_none()
+        );
+        assert!(Attesters::new(vec![Box::new(crate::attester::dev::DevAttester)]).is_none());
     }
 }

@@ -161,6 +161,13 @@ impl AppleAttester {
         if policy.apps.is_empty() {
             return Err(AppleConfigError::NoApps);
         }
+        // The roots are parsed per attestation as strictly as chain certificates: a root that
+        // would fail then fails the start instead.
+        if policy.trusted_roots.is_empty() {
+            return Err(AppleConfigError::Roots("no root".into()));
+        }
+        chain::parse(&policy.trusted_roots)
+            .map_err(|e| AppleConfigError::Roots(e.reason.replace("certificate_chain", "root")))?;
         Ok(Self { policy, registry })
     }
 
@@ -391,57 +398,86 @@ impl Attester for AppleAttester {
             .filter(|bytes| bytes.len() == 32)
             .ok_or_else(|| refused("evidence", "key_id is not 32 bytes of base64url"))?;
         let client_data_hash = app_attest_client_data_hash(challenge);
-        let held = self.registry.hold(&key_id);
-        let known = match held.read() {
-            Ok(known) => known,
-            Err(RegistryError::Damaged(path)) => {
-                tracing::error!(path = %path.display(), "an App Attest key record is damaged; the device must attest a new key");
-                return Err(refused(
-                    "key_id",
-                    "the issuer's record of this key is unusable; generate a new key and attest it",
-                )
-                .into());
-            }
-            Err(error) => return Err(AttestError::Storage(error.to_string())),
-        };
-        let record = match (attestation, assertion) {
+        match (attestation, assertion) {
             (Some(attestation), None) => {
                 let object = decode_base64(
                     attestation,
                     object::MAX_ATTESTATION_BYTES,
                     "attestation_object",
                 )?;
+                // Verified before the key's record is locked: a client repeating one key id
+                // makes others of its shard wait for a file write, never for signatures.
                 let attested = self.verify_attestation(&key_id, &object, &client_data_hash, now)?;
-                Registered {
+                let held = self.registry.hold(&key_id);
+                let known = usable(held.read())?;
+                let record = Registered {
                     development: attested.development,
                     rp_id_hash: attested.rp_id_hash,
                     public_key: attested.public_key,
                     // Attesting the same key again never lowers the counter an assertion showed.
-                    counter: known.map_or(0, |k| k.counter),
+                    counter: known.as_ref().map_or(0, |k| k.counter),
+                };
+                if known.as_ref() != Some(&record) {
+                    held.write(&record)
+                        .map_err(|e| AttestError::Storage(e.to_string()))?;
                 }
+                Ok(DeviceIdentity(held.name()))
             }
             (None, Some(assertion)) => {
-                let Some(known) = known else {
+                let bytes = decode_base64(assertion, object::MAX_ASSERTION_BYTES, "assertion")?;
+                // The signature is checked against the record read without the lock (replaced
+                // whole by a rename, so read old or new); the counter again under the lock, so of
+                // two assertions showing one counter only one is accepted.
+                let known = usable(self.registry.read(&key_id))?.ok_or_else(never_attested)?;
+                let counter = self.verify_assertion(&known, &bytes, &client_data_hash)?;
+                let held = self.registry.hold(&key_id);
+                let current = usable(held.read())?.ok_or_else(never_attested)?;
+                if current.public_key != known.public_key || counter <= current.counter {
                     return Err(refused(
-                        "key_id",
-                        "this key was never attested to this issuer; send an attestation (attestKey) first",
+                        "counter",
+                        format!(
+                            "is {counter}, not above the {} this key showed before (a replayed assertion?)",
+                            current.counter
+                        ),
                     )
                     .into());
-                };
-                let bytes = decode_base64(assertion, object::MAX_ASSERTION_BYTES, "assertion")?;
-                let counter = self.verify_assertion(&known, &bytes, &client_data_hash)?;
-                Registered { counter, ..known }
+                }
+                held.write(&Registered { counter, ..current })
+                    .map_err(|e| AttestError::Storage(e.to_string()))?;
+                Ok(DeviceIdentity(held.name()))
             }
-            _ => {
-                return Err(refused(
-                    "evidence",
-                    "send exactly one of attestation (the first time a key is used) and assertion (afterwards)",
-                )
-                .into());
-            }
-        };
-        held.write(&record)
-            .map_err(|e| AttestError::Storage(e.to_string()))?;
-        Ok(DeviceIdentity(held.name()))
+            _ => Err(refused(
+                "evidence",
+                "send exactly one of attestation (the first time a key is used) and assertion (afterwards)",
+            )
+            .into()),
+        }
+    }
+}
+
+fn never_attested() -> AttestError {
+    refused(
+        "key_id",
+        "this key was never attested to this issuer; send an attestation (attestKey) first",
+    )
+    .into()
+}
+
+/// A registry read as the attester answers it: a damaged record refuses the key (the device
+/// attests a new one), an unreadable registry is a storage failure (503).
+fn usable(
+    read: Result<Option<Registered>, RegistryError>,
+) -> Result<Option<Registered>, AttestError> {
+    match read {
+        Ok(known) => Ok(known),
+        Err(RegistryError::Damaged(path)) => {
+            tracing::error!(path = %path.display(), "an App Attest key record is damaged; the device must attest a new key");
+            Err(refused(
+                "key_id",
+                "the issuer's record of this key is unusable; generate a new key and attest it",
+            )
+            .into())
+        }
+        Err(error) => Err(AttestError::Storage(error.to_string())),
     }
 }

@@ -109,10 +109,27 @@ pub struct Held<'r> {
 }
 
 impl Registry {
-    /// The registry under `state_dir/app-attest`, created if absent.
+    /// The registry under `state_dir/app-attest`, created if absent with all its shard
+    /// directories, each synced into its parent: a record written later needs only its own
+    /// file and shard synced to survive a crash.
     pub fn open(state_dir: &Path, key: ring::hmac::Key) -> Result<Self, RegistryError> {
         let dir = state_dir.join("app-attest");
-        fs::create_dir_all(&dir).map_err(io(&dir))?;
+        let sync = |path: &Path| {
+            File::open(path)
+                .and_then(|d| d.sync_all())
+                .map_err(io(path))
+        };
+        if !dir.is_dir() {
+            fs::create_dir_all(&dir).map_err(io(&dir))?;
+            sync(state_dir)?;
+        }
+        for shard in 0..SHARDS {
+            let path = dir.join(format!("{shard:02x}"));
+            if !path.is_dir() {
+                fs::create_dir(&path).map_err(io(&path))?;
+            }
+        }
+        sync(&dir)?;
         Ok(Self {
             dir,
             key,
@@ -145,6 +162,12 @@ impl Registry {
         }
     }
 
+    /// The record of `key_id` without the lock (a record is replaced by a rename: this reads the
+    /// old one or the new one).
+    pub fn read(&self, key_id: &[u8]) -> Result<Option<Registered>, RegistryError> {
+        read_record(&self.path(&self.name(key_id)).1)
+    }
+
     fn path(&self, name: &[u8; 32]) -> (PathBuf, PathBuf) {
         let hex = confed_protocol::hex::encode(name);
         let shard = self.dir.join(&hex[..2]);
@@ -160,20 +183,13 @@ impl Held<'_> {
     }
 
     pub fn read(&self) -> Result<Option<Registered>, RegistryError> {
-        let (_, path) = self.registry.path(&self.name);
-        match fs::read(&path) {
-            Ok(bytes) => Registered::decode(&bytes)
-                .map(Some)
-                .ok_or(RegistryError::Damaged(path)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(io(&path)(e)),
-        }
+        read_record(&self.registry.path(&self.name).1)
     }
 
     /// Replaces the record durably.
     pub fn write(&self, record: &Registered) -> Result<(), RegistryError> {
         let (shard, path) = self.registry.path(&self.name);
-        fs::create_dir_all(&shard).map_err(io(&shard))?;
+        // A `.tmp` left by a crash is overwritten by the next write of the same key.
         let temporary = path.with_extension("tmp");
         let mut file = OpenOptions::new()
             .create(true)
@@ -189,6 +205,16 @@ impl Held<'_> {
         File::open(&shard)
             .and_then(|d| d.sync_all())
             .map_err(io(&shard))
+    }
+}
+
+fn read_record(path: &Path) -> Result<Option<Registered>, RegistryError> {
+    match fs::read(path) {
+        Ok(bytes) => Registered::decode(&bytes)
+            .map(Some)
+            .ok_or_else(|| RegistryError::Damaged(path.to_path_buf())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(io(path)(e)),
     }
 }
 
