@@ -7,6 +7,11 @@
 //! CPU per cycle, so the ratio of the two CPU figures is what tokens cost a server whose issuer
 //! and devices run elsewhere, as deployed; the cycles/s printed beside it are this 2-core
 //! machine's, shared by all three.
+//!
+//! With `CONFED_BENCH_GCS_ENDPOINT` set to a GCS emulator (`deploy/local/gcs-emulator.sh start DIR
+//! PORT` prints one), the server keeps its blobs in a fresh bucket there: devices upload straight
+//! to signed URLs and the report checks the object, and with tokens reads the envelope's head and
+//! tail back and verifies the token (issue 46), so the CPU figures compare that path.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -78,16 +83,33 @@ async fn main() {
     let dir = tempfile::tempdir().unwrap();
     let admin = "a".repeat(40);
     let data = dir.path().join("data");
-    let (mut server, lines) = start(
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            data.to_str().unwrap(),
-        ],
-        &[("CONFED_ADMIN_TOKEN", admin.as_str())],
-    );
+    let mut serve_args: Vec<String> = ["serve", "--listen", "127.0.0.1:0", "--data-dir"]
+        .map(String::from)
+        .to_vec();
+    serve_args.push(data.to_str().unwrap().into());
+    if let Ok(endpoint) = std::env::var("CONFED_BENCH_GCS_ENDPOINT") {
+        let bucket = format!("confed-bench-{}", std::process::id());
+        let created = confed_protocol::http::client(Duration::from_secs(30))
+            .post(format!("{endpoint}/storage/v1/b"))
+            .json(&serde_json::json!({ "name": bucket }))
+            .send()
+            .await
+            .unwrap();
+        assert!(created.status().is_success(), "{}", created.status());
+        let signer = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/gcs-test-signer.json");
+        serve_args.extend([
+            "--blobs".into(),
+            format!("gs://{bucket}/confed"),
+            "--gcs-endpoint".into(),
+            endpoint.clone(),
+            "--gcs-signing-key-file".into(),
+            signer.to_str().unwrap().into(),
+        ]);
+        println!("blobs on the GCS emulator at {endpoint}: devices upload to signed URLs");
+    }
+    let serve_args: Vec<&str> = serve_args.iter().map(String::as_str).collect();
+    let (mut server, lines) = start(&serve_args, &[("CONFED_ADMIN_TOKEN", admin.as_str())]);
     let base = url_of(&lines);
     let trust_path = lines
         .iter()

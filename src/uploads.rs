@@ -6,7 +6,7 @@
 
 use confed_protocol::device_auth::DeviceAuth;
 use confed_protocol::envelope::{Envelope, EnvelopeError};
-use confed_protocol::envelope_scan::{self, EnvelopeHeader, HEAD_BYTES, Scan};
+use confed_protocol::envelope_scan::{self, EnvelopeHeader, HEAD_BYTES, Scan, TAIL_BYTES};
 use thiserror::Error;
 
 use crate::blob::{BlobError, BlobKey, BlobStore};
@@ -250,8 +250,9 @@ impl Uploads<'_> {
         Ok(())
     }
 
-    /// A direct upload's envelope fields but its ciphertext, from at most two bounded reads of the
-    /// stored object (`envelope_scan`: its first 4 KiB, and at most 4 KiB after the ciphertext).
+    /// A direct upload's envelope fields but its ciphertext, from two bounded reads of the stored
+    /// object made at once (`envelope_scan`: its first 4 KiB, and its last 4 KiB, which hold
+    /// whatever follows the ciphertext): one round trip to the blob store, not two in a row.
     async fn direct_upload_header(
         &self,
         key: &BlobKey,
@@ -262,15 +263,35 @@ impl Uploads<'_> {
                 "the uploaded object is not a contribution envelope: {e}"
             ))
         };
-        let head = self
-            .contributions
-            .get_range(key, 0, size.min(HEAD_BYTES))
-            .await?;
+        let tail_start = size.saturating_sub(TAIL_BYTES).max(HEAD_BYTES.min(size));
+        let (head, tail) = if tail_start >= size {
+            // The head holds the whole object.
+            (
+                self.contributions.get_range(key, 0, size).await?,
+                Vec::new(),
+            )
+        } else {
+            tokio::try_join!(
+                self.contributions.get_range(key, 0, HEAD_BYTES),
+                self.contributions
+                    .get_range(key, tail_start, size - tail_start),
+            )?
+        };
         match envelope_scan::scan(&head, size).map_err(malformed)? {
             Scan::Header(header) => Ok(header),
             Scan::NeedTail { at } => {
-                let tail = self.contributions.get_range(key, at, size - at).await?;
-                envelope_scan::scan_with_tail(&head, at, &tail, size).map_err(malformed)
+                // `scan` asks for a tail of at most TAIL_BYTES, which the read above covers
+                // (the bytes between the head and `tail_start` are the ciphertext's).
+                let skip = at
+                    .checked_sub(tail_start)
+                    .and_then(|skip| usize::try_from(skip).ok())
+                    .filter(|&skip| skip <= tail.len())
+                    .ok_or_else(|| {
+                        UploadError::Malformed(
+                            "the uploaded object is not a contribution envelope: its fields after the ciphertext are out of place".into(),
+                        )
+                    })?;
+                envelope_scan::scan_with_tail(&head, at, &tail[skip..], size).map_err(malformed)
             }
         }
     }
