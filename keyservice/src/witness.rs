@@ -6,8 +6,10 @@
 //! (`POST /v1/audit/witness`), and this service pulls every peer's head periodically
 //! (`GET /v1/audit/head`), which covers pushes lost while either side was down. A head is kept
 //! only if its peer's key signed it and it **extends** the one kept: this service fetches the
-//! records between the two (`GET /v1/audit/records`) and checks that they chain from the kept
-//! head to the new one. A restored log that grew past the kept head on another history is a
+//! records between the two (`GET /v1/audit/records`), a page at a time and at most
+//! `MAX_RECORDS_PER_ADVANCE` a call, and checks that they chain from the kept head to the new
+//! one; a peer further ahead is followed over several pulls (`follow`). One verification of a
+//! peer runs at a time (`Following`), and each peer has its own push and pull task (`run`). A restored log that grew past the kept head on another history is a
 //! fork: not kept, so the kept head keeps showing the loss. The one way off a kept head that is
 //! not extended: the peer's log holds a signed `loss_acknowledged` record naming exactly that
 //! head, and the new head extends that record. A head behind the kept one, or another hash at
@@ -52,6 +54,12 @@ pub enum Observation {
     /// Ahead of the kept one, but not on its history (and no acknowledgement of the kept head
     /// leads to it), or its records could not be fetched: not kept.
     Unverified { witnessed: SignedHead, why: String },
+    /// Further ahead than one call verifies (`MAX_RECORDS_PER_ADVANCE`): kept as far as its
+    /// records were verified (a signed record of the peer's); the next pull goes on.
+    Following { kept: SignedHead },
+    /// Another head of this peer is being verified right now: this one is left for the next
+    /// pull (one verification per peer at a time bounds what a flood of pushes costs).
+    Busy,
 }
 
 /// The latest head of each peer, kept in `<audit log>.witnessed.json`.
@@ -59,6 +67,8 @@ pub enum Observation {
 pub struct WitnessStore {
     path: PathBuf,
     heads: BTreeMap<String, SignedHead>,
+    /// Peers whose records are being fetched and verified now.
+    following: std::collections::BTreeSet<String>,
 }
 
 impl WitnessStore {
@@ -86,7 +96,17 @@ impl WitnessStore {
                 BTreeMap::new()
             }
         };
-        Self { path, heads }
+        Self {
+            path,
+            heads,
+            following: Default::default(),
+        }
+    }
+
+    /// Claims the one verification of `peer`'s records that may run at a time; false if another
+    /// runs (`Following::drop` gives it back).
+    fn start_following(&mut self, peer: &str) -> bool {
+        self.following.insert(peer.to_string())
     }
 
     pub fn latest(&self, peer: &str) -> Option<&SignedHead> {
@@ -171,21 +191,27 @@ pub async fn observe(
         (store.classify(&head), store.latest(&peer.id).cloned())
     };
     let observed = match (observed, kept) {
-        (Observation::Advanced, kept) => {
-            let extends = match &kept {
-                None => Ok(()), // the first head of a peer is taken as it is
-                Some(kept) => {
-                    let peers = peers.as_deref().expect("a peer was found above");
-                    extends(peers, peer, kept, &head).await
-                }
+        (Observation::Advanced, None) => {
+            // The first head of a peer is taken as it is.
+            keep(service, head.clone()).await?;
+            Observation::Advanced
+        }
+        (Observation::Advanced, Some(kept)) => {
+            let Some(_claim) = Following::claim(service, &peer.id)? else {
+                return Ok(Observation::Busy);
             };
-            match extends {
-                Ok(()) => {
+            let peers = peers.as_deref().expect("a peer was found above");
+            match extends(peers, peer, &kept, &head).await {
+                Ok(reached) if reached == head => {
                     keep(service, head.clone()).await?;
                     Observation::Advanced
                 }
+                Ok(reached) => {
+                    keep(service, reached.clone()).await?;
+                    Observation::Following { kept: reached }
+                }
                 Err(why) => Observation::Unverified {
-                    witnessed: kept.unwrap_or_else(|| head.clone()),
+                    witnessed: kept,
                     why,
                 },
             }
@@ -223,16 +249,17 @@ pub async fn observe(
 }
 
 /// Whether `head` extends `kept` in `peer`'s log: the records between chain from one to the
-/// other, or (after an acknowledged loss) from the peer's signed acknowledgement of `kept`.
+/// other, or (after an acknowledged loss) from the peer's signed acknowledgement of `kept`. The
+/// furthest signed head verified on the way (`head` itself once the records reach it).
 async fn extends(
     peers: &Peers,
     peer: &crate::peers::Peer,
     kept: &SignedHead,
     head: &SignedHead,
-) -> Result<(), String> {
-    let direct = chain_between(peers, peer, kept, head).await;
+) -> Result<SignedHead, String> {
+    let direct = follow(peers, peer, kept, head).await;
     let Err(why) = direct else {
-        return Ok(());
+        return direct;
     };
     let lost = crate::audit::LostHead {
         records: kept.records,
@@ -251,42 +278,108 @@ async fn extends(
             "{why}; its acknowledgement of the kept head is not valid"
         ));
     }
+    tracing::info!(peer = %peer.id, "a peer acknowledged the loss of the head kept of it");
     if from.records == head.records && from.hash == head.hash {
-        tracing::info!(peer = %peer.id, "a peer acknowledged the loss of the head kept of it");
-        return Ok(());
+        return Ok(head.clone());
     }
-    chain_between(peers, peer, &from, head).await.map(|()| {
-        tracing::info!(peer = %peer.id, "a peer acknowledged the loss of the head kept of it");
-    })
+    if from.records >= head.records {
+        return Err("the head is behind the peer's acknowledgement of the kept head".into());
+    }
+    // Past the acknowledgement the new history is followed like any other; the acknowledgement
+    // itself is a signed head to keep if the records after it take more than one call.
+    follow(peers, peer, &from, head).await.or(Ok(from))
 }
 
-/// Fetches the records from `from` to `to` and checks that they chain.
-async fn chain_between(
+/// Follows `peer`'s log from `from` towards `to`, one page of records (`GET /v1/audit/records`,
+/// at most 1 MB) in memory at a time and at most `MAX_RECORDS_PER_ADVANCE` records a call:
+/// every record must chain onto the one before and hash to its content. Returns `to` once the
+/// records reach it with its hash, else the furthest page end whose record the peer signed (so
+/// a peer of any distance is followed over several pulls); an error if the records leave the
+/// history or nothing could be verified.
+async fn follow(
     peers: &Peers,
     peer: &crate::peers::Peer,
     from: &SignedHead,
     to: &SignedHead,
-) -> Result<(), String> {
-    let Some(wanted) = to.records.checked_sub(from.records) else {
+) -> Result<SignedHead, String> {
+    if to.records <= from.records {
         return Err("the head is behind the record it should extend".into());
-    };
-    if wanted > crate::peers::MAX_RECORDS_PER_ADVANCE as u64 {
-        return Err(format!(
-            "{wanted} records since the kept head: more than one advance verifies"
-        ));
     }
-    let mut records = Vec::with_capacity(wanted as usize);
-    while (records.len() as u64) < wanted {
-        let page = peers
-            .records(peer, from.records + records.len() as u64)
-            .await?;
+    let budget = from.records + crate::peers::MAX_RECORDS_PER_ADVANCE as u64;
+    let (mut seq, mut hash) = (from.records, from.hash.clone());
+    let mut reached: Option<SignedHead> = None;
+    while seq < to.records && seq < budget {
+        let page = peers.records(peer, seq).await?;
         if page.is_empty() {
             break;
         }
-        records.extend(page);
+        let wanted = usize::try_from(to.records.min(budget) - seq).unwrap_or(usize::MAX);
+        let mut last = None;
+        for record in page.into_iter().take(wanted) {
+            if record.seq != seq {
+                return Err(format!("record {} where {seq} was expected", record.seq));
+            }
+            if record.prev_hash != hash {
+                return Err(format!(
+                    "record {seq} does not chain onto the witnessed history: another history"
+                ));
+            }
+            if !crate::audit::hash_matches(&record) {
+                return Err(format!("record {seq}'s hash is not its content's"));
+            }
+            seq += 1;
+            hash.clone_from(&record.hash);
+            last = Some(record);
+        }
+        // One signature a page: the page's last record, if the peer signed it.
+        if let Some(record) = last {
+            let point = crate::audit::head_of(&peer.id, &record);
+            if head_is_signed_by(&point, &peer.id, &peer.verifying_key) {
+                reached = Some(point);
+            }
+        }
     }
-    records.truncate(wanted as usize);
-    crate::audit::verify_extension(from, &records, to, &peer.id, &peer.verifying_key)
+    if seq == to.records {
+        return if hash == to.hash {
+            Ok(to.clone())
+        } else {
+            Err("the records end at the head's length with another hash: another history".into())
+        };
+    }
+    reached.ok_or_else(|| {
+        format!(
+            "{} records since the kept head, none of them verified as the peer's",
+            to.records - from.records
+        )
+    })
+}
+
+/// The claim on one peer's verification, given back when dropped.
+struct Following {
+    service: KeyService,
+    peer: String,
+}
+
+impl Following {
+    fn claim(service: &KeyService, peer: &str) -> Result<Option<Self>, ApiError> {
+        let claimed = service
+            .witnesses
+            .lock()
+            .map_err(|_| ApiError::Internal("witness store poisoned".into()))?
+            .start_following(peer);
+        Ok(claimed.then(|| Self {
+            service: service.clone(),
+            peer: peer.to_string(),
+        }))
+    }
+}
+
+impl Drop for Following {
+    fn drop(&mut self) {
+        if let Ok(mut store) = self.service.witnesses.lock() {
+            store.following.remove(&self.peer);
+        }
+    }
 }
 
 async fn keep(service: &KeyService, head: SignedHead) -> Result<(), ApiError> {
@@ -433,53 +526,90 @@ pub async fn acknowledgement(
 pub async fn pull_once(service: &KeyService, peers: &Peers) -> usize {
     let mut answered = 0;
     for peer in &peers.list {
-        match peers.head(peer).await {
-            Ok(head) if head.keyservice_id == peer.id => {
-                match observe(service, head, Via::Pull).await {
-                    Ok(_) => answered += 1,
-                    Err(error) => {
-                        tracing::warn!(peer = %peer.id, %error, "a peer's head was not kept")
-                    }
-                }
-            }
-            Ok(head) => tracing::warn!(peer = %peer.id, named = %head.keyservice_id,
-                "a peer answered another key service's head"),
-            Err(error) => {
-                tracing::debug!(peer = %peer.id, %error, "a peer's head is not reachable")
-            }
+        if pull_peer(service, peers, peer).await {
+            answered += 1;
         }
     }
     answered
 }
 
-/// Pushes this service's head to every peer once; each answer (what the peer witnessed of this
-/// service) is judged like a start-up answer (`rollback::judge_answer`).
-pub async fn push_once(service: &KeyService, peers: &Peers) {
-    let Ok(head) = service.audit.lock().map(|g| g.0.signed_head(&service.id)) else {
-        tracing::error!("the audit log is poisoned: not pushing its head");
-        return;
-    };
-    for peer in &peers.list {
-        match peers.push(peer, &head).await {
-            Ok(answer) => {
-                crate::rollback::judge_answer(service, &peer.id, answer).await;
+/// Pulls one peer's head and keeps it if it is ahead; whether the peer answered.
+pub async fn pull_peer(service: &KeyService, peers: &Peers, peer: &crate::peers::Peer) -> bool {
+    match peers.head(peer).await {
+        Ok(head) if head.keyservice_id == peer.id => {
+            match observe(service, head, Via::Pull).await {
+                Ok(_) => true,
+                Err(error) => {
+                    tracing::warn!(peer = %peer.id, %error, "a peer's head was not kept");
+                    false
+                }
             }
-            Err(error) => {
-                tracing::debug!(peer = %peer.id, %error, "a peer did not take this service's head")
-            }
+        }
+        Ok(head) => {
+            tracing::warn!(peer = %peer.id, named = %head.keyservice_id,
+                "a peer answered another key service's head");
+            false
+        }
+        Err(error) => {
+            tracing::debug!(peer = %peer.id, %error, "a peer's head is not reachable");
+            false
         }
     }
 }
 
-/// Runs for the life of the service: pushes the head whenever a record is appended, pulls the
-/// peers' heads every `interval`.
+/// Pushes this service's head to every peer once; each answer (what the peer witnessed of this
+/// service) is judged like a start-up answer (`rollback::judge_answer`).
+pub async fn push_once(service: &KeyService, peers: &Peers) {
+    for peer in &peers.list {
+        push_peer(service, peers, peer).await;
+    }
+}
+
+/// Pushes this service's current head to one peer and judges its answer.
+pub async fn push_peer(service: &KeyService, peers: &Peers, peer: &crate::peers::Peer) {
+    let Ok(head) = service.audit.lock().map(|g| g.0.signed_head(&service.id)) else {
+        tracing::error!("the audit log is poisoned: not pushing its head");
+        return;
+    };
+    match peers.push(peer, &head).await {
+        Ok(answer) => {
+            crate::rollback::judge_answer(service, &peer.id, answer).await;
+        }
+        Err(error) => {
+            tracing::debug!(peer = %peer.id, %error, "a peer did not take this service's head")
+        }
+    }
+}
+
+/// Runs for the life of the service: each peer has a task of its own that pushes the head
+/// whenever a record is appended and pulls the peer's head every `interval`, so a slow or
+/// unreachable peer (each call bounded by `PEER_TIMEOUT`) delays no other peer's pushes or
+/// pulls. A head appended while a push is in flight is pushed when it ends (the latest head,
+/// once: pushes of one peer never queue up).
 pub async fn run(service: KeyService, peers: std::sync::Arc<Peers>, interval: std::time::Duration) {
-    let mut tick = tokio::time::interval(interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let wakers: Vec<std::sync::Arc<tokio::sync::Notify>> =
+        peers.list.iter().map(|_| Default::default()).collect();
+    let mut tasks = tokio::task::JoinSet::new();
+    for (index, waker) in wakers.iter().enumerate() {
+        let (service, peers, waker) = (service.clone(), peers.clone(), waker.clone());
+        tasks.spawn(async move {
+            let peer = &peers.list[index];
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => { pull_peer(&service, &peers, peer).await; }
+                    // `notify_one` keeps one permit while this task is busy: the next head is
+                    // pushed once this call ends.
+                    _ = waker.notified() => push_peer(&service, &peers, peer).await,
+                }
+            }
+        });
+    }
     loop {
-        tokio::select! {
-            _ = tick.tick() => { pull_once(&service, &peers).await; }
-            _ = service.head_changed.notified() => push_once(&service, &peers).await,
+        service.head_changed.notified().await;
+        for waker in &wakers {
+            waker.notify_one();
         }
     }
 }

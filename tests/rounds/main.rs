@@ -15,4 +15,5 @@ mod operator_attacks;
 mod partitions;
 mod release_ledger;
 mod side_channels;
+mod witness_follow;
 mod worker_api;

@@ -298,8 +298,8 @@ fn peers_of(world: &World, index: usize, urls: &[String], quorum: Option<usize>)
 
 /// A key service with peers, served until stopped (gracefully: its connections close, so a
 /// restart on the same address is the one answering).
-struct Witnessing {
-    service: KeyService,
+pub(crate) struct Witnessing {
+    pub(crate) service: KeyService,
     url: String,
     stop: tokio::sync::oneshot::Sender<()>,
     task: tokio::task::JoinHandle<()>,
@@ -340,7 +340,7 @@ impl Witnessing {
     }
 
     /// Stops this process and starts key service `index` again over its files, same address.
-    async fn restart(self, world: &World, index: usize, urls: &[String]) -> Self {
+    pub(crate) async fn restart(self, world: &World, index: usize, urls: &[String]) -> Self {
         let _ = self.stop.send(());
         self.task.await.unwrap();
         let address = self.url.trim_start_matches("http://").to_string();
@@ -349,7 +349,7 @@ impl Witnessing {
     }
 
     /// Asks each peer once what it witnessed of this service.
-    async fn ask_peers(&self) -> GateState {
+    pub(crate) async fn ask_peers(&self) -> GateState {
         let peers = self.service.peers.clone().unwrap();
         ask_once(&self.service, &peers, peers.list.iter().collect()).await;
         self.service.gate.state()
@@ -360,7 +360,7 @@ impl Witnessing {
         push_once(&self.service, &peers).await;
     }
 
-    fn witnessed(&self, of: &str) -> Option<SignedHead> {
+    pub(crate) fn witnessed(&self, of: &str) -> Option<SignedHead> {
         self.service.witnesses.lock().unwrap().latest(of).cloned()
     }
 
@@ -373,7 +373,7 @@ impl Witnessing {
 }
 
 /// Three key services, each the others' peer, all of them asked once (a fresh deployment).
-async fn witnessing_deployment(world: &World) -> (Vec<Witnessing>, Vec<String>) {
+pub(crate) async fn witnessing_deployment(world: &World) -> (Vec<Witnessing>, Vec<String>) {
     let mut listeners = Vec::new();
     let mut urls = Vec::new();
     for _ in 0..3 {
@@ -407,7 +407,7 @@ fn audit_file(world: &World, index: usize, suffix: &str) -> std::path::PathBuf {
 }
 
 /// Copies key service `index`'s whole state (log and checkpoint) to `name`, or back from it.
-fn copy_state(world: &World, index: usize, name: &str, restore: bool) {
+pub(crate) fn copy_state(world: &World, index: usize, name: &str, restore: bool) {
     let copy = world.dir.path().join(name);
     std::fs::create_dir_all(&copy).unwrap();
     for suffix in ["", ".checkpoint"] {

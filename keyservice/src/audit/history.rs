@@ -5,7 +5,7 @@
 use std::io::{BufRead, Seek, SeekFrom};
 use std::path::Path;
 
-use super::{LostHead, Record, SignedHead, chain_hash, head_text};
+use super::{LostHead, Record, SignedHead};
 
 /// Records `from..` (at most `max`) of the log at `path`, reading from byte `start` where record
 /// `start_seq` begins (`(0, 0)`: the file's start).
@@ -39,58 +39,6 @@ pub fn read_records(
         seq += 1;
     }
     Ok(records)
-}
-
-/// Checks that `records` continue the history ending at `kept` (the first one chains onto its
-/// hash, each onto the one before, each hash is its content's, the last is `head`) and that the
-/// last carries `keyservice_id`'s signature under `key`.
-pub fn verify_extension(
-    kept: &SignedHead,
-    records: &[Record],
-    head: &SignedHead,
-    keyservice_id: &str,
-    key: &p256::ecdsa::VerifyingKey,
-) -> Result<(), String> {
-    let (mut seq, mut hash) = (kept.records, kept.hash.as_str());
-    for record in records {
-        if record.seq != seq {
-            return Err(format!("record {} where {seq} was expected", record.seq));
-        }
-        if record.prev_hash != hash {
-            return Err(format!(
-                "record {seq} does not chain onto the head at {} records: another history",
-                seq
-            ));
-        }
-        if chain_hash(record.seq, &record.prev_hash, &record.decision) != record.hash {
-            return Err(format!("record {seq}'s hash is not its content's"));
-        }
-        seq += 1;
-        hash = &record.hash;
-    }
-    if seq != head.records || hash != head.hash {
-        return Err(format!(
-            "the records end at {seq} records, not at the head ({} records)",
-            head.records
-        ));
-    }
-    let last = records
-        .last()
-        .ok_or_else(|| "no records between the heads".to_string())?;
-    let signed = last.signature.as_deref().is_some_and(|signature| {
-        confed_attestation::release::verify_text(
-            key,
-            &head_text(keyservice_id, last.seq, &last.hash),
-            signature,
-        )
-    });
-    if !signed {
-        return Err(format!(
-            "record {} is not signed by {keyservice_id}",
-            last.seq
-        ));
-    }
-    Ok(())
 }
 
 /// The `loss_acknowledged` record of the log at `path` that names exactly `lost`, if any.

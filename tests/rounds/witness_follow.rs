@@ -1,0 +1,133 @@
+//! Witnessing that keeps up (issue 47): a peer far ahead of what a witness kept is followed over
+//! several pulls, one page of its records in memory at a time, and its later rollback is caught;
+//! a flood of far-ahead pushes runs one verification per peer at a time.
+
+use crate::common;
+
+use common::keyservices::*;
+use confed::keyservice::KeyService;
+use confed::keyservice::audit::Decision;
+use confed::keyservice::peers::MAX_RECORDS_PER_ADVANCE;
+use confed::keyservice::rollback::GateState;
+use confed::keyservice::witness::{Observation, Via, observe, pull_peer};
+
+use super::release_ledger::{copy_state, witnessing_deployment};
+
+/// Appends `count` refusal records to `service`'s log (what a flood of cheap refusals writes).
+fn append_records(service: &KeyService, count: usize) {
+    let mut guard = service.audit.lock().unwrap();
+    for i in 0..count {
+        guard
+            .0
+            .append(Decision {
+                at: START,
+                keyservice_id: service.id.clone(),
+                key_id: String::new(),
+                decision: "refused".into(),
+                reason: "witness-follow test".into(),
+                failed_checks: vec!["token".into()],
+                token_sha256: String::new(),
+                image_digest: None,
+                nonce: format!("n{i}"),
+                task_id: String::new(),
+                round: 0,
+                policy: String::new(),
+                commitment_sha256: None,
+                policy_sha256: None,
+                policy_rounds: None,
+                enclave_signing_key: None,
+                key_scope: None,
+                acknowledged_loss: None,
+            })
+            .unwrap();
+    }
+}
+
+fn head_of(service: &KeyService) -> confed::keyservice::audit::SignedHead {
+    service.audit.lock().unwrap().0.signed_head(&service.id)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_4100_records_ahead_is_followed_and_its_later_rollback_caught() {
+    let world = World::new(2, 3);
+    let (mut services, urls) = witnessing_deployment(&world).await;
+    let ks1 = services[0].service.clone();
+    let peers = ks1.peers.clone().unwrap();
+    let ks2_peer = peers.list.iter().find(|p| p.id == "ks2").unwrap().clone();
+    // ks1 keeps ks2's head once; then ks2 grows by 4,100 records (a copy taken at 2,000).
+    assert!(pull_peer(&ks1, &peers, &ks2_peer).await);
+    let start = services[0].witnessed("ks2").unwrap().records;
+    append_records(&services[1].service, 2_000);
+    copy_state(&world, 2, "at-2000", false);
+    append_records(&services[1].service, 2_100);
+    let far = head_of(&services[1].service);
+    assert_eq!(far.records, start + 4_100);
+
+    // The first pull verifies as far as one call goes and keeps that signed point; the next
+    // one reaches the head. No alarm on the way.
+    let first = observe(&ks1, far.clone(), Via::Pull).await.unwrap();
+    let Observation::Following { kept } = first else {
+        panic!("a far head is followed part of the way: {first:?}")
+    };
+    assert_eq!(kept.records, start + MAX_RECORDS_PER_ADVANCE as u64);
+    assert_eq!(services[0].witnessed("ks2"), Some(kept));
+    assert_eq!(
+        observe(&ks1, far.clone(), Via::Pull).await.unwrap(),
+        Observation::Advanced
+    );
+    assert_eq!(services[0].witnessed("ks2"), Some(far.clone()));
+
+    // ks2's log is cut back by 2,100 records (its copy restored): ks1 sees the rewind, and ks2,
+    // asking its peers after the restart, closes.
+    copy_state(&world, 2, "at-2000", true);
+    let restored = services.remove(1).restart(&world, 2, &urls).await;
+    let behind = head_of(&restored.service);
+    assert_eq!(behind.records, start + 2_000);
+    assert!(matches!(
+        observe(&ks1, behind, Via::Pull).await.unwrap(),
+        Observation::Rewound { witnessed } if witnessed == far
+    ));
+    let GateState::RolledBack { detail } = restored.ask_peers().await else {
+        panic!("the rollback was not caught");
+    };
+    assert!(detail.contains(&far.hash), "{detail}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_far_ahead_pushes_verify_one_at_a_time_per_peer() {
+    let world = World::new(2, 3);
+    let (services, _urls) = witnessing_deployment(&world).await;
+    let ks1 = services[0].service.clone();
+    let peers = ks1.peers.clone().unwrap();
+    let ks2_peer = peers.list.iter().find(|p| p.id == "ks2").unwrap().clone();
+    assert!(pull_peer(&ks1, &peers, &ks2_peer).await);
+    append_records(
+        &services[1].service,
+        3 * confed::keyservice::peers::MAX_RECORDS_PER_ANSWER,
+    );
+    let far = head_of(&services[1].service);
+    // 16 pushes of the same far head at once (anyone can replay a signed head): one verifies,
+    // the others are turned away at once instead of each holding pages of records.
+    let pushes: Vec<_> = (0..16)
+        .map(|_| {
+            let (ks1, far) = (ks1.clone(), far.clone());
+            tokio::spawn(async move { observe(&ks1, far, Via::Push).await.unwrap() })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for push in pushes {
+        outcomes.push(push.await.unwrap());
+    }
+    assert!(
+        outcomes.contains(&Observation::Advanced),
+        "one push verified: {outcomes:?}"
+    );
+    assert!(
+        outcomes.iter().all(|o| matches!(
+            o,
+            Observation::Advanced | Observation::Busy | Observation::Same
+        )),
+        "{outcomes:?}"
+    );
+    assert_eq!(services[0].witnessed("ks2"), Some(far));
+}
