@@ -350,12 +350,24 @@ async fn decide_and_record(
             failed_checks: failed.iter().map(|f| f.check.clone()).collect(),
             ..decision
         };
+        // Refusals of earlier minutes that were not written one by one: one summary record
+        // before this decision.
+        let summary = refusals
+            .lock()
+            .map_err(|_| "refusal budget poisoned".to_string())?
+            .take_summary(now);
+        if let Some(summary) = summary {
+            log.append(summary_decision(&decision, &summary))
+                .map_err(|e| e.to_string())?;
+            head_changed.notify_one();
+        }
         if verdict == Verdict::Refused {
-            // A refusal changes no ledger: whether it is written is the budget's call.
+            // A refusal changes no ledger: whether it is written is the budget's call (a ledger
+            // refusal always is).
             let admitted = refusals
                 .lock()
                 .map_err(|_| "refusal budget poisoned".to_string())?
-                .admit(&decision.token_sha256, now);
+                .admit(&decision.token_sha256, &decision.failed_checks, now);
             if let Err(why) = admitted {
                 metrics::counter!("confed_keyservice_refusals_unrecorded_total", "why" => why.as_str())
                     .increment(1);
@@ -488,5 +500,30 @@ fn receipt_image_digest(digest: Option<&str>) -> String {
             d.to_string()
         }
         _ => "none".into(),
+    }
+}
+
+/// The record summarizing a minute's refusals that were not written one by one
+/// (`refusals::Summary`); `like` lends it the service's id and policy.
+fn summary_decision(like: &Decision, summary: &crate::refusals::Summary) -> Decision {
+    Decision {
+        at: summary.minute * 60 + 59,
+        keyservice_id: like.keyservice_id.clone(),
+        key_id: String::new(),
+        decision: crate::refusals::SUMMARY_DECISION.into(),
+        reason: summary.reason(),
+        failed_checks: summary.failed_checks(),
+        token_sha256: String::new(),
+        image_digest: None,
+        nonce: String::new(),
+        task_id: String::new(),
+        round: 0,
+        policy: like.policy.clone(),
+        commitment_sha256: None,
+        policy_sha256: None,
+        policy_rounds: None,
+        enclave_signing_key: None,
+        key_scope: None,
+        acknowledged_loss: None,
     }
 }

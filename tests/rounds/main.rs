@@ -13,6 +13,7 @@ mod health;
 mod key_release;
 mod operator_attacks;
 mod partitions;
+mod refusal_records;
 mod release_ledger;
 mod side_channels;
 mod witness_follow;

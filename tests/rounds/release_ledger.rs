@@ -22,7 +22,7 @@ async fn start_all(world: &World, n: usize) -> Vec<KeyServiceEndpoint> {
 }
 
 /// (Re)starts key service `index` over its audit log in the world's directory.
-async fn start_one(world: &World, index: usize) -> KeyServiceEndpoint {
+pub(crate) async fn start_one(world: &World, index: usize) -> KeyServiceEndpoint {
     let service = world.service(
         index,
         Behaviour::Honest,
@@ -34,7 +34,12 @@ async fn start_one(world: &World, index: usize) -> KeyServiceEndpoint {
     }
 }
 
-fn request_for(world: &World, policy: &TaskPolicy, round: u64, inputs: &str) -> KeyRequest {
+pub(crate) fn request_for(
+    world: &World,
+    policy: &TaskPolicy,
+    round: u64,
+    inputs: &str,
+) -> KeyRequest {
     KeyRequest {
         task_id: policy.task_id.clone(),
         round,
@@ -44,7 +49,7 @@ fn request_for(world: &World, policy: &TaskPolicy, round: u64, inputs: &str) -> 
     }
 }
 
-async fn collect(
+pub(crate) async fn collect(
     endpoints: &[KeyServiceEndpoint],
     world: &World,
     request: &KeyRequest,
@@ -53,7 +58,7 @@ async fn collect(
 }
 
 /// Every refusal names the release ledger (or the task policy) as the failed check.
-fn refused_by(error: &CollectError, check: &str) -> usize {
+pub(crate) fn refused_by(error: &CollectError, check: &str) -> usize {
     let failures = match error {
         CollectError::NotEnoughShares { failures, .. } => failures,
         CollectError::Inconsistent { failures, .. } => failures,
