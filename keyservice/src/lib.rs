@@ -98,6 +98,9 @@ pub struct KeyService {
     pub gate: Arc<rollback::GrantGate>,
     /// Notified after every appended record: the witness task pushes the new head to the peers.
     pub head_changed: Arc<tokio::sync::Notify>,
+    /// The `loss_acknowledged` records found so far, by the head they name: peers ask for them
+    /// at every pull after a loss, and each is read from the log once (`witness::acknowledgement`).
+    pub acknowledgements: Arc<Mutex<BTreeMap<(u64, String), audit::Record>>>,
 }
 
 /// What a key service is built from (files and settings, no network).
@@ -162,6 +165,7 @@ impl KeyService {
             witnesses: Arc::new(Mutex::new(witness::WitnessStore::open(&parts.audit_log))),
             gate: Arc::new(rollback::GrantGate::open()),
             head_changed: Arc::default(),
+            acknowledgements: Arc::default(),
         })
     }
 

@@ -47,9 +47,24 @@ pub enum KeyServiceRunError {
 
 /// Takes the exclusive lock `<log>.lock` for the life of the returned file: one writer per
 /// audit log (a second key service, or `audit acknowledge-loss` while the service runs, is
-/// refused instead of interleaving records).
+/// refused instead of interleaving records). The lock is named after the log's canonical path,
+/// so a symlink (or `..`) to a log in use finds the same lock.
 pub fn lock_log(log: &std::path::Path) -> Result<std::fs::File, crate::audit::AuditError> {
-    let lock = PathBuf::from(format!("{}.lock", log.display()));
+    // A log not created yet has no canonical path; its directory has.
+    let canonical = match std::fs::canonicalize(log) {
+        Ok(path) => path,
+        Err(_) => match (log.parent(), log.file_name()) {
+            (Some(dir), Some(name)) => std::fs::canonicalize(if dir.as_os_str().is_empty() {
+                std::path::Path::new(".")
+            } else {
+                dir
+            })
+            .map(|dir| dir.join(name))
+            .unwrap_or_else(|_| log.to_path_buf()),
+            _ => log.to_path_buf(),
+        },
+    };
+    let lock = PathBuf::from(format!("{}.lock", canonical.display()));
     let io = |source| crate::audit::AuditError::Io {
         path: lock.clone(),
         source,
@@ -154,5 +169,30 @@ fn zero_metrics(service: &KeyService) {
             metrics::counter!("confed_keyservice_peer_rewinds_seen_total", "peer" => peer.id.clone())
                 .absolute(0);
         }
+    }
+}
+
+#[cfg(test)]
+mod lock_tests {
+    use super::*;
+
+    #[test]
+    fn a_symlink_to_a_log_in_use_finds_the_same_lock() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("audit.jsonl");
+        std::fs::write(&log, b"").unwrap();
+        let link = dir.path().join("link.jsonl");
+        std::os::unix::fs::symlink(&log, &link).unwrap();
+        let _held = lock_log(&log).unwrap();
+        assert!(matches!(
+            lock_log(&link),
+            Err(crate::audit::AuditError::InUse { .. })
+        ));
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        let dotted = dir.path().join("sub/../audit.jsonl");
+        assert!(matches!(
+            lock_log(&dotted),
+            Err(crate::audit::AuditError::InUse { .. })
+        ));
     }
 }

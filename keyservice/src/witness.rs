@@ -502,8 +502,34 @@ pub async fn acknowledgement(
     let axum::extract::Query(AcknowledgementQuery { records, hash }) = query
         .map_err(|e| ApiError::BadRequest(format!("send ?records=<count>&hash=<hex>: {e}")))?;
     let lost = crate::audit::LostHead { records, hash };
-    // The ledger knows every acknowledged head: only those are looked up in the log (a scan of
-    // the whole file, which an unauthenticated caller must not be able to start at will).
+    let index = (lost.records, lost.hash.clone());
+    let known = service
+        .acknowledgements
+        .lock()
+        .map_err(|_| ApiError::Internal("acknowledgement index poisoned".into()))?
+        .get(&index)
+        .cloned();
+    if let Some(record) = known {
+        return Ok(Json(Acknowledgement {
+            record: Some(record),
+        }));
+    }
+    // The ledger knows every acknowledged head: only those are looked up in the log, once each
+    // (the record is immutable and kept in the index), and one such scan runs at a time: an
+    // unauthenticated caller must not be able to start scans of the whole file at will.
+    static SCANS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    let _scan = SCANS.lock().await;
+    let known = service
+        .acknowledgements
+        .lock()
+        .map_err(|_| ApiError::Internal("acknowledgement index poisoned".into()))?
+        .get(&index)
+        .cloned();
+    if let Some(record) = known {
+        return Ok(Json(Acknowledgement {
+            record: Some(record),
+        }));
+    }
     let path = {
         let guard = service
             .audit
@@ -519,6 +545,13 @@ pub async fn acknowledgement(
             .await
             .map_err(|e| ApiError::Internal(e.to_string()))?
             .map_err(|e| ApiError::Internal(format!("reading the audit log: {e}")))?;
+    if let Some(record) = &record {
+        service
+            .acknowledgements
+            .lock()
+            .map_err(|_| ApiError::Internal("acknowledgement index poisoned".into()))?
+            .insert(index, record.clone());
+    }
     Ok(Json(Acknowledgement { record }))
 }
 
