@@ -378,6 +378,8 @@ pub struct AuditLog {
     broken: bool,
     /// Bytes of the file up to the head (a checkpoint's offset).
     length: u64,
+    /// The digest of those bytes (what a checkpoint signs for its prefix).
+    prefix: prefix::PrefixDigest,
     /// (seq, byte offset) of the records appended by this process, the latest
     /// `RECENT_OFFSETS`: where a peer's request for recent records starts reading.
     recent: std::collections::VecDeque<(u64, u64)>,
@@ -418,10 +420,23 @@ impl AuditLog {
             signature: None,
         };
         let (head, length) = verify_from(path, 0, genesis, visit)?;
-        Self::opened(path, head, length)
+        let prefix = Self::digest(path, length)?;
+        Self::opened(path, head, length, prefix)
     }
 
-    fn opened(path: &Path, head: Head, length: u64) -> Result<Self, AuditError> {
+    fn digest(path: &Path, length: u64) -> Result<prefix::PrefixDigest, AuditError> {
+        prefix::PrefixDigest::of_file(path, length).map_err(|source| AuditError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+
+    fn opened(
+        path: &Path,
+        head: Head,
+        length: u64,
+        prefix: prefix::PrefixDigest,
+    ) -> Result<Self, AuditError> {
         let file = OpenOptions::new()
             .create(true)
             .append(true)
@@ -437,6 +452,7 @@ impl AuditLog {
             signer: None,
             broken: false,
             length,
+            prefix,
             recent: Default::default(),
         })
     }
@@ -536,9 +552,29 @@ impl AuditLog {
                     hash: c.hash.clone(),
                     signature: c.record_signature.clone(),
                 };
+                // The prefix the checkpoint stands for is not re-verified record by record, but
+                // its bytes must be the ones the checkpoint signed: an edit inside it (a
+                // "refused" rewritten as "granted", the same length) refuses the start.
+                let mut prefix = Self::digest(path, c.offset)?;
+                if prefix.hex() != c.prefix_sha256 {
+                    return Err(AuditError::Broken {
+                        path: path.to_path_buf(),
+                        line: 0,
+                        reason: format!(
+                            "its first {} bytes ({} records) are not the ones its checkpoint signed: a record inside them was edited. `confed keyservice audit verify` names it; restore a copy whose records all verify",
+                            c.offset, c.records
+                        ),
+                    });
+                }
                 let (head, length) = verify_from(path, c.offset, start, |r| replay(ledger, r))?;
+                prefix
+                    .extend_from_file(path, c.offset, length)
+                    .map_err(|source| AuditError::Io {
+                        path: path.to_path_buf(),
+                        source,
+                    })?;
                 let from = VerifiedFrom::Checkpoint { records: c.records };
-                (Self::opened(path, head, length)?, from)
+                (Self::opened(path, head, length, prefix)?, from)
             }
             None => {
                 let genesis = Head {
@@ -547,7 +583,11 @@ impl AuditLog {
                     signature: None,
                 };
                 let (head, length) = verify_from(path, 0, genesis, |r| replay(ledger, r))?;
-                (Self::opened(path, head, length)?, VerifiedFrom::Start)
+                let prefix = Self::digest(path, length)?;
+                (
+                    Self::opened(path, head, length, prefix)?,
+                    VerifiedFrom::Start,
+                )
             }
         };
         if let Some((seq, reason)) = unsigned {
@@ -577,8 +617,8 @@ impl AuditLog {
             self.head.hash.as_str(),
             self.head.signature.as_deref(),
         );
-        if let Err(error) = super::checkpoint::write(&self.path, id, key, head, self.length, ledger)
-        {
+        let covered = (self.length, self.prefix.hex());
+        if let Err(error) = super::checkpoint::write(&self.path, id, key, head, covered, ledger) {
             tracing::warn!(log = %self.path.display(), %error, "could not write the audit checkpoint");
         }
     }
@@ -670,6 +710,7 @@ impl AuditLog {
             signature,
         };
         self.length = before + line.len() as u64;
+        self.prefix.extend(&line);
         if self.recent.len() == RECENT_OFFSETS {
             self.recent.pop_front();
         }
@@ -704,6 +745,7 @@ pub(crate) fn test_grant(n: u64, commitment: &str) -> Decision {
 }
 
 mod history;
+pub mod prefix;
 pub use history::{find_acknowledgement, head_of, read_records};
 
 #[cfg(test)]

@@ -8,9 +8,10 @@
 //! verified and replayed. Anything else (missing, unsigned by this service, not matching the log)
 //! falls back to verifying the whole log. `confed keyservice audit verify` always checks all.
 //!
-//! What this trusts: the prefix was verified when the checkpoint was signed, and rewriting it
-//! later without the signing key breaks its signatures, which the offline verifier reports; the
-//! ledger in the checkpoint cannot be altered without the key.
+//! What this trusts: the prefix was verified when the checkpoint was signed. Its bytes are not
+//! re-verified record by record at start, but their SHA-256 must be the one the checkpoint signed
+//! (`audit::prefix`): any edit inside the prefix refuses the start. The ledger in the checkpoint
+//! cannot be altered without the key.
 
 use std::fs::File;
 use std::io::Write;
@@ -25,7 +26,9 @@ use super::ledger::Ledger;
 /// Records between checkpoints (a checkpoint is also written after every granted record: what a
 /// rollback would take away).
 pub const CHECKPOINT_EVERY: u64 = 1000;
-const FORMAT: &str = "confed-audit-checkpoint/v1";
+/// v2 signs the digest of the prefix's bytes; a v1 checkpoint is not used (the whole log is
+/// verified once, and a v2 one written).
+const FORMAT: &str = "confed-audit-checkpoint/v2";
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -40,6 +43,9 @@ pub struct Checkpoint {
     pub record_signature: Option<String>,
     /// Bytes of the log covered: the end of the last covered record's line.
     pub offset: u64,
+    /// Lowercase hex SHA-256 of those bytes (`audit::prefix`).
+    #[serde(default)]
+    pub prefix_sha256: String,
     /// `Ledger::to_json` as of the last covered record.
     pub ledger: String,
     /// The key service's signature over `signed_text()`.
@@ -50,12 +56,13 @@ impl Checkpoint {
     fn signed_text(&self) -> String {
         let ledger = confed_protocol::hex::sha256_hex(self.ledger.as_bytes());
         format!(
-            "{FORMAT}|{}|{}|{}|{}|{}|{ledger}",
+            "{FORMAT}|{}|{}|{}|{}|{}|{}|{ledger}",
             self.keyservice_id,
             self.records,
             self.hash,
             self.record_signature.as_deref().unwrap_or("none"),
-            self.offset
+            self.offset,
+            self.prefix_sha256
         )
     }
 }
@@ -70,7 +77,7 @@ pub fn write(
     keyservice_id: &str,
     key: &p256::ecdsa::SigningKey,
     head: (u64, &str, Option<&str>),
-    offset: u64,
+    (offset, prefix_sha256): (u64, String),
     ledger: &Ledger,
 ) -> std::io::Result<()> {
     let (records, hash, record_signature) = head;
@@ -81,6 +88,7 @@ pub fn write(
         hash: hash.into(),
         record_signature: record_signature.map(str::to_string),
         offset,
+        prefix_sha256,
         ledger: ledger.to_json(),
         signature: String::new(),
     };

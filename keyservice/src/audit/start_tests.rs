@@ -146,3 +146,32 @@ fn a_log_restored_from_an_older_copy_refuses_to_start() {
         other => panic!("a rolled-back log started: {other:?}"),
     }
 }
+
+/// v3 refused a same-length edit inside the checkpointed prefix at start; checkpoints that
+/// stand for a prefix without re-verifying it let it start silently. The checkpoint now signs
+/// the prefix's digest: the edit (a refusal rewritten as a grant, 7 bytes for 7) refuses the
+/// start, while the log, the checkpoint and the tail after it are untouched.
+#[test]
+fn a_same_length_edit_inside_the_checkpointed_prefix_refuses_to_start() {
+    let s = service_with(3);
+    {
+        let mut ledger = Ledger::default();
+        let (mut log, _) = start(&s).unwrap();
+        let refused = Decision {
+            decision: "refused".into(),
+            ..granted(9, &format!("{:064x}", 9))
+        };
+        ledger.restore(&log.append(refused).unwrap());
+        log.checkpoint(&ledger);
+    }
+    assert!(matches!(
+        start(&s).unwrap().1,
+        VerifiedFrom::Checkpoint { records: 4 }
+    ));
+    let text = std::fs::read_to_string(&s.path).unwrap();
+    let edited = text.replacen("\"decision\":\"refused\"", "\"decision\":\"granted\"", 1);
+    assert_eq!(edited.len(), text.len(), "the same length");
+    assert_ne!(edited, text);
+    std::fs::write(&s.path, edited).unwrap();
+    assert_broken_at(start(&s), 0, "not the ones its checkpoint signed");
+}
