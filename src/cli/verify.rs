@@ -7,9 +7,10 @@ use clap::Subcommand;
 
 #[derive(Subcommand)]
 pub enum VerifyCommand {
-    /// A round's release: the enclave's signature and t key services' receipts for its
-    /// commitment, checked offline against the key services' verifying keys in the trust file.
-    /// The tenant token comes from --token-file or CONFED_TOKEN.
+    /// A round's release: the enclave's signature and the receipts of q = max(t, ceil((n + t) /
+    /// 2)) key services for its commitment (any two such quorums share t key services, so no
+    /// second release of the round can gather q), checked offline against the key services'
+    /// verifying keys in the trust file. The tenant token comes from --token-file or CONFED_TOKEN.
     Release {
         #[arg(long)]
         server: String,
@@ -17,7 +18,8 @@ pub enum VerifyCommand {
         task: String,
         #[arg(long)]
         round: u64,
-        /// Trust file: {"threshold", "keyservices": [{"id", "verifying_key"}], ...}.
+        /// Trust file: {"threshold" (t), "keyservices": [{"id", "verifying_key"}] (n of them, or
+        /// "shares"), ...}.
         #[arg(long)]
         trust: PathBuf,
         #[arg(long)]

@@ -216,6 +216,20 @@ impl KeyDirectory {
         {
             metrics::gauge!("confed_keyservices_threshold").set(f64::from(threshold));
         }
+        // What a release needs (q = max(t, ceil((n + t) / 2)) receipts, docs/operations.md,
+        // "Availability of the key services"): fewer reachable than q stops every release even
+        // while t still decrypt.
+        if let Some(quorum) = fresh
+            .iter()
+            .flat_map(|set| {
+                set.keys
+                    .iter()
+                    .map(|key| confed_attestation::release::quorum(key.threshold, key.shares))
+            })
+            .max()
+        {
+            metrics::gauge!("confed_keyservices_release_quorum").set(quorum as f64);
+        }
         if let Ok(mut reach) = self.reach.write() {
             *reach = Some((answered, asked));
         }
