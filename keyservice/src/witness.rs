@@ -127,6 +127,25 @@ impl WitnessStore {
         }
     }
 
+    /// Keeps `head` as its peer's latest even if it is behind the kept one: for a peer whose
+    /// signed acknowledgement of losing the kept head was verified (`witness::replace`).
+    pub fn replace(&mut self, head: SignedHead) -> std::io::Result<()> {
+        self.write_with(head)
+    }
+
+    fn write_with(&mut self, head: SignedHead) -> std::io::Result<()> {
+        let mut heads = self.heads.clone();
+        heads.insert(head.keyservice_id.clone(), head);
+        let file = WitnessFile {
+            format: FORMAT.into(),
+            heads,
+        };
+        let bytes = serde_json::to_vec(&file).map_err(std::io::Error::other)?;
+        crate::checkpoint::write_atomically(&self.path, &bytes)?;
+        self.heads = file.heads;
+        Ok(())
+    }
+
     /// Keeps `head` as its peer's latest (durably: the file is replaced atomically).
     /// Two heads of one peer verified at once (a push and a pull) must not leave the older one
     /// kept: a head not ahead of the one kept by now is not written.
@@ -138,16 +157,7 @@ impl WitnessStore {
         {
             return Ok(());
         }
-        let mut heads = self.heads.clone();
-        heads.insert(head.keyservice_id.clone(), head);
-        let file = WitnessFile {
-            format: FORMAT.into(),
-            heads,
-        };
-        let bytes = serde_json::to_vec(&file).map_err(std::io::Error::other)?;
-        crate::checkpoint::write_atomically(&self.path, &bytes)?;
-        self.heads = file.heads;
-        Ok(())
+        self.write_with(head)
     }
 }
 
@@ -216,6 +226,26 @@ pub async fn observe(
                 },
             }
         }
+        (Observation::Rewound { witnessed }, _) => {
+            // A peer that lost records may have acknowledged the loss (a signed record naming
+            // exactly the kept head): its new history, however short, starts there and is
+            // followed, instead of alarming at every pull for good.
+            let Some(_claim) = Following::claim(service, &peer.id)? else {
+                return Ok(Observation::Busy);
+            };
+            let peers = peers.as_deref().expect("a peer was found above");
+            match after_acknowledged_loss(peers, peer, &witnessed, &head).await {
+                Ok(reached) => {
+                    replace(service, reached.clone()).await?;
+                    if reached == head {
+                        Observation::Advanced
+                    } else {
+                        Observation::Following { kept: reached }
+                    }
+                }
+                Err(_) => Observation::Rewound { witnessed },
+            }
+        }
         (other, _) => other,
     };
     let loud = via == Via::Pull;
@@ -261,22 +291,32 @@ async fn extends(
     let Err(why) = direct else {
         return direct;
     };
+    after_acknowledged_loss(peers, peer, kept, head)
+        .await
+        .map_err(|ack| format!("{why}; {ack}"))
+}
+
+/// Whether `head` continues `peer`'s history from its signed acknowledgement of losing `kept`
+/// (a `loss_acknowledged` record naming exactly that head): the furthest signed head verified
+/// from the acknowledgement towards `head` (`head` itself once reached).
+async fn after_acknowledged_loss(
+    peers: &Peers,
+    peer: &crate::peers::Peer,
+    kept: &SignedHead,
+    head: &SignedHead,
+) -> Result<SignedHead, String> {
     let lost = crate::audit::LostHead {
         records: kept.records,
         hash: kept.hash.clone(),
     };
     let Some(acknowledgement) = peers.acknowledgement(peer, &lost).await.ok().flatten() else {
-        return Err(why);
+        return Err("the peer acknowledged no loss of the kept head".into());
     };
-    // The acknowledgement must be a record the peer signed, naming exactly the kept head, and
-    // the new head must extend it.
     let from = crate::audit::head_of(&peer.id, &acknowledgement);
     let signed = acknowledgement.decision.acknowledged_loss.as_ref() == Some(&lost)
         && head_is_signed_by(&from, &peer.id, &peer.verifying_key);
     if !signed {
-        return Err(format!(
-            "{why}; its acknowledgement of the kept head is not valid"
-        ));
+        return Err("its acknowledgement of the kept head is not valid".into());
     }
     tracing::info!(peer = %peer.id, "a peer acknowledged the loss of the head kept of it");
     if from.records == head.records && from.hash == head.hash {
@@ -287,7 +327,7 @@ async fn extends(
     }
     // Past the acknowledgement the new history is followed like any other; the acknowledgement
     // itself is a signed head to keep if the records after it take more than one call.
-    follow(peers, peer, &from, head).await.or(Ok(from))
+    Ok(follow(peers, peer, &from, head).await.unwrap_or(from))
 }
 
 /// Follows `peer`'s log from `from` towards `to`, one page of records (`GET /v1/audit/records`,
@@ -380,6 +420,21 @@ impl Drop for Following {
             store.following.remove(&self.peer);
         }
     }
+}
+
+/// Keeps `head` in place of the kept one even when it is behind: only after the peer's signed
+/// acknowledgement of losing the kept head (`after_acknowledged_loss`).
+async fn replace(service: &KeyService, head: SignedHead) -> Result<(), ApiError> {
+    let witnesses = service.witnesses.clone();
+    tokio::task::spawn_blocking(move || {
+        witnesses
+            .lock()
+            .map_err(|_| ApiError::Internal("witness store poisoned".into()))?
+            .replace(head)
+            .map_err(|e| ApiError::Internal(format!("the witness file cannot be written: {e}")))
+    })
+    .await
+    .map_err(|e| ApiError::Internal(e.to_string()))?
 }
 
 async fn keep(service: &KeyService, head: SignedHead) -> Result<(), ApiError> {

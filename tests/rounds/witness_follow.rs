@@ -185,3 +185,59 @@ async fn the_acknowledgement_route_answers_from_an_index_not_a_scan() {
     }
     std::fs::rename(&aside, &log).unwrap();
 }
+
+/// A peer that lost more records than it has written since, and acknowledged the loss: its new
+/// head is behind the one kept of it. Peers used to alarm at every pull for good; now they
+/// follow its history from its signed acknowledgement, and its start is not refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_legitimate_acknowledgement_peers_follow_a_shorter_history_without_alarm() {
+    let world = World::new(2, 3);
+    let (mut services, urls) = witnessing_deployment(&world).await;
+    let ks1 = services[0].service.clone();
+    let peers = ks1.peers.clone().unwrap();
+    let ks2_peer = peers.list.iter().find(|p| p.id == "ks2").unwrap().clone();
+    copy_state(&world, 2, "early", false);
+    append_records(&services[1].service, 10);
+    assert!(pull_peer(&ks1, &peers, &ks2_peer).await);
+    let lost = services[0].witnessed("ks2").unwrap();
+    assert!(lost.records >= 10);
+
+    // ks2's disk is lost; it comes back from the early copy (10 records short), its operator
+    // acknowledges the loss of the head ks1 witnessed, and ks2 starts again.
+    copy_state(&world, 2, "early", true);
+    confed::keyservice::acknowledge::acknowledge_loss(
+        &world.dir.path().join("audit-ks2.jsonl"),
+        "ks2",
+        std::sync::Arc::new(world.signing_key(2)),
+        confed::keyservice::audit::LostHead {
+            records: lost.records,
+            hash: lost.hash.clone(),
+        },
+        lost.signature.as_deref().unwrap(),
+        "test: disk lost, restored from the early copy",
+        START,
+    )
+    .unwrap();
+    let ks2 = services.remove(1).restart(&world, 2, &urls).await;
+    let now = head_of(&ks2.service);
+    assert!(now.records < lost.records, "the new history is shorter");
+    assert_eq!(
+        observe(&ks1, now.clone(), Via::Pull).await.unwrap(),
+        Observation::Advanced,
+        "followed from the acknowledgement, no alarm"
+    );
+    assert_eq!(services[0].witnessed("ks2"), Some(now.clone()));
+    assert_eq!(
+        observe(&ks1, now, Via::Pull).await.unwrap(),
+        Observation::Same
+    );
+    assert_eq!(ks2.ask_peers().await, GateState::Open);
+    // A later record of ks2 extends it as usual.
+    append_records(&ks2.service, 1);
+    assert_eq!(
+        observe(&ks1, head_of(&ks2.service), Via::Pull)
+            .await
+            .unwrap(),
+        Observation::Advanced
+    );
+}
