@@ -19,24 +19,15 @@ const RECORDS: u64 = 200_000;
 
 fn refusal(n: u64) -> Decision {
     Decision {
-        at: 1_800_000_000 + n as i64,
-        keyservice_id: "ks1".into(),
         key_id: "key-1".into(),
-        decision: "refused".into(),
-        reason: "aud".into(),
         failed_checks: vec!["aud".into()],
         token_sha256: format!("{n:064x}"),
-        image_digest: Some(format!("sha256:{:064x}", n)),
+        image_digest: Some(format!("sha256:{n:064x}")),
         nonce: format!("{n:043}"),
         task_id: format!("task-{}", n % 97),
         round: n / 97,
         policy: "production".into(),
-        commitment_sha256: None,
-        policy_sha256: None,
-        policy_rounds: None,
-        enclave_signing_key: None,
-        key_scope: None,
-        acknowledged_loss: None,
+        ..Decision::note(1_800_000_000 + n as i64, "ks1", "refused", "aud".into())
     }
 }
 

@@ -81,24 +81,8 @@ pub fn acknowledge_loss(
     let named = crate::checkpoint::load_matching(path, keyservice_id, key.verifying_key());
     let aside = matches!(&named, Err(crate::checkpoint::Unmatched::LogBehind { lost: n, .. }) if *n == lost);
     let record = log.append(Decision {
-        at: now,
-        keyservice_id: keyservice_id.into(),
-        key_id: String::new(),
-        decision: LOSS_ACKNOWLEDGED.into(),
-        reason: note.into(),
-        failed_checks: Vec::new(),
-        token_sha256: String::new(),
-        image_digest: None,
-        nonce: String::new(),
-        task_id: String::new(),
-        round: 0,
-        policy: String::new(),
-        commitment_sha256: None,
-        policy_sha256: None,
-        policy_rounds: None,
-        enclave_signing_key: None,
-        key_scope: None,
         acknowledged_loss: Some(lost.clone()),
+        ..Decision::note(now, keyservice_id, LOSS_ACKNOWLEDGED, note.into())
     })?;
     ledger.restore(&record);
     if aside {

@@ -137,6 +137,33 @@ pub fn head_text(keyservice_id: &str, seq: u64, hash: &str) -> String {
     format!("confed-audit-head-v1|{keyservice_id}|{seq}|{hash}")
 }
 
+impl Decision {
+    /// A record that is no release decision (an acknowledged loss, a summary of refusals): the
+    /// fields of a decision empty, 0 or absent.
+    pub fn note(at: i64, keyservice_id: &str, decision: &str, reason: String) -> Self {
+        Self {
+            at,
+            keyservice_id: keyservice_id.to_string(),
+            key_id: String::new(),
+            decision: decision.to_string(),
+            reason,
+            failed_checks: Vec::new(),
+            token_sha256: String::new(),
+            image_digest: None,
+            nonce: String::new(),
+            task_id: String::new(),
+            round: 0,
+            policy: String::new(),
+            commitment_sha256: None,
+            policy_sha256: None,
+            policy_rounds: None,
+            enclave_signing_key: None,
+            key_scope: None,
+            acknowledged_loss: None,
+        }
+    }
+}
+
 /// A signed head, as `GET /v1/audit/head` serves it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

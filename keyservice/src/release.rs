@@ -507,23 +507,13 @@ fn receipt_image_digest(digest: Option<&str>) -> String {
 /// (`refusals::Summary`); `like` lends it the service's id and policy.
 fn summary_decision(like: &Decision, summary: &crate::refusals::Summary) -> Decision {
     Decision {
-        at: summary.minute * 60 + 59,
-        keyservice_id: like.keyservice_id.clone(),
-        key_id: String::new(),
-        decision: crate::refusals::SUMMARY_DECISION.into(),
-        reason: summary.reason(),
         failed_checks: summary.failed_checks(),
-        token_sha256: String::new(),
-        image_digest: None,
-        nonce: String::new(),
-        task_id: String::new(),
-        round: 0,
         policy: like.policy.clone(),
-        commitment_sha256: None,
-        policy_sha256: None,
-        policy_rounds: None,
-        enclave_signing_key: None,
-        key_scope: None,
-        acknowledged_loss: None,
+        ..Decision::note(
+            summary.minute * 60 + 59,
+            &like.keyservice_id,
+            crate::refusals::SUMMARY_DECISION,
+            summary.reason(),
+        )
     }
 }

@@ -104,9 +104,13 @@ impl WitnessStore {
     }
 
     /// Claims the one verification of `peer`'s records that may run at a time; false if another
-    /// runs (`Following::drop` gives it back).
-    fn start_following(&mut self, peer: &str) -> bool {
+    /// runs (`finish_following`, called when the claim is dropped, gives it back).
+    pub fn start_following(&mut self, peer: &str) -> bool {
         self.following.insert(peer.to_string())
+    }
+
+    pub fn finish_following(&mut self, peer: &str) {
+        self.following.remove(peer);
     }
 
     pub fn latest(&self, peer: &str) -> Option<&SignedHead> {
@@ -203,7 +207,7 @@ pub async fn observe(
     let observed = match (observed, kept) {
         (Observation::Advanced, None) => {
             // The first head of a peer is taken as it is.
-            keep(service, head.clone()).await?;
+            store(service, head.clone(), Store::Forward).await?;
             Observation::Advanced
         }
         (Observation::Advanced, Some(kept)) => {
@@ -213,11 +217,11 @@ pub async fn observe(
             let peers = peers.as_deref().expect("a peer was found above");
             match extends(peers, peer, &kept, &head).await {
                 Ok(reached) if reached == head => {
-                    keep(service, head.clone()).await?;
+                    store(service, head.clone(), Store::Forward).await?;
                     Observation::Advanced
                 }
                 Ok(reached) => {
-                    keep(service, reached.clone()).await?;
+                    store(service, reached.clone(), Store::Forward).await?;
                     Observation::Following { kept: reached }
                 }
                 Err(why) => Observation::Unverified {
@@ -236,7 +240,7 @@ pub async fn observe(
             let peers = peers.as_deref().expect("a peer was found above");
             match after_acknowledged_loss(peers, peer, &witnessed, &head).await {
                 Ok(reached) => {
-                    replace(service, reached.clone()).await?;
+                    store(service, reached.clone(), Store::Replacing).await?;
                     if reached == head {
                         Observation::Advanced
                     } else {
@@ -417,34 +421,32 @@ impl Following {
 impl Drop for Following {
     fn drop(&mut self) {
         if let Ok(mut store) = self.service.witnesses.lock() {
-            store.following.remove(&self.peer);
+            store.finish_following(&self.peer);
         }
     }
 }
 
-/// Keeps `head` in place of the kept one even when it is behind: only after the peer's signed
-/// acknowledgement of losing the kept head (`after_acknowledged_loss`).
-async fn replace(service: &KeyService, head: SignedHead) -> Result<(), ApiError> {
-    let witnesses = service.witnesses.clone();
-    tokio::task::spawn_blocking(move || {
-        witnesses
-            .lock()
-            .map_err(|_| ApiError::Internal("witness store poisoned".into()))?
-            .replace(head)
-            .map_err(|e| ApiError::Internal(format!("the witness file cannot be written: {e}")))
-    })
-    .await
-    .map_err(|e| ApiError::Internal(e.to_string()))?
+/// How a verified head is stored.
+#[derive(Clone, Copy)]
+enum Store {
+    /// Only if ahead of the kept one (`WitnessStore::keep`).
+    Forward,
+    /// Even when behind: only after the peer's signed acknowledgement of losing the kept head
+    /// (`after_acknowledged_loss`, `WitnessStore::replace`).
+    Replacing,
 }
 
-async fn keep(service: &KeyService, head: SignedHead) -> Result<(), ApiError> {
+async fn store(service: &KeyService, head: SignedHead, how: Store) -> Result<(), ApiError> {
     let witnesses = service.witnesses.clone();
     tokio::task::spawn_blocking(move || {
-        witnesses
+        let mut store = witnesses
             .lock()
-            .map_err(|_| ApiError::Internal("witness store poisoned".into()))?
-            .keep(head)
-            .map_err(|e| ApiError::Internal(format!("the witness file cannot be written: {e}")))
+            .map_err(|_| ApiError::Internal("witness store poisoned".into()))?;
+        match how {
+            Store::Forward => store.keep(head),
+            Store::Replacing => store.replace(head),
+        }
+        .map_err(|e| ApiError::Internal(format!("the witness file cannot be written: {e}")))
     })
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))?
