@@ -154,6 +154,8 @@ impl TaskDbJobStore {
             )?,
             attempt: u64::try_from(context.round.attempt)
                 .map_err(|_| format!("attempt {} is negative", context.round.attempt))?,
+            // Set by the lease that hands the job out (`lease_wire`).
+            lease_holder: String::new(),
             key_id,
             public_key: key.public_key,
             policy: spec
@@ -213,17 +215,18 @@ impl TaskDbJobStore {
                 .map_err(db_error)?;
             match self.wire(&context) {
                 Ok(mut wire) => {
-                    if self.plan(&context, worker).await? {
+                    if self.plan(&context, &leased.holder).await? {
                         // Cut into partitions: lease one of them instead.
                         continue;
                     }
                     wire.partitioning = self.root_partitioning(&context).await?;
+                    wire.lease_holder = leased.holder;
                     return Ok(Some(wire));
                 }
                 Err(reason) => {
                     tracing::error!(round = %leased.round_id, %reason, "aggregation job cannot run");
                     self.db
-                        .fail_job(&leased.round_id, worker, &reason, true, self.now())
+                        .fail_job(&leased.round_id, &leased.holder, &reason, true, self.now())
                         .await
                         .map_err(db_error)?;
                     metrics::counter!("confed_aggregation_jobs_failed_total", "kind" => "permanent")
@@ -549,7 +552,7 @@ impl JobStore for TaskDbJobStore {
         let Some(wire) = self.lease_wire(worker, lease).await? else {
             return Ok(None);
         };
-        resolve(self, worker, wire).await.map(Some)
+        resolve(self, wire).await.map(Some)
     }
 
     async fn renew(&self, job_id: &str, worker: &str, lease: Duration) -> Result<(), StoreError> {

@@ -220,6 +220,7 @@ impl TaskDbJobStore {
                         index: leased.index,
                         count: leased.count,
                     });
+                    wire.lease_holder = leased.holder;
                     return Ok(Some(wire));
                 }
                 Err(reason) => {
@@ -228,7 +229,7 @@ impl TaskDbJobStore {
                         .fail_partition(
                             &leased.round_id,
                             leased.index,
-                            worker,
+                            &leased.holder,
                             &reason,
                             true,
                             self.now(),

@@ -113,7 +113,7 @@ impl JobStore for HttpJobStore {
             .json()
             .await
             .map_err(|e| StoreError::Backend(format!("malformed job: {e}")))?;
-        resolve(self, worker, wire).await.map(Some)
+        resolve(self, wire).await.map(Some)
     }
 
     async fn renew(&self, job_id: &str, worker: &str, lease: Duration) -> Result<(), StoreError> {

@@ -250,7 +250,7 @@ impl<S: JobStore + 'static> Worker<S> {
                 self.store
                     .fail(
                         &job.job_id,
-                        &self.config.id,
+                        &job.lease_holder,
                         &error_text,
                         error.is_permanent(),
                     )
@@ -272,7 +272,7 @@ impl<S: JobStore + 'static> Worker<S> {
                 .await?;
             let storing = Instant::now();
             self.store
-                .put_partition(&job.job_id, &self.config.id, &sealed)
+                .put_partition(&job.job_id, &job.lease_holder, &sealed)
                 .await?;
             phases.release = storing.elapsed();
             return Ok(JobOutcome {
@@ -295,7 +295,7 @@ impl<S: JobStore + 'static> Worker<S> {
                 self.store
                     .commit_release(
                         &job.job_id,
-                        &self.config.id,
+                        &job.lease_holder,
                         StagedRelease {
                             average: &release.average,
                             manifest: &release.manifest,
@@ -321,7 +321,7 @@ impl<S: JobStore + 'static> Worker<S> {
         self.store
             .commit_model(
                 &job.job_id,
-                &self.config.id,
+                &job.lease_holder,
                 &updated.model,
                 updated.optimizer_state.as_deref(),
             )
@@ -388,7 +388,7 @@ impl<S: JobStore + 'static> Worker<S> {
                 Ok(joined) => break joined.map_err(JobError::Thread)??,
                 Err(_) => {
                     self.store
-                        .renew(&job.job_id, &self.config.id, self.config.lease)
+                        .renew(&job.job_id, &job.lease_holder, self.config.lease)
                         .await?
                 }
             }
@@ -447,7 +447,7 @@ impl<S: JobStore + 'static> Worker<S> {
             .map_err(JobError::Thread)??;
             if renewed.elapsed() >= self.config.lease / 4 {
                 self.store
-                    .renew(&job.job_id, &self.config.id, self.config.lease)
+                    .renew(&job.job_id, &job.lease_holder, self.config.lease)
                     .await?;
                 renewed = Instant::now();
             }
@@ -654,7 +654,7 @@ impl<S: JobStore + 'static> Worker<S> {
                     }
                 }
                 self.store
-                    .renew(&job.job_id, &self.config.id, self.config.lease)
+                    .renew(&job.job_id, &job.lease_holder, self.config.lease)
                     .await?;
             }
             if batch.is_empty() {

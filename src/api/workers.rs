@@ -58,7 +58,7 @@ fn store(state: &AppState) -> TaskDbJobStore {
 fn store_error(error: StoreError) -> ApiError {
     match error {
         StoreError::LeaseLost => ApiError::LeaseLost(
-            "another worker holds this job's lease (yours expired), or the job is finished; stop working on it".into(),
+            "this lease is no longer yours (it expired and another worker took it, a newer lease of yours replaced it, or the job is finished); stop working on it".into(),
         ),
         StoreError::Conflict(detail) => ApiError::Conflict(detail),
         StoreError::Refused(detail) => ApiError::Unprocessable(detail),
@@ -69,21 +69,35 @@ fn store_error(error: StoreError) -> ApiError {
 /// `name` or `name/incarnation`, each 1-64 of A-Z a-z 0-9 . _ - (a worker that restarts under
 /// the same name with a new incarnation takes its own jobs back at once).
 fn check_worker(worker: &str) -> Result<(), ApiError> {
-    let part_ok = |part: &str| {
-        (1..=64).contains(&part.len())
-            && part
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
-    };
     let ok = match worker.split_once('/') {
-        Some((name, incarnation)) => part_ok(name) && part_ok(incarnation),
-        None => part_ok(worker),
+        Some((name, incarnation)) => id_part_ok(name) && id_part_ok(incarnation),
+        None => id_part_ok(worker),
     };
     ok.then_some(()).ok_or_else(|| {
         ApiError::BadRequest(
             "`worker` must be `name` or `name/incarnation`, each 1-64 characters of A-Z, a-z, 0-9, '.', '_', '-'".into(),
         )
     })
+}
+
+/// The `worker` of every call under a lease: the `lease_holder` its lease answered
+/// (`<worker>~<token>`), which the store compares with the lease's.
+fn check_holder(holder: &str) -> Result<(), ApiError> {
+    let ok = holder
+        .split_once(crate::db::jobs::HOLDER_SEPARATOR)
+        .is_some_and(|(worker, token)| check_worker(worker).is_ok() && id_part_ok(token));
+    ok.then_some(()).ok_or_else(|| {
+        ApiError::BadRequest(
+            "`worker` must be the `lease_holder` your lease answered (`<worker>~<token>`); lease again if you no longer have it".into(),
+        )
+    })
+}
+
+fn id_part_ok(part: &str) -> bool {
+    (1..=64).contains(&part.len())
+        && part
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
 }
 
 fn lease_duration(seconds: u64) -> Result<Duration, ApiError> {
@@ -156,7 +170,7 @@ async fn renew(
     ApiPath(job_id): ApiPath<String>,
     ApiJson(request): ApiJson<RenewRequest>,
 ) -> Result<StatusCode, ApiError> {
-    check_worker(&request.worker)?;
+    check_holder(&request.worker)?;
     let lease = lease_duration(request.lease_seconds)?;
     store(&state)
         .renew(&job_id, &request.worker, lease)
@@ -171,7 +185,7 @@ async fn fail(
     ApiPath(job_id): ApiPath<String>,
     ApiJson(request): ApiJson<FailRequest>,
 ) -> Result<StatusCode, ApiError> {
-    check_worker(&request.worker)?;
+    check_holder(&request.worker)?;
     store(&state)
         .fail(&job_id, &request.worker, &request.reason, request.permanent)
         .await
@@ -185,7 +199,7 @@ async fn release(
     ApiPath(job_id): ApiPath<String>,
     ApiJson(upload): ApiJson<ReleaseUpload>,
 ) -> Result<StatusCode, ApiError> {
-    check_worker(&upload.worker)?;
+    check_holder(&upload.worker)?;
     let average = upload.average_bytes().map_err(ApiError::BadRequest)?;
     store(&state)
         .commit_release(
@@ -211,7 +225,7 @@ async fn model(
     ApiQuery(query): ApiQuery<ModelCommitQuery>,
     ApiBytes(body): ApiBytes,
 ) -> Result<StatusCode, ApiError> {
-    check_worker(&query.worker)?;
+    check_holder(&query.worker)?;
     if let Some(sha) = &query.optimizer_state_sha256
         && !confed_protocol::hex::is_digest_hex(sha)
     {
@@ -242,7 +256,7 @@ async fn optimizer_state(
     ApiQuery(worker): ApiQuery<WorkerId>,
     ApiBytes(body): ApiBytes,
 ) -> Result<StatusCode, ApiError> {
-    check_worker(&worker.worker)?;
+    check_holder(&worker.worker)?;
     store(&state)
         .put_optimizer_state(&job_id, &worker.worker, &body, None)
         .await
@@ -259,7 +273,7 @@ async fn blt_state(
     ApiQuery(worker): ApiQuery<WorkerId>,
     ApiBytes(body): ApiBytes,
 ) -> Result<StatusCode, ApiError> {
-    check_worker(&worker.worker)?;
+    check_holder(&worker.worker)?;
     store(&state)
         .put_blt_state(&job_id, &worker.worker, &body)
         .await
@@ -276,7 +290,7 @@ async fn partition(
     ApiQuery(worker): ApiQuery<WorkerId>,
     ApiBytes(body): ApiBytes,
 ) -> Result<StatusCode, ApiError> {
-    check_worker(&worker.worker)?;
+    check_holder(&worker.worker)?;
     store(&state)
         .put_partition_sealed(&job_id, &worker.worker, &body)
         .await

@@ -82,19 +82,37 @@ pub fn retry_backoff_ms(failures: i64) -> i64 {
     (1000i64 << failures.clamp(1, 20)).min(MAX_RETRY_BACKOFF_MS)
 }
 
-/// `name/` of a worker id `name/incarnation` (empty without an incarnation): the prefix of the
-/// leases an incarnation of the same worker may take over at once.
-pub(super) fn own_name(worker: &str) -> String {
-    worker
-        .split_once('/')
-        .map(|(name, _)| format!("{name}/"))
-        .unwrap_or_default()
+/// The prefix of the leases a worker may take back at once although they have not expired:
+/// `name/` for a worker id `name/incarnation` (any incarnation of the same name, this one
+/// included), else `name~` (this worker's own leases). A worker asks for a lease only when it
+/// holds none (it runs one job at a time), so a lease still held under its name is one it lost
+/// track of: a restart, a failure it could not record, or a lease answer that never reached it.
+pub(super) fn reclaimable_prefix(worker: &str) -> String {
+    match worker.split_once('/') {
+        Some((name, _)) => format!("{name}/"),
+        None => format!("{worker}{HOLDER_SEPARATOR}"),
+    }
+}
+
+/// Separates a worker id from its lease's token in a lease holder (`id~token`); no worker id
+/// contains it (`confed::api::workers` checks the ids it accepts).
+pub const HOLDER_SEPARATOR: char = '~';
+
+/// A new lease holder for `worker`: its id and a fresh random token (a fencing token). Every
+/// write under a lease names the holder, and a takeover (by another worker or by the same one
+/// after it lost track) writes a new one: whatever the previous holder still sends is refused
+/// as a lost lease.
+pub(super) fn new_holder(worker: &str) -> String {
+    let token = uuid::Uuid::new_v4().simple().to_string();
+    format!("{worker}{HOLDER_SEPARATOR}{}", &token[..16])
 }
 
 /// A job a worker just leased.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeasedJob {
     pub round_id: String,
+    /// `worker~token`: what every later write under this lease names.
+    pub holder: String,
 }
 
 /// Everything a worker needs to run a job, as stored.
@@ -207,30 +225,28 @@ pub struct NewRelease {
 }
 
 impl Db {
-    /// Leases the oldest ready job (never leased, or its lease expired, past its backoff, and
-    /// with every partition stored if it was cut into any).
+    /// Leases the oldest ready job (never leased, its lease expired, or held under this
+    /// worker's name: `reclaimable_prefix`), past its backoff, and with every partition stored
+    /// if it was cut into any. The answer's `holder` is what every later write names.
     pub async fn lease_job(
         &self,
         worker: &str,
         now: i64,
         lease_ms: i64,
     ) -> Result<Option<LeasedJob>, DbError> {
-        let worker = worker.to_string();
-        // A worker id `name/incarnation` may take over at once a job leased to another
-        // incarnation of `name`: that is this worker before a restart, whose lease would
-        // otherwise stall the job until it expired. (Names must be unique among live workers.)
-        let own_name = own_name(&worker);
+        let holder = new_holder(worker);
+        let reclaimable = reclaimable_prefix(worker);
         self.write(move |tx| {
             Box::pin(async move {
                 // The guard is repeated outside the subquery: the update is a compare-and-set.
                 // On PostgreSQL the candidate is also locked with SKIP LOCKED, so concurrent
                 // workers each get a different job instead of queueing on the same row.
-                // At most 3 such takeovers without a failure in between: a job that keeps
-                // killing its worker then waits for its lease like any other, and does not
-                // hold every later round behind it.
+                // A lease under this worker's name is taken back at once (`reclaimable_prefix`),
+                // at most 3 times without a failure in between: a job that keeps killing its
+                // worker then waits for its lease like any other, and does not hold every later
+                // round behind it.
                 let free = "(lease_expires_at IS NULL OR lease_expires_at <= $3 \
-                     OR (length($4) > 0 AND substr(lease_owner, 1, length($4)) = $4 \
-                         AND lease_owner <> $1 AND attempts - failures < 4))";
+                     OR (substr(lease_owner, 1, length($4)) = $4 AND attempts - failures < 4))";
                 let sql = format!(
                     "UPDATE aggregation_jobs SET lease_owner = $1, lease_expires_at = $2, \
                      attempts = attempts + 1, updated_at = $3 \
@@ -244,13 +260,13 @@ impl Db {
                     pending = JobState::Pending.as_str(),
                 );
                 let row: Option<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-                    .bind(&worker)
+                    .bind(&holder)
                     .bind(now + lease_ms)
                     .bind(now)
-                    .bind(&own_name)
+                    .bind(&reclaimable)
                     .fetch_optional(&mut *tx)
                     .await?;
-                Ok(row.map(|(round_id,)| LeasedJob { round_id }))
+                Ok(row.map(|(round_id,)| LeasedJob { round_id, holder }))
             })
         })
         .await

@@ -14,6 +14,8 @@ pub struct LeasedPartition {
     pub round_id: String,
     pub index: u32,
     pub count: u32,
+    /// `worker~token`: what every later write under this lease names.
+    pub holder: String,
 }
 
 /// A partition of a planned job, and where its sealed result is once stored.
@@ -78,19 +80,20 @@ async fn check_partition_lease(
 }
 
 impl Db {
-    /// Leases the first partition not stored yet whose lease is free or expired, or held by
-    /// another incarnation of this worker's name (that is this worker before a restart, as for
-    /// jobs; only while the partition has been leased fewer than four times, all leases
-    /// counted, so one that keeps killing its worker waits for its lease like any other), of
-    /// the oldest pending job past its backoff.
+    /// Leases the first partition not stored yet whose lease is free or expired, or held under
+    /// this worker's name (`jobs::reclaimable_prefix`: this worker before a restart, or before
+    /// it lost track of a lease; only while the partition has been leased fewer than four
+    /// times, all leases counted, so one that keeps killing its worker waits for its lease like
+    /// any other), of the oldest pending job past its backoff. The answer's `holder` is what
+    /// every later write names.
     pub async fn lease_partition(
         &self,
         worker: &str,
         now: i64,
         lease_ms: i64,
     ) -> Result<Option<LeasedPartition>, DbError> {
-        let worker = worker.to_string();
-        let own_name = super::jobs::own_name(&worker);
+        let holder = super::jobs::new_holder(worker);
+        let reclaimable = super::jobs::reclaimable_prefix(worker);
         self.write(move |tx| {
             Box::pin(async move {
                 // Locked with SKIP LOCKED on PostgreSQL, so concurrent workers take different
@@ -98,8 +101,7 @@ impl Db {
                 let free = |p: &str| {
                     format!(
                         "({p}lease_expires_at IS NULL OR {p}lease_expires_at <= $1 \
-                         OR (length($2) > 0 AND substr({p}lease_owner, 1, length($2)) = $2 \
-                             AND {p}lease_owner <> $3 AND {p}attempts < 4))"
+                         OR (substr({p}lease_owner, 1, length($2)) = $2 AND {p}attempts < 4))"
                     )
                 };
                 let sql = format!(
@@ -115,8 +117,7 @@ impl Db {
                 let candidate: Option<(String, i64, i64)> =
                     sqlx::query_as(sqlx::AssertSqlSafe(sql))
                         .bind(now)
-                        .bind(&own_name)
-                        .bind(&worker)
+                        .bind(&reclaimable)
                         .fetch_optional(&mut *tx)
                         .await?;
                 let Some((round_id, index, count)) = candidate else {
@@ -130,8 +131,8 @@ impl Db {
                 );
                 let taken = sqlx::query(sqlx::AssertSqlSafe(update))
                     .bind(now)
-                    .bind(&own_name)
-                    .bind(&worker)
+                    .bind(&reclaimable)
+                    .bind(&holder)
                     .bind(now + lease_ms)
                     .bind(&round_id)
                     .bind(index)
@@ -145,6 +146,7 @@ impl Db {
                     round_id,
                     index: to_u32(index)?,
                     count: to_u32(count)?,
+                    holder,
                 }))
             })
         })

@@ -358,7 +358,11 @@ async fn a_stalled_workers_job_is_taken_over_and_released_once() {
     assert!(matches!(
         system
             .store
-            .renew(&stalled.job_id, "stalled", Duration::from_secs(60))
+            .renew(
+                &stalled.job_id,
+                &stalled.lease_holder,
+                Duration::from_secs(60)
+            )
             .await,
         Err(StoreError::LeaseLost)
     ));
@@ -371,7 +375,7 @@ async fn a_stalled_workers_job_is_taken_over_and_released_once() {
             .store
             .commit_release(
                 &stalled.job_id,
-                "stalled",
+                &stalled.lease_holder,
                 StagedRelease {
                     average: &other,
                     manifest: &manifest,

@@ -12,6 +12,7 @@ mod demo;
 mod health;
 mod key_release;
 mod operator_attacks;
+mod own_leases;
 mod partitions;
 mod refusal_records;
 mod release_ledger;

@@ -143,7 +143,10 @@ async fn a_partition_whose_worker_died_is_leased_again_and_nothing_counts_twice(
     // The dead worker, back, can store nothing (its lease was taken over), nor can anyone
     // store under a round's own job id.
     assert!(matches!(
-        system.store.put_partition(&dead.job_id, "dead", b"x").await,
+        system
+            .store
+            .put_partition(&dead.job_id, &dead.lease_holder, b"x")
+            .await,
         Err(StoreError::LeaseLost)
     ));
     let round_job = dead.job_id.split_once('.').unwrap().0.to_string();
@@ -172,7 +175,12 @@ async fn a_partitions_failure_backs_off_its_job_or_fails_the_round_and_a_resume_
     let first = system.store.lease("a", LEASE).await.unwrap().unwrap();
     system
         .store
-        .fail(&first.job_id, "a", "a key service was down", false)
+        .fail(
+            &first.job_id,
+            &first.lease_holder,
+            "a key service was down",
+            false,
+        )
         .await
         .unwrap();
     // Backing off: neither partition, nor the root, is leasable for 2 s.
@@ -185,7 +193,12 @@ async fn a_partitions_failure_backs_off_its_job_or_fails_the_round_and_a_resume_
     assert_eq!(stored.partition, Some((1, 2)));
     system
         .store
-        .fail(&again.job_id, "b", "the model is invalid", true)
+        .fail(
+            &again.job_id,
+            &again.lease_holder,
+            "the model is invalid",
+            true,
+        )
         .await
         .unwrap();
     let states = common::system::rounds(&system, &token, &task).await;
@@ -239,7 +252,10 @@ async fn a_restarted_worker_takes_its_partition_back_at_once() {
     let after = system.store.lease("vm-1/b", LEASE).await.unwrap().unwrap();
     assert_eq!(after.job_id, before.job_id);
     assert!(matches!(
-        system.store.renew(&before.job_id, "vm-1/a", LEASE).await,
+        system
+            .store
+            .renew(&before.job_id, &before.lease_holder, LEASE)
+            .await,
         Err(StoreError::LeaseLost)
     ));
 }
@@ -254,7 +270,7 @@ async fn the_partition_route_fences_and_a_forged_partition_fails_the_merge() {
     let (token, task) = open_task_of(&system, "forged", 50.0, DEVICES).await;
     collect_n(&system, "forged", 1, false, DEVICES).await;
     let held = system.store.lease("holder", LEASE).await.unwrap().unwrap();
-    let put = |job: String, worker: &'static str, body: &'static [u8]| {
+    let put = |job: String, worker: String, body: &'static [u8]| {
         let url = system.url.clone();
         async move {
             let response = reqwest::Client::new()
@@ -269,15 +285,20 @@ async fn the_partition_route_fences_and_a_forged_partition_fails_the_merge() {
             (response.status().as_u16(), response.text().await.unwrap())
         }
     };
-    let (status, body) = put(held.job_id.clone(), "intruder", b"x").await;
+    let holder = held.lease_holder.clone();
+    let (status, body) = put(held.job_id.clone(), "intruder~0123".into(), b"x").await;
     assert_eq!(status, 409, "{body}");
     assert!(body.contains("lease-lost"), "{body}");
+    // The worker's bare id is no lease holder: a 400 that says to send the lease's holder.
+    let (status, body) = put(held.job_id.clone(), "holder".into(), b"x").await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("lease_holder"), "{body}");
     let round_job = held.job_id.split_once('.').unwrap().0.to_string();
-    assert_eq!(put(round_job, "holder", b"x").await.0, 422);
+    assert_eq!(put(round_job, holder.clone(), b"x").await.0, 422);
     let unknown = "00000000-0000-4000-8000-000000000000.p0".to_string();
-    assert_eq!(put(unknown, "holder", b"x").await.0, 422);
+    assert_eq!(put(unknown, holder.clone(), b"x").await.0, 422);
     // The holder stores bytes that are no sealed partition; the other is sealed honestly.
-    assert_eq!(put(held.job_id.clone(), "holder", b"forged").await.0, 204);
+    assert_eq!(put(held.job_id.clone(), holder, b"forged").await.0, 204);
     let honest = system.worker("honest").run_once().await.unwrap().unwrap();
     assert!(honest.partition.is_some());
     let root = system.worker("root").run_once().await;

@@ -94,7 +94,7 @@ async fn a_blt_task_carries_its_sealed_state_through_the_worker_api() {
     );
     let refused = reqwest::Client::new()
         .put(format!(
-            "{}/internal/v1/jobs/{}/blt-state?worker=intruder",
+            "{}/internal/v1/jobs/{}/blt-state?worker=intruder~0123",
             system.url, job.job_id
         ))
         .bearer_auth(TOKEN)
@@ -103,7 +103,7 @@ async fn a_blt_task_carries_its_sealed_state_through_the_worker_api() {
         .await
         .unwrap();
     assert_eq!(refused.status(), 409, "{}", refused.text().await.unwrap());
-    let put_state = |job: String, worker: &'static str| {
+    let put_state = |job: String, worker: String| {
         let url = system.url.clone();
         let body = state.to_vec();
         async move {
@@ -120,11 +120,17 @@ async fn a_blt_task_carries_its_sealed_state_through_the_worker_api() {
         }
     };
     // The lease holder may (the same bytes again are fine: stored under their digest) ...
-    assert_eq!(put_state(job.job_id.clone(), "remote-blt-2").await, 204);
-    assert_eq!(put_state(job.job_id.clone(), "remote-blt-2").await, 204);
+    assert_eq!(
+        put_state(job.job_id.clone(), job.lease_holder.clone()).await,
+        204
+    );
+    assert_eq!(
+        put_state(job.job_id.clone(), job.lease_holder.clone()).await,
+        204
+    );
     // ... but not for a task whose noise is not BLT.
     store
-        .fail(&job.job_id, "remote-blt-2", "test done", true)
+        .fail(&job.job_id, &job.lease_holder, "test done", true)
         .await
         .unwrap();
     let _ = open_task(&system, "remote-gauss", 8.0).await;
@@ -134,7 +140,7 @@ async fn a_blt_task_carries_its_sealed_state_through_the_worker_api() {
         .await
         .unwrap()
         .expect("the Gaussian task's job");
-    assert_eq!(put_state(gaussian.job_id, "remote-gauss").await, 422);
+    assert_eq!(put_state(gaussian.job_id, gaussian.lease_holder).await, 422);
     let _ = token;
     system.shutdown().await;
 }
@@ -188,7 +194,7 @@ async fn a_failed_attempt_is_leased_again_by_a_waiting_worker_when_its_retry_is_
     let failed = http
         .post(format!("{}/internal/v1/jobs/{job_id}/fail", system.url))
         .bearer_auth(TOKEN)
-        .json(&json!({"worker": "w1", "reason": "key services unreachable", "permanent": false}))
+        .json(&json!({"worker": job["lease_holder"], "reason": "key services unreachable", "permanent": false}))
         .send()
         .await
         .unwrap();
@@ -242,18 +248,22 @@ async fn a_worker_whose_lease_was_taken_over_is_refused_over_http() {
     assert_eq!(first.job_id, second.job_id);
     assert!(matches!(
         store
-            .renew(&first.job_id, "A", Duration::from_secs(60))
+            .renew(&first.job_id, &first.lease_holder, Duration::from_secs(60))
             .await,
         Err(StoreError::LeaseLost)
     ));
     assert!(matches!(
         store
-            .commit_model(&first.job_id, "A", &first.model, None)
+            .commit_model(&first.job_id, &first.lease_holder, &first.model, None)
             .await,
         Err(StoreError::LeaseLost)
     ));
     store
-        .renew(&second.job_id, "B", Duration::from_secs(60))
+        .renew(
+            &second.job_id,
+            &second.lease_holder,
+            Duration::from_secs(60),
+        )
         .await
         .unwrap();
     system.shutdown().await;
@@ -336,7 +346,7 @@ async fn a_release_forged_with_the_worker_token_is_refused_over_http() {
     let refused = store
         .commit_release(
             &job.job_id,
-            "forger",
+            &job.lease_holder,
             confed_worker_api::store::StagedRelease {
                 average: &average,
                 manifest: &manifest,
@@ -414,7 +424,7 @@ impl JobStore for Probing {
         let probes = [
             (
                 "another worker's state",
-                format!("jobs/{job_id}/optimizer-state?worker=intruder"),
+                format!("jobs/{job_id}/optimizer-state?worker=intruder~0123"),
                 state.clone(),
             ),
             (

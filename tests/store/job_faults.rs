@@ -1,6 +1,7 @@
 //! Aggregation jobs under faults: a transient failure (a full disk, a key service down) is
 //! retried without limit and never fails the task, a crash takeover is not a failure, a restarted
-//! worker takes its own job back at once, and the operator can resume a round that failed.
+//! worker, or one that lost track of its lease, takes its own job back at once (its old lease
+//! fenced off), and the operator can resume a round that failed.
 
 use crate::common;
 
@@ -44,7 +45,7 @@ async fn a_transient_failure_like_a_full_disk_is_retried_and_never_fails_the_tas
             .db
             .fail_job(
                 &job.round_id,
-                "w/1",
+                &job.holder,
                 "No space left on device (os error 28)",
                 false,
                 now,
@@ -113,7 +114,7 @@ async fn crash_takeovers_are_not_failures() {
         .db
         .fail_job(
             &job.round_id,
-            "w/1",
+            &job.holder,
             "transient",
             false,
             clock.now_millis().0,
@@ -173,7 +174,7 @@ async fn a_restarted_worker_takes_its_own_job_back_at_once() {
     assert!(matches!(
         system
             .db
-            .renew_job(&before.round_id, "enclave-a/1111", now, LEASE_MS)
+            .renew_job(&before.round_id, &before.holder, now, LEASE_MS)
             .await,
         Err(DbError::LeaseLost(_))
     ));
@@ -220,7 +221,7 @@ async fn the_operator_resumes_a_failed_round() {
         .unwrap();
     system
         .db
-        .fail_job(&job.round_id, "w/1", "given up", true, now)
+        .fail_job(&job.round_id, &job.holder, "given up", true, now)
         .await
         .unwrap();
     assert_eq!(task_state(&system, &token, &task).await, "FAILED");

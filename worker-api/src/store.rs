@@ -23,6 +23,11 @@ pub struct JobSpec {
     pub round: u64,
     /// The store's attempt counter: for logs only, nothing the enclave computes depends on it.
     pub attempt: u64,
+    /// `worker~token`: the lease's holder, named by every later call under this lease (`renew`,
+    /// `commit_release`, `commit_model`, `put_partition`, `fail`). The store writes a new one
+    /// at every lease, so a worker that lost track of a lease and leased again no longer acts
+    /// under the old one.
+    pub lease_holder: String,
     pub key_id: String,
     pub public_key: PublicKey,
     /// The task policy text (`policy.rs`): the only source of the privacy parameters.
@@ -125,7 +130,7 @@ pub struct StagedRelease<'a> {
 
 #[derive(Debug, Error)]
 pub enum StoreError {
-    #[error("the job's lease was lost to another worker")]
+    #[error("the job's lease was taken over (by another worker, or by a newer lease of this one)")]
     LeaseLost,
     #[error("conflict: {0}")]
     Conflict(String),
@@ -141,7 +146,8 @@ pub trait BlockingFetch: Send + Sync {
     fn fetch_into(&self, blob_key: &str, buffer: Vec<u8>) -> Result<Option<Vec<u8>>, StoreError>;
 }
 
-/// The task database and blob store, as the enclave sees them.
+/// The task database and blob store, as the enclave sees them. `lease` takes the worker's id
+/// (`name/incarnation`); every later call under the lease names `JobSpec::lease_holder`.
 pub trait JobStore: Send + Sync {
     fn lease(
         &self,
@@ -151,7 +157,7 @@ pub trait JobStore: Send + Sync {
     fn renew(
         &self,
         job_id: &str,
-        worker: &str,
+        holder: &str,
         lease: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// A contribution's stored bytes (`None` if missing).
@@ -180,7 +186,7 @@ pub trait JobStore: Send + Sync {
     fn commit_release(
         &self,
         job_id: &str,
-        worker: &str,
+        holder: &str,
         release: StagedRelease<'_>,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// Stores model version `round` (with the server optimizer's new state, if it keeps one)
@@ -189,7 +195,7 @@ pub trait JobStore: Send + Sync {
     fn commit_model(
         &self,
         job_id: &str,
-        worker: &str,
+        holder: &str,
         model: &[u8],
         optimizer_state: Option<&[u8]>,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -203,14 +209,14 @@ pub trait JobStore: Send + Sync {
     fn put_partition(
         &self,
         job_id: &str,
-        worker: &str,
+        holder: &str,
         sealed: &[u8],
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// Gives the job back: retried later, or (`permanent`) the round and task fail.
     fn fail(
         &self,
         job_id: &str,
-        worker: &str,
+        holder: &str,
         reason: &str,
         permanent: bool,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;

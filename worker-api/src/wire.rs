@@ -38,6 +38,9 @@ pub struct JobWire {
     pub task_id: String,
     pub round: u64,
     pub attempt: u64,
+    /// `worker~token`: this lease's holder, which every later call under the lease names as
+    /// its `worker` (a fencing token: a takeover writes a new one).
+    pub lease_holder: String,
     pub key_id: String,
     /// X25519 public key, base64url.
     pub public_key: String,
@@ -121,6 +124,7 @@ impl JobWire {
             task_id: self.task_id,
             round: self.round,
             attempt: self.attempt,
+            lease_holder: self.lease_holder,
             key_id: self.key_id,
             public_key,
             policy: self.policy,
@@ -189,11 +193,7 @@ pub trait BlobSource: JobStore {
 
 /// A leased job's description made runnable: its model (and committed average, if any) fetched.
 /// A job that cannot run at all (a malformed public key) is failed permanently.
-pub async fn resolve<S: BlobSource>(
-    store: &S,
-    worker: &str,
-    wire: JobWire,
-) -> Result<JobSpec, StoreError> {
+pub async fn resolve<S: BlobSource>(store: &S, wire: JobWire) -> Result<JobSpec, StoreError> {
     let model = store.required_blob(&wire.model_key).await?;
     let average = match &wire.committed_average_key {
         Some(key) => Some(store.required_blob(key).await?),
@@ -208,7 +208,7 @@ pub async fn resolve<S: BlobSource>(
         (Some(key), None) => Some(store.required_blob(key).await?),
         _ => None,
     };
-    let job_id = wire.job_id.clone();
+    let (job_id, holder) = (wire.job_id.clone(), wire.lease_holder.clone());
     let fetched = Fetched {
         model,
         committed_average: average,
@@ -218,7 +218,7 @@ pub async fn resolve<S: BlobSource>(
     match wire.into_spec(fetched) {
         Ok(spec) => Ok(spec),
         Err(reason) => {
-            store.fail(&job_id, worker, &reason, true).await?;
+            store.fail(&job_id, &holder, &reason, true).await?;
             Err(StoreError::Backend(reason))
         }
     }
@@ -317,7 +317,7 @@ mod tests {
     fn a_job_without_an_optimizer_is_fedavg_and_an_invalid_one_is_refused() {
         let public_key = URL_SAFE_NO_PAD.encode([9u8; 32]);
         let job = serde_json::json!({
-            "job_id": "j", "task_id": "t", "round": 1, "attempt": 1, "key_id": "k",
+            "job_id": "j", "task_id": "t", "round": 1, "attempt": 1, "lease_holder": "w~1", "key_id": "k",
             "public_key": public_key, "policy": "p", "model_key": "m", "contributions": [],
             "committed_average_key": null,
         });

@@ -31,7 +31,7 @@ impl<S: JobStore + 'static> Worker<S> {
         }
         let renew = || {
             self.store
-                .renew(&job.job_id, &self.config.id, self.config.lease)
+                .renew(&job.job_id, &job.lease_holder, self.config.lease)
         };
         renew().await?;
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
@@ -95,7 +95,7 @@ impl<S: JobStore + 'static> Worker<S> {
     ) -> Result<(), JobError> {
         let renew = || {
             self.store
-                .renew(&job.job_id, &self.config.id, self.config.lease)
+                .renew(&job.job_id, &job.lease_holder, self.config.lease)
         };
         renew().await?;
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
