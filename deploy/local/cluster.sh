@@ -3,7 +3,9 @@
 #
 #   PostgreSQL (task database)          deploy/local/postgres.sh, unless CONFED_DATABASE_URL is set
 #   GCS emulator (blobs, contributions) deploy/local/gcs-emulator.sh, unless CONFED_GCS_ENDPOINT is set
-#   3 key services (2-of-3)             confed keyservice, each with its own share, policy, audit log
+#   5 key services (3-of-5)             confed keyservice, each with its own share, policy, audit log;
+#                                       a release needs q = 4 of them, so releases survive one lost
+#                                       key service (docs/operations.md, "Availability")
 #   2 API replicas                      confed serve --role api
 #   1 scheduler                         confed serve --role scheduler
 #   2 enclave workers                   confed-enclave --attester dev (each on its own API replica)
@@ -17,7 +19,7 @@
 #
 # Settings (environment): CONFED_BIN, CONFED_ENCLAVE_BIN (default: cargo build --release),
 # CONFED_LOCAL_BASE_PORT (18080: APIs on BASE and BASE+1, the scheduler's probes on BASE+2, the
-# workers' on BASE+3 and BASE+4, the issuer on BASE+5, key services on BASE+11..13),
+# workers' on BASE+3 and BASE+4, the issuer on BASE+5, key services on BASE+11..15),
 # CONFED_LOCAL_PG_PORT (15442), CONFED_LOCAL_GCS_PORT (4453), CONFED_DATABASE_URL and
 # CONFED_GCS_ENDPOINT to use running services instead of starting them.
 #
@@ -34,6 +36,11 @@ repo=$(cd "$here/../.." && pwd)
 base=${CONFED_LOCAL_BASE_PORT:-18080}
 pg_port=${CONFED_LOCAL_PG_PORT:-15442}
 gcs_port=${CONFED_LOCAL_GCS_PORT:-4453}
+# The key-service layout: t of n shares decrypt; a release needs q = max(t, ceil((n+t)/2)) = 4
+# of the 5 (the release ledgers' quorum), so one key service may be lost and rounds still
+# release, while two compromised ones can neither decrypt nor release a round twice.
+keyservices=5
+threshold=3
 
 binaries() {
     if [[ -z "${CONFED_BIN:-}" || -z "${CONFED_ENCLAVE_BIN:-}" ]]; then
@@ -88,21 +95,21 @@ start() {
     bucket="confed-local-$(date +%s)-$$"
     "$here/gcs-emulator.sh" bucket "$endpoint" "$bucket"
 
-    # Keys: a 2-of-3 ceremony; the dev attester's key and key set before the key services start.
-    "$confed" keys generate --shares 3 --threshold 2 --out "$dir/ceremony" >/dev/null
+    # Keys: a 3-of-5 ceremony; the dev attester's key and key set before the key services start.
+    "$confed" keys generate --shares "$keyservices" --threshold "$threshold" --out "$dir/ceremony" >/dev/null
     "$confed" keys dev-attester --key "$dir/secrets/dev-attester.pem" >/dev/null
     cp "$repo/policies/dev.toml" "$dir/policy/dev.toml"
     cp "$dir/secrets/dev-attester.jwks.json" "$dir/policy/dev-attester.jwks.json"
 
     # Each key service witnesses the others' signed audit heads (rollback detection,
-    # docs/attestation.md): its peers file names the other two with their verifying keys.
+    # docs/attestation.md): its peers file names the others with their verifying keys.
     local verifying=()
-    for i in 1 2 3; do
+    for i in $(seq 1 "$keyservices"); do
         verifying[i]=$("$confed" keyservice signing-key "$dir/secrets/ks$i-signing.pem")
     done
-    for i in 1 2 3; do
+    for i in $(seq 1 "$keyservices"); do
         local entries=()
-        for j in 1 2 3; do
+        for j in $(seq 1 "$keyservices"); do
             if [[ $j != "$i" ]]; then
                 entries+=("{\"id\": \"ks$j\", \"url\": \"http://127.0.0.1:$((base + 10 + j))\", \"verifying_key\": \"${verifying[j]}\"}")
             fi
@@ -113,7 +120,7 @@ start() {
     done
 
     local keyservice_args=() enclave_keyservices=()
-    for i in 1 2 3; do
+    for i in $(seq 1 "$keyservices"); do
         local port=$((base + 10 + i))
         local share
         share=$(ls "$dir"/ceremony/*-"$i".json)
@@ -123,7 +130,7 @@ start() {
         keyservice_args+=(--keyservice "http://127.0.0.1:$port")
         enclave_keyservices+=(--keyservice "ks$i=http://127.0.0.1:$port")
     done
-    for i in 1 2 3; do
+    for i in $(seq 1 "$keyservices"); do
         wait_http "http://127.0.0.1:$((base + 10 + i))/healthz" "ks$i"
     done
 
@@ -149,7 +156,7 @@ start() {
     done
     for i in 1 2; do
         spawn "worker$i" "$enclave" --server "http://127.0.0.1:$((base + i - 1))" \
-            --worker-token-file "$dir/secrets/worker-token" --threshold 2 \
+            --worker-token-file "$dir/secrets/worker-token" --threshold "$threshold" \
             "${enclave_keyservices[@]}" --attester dev --dev-key "$dir/secrets/dev-attester.pem" \
             --id "worker$i" --lease-seconds 30 --ops-listen "127.0.0.1:$((base + 2 + i))"
     done
@@ -162,12 +169,14 @@ start() {
     done
     wait_http "http://127.0.0.1:$((base + 5))/healthz" issuer
     local targets=()
-    for port in $base $((base + 1)) $((base + 2)) $((base + 3)) $((base + 4)) $((base + 5)) \
-        $((base + 11)) $((base + 12)) $((base + 13)); do
+    for port in $base $((base + 1)) $((base + 2)) $((base + 3)) $((base + 4)) $((base + 5)); do
         targets+=("127.0.0.1:$port")
     done
+    for i in $(seq 1 "$keyservices"); do
+        targets+=("127.0.0.1:$((base + 10 + i))")
+    done
 
-    "$confed" devices trust-config --threshold 2 --max-epsilon 100 --max-delta 0.01 --min-reports 1 "${keyservice_args[@]}" >"$dir/trust.json"
+    "$confed" devices trust-config --threshold "$threshold" --max-epsilon 100 --max-delta 0.01 --min-reports 1 "${keyservice_args[@]}" >"$dir/trust.json"
 
     cat >"$dir/env" <<EOF
 CONFED_API_URLS=http://127.0.0.1:$base,http://127.0.0.1:$((base + 1))

@@ -1,10 +1,11 @@
 //! The scale-out deployment as separate processes, started by `deploy/local/cluster.sh`: two API
 //! replicas, a scheduler and two `confed-enclave` workers on one PostgreSQL database and one GCS
-//! bucket (emulator), with three key services. Simulated devices are spread over both APIs for
-//! three rounds; every round must complete exactly once, with every acknowledged contribution
-//! included once. Then a task that requires device tokens: an outsider's token-less upload
-//! straight to the bucket is refused at its report, and devices holding the cluster issuer's
-//! tokens fill the round, every contribution authenticated.
+//! bucket (emulator), with five key services (3-of-5). Simulated devices are spread over both
+//! APIs for three rounds; every round must complete exactly once, with every acknowledged
+//! contribution included once. Then a task that requires device tokens: an outsider's
+//! token-less upload straight to the bucket is refused at its report, and devices holding the
+//! cluster issuer's tokens fill the round, every contribution authenticated. Last, one key
+//! service is killed in the middle of a round, and the round still releases (q = 4 of 5).
 //!
 //! Runs when `CONFED_TEST_DATABASE_URL` and `CONFED_TEST_GCS_ENDPOINT` are set (`.ci/run` sets
 //! both); otherwise says so once and passes.
@@ -49,7 +50,7 @@ impl Cluster {
             .env("CONFED_ENCLAVE_BIN", common::enclave_binary())
             .env("CONFED_DATABASE_URL", database)
             .env("CONFED_GCS_ENDPOINT", endpoint)
-            .env("CONFED_LOCAL_BASE_PORT", free_port_block(14).to_string())
+            .env("CONFED_LOCAL_BASE_PORT", free_port_block(16).to_string())
             .output()
             .unwrap();
         let cluster = Self {
@@ -72,6 +73,18 @@ impl Cluster {
         self.settings
             .get(name)
             .unwrap_or_else(|| panic!("cluster.sh printed no {name}"))
+    }
+
+    /// Kills one process of the cluster (SIGKILL: no goodbye) and waits until it is gone.
+    fn kill(&self, name: &str) {
+        let pid_file = self.dir.path().join(format!("cluster/pids/{name}.pid"));
+        let pid = std::fs::read_to_string(&pid_file).unwrap();
+        let killed = std::process::Command::new("kill")
+            .args(["-KILL", pid.trim()])
+            .status()
+            .unwrap();
+        assert!(killed.success(), "kill {name} ({pid})");
+        std::fs::remove_file(pid_file).unwrap();
     }
 
     fn log(&self, name: &str) -> String {
@@ -260,6 +273,70 @@ async fn devices_over_two_api_replicas_complete_every_round_once_with_every_cont
 
     // The shipped alert rules and dashboard, against what these processes export.
     crate::monitoring::check_shipped_monitoring(cluster.get("CONFED_METRICS_TARGETS")).await;
+
+    a_key_service_lost_mid_round_stops_no_release(&cluster, &apis, &token, &trust, &db).await;
+}
+
+/// The shipped layout survives one lost key service (issue 47: with 2-of-3, killing one stopped
+/// every round). Half a round's devices report, one key service is killed, the other half
+/// report, and the round releases with receipts from the four that are left (q = 4).
+async fn a_key_service_lost_mid_round_stops_no_release(
+    cluster: &Cluster,
+    apis: &[String],
+    token: &str,
+    trust: &TrustConfig,
+    db: &confed::db::Db,
+) {
+    let population = "cluster-ks-lost";
+    let task = create_task_with(
+        &apis[0],
+        token,
+        population,
+        50.0,
+        GOAL,
+        serde_json::json!({"rounds": 1}),
+    )
+    .await;
+    let half = |api: &str, first_device: u64, seed: u64| SimulationConfig {
+        devices: GOAL / 2,
+        ..devices_of(population, api, first_device, trust, seed)
+    };
+    let before = simulate::run(half(&apis[0], 2_000, 11)).await.unwrap();
+    assert_eq!(before.contributions, GOAL / 2, "{before:?}");
+    assert!(db.releases_of_task(&task).await.unwrap().is_empty());
+    cluster.kill("ks5");
+    let after = simulate::run(half(&apis[1], 3_000, 12)).await.unwrap();
+    assert!(after.contributions >= GOAL / 2, "{after:?}");
+    let release = tokio::time::timeout(BOUND, async {
+        let mut tick = tokio::time::interval(Duration::from_millis(200));
+        loop {
+            tick.tick().await;
+            if let Some(release) = db.releases_of_task(&task).await.unwrap().pop() {
+                return release;
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "the round did not release with one key service lost
+worker1: {}
+worker2: {}",
+            cluster.log("worker1"),
+            cluster.log("worker2")
+        )
+    });
+    assert_eq!(release.included, GOAL as i64);
+    let proof: serde_json::Value =
+        serde_json::from_str(release.proof_json.as_deref().unwrap()).unwrap();
+    let receipts: Vec<&str> = proof["receipts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["keyservice_id"].as_str().unwrap())
+        .collect();
+    assert!(receipts.len() >= 4, "q = 4 receipts: {receipts:?}");
+    assert!(!receipts.contains(&"ks5"), "{receipts:?}");
 }
 
 /// Device tokens where devices upload straight to the bucket (issue 46): the report counts an

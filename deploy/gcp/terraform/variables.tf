@@ -77,7 +77,7 @@ variable "keyservices" {
 }
 
 variable "threshold" {
-  description = "Shares needed to reconstruct a key (T of the ceremony)."
+  description = "Shares needed to reconstruct a key (T of the ceremony). A release needs q = max(T, ceil((N+T)/2)) key services: 3 of 5 gives q = 4, which survives one lost key service (docs/operations.md)."
   type        = number
-  default     = 2
+  default     = 3
 }
