@@ -8,6 +8,9 @@
 - Kubernetes (deploy/gcp/k8s): every document has apiVersion, kind and metadata.name; every
   container has resource requests, no privilege escalation, a read-only root filesystem and drops
   all capabilities; pods run as non-root; no image is `:latest`; kustomization resources exist.
+- Alert rules (deploy/monitoring/alerts.yml): every alert over `increase(...)` says in its
+  `resolves` annotation how long it lingers after the cause is gone (its window), and every
+  alert has a summary, a description and a runbook link.
 
 yamllint (style) runs beside it in deploy/lint.sh. Exit status 1 on any finding.
 """
@@ -23,6 +26,7 @@ import yaml
 HERE = os.path.dirname(os.path.abspath(__file__))
 TERRAFORM = os.path.join(HERE, "gcp", "terraform")
 K8S = os.path.join(HERE, "gcp", "k8s")
+ALERTS = os.path.join(HERE, "monitoring", "alerts.yml")
 
 findings = []
 
@@ -130,10 +134,30 @@ def kubernetes():
                     finding(name, "must drop ALL capabilities")
 
 
+def alerts():
+    with open(ALERTS) as f:
+        rules = yaml.safe_load(f)
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            name = rule.get("alert")
+            if name is None:
+                continue
+            annotations = rule.get("annotations", {})
+            for needed in ("summary", "description", "runbook"):
+                if not annotations.get(needed):
+                    finding(f"alerts.yml {name}", f"has no {needed} annotation")
+            if "increase(" in rule["expr"] and not annotations.get("resolves"):
+                finding(
+                    f"alerts.yml {name}",
+                    "uses increase() but has no `resolves` annotation saying how long it lingers",
+                )
+
+
 terraform()
 kubernetes()
+alerts()
 for line in findings:
     print(line)
 if findings:
     sys.exit(1)
-print("deploy/lint.py: Terraform and Kubernetes manifests pass")
+print("deploy/lint.py: Terraform, Kubernetes manifests and alert rules pass")
