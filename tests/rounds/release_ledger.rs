@@ -278,7 +278,7 @@ use confed::keyservice::rollback::{GateState, ask_once};
 use confed::keyservice::witness::push_once;
 
 /// A loopback port bound before its key service is built (its peers must know its URL).
-async fn bind() -> (tokio::net::TcpListener, String) {
+pub(crate) async fn bind() -> (tokio::net::TcpListener, String) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     (listener, url)
@@ -311,7 +311,7 @@ pub(crate) struct Witnessing {
 }
 
 impl Witnessing {
-    async fn start(
+    pub(crate) async fn start(
         world: &World,
         index: usize,
         urls: &[String],

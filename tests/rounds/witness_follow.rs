@@ -1,7 +1,7 @@
 //! Witnessing that keeps up (issue 47): a peer far ahead of what a witness kept is followed over
 //! several pulls, one page of its records in memory at a time, and its later rollback is caught;
-//! a flood of far-ahead pushes runs one verification per peer at a time; a legitimately
-//! acknowledged loss stops the alarms.
+//! a flood of far-ahead pushes runs one verification per peer at a time; a slow peer delays no
+//! other peer's pushes; a legitimately acknowledged loss stops the alarms.
 
 use crate::common;
 
@@ -12,7 +12,7 @@ use confed::keyservice::peers::MAX_RECORDS_PER_ADVANCE;
 use confed::keyservice::rollback::GateState;
 use confed::keyservice::witness::{Observation, Via, observe, pull_peer};
 
-use super::release_ledger::{copy_state, witnessing_deployment};
+use super::release_ledger::{Witnessing, bind, copy_state, witnessing_deployment};
 
 /// Appends `count` refusal records to `service`'s log (what a flood of cheap refusals writes).
 fn append_records(service: &KeyService, count: usize) {
@@ -123,6 +123,7 @@ async fn a_push_while_a_peer_is_being_verified_is_turned_away_without_fetching()
 /// the whole log: 16 clients on a 200,000-record log starved honest exchanges).
 #[tokio::test]
 async fn the_acknowledgement_route_answers_from_an_index_not_a_scan() {
+    confed_protocol::http::install_crypto_provider(); // for the plain reqwest client below
     let world = World::new(2, 3);
     let log = world.dir.path().join("audit-ks1.jsonl");
     // ks1 writes 5 records; its log is then cut back to 3 and the loss acknowledged.
@@ -226,4 +227,64 @@ async fn after_a_legitimate_acknowledgement_peers_follow_a_shorter_history_witho
             .unwrap(),
         Observation::Advanced
     );
+}
+
+/// A peer that never answers (each call held until `PEER_TIMEOUT`): pulls and pushes used to
+/// share one task, so a fake peer answering slowly held back the push of a new grant to every
+/// other peer. Each peer now has a task of its own: ks1's new head reaches ks3 while ks2 still
+/// holds ks1's calls, well within one `PEER_TIMEOUT`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_peer_does_not_delay_pushes_to_the_others() {
+    use confed::keyservice::peers::PEER_TIMEOUT;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let world = World::new(2, 3);
+    let held = std::sync::Arc::new(AtomicUsize::new(0));
+    let holding = held.clone();
+    // ks2 takes every call and never answers.
+    let slow = axum::Router::new().fallback(move || {
+        let holding = holding.clone();
+        async move {
+            holding.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<()>().await
+        }
+    });
+    let slow_url = serve(slow).await;
+    let ((l1, url1), (l3, url3)) = (bind().await, bind().await);
+    let urls = [url1, slow_url, url3];
+    let ks1 = Witnessing::start(&world, 1, &urls, None, l1).await;
+    let ks3 = Witnessing::start(&world, 3, &urls, None, l3).await;
+    let peers = ks1.service.peers.clone().unwrap();
+    assert_eq!(peers.list[0].id, "ks2", "the slow peer comes first");
+    let witnessing = tokio::spawn(confed::keyservice::witness::run(
+        ks1.service.clone(),
+        peers,
+        std::time::Duration::from_secs(3600),
+    ));
+    // The first pulls are under way (ks2's held); then ks1 writes a record (as a grant does).
+    let waited = tokio::time::timeout(PEER_TIMEOUT, async {
+        while held.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    assert!(waited.is_ok(), "ks1 called ks2");
+    append_records(&ks1.service, 1);
+    ks1.service.head_changed.notify_one();
+    let new_head = head_of(&ks1.service);
+    let reached = tokio::time::timeout(PEER_TIMEOUT - std::time::Duration::from_secs(1), async {
+        loop {
+            if ks3.witnessed("ks1").as_ref() == Some(&new_head) {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(
+        reached.is_ok(),
+        "ks3 did not witness ks1's new head while ks2 held ks1's calls"
+    );
+    assert!(held.load(Ordering::SeqCst) >= 1);
+    witnessing.abort();
 }
