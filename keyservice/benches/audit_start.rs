@@ -12,24 +12,12 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use confed_keyservice::audit::{AuditLog, Decision};
+mod support;
+
+use confed_keyservice::audit::AuditLog;
 use confed_keyservice::ledger::Ledger;
 
 const RECORDS: u64 = 200_000;
-
-fn refusal(n: u64) -> Decision {
-    Decision {
-        key_id: "key-1".into(),
-        failed_checks: vec!["aud".into()],
-        token_sha256: format!("{n:064x}"),
-        image_digest: Some(format!("sha256:{n:064x}")),
-        nonce: format!("{n:043}"),
-        task_id: format!("task-{}", n % 97),
-        round: n / 97,
-        policy: "production".into(),
-        ..Decision::note(1_800_000_000 + n as i64, "ks1", "refused", "aud".into())
-    }
-}
 
 fn main() {
     let shm = std::path::Path::new("/dev/shm");
@@ -46,7 +34,8 @@ fn main() {
         let (mut log, _) =
             AuditLog::open_checkpointed(&path, "ks1", key.clone(), &mut ledger).unwrap();
         for n in 0..RECORDS {
-            log.append(refusal(n)).unwrap();
+            log.append(support::refusal(n, 1_800_000_000 + n as i64))
+                .unwrap();
             if log.head().records % 1000 == 0 {
                 log.checkpoint(&ledger);
             }

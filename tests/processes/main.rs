@@ -14,3 +14,4 @@ mod monitoring;
 mod secret_manager;
 mod serve;
 mod simulation;
+mod witness_flood;
