@@ -232,7 +232,7 @@ async fn after_a_legitimate_acknowledgement_peers_follow_a_shorter_history_witho
 /// A peer that never answers (each call held until `PEER_TIMEOUT`): pulls and pushes used to
 /// share one task, so a fake peer answering slowly held back the push of a new grant to every
 /// other peer. Each peer now has a task of its own: ks1's new head reaches ks3 while ks2 still
-/// holds ks1's calls, well within one `PEER_TIMEOUT`.
+/// holds ks1's calls, before the two `PEER_TIMEOUT`s that shared task would have waited.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_peer_does_not_delay_pushes_to_the_others() {
     use confed::keyservice::peers::PEER_TIMEOUT;
@@ -272,7 +272,10 @@ async fn a_slow_peer_does_not_delay_pushes_to_the_others() {
     append_records(&ks1.service, 1);
     ks1.service.head_changed.notify_one();
     let new_head = head_of(&ks1.service);
-    let reached = tokio::time::timeout(PEER_TIMEOUT - std::time::Duration::from_secs(1), async {
+    // Sharing one task, the push would wait for ks2's pull and then for the push to ks2 first:
+    // two `PEER_TIMEOUT`s. Alone it takes milliseconds.
+    let bound = 2 * PEER_TIMEOUT - std::time::Duration::from_secs(1);
+    let reached = tokio::time::timeout(bound, async {
         loop {
             if ks3.witnessed("ks1").as_ref() == Some(&new_head) {
                 return;
