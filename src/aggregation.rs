@@ -194,15 +194,16 @@ impl TaskDbJobStore {
     pub async fn lease_wire(
         &self,
         worker: &str,
+        arrived: i64,
         lease: Duration,
     ) -> Result<Option<JobWire>, StoreError> {
         loop {
-            if let Some(partition) = self.lease_partition_wire(worker, lease).await? {
+            if let Some(partition) = self.lease_partition_wire(worker, arrived, lease).await? {
                 return Ok(Some(partition));
             }
             let Some(leased) = self
                 .db
-                .lease_job(worker, self.now(), lease.as_millis() as i64)
+                .lease_job_for(worker, arrived, self.now(), lease.as_millis() as i64)
                 .await
                 .map_err(db_error)?
             else {
@@ -549,7 +550,8 @@ impl BlockingFetch for ContributionReader {
 
 impl JobStore for TaskDbJobStore {
     async fn lease(&self, worker: &str, lease: Duration) -> Result<Option<JobSpec>, StoreError> {
-        let Some(wire) = self.lease_wire(worker, lease).await? else {
+        // In process, a lease request is answered at once: it arrives now.
+        let Some(wire) = self.lease_wire(worker, self.now(), lease).await? else {
             return Ok(None);
         };
         resolve(self, wire).await.map(Some)

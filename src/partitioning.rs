@@ -196,12 +196,13 @@ impl TaskDbJobStore {
     pub(crate) async fn lease_partition_wire(
         &self,
         worker: &str,
+        arrived: i64,
         lease: Duration,
     ) -> Result<Option<JobWire>, StoreError> {
         loop {
             let Some(leased) = self
                 .db
-                .lease_partition(worker, self.now(), lease.as_millis() as i64)
+                .lease_partition_for(worker, arrived, self.now(), lease.as_millis() as i64)
                 .await
                 .map_err(db_error)?
             else {

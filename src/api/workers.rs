@@ -84,7 +84,7 @@ fn check_worker(worker: &str) -> Result<(), ApiError> {
 /// (`<worker>~<token>`), which the store compares with the lease's.
 fn check_holder(holder: &str) -> Result<(), ApiError> {
     let ok = holder
-        .split_once(crate::db::jobs::HOLDER_SEPARATOR)
+        .split_once(crate::db::lease_holder::HOLDER_SEPARATOR)
         .is_some_and(|(worker, token)| check_worker(worker).is_ok() && id_part_ok(token));
     ok.then_some(()).ok_or_else(|| {
         ApiError::BadRequest(
@@ -128,8 +128,11 @@ async fn lease(
         )));
     }
     let store = store(&state);
+    // Every try of this request keeps the time it arrived: if the worker gives up on it and
+    // asks again, this request cannot take back the lease the newer one got (`lease_holder`).
+    let arrived = state.now().0;
     let mut job = store
-        .lease_wire(&request.worker, lease)
+        .lease_wire(&request.worker, arrived, lease)
         .await
         .map_err(store_error)?;
     // Long polling: a round closed by this process, or on PostgreSQL by any replica (its
@@ -154,7 +157,7 @@ async fn lease(
             _ = tokio::time::sleep(nap) => {}
         }
         job = store
-            .lease_wire(&request.worker, lease)
+            .lease_wire(&request.worker, arrived, lease)
             .await
             .map_err(store_error)?;
     }

@@ -2,6 +2,7 @@
 //! committed in two steps (the release with AGGREGATING -> APPLYING, the next model with
 //! APPLYING -> COMPLETED), each one transaction guarded by the lease.
 
+use super::lease_holder::LeaseAsk;
 use super::{Conn, Db, DbError, models, rounds, tasks, transition};
 use crate::states::{JobState, RoundState, TaskState};
 
@@ -82,36 +83,11 @@ pub fn retry_backoff_ms(failures: i64) -> i64 {
     (1000i64 << failures.clamp(1, 20)).min(MAX_RETRY_BACKOFF_MS)
 }
 
-/// The prefix of the leases a worker may take back at once although they have not expired:
-/// `name/` for a worker id `name/incarnation` (any incarnation of the same name, this one
-/// included), else `name~` (this worker's own leases). A worker asks for a lease only when it
-/// holds none (it runs one job at a time), so a lease still held under its name is one it lost
-/// track of: a restart, a failure it could not record, or a lease answer that never reached it.
-pub(super) fn reclaimable_prefix(worker: &str) -> String {
-    match worker.split_once('/') {
-        Some((name, _)) => format!("{name}/"),
-        None => format!("{worker}{HOLDER_SEPARATOR}"),
-    }
-}
-
-/// Separates a worker id from its lease's token in a lease holder (`id~token`); no worker id
-/// contains it (`confed::api::workers` checks the ids it accepts).
-pub const HOLDER_SEPARATOR: char = '~';
-
-/// A new lease holder for `worker`: its id and a fresh random token (a fencing token). Every
-/// write under a lease names the holder, and a takeover (by another worker or by the same one
-/// after it lost track) writes a new one: whatever the previous holder still sends is refused
-/// as a lost lease.
-pub(super) fn new_holder(worker: &str) -> String {
-    let token = uuid::Uuid::new_v4().simple().to_string();
-    format!("{worker}{HOLDER_SEPARATOR}{}", &token[..16])
-}
-
 /// A job a worker just leased.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeasedJob {
     pub round_id: String,
-    /// `worker~token`: what every later write under this lease names.
+    /// What every later write under this lease names (`lease_holder`).
     pub holder: String,
 }
 
@@ -225,28 +201,42 @@ pub struct NewRelease {
 }
 
 impl Db {
-    /// Leases the oldest ready job (never leased, its lease expired, or held under this
-    /// worker's name: `reclaimable_prefix`), past its backoff, and with every partition stored
-    /// if it was cut into any. The answer's `holder` is what every later write names.
+    /// Leases the oldest ready job (never leased, its lease expired, or one this worker lost
+    /// track of: `lease_holder`), past its backoff, and with every partition stored if it was
+    /// cut into any, for a request that arrived `now`. The answer's `holder` is what every later
+    /// write names.
     pub async fn lease_job(
         &self,
         worker: &str,
         now: i64,
         lease_ms: i64,
     ) -> Result<Option<LeasedJob>, DbError> {
-        let holder = new_holder(worker);
-        let reclaimable = reclaimable_prefix(worker);
+        self.lease_job_for(worker, now, now, lease_ms).await
+    }
+
+    /// `lease_job` for a request that arrived at `arrived` (a long poll asks again and again,
+    /// and keeps the time it arrived).
+    pub async fn lease_job_for(
+        &self,
+        worker: &str,
+        arrived: i64,
+        now: i64,
+        lease_ms: i64,
+    ) -> Result<Option<LeasedJob>, DbError> {
+        let ask = LeaseAsk::new(worker, arrived);
         self.write(move |tx| {
             Box::pin(async move {
                 // The guard is repeated outside the subquery: the update is a compare-and-set.
                 // On PostgreSQL the candidate is also locked with SKIP LOCKED, so concurrent
                 // workers each get a different job instead of queueing on the same row.
-                // A lease under this worker's name is taken back at once (`reclaimable_prefix`),
-                // at most 3 times without a failure in between: a job that keeps killing its
-                // worker then waits for its lease like any other, and does not hold every later
-                // round behind it.
-                let free = "(lease_expires_at IS NULL OR lease_expires_at <= $3 \
-                     OR (substr(lease_owner, 1, length($4)) = $4 AND attempts - failures < 4))";
+                // A lease this worker lost track of is taken back at once (`lease_holder`), while
+                // the job has had fewer than 4 leases more than failures: a job that keeps killing
+                // its worker then waits for its lease like any other, and does not hold every
+                // later round behind it.
+                let free = format!(
+                    "(lease_expires_at IS NULL OR lease_expires_at <= $3 OR {})",
+                    LeaseAsk::reclaimable_sql("", "attempts - failures < 4", 4, 5, 6)
+                );
                 let sql = format!(
                     "UPDATE aggregation_jobs SET lease_owner = $1, lease_expires_at = $2, \
                      attempts = attempts + 1, updated_at = $3 \
@@ -260,13 +250,18 @@ impl Db {
                     pending = JobState::Pending.as_str(),
                 );
                 let row: Option<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-                    .bind(&holder)
+                    .bind(&ask.holder)
                     .bind(now + lease_ms)
                     .bind(now)
-                    .bind(&reclaimable)
+                    .bind(&ask.other_incarnations)
+                    .bind(&ask.own)
+                    .bind(&ask.arrived)
                     .fetch_optional(&mut *tx)
                     .await?;
-                Ok(row.map(|(round_id,)| LeasedJob { round_id, holder }))
+                Ok(row.map(|(round_id,)| LeasedJob {
+                    round_id,
+                    holder: ask.holder,
+                }))
             })
         })
         .await

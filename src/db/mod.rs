@@ -22,6 +22,7 @@ mod error;
 mod evaluations;
 mod history;
 pub mod jobs;
+pub mod lease_holder;
 mod models;
 pub mod partitions;
 pub mod populations;

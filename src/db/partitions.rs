@@ -5,6 +5,7 @@
 //! guarded by the lease it needs, like the job's.
 
 use super::jobs::fail_leased;
+use super::lease_holder::LeaseAsk;
 use super::{Conn, Db, DbError};
 use crate::states::JobState;
 
@@ -14,7 +15,7 @@ pub struct LeasedPartition {
     pub round_id: String,
     pub index: u32,
     pub count: u32,
-    /// `worker~token`: what every later write under this lease names.
+    /// What every later write under this lease names (`lease_holder`).
     pub holder: String,
 }
 
@@ -80,28 +81,44 @@ async fn check_partition_lease(
 }
 
 impl Db {
-    /// Leases the first partition not stored yet whose lease is free or expired, or held under
-    /// this worker's name (`jobs::reclaimable_prefix`: this worker before a restart, or before
-    /// it lost track of a lease; only while the partition has been leased fewer than four
-    /// times, all leases counted, so one that keeps killing its worker waits for its lease like
-    /// any other), of the oldest pending job past its backoff. The answer's `holder` is what
-    /// every later write names.
+    /// Leases the first partition not stored yet whose lease is free or expired, or one this
+    /// worker lost track of (`lease_holder`; only while the partition has been leased fewer than
+    /// four times, all leases counted, so one that keeps killing its worker waits for its lease
+    /// like any other), of the oldest pending job past its backoff, for a request that arrived
+    /// `now`. The answer's `holder` is what every later write names.
     pub async fn lease_partition(
         &self,
         worker: &str,
         now: i64,
         lease_ms: i64,
     ) -> Result<Option<LeasedPartition>, DbError> {
-        let holder = super::jobs::new_holder(worker);
-        let reclaimable = super::jobs::reclaimable_prefix(worker);
+        self.lease_partition_for(worker, now, now, lease_ms).await
+    }
+
+    /// `lease_partition` for a request that arrived at `arrived` (a long poll asks again and
+    /// again, and keeps the time it arrived).
+    pub async fn lease_partition_for(
+        &self,
+        worker: &str,
+        arrived: i64,
+        now: i64,
+        lease_ms: i64,
+    ) -> Result<Option<LeasedPartition>, DbError> {
+        let ask = LeaseAsk::new(worker, arrived);
         self.write(move |tx| {
             Box::pin(async move {
                 // Locked with SKIP LOCKED on PostgreSQL, so concurrent workers take different
                 // partitions; the update repeats the guard (a compare-and-set).
-                let free = |p: &str| {
+                let free = |p: &str, first: u8| {
                     format!(
-                        "({p}lease_expires_at IS NULL OR {p}lease_expires_at <= $1 \
-                         OR (substr({p}lease_owner, 1, length($2)) = $2 AND {p}attempts < 4))"
+                        "({p}lease_expires_at IS NULL OR {p}lease_expires_at <= $1 OR {})",
+                        LeaseAsk::reclaimable_sql(
+                            p,
+                            &format!("{p}attempts < 4"),
+                            first,
+                            first + 1,
+                            first + 2
+                        )
                     )
                 };
                 let sql = format!(
@@ -110,29 +127,33 @@ impl Db {
                      WHERE j.state = '{pending}' AND j.not_before <= $1 AND p.sealed_key IS NULL \
                      AND {} \
                      ORDER BY j.created_at, p.round_id, p.partition_index LIMIT 1{}",
-                    free("p."),
+                    free("p.", 2),
                     super::lock_clause(tx, " FOR UPDATE OF p SKIP LOCKED"),
                     pending = JobState::Pending.as_str(),
                 );
                 let candidate: Option<(String, i64, i64)> =
                     sqlx::query_as(sqlx::AssertSqlSafe(sql))
                         .bind(now)
-                        .bind(&reclaimable)
+                        .bind(&ask.other_incarnations)
+                        .bind(&ask.own)
+                        .bind(&ask.arrived)
                         .fetch_optional(&mut *tx)
                         .await?;
                 let Some((round_id, index, count)) = candidate else {
                     return Ok(None);
                 };
                 let update = format!(
-                    "UPDATE job_partitions SET lease_owner = $3, lease_expires_at = $4, \
+                    "UPDATE job_partitions SET lease_owner = $5, lease_expires_at = $6, \
                      attempts = attempts + 1, updated_at = $1 \
-                     WHERE round_id = $5 AND partition_index = $6 AND sealed_key IS NULL AND {}",
-                    free("")
+                     WHERE round_id = $7 AND partition_index = $8 AND sealed_key IS NULL AND {}",
+                    free("", 2)
                 );
                 let taken = sqlx::query(sqlx::AssertSqlSafe(update))
                     .bind(now)
-                    .bind(&reclaimable)
-                    .bind(&holder)
+                    .bind(&ask.other_incarnations)
+                    .bind(&ask.own)
+                    .bind(&ask.arrived)
+                    .bind(&ask.holder)
                     .bind(now + lease_ms)
                     .bind(&round_id)
                     .bind(index)
@@ -146,7 +167,7 @@ impl Db {
                     round_id,
                     index: to_u32(index)?,
                     count: to_u32(count)?,
-                    holder,
+                    holder: ask.holder,
                 }))
             })
         })

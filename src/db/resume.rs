@@ -19,8 +19,9 @@ static FAILED_ROUND: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
 });
 static JOB_PENDING_AGAIN: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
-        "UPDATE aggregation_jobs SET state = '{pending}', failures = 0, not_before = $1, \
-         lease_owner = NULL, lease_expires_at = NULL, partitions = NULL, updated_at = $1 \
+        "UPDATE aggregation_jobs SET state = '{pending}', failures = 0, attempts = 0, \
+         not_before = $1, lease_owner = NULL, lease_expires_at = NULL, partitions = NULL, \
+         updated_at = $1 \
          WHERE round_id = $2 AND state = '{failed}'",
         pending = JobState::Pending.as_str(),
         failed = JobState::Failed.as_str(),

@@ -269,5 +269,55 @@ async fn only_the_holder_takes_its_lease_back_and_only_a_few_times() {
                 .await,
             Err(confed::db::DbError::LeaseLost(_))
         ));
+        assert!(matches!(
+            system
+                .db
+                .fail_job(&first.round_id, stale, "late", false, now)
+                .await,
+            Err(confed::db::DbError::LeaseLost(_))
+        ));
     }
+}
+
+/// A lease request the worker gave up on (a long poll still served after the worker's client
+/// timed out, here or on another replica) keeps asking: it must not take back the lease the
+/// worker's newer request got, or the two would take the job from each other. Only a request
+/// that arrived no earlier than the one that wrote the lease takes it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_request_the_worker_gave_up_on_cannot_take_back_its_retrys_lease() {
+    let clock = now_clock();
+    let (system, _dir) = start_with(clock.clone(), None).await;
+    open_task(&system, "retried", 8.0).await;
+    collect(&system, "retried", 1, false).await;
+    const LEASE_MS: i64 = 60_000;
+    let gave_up = clock.now_millis().0;
+    clock.advance(Duration::from_secs(30));
+    let retry_arrived = clock.now_millis().0;
+    let retry = system
+        .db
+        .lease_job_for("enclave-a/1", retry_arrived, retry_arrived, LEASE_MS)
+        .await
+        .unwrap()
+        .expect("the retry's lease");
+    clock.advance(Duration::from_millis(500));
+    let now = clock.now_millis().0;
+    let stale = system
+        .db
+        .lease_job_for("enclave-a/1", gave_up, now, LEASE_MS)
+        .await
+        .unwrap();
+    assert!(stale.is_none(), "the old request took {stale:?}");
+    system
+        .db
+        .renew_job(&retry.round_id, &retry.holder, now, LEASE_MS)
+        .await
+        .expect("the retry still holds its lease");
+    // A later request of the same worker (it lost the retry's answer too) takes it back.
+    let later = system
+        .db
+        .lease_job_for("enclave-a/1", now, now, LEASE_MS)
+        .await
+        .unwrap()
+        .expect("taken back by a newer request");
+    assert_ne!(later.holder, retry.holder);
 }
