@@ -695,10 +695,13 @@ class Device:
                 self._fail(assignment, error)
             raise error
 
-    def run_once(self, train: Train, max_wait: float = 600.0) -> str:
+    def run_once(self, train: Train, max_wait: float = 600.0,
+                 only_round: int | None = None) -> str:
         """One check-in and what follows: "contributed", "declined" or a retry reason (after
         waiting inside the retry window, at most `max_wait` seconds). After an assignment that
-        failed (raised), the next call first waits inside `after_failure`, at most `max_wait`."""
+        failed (raised), the next call first waits inside `after_failure`, at most `max_wait`.
+        `only_round` (a simulation's sample of one round): an assignment to any other round is
+        declined."""
         backoff = self._not_before - time.time()
         if backoff > 0:
             self.sleep(min(max_wait, backoff))
@@ -707,7 +710,7 @@ class Device:
             window = answer["retry_window"]
             self.sleep(min(max_wait, random.uniform(window["min_seconds"], window["max_seconds"])))
             return answer["reason"]
-        if self.declines(answer):
+        if (only_round is not None and answer["round"] != only_round) or self.declines(answer):
             declined = self.report(answer, "not_eligible")
             window = declined.get("retry_window")
             if window:

@@ -1,11 +1,13 @@
 """Many simulated devices against a real server, the way Flower users try a model with
 `run_simulation`: you give a task, a function that makes each device's training function, and
 optionally an evaluation of each new model version; the devices run concurrently, round after
-round, until the task ends."""
+round, until the task ends. Each round's participants are sampled at random from the devices,
+as from a real population: a device sampled for a round contributes to that round only."""
 
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -44,13 +46,15 @@ class RoundResult:
     metrics: dict = field(default_factory=dict)
 
 
-def _until_contributed(device: Device, train: Train, stop: threading.Event,
+def _until_contributed(device: Device, train: Train, round_: int, stop: threading.Event,
                        max_wait: float) -> bool:
-    """Runs one device until it contributes to the live round or `stop` is set (the round
-    ended); a device told to wait waits at most `max_wait` seconds at a time."""
+    """Runs one device sampled for round `round_` until it contributes to it or `stop` is set
+    (the round ended); a device told to wait waits at most `max_wait` seconds at a time. An
+    assignment to another round (the next one opened before `stop` was seen) is declined: the
+    device was not sampled for it."""
     while not stop.is_set():
         try:
-            if device.run_once(train, max_wait=max_wait) == "contributed":
+            if device.run_once(train, max_wait=max_wait, only_round=round_) == "contributed":
                 return True
         except DeviceError as error:
             # The round closed (its goal reached by others) between this device's check-in
@@ -70,8 +74,9 @@ def _programming_error(devices: list[Device], task_id: str) -> SimulationError |
 
 
 def _await_round(partner: Partner, task_id: str, round_: int, devices: list[Device],
-                 running: list, timeout: float) -> dict[str, np.ndarray]:
-    """Model version `round_` once the round completes. Raises at once, instead of waiting for
+                 running: list, timeout: float) -> dict[str, np.ndarray] | None:
+    """Model version `round_` once the round completes, or None when the task completed before
+    it (early stopping). Raises at once, instead of waiting for
     `timeout`: `TaskEnded` when the task fails or is cancelled, `SimulationError` when a
     device's function is wrong, and whatever a device's own thread raised."""
     deadline = time.monotonic() + timeout
@@ -83,11 +88,17 @@ def _await_round(partner: Partner, task_id: str, round_: int, devices: list[Devi
             return model
         task = partner.task(task_id)
         if task["state"] in FINAL_STATES:
+            # The model may have been stored between the two reads: look once more, now that
+            # nothing can change any more.
+            model = partner.model_if_stored(task_id, round_)
+            if model is not None:
+                return model
             # Before the devices' errors: their uploads to an ended task are refused, and the
             # task's end is what explains that.
             if task["state"] != "COMPLETED":
                 raise TaskEnded(task)
-            raise PartnerError(f"task {task_id} completed without model version {round_}")
+            # Completed before this round: its early-stopping rule ended it (api.md).
+            return None
         for future in running:
             if future.done() and future.exception() is not None:
                 raise future.exception()
@@ -105,6 +116,7 @@ def run_simulation(partner: Partner, task_id: str, trust: Trust,
                    concurrency: int = 8, max_wait: float = 1.0, progress: bool = True,
                    round_timeout: float = 600.0, state_dir: str | None = None,
                    attestation_fn: Callable[[int], object] | None = None,
+                   seed: int | None = None,
                    **device_options) -> list[RoundResult]:
     """Runs `num_devices` devices of the task's population until the task completes; returns
     one `RoundResult` per round. Raises as soon as something goes wrong, not at the round
@@ -119,8 +131,11 @@ def run_simulation(partner: Partner, task_id: str, trust: Trust,
     - `client_evaluate_fn(i)` (optional) returns device i's `evaluate(model) -> (loss_sum,
       correct, examples)` over its own held-out data, for tasks with federated evaluation (read
       the released metrics with `Partner.evaluations`);
-    - every round, each device checks in until it has contributed or the round has ended (the
-      report goal reached by others); a device told to wait waits at most `max_wait` seconds;
+    - every round, the devices check in in a random order (`seed` makes it repeatable), at most
+      `concurrency` at a time, each until it has contributed or the round has ended (the report
+      goal reached by others): the round's participants are a random sample, a different one
+      every round, and a device sampled for a round declines an assignment to the next; a
+      device told to wait waits at most `max_wait` seconds;
     - `state_dir` (optional): device i keeps what it served in `state_dir/device-<i>.json`, so
       a simulation run again with the same directory has devices that remember (without it
       they keep it in memory, with a warning);
@@ -144,20 +159,31 @@ def run_simulation(partner: Partner, task_id: str, trust: Trust,
     history: list[RoundResult] = []
     from tqdm.auto import tqdm
 
+    sampler = random.Random(seed)
     with tqdm(total=task["rounds"], unit="round", disable=not progress,
               desc=f"task {task_id[:8]}") as bar, ThreadPoolExecutor(concurrency) as pool:
-        while task["state"] not in FINAL_STATES:
-            round_ = (task.get("model_version") or 0) + 1
+        # One result per round, in order, whatever rounds completed in between: a round counts
+        # once its model version exists, read by its number, never skipped.
+        while len(history) < task["rounds"]:
+            round_ = len(history) + 1
             stop = threading.Event()
-            running = [pool.submit(_until_contributed, device, train, stop, max_wait)
-                       for device, train in zip(devices, trains)]
+            order = list(range(num_devices))
+            sampler.shuffle(order)
+            running = [pool.submit(_until_contributed, devices[i], trains[i], round_, stop,
+                                   max_wait)
+                       for i in order]
             try:
                 model = _await_round(partner, task_id, round_, devices, running, round_timeout)
             finally:
                 stop.set()
+                for future in running:
+                    future.cancel()  # those not started yet: they were not sampled
                 wait(running)
             for future in running:
-                future.result()
+                if not future.cancelled():
+                    future.result()
+            if model is None:
+                break
             release = next(r for r in partner.releases(task_id) if r["round"] == round_)
             result = RoundResult(round_, release["included"], release["excluded"],
                                  release["epsilon_spent"],
@@ -167,10 +193,7 @@ def run_simulation(partner: Partner, task_id: str, trust: Trust,
             bar.set_postfix_str(f"epsilon {result.epsilon_spent:.2f}"
                                 + "".join(f", {k} {v:.3g}" for k, v in result.metrics.items()
                                           if isinstance(v, (int, float))))
-            task = partner.task(task_id)
-            while task["state"] not in FINAL_STATES and (task.get("model_version") or 0) < round_:
-                time.sleep(0.1)
-                task = partner.task(task_id)
+        task = partner.task(task_id)
     if task["state"] != "COMPLETED":
         raise TaskEnded(task)
     return history

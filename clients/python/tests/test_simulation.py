@@ -1,0 +1,69 @@
+"""`run_simulation` as a partner coming from Flower uses it: each round's participants are a
+random sample of the devices (not the same first ones every round), every round comes back,
+and many simulations at high concurrency all return complete histories (issue 48)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from confed_client import Partner, Trust, run_simulation
+
+
+def spec(population: str, rounds: int, goal: int) -> dict:
+    return {"upload_window": {"start_ms": 100, "end_ms": 300}, "population": population,
+            "rounds": rounds, "report_goal": goal, "min_reports": goal,
+            "privacy": {"epsilon": 100.0, "delta": 1e-6, "clip_norm": 1.0}}
+
+
+def recording(trained: list, lock: threading.Lock):
+    """`client_fn` whose devices note their index each time they train."""
+    def client_fn(i: int):
+        def train(weights, plan):
+            with lock:
+                trained.append(i)
+            return {"w": np.full(4, 0.01, np.float32)}
+        return train
+    return client_fn
+
+
+def test_100_devices_30_rounds_of_20_train_at_least_90_distinct_devices(server):
+    """The digits comparison's shape: 100 devices, 30 rounds of 20. Devices used to be started
+    in index order, so devices 0-25 filled every round and 74 never trained."""
+    partner = Partner(server["url"], server["token"])
+    task = partner.create_task(spec("python-sim-sample", 30, 20), {"w": np.zeros(4, np.float32)})
+    trained, lock = [], threading.Lock()
+    history = run_simulation(partner, task, Trust.load(server["trust"]),
+                             recording(trained, lock), num_devices=100, progress=False, seed=7)
+    assert [r.round for r in history] == list(range(1, 31))
+    assert all(r.included == 20 for r in history), [r.included for r in history]
+    assert len(set(trained)) >= 90, f"{len(set(trained))} distinct devices trained"
+    # A device sampled for a round contributes to that round only: never more often than once
+    # a round on average, and no device in every round.
+    counts = np.bincount(trained, minlength=100)
+    assert counts.max() < 30, counts.max()
+
+
+def test_eight_tasks_at_concurrency_100_all_return_complete_histories(server):
+    """Eight simulations at once, each with 100 threads: rounds used to be skipped (a round
+    the leftover devices completed before the simulation looked), and the last model read
+    raced the task's completion."""
+    partner = Partner(server["url"], server["token"])
+    trust = Trust.load(server["trust"])
+    rounds = [3, 8, 8, 5, 8, 3, 6, 8]
+    tasks = [partner.create_task(spec(f"python-sim-many-{n}", r, 10),
+                                 {"w": np.zeros(4, np.float32)})
+             for n, r in enumerate(rounds)]
+
+    def simulate(task: str):
+        return run_simulation(partner, task, trust,
+                              lambda i: (lambda w, plan: {"w": np.full(4, 0.01, np.float32)}),
+                              num_devices=30, concurrency=100, progress=False, seed=1)
+
+    with ThreadPoolExecutor(len(tasks)) as pool:
+        histories = list(pool.map(simulate, tasks))
+    for task, planned, history in zip(tasks, rounds, histories):
+        assert [r.round for r in history] == list(range(1, planned + 1)), (task, history)
+        assert all(r.included == 10 for r in history), (task, history)
