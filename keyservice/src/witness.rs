@@ -560,13 +560,15 @@ pub async fn acknowledgement(
         .map_err(|e| ApiError::BadRequest(format!("send ?records=<count>&hash=<hex>: {e}")))?;
     let lost = crate::audit::LostHead { records, hash };
     let index = (lost.records, lost.hash.clone());
-    let known = service
-        .acknowledgements
-        .lock()
-        .map_err(|_| ApiError::Internal("acknowledgement index poisoned".into()))?
-        .get(&index)
-        .cloned();
-    if let Some(record) = known {
+    let indexed = || -> Result<Option<crate::audit::Record>, ApiError> {
+        Ok(service
+            .acknowledgements
+            .lock()
+            .map_err(|_| ApiError::Internal("acknowledgement index poisoned".into()))?
+            .get(&index)
+            .cloned())
+    };
+    if let Some(record) = indexed()? {
         return Ok(Json(Acknowledgement {
             record: Some(record),
         }));
@@ -576,13 +578,8 @@ pub async fn acknowledgement(
     // unauthenticated caller must not be able to start scans of the whole file at will.
     static SCANS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     let _scan = SCANS.lock().await;
-    let known = service
-        .acknowledgements
-        .lock()
-        .map_err(|_| ApiError::Internal("acknowledgement index poisoned".into()))?
-        .get(&index)
-        .cloned();
-    if let Some(record) = known {
+    // Another request may have scanned while this one waited.
+    if let Some(record) = indexed()? {
         return Ok(Json(Acknowledgement {
             record: Some(record),
         }));

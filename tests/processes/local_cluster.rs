@@ -277,6 +277,23 @@ async fn devices_over_two_api_replicas_complete_every_round_once_with_every_cont
     a_key_service_lost_mid_round_stops_no_release(&cluster, &apis, &token, &trust, &db).await;
 }
 
+/// The first release of `task` once the cluster committed it (`Err` after `BOUND`).
+async fn first_release(
+    db: &confed::db::Db,
+    task: &str,
+) -> Result<confed::db::jobs::ReleaseRecord, tokio::time::error::Elapsed> {
+    tokio::time::timeout(BOUND, async {
+        let mut tick = tokio::time::interval(Duration::from_millis(200));
+        loop {
+            tick.tick().await;
+            if let Some(release) = db.releases_of_task(task).await.unwrap().pop() {
+                return release;
+            }
+        }
+    })
+    .await
+}
+
 /// The shipped layout survives one lost key service (issue 47: with 2-of-3, killing one stopped
 /// every round). Half a round's devices report, one key service is killed, the other half
 /// report, and the round releases with receipts from the four that are left (q = 4).
@@ -307,17 +324,7 @@ async fn a_key_service_lost_mid_round_stops_no_release(
     cluster.kill("ks5");
     let after = simulate::run(half(&apis[1], 3_000, 12)).await.unwrap();
     assert!(after.contributions >= GOAL / 2, "{after:?}");
-    let release = tokio::time::timeout(BOUND, async {
-        let mut tick = tokio::time::interval(Duration::from_millis(200));
-        loop {
-            tick.tick().await;
-            if let Some(release) = db.releases_of_task(&task).await.unwrap().pop() {
-                return release;
-            }
-        }
-    })
-    .await
-    .unwrap_or_else(|_| {
+    let release = first_release(db, &task).await.unwrap_or_else(|_| {
         panic!(
             "the round did not release with one key service lost
 worker1: {}
@@ -393,17 +400,7 @@ async fn tokens_on_the_bucket_path(
         .await
         .unwrap();
     assert!(outcome.contributions >= AUTHED_GOAL, "{outcome:?}");
-    let completed = tokio::time::timeout(BOUND, async {
-        let mut tick = tokio::time::interval(Duration::from_millis(200));
-        loop {
-            tick.tick().await;
-            if let Some(release) = db.releases_of_task(&task).await.unwrap().pop() {
-                return release;
-            }
-        }
-    })
-    .await
-    .unwrap_or_else(|_| {
+    let completed = first_release(db, &task).await.unwrap_or_else(|_| {
         panic!(
             "the token task's round did not complete\n{}",
             cluster.log("worker1")
