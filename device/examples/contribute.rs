@@ -52,6 +52,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let training = schedule.train_until(&shape, false, move |_| Trained {
         update: std::fs::read(path).map_err(|e| e.to_string()),
         metrics: None,
+        // Under a weighting policy, the examples the update trained on (this example has one).
+        examples: Some(1.0),
     });
     let (token, due) = tokio::join!(token, training);
     let token = token?;

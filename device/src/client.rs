@@ -205,13 +205,16 @@ pub struct Model {
 
 impl Model {
     /// The shape every update to this model has under `policy` (`UpdateShape::well_formed`
-    /// makes one: the model's tensors, and the health flag when the policy names `health`), or
+    /// makes one: the model's tensors, the health flag when the policy names `health`, the
+    /// example count when it names `weighting`), or
     /// why the model cannot be trained from (a fault of the model, the same for every device).
     pub fn update_shape(
         &self,
         policy: &AcceptedPolicy,
     ) -> Result<crate::update::UpdateShape, DeviceError> {
-        Ok(crate::update::UpdateShape::of_model(&self.bytes)?.reporting_health(policy.health()))
+        Ok(crate::update::UpdateShape::of_model(&self.bytes)?
+            .reporting_health(policy.health())
+            .weighing(policy.weighting()))
     }
 }
 
@@ -229,6 +232,15 @@ impl AcceptedPolicy {
         self.policy
             .dp_mechanism()
             .is_ok_and(|mechanism| mechanism.health.is_some())
+    }
+
+    /// The example-weighted averaging the policy names, if any: then every update carries the
+    /// example count `EXAMPLES_TENSOR` (docs/protocol.md, "Weighting").
+    pub fn weighting(&self) -> Option<confed_protocol::policy::Weighting> {
+        self.policy
+            .dp_mechanism()
+            .ok()
+            .and_then(|mechanism| mechanism.weighting)
     }
 
     /// The evaluation the policy schedules for the assignment's round, if it is a scheduled

@@ -91,11 +91,14 @@ impl Cancel {
 }
 
 /// What the training code gives: the update's safetensors (the new weights minus the model's)
-/// or why not, and in an evaluation round the metrics `[loss_sum, correct, examples]` or why not.
+/// or why not, in an evaluation round the metrics `[loss_sum, correct, examples]` or why not,
+/// and the examples the update trained on (what a weighting policy weighs it by; ignored
+/// otherwise).
 #[derive(Debug, Clone)]
 pub struct Trained {
     pub update: Result<Vec<u8>, String>,
     pub metrics: Option<Result<[f32; 3], String>>,
+    pub examples: Option<f64>,
 }
 
 /// An update that is due: what was ready at the send instant of one assignment. Only
@@ -224,7 +227,7 @@ impl Schedule {
                 (true, None) => Some(Err("the training code gave no metrics".into())),
                 (false, _) => None,
             };
-            Some(shape.well_formed(trained.update, metrics))
+            Some(shape.well_formed_weighed(trained.update, metrics, trained.examples))
         });
         // What is ready by the instant; an instant already past (a schedule resumed late) finds
         // nothing ready.

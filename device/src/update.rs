@@ -1,6 +1,7 @@
 //! What a device sends once it has accepted an assignment: always the model's exact tensors and
-//! shapes, finite, with the round's metrics when it evaluates and, under a policy that names
-//! `health`, the flag saying whether it sent zeros, whatever training did.
+//! shapes, finite, with the round's metrics when it evaluates, under a policy that names
+//! `health` the flag saying whether it sent zeros, and under one that names `weighting` the
+//! example count its update trained on, whatever training did.
 //!
 //! A tenant or the operator chooses the model and the plan, so it can make training fail, raise or
 //! overflow on a condition of a device's private data that it picked (a weight of 1e37 on one
@@ -15,7 +16,7 @@ use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use thiserror::Error;
 
-use confed_protocol::policy::{EVALUATION_TENSOR, HEALTH_TENSOR};
+use confed_protocol::policy::{EVALUATION_TENSOR, EXAMPLES_TENSOR, HEALTH_TENSOR, Weighting};
 
 /// The prefix of tensor names the protocol reserves (`EVALUATION_TENSOR`, `HEALTH_TENSOR`).
 const RESERVED_PREFIX: &str = "confed.";
@@ -54,13 +55,19 @@ pub enum TrainingProblem {
     /// Training had not finished at the send instant drawn before it started
     /// (`schedule::Schedule`): zeros were sent, and whatever it finished later was dropped.
     Late,
+    /// Under a weighting policy, the training code gave no example count, or one that is not a
+    /// finite number >= 0 (its text): a programming error of the training code.
+    NoExampleCount(String),
 }
 
 impl TrainingProblem {
     /// A fault of the training code that no data would fix (the wrong tensors): a device should
     /// fail loudly on it, in its own log, after sending the zero update like any other.
     pub fn is_programming_error(&self) -> bool {
-        matches!(self, Self::NotSafetensors(_) | Self::WrongTensors(_))
+        matches!(
+            self,
+            Self::NotSafetensors(_) | Self::WrongTensors(_) | Self::NoExampleCount(_)
+        )
     }
 }
 
@@ -77,16 +84,21 @@ impl std::fmt::Display for TrainingProblem {
                 f,
                 "training had not finished at the send instant (drawn from the policy's upload window); zeros were sent"
             ),
+            Self::NoExampleCount(why) => write!(
+                f,
+                "the task weighs updates by examples, but the training code gave {why} as its example count"
+            ),
         }
     }
 }
 
-/// The model's tensors, names in safetensors (sorted) order, every one F32; and whether every
-/// update carries the health flag (`reporting_health`).
+/// The model's tensors, names in safetensors (sorted) order, every one F32; whether every
+/// update carries the health flag (`reporting_health`) and the example count (`weighing`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UpdateShape {
     tensors: Vec<(String, Vec<usize>)>,
     health: bool,
+    weighting: Option<Weighting>,
 }
 
 /// An update ready to seal: the model's exact tensors, finite, plus the metrics tensor in an
@@ -137,6 +149,7 @@ impl UpdateShape {
         Ok(Self {
             tensors,
             health: false,
+            weighting: None,
         })
     }
 
@@ -151,6 +164,18 @@ impl UpdateShape {
     /// Whether updates of this shape carry the health flag.
     pub fn reports_health(&self) -> bool {
         self.health
+    }
+
+    /// Every update of this shape carries `EXAMPLES_TENSOR` (F32 `[1]`): the examples the update
+    /// trained on, at most the policy's `max_examples` (more weigh no more), `0` for zeros sent
+    /// in its place. On exactly when the task policy names `weighting` (`Model::update_shape`).
+    pub fn weighing(self, weighting: Option<Weighting>) -> Self {
+        Self { weighting, ..self }
+    }
+
+    /// Whether updates of this shape carry the example count.
+    pub fn weighs(&self) -> bool {
+        self.weighting.is_some()
     }
 
     /// The model's tensors: (name, shape), in safetensors (name) order, all F32.
@@ -172,11 +197,34 @@ impl UpdateShape {
         trained: Result<Vec<u8>, String>,
         evaluation: Option<Result<[f32; 3], String>>,
     ) -> WellFormedUpdate {
+        self.well_formed_weighed(trained, evaluation, None)
+    }
+
+    /// `well_formed` with the example count the training code gave (`examples`; `None` if it
+    /// gave none). Under `weighing` the count must be a finite number >= 0, or the update is
+    /// zeros (`TrainingProblem::NoExampleCount`); it is sent capped at `max_examples` (a count
+    /// above weighs no more, and sends no more of the device's data), and as 0 with zeros.
+    /// Without weighing the count is ignored.
+    pub fn well_formed_weighed(
+        &self,
+        trained: Result<Vec<u8>, String>,
+        evaluation: Option<Result<[f32; 3], String>>,
+        examples: Option<f64>,
+    ) -> WellFormedUpdate {
         let mut problems = Vec::new();
         let trained = trained.map_err(TrainingProblem::TrainingFailed);
-        let checked = match &trained {
-            Ok(bytes) => self.checked_values(bytes),
-            Err(problem) => Err(problem.clone()),
+        let counted = match (self.weighting, examples) {
+            (None, _) => Ok(0.0),
+            (Some(w), Some(n)) if n.is_finite() && n >= 0.0 => {
+                Ok(n.min(f64::from(w.max_examples)) as f32)
+            }
+            (Some(_), Some(n)) => Err(TrainingProblem::NoExampleCount(n.to_string())),
+            (Some(_), None) => Err(TrainingProblem::NoExampleCount("none".into())),
+        };
+        let checked = match (&trained, &counted) {
+            (Err(problem), _) => Err(problem.clone()),
+            (Ok(bytes), Ok(_)) => self.checked_values(bytes),
+            (Ok(_), Err(problem)) => Err(problem.clone()),
         };
         let zeros;
         let zeroed = checked.is_err();
@@ -199,8 +247,17 @@ impl UpdateShape {
                 [0.0; 3]
             }
         });
+        let examples = match zeroed {
+            true => 0.0,
+            false => counted.unwrap_or(0.0),
+        };
+        let sides = Sides {
+            metrics,
+            zeroed: self.health.then_some(zeroed),
+            examples: self.weighting.map(|_| examples),
+        };
         WellFormedUpdate {
-            bytes: self.encode(&values, metrics, self.health.then_some(zeroed)),
+            bytes: self.encode(&values, sides),
             problems,
         }
     }
@@ -244,11 +301,14 @@ impl UpdateShape {
             .collect()
     }
 
-    fn encode(&self, values: &[&[u8]], metrics: Option<[f32; 3]>, zeroed: Option<bool>) -> Vec<u8> {
-        let metric_bytes: Option<Vec<u8>> =
-            metrics.map(|m| m.iter().flat_map(|v| v.to_le_bytes()).collect());
-        let flag_bytes: Option<[u8; 4]> = zeroed.map(|z| f32::from(u8::from(z)).to_le_bytes());
-        let mut views = Vec::with_capacity(self.tensors.len() + 2);
+    fn encode(&self, values: &[&[u8]], sides: Sides) -> Vec<u8> {
+        let metric_bytes: Option<Vec<u8>> = sides
+            .metrics
+            .map(|m| m.iter().flat_map(|v| v.to_le_bytes()).collect());
+        let flag_bytes: Option<[u8; 4]> =
+            sides.zeroed.map(|z| f32::from(u8::from(z)).to_le_bytes());
+        let example_bytes: Option<[u8; 4]> = sides.examples.map(f32::to_le_bytes);
+        let mut views = Vec::with_capacity(self.tensors.len() + 3);
         for ((name, shape), data) in self.tensors.iter().zip(values) {
             views.push((name.as_str(), view(shape.clone(), data)));
         }
@@ -258,8 +318,18 @@ impl UpdateShape {
         if let Some(bytes) = &flag_bytes {
             views.push((HEALTH_TENSOR, view(vec![1], bytes)));
         }
+        if let Some(bytes) = &example_bytes {
+            views.push((EXAMPLES_TENSOR, view(vec![1], bytes)));
+        }
         safetensors::serialize(views, None).expect("F32 tensors of checked shapes serialize")
     }
+}
+
+/// The tensors an update carries beside the model's, as `encode` writes them.
+struct Sides {
+    metrics: Option<[f32; 3]>,
+    zeroed: Option<bool>,
+    examples: Option<f32>,
 }
 
 /// Whether every little-endian f32 in `bytes` is finite: its exponent bits are not all ones.

@@ -273,6 +273,25 @@ mod tests {
     }
 
     #[test]
+    fn weighting_by_examples_costs_nothing_a_device_still_adds_at_most_one_clip_norm() {
+        use confed_protocol::policy::Weighting;
+        for noise in [Mechanism::Gaussian, Mechanism::Tree { min_separation: 5 }] {
+            let weighted = DpMechanism {
+                weighting: Some(Weighting { max_examples: 32 }),
+                ..DpMechanism::plain(noise)
+            };
+            let base =
+                calibrate_task(&ClosedForm, DpMechanism::plain(noise), 4.0, 1e-6, 10).unwrap();
+            let with = calibrate_task(&ClosedForm, weighted, 4.0, 1e-6, 10).unwrap();
+            assert_eq!(with.noise_multiplier, base.noise_multiplier, "{noise:?}");
+            assert_eq!(
+                SideScales::planned(&weighted),
+                SideScales::planned(&DpMechanism::plain(noise))
+            );
+        }
+    }
+
+    #[test]
     fn the_health_count_costs_one_count_per_round_a_device_may_serve() {
         use confed_protocol::policy::Health;
         for noise in [Mechanism::Gaussian, Mechanism::Tree { min_separation: 5 }] {

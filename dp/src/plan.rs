@@ -80,6 +80,7 @@ mod tests {
         adaptive_clipping: None,
         evaluation: None,
         health: None,
+        weighting: None,
     };
 
     #[test]

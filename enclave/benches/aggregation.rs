@@ -433,6 +433,7 @@ fn aggregation_peak(count: usize, params: usize, evaluating: bool) -> u64 {
                 evaluation,
                 on_demand: false,
                 health: None,
+                weighting: None,
             },
         )
         .unwrap();

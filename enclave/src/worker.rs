@@ -589,6 +589,7 @@ impl<S: JobStore + 'static> Worker<S> {
             Aggregator::new(binding, privacy.clip_norm, schema.clone(), &private_key)?
                 .evaluating(privacy.evaluation_in(round))
                 .watching_health(privacy.health)
+                .weighing(privacy.weighting)
                 .authenticating(policy.device_auth.clone())
                 .continuing(continues),
         );

@@ -5,6 +5,7 @@
 //! <noise>[;adaptive_clipping=<target_quantile>,<learning_rate>,<count_stddev>]
 //!        [;evaluation=<every>,<max_loss>,<max_examples>,<stddev>,<on_demand>]
 //!        [;health=<stddev>]
+//!        [;weighting=examples,<max_examples>]
 //! <noise> = discrete_gaussian_on_grid | tree_aggregation_on_grid;min_separation=<u32>
 //!         | blt_on_grid;min_separation=<u32>;buffers=...;max_values=<u64>;lattice_bits=<u32>
 //! ```
@@ -20,6 +21,16 @@ use crate::policy::{MAX_MIN_SEPARATION, MECHANISM, TREE_MECHANISM};
 const ADAPTIVE: &str = ";adaptive_clipping=";
 const EVALUATION: &str = ";evaluation=";
 const HEALTH: &str = ";health=";
+const WEIGHTING: &str = ";weighting=examples,";
+
+/// Name of the tensor that carries a device's example count in every update of a task whose
+/// policy names `weighting`: F32, shape `[1]`, the number of examples its update trained on (0
+/// when it sent zeros). The enclave weighs the clipped update by `min(examples, max_examples) /
+/// max_examples` (docs/protocol.md, "Weighting").
+pub const EXAMPLES_TENSOR: &str = "confed.examples";
+/// Most examples a weighting policy may cap a device's weight at: F32 holds every integer up to
+/// it exactly.
+pub const MAX_WEIGHTING_EXAMPLES: u32 = 1_000_000;
 
 /// Name of the tensor that carries a device's health flag in every update of a task whose policy
 /// names `health`: F32, shape `[1]`, `1` when the device sent zeros in place of its trained update
@@ -287,27 +298,75 @@ impl Health {
     }
 }
 
-/// The whole mechanism value: the noise, the optional adaptive clipping, evaluation and health.
+/// Example-weighted averaging (`;weighting=examples,<max_examples>`): every update carries the
+/// device's example count (`EXAMPLES_TENSOR`), and the enclave adds the clipped update times
+/// `w = min(examples, max_examples) / max_examples` (a NaN, an infinity or a negative count
+/// weighs 0), then divides the noised sum by the number of included contributions as always.
+/// With `w <= 1` a device still adds at most the clip norm to the sum: the sensitivity, the
+/// noise and the accounting are those of uniform averaging (docs/privacy.md, "Weighted
+/// averaging").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Weighting {
+    pub max_examples: u32,
+}
+
+impl Weighting {
+    fn parse(params: &str) -> Result<Self, String> {
+        params
+            .parse::<u32>()
+            .ok()
+            .filter(|m| (1..=MAX_WEIGHTING_EXAMPLES).contains(m) && m.to_string() == params)
+            .map(|max_examples| Self { max_examples })
+            .ok_or_else(|| {
+                format!(
+                    "weighting examples,{params:?} (max_examples: a decimal in 1..={MAX_WEIGHTING_EXAMPLES})"
+                )
+            })
+    }
+
+    fn encode(&self) -> String {
+        format!("{WEIGHTING}{}", self.max_examples)
+    }
+
+    /// The weight of an update that trained on `examples` (as the device sent it): in [0, 1].
+    pub fn weight(&self, examples: f32) -> f64 {
+        let examples = f64::from(examples);
+        if !examples.is_finite() || examples <= 0.0 {
+            return 0.0;
+        }
+        examples.min(f64::from(self.max_examples)) / f64::from(self.max_examples)
+    }
+}
+
+/// The whole mechanism value: the noise, the optional adaptive clipping, evaluation, health and
+/// weighting.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DpMechanism {
     pub noise: Mechanism,
     pub adaptive_clipping: Option<AdaptiveClipping>,
     pub evaluation: Option<Evaluation>,
     pub health: Option<Health>,
+    pub weighting: Option<Weighting>,
 }
 
 impl DpMechanism {
-    /// The noise alone: no adaptive clipping, no evaluation, no health signal.
+    /// The noise alone: no adaptive clipping, no evaluation, no health signal, uniform
+    /// averaging.
     pub fn plain(noise: Mechanism) -> Self {
         Self {
             noise,
             adaptive_clipping: None,
             evaluation: None,
             health: None,
+            weighting: None,
         }
     }
 
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub fn parse(full: &str) -> Result<Self, String> {
+        let (text, weighting) = match full.split_once(WEIGHTING) {
+            None => (full, None),
+            Some((before, params)) => (before, Some(Weighting::parse(params)?)),
+        };
         let (text_rest, health) = match text.split_once(HEALTH) {
             None => (text, None),
             Some((before, params)) => (before, Some(Health::parse(params)?)),
@@ -341,10 +400,11 @@ impl DpMechanism {
             adaptive_clipping: adaptive,
             evaluation,
             health,
+            weighting,
         };
-        if parsed.encode() != text {
+        if parsed.encode() != full {
             return Err(format!(
-                "mechanism {text:?} is not in canonical form (numbers as `{{:e}}`)"
+                "mechanism {full:?} is not in canonical form (numbers as `{{:e}}`)"
             ));
         }
         Ok(parsed)
@@ -364,6 +424,9 @@ impl DpMechanism {
         if let Some(h) = &self.health {
             out.push_str(&h.encode());
         }
+        if let Some(w) = &self.weighting {
+            out.push_str(&w.encode());
+        }
         out
     }
 }
@@ -371,6 +434,40 @@ impl DpMechanism {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn weighting_comes_after_health_and_caps_a_devices_weight_at_one() {
+        let m = DpMechanism {
+            health: Some(Health { stddev: 2.0 }),
+            weighting: Some(Weighting { max_examples: 64 }),
+            ..DpMechanism::plain(Mechanism::Gaussian)
+        };
+        let text = m.encode();
+        assert_eq!(
+            text,
+            "discrete_gaussian_on_grid;health=2e0;weighting=examples,64"
+        );
+        assert_eq!(DpMechanism::parse(&text), Ok(m));
+        for bad in [
+            "discrete_gaussian_on_grid;weighting=examples,0",
+            "discrete_gaussian_on_grid;weighting=examples,064",
+            "discrete_gaussian_on_grid;weighting=examples,1000001",
+            "discrete_gaussian_on_grid;weighting=examples,6.4e1",
+            "discrete_gaussian_on_grid;weighting=examples,",
+            "discrete_gaussian_on_grid;weighting=rows,64",
+            "discrete_gaussian_on_grid;weighting=examples,64;health=2e0",
+            "discrete_gaussian_on_grid;weighting=examples,64;weighting=examples,64",
+        ] {
+            assert!(DpMechanism::parse(bad).is_err(), "{bad} was accepted");
+        }
+        let w = Weighting { max_examples: 64 };
+        assert_eq!(w.weight(16.0), 0.25);
+        assert_eq!(w.weight(64.0), 1.0);
+        assert_eq!(w.weight(1e9), 1.0);
+        for zero in [0.0, -3.0, f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            assert_eq!(w.weight(zero), 0.0, "{zero}");
+        }
+    }
 
     #[test]
     fn health_comes_last_in_canonical_form_and_refuses_noise_the_sampler_cannot_draw() {

@@ -218,6 +218,7 @@ pub fn run(command: PrivacyCommand) -> Result<()> {
             adaptive_clipping,
             evaluation,
             health: args.health_stddev.map(|stddev| Health { stddev }),
+            weighting: None,
         }
         .encode(),
     )

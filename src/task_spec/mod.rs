@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 
 pub use device_auth::DeviceAuthSpec;
 pub use evaluation::{EarlyStopping, EvaluationSpec, MAX_PATIENCE, Metric};
-pub use privacy::{AdaptiveClippingSpec, MechanismName, PrivacyBudget};
+pub use privacy::{AdaptiveClippingSpec, MechanismName, PrivacyBudget, WeightBy, WeightingSpec};
 pub use problems::InvalidParam;
 use problems::Problems;
 pub use upload_window::{UPLOAD_ALLOWANCE_MS, UploadWindowSpec};
@@ -242,14 +242,15 @@ impl TaskSpec {
         })
     }
 
-    /// The whole mechanism the task policy names: the noise, adaptive clipping, evaluation and
-    /// the health signal.
+    /// The whole mechanism the task policy names: the noise, adaptive clipping, evaluation, the
+    /// health signal and weighting.
     pub fn dp_mechanism(&self) -> DpMechanism {
         DpMechanism {
             noise: self.privacy.mechanism(),
             adaptive_clipping: self.privacy.adaptive_clipping.map(|a| a.policy()),
             evaluation: self.evaluation.map(|e| e.policy()),
             health: self.privacy.health.map(|h| h.policy()),
+            weighting: self.privacy.weighting.map(|w| w.policy()),
         }
     }
 
@@ -412,6 +413,7 @@ impl CreateTaskRequest {
                 adaptive_clipping: privacy.adaptive_clipping.map(|a| a.policy()),
                 evaluation: evaluation.map(|e| e.policy()),
                 health: privacy.health.map(|h| h.policy()),
+                weighting: privacy.weighting.map(|w| w.policy()),
             };
             if let Err(problem) = privacy::resolve_blt(&mut privacy, side, rounds) {
                 p.add("privacy.blt", problem);
@@ -426,6 +428,7 @@ impl CreateTaskRequest {
             adaptive_clipping: privacy.adaptive_clipping.map(|a| a.policy()),
             evaluation: evaluation.map(|e| e.policy()),
             health: privacy.health.map(|h| h.policy()),
+            weighting: privacy.weighting.map(|w| w.policy()),
         };
         if p.0.is_empty()
             && let Err(problem) = confed_dp::check_plan(

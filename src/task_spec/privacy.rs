@@ -7,7 +7,7 @@ use confed_protocol::blt_noise::{
 };
 use confed_protocol::policy::{
     AdaptiveClipping, DpMechanism, Health, MAX_HEALTH_STDDEV, MAX_MIN_SEPARATION,
-    MIN_HEALTH_STDDEV, Mechanism,
+    MAX_WEIGHTING_EXAMPLES, MIN_HEALTH_STDDEV, Mechanism, Weighting,
 };
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -57,6 +57,42 @@ pub struct PrivacyBudget {
     /// most 5 % of the budget, and no less than report_goal / 10 (at least 1). In [1, 1e6].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub health: Option<HealthSpec>,
+    /// Example-weighted averaging (docs/privacy.md, "Weighted averaging"): each device's clipped
+    /// update counts `min(examples, max_examples) / max_examples` times, and the noised sum is
+    /// divided by the number of included devices as always. The weight is at most 1, so the
+    /// noise and the accounting are those of uniform averaging. Off (uniform) unless given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weighting: Option<WeightingSpec>,
+}
+
+/// `privacy.weighting`: `{"by": "examples", "max_examples": <1-1000000>}`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WeightingSpec {
+    /// What a device's weight counts: `examples` (the examples its update trained on).
+    pub by: WeightBy,
+    /// Examples at which a device's weight reaches 1 (devices with more count as this many),
+    /// 1-1000000. Choose about the typical device's count: the release's scale is the mean
+    /// weight times the example-weighted average (docs/privacy.md, "Weighted averaging").
+    #[serde(deserialize_with = "crate::api::integers::i64")]
+    #[schema(minimum = 1, maximum = 1000000)]
+    pub max_examples: i64,
+}
+
+/// `privacy.weighting.by`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightBy {
+    Examples,
+}
+
+impl WeightingSpec {
+    /// The policy's weighting (a validated spec's `max_examples` is in range).
+    pub fn policy(&self) -> Weighting {
+        Weighting {
+            max_examples: u32::try_from(self.max_examples).unwrap_or(1),
+        }
+    }
 }
 
 /// `privacy.health`.
@@ -262,6 +298,15 @@ pub(super) fn validate(
             ),
         }),
         health: None,
+        weighting: given.weighting.map(|w| WeightingSpec {
+            by: w.by,
+            max_examples: i64::from(p.int(
+                "privacy.weighting.max_examples",
+                w.max_examples,
+                1,
+                i64::from(MAX_WEIGHTING_EXAMPLES),
+            )),
+        }),
     };
     // After the rest: the default noise depends on the validated separation.
     validated.health = given.health.map(|h| HealthSpec {

@@ -433,3 +433,32 @@ fn the_default_health_noise_is_sized_for_the_counts_the_enclave_charges() {
         assert_eq!(spec.dp_mechanism().health.unwrap().stddev, expected);
     }
 }
+
+/// `privacy.weighting` names example-weighted averaging in the policy's mechanism (so devices
+/// bind it and send their count); its cap is checked like every field.
+#[test]
+fn weighting_by_examples_is_named_in_the_policy_and_its_cap_is_checked() {
+    let privacy = |weighting: serde_json::Value| json!({"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0, "weighting": weighting});
+    let spec = request(json!({"privacy": privacy(json!({"by": "examples", "max_examples": 64}))}))
+        .validate()
+        .unwrap();
+    assert_eq!(
+        spec.dp_mechanism().weighting,
+        Some(confed_protocol::policy::Weighting { max_examples: 64 })
+    );
+    assert!(
+        spec.dp_mechanism()
+            .encode()
+            .ends_with(";weighting=examples,64"),
+        "{}",
+        spec.dp_mechanism().encode()
+    );
+    for bad in [0, 1_000_001] {
+        let names = invalid_names(json!({
+            "privacy": privacy(json!({"by": "examples", "max_examples": bad}))
+        }));
+        assert_eq!(names, ["privacy.weighting.max_examples"], "{bad}");
+    }
+    let unweighted = request(json!({})).validate().unwrap();
+    assert_eq!(unweighted.dp_mechanism().weighting, None);
+}

@@ -448,11 +448,19 @@ fn trainer(
                 (Err(e), false) => Err(e.clone()),
             });
             let update = base.and_then(|base| train_softmax(base, &policy, &data.train, cancel));
-            Trained { update, metrics }
+            // What a weighting policy weighs the update by (ignored otherwise).
+            let examples = Some(data.train.len() as f64);
+            Trained {
+                update,
+                metrics,
+                examples,
+            }
         }
         (None, random) => Trained {
             update: random.unwrap_or_else(|| Err("no update".into())),
             metrics: evaluation.map(|_| Ok([0.0; 3])),
+            // A random update stands for one example.
+            examples: Some(1.0),
         },
     }
 }

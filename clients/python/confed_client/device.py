@@ -26,11 +26,13 @@ from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from . import envelope, tokens
 from .errors import ConfedError
-from .policy import (EVALUATION_TENSOR, HEALTH_TENSOR, PolicyError, check_policy, evaluates,
-                     parse_policy, policy_sha256)
+from .policy import (EVALUATION_TENSOR, EXAMPLES_TENSOR, HEALTH_TENSOR, PolicyError,
+                     check_policy, evaluates, parse_policy, policy_sha256)
 from .tensors import as_arrays, from_safetensors, to_safetensors, to_torch
 
-Train = Callable[[dict, dict], dict]
+#: `train(weights, plan)`: the update (new weights minus the given ones), or `(update,
+#: num_examples)` as Flower's clients return it (what a task that weighs by examples needs).
+Train = Callable[[dict, dict], "dict | tuple[dict, float]"]
 #: Called on the device when training or evaluation failed and a zero update (or zero metrics)
 #: was sent instead: `(assignment, problem)`. The server is never told (docs/privacy.md).
 OnProblem = Callable[[dict, "TrainingProblem"], None]
@@ -52,16 +54,17 @@ class DeviceError(ConfedError):
 class TrainingProblem:
     """What went wrong between accepting an assignment and sealing, kept on the device: `kind`
     is `training_failed`, `wrong_tensors` (a programming error: the train function's output is
-    not the model's tensors and shapes), `non_finite`, `evaluation_failed` or
-    `evaluation_non_finite`, or `late` (training had not finished at the send instant drawn
-    before it started); `detail` says more."""
+    not the model's tensors and shapes), `no_example_count` (a programming error: a task that
+    weighs updates by examples got no `(update, num_examples)` with a finite count >= 0),
+    `non_finite`, `evaluation_failed` or `evaluation_non_finite`, or `late` (training had not
+    finished at the send instant drawn before it started); `detail` says more."""
 
     kind: str
     detail: str
 
     @property
     def is_programming_error(self) -> bool:
-        return self.kind == "wrong_tensors"
+        return self.kind in ("wrong_tensors", "no_example_count")
 
 
 def _describe(error: BaseException) -> str:
@@ -88,15 +91,30 @@ def _well_formed_metrics(evaluate: Callable[[], object]
     return metrics, []
 
 
+def _example_count(examples, weighting: dict) -> float | None:
+    """A weighting task's count as sent: finite, >= 0, capped at max_examples; else None."""
+    try:
+        count = float(examples)
+    except (TypeError, ValueError):
+        return None
+    if not np.isfinite(count) or count < 0:
+        return None
+    return min(count, float(weighting["max_examples"]))
+
+
 def well_formed_update(model: dict[str, np.ndarray], train: Callable[[], dict],
-                       evaluate: Callable[[], object] | None = None, health: bool = False
+                       evaluate: Callable[[], object] | None = None, health: bool = False,
+                       weighting: dict | None = None
                        ) -> tuple[dict[str, np.ndarray], list[TrainingProblem]]:
     """The update a device seals, whatever `train()` and `evaluate()` do: the model's exact
     tensors and shapes as finite F32 (zeros where training raised, gave the wrong tensors or a
     NaN/infinity) and, when `evaluate` is given (an evaluation round: it runs first, on the
     model before training), the metrics tensor (zeros where evaluation raised or was not three
     finite numbers); with `health` (a policy naming it) the health flag, 1.0 exactly when the
-    model's values were replaced by zeros; and the problems, for the device's own log. Nothing
+    model's values were replaced by zeros; with `weighting` (a policy naming it) the example
+    count: `train()` returns `(update, num_examples)` (a plain update, or a count that is not a
+    finite number >= 0, is a programming error: zeros are sent), sent capped at the policy's
+    `max_examples`, 0.0 with zeros; and the problems, for the device's own log. Nothing
     of the server's view
     then depends on the device's data but the values the enclave clips and noises
     (docs/privacy.md, "What leaves a device")."""
@@ -105,11 +123,17 @@ def well_formed_update(model: dict[str, np.ndarray], train: Callable[[], dict],
     if evaluate is not None:
         metrics, problems = _well_formed_metrics(evaluate)
     zeros = {name: np.zeros(array.shape, np.float32) for name, array in model.items()}
+    examples = None
     try:
-        trained = as_arrays(train())
+        result = train()
+        # Flower's shape: (update, num_examples); the count matters under weighting only.
+        if isinstance(result, tuple) and len(result) == 2:
+            result, examples = result
+        trained = as_arrays(result)
     except Exception as error:  # noqa: BLE001 - any failure of the partner's code is the same
         problems.append(TrainingProblem("training_failed", _describe(error)))
         trained = None
+    count = _example_count(examples, weighting) if weighting is not None else None
     update = zeros
     zeroed = True
     if trained is None:
@@ -121,6 +145,10 @@ def well_formed_update(model: dict[str, np.ndarray], train: Callable[[], dict],
             f"{sorted((k, tuple(v.shape)) for k, v in model.items())}"))
     elif bad := sorted(k for k in model if not np.isfinite(trained[k]).all()):
         problems.append(TrainingProblem("non_finite", f"tensors {bad}"))
+    elif weighting is not None and count is None:
+        problems.append(TrainingProblem(
+            "no_example_count", "the task weighs updates by examples: train must return "
+            f"(update, num_examples) with a finite count >= 0, got {examples!r}"))
     else:
         update = {k: trained[k] for k in model}
         zeroed = False
@@ -130,6 +158,9 @@ def well_formed_update(model: dict[str, np.ndarray], train: Callable[[], dict],
     if health:
         update = dict(update)
         update[HEALTH_TENSOR] = np.array([1.0 if zeroed else 0.0], np.float32)
+    if weighting is not None:
+        update = dict(update)
+        update[EXAMPLES_TENSOR] = np.array([0.0 if zeroed else count], np.float32)
     return update, problems
 
 
@@ -624,15 +655,17 @@ class Device:
             time.sleep(max(0.0, ms / 1000 - time.time()))
 
         health = policy.get("health") is not None
+        weighting = policy.get("weighting")
         zeros, _ = well_formed_update(model, _late, (lambda: (0.0, 0.0, 0.0))
-                                      if evaluated else None, health)
+                                      if evaluated else None, health, weighting)
         zeros = to_safetensors(zeros)
         done: dict = {}
         finished = threading.Event()
 
         def work() -> None:
             try:
-                update, problems = well_formed_update(model, trained, evaluated, health)
+                update, problems = well_formed_update(model, trained, evaluated, health,
+                                                      weighting)
                 done["result"] = (to_safetensors(update), problems)
             finally:
                 finished.set()

@@ -84,6 +84,7 @@ def parse_policy(raw: bytes | str) -> dict:
     fields["adaptive_clipping"] = adaptive_clipping(fields["mechanism"])
     fields["evaluation"] = evaluation(fields["mechanism"])
     fields["health"] = health(fields["mechanism"])
+    fields["weighting"] = weighting(fields["mechanism"])
     plan = json.loads(fields["plan"])
     if not isinstance(plan, dict):
         raise PolicyError("plan is not a JSON object")
@@ -141,7 +142,8 @@ _NOISE = re.compile(r"(?P<noise>discrete_gaussian_on_grid"
                     r"(;adaptive_clipping=(?P<a1>[^,;]+),(?P<a2>[^,;]+),(?P<a3>[^,;]+))?"
                     r"(;evaluation=(?P<e1>0|[1-9][0-9]*),(?P<e2>[^,;]+),(?P<e3>0|[1-9][0-9]*),"
                     r"(?P<e4>[^,;]+),(?P<e5>0|[1-9][0-9]*))?"
-                    r"(;health=(?P<h1>[^,;]+))?\Z")
+                    r"(;health=(?P<h1>[^,;]+))?"
+                    r"(;weighting=examples,(?P<w1>[1-9][0-9]{0,6}))?\Z")
 
 #: The tensor a device adds to its update in an evaluation round: float32 [3],
 #: [loss_sum, correct, examples] of the model it downloaded on its own held-out examples.
@@ -149,6 +151,10 @@ EVALUATION_TENSOR = "confed.evaluation"
 #: The tensor every update carries under a policy that names `health`: float32 [1], 1.0 when
 #: the device sent zeros in place of its trained update, else 0.0 (docs/protocol.md, "Health").
 HEALTH_TENSOR = "confed.health"
+#: The tensor every update carries under a policy that names `weighting`: float32 [1], the
+#: examples the update trained on, capped at the policy's max_examples, 0.0 with zeros sent
+#: (docs/protocol.md, "Weighting").
+EXAMPLES_TENSOR = "confed.examples"
 
 
 def _mechanism(mechanism: str) -> re.Match:
@@ -238,6 +244,17 @@ def health(mechanism: str) -> dict | None:
     if not 1 <= stddev <= 1e6:
         raise PolicyError(f"health out of range in {mechanism!r}")
     return {"stddev": stddev}
+
+
+def weighting(mechanism: str) -> dict | None:
+    """The example weighting a mechanism names (`max_examples`, in 1..=1000000), or None."""
+    found = _mechanism(mechanism)
+    if not found.group("w1"):
+        return None
+    max_examples = int(found.group("w1"))
+    if not 1 <= max_examples <= 1_000_000:
+        raise PolicyError(f"weighting out of range in {mechanism!r}")
+    return {"max_examples": max_examples}
 
 
 def evaluates(policy: dict, round_: int) -> bool:

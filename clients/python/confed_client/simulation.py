@@ -6,11 +6,13 @@ as from a real population: a device sampled for a round contributes to that roun
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -49,9 +51,12 @@ class RoundResult:
 def _until_contributed(device: Device, train: Train, round_: int, stop: threading.Event,
                        max_wait: float) -> bool:
     """Runs one device sampled for round `round_` until it contributes to it or `stop` is set
-    (the round ended); a device told to wait waits at most `max_wait` seconds at a time. An
-    assignment to another round (the next one opened before `stop` was seen) is declined: the
-    device was not sampled for it."""
+    (the round ended); a device told to wait waits at most `max_wait` seconds at a time, and
+    stops waiting when the round ends. An assignment to another round (the next one opened
+    before `stop` was seen) is declined: the device was not sampled for it."""
+    # Its waits end with the round (a real device would sleep on; a simulated one is free to
+    # take part in the next round as soon as this one is over).
+    device.sleep = stop.wait
     while not stop.is_set():
         try:
             if device.run_once(train, max_wait=max_wait, only_round=round_) == "contributed":
@@ -109,11 +114,38 @@ def _await_round(partner: Partner, task_id: str, round_: int, devices: list[Devi
         time.sleep(0.2)
 
 
+def _run_round(partner: Partner, task_id: str, round_: int, devices: list[Device],
+               trains: list[Train], busy: dict, pool: ThreadPoolExecutor,
+               sampler: random.Random, max_wait: float,
+               timeout: float) -> dict[str, np.ndarray] | None:
+    """Runs round `round_` with the available devices (not in `busy`) in a random order;
+    returns its model version as `_await_round` does. Once it has one, the round's devices are
+    told to stop; those still finishing a call stay in `busy`, and are not sampled again until
+    they are done (a real population's busy devices do not check in either)."""
+    stop = threading.Event()
+    order = [i for i in range(len(devices)) if i not in busy]
+    sampler.shuffle(order)
+    running = {i: pool.submit(_until_contributed, devices[i], trains[i], round_, stop,
+                              max_wait)
+               for i in order}
+    try:
+        return _await_round(partner, task_id, round_, devices, list(running.values()),
+                            timeout)
+    finally:
+        stop.set()
+        for index, future in running.items():
+            # Those not started yet were not sampled; the others finish their call in the
+            # background.
+            if not future.cancel():
+                busy[index] = future
+
+
 def run_simulation(partner: Partner, task_id: str, trust: Trust,
                    client_fn: Callable[[int], Train], num_devices: int,
                    evaluate_fn: Callable[[dict[str, np.ndarray]], dict] | None = None,
                    client_evaluate_fn: Callable[[int], Evaluate] | None = None,
-                   concurrency: int = 8, max_wait: float = 1.0, progress: bool = True,
+                   concurrency: int | None = None, max_wait: float = 1.0,
+                   progress: bool = True,
                    round_timeout: float = 600.0, state_dir: str | None = None,
                    attestation_fn: Callable[[int], object] | None = None,
                    seed: int | None = None,
@@ -131,14 +163,16 @@ def run_simulation(partner: Partner, task_id: str, trust: Trust,
     - `client_evaluate_fn(i)` (optional) returns device i's `evaluate(model) -> (loss_sum,
       correct, examples)` over its own held-out data, for tasks with federated evaluation (read
       the released metrics with `Partner.evaluations`);
-    - every round, the devices check in in a random order (`seed` makes it repeatable), at most
-      `concurrency` at a time, each until it has contributed or the round has ended (the report
-      goal reached by others): the round's participants are a random sample, a different one
-      every round, and a device sampled for a round declines an assignment to the next; a
-      device told to wait waits at most `max_wait` seconds;
+    - every round, the devices available (not still busy with the round before) check in in a
+      random order (`seed` makes it repeatable), at most `concurrency` at a time (default: as
+      many as a round assigns, `report_goal` plus over-selection), each until it has
+      contributed or the round has ended (the report goal reached by others): the round's
+      participants are a random sample, a different one every round, and a device sampled for
+      a round declines an assignment to the next; a device told to wait waits at most
+      `max_wait` seconds, and no longer than its round lasts;
     - `state_dir` (optional): device i keeps what it served in `state_dir/device-<i>.json`, so
       a simulation run again with the same directory has devices that remember (without it
-      they keep it in memory, with a warning);
+      they keep it in memory, as long as the simulation runs);
     - `attestation_fn(i)` (optional) returns device i's attestation (e.g. `DevAttestation()`),
       for tasks that require device tokens of an issuer listed in `trust.token_issuers`: one
       per device, since an issuer grants each attested device its own allowance;
@@ -148,51 +182,53 @@ def run_simulation(partner: Partner, task_id: str, trust: Trust,
     population = task["population"]
     if state_dir is not None:
         os.makedirs(state_dir, exist_ok=True)
-    devices = [Device(partner.server, population, trust,
-                      evaluate=client_evaluate_fn(i) if client_evaluate_fn else None,
-                      attestation=attestation_fn(i) if attestation_fn else None,
-                      state_file=(os.path.join(state_dir, f"device-{i}.json")
-                                  if state_dir is not None else None),
-                      **device_options)
-               for i in range(num_devices)]
+    with warnings.catch_warnings():
+        # Simulated devices live as long as the simulation: keeping what they served in memory
+        # is what they need, not something to warn about on every run.
+        warnings.filterwarnings("ignore", message="this confed Device keeps", category=UserWarning)
+        devices = [Device(partner.server, population, trust,
+                          evaluate=client_evaluate_fn(i) if client_evaluate_fn else None,
+                          attestation=attestation_fn(i) if attestation_fn else None,
+                          state_file=(os.path.join(state_dir, f"device-{i}.json")
+                                      if state_dir is not None else None),
+                          **device_options)
+                   for i in range(num_devices)]
     trains = [client_fn(i) for i in range(num_devices)]
     history: list[RoundResult] = []
     from tqdm.auto import tqdm
 
+    if concurrency is None:
+        concurrency = math.ceil(task["report_goal"] * (1 + task.get("over_selection", 0.3)))
     sampler = random.Random(seed)
+    # Devices still finishing an earlier round's call (index -> future): not available.
+    busy: dict[int, Future] = {}
     with tqdm(total=task["rounds"], unit="round", disable=not progress,
-              desc=f"task {task_id[:8]}") as bar, ThreadPoolExecutor(concurrency) as pool:
-        # One result per round, in order, whatever rounds completed in between: a round counts
-        # once its model version exists, read by its number, never skipped.
-        while len(history) < task["rounds"]:
-            round_ = len(history) + 1
-            stop = threading.Event()
-            order = list(range(num_devices))
-            sampler.shuffle(order)
-            running = [pool.submit(_until_contributed, devices[i], trains[i], round_, stop,
-                                   max_wait)
-                       for i in order]
-            try:
-                model = _await_round(partner, task_id, round_, devices, running, round_timeout)
-            finally:
-                stop.set()
-                for future in running:
-                    future.cancel()  # those not started yet: they were not sampled
-                wait(running)
-            for future in running:
-                if not future.cancelled():
-                    future.result()
-            if model is None:
-                break
-            release = next(r for r in partner.releases(task_id) if r["round"] == round_)
-            result = RoundResult(round_, release["included"], release["excluded"],
-                                 release["epsilon_spent"],
-                                 evaluate_fn(model) if evaluate_fn else {})
-            history.append(result)
-            bar.update(1)
-            bar.set_postfix_str(f"epsilon {result.epsilon_spent:.2f}"
-                                + "".join(f", {k} {v:.3g}" for k, v in result.metrics.items()
-                                          if isinstance(v, (int, float))))
+              desc=f"task {task_id[:8]}") as bar, \
+            ThreadPoolExecutor(min(concurrency, num_devices)) as pool:
+        try:
+            # One result per round, in order, whatever rounds completed in between: a round
+            # counts once its model version exists, read by its number, never skipped.
+            while len(history) < task["rounds"]:
+                round_ = len(history) + 1
+                for index in [i for i, future in busy.items() if future.done()]:
+                    busy.pop(index).result()  # a device's own error surfaces here
+                model = _run_round(partner, task_id, round_, devices, trains, busy, pool,
+                                   sampler, max_wait, round_timeout)
+                if model is None:
+                    break
+                release = next(r for r in partner.releases(task_id) if r["round"] == round_)
+                result = RoundResult(round_, release["included"], release["excluded"],
+                                     release["epsilon_spent"],
+                                     evaluate_fn(model) if evaluate_fn else {})
+                history.append(result)
+                bar.update(1)
+                bar.set_postfix_str(f"epsilon {result.epsilon_spent:.2f}" + "".join(
+                    f", {k} {v:.3g}" for k, v in result.metrics.items()
+                    if isinstance(v, (int, float))))
+        finally:
+            wait(list(busy.values()))
+        for future in busy.values():
+            future.result()
         task = partner.task(task_id)
     if task["state"] != "COMPLETED":
         raise TaskEnded(task)

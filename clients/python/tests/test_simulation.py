@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pathlib
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -51,8 +52,13 @@ def test_100_devices_30_rounds_of_20_train_at_least_90_distinct_devices(own_serv
     partner = Partner(server["url"], server["token"])
     task = partner.create_task(spec("python-sim-sample", 30, 20), {"w": np.zeros(4, np.float32)})
     trained, lock = [], threading.Lock()
-    history = run_simulation(partner, task, Trust.load(server["trust"]),
-                             recording(trained, lock), num_devices=100, progress=False, seed=7)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        history = run_simulation(partner, task, Trust.load(server["trust"]),
+                                 recording(trained, lock), num_devices=100, progress=False,
+                                 seed=7)
+    # Simulated devices live as long as the simulation: no warning about in-memory state.
+    assert not [w for w in warned if "in memory only" in str(w.message)]
     assert [r.round for r in history] == list(range(1, 31))
     assert all(r.included == 20 for r in history), [r.included for r in history]
     assert len(set(trained)) >= 90, f"{len(set(trained))} distinct devices trained"

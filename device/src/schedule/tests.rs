@@ -25,6 +25,7 @@ fn trained() -> Trained {
     Trained {
         update: Ok(f32_tensor("w", &[0.25, -0.5, 1.0])),
         metrics: Some(Ok([1.5, 2.0, 3.0])),
+        examples: None,
     }
 }
 
@@ -129,10 +130,12 @@ async fn failing_non_finite_or_panicking_training_sends_zeros_at_the_drawn_insta
         ("failing", |_| Trained {
             update: Err("too few examples".into()),
             metrics: None,
+            examples: None,
         }),
         ("non-finite", |_| Trained {
             update: Ok(f32_tensor("w", &[f32::NAN, 0.0, 0.0])),
             metrics: None,
+            examples: None,
         }),
         ("panicking", |_| panic!("the trainer panicked on purpose")),
     ];

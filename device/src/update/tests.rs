@@ -217,3 +217,84 @@ fn a_model_that_cannot_be_trained_from_is_refused_before_training() {
         Err(ModelShapeError::NotF32("w".into()))
     );
 }
+
+#[test]
+fn a_weighing_update_always_carries_its_example_count_capped_and_zero_with_zeros() {
+    use confed_protocol::policy::{EXAMPLES_TENSOR, Weighting};
+    let shape = UpdateShape::of_model(&model())
+        .unwrap()
+        .weighing(Some(Weighting { max_examples: 50 }));
+    assert!(shape.weighs());
+    let good = encode(&[("b", vec![2], &[0.1, 0.2]), ("w", vec![2, 2], &[1.; 4])]);
+    let count = |update: &WellFormedUpdate| {
+        values_of(update)
+            .into_iter()
+            .find(|(name, _, _)| name == EXAMPLES_TENSOR)
+            .map(|(_, shape, v)| (shape, v))
+    };
+    let model_values = |update: &WellFormedUpdate| {
+        values_of(update)
+            .into_iter()
+            .filter(|(name, _, _)| name != EXAMPLES_TENSOR)
+            .collect::<Vec<_>>()
+    };
+    let cases: [(&str, WellFormedUpdate, f32, bool); 6] = [
+        (
+            "counted",
+            shape.well_formed_weighed(Ok(good.clone()), None, Some(12.0)),
+            12.0,
+            false,
+        ),
+        (
+            "above the cap",
+            shape.well_formed_weighed(Ok(good.clone()), None, Some(1e9)),
+            50.0,
+            false,
+        ),
+        (
+            "failed",
+            shape.well_formed_weighed(Err("raised".into()), None, Some(12.0)),
+            0.0,
+            true,
+        ),
+        (
+            "no count",
+            shape.well_formed_weighed(Ok(good.clone()), None, None),
+            0.0,
+            true,
+        ),
+        (
+            "negative",
+            shape.well_formed_weighed(Ok(good.clone()), None, Some(-1.0)),
+            0.0,
+            true,
+        ),
+        (
+            "NaN",
+            shape.well_formed_weighed(Ok(good.clone()), None, Some(f64::NAN)),
+            0.0,
+            true,
+        ),
+    ];
+    let length = cases[0].1.bytes().len();
+    for (case, update, expected, zeroed) in &cases {
+        assert_eq!(count(update), Some((vec![1], vec![*expected])), "{case}");
+        assert_eq!(update.bytes().len(), length, "{case}");
+        assert_eq!(
+            model_values(update) == zeros_of_the_model(),
+            *zeroed,
+            "{case}"
+        );
+    }
+    assert!(matches!(
+        cases[3].1.problems(),
+        [TrainingProblem::NoExampleCount(_)]
+    ));
+    assert!(cases[3].1.problems()[0].is_programming_error());
+    // Without a weighting policy there is no count, whatever the training code gave.
+    let plain = UpdateShape::of_model(&model()).unwrap();
+    assert_eq!(
+        count(&plain.well_formed_weighed(Ok(good), None, Some(3.0))),
+        None
+    );
+}

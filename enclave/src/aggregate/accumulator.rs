@@ -76,12 +76,30 @@ impl Accumulator {
         clip_norm: f64,
         start: usize,
     ) -> Result<bool, NonFinite> {
+        self.add_weighted(update, clip_norm, 1.0, start)
+    }
+
+    /// `add_clipped` for an update weighed by `weight` in [0, 1] (example-weighted averaging):
+    /// the clipped update times `weight` is what is rounded to the grid, so the exact integer
+    /// check still bounds what stays in the sum by `GRID_UNITS_PER_CLIP`. Whether the update was
+    /// within the clip norm is judged before weighing (adaptive clipping counts norms).
+    pub fn add_weighted(
+        &self,
+        update: &Update<'_>,
+        clip_norm: f64,
+        weight: f64,
+        start: usize,
+    ) -> Result<bool, NonFinite> {
+        debug_assert!((0.0..=1.0).contains(&weight));
         let norm_squared = float_norm_squared(update);
         if !norm_squared.is_finite() {
             return Err(NonFinite);
         }
         let within = norm_squared.sqrt() <= clip_norm;
-        let mut factor = self.clip_factor(norm_squared.sqrt(), clip_norm);
+        if weight == 0.0 {
+            return Ok(within);
+        }
+        let mut factor = self.clip_factor(norm_squared.sqrt(), clip_norm) * weight;
         for _ in 0..5 {
             let units = grid::units_per_value(clip_norm, factor);
             let (squares, _) = self.apply::<false>(update, units, start);
@@ -125,8 +143,22 @@ impl Accumulator {
         source: &R,
         clip_norm: f64,
     ) -> Result<bool, StreamError<R::Error>> {
+        self.add_weighted_stream(source, clip_norm, || 1.0)
+    }
+
+    /// `add_clipped_stream` weighed like `add_weighted`, where the weight is known only once
+    /// the update has been read (`weight` is asked after the first pass: a streamed update's
+    /// example count passes with its chunks). An update of weight below 1 is added at full
+    /// scale, undone and added again weighed: one more pass than a uniform round's.
+    pub fn add_weighted_stream<R: Replay>(
+        &self,
+        source: &R,
+        clip_norm: f64,
+        weight: impl Fn() -> f64,
+    ) -> Result<bool, StreamError<R::Error>> {
         self.clip(
             clip_norm,
+            weight,
             |units| self.apply_stream::<false, R>(source, units),
             |units| self.undo_stream(source, units),
         )
@@ -141,6 +173,7 @@ impl Accumulator {
     fn clip<E>(
         &self,
         clip_norm: f64,
+        weight: impl Fn() -> f64,
         add: impl Fn(f64) -> (f64, f64, Result<(), E>),
         undo: impl Fn(f64),
     ) -> Result<bool, StreamError<E>> {
@@ -155,11 +188,16 @@ impl Accumulator {
             return Err(StreamError::NonFinite);
         }
         let within = norm_squared.sqrt() <= clip_norm;
-        if squares <= SENSITIVITY_SQUARED {
+        let weight = weight();
+        debug_assert!((0.0..=1.0).contains(&weight));
+        if weight == 1.0 && squares <= SENSITIVITY_SQUARED {
             return Ok(within);
         }
         undo(full);
-        let mut factor = self.clip_factor(norm_squared.sqrt(), clip_norm);
+        if weight == 0.0 {
+            return Ok(within);
+        }
+        let mut factor = self.clip_factor(norm_squared.sqrt(), clip_norm) * weight;
         let margin = self.rounding_margin();
         for _ in 0..4 {
             let units = grid::units_per_value(clip_norm, factor);

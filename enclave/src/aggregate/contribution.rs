@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use crate::envelope::{self, EnvelopeRef, RoundContext};
 use crate::hpke_awslc::Recipient;
-use crate::policy::{EVALUATION_TENSOR, HEALTH_TENSOR};
+use crate::policy::{EVALUATION_TENSOR, EXAMPLES_TENSOR, HEALTH_TENSOR};
 use confed_worker_api::model::ModelSchema;
 
 /// Why a contribution was left out of the sum.
@@ -128,6 +128,8 @@ pub struct Sides {
     pub evaluating: bool,
     /// The policy names `health`: every update carries `HEALTH_TENSOR` (F32 `[1]`).
     pub health: bool,
+    /// The policy names `weighting`: every update carries `EXAMPLES_TENSOR` (F32 `[1]`).
+    pub weighting: bool,
 }
 
 /// An update's model tensors (schema order) and the side tensors it carries.
@@ -135,6 +137,7 @@ pub struct Tensors<'a> {
     pub model: Vec<&'a [u8]>,
     pub metrics: Option<&'a [u8]>,
     pub health: Option<&'a [u8]>,
+    pub examples: Option<&'a [u8]>,
 }
 
 /// One side tensor of `parsed`, if present: F32 of `shape`, else refused.
@@ -160,7 +163,8 @@ fn side<'a>(
 /// evaluation round the device's evaluation tensor, if it sent one (`EVALUATION_TENSOR`, F32
 /// `[3]`): a device may leave it out (it then adds nothing to the metrics), but an evaluation
 /// tensor in any other round is refused as `WrongTensors`. Under a health policy the health
-/// tensor (`HEALTH_TENSOR`, F32 `[1]`) is required, always, and refused otherwise. Non-finite
+/// tensor (`HEALTH_TENSOR`, F32 `[1]`) is required, always, and refused otherwise; so is the
+/// example count (`EXAMPLES_TENSOR`, F32 `[1]`) under a weighting policy. Non-finite
 /// values are found while summing (one pass), and make the update a zero update, not an
 /// exclusion.
 pub fn tensors<'a>(
@@ -172,10 +176,15 @@ pub fn tensors<'a>(
     let expected = schema.tensors().len();
     let metrics = side(&parsed, EVALUATION_TENSOR, &[3])?;
     let health = side(&parsed, HEALTH_TENSOR, &[1])?;
-    if (metrics.is_some() && !sides.evaluating) || health.is_some() != sides.health {
+    let examples = side(&parsed, EXAMPLES_TENSOR, &[1])?;
+    if (metrics.is_some() && !sides.evaluating)
+        || health.is_some() != sides.health
+        || examples.is_some() != sides.weighting
+    {
         return Err(Exclusion::WrongTensors);
     }
-    if parsed.len() != expected + usize::from(metrics.is_some()) + usize::from(health.is_some()) {
+    let sides_sent = [metrics, health, examples].iter().flatten().count();
+    if parsed.len() != expected + sides_sent {
         return Err(Exclusion::WrongTensors);
     }
     let mut data = Vec::with_capacity(expected);
@@ -195,5 +204,6 @@ pub fn tensors<'a>(
         model: data,
         metrics,
         health,
+        examples,
     })
 }

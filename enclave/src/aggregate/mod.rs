@@ -30,7 +30,7 @@ use crate::dp::{self, DiscreteGaussian, DpError, grid};
 use crate::envelope::EnvelopeRef;
 use crate::hpke::PrivateKey;
 use crate::hpke_awslc::Recipient;
-use crate::policy::{AdaptiveClipping, Evaluation, Health, Mechanism};
+use crate::policy::{AdaptiveClipping, Evaluation, Health, Mechanism, Weighting};
 use accumulator::{Accumulator, StreamError};
 pub(crate) use confed_protocol::hex::encode as hex;
 use confed_worker_api::model::{ModelError, ModelSchema, encode_f32_tensors};
@@ -103,6 +103,8 @@ pub struct Aggregator {
     evaluation: Option<(Evaluation, evaluation::Sums)>,
     /// The health signal's parameters and its count (`watching_health`).
     health: Option<health::Watch>,
+    /// Example-weighted averaging's cap (`weighing`): each update is added times its weight.
+    weighting: Option<Weighting>,
     buffers: Mutex<Vec<Zeroizing<Vec<u8>>>>,
     /// Updates of at least this many bytes of values are streamed (`stream.rs`).
     stream_above: usize,
@@ -150,6 +152,7 @@ impl Aggregator {
             unclipped: AtomicU64::new(0),
             evaluation: None,
             health: None,
+            weighting: None,
             buffers: Mutex::default(),
             stream_above: STREAM_ABOVE_BYTES,
             device_auth: None,
@@ -172,11 +175,31 @@ impl Aggregator {
         self
     }
 
+    /// Weighs each update by its example count (`weighting`, the policy's): every update must
+    /// then carry the count, and without it none may.
+    pub fn weighing(mut self, weighting: Option<Weighting>) -> Self {
+        self.weighting = weighting;
+        self
+    }
+
     /// The side tensors this round's updates carry.
     fn sides(&self) -> Sides {
         Sides {
             evaluating: self.evaluation.is_some(),
             health: self.health.is_some(),
+            weighting: self.weighting.is_some(),
+        }
+    }
+
+    /// The weight of an update whose example count tensor holds `examples` (1 without
+    /// weighting; a count that is missing or not 4 bytes weighs 0, though the layout checks
+    /// refuse such an update before).
+    fn weight(&self, examples: Option<&[u8]>) -> f64 {
+        match self.weighting {
+            None => 1.0,
+            Some(weighting) => examples
+                .and_then(|bytes| <[u8; 4]>::try_from(bytes).ok())
+                .map_or(0.0, |bytes| weighting.weight(f32::from_le_bytes(bytes))),
         }
     }
 
@@ -257,7 +280,11 @@ impl Aggregator {
             )
         {
             // (within the clip norm, summed as zeros because not finite)
-            let added = match self.sum.add_clipped_stream(&update, self.clip_norm) {
+            let weight = || self.weight(update.examples().as_ref().map(|b| &b[..]));
+            let added = match self
+                .sum
+                .add_weighted_stream(&update, self.clip_norm, weight)
+            {
                 Ok(within) => Some((within, false)),
                 Err(StreamError::NonFinite) => Some((ZERO_UPDATE_IS_WITHIN, true)),
                 Err(StreamError::Source(StreamProblem::Excluded(why))) => return Err(why),
@@ -281,7 +308,10 @@ impl Aggregator {
         )?;
         let tensors = contribution::tensors(&self.schema, plaintext, self.sides())?;
         let start = self.next_start.fetch_add(1, Ordering::Relaxed);
-        let added = self.sum.add_clipped(&tensors.model, self.clip_norm, start);
+        let weight = self.weight(tensors.examples);
+        let added = self
+            .sum
+            .add_weighted(&tensors.model, self.clip_norm, weight, start);
         self.count_unclipped(added.unwrap_or(ZERO_UPDATE_IS_WITHIN));
         // Only after the update is in: a contribution is in every sum or in none.
         if let Some(bytes) = tensors.metrics {
@@ -364,6 +394,12 @@ impl Aggregator {
             return Err(AggregateError::Unsupported(format!(
                 "the aggregator counted the health signal as {counted:?}, but the policy names {:?}",
                 privacy.health
+            )));
+        }
+        if privacy.weighting != self.weighting {
+            return Err(AggregateError::Unsupported(format!(
+                "the aggregator weighed updates as {:?}, but the policy names {:?}",
+                self.weighting, privacy.weighting
             )));
         }
         let included_digest = digest(&outcome.included);
@@ -649,3 +685,5 @@ mod health_tests;
 mod partition_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod weighting_tests;

@@ -5,7 +5,7 @@
 use super::inputs;
 use crate::dp::{self, DiscreteGaussian, DpError};
 use crate::policy::TaskPolicy;
-use crate::policy::{AdaptiveClipping, DpMechanism, Evaluation, Health, Mechanism};
+use crate::policy::{AdaptiveClipping, DpMechanism, Evaluation, Health, Mechanism, Weighting};
 
 /// The privacy parameters of the task, as the enclave applies them: taken from the task policy
 /// the contributions are bound to, never from anywhere else.
@@ -26,6 +26,9 @@ pub struct PrivacyParams {
     pub on_demand: bool,
     /// The health signal's parameters: every update carries the flag, the count is released.
     pub health: Option<Health>,
+    /// Example-weighted averaging: every update carries its example count, and the sum adds each
+    /// clipped update times its weight in [0, 1] (the sensitivity is unchanged).
+    pub weighting: Option<Weighting>,
 }
 
 impl PrivacyParams {
@@ -50,6 +53,7 @@ impl PrivacyParams {
             adaptive_clipping,
             evaluation,
             health,
+            weighting,
         } = policy.dp_mechanism()?;
         let limits = crate::policy::PolicyError::Limits;
         let clip_norm = match (adaptive_clipping, round_clip_norm) {
@@ -84,6 +88,7 @@ impl PrivacyParams {
                 adaptive_clipping,
                 evaluation,
                 health,
+                weighting,
             };
             let z = dp::calibrate_task(
                 &dp::OpenDp,
@@ -129,6 +134,7 @@ impl PrivacyParams {
             evaluation,
             on_demand,
             health,
+            weighting,
         })
     }
 
@@ -138,6 +144,7 @@ impl PrivacyParams {
             adaptive_clipping: self.adaptive,
             evaluation: self.evaluation,
             health: self.health,
+            weighting: self.weighting,
         }
     }
 

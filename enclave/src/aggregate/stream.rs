@@ -6,8 +6,9 @@
 //!
 //! The safetensors header must fit in the first chunk and the data must start at a multiple of 4
 //! bytes (the safetensors writer pads the header to 8); otherwise the update takes the buffered
-//! path. The side tensors (an evaluation round's metrics, 12 bytes; a health policy's flag, 4
-//! bytes) are copied aside as their chunk passes (`ChunkedUpdate::metrics`, `health`).
+//! path. The side tensors (an evaluation round's metrics, 12 bytes; a health policy's flag and a
+//! weighting policy's example count, 4 bytes each) are copied aside as their chunk passes
+//! (`ChunkedUpdate::metrics`, `health`, `examples`).
 
 use std::cell::{OnceCell, RefCell};
 
@@ -19,7 +20,7 @@ use super::contribution::{Exclusion, Sides};
 use super::health::FLAG_BYTES;
 use crate::envelope::{self, EnvelopeRef};
 use crate::hpke_awslc::Recipient;
-use crate::policy::{EVALUATION_TENSOR, HEALTH_TENSOR};
+use crate::policy::{EVALUATION_TENSOR, EXAMPLES_TENSOR, HEALTH_TENSOR};
 use confed_worker_api::model::ModelSchema;
 
 /// Where each tensor's data lies in the update and where its values go in the sum.
@@ -33,6 +34,8 @@ struct Layout {
     metrics: Option<(usize, usize)>,
     /// (begin, end) of the health tensor in the data region, if the update has one.
     health: Option<(usize, usize)>,
+    /// (begin, end) of the example count in the data region, if the update has one.
+    examples: Option<(usize, usize)>,
 }
 
 /// Why a chunked update is not streamed.
@@ -92,10 +95,15 @@ fn layout(schema: &ModelSchema, first: &[u8], sides: Sides) -> Result<Layout, St
         serde_json::from_slice(header).map_err(|_| not_tensors.clone())?;
     entries.remove("__metadata__");
     // The side tensors, not summed with the model: an evaluation round's metrics (F32 [3], 12
-    // bytes) if the device sent them, and under a health policy always the flag (F32 [1]).
+    // bytes) if the device sent them, under a health policy always the flag (F32 [1]) and under
+    // a weighting policy always the example count (F32 [1]).
     let metrics = side(&mut entries, EVALUATION_TENSOR, &[3], 12)?;
     let health = side(&mut entries, HEALTH_TENSOR, &[1], FLAG_BYTES)?;
-    if (metrics.is_some() && !sides.evaluating) || health.is_some() != sides.health {
+    let examples = side(&mut entries, EXAMPLES_TENSOR, &[1], FLAG_BYTES)?;
+    if (metrics.is_some() && !sides.evaluating)
+        || health.is_some() != sides.health
+        || examples.is_some() != sides.weighting
+    {
         return Err(StreamProblem::Excluded(Exclusion::WrongTensors));
     }
     if entries.len() != schema.tensors().len() {
@@ -127,6 +135,7 @@ fn layout(schema: &ModelSchema, first: &[u8], sides: Sides) -> Result<Layout, St
     let mut spans: Vec<(usize, usize)> = runs.iter().map(|&(b, e, _)| (b, e)).collect();
     spans.extend(metrics);
     spans.extend(health);
+    spans.extend(examples);
     spans.sort_unstable();
     let mut expected = 0;
     for &(begin, end) in &spans {
@@ -140,6 +149,7 @@ fn layout(schema: &ModelSchema, first: &[u8], sides: Sides) -> Result<Layout, St
         runs,
         metrics,
         health,
+        examples,
     })
 }
 
@@ -157,6 +167,8 @@ pub struct ChunkedUpdate<'a> {
     metrics: RefCell<[u8; 12]>,
     /// The health tensor's bytes, likewise.
     health: RefCell<[u8; FLAG_BYTES]>,
+    /// The example count's bytes, likewise.
+    examples: RefCell<[u8; FLAG_BYTES]>,
 }
 
 impl<'a> ChunkedUpdate<'a> {
@@ -184,6 +196,7 @@ impl<'a> ChunkedUpdate<'a> {
             layout: OnceCell::new(),
             metrics: RefCell::new([0; 12]),
             health: RefCell::new([0; FLAG_BYTES]),
+            examples: RefCell::new([0; FLAG_BYTES]),
         })
     }
 }
@@ -203,6 +216,15 @@ impl ChunkedUpdate<'_> {
     pub fn health(&self) -> Option<[u8; FLAG_BYTES]> {
         match self.layout.get() {
             Some(Ok(layout)) if layout.health.is_some() => Some(*self.health.borrow()),
+            _ => None,
+        }
+    }
+
+    /// The example count's bytes, once a replay has read the whole update (`None` if it has
+    /// none, or before).
+    pub fn examples(&self) -> Option<[u8; FLAG_BYTES]> {
+        match self.layout.get() {
+            Some(Ok(layout)) if layout.examples.is_some() => Some(*self.examples.borrow()),
             _ => None,
         }
     }
@@ -259,6 +281,7 @@ impl Replay for ChunkedUpdate<'_> {
                 };
                 aside(layout.metrics, &mut self.metrics.borrow_mut()[..]);
                 aside(layout.health, &mut self.health.borrow_mut()[..]);
+                aside(layout.examples, &mut self.examples.borrow_mut()[..]);
             },
         );
         if opened.is_err() {
@@ -278,6 +301,7 @@ impl Replay for ChunkedUpdate<'_> {
             .map(|r| r.1)
             .chain(layout.metrics.map(|m| m.1))
             .chain(layout.health.map(|h| h.1))
+            .chain(layout.examples.map(|e| e.1))
             .max()
             .unwrap_or(0);
         if position != layout.data_start + total {

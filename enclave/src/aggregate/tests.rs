@@ -103,6 +103,7 @@ pub(super) fn privacy() -> PrivacyParams {
         evaluation: None,
         on_demand: false,
         health: None,
+        weighting: None,
     }
 }
 
