@@ -74,7 +74,15 @@ async fn honest(http: &reqwest::Client, server: &Server, task: &str, seed: u64) 
             "--seed",
             &seed.to_string(),
         ])
-        .args(["--max-retry-wait-ms", "50", "--idle-limit", "1000"])
+        // Timed: no settling check after the last device (the bench reads the rounds itself).
+        .args([
+            "--max-retry-wait-ms",
+            "50",
+            "--idle-limit",
+            "1000",
+            "--settle-ms",
+            "0",
+        ])
         .env("RUST_LOG", "error")
         .output()
         .await

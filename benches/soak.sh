@@ -59,7 +59,7 @@ PY
     while true; do
         "$bin" devices simulate --server "$url" --population soak --devices 20000 \
             --concurrency 16 --trust "$trust" --no-train --seed "$seed" --forgetful \
-            --max-retry-wait-ms 50 --idle-limit 1000 >/dev/null 2>&1 || true
+            --max-retry-wait-ms 50 --idle-limit 1000 --settle-ms 0 >/dev/null 2>&1 || true
         seed=$((seed + 1))
     done
 ) &

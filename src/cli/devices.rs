@@ -9,18 +9,25 @@ use clap::Subcommand;
 #[derive(Subcommand)]
 pub enum DevicesCommand {
     /// Run N devices that check in, train on private non-IID shards of a synthetic data set, seal
-    /// their updates and upload them.
+    /// their updates and upload them. Exits non-zero when device operations failed, when no
+    /// device contributed, or when a round of the population still wants contributions after
+    /// every device has stopped (the task did not finish), and says why.
     Simulate {
         /// Base URL of `confed serve`.
         #[arg(long)]
         server: String,
+        /// The device population the devices check in to (a task's `population`).
         #[arg(long)]
         population: String,
+        /// Simulated devices, each with its own data shard, state file and device key.
         #[arg(long, default_value_t = 100)]
         devices: usize,
+        /// Devices running at once (the others wait their turn; a device runs until it has made
+        /// its contributions or has gone --idle-limit answers without work).
         #[arg(long, default_value_t = 16)]
         concurrency: usize,
-        /// Contributions per device before it stops.
+        /// Contributions per device before it stops (at most one a round: a device declines an
+        /// assignment to a round it already contributed to).
         #[arg(long, default_value_t = 1)]
         rounds: usize,
         /// Device trust configuration: {"threshold": T, "keyservices": [{"id", "verifying_key"}],
@@ -30,8 +37,11 @@ pub enum DevicesCommand {
         /// Send random updates of the model's shape instead of training (load generator).
         #[arg(long)]
         no_train: bool,
+        /// Seed of the synthetic data set and of the devices' draws (the same seed, the same
+        /// shards).
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Training examples in each device's shard (and half as many held out for evaluation).
         #[arg(long, default_value_t = 200)]
         rows_per_device: usize,
         /// Longest wait when told to retry, in milliseconds (real devices wait the whole window).
@@ -42,6 +52,15 @@ pub enum DevicesCommand {
         /// enough to span the aggregation between two rounds).
         #[arg(long, default_value_t = 50)]
         idle_limit: usize,
+        /// After the last device stops, how long a fresh device keeps checking in to see
+        /// whether a round still wants contributions (the next round opens only after the
+        /// previous one's aggregation): one that does makes the run fail, naming it. 0 skips
+        /// the check (a load generator that fills rounds of a longer task, or a benchmark that
+        /// times the run).
+        #[arg(long, default_value_t = 3000)]
+        settle_ms: u64,
+        /// The client version the devices report at check-in (a task's `client_version` range
+        /// must admit it).
         #[arg(long, default_value = "1.0.0")]
         client_version: String,
         /// Where each simulated device keeps the rounds it served and the evaluations it
@@ -112,6 +131,7 @@ pub async fn run(command: DevicesCommand) -> Result<()> {
             rows_per_device,
             max_retry_wait_ms,
             idle_limit,
+            settle_ms,
             client_version,
             state_dir,
             forgetful,
@@ -145,7 +165,7 @@ pub async fn run(command: DevicesCommand) -> Result<()> {
                     "confed devices simulate: --forgetful: the devices keep the rounds they served in memory only; run again, they may serve rounds their tasks' privacy accounting forbids"
                 );
             }
-            let summary = run(SimulationConfig {
+            let config = SimulationConfig {
                 server,
                 population: population.clone(),
                 devices,
@@ -162,8 +182,8 @@ pub async fn run(command: DevicesCommand) -> Result<()> {
                 progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
                 bars: None,
                 state_dir: (!forgetful).then_some(state_dir),
-            })
-            .await?;
+            };
+            let summary = run(config.clone()).await?;
             summary.print();
             // A run in which devices failed, or none contributed, is not a success for a
             // script or CI either.
@@ -177,6 +197,21 @@ pub async fn run(command: DevicesCommand) -> Result<()> {
                 anyhow::bail!(
                     "no device contributed: is a task of population {population:?} open (model version 0 uploaded), and do the devices' trust limits accept its policy?"
                 );
+            }
+            // Every device has stopped: a round that still wants contributions is a run that
+            // did not finish its task, whatever each device did.
+            use confed::tools::leftover;
+            if settle_ms == 0 {
+                return Ok(());
+            }
+            let open = leftover::open_work(
+                &config,
+                Duration::from_millis(settle_ms),
+                Duration::from_millis(max_retry_wait_ms.clamp(50, 500)),
+            )
+            .await?;
+            if let Some(why) = leftover::explain(&open, &summary, &config) {
+                anyhow::bail!(why);
             }
         }
         DevicesCommand::InitModel { out, seed } => {

@@ -225,12 +225,21 @@ pub async fn show(
         section aria-labelledby="rounds-heading" {
             h2 #rounds-heading { "Rounds" }
             @if let Some(view) = views.iter().rev().find(|v| v.manifest().is_some()) {
+                // Declines are a device's own rule (it served the round already), not drop-out:
+                // the funnel starts from the assignments devices accepted.
+                @let declined = view.count(AssignmentState::Rejected);
                 (charts::funnel_bars(view.number, &[
-                    ("assigned", view.assigned),
+                    ("accepted", view.assigned - declined),
                     ("uploaded", view.uploaded),
                     ("reported", view.count(AssignmentState::Completed)),
                     ("included", view.manifest().map_or(0, |m| m.included as i64)),
                 ]))
+            }
+            // The newest round with declines (rows are newest first), released or live.
+            @if let Some(view) = shown.iter().find(|v| v.count(AssignmentState::Rejected) > 0) {
+                p.note #declined-note {
+                    "Declined in round " (view.number) ": " (count(view.count(AssignmentState::Rejected))) " of its " (count(view.assigned)) " assignments. A device declines a round it has already served (or one too close under the task's minimum separation), and the server cannot tell it from a new device, so it offers the round again: declines are not drop-out, and the funnel above starts from the accepted assignments. When most assignments are declined, the population has too few devices for the task: each round needs " (count(i64::from(task.spec.report_goal))) " different devices."
+                }
             }
             @if shown.is_empty() {
                 p { "No round has started: upload model version 0 to open round 1." }
@@ -343,7 +352,8 @@ fn summary(
             dt { "Report goal" } dd { (count(i64::from(task.spec.report_goal))) " (at least " (count(i64::from(task.spec.min_reports))) " at the deadline)" }
             dt { "Clip norm" } dd { (task.spec.privacy.clip_norm) }
             dt { "Server optimizer" } dd { (task.spec.server_optimizer.name()) ", learning rate " (task.spec.server_learning_rate) }
-            dt { "Eligible check-ins, last 15 min" } dd #eligible { (eligible) }
+            dt { "Eligible check-ins, last 15 min" } dd #eligible { (eligible)
+                small { " check-ins, not devices: devices are unlinkable, so one that checks in again (told to wait, or declining a round it served) counts again" } }
             dt { "Created" } dd { (crate::clock::rfc3339(crate::clock::Millis(task.created_at))) }
         }
         @if task.state == TaskState::Created {

@@ -3,5 +3,6 @@
 
 pub mod demo;
 pub mod issuer;
+pub mod leftover;
 pub mod simulate;
 pub mod train;

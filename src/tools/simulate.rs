@@ -75,6 +75,10 @@ pub struct Summary {
     pub model_accuracy: Option<f64>,
     /// Each contribution's send instant as drawn and as kept (docs/privacy.md, "Time").
     pub sends: Vec<SendTiming>,
+    /// Devices that made their `rounds` contributions.
+    pub finished_devices: usize,
+    /// Devices that stopped after `idle_limit` answers in a row with no work for them.
+    pub idle_devices: usize,
 }
 
 /// When one contribution was sent: its send instant, drawn before training, in ms after the
@@ -364,6 +368,10 @@ async fn device(shared: Arc<Shared>, index: u64) {
             }
         }
     }
+    match contributed >= config.rounds {
+        true => shared.note(|s| s.finished_devices += 1),
+        false => shared.note(|s| s.idle_devices += 1),
+    }
 }
 
 async fn cycle(
@@ -568,7 +576,7 @@ pub fn initial_model(seed: u64) -> Vec<u8> {
 
 /// What every simulated device reports at check-in: a charging Android phone on an unmetered
 /// network with 8 GB of RAM.
-fn simulated_attributes() -> confed_protocol::device::Attributes {
+pub(crate) fn simulated_attributes() -> confed_protocol::device::Attributes {
     use confed_protocol::device::Attribute;
     [
         ("os", Attribute::Text("android".into())),

@@ -527,6 +527,12 @@ async fn task_page_counts_declines_apart_shows_the_deadline_and_why_the_task_end
             && page.contains(r#"<td class="num" data-field="failed">1</td>"#),
         "{page}"
     );
+    // The declines are explained as a device's own rule, not drop-out.
+    assert!(
+        page.contains(r#"<p class="note" id="declined-note">Declined in round 1: 1 of its 2 assignments. A device declines a round it has already served"#),
+        "{page}"
+    );
+    assert!(page.contains("check-ins, not devices"), "{page}");
     assert!(page.contains(r#"<dd id="live-round">1, "#), "{page}");
     assert!(page.contains("deadline <time datetime="), "{page}");
     assert!(page.contains(" (in 10 min 0 s)"), "{page}");

@@ -113,7 +113,7 @@ def test_task_page_plot_and_funnel_show_the_releases_numbers(browser, server, tr
         assert "verified" in row.text and "NOT verified" not in row.text
     bars = {b.get_attribute("data-stage"): int(b.get_attribute("data-count"))
             for b in browser.find_elements(By.CSS_SELECTOR, "#funnel-chart rect.stage")}
-    assert bars == {"assigned": DEVICES_PER_ROUND, "uploaded": DEVICES_PER_ROUND,
+    assert bars == {"accepted": DEVICES_PER_ROUND, "uploaded": DEVICES_PER_ROUND,
                     "reported": DEVICES_PER_ROUND, "included": DEVICES_PER_ROUND}
     # Durations: collection until the round stopped collecting, then aggregation until it
     # completed; together, the round's life as the API reports it.

@@ -311,3 +311,93 @@ async fn simulate_exits_with_failure_when_the_server_is_down() {
     );
     assert!(stderr.contains("check-in: network"), "{stderr}");
 }
+
+/// `confed devices simulate` against a task its devices cannot finish: 4 devices that make one
+/// contribution each fill round 1 of a 2-round task, round 2 opens with nobody left for it, and
+/// the run exits non-zero naming the round and what the devices did. The same devices run again
+/// (they remember round 1) finish round 2 and the task: exit 0.
+#[tokio::test]
+async fn simulate_exits_non_zero_naming_the_round_when_the_task_did_not_finish() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let mut serve = serving::confed();
+    serve
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(&data);
+    let serving::Serving {
+        child: _server,
+        url,
+        demo_token,
+        ..
+    } = serving::serving(serve, BOUND).await;
+    let token = demo_token.unwrap();
+    let http = confed_protocol::http::client(BOUND);
+    let task: Value = http
+        .post(format!("{url}/v1/tasks"))
+        .bearer_auth(&token)
+        .json(&common::with_fast_window(json!({
+            "population": "unfinished", "rounds": 2, "report_goal": 4,
+            "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0},
+        })))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let task_id = task["id"].as_str().unwrap().to_string();
+    let opened = http
+        .put(format!("{url}/v1/tasks/{task_id}/model"))
+        .bearer_auth(&token)
+        .body(confed::tools::simulate::initial_model(3))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(opened.status(), 201);
+    let trust = data.join("embedded").join("trust.json");
+    // The first run's settling time is long (it ends as soon as round 2 assigns the probe); the
+    // second's, after the task completed, is what it waits in full.
+    let run = |settle_ms: &'static str| {
+        tokio::time::timeout(
+            BOUND,
+            Command::new(env!("CARGO_BIN_EXE_confed"))
+                .args(["devices", "simulate", "--server", &url])
+                .args(["--population", "unfinished", "--devices", "4"])
+                .args(["--rounds", "1", "--idle-limit", "10"])
+                .args(["--max-retry-wait-ms", "100", "--settle-ms", settle_ms])
+                .arg("--state-dir")
+                .arg(dir.path().join("devices"))
+                .arg("--trust")
+                .arg(&trust)
+                .output(),
+        )
+    };
+    let first = run("30000").await.unwrap().unwrap();
+    let stderr = String::from_utf8_lossy(&first.stderr);
+    assert_eq!(first.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "the task did not finish: task {task_id} round 2 still collects contributions, but every simulated device has stopped. 4 of 4 devices made their 1 contribution(s)"
+        )),
+        "{stderr}"
+    );
+    assert!(stderr.contains("Run more devices (--devices)"), "{stderr}");
+
+    let second = run("1000").await.unwrap().unwrap();
+    assert!(
+        second.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&second.stdout),
+        String::from_utf8_lossy(&second.stderr)
+    );
+    let state: Value = http
+        .get(format!("{url}/v1/tasks/{task_id}"))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(state["state"], "COMPLETED", "{state}");
+}
