@@ -194,12 +194,44 @@ pub async fn put_contribution(
     ApiPath(capability): ApiPath<Capability>,
     headers: HeaderMap,
     body: axum::body::Body,
-) -> Result<StatusCode, ApiError> {
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
     let now = state.now();
     let uploads = state.uploads();
     // Everything that can refuse the upload is decided before a byte of the body is read: a
     // made-up capability or a declared size over the task's limit costs the server no memory.
-    let assignment = uploads.find(&capability).await?;
+    let admitted = match admit_upload(&uploads, &capability, &headers, now).await {
+        Ok(admitted) => admitted,
+        Err(error) => return before_body(error),
+    };
+    store_upload(&state, &uploads, &capability, admitted, body, now)
+        .await
+        .into_response()
+}
+
+/// An answer sent before the request's body was read. The server then closes the connection
+/// (it cannot skip an unread body), and says so (`Connection: close`), so that a client's pool
+/// does not hand the connection to its next request: a device whose upload came just after its
+/// round closed used to have its next check-in fail with "connection closed before message
+/// completed".
+fn before_body(error: ApiError) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let mut response = error.into_response();
+    response.headers_mut().insert(
+        header::CONNECTION,
+        axum::http::HeaderValue::from_static("close"),
+    );
+    response
+}
+
+/// Whether the upload may be read at all: the assignment, the media type and the declared size.
+async fn admit_upload(
+    uploads: &crate::uploads::Uploads<'_>,
+    capability: &Capability,
+    headers: &HeaderMap,
+    now: crate::clock::Millis,
+) -> Result<crate::uploads::Admitted, ApiError> {
+    let assignment = uploads.find(capability).await?;
     let content_type = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -216,7 +248,18 @@ pub async fn put_contribution(
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    let admitted = uploads.admit(assignment, declared, now).await?;
+    Ok(uploads.admit(assignment, declared, now).await?)
+}
+
+/// Reads the admitted upload's body (at most its limit), checks the envelope and stores it.
+async fn store_upload(
+    state: &AppState,
+    uploads: &crate::uploads::Uploads<'_>,
+    capability: &Capability,
+    admitted: crate::uploads::Admitted,
+    body: axum::body::Body,
+    now: crate::clock::Millis,
+) -> Result<StatusCode, ApiError> {
     let limit = admitted.limit;
     // A body without a length (chunked) is read only up to the limit.
     let body = http_body_util::BodyExt::collect(http_body_util::Limited::new(
@@ -243,7 +286,7 @@ pub async fn put_contribution(
         .check_upload(&state.db, &admitted.assignment, &envelope)
         .await?;
     Ok(
-        match uploads.store(&capability, &admitted, &body, now).await? {
+        match uploads.store(capability, &admitted, &body, now).await? {
             Stored::New => StatusCode::CREATED,
             Stored::Again => StatusCode::OK,
         },

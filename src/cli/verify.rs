@@ -12,16 +12,21 @@ pub enum VerifyCommand {
     /// second release of the round can gather q), checked offline against the key services'
     /// verifying keys in the trust file. The tenant token comes from --token-file or CONFED_TOKEN.
     Release {
+        /// Base URL of `confed serve` (the release, its proof and the task's policy are read
+        /// from it; nothing it says is trusted beyond what the signatures prove).
         #[arg(long)]
         server: String,
+        /// The task's id.
         #[arg(long)]
         task: String,
+        /// The round whose release to check.
         #[arg(long)]
         round: u64,
         /// Trust file: {"threshold" (t), "keyservices": [{"id", "verifying_key"}] (n of them, or
         /// "shares"), ...}.
         #[arg(long)]
         trust: PathBuf,
+        /// A file holding the tenant's API token (else CONFED_TOKEN).
         #[arg(long)]
         token_file: Option<PathBuf>,
         /// The task policy text you expect (e.g. saved from GET /v1/tasks/{id} when you created

@@ -431,7 +431,11 @@ async fn upload_answers_every_error_clearly() {
         None,
     )
     .await;
-    upload(&app, &a, good).await.problem(StatusCode::GONE);
+    let gone = upload(&app, &a, good).await;
+    // Refused before its body was read: the server closes the connection and says so, so a
+    // client does not reuse it for its next check-in.
+    assert_eq!(gone.headers[header::CONNECTION], "close");
+    gone.problem(StatusCode::GONE);
     report(&app, &a, json!({"outcome": "failed"}))
         .await
         .problem(StatusCode::GONE);
