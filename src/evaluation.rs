@@ -32,6 +32,11 @@ pub struct EvaluationPoint {
     /// Noised mean accuracy and loss (null when the noised example count is not positive).
     pub accuracy: Option<f64>,
     pub loss: Option<f64>,
+    /// The noise is 5 % or more of the noised examples (or there are none): the accuracy moves
+    /// by 5 points or more with the noise alone, too much to choose a version by
+    /// (docs/privacy.md, "Evaluation").
+    #[serde(default)]
+    pub too_noisy: bool,
 }
 
 /// The evaluation in a release manifest, if the round evaluated (a manifest that does not parse
@@ -41,6 +46,7 @@ pub fn point_of(round: i64, manifest_json: &str) -> Option<EvaluationPoint> {
     let mut point: EvaluationPoint =
         serde_json::from_value(manifest.get("evaluation")?.clone()).ok()?;
     point.round = u64::try_from(round).ok()?;
+    point.too_noisy = confed_dp::evaluation_too_noisy(point.stddev, point.examples);
     Some(point)
 }
 
@@ -151,6 +157,7 @@ mod tests {
                 loss_sum: 0.0,
                 accuracy: *v,
                 loss: v.map(|a| 1.0 - a),
+                too_noisy: false,
             })
             .collect()
     }

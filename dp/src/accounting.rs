@@ -174,6 +174,84 @@ pub fn default_health_stddev(
     Ok(within_share.max(f64::from(report_goal) / 10.0).max(1.0))
 }
 
+/// Why side releases that cost `side_rho` of `budget_rho` are refused, naming only those the
+/// mechanism has and what to change for each.
+fn side_too_costly(mechanism: &DpMechanism, side_rho: f64, budget_rho: f64) -> String {
+    let mut names = Vec::new();
+    let mut remedies = Vec::new();
+    if mechanism.adaptive_clipping.is_some() {
+        names.push("adaptive clipping's counts");
+        remedies.push(
+            "the count stddev (adaptive_clipping.count_stddev; about report_goal / 20 is usual)",
+        );
+    }
+    if mechanism.evaluation.is_some() {
+        names.push("evaluation's sums");
+        remedies.push(
+            "the evaluation stddev (evaluation.stddev; left out, the default costs at most 10 % of the budget) or evaluate less often",
+        );
+    }
+    if mechanism.health.is_some() {
+        names.push("the health counts");
+        remedies.push(
+            "the health stddev (privacy.health.stddev; left out, the default costs at most 5 % of the budget)",
+        );
+    }
+    format!(
+        "{} cost rho {side_rho:.4}, at least 90 % of the whole budget's {budget_rho:.4}; raise their noise: {}; or raise epsilon",
+        names.join(", "),
+        remedies.join("; ")
+    )
+}
+
+/// Share of a task's budget (in rho) the default evaluation noise may cost at most.
+pub const DEFAULT_EVALUATION_SHARE: f64 = 0.1;
+
+/// Federated evaluation's default noise, in examples, for a budget of (epsilon, delta) whose
+/// devices may each be in `evaluations` evaluation releases (`evaluations_through`): the smallest
+/// at which they cost at most `DEFAULT_EVALUATION_SHARE` of the budget (`evaluation_rho`:
+/// `3 max_examples^2 / (2 stddev^2)` each), and never finer than report_goal x max_examples / 100
+/// (1 % noise when every device has max_examples examples: finer is budget the model needs more).
+/// A plan that leaves the rest of the budget to the model's noise is then never refused for
+/// evaluation's sake; whether the result can tell model versions apart is another matter
+/// (`evaluation_too_noisy`).
+pub fn default_evaluation_stddev(
+    accountant: &dyn Accountant,
+    epsilon: f64,
+    delta: f64,
+    evaluations: u64,
+    max_examples: u32,
+    report_goal: u32,
+) -> Result<f64, DpError> {
+    let budget_rho = calibrate_units(accountant, epsilon, delta, 1.0)?.rho_per_round;
+    let m = f64::from(max_examples);
+    let within_share =
+        (evaluations as f64 * 3.0 * m * m / (2.0 * DEFAULT_EVALUATION_SHARE * budget_rho)).sqrt();
+    Ok(up_to_three_digits(
+        within_share
+            .max(f64::from(report_goal) * m / 100.0)
+            .max(1.0),
+    ))
+}
+
+/// `x >= 1` rounded up to three significant digits (1202.76 -> 1210): a default a partner reads
+/// in the policy, never below what the share asks for.
+fn up_to_three_digits(x: f64) -> f64 {
+    let digits = x.log10().floor() as i32 - 2;
+    let scale = 10f64.powi(digits.abs());
+    match digits >= 0 {
+        true => (x / scale).ceil() * scale,
+        false => (x * scale).ceil() / scale,
+    }
+}
+
+/// Whether evaluation at noise `stddev` (examples) over about `examples` held-out examples a
+/// round is too noisy to choose a best model version: the noised accuracy's standard deviation,
+/// about `stddev / examples`, is 5 points or more (two versions 10 points apart could swap).
+pub fn evaluation_too_noisy(stddev: f64, examples: f64) -> bool {
+    examples <= 0.0 || stddev / examples >= 0.05
+}
+
 /// The calibration of a task's planned rounds under `mechanism`: the value noise that leaves
 /// room in the budget for adaptive clipping's counts and evaluation's sums, if any (Andrew et
 /// al. 2021, Theorem 1 in zCDP form: `rho_value + rho_side = rho_budget`).
@@ -199,8 +277,8 @@ pub fn calibrate_task(
     let side = SideScales::planned(&mechanism);
     let side_rho = side.rho_through(mechanism.noise, u64::from(rounds));
     if side_rho >= 0.9 * budget_rho {
-        return Err(DpError::InvalidBudget(format!(
-            "adaptive clipping's counts, evaluation's sums and the health counts cost rho {side_rho:.4}, at least 90 % of the whole budget's {budget_rho:.4}; raise their noise (count_stddev about report_goal / 20, evaluation stddev about report_goal x max_examples / 20, health stddev about report_goal / 10 are usual), evaluate less often, or raise epsilon"
+        return Err(DpError::InvalidBudget(side_too_costly(
+            &mechanism, side_rho, budget_rho,
         )));
     }
     let rho_per_release = (budget_rho - side_rho) / units;
@@ -408,6 +486,54 @@ mod tests {
         )
         .unwrap_err();
         assert!(error.to_string().contains("raise their noise"), "{error}");
+        // It names what the mechanism has, nothing else.
+        assert!(error.to_string().contains("count stddev"), "{error}");
+        for absent in ["evaluation", "health"] {
+            assert!(!error.to_string().contains(absent), "{error}");
+        }
+    }
+
+    /// The console's evaluation defaults at a small scale (epsilon 4, 5 rounds of 20 devices,
+    /// evaluating every round) used to be refused; the default noise now fits the budget, and
+    /// says it is too noisy to choose a version by.
+    #[test]
+    fn the_default_evaluation_noise_fits_the_budget_and_says_when_it_is_too_noisy() {
+        for (every, rounds, goal) in [(1, 5, 20), (5, 5, 20), (10, 100, 1000)] {
+            let mut evaluation = Evaluation {
+                every,
+                max_loss: 10.0,
+                max_examples: 100,
+                stddev: 1.0,
+                on_demand: 0,
+            };
+            let count = evaluations_through(Mechanism::Gaussian, &evaluation, u64::from(rounds));
+            evaluation.stddev =
+                default_evaluation_stddev(&ClosedForm, 4.0, 1e-6, count, 100, goal).unwrap();
+            assert!(evaluation.stddev >= f64::from(goal) * 100.0 / 100.0);
+            let mechanism = DpMechanism {
+                evaluation: Some(evaluation),
+                ..DpMechanism::plain(Mechanism::Gaussian)
+            };
+            let side =
+                SideScales::planned(&mechanism).rho_through(Mechanism::Gaussian, rounds.into());
+            let budget = calibrate_units(&ClosedForm, 4.0, 1e-6, 1.0)
+                .unwrap()
+                .rho_per_round;
+            assert!(
+                side <= DEFAULT_EVALUATION_SHARE * budget * (1.0 + 1e-9),
+                "{side} of {budget}"
+            );
+            calibrate_task(&ClosedForm, mechanism, 4.0, 1e-6, rounds).unwrap();
+            let text = format!("{:e}", evaluation.stddev);
+            assert!(text.len() <= 6, "a readable default: {text}");
+            let noisy = evaluation_too_noisy(evaluation.stddev, f64::from(goal) * 100.0);
+            assert_eq!(
+                noisy,
+                goal < 1000,
+                "{every} {rounds} {goal}: stddev {}",
+                evaluation.stddev
+            );
+        }
     }
 
     #[test]

@@ -26,7 +26,8 @@ pub mod tree;
 use thiserror::Error;
 
 pub use accounting::{
-    SideScales, calibrate_task, default_health_stddev, spent_task, units_through,
+    SideScales, calibrate_task, default_evaluation_stddev, default_health_stddev,
+    evaluation_too_noisy, spent_task, units_through,
 };
 pub use calibrate::{
     Calibration, MAX_NOISE_MULTIPLIER, calibrate, calibrate_units, search_scale, spent,

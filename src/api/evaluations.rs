@@ -20,6 +20,9 @@ pub struct EvaluationList {
     /// The evaluated version with the best noised value of the early-stopping metric (accuracy
     /// without a rule); null before any evaluation with a metric.
     pub best_model_version: Option<u64>,
+    /// The best version's evaluation is too noisy to choose by (`too_noisy`): at this scale the
+    /// ranking is mostly noise; evaluate with more devices, more examples or less noise.
+    pub best_too_noisy: bool,
     /// Why the task completed before its planned rounds, when the early-stopping rule stopped
     /// it (null otherwise).
     pub stopped_early: Option<String>,
@@ -43,8 +46,12 @@ pub async fn list_evaluations(
     let evaluations = state.db.evaluations(&tenant.id, &id).await?;
     let best = crate::evaluation::best(crate::evaluation::ranking_metric(&task), &evaluations);
     let stopped_early = crate::evaluation::stopped_early(&task, &evaluations);
+    let best_too_noisy = evaluations
+        .iter()
+        .any(|point| Some(point.model_version) == best && point.too_noisy);
     Ok(axum::Json(EvaluationList {
         best_model_version: best,
+        best_too_noisy,
         stopped_early,
         evaluation: task.spec.evaluation,
         evaluations,

@@ -6,7 +6,7 @@
 use maud::{Markup, html};
 
 const WIDTH: f64 = 640.0;
-const LEFT: f64 = 64.0;
+const LEFT: f64 = 88.0;
 const RIGHT: f64 = 20.0;
 const TOP: f64 = 16.0;
 const BOTTOM: f64 = 44.0;
@@ -97,8 +97,10 @@ impl Frame {
                 text.tick x=(self.x(*t)) y=(self.height - BOTTOM + 18.0) text-anchor="middle" { (label(*t)) }
             }
             text.axis x=(LEFT + self.plot_w() / 2.0) y=(self.height - 6.0) text-anchor="middle" { (x_label) }
-            text.axis x="14" y=(middle) text-anchor="middle"
-                transform={"rotate(-90 14 " (middle) ")"} { (y_label) }
+            // The rotated title's glyphs reach one ascent left of its baseline: at the phone's
+            // type (22 units) a baseline at 14 cut them off.
+            text.axis x="22" y=(middle) text-anchor="middle"
+                transform={"rotate(-90 22 " (middle) ")"} { (y_label) }
         }
     }
 }
@@ -159,8 +161,14 @@ pub struct RoundTimes {
 pub fn durations_chart(rows: &[RoundTimes]) -> Markup {
     let bar = 16.0;
     let gap = 6.0;
-    let height = TOP + rows.len() as f64 * (bar + gap) + BOTTOM;
-    let plot_w = WIDTH - LEFT - RIGHT - 70.0;
+    // A header row above the bars names the label column: each label is the round's number
+    // alone, which fits the column even at the phone's larger type (22 units: "round 1" did
+    // not, and a phone showed "und 1").
+    let top = TOP + 22.0;
+    let left = 80.0;
+    let height = top + rows.len() as f64 * (bar + gap) + BOTTOM;
+    // Room right of the longest bar for its time ("1 min 23 s") in the phone's type.
+    let plot_w = WIDTH - left - RIGHT - 130.0;
     let longest = rows
         .iter()
         .map(|r| r.collection_millis + r.aggregation_millis.unwrap_or(0))
@@ -175,28 +183,29 @@ pub fn durations_chart(rows: &[RoundTimes]) -> Markup {
             desc #durations-desc {
                 "Collection (until the round closed) and aggregation (until its release) per round; the table below lists the same times."
             }
+            text.tick x=(left - 8.0) y=(top - 8.0) text-anchor="end" { "round" }
             @for (i, row) in rows.iter().enumerate() {
-                @let top = TOP + i as f64 * (bar + gap);
-                text.tick x=(LEFT - 8.0) y=(top + bar - 4.0) text-anchor="end" { "round " (row.round) }
-                rect.collection x=(LEFT) y=(top) width=(w(row.collection_millis)) height=(bar)
+                @let top = top + i as f64 * (bar + gap);
+                text.tick x=(left - 8.0) y=(top + bar - 4.0) text-anchor="end" { (row.round) }
+                rect.collection x=(left) y=(top) width=(w(row.collection_millis)) height=(bar)
                     data-round=(row.round) data-millis=(row.collection_millis) {
                     title { "round " (row.round) " collected for " (super::layout::duration(row.collection_millis)) }
                 }
                 @if let Some(aggregation) = row.aggregation_millis {
-                    rect.aggregation x=(LEFT + w(row.collection_millis)) y=(top) width=(w(aggregation).max(1.0)) height=(bar)
+                    rect.aggregation x=(left + w(row.collection_millis)) y=(top) width=(w(aggregation).max(1.0)) height=(bar)
                         data-round=(row.round) data-millis=(aggregation) {
                         title { "round " (row.round) " aggregated in " (super::layout::duration(aggregation)) }
                     }
                 }
-                text.tick x=(LEFT + w(row.collection_millis + row.aggregation_millis.unwrap_or(0)) + 6.0) y=(top + bar - 4.0) {
+                text.tick x=(left + w(row.collection_millis + row.aggregation_millis.unwrap_or(0)) + 6.0) y=(top + bar - 4.0) {
                     (super::layout::duration(row.collection_millis + row.aggregation_millis.unwrap_or(0)))
                 }
             }
             @let legend = height - BOTTOM + 22.0;
-            rect.collection x=(LEFT) y=(legend - 10.0) width="12" height="12" {}
-            text.tick x=(LEFT + 18.0) y=(legend) { "collection" }
-            rect.aggregation x=(LEFT + 110.0) y=(legend - 10.0) width="12" height="12" {}
-            text.tick x=(LEFT + 128.0) y=(legend) { "aggregation" }
+            rect.collection x=(left) y=(legend - 10.0) width="12" height="12" {}
+            text.tick x=(left + 18.0) y=(legend) { "collection" }
+            rect.aggregation x=(left + 150.0) y=(legend - 10.0) width="12" height="12" {}
+            text.tick x=(left + 168.0) y=(legend) { "aggregation" }
         }
     }
 }

@@ -48,6 +48,17 @@ pub fn section(task: &TaskRecord, points: &[EvaluationPoint], session: &Session)
             @if let Some(reason) = &stopped {
                 p #stopped-early { strong { "Stopped early: " } (reason) }
             }
+            // Before anything is released: the scale the plan evaluates at.
+            @let planned = f64::from(task.spec.report_goal) * f64::from(policy.max_examples);
+            @let best_point = points.iter().find(|p| Some(p.model_version) == best);
+            @if best_point.map_or(points.is_empty() && confed_dp::evaluation_too_noisy(policy.stddev, planned), |p| p.too_noisy) {
+                p.problem #evaluation-too-noisy role="status" {
+                    strong { "Too noisy to choose a version by. " }
+                    "The noise (" (format!("{:.0}", policy.stddev)) " examples) is 5 % or more of the examples a round evaluates ("
+                    @if let Some(p) = best_point { "about " (format!("{:.0}", p.examples.max(0.0))) } @else { "at most " (format!("{:.0}", planned)) }
+                    "), so the noised accuracy moves by 5 points or more on its own: the \"best\" version, and early stopping, follow the noise. Evaluate with more devices a round, rarely (the noise the budget allows then shrinks), or with a larger budget (docs/privacy.md, \"Evaluation\")."
+                }
+            }
             @if policy.on_demand > 0
                 && matches!(task.state, TaskState::Created | TaskState::Open)
                 && task.current_round < i64::from(task.spec.rounds)
@@ -80,6 +91,7 @@ pub fn section(task: &TaskRecord, points: &[EvaluationPoint], session: &Session)
                                         (point.model_version)
                                         @if point.on_demand { " " small { "on demand" } }
                                         @if best == Some(point.model_version) { " " small.ok { "best" } }
+                                        @if point.too_noisy { " " small.problem data-field="too_noisy" { "too noisy" } }
                                     }
                                     td.num { (point.round) }
                                     td.num data-field="accuracy" { (shown(point.accuracy.map(|a| a * 100.0))) @if point.accuracy.is_some() { " %" } }

@@ -67,6 +67,8 @@ pub struct NewTaskForm {
     #[serde(default)]
     evaluation_every: String,
     #[serde(default)]
+    evaluation_stddev: String,
+    #[serde(default)]
     plan: String,
 }
 
@@ -261,6 +263,14 @@ const MODEL: &[NumberField] = &[
         },
         required: false,
     },
+    NumberField {
+        name: "evaluation_stddev",
+        path: &["evaluation", "stddev"],
+        label: "Evaluation noise (examples)",
+        hint: "Standard deviation of the noise on each evaluation sum, [1, 1e6]; empty: the least noise that costs at most 10 % of the budget (the task page shows it, and says when it is too noisy to choose a version by)",
+        kind: Number::Decimal { min: 1.0, max: 1e6 },
+        required: false,
+    },
 ];
 
 /// The select fields: name, API path, label and options (value, words).
@@ -307,6 +317,7 @@ fn belongs(param: &str, field: &str) -> bool {
     // The form's own name (a local parse error) or the API's path.
     let api = match field {
         "evaluation_every" => "evaluation.every",
+        "evaluation_stddev" => "evaluation.stddev",
         "upload_window_start_ms" => "upload_window.start_ms",
         "upload_window_end_ms" => "upload_window.end_ms",
         "health" => "health.stddev",
@@ -332,6 +343,7 @@ fn value(form: &NewTaskForm, name: &str) -> String {
         "target_quantile" => &form.target_quantile,
         "server_learning_rate" => &form.server_learning_rate,
         "evaluation_every" => &form.evaluation_every,
+        "evaluation_stddev" => &form.evaluation_stddev,
         _ => return String::new(),
     }
     .clone()
@@ -510,9 +522,9 @@ fn insert(body: &mut Map<String, Value>, path: &[&str], value: Value) {
 }
 
 /// The form as the API's request body, or every field that is not what it must be (a number
-/// that does not parse, a plan that is not JSON), each named. Empty fields are left out (the
-/// API's defaults).
-fn request_body(form: &NewTaskForm) -> Result<Value, Vec<InvalidParam>> {
+/// that does not parse, a plan that is not JSON), each named, with the body of the others (to
+/// ask the API about them in the same answer). Empty fields are left out (the API's defaults).
+fn request_body(form: &NewTaskForm) -> Result<Value, (Value, Vec<InvalidParam>)> {
     let mut body = Map::new();
     let mut problems = Vec::new();
     let name = form.name.trim();
@@ -580,6 +592,14 @@ fn request_body(form: &NewTaskForm) -> Result<Value, Vec<InvalidParam>> {
     if form.health == "on" {
         insert(&mut body, &["privacy", "health"], Value::Object(Map::new()));
     }
+    if form.evaluation_every.trim().is_empty() && !form.evaluation_stddev.trim().is_empty() {
+        problems.push(InvalidParam {
+            name: "evaluation_stddev".into(),
+            reason: "applies to evaluation only: give \"Evaluate every\" too, or leave it empty"
+                .into(),
+        });
+        body.remove("evaluation");
+    }
     if !form.server_optimizer.is_empty() {
         insert(
             &mut body,
@@ -599,8 +619,41 @@ fn request_body(form: &NewTaskForm) -> Result<Value, Vec<InvalidParam>> {
     if problems.is_empty() {
         Ok(body.into())
     } else {
-        Err(problems)
+        Err((body.into(), problems))
     }
+}
+
+/// The form's own problems and the API's verdict on the fields that parsed, so that every
+/// problem shows after one submit (the API's range errors used to wait for the next one). A
+/// required number the form could not read is stood in for by a value in its range, and then
+/// only the API's problems with other fields are added (a verdict on the whole plan would be
+/// about the stand-in).
+fn with_api_problems(partial: Value, mut problems: Vec<InvalidParam>) -> Vec<InvalidParam> {
+    let Value::Object(mut body) = partial else {
+        return problems;
+    };
+    let local: Vec<String> = problems.iter().map(|p| p.name.clone()).collect();
+    let mut stood_in = false;
+    for field in TRAINING.iter().chain(PRIVACY).chain(MODEL) {
+        if field.required && local.iter().any(|name| name == field.name) {
+            let stand_in = match field.kind {
+                Number::Integer { min, .. } => Value::from(min),
+                Number::Decimal { min, max } => Value::from((min + max) / 2.0),
+            };
+            insert(&mut body, field.path, stand_in);
+            stood_in = true;
+        }
+    }
+    let Ok(request) = serde_json::from_value::<CreateTaskRequest>(Value::Object(body)) else {
+        return problems;
+    };
+    if let Err(more) = request.validate() {
+        problems.extend(more.into_iter().filter(|p| {
+            !local.iter().any(|field| belongs(&p.name, field))
+                && (!stood_in || form_fields().any(|field| belongs(&p.name, field)))
+        }));
+    }
+    problems
 }
 
 /// The banner for refused fields: those no form field shows go in it, in the API's words.
@@ -633,7 +686,7 @@ pub async fn create(
     };
     let body = match request_body(&form) {
         Ok(body) => body,
-        Err(problems) => return Ok(refused(problems)),
+        Err((partial, problems)) => return Ok(refused(with_api_problems(partial, problems))),
     };
     let request: CreateTaskRequest = match serde_json::from_value(body) {
         Ok(request) => request,
@@ -672,99 +725,5 @@ pub async fn create(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn form_becomes_the_api_body_with_empty_fields_left_to_defaults() {
-        let form = NewTaskForm {
-            name: " keyboard ".into(),
-            population: " phones ".into(),
-            rounds: "3".into(),
-            report_goal: "10".into(),
-            epsilon: "4".into(),
-            delta: "1e-6".into(),
-            clip_norm: "1".into(),
-            mechanism: "tree_aggregation".into(),
-            min_separation: "2".into(),
-            adaptive_clipping: "on".into(),
-            target_quantile: "0.7".into(),
-            health: "on".into(),
-            server_optimizer: "fedadam".into(),
-            evaluation_every: "2".into(),
-            plan: r#"{"lr": 0.1}"#.into(),
-            ..Default::default()
-        };
-        assert_eq!(
-            request_body(&form).unwrap(),
-            serde_json::json!({
-                "name": "keyboard", "population": "phones", "rounds": 3, "report_goal": 10,
-                "privacy": {"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0,
-                    "mechanism": "tree_aggregation", "min_separation": 2,
-                    "adaptive_clipping": {"target_quantile": 0.7}, "health": {}},
-                "server_optimizer": {"name": "fedadam"},
-                "evaluation": {"every": 2},
-                "plan": {"lr": 0.1},
-            })
-        );
-    }
-
-    #[test]
-    fn every_field_that_is_not_a_number_is_named_at_once() {
-        let form = NewTaskForm {
-            population: "phones".into(),
-            rounds: "abc".into(),
-            report_goal: "1.5".into(),
-            epsilon: "".into(),
-            delta: "1e-6".into(),
-            clip_norm: "inf".into(),
-            plan: "{".into(),
-            ..Default::default()
-        };
-        let problems = request_body(&form).unwrap_err();
-        let named: Vec<(&str, &str)> = problems
-            .iter()
-            .map(|p| (p.name.as_str(), p.reason.as_str()))
-            .collect();
-        assert_eq!(
-            named[..4],
-            [
-                ("rounds", "must be a whole number (got \"abc\")"),
-                ("report_goal", "must be a whole number (got \"1.5\")"),
-                ("epsilon", "is required"),
-                ("clip_norm", "must be a number (got \"inf\")"),
-            ]
-        );
-        assert_eq!(problems[4].name, "plan");
-    }
-
-    #[test]
-    fn refusals_no_field_shows_go_in_the_banner_in_the_apis_words() {
-        let plan = InvalidParam {
-            name: "privacy".into(),
-            reason: "Raise report_goal to at least 868".into(),
-        };
-        let epsilon = InvalidParam {
-            name: "privacy.epsilon".into(),
-            reason: "must be in (0, 100]".into(),
-        };
-        assert_eq!(
-            summary_of(std::slice::from_ref(&plan)),
-            "The task was not created: privacy: Raise report_goal to at least 868"
-        );
-        assert_eq!(
-            summary_of(&[plan, epsilon.clone()]),
-            "The task was not created: privacy: Raise report_goal to at least 868. Correct also the fields marked below."
-        );
-        assert_eq!(
-            summary_of(&[epsilon]),
-            "The task was not created; correct the fields marked below."
-        );
-        assert!(belongs("evaluation.every", "evaluation_every"));
-        assert!(belongs("evaluation_every", "evaluation_every"));
-        assert!(belongs(
-            "privacy.adaptive_clipping.target_quantile",
-            "target_quantile"
-        ));
-    }
-}
+#[path = "new_task_tests.rs"]
+mod tests;

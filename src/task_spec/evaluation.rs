@@ -39,8 +39,9 @@ pub struct EvaluationSpec {
     )]
     #[schema(minimum = 1, maximum = 1000000)]
     pub max_examples: Option<i64>,
-    /// Standard deviation of the noise on each metric sum, in examples, [1, 1e6] (default
-    /// report_goal x max_examples / 20, at least 1). Each evaluation costs rho
+    /// Standard deviation of the noise on each metric sum, in examples, [1, 1e6] (default: the
+    /// least noise whose evaluations cost at most 10 % of the budget, and at least report_goal x
+    /// max_examples / 100; the created task shows it). Each evaluation costs rho
     /// `3 max_examples^2 / (2 stddev^2)` of the task's budget.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(minimum = 1.0, maximum = 1000000.0)]
@@ -98,11 +99,13 @@ impl EvaluationSpec {
 }
 
 /// Checks `evaluation`: every field in range, defaults filled in, every problem recorded.
+/// `default_stddev(every, on_demand, max_examples)` is the noise when none is given (it depends
+/// on the budget: `confed_dp::default_evaluation_stddev`).
 pub(super) fn validate(
     p: &mut Problems,
     given: &EvaluationSpec,
     rounds: Option<u32>,
-    report_goal: u32,
+    default_stddev: impl FnOnce(u32, u32, u32) -> f64,
 ) -> EvaluationSpec {
     // Bounded by `rounds` only when that is valid itself, so one mistake is reported once.
     let most = rounds.map_or(i64::from(MAX_EVALUATION_EVERY), i64::from);
@@ -132,11 +135,12 @@ pub(super) fn validate(
         1,
         i64::from(MAX_EVALUATION_EXAMPLES),
     );
-    let default_stddev = (f64::from(report_goal) * f64::from(max_examples) / 20.0)
-        .clamp(MIN_EVALUATION_STDDEV, MAX_EVALUATION_STDDEV);
     let stddev = p.float(
         "evaluation.stddev",
-        given.stddev.unwrap_or(default_stddev),
+        given.stddev.unwrap_or_else(|| {
+            default_stddev(every.unwrap_or(0), on_demand, max_examples)
+                .clamp(MIN_EVALUATION_STDDEV, MAX_EVALUATION_STDDEV)
+        }),
         MIN_EVALUATION_STDDEV,
         false,
         MAX_EVALUATION_STDDEV,

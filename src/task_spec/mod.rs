@@ -364,10 +364,17 @@ impl CreateTaskRequest {
         }
         validate_constraints(&mut p, &self.constraints);
         let privacy = privacy::validate(&mut p, &self.privacy, rounds, report_goal);
-        let evaluation = self
-            .evaluation
-            .as_ref()
-            .map(|e| evaluation::validate(&mut p, e, rounds_valid.then_some(rounds), report_goal));
+        let evaluation = self.evaluation.as_ref().map(|e| {
+            let default_stddev = |every, on_demand, max_examples| {
+                privacy::default_evaluation_stddev(
+                    &privacy,
+                    rounds,
+                    report_goal,
+                    (every, on_demand, max_examples),
+                )
+            };
+            evaluation::validate(&mut p, e, rounds_valid.then_some(rounds), default_stddev)
+        });
         let server_learning_rate = p.float(
             "server_learning_rate",
             self.server_learning_rate.unwrap_or(1.0),

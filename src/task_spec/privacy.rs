@@ -324,19 +324,54 @@ pub(super) fn validate(
     validated
 }
 
+/// `evaluation.stddev` when not given: `confed_dp::default_evaluation_stddev` for the validated
+/// budget and the evaluations a device may be in through the task's rounds (`schedule`: every,
+/// on_demand, max_examples; as the enclave charges them); a budget that does not calibrate
+/// (refused elsewhere) gets report_goal x max_examples / 100.
+pub(super) fn default_evaluation_stddev(
+    validated: &PrivacyBudget,
+    rounds: u32,
+    report_goal: u32,
+    (every, on_demand, max_examples): (u32, u32, u32),
+) -> f64 {
+    let noise = separation_noise(validated, rounds);
+    let schedule = confed_protocol::policy::Evaluation {
+        every,
+        max_loss: 1.0,
+        max_examples,
+        stddev: 1.0,
+        on_demand,
+    };
+    let evaluations =
+        confed_dp::accounting::evaluations_through(noise, &schedule, u64::from(rounds.max(1)));
+    confed_dp::default_evaluation_stddev(
+        &confed_dp::ClosedForm,
+        validated.epsilon,
+        validated.delta,
+        evaluations,
+        max_examples,
+        report_goal,
+    )
+    .unwrap_or(f64::from(report_goal) * f64::from(max_examples) / 100.0)
+}
+
+/// The noise whose separation the side releases' defaults count with: the tree's for DP-FTRL
+/// (the BLT's matrix is not resolved yet, and only its separation counts here), else Gaussian.
+fn separation_noise(validated: &PrivacyBudget, rounds: u32) -> Mechanism {
+    match validated.mechanism {
+        Some(MechanismName::TreeAggregation | MechanismName::Blt) => Mechanism::Tree {
+            min_separation: validated.min_separation.unwrap_or(rounds).max(1),
+        },
+        _ => Mechanism::Gaussian,
+    }
+}
+
 /// `privacy.health.stddev` when not given: `confed_dp::default_health_stddev` for the validated
 /// budget and the counts a device may be in through the task's rounds (one per round, one per
 /// `min_separation` rounds begun under DP-FTRL: `counts_through`, as the enclave charges); a
 /// budget that does not calibrate (refused elsewhere) gets report_goal / 10.
 fn default_health_stddev(validated: &PrivacyBudget, rounds: u32, report_goal: u32) -> f64 {
-    let noise = match validated.mechanism {
-        // The separation is what counts here, and it is validated; the BLT's matrix is not
-        // resolved yet.
-        Some(MechanismName::TreeAggregation | MechanismName::Blt) => Mechanism::Tree {
-            min_separation: validated.min_separation.unwrap_or(rounds).max(1),
-        },
-        _ => Mechanism::Gaussian,
-    };
+    let noise = separation_noise(validated, rounds);
     let counts = confed_dp::accounting::counts_through(noise, u64::from(rounds.max(1)));
     confed_dp::default_health_stddev(
         &confed_dp::ClosedForm,

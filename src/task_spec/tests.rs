@@ -102,9 +102,15 @@ fn an_evaluation_is_named_in_the_policy_with_its_defaults_and_checked() {
         "early_stopping": {"metric": "accuracy", "patience": 3}}}))
     .validate()
     .unwrap();
+    // The default noise costs at most 10 % of the budget over the 3 evaluations of 5 rounds
+    // (and no less than report_goal x max_examples / 100 = 100), rounded up to 3 digits.
+    let expected =
+        confed_dp::default_evaluation_stddev(&confed_dp::ClosedForm, 4.0, 1e-6, 3, 100, 100)
+            .unwrap();
+    assert_eq!(expected, 1210.0);
     assert_eq!(
         spec.policy("t", "x").mechanism,
-        "discrete_gaussian_on_grid;evaluation=2,1e1,100,5e2,0"
+        "discrete_gaussian_on_grid;evaluation=2,1e1,100,1.21e3,0"
     );
     let rule = spec.evaluation.unwrap().early_stopping.unwrap();
     assert_eq!(

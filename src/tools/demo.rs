@@ -39,7 +39,7 @@ pub struct DemoOptions {
     /// Federated evaluation every this many rounds (each device on 20 held-out examples, the
     /// noise at its default), charged to the budget.
     pub evaluate_every: Option<u32>,
-    /// The evaluation's noise in examples (default: the API's, report_goal x 20 / 20).
+    /// The evaluation's noise in examples (default: the API's, the least noise costing at most 10 % of the budget).
     pub evaluation_stddev: Option<f64>,
     pub data_dir: PathBuf,
     pub progress: bool,

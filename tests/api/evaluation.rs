@@ -175,7 +175,7 @@ async fn a_task_without_evaluation_lists_none() {
     assert_eq!(
         body,
         json!({"evaluation": null, "evaluations": [], "best_model_version": null,
-               "stopped_early": null})
+               "best_too_noisy": false, "stopped_early": null})
     );
 }
 

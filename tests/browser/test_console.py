@@ -132,8 +132,32 @@ def test_task_page_plot_and_funnel_show_the_releases_numbers(browser, server, tr
     assert [link.text for link in links] == [f"version {v}" for v in range(ROUNDS, -1, -1)]
     shoot(browser, "task")
     browser.set_window_size(390, 844)
-    shoot(browser, "task-phone")
-    browser.set_window_size(1280, 1000)
+    try:
+        browser.refresh()
+        assert_chart_text_inside(browser)
+        shoot(browser, "task-phone")
+    finally:
+        browser.set_window_size(1280, 1000)
+
+
+def assert_chart_text_inside(browser) -> None:
+    """Every label of every chart lies inside its chart's drawing: at a phone's width the
+    console sets larger type, and the round-durations chart once cut "round 1" to "und 1"."""
+    outside = browser.execute_script("""
+        const out = [];
+        for (const svg of document.querySelectorAll('svg.chart')) {
+            // Screen boxes: they include each label's transform (a rotated axis title).
+            const box = svg.getBoundingClientRect();
+            for (const text of svg.querySelectorAll('text')) {
+                const b = text.getBoundingClientRect();
+                if (b.left < box.left - 1 || b.top < box.top - 1
+                    || b.right > box.right + 1 || b.bottom > box.bottom + 1) {
+                    out.push(`${svg.id}: "${text.textContent}" at x ${(b.left - box.left).toFixed(1)}..${(b.right - box.left).toFixed(1)}, y ${(b.top - box.top).toFixed(1)}..${(b.bottom - box.top).toFixed(1)} of ${box.width.toFixed(1)}x${box.height.toFixed(1)} px`);
+                }
+            }
+        }
+        return out;""")
+    assert outside == [], outside
 
 
 def test_model_download_link_serves_the_version(browser, server, trained_task):
@@ -201,6 +225,42 @@ def test_an_invalid_form_names_the_field_and_creates_nothing(browser, server):
     assert problem.text
     assert browser.find_element(By.ID, "epsilon").get_attribute("aria-invalid") == "true"
     assert len(api(server, "/v1/tasks?limit=100")["tasks"]) == before
+
+
+def test_the_forms_evaluation_defaults_are_accepted_and_a_too_noisy_evaluation_says_so(
+        browser, server):
+    """The issue's case: epsilon 4, 5 rounds of 20 devices, evaluating every round, noise left
+    to its default. The form used to be refused, asking for noise it had no field for; now the
+    default fits the budget, the task is created, and its page says the evaluation is too noisy
+    to choose a version by."""
+    browser.get(f"{server['url']}/console/tasks/new")
+    assert browser.find_element(By.ID, "evaluation_stddev").get_attribute("value") == ""
+    browser.find_element(By.ID, "population").send_keys("eval-phones")
+    for field, value in (("rounds", "5"), ("report_goal", "20"), ("epsilon", "4"),
+                         ("evaluation_every", "1")):
+        element = browser.find_element(By.ID, field)
+        element.clear()
+        element.send_keys(value)
+    browser.find_element(By.CSS_SELECTOR, "form[action='/console/tasks'] button[type=submit]").click()
+    heading_says(browser, "CREATED")
+    task = browser.find_element(By.ID, "task-id").text
+    spec = api(server, f"/v1/tasks/{task}")
+    assert spec["evaluation"]["stddev"] > 20 * 100 / 20, spec["evaluation"]
+    warning = browser.find_element(By.ID, "evaluation-too-noisy").text
+    assert warning.startswith("Too noisy to choose a version by."), warning
+    shoot(browser, "evaluation-too-noisy")
+
+
+def test_a_missing_field_and_an_out_of_range_value_are_both_named_after_one_submit(browser, server):
+    browser.get(f"{server['url']}/console/tasks/new")
+    browser.find_element(By.ID, "population").send_keys("range-phones")
+    browser.find_element(By.ID, "rounds").clear()  # required: the form's own check
+    epsilon = browser.find_element(By.ID, "epsilon")
+    epsilon.clear()
+    epsilon.send_keys("400")  # out of the API's range
+    browser.find_element(By.CSS_SELECTOR, "form[action='/console/tasks'] button[type=submit]").click()
+    assert browser.find_element(By.ID, "rounds-problem").text == "is required"
+    assert "100" in browser.find_element(By.ID, "epsilon-problem").text
 
 
 def test_a_refusal_no_field_shows_is_in_the_banner_in_the_apis_words(browser, server):
