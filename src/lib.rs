@@ -25,6 +25,7 @@ pub mod embedded;
 pub mod evaluation;
 pub mod keys;
 pub mod partitioning;
+pub mod ports;
 pub mod registry;
 pub mod release_check;
 pub mod retention;

@@ -65,6 +65,8 @@ pub struct ServeConfig {
     pub scheduling: crate::scheduling::SchedulingPolicy,
     /// How large rounds are cut into partitions for several enclave workers.
     pub partitioning: crate::partitioning::PartitionPolicy,
+    /// Loopback ports the embedded key services take (none: any free ones).
+    pub embedded_ports: Option<crate::ports::PortRange>,
 }
 
 /// How often the retention pass runs.
@@ -215,6 +217,7 @@ pub async fn serve(
                     &clock,
                     &keys,
                     stop_rx.clone(),
+                    config.embedded_ports,
                 )
                 .await?;
                 background.extend(tasks);

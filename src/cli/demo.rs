@@ -56,6 +56,11 @@ pub struct DemoArgs {
     /// API's default noise, charged to epsilon).
     #[arg(long)]
     pub health: bool,
+    /// The loopback ports the demo listens on (its API, 3 key services and, with
+    /// --device-auth, the token issuer), as START-END: the first free ones, in order (default:
+    /// any free ports).
+    #[arg(long, env = "CONFED_EMBEDDED_PORTS")]
+    pub embedded_ports: Option<confed::ports::PortRange>,
     /// Where the demo keeps its state (default: a new directory under the system's temp dir,
     /// removed at the end).
     #[arg(long)]
@@ -130,6 +135,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
         device_auth: args.device_auth,
         health: args.health,
+        ports: args.embedded_ports,
     })
     .await;
     if temporary {

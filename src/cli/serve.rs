@@ -65,6 +65,11 @@ pub struct ServeArgs {
     /// Base URL of a key service whose signed key set devices receive (repeat for each).
     #[arg(long = "keyservice")]
     pub keyservices: Vec<String>,
+    /// Without --keyservice: the loopback ports the 3 embedded key services listen on, as
+    /// START-END (the first free ones, in order; default: any free ports), to keep a demo or
+    /// a test inside ports a firewall or a harness allows.
+    #[arg(long, env = "CONFED_EMBEDDED_PORTS", conflicts_with = "keyservices")]
+    pub embedded_ports: Option<confed::ports::PortRange>,
     /// What this process does (repeat for several; default all three, or api and scheduler
     /// with --keyservice). API replicas,
     /// schedulers and workers can run apart on one PostgreSQL database (`--database`).
@@ -153,6 +158,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
             workers: args.partition_workers.max(1),
             min_contributions: args.partition_min_contributions.max(1),
         },
+        embedded_ports: args.embedded_ports,
     };
     server::serve(config, shutdown_signal()).await?;
     Ok(())

@@ -86,7 +86,8 @@ fn ensure_keys(
     Ok(held)
 }
 
-/// Starts `count` key services (threshold `threshold`) trusting `attester`, state in `dir`.
+/// Starts `count` key services (threshold `threshold`) trusting `attester`, state in `dir`,
+/// listening on loopback ports of `ports` (any free ones without).
 pub async fn start(
     dir: &Path,
     count: u16,
@@ -94,6 +95,7 @@ pub async fn start(
     clock: Arc<dyn Clock>,
     attester: &DevAttester,
     stop: watch::Receiver<bool>,
+    ports: Option<crate::ports::PortRange>,
 ) -> Result<EmbeddedKeyServices, EmbeddedError> {
     let policy = AppraisalPolicy::from_toml(DEV_POLICY).map_err(setup)?;
     let mut shares = ensure_keys(dir, count, threshold, clock.now_seconds().0)?;
@@ -136,7 +138,7 @@ pub async fn start(
             clock: clock.clone(),
         })
         .map_err(setup)?;
-        let (url, handle) = serve_router(routes::router(service), stop.clone()).await?;
+        let (url, handle) = serve_router(routes::router(service), stop.clone(), ports).await?;
         services.tasks.push(handle);
         services.endpoints.push(KeyServiceEndpoint { id, url });
     }

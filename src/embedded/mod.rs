@@ -60,6 +60,8 @@ pub struct EmbeddedOptions {
     pub blobs: Option<crate::blob::GcsConfig>,
     /// How large rounds are cut into partitions (default: never).
     pub partitioning: crate::partitioning::PartitionPolicy,
+    /// Where the key services and the API listen on loopback (default: ports the system picks).
+    pub ports: Option<crate::ports::PortRange>,
 }
 
 pub struct EmbeddedSystem {
@@ -79,10 +81,9 @@ pub struct EmbeddedSystem {
 async fn serve_router(
     router: axum::Router,
     stop: watch::Receiver<bool>,
+    ports: Option<crate::ports::PortRange>,
 ) -> Result<(String, JoinHandle<()>), EmbeddedError> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .map_err(setup)?;
+    let listener = crate::ports::bind_loopback(ports).await.map_err(setup)?;
     let url = format!("http://{}", listener.local_addr().map_err(setup)?);
     let handle = tokio::spawn(async move {
         let mut stop = stop;
@@ -121,6 +122,7 @@ impl EmbeddedSystem {
             clock.clone(),
             &attester,
             stop_rx.clone(),
+            options.ports,
         )
         .await?;
         let mut tasks = services.tasks;
@@ -155,7 +157,8 @@ impl EmbeddedSystem {
             partitioning: options.partitioning,
             device_auth: Default::default(),
         };
-        let (url, handle) = serve_router(api::router(state), stop_rx.clone()).await?;
+        let (url, handle) =
+            serve_router(api::router(state), stop_rx.clone(), options.ports).await?;
         tasks.push(handle);
         tasks.push(tokio::spawn(
             Scheduler::new(db.clone(), clock.clone())

@@ -23,6 +23,7 @@ pub async fn start_enclave(
     clock: &Arc<dyn Clock>,
     keys: &KeyDirectory,
     stop: watch::Receiver<bool>,
+    ports: Option<crate::ports::PortRange>,
 ) -> Result<(WorkerConfig, Vec<JoinHandle<()>>), ServeError> {
     let embedded = data_dir.join("embedded");
     std::fs::create_dir_all(&embedded).map_err(|source| ServeError::DataDir {
@@ -40,9 +41,10 @@ pub async fn start_enclave(
         )
         .map_err(ServeError::Embedded)?,
     );
-    let services = super::keyservices::start(&embedded, 3, 2, clock.clone(), &attester, stop)
-        .await
-        .map_err(|e| ServeError::Embedded(confed_protocol::errors::with_causes(&e)))?;
+    let services =
+        super::keyservices::start(&embedded, 3, 2, clock.clone(), &attester, stop, ports)
+            .await
+            .map_err(|e| ServeError::Embedded(confed_protocol::errors::with_causes(&e)))?;
     let urls: Vec<String> = services.endpoints.iter().map(|e| e.url.clone()).collect();
     keys.refresh(
         &confed_protocol::http::client(Duration::from_secs(10)),

@@ -47,6 +47,8 @@ pub struct DemoOptions {
     pub device_auth: bool,
     /// The noised health signal, at its default noise (`privacy.health: {}`).
     pub health: bool,
+    /// Loopback ports for the demo's listeners (API, key services, issuer; default: any free).
+    pub ports: Option<crate::ports::PortRange>,
 }
 
 /// `DemoOptions::noise`.
@@ -161,6 +163,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         attester_key: None,
         database: None,
         partitioning: Default::default(),
+        ports: options.ports,
     })
     .await
     .map_err(|e| setup("starting the embedded system")(e.into()))?;
@@ -494,9 +497,9 @@ async fn dev_issuer(
         Arc::new(SystemClock),
     )
     .map_err(|e| setup("starting the issuer")(e.to_string().into()))?;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+    let listener = crate::ports::bind_loopback(options.ports)
         .await
-        .map_err(|e| setup("starting the issuer")(e.into()))?;
+        .map_err(|e| setup("starting the issuer")(e.to_string().into()))?;
     let url = format!(
         "http://{}",
         listener

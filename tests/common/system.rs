@@ -57,6 +57,7 @@ pub async fn start_partitioned(
             None => None,
         },
         partitioning,
+        ports: None,
     })
     .await
     .unwrap();

@@ -7,6 +7,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod embedded_ports;
 mod enclave;
 mod keyservice;
 mod local_cluster;

@@ -23,6 +23,7 @@ fn small(dir: &std::path::Path) -> DemoOptions {
         progress: false,
         device_auth: false,
         health: false,
+        ports: None,
     }
 }
 

@@ -30,6 +30,7 @@ async fn start_in(dir: &Path, clock: Arc<ManualClock>, database: Option<String>)
         attester_key: None,
         database,
         partitioning: Default::default(),
+        ports: None,
     })
     .await
     .unwrap()
