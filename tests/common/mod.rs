@@ -394,6 +394,35 @@ pub static FAST_UPLOAD_WINDOW: std::sync::LazyLock<Value> =
     std::sync::LazyLock::new(|| json!({"start_ms": 100, "end_ms": 200}));
 
 /// `spec` with `FAST_UPLOAD_WINDOW` where it names no upload window.
+/// Creates a task of `spec` on a running server (`url`, the tenant's `token`) over HTTP and
+/// uploads `model` as its version 0, opening round 1; the task's id.
+pub async fn open_task_over_http(url: &str, token: &str, spec: Value, model: Vec<u8>) -> String {
+    let http = confed_protocol::http::client(std::time::Duration::from_secs(60));
+    let task: Value = http
+        .post(format!("{url}/v1/tasks"))
+        .bearer_auth(token)
+        .json(&spec)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = task["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("the task was not created: {task}"))
+        .to_string();
+    let opened = http
+        .put(format!("{url}/v1/tasks/{id}/model"))
+        .bearer_auth(token)
+        .body(model)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(opened.status(), 201, "model version 0 of {id}");
+    id
+}
+
 pub fn with_fast_window(mut spec: Value) -> Value {
     if let Some(fields) = spec.as_object_mut() {
         fields

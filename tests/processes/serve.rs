@@ -460,28 +460,16 @@ async fn serve_alone_runs_rounds_with_its_embedded_enclave_across_restarts() {
     let server = start(&data, &[]).await;
     let token = server.demo_token.clone().unwrap();
     let http = confed_protocol::http::client(STARTUP_BOUND);
-    let task: serde_json::Value = http
-        .post(format!("{}/v1/tasks", server.url))
-        .bearer_auth(&token)
-        .json(&common::with_fast_window(json!({
+    let task = common::open_task_over_http(
+        &server.url,
+        &token,
+        common::with_fast_window(json!({
             "population": "embedded", "rounds": 2, "report_goal": 8,
             "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0},
-        })))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let task = task["id"].as_str().unwrap().to_string();
-    let put = http
-        .put(format!("{}/v1/tasks/{task}/model", server.url))
-        .bearer_auth(&token)
-        .body(confed::tools::simulate::initial_model(7))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(put.status(), 201);
+        })),
+        confed::tools::simulate::initial_model(7),
+    )
+    .await;
     let trust = data.join("embedded").join("trust.json");
     devices(&server.url, &trust, 0).await;
     wait_for_model(&server.url, &token, &task, 1).await;

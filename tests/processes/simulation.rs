@@ -96,32 +96,20 @@ async fn simulated_devices_fill_a_round_with_stored_contributions_that_open() {
     let token = demo_token.unwrap();
 
     let http = confed_protocol::http::client(BOUND);
-    let task: Value = http
-        .post(format!("{url}/v1/tasks"))
-        .bearer_auth(&token)
-        .json(&json!({
+    let model = confed::tools::simulate::initial_model(1);
+    let task_id = common::open_task_over_http(
+        &url,
+        &token,
+        json!({
             "population": "sim", "rounds": 3, "report_goal": GOAL, "min_reports": GOAL,
             "over_selection": 0.25, "round_deadline_seconds": 3600, "assignment_timeout_seconds": 600,
             "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0},
             "plan": {"epochs": 2, "batch_size": 16, "learning_rate": 0.1},
             "upload_window": common::FAST_UPLOAD_WINDOW.clone(),
-        }))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let task_id = task["id"].as_str().unwrap().to_string();
-    let model = confed::tools::simulate::initial_model(1);
-    let opened = http
-        .put(format!("{url}/v1/tasks/{task_id}/model"))
-        .bearer_auth(&token)
-        .body(model.clone())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(opened.status(), 201);
+        }),
+        model.clone(),
+    )
+    .await;
 
     let trust = Command::new(env!("CARGO_BIN_EXE_confed"))
         .args(["devices", "trust-config", "--threshold", "2"])
@@ -332,28 +320,16 @@ async fn simulate_exits_non_zero_naming_the_round_when_the_task_did_not_finish()
     } = serving::serving(serve, BOUND).await;
     let token = demo_token.unwrap();
     let http = confed_protocol::http::client(BOUND);
-    let task: Value = http
-        .post(format!("{url}/v1/tasks"))
-        .bearer_auth(&token)
-        .json(&common::with_fast_window(json!({
+    let task_id = common::open_task_over_http(
+        &url,
+        &token,
+        common::with_fast_window(json!({
             "population": "unfinished", "rounds": 2, "report_goal": 4,
             "privacy": {"epsilon": 50.0, "delta": 1e-6, "clip_norm": 1.0},
-        })))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let task_id = task["id"].as_str().unwrap().to_string();
-    let opened = http
-        .put(format!("{url}/v1/tasks/{task_id}/model"))
-        .bearer_auth(&token)
-        .body(confed::tools::simulate::initial_model(3))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(opened.status(), 201);
+        })),
+        confed::tools::simulate::initial_model(3),
+    )
+    .await;
     let trust = data.join("embedded").join("trust.json");
     // The first run's settling time is long (it ends as soon as round 2 assigns the probe); the
     // second's, after the task completed, is what it waits in full.
