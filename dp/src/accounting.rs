@@ -188,7 +188,7 @@ fn side_too_costly(mechanism: &DpMechanism, side_rho: f64, budget_rho: f64) -> S
     if mechanism.evaluation.is_some() {
         names.push("evaluation's sums");
         remedies.push(
-            "the evaluation stddev (evaluation.stddev; left out, the default costs at most 10 % of the budget) or evaluate less often",
+            "the evaluation stddev (evaluation.stddev; left out, the default costs at most 10 % of the budget unless that needs more than 1e6 examples) or evaluate less often",
         );
     }
     if mechanism.health.is_some() {

@@ -67,8 +67,9 @@ pub struct ServeArgs {
     pub keyservices: Vec<String>,
     /// Without --keyservice: the loopback ports the 3 embedded key services listen on, as
     /// START-END (the first free ones, in order; default: any free ports), to keep a demo or
-    /// a test inside ports a firewall or a harness allows.
-    #[arg(long, env = "CONFED_EMBEDDED_PORTS", conflicts_with = "keyservices")]
+    /// a test inside ports a firewall or a harness allows. Ignored with --keyservice (so the
+    /// environment variable may stay set for both layouts).
+    #[arg(long, env = "CONFED_EMBEDDED_PORTS")]
     pub embedded_ports: Option<confed::ports::PortRange>,
     /// What this process does (repeat for several; default all three, or api and scheduler
     /// with --keyservice). API replicas,

@@ -625,9 +625,10 @@ fn request_body(form: &NewTaskForm) -> Result<Value, (Value, Vec<InvalidParam>)>
 
 /// The form's own problems and the API's verdict on the fields that parsed, so that every
 /// problem shows after one submit (the API's range errors used to wait for the next one). A
-/// required number the form could not read is stood in for by a value in its range, and then
-/// only the API's problems with other fields are added (a verdict on the whole plan would be
-/// about the stand-in).
+/// required number the form could not read is stood in for by a value just below its range:
+/// the API then takes it as invalid, skips the checks bounded by it (as it does for any invalid
+/// field: `evaluation.every` by the rounds, `min_reports` by the report goal, the privacy plan),
+/// and only its problems with other fields are added.
 fn with_api_problems(partial: Value, mut problems: Vec<InvalidParam>) -> Vec<InvalidParam> {
     let Value::Object(mut body) = partial else {
         return problems;
@@ -637,8 +638,8 @@ fn with_api_problems(partial: Value, mut problems: Vec<InvalidParam>) -> Vec<Inv
     for field in TRAINING.iter().chain(PRIVACY).chain(MODEL) {
         if field.required && local.iter().any(|name| name == field.name) {
             let stand_in = match field.kind {
-                Number::Integer { min, .. } => Value::from(min),
-                Number::Decimal { min, max } => Value::from((min + max) / 2.0),
+                Number::Integer { min, .. } => Value::from(min - 1),
+                Number::Decimal { min, .. } => Value::from(min - 1.0),
             };
             insert(&mut body, field.path, stand_in);
             stood_in = true;

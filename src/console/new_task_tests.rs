@@ -127,6 +127,19 @@ fn the_apis_range_errors_show_with_the_forms_own() {
         .map(|p| p.name)
         .collect();
     assert_eq!(named, ["rounds", "privacy.epsilon"]);
+    // A check bounded by the missing field is not made against its stand-in: evaluating every 5
+    // rounds is not refused for rounds the partner has not given yet.
+    let form = NewTaskForm {
+        epsilon: "4".into(),
+        evaluation_every: "5".into(),
+        ..form
+    };
+    let (partial, problems) = request_body(&form).unwrap_err();
+    let named: Vec<String> = with_api_problems(partial, problems)
+        .into_iter()
+        .map(|p| p.name)
+        .collect();
+    assert_eq!(named, ["rounds"]);
 }
 
 /// Evaluation's noise goes to `evaluation.stddev`; given without a schedule it is named.

@@ -65,33 +65,41 @@ pub async fn open_work(
 /// Why the simulation stopped with `open` left, for the operator: which round, what the devices
 /// did, and what to change.
 pub fn explain(open: &OpenWork, summary: &Summary, config: &SimulationConfig) -> Option<String> {
-    let what = match open {
-        OpenWork::Nothing => return None,
-        OpenWork::Round { task_id, round } => {
-            format!("task {task_id} round {round} still collects contributions")
-        }
-        OpenWork::Waiting(reason) => format!(
-            "a round of population {:?} is still open (a device checking in now is told {reason:?})",
-            config.population
-        ),
-    };
-    let retries: Vec<String> = summary
-        .retries
-        .iter()
-        .map(|(reason, n)| format!("{reason} {n}"))
-        .collect();
-    Some(format!(
-        "the task did not finish: {what}, but every simulated device has stopped. {} of {} devices made their {} contribution(s) (--rounds); {} stopped after {} answers in a row with no work for them (--idle-limit): {} assignments declined because the device had already contributed to that round (or to one too close under the task's min_separation){}. {} contributions in all. Run more devices (--devices) or let each contribute more (--rounds); a device contributes at most once a round, so a task of R rounds of G reports needs at least G devices and G x R contributions",
+    let devices = format!(
+        "{} of {} devices made their {} contribution(s) (--rounds); {} stopped after {} answers in a row with no work for them (--idle-limit): {} assignments declined because the device had already contributed to that round (or to one too close under the task's min_separation){}. {} contributions in all",
         summary.finished_devices,
         summary.finished_devices + summary.idle_devices,
         config.rounds,
         summary.idle_devices,
         config.idle_limit,
         summary.declined,
-        match retries.is_empty() {
+        match summary.retries.is_empty() {
             true => String::new(),
-            false => format!("; retry answers: {}", retries.join(", ")),
+            false => format!(
+                "; retry answers: {}",
+                summary
+                    .retries
+                    .iter()
+                    .map(|(reason, n)| format!("{reason} {n}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
         },
         summary.contributions,
-    ))
+    );
+    let more = "Run more devices (--devices) or let each contribute more (--rounds); a device contributes at most once a round, so a task of R rounds of G reports needs at least G devices and G x R contributions";
+    Some(match open {
+        OpenWork::Nothing => return None,
+        OpenWork::Round { task_id, round } => format!(
+            "the task did not finish: task {task_id} round {round} still collects contributions, but every simulated device has stopped. {devices}. {more}"
+        ),
+        OpenWork::Waiting(reason) if reason == "round_full" => format!(
+            "the task did not finish: a round of population {:?} still collects, but its slots are held by assignments nobody will finish (they free when they time out, after the task's assignment_timeout_seconds), and every simulated device has stopped. {devices}. Run again once they have timed out, with more devices (--devices) or a longer --idle-limit",
+            config.population
+        ),
+        OpenWork::Waiting(reason) => format!(
+            "the population {:?} still has a task these devices cannot serve: a device checking in now is told {reason:?} (docs/protocol.md, check-in reasons: e.g. version_mismatch for --client-version, constraints_not_met for the task's device constraints). {devices}",
+            config.population
+        ),
+    })
 }

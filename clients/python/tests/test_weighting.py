@@ -76,6 +76,8 @@ def test_the_count_is_always_there_capped_and_zero_with_zeros_sent():
         (lambda: {"w": np.full(3, 0.5)}, [0.0], ["no_example_count"]),
         (lambda: ({"w": np.full(3, 0.5)}, -1), [0.0], ["no_example_count"]),
         (lambda: ({"w": np.full(3, 0.5)}, float("nan")), [0.0], ["no_example_count"]),
+        (lambda: ({"w": np.full(3, 0.5)}, 10**400), [0.0], ["no_example_count"]),
+        (lambda: ({"w": np.full(3, 0.5)}, "many"), [0.0], ["no_example_count"]),
         (lambda: ({"w": np.full(3, np.nan)}, 12), [0.0], ["non_finite"]),
     ]
     sizes = set()

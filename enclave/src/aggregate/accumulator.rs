@@ -82,7 +82,9 @@ impl Accumulator {
     /// `add_clipped` for an update weighed by `weight` in [0, 1] (example-weighted averaging):
     /// the clipped update times `weight` is what is rounded to the grid, so the exact integer
     /// check still bounds what stays in the sum by `GRID_UNITS_PER_CLIP`. Whether the update was
-    /// within the clip norm is judged before weighing (adaptive clipping counts norms).
+    /// within the clip norm is judged before weighing (adaptive clipping counts norms). The
+    /// passes do not depend on the weight (a weight of 0 is added as zeros, at the same cost):
+    /// the count is a device's data, and a job's duration is visible to the host.
     pub fn add_weighted(
         &self,
         update: &Update<'_>,
@@ -96,9 +98,6 @@ impl Accumulator {
             return Err(NonFinite);
         }
         let within = norm_squared.sqrt() <= clip_norm;
-        if weight == 0.0 {
-            return Ok(within);
-        }
         let mut factor = self.clip_factor(norm_squared.sqrt(), clip_norm) * weight;
         for _ in 0..5 {
             let units = grid::units_per_value(clip_norm, factor);
@@ -143,13 +142,20 @@ impl Accumulator {
         source: &R,
         clip_norm: f64,
     ) -> Result<bool, StreamError<R::Error>> {
-        self.add_weighted_stream(source, clip_norm, || 1.0)
+        self.clip(
+            clip_norm,
+            None,
+            |units| self.apply_stream::<false, R>(source, units),
+            |units| self.undo_stream(source, units),
+        )
     }
 
     /// `add_clipped_stream` weighed like `add_weighted`, where the weight is known only once
     /// the update has been read (`weight` is asked after the first pass: a streamed update's
-    /// example count passes with its chunks). An update of weight below 1 is added at full
-    /// scale, undone and added again weighed: one more pass than a uniform round's.
+    /// example count passes with its chunks). Every weighed update is added at full scale,
+    /// undone and added again weighed, whatever its weight (0 and 1 included): the passes, and
+    /// so the job's duration, must not say which devices had fewer than `max_examples`. Three
+    /// passes where a uniform round's update within the clip norm takes one.
     pub fn add_weighted_stream<R: Replay>(
         &self,
         source: &R,
@@ -158,7 +164,7 @@ impl Accumulator {
     ) -> Result<bool, StreamError<R::Error>> {
         self.clip(
             clip_norm,
-            weight,
+            Some(&weight),
             |units| self.apply_stream::<false, R>(source, units),
             |units| self.undo_stream(source, units),
         )
@@ -173,7 +179,7 @@ impl Accumulator {
     fn clip<E>(
         &self,
         clip_norm: f64,
-        weight: impl Fn() -> f64,
+        weight: Option<&dyn Fn() -> f64>,
         add: impl Fn(f64) -> (f64, f64, Result<(), E>),
         undo: impl Fn(f64),
     ) -> Result<bool, StreamError<E>> {
@@ -188,15 +194,15 @@ impl Accumulator {
             return Err(StreamError::NonFinite);
         }
         let within = norm_squared.sqrt() <= clip_norm;
-        let weight = weight();
+        // Unweighted, an update that fits at full scale stays; weighed, every update is added
+        // again, whatever its weight.
+        let weight = match weight {
+            None if squares <= SENSITIVITY_SQUARED => return Ok(within),
+            None => 1.0,
+            Some(weight) => weight(),
+        };
         debug_assert!((0.0..=1.0).contains(&weight));
-        if weight == 1.0 && squares <= SENSITIVITY_SQUARED {
-            return Ok(within);
-        }
         undo(full);
-        if weight == 0.0 {
-            return Ok(within);
-        }
         let mut factor = self.clip_factor(norm_squared.sqrt(), clip_norm) * weight;
         let margin = self.rounding_margin();
         for _ in 0..4 {

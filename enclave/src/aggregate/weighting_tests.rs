@@ -285,3 +285,60 @@ fn the_round_parameters_take_weighting_from_the_policy() {
         None
     );
 }
+
+/// An update read as a stream that counts how often it was read.
+struct CountedReads {
+    values: Vec<u8>,
+    reads: std::cell::Cell<usize>,
+}
+
+impl accumulator::Replay for CountedReads {
+    type Error = ();
+    fn replay(&self, each: &mut dyn FnMut(usize, &[u8])) -> Result<(), ()> {
+        self.reads.set(self.reads.get() + 1);
+        each(0, &self.values);
+        Ok(())
+    }
+}
+
+/// The example count is a device's data and a job's duration is the host's to see: a weighed
+/// update is read as often whatever its weight (0, below 1, 1), within the clip norm or above
+/// it; and a weight of 0 takes the same buffered passes as any other.
+#[test]
+fn a_weighed_update_is_read_as_often_whatever_its_weight() {
+    let reads = |values: &[f32], weight: f64| {
+        let source = CountedReads {
+            values: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            reads: std::cell::Cell::new(0),
+        };
+        let sum = accumulator::Accumulator::new(values.len());
+        sum.add_weighted_stream(&source, CLIP, || weight).unwrap();
+        source.reads.get()
+    };
+    let within = [0.3f32, 0.4, 0.0];
+    let above = [3.0f32, 4.0, 0.0];
+    let counts: Vec<usize> = [&within[..], &above[..]]
+        .iter()
+        .flat_map(|values| [0.0, 0.25, 1.0].map(|w| reads(values, w)))
+        .collect();
+    assert!(counts.iter().all(|&n| n == counts[0]), "{counts:?}");
+    // What stays is the weighed update: a quarter of (0.3, 0.4) on the grid, and nothing at 0.
+    let source = CountedReads {
+        values: within.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        reads: std::cell::Cell::new(0),
+    };
+    let sum = accumulator::Accumulator::new(3);
+    sum.add_weighted_stream(&source, CLIP, || 0.25).unwrap();
+    let unit = dp::grid::GRID_UNITS_PER_CLIP as f64;
+    assert_eq!(
+        sum.into_sum(),
+        [
+            (0.3f32 as f64 * 0.25 * unit).round() as i64,
+            (0.4f32 as f64 * 0.25 * unit).round() as i64,
+            0
+        ]
+    );
+    let zero = accumulator::Accumulator::new(3);
+    zero.add_weighted(&[&source.values], CLIP, 0.0, 0).unwrap();
+    assert_eq!(zero.into_sum(), [0, 0, 0]);
+}
