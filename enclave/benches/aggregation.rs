@@ -15,7 +15,7 @@ use confed_enclave::aggregate::{Aggregator, Binding, PrivacyParams, noise};
 use confed_enclave::dp::{DiscreteGaussian, grid};
 use confed_enclave::envelope;
 use confed_enclave::hpke::{PrivateKey, PublicKey, generate_keypair};
-use confed_enclave::policy::{EVALUATION_TENSOR, Evaluation};
+use confed_enclave::policy::{EVALUATION_TENSOR, EXAMPLES_TENSOR, Evaluation, Weighting};
 use confed_worker_api::model::{ModelSchema, encode_f32_tensors, validate_model};
 use criterion::{Criterion, Throughput};
 use ring::aead::{AES_128_GCM, Aad, LessSafeKey, Nonce, UnboundKey};
@@ -32,7 +32,12 @@ struct Fixture {
     ciphertext_bytes: usize,
     /// An evaluation round's: every update carries a metrics tensor, the aggregator sums them.
     evaluation: Option<Evaluation>,
+    /// Example weighting: every update carries its count, the aggregator weighs by it.
+    weighting: Option<Weighting>,
 }
+
+/// Example weighting at a cap of 100: the fixtures' counts run 1..=200, so about half weigh 1.
+const WEIGHTING: Weighting = Weighting { max_examples: 100 };
 
 /// Evaluation every round, 100 examples a device at most, noise of 1,000 examples.
 const EVALUATION: Evaluation = Evaluation {
@@ -54,12 +59,17 @@ fn update(params: usize, seed: u32) -> Vec<u8> {
     encode_f32_tensors(&[("w", vec![params], &values(params, seed))]).unwrap()
 }
 
-/// An update of `values`, with the metrics tensor when `evaluation`.
-fn encoded(values: &[f32], evaluation: bool) -> Vec<u8> {
+/// An update of `values`, with the metrics tensor when `evaluation` and the example count when
+/// `examples` is given.
+fn encoded(values: &[f32], evaluation: bool, examples: Option<f32>) -> Vec<u8> {
     let metrics = [20.0f32, 7.0, 10.0];
+    let count = [examples.unwrap_or(0.0)];
     let mut tensors = vec![("w", vec![values.len()], values)];
     if evaluation {
         tensors.push((EVALUATION_TENSOR, vec![3], &metrics[..]));
+    }
+    if examples.is_some() {
+        tensors.push((EXAMPLES_TENSOR, vec![1], &count[..]));
     }
     encode_f32_tensors(&tensors).unwrap()
 }
@@ -91,12 +101,17 @@ fn fixture(params: usize, count: usize) -> Fixture {
 /// `fixture` with contribution `i`'s values multiplied by `scale(i)`: at 20 a 1 MB update's L2
 /// norm is about 3, above the clip norm of 1, so the aggregator clips it.
 fn fixture_scaled(params: usize, count: usize, scale: impl Fn(usize) -> f32) -> Fixture {
-    fixture_with(params, count, scale, None)
+    fixture_with(params, count, scale, None, None)
 }
 
 /// `fixture` for an evaluation round: every update carries the device's metrics.
 fn fixture_evaluated(params: usize, count: usize) -> Fixture {
-    fixture_with(params, count, |_| 1.0, Some(EVALUATION))
+    fixture_with(params, count, |_| 1.0, Some(EVALUATION), None)
+}
+
+/// `fixture` for example-weighted averaging: every update carries its count.
+fn fixture_weighted(params: usize, count: usize) -> Fixture {
+    fixture_with(params, count, |_| 1.0, None, Some(WEIGHTING))
 }
 
 fn fixture_with(
@@ -104,6 +119,7 @@ fn fixture_with(
     count: usize,
     scale: impl Fn(usize) -> f32,
     evaluation: Option<Evaluation>,
+    weighting: Option<Weighting>,
 ) -> Fixture {
     let (private, public) = generate_keypair();
     let schema = validate_model(&update(params, 0)).unwrap();
@@ -117,7 +133,8 @@ fn fixture_with(
             .into_iter()
             .map(|v| v * factor)
             .collect();
-        let plaintext = encoded(&scaled, evaluation.is_some());
+        let examples = weighting.map(|_| (i % 200 + 1) as f32);
+        let plaintext = encoded(&scaled, evaluation.is_some(), examples);
         let (id, bytes) = seal(&public, i, &plaintext);
         ciphertext_bytes += bytes.len();
         contributions.push((id, Some(bytes)));
@@ -137,6 +154,7 @@ fn fixture_with(
         raw,
         ciphertext_bytes,
         evaluation,
+        weighting,
     }
 }
 
@@ -168,7 +186,8 @@ fn pool(threads: usize) -> rayon::ThreadPool {
 fn aggregate(f: &Fixture, pool: &rayon::ThreadPool) {
     let agg = Aggregator::new(binding(), 1.0, f.schema.clone(), &f.private)
         .unwrap()
-        .evaluating(f.evaluation);
+        .evaluating(f.evaluation)
+        .weighing(f.weighting);
     pool.install(|| agg.add_batch(&f.contributions));
     assert_eq!(agg.counts(), (f.contributions.len(), 0));
     black_box(agg);
@@ -402,7 +421,7 @@ fn reset_peak_rss() {
 fn aggregation_peak(count: usize, params: usize, evaluating: bool) -> u64 {
     let (private, public) = generate_keypair();
     let schema = validate_model(&update(params, 0)).unwrap();
-    let plaintext = encoded(&values(params, 1), evaluating);
+    let plaintext = encoded(&values(params, 1), evaluating, None);
     let inputs: Vec<(String, Option<Vec<u8>>)> = (0..count)
         .map(|i| {
             let (id, bytes) = seal(&public, i, &plaintext);
@@ -453,6 +472,8 @@ fn summary(small: &Fixture, large: &Fixture, large_params: usize) {
     let all_clipped = fixture_scaled(large_params, count, |_| 20.0);
     let evaluated = fixture_evaluated(large_params, count);
     let huge_evaluated = fixture_evaluated(huge_params, 6);
+    let weighted = fixture_weighted(large_params, count);
+    let huge_weighted = fixture_weighted(huge_params, 6);
     for (label, f, params) in [
         ("1 KB", small, 256),
         ("1 MB", &none_clipped, large_params),
@@ -463,6 +484,12 @@ fn summary(small: &Fixture, large: &Fixture, large_params: usize) {
         (
             "16 MB (streamed), evaluation round",
             &huge_evaluated,
+            huge_params,
+        ),
+        ("1 MB, weighted by examples", &weighted, large_params),
+        (
+            "16 MB (streamed), weighted by examples",
+            &huge_weighted,
             huge_params,
         ),
     ] {

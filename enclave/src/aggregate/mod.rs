@@ -280,11 +280,16 @@ impl Aggregator {
             )
         {
             // (within the clip norm, summed as zeros because not finite)
+            // Weighed only under a weighting policy: that path always reads the update three
+            // times, the uniform one once when it is within the clip norm.
             let weight = || self.weight(update.examples().as_ref().map(|b| &b[..]));
-            let added = match self
-                .sum
-                .add_weighted_stream(&update, self.clip_norm, weight)
-            {
+            let streamed = match self.weighting {
+                Some(_) => self
+                    .sum
+                    .add_weighted_stream(&update, self.clip_norm, weight),
+                None => self.sum.add_clipped_stream(&update, self.clip_norm),
+            };
+            let added = match streamed {
                 Ok(within) => Some((within, false)),
                 Err(StreamError::NonFinite) => Some((ZERO_UPDATE_IS_WITHIN, true)),
                 Err(StreamError::Source(StreamProblem::Excluded(why))) => return Err(why),

@@ -322,6 +322,16 @@ fn a_weighed_update_is_read_as_often_whatever_its_weight() {
         .flat_map(|values| [0.0, 0.25, 1.0].map(|w| reads(values, w)))
         .collect();
     assert!(counts.iter().all(|&n| n == counts[0]), "{counts:?}");
+    assert_eq!(counts[0], 3, "added, undone, added again weighed");
+    // Uniform averaging keeps its one read for an update within the clip norm.
+    let uniform = CountedReads {
+        values: within.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        reads: std::cell::Cell::new(0),
+    };
+    accumulator::Accumulator::new(3)
+        .add_clipped_stream(&uniform, CLIP)
+        .unwrap();
+    assert_eq!(uniform.reads.get(), 1);
     // What stays is the weighed update: a quarter of (0.3, 0.4) on the grid, and nothing at 0.
     let source = CountedReads {
         values: within.iter().flat_map(|v| v.to_le_bytes()).collect(),
