@@ -256,23 +256,34 @@ fn the_unsafe_code_list_in_the_architecture_doc_names_exactly_the_files_with_uns
                 .collect::<Vec<_>>()
         })
         .collect();
+    let found = files_with_unsafe(root);
+    assert_eq!(
+        found, listed,
+        "files with unsafe code (left) and docs/architecture.md's list (right) differ"
+    );
+}
+
+/// The crates' source directories, relative to the workspace root (`src` is `confed`'s).
+const CRATE_SOURCES: &[&str] = &[
+    "src",
+    "protocol/src",
+    "device/src",
+    "enclave/src",
+    "attestation/src",
+    "keyservice/src",
+    "issuer/src",
+    "serving/src",
+    "worker-api/src",
+    "dp/src",
+    "ops/src",
+];
+
+/// Every source file of the workspace's crates with `unsafe` code in it (outside comments),
+/// relative to the root.
+fn files_with_unsafe(root: &std::path::Path) -> BTreeSet<String> {
     let mut found = BTreeSet::new();
-    let mut pending: Vec<std::path::PathBuf> = [
-        "src",
-        "protocol/src",
-        "device/src",
-        "enclave/src",
-        "attestation/src",
-        "keyservice/src",
-        "issuer/src",
-        "serving/src",
-        "worker-api/src",
-        "dp/src",
-        "ops/src",
-    ]
-    .iter()
-    .map(|dir| root.join(dir))
-    .collect();
+    let mut pending: Vec<std::path::PathBuf> =
+        CRATE_SOURCES.iter().map(|dir| root.join(dir)).collect();
     while let Some(dir) = pending.pop() {
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();
@@ -297,8 +308,32 @@ fn the_unsafe_code_list_in_the_architecture_doc_names_exactly_the_files_with_uns
             }
         }
     }
-    assert_eq!(
-        found, listed,
-        "files with unsafe code (left) and docs/architecture.md's list (right) differ"
+    found
+}
+
+/// A crate with no unsafe code forbids it, so none creeps in unreviewed: its crate root (and
+/// its binary's) says `#![forbid(unsafe_code)]`.
+#[test]
+fn every_crate_without_unsafe_code_forbids_it() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let with_unsafe = files_with_unsafe(root);
+    let mut missing = Vec::new();
+    for dir in CRATE_SOURCES {
+        let prefix = format!("{dir}/");
+        if with_unsafe.iter().any(|file| file.starts_with(&prefix)) {
+            continue;
+        }
+        for crate_root in ["lib.rs", "main.rs"] {
+            let path = root.join(dir).join(crate_root);
+            if let Ok(text) = std::fs::read_to_string(&path)
+                && !text.contains("#![forbid(unsafe_code)]")
+            {
+                missing.push(format!("{dir}/{crate_root}"));
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "crates without unsafe code that do not forbid it: {missing:?}"
     );
 }

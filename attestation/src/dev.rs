@@ -85,10 +85,12 @@ impl DevAttester {
     }
 
     pub fn new(key: SigningKey, clock: UnixClock) -> Self {
-        eprintln!(
-            "WARNING: the confed DEV ATTESTER is in use. Its tokens are signed by a local key and \
-             prove nothing about the code or machine; only the dev policy accepts them. Never use \
-             it with real data."
+        // Loud, through the process's log (every binary shows warnings by default), not
+        // printed by the library past whatever the binary decided about its output.
+        tracing::warn!(
+            "the confed DEV ATTESTER is in use. Its tokens are signed by a local key and prove \
+             nothing about the code or machine; only the dev policy accepts them. Never use it \
+             with real data."
         );
         Self { key, clock }
     }

@@ -4,6 +4,8 @@
 //! This crate depends on neither the front ends nor the enclave, so a key service operator can
 //! review exactly what decides whether its share is released.
 
+#![forbid(unsafe_code)]
+
 pub mod appraise;
 pub mod attester;
 pub mod claims;

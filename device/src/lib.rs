@@ -3,6 +3,8 @@
 //! caching, check the task policy against the device's limits, seal the update with HPKE, upload
 //! with retries (idempotent), report. The wire formats are `confed-protocol`'s.
 
+#![forbid(unsafe_code)]
+
 pub mod app_attest;
 pub mod client;
 pub mod schedule;

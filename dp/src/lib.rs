@@ -12,6 +12,8 @@
 //!
 //! Nothing here is secret or samples noise: the sampler is the enclave's.
 
+#![forbid(unsafe_code)]
+
 pub mod accounting;
 pub mod blt;
 pub mod blt_accounting;

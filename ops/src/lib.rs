@@ -8,6 +8,8 @@
 //!
 //! It links no role's code and no web framework: the enclave image carries it.
 
+#![forbid(unsafe_code)]
+
 pub mod listener;
 pub mod logs;
 pub mod metrics;

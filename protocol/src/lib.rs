@@ -8,6 +8,8 @@
 //! crate, no database, HTTP server, DP or thread-pool crate; `docs/protocol.md` describes every
 //! format here byte for byte.
 
+#![forbid(unsafe_code)]
+
 pub mod blt_noise;
 pub mod clock;
 pub mod device;

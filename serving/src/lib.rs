@@ -2,6 +2,8 @@
 //! certificate and key files), with a graceful drain on shutdown. One small crate, so each
 //! operator (front ends, key services, the token issuer) reviews the same code it listens with.
 
+#![forbid(unsafe_code)]
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;

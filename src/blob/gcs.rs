@@ -125,9 +125,9 @@ impl Gcs {
             )));
         }
         let credentials = if config.is_emulator() {
-            eprintln!(
-                "confed: blobs on a GCS EMULATOR at {} with anonymous credentials — for tests \
-                 and deploy/local only; it checks no signatures.",
+            tracing::warn!(
+                "blobs on a GCS EMULATOR at {} with anonymous credentials — for tests and \
+                 deploy/local only; it checks no signatures.",
                 config.endpoint.as_deref().unwrap_or_default()
             );
             anonymous::Builder::new().build()

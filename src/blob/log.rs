@@ -391,22 +391,17 @@ fn lock_dir(dir: &Path) -> Result<File, BlobError> {
         .write(true)
         .open(&path)
         .map_err(|e| io_error(&shown, e))?;
-    // SAFETY: flock on a file descriptor this function owns; no memory is passed.
-    let locked = unsafe {
-        libc::flock(
-            std::os::fd::AsRawFd::as_raw_fd(&file),
-            libc::LOCK_EX | libc::LOCK_NB,
-        )
-    };
-    if locked != 0 {
-        return Err(io_error(
+    // An exclusive advisory lock (`flock` on Linux), released when the file is closed.
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(io_error(
             &shown,
             std::io::Error::other(
                 "another process has this contribution log open; run one confed server per data directory",
             ),
-        ));
+        )),
+        Err(std::fs::TryLockError::Error(e)) => Err(io_error(&shown, e)),
     }
-    Ok(file)
 }
 
 fn create_segment(dir: &Path, segment: u32) -> Result<File, BlobError> {

@@ -23,6 +23,10 @@ pub struct DataDir {
     pub database: Option<String>,
 }
 
+/// Longest retention: ten years, in minutes (a larger value would overflow a duration in
+/// seconds long before it meant anything).
+const MAX_RETENTION_MINUTES: u64 = 10 * 366 * 24 * 60;
+
 #[derive(Args)]
 pub struct ServeArgs {
     #[command(flatten)]
@@ -80,8 +84,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 1)]
     pub scheduler_period_seconds: u64,
     /// Minutes a closed round's contributions are kept before retention deletes them (default
-    /// one week; at least 1).
-    #[arg(long, default_value_t = 10080)]
+    /// one week; 1 to ten years).
+    #[arg(long, default_value_t = 10080, value_parser = clap::value_parser!(u64).range(1..=MAX_RETENTION_MINUTES))]
     pub retention_minutes: u64,
     /// Which fitting task a checking-in device serves first: fair-share (the least-filled
     /// round), fcfs (the oldest task) or shortest-remaining-demand (docs/operations.md).
@@ -153,7 +157,8 @@ pub async fn run(args: ServeArgs) -> Result<()> {
             ..Limits::default()
         },
         scheduler_period: Duration::from_secs(args.scheduler_period_seconds.max(1)),
-        retention: Duration::from_secs(args.retention_minutes.max(1) * 60),
+        // In range (clap checks 1..=MAX_RETENTION_MINUTES), so the product fits.
+        retention: Duration::from_secs(args.retention_minutes * 60),
         scheduling: args.scheduling,
         partitioning: confed::partitioning::PartitionPolicy {
             workers: args.partition_workers.max(1),

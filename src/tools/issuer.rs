@@ -24,7 +24,7 @@ pub async fn trusted_issuer(url: &str) -> Result<TrustedIssuer, String> {
         .await
         .map_err(|e| format!("{base}/v1/directory is not an issuer directory: {e}"))?;
     if let Some(warning) = &directory.warning {
-        eprintln!("issuer {}: {warning}", directory.issuer_name);
+        tracing::warn!(issuer = %directory.issuer_name, "{warning}");
     }
     Ok(TrustedIssuer {
         name: directory.issuer_name,

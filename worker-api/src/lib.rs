@@ -7,6 +7,8 @@
 //! The production front end links this crate and not `confed-enclave`, so it carries none of
 //! the enclave's key handling, noise or OpenDP/AWS-LC/rayon (tests/crate_boundaries.rs).
 
+#![forbid(unsafe_code)]
+
 pub mod manifest;
 pub mod model;
 pub mod optimizer;

@@ -37,9 +37,9 @@ pub(super) fn window_index(name: &str) -> Option<i64> {
     rest.split_once('-')?.1.parse().ok()
 }
 
-/// Locks `dir` for this process (`flock` on `limiter.lock`, released when the file is closed).
+/// Locks `dir` for this process (an exclusive advisory lock on `limiter.lock`, `flock` on Linux,
+/// released when the file is closed).
 pub(super) fn lock_dir(dir: &Path) -> Result<File, LimiterError> {
-    use std::os::fd::AsRawFd;
     let path = dir.join("limiter.lock");
     let file = OpenOptions::new()
         .create(true)
@@ -48,11 +48,11 @@ pub(super) fn lock_dir(dir: &Path) -> Result<File, LimiterError> {
         .mode(0o600)
         .open(&path)
         .map_err(io(&path))?;
-    // SAFETY: flock only takes an advisory lock on an open descriptor this function owns.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        return Err(LimiterError::Locked(dir.to_path_buf()));
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(LimiterError::Locked(dir.to_path_buf())),
+        Err(std::fs::TryLockError::Error(e)) => Err(io(&path)(e)),
     }
-    Ok(file)
 }
 
 /// The counts of a window file (none if it does not exist) and its length, cutting off a torn

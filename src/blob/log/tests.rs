@@ -288,3 +288,22 @@ async fn a_torn_record_before_a_later_one_is_punched_out() {
     }
     assert_eq!(log.get(&later).await.unwrap(), b"later bytes");
 }
+
+/// One server per data directory: a second log on the directory is refused while the first is
+/// open (the lock is the file's, `File::try_lock`), and opens once the first is dropped.
+#[test]
+fn a_second_log_on_the_same_directory_is_refused_until_the_first_closes() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = ContributionLog::open(dir.path().join("log")).unwrap();
+    let Err(refused) = ContributionLog::open(dir.path().join("log")) else {
+        panic!("a second log opened while the first holds the lock");
+    };
+    assert!(
+        refused
+            .to_string()
+            .contains("run one confed server per data directory"),
+        "{refused}"
+    );
+    drop(first);
+    ContributionLog::open(dir.path().join("log")).unwrap();
+}
