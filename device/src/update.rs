@@ -18,7 +18,8 @@ use thiserror::Error;
 
 use confed_protocol::policy::{EVALUATION_TENSOR, EXAMPLES_TENSOR, HEALTH_TENSOR, Weighting};
 
-/// The prefix of tensor names the protocol reserves (`EVALUATION_TENSOR`, `HEALTH_TENSOR`).
+/// The prefix of tensor names the protocol reserves (`EVALUATION_TENSOR`, `HEALTH_TENSOR`,
+/// `EXAMPLES_TENSOR`).
 const RESERVED_PREFIX: &str = "confed.";
 
 /// Why the downloaded model cannot be trained from: a fault of the model (the same for every

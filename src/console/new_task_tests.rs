@@ -95,38 +95,48 @@ fn refusals_no_field_shows_go_in_the_banner_in_the_apis_words() {
     ));
 }
 
+/// A form the API accepts: the required fields filled in.
+fn valid_form() -> NewTaskForm {
+    NewTaskForm {
+        population: "phones".into(),
+        rounds: "3".into(),
+        report_goal: "10".into(),
+        epsilon: "4".into(),
+        delta: "1e-6".into(),
+        clip_norm: "1".into(),
+        ..Default::default()
+    }
+}
+
+/// The fields named after one submit of `form`: the form's own problems and the API's.
+fn named_after_one_submit(form: &NewTaskForm) -> Vec<String> {
+    let (partial, problems) = request_body(form).unwrap_err();
+    with_api_problems(partial, problems)
+        .into_iter()
+        .map(|p| p.name)
+        .collect()
+}
+
 /// A number that does not parse and a value out of the API's range are both named after one
 /// submit: the form asks the API about the fields that parsed.
 #[test]
 fn the_apis_range_errors_show_with_the_forms_own() {
     let form = NewTaskForm {
-        population: "phones".into(),
-        rounds: "3".into(),
-        report_goal: "10".into(),
         epsilon: "400".into(),
-        delta: "1e-6".into(),
-        clip_norm: "1".into(),
         over_selection: "lots".into(),
-        ..Default::default()
+        ..valid_form()
     };
-    let (partial, problems) = request_body(&form).unwrap_err();
-    let named: Vec<String> = with_api_problems(partial, problems)
-        .into_iter()
-        .map(|p| p.name)
-        .collect();
-    assert_eq!(named, ["over_selection", "privacy.epsilon"]);
+    assert_eq!(
+        named_after_one_submit(&form),
+        ["over_selection", "privacy.epsilon"]
+    );
     // A required field left empty: it is named, and so is the other field out of range.
     let form = NewTaskForm {
         rounds: String::new(),
         over_selection: "0.3".into(),
         ..form
     };
-    let (partial, problems) = request_body(&form).unwrap_err();
-    let named: Vec<String> = with_api_problems(partial, problems)
-        .into_iter()
-        .map(|p| p.name)
-        .collect();
-    assert_eq!(named, ["rounds", "privacy.epsilon"]);
+    assert_eq!(named_after_one_submit(&form), ["rounds", "privacy.epsilon"]);
     // A check bounded by the missing field is not made against its stand-in: evaluating every 5
     // rounds is not refused for rounds the partner has not given yet.
     let form = NewTaskForm {
@@ -134,26 +144,15 @@ fn the_apis_range_errors_show_with_the_forms_own() {
         evaluation_every: "5".into(),
         ..form
     };
-    let (partial, problems) = request_body(&form).unwrap_err();
-    let named: Vec<String> = with_api_problems(partial, problems)
-        .into_iter()
-        .map(|p| p.name)
-        .collect();
-    assert_eq!(named, ["rounds"]);
+    assert_eq!(named_after_one_submit(&form), ["rounds"]);
 }
 
 /// Evaluation's noise goes to `evaluation.stddev`; given without a schedule it is named.
 #[test]
 fn the_evaluation_noise_field_needs_a_schedule() {
     let base = NewTaskForm {
-        population: "phones".into(),
-        rounds: "5".into(),
-        report_goal: "20".into(),
-        epsilon: "4".into(),
-        delta: "1e-6".into(),
-        clip_norm: "1".into(),
         evaluation_stddev: "800".into(),
-        ..Default::default()
+        ..valid_form()
     };
     let (_, problems) = request_body(&base).unwrap_err();
     assert_eq!(problems[0].name, "evaluation_stddev");

@@ -31,7 +31,7 @@ pub enum ModelError {
     #[error("tensor `{name}` holds a non-finite value (NaN or infinity) at element {index}")]
     NonFinite { name: String, index: usize },
     #[error(
-        "tensor `{0}`: names starting with `confed.` are reserved for the protocol (an update's `confed.evaluation` and `confed.health`); rename the tensor"
+        "tensor `{0}`: names starting with `confed.` are reserved for the protocol (an update's `confed.evaluation`, `confed.health` and `confed.examples`); rename the tensor"
     )]
     ReservedName(String),
 }
