@@ -18,13 +18,16 @@ use crate::clock::{Millis, seconds_of};
 use crate::db::device::{AssignmentRef, Candidate, Capability};
 use crate::db::{Db, DbError};
 use crate::keys::directory::KeyDirectory;
-use crate::registry::{Mismatch, fits};
+use crate::registry::{DeviceRegistry, Mismatch, fits};
 
 /// Room above the model's size for the safetensors header of an update and the envelope.
 pub const CONTRIBUTION_SLACK_BYTES: usize = 64 * 1024;
 
 #[derive(Debug, Error)]
 pub enum CheckinError {
+    /// The request is outside the protocol's bounds (400), saying what to send.
+    #[error(transparent)]
+    Invalid(#[from] confed_protocol::device::InvalidCheckin),
     #[error(transparent)]
     Db(#[from] DbError),
     #[error(transparent)]
@@ -120,15 +123,39 @@ fn would_decline(served: &[ServedRound], candidate: &Candidate) -> bool {
     })
 }
 
-/// The check-in service over the task database, the key directory and the contribution store.
+/// The check-in service over the task database, the key directory, the contribution store and
+/// the recent-devices registry (`AppState::checkin()` builds one per request).
 pub struct Checkin<'a> {
     pub db: &'a Db,
     pub scheduling: crate::scheduling::SchedulingPolicy,
     pub keys: &'a KeyDirectory,
     pub contributions: &'a dyn BlobStore,
+    pub registry: &'a DeviceRegistry,
 }
 
 impl Checkin<'_> {
+    /// One check-in to `population` at `now`: the request checked against the protocol's bounds
+    /// (`CheckinRequest::validate`), an assignment or a retry reason, and the device's public
+    /// attributes recorded in the registry with the outcome.
+    pub async fn check_in(
+        &self,
+        population: &str,
+        request: CheckinRequest,
+        now: Millis,
+    ) -> Result<CheckinOutcome, CheckinError> {
+        let version = request.validate(population)?;
+        let outcome = self.assign(population, &version, &request, now).await?;
+        self.registry.record(
+            population,
+            version,
+            request.attributes,
+            outcome.label(),
+            now,
+        );
+        metrics::counter!("confed_checkins_total", "outcome" => outcome.label()).increment(1);
+        Ok(outcome)
+    }
+
     /// Assigns the device to a round of `population`, or says when to ask again. `version` is
     /// the parsed `client_version`; the request was validated by the caller.
     pub async fn assign(

@@ -3,52 +3,9 @@
 //! spends no privacy, and an operator who ignores it only trains longer (docs/privacy.md,
 //! "Evaluation").
 
-use serde::{Deserialize, Serialize};
-use utoipa::ToSchema;
-
-use crate::db::TaskRecord;
+use crate::db::{Db, DbError, EvaluationPoint, TaskRecord};
 use crate::states::TaskState;
 use crate::task_spec::{EarlyStopping, Metric};
-
-/// One evaluated model version: the `evaluation` of a release manifest (docs/protocol.md).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
-pub struct EvaluationPoint {
-    /// The version measured: the one round `round` trained from (`round - 1`).
-    pub model_version: u64,
-    /// The round whose devices measured it and whose release carries the metrics.
-    #[serde(default)]
-    pub round: u64,
-    /// Asked for on demand rather than scheduled: only devices that still had an on-demand
-    /// evaluation to grant took part, so the sums may hold few examples or none.
-    #[serde(default)]
-    pub on_demand: bool,
-    /// Standard deviation of the noise on each sum, in examples (on `loss_sum`, in loss units,
-    /// `stddev * max_loss`).
-    pub stddev: f64,
-    /// Noised sums: examples, correct answers, loss.
-    pub examples: f64,
-    pub correct: f64,
-    pub loss_sum: f64,
-    /// Noised mean accuracy and loss (null when the noised example count is not positive).
-    pub accuracy: Option<f64>,
-    pub loss: Option<f64>,
-    /// The noise is 5 % or more of the noised examples (or there are none): the accuracy moves
-    /// by 5 points or more with the noise alone, too much to choose a version by
-    /// (docs/privacy.md, "Evaluation").
-    #[serde(default)]
-    pub too_noisy: bool,
-}
-
-/// The evaluation in a release manifest, if the round evaluated (a manifest that does not parse
-/// has none: the release's own check reports it).
-pub fn point_of(round: i64, manifest_json: &str) -> Option<EvaluationPoint> {
-    let manifest: serde_json::Value = serde_json::from_str(manifest_json).ok()?;
-    let mut point: EvaluationPoint =
-        serde_json::from_value(manifest.get("evaluation")?.clone()).ok()?;
-    point.round = u64::try_from(round).ok()?;
-    point.too_noisy = confed_dp::evaluation_too_noisy(point.stddev, point.examples);
-    Some(point)
-}
 
 impl Metric {
     fn of(self, point: &EvaluationPoint) -> Option<f64> {
@@ -106,6 +63,19 @@ pub fn best(metric: Metric, points: &[EvaluationPoint]) -> Option<u64> {
         }
     }
     best.map(|(_, version)| version)
+}
+
+/// The early-stopping rule's verdict on `task`'s evaluations so far (`None`: go on), for the
+/// model commit that would open its next round (`Db::commit_model` takes it).
+pub async fn early_stop_verdict(db: &Db, task: &TaskRecord) -> Result<Option<String>, DbError> {
+    let Some(evaluation) = task.spec.evaluation else {
+        return Ok(None);
+    };
+    let Some(rule) = evaluation.early_stopping else {
+        return Ok(None);
+    };
+    let points = db.evaluations_of_task(&task.id, &evaluation).await?;
+    Ok(early_stop(&rule, &points))
 }
 
 /// Why the task should stop now, if it should: the rule's metric has not improved on its best by

@@ -14,6 +14,7 @@
 
 pub mod aggregation;
 pub mod api;
+pub mod app;
 pub mod auth;
 pub mod blob;
 pub mod checkin;
@@ -24,7 +25,6 @@ pub mod db;
 pub mod embedded;
 pub mod evaluation;
 pub mod keys;
-pub mod partitioning;
 pub mod ports;
 pub mod registry;
 pub mod release_check;
@@ -32,6 +32,7 @@ pub mod retention;
 pub mod scheduler;
 pub mod scheduling;
 pub mod server;
+pub mod spool;
 pub mod states;
 pub mod task_spec;
 pub mod tasks;
@@ -39,6 +40,7 @@ pub mod tasks;
 pub mod tools;
 pub mod uploads;
 pub mod verify;
+pub mod web;
 
 pub use confed_device as device;
 #[cfg(feature = "embedded")]

@@ -10,16 +10,13 @@ use std::time::Duration;
 use thiserror::Error;
 use tokio::sync::watch;
 
-use crate::api::{self, AppState, Limits};
+use crate::app::{AppState, Limits};
 use crate::auth::AdminToken;
 use crate::blob::BlobError;
 use crate::clock::{Clock, SystemClock};
 use crate::db::{Db, DbError, NewTenant};
 use crate::keys::directory::KeyDirectory;
 use crate::scheduler::Scheduler;
-
-/// How often the key services' key sets are fetched again.
-pub(crate) const KEY_REFRESH: Duration = Duration::from_secs(60);
 
 pub use confed_serving::{ListenError, TlsFiles, bind_app, check_listen, serve_app, serve_bound};
 
@@ -64,7 +61,7 @@ pub struct ServeConfig {
     /// Which fitting task a checking-in device serves first.
     pub scheduling: crate::scheduling::SchedulingPolicy,
     /// How large rounds are cut into partitions for several enclave workers.
-    pub partitioning: crate::partitioning::PartitionPolicy,
+    pub partitioning: crate::aggregation::partitions::PartitionPolicy,
     /// Loopback ports the embedded key services take (none: any free ones).
     pub embedded_ports: Option<crate::ports::PortRange>,
 }
@@ -93,8 +90,9 @@ pub enum ServeError {
     Db(#[from] DbError),
     #[error(transparent)]
     Blob(#[from] BlobError),
-    #[error("cannot start the embedded key services: {0}")]
-    Embedded(String),
+    #[cfg(feature = "embedded")]
+    #[error(transparent)]
+    Embedded(#[from] crate::embedded::serve::EmbeddedError),
     #[error(
         "no --keyservice given, and this confed was built without the `embedded` feature (in-process key services and enclave worker): pass --keyservice URL for each key service, and run enclave workers as confed-enclave processes"
     )]
@@ -182,10 +180,10 @@ pub async fn serve(
         confed_serving::bind_ops_only(config.listen, config.tls.as_ref()).await?
     };
     // Before any role runs: their first records must reach the recorder.
-    api::ops::install_metrics();
+    crate::api::ops::install_metrics();
     let (db, fresh) = open_data_dir(&config.data_dir, config.database.as_deref()).await?;
     // Every role: a scheduler's retention would otherwise delete the rows naming them.
-    crate::blob::refuse_contributions_in_the_database(&db).await?;
+    db.refuse_contributions_in_the_database().await?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     if fresh {
         create_demo_tenant(&db, clock.now_millis().0).await?;
@@ -203,7 +201,7 @@ pub async fn serve(
     let mut open_contributions = None;
     if has(Role::Api) || has(Role::EnclaveWorker) {
         let (blobs, contributions) =
-            crate::blob::open_stores(&config.data_dir, &db, config.blobs.as_ref()).await?;
+            crate::blob::open_stores(&config.data_dir, config.blobs.as_ref()).await?;
         open_contributions = Some(contributions.clone());
         let keys = KeyDirectory::default();
         let embedded_worker = if config.keyservices.is_empty() {
@@ -224,11 +222,14 @@ pub async fn serve(
                 Some(worker_config)
             }
         } else {
-            keys.spawn_refresh(config.keyservices.clone(), KEY_REFRESH);
+            keys.spawn_refresh(
+                config.keyservices.clone(),
+                crate::keys::directory::REFRESH_PERIOD,
+            );
             None
         };
         if has(Role::Api) {
-            app = Some(api::router(AppState {
+            app = Some(crate::web::router(AppState {
                 db: db.clone(),
                 blobs: blobs.clone(),
                 contributions: contributions.clone(),
@@ -238,7 +239,7 @@ pub async fn serve(
                 keys: keys.clone(),
                 registry: Default::default(),
                 worker_token: config.worker_token.clone(),
-                console: crate::console::ConsoleSettings {
+                console: crate::app::ConsoleSettings {
                     secure_cookies: config.tls.is_some(),
                     ..Default::default()
                 },
@@ -324,9 +325,9 @@ pub async fn serve(
 async fn create_demo_tenant(db: &Db, now: i64) -> Result<(), ServeError> {
     let demo = NewTenant {
         name: "demo".into(),
-        max_active_tasks: api::admin::DEFAULT_MAX_ACTIVE_TASKS,
-        max_report_goal: api::admin::DEFAULT_MAX_REPORT_GOAL,
-        max_device_hours: api::admin::DEFAULT_MAX_DEVICE_HOURS,
+        max_active_tasks: crate::api::admin::DEFAULT_MAX_ACTIVE_TASKS,
+        max_report_goal: crate::api::admin::DEFAULT_MAX_REPORT_GOAL,
+        max_device_hours: crate::api::admin::DEFAULT_MAX_DEVICE_HOURS,
     };
     let (_, token) = db.create_tenant(&demo, now).await?;
     println!(

@@ -7,11 +7,11 @@ use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use thiserror::Error;
 
-use crate::api::spool::Spooled;
 use crate::blob::{BlobError, BlobKey, BlobStore};
 use crate::clock::Millis;
 use crate::db::{Db, DbError, NewModel, RoundRecord, TaskCursor, TaskRecord};
 use crate::registry::DeviceRegistry;
+use crate::spool::Spooled;
 use crate::states::TaskState;
 use crate::task_spec::{CreateTaskRequest, InvalidParam};
 

@@ -2,7 +2,8 @@
 //! The crate graph is the trust boundary and the device's footprint: these tests read it with
 //! `cargo tree` and fail when a crate appears where it must not (docs/architecture.md, "Crates").
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
 use std::process::Command;
 
 /// Every package `package` links in normal builds (no dev or build dependencies), by name.
@@ -336,4 +337,180 @@ fn every_crate_without_unsafe_code_forbids_it() {
         missing.is_empty(),
         "crates without unsafe code that do not forbid it: {missing:?}"
     );
+}
+
+/// The top-level modules of `src/` each file under `src/<module>` names through `crate::`,
+/// skipping comments and test code (files `tests.rs` / `*_tests.rs`, and a file's trailing
+/// `#[cfg(test)] mod`): module -> (module it uses -> a file that uses it).
+fn module_graph(src: &Path) -> BTreeMap<String, BTreeMap<String, String>> {
+    let mut modules = BTreeSet::new();
+    for entry in std::fs::read_dir(src).unwrap() {
+        let entry = entry.unwrap();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if entry.path().is_dir() {
+            modules.insert(name);
+        } else if let Some(stem) = name.strip_suffix(".rs")
+            && stem != "lib"
+            && stem != "main"
+        {
+            modules.insert(stem.to_string());
+        }
+    }
+    let mut graph: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    for path in rust_files(src) {
+        let relative = path
+            .strip_prefix(src)
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        let top = relative.split('/').next().unwrap().trim_end_matches(".rs");
+        let file = path.file_name().unwrap().to_string_lossy();
+        if !modules.contains(top) || file == "tests.rs" || file.ends_with("_tests.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        let code = text.split("#[cfg(test)]\nmod ").next().unwrap();
+        for line in code.lines().filter(|l| !l.trim_start().starts_with("//")) {
+            for used in crate_paths(line) {
+                if used != top && modules.contains(&used) {
+                    graph
+                        .entry(top.to_string())
+                        .or_default()
+                        .entry(used)
+                        .or_insert_with(|| relative.clone());
+                }
+            }
+        }
+    }
+    graph
+}
+
+fn rust_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            files.extend(rust_files(&path));
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            files.push(path);
+        }
+    }
+    files
+}
+
+/// The first segment after each `crate::` in `line`: `crate::a::b` gives `a`, and a group
+/// `crate::{a::b, c}` gives `a` and `c` (its top level only).
+fn crate_paths(line: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for (at, _) in line.match_indices("crate::") {
+        let rest = &line[at + "crate::".len()..];
+        let Some(group) = rest.strip_prefix('{') else {
+            found.push(identifier(rest));
+            continue;
+        };
+        let mut depth = 0;
+        let mut start_of_item = true;
+        for (i, c) in group.char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' if depth == 0 => break,
+                '}' => depth -= 1,
+                ',' if depth == 0 => start_of_item = true,
+                c if c.is_whitespace() => {}
+                _ if start_of_item && depth == 0 => {
+                    found.push(identifier(&group[i..]));
+                    start_of_item = false;
+                }
+                _ => {}
+            }
+        }
+    }
+    found
+}
+
+fn identifier(text: &str) -> String {
+    text.chars()
+        .take_while(|c| c.is_alphanumeric() || *c == '_')
+        .collect()
+}
+
+/// A cycle in `graph`, as the modules along it with the file that makes each step.
+fn find_cycle(graph: &BTreeMap<String, BTreeMap<String, String>>) -> Option<Vec<String>> {
+    fn visit(
+        node: &str,
+        graph: &BTreeMap<String, BTreeMap<String, String>>,
+        path: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(start) = path.iter().position(|p| p == node) {
+            let mut cycle = path[start..].to_vec();
+            cycle.push(node.to_string());
+            return Some(cycle);
+        }
+        if done.contains(node) {
+            return None;
+        }
+        path.push(node.to_string());
+        for next in graph.get(node).into_iter().flat_map(|edges| edges.keys()) {
+            if let Some(cycle) = visit(next, graph, path, done) {
+                return Some(cycle);
+            }
+        }
+        path.pop();
+        done.insert(node.to_string());
+        None
+    }
+    let mut done = BTreeSet::new();
+    graph
+        .keys()
+        .find_map(|node| visit(node, graph, &mut Vec::new(), &mut done))
+        .map(|cycle| {
+            cycle
+                .windows(2)
+                .map(|step| format!("{} -> {} ({})", step[0], step[1], graph[&step[0]][&step[1]]))
+                .collect()
+        })
+}
+
+#[test]
+fn the_crate_path_reader_sees_plain_paths_and_the_top_level_of_groups() {
+    assert_eq!(crate_paths("use crate::db::Db;"), ["db"]);
+    assert_eq!(
+        crate_paths("use crate::{api::{self, error}, blob, db::{Db, x::y}};"),
+        ["api", "blob", "db"]
+    );
+    assert_eq!(
+        crate_paths("let x = crate::a::f(crate::b::g());"),
+        ["a", "b"]
+    );
+    let graph = BTreeMap::from([
+        (
+            "a".to_string(),
+            BTreeMap::from([("b".to_string(), "a.rs".to_string())]),
+        ),
+        (
+            "b".to_string(),
+            BTreeMap::from([("a".to_string(), "b/mod.rs".to_string())]),
+        ),
+    ]);
+    assert_eq!(
+        find_cycle(&graph).unwrap(),
+        ["a -> b (a.rs)", "b -> a (b/mod.rs)"]
+    );
+}
+
+#[test]
+fn no_module_of_the_front_end_depends_on_itself_through_another() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let graph = module_graph(&src);
+    assert!(
+        graph.values().map(BTreeMap::len).sum::<usize>() > 40,
+        "the graph reader found too few uses to be reading src/: {graph:?}"
+    );
+    if let Some(cycle) = find_cycle(&graph) {
+        panic!(
+            "modules of src/ form a cycle (docs/architecture.md, \"Layers\", says which way uses go): {}",
+            cycle.join(", ")
+        );
+    }
 }

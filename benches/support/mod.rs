@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use confed::api::{self, AppState, Limits};
+use confed::app::{AppState, Limits};
 use confed::blob::LocalBlobStore;
 use confed::clock::SystemClock;
 use confed::db::{Db, NewTenant};
@@ -44,7 +44,11 @@ pub async fn start(keys: KeyDirectory) -> BenchServer {
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, api::router(state)).await.unwrap() });
+    tokio::spawn(async move {
+        axum::serve(listener, confed::web::router(state))
+            .await
+            .unwrap()
+    });
     BenchServer {
         base,
         token: token.to_string(),

@@ -119,6 +119,84 @@ pub struct CheckinRequest {
     pub served: Vec<ServedRound>,
 }
 
+/// Why a check-in request is refused before anything is looked up (400): the field and what to
+/// send instead.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidCheckin(pub String);
+
+/// Longest population name, in bytes (A-Z a-z 0-9 . _ -).
+pub const MAX_POPULATION_BYTES: usize = 128;
+
+/// Whether `population` is a population name: 1-128 of A-Z a-z 0-9 . _ -.
+pub fn valid_population(population: &str) -> bool {
+    (1..=MAX_POPULATION_BYTES).contains(&population.len())
+        && population
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
+/// Parses a dotted numeric version (`"1"`, `"1.4"`, `"2.0.1"`, at most 4 parts).
+pub fn parse_version(text: &str) -> Option<Vec<u32>> {
+    let parts: Option<Vec<u32>> = text.split('.').map(|p| p.parse().ok()).collect();
+    parts.filter(|p| (1..=4).contains(&p.len()))
+}
+
+impl CheckinRequest {
+    /// Checks a check-in to `population` against the bounds above and in `docs/protocol.md`
+    /// (the server refuses what fails with 400 and this message; a device can check first), and
+    /// returns the parsed `client_version`.
+    pub fn validate(&self, population: &str) -> Result<Vec<u32>, InvalidCheckin> {
+        let invalid = |message: String| Err(InvalidCheckin(message));
+        if !valid_population(population) {
+            return invalid("the population must be 1-128 of A-Z a-z 0-9 . _ -".into());
+        }
+        let Some(version) = parse_version(&self.client_version) else {
+            return invalid(format!(
+                "`client_version` must be a dotted numeric version like \"1.4.0\" (got {:?})",
+                self.client_version
+            ));
+        };
+        check_attributes(&self.attributes).map_err(InvalidCheckin)?;
+        if self.served.len() > MAX_SERVED {
+            return invalid(format!(
+                "`served` lists {} rounds; send at most {MAX_SERVED} (the latest round of each task)",
+                self.served.len(),
+            ));
+        }
+        // Characters, as the schema's maxLength counts them (at most 512 bytes of UTF-8).
+        if let Some(bad) = self
+            .served
+            .iter()
+            .find(|s| !(1..=128).contains(&s.task_id.chars().count()))
+        {
+            return invalid(format!(
+                "`served` names a task id of {} characters; task ids are 1-128",
+                bad.task_id.chars().count()
+            ));
+        }
+        if let Some(bad) = self
+            .served
+            .iter()
+            .find(|s| !(1..=MAX_SERVED_ROUND).contains(&s.round))
+        {
+            return invalid(format!(
+                "`served` names round {}; rounds are 1-{MAX_SERVED_ROUND}",
+                bad.round,
+            ));
+        }
+        if let Some(tenant) = &self.tenant_id
+            && !(1..=128).contains(&tenant.chars().count())
+        {
+            return invalid(
+                "`tenant_id` must be 1-128 characters (the id of the tenant the device works for)"
+                    .into(),
+            );
+        }
+        Ok(version)
+    }
+}
+
 /// A round a device served.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -272,6 +350,73 @@ pub struct ReportResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn request(json: serde_json::Value) -> CheckinRequest {
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn a_check_in_within_the_bounds_validates_to_its_parsed_version() {
+        let ok = request(serde_json::json!({
+            "client_version": "1.10.0", "attributes": {"os": "android"},
+            "tenant_id": "acme", "served": [{"task_id": "t", "round": 3}],
+        }));
+        assert_eq!(ok.validate("keyboard.en-US_1").unwrap(), vec![1, 10, 0]);
+    }
+
+    #[test]
+    fn each_bound_of_a_check_in_is_refused_naming_its_field() {
+        let valid = serde_json::json!({"client_version": "1.0"});
+        let cases = [
+            ("population", "bad population!", valid.clone()),
+            (
+                "client_version",
+                "p",
+                serde_json::json!({"client_version": "1.x"}),
+            ),
+            (
+                "client_version",
+                "p",
+                serde_json::json!({"client_version": "1.2.3.4.5"}),
+            ),
+            (
+                "attributes",
+                "p",
+                serde_json::json!({"client_version": "1", "attributes": {"bad name": 1}}),
+            ),
+            (
+                "served",
+                "p",
+                serde_json::json!({"client_version": "1", "served": [{"task_id": "", "round": 1}]}),
+            ),
+            (
+                "served",
+                "p",
+                serde_json::json!({"client_version": "1", "served": [{"task_id": "t", "round": 10001}]}),
+            ),
+            (
+                "tenant_id",
+                "p",
+                serde_json::json!({"client_version": "1", "tenant_id": ""}),
+            ),
+        ];
+        for (field, population, json) in cases {
+            let refused = request(json.clone()).validate(population).unwrap_err().0;
+            let named = if field == "attributes" {
+                "attribute"
+            } else {
+                field
+            };
+            assert!(refused.contains(named), "{json}: {refused}");
+        }
+        let too_many: Vec<_> = (0..=MAX_SERVED)
+            .map(|i| serde_json::json!({"task_id": format!("t{i}"), "round": 1}))
+            .collect();
+        let refused = request(serde_json::json!({"client_version": "1", "served": too_many}))
+            .validate("p")
+            .unwrap_err();
+        assert!(refused.0.contains("at most"), "{refused}");
+    }
 
     #[test]
     fn an_assignment_prints_without_its_capability_or_urls() {

@@ -5,9 +5,9 @@ use axum::http::StatusCode;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::{Admin, ApiJson};
+use crate::app::AppState;
 use crate::clock::{Millis, rfc3339};
 use crate::db::{NewTenant, TenantRecord};
 use crate::task_spec::{InvalidParam, MAX_REPORT_GOAL};
@@ -26,16 +26,16 @@ pub struct CreateTenantRequest {
     #[schema(pattern = r"^[a-z0-9_-]{1,64}$")]
     pub name: String,
     /// Tasks in CREATED or OPEN at once, 1-10000 (default 10).
-    #[serde(default, deserialize_with = "super::integers::option_i64")]
+    #[serde(default, deserialize_with = "crate::task_spec::integers::option_i64")]
     #[schema(minimum = 1, maximum = 10000)]
     pub max_active_tasks: Option<i64>,
     /// Largest `report_goal` of any task, 1-1000000 (default 10000).
-    #[serde(default, deserialize_with = "super::integers::option_i64")]
+    #[serde(default, deserialize_with = "crate::task_spec::integers::option_i64")]
     #[schema(minimum = 1, maximum = 1000000)]
     pub max_report_goal: Option<i64>,
     /// Device-hours the tenant's active tasks may plan at once (each task's rounds x its
     /// round's devices x its `device_seconds_per_round`), 1-1000000000 (default 100000).
-    #[serde(default, deserialize_with = "super::integers::option_i64")]
+    #[serde(default, deserialize_with = "crate::task_spec::integers::option_i64")]
     #[schema(minimum = 1, maximum = 1000000000)]
     pub max_device_hours: Option<i64>,
 }
@@ -204,7 +204,7 @@ pub async fn resume_round(
     _admin: Admin,
     super::extract::ApiPath((task_id, round)): super::extract::ApiPath<(String, i64)>,
 ) -> Result<axum::Json<ResumedRound>, ApiError> {
-    let resumed = crate::partitioning::resume_failed_round(
+    let resumed = crate::aggregation::partitions::resume_failed_round(
         &state.db,
         state.blobs.as_ref(),
         &task_id,

@@ -6,14 +6,12 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
-use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::{ApiJson, ApiPath};
-use crate::checkin::{Checkin, CheckinOutcome, RetryReason};
+use crate::app::AppState;
+use crate::checkin::{CheckinOutcome, RetryReason};
 use crate::db::device::{Capability, Refusal, Stored};
-use crate::registry::check_attributes;
 use crate::states::AssignmentState;
-use crate::task_spec::{parse_version, valid_population};
 use crate::uploads::UploadError;
 pub use confed_protocol::device::{
     AssignmentResponse, CheckinRequest, ReportOutcome, ReportRequest, ReportResponse,
@@ -34,68 +32,10 @@ pub async fn checkin(
     ApiPath(population): ApiPath<String>,
     ApiJson(request): ApiJson<CheckinRequest>,
 ) -> Result<Response, ApiError> {
-    if !valid_population(&population) {
-        return Err(ApiError::BadRequest(
-            "the population must be 1-128 of A-Z a-z 0-9 . _ -".into(),
-        ));
-    }
-    let version = parse_version(&request.client_version).ok_or_else(|| {
-        ApiError::BadRequest(format!(
-            "`client_version` must be a dotted numeric version like \"1.4.0\" (got {:?})",
-            request.client_version
-        ))
-    })?;
-    check_attributes(&request.attributes).map_err(ApiError::BadRequest)?;
-    if request.served.len() > confed_protocol::device::MAX_SERVED {
-        return Err(ApiError::BadRequest(format!(
-            "`served` lists {} rounds; send at most {} (the latest round of each task)",
-            request.served.len(),
-            confed_protocol::device::MAX_SERVED
-        )));
-    }
-    // Characters, as the schema's maxLength counts them (at most 512 bytes of UTF-8).
-    if let Some(bad) = request
-        .served
-        .iter()
-        .find(|s| !(1..=128).contains(&s.task_id.chars().count()))
-    {
-        return Err(ApiError::BadRequest(format!(
-            "`served` names a task id of {} characters; task ids are 1-128",
-            bad.task_id.chars().count()
-        )));
-    }
-    let rounds = 1..=confed_protocol::device::MAX_SERVED_ROUND;
-    if let Some(bad) = request.served.iter().find(|s| !rounds.contains(&s.round)) {
-        return Err(ApiError::BadRequest(format!(
-            "`served` names round {}; rounds are 1-{}",
-            bad.round,
-            confed_protocol::device::MAX_SERVED_ROUND
-        )));
-    }
-    if let Some(tenant) = &request.tenant_id
-        && !(1..=128).contains(&tenant.chars().count())
-    {
-        return Err(ApiError::BadRequest(
-            "`tenant_id` must be 1-128 characters (the id of the tenant the device works for)"
-                .into(),
-        ));
-    }
-    let now = state.now();
-    let checkin = Checkin {
-        db: &state.db,
-        scheduling: state.scheduling,
-        keys: &state.keys,
-        contributions: state.contributions.as_ref(),
-    };
-    let outcome = checkin.assign(&population, &version, &request, now).await?;
-    state.registry.record(
-        &population,
-        version,
-        request.attributes,
-        outcome.label(),
-        now,
-    );
-    metrics::counter!("confed_checkins_total", "outcome" => outcome.label()).increment(1);
+    let outcome = state
+        .checkin()
+        .check_in(&population, request, state.now())
+        .await?;
     Ok(match outcome {
         CheckinOutcome::Assigned(assignment) => {
             (StatusCode::CREATED, axum::Json(*assignment)).into_response()
@@ -302,6 +242,14 @@ impl From<UploadError> for ApiError {
             UploadError::WrongKey(detail) => ApiError::Unprocessable(detail),
             UploadError::DirectUploadSize { .. } => ApiError::Unprocessable(error.to_string()),
             UploadError::Unauthenticated(_) => ApiError::TokenRefused(error.to_string()),
+            UploadError::TokenRequired {
+                detail,
+                www_authenticate,
+            } => ApiError::TokenRequired {
+                detail,
+                www_authenticate,
+            },
+            UploadError::TokenRefused(detail) => ApiError::TokenRefused(detail),
             UploadError::Db(error) => error.into(),
             UploadError::Blob(error) => error.into(),
         }

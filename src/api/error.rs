@@ -214,6 +214,7 @@ impl From<crate::checkin::CheckinError> for ApiError {
     fn from(error: crate::checkin::CheckinError) -> Self {
         use crate::checkin::CheckinError;
         match error {
+            CheckinError::Invalid(error) => Self::BadRequest(error.to_string()),
             CheckinError::Db(error) => error.into(),
             CheckinError::Blob(error) => error.into(),
             CheckinError::Random(error) => Self::Internal(error.to_string()),
@@ -250,6 +251,19 @@ impl From<BlobError> for ApiError {
                 disk_full(&error)
             }
             other => Self::Internal(other.to_string()),
+        }
+    }
+}
+
+impl From<crate::spool::SpoolError> for ApiError {
+    fn from(error: crate::spool::SpoolError) -> Self {
+        use crate::spool::SpoolError;
+        match error {
+            SpoolError::Busy { .. } => Self::Unavailable(error.to_string()),
+            SpoolError::TooLarge { .. } => Self::PayloadTooLarge(error.to_string()),
+            SpoolError::BrokenOff { .. } => Self::BadRequest(error.to_string()),
+            SpoolError::DiskFull { .. } => disk_full(&error),
+            SpoolError::Failed { .. } => Self::Internal(error.to_string()),
         }
     }
 }

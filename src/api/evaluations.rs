@@ -5,10 +5,10 @@ use axum::extract::State;
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::{ApiPath, Tenant};
-use crate::evaluation::EvaluationPoint;
+use crate::app::AppState;
+use crate::db::EvaluationPoint;
 use crate::task_spec::EvaluationSpec;
 
 #[derive(Debug, Serialize, ToSchema)]

@@ -5,8 +5,8 @@ use axum::extract::{FromRequest, FromRequestParts};
 use axum::http::header;
 use axum::http::request::Parts;
 
-use super::AppState;
 use super::error::ApiError;
+use crate::app::AppState;
 use crate::db::TenantRecord;
 
 /// JSON body; unknown fields are refused by the target types (`deny_unknown_fields`).

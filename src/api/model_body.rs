@@ -5,8 +5,8 @@
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
-use super::AppState;
 use super::error::ApiError;
+use crate::app::AppState;
 use crate::blob::BlobKey;
 
 /// Whether an `If-None-Match` value names the entity tag `"<tag>"`: `*`, or any listed tag,

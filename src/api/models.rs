@@ -4,10 +4,10 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 
-use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::{ApiPath, DeclaredModelLength, Tenant};
 use super::tasks::TaskResponse;
+use crate::app::AppState;
 
 /// Upload model version 0 (safetensors, F32 tensors); the task opens and round 1 starts.
 #[utoipa::path(put, path = "/v1/tasks/{id}/model", tag = "models",
@@ -32,7 +32,7 @@ pub async fn put_model(
     let tasks = state.tasks();
     tasks.check_open_for_model(&tenant.id, &id).await?;
     // To a temporary file as it arrives, hashed on the way: never the whole model in memory.
-    let spooled = super::spool::spool(body, state.limits.model_bytes as u64, "model").await?;
+    let spooled = crate::spool::spool(body, state.limits.model_bytes as u64, "model").await?;
     let bytes = spooled.len;
     let task = tasks
         .store_version_zero(&tenant.id, &id, spooled, state.now())

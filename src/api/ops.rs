@@ -8,8 +8,8 @@ use axum::http::{HeaderValue, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use super::AppState;
 use super::error::ApiError;
+use crate::app::AppState;
 use crate::states::{RoundState, TaskState};
 
 /// confed's recorder (its histogram buckets), not installed: what a test can use alone.

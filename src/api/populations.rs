@@ -6,9 +6,9 @@ use axum::http::StatusCode;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::{Admin, ApiJson, ApiPath, Tenant};
+use crate::app::AppState;
 use crate::clock::{Millis, rfc3339};
 use crate::db::populations::{Claimed, PopulationRecord};
 use crate::task_spec::valid_population;

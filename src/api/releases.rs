@@ -7,9 +7,9 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::{ApiPath, Tenant};
+use crate::app::AppState;
 use crate::blob::BlobKey;
 use crate::clock::{Millis, rfc3339};
 

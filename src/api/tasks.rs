@@ -5,9 +5,9 @@ use axum::http::StatusCode;
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
-use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::{ApiJson, ApiPath, ApiQuery, Tenant};
+use crate::app::AppState;
 use crate::clock::{Millis, rfc3339};
 use crate::db::{RoundRecord, TaskRecord};
 use crate::states::{RoundState, TaskState};

@@ -19,8 +19,8 @@ use std::time::Duration;
 
 use super::error::ApiError;
 use super::extract::{ApiBytes, ApiJson, ApiPath, ApiQuery, bearer};
-use super::{AppState, Limits};
 use crate::aggregation::TaskDbJobStore;
+use crate::app::{AppState, Limits};
 
 /// Proof that the caller holds the worker token.
 pub struct WorkerAuth;
@@ -373,7 +373,7 @@ pub fn router(limits: &Limits) -> Router<AppState> {
     let partition_limit = limits
         .model_bytes
         .saturating_mul(2)
-        .saturating_add(crate::partitioning::PARTITION_SLACK_BYTES);
+        .saturating_add(crate::aggregation::partitions::PARTITION_SLACK_BYTES);
     let partition_route = Router::new()
         .route("/internal/v1/jobs/{id}/partition", put(partition))
         .layer(DefaultBodyLimit::max(partition_limit));

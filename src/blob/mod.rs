@@ -161,7 +161,6 @@ impl std::io::Read for FileFromStart<'_> {
 /// bucket's prefix), else `<data dir>/blobs` and the contribution log.
 pub async fn open_stores(
     data_dir: &std::path::Path,
-    db: &crate::db::Db,
     gcs: Option<&GcsConfig>,
 ) -> Result<(std::sync::Arc<dyn BlobStore>, std::sync::Arc<dyn BlobStore>), BlobError> {
     if let Some(config) = gcs {
@@ -171,7 +170,6 @@ pub async fn open_stores(
             std::sync::Arc::new(gcs.store("contributions")),
         ));
     }
-    refuse_contributions_in_the_database(db).await?;
     Ok((
         std::sync::Arc::new(LocalBlobStore::open(data_dir.join("blobs"))?),
         embedded_contributions(data_dir)?,
@@ -185,23 +183,6 @@ pub fn embedded_contributions(
     Ok(std::sync::Arc::new(ContributionLog::open(
         data_dir.join("contributions"),
     )?))
-}
-
-/// Releases before the contribution log kept contributions in the task database's `blobs` table;
-/// this one no longer reads them. Their rounds' retention deletes them, so a data directory
-/// upgraded after one retention window holds none; one that still does is refused at start
-/// rather than failing those rounds' jobs with "not found" (docs/operations.md, "Upgrades").
-pub async fn refuse_contributions_in_the_database(db: &crate::db::Db) -> Result<(), BlobError> {
-    let stored = db
-        .has_contributions_in_database()
-        .await
-        .map_err(|e| BlobError::Setup(e.to_string()))?;
-    if stored {
-        return Err(BlobError::Setup(
-            "the task database still holds contributions stored before the contribution log, which this release does not read; run the previous release until retention has deleted them (--retention-minutes after their rounds close), or, if their rounds are COMPLETED or FAILED, delete them with DELETE FROM blobs".into(),
-        ));
-    }
-    Ok(())
 }
 
 pub type BlobFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, BlobError>> + Send + 'a>>;
@@ -383,29 +364,5 @@ mod tests {
             assert!(BlobKey::new(bad).is_err(), "{bad:?}");
         }
         assert!(BlobKey::new("tenants/t1/tasks/x/models/0-ab.safetensors").is_ok());
-    }
-
-    #[tokio::test]
-    async fn a_data_directory_still_holding_contributions_in_the_database_is_refused_saying_what_to_do()
-     {
-        let dir = tempfile::tempdir().unwrap();
-        let db = crate::db::Db::open_sqlite(&dir.path().join("t.db"))
-            .await
-            .unwrap();
-        assert!(open_stores(dir.path(), &db, None).await.is_ok());
-        sqlx::query("INSERT INTO blobs (key, sha256, bytes) VALUES ($1, $2, $3)")
-            .bind("a/b.cbor")
-            .bind("digest")
-            .bind(b"stored before the log".to_vec())
-            .execute(db.pool())
-            .await
-            .unwrap();
-        let refused = open_stores(dir.path(), &db, None)
-            .await
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(refused.contains("still holds contributions"), "{refused}");
-        assert!(refused.contains("previous release"), "{refused}");
     }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use clap::Args;
-use confed::api::Limits;
+use confed::app::Limits;
 use confed::server::{self, ServeConfig, TlsFiles};
 
 use super::shutdown_signal;
@@ -99,10 +99,10 @@ pub struct ServeArgs {
     /// Enclave workers the deployment runs for partitioned rounds: a round of at least twice
     /// --partition-min-contributions is cut into up to this many partitions, each aggregated by
     /// any worker, then merged (docs/architecture.md, "Partitioned rounds"). 1: never.
-    #[arg(long, env = "CONFED_PARTITION_WORKERS", default_value_t = confed::partitioning::PartitionPolicy::default().workers)]
+    #[arg(long, env = "CONFED_PARTITION_WORKERS", default_value_t = confed::aggregation::partitions::PartitionPolicy::default().workers)]
     pub partition_workers: u32,
     /// Fewest contributions a partition sums.
-    #[arg(long, default_value_t = confed::partitioning::PartitionPolicy::default().min_contributions)]
+    #[arg(long, default_value_t = confed::aggregation::partitions::PartitionPolicy::default().min_contributions)]
     pub partition_min_contributions: usize,
 }
 
@@ -160,7 +160,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         // In range (clap checks 1..=MAX_RETENTION_MINUTES), so the product fits.
         retention: Duration::from_secs(args.retention_minutes * 60),
         scheduling: args.scheduling,
-        partitioning: confed::partitioning::PartitionPolicy {
+        partitioning: confed::aggregation::partitions::PartitionPolicy {
             workers: args.partition_workers.max(1),
             min_contributions: args.partition_min_contributions.max(1),
         },

@@ -30,6 +30,12 @@ impl From<DbError> for ConsoleError {
     }
 }
 
+impl From<crate::spool::SpoolError> for ConsoleError {
+    fn from(error: crate::spool::SpoolError) -> Self {
+        Self::Api(error.into())
+    }
+}
+
 impl From<axum::extract::rejection::PathRejection> for ConsoleError {
     fn from(rejection: axum::extract::rejection::PathRejection) -> Self {
         Self::Api(rejection.into())

@@ -9,9 +9,9 @@ use super::error::{ConsoleError, ConsoleForm, ConsolePath};
 use super::layout::csrf_field;
 use super::session::Session;
 use super::task_page::CsrfOnly;
-use crate::api::AppState;
+use crate::app::AppState;
+use crate::db::EvaluationPoint;
 use crate::db::TaskRecord;
-use crate::evaluation::EvaluationPoint;
 use crate::states::TaskState;
 
 /// `None` for a task without evaluation.

@@ -25,14 +25,13 @@ use axum::middleware::{Next, from_fn, from_fn_with_state};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 
-use crate::api::AppState;
+use crate::app::AppState;
 pub use error::ConsoleError;
-pub use session::ConsoleSettings;
 
 /// The stylesheet, compiled in (no build step, no second origin).
 const STYLESHEET: &str = include_str!("console.css");
 
-/// The console's routes; `api::router` merges them.
+/// The console's routes; `web::router` merges them.
 pub fn router(state: AppState) -> Router<AppState> {
     let limits = &state.limits;
     let model_upload = Router::new()

@@ -12,8 +12,8 @@ use serde_json::{Map, Value};
 use super::error::{ConsoleError, ConsoleForm};
 use super::layout::{self, csrf_field};
 use super::session::Session;
-use crate::api::AppState;
 use crate::api::error::ApiError;
+use crate::app::AppState;
 use crate::task_spec::{CreateTaskRequest, InvalidParam};
 use crate::tasks::TaskError;
 

@@ -10,7 +10,7 @@ use maud::{Markup, html};
 use super::error::ConsoleError;
 use super::layout::{self, count};
 use super::session::Session;
-use crate::api::AppState;
+use crate::app::AppState;
 use crate::checkin::RetryReason;
 use crate::states::TaskState;
 

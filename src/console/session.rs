@@ -18,28 +18,9 @@ use zeroize::{Zeroize, Zeroizing};
 
 use super::error::{ConsoleError, ConsoleForm};
 use super::layout;
-use crate::api::AppState;
 use crate::api::error::ApiError;
+use crate::app::{AppState, ConsoleSettings};
 use crate::db::TenantRecord;
-
-/// Cookie and session settings.
-#[derive(Debug, Clone, Copy)]
-pub struct ConsoleSettings {
-    /// Mark the cookie `Secure` (and name it `__Host-...`): on whenever the server speaks TLS.
-    /// Off only for plain HTTP, which the server allows on loopback alone.
-    pub secure_cookies: bool,
-    /// How long a sign-in lasts, from sign-in (not sliding).
-    pub session_ttl_millis: i64,
-}
-
-impl Default for ConsoleSettings {
-    fn default() -> Self {
-        Self {
-            secure_cookies: false,
-            session_ttl_millis: 60 * 60 * 1000,
-        }
-    }
-}
 
 impl ConsoleSettings {
     fn cookie_name(&self) -> &'static str {

@@ -15,8 +15,8 @@ use super::error::{ConsoleError, ConsoleForm, ConsolePath};
 use super::layout::{self, count, csrf_field, duration};
 use super::session::Session;
 use super::tasks::state_badge;
-use crate::api::AppState;
 use crate::api::error::ApiError;
+use crate::app::AppState;
 use crate::db::jobs::ReleaseRecord;
 use crate::db::progress::FunnelCount;
 use crate::db::{RoundRecord, TaskRecord};
@@ -511,7 +511,7 @@ pub async fn upload_model(
             }
             // Spooled to a temporary file like the API's upload, never whole in memory.
             let limit = state.limits.model_bytes as u64;
-            model = Some(crate::api::spool::spool_chunks(field, limit, "model").await?);
+            model = Some(crate::spool::spool_chunks(field, limit, "model").await?);
         }
     }
     let model = model.filter(|m| m.len > 0).ok_or_else(|| {

@@ -8,8 +8,8 @@ use serde::Deserialize;
 use super::error::{ConsoleError, ConsoleQuery};
 use super::layout;
 use super::session::Session;
-use crate::api::AppState;
 use crate::api::error::ApiError;
+use crate::app::AppState;
 use crate::db::TaskRecord;
 use crate::states::TaskState;
 

@@ -49,6 +49,10 @@ pub enum DbError {
     Corrupt(String),
     #[error("the write was not committed: {0}")]
     Commit(CommitFailure),
+    /// The database holds what an earlier release left and this one cannot read: run the
+    /// upgrade step the message names first.
+    #[error("{0}")]
+    Upgrade(&'static str),
     #[error("could not issue a token: {0}")]
     Token(#[from] crate::auth::AuthError),
 }

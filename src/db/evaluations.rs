@@ -1,9 +1,60 @@
 //! A task's evaluations, read from its committed releases' manifests (evaluation rounds only).
 
+use confed_worker_api::Manifest;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
 use super::{Conn, Db, DbError, tasks};
-use crate::evaluation::{EvaluationPoint, point_of};
 use crate::states::TaskState;
 use crate::task_spec::EvaluationSpec;
+
+/// One evaluated model version: the `evaluation` of a release manifest (docs/protocol.md).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct EvaluationPoint {
+    /// The version measured: the one round `round` trained from (`round - 1`).
+    pub model_version: u64,
+    /// The round whose devices measured it and whose release carries the metrics.
+    #[serde(default)]
+    pub round: u64,
+    /// Asked for on demand rather than scheduled: only devices that still had an on-demand
+    /// evaluation to grant took part, so the sums may hold few examples or none.
+    #[serde(default)]
+    pub on_demand: bool,
+    /// Standard deviation of the noise on each sum, in examples (on `loss_sum`, in loss units,
+    /// `stddev * max_loss`).
+    pub stddev: f64,
+    /// Noised sums: examples, correct answers, loss.
+    pub examples: f64,
+    pub correct: f64,
+    pub loss_sum: f64,
+    /// Noised mean accuracy and loss (null when the noised example count is not positive).
+    pub accuracy: Option<f64>,
+    pub loss: Option<f64>,
+    /// The noise is 5 % or more of the noised examples (or there are none): the accuracy moves
+    /// by 5 points or more with the noise alone, too much to choose a version by
+    /// (docs/privacy.md, "Evaluation").
+    #[serde(default)]
+    pub too_noisy: bool,
+}
+
+/// The evaluation in a release manifest, if the round evaluated (a manifest that does not parse
+/// has none: the release's own check reports it).
+pub fn point_of(round: i64, manifest_json: &str) -> Option<EvaluationPoint> {
+    let manifest: Manifest = serde_json::from_str(manifest_json).ok()?;
+    let record = manifest.evaluation?;
+    Some(EvaluationPoint {
+        model_version: record.model_version,
+        round: u64::try_from(round).ok()?,
+        on_demand: record.on_demand,
+        stddev: record.stddev,
+        examples: record.examples,
+        correct: record.correct,
+        loss_sum: record.loss_sum,
+        accuracy: record.accuracy,
+        loss: record.loss,
+        too_noisy: confed_dp::evaluation_too_noisy(record.stddev, record.examples),
+    })
+}
 
 /// The evaluations of task `task_id` under `evaluation`, by model version: the releases of its
 /// scheduled evaluation rounds and of the rounds opened to evaluate on demand, and no other
@@ -45,6 +96,16 @@ pub(super) async fn of_task(
 }
 
 impl Db {
+    /// The evaluations of task `task_id` (any tenant's) under its `evaluation` spec.
+    pub async fn evaluations_of_task(
+        &self,
+        task_id: &str,
+        evaluation: &EvaluationSpec,
+    ) -> Result<Vec<EvaluationPoint>, DbError> {
+        let mut conn = self.pool().acquire().await?;
+        of_task(&mut conn, task_id, evaluation).await
+    }
+
     /// The evaluations of one of the tenant's tasks (none if it does not evaluate).
     pub async fn evaluations(
         &self,

@@ -438,13 +438,15 @@ impl Db {
     }
 
     /// Records model version `round_number`, completes the round (APPLYING -> COMPLETED) and the
-    /// job, and opens the next round or, after the last planned round or when the task's
-    /// early-stopping rule says so, completes the task.
+    /// job, and opens the next round or, after the last planned round or when `early_stop` (the
+    /// task's early-stopping rule's verdict, `evaluation::early_stop_verdict`) gives a reason,
+    /// completes the task.
     pub async fn commit_model(
         &self,
         round_id: &str,
         worker: &str,
         model: models::NewModel,
+        early_stop: Option<String>,
         now: i64,
     ) -> Result<(), DbError> {
         let (round_id, worker) = (round_id.to_string(), worker.to_string());
@@ -479,7 +481,7 @@ impl Db {
                     return Ok(());
                 }
                 let more_rounds = version < i64::from(task.spec.rounds);
-                if more_rounds && let Some(reason) = early_stop(&mut *tx, &task).await? {
+                if more_rounds && let Some(reason) = early_stop {
                     transition(
                         &mut *tx,
                         &task.id,
@@ -566,18 +568,6 @@ impl Db {
         }
         Ok(out)
     }
-}
-
-/// The early-stopping rule's verdict on the task's evaluations so far (`None`: go on).
-async fn early_stop(conn: &mut Conn, task: &tasks::TaskRecord) -> Result<Option<String>, DbError> {
-    let Some(evaluation) = task.spec.evaluation else {
-        return Ok(None);
-    };
-    let Some(rule) = evaluation.early_stopping else {
-        return Ok(None);
-    };
-    let points = super::evaluations::of_task(conn, &task.id, &evaluation).await?;
-    Ok(crate::evaluation::early_stop(&rule, &points))
 }
 
 /// Fails a job whose lease the caller checked (the job's, or one of its partitions'): a

@@ -45,6 +45,7 @@ use sqlx::any::AnyPoolOptions;
 use sqlx::{AnyPool, Connection, Executor};
 
 pub use error::{CommitCause, CommitFailure, DbError};
+pub use evaluations::{EvaluationPoint, point_of};
 pub use history::HistoryRecord;
 pub use models::{ModelRecord, NewModel};
 pub use resume::Resumed;

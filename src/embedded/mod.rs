@@ -22,7 +22,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::aggregation::TaskDbJobStore;
-use crate::api::{self, AppState, Limits};
+use crate::app::{AppState, Limits};
 use crate::clock::Clock;
 use crate::db::{Db, NewTenant};
 use crate::keys::directory::KeyDirectory;
@@ -59,7 +59,7 @@ pub struct EmbeddedOptions {
     /// GCS (or its emulator) instead of the data directory's blobs and contribution log.
     pub blobs: Option<crate::blob::GcsConfig>,
     /// How large rounds are cut into partitions (default: never).
-    pub partitioning: crate::partitioning::PartitionPolicy,
+    pub partitioning: crate::aggregation::partitions::PartitionPolicy,
     /// Where the key services and the API listen on loopback (default: ports the system picks).
     pub ports: Option<crate::ports::PortRange>,
 }
@@ -132,7 +132,10 @@ impl EmbeddedSystem {
             None => Db::open_sqlite(&dir.join("confed.db")).await,
         }
         .map_err(setup)?;
-        let (blobs, contributions) = crate::blob::open_stores(dir, &db, options.blobs.as_ref())
+        db.refuse_contributions_in_the_database()
+            .await
+            .map_err(setup)?;
+        let (blobs, contributions) = crate::blob::open_stores(dir, options.blobs.as_ref())
             .await
             .map_err(setup)?;
         let keys = KeyDirectory::default();
@@ -158,7 +161,7 @@ impl EmbeddedSystem {
             device_auth: Default::default(),
         };
         let (url, handle) =
-            serve_router(api::router(state), stop_rx.clone(), options.ports).await?;
+            serve_router(crate::web::router(state), stop_rx.clone(), options.ports).await?;
         tasks.push(handle);
         tasks.push(tokio::spawn(
             Scheduler::new(db.clone(), clock.clone())

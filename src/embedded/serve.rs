@@ -13,7 +13,20 @@ use crate::aggregation::TaskDbJobStore;
 use crate::clock::Clock;
 use crate::db::Db;
 use crate::keys::directory::KeyDirectory;
-use crate::server::{KEY_REFRESH, ServeError};
+use crate::keys::directory::REFRESH_PERIOD;
+
+/// Why the embedded key services and worker did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum EmbeddedError {
+    #[error("cannot use data directory {path}: {source}")]
+    DataDir {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot start the embedded key services: {0}")]
+    Start(String),
+}
 
 /// The embedded default without `--keyservice`: three key services (any two reconstruct a key)
 /// and an enclave worker in this process, attesting with the DEV attester; state in
@@ -24,9 +37,9 @@ pub async fn start_enclave(
     keys: &KeyDirectory,
     stop: watch::Receiver<bool>,
     ports: Option<crate::ports::PortRange>,
-) -> Result<(WorkerConfig, Vec<JoinHandle<()>>), ServeError> {
+) -> Result<(WorkerConfig, Vec<JoinHandle<()>>), EmbeddedError> {
     let embedded = data_dir.join("embedded");
-    std::fs::create_dir_all(&embedded).map_err(|source| ServeError::DataDir {
+    std::fs::create_dir_all(&embedded).map_err(|source| EmbeddedError::DataDir {
         path: embedded.clone(),
         source,
     })?;
@@ -39,23 +52,23 @@ pub async fn start_enclave(
             &attester_key,
             Arc::new(move || token_clock.now_seconds().0),
         )
-        .map_err(ServeError::Embedded)?,
+        .map_err(EmbeddedError::Start)?,
     );
     let services =
         super::keyservices::start(&embedded, 3, 2, clock.clone(), &attester, stop, ports)
             .await
-            .map_err(|e| ServeError::Embedded(confed_protocol::errors::with_causes(&e)))?;
+            .map_err(|e| EmbeddedError::Start(confed_protocol::errors::with_causes(&e)))?;
     let urls: Vec<String> = services.endpoints.iter().map(|e| e.url.clone()).collect();
     keys.refresh(
         &confed_protocol::http::client(Duration::from_secs(10)),
         &urls,
     )
     .await;
-    keys.spawn_refresh(urls, KEY_REFRESH);
+    keys.spawn_refresh(urls, REFRESH_PERIOD);
     let trust_file = embedded.join("trust.json");
     let trust = serde_json::to_vec_pretty(&services.trust)
-        .map_err(|e| ServeError::Embedded(confed_protocol::errors::with_causes(&e)))?;
-    std::fs::write(&trust_file, trust).map_err(|source| ServeError::DataDir {
+        .map_err(|e| EmbeddedError::Start(confed_protocol::errors::with_causes(&e)))?;
+    std::fs::write(&trust_file, trust).map_err(|source| EmbeddedError::DataDir {
         path: trust_file.clone(),
         source,
     })?;

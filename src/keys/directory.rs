@@ -8,6 +8,9 @@ use std::time::Duration;
 use confed_attestation::exchange::{KeySet, SignedPublicKey};
 
 use super::KeyState;
+
+/// How often a server fetches the key services' key sets again.
+pub const REFRESH_PERIOD: std::time::Duration = std::time::Duration::from_secs(60);
 pub use confed_protocol::keys::{DeviceKey, KeySignature};
 
 #[derive(Debug, Clone, Default)]
@@ -244,7 +247,7 @@ impl KeyDirectory {
         *sets = fresh;
     }
 
-    /// Refreshes every `period` until the process ends.
+    /// Refreshes every `period` (`REFRESH_PERIOD` in the server) until the process ends.
     pub fn spawn_refresh(&self, urls: Vec<String>, period: Duration) {
         // Not ready until the first refresh has answered (it runs in the background).
         if let Ok(mut reach) = self.reach.write()

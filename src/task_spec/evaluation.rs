@@ -22,7 +22,7 @@ pub struct EvaluationSpec {
     /// Rounds between evaluations, 0..=rounds: rounds 1, 1 + every, 1 + 2 every, ... evaluate
     /// the model version they train from (version 0, every, 2 every, ...); 0: none scheduled
     /// (then `on_demand` must be at least 1).
-    #[serde(deserialize_with = "crate::api::integers::i64")]
+    #[serde(deserialize_with = "crate::task_spec::integers::i64")]
     #[schema(minimum = 0, maximum = 10000)]
     pub every: i64,
     /// Bound on one example's loss, (0, 1e6] (default 10): devices clip each loss at it, and the
@@ -35,7 +35,7 @@ pub struct EvaluationSpec {
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
-        deserialize_with = "crate::api::integers::option_i64"
+        deserialize_with = "crate::task_spec::integers::option_i64"
     )]
     #[schema(minimum = 1, maximum = 1000000)]
     pub max_examples: Option<i64>,
@@ -52,7 +52,7 @@ pub struct EvaluationSpec {
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
-        deserialize_with = "crate::api::integers::option_i64"
+        deserialize_with = "crate::task_spec::integers::option_i64"
     )]
     #[schema(minimum = 0, maximum = 1000)]
     pub on_demand: Option<i64>,
@@ -67,7 +67,7 @@ pub struct EvaluationSpec {
 pub struct EarlyStopping {
     pub metric: Metric,
     /// Evaluations without improvement before stopping, 1-1000.
-    #[serde(deserialize_with = "crate::api::integers::i64")]
+    #[serde(deserialize_with = "crate::task_spec::integers::i64")]
     #[schema(minimum = 1, maximum = 1000)]
     pub patience: i64,
     /// Smallest change that counts as an improvement, [0, 1e6] (default 0).

@@ -4,6 +4,7 @@
 
 mod device_auth;
 mod evaluation;
+pub mod integers;
 mod privacy;
 mod problems;
 mod upload_window;
@@ -12,6 +13,7 @@ use confed_protocol::policy::{DpMechanism, Mechanism, TaskPolicy};
 use confed_worker_api::optimizer::ServerOptimizer;
 use std::collections::BTreeMap;
 
+pub use confed_protocol::device::{parse_version, valid_population};
 pub use device_auth::DeviceAuthSpec;
 pub use evaluation::{EarlyStopping, EvaluationSpec, MAX_PATIENCE, Metric};
 pub use privacy::{AdaptiveClippingSpec, MechanismName, PrivacyBudget, WeightBy, WeightingSpec};
@@ -37,7 +39,7 @@ pub const MAX_CLIP_NORM: f64 = confed_protocol::policy::MAX_CLIP_NORM;
 pub const MAX_LEARNING_RATE: f64 = 100.0;
 pub const MAX_PLAN_BYTES: usize = 64 * 1024;
 pub const MAX_CONSTRAINTS: usize = 32;
-pub const MAX_POPULATION_LEN: usize = 128;
+pub const MAX_POPULATION_LEN: usize = confed_protocol::device::MAX_POPULATION_BYTES;
 
 /// The device attribute a task requires: an exact boolean or string, or a numeric range.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -85,15 +87,15 @@ pub struct CreateTaskRequest {
     #[schema(pattern = r"^[A-Za-z0-9._-]{1,128}$")]
     pub population: String,
     /// Planned number of rounds, 1-10000.
-    #[serde(deserialize_with = "crate::api::integers::i64")]
+    #[serde(deserialize_with = "crate::task_spec::integers::i64")]
     #[schema(minimum = 1, maximum = 10000)]
     pub rounds: i64,
     /// Reports that close a round, 1-1000000 (and at most the tenant's quota).
-    #[serde(deserialize_with = "crate::api::integers::i64")]
+    #[serde(deserialize_with = "crate::task_spec::integers::i64")]
     #[schema(minimum = 1, maximum = 1000000)]
     pub report_goal: i64,
     /// Fewest reports a round may close with at its deadline, 1..=report_goal (default report_goal).
-    #[serde(default, deserialize_with = "crate::api::integers::option_i64")]
+    #[serde(default, deserialize_with = "crate::task_spec::integers::option_i64")]
     #[schema(minimum = 1, maximum = 1000000)]
     pub min_reports: Option<i64>,
     /// Extra assignments handed out beyond the report goal, 0-10 (default 0.3).
@@ -101,16 +103,16 @@ pub struct CreateTaskRequest {
     #[schema(minimum = 0.0, maximum = 10.0)]
     pub over_selection: Option<f64>,
     /// How long a round collects before its deadline, 10-604800 s (default 3600).
-    #[serde(default, deserialize_with = "crate::api::integers::option_i64")]
+    #[serde(default, deserialize_with = "crate::task_spec::integers::option_i64")]
     #[schema(minimum = 10, maximum = 604800)]
     pub round_deadline_seconds: Option<i64>,
     /// How long a device has for one assignment, 10..=round_deadline_seconds (default 600, or
     /// the round deadline when that is shorter).
-    #[serde(default, deserialize_with = "crate::api::integers::option_i64")]
+    #[serde(default, deserialize_with = "crate::task_spec::integers::option_i64")]
     #[schema(minimum = 10, maximum = 604800)]
     pub assignment_timeout_seconds: Option<i64>,
     /// Attempts per round before the task fails, 1-10 (default 3).
-    #[serde(default, deserialize_with = "crate::api::integers::option_i64")]
+    #[serde(default, deserialize_with = "crate::task_spec::integers::option_i64")]
     #[schema(minimum = 1, maximum = 10)]
     pub max_round_attempts: Option<i64>,
     #[serde(default)]
@@ -138,7 +140,7 @@ pub struct CreateTaskRequest {
     /// Seconds of device time one device spends on one round (download, train, seal, upload),
     /// as the partner estimates it, 1-86400 (default 60): what the tenant's compute budget
     /// counts.
-    #[serde(default, deserialize_with = "crate::api::integers::option_i64")]
+    #[serde(default, deserialize_with = "crate::task_spec::integers::option_i64")]
     #[schema(minimum = 1, maximum = 86400)]
     pub device_seconds_per_round: Option<i64>,
     /// Federated evaluation every few rounds, charged to the privacy budget, with an optional
@@ -504,19 +506,6 @@ fn constraints_schema() -> utoipa::openapi::schema::Object {
         ))
         .additional_properties(Some(Schema::OneOf(value.build())))
         .build()
-}
-
-pub fn valid_population(population: &str) -> bool {
-    (1..=MAX_POPULATION_LEN).contains(&population.len())
-        && population
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
-}
-
-/// Parses a dotted numeric version (`"1"`, `"1.4"`, `"2.0.1"`, at most 4 parts).
-pub fn parse_version(text: &str) -> Option<Vec<u32>> {
-    let parts: Option<Vec<u32>> = text.split('.').map(|p| p.parse().ok()).collect();
-    parts.filter(|p| (1..=4).contains(&p.len()))
 }
 
 fn validate_version_range(p: &mut Problems, range: &VersionRange) {

@@ -74,7 +74,7 @@ pub struct WeightingSpec {
     /// Examples at which a device's weight reaches 1 (devices with more count as this many),
     /// 1-1000000. Choose about the typical device's count: the release's scale is the mean
     /// weight times the example-weighted average (docs/privacy.md, "Weighted averaging").
-    #[serde(deserialize_with = "crate::api::integers::i64")]
+    #[serde(deserialize_with = "crate::task_spec::integers::i64")]
     #[schema(minimum = 1, maximum = 1000000)]
     pub max_examples: i64,
 }

@@ -21,11 +21,11 @@ pub const UPLOAD_ALLOWANCE_MS: i64 = 5_000;
 #[serde(deny_unknown_fields)]
 pub struct UploadWindowSpec {
     /// Earliest send instant, ms after the assignment (0..=end_ms).
-    #[serde(deserialize_with = "crate::api::integers::i64")]
+    #[serde(deserialize_with = "crate::task_spec::integers::i64")]
     #[schema(minimum = 0, maximum = 604800000)]
     pub start_ms: i64,
     /// Latest send instant, ms after the assignment: at most the assignment timeout minus 5 s.
-    #[serde(deserialize_with = "crate::api::integers::i64")]
+    #[serde(deserialize_with = "crate::task_spec::integers::i64")]
     #[schema(minimum = 0, maximum = 604800000)]
     pub end_ms: i64,
 }

@@ -99,7 +99,7 @@ pub struct DemoSummary {
     /// The clip norm each round used (its release manifest's).
     pub clip_norms: Vec<f64>,
     /// Each evaluation the devices made, as released.
-    pub evaluations: Vec<crate::evaluation::EvaluationPoint>,
+    pub evaluations: Vec<crate::db::EvaluationPoint>,
     pub epsilon_spent: f64,
     pub elapsed: Duration,
     /// Each round's authenticated contributions (the manifest's `authenticated`).
@@ -382,9 +382,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         authenticated.push(authenticated_now);
         clip_norms.push(clip);
         manifests.extend(manifest);
-        if let Some(point) =
-            crate::evaluation::point_of(release.round_number, &release.manifest_json)
-        {
+        if let Some(point) = crate::db::point_of(release.round_number, &release.manifest_json) {
             let shown = |v: Option<f64>, scale: f64, unit: &str| {
                 v.map_or("none (no examples after noise)".into(), |v| {
                     format!("{:.1}{unit}", v * scale)

@@ -4,7 +4,7 @@ use crate::common;
 
 use axum::http::{Method, StatusCode, header};
 use common::{ADMIN_TOKEN, TestApp};
-use confed::api::Limits;
+use confed::app::Limits;
 use serde_json::json;
 
 #[tokio::test]

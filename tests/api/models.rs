@@ -5,7 +5,7 @@ use crate::common;
 use axum::body::Body;
 use axum::http::{Method, Request, StatusCode, header};
 use common::{TestApp, model_bytes};
-use confed::api::Limits;
+use confed::app::Limits;
 use serde_json::json;
 
 #[tokio::test]

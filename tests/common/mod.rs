@@ -19,7 +19,7 @@ use std::sync::Arc;
 use axum::Router;
 use axum::body::Body;
 use axum::http::{HeaderMap, Method, Request, StatusCode, header};
-use confed::api::{self, AppState, Limits};
+use confed::app::{AppState, Limits};
 use confed::auth::AdminToken;
 use confed::blob::LocalBlobStore;
 use confed::clock::ManualClock;
@@ -148,7 +148,7 @@ impl TestApp {
     #[allow(dead_code)]
     pub fn with_scheduling(mut self, policy: confed::scheduling::SchedulingPolicy) -> Self {
         self.state.scheduling = policy;
-        self.router = api::router(self.state.clone());
+        self.router = confed::web::router(self.state.clone());
         self
     }
 
@@ -229,7 +229,7 @@ impl TestApp {
             device_auth: Default::default(),
         };
         Self {
-            router: api::router(state.clone()),
+            router: confed::web::router(state.clone()),
             state,
             db,
             database_url,

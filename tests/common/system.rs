@@ -38,7 +38,7 @@ pub async fn start_partitioned(
     clock: Arc<ManualClock>,
     worker_token: Option<&str>,
     attester_key: Option<p256::ecdsa::SigningKey>,
-    partitioning: confed::partitioning::PartitionPolicy,
+    partitioning: confed::aggregation::partitions::PartitionPolicy,
 ) -> (EmbeddedSystem, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let system = EmbeddedSystem::start(EmbeddedOptions {

@@ -11,8 +11,8 @@ use common::system::{
     collect, collect_n, get, now_clock, open_task_of, open_task_with, rounds, start_full,
     start_partitioned,
 };
+use confed::aggregation::partitions::PartitionPolicy;
 use confed::embedded::EmbeddedSystem;
-use confed::partitioning::PartitionPolicy;
 use p256::pkcs8::{EncodePrivateKey, LineEnding};
 
 const TOKEN: &str = "worker-token-for-process-tests-0123456789ab";

@@ -13,8 +13,8 @@ use std::time::Duration;
 use common::system::{
     collect, collect_n, now_clock, open_task, open_task_of, start_partitioned, start_with,
 };
+use confed::aggregation::partitions::PartitionPolicy;
 use confed::clock::Clock;
-use confed::partitioning::PartitionPolicy;
 use confed_enclave::remote::HttpJobStore;
 use confed_enclave::worker::Worker;
 use confed_worker_api::store::{JobSpec, JobStore, StagedRelease, StoreError};

@@ -8,8 +8,8 @@ use crate::common;
 use std::time::Duration;
 
 use common::system::{collect, collect_n, now_clock, open_task, open_task_of, start_partitioned};
+use confed::aggregation::partitions::PartitionPolicy;
 use confed::clock::Clock;
-use confed::partitioning::PartitionPolicy;
 use confed_enclave::worker::{Phases, round_context};
 use confed_worker_api::model::validate_model;
 use confed_worker_api::store::{JobSpec, JobStore, Partitioning, StoreError};
@@ -211,7 +211,7 @@ async fn a_partitions_failure_backs_off_its_job_or_fails_the_round_and_a_resume_
         .sealed_key
         .clone()
         .expect("partition 1 was stored");
-    confed::partitioning::resume_failed_round(
+    confed::aggregation::partitions::resume_failed_round(
         &system.db,
         system.store.blobs.as_ref(),
         &task,

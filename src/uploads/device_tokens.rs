@@ -13,7 +13,7 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use confed_protocol::device_auth::{DeviceAuth, TokenRefusal};
 use confed_protocol::privacy_pass::context::encoded_round_challenge;
 
-use crate::api::error::ApiError;
+use super::UploadError;
 use crate::db::Db;
 use crate::db::device::AssignmentView;
 use confed_protocol::envelope::Envelope;
@@ -32,7 +32,7 @@ impl DeviceAuthCache {
         db: &Db,
         tenant_id: &str,
         task_id: &str,
-    ) -> Result<Option<Arc<DeviceAuth>>, ApiError> {
+    ) -> Result<Option<Arc<DeviceAuth>>, UploadError> {
         if let Some(known) = self.0.lock().ok().and_then(|m| m.get(task_id).cloned()) {
             return Ok(known);
         }
@@ -57,7 +57,7 @@ impl DeviceAuthCache {
         &self,
         db: &Db,
         assignment: &AssignmentView,
-    ) -> Result<Option<Arc<DeviceAuth>>, ApiError> {
+    ) -> Result<Option<Arc<DeviceAuth>>, UploadError> {
         self.of(db, &assignment.tenant_id, &assignment.task_id)
             .await
     }
@@ -68,7 +68,7 @@ impl DeviceAuthCache {
         db: &Db,
         assignment: &AssignmentView,
         envelope: &Envelope,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), UploadError> {
         let Some(auth) = self
             .of(db, &assignment.tenant_id, &assignment.task_id)
             .await?
@@ -76,7 +76,7 @@ impl DeviceAuthCache {
             return Ok(());
         };
         let round = u64::try_from(assignment.round_number).unwrap_or(0);
-        let outcome = crate::uploads::verify_token(
+        let outcome = super::verify_token(
             &auth,
             assignment,
             envelope.token.as_deref(),
@@ -85,7 +85,7 @@ impl DeviceAuthCache {
         match outcome {
             Ok(()) => Ok(()),
             Err(refusal) => Err(match refusal {
-                TokenRefusal::Missing(_) => ApiError::TokenRequired {
+                TokenRefusal::Missing(_) => UploadError::TokenRequired {
                     detail: refusal.to_string(),
                     www_authenticate: challenge_header(
                         &auth,
@@ -94,7 +94,7 @@ impl DeviceAuthCache {
                         assignment.id.as_str(),
                     ),
                 },
-                other => ApiError::TokenRefused(other.to_string()),
+                other => UploadError::TokenRefused(other.to_string()),
             }),
         }
     }

@@ -9,7 +9,29 @@ use futures_util::StreamExt;
 use sha2::{Digest, Sha256};
 use tokio::io::AsyncWriteExt;
 
-use super::error::ApiError;
+use thiserror::Error;
+
+/// Why a body was not spooled; `api::error` maps each to its status.
+#[derive(Debug, Error)]
+pub enum SpoolError {
+    /// Every spool slot is taken: 503 with `Retry-After`.
+    #[error(
+        "{CONCURRENT_SPOOLS} uploads of a {what} are in progress on this server; retry after the Retry-After seconds"
+    )]
+    Busy { what: String },
+    #[error("the {what} is larger than this server's limit of {limit} bytes")]
+    TooLarge { what: String, limit: u64 },
+    #[error("the {what} upload broke off: {detail}; send it again")]
+    BrokenOff { what: String, detail: String },
+    /// The temporary directory's disk is full (507).
+    #[error("spooling the {what}: {source}")]
+    DiskFull {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("spooling the {what}: {detail}")]
+    Failed { what: String, detail: String },
+}
 
 /// Model uploads spooled at once by one process. Each may take up to the model limit on disk
 /// (docs/operations.md: size the temporary directory for it).
@@ -44,7 +66,7 @@ impl Spooled {
 }
 
 /// Streams `body` into a temporary file, refusing (413) at the first byte past `limit`.
-pub async fn spool(body: Body, limit: u64, what: &str) -> Result<Spooled, ApiError> {
+pub async fn spool(body: Body, limit: u64, what: &str) -> Result<Spooled, SpoolError> {
     spool_chunks(body.into_data_stream(), limit, what).await
 }
 
@@ -53,26 +75,32 @@ pub async fn spool_chunks<E: std::fmt::Display>(
     chunks: impl futures_util::Stream<Item = Result<axum::body::Bytes, E>>,
     limit: u64,
     what: &str,
-) -> Result<Spooled, ApiError> {
+) -> Result<Spooled, SpoolError> {
+    let failed = |detail: String| SpoolError::Failed {
+        what: what.to_string(),
+        detail,
+    };
     let slot = match tokio::time::timeout(SLOT_WAIT, SPOOLS.acquire()).await {
-        Ok(slot) => slot.map_err(|e| ApiError::Internal(e.to_string()))?,
+        Ok(slot) => slot.map_err(|e| failed(e.to_string()))?,
         Err(_) => {
-            return Err(ApiError::Unavailable(format!(
-                "{CONCURRENT_SPOOLS} uploads of a {what} are in progress on this server; retry \
-                 after the Retry-After seconds"
-            )));
+            return Err(SpoolError::Busy {
+                what: what.to_string(),
+            });
         }
     };
-    let io = |e: std::io::Error| {
-        if crate::blob::is_disk_full(&e) {
-            super::error::disk_full(&format!("spooling the {what}: {e}"))
+    let io = |source: std::io::Error| {
+        if crate::blob::is_disk_full(&source) {
+            SpoolError::DiskFull {
+                what: what.to_string(),
+                source,
+            }
         } else {
-            ApiError::Internal(format!("spooling the {what}: {e}"))
+            failed(source.to_string())
         }
     };
     let file = tokio::task::spawn_blocking(tempfile::tempfile)
         .await
-        .map_err(|e| ApiError::Internal(e.to_string()))?
+        .map_err(|e| failed(e.to_string()))?
         .map_err(io)?;
     let mut writer = tokio::io::BufWriter::with_capacity(
         1 << 20,
@@ -82,14 +110,16 @@ pub async fn spool_chunks<E: std::fmt::Display>(
     let mut len = 0u64;
     let mut chunks = std::pin::pin!(chunks);
     while let Some(chunk) = chunks.next().await {
-        let chunk = chunk.map_err(|e| {
-            ApiError::BadRequest(format!("the {what} upload broke off: {e}; send it again"))
+        let chunk = chunk.map_err(|e| SpoolError::BrokenOff {
+            what: what.to_string(),
+            detail: e.to_string(),
         })?;
         len += chunk.len() as u64;
         if len > limit {
-            return Err(ApiError::PayloadTooLarge(format!(
-                "the {what} is larger than this server's limit of {limit} bytes"
-            )));
+            return Err(SpoolError::TooLarge {
+                what: what.to_string(),
+                limit,
+            });
         }
         digest.update(&chunk);
         writer.write_all(&chunk).await.map_err(io)?;

@@ -11,7 +11,7 @@ use confed_worker_api::store::{
 };
 use confed_worker_api::wire::{JobWire, PartitioningWire};
 
-use crate::aggregation::{TaskDbJobStore, backend, db_error};
+use super::{TaskDbJobStore, backend, db_error};
 use crate::blob::{BlobError, BlobKey, BlobStore};
 use crate::db::jobs::JobContext;
 use crate::db::partitions::StoredPartition;

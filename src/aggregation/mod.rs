@@ -5,6 +5,8 @@
 //! Nothing here sees a key, a plaintext or an un-noised sum: it hands out ciphertexts and stores
 //! what the enclave releases (the noised average, its manifest, the next model).
 
+pub mod partitions;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,8 +19,8 @@ use crate::clock::Clock;
 use crate::db::jobs::{JobContext, NewRelease};
 use crate::db::{Db, DbError, NewModel};
 use crate::keys::directory::KeyDirectory;
-use crate::partitioning::PartitionPolicy;
 use confed_protocol::hex::encode as hex;
+use partitions::PartitionPolicy;
 
 /// The task database and blob stores, as enclave workers use them.
 #[derive(Debug, Clone)]
@@ -464,6 +466,9 @@ impl TaskDbJobStore {
         )
         .map_err(backend)?;
         self.blobs.put(&key, model).await.map_err(backend)?;
+        let early_stop = crate::evaluation::early_stop_verdict(&self.db, &context.task)
+            .await
+            .map_err(db_error)?;
         self.db
             .commit_model(
                 job_id,
@@ -474,13 +479,14 @@ impl TaskDbJobStore {
                     size_bytes: model.len() as i64,
                     optimizer_state_key,
                 },
+                early_stop,
                 self.now(),
             )
             .await
             .map_err(db_error)?;
         // The round is complete: its sealed partitions, if it had any, are read no more.
         match self.db.partitions(job_id).await {
-            Ok(partitions) => crate::partitioning::discard(self.blobs.as_ref(), &partitions).await,
+            Ok(partitions) => partitions::discard(self.blobs.as_ref(), &partitions).await,
             Err(error) => {
                 tracing::warn!(round = job_id, %error, "the round's sealed partitions could not be listed for deletion")
             }

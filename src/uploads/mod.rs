@@ -4,6 +4,8 @@
 //! before a byte of the body is read, and the bytes are durable before the row that refers to
 //! them is written.
 
+pub mod device_tokens;
+
 use confed_protocol::device_auth::DeviceAuth;
 use confed_protocol::envelope::{Envelope, EnvelopeError};
 use confed_protocol::envelope_scan::{self, EnvelopeHeader, HEAD_BYTES, Scan, TAIL_BYTES};
@@ -41,6 +43,16 @@ pub enum UploadError {
         "the uploaded contribution does not count: {0}; the task requires a device token for this assignment in the envelope"
     )]
     Unauthenticated(String),
+    /// An upload through the server without the device token its task requires; the challenge
+    /// is the `WWW-Authenticate` value naming the issuer and key (RFC 9577).
+    #[error("{detail}")]
+    TokenRequired {
+        detail: String,
+        www_authenticate: String,
+    },
+    /// An upload through the server whose token does not authenticate its assignment.
+    #[error("{0}")]
+    TokenRefused(String),
     #[error(transparent)]
     Db(#[from] DbError),
     #[error(transparent)]
