@@ -11,7 +11,10 @@ use reqwest::StatusCode;
 use std::time::Duration;
 use zeroize::Zeroizing;
 
-use confed_worker_api::store::{JobSpec, JobStore, StagedRelease, StoreError};
+use confed_worker_api::routes::Route;
+use confed_worker_api::store::{
+    JobSpec, JobStore, ModelCommitSteps, StagedRelease, StoreError, commit_model_in_order,
+};
 use confed_worker_api::wire::{
     BlobSource, FailRequest, JobWire, LEASE_LOST, LeaseRequest, MAX_LEASE_WAIT_SECONDS,
     ReleaseUpload, RenewRequest, resolve,
@@ -44,8 +47,9 @@ impl HttpJobStore {
         self
     }
 
-    fn url(&self, path: &str) -> String {
-        format!("{}/internal/v1/{path}", self.base)
+    /// The URL of `route` for `id` (a job id or a blob key), with `query` (`""` or `?...`).
+    fn url(&self, route: Route, id: &str, query: &str) -> String {
+        format!("{}{}{query}", self.base, route.path(id))
     }
 
     async fn send(
@@ -71,8 +75,8 @@ impl HttpJobStore {
         })
     }
 
-    async fn bytes(&self, path: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        let response = self.send(self.http.get(self.url(path))).await?;
+    async fn bytes(&self, route: Route, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let response = self.send(self.http.get(self.url(route, key, ""))).await?;
         if response.status() == StatusCode::NOT_FOUND {
             return Ok(None);
         }
@@ -86,10 +90,9 @@ impl HttpJobStore {
 
 impl BlobSource for HttpJobStore {
     async fn required_blob(&self, key: &str) -> Result<Vec<u8>, StoreError> {
-        let path = format!("blobs/{key}");
-        self.bytes(&path)
+        self.bytes(Route::Blob, key)
             .await?
-            .ok_or_else(|| StoreError::Backend(format!("{path} is missing on the server")))
+            .ok_or_else(|| StoreError::Backend(format!("blob {key} is missing on the server")))
     }
 }
 
@@ -104,7 +107,11 @@ impl JobStore for HttpJobStore {
             wait_seconds: self.lease_wait,
         };
         let response = self
-            .send(self.http.post(self.url("jobs/lease")).json(&request))
+            .send(
+                self.http
+                    .post(self.url(Route::Lease, "", ""))
+                    .json(&request),
+            )
             .await?;
         if response.status() == StatusCode::NO_CONTENT {
             return Ok(None);
@@ -123,7 +130,7 @@ impl JobStore for HttpJobStore {
         };
         self.send(
             self.http
-                .post(self.url(&format!("jobs/{job_id}/renew")))
+                .post(self.url(Route::Renew, job_id, ""))
                 .json(&request),
         )
         .await
@@ -131,7 +138,7 @@ impl JobStore for HttpJobStore {
     }
 
     async fn fetch(&self, blob_key: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        self.bytes(&format!("contributions/{blob_key}")).await
+        self.bytes(Route::Contribution, blob_key).await
     }
 
     /// Streams the body into `buffer`, so a job reuses its buffers instead of a fresh copy of
@@ -141,8 +148,8 @@ impl JobStore for HttpJobStore {
         blob_key: &str,
         mut buffer: Vec<u8>,
     ) -> Result<Option<Vec<u8>>, StoreError> {
-        let path = format!("contributions/{blob_key}");
-        let mut response = self.send(self.http.get(self.url(&path))).await?;
+        let url = self.url(Route::Contribution, blob_key, "");
+        let mut response = self.send(self.http.get(url)).await?;
         if response.status() == StatusCode::NOT_FOUND {
             return Ok(None);
         }
@@ -174,7 +181,7 @@ impl JobStore for HttpJobStore {
         if let Some(state) = release.blt_state {
             self.send(
                 self.http
-                    .put(self.url(&format!("jobs/{job_id}/blt-state?worker={worker}")))
+                    .put(self.url(Route::BltState, job_id, &format!("?worker={worker}")))
                     .header("content-type", "application/octet-stream")
                     .body(state.to_vec()),
             )
@@ -188,7 +195,7 @@ impl JobStore for HttpJobStore {
         };
         self.send(
             self.http
-                .put(self.url(&format!("jobs/{job_id}/release")))
+                .put(self.url(Route::Release, job_id, ""))
                 .json(&upload),
         )
         .await
@@ -202,35 +209,11 @@ impl JobStore for HttpJobStore {
         model: &[u8],
         optimizer_state: Option<&[u8]>,
     ) -> Result<(), StoreError> {
-        // The optimizer's state first (stored write-once under its digest), then the model,
-        // which names that digest: the server links both in the model's commit.
-        let mut link = String::new();
-        if let Some(state) = optimizer_state {
-            self.send(
-                self.http
-                    .put(self.url(&format!("jobs/{job_id}/optimizer-state?worker={worker}")))
-                    .header("content-type", "application/octet-stream")
-                    .body(state.to_vec()),
-            )
-            .await?;
-            link = format!(
-                "&optimizer_state_sha256={}",
-                crate::policy::sha256_hex(state)
-            );
-        }
-        self.send(
-            self.http
-                // Worker ids are `A-Z a-z 0-9 . _ -` (checked by the server): no escaping needed.
-                .put(self.url(&format!("jobs/{job_id}/model?worker={worker}{link}")))
-                .header("content-type", "application/octet-stream")
-                .body(model.to_vec()),
-        )
-        .await
-        .map(drop)
+        commit_model_in_order(self, job_id, worker, model, optimizer_state).await
     }
 
     async fn fetch_sealed(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        self.bytes(&format!("blobs/{key}")).await
+        self.bytes(Route::Blob, key).await
     }
 
     async fn put_partition(
@@ -241,7 +224,7 @@ impl JobStore for HttpJobStore {
     ) -> Result<(), StoreError> {
         self.send(
             self.http
-                .put(self.url(&format!("jobs/{job_id}/partition?worker={worker}")))
+                .put(self.url(Route::Partition, job_id, &format!("?worker={worker}")))
                 .header("content-type", "application/octet-stream")
                 .body(sealed.to_vec()),
         )
@@ -263,8 +246,50 @@ impl JobStore for HttpJobStore {
         };
         self.send(
             self.http
-                .post(self.url(&format!("jobs/{job_id}/fail")))
+                .post(self.url(Route::Fail, job_id, ""))
                 .json(&request),
+        )
+        .await
+        .map(drop)
+    }
+}
+
+impl ModelCommitSteps for HttpJobStore {
+    async fn stage_optimizer_state(
+        &self,
+        job_id: &str,
+        worker: &str,
+        state: &[u8],
+        _model: &[u8],
+    ) -> Result<String, StoreError> {
+        let query = format!("?worker={worker}");
+        self.send(
+            self.http
+                .put(self.url(Route::OptimizerState, job_id, &query))
+                .header("content-type", "application/octet-stream")
+                .body(state.to_vec()),
+        )
+        .await?;
+        Ok(crate::policy::sha256_hex(state))
+    }
+
+    async fn put_model_linked(
+        &self,
+        job_id: &str,
+        worker: &str,
+        model: &[u8],
+        optimizer_state_sha256: Option<&str>,
+    ) -> Result<(), StoreError> {
+        // Worker ids are `A-Z a-z 0-9 . _ -` and the digest is hex (checked by the server): no
+        // escaping needed.
+        let link = optimizer_state_sha256
+            .map(|sha| format!("&optimizer_state_sha256={sha}"))
+            .unwrap_or_default();
+        self.send(
+            self.http
+                .put(self.url(Route::Model, job_id, &format!("?worker={worker}{link}")))
+                .header("content-type", "application/octet-stream")
+                .body(model.to_vec()),
         )
         .await
         .map(drop)

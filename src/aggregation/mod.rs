@@ -10,7 +10,10 @@ pub mod partitions;
 use std::sync::Arc;
 use std::time::Duration;
 
-use confed_worker_api::store::{BlockingFetch, JobSpec, JobStore, StagedRelease, StoreError};
+use confed_worker_api::store::{
+    BlockingFetch, JobSpec, JobStore, ModelCommitSteps, StagedRelease, StoreError,
+    commit_model_in_order,
+};
 use confed_worker_api::wire::{BlobSource, ContributionWire, JobWire, resolve};
 use sha2::{Digest, Sha256};
 
@@ -80,10 +83,10 @@ fn round_clip_norm(context: &JobContext) -> Result<Option<f64>, String> {
             context.round.round_number - 1
         )
     })?;
-    serde_json::from_str::<serde_json::Value>(&previous.manifest_json)
+    confed_worker_api::Manifest::from_json(&previous.manifest_json)
         .ok()
-        .and_then(|m| m["adaptive_clipping"]["next_clip_norm"].as_f64())
-        .map(Some)
+        .and_then(|m| m.adaptive_clipping)
+        .map(|adaptive| Some(adaptive.next_clip_norm))
         .ok_or_else(|| {
             format!(
                 "round {}'s release names no next clip norm",
@@ -94,12 +97,12 @@ fn round_clip_norm(context: &JobContext) -> Result<Option<f64>, String> {
 
 /// The BLAKE3 (hex) of the sealed BLT state a release's manifest says its round left.
 fn state_out_blake3(manifest_json: &str) -> Option<String> {
-    serde_json::from_str::<serde_json::Value>(manifest_json)
+    confed_worker_api::Manifest::from_json(manifest_json)
         .ok()?
-        .pointer("/noise/blt/state_out_blake3")?
-        .as_str()
+        .noise
+        .blt
+        .map(|blt| blt.state_out_blake3)
         .filter(|hex| confed_protocol::hex::is_digest_hex(hex))
-        .map(str::to_string)
 }
 
 /// Under BLT noise, the blob key of the sealed state round `round - 1` left (its release's
@@ -495,6 +498,32 @@ impl TaskDbJobStore {
     }
 }
 
+impl ModelCommitSteps for TaskDbJobStore {
+    async fn stage_optimizer_state(
+        &self,
+        job_id: &str,
+        worker: &str,
+        state: &[u8],
+        model: &[u8],
+    ) -> Result<String, StoreError> {
+        // The new model is at hand: its header gives the size without reading the base.
+        let parameters = parameter_count(model)?;
+        self.put_optimizer_state(job_id, worker, state, Some(parameters))
+            .await
+    }
+
+    async fn put_model_linked(
+        &self,
+        job_id: &str,
+        worker: &str,
+        model: &[u8],
+        optimizer_state_sha256: Option<&str>,
+    ) -> Result<(), StoreError> {
+        self.commit_model_linked(job_id, worker, model, optimizer_state_sha256)
+            .await
+    }
+}
+
 /// How many values a model file holds, from its safetensors header alone (no value is read).
 fn parameter_count(model: &[u8]) -> Result<usize, StoreError> {
     let (_, metadata) = safetensors::SafeTensors::read_metadata(model).map_err(backend)?;
@@ -620,19 +649,7 @@ impl JobStore for TaskDbJobStore {
         model: &[u8],
         optimizer_state: Option<&[u8]>,
     ) -> Result<(), StoreError> {
-        let state_sha256 = match optimizer_state {
-            Some(state) => {
-                // The new model is at hand: its header gives the size without reading the base.
-                let parameters = parameter_count(model)?;
-                Some(
-                    self.put_optimizer_state(job_id, worker, state, Some(parameters))
-                        .await?,
-                )
-            }
-            None => None,
-        };
-        self.commit_model_linked(job_id, worker, model, state_sha256.as_deref())
-            .await
+        commit_model_in_order(self, job_id, worker, model, optimizer_state).await
     }
 
     async fn fetch_sealed(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {

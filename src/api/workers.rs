@@ -10,6 +10,7 @@ use axum::http::StatusCode;
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
+use confed_worker_api::routes::Route;
 use confed_worker_api::store::{JobStore, StagedRelease, StoreError};
 use confed_worker_api::wire::{
     FailRequest, LeaseRequest, MAX_LEASE_WAIT_SECONDS, ModelCommitQuery, ReleaseUpload,
@@ -359,32 +360,29 @@ pub fn router(limits: &Limits) -> Router<AppState> {
     // FedAdam's and FedYogi's state holds two values per model parameter.
     let state_limit = limits.model_bytes.saturating_mul(2) + (4 << 20);
     let optimizer_state_route = Router::new()
-        .route(
-            "/internal/v1/jobs/{id}/optimizer-state",
-            put(optimizer_state),
-        )
+        .route(Route::OptimizerState.template(), put(optimizer_state))
         .layer(DefaultBodyLimit::max(state_limit));
     // A sealed BLT state holds up to 10 strategy (16 bytes) and 10 inverse (8 bytes) buffers
     // per 4-byte model value.
     let blt_state_limit = limits.model_bytes.saturating_mul(60) + (4 << 20);
     let blt_state_route = Router::new()
-        .route("/internal/v1/jobs/{id}/blt-state", put(blt_state))
+        .route(Route::BltState.template(), put(blt_state))
         .layer(DefaultBodyLimit::max(blt_state_limit));
     let partition_limit = limits
         .model_bytes
         .saturating_mul(2)
         .saturating_add(crate::aggregation::partitions::PARTITION_SLACK_BYTES);
     let partition_route = Router::new()
-        .route("/internal/v1/jobs/{id}/partition", put(partition))
+        .route(Route::Partition.template(), put(partition))
         .layer(DefaultBodyLimit::max(partition_limit));
     Router::new()
-        .route("/internal/v1/jobs/lease", post(lease))
-        .route("/internal/v1/jobs/{id}/renew", post(renew))
-        .route("/internal/v1/jobs/{id}/fail", post(fail))
-        .route("/internal/v1/jobs/{id}/release", put(release))
-        .route("/internal/v1/jobs/{id}/model", put(model))
-        .route("/internal/v1/blobs/{*key}", get(blob))
-        .route("/internal/v1/contributions/{*key}", get(contribution))
+        .route(Route::Lease.template(), post(lease))
+        .route(Route::Renew.template(), post(renew))
+        .route(Route::Fail.template(), post(fail))
+        .route(Route::Release.template(), put(release))
+        .route(Route::Model.template(), put(model))
+        .route(Route::Blob.template(), get(blob))
+        .route(Route::Contribution.template(), get(contribution))
         .layer(DefaultBodyLimit::max(upload_limit))
         .merge(optimizer_state_route)
         .merge(blt_state_route)

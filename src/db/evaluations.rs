@@ -40,7 +40,7 @@ pub struct EvaluationPoint {
 /// The evaluation in a release manifest, if the round evaluated (a manifest that does not parse
 /// has none: the release's own check reports it).
 pub fn point_of(round: i64, manifest_json: &str) -> Option<EvaluationPoint> {
-    let manifest: Manifest = serde_json::from_str(manifest_json).ok()?;
+    let manifest = Manifest::from_json(manifest_json).ok()?;
     let record = manifest.evaluation?;
     Some(EvaluationPoint {
         model_version: record.model_version,

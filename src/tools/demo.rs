@@ -105,7 +105,7 @@ pub struct DemoSummary {
     /// Each round's authenticated contributions (the manifest's `authenticated`).
     pub authenticated: Vec<Option<u64>>,
     /// Each round's release manifest, as stored (and verified).
-    pub manifests: Vec<Value>,
+    pub manifests: Vec<confed_worker_api::Manifest>,
 }
 
 const ROUND_TIMEOUT: Duration = Duration::from_secs(300);
@@ -373,12 +373,9 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
                 verified.failures.join("; ")
             )));
         }
-        let manifest = serde_json::from_str::<Value>(&release.manifest_json).ok();
-        let clip = manifest
-            .as_ref()
-            .and_then(|m| m["clip_norm"].as_f64())
-            .unwrap_or(options.clip_norm);
-        let authenticated_now = manifest.as_ref().and_then(|m| m["authenticated"].as_u64());
+        let manifest = confed_worker_api::Manifest::from_json(&release.manifest_json).ok();
+        let clip = manifest.as_ref().map_or(options.clip_norm, |m| m.clip_norm);
+        let authenticated_now = manifest.as_ref().and_then(|m| m.authenticated);
         authenticated.push(authenticated_now);
         clip_norms.push(clip);
         manifests.extend(manifest);
@@ -402,14 +399,13 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         if let Some(health) = manifests
             .last()
             .filter(|_| options.health)
-            .map(|m: &Value| &m["health"])
-            .filter(|h| h.is_object())
+            .and_then(|m| m.health.as_ref())
         {
             say(format!(
                 "round {round}: health: {} of {} devices sent zeros, noised (±{:.0} at 95 %; the devices themselves know of {})",
-                health["zeroed"],
+                health.zeroed,
                 release.included,
-                2.0 * health["stddev"].as_f64().unwrap_or_default(),
+                2.0 * health.stddev,
                 summary.zeroed.len()
             ));
         }

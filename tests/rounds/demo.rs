@@ -122,21 +122,18 @@ async fn the_demo_learns_under_dp_ftrl_with_blt_noise() {
         summary.epsilon_spent
     );
     assert_eq!(summary.manifests.len(), 3);
-    let mut previous = serde_json::Value::Null;
+    let mut previous = None;
     for (round, manifest) in summary.manifests.iter().enumerate() {
-        let noise = &manifest["noise"];
+        let noise = &manifest.noise;
         assert!(
-            noise["mechanism"]
-                .as_str()
-                .unwrap()
-                .starts_with("blt_on_grid;"),
-            "{noise}"
+            noise.mechanism.starts_with("blt_on_grid;"),
+            "{}",
+            noise.mechanism
         );
-        let blt = &noise["blt"];
-        assert_eq!(blt["state_in_blake3"], previous, "round {}", round + 1);
-        assert!(blt["prefix_stddev_sum"].as_f64().unwrap() > 0.0);
-        previous = blt["state_out_blake3"].clone();
-        assert!(previous.is_string());
+        let blt = noise.blt.as_ref().unwrap();
+        assert_eq!(blt.state_in_blake3, previous, "round {}", round + 1);
+        assert!(blt.prefix_stddev_sum > 0.0);
+        previous = Some(blt.state_out_blake3.clone());
     }
 }
 

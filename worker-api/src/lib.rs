@@ -1,5 +1,5 @@
 //! What the enclave worker and the untrusted front end agree on, and nothing of either: the job
-//! store interface and the job it leases (`store`), the worker API's wire types (`wire`), the
+//! store interface and the job it leases (`store`), the worker API's paths (`routes`) and wire types (`wire`), the
 //! release manifest (`manifest`), the model format (`model`), the server optimizer's
 //! configuration and state file (`optimizer`) and the pooled read buffers both sides reuse
 //! (`reads`).
@@ -13,6 +13,7 @@ pub mod manifest;
 pub mod model;
 pub mod optimizer;
 pub mod reads;
+pub mod routes;
 pub mod store;
 pub mod wire;
 

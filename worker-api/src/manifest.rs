@@ -51,6 +51,12 @@ pub struct Manifest {
 }
 
 impl Manifest {
+    /// A stored manifest read back (the front end's readers: the next round's clip norm and
+    /// BLT state, evaluations, the demo), or why it is not one.
+    pub fn from_json(json: &str) -> Result<Self, serde_json::Error> {
+        serde_json::from_str(json)
+    }
+
     /// The manifest file's bytes (pretty JSON, fields in declaration order): what the enclave
     /// signs (by SHA-256) and what the store writes, byte for byte.
     pub fn to_json(&self) -> Vec<u8> {

@@ -148,6 +148,52 @@ pub trait BlockingFetch: Send + Sync {
 
 /// The task database and blob store, as the enclave sees them. `lease` takes the worker's id
 /// (`name/incarnation`); every later call under the lease names `JobSpec::lease_holder`.
+/// The two halves of a model commit with a server optimizer's state, which both sides of the
+/// worker API offer (the store in the front end, the enclave's HTTP client):
+/// `commit_model_in_order` runs them in the one order the store links them by.
+pub trait ModelCommitSteps: Sync {
+    /// Stores the optimizer's new `state` write-once under its SHA-256 next to the model version
+    /// the job makes (`model`, whose header gives its size), and returns that digest (hex).
+    fn stage_optimizer_state(
+        &self,
+        job_id: &str,
+        holder: &str,
+        state: &[u8],
+        model: &[u8],
+    ) -> impl Future<Output = Result<String, StoreError>> + Send;
+    /// Stores `model` and commits it, linking the state staged under `optimizer_state_sha256`.
+    fn put_model_linked(
+        &self,
+        job_id: &str,
+        holder: &str,
+        model: &[u8],
+        optimizer_state_sha256: Option<&str>,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+}
+
+/// A model commit (`JobStore::commit_model`): the optimizer's state first, stored write-once under
+/// its digest, then the model, which names that digest, so the store links both in the model's
+/// one commit and never commits a model whose state is missing.
+pub async fn commit_model_in_order<S: ModelCommitSteps>(
+    store: &S,
+    job_id: &str,
+    holder: &str,
+    model: &[u8],
+    optimizer_state: Option<&[u8]>,
+) -> Result<(), StoreError> {
+    let link = match optimizer_state {
+        Some(state) => Some(
+            store
+                .stage_optimizer_state(job_id, holder, state, model)
+                .await?,
+        ),
+        None => None,
+    };
+    store
+        .put_model_linked(job_id, holder, model, link.as_deref())
+        .await
+}
+
 pub trait JobStore: Send + Sync {
     fn lease(
         &self,
