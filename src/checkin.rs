@@ -15,7 +15,7 @@ use thiserror::Error;
 
 use crate::blob::{BlobError, BlobKey, BlobStore};
 use crate::clock::{Millis, seconds_of};
-use crate::db::device::{AssignmentRef, Candidate, Capability};
+use crate::db::device::{Candidate, Capability};
 use crate::db::{Db, DbError};
 use crate::keys::directory::KeyDirectory;
 use crate::registry::{DeviceRegistry, Mismatch, fits};
@@ -298,7 +298,7 @@ impl Checkin<'_> {
         max_bytes: u64,
     ) -> Result<(String, BTreeMap<String, String>), CheckinError> {
         if self.contributions.accepts_direct_uploads() {
-            let key = contribution_key(
+            let key = BlobKey::contribution(
                 &candidate.tenant_id,
                 &candidate.task_id,
                 candidate.round_number,
@@ -318,22 +318,6 @@ impl Checkin<'_> {
             BTreeMap::from([("content-type".into(), "application/cbor".into())]),
         ))
     }
-}
-
-/// Where an assignment's contribution is stored. 256 subdirectories per round keep any one
-/// directory small and its lock uncontended.
-pub fn contribution_key(
-    tenant_id: &str,
-    task_id: &str,
-    round_number: i64,
-    attempt: i64,
-    assignment: &AssignmentRef,
-) -> Result<BlobKey, BlobError> {
-    let assignment = assignment.as_str();
-    BlobKey::new(format!(
-        "tenants/{tenant_id}/tasks/{task_id}/rounds/{round_number}-{attempt}/contributions/{}/{assignment}.cbor",
-        &assignment[..2.min(assignment.len())],
-    ))
 }
 
 /// Largest envelope accepted for a task whose model has `model_bytes` bytes.

@@ -52,19 +52,6 @@ pub(crate) fn db_error(e: DbError) -> StoreError {
     }
 }
 
-/// Where a round's release lives. Fixed names (no content hash): the blob store refuses a second,
-/// different release under the same name, on top of the database's one-release-per-round key.
-fn release_keys(context: &JobContext) -> Result<(BlobKey, BlobKey), BlobError> {
-    let base = format!(
-        "tenants/{}/tasks/{}/rounds/{}/attempt-{}",
-        context.task.tenant_id, context.task.id, context.round.round_number, context.round.attempt
-    );
-    Ok((
-        BlobKey::new(format!("{base}/average.safetensors"))?,
-        BlobKey::new(format!("{base}/manifest.json"))?,
-    ))
-}
-
 /// Under adaptive clipping, the round's clip norm: the policy's for round 1, then the previous
 /// release's `next_clip_norm` (post-processing of that release; the enclave binds it into the
 /// release commitment, and privacy does not depend on it). `None` without adaptive clipping.
@@ -268,7 +255,13 @@ impl TaskDbJobStore {
                 StoreError::Refused(why)
             })?;
         self.check_blt_state(&context, release.manifest).await?;
-        let (average_key, manifest_key) = release_keys(&context).map_err(backend)?;
+        let (average_key, manifest_key) = BlobKey::release(
+            &context.task.tenant_id,
+            &context.task.id,
+            context.round.round_number,
+            context.round.attempt,
+        )
+        .map_err(backend)?;
         let manifest_json = release.manifest.to_json();
         for (key, bytes) in [
             (&average_key, release.average),

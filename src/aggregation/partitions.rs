@@ -12,7 +12,7 @@ use confed_worker_api::store::{
 use confed_worker_api::wire::{JobWire, PartitioningWire};
 
 use super::{TaskDbJobStore, backend, db_error};
-use crate::blob::{BlobError, BlobKey, BlobStore};
+use crate::blob::{BlobError, BlobKey, BlobStore, is_partition_key};
 use crate::db::jobs::JobContext;
 use crate::db::partitions::StoredPartition;
 use crate::db::{Db, DbError, Resumed};
@@ -394,19 +394,6 @@ pub(crate) async fn discard(blobs: &dyn BlobStore, partitions: &[StoredPartition
             tracing::warn!(key = sealed, %error, "a sealed partition could not be deleted");
         }
     }
-}
-
-/// Whether `key` has `BlobKey::partition`'s shape:
-/// `tenants/{t}/tasks/{task}/rounds/{r}/attempt-{a}/partition-{i}-of-{k}-{blake3}.partition`.
-fn is_partition_key(key: &str) -> bool {
-    let parts: Vec<&str> = key.split('/').collect();
-    matches!(
-        parts.as_slice(),
-        ["tenants", _, "tasks", _, "rounds", _, attempt, name]
-            if attempt.starts_with("attempt-")
-                && name.starts_with("partition-")
-                && name.ends_with(".partition")
-    )
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 
 mod cache;
 mod gcs;
+mod keys;
 mod local;
 mod log;
 
@@ -13,6 +14,7 @@ use std::pin::Pin;
 use thiserror::Error;
 
 pub use gcs::{Gcs, GcsBlobStore, GcsConfig};
+pub use keys::is_partition_key;
 pub use local::LocalBlobStore;
 pub use log::ContributionLog;
 
@@ -36,61 +38,6 @@ impl BlobKey {
         } else {
             Err(BlobError::InvalidKey(key))
         }
-    }
-
-    /// Key of a task's model version, including the content hash so a retried upload after a
-    /// crash never collides with an orphan of the first attempt.
-    pub fn model(
-        tenant_id: &str,
-        task_id: &str,
-        version: i64,
-        sha256_hex: &str,
-    ) -> Result<Self, BlobError> {
-        Self::new(format!(
-            "tenants/{tenant_id}/tasks/{task_id}/models/{version}-{sha256_hex}.safetensors"
-        ))
-    }
-
-    /// The server optimizer's state after the round that made model `version`.
-    pub fn optimizer_state(
-        tenant_id: &str,
-        task_id: &str,
-        version: i64,
-        sha256_hex: &str,
-    ) -> Result<Self, BlobError> {
-        Self::new(format!(
-            "tenants/{tenant_id}/tasks/{task_id}/models/{version}-optimizer-{sha256_hex}.safetensors"
-        ))
-    }
-
-    /// The sealed BLT state round `round` left, under its BLAKE3 (the release manifest's
-    /// `noise.blt.state_out_blake3`).
-    pub fn blt_state(
-        tenant_id: &str,
-        task_id: &str,
-        round: i64,
-        blake3_hex: &str,
-    ) -> Result<Self, BlobError> {
-        Self::new(format!(
-            "tenants/{tenant_id}/tasks/{task_id}/rounds/{round}/blt-state-{blake3_hex}.sealed"
-        ))
-    }
-
-    /// Partition `index` of `count` of a round attempt's aggregation, sealed by its enclave
-    /// worker, under its BLAKE3. The `.partition` suffix is what GCS's lifecycle rule for them
-    /// matches (deploy/gcp/terraform/storage.tf): only the round's merge reads one.
-    pub fn partition(
-        tenant_id: &str,
-        task_id: &str,
-        round: i64,
-        attempt: i64,
-        index: u32,
-        count: u32,
-        blake3_hex: &str,
-    ) -> Result<Self, BlobError> {
-        Self::new(format!(
-            "tenants/{tenant_id}/tasks/{task_id}/rounds/{round}/attempt-{attempt}/partition-{index}-of-{count}-{blake3_hex}.partition"
-        ))
     }
 
     pub fn as_str(&self) -> &str {

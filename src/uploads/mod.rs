@@ -12,7 +12,7 @@ use confed_protocol::envelope_scan::{self, EnvelopeHeader, HEAD_BYTES, Scan, TAI
 use thiserror::Error;
 
 use crate::blob::{BlobError, BlobKey, BlobStore};
-use crate::checkin::{contribution_key, contribution_limit};
+use crate::checkin::contribution_limit;
 use crate::clock::Millis;
 use crate::db::device::{AssignmentView, Capability, Refusal, Stored, UploadDigests};
 use crate::db::{Db, DbError};
@@ -354,7 +354,7 @@ fn same_bytes(held: &str, digest: &str, body: &[u8]) -> bool {
 }
 
 fn view_contribution_key(a: &AssignmentView) -> Result<BlobKey, BlobError> {
-    contribution_key(&a.tenant_id, &a.task_id, a.round_number, a.attempt, &a.id)
+    BlobKey::contribution(&a.tenant_id, &a.task_id, a.round_number, a.attempt, &a.id)
 }
 
 /// The store's rule of a closed assignment (`db::device::closed_at`), and for an upload also
