@@ -19,7 +19,8 @@ use sha2::{Digest, Sha256};
 
 use crate::blob::{BlobError, BlobKey, BlobStore, SealedReader};
 use crate::clock::Clock;
-use crate::db::jobs::{JobContext, NewRelease};
+use crate::db::jobs::{JobContext, LeasedJob, NewRelease};
+use crate::db::partitions::LeasedPartition;
 use crate::db::{Db, DbError, NewModel};
 use crate::keys::directory::KeyDirectory;
 use confed_protocol::hex::encode as hex;
@@ -190,41 +191,78 @@ impl TaskDbJobStore {
         lease: Duration,
     ) -> Result<Option<JobWire>, StoreError> {
         loop {
-            if let Some(partition) = self.lease_partition_wire(worker, arrived, lease).await? {
-                return Ok(Some(partition));
-            }
-            let Some(leased) = self
+            let taken = match self
                 .db
-                .lease_job_for(worker, arrived, self.now(), lease.as_millis() as i64)
+                .lease_partition_for(worker, arrived, self.now(), lease)
                 .await
                 .map_err(db_error)?
-            else {
-                return Ok(None);
+            {
+                Some(partition) => Taken::Partition(partition),
+                None => match self
+                    .db
+                    .lease_job_for(worker, arrived, self.now(), lease)
+                    .await
+                    .map_err(db_error)?
+                {
+                    Some(job) => Taken::Job(job),
+                    None => return Ok(None),
+                },
             };
             let context = self
                 .db
-                .job_context(&leased.round_id)
+                .job_context(taken.round_id())
                 .await
                 .map_err(db_error)?;
-            match self.wire(&context) {
-                Ok(mut wire) => {
-                    if self.plan(&context, &leased.holder).await? {
+            let wire = match self.wire(&context) {
+                Ok(wire) => wire,
+                Err(reason) => {
+                    self.fail_unrunnable(&taken, &reason).await?;
+                    continue;
+                }
+            };
+            match taken {
+                Taken::Partition(partition) => {
+                    return Ok(Some(partitions::partition_wire(wire, partition)));
+                }
+                Taken::Job(job) => {
+                    if self.plan(&context, &job.holder).await? {
                         // Cut into partitions: lease one of them instead.
                         continue;
                     }
+                    let mut wire = wire;
                     wire.partitioning = self.root_partitioning(&context).await?;
-                    wire.lease_holder = leased.holder;
+                    wire.lease_holder = job.holder;
                     return Ok(Some(wire));
                 }
-                Err(reason) => {
-                    tracing::error!(round = %leased.round_id, %reason, "aggregation job cannot run");
-                    self.db
-                        .fail_job(&leased.round_id, &leased.holder, &reason, true, self.now())
-                        .await
-                        .map_err(db_error)?;
-                    metrics::counter!("confed_aggregation_jobs_failed_total", "kind" => "permanent")
-                        .increment(1);
-                }
+            }
+        }
+    }
+
+    /// Fails a leased job or partition that cannot run at all (its round's stored definition
+    /// makes no job): permanently, which fails the round.
+    async fn fail_unrunnable(&self, taken: &Taken, reason: &str) -> Result<(), StoreError> {
+        tracing::error!(round = %taken.round_id(), %reason, "aggregation job cannot run");
+        match taken {
+            Taken::Partition(partition) => self
+                .db
+                .fail_partition(
+                    &partition.round_id,
+                    partition.index,
+                    &partition.holder,
+                    reason,
+                    true,
+                    self.now(),
+                )
+                .await
+                .map_err(db_error),
+            Taken::Job(job) => {
+                self.db
+                    .fail_job(&job.round_id, &job.holder, reason, true, self.now())
+                    .await
+                    .map_err(db_error)?;
+                metrics::counter!("confed_aggregation_jobs_failed_total", "kind" => "permanent")
+                    .increment(1);
+                Ok(())
             }
         }
     }
@@ -514,6 +552,21 @@ impl ModelCommitSteps for TaskDbJobStore {
     ) -> Result<(), StoreError> {
         self.commit_model_linked(job_id, worker, model, optimizer_state_sha256)
             .await
+    }
+}
+
+/// What one turn of the lease loop took: a partition of a partitioned round, or a round's job.
+enum Taken {
+    Partition(LeasedPartition),
+    Job(LeasedJob),
+}
+
+impl Taken {
+    fn round_id(&self) -> &str {
+        match self {
+            Taken::Partition(partition) => &partition.round_id,
+            Taken::Job(job) => &job.round_id,
+        }
     }
 }
 

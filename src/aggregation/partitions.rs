@@ -14,7 +14,7 @@ use confed_worker_api::wire::{JobWire, PartitioningWire};
 use super::{TaskDbJobStore, backend, db_error};
 use crate::blob::{BlobError, BlobKey, BlobStore, is_partition_key};
 use crate::db::jobs::JobContext;
-use crate::db::partitions::StoredPartition;
+use crate::db::partitions::{LeasedPartition, StoredPartition};
 use crate::db::{Db, DbError, Resumed};
 use crate::states::RoundState;
 
@@ -125,7 +125,7 @@ impl TaskDbJobStore {
                     worker,
                     digests,
                     self.now(),
-                    PLANNING_LEASE.as_millis() as i64,
+                    PLANNING_LEASE,
                 )
                 .await
                 .map_err(db_error)?;
@@ -189,57 +189,6 @@ impl TaskDbJobStore {
             count: first.count,
             sealed_keys,
         }))
-    }
-
-    /// Leases a partition of a pending job, described as its own job (`partition_job_id`);
-    /// `Ok(None)` when none is free. One whose job cannot run at all fails the round.
-    pub(crate) async fn lease_partition_wire(
-        &self,
-        worker: &str,
-        arrived: i64,
-        lease: Duration,
-    ) -> Result<Option<JobWire>, StoreError> {
-        loop {
-            let Some(leased) = self
-                .db
-                .lease_partition_for(worker, arrived, self.now(), lease.as_millis() as i64)
-                .await
-                .map_err(db_error)?
-            else {
-                return Ok(None);
-            };
-            let context = self
-                .db
-                .job_context(&leased.round_id)
-                .await
-                .map_err(db_error)?;
-            match self.wire(&context) {
-                Ok(mut wire) => {
-                    wire.job_id = partition_job_id(&wire.job_id, leased.index);
-                    wire.committed_average_key = None;
-                    wire.partitioning = Some(PartitioningWire::Partition {
-                        index: leased.index,
-                        count: leased.count,
-                    });
-                    wire.lease_holder = leased.holder;
-                    return Ok(Some(wire));
-                }
-                Err(reason) => {
-                    tracing::error!(round = %leased.round_id, %reason, "aggregation job cannot run");
-                    self.db
-                        .fail_partition(
-                            &leased.round_id,
-                            leased.index,
-                            &leased.holder,
-                            &reason,
-                            true,
-                            self.now(),
-                        )
-                        .await
-                        .map_err(db_error)?;
-                }
-            }
-        }
     }
 
     /// Stores a partition's sealed result under its BLAKE3 and records it: only the partition's
@@ -306,16 +255,15 @@ impl TaskDbJobStore {
         worker: &str,
         lease: Duration,
     ) -> Result<(), StoreError> {
-        let lease_ms = lease.as_millis() as i64;
         match parse_job_id(job_id) {
             Some((round_id, Some(index))) => self
                 .db
-                .renew_partition(round_id, index, worker, self.now(), lease_ms)
+                .renew_partition(round_id, index, worker, self.now(), lease)
                 .await
                 .map_err(db_error),
             _ => self
                 .db
-                .renew_job(job_id, worker, self.now(), lease_ms)
+                .renew_job(job_id, worker, self.now(), lease)
                 .await
                 .map_err(db_error),
         }
@@ -394,6 +342,19 @@ pub(crate) async fn discard(blobs: &dyn BlobStore, partitions: &[StoredPartition
             tracing::warn!(key = sealed, %error, "a sealed partition could not be deleted");
         }
     }
+}
+
+/// A leased partition described as a job of its own (`partition_job_id`), from its round's
+/// job `wire`: it sums its range and seals the result, so it has no committed average to read.
+pub(super) fn partition_wire(mut wire: JobWire, leased: LeasedPartition) -> JobWire {
+    wire.job_id = partition_job_id(&wire.job_id, leased.index);
+    wire.committed_average_key = None;
+    wire.partitioning = Some(PartitioningWire::Partition {
+        index: leased.index,
+        count: leased.count,
+    });
+    wire.lease_holder = leased.holder;
+    wire
 }
 
 #[cfg(test)]

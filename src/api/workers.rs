@@ -85,7 +85,7 @@ fn check_worker(worker: &str) -> Result<(), ApiError> {
 /// (`<worker>~<token>`), which the store compares with the lease's.
 fn check_holder(holder: &str) -> Result<(), ApiError> {
     let ok = holder
-        .split_once(crate::db::lease_holder::HOLDER_SEPARATOR)
+        .split_once(crate::db::leases::HOLDER_SEPARATOR)
         .is_some_and(|(worker, token)| check_worker(worker).is_ok() && id_part_ok(token));
     ok.then_some(()).ok_or_else(|| {
         ApiError::BadRequest(

@@ -45,6 +45,9 @@ pub enum DbError {
     Conflict(String),
     #[error("the lease on aggregation job {0} is held by another worker (or the job is finished)")]
     LeaseLost(String),
+    /// A lease length whose expiry the database cannot record (Unix ms in an i64).
+    #[error("a lease of {0:?} is longer than the database can record")]
+    LeaseTooLong(std::time::Duration),
     #[error("stored data is corrupt: {0}")]
     Corrupt(String),
     #[error("the write was not committed: {0}")]

@@ -2,7 +2,9 @@
 //! committed in two steps (the release with AGGREGATING -> APPLYING, the next model with
 //! APPLYING -> COMPLETED), each one transaction guarded by the lease.
 
-use super::lease_holder::LeaseAsk;
+use std::time::Duration;
+
+use super::leases::{LeaseAsk, Leased, expiry};
 use super::{Conn, Db, DbError, models, rounds, tasks, transition};
 use crate::states::{JobState, RoundState, TaskState};
 
@@ -144,32 +146,13 @@ pub(crate) async fn create(conn: &mut Conn, round_id: &str, now: i64) -> Result<
     Ok(())
 }
 
-/// Fails with `LeaseLost` unless `worker` holds the job's lease (fencing: a worker whose lease
-/// was taken over can no longer commit anything).
+/// Fails with `LeaseLost` unless `worker` holds the job's lease (`Leased::check`).
 pub(super) async fn check_lease(
     conn: &mut Conn,
     round_id: &str,
     worker: &str,
 ) -> Result<(), DbError> {
-    // Locked on PostgreSQL so a takeover cannot slip in between this check and the caller's write.
-    let sql = format!(
-        "SELECT state, lease_owner FROM aggregation_jobs WHERE round_id = $1{}",
-        super::lock_clause(conn, " FOR UPDATE")
-    );
-    let row: Option<(String, Option<String>)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-        .bind(round_id)
-        .fetch_optional(&mut *conn)
-        .await?;
-    match row {
-        Some((state, Some(owner))) if state == JobState::Pending.as_str() && owner == worker => {
-            Ok(())
-        }
-        Some(_) => Err(DbError::LeaseLost(round_id.to_string())),
-        None => Err(DbError::NotFound {
-            entity: "aggregation job",
-            id: round_id.to_string(),
-        }),
-    }
+    Leased::Job { round_id }.check(conn, worker).await
 }
 
 pub(super) async fn load_release(
@@ -209,9 +192,9 @@ impl Db {
         &self,
         worker: &str,
         now: i64,
-        lease_ms: i64,
+        lease: Duration,
     ) -> Result<Option<LeasedJob>, DbError> {
-        self.lease_job_for(worker, now, now, lease_ms).await
+        self.lease_job_for(worker, now, now, lease).await
     }
 
     /// `lease_job` for a request that arrived at `arrived` (a long poll asks again and again,
@@ -221,9 +204,10 @@ impl Db {
         worker: &str,
         arrived: i64,
         now: i64,
-        lease_ms: i64,
+        lease: Duration,
     ) -> Result<Option<LeasedJob>, DbError> {
         let ask = LeaseAsk::new(worker, arrived);
+        let until = expiry(now, lease)?;
         self.write(move |tx| {
             Box::pin(async move {
                 // The guard is repeated outside the subquery: the update is a compare-and-set.
@@ -251,7 +235,7 @@ impl Db {
                 );
                 let row: Option<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
                     .bind(&ask.holder)
-                    .bind(now + lease_ms)
+                    .bind(until)
                     .bind(now)
                     .bind(&ask.other_incarnations)
                     .bind(&ask.own)
@@ -294,21 +278,16 @@ impl Db {
         round_id: &str,
         worker: &str,
         now: i64,
-        lease_ms: i64,
+        lease: Duration,
     ) -> Result<(), DbError> {
         let (round_id, worker) = (round_id.to_string(), worker.to_string());
         self.write(move |tx| {
             Box::pin(async move {
-                check_lease(&mut *tx, &round_id, &worker).await?;
-                sqlx::query(
-                    "UPDATE aggregation_jobs SET lease_expires_at = $1, updated_at = $2 WHERE round_id = $3",
-                )
-                .bind(now + lease_ms)
-                .bind(now)
-                .bind(&round_id)
-                .execute(&mut *tx)
-                .await?;
-                Ok(())
+                let leased = Leased::Job {
+                    round_id: &round_id,
+                };
+                leased.check(&mut *tx, &worker).await?;
+                leased.extend(&mut *tx, now, lease).await
             })
         })
         .await

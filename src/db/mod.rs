@@ -22,7 +22,7 @@ mod error;
 mod evaluations;
 mod history;
 pub mod jobs;
-pub mod lease_holder;
+pub mod leases;
 mod models;
 pub mod partitions;
 pub mod populations;

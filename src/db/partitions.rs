@@ -4,8 +4,10 @@
 //! merges them) becomes leasable once every partition is stored. Every change is one transaction
 //! guarded by the lease it needs, like the job's.
 
+use std::time::Duration;
+
 use super::jobs::fail_leased;
-use super::lease_holder::LeaseAsk;
+use super::leases::{LeaseAsk, Leased, expiry};
 use super::{Conn, Db, DbError};
 use crate::states::JobState;
 
@@ -46,38 +48,16 @@ fn to_u32(value: i64) -> Result<u32, DbError> {
     u32::try_from(value).map_err(|_| DbError::Corrupt(format!("partition number {value}")))
 }
 
-/// Fails with `LeaseLost` unless `worker` holds the partition's lease, the partition is not
-/// stored yet and its job is pending (fencing, as `jobs::check_lease`).
+/// Fails with `LeaseLost` unless `worker` holds the partition's lease (`Leased::check`).
 async fn check_partition_lease(
     conn: &mut Conn,
     round_id: &str,
     index: u32,
     worker: &str,
 ) -> Result<(), DbError> {
-    let sql = format!(
-        "SELECT p.lease_owner, p.sealed_key, j.state FROM job_partitions p \
-         JOIN aggregation_jobs j ON j.round_id = p.round_id \
-         WHERE p.round_id = $1 AND p.partition_index = $2{}",
-        super::lock_clause(conn, " FOR UPDATE OF p")
-    );
-    let row: Option<(Option<String>, Option<String>, String)> =
-        sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(round_id)
-            .bind(i64::from(index))
-            .fetch_optional(&mut *conn)
-            .await?;
-    match row {
-        Some((Some(owner), None, state))
-            if owner == worker && state == JobState::Pending.as_str() =>
-        {
-            Ok(())
-        }
-        Some(_) => Err(DbError::LeaseLost(format!("{round_id} partition {index}"))),
-        None => Err(DbError::NotFound {
-            entity: "job partition",
-            id: format!("{round_id} partition {index}"),
-        }),
-    }
+    Leased::Partition { round_id, index }
+        .check(conn, worker)
+        .await
 }
 
 impl Db {
@@ -90,9 +70,9 @@ impl Db {
         &self,
         worker: &str,
         now: i64,
-        lease_ms: i64,
+        lease: Duration,
     ) -> Result<Option<LeasedPartition>, DbError> {
-        self.lease_partition_for(worker, now, now, lease_ms).await
+        self.lease_partition_for(worker, now, now, lease).await
     }
 
     /// `lease_partition` for a request that arrived at `arrived` (a long poll asks again and
@@ -102,9 +82,10 @@ impl Db {
         worker: &str,
         arrived: i64,
         now: i64,
-        lease_ms: i64,
+        lease: Duration,
     ) -> Result<Option<LeasedPartition>, DbError> {
         let ask = LeaseAsk::new(worker, arrived);
+        let until = expiry(now, lease)?;
         self.write(move |tx| {
             Box::pin(async move {
                 // Locked with SKIP LOCKED on PostgreSQL, so concurrent workers take different
@@ -154,7 +135,7 @@ impl Db {
                     .bind(&ask.own)
                     .bind(&ask.arrived)
                     .bind(&ask.holder)
-                    .bind(now + lease_ms)
+                    .bind(until)
                     .bind(&round_id)
                     .bind(index)
                     .execute(&mut *tx)
@@ -258,7 +239,7 @@ impl Db {
 
     /// Records the BLAKE3 (hex) of contributions the server did not see arrive (direct uploads
     /// to the blob store), computed by the store before it plans a round into partitions; only
-    /// the job's lease holder, only where none is recorded; extends the lease by `lease_ms`. Untrusted like every listed digest:
+    /// the job's lease holder, only where none is recorded; extends the lease by `lease`. Untrusted like every listed digest:
     /// the enclave fails a job whose bytes do not have their committed digest.
     pub async fn record_contribution_digests(
         &self,
@@ -266,21 +247,16 @@ impl Db {
         worker: &str,
         digests: Vec<(String, String)>,
         now: i64,
-        lease_ms: i64,
+        lease: Duration,
     ) -> Result<(), DbError> {
         let (round_id, worker) = (round_id.to_string(), worker.to_string());
         self.write(move |tx| {
             Box::pin(async move {
-                super::jobs::check_lease(&mut *tx, &round_id, &worker).await?;
-                sqlx::query(
-                    "UPDATE aggregation_jobs SET lease_expires_at = $1, updated_at = $2 \
-                     WHERE round_id = $3",
-                )
-                .bind(now + lease_ms)
-                .bind(now)
-                .bind(&round_id)
-                .execute(&mut *tx)
-                .await?;
+                let leased = Leased::Job {
+                    round_id: &round_id,
+                };
+                leased.check(&mut *tx, &worker).await?;
+                leased.extend(&mut *tx, now, lease).await?;
                 for (assignment_ref, blake3_hex) in &digests {
                     sqlx::query(
                         "UPDATE assignments SET contribution_blake3 = $1, updated_at = $2 \
@@ -306,23 +282,17 @@ impl Db {
         index: u32,
         worker: &str,
         now: i64,
-        lease_ms: i64,
+        lease: Duration,
     ) -> Result<(), DbError> {
         let (round_id, worker) = (round_id.to_string(), worker.to_string());
         self.write(move |tx| {
             Box::pin(async move {
-                check_partition_lease(&mut *tx, &round_id, index, &worker).await?;
-                sqlx::query(
-                    "UPDATE job_partitions SET lease_expires_at = $1, updated_at = $2 \
-                     WHERE round_id = $3 AND partition_index = $4",
-                )
-                .bind(now + lease_ms)
-                .bind(now)
-                .bind(&round_id)
-                .bind(i64::from(index))
-                .execute(&mut *tx)
-                .await?;
-                Ok(())
+                let leased = Leased::Partition {
+                    round_id: &round_id,
+                    index,
+                };
+                leased.check(&mut *tx, &worker).await?;
+                leased.extend(&mut *tx, now, lease).await
             })
         })
         .await

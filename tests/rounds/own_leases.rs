@@ -235,19 +235,20 @@ async fn only_the_holder_takes_its_lease_back_and_only_a_few_times() {
     collect(&system, "own", 1, false).await;
     let now = clock.now_millis().0;
     const LEASE_MS: i64 = 60_000;
+    const LEASE: Duration = Duration::from_millis(LEASE_MS as u64);
     let first = system
         .db
-        .lease_job("solo", now, LEASE_MS)
+        .lease_job("solo", now, LEASE)
         .await
         .unwrap()
         .unwrap();
     for other in ["other", "other/1", "sol", "solo/1"] {
-        let taken = system.db.lease_job(other, now, LEASE_MS).await.unwrap();
+        let taken = system.db.lease_job(other, now, LEASE).await.unwrap();
         assert!(taken.is_none(), "{other} took {first:?}");
     }
     let mut holders = vec![first.holder.clone()];
     for _ in 0..3 {
-        let again = system.db.lease_job("solo", now, LEASE_MS).await.unwrap();
+        let again = system.db.lease_job("solo", now, LEASE).await.unwrap();
         holders.push(again.expect("its own lease back").holder);
     }
     holders.dedup();
@@ -255,7 +256,7 @@ async fn only_the_holder_takes_its_lease_back_and_only_a_few_times() {
     assert!(
         system
             .db
-            .lease_job("solo", now, LEASE_MS)
+            .lease_job("solo", now, LEASE)
             .await
             .unwrap()
             .is_none(),
@@ -265,7 +266,7 @@ async fn only_the_holder_takes_its_lease_back_and_only_a_few_times() {
         assert!(matches!(
             system
                 .db
-                .renew_job(&first.round_id, stale, now, LEASE_MS)
+                .renew_job(&first.round_id, stale, now, LEASE)
                 .await,
             Err(confed::db::DbError::LeaseLost(_))
         ));
@@ -290,12 +291,13 @@ async fn a_lease_request_the_worker_gave_up_on_cannot_take_back_its_retrys_lease
     open_task(&system, "retried", 8.0).await;
     collect(&system, "retried", 1, false).await;
     const LEASE_MS: i64 = 60_000;
+    const LEASE: Duration = Duration::from_millis(LEASE_MS as u64);
     let gave_up = clock.now_millis().0;
     clock.advance(Duration::from_secs(30));
     let retry_arrived = clock.now_millis().0;
     let retry = system
         .db
-        .lease_job_for("enclave-a/1", retry_arrived, retry_arrived, LEASE_MS)
+        .lease_job_for("enclave-a/1", retry_arrived, retry_arrived, LEASE)
         .await
         .unwrap()
         .expect("the retry's lease");
@@ -303,19 +305,19 @@ async fn a_lease_request_the_worker_gave_up_on_cannot_take_back_its_retrys_lease
     let now = clock.now_millis().0;
     let stale = system
         .db
-        .lease_job_for("enclave-a/1", gave_up, now, LEASE_MS)
+        .lease_job_for("enclave-a/1", gave_up, now, LEASE)
         .await
         .unwrap();
     assert!(stale.is_none(), "the old request took {stale:?}");
     system
         .db
-        .renew_job(&retry.round_id, &retry.holder, now, LEASE_MS)
+        .renew_job(&retry.round_id, &retry.holder, now, LEASE)
         .await
         .expect("the retry still holds its lease");
     // A later request of the same worker (it lost the retry's answer too) takes it back.
     let later = system
         .db
-        .lease_job_for("enclave-a/1", now, now, LEASE_MS)
+        .lease_job_for("enclave-a/1", now, now, LEASE)
         .await
         .unwrap()
         .expect("taken back by a newer request");

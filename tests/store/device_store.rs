@@ -349,9 +349,17 @@ async fn concurrent_completions_close_the_round_once_with_one_job() {
         let rounds = app.db.rounds(&tenant.id, &task).await.unwrap();
         assert_eq!(rounds[0].state, RoundState::Aggregating, "{engine}");
         assert_eq!(rounds[0].reports_received, 5, "{engine}");
-        let first = app.db.lease_job("w1/1", NOW, 60_000).await.unwrap();
+        let first = app
+            .db
+            .lease_job("w1/1", NOW, std::time::Duration::from_secs(60))
+            .await
+            .unwrap();
         assert!(first.is_some(), "{engine}: the round's job");
-        let second = app.db.lease_job("w2/1", NOW, 60_000).await.unwrap();
+        let second = app
+            .db
+            .lease_job("w2/1", NOW, std::time::Duration::from_secs(60))
+            .await
+            .unwrap();
         assert!(second.is_none(), "{engine}: one job per round");
         assert_eq!(
             upload(&app, "cap-0", "d", NOW).await,

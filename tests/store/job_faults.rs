@@ -24,6 +24,7 @@ async fn task_state(system: &confed::embedded::EmbeddedSystem, token: &str, task
 }
 
 const LEASE_MS: i64 = 60_000;
+const LEASE: Duration = Duration::from_millis(LEASE_MS as u64);
 
 /// ENOSPC while writing a release once used up all 5 attempts in ~31 s and failed the task for
 /// good. Transient failures are now retried with a backoff capped at 5 minutes, without limit.
@@ -37,7 +38,7 @@ async fn a_transient_failure_like_a_full_disk_is_retried_and_never_fails_the_tas
         let now = clock.now_millis().0;
         let job = system
             .db
-            .lease_job("w/1", now, LEASE_MS)
+            .lease_job("w/1", now, LEASE)
             .await
             .unwrap()
             .expect("the job is ready again after its backoff");
@@ -57,7 +58,7 @@ async fn a_transient_failure_like_a_full_disk_is_retried_and_never_fails_the_tas
         clock.advance(Duration::from_millis(wait as u64 - 1));
         let early = system
             .db
-            .lease_job("w/1", clock.now_millis().0, LEASE_MS)
+            .lease_job("w/1", clock.now_millis().0, LEASE)
             .await;
         assert!(
             early.unwrap().is_none(),
@@ -93,11 +94,7 @@ async fn crash_takeovers_are_not_failures() {
     for crash in 0..8 {
         let job = system
             .db
-            .lease_job(
-                &format!("crashed-{crash}/x"),
-                clock.now_millis().0,
-                LEASE_MS,
-            )
+            .lease_job(&format!("crashed-{crash}/x"), clock.now_millis().0, LEASE)
             .await
             .unwrap();
         assert!(job.is_some(), "crash {crash}");
@@ -106,7 +103,7 @@ async fn crash_takeovers_are_not_failures() {
     assert_eq!(task_state(&system, &token, &task).await, "OPEN");
     let job = system
         .db
-        .lease_job("w/1", clock.now_millis().0, LEASE_MS)
+        .lease_job("w/1", clock.now_millis().0, LEASE)
         .await
         .unwrap()
         .unwrap();
@@ -125,7 +122,7 @@ async fn crash_takeovers_are_not_failures() {
     assert!(
         system
             .db
-            .lease_job("w/1", clock.now_millis().0, LEASE_MS)
+            .lease_job("w/1", clock.now_millis().0, LEASE)
             .await
             .unwrap()
             .is_some(),
@@ -144,14 +141,14 @@ async fn a_restarted_worker_takes_its_own_job_back_at_once() {
     let now = clock.now_millis().0;
     let before = system
         .db
-        .lease_job("enclave-a/1111", now, LEASE_MS)
+        .lease_job("enclave-a/1111", now, LEASE)
         .await
         .unwrap()
         .unwrap();
     assert!(
         system
             .db
-            .lease_job("enclave-b/2222", now, LEASE_MS)
+            .lease_job("enclave-b/2222", now, LEASE)
             .await
             .unwrap()
             .is_none()
@@ -159,14 +156,14 @@ async fn a_restarted_worker_takes_its_own_job_back_at_once() {
     assert!(
         system
             .db
-            .lease_job("enclave-a", now, LEASE_MS)
+            .lease_job("enclave-a", now, LEASE)
             .await
             .unwrap()
             .is_none()
     );
     let after = system
         .db
-        .lease_job("enclave-a/3333", now, LEASE_MS)
+        .lease_job("enclave-a/3333", now, LEASE)
         .await
         .unwrap()
         .unwrap();
@@ -174,7 +171,7 @@ async fn a_restarted_worker_takes_its_own_job_back_at_once() {
     assert!(matches!(
         system
             .db
-            .renew_job(&before.round_id, &before.holder, now, LEASE_MS)
+            .renew_job(&before.round_id, &before.holder, now, LEASE)
             .await,
         Err(DbError::LeaseLost(_))
     ));
@@ -183,17 +180,14 @@ async fn a_restarted_worker_takes_its_own_job_back_at_once() {
     for incarnation in ["4444", "5555"] {
         let again = system
             .db
-            .lease_job(&format!("enclave-a/{incarnation}"), now, LEASE_MS)
+            .lease_job(&format!("enclave-a/{incarnation}"), now, LEASE)
             .await;
         assert!(again.unwrap().is_some(), "{incarnation}");
     }
-    let stuck = system.db.lease_job("enclave-a/6666", now, LEASE_MS).await;
+    let stuck = system.db.lease_job("enclave-a/6666", now, LEASE).await;
     assert!(stuck.unwrap().is_none());
     let expired = now + LEASE_MS;
-    let later = system
-        .db
-        .lease_job("enclave-a/6666", expired, LEASE_MS)
-        .await;
+    let later = system.db.lease_job("enclave-a/6666", expired, LEASE).await;
     assert!(later.unwrap().is_some());
 }
 
@@ -215,7 +209,7 @@ async fn the_operator_resumes_a_failed_round() {
     );
     let job = system
         .db
-        .lease_job("w/1", now, LEASE_MS)
+        .lease_job("w/1", now, LEASE)
         .await
         .unwrap()
         .unwrap();

@@ -136,7 +136,11 @@ async fn concurrent_reports_close_the_round_once_and_one_worker_leases_its_job()
 
     let leases = ["worker-a", "worker-b", "worker-c", "worker-d"].map(|worker| {
         let db = dbs[worker.len() % 2].clone();
-        tokio::spawn(async move { db.lease_job(worker, now, 60_000).await.unwrap() })
+        tokio::spawn(async move {
+            db.lease_job(worker, now, std::time::Duration::from_secs(60))
+                .await
+                .unwrap()
+        })
     });
     let mut leased = Vec::new();
     for lease in leases {
