@@ -10,6 +10,8 @@ pub trait StateMachine: Copy + Eq + std::fmt::Debug + Send + Sync + 'static {
     const ENTITY: &'static str;
     /// The table whose `state` column holds this machine's state.
     const TABLE: &'static str;
+    /// The column that names a row of `TABLE` (its entity id in the state history).
+    const KEY: &'static str = "id";
     const ALL: &'static [Self];
 
     fn as_str(self) -> &'static str;
@@ -123,6 +125,8 @@ impl JobState {
 impl StateMachine for JobState {
     const ENTITY: &'static str = "aggregation job";
     const TABLE: &'static str = "aggregation_jobs";
+    /// A round has at most one job, named by the round's id.
+    const KEY: &'static str = "round_id";
     const ALL: &'static [Self] = JobState::ALL;
 
     fn as_str(self) -> &'static str {

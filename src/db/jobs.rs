@@ -47,20 +47,9 @@ static FAILING_JOBS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
         JobState::Pending.as_str()
     )
 });
-static JOB_DONE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-    format!(
-        "UPDATE aggregation_jobs SET state = '{}', lease_owner = NULL, \
-         lease_expires_at = NULL, updated_at = $1 WHERE round_id = $2",
-        JobState::Done.as_str()
-    )
-});
-static JOB_FAILED: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-    format!(
-        "UPDATE aggregation_jobs SET state = '{}', lease_owner = NULL, \
-         lease_expires_at = NULL, last_error = $1, updated_at = $2 WHERE round_id = $3",
-        JobState::Failed.as_str()
-    )
-});
+/// A done job holds no lease (its state is set by `transition`, which records it).
+const LEASE_GIVEN_UP: &str = "UPDATE aggregation_jobs SET lease_owner = NULL, \
+     lease_expires_at = NULL WHERE round_id = $1";
 
 /// Longest failure reason kept, in characters: it comes from the worker-token holder and is shown
 /// to the task's partner (`failure_reason`).
@@ -445,8 +434,16 @@ impl Db {
                     now,
                 )
                 .await?;
-                sqlx::query(sqlx::AssertSqlSafe(JOB_DONE.as_str()))
-                    .bind(now)
+                transition(
+                    &mut *tx,
+                    &round_id,
+                    JobState::Pending,
+                    JobState::Done,
+                    &format!("model version {version} stored"),
+                    now,
+                )
+                .await?;
+                sqlx::query(LEASE_GIVEN_UP)
                     .bind(&round_id)
                     .execute(&mut *tx)
                     .await?;
@@ -584,12 +581,23 @@ pub(super) async fn fail_leased(
         }
         return Ok(());
     }
-    sqlx::query(sqlx::AssertSqlSafe(JOB_FAILED.as_str()))
-        .bind(reason)
-        .bind(now)
-        .bind(round_id)
-        .execute(&mut *tx)
-        .await?;
+    transition(
+        &mut *tx,
+        round_id,
+        JobState::Pending,
+        JobState::Failed,
+        reason,
+        now,
+    )
+    .await?;
+    sqlx::query(
+        "UPDATE aggregation_jobs SET lease_owner = NULL, lease_expires_at = NULL, \
+         last_error = $1 WHERE round_id = $2",
+    )
+    .bind(reason)
+    .bind(round_id)
+    .execute(&mut *tx)
+    .await?;
     let round = rounds::load_one(&mut *tx, round_id).await?;
     let why = format!("aggregation failed: {reason}");
     rounds::close(

@@ -437,8 +437,9 @@ pub(crate) async fn transition<S: StateMachine>(
         });
     }
     let update = format!(
-        "UPDATE {} SET state = $1, updated_at = $2 WHERE id = $3 AND state = $4",
-        S::TABLE
+        "UPDATE {} SET state = $1, updated_at = $2 WHERE {} = $3 AND state = $4",
+        S::TABLE,
+        S::KEY
     );
     let done = sqlx::query(sqlx::AssertSqlSafe(update))
         .bind(to.as_str())
@@ -448,7 +449,7 @@ pub(crate) async fn transition<S: StateMachine>(
         .execute(&mut *conn)
         .await?;
     if done.rows_affected() != 1 {
-        let select = format!("SELECT state FROM {} WHERE id = $1", S::TABLE);
+        let select = format!("SELECT state FROM {} WHERE {} = $1", S::TABLE, S::KEY);
         let found: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(select))
             .bind(id)
             .fetch_optional(&mut *conn)

@@ -6,7 +6,7 @@
 //! is an operator's decision, recorded in the state history as one.
 
 use super::{Db, DbError, history, tasks};
-use crate::states::{JobState, RoundState, TaskState};
+use crate::states::{JobState, RoundState, StateMachine, TaskState};
 
 static FAILED_ROUND: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
@@ -54,10 +54,10 @@ impl Db {
                 let task = tasks::load_any(&mut *tx, &task_id).await?;
                 let round_id: Option<String> =
                     sqlx::query_scalar(sqlx::AssertSqlSafe(FAILED_ROUND.as_str()))
-                .bind(&task_id)
-                .bind(round_number)
-                .fetch_optional(&mut *tx)
-                .await?;
+                        .bind(&task_id)
+                        .bind(round_number)
+                        .fetch_optional(&mut *tx)
+                        .await?;
                 let not_resumable = |found: String| DbError::StateConflict {
                     entity: "round",
                     id: format!("{task_id}/{round_number}"),
@@ -99,27 +99,30 @@ impl Db {
                 // wins (on PostgreSQL this update waits for it and re-checks).
                 let moved = sqlx::query(
                     "UPDATE rounds SET state = $1, closed_at = NULL WHERE id = $2 \
-                     AND state = 'FAILED' AND contributions_purged_at IS NULL",
+                     AND state = $3 AND contributions_purged_at IS NULL",
                 )
                 .bind(to.as_str())
                 .bind(&round_id)
+                .bind(RoundState::Failed.as_str())
                 .execute(&mut *tx)
                 .await?
                 .rows_affected();
                 let reopened = sqlx::query(
-                    "UPDATE tasks SET state = 'OPEN', updated_at = $1 WHERE id = $2 AND state = 'FAILED'",
+                    "UPDATE tasks SET state = $1, updated_at = $2 WHERE id = $3 AND state = $4",
                 )
+                .bind(TaskState::Open.as_str())
                 .bind(now)
                 .bind(&task_id)
+                .bind(TaskState::Failed.as_str())
                 .execute(&mut *tx)
                 .await?
                 .rows_affected();
                 let pending = sqlx::query(sqlx::AssertSqlSafe(JOB_PENDING_AGAIN.as_str()))
-                .bind(now)
-                .bind(&round_id)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
+                    .bind(now)
+                    .bind(&round_id)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
                 if (moved, reopened, pending) != (1, 1, 1) {
                     return Err(not_resumable("changed concurrently".into()));
                 }
@@ -129,10 +132,38 @@ impl Db {
                     .bind(&round_id)
                     .execute(&mut *tx)
                     .await?;
-                history::append(&mut *tx, "round", &round_id, Some("FAILED"), to.as_str(), reason, now)
-                    .await?;
-                history::append(&mut *tx, "task", &task_id, Some("FAILED"), "OPEN", reason, now)
-                    .await?;
+                // Not `transition`: these moves are outside the machines on purpose (above), and
+                // recorded as the operator's.
+                history::append(
+                    &mut *tx,
+                    JobState::ENTITY,
+                    &round_id,
+                    Some(JobState::Failed.as_str()),
+                    JobState::Pending.as_str(),
+                    reason,
+                    now,
+                )
+                .await?;
+                history::append(
+                    &mut *tx,
+                    RoundState::ENTITY,
+                    &round_id,
+                    Some(RoundState::Failed.as_str()),
+                    to.as_str(),
+                    reason,
+                    now,
+                )
+                .await?;
+                history::append(
+                    &mut *tx,
+                    TaskState::ENTITY,
+                    &task_id,
+                    Some(TaskState::Failed.as_str()),
+                    TaskState::Open.as_str(),
+                    reason,
+                    now,
+                )
+                .await?;
                 Ok(Resumed {
                     task_id,
                     round_number,

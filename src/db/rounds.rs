@@ -70,7 +70,8 @@ const ROUND_SELECT: &str = "SELECT r.id AS id, r.task_id AS task_id, \
      r.opened_at AS opened_at, r.closed_at AS closed_at, \
      r.on_demand_evaluation AS on_demand_evaluation, \
      CASE WHEN r.state = 'FAILED' THEN (SELECT h.reason FROM state_history h \
-      WHERE h.entity_id = r.id ORDER BY h.seq DESC LIMIT 1) END AS failure_reason FROM rounds r";
+      WHERE h.entity_id = r.id AND h.entity = 'round' ORDER BY h.seq DESC LIMIT 1) END \
+      AS failure_reason FROM rounds r";
 
 fn round_from_row(row: RoundRow) -> Result<RoundRecord, DbError> {
     Ok(RoundRecord {

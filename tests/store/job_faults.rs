@@ -267,4 +267,30 @@ async fn the_operator_resumes_a_failed_round() {
         system.db.resume_failed_round(&task, 1, now).await.is_err(),
         "once"
     );
+    // Every state change of the job is in the state history, under the round's id.
+    let job_history: Vec<(Option<String>, String, String)> = system
+        .db
+        .history(&job.round_id)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|h| h.entity == "aggregation job")
+        .map(|h| (h.from_state, h.to_state, h.reason))
+        .collect();
+    assert_eq!(
+        job_history,
+        [
+            (Some("PENDING".into()), "FAILED".into(), "given up".into()),
+            (
+                Some("FAILED".into()),
+                "PENDING".into(),
+                "resumed by the operator".into()
+            ),
+            (
+                Some("PENDING".into()),
+                "DONE".into(),
+                "model version 1 stored".into()
+            ),
+        ]
+    );
 }

@@ -365,3 +365,22 @@ impl DeviceStore for SqliteDevices<'_> {
             .await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fast paths spell their transitions in SQL (one statement each, for the device path's
+    /// throughput) instead of calling `db::transition`, so the tables are checked here: an edit
+    /// of `states.rs` that forbids one of them fails this test, not a device in production.
+    /// PostgreSQL's fast paths (`postgres/device.rs`) make the same three.
+    #[test]
+    fn the_fast_paths_make_only_transitions_the_state_machines_allow() {
+        assert!(ASSIGNED.can_become(UPLOADED), "upload");
+        assert!(UPLOADED.can_become(COMPLETED), "report");
+        assert!(
+            COLLECTING.can_become(AGGREGATING),
+            "the round's last report"
+        );
+    }
+}
