@@ -78,6 +78,11 @@ impl AppState {
         }
     }
 
+    /// The evaluation service over this state's database.
+    pub fn evaluations(&self) -> crate::evaluation::Evaluations<'_> {
+        crate::evaluation::Evaluations { db: &self.db }
+    }
+
     /// The task service over this state's database, model store and check-in registry.
     pub fn tasks(&self) -> crate::tasks::Tasks<'_> {
         crate::tasks::Tasks {

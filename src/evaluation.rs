@@ -3,9 +3,55 @@
 //! spends no privacy, and an operator who ignores it only trains longer (docs/privacy.md,
 //! "Evaluation").
 
+use crate::db::evaluations::EvaluationRequest;
 use crate::db::{Db, DbError, EvaluationPoint, TaskRecord};
 use crate::states::TaskState;
 use crate::task_spec::{EarlyStopping, Metric};
+
+/// The evaluation service over the task database: what the partner API and the console show of
+/// a task's evaluations, and a partner's request for one (`AppState::evaluations()`).
+pub struct Evaluations<'a> {
+    pub db: &'a Db,
+}
+
+/// One task's evaluations with what follows from them.
+#[derive(Debug, Clone)]
+pub struct EvaluationSummary {
+    pub points: Vec<EvaluationPoint>,
+    /// The version with the best noised value of the ranking metric, if any has one.
+    pub best: Option<u64>,
+    /// The best version's evaluation is too noisy to choose a version by.
+    pub best_too_noisy: bool,
+    /// Why the task completed early, if its early-stopping rule stopped it.
+    pub stopped_early: Option<String>,
+}
+
+impl Evaluations<'_> {
+    /// The evaluations of `task` (one of the tenant's, already read), ranked.
+    pub async fn summary(&self, task: &TaskRecord) -> Result<EvaluationSummary, DbError> {
+        let points = self.db.evaluations(&task.tenant_id, &task.id).await?;
+        let best = best(ranking_metric(task), &points);
+        Ok(EvaluationSummary {
+            best_too_noisy: points
+                .iter()
+                .any(|point| Some(point.model_version) == best && point.too_noisy),
+            stopped_early: stopped_early(task, &points),
+            best,
+            points,
+        })
+    }
+
+    /// Asks for an evaluation of the next round of the tenant's task to open (idempotent while
+    /// it waits); refused (`DbError::Conflict`, 409) when the task allows none, has used them
+    /// all, is in its last round or is finished.
+    pub async fn request(
+        &self,
+        tenant_id: &str,
+        task_id: &str,
+    ) -> Result<EvaluationRequest, DbError> {
+        self.db.request_evaluation(tenant_id, task_id).await
+    }
+}
 
 impl Metric {
     fn of(self, point: &EvaluationPoint) -> Option<f64> {

@@ -219,18 +219,13 @@ async fn store_upload(
         }
     })?
     .to_bytes();
-    let envelope = uploads.open_envelope(&admitted, &body, now)?;
-    // A task that requires device tokens stores nothing unauthenticated.
-    state
-        .device_auth
-        .check_upload(&state.db, &admitted.assignment, &envelope)
+    let stored = uploads
+        .accept(capability, &admitted, &body, &state.device_auth, now)
         .await?;
-    Ok(
-        match uploads.store(capability, &admitted, &body, now).await? {
-            Stored::New => StatusCode::CREATED,
-            Stored::Again => StatusCode::OK,
-        },
-    )
+    Ok(match stored {
+        Stored::New => StatusCode::CREATED,
+        Stored::Again => StatusCode::OK,
+    })
 }
 
 impl From<UploadError> for ApiError {
@@ -275,39 +270,16 @@ pub async fn report(
     ApiPath(capability): ApiPath<Capability>,
     ApiJson(request): ApiJson<ReportRequest>,
 ) -> Result<axum::Json<ReportResponse>, ApiError> {
-    let outcome = request.outcome;
-    if outcome == ReportOutcome::Completed && state.contributions.accepts_direct_uploads() {
-        let uploads = state.uploads();
-        let assignment = uploads.find(&capability).await?;
-        let device_auth = state
-            .device_auth
-            .requirement(&state.db, &assignment)
-            .await?;
-        uploads
-            .note_direct_upload(&capability, assignment, device_auth.as_deref(), state.now())
-            .await?;
-    }
-    let recorded = match state
-        .db
-        .record_report(
+    let recorded = state
+        .uploads()
+        .report(
             &capability,
-            outcome,
+            request.outcome,
             request.error.as_deref(),
-            state.now().0,
+            &state.device_auth,
+            state.now(),
         )
-        .await?
-    {
-        Ok(recorded) => recorded,
-        Err(why) => {
-            if why == Refusal::RoundClosed && outcome == ReportOutcome::Completed {
-                state
-                    .uploads()
-                    .count_late(&capability.reference(), state.now().0)
-                    .await;
-            }
-            return Err(refusal(why));
-        }
-    };
+        .await?;
     metrics::counter!("confed_reports_total", "state" => recorded.as_str()).increment(1);
     let retry_window =
         (recorded == AssignmentState::Rejected).then(|| RetryReason::RoundFull.window());

@@ -43,18 +43,13 @@ pub async fn list_evaluations(
     ApiPath(id): ApiPath<String>,
 ) -> Result<axum::Json<EvaluationList>, ApiError> {
     let task = state.db.task(&tenant.id, &id).await?;
-    let evaluations = state.db.evaluations(&tenant.id, &id).await?;
-    let best = crate::evaluation::best(crate::evaluation::ranking_metric(&task), &evaluations);
-    let stopped_early = crate::evaluation::stopped_early(&task, &evaluations);
-    let best_too_noisy = evaluations
-        .iter()
-        .any(|point| Some(point.model_version) == best && point.too_noisy);
+    let summary = state.evaluations().summary(&task).await?;
     Ok(axum::Json(EvaluationList {
-        best_model_version: best,
-        best_too_noisy,
-        stopped_early,
+        best_model_version: summary.best,
+        best_too_noisy: summary.best_too_noisy,
+        stopped_early: summary.stopped_early,
         evaluation: task.spec.evaluation,
-        evaluations,
+        evaluations: summary.points,
     }))
 }
 
@@ -84,7 +79,7 @@ pub async fn request_evaluation(
     Tenant(tenant): Tenant,
     ApiPath(id): ApiPath<String>,
 ) -> Result<(axum::http::StatusCode, axum::Json<EvaluationRequested>), ApiError> {
-    let request = state.db.request_evaluation(&tenant.id, &id).await?;
+    let request = state.evaluations().request(&tenant.id, &id).await?;
     Ok((
         axum::http::StatusCode::ACCEPTED,
         axum::Json(EvaluationRequested {

@@ -12,13 +12,17 @@ use super::task_page::CsrfOnly;
 use crate::app::AppState;
 use crate::db::EvaluationPoint;
 use crate::db::TaskRecord;
+use crate::evaluation::EvaluationSummary;
 use crate::states::TaskState;
 
 /// `None` for a task without evaluation.
-pub fn section(task: &TaskRecord, points: &[EvaluationPoint], session: &Session) -> Option<Markup> {
+pub fn section(
+    task: &TaskRecord,
+    summary: &EvaluationSummary,
+    session: &Session,
+) -> Option<Markup> {
     let spec = task.spec.evaluation?;
-    let best = crate::evaluation::best(crate::evaluation::ranking_metric(task), points);
-    let stopped = crate::evaluation::stopped_early(task, points);
+    let (points, best, stopped) = (&summary.points, summary.best, &summary.stopped_early);
     let policy = spec.policy();
     let shown = |value: Option<f64>| value.map_or("—".to_string(), super::charts::significant);
     let series = |value: fn(&EvaluationPoint) -> Option<f64>| {
@@ -108,7 +112,7 @@ pub fn section(task: &TaskRecord, points: &[EvaluationPoint], session: &Session)
     })
 }
 
-/// Asks for an on-demand evaluation (`Db::request_evaluation`, as `POST
+/// Asks for an on-demand evaluation (`Evaluations::request`, as `POST
 /// /v1/tasks/{id}/evaluations`); a refusal shows as the console's error page.
 pub async fn request(
     State(state): State<AppState>,
@@ -117,7 +121,7 @@ pub async fn request(
     ConsoleForm(form): ConsoleForm<CsrfOnly>,
 ) -> Result<Response, ConsoleError> {
     session.check_csrf(&form.csrf)?;
-    state.db.request_evaluation(&session.tenant.id, &id).await?;
+    state.evaluations().request(&session.tenant.id, &id).await?;
     tracing::info!(tenant = %session.tenant.name, task = %id, "on-demand evaluation asked for (console)");
     Ok(Redirect::to(&format!("/console/tasks/{id}")).into_response())
 }

@@ -174,7 +174,7 @@ pub async fn show(
     let releases = state.db.releases_from(tenant_id, &id, first_shown).await?;
     let funnel = state.db.round_funnel(tenant_id, &id, first_shown).await?;
     let checks = check_releases(&state, &task, &releases).await?;
-    let evaluations = state.db.evaluations(tenant_id, &id).await?;
+    let evaluations = state.evaluations().summary(&task).await?;
     let aggregating = state
         .db
         .aggregating_since(tenant_id, &id, first_shown)

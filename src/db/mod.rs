@@ -19,7 +19,7 @@ mod assignments;
 mod blobs;
 pub mod device;
 mod error;
-mod evaluations;
+pub mod evaluations;
 mod history;
 pub mod jobs;
 pub mod leases;

@@ -6,6 +6,7 @@
 
 pub mod device_tokens;
 
+use confed_protocol::device::ReportOutcome;
 use confed_protocol::device_auth::DeviceAuth;
 use confed_protocol::envelope::{Envelope, EnvelopeError};
 use confed_protocol::envelope_scan::{self, EnvelopeHeader, HEAD_BYTES, Scan, TAIL_BYTES};
@@ -304,6 +305,58 @@ impl Uploads<'_> {
                         )
                     })?;
                 envelope_scan::scan_with_tail(&head, at, &tail[skip..], size).map_err(malformed)
+            }
+        }
+    }
+
+    /// The body of an admitted upload at `now`, in the order that keeps a refusal free: the
+    /// envelope checked (`open_envelope`), its device token if the task requires one (a task
+    /// that requires tokens stores nothing unauthenticated), then stored (`store`).
+    pub async fn accept(
+        &self,
+        capability: &Capability,
+        admitted: &Admitted,
+        body: &[u8],
+        device_auth: &device_tokens::DeviceAuthCache,
+        now: Millis,
+    ) -> Result<Stored, UploadError> {
+        let envelope = self.open_envelope(admitted, body, now)?;
+        device_auth
+            .check_upload(self.db, &admitted.assignment, &envelope)
+            .await?;
+        self.store(capability, admitted, body, now).await
+    }
+
+    /// A device's report of its assignment's outcome at `now` (`POST .../report`): a
+    /// `completed` report of a contribution uploaded straight to the blob store first has the
+    /// object checked and noted (`note_direct_upload`, with the task's device-token
+    /// requirement); then the report is recorded. A `completed` report refused because the
+    /// round closed first is counted as a late contribution.
+    pub async fn report(
+        &self,
+        capability: &Capability,
+        outcome: ReportOutcome,
+        device_error: Option<&str>,
+        device_auth: &device_tokens::DeviceAuthCache,
+        now: Millis,
+    ) -> Result<AssignmentState, UploadError> {
+        if outcome == ReportOutcome::Completed && self.contributions.accepts_direct_uploads() {
+            let assignment = self.find(capability).await?;
+            let requirement = device_auth.requirement(self.db, &assignment).await?;
+            self.note_direct_upload(capability, assignment, requirement.as_deref(), now)
+                .await?;
+        }
+        match self
+            .db
+            .record_report(capability, outcome, device_error, now.0)
+            .await?
+        {
+            Ok(recorded) => Ok(recorded),
+            Err(why) => {
+                if why == Refusal::RoundClosed && outcome == ReportOutcome::Completed {
+                    self.count_late(&capability.reference(), now.0).await;
+                }
+                Err(UploadError::Refused(why))
             }
         }
     }
