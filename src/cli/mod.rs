@@ -8,6 +8,8 @@ mod devices;
 mod keys;
 #[cfg(feature = "embedded")]
 mod privacy;
+#[cfg(all(test, feature = "embedded"))]
+mod help_tests;
 mod serve;
 mod tenant;
 mod tokens;
