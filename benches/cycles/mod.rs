@@ -7,11 +7,11 @@ use confed::tools::simulate::SimulationConfig;
 use confed_protocol::trust::TrustConfig;
 
 /// Devices each run simulates.
-pub const DEVICES: usize = 6000;
+pub(crate) const DEVICES: usize = 6000;
 
 /// Creates the task `spec` describes and uploads its model: 4 x 1023 weights + 4 biases = 4096
 /// floats, so every update is 16 KB.
-pub async fn task(http: &reqwest::Client, base: &str, token: &str, spec: serde_json::Value) {
+pub(crate) async fn task(http: &reqwest::Client, base: &str, token: &str, spec: serde_json::Value) {
     let task: serde_json::Value = http
         .post(format!("{base}/v1/tasks"))
         .bearer_auth(token)
@@ -36,7 +36,7 @@ pub async fn task(http: &reqwest::Client, base: &str, token: &str, spec: serde_j
 
 /// `DEVICES` devices of `population`, from `first_device`, `concurrency` at a time, each
 /// contributing once with a random update (the load generator keeps nothing on disk).
-pub fn load(
+pub(crate) fn load(
     base: &str,
     population: &str,
     trust: &TrustConfig,

@@ -9,13 +9,13 @@ use confed::clock::SystemClock;
 use confed::db::{Db, NewTenant};
 use confed::keys::directory::KeyDirectory;
 
-pub struct BenchServer {
+pub(crate) struct BenchServer {
     pub base: String,
     pub token: String,
     pub _dir: tempfile::TempDir,
 }
 
-pub async fn start(keys: KeyDirectory) -> BenchServer {
+pub(crate) async fn start(keys: KeyDirectory) -> BenchServer {
     let dir = tempfile::tempdir().unwrap();
     let db = Db::open_sqlite(&dir.path().join("confed.db"))
         .await

@@ -25,7 +25,7 @@ use crate::process::{Server, WorkerKind, enclave_binary, start_with};
 use crate::{model, simulate, spec};
 
 /// Partitions (and partition workers): `CONFED_BENCH_WORKERS`, when set to 1 or more.
-pub fn workers() -> Option<u32> {
+pub(crate) fn workers() -> Option<u32> {
     std::env::var("CONFED_BENCH_WORKERS")
         .ok()
         .and_then(|k| k.parse().ok())
@@ -231,7 +231,7 @@ async fn bytes(http: &reqwest::Client, server: &Server, path: &str) -> Vec<u8> {
     response.bytes().await.unwrap().to_vec()
 }
 
-pub async fn run(devices: usize, workers: u32) {
+pub(crate) async fn run(devices: usize, workers: u32) {
     let http = confed_protocol::http::client(Duration::from_secs(60));
     println!(
         "== a partitioned round: {devices} devices x 1 MB, {workers} partitions, each by a confed-enclave --once process started at the close, merged by a root over the worker API (all on this machine's cores)"

@@ -8,7 +8,7 @@ use std::sync::mpsc::Sender;
 
 // Each benchmark reads what it needs of a started server.
 #[allow(dead_code)]
-pub struct Server {
+pub(crate) struct Server {
     pub child: Child,
     pub url: String,
     /// The `demo` tenant's token (printed on the first start).
@@ -33,7 +33,7 @@ impl Server {
     /// Creates a task of the demo tenant from `spec` (the `POST /v1/tasks` body) and uploads
     /// `model` as its first version; returns the task's id.
     #[allow(dead_code)]
-    pub async fn open_task(
+    pub(crate) async fn open_task(
         &self,
         http: &reqwest::Client,
         spec: serde_json::Value,
@@ -76,14 +76,14 @@ impl Drop for Server {
 }
 
 /// The `confed` binary the benchmark runs: `CONFED_BIN`, else the workspace's release build.
-pub fn binary() -> String {
+pub(crate) fn binary() -> String {
     std::env::var("CONFED_BIN")
         .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/target/release/confed").into())
 }
 
 /// The `confed-enclave` binary: `CONFED_ENCLAVE_BIN`, else the workspace's release build.
 #[allow(dead_code)]
-pub fn enclave_binary() -> String {
+pub(crate) fn enclave_binary() -> String {
     std::env::var("CONFED_ENCLAVE_BIN").unwrap_or_else(|_| {
         concat!(env!("CARGO_MANIFEST_DIR"), "/target/release/confed-enclave").into()
     })
@@ -94,7 +94,7 @@ pub fn enclave_binary() -> String {
 /// `cargo build --release -p confed-enclave`).
 #[allow(dead_code)]
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub enum WorkerKind {
+pub(crate) enum WorkerKind {
     InProcess,
     Remote,
     /// No worker started with the server, which cuts rounds into this many partitions
@@ -127,12 +127,12 @@ fn forward_log(log: impl std::io::Read + Send + 'static, marker: &'static str, j
 
 /// Starts `confed serve` (the embedded system) and waits until it listens.
 #[allow(dead_code)]
-pub fn start() -> Server {
+pub(crate) fn start() -> Server {
     start_with(WorkerKind::InProcess)
 }
 
 /// `start`, with rounds aggregated by the worker `aggregator`.
-pub fn start_with(aggregator: WorkerKind) -> Server {
+pub(crate) fn start_with(aggregator: WorkerKind) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let worker_token = format!("bench-worker-token-{}", std::process::id()).repeat(2);
     let mut command = Command::new(binary());

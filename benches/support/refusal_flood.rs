@@ -92,7 +92,7 @@ impl Flood {
     }
 }
 
-pub async fn refusal_flood(seconds: u64) {
+pub(crate) async fn refusal_flood(seconds: u64) {
     let dir = tempfile::tempdir().unwrap();
     let outcome = generate(&CeremonyOptions {
         shares: 2,

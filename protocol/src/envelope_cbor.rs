@@ -113,7 +113,7 @@ pub(crate) fn item<'a, S: Source<'a>>(reader: &mut Reader<S>) -> Result<Item<'a>
 }
 
 /// Parses an envelope, borrowing its byte strings from `bytes`.
-pub fn parse(bytes: &[u8]) -> Result<EnvelopeRef<'_>, EnvelopeError> {
+pub(crate) fn parse(bytes: &[u8]) -> Result<EnvelopeRef<'_>, EnvelopeError> {
     let mut reader = Reader {
         source: Whole { bytes, at: 0 },
     };

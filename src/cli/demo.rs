@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 
 #[derive(clap::Args)]
-pub struct DemoArgs {
+pub(crate) struct DemoArgs {
     /// Simulated devices in the population.
     #[arg(long, default_value_t = 300)]
     pub devices: usize,
@@ -69,7 +69,7 @@ pub struct DemoArgs {
 
 /// `--mechanism`.
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum DemoMechanism {
+pub(crate) enum DemoMechanism {
     Gaussian,
     #[value(alias = "tree")]
     Ftrl,
@@ -98,7 +98,7 @@ impl From<Optimizer> for confed_worker_api::optimizer::ServerOptimizer {
     }
 }
 
-pub async fn run(args: DemoArgs) -> Result<()> {
+pub(super) async fn run(args: DemoArgs) -> Result<()> {
     let (data_dir, temporary) = match args.data_dir {
         Some(dir) => (dir, false),
         None => {

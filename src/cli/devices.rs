@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use clap::Subcommand;
 
 #[derive(Subcommand)]
-pub enum DevicesCommand {
+pub(crate) enum DevicesCommand {
     /// Run N devices that check in, train on private non-IID shards of a synthetic data set, seal
     /// their updates and upload them. Exits non-zero when device operations failed, when no
     /// device contributed, or when a round of the population still wants contributions after
@@ -116,7 +116,7 @@ pub enum DevicesCommand {
     },
 }
 
-pub async fn run(command: DevicesCommand) -> Result<()> {
+pub(super) async fn run(command: DevicesCommand) -> Result<()> {
     use confed::tools::simulate::{SimulationConfig, initial_model, run};
     match command {
         DevicesCommand::Simulate {

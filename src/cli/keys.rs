@@ -7,7 +7,7 @@ use clap::Subcommand;
 use confed::clock::{Clock, SystemClock, rfc3339};
 
 #[derive(Subcommand)]
-pub enum KeysCommand {
+pub(crate) enum KeysCommand {
     /// Create an HPKE key pair, split its private key into N Shamir shares (any T recover it),
     /// write one share file per key service and the public key set. The private key is never
     /// written.
@@ -41,7 +41,7 @@ pub enum KeysCommand {
     },
 }
 
-pub fn parse_time(text: Option<&str>, default: i64) -> Result<i64> {
+pub(super) fn parse_time(text: Option<&str>, default: i64) -> Result<i64> {
     match text {
         None => Ok(default),
         Some(text) => {
@@ -55,7 +55,7 @@ pub fn parse_time(text: Option<&str>, default: i64) -> Result<i64> {
     }
 }
 
-pub fn run(command: KeysCommand) -> Result<()> {
+pub(super) fn run(command: KeysCommand) -> Result<()> {
     match command {
         KeysCommand::DevAttester { key } => {
             let attester =

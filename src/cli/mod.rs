@@ -4,12 +4,12 @@
 mod demo;
 #[cfg(feature = "embedded")]
 mod devices;
+#[cfg(all(test, feature = "embedded"))]
+mod help_tests;
 #[cfg(feature = "embedded")]
 mod keys;
 #[cfg(feature = "embedded")]
 mod privacy;
-#[cfg(all(test, feature = "embedded"))]
-mod help_tests;
 mod serve;
 mod tenant;
 mod tokens;
@@ -18,18 +18,18 @@ mod verify;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
-pub use confed_serving::shutdown_signal;
+pub(crate) use confed_serving::shutdown_signal;
 #[cfg(feature = "embedded")]
-pub use demo::DemoArgs;
+pub(crate) use demo::DemoArgs;
 #[cfg(feature = "embedded")]
-pub use devices::DevicesCommand;
+pub(crate) use devices::DevicesCommand;
 #[cfg(feature = "embedded")]
-pub use keys::KeysCommand;
+pub(crate) use keys::KeysCommand;
 #[cfg(feature = "embedded")]
-pub use privacy::PrivacyCommand;
-pub use serve::ServeArgs;
-pub use tenant::TenantCommand;
-pub use verify::VerifyCommand;
+pub(crate) use privacy::PrivacyCommand;
+pub(crate) use serve::ServeArgs;
+pub(crate) use tenant::TenantCommand;
+pub(crate) use verify::VerifyCommand;
 
 #[derive(Parser)]
 #[command(
@@ -37,13 +37,13 @@ pub use verify::VerifyCommand;
     version,
     about = "Confidential-computing federated-learning server"
 )]
-pub struct Cli {
+pub(crate) struct Cli {
     #[command(subcommand)]
     command: Command,
 }
 
 #[derive(Subcommand)]
-pub enum Command {
+pub(crate) enum Command {
     #[cfg(feature = "embedded")]
     /// The whole system in one process (DEV attestation): a task trained by simulated devices
     /// over several rounds with differential privacy, printing accuracy after each round.
@@ -111,7 +111,7 @@ impl Command {
     }
 }
 
-pub fn run() -> Result<()> {
+pub(crate) fn run() -> Result<()> {
     let cli = Cli::parse();
     // The demo reports its own progress; its components' info logs would bury it.
     let default_filter = match cli.command {

@@ -14,14 +14,14 @@ use confed_protocol::policy::{AdaptiveClipping, DpMechanism, Evaluation, Health,
 use serde::Serialize;
 
 #[derive(Subcommand)]
-pub enum PrivacyCommand {
+pub(crate) enum PrivacyCommand {
     /// The noise a task's budget buys and the epsilon spent after each round, as the enclave
     /// will calibrate and account them (Gaussian, tree aggregation or BLT; zCDP, OpenDP).
     Plan(PlanArgs),
 }
 
 #[derive(Args)]
-pub struct PlanArgs {
+pub(crate) struct PlanArgs {
     /// The task's total epsilon over all rounds.
     #[arg(long)]
     epsilon: f64,
@@ -151,7 +151,7 @@ struct Plan {
     average_noise_per_clip: Option<f64>,
 }
 
-pub fn run(command: PrivacyCommand) -> Result<()> {
+pub(super) fn run(command: PrivacyCommand) -> Result<()> {
     let PrivacyCommand::Plan(args) = command;
     let chosen = args.mechanism.unwrap_or(match args.min_separation {
         Some(_) => MechanismArg::Tree,

@@ -13,7 +13,7 @@ use super::shutdown_signal;
 use super::tokens::{admin_token, shared_token};
 
 #[derive(Args)]
-pub struct DataDir {
+pub(crate) struct DataDir {
     /// Directory holding the task database (unless --database), blobs and contributions.
     #[arg(long, default_value = "./confed-data")]
     pub data_dir: PathBuf,
@@ -28,7 +28,7 @@ pub struct DataDir {
 const MAX_RETENTION_MINUTES: u64 = 10 * 366 * 24 * 60;
 
 #[derive(Args)]
-pub struct ServeArgs {
+pub(crate) struct ServeArgs {
     #[command(flatten)]
     pub data: DataDir,
     /// Blobs and device contributions in Google Cloud Storage (`gs://bucket/prefix`) instead of
@@ -106,7 +106,7 @@ pub struct ServeArgs {
     pub partition_min_contributions: usize,
 }
 
-pub async fn run(args: ServeArgs) -> Result<()> {
+pub(super) async fn run(args: ServeArgs) -> Result<()> {
     let tls = match (args.tls_cert, args.tls_key) {
         (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
         _ => None,

@@ -9,7 +9,7 @@ use confed::server;
 use super::serve::DataDir;
 
 #[derive(Subcommand)]
-pub enum TenantCommand {
+pub(crate) enum TenantCommand {
     /// Create a tenant and print its API token (alone, on stdout). The token is not stored.
     Create {
         name: String,
@@ -30,7 +30,7 @@ pub enum TenantCommand {
     },
 }
 
-pub async fn run(command: TenantCommand) -> Result<()> {
+pub(super) async fn run(command: TenantCommand) -> Result<()> {
     match command {
         TenantCommand::Create {
             name,

@@ -5,12 +5,16 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use confed::auth::AdminToken;
 
-pub fn admin_token(file: Option<&PathBuf>) -> Result<Option<AdminToken>> {
+pub(super) fn admin_token(file: Option<&PathBuf>) -> Result<Option<AdminToken>> {
     shared_token(file, "CONFED_ADMIN_TOKEN", "admin")
 }
 
 /// A bearer secret from a file, else from the environment variable `env`; `None` with neither.
-pub fn shared_token(file: Option<&PathBuf>, env: &str, what: &str) -> Result<Option<AdminToken>> {
+pub(super) fn shared_token(
+    file: Option<&PathBuf>,
+    env: &str,
+    what: &str,
+) -> Result<Option<AdminToken>> {
     let secret = match file {
         Some(path) => Some(
             std::fs::read_to_string(path)

@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use clap::Subcommand;
 
 #[derive(Subcommand)]
-pub enum VerifyCommand {
+pub(crate) enum VerifyCommand {
     /// A round's release: the enclave's signature and the receipts of q = max(t, ceil((n + t) /
     /// 2)) key services for its commitment (any two such quorums share t key services, so no
     /// second release of the round can gather q), checked offline against the key services'
@@ -36,7 +36,7 @@ pub enum VerifyCommand {
     },
 }
 
-pub async fn run(command: VerifyCommand) -> Result<()> {
+pub(super) async fn run(command: VerifyCommand) -> Result<()> {
     let VerifyCommand::Release {
         server,
         task,

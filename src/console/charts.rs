@@ -12,7 +12,7 @@ const TOP: f64 = 16.0;
 const BOTTOM: f64 = 44.0;
 
 /// A round and the privacy spent through it.
-pub struct SpentPoint {
+pub(super) struct SpentPoint {
     pub round: i64,
     pub epsilon: f64,
 }
@@ -106,7 +106,7 @@ impl Frame {
 }
 
 /// Privacy spent per round (a line through the releases) against the task's budget (dashed).
-pub fn privacy_plot(points: &[SpentPoint], rounds_planned: i64, budget: f64) -> Markup {
+pub(super) fn privacy_plot(points: &[SpentPoint], rounds_planned: i64, budget: f64) -> Markup {
     let top_value = points
         .iter()
         .map(|p| p.epsilon)
@@ -151,14 +151,14 @@ pub fn privacy_plot(points: &[SpentPoint], rounds_planned: i64, budget: f64) -> 
 }
 
 /// One round's collection and aggregation time.
-pub struct RoundTimes {
+pub(super) struct RoundTimes {
     pub round: i64,
     pub collection_millis: i64,
     pub aggregation_millis: Option<i64>,
 }
 
 /// Horizontal stacked bars: how long each round collected, then aggregated.
-pub fn durations_chart(rows: &[RoundTimes]) -> Markup {
+pub(super) fn durations_chart(rows: &[RoundTimes]) -> Markup {
     let bar = 16.0;
     let gap = 6.0;
     // A header row above the bars names the label column: each label is the round's number
@@ -211,7 +211,7 @@ pub fn durations_chart(rows: &[RoundTimes]) -> Markup {
 }
 
 /// Horizontal bars for one round's funnel stages (assigned, uploaded, ...).
-pub fn funnel_bars(round: i64, stages: &[(&str, i64)]) -> Markup {
+pub(super) fn funnel_bars(round: i64, stages: &[(&str, i64)]) -> Markup {
     let bar = 20.0;
     let gap = 8.0;
     let height = TOP + stages.len() as f64 * (bar + gap) + 8.0;
@@ -247,7 +247,7 @@ fn ticks_between(lo: f64, hi: f64, wanted: usize) -> Vec<f64> {
 }
 
 /// One measured value of a model version.
-pub struct VersionPoint {
+pub(super) struct VersionPoint {
     pub version: i64,
     pub value: f64,
 }
@@ -255,7 +255,7 @@ pub struct VersionPoint {
 /// A line through a metric per model version: the model's quality as training goes on (noised
 /// values: the chart shows them as released, below 0 or above 100 % included). The axis covers
 /// at least `at_least` (e.g. 0-100 for a percentage) and every value.
-pub fn version_chart(
+pub(super) fn version_chart(
     id: &str,
     title: &str,
     axis: &str,
@@ -299,7 +299,7 @@ pub fn version_chart(
 }
 
 /// A value to 3 significant digits (0.000123, 1.23, 1230), without an exponent.
-pub fn significant(value: f64) -> String {
+pub(super) fn significant(value: f64) -> String {
     if value == 0.0 || !value.is_finite() {
         return format!("{value}");
     }

@@ -67,17 +67,17 @@ impl From<axum::extract::multipart::MultipartRejection> for ConsoleError {
 /// A path parameter; a malformed one gets the console's error page.
 #[derive(axum::extract::FromRequestParts)]
 #[from_request(via(axum::extract::Path), rejection(ConsoleError))]
-pub struct ConsolePath<T>(pub T);
+pub(super) struct ConsolePath<T>(pub T);
 
 /// A query string; a malformed one gets the console's error page.
 #[derive(axum::extract::FromRequestParts)]
 #[from_request(via(axum::extract::Query), rejection(ConsoleError))]
-pub struct ConsoleQuery<T>(pub T);
+pub(super) struct ConsoleQuery<T>(pub T);
 
 /// A urlencoded form; a malformed one gets the console's error page.
 #[derive(axum::extract::FromRequest)]
 #[from_request(via(axum::extract::Form), rejection(ConsoleError))]
-pub struct ConsoleForm<T>(pub T);
+pub(super) struct ConsoleForm<T>(pub T);
 
 impl From<BlobError> for ConsoleError {
     fn from(error: BlobError) -> Self {

@@ -16,7 +16,7 @@ use crate::evaluation::EvaluationSummary;
 use crate::states::TaskState;
 
 /// `None` for a task without evaluation.
-pub fn section(
+pub(super) fn section(
     task: &TaskRecord,
     summary: &EvaluationSummary,
     session: &Session,
@@ -114,7 +114,7 @@ pub fn section(
 
 /// Asks for an on-demand evaluation (`Evaluations::request`, as `POST
 /// /v1/tasks/{id}/evaluations`); a refusal shows as the console's error page.
-pub async fn request(
+pub(super) async fn request(
     State(state): State<AppState>,
     session: Session,
     ConsolePath(id): ConsolePath<String>,

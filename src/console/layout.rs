@@ -6,7 +6,12 @@ use maud::{DOCTYPE, Markup, html};
 use super::session::Session;
 
 /// A whole page. `refresh` reloads it every so many seconds (a running round), without script.
-pub fn page(title: &str, session: Option<&Session>, refresh: Option<u32>, main: Markup) -> Markup {
+pub(super) fn page(
+    title: &str,
+    session: Option<&Session>,
+    refresh: Option<u32>,
+    main: Markup,
+) -> Markup {
     html! {
         (DOCTYPE)
         html lang="en" {
@@ -43,12 +48,12 @@ pub fn page(title: &str, session: Option<&Session>, refresh: Option<u32>, main: 
 }
 
 /// The hidden CSRF field every form of a signed-in page carries.
-pub fn csrf_field(session: &Session) -> Markup {
+pub(super) fn csrf_field(session: &Session) -> Markup {
     html! { input type="hidden" name="csrf" value=(session.csrf); }
 }
 
 /// A number with thousands separators, for counts a partner reads at a glance.
-pub fn count(value: i64) -> String {
+pub(super) fn count(value: i64) -> String {
     let digits = value.unsigned_abs().to_string();
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {
@@ -61,7 +66,7 @@ pub fn count(value: i64) -> String {
 }
 
 /// A duration in milliseconds as "35 ms", "1.2 s", "3 min 4 s" or "2 h 5 min".
-pub fn duration(millis: i64) -> String {
+pub(super) fn duration(millis: i64) -> String {
     let seconds = millis as f64 / 1000.0;
     if millis < 1000 {
         format!("{millis} ms")

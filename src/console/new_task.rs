@@ -19,7 +19,7 @@ use crate::tasks::TaskError;
 
 /// The form's fields, as typed (empty: the API's default).
 #[derive(Debug, Default, Deserialize)]
-pub struct NewTaskForm {
+pub(super) struct NewTaskForm {
     #[serde(default)]
     csrf: String,
     #[serde(default)]
@@ -349,7 +349,7 @@ fn value(form: &NewTaskForm, name: &str) -> String {
     .clone()
 }
 
-pub async fn new_form(session: Session) -> Response {
+pub(super) async fn new_form(session: Session) -> Response {
     let form = NewTaskForm {
         rounds: "10".into(),
         report_goal: "100".into(),
@@ -675,7 +675,7 @@ fn summary_of(problems: &[InvalidParam]) -> String {
     }
 }
 
-pub async fn create(
+pub(super) async fn create(
     State(state): State<AppState>,
     session: Session,
     ConsoleForm(form): ConsoleForm<NewTaskForm>,

@@ -116,7 +116,7 @@ const TASKS_SCANNED: u32 = 100;
 /// Populations shown (in name order); a tenant may register any number.
 const POPULATIONS_SHOWN: usize = 50;
 
-pub async fn show(
+pub(super) async fn show(
     State(state): State<AppState>,
     session: Session,
 ) -> Result<Response, ConsoleError> {

@@ -74,7 +74,7 @@ fn csrf_token(secret: &str) -> String {
 }
 
 /// A signed-in browser: its tenant and the CSRF token its forms must carry.
-pub struct Session {
+pub(super) struct Session {
     pub tenant: TenantRecord,
     pub csrf: String,
     id_sha256: String,
@@ -82,7 +82,7 @@ pub struct Session {
 
 impl Session {
     /// Refuses a form whose CSRF token is not this session's (compared in constant time).
-    pub fn check_csrf(&self, presented: &str) -> Result<(), ConsoleError> {
+    pub(super) fn check_csrf(&self, presented: &str) -> Result<(), ConsoleError> {
         if bool::from(presented.as_bytes().ct_eq(self.csrf.as_bytes())) {
             Ok(())
         } else {
@@ -136,7 +136,7 @@ fn sign_in_form(problem: Option<&str>) -> maud::Markup {
     }
 }
 
-pub async fn sign_in_page(State(state): State<AppState>, headers: HeaderMap) -> Response {
+pub(super) async fn sign_in_page(State(state): State<AppState>, headers: HeaderMap) -> Response {
     if Session::from_headers(&headers, &state).await.is_ok() {
         return Redirect::to("/console/tasks").into_response();
     }
@@ -144,7 +144,7 @@ pub async fn sign_in_page(State(state): State<AppState>, headers: HeaderMap) -> 
 }
 
 #[derive(Deserialize)]
-pub struct SignInForm {
+pub(super) struct SignInForm {
     token: String,
 }
 
@@ -154,7 +154,7 @@ impl Drop for SignInForm {
     }
 }
 
-pub async fn sign_in(
+pub(super) async fn sign_in(
     State(state): State<AppState>,
     ConsoleForm(form): ConsoleForm<SignInForm>,
 ) -> Result<Response, ConsoleError> {
@@ -185,12 +185,12 @@ pub async fn sign_in(
 }
 
 #[derive(Deserialize)]
-pub struct CsrfForm {
+pub(super) struct CsrfForm {
     #[serde(default)]
     csrf: String,
 }
 
-pub async fn sign_out(
+pub(super) async fn sign_out(
     State(state): State<AppState>,
     session: Session,
     ConsoleForm(form): ConsoleForm<CsrfForm>,

@@ -160,7 +160,7 @@ async fn check_releases(
     .map_err(|e| ApiError::Internal(format!("release checks: {e}")).into())
 }
 
-pub async fn show(
+pub(super) async fn show(
     State(state): State<AppState>,
     session: Session,
     ConsolePath(id): ConsolePath<String>,
@@ -457,12 +457,12 @@ fn round_state(state: RoundState) -> Markup {
 }
 
 #[derive(Deserialize)]
-pub struct CsrfOnly {
+pub(super) struct CsrfOnly {
     #[serde(default)]
     pub(super) csrf: String,
 }
 
-pub async fn cancel(
+pub(super) async fn cancel(
     State(state): State<AppState>,
     session: Session,
     ConsolePath(id): ConsolePath<String>,
@@ -479,7 +479,7 @@ pub async fn cancel(
 
 /// Model version 0 from a multipart form: the CSRF field must come first (the form puts it
 /// there), so a forged post is refused before its file is read.
-pub async fn upload_model(
+pub(super) async fn upload_model(
     State(state): State<AppState>,
     session: Session,
     ConsolePath(id): ConsolePath<String>,
@@ -526,7 +526,7 @@ pub async fn upload_model(
     Ok(Redirect::to(&format!("/console/tasks/{id}")).into_response())
 }
 
-pub async fn download_model(
+pub(super) async fn download_model(
     State(state): State<AppState>,
     session: Session,
     ConsolePath((id, version)): ConsolePath<(String, i64)>,

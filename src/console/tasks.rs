@@ -16,7 +16,7 @@ use crate::states::TaskState;
 const PAGE_SIZE: u32 = 50;
 
 #[derive(Deserialize)]
-pub struct ListQuery {
+pub(super) struct ListQuery {
     page: Option<String>,
 }
 
@@ -25,7 +25,7 @@ fn rounds_done(task: &TaskRecord) -> i64 {
     task.model_version.unwrap_or(0)
 }
 
-pub async fn list(
+pub(super) async fn list(
     State(state): State<AppState>,
     session: Session,
     ConsoleQuery(query): ConsoleQuery<ListQuery>,
@@ -78,13 +78,13 @@ pub async fn list(
 }
 
 /// A task state in words, styled by class (text, so colour is never the only signal).
-pub fn state_badge(state: TaskState) -> Markup {
+pub(super) fn state_badge(state: TaskState) -> Markup {
     html! { span class={"state state-" (state.as_str().to_ascii_lowercase())} { (state.as_str()) } }
 }
 
 /// A task as a link: its name (if it has one) over its id, shortened so that a phone's column
 /// stays narrow; the full id is the link's title and the task page's heading.
-pub fn task_link(task: &TaskRecord) -> Markup {
+pub(super) fn task_link(task: &TaskRecord) -> Markup {
     let short = task.id.split('-').next().unwrap_or(&task.id);
     html! {
         a href={"/console/tasks/" (task.id)} title=(task.id) {

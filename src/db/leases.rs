@@ -42,7 +42,7 @@ pub(crate) struct LeaseAsk {
 }
 
 impl LeaseAsk {
-    pub fn new(worker: &str, arrived_ms: i64) -> Self {
+    pub(crate) fn new(worker: &str, arrived_ms: i64) -> Self {
         let own = format!("{worker}{HOLDER_SEPARATOR}");
         let arrived = format!("{:016}", arrived_ms.max(0));
         let token = uuid::Uuid::new_v4().simple().to_string();
@@ -63,7 +63,7 @@ impl LeaseAsk {
     /// that arrived no later than this one. `$other`, `$own` and `$arrived` are the parameter
     /// numbers `other_incarnations`, `own` and `arrived` are bound to. Equal-length strings of
     /// digits compare alike under any collation, on SQLite and PostgreSQL.
-    pub fn reclaimable_sql(p: &str, limit: &str, other: u8, own: u8, arrived: u8) -> String {
+    pub(crate) fn reclaimable_sql(p: &str, limit: &str, other: u8, own: u8, arrived: u8) -> String {
         format!(
             "({limit} AND ((length(${other}) > 0 \
                AND substr({p}lease_owner, 1, length(${other})) = ${other} \
@@ -95,7 +95,7 @@ impl Leased<'_> {
     /// partition) its result is not stored yet: fencing, so a worker whose lease was taken over
     /// can no longer write anything. Locked on PostgreSQL, so a takeover cannot slip in between
     /// this check and the caller's write.
-    pub async fn check(self, conn: &mut Conn, worker: &str) -> Result<(), DbError> {
+    pub(super) async fn check(self, conn: &mut Conn, worker: &str) -> Result<(), DbError> {
         let (sql, index) = match self {
             Leased::Job { .. } => (
                 format!(
@@ -135,7 +135,12 @@ impl Leased<'_> {
     }
 
     /// Extends this lease (the caller checked it) to `lease` from `now`.
-    pub async fn extend(self, conn: &mut Conn, now: i64, lease: Duration) -> Result<(), DbError> {
+    pub(super) async fn extend(
+        self,
+        conn: &mut Conn,
+        now: i64,
+        lease: Duration,
+    ) -> Result<(), DbError> {
         let until = expiry(now, lease)?;
         let query = match self {
             Leased::Job { round_id } => sqlx::query(

@@ -197,7 +197,7 @@ async fn previous_dropout(conn: &mut Conn, task_id: &str) -> Result<Option<f64>,
 }
 
 /// Fewest assignments of a round whose drop-out rate the next round's capacity adapts to.
-pub const MIN_ASSIGNMENTS_FOR_DROPOUT: i64 = 10;
+pub(super) const MIN_ASSIGNMENTS_FOR_DROPOUT: i64 = 10;
 
 /// Moves a round to a later state; a terminal state also stamps `closed_at`.
 pub(crate) async fn close(

@@ -4,7 +4,7 @@
 use super::{Db, DbError, TenantRecord};
 
 /// Most live console sessions one tenant keeps (browsers signed in at once).
-pub const MAX_SESSIONS_PER_TENANT: i64 = 20;
+pub(super) const MAX_SESSIONS_PER_TENANT: i64 = 20;
 
 impl Db {
     /// Records a session for `tenant_id` until `expires_at`, purges expired ones (sign-ins are

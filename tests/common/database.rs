@@ -7,10 +7,10 @@ use std::path::Path;
 use confed::db::Db;
 use sqlx::Connection;
 
-pub const POSTGRES_ENV: &str = "CONFED_TEST_DATABASE_URL";
+pub(crate) const POSTGRES_ENV: &str = "CONFED_TEST_DATABASE_URL";
 
 /// The PostgreSQL server the tests should use, if any.
-pub fn postgres_url() -> Option<String> {
+pub(crate) fn postgres_url() -> Option<String> {
     std::env::var(POSTGRES_ENV)
         .ok()
         .filter(|url| url.starts_with("postgres://") || url.starts_with("postgresql://"))
@@ -18,7 +18,7 @@ pub fn postgres_url() -> Option<String> {
 
 /// A new, empty, migrated task database for one test, and its URL when on PostgreSQL (a
 /// second `Db` opened on it plays another replica).
-pub async fn test_database(dir: &Path) -> (Db, Option<String>) {
+pub(crate) async fn test_database(dir: &Path) -> (Db, Option<String>) {
     match postgres_url() {
         Some(server) => {
             let url = fresh_postgres_database(&server).await;
@@ -37,7 +37,7 @@ pub async fn test_database(dir: &Path) -> (Db, Option<String>) {
 }
 
 /// Creates a uniquely named database on `server` and returns its URL.
-pub async fn fresh_postgres_database(server: &str) -> String {
+pub(crate) async fn fresh_postgres_database(server: &str) -> String {
     sqlx::any::install_default_drivers();
     let name = format!("confed_test_{}", uuid::Uuid::new_v4().simple());
     let mut admin = sqlx::AnyConnection::connect(server)

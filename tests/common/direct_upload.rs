@@ -12,7 +12,7 @@ fn http() -> reqwest::Client {
 }
 
 /// Checks in to `population` on `url`; the assignment (201).
-pub async fn checkin(url: &str, population: &str) -> Value {
+pub(crate) async fn checkin(url: &str, population: &str) -> Value {
     let response = http()
         .post(format!("{url}/v1/populations/{population}/checkin"))
         .json(&json!({"client_version": "1.0.0"}))
@@ -24,7 +24,7 @@ pub async fn checkin(url: &str, population: &str) -> Value {
 }
 
 /// Reports the assignment `completed`.
-pub async fn report(url: &str, assignment: &Value) -> reqwest::Response {
+pub(crate) async fn report(url: &str, assignment: &Value) -> reqwest::Response {
     http()
         .post(format!(
             "{url}{}",
@@ -37,7 +37,7 @@ pub async fn report(url: &str, assignment: &Value) -> reqwest::Response {
 }
 
 /// PUTs `body` to the assignment's signed upload URL with the headers it requires.
-pub async fn upload(assignment: &Value, body: Vec<u8>) -> reqwest::StatusCode {
+pub(crate) async fn upload(assignment: &Value, body: Vec<u8>) -> reqwest::StatusCode {
     let mut put = http()
         .put(assignment["upload_url"].as_str().unwrap())
         .body(body);
@@ -50,7 +50,7 @@ pub async fn upload(assignment: &Value, body: Vec<u8>) -> reqwest::StatusCode {
 /// An outsider with no issuer's token (`token`: none, or forged bytes) checks in, seals a valid
 /// update to the round's key, uploads it to the signed URL (which takes it) and reports: the
 /// report's status and detail.
-pub async fn outsider_upload(
+pub(crate) async fn outsider_upload(
     url: &str,
     population: &str,
     trust: &TrustConfig,

@@ -10,7 +10,7 @@ use confed_worker_api::store::JobSpec;
 use super::system::GOAL;
 
 /// (average, manifest, proof) for round 1 of `job`'s task, none of it from an enclave.
-pub async fn forged_release(
+pub(crate) async fn forged_release(
     system: &EmbeddedSystem,
     job: &JobSpec,
 ) -> (Vec<u8>, Manifest, ReleaseProof) {

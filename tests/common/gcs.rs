@@ -4,23 +4,23 @@
 
 use confed::blob::GcsConfig;
 
-pub const GCS_ENV: &str = "CONFED_TEST_GCS_ENDPOINT";
+pub(crate) const GCS_ENV: &str = "CONFED_TEST_GCS_ENDPOINT";
 
 /// The emulator the tests should use, if any.
-pub fn emulator() -> Option<String> {
+pub(crate) fn emulator() -> Option<String> {
     std::env::var(GCS_ENV)
         .ok()
         .filter(|url| url.starts_with("http://"))
 }
 
 /// The test-only service account key that signs upload URLs for the emulator.
-pub fn test_signer() -> std::path::PathBuf {
+pub(crate) fn test_signer() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gcs-test-signer.json")
 }
 
 /// Creates a uniquely named bucket on the emulator (the JSON API's buckets.insert; in
 /// production, buckets come from deploy/gcp's Terraform) and returns a store config for it.
-pub async fn fresh_bucket(endpoint: &str) -> GcsConfig {
+pub(crate) async fn fresh_bucket(endpoint: &str) -> GcsConfig {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let bucket = format!("confed-test-{}", uuid::Uuid::new_v4().simple());
     let response = reqwest::Client::new()
@@ -42,7 +42,7 @@ pub async fn fresh_bucket(endpoint: &str) -> GcsConfig {
 }
 
 /// A fresh bucket when an emulator is configured, else `None` (local stores).
-pub async fn test_blobs() -> Option<GcsConfig> {
+pub(crate) async fn test_blobs() -> Option<GcsConfig> {
     match emulator() {
         Some(endpoint) => Some(fresh_bucket(&endpoint).await),
         None => None,

@@ -8,10 +8,10 @@ use confed_issuer::attester::dev::DevAttester;
 use confed_issuer::limiter::Limiter;
 use confed_protocol::privacy_pass::issuance::TokenSigner;
 
-pub const ISSUER: &str = "issuer.test";
+pub(crate) const ISSUER: &str = "issuer.test";
 
 /// The issuer's signing key: the second RFC 9578 test vector's.
-pub fn signer() -> TokenSigner {
+pub(crate) fn signer() -> TokenSigner {
     let cases: Vec<std::collections::BTreeMap<String, String>> = serde_json::from_str(
         include_str!("../../protocol/testdata/privacy_pass_type2_vectors.json"),
     )
@@ -20,13 +20,16 @@ pub fn signer() -> TokenSigner {
 }
 
 /// The issuer on a local port, keeping its state in `state`; returns its URL.
-pub async fn issuer(state: &std::path::Path, clock: Arc<confed::clock::ManualClock>) -> String {
+pub(crate) async fn issuer(
+    state: &std::path::Path,
+    clock: Arc<confed::clock::ManualClock>,
+) -> String {
     issuer_holding(state, clock, vec![signer()], 2).await
 }
 
 /// An issuer holding `keys` (the first first, as during a rotation), `tokens_per_window` tokens
 /// per device and day, on a local port; returns its URL.
-pub async fn issuer_holding(
+pub(crate) async fn issuer_holding(
     state: &std::path::Path,
     clock: Arc<confed::clock::ManualClock>,
     keys: Vec<TokenSigner>,

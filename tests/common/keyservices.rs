@@ -21,13 +21,13 @@ use confed_enclave::key_collection::{
 use confed_protocol::hpke;
 use confed_protocol::policy::TaskPolicy;
 
-pub const START: i64 = 1_800_000_000;
+pub(crate) const START: i64 = 1_800_000_000;
 /// How long a collection may take: 13 key services take about 7 s in a debug build alone, and
 /// the rounds binary runs its tests side by side on 2 cores; no test service hangs, so a larger
 /// bound only ever waits when something is wrong.
-pub const TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const TIMEOUT: Duration = Duration::from_secs(60);
 
-pub struct World {
+pub(crate) struct World {
     pub dir: tempfile::TempDir,
     pub clock: Arc<ManualClock>,
     pub attester: Arc<DevAttester>,
@@ -40,7 +40,7 @@ pub struct World {
 
 /// How a test key service misbehaves.
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Behaviour {
+pub(crate) enum Behaviour {
     Honest,
     /// Its policy allows another image, so it refuses every dev token.
     Refusing,
@@ -49,7 +49,7 @@ pub enum Behaviour {
 }
 
 impl World {
-    pub fn new(threshold: u16, shares: u16) -> Self {
+    pub(crate) fn new(threshold: u16, shares: u16) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let outcome = generate(&CeremonyOptions {
             shares,
@@ -76,7 +76,7 @@ impl World {
     }
 
     /// Key service `index`'s signing key (made on first use, the same for every restart).
-    pub fn signing_key(&self, index: usize) -> p256::ecdsa::SigningKey {
+    pub(crate) fn signing_key(&self, index: usize) -> p256::ecdsa::SigningKey {
         self.signing_keys
             .lock()
             .unwrap()
@@ -85,7 +85,7 @@ impl World {
             .clone()
     }
 
-    pub fn policy(&self, behaviour: Behaviour) -> AppraisalPolicy {
+    pub(crate) fn policy(&self, behaviour: Behaviour) -> AppraisalPolicy {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies/dev.toml");
         let mut policy = AppraisalPolicy::load(&path).unwrap();
         if behaviour == Behaviour::Refusing {
@@ -94,7 +94,7 @@ impl World {
         policy
     }
 
-    pub fn service(
+    pub(crate) fn service(
         &self,
         index: usize,
         behaviour: Behaviour,
@@ -120,7 +120,7 @@ impl World {
         .unwrap()
     }
 
-    pub fn request(&self) -> KeyRequest {
+    pub(crate) fn request(&self) -> KeyRequest {
         let policy = TaskPolicy::sample("task-1", 3);
         KeyRequest {
             key_id: self.key.key_id.clone(),
@@ -136,7 +136,7 @@ impl World {
 
 /// A release commitment for round `round` of `policy`'s task under key `key_id`, over inputs
 /// named by `inputs`.
-pub fn commitment(
+pub(crate) fn commitment(
     key_id: &str,
     policy: &TaskPolicy,
     round: u64,
@@ -152,12 +152,12 @@ pub fn commitment(
     }
 }
 
-pub fn public_key(key: &PublicKeyRecord) -> hpke::PublicKey {
+pub(crate) fn public_key(key: &PublicKeyRecord) -> hpke::PublicKey {
     hpke::PublicKey::from_bytes(&URL_SAFE_NO_PAD.decode(&key.public_key).unwrap()).unwrap()
 }
 
 /// Serves a router on a loopback port; returns its base URL.
-pub async fn serve(router: axum::Router) -> String {
+pub(crate) async fn serve(router: axum::Router) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
@@ -165,14 +165,14 @@ pub async fn serve(router: axum::Router) -> String {
 }
 
 /// A URL where nothing listens.
-pub async fn down_url() -> String {
+pub(crate) async fn down_url() -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     drop(listener);
     url
 }
 
-pub async fn start(world: &World, behaviours: &[Behaviour]) -> Vec<KeyServiceEndpoint> {
+pub(crate) async fn start(world: &World, behaviours: &[Behaviour]) -> Vec<KeyServiceEndpoint> {
     let mut endpoints = Vec::new();
     for (i, &behaviour) in behaviours.iter().enumerate() {
         let service = world.service(i + 1, behaviour, &world.share_files[i..=i]);
@@ -186,7 +186,7 @@ pub async fn start(world: &World, behaviours: &[Behaviour]) -> Vec<KeyServiceEnd
 
 /// The enclave's key collection from `endpoints` for `request`, attested by the world's dev
 /// attester, with a fresh per-job signing key, `timeout` per key service.
-pub async fn collect_with(
+pub(crate) async fn collect_with(
     endpoints: &[KeyServiceEndpoint],
     world: &World,
     request: &KeyRequest,

@@ -3,15 +3,15 @@
 //! with a manual clock. Requests go through the full middleware stack without a socket.
 #![allow(dead_code)]
 
-pub mod database;
-pub mod direct_upload;
-pub mod forgery;
-pub mod gcs;
-pub mod issuer;
-pub mod keyservices;
-pub mod process;
-pub mod serving;
-pub mod system;
+pub(crate) mod database;
+pub(crate) mod direct_upload;
+pub(crate) mod forgery;
+pub(crate) mod gcs;
+pub(crate) mod issuer;
+pub(crate) mod keyservices;
+pub(crate) mod process;
+pub(crate) mod serving;
+pub(crate) mod system;
 
 use confed::clock::Millis;
 use std::sync::Arc;
@@ -28,11 +28,11 @@ use http_body_util::BodyExt;
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
-pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789abcdef0123456789";
-pub const WORKER_TOKEN: &str = "test-worker-token-0123456789abcdef012345678";
-pub const START_MILLIS: i64 = 1_800_000_000_000;
+pub(crate) const ADMIN_TOKEN: &str = "test-admin-token-0123456789abcdef0123456789";
+pub(crate) const WORKER_TOKEN: &str = "test-worker-token-0123456789abcdef012345678";
+pub(crate) const START_MILLIS: i64 = 1_800_000_000_000;
 
-pub struct TestApp {
+pub(crate) struct TestApp {
     pub router: Router,
     /// What the router serves from (to rebuild it with other settings).
     #[allow(dead_code)]
@@ -46,7 +46,7 @@ pub struct TestApp {
     pub _dir: tempfile::TempDir,
 }
 
-pub struct TestKey {
+pub(crate) struct TestKey {
     pub key_id: String,
     pub private_key: confed_protocol::hpke::PrivateKey,
     pub trusted: Vec<confed_protocol::trust::TrustedKeyService>,
@@ -93,20 +93,20 @@ fn test_key() -> (TestKey, Vec<confed_attestation::exchange::KeySet>) {
     )
 }
 
-pub struct Reply {
+pub(crate) struct Reply {
     pub status: StatusCode,
     pub headers: HeaderMap,
     pub body: Vec<u8>,
 }
 
 impl Reply {
-    pub fn json(&self) -> Value {
+    pub(crate) fn json(&self) -> Value {
         serde_json::from_slice(&self.body)
             .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
     }
 
     /// Asserts a problem+json answer with this status and returns the problem.
-    pub fn problem(&self, status: StatusCode) -> Value {
+    pub(crate) fn problem(&self, status: StatusCode) -> Value {
         assert_eq!(
             self.status,
             status,
@@ -131,22 +131,22 @@ impl Reply {
 }
 
 impl TestApp {
-    pub async fn new() -> Self {
+    pub(crate) async fn new() -> Self {
         Self::with(Some(ADMIN_TOKEN), Limits::default()).await
     }
 
     /// A test app whose devices get keys from `keys` instead of the test key.
-    pub async fn with_keys(keys: confed::keys::directory::KeyDirectory) -> Self {
+    pub(crate) async fn with_keys(keys: confed::keys::directory::KeyDirectory) -> Self {
         Self::build(Some(ADMIN_TOKEN), Limits::default(), Some(keys)).await
     }
 
-    pub async fn with(admin: Option<&str>, limits: Limits) -> Self {
+    pub(crate) async fn with(admin: Option<&str>, limits: Limits) -> Self {
         Self::build(admin, limits, None).await
     }
 
     /// The same app with another scheduling policy.
     #[allow(dead_code)]
-    pub fn with_scheduling(mut self, policy: confed::scheduling::SchedulingPolicy) -> Self {
+    pub(crate) fn with_scheduling(mut self, policy: confed::scheduling::SchedulingPolicy) -> Self {
         self.state.scheduling = policy;
         self.router = confed::web::router(self.state.clone());
         self
@@ -154,7 +154,7 @@ impl TestApp {
 
     /// One app per engine a conformance suite runs on (`database::each_engine`), named.
     #[allow(dead_code)]
-    pub async fn on_each_engine() -> Vec<(&'static str, Self)> {
+    pub(crate) async fn on_each_engine() -> Vec<(&'static str, Self)> {
         let app = |db, url, dir| Self::on(db, url, dir, Some(ADMIN_TOKEN), Limits::default(), None);
         let dir = tempfile::tempdir().unwrap();
         let sqlite = confed::db::Db::open_sqlite(&dir.path().join("confed.db"))
@@ -177,7 +177,7 @@ impl TestApp {
     /// A test app on a fresh database of the PostgreSQL server at `server` (a test's own
     /// server, which it may stop and start).
     #[allow(dead_code)]
-    pub async fn on_postgres(server: &str) -> Self {
+    pub(crate) async fn on_postgres(server: &str) -> Self {
         let url = database::fresh_postgres_database(server).await;
         let db = confed::db::Db::open_postgres(&url)
             .await
@@ -240,11 +240,11 @@ impl TestApp {
     }
 
     /// Creates a tenant directly in the database and returns its token.
-    pub async fn tenant(&self, name: &str) -> String {
+    pub(crate) async fn tenant(&self, name: &str) -> String {
         self.tenant_with(name, 10, 10_000).await
     }
 
-    pub async fn tenant_with(
+    pub(crate) async fn tenant_with(
         &self,
         name: &str,
         max_active_tasks: i64,
@@ -260,7 +260,7 @@ impl TestApp {
     }
 
     /// A tenant with its compute budget (device-hours) set.
-    pub async fn tenant_with_hours(
+    pub(crate) async fn tenant_with_hours(
         &self,
         name: &str,
         max_active_tasks: i64,
@@ -277,7 +277,7 @@ impl TestApp {
         token.to_string()
     }
 
-    pub async fn send(&self, request: Request<Body>) -> Reply {
+    pub(crate) async fn send(&self, request: Request<Body>) -> Reply {
         let response = self.router.clone().oneshot(request).await.unwrap();
         let status = response.status();
         let headers = response.headers().clone();
@@ -295,7 +295,7 @@ impl TestApp {
         }
     }
 
-    pub async fn call(
+    pub(crate) async fn call(
         &self,
         method: Method,
         path: &str,
@@ -316,7 +316,7 @@ impl TestApp {
     }
 
     /// PUT raw bytes with a content type and no token (device uploads).
-    pub async fn put_raw(&self, path: &str, content_type: &str, bytes: Vec<u8>) -> Reply {
+    pub(crate) async fn put_raw(&self, path: &str, content_type: &str, bytes: Vec<u8>) -> Reply {
         let request = Request::builder()
             .method(Method::PUT)
             .uri(path)
@@ -326,7 +326,7 @@ impl TestApp {
         self.send(request).await
     }
 
-    pub async fn put_bytes(&self, path: &str, token: &str, bytes: Vec<u8>) -> Reply {
+    pub(crate) async fn put_bytes(&self, path: &str, token: &str, bytes: Vec<u8>) -> Reply {
         let request = Request::builder()
             .method(Method::PUT)
             .uri(path)
@@ -339,7 +339,7 @@ impl TestApp {
 
     /// A device that fits `task_body()`'s defaults checks in to its population.
     #[allow(dead_code)]
-    pub async fn check_in(&self) -> Reply {
+    pub(crate) async fn check_in(&self) -> Reply {
         let population = task_body(json!({}))["population"]
             .as_str()
             .unwrap()
@@ -354,7 +354,7 @@ impl TestApp {
     }
 
     /// Creates a task from `task_body()` merged with `overrides`; returns its id.
-    pub async fn create_task(&self, token: &str, overrides: Value) -> String {
+    pub(crate) async fn create_task(&self, token: &str, overrides: Value) -> String {
         let reply = self
             .call(
                 Method::POST,
@@ -373,7 +373,7 @@ impl TestApp {
     }
 
     /// Creates a task and uploads model version 0, so round 1 is collecting.
-    pub async fn open_task(&self, token: &str, overrides: Value) -> String {
+    pub(crate) async fn open_task(&self, token: &str, overrides: Value) -> String {
         let id = self.create_task(token, overrides).await;
         let reply = self
             .put_bytes(&format!("/v1/tasks/{id}/model"), token, model_bytes())
@@ -390,13 +390,18 @@ impl TestApp {
 
 /// The upload window of the tests' tasks: devices send 100-200 ms after their assignment
 /// (training in the tests takes a few milliseconds; the API's default is a minute or two).
-pub static FAST_UPLOAD_WINDOW: std::sync::LazyLock<Value> =
+pub(crate) static FAST_UPLOAD_WINDOW: std::sync::LazyLock<Value> =
     std::sync::LazyLock::new(|| json!({"start_ms": 100, "end_ms": 200}));
 
 /// `spec` with `FAST_UPLOAD_WINDOW` where it names no upload window.
 /// Creates a task of `spec` on a running server (`url`, the tenant's `token`) over HTTP and
 /// uploads `model` as its version 0, opening round 1; the task's id.
-pub async fn open_task_over_http(url: &str, token: &str, spec: Value, model: Vec<u8>) -> String {
+pub(crate) async fn open_task_over_http(
+    url: &str,
+    token: &str,
+    spec: Value,
+    model: Vec<u8>,
+) -> String {
     let http = confed_protocol::http::client(std::time::Duration::from_secs(60));
     let task: Value = http
         .post(format!("{url}/v1/tasks"))
@@ -423,7 +428,7 @@ pub async fn open_task_over_http(url: &str, token: &str, spec: Value, model: Vec
     id
 }
 
-pub fn with_fast_window(mut spec: Value) -> Value {
+pub(crate) fn with_fast_window(mut spec: Value) -> Value {
     if let Some(fields) = spec.as_object_mut() {
         fields
             .entry("upload_window")
@@ -432,7 +437,7 @@ pub fn with_fast_window(mut spec: Value) -> Value {
     spec
 }
 
-pub fn task_body(overrides: Value) -> Value {
+pub(crate) fn task_body(overrides: Value) -> Value {
     let mut body = json!({
         "population": "phones.en",
         "rounds": 3,
@@ -450,7 +455,7 @@ pub fn task_body(overrides: Value) -> Value {
     body
 }
 
-pub fn model_bytes() -> Vec<u8> {
+pub(crate) fn model_bytes() -> Vec<u8> {
     confed_worker_api::model::encode_f32_tensors(&[
         ("dense.weight", vec![2, 3], &[0.1, 0.2, 0.3, 0.4, 0.5, 0.6]),
         ("dense.bias", vec![2], &[0.0, 0.0]),
@@ -461,7 +466,7 @@ pub fn model_bytes() -> Vec<u8> {
 /// The workspace's `confed-enclave` binary, next to `confed`. `cargo test --workspace` builds it
 /// before any test runs; run alone (`cargo test -p confed --test enclave_process`, say), the test
 /// builds it if it is missing (an older build is used as is: run `cargo build --workspace` first).
-pub fn enclave_binary() -> std::path::PathBuf {
+pub(crate) fn enclave_binary() -> std::path::PathBuf {
     let confed = std::path::PathBuf::from(env!("CARGO_BIN_EXE_confed"));
     let binary = confed.with_file_name("confed-enclave");
     if !binary.exists() {

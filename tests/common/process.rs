@@ -9,11 +9,11 @@ use tokio::io::{BufReader, Lines};
 use tokio::process::{Child, ChildStdout, Command};
 
 /// Upper bound for the server to start or a round to complete; only reached if something broke.
-pub const BOUND: Duration = Duration::from_secs(120);
+pub(crate) const BOUND: Duration = Duration::from_secs(120);
 
 /// Polls until model `version` of `task` exists on the server at `url` (its enclave worker
 /// released and applied the round) and returns it.
-pub async fn wait_for_model(url: &str, token: &str, task: &str, version: u32) -> Vec<u8> {
+pub(crate) async fn wait_for_model(url: &str, token: &str, task: &str, version: u32) -> Vec<u8> {
     let http = confed_protocol::http::client(BOUND);
     tokio::time::timeout(BOUND, async {
         loop {
@@ -35,7 +35,7 @@ pub async fn wait_for_model(url: &str, token: &str, task: &str, version: u32) ->
 
 /// Simulated training devices `first..first + devices` of `population` (seed 7, the trust file
 /// at `trust`), one contribution each, short retry waits, no state kept on disk.
-pub fn simulated_devices(
+pub(crate) fn simulated_devices(
     url: &str,
     population: &str,
     trust: &Path,
@@ -63,7 +63,7 @@ pub fn simulated_devices(
     }
 }
 
-pub struct Server {
+pub(crate) struct Server {
     child: Child,
     lines: Lines<BufReader<ChildStdout>>,
     pub url: String,
@@ -75,7 +75,7 @@ pub struct Server {
 
 impl Server {
     /// Starts `confed serve` on a new data directory `data`.
-    pub async fn start(data: &Path) -> Self {
+    pub(crate) async fn start(data: &Path) -> Self {
         let mut command = super::serving::confed();
         command
             .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
@@ -92,11 +92,11 @@ impl Server {
     }
 
     /// The device trust file of the embedded key services.
-    pub fn trust_file(&self) -> PathBuf {
+    pub(crate) fn trust_file(&self) -> PathBuf {
         self.data.join("embedded").join("trust.json")
     }
 
-    pub async fn get_bytes(&self, path: &str) -> Vec<u8> {
+    pub(crate) async fn get_bytes(&self, path: &str) -> Vec<u8> {
         let reply = self
             .http
             .get(format!("{}{path}", self.url))
@@ -108,13 +108,13 @@ impl Server {
         reply.bytes().await.unwrap().to_vec()
     }
 
-    pub async fn get(&self, path: &str) -> Value {
+    pub(crate) async fn get(&self, path: &str) -> Value {
         serde_json::from_slice(&self.get_bytes(path).await).unwrap()
     }
 
     /// Creates a task of `spec` (with the tests' fast upload window unless it names one) and
     /// uploads `model` as version 0 (the task opens); its id.
-    pub async fn open_task(&self, spec: Value, model: Vec<u8>) -> String {
+    pub(crate) async fn open_task(&self, spec: Value, model: Vec<u8>) -> String {
         let created = self
             .http
             .post(format!("{}/v1/tasks", self.url))
@@ -141,12 +141,12 @@ impl Server {
     }
 
     /// Polls until model `version` of `task` exists and returns it (`wait_for_model`).
-    pub async fn wait_for_model(&self, task: &str, version: u32) -> Vec<u8> {
+    pub(crate) async fn wait_for_model(&self, task: &str, version: u32) -> Vec<u8> {
         wait_for_model(&self.url, &self.token, task, version).await
     }
 
     /// SIGTERM, then waits for a clean exit.
-    pub async fn stop(mut self) {
+    pub(crate) async fn stop(mut self) {
         let pid = self.child.id().unwrap().to_string();
         let killed = Command::new("kill").args(["-TERM", &pid]).status().await;
         assert!(killed.unwrap().success());

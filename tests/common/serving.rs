@@ -11,7 +11,7 @@ use tokio::io::{AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdout, Command};
 
 /// A started process and the rest of its stdout.
-pub struct Serving {
+pub(crate) struct Serving {
     pub child: Child,
     pub lines: Lines<BufReader<ChildStdout>>,
     /// What it printed after `confed: serving on `.
@@ -21,14 +21,14 @@ pub struct Serving {
 }
 
 /// The `confed` binary, quiet (warnings only), killed when its handle drops.
-pub fn confed() -> Command {
+pub(crate) fn confed() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_confed"));
     command.env("RUST_LOG", "warn").kill_on_drop(true);
     command
 }
 
 /// Spawns `command` and reads its stdout until it says where it serves, within `bound`.
-pub async fn serving(mut command: Command, bound: Duration) -> Serving {
+pub(crate) async fn serving(mut command: Command, bound: Duration) -> Serving {
     let mut child = command.stdout(Stdio::piped()).spawn().unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut demo_token = None;

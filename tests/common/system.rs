@@ -10,14 +10,14 @@ use confed::embedded::{EmbeddedOptions, EmbeddedSystem};
 use confed::tools::simulate::{self, SimulationConfig};
 use serde_json::{Value, json};
 
-pub const GOAL: usize = 20;
+pub(crate) const GOAL: usize = 20;
 
-pub async fn start(clock: Arc<ManualClock>) -> (EmbeddedSystem, tempfile::TempDir) {
+pub(crate) async fn start(clock: Arc<ManualClock>) -> (EmbeddedSystem, tempfile::TempDir) {
     start_with(clock, None).await
 }
 
 /// `start`, with the worker API on when `worker_token` is given.
-pub async fn start_with(
+pub(crate) async fn start_with(
     clock: Arc<ManualClock>,
     worker_token: Option<&str>,
 ) -> (EmbeddedSystem, tempfile::TempDir) {
@@ -25,7 +25,7 @@ pub async fn start_with(
 }
 
 /// `start_with`, with the dev attester's key chosen by the caller.
-pub async fn start_full(
+pub(crate) async fn start_full(
     clock: Arc<ManualClock>,
     worker_token: Option<&str>,
     attester_key: Option<p256::ecdsa::SigningKey>,
@@ -34,7 +34,7 @@ pub async fn start_full(
 }
 
 /// `start_full`, with large rounds cut into partitions as `partitioning` says.
-pub async fn start_partitioned(
+pub(crate) async fn start_partitioned(
     clock: Arc<ManualClock>,
     worker_token: Option<&str>,
     attester_key: Option<p256::ecdsa::SigningKey>,
@@ -64,7 +64,7 @@ pub async fn start_partitioned(
     (system, dir)
 }
 
-pub fn now_clock() -> Arc<ManualClock> {
+pub(crate) fn now_clock() -> Arc<ManualClock> {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -73,7 +73,7 @@ pub fn now_clock() -> Arc<ManualClock> {
 }
 
 /// Creates a task on `population` with a zero model and returns (token, task id).
-pub async fn open_task(
+pub(crate) async fn open_task(
     system: &EmbeddedSystem,
     population: &str,
     epsilon: f64,
@@ -82,7 +82,7 @@ pub async fn open_task(
 }
 
 /// `open_task` with `extra` fields of the task's spec (e.g. `min_reports`) set.
-pub async fn open_task_with(
+pub(crate) async fn open_task_with(
     system: &EmbeddedSystem,
     population: &str,
     epsilon: f64,
@@ -98,7 +98,7 @@ pub async fn open_task_with(
 
 /// Creates a three-round task through the partner API of the server at `base` and uploads a
 /// zero model as version 0; returns the task id.
-pub async fn create_task(
+pub(crate) async fn create_task(
     base: &str,
     token: &str,
     population: &str,
@@ -109,7 +109,7 @@ pub async fn create_task(
 }
 
 /// `create_task` with `extra` fields of the spec set (they replace the defaults).
-pub async fn create_task_with(
+pub(crate) async fn create_task_with(
     base: &str,
     token: &str,
     population: &str,
@@ -152,12 +152,12 @@ pub async fn create_task_with(
 }
 
 /// `GOAL` devices each contribute once to the collecting round.
-pub async fn collect(system: &EmbeddedSystem, population: &str, seed: u64, train: bool) {
+pub(crate) async fn collect(system: &EmbeddedSystem, population: &str, seed: u64, train: bool) {
     collect_n(system, population, seed, train, GOAL).await;
 }
 
 /// `devices` devices each contribute once to the collecting round (of that report goal).
-pub async fn collect_n(
+pub(crate) async fn collect_n(
     system: &EmbeddedSystem,
     population: &str,
     seed: u64,
@@ -176,7 +176,7 @@ pub async fn collect_n(
 }
 
 /// `collect_n` by devices holding `trust` (e.g. with a token issuer).
-pub async fn collect_trusting(
+pub(crate) async fn collect_trusting(
     system: &EmbeddedSystem,
     population: &str,
     seed: u64,
@@ -208,7 +208,7 @@ pub async fn collect_trusting(
 }
 
 /// `open_task` with a report goal of `goal` devices.
-pub async fn open_task_of(
+pub(crate) async fn open_task_of(
     system: &EmbeddedSystem,
     population: &str,
     epsilon: f64,
@@ -222,7 +222,7 @@ pub async fn open_task_of(
     (token, id)
 }
 
-pub async fn get(system: &EmbeddedSystem, token: &str, path: &str) -> reqwest::Response {
+pub(crate) async fn get(system: &EmbeddedSystem, token: &str, path: &str) -> reqwest::Response {
     reqwest::Client::new()
         .get(format!("{}{path}", system.url))
         .bearer_auth(token)
@@ -231,12 +231,12 @@ pub async fn get(system: &EmbeddedSystem, token: &str, path: &str) -> reqwest::R
         .unwrap()
 }
 
-pub async fn rounds(system: &EmbeddedSystem, token: &str, task: &str) -> Vec<Value> {
+pub(crate) async fn rounds(system: &EmbeddedSystem, token: &str, task: &str) -> Vec<Value> {
     rounds_at(&system.url, token, task).await
 }
 
 /// A task's rounds as the partner API of the server at `base` lists them.
-pub async fn rounds_at(base: &str, token: &str, task: &str) -> Vec<Value> {
+pub(crate) async fn rounds_at(base: &str, token: &str, task: &str) -> Vec<Value> {
     let body: Value = reqwest::Client::new()
         .get(format!("{base}/v1/tasks/{task}/rounds"))
         .bearer_auth(token)
@@ -255,7 +255,7 @@ pub async fn rounds_at(base: &str, token: &str, task: &str) -> Vec<Value> {
 
 /// Asserts that round 1 of `task` released every completed contribution exactly once: its one
 /// release's manifest names the digest of the round's `devices` distinct refs.
-pub async fn assert_released_every_contribution_once(
+pub(crate) async fn assert_released_every_contribution_once(
     system: &EmbeddedSystem,
     task: &str,
     devices: usize,

@@ -14,7 +14,7 @@ const BOUND: Duration = Duration::from_secs(90);
 
 /// Every metric name in `text`: the words that start like confed's, the HTTP or the process
 /// metrics (alert expressions and dashboard queries; `up` is Prometheus's own).
-pub fn metric_names(text: &str) -> BTreeSet<String> {
+pub(crate) fn metric_names(text: &str) -> BTreeSet<String> {
     text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
         .filter(|word| {
             ["confed_", "process_", "http_request"]
@@ -44,7 +44,7 @@ async fn api(http: &reqwest::Client, base: &str, path: &str) -> Value {
 }
 
 /// Scrapes `targets` (host:port, comma-separated) with the shipped rules loaded and checks them.
-pub async fn check_shipped_monitoring(targets: &str) {
+pub(crate) async fn check_shipped_monitoring(targets: &str) {
     let Some(binary) = std::env::var_os("CONFED_TEST_PROMETHEUS") else {
         use std::io::Write;
         let _ = writeln!(

@@ -4,25 +4,25 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 
-pub struct Counting;
+pub(crate) struct Counting;
 
 static LIVE: AtomicIsize = AtomicIsize::new(0);
 static PEAK: AtomicIsize = AtomicIsize::new(0);
 
 /// Bytes allocated and not yet freed, process-wide.
-pub fn live() -> isize {
+pub(crate) fn live() -> isize {
     LIVE.load(Ordering::SeqCst)
 }
 
 /// The most bytes live at once since the last `reset_peak`.
 #[allow(dead_code)]
-pub fn peak() -> isize {
+pub(crate) fn peak() -> isize {
     PEAK.load(Ordering::SeqCst)
 }
 
 /// Starts a new peak from what is live now.
 #[allow(dead_code)]
-pub fn reset_peak() {
+pub(crate) fn reset_peak() {
     PEAK.store(live(), Ordering::SeqCst);
 }
 

@@ -20,7 +20,7 @@ const FIRST_PRECISION: usize = 128;
 
 /// Whether `U < exp(-p/q) 2^shift / k` (`q`, `k` > 0), where `U`'s first 32 binary digits are
 /// `prefix` and its further digits are read from `bits` as needed.
-pub fn below<R: RngCore>(
+pub(super) fn below<R: RngCore>(
     bits: &mut Bits<'_, R>,
     prefix: u64,
     (p, q): (u128, u128),
@@ -50,7 +50,7 @@ pub fn below<R: RngCore>(
 }
 
 /// `(low, high)` with `low / 2^precision <= exp(-p/q) <= high / 2^precision` (`q` > 0).
-pub fn exp_bounds(p: u128, q: u128, precision: usize) -> (UBig, UBig) {
+pub(super) fn exp_bounds(p: u128, q: u128, precision: usize) -> (UBig, UBig) {
     if p == 0 {
         let one = UBig::ONE << precision;
         return (one.clone(), one);

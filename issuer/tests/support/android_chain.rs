@@ -10,20 +10,20 @@ use rcgen::{
     KeyPair, date_time_ymd,
 };
 
-pub const KEY_DESCRIPTION_OID: &[u64] = &[1, 3, 6, 1, 4, 1, 11129, 2, 1, 17];
-pub const PROVISIONING_INFO_OID: &[u64] = &[1, 3, 6, 1, 4, 1, 11129, 2, 1, 30];
+pub(crate) const KEY_DESCRIPTION_OID: &[u64] = &[1, 3, 6, 1, 4, 1, 11129, 2, 1, 17];
+pub(crate) const PROVISIONING_INFO_OID: &[u64] = &[1, 3, 6, 1, 4, 1, 11129, 2, 1, 30];
 
-pub const PACKAGE: &str = "com.example.fl";
-pub const SIGNATURE_DIGEST: [u8; 32] = [0x5a; 32];
+pub(crate) const PACKAGE: &str = "com.example.fl";
+pub(crate) const SIGNATURE_DIGEST: [u8; 32] = [0x5a; 32];
 
 /// Unix seconds inside every generated certificate's validity: 2026-06-01.
-pub fn now() -> confed_protocol::clock::Seconds {
+pub(crate) fn now() -> confed_protocol::clock::Seconds {
     confed_protocol::clock::Seconds(date_time_ymd(2026, 6, 1).unix_timestamp())
 }
 
 /// The key description's fields, as a TEE would state them.
 #[derive(Debug, Clone)]
-pub struct Description {
+pub(crate) struct Description {
     pub attestation_level: u8,
     pub keymint_level: u8,
     pub challenge: Vec<u8>,
@@ -40,7 +40,7 @@ pub struct Description {
 }
 
 impl Description {
-    pub fn genuine(challenge: &[u8]) -> Self {
+    pub(crate) fn genuine(challenge: &[u8]) -> Self {
         Self {
             attestation_level: 1,
             keymint_level: 1,
@@ -57,7 +57,7 @@ impl Description {
         }
     }
 
-    pub fn der(&self) -> Vec<u8> {
+    pub(crate) fn der(&self) -> Vec<u8> {
         let root_of_trust = tlv(
             0x30,
             &[
@@ -183,7 +183,7 @@ fn explicit(tag: u32, content: &[u8]) -> Vec<u8> {
 
 /// The chain's shape, field by field.
 #[derive(Debug, Clone)]
-pub struct ChainSpec {
+pub(crate) struct ChainSpec {
     pub description: Description,
     /// Put Google's provisioning-info extension on the attestation key's certificate (RKP).
     pub remotely_provisioned: bool,
@@ -198,7 +198,7 @@ pub struct ChainSpec {
 }
 
 impl ChainSpec {
-    pub fn genuine(challenge: &[u8]) -> Self {
+    pub(crate) fn genuine(challenge: &[u8]) -> Self {
         Self {
             description: Description::genuine(challenge),
             remotely_provisioned: true,
@@ -229,7 +229,7 @@ fn ca_params(common_name: &str) -> CertificateParams {
 
 /// A test PKI: the root and the intermediate, reused across chains (and an attestation key per
 /// `attestation_key`, so two chains from one "device" share it).
-pub struct TestPki {
+pub(crate) struct TestPki {
     pub root_pem: String,
     root_der: Vec<u8>,
     intermediate: Issuer<'static, KeyPair>,
@@ -237,12 +237,12 @@ pub struct TestPki {
 }
 
 impl TestPki {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::with_intermediate_valid((2025, 1, 1), (2035, 1, 1))
     }
 
     /// A PKI whose intermediate ("Droid CA3") is valid between two (year, month, day) dates.
-    pub fn with_intermediate_valid(
+    pub(crate) fn with_intermediate_valid(
         (y0, m0, d0): (i32, u8, u8),
         (y1, m1, d1): (i32, u8, u8),
     ) -> Self {
@@ -266,7 +266,7 @@ impl TestPki {
     }
 
     /// A chain made by `device` (its attestation key) to `spec`, leaf first, as base64url DER.
-    pub fn chain(&self, device: &KeyPair, spec: &ChainSpec) -> Vec<String> {
+    pub(crate) fn chain(&self, device: &KeyPair, spec: &ChainSpec) -> Vec<String> {
         let mut key_params = CertificateParams::default();
         key_params.distinguished_name = name("2c85cdc15c3042f25698906669c35137");
         key_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -326,7 +326,7 @@ impl TestPki {
 }
 
 /// A PEM chain file (leaf first), as base64url DER strings.
-pub fn chain_from_pem(pem: &str) -> Vec<String> {
+pub(crate) fn chain_from_pem(pem: &str) -> Vec<String> {
     pem.split("-----END CERTIFICATE-----")
         .filter_map(|block| block.split("-----BEGIN CERTIFICATE-----").nth(1))
         .map(|body| {

@@ -15,17 +15,17 @@ use ring::rand::SystemRandom;
 use ring::signature::{ECDSA_P256_SHA256_ASN1_SIGNING, EcdsaKeyPair, KeyPair as _};
 use sha2::{Digest, Sha256};
 
-pub const NONCE_OID: &[u64] = &[1, 2, 840, 113_635, 100, 8, 2];
-pub const APP_ID: &str = "A1B2C3D4E5.com.example.fl";
+pub(crate) const NONCE_OID: &[u64] = &[1, 2, 840, 113_635, 100, 8, 2];
+pub(crate) const APP_ID: &str = "A1B2C3D4E5.com.example.fl";
 
 /// A device's App Attest key (a Secure Enclave key, here a software one).
-pub struct TestDevice {
+pub(crate) struct TestDevice {
     pkcs8: Vec<u8>,
     pub key_id: [u8; 32],
 }
 
 impl TestDevice {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         let pkcs8 =
             EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_ASN1_SIGNING, &SystemRandom::new())
                 .unwrap()
@@ -55,7 +55,12 @@ impl TestDevice {
     }
 
     /// An assertion over `client_data_hash`, as `generateAssertion` makes it.
-    pub fn assertion(&self, client_data_hash: &[u8; 32], app_id: &str, counter: u32) -> Vec<u8> {
+    pub(crate) fn assertion(
+        &self,
+        client_data_hash: &[u8; 32],
+        app_id: &str,
+        counter: u32,
+    ) -> Vec<u8> {
         let mut auth_data = Sha256::digest(app_id.as_bytes()).to_vec();
         auth_data.push(0x40);
         auth_data.extend(counter.to_be_bytes());
@@ -75,7 +80,7 @@ fn text(s: &str) -> Value {
     Value::Text(s.into())
 }
 
-pub fn cbor(value: &Value) -> Vec<u8> {
+pub(crate) fn cbor(value: &Value) -> Vec<u8> {
     let mut out = Vec::new();
     ciborium::into_writer(value, &mut out).unwrap();
     out
@@ -83,7 +88,7 @@ pub fn cbor(value: &Value) -> Vec<u8> {
 
 /// The attestation's shape, field by field.
 #[derive(Debug, Clone)]
-pub struct AttestationSpec {
+pub(crate) struct AttestationSpec {
     pub fmt: String,
     pub app_id: String,
     pub flags: u8,
@@ -104,7 +109,7 @@ pub struct AttestationSpec {
 }
 
 impl AttestationSpec {
-    pub fn genuine() -> Self {
+    pub(crate) fn genuine() -> Self {
         Self {
             fmt: "apple-appattest".into(),
             app_id: APP_ID.into(),
@@ -139,14 +144,14 @@ fn ca_params(common_name: &str) -> CertificateParams {
 }
 
 /// A test "Apple": its root and intermediate.
-pub struct TestApple {
+pub(crate) struct TestApple {
     pub root_pem: String,
     intermediate: Issuer<'static, KeyPair>,
     intermediate_der: Vec<u8>,
 }
 
 impl TestApple {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         let root_key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P384_SHA384).unwrap();
         let root_params = ca_params("Test App Attestation Root CA");
         let root_cert = root_params.self_signed(&root_key).unwrap();
@@ -164,7 +169,7 @@ impl TestApple {
     }
 
     /// The attestation object `attestKey` would return for `device` over `client_data_hash`.
-    pub fn attestation(
+    pub(crate) fn attestation(
         &self,
         device: &TestDevice,
         client_data_hash: &[u8; 32],
@@ -238,7 +243,7 @@ impl TestApple {
     }
 }
 
-pub fn attestation_evidence(key_id: &[u8], object: &[u8]) -> Evidence {
+pub(crate) fn attestation_evidence(key_id: &[u8], object: &[u8]) -> Evidence {
     Evidence::AppleAppAttest {
         key_id: URL_SAFE_NO_PAD.encode(key_id),
         attestation: Some(URL_SAFE_NO_PAD.encode(object)),
@@ -246,7 +251,7 @@ pub fn attestation_evidence(key_id: &[u8], object: &[u8]) -> Evidence {
     }
 }
 
-pub fn assertion_evidence(key_id: &[u8], assertion: &[u8]) -> Evidence {
+pub(crate) fn assertion_evidence(key_id: &[u8], assertion: &[u8]) -> Evidence {
     Evidence::AppleAppAttest {
         key_id: URL_SAFE_NO_PAD.encode(key_id),
         attestation: None,

@@ -10,7 +10,7 @@ use http_body_util::BodyExt;
 use tower::ServiceExt;
 
 /// Sends `method uri` with a JSON `body`, if any: the status, headers and body bytes.
-pub async fn call(
+pub(crate) async fn call(
     app: &axum::Router,
     method: &str,
     uri: &str,
@@ -38,13 +38,13 @@ pub async fn call(
 }
 
 /// `POST /v1/token-request` with `body`: the status and body bytes.
-pub async fn token_request(app: &axum::Router, body: String) -> (StatusCode, Vec<u8>) {
+pub(crate) async fn token_request(app: &axum::Router, body: String) -> (StatusCode, Vec<u8>) {
     let (status, _, bytes) = call(app, "POST", "/v1/token-request", Some(body)).await;
     (status, bytes)
 }
 
 /// A fresh challenge's raw bytes.
-pub async fn challenge(app: &axum::Router) -> Vec<u8> {
+pub(crate) async fn challenge(app: &axum::Router) -> Vec<u8> {
     let (status, _, body) = call(app, "POST", "/v1/challenge", None).await;
     assert_eq!(status, StatusCode::OK);
     let response: ChallengeResponse = serde_json::from_slice(&body).unwrap();
@@ -52,7 +52,7 @@ pub async fn challenge(app: &axum::Router) -> Vec<u8> {
 }
 
 /// The names of the checks an attester refused with.
-pub fn refused_checks(result: Result<DeviceIdentity, AttestError>) -> Vec<&'static str> {
+pub(crate) fn refused_checks(result: Result<DeviceIdentity, AttestError>) -> Vec<&'static str> {
     result
         .unwrap_err()
         .checks()

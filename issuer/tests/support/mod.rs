@@ -1,2 +1,2 @@
-pub mod android_chain;
-pub mod http;
+pub(crate) mod android_chain;
+pub(crate) mod http;

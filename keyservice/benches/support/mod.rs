@@ -3,7 +3,7 @@
 use confed_keyservice::audit::Decision;
 
 /// The `n`th refusal of a flood, at Unix time `at` (about 1 KB as written).
-pub fn refusal(n: u64, at: i64) -> Decision {
+pub(crate) fn refusal(n: u64, at: i64) -> Decision {
     Decision {
         key_id: "key-1".into(),
         failed_checks: vec!["aud".into()],
