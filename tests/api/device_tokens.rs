@@ -3,6 +3,9 @@
 //! tokens and fill the round, and a release that counts only authenticated contributions. Then
 //! what each side kept: nothing the issuer stored appears at the front end, and nothing of the
 //! tokens the front end stored appears at the issuer.
+//!
+//! Not run again on PostgreSQL and GCS (.ci/run): on GCS devices upload straight to the bucket,
+//! which this module's outsider does not; tests/store/gcs_blobs.rs checks tokens on that path.
 
 use crate::common;
 

@@ -1,5 +1,8 @@
 //! Checks the worked example in docs/protocol.md byte for byte, so the document a device author
 //! reads cannot drift from the code.
+//!
+//! Not run again on PostgreSQL and GCS (.ci/run): it checks docs/protocol.md's bytes and reads no
+//! store.
 
 use std::collections::HashMap;
 

@@ -1,6 +1,9 @@
 //! `confed serve --embedded-ports START-END`: the embedded key services listen inside the range
 //! (the first free ports, in order), and a range too small for them stops the start with a
 //! message that says what to do.
+//!
+//! Not run again on PostgreSQL and GCS (.ci/run): it checks the embedded key services' ports; no
+//! store.
 
 use std::process::Stdio;
 use std::time::Duration;

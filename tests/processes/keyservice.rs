@@ -1,6 +1,9 @@
 //! The `confed keys` and `confed keyservice` commands as processes (the signed key set, the
 //! signed audit log, and a release ledger that survives kill -9), and the HTTPS key fetcher
 //! against a local issuer serving a discovery document and a JWKS.
+//!
+//! Not run again on PostgreSQL and GCS (.ci/run): key service processes only; no task database or
+//! blob store.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -3,6 +3,9 @@
 //! error, and every metric the rules and the dashboard name is exported. A renamed metric fails
 //! here. Runs when `CONFED_TEST_PROMETHEUS` names a `prometheus` binary (`.ci/run` installs
 //! Debian's); otherwise says so and passes.
+//!
+//! Not run again on PostgreSQL and GCS (.ci/run): its check runs inside local_cluster's pass (on
+//! PostgreSQL); its own test reads files.
 
 use std::collections::BTreeSet;
 use std::path::Path;

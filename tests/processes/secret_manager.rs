@@ -2,6 +2,8 @@
 //! from a launch variable, which Confidential Space copies into every attestation token). Fakes
 //! of the GCE metadata server and of Secret Manager's `:access` method, on loopback, speak the
 //! real protocols.
+//!
+//! Not run again on PostgreSQL and GCS (.ci/run): the enclave's secret fetch only; no store.
 
 use std::sync::{Arc, Mutex};
 

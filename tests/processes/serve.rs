@@ -1,4 +1,7 @@
 //! End to end: the real `confed` binary, started as a process on a loopback port.
+//!
+//! Not run again on PostgreSQL and GCS (.ci/run): `confed serve` with its own data directories
+//! (SQLite), as a first start makes them.
 
 use crate::common;
 

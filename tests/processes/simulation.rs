@@ -3,6 +3,9 @@
 //! round's collection. The round must reach its goal with that many stored contributions, and each
 //! stored contribution must open, with the key the shares reconstruct, as an update of the model's
 //! shape bound to its assignment.
+//!
+//! Not run again on PostgreSQL and GCS (.ci/run): `confed serve` with its own data directory
+//! (SQLite); the simulator is the same on either engine.
 
 use crate::common::{self, serving};
 

@@ -10,6 +10,9 @@
 //! key service in this process whose log it writes itself, as a compromised operator would:
 //! 4,096 records of 2 KiB each, all chained and signed, so the honest side has every reason to
 //! fetch and verify them.
+//!
+//! Not run again on PostgreSQL and GCS (.ci/run): key service processes only; no task database or
+//! blob store.
 
 use crate::common;
 

@@ -1,5 +1,8 @@
 //! `confed demo`'s engine, smaller: the accuracy of the global model must rise well above chance
 //! with the DP noise on, and every round must spend privacy within the budget.
+//!
+//! Not run again on PostgreSQL and GCS (.ci/run): the demo keeps its own SQLite data directory, as
+//! `confed demo` does.
 
 use confed::tools::demo::{DemoNoise, DemoOptions, run};
 

@@ -3,6 +3,9 @@
 //! model of `side_channels`, theta at the devices' median) releases a health count near the
 //! number of devices that sent zeros, within its stated noise, in the manifest, the releases API
 //! and `confed verify`. (That nothing exact says which or how many is `side_channels`' test.)
+//!
+//! Not run again on PostgreSQL and GCS (.ci/run): `confed serve` with its own data directory
+//! (SQLite); the engines' paths run in the modules that use the test database.
 
 use crate::common;
 

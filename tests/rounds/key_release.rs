@@ -1,6 +1,9 @@
 //! Key services and the enclave's key collection, in-process over real HTTP on loopback: the
 //! ceremony's shares, dev attestation, threshold behaviour with down, refusing and lying key
 //! services, every refusal of the release protocol, and the signed key set.
+//!
+//! Not run again on PostgreSQL and GCS (.ci/run): key services only; no task database or blob
+//! store.
 
 use confed::clock::Millis;
 use std::path::PathBuf;

@@ -1,6 +1,9 @@
 //! Refusals that matter are always recorded (issue 47): a release-ledger refusal (a second
 //! commitment for a committed round) is written even when the minute's refusal budget is spent,
 //! and the cheap refusals the budget left out are summarized in one record a minute.
+//!
+//! Not run again on PostgreSQL and GCS (.ci/run): key services only; no task database or blob
+//! store.
 
 use crate::common;
 

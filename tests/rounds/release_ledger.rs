@@ -2,6 +2,9 @@
 //! only under the task's policy and within its rounds, across restarts, and with t-1 ledgers
 //! wiped. Key services run in-process over real HTTP on loopback; the enclave side is the real
 //! key collection.
+//!
+//! Not run again on PostgreSQL and GCS (.ci/run): key services only; no task database or blob
+//! store.
 
 use crate::common;
 

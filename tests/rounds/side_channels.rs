@@ -7,6 +7,9 @@
 //! recorded reason) must be the same: the devices send zero updates and report `completed`, and
 //! the enclave has nothing to exclude. And a raw client that seals NaNs itself is included as
 //! a zero update: the manifest has no `non_finite`.
+//!
+//! Not run again on PostgreSQL and GCS (.ci/run): `confed serve` with its own data directory
+//! (SQLite); the engines' paths run in the modules that use the test database.
 
 use crate::common;
 

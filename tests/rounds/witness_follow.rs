@@ -2,6 +2,9 @@
 //! several pulls, one page of its records in memory at a time, and its later rollback is caught;
 //! a flood of far-ahead pushes runs one verification per peer at a time; a slow peer delays no
 //! other peer's pushes; a legitimately acknowledged loss stops the alarms.
+//!
+//! Not run again on PostgreSQL and GCS (.ci/run): key services only; no task database or blob
+//! store.
 
 use crate::common;
 
