@@ -359,8 +359,8 @@ impl DeviceClient {
             None => {
                 static WARNED: std::sync::Once = std::sync::Once::new();
                 WARNED.call_once(|| {
-                    eprintln!(
-                        "confed-device: WARNING: this device keeps the rounds it served in memory only (no state store: DeviceClient::open or with_state); restarted, it forgets them and may serve rounds its task policies' privacy accounting forbids"
+                    tracing::warn!(
+                        "this device keeps the rounds it served in memory only (no state store: DeviceClient::open or with_state); restarted, it forgets them and may serve rounds its task policies' privacy accounting forbids"
                     );
                 });
                 Ok(())
