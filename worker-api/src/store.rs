@@ -146,8 +146,6 @@ pub trait BlockingFetch: Send + Sync {
     fn fetch_into(&self, blob_key: &str, buffer: Vec<u8>) -> Result<Option<Vec<u8>>, StoreError>;
 }
 
-/// The task database and blob store, as the enclave sees them. `lease` takes the worker's id
-/// (`name/incarnation`); every later call under the lease names `JobSpec::lease_holder`.
 /// The two halves of a model commit with a server optimizer's state, which both sides of the
 /// worker API offer (the store in the front end, the enclave's HTTP client):
 /// `commit_model_in_order` runs them in the one order the store links them by.
@@ -194,6 +192,8 @@ pub async fn commit_model_in_order<S: ModelCommitSteps>(
         .await
 }
 
+/// The task database and blob store, as the enclave sees them. `lease` takes the worker's id
+/// (`name/incarnation`); every later call under the lease names `JobSpec::lease_holder`.
 pub trait JobStore: Send + Sync {
     fn lease(
         &self,
