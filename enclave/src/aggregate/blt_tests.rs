@@ -3,6 +3,7 @@
 
 use super::tests::{KEY, Round, context, privacy, round, sealed, update};
 use super::*;
+use crate::policy::Mechanism;
 use confed_dp::blt::{Blt, ErrorKind};
 use confed_protocol::blt_noise::BltNoise;
 

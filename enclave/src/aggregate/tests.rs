@@ -2,6 +2,7 @@
 //! recorded scale, and reproducible releases.
 
 use super::*;
+use crate::dp::grid;
 use crate::envelope;
 use crate::hpke::generate_keypair;
 use confed_worker_api::model::{encode_f32_tensors, validate_model};
