@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::auth::AdminToken;
 use crate::blob::BlobStore;
-use crate::clock::{Clock, Millis};
+use crate::clock::Millis;
 use crate::db::Db;
 use crate::keys::directory::KeyDirectory;
 use crate::registry::DeviceRegistry;
@@ -42,7 +42,6 @@ pub struct AppState {
     pub blobs: Arc<dyn BlobStore>,
     /// Device contributions (many small write-once objects).
     pub contributions: Arc<dyn BlobStore>,
-    pub clock: Arc<dyn Clock>,
     /// `None` turns the admin API off.
     pub admin: Option<AdminToken>,
     pub limits: Limits,
@@ -63,8 +62,9 @@ pub struct AppState {
 }
 
 impl AppState {
+    /// The time of this request: the task database's clock, the one time of the process.
     pub fn now(&self) -> Millis {
-        self.clock.now_millis()
+        self.db.now()
     }
 
     /// The check-in service over this state's database, keys, contribution store and registry.

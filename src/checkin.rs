@@ -229,7 +229,6 @@ impl Checkin<'_> {
                     &capability,
                     expires_at,
                     &key.key_id,
-                    now.0,
                 )
                 .await?
             else {

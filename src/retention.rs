@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::blob::{BlobError, BlobStore};
-use crate::clock::Clock;
 use crate::db::{Db, DbError};
 
 /// Assignments deleted per database transaction (a short hold of the SQLite writer).
@@ -33,7 +32,6 @@ pub struct Retention {
     /// The contribution store, when this process has it open (a scheduler-only process does
     /// not: its contributions are in GCS, which its lifecycle rule expires).
     contributions: Option<Arc<dyn BlobStore>>,
-    clock: Arc<dyn Clock>,
     /// How long a closed round's contributions are kept.
     window: Duration,
     idle: Duration,
@@ -56,14 +54,12 @@ impl Retention {
     pub fn new(
         db: Db,
         contributions: Option<Arc<dyn BlobStore>>,
-        clock: Arc<dyn Clock>,
         window: Duration,
         idle: Duration,
     ) -> Self {
         Self {
             db,
             contributions,
-            clock,
             window,
             idle,
             ran: Arc::default(),
@@ -71,12 +67,11 @@ impl Retention {
     }
 
     pub async fn run_once(&self) -> Result<Purged, RetentionError> {
-        let now = self.clock.now_millis();
+        let now = self.db.now();
         let before = now.minus(self.window).0;
-        let now = now.0;
         let mut purged = Purged::default();
         while purged.rounds < MAX_ROUNDS_PER_PASS {
-            let Some(round) = self.db.next_round_to_purge(before, now).await? else {
+            let Some(round) = self.db.next_round_to_purge(before).await? else {
                 break;
             };
             while self.db.purge_round_rows(&round, CHUNK_ROWS).await? >= CHUNK_ROWS as u64 {

@@ -2,12 +2,10 @@
 //! slots) and closes the collecting rounds whose deadline has passed (to AGGREGATING with enough reports, else FAILED with a retry attempt or a failed task).
 //! Time comes from the injected clock; tests call `tick` directly instead of sleeping.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
 
-use crate::clock::Clock;
 use crate::db::{Db, DbError, DeadlineOutcome};
 
 /// Rounds closed per tick at most, so one tick never holds the database for long.
@@ -18,7 +16,6 @@ const ASSIGNMENTS_PER_TICK: u32 = 1000;
 #[derive(Debug, Clone)]
 pub struct Scheduler {
     db: Db,
-    clock: Arc<dyn Clock>,
 }
 
 /// What one tick did.
@@ -31,26 +28,22 @@ pub struct TickSummary {
 }
 
 impl Scheduler {
-    pub fn new(db: Db, clock: Arc<dyn Clock>) -> Self {
-        Self { db, clock }
+    pub fn new(db: Db) -> Self {
+        Self { db }
     }
 
     /// One pass over every round whose deadline has passed.
     pub async fn tick(&self) -> Result<TickSummary, DbError> {
-        let now = self.clock.now_millis();
         let mut summary = TickSummary {
-            assignments_timed_out: self
-                .db
-                .expire_assignments(now.0, ASSIGNMENTS_PER_TICK)
-                .await?,
+            assignments_timed_out: self.db.expire_assignments(ASSIGNMENTS_PER_TICK).await?,
             ..TickSummary::default()
         };
         if summary.assignments_timed_out > 0 {
             metrics::counter!("confed_assignments_timed_out_total")
                 .increment(summary.assignments_timed_out as u64);
         }
-        for round_id in self.db.rounds_past_deadline(now.0, ROUNDS_PER_TICK).await? {
-            let outcome = self.db.close_round_at_deadline(&round_id, now.0).await?;
+        for round_id in self.db.rounds_past_deadline(ROUNDS_PER_TICK).await? {
+            let outcome = self.db.close_round_at_deadline(&round_id).await?;
             match &outcome {
                 DeadlineOutcome::Aggregating { .. } => summary.aggregating += 1,
                 DeadlineOutcome::Retried { .. } => summary.retried += 1,

@@ -181,12 +181,13 @@ pub async fn serve(
     };
     // Before any role runs: their first records must reach the recorder.
     crate::api::ops::install_metrics();
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let (db, fresh) = open_data_dir(&config.data_dir, config.database.as_deref()).await?;
+    let db = db.with_clock(clock.clone());
     // Every role: a scheduler's retention would otherwise delete the rows naming them.
     db.refuse_contributions_in_the_database().await?;
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     if fresh {
-        create_demo_tenant(&db, clock.now_millis().0).await?;
+        create_demo_tenant(&db).await?;
     } else if has(Role::Api) && config.database.is_none() {
         // The demo token was shown once, on the first start: say how to get another.
         let tenants = db.list_tenants().await?.len();
@@ -233,7 +234,6 @@ pub async fn serve(
                 db: db.clone(),
                 blobs: blobs.clone(),
                 contributions: contributions.clone(),
-                clock: Arc::clone(&clock),
                 admin: config.admin.clone(),
                 limits: config.limits,
                 keys: keys.clone(),
@@ -255,7 +255,6 @@ pub async fn serve(
                 blobs,
                 contributions,
                 keys: keys.clone(),
-                clock: clock.clone(),
                 partitioning: config.partitioning,
             };
             let worker = confed_enclave::worker::Worker::new(Arc::new(store), worker_config);
@@ -273,7 +272,6 @@ pub async fn serve(
         let retention = crate::retention::Retention::new(
             db.clone(),
             open_contributions,
-            clock.clone(),
             config.retention,
             RETENTION_IDLE,
         );
@@ -281,7 +279,7 @@ pub async fn serve(
             retention.run(RETENTION_PERIOD, stop_rx.clone()),
         ));
         background.push(tokio::spawn(
-            Scheduler::new(db.clone(), clock.clone()).run(config.scheduler_period, stop_rx),
+            Scheduler::new(db.clone()).run(config.scheduler_period, stop_rx),
         ));
     }
     tracing::info!(roles = ?config.roles, admin_api = config.admin.is_some(), data_dir = %config.data_dir.display(), "starting");
@@ -322,14 +320,14 @@ pub async fn serve(
 
 /// On the first start of an empty data directory, a tenant `demo` lets a new user try the API at
 /// once. Its token is printed this once, on stdout, and never logged.
-async fn create_demo_tenant(db: &Db, now: i64) -> Result<(), ServeError> {
+async fn create_demo_tenant(db: &Db) -> Result<(), ServeError> {
     let demo = NewTenant {
         name: "demo".into(),
         max_active_tasks: crate::api::admin::DEFAULT_MAX_ACTIVE_TASKS,
         max_report_goal: crate::api::admin::DEFAULT_MAX_REPORT_GOAL,
         max_device_hours: crate::api::admin::DEFAULT_MAX_DEVICE_HOURS,
     };
-    let (_, token) = db.create_tenant(&demo, now).await?;
+    let (_, token) = db.create_tenant(&demo).await?;
     println!(
         "confed: new data directory; created tenant `demo`. Its API token, shown only this once:"
     );

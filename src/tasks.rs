@@ -61,7 +61,6 @@ impl Tasks<'_> {
         &self,
         tenant_id: &str,
         request: CreateTaskRequest,
-        now: Millis,
     ) -> Result<TaskRecord, TaskError> {
         // A BLT task's matrix is optimized when the request names none: 0.1-2 s at a few
         // thousand rounds, up to about 25 s at 10,000, the first time for a shape (then cached).
@@ -85,7 +84,7 @@ impl Tasks<'_> {
         .await
         .map_err(|e| TaskError::Validation(e.to_string()))?
         .map_err(TaskError::InvalidFields)?;
-        Ok(self.db.create_task(tenant_id, &spec, now.0).await?)
+        Ok(self.db.create_task(tenant_id, &spec).await?)
     }
 
     /// At most `limit` of the tenant's tasks after `page_token` (a token `page` gave).
@@ -125,13 +124,8 @@ impl Tasks<'_> {
         Ok((task, eligible))
     }
 
-    pub async fn cancel(
-        &self,
-        tenant_id: &str,
-        id: &str,
-        now: Millis,
-    ) -> Result<TaskRecord, TaskError> {
-        Ok(self.db.cancel_task(tenant_id, id, now.0).await?)
+    pub async fn cancel(&self, tenant_id: &str, id: &str) -> Result<TaskRecord, TaskError> {
+        Ok(self.db.cancel_task(tenant_id, id).await?)
     }
 
     pub async fn rounds(&self, tenant_id: &str, id: &str) -> Result<Vec<RoundRecord>, TaskError> {
@@ -150,7 +144,6 @@ impl Tasks<'_> {
         tenant_id: &str,
         id: &str,
         spooled: Spooled,
-        now: Millis,
     ) -> Result<TaskRecord, TaskError> {
         let task = self.db.task(tenant_id, id).await?;
         check_created(&task)?;
@@ -187,10 +180,7 @@ impl Tasks<'_> {
             size_bytes: spooled.len as i64,
             optimizer_state_key: None,
         };
-        Ok(self
-            .db
-            .open_task_with_model(tenant_id, id, &model, now.0)
-            .await?)
+        Ok(self.db.open_task_with_model(tenant_id, id, &model).await?)
     }
 }
 

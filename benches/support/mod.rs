@@ -5,7 +5,6 @@ use std::sync::Arc;
 
 use confed::app::{AppState, Limits};
 use confed::blob::LocalBlobStore;
-use confed::clock::SystemClock;
 use confed::db::{Db, NewTenant};
 use confed::keys::directory::KeyDirectory;
 
@@ -26,12 +25,11 @@ pub(crate) async fn start(keys: KeyDirectory) -> BenchServer {
         max_report_goal: 1_000_000,
         max_device_hours: 1_000_000_000,
     };
-    let (_, token) = db.create_tenant(&tenant, 0).await.unwrap();
+    let (_, token) = db.create_tenant(&tenant).await.unwrap();
     let state = AppState {
         db: db.clone(),
         blobs: Arc::new(LocalBlobStore::open(dir.path().join("blobs")).unwrap()),
         contributions: confed::blob::embedded_contributions(dir.path()).unwrap(),
-        clock: Arc::new(SystemClock),
         admin: None,
         limits: Limits::default(),
         keys,

@@ -18,7 +18,6 @@ use confed_worker_api::wire::{BlobSource, ContributionWire, JobWire, resolve};
 use sha2::{Digest, Sha256};
 
 use crate::blob::{BlobError, BlobKey, BlobStore, SealedReader};
-use crate::clock::Clock;
 use crate::db::jobs::{JobContext, LeasedJob, NewRelease};
 use crate::db::partitions::LeasedPartition;
 use crate::db::{Db, DbError, NewModel};
@@ -34,7 +33,6 @@ pub struct TaskDbJobStore {
     pub blobs: Arc<dyn BlobStore>,
     pub contributions: Arc<dyn BlobStore>,
     pub keys: KeyDirectory,
-    pub clock: Arc<dyn Clock>,
     /// How large rounds are cut into partitions for several workers.
     pub partitioning: PartitionPolicy,
 }
@@ -124,8 +122,9 @@ fn previous_blt_state(context: &JobContext) -> Result<Option<String>, String> {
 }
 
 impl TaskDbJobStore {
+    /// The store's time (the task database's clock).
     pub(crate) fn now(&self) -> i64 {
-        self.clock.now_millis().0
+        self.db.now().0
     }
 
     /// The job as the enclave sees it; `Err(reason)` when the stored job cannot be run at all.
@@ -193,14 +192,14 @@ impl TaskDbJobStore {
         loop {
             let taken = match self
                 .db
-                .lease_partition_for(worker, arrived, self.now(), lease)
+                .lease_partition_for(worker, arrived, lease)
                 .await
                 .map_err(db_error)?
             {
                 Some(partition) => Taken::Partition(partition),
                 None => match self
                     .db
-                    .lease_job_for(worker, arrived, self.now(), lease)
+                    .lease_job_for(worker, arrived, lease)
                     .await
                     .map_err(db_error)?
                 {
@@ -251,13 +250,12 @@ impl TaskDbJobStore {
                     &partition.holder,
                     reason,
                     true,
-                    self.now(),
                 )
                 .await
                 .map_err(db_error),
             Taken::Job(job) => {
                 self.db
-                    .fail_job(&job.round_id, &job.holder, reason, true, self.now())
+                    .fail_job(&job.round_id, &job.holder, reason, true)
                     .await
                     .map_err(db_error)?;
                 metrics::counter!("confed_aggregation_jobs_failed_total", "kind" => "permanent")
@@ -514,7 +512,6 @@ impl TaskDbJobStore {
                     optimizer_state_key,
                 },
                 early_stop,
-                self.now(),
             )
             .await
             .map_err(db_error)?;
@@ -674,7 +671,7 @@ impl JobStore for TaskDbJobStore {
         }
         let staged = self.stage_release(job_id, release).await?;
         self.db
-            .commit_release(job_id, worker, staged, self.now())
+            .commit_release(job_id, worker, staged)
             .await
             .map_err(db_error)?;
         // Counted where the release commits, so whichever process runs the worker (in process,

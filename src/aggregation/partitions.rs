@@ -85,7 +85,7 @@ impl TaskDbJobStore {
             self.digest_direct_uploads(context, worker).await?;
         }
         self.db
-            .plan_job(round_id, worker, count, self.now())
+            .plan_job(round_id, worker, count)
             .await
             .map_err(db_error)?;
         if count > 1 {
@@ -120,13 +120,7 @@ impl TaskDbJobStore {
         for chunk in undigested.chunks(DIGEST_CHUNK) {
             let digests = self.digest_chunk(chunk.to_vec()).await?;
             self.db
-                .record_contribution_digests(
-                    &context.round.id,
-                    worker,
-                    digests,
-                    self.now(),
-                    PLANNING_LEASE,
-                )
+                .record_contribution_digests(&context.round.id, worker, digests, PLANNING_LEASE)
                 .await
                 .map_err(db_error)?;
         }
@@ -243,7 +237,7 @@ impl TaskDbJobStore {
             Err(e) => return Err(backend(e)),
         }
         self.db
-            .store_partition(round_id, index, worker, key.as_str(), self.now())
+            .store_partition(round_id, index, worker, key.as_str())
             .await
             .map_err(db_error)
     }
@@ -258,12 +252,12 @@ impl TaskDbJobStore {
         match parse_job_id(job_id) {
             Some((round_id, Some(index))) => self
                 .db
-                .renew_partition(round_id, index, worker, self.now(), lease)
+                .renew_partition(round_id, index, worker, lease)
                 .await
                 .map_err(db_error),
             _ => self
                 .db
-                .renew_job(job_id, worker, self.now(), lease)
+                .renew_job(job_id, worker, lease)
                 .await
                 .map_err(db_error),
         }
@@ -280,12 +274,12 @@ impl TaskDbJobStore {
         match parse_job_id(job_id) {
             Some((round_id, Some(index))) => self
                 .db
-                .fail_partition(round_id, index, worker, reason, permanent, self.now())
+                .fail_partition(round_id, index, worker, reason, permanent)
                 .await
                 .map_err(db_error),
             _ => self
                 .db
-                .fail_job(job_id, worker, reason, permanent, self.now())
+                .fail_job(job_id, worker, reason, permanent)
                 .await
                 .map_err(db_error),
         }
@@ -310,10 +304,9 @@ pub async fn resume_failed_round(
     blobs: &dyn BlobStore,
     task_id: &str,
     round: i64,
-    now: i64,
 ) -> Result<Resumed, DbError> {
     let failed = db.round_partitions(task_id, round).await?;
-    let resumed = db.resume_failed_round(task_id, round, now).await?;
+    let resumed = db.resume_failed_round(task_id, round).await?;
     discard(blobs, &failed).await;
     Ok(resumed)
 }

@@ -150,7 +150,7 @@ pub async fn create_tenant(
     ApiJson(request): ApiJson<CreateTenantRequest>,
 ) -> Result<(StatusCode, axum::Json<CreatedTenant>), ApiError> {
     let new = request.validate().map_err(ApiError::InvalidFields)?;
-    let (tenant, token) = state.db.create_tenant(&new, state.now().0).await?;
+    let (tenant, token) = state.db.create_tenant(&new).await?;
     tracing::info!(tenant = %tenant.name, "tenant created through the admin API");
     Ok((
         StatusCode::CREATED,
@@ -209,7 +209,6 @@ pub async fn resume_round(
         state.blobs.as_ref(),
         &task_id,
         round,
-        state.now().0,
     )
     .await?;
     tracing::warn!(task = %task_id, round, state = resumed.round_state.as_str(),

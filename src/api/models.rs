@@ -34,9 +34,7 @@ pub async fn put_model(
     // To a temporary file as it arrives, hashed on the way: never the whole model in memory.
     let spooled = crate::spool::spool(body, state.limits.model_bytes as u64, "model").await?;
     let bytes = spooled.len;
-    let task = tasks
-        .store_version_zero(&tenant.id, &id, spooled, state.now())
-        .await?;
+    let task = tasks.store_version_zero(&tenant.id, &id, spooled).await?;
     tracing::info!(tenant = %tenant.name, task = %id, bytes, "model version 0 stored; task open");
     Ok((StatusCode::CREATED, axum::Json(task.into())))
 }

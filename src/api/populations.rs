@@ -73,10 +73,7 @@ pub async fn register_population(
     ApiPath(population): ApiPath<String>,
 ) -> Result<(StatusCode, axum::Json<PopulationResponse>), ApiError> {
     checked(&population)?;
-    let claimed = state
-        .db
-        .claim_population(&tenant.id, &population, state.now().0)
-        .await?;
+    let claimed = state.db.claim_population(&tenant.id, &population).await?;
     let record = state
         .db
         .populations(&tenant.id)
@@ -139,7 +136,6 @@ pub async fn assign_population(
                     &tenant,
                     &task,
                     "cancelled by the operator: its population was given to another tenant",
-                    state.now().0,
                 )
                 .await?;
             tracing::warn!(%population, %tenant, %task,
@@ -148,7 +144,7 @@ pub async fn assign_population(
     }
     let record = state
         .db
-        .assign_population(&population, &request.tenant_id, state.now().0)
+        .assign_population(&population, &request.tenant_id)
         .await?;
     tracing::info!(%population, tenant = %request.tenant_id, "population assigned by the operator");
     Ok(axum::Json(record.into()))

@@ -143,10 +143,7 @@ pub async fn create_task(
     Tenant(tenant): Tenant,
     ApiJson(request): ApiJson<CreateTaskRequest>,
 ) -> Result<(StatusCode, axum::Json<TaskResponse>), ApiError> {
-    let task = state
-        .tasks()
-        .create(&tenant.id, request, state.now())
-        .await?;
+    let task = state.tasks().create(&tenant.id, request).await?;
     tracing::info!(tenant = %tenant.name, task = %task.id, "task created");
     Ok((StatusCode::CREATED, axum::Json(task.into())))
 }
@@ -219,7 +216,7 @@ pub async fn cancel_task(
     Tenant(tenant): Tenant,
     ApiPath(id): ApiPath<String>,
 ) -> Result<axum::Json<TaskResponse>, ApiError> {
-    let task = state.tasks().cancel(&tenant.id, &id, state.now()).await?;
+    let task = state.tasks().cancel(&tenant.id, &id).await?;
     tracing::info!(tenant = %tenant.name, task = %task.id, "task cancelled");
     Ok(axum::Json(task.into()))
 }

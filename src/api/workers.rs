@@ -51,7 +51,6 @@ fn store(state: &AppState) -> TaskDbJobStore {
         blobs: state.blobs.clone(),
         contributions: state.contributions.clone(),
         keys: state.keys.clone(),
-        clock: state.clock.clone(),
         partitioning: state.partitioning,
     }
 }

@@ -2,7 +2,7 @@
 
 use anyhow::{Result, bail};
 use clap::Subcommand;
-use confed::clock::{Clock, SystemClock, rfc3339};
+use confed::clock::rfc3339;
 use confed::db::NewTenant;
 use confed::server;
 
@@ -64,7 +64,7 @@ pub(super) async fn run(command: TenantCommand) -> Result<()> {
                     data.data_dir.display()
                 );
             }
-            let (tenant, token) = db.create_tenant(&new, SystemClock.now_millis().0).await?;
+            let (tenant, token) = db.create_tenant(&new).await?;
             db.close().await;
             eprintln!(
                 "created tenant {} ({}); its token follows, shown only this once",

@@ -699,11 +699,7 @@ pub(super) async fn create(
             }]));
         }
     };
-    let task = match state
-        .tasks()
-        .create(&session.tenant.id, request, state.now())
-        .await
-    {
+    let task = match state.tasks().create(&session.tenant.id, request).await {
         Ok(task) => task,
         Err(TaskError::InvalidFields(problems)) => return Ok(refused(problems)),
         Err(e) => {

@@ -109,7 +109,7 @@ impl Session {
         let id_sha256 = session_digest(&secret);
         let tenant = state
             .db
-            .console_session_tenant(&id_sha256, state.now().0)
+            .console_session_tenant(&id_sha256)
             .await?
             .ok_or(ConsoleError::SignedOut)?;
         Ok(Self {
@@ -173,11 +173,10 @@ pub(super) async fn sign_in(
         Zeroizing::new(URL_SAFE_NO_PAD.encode(
             crate::auth::random_bytes::<32>().map_err(|e| ApiError::Internal(e.to_string()))?,
         ));
-    let now = state.now().0;
     let ttl = state.console.session_ttl_millis;
     state
         .db
-        .create_console_session(&session_digest(&secret), &tenant.id, now, now + ttl)
+        .create_console_session(&session_digest(&secret), &tenant.id, ttl)
         .await?;
     tracing::info!(tenant = %tenant.name, "console sign-in");
     let cookie = state.console.cookie(&secret, ttl / 1000);

@@ -469,10 +469,7 @@ pub(super) async fn cancel(
     ConsoleForm(form): ConsoleForm<CsrfOnly>,
 ) -> Result<Response, ConsoleError> {
     session.check_csrf(&form.csrf)?;
-    let task = state
-        .db
-        .cancel_task(&session.tenant.id, &id, state.now().0)
-        .await?;
+    let task = state.db.cancel_task(&session.tenant.id, &id).await?;
     tracing::info!(tenant = %session.tenant.name, task = %task.id, "task cancelled (console)");
     Ok(Redirect::to(&format!("/console/tasks/{id}")).into_response())
 }
@@ -519,7 +516,7 @@ pub(super) async fn upload_model(
     })?;
     state
         .tasks()
-        .store_version_zero(&session.tenant.id, &id, model, state.now())
+        .store_version_zero(&session.tenant.id, &id, model)
         .await
         .map_err(ApiError::from)?;
     tracing::info!(tenant = %session.tenant.name, task = %id, "model version 0 stored (console)");

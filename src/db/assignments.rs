@@ -10,8 +10,8 @@ impl Db {
         &self,
         round_id: &str,
         expires_at: i64,
-        now: i64,
     ) -> Result<String, DbError> {
+        let now = self.now().0;
         let id = new_id();
         let (round_id, assignment_id) = (round_id.to_string(), id.clone());
         self.write(move |tx| {
@@ -22,7 +22,7 @@ impl Db {
                     &round_id,
                     expires_at,
                     "assigned",
-                    now,
+                    confed_protocol::clock::Millis(now),
                 )
                 .await?;
                 sqlx::query(
@@ -45,15 +45,23 @@ impl Db {
         from: AssignmentState,
         to: AssignmentState,
         reason: &str,
-        now: i64,
     ) -> Result<(), DbError> {
+        let now = self.now().0;
         let assignment_id = assignment_id.to_string();
         let reason = reason.to_string();
         self.write(move |tx| {
             Box::pin(async move {
                 let assignment_id = assignment_id.as_str();
                 let reason = reason.as_str();
-                transition(&mut *tx, assignment_id, from, to, reason, now).await?;
+                transition(
+                    &mut *tx,
+                    assignment_id,
+                    from,
+                    to,
+                    reason,
+                    confed_protocol::clock::Millis(now),
+                )
+                .await?;
                 Ok(())
             })
         })

@@ -3,6 +3,7 @@
 use sqlx::FromRow;
 
 use super::{Conn, Db, DbError};
+use crate::clock::Millis;
 
 #[derive(Debug, Clone, PartialEq, Eq, FromRow)]
 pub struct HistoryRecord {
@@ -28,8 +29,9 @@ pub(crate) async fn append(
     from: Option<&str>,
     to: &str,
     reason: &str,
-    now: i64,
+    now: Millis,
 ) -> Result<(), DbError> {
+    let now = now.0;
     sqlx::query(APPEND_SQL)
         .bind(super::new_history_id())
         .bind(entity)

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use super::leases::{LeaseAsk, Leased, expiry};
 use super::{Conn, Db, DbError, models, rounds, tasks, transition};
+use crate::clock::Millis;
 use crate::states::{JobState, RoundState, TaskState};
 
 /// The one text of "create the job of the round that just closed" (in the transaction that
@@ -126,7 +127,8 @@ pub struct ReleaseRecord {
 }
 
 /// Inserts the job of a round that just moved to AGGREGATING (same transaction).
-pub(crate) async fn create(conn: &mut Conn, round_id: &str, now: i64) -> Result<(), DbError> {
+pub(crate) async fn create(conn: &mut Conn, round_id: &str, now: Millis) -> Result<(), DbError> {
+    let now = now.0;
     sqlx::query(sqlx::AssertSqlSafe(CREATE_JOB.as_str()))
         .bind(round_id)
         .bind(now)
@@ -180,10 +182,9 @@ impl Db {
     pub async fn lease_job(
         &self,
         worker: &str,
-        now: i64,
         lease: Duration,
     ) -> Result<Option<LeasedJob>, DbError> {
-        self.lease_job_for(worker, now, now, lease).await
+        self.lease_job_for(worker, self.now().0, lease).await
     }
 
     /// `lease_job` for a request that arrived at `arrived` (a long poll asks again and again,
@@ -192,11 +193,11 @@ impl Db {
         &self,
         worker: &str,
         arrived: i64,
-        now: i64,
         lease: Duration,
     ) -> Result<Option<LeasedJob>, DbError> {
+        let now = self.now().0;
         let ask = LeaseAsk::new(worker, arrived);
-        let until = expiry(now, lease)?;
+        let until = expiry(confed_protocol::clock::Millis(now), lease)?;
         self.write(move |tx| {
             Box::pin(async move {
                 // The guard is repeated outside the subquery: the update is a compare-and-set.
@@ -266,9 +267,9 @@ impl Db {
         &self,
         round_id: &str,
         worker: &str,
-        now: i64,
         lease: Duration,
     ) -> Result<(), DbError> {
+        let now = self.now().0;
         let (round_id, worker) = (round_id.to_string(), worker.to_string());
         self.write(move |tx| {
             Box::pin(async move {
@@ -276,7 +277,9 @@ impl Db {
                     round_id: &round_id,
                 };
                 leased.check(&mut *tx, &worker).await?;
-                leased.extend(&mut *tx, now, lease).await
+                leased
+                    .extend(&mut *tx, confed_protocol::clock::Millis(now), lease)
+                    .await
             })
         })
         .await
@@ -345,8 +348,8 @@ impl Db {
         round_id: &str,
         worker: &str,
         release: NewRelease,
-        now: i64,
     ) -> Result<(), DbError> {
+        let now = self.now().0;
         let (round_id, worker) = (round_id.to_string(), worker.to_string());
         self.write(move |tx| {
             Box::pin(async move {
@@ -371,7 +374,7 @@ impl Db {
                     RoundState::Aggregating,
                     RoundState::Applying,
                     &reason,
-                    now,
+                    confed_protocol::clock::Millis(now),
                 )
                 .await?;
                 sqlx::query(
@@ -415,8 +418,8 @@ impl Db {
         worker: &str,
         model: models::NewModel,
         early_stop: Option<String>,
-        now: i64,
     ) -> Result<(), DbError> {
+        let now = self.now().0;
         let (round_id, worker) = (round_id.to_string(), worker.to_string());
         self.write(move |tx| {
             Box::pin(async move {
@@ -424,14 +427,21 @@ impl Db {
                 let round = rounds::load_one(&mut *tx, &round_id).await?;
                 let task = tasks::load_any(&mut *tx, &round.task_id).await?;
                 let version = round.round_number;
-                models::insert(&mut *tx, &task.id, version, &model, now).await?;
+                models::insert(
+                    &mut *tx,
+                    &task.id,
+                    version,
+                    &model,
+                    confed_protocol::clock::Millis(now),
+                )
+                .await?;
                 rounds::close(
                     &mut *tx,
                     &round_id,
                     RoundState::Applying,
                     RoundState::Completed,
                     &format!("model version {version} stored"),
-                    now,
+                    confed_protocol::clock::Millis(now),
                 )
                 .await?;
                 transition(
@@ -440,7 +450,7 @@ impl Db {
                     JobState::Pending,
                     JobState::Done,
                     &format!("model version {version} stored"),
-                    now,
+                    confed_protocol::clock::Millis(now),
                 )
                 .await?;
                 sqlx::query(LEASE_GIVEN_UP)
@@ -464,7 +474,7 @@ impl Db {
                         TaskState::Open,
                         TaskState::Completed,
                         &reason,
-                        now,
+                        confed_protocol::clock::Millis(now),
                     )
                     .await?;
                     return Ok(());
@@ -475,7 +485,14 @@ impl Db {
                         .bind(&task.id)
                         .execute(&mut *tx)
                         .await?;
-                    rounds::open(&mut *tx, &task, version + 1, 1, now).await?;
+                    rounds::open(
+                        &mut *tx,
+                        &task,
+                        version + 1,
+                        1,
+                        confed_protocol::clock::Millis(now),
+                    )
+                    .await?;
                 } else {
                     transition(
                         &mut *tx,
@@ -483,7 +500,7 @@ impl Db {
                         TaskState::Open,
                         TaskState::Completed,
                         &format!("all {version} rounds completed"),
-                        now,
+                        confed_protocol::clock::Millis(now),
                     )
                     .await?;
                 }
@@ -501,8 +518,8 @@ impl Db {
         worker: &str,
         reason: &str,
         permanent: bool,
-        now: i64,
     ) -> Result<(), DbError> {
+        let now = self.now().0;
         let (round_id, worker, reason) = (
             round_id.to_string(),
             worker.to_string(),
@@ -511,7 +528,14 @@ impl Db {
         self.write(move |tx| {
             Box::pin(async move {
                 check_lease(&mut *tx, &round_id, &worker).await?;
-                fail_leased(&mut *tx, &round_id, &reason, permanent, now).await
+                fail_leased(
+                    &mut *tx,
+                    &round_id,
+                    &reason,
+                    permanent,
+                    confed_protocol::clock::Millis(now),
+                )
+                .await
             })
         })
         .await
@@ -554,8 +578,9 @@ pub(super) async fn fail_leased(
     round_id: &str,
     reason: &str,
     permanent: bool,
-    now: i64,
+    now: Millis,
 ) -> Result<(), DbError> {
+    let now = now.0;
     if !permanent {
         // Transient (a key service down, a full disk, the network): retried without
         // limit, the wait doubling up to 5 minutes; a crash takeover is no failure.
@@ -587,7 +612,7 @@ pub(super) async fn fail_leased(
         JobState::Pending,
         JobState::Failed,
         reason,
-        now,
+        confed_protocol::clock::Millis(now),
     )
     .await?;
     sqlx::query(
@@ -606,7 +631,7 @@ pub(super) async fn fail_leased(
         round.state,
         RoundState::Failed,
         &why,
-        now,
+        confed_protocol::clock::Millis(now),
     )
     .await?;
     let task = tasks::load_any(&mut *tx, &round.task_id).await?;
@@ -618,7 +643,7 @@ pub(super) async fn fail_leased(
             TaskState::Open,
             TaskState::Failed,
             &why,
-            now,
+            confed_protocol::clock::Millis(now),
         )
         .await?;
     }

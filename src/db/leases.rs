@@ -23,6 +23,7 @@
 use std::time::Duration;
 
 use super::{Conn, DbError};
+use crate::clock::Millis;
 use crate::states::JobState;
 
 /// Separates a worker id from the rest of its lease's holder; no worker id contains it
@@ -76,7 +77,8 @@ impl LeaseAsk {
 
 /// When a lease of `lease` taken at `now` (Unix ms) expires, or `LeaseTooLong` if that is past
 /// what the database records.
-pub(super) fn expiry(now: i64, lease: Duration) -> Result<i64, DbError> {
+pub(super) fn expiry(now: Millis, lease: Duration) -> Result<i64, DbError> {
+    let now = now.0;
     i64::try_from(lease.as_millis())
         .ok()
         .and_then(|ms| now.checked_add(ms))
@@ -138,10 +140,11 @@ impl Leased<'_> {
     pub(super) async fn extend(
         self,
         conn: &mut Conn,
-        now: i64,
+        now: Millis,
         lease: Duration,
     ) -> Result<(), DbError> {
-        let until = expiry(now, lease)?;
+        let now = now.0;
+        let until = expiry(confed_protocol::clock::Millis(now), lease)?;
         let query = match self {
             Leased::Job { round_id } => sqlx::query(
                 "UPDATE aggregation_jobs SET lease_expires_at = $1, updated_at = $2 \

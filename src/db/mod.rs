@@ -53,6 +53,7 @@ pub use rounds::{DeadlineOutcome, RoundRecord};
 pub use tasks::{TaskCursor, TaskRecord};
 pub use tenants::{NewTenant, TenantRecord};
 
+use crate::clock::{Clock, Millis, SystemClock};
 use crate::states::StateMachine;
 
 /// The connection type of both engines (sqlx's `Any` driver).
@@ -89,6 +90,9 @@ pub struct Db {
     _job_listener: Option<Arc<postgres::notify::Listener>>,
     /// PostgreSQL: the group-commit queue of the device writes that lock a round's row.
     device_batches: Option<postgres::batch::Batcher>,
+    /// The store's time: every write stamps and compares with it (`now`), so a caller cannot
+    /// hand one write a time another did not see. The system clock unless `with_clock`.
+    clock: Arc<dyn Clock>,
 }
 
 /// What only the SQLite engine has: the group-commit writer and raw read connections.
@@ -132,6 +136,18 @@ fn sqlite_url(path: &Path) -> String {
 }
 
 impl Db {
+    /// This handle (and its clones) with `clock` as the store's time: the server's clock, or a
+    /// test's manual one.
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// The store's time now (Unix ms).
+    pub fn now(&self) -> Millis {
+        self.clock.now_millis()
+    }
+
     /// Opens the task database `location` names: a `postgres://` or `postgresql://` URL, or
     /// else the path of a SQLite file (created if missing). Applies pending migrations.
     pub async fn open(location: &str) -> Result<Self, DbError> {
@@ -198,6 +214,7 @@ impl Db {
                 }),
             }),
             specs: Default::default(),
+            clock: Arc::new(SystemClock),
             models: Default::default(),
             jobs_created: Default::default(),
             _job_listener: None,
@@ -227,6 +244,7 @@ impl Db {
             pool,
             sqlite: None,
             specs: Default::default(),
+            clock: Arc::new(SystemClock),
             models: Default::default(),
             jobs_created,
             _job_listener: listener.map(Arc::new),
@@ -427,8 +445,9 @@ pub(crate) async fn transition<S: StateMachine>(
     from: S,
     to: S,
     reason: &str,
-    now: i64,
+    now: Millis,
 ) -> Result<(), DbError> {
+    let now = now.0;
     if !from.can_become(to) {
         return Err(DbError::IllegalTransition {
             entity: S::ENTITY,
@@ -487,7 +506,7 @@ pub(crate) async fn transition<S: StateMachine>(
         Some(from.as_str()),
         to.as_str(),
         reason,
-        now,
+        confed_protocol::clock::Millis(now),
     )
     .await
 }

@@ -1,6 +1,7 @@
 //! Model versions of a task: where each version's bytes live in the blob store.
 
 use super::{Conn, Db, DbError};
+use crate::clock::Millis;
 
 /// A model version about to be recorded.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,8 +30,9 @@ pub(crate) async fn insert(
     task_id: &str,
     version: i64,
     model: &NewModel,
-    now: i64,
+    now: Millis,
 ) -> Result<(), DbError> {
+    let now = now.0;
     sqlx::query(
         "INSERT INTO models (task_id, version, blob_key, sha256, size_bytes, created_at, \
          optimizer_state_key) VALUES ($1, $2, $3, $4, $5, $6, $7)",

@@ -69,10 +69,9 @@ impl Db {
     pub async fn lease_partition(
         &self,
         worker: &str,
-        now: i64,
         lease: Duration,
     ) -> Result<Option<LeasedPartition>, DbError> {
-        self.lease_partition_for(worker, now, now, lease).await
+        self.lease_partition_for(worker, self.now().0, lease).await
     }
 
     /// `lease_partition` for a request that arrived at `arrived` (a long poll asks again and
@@ -81,11 +80,11 @@ impl Db {
         &self,
         worker: &str,
         arrived: i64,
-        now: i64,
         lease: Duration,
     ) -> Result<Option<LeasedPartition>, DbError> {
+        let now = self.now().0;
         let ask = LeaseAsk::new(worker, arrived);
-        let until = expiry(now, lease)?;
+        let until = expiry(confed_protocol::clock::Millis(now), lease)?;
         self.write(move |tx| {
             Box::pin(async move {
                 // Locked with SKIP LOCKED on PostgreSQL, so concurrent workers take different
@@ -170,13 +169,8 @@ impl Db {
     /// Plans the job `worker` leased into `count` partitions, once (a job already planned keeps
     /// its plan). With more than one, the partitions are created and the job's lease given
     /// back: workers lease the partitions, and the job again once they are all stored.
-    pub async fn plan_job(
-        &self,
-        round_id: &str,
-        worker: &str,
-        count: u32,
-        now: i64,
-    ) -> Result<(), DbError> {
+    pub async fn plan_job(&self, round_id: &str, worker: &str, count: u32) -> Result<(), DbError> {
+        let now = self.now().0;
         let (round_id, worker) = (round_id.to_string(), worker.to_string());
         let partitioned = self
             .write(move |tx| {
@@ -246,9 +240,9 @@ impl Db {
         round_id: &str,
         worker: &str,
         digests: Vec<(String, String)>,
-        now: i64,
         lease: Duration,
     ) -> Result<(), DbError> {
+        let now = self.now().0;
         let (round_id, worker) = (round_id.to_string(), worker.to_string());
         self.write(move |tx| {
             Box::pin(async move {
@@ -256,7 +250,9 @@ impl Db {
                     round_id: &round_id,
                 };
                 leased.check(&mut *tx, &worker).await?;
-                leased.extend(&mut *tx, now, lease).await?;
+                leased
+                    .extend(&mut *tx, confed_protocol::clock::Millis(now), lease)
+                    .await?;
                 for (assignment_ref, blake3_hex) in &digests {
                     sqlx::query(
                         "UPDATE assignments SET contribution_blake3 = $1, updated_at = $2 \
@@ -281,9 +277,9 @@ impl Db {
         round_id: &str,
         index: u32,
         worker: &str,
-        now: i64,
         lease: Duration,
     ) -> Result<(), DbError> {
+        let now = self.now().0;
         let (round_id, worker) = (round_id.to_string(), worker.to_string());
         self.write(move |tx| {
             Box::pin(async move {
@@ -292,7 +288,9 @@ impl Db {
                     index,
                 };
                 leased.check(&mut *tx, &worker).await?;
-                leased.extend(&mut *tx, now, lease).await
+                leased
+                    .extend(&mut *tx, confed_protocol::clock::Millis(now), lease)
+                    .await
             })
         })
         .await
@@ -306,8 +304,8 @@ impl Db {
         index: u32,
         worker: &str,
         sealed_key: &str,
-        now: i64,
     ) -> Result<(), DbError> {
+        let now = self.now().0;
         let (round_id, worker, sealed_key) = (
             round_id.to_string(),
             worker.to_string(),
@@ -364,8 +362,8 @@ impl Db {
         worker: &str,
         reason: &str,
         permanent: bool,
-        now: i64,
     ) -> Result<(), DbError> {
+        let now = self.now().0;
         let (round_id, worker, reason) = (
             round_id.to_string(),
             worker.to_string(),
@@ -383,7 +381,14 @@ impl Db {
                 .bind(i64::from(index))
                 .execute(&mut *tx)
                 .await?;
-                fail_leased(&mut *tx, &round_id, &reason, permanent, now).await
+                fail_leased(
+                    &mut *tx,
+                    &round_id,
+                    &reason,
+                    permanent,
+                    confed_protocol::clock::Millis(now),
+                )
+                .await
             })
         })
         .await

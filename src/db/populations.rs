@@ -6,6 +6,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::{Conn, Db, DbError};
+use crate::clock::Millis;
 
 /// A population as stored.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema, sqlx::FromRow)]
@@ -30,8 +31,9 @@ pub(super) async fn claim(
     conn: &mut Conn,
     tenant_id: &str,
     name: &str,
-    now: i64,
+    now: Millis,
 ) -> Result<Claimed, DbError> {
+    let now = now.0;
     let inserted = sqlx::query(
         "INSERT INTO populations (name, tenant_id, created_at) VALUES ($1, $2, $3) \
          ON CONFLICT (name) DO NOTHING",
@@ -58,15 +60,15 @@ pub(super) async fn claim(
 
 impl Db {
     /// Registers a population for a tenant ahead of its first task.
-    pub async fn claim_population(
-        &self,
-        tenant_id: &str,
-        name: &str,
-        now: i64,
-    ) -> Result<Claimed, DbError> {
+    pub async fn claim_population(&self, tenant_id: &str, name: &str) -> Result<Claimed, DbError> {
+        let now = self.now().0;
         let (tenant_id, name) = (tenant_id.to_string(), name.to_string());
-        self.write(move |conn| Box::pin(async move { claim(conn, &tenant_id, &name, now).await }))
-            .await
+        self.write(move |conn| {
+            Box::pin(async move {
+                claim(conn, &tenant_id, &name, confed_protocol::clock::Millis(now)).await
+            })
+        })
+        .await
     }
 
     /// A tenant's populations, by name.
@@ -102,8 +104,8 @@ impl Db {
         &self,
         name: &str,
         tenant_id: &str,
-        now: i64,
     ) -> Result<PopulationRecord, DbError> {
+        let now = self.now().0;
         let (name, tenant_id) = (name.to_string(), tenant_id.to_string());
         self.write(move |conn| {
             Box::pin(async move {

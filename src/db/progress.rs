@@ -147,7 +147,8 @@ impl Db {
     /// Marks an assignment as late (it tried to deliver its contribution after its round
     /// closed), once: whether this call was the first. A read first, so a device that keeps
     /// trying costs no write after the first.
-    pub async fn mark_late(&self, assignment: &AssignmentRef, now: i64) -> Result<bool, DbError> {
+    pub async fn mark_late(&self, assignment: &AssignmentRef) -> Result<bool, DbError> {
+        let now = self.now().0;
         let already: Option<Option<i64>> =
             sqlx::query_scalar("SELECT late_at FROM assignments WHERE id = $1")
                 .bind(assignment.as_str())

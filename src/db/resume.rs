@@ -46,8 +46,8 @@ impl Db {
         &self,
         task_id: &str,
         round_number: i64,
-        now: i64,
     ) -> Result<Resumed, DbError> {
+        let now = self.now().0;
         let task_id = task_id.to_string();
         self.write(move |tx| {
             Box::pin(async move {
@@ -141,7 +141,7 @@ impl Db {
                     Some(JobState::Failed.as_str()),
                     JobState::Pending.as_str(),
                     reason,
-                    now,
+                    confed_protocol::clock::Millis(now),
                 )
                 .await?;
                 history::append(
@@ -151,7 +151,7 @@ impl Db {
                     Some(RoundState::Failed.as_str()),
                     to.as_str(),
                     reason,
-                    now,
+                    confed_protocol::clock::Millis(now),
                 )
                 .await?;
                 history::append(
@@ -161,7 +161,7 @@ impl Db {
                     Some(TaskState::Failed.as_str()),
                     TaskState::Open.as_str(),
                     reason,
-                    now,
+                    confed_protocol::clock::Millis(now),
                 )
                 .await?;
                 Ok(Resumed {

@@ -16,11 +16,8 @@ const LEFTOVER_MILLIS: i64 = 24 * 3600 * 1000;
 impl Db {
     /// The next round whose contributions may go: one claimed earlier with rows left, or the
     /// oldest round closed before `closed_before`, claimed now. `None` when there is none.
-    pub async fn next_round_to_purge(
-        &self,
-        closed_before: i64,
-        now: i64,
-    ) -> Result<Option<String>, DbError> {
+    pub async fn next_round_to_purge(&self, closed_before: i64) -> Result<Option<String>, DbError> {
+        let now = self.now().0;
         self.write(move |tx| {
             Box::pin(async move {
                 let leftover: Option<String> = sqlx::query_scalar(

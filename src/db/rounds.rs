@@ -1,6 +1,7 @@
 //! Rounds: opening, listing, and closing at the deadline with retry attempts.
 
 use super::{Conn, Db, DbError, history, new_id, parse_state, tasks, transition};
+use crate::clock::Millis;
 use crate::states::{RoundState, StateMachine, TaskState};
 use crate::task_spec::TaskSpec;
 
@@ -97,8 +98,9 @@ pub(crate) async fn open(
     task: &tasks::TaskRecord,
     round_number: i64,
     attempt: i64,
-    now: i64,
+    now: Millis,
 ) -> Result<String, DbError> {
+    let now = now.0;
     let spec: &TaskSpec = &task.spec;
     let id = new_id();
     let deadline = crate::clock::Millis(now)
@@ -141,7 +143,7 @@ pub(crate) async fn open(
         None,
         RoundState::Collecting.as_str(),
         &reason,
-        now,
+        confed_protocol::clock::Millis(now),
     )
     .await?;
     Ok(id)
@@ -206,11 +208,20 @@ pub(crate) async fn close(
     from: RoundState,
     to: RoundState,
     reason: &str,
-    now: i64,
+    now: Millis,
 ) -> Result<(), DbError> {
-    transition(conn, round_id, from, to, reason, now).await?;
+    let now = now.0;
+    transition(
+        conn,
+        round_id,
+        from,
+        to,
+        reason,
+        confed_protocol::clock::Millis(now),
+    )
+    .await?;
     if to == RoundState::Aggregating {
-        super::jobs::create(conn, round_id, now).await?;
+        super::jobs::create(conn, round_id, confed_protocol::clock::Millis(now)).await?;
     }
     if to.is_terminal() {
         sqlx::query("UPDATE rounds SET closed_at = $1 WHERE id = $2")
@@ -259,7 +270,8 @@ impl Db {
     }
 
     /// Ids of collecting rounds whose deadline is at or before `now`, oldest deadline first.
-    pub async fn rounds_past_deadline(&self, now: i64, limit: u32) -> Result<Vec<String>, DbError> {
+    pub async fn rounds_past_deadline(&self, limit: u32) -> Result<Vec<String>, DbError> {
+        let now = self.now().0;
         Ok(sqlx::query_scalar(
             "SELECT id FROM rounds WHERE state = $1 AND deadline_at <= $2 \
              ORDER BY deadline_at LIMIT $3",
@@ -277,8 +289,8 @@ impl Db {
     pub async fn close_round_at_deadline(
         &self,
         round_id: &str,
-        now: i64,
     ) -> Result<DeadlineOutcome, DbError> {
+        let now = self.now().0;
         let round_id = round_id.to_string();
         let outcome = self
             .write(move |tx| {
@@ -300,7 +312,7 @@ impl Db {
                             RoundState::Collecting,
                             RoundState::Aggregating,
                             &reason,
-                            now,
+                            confed_protocol::clock::Millis(now),
                         )
                         .await?;
                         DeadlineOutcome::Aggregating { reports }
@@ -318,7 +330,7 @@ impl Db {
                             RoundState::Collecting,
                             RoundState::Failed,
                             &reason,
-                            now,
+                            confed_protocol::clock::Millis(now),
                         )
                         .await?;
                         let task = tasks::load_any(&mut *tx, &round.task_id).await?;
@@ -326,7 +338,14 @@ impl Db {
                             DeadlineOutcome::Skipped
                         } else if round.attempt < i64::from(task.spec.max_round_attempts) {
                             let next_attempt = round.attempt + 1;
-                            open(&mut *tx, &task, round.round_number, next_attempt, now).await?;
+                            open(
+                                &mut *tx,
+                                &task,
+                                round.round_number,
+                                next_attempt,
+                                confed_protocol::clock::Millis(now),
+                            )
+                            .await?;
                             DeadlineOutcome::Retried {
                                 reports,
                                 next_attempt,
@@ -343,7 +362,7 @@ impl Db {
                                 TaskState::Open,
                                 TaskState::Failed,
                                 &reason,
-                                now,
+                                confed_protocol::clock::Millis(now),
                             )
                             .await?;
                             DeadlineOutcome::TaskFailed { reports }

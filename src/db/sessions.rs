@@ -7,16 +7,17 @@ use super::{Db, DbError, TenantRecord};
 pub(super) const MAX_SESSIONS_PER_TENANT: i64 = 20;
 
 impl Db {
-    /// Records a session for `tenant_id` until `expires_at`, purges expired ones (sign-ins are
+    /// Records a session for `tenant_id` lasting `ttl_millis` from now, purges expired ones (sign-ins are
     /// rare, so they carry the clean-up) and keeps at most `MAX_SESSIONS_PER_TENANT` per
     /// tenant, ending the oldest: a script that signs in over and over cannot grow the table.
     pub async fn create_console_session(
         &self,
         id_sha256: &str,
         tenant_id: &str,
-        now: i64,
-        expires_at: i64,
+        ttl_millis: i64,
     ) -> Result<(), DbError> {
+        let now = self.now().0;
+        let expires_at = now.saturating_add(ttl_millis);
         let row = (id_sha256.to_string(), tenant_id.to_string());
         self.write(move |conn| {
             Box::pin(async move {
@@ -54,8 +55,8 @@ impl Db {
     pub async fn console_session_tenant(
         &self,
         id_sha256: &str,
-        now: i64,
     ) -> Result<Option<TenantRecord>, DbError> {
+        let now = self.now().0;
         Ok(sqlx::query_as(
             "SELECT t.id, t.name, t.max_active_tasks, t.max_report_goal, t.max_device_hours, \
              t.created_at \

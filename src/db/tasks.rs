@@ -148,8 +148,8 @@ impl Db {
         &self,
         tenant_id: &str,
         spec: &TaskSpec,
-        now: i64,
     ) -> Result<TaskRecord, DbError> {
+        let now = self.now().0;
         let tenant_id = tenant_id.to_string();
         let spec = spec.clone();
         self.write(move |tx| {
@@ -193,7 +193,7 @@ impl Db {
                     });
                 }
                 check_compute_budget(&mut *tx, tenant_id, spec, max_device_hours).await?;
-                super::populations::claim(&mut *tx, tenant_id, &spec.population, now).await?;
+                super::populations::claim(&mut *tx, tenant_id, &spec.population, confed_protocol::clock::Millis(now)).await?;
                 let record = TaskRecord {
                     id: new_id(),
                     tenant_id: tenant_id.to_string(),
@@ -226,7 +226,7 @@ impl Db {
                     None,
                     TaskState::Created.as_str(),
                     "created",
-                    now,
+                    confed_protocol::clock::Millis(now),
                 )
                 .await?;
                 Ok(record)
@@ -271,8 +271,8 @@ impl Db {
         tenant_id: &str,
         task_id: &str,
         model: &models::NewModel,
-        now: i64,
     ) -> Result<TaskRecord, DbError> {
+        let now = self.now().0;
         let tenant_id = tenant_id.to_string();
         let task_id = task_id.to_string();
         let model = model.clone();
@@ -288,15 +288,22 @@ impl Db {
                     task.state,
                     TaskState::Open,
                     "model version 0 uploaded",
-                    now,
+                    confed_protocol::clock::Millis(now),
                 )
                 .await?;
                 sqlx::query("UPDATE tasks SET model_version = 0, current_round = 1 WHERE id = $1")
                     .bind(task_id)
                     .execute(&mut *tx)
                     .await?;
-                models::insert(&mut *tx, task_id, 0, model, now).await?;
-                rounds::open(&mut *tx, &task, 1, 1, now).await?;
+                models::insert(
+                    &mut *tx,
+                    task_id,
+                    0,
+                    model,
+                    confed_protocol::clock::Millis(now),
+                )
+                .await?;
+                rounds::open(&mut *tx, &task, 1, 1, confed_protocol::clock::Millis(now)).await?;
                 let task = load(&mut *tx, tenant_id, task_id).await?;
                 Ok(task)
             })
@@ -305,13 +312,8 @@ impl Db {
     }
 
     /// Cancels a live task at its partner's request (see `cancel_task_because`).
-    pub async fn cancel_task(
-        &self,
-        tenant_id: &str,
-        task_id: &str,
-        now: i64,
-    ) -> Result<TaskRecord, DbError> {
-        self.cancel_task_because(tenant_id, task_id, "cancelled by partner", now)
+    pub async fn cancel_task(&self, tenant_id: &str, task_id: &str) -> Result<TaskRecord, DbError> {
+        self.cancel_task_because(tenant_id, task_id, "cancelled by partner")
             .await
     }
 
@@ -323,8 +325,8 @@ impl Db {
         tenant_id: &str,
         task_id: &str,
         reason: &'static str,
-        now: i64,
     ) -> Result<TaskRecord, DbError> {
+        let now = self.now().0;
         let tenant_id = tenant_id.to_string();
         let task_id = task_id.to_string();
         self.write(move |tx| {
@@ -346,7 +348,7 @@ impl Db {
                     task.state,
                     TaskState::Cancelled,
                     reason,
-                    now,
+                    confed_protocol::clock::Millis(now),
                 )
                 .await?;
                 for round in rounds::load_for_task(&mut *tx, task_id).await? {
@@ -357,7 +359,7 @@ impl Db {
                             round.state,
                             RoundState::Failed,
                             "task cancelled",
-                            now,
+                            confed_protocol::clock::Millis(now),
                         )
                         .await?;
                     }

@@ -39,8 +39,8 @@ impl Db {
     pub async fn create_tenant(
         &self,
         tenant: &NewTenant,
-        now: i64,
     ) -> Result<(TenantRecord, Zeroizing<String>), DbError> {
+        let now = self.now().0;
         let issued = auth::issue_tenant_token()?;
         let record = TenantRecord {
             id: new_id(),

@@ -131,7 +131,8 @@ impl EmbeddedSystem {
             Some(location) => Db::open(location).await,
             None => Db::open_sqlite(&dir.join("confed.db")).await,
         }
-        .map_err(setup)?;
+        .map_err(setup)?
+        .with_clock(clock.clone());
         db.refuse_contributions_in_the_database()
             .await
             .map_err(setup)?;
@@ -149,7 +150,6 @@ impl EmbeddedSystem {
             db: db.clone(),
             blobs: blobs.clone(),
             contributions: contributions.clone(),
-            clock: clock.clone(),
             admin: None,
             limits: Limits::default(),
             keys: keys.clone(),
@@ -164,15 +164,13 @@ impl EmbeddedSystem {
             serve_router(crate::web::router(state), stop_rx.clone(), options.ports).await?;
         tasks.push(handle);
         tasks.push(tokio::spawn(
-            Scheduler::new(db.clone(), clock.clone())
-                .run(options.scheduler_period, stop_rx.clone()),
+            Scheduler::new(db.clone()).run(options.scheduler_period, stop_rx.clone()),
         ));
         let store = Arc::new(TaskDbJobStore {
             db: db.clone(),
             blobs,
             contributions,
             keys,
-            clock,
             partitioning: options.partitioning,
         });
         let system = Self {
@@ -222,15 +220,12 @@ impl EmbeddedSystem {
     pub async fn tenant(&self, name: &str) -> Result<String, EmbeddedError> {
         let (_, token) = self
             .db
-            .create_tenant(
-                &NewTenant {
-                    name: name.into(),
-                    max_active_tasks: 10,
-                    max_report_goal: 100_000,
-                    max_device_hours: crate::api::admin::DEFAULT_MAX_DEVICE_HOURS,
-                },
-                self.store.clock.now_millis().0,
-            )
+            .create_tenant(&NewTenant {
+                name: name.into(),
+                max_active_tasks: 10,
+                max_report_goal: 100_000,
+                max_device_hours: crate::api::admin::DEFAULT_MAX_DEVICE_HOURS,
+            })
             .await
             .map_err(setup)?;
         Ok(token.as_str().to_string())

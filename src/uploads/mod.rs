@@ -105,7 +105,7 @@ impl Uploads<'_> {
             && let Some(closed) = closed_for_upload(&assignment, now.0)
         {
             if closed == Refusal::RoundClosed {
-                self.count_late(&assignment.id, now.0).await;
+                self.count_late(&assignment.id).await;
             }
             return Err(UploadError::Refused(closed));
         }
@@ -148,7 +148,6 @@ impl Uploads<'_> {
         capability: &Capability,
         admitted: &Admitted,
         body: &[u8],
-        now: Millis,
     ) -> Result<Stored, UploadError> {
         let assignment = &admitted.assignment;
         // The one digest of an upload, computed here: the round's job lists it (so the enclave
@@ -185,7 +184,6 @@ impl Uploads<'_> {
                 },
                 body.len() as i64,
                 stored.as_str(),
-                now.0,
             )
             .await?
             .map_err(UploadError::Refused)?;
@@ -211,7 +209,7 @@ impl Uploads<'_> {
         }
         if let Some(closed) = closed_for_upload(&assignment, now.0) {
             if closed == Refusal::RoundClosed {
-                self.count_late(&assignment.id, now.0).await;
+                self.count_late(&assignment.id).await;
             }
             return Err(UploadError::Refused(closed));
         }
@@ -252,7 +250,6 @@ impl Uploads<'_> {
                 },
                 object.size as i64,
                 key.as_str(),
-                now.0,
             )
             .await?
             .map_err(UploadError::Refused)?;
@@ -324,7 +321,7 @@ impl Uploads<'_> {
         device_auth
             .check_upload(self.db, &admitted.assignment, &envelope)
             .await?;
-        self.store(capability, admitted, body, now).await
+        self.store(capability, admitted, body).await
     }
 
     /// A device's report of its assignment's outcome at `now` (`POST .../report`): a
@@ -348,13 +345,13 @@ impl Uploads<'_> {
         }
         match self
             .db
-            .record_report(capability, outcome, device_error, now.0)
+            .record_report(capability, outcome, device_error)
             .await?
         {
             Ok(recorded) => Ok(recorded),
             Err(why) => {
                 if why == Refusal::RoundClosed && outcome == ReportOutcome::Completed {
-                    self.count_late(&capability.reference(), now.0).await;
+                    self.count_late(&capability.reference()).await;
                 }
                 Err(UploadError::Refused(why))
             }
@@ -364,8 +361,8 @@ impl Uploads<'_> {
     /// A contribution that arrived after its round closed: counted (metric, and the round's
     /// funnel through the assignment's row). A failure to record it is logged, never the
     /// device's problem.
-    pub async fn count_late(&self, assignment: &crate::db::device::AssignmentRef, now: i64) {
-        match self.db.mark_late(assignment, now).await {
+    pub async fn count_late(&self, assignment: &crate::db::device::AssignmentRef) {
+        match self.db.mark_late(assignment).await {
             Ok(true) => metrics::counter!("confed_contributions_late_total").increment(1),
             Ok(false) => {} // counted the first time
             Err(error) => tracing::warn!(%error, "could not record a late contribution"),
@@ -413,8 +410,13 @@ fn view_contribution_key(a: &AssignmentView) -> Result<BlobKey, BlobError> {
 /// The store's rule of a closed assignment (`db::device::closed_at`), and for an upload also
 /// any assignment past ASSIGNED: it has stored a contribution or finished.
 pub(crate) fn closed_for_upload(a: &AssignmentView, now: i64) -> Option<Refusal> {
-    crate::db::device::closed_at(a.round_state, a.expires_at, a.state, now)
-        .or_else(|| (a.state != AssignmentState::Assigned).then_some(Refusal::Finished(a.state)))
+    crate::db::device::closed_at(
+        a.round_state,
+        a.expires_at,
+        a.state,
+        confed_protocol::clock::Millis(now),
+    )
+    .or_else(|| (a.state != AssignmentState::Assigned).then_some(Refusal::Finished(a.state)))
 }
 
 #[cfg(test)]

@@ -282,10 +282,7 @@ async fn a_full_round_tells_devices_to_retry_and_a_timed_out_slot_is_freed() {
     let only = assigned(&app).await;
     assert_eq!(checkin(&app, device()).await.json()["reason"], "round_full");
     app.clock.advance(Duration::from_secs(61));
-    let summary = Scheduler::new(app.db.clone(), app.clock.clone())
-        .tick()
-        .await
-        .unwrap();
+    let summary = Scheduler::new(app.db.clone()).tick().await.unwrap();
     assert_eq!(summary.assignments_timed_out, 1);
     upload(&app, &only, sealed(&app, &only, b"late"))
         .await
@@ -895,10 +892,7 @@ async fn a_round_after_many_drop_outs_takes_more_devices() {
     assert_eq!(replacements, 8);
     // The deadline passes with no report: attempt 2 opens, sized for that drop-out rate.
     app.clock.advance(Duration::from_secs(600));
-    Scheduler::new(app.db.clone(), app.clock.clone())
-        .tick()
-        .await
-        .unwrap();
+    Scheduler::new(app.db.clone()).tick().await.unwrap();
     let mut second = 0;
     while try_assigned(&app).await.is_some() {
         second += 1;

@@ -383,7 +383,7 @@ async fn a_retried_attempt_keeps_its_on_demand_flag_and_a_scheduled_round_absorb
     assert_eq!(flagged("retried").await, (1, true));
     // Its deadline passes with no report: attempt 2 of round 1 is still the on-demand round.
     app.clock.advance(std::time::Duration::from_secs(600));
-    confed::scheduler::Scheduler::new(app.db.clone(), app.clock.clone())
+    confed::scheduler::Scheduler::new(app.db.clone())
         .tick()
         .await
         .unwrap();

@@ -212,12 +212,13 @@ impl TestApp {
         keys: Option<confed::keys::directory::KeyDirectory>,
     ) -> Self {
         let clock = Arc::new(ManualClock::starting_at(Millis(START_MILLIS)));
+        // One time for the whole app: the store stamps its writes with the test's clock.
+        let db = db.with_clock(clock.clone());
         let (key, key_sets) = test_key();
         let state = AppState {
             db: db.clone(),
             blobs: Arc::new(LocalBlobStore::open(dir.path().join("blobs")).unwrap()),
             contributions: confed::blob::embedded_contributions(dir.path()).unwrap(),
-            clock: clock.clone(),
             admin: admin.map(|t| AdminToken::from_secret(t.to_string()).unwrap()),
             limits,
             keys: keys.unwrap_or_else(|| confed::keys::directory::KeyDirectory::fixed(key_sets)),
@@ -273,7 +274,7 @@ impl TestApp {
             max_report_goal,
             max_device_hours,
         };
-        let (_, token) = self.db.create_tenant(&new, START_MILLIS).await.unwrap();
+        let (_, token) = self.db.create_tenant(&new).await.unwrap();
         token.to_string()
     }
 

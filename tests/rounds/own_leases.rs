@@ -233,47 +233,33 @@ async fn only_the_holder_takes_its_lease_back_and_only_a_few_times() {
     let (system, _dir) = start_with(clock.clone(), None).await;
     open_task(&system, "own", 8.0).await;
     collect(&system, "own", 1, false).await;
-    let now = clock.now_millis().0;
     const LEASE_MS: i64 = 60_000;
     const LEASE: Duration = Duration::from_millis(LEASE_MS as u64);
-    let first = system
-        .db
-        .lease_job("solo", now, LEASE)
-        .await
-        .unwrap()
-        .unwrap();
+    let first = system.db.lease_job("solo", LEASE).await.unwrap().unwrap();
     for other in ["other", "other/1", "sol", "solo/1"] {
-        let taken = system.db.lease_job(other, now, LEASE).await.unwrap();
+        let taken = system.db.lease_job(other, LEASE).await.unwrap();
         assert!(taken.is_none(), "{other} took {first:?}");
     }
     let mut holders = vec![first.holder.clone()];
     for _ in 0..3 {
-        let again = system.db.lease_job("solo", now, LEASE).await.unwrap();
+        let again = system.db.lease_job("solo", LEASE).await.unwrap();
         holders.push(again.expect("its own lease back").holder);
     }
     holders.dedup();
     assert_eq!(holders.len(), 4, "a new holder at every lease: {holders:?}");
     assert!(
-        system
-            .db
-            .lease_job("solo", now, LEASE)
-            .await
-            .unwrap()
-            .is_none(),
+        system.db.lease_job("solo", LEASE).await.unwrap().is_none(),
         "a fourth immediate takeover waits for the lease"
     );
     for stale in &holders[..3] {
         assert!(matches!(
-            system
-                .db
-                .renew_job(&first.round_id, stale, now, LEASE)
-                .await,
+            system.db.renew_job(&first.round_id, stale, LEASE).await,
             Err(confed::db::DbError::LeaseLost(_))
         ));
         assert!(matches!(
             system
                 .db
-                .fail_job(&first.round_id, stale, "late", false, now)
+                .fail_job(&first.round_id, stale, "late", false)
                 .await,
             Err(confed::db::DbError::LeaseLost(_))
         ));
@@ -297,7 +283,7 @@ async fn a_lease_request_the_worker_gave_up_on_cannot_take_back_its_retrys_lease
     let retry_arrived = clock.now_millis().0;
     let retry = system
         .db
-        .lease_job_for("enclave-a/1", retry_arrived, retry_arrived, LEASE)
+        .lease_job_for("enclave-a/1", retry_arrived, LEASE)
         .await
         .unwrap()
         .expect("the retry's lease");
@@ -305,19 +291,19 @@ async fn a_lease_request_the_worker_gave_up_on_cannot_take_back_its_retrys_lease
     let now = clock.now_millis().0;
     let stale = system
         .db
-        .lease_job_for("enclave-a/1", gave_up, now, LEASE)
+        .lease_job_for("enclave-a/1", gave_up, LEASE)
         .await
         .unwrap();
     assert!(stale.is_none(), "the old request took {stale:?}");
     system
         .db
-        .renew_job(&retry.round_id, &retry.holder, now, LEASE)
+        .renew_job(&retry.round_id, &retry.holder, LEASE)
         .await
         .expect("the retry still holds its lease");
     // A later request of the same worker (it lost the retry's answer too) takes it back.
     let later = system
         .db
-        .lease_job_for("enclave-a/1", now, now, LEASE)
+        .lease_job_for("enclave-a/1", now, LEASE)
         .await
         .unwrap()
         .expect("taken back by a newer request");

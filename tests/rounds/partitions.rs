@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use common::system::{collect, collect_n, now_clock, open_task, open_task_of, start_partitioned};
 use confed::aggregation::partitions::PartitionPolicy;
-use confed::clock::Clock;
 use confed_enclave::worker::{Phases, round_context};
 use confed_worker_api::model::validate_model;
 use confed_worker_api::store::{JobSpec, JobStore, Partitioning, StoreError};
@@ -216,7 +215,6 @@ async fn a_partitions_failure_backs_off_its_job_or_fails_the_round_and_a_resume_
         system.store.blobs.as_ref(),
         &task,
         1,
-        clock.now_millis().0,
     )
     .await
     .unwrap();

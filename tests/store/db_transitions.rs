@@ -14,7 +14,7 @@ async fn assignment(app: &TestApp) -> String {
     let tenant = app.db.list_tenants().await.unwrap().remove(0);
     let round = app.db.rounds(&tenant.id, &task).await.unwrap().remove(0);
     app.db
-        .insert_assignment(&round.id, START_MILLIS + 1000, START_MILLIS)
+        .insert_assignment(&round.id, START_MILLIS + 1000)
         .await
         .unwrap()
 }
@@ -23,8 +23,9 @@ async fn assignment(app: &TestApp) -> String {
 async fn allowed_transition_applies_and_appends_history() {
     let app = TestApp::new().await;
     let id = assignment(&app).await;
+    app.clock.advance(std::time::Duration::from_millis(5));
     app.db
-        .transition_assignment(&id, Assigned, Uploaded, "bytes stored", START_MILLIS + 5)
+        .transition_assignment(&id, Assigned, Uploaded, "bytes stored")
         .await
         .unwrap();
     assert_eq!(app.db.assignment_state(&id).await.unwrap(), Uploaded);
@@ -41,12 +42,12 @@ async fn stale_old_state_is_a_conflict_and_changes_nothing() {
     let app = TestApp::new().await;
     let id = assignment(&app).await;
     app.db
-        .transition_assignment(&id, Assigned, TimedOut, "expired", START_MILLIS)
+        .transition_assignment(&id, Assigned, TimedOut, "expired")
         .await
         .unwrap();
     let err = app
         .db
-        .transition_assignment(&id, Assigned, Uploaded, "late", START_MILLIS)
+        .transition_assignment(&id, Assigned, Uploaded, "late")
         .await
         .unwrap_err();
     assert!(
@@ -67,7 +68,7 @@ async fn every_disallowed_transition_is_refused_before_touching_the_row() {
         }
         let err = app
             .db
-            .transition_assignment(&id, Assigned, to, "x", START_MILLIS)
+            .transition_assignment(&id, Assigned, to, "x")
             .await
             .unwrap_err();
         assert!(
@@ -77,7 +78,7 @@ async fn every_disallowed_transition_is_refused_before_touching_the_row() {
     }
     let err = app
         .db
-        .transition_assignment(&id, Completed, Failed, "x", START_MILLIS)
+        .transition_assignment(&id, Completed, Failed, "x")
         .await
         .unwrap_err();
     assert!(matches!(err, DbError::IllegalTransition { .. }));
@@ -90,7 +91,7 @@ async fn transition_of_unknown_entity_is_not_found() {
     let app = TestApp::new().await;
     let err = app
         .db
-        .transition_assignment("nope", Assigned, Uploaded, "x", START_MILLIS)
+        .transition_assignment("nope", Assigned, Uploaded, "x")
         .await
         .unwrap_err();
     assert!(matches!(err, DbError::NotFound { .. }));
@@ -105,7 +106,7 @@ async fn concurrent_cancels_apply_exactly_once() {
     let attempts = (0..8).map(|_| {
         let db = app.db.clone();
         let (tenant, task) = (tenant.id.clone(), task.clone());
-        tokio::spawn(async move { db.cancel_task(&tenant, &task, START_MILLIS).await })
+        tokio::spawn(async move { db.cancel_task(&tenant, &task).await })
     });
     let mut ok = 0;
     for attempt in attempts {

@@ -32,13 +32,15 @@ fn cap(text: &str) -> Capability {
 /// Takes a slot with the capability `capability` (capacity `capacity`, key `k1`).
 async fn assign(app: &TestApp, round: &str, capacity: u64, capability: &str) -> bool {
     app.db
-        .assign(round, capacity, &cap(capability), EXPIRES, "k1", NOW)
+        .assign(round, capacity, &cap(capability), EXPIRES, "k1")
         .await
         .unwrap()
         .is_some()
 }
 
+/// An upload at `at` (the store's time is the app's clock).
 async fn upload(app: &TestApp, capability: &str, digest: &str, at: i64) -> Result<Stored, Refusal> {
+    app.clock.set(confed::clock::Millis(at));
     app.db
         .record_upload(
             &cap(capability),
@@ -48,7 +50,6 @@ async fn upload(app: &TestApp, capability: &str, digest: &str, at: i64) -> Resul
             },
             100,
             &format!("blob/{capability}"),
-            at,
         )
         .await
         .unwrap()
@@ -60,8 +61,9 @@ async fn report(
     outcome: ReportOutcome,
     at: i64,
 ) -> Result<AssignmentState, Refusal> {
+    app.clock.set(confed::clock::Millis(at));
     app.db
-        .record_report(&cap(capability), outcome, Some("out of memory"), at)
+        .record_report(&cap(capability), outcome, Some("out of memory"))
         .await
         .unwrap()
 }
@@ -105,7 +107,7 @@ async fn a_failing_write_in_a_burst_fails_alone() {
             let (app, round) = (&app, &round);
             async move {
                 app.db
-                    .assign(round, 100, &cap(name), EXPIRES, "k1", NOW)
+                    .assign(round, 100, &cap(name), EXPIRES, "k1")
                     .await
                     .map(|assigned| assigned.is_some())
             }
@@ -138,12 +140,7 @@ async fn a_failure_report_with_control_characters_in_its_text_is_recorded() {
         assert!(assign(&app, &round, 10, "nul").await);
         let recorded = app
             .db
-            .record_report(
-                &cap("nul"),
-                ReportOutcome::Failed,
-                Some("bad\0byte\u{7}\n"),
-                NOW,
-            )
+            .record_report(&cap("nul"), ReportOutcome::Failed, Some("bad\0byte\u{7}\n"))
             .await
             .unwrap();
         assert_eq!(recorded, Ok(AssignmentState::Failed), "{engine}");
@@ -156,13 +153,13 @@ async fn the_first_assignment_fixes_the_rounds_key() {
         let (_, round) = collecting_round(&app, 10).await;
         let first = app
             .db
-            .assign(&round, 10, &cap("a"), EXPIRES, "k1", NOW)
+            .assign(&round, 10, &cap("a"), EXPIRES, "k1")
             .await
             .unwrap()
             .unwrap();
         let second = app
             .db
-            .assign(&round, 10, &cap("b"), EXPIRES, "k2", NOW)
+            .assign(&round, 10, &cap("b"), EXPIRES, "k2")
             .await
             .unwrap()
             .unwrap();
@@ -309,9 +306,12 @@ async fn concurrent_completions_close_the_round_once_with_one_job() {
         let (task, round) = collecting_round(&app, 5).await;
         // On PostgreSQL, another replica on the same database hears of the close too.
         let replica = match &app.database_url {
-            Some(url) if engine == "postgres" => {
-                Some(confed::db::Db::open_postgres(url).await.unwrap())
-            }
+            Some(url) if engine == "postgres" => Some(
+                confed::db::Db::open_postgres(url)
+                    .await
+                    .unwrap()
+                    .with_clock(app.clock.clone()),
+            ),
             _ => None,
         };
         for i in 0..8 {
@@ -351,13 +351,13 @@ async fn concurrent_completions_close_the_round_once_with_one_job() {
         assert_eq!(rounds[0].reports_received, 5, "{engine}");
         let first = app
             .db
-            .lease_job("w1/1", NOW, std::time::Duration::from_secs(60))
+            .lease_job("w1/1", std::time::Duration::from_secs(60))
             .await
             .unwrap();
         assert!(first.is_some(), "{engine}: the round's job");
         let second = app
             .db
-            .lease_job("w2/1", NOW, std::time::Duration::from_secs(60))
+            .lease_job("w2/1", std::time::Duration::from_secs(60))
             .await
             .unwrap();
         assert!(second.is_none(), "{engine}: one job per round");
@@ -405,7 +405,6 @@ async fn a_rounds_job_lists_the_digest_recorded_with_each_upload() {
                 },
                 100,
                 "blob/direct",
-                NOW,
             )
             .await
             .unwrap();
@@ -472,11 +471,8 @@ async fn expired_assignments_time_out_and_free_their_slots() {
         assert!(assign(&app, &round, 2, "b").await);
         assert!(!assign(&app, &round, 2, "c").await, "{engine}: full");
         assert_eq!(upload(&app, "b", "d", NOW).await, Ok(Stored::New));
-        assert_eq!(
-            app.db.expire_assignments(EXPIRES, 100).await.unwrap(),
-            2,
-            "{engine}"
-        );
+        app.clock.set(confed::clock::Millis(EXPIRES));
+        assert_eq!(app.db.expire_assignments(100).await.unwrap(), 2, "{engine}");
         assert_eq!(live(&app).await, 0, "{engine}");
         assert_eq!(
             report(&app, "b", ReportOutcome::Completed, EXPIRES + 1).await,

@@ -35,10 +35,9 @@ async fn a_transient_failure_like_a_full_disk_is_retried_and_never_fails_the_tas
     let (token, task) = open_task(&system, "disk", 8.0).await;
     collect(&system, "disk", 1, false).await;
     for failure in 1..=12 {
-        let now = clock.now_millis().0;
         let job = system
             .db
-            .lease_job("w/1", now, LEASE)
+            .lease_job("w/1", LEASE)
             .await
             .unwrap()
             .expect("the job is ready again after its backoff");
@@ -49,17 +48,13 @@ async fn a_transient_failure_like_a_full_disk_is_retried_and_never_fails_the_tas
                 &job.holder,
                 "No space left on device (os error 28)",
                 false,
-                now,
             )
             .await
             .unwrap();
         let wait = retry_backoff_ms(failure);
         assert!(wait <= MAX_RETRY_BACKOFF_MS);
         clock.advance(Duration::from_millis(wait as u64 - 1));
-        let early = system
-            .db
-            .lease_job("w/1", clock.now_millis().0, LEASE)
-            .await;
+        let early = system.db.lease_job("w/1", LEASE).await;
         assert!(
             early.unwrap().is_none(),
             "failure {failure}: backoff respected"
@@ -94,38 +89,22 @@ async fn crash_takeovers_are_not_failures() {
     for crash in 0..8 {
         let job = system
             .db
-            .lease_job(&format!("crashed-{crash}/x"), clock.now_millis().0, LEASE)
+            .lease_job(&format!("crashed-{crash}/x"), LEASE)
             .await
             .unwrap();
         assert!(job.is_some(), "crash {crash}");
         clock.advance(Duration::from_millis(LEASE_MS as u64));
     }
     assert_eq!(task_state(&system, &token, &task).await, "OPEN");
-    let job = system
-        .db
-        .lease_job("w/1", clock.now_millis().0, LEASE)
-        .await
-        .unwrap()
-        .unwrap();
+    let job = system.db.lease_job("w/1", LEASE).await.unwrap().unwrap();
     system
         .db
-        .fail_job(
-            &job.round_id,
-            &job.holder,
-            "transient",
-            false,
-            clock.now_millis().0,
-        )
+        .fail_job(&job.round_id, &job.holder, "transient", false)
         .await
         .unwrap();
     clock.advance(Duration::from_millis(retry_backoff_ms(1) as u64));
     assert!(
-        system
-            .db
-            .lease_job("w/1", clock.now_millis().0, LEASE)
-            .await
-            .unwrap()
-            .is_some(),
+        system.db.lease_job("w/1", LEASE).await.unwrap().is_some(),
         "the first real failure waits 2 s, as a first failure does"
     );
 }
@@ -141,14 +120,14 @@ async fn a_restarted_worker_takes_its_own_job_back_at_once() {
     let now = clock.now_millis().0;
     let before = system
         .db
-        .lease_job("enclave-a/1111", now, LEASE)
+        .lease_job("enclave-a/1111", LEASE)
         .await
         .unwrap()
         .unwrap();
     assert!(
         system
             .db
-            .lease_job("enclave-b/2222", now, LEASE)
+            .lease_job("enclave-b/2222", LEASE)
             .await
             .unwrap()
             .is_none()
@@ -156,14 +135,14 @@ async fn a_restarted_worker_takes_its_own_job_back_at_once() {
     assert!(
         system
             .db
-            .lease_job("enclave-a", now, LEASE)
+            .lease_job("enclave-a", LEASE)
             .await
             .unwrap()
             .is_none()
     );
     let after = system
         .db
-        .lease_job("enclave-a/3333", now, LEASE)
+        .lease_job("enclave-a/3333", LEASE)
         .await
         .unwrap()
         .unwrap();
@@ -171,7 +150,7 @@ async fn a_restarted_worker_takes_its_own_job_back_at_once() {
     assert!(matches!(
         system
             .db
-            .renew_job(&before.round_id, &before.holder, now, LEASE)
+            .renew_job(&before.round_id, &before.holder, LEASE)
             .await,
         Err(DbError::LeaseLost(_))
     ));
@@ -180,14 +159,14 @@ async fn a_restarted_worker_takes_its_own_job_back_at_once() {
     for incarnation in ["4444", "5555"] {
         let again = system
             .db
-            .lease_job(&format!("enclave-a/{incarnation}"), now, LEASE)
+            .lease_job(&format!("enclave-a/{incarnation}"), LEASE)
             .await;
         assert!(again.unwrap().is_some(), "{incarnation}");
     }
-    let stuck = system.db.lease_job("enclave-a/6666", now, LEASE).await;
+    let stuck = system.db.lease_job("enclave-a/6666", LEASE).await;
     assert!(stuck.unwrap().is_none());
-    let expired = now + LEASE_MS;
-    let later = system.db.lease_job("enclave-a/6666", expired, LEASE).await;
+    clock.set(confed::clock::Millis(now + LEASE_MS));
+    let later = system.db.lease_job("enclave-a/6666", LEASE).await;
     assert!(later.unwrap().is_some());
 }
 
@@ -199,23 +178,17 @@ async fn the_operator_resumes_a_failed_round() {
     let (system, _dir) = start(clock.clone()).await;
     let (token, task) = open_task(&system, "resume", 8.0).await;
     collect(&system, "resume", 1, false).await;
-    let now = clock.now_millis().0;
     assert!(
         matches!(
-            system.db.resume_failed_round(&task, 1, now).await,
+            system.db.resume_failed_round(&task, 1).await,
             Err(DbError::StateConflict { .. })
         ),
         "nothing failed yet"
     );
-    let job = system
-        .db
-        .lease_job("w/1", now, LEASE)
-        .await
-        .unwrap()
-        .unwrap();
+    let job = system.db.lease_job("w/1", LEASE).await.unwrap().unwrap();
     system
         .db
-        .fail_job(&job.round_id, &job.holder, "given up", true, now)
+        .fail_job(&job.round_id, &job.holder, "given up", true)
         .await
         .unwrap();
     assert_eq!(task_state(&system, &token, &task).await, "FAILED");
@@ -245,7 +218,7 @@ async fn the_operator_resumes_a_failed_round() {
         )
     );
 
-    let resumed = system.db.resume_failed_round(&task, 1, now).await.unwrap();
+    let resumed = system.db.resume_failed_round(&task, 1).await.unwrap();
     assert_eq!(resumed.round_state, confed::states::RoundState::Aggregating);
     assert_eq!(task_state(&system, &token, &task).await, "OPEN");
     assert!(
@@ -264,7 +237,7 @@ async fn the_operator_resumes_a_failed_round() {
         "COMPLETED"
     );
     assert!(
-        system.db.resume_failed_round(&task, 1, now).await.is_err(),
+        system.db.resume_failed_round(&task, 1).await.is_err(),
         "once"
     );
     // Every state change of the job is in the state history, under the round's id.

@@ -31,7 +31,11 @@ async fn replicas(report_goal: i64) -> Option<(TestApp, Db, String, String)> {
         });
         return None;
     };
-    let replica = Db::open_postgres(&url).await.unwrap();
+    // Another replica on the same database, on the app's clock.
+    let replica = Db::open_postgres(&url)
+        .await
+        .unwrap()
+        .with_clock(app.clock.clone());
     let token = app.tenant("acme").await;
     let task = app
         .open_task(
@@ -64,7 +68,7 @@ async fn two_replicas_never_overfill_a_round() {
         };
         let round_id = round_id.clone();
         tokio::spawn(async move {
-            db.assign(&round_id, 20, &capability(i), expires, "k1", START_MILLIS)
+            db.assign(&round_id, 20, &capability(i), expires, "k1")
                 .await
                 .unwrap()
         })
@@ -84,26 +88,19 @@ async fn concurrent_reports_close_the_round_once_and_one_worker_leases_its_job()
         return;
     };
     let dbs = [app.db.clone(), replica.clone()];
-    let now = START_MILLIS + 1;
+    app.clock.set(confed::clock::Millis(START_MILLIS + 1));
     for i in 0..10 {
         let db = &dbs[i % 2];
-        db.assign(
-            &round_id,
-            10,
-            &capability(i),
-            START_MILLIS + 60_000,
-            "k1",
-            START_MILLIS,
-        )
-        .await
-        .unwrap()
-        .expect("a slot");
+        db.assign(&round_id, 10, &capability(i), START_MILLIS + 60_000, "k1")
+            .await
+            .unwrap()
+            .expect("a slot");
         let digest = format!("{i:064x}");
         let digests = UploadDigests {
             idempotency: &digest,
             blake3_hex: Some(&digest),
         };
-        db.record_upload(&capability(i), digests, 100, "log/x", now)
+        db.record_upload(&capability(i), digests, 100, "log/x")
             .await
             .unwrap()
             .unwrap();
@@ -111,7 +108,7 @@ async fn concurrent_reports_close_the_round_once_and_one_worker_leases_its_job()
     let reports = (0..10).map(|i| {
         let db = dbs[i % 2].clone();
         tokio::spawn(async move {
-            db.record_report(&capability(i), ReportOutcome::Completed, None, now)
+            db.record_report(&capability(i), ReportOutcome::Completed, None)
                 .await
                 .unwrap()
                 .unwrap()
@@ -137,7 +134,7 @@ async fn concurrent_reports_close_the_round_once_and_one_worker_leases_its_job()
     let leases = ["worker-a", "worker-b", "worker-c", "worker-d"].map(|worker| {
         let db = dbs[worker.len() % 2].clone();
         tokio::spawn(async move {
-            db.lease_job(worker, now, std::time::Duration::from_secs(60))
+            db.lease_job(worker, std::time::Duration::from_secs(60))
                 .await
                 .unwrap()
         })
@@ -232,7 +229,7 @@ async fn postgresql_stopped_mid_round_answers_503_fast_and_the_round_goes_on_whe
     // One device is done (acknowledged) before the outage.
     let expires = START_MILLIS + 600_000;
     app.db
-        .assign(&round.id, 3, &capability(1), expires, "k1", START_MILLIS)
+        .assign(&round.id, 3, &capability(1), expires, "k1")
         .await
         .unwrap()
         .expect("a slot");
@@ -242,17 +239,12 @@ async fn postgresql_stopped_mid_round_answers_503_fast_and_the_round_goes_on_whe
         blake3_hex: Some(&digest),
     };
     app.db
-        .record_upload(&capability(1), digests, 100, "log/x", START_MILLIS + 1)
+        .record_upload(&capability(1), digests, 100, "log/x")
         .await
         .unwrap()
         .unwrap();
     app.db
-        .record_report(
-            &capability(1),
-            ReportOutcome::Completed,
-            None,
-            START_MILLIS + 2,
-        )
+        .record_report(&capability(1), ReportOutcome::Completed, None)
         .await
         .unwrap()
         .unwrap();

@@ -81,7 +81,6 @@ async fn closed_rounds_lose_their_contributions_after_the_window_and_nothing_nee
     let retention = Retention::new(
         system.db.clone(),
         Some(system.store.contributions.clone()),
-        clock.clone(),
         WINDOW,
         Duration::ZERO,
     );

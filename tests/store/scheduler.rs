@@ -42,7 +42,7 @@ async fn complete_reports(app: &TestApp, task: &str, n: usize) {
     for _ in 0..n {
         let id = app
             .db
-            .insert_assignment(&round, now + 60_000, now)
+            .insert_assignment(&round, now + 60_000)
             .await
             .unwrap();
         app.db
@@ -51,7 +51,6 @@ async fn complete_reports(app: &TestApp, task: &str, n: usize) {
                 AssignmentState::Assigned,
                 AssignmentState::Uploaded,
                 "uploaded",
-                now,
             )
             .await
             .unwrap();
@@ -61,7 +60,6 @@ async fn complete_reports(app: &TestApp, task: &str, n: usize) {
                 AssignmentState::Uploaded,
                 AssignmentState::Completed,
                 "reported",
-                now,
             )
             .await
             .unwrap();
@@ -69,7 +67,7 @@ async fn complete_reports(app: &TestApp, task: &str, n: usize) {
 }
 
 fn scheduler(app: &TestApp) -> Scheduler {
-    Scheduler::new(app.db.clone(), app.clock.clone())
+    Scheduler::new(app.db.clone())
 }
 
 #[tokio::test]

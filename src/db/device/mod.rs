@@ -18,6 +18,7 @@ pub(in crate::db) use rows::{CandidateRow, ViewRow, WriteViewRow};
 use super::postgres::device::PostgresDevices;
 use super::sqlite::device::SqliteDevices;
 use super::{Conn, Db, DbError, Engine, history, parse_state, transition};
+use crate::clock::Millis;
 use crate::states::{AssignmentState, RoundState, StateMachine, TaskState};
 use crate::task_spec::TaskSpec;
 
@@ -254,8 +255,9 @@ pub(in crate::db) trait DeviceStore {
 pub(in crate::db) fn upload_outcome(
     view: Option<WriteView>,
     sha256_hex: &str,
-    now: i64,
+    now: Millis,
 ) -> Result<Stored, Refusal> {
+    let now = now.0;
     let Some(a) = view else {
         return Err(Refusal::UnknownAssignment);
     };
@@ -266,7 +268,7 @@ pub(in crate::db) fn upload_outcome(
             Err(Refusal::DifferentBytes)
         };
     }
-    Err(closed(&a, now).unwrap_or(Refusal::Finished(a.state)))
+    Err(closed(&a, confed_protocol::clock::Millis(now)).unwrap_or(Refusal::Finished(a.state)))
 }
 
 /// What a report off the guarded path does.
@@ -286,8 +288,9 @@ pub(in crate::db) enum ReportStep {
 pub(in crate::db) fn report_step(
     view: Option<&WriteView>,
     outcome: ReportOutcome,
-    now: i64,
+    now: Millis,
 ) -> Result<ReportStep, DbError> {
+    let now = now.0;
     let Some(a) = view else {
         return Ok(ReportStep::Answer(Err(Refusal::UnknownAssignment)));
     };
@@ -305,7 +308,7 @@ pub(in crate::db) fn report_step(
     if outcome == ReportOutcome::Completed && a.state != AssignmentState::Uploaded {
         return Ok(ReportStep::Answer(Err(Refusal::NotUploaded)));
     }
-    if let Some(refusal) = closed(a, now) {
+    if let Some(refusal) = closed(a, confed_protocol::clock::Millis(now)) {
         return Ok(ReportStep::Answer(Err(refusal)));
     }
     if outcome == ReportOutcome::Completed {
@@ -401,8 +404,8 @@ impl Db {
         capability: &Capability,
         expires_at: i64,
         key_if_unset: &str,
-        now: i64,
     ) -> Result<Option<Assigned>, DbError> {
+        let now = self.now().0;
         let new = NewAssignment {
             round_id: round_id.to_string(),
             id: capability.reference().into_string(),
@@ -433,8 +436,8 @@ impl Db {
         digests: UploadDigests<'_>,
         size: i64,
         blob_key: &str,
-        now: i64,
     ) -> Result<Result<Stored, Refusal>, DbError> {
+        let now = self.now().0;
         let upload = NewUpload {
             id: capability.reference().into_string(),
             sha256_hex: digests.idempotency.to_string(),
@@ -453,8 +456,8 @@ impl Db {
         capability: &Capability,
         outcome: ReportOutcome,
         device_error: Option<&str>,
-        now: i64,
     ) -> Result<Result<AssignmentState, Refusal>, DbError> {
+        let now = self.now().0;
         let report = Report {
             id: capability.reference().into_string(),
             outcome,
@@ -485,7 +488,8 @@ impl Db {
 
     /// Times out assignments past their expiry (ASSIGNED or UPLOADED but not reported), freeing
     /// their slots. Returns how many.
-    pub async fn expire_assignments(&self, now: i64, limit: u32) -> Result<usize, DbError> {
+    pub async fn expire_assignments(&self, limit: u32) -> Result<usize, DbError> {
+        let now = self.now().0;
         self.write(move |tx| {
             Box::pin(async move {
                 // Both engines use the (state, expires_at) index for bound states as well.
@@ -507,7 +511,7 @@ impl Db {
                         from,
                         AssignmentState::TimedOut,
                         "assignment expired",
-                        now,
+                        confed_protocol::clock::Millis(now),
                     )
                     .await?;
                 }
@@ -526,8 +530,9 @@ pub(crate) async fn insert_row(
     round_id: &str,
     expires_at: i64,
     reason: &str,
-    now: i64,
+    now: Millis,
 ) -> Result<(), DbError> {
+    let now = now.0;
     sqlx::query(
         "INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
          VALUES ($1, $2, $3, $4, $5, $5)",
@@ -546,14 +551,20 @@ pub(crate) async fn insert_row(
         None,
         AssignmentState::Assigned.as_str(),
         reason,
-        now,
+        confed_protocol::clock::Millis(now),
     )
     .await
 }
 
 /// Whether the assignment can no longer take uploads or reports.
-fn closed(a: &WriteView, now: i64) -> Option<Refusal> {
-    closed_at(a.round_state, a.expires_at, a.state, now)
+fn closed(a: &WriteView, now: Millis) -> Option<Refusal> {
+    let now = now.0;
+    closed_at(
+        a.round_state,
+        a.expires_at,
+        a.state,
+        confed_protocol::clock::Millis(now),
+    )
 }
 
 /// The one rule of when an assignment is closed, from its round's state, its expiry and its
@@ -562,8 +573,9 @@ pub(crate) fn closed_at(
     round_state: RoundState,
     expires_at: i64,
     state: AssignmentState,
-    now: i64,
+    now: Millis,
 ) -> Option<Refusal> {
+    let now = now.0;
     if round_state != RoundState::Collecting {
         Some(Refusal::RoundClosed)
     } else if now >= expires_at || state == AssignmentState::TimedOut {

@@ -124,7 +124,11 @@ async fn report_off_path(
     report: &Report,
 ) -> Result<Result<AssignmentState, Refusal>, DbError> {
     let view = write_view(conn, &report.id).await?;
-    match report_step(view.as_ref(), report.outcome, report.now)? {
+    match report_step(
+        view.as_ref(),
+        report.outcome,
+        confed_protocol::clock::Millis(report.now),
+    )? {
         ReportStep::Answer(answer) => Ok(answer),
         ReportStep::Apply { from, to, reason } => {
             if let Some(error) = &report.device_error {
@@ -134,7 +138,15 @@ async fn report_off_path(
                     .execute(&mut *conn)
                     .await?;
             }
-            transition(conn, &report.id, from, to, reason, report.now).await?;
+            transition(
+                conn,
+                &report.id,
+                from,
+                to,
+                reason,
+                confed_protocol::clock::Millis(report.now),
+            )
+            .await?;
             Ok(Ok(to))
         }
     }
@@ -176,7 +188,7 @@ async fn complete(
         Some(COLLECTING.as_str()),
         AGGREGATING.as_str(),
         &format!("report goal {goal} reached"),
-        report.now,
+        confed_protocol::clock::Millis(report.now),
     )
     .await?;
     sqlx::query(CREATE_JOB.as_str())
@@ -261,7 +273,11 @@ impl DeviceStore for PostgresDevices<'_> {
             .write(move |tx| {
                 Box::pin(async move {
                     let view = write_view(tx, &upload.id).await?;
-                    Ok(upload_outcome(view, &upload.sha256_hex, upload.now))
+                    Ok(upload_outcome(
+                        view,
+                        &upload.sha256_hex,
+                        confed_protocol::clock::Millis(upload.now),
+                    ))
                 })
             })
             .await

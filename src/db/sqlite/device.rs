@@ -15,6 +15,7 @@ use crate::db::device::{
 use crate::db::{Db, DbError, history, new_history_id};
 use crate::states::{AssignmentState, RoundState, StateMachine};
 
+use crate::clock::Millis;
 use AssignmentState::{Assigned as ASSIGNED, Completed as COMPLETED, Uploaded as UPLOADED};
 use RoundState::{Aggregating as AGGREGATING, Collecting as COLLECTING};
 
@@ -91,8 +92,9 @@ fn append_history(
     from: Option<&str>,
     to: &str,
     reason: &str,
-    now: i64,
+    now: Millis,
 ) -> Result<(), DbError> {
+    let now = now.0;
     c.prepare_cached(history::APPEND_SQL)?
         .execute(rusqlite::params![
             new_history_id(),
@@ -123,8 +125,9 @@ fn apply_transition(
     from: AssignmentState,
     to: AssignmentState,
     reason: &str,
-    now: i64,
+    now: Millis,
 ) -> Result<(), DbError> {
+    let now = now.0;
     if !from.can_become(to) {
         return Err(DbError::IllegalTransition {
             entity: AssignmentState::ENTITY,
@@ -172,7 +175,7 @@ fn apply_transition(
         Some(from.as_str()),
         to.as_str(),
         reason,
-        now,
+        confed_protocol::clock::Millis(now),
     )
 }
 
@@ -182,14 +185,25 @@ fn report_off_path(
     report: &Report,
 ) -> Result<Result<AssignmentState, Refusal>, DbError> {
     let view = write_view(c, &report.id)?;
-    match report_step(view.as_ref(), report.outcome, report.now)? {
+    match report_step(
+        view.as_ref(),
+        report.outcome,
+        confed_protocol::clock::Millis(report.now),
+    )? {
         ReportStep::Answer(answer) => Ok(answer),
         ReportStep::Apply { from, to, reason } => {
             if let Some(error) = &report.device_error {
                 c.prepare_cached("UPDATE assignments SET device_error = ?1 WHERE id = ?2")?
                     .execute(rusqlite::params![device_error_text(error), report.id])?;
             }
-            apply_transition(c, &report.id, from, to, reason, report.now)?;
+            apply_transition(
+                c,
+                &report.id,
+                from,
+                to,
+                reason,
+                confed_protocol::clock::Millis(report.now),
+            )?;
             Ok(Ok(to))
         }
     }
@@ -201,9 +215,10 @@ fn report_off_path(
 fn complete(
     c: &rusqlite::Connection,
     id: &str,
-    now: i64,
+    now: Millis,
     on_close: &dyn Fn(),
 ) -> Result<Option<AssignmentState>, DbError> {
+    let now = now.0;
     debug_assert!(UPLOADED.can_become(COMPLETED));
     debug_assert_eq!(UPLOADED.round_counter_deltas(COMPLETED), (0, 1));
     if c.prepare_cached(&COMPLETE)?
@@ -219,7 +234,7 @@ fn complete(
         Some(UPLOADED.as_str()),
         COMPLETED.as_str(),
         "device reported completion",
-        now,
+        confed_protocol::clock::Millis(now),
     )?;
     let (round_id, goal, completed): (String, i64, i64) = c
         .prepare_cached(COUNT_COMPLETION)?
@@ -245,7 +260,7 @@ fn complete(
         Some(COLLECTING.as_str()),
         AGGREGATING.as_str(),
         &format!("report goal {goal} reached"),
-        now,
+        confed_protocol::clock::Millis(now),
     )?;
     c.prepare_cached(&CREATE_JOB)?
         .execute(rusqlite::params![round_id, now])?;
@@ -330,7 +345,11 @@ impl DeviceStore for SqliteDevices<'_> {
                 if changed == 0 {
                     // Only a refusal (or a repeated upload) reads the row to say why.
                     let view = write_view(c, &upload.id)?;
-                    return Ok(upload_outcome(view, &upload.sha256_hex, upload.now));
+                    return Ok(upload_outcome(
+                        view,
+                        &upload.sha256_hex,
+                        confed_protocol::clock::Millis(upload.now),
+                    ));
                 }
                 append_history(
                     c,
@@ -339,7 +358,7 @@ impl DeviceStore for SqliteDevices<'_> {
                     Some(ASSIGNED.as_str()),
                     UPLOADED.as_str(),
                     "contribution stored",
-                    upload.now,
+                    confed_protocol::clock::Millis(upload.now),
                 )?;
                 Ok(Ok(Stored::New))
             })
@@ -356,7 +375,12 @@ impl DeviceStore for SqliteDevices<'_> {
         self.0
             .write_raw(move |c| {
                 if report.outcome == ReportOutcome::Completed
-                    && let Some(state) = complete(c, &report.id, report.now, &|| jobs.notify_one())?
+                    && let Some(state) = complete(
+                        c,
+                        &report.id,
+                        confed_protocol::clock::Millis(report.now),
+                        &|| jobs.notify_one(),
+                    )?
                 {
                     return Ok(Ok(state));
                 }
