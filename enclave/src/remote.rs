@@ -71,6 +71,7 @@ impl HttpJobStore {
             (StatusCode::CONFLICT, Some(LEASE_LOST)) => StoreError::LeaseLost,
             (StatusCode::CONFLICT, _) => StoreError::Conflict(detail),
             (StatusCode::UNPROCESSABLE_ENTITY, _) => StoreError::Refused(detail),
+            (StatusCode::SERVICE_UNAVAILABLE, _) => StoreError::Unavailable(detail),
             _ => StoreError::Backend(format!("worker API answered {status}: {detail}")),
         })
     }

@@ -47,7 +47,23 @@ pub(crate) fn db_error(e: DbError) -> StoreError {
         DbError::AlreadyExists(what) => StoreError::Conflict(what),
         // A job or partition that does not exist: the caller named it wrong (422, not 500).
         not_found @ DbError::NotFound { .. } => StoreError::Refused(not_found.to_string()),
+        // The database down or its disk full: the worker retries, it is no fault of ours.
+        other if other.is_unavailable() || other.is_disk_full() => {
+            StoreError::Unavailable(other.to_string())
+        }
         other => backend(other),
+    }
+}
+
+/// A blob store's failure: a cloud store's hiccup or a full disk is worth a retry
+/// (`Unavailable`), anything else is the store's fault.
+pub(crate) fn blob_error(e: BlobError) -> StoreError {
+    match &e {
+        BlobError::Remote { .. } => StoreError::Unavailable(e.to_string()),
+        BlobError::Io { source, .. } if crate::blob::is_disk_full(source) => {
+            StoreError::Unavailable(e.to_string())
+        }
+        _ => backend(e),
     }
 }
 
@@ -271,7 +287,7 @@ impl TaskDbJobStore {
         match self.blobs.get(&key).await {
             Ok(bytes) => Ok(Some(bytes)),
             Err(BlobError::NotFound(_)) => Ok(None),
-            Err(e) => Err(backend(e)),
+            Err(e) => Err(blob_error(e)),
         }
     }
 }
@@ -310,7 +326,7 @@ impl TaskDbJobStore {
                         "a different release is already stored at {what}"
                     )));
                 }
-                Err(e) => return Err(backend(e)),
+                Err(e) => return Err(blob_error(e)),
             }
         }
         let manifest = release.manifest;
@@ -349,7 +365,7 @@ impl TaskDbJobStore {
             )),
             (true, Some(blake3)) => {
                 let key = blt_state_key(context, &blake3)?;
-                match self.blobs.stat(&key).await.map_err(backend)? {
+                match self.blobs.stat(&key).await.map_err(blob_error)? {
                     Some(_) => Ok(()),
                     None => Err(StoreError::Refused(format!(
                         "no BLT state {blake3} was stored for this job; upload it first"
@@ -414,7 +430,7 @@ impl TaskDbJobStore {
             Err(BlobError::Conflict(what)) => Err(StoreError::Conflict(format!(
                 "other bytes are stored under the BLT state's digest ({what})"
             ))),
-            Err(e) => Err(backend(e)),
+            Err(e) => Err(blob_error(e)),
         }
     }
 
@@ -449,7 +465,7 @@ impl TaskDbJobStore {
         let key = optimizer_state_key(&context, &sha)?;
         match self.blobs.put(&key, state).await {
             Ok(_) | Err(BlobError::Conflict(_)) => Ok(sha),
-            Err(e) => Err(backend(e)),
+            Err(e) => Err(blob_error(e)),
         }
     }
 
@@ -468,7 +484,7 @@ impl TaskDbJobStore {
         let optimizer_state_key = match (optimizer.has_state(), optimizer_state_sha256) {
             (true, Some(sha)) => {
                 let key = optimizer_state_key(&context, sha)?;
-                if self.blobs.stat(&key).await.map_err(backend)?.is_none() {
+                if self.blobs.stat(&key).await.map_err(blob_error)?.is_none() {
                     return Err(StoreError::Refused(format!(
                         "no optimizer state {sha} was stored for this job; upload it first"
                     )));
@@ -497,7 +513,7 @@ impl TaskDbJobStore {
             &sha,
         )
         .map_err(backend)?;
-        self.blobs.put(&key, model).await.map_err(backend)?;
+        self.blobs.put(&key, model).await.map_err(blob_error)?;
         let early_stop = crate::evaluation::early_stop_verdict(&self.db, &context.task)
             .await
             .map_err(db_error)?;
@@ -612,7 +628,7 @@ fn fetched(read: Result<Vec<u8>, BlobError>) -> Result<Option<Vec<u8>>, StoreErr
     match read {
         Ok(bytes) => Ok(Some(bytes)),
         Err(BlobError::NotFound(_)) => Ok(None),
-        Err(e) => Err(backend(e)),
+        Err(e) => Err(blob_error(e)),
     }
 }
 
@@ -720,5 +736,36 @@ impl JobStore for TaskDbJobStore {
         let kind = if permanent { "permanent" } else { "transient" };
         metrics::counter!("confed_aggregation_jobs_failed_total", "kind" => kind).increment(1);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_outages_are_unavailable_and_faults_are_not() {
+        let remote = BlobError::Remote {
+            key: "k".into(),
+            message: "503 from GCS".into(),
+        };
+        assert!(matches!(blob_error(remote), StoreError::Unavailable(_)));
+        let full = BlobError::Io {
+            key: "k".into(),
+            source: std::io::Error::from_raw_os_error(28), // ENOSPC
+        };
+        assert!(matches!(blob_error(full), StoreError::Unavailable(_)));
+        let invalid = BlobError::InvalidKey("../x".into());
+        assert!(matches!(blob_error(invalid), StoreError::Backend(_)));
+        let down = DbError::Sqlx(sqlx::Error::PoolTimedOut);
+        assert!(matches!(db_error(down), StoreError::Unavailable(_)));
+        assert!(matches!(
+            db_error(DbError::LeaseLost("r".into())),
+            StoreError::LeaseLost
+        ));
+        assert!(matches!(
+            db_error(DbError::Corrupt("x".into())),
+            StoreError::Backend(_)
+        ));
     }
 }

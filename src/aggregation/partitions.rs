@@ -11,7 +11,7 @@ use confed_worker_api::store::{
 };
 use confed_worker_api::wire::{JobWire, PartitioningWire};
 
-use super::{TaskDbJobStore, backend, db_error};
+use super::{TaskDbJobStore, backend, blob_error, db_error};
 use crate::blob::{BlobError, BlobKey, BlobStore, is_partition_key};
 use crate::db::jobs::JobContext;
 use crate::db::partitions::{LeasedPartition, StoredPartition};
@@ -146,7 +146,7 @@ impl TaskDbJobStore {
                         Ok(Some((assignment_ref, digest)))
                     }
                     Err(BlobError::NotFound(_)) => Ok(None),
-                    Err(e) => Err(backend(e)),
+                    Err(e) => Err(blob_error(e)),
                 }
             })
             .buffer_unordered(DIGEST_READS)
@@ -234,7 +234,7 @@ impl TaskDbJobStore {
                     "other bytes are stored under the partition's digest ({what})"
                 )));
             }
-            Err(e) => return Err(backend(e)),
+            Err(e) => return Err(blob_error(e)),
         }
         self.db
             .store_partition(round_id, index, worker, key.as_str())

@@ -62,6 +62,7 @@ fn store_error(error: StoreError) -> ApiError {
         ),
         StoreError::Conflict(detail) => ApiError::Conflict(detail),
         StoreError::Refused(detail) => ApiError::Unprocessable(detail),
+        StoreError::Unavailable(detail) => ApiError::Unavailable(detail),
         StoreError::Backend(detail) => ApiError::Internal(detail),
     }
 }

@@ -118,8 +118,6 @@ impl CommitFailure {
 }
 
 impl DbError {
-    /// Whether the database failed because its disk is full: SQLite's SQLITE_FULL ("database or
-    /// disk is full"), PostgreSQL's `53100 disk_full`, or ENOSPC from below either.
     /// The database could not be reached (no connection within the pool's acquire timeout, the
     /// pool closed, the connection refused or broken): worth a retry (503 with `Retry-After`),
     /// not a server fault (500).
@@ -142,6 +140,8 @@ impl DbError {
         }
     }
 
+    /// Whether the database failed because its disk is full: SQLite's SQLITE_FULL ("database or
+    /// disk is full"), PostgreSQL's `53100 disk_full`, or ENOSPC from below either.
     pub fn is_disk_full(&self) -> bool {
         match self {
             Self::Sqlite(rusqlite::Error::SqliteFailure(e, _)) => {

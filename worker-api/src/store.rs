@@ -136,6 +136,10 @@ pub enum StoreError {
     Conflict(String),
     #[error("release refused: {0}")]
     Refused(String),
+    /// The store cannot serve the call now (its database or blob store unreachable, a full
+    /// disk): worth a retry, and no fault of the caller's or the store's code (503).
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
     #[error("store: {0}")]
     Backend(String),
 }
