@@ -47,23 +47,20 @@ pub(crate) fn db_error(e: DbError) -> StoreError {
         DbError::AlreadyExists(what) => StoreError::Conflict(what),
         // A job or partition that does not exist: the caller named it wrong (422, not 500).
         not_found @ DbError::NotFound { .. } => StoreError::Refused(not_found.to_string()),
-        // The database down or its disk full: the worker retries, it is no fault of ours.
-        other if other.is_unavailable() || other.is_disk_full() => {
-            StoreError::Unavailable(other.to_string())
-        }
+        // The database down or its disk full (counted and logged as the API does): the worker
+        // retries; it is no fault of ours.
+        other if other.note_outage() => StoreError::Unavailable(other.to_string()),
         other => backend(other),
     }
 }
 
-/// A blob store's failure: a cloud store's hiccup or a full disk is worth a retry
-/// (`Unavailable`), anything else is the store's fault.
+/// A blob store's failure: a cloud store's hiccup or a full disk (counted and logged as the
+/// API does) is worth a retry (`Unavailable`), anything else is the store's fault.
 pub(crate) fn blob_error(e: BlobError) -> StoreError {
-    match &e {
-        BlobError::Remote { .. } => StoreError::Unavailable(e.to_string()),
-        BlobError::Io { source, .. } if crate::blob::is_disk_full(source) => {
-            StoreError::Unavailable(e.to_string())
-        }
-        _ => backend(e),
+    if e.note_outage() {
+        StoreError::Unavailable(e.to_string())
+    } else {
+        backend(e)
     }
 }
 
@@ -85,10 +82,8 @@ fn round_clip_norm(context: &JobContext) -> Result<Option<f64>, String> {
             context.round.round_number - 1
         )
     })?;
-    confed_worker_api::Manifest::from_json(&previous.manifest_json)
-        .ok()
-        .and_then(|m| m.adaptive_clipping)
-        .map(|adaptive| Some(adaptive.next_clip_norm))
+    confed_worker_api::Manifest::next_clip_norm_of(&previous.manifest_json)
+        .map(Some)
         .ok_or_else(|| {
             format!(
                 "round {}'s release names no next clip norm",
@@ -99,11 +94,7 @@ fn round_clip_norm(context: &JobContext) -> Result<Option<f64>, String> {
 
 /// The BLAKE3 (hex) of the sealed BLT state a release's manifest says its round left.
 fn state_out_blake3(manifest_json: &str) -> Option<String> {
-    confed_worker_api::Manifest::from_json(manifest_json)
-        .ok()?
-        .noise
-        .blt
-        .map(|blt| blt.state_out_blake3)
+    confed_worker_api::Manifest::blt_state_out_of(manifest_json)
         .filter(|hex| confed_protocol::hex::is_digest_hex(hex))
 }
 

@@ -197,13 +197,15 @@ impl From<DbError> for ApiError {
                 name: "device_seconds_per_round".into(),
                 reason: detail,
             }]),
-            other if other.is_disk_full() => disk_full(&other),
-            other if other.is_unavailable() => {
-                metrics::counter!("confed_database_unavailable_total").increment(1);
-                tracing::warn!(error = %other, "task database unavailable");
-                Self::Unavailable(
-                    "the task database is unavailable; retry after the Retry-After seconds".into(),
-                )
+            other if other.note_outage() => {
+                if other.is_disk_full() {
+                    insufficient_storage()
+                } else {
+                    Self::Unavailable(
+                        "the task database is unavailable; retry after the Retry-After seconds"
+                            .into(),
+                    )
+                }
             }
             other => Self::Internal(other.to_string()),
         }
@@ -240,16 +242,13 @@ impl From<crate::tasks::TaskError> for ApiError {
 
 impl From<BlobError> for ApiError {
     fn from(error: BlobError) -> Self {
+        // A cloud store's hiccup is worth a retry, a full disk a later one; everything else is
+        // ours to fix.
         match error {
-            // A cloud store's hiccup is worth a retry; everything else is ours to fix.
-            BlobError::Remote { .. } => {
-                metrics::counter!("confed_blob_store_errors_total").increment(1);
-                tracing::warn!(%error, "blob store unavailable");
+            BlobError::Remote { .. } if error.note_outage() => {
                 Self::Unavailable("the blob store is unavailable; retry shortly".into())
             }
-            BlobError::Io { ref source, .. } if crate::blob::is_disk_full(source) => {
-                disk_full(&error)
-            }
+            other if other.note_outage() => insufficient_storage(),
             other => Self::Internal(other.to_string()),
         }
     }
@@ -269,8 +268,12 @@ impl From<crate::spool::SpoolError> for ApiError {
 }
 
 pub(crate) fn disk_full(cause: &dyn std::fmt::Display) -> ApiError {
-    metrics::counter!("confed_disk_full_total").increment(1);
-    tracing::error!(%cause, "storage is full; requests that write are refused with 507");
+    crate::blob::note_disk_full(cause);
+    insufficient_storage()
+}
+
+/// 507, for a full disk already counted and logged.
+fn insufficient_storage() -> ApiError {
     ApiError::InsufficientStorage(
         "the server's storage is full; nothing was stored, retry later (Retry-After)".into(),
     )

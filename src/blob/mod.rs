@@ -132,6 +132,31 @@ pub fn embedded_contributions(
     )?))
 }
 
+/// Counts and logs a full disk under the database, the blob store or a spool.
+pub fn note_disk_full(cause: &dyn std::fmt::Display) {
+    metrics::counter!("confed_disk_full_total").increment(1);
+    tracing::error!(%cause, "storage is full; requests that write are refused");
+}
+
+impl BlobError {
+    /// Counts and logs this error if it is an outage (a cloud store's failure, a full disk)
+    /// and says whether it was, as `DbError::note_outage` does for the database.
+    pub fn note_outage(&self) -> bool {
+        match self {
+            BlobError::Remote { .. } => {
+                metrics::counter!("confed_blob_store_errors_total").increment(1);
+                tracing::warn!(error = %self, "blob store unavailable");
+                true
+            }
+            BlobError::Io { source, .. } if is_disk_full(source) => {
+                note_disk_full(self);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
 pub type BlobFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, BlobError>> + Send + 'a>>;
 
 /// Whether `put` created the object or found the same bytes already there.

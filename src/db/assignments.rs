@@ -2,6 +2,7 @@
 //! (check-in, upload, report) builds on these primitives.
 
 use super::{Db, DbError, new_id, transition};
+use crate::clock::Millis;
 use crate::states::AssignmentState;
 
 impl Db {
@@ -22,7 +23,7 @@ impl Db {
                     &round_id,
                     expires_at,
                     "assigned",
-                    confed_protocol::clock::Millis(now),
+                    Millis(now),
                 )
                 .await?;
                 sqlx::query(
@@ -53,15 +54,7 @@ impl Db {
             Box::pin(async move {
                 let assignment_id = assignment_id.as_str();
                 let reason = reason.as_str();
-                transition(
-                    &mut *tx,
-                    assignment_id,
-                    from,
-                    to,
-                    reason,
-                    confed_protocol::clock::Millis(now),
-                )
-                .await?;
+                transition(&mut *tx, assignment_id, from, to, reason, Millis(now)).await?;
                 Ok(())
             })
         })

@@ -118,6 +118,23 @@ impl CommitFailure {
 }
 
 impl DbError {
+    /// Counts and logs this error if it is an outage (the disk full, the database unreachable)
+    /// and says whether it was: the API and the worker API answer outages with a retry, and
+    /// the alerts read these counters (`confed_disk_full_total`,
+    /// `confed_database_unavailable_total`).
+    pub fn note_outage(&self) -> bool {
+        if self.is_disk_full() {
+            crate::blob::note_disk_full(self);
+            true
+        } else if self.is_unavailable() {
+            metrics::counter!("confed_database_unavailable_total").increment(1);
+            tracing::warn!(error = %self, "task database unavailable");
+            true
+        } else {
+            false
+        }
+    }
+
     /// The database could not be reached (no connection within the pool's acquire timeout, the
     /// pool closed, the connection refused or broken): worth a retry (503 with `Retry-After`),
     /// not a server fault (500).

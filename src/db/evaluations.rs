@@ -40,8 +40,7 @@ pub struct EvaluationPoint {
 /// The evaluation in a release manifest, if the round evaluated (a manifest that does not parse
 /// has none: the release's own check reports it).
 pub fn point_of(round: i64, manifest_json: &str) -> Option<EvaluationPoint> {
-    let manifest = Manifest::from_json(manifest_json).ok()?;
-    let record = manifest.evaluation?;
+    let record = Manifest::evaluation_of(manifest_json)?;
     Some(EvaluationPoint {
         model_version: record.model_version,
         round: u64::try_from(round).ok()?,

@@ -197,7 +197,7 @@ impl Db {
     ) -> Result<Option<LeasedJob>, DbError> {
         let now = self.now().0;
         let ask = LeaseAsk::new(worker, arrived);
-        let until = expiry(confed_protocol::clock::Millis(now), lease)?;
+        let until = expiry(Millis(now), lease)?;
         self.write(move |tx| {
             Box::pin(async move {
                 // The guard is repeated outside the subquery: the update is a compare-and-set.
@@ -277,9 +277,7 @@ impl Db {
                     round_id: &round_id,
                 };
                 leased.check(&mut *tx, &worker).await?;
-                leased
-                    .extend(&mut *tx, confed_protocol::clock::Millis(now), lease)
-                    .await
+                leased.extend(&mut *tx, Millis(now), lease).await
             })
         })
         .await
@@ -374,7 +372,7 @@ impl Db {
                     RoundState::Aggregating,
                     RoundState::Applying,
                     &reason,
-                    confed_protocol::clock::Millis(now),
+                    Millis(now),
                 )
                 .await?;
                 sqlx::query(
@@ -427,21 +425,14 @@ impl Db {
                 let round = rounds::load_one(&mut *tx, &round_id).await?;
                 let task = tasks::load_any(&mut *tx, &round.task_id).await?;
                 let version = round.round_number;
-                models::insert(
-                    &mut *tx,
-                    &task.id,
-                    version,
-                    &model,
-                    confed_protocol::clock::Millis(now),
-                )
-                .await?;
+                models::insert(&mut *tx, &task.id, version, &model, Millis(now)).await?;
                 rounds::close(
                     &mut *tx,
                     &round_id,
                     RoundState::Applying,
                     RoundState::Completed,
                     &format!("model version {version} stored"),
-                    confed_protocol::clock::Millis(now),
+                    Millis(now),
                 )
                 .await?;
                 transition(
@@ -450,7 +441,7 @@ impl Db {
                     JobState::Pending,
                     JobState::Done,
                     &format!("model version {version} stored"),
-                    confed_protocol::clock::Millis(now),
+                    Millis(now),
                 )
                 .await?;
                 sqlx::query(LEASE_GIVEN_UP)
@@ -474,7 +465,7 @@ impl Db {
                         TaskState::Open,
                         TaskState::Completed,
                         &reason,
-                        confed_protocol::clock::Millis(now),
+                        Millis(now),
                     )
                     .await?;
                     return Ok(());
@@ -485,14 +476,7 @@ impl Db {
                         .bind(&task.id)
                         .execute(&mut *tx)
                         .await?;
-                    rounds::open(
-                        &mut *tx,
-                        &task,
-                        version + 1,
-                        1,
-                        confed_protocol::clock::Millis(now),
-                    )
-                    .await?;
+                    rounds::open(&mut *tx, &task, version + 1, 1, Millis(now)).await?;
                 } else {
                     transition(
                         &mut *tx,
@@ -500,7 +484,7 @@ impl Db {
                         TaskState::Open,
                         TaskState::Completed,
                         &format!("all {version} rounds completed"),
-                        confed_protocol::clock::Millis(now),
+                        Millis(now),
                     )
                     .await?;
                 }
@@ -528,14 +512,7 @@ impl Db {
         self.write(move |tx| {
             Box::pin(async move {
                 check_lease(&mut *tx, &round_id, &worker).await?;
-                fail_leased(
-                    &mut *tx,
-                    &round_id,
-                    &reason,
-                    permanent,
-                    confed_protocol::clock::Millis(now),
-                )
-                .await
+                fail_leased(&mut *tx, &round_id, &reason, permanent, Millis(now)).await
             })
         })
         .await
@@ -606,13 +583,26 @@ pub(super) async fn fail_leased(
         }
         return Ok(());
     }
+    // The round first, as in commit_model: its row's lock orders this against a concurrent
+    // cancel or resume, whose history rows share the round's id with the job's.
+    let round = rounds::load_one(&mut *tx, round_id).await?;
+    let why = format!("aggregation failed: {reason}");
+    rounds::close(
+        &mut *tx,
+        round_id,
+        round.state,
+        RoundState::Failed,
+        &why,
+        Millis(now),
+    )
+    .await?;
     transition(
         &mut *tx,
         round_id,
         JobState::Pending,
         JobState::Failed,
         reason,
-        confed_protocol::clock::Millis(now),
+        Millis(now),
     )
     .await?;
     sqlx::query(
@@ -623,17 +613,6 @@ pub(super) async fn fail_leased(
     .bind(round_id)
     .execute(&mut *tx)
     .await?;
-    let round = rounds::load_one(&mut *tx, round_id).await?;
-    let why = format!("aggregation failed: {reason}");
-    rounds::close(
-        &mut *tx,
-        round_id,
-        round.state,
-        RoundState::Failed,
-        &why,
-        confed_protocol::clock::Millis(now),
-    )
-    .await?;
     let task = tasks::load_any(&mut *tx, &round.task_id).await?;
     if task.state == TaskState::Open {
         let why = format!("round {} {why}", round.round_number);
@@ -643,7 +622,7 @@ pub(super) async fn fail_leased(
             TaskState::Open,
             TaskState::Failed,
             &why,
-            confed_protocol::clock::Millis(now),
+            Millis(now),
         )
         .await?;
     }

@@ -144,7 +144,7 @@ impl Leased<'_> {
         lease: Duration,
     ) -> Result<(), DbError> {
         let now = now.0;
-        let until = expiry(confed_protocol::clock::Millis(now), lease)?;
+        let until = expiry(Millis(now), lease)?;
         let query = match self {
             Leased::Job { round_id } => sqlx::query(
                 "UPDATE aggregation_jobs SET lease_expires_at = $1, updated_at = $2 \

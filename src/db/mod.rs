@@ -506,7 +506,7 @@ pub(crate) async fn transition<S: StateMachine>(
         Some(from.as_str()),
         to.as_str(),
         reason,
-        confed_protocol::clock::Millis(now),
+        Millis(now),
     )
     .await
 }

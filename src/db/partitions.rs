@@ -9,6 +9,7 @@ use std::time::Duration;
 use super::jobs::fail_leased;
 use super::leases::{LeaseAsk, Leased, expiry};
 use super::{Conn, Db, DbError};
+use crate::clock::Millis;
 use crate::states::JobState;
 
 /// A partition a worker just leased.
@@ -84,7 +85,7 @@ impl Db {
     ) -> Result<Option<LeasedPartition>, DbError> {
         let now = self.now().0;
         let ask = LeaseAsk::new(worker, arrived);
-        let until = expiry(confed_protocol::clock::Millis(now), lease)?;
+        let until = expiry(Millis(now), lease)?;
         self.write(move |tx| {
             Box::pin(async move {
                 // Locked with SKIP LOCKED on PostgreSQL, so concurrent workers take different
@@ -250,9 +251,7 @@ impl Db {
                     round_id: &round_id,
                 };
                 leased.check(&mut *tx, &worker).await?;
-                leased
-                    .extend(&mut *tx, confed_protocol::clock::Millis(now), lease)
-                    .await?;
+                leased.extend(&mut *tx, Millis(now), lease).await?;
                 for (assignment_ref, blake3_hex) in &digests {
                     sqlx::query(
                         "UPDATE assignments SET contribution_blake3 = $1, updated_at = $2 \
@@ -288,9 +287,7 @@ impl Db {
                     index,
                 };
                 leased.check(&mut *tx, &worker).await?;
-                leased
-                    .extend(&mut *tx, confed_protocol::clock::Millis(now), lease)
-                    .await
+                leased.extend(&mut *tx, Millis(now), lease).await
             })
         })
         .await
@@ -381,14 +378,7 @@ impl Db {
                 .bind(i64::from(index))
                 .execute(&mut *tx)
                 .await?;
-                fail_leased(
-                    &mut *tx,
-                    &round_id,
-                    &reason,
-                    permanent,
-                    confed_protocol::clock::Millis(now),
-                )
-                .await
+                fail_leased(&mut *tx, &round_id, &reason, permanent, Millis(now)).await
             })
         })
         .await

@@ -64,9 +64,7 @@ impl Db {
         let now = self.now().0;
         let (tenant_id, name) = (tenant_id.to_string(), name.to_string());
         self.write(move |conn| {
-            Box::pin(async move {
-                claim(conn, &tenant_id, &name, confed_protocol::clock::Millis(now)).await
-            })
+            Box::pin(async move { claim(conn, &tenant_id, &name, Millis(now)).await })
         })
         .await
     }

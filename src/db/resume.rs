@@ -6,6 +6,7 @@
 //! is an operator's decision, recorded in the state history as one.
 
 use super::{Db, DbError, history, tasks};
+use crate::clock::Millis;
 use crate::states::{JobState, RoundState, StateMachine, TaskState};
 
 static FAILED_ROUND: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
@@ -141,7 +142,7 @@ impl Db {
                     Some(JobState::Failed.as_str()),
                     JobState::Pending.as_str(),
                     reason,
-                    confed_protocol::clock::Millis(now),
+                    Millis(now),
                 )
                 .await?;
                 history::append(
@@ -151,7 +152,7 @@ impl Db {
                     Some(RoundState::Failed.as_str()),
                     to.as_str(),
                     reason,
-                    confed_protocol::clock::Millis(now),
+                    Millis(now),
                 )
                 .await?;
                 history::append(
@@ -161,7 +162,7 @@ impl Db {
                     Some(TaskState::Failed.as_str()),
                     TaskState::Open.as_str(),
                     reason,
-                    confed_protocol::clock::Millis(now),
+                    Millis(now),
                 )
                 .await?;
                 Ok(Resumed {

@@ -143,7 +143,7 @@ pub(crate) async fn open(
         None,
         RoundState::Collecting.as_str(),
         &reason,
-        confed_protocol::clock::Millis(now),
+        Millis(now),
     )
     .await?;
     Ok(id)
@@ -211,17 +211,9 @@ pub(crate) async fn close(
     now: Millis,
 ) -> Result<(), DbError> {
     let now = now.0;
-    transition(
-        conn,
-        round_id,
-        from,
-        to,
-        reason,
-        confed_protocol::clock::Millis(now),
-    )
-    .await?;
+    transition(conn, round_id, from, to, reason, Millis(now)).await?;
     if to == RoundState::Aggregating {
-        super::jobs::create(conn, round_id, confed_protocol::clock::Millis(now)).await?;
+        super::jobs::create(conn, round_id, Millis(now)).await?;
     }
     if to.is_terminal() {
         sqlx::query("UPDATE rounds SET closed_at = $1 WHERE id = $2")
@@ -312,7 +304,7 @@ impl Db {
                             RoundState::Collecting,
                             RoundState::Aggregating,
                             &reason,
-                            confed_protocol::clock::Millis(now),
+                            Millis(now),
                         )
                         .await?;
                         DeadlineOutcome::Aggregating { reports }
@@ -330,7 +322,7 @@ impl Db {
                             RoundState::Collecting,
                             RoundState::Failed,
                             &reason,
-                            confed_protocol::clock::Millis(now),
+                            Millis(now),
                         )
                         .await?;
                         let task = tasks::load_any(&mut *tx, &round.task_id).await?;
@@ -343,7 +335,7 @@ impl Db {
                                 &task,
                                 round.round_number,
                                 next_attempt,
-                                confed_protocol::clock::Millis(now),
+                                Millis(now),
                             )
                             .await?;
                             DeadlineOutcome::Retried {
@@ -362,7 +354,7 @@ impl Db {
                                 TaskState::Open,
                                 TaskState::Failed,
                                 &reason,
-                                confed_protocol::clock::Millis(now),
+                                Millis(now),
                             )
                             .await?;
                             DeadlineOutcome::TaskFailed { reports }

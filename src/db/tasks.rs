@@ -2,6 +2,7 @@
 
 use super::rounds::{self, LIVE_ROUND_STATES};
 use super::{Conn, Db, DbError, history, models, new_id, parse_state, transition};
+use crate::clock::Millis;
 use crate::states::{RoundState, StateMachine, TaskState};
 use crate::task_spec::TaskSpec;
 
@@ -193,7 +194,7 @@ impl Db {
                     });
                 }
                 check_compute_budget(&mut *tx, tenant_id, spec, max_device_hours).await?;
-                super::populations::claim(&mut *tx, tenant_id, &spec.population, confed_protocol::clock::Millis(now)).await?;
+                super::populations::claim(&mut *tx, tenant_id, &spec.population, Millis(now)).await?;
                 let record = TaskRecord {
                     id: new_id(),
                     tenant_id: tenant_id.to_string(),
@@ -226,7 +227,7 @@ impl Db {
                     None,
                     TaskState::Created.as_str(),
                     "created",
-                    confed_protocol::clock::Millis(now),
+                    Millis(now),
                 )
                 .await?;
                 Ok(record)
@@ -288,22 +289,15 @@ impl Db {
                     task.state,
                     TaskState::Open,
                     "model version 0 uploaded",
-                    confed_protocol::clock::Millis(now),
+                    Millis(now),
                 )
                 .await?;
                 sqlx::query("UPDATE tasks SET model_version = 0, current_round = 1 WHERE id = $1")
                     .bind(task_id)
                     .execute(&mut *tx)
                     .await?;
-                models::insert(
-                    &mut *tx,
-                    task_id,
-                    0,
-                    model,
-                    confed_protocol::clock::Millis(now),
-                )
-                .await?;
-                rounds::open(&mut *tx, &task, 1, 1, confed_protocol::clock::Millis(now)).await?;
+                models::insert(&mut *tx, task_id, 0, model, Millis(now)).await?;
+                rounds::open(&mut *tx, &task, 1, 1, Millis(now)).await?;
                 let task = load(&mut *tx, tenant_id, task_id).await?;
                 Ok(task)
             })
@@ -348,7 +342,7 @@ impl Db {
                     task.state,
                     TaskState::Cancelled,
                     reason,
-                    confed_protocol::clock::Millis(now),
+                    Millis(now),
                 )
                 .await?;
                 for round in rounds::load_for_task(&mut *tx, task_id).await? {
@@ -359,7 +353,7 @@ impl Db {
                             round.state,
                             RoundState::Failed,
                             "task cancelled",
-                            confed_protocol::clock::Millis(now),
+                            Millis(now),
                         )
                         .await?;
                     }

@@ -410,13 +410,8 @@ fn view_contribution_key(a: &AssignmentView) -> Result<BlobKey, BlobError> {
 /// The store's rule of a closed assignment (`db::device::closed_at`), and for an upload also
 /// any assignment past ASSIGNED: it has stored a contribution or finished.
 pub(crate) fn closed_for_upload(a: &AssignmentView, now: i64) -> Option<Refusal> {
-    crate::db::device::closed_at(
-        a.round_state,
-        a.expires_at,
-        a.state,
-        confed_protocol::clock::Millis(now),
-    )
-    .or_else(|| (a.state != AssignmentState::Assigned).then_some(Refusal::Finished(a.state)))
+    crate::db::device::closed_at(a.round_state, a.expires_at, a.state, Millis(now))
+        .or_else(|| (a.state != AssignmentState::Assigned).then_some(Refusal::Finished(a.state)))
 }
 
 #[cfg(test)]

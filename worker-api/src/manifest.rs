@@ -51,10 +51,55 @@ pub struct Manifest {
 }
 
 impl Manifest {
-    /// A stored manifest read back (the front end's readers: the next round's clip norm and
-    /// BLT state, evaluations, the demo), or why it is not one.
+    /// A stored manifest read back whole (the demo's summary), or why it is not one.
     pub fn from_json(json: &str) -> Result<Self, serde_json::Error> {
         serde_json::from_str(json)
+    }
+
+    /// The next round's clip norm a stored manifest names (adaptive clipping), read on its
+    /// own: a field elsewhere that does not parse (a number the enclave wrote as null) does
+    /// not hide it.
+    pub fn next_clip_norm_of(json: &str) -> Option<f64> {
+        #[derive(Deserialize)]
+        struct Adaptive {
+            next_clip_norm: f64,
+        }
+        #[derive(Deserialize)]
+        struct Parts {
+            adaptive_clipping: Option<Adaptive>,
+        }
+        let parts: Parts = serde_json::from_str(json).ok()?;
+        Some(parts.adaptive_clipping?.next_clip_norm)
+    }
+
+    /// The BLAKE3 (hex, as written) of the sealed BLT state a stored manifest says its round
+    /// left, read on its own like `next_clip_norm_of`.
+    pub fn blt_state_out_of(json: &str) -> Option<String> {
+        #[derive(Deserialize)]
+        struct Blt {
+            state_out_blake3: String,
+        }
+        #[derive(Deserialize)]
+        struct Noise {
+            blt: Option<Blt>,
+        }
+        #[derive(Deserialize)]
+        struct Parts {
+            noise: Noise,
+        }
+        let parts: Parts = serde_json::from_str(json).ok()?;
+        Some(parts.noise.blt?.state_out_blake3)
+    }
+
+    /// The evaluation a stored manifest records, if its round evaluated, read on its own like
+    /// `next_clip_norm_of`.
+    pub fn evaluation_of(json: &str) -> Option<EvaluationRecord> {
+        #[derive(Deserialize)]
+        struct Parts {
+            evaluation: Option<EvaluationRecord>,
+        }
+        let parts: Parts = serde_json::from_str(json).ok()?;
+        parts.evaluation
     }
 
     /// The manifest file's bytes (pretty JSON, fields in declaration order): what the enclave
@@ -223,4 +268,37 @@ pub struct EvaluationRecord {
     /// when the noised example count is not positive.
     pub accuracy: Option<f64>,
     pub loss: Option<f64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stored manifest whose other fields do not parse (a number written as null, a field
+    /// missing) still gives each part the front end reads back.
+    #[test]
+    fn each_part_is_read_back_on_its_own() {
+        let json = serde_json::json!({
+            "format": "confed-release/v9",
+            "privacy": {"epsilon_spent": null},
+            "adaptive_clipping": {"next_clip_norm": 0.75, "unclipped_fraction": null},
+            "noise": {"blt": {"state_out_blake3": "ab".repeat(32)}},
+            "evaluation": {
+                "model_version": 2, "max_loss": 4.0, "max_examples": 100, "stddev": 3.0,
+                "examples": 900.0, "correct": 700.0, "loss_sum": 300.0,
+                "accuracy": 0.77, "loss": 0.33
+            }
+        })
+        .to_string();
+        assert!(Manifest::from_json(&json).is_err(), "not a whole manifest");
+        assert_eq!(Manifest::next_clip_norm_of(&json), Some(0.75));
+        assert_eq!(Manifest::blt_state_out_of(&json), Some("ab".repeat(32)));
+        let evaluation = Manifest::evaluation_of(&json).unwrap();
+        assert_eq!((evaluation.model_version, evaluation.on_demand), (2, false));
+        let bare = r#"{"noise": {"mechanism": "gaussian"}}"#;
+        assert_eq!(Manifest::next_clip_norm_of(bare), None);
+        assert_eq!(Manifest::blt_state_out_of(bare), None);
+        assert!(Manifest::evaluation_of(bare).is_none());
+        assert_eq!(Manifest::next_clip_norm_of("not json"), None);
+    }
 }

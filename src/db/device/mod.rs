@@ -268,7 +268,7 @@ pub(in crate::db) fn upload_outcome(
             Err(Refusal::DifferentBytes)
         };
     }
-    Err(closed(&a, confed_protocol::clock::Millis(now)).unwrap_or(Refusal::Finished(a.state)))
+    Err(closed(&a, Millis(now)).unwrap_or(Refusal::Finished(a.state)))
 }
 
 /// What a report off the guarded path does.
@@ -308,7 +308,7 @@ pub(in crate::db) fn report_step(
     if outcome == ReportOutcome::Completed && a.state != AssignmentState::Uploaded {
         return Ok(ReportStep::Answer(Err(Refusal::NotUploaded)));
     }
-    if let Some(refusal) = closed(a, confed_protocol::clock::Millis(now)) {
+    if let Some(refusal) = closed(a, Millis(now)) {
         return Ok(ReportStep::Answer(Err(refusal)));
     }
     if outcome == ReportOutcome::Completed {
@@ -511,7 +511,7 @@ impl Db {
                         from,
                         AssignmentState::TimedOut,
                         "assignment expired",
-                        confed_protocol::clock::Millis(now),
+                        Millis(now),
                     )
                     .await?;
                 }
@@ -551,7 +551,7 @@ pub(crate) async fn insert_row(
         None,
         AssignmentState::Assigned.as_str(),
         reason,
-        confed_protocol::clock::Millis(now),
+        Millis(now),
     )
     .await
 }
@@ -559,12 +559,7 @@ pub(crate) async fn insert_row(
 /// Whether the assignment can no longer take uploads or reports.
 fn closed(a: &WriteView, now: Millis) -> Option<Refusal> {
     let now = now.0;
-    closed_at(
-        a.round_state,
-        a.expires_at,
-        a.state,
-        confed_protocol::clock::Millis(now),
-    )
+    closed_at(a.round_state, a.expires_at, a.state, Millis(now))
 }
 
 /// The one rule of when an assignment is closed, from its round's state, its expiry and its

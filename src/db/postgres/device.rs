@@ -22,6 +22,7 @@ use crate::db::device::{
 use crate::db::{Conn, Db, DbError, history, new_history_id, transition};
 use crate::states::{AssignmentState, RoundState, StateMachine};
 
+use crate::clock::Millis;
 use AssignmentState::{Assigned as ASSIGNED, Completed as COMPLETED, Uploaded as UPLOADED};
 use RoundState::{Aggregating as AGGREGATING, Collecting as COLLECTING};
 
@@ -124,11 +125,7 @@ async fn report_off_path(
     report: &Report,
 ) -> Result<Result<AssignmentState, Refusal>, DbError> {
     let view = write_view(conn, &report.id).await?;
-    match report_step(
-        view.as_ref(),
-        report.outcome,
-        confed_protocol::clock::Millis(report.now),
-    )? {
+    match report_step(view.as_ref(), report.outcome, Millis(report.now))? {
         ReportStep::Answer(answer) => Ok(answer),
         ReportStep::Apply { from, to, reason } => {
             if let Some(error) = &report.device_error {
@@ -138,15 +135,7 @@ async fn report_off_path(
                     .execute(&mut *conn)
                     .await?;
             }
-            transition(
-                conn,
-                &report.id,
-                from,
-                to,
-                reason,
-                confed_protocol::clock::Millis(report.now),
-            )
-            .await?;
+            transition(conn, &report.id, from, to, reason, Millis(report.now)).await?;
             Ok(Ok(to))
         }
     }
@@ -188,7 +177,7 @@ async fn complete(
         Some(COLLECTING.as_str()),
         AGGREGATING.as_str(),
         &format!("report goal {goal} reached"),
-        confed_protocol::clock::Millis(report.now),
+        Millis(report.now),
     )
     .await?;
     sqlx::query(CREATE_JOB.as_str())
@@ -273,11 +262,7 @@ impl DeviceStore for PostgresDevices<'_> {
             .write(move |tx| {
                 Box::pin(async move {
                     let view = write_view(tx, &upload.id).await?;
-                    Ok(upload_outcome(
-                        view,
-                        &upload.sha256_hex,
-                        confed_protocol::clock::Millis(upload.now),
-                    ))
+                    Ok(upload_outcome(view, &upload.sha256_hex, Millis(upload.now)))
                 })
             })
             .await

@@ -175,7 +175,7 @@ fn apply_transition(
         Some(from.as_str()),
         to.as_str(),
         reason,
-        confed_protocol::clock::Millis(now),
+        Millis(now),
     )
 }
 
@@ -185,25 +185,14 @@ fn report_off_path(
     report: &Report,
 ) -> Result<Result<AssignmentState, Refusal>, DbError> {
     let view = write_view(c, &report.id)?;
-    match report_step(
-        view.as_ref(),
-        report.outcome,
-        confed_protocol::clock::Millis(report.now),
-    )? {
+    match report_step(view.as_ref(), report.outcome, Millis(report.now))? {
         ReportStep::Answer(answer) => Ok(answer),
         ReportStep::Apply { from, to, reason } => {
             if let Some(error) = &report.device_error {
                 c.prepare_cached("UPDATE assignments SET device_error = ?1 WHERE id = ?2")?
                     .execute(rusqlite::params![device_error_text(error), report.id])?;
             }
-            apply_transition(
-                c,
-                &report.id,
-                from,
-                to,
-                reason,
-                confed_protocol::clock::Millis(report.now),
-            )?;
+            apply_transition(c, &report.id, from, to, reason, Millis(report.now))?;
             Ok(Ok(to))
         }
     }
@@ -234,7 +223,7 @@ fn complete(
         Some(UPLOADED.as_str()),
         COMPLETED.as_str(),
         "device reported completion",
-        confed_protocol::clock::Millis(now),
+        Millis(now),
     )?;
     let (round_id, goal, completed): (String, i64, i64) = c
         .prepare_cached(COUNT_COMPLETION)?
@@ -260,7 +249,7 @@ fn complete(
         Some(COLLECTING.as_str()),
         AGGREGATING.as_str(),
         &format!("report goal {goal} reached"),
-        confed_protocol::clock::Millis(now),
+        Millis(now),
     )?;
     c.prepare_cached(&CREATE_JOB)?
         .execute(rusqlite::params![round_id, now])?;
@@ -345,11 +334,7 @@ impl DeviceStore for SqliteDevices<'_> {
                 if changed == 0 {
                     // Only a refusal (or a repeated upload) reads the row to say why.
                     let view = write_view(c, &upload.id)?;
-                    return Ok(upload_outcome(
-                        view,
-                        &upload.sha256_hex,
-                        confed_protocol::clock::Millis(upload.now),
-                    ));
+                    return Ok(upload_outcome(view, &upload.sha256_hex, Millis(upload.now)));
                 }
                 append_history(
                     c,
@@ -358,7 +343,7 @@ impl DeviceStore for SqliteDevices<'_> {
                     Some(ASSIGNED.as_str()),
                     UPLOADED.as_str(),
                     "contribution stored",
-                    confed_protocol::clock::Millis(upload.now),
+                    Millis(upload.now),
                 )?;
                 Ok(Ok(Stored::New))
             })
@@ -375,12 +360,8 @@ impl DeviceStore for SqliteDevices<'_> {
         self.0
             .write_raw(move |c| {
                 if report.outcome == ReportOutcome::Completed
-                    && let Some(state) = complete(
-                        c,
-                        &report.id,
-                        confed_protocol::clock::Millis(report.now),
-                        &|| jobs.notify_one(),
-                    )?
+                    && let Some(state) =
+                        complete(c, &report.id, Millis(report.now), &|| jobs.notify_one())?
                 {
                     return Ok(Ok(state));
                 }
