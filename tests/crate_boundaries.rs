@@ -370,15 +370,20 @@ fn module_graph(src: &Path) -> BTreeMap<String, BTreeMap<String, String>> {
         }
         let text = std::fs::read_to_string(&path).unwrap();
         let code = text.split("#[cfg(test)]\nmod ").next().unwrap();
-        for line in code.lines().filter(|l| !l.trim_start().starts_with("//")) {
-            for used in crate_paths(line) {
-                if used != top && modules.contains(&used) {
-                    graph
-                        .entry(top.to_string())
-                        .or_default()
-                        .entry(used)
-                        .or_insert_with(|| relative.clone());
-                }
+        // The file without its comment lines, read whole: a `use crate::{...}` group may span
+        // several lines.
+        let code: String = code
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("//"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        for used in crate_paths(&code) {
+            if used != top && modules.contains(&used) {
+                graph
+                    .entry(top.to_string())
+                    .or_default()
+                    .entry(used)
+                    .or_insert_with(|| relative.clone());
             }
         }
     }
@@ -398,12 +403,12 @@ fn rust_files(dir: &Path) -> Vec<std::path::PathBuf> {
     files
 }
 
-/// The first segment after each `crate::` in `line`: `crate::a::b` gives `a`, and a group
-/// `crate::{a::b, c}` gives `a` and `c` (its top level only).
-fn crate_paths(line: &str) -> Vec<String> {
+/// The first segment after each `crate::` in `code`: `crate::a::b` gives `a`, and a group
+/// `crate::{a::b, c}` gives `a` and `c` (its top level only, over as many lines as it takes).
+fn crate_paths(code: &str) -> Vec<String> {
     let mut found = Vec::new();
-    for (at, _) in line.match_indices("crate::") {
-        let rest = &line[at + "crate::".len()..];
+    for (at, _) in code.match_indices("crate::") {
+        let rest = &code[at + "crate::".len()..];
         let Some(group) = rest.strip_prefix('{') else {
             found.push(identifier(rest));
             continue;
