@@ -112,8 +112,17 @@ pub fn best(metric: Metric, points: &[EvaluationPoint]) -> Option<u64> {
 }
 
 /// The early-stopping rule's verdict on `task`'s evaluations so far (`None`: go on), for the
-/// model commit that would open its next round (`Db::commit_model` takes it).
-pub async fn early_stop_verdict(db: &Db, task: &TaskRecord) -> Result<Option<String>, DbError> {
+/// model commit of round `round_number`, which would open the next one (`Db::commit_model`
+/// takes it).
+pub async fn early_stop_verdict(
+    db: &Db,
+    task: &TaskRecord,
+    round_number: i64,
+) -> Result<Option<String>, DbError> {
+    // The last planned round opens nothing: no verdict to read the evaluations for.
+    if round_number >= i64::from(task.spec.rounds) {
+        return Ok(None);
+    }
     let Some(evaluation) = task.spec.evaluation else {
         return Ok(None);
     };

@@ -505,9 +505,13 @@ impl TaskDbJobStore {
         )
         .map_err(backend)?;
         self.blobs.put(&key, model).await.map_err(blob_error)?;
-        let early_stop = crate::evaluation::early_stop_verdict(&self.db, &context.task)
-            .await
-            .map_err(db_error)?;
+        let early_stop = crate::evaluation::early_stop_verdict(
+            &self.db,
+            &context.task,
+            context.round.round_number,
+        )
+        .await
+        .map_err(db_error)?;
         self.db
             .commit_model(
                 job_id,

@@ -371,7 +371,7 @@ impl Uploads<'_> {
 }
 
 /// Whether a contribution's token (and the envelope key `enc` it must bind) authenticates it for
-/// `assignment`: the one check of both upload paths (through the server, `api::device_tokens`,
+/// `assignment`: the one check of both upload paths (through the server, `device_tokens.rs`,
 /// and straight to the blob store, `note_direct_upload`); a refusal is counted by reason.
 pub fn verify_token(
     auth: &DeviceAuth,
