@@ -5,6 +5,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod analytics;
 pub mod app_attest;
 pub mod client;
 pub mod schedule;
@@ -12,6 +13,7 @@ pub mod state;
 pub mod tokens;
 pub mod update;
 
+pub use analytics::{AnalyticsError, Records};
 pub use app_attest::{AppAttestError, AppAttestService, AppleAppAttest};
 pub use client::{
     AcceptedPolicy, Checkin, DeviceClient, DeviceError, Model, VerifiedKeys, load_trust,

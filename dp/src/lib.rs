@@ -15,6 +15,7 @@
 #![forbid(unsafe_code)]
 
 pub mod accounting;
+pub mod analytics;
 pub mod blt;
 pub mod blt_accounting;
 pub mod blt_optimize;
@@ -23,6 +24,7 @@ pub mod closed_form;
 pub mod grid;
 pub mod plan;
 pub mod running_sum;
+pub mod tails;
 pub mod tree;
 
 use thiserror::Error;

@@ -10,6 +10,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod analytics;
+pub mod answer;
 pub mod blt_noise;
 pub mod clock;
 pub mod device;

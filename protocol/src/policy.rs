@@ -18,10 +18,14 @@
 //! plan=<compact JSON object>\n
 //! upload_window=<start_ms>,<end_ms>\n
 //! [device_auth=privacy_pass;issuer=<name>;token_keys=<base64url SPKI>,...\n]
+//! [analytics=<query>\n]
 //! ```
 //!
-//! Exactly these lines, in this order, each ended by one `\n`; the last, `device_auth`, only when
-//! the task requires device tokens (`device_auth.rs`), so a policy without it hashes as before.
+//! Exactly these lines, in this order, each ended by one `\n`; `device_auth` only when the task
+//! requires device tokens (`device_auth.rs`), and `analytics` only for an analytics task
+//! (`analytics.rs`), so a policy without them hashes as before. An analytics policy's training
+//! lines hold fixed values (`ANALYTICS_CLIP_NORM`, `MECHANISM`, a learning rate of 1, plan `{}`):
+//! one query has one policy text.
 //! `upload_window` is when the device sends, in milliseconds after it received the assignment
 //! (`upload_window.rs`; v3 added it: a v2 text is refused, its devices sent when training
 //! ended). Integers are decimal without sign
@@ -33,6 +37,7 @@
 
 use thiserror::Error;
 
+pub use crate::analytics::AnalyticsQuery;
 pub use crate::device_auth::DeviceAuth;
 pub use crate::upload_window::{MAX_UPLOAD_WINDOW_MS, UploadWindow};
 
@@ -90,7 +95,12 @@ pub struct TaskPolicy {
     pub upload_window: UploadWindow,
     /// Device tokens every counted contribution must carry (`device_auth.rs`).
     pub device_auth: Option<DeviceAuth>,
+    /// The query of an analytics task (`analytics.rs`); `None` for training.
+    pub analytics: Option<AnalyticsQuery>,
 }
+
+/// The clip norm line of an analytics policy: its bounds are the query's, and the line holds 1.
+pub const ANALYTICS_CLIP_NORM: f64 = 1.0;
 
 const KEYS: [&str; 13] = [
     "task_id",
@@ -137,6 +147,7 @@ impl TaskPolicy {
                 end_ms: 0,
             },
             device_auth: None,
+            analytics: None,
         }
     }
 
@@ -171,6 +182,11 @@ impl TaskPolicy {
             out.push_str(&auth.encode());
             out.push('\n');
         }
+        if let Some(query) = &self.analytics {
+            out.push_str("analytics=");
+            out.push_str(&query.encode());
+            out.push('\n');
+        }
         out
     }
 
@@ -199,17 +215,25 @@ impl TaskPolicy {
                 .ok_or_else(|| bad(format!("expected `{key}=` at line `{line}`")))?;
             values.push(value);
         }
-        let device_auth = match lines.next() {
-            None => None,
-            Some(line) => {
-                let value = line.strip_prefix("device_auth=").ok_or_else(|| {
-                    bad("the only line allowed after `upload_window` is `device_auth=`".into())
-                })?;
+        let mut next = lines.next();
+        let device_auth = match next.and_then(|line| line.strip_prefix("device_auth=")) {
+            Some(value) => {
+                next = lines.next();
                 Some(DeviceAuth::parse(value).map_err(bad)?)
             }
+            None => None,
         };
-        if lines.next().is_some() {
-            return Err(bad("lines after `device_auth`".into()));
+        let analytics = match next.and_then(|line| line.strip_prefix("analytics=")) {
+            Some(value) => {
+                next = lines.next();
+                Some(AnalyticsQuery::parse(value).map_err(bad)?)
+            }
+            None => None,
+        };
+        if next.is_some() {
+            return Err(bad(
+                "after `upload_window` only `device_auth=` and then `analytics=` may follow".into(),
+            ));
         }
         let name = |i: usize| -> Result<String, PolicyError> {
             valid_name(values[i])
@@ -248,6 +272,7 @@ impl TaskPolicy {
             plan: plan.to_string(),
             upload_window: UploadWindow::parse(values[12]).map_err(bad)?,
             device_auth,
+            analytics,
         };
         if policy.encode() != text {
             return Err(bad(
@@ -317,6 +342,20 @@ impl TaskPolicy {
                 ));
             }
             Ok(_) => {}
+        }
+        if let Some(query) = &self.analytics {
+            problems.extend(query.problems().into_iter().map(|p| p.reason));
+            // One query, one policy text: the training lines an analytics task does not use
+            // hold fixed values, so no two texts (and hashes) mean the same task.
+            let fixed = self.clip_norm == ANALYTICS_CLIP_NORM
+                && self.mechanism == MECHANISM
+                && self.server_learning_rate == 1.0
+                && self.plan == "{}";
+            if !fixed {
+                problems.push(format!(
+                    "an analytics policy has clip_norm=1e0, mechanism={MECHANISM}, server_learning_rate=1e0 and plan={{}}"
+                ));
+            }
         }
         if !(self.server_learning_rate > 0.0 && self.server_learning_rate <= 100.0) {
             problems.push(format!(
@@ -409,6 +448,7 @@ mod tests {
                 end_ms: 90_000,
             },
             device_auth: None,
+            analytics: None,
         }
     }
 
@@ -445,6 +485,39 @@ mod tests {
         ] {
             assert!(TaskPolicy::parse(&bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn an_analytics_line_comes_last_and_binds_the_query() {
+        let mut policy = TaskPolicy::sample("t", 3);
+        policy.analytics = Some(AnalyticsQuery::OpenHistogram {
+            max_key_bytes: 32,
+            keys_per_device: 16,
+        });
+        let text = policy.encode();
+        assert!(text.ends_with(
+            "\nupload_window=0,0\nanalytics=open_histogram;max_key_bytes=32;keys_per_device=16\n"
+        ));
+        assert_eq!(TaskPolicy::parse(&text).unwrap(), policy);
+        assert!(policy.check_enclave_limits().is_ok());
+        assert_ne!(policy.sha256_hex(), TaskPolicy::sample("t", 3).sha256_hex());
+
+        let key = crate::device_auth::tests::vector_key();
+        policy.device_auth = Some(DeviceAuth::new("issuer.example", vec![key]).unwrap());
+        let both = policy.encode();
+        assert_eq!(TaskPolicy::parse(&both).unwrap(), policy);
+        // The order is fixed: the query after the device tokens.
+        let (head, query) = both.split_at(both.find("analytics=").unwrap());
+        let (head, auth) = head.split_at(head.find("device_auth=").unwrap());
+        assert!(TaskPolicy::parse(&format!("{head}{query}{auth}")).is_err());
+
+        // Training lines an analytics task does not use hold their fixed values.
+        policy.clip_norm = 2.0;
+        let err = policy.check_enclave_limits().unwrap_err().to_string();
+        assert!(
+            err.contains("an analytics policy has clip_norm=1e0"),
+            "{err}"
+        );
     }
 
     #[test]

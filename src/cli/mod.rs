@@ -10,6 +10,8 @@ mod help_tests;
 mod keys;
 #[cfg(feature = "embedded")]
 mod privacy;
+#[cfg(feature = "embedded")]
+mod privacy_analytics;
 mod serve;
 mod tenant;
 mod tokens;

@@ -18,6 +18,12 @@ pub(crate) enum PrivacyCommand {
     /// The noise a task's budget buys and the epsilon spent after each round, as the enclave
     /// will calibrate and account them (Gaussian, tree aggregation or BLT; zCDP, OpenDP).
     Plan(PlanArgs),
+    /// What an analytics query's budget buys: the noise on each released value, rho per
+    /// round and, for open domains, the partition-selection threshold (docs/analytics.md).
+    Analytics(super::privacy_analytics::AnalyticsArgs),
+    /// The partition-selection threshold a noise needs for a delta: confed's exact discrete
+    /// one, and the continuous Gaussian's formula at the same noise.
+    Threshold(super::privacy_analytics::ThresholdArgs),
 }
 
 #[derive(Args)]
@@ -152,7 +158,11 @@ struct Plan {
 }
 
 pub(super) fn run(command: PrivacyCommand) -> Result<()> {
-    let PrivacyCommand::Plan(args) = command;
+    let args = match command {
+        PrivacyCommand::Plan(args) => args,
+        PrivacyCommand::Analytics(args) => return super::privacy_analytics::run_analytics(args),
+        PrivacyCommand::Threshold(args) => return super::privacy_analytics::run_threshold(args),
+    };
     let chosen = args.mechanism.unwrap_or(match args.min_separation {
         Some(_) => MechanismArg::Tree,
         None => MechanismArg::Gaussian,

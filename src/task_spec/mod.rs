@@ -231,6 +231,7 @@ impl TaskSpec {
             plan: serde_json::to_string(&self.plan).unwrap_or_else(|_| "{}".into()),
             upload_window: self.upload_window().policy(),
             device_auth: self.device_auth.as_ref().and_then(DeviceAuthSpec::policy),
+            analytics: None,
         }
     }
 

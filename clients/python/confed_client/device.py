@@ -555,6 +555,10 @@ class Device:
             if policy["device_auth"] is not None and self.attestation is None:
                 raise DeviceError("the task requires device tokens and this device has no "
                                   "attestation (Device(attestation=...))")
+            if policy["analytics"] is not None:
+                # A training update sealed under a query would answer what nobody asked.
+                raise DeviceError("the task is an analytics query; this device trains "
+                                  "(answers come from confed_client.analytics)")
             times = self._schedule(assignment, policy, received_ms)
             reply = self._send("GET", self._url(assignment["model_url"]), timeout=60)
             if reply.status_code != 200:

@@ -1,7 +1,7 @@
 """The task policy text (docs/protocol.md, "Task policy"): parsed strictly and checked.
 
 A device binds its contribution to the policy's SHA-256, so it must read the policy exactly as
-the enclave does: 14 lines (15 with `device_auth`), each key in its place, integers in decimal without leading zeros, and
+the enclave does: 14 lines (then optionally `device_auth`, then optionally `analytics`), each key in its place, integers in decimal without leading zeros, and
 floats in Rust's shortest `{:e}` form (`4e0`, `1e-6`, `1.5e1`).
 """
 
@@ -62,7 +62,11 @@ def parse_policy(raw: bytes | str) -> dict:
     if not text.endswith("\n"):
         raise PolicyError("the last line must end with a line feed")
     lines = text[:-1].split("\n")
-    device_auth = None
+    device_auth = analytics = None
+    if len(lines) > len(KEYS) + 1 and lines[-1].startswith("analytics="):
+        from .analytics import parse_query  # analytics reads this module's number forms
+
+        analytics = parse_query(lines.pop().removeprefix("analytics="))
     if len(lines) == len(KEYS) + 2:
         device_auth = _device_auth(lines.pop())
     if len(lines) != len(KEYS) + 1 or lines[0] != HEADER:
@@ -91,6 +95,7 @@ def parse_policy(raw: bytes | str) -> dict:
     fields["plan"] = plan
     fields["upload_window"] = _upload_window(fields["upload_window"])
     fields["device_auth"] = device_auth
+    fields["analytics"] = analytics
     return fields
 
 

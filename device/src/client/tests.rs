@@ -314,6 +314,18 @@ fn a_policy_outside_the_devices_limits_is_refused() {
             .accepted_policy(&assignment(&fine, &key), "other")
             .is_err()
     );
+    // An analytics query is declined: this library would answer it with a training update.
+    let query = TaskPolicy {
+        analytics: Some(confed_protocol::analytics::AnalyticsQuery::OpenHistogram {
+            max_key_bytes: 16,
+            keys_per_device: 4,
+        }),
+        ..fine.clone()
+    };
+    let refused = client
+        .accepted_policy(&assignment(&query, &key), "p")
+        .unwrap_err();
+    assert!(refused.to_string().contains("analytics"), "{refused}");
 }
 
 /// A device pinned to a tenant refuses another tenant's policy even if the server assigns it.
