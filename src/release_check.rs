@@ -189,7 +189,7 @@ pub fn check_stored(
         format!(
             "the manifest's base model {} is model version {}",
             manifest.model_sha256,
-            release.round_number - 1
+            task.spec.base_model_version(release.round_number)
         ),
     );
     note(

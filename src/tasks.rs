@@ -84,7 +84,26 @@ impl Tasks<'_> {
         .await
         .map_err(|e| TaskError::Validation(e.to_string()))?
         .map_err(TaskError::InvalidFields)?;
-        Ok(self.db.create_task(tenant_id, &spec).await?)
+        let analytics = spec.analytics.is_some();
+        let task = self.db.create_task(tenant_id, &spec).await?;
+        if !analytics {
+            return Ok(task);
+        }
+        // An analytics task has no model to wait for: its fixed version 0 opens it now.
+        let model = confed_worker_api::model::analytics_model();
+        let digest = confed_protocol::hex::sha256_hex(&model);
+        let key = BlobKey::model(tenant_id, &task.id, 0, &digest)?;
+        self.blobs.put(&key, &model).await?;
+        let record = NewModel {
+            blob_key: key.as_str().to_string(),
+            sha256_hex: digest,
+            size_bytes: model.len() as i64,
+            optimizer_state_key: None,
+        };
+        Ok(self
+            .db
+            .open_task_with_model(tenant_id, &task.id, &record)
+            .await?)
     }
 
     /// At most `limit` of the tenant's tasks after `page_token` (a token `page` gave).

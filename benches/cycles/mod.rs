@@ -60,5 +60,6 @@ pub(crate) fn load(
         progress: false,
         bars: None,
         state_dir: None,
+        analytics: None,
     }
 }

@@ -641,14 +641,6 @@ impl DeviceClient {
                 "the task requires device tokens and this device has no attestation to obtain them (DeviceClient::with_attestation)".into(),
             ));
         }
-        // A training update sealed under an analytics policy would answer a question nobody
-        // asked with data the query never bounded: declined until this library answers queries.
-        if let Some(query) = &policy.analytics {
-            return Err(refuse(format!(
-                "the task is an analytics query ({}); this device library does not answer analytics queries yet",
-                query.kind()
-            )));
-        }
         let sha256 = sha256_hex(assignment.policy.as_bytes());
         Ok(AcceptedPolicy { policy, sha256 })
     }

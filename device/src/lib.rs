@@ -19,6 +19,7 @@ pub use client::{
     AcceptedPolicy, Checkin, DeviceClient, DeviceError, Model, VerifiedKeys, load_trust,
 };
 pub use confed_protocol::device::{AssignmentResponse, ReportOutcome, RetryResponse, RetryWindow};
+pub use confed_protocol::hpke::PublicKey;
 pub use confed_protocol::policy::{EVALUATION_TENSOR, Evaluation, HEALTH_TENSOR};
 pub use confed_protocol::trust::{TrustConfig, TrustedEntry, TrustedIssuer};
 pub use schedule::{Cancel, DueUpdate, Schedule, SendTimes, Trained};

@@ -12,6 +12,8 @@
 //! trained update or, if training is still running, a zero update of the model's shape made
 //! beforehand, so the moment the seal starts and the bytes it seals have the same cost either way.
 
+use crate::analytics::{AnalyticsError, Records};
+use confed_protocol::analytics::AnalyticsQuery;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -261,6 +263,59 @@ impl Schedule {
             assignment_ref: self.assignment_ref.clone(),
             send_at: self.send_at,
         }
+    }
+}
+
+impl Schedule {
+    /// An analytics task's `train_until`: computes the answer to `query` from `records` on a
+    /// blocking thread (`crate::analytics::answer`) and returns at the send instant with it,
+    /// or, if it is not ready (or failed), with the failed answer made before it started: the
+    /// query's fixed shape either way, sent at the instant drawn before the records were read.
+    pub async fn answer_until(
+        &self,
+        query: &AnalyticsQuery,
+        records: Records,
+    ) -> Result<DueUpdate, AnalyticsError> {
+        let failed = crate::analytics::failed_answer(query)?;
+        let late = WellFormedUpdate::answer(failed.clone(), vec![TrainingProblem::Late]);
+        let owned = query.clone();
+        let mut computing =
+            tokio::task::spawn_blocking(move || crate::analytics::answer(&owned, &records));
+        let ready = match tokio::time::Instant::now() < self.send_at {
+            true => tokio::time::timeout_at(self.send_at, &mut computing)
+                .await
+                .ok(),
+            false => None,
+        };
+        let (update, late) = match ready {
+            Some(outcome) => {
+                let update = match outcome {
+                    Ok(Ok(bytes)) => WellFormedUpdate::answer(bytes, Vec::new()),
+                    Ok(Err(why)) => WellFormedUpdate::answer(
+                        failed,
+                        vec![TrainingProblem::TrainingFailed(why.to_string())],
+                    ),
+                    Err(_) => WellFormedUpdate::answer(
+                        failed,
+                        vec![TrainingProblem::TrainingFailed(
+                            "the answer's computation panicked".into(),
+                        )],
+                    ),
+                };
+                tokio::time::sleep_until(self.send_at).await;
+                (update, false)
+            }
+            None => {
+                computing.abort();
+                (late, true)
+            }
+        };
+        Ok(DueUpdate {
+            update,
+            late,
+            assignment_ref: self.assignment_ref.clone(),
+            send_at: self.send_at,
+        })
     }
 }
 

@@ -109,6 +109,9 @@ pub struct UpdateShape {
 pub struct WellFormedUpdate {
     bytes: Vec<u8>,
     problems: Vec<TrainingProblem>,
+    /// An analytics answer (`crate::analytics`), not a training update: sealed only under an
+    /// analytics policy, and a training update never under one.
+    answer: bool,
 }
 
 impl WellFormedUpdate {
@@ -125,6 +128,20 @@ impl WellFormedUpdate {
     /// The same bytes, with `problems` as the reason they are what they are.
     pub(crate) fn with_problems(self, problems: Vec<TrainingProblem>) -> Self {
         Self { problems, ..self }
+    }
+
+    /// An analytics answer's bytes (`crate::analytics`: the query's fixed shape).
+    pub(crate) fn answer(bytes: Vec<u8>, problems: Vec<TrainingProblem>) -> Self {
+        Self {
+            bytes,
+            problems,
+            answer: true,
+        }
+    }
+
+    /// Whether this is an analytics answer rather than a training update.
+    pub fn is_answer(&self) -> bool {
+        self.answer
     }
 }
 
@@ -260,6 +277,7 @@ impl UpdateShape {
         WellFormedUpdate {
             bytes: self.encode(&values, sides),
             problems,
+            answer: false,
         }
     }
 

@@ -26,6 +26,39 @@ pub const THRESHOLD_DELTA_SHARE: f64 = 0.5;
 /// would then be above a million devices per key, more than any round has.
 pub const MAX_THRESHOLD_STDDEV: f64 = (1u64 << 18) as f64;
 
+/// Most distinct keys an open-domain round may hold: the enclave's table is this large at most.
+pub const MAX_OPEN_KEYS: u64 = 1 << 22;
+/// An open-domain round releases nothing when its noised count of distinct keys exceeds this:
+/// below the table's size by more than 14 standard deviations of that count's noise, so the
+/// table fills (and the round stops at once) only with probability `DistinctCheck::delta`.
+pub const OPEN_KEYS_CHECKED_AT: u64 = MAX_OPEN_KEYS - (1 << 19);
+/// The count of distinct keys is noised with `DISTINCT_STDDEV_PER_KEY` times the query's
+/// `keys_per_device` (one device changes it by at most that many): rho `1 / (2 · 512²)` a round.
+pub const DISTINCT_STDDEV_PER_KEY: u64 = 512;
+
+/// The open domain's check of its distinct keys against the table (docs/privacy.md, "Analytics"):
+/// a Gaussian threshold on a count of sensitivity `k`, whose outcome (release or not) is the
+/// only thing it reveals, accounted like any other release.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DistinctCheck {
+    /// The integer variance of the count's noise.
+    pub variance: u64,
+    pub rho: f64,
+    /// The chance the table fills although the noised count would have passed.
+    pub delta: f64,
+}
+
+/// The check of an open-domain query with `k` keys per device.
+pub fn distinct_check(k: u32) -> DistinctCheck {
+    let stddev = DISTINCT_STDDEV_PER_KEY * u64::from(k.max(1));
+    let margin = i64::try_from(MAX_OPEN_KEYS - OPEN_KEYS_CHECKED_AT).unwrap_or(i64::MAX);
+    DistinctCheck {
+        variance: stddev * stddev,
+        rho: 1.0 / (2.0 * (DISTINCT_STDDEV_PER_KEY as f64).powi(2)),
+        delta: DiscreteGaussianTail::new(stddev * stddev).at_least(margin),
+    }
+}
+
 /// A round's partition-selection threshold.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Threshold {
@@ -47,12 +80,17 @@ pub struct AnalyticsPlan {
     pub squared_sensitivity: u128,
     /// The integer variance the enclave samples each released value's noise with.
     pub variance: u64,
-    /// zCDP rho of one round's release.
+    /// zCDP rho of one round's histogram (or tree).
+    pub rho_histogram: f64,
+    /// zCDP rho of one round in all: the histogram's and, for open domains, the distinct-key
+    /// check's.
     pub rho_per_round: f64,
     /// The delta the zCDP conversion is charged at.
     pub conversion_delta: f64,
     /// Open domains: the threshold every round releases keys at.
     pub threshold: Option<Threshold>,
+    /// Open domains: the check of the round's distinct keys against the table.
+    pub distinct_check: Option<DistinctCheck>,
 }
 
 /// What the rounds released so far have spent.
@@ -85,9 +123,9 @@ impl AnalyticsPlan {
         let rho = self.rho_per_round * f64::from(rounds);
         Ok(AnalyticsSpent {
             rho,
-            threshold_delta: self
-                .threshold
-                .map_or(0.0, |t| t.delta_per_round * f64::from(rounds)),
+            threshold_delta: (self.threshold.map_or(0.0, |t| t.delta_per_round)
+                + self.distinct_check.map_or(0.0, |c| c.delta))
+                * f64::from(rounds),
             epsilon: epsilon_of_rho(accountant, rho, self.conversion_delta)?,
         })
     }
@@ -106,10 +144,16 @@ pub fn plan_analytics(
         true => delta * (1.0 - THRESHOLD_DELTA_SHARE),
         false => delta,
     };
-    // `calibrate` gives the noise per unit of L2 sensitivity for `rounds` releases.
+    // `calibrate` gives the noise per unit of L2 sensitivity for `rounds` releases, that is
+    // rho `1 / (2 z²)` a round; the distinct-key check's rho comes out of it first.
     let multiplier = calibrate(accountant, epsilon, conversion_delta, rounds)?.noise_multiplier;
+    let check = thresholded.then(|| distinct_check(query.keys_changed()));
+    let rho_left = 1.0 / (2.0 * multiplier * multiplier) - check.map_or(0.0, |c| c.rho);
+    if rho_left <= 0.0 {
+        return Err(DpError::BudgetTooSmall { epsilon, delta });
+    }
     let squared_sensitivity = query.squared_sensitivity();
-    let wanted = multiplier * multiplier * squared_sensitivity as f64;
+    let wanted = squared_sensitivity as f64 / (2.0 * rho_left);
     let variance = sampled_variance(wanted).ok_or(DpError::ScaleOutOfRange(wanted.sqrt()))?;
     let threshold = match thresholded {
         false => None,
@@ -117,7 +161,8 @@ pub fn plan_analytics(
             if (variance as f64).sqrt() > MAX_THRESHOLD_STDDEV {
                 return Err(DpError::BudgetTooSmall { epsilon, delta });
             }
-            let budget = delta * THRESHOLD_DELTA_SHARE / f64::from(rounds.max(1));
+            let check = check.map_or(0.0, |c| c.delta);
+            let budget = delta * THRESHOLD_DELTA_SHARE / f64::from(rounds.max(1)) - check;
             Some(choose_threshold(
                 variance,
                 query.largest_change(),
@@ -126,12 +171,15 @@ pub fn plan_analytics(
             ))
         }
     };
+    let rho_histogram = squared_sensitivity as f64 / (2.0 * variance as f64);
     Ok(AnalyticsPlan {
         squared_sensitivity,
         variance,
-        rho_per_round: squared_sensitivity as f64 / (2.0 * variance as f64),
+        rho_histogram,
+        rho_per_round: rho_histogram + check.map_or(0.0, |c| c.rho),
         conversion_delta,
         threshold,
+        distinct_check: check,
     })
 }
 
@@ -280,6 +328,8 @@ mod tests {
         // The variance is rounded up: the whole plan spends at most the budget, and nearly it.
         assert!(spent.epsilon <= 1.0 && spent.epsilon > 0.97, "{spent:?}");
         assert!((plan.rho_per_round - 4.0 / (2.0 * plan.variance as f64)).abs() < 1e-15);
+        assert_eq!(plan.rho_per_round, plan.rho_histogram);
+        assert!(plan.distinct_check.is_none());
     }
 
     #[test]
@@ -294,7 +344,11 @@ mod tests {
         assert!((t.tau as f64 - t.continuous).abs() < 1.5, "{t:?}");
         let spent = plan.spent(&ClosedForm, 3).unwrap();
         assert!(spent.threshold_delta <= 5e-7 * (1.0 + 1e-12));
-        assert!(spent.epsilon <= 2.0);
+        assert!(spent.epsilon <= 2.0 && spent.epsilon > 1.95, "{spent:?}");
+        // The distinct-key check is charged: a millionth of rho, a negligible delta.
+        let check = plan.distinct_check.unwrap();
+        assert!((plan.rho_per_round - plan.rho_histogram - check.rho).abs() < 1e-18);
+        assert!(check.rho < 2e-6 && check.delta < 1e-40, "{check:?}");
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! definition and the front end links none of this crate.
 
 pub mod aggregate;
+pub mod analytics;
 pub mod dp;
 pub mod envelope;
 pub mod hpke_awslc;

@@ -28,7 +28,9 @@ use thiserror::Error;
 
 use crate::aggregate::inputs::{self, Input};
 use crate::aggregate::partition::{self, Partition, PartitionError};
-use crate::aggregate::{AggregateError, Aggregator, Binding, PrivacyParams, Release, blt_round};
+use crate::aggregate::{
+    AggregateError, Aggregator, Binding, Manifest, PrivacyParams, Release, blt_round,
+};
 use crate::envelope::RoundContext;
 use crate::key_collection::{CollectError, KeyRequest, KeyServiceEndpoint, obtain_private_key};
 use crate::policy::Mechanism;
@@ -40,6 +42,7 @@ use confed_worker_api::store::{
     JobSpec, JobStore, MIN_PARTITION_INPUTS, Partitioning, StagedRelease, StoreError,
 };
 
+mod analytics;
 mod open;
 
 pub use crate::policy::{MAX_TASK_DELTA, MAX_TASK_EPSILON};
@@ -265,6 +268,9 @@ impl<S: JobStore + 'static> Worker<S> {
     pub async fn run_job(&self, job: &JobSpec) -> Result<JobOutcome, JobError> {
         let (policy, context) = round_context(job)?;
         let schema = validate_model(&job.model)?;
+        if let Some(query) = &policy.analytics {
+            return self.run_analytics_job(job, &policy, query, context).await;
+        }
         let mut phases = Phases::default();
         if let Some(Partitioning::Partition { index, count }) = job.partitioning {
             let sealed = self
@@ -394,19 +400,7 @@ impl<S: JobStore + 'static> Worker<S> {
             }
         };
         phases.noise = step.elapsed();
-        let text = release_text(
-            &commitment,
-            &sha256_hex(&release.manifest.to_json()),
-            &release.manifest.average_sha256,
-        );
-        let proof = ReleaseProof {
-            enclave: ReleaseSignature {
-                enclave_signing_key: encode_verifying_key(signing_key.verifying_key()),
-                signature: sign_text(&signing_key, &text),
-            },
-            commitment,
-            receipts,
-        };
+        let proof = signed_proof(&release.manifest, commitment, &signing_key, receipts);
         Ok((release, proof))
     }
 
@@ -543,36 +537,12 @@ impl<S: JobStore + 'static> Worker<S> {
             inputs_digest = inputs::bind_blt_state(&inputs_digest, state.as_ref());
         }
         phases.read = step.elapsed();
-        let step = Instant::now();
-        let commitment = ReleaseCommitment {
-            task_id: context.task_id.clone(),
-            round: context.round,
-            key_id: job.key_id.clone(),
-            policy_sha256: context.policy_sha256.clone(),
-            model_sha256: context.model_sha256.clone(),
-            inputs_digest: inputs_digest.clone(),
-        };
-        let signing_key = confed_attestation::exchange::generate_signing_key();
-        let key = obtain_private_key(
-            &self.http,
-            &self.config.key_services,
-            &KeyRequest {
-                key_id: job.key_id.clone(),
-                public_key: job.public_key,
-                threshold: self.config.threshold,
-                task_id: job.task_id.clone(),
-                round: job.round,
-                commitment: commitment.clone(),
-                policy: job.policy.clone(),
-            },
-            self.config.attester.as_ref(),
-            &signing_key,
-            self.config.key_timeout,
-        )
-        .await?;
-        phases.key = step.elapsed();
-        let receipts = key.receipts;
-        let private_key = Arc::new(key.private_key);
+        let Keyed {
+            commitment,
+            signing_key,
+            receipts,
+            private_key,
+        } = self.key_for(job, &context, &inputs_digest, phases).await?;
         let binding = Binding {
             context,
             key_id: job.key_id.clone(),
@@ -601,6 +571,52 @@ impl<S: JobStore + 'static> Worker<S> {
             receipts,
             private_key,
             aggregator,
+        })
+    }
+
+    /// The release commitment of `inputs_digest` and the round's key against it: every key
+    /// service records the commitment in its ledger (one per round) and answers with a receipt.
+    /// The job's signing key is made here and bound into the attestation.
+    pub(super) async fn key_for(
+        &self,
+        job: &JobSpec,
+        context: &RoundContext,
+        inputs_digest: &str,
+        phases: &mut Phases,
+    ) -> Result<Keyed, JobError> {
+        let step = Instant::now();
+        let commitment = ReleaseCommitment {
+            task_id: context.task_id.clone(),
+            round: context.round,
+            key_id: job.key_id.clone(),
+            policy_sha256: context.policy_sha256.clone(),
+            model_sha256: context.model_sha256.clone(),
+            inputs_digest: inputs_digest.to_string(),
+        };
+        let signing_key = confed_attestation::exchange::generate_signing_key();
+        let key = obtain_private_key(
+            &self.http,
+            &self.config.key_services,
+            &KeyRequest {
+                key_id: job.key_id.clone(),
+                public_key: job.public_key,
+                threshold: self.config.threshold,
+                task_id: job.task_id.clone(),
+                round: job.round,
+                commitment: commitment.clone(),
+                policy: job.policy.clone(),
+            },
+            self.config.attester.as_ref(),
+            &signing_key,
+            self.config.key_timeout,
+        )
+        .await?;
+        phases.key = step.elapsed();
+        Ok(Keyed {
+            commitment,
+            signing_key,
+            receipts: key.receipts,
+            private_key: Arc::new(key.private_key),
         })
     }
 
@@ -678,6 +694,29 @@ impl<S: JobStore + 'static> Worker<S> {
     }
 }
 
+/// The release's proof: the enclave's signature over the commitment, the manifest's hash and the
+/// released bytes' hash, with the key services' receipts.
+pub(super) fn signed_proof(
+    manifest: &Manifest,
+    commitment: ReleaseCommitment,
+    signing_key: &p256::ecdsa::SigningKey,
+    receipts: Vec<confed_attestation::release::Receipt>,
+) -> ReleaseProof {
+    let text = release_text(
+        &commitment,
+        &sha256_hex(&manifest.to_json()),
+        &manifest.average_sha256,
+    );
+    ReleaseProof {
+        enclave: ReleaseSignature {
+            enclave_signing_key: encode_verifying_key(signing_key.verifying_key()),
+            signature: sign_text(signing_key, &text),
+        },
+        commitment,
+        receipts,
+    }
+}
+
 /// Refuses a partition plan with a partition of fewer than `MIN_PARTITION_INPUTS` inputs (one
 /// partition, the whole round, is always fine), before anything is read or asked for.
 fn check_plan(inputs: usize, count: u32) -> Result<(), PartitionError> {
@@ -687,6 +726,14 @@ fn check_plan(inputs: usize, count: u32) -> Result<(), PartitionError> {
         )));
     }
     Ok(())
+}
+
+/// A round's commitment and the key obtained against it (`key_for`).
+pub(super) struct Keyed {
+    pub(super) commitment: ReleaseCommitment,
+    pub(super) signing_key: p256::ecdsa::SigningKey,
+    pub(super) receipts: Vec<confed_attestation::release::Receipt>,
+    pub(super) private_key: Arc<crate::hpke::PrivateKey>,
 }
 
 /// A job after its key: what `prepare` hands the step that follows.

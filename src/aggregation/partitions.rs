@@ -80,7 +80,12 @@ impl TaskDbJobStore {
         {
             return Ok(false);
         }
-        let count = self.partitioning.partitions(context.contributions.len());
+        // Analytics rounds are aggregated whole by one worker (partitioning their tables is not
+        // built yet: docs/analytics.md).
+        let count = match context.task.spec.analytics {
+            Some(_) => 1,
+            None => self.partitioning.partitions(context.contributions.len()),
+        };
         if count > 1 {
             self.digest_direct_uploads(context, worker).await?;
         }

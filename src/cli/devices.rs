@@ -182,6 +182,7 @@ pub(super) async fn run(command: DevicesCommand) -> Result<()> {
                 progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
                 bars: None,
                 state_dir: (!forgetful).then_some(state_dir),
+                analytics: None,
             };
             let summary = run(config.clone()).await?;
             summary.print();

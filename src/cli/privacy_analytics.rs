@@ -61,6 +61,18 @@ struct ThresholdOut {
     continuous: f64,
 }
 
+/// The open domain's check of its distinct keys (docs/privacy.md, "Analytics").
+#[derive(Serialize)]
+struct DistinctCheckOut {
+    /// The noised count must stay at most this.
+    checked_at: u64,
+    /// Keys the enclave's table holds at most.
+    table_keys: u64,
+    noise_stddev: f64,
+    rho: f64,
+    delta: f64,
+}
+
 #[derive(Serialize)]
 struct AnalyticsOut {
     /// The task policy's `analytics` line.
@@ -74,7 +86,12 @@ struct AnalyticsOut {
     /// The integer variance the enclave samples each value's noise with, and its square root.
     noise_variance: u64,
     noise_stddev: f64,
+    /// zCDP rho of one round's histogram, and of the round in all (with the open domain's
+    /// check of its distinct keys).
+    rho_histogram: f64,
     rho_per_round: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    distinct_check: Option<DistinctCheckOut>,
     /// The delta the zCDP conversion is charged at.
     conversion_delta: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -116,7 +133,15 @@ pub(super) fn run_analytics(args: AnalyticsArgs) -> Result<()> {
         squared_sensitivity: plan.squared_sensitivity,
         noise_variance: plan.variance,
         noise_stddev: plan.stddev(),
+        rho_histogram: plan.rho_histogram,
         rho_per_round: plan.rho_per_round,
+        distinct_check: plan.distinct_check.map(|c| DistinctCheckOut {
+            checked_at: analytics::OPEN_KEYS_CHECKED_AT,
+            table_keys: analytics::MAX_OPEN_KEYS,
+            noise_stddev: (c.variance as f64).sqrt(),
+            rho: c.rho,
+            delta: c.delta,
+        }),
         conversion_delta: plan.conversion_delta,
         threshold: threshold_out(&plan, &query),
         rho_spent: spent.iter().map(|s| s.rho).collect(),

@@ -142,7 +142,11 @@ async fn check_releases(
     for release in releases {
         let base = state
             .db
-            .model(&task.tenant_id, &task.id, release.round_number - 1)
+            .model(
+                &task.tenant_id,
+                &task.id,
+                task.spec.base_model_version(release.round_number),
+            )
             .await
             .ok()
             .map(|m| m.sha256_hex);

@@ -292,7 +292,8 @@ impl Db {
             .bind(round_id)
             .fetch_one(&mut *conn)
             .await?;
-        let model = models::load(&mut conn, &task.id, round.round_number - 1).await?;
+        let base = task.spec.base_model_version(round.round_number);
+        let model = models::load(&mut conn, &task.id, base).await?;
         let rows: Vec<(String, String, Option<String>)> = sqlx::query_as(
             "SELECT id, blob_key, contribution_blake3 FROM assignments WHERE round_id = $1 \
              AND state = 'COMPLETED' AND blob_key IS NOT NULL ORDER BY id",
@@ -394,6 +395,15 @@ impl Db {
                 .bind(&release.proof_json)
                 .execute(&mut *tx)
                 .await?;
+                // An analytics round's release is its result: nothing to apply, so the round
+                // completes (and the next opens) in the same transaction.
+                let task = tasks::load_any(&mut *tx, &round.task_id).await?;
+                if task.spec.analytics.is_some() {
+                    let done = "result released (analytics: no model to apply)";
+                    let version = round.round_number;
+                    complete_round(&mut *tx, &round_id, &task, version, done, None, Millis(now))
+                        .await?;
+                }
                 Ok(())
             })
         })
@@ -426,69 +436,23 @@ impl Db {
                 let task = tasks::load_any(&mut *tx, &round.task_id).await?;
                 let version = round.round_number;
                 models::insert(&mut *tx, &task.id, version, &model, Millis(now)).await?;
-                rounds::close(
-                    &mut *tx,
-                    &round_id,
-                    RoundState::Applying,
-                    RoundState::Completed,
-                    &format!("model version {version} stored"),
-                    Millis(now),
-                )
-                .await?;
-                transition(
-                    &mut *tx,
-                    &round_id,
-                    JobState::Pending,
-                    JobState::Done,
-                    &format!("model version {version} stored"),
-                    Millis(now),
-                )
-                .await?;
-                sqlx::query(LEASE_GIVEN_UP)
-                    .bind(&round_id)
-                    .execute(&mut *tx)
-                    .await?;
                 sqlx::query("UPDATE tasks SET model_version = $1, updated_at = $2 WHERE id = $3")
                     .bind(version)
                     .bind(now)
                     .bind(&task.id)
                     .execute(&mut *tx)
                     .await?;
-                if task.state != TaskState::Open {
-                    return Ok(());
-                }
-                let more_rounds = version < i64::from(task.spec.rounds);
-                if more_rounds && let Some(reason) = early_stop {
-                    transition(
-                        &mut *tx,
-                        &task.id,
-                        TaskState::Open,
-                        TaskState::Completed,
-                        &reason,
-                        Millis(now),
-                    )
-                    .await?;
-                    return Ok(());
-                }
-                if more_rounds {
-                    sqlx::query("UPDATE tasks SET current_round = $1 WHERE id = $2")
-                        .bind(version + 1)
-                        .bind(&task.id)
-                        .execute(&mut *tx)
-                        .await?;
-                    rounds::open(&mut *tx, &task, version + 1, 1, Millis(now)).await?;
-                } else {
-                    transition(
-                        &mut *tx,
-                        &task.id,
-                        TaskState::Open,
-                        TaskState::Completed,
-                        &format!("all {version} rounds completed"),
-                        Millis(now),
-                    )
-                    .await?;
-                }
-                Ok(())
+                let done = format!("model version {version} stored");
+                complete_round(
+                    &mut *tx,
+                    &round_id,
+                    &task,
+                    version,
+                    &done,
+                    early_stop,
+                    Millis(now),
+                )
+                .await
             })
         })
         .await
@@ -627,4 +591,75 @@ pub(super) async fn fail_leased(
         .await?;
     }
     Ok(())
+}
+
+/// Completes round `version` of `task` (APPLYING -> COMPLETED) and its job, gives up the lease,
+/// and opens the next round or, after the last planned round or when `early_stop` gives a
+/// reason, completes the task: what a committed model does for training, and a committed
+/// release for analytics (which has no model to wait for).
+async fn complete_round(
+    tx: &mut Conn,
+    round_id: &str,
+    task: &tasks::TaskRecord,
+    version: i64,
+    done: &str,
+    early_stop: Option<String>,
+    now: Millis,
+) -> Result<(), DbError> {
+    rounds::close(
+        &mut *tx,
+        round_id,
+        RoundState::Applying,
+        RoundState::Completed,
+        done,
+        now,
+    )
+    .await?;
+    transition(
+        &mut *tx,
+        round_id,
+        JobState::Pending,
+        JobState::Done,
+        done,
+        now,
+    )
+    .await?;
+    sqlx::query(LEASE_GIVEN_UP)
+        .bind(round_id)
+        .execute(&mut *tx)
+        .await?;
+    if task.state != TaskState::Open {
+        return Ok(());
+    }
+    let more_rounds = version < i64::from(task.spec.rounds);
+    if more_rounds && let Some(reason) = early_stop {
+        return transition(
+            &mut *tx,
+            &task.id,
+            TaskState::Open,
+            TaskState::Completed,
+            &reason,
+            now,
+        )
+        .await;
+    }
+    if more_rounds {
+        sqlx::query("UPDATE tasks SET current_round = $1 WHERE id = $2")
+            .bind(version + 1)
+            .bind(&task.id)
+            .execute(&mut *tx)
+            .await?;
+        rounds::open(&mut *tx, task, version + 1, 1, now).await?;
+        Ok(())
+    } else {
+        transition(
+            &mut *tx,
+            &task.id,
+            TaskState::Open,
+            TaskState::Completed,
+            &format!("all {version} rounds completed"),
+            now,
+        )
+        .await
+    }
 }

@@ -92,7 +92,9 @@ impl Db {
             let mut conn = self.pool().acquire().await?;
             super::tasks::load_any(&mut conn, task_id).await?
         };
-        let model = self.model_of_task(task_id, round - 1).await?;
+        let model = self
+            .model_of_task(task_id, task.spec.base_model_version(round))
+            .await?;
         Ok(confed_protocol::envelope::RoundContext {
             task_id: task_id.to_string(),
             round: confed_protocol::ids::wire_round(round)

@@ -2,6 +2,7 @@
 //! Every field is checked; every problem is reported with the field's name and allowed range, all
 //! at once, so a partner fixes a request in one go.
 
+mod analytics;
 mod device_auth;
 mod evaluation;
 pub mod integers;
@@ -13,6 +14,8 @@ use confed_protocol::policy::{DpMechanism, Mechanism, TaskPolicy};
 use confed_worker_api::optimizer::ServerOptimizer;
 use std::collections::BTreeMap;
 
+pub use analytics::TaskKind;
+pub use confed_protocol::analytics::AnalyticsQuery;
 pub use confed_protocol::device::{parse_version, valid_population};
 pub use device_auth::DeviceAuthSpec;
 pub use evaluation::{EarlyStopping, EvaluationSpec, MAX_PATIENCE, Metric};
@@ -78,6 +81,17 @@ pub const MAX_TASK_NAME_CHARS: usize = 100;
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateTaskRequest {
+    /// `training` (the default) or `analytics`: devices answer the declared `analytics` query
+    /// from their records, and each round releases its noised result (docs/analytics.md).
+    #[serde(default)]
+    pub kind: Option<TaskKind>,
+    /// An analytics task's query: `{"query": "histogram", "domain_size": N, "keys_per_device":
+    /// K[, "max_value": C]}`, `{"query": "open_histogram", "max_key_bytes": L,
+    /// "keys_per_device": K}` or `{"query": "quantiles", "min": A, "max": B, "ranks": [...],
+    /// "values_per_device": V}` (docs/analytics.md for the caps).
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub analytics: Option<AnalyticsQuery>,
     /// What the partner calls the task, shown beside its id: 1-100 characters, no control
     /// characters (optional; it is not part of the task policy).
     #[serde(default)]
@@ -162,6 +176,13 @@ pub struct CreateTaskRequest {
 /// A validated task definition, as stored and as returned to the partner.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct TaskSpec {
+    /// Training or analytics (tasks created before analytics read as training).
+    #[serde(default)]
+    pub kind: TaskKind,
+    /// An analytics task's query.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub analytics: Option<AnalyticsQuery>,
     /// The partner's name for the task (tasks created before names, or without one: none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
@@ -231,7 +252,16 @@ impl TaskSpec {
             plan: serde_json::to_string(&self.plan).unwrap_or_else(|_| "{}".into()),
             upload_window: self.upload_window().policy(),
             device_auth: self.device_auth.as_ref().and_then(DeviceAuthSpec::policy),
-            analytics: None,
+            analytics: self.analytics.clone(),
+        }
+    }
+
+    /// The model version round `round`'s devices are given and bind: the one before it for
+    /// training, always version 0 (a fixed stand-in, `analytics_model`) for analytics.
+    pub fn base_model_version(&self, round: i64) -> i64 {
+        match self.analytics {
+            Some(_) => 0,
+            None => round - 1,
         }
     }
 
@@ -293,8 +323,22 @@ impl TaskSpec {
 
 impl CreateTaskRequest {
     /// Checks every field; on failure returns every invalid field with what is allowed.
-    pub fn validate(self) -> Result<TaskSpec, Vec<InvalidParam>> {
+    pub fn validate(mut self) -> Result<TaskSpec, Vec<InvalidParam>> {
         let mut p = Problems::default();
+        let query = analytics::validate(&mut p, self.kind, self.analytics.as_ref());
+        let is_analytics = self.kind == Some(TaskKind::Analytics) || self.analytics.is_some();
+        if is_analytics {
+            analytics::refuse_training_fields(&mut p, &self);
+            self.privacy.clip_norm = confed_protocol::policy::ANALYTICS_CLIP_NORM;
+        } else if self.privacy.clip_norm.is_nan() {
+            p.add(
+                "privacy.clip_norm",
+                format!(
+                    "a training task needs the L2 bound of one device's update, in [{MIN_CLIP_NORM}, {MAX_CLIP_NORM}]"
+                ),
+            );
+            self.privacy.clip_norm = 1.0;
+        }
         // Lengths as sent (JSON Schema's maxLength counts them so), kept without the spaces
         // around.
         let too_long = self
@@ -441,6 +485,20 @@ impl CreateTaskRequest {
             weighting: privacy.weighting.map(|w| w.policy()),
         };
         if p.0.is_empty()
+            && let Some(query) = &query
+            && let Err(problem) = confed_dp::analytics::check_analytics_plan(
+                &confed_dp::ClosedForm,
+                query,
+                privacy.epsilon,
+                privacy.delta,
+                rounds,
+                report_goal,
+            )
+        {
+            p.add("privacy", problem.to_string());
+        }
+        if p.0.is_empty()
+            && query.is_none()
             && let Err(problem) = confed_dp::check_plan(
                 &confed_dp::ClosedForm,
                 mechanism,
@@ -459,6 +517,11 @@ impl CreateTaskRequest {
             return Err(p.0);
         }
         Ok(TaskSpec {
+            kind: match query {
+                Some(_) => TaskKind::Analytics,
+                None => TaskKind::Training,
+            },
+            analytics: query,
             name,
             population: self.population,
             rounds,

@@ -26,7 +26,9 @@ pub struct PrivacyBudget {
     /// (0, 0.01].
     #[schema(exclusive_minimum = 0.0, maximum = 0.01)]
     pub delta: f64,
-    /// L2 bound of one device's update, [1e-6, 1e6].
+    /// L2 bound of one device's update, [1e-6, 1e6]: required for a training task, refused for
+    /// an analytics task (its query's bounds take its place; stored as 1).
+    #[serde(default = "no_clip_norm")]
     #[schema(minimum = 0.000001, maximum = 1000000.0)]
     pub clip_norm: f64,
     /// `gaussian` (default: independent noise on every round), `tree_aggregation` (DP-FTRL:
@@ -63,6 +65,12 @@ pub struct PrivacyBudget {
     /// noise and the accounting are those of uniform averaging. Off (uniform) unless given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weighting: Option<WeightingSpec>,
+}
+
+/// `privacy.clip_norm` left out: a NaN the validation refuses for training tasks (an analytics
+/// task's is set to 1 before anything reads it).
+fn no_clip_norm() -> f64 {
+    f64::NAN
 }
 
 /// `privacy.weighting`: `{"by": "examples", "max_examples": <1-1000000>}`.

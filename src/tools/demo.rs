@@ -348,6 +348,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
             bars: Some(bars.clone()),
             // The population's devices keep what they served, as real devices do.
             state_dir: Some(options.data_dir.join("devices")),
+            analytics: None,
         })
         .await?;
         if let Some(failure) = summary.failures.first() {

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 
+use super::analytics_population::AnalyticsPopulation;
 use super::train::{Plan, Rng, Softmax, Synthetic};
 use confed_device::{Checkin, DeviceClient, DeviceError, ReportOutcome, Trained, TrustConfig};
 
@@ -40,6 +41,9 @@ pub struct SimulationConfig {
     /// as real devices do. `None`: in memory only (the device library warns once): right for a
     /// load generator, wrong for anything that restarts devices of a DP-FTRL task.
     pub state_dir: Option<std::path::PathBuf>,
+    /// The devices' records for analytics tasks (`None`: the default population). A device
+    /// whose assignment's policy names a query answers it from these instead of training.
+    pub analytics: Option<AnalyticsPopulation>,
 }
 
 /// Latencies of one kind of call.
@@ -334,7 +338,16 @@ async fn device(shared: Arc<Shared>, index: u64) {
             continue;
         }
         // Idle again only after a contribution or a late one: failures in a row add up.
-        match cycle(&shared, &client, &assignment, shard.as_ref(), &mut rng).await {
+        match cycle(
+            &shared,
+            &client,
+            &assignment,
+            shard.as_ref(),
+            index,
+            &mut rng,
+        )
+        .await
+        {
             Ok(()) => {
                 idle = 0;
                 contributed += 1;
@@ -379,6 +392,7 @@ async fn cycle(
     client: &DeviceClient,
     assignment: &crate::api::devices::AssignmentResponse,
     shard: Option<&Arc<LocalData>>,
+    index: u64,
     rng: &mut Rng,
 ) -> Result<(), DeviceError> {
     // Accepting the assignment: the checks and the download depend on the policy, the key and
@@ -391,27 +405,61 @@ async fn cycle(
     let schedule = client.schedule(assignment, &policy)?;
     let started = Instant::now();
     let model = client.model(assignment).await?;
-    let shape = model.update_shape(&policy)?;
     shared.timed("model", started);
+    if let Some(query) = policy.policy.analytics.clone() {
+        let population = shared.config.analytics.clone().unwrap_or_default();
+        let records = population.records(&query, index, shared.config.seed);
+        let answering = schedule.answer_until(&query, records);
+        let keyed = (&public_key, &schedule, &policy, &model);
+        return send_at_instant(shared, client, assignment, keyed, answering).await;
+    }
+    let shape = model.update_shape(&policy)?;
     // From here on, nothing the server hears depends on what training does, nor when: a
     // failure, a NaN, the wrong tensors or training still running at the send instant become a
     // zero update of the model's shape, sealed, uploaded and reported `completed` like any other
     // at the drawn instant (docs/privacy.md, "What leaves a device").
     let evaluation = client.evaluation_for(assignment, &policy);
     let train = trainer(&model, &policy, shard.cloned(), evaluation, &shape, rng);
+    let training = async {
+        Ok(schedule
+            .train_until(&shape, evaluation.is_some(), train)
+            .await)
+    };
+    let keyed = (&public_key, &schedule, &policy, &model);
+    send_at_instant(shared, client, assignment, keyed, training).await
+}
+
+/// An accepted assignment: the checked key, its schedule, the policy and the model.
+type Accepted<'a> = (
+    &'a confed_device::PublicKey,
+    &'a confed_device::Schedule,
+    &'a confed_device::AcceptedPolicy,
+    &'a confed_device::Model,
+);
+
+/// What a device does once it has accepted an assignment and started its work (`due`: training,
+/// or an analytics answer): asks for its token at the token instant, and at the send instant
+/// seals whatever is due, uploads it and reports.
+async fn send_at_instant(
+    shared: &Shared,
+    client: &DeviceClient,
+    assignment: &crate::api::devices::AssignmentResponse,
+    (public_key, schedule, policy, model): Accepted<'_>,
+    due: impl std::future::Future<
+        Output = Result<confed_device::DueUpdate, confed_device::AnalyticsError>,
+    >,
+) -> Result<(), DeviceError> {
     let token = async {
         schedule.token_due().await;
         let started = Instant::now();
-        let token = client.token_for(assignment, &policy).await;
+        let token = client.token_for(assignment, policy).await;
         if matches!(token, Ok(Some(_))) {
             shared.timed("token", started);
         }
         token
     };
-    let (token, due) = tokio::join!(
-        token,
-        schedule.train_until(&shape, evaluation.is_some(), train)
-    );
+    let (token, due) = tokio::join!(token, due);
+    let due = due.map_err(|e| DeviceError::Training(e.to_string()))?;
     let times = schedule.times();
     let timing = SendTiming {
         drawn_ms: times.send_ms - times.received_ms,
@@ -421,7 +469,7 @@ async fn cycle(
     let token = token?;
     let started = Instant::now();
     let sent = client
-        .send(assignment, &public_key, &policy, &model, &due, token)
+        .send(assignment, public_key, policy, model, &due, token)
         .await;
     // Noted after the send: the zero path must do nothing more than the trained one before it.
     if !due.problems().is_empty() {

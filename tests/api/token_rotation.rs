@@ -115,6 +115,7 @@ async fn devices_follow_a_key_rotation_and_tasks_on_the_old_key_keep_filling() {
         progress: false,
         bars: None,
         state_dir: None,
+        analytics: None,
     })
     .await
     .unwrap();

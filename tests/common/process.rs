@@ -60,6 +60,7 @@ pub(crate) fn simulated_devices(
         progress: false,
         bars: None,
         state_dir: None,
+        analytics: None,
     }
 }
 

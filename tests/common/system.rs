@@ -201,6 +201,7 @@ pub(crate) async fn collect_trusting(
         progress: false,
         bars: None,
         state_dir: None,
+        analytics: None,
     })
     .await
     .unwrap();

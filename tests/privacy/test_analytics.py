@@ -79,10 +79,18 @@ def test_open_domain_rho_threshold_and_epsilon_agree_with_opendp_and_an_exact_su
         dp.l02inf_distance(dp.absolute_distance(T=int)),
         scale=math.sqrt(variance), threshold=tau)
     rho, opendp_delta = measurement.map((keys, keys, 1))
-    assert close(plan["rho_per_round"], rho), (plan["rho_per_round"], rho)
+    assert close(plan["rho_histogram"], rho), (plan["rho_histogram"], rho)
+    # The check of the distinct keys against the enclave's table: a count of sensitivity
+    # `keys` noised with 512 * keys, its rho from OpenDP's Gaussian map.
+    check = plan["distinct_check"]
+    assert check["noise_stddev"] == 512 * keys
+    count = dp.m.make_gaussian(dp.atom_domain(T=int), dp.absolute_distance(T=int),
+                               scale=check["noise_stddev"])
+    assert close(check["rho"], count.map(keys))
+    assert close(plan["rho_per_round"], rho + check["rho"])
 
     # The threshold: the smallest integer whose exact delta fits this round's share.
-    budget = delta / 2 / rounds
+    budget = delta / 2 / rounds - check["delta"]
     assert close(threshold["delta_budget"], budget)
     exact_at = joint(discrete_tail(variance, tau - 1), keys)
     exact_below = joint(discrete_tail(variance, tau - 2), keys)
@@ -94,14 +102,15 @@ def test_open_domain_rho_threshold_and_epsilon_agree_with_opendp_and_an_exact_su
     assert opendp_delta <= exact_at
 
     # The whole task's epsilon at the conversion's delta (half the task's), OpenDP's cast.
+    # One Gaussian release whose rho is the task's whole (rounds x the round's).
     whole = dp.c.make_fix_delta(dp.c.make_zCDP_to_approxDP(dp.m.make_gaussian(
         dp.atom_domain(T=float, nan=False), dp.absolute_distance(T=float),
-        scale=math.sqrt(variance / rounds))), delta / 2)
-    opendp_epsilon, _ = whole.map(math.sqrt(keys))
+        scale=1.0 / math.sqrt(2 * rounds * plan["rho_per_round"]))), delta / 2)
+    opendp_epsilon, _ = whole.map(1.0)
     assert close(plan["epsilon_spent"][-1], opendp_epsilon), (plan["epsilon_spent"],
                                                                opendp_epsilon)
     assert plan["epsilon_spent"][-1] <= epsilon
-    assert close(plan["threshold_delta_spent"][-1], rounds * exact_at)
+    assert close(plan["threshold_delta_spent"][-1], rounds * (exact_at + check["delta"]))
 
 
 CLOSED = [
@@ -117,7 +126,7 @@ CLOSED = [
 def test_closed_domains_and_quantile_trees_agree_with_opendps_gaussian(query, epsilon, rounds):
     delta = 1e-7
     plan = analytics_plan(query, epsilon, delta, rounds)
-    assert "threshold" not in plan
+    assert "threshold" not in plan and "distinct_check" not in plan
     assert plan["conversion_delta"] == delta
     # Sensitivity: sqrt(k) * c for histograms, sqrt(4 levels) * v for the quantile tree.
     expected = (2 * 3 if query["query"] == "quantiles"
@@ -127,6 +136,7 @@ def test_closed_domains_and_quantile_trees_agree_with_opendps_gaussian(query, ep
                                   dp.absolute_distance(T=float),
                                   scale=math.sqrt(plan["noise_variance"]))
     assert close(plan["rho_per_round"], gaussian.map(expected))
+    assert plan["rho_histogram"] == plan["rho_per_round"]
     whole = dp.c.make_fix_delta(dp.c.make_zCDP_to_approxDP(dp.m.make_gaussian(
         dp.atom_domain(T=float, nan=False), dp.absolute_distance(T=float),
         scale=math.sqrt(plan["noise_variance"] / rounds))), delta)

@@ -144,6 +144,7 @@ fn devices_of(
         progress: false,
         bars: None,
         state_dir: None,
+        analytics: None,
     }
 }
 

@@ -8,6 +8,7 @@
 mod common;
 
 mod aggregation;
+mod analytics;
 mod demo;
 mod health;
 mod key_release;

@@ -46,8 +46,39 @@ pub struct Manifest {
     /// Tasks whose policy names `health` only: how many of the round's devices sent zeros, noised.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub health: Option<HealthRecord>,
-    /// SHA-256 (hex) of the released average's bytes.
+    /// Analytics tasks only: the query and what its release carries (the released histogram or
+    /// quantiles are the release's bytes, in the average's place: `AnalyticsRecord`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub analytics: Option<AnalyticsRecord>,
+    /// SHA-256 (hex) of the released average's bytes (an analytics task's: of its result).
     pub average_sha256: String,
+}
+
+/// The analytics part of a release's manifest (docs/analytics.md): the query the task policy
+/// names, and the noise and threshold its result was released with.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AnalyticsRecord {
+    /// The task policy's `analytics=` value.
+    pub query: String,
+    /// L2 sensitivity of one device's answer to the round's histogram (or tree).
+    pub sensitivity: f64,
+    /// The integer variance of the noise on every released value, and its square root.
+    pub noise_variance: u64,
+    pub noise_stddev: f64,
+    /// Open domains: keys are released when their noised count is at least `threshold`; the
+    /// delta that adds to the round (with the distinct-key check's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub threshold: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub threshold_delta: Option<f64>,
+    /// Open domains: the round's count of distinct keys, noised (standard deviation
+    /// `distinct_keys_stddev`), and how many keys passed the threshold.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub distinct_keys: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub distinct_keys_stddev: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released_keys: Option<u64>,
 }
 
 impl Manifest {

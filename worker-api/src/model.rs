@@ -89,6 +89,13 @@ pub fn validate_model(bytes: &[u8]) -> Result<ModelSchema, ModelError> {
 }
 
 /// Serializes named F32 tensors as safetensors (used by tests, the simulator and the updater).
+/// The model version 0 of every analytics task: one F32 zero named `analytics`. An analytics
+/// round trains nothing, but devices and the enclave bind a base model's hash like any round's,
+/// so the server stores this fixed stand-in when the task is created (docs/analytics.md).
+pub fn analytics_model() -> Vec<u8> {
+    encode_f32_tensors(&[("analytics", vec![1], &[0.0])]).expect("one F32 value always encodes")
+}
+
 pub fn encode_f32_tensors(tensors: &[(&str, Vec<usize>, &[f32])]) -> Result<Vec<u8>, ModelError> {
     use safetensors::tensor::TensorView;
     let bytes: Vec<Vec<u8>> = tensors

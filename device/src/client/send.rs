@@ -128,6 +128,13 @@ impl DeviceClient {
                 "this update is not due yet: seal it at its send instant (Schedule::train_until returns then)".into(),
             ));
         }
+        // A training update under an analytics policy would answer a question nobody asked with
+        // data the query never bounded; an answer under a training policy is nobody's update.
+        if policy.policy.analytics.is_some() != update.update().is_answer() {
+            return Err(DeviceError::UntrustedPolicy(
+                "an analytics task is answered with Schedule::answer_until, a training task with Schedule::train_until".into(),
+            ));
+        }
         let update = update.update().bytes();
         // The device's privacy unit is one contribution per round: once it has sealed an update
         // for a round it declines further assignments to it, even if this upload never gets a

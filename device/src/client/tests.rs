@@ -102,6 +102,56 @@ fn a_device_seals_at_most_one_update_per_round() {
     ));
 }
 
+/// A training update is never sealed under an analytics policy, nor an answer under a training
+/// one: each kind of task gets what its policy asks for.
+#[test]
+fn an_analytics_task_seals_answers_and_a_training_task_updates() {
+    let client = DeviceClient::new("http://127.0.0.1:1", &open_trust()).unwrap();
+    let query = confed_protocol::analytics::AnalyticsQuery::OpenHistogram {
+        max_key_bytes: 8,
+        keys_per_device: 2,
+    };
+    let policy = TaskPolicy {
+        analytics: Some(query.clone()),
+        ..TaskPolicy::sample("t1", 3)
+    };
+    let (_, public) = confed_protocol::hpke::generate_keypair();
+    let a = assignment(&policy, &key());
+    let accepted = AcceptedPolicy {
+        sha256: policy.sha256_hex(),
+        policy,
+    };
+    let model = Model {
+        bytes: std::sync::Arc::new(vec![]),
+        sha256: "0".repeat(64),
+    };
+    let refused = client
+        .seal(&a, &public, &accepted, &model, &update())
+        .unwrap_err();
+    assert!(refused.to_string().contains("answer_until"), "{refused}");
+    let answer = crate::schedule::DueUpdate::now(
+        crate::update::WellFormedUpdate::answer(
+            crate::analytics::answer(&query, &crate::Records::Strings(vec!["w".into()])).unwrap(),
+            Vec::new(),
+        ),
+        confed_protocol::ids::Capability::from("a1")
+            .reference()
+            .into_string(),
+    );
+    assert!(client.seal(&a, &public, &accepted, &model, &answer).is_ok());
+    // The same answer under a training policy is refused.
+    let training = TaskPolicy::sample("t2", 3);
+    let b = assignment(&training, &key());
+    let accepted = AcceptedPolicy {
+        sha256: training.sha256_hex(),
+        policy: training,
+    };
+    let refused = client
+        .seal(&b, &public, &accepted, &model, &answer)
+        .unwrap_err();
+    assert!(refused.to_string().contains("train_until"), "{refused}");
+}
+
 /// A due update seals only for its own assignment, and not before its send instant: no caller
 /// of the crate can send before the instant drawn for the assignment (issue 45).
 #[tokio::test(start_paused = true)]
@@ -314,18 +364,6 @@ fn a_policy_outside_the_devices_limits_is_refused() {
             .accepted_policy(&assignment(&fine, &key), "other")
             .is_err()
     );
-    // An analytics query is declined: this library would answer it with a training update.
-    let query = TaskPolicy {
-        analytics: Some(confed_protocol::analytics::AnalyticsQuery::OpenHistogram {
-            max_key_bytes: 16,
-            keys_per_device: 4,
-        }),
-        ..fine.clone()
-    };
-    let refused = client
-        .accepted_policy(&assignment(&query, &key), "p")
-        .unwrap_err();
-    assert!(refused.to_string().contains("analytics"), "{refused}");
 }
 
 /// A device pinned to a tenant refuses another tenant's policy even if the server assigns it.

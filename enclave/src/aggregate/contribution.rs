@@ -38,10 +38,15 @@ pub enum Exclusion {
     /// not bound to this envelope, or forged): `device_auth::TokenRefusal`. Whether a device has
     /// a token is not something its data decides.
     Unauthenticated,
+    /// An analytics task's plaintext is safetensors of the answer's tensors and shapes but not
+    /// an answer an honest device writes (`confed_protocol::answer::AnswerProblem`: presence not
+    /// 0 or 1, padding not zeros, a key outside the domain or not UTF-8, a repeated key, a value
+    /// outside `[0, c]`); the device library builds answers from checked records.
+    InvalidAnswer,
 }
 
 impl Exclusion {
-    pub const ALL: [Exclusion; 8] = [
+    pub const ALL: [Exclusion; 9] = [
         Self::MalformedEnvelope,
         Self::WrongKey,
         Self::DecryptionFailed,
@@ -50,6 +55,7 @@ impl Exclusion {
         Self::WrongDtype,
         Self::Missing,
         Self::Unauthenticated,
+        Self::InvalidAnswer,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -62,6 +68,7 @@ impl Exclusion {
             Self::WrongDtype => "wrong_dtype",
             Self::Missing => "missing",
             Self::Unauthenticated => "unauthenticated",
+            Self::InvalidAnswer => "invalid_answer",
         }
     }
 }

@@ -148,6 +148,7 @@ impl Aggregator {
             adaptive_clipping: adaptive.map(|(record, _)| record),
             evaluation: evaluated,
             health: health.map(|(record, _)| record),
+            analytics: None,
             average_sha256: hex(Sha256::digest(&average)),
         };
         Ok(Release {

@@ -83,6 +83,11 @@ pub enum AggregateError {
     EvaluationMismatch { collected: bool, round: u64 },
     #[error("{0}")]
     Unsupported(String),
+    #[error(
+        "the round's open domain holds more distinct keys than the enclave's table takes{}; nothing released (docs/privacy.md, \"Analytics\")",
+        match .noised { Some(n) => format!(" (noised count {n}, above {limit})"), None => format!(" (more than {limit})") }
+    )]
+    TooManyKeys { noised: Option<i64>, limit: u64 },
     #[error(transparent)]
     BltState(#[from] blt_state::StateError),
     #[error("BLT noise: {0}")]

@@ -77,7 +77,8 @@ pub fn health_seed(private_key: &PrivateKey, binding: &NoiseBinding<'_>) -> Zero
     labelled_seed(HEALTH_LABEL, private_key, binding)
 }
 
-fn labelled_seed(
+/// The ChaCha12 key of a release's noise under `label` (each kind of noise has its own).
+pub(crate) fn labelled_seed(
     label: &[u8],
     private_key: &PrivateKey,
     binding: &NoiseBinding<'_>,

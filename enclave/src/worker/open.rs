@@ -10,8 +10,27 @@ use confed_worker_api::store::{BlockingFetch, JobSpec, JobStore, StoreError};
 use futures_util::StreamExt;
 
 use super::{JobError, Worker};
-use crate::aggregate::Aggregator;
 use crate::aggregate::inputs::Input;
+use crate::aggregate::{Aggregator, Exclusion};
+use crate::analytics::AnalyticsAggregator;
+
+/// What the open step adds contributions to: a training round's sum or an analytics round's
+/// table. Called from every core at once.
+pub(crate) trait Opens: Send + Sync + 'static {
+    fn add(&self, assignment_ref: &str, stored: Option<&[u8]>) -> Result<(), Exclusion>;
+}
+
+impl Opens for Aggregator {
+    fn add(&self, assignment_ref: &str, stored: Option<&[u8]>) -> Result<(), Exclusion> {
+        Aggregator::add(self, assignment_ref, stored)
+    }
+}
+
+impl Opens for AnalyticsAggregator {
+    fn add(&self, assignment_ref: &str, stored: Option<&[u8]>) -> Result<(), Exclusion> {
+        AnalyticsAggregator::add(self, assignment_ref, stored)
+    }
+}
 
 impl<S: JobStore + 'static> Worker<S> {
     /// Reads, checks and opens every input into `aggregator`. Over a store that reads on the
@@ -20,11 +39,11 @@ impl<S: JobStore + 'static> Worker<S> {
     /// where a core waits for the slowest contribution of its batch, and at most `READ_AHEAD` +
     /// one per core contributions in memory, whatever the round's size. The lease is renewed
     /// before, every quarter lease during, and after.
-    pub(super) async fn open_all(
+    pub(super) async fn open_all<A: Opens>(
         &self,
         job: &JobSpec,
         inputs: Vec<Input>,
-        aggregator: &Arc<Aggregator>,
+        aggregator: &Arc<A>,
     ) -> Result<(), JobError> {
         if let Some(fetch) = self.store.blocking_fetch() {
             return self.open_on_cores(job, inputs, aggregator, fetch).await;
@@ -52,7 +71,7 @@ impl<S: JobStore + 'static> Worker<S> {
                         if stopped.load(Ordering::Relaxed) {
                             return Ok(None);
                         }
-                        open_one(&aggregator, reread, stored)
+                        open_one(&*aggregator, reread, stored)
                     })
                     .await
                     .map_err(JobError::Thread)?
@@ -86,11 +105,11 @@ impl<S: JobStore + 'static> Worker<S> {
     /// the cores idle a fifth of the time, and switching tasks took another tenth). One
     /// contribution per core in memory. The lease is renewed before, every quarter lease during,
     /// and after.
-    async fn open_on_cores(
+    async fn open_on_cores<A: Opens>(
         &self,
         job: &JobSpec,
         inputs: Vec<Input>,
-        aggregator: &Arc<Aggregator>,
+        aggregator: &Arc<A>,
         fetch: Arc<dyn BlockingFetch>,
     ) -> Result<(), JobError> {
         let renew = || {
@@ -113,7 +132,7 @@ impl<S: JobStore + 'static> Worker<S> {
             tokio::task::spawn_blocking(move || {
                 // Stops the other cores unless this one ends well: an error, or a panic.
                 let stop = StopOnExit::new(Arc::clone(&stopped));
-                let outcome = open_queue(&queue, &stopped, &*fetch, &aggregator);
+                let outcome = open_queue(&queue, &stopped, &*fetch, &*aggregator);
                 if outcome.is_ok() {
                     stop.disarm();
                 }
@@ -209,11 +228,11 @@ fn served(
 
 /// One core's share of `open_on_cores`: the next input from `queue` until it is empty or
 /// another core failed, each read into this core's buffer, checked and opened.
-fn open_queue(
+fn open_queue<A: Opens>(
     queue: &std::sync::Mutex<std::vec::IntoIter<Input>>,
     stopped: &AtomicBool,
     fetch: &dyn BlockingFetch,
-    aggregator: &Aggregator,
+    aggregator: &A,
 ) -> Result<(), JobError> {
     let mut buffer = Vec::new();
     while !stopped.load(Ordering::Relaxed) {
@@ -258,8 +277,8 @@ type Reread = (String, Option<[u8; 32]>);
 /// opened, while its bytes are in this core's cache); gives back its buffer, or its ref when it
 /// is not as committed. The job then fails, and what was added before is dropped with the
 /// aggregator, unreleased.
-fn open_one(
-    aggregator: &Aggregator,
+fn open_one<A: Opens>(
+    aggregator: &A,
     (assignment_ref, expected): Reread,
     stored: Option<Vec<u8>>,
 ) -> Result<Option<Vec<u8>>, String> {

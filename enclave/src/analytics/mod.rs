@@ -1,0 +1,139 @@
+//! Analytics rounds inside the enclave (docs/analytics.md): open each contribution as for
+//! training, read it as an answer to the task's query (`confed_protocol::answer`: every check an
+//! honest device's answer passes), add its slots to the round's exact table (`table.rs`), then
+//! noise every value once, select an open domain's keys by its threshold and release the result
+//! in the average's place (`release.rs`). The exact table never leaves this module.
+
+pub mod release;
+pub mod table;
+
+use std::sync::Mutex;
+
+use confed_protocol::analytics::AnalyticsQuery;
+use confed_protocol::answer::{Answer, AnswerProblem};
+use confed_protocol::device_auth::DeviceAuth;
+use rayon::prelude::*;
+use zeroize::Zeroizing;
+
+use crate::aggregate::AggregateError;
+use crate::aggregate::contribution::{self, Binding, Exclusion};
+use crate::hpke::PrivateKey;
+use crate::hpke_awslc::Recipient;
+use table::Table;
+
+pub use release::{AnalyticsParams, AnalyticsRelease};
+
+pub struct AnalyticsAggregator {
+    binding: Binding,
+    query: AnalyticsQuery,
+    recipient: Recipient,
+    table: Table,
+    outcome: Mutex<Outcome>,
+    device_auth: Option<DeviceAuth>,
+    buffers: Mutex<Vec<Zeroizing<Vec<u8>>>>,
+}
+
+#[derive(Default)]
+pub(crate) struct Outcome {
+    pub(crate) included: Vec<String>,
+    pub(crate) excluded: Vec<(String, Exclusion)>,
+}
+
+/// The exclusion an answer's problem is counted under: its format's, or `invalid_answer`.
+fn exclusion_of(problem: &AnswerProblem) -> Exclusion {
+    match problem {
+        AnswerProblem::Format(_) => Exclusion::NotSafetensors,
+        AnswerProblem::Tensors | AnswerProblem::Shape(_) => Exclusion::WrongTensors,
+        _ => Exclusion::InvalidAnswer,
+    }
+}
+
+impl AnalyticsAggregator {
+    pub fn new(
+        binding: Binding,
+        query: AnalyticsQuery,
+        private_key: &PrivateKey,
+    ) -> Result<Self, AggregateError> {
+        let recipient =
+            Recipient::new(private_key).map_err(|e| AggregateError::Key(e.to_string()))?;
+        Ok(Self {
+            binding,
+            table: Table::new(&query),
+            query,
+            recipient,
+            outcome: Mutex::default(),
+            device_auth: None,
+            buffers: Mutex::default(),
+        })
+    }
+
+    /// Adds only contributions whose device token the policy's `device_auth` accepts.
+    pub fn authenticating(mut self, device_auth: Option<DeviceAuth>) -> Self {
+        self.device_auth = device_auth;
+        self
+    }
+
+    /// Adds one stored contribution (`None`: its bytes were missing). Safe to call from many
+    /// threads at once.
+    pub fn add(&self, assignment_ref: &str, stored: Option<&[u8]>) -> Result<(), Exclusion> {
+        let result = self.try_add(assignment_ref, stored);
+        let mut outcome = self.outcome.lock().expect("analytics outcome");
+        match result {
+            Ok(()) => outcome.included.push(assignment_ref.to_string()),
+            Err(reason) => outcome.excluded.push((assignment_ref.to_string(), reason)),
+        }
+        result
+    }
+
+    fn try_add(&self, assignment_ref: &str, stored: Option<&[u8]>) -> Result<(), Exclusion> {
+        let stored = stored.ok_or(Exclusion::Missing)?;
+        let envelope = contribution::parse(&self.binding, stored)?;
+        if let Some(auth) = &self.device_auth {
+            contribution::authenticate(auth, &self.binding, assignment_ref, &envelope)?;
+        }
+        let mut plaintext = self
+            .buffers
+            .lock()
+            .expect("plaintext buffers")
+            .pop()
+            .unwrap_or_default();
+        let added = contribution::open(
+            &self.recipient,
+            &self.binding,
+            assignment_ref,
+            &envelope,
+            &mut plaintext,
+        )
+        .and_then(|()| {
+            // Checked whole before anything is added: an answer is in the table whole or not
+            // at all.
+            let answer = Answer::read(&self.query, &plaintext).map_err(|e| exclusion_of(&e))?;
+            // A failed device's answer has no slots: it counts as included and adds nothing.
+            for (key, value) in answer.slots() {
+                self.table.add(key, value);
+            }
+            Ok(())
+        });
+        self.buffers
+            .lock()
+            .expect("plaintext buffers")
+            .push(plaintext);
+        added
+    }
+
+    /// Adds a batch across all cores.
+    pub fn add_batch(&self, batch: &[(String, Option<Vec<u8>>)]) {
+        batch.par_iter().for_each(|(assignment_ref, stored)| {
+            let _ = self.add(assignment_ref, stored.as_deref());
+        });
+    }
+
+    /// Contributions included and excluded so far.
+    pub fn counts(&self) -> (usize, usize) {
+        let outcome = self.outcome.lock().expect("analytics outcome");
+        (outcome.included.len(), outcome.excluded.len())
+    }
+}
+
+#[cfg(test)]
+mod tests;
