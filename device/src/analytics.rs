@@ -151,8 +151,9 @@ pub fn answer_with(
     }
 }
 
-/// The longest prefix of `text` of at most `bytes` bytes that ends at a character boundary.
-fn cut(text: &str, bytes: usize) -> &str {
+/// The longest prefix of `text` of at most `bytes` bytes that ends at a character boundary: how
+/// an open-domain key longer than the query's `max_key_bytes` is sent.
+pub fn cut(text: &str, bytes: usize) -> &str {
     let mut end = bytes.min(text.len());
     while !text.is_char_boundary(end) {
         end -= 1;

@@ -6,11 +6,18 @@ use anyhow::Result;
 
 #[derive(clap::Args)]
 pub(crate) struct DemoArgs {
-    /// Simulated devices in the population.
-    #[arg(long, default_value_t = 300)]
-    pub devices: usize,
-    #[arg(long, default_value_t = 5)]
-    pub rounds: u32,
+    /// New-word discovery instead of training: an analytics task over devices holding Zipf
+    /// words and planted new words; prints the discovered words' precision and recall against
+    /// the truth above the threshold (docs/analytics.md). Takes --devices (default 10,000, all
+    /// in every round), --rounds (default 1), --epsilon, --delta, --seed.
+    #[arg(long)]
+    pub analytics: bool,
+    /// Simulated devices in the population (default 300; 10,000 with --analytics).
+    #[arg(long)]
+    pub devices: Option<usize>,
+    /// Rounds (default 5; 1 with --analytics).
+    #[arg(long)]
+    pub rounds: Option<u32>,
     /// Devices aggregated per round.
     #[arg(long, default_value_t = 100)]
     pub report_goal: u32,
@@ -113,9 +120,29 @@ pub(super) async fn run(args: DemoArgs) -> Result<()> {
             (std::env::temp_dir().join(unique), true)
         }
     };
+    if args.analytics {
+        let outcome = confed::tools::analytics_demo::run(
+            confed::tools::analytics_demo::AnalyticsDemoOptions {
+                devices: args.devices.unwrap_or(10_000),
+                rounds: args.rounds.unwrap_or(1),
+                epsilon: args.epsilon,
+                delta: args.delta,
+                seed: args.seed,
+                data_dir: data_dir.clone(),
+                progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+                ports: args.embedded_ports,
+            },
+        )
+        .await;
+        if temporary {
+            let _ = std::fs::remove_dir_all(&data_dir);
+        }
+        outcome?;
+        return Ok(());
+    }
     let outcome = confed::tools::demo::run(confed::tools::demo::DemoOptions {
-        devices: args.devices,
-        rounds: args.rounds,
+        devices: args.devices.unwrap_or(300),
+        rounds: args.rounds.unwrap_or(5),
         report_goal: args.report_goal,
         epsilon: args.epsilon,
         delta: args.delta,

@@ -636,4 +636,6 @@ fn validate_constraints(p: &mut Problems, constraints: &BTreeMap<String, Constra
 }
 
 #[cfg(test)]
+mod analytics_tests;
+#[cfg(test)]
 mod tests;

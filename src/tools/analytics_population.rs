@@ -101,3 +101,18 @@ impl AnalyticsPopulation {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_planted_word_is_held_by_about_its_share_of_devices() {
+        let population = AnalyticsPopulation::new(20_000, 1.0, 4, vec![("new".into(), 0.08)]);
+        let holders = (0..5000u64)
+            .filter(|d| population.words(*d, 6).iter().any(|w| w == "new"))
+            .count();
+        // 400 expected; 5 standard deviations of a binomial: 96.
+        assert!((holders as i64 - 400).abs() < 96, "{holders}");
+    }
+}

@@ -125,6 +125,13 @@ async fn an_open_domain_task_releases_the_words_many_devices_hold_every_round() 
         assert!(names.contains(&"planted-most"), "{names:?}");
         assert!(keys.iter().all(|(_, count)| *count >= tau), "{keys:?}");
         assert!(names.len() <= 4, "{names:?}");
+        // Every device holds "planted-all": its count is the round's, within the stated noise.
+        let stddev = analytics["noise_stddev"].as_f64().unwrap();
+        let all = keys.iter().find(|(k, _)| k == "planted-all").unwrap().1;
+        assert!(
+            (all - DEVICES as i64).abs() as f64 <= 6.0 * stddev,
+            "planted-all released as {all} of {DEVICES} (stddev {stddev})"
+        );
         let verified =
             confed::verify::verify_release(&system.url, &token, &id, round, &system.trust)
                 .await
