@@ -155,6 +155,13 @@ impl<'a> Answer<'a> {
     /// slots first in increasing key order (so distinct), zero padding, keys inside the domain
     /// (strings: non-empty UTF-8 without a zero byte, then zeros), values in `[0, c]`.
     pub fn read(query: &AnalyticsQuery, plaintext: &'a [u8]) -> Result<Self, AnswerProblem> {
+        let tensors = Self::tensors(query, plaintext)?;
+        Self::check(query, tensors)
+    }
+
+    /// The four tensors' bytes (present, keys, values, health), each of the query's dtype and
+    /// shape.
+    fn tensors(query: &AnalyticsQuery, plaintext: &'a [u8]) -> Result<Tensors<'a>, AnswerProblem> {
         let tensors = SafeTensors::deserialize(plaintext)
             .map_err(|e| AnswerProblem::Format(e.to_string()))?;
         if tensors.len() != 4 {
@@ -175,6 +182,23 @@ impl<'a> Answer<'a> {
         };
         let values = tensor(VALUES_TENSOR, Dtype::I64, &[k])?;
         let health = tensor(HEALTH_TENSOR, Dtype::F32, &[1])?;
+        // Borrowed from `plaintext` (the views only point into it).
+        let within = |data: &[u8]| -> &'a [u8] {
+            let start = data.as_ptr() as usize - plaintext.as_ptr() as usize;
+            &plaintext[start..start + data.len()]
+        };
+        Ok([
+            within(present),
+            within(keys),
+            within(values),
+            within(health),
+        ])
+    }
+
+    /// Every check of an answer's tensors (`read`).
+    fn check(query: &AnalyticsQuery, tensors: Tensors<'a>) -> Result<Self, AnswerProblem> {
+        let [present, keys, values, health] = tensors;
+        let width = shape(query).1;
         let flag = f32::from_le_bytes(health.try_into().map_err(|_| AnswerProblem::Health)?);
         let slot_width = if width == 0 { 8 } else { width };
         let count = present.iter().take_while(|p| **p == 1).count();
@@ -261,6 +285,54 @@ impl<'a> Answer<'a> {
     /// Whether the device sent no keys because its computation failed.
     pub fn failed(&self) -> bool {
         self.failed
+    }
+}
+
+/// The bytes of `confed.present`, `confed.keys`, `confed.values` and `confed.health`.
+type Tensors<'a> = [&'a [u8]; 4];
+
+/// How answers to one query are laid out, found once: every honest device writes the same header
+/// (safetensors' serializer over the same names, dtypes and shapes), so an answer that starts with
+/// it is read at fixed offsets without parsing JSON. Anything else is read the long way
+/// (`Answer::read`), with the same checks.
+pub struct AnswerLayout {
+    query: AnalyticsQuery,
+    header: Vec<u8>,
+    len: usize,
+    /// (start, end) of each tensor's bytes in an answer.
+    ranges: [(usize, usize); 4],
+}
+
+impl AnswerLayout {
+    pub fn new(query: &AnalyticsQuery) -> Result<Self, AnswerProblem> {
+        let empty = write(query, &[], false)?;
+        let header_len = 8 + usize::try_from(u64::from_le_bytes(
+            empty[..8].try_into().map_err(|_| AnswerProblem::Tensors)?,
+        ))
+        .map_err(|_| AnswerProblem::Tensors)?;
+        let tensors = Answer::tensors(query, &empty)?;
+        let base = empty.as_ptr() as usize;
+        let range = |data: &[u8]| {
+            let start = data.as_ptr() as usize - base;
+            (start, start + data.len())
+        };
+        Ok(Self {
+            query: query.clone(),
+            header: empty[..header_len].to_vec(),
+            len: empty.len(),
+            ranges: tensors.map(range),
+        })
+    }
+
+    /// `Answer::read`, at fixed offsets when the answer has the header every device writes.
+    pub fn read<'a>(&self, plaintext: &'a [u8]) -> Result<Answer<'a>, AnswerProblem> {
+        if plaintext.len() != self.len || !plaintext.starts_with(&self.header) {
+            return Answer::read(&self.query, plaintext);
+        }
+        Answer::check(
+            &self.query,
+            self.ranges.map(|(start, end)| &plaintext[start..end]),
+        )
     }
 }
 

@@ -6,13 +6,16 @@ from .errors import ConfedError
 from .partner import Partner, PartnerError, TaskEnded
 from .policy import PolicyError, check_policy, parse_policy
 from .release import ReleaseError, verify_release
-from .simulation import RoundResult, SimulationError, run_simulation
+from . import analytics
+from .simulation import (AnalyticsRound, RoundResult, SimulationError, run_analytics,
+                         run_simulation)
 from .tensors import as_arrays, from_safetensors, to_safetensors, to_torch
 from . import tokens
 from .tokens import (AndroidKeyAttestation, AppAttestInvalidKey, AppAttestServerUnavailable,
                      AppleAppAttest, DevAttestation)
 
 __all__ = [
+    "AnalyticsRound",
     "ConfedError",
     "AndroidKeyAttestation",
     "AppleAppAttest",
@@ -39,7 +42,9 @@ __all__ = [
     "open_envelope",
     "parse_policy",
     "seal",
+    "run_analytics",
     "run_simulation",
+    "analytics",
     "to_safetensors",
     "to_torch",
     "tokens",

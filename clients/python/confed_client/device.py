@@ -28,6 +28,7 @@ from . import envelope, tokens
 from .errors import ConfedError
 from .policy import (EVALUATION_TENSOR, EXAMPLES_TENSOR, HEALTH_TENSOR, PolicyError,
                      check_policy, evaluates, parse_policy, policy_sha256)
+from . import analytics
 from .tensors import as_arrays, from_safetensors, to_safetensors, to_torch
 
 #: `train(weights, plan)`: the update (new weights minus the given ones), or `(update,
@@ -349,6 +350,12 @@ class Device:
     after_failure: tuple[float, float] = (60.0, 120.0)
     #: How the device waits (injectable for tests).
     sleep: Callable[[float], None] = time.sleep
+    #: `records(query) -> list`: this device's local records for an analytics task's query
+    #: (`query` as `confed_client.analytics.parse_query` gives it): `(key_index, value)` pairs
+    #: for a histogram, strings for an open histogram, numbers for quantiles. The device answers
+    #: from them by the query (docs/protocol.md, "Analytics answers"), never with partner code.
+    #: None: the device declines analytics tasks.
+    records: Callable[[dict], list] | None = None
     #: The latest 100 sends of this device, for its own inspection: {"task_id", "round",
     #: "received_ms", "send_ms" (drawn before training), "sealed_ms" (when the seal started)}.
     sent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100))
@@ -555,10 +562,9 @@ class Device:
             if policy["device_auth"] is not None and self.attestation is None:
                 raise DeviceError("the task requires device tokens and this device has no "
                                   "attestation (Device(attestation=...))")
-            if policy["analytics"] is not None:
-                # A training update sealed under a query would answer what nobody asked.
-                raise DeviceError("the task is an analytics query; this device trains "
-                                  "(answers come from confed_client.analytics)")
+            if policy["analytics"] is not None and self.records is None:
+                raise DeviceError("the task is an analytics query and this device has no "
+                                  "records to answer it from (Device(records=...))")
             times = self._schedule(assignment, policy, received_ms)
             reply = self._send("GET", self._url(assignment["model_url"]), timeout=60)
             if reply.status_code != 200:
@@ -586,8 +592,11 @@ class Device:
             measured = {k: v.copy() for k, v in model.items()}
             return self.evaluate(to_torch(measured) if self.tensors == "torch" else measured)
 
-        update_bytes, problems, (eks, token) = self._train_until(
-            times, model, trained, evaluated if evaluating else None, policy, assignment)
+        if policy["analytics"] is not None:
+            update_bytes, problems, (eks, token) = self._answer_until(times, policy, assignment)
+        else:
+            update_bytes, problems, (eks, token) = self._train_until(
+                times, model, trained, evaluated if evaluating else None, policy, assignment)
         self.sent.append({"task_id": served[0], "round": served[1],
                           "received_ms": times["received_ms"], "send_ms": times["send_ms"],
                           "sealed_ms": int(time.time() * 1000)})
@@ -690,6 +699,43 @@ class Device:
                 "late", "training had not finished at the send instant drawn from the "
                 "policy's upload window; zeros were sent")]
         return update, problems, token
+
+    def _answer_until(self, times: dict, policy: dict, assignment: dict) -> tuple:
+        """An analytics task's `_train_until`: computes the answer from `records` on a thread
+        and returns at the send instant with it, or with the failed answer (made first, the
+        same length) when it is not ready or failed: what the server hears, and when, says
+        nothing of the device's records."""
+        query = policy["analytics"]
+        failed = analytics.failed_answer(query)
+        done: dict = {}
+        finished = threading.Event()
+
+        def work() -> None:
+            try:
+                done["result"] = analytics.answer(query, self.records(query))
+            except Exception as error:  # noqa: BLE001 - the device's records, its own log
+                done["problem"] = TrainingProblem("training_failed", _describe(error))
+            finally:
+                finished.set()
+
+        threading.Thread(target=work, name="confed-answer", daemon=True).start()
+
+        def wait_until(ms: int) -> None:
+            time.sleep(max(0.0, ms / 1000 - time.time()))
+
+        wait_until(times["token_ms"])
+        try:
+            token = self._token(policy, assignment)
+        except Exception as error:
+            wait_until(times["send_ms"])
+            self._fail(assignment, error)
+            raise
+        wait_until(times["send_ms"])
+        if finished.is_set() and "result" in done:
+            return done["result"], [], token
+        problem = done.get("problem") or TrainingProblem(
+            "late", "the answer was not ready at the send instant; no keys were sent")
+        return failed, [problem], token
 
     def _token(self, policy: dict, assignment: dict):
         """(ephemeral key, device token) when the task requires tokens, else (None, None): the

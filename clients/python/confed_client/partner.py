@@ -60,6 +60,19 @@ class Partner:
                    headers={"content-type": "application/octet-stream"})
         return task["id"]
 
+    def create_analytics_task(self, spec: dict) -> str:
+        """Creates an analytics task (`POST /v1/tasks` with `"kind": "analytics"` and its
+        `analytics` query; docs/api.md, "Analytics tasks"): it opens at once, no model to
+        upload."""
+        return self._call("POST", "/v1/tasks", expect=(201,),
+                          json={"kind": "analytics", **spec}).json()["id"]
+
+    def result(self, task_id: str, round_: int) -> dict:
+        """An analytics release's result (`confed-analytics-release/v1`): `keys` (open
+        domains: `[key, noised count]` above the threshold), `histogram` (closed domains),
+        `tree` and `quantiles` (quantile queries), with `noise_stddev` and `threshold`."""
+        return self._call("GET", f"/v1/tasks/{task_id}/releases/{round_}/average").json()
+
     def task(self, task_id: str) -> dict:
         return self._call("GET", f"/v1/tasks/{task_id}").json()
 

@@ -233,3 +233,68 @@ def run_simulation(partner: Partner, task_id: str, trust: Trust,
     if task["state"] != "COMPLETED":
         raise TaskEnded(task)
     return history
+
+
+@dataclass
+class AnalyticsRound:
+    """One analytics round as the partner sees it: its release's counts and cost, and the
+    released result (`Partner.result`), verified against the trust file's key services."""
+
+    round: int
+    included: int
+    excluded: int
+    epsilon_spent: float
+    result: dict
+    verified: list = field(default_factory=list)
+
+
+def _until_answered(device: Device, round_: int, stop: threading.Event, max_wait: float) -> bool:
+    return _until_contributed(device, None, round_, stop, max_wait)
+
+
+def run_analytics(partner: Partner, task_id: str, trust: Trust,
+                  records_fn: Callable[[int, dict], list], num_devices: int,
+                  concurrency: int | None = None, max_wait: float = 1.0,
+                  round_timeout: float = 600.0, seed: int | None = None,
+                  **device_options) -> list[AnalyticsRound]:
+    """`run_simulation` for an analytics task (`Partner.create_analytics_task`): runs
+    `num_devices` devices of the task's population, device i answering from
+    `records_fn(i, query)` (its local records for the query: `(key_index, value)` pairs,
+    strings or numbers), until the task completes; returns each round's released result,
+    verified against `trust`. Every round the available devices check in in a random order,
+    each until it has answered or the round has ended; raises `TaskEnded` when the task fails
+    or is cancelled and `PartnerError` when a round does not release in `round_timeout`
+    seconds."""
+    task = partner.task(task_id)
+    population = task["population"]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="this confed Device keeps", category=UserWarning)
+        devices = [Device(partner.server, population, trust,
+                          records=(lambda query, i=i: records_fn(i, query)), **device_options)
+                   for i in range(num_devices)]
+    if concurrency is None:
+        concurrency = math.ceil(task["report_goal"] * (1 + task.get("over_selection", 0.3)))
+    sampler = random.Random(seed)
+    history: list[AnalyticsRound] = []
+    with ThreadPoolExecutor(min(concurrency, num_devices)) as pool:
+        for round_ in range(1, task["rounds"] + 1):
+            stop = threading.Event()
+            order = list(range(num_devices))
+            sampler.shuffle(order)
+            running = [pool.submit(_until_answered, devices[i], round_, stop, max_wait)
+                       for i in order]
+            try:
+                release = partner.wait_for_release(task_id, round_, timeout=round_timeout)
+            finally:
+                stop.set()
+                for future in running:
+                    future.cancel()
+            wait([f for f in running if not f.cancelled()])
+            for future in running:
+                if not future.cancelled() and future.exception() is not None:
+                    raise future.exception()
+            history.append(AnalyticsRound(
+                round_, release["included"], release["excluded"], release["epsilon_spent"],
+                partner.result(task_id, round_), partner.verify_release(task_id, round_, trust)))
+    task = partner.wait_for_state(task_id, "COMPLETED", timeout=round_timeout)
+    return history

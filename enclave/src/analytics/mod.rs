@@ -10,7 +10,7 @@ pub mod table;
 use std::sync::Mutex;
 
 use confed_protocol::analytics::AnalyticsQuery;
-use confed_protocol::answer::{Answer, AnswerProblem};
+use confed_protocol::answer::{AnswerLayout, AnswerProblem};
 use confed_protocol::device_auth::DeviceAuth;
 use rayon::prelude::*;
 use zeroize::Zeroizing;
@@ -25,7 +25,8 @@ pub use release::{AnalyticsParams, AnalyticsRelease};
 
 pub struct AnalyticsAggregator {
     binding: Binding,
-    query: AnalyticsQuery,
+    /// The query's answer layout (read at fixed offsets).
+    layout: AnswerLayout,
     recipient: Recipient,
     table: Table,
     outcome: Mutex<Outcome>,
@@ -56,10 +57,12 @@ impl AnalyticsAggregator {
     ) -> Result<Self, AggregateError> {
         let recipient =
             Recipient::new(private_key).map_err(|e| AggregateError::Key(e.to_string()))?;
+        let layout = AnswerLayout::new(&query)
+            .map_err(|e| AggregateError::Unsupported(format!("the query's answers: {e}")))?;
         Ok(Self {
             binding,
             table: Table::new(&query),
-            query,
+            layout,
             recipient,
             outcome: Mutex::default(),
             device_auth: None,
@@ -104,21 +107,23 @@ impl AnalyticsAggregator {
             &envelope,
             &mut plaintext,
         )
-        .and_then(|()| {
-            // Checked whole before anything is added: an answer is in the table whole or not
-            // at all.
-            let answer = Answer::read(&self.query, &plaintext).map_err(|e| exclusion_of(&e))?;
-            // A failed device's answer has no slots: it counts as included and adds nothing.
-            for (key, value) in answer.slots() {
-                self.table.add(key, value);
-            }
-            Ok(())
-        });
+        .and_then(|()| self.add_opened(&plaintext));
         self.buffers
             .lock()
             .expect("plaintext buffers")
             .push(plaintext);
         added
+    }
+
+    /// Adds an opened answer's slots (checked whole first: an answer is in the table whole or
+    /// not at all). A failed device's answer has no slots: it adds nothing. `add` calls it after
+    /// decryption; benchmarks call it to measure the table alone.
+    pub fn add_opened(&self, plaintext: &[u8]) -> Result<(), Exclusion> {
+        let answer = self.layout.read(plaintext).map_err(|e| exclusion_of(&e))?;
+        for (key, value) in answer.slots() {
+            self.table.add(key, value);
+        }
+        Ok(())
     }
 
     /// Adds a batch across all cores.

@@ -186,3 +186,31 @@ fn quantile_values_map_to_leaves_and_may_share_one() {
     assert_eq!(Answer::read(&query, &bytes).unwrap().slots().count(), 2);
     assert!(write(&query, &[(Key::Index(QUANTILE_LEAVES), 1)], false).is_err());
 }
+
+#[test]
+fn the_layout_reads_at_fixed_offsets_what_the_long_way_reads() {
+    let query = open(4, 8);
+    let layout = AnswerLayout::new(&query).unwrap();
+    let good = write(
+        &query,
+        &[(Key::Text(b"cat"), 1), (Key::Text(b"dog"), 1)],
+        false,
+    )
+    .unwrap();
+    let fast: Vec<_> = layout.read(&good).unwrap().slots().collect();
+    let slow: Vec<_> = Answer::read(&query, &good).unwrap().slots().collect();
+    assert_eq!(fast, slow);
+    // The same checks on the fast path: a value rewritten past the bound.
+    let bad = tampered(&good, VALUES_TENSOR, |v| v[0] = 9);
+    assert_eq!(layout.read(&bad).err(), Some(AnswerProblem::Value(0, 1)));
+    // Another header (another query's answer, or not safetensors) takes the long way.
+    let other = write(&open(3, 8), &[(Key::Text(b"cat"), 1)], false).unwrap();
+    assert_eq!(
+        layout.read(&other).err(),
+        Some(AnswerProblem::Shape(PRESENT_TENSOR))
+    );
+    assert!(matches!(
+        layout.read(b"short"),
+        Err(AnswerProblem::Format(_))
+    ));
+}
