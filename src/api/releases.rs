@@ -165,15 +165,18 @@ pub async fn get_average(
     ApiPath((id, round)): ApiPath<(String, i64)>,
 ) -> Result<Response, ApiError> {
     let release = release_of(&state, &tenant.id, &id, round).await?;
+    // An analytics task's result is JSON (docs/api.md, "Analytics tasks"); an average is
+    // safetensors.
+    let content_type = match state.db.task(&tenant.id, &id).await?.spec.analytics {
+        Some(_) => "application/json",
+        None => "application/octet-stream",
+    };
     let bytes = state.blobs.get(&BlobKey::new(release.average_key)?).await?;
     let etag = HeaderValue::from_str(&format!("\"{}\"", release.average_sha256))
         .map_err(|e| ApiError::Internal(e.to_string()))?;
     Ok((
         [
-            (
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/octet-stream"),
-            ),
+            (header::CONTENT_TYPE, HeaderValue::from_static(content_type)),
             (header::ETAG, etag),
             (
                 header::CACHE_CONTROL,

@@ -8,6 +8,7 @@
 //! server knows; a partner who does not trust the operator runs `confed verify release` with
 //! their own trust file (docs/console.md says so on the page).
 
+mod analytics;
 mod charts;
 mod error;
 mod evaluations;

@@ -179,6 +179,7 @@ pub(super) async fn show(
     let funnel = state.db.round_funnel(tenant_id, &id, first_shown).await?;
     let checks = check_releases(&state, &task, &releases).await?;
     let evaluations = state.evaluations().summary(&task).await?;
+    let result = super::analytics::section(&state, &task, releases.last()).await?;
     let aggregating = state
         .db
         .aggregating_since(tenant_id, &id, first_shown)
@@ -218,6 +219,9 @@ pub(super) async fn show(
                 }
             }
         }
+        @if let Some(result) = &result {
+            (result)
+        }
         section aria-labelledby="privacy-heading" {
             h2 #privacy-heading { "Privacy spent per round" }
             (charts::privacy_plot(
@@ -246,7 +250,11 @@ pub(super) async fn show(
                 }
             }
             @if shown.is_empty() {
-                p { "No round has started: upload model version 0 to open round 1." }
+                @if task.spec.analytics.is_some() {
+                    p { "No round has started." }
+                } @else {
+                    p { "No round has started: upload model version 0 to open round 1." }
+                }
             } @else {
                 p.note { "Where the latest attempt of each round sent its assigned devices (declined: devices that had already served the round, or one too close under the task's minimum separation, and said so; not a failure), what its release included (with, for a task requiring device tokens, how many carried a token the enclave verified) and excluded (from the manifest the enclave signed), and how long it collected and aggregated. Rows of rounds older than the retention period may count zero assignments." }
                 (funnel_table(&shown, now.0))

@@ -220,3 +220,32 @@ async fn inconsistent_demo_options_are_refused_before_anything_starts() {
     .to_string();
     assert_eq!(error, "--evaluate-every 4 must be between 1 and --rounds 3");
 }
+
+/// `confed demo --analytics`, smaller: 1,500 devices, one round; every release verified (the
+/// demo fails otherwise), the most common planted word found, precision high.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_analytics_demo_discovers_the_common_planted_words_and_verifies_its_release() {
+    let dir = tempfile::tempdir().unwrap();
+    let rounds =
+        confed::tools::analytics_demo::run(confed::tools::analytics_demo::AnalyticsDemoOptions {
+            devices: 1500,
+            rounds: 1,
+            epsilon: 4.0,
+            delta: 1e-6,
+            seed: 7,
+            data_dir: dir.path().join("analytics"),
+            progress: false,
+            ports: None,
+        })
+        .await
+        .unwrap();
+    let round = &rounds[0];
+    assert!(
+        round.released.contains_key("skibidi"),
+        "{:?}",
+        round.released
+    );
+    assert!(round.precision >= 0.8, "precision {}", round.precision);
+    assert!(round.recall >= 0.5, "recall {}", round.recall);
+    assert!(round.epsilon_spent <= 4.0);
+}
