@@ -6,7 +6,6 @@
 //! and the discovered words are scored against the truth the demo knows.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -14,8 +13,6 @@ use serde_json::{Value, json};
 use super::analytics_population::AnalyticsPopulation;
 use super::demo::DemoError;
 use super::simulate::{self, SimulationConfig};
-use crate::clock::SystemClock;
-use crate::embedded::{EmbeddedOptions, EmbeddedSystem};
 
 /// Bytes a word may have (longer ones are cut, as the device library does).
 const MAX_KEY_BYTES: u32 = 24;
@@ -72,25 +69,7 @@ pub async fn run(options: AnalyticsDemoOptions) -> Result<Vec<DiscoveryRound>, D
     println!(
         "confed demo --analytics: DEV MODE. Dev attester (no TEE), all key services in this process: nothing here is confidential."
     );
-    let system = EmbeddedSystem::start(EmbeddedOptions {
-        blobs: None,
-        data_dir: options.data_dir.clone(),
-        keyservices: 3,
-        threshold: 2,
-        clock: Arc::new(SystemClock),
-        background_worker: true,
-        scheduler_period: Duration::from_secs(1),
-        worker_token: None,
-        attester_key: None,
-        database: None,
-        partitioning: Default::default(),
-        ports: options.ports,
-    })
-    .await
-    .map_err(|e| DemoError::Setup {
-        step: "starting the embedded system",
-        source: e.into(),
-    })?;
+    let system = super::demo::start_system(options.data_dir.clone(), options.ports).await?;
     let token = system.tenant("demo-partner").await.map_err(api)?;
     let http = confed_protocol::http::client(Duration::from_secs(30));
     let url = system.url.clone();

@@ -151,22 +151,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         "confed demo: DEV MODE. Dev attester (no TEE), all key services in this process: nothing here is confidential."
     );
     println!("confed demo: state in {}", options.data_dir.display());
-    let system = EmbeddedSystem::start(EmbeddedOptions {
-        blobs: None,
-        data_dir: options.data_dir.clone(),
-        keyservices: 3,
-        threshold: 2,
-        clock: Arc::new(SystemClock),
-        background_worker: true,
-        scheduler_period: Duration::from_secs(1),
-        worker_token: None,
-        attester_key: None,
-        database: None,
-        partitioning: Default::default(),
-        ports: options.ports,
-    })
-    .await
-    .map_err(|e| setup("starting the embedded system")(e.into()))?;
+    let system = start_system(options.data_dir.clone(), options.ports).await?;
     let token = system
         .tenant("demo-partner")
         .await
@@ -513,6 +498,30 @@ async fn dev_issuer(
         },
         serving,
     ))
+}
+
+/// The demos' system: three key services (any two reconstruct a task key), the APIs, the
+/// scheduler and an enclave worker in this process, on SQLite and a blob directory in `data_dir`.
+pub(super) async fn start_system(
+    data_dir: PathBuf,
+    ports: Option<crate::ports::PortRange>,
+) -> Result<EmbeddedSystem, DemoError> {
+    EmbeddedSystem::start(EmbeddedOptions {
+        blobs: None,
+        data_dir,
+        keyservices: 3,
+        threshold: 2,
+        clock: Arc::new(SystemClock),
+        background_worker: true,
+        scheduler_period: Duration::from_secs(1),
+        worker_token: None,
+        attester_key: None,
+        database: None,
+        partitioning: Default::default(),
+        ports,
+    })
+    .await
+    .map_err(|e| setup("starting the embedded system")(e.into()))
 }
 
 /// Polls until model version `round` exists (the enclave worker released and applied the round).

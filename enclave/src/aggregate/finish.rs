@@ -4,16 +4,15 @@
 //! noise is keyed from the private key and everything the release depends on, so the same
 //! inputs give the same bytes and any other inputs give independent noise.
 
-use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 
 use sha2::{Digest, Sha256};
 
 use super::accumulator::Accumulator;
 use super::{
-    AdaptiveRecord, AggregateError, Aggregator, Binding, LISTED_EXCLUSIONS, Manifest, NoiseRecord,
-    Outcome, PrivacyParams, PrivacyRecord, Release, TreeShape, blt_round, digest, encode,
-    evaluation, health, hex, manifest, noise, noise_record, tree_noise_record,
+    AdaptiveRecord, AggregateError, Aggregator, Binding, Manifest, NoiseRecord, Outcome,
+    PrivacyParams, PrivacyRecord, Release, TreeShape, blt_round, digest, encode, evaluation,
+    health, hex, manifest, noise, noise_record, tree_noise_record,
 };
 use crate::dp::{self, DiscreteGaussian, grid};
 use crate::hpke::PrivateKey;
@@ -127,13 +126,8 @@ impl Aggregator {
             authenticated: device_auth.is_some().then_some(count),
             included_digest,
             inputs_digest,
-            excluded: excluded_counts(&outcome),
-            excluded_refs: outcome
-                .excluded
-                .iter()
-                .take(LISTED_EXCLUSIONS)
-                .map(|(r, reason)| (r.clone(), reason.as_str().to_string()))
-                .collect(),
+            excluded: outcome.excluded_counts(),
+            excluded_refs: outcome.listed_exclusions(),
             clip_norm: privacy.clip_norm,
             noise: noised.record,
             privacy: PrivacyRecord {
@@ -163,22 +157,8 @@ impl Aggregator {
     /// included contributions, and collected as the policy says (evaluation, health signal,
     /// weighting), since the release binds the policy.
     fn checked_outcome(&self, privacy: &PrivacyParams) -> Result<Outcome, AggregateError> {
-        let mut outcome = std::mem::take(&mut *self.outcome.lock().expect("aggregation outcome"));
-        outcome.included.sort();
-        outcome.excluded.sort();
-        let count = outcome.included.len() as u64;
-        if count == 0 {
-            return Err(AggregateError::NothingIncluded(
-                outcome.excluded.len() as u64
-            ));
-        }
-        if count < u64::from(privacy.min_reports) {
-            return Err(AggregateError::TooFewIncluded {
-                included: count,
-                excluded: outcome.excluded.len() as u64,
-                min_reports: privacy.min_reports,
-            });
-        }
+        let outcome = std::mem::take(&mut *self.outcome.lock().expect("aggregation outcome"))
+            .releasable(privacy.min_reports)?;
         let round = self.binding.context.round;
         let expected = privacy.evaluation_in(round);
         if expected.is_some() != self.evaluation.is_some() {
@@ -342,14 +322,6 @@ fn evaluation_scale(
 }
 
 /// Excluded contributions counted by reason.
-fn excluded_counts(outcome: &Outcome) -> BTreeMap<String, u64> {
-    let mut excluded = BTreeMap::new();
-    for (_, reason) in &outcome.excluded {
-        *excluded.entry(reason.as_str().to_string()).or_insert(0u64) += 1;
-    }
-    excluded
-}
-
 /// Adaptive clipping's noised count of the round: `sum(2 b_i - 1) = 2 * unclipped - count` plus
 /// discrete Gaussian noise of standard deviation `2 count_stddev` (sensitivity 1), keyed like the
 /// round's value noise but under its own label; the fraction it gives and the next round's clip

@@ -55,7 +55,7 @@ pub const STREAM_ABOVE_BYTES: usize = 8 << 20;
 const ZERO_UPDATE_IS_WITHIN: bool = true;
 
 /// Excluded refs listed one by one in the manifest, at most (counts are always complete).
-const LISTED_EXCLUSIONS: usize = 1000;
+pub(crate) const LISTED_EXCLUSIONS: usize = 1000;
 
 #[derive(Debug, Error)]
 pub enum AggregateError {
@@ -119,10 +119,58 @@ pub struct Aggregator {
     blt_state: Option<Vec<u8>>,
 }
 
+/// Which contributions a round included and excluded (why), as they were added.
 #[derive(Default)]
-struct Outcome {
-    included: Vec<String>,
-    excluded: Vec<(String, Exclusion)>,
+pub(crate) struct Outcome {
+    pub(crate) included: Vec<String>,
+    pub(crate) excluded: Vec<(String, Exclusion)>,
+}
+
+impl Outcome {
+    /// Records one contribution's result.
+    pub(crate) fn record(&mut self, assignment_ref: &str, result: Result<(), Exclusion>) {
+        match result {
+            Ok(()) => self.included.push(assignment_ref.to_string()),
+            Err(reason) => self.excluded.push((assignment_ref.to_string(), reason)),
+        }
+    }
+
+    /// Sorted (the manifest lists refs in order), and checked to have at least `min_reports`
+    /// included contributions (a round with fewer releases nothing).
+    pub(crate) fn releasable(mut self, min_reports: u32) -> Result<Self, AggregateError> {
+        self.included.sort();
+        self.excluded.sort();
+        let count = self.included.len() as u64;
+        if count == 0 {
+            return Err(AggregateError::NothingIncluded(self.excluded.len() as u64));
+        }
+        if count < u64::from(min_reports) {
+            return Err(AggregateError::TooFewIncluded {
+                included: count,
+                excluded: self.excluded.len() as u64,
+                min_reports,
+            });
+        }
+        Ok(self)
+    }
+
+    /// Excluded contributions per reason.
+    pub(crate) fn excluded_counts(&self) -> std::collections::BTreeMap<String, u64> {
+        let mut excluded = std::collections::BTreeMap::new();
+        for (_, reason) in &self.excluded {
+            *excluded.entry(reason.as_str().to_string()).or_insert(0u64) += 1;
+        }
+        excluded
+    }
+
+    /// The first `LISTED_EXCLUSIONS` excluded refs with their reasons.
+    pub(crate) fn listed_exclusions(&self) -> Vec<(String, String)> {
+        self.excluded
+            .iter()
+            .take(LISTED_EXCLUSIONS)
+            .map(|(r, reason)| (r.clone(), reason.as_str().to_string()))
+            .collect()
+    }
 }
 
 /// The noised, averaged result of a round: what may leave the enclave.
@@ -235,11 +283,10 @@ impl Aggregator {
     /// threads at once.
     pub fn add(&self, assignment_ref: &str, stored: Option<&[u8]>) -> Result<(), Exclusion> {
         let result = self.try_add(assignment_ref, stored);
-        let mut outcome = self.outcome.lock().expect("aggregation outcome");
-        match result {
-            Ok(()) => outcome.included.push(assignment_ref.to_string()),
-            Err(reason) => outcome.excluded.push((assignment_ref.to_string(), reason)),
-        }
+        self.outcome
+            .lock()
+            .expect("aggregation outcome")
+            .record(assignment_ref, result);
         result
     }
 

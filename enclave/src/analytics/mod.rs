@@ -15,8 +15,8 @@ use confed_protocol::device_auth::DeviceAuth;
 use rayon::prelude::*;
 use zeroize::Zeroizing;
 
-use crate::aggregate::AggregateError;
 use crate::aggregate::contribution::{self, Binding, Exclusion};
+use crate::aggregate::{AggregateError, Outcome};
 use crate::hpke::PrivateKey;
 use crate::hpke_awslc::Recipient;
 use table::Table;
@@ -32,12 +32,6 @@ pub struct AnalyticsAggregator {
     outcome: Mutex<Outcome>,
     device_auth: Option<DeviceAuth>,
     buffers: Mutex<Vec<Zeroizing<Vec<u8>>>>,
-}
-
-#[derive(Default)]
-pub(crate) struct Outcome {
-    pub(crate) included: Vec<String>,
-    pub(crate) excluded: Vec<(String, Exclusion)>,
 }
 
 /// The exclusion an answer's problem is counted under: its format's, or `invalid_answer`.
@@ -80,11 +74,10 @@ impl AnalyticsAggregator {
     /// threads at once.
     pub fn add(&self, assignment_ref: &str, stored: Option<&[u8]>) -> Result<(), Exclusion> {
         let result = self.try_add(assignment_ref, stored);
-        let mut outcome = self.outcome.lock().expect("analytics outcome");
-        match result {
-            Ok(()) => outcome.included.push(assignment_ref.to_string()),
-            Err(reason) => outcome.excluded.push((assignment_ref.to_string(), reason)),
-        }
+        self.outcome
+            .lock()
+            .expect("analytics outcome")
+            .record(assignment_ref, result);
         result
     }
 

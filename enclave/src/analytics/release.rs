@@ -14,8 +14,8 @@ use confed_protocol::analytics::{AnalyticsQuery, QUANTILE_BRANCHING, QUANTILE_LE
 use confed_protocol::policy::TaskPolicy;
 use confed_worker_api::manifest::{AnalyticsRecord, NoiseRecord, PrivacyRecord};
 
+use super::AnalyticsAggregator;
 use super::table::{Table, level_start};
-use super::{AnalyticsAggregator, Outcome};
 use crate::aggregate::noise::{self, NoiseBinding};
 use crate::aggregate::{AggregateError, Manifest, digest, hex, manifest};
 use crate::dp::{DiscreteGaussian, OpenDp};
@@ -23,8 +23,6 @@ use crate::hpke::PrivateKey;
 
 /// The release's format.
 pub const RESULT_FORMAT: &str = "confed-analytics-release/v1";
-/// Excluded refs listed one by one in the manifest, at most.
-const LISTED_EXCLUSIONS: usize = 1000;
 
 /// What an analytics round releases under: the policy's query and budget, and its plan.
 #[derive(Debug, Clone)]
@@ -106,7 +104,8 @@ impl AnalyticsAggregator {
         private_key: &PrivateKey,
         params: &AnalyticsParams,
     ) -> Result<AnalyticsRelease, AggregateError> {
-        let outcome = self.checked_outcome(params)?;
+        let outcome = std::mem::take(&mut *self.outcome.lock().expect("analytics outcome"))
+            .releasable(params.min_reports)?;
         let count = outcome.included.len() as u64;
         let plan = &params.plan;
         let noise = DiscreteGaussian::with_variance(plan.variance);
@@ -215,13 +214,8 @@ impl AnalyticsAggregator {
             authenticated: self.device_auth.is_some().then_some(count),
             included_digest: digest(&outcome.included),
             inputs_digest: self.binding.inputs_digest.clone(),
-            excluded: excluded_counts(&outcome),
-            excluded_refs: outcome
-                .excluded
-                .iter()
-                .take(LISTED_EXCLUSIONS)
-                .map(|(r, reason)| (r.clone(), reason.as_str().to_string()))
-                .collect(),
+            excluded: outcome.excluded_counts(),
+            excluded_refs: outcome.listed_exclusions(),
             clip_norm: confed_protocol::policy::ANALYTICS_CLIP_NORM,
             noise: NoiseRecord {
                 mechanism: "discrete_gaussian_on_counts".into(),
@@ -252,27 +246,6 @@ impl AnalyticsAggregator {
             manifest,
         })
     }
-
-    /// The round's outcome, sorted, once it has enough included contributions.
-    fn checked_outcome(&self, params: &AnalyticsParams) -> Result<Outcome, AggregateError> {
-        let mut outcome = std::mem::take(&mut *self.outcome.lock().expect("analytics outcome"));
-        outcome.included.sort();
-        outcome.excluded.sort();
-        let count = outcome.included.len() as u64;
-        if count == 0 {
-            return Err(AggregateError::NothingIncluded(
-                outcome.excluded.len() as u64
-            ));
-        }
-        if count < u64::from(params.min_reports) {
-            return Err(AggregateError::TooFewIncluded {
-                included: count,
-                excluded: outcome.excluded.len() as u64,
-                min_reports: params.min_reports,
-            });
-        }
-        Ok(outcome)
-    }
 }
 
 fn mismatch() -> AggregateError {
@@ -289,14 +262,6 @@ fn signed(counts: Vec<u64>) -> Vec<i64> {
         .into_iter()
         .map(|c| i64::try_from(c).unwrap_or(i64::MAX))
         .collect()
-}
-
-fn excluded_counts(outcome: &Outcome) -> std::collections::BTreeMap<String, u64> {
-    let mut counts = std::collections::BTreeMap::new();
-    for (_, reason) in &outcome.excluded {
-        *counts.entry(reason.as_str().to_string()).or_insert(0) += 1;
-    }
-    counts
 }
 
 /// The value at `rank` read from the noised tree (post-processing, docs/privacy.md): from the
