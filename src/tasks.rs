@@ -204,6 +204,13 @@ impl Tasks<'_> {
 }
 
 fn check_created(task: &TaskRecord) -> Result<(), TaskError> {
+    // Its version 0 is the fixed stand-in stored when it was created (even if that failed
+    // half way and left it CREATED): nobody else's model may take its place.
+    if task.spec.analytics.is_some() {
+        return Err(TaskError::NotAModel(
+            "an analytics task has no model to upload: its version 0 is fixed (docs/api.md, \"Analytics tasks\")".into(),
+        ));
+    }
     if task.state != TaskState::Created {
         return Err(TaskError::NotCreated {
             id: task.id.clone(),

@@ -86,7 +86,7 @@ pub fn answer_with(
         expected,
         given: records.kind(),
     };
-    let bound = query.keys_changed() as usize;
+    let bound = query.slots() as usize;
     match (query, records) {
         (
             AnalyticsQuery::Histogram {

@@ -51,7 +51,11 @@ pub struct DistinctCheck {
 /// The check of an open-domain query with `k` keys per device.
 pub fn distinct_check(k: u32) -> DistinctCheck {
     let stddev = DISTINCT_STDDEV_PER_KEY * u64::from(k.max(1));
-    let margin = i64::try_from(MAX_OPEN_KEYS - OPEN_KEYS_CHECKED_AT).unwrap_or(i64::MAX);
+    // A round one device short of a full table holds at most `MAX_OPEN_KEYS - k` keys more than
+    // the check allows minus its `k`: the noise must exceed `margin - k + 1` for it to pass.
+    let margin = i64::try_from(MAX_OPEN_KEYS - OPEN_KEYS_CHECKED_AT).unwrap_or(i64::MAX)
+        - i64::from(k.max(1))
+        + 1;
     DistinctCheck {
         variance: stddev * stddev,
         rho: 1.0 / (2.0 * (DISTINCT_STDDEV_PER_KEY as f64).powi(2)),
@@ -163,6 +167,11 @@ pub fn plan_analytics(
             }
             let check = check.map_or(0.0, |c| c.delta);
             let budget = delta * THRESHOLD_DELTA_SHARE / f64::from(rounds.max(1)) - check;
+            // A budget the check's delta used up leaves no threshold (and the walk below
+            // would never find one).
+            if !(budget.is_finite() && budget > 0.0) {
+                return Err(DpError::BudgetTooSmall { epsilon, delta });
+            }
             Some(choose_threshold(
                 variance,
                 query.largest_change(),
@@ -214,8 +223,14 @@ fn joint_delta(single: f64, k: u32) -> f64 {
     (-(f64::from(k) * (-single).ln_1p()).exp_m1()).min(1.0)
 }
 
-/// The smallest integer threshold `tau >= c` whose `δ_thr` is within `budget`.
+/// The smallest integer threshold `tau >= c` whose `δ_thr` is within `budget` (positive: the
+/// discrete tail reaches 0 some 40 standard deviations out, so a threshold always exists).
 pub fn choose_threshold(variance: u64, c: u64, k: u32, budget: f64) -> Threshold {
+    let budget = if budget > 0.0 {
+        budget
+    } else {
+        f64::MIN_POSITIVE
+    };
     let tail = DiscreteGaussianTail::new(variance);
     let continuous = continuous_threshold((variance as f64).sqrt(), c, k, budget);
     // Start a little below the continuous answer (the discrete tail is within a unit of it)
@@ -349,6 +364,16 @@ mod tests {
         let check = plan.distinct_check.unwrap();
         assert!((plan.rho_per_round - plan.rho_histogram - check.rho).abs() < 1e-18);
         assert!(check.rho < 2e-6 && check.delta < 1e-40, "{check:?}");
+    }
+
+    #[test]
+    fn a_delta_the_distinct_check_uses_up_is_refused_not_looped_on() {
+        // k = 64: the check's delta (about 1e-58) exceeds the thresholds' share of 1e-60.
+        let refused = plan_analytics(&ClosedForm, &open(64), 100.0, 1e-60, 1);
+        assert!(
+            matches!(refused, Err(DpError::BudgetTooSmall { .. })),
+            "{refused:?}"
+        );
     }
 
     #[test]

@@ -181,6 +181,31 @@ impl AnalyticsQuery {
         }
     }
 
+    /// Slots in one answer (`keys_per_device`, or `values_per_device` for quantiles): the
+    /// answer's fixed length (`answer.rs`).
+    pub fn slots(&self) -> u32 {
+        match self {
+            Self::Histogram {
+                keys_per_device, ..
+            }
+            | Self::OpenHistogram {
+                keys_per_device, ..
+            } => *keys_per_device,
+            Self::Quantiles {
+                values_per_device, ..
+            } => *values_per_device,
+        }
+    }
+
+    /// The most one slot of an answer may add to its key: `max_value` for a histogram, 1 for an
+    /// open domain's key and for a quantile value (whose slots may share a leaf).
+    pub fn slot_bound(&self) -> u64 {
+        match self {
+            Self::Histogram { max_value, .. } => *max_value,
+            Self::OpenHistogram { .. } | Self::Quantiles { .. } => 1,
+        }
+    }
+
     /// The L-infinity bound: most one device changes one key (all its quantile values in one
     /// leaf add `values_per_device` to each node on its path).
     pub fn largest_change(&self) -> u64 {

@@ -67,18 +67,11 @@ pub enum AnswerProblem {
 
 /// The shape of an answer to `query`: `(k, key bytes per slot or 0 for an index)`.
 fn shape(query: &AnalyticsQuery) -> (usize, usize) {
-    match query {
-        AnalyticsQuery::Histogram {
-            keys_per_device, ..
-        } => (*keys_per_device as usize, 0),
-        AnalyticsQuery::OpenHistogram {
-            keys_per_device,
-            max_key_bytes,
-        } => (*keys_per_device as usize, *max_key_bytes as usize),
-        AnalyticsQuery::Quantiles {
-            values_per_device, ..
-        } => (*values_per_device as usize, 0),
-    }
+    let width = match query {
+        AnalyticsQuery::OpenHistogram { max_key_bytes, .. } => *max_key_bytes as usize,
+        _ => 0,
+    };
+    (query.slots() as usize, width)
 }
 
 /// The number of keys of a closed domain (`None` for an open one).
@@ -226,7 +219,9 @@ impl<'a> Answer<'a> {
             values,
             failed: flag == 1.0,
         };
-        let (domain, largest) = (domain(query), query.largest_change());
+        // Per slot: a quantile value adds 1 (its slots may share a leaf; the sensitivity counts
+        // `values_per_device` of them), a histogram's at most `max_value`.
+        let (domain, largest) = (domain(query), query.slot_bound());
         // Quantile values may share a leaf (a device's values are not distinct keys).
         let distinct = !matches!(query, AnalyticsQuery::Quantiles { .. });
         let mut previous: Option<Key<'_>> = None;

@@ -154,7 +154,10 @@ async fn release_of(
     params(("id" = String, Path, description = "Task id"), ("round" = i64, Path, description = "Round number")),
     security(("tenant_token" = [])),
     responses(
-        (status = 200, description = "safetensors bytes", body = Vec<u8>, content_type = "application/octet-stream"),
+        (status = 200, description = "The release's bytes: the noised average update (safetensors), or an analytics task's result (JSON, docs/api.md \"Analytics tasks\")", content(
+            (Vec<u8> = "application/octet-stream"),
+            (Object = "application/json")
+        )),
         (status = 400, description = "Round is not a number", body = Problem, content_type = "application/problem+json"),
         (status = 401, body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "No such task, or the round has no release", body = Problem, content_type = "application/problem+json"),

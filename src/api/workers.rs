@@ -356,7 +356,10 @@ impl Drop for Sent {
 /// The worker API's routes; uploads are bounded by the model size (the release travels as
 /// base64 inside JSON: 4/3 of the model plus the manifest).
 pub fn router(limits: &Limits) -> Router<AppState> {
-    let upload_limit = limits.model_bytes / 3 * 4 + (4 << 20);
+    // An analytics result (JSON, in the average's place) of the largest closed domain: at most
+    // about 21 bytes a key.
+    let analytics_result = confed_protocol::analytics::MAX_DOMAIN_SIZE as usize * 21;
+    let upload_limit = limits.model_bytes.max(analytics_result) / 3 * 4 + (4 << 20);
     // FedAdam's and FedYogi's state holds two values per model parameter.
     let state_limit = limits.model_bytes.saturating_mul(2) + (4 << 20);
     let optimizer_state_route = Router::new()

@@ -352,7 +352,9 @@ impl Db {
         let (round_id, worker) = (round_id.to_string(), worker.to_string());
         self.write(move |tx| {
             Box::pin(async move {
-                check_lease(&mut *tx, &round_id, &worker).await?;
+                // The same release again is accepted before the lease is looked at: an analytics
+                // round completes (and gives its lease up) in the commit, so a worker retrying a
+                // commit whose answer it lost must hear that it is done, not that it lost.
                 if let Some(existing) = load_release(&mut *tx, &round_id).await? {
                     return if existing.average_sha256 == release.average_sha256 {
                         Ok(())
@@ -362,6 +364,7 @@ impl Db {
                         )))
                     };
                 }
+                check_lease(&mut *tx, &round_id, &worker).await?;
                 let round = rounds::load_one(&mut *tx, &round_id).await?;
                 let reason = format!(
                     "noised average released: {} contributions included, {} excluded",

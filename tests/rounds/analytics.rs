@@ -82,6 +82,16 @@ async fn an_open_domain_task_releases_the_words_many_devices_hold_every_round() 
         policy.ends_with("analytics=open_histogram;max_key_bytes=16;keys_per_device=4\n"),
         "{policy}"
     );
+    // Its version 0 is fixed: no partner's model takes its place.
+    let upload = reqwest::Client::new()
+        .put(format!("{}/v1/tasks/{id}/model", system.url))
+        .bearer_auth(&token)
+        .header("content-type", "application/octet-stream")
+        .body(confed::tools::simulate::initial_model(7))
+        .send()
+        .await
+        .unwrap();
+    assert!(upload.status().is_client_error(), "{}", upload.status());
     let worker = system.worker("w1");
     for round in 1..=2u64 {
         let summary = simulate::run(devices(&system, round)).await.unwrap();

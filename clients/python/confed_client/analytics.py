@@ -8,6 +8,7 @@ seals in place of a training update."""
 from __future__ import annotations
 
 import math
+import operator
 import random as _random
 import re
 
@@ -125,11 +126,15 @@ def answer(query: dict, records, *, rng: _random.Random | None = None) -> bytes:
     if kind == "histogram":
         totals: dict[int, int] = {}
         for key, value in records:
+            # Keys are integers (2.5 is refused, never rounded onto another key's index).
+            key = operator.index(key)
             if 0 <= key < query["domain_size"]:
-                totals[key] = totals.get(key, 0) + int(value)
+                totals[key] = totals.get(key, 0) + operator.index(value)
         cap = query.get("max_value", 1)
         chosen = _choose(sorted(totals), bound, rng)
-        slots = sorted((key, 1 if cap == 1 else min(totals[key], cap)) for key in chosen)
+        # A total is sent within [0, max_value] (a negative one as 0), as the Rust library does.
+        slots = sorted((key, 1 if cap == 1 else max(0, min(totals[key], cap)))
+                       for key in chosen)
     elif kind == "open_histogram":
         distinct = sorted({cut for cut in (_cut(str(r), query["max_key_bytes"]) for r in records)
                            if cut and b"\0" not in cut})

@@ -107,6 +107,10 @@ fn quantile_records_become_leaves_and_nan_is_ignored() {
     let records = Records::Values(vec![f64::NAN, 5.0]);
     let bytes = answer_with(&query, &records, &mut generator(1)).unwrap();
     assert_eq!(slots(&query, &bytes), vec![("32768".into(), 1)]);
+    // More values than `values_per_device`: a choice of that many (not of 4 per value).
+    let many = Records::Values((0..10).map(f64::from).collect());
+    let bytes = answer_with(&query, &many, &mut generator(2)).unwrap();
+    assert_eq!(slots(&query, &bytes).len(), 2);
     let wrong = answer_with(&query, &Records::Keyed(vec![]), &mut generator(1));
     assert!(matches!(wrong, Err(AnalyticsError::WrongRecords { .. })));
 }

@@ -135,6 +135,14 @@ impl DeviceClient {
                 "an analytics task is answered with Schedule::answer_until, a training task with Schedule::train_until".into(),
             ));
         }
+        // And an answer to this policy's query, not another's.
+        if let Some(query) = &policy.policy.analytics {
+            confed_protocol::answer::Answer::read(query, update.update().bytes()).map_err(|e| {
+                DeviceError::UntrustedPolicy(format!(
+                    "the answer is not one to this task's query: {e}"
+                ))
+            })?;
+        }
         let update = update.update().bytes();
         // The device's privacy unit is one contribution per round: once it has sealed an update
         // for a round it declines further assignments to it, even if this upload never gets a

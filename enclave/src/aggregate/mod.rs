@@ -84,10 +84,9 @@ pub enum AggregateError {
     #[error("{0}")]
     Unsupported(String),
     #[error(
-        "the round's open domain holds more distinct keys than the enclave's table takes{}; nothing released (docs/privacy.md, \"Analytics\")",
-        match .noised { Some(n) => format!(" (noised count {n}, above {limit})"), None => format!(" (more than {limit})") }
+        "the round's open domain holds too many distinct keys for the enclave's table (noised count {noised}, at most {limit} allowed); nothing released (docs/privacy.md, \"Analytics\")"
     )]
-    TooManyKeys { noised: Option<i64>, limit: u64 },
+    TooManyKeys { noised: i64, limit: u64 },
     #[error(transparent)]
     BltState(#[from] blt_state::StateError),
     #[error("BLT noise: {0}")]

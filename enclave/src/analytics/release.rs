@@ -177,9 +177,12 @@ impl AnalyticsAggregator {
                 let mut rng = ChaCha12Rng::from_seed(*distinct_seed);
                 let noised_distinct = i64::try_from(entries.len()).unwrap_or(i64::MAX)
                     + DiscreteGaussian::with_variance(check.variance).sample(&mut rng);
+                // A full table refuses the round with the same words and a noised count as the
+                // check does: which of the two stopped it is not said (the check's delta covers
+                // a full table whose noised count would have passed).
                 if full || noised_distinct > OPEN_KEYS_CHECKED_AT as i64 {
                     return Err(AggregateError::TooManyKeys {
-                        noised: (!full).then_some(noised_distinct),
+                        noised: noised_distinct,
                         limit: OPEN_KEYS_CHECKED_AT,
                     });
                 }

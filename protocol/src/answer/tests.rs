@@ -185,6 +185,11 @@ fn quantile_values_map_to_leaves_and_may_share_one() {
     .unwrap();
     assert_eq!(Answer::read(&query, &bytes).unwrap().slots().count(), 2);
     assert!(write(&query, &[(Key::Index(QUANTILE_LEAVES), 1)], false).is_err());
+    // A value adds 1: a slot adding more (v² on one node) is refused.
+    assert_eq!(
+        write(&query, &[(Key::Index(leaf), 2)], false).err(),
+        Some(AnswerProblem::Value(0, 1))
+    );
 }
 
 #[test]
