@@ -77,6 +77,21 @@ pub(crate) enum DevicesCommand {
         /// issuer accepts it).
         #[arg(long)]
         issuer: Option<String>,
+        /// Analytics tasks: the devices' words are drawn from a Zipf vocabulary of this many
+        /// words (`w1`, `w2`, ...; closed domains read the rank as the key, quantiles a value
+        /// growing with it).
+        #[arg(long, default_value_t = 10_000)]
+        vocabulary: u64,
+        /// Analytics tasks: the Zipf exponent of the vocabulary.
+        #[arg(long, default_value_t = 1.1)]
+        zipf_exponent: f64,
+        /// Analytics tasks: words each device draws from the vocabulary.
+        #[arg(long, default_value_t = 4)]
+        words_per_device: usize,
+        /// Analytics tasks: new words planted in the population, each with the share of devices
+        /// holding it, as WORD:SHARE,... (e.g. `skibidi:0.05,rizzler:0.01`).
+        #[arg(long, value_name = "WORD:SHARE,...")]
+        planted: Option<String>,
     },
     /// Write the synthetic task's initial model (zeros, safetensors) to upload as version 0.
     InitModel {
@@ -136,7 +151,21 @@ pub(super) async fn run(command: DevicesCommand) -> Result<()> {
             state_dir,
             forgetful,
             issuer,
+            vocabulary,
+            zipf_exponent,
+            words_per_device,
+            planted,
         } => {
+            let planted = match &planted {
+                Some(text) => parse_planted(text)?,
+                None => Vec::new(),
+            };
+            let population_of_words = confed::tools::analytics_population::AnalyticsPopulation::new(
+                vocabulary,
+                zipf_exponent,
+                words_per_device,
+                planted,
+            );
             let mut trust = confed_device::load_trust(&trust)?;
             if let Some(url) = issuer {
                 let issuer = confed::tools::issuer::trusted_issuer(&url)
@@ -182,7 +211,7 @@ pub(super) async fn run(command: DevicesCommand) -> Result<()> {
                 progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
                 bars: None,
                 state_dir: (!forgetful).then_some(state_dir),
-                analytics: None,
+                analytics: Some(population_of_words),
             };
             let summary = run(config.clone()).await?;
             summary.print();
@@ -281,4 +310,40 @@ pub(super) async fn run(command: DevicesCommand) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `--planted WORD:SHARE,...`: each word with the share of devices holding it, in [0, 1].
+fn parse_planted(text: &str) -> Result<Vec<(String, f64)>> {
+    text.split(',')
+        .map(|pair| {
+            let (word, share) = pair
+                .rsplit_once(':')
+                .ok_or_else(|| anyhow::anyhow!("--planted {pair:?}: give WORD:SHARE"))?;
+            let share: f64 = share
+                .parse()
+                .ok()
+                .filter(|s: &f64| (0.0..=1.0).contains(s))
+                .ok_or_else(|| {
+                    anyhow::anyhow!("--planted {pair:?}: SHARE is a number in [0, 1]")
+                })?;
+            if word.is_empty() {
+                anyhow::bail!("--planted {pair:?}: the word is empty");
+            }
+            Ok((word.to_string(), share))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn planted_words_parse_with_their_shares_and_a_bad_pair_says_what_is_wrong() {
+        let planted = parse_planted("skibidi:0.05,a:b:1").unwrap();
+        assert_eq!(planted, vec![("skibidi".into(), 0.05), ("a:b".into(), 1.0)]);
+        for bad in ["skibidi", "skibidi:2", ":0.5", "w:x"] {
+            assert!(parse_planted(bad).is_err(), "{bad}");
+        }
+    }
 }
