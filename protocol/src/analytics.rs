@@ -169,15 +169,8 @@ impl AnalyticsQuery {
     /// The L0 bound: most keys one device changes (a quantile value changes one node per level).
     pub fn keys_changed(&self) -> u32 {
         match self {
-            Self::Histogram {
-                keys_per_device, ..
-            }
-            | Self::OpenHistogram {
-                keys_per_device, ..
-            } => *keys_per_device,
-            Self::Quantiles {
-                values_per_device, ..
-            } => values_per_device.saturating_mul(QUANTILE_LEVELS),
+            Self::Quantiles { .. } => self.slots().saturating_mul(QUANTILE_LEVELS),
+            _ => self.slots(),
         }
     }
 
@@ -223,15 +216,11 @@ impl AnalyticsQuery {
     /// most all on one node).
     pub fn squared_sensitivity(&self) -> u128 {
         let c = u128::from(self.largest_change());
-        match self {
-            Self::Histogram {
-                keys_per_device, ..
-            }
-            | Self::OpenHistogram {
-                keys_per_device, ..
-            } => u128::from(*keys_per_device) * c * c,
-            Self::Quantiles { .. } => u128::from(QUANTILE_LEVELS) * c * c,
-        }
+        let terms = match self {
+            Self::Quantiles { .. } => QUANTILE_LEVELS,
+            _ => self.slots(),
+        };
+        u128::from(terms) * c * c
     }
 
     /// Whether released keys are chosen by a threshold (open domains).

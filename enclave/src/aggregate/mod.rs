@@ -109,13 +109,33 @@ pub struct Aggregator {
     health: Option<health::Watch>,
     /// Example-weighted averaging's cap (`weighing`): each update is added times its weight.
     weighting: Option<Weighting>,
-    buffers: Mutex<Vec<Zeroizing<Vec<u8>>>>,
+    buffers: PlaintextBuffers,
     /// Updates of at least this many bytes of values are streamed (`stream.rs`).
     stream_above: usize,
     /// The policy's device-token requirement: only contributions it authenticates are added.
     device_auth: Option<confed_protocol::device_auth::DeviceAuth>,
     /// BLT noise only: the sealed state the round continues (`None` in round 1).
     blt_state: Option<Vec<u8>>,
+}
+
+/// Plaintext buffers reused across contributions (no allocation and page faults per
+/// contribution), one per thread at a time, wiped when the aggregator is dropped.
+#[derive(Default)]
+pub(crate) struct PlaintextBuffers(Mutex<Vec<Zeroizing<Vec<u8>>>>);
+
+impl PlaintextBuffers {
+    /// Runs `f` with a buffer from the pool and gives it back.
+    pub(crate) fn with<R>(&self, f: impl FnOnce(&mut Vec<u8>) -> R) -> R {
+        let mut buffer = self
+            .0
+            .lock()
+            .expect("plaintext buffers")
+            .pop()
+            .unwrap_or_default();
+        let result = f(&mut buffer);
+        self.0.lock().expect("plaintext buffers").push(buffer);
+        result
+    }
 }
 
 /// Which contributions a round included and excluded (why), as they were added.
@@ -205,7 +225,7 @@ impl Aggregator {
             evaluation: None,
             health: None,
             weighting: None,
-            buffers: Mutex::default(),
+            buffers: PlaintextBuffers::default(),
             stream_above: STREAM_ABOVE_BYTES,
             device_auth: None,
             blt_state: None,
@@ -297,20 +317,8 @@ impl Aggregator {
         if let Some(auth) = &self.device_auth {
             contribution::authenticate(auth, &self.binding, assignment_ref, &envelope)?;
         }
-        // A plaintext buffer from the pool: reused across contributions (no allocation and page
-        // faults per contribution), wiped when the aggregator is dropped.
-        let mut plaintext = self
-            .buffers
-            .lock()
-            .expect("plaintext buffers")
-            .pop()
-            .unwrap_or_default();
-        let outcome = self.add_plaintext(assignment_ref, envelope, &mut plaintext);
         self.buffers
-            .lock()
-            .expect("plaintext buffers")
-            .push(plaintext);
-        outcome
+            .with(|plaintext| self.add_plaintext(assignment_ref, envelope, plaintext))
     }
 
     fn add_plaintext(

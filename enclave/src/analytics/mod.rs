@@ -13,10 +13,9 @@ use confed_protocol::analytics::AnalyticsQuery;
 use confed_protocol::answer::{AnswerLayout, AnswerProblem};
 use confed_protocol::device_auth::DeviceAuth;
 use rayon::prelude::*;
-use zeroize::Zeroizing;
 
 use crate::aggregate::contribution::{self, Binding, Exclusion};
-use crate::aggregate::{AggregateError, Outcome};
+use crate::aggregate::{AggregateError, Outcome, PlaintextBuffers};
 use crate::hpke::PrivateKey;
 use crate::hpke_awslc::Recipient;
 use table::Table;
@@ -31,7 +30,7 @@ pub struct AnalyticsAggregator {
     table: Table,
     outcome: Mutex<Outcome>,
     device_auth: Option<DeviceAuth>,
-    buffers: Mutex<Vec<Zeroizing<Vec<u8>>>>,
+    buffers: PlaintextBuffers,
 }
 
 /// The exclusion an answer's problem is counted under: its format's, or `invalid_answer`.
@@ -60,7 +59,7 @@ impl AnalyticsAggregator {
             recipient,
             outcome: Mutex::default(),
             device_auth: None,
-            buffers: Mutex::default(),
+            buffers: PlaintextBuffers::default(),
         })
     }
 
@@ -87,25 +86,16 @@ impl AnalyticsAggregator {
         if let Some(auth) = &self.device_auth {
             contribution::authenticate(auth, &self.binding, assignment_ref, &envelope)?;
         }
-        let mut plaintext = self
-            .buffers
-            .lock()
-            .expect("plaintext buffers")
-            .pop()
-            .unwrap_or_default();
-        let added = contribution::open(
-            &self.recipient,
-            &self.binding,
-            assignment_ref,
-            &envelope,
-            &mut plaintext,
-        )
-        .and_then(|()| self.add_opened(&plaintext));
-        self.buffers
-            .lock()
-            .expect("plaintext buffers")
-            .push(plaintext);
-        added
+        self.buffers.with(|plaintext| {
+            contribution::open(
+                &self.recipient,
+                &self.binding,
+                assignment_ref,
+                &envelope,
+                plaintext,
+            )?;
+            self.add_opened(plaintext)
+        })
     }
 
     /// Adds an opened answer's slots (checked whole first: an answer is in the table whole or
