@@ -7,8 +7,9 @@
 //! answer's checks, the sharded table), on 1 and 2 threads; the table alone (answers already
 //! opened); the release (noise on every key, the threshold, the result's JSON); and the peak
 //! memory of a round of 10,000,000 reports streamed through the table, against 1,000,000, to show
-//! it is bounded by the domain, not the reports. Prints figures; no criterion (each figure is
-//! one long run, a load generator's).
+//! it is bounded by the domain, not the reports; and a round in 2 partitions (each sealed, the
+//! root's merge of both) against one worker. Prints figures; no criterion (each figure is one
+//! long run, a load generator's).
 //!
 //! `cargo bench -p confed-enclave --bench analytics` (`CONFED_BENCH_REPORTS=N` sets the sealed
 //! reports, default 100,000; `CONFED_BENCH_STREAMED=N` the streamed ones, default 10,000,000).
@@ -16,6 +17,8 @@
 use std::time::Instant;
 
 use confed_enclave::aggregate::Binding;
+use confed_enclave::aggregate::inputs::Input;
+use confed_enclave::aggregate::partition::{Partial, Partition};
 use confed_enclave::analytics::{AnalyticsAggregator, AnalyticsParams};
 use confed_enclave::envelope;
 use confed_enclave::hpke::{PublicKey, generate_keypair};
@@ -155,12 +158,15 @@ fn main() {
     let streamed = count("CONFED_BENCH_STREAMED", 10_000_000);
     let (private, public) = generate_keypair();
     let started = Instant::now();
-    let inputs: Vec<(String, Option<Vec<u8>>)> = pool(2).install(|| {
+    let mut inputs: Vec<(String, Option<Vec<u8>>)> = pool(2).install(|| {
         (0..reports)
             .into_par_iter()
             .map(|r| sealed(&public, r))
             .collect()
     });
+    // In ref order, as a round's committed inputs are (partitions are ranges of it).
+    inputs.sort();
+    let mut whole_result = Vec::new();
     let bytes: usize = inputs
         .iter()
         .map(|(_, b)| b.as_ref().map_or(0, Vec::len))
@@ -191,6 +197,7 @@ fn main() {
             let params = AnalyticsParams::for_policy(&policy).unwrap().unwrap();
             let started = Instant::now();
             let release = agg.finish(&private, &params).unwrap();
+            whole_result = release.result.clone();
             let record = release.manifest.analytics.unwrap();
             println!(
                 "analytics: release of {} distinct keys (noised, threshold {}, {} released, {} bytes of JSON) in {:.2} s",
@@ -206,6 +213,7 @@ fn main() {
         "analytics: 1 -> 2 threads: x{:.2}",
         per_thread[1] / per_thread[0]
     );
+    partitioned(&private, &inputs, &whole_result);
     // The HPKE open alone (envelope parse, X25519, AES-128-GCM), one thread: the bound.
     let recipient = confed_enclave::hpke_awslc::Recipient::new(&private).unwrap();
     let mut plaintext = Vec::new();
@@ -247,5 +255,67 @@ fn main() {
         large as f64 / (1 << 20) as f64,
         seconds,
         streamed as f64 / seconds
+    );
+}
+
+/// The round in 2 partitions, each opened on 2 threads and sealed (padded to its range's most
+/// keys), then the root's merge of both and its release, which must be the one worker's bytes.
+fn partitioned(
+    private: &confed_enclave::hpke::PrivateKey,
+    inputs: &[(String, Option<Vec<u8>>)],
+    whole_result: &[u8],
+) {
+    const COUNT: u32 = 2;
+    let listing: Vec<Input> = inputs
+        .iter()
+        .map(|(assignment_ref, _)| Input {
+            assignment_ref: assignment_ref.clone(),
+            blob_key: String::new(),
+            digest: None,
+            retained: None,
+        })
+        .collect();
+    let mut sealed = Vec::new();
+    let (mut opening, mut sealing) = (0.0, 0.0);
+    for index in 0..COUNT {
+        let partition = Partition {
+            inputs: &listing,
+            index,
+            count: COUNT,
+        };
+        let range = confed_enclave::aggregate::partition::ranges(inputs.len(), COUNT).unwrap()
+            [index as usize]
+            .clone();
+        let agg = AnalyticsAggregator::new(binding(), query(), private).unwrap();
+        let started = Instant::now();
+        pool(2).install(|| agg.add_batch(&inputs[range]));
+        opening += started.elapsed().as_secs_f64();
+        let started = Instant::now();
+        sealed.push(agg.seal_partition(private, &partition).unwrap());
+        sealing += started.elapsed().as_secs_f64();
+    }
+    let root = AnalyticsAggregator::new(binding(), query(), private).unwrap();
+    let started = Instant::now();
+    let mut merge = root.start_merge(listing.len(), COUNT).unwrap();
+    for bytes in &sealed {
+        root.merge_one(&mut merge, private, &listing, bytes)
+            .unwrap();
+    }
+    merge.end().unwrap();
+    let merging = started.elapsed().as_secs_f64();
+    let mut policy = TaskPolicy::sample("bench-task", 1);
+    policy.analytics = Some(query());
+    policy.report_goal = inputs.len() as u32;
+    policy.min_reports = 1;
+    let params = AnalyticsParams::for_policy(&policy).unwrap().unwrap();
+    let release = root.finish(private, &params).unwrap();
+    assert!(
+        release.result == whole_result,
+        "the partitioned release differs"
+    );
+    println!(
+        "analytics: {COUNT} partitions: opened in {opening:.2} s, sealed ({} MB each, padded) in {sealing:.2} s, merged by the root in {merging:.2} s ({:.0} reports/s); the release is the one worker's bytes",
+        sealed[0].len() / 1_000_000,
+        inputs.len() as f64 / merging
     );
 }

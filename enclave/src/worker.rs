@@ -27,7 +27,7 @@ use confed_attestation::release::{
 use thiserror::Error;
 
 use crate::aggregate::inputs::{self, Input};
-use crate::aggregate::partition::{self, Partition, PartitionError};
+use crate::aggregate::partition::{self, Partial, Partition, PartitionError};
 use crate::aggregate::{
     AggregateError, Aggregator, Binding, Manifest, PrivacyParams, Release, blt_round,
 };
@@ -44,6 +44,10 @@ use confed_worker_api::store::{
 
 mod analytics;
 mod open;
+
+pub use analytics::AnalyticsStep;
+
+use open::Opens;
 
 pub use crate::policy::{MAX_TASK_DELTA, MAX_TASK_EPSILON};
 
@@ -268,28 +272,17 @@ impl<S: JobStore + 'static> Worker<S> {
     pub async fn run_job(&self, job: &JobSpec) -> Result<JobOutcome, JobError> {
         let (policy, context) = round_context(job)?;
         let schema = validate_model(&job.model)?;
-        if let Some(query) = &policy.analytics {
-            return self.run_analytics_job(job, &policy, query, context).await;
+        if policy.analytics.is_some() {
+            return self.run_analytics_job(job).await;
         }
         let mut phases = Phases::default();
         if let Some(Partitioning::Partition { index, count }) = job.partitioning {
             let sealed = self
                 .aggregate_partition(job, &schema, &policy, context, index, count, &mut phases)
                 .await?;
-            let storing = Instant::now();
-            self.store
-                .put_partition(&job.job_id, &job.lease_holder, &sealed)
-                .await?;
-            phases.release = storing.elapsed();
-            return Ok(JobOutcome {
-                task_id: job.task_id.clone(),
-                round: job.round,
-                included: 0,
-                excluded: 0,
-                epsilon_spent: None,
-                partition: Some((index, count)),
-                phases,
-            });
+            return self
+                .store_partition(job, &sealed, (index, count), phases)
+                .await;
         }
         let (average, manifest) = match &job.committed_average {
             Some(average) => (average.clone(), None),
@@ -407,14 +400,14 @@ impl<S: JobStore + 'static> Worker<S> {
     /// The root's merge: each partition's sealed result fetched, checked and added one at a
     /// time (on a blocking thread), so the root holds one sealed partition in memory, whatever
     /// their number; the lease renewed every quarter lease.
-    async fn merge_all(
+    pub(super) async fn merge_all<A: Partial>(
         &self,
         job: &JobSpec,
         inputs: Vec<Input>,
         count: u32,
         sealed_keys: &[String],
         private_key: &Arc<crate::hpke::PrivateKey>,
-        aggregator: &Arc<Aggregator>,
+        aggregator: &Arc<A>,
     ) -> Result<(), JobError> {
         let inputs = Arc::new(inputs);
         let mut merge = aggregator.start_merge(inputs.len(), count)?;
@@ -465,13 +458,29 @@ impl<S: JobStore + 'static> Worker<S> {
     ) -> Result<Vec<u8>, JobError> {
         check_plan(job.contributions.len(), count)?;
         let prepared = self.prepare(job, schema, policy, context, phases).await?;
-        let step = Instant::now();
         let Prepared {
-            mut inputs,
+            inputs,
             private_key,
             aggregator,
             ..
         } = prepared;
+        self.seal_range(job, inputs, (index, count), private_key, aggregator, phases)
+            .await
+    }
+
+    /// A partition's step after its key: only partition `index` of `count` of the round's
+    /// `inputs` opened into `aggregator`, and its exact state sealed for the root
+    /// (`Partial::seal_partition`).
+    pub(super) async fn seal_range<A: Partial + Opens>(
+        &self,
+        job: &JobSpec,
+        mut inputs: Vec<Input>,
+        (index, count): (u32, u32),
+        private_key: Arc<crate::hpke::PrivateKey>,
+        aggregator: Arc<A>,
+        phases: &mut Phases,
+    ) -> Result<Vec<u8>, JobError> {
+        let step = Instant::now();
         let listing = inputs::listing(&inputs);
         let range = partition::ranges(inputs.len(), count)?
             .get(index as usize)
@@ -495,6 +504,32 @@ impl<S: JobStore + 'static> Worker<S> {
         .map_err(JobError::Thread)??;
         phases.noise = step.elapsed();
         Ok(sealed)
+    }
+
+    /// Stores a partition's sealed state for the root. Its outcome releases nothing, and says
+    /// nothing of its partition's outcomes (`included` and `excluded` are 0): only the release
+    /// publishes them.
+    pub(super) async fn store_partition(
+        &self,
+        job: &JobSpec,
+        sealed: &[u8],
+        (index, count): (u32, u32),
+        mut phases: Phases,
+    ) -> Result<JobOutcome, JobError> {
+        let storing = Instant::now();
+        self.store
+            .put_partition(&job.job_id, &job.lease_holder, sealed)
+            .await?;
+        phases.release = storing.elapsed();
+        Ok(JobOutcome {
+            task_id: job.task_id.clone(),
+            round: job.round,
+            included: 0,
+            excluded: 0,
+            epsilon_spent: None,
+            partition: Some((index, count)),
+            phases,
+        })
     }
 
     /// What every kind of job does first: the round's privacy parameters, its inputs and their

@@ -61,6 +61,12 @@ const PLANNING_LEASE: Duration = Duration::from_secs(120);
 /// contribution: its upload is bounded by twice the largest model plus this.
 pub const PARTITION_SLACK_BYTES: usize = 64 << 20;
 
+/// The largest sealed analytics table (docs/analytics.md, "Partitioned rounds"): an open
+/// domain's `MAX_OPEN_KEYS` slots of the longest keys (64 bytes, a length byte and a count),
+/// beyond a closed domain's 2^22 counts of 8 bytes.
+pub const MAX_SEALED_TABLE_BYTES: usize = (confed_dp::analytics::MAX_OPEN_KEYS as usize)
+    * (1 + confed_protocol::analytics::MAX_KEY_BYTES as usize + 8);
+
 impl TaskDbJobStore {
     /// Plans a job just leased (its first lease only): `true` when it was cut into partitions,
     /// its lease then given back so that workers lease the partitions.
@@ -80,12 +86,7 @@ impl TaskDbJobStore {
         {
             return Ok(false);
         }
-        // Analytics rounds are aggregated whole by one worker (partitioning their tables is not
-        // built yet: docs/analytics.md).
-        let count = match context.task.spec.analytics {
-            Some(_) => 1,
-            None => self.partitioning.partitions(context.contributions.len()),
-        };
+        let count = self.partitioning.partitions(context.contributions.len());
         if count > 1 {
             self.digest_direct_uploads(context, worker).await?;
         }

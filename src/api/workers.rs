@@ -371,9 +371,11 @@ pub fn router(limits: &Limits) -> Router<AppState> {
     let blt_state_route = Router::new()
         .route(Route::BltState.template(), put(blt_state))
         .layer(DefaultBodyLimit::max(blt_state_limit));
+    // A sealed partition holds a sum of the model (twice its bytes) or an analytics table.
     let partition_limit = limits
         .model_bytes
         .saturating_mul(2)
+        .max(crate::aggregation::partitions::MAX_SEALED_TABLE_BYTES)
         .saturating_add(crate::aggregation::partitions::PARTITION_SLACK_BYTES);
     let partition_route = Router::new()
         .route(Route::Partition.template(), put(partition))

@@ -7,6 +7,8 @@ use crate::common;
 
 use confed::tools::analytics_population::AnalyticsPopulation;
 use confed::tools::simulate::{self, SimulationConfig};
+use confed_enclave::worker::{AnalyticsStep, Phases};
+use confed_worker_api::store::{JobSpec, JobStore, Partitioning};
 use serde_json::{Value, json};
 use std::time::Duration;
 
@@ -26,6 +28,17 @@ async fn create(system: &confed::embedded::EmbeddedSystem, token: &str, spec: Va
     let body: Value = created.json().await.unwrap();
     assert_eq!(status, 201, "{body}");
     body
+}
+
+/// An open-domain task over the "words" population: up to 4 words of 16 bytes a device.
+fn open_domain_task(rounds: u32, report_goal: usize) -> Value {
+    json!({
+        "kind": "analytics",
+        "analytics": {"query": "open_histogram", "max_key_bytes": 16, "keys_per_device": 4},
+        "population": "words", "rounds": rounds, "report_goal": report_goal,
+        "privacy": {"epsilon": 8.0, "delta": 1e-6},
+        "upload_window": common::FAST_UPLOAD_WINDOW.clone(),
+    })
 }
 
 fn devices(system: &confed::embedded::EmbeddedSystem, seed: u64) -> SimulationConfig {
@@ -61,18 +74,7 @@ fn devices(system: &confed::embedded::EmbeddedSystem, seed: u64) -> SimulationCo
 async fn an_open_domain_task_releases_the_words_many_devices_hold_every_round() {
     let (system, _dir) = start(now_clock()).await;
     let token = system.tenant("tenant-words").await.unwrap();
-    let task = create(
-        &system,
-        &token,
-        json!({
-            "kind": "analytics",
-            "analytics": {"query": "open_histogram", "max_key_bytes": 16, "keys_per_device": 4},
-            "population": "words", "rounds": 2, "report_goal": DEVICES,
-            "privacy": {"epsilon": 8.0, "delta": 1e-6},
-            "upload_window": common::FAST_UPLOAD_WINDOW.clone(),
-        }),
-    )
-    .await;
+    let task = create(&system, &token, open_domain_task(2, DEVICES)).await;
     let id = task["id"].as_str().unwrap().to_string();
     // Open at once: its model version 0 is the fixed stand-in, and its policy binds the query.
     assert_eq!(task["state"], "OPEN", "{task}");
@@ -192,4 +194,106 @@ async fn an_analytics_task_refuses_training_fields_and_a_query_past_the_caps() {
         ],
         "{problem}"
     );
+}
+
+/// A round of 100 answers cut into two partitions: each partition's worker seals its range's
+/// table, the root merges them and releases once, and a worker that aggregates the same
+/// committed inputs whole makes the same bytes (the store accepts them as the same release).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_open_domain_round_releases_the_bytes_one_worker_would() {
+    const LEASE: Duration = Duration::from_secs(60);
+    let devices_in_round = 100;
+    let clock = now_clock();
+    let partitioning = confed::aggregation::partitions::PartitionPolicy {
+        workers: 4,
+        min_contributions: 50,
+    };
+    let (system, _dir) =
+        common::system::start_partitioned(clock.clone(), None, None, partitioning).await;
+    let token = system.tenant("tenant-parts").await.unwrap();
+    let task = create(&system, &token, open_domain_task(1, devices_in_round)).await;
+    let id = task["id"].as_str().unwrap().to_string();
+    let summary = simulate::run(SimulationConfig {
+        devices: devices_in_round,
+        ..devices(&system, 1)
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        summary.contributions, devices_in_round,
+        "{:?}",
+        summary.failures
+    );
+    for worker in ["w1", "w2"] {
+        let outcome = system.worker(worker).run_once().await.unwrap().unwrap();
+        let (_, count) = outcome.partition.expect("a partition's job");
+        assert_eq!((count, outcome.included), (2, 0));
+    }
+    // The root's job, as the store describes it, leased by a probe.
+    let root = system.store.lease("probe", LEASE).await.unwrap().unwrap();
+    assert!(
+        matches!(root.partitioning, Some(Partitioning::Root { count: 2, .. })),
+        "{:?}",
+        root.partitioning
+    );
+    // One worker over the same committed inputs, and the root over the partitions: the same
+    // bytes (and the same commitment, so the key services release the key for both).
+    let probe = system.worker("probe");
+    let released = |step: AnalyticsStep| match step {
+        AnalyticsStep::Released { release, .. } => release,
+        AnalyticsStep::Sealed { .. } => panic!("a whole round's or a root's job seals nothing"),
+    };
+    let whole_job = JobSpec {
+        partitioning: None,
+        ..root.clone()
+    };
+    let whole = released(
+        probe
+            .aggregate_analytics(&whole_job, &mut Phases::default())
+            .await
+            .unwrap(),
+    );
+    let merged = released(
+        probe
+            .aggregate_analytics(&root, &mut Phases::default())
+            .await
+            .unwrap(),
+    );
+    assert_eq!(merged.result, whole.result);
+    assert_eq!(merged.manifest.to_json(), whole.manifest.to_json());
+    assert_eq!(merged.manifest.included, devices_in_round as u64);
+    // The probe's lease lapses; a worker takes the root and commits those bytes.
+    clock.advance(LEASE + Duration::from_secs(1));
+    let outcome = system.worker("w3").run_once().await.unwrap().unwrap();
+    assert_eq!(
+        (outcome.partition, outcome.included),
+        (None, devices_in_round as u64)
+    );
+    let states = rounds(&system, &token, &id).await;
+    assert_eq!(states[0]["state"], "COMPLETED", "{states:?}");
+    let verified = confed::verify::verify_release(&system.url, &token, &id, 1, &system.trust)
+        .await
+        .unwrap();
+    assert!(verified.ok(), "{:?}", verified.failures);
+    let stored = get(
+        &system,
+        &token,
+        &format!("/v1/tasks/{id}/releases/1/average"),
+    )
+    .await
+    .bytes()
+    .await
+    .unwrap();
+    assert_eq!(&stored[..], &whole.result[..]);
+    let result: Value = get(
+        &system,
+        &token,
+        &format!("/v1/tasks/{id}/releases/1/average"),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    let keys = result["keys"].to_string();
+    assert!(keys.contains("planted-all"), "{keys}");
 }

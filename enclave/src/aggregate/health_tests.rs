@@ -3,7 +3,7 @@
 //! refused elsewhere; the same count streamed, buffered and merged from partitions.
 
 use super::inputs::Input;
-use super::partition::Partition;
+use super::partition::{Partial, Partition};
 use super::partition_tests::committed;
 use super::tests::{ROUND, Round, binding, privacy, round, sealed};
 use super::*;

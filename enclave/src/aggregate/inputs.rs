@@ -134,6 +134,23 @@ pub fn listing(inputs: &[Input]) -> Vec<Input> {
         .collect()
 }
 
+/// Test contributions (ref, stored bytes) as a worker commits them: sorted by ref, every one
+/// kept from its first read, with the round's inputs digest.
+#[cfg(test)]
+pub(crate) fn committed(pairs: &[(String, Option<Vec<u8>>)]) -> (Vec<Input>, String) {
+    let mut inputs: Vec<Input> = pairs
+        .iter()
+        .map(|(assignment_ref, bytes)| Input {
+            assignment_ref: assignment_ref.clone(),
+            blob_key: format!("blob/{assignment_ref}"),
+            digest: bytes.as_deref().map(|b| *blake3::hash(b).as_bytes()),
+            retained: bytes.clone(),
+        })
+        .collect();
+    let digest = sort_and_digest(&mut inputs).unwrap();
+    (inputs, digest)
+}
+
 /// Whether `text` is an assignment ref: exactly 64 lowercase hex digits (SHA-256 of an id).
 pub fn is_ref(text: &str) -> bool {
     confed_protocol::hex::is_digest_hex(text)

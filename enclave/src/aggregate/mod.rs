@@ -140,7 +140,7 @@ impl PlaintextBuffers {
 
 /// Which contributions a round included and excluded (why), as they were added.
 #[derive(Default)]
-pub(crate) struct Outcome {
+pub struct Outcome {
     pub(crate) included: Vec<String>,
     pub(crate) excluded: Vec<(String, Exclusion)>,
 }

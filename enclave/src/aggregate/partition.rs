@@ -16,8 +16,13 @@
 //! container (`sealed`), under a key only an enclave holding the task's private key derives.
 //! Its length depends on the model and the range only (an outcome is one byte per input, whatever
 //! it is), never on what the devices sent.
+//!
+//! Training's aggregator and the analytics table (`analytics::partition`) both seal and merge
+//! through `Partial`: the header, its checks, the outcomes and the container are this module's;
+//! each kind lays out and absorbs its own exact state.
 
 use std::ops::Range;
+use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -25,7 +30,7 @@ use zeroize::Zeroizing;
 
 use super::inputs::{self, Input};
 use super::sealed::{Kind, SealedError};
-use super::{Aggregator, Exclusion, Outcome};
+use super::{Aggregator, Binding, Exclusion, Outcome};
 use crate::hpke::PrivateKey;
 
 const KIND: Kind = Kind {
@@ -111,22 +116,75 @@ pub struct PartitionHeader {
     /// header without it reads as before.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub health: bool,
+    /// An analytics round's table in place of the sum (`values` is then 0). Left out for
+    /// training.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub table: Option<TableShape>,
+}
+
+/// An analytics round's exact table as a sealed partition holds it (docs/protocol.md, "Sealed
+/// partition"): fixed by the query and the range's length, never by what devices sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TableShape {
+    /// A closed domain's keys or the quantile tree's nodes; an open domain's key capacity.
+    pub slots: u64,
+    /// Bytes a slot: 8 (a count), or for an open domain 1 + `max_key_bytes` + 8.
+    pub slot_bytes: u64,
+    /// An open domain's table: 9 bytes (the slots used, whether the table filled) come first.
+    pub open: bool,
+}
+
+impl TableShape {
+    /// Bytes before the slots of an open domain's table.
+    pub const OPEN_PREAMBLE: u64 = 9;
+
+    fn len(&self) -> Option<u64> {
+        let preamble = if self.open { Self::OPEN_PREAMBLE } else { 0 };
+        self.slots
+            .checked_mul(self.slot_bytes)?
+            .checked_add(preamble)
+    }
+}
+
+/// What a header says of a partition's state, besides whose round and range it is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Shape {
+    pub values: u64,
+    pub evaluation: bool,
+    pub health: bool,
+    pub table: Option<TableShape>,
 }
 
 impl PartitionHeader {
-    /// The plaintext's length: the sum (8 bytes a value), one outcome byte an input, the
-    /// unclipped count (8), the metric sums (24) if evaluating, the health count (8) if
-    /// counting.
+    /// The plaintext's length: one outcome byte an input, and for training the sum (8 bytes a
+    /// value), the unclipped count (8), the metric sums (24) if evaluating, the health count (8)
+    /// if counting; for analytics the table.
     fn body_len(&self) -> Result<usize, PartitionError> {
         let malformed = || PartitionError::Malformed("its shape overflows".into());
         let inputs = self.end.checked_sub(self.first).ok_or_else(malformed)?;
-        self.values
-            .checked_mul(8)
+        let state = match &self.table {
+            Some(table) => table.len(),
+            None => self
+                .values
+                .checked_mul(8)
+                .and_then(|n| n.checked_add(8 + if self.evaluation { 24 } else { 0 }))
+                .and_then(|n| n.checked_add(if self.health { 8 } else { 0 })),
+        };
+        state
             .and_then(|n| n.checked_add(inputs))
-            .and_then(|n| n.checked_add(8 + if self.evaluation { 24 } else { 0 }))
-            .and_then(|n| n.checked_add(if self.health { 8 } else { 0 }))
             .and_then(|n| usize::try_from(n).ok())
             .ok_or_else(malformed)
+    }
+
+    /// The state's shape the header names.
+    fn shape(&self) -> Shape {
+        Shape {
+            values: self.values,
+            evaluation: self.evaluation,
+            health: self.health,
+            table: self.table,
+        }
     }
 
     fn context(&self) -> [&[u8]; 2] {
@@ -181,9 +239,10 @@ impl Partition<'_> {
     }
 
     /// The header a sealed partition of this round and plan must have.
-    fn header(&self, aggregator: &Aggregator) -> Result<PartitionHeader, PartitionError> {
+    fn header<A: Partial>(&self, aggregator: &A) -> Result<PartitionHeader, PartitionError> {
         let range = self.range()?;
-        let binding = &aggregator.binding;
+        let binding = aggregator.binding();
+        let shape = aggregator.shape(range.len());
         Ok(PartitionHeader {
             task_id: binding.context.task_id.clone(),
             round: binding.context.round,
@@ -200,47 +259,70 @@ impl Partition<'_> {
                     .iter()
                     .map(|i| (i.assignment_ref.as_str(), i.digest.as_ref())),
             ),
-            values: aggregator.schema.parameter_count() as u64,
-            evaluation: aggregator.evaluation.is_some(),
-            health: aggregator.health.is_some(),
+            values: shape.values,
+            evaluation: shape.evaluation,
+            health: shape.health,
+            table: shape.table,
         })
     }
 }
 
-impl Aggregator {
+/// An aggregator whose exact state one partition seals and the root merges: training's
+/// `Aggregator` and analytics' table. The header, its checks, the outcomes and the container
+/// are shared (the provided methods); each kind lays out and adds its own state.
+pub trait Partial: Sized + Send + Sync + 'static {
+    /// The round this aggregator is bound to.
+    fn binding(&self) -> &Binding;
+
+    /// The state's shape for a range of `inputs` contributions.
+    fn shape(&self, inputs: usize) -> Shape;
+
+    /// Its included and excluded contributions so far.
+    fn outcome(&self) -> &Mutex<Outcome>;
+
+    /// The plaintext of a sealed partition: the exact state with `outcomes` (one byte an
+    /// input) in this kind's layout, exactly `shape`'s length.
+    fn into_body(
+        self,
+        outcomes: &[u8],
+        shape: &Shape,
+    ) -> Result<Zeroizing<Vec<u8>>, PartitionError>;
+
+    /// Adds an opened plaintext's state (its length checked against `shape` already) and
+    /// returns its `inputs` outcome bytes.
+    fn absorb_state<'p>(
+        &self,
+        plain: &'p [u8],
+        inputs: usize,
+        shape: &Shape,
+    ) -> Result<&'p [u8], PartitionError>;
+
     /// Seals the exact state after this aggregator added `partition`'s inputs, every one of
-    /// them and nothing else, for the root's `merge`. Consumes the aggregator: its sum leaves
+    /// them and nothing else, for the root's `merge`. Consumes the aggregator: its state leaves
     /// only sealed.
-    pub fn seal_partition(
+    fn seal_partition(
         self,
         private_key: &PrivateKey,
         partition: &Partition<'_>,
     ) -> Result<Vec<u8>, PartitionError> {
         let header = partition.header(&self)?;
         let header_json = serde_json::to_vec(&header).expect("a header serializes");
-        let outcomes = outcome_bytes(
-            self.outcome.into_inner().expect("aggregation outcome"),
-            partition.inputs()?,
-        )?;
-        let mut body = Zeroizing::new(Vec::with_capacity(header.body_len()? + 16));
-        for value in self.sum.into_sum() {
-            body.extend_from_slice(&value.to_le_bytes());
-        }
-        body.extend_from_slice(&outcomes);
-        body.extend_from_slice(&self.unclipped.into_inner().to_le_bytes());
-        if let Some((_, sums)) = self.evaluation {
-            for sum in sums.take() {
-                body.extend_from_slice(&sum.to_le_bytes());
-            }
-        }
-        if let Some(watch) = self.health {
-            body.extend_from_slice(&watch.take().to_le_bytes());
+        let outcome = std::mem::take(&mut *self.outcome().lock().expect("aggregation outcome"));
+        let outcomes = outcome_bytes(outcome, partition.inputs()?)?;
+        let body = self.into_body(&outcomes, &header.shape())?;
+        if body.len() != header.body_len()? {
+            return Err(PartitionError::Incomplete(format!(
+                "its state is {} bytes, its header says {}",
+                body.len(),
+                header.body_len()?
+            )));
         }
         Ok(KIND.seal(private_key, &header.context(), &header_json, body)?)
     }
 
-    /// The root's step, whole: `start_merge`, `merge_one` for each of `sealed`, `end_merge`.
-    pub fn merge(
+    /// The root's step, whole: `start_merge`, `merge_one` for each of `sealed`, `Merge::end`.
+    #[cfg(test)]
+    fn merge(
         &self,
         private_key: &PrivateKey,
         inputs: &[Input],
@@ -259,8 +341,9 @@ impl Aggregator {
     /// then comes in with `merge_one`, one at a time (the root holds one sealed partition in
     /// memory, not all), and `Merge::end` checks none is missing. After any error the
     /// aggregator must be dropped.
-    pub fn start_merge(&self, inputs: usize, count: u32) -> Result<Merge, PartitionError> {
-        if self.counts() != (0, 0) {
+    fn start_merge(&self, inputs: usize, count: u32) -> Result<Merge, PartitionError> {
+        let outcome = self.outcome().lock().expect("aggregation outcome");
+        if !outcome.included.is_empty() || !outcome.excluded.is_empty() {
             return Err(PartitionError::Incomplete(
                 "the root merged into an aggregator that had added inputs itself".into(),
             ));
@@ -272,8 +355,9 @@ impl Aggregator {
     }
 
     /// Adds one sealed partition of the merge's plan: refused if it is sealed twice, of another
-    /// plan, round, task, policy, model, key or inputs, or not sealed by an enclave of this task.
-    pub fn merge_one(
+    /// plan, round, task, policy, model, key, inputs or kind of state, or not sealed by an
+    /// enclave of this task.
+    fn merge_one(
         &self,
         merge: &mut Merge,
         private_key: &PrivateKey,
@@ -311,24 +395,64 @@ impl Aggregator {
             return Err(PartitionError::Foreign(foreign(&header, &expected)));
         }
         let plain = KIND.open(private_key, &header.context(), bytes, ad_len)?;
-        self.absorb(&plain, partition.inputs()?)
+        let range = partition.inputs()?;
+        let outcomes = self.absorb_state(&plain, range.len(), &header.shape())?;
+        record_outcomes(self.outcome(), outcomes, range)
+    }
+}
+
+impl Partial for Aggregator {
+    fn binding(&self) -> &Binding {
+        &self.binding
     }
 
-    /// Adds an opened partition (its length checked against its header) for `inputs`.
-    fn absorb(&self, plain: &[u8], inputs: &[Input]) -> Result<(), PartitionError> {
+    fn shape(&self, _inputs: usize) -> Shape {
+        Shape {
+            values: self.schema.parameter_count() as u64,
+            evaluation: self.evaluation.is_some(),
+            health: self.health.is_some(),
+            table: None,
+        }
+    }
+
+    fn outcome(&self) -> &Mutex<Outcome> {
+        &self.outcome
+    }
+
+    /// The sum (8 bytes a value), the outcomes, the unclipped count, the metric sums if
+    /// evaluating, the health count if counting.
+    fn into_body(
+        self,
+        outcomes: &[u8],
+        _shape: &Shape,
+    ) -> Result<Zeroizing<Vec<u8>>, PartitionError> {
+        let values = self.schema.parameter_count();
+        let mut body = Zeroizing::new(Vec::with_capacity(values * 8 + outcomes.len() + 64));
+        for value in self.sum.into_sum() {
+            body.extend_from_slice(&value.to_le_bytes());
+        }
+        body.extend_from_slice(outcomes);
+        body.extend_from_slice(&self.unclipped.into_inner().to_le_bytes());
+        if let Some((_, sums)) = self.evaluation {
+            for sum in sums.take() {
+                body.extend_from_slice(&sum.to_le_bytes());
+            }
+        }
+        if let Some(watch) = self.health {
+            body.extend_from_slice(&watch.take().to_le_bytes());
+        }
+        Ok(body)
+    }
+
+    fn absorb_state<'p>(
+        &self,
+        plain: &'p [u8],
+        inputs: usize,
+        _shape: &Shape,
+    ) -> Result<&'p [u8], PartitionError> {
         let values = self.schema.parameter_count();
         let (sum, rest) = plain.split_at(values * 8);
-        let (outcomes, rest) = rest.split_at(inputs.len());
-        let reasons = outcomes
-            .iter()
-            .map(|&code| match code {
-                INCLUDED => Ok(None),
-                _ => Exclusion::ALL
-                    .get(usize::from(code) - 1)
-                    .map(|reason| Some(*reason))
-                    .ok_or_else(|| PartitionError::Malformed(format!("outcome code {code}"))),
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let (outcomes, rest) = rest.split_at(inputs);
         let (unclipped, rest) = rest.split_at(8);
         let (metrics, zeroed) = rest.split_at(if self.evaluation.is_some() { 24 } else { 0 });
         let sum: Zeroizing<Vec<i64>> = Zeroizing::new(
@@ -351,16 +475,36 @@ impl Aggregator {
         if let Some(watch) = &self.health {
             watch.add(u64::from_le_bytes(zeroed.try_into().expect("8 bytes")));
         }
-        let mut outcome = self.outcome.lock().expect("aggregation outcome");
-        for (input, reason) in inputs.iter().zip(reasons) {
-            let assignment_ref = input.assignment_ref.clone();
-            match reason {
-                Some(reason) => outcome.excluded.push((assignment_ref, reason)),
-                None => outcome.included.push(assignment_ref),
-            }
-        }
-        Ok(())
+        Ok(outcomes)
     }
+}
+
+/// Records an opened partition's outcome bytes for its range's `inputs`, decoded first: a code
+/// that names no reason refuses the partition before anything is recorded.
+fn record_outcomes(
+    outcome: &Mutex<Outcome>,
+    outcomes: &[u8],
+    inputs: &[Input],
+) -> Result<(), PartitionError> {
+    let reasons = outcomes
+        .iter()
+        .map(|&code| match code {
+            INCLUDED => Ok(None),
+            _ => Exclusion::ALL
+                .get(usize::from(code) - 1)
+                .map(|reason| Some(*reason))
+                .ok_or_else(|| PartitionError::Malformed(format!("outcome code {code}"))),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut outcome = outcome.lock().expect("aggregation outcome");
+    for (input, reason) in inputs.iter().zip(reasons) {
+        let assignment_ref = input.assignment_ref.clone();
+        match reason {
+            Some(reason) => outcome.excluded.push((assignment_ref, reason)),
+            None => outcome.included.push(assignment_ref),
+        }
+    }
+    Ok(())
 }
 
 /// One byte per input of the range, in its order: `INCLUDED`, or 1 + the exclusion's index in

@@ -1,8 +1,8 @@
 //! Partitioned rounds: any partitioning releases the one-worker bytes; a partition missing,
 //! sealed twice, of another plan or inputs, or not sealed by this task's enclave fails the merge.
 
-use super::inputs::{Input, sort_and_digest};
-use super::partition::{MAX_PARTITIONS, Partition, PartitionError, ranges};
+use super::inputs::Input;
+use super::partition::{MAX_PARTITIONS, Partial, Partition, PartitionError, ranges};
 use super::tests::{ROUND, Round, binding, privacy, round, sealed, update};
 use super::*;
 use crate::policy::{EVALUATION_TENSOR, Evaluation};
@@ -54,16 +54,7 @@ fn contributions(r: &Round, evaluating: bool) -> Vec<(String, Option<Vec<u8>>)> 
 
 /// The round's inputs sorted by ref, as the worker commits them, and their digest.
 pub(super) fn committed(pairs: &[(String, Option<Vec<u8>>)]) -> (Vec<Input>, Binding) {
-    let mut inputs: Vec<Input> = pairs
-        .iter()
-        .map(|(assignment_ref, bytes)| Input {
-            assignment_ref: assignment_ref.clone(),
-            blob_key: format!("blob/{assignment_ref}"),
-            digest: bytes.as_deref().map(|b| *blake3::hash(b).as_bytes()),
-            retained: bytes.clone(),
-        })
-        .collect();
-    let digest = sort_and_digest(&mut inputs).unwrap();
+    let (inputs, digest) = super::inputs::committed(pairs);
     let binding = Binding {
         inputs_digest: digest,
         ..binding()

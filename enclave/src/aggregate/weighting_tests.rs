@@ -4,7 +4,7 @@
 //! same bytes.
 
 use super::inputs::Input;
-use super::partition::Partition;
+use super::partition::{Partial, Partition};
 use super::partition_tests::committed;
 use super::tests::{ROUND, Round, binding, privacy, round, sealed};
 use super::*;

@@ -4,6 +4,7 @@
 //! noise every value once, select an open domain's keys by its threshold and release the result
 //! in the average's place (`release.rs`). The exact table never leaves this module.
 
+pub mod partition;
 pub mod release;
 pub mod table;
 
@@ -123,5 +124,7 @@ impl AnalyticsAggregator {
     }
 }
 
+#[cfg(test)]
+mod partition_tests;
 #[cfg(test)]
 mod tests;

@@ -44,6 +44,10 @@ pub enum Table {
         hasher: RandomState,
         keys: AtomicU64,
         full: AtomicBool,
+        /// The query's bounds: what a sealed partition of this table pads to
+        /// (`partition.rs`).
+        max_key_bytes: u32,
+        keys_per_device: u32,
     },
 }
 
@@ -56,11 +60,16 @@ impl Table {
         match query {
             AnalyticsQuery::Histogram { domain_size, .. } => dense(*domain_size as usize, false),
             AnalyticsQuery::Quantiles { .. } => dense(tree_nodes(), true),
-            AnalyticsQuery::OpenHistogram { .. } => Self::Open {
+            AnalyticsQuery::OpenHistogram {
+                max_key_bytes,
+                keys_per_device,
+            } => Self::Open {
                 shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
                 hasher: RandomState::new(),
                 keys: AtomicU64::new(0),
                 full: AtomicBool::new(false),
+                max_key_bytes: *max_key_bytes,
+                keys_per_device: *keys_per_device,
             },
         }
     }
@@ -86,6 +95,7 @@ impl Table {
                     hasher,
                     keys,
                     full,
+                    ..
                 },
                 Key::Text(text),
             ) => {

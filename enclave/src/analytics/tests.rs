@@ -11,12 +11,12 @@ use crate::hpke::generate_keypair;
 
 const KEY: &str = "key-1";
 
-struct Round {
-    private: PrivateKey,
-    public: crate::hpke::PublicKey,
+pub(super) struct Round {
+    pub(super) private: PrivateKey,
+    pub(super) public: crate::hpke::PublicKey,
 }
 
-fn context() -> RoundContext {
+pub(super) fn context() -> RoundContext {
     RoundContext {
         task_id: "task-1".into(),
         round: 1,
@@ -25,7 +25,7 @@ fn context() -> RoundContext {
     }
 }
 
-fn binding(inputs_digest: &str) -> Binding {
+pub(super) fn binding(inputs_digest: &str) -> Binding {
     Binding {
         context: context(),
         key_id: KEY.into(),
@@ -33,7 +33,7 @@ fn binding(inputs_digest: &str) -> Binding {
     }
 }
 
-fn sealed(r: &Round, device: usize, plaintext: &[u8]) -> (String, Option<Vec<u8>>) {
+pub(super) fn sealed(r: &Round, device: usize, plaintext: &[u8]) -> (String, Option<Vec<u8>>) {
     let assignment = format!("assignment-{device}");
     let env = envelope::seal(
         &r.public,
@@ -46,7 +46,7 @@ fn sealed(r: &Round, device: usize, plaintext: &[u8]) -> (String, Option<Vec<u8>
     (envelope::assignment_ref(&assignment), Some(env.to_cbor()))
 }
 
-fn params(query: AnalyticsQuery, epsilon: f64) -> AnalyticsParams {
+pub(super) fn params(query: AnalyticsQuery, epsilon: f64) -> AnalyticsParams {
     let mut policy = TaskPolicy::sample("task-1", 1);
     policy.epsilon = epsilon;
     policy.analytics = Some(query);
@@ -65,12 +65,12 @@ fn release(
     agg.finish(&r.private, params).unwrap()
 }
 
-fn round() -> Round {
+pub(super) fn round() -> Round {
     let (private, public) = generate_keypair();
     Round { private, public }
 }
 
-fn result(release: &AnalyticsRelease) -> serde_json::Value {
+pub(super) fn result(release: &AnalyticsRelease) -> serde_json::Value {
     serde_json::from_slice(&release.result).unwrap()
 }
 

@@ -1,73 +1,42 @@
 //! An analytics round's job (docs/analytics.md): the same inputs, commitment, key and signed
 //! release as a training round's, with the analytics table in place of the sum and the result in
 //! place of the average; no model update follows (the store completes the round when the release
-//! is committed).
+//! is committed). A partitioned round's partitions seal their ranges' tables, and its root merges
+//! them (`analytics::partition`) before it releases, as training's do.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use confed_protocol::analytics::AnalyticsQuery;
-use confed_worker_api::store::{JobSpec, JobStore, StagedRelease};
+use confed_worker_api::store::{JobSpec, JobStore, Partitioning, StagedRelease};
 
-use super::{JobError, JobOutcome, Keyed, Phases, Worker, signed_proof};
+use super::{JobError, JobOutcome, Keyed, Phases, Worker, check_plan, round_context, signed_proof};
 use crate::aggregate::Binding;
-use crate::analytics::{AnalyticsAggregator, AnalyticsParams};
-use crate::envelope::RoundContext;
-use crate::policy::TaskPolicy;
+use crate::analytics::{AnalyticsAggregator, AnalyticsParams, AnalyticsRelease};
+use confed_attestation::release::ReleaseProof;
+
+/// Where an analytics job's aggregation ends.
+pub enum AnalyticsStep {
+    /// A partition's job: its range's table, sealed for the root, of partition `plan.0` of
+    /// `plan.1`.
+    Sealed { sealed: Vec<u8>, plan: (u32, u32) },
+    /// A whole round's or a root's job: the release and its signed proof, to commit.
+    Released {
+        release: Box<AnalyticsRelease>,
+        proof: Box<ReleaseProof>,
+    },
+}
 
 impl<S: JobStore + 'static> Worker<S> {
-    /// Runs an analytics round's job: read and digest the inputs, obtain the key against the
-    /// commitment, open every answer into the table, noise and release once, commit.
-    pub(super) async fn run_analytics_job(
-        &self,
-        job: &JobSpec,
-        policy: &TaskPolicy,
-        query: &AnalyticsQuery,
-        context: RoundContext,
-    ) -> Result<JobOutcome, JobError> {
-        if job.partitioning.is_some() {
-            return Err(JobError::MalformedJob(
-                "analytics rounds are not partitioned by this release".into(),
-            ));
-        }
-        if job.blt_state.is_some() || job.committed_average.is_some() {
-            return Err(JobError::MalformedJob(
-                "an analytics job names a BLT state or a committed average".into(),
-            ));
-        }
+    /// Runs an analytics round's job (`aggregate_analytics`), then stores the sealed partition
+    /// or commits the release.
+    pub(super) async fn run_analytics_job(&self, job: &JobSpec) -> Result<JobOutcome, JobError> {
         let mut phases = Phases::default();
-        let step = Instant::now();
-        let params = AnalyticsParams::for_policy(policy)?
-            .ok_or_else(|| JobError::MalformedJob("the policy names no query".into()))?;
-        let (inputs, inputs_digest) = self.gather(job).await?;
-        phases.read = step.elapsed();
-        let Keyed {
-            commitment,
-            signing_key,
-            receipts,
-            private_key,
-        } = self
-            .key_for(job, &context, &inputs_digest, &mut phases)
-            .await?;
-        let step = Instant::now();
-        let binding = Binding {
-            context,
-            key_id: job.key_id.clone(),
-            inputs_digest,
+        let (release, proof) = match self.aggregate_analytics(job, &mut phases).await? {
+            AnalyticsStep::Sealed { sealed, plan } => {
+                return self.store_partition(job, &sealed, plan, phases).await;
+            }
+            AnalyticsStep::Released { release, proof } => (release, proof),
         };
-        let aggregator = Arc::new(
-            AnalyticsAggregator::new(binding, query.clone(), &private_key)?
-                .authenticating(policy.device_auth.clone()),
-        );
-        self.open_all(job, inputs, &aggregator).await?;
-        let aggregator = Arc::try_unwrap(aggregator).map_err(|_| JobError::StillShared)?;
-        phases.open = step.elapsed();
-        let step = Instant::now();
-        let release = tokio::task::spawn_blocking(move || aggregator.finish(&private_key, &params))
-            .await
-            .map_err(JobError::Thread)??;
-        phases.noise = step.elapsed();
-        let proof = signed_proof(&release.manifest, commitment, &signing_key, receipts);
         let step = Instant::now();
         self.store
             .commit_release(
@@ -91,6 +60,80 @@ impl<S: JobStore + 'static> Worker<S> {
             epsilon_spent: Some(manifest.privacy.epsilon_spent),
             partition: None,
             phases,
+        })
+    }
+
+    /// An analytics job up to what it commits: read and digest the inputs, obtain the key
+    /// against the commitment, then open every answer into the table (a partition: only its
+    /// range's, sealed; the root: every partition's sealed table merged), noise and release
+    /// once. Records the time of each step in `phases`.
+    pub async fn aggregate_analytics(
+        &self,
+        job: &JobSpec,
+        phases: &mut Phases,
+    ) -> Result<AnalyticsStep, JobError> {
+        let (policy, context) = round_context(job)?;
+        let query = policy
+            .analytics
+            .clone()
+            .ok_or_else(|| JobError::MalformedJob("the policy names no query".into()))?;
+        if job.blt_state.is_some() || job.committed_average.is_some() {
+            return Err(JobError::MalformedJob(
+                "an analytics job names a BLT state or a committed average".into(),
+            ));
+        }
+        match &job.partitioning {
+            Some(Partitioning::Partition { count, .. } | Partitioning::Root { count, .. }) => {
+                check_plan(job.contributions.len(), *count)?
+            }
+            None => {}
+        }
+        let step = Instant::now();
+        let params = AnalyticsParams::for_policy(&policy)?
+            .ok_or_else(|| JobError::MalformedJob("the policy names no query".into()))?;
+        let (inputs, inputs_digest) = self.gather(job).await?;
+        phases.read = step.elapsed();
+        let Keyed {
+            commitment,
+            signing_key,
+            receipts,
+            private_key,
+        } = self.key_for(job, &context, &inputs_digest, phases).await?;
+        let binding = Binding {
+            context,
+            key_id: job.key_id.clone(),
+            inputs_digest,
+        };
+        let aggregator = Arc::new(
+            AnalyticsAggregator::new(binding, query, &private_key)?
+                .authenticating(policy.device_auth.clone()),
+        );
+        let step = Instant::now();
+        match &job.partitioning {
+            Some(Partitioning::Partition { index, count }) => {
+                let plan = (*index, *count);
+                let sealed = self
+                    .seal_range(job, inputs, plan, private_key, aggregator, phases)
+                    .await?;
+                return Ok(AnalyticsStep::Sealed { sealed, plan });
+            }
+            Some(Partitioning::Root { count, sealed_keys }) => {
+                self.merge_all(job, inputs, *count, sealed_keys, &private_key, &aggregator)
+                    .await?
+            }
+            None => self.open_all(job, inputs, &aggregator).await?,
+        }
+        let aggregator = Arc::try_unwrap(aggregator).map_err(|_| JobError::StillShared)?;
+        phases.open = step.elapsed();
+        let step = Instant::now();
+        let release = tokio::task::spawn_blocking(move || aggregator.finish(&private_key, &params))
+            .await
+            .map_err(JobError::Thread)??;
+        phases.noise = step.elapsed();
+        let proof = signed_proof(&release.manifest, commitment, &signing_key, receipts);
+        Ok(AnalyticsStep::Released {
+            release: Box::new(release),
+            proof: Box::new(proof),
         })
     }
 }
