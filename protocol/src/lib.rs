@@ -28,6 +28,7 @@ pub mod http;
 pub mod ids;
 pub mod keys;
 pub mod keyset;
+pub mod masking;
 pub mod mechanism;
 pub mod policy;
 pub mod privacy_pass;

@@ -1,0 +1,450 @@
+//! Masks beneath the enclave (docs/secure-aggregation.md): a device adds pseudorandom masks to its
+//! update on the integer grid (mod 2^64) and seals each mask's seed to the key services that help
+//! remove it, so the enclave only ever holds masked updates; after the round's one commitment,
+//! the key services return the sums of exactly the included inputs' masks, and the masks cancel
+//! from the sum exactly.
+//!
+//! Replicated seeds: with `n` key services of threshold `t`, the release quorum is `q = max(t,
+//! ceil((n + t) / 2))`; a device draws one seed per *group*, every subset of `n - q + 1` key
+//! services (`Layout`), and seals to each key service the seeds of its groups. Any `q` services
+//! together hold every group's seed (a group they all miss would fit in the other `n - q`
+//! services, but it has `n - q + 1` members); any `q - 1` miss the group made of exactly the other
+//! `n - q + 1`. So an attacker holding the enclave and `q - 1` key services (not enough to release
+//! twice, either) is missing one full-strength mask of every device, and each device's masked
+//! update is uniform on the grid to it.
+//!
+//! Every stream is AES-128-CTR (from zero) under `HMAC-SHA256(seed, context)` truncated to 16
+//! bytes, the context naming the scheme, task, round, assignment, group and length: a stream is
+//! never reused for another input, round or group, and a seed alone says nothing of another.
+
+use aes::cipher::{KeyIvInit, StreamCipher};
+use ring::hmac;
+use thiserror::Error;
+use zeroize::{Zeroize, Zeroizing};
+
+use crate::hpke::{self, HpkeError, PrivateKey, PublicKey};
+
+/// The scheme's name in policies and manifests.
+pub const SCHEME: &str = "confed-masking/v1";
+/// Most key services a masked layout takes: C(n, n - q + 1) groups stay a handful (35 at n = 7).
+pub const MAX_SERVICES: u8 = 9;
+/// Bytes of a seed.
+pub const SEED_BYTES: usize = 32;
+
+const STREAM_LABEL: &[u8] = b"confed mask stream v1";
+const SEEDS_INFO: &[u8] = b"confed mask seeds v1";
+/// Keystream made at once when a stream is added (64 KiB: stays in L2 while it is added).
+const STREAM_CHUNK: usize = 8 * 1024;
+
+type Aes128Ctr = ctr::Ctr64BE<aes::Aes128>;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum MaskingError {
+    #[error(
+        "a masked layout needs 1 <= t <= n <= {MAX_SERVICES} key services (got n = {n}, t = {t})"
+    )]
+    Layout { n: u8, t: u8 },
+    #[error("key service {0} is not one of the layout's")]
+    NoSuchService(u8),
+    #[error("{expected} seeds expected (one per group), got {got}")]
+    Seeds { expected: usize, got: usize },
+    #[error("{expected} key services' public keys expected, got {got}")]
+    ServiceKeys { expected: usize, got: usize },
+    #[error("the sealed seeds do not open for key service {service}: {source}")]
+    SeedsOpen { service: u8, source: HpkeError },
+    #[error("the sealed seeds of key service {0} are not its groups' seeds")]
+    SeedsShape(u8),
+    #[error(
+        "no mask sum for group {group} (key services {members:?}): too few key services answered"
+    )]
+    Withheld { group: usize, members: Vec<u8> },
+    #[error("key services {first} and {second} return different mask sums for group {group}")]
+    Disagree { group: usize, first: u8, second: u8 },
+    #[error("a mask sum of {got} values, the masked sum has {expected}")]
+    Length { expected: usize, got: usize },
+    #[error(
+        "the unmasked sum is outside what {included} clipped updates can add (its L2 norm exceeds {included} x {units_per_clip} grid units): a mask sum is wrong"
+    )]
+    OutOfBound { included: u64, units_per_clip: i64 },
+}
+
+/// The release quorum of `n` key services of threshold `t` (docs/architecture.md, "Availability
+/// of the key services"): any two quorums share at least `t` members.
+pub fn quorum(n: u8, t: u8) -> u8 {
+    t.max((n + t).div_ceil(2))
+}
+
+/// Which key services (numbered 1 to `n`) hold which group's seed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    n: u8,
+    t: u8,
+    q: u8,
+    /// Every subset of `n - q + 1` services, members ascending, subsets in lexicographic order.
+    groups: Vec<Vec<u8>>,
+}
+
+impl Layout {
+    pub fn new(n: u8, t: u8) -> Result<Self, MaskingError> {
+        if t == 0 || t > n || n > MAX_SERVICES {
+            return Err(MaskingError::Layout { n, t });
+        }
+        let q = quorum(n, t);
+        let size = usize::from(n - q + 1);
+        let mut groups = Vec::new();
+        let mut member: Vec<u8> = (1..=size as u8).collect();
+        loop {
+            groups.push(member.clone());
+            // The next subset in lexicographic order: bump the rightmost member that can move.
+            let Some(i) = (0..size)
+                .rev()
+                .find(|&i| member[i] < n - (size - 1 - i) as u8)
+            else {
+                break;
+            };
+            member[i] += 1;
+            for j in i + 1..size {
+                member[j] = member[j - 1] + 1;
+            }
+        }
+        Ok(Self { n, t, q, groups })
+    }
+
+    pub fn services(&self) -> u8 {
+        self.n
+    }
+
+    pub fn threshold(&self) -> u8 {
+        self.t
+    }
+
+    pub fn quorum(&self) -> u8 {
+        self.q
+    }
+
+    /// The groups, each its members (1-based, ascending).
+    pub fn groups(&self) -> &[Vec<u8>] {
+        &self.groups
+    }
+
+    /// The indices of the groups `service` belongs to, ascending.
+    pub fn groups_of(&self, service: u8) -> Vec<usize> {
+        (0..self.groups.len())
+            .filter(|&g| self.groups[g].contains(&service))
+            .collect()
+    }
+
+    /// Whether `services` together hold every group's seed.
+    pub fn covers(&self, services: &[u8]) -> bool {
+        self.groups
+            .iter()
+            .all(|group| group.iter().any(|m| services.contains(m)))
+    }
+
+    fn check_service(&self, service: u8) -> Result<(), MaskingError> {
+        if service == 0 || service > self.n {
+            return Err(MaskingError::NoSuchService(service));
+        }
+        Ok(())
+    }
+}
+
+/// One mask's seed; wiped when dropped.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Seed(Zeroizing<[u8; SEED_BYTES]>);
+
+impl std::fmt::Debug for Seed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Seed(<redacted>)")
+    }
+}
+
+impl Seed {
+    /// A fresh seed from the operating system's generator.
+    pub fn random() -> Self {
+        let mut bytes = Zeroizing::new([0u8; SEED_BYTES]);
+        getrandom::fill(bytes.as_mut_slice()).expect("the operating system's random generator");
+        Self(bytes)
+    }
+
+    pub fn from_bytes(bytes: [u8; SEED_BYTES]) -> Self {
+        Self(Zeroizing::new(bytes))
+    }
+}
+
+/// What one input's masks are bound to: a stream is never the same for another task, round,
+/// assignment or length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MaskContext<'a> {
+    pub task_id: &'a str,
+    pub round: u64,
+    pub assignment_ref: &'a str,
+    /// Values of the masked vector.
+    pub values: usize,
+}
+
+impl MaskContext<'_> {
+    /// `label 0x00 task_id 0x00 decimal(round) 0x00 assignment_ref 0x00 decimal(values) 0x00`.
+    fn bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        for part in [
+            STREAM_LABEL,
+            self.task_id.as_bytes(),
+            self.round.to_string().as_bytes(),
+            self.assignment_ref.as_bytes(),
+            self.values.to_string().as_bytes(),
+        ] {
+            out.extend_from_slice(part);
+            out.push(0);
+        }
+        out
+    }
+
+    /// The stream key of `group`'s seed: HMAC-SHA256(seed, context || decimal(group) 0x00),
+    /// first 16 bytes.
+    fn stream_key(&self, seed: &Seed, group: usize) -> Zeroizing<[u8; 16]> {
+        let key = hmac::Key::new(hmac::HMAC_SHA256, seed.0.as_slice());
+        let mut ctx = hmac::Context::with_key(&key);
+        ctx.update(&self.bytes());
+        ctx.update(group.to_string().as_bytes());
+        ctx.update(&[0]);
+        let tag = ctx.sign();
+        let mut out = Zeroizing::new([0u8; 16]);
+        out.copy_from_slice(&tag.as_ref()[..16]);
+        out
+    }
+}
+
+/// Adds `group`'s stream under `seed` to `out` (mod 2^64), value by value; `out` has the
+/// context's length.
+pub fn add_stream(seed: &Seed, context: &MaskContext<'_>, group: usize, out: &mut [u64]) {
+    let key = context.stream_key(seed, group);
+    let mut cipher = Aes128Ctr::new(&(*key).into(), &[0u8; 16].into());
+    let mut keystream = Zeroizing::new(vec![0u8; STREAM_CHUNK * 8]);
+    for chunk in out.chunks_mut(STREAM_CHUNK) {
+        let bytes = &mut keystream[..chunk.len() * 8];
+        bytes.fill(0);
+        cipher.apply_keystream(bytes);
+        for (value, word) in chunk.iter_mut().zip(bytes.chunks_exact(8)) {
+            *value = value.wrapping_add(u64::from_le_bytes(word.try_into().expect("8 bytes")));
+        }
+    }
+}
+
+/// A device's masked update: `grid` (its clipped update on the integer grid) plus every group's
+/// stream, mod 2^64.
+pub fn mask(
+    layout: &Layout,
+    grid: &[i64],
+    seeds: &[Seed],
+    context: &MaskContext<'_>,
+) -> Result<Vec<u64>, MaskingError> {
+    if seeds.len() != layout.groups.len() {
+        return Err(MaskingError::Seeds {
+            expected: layout.groups.len(),
+            got: seeds.len(),
+        });
+    }
+    let mut masked: Vec<u64> = grid.iter().map(|v| *v as u64).collect();
+    for (group, seed) in seeds.iter().enumerate() {
+        add_stream(seed, context, group, &mut masked);
+    }
+    Ok(masked)
+}
+
+/// One device's seeds for one key service, sealed to it (HPKE, the protocol's suite).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SealedSeeds {
+    pub service: u8,
+    pub encapsulated_key: Vec<u8>,
+    pub ciphertext: Vec<u8>,
+}
+
+/// Associated data of a key service's sealed seeds: the context and the service's number, so
+/// seeds sealed for one input or service never open as another's.
+fn seeds_aad(context: &MaskContext<'_>, service: u8) -> Vec<u8> {
+    let mut aad = context.bytes();
+    aad.extend_from_slice(service.to_string().as_bytes());
+    aad.push(0);
+    aad
+}
+
+/// Seals to each key service (`service_keys[i]` is service `i + 1`'s) the seeds of its groups,
+/// concatenated in group order.
+pub fn seal_seeds(
+    layout: &Layout,
+    seeds: &[Seed],
+    service_keys: &[PublicKey],
+    context: &MaskContext<'_>,
+) -> Result<Vec<SealedSeeds>, MaskingError> {
+    if seeds.len() != layout.groups.len() {
+        return Err(MaskingError::Seeds {
+            expected: layout.groups.len(),
+            got: seeds.len(),
+        });
+    }
+    if service_keys.len() != usize::from(layout.n) {
+        return Err(MaskingError::ServiceKeys {
+            expected: usize::from(layout.n),
+            got: service_keys.len(),
+        });
+    }
+    (1..=layout.n)
+        .map(|service| {
+            let mut plaintext = Zeroizing::new(Vec::new());
+            for group in layout.groups_of(service) {
+                plaintext.extend_from_slice(seeds[group].0.as_slice());
+            }
+            let (encapsulated_key, ciphertext) = hpke::seal(
+                &service_keys[usize::from(service) - 1],
+                SEEDS_INFO,
+                &seeds_aad(context, service),
+                &plaintext,
+            )
+            .map_err(|source| MaskingError::SeedsOpen { service, source })?;
+            Ok(SealedSeeds {
+                service,
+                encapsulated_key,
+                ciphertext,
+            })
+        })
+        .collect()
+}
+
+/// A key service opens its sealed seeds: (group, seed) for each of its groups.
+pub fn open_seeds(
+    layout: &Layout,
+    private: &PrivateKey,
+    sealed: &SealedSeeds,
+    context: &MaskContext<'_>,
+) -> Result<Vec<(usize, Seed)>, MaskingError> {
+    let service = sealed.service;
+    layout.check_service(service)?;
+    let mut plaintext = hpke::open(
+        private,
+        &sealed.encapsulated_key,
+        SEEDS_INFO,
+        &seeds_aad(context, service),
+        &sealed.ciphertext,
+    )
+    .map_err(|source| MaskingError::SeedsOpen { service, source })?;
+    let groups = layout.groups_of(service);
+    if plaintext.len() != groups.len() * SEED_BYTES {
+        plaintext.zeroize();
+        return Err(MaskingError::SeedsShape(service));
+    }
+    Ok(groups
+        .into_iter()
+        .zip(plaintext.chunks_exact(SEED_BYTES))
+        .map(|(group, bytes)| {
+            let mut seed = [0u8; SEED_BYTES];
+            seed.copy_from_slice(bytes);
+            let seed = Seed::from_bytes(seed);
+            (group, seed)
+        })
+        .collect())
+}
+
+/// What a key service returns for a round: for each of its groups, the sum of that group's
+/// streams over the round's included inputs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MaskSums {
+    pub service: u8,
+    pub sums: Vec<(usize, Vec<u64>)>,
+}
+
+impl MaskSums {
+    /// Starts a key service's sums of `values` values, one per group it belongs to.
+    pub fn new(layout: &Layout, service: u8, values: usize) -> Result<Self, MaskingError> {
+        layout.check_service(service)?;
+        Ok(Self {
+            service,
+            sums: layout
+                .groups_of(service)
+                .into_iter()
+                .map(|group| (group, vec![0u64; values]))
+                .collect(),
+        })
+    }
+
+    /// Adds one included input's streams, from its opened seeds.
+    pub fn add(
+        &mut self,
+        seeds: &[(usize, Seed)],
+        context: &MaskContext<'_>,
+    ) -> Result<(), MaskingError> {
+        if seeds.len() != self.sums.len()
+            || seeds.iter().zip(&self.sums).any(|((g, _), (h, _))| g != h)
+        {
+            return Err(MaskingError::SeedsShape(self.service));
+        }
+        for ((group, seed), (_, sum)) in seeds.iter().zip(&mut self.sums) {
+            add_stream(seed, context, *group, sum);
+        }
+        Ok(())
+    }
+}
+
+/// The enclave's step: removes every group's mask sum from the masked sum. Each group's sum is
+/// taken from the key services that answered and hold it, which must all agree; a group no
+/// answering service holds fails (too few answered). The result, read as signed integers, must
+/// be what `included` updates clipped to `units_per_clip` grid units can add up to (its L2 norm
+/// at most `included x units_per_clip`), or a mask sum was wrong: a wrong one leaves values
+/// spread over the whole of 2^64.
+pub fn unmask(
+    layout: &Layout,
+    masked_sum: &[u64],
+    answers: &[MaskSums],
+    included: u64,
+    units_per_clip: i64,
+) -> Result<Vec<i64>, MaskingError> {
+    let mut result = masked_sum.to_vec();
+    for (group, members) in layout.groups.iter().enumerate() {
+        let mut chosen: Option<(u8, &[u64])> = None;
+        for answer in answers.iter().filter(|a| members.contains(&a.service)) {
+            let Some((_, sum)) = answer.sums.iter().find(|(g, _)| *g == group) else {
+                return Err(MaskingError::SeedsShape(answer.service));
+            };
+            if sum.len() != masked_sum.len() {
+                return Err(MaskingError::Length {
+                    expected: masked_sum.len(),
+                    got: sum.len(),
+                });
+            }
+            match chosen {
+                None => chosen = Some((answer.service, sum)),
+                Some((first, other)) if other != sum.as_slice() => {
+                    return Err(MaskingError::Disagree {
+                        group,
+                        first,
+                        second: answer.service,
+                    });
+                }
+                Some(_) => {}
+            }
+        }
+        let Some((_, sum)) = chosen else {
+            return Err(MaskingError::Withheld {
+                group,
+                members: members.clone(),
+            });
+        };
+        for (value, mask) in result.iter_mut().zip(sum) {
+            *value = value.wrapping_sub(*mask);
+        }
+    }
+    let unmasked: Vec<i64> = result.into_iter().map(|v| v as i64).collect();
+    let bound = included as f64 * units_per_clip as f64;
+    let norm_squared: f64 = unmasked.iter().map(|v| (*v as f64) * (*v as f64)).sum();
+    if norm_squared.sqrt() > bound * (1.0 + 1e-9) {
+        return Err(MaskingError::OutOfBound {
+            included,
+            units_per_clip,
+        });
+    }
+    Ok(unmasked)
+}
+
+#[cfg(test)]
+#[path = "masking_tests.rs"]
+mod tests;

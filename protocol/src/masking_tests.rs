@@ -1,0 +1,355 @@
+//! Masked rounds' arithmetic: the layouts' coverage (any q key services hold every seed, any q - 1
+//! miss one), exact cancellation over the included inputs, a withheld, disagreeing or wrong mask
+//! sum failing the unmask, and the enclave's view of a masked update uniform on the grid even to
+//! q - 1 key services.
+
+use super::*;
+use crate::hpke::generate_keypair;
+
+const TASK: &str = "task-1";
+
+fn context(assignment: usize, values: usize) -> MaskContext<'static> {
+    let assignment_ref: &'static str = Box::leak(format!("{assignment:064x}").into_boxed_str());
+    MaskContext {
+        task_id: TASK,
+        round: 3,
+        assignment_ref,
+        values,
+    }
+}
+
+/// SplitMix64: test data, not masks.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A clipped update on the grid: values within +-2^16 with an L2 norm of at most 2^16.
+fn update(device: usize, values: usize) -> Vec<i64> {
+    let raw: Vec<i64> = (0..values)
+        .map(|i| (mix((device * 100_003 + i) as u64) % 2001) as i64 - 1000)
+        .collect();
+    let norm = raw.iter().map(|v| (v * v) as f64).sum::<f64>().sqrt();
+    let scale = (65536.0 / norm).min(1.0);
+    raw.iter().map(|v| (*v as f64 * scale) as i64).collect()
+}
+
+fn seeds(layout: &Layout) -> Vec<Seed> {
+    layout.groups().iter().map(|_| Seed::random()).collect()
+}
+
+/// Every subset of `1..=n` of `size` members.
+fn subsets(n: u8, size: u8) -> Vec<Vec<u8>> {
+    (0u32..1 << n)
+        .filter(|mask| mask.count_ones() == u32::from(size))
+        .map(|mask| (1..=n).filter(|s| mask & (1 << (s - 1)) != 0).collect())
+        .collect()
+}
+
+#[test]
+fn the_quorum_is_the_release_quorum() {
+    for (n, t, q) in [
+        (1, 1, 1),
+        (2, 2, 2),
+        (3, 2, 3),
+        (3, 3, 3),
+        (4, 2, 3),
+        (5, 3, 4),
+        (7, 3, 5),
+    ] {
+        assert_eq!(quorum(n, t), q, "n {n}, t {t}");
+    }
+}
+
+#[test]
+fn any_quorum_of_key_services_holds_every_seed_and_any_fewer_miss_one() {
+    for n in 1..=7u8 {
+        for t in 1..=n {
+            let layout = Layout::new(n, t).unwrap();
+            let q = layout.quorum();
+            let size = usize::from(n - q + 1);
+            let expected = subsets(n, n - q + 1).len();
+            assert_eq!(layout.groups().len(), expected, "n {n}, t {t}");
+            assert!(layout.groups().iter().all(|g| g.len() == size));
+            for services in subsets(n, q) {
+                assert!(layout.covers(&services), "n {n} t {t}: {services:?}");
+            }
+            if q > 1 {
+                for services in subsets(n, q - 1) {
+                    assert!(!layout.covers(&services), "n {n} t {t}: {services:?}");
+                }
+            }
+        }
+    }
+    // A handful of seeds for the layouts confed runs.
+    assert_eq!(Layout::new(3, 2).unwrap().groups().len(), 3);
+    assert_eq!(Layout::new(5, 3).unwrap().groups().len(), 10);
+    assert_eq!(Layout::new(7, 3).unwrap().groups().len(), 35);
+}
+
+#[test]
+fn a_layout_outside_the_bounds_is_refused() {
+    for (n, t) in [(3, 0), (3, 4), (10, 3)] {
+        assert_eq!(Layout::new(n, t), Err(MaskingError::Layout { n, t }));
+    }
+}
+
+/// The included devices with their sealed seeds.
+type Included = Vec<(usize, Vec<SealedSeeds>)>;
+
+struct Round {
+    layout: Layout,
+    keys: Vec<(PrivateKey, PublicKey)>,
+    values: usize,
+}
+
+impl Round {
+    fn new(n: u8, t: u8, values: usize) -> Self {
+        Self {
+            layout: Layout::new(n, t).unwrap(),
+            keys: (0..n).map(|_| generate_keypair()).collect(),
+            values,
+        }
+    }
+
+    /// Device `d`'s masked update and its seeds sealed to every key service.
+    fn device(&self, d: usize) -> (Vec<u64>, Vec<SealedSeeds>) {
+        let ctx = context(d, self.values);
+        let seeds = seeds(&self.layout);
+        let masked = mask(&self.layout, &update(d, self.values), &seeds, &ctx).unwrap();
+        let public: Vec<PublicKey> = self.keys.iter().map(|(_, p)| *p).collect();
+        let sealed = seal_seeds(&self.layout, &seeds, &public, &ctx).unwrap();
+        (masked, sealed)
+    }
+
+    /// Key service `service`'s mask sums over the included devices.
+    fn answer(&self, service: u8, included: &[(usize, Vec<SealedSeeds>)]) -> MaskSums {
+        let mut sums = MaskSums::new(&self.layout, service, self.values).unwrap();
+        let private = &self.keys[usize::from(service) - 1].0;
+        for (d, sealed) in included {
+            let ctx = context(*d, self.values);
+            let mine = &sealed[usize::from(service) - 1];
+            let seeds = open_seeds(&self.layout, private, mine, &ctx).unwrap();
+            sums.add(&seeds, &ctx).unwrap();
+        }
+        sums
+    }
+}
+
+/// Six devices of which five are included; returns the round, the masked sum of the included,
+/// their seeds, and the exact sum of their updates.
+fn five_of_six(n: u8, t: u8) -> (Round, Vec<u64>, Included, Vec<i64>) {
+    let r = Round::new(n, t, 1000);
+    let mut masked_sum = vec![0u64; r.values];
+    let mut exact = vec![0i64; r.values];
+    let mut included = Vec::new();
+    for d in 0..6 {
+        let (masked, sealed) = r.device(d);
+        if d == 4 {
+            continue; // excluded by the enclave: its masks must not be removed either
+        }
+        for (i, v) in masked.iter().enumerate() {
+            masked_sum[i] = masked_sum[i].wrapping_add(*v);
+        }
+        for (i, v) in update(d, r.values).iter().enumerate() {
+            exact[i] += v;
+        }
+        included.push((d, sealed));
+    }
+    (r, masked_sum, included, exact)
+}
+
+#[test]
+fn the_included_inputs_masks_cancel_exactly_with_any_quorum_answering() {
+    for (n, t) in [(3, 2), (5, 3), (4, 2)] {
+        let (r, masked_sum, included, exact) = five_of_six(n, t);
+        let q = r.layout.quorum();
+        for answering in subsets(n, q) {
+            let answers: Vec<MaskSums> =
+                answering.iter().map(|s| r.answer(*s, &included)).collect();
+            let unmasked = unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16).unwrap();
+            assert_eq!(unmasked, exact, "n {n}, t {t}, answering {answering:?}");
+        }
+        // Every service answering: the holders of each group agree.
+        let answers: Vec<MaskSums> = (1..=n).map(|s| r.answer(s, &included)).collect();
+        assert_eq!(
+            unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16).unwrap(),
+            exact
+        );
+    }
+}
+
+#[test]
+fn too_few_key_services_answering_withholds_a_group_and_fails() {
+    let (r, masked_sum, included, _) = five_of_six(5, 3);
+    let answers: Vec<MaskSums> = [1, 2, 3].iter().map(|s| r.answer(*s, &included)).collect();
+    match unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16) {
+        Err(MaskingError::Withheld { members, .. }) => assert_eq!(members, vec![4, 5]),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_wrong_mask_sum_fails_the_unmask_rather_than_releasing_garbage() {
+    // Two holders of each group (n 5, t 3): a sum off by one disagrees with the other holder's.
+    let (r, masked_sum, included, _) = five_of_six(5, 3);
+    let mut answers: Vec<MaskSums> = (1..=5).map(|s| r.answer(s, &included)).collect();
+    answers[0].sums[0].1[7] += 1;
+    assert!(matches!(
+        unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16),
+        Err(MaskingError::Disagree { group: 0, .. })
+    ));
+    // One holder of each group (n 3, t 2): a mask sum over other inputs (here, one input
+    // left out) leaves a stream in the sum, spread over all of 2^64: out of bound.
+    let (r, masked_sum, included, _) = five_of_six(3, 2);
+    let mut answers: Vec<MaskSums> = (1..=3).map(|s| r.answer(s, &included)).collect();
+    answers[1] = r.answer(2, &included[1..]);
+    assert_eq!(
+        unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16),
+        Err(MaskingError::OutOfBound {
+            included: 5,
+            units_per_clip: 1 << 16
+        })
+    );
+}
+
+/// Pearson's chi-square of the bytes of `values` against uniform (255 degrees of freedom: above
+/// 341 happens with probability 0.0002).
+fn chi_square_of_bytes(values: &[u64]) -> f64 {
+    let mut counts = [0u64; 256];
+    for v in values {
+        for b in v.to_le_bytes() {
+            counts[usize::from(b)] += 1;
+        }
+    }
+    let expected = (values.len() * 8) as f64 / 256.0;
+    counts
+        .iter()
+        .map(|c| (*c as f64 - expected).powi(2) / expected)
+        .sum()
+}
+
+#[test]
+fn a_masked_update_is_uniform_on_the_grid_even_to_q_minus_1_key_services() {
+    // n 5, t 3: q 4. The attacker holds the enclave and key services 1, 2 and 3, so it knows
+    // every seed but the group {4, 5}'s, and removes every stream it knows.
+    let layout = Layout::new(5, 3).unwrap();
+    let values = 1 << 15;
+    let spike: Vec<i64> = (0..values)
+        .map(|i| if i == 0 { 1 << 16 } else { 0 })
+        .collect();
+    let zero = vec![0i64; values];
+    let attacker = [1u8, 2, 3];
+    for (name, grid) in [("spike", &spike), ("zero", &zero)] {
+        let ctx = context(9, values);
+        let seeds = seeds(&layout);
+        let masked = mask(&layout, grid, &seeds, &ctx).unwrap();
+        // What the attacker removes: the streams of every group one of its services holds.
+        let mut view = masked.clone();
+        for (group, members) in layout.groups().iter().enumerate() {
+            if members.iter().any(|m| attacker.contains(m)) {
+                let mut stream = vec![0u64; values];
+                add_stream(&seeds[group], &ctx, group, &mut stream);
+                for (v, s) in view.iter_mut().zip(&stream) {
+                    *v = v.wrapping_sub(*s);
+                }
+            }
+        }
+        // All that is left is the update plus the one stream it cannot know: uniform bytes,
+        // and the update's own coordinate no different from the others.
+        for (what, values) in [("masked", &masked), ("attacker's view", &view)] {
+            let chi = chi_square_of_bytes(values);
+            assert!(chi < 341.0, "{name}, {what}: chi-square {chi}");
+            let high_bits = values.iter().filter(|v| **v >> 63 == 1).count() as f64;
+            let share = high_bits / values.len() as f64;
+            assert!(
+                (share - 0.5).abs() < 0.02,
+                "{name}, {what}: top bit set {share}"
+            );
+        }
+        // Knowing the missing group's seed too (q services) leaves exactly the update.
+        let mut stream = vec![0u64; values];
+        let missing = layout
+            .groups()
+            .iter()
+            .position(|g| g == &vec![4, 5])
+            .unwrap();
+        add_stream(&seeds[missing], &ctx, missing, &mut stream);
+        let clear: Vec<i64> = view
+            .iter()
+            .zip(&stream)
+            .map(|(v, s)| v.wrapping_sub(*s) as i64)
+            .collect();
+        assert_eq!(&clear, grid, "{name}");
+    }
+}
+
+#[test]
+fn streams_are_deterministic_and_differ_by_group_input_round_and_length() {
+    let seed = Seed::from_bytes([7; SEED_BYTES]);
+    let stream = |ctx: &MaskContext<'_>, group: usize| {
+        let mut out = vec![0u64; ctx.values];
+        add_stream(&seed, ctx, group, &mut out);
+        out
+    };
+    let base = context(1, 64);
+    assert_eq!(stream(&base, 0), stream(&base, 0));
+    let others = [
+        stream(&base, 1),
+        stream(&context(2, 64), 0),
+        stream(&MaskContext { round: 4, ..base }, 0),
+        stream(&context(1, 65), 0)[..64].to_vec(),
+    ];
+    for other in others {
+        assert_ne!(other, stream(&base, 0));
+    }
+    // A stream longer than one keystream chunk is the same stream, continued.
+    let long = stream(&context(1, STREAM_CHUNK * 2 + 3), 0);
+    assert_eq!(long.len(), STREAM_CHUNK * 2 + 3);
+    assert_ne!(long[STREAM_CHUNK], long[0]);
+}
+
+#[test]
+fn sealed_seeds_open_only_for_their_key_service_and_input() {
+    let r = Round::new(3, 2, 16);
+    let (_, sealed) = r.device(1);
+    let ctx = context(1, 16);
+    let mine = open_seeds(&r.layout, &r.keys[0].0, &sealed[0], &ctx).unwrap();
+    assert_eq!(mine.len(), r.layout.groups_of(1).len());
+    // Another service's key, another input's context, or a service number moved.
+    assert!(open_seeds(&r.layout, &r.keys[1].0, &sealed[0], &ctx).is_err());
+    assert!(open_seeds(&r.layout, &r.keys[0].0, &sealed[0], &context(2, 16)).is_err());
+    let moved = SealedSeeds {
+        service: 2,
+        ..sealed[0].clone()
+    };
+    assert!(open_seeds(&r.layout, &r.keys[1].0, &moved, &ctx).is_err());
+    assert_eq!(
+        open_seeds(
+            &r.layout,
+            &r.keys[0].0,
+            &SealedSeeds {
+                service: 4,
+                ..sealed[0].clone()
+            },
+            &ctx
+        )
+        .err(),
+        Some(MaskingError::NoSuchService(4))
+    );
+}
+
+#[test]
+fn a_device_must_bring_one_seed_per_group() {
+    let layout = Layout::new(5, 3).unwrap();
+    let ctx = context(1, 4);
+    assert_eq!(
+        mask(&layout, &[1, 2, 3, 4], &[Seed::random()], &ctx),
+        Err(MaskingError::Seeds {
+            expected: 10,
+            got: 1
+        })
+    );
+}
