@@ -8,9 +8,9 @@
 //! integer below 2^35 and every partial sum that matters below 2^53) and shrinks the update until
 //! it holds, so float rounding can never add privacy loss (`aggregate::accumulator`).
 
-/// Grid units per clip norm: 2^16. The rounding error per coordinate (half a unit, C / 2^17) is
-/// far below any usable noise (at least C / 2^5 per coordinate of the sum).
-pub const GRID_UNITS_PER_CLIP: i64 = 1 << 16;
+/// Grid units per clip norm: 2^16 (one definition, the protocol's: a masked round's device
+/// clips on the same grid, `confed_protocol::grid`).
+pub use confed_protocol::grid::GRID_UNITS_PER_CLIP;
 
 /// Largest noise standard deviation in grid units the exact sampler accepts (2^30): its
 /// intermediate products then stay within u128.

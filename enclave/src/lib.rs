@@ -11,6 +11,7 @@ pub mod dp;
 pub mod envelope;
 pub mod hpke_awslc;
 pub mod key_collection;
+pub mod masked;
 pub mod optimizer;
 pub mod remote;
 pub mod secret;

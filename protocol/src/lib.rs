@@ -20,6 +20,7 @@ pub mod envelope;
 mod envelope_cbor;
 pub mod envelope_scan;
 pub mod errors;
+pub mod grid;
 pub mod hex;
 pub mod hpke;
 pub mod hpke_ephemeral;

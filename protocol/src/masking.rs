@@ -445,6 +445,47 @@ pub fn unmask(
     Ok(unmasked)
 }
 
+/// The masked update's one tensor: `confed.masked`, U64, shape `[values]`, little endian.
+pub const MASKED_TENSOR: &str = "confed.masked";
+
+/// A masked update as the device seals it: safetensors with the one tensor `MASKED_TENSOR`.
+pub fn encode_masked(masked: &[u64]) -> Vec<u8> {
+    let bytes: Vec<u8> = masked.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::U64, vec![masked.len()], &bytes)
+            .expect("a u64 vector's bytes fit its shape");
+    safetensors::serialize([(MASKED_TENSOR, view)], None).expect("one tensor serializes")
+}
+
+/// Why an opened plaintext is not a masked update of the round's length.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum MaskedProblem {
+    #[error("not safetensors: {0}")]
+    Format(String),
+    #[error("not exactly one tensor {MASKED_TENSOR:?} of dtype U64 and shape [{0}]")]
+    Shape(usize),
+}
+
+/// The little-endian u64 values of a masked update of `values` values (borrowed from
+/// `plaintext`).
+pub fn read_masked(plaintext: &[u8], values: usize) -> Result<&[u8], MaskedProblem> {
+    let tensors = safetensors::SafeTensors::deserialize(plaintext)
+        .map_err(|e| MaskedProblem::Format(e.to_string()))?;
+    if tensors.len() != 1 {
+        return Err(MaskedProblem::Shape(values));
+    }
+    let view = tensors
+        .tensor(MASKED_TENSOR)
+        .map_err(|_| MaskedProblem::Shape(values))?;
+    if view.dtype() != safetensors::Dtype::U64 || view.shape() != [values] {
+        return Err(MaskedProblem::Shape(values));
+    }
+    // The view points into `plaintext`: borrow it from there.
+    let data = view.data();
+    let start = data.as_ptr() as usize - plaintext.as_ptr() as usize;
+    Ok(&plaintext[start..start + data.len()])
+}
+
 #[cfg(test)]
 #[path = "masking_tests.rs"]
 mod tests;

@@ -353,3 +353,20 @@ fn a_device_must_bring_one_seed_per_group() {
         })
     );
 }
+
+#[test]
+fn a_masked_update_reads_back_only_at_its_length_and_name() {
+    let values = vec![1u64, u64::MAX, 1 << 40];
+    let encoded = encode_masked(&values);
+    let read = read_masked(&encoded, 3).unwrap();
+    let back: Vec<u64> = read
+        .chunks_exact(8)
+        .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    assert_eq!(back, values);
+    assert_eq!(read_masked(&encoded, 4), Err(MaskedProblem::Shape(4)));
+    assert!(matches!(
+        read_masked(b"not safetensors", 3),
+        Err(MaskedProblem::Format(_))
+    ));
+}

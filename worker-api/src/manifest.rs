@@ -50,8 +50,27 @@ pub struct Manifest {
     /// quantiles are the release's bytes, in the average's place: `AnalyticsRecord`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub analytics: Option<AnalyticsRecord>,
+    /// Masked rounds only (docs/secure-aggregation.md): the enclave held masked updates only and
+    /// removed the masks with the key services' mask sums.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub masking: Option<MaskingRecord>,
     /// SHA-256 (hex) of the released average's bytes (an analytics task's: of its result).
     pub average_sha256: String,
+}
+
+/// How a masked round's masks were removed (docs/secure-aggregation.md).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MaskingRecord {
+    /// `confed-masking/v1`.
+    pub scheme: String,
+    /// The key services `n`, their threshold `t` and the quorum `q` of the layout.
+    pub services: u8,
+    pub threshold: u8,
+    pub quorum: u8,
+    /// The layout's groups: seeds per device.
+    pub groups: u32,
+    /// The key services whose mask sums were removed (1-based, ascending).
+    pub answered: Vec<u8>,
 }
 
 /// The analytics part of a release's manifest (docs/analytics.md): the query the task policy

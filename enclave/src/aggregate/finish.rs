@@ -143,6 +143,7 @@ impl Aggregator {
             evaluation: evaluated,
             health: health.map(|(record, _)| record),
             analytics: None,
+            masking: None,
             average_sha256: hex(Sha256::digest(&average)),
         };
         Ok(Release {

@@ -232,6 +232,31 @@ impl Aggregator {
         })
     }
 
+    /// An aggregator that already holds `sum`, the exact sum on the grid of the included
+    /// contributions `outcome` names (a masked round's, unmasked: `masked::MaskedAggregator`),
+    /// ready to `finish` as if it had added them itself. `sum` must be within what that many
+    /// clipped updates can add (the caller checked it).
+    pub fn from_exact(
+        binding: Binding,
+        clip_norm: f64,
+        schema: ModelSchema,
+        private_key: &PrivateKey,
+        sum: &[i64],
+        outcome: Outcome,
+    ) -> Result<Self, AggregateError> {
+        let aggregator = Self::new(binding, clip_norm, schema, private_key)?;
+        if sum.len() != aggregator.sum.len() {
+            return Err(AggregateError::Unsupported(format!(
+                "a sum of {} values for a model of {}",
+                sum.len(),
+                aggregator.sum.len()
+            )));
+        }
+        aggregator.sum.add_exact(sum);
+        *aggregator.outcome.lock().expect("aggregation outcome") = outcome;
+        Ok(aggregator)
+    }
+
     /// Collects evaluation metrics (`PrivacyParams::evaluation_in` of the round): devices' metric
     /// tensors are then accepted and summed; without it they are refused. `finish` checks it
     /// agrees with the policy.
@@ -458,6 +483,6 @@ mod health_tests;
 #[cfg(test)]
 mod partition_tests;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 #[cfg(test)]
 mod weighting_tests;

@@ -7,17 +7,17 @@ use crate::envelope;
 use crate::hpke::generate_keypair;
 use confed_worker_api::model::{encode_f32_tensors, validate_model};
 
-pub(super) const TASK: &str = "task-1";
-pub(super) const ROUND: u64 = 2;
-pub(super) const KEY: &str = "key-1";
+pub(crate) const TASK: &str = "task-1";
+pub(crate) const ROUND: u64 = 2;
+pub(crate) const KEY: &str = "key-1";
 
-pub(super) struct Round {
-    pub(super) private: PrivateKey,
-    pub(super) public: crate::hpke::PublicKey,
-    pub(super) schema: ModelSchema,
+pub(crate) struct Round {
+    pub(crate) private: PrivateKey,
+    pub(crate) public: crate::hpke::PublicKey,
+    pub(crate) schema: ModelSchema,
 }
 
-pub(super) fn round(len: usize) -> Round {
+pub(crate) fn round(len: usize) -> Round {
     let (private, public) = generate_keypair();
     let model = encode_f32_tensors(&[
         ("b", vec![2], &[0.0, 0.0]),
@@ -31,7 +31,7 @@ pub(super) fn round(len: usize) -> Round {
     }
 }
 
-pub(super) fn context(round: u64) -> envelope::RoundContext {
+pub(crate) fn context(round: u64) -> envelope::RoundContext {
     envelope::RoundContext {
         task_id: TASK.into(),
         round,
@@ -40,7 +40,7 @@ pub(super) fn context(round: u64) -> envelope::RoundContext {
     }
 }
 
-pub(super) fn binding() -> Binding {
+pub(crate) fn binding() -> Binding {
     Binding {
         context: context(ROUND),
         key_id: KEY.into(),
@@ -48,7 +48,7 @@ pub(super) fn binding() -> Binding {
     }
 }
 
-pub(super) fn update(values: &[f32]) -> Vec<u8> {
+pub(crate) fn update(values: &[f32]) -> Vec<u8> {
     encode_f32_tensors(&[
         ("b", vec![2], &values[..2]),
         ("w", vec![values.len() - 2], &values[2..]),
@@ -57,7 +57,7 @@ pub(super) fn update(values: &[f32]) -> Vec<u8> {
 }
 
 /// Seals `plaintext` as the device holding `assignment_id` would; returns (ref, stored bytes).
-pub(super) fn sealed(
+pub(crate) fn sealed(
     r: &Round,
     assignment_id: &str,
     round: u64,
@@ -75,10 +75,14 @@ pub(super) fn sealed(
 }
 
 /// Test data only (splitmix64 + Box-Muller): never for privacy noise.
-pub(super) struct Normal(u64);
+pub(crate) struct Normal(u64);
 
 impl Normal {
-    pub(super) fn uniform(&mut self) -> f64 {
+    pub(crate) fn seeded(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    pub(crate) fn uniform(&mut self) -> f64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -86,13 +90,13 @@ impl Normal {
         ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
     }
 
-    pub(super) fn normal(&mut self) -> f32 {
+    pub(crate) fn normal(&mut self) -> f32 {
         let (u, v) = (self.uniform().max(1e-300), self.uniform());
         ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
     }
 }
 
-pub(super) fn privacy() -> PrivacyParams {
+pub(crate) fn privacy() -> PrivacyParams {
     PrivacyParams {
         epsilon: 4.0,
         delta: 1e-6,
@@ -706,7 +710,7 @@ fn an_older_tree_record_without_the_accounted_noise_parses() {
 }
 
 /// Gauss-Jordan inverse of a small symmetric positive definite matrix.
-pub(super) fn invert(mut a: Vec<Vec<f64>>) -> Vec<Vec<f64>> {
+pub(crate) fn invert(mut a: Vec<Vec<f64>>) -> Vec<Vec<f64>> {
     let n = a.len();
     let mut inv: Vec<Vec<f64>> = (0..n)
         .map(|i| (0..n).map(|j| f64::from(u8::from(i == j))).collect())

@@ -242,6 +242,7 @@ impl AnalyticsAggregator {
             evaluation: None,
             health: None,
             analytics: Some(record),
+            masking: None,
             average_sha256: hex(Sha256::digest(&bytes)),
         };
         Ok(AnalyticsRelease {

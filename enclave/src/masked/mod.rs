@@ -1,0 +1,208 @@
+//! Masked rounds inside the enclave (docs/secure-aggregation.md): each contribution opens to a
+//! masked update (the device's clipped update on the grid plus pseudorandom masks, mod 2^64),
+//! which the enclave only adds, wrapping, into one sum; it cannot clip or read a single update,
+//! and holds nothing that says more than the sum. After the key services return the included
+//! inputs' mask sums, `unmask` removes them (`confed_protocol::masking::unmask`, with its checks)
+//! and hands the exact sum to a training `Aggregator`, whose `finish` noises, averages and
+//! releases it as any round's.
+//!
+//! What is built is this step and its tests; no job runs it yet (the key services' mask-sum
+//! endpoint and the policy option come next: docs/secure-aggregation.md, "Order of work").
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use confed_protocol::device_auth::DeviceAuth;
+use confed_protocol::masking::{self, Layout, MaskSums, MaskedProblem, MaskingError};
+use confed_worker_api::manifest::MaskingRecord;
+use confed_worker_api::model::ModelSchema;
+use rayon::prelude::*;
+use thiserror::Error;
+
+use crate::aggregate::contribution::{self, Binding, Exclusion};
+use crate::aggregate::{AggregateError, Aggregator, Outcome, PlaintextBuffers};
+use crate::hpke::PrivateKey;
+use crate::hpke_awslc::Recipient;
+
+/// Values per stripe of the masked sum (128 KiB of u64): threads adding at once rarely wait.
+const STRIPE: usize = 16 * 1024;
+
+#[derive(Debug, Error)]
+pub enum MaskedError {
+    #[error("the masks cannot be removed: {0}")]
+    Masking(#[from] MaskingError),
+    #[error(transparent)]
+    Aggregate(#[from] AggregateError),
+}
+
+pub struct MaskedAggregator {
+    binding: Binding,
+    layout: Layout,
+    values: usize,
+    recipient: Recipient,
+    stripes: Vec<Mutex<Vec<u64>>>,
+    next_start: AtomicUsize,
+    outcome: Mutex<Outcome>,
+    device_auth: Option<DeviceAuth>,
+    buffers: PlaintextBuffers,
+}
+
+/// The exclusion a plaintext that is not a masked update of the round's length is counted under.
+fn exclusion_of(problem: &MaskedProblem) -> Exclusion {
+    match problem {
+        MaskedProblem::Format(_) => Exclusion::NotSafetensors,
+        MaskedProblem::Shape(_) => Exclusion::WrongTensors,
+    }
+}
+
+impl MaskedAggregator {
+    /// A masked round of `values` grid values under `layout`'s key services.
+    pub fn new(
+        binding: Binding,
+        layout: Layout,
+        values: usize,
+        private_key: &PrivateKey,
+    ) -> Result<Self, AggregateError> {
+        let recipient =
+            Recipient::new(private_key).map_err(|e| AggregateError::Key(e.to_string()))?;
+        let stripes = (0..values.div_ceil(STRIPE))
+            .map(|i| Mutex::new(vec![0u64; STRIPE.min(values - i * STRIPE)]))
+            .collect();
+        Ok(Self {
+            binding,
+            layout,
+            values,
+            recipient,
+            stripes,
+            next_start: AtomicUsize::new(0),
+            outcome: Mutex::default(),
+            device_auth: None,
+            buffers: PlaintextBuffers::default(),
+        })
+    }
+
+    /// Adds only contributions whose device token the policy's `device_auth` accepts.
+    pub fn authenticating(mut self, device_auth: Option<DeviceAuth>) -> Self {
+        self.device_auth = device_auth;
+        self
+    }
+
+    /// Adds one stored contribution (`None`: its bytes were missing). Safe to call from many
+    /// threads at once.
+    pub fn add(&self, assignment_ref: &str, stored: Option<&[u8]>) -> Result<(), Exclusion> {
+        let result = self.try_add(assignment_ref, stored);
+        self.outcome
+            .lock()
+            .expect("masked outcome")
+            .record(assignment_ref, result);
+        result
+    }
+
+    fn try_add(&self, assignment_ref: &str, stored: Option<&[u8]>) -> Result<(), Exclusion> {
+        let stored = stored.ok_or(Exclusion::Missing)?;
+        let envelope = contribution::parse(&self.binding, stored)?;
+        if let Some(auth) = &self.device_auth {
+            contribution::authenticate(auth, &self.binding, assignment_ref, &envelope)?;
+        }
+        self.buffers.with(|plaintext| {
+            contribution::open(
+                &self.recipient,
+                &self.binding,
+                assignment_ref,
+                &envelope,
+                plaintext,
+            )?;
+            let data =
+                masking::read_masked(plaintext, self.values).map_err(|e| exclusion_of(&e))?;
+            self.add_masked(data);
+            Ok(())
+        })
+    }
+
+    /// Adds a masked update's little-endian u64 values, wrapping, stripe by stripe from a
+    /// stripe that depends on the thread.
+    fn add_masked(&self, data: &[u8]) {
+        let count = self.stripes.len();
+        let start = self.next_start.fetch_add(1, Ordering::Relaxed);
+        for step in 0..count {
+            let index = (start + step) % count;
+            let first = index * STRIPE;
+            let mut stripe = self.stripes[index].lock().expect("masked stripe");
+            let bytes = &data[first * 8..(first + stripe.len()) * 8];
+            for (slot, word) in stripe.iter_mut().zip(bytes.chunks_exact(8)) {
+                *slot = slot.wrapping_add(u64::from_le_bytes(word.try_into().expect("8 bytes")));
+            }
+        }
+    }
+
+    /// Adds a batch across all cores.
+    pub fn add_batch(&self, batch: &[(String, Option<Vec<u8>>)]) {
+        batch.par_iter().for_each(|(assignment_ref, stored)| {
+            let _ = self.add(assignment_ref, stored.as_deref());
+        });
+    }
+
+    /// Contributions included and excluded so far.
+    pub fn counts(&self) -> (usize, usize) {
+        let outcome = self.outcome.lock().expect("masked outcome");
+        (outcome.included.len(), outcome.excluded.len())
+    }
+
+    /// The included contributions' refs, sorted: exactly the inputs whose mask sums the key
+    /// services are asked for.
+    pub fn included(&self) -> Vec<String> {
+        let mut included = self
+            .outcome
+            .lock()
+            .expect("masked outcome")
+            .included
+            .clone();
+        included.sort();
+        included
+    }
+
+    /// Removes the masks with the key services' `answers` (each group's sum from the services
+    /// that hold it, all agreeing; the result within what the included clipped updates can add):
+    /// a training aggregator holding the exact sum of the included updates and this round's
+    /// outcomes, for `finish`, and the manifest's masking record. A withheld, disagreeing or
+    /// wrong mask sum fails: nothing is released.
+    pub fn unmask(
+        self,
+        answers: &[MaskSums],
+        clip_norm: f64,
+        schema: ModelSchema,
+        private_key: &PrivateKey,
+    ) -> Result<(Aggregator, MaskingRecord), MaskedError> {
+        let outcome = self.outcome.into_inner().expect("masked outcome");
+        let masked_sum: Vec<u64> = self
+            .stripes
+            .into_iter()
+            .flat_map(|stripe| stripe.into_inner().expect("masked stripe"))
+            .collect();
+        let sum = masking::unmask(
+            &self.layout,
+            &masked_sum,
+            answers,
+            outcome.included.len() as u64,
+            confed_protocol::grid::GRID_UNITS_PER_CLIP,
+        )?;
+        let mut answered: Vec<u8> = answers.iter().map(|a| a.service).collect();
+        answered.sort_unstable();
+        answered.dedup();
+        let record = MaskingRecord {
+            scheme: masking::SCHEME.into(),
+            services: self.layout.services(),
+            threshold: self.layout.threshold(),
+            quorum: self.layout.quorum(),
+            groups: self.layout.groups().len() as u32,
+            answered,
+        };
+        let aggregator =
+            Aggregator::from_exact(self.binding, clip_norm, schema, private_key, &sum, outcome)?
+                .authenticating(self.device_auth);
+        Ok((aggregator, record))
+    }
+}
+
+#[cfg(test)]
+mod tests;

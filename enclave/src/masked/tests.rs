@@ -1,0 +1,240 @@
+//! Masked rounds in the enclave: the release from masked updates is byte for byte the release
+//! of the same clipped updates summed in the clear (same noise, same manifest but its masking
+//! record); what the enclave holds before the masks are removed is far from the sum; a withheld
+//! or wrong mask sum releases nothing; a plaintext that is not a masked update is excluded.
+
+use confed_protocol::grid::clip_to_grid;
+use confed_protocol::masking::{
+    Layout, MaskContext, MaskSums, SealedSeeds, Seed, encode_masked, mask, open_seeds, seal_seeds,
+};
+
+use super::*;
+use crate::aggregate::inputs::committed;
+use crate::aggregate::tests::{KEY, Normal, ROUND, Round, TASK, binding, privacy, round};
+use crate::envelope;
+use crate::hpke::{PublicKey, generate_keypair};
+
+const VALUES: usize = 64;
+
+struct KeyServices {
+    layout: Layout,
+    keys: Vec<(PrivateKey, PublicKey)>,
+}
+
+impl KeyServices {
+    fn new(n: u8, t: u8) -> Self {
+        Self {
+            layout: Layout::new(n, t).unwrap(),
+            keys: (0..n).map(|_| generate_keypair()).collect(),
+        }
+    }
+
+    /// Service `service`'s mask sums over the `included` refs, from the seeds devices sealed.
+    fn answer(
+        &self,
+        service: u8,
+        included: &[String],
+        seeds: &[(String, Vec<SealedSeeds>)],
+    ) -> MaskSums {
+        let mut sums = MaskSums::new(&self.layout, service, VALUES).unwrap();
+        for assignment_ref in included {
+            let (_, sealed) = seeds.iter().find(|(r, _)| r == assignment_ref).unwrap();
+            let ctx = mask_context(assignment_ref);
+            let private = &self.keys[usize::from(service) - 1].0;
+            let opened = open_seeds(
+                &self.layout,
+                private,
+                &sealed[usize::from(service) - 1],
+                &ctx,
+            )
+            .unwrap();
+            sums.add(&opened, &ctx).unwrap();
+        }
+        sums
+    }
+}
+
+fn mask_context(assignment_ref: &str) -> MaskContext<'_> {
+    MaskContext {
+        task_id: TASK,
+        round: ROUND,
+        assignment_ref,
+        values: VALUES,
+    }
+}
+
+struct Masked {
+    /// (ref, stored envelope) of every contribution, valid or not.
+    stored: Vec<(String, Option<Vec<u8>>)>,
+    /// The same devices' updates sent in the clear (an unmasked round's contributions).
+    clear: Vec<(String, Option<Vec<u8>>)>,
+    /// Each device's seeds as sealed to each key service.
+    seeds: Vec<(String, Vec<SealedSeeds>)>,
+    /// The valid devices' clipped updates on the grid, summed in the clear.
+    exact: Vec<i64>,
+}
+
+/// 20 devices clip their updates on the grid, mask them and seal; one more sends a plaintext
+/// that is not a masked update, one is missing.
+fn masked_round(r: &Round, services: &KeyServices) -> Masked {
+    let mut rng = Normal::seeded(11);
+    let public: Vec<PublicKey> = services.keys.iter().map(|(_, p)| *p).collect();
+    let mut stored = Vec::new();
+    let mut clear = Vec::new();
+    let mut seeds = Vec::new();
+    let mut exact = vec![0i64; VALUES];
+    for d in 0..20 {
+        let assignment_id = format!("device-{d}");
+        let assignment_ref = envelope::assignment_ref(&assignment_id);
+        // Within the clip norm (about 0.4 of it): the device's grid values are the ones the
+        // enclave would add for the update in the clear.
+        let update: Vec<f32> = (0..VALUES).map(|_| 0.05 * rng.normal()).collect();
+        let grid = clip_to_grid(&update, 1.0);
+        let (_, in_clear) = crate::aggregate::tests::sealed(
+            r,
+            &assignment_id,
+            ROUND,
+            &crate::aggregate::tests::update(&update),
+        );
+        clear.push((assignment_ref.clone(), Some(in_clear)));
+        for (sum, v) in exact.iter_mut().zip(&grid) {
+            *sum += v;
+        }
+        let ctx = mask_context(&assignment_ref);
+        let device_seeds: Vec<Seed> = services
+            .layout
+            .groups()
+            .iter()
+            .map(|_| Seed::random())
+            .collect();
+        let masked = mask(&services.layout, &grid, &device_seeds, &ctx).unwrap();
+        let (_, bytes) =
+            crate::aggregate::tests::sealed(r, &assignment_id, ROUND, &encode_masked(&masked));
+        seeds.push((
+            assignment_ref.clone(),
+            seal_seeds(&services.layout, &device_seeds, &public, &ctx).unwrap(),
+        ));
+        stored.push((assignment_ref, Some(bytes)));
+    }
+    let (garbage_ref, garbage) =
+        crate::aggregate::tests::sealed(r, "device-garbage", ROUND, b"not a masked update");
+    stored.push((garbage_ref.clone(), Some(garbage.clone())));
+    clear.push((garbage_ref, Some(garbage)));
+    stored.push((envelope::assignment_ref("device-missing"), None));
+    clear.push((envelope::assignment_ref("device-missing"), None));
+    Masked {
+        stored,
+        clear,
+        seeds,
+        exact,
+    }
+}
+
+fn model_round() -> Round {
+    round(VALUES)
+}
+
+#[test]
+fn a_masked_round_releases_the_bytes_of_the_same_clipped_updates_summed_in_the_clear() {
+    let r = model_round();
+    for (n, t) in [(3u8, 2u8), (5, 3)] {
+        let services = KeyServices::new(n, t);
+        let round_data = masked_round(&r, &services);
+        let (_, digest) = committed(&round_data.stored);
+        let binding = Binding {
+            inputs_digest: digest,
+            ..binding()
+        };
+        let enclave =
+            MaskedAggregator::new(binding.clone(), services.layout.clone(), VALUES, &r.private)
+                .unwrap();
+        enclave.add_batch(&round_data.stored);
+        assert_eq!(enclave.counts(), (20, 2));
+        let included = enclave.included();
+        // Every key service answers (any quorum would do: protocol's tests).
+        let answers: Vec<MaskSums> = (1..=n)
+            .map(|s| services.answer(s, &included, &round_data.seeds))
+            .collect();
+        let (unmasked, record) = enclave
+            .unmask(&answers, 1.0, r.schema.clone(), &r.private)
+            .unwrap();
+        let release = unmasked.finish(&r.private, privacy()).unwrap();
+        // The same devices' updates in the clear, clipped and summed by the enclave itself.
+        let clear = Aggregator::new(binding.clone(), 1.0, r.schema.clone(), &r.private).unwrap();
+        clear.add_batch(&round_data.clear);
+        assert_eq!(clear.counts(), (20, 2));
+        let expected = clear.finish(&r.private, privacy()).unwrap();
+        assert_eq!(release.average, expected.average, "{t}-of-{n}");
+        assert_eq!(release.manifest, expected.manifest, "{t}-of-{n}");
+        assert_eq!(record.quorum, services.layout.quorum());
+        assert_eq!(record.answered, (1..=n).collect::<Vec<_>>());
+        assert_eq!(release.manifest.excluded.get("not_safetensors"), Some(&1));
+        assert_eq!(release.manifest.excluded.get("missing"), Some(&1));
+    }
+}
+
+#[test]
+fn before_the_masks_are_removed_the_enclave_holds_nothing_near_the_sum() {
+    let r = model_round();
+    let services = KeyServices::new(3, 2);
+    let round_data = masked_round(&r, &services);
+    let enclave =
+        MaskedAggregator::new(binding(), services.layout.clone(), VALUES, &r.private).unwrap();
+    enclave.add_batch(&round_data.stored);
+    let held: Vec<u64> = enclave
+        .stripes
+        .iter()
+        .flat_map(|s| s.lock().unwrap().clone())
+        .collect();
+    // The true sum is within 20 x 2^16 per value; what is held is spread over all of 2^64.
+    let near = held
+        .iter()
+        .zip(&round_data.exact)
+        .filter(|(h, e)| (**h as i64).wrapping_sub(**e).unsigned_abs() < 1 << 40)
+        .count();
+    assert_eq!(near, 0, "{near} of {VALUES} held values near the sum");
+}
+
+#[test]
+fn a_withheld_or_wrong_mask_sum_releases_nothing() {
+    let r = model_round();
+    let services = KeyServices::new(5, 3);
+    let round_data = masked_round(&r, &services);
+    let start = || {
+        let enclave =
+            MaskedAggregator::new(binding(), services.layout.clone(), VALUES, &r.private).unwrap();
+        enclave.add_batch(&round_data.stored);
+        enclave
+    };
+    let included = start().included();
+    let answer = |s: u8| services.answer(s, &included, &round_data.seeds);
+    // Only three of five answered: q is 4.
+    let few: Vec<MaskSums> = (1..=3).map(answer).collect();
+    assert!(matches!(
+        start().unmask(&few, 1.0, r.schema.clone(), &r.private),
+        Err(MaskedError::Masking(MaskingError::Withheld { .. }))
+    ));
+    // A service that summed the masks of other inputs than the included ones.
+    let mut wrong: Vec<MaskSums> = (1..=5).map(answer).collect();
+    wrong[2] = services.answer(3, &included[1..], &round_data.seeds);
+    assert!(matches!(
+        start().unmask(&wrong, 1.0, r.schema.clone(), &r.private),
+        Err(MaskedError::Masking(MaskingError::Disagree { .. }))
+    ));
+}
+
+#[test]
+fn a_masked_update_of_another_length_is_excluded() {
+    let r = model_round();
+    let services = KeyServices::new(3, 2);
+    let short = encode_masked(&[1, 2, 3]);
+    let (assignment_ref, bytes) =
+        crate::aggregate::tests::sealed(&r, "device-short", ROUND, &short);
+    let enclave =
+        MaskedAggregator::new(binding(), services.layout.clone(), VALUES, &r.private).unwrap();
+    assert_eq!(
+        enclave.add(&assignment_ref, Some(&bytes)),
+        Err(Exclusion::WrongTensors)
+    );
+    let _ = KEY;
+}

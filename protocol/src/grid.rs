@@ -1,0 +1,101 @@
+//! The fixed-point grid every confed sum is exact on (dp's `grid` re-exports the constant): an
+//! update clipped to L2 norm `C` is scaled so that `C` is `GRID_UNITS_PER_CLIP` units and rounded
+//! to integers whose exact integer L2 norm is at most `GRID_UNITS_PER_CLIP`.
+//!
+//! The enclave clips on the grid when it sees updates; in a masked round
+//! (docs/secure-aggregation.md) it cannot, so the device does it here (`clip_to_grid`) with the
+//! same guarantee, checked exactly: the integer norm bounds what the device adds to the sum.
+
+/// Grid units per clip norm: 2^16. The rounding error per coordinate (half a unit, C / 2^17) is
+/// far below any usable noise (at least C / 2^5 per coordinate of the sum).
+pub const GRID_UNITS_PER_CLIP: i64 = 1 << 16;
+
+/// The exact squared integer norm a clipped update may reach (2^32).
+const MAX_SQUARES: u128 = (GRID_UNITS_PER_CLIP as u128) * (GRID_UNITS_PER_CLIP as u128);
+
+/// `update` clipped to L2 norm `clip_norm` and put on the grid: scaled by `GRID_UNITS_PER_CLIP /
+/// clip_norm` (shrunk first if its norm is above `clip_norm`), rounded to the nearest integer
+/// (ties to even, as the enclave rounds: an update within the clip norm lands on the integers the
+/// enclave would add for it), and shrunk again by the rounding's worst case until the exact integer norm is at most
+/// `GRID_UNITS_PER_CLIP`. An update holding a NaN or an infinity, or a clip norm that is not a
+/// positive finite number, gives zeros (a device's failed training sends a zero update).
+pub fn clip_to_grid(update: &[f32], clip_norm: f64) -> Vec<i64> {
+    let norm = update
+        .iter()
+        .map(|v| f64::from(*v) * f64::from(*v))
+        .sum::<f64>()
+        .sqrt();
+    if !(norm.is_finite() && clip_norm.is_finite() && clip_norm > 0.0) {
+        return vec![0; update.len()];
+    }
+    let mut factor = if norm > clip_norm {
+        clip_norm / norm
+    } else {
+        1.0
+    };
+    // Worst-case rounding adds sqrt(len)/2 units of norm (plus one), as a share of the clip's.
+    let margin = ((update.len() as f64).sqrt() / 2.0 + 1.0) / GRID_UNITS_PER_CLIP as f64;
+    loop {
+        let units = GRID_UNITS_PER_CLIP as f64 / clip_norm * factor;
+        let grid: Vec<i64> = update
+            .iter()
+            .map(|v| (f64::from(*v) * units).round_ties_even() as i64)
+            .collect();
+        let squares: u128 = grid
+            .iter()
+            .map(|v| u128::from(v.unsigned_abs()).pow(2))
+            .sum();
+        if squares <= MAX_SQUARES {
+            return grid;
+        }
+        factor *= 1.0 - margin;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn squares(grid: &[i64]) -> u128 {
+        grid.iter()
+            .map(|v| u128::from(v.unsigned_abs()).pow(2))
+            .sum()
+    }
+
+    #[test]
+    fn an_update_within_the_clip_norm_is_scaled_and_rounded_only() {
+        let grid = clip_to_grid(&[0.5, -0.25, 0.0], 1.0);
+        assert_eq!(grid, vec![32768, -16384, 0]);
+    }
+
+    #[test]
+    fn an_update_above_the_clip_norm_lands_exactly_within_the_bound() {
+        // Norm 5 at clip norm 1, and updates whose rounding alone would cross the bound.
+        // [3, 4] / 5 is [39321.6, 52428.8] units: rounded, [39322, 52429] would cross 2^32 by
+        // 52,429, so the update is shrunk by the rounding's worst case and rounded again.
+        let grid = clip_to_grid(&[3.0, 4.0], 1.0);
+        assert_eq!(grid, vec![39321, 52427]);
+        assert!(squares(&grid) <= MAX_SQUARES);
+        for len in [1usize, 7, 1000, 65_536] {
+            let update: Vec<f32> = (0..len)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                .collect();
+            let grid = clip_to_grid(&update, 0.5);
+            assert!(squares(&grid) <= MAX_SQUARES, "len {len}");
+            // Clipped, not crushed: within a rounding margin of the bound.
+            let norm = (squares(&grid) as f64).sqrt();
+            assert!(
+                norm > GRID_UNITS_PER_CLIP as f64 * 0.99,
+                "len {len}: {norm}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_non_finite_update_or_clip_norm_gives_zeros() {
+        assert_eq!(clip_to_grid(&[1.0, f32::NAN], 1.0), vec![0, 0]);
+        assert_eq!(clip_to_grid(&[f32::INFINITY], 1.0), vec![0]);
+        assert_eq!(clip_to_grid(&[1.0], 0.0), vec![0]);
+        assert_eq!(clip_to_grid(&[1.0], f64::NAN), vec![0]);
+    }
+}
