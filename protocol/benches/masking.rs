@@ -23,12 +23,7 @@ use confed_protocol::masking::{
 const VALUES: usize = 1 << 18;
 
 fn context(assignment_ref: &str) -> MaskContext<'_> {
-    MaskContext {
-        task_id: "bench-task",
-        round: 1,
-        assignment_ref,
-        values: VALUES,
-    }
+    MaskContext::new("bench-task", 1, assignment_ref, VALUES).unwrap()
 }
 
 fn main() {
@@ -43,7 +38,7 @@ fn main() {
     let runs = 200;
     let started = Instant::now();
     for group in 0..runs {
-        add_stream(&seed, &context(&reference), group, &mut out);
+        add_stream(&seed, &context(&reference), group, &mut out).unwrap();
     }
     let seconds = started.elapsed().as_secs_f64();
     println!(

@@ -13,20 +13,27 @@ pub const GRID_UNITS_PER_CLIP: i64 = 1 << 16;
 /// The exact squared integer norm a clipped update may reach (2^32).
 const MAX_SQUARES: u128 = (GRID_UNITS_PER_CLIP as u128) * (GRID_UNITS_PER_CLIP as u128);
 
+/// Most passes `clip_to_grid` makes: an update within the policy's bounds fits in two.
+const MAX_PASSES: usize = 16;
+
 /// `update` clipped to L2 norm `clip_norm` and put on the grid: scaled by `GRID_UNITS_PER_CLIP /
 /// clip_norm` (shrunk first if its norm is above `clip_norm`), rounded to the nearest integer
 /// (ties to even, as the enclave rounds: an update within the clip norm lands on the integers the
-/// enclave would add for it), and shrunk again by the rounding's worst case until the exact integer norm is at most
-/// `GRID_UNITS_PER_CLIP`. An update holding a NaN or an infinity, or a clip norm that is not a
-/// positive finite number, gives zeros (a device's failed training sends a zero update).
+/// enclave would add for it), and shrunk again by the rounding's worst case until the exact
+/// integer norm is at most `GRID_UNITS_PER_CLIP`. An update holding a NaN or an infinity, a clip
+/// norm outside the policy's `[MIN_CLIP_NORM, MAX_CLIP_NORM]`, or an update that still does not
+/// fit after `MAX_PASSES` gives zeros: a device's failed training sends a zero update.
 pub fn clip_to_grid(update: &[f32], clip_norm: f64) -> Vec<i64> {
+    let zeros = || vec![0; update.len()];
     let norm = update
         .iter()
         .map(|v| f64::from(*v) * f64::from(*v))
         .sum::<f64>()
         .sqrt();
-    if !(norm.is_finite() && clip_norm.is_finite() && clip_norm > 0.0) {
-        return vec![0; update.len()];
+    let clip_ok =
+        (crate::policy::MIN_CLIP_NORM..=crate::policy::MAX_CLIP_NORM).contains(&clip_norm);
+    if !(norm.is_finite() && clip_ok) {
+        return zeros();
     }
     let mut factor = if norm > clip_norm {
         clip_norm / norm
@@ -35,21 +42,21 @@ pub fn clip_to_grid(update: &[f32], clip_norm: f64) -> Vec<i64> {
     };
     // Worst-case rounding adds sqrt(len)/2 units of norm (plus one), as a share of the clip's.
     let margin = ((update.len() as f64).sqrt() / 2.0 + 1.0) / GRID_UNITS_PER_CLIP as f64;
-    loop {
-        let units = GRID_UNITS_PER_CLIP as f64 / clip_norm * factor;
+    for _ in 0..MAX_PASSES {
+        let units = GRID_UNITS_PER_CLIP as f64 * (factor / clip_norm);
         let grid: Vec<i64> = update
             .iter()
             .map(|v| (f64::from(*v) * units).round_ties_even() as i64)
             .collect();
-        let squares: u128 = grid
-            .iter()
-            .map(|v| u128::from(v.unsigned_abs()).pow(2))
-            .sum();
+        let squares = grid.iter().fold(0u128, |acc, v| {
+            acc.saturating_add(u128::from(v.unsigned_abs()).pow(2))
+        });
         if squares <= MAX_SQUARES {
             return grid;
         }
-        factor *= 1.0 - margin;
+        factor *= (1.0 - margin).max(0.5);
     }
+    zeros()
 }
 
 #[cfg(test)]
@@ -97,5 +104,17 @@ mod tests {
         assert_eq!(clip_to_grid(&[f32::INFINITY], 1.0), vec![0]);
         assert_eq!(clip_to_grid(&[1.0], 0.0), vec![0]);
         assert_eq!(clip_to_grid(&[1.0], f64::NAN), vec![0]);
+        // Outside the policy's clip norms (where the scale would overflow to infinity).
+        assert_eq!(clip_to_grid(&[1.0, 1.0], 1e-305), vec![0, 0]);
+        assert_eq!(clip_to_grid(&[1.0], 1e7), vec![0]);
+    }
+
+    #[test]
+    fn the_largest_values_and_clip_norms_of_the_policy_still_fit() {
+        let grid = clip_to_grid(&[f32::MAX, -f32::MAX, 1.0], crate::policy::MIN_CLIP_NORM);
+        assert!(squares(&grid) <= MAX_SQUARES);
+        assert!(grid[0] > 46_000 && grid[1] < -46_000, "{grid:?}");
+        let grid = clip_to_grid(&[f32::MIN_POSITIVE, 0.0], crate::policy::MAX_CLIP_NORM);
+        assert_eq!(grid, vec![0, 0]);
     }
 }

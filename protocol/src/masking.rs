@@ -13,12 +13,19 @@
 //! twice, either) is missing one full-strength mask of every device, and each device's masked
 //! update is uniform on the grid to it.
 //!
-//! Every stream is AES-128-CTR (from zero) under `HMAC-SHA256(seed, context)` truncated to 16
-//! bytes, the context naming the scheme, task, round, assignment, group and length: a stream is
-//! never reused for another input, round or group, and a seed alone says nothing of another.
+//! Every stream is AES-128-CTR (from zero) under a key derived from the seed by AES-256 (the seed
+//! as its key) of the context's SHA-256, the context naming the scheme, task, round, assignment,
+//! group and length: a stream is never reused for another input, round or group, and a seed alone
+//! says nothing of another. AES's key schedules are wiped when dropped (its `zeroize` feature), as
+//! are seeds and stream keys.
+//!
+//! This module is the arithmetic. Which included set the key services sum over, and that they
+//! sum over one set per round agreed by `ceil((n + q) / 2)` of them, is the key services' unmask
+//! ledger's to enforce (docs/secure-aggregation.md, "Why the agreement"): without it the layout
+//! alone holds only against fewer than `2q - n` colluding services.
 
-use aes::cipher::{KeyIvInit, StreamCipher};
-use ring::hmac;
+use aes::cipher::{BlockCipherEncrypt, KeyInit, KeyIvInit, StreamCipher};
+use sha2::{Digest, Sha256};
 use thiserror::Error;
 use zeroize::{Zeroize, Zeroizing};
 
@@ -26,8 +33,9 @@ use crate::hpke::{self, HpkeError, PrivateKey, PublicKey};
 
 /// The scheme's name in policies and manifests.
 pub const SCHEME: &str = "confed-masking/v1";
-/// Most key services a masked layout takes: C(n, n - q + 1) groups stay a handful (35 at n = 7).
-pub const MAX_SERVICES: u8 = 9;
+/// Most key services a masked layout takes: C(n, n - q + 1) groups stay a handful (35 at n = 7,
+/// each a full stream per device; the layouts are tested exhaustively up to it).
+pub const MAX_SERVICES: u8 = 7;
 /// Bytes of a seed.
 pub const SEED_BYTES: usize = 32;
 
@@ -60,8 +68,14 @@ pub enum MaskingError {
     Withheld { group: usize, members: Vec<u8> },
     #[error("key services {first} and {second} return different mask sums for group {group}")]
     Disagree { group: usize, first: u8, second: u8 },
-    #[error("a mask sum of {got} values, the masked sum has {expected}")]
+    #[error("a vector of {got} values where the masks' context says {expected}")]
     Length { expected: usize, got: usize },
+    #[error("key service {0} answered twice")]
+    DuplicateAnswer(u8),
+    #[error(
+        "a mask context needs a task id of 1 to 64 of A-Z a-z 0-9 . _ - and an assignment ref of 64 lowercase hex digits"
+    )]
+    Context,
     #[error(
         "the unmasked sum is outside what {included} clipped updates can add (its L2 norm exceeds {included} x {units_per_clip} grid units): a mask sum is wrong"
     )]
@@ -173,17 +187,48 @@ impl Seed {
 }
 
 /// What one input's masks are bound to: a stream is never the same for another task, round,
-/// assignment or length.
+/// assignment or length. Its fields cannot hold the context's separator (`new` checks).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MaskContext<'a> {
-    pub task_id: &'a str,
-    pub round: u64,
-    pub assignment_ref: &'a str,
-    /// Values of the masked vector.
-    pub values: usize,
+    task_id: &'a str,
+    round: u64,
+    assignment_ref: &'a str,
+    values: usize,
 }
 
-impl MaskContext<'_> {
+impl<'a> MaskContext<'a> {
+    /// The context of `assignment_ref`'s masked vector of `values` values in `task_id`'s
+    /// `round`: the task id 1 to 64 of `A-Z a-z 0-9 . _ -`, the ref 64 lowercase hex digits.
+    pub fn new(
+        task_id: &'a str,
+        round: u64,
+        assignment_ref: &'a str,
+        values: usize,
+    ) -> Result<Self, MaskingError> {
+        let task_ok = (1..=64).contains(&task_id.len())
+            && task_id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+        let ref_ok = assignment_ref.len() == 64
+            && assignment_ref
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+        if !(task_ok && ref_ok) {
+            return Err(MaskingError::Context);
+        }
+        Ok(Self {
+            task_id,
+            round,
+            assignment_ref,
+            values,
+        })
+    }
+
+    /// The masked vector's length.
+    pub fn values(&self) -> usize {
+        self.values
+    }
+
     /// `label 0x00 task_id 0x00 decimal(round) 0x00 assignment_ref 0x00 decimal(values) 0x00`.
     fn bytes(&self) -> Vec<u8> {
         let mut out = Vec::new();
@@ -200,24 +245,44 @@ impl MaskContext<'_> {
         out
     }
 
-    /// The stream key of `group`'s seed: HMAC-SHA256(seed, context || decimal(group) 0x00),
-    /// first 16 bytes.
+    /// The stream key of `group`'s seed: AES-256 under the seed of the block made of the first 16
+    /// bytes of SHA-256(context || decimal(group) 0x00).
     fn stream_key(&self, seed: &Seed, group: usize) -> Zeroizing<[u8; 16]> {
-        let key = hmac::Key::new(hmac::HMAC_SHA256, seed.0.as_slice());
-        let mut ctx = hmac::Context::with_key(&key);
-        ctx.update(&self.bytes());
-        ctx.update(group.to_string().as_bytes());
-        ctx.update(&[0]);
-        let tag = ctx.sign();
-        let mut out = Zeroizing::new([0u8; 16]);
-        out.copy_from_slice(&tag.as_ref()[..16]);
-        out
+        let mut hash = Sha256::new();
+        hash.update(self.bytes());
+        hash.update(group.to_string().as_bytes());
+        hash.update([0]);
+        let mut block = Zeroizing::new([0u8; 16]);
+        block.copy_from_slice(&hash.finalize()[..16]);
+        let cipher = aes::Aes256::new_from_slice(seed.0.as_slice()).expect("a 32-byte seed");
+        let mut out = aes::Block::from(*block);
+        cipher.encrypt_block(&mut out);
+        let mut key = Zeroizing::new([0u8; 16]);
+        key.copy_from_slice(&out);
+        out.zeroize();
+        key
+    }
+
+    fn check_len(&self, len: usize) -> Result<(), MaskingError> {
+        if len != self.values {
+            return Err(MaskingError::Length {
+                expected: self.values,
+                got: len,
+            });
+        }
+        Ok(())
     }
 }
 
-/// Adds `group`'s stream under `seed` to `out` (mod 2^64), value by value; `out` has the
+/// Adds `group`'s stream under `seed` to `out` (mod 2^64), value by value; `out` must have the
 /// context's length.
-pub fn add_stream(seed: &Seed, context: &MaskContext<'_>, group: usize, out: &mut [u64]) {
+pub fn add_stream(
+    seed: &Seed,
+    context: &MaskContext<'_>,
+    group: usize,
+    out: &mut [u64],
+) -> Result<(), MaskingError> {
+    context.check_len(out.len())?;
     let key = context.stream_key(seed, group);
     let mut cipher = Aes128Ctr::new(&(*key).into(), &[0u8; 16].into());
     let mut keystream = Zeroizing::new(vec![0u8; STREAM_CHUNK * 8]);
@@ -229,6 +294,7 @@ pub fn add_stream(seed: &Seed, context: &MaskContext<'_>, group: usize, out: &mu
             *value = value.wrapping_add(u64::from_le_bytes(word.try_into().expect("8 bytes")));
         }
     }
+    Ok(())
 }
 
 /// A device's masked update: `grid` (its clipped update on the integer grid) plus every group's
@@ -245,9 +311,10 @@ pub fn mask(
             got: seeds.len(),
         });
     }
+    context.check_len(grid.len())?;
     let mut masked: Vec<u64> = grid.iter().map(|v| *v as u64).collect();
     for (group, seed) in seeds.iter().enumerate() {
-        add_stream(seed, context, group, &mut masked);
+        add_stream(seed, context, group, &mut masked)?;
     }
     Ok(masked)
 }
@@ -337,10 +404,9 @@ pub fn open_seeds(
         .into_iter()
         .zip(plaintext.chunks_exact(SEED_BYTES))
         .map(|(group, bytes)| {
-            let mut seed = [0u8; SEED_BYTES];
+            let mut seed = Zeroizing::new([0u8; SEED_BYTES]);
             seed.copy_from_slice(bytes);
-            let seed = Seed::from_bytes(seed);
-            (group, seed)
+            (group, Seed(seed))
         })
         .collect())
 }
@@ -379,7 +445,7 @@ impl MaskSums {
             return Err(MaskingError::SeedsShape(self.service));
         }
         for ((group, seed), (_, sum)) in seeds.iter().zip(&mut self.sums) {
-            add_stream(seed, context, *group, sum);
+            add_stream(seed, context, *group, sum)?;
         }
         Ok(())
     }
@@ -387,18 +453,28 @@ impl MaskSums {
 
 /// The enclave's step: removes every group's mask sum from the masked sum. Each group's sum is
 /// taken from the key services that answered and hold it, which must all agree; a group no
-/// answering service holds fails (too few answered). The result, read as signed integers, must
-/// be what `included` updates clipped to `units_per_clip` grid units can add up to (its L2 norm
-/// at most `included x units_per_clip`), or a mask sum was wrong: a wrong one leaves values
-/// spread over the whole of 2^64.
+/// answering service holds fails (too few answered), as does an answer from a service outside the
+/// layout or a service answering twice. The result, read as signed integers, must be what
+/// `included` updates clipped to `units_per_clip` grid units can add up to (its exact integer sum
+/// of squares at most `(included x units_per_clip)^2`), or a mask sum was wrong: a sum over other
+/// inputs, or any random error, leaves values spread over the whole of 2^64. A deliberate small
+/// offset from a group's only answering holder passes (docs/secure-aggregation.md, "Integrity").
 pub fn unmask(
     layout: &Layout,
     masked_sum: &[u64],
     answers: &[MaskSums],
     included: u64,
     units_per_clip: i64,
-) -> Result<Vec<i64>, MaskingError> {
-    let mut result = masked_sum.to_vec();
+) -> Result<Zeroizing<Vec<i64>>, MaskingError> {
+    let mut seen = Vec::with_capacity(answers.len());
+    for answer in answers {
+        layout.check_service(answer.service)?;
+        if seen.contains(&answer.service) {
+            return Err(MaskingError::DuplicateAnswer(answer.service));
+        }
+        seen.push(answer.service);
+    }
+    let mut result = Zeroizing::new(masked_sum.to_vec());
     for (group, members) in layout.groups.iter().enumerate() {
         let mut chosen: Option<(u8, &[u64])> = None;
         for answer in answers.iter().filter(|a| members.contains(&a.service)) {
@@ -433,10 +509,13 @@ pub fn unmask(
             *value = value.wrapping_sub(*mask);
         }
     }
-    let unmasked: Vec<i64> = result.into_iter().map(|v| v as i64).collect();
-    let bound = included as f64 * units_per_clip as f64;
-    let norm_squared: f64 = unmasked.iter().map(|v| (*v as f64) * (*v as f64)).sum();
-    if norm_squared.sqrt() > bound * (1.0 + 1e-9) {
+    let unmasked: Zeroizing<Vec<i64>> = Zeroizing::new(result.iter().map(|v| *v as i64).collect());
+    // Exact: every square below 2^126, the sum saturating; the bound squared saturating too.
+    let squares = unmasked.iter().fold(0u128, |acc, v| {
+        acc.saturating_add(u128::from(v.unsigned_abs()).pow(2))
+    });
+    let bound = u128::from(included).saturating_mul(u128::from(units_per_clip.unsigned_abs()));
+    if squares > bound.saturating_mul(bound) {
         return Err(MaskingError::OutOfBound {
             included,
             units_per_clip,

@@ -10,12 +10,7 @@ const TASK: &str = "task-1";
 
 fn context(assignment: usize, values: usize) -> MaskContext<'static> {
     let assignment_ref: &'static str = Box::leak(format!("{assignment:064x}").into_boxed_str());
-    MaskContext {
-        task_id: TASK,
-        round: 3,
-        assignment_ref,
-        values,
-    }
+    MaskContext::new(TASK, 3, assignment_ref, values).unwrap()
 }
 
 /// SplitMix64: test data, not masks.
@@ -91,7 +86,7 @@ fn any_quorum_of_key_services_holds_every_seed_and_any_fewer_miss_one() {
 
 #[test]
 fn a_layout_outside_the_bounds_is_refused() {
-    for (n, t) in [(3, 0), (3, 4), (10, 3)] {
+    for (n, t) in [(3, 0), (3, 4), (8, 3)] {
         assert_eq!(Layout::new(n, t), Err(MaskingError::Layout { n, t }));
     }
 }
@@ -170,12 +165,12 @@ fn the_included_inputs_masks_cancel_exactly_with_any_quorum_answering() {
             let answers: Vec<MaskSums> =
                 answering.iter().map(|s| r.answer(*s, &included)).collect();
             let unmasked = unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16).unwrap();
-            assert_eq!(unmasked, exact, "n {n}, t {t}, answering {answering:?}");
+            assert_eq!(*unmasked, exact, "n {n}, t {t}, answering {answering:?}");
         }
         // Every service answering: the holders of each group agree.
         let answers: Vec<MaskSums> = (1..=n).map(|s| r.answer(s, &included)).collect();
         assert_eq!(
-            unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16).unwrap(),
+            *unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16).unwrap(),
             exact
         );
     }
@@ -251,7 +246,7 @@ fn a_masked_update_is_uniform_on_the_grid_even_to_q_minus_1_key_services() {
         for (group, members) in layout.groups().iter().enumerate() {
             if members.iter().any(|m| attacker.contains(m)) {
                 let mut stream = vec![0u64; values];
-                add_stream(&seeds[group], &ctx, group, &mut stream);
+                add_stream(&seeds[group], &ctx, group, &mut stream).unwrap();
                 for (v, s) in view.iter_mut().zip(&stream) {
                     *v = v.wrapping_sub(*s);
                 }
@@ -276,7 +271,7 @@ fn a_masked_update_is_uniform_on_the_grid_even_to_q_minus_1_key_services() {
             .iter()
             .position(|g| g == &vec![4, 5])
             .unwrap();
-        add_stream(&seeds[missing], &ctx, missing, &mut stream);
+        add_stream(&seeds[missing], &ctx, missing, &mut stream).unwrap();
         let clear: Vec<i64> = view
             .iter()
             .zip(&stream)
@@ -290,8 +285,8 @@ fn a_masked_update_is_uniform_on_the_grid_even_to_q_minus_1_key_services() {
 fn streams_are_deterministic_and_differ_by_group_input_round_and_length() {
     let seed = Seed::from_bytes([7; SEED_BYTES]);
     let stream = |ctx: &MaskContext<'_>, group: usize| {
-        let mut out = vec![0u64; ctx.values];
-        add_stream(&seed, ctx, group, &mut out);
+        let mut out = vec![0u64; ctx.values()];
+        add_stream(&seed, ctx, group, &mut out).unwrap();
         out
     };
     let base = context(1, 64);
@@ -299,7 +294,10 @@ fn streams_are_deterministic_and_differ_by_group_input_round_and_length() {
     let others = [
         stream(&base, 1),
         stream(&context(2, 64), 0),
-        stream(&MaskContext { round: 4, ..base }, 0),
+        stream(
+            &MaskContext::new(TASK, 4, &format!("{:064x}", 1), 64).unwrap(),
+            0,
+        ),
         stream(&context(1, 65), 0)[..64].to_vec(),
     ];
     for other in others {
@@ -369,4 +367,56 @@ fn a_masked_update_reads_back_only_at_its_length_and_name() {
         read_masked(b"not safetensors", 3),
         Err(MaskedProblem::Format(_))
     ));
+}
+
+#[test]
+fn a_context_whose_fields_could_hold_the_separator_is_refused() {
+    let reference = "ab".repeat(32);
+    assert!(MaskContext::new("task-1", 1, &reference, 4).is_ok());
+    for (task, assignment_ref) in [
+        ("t\u{0}5", reference.as_str()),
+        ("", reference.as_str()),
+        ("task-1", "AB"),
+        ("task-1", &"Ab".repeat(32)),
+        (&"t".repeat(65), reference.as_str()),
+    ] {
+        assert_eq!(
+            MaskContext::new(task, 1, assignment_ref, 4),
+            Err(MaskingError::Context),
+            "{task:?} {assignment_ref:?}"
+        );
+    }
+}
+
+#[test]
+fn a_vector_of_another_length_than_its_context_is_refused() {
+    let layout = Layout::new(3, 2).unwrap();
+    let ctx = context(1, 4);
+    let seeds = seeds(&layout);
+    assert_eq!(
+        mask(&layout, &[1, 2, 3], &seeds, &ctx),
+        Err(MaskingError::Length {
+            expected: 4,
+            got: 3
+        })
+    );
+    let mut out = vec![0u64; 5];
+    assert!(add_stream(&seeds[0], &ctx, 0, &mut out).is_err());
+}
+
+#[test]
+fn an_answer_from_outside_the_layout_or_twice_fails_the_unmask() {
+    let (r, masked_sum, included, _) = five_of_six(3, 2);
+    let mut answers: Vec<MaskSums> = (1..=3).map(|s| r.answer(s, &included)).collect();
+    answers.push(answers[0].clone());
+    assert_eq!(
+        unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16),
+        Err(MaskingError::DuplicateAnswer(1))
+    );
+    answers.pop();
+    answers[2].service = 9;
+    assert_eq!(
+        unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16),
+        Err(MaskingError::NoSuchService(9))
+    );
 }

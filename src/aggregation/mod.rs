@@ -527,13 +527,19 @@ impl TaskDbJobStore {
             .await
             .map_err(db_error)?;
         // The round is complete: its sealed partitions, if it had any, are read no more.
+        self.discard_partitions(job_id).await;
+        Ok(())
+    }
+
+    /// Deletes a completed round's sealed partitions (none for a round not partitioned); a
+    /// failure is logged, not an error: the round is complete either way.
+    async fn discard_partitions(&self, job_id: &str) {
         match self.db.partitions(job_id).await {
             Ok(partitions) => partitions::discard(self.blobs.as_ref(), &partitions).await,
             Err(error) => {
                 tracing::warn!(round = job_id, %error, "the round's sealed partitions could not be listed for deletion")
             }
         }
-        Ok(())
     }
 }
 
@@ -685,6 +691,11 @@ impl JobStore for TaskDbJobStore {
             .commit_release(job_id, worker, staged)
             .await
             .map_err(db_error)?;
+        // An analytics round completes with its release (no model follows): its sealed
+        // partitions, if it had any, are read no more.
+        if manifest.analytics.is_some() {
+            self.discard_partitions(job_id).await;
+        }
         // Counted where the release commits, so whichever process runs the worker (in process,
         // or confed-enclave over an API replica's worker API) the front end counts it.
         metrics::counter!("confed_rounds_aggregated_total").increment(1);

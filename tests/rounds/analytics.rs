@@ -231,11 +231,16 @@ async fn a_partitioned_open_domain_round_releases_the_bytes_one_worker_would() {
     }
     // The root's job, as the store describes it, leased by a probe.
     let root = system.store.lease("probe", LEASE).await.unwrap().unwrap();
-    assert!(
-        matches!(root.partitioning, Some(Partitioning::Root { count: 2, .. })),
-        "{:?}",
-        root.partitioning
-    );
+    let Some(Partitioning::Root {
+        count: 2,
+        sealed_keys,
+    }) = root.partitioning.clone()
+    else {
+        panic!(
+            "the root's job of 2 partitions, got {:?}",
+            root.partitioning
+        );
+    };
     // One worker over the same committed inputs, and the root over the partitions: the same
     // bytes (and the same commitment, so the key services release the key for both).
     let probe = system.worker("probe");
@@ -285,6 +290,13 @@ async fn a_partitioned_open_domain_round_releases_the_bytes_one_worker_would() {
     .await
     .unwrap();
     assert_eq!(&stored[..], &whole.result[..]);
+    // The round completed with its release: its sealed tables are deleted from the data
+    // directory (a GCS bucket expires them by its lifecycle rule instead).
+    if common::gcs::emulator().is_none() {
+        for key in &sealed_keys {
+            assert_eq!(system.store.fetch_sealed(key).await.unwrap(), None, "{key}");
+        }
+    }
     let result: Value = get(
         &system,
         &token,

@@ -235,8 +235,10 @@ impl Aggregator {
     /// An aggregator that already holds `sum`, the exact sum on the grid of the included
     /// contributions `outcome` names (a masked round's, unmasked: `masked::MaskedAggregator`),
     /// ready to `finish` as if it had added them itself. `sum` must be within what that many
-    /// clipped updates can add (the caller checked it).
-    pub fn from_exact(
+    /// clipped updates can add (the caller checked it). Adaptive clipping's count stays 0 and no
+    /// side sums are held: a masked job must refuse policies that need them (docs/secure-
+    /// aggregation.md, "Order of work").
+    pub(crate) fn from_exact(
         binding: Binding,
         clip_norm: f64,
         schema: ModelSchema,

@@ -117,11 +117,10 @@ impl Table {
         }
         let (entries, full) = self.into_open().ok_or_else(|| malformed("not open"))?;
         if entries.len() as u64 > shape.slots {
-            return Err(PartitionError::Incomplete(format!(
-                "{} distinct keys, more than the range's {} slots",
-                entries.len(),
-                shape.slots
-            )));
+            // No count in the words: a job's error leaves the enclave exactly.
+            return Err(PartitionError::Incomplete(
+                "more distinct keys than the range's slots".into(),
+            ));
         }
         let key_bytes = shape.slot_bytes as usize - 9;
         body.extend_from_slice(&(entries.len() as u64).to_le_bytes());

@@ -18,6 +18,7 @@ use confed_worker_api::manifest::MaskingRecord;
 use confed_worker_api::model::ModelSchema;
 use rayon::prelude::*;
 use thiserror::Error;
+use zeroize::Zeroizing;
 
 use crate::aggregate::contribution::{self, Binding, Exclusion};
 use crate::aggregate::{AggregateError, Aggregator, Outcome, PlaintextBuffers};
@@ -174,11 +175,12 @@ impl MaskedAggregator {
         private_key: &PrivateKey,
     ) -> Result<(Aggregator, MaskingRecord), MaskedError> {
         let outcome = self.outcome.into_inner().expect("masked outcome");
-        let masked_sum: Vec<u64> = self
-            .stripes
-            .into_iter()
-            .flat_map(|stripe| stripe.into_inner().expect("masked stripe"))
-            .collect();
+        let masked_sum: Zeroizing<Vec<u64>> = Zeroizing::new(
+            self.stripes
+                .into_iter()
+                .flat_map(|stripe| stripe.into_inner().expect("masked stripe"))
+                .collect(),
+        );
         let sum = masking::unmask(
             &self.layout,
             &masked_sum,
@@ -186,9 +188,9 @@ impl MaskedAggregator {
             outcome.included.len() as u64,
             confed_protocol::grid::GRID_UNITS_PER_CLIP,
         )?;
+        // Every answer is from a service of the layout, once (`unmask` checked).
         let mut answered: Vec<u8> = answers.iter().map(|a| a.service).collect();
         answered.sort_unstable();
-        answered.dedup();
         let record = MaskingRecord {
             scheme: masking::SCHEME.into(),
             services: self.layout.services(),

@@ -55,12 +55,7 @@ impl KeyServices {
 }
 
 fn mask_context(assignment_ref: &str) -> MaskContext<'_> {
-    MaskContext {
-        task_id: TASK,
-        round: ROUND,
-        assignment_ref,
-        values: VALUES,
-    }
+    MaskContext::new(TASK, ROUND, assignment_ref, VALUES).unwrap()
 }
 
 struct Masked {
