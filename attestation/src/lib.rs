@@ -18,6 +18,7 @@ pub mod policy;
 pub mod release;
 pub mod report;
 pub mod strict_json;
+pub mod unmask;
 
 pub use appraise::{Appraisal, Expectations, appraise, parse_or_refuse, sha256_hex};
 pub use attester::{AttestError, Attester, ConfidentialSpaceAttester, TokenRequest};

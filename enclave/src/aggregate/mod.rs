@@ -22,7 +22,6 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use rayon::prelude::*;
-use sha2::{Digest, Sha256};
 use thiserror::Error;
 use zeroize::Zeroizing;
 
@@ -450,12 +449,8 @@ impl Aggregator {
 
 /// SHA-256 (hex) over sorted refs, one per line.
 pub fn digest<S: AsRef<str>>(sorted_refs: &[S]) -> String {
-    let mut hasher = Sha256::new();
-    for r in sorted_refs {
-        hasher.update(r.as_ref().as_bytes());
-        hasher.update(b"\n");
-    }
-    hex(hasher.finalize())
+    // One formula with the unmask agreement's, so a masked release names the set it unmasked.
+    confed_attestation::unmask::included_digest(sorted_refs)
 }
 
 /// Safetensors of `values` (schema order) with the schema's names and shapes.
