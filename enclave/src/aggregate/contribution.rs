@@ -110,6 +110,43 @@ pub fn open(
     .map_err(|_| Exclusion::DecryptionFailed)
 }
 
+/// What opens a whole (not streamed) contribution: the round, its key, the policy's token
+/// requirement, and the pooled plaintext buffers.
+pub(crate) struct Opener<'a> {
+    pub binding: &'a Binding,
+    pub recipient: &'a Recipient,
+    pub device_auth: Option<&'a confed_protocol::device_auth::DeviceAuth>,
+    pub buffers: &'a super::PlaintextBuffers,
+}
+
+impl Opener<'_> {
+    /// Parses a stored contribution (`None`: missing), checks its token when the policy asks
+    /// (before anything is decrypted), opens it into a pooled buffer and hands the plaintext to
+    /// `add`, which checks it whole and adds it or excludes it.
+    pub(crate) fn open_then(
+        &self,
+        assignment_ref: &str,
+        stored: Option<&[u8]>,
+        add: impl FnOnce(&[u8]) -> Result<(), Exclusion>,
+    ) -> Result<(), Exclusion> {
+        let stored = stored.ok_or(Exclusion::Missing)?;
+        let envelope = parse(self.binding, stored)?;
+        if let Some(auth) = self.device_auth {
+            authenticate(auth, self.binding, assignment_ref, &envelope)?;
+        }
+        self.buffers.with(|plaintext| {
+            open(
+                self.recipient,
+                self.binding,
+                assignment_ref,
+                &envelope,
+                plaintext,
+            )?;
+            add(plaintext)
+        })
+    }
+}
+
 /// Checks an envelope's token for `assignment_ref` against the policy's requirement.
 pub fn authenticate(
     device_auth: &confed_protocol::device_auth::DeviceAuth,

@@ -82,19 +82,13 @@ impl AnalyticsAggregator {
     }
 
     fn try_add(&self, assignment_ref: &str, stored: Option<&[u8]>) -> Result<(), Exclusion> {
-        let stored = stored.ok_or(Exclusion::Missing)?;
-        let envelope = contribution::parse(&self.binding, stored)?;
-        if let Some(auth) = &self.device_auth {
-            contribution::authenticate(auth, &self.binding, assignment_ref, &envelope)?;
-        }
-        self.buffers.with(|plaintext| {
-            contribution::open(
-                &self.recipient,
-                &self.binding,
-                assignment_ref,
-                &envelope,
-                plaintext,
-            )?;
+        let opener = contribution::Opener {
+            binding: &self.binding,
+            recipient: &self.recipient,
+            device_auth: self.device_auth.as_ref(),
+            buffers: &self.buffers,
+        };
+        opener.open_then(assignment_ref, stored, |plaintext| {
             self.add_opened(plaintext)
         })
     }
