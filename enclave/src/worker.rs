@@ -368,14 +368,7 @@ impl<S: JobStore + 'static> Worker<S> {
             private_key,
             aggregator,
         } = prepared;
-        match &job.partitioning {
-            Some(Partitioning::Root { count, sealed_keys }) => {
-                self.merge_all(job, inputs, *count, sealed_keys, &private_key, &aggregator)
-                    .await?
-            }
-            _ => self.open_all(job, inputs, &aggregator).await?,
-        }
-        let aggregator = Arc::try_unwrap(aggregator).map_err(|_| JobError::StillShared)?;
+        let aggregator = self.add_all(job, inputs, &private_key, aggregator).await?;
         phases.open = step.elapsed();
         let step = Instant::now();
         // Noising can take long (a tree round at the end of a long tree samples up to 2047 noise
@@ -397,10 +390,30 @@ impl<S: JobStore + 'static> Worker<S> {
         Ok((release, proof))
     }
 
+    /// Adds a whole round's or a root's inputs to `aggregator`, then hands it back: a root
+    /// merges every sealed partition (`merge_all`), any other job opens every contribution
+    /// (`open_all`). A partition's job goes through `seal_range` instead.
+    pub(super) async fn add_all<A: Partial + Opens>(
+        &self,
+        job: &JobSpec,
+        inputs: Vec<Input>,
+        private_key: &Arc<crate::hpke::PrivateKey>,
+        aggregator: Arc<A>,
+    ) -> Result<A, JobError> {
+        match &job.partitioning {
+            Some(Partitioning::Root { count, sealed_keys }) => {
+                self.merge_all(job, inputs, *count, sealed_keys, private_key, &aggregator)
+                    .await?
+            }
+            _ => self.open_all(job, inputs, &aggregator).await?,
+        }
+        Arc::try_unwrap(aggregator).map_err(|_| JobError::StillShared)
+    }
+
     /// The root's merge: each partition's sealed result fetched, checked and added one at a
     /// time (on a blocking thread), so the root holds one sealed partition in memory, whatever
     /// their number; the lease renewed every quarter lease.
-    pub(super) async fn merge_all<A: Partial>(
+    async fn merge_all<A: Partial>(
         &self,
         job: &JobSpec,
         inputs: Vec<Input>,
@@ -577,12 +590,8 @@ impl<S: JobStore + 'static> Worker<S> {
             signing_key,
             receipts,
             private_key,
-        } = self.key_for(job, &context, &inputs_digest, phases).await?;
-        let binding = Binding {
-            context,
-            key_id: job.key_id.clone(),
-            inputs_digest,
-        };
+            binding,
+        } = self.key_for(job, context, inputs_digest, phases).await?;
         let round = binding.context.round;
         // Only the step that noises continues the BLT state: a partition only binds its digest
         // (above), and a copy of the state per partition would cost up to 240 bytes a value.
@@ -611,12 +620,13 @@ impl<S: JobStore + 'static> Worker<S> {
 
     /// The release commitment of `inputs_digest` and the round's key against it: every key
     /// service records the commitment in its ledger (one per round) and answers with a receipt.
-    /// The job's signing key is made here and bound into the attestation.
+    /// The job's signing key is made here and bound into the attestation. The aggregator's
+    /// binding (the round, its key id and inputs digest) comes with it.
     pub(super) async fn key_for(
         &self,
         job: &JobSpec,
-        context: &RoundContext,
-        inputs_digest: &str,
+        context: RoundContext,
+        inputs_digest: String,
         phases: &mut Phases,
     ) -> Result<Keyed, JobError> {
         let step = Instant::now();
@@ -626,7 +636,7 @@ impl<S: JobStore + 'static> Worker<S> {
             key_id: job.key_id.clone(),
             policy_sha256: context.policy_sha256.clone(),
             model_sha256: context.model_sha256.clone(),
-            inputs_digest: inputs_digest.to_string(),
+            inputs_digest: inputs_digest.clone(),
         };
         let signing_key = confed_attestation::exchange::generate_signing_key();
         let key = obtain_private_key(
@@ -652,6 +662,11 @@ impl<S: JobStore + 'static> Worker<S> {
             signing_key,
             receipts: key.receipts,
             private_key: Arc::new(key.private_key),
+            binding: Binding {
+                context,
+                key_id: job.key_id.clone(),
+                inputs_digest,
+            },
         })
     }
 
@@ -769,6 +784,7 @@ pub(super) struct Keyed {
     pub(super) signing_key: p256::ecdsa::SigningKey,
     pub(super) receipts: Vec<confed_attestation::release::Receipt>,
     pub(super) private_key: Arc<crate::hpke::PrivateKey>,
+    pub(super) binding: Binding,
 }
 
 /// A job after its key: what `prepare` hands the step that follows.

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use super::analytics_population::AnalyticsPopulation;
-use super::demo::DemoError;
+use super::demo::{DemoError, api, create_task};
 use super::simulate::{self, SimulationConfig};
 
 /// Bytes a word may have (longer ones are cut, as the device library does).
@@ -60,10 +60,6 @@ fn planted() -> Vec<(String, f64)> {
     .collect()
 }
 
-fn api(e: impl std::fmt::Display) -> DemoError {
-    DemoError::Api(e.to_string())
-}
-
 pub async fn run(options: AnalyticsDemoOptions) -> Result<Vec<DiscoveryRound>, DemoError> {
     let started = Instant::now();
     println!(
@@ -83,18 +79,7 @@ pub async fn run(options: AnalyticsDemoOptions) -> Result<Vec<DiscoveryRound>, D
         // answer if ready then (docs/privacy.md, "Time"): short here, so the demo is quick.
         "upload_window": {"start_ms": 500, "end_ms": 1500},
     });
-    let created = http
-        .post(format!("{url}/v1/tasks"))
-        .bearer_auth(&token)
-        .json(&request)
-        .send()
-        .await
-        .map_err(api)?;
-    if !created.status().is_success() {
-        return Err(api(created.text().await.unwrap_or_default()));
-    }
-    let task: Value = created.json().await.map_err(api)?;
-    let task_id = task["id"].as_str().unwrap_or_default().to_string();
+    let task_id = create_task(&http, &url, &token, &request).await?;
     let population = AnalyticsPopulation::new(20_000, 1.0, 4, planted());
     println!(
         "confed demo --analytics: task {task_id}: which words do at least a threshold of devices hold? {} devices per round, {} round(s), epsilon {} delta {} over all rounds; each device holds 4 draws of a 20,000-word Zipf vocabulary and some of 6 planted new words, and sends up to {KEYS_PER_DEVICE} words of at most {MAX_KEY_BYTES} bytes",

@@ -88,8 +88,29 @@ fn setup(step: &'static str) -> impl FnOnce(Box<dyn std::error::Error + Send + S
     move |source| DemoError::Setup { step, source }
 }
 
-fn api(e: impl std::fmt::Display) -> DemoError {
+pub(super) fn api(e: impl std::fmt::Display) -> DemoError {
     DemoError::Api(e.to_string())
+}
+
+/// Creates a task from `request` (`POST /v1/tasks`) as the tenant `token`; its id.
+pub(super) async fn create_task(
+    http: &reqwest::Client,
+    url: &str,
+    token: &str,
+    request: &Value,
+) -> Result<String, DemoError> {
+    let created = http
+        .post(format!("{url}/v1/tasks"))
+        .bearer_auth(token)
+        .json(request)
+        .send()
+        .await
+        .map_err(api)?;
+    if !created.status().is_success() {
+        return Err(api(created.text().await.unwrap_or_default()));
+    }
+    let task: Value = created.json().await.map_err(api)?;
+    Ok(task["id"].as_str().unwrap_or_default().to_string())
 }
 
 /// Accuracy after each round (index 0: the initial model).
@@ -213,18 +234,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
             confed_issuer::routes::DEV_ATTESTER_WARNING
         );
     }
-    let created = http
-        .post(format!("{url}/v1/tasks"))
-        .bearer_auth(&token)
-        .json(&request)
-        .send()
-        .await
-        .map_err(api)?;
-    if !created.status().is_success() {
-        return Err(api(created.text().await.unwrap_or_default()));
-    }
-    let task: Value = created.json().await.map_err(api)?;
-    let task_id = task["id"].as_str().unwrap_or_default().to_string();
+    let task_id = create_task(&http, &url, &token, &request).await?;
     let uploaded = http
         .put(format!("{url}/v1/tasks/{task_id}/model"))
         .bearer_auth(&token)

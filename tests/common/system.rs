@@ -175,6 +175,35 @@ pub(crate) async fn collect_n(
     .await;
 }
 
+/// One round of `devices` simulated devices of `population` training on 40 rows each, fast
+/// retries, trusting the system: what tests override field by field.
+pub(crate) fn simulation(
+    system: &EmbeddedSystem,
+    population: &str,
+    devices: usize,
+    seed: u64,
+) -> SimulationConfig {
+    SimulationConfig {
+        server: system.url.clone(),
+        population: population.into(),
+        devices,
+        first_device: 0,
+        concurrency: 4,
+        rounds: 1,
+        trust: system.trust.clone(),
+        train: true,
+        seed,
+        rows_per_device: 40,
+        max_retry_wait: Duration::from_millis(20),
+        idle_limit: 20,
+        client_version: "1.0.0".into(),
+        progress: false,
+        bars: None,
+        state_dir: None,
+        analytics: None,
+    }
+}
+
 /// `collect_n` by devices holding `trust` (e.g. with a token issuer).
 pub(crate) async fn collect_trusting(
     system: &EmbeddedSystem,
@@ -185,23 +214,9 @@ pub(crate) async fn collect_trusting(
     trust: confed_device::TrustConfig,
 ) {
     let summary = simulate::run(SimulationConfig {
-        server: system.url.clone(),
-        population: population.into(),
-        devices,
-        first_device: 0,
-        concurrency: 4,
-        rounds: 1,
         trust,
         train,
-        seed,
-        rows_per_device: 40,
-        max_retry_wait: Duration::from_millis(20),
-        idle_limit: 20,
-        client_version: "1.0.0".into(),
-        progress: false,
-        bars: None,
-        state_dir: None,
-        analytics: None,
+        ..simulation(system, population, devices, seed)
     })
     .await
     .unwrap();

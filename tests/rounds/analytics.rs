@@ -43,22 +43,9 @@ fn open_domain_task(rounds: u32, report_goal: usize) -> Value {
 
 fn devices(system: &confed::embedded::EmbeddedSystem, seed: u64) -> SimulationConfig {
     SimulationConfig {
-        server: system.url.clone(),
-        population: "words".into(),
-        devices: DEVICES,
-        first_device: 0,
         concurrency: 8,
-        rounds: 1,
-        trust: system.trust.clone(),
         train: false,
-        seed,
         rows_per_device: 1,
-        max_retry_wait: Duration::from_millis(20),
-        idle_limit: 20,
-        client_version: "1.0.0".into(),
-        progress: false,
-        bars: None,
-        state_dir: None,
         // Every device holds "planted-all", nine in ten "planted-most", and two Zipf words
         // of a 100,000-word vocabulary (nearly all held by one device each).
         analytics: Some(AnalyticsPopulation::new(
@@ -67,6 +54,7 @@ fn devices(system: &confed::embedded::EmbeddedSystem, seed: u64) -> SimulationCo
             2,
             vec![("planted-all".into(), 1.0), ("planted-most".into(), 0.9)],
         )),
+        ..common::system::simulation(system, "words", DEVICES, seed)
     }
 }
 

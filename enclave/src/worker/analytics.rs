@@ -10,7 +10,6 @@ use std::time::Instant;
 use confed_worker_api::store::{JobSpec, JobStore, Partitioning, StagedRelease};
 
 use super::{JobError, JobOutcome, Keyed, Phases, Worker, check_plan, round_context, signed_proof};
-use crate::aggregate::Binding;
 use crate::analytics::{AnalyticsAggregator, AnalyticsParams, AnalyticsRelease};
 use confed_attestation::release::ReleaseProof;
 
@@ -98,32 +97,21 @@ impl<S: JobStore + 'static> Worker<S> {
             signing_key,
             receipts,
             private_key,
-        } = self.key_for(job, &context, &inputs_digest, phases).await?;
-        let binding = Binding {
-            context,
-            key_id: job.key_id.clone(),
-            inputs_digest,
-        };
+            binding,
+        } = self.key_for(job, context, inputs_digest, phases).await?;
         let aggregator = Arc::new(
             AnalyticsAggregator::new(binding, query, &private_key)?
                 .authenticating(policy.device_auth.clone()),
         );
-        let step = Instant::now();
-        match &job.partitioning {
-            Some(Partitioning::Partition { index, count }) => {
-                let plan = (*index, *count);
-                let sealed = self
-                    .seal_range(job, inputs, plan, private_key, aggregator, phases)
-                    .await?;
-                return Ok(AnalyticsStep::Sealed { sealed, plan });
-            }
-            Some(Partitioning::Root { count, sealed_keys }) => {
-                self.merge_all(job, inputs, *count, sealed_keys, &private_key, &aggregator)
-                    .await?
-            }
-            None => self.open_all(job, inputs, &aggregator).await?,
+        if let Some(Partitioning::Partition { index, count }) = job.partitioning {
+            let plan = (index, count);
+            let sealed = self
+                .seal_range(job, inputs, plan, private_key, aggregator, phases)
+                .await?;
+            return Ok(AnalyticsStep::Sealed { sealed, plan });
         }
-        let aggregator = Arc::try_unwrap(aggregator).map_err(|_| JobError::StillShared)?;
+        let step = Instant::now();
+        let aggregator = self.add_all(job, inputs, &private_key, aggregator).await?;
         phases.open = step.elapsed();
         let step = Instant::now();
         let release = tokio::task::spawn_blocking(move || aggregator.finish(&private_key, &params))
