@@ -50,6 +50,7 @@ fn key_directory() -> (KeyDirectory, TrustConfig) {
             keyservice_id: id.into(),
             verifying_key,
             keys: vec![entry],
+            masking_key: None,
         });
     }
     (

@@ -126,7 +126,8 @@ start() {
         share=$(ls "$dir"/ceremony/*-"$i".json)
         spawn "ks$i" "$confed" keyservice --id "ks$i" --listen "127.0.0.1:$port" \
             --share "$share" --policy "$dir/policy/dev.toml" --peers "$dir/policy/peers-ks$i.json" \
-            --signing-key "$dir/secrets/ks$i-signing.pem" --audit-log "$dir/logs/audit-ks$i.jsonl"
+            --signing-key "$dir/secrets/ks$i-signing.pem" --audit-log "$dir/logs/audit-ks$i.jsonl" \
+            --masking-key "$dir/secrets/ks$i-masking.key"
         keyservice_args+=(--keyservice "http://127.0.0.1:$port")
         enclave_keyservices+=(--keyservice "ks$i=http://127.0.0.1:$port")
     done

@@ -95,6 +95,10 @@ pub struct KeyserviceArgs {
     /// Append-only, hash-chained decision log.
     #[arg(long)]
     pub audit_log: PathBuf,
+    /// X25519 key devices seal mask seeds to (base64url, mode 0600); created if missing. Without
+    /// it this service takes no part in masked tasks (docs/secure-aggregation.md).
+    #[arg(long)]
+    pub masking_key: Option<PathBuf>,
     /// The `aud` tokens must carry; default `confed-keyservice/<id>`.
     #[arg(long)]
     pub audience: Option<String>,
@@ -220,6 +224,7 @@ pub async fn run(
         tls,
         signing_key: args.signing_key,
         audit_log: args.audit_log,
+        masking_key: args.masking_key,
         audience,
         peers: args.peers,
         witness_quorum: args.witness_quorum,

@@ -13,6 +13,7 @@ mod extract;
 pub mod fetcher;
 pub mod keys;
 pub mod ledger;
+pub mod masking_key;
 
 pub mod nonces;
 pub mod peers;
@@ -64,6 +65,12 @@ pub enum KeyServiceError {
         #[source]
         source: BoxError,
     },
+    #[error("masking key {path}")]
+    MaskingKey {
+        path: String,
+        #[source]
+        source: BoxError,
+    },
     #[error(transparent)]
     Audit(#[from] audit::AuditError),
 }
@@ -101,6 +108,9 @@ pub struct KeyService {
     /// The `loss_acknowledged` records found so far, by the head they name: peers ask for them
     /// at every pull after a loss, and each is read from the log once (`witness::acknowledgement`).
     pub acknowledgements: Arc<Mutex<BTreeMap<(u64, String), audit::Record>>>,
+    /// The key devices seal mask seeds to (`masking_key.rs`); `None`: this service takes no
+    /// part in masked tasks, and its key set says so by naming none.
+    pub masking_key: Option<Arc<confed_protocol::hpke::PrivateKey>>,
 }
 
 /// What a key service is built from (files and settings, no network).
@@ -166,7 +176,14 @@ impl KeyService {
             gate: Arc::new(rollback::GrantGate::open()),
             head_changed: Arc::default(),
             acknowledgements: Arc::default(),
+            masking_key: None,
         })
+    }
+
+    /// Takes part in masked tasks with `key` (`masking_key.rs`).
+    pub fn with_masking_key(mut self, key: confed_protocol::hpke::PrivateKey) -> Self {
+        self.masking_key = Some(Arc::new(key));
+        self
     }
 
     /// Witnesses `peers` and is witnessed by them: grants nothing until `peers.quorum` of them

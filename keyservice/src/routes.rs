@@ -96,6 +96,14 @@ async fn key_set(State(service): State<KeyService>) -> Json<KeySet> {
         keyservice_id: service.id.clone(),
         verifying_key: encode_verifying_key(service.signing_key.verifying_key()),
         keys,
+        masking_key: service.masking_key.as_ref().and_then(|private| {
+            let public = private.public_key().ok()?;
+            Some(confed_protocol::masking_keys::sign_masking_key(
+                &service.signing_key,
+                &service.id,
+                &public,
+            ))
+        }),
     })
 }
 

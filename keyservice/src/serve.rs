@@ -23,6 +23,8 @@ pub struct KeyServiceConfig {
     pub tls: Option<TlsFiles>,
     pub signing_key: PathBuf,
     pub audit_log: PathBuf,
+    /// The masking key file (`masking_key.rs`), if this service takes part in masked tasks.
+    pub masking_key: Option<PathBuf>,
     pub audience: String,
     /// The peers file (`peers.rs`), if any.
     pub peers: Option<PathBuf>,
@@ -104,6 +106,12 @@ pub async fn run(
         audit_log: config.audit_log.clone(),
         clock: Arc::new(SystemClock),
     })?;
+    let service = match &config.masking_key {
+        Some(path) => {
+            service.with_masking_key(crate::masking_key::load_or_create_masking_key(path)?)
+        }
+        None => service,
+    };
     let service = match &config.peers {
         Some(path) => {
             let peers = crate::peers::load(path, &service.id)?;

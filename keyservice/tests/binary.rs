@@ -50,6 +50,8 @@ async fn the_key_service_binary_serves_its_signed_key_set_and_stops_on_sigterm()
         .arg(dir.path().join("ks1.pem"))
         .arg("--audit-log")
         .arg(dir.path().join("audit.jsonl"))
+        .arg("--masking-key")
+        .arg(dir.path().join("ks1-masking.key"))
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .kill_on_drop(true)
@@ -78,6 +80,14 @@ async fn the_key_service_binary_serves_its_signed_key_set_and_stops_on_sigterm()
     assert_eq!(set.keys[0].key_id, ceremony.key.key_id);
     let verifying_key = decode_verifying_key(&set.verifying_key).unwrap();
     assert!(verify_key(&verifying_key, "ks1", &set.keys[0]));
+    // The masking key it created at start, published and signed (docs/secure-aggregation.md).
+    let masking = set.masking_key.expect("a masking key in the key set");
+    assert!(confed_protocol::masking_keys::verify_masking_key(
+        &verifying_key,
+        "ks1",
+        &masking
+    ));
+    assert!(dir.path().join("ks1-masking.key").exists());
     let pid = child.id().unwrap().to_string();
     assert!(
         Command::new("kill")

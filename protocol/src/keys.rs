@@ -88,6 +88,7 @@ impl DeviceKey {
                     state: String::new(),
                     signature: s.signature.clone(),
                 }],
+                masking_key: None,
             })
             .collect()
     }

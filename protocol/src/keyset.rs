@@ -34,6 +34,9 @@ pub struct KeySet {
     /// This key service's P-256 verifying key: SEC1 uncompressed point (65 bytes), base64url.
     pub verifying_key: String,
     pub keys: Vec<SignedPublicKey>,
+    /// The key service's masking key for masked rounds (`masking_keys.rs`), if it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub masking_key: Option<crate::masking_keys::SignedMaskingKey>,
 }
 
 /// A fresh random P-256 signing key from the operating system's generator.

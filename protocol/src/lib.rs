@@ -30,6 +30,7 @@ pub mod ids;
 pub mod keys;
 pub mod keyset;
 pub mod masking;
+pub mod masking_keys;
 pub mod mechanism;
 pub mod policy;
 pub mod privacy_pass;

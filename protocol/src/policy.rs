@@ -18,12 +18,14 @@
 //! plan=<compact JSON object>\n
 //! upload_window=<start_ms>,<end_ms>\n
 //! [device_auth=privacy_pass;issuer=<name>;token_keys=<base64url SPKI>,...\n]
+//! [masking=confed-masking/v1;threshold=<t>;services=<id>:<key>:<signature>,...\n]
 //! [analytics=<query>\n]
 //! ```
 //!
 //! Exactly these lines, in this order, each ended by one `\n`; `device_auth` only when the task
-//! requires device tokens (`device_auth.rs`), and `analytics` only for an analytics task
-//! (`analytics.rs`), so a policy without them hashes as before. An analytics policy's training
+//! requires device tokens (`device_auth.rs`), `masking` only when its updates are masked beneath
+//! the enclave (`masking_keys.rs`), and `analytics` only for an analytics task (`analytics.rs`),
+//! so a policy without them hashes as before. An analytics policy's training
 //! lines hold fixed values (`ANALYTICS_CLIP_NORM`, `MECHANISM`, a learning rate of 1, plan `{}`):
 //! one query has one policy text.
 //! `upload_window` is when the device sends, in milliseconds after it received the assignment
@@ -39,6 +41,7 @@ use thiserror::Error;
 
 pub use crate::analytics::AnalyticsQuery;
 pub use crate::device_auth::DeviceAuth;
+pub use crate::masking_keys::MaskingPolicy;
 pub use crate::upload_window::{MAX_UPLOAD_WINDOW_MS, UploadWindow};
 
 pub const FORMAT: &str = "confed-task-policy/v3";
@@ -95,6 +98,9 @@ pub struct TaskPolicy {
     pub upload_window: UploadWindow,
     /// Device tokens every counted contribution must carry (`device_auth.rs`).
     pub device_auth: Option<DeviceAuth>,
+    /// The key services that hold the mask seeds of a masked task (`masking_keys.rs`);
+    /// `None`: updates are sealed in the clear to the enclave.
+    pub masking: Option<MaskingPolicy>,
     /// The query of an analytics task (`analytics.rs`); `None` for training.
     pub analytics: Option<AnalyticsQuery>,
 }
@@ -147,6 +153,7 @@ impl TaskPolicy {
                 end_ms: 0,
             },
             device_auth: None,
+            masking: None,
             analytics: None,
         }
     }
@@ -180,6 +187,11 @@ impl TaskPolicy {
         if let Some(auth) = &self.device_auth {
             out.push_str("device_auth=");
             out.push_str(&auth.encode());
+            out.push('\n');
+        }
+        if let Some(masking) = &self.masking {
+            out.push_str("masking=");
+            out.push_str(&masking.encode());
             out.push('\n');
         }
         if let Some(query) = &self.analytics {
@@ -223,6 +235,13 @@ impl TaskPolicy {
             }
             None => None,
         };
+        let masking = match next.and_then(|line| line.strip_prefix("masking=")) {
+            Some(value) => {
+                next = lines.next();
+                Some(MaskingPolicy::parse(value).map_err(bad)?)
+            }
+            None => None,
+        };
         let analytics = match next.and_then(|line| line.strip_prefix("analytics=")) {
             Some(value) => {
                 next = lines.next();
@@ -232,7 +251,7 @@ impl TaskPolicy {
         };
         if next.is_some() {
             return Err(bad(
-                "after `upload_window` only `device_auth=` and then `analytics=` may follow".into(),
+                "after `upload_window` only `device_auth=`, `masking=` and `analytics=` may follow, in that order".into(),
             ));
         }
         let name = |i: usize| -> Result<String, PolicyError> {
@@ -272,6 +291,7 @@ impl TaskPolicy {
             plan: plan.to_string(),
             upload_window: UploadWindow::parse(values[12]).map_err(bad)?,
             device_auth,
+            masking,
             analytics,
         };
         if policy.encode() != text {
@@ -356,6 +376,9 @@ impl TaskPolicy {
                     "an analytics policy has clip_norm=1e0, mechanism={MECHANISM}, server_learning_rate=1e0 and plan={{}}"
                 ));
             }
+        }
+        if self.masking.is_some() {
+            problems.extend(crate::masking_keys::policy_problems(self));
         }
         if !(self.server_learning_rate > 0.0 && self.server_learning_rate <= 100.0) {
             problems.push(format!(
@@ -448,6 +471,7 @@ mod tests {
                 end_ms: 90_000,
             },
             device_auth: None,
+            masking: None,
             analytics: None,
         }
     }

@@ -109,6 +109,53 @@ impl TrustConfig {
         accept_device_auth(&self.token_issuers, policy)
     }
 
+    /// Refuses a masked policy unless it names exactly the `threshold` and `n` this file pins
+    /// and every one of its key services is listed here and signed the masking key the policy
+    /// gives it (so masking needs every key service listed); returns the masking keys to seal
+    /// seeds to, service 1 first, or `None` for an unmasked policy.
+    pub fn accept_masking(
+        &self,
+        policy: &crate::policy::TaskPolicy,
+    ) -> Result<Option<Vec<crate::hpke::PublicKey>>, crate::policy::PolicyError> {
+        let Some(masking) = &policy.masking else {
+            return Ok(None);
+        };
+        let refuse = |why: String| crate::policy::PolicyError::Limits(why);
+        if usize::from(masking.threshold) != self.threshold
+            || masking.services.len() != self.shares()
+        {
+            return Err(refuse(format!(
+                "the task masks with {} of {} key services; this device's trust file pins {} of {}",
+                masking.threshold,
+                masking.services.len(),
+                self.threshold,
+                self.shares()
+            )));
+        }
+        for service in &masking.services {
+            let listed = self
+                .keyservices
+                .iter()
+                .find(|k| k.id == service.keyservice_id)
+                .ok_or_else(|| {
+                    refuse(format!(
+                        "the task seals mask seeds to key service {}, which this device's trust file does not list",
+                        service.keyservice_id
+                    ))
+                })?;
+            let signed = decode_verifying_key(&listed.verifying_key).is_some_and(|key| {
+                crate::masking_keys::verify_masking_key(&key, &listed.id, &service.key)
+            });
+            if !signed {
+                return Err(refuse(format!(
+                    "the task's masking key for key service {} is not signed by it",
+                    service.keyservice_id
+                )));
+            }
+        }
+        Ok(Some(masking.public_keys()))
+    }
+
     /// The key services as the signature checks take them; refused if a verifying key is not a
     /// P-256 point.
     pub fn trusted(&self) -> Result<Vec<TrustedKeyService>, TrustFileError> {

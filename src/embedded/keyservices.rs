@@ -18,6 +18,7 @@ use super::{EmbeddedError, serve_router, setup};
 use crate::clock::Clock;
 use crate::keys::ceremony::{CeremonyOptions, KEY_SET_FILE, generate};
 use crate::keys::{HeldShare, KeySetFile, ShareFile};
+use crate::keyservice::masking_key::load_or_create_masking_key;
 use crate::keyservice::{KeyService, KeyServiceParts, load_or_create_signing_key, routes};
 use confed_protocol::trust::{TrustConfig, TrustedEntry};
 
@@ -137,7 +138,10 @@ pub async fn start(
             audit_log: dir.join(format!("audit-{id}.jsonl")),
             clock: clock.clone(),
         })
-        .map_err(setup)?;
+        .map_err(setup)?
+        .with_masking_key(
+            load_or_create_masking_key(&dir.join(format!("{id}-masking.key"))).map_err(setup)?,
+        );
         let (url, handle) = serve_router(routes::router(service), stop.clone(), ports).await?;
         services.tasks.push(handle);
         services.endpoints.push(KeyServiceEndpoint { id, url });

@@ -49,6 +49,7 @@ fn scene() -> Scene {
             keyservice_id: id.clone(),
             verifying_key: encode_verifying_key(signing.verifying_key()),
             keys: vec![signed_entry(id, signing, 3)],
+            masking_key: None,
         })
         .collect();
     let average = b"the noised average".to_vec();
@@ -188,6 +189,7 @@ fn one_key_service_cannot_change_the_pinned_key_set() {
             keyservice_id: id.clone(),
             verifying_key: encode_verifying_key(signing.verifying_key()),
             keys,
+            masking_key: None,
         });
     }
     let keys = KeyDirectory::fixed(sets.clone());
@@ -235,6 +237,7 @@ fn the_front_end_pins_n_from_every_holder_when_the_key_entries_lie() {
             keyservice_id: id.clone(),
             verifying_key: encode_verifying_key(signing.verifying_key()),
             keys: vec![signed_entry(id, signing, if i < 2 { 2 } else { 3 })],
+            masking_key: None,
         })
         .collect();
     scene.keys = KeyDirectory::fixed(sets.clone());

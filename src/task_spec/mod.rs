@@ -252,6 +252,9 @@ impl TaskSpec {
             plan: serde_json::to_string(&self.plan).unwrap_or_else(|_| "{}".into()),
             upload_window: self.upload_window().policy(),
             device_auth: self.device_auth.as_ref().and_then(DeviceAuthSpec::policy),
+            // The partner API creates no masked task until the enclave's masked job exists
+            // (docs/secure-aggregation.md, "Order of work").
+            masking: None,
             analytics: self.analytics.clone(),
         }
     }

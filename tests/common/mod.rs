@@ -81,6 +81,7 @@ fn test_key() -> (TestKey, Vec<confed_attestation::exchange::KeySet>) {
             keyservice_id: id.into(),
             verifying_key: verifying,
             keys: vec![entry],
+            masking_key: None,
         });
     }
     (

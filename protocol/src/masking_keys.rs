@@ -1,0 +1,449 @@
+//! The key services' masking keys and the task policy's `masking` line (docs/secure-
+//! aggregation.md, docs/protocol.md "Masks").
+//!
+//! Each key service holds one X25519 *masking key*, apart from its shares: devices seal their
+//! mask seeds to it. It publishes the public half in its key set (`GET /v1/keys`, `masking_key`),
+//! signed with its key-set signing key over
+//!
+//! ```text
+//! confed-masking-key-v1|<keyservice_id>|<public_key base64url>
+//! ```
+//!
+//! A masked task's policy names every key service, in the order that numbers them 1 to `n`:
+//!
+//! ```text
+//! masking=confed-masking/v1;threshold=<t>;services=<id>:<public_key>:<signature>,...
+//! ```
+//!
+//! The signature travels inside the policy, so the policy's hash (which every contribution
+//! binds) fixes the keys, and a device checks each against the key service its trust file lists
+//! under that id before it seals anything: an operator that wrote keys of its own into a policy
+//! gets no device to seal to them.
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use p256::ecdsa::signature::{Signer, Verifier};
+use p256::ecdsa::{Signature, SigningKey, VerifyingKey};
+use serde::{Deserialize, Serialize};
+
+use crate::hpke::PublicKey;
+use crate::keys::valid_id;
+use crate::masking::{Layout, MAX_SERVICES, SCHEME};
+use crate::policy::TaskPolicy;
+
+pub const KEY_LABEL: &str = "confed-masking-key-v1";
+
+/// A key service's masking key as its key set publishes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SignedMaskingKey {
+    /// X25519 public key, base64url.
+    pub public_key: String,
+    /// ECDSA P-256 / SHA-256 over `key_message`, 64 bytes r||s, base64url.
+    pub signature: String,
+}
+
+/// The bytes a key service signs for its masking key.
+pub fn key_message(keyservice_id: &str, public_key: &str) -> Vec<u8> {
+    format!("{KEY_LABEL}|{keyservice_id}|{public_key}").into_bytes()
+}
+
+/// Signs `public` as the masking key of `keyservice_id`.
+pub fn sign_masking_key(
+    signing_key: &SigningKey,
+    keyservice_id: &str,
+    public: &PublicKey,
+) -> SignedMaskingKey {
+    let public_key = URL_SAFE_NO_PAD.encode(public.0);
+    let signature: Signature = signing_key.sign(&key_message(keyservice_id, &public_key));
+    SignedMaskingKey {
+        public_key,
+        signature: URL_SAFE_NO_PAD.encode(signature.to_bytes()),
+    }
+}
+
+/// Whether `key` is signed by `keyservice_id` with `verifying_key`.
+pub fn verify_masking_key(
+    verifying_key: &VerifyingKey,
+    keyservice_id: &str,
+    key: &SignedMaskingKey,
+) -> bool {
+    let Ok(bytes) = URL_SAFE_NO_PAD.decode(&key.signature) else {
+        return false;
+    };
+    let Ok(signature) = Signature::from_slice(&bytes) else {
+        return false;
+    };
+    verifying_key
+        .verify(&key_message(keyservice_id, &key.public_key), &signature)
+        .is_ok()
+}
+
+/// One key service of a masked task: its id and its signed masking key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MaskingService {
+    pub keyservice_id: String,
+    pub key: SignedMaskingKey,
+}
+
+impl MaskingService {
+    /// The masking key as an HPKE recipient key.
+    pub fn public_key(&self) -> Result<PublicKey, String> {
+        URL_SAFE_NO_PAD
+            .decode(&self.key.public_key)
+            .ok()
+            .and_then(|bytes| PublicKey::from_bytes(&bytes).ok())
+            .ok_or_else(|| {
+                format!(
+                    "key service {}: the masking key is not a base64url X25519 public key",
+                    self.keyservice_id
+                )
+            })
+    }
+}
+
+/// The policy's `masking` line: the scheme, the release threshold and the key services in the
+/// order that numbers them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MaskingPolicy {
+    pub threshold: u8,
+    pub services: Vec<MaskingService>,
+}
+
+impl MaskingPolicy {
+    /// Checks the layout, the ids and the keys' encodings (not the signatures: that is the
+    /// device's check, against its own trust file).
+    pub fn new(threshold: u8, services: Vec<MaskingService>) -> Result<Self, String> {
+        let n = services.len();
+        if n == 0 || n > usize::from(MAX_SERVICES) {
+            return Err(format!(
+                "masking takes 1 to {MAX_SERVICES} key services, not {n}"
+            ));
+        }
+        Layout::new(n as u8, threshold).map_err(|e| format!("masking: {e}"))?;
+        let mut ids = std::collections::BTreeSet::new();
+        let mut keys = std::collections::BTreeSet::new();
+        for service in &services {
+            if !valid_id(&service.keyservice_id) {
+                return Err("masking: a key service id must be 1-64 of A-Z a-z 0-9 . _ -".into());
+            }
+            if !ids.insert(service.keyservice_id.as_str()) {
+                return Err(format!(
+                    "masking: key service {} is named twice",
+                    service.keyservice_id
+                ));
+            }
+            let key = service.public_key()?;
+            if !keys.insert(key.0) {
+                return Err("masking: two key services have the same masking key".into());
+            }
+            let signature = URL_SAFE_NO_PAD.decode(&service.key.signature);
+            if !signature.is_ok_and(|s| s.len() == 64) {
+                return Err(format!(
+                    "masking: key service {}: the signature is not 64 bytes of base64url",
+                    service.keyservice_id
+                ));
+            }
+        }
+        Ok(Self {
+            threshold,
+            services,
+        })
+    }
+
+    /// The replicated-seed layout of these services.
+    pub fn layout(&self) -> Layout {
+        Layout::new(self.services.len() as u8, self.threshold)
+            .expect("checked when the policy was made")
+    }
+
+    /// The number (1 to `n`) of the key service `keyservice_id`, if the policy names it.
+    pub fn number_of(&self, keyservice_id: &str) -> Option<u8> {
+        self.services
+            .iter()
+            .position(|s| s.keyservice_id == keyservice_id)
+            .map(|i| i as u8 + 1)
+    }
+
+    /// The masking keys, service 1 first.
+    pub fn public_keys(&self) -> Vec<PublicKey> {
+        self.services
+            .iter()
+            .map(|s| s.public_key().expect("checked when the policy was made"))
+            .collect()
+    }
+
+    pub fn encode(&self) -> String {
+        let services: Vec<String> = self
+            .services
+            .iter()
+            .map(|s| {
+                format!(
+                    "{}:{}:{}",
+                    s.keyservice_id, s.key.public_key, s.key.signature
+                )
+            })
+            .collect();
+        format!(
+            "{SCHEME};threshold={};services={}",
+            self.threshold,
+            services.join(",")
+        )
+    }
+
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let malformed = || {
+            format!(
+                "`masking` must be `{SCHEME};threshold=<t>;services=<id>:<key>:<signature>,...`"
+            )
+        };
+        let rest = text
+            .strip_prefix(SCHEME)
+            .and_then(|r| r.strip_prefix(";threshold="))
+            .ok_or_else(malformed)?;
+        let (threshold, services) = rest.split_once(";services=").ok_or_else(malformed)?;
+        let threshold: u8 = threshold.parse().map_err(|_| malformed())?;
+        let services = services
+            .split(',')
+            .map(|entry| {
+                let mut parts = entry.split(':');
+                match (parts.next(), parts.next(), parts.next(), parts.next()) {
+                    (Some(id), Some(key), Some(signature), None) => Ok(MaskingService {
+                        keyservice_id: id.to_string(),
+                        key: SignedMaskingKey {
+                            public_key: key.to_string(),
+                            signature: signature.to_string(),
+                        },
+                    }),
+                    _ => Err(malformed()),
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let policy = Self::new(threshold, services)?;
+        if policy.encode() != text {
+            return Err(format!(
+                "`masking` is not in canonical form: {}",
+                malformed()
+            ));
+        }
+        Ok(policy)
+    }
+}
+
+/// Why a masked policy cannot run (docs/secure-aggregation.md): the key services must check
+/// that the seeds they sum are genuine devices' (device tokens whose nonce binds them), and
+/// what the enclave adds besides the update's sum needs masked slots of its own (not built).
+pub(crate) fn policy_problems(policy: &TaskPolicy) -> Vec<String> {
+    let mut problems = Vec::new();
+    if policy.device_auth.is_none() {
+        problems.push(
+            "masking requires device_auth: the key services add a device's masks only under a token that binds its seeds"
+                .to_string(),
+        );
+    }
+    if policy.analytics.is_some() {
+        problems.push("masking is for training tasks; an analytics task cannot mask".into());
+    }
+    if let Ok(mechanism) = policy.dp_mechanism() {
+        let unmasked = [
+            (
+                mechanism.adaptive_clipping.is_some(),
+                "adaptive clipping (the device clips to the policy's fixed clip norm)",
+            ),
+            (
+                mechanism.evaluation.is_some(),
+                "evaluation (its metrics are not masked yet)",
+            ),
+            (
+                mechanism.health.is_some(),
+                "health (its flag is not masked yet)",
+            ),
+            (
+                mechanism.weighting.is_some(),
+                "weighting (its example counts are not masked yet)",
+            ),
+        ];
+        for (_, what) in unmasked.iter().filter(|(on, _)| *on) {
+            problems.push(format!("a masked task cannot use {what}"));
+        }
+    }
+    problems
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keyset::generate_signing_key;
+
+    pub(crate) fn signed_services(n: usize) -> (Vec<SigningKey>, Vec<MaskingService>) {
+        let signers: Vec<SigningKey> = (0..n).map(|_| generate_signing_key()).collect();
+        let services = signers
+            .iter()
+            .enumerate()
+            .map(|(i, signer)| {
+                let (_, public) = crate::hpke::generate_keypair();
+                let id = format!("ks{}", i + 1);
+                MaskingService {
+                    key: sign_masking_key(signer, &id, &public),
+                    keyservice_id: id,
+                }
+            })
+            .collect();
+        (signers, services)
+    }
+
+    #[test]
+    fn a_masking_line_round_trips_and_numbers_its_services() {
+        let (_, services) = signed_services(3);
+        let policy = MaskingPolicy::new(2, services).unwrap();
+        let text = policy.encode();
+        assert!(text.starts_with("confed-masking/v1;threshold=2;services=ks1:"));
+        assert_eq!(MaskingPolicy::parse(&text).unwrap(), policy);
+        assert_eq!(policy.number_of("ks3"), Some(3));
+        assert_eq!(policy.number_of("ks4"), None);
+        assert_eq!(policy.layout().quorum(), 3);
+        assert_eq!(policy.public_keys().len(), 3);
+    }
+
+    #[test]
+    fn a_masking_line_that_names_a_service_twice_or_a_bad_layout_is_refused() {
+        let (_, services) = signed_services(3);
+        let mut twice = services.clone();
+        twice[2].keyservice_id = "ks1".into();
+        assert!(MaskingPolicy::new(2, twice).unwrap_err().contains("twice"));
+        let mut same_key = services.clone();
+        same_key[2].key.public_key = same_key[0].key.public_key.clone();
+        assert!(
+            MaskingPolicy::new(2, same_key)
+                .unwrap_err()
+                .contains("same masking key")
+        );
+        assert!(MaskingPolicy::new(4, services.clone()).is_err(), "t > n");
+        assert!(MaskingPolicy::new(0, services.clone()).is_err(), "t = 0");
+        let (_, eight) = signed_services(8);
+        assert!(MaskingPolicy::new(3, eight).is_err(), "more than 7");
+        let text = MaskingPolicy::new(2, services).unwrap().encode();
+        for bad in [
+            text.replace("threshold=2", "threshold=02"),
+            text.replace(";services=", ";keys="),
+            format!("{text},"),
+            text.replacen(":", "::", 1),
+        ] {
+            assert!(MaskingPolicy::parse(&bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_masking_key_verifies_only_under_its_own_service_and_key() {
+        let (signers, services) = signed_services(2);
+        let verifying = signers[0].verifying_key();
+        assert!(verify_masking_key(verifying, "ks1", &services[0].key));
+        assert!(!verify_masking_key(verifying, "ks2", &services[0].key));
+        assert!(!verify_masking_key(verifying, "ks1", &services[1].key));
+        let mut swapped = services[0].key.clone();
+        swapped.public_key = services[1].key.public_key.clone();
+        assert!(!verify_masking_key(verifying, "ks1", &swapped));
+    }
+
+    fn masked_policy(services: Vec<MaskingService>) -> TaskPolicy {
+        let mut policy = TaskPolicy::sample("masked-task", 3);
+        policy.device_auth = Some(
+            crate::device_auth::DeviceAuth::new(
+                "issuer.example",
+                vec![crate::device_auth::tests::vector_key()],
+            )
+            .unwrap(),
+        );
+        policy.masking = Some(MaskingPolicy::new(2, services).unwrap());
+        policy
+    }
+
+    #[test]
+    fn a_masked_policy_text_parses_back_and_passes_the_enclave_limits() {
+        let (_, services) = signed_services(3);
+        let policy = masked_policy(services);
+        let text = policy.encode();
+        let line = text.lines().find(|l| l.starts_with("masking=")).unwrap();
+        assert!(text.find("device_auth=").unwrap() < text.find(line).unwrap());
+        assert_eq!(TaskPolicy::parse(&text).unwrap(), policy);
+        policy.check_enclave_limits().unwrap();
+    }
+
+    #[test]
+    fn a_masked_policy_without_tokens_or_with_unmasked_side_values_is_refused_with_the_reason() {
+        let (_, services) = signed_services(3);
+        let mut no_tokens = masked_policy(services.clone());
+        no_tokens.device_auth = None;
+        let why = no_tokens.check_enclave_limits().unwrap_err().to_string();
+        assert!(why.contains("masking requires device_auth"), "{why}");
+        for (suffix, named) in [
+            (";health=1e0", "health"),
+            (";weighting=examples,10", "weighting"),
+        ] {
+            let mut policy = masked_policy(services.clone());
+            policy.mechanism = format!("{}{suffix}", crate::policy::MECHANISM);
+            assert!(policy.dp_mechanism().is_ok(), "{suffix} parses");
+            let why = policy.check_enclave_limits().unwrap_err().to_string();
+            assert!(why.contains(&format!("cannot use {named}")), "{why}");
+        }
+    }
+
+    fn trust_of(signers: &[SigningKey], threshold: usize) -> crate::trust::TrustConfig {
+        crate::trust::TrustConfig {
+            threshold,
+            keyservices: signers
+                .iter()
+                .enumerate()
+                .map(|(i, s)| crate::trust::TrustedEntry {
+                    id: format!("ks{}", i + 1),
+                    verifying_key: crate::keyset::encode_verifying_key(s.verifying_key()),
+                })
+                .collect(),
+            shares: None,
+            limits: crate::policy::DeviceLimits::ENCLAVE,
+            tenant_id: None,
+            token_issuers: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_device_seals_seeds_only_to_masking_keys_its_trusted_services_signed() {
+        let (signers, services) = signed_services(3);
+        let policy = masked_policy(services.clone());
+        let trust = trust_of(&signers, 2);
+        let keys = trust.accept_masking(&policy).unwrap().unwrap();
+        assert_eq!(keys, policy.masking.as_ref().unwrap().public_keys());
+        assert_eq!(
+            trust.accept_masking(&TaskPolicy::sample("plain", 1)),
+            Ok(None)
+        );
+
+        // The operator puts a key of its own in place of ks2's.
+        let mut forged = services.clone();
+        let (_, own) = crate::hpke::generate_keypair();
+        forged[1].key.public_key = URL_SAFE_NO_PAD.encode(own.0);
+        let why = trust
+            .accept_masking(&masked_policy(forged))
+            .unwrap_err()
+            .to_string();
+        assert!(why.contains("not signed by it"), "{why}");
+
+        // A service the device does not list, or another layout than the one it pins.
+        let mut stranger = services.clone();
+        stranger[2].keyservice_id = "ks9".into();
+        assert!(
+            trust
+                .accept_masking(&masked_policy(stranger))
+                .unwrap_err()
+                .to_string()
+                .contains("does not list")
+        );
+        assert!(
+            trust_of(&signers, 3)
+                .accept_masking(&policy)
+                .unwrap_err()
+                .to_string()
+                .contains("pins 3 of 3")
+        );
+    }
+}
