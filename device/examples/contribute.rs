@@ -46,7 +46,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = update.clone();
     let token = async {
         schedule.token_due().await;
-        client.token_for(&assignment, &policy).await
+        client.token_for(&assignment, &policy, &model).await
     };
     let shape = model.update_shape(&policy)?;
     let training = schedule.train_until(&shape, false, move |_| Trained {

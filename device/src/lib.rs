@@ -8,6 +8,7 @@
 pub mod analytics;
 pub mod app_attest;
 pub mod client;
+pub mod masked;
 pub mod schedule;
 pub mod state;
 pub mod tokens;

@@ -94,6 +94,8 @@ where
 pub struct AssignmentToken {
     pub(crate) ephemeral: Ephemeral,
     pub(crate) token: Token,
+    /// In a masked task, the mask seeds the token's nonce binds (`masked.rs`).
+    pub(crate) masking: Option<crate::masked::MaskingSecrets>,
 }
 
 /// One trusted issuer, as a device asks it for tokens.
@@ -192,11 +194,12 @@ impl TokenSource {
     }
 
     /// A token for `assignment` under a token key that both the accepted policy names and the
-    /// issuer offers (`key_for`).
+    /// issuer offers (`key_for`); in a masked task its nonce also binds `masking`'s sealed seeds.
     pub async fn obtain(
         &self,
         policy: &AcceptedPolicy,
         assignment: &AssignmentResponse,
+        masking: Option<crate::masked::MaskingSecrets>,
     ) -> Result<AssignmentToken, DeviceError> {
         let auth = policy.policy.device_auth.as_ref().ok_or_else(|| {
             DeviceError::Token("the task's policy does not require device tokens".into())
@@ -219,8 +222,15 @@ impl TokenSource {
         .map_err(|e| DeviceError::Token(e.to_string()))?;
         let ephemeral =
             Ephemeral::generate().map_err(confed_protocol::envelope::EnvelopeError::from)?;
+        let nonce = match &masking {
+            Some(secrets) => confed_protocol::envelope::masked_nonce(
+                ephemeral.encapsulated_key(),
+                &secrets.sealed,
+            ),
+            None => token_nonce(ephemeral.encapsulated_key()),
+        };
         let (request, pending) = client
-            .begin_with_nonce(&challenge, token_nonce(ephemeral.encapsulated_key()))
+            .begin_with_nonce(&challenge, nonce)
             .map_err(|e| DeviceError::Token(e.to_string()))?;
         let requests = vec![URL_SAFE_NO_PAD.encode(request.encode())];
         let answer = match self.request(requests).await {
@@ -242,7 +252,11 @@ impl TokenSource {
         let token = client
             .finish(pending, &response)
             .map_err(|e| DeviceError::Token(e.to_string()))?;
-        Ok(AssignmentToken { ephemeral, token })
+        Ok(AssignmentToken {
+            ephemeral,
+            token,
+            masking,
+        })
     }
 
     /// Sends token requests with the window's credential, or attests first if there is none
@@ -340,11 +354,14 @@ impl crate::client::DeviceClient {
     }
 
     /// The device token the assignment's task requires (`None` if it requires none), obtained
-    /// from the trusted issuer while the device trains.
+    /// from the trusted issuer while the device trains. In a masked task the device's mask
+    /// seeds are drawn and sealed first (their number of values is `model`'s), and the token
+    /// binds them.
     pub async fn token_for(
         &self,
         assignment: &AssignmentResponse,
         policy: &AcceptedPolicy,
+        model: &crate::client::Model,
     ) -> Result<Option<AssignmentToken>, DeviceError> {
         let Some(issuer) =
             confed_protocol::trust::accept_device_auth(&self.token_issuers, &policy.policy)
@@ -364,7 +381,22 @@ impl crate::client::DeviceClient {
                 })
                 .clone()
         };
-        source.obtain(policy, assignment).await.map(Some)
+        let masking = match policy.policy.masking {
+            Some(_) => {
+                let round =
+                    confed_protocol::ids::wire_round(assignment.round).ok_or_else(|| {
+                        DeviceError::Token(format!("round {} is not a round", assignment.round))
+                    })?;
+                Some(crate::masked::draw(
+                    &policy.policy,
+                    round,
+                    assignment.assignment_id.reference().as_str(),
+                    crate::masked::values_of(&model.bytes)?,
+                )?)
+            }
+            None => None,
+        };
+        source.obtain(policy, assignment, masking).await.map(Some)
     }
 }
 

@@ -158,6 +158,19 @@ impl DeviceAuth {
         round: u64,
         assignment_ref: &str,
     ) -> Result<(), TokenRefusal> {
+        self.verify_nonce(token, &token_nonce(enc), task_id, round, assignment_ref)
+    }
+
+    /// `verify` for a token whose nonce must be `nonce`: a masked contribution's binds its
+    /// sealed seeds too (`envelope::masked_nonce_of`).
+    pub fn verify_nonce(
+        &self,
+        token: Option<&[u8]>,
+        nonce: &[u8; 32],
+        task_id: &str,
+        round: u64,
+        assignment_ref: &str,
+    ) -> Result<(), TokenRefusal> {
         let bytes = token.ok_or_else(|| TokenRefusal::Missing(self.issuer.clone()))?;
         let token = Token::decode(bytes).map_err(TokenRefusal::Malformed)?;
         let key = self
@@ -165,7 +178,7 @@ impl DeviceAuth {
             .iter()
             .find(|k| k.token_key_id == token.token_key_id)
             .ok_or(TokenRefusal::UnknownKey)?;
-        if token.nonce != token_nonce(enc) {
+        if token.nonce != *nonce {
             return Err(TokenRefusal::NotBound);
         }
         let challenge = encoded_round_challenge(&self.issuer, task_id, round, assignment_ref)

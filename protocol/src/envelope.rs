@@ -5,7 +5,8 @@
 //! ```text
 //! { "v": 2, "key_id": text, "enc": bytes(32), "ct": bytes }      (CBOR map, exactly these keys,
 //!   plus "chunk": uint when the update is sealed in chunks, see `hpke::seal_chunked`, and
-//!   "token": bytes(354), a device token, when the task requires one: `privacy_pass::context`)
+//!   "token": bytes(354), a device token, when the task requires one: `privacy_pass::context`,
+//!   and "seeds": bytes, the mask seeds sealed to each key service, in a masked task: `masking`)
 //! info = "confed contribution v2" 0x00 key_id 0x00
 //! aad  = "confed contribution v2" 0x00 task_id 0x00 decimal(round) 0x00 assignment_ref 0x00
 //!        policy_sha256 0x00 model_sha256 0x00
@@ -55,6 +56,9 @@ pub struct Envelope {
     /// A Privacy Pass token of type 0x0002 whose nonce binds `encapsulated_key`
     /// (`privacy_pass::context::token_nonce`).
     pub token: Option<Vec<u8>>,
+    /// In a masked task, the mask seeds sealed to each key service, service 1 first
+    /// (`masking::envelope_seeds`); the token's nonce binds them.
+    pub seeds: Option<Vec<u8>>,
 }
 
 /// Updates larger than this are sealed in chunks of this size, so the enclave opens them in
@@ -116,6 +120,9 @@ impl Envelope {
         if let Some(token) = &self.token {
             entries.push((text("token"), Value::Bytes(token.clone())));
         }
+        if let Some(seeds) = &self.seeds {
+            entries.push((text("seeds"), Value::Bytes(seeds.clone())));
+        }
         let mut out =
             Vec::with_capacity(self.ciphertext.len() + OVERHEAD_BYTES + self.key_id.len());
         ciborium::into_writer(&Value::Map(entries), &mut out)
@@ -138,6 +145,7 @@ pub struct EnvelopeRef<'a> {
     pub ciphertext: &'a [u8],
     pub chunk: Option<u32>,
     pub token: Option<&'a [u8]>,
+    pub seeds: Option<&'a [u8]>,
 }
 
 impl EnvelopeRef<'_> {
@@ -153,6 +161,7 @@ impl EnvelopeRef<'_> {
             ciphertext: self.ciphertext.to_vec(),
             chunk: self.chunk,
             token: self.token.map(<[u8]>::to_vec),
+            seeds: self.seeds.map(<[u8]>::to_vec),
         }
     }
 }
@@ -166,6 +175,7 @@ pub fn validate<'a>(
     ct: Option<&'a [u8]>,
     chunk: Option<u64>,
     token: Option<&'a [u8]>,
+    seeds: Option<&'a [u8]>,
 ) -> Result<EnvelopeRef<'a>, EnvelopeError> {
     let missing = |name: &str| EnvelopeError::Shape(format!("`{name}` is missing"));
     let version = version.ok_or_else(|| missing("v"))?;
@@ -208,12 +218,21 @@ pub fn validate<'a>(
             crate::privacy_pass::TOKEN_BYTES
         )));
     }
+    if let Some(seeds) = seeds
+        && (seeds.is_empty() || seeds.len() > crate::masking::MAX_ENVELOPE_SEEDS_BYTES)
+    {
+        return Err(EnvelopeError::Shape(format!(
+            "`seeds` must be 1 to {} bytes (the mask seeds sealed to each key service)",
+            crate::masking::MAX_ENVELOPE_SEEDS_BYTES
+        )));
+    }
     Ok(EnvelopeRef {
         key_id: key_id.ok_or_else(|| missing("key_id"))?,
         encapsulated_key,
         ciphertext,
         chunk,
         token,
+        seeds,
     })
 }
 
@@ -290,6 +309,77 @@ pub fn seal_with_token(
     )
 }
 
+/// What binds a masked contribution's envelope (docs/secure-aggregation.md): the ephemeral key
+/// drawn ahead, the device token obtained for it and for the seeds, and the seeds sealed to
+/// each key service, service 1 first.
+pub struct MaskedBinding<'a> {
+    pub ephemeral: crate::hpke_ephemeral::Ephemeral,
+    pub token: &'a crate::privacy_pass::Token,
+    pub seeds: &'a [crate::masking::SealedSeeds],
+}
+
+/// The token nonce a masked contribution's token must carry: its encapsulated key and each key
+/// service's sealed seeds.
+pub fn masked_nonce(enc: &[u8], seeds: &[crate::masking::SealedSeeds]) -> [u8; 32] {
+    let digests: Vec<[u8; 32]> = seeds
+        .iter()
+        .map(|s| crate::privacy_pass::context::seeds_digest(&s.to_bytes()))
+        .collect();
+    crate::privacy_pass::context::masked_token_nonce(enc, &digests)
+}
+
+/// The nonce a masked contribution's token must carry, from its envelope: `None` when the
+/// envelope has no `seeds` or they are not the layout's length (no token can authenticate it).
+pub fn masked_nonce_of(
+    layout: &crate::masking::Layout,
+    enc: &[u8],
+    seeds: Option<&[u8]>,
+) -> Option<[u8; 32]> {
+    let items = crate::masking::split_seeds(layout, seeds?).ok()?;
+    let digests: Vec<[u8; 32]> = items
+        .iter()
+        .map(|item| crate::privacy_pass::context::seeds_digest(item))
+        .collect();
+    Some(crate::privacy_pass::context::masked_token_nonce(
+        enc, &digests,
+    ))
+}
+
+/// Seals a masked update (`masking::encode_masked`) with its sealed seeds and its token, whose
+/// nonce must bind both the ephemeral's encapsulated key and the seeds (checked here).
+pub fn seal_masked(
+    binding: MaskedBinding<'_>,
+    public_key: &PublicKey,
+    key_id: &str,
+    context: &RoundContext,
+    capability: &Capability,
+    masked_update: &[u8],
+) -> Result<Envelope, EnvelopeError> {
+    let MaskedBinding {
+        ephemeral,
+        token,
+        seeds,
+    } = binding;
+    if token.nonce != masked_nonce(ephemeral.encapsulated_key(), seeds) {
+        return Err(EnvelopeError::Shape(
+            "the token's nonce does not bind this envelope's encapsulated key and seeds".into(),
+        ));
+    }
+    let mut envelope = sealed(
+        key_id,
+        context,
+        capability,
+        masked_update,
+        Some(token.encode()),
+        |info, aad, chunk| match chunk {
+            Some(chunk) => ephemeral.seal_chunked(public_key, info, aad, masked_update, chunk),
+            None => ephemeral.seal(public_key, info, aad, masked_update),
+        },
+    )?;
+    envelope.seeds = Some(crate::masking::envelope_seeds(seeds));
+    Ok(envelope)
+}
+
 /// The envelope of `update` for the assignment: `seal(info, aad, chunk)` seals it (in chunks of
 /// `CHUNK_THRESHOLD` bytes above that size) and returns (enc, ct).
 fn sealed(
@@ -309,6 +399,7 @@ fn sealed(
         ciphertext,
         chunk: chunk.map(|c| c as u32),
         token,
+        seeds: None,
     })
 }
 
@@ -324,6 +415,7 @@ mod tests {
             ciphertext: vec![2; 40],
             chunk: None,
             token: None,
+            seeds: None,
         };
         let build = |entries: Vec<(Value, Value)>| {
             let mut out = Vec::new();

@@ -1,8 +1,8 @@
 //! The envelope's CBOR decoding, strict and without copying: the ciphertext stays a slice of
 //! the stored bytes (for a 1 MB update, one copy and one fresh allocation fewer per contribution
 //! in the enclave's hot loop). Accepted: exactly one definite-length map with text keys `v`
-//! (uint), `key_id` (text), `enc` (bytes), `ct` (bytes) and optionally `chunk` (uint) and `token`
-//! (bytes), in any
+//! (uint), `key_id` (text), `enc` (bytes), `ct` (bytes) and optionally `chunk` (uint), `token`
+//! (bytes) and `seeds` (bytes), in any
 //! order, no duplicates, nothing after the map. Indefinite lengths, tags and floats are refused.
 //!
 //! The same decoder reads an envelope's other fields from windows of a stored object without its
@@ -122,7 +122,7 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<EnvelopeRef<'_>, EnvelopeError> {
         return Err(EnvelopeError::Shape("the top level is not a map".into()));
     }
     let (mut version, mut key_id, mut enc, mut ct, mut chunk) = (None, None, None, None, None);
-    let mut token = None;
+    let (mut token, mut seeds) = (None, None);
     for _ in 0..entries {
         let key = match item(&mut reader)? {
             Item::Text(key) => key,
@@ -136,7 +136,8 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<EnvelopeRef<'_>, EnvelopeError> {
             ("ct", Item::Bytes(b)) => ct.replace(b).is_some(),
             ("chunk", Item::Uint(c)) => chunk.replace(c).is_some(),
             ("token", Item::Bytes(b)) => token.replace(b).is_some(),
-            (name @ ("v" | "key_id" | "enc" | "ct" | "chunk" | "token"), _) => {
+            ("seeds", Item::Bytes(b)) => seeds.replace(b).is_some(),
+            (name @ ("v" | "key_id" | "enc" | "ct" | "chunk" | "token" | "seeds"), _) => {
                 return Err(EnvelopeError::Shape(format!("`{name}` has the wrong type")));
             }
             (other, _) => return Err(EnvelopeError::Shape(format!("unknown key `{other}`"))),
@@ -148,7 +149,7 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<EnvelopeRef<'_>, EnvelopeError> {
     if reader.source.at != bytes.len() {
         return Err(cbor("bytes follow the envelope's map"));
     }
-    validate(version, key_id, enc, ct, chunk, token)
+    validate(version, key_id, enc, ct, chunk, token, seeds)
 }
 
 #[cfg(test)]
@@ -176,6 +177,7 @@ mod tests {
             ciphertext: vec![2; 100],
             chunk: None,
             token: None,
+            seeds: None,
         }
         .to_cbor();
         for end in 0..envelope.len() {
@@ -198,6 +200,7 @@ mod tests {
             ciphertext: vec![2; 16],
             chunk: None,
             token: None,
+            seeds: None,
         }
         .to_cbor();
         trailing.push(0);

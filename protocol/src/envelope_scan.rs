@@ -13,8 +13,9 @@ use crate::{hpke, privacy_pass};
 
 /// Bytes a scan reads from the start of the object, at most.
 pub const HEAD_BYTES: u64 = 4096;
-/// Bytes a scan reads after the ciphertext, at most (a token is 354 bytes).
-pub const TAIL_BYTES: u64 = 4096;
+/// Bytes a scan reads after the ciphertext, at most (a token is 354 bytes, a masked task's
+/// sealed seeds at most `masking::MAX_ENVELOPE_SEEDS_BYTES`).
+pub const TAIL_BYTES: u64 = 12 * 1024;
 
 /// An envelope's fields but its ciphertext.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,6 +24,7 @@ pub struct EnvelopeHeader {
     pub encapsulated_key: Vec<u8>,
     pub chunk: Option<u32>,
     pub token: Option<Vec<u8>>,
+    pub seeds: Option<Vec<u8>>,
     /// Where the ciphertext lies in the object: (offset, length).
     pub ciphertext: (u64, u64),
 }
@@ -135,7 +137,7 @@ fn decode(windows: &mut Windows<'_>) -> Result<EnvelopeHeader, EnvelopeError> {
         return Err(shape("the top level is not a map"));
     }
     let (mut version, mut key_id, mut enc, mut ct, mut chunk) = (None, None, None, None, None);
-    let mut token = None;
+    let (mut token, mut seeds) = (None, None);
     for _ in 0..entries {
         let key = match item(&mut reader)? {
             Item::Text(key) => key,
@@ -164,7 +166,8 @@ fn decode(windows: &mut Windows<'_>) -> Result<EnvelopeHeader, EnvelopeError> {
             ("enc", Item::Bytes(b)) => enc.replace(b).is_some(),
             ("chunk", Item::Uint(c)) => chunk.replace(c).is_some(),
             ("token", Item::Bytes(b)) => token.replace(b).is_some(),
-            (name @ ("v" | "key_id" | "enc" | "chunk" | "token"), _) => {
+            ("seeds", Item::Bytes(b)) => seeds.replace(b).is_some(),
+            (name @ ("v" | "key_id" | "enc" | "chunk" | "token" | "seeds"), _) => {
                 return Err(shape(format!("`{name}` has the wrong type")));
             }
             (other, _) => return Err(shape(format!("unknown key `{other}`"))),
@@ -206,11 +209,18 @@ fn decode(windows: &mut Windows<'_>) -> Result<EnvelopeHeader, EnvelopeError> {
             privacy_pass::TOKEN_BYTES
         )));
     }
+    if seeds.is_some_and(|s| s.is_empty() || s.len() > crate::masking::MAX_ENVELOPE_SEEDS_BYTES) {
+        return Err(shape(format!(
+            "`seeds` must be 1 to {} bytes (the mask seeds sealed to each key service)",
+            crate::masking::MAX_ENVELOPE_SEEDS_BYTES
+        )));
+    }
     Ok(EnvelopeHeader {
         key_id: key_id.ok_or_else(|| missing("key_id"))?.to_string(),
         encapsulated_key: encapsulated_key.to_vec(),
         chunk,
         token: token.map(<[u8]>::to_vec),
+        seeds: seeds.map(<[u8]>::to_vec),
         ciphertext,
     })
 }

@@ -68,6 +68,10 @@ pub enum MaskingError {
     Withheld { group: usize, members: Vec<u8> },
     #[error("key services {first} and {second} return different mask sums for group {group}")]
     Disagree { group: usize, first: u8, second: u8 },
+    #[error(
+        "the envelope's `seeds` are {got} bytes; this layout's sealed seeds are {expected} bytes"
+    )]
+    EnvelopeSeeds { expected: usize, got: usize },
     #[error("a vector of {got} values where the masks' context says {expected}")]
     Length { expected: usize, got: usize },
     #[error("key service {0} answered twice")]
@@ -325,6 +329,59 @@ pub struct SealedSeeds {
     pub service: u8,
     pub encapsulated_key: Vec<u8>,
     pub ciphertext: Vec<u8>,
+}
+
+/// Most bytes of an envelope's `seeds`: 7 key services of 3-of-7, each in 15 groups, is 3,696.
+pub const MAX_ENVELOPE_SEEDS_BYTES: usize = 8 * 1024;
+
+impl SealedSeeds {
+    /// As the envelope's `seeds` carries it: the encapsulated key, then the ciphertext.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        [self.encapsulated_key.as_slice(), &self.ciphertext].concat()
+    }
+
+    /// Service `service`'s item of an envelope's `seeds` (`split_seeds` cut it to length).
+    pub fn from_bytes(service: u8, item: &[u8]) -> Self {
+        let (enc, ct) = item.split_at(hpke::KEY_BYTES.min(item.len()));
+        Self {
+            service,
+            encapsulated_key: enc.to_vec(),
+            ciphertext: ct.to_vec(),
+        }
+    }
+}
+
+/// Bytes of key service `service`'s sealed seeds: the encapsulated key, its groups' seeds and
+/// the AEAD tag.
+pub fn sealed_len(layout: &Layout, service: u8) -> usize {
+    hpke::KEY_BYTES + layout.groups_of(service).len() * SEED_BYTES + 16
+}
+
+/// The envelope's `seeds`: every key service's sealed seeds, service 1 first, concatenated.
+pub fn envelope_seeds(sealed: &[SealedSeeds]) -> Vec<u8> {
+    sealed.iter().flat_map(SealedSeeds::to_bytes).collect()
+}
+
+/// Cuts an envelope's `seeds` into each key service's sealed seeds (service 1 first); their
+/// lengths follow from the layout, so the bytes must be exactly as long as they add up to.
+pub fn split_seeds<'a>(layout: &Layout, seeds: &'a [u8]) -> Result<Vec<&'a [u8]>, MaskingError> {
+    let lengths: Vec<usize> = (1..=layout.n).map(|j| sealed_len(layout, j)).collect();
+    let expected: usize = lengths.iter().sum();
+    if seeds.len() != expected {
+        return Err(MaskingError::EnvelopeSeeds {
+            expected,
+            got: seeds.len(),
+        });
+    }
+    let mut rest = seeds;
+    Ok(lengths
+        .into_iter()
+        .map(|len| {
+            let (item, after) = rest.split_at(len);
+            rest = after;
+            item
+        })
+        .collect())
 }
 
 /// Associated data of a key service's sealed seeds: the context and the service's number, so

@@ -452,7 +452,7 @@ async fn send_at_instant(
     let token = async {
         schedule.token_due().await;
         let started = Instant::now();
-        let token = client.token_for(assignment, policy).await;
+        let token = client.token_for(assignment, policy, model).await;
         if matches!(token, Ok(Some(_))) {
             shared.timed("token", started);
         }

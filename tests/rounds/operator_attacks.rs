@@ -349,6 +349,7 @@ async fn forged_for_first(scene: &Scene, task: &str, job: &JobSpec) -> Vec<u8> {
         ciphertext: ct,
         chunk: None,
         token: None,
+        seeds: None,
     }
     .to_cbor()
 }

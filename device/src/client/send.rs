@@ -190,6 +190,36 @@ impl DeviceClient {
             model_sha256: model.sha256.clone(),
         };
         let envelope = match token {
+            Some(AssignmentToken {
+                ephemeral,
+                token,
+                masking: Some(secrets),
+            }) => {
+                let masked = crate::masked::masked_update(
+                    &policy.policy,
+                    context.round,
+                    assignment.assignment_id.reference().as_str(),
+                    &secrets,
+                    update,
+                )?;
+                confed_protocol::envelope::seal_masked(
+                    confed_protocol::envelope::MaskedBinding {
+                        ephemeral,
+                        token: &token,
+                        seeds: &secrets.sealed,
+                    },
+                    public_key,
+                    &assignment.encryption.key_id,
+                    &context,
+                    &assignment.assignment_id,
+                    &masked,
+                )?
+            }
+            Some(_) if policy.policy.masking.is_some() => {
+                return Err(DeviceError::Token(
+                    "the task masks its updates: obtain the token with `token_for`, which draws the mask seeds".into(),
+                ));
+            }
             Some(token) => confed_protocol::envelope::seal_with_token(
                 token.ephemeral,
                 &token.token,

@@ -11,9 +11,9 @@ use super::tests::{KEY, ROUND, Round, binding, context, privacy, round, sealed, 
 use super::*;
 use crate::envelope;
 
-const ISSUER: &str = "issuer.test";
+pub(crate) const ISSUER: &str = "issuer.test";
 
-fn signer() -> TokenSigner {
+pub(crate) fn signer() -> TokenSigner {
     let cases: Vec<std::collections::BTreeMap<String, String>> = serde_json::from_str(
         include_str!("../../../protocol/testdata/privacy_pass_type2_vectors.json"),
     )

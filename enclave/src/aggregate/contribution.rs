@@ -116,6 +116,9 @@ pub(crate) struct Opener<'a> {
     pub binding: &'a Binding,
     pub recipient: &'a Recipient,
     pub device_auth: Option<&'a confed_protocol::device_auth::DeviceAuth>,
+    /// A masked round's layout: every envelope must carry its sealed seeds, and a token binds
+    /// them (docs/secure-aggregation.md).
+    pub masking: Option<&'a confed_protocol::masking::Layout>,
     pub buffers: &'a super::PlaintextBuffers,
 }
 
@@ -131,8 +134,17 @@ impl Opener<'_> {
     ) -> Result<(), Exclusion> {
         let stored = stored.ok_or(Exclusion::Missing)?;
         let envelope = parse(self.binding, stored)?;
+        // Seeds the key services cannot cut into their sealed seeds would fail the whole
+        // unmask: such an input is not included.
+        if let Some(layout) = self.masking
+            && envelope
+                .seeds
+                .is_none_or(|seeds| confed_protocol::masking::split_seeds(layout, seeds).is_err())
+        {
+            return Err(Exclusion::MalformedEnvelope);
+        }
         if let Some(auth) = self.device_auth {
-            authenticate(auth, self.binding, assignment_ref, &envelope)?;
+            authenticate(auth, self.binding, assignment_ref, &envelope, self.masking)?;
         }
         self.buffers.with(|plaintext| {
             open(
@@ -147,17 +159,28 @@ impl Opener<'_> {
     }
 }
 
-/// Checks an envelope's token for `assignment_ref` against the policy's requirement.
+/// Checks an envelope's token for `assignment_ref` against the policy's requirement; in a masked
+/// round (`masking`) its nonce must bind the envelope's sealed seeds too.
 pub fn authenticate(
     device_auth: &confed_protocol::device_auth::DeviceAuth,
     binding: &Binding,
     assignment_ref: &str,
     envelope: &EnvelopeRef<'_>,
+    masking: Option<&confed_protocol::masking::Layout>,
 ) -> Result<(), Exclusion> {
-    device_auth
-        .verify(
-            envelope.token,
+    let nonce = match masking {
+        Some(layout) => confed_protocol::envelope::masked_nonce_of(
+            layout,
             envelope.encapsulated_key,
+            envelope.seeds,
+        )
+        .ok_or(Exclusion::Unauthenticated)?,
+        None => confed_protocol::privacy_pass::context::token_nonce(envelope.encapsulated_key),
+    };
+    device_auth
+        .verify_nonce(
+            envelope.token,
+            &nonce,
             &binding.context.task_id,
             binding.context.round,
             assignment_ref,

@@ -341,7 +341,7 @@ impl Aggregator {
         // A token is checked before anything is decrypted: an unauthenticated contribution
         // costs one signature check, and nothing of it reaches the sum.
         if let Some(auth) = &self.device_auth {
-            contribution::authenticate(auth, &self.binding, assignment_ref, &envelope)?;
+            contribution::authenticate(auth, &self.binding, assignment_ref, &envelope, None)?;
         }
         self.buffers
             .with(|plaintext| self.add_plaintext(assignment_ref, envelope, plaintext))
@@ -470,7 +470,7 @@ pub fn encode(schema: &ModelSchema, values: &[f32]) -> Result<Vec<u8>, ModelErro
 }
 
 #[cfg(test)]
-mod auth_tests;
+pub(crate) mod auth_tests;
 #[cfg(test)]
 mod blt_tests;
 #[cfg(test)]

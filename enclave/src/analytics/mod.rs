@@ -86,6 +86,7 @@ impl AnalyticsAggregator {
             binding: &self.binding,
             recipient: &self.recipient,
             device_auth: self.device_auth.as_ref(),
+            masking: None,
             buffers: &self.buffers,
         };
         opener.open_then(assignment_ref, stored, |plaintext| {

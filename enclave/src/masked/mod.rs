@@ -104,6 +104,7 @@ impl MaskedAggregator {
             binding: &self.binding,
             recipient: &self.recipient,
             device_auth: self.device_auth.as_ref(),
+            masking: Some(&self.layout),
             buffers: &self.buffers,
         };
         opener.open_then(assignment_ref, stored, |plaintext| {
@@ -200,5 +201,7 @@ impl MaskedAggregator {
     }
 }
 
+#[cfg(test)]
+mod auth_tests;
 #[cfg(test)]
 mod tests;

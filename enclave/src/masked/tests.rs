@@ -105,15 +105,17 @@ fn masked_round(r: &Round, services: &KeyServices) -> Masked {
         let masked = mask(&services.layout, &grid, &device_seeds, &ctx).unwrap();
         let (_, bytes) =
             crate::aggregate::tests::sealed(r, &assignment_id, ROUND, &encode_masked(&masked));
-        seeds.push((
-            assignment_ref.clone(),
-            seal_seeds(&services.layout, &device_seeds, &public, &ctx).unwrap(),
-        ));
-        stored.push((assignment_ref, Some(bytes)));
+        let sealed = seal_seeds(&services.layout, &device_seeds, &public, &ctx).unwrap();
+        stored.push((assignment_ref.clone(), Some(with_seeds(&bytes, &sealed))));
+        seeds.push((assignment_ref, sealed));
     }
     let (garbage_ref, garbage) =
         crate::aggregate::tests::sealed(r, "device-garbage", ROUND, b"not a masked update");
-    stored.push((garbage_ref.clone(), Some(garbage.clone())));
+    let garbage_seeds = seeds[0].1.clone();
+    stored.push((
+        garbage_ref.clone(),
+        Some(with_seeds(&garbage, &garbage_seeds)),
+    ));
     clear.push((garbage_ref, Some(garbage)));
     stored.push((envelope::assignment_ref("device-missing"), None));
     clear.push((envelope::assignment_ref("device-missing"), None));
@@ -123,6 +125,13 @@ fn masked_round(r: &Round, services: &KeyServices) -> Masked {
         seeds,
         exact,
     }
+}
+
+/// A stored envelope with the sealed seeds beside its ciphertext, as a masked device uploads it.
+fn with_seeds(stored: &[u8], sealed: &[SealedSeeds]) -> Vec<u8> {
+    let mut envelope = envelope::Envelope::from_cbor(stored).unwrap();
+    envelope.seeds = Some(confed_protocol::masking::envelope_seeds(sealed));
+    envelope.to_cbor()
 }
 
 fn model_round() -> Round {
@@ -227,9 +236,49 @@ fn a_masked_update_of_another_length_is_excluded() {
         crate::aggregate::tests::sealed(&r, "device-short", ROUND, &short);
     let enclave =
         MaskedAggregator::new(binding(), services.layout.clone(), VALUES, &r.private).unwrap();
+    let ctx = mask_context(&assignment_ref);
+    let seeds: Vec<Seed> = services
+        .layout
+        .groups()
+        .iter()
+        .map(|_| Seed::random())
+        .collect();
+    let public: Vec<PublicKey> = services.keys.iter().map(|(_, p)| *p).collect();
+    let sealed = seal_seeds(&services.layout, &seeds, &public, &ctx).unwrap();
     assert_eq!(
-        enclave.add(&assignment_ref, Some(&bytes)),
+        enclave.add(&assignment_ref, Some(&with_seeds(&bytes, &sealed))),
         Err(Exclusion::WrongTensors)
     );
     let _ = KEY;
+}
+
+#[test]
+fn a_masked_envelope_without_its_layouts_sealed_seeds_is_excluded_before_it_is_opened() {
+    let r = model_round();
+    let services = KeyServices::new(3, 2);
+    let (assignment_ref, bytes) =
+        crate::aggregate::tests::sealed(&r, "device-seedless", ROUND, &encode_masked(&[0; VALUES]));
+    let enclave =
+        MaskedAggregator::new(binding(), services.layout.clone(), VALUES, &r.private).unwrap();
+    assert_eq!(
+        enclave.add(&assignment_ref, Some(&bytes)),
+        Err(Exclusion::MalformedEnvelope),
+        "no seeds"
+    );
+    // Seeds of another layout (3-of-5's are longer) cannot be cut into this one's.
+    let other = KeyServices::new(5, 3);
+    let ctx = mask_context(&assignment_ref);
+    let seeds: Vec<Seed> = other
+        .layout
+        .groups()
+        .iter()
+        .map(|_| Seed::random())
+        .collect();
+    let public: Vec<PublicKey> = other.keys.iter().map(|(_, p)| *p).collect();
+    let sealed = seal_seeds(&other.layout, &seeds, &public, &ctx).unwrap();
+    assert_eq!(
+        enclave.add(&assignment_ref, Some(&with_seeds(&bytes, &sealed))),
+        Err(Exclusion::MalformedEnvelope),
+        "another layout's seeds"
+    );
 }

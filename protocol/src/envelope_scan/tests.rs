@@ -11,6 +11,7 @@ fn envelope(ciphertext: usize, token: bool, chunk: Option<u32>) -> Envelope {
         ciphertext: vec![9; ciphertext],
         chunk,
         token: token.then(|| vec![5; privacy_pass::TOKEN_BYTES]),
+        seeds: None,
     }
 }
 
@@ -30,6 +31,7 @@ fn same_as_parse(bytes: &[u8], header: &EnvelopeHeader) {
     assert_eq!(header.encapsulated_key, full.encapsulated_key);
     assert_eq!(header.chunk, full.chunk);
     assert_eq!(header.token.as_deref(), full.token);
+    assert_eq!(header.seeds.as_deref(), full.seeds);
     let (start, length) = header.ciphertext;
     assert_eq!(
         &bytes[start as usize..(start + length) as usize],
@@ -52,6 +54,31 @@ fn a_token_after_a_megabyte_of_ciphertext_is_read_from_the_tail() {
     let header = scanned(&bytes).unwrap();
     assert_eq!(header.token, Some(vec![5; privacy_pass::TOKEN_BYTES]));
     same_as_parse(&bytes, &header);
+}
+
+#[test]
+fn a_masked_envelopes_seeds_after_the_ciphertext_are_read_from_the_tail_and_bounded() {
+    // 3-of-7's sealed seeds, the longest a layout makes (3,696 bytes), after the token.
+    let mut masked = envelope(1 << 20, true, None);
+    masked.seeds = Some(vec![3; 3_696]);
+    let bytes = masked.to_cbor();
+    let header = scanned(&bytes).unwrap();
+    assert_eq!(header.seeds.as_deref().map(<[u8]>::len), Some(3_696));
+    same_as_parse(&bytes, &header);
+    for bad in [
+        Vec::new(),
+        vec![3; crate::masking::MAX_ENVELOPE_SEEDS_BYTES + 1],
+    ] {
+        masked.seeds = Some(bad);
+        let bytes = masked.to_cbor();
+        assert!(scanned(&bytes).unwrap_err().to_string().contains("`seeds`"));
+        assert!(
+            EnvelopeRef::parse(&bytes)
+                .unwrap_err()
+                .to_string()
+                .contains("`seeds`")
+        );
+    }
 }
 
 #[test]
@@ -103,7 +130,7 @@ fn what_a_full_parse_refuses_a_scan_refuses_and_nothing_panics() {
     for (key, value) in [
         ("v", ciborium::Value::Integer(2.into())),
         ("ct", ciborium::Value::Bytes(vec![9; 100_000])),
-        ("key_id", ciborium::Value::Text("k".repeat(5000))),
+        ("key_id", ciborium::Value::Text("k".repeat(13_000))),
         ("enc", ciborium::Value::Bytes(vec![7; 32])),
         (
             "token",
@@ -114,7 +141,7 @@ fn what_a_full_parse_refuses_a_scan_refuses_and_nothing_panics() {
         ciborium::into_writer(&value, &mut long_tail).unwrap();
     }
     let error = scanned(&long_tail).unwrap_err().to_string();
-    assert!(error.contains("at most 4096"), "{error}");
+    assert!(error.contains("at most 12288"), "{error}");
     // A wrong-length token, a short `enc`: refused by name.
     let mut bad = envelope(100, true, None);
     bad.token = Some(vec![1; 10]);

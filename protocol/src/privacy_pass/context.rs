@@ -6,7 +6,14 @@
 //!                              assignment_ref 0x00)
 //! TokenChallenge     = { token_type 0x0002, issuer_name, redemption_context, origin_info "" }
 //! nonce              = SHA-256("confed token nonce v1" 0x00 enc)
+//! nonce (masked)     = SHA-256("confed token nonce v2" 0x00 enc || SHA-256(seeds_1) || ...
+//!                              || SHA-256(seeds_n))
 //! ```
+//!
+//! In a masked task (docs/secure-aggregation.md) the nonce also binds the seeds the device
+//! sealed to each key service (`seeds_j`, key service `j`'s item of the envelope's `seeds`), so
+//! a key service adds a device's masks only for the seeds that device sealed: one that checks
+//! the token needs its own item and the others' digests, not their bytes.
 //!
 //! The context names the task, the round and the assignment, so a token counts for one
 //! contribution of one round of one task: spent in another round, task or assignment its challenge
@@ -41,6 +48,26 @@ pub fn token_nonce(enc: &[u8]) -> [u8; 32] {
         .chain_update(enc)
         .finalize()
         .into()
+}
+
+pub const MASKED_NONCE_LABEL: &str = "confed token nonce v2";
+
+/// The token nonce of a masked contribution: it binds the envelope's encapsulated key and the
+/// SHA-256 of each key service's sealed seeds, service 1 first (`seeds_digest`).
+pub fn masked_token_nonce(enc: &[u8], seeds_digests: &[[u8; 32]]) -> [u8; 32] {
+    let mut hasher = Sha256::new()
+        .chain_update(MASKED_NONCE_LABEL.as_bytes())
+        .chain_update([0u8])
+        .chain_update(enc);
+    for digest in seeds_digests {
+        hasher.update(digest);
+    }
+    hasher.finalize().into()
+}
+
+/// SHA-256 of one key service's sealed seeds, as the masked nonce takes it.
+pub fn seeds_digest(sealed: &[u8]) -> [u8; 32] {
+    Sha256::digest(sealed).into()
 }
 
 /// The challenge of one assignment under the issuer named `issuer_name`.
@@ -93,5 +120,19 @@ mod tests {
         assert_eq!(parsed.origin_info, "");
         let nonce: [u8; 32] = Sha256::digest(b"confed token nonce v1\0\x01\x02").into();
         assert_eq!(token_nonce(&[1, 2]), nonce);
+    }
+
+    #[test]
+    fn the_masked_nonce_binds_every_services_seeds_and_differs_from_the_plain_one() {
+        let digests = [seeds_digest(b"one"), seeds_digest(b"two")];
+        let nonce = masked_token_nonce(&[1, 2], &digests);
+        let mut spelled = b"confed token nonce v2\0\x01\x02".to_vec();
+        spelled.extend_from_slice(&Sha256::digest(b"one"));
+        spelled.extend_from_slice(&Sha256::digest(b"two"));
+        assert_eq!(nonce, <[u8; 32]>::from(Sha256::digest(&spelled)));
+        assert_ne!(nonce, token_nonce(&[1, 2]));
+        let swapped = [digests[1], digests[0]];
+        assert_ne!(nonce, masked_token_nonce(&[1, 2], &swapped));
+        assert_ne!(nonce, masked_token_nonce(&[1, 2], &digests[..1]));
     }
 }
