@@ -625,3 +625,6 @@ pub fn read_masked(plaintext: &[u8], values: usize) -> Result<&[u8], MaskedProbl
 #[cfg(test)]
 #[path = "masking_tests.rs"]
 mod tests;
+#[cfg(test)]
+#[path = "masking_vectors.rs"]
+mod vectors;

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
-from . import envelope, tokens
+from . import envelope, masking, tokens
 from .errors import ConfedError
 from .policy import (EVALUATION_TENSOR, EXAMPLES_TENSOR, HEALTH_TENSOR, PolicyError,
                      check_policy, evaluates, parse_policy, policy_sha256)
@@ -559,6 +559,8 @@ class Device:
                          round_=assignment["round"], limits=self.trust.limits,
                          tenant_id=self.trust.tenant_id, token_issuers=self.trust.token_issuers)
             public_key = self.trust.verify_key(assignment["encryption"], time.time())
+            if policy["masking"] is not None:
+                self._masking_keys(policy)  # refused before anything is drawn or trained
             if policy["device_auth"] is not None and self.attestation is None:
                 raise DeviceError("the task requires device tokens and this device has no "
                                   "attestation (Device(attestation=...))")
@@ -593,9 +595,10 @@ class Device:
             return self.evaluate(to_torch(measured) if self.tensors == "torch" else measured)
 
         if policy["analytics"] is not None:
-            update_bytes, problems, (eks, token) = self._answer_until(times, policy, assignment)
+            update_bytes, problems, (eks, token, seeds) = self._answer_until(
+                times, policy, assignment)
         else:
-            update_bytes, problems, (eks, token) = self._train_until(
+            update_bytes, problems, (eks, token, seeds) = self._train_until(
                 times, model, trained, evaluated if evaluating else None, policy, assignment)
         self.sent.append({"task_id": served[0], "round": served[1],
                           "received_ms": times["received_ms"], "send_ms": times["send_ms"],
@@ -611,12 +614,17 @@ class Device:
                 self.separated[served[0]] = (policy["population"], policy["min_separation"],
                                              policy["rounds"])
             self._save()  # before sealing: a device that forgot could serve the round again
+        sealed_seeds = None
+        if seeds is not None:
+            # Clipped on the device and masked: the enclave only ever holds the masked vector.
+            update_bytes = self._masked(policy, assignment, seeds, update_bytes)
+            sealed_seeds = b"".join(seeds["sealed"])
         sealed = envelope.seal_update(
             public_key, assignment["encryption"]["key_id"],
             envelope.aad(assignment["task_id"], assignment["round"],
                          assignment["assignment_id"], policy_sha256(policy_text),
                          hashlib.sha256(model_bytes).hexdigest()),
-            update_bytes, eks=eks, token=token)
+            update_bytes, eks=eks, token=token, seeds=sealed_seeds)
         self.upload(assignment, sealed)
         self.report(assignment, "completed")
         self._forget_schedule(assignment)
@@ -686,7 +694,8 @@ class Device:
         threading.Thread(target=work, name="confed-training", daemon=True).start()
         wait_until(times["token_ms"])
         try:
-            token = self._token(policy, assignment)
+            values = sum(int(np.asarray(v).size) for v in model.values())
+            token = self._token(policy, assignment, values)
         except Exception as error:
             wait_until(times["send_ms"])  # a refusal, too, leaves at the send instant
             self._fail(assignment, error)
@@ -737,12 +746,33 @@ class Device:
             "late", "the answer was not ready at the send instant; no keys were sent")
         return failed, [problem], token
 
-    def _token(self, policy: dict, assignment: dict):
-        """(ephemeral key, device token) when the task requires tokens, else (None, None): the
-        envelope's key drawn now, the token bound to it and to the assignment."""
+    def _masking_keys(self, policy: dict) -> list[bytes]:
+        """The masking keys of a masked policy, as this device's trusted key services signed
+        them; `DeviceError` otherwise."""
+        try:
+            return masking.accept(policy["masking"], self.trust.threshold, self.trust.n,
+                                  self.trust.keyservices)
+        except masking.MaskingError as error:
+            raise DeviceError(f"the task policy's masking is refused: {error}") from error
+
+    def _masked(self, policy: dict, assignment: dict, seeds: dict, update_bytes: bytes) -> bytes:
+        """The masked update sealed in place of `update_bytes` (the model's tensors): clipped
+        to the policy's clip norm on the grid, every group's stream added."""
+        values = masking.flatten(from_safetensors(update_bytes))
+        if values.size != seeds["values"]:
+            raise DeviceError(f"the update has {values.size} values; its seeds were drawn "
+                              f"for {seeds['values']}")
+        grid = masking.clip_to_grid(values, policy["clip_norm"])
+        return masking.encode_masked(masking.mask(grid, seeds["seeds"], seeds["context"]))
+
+    def _token(self, policy: dict, assignment: dict, values: int | None = None):
+        """(ephemeral key, device token, seeds) when the task requires tokens, else (None,
+        None, None): the envelope's key drawn now, the token bound to it and to the assignment;
+        in a masked task (`values` values) the mask seeds drawn now and sealed to each key
+        service, which the token binds too."""
         auth = policy.get("device_auth")
         if auth is None:
-            return None, None
+            return None, None, None
         if self.attestation is None:
             raise DeviceError("the task requires device tokens and this device has no "
                               "attestation (Device(attestation=...))")
@@ -750,11 +780,23 @@ class Device:
         source = self._token_sources.setdefault(
             auth["issuer"], tokens.TokenSource(issuer["url"], self.attestation))
         eks = envelope.ephemeral()
+        enc = envelope.ephemeral_enc(eks)
+        ref = envelope.assignment_ref(assignment["assignment_id"])
+        seeds = None
+        if policy.get("masking") is not None:
+            if values is None:
+                raise DeviceError("a masked task's token needs the model's size")
+            line = policy["masking"]
+            n, t = len(line["services"]), line["threshold"]
+            context = masking.context(assignment["task_id"], assignment["round"], ref, values)
+            drawn = masking.draw_seeds(n, t)
+            sealed = masking.seal_seeds(n, t, drawn, self._masking_keys(policy), context)
+            seeds = {"seeds": drawn, "sealed": sealed, "context": context, "values": values}
         token = tokens.obtain(source, auth["issuer"], source.key_for(auth["token_keys"]),
-                              assignment["task_id"], assignment["round"],
-                              envelope.assignment_ref(assignment["assignment_id"]),
-                              envelope.ephemeral_enc(eks))
-        return eks, token
+                              assignment["task_id"], assignment["round"], ref, enc,
+                              nonce=None if seeds is None else masking.masked_nonce(
+                                  enc, seeds["sealed"]))
+        return eks, token, seeds
 
     def upload(self, assignment: dict, sealed: bytes) -> None:
         """Uploads a sealed update, the same bytes on every attempt (docs/protocol.md, "What a

@@ -69,30 +69,33 @@ def seal(public_key: bytes, info_bytes: bytes, aad_bytes: bytes, update: bytes,
 
 
 def encode_envelope(key_id: str, enc: bytes, ct: bytes, chunk: int | None = None,
-                    token: bytes | None = None) -> bytes:
+                    token: bytes | None = None, seeds: bytes | None = None) -> bytes:
     fields = {"v": ENVELOPE_VERSION, "key_id": key_id, "enc": enc, "ct": ct}
     if chunk is not None:
         fields["chunk"] = chunk
     if token is not None:
         fields["token"] = token
+    if seeds is not None:
+        fields["seeds"] = seeds
     return cbor2.dumps(fields)
 
 
 def seal_update(public_key: bytes, key_id: str, aad_bytes: bytes, update: bytes, eks=None,
-                token: bytes | None = None) -> bytes:
+                token: bytes | None = None, seeds: bytes | None = None) -> bytes:
     """The envelope a device uploads: chunked when the update is over 1 MiB; with the device
-    token obtained for `eks` when the task requires one."""
+    token obtained for `eks` when the task requires one; in a masked task with the mask seeds
+    sealed to each key service (`masking.seal_seeds`, concatenated)."""
     chunk = CHUNK if len(update) > CHUNK_ABOVE else None
     enc, ct = seal(public_key, info(key_id), aad_bytes, update, chunk, eks)
-    return encode_envelope(key_id, enc, ct, chunk, token)
+    return encode_envelope(key_id, enc, ct, chunk, token, seeds)
 
 
 def decode_envelope(data: bytes) -> dict:
     """The envelope's fields (for tests and tools); `ValueError` if it is not a v2 envelope."""
     fields = cbor2.loads(data)
     required = {"v", "key_id", "enc", "ct"}
-    if not isinstance(fields, dict) or not required <= set(fields) <= required | {"chunk",
-                                                                                  "token"}:
+    optional = {"chunk", "token", "seeds"}
+    if not isinstance(fields, dict) or not required <= set(fields) <= required | optional:
         raise ValueError("not a contribution envelope")
     if fields["v"] != ENVELOPE_VERSION or len(fields["enc"]) != 32:
         raise ValueError("not a version 2 envelope")

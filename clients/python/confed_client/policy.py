@@ -62,11 +62,18 @@ def parse_policy(raw: bytes | str) -> dict:
     if not text.endswith("\n"):
         raise PolicyError("the last line must end with a line feed")
     lines = text[:-1].split("\n")
-    device_auth = analytics = None
+    device_auth = analytics = masking = None
     if len(lines) > len(KEYS) + 1 and lines[-1].startswith("analytics="):
         from .analytics import parse_query  # analytics reads this module's number forms
 
         analytics = parse_query(lines.pop().removeprefix("analytics="))
+    if len(lines) > len(KEYS) + 1 and lines[-1].startswith("masking="):
+        from .masking import MaskingError, parse_line
+
+        try:
+            masking = parse_line(lines.pop().removeprefix("masking="))
+        except MaskingError as error:
+            raise PolicyError(str(error)) from error
     if len(lines) == len(KEYS) + 2:
         device_auth = _device_auth(lines.pop())
     if len(lines) != len(KEYS) + 1 or lines[0] != HEADER:
@@ -95,6 +102,7 @@ def parse_policy(raw: bytes | str) -> dict:
     fields["plan"] = plan
     fields["upload_window"] = _upload_window(fields["upload_window"])
     fields["device_auth"] = device_auth
+    fields["masking"] = masking
     fields["analytics"] = analytics
     return fields
 
@@ -276,6 +284,15 @@ def _issuer_trusted(device_auth: dict | None, token_issuers: dict) -> bool:
     return trusted is not None and all(k in trusted["token_keys"] for k in device_auth["token_keys"])
 
 
+def _masking_possible(policy: dict) -> bool:
+    """What the enclave refuses under a masked policy (docs/protocol.md, "Task policy")."""
+    if policy.get("masking") is None:
+        return True
+    return (policy.get("device_auth") is not None and policy.get("analytics") is None
+            and all(policy.get(k) is None
+                    for k in ("adaptive_clipping", "evaluation", "health", "weighting")))
+
+
 def policy_sha256(raw: bytes | str) -> str:
     """Lowercase hex SHA-256 of the policy text: what a contribution is bound to."""
     data = raw.encode("utf-8") if isinstance(raw, str) else raw
@@ -304,6 +321,8 @@ def check_policy(policy: dict, *, task_id: str, population: str, round_: int,
         ("tenant_id", tenant_id is None or policy["tenant_id"] == tenant_id),
         ("device_auth (the issuer and its keys must be in the trust file's token_issuers)",
          _issuer_trusted(policy.get("device_auth"), token_issuers or {})),
+        ("masking (it needs device_auth, a training task, and no adaptive clipping, "
+         "evaluation, health or weighting)", _masking_possible(policy)),
     ]
     for name, ok in checks:
         if not ok:

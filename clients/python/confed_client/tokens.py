@@ -347,8 +347,9 @@ class TokenSource:
 
 
 def obtain(source: TokenSource, issuer_name: str, spki: bytes, task_id: str, round_: int,
-           assignment_ref: str, enc: bytes) -> bytes:
-    """A token for one assignment, bound to the envelope whose encapsulated key is `enc`."""
+           assignment_ref: str, enc: bytes, nonce: bytes | None = None) -> bytes:
+    """A token for one assignment, bound to the envelope whose encapsulated key is `enc`; in a
+    masked task `nonce` is `masking.masked_nonce`, which binds the sealed seeds too."""
     pending = begin(spki, challenge(issuer_name, task_id, round_, assignment_ref),
-                    token_nonce(enc))
+                    token_nonce(enc) if nonce is None else nonce)
     return finish(spki, pending, source.sign(spki, pending.blinded))

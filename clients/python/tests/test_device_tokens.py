@@ -172,7 +172,7 @@ def test_a_token_obtained_for_one_assignment_is_refused_on_another(server, issue
     first, second = device.check_in(), device.check_in()
     assert first["assignment_id"] != second["assignment_id"]
     policy = parse_policy(second["policy"])
-    eks, token = device._token(policy, first)  # a token for the first assignment
+    eks, token, _ = device._token(policy, first)  # a token for the first assignment
     public_key = trust.verify_key(second["encryption"], __import__("time").time())
     model = requests.get(server["url"] + second["model_url"], timeout=30).content
     sealed = envelope.seal_update(

@@ -1,0 +1,222 @@
+"""Masked tasks on the device (docs/secure-aggregation.md, docs/protocol.md "Masks"): the
+policy's `masking` line and its signed keys, the device's clipping on the grid, the mask streams,
+the seeds sealed to each key service and the v2 token nonce that binds them. Byte for byte what
+the Rust library computes (tests/vectors/masking.json)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import itertools
+import math
+import os
+import re
+
+import numpy as np
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+SCHEME = "confed-masking/v1"
+MAX_SERVICES = 7
+SEED_BYTES = 32
+GRID_UNITS_PER_CLIP = 1 << 16
+MASKED_TENSOR = "confed.masked"
+KEY_LABEL = "confed-masking-key-v1"
+_STREAM_LABEL = b"confed mask stream v1"
+_SEEDS_INFO = b"confed mask seeds v1"
+_NONCE_LABEL = b"confed token nonce v2\x00"
+_MAX_PASSES = 16
+_ID = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
+
+
+class MaskingError(ValueError):
+    pass
+
+
+def _b64url(text: str) -> bytes:
+    raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    if base64.urlsafe_b64encode(raw).rstrip(b"=").decode() != text:
+        raise MaskingError("not canonical base64url without padding")
+    return raw
+
+
+def quorum(n: int, t: int) -> int:
+    """The release quorum q = max(t, ceil((n + t) / 2))."""
+    return max(t, -(-(n + t) // 2))
+
+
+def groups(n: int, t: int) -> list[tuple[int, ...]]:
+    """Every subset of n - q + 1 of the key services 1..n, members ascending, in lexicographic
+    order: group g's seed is sealed to each of its members."""
+    if not 1 <= t <= n <= MAX_SERVICES:
+        raise MaskingError(f"a masked layout needs 1 <= t <= n <= {MAX_SERVICES}")
+    return list(itertools.combinations(range(1, n + 1), n - quorum(n, t) + 1))
+
+
+def parse_line(value: str) -> dict:
+    """The value of a policy's `masking=` line: {"threshold", "services": [{"id", "public_key",
+    "signature"}]} (keys as the base64url text), checked as the enclave checks it."""
+    malformed = MaskingError(f"`masking` must be `{SCHEME};threshold=<t>;services="
+                             "<id>:<key>:<signature>,...`")
+    head = f"{SCHEME};threshold="
+    if not value.startswith(head) or ";services=" not in value:
+        raise malformed
+    threshold_text, services_text = value[len(head):].split(";services=", 1)
+    if not re.fullmatch(r"[1-9][0-9]*", threshold_text):
+        raise malformed
+    services = []
+    for entry in services_text.split(","):
+        parts = entry.split(":")
+        if len(parts) != 3:
+            raise malformed
+        services.append({"id": parts[0], "public_key": parts[1], "signature": parts[2]})
+    threshold = int(threshold_text)
+    groups(len(services), threshold)  # the layout's bounds
+    ids = [s["id"] for s in services]
+    if any(not _ID.match(i) for i in ids) or len(set(ids)) != len(ids):
+        raise MaskingError("masking: key service ids must be distinct, 1-64 of A-Z a-z 0-9 . _ -")
+    keys = []
+    for service in services:
+        if len(_b64url(service["public_key"])) != 32 or len(_b64url(service["signature"])) != 64:
+            raise MaskingError(f"masking: key service {service['id']}: a 32-byte key and a "
+                               "64-byte signature, base64url")
+        keys.append(service["public_key"])
+    if len(set(keys)) != len(keys):
+        raise MaskingError("masking: two key services have the same masking key")
+    return {"threshold": threshold, "services": services}
+
+
+def accept(masking: dict, threshold: int, shares: int,
+           keyservices: dict[str, ec.EllipticCurvePublicKey]) -> list[bytes]:
+    """The masking keys to seal seeds to, service 1 first, if the line names exactly the
+    trust file's threshold and n, every service listed in it, each key signed by its service
+    over `confed-masking-key-v1|<id>|<public_key>`. `MaskingError` saying why otherwise."""
+    services = masking["services"]
+    if masking["threshold"] != threshold or len(services) != shares:
+        raise MaskingError(f"the task masks with {masking['threshold']} of {len(services)} key "
+                           f"services; this device's trust file pins {threshold} of {shares}")
+    keys = []
+    for service in services:
+        verifying = keyservices.get(service["id"])
+        if verifying is None:
+            raise MaskingError(f"the task seals mask seeds to key service {service['id']}, "
+                               "which this device's trust file does not list")
+        raw = _b64url(service["signature"])
+        der = encode_dss_signature(int.from_bytes(raw[:32], "big"),
+                                   int.from_bytes(raw[32:], "big"))
+        message = f"{KEY_LABEL}|{service['id']}|{service['public_key']}".encode()
+        try:
+            verifying.verify(der, message, ec.ECDSA(hashes.SHA256()))
+        except InvalidSignature as error:
+            raise MaskingError(f"the task's masking key for key service {service['id']} is "
+                               "not signed by it") from error
+        keys.append(_b64url(service["public_key"]))
+    return keys
+
+
+def clip_to_grid(values: np.ndarray, clip_norm: float) -> np.ndarray:
+    """The update (F32 values) clipped to `clip_norm` on the grid: scaled so the clip norm is
+    2^16 units, rounded half to even, shrunk by the rounding's worst case until the exact
+    integer L2 norm is at most 2^16; zeros for a NaN or infinity (Rust `grid::clip_to_grid`)."""
+    flat = np.asarray(values, dtype=np.float32).astype(np.float64).ravel()
+    zeros = np.zeros(flat.size, dtype=np.int64)
+    # Summed one value after another, as the Rust library does: the same float, so the same
+    # decision whether to shrink.
+    squares = 0.0
+    for v in flat.tolist():
+        squares += v * v
+    norm = math.sqrt(squares)
+    if not (math.isfinite(norm) and 1e-6 <= clip_norm <= 1e6):
+        return zeros
+    factor = clip_norm / norm if norm > clip_norm else 1.0
+    margin = (math.sqrt(flat.size) / 2.0 + 1.0) / GRID_UNITS_PER_CLIP
+    for _ in range(_MAX_PASSES):
+        units = GRID_UNITS_PER_CLIP * (factor / clip_norm)
+        grid = np.rint(flat * units).astype(np.int64)
+        if int(np.sum(grid.astype(object) ** 2)) <= GRID_UNITS_PER_CLIP ** 2:
+            return grid
+        factor *= max(1.0 - margin, 0.5)
+    return zeros
+
+
+def context(task_id: str, round_: int, assignment_ref: str, values: int) -> bytes:
+    parts = [_STREAM_LABEL, task_id.encode(), str(round_).encode(), assignment_ref.encode(),
+             str(values).encode()]
+    return b"".join(p + b"\x00" for p in parts)
+
+
+def stream(seed: bytes, context_bytes: bytes, group: int, values: int) -> np.ndarray:
+    """Group `group`'s stream: AES-128-CTR from a zero counter over zeros, under the key that
+    AES-256 (the seed as its key) makes of the first 16 bytes of SHA-256(context || group)."""
+    block = hashlib.sha256(context_bytes + str(group).encode() + b"\x00").digest()[:16]
+    encryptor = Cipher(algorithms.AES(seed), modes.ECB()).encryptor()
+    key = encryptor.update(block) + encryptor.finalize()
+    ctr = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
+    keystream = ctr.update(bytes(8 * values)) + ctr.finalize()
+    return np.frombuffer(keystream, dtype="<u8")
+
+
+def mask(grid: np.ndarray, seeds: list[bytes], context_bytes: bytes) -> np.ndarray:
+    """The grid values plus every group's stream, mod 2^64."""
+    masked = np.asarray(grid, dtype=np.int64).astype(np.uint64)
+    for group, seed in enumerate(seeds):
+        masked = masked + stream(seed, context_bytes, group, masked.size)  # wraps mod 2^64
+    return masked
+
+
+def seeds_aad(context_bytes: bytes, service: int) -> bytes:
+    return context_bytes + str(service).encode() + b"\x00"
+
+
+def sealed_len(n: int, t: int, service: int) -> int:
+    return 32 + SEED_BYTES * sum(service in g for g in groups(n, t)) + 16
+
+
+def seal_seeds(n: int, t: int, seeds: list[bytes], service_keys: list[bytes],
+               context_bytes: bytes) -> list[bytes]:
+    """Each key service's sealed seeds (`enc || ct`), service 1 first: HPKE to its masking key
+    of the seeds of its groups, in group order."""
+    from .envelope import SUITE
+
+    layout = groups(n, t)
+    if len(seeds) != len(layout) or len(service_keys) != n:
+        raise MaskingError("one seed per group and one key per key service")
+    sealed = []
+    for service in range(1, n + 1):
+        plaintext = b"".join(seed for seed, g in zip(seeds, layout) if service in g)
+        enc, sender = SUITE.create_sender_context(
+            SUITE.kem.deserialize_public_key(service_keys[service - 1]), info=_SEEDS_INFO)
+        sealed.append(enc + sender.seal(plaintext, aad=seeds_aad(context_bytes, service)))
+    return sealed
+
+
+def draw_seeds(n: int, t: int) -> list[bytes]:
+    return [os.urandom(SEED_BYTES) for _ in groups(n, t)]
+
+
+def masked_nonce(enc: bytes, sealed: list[bytes]) -> bytes:
+    """The token nonce of a masked contribution: SHA-256("confed token nonce v2" 0x00 enc ||
+    SHA-256(sealed_1) || ... || SHA-256(sealed_n))."""
+    digest = hashlib.sha256(_NONCE_LABEL + enc)
+    for item in sealed:
+        digest.update(hashlib.sha256(item).digest())
+    return digest.digest()
+
+
+def flatten(update: dict) -> np.ndarray:
+    """The update's values in the masked vector's order: tensors by ascending name (byte
+    order), each row-major."""
+    names = sorted(update, key=lambda name: name.encode())
+    if not names:
+        return np.zeros(0, dtype=np.float32)
+    return np.concatenate([np.asarray(update[n], dtype=np.float32).ravel() for n in names])
+
+
+def encode_masked(masked: np.ndarray) -> bytes:
+    """The masked update as the device seals it: safetensors with the one U64 tensor."""
+    from safetensors.numpy import save
+
+    return save({MASKED_TENSOR: np.ascontiguousarray(masked, dtype="<u8")})
