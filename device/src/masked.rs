@@ -133,6 +133,9 @@ mod tests {
                 let id = format!("ks{i}");
                 MaskingService {
                     key: sign_masking_key(&signer, &id, &public),
+                    verifying_key: confed_protocol::keyset::encode_verifying_key(
+                        signer.verifying_key(),
+                    ),
                     keyservice_id: id,
                 }
             })

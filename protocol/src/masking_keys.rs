@@ -12,13 +12,15 @@
 //! A masked task's policy names every key service, in the order that numbers them 1 to `n`:
 //!
 //! ```text
-//! masking=confed-masking/v1;threshold=<t>;services=<id>:<public_key>:<signature>,...
+//! masking=confed-masking/v1;threshold=<t>;services=<id>:<verifying_key>:<public_key>:<signature>,...
 //! ```
 //!
 //! The signature travels inside the policy, so the policy's hash (which every contribution
 //! binds) fixes the keys, and a device checks each against the key service its trust file lists
-//! under that id before it seals anything: an operator that wrote keys of its own into a policy
-//! gets no device to seal to them.
+//! under that id (the same verifying key, and a valid signature) before it seals anything: an
+//! operator that wrote keys of its own into a policy gets no device to seal to them. The key
+//! services check each other's unmask receipts with the verifying keys named here: the release
+//! ledger pins a task's policy hash at its first release, so they are the ones devices accepted.
 
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
@@ -79,14 +81,32 @@ pub fn verify_masking_key(
         .is_ok()
 }
 
-/// One key service of a masked task: its id and its signed masking key.
+/// One key service of a masked task: its id, its key-set verifying key (base64url SEC1, as its
+/// key set publishes it) and its signed masking key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MaskingService {
     pub keyservice_id: String,
+    pub verifying_key: String,
     pub key: SignedMaskingKey,
 }
 
 impl MaskingService {
+    /// The key-set verifying key it signs with.
+    pub fn verifying_key(&self) -> Result<VerifyingKey, String> {
+        crate::keyset::decode_verifying_key(&self.verifying_key).ok_or_else(|| {
+            format!(
+                "key service {}: the verifying key is not a base64url SEC1 P-256 point",
+                self.keyservice_id
+            )
+        })
+    }
+
+    /// Whether its masking key carries its own signature.
+    pub fn signed(&self) -> bool {
+        self.verifying_key()
+            .is_ok_and(|key| verify_masking_key(&key, &self.keyservice_id, &self.key))
+    }
+
     /// The masking key as an HPKE recipient key.
     pub fn public_key(&self) -> Result<PublicKey, String> {
         URL_SAFE_NO_PAD
@@ -133,6 +153,7 @@ impl MaskingPolicy {
                     service.keyservice_id
                 ));
             }
+            service.verifying_key()?;
             let key = service.public_key()?;
             if !keys.insert(key.0) {
                 return Err("masking: two key services have the same masking key".into());
@@ -179,8 +200,8 @@ impl MaskingPolicy {
             .iter()
             .map(|s| {
                 format!(
-                    "{}:{}:{}",
-                    s.keyservice_id, s.key.public_key, s.key.signature
+                    "{}:{}:{}:{}",
+                    s.keyservice_id, s.verifying_key, s.key.public_key, s.key.signature
                 )
             })
             .collect();
@@ -194,7 +215,7 @@ impl MaskingPolicy {
     pub fn parse(text: &str) -> Result<Self, String> {
         let malformed = || {
             format!(
-                "`masking` must be `{SCHEME};threshold=<t>;services=<id>:<key>:<signature>,...`"
+                "`masking` must be `{SCHEME};threshold=<t>;services=<id>:<verifying_key>:<key>:<signature>,...`"
             )
         };
         let rest = text
@@ -206,10 +227,11 @@ impl MaskingPolicy {
         let services = services
             .split(',')
             .map(|entry| {
-                let mut parts = entry.split(':');
-                match (parts.next(), parts.next(), parts.next(), parts.next()) {
-                    (Some(id), Some(key), Some(signature), None) => Ok(MaskingService {
+                let parts: Vec<&str> = entry.split(':').collect();
+                match parts[..] {
+                    [id, verifying_key, key, signature] => Ok(MaskingService {
                         keyservice_id: id.to_string(),
+                        verifying_key: verifying_key.to_string(),
                         key: SignedMaskingKey {
                             public_key: key.to_string(),
                             signature: signature.to_string(),
@@ -285,6 +307,7 @@ mod tests {
                 let id = format!("ks{}", i + 1);
                 MaskingService {
                     key: sign_masking_key(signer, &id, &public),
+                    verifying_key: crate::keyset::encode_verifying_key(signer.verifying_key()),
                     keyservice_id: id,
                 }
             })
@@ -298,6 +321,7 @@ mod tests {
         let policy = MaskingPolicy::new(2, services).unwrap();
         let text = policy.encode();
         assert!(text.starts_with("confed-masking/v1;threshold=2;services=ks1:"));
+        assert!(policy.services.iter().all(MaskingService::signed));
         assert_eq!(MaskingPolicy::parse(&text).unwrap(), policy);
         assert_eq!(policy.number_of("ks3"), Some(3));
         assert_eq!(policy.number_of("ks4"), None);
@@ -424,6 +448,18 @@ mod tests {
         forged[1].key.public_key = URL_SAFE_NO_PAD.encode(own.0);
         let why = trust
             .accept_masking(&masked_policy(forged))
+            .unwrap_err()
+            .to_string();
+        assert!(why.contains("not signed by it"), "{why}");
+
+        // ... or a key and verifying key of its own, the key signed under it.
+        let impostor = generate_signing_key();
+        let mut posing = services.clone();
+        posing[1].key = sign_masking_key(&impostor, "ks2", &own);
+        posing[1].verifying_key = crate::keyset::encode_verifying_key(impostor.verifying_key());
+        assert!(posing[1].signed());
+        let why = trust
+            .accept_masking(&masked_policy(posing))
             .unwrap_err()
             .to_string();
         assert!(why.contains("not signed by it"), "{why}");

@@ -18,7 +18,7 @@
 //! plan=<compact JSON object>\n
 //! upload_window=<start_ms>,<end_ms>\n
 //! [device_auth=privacy_pass;issuer=<name>;token_keys=<base64url SPKI>,...\n]
-//! [masking=confed-masking/v1;threshold=<t>;services=<id>:<key>:<signature>,...\n]
+//! [masking=confed-masking/v1;threshold=<t>;services=<id>:<verifying_key>:<key>:<signature>,...\n]
 //! [analytics=<query>\n]
 //! ```
 //!

@@ -143,10 +143,12 @@ impl TrustConfig {
                         service.keyservice_id
                     ))
                 })?;
-            let signed = decode_verifying_key(&listed.verifying_key).is_some_and(|key| {
-                crate::masking_keys::verify_masking_key(&key, &listed.id, &service.key)
-            });
-            if !signed {
+            // The policy's verifying key must be the one this device trusts (the key services
+            // check each other's receipts with it), and the masking key signed under it.
+            let same_key = decode_verifying_key(&listed.verifying_key)
+                .zip(decode_verifying_key(&service.verifying_key))
+                .is_some_and(|(listed, named)| listed == named);
+            if !(same_key && service.signed()) {
                 return Err(refuse(format!(
                     "the task's masking key for key service {} is not signed by it",
                     service.keyservice_id

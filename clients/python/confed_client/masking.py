@@ -14,7 +14,7 @@ import re
 
 import numpy as np
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -57,10 +57,11 @@ def groups(n: int, t: int) -> list[tuple[int, ...]]:
 
 
 def parse_line(value: str) -> dict:
-    """The value of a policy's `masking=` line: {"threshold", "services": [{"id", "public_key",
-    "signature"}]} (keys as the base64url text), checked as the enclave checks it."""
+    """The value of a policy's `masking=` line: {"threshold", "services": [{"id",
+    "verifying_key", "public_key", "signature"}]} (keys as the base64url text), checked as the
+    enclave checks it."""
     malformed = MaskingError(f"`masking` must be `{SCHEME};threshold=<t>;services="
-                             "<id>:<key>:<signature>,...`")
+                             "<id>:<verifying_key>:<key>:<signature>,...`")
     head = f"{SCHEME};threshold="
     if not value.startswith(head) or ";services=" not in value:
         raise malformed
@@ -70,9 +71,10 @@ def parse_line(value: str) -> dict:
     services = []
     for entry in services_text.split(","):
         parts = entry.split(":")
-        if len(parts) != 3:
+        if len(parts) != 4:
             raise malformed
-        services.append({"id": parts[0], "public_key": parts[1], "signature": parts[2]})
+        services.append({"id": parts[0], "verifying_key": parts[1], "public_key": parts[2],
+                         "signature": parts[3]})
     threshold = int(threshold_text)
     groups(len(services), threshold)  # the layout's bounds
     ids = [s["id"] for s in services]
@@ -80,9 +82,11 @@ def parse_line(value: str) -> dict:
         raise MaskingError("masking: key service ids must be distinct, 1-64 of A-Z a-z 0-9 . _ -")
     keys = []
     for service in services:
-        if len(_b64url(service["public_key"])) != 32 or len(_b64url(service["signature"])) != 64:
-            raise MaskingError(f"masking: key service {service['id']}: a 32-byte key and a "
-                               "64-byte signature, base64url")
+        if (len(_b64url(service["verifying_key"])) != 65
+                or len(_b64url(service["public_key"])) != 32
+                or len(_b64url(service["signature"])) != 64):
+            raise MaskingError(f"masking: key service {service['id']}: a 65-byte verifying key, "
+                               "a 32-byte key and a 64-byte signature, base64url")
         keys.append(service["public_key"])
     if len(set(keys)) != len(keys):
         raise MaskingError("masking: two key services have the same masking key")
@@ -92,8 +96,9 @@ def parse_line(value: str) -> dict:
 def accept(masking: dict, threshold: int, shares: int,
            keyservices: dict[str, ec.EllipticCurvePublicKey]) -> list[bytes]:
     """The masking keys to seal seeds to, service 1 first, if the line names exactly the
-    trust file's threshold and n, every service listed in it, each key signed by its service
-    over `confed-masking-key-v1|<id>|<public_key>`. `MaskingError` saying why otherwise."""
+    trust file's threshold and n, every service listed in it under the verifying key listed
+    there, each key signed by its service over `confed-masking-key-v1|<id>|<public_key>`.
+    `MaskingError` saying why otherwise."""
     services = masking["services"]
     if masking["threshold"] != threshold or len(services) != shares:
         raise MaskingError(f"the task masks with {masking['threshold']} of {len(services)} key "
@@ -104,6 +109,12 @@ def accept(masking: dict, threshold: int, shares: int,
         if verifying is None:
             raise MaskingError(f"the task seals mask seeds to key service {service['id']}, "
                                "which this device's trust file does not list")
+        named = _b64url(service["verifying_key"])
+        listed = verifying.public_bytes(serialization.Encoding.X962,
+                                        serialization.PublicFormat.UncompressedPoint)
+        if named != listed:
+            raise MaskingError(f"the task's masking key for key service {service['id']} is "
+                               "not signed by it (another verifying key)")
         raw = _b64url(service["signature"])
         der = encode_dss_signature(int.from_bytes(raw[:32], "big"),
                                    int.from_bytes(raw[32:], "big"))

@@ -8,7 +8,7 @@ import pathlib
 
 import numpy as np
 import pytest
-from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 
@@ -61,7 +61,10 @@ def _signed_line(signers, t=2):
                           ec.ECDSA(hashes.SHA256()))
         r, s = decode_dss_signature(der)
         sig = base64.urlsafe_b64encode(r.to_bytes(32, "big") + s.to_bytes(32, "big"))
-        entries.append(f"ks{i}:{public}:{sig.rstrip(b'=').decode()}")
+        point = signer.public_key().public_bytes(serialization.Encoding.X962,
+                                                 serialization.PublicFormat.UncompressedPoint)
+        verifying = base64.urlsafe_b64encode(point).rstrip(b"=").decode()
+        entries.append(f"ks{i}:{verifying}:{public}:{sig.rstrip(b'=').decode()}")
     return f"confed-masking/v1;threshold={t};services={','.join(entries)}"
 
 
@@ -75,6 +78,10 @@ def test_a_device_accepts_masking_keys_only_as_its_trusted_services_signed_them(
     forged["services"][1]["public_key"] = forged["services"][0]["public_key"]
     with pytest.raises(masking.MaskingError, match="not signed by it"):
         masking.accept(forged, 2, 3, trusted)
+    impostor = ec.generate_private_key(ec.SECP256R1())
+    posing = masking.parse_line(_signed_line([signers[0], impostor, signers[2]]))
+    with pytest.raises(masking.MaskingError, match="another verifying key"):
+        masking.accept(posing, 2, 3, trusted)
     with pytest.raises(masking.MaskingError, match="does not list"):
         masking.accept(line, 2, 3, {"ks1": trusted["ks1"], "ks2": trusted["ks2"]})
     with pytest.raises(masking.MaskingError, match="pins 3 of 3"):
