@@ -19,6 +19,7 @@ pub mod release;
 pub mod report;
 pub mod strict_json;
 pub mod unmask;
+pub mod unmask_api;
 
 pub use appraise::{Appraisal, Expectations, appraise, parse_or_refuse, sha256_hex};
 pub use attester::{AttestError, Attester, ConfidentialSpaceAttester, TokenRequest};

@@ -107,6 +107,13 @@ pub struct Decision {
     /// (`confed keyservice audit acknowledge-loss`, `rollback.rs`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub acknowledged_loss: Option<LostHead>,
+    /// An `unmask_agreed` record: the included set this service agreed to unmask for the round
+    /// (`included_digest`) and its size (docs/secure-aggregation.md); the unmask ledger is
+    /// rebuilt from these.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub included_sha256: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub included: Option<u64>,
 }
 
 /// The head of a log's lost records, as a peer witnessed it or a checkpoint named it.
@@ -160,6 +167,8 @@ impl Decision {
             enclave_signing_key: None,
             key_scope: None,
             acknowledged_loss: None,
+            included_sha256: None,
+            included: None,
         }
     }
 }
@@ -768,6 +777,8 @@ pub(crate) fn test_grant(n: u64, commitment: &str) -> Decision {
         enclave_signing_key: None,
         key_scope: None,
         acknowledged_loss: None,
+        included_sha256: None,
+        included: None,
     }
 }
 

@@ -23,6 +23,9 @@ pub enum KeyServiceApiError {
     Forbidden(String),
     #[error("{0}")]
     NotFound(String),
+    /// The request contradicts what this service recorded (an unmask of another included set).
+    #[error("{0}")]
+    Conflict(String),
     #[error("{0}")]
     PayloadTooLarge(String),
     #[error("{0}")]
@@ -64,6 +67,7 @@ impl KeyServiceApiError {
             ),
             Self::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden", "Forbidden"),
             Self::NotFound(_) => (StatusCode::NOT_FOUND, "not-found", "Not found"),
+            Self::Conflict(_) => (StatusCode::CONFLICT, "conflict", "Conflict"),
             Self::PayloadTooLarge(_) => (
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "payload-too-large",

@@ -26,6 +26,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::audit::Record;
 
+/// The `decision` of an audit record that agrees to unmask one included set of a round.
+pub const UNMASK_AGREED: &str = "unmask_agreed";
+
 /// How long after its last commitment a task whose every planned round is committed stays open
 /// for identical repeats (a crashed final job finishing in a new enclave) before it is closed.
 pub const CLOSE_AFTER_SECONDS: i64 = 8 * 24 * 3600;
@@ -44,6 +47,9 @@ struct TaskEntry {
     scoped_keys: BTreeMap<u64, String>,
     /// Every planned round was committed long enough ago: nothing more is released.
     closed: bool,
+    /// round -> the included set this service agreed to unmask (masked tasks; one per round).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    unmasked: BTreeMap<u64, String>,
 }
 
 impl TaskEntry {
@@ -57,6 +63,7 @@ impl TaskEntry {
             self.closed = true;
             self.committed = BTreeMap::new();
             self.scoped_keys = BTreeMap::new();
+            self.unmasked = BTreeMap::new();
             return true;
         }
         false
@@ -117,6 +124,16 @@ impl Ledger {
         if let Some(lost) = &d.acknowledged_loss {
             if !self.acknowledged_losses.contains(lost) {
                 self.acknowledged_losses.push(lost.clone());
+            }
+            return;
+        }
+        if d.decision == UNMASK_AGREED {
+            if let (Some(commitment), Some(included)) = (&d.commitment_sha256, &d.included_sha256)
+                && self
+                    .admit_unmask(&d.task_id, d.round, commitment, included)
+                    .is_ok()
+            {
+                self.record_unmask(&d.task_id, d.round, included);
             }
             return;
         }
@@ -207,6 +224,7 @@ impl Ledger {
                 last_commit_at: entry.at,
                 closed: false,
                 scoped_keys: BTreeMap::new(),
+                unmasked: BTreeMap::new(),
             });
         if task.closed {
             return;
@@ -220,6 +238,63 @@ impl Ledger {
         task.committed
             .entry(entry.round)
             .or_insert_with(|| entry.commitment_sha256.to_string());
+    }
+
+    /// The task's pinned policy hash and the round's admitted commitment, if both are known
+    /// (and the task is not closed): what an unmask request must name.
+    pub fn committed(&self, task_id: &str, round: u64) -> Option<(&str, &str)> {
+        let task = self.tasks.get(task_id).filter(|t| !t.closed)?;
+        let commitment = task.committed.get(&round)?;
+        Some((task.policy_sha256.as_str(), commitment.as_str()))
+    }
+
+    /// The included set agreed for the round, if any.
+    pub fn unmask_agreed(&self, task_id: &str, round: u64) -> Option<&str> {
+        self.tasks
+            .get(task_id)?
+            .unmasked
+            .get(&round)
+            .map(String::as_str)
+    }
+
+    /// Whether this service may agree to unmask `included_sha256` for the round whose admitted
+    /// commitment is `commitment_sha256`: `New` the first time (append the record, then
+    /// `record_unmask`), `Repeat` for the same set; refused for a round without that commitment
+    /// or with another set agreed. One set per round, whatever asks: the masks' `q - 1` bound
+    /// rests on it (docs/secure-aggregation.md, "Why the agreement").
+    pub fn admit_unmask(
+        &self,
+        task_id: &str,
+        round: u64,
+        commitment_sha256: &str,
+        included_sha256: &str,
+    ) -> Result<Admission, String> {
+        let task = self
+            .tasks
+            .get(task_id)
+            .filter(|t| !t.closed)
+            .ok_or_else(|| format!("task {task_id} has no open release commitment here"))?;
+        if task.committed.get(&round).map(String::as_str) != Some(commitment_sha256) {
+            return Err(format!(
+                "round {round} of task {task_id} is not committed to release {commitment_sha256} here"
+            ));
+        }
+        match task.unmasked.get(&round) {
+            Some(agreed) if agreed == included_sha256 => Ok(Admission::Repeat),
+            Some(agreed) => Err(format!(
+                "round {round} of task {task_id} is already agreed to unmask the included set {agreed}; a round is unmasked for one set"
+            )),
+            None => Ok(Admission::New),
+        }
+    }
+
+    /// Records an admitted agreement (idempotent; the first set of a round stays).
+    pub fn record_unmask(&mut self, task_id: &str, round: u64, included_sha256: &str) {
+        if let Some(task) = self.tasks.get_mut(task_id).filter(|t| !t.closed) {
+            task.unmasked
+                .entry(round)
+                .or_insert_with(|| included_sha256.to_string());
+        }
     }
 
     /// Committed rounds over all tasks.
@@ -358,5 +433,58 @@ mod tests {
             })
             .is_ok()
         );
+    }
+
+    /// One included set per round, only for a round committed to that release, kept through a
+    /// rebuild from the audit log's records and dropped with the task when it closes.
+    #[test]
+    fn a_round_is_unmasked_for_one_set_of_its_own_commitment() {
+        let mut ledger = Ledger::default();
+        assert!(
+            ledger.admit_unmask("t1", 1, "c1", "s1").is_err(),
+            "no commitment"
+        );
+        ledger.record(&entry(1, "c1", "p"));
+        assert!(
+            ledger.admit_unmask("t1", 1, "c2", "s1").is_err(),
+            "another release"
+        );
+        assert_eq!(ledger.admit_unmask("t1", 1, "c1", "s1"), Ok(Admission::New));
+        ledger.record_unmask("t1", 1, "s1");
+        assert_eq!(
+            ledger.admit_unmask("t1", 1, "c1", "s1"),
+            Ok(Admission::Repeat)
+        );
+        let other = ledger.admit_unmask("t1", 1, "c1", "s2").unwrap_err();
+        assert!(other.contains("one set"), "{other}");
+        ledger.record_unmask("t1", 1, "s2");
+        assert_eq!(
+            ledger.unmask_agreed("t1", 1),
+            Some("s1"),
+            "the first set stays"
+        );
+
+        // Rebuilt from records: the grant, then the agreement.
+        let mut rebuilt = Ledger::default();
+        let mut grant = crate::audit::test_grant(0, "c1");
+        grant.task_id = "t1".into();
+        grant.policy_sha256 = Some("p".into());
+        grant.policy_rounds = Some(3);
+        let mut agreed = crate::audit::Decision::note(1001, "ks1", UNMASK_AGREED, String::new());
+        agreed.task_id = "t1".into();
+        agreed.round = 1;
+        agreed.commitment_sha256 = Some("c1".into());
+        agreed.included_sha256 = Some("s1".into());
+        for decision in [grant, agreed] {
+            rebuilt.restore(&Record {
+                seq: 0,
+                prev_hash: String::new(),
+                decision,
+                hash: String::new(),
+                signature: None,
+            });
+        }
+        assert_eq!(rebuilt.unmask_agreed("t1", 1), Some("s1"));
+        assert!(rebuilt.to_json().contains("\"unmasked\":{\"1\":\"s1\"}"));
     }
 }

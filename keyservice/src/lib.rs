@@ -22,6 +22,7 @@ mod release;
 pub mod rollback;
 pub mod routes;
 pub mod serve;
+mod unmask;
 pub mod witness;
 
 use std::collections::BTreeMap;

@@ -302,6 +302,8 @@ async fn decide_and_record(
         enclave_signing_key: Some(URL_SAFE_NO_PAD.encode(&request.enclave_signing_key)),
         key_scope,
         acknowledged_loss: None,
+        included_sha256: None,
+        included: None,
     };
     let audit = service.audit.clone();
     let refusals = service.refusals.clone();

@@ -44,6 +44,16 @@ pub fn api_router(service: KeyService) -> axum::Router {
             "/v1/keys/{key_id}/release",
             axum::routing::post(super::release::release),
         )
+        .route(
+            "/v1/keys/{key_id}/unmask/agree",
+            axum::routing::post(super::unmask::agree),
+        )
+        .route(
+            "/v1/keys/{key_id}/unmask/sums",
+            axum::routing::post(super::unmask::sums).layer(axum::extract::DefaultBodyLimit::max(
+                super::unmask::SUMS_BODY_LIMIT,
+            )),
+        )
         .route("/v1/audit/head", axum::routing::get(audit_head))
         .route(
             "/v1/audit/witness",

@@ -18,5 +18,6 @@ mod partitions;
 mod refusal_records;
 mod release_ledger;
 mod side_channels;
+mod unmask;
 mod witness_follow;
 mod worker_api;

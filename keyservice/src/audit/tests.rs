@@ -27,6 +27,8 @@ fn decision(n: u64) -> Decision {
         enclave_signing_key: None,
         key_scope: None,
         acknowledged_loss: None,
+        included_sha256: None,
+        included: None,
     }
 }
 

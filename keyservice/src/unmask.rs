@@ -1,0 +1,367 @@
+//! The unmask endpoints of masked tasks (docs/secure-aggregation.md; docs/protocol.md, `POST
+//! /v1/keys/{key_id}/unmask/agree` and `.../sums`): after a round's release commitment is admitted,
+//!
+//! - `POST /v1/keys/{key_id}/unmask/agree`: this service agrees to unmask one included set of
+//!   the round, once (the unmask ledger, in the audit log), and signs a receipt for it;
+//! - `POST /v1/keys/{key_id}/unmask/sums`: against receipts of `agreement(t, n)` key services
+//!   for the set this service agreed to, and a device token over each input's sealed seeds, it
+//!   opens its seeds and answers its groups' mask sums over exactly that set.
+//!
+//! Neither answer needs an attested caller: the receipts and sums are useless without the
+//! round's masked sum, which only an enclave holding the round's key can make. What must hold
+//! is that one set per round is ever unmasked, whoever asks, and that every seed summed is a
+//! genuine device's (the token's nonce binds it).
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::header;
+use axum::response::IntoResponse;
+use confed_attestation::release::{KeySetShape, TrustedSigner};
+use confed_attestation::unmask::{IncludedSet, UnmaskReceipt, check_agreement, included_digest};
+use confed_attestation::unmask_api::{AgreeRequest, MAX_UNMASK_INPUTS, SumsRequest, UnmaskRound};
+use confed_protocol::masking::{self, MaskContext, MaskSums, SealedSeeds};
+use confed_protocol::policy::TaskPolicy;
+use confed_protocol::privacy_pass::context::{masked_token_nonce, seeds_digest};
+
+use super::KeyService;
+use super::audit::Decision;
+use super::ledger::{self, Admission};
+use crate::error::KeyServiceApiError as ApiError;
+use crate::extract::{ApiBytes, ApiPath};
+use crate::keys::HeldShare;
+
+/// The body limit of the sums route: `MAX_UNMASK_INPUTS` inputs of about 1 KB.
+pub(crate) const SUMS_BODY_LIMIT: usize = 64 * 1024 * 1024;
+
+/// What every unmask request is checked against: the round's pinned policy (a masked one naming
+/// this service) and its admitted commitment.
+struct CheckedRound {
+    policy: TaskPolicy,
+    /// This service's number in the policy's `masking` line.
+    number: u8,
+    key_set: KeySetShape,
+}
+
+fn check_round(
+    service: &KeyService,
+    held: &HeldShare,
+    round: &UnmaskRound,
+) -> Result<CheckedRound, ApiError> {
+    service.gate.check()?;
+    let policy =
+        TaskPolicy::parse(&round.policy).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    if policy.task_id != round.task_id {
+        return Err(ApiError::BadRequest(format!(
+            "the policy is task {}'s, the request names task {}",
+            policy.task_id, round.task_id
+        )));
+    }
+    let masking = policy.masking.as_ref().ok_or_else(|| {
+        ApiError::BadRequest(
+            "the task's policy does not mask its updates: nothing to unmask".into(),
+        )
+    })?;
+    let number = masking.number_of(&service.id).ok_or_else(|| {
+        ApiError::Forbidden(format!(
+            "key service {} is not one of this masked task's key services",
+            service.id
+        ))
+    })?;
+    let key_set = KeySetShape {
+        threshold: held.key.threshold,
+        shares: held.key.shares,
+    };
+    if (u16::from(masking.threshold), masking.services.len())
+        != (key_set.threshold, usize::from(key_set.shares))
+    {
+        return Err(ApiError::BadRequest(format!(
+            "the policy masks with {} of {} key services; this key is {} of {}",
+            masking.threshold,
+            masking.services.len(),
+            key_set.threshold,
+            key_set.shares
+        )));
+    }
+    let policy_sha256 = confed_protocol::hex::sha256_hex(round.policy.as_bytes());
+    let guard = service
+        .audit
+        .lock()
+        .map_err(|_| ApiError::Internal("audit log poisoned".into()))?;
+    match guard.1.committed(&round.task_id, round.round) {
+        Some((pinned, commitment))
+            if pinned == policy_sha256 && commitment == round.commitment_sha256 => {}
+        _ => {
+            return Err(ApiError::Conflict(format!(
+                "round {} of task {} has no admitted release commitment {} under this policy here: unmask after the release",
+                round.round, round.task_id, round.commitment_sha256
+            )));
+        }
+    }
+    Ok(CheckedRound {
+        policy,
+        number,
+        key_set,
+    })
+}
+
+/// Sorted ascending, each once, each a 64-hex ref, at least the policy's `min_reports` and at
+/// most `MAX_UNMASK_INPUTS`.
+fn check_included<S: AsRef<str>>(refs: &[S], policy: &TaskPolicy) -> Result<(), ApiError> {
+    let sorted = refs.windows(2).all(|w| w[0].as_ref() < w[1].as_ref());
+    let refs_ok = refs
+        .iter()
+        .all(|r| confed_protocol::hex::is_digest_hex(r.as_ref()));
+    if !(sorted && refs_ok) {
+        return Err(ApiError::BadRequest(
+            "the included refs must be 64 lowercase hex digits each, sorted ascending, each once"
+                .into(),
+        ));
+    }
+    let count = refs.len();
+    if count < policy.min_reports as usize || count > MAX_UNMASK_INPUTS {
+        return Err(ApiError::BadRequest(format!(
+            "{count} included inputs; a masked round unmasks {} to {MAX_UNMASK_INPUTS}",
+            policy.min_reports
+        )));
+    }
+    Ok(())
+}
+
+fn held<'a>(service: &'a KeyService, key_id: &str) -> Result<&'a HeldShare, ApiError> {
+    service
+        .shares
+        .get(key_id)
+        .ok_or_else(|| super::routes::unknown_key(key_id))
+}
+
+/// `POST /v1/keys/{key_id}/unmask/agree`.
+pub(crate) async fn agree(
+    State(service): State<KeyService>,
+    ApiPath(key_id): ApiPath<String>,
+    ApiBytes(body): ApiBytes,
+) -> Result<Json<UnmaskReceipt>, ApiError> {
+    let held = held(&service, &key_id)?;
+    let request = AgreeRequest::decode(&body).map_err(ApiError::BadRequest)?;
+    let checked = check_round(&service, held, &request.round)?;
+    check_included(&request.included, &checked.policy)?;
+    let included_sha256 = included_digest(&request.included);
+    let now = service.now_seconds();
+    let round = request.round;
+    let mut decision = Decision::note(
+        now,
+        &service.id,
+        ledger::UNMASK_AGREED,
+        format!(
+            "agreed to unmask {} included inputs",
+            request.included.len()
+        ),
+    );
+    decision.key_id = key_id.clone();
+    decision.task_id = round.task_id.clone();
+    decision.round = round.round;
+    decision.commitment_sha256 = Some(round.commitment_sha256.clone());
+    decision.included_sha256 = Some(included_sha256.clone());
+    decision.included = Some(request.included.len() as u64);
+    let audit = service.audit.clone();
+    let gate = service.gate.clone();
+    let head_changed = service.head_changed.clone();
+    // The ledger's decision and its durable record are one step under one lock, off the async
+    // workers (the append fsyncs).
+    let admitted = tokio::task::spawn_blocking(move || -> Result<Result<(), String>, String> {
+        let mut guard = audit.lock().map_err(|_| "audit log poisoned".to_string())?;
+        let (log, ledger) = &mut *guard;
+        if let Err(closed) = gate.check() {
+            return Ok(Err(closed.to_string()));
+        }
+        let task_id = decision.task_id.clone();
+        let included = decision.included_sha256.clone().unwrap_or_default();
+        let commitment = decision.commitment_sha256.clone().unwrap_or_default();
+        match ledger.admit_unmask(&task_id, decision.round, &commitment, &included) {
+            Err(why) => Ok(Err(why)),
+            Ok(Admission::Repeat) => Ok(Ok(())),
+            Ok(Admission::New) => {
+                let round = decision.round;
+                log.append(decision).map_err(|e| e.to_string())?;
+                ledger.record_unmask(&task_id, round, &included);
+                head_changed.notify_one();
+                Ok(Ok(()))
+            }
+        }
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("the unmask decision did not finish: {e}")))?
+    .map_err(ApiError::Internal)?;
+    admitted.map_err(ApiError::Conflict)?;
+    metrics::counter!("confed_keyservice_unmask_agreed_total").increment(1);
+    let set = IncludedSet {
+        task_id: &round.task_id,
+        round: round.round,
+        key_id: &key_id,
+        commitment_sha256: &round.commitment_sha256,
+        included_sha256: &included_sha256,
+        included: request.included.len() as u64,
+    };
+    let mut receipt = UnmaskReceipt::for_set(&service.id, &set, checked.key_set, now);
+    receipt.sign(&service.signing_key);
+    Ok(Json(receipt))
+}
+
+/// `POST /v1/keys/{key_id}/unmask/sums`.
+pub(crate) async fn sums(
+    State(service): State<KeyService>,
+    ApiPath(key_id): ApiPath<String>,
+    ApiBytes(body): ApiBytes,
+) -> Result<impl IntoResponse, ApiError> {
+    let held = held(&service, &key_id)?;
+    let masking_key = service.masking_key.clone().ok_or_else(|| {
+        ApiError::Unavailable(
+            "this key service has no masking key (--masking-key): it cannot open mask seeds".into(),
+        )
+    })?;
+    let request = SumsRequest::decode(&body).map_err(ApiError::BadRequest)?;
+    let checked = check_round(&service, held, &request.round)?;
+    let refs: Vec<&str> = request
+        .inputs
+        .iter()
+        .map(|i| i.assignment_ref.as_str())
+        .collect();
+    check_included(&refs, &checked.policy)?;
+    let included_sha256 = included_digest(&refs);
+    let round = &request.round;
+    // This service's own agreement first: it sums over no set but the one it agreed to.
+    let agreed = service
+        .audit
+        .lock()
+        .map_err(|_| ApiError::Internal("audit log poisoned".into()))?
+        .1
+        .unmask_agreed(&round.task_id, round.round)
+        .map(str::to_string);
+    if agreed.as_deref() != Some(included_sha256.as_str()) {
+        return Err(ApiError::Conflict(format!(
+            "this key service agreed to unmask {} for round {} of task {}, not the {} inputs sent: agree first, to the same set",
+            agreed.as_deref().unwrap_or("no set"),
+            round.round,
+            round.task_id,
+            refs.len()
+        )));
+    }
+    let masking = checked
+        .policy
+        .masking
+        .as_ref()
+        .expect("check_round found the masking line");
+    let verifying: Vec<(String, p256::ecdsa::VerifyingKey)> = masking
+        .services
+        .iter()
+        .filter_map(|s| Some((s.keyservice_id.clone(), s.verifying_key().ok()?)))
+        .collect();
+    let trusted: Vec<TrustedSigner<'_>> = verifying
+        .iter()
+        .map(|(id, key)| TrustedSigner {
+            id,
+            verifying_key: key,
+        })
+        .collect();
+    let set = IncludedSet {
+        task_id: &round.task_id,
+        round: round.round,
+        key_id: &key_id,
+        commitment_sha256: &round.commitment_sha256,
+        included_sha256: &included_sha256,
+        included: refs.len() as u64,
+    };
+    check_agreement(&request.receipts, &set, &trusted, checked.key_set)
+        .map_err(|e| ApiError::Forbidden(format!("the unmask agreement does not hold: {e}")))?;
+    let values = usize::try_from(request.values)
+        .ok()
+        .filter(|v| (1..=(1usize << 28)).contains(v))
+        .ok_or_else(|| ApiError::BadRequest("`values` must be 1 to 2^28".into()))?;
+    let number = checked.number;
+    let task_id = round.task_id.clone();
+    let round_number = round.round;
+    let policy = checked.policy.clone();
+    let inputs = request.inputs;
+    let summed = tokio::task::spawn_blocking(move || {
+        sum_masks(
+            &policy,
+            number,
+            &masking_key,
+            &task_id,
+            round_number,
+            values,
+            &inputs,
+        )
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("the mask sums did not finish: {e}")))??;
+    metrics::counter!("confed_keyservice_mask_sums_total").increment(1);
+    let mut body = Vec::with_capacity(summed.sums.len() * values * 8);
+    for (_, sum) in &summed.sums {
+        for value in sum {
+            body.extend_from_slice(&value.to_le_bytes());
+        }
+    }
+    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], body))
+}
+
+/// Opens this service's seeds of every input, each under a token that binds them, and sums its
+/// groups' streams. Any input that fails refuses the whole request: the set was agreed, and an
+/// honest enclave included only inputs whose token it checked.
+fn sum_masks(
+    policy: &TaskPolicy,
+    number: u8,
+    masking_key: &confed_protocol::hpke::PrivateKey,
+    task_id: &str,
+    round: u64,
+    values: usize,
+    inputs: &[confed_attestation::unmask_api::MaskedInput],
+) -> Result<MaskSums, ApiError> {
+    let layout = policy.masking.as_ref().expect("a masked policy").layout();
+    let auth = policy.device_auth.as_ref().ok_or_else(|| {
+        ApiError::BadRequest("a masked task's policy requires device tokens".into())
+    })?;
+    let refuse = |reference: &str, why: String| {
+        ApiError::Forbidden(format!(
+            "input {reference}: {why}; the whole request is refused"
+        ))
+    };
+    let mut sums =
+        MaskSums::new(&layout, number, values).map_err(|e| ApiError::Internal(e.to_string()))?;
+    for input in inputs {
+        let reference = input.assignment_ref.as_str();
+        let decoded = input.decode().map_err(ApiError::BadRequest)?;
+        let own_len = masking::sealed_len(&layout, number);
+        if decoded.seeds.len() != own_len
+            || decoded.seeds_digests.len() != usize::from(layout.services())
+        {
+            return Err(refuse(
+                reference,
+                format!(
+                    "this service's sealed seeds are {own_len} bytes with {} digests",
+                    layout.services()
+                ),
+            ));
+        }
+        if decoded.seeds_digests[usize::from(number) - 1] != seeds_digest(&decoded.seeds) {
+            return Err(refuse(
+                reference,
+                "the seeds are not the ones their digest names".into(),
+            ));
+        }
+        let nonce = masked_token_nonce(&decoded.enc, &decoded.seeds_digests);
+        auth.verify_nonce(Some(&decoded.token), &nonce, task_id, round, reference)
+            .map_err(|e| refuse(reference, format!("the device token does not hold: {e}")))?;
+        let context = MaskContext::new(task_id, round, reference, values)
+            .map_err(|e| refuse(reference, e.to_string()))?;
+        let opened = masking::open_seeds(
+            &layout,
+            masking_key,
+            &SealedSeeds::from_bytes(number, &decoded.seeds),
+            &context,
+        )
+        .map_err(|e| refuse(reference, e.to_string()))?;
+        sums.add(&opened, &context)
+            .map_err(|e| refuse(reference, e.to_string()))?;
+    }
+    Ok(sums)
+}
