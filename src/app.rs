@@ -89,6 +89,7 @@ impl AppState {
             db: &self.db,
             blobs: self.blobs.as_ref(),
             registry: &self.registry,
+            keys: &self.keys,
         }
     }
 

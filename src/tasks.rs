@@ -53,6 +53,8 @@ pub struct Tasks<'a> {
     pub db: &'a Db,
     pub blobs: &'a dyn BlobStore,
     pub registry: &'a DeviceRegistry,
+    /// The key services' signed key sets: a masked task's policy names their masking keys.
+    pub keys: &'a crate::keys::directory::KeyDirectory,
 }
 
 impl Tasks<'_> {
@@ -77,13 +79,17 @@ impl Tasks<'_> {
             ),
             false => None,
         };
-        let spec = tokio::task::spawn_blocking(move || {
+        let masked = request.secure_aggregation == Some(true);
+        let mut spec = tokio::task::spawn_blocking(move || {
             let _one_at_a_time = permit;
             request.validate()
         })
         .await
         .map_err(|e| TaskError::Validation(e.to_string()))?
         .map_err(TaskError::InvalidFields)?;
+        if masked {
+            spec.masking = Some(self.masking_line(tenant_id, &spec)?);
+        }
         let analytics = spec.analytics.is_some();
         let task = self.db.create_task(tenant_id, &spec).await?;
         if !analytics {
@@ -104,6 +110,32 @@ impl Tasks<'_> {
             .db
             .open_task_with_model(tenant_id, &task.id, &record)
             .await?)
+    }
+
+    /// A masked task's policy line: every key service of the current key, with its signed
+    /// masking key, in the order of their ids; refused, naming the field, if a key service
+    /// publishes none or the task uses what masking does not mask yet (the enclave's own check
+    /// of the policy text).
+    fn masking_line(
+        &self,
+        tenant_id: &str,
+        spec: &crate::task_spec::TaskSpec,
+    ) -> Result<String, TaskError> {
+        let refuse = |reason: String| {
+            TaskError::InvalidFields(vec![crate::task_spec::InvalidParam {
+                name: "secure_aggregation".into(),
+                reason,
+            }])
+        };
+        let now = self.db.now().0 / 1000;
+        let masking = self.keys.masking_policy(now).map_err(refuse)?;
+        let mut checked = spec.clone();
+        checked.masking = Some(masking.encode());
+        checked
+            .policy("checked-before-creation", tenant_id)
+            .check_enclave_limits()
+            .map_err(|e| refuse(e.to_string()))?;
+        Ok(masking.encode())
     }
 
     /// At most `limit` of the tenant's tasks after `page_token` (a token `page` gave).

@@ -14,7 +14,6 @@
 //! store refuses to commit a second, different release. Once APPLYING, a retried job reuses the
 //! committed release and only redoes the deterministic model update.
 
-use futures_util::StreamExt;
 use std::sync::Arc;
 
 use std::time::{Duration, Instant};
@@ -37,15 +36,19 @@ use crate::policy::Mechanism;
 use crate::policy::{PolicyError, TaskPolicy, sha256_hex};
 use crate::updater::{self, UpdateError};
 use confed_worker_api::model::{ModelError, ModelSchema, validate_model};
-use confed_worker_api::reads::{BufferPool, READ_AHEAD, next_batch};
+use confed_worker_api::reads::{BufferPool, READ_AHEAD};
 use confed_worker_api::store::{
     JobSpec, JobStore, MIN_PARTITION_INPUTS, Partitioning, StagedRelease, StoreError,
 };
 
 mod analytics;
+mod gather;
+mod masked;
 mod open;
+mod outcome;
 
 pub use analytics::AnalyticsStep;
+pub use outcome::{JobOutcome, Phases};
 
 use open::Opens;
 
@@ -75,6 +78,10 @@ pub enum JobError {
     StillShared,
     #[error(transparent)]
     Partition(#[from] PartitionError),
+    #[error(transparent)]
+    Masked(#[from] crate::masked::MaskedError),
+    #[error("the masks cannot be removed: {0}")]
+    Unmask(String),
 }
 
 impl JobError {
@@ -101,6 +108,12 @@ impl JobError {
                 // A bad sealed partition cannot fix itself: the store never recomputes a
                 // stored one. The round fails; the operator's resume plans it afresh.
                 | Self::Partition(_)
+                // A key service whose mask sums disagree with another's, or that put the sum
+                // out of bounds, would answer the same again.
+                | Self::Masked(crate::masked::MaskedError::Masking(
+                    confed_protocol::masking::MaskingError::Disagree { .. }
+                        | confed_protocol::masking::MaskingError::OutOfBound { .. }
+                ))
         )
     }
 }
@@ -117,80 +130,6 @@ pub struct WorkerConfig {
     pub batch: usize,
     /// ... and bytes of ciphertext per batch, at most (a batch ends at whichever comes first).
     pub batch_bytes: usize,
-}
-
-/// What one job came to.
-#[derive(Debug, Clone, PartialEq)]
-pub struct JobOutcome {
-    pub task_id: String,
-    pub round: u64,
-    pub included: u64,
-    pub excluded: u64,
-    pub epsilon_spent: Option<f64>,
-    /// A partition's job: its (index, count). It releases nothing, and says nothing of its
-    /// partition's outcomes (`included` and `excluded` are 0): only the release publishes them.
-    pub partition: Option<(u32, u32)>,
-    /// Where the job's time went, for operators' logs and the round benchmark.
-    pub phases: Phases,
-}
-
-/// Wall-clock time of each step of one job (zero for a step the job skipped: a retried job
-/// whose release was already committed neither reads, asks for the key nor aggregates).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Phases {
-    /// The lease: the job, its base model and the list of contributions (for a worker that
-    /// long-polls, this includes the wait for a job).
-    pub lease: Duration,
-    /// The first read and digest of the contributions the job lists without a digest (direct
-    /// uploads); zero when the server digested them all.
-    pub read: Duration,
-    /// Attestation to the key services and the key's reconstruction.
-    pub key: Duration,
-    /// Reading (or taking from memory), checking, opening, validating, clipping and summing the
-    /// contributions.
-    pub open: Duration,
-    /// Noise and the average.
-    pub noise: Duration,
-    /// Committing the release (with its proof).
-    pub release: Duration,
-    /// Applying the average to the model and committing model N+1.
-    pub update: Duration,
-}
-
-impl JobOutcome {
-    /// What the job did, for logs and metrics: `released` (a round's release, or its model
-    /// update after a retry) or `partition` (one partition sealed for its round's root).
-    pub fn step(&self) -> &'static str {
-        match self.partition {
-            Some(_) => "partition",
-            None => "released",
-        }
-    }
-}
-
-impl Phases {
-    /// From the lease's answer to model N+1 committed: the job's own time (a long-polling
-    /// worker's lease includes its wait for a job).
-    pub fn after_lease(&self) -> Duration {
-        self.read + self.key + self.open + self.noise + self.release + self.update
-    }
-}
-
-impl std::fmt::Display for Phases {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        write!(
-            f,
-            "lease {:.0} ms, read {:.0} ms, key {:.0} ms, open {:.0} ms, noise {:.0} ms, release {:.0} ms, update {:.0} ms",
-            ms(self.lease),
-            ms(self.read),
-            ms(self.key),
-            ms(self.open),
-            ms(self.noise),
-            ms(self.release),
-            ms(self.update)
-        )
-    }
 }
 
 /// Bytes of contributions a job keeps in memory from their first read instead of reading them
@@ -354,6 +293,11 @@ impl<S: JobStore + 'static> Worker<S> {
         context: RoundContext,
         phases: &mut Phases,
     ) -> Result<(Release, ReleaseProof), JobError> {
+        if policy.masking.is_some() {
+            return self
+                .aggregate_masked(job, schema, policy, context, phases)
+                .await;
+        }
         if let Some(Partitioning::Root { count, .. }) = &job.partitioning {
             check_plan(job.contributions.len(), *count)?;
         }
@@ -556,6 +500,50 @@ impl<S: JobStore + 'static> Worker<S> {
         context: RoundContext,
         phases: &mut Phases,
     ) -> Result<Prepared, JobError> {
+        let KeyedRound {
+            privacy,
+            inputs,
+            keyed,
+            continues,
+        } = self.key_round(job, schema, context, policy, phases).await?;
+        let Keyed {
+            commitment,
+            signing_key,
+            receipts,
+            private_key,
+            binding,
+        } = keyed;
+        let round = binding.context.round;
+        let aggregator = Arc::new(
+            Aggregator::new(binding, privacy.clip_norm, schema.clone(), &private_key)?
+                .evaluating(privacy.evaluation_in(round))
+                .watching_health(privacy.health)
+                .weighing(privacy.weighting)
+                .authenticating(policy.device_auth.clone())
+                .continuing(continues),
+        );
+        Ok(Prepared {
+            privacy,
+            inputs,
+            commitment,
+            signing_key,
+            receipts,
+            private_key,
+            aggregator,
+        })
+    }
+
+    /// A training round's privacy parameters, its inputs and their digest (the BLT state bound
+    /// in), the release commitment and the key against it: what a clear and a masked round's
+    /// job do first. `continues`: the BLT state the step that noises continues.
+    pub(super) async fn key_round(
+        &self,
+        job: &JobSpec,
+        schema: &ModelSchema,
+        context: RoundContext,
+        policy: &TaskPolicy,
+        phases: &mut Phases,
+    ) -> Result<KeyedRound, JobError> {
         let step = Instant::now();
         let privacy = PrivacyParams::for_round(policy, job.clip_norm, job.on_demand_evaluation)?;
         // The noise's calibration (26 ms the first time a process meets a policy) on a spare
@@ -585,36 +573,18 @@ impl<S: JobStore + 'static> Worker<S> {
             inputs_digest = inputs::bind_blt_state(&inputs_digest, state.as_ref());
         }
         phases.read = step.elapsed();
-        let Keyed {
-            commitment,
-            signing_key,
-            receipts,
-            private_key,
-            binding,
-        } = self.key_for(job, context, inputs_digest, phases).await?;
-        let round = binding.context.round;
+        let keyed = self.key_for(job, context, inputs_digest, phases).await?;
         // Only the step that noises continues the BLT state: a partition only binds its digest
         // (above), and a copy of the state per partition would cost up to 240 bytes a value.
         let continues = match job.partitioning {
             Some(Partitioning::Partition { .. }) => None,
             _ => job.blt_state.clone(),
         };
-        let aggregator = Arc::new(
-            Aggregator::new(binding, privacy.clip_norm, schema.clone(), &private_key)?
-                .evaluating(privacy.evaluation_in(round))
-                .watching_health(privacy.health)
-                .weighing(privacy.weighting)
-                .authenticating(policy.device_auth.clone())
-                .continuing(continues),
-        );
-        Ok(Prepared {
+        Ok(KeyedRound {
             privacy,
             inputs,
-            commitment,
-            signing_key,
-            receipts,
-            private_key,
-            aggregator,
+            keyed,
+            continues,
         })
     }
 
@@ -669,79 +639,6 @@ impl<S: JobStore + 'static> Worker<S> {
             },
         })
     }
-
-    /// The inputs the round's commitment names: a contribution the job lists with a digest is
-    /// not read here (it is read once, after the key, and must have that digest); one without is
-    /// read and digested in batches on all cores (one batch while the next is read), kept in
-    /// memory up to `retain_bytes` in all (the rest is read again after the key arrives).
-    async fn gather(&self, job: &JobSpec) -> Result<(Vec<Input>, String), JobError> {
-        let mut inputs: Vec<Input> = job
-            .contributions
-            .iter()
-            .map(|listed| Input {
-                assignment_ref: listed.assignment_ref.clone(),
-                blob_key: listed.blob_key.clone(),
-                digest: listed.blake3,
-                retained: None,
-            })
-            .collect();
-        // Owned items: a stream over borrowed ones makes the job's future not provably `Send`.
-        let keys: Vec<(usize, String)> = inputs
-            .iter()
-            .enumerate()
-            .filter(|(_, input)| input.digest.is_none())
-            .map(|(index, input)| (index, input.blob_key.clone()))
-            .collect();
-        let reads = futures_util::stream::iter(keys)
-            .map(|(index, blob_key)| async move {
-                let stored = self
-                    .store
-                    .fetch_into(&blob_key, self.buffers.take())
-                    .await?;
-                Ok((index, stored))
-            })
-            .buffered(READ_AHEAD);
-        let mut reads = std::pin::pin!(reads);
-        let mut retained = 0usize;
-        type Digested = Vec<(usize, Option<Vec<u8>>, Option<[u8; 32]>)>;
-        let mut digesting: Option<tokio::task::JoinHandle<Digested>> = None;
-        loop {
-            let batch = next_batch(&mut reads, self.config.batch, self.config.batch_bytes).await?;
-            if let Some(previous) = digesting.take() {
-                for (index, bytes, digest) in previous.await.map_err(JobError::Thread)? {
-                    let input = &mut inputs[index];
-                    input.digest = digest;
-                    match bytes {
-                        Some(bytes) if retained + bytes.len() <= self.retain_bytes => {
-                            retained += bytes.len();
-                            input.retained = Some(bytes);
-                        }
-                        Some(bytes) => self.buffers.give(bytes),
-                        None => {}
-                    }
-                }
-                self.store
-                    .renew(&job.job_id, &job.lease_holder, self.config.lease)
-                    .await?;
-            }
-            if batch.is_empty() {
-                break;
-            }
-            digesting = Some(tokio::task::spawn_blocking(move || {
-                let (indices, stored): (Vec<usize>, Vec<Option<Vec<u8>>>) =
-                    batch.into_iter().unzip();
-                let digests = inputs::digest_all(&stored);
-                indices
-                    .into_iter()
-                    .zip(stored)
-                    .zip(digests)
-                    .map(|((index, bytes), digest)| (index, bytes, digest))
-                    .collect()
-            }));
-        }
-        let digest = inputs::sort_and_digest(&mut inputs).map_err(JobError::MalformedJob)?;
-        Ok((inputs, digest))
-    }
 }
 
 /// The release's proof: the enclave's signature over the commitment, the manifest's hash and the
@@ -785,6 +682,15 @@ pub(super) struct Keyed {
     pub(super) receipts: Vec<confed_attestation::release::Receipt>,
     pub(super) private_key: Arc<crate::hpke::PrivateKey>,
     pub(super) binding: Binding,
+}
+
+/// A training round after its key (`key_round`).
+pub(super) struct KeyedRound {
+    pub(super) privacy: PrivacyParams,
+    /// The round's inputs, sorted by ref, as their digest names them.
+    pub(super) inputs: Vec<Input>,
+    pub(super) keyed: Keyed,
+    pub(super) continues: Option<Vec<u8>>,
 }
 
 /// A job after its key: what `prepare` hands the step that follows.

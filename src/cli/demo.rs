@@ -63,6 +63,12 @@ pub(crate) struct DemoArgs {
     /// API's default noise, charged to epsilon).
     #[arg(long)]
     pub health: bool,
+    /// Secure aggregation beneath the enclave: devices clip and mask their updates with seeds
+    /// only the key services hold; the enclave sees the round's sum alone, and every release
+    /// says it was masked (implies --device-auth; not with --adaptive-clipping, --evaluate-every
+    /// or --health).
+    #[arg(long)]
+    pub secure_aggregation: bool,
     /// The loopback ports the demo listens on (its API, 3 key services and, with
     /// --device-auth, the token issuer), as START-END: the first free ones, in order (default:
     /// any free ports).
@@ -162,6 +168,7 @@ pub(super) async fn run(args: DemoArgs) -> Result<()> {
         progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
         device_auth: args.device_auth,
         health: args.health,
+        secure_aggregation: args.secure_aggregation,
         ports: args.embedded_ports,
     })
     .await;

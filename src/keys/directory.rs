@@ -186,6 +186,46 @@ impl KeyDirectory {
             .max_by_key(|k| (k.not_before, k.signatures.len()))
     }
 
+    /// The `masking` line of a masked task created now: the current key's threshold and every
+    /// one of its `n` key services (ids ascending) with its verifying key and its masking key,
+    /// checked against the key set's own signature. `Err` says what is missing.
+    pub fn masking_policy(
+        &self,
+        now: i64,
+    ) -> Result<confed_protocol::policy::MaskingPolicy, String> {
+        use confed_protocol::masking_keys::{MaskingPolicy, MaskingService};
+        let key = self.current_key(now).ok_or(
+            "no active key signed by its threshold of key services is known: start the key services first",
+        )?;
+        let sets = self
+            .sets
+            .read()
+            .map_err(|_| "the key directory is poisoned".to_string())?;
+        let mut services: Vec<MaskingService> = sets
+            .iter()
+            .filter_map(|set| {
+                let service = MaskingService {
+                    keyservice_id: set.keyservice_id.clone(),
+                    verifying_key: set.verifying_key.clone(),
+                    key: set.masking_key.clone()?,
+                };
+                service.signed().then_some(service)
+            })
+            .collect();
+        services.sort_by(|a, b| a.keyservice_id.cmp(&b.keyservice_id));
+        services.dedup_by(|a, b| a.keyservice_id == b.keyservice_id);
+        if services.len() != usize::from(key.shares) {
+            return Err(format!(
+                "secure aggregation needs a signed masking key from each of the key's {} key services; {} publish one (run each key service with --masking-key)",
+                key.shares,
+                services.len()
+            ));
+        }
+        let threshold =
+            u8::try_from(key.threshold).map_err(|_| "threshold above 255".to_string())?;
+        MaskingPolicy::new(threshold, services)
+    }
+
     /// Fetches every key service's key set; keeps the previous set of any that fails.
     pub async fn refresh(&self, client: &reqwest::Client, urls: &[String]) {
         let mut fresh = Vec::new();

@@ -171,6 +171,13 @@ pub struct CreateTaskRequest {
     /// timeout less 5 s (default: one to two `device_seconds_per_round`, within that).
     #[serde(default)]
     pub upload_window: Option<UploadWindowSpec>,
+    /// Mask each device's update beneath the enclave (docs/secure-aggregation.md): devices clip
+    /// on the grid, mask their update with seeds only the key services hold, and the enclave
+    /// sees the round's sum only. Needs `device_auth`, a training task, and no adaptive
+    /// clipping, evaluation, health signal or weighting; every key service must publish a
+    /// masking key. Default false.
+    #[serde(default)]
+    pub secure_aggregation: Option<bool>,
 }
 
 /// A validated task definition, as stored and as returned to the partner.
@@ -220,6 +227,11 @@ pub struct TaskSpec {
     /// `upload_window()`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upload_window: Option<UploadWindowSpec>,
+    /// A masked task's `masking` policy line (docs/protocol.md, "Task policy"): the key
+    /// services' signed masking keys, fixed when the task was created (tasks created before
+    /// masking read as unmasked).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub masking: Option<String>,
 }
 
 /// The highest over-selection a task's rounds adapt up to (unless the task asks for more).
@@ -252,9 +264,10 @@ impl TaskSpec {
             plan: serde_json::to_string(&self.plan).unwrap_or_else(|_| "{}".into()),
             upload_window: self.upload_window().policy(),
             device_auth: self.device_auth.as_ref().and_then(DeviceAuthSpec::policy),
-            // The partner API creates no masked task until the enclave's masked job exists
-            // (docs/secure-aggregation.md, "Order of work").
-            masking: None,
+            masking: self
+                .masking
+                .as_deref()
+                .and_then(|line| confed_protocol::policy::MaskingPolicy::parse(line).ok()),
             analytics: self.analytics.clone(),
         }
     }
@@ -544,6 +557,8 @@ impl CreateTaskRequest {
             evaluation,
             device_auth: self.device_auth,
             upload_window: Some(upload_window),
+            // Set by `Tasks::create` from the key services' masking keys.
+            masking: None,
         })
     }
 }

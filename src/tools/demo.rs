@@ -47,6 +47,9 @@ pub struct DemoOptions {
     pub device_auth: bool,
     /// The noised health signal, at its default noise (`privacy.health: {}`).
     pub health: bool,
+    /// Masks beneath the enclave (docs/secure-aggregation.md): devices clip and mask their
+    /// updates with seeds only the key services hold; implies `device_auth`.
+    pub secure_aggregation: bool,
     /// Loopback ports for the demo's listeners (API, key services, issuer; default: any free).
     pub ports: Option<crate::ports::PortRange>,
 }
@@ -153,6 +156,13 @@ impl DemoOptions {
                 self.report_goal, self.devices, self.report_goal
             ));
         }
+        if self.secure_aggregation
+            && (self.adaptive_clipping || self.evaluate_every.is_some() || self.health)
+        {
+            return refuse(
+                "--secure-aggregation masks only the update: drop --adaptive-clipping, --evaluate-every and --health".to_string(),
+            );
+        }
         if let Some(k) = self.evaluate_every
             && !(1..=self.rounds).contains(&k)
         {
@@ -201,7 +211,8 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         privacy["health"] = json!({});
     }
     let mut trust = system.trust.clone();
-    let issuer = match options.device_auth {
+    // Masked updates count only under device tokens whose nonce binds their seeds.
+    let issuer = match options.device_auth || options.secure_aggregation {
         true => Some(dev_issuer(&options).await?),
         false => None,
     };
@@ -232,6 +243,12 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
             "confed demo: the task requires device tokens (Privacy Pass) from an in-process DEV issuer at {}: {}",
             issuer.url,
             confed_issuer::routes::DEV_ATTESTER_WARNING
+        );
+    }
+    if options.secure_aggregation {
+        request["secure_aggregation"] = json!(true);
+        println!(
+            "confed demo: secure aggregation: each device clips its update on the grid and masks it with seeds sealed to the key services; the enclave adds masked updates only, and the key services remove the masks of the round's one agreed set"
         );
     }
     let task_id = create_task(&http, &url, &token, &request).await?;
@@ -412,8 +429,20 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
                 summary.zeroed.len()
             ));
         }
+        let masked = manifests
+            .last()
+            .and_then(|m| m.masking.as_ref())
+            .map_or(String::new(), |m| {
+                format!(
+                    ", masked ({}, {} of {} key services, {} answered)",
+                    m.scheme,
+                    m.threshold,
+                    m.services,
+                    m.answered.len()
+                )
+            });
         say(format!(
-            "round {round}: {} contributions aggregated{} ({} excluded), clip norm {clip:.3}, privacy spent epsilon {:.2} of {}, accuracy {:.1}%, release verified",
+            "round {round}: {} contributions aggregated{}{masked} ({} excluded), clip norm {clip:.3}, privacy spent epsilon {:.2} of {}, accuracy {:.1}%, release verified",
             release.included,
             authenticated_now.map_or(String::new(), |n| format!(
                 ", {n} with a verified device token"

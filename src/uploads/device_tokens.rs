@@ -22,9 +22,17 @@ use confed_protocol::envelope::Envelope;
 /// is never stale; past this the map starts over).
 const CACHED_TASKS: usize = 10_000;
 
+/// A task's device-token requirement: the policy's issuer and keys, and a masked task's layout
+/// (its tokens' nonces bind the envelope's sealed seeds too: docs/secure-aggregation.md).
+#[derive(Debug)]
+pub struct TokenRequirement {
+    pub auth: DeviceAuth,
+    pub masking: Option<confed_protocol::masking::Layout>,
+}
+
 /// Each task's device-token requirement, read once from its definition.
 #[derive(Debug, Clone, Default)]
-pub struct DeviceAuthCache(Arc<Mutex<HashMap<String, Option<Arc<DeviceAuth>>>>>);
+pub struct DeviceAuthCache(Arc<Mutex<HashMap<String, Option<Arc<TokenRequirement>>>>>);
 
 impl DeviceAuthCache {
     async fn of(
@@ -32,17 +40,23 @@ impl DeviceAuthCache {
         db: &Db,
         tenant_id: &str,
         task_id: &str,
-    ) -> Result<Option<Arc<DeviceAuth>>, UploadError> {
+    ) -> Result<Option<Arc<TokenRequirement>>, UploadError> {
         if let Some(known) = self.0.lock().ok().and_then(|m| m.get(task_id).cloned()) {
             return Ok(known);
         }
         let task = db.task(tenant_id, task_id).await?;
+        let masking = task
+            .spec
+            .masking
+            .as_deref()
+            .and_then(|line| confed_protocol::policy::MaskingPolicy::parse(line).ok())
+            .map(|m| m.layout());
         let auth = task
             .spec
             .device_auth
             .as_ref()
             .and_then(|spec| spec.policy())
-            .map(Arc::new);
+            .map(|auth| Arc::new(TokenRequirement { auth, masking }));
         if let Ok(mut map) = self.0.lock() {
             if map.len() >= CACHED_TASKS {
                 map.clear();
@@ -57,7 +71,7 @@ impl DeviceAuthCache {
         &self,
         db: &Db,
         assignment: &AssignmentView,
-    ) -> Result<Option<Arc<DeviceAuth>>, UploadError> {
+    ) -> Result<Option<Arc<TokenRequirement>>, UploadError> {
         self.of(db, &assignment.tenant_id, &assignment.task_id)
             .await
     }
@@ -81,6 +95,7 @@ impl DeviceAuthCache {
             assignment,
             envelope.token.as_deref(),
             &envelope.encapsulated_key,
+            envelope.seeds.as_deref(),
         );
         match outcome {
             Ok(()) => Ok(()),
@@ -88,7 +103,7 @@ impl DeviceAuthCache {
                 TokenRefusal::Missing(_) => UploadError::TokenRequired {
                     detail: refusal.to_string(),
                     www_authenticate: challenge_header(
-                        &auth,
+                        &auth.auth,
                         &assignment.task_id,
                         round,
                         assignment.id.as_str(),

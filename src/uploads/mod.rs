@@ -7,7 +7,6 @@
 pub mod device_tokens;
 
 use confed_protocol::device::ReportOutcome;
-use confed_protocol::device_auth::DeviceAuth;
 use confed_protocol::envelope::{Envelope, EnvelopeError};
 use confed_protocol::envelope_scan::{self, EnvelopeHeader, HEAD_BYTES, Scan, TAIL_BYTES};
 use thiserror::Error;
@@ -200,7 +199,7 @@ impl Uploads<'_> {
         &self,
         capability: &Capability,
         assignment: AssignmentView,
-        device_auth: Option<&DeviceAuth>,
+        device_auth: Option<&device_tokens::TokenRequirement>,
         now: Millis,
     ) -> Result<(), UploadError> {
         if assignment.contribution_digest.is_some() || assignment.state != AssignmentState::Assigned
@@ -233,6 +232,7 @@ impl Uploads<'_> {
                 &assignment,
                 header.token.as_deref(),
                 &header.encapsulated_key,
+                header.seeds.as_deref(),
             ) {
                 if let Err(error) = self.contributions.discard(&key).await {
                     tracing::warn!(%error, "could not remove an unauthenticated direct upload");
@@ -370,27 +370,37 @@ impl Uploads<'_> {
     }
 }
 
-/// Whether a contribution's token (and the envelope key `enc` it must bind) authenticates it for
-/// `assignment`: the one check of both upload paths (through the server, `device_tokens.rs`,
-/// and straight to the blob store, `note_direct_upload`); a refusal is counted by reason.
+/// Whether a contribution's token (and the envelope key `enc` it must bind, and in a masked task
+/// its sealed `seeds`) authenticates it for `assignment`: the one check of both upload paths
+/// (through the server, `device_tokens.rs`, and straight to the blob store,
+/// `note_direct_upload`); a refusal is counted by reason.
 pub fn verify_token(
-    auth: &DeviceAuth,
+    requirement: &device_tokens::TokenRequirement,
     assignment: &AssignmentView,
     token: Option<&[u8]>,
     enc: &[u8],
+    seeds: Option<&[u8]>,
 ) -> Result<(), confed_protocol::device_auth::TokenRefusal> {
     let round = u64::try_from(assignment.round_number).unwrap_or(0);
-    auth.verify(
-        token,
-        enc,
-        &assignment.task_id,
-        round,
-        assignment.id.as_str(),
-    )
-    .inspect_err(|refusal| {
-        metrics::counter!("confed_device_tokens_refused_total", "reason" => refusal.label())
-            .increment(1);
-    })
+    let nonce = match &requirement.masking {
+        Some(layout) => confed_protocol::envelope::masked_nonce_of(layout, enc, seeds)
+            .ok_or(confed_protocol::device_auth::TokenRefusal::NotBound),
+        None => Ok(confed_protocol::privacy_pass::context::token_nonce(enc)),
+    };
+    nonce
+        .and_then(|nonce| {
+            requirement.auth.verify_nonce(
+                token,
+                &nonce,
+                &assignment.task_id,
+                round,
+                assignment.id.as_str(),
+            )
+        })
+        .inspect_err(|refusal| {
+            metrics::counter!("confed_device_tokens_refused_total", "reason" => refusal.label())
+                .increment(1);
+        })
 }
 
 /// Whether `body` (whose named digest is `digest`) is the contribution `held` names. Rows stored

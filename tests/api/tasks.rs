@@ -637,3 +637,62 @@ async fn a_blt_task_shows_its_matrix_and_refuses_a_model_above_its_max_values() 
     );
     app.open_task(&token, privacy(8)).await;
 }
+
+/// `secure_aggregation`: the task's policy names every key service's signed masking key; without
+/// device tokens, or with nothing to take the keys from, it is a 400 on the field saying why.
+#[tokio::test]
+async fn a_masked_task_names_every_key_services_masking_key_or_is_refused_with_the_reason() {
+    use base64::Engine as _;
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let spki =
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(common::issuer::signer().spki());
+    let auth = json!({"issuer": common::issuer::ISSUER, "token_keys": [spki]});
+    let created = app
+        .call(
+            Method::POST,
+            "/v1/tasks",
+            Some(&token),
+            Some(task_body(
+                json!({"secure_aggregation": true, "device_auth": auth}),
+            )),
+        )
+        .await;
+    assert_eq!(created.status, StatusCode::CREATED);
+    let line = created.json()["masking"].as_str().unwrap().to_string();
+    assert!(
+        line.starts_with("confed-masking/v1;threshold=2;services=ks1:"),
+        "{line}"
+    );
+    assert!(line.contains(",ks2:"), "{line}");
+
+    let refused = app
+        .call(
+            Method::POST,
+            "/v1/tasks",
+            Some(&token),
+            Some(task_body(json!({"secure_aggregation": true}))),
+        )
+        .await;
+    let problem = refused.problem(StatusCode::BAD_REQUEST);
+    let params = problem["invalid_params"].to_string();
+    assert!(
+        params.contains("secure_aggregation") && params.contains("device_auth"),
+        "{params}"
+    );
+
+    let keyless = TestApp::with_keys(confed::keys::directory::KeyDirectory::fixed(vec![])).await;
+    let token = keyless.tenant("acme").await;
+    let refused = keyless
+        .call(
+            Method::POST,
+            "/v1/tasks",
+            Some(&token),
+            Some(task_body(
+                json!({"secure_aggregation": true, "device_auth": auth}),
+            )),
+        )
+        .await;
+    let params = refused.problem(StatusCode::BAD_REQUEST)["invalid_params"].to_string();
+    assert!(params.contains("start the key services"), "{params}");
+}

@@ -77,11 +77,15 @@ fn test_key() -> (TestKey, Vec<confed_attestation::exchange::KeySet>) {
         sign_key(&signing, id, &mut entry);
         let verifying = encode_verifying_key(signing.verifying_key());
         trusted.push(confed_protocol::trust::TrustedKeyService::new(id, &verifying).unwrap());
+        // Each key service's masking key, for masked tasks (docs/secure-aggregation.md).
+        let (_, masking) = confed_protocol::hpke::generate_keypair();
         sets.push(KeySet {
             keyservice_id: id.into(),
             verifying_key: verifying,
             keys: vec![entry],
-            masking_key: None,
+            masking_key: Some(confed_protocol::masking_keys::sign_masking_key(
+                &signing, id, &masking,
+            )),
         });
     }
     (

@@ -6,8 +6,9 @@
 //! and hands the exact sum to a training `Aggregator`, whose `finish` noises, averages and
 //! releases it as any round's.
 //!
-//! What is built is this step and its tests; no job runs it yet (the key services' mask-sum
-//! endpoint and the policy option come next: docs/secure-aggregation.md, "Order of work").
+//! It keeps, for each included input, what the key services need to add its masks (the
+//! envelope's `enc`, `token` and `seeds`: `unmask_inputs`); the worker's masked job
+//! (`worker::masked`) asks them.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -46,6 +47,18 @@ pub struct MaskedAggregator {
     outcome: Mutex<Outcome>,
     device_auth: Option<DeviceAuth>,
     buffers: PlaintextBuffers,
+    /// Each included input's envelope fields the key services check and open (ref, enc, token,
+    /// seeds).
+    bound: Mutex<Vec<BoundInput>>,
+}
+
+/// An included input as the key services need it (`SumsRequest`'s inputs).
+#[derive(Debug, Clone)]
+pub struct BoundInput {
+    pub assignment_ref: String,
+    pub enc: Vec<u8>,
+    pub token: Vec<u8>,
+    pub seeds: Vec<u8>,
 }
 
 /// The exclusion a plaintext that is not a masked update of the round's length is counted under.
@@ -79,6 +92,7 @@ impl MaskedAggregator {
             outcome: Mutex::default(),
             device_auth: None,
             buffers: PlaintextBuffers::default(),
+            bound: Mutex::default(),
         })
     }
 
@@ -107,12 +121,38 @@ impl MaskedAggregator {
             masking: Some(&self.layout),
             buffers: &self.buffers,
         };
+        // What the key services need of the input if it is included (the opener parses and
+        // checks the same header again before anything is decrypted).
+        let bound = stored
+            .and_then(|bytes| crate::envelope::EnvelopeRef::parse(bytes).ok())
+            .map(|envelope| BoundInput {
+                assignment_ref: assignment_ref.to_string(),
+                enc: envelope.encapsulated_key.to_vec(),
+                token: envelope.token.map(<[u8]>::to_vec).unwrap_or_default(),
+                seeds: envelope.seeds.map(<[u8]>::to_vec).unwrap_or_default(),
+            });
         opener.open_then(assignment_ref, stored, |plaintext| {
             let data =
                 masking::read_masked(plaintext, self.values).map_err(|e| exclusion_of(&e))?;
             self.add_masked(data);
             Ok(())
-        })
+        })?;
+        if let Some(bound) = bound {
+            self.bound.lock().expect("masked inputs").push(bound);
+        }
+        Ok(())
+    }
+
+    /// The included inputs' envelope fields, sorted by ref (the included set).
+    pub fn unmask_inputs(&self) -> Vec<BoundInput> {
+        let mut bound = self.bound.lock().expect("masked inputs").clone();
+        bound.sort_by(|a, b| a.assignment_ref.cmp(&b.assignment_ref));
+        bound
+    }
+
+    /// The round's layout.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
     }
 
     /// Adds a masked update's little-endian u64 values, wrapping, stripe by stripe from a

@@ -26,6 +26,12 @@ impl Opens for Aggregator {
     }
 }
 
+impl Opens for crate::masked::MaskedAggregator {
+    fn add(&self, assignment_ref: &str, stored: Option<&[u8]>) -> Result<(), Exclusion> {
+        crate::masked::MaskedAggregator::add(self, assignment_ref, stored)
+    }
+}
+
 impl Opens for AnalyticsAggregator {
     fn add(&self, assignment_ref: &str, stored: Option<&[u8]>) -> Result<(), Exclusion> {
         AnalyticsAggregator::add(self, assignment_ref, stored)
