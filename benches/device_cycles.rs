@@ -62,6 +62,7 @@ fn key_directory() -> (KeyDirectory, TrustConfig) {
             limits: confed_protocol::policy::DeviceLimits::ENCLAVE,
             tenant_id: None,
             token_issuers: Vec::new(),
+            require_masking: false,
         },
     )
 }

@@ -19,7 +19,9 @@
 //! (`cargo build --release -p confed-enclave` first), as production does
 //! (`CONFED_BENCH_RETAIN_MIB` sets its `--retain-mib`). `CONFED_BENCH_WORKERS=K` cuts the round
 //! into K partitions, aggregated by K `confed-enclave` processes and merged by a root
-//! (`support/partitioned.rs`).
+//! (`support/partitioned.rs`). `CONFED_BENCH_MASKED=1` runs a round with device tokens in the
+//! clear and then masked beneath the enclave (`secure_aggregation`), and prints the masked
+//! turnaround against the clear one (`support/masked_round.rs`).
 
 use std::time::{Duration, Instant};
 
@@ -216,12 +218,16 @@ fn spec(population: &str, devices: usize, clip_norm: f64) -> serde_json::Value {
     })
 }
 
-/// `devices` simulated devices of `population` (a second process, `--no-train`) fill the round;
-/// returns how long they took.
-async fn simulate(server: &Server, population: &str, devices: usize) -> f64 {
+/// `devices` simulated devices of `population` (a second process, `--no-train`) fill the round,
+/// with tokens of `issuer` (its URL) when the task requires them; returns how long they took.
+async fn simulate(server: &Server, population: &str, devices: usize, issuer: Option<&str>) -> f64 {
     let started = Instant::now();
-    let output = tokio::process::Command::new(binary())
-        .args(["devices", "simulate", "--server", &server.url])
+    let mut command = tokio::process::Command::new(binary());
+    command.args(["devices", "simulate", "--server", &server.url]);
+    if let Some(issuer) = issuer {
+        command.args(["--issuer", issuer]);
+    }
+    let output = command
         .args([
             "--population",
             population,
@@ -249,17 +255,16 @@ async fn simulate(server: &Server, population: &str, devices: usize) -> f64 {
     started.elapsed().as_secs_f64()
 }
 
-/// One round of `devices` 1 MB contributions with `clip_norm`.
+/// One round of `devices` 1 MB contributions of the task `spec` (`spec()`, perhaps with more
+/// fields); its devices trust `issuer` when it requires tokens.
 async fn round(
     http: &reqwest::Client,
     server: &Server,
-    population: &str,
+    (population, spec): (&str, serde_json::Value),
     devices: usize,
-    clip_norm: f64,
+    issuer: Option<&str>,
 ) -> Measured {
-    let task = server
-        .open_task(http, spec(population, devices, clip_norm), model())
-        .await;
+    let task = server.open_task(http, spec, model()).await;
     // A poller watches the round: the first time it is seen out of COLLECTING is its close, the
     // first time model version 1 is readable the end of the turnaround (both to within the 5 ms
     // poll and one loopback request).
@@ -308,7 +313,7 @@ async fn round(
             }
         })
     };
-    let collection = simulate(server, population, devices).await;
+    let collection = simulate(server, population, devices, issuer).await;
     let (turnaround, peak_rss_mb) = watcher.await.unwrap();
     Measured {
         collection,
@@ -320,11 +325,18 @@ async fn round(
 #[path = "support/partitioned.rs"]
 mod partitioned;
 
+#[path = "support/masked_round.rs"]
+mod masked_round;
+
 fn main() {
     let devices = devices();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     if let Some(workers) = partitioned::workers() {
         runtime.block_on(partitioned::run(devices, workers));
+        return;
+    }
+    if std::env::var_os("CONFED_BENCH_MASKED").is_some() {
+        runtime.block_on(masked_round::run(devices));
         return;
     }
     runtime.block_on(async {
@@ -356,7 +368,14 @@ fn main() {
             // A server (and data directory) per case: each is deleted before the next starts,
             // so a 10 GB round's three cases need the disk of one.
             let server = start_with(kind);
-            let m = round(&http, &server, population, devices, clip_norm).await;
+            let m = round(
+                &http,
+                &server,
+                (population, spec(population, devices, clip_norm)),
+                devices,
+                None,
+            )
+            .await;
             let job = server
                 .jobs
                 .recv_timeout(Duration::from_secs(10))

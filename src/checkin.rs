@@ -248,6 +248,7 @@ impl Checkin<'_> {
                     .model_of_task(&candidate.task_id, candidate.model_version)
                     .await?
                     .size_bytes,
+                candidate.spec.masking.is_some(),
             );
             let (upload_url, upload_headers) = self
                 .upload_target(
@@ -319,9 +320,10 @@ impl Checkin<'_> {
     }
 }
 
-/// Largest envelope accepted for a task whose model has `model_bytes` bytes.
-pub fn contribution_limit(model_bytes: i64) -> u64 {
-    let model = model_bytes.max(0) as u64;
+/// Largest envelope accepted for a task whose model has `model_bytes` bytes; a masked task's
+/// updates are u64 on the grid, twice the model's F32 bytes (docs/secure-aggregation.md).
+pub fn contribution_limit(model_bytes: i64, masked: bool) -> u64 {
+    let model = model_bytes.max(0) as u64 * if masked { 2 } else { 1 };
     // Chunked sealing adds a 16-byte tag per chunk of at least 1 KiB: at most 1/64 more.
     model + model / 64 + CONTRIBUTION_SLACK_BYTES as u64
 }

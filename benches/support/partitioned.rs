@@ -263,7 +263,7 @@ pub(crate) async fn run(devices: usize, workers: u32) {
             }
         })
     };
-    let collection = simulate(&server, population, devices).await;
+    let collection = simulate(&server, population, devices, None).await;
     let closed_at = watching.await.unwrap();
     let (sealed_tx, sealed_rx) = std::sync::mpsc::channel();
     let mut children: Vec<Child> = (0..workers)

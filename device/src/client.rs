@@ -191,6 +191,9 @@ pub struct DeviceClient {
     pub(crate) token_issuers: Vec<TrustedIssuer>,
     pub(crate) attestation: Option<Arc<dyn crate::tokens::Attestation>>,
     pub(crate) token_sources: Mutex<HashMap<String, Arc<crate::tokens::TokenSource>>>,
+    /// The trust file, for a masked policy's check (`TrustConfig::accept_masking`): every key
+    /// service it names listed, with its verifying key, and masking required if the file says.
+    trust_file: TrustConfig,
 }
 
 type CachedModel = (String, std::sync::Arc<Vec<u8>>, String);
@@ -316,6 +319,7 @@ impl DeviceClient {
             token_issuers: trust.token_issuers.clone(),
             attestation: None,
             token_sources: Mutex::default(),
+            trust_file: trust.clone(),
         })
     }
 
@@ -635,6 +639,11 @@ impl DeviceClient {
             .check(&policy)
             .map_err(|e| refuse(e.to_string()))?;
         confed_protocol::trust::accept_device_auth(&self.token_issuers, &policy)
+            .map_err(|e| refuse(e.to_string()))?;
+        // A masked task's masking keys, each signed by the key service this device lists under
+        // its id (and a task in the clear refused if the trust file requires masking).
+        self.trust_file
+            .accept_masking(&policy)
             .map_err(|e| refuse(e.to_string()))?;
         if policy.device_auth.is_some() && self.attestation.is_none() {
             return Err(refuse(

@@ -38,8 +38,15 @@ pub fn draw(
         DeviceError::UntrustedPolicy("the task's policy does not mask its updates".into())
     })?;
     let layout = masking.layout();
-    let context =
-        MaskContext::new(&policy.task_id, round, assignment_ref, values).map_err(masking_error)?;
+    let policy_sha256 = policy.sha256_hex();
+    let context = MaskContext::new(
+        &policy.task_id,
+        round,
+        assignment_ref,
+        &policy_sha256,
+        values,
+    )
+    .map_err(masking_error)?;
     let seeds: Vec<Seed> = layout.groups().iter().map(|_| Seed::random()).collect();
     let sealed = masking::seal_seeds(&layout, &seeds, &masking.public_keys(), &context)
         .map_err(masking_error)?;
@@ -107,8 +114,15 @@ pub fn masked_update(
         &values,
         policy.clip_norm,
     ));
-    let context = MaskContext::new(&policy.task_id, round, assignment_ref, secrets.values)
-        .map_err(masking_error)?;
+    let policy_sha256 = policy.sha256_hex();
+    let context = MaskContext::new(
+        &policy.task_id,
+        round,
+        assignment_ref,
+        &policy_sha256,
+        secrets.values,
+    )
+    .map_err(masking_error)?;
     let masked =
         masking::mask(&masking.layout(), &grid, &secrets.seeds, &context).map_err(masking_error)?;
     Ok(masking::encode_masked(&masked))
@@ -182,7 +196,8 @@ mod tests {
             .chunks_exact(8)
             .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
             .collect();
-        let ctx = MaskContext::new("masked-task", 1, REF, 3).unwrap();
+        let policy_sha256 = policy.sha256_hex();
+        let ctx = MaskContext::new("masked-task", 1, REF, &policy_sha256, 3).unwrap();
         let answers: Vec<MaskSums> = (1..=3u8)
             .map(|service| {
                 let opened = open_seeds(

@@ -46,7 +46,9 @@ pub fn api_router(service: KeyService) -> axum::Router {
         )
         .route(
             "/v1/keys/{key_id}/unmask/agree",
-            axum::routing::post(super::unmask::agree),
+            axum::routing::post(super::unmask::agree).layer(axum::extract::DefaultBodyLimit::max(
+                super::unmask::AGREE_BODY_LIMIT,
+            )),
         )
         .route(
             "/v1/keys/{key_id}/unmask/sums",

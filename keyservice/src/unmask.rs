@@ -30,8 +30,18 @@ use crate::error::KeyServiceApiError as ApiError;
 use crate::extract::{ApiBytes, ApiPath};
 use crate::keys::HeldShare;
 
-/// The body limit of the sums route: `MAX_UNMASK_INPUTS` inputs of about 1 KB.
-pub(crate) const SUMS_BODY_LIMIT: usize = 64 * 1024 * 1024;
+/// The body limit of the sums route: `MAX_UNMASK_INPUTS` inputs of up to about 1.9 KB each
+/// (3-of-7's sealed seeds, base64url, with the token and seven digests).
+pub(crate) const SUMS_BODY_LIMIT: usize = 128 * 1024 * 1024;
+/// The body limit of the agreement route: the policy and `MAX_UNMASK_INPUTS` refs.
+pub(crate) const AGREE_BODY_LIMIT: usize = 8 * 1024 * 1024;
+/// Most bytes of mask sums one answer holds (groups x values x 8): a 32 M-value model's in
+/// 2-of-3, 2 M values' in 3-of-7.
+const MAX_SUMS_BYTES: usize = 256 * 1024 * 1024;
+
+/// One mask-sum computation at a time: each holds its sums in memory and expands a stream per
+/// input and group, so concurrent requests (anyone may send one for an agreed set) queue here.
+static SUMMING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
 
 /// What every unmask request is checked against: the round's pinned policy (a masked one naming
 /// this service) and its admitted commitment.
@@ -67,6 +77,14 @@ fn check_round(
             service.id
         ))
     })?;
+    // Its own entry must be its own: the key it signs with, and (for sums) its masking key.
+    let own = &masking.services[usize::from(number) - 1];
+    if own.verifying_key().ok().as_ref() != Some(service.signing_key.verifying_key()) {
+        return Err(ApiError::Forbidden(format!(
+            "the policy names key service {} with a verifying key that is not this service's",
+            service.id
+        )));
+    }
     let key_set = KeySetShape {
         threshold: held.key.threshold,
         shares: held.key.shares,
@@ -220,6 +238,16 @@ pub(crate) async fn sums(
     })?;
     let request = SumsRequest::decode(&body).map_err(ApiError::BadRequest)?;
     let checked = check_round(&service, held, &request.round)?;
+    let named = checked.policy.masking.as_ref().and_then(|m| {
+        m.services[usize::from(checked.number) - 1]
+            .public_key()
+            .ok()
+    });
+    if named.is_none() || named != masking_key.public_key().ok() {
+        return Err(ApiError::Forbidden(
+            "the policy names a masking key for this service that is not its own".into(),
+        ));
+    }
     let refs: Vec<&str> = request
         .inputs
         .iter()
@@ -272,15 +300,25 @@ pub(crate) async fn sums(
     };
     check_agreement(&request.receipts, &set, &trusted, checked.key_set)
         .map_err(|e| ApiError::Forbidden(format!("the unmask agreement does not hold: {e}")))?;
+    let groups = masking.layout().groups_of(checked.number).len();
     let values = usize::try_from(request.values)
         .ok()
-        .filter(|v| (1..=(1usize << 28)).contains(v))
-        .ok_or_else(|| ApiError::BadRequest("`values` must be 1 to 2^28".into()))?;
+        .filter(|&v| v >= 1 && v.saturating_mul(groups * 8) <= MAX_SUMS_BYTES)
+        .ok_or_else(|| {
+            ApiError::BadRequest(format!(
+                "`values` must be 1 to {} for this service's {groups} groups",
+                MAX_SUMS_BYTES / (groups * 8)
+            ))
+        })?;
     let number = checked.number;
     let task_id = round.task_id.clone();
     let round_number = round.round;
     let policy = checked.policy.clone();
     let inputs = request.inputs;
+    let _one_at_a_time = SUMMING
+        .acquire()
+        .await
+        .map_err(|e| ApiError::Internal(format!("the sums queue closed: {e}")))?;
     let summed = tokio::task::spawn_blocking(move || {
         sum_masks(
             &policy,
@@ -325,6 +363,8 @@ fn sum_masks(
             "input {reference}: {why}; the whole request is refused"
         ))
     };
+    // Seeds open only under the policy the device sealed them under (the context names it).
+    let policy_sha256 = policy.sha256_hex();
     let mut sums =
         MaskSums::new(&layout, number, values).map_err(|e| ApiError::Internal(e.to_string()))?;
     for input in inputs {
@@ -351,7 +391,7 @@ fn sum_masks(
         let nonce = masked_token_nonce(&decoded.enc, &decoded.seeds_digests);
         auth.verify_nonce(Some(&decoded.token), &nonce, task_id, round, reference)
             .map_err(|e| refuse(reference, format!("the device token does not hold: {e}")))?;
-        let context = MaskContext::new(task_id, round, reference, values)
+        let context = MaskContext::new(task_id, round, reference, &policy_sha256, values)
             .map_err(|e| refuse(reference, e.to_string()))?;
         let opened = masking::open_seeds(
             &layout,

@@ -21,9 +21,10 @@ use confed_protocol::masking::{
 
 /// A 1 MB update of f32 values: 262,144 values on the grid, 2 MB masked (u64).
 const VALUES: usize = 1 << 18;
+const POLICY: &str = "5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c";
 
 fn context(assignment_ref: &str) -> MaskContext<'_> {
-    MaskContext::new("bench-task", 1, assignment_ref, VALUES).unwrap()
+    MaskContext::new("bench-task", 1, assignment_ref, POLICY, VALUES).unwrap()
 }
 
 fn main() {

@@ -23,8 +23,12 @@ const MAX_PASSES: usize = 16;
 /// integer norm is at most `GRID_UNITS_PER_CLIP`. An update holding a NaN or an infinity, a clip
 /// norm outside the policy's `[MIN_CLIP_NORM, MAX_CLIP_NORM]`, or an update that still does not
 /// fit after `MAX_PASSES` gives zeros: a device's failed training sends a zero update.
+///
+/// The work does not depend on the values: every pass runs (the first that fits is kept), and a
+/// non-finite update is passed over like any other before zeros are chosen. A device clips at its
+/// send instant, and when it sends must not say how close its update came to the clip norm, or
+/// that its training diverged (docs/privacy.md, "Time").
 pub fn clip_to_grid(update: &[f32], clip_norm: f64) -> Vec<i64> {
-    let zeros = || vec![0; update.len()];
     let norm = update
         .iter()
         .map(|v| f64::from(*v) * f64::from(*v))
@@ -32,31 +36,37 @@ pub fn clip_to_grid(update: &[f32], clip_norm: f64) -> Vec<i64> {
         .sqrt();
     let clip_ok =
         (crate::policy::MIN_CLIP_NORM..=crate::policy::MAX_CLIP_NORM).contains(&clip_norm);
-    if !(norm.is_finite() && clip_ok) {
-        return zeros();
-    }
-    let mut factor = if norm > clip_norm {
-        clip_norm / norm
-    } else {
-        1.0
-    };
+    let usable = norm.is_finite() && clip_ok;
+    // A NaN factor makes every grid value 0 (Rust's float-to-integer casts saturate, NaN to 0).
+    let clip = if clip_ok { clip_norm } else { 1.0 };
+    let mut factor = if norm > clip { clip / norm } else { 1.0 };
     // Worst-case rounding adds sqrt(len)/2 units of norm (plus one), as a share of the clip's.
     let margin = ((update.len() as f64).sqrt() / 2.0 + 1.0) / GRID_UNITS_PER_CLIP as f64;
+    // Every pass writes its grid to `chosen` (the first that fits) or to `scratch`: the same
+    // work whichever pass fits, or none.
+    let mut chosen = vec![0i64; update.len()];
+    let mut scratch = vec![0i64; update.len()];
+    let mut found = false;
+    let mut grid = vec![0i64; update.len()];
     for _ in 0..MAX_PASSES {
-        let units = GRID_UNITS_PER_CLIP as f64 * (factor / clip_norm);
-        let grid: Vec<i64> = update
-            .iter()
-            .map(|v| (f64::from(*v) * units).round_ties_even() as i64)
-            .collect();
+        let units = GRID_UNITS_PER_CLIP as f64 * (factor / clip);
+        for (slot, v) in grid.iter_mut().zip(update) {
+            *slot = (f64::from(*v) * units).round_ties_even() as i64;
+        }
         let squares = grid.iter().fold(0u128, |acc, v| {
             acc.saturating_add(u128::from(v.unsigned_abs()).pow(2))
         });
-        if squares <= MAX_SQUARES {
-            return grid;
-        }
+        let keep = !found && squares <= MAX_SQUARES;
+        let target = if keep { &mut chosen } else { &mut scratch };
+        target.copy_from_slice(&grid);
+        found |= keep;
         factor *= (1.0 - margin).max(0.5);
     }
-    zeros()
+    if found && usable {
+        chosen
+    } else {
+        vec![0; update.len()]
+    }
 }
 
 #[cfg(test)]

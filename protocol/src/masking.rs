@@ -77,7 +77,7 @@ pub enum MaskingError {
     #[error("key service {0} answered twice")]
     DuplicateAnswer(u8),
     #[error(
-        "a mask context needs a task id of 1 to 64 of A-Z a-z 0-9 . _ - and an assignment ref of 64 lowercase hex digits"
+        "a mask context needs a task id of 1 to 64 of A-Z a-z 0-9 . _ -, and an assignment ref and a policy hash of 64 lowercase hex digits"
     )]
     Context,
     #[error(
@@ -197,16 +197,21 @@ pub struct MaskContext<'a> {
     task_id: &'a str,
     round: u64,
     assignment_ref: &'a str,
+    policy_sha256: &'a str,
     values: usize,
 }
 
 impl<'a> MaskContext<'a> {
     /// The context of `assignment_ref`'s masked vector of `values` values in `task_id`'s
-    /// `round`: the task id 1 to 64 of `A-Z a-z 0-9 . _ -`, the ref 64 lowercase hex digits.
+    /// `round` under the task policy whose SHA-256 is `policy_sha256`: the task id 1 to 64 of
+    /// `A-Z a-z 0-9 . _ -`, the ref and the policy hash 64 lowercase hex digits. The policy hash
+    /// makes seeds sealed under one policy open under no other: the key services open them
+    /// under the policy their release ledger pinned, which must be the one the device accepted.
     pub fn new(
         task_id: &'a str,
         round: u64,
         assignment_ref: &'a str,
+        policy_sha256: &'a str,
         values: usize,
     ) -> Result<Self, MaskingError> {
         let task_ok = (1..=64).contains(&task_id.len())
@@ -217,13 +222,14 @@ impl<'a> MaskContext<'a> {
             && assignment_ref
                 .bytes()
                 .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-        if !(task_ok && ref_ok) {
+        if !(task_ok && ref_ok && crate::hex::is_digest_hex(policy_sha256)) {
             return Err(MaskingError::Context);
         }
         Ok(Self {
             task_id,
             round,
             assignment_ref,
+            policy_sha256,
             values,
         })
     }
@@ -233,7 +239,8 @@ impl<'a> MaskContext<'a> {
         self.values
     }
 
-    /// `label 0x00 task_id 0x00 decimal(round) 0x00 assignment_ref 0x00 decimal(values) 0x00`.
+    /// `label 0x00 task_id 0x00 decimal(round) 0x00 assignment_ref 0x00 policy_sha256 0x00
+    /// decimal(values) 0x00`.
     fn bytes(&self) -> Vec<u8> {
         let mut out = Vec::new();
         for part in [
@@ -241,6 +248,7 @@ impl<'a> MaskContext<'a> {
             self.task_id.as_bytes(),
             self.round.to_string().as_bytes(),
             self.assignment_ref.as_bytes(),
+            self.policy_sha256.as_bytes(),
             self.values.to_string().as_bytes(),
         ] {
             out.extend_from_slice(part);

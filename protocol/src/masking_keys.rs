@@ -91,14 +91,21 @@ pub struct MaskingService {
 }
 
 impl MaskingService {
-    /// The key-set verifying key it signs with.
+    /// The key-set verifying key it signs with: the uncompressed SEC1 point only (65 bytes), so
+    /// one key has one text in the policy.
     pub fn verifying_key(&self) -> Result<VerifyingKey, String> {
-        crate::keyset::decode_verifying_key(&self.verifying_key).ok_or_else(|| {
-            format!(
-                "key service {}: the verifying key is not a base64url SEC1 P-256 point",
-                self.keyservice_id
-            )
-        })
+        let uncompressed = URL_SAFE_NO_PAD
+            .decode(&self.verifying_key)
+            .is_ok_and(|bytes| bytes.len() == 65 && bytes[0] == 4);
+        uncompressed
+            .then(|| crate::keyset::decode_verifying_key(&self.verifying_key))
+            .flatten()
+            .ok_or_else(|| {
+                format!(
+                    "key service {}: the verifying key is not a base64url SEC1 P-256 point",
+                    self.keyservice_id
+                )
+            })
     }
 
     /// Whether its masking key carries its own signature.
@@ -427,6 +434,7 @@ mod tests {
             limits: crate::policy::DeviceLimits::ENCLAVE,
             tenant_id: None,
             token_issuers: Vec::new(),
+            require_masking: false,
         }
     }
 
@@ -441,6 +449,17 @@ mod tests {
             trust.accept_masking(&TaskPolicy::sample("plain", 1)),
             Ok(None)
         );
+        // A device that requires masking refuses the same task served in the clear.
+        let strict = crate::trust::TrustConfig {
+            require_masking: true,
+            ..trust.clone()
+        };
+        assert!(strict.accept_masking(&policy).is_ok());
+        let why = strict
+            .accept_masking(&TaskPolicy::sample("plain", 1))
+            .unwrap_err()
+            .to_string();
+        assert!(why.contains("requires masking"), "{why}");
 
         // The operator puts a key of its own in place of ks2's.
         let mut forged = services.clone();

@@ -7,10 +7,12 @@ use super::*;
 use crate::hpke::generate_keypair;
 
 const TASK: &str = "task-1";
+/// The policy hash the tests' contexts name.
+const POLICY: &str = "5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c";
 
 fn context(assignment: usize, values: usize) -> MaskContext<'static> {
     let assignment_ref: &'static str = Box::leak(format!("{assignment:064x}").into_boxed_str());
-    MaskContext::new(TASK, 3, assignment_ref, values).unwrap()
+    MaskContext::new(TASK, 3, assignment_ref, POLICY, values).unwrap()
 }
 
 /// SplitMix64: test data, not masks.
@@ -295,7 +297,7 @@ fn streams_are_deterministic_and_differ_by_group_input_round_and_length() {
         stream(&base, 1),
         stream(&context(2, 64), 0),
         stream(
-            &MaskContext::new(TASK, 4, &format!("{:064x}", 1), 64).unwrap(),
+            &MaskContext::new(TASK, 4, &format!("{:064x}", 1), POLICY, 64).unwrap(),
             0,
         ),
         stream(&context(1, 65), 0)[..64].to_vec(),
@@ -372,7 +374,7 @@ fn a_masked_update_reads_back_only_at_its_length_and_name() {
 #[test]
 fn a_context_whose_fields_could_hold_the_separator_is_refused() {
     let reference = "ab".repeat(32);
-    assert!(MaskContext::new("task-1", 1, &reference, 4).is_ok());
+    assert!(MaskContext::new("task-1", 1, &reference, POLICY, 4).is_ok());
     for (task, assignment_ref) in [
         ("t\u{0}5", reference.as_str()),
         ("", reference.as_str()),
@@ -381,7 +383,7 @@ fn a_context_whose_fields_could_hold_the_separator_is_refused() {
         (&"t".repeat(65), reference.as_str()),
     ] {
         assert_eq!(
-            MaskContext::new(task, 1, assignment_ref, 4),
+            MaskContext::new(task, 1, assignment_ref, POLICY, 4),
             Err(MaskingError::Context),
             "{task:?} {assignment_ref:?}"
         );

@@ -7,6 +7,7 @@ use super::*;
 use crate::privacy_pass::context::{masked_token_nonce, seeds_digest};
 
 const REF: &str = "5d9ec1f4a7a2c1d3f2e7b8a9c0d1e2f3a4b5c6d7e8f9a0b1c2d3e4f5a6b7c8d9";
+const POLICY: &str = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0";
 
 fn seed(group: usize) -> [u8; SEED_BYTES] {
     std::array::from_fn(|i| (group * 31 + i) as u8)
@@ -14,7 +15,7 @@ fn seed(group: usize) -> [u8; SEED_BYTES] {
 
 fn case(n: u8, t: u8, update: &[f32], clip_norm: f64) -> serde_json::Value {
     let layout = Layout::new(n, t).unwrap();
-    let context = MaskContext::new("task-v", 7, REF, update.len()).unwrap();
+    let context = MaskContext::new("task-v", 7, REF, POLICY, update.len()).unwrap();
     let grid = crate::grid::clip_to_grid(update, clip_norm);
     let seeds: Vec<Seed> = (0..layout.groups().len())
         .map(|g| Seed::from_bytes(seed(g)))
@@ -32,6 +33,7 @@ fn case(n: u8, t: u8, update: &[f32], clip_norm: f64) -> serde_json::Value {
         "task_id": "task-v",
         "round": 7,
         "assignment_ref": REF,
+        "policy_sha256": POLICY,
         "update": update,
         "clip_norm": clip_norm,
         "groups": layout.groups(),

@@ -50,6 +50,11 @@ pub struct TrustConfig {
     /// accepted.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub token_issuers: Vec<TrustedIssuer>,
+    /// Contribute only to masked tasks (docs/secure-aggregation.md): a policy without a
+    /// `masking` line is refused, so the operator cannot serve this device's task in the clear.
+    /// Absent: false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub require_masking: bool,
 }
 
 /// A token issuer a device trusts: its name and the token keys it may sign with.
@@ -118,6 +123,11 @@ impl TrustConfig {
         policy: &crate::policy::TaskPolicy,
     ) -> Result<Option<Vec<crate::hpke::PublicKey>>, crate::policy::PolicyError> {
         let Some(masking) = &policy.masking else {
+            if self.require_masking {
+                return Err(crate::policy::PolicyError::Limits(
+                    "the task does not mask its updates, and this device's trust file requires masking (require_masking)".into(),
+                ));
+            }
             return Ok(None);
         };
         let refuse = |why: String| crate::policy::PolicyError::Limits(why);
@@ -310,6 +320,7 @@ mod tests {
             limits: DeviceLimits::ENCLAVE,
             tenant_id: None,
             token_issuers: Vec::new(),
+            require_masking: false,
         }
     }
 

@@ -140,7 +140,7 @@ pub async fn put_contribution(
     let uploads = state.uploads();
     // Everything that can refuse the upload is decided before a byte of the body is read: a
     // made-up capability or a declared size over the task's limit costs the server no memory.
-    let admitted = match admit_upload(&uploads, &capability, &headers, now).await {
+    let admitted = match admit_upload(&state, &uploads, &capability, &headers, now).await {
         Ok(admitted) => admitted,
         Err(error) => return before_body(error),
     };
@@ -166,12 +166,19 @@ fn before_body(error: ApiError) -> axum::response::Response {
 
 /// Whether the upload may be read at all: the assignment, the media type and the declared size.
 async fn admit_upload(
+    state: &AppState,
     uploads: &crate::uploads::Uploads<'_>,
     capability: &Capability,
     headers: &HeaderMap,
     now: crate::clock::Millis,
 ) -> Result<crate::uploads::Admitted, ApiError> {
     let assignment = uploads.find(capability).await?;
+    // A masked task's updates are twice the model's bytes (u64 on the grid).
+    let masked = state
+        .device_auth
+        .requirement(&state.db, &assignment)
+        .await?
+        .is_some_and(|r| r.masking.is_some());
     let content_type = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -188,7 +195,7 @@ async fn admit_upload(
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    Ok(uploads.admit(assignment, declared, now).await?)
+    Ok(uploads.admit(assignment, declared, masked, now).await?)
 }
 
 /// Reads the admitted upload's body (at most its limit), checks the envelope and stores it.

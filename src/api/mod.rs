@@ -58,13 +58,14 @@ pub fn routes_and_openapi(limits: &Limits) -> (Router<AppState>, utoipa::openapi
     let model_upload = OpenApiRouter::new()
         .routes(routes!(models::put_model))
         .layer(DefaultBodyLimit::max(limits.model_bytes));
-    // A contribution is an update of the model's size plus the envelope; the per-task limit is
-    // checked in the handler.
+    // A contribution is an update of the model's size (twice it, masked) plus the envelope;
+    // the per-task limit is checked in the handler.
     let contribution_upload = OpenApiRouter::new()
         .routes(routes!(devices::put_contribution))
-        .layer(DefaultBodyLimit::max(
-            crate::checkin::contribution_limit(limits.model_bytes as i64) as usize,
-        ));
+        .layer(DefaultBodyLimit::max(crate::checkin::contribution_limit(
+            limits.model_bytes as i64,
+            true,
+        ) as usize));
     let routes = OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(tasks::create_task, tasks::list_tasks))
         .routes(routes!(tasks::get_task))

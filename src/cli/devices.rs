@@ -128,6 +128,10 @@ pub(crate) enum DevicesCommand {
         /// the issuer's operator out of band: this trusts whatever answers).
         #[arg(long = "issuer")]
         issuers: Vec<String>,
+        /// Contribute only to masked tasks (`secure_aggregation`): a task served in the clear
+        /// is refused.
+        #[arg(long)]
+        require_masking: bool,
     },
 }
 
@@ -267,6 +271,7 @@ pub(super) async fn run(command: DevicesCommand) -> Result<()> {
             min_reports,
             tenant_id,
             issuers,
+            require_masking,
         } => {
             let mut token_issuers = Vec::new();
             for url in &issuers {
@@ -304,6 +309,7 @@ pub(super) async fn run(command: DevicesCommand) -> Result<()> {
                 },
                 tenant_id,
                 token_issuers,
+                require_masking,
             };
             config.check()?;
             println!("{}", serde_json::to_string_pretty(&config)?);

@@ -111,6 +111,7 @@ pub async fn start(
             limits: confed_protocol::policy::DeviceLimits::ENCLAVE,
             tenant_id: None,
             token_issuers: Vec::new(),
+            require_masking: false,
         },
         tasks: Vec::new(),
     };

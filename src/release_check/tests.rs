@@ -148,6 +148,7 @@ fn trust(scene: &Scene, listed: usize, shares: Option<usize>) -> TrustConfig {
         limits: confed_protocol::policy::DeviceLimits::ENCLAVE,
         tenant_id: None,
         token_issuers: Vec::new(),
+        require_masking: false,
     }
 }
 

@@ -89,9 +89,10 @@ impl Uploads<'_> {
         &self,
         assignment: AssignmentView,
         declared: Option<u64>,
+        masked: bool,
         now: Millis,
     ) -> Result<Admitted, UploadError> {
-        let limit = contribution_limit(assignment.model_bytes);
+        let limit = contribution_limit(assignment.model_bytes, masked);
         if let Some(declared) = declared
             && declared > limit
         {
@@ -216,7 +217,8 @@ impl Uploads<'_> {
         let Some(object) = self.contributions.stat(&key).await? else {
             return Err(UploadError::Refused(Refusal::NotUploaded));
         };
-        let limit = contribution_limit(assignment.model_bytes);
+        let masked = device_auth.is_some_and(|r| r.masking.is_some());
+        let limit = contribution_limit(assignment.model_bytes, masked);
         if object.size > limit || object.size == 0 {
             return Err(UploadError::DirectUploadSize {
                 size: object.size,

@@ -58,12 +58,14 @@ fn token(signer: &TokenSigner, assignment_ref: &str, nonce: [u8; 32]) -> Vec<u8>
         .encode()
 }
 
-fn masked_input(layout: &Layout, policy: &MaskingPolicy, signer: &TokenSigner, d: usize) -> Input {
+fn masked_input(layout: &Layout, policy: &TaskPolicy, signer: &TokenSigner, d: usize) -> Input {
+    let masking = policy.masking.as_ref().unwrap();
     let assignment_ref = confed_protocol::envelope::assignment_ref(&format!("device-{d}"));
     let grid: Vec<i64> = (0..VALUES).map(|i| (d * 100 + i) as i64 - 700).collect();
-    let ctx = MaskContext::new(TASK, 1, &assignment_ref, VALUES).unwrap();
+    let policy_sha256 = &policy.sha256_hex();
+    let ctx = MaskContext::new(TASK, 1, &assignment_ref, policy_sha256, VALUES).unwrap();
     let seeds: Vec<Seed> = layout.groups().iter().map(|_| Seed::random()).collect();
-    let sealed = seal_seeds(layout, &seeds, &policy.public_keys(), &ctx).unwrap();
+    let sealed = seal_seeds(layout, &seeds, &masking.public_keys(), &ctx).unwrap();
     let enc = vec![d as u8; 32];
     let digests: Vec<[u8; 32]> = sealed.iter().map(|s| seeds_digest(&s.to_bytes())).collect();
     Input {
@@ -114,7 +116,7 @@ async fn released() -> Masked {
         .unwrap();
     let layout = policy.masking.as_ref().unwrap().layout();
     let mut inputs: Vec<Input> = (0..DEVICES)
-        .map(|d| masked_input(&layout, policy.masking.as_ref().unwrap(), &signer, d))
+        .map(|d| masked_input(&layout, &policy, &signer, d))
         .collect();
     inputs.sort_by(|a, b| a.assignment_ref.cmp(&b.assignment_ref));
     Masked {
@@ -237,18 +239,30 @@ async fn the_key_services_unmask_one_agreed_set_once_and_their_sums_remove_the_m
 
     // Seeds swapped for the operator's own on one input: no token binds them.
     let mut swapped = m.inputs.clone();
-    let forged = masked_input(
-        &layout,
-        m.policy.masking.as_ref().unwrap(),
-        &crate::common::issuer::signer(),
-        99,
-    );
+    let forged = masked_input(&layout, &m.policy, &crate::common::issuer::signer(), 99);
     swapped[2].seeds = forged.seeds;
     let bad = m
         .post(0, "sums", &m.sums_request(0, &receipts, &swapped))
         .await;
     assert_eq!(bad.status(), 403);
     assert!(bad.text().await.unwrap().contains("device token"));
+
+    // Seeds sealed under another policy text (as devices shown another policy than the one the
+    // release pinned would seal them), with a token that verifies: they do not open.
+    let mut elsewhere = m.policy.clone();
+    elsewhere.plan = r#"{"shown":"to devices"}"#.into();
+    let resealed = masked_input(&layout, &elsewhere, &crate::common::issuer::signer(), 1);
+    let mut other_policy = m.inputs.clone();
+    let at = other_policy
+        .iter()
+        .position(|i| i.assignment_ref == resealed.assignment_ref)
+        .unwrap();
+    other_policy[at] = resealed;
+    let other = m
+        .post(0, "sums", &m.sums_request(0, &receipts, &other_policy))
+        .await;
+    assert_eq!(other.status(), 403);
+    assert!(other.text().await.unwrap().contains("seeds do not open"));
 
     // Every service's sums remove the masks of the included inputs exactly.
     let mut answers = Vec::new();

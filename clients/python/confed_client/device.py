@@ -219,6 +219,8 @@ class Trust:
     #: issuer name -> {"token_keys": [DER SPKI], "url"}: the token issuers whose tokens the
     #: device obtains for tasks that require them (docs/protocol.md, "Device tokens").
     token_issuers: dict = field(default_factory=dict)
+    #: Contribute only to masked tasks (`require_masking`): a task in the clear is refused.
+    require_masking: bool = False
 
     @property
     def n(self) -> int:
@@ -230,7 +232,7 @@ class Trust:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
         unknown = set(raw) - {"threshold", "keyservices", "limits", "tenant_id", "shares",
-                              "token_issuers"}
+                              "token_issuers", "require_masking"}
         if unknown:
             raise ValueError(f"{path}: unknown fields {sorted(unknown)}")
         keys = {entry["id"]: ec.EllipticCurvePublicKey.from_encoded_point(
@@ -252,7 +254,8 @@ class Trust:
         issuers = {entry["name"]: {"token_keys": [_b64url(k) for k in entry["token_keys"]],
                                    "url": entry["url"]}
                    for entry in raw.get("token_issuers", [])}
-        return cls(raw["threshold"], keys, limits, raw.get("tenant_id"), shares, issuers)
+        return cls(raw["threshold"], keys, limits, raw.get("tenant_id"), shares, issuers,
+                   bool(raw.get("require_masking", False)))
 
     def verify_key(self, encryption: dict, now: float) -> bytes:
         """The X25519 public key of an assignment's `encryption`, if at least `threshold` (and
@@ -561,6 +564,9 @@ class Device:
             public_key = self.trust.verify_key(assignment["encryption"], time.time())
             if policy["masking"] is not None:
                 self._masking_keys(policy)  # refused before anything is drawn or trained
+            elif self.trust.require_masking:
+                raise DeviceError("the task does not mask its updates, and this device's trust "
+                                  "file requires masking (require_masking)")
             if policy["device_auth"] is not None and self.attestation is None:
                 raise DeviceError("the task requires device tokens and this device has no "
                                   "attestation (Device(attestation=...))")
@@ -788,7 +794,8 @@ class Device:
                 raise DeviceError("a masked task's token needs the model's size")
             line = policy["masking"]
             n, t = len(line["services"]), line["threshold"]
-            context = masking.context(assignment["task_id"], assignment["round"], ref, values)
+            context = masking.context(assignment["task_id"], assignment["round"], ref,
+                                      policy_sha256(assignment["policy"]), values)
             drawn = masking.draw_seeds(n, t)
             sealed = masking.seal_seeds(n, t, drawn, self._masking_keys(policy), context)
             seeds = {"seeds": drawn, "sealed": sealed, "context": context, "values": values}

@@ -131,31 +131,44 @@ def accept(masking: dict, threshold: int, shares: int,
 def clip_to_grid(values: np.ndarray, clip_norm: float) -> np.ndarray:
     """The update (F32 values) clipped to `clip_norm` on the grid: scaled so the clip norm is
     2^16 units, rounded half to even, shrunk by the rounding's worst case until the exact
-    integer L2 norm is at most 2^16; zeros for a NaN or infinity (Rust `grid::clip_to_grid`)."""
+    integer L2 norm is at most 2^16; zeros for a NaN or infinity (Rust `grid::clip_to_grid`).
+    Every pass runs whatever the values (the first that fits is kept): the device clips at its
+    send instant, and when it sends must not depend on its update."""
     flat = np.asarray(values, dtype=np.float32).astype(np.float64).ravel()
-    zeros = np.zeros(flat.size, dtype=np.int64)
     # Summed one value after another, as the Rust library does: the same float, so the same
     # decision whether to shrink.
     squares = 0.0
     for v in flat.tolist():
         squares += v * v
     norm = math.sqrt(squares)
-    if not (math.isfinite(norm) and 1e-6 <= clip_norm <= 1e6):
-        return zeros
-    factor = clip_norm / norm if norm > clip_norm else 1.0
+    clip_ok = 1e-6 <= clip_norm <= 1e6
+    usable = math.isfinite(norm) and clip_ok
+    clip = clip_norm if clip_ok else 1.0
+    # A non-finite update is passed over like any other (as zeros), then zeros are sent.
+    work = flat if usable else np.zeros(flat.size)
+    factor = clip / norm if usable and norm > clip else 1.0
     margin = (math.sqrt(flat.size) / 2.0 + 1.0) / GRID_UNITS_PER_CLIP
+    chosen = None
     for _ in range(_MAX_PASSES):
-        units = GRID_UNITS_PER_CLIP * (factor / clip_norm)
-        grid = np.rint(flat * units).astype(np.int64)
-        if int(np.sum(grid.astype(object) ** 2)) <= GRID_UNITS_PER_CLIP ** 2:
-            return grid
+        units = GRID_UNITS_PER_CLIP * (factor / clip)
+        grid = np.rint(work * units).astype(np.int64)
+        # Exact in int64: every value is within 2^16 (the factor clips the norm first), so the
+        # sum of squares stays below 2^63 for any model under 2^31 values.
+        fits = int(np.dot(grid, grid)) <= GRID_UNITS_PER_CLIP ** 2
+        if chosen is None and fits:
+            chosen = grid
         factor *= max(1.0 - margin, 0.5)
-    return zeros
+    if chosen is None or not usable:
+        return np.zeros(flat.size, dtype=np.int64)
+    return chosen
 
 
-def context(task_id: str, round_: int, assignment_ref: str, values: int) -> bytes:
+def context(task_id: str, round_: int, assignment_ref: str, policy_sha256: str,
+            values: int) -> bytes:
+    """What one input's masks are bound to, the policy's hash among it: seeds sealed under one
+    policy open under no other."""
     parts = [_STREAM_LABEL, task_id.encode(), str(round_).encode(), assignment_ref.encode(),
-             str(values).encode()]
+             policy_sha256.encode(), str(values).encode()]
     return b"".join(p + b"\x00" for p in parts)
 
 

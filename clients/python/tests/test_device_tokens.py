@@ -77,6 +77,28 @@ def test_python_devices_with_tokens_fill_a_round_that_counts_them_authenticated(
     assert manifest["authenticated"] == DEVICES
 
 
+def test_python_devices_mask_their_updates_and_the_release_says_it_was_masked(server, issuer):
+    """`secure_aggregation`: each Python device clips on the grid, masks its update with seeds
+    sealed to the key services and binds them in its token; the key services remove the masks of
+    the round's agreed set, and the release records the masking."""
+    partner = Partner(server["url"], server["token"])
+    task = partner.create_task(dict(spec("python-masked", issuer), secure_aggregation=True),
+                               {"w": np.zeros(8, np.float32)})
+    trust = trusting(server, issuer)
+    for _ in range(DEVICES):
+        device = Device(server["url"], "python-masked", trust,
+                        attestation=tokens.DevAttestation())
+        assert device.run_once(lambda w, plan: {"w": np.full(8, 0.1, np.float32)}) == "contributed"
+    release = partner.wait_for_release(task, 1)
+    manifest = release["manifest"]
+    manifest = json.loads(manifest) if isinstance(manifest, str) else manifest
+    assert manifest["included"] == DEVICES
+    assert manifest["authenticated"] == DEVICES
+    masking = manifest["masking"]
+    assert masking["scheme"] == "confed-masking/v1"
+    assert masking["answered"] == list(range(1, masking["services"] + 1))
+
+
 def test_devices_without_attestation_or_trust_in_the_issuer_decline(server, issuer):
     partner = Partner(server["url"], server["token"])
     partner.create_task(spec("python-tokens-refused", issuer), {"w": np.zeros(4, np.float32)})

@@ -24,7 +24,8 @@ def test_grid_masks_aad_and_nonce_are_byte_for_byte_the_rust_librarys(case):
     assert [list(g) for g in masking.groups(n, t)] == case["groups"]
     grid = masking.clip_to_grid(np.array(case["update"], np.float32), case["clip_norm"])
     assert grid.tolist() == case["grid"]
-    ctx = masking.context(case["task_id"], case["round"], case["assignment_ref"], grid.size)
+    ctx = masking.context(case["task_id"], case["round"], case["assignment_ref"],
+                          case["policy_sha256"], grid.size)
     seeds = [bytes.fromhex(s) for s in case["seeds_hex"]]
     masked = masking.mask(grid, seeds, ctx)
     assert masking.encode_masked(masked).hex() == case["masked_update_hex"]
@@ -40,7 +41,7 @@ def test_sealed_seeds_open_for_their_service_only_and_are_the_layouts_length():
     n, t = 5, 3
     keys = [envelope.SUITE.kem.derive_key_pair(bytes([i]) * 32) for i in range(n)]
     public = [k.public_key.to_public_bytes() for k in keys]
-    ctx = masking.context("task-v", 7, "ab" * 32, 4)
+    ctx = masking.context("task-v", 7, "ab" * 32, "cd" * 32, 4)
     seeds = masking.draw_seeds(n, t)
     sealed = masking.seal_seeds(n, t, seeds, public, ctx)
     for j, item in enumerate(sealed, start=1):

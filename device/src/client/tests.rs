@@ -65,6 +65,7 @@ fn open_trust() -> TrustConfig {
         limits: DeviceLimits::ENCLAVE,
         tenant_id: None,
         token_issuers: Vec::new(),
+        require_masking: false,
     }
 }
 
@@ -336,6 +337,7 @@ fn a_policy_outside_the_devices_limits_is_refused() {
         },
         tenant_id: None,
         token_issuers: Vec::new(),
+        require_masking: false,
     };
     let client = DeviceClient::new("http://127.0.0.1:1", &trust).unwrap();
     let key = key();
@@ -376,6 +378,7 @@ fn a_pinned_device_refuses_another_tenants_policy() {
         limits: DeviceLimits::ENCLAVE,
         tenant_id: Some("acme".into()),
         token_issuers: Vec::new(),
+        require_masking: false,
     };
     let client = DeviceClient::new("http://127.0.0.1:1", &trust).unwrap();
     let key = key();

@@ -28,7 +28,7 @@ fn token(signer: &TokenSigner, assignment_ref: &str, nonce: [u8; 32]) -> Token {
 }
 
 fn sealed_seeds(layout: &Layout, public: &[PublicKey], assignment_ref: &str) -> Vec<SealedSeeds> {
-    let ctx = MaskContext::new(TASK, ROUND, assignment_ref, VALUES).unwrap();
+    let ctx = MaskContext::new(TASK, ROUND, assignment_ref, super::tests::POLICY, VALUES).unwrap();
     let seeds: Vec<Seed> = layout.groups().iter().map(|_| Seed::random()).collect();
     seal_seeds(layout, &seeds, public, &ctx).unwrap()
 }

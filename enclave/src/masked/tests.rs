@@ -15,6 +15,8 @@ use crate::envelope;
 use crate::hpke::{PublicKey, generate_keypair};
 
 const VALUES: usize = 64;
+/// The policy hash the devices' mask contexts name.
+pub(super) const POLICY: &str = "5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c";
 
 struct KeyServices {
     layout: Layout,
@@ -55,7 +57,7 @@ impl KeyServices {
 }
 
 fn mask_context(assignment_ref: &str) -> MaskContext<'_> {
-    MaskContext::new(TASK, ROUND, assignment_ref, VALUES).unwrap()
+    MaskContext::new(TASK, ROUND, assignment_ref, POLICY, VALUES).unwrap()
 }
 
 struct Masked {
