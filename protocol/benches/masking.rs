@@ -47,6 +47,19 @@ fn main() {
         1000.0 * seconds / runs as f64,
         (runs * VALUES * 8) as f64 / seconds / 1e9
     );
+    // The device's clip on the grid: a fixed number of passes, whatever the values.
+    let update: Vec<f32> = (0..VALUES)
+        .map(|i| ((i % 200) as f32 - 100.0) * 1e-4)
+        .collect();
+    let clip_runs = 20;
+    let started = Instant::now();
+    for _ in 0..clip_runs {
+        std::hint::black_box(confed_protocol::grid::clip_to_grid(&update, 1.0));
+    }
+    println!(
+        "masking: the device's clip of a 1 MB update on the grid: {:.1} ms (fixed work)",
+        1000.0 * started.elapsed().as_secs_f64() / clip_runs as f64
+    );
     let grid: Vec<i64> = (0..VALUES as i64).map(|i| i % 200 - 100).collect();
     for (n, t) in [(3u8, 2u8), (5, 3), (7, 3)] {
         let layout = Layout::new(n, t).unwrap();

@@ -13,8 +13,8 @@ pub const GRID_UNITS_PER_CLIP: i64 = 1 << 16;
 /// The exact squared integer norm a clipped update may reach (2^32).
 const MAX_SQUARES: u128 = (GRID_UNITS_PER_CLIP as u128) * (GRID_UNITS_PER_CLIP as u128);
 
-/// Most passes `clip_to_grid` makes: an update within the policy's bounds fits in two.
-const MAX_PASSES: usize = 16;
+/// Passes `clip_to_grid` makes, every time: an update within the policy's bounds fits in two.
+const MAX_PASSES: usize = 4;
 
 /// `update` clipped to L2 norm `clip_norm` and put on the grid: scaled by `GRID_UNITS_PER_CLIP /
 /// clip_norm` (shrunk first if its norm is above `clip_norm`), rounded to the nearest integer
@@ -37,9 +37,12 @@ pub fn clip_to_grid(update: &[f32], clip_norm: f64) -> Vec<i64> {
     let clip_ok =
         (crate::policy::MIN_CLIP_NORM..=crate::policy::MAX_CLIP_NORM).contains(&clip_norm);
     let usable = norm.is_finite() && clip_ok;
-    // A NaN factor makes every grid value 0 (Rust's float-to-integer casts saturate, NaN to 0).
     let clip = if clip_ok { clip_norm } else { 1.0 };
-    let mut factor = if norm > clip { clip / norm } else { 1.0 };
+    let mut factor = if usable && norm > clip {
+        clip / norm
+    } else {
+        1.0
+    };
     // Worst-case rounding adds sqrt(len)/2 units of norm (plus one), as a share of the clip's.
     let margin = ((update.len() as f64).sqrt() / 2.0 + 1.0) / GRID_UNITS_PER_CLIP as f64;
     // Every pass writes its grid to `chosen` (the first that fits) or to `scratch`: the same
@@ -48,15 +51,24 @@ pub fn clip_to_grid(update: &[f32], clip_norm: f64) -> Vec<i64> {
     let mut scratch = vec![0i64; update.len()];
     let mut found = false;
     let mut grid = vec![0i64; update.len()];
+    // A non-finite update is passed over as zeros (the same work), then zeros are sent.
+    let zeros;
+    let source: &[f32] = if usable {
+        update
+    } else {
+        zeros = vec![0f32; update.len()];
+        &zeros
+    };
     for _ in 0..MAX_PASSES {
         let units = GRID_UNITS_PER_CLIP as f64 * (factor / clip);
-        for (slot, v) in grid.iter_mut().zip(update) {
+        for (slot, v) in grid.iter_mut().zip(source) {
             *slot = (f64::from(*v) * units).round_ties_even() as i64;
         }
-        let squares = grid.iter().fold(0u128, |acc, v| {
-            acc.saturating_add(u128::from(v.unsigned_abs()).pow(2))
-        });
-        let keep = !found && squares <= MAX_SQUARES;
+        // Every value is within 2^16 units (the factor clipped the norm first), so u64 holds
+        // the exact sum for any model under 2^30 values; saturating, a larger one only fails
+        // to fit.
+        let squares: u64 = grid.iter().map(|v| v.unsigned_abs().pow(2)).sum();
+        let keep = !found && u128::from(squares) <= MAX_SQUARES;
         let target = if keep { &mut chosen } else { &mut scratch };
         target.copy_from_slice(&grid);
         found |= keep;

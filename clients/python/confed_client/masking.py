@@ -28,7 +28,7 @@ KEY_LABEL = "confed-masking-key-v1"
 _STREAM_LABEL = b"confed mask stream v1"
 _SEEDS_INFO = b"confed mask seeds v1"
 _NONCE_LABEL = b"confed token nonce v2\x00"
-_MAX_PASSES = 16
+_MAX_PASSES = 4
 _ID = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
 
 
