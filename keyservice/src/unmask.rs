@@ -315,11 +315,14 @@ pub(crate) async fn sums(
     let round_number = round.round;
     let policy = checked.policy.clone();
     let inputs = request.inputs;
-    let _one_at_a_time = SUMMING
+    // Held by the computation itself: a caller that hangs up does not free it while the sums
+    // still run.
+    let permit = SUMMING
         .acquire()
         .await
         .map_err(|e| ApiError::Internal(format!("the sums queue closed: {e}")))?;
     let summed = tokio::task::spawn_blocking(move || {
+        let _one_at_a_time = permit;
         sum_masks(
             &policy,
             number,

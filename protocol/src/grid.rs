@@ -51,22 +51,19 @@ pub fn clip_to_grid(update: &[f32], clip_norm: f64) -> Vec<i64> {
     let mut scratch = vec![0i64; update.len()];
     let mut found = false;
     let mut grid = vec![0i64; update.len()];
-    // A non-finite update is passed over as zeros (the same work), then zeros are sent.
-    let zeros;
-    let source: &[f32] = if usable {
-        update
-    } else {
-        zeros = vec![0f32; update.len()];
-        &zeros
-    };
+    // A non-finite update is passed over as zeros (the same work), then zeros are sent; both
+    // buffers are made either way.
+    let zeros = vec![0f32; update.len()];
+    let zero_grid = vec![0i64; update.len()];
+    let source: &[f32] = if usable { update } else { &zeros };
     for _ in 0..MAX_PASSES {
         let units = GRID_UNITS_PER_CLIP as f64 * (factor / clip);
         for (slot, v) in grid.iter_mut().zip(source) {
             *slot = (f64::from(*v) * units).round_ties_even() as i64;
         }
-        // Every value is within 2^16 units (the factor clipped the norm first), so u64 holds
-        // the exact sum for any model under 2^30 values; saturating, a larger one only fails
-        // to fit.
+        // Every value is within 2^16 units (the factor clipped the norm first), so each square
+        // is at most 2^32 and the u64 sum is exact for any model under 2^32 values (the model
+        // limit is far below).
         let squares: u64 = grid.iter().map(|v| v.unsigned_abs().pow(2)).sum();
         let keep = !found && u128::from(squares) <= MAX_SQUARES;
         let target = if keep { &mut chosen } else { &mut scratch };
@@ -74,11 +71,7 @@ pub fn clip_to_grid(update: &[f32], clip_norm: f64) -> Vec<i64> {
         found |= keep;
         factor *= (1.0 - margin).max(0.5);
     }
-    if found && usable {
-        chosen
-    } else {
-        vec![0; update.len()]
-    }
+    if found && usable { chosen } else { zero_grid }
 }
 
 #[cfg(test)]

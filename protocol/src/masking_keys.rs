@@ -57,7 +57,9 @@ pub fn sign_masking_key(
     public: &PublicKey,
 ) -> SignedMaskingKey {
     let public_key = URL_SAFE_NO_PAD.encode(public.0);
+    // Low `s` (BIP 62 style): one key has one signature text, so one policy has one hash.
     let signature: Signature = signing_key.sign(&key_message(keyservice_id, &public_key));
+    let signature = signature.normalize_s();
     SignedMaskingKey {
         public_key,
         signature: URL_SAFE_NO_PAD.encode(signature.to_bytes()),
@@ -165,10 +167,15 @@ impl MaskingPolicy {
             if !keys.insert(key.0) {
                 return Err("masking: two key services have the same masking key".into());
             }
-            let signature = URL_SAFE_NO_PAD.decode(&service.key.signature);
-            if !signature.is_ok_and(|s| s.len() == 64) {
+            // 64 bytes r || s with a low `s`: the other form of the same signature would give
+            // the same policy a second text (and hash).
+            let signature = URL_SAFE_NO_PAD
+                .decode(&service.key.signature)
+                .ok()
+                .and_then(|bytes| Signature::from_slice(&bytes).ok());
+            if !signature.is_some_and(|s| s.normalize_s() == s) {
                 return Err(format!(
-                    "masking: key service {}: the signature is not 64 bytes of base64url",
+                    "masking: key service {}: the signature is not 64 bytes of base64url r || s with a low s",
                     service.keyservice_id
                 ));
             }

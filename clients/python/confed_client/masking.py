@@ -30,6 +30,8 @@ _SEEDS_INFO = b"confed mask seeds v1"
 _NONCE_LABEL = b"confed token nonce v2\x00"
 _MAX_PASSES = 4
 _ID = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
+#: Half the P-256 group order: a masking key's signature must have s at most this.
+_HALF_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551 // 2
 
 
 class MaskingError(ValueError):
@@ -82,6 +84,10 @@ def parse_line(value: str) -> dict:
         raise MaskingError("masking: key service ids must be distinct, 1-64 of A-Z a-z 0-9 . _ -")
     keys = []
     for service in services:
+        signature = _b64url(service["signature"])
+        if len(signature) == 64 and int.from_bytes(signature[32:], "big") > _HALF_ORDER:
+            raise MaskingError(f"masking: key service {service['id']}: the signature's s is "
+                               "not low (one key has one signature text)")
         if (len(_b64url(service["verifying_key"])) != 65
                 or len(_b64url(service["public_key"])) != 32
                 or len(_b64url(service["signature"])) != 64):
@@ -144,8 +150,11 @@ def clip_to_grid(values: np.ndarray, clip_norm: float) -> np.ndarray:
     clip_ok = 1e-6 <= clip_norm <= 1e6
     usable = math.isfinite(norm) and clip_ok
     clip = clip_norm if clip_ok else 1.0
-    # A non-finite update is passed over like any other (as zeros), then zeros are sent.
-    work = flat if usable else np.zeros(flat.size)
+    # A non-finite update is passed over like any other (as zeros), then zeros are sent; both
+    # buffers are made either way.
+    zeros = np.zeros(flat.size)
+    zero_grid = np.zeros(flat.size, dtype=np.int64)
+    work = flat if usable else zeros
     factor = clip / norm if usable and norm > clip else 1.0
     margin = (math.sqrt(flat.size) / 2.0 + 1.0) / GRID_UNITS_PER_CLIP
     chosen = None
@@ -158,9 +167,7 @@ def clip_to_grid(values: np.ndarray, clip_norm: float) -> np.ndarray:
         if chosen is None and fits:
             chosen = grid
         factor *= max(1.0 - margin, 0.5)
-    if chosen is None or not usable:
-        return np.zeros(flat.size, dtype=np.int64)
-    return chosen
+    return chosen if chosen is not None and usable else zero_grid
 
 
 def context(task_id: str, round_: int, assignment_ref: str, policy_sha256: str,

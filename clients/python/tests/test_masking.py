@@ -61,6 +61,7 @@ def _signed_line(signers, t=2):
         der = signer.sign(f"confed-masking-key-v1|ks{i}|{public}".encode(),
                           ec.ECDSA(hashes.SHA256()))
         r, s = decode_dss_signature(der)
+        s = min(s, masking._HALF_ORDER * 2 + 1 - s)  # low s, as the key services sign
         sig = base64.urlsafe_b64encode(r.to_bytes(32, "big") + s.to_bytes(32, "big"))
         point = signer.public_key().public_bytes(serialization.Encoding.X962,
                                                  serialization.PublicFormat.UncompressedPoint)
@@ -103,3 +104,17 @@ def test_the_policy_parses_a_masking_line_between_device_auth_and_analytics():
     assert policy.parse_policy(plain)["masking"] is None
     with pytest.raises(policy.PolicyError):
         policy.parse_policy(plain.replace("device_auth", "masking"))
+
+
+def test_a_masking_signature_with_a_high_s_is_refused_so_one_policy_has_one_text():
+    signers = [ec.generate_private_key(ec.SECP256R1()) for _ in range(3)]
+    line = _signed_line(signers)
+    masking.parse_line(line)
+    service = line.split("services=")[1].split(",")[0]
+    signature = masking._b64url(service.split(":")[3])
+    order = masking._HALF_ORDER * 2 + 1
+    high = signature[:32] + (order - int.from_bytes(signature[32:], "big")).to_bytes(32, "big")
+    flipped = base64.urlsafe_b64encode(high).rstrip(b"=").decode()
+    with pytest.raises(masking.MaskingError, match="low"):
+        masking.parse_line(line.replace(service.split(":")[3], flipped, 1))
+
