@@ -315,23 +315,36 @@ impl<S: JobStore + 'static> Worker<S> {
         let aggregator = self.add_all(job, inputs, &private_key, aggregator).await?;
         phases.open = step.elapsed();
         let step = Instant::now();
-        // Noising can take long (a tree round at the end of a long tree samples up to 2047 noise
-        // vectors): the lease is renewed every quarter lease until it is done.
+        let release = self
+            .finish_renewing(job, aggregator, private_key, privacy)
+            .await?;
+        phases.noise = step.elapsed();
+        let proof = signed_proof(&release.manifest, commitment, &signing_key, receipts);
+        Ok((release, proof))
+    }
+
+    /// Noises and averages on a blocking thread. Noising can take long (a tree round at the end
+    /// of a long tree samples up to 2047 noise vectors): the lease is renewed every quarter
+    /// lease until it is done.
+    pub(super) async fn finish_renewing(
+        &self,
+        job: &JobSpec,
+        aggregator: Aggregator,
+        private_key: Arc<crate::hpke::PrivateKey>,
+        privacy: PrivacyParams,
+    ) -> Result<Release, JobError> {
         let mut finishing =
             tokio::task::spawn_blocking(move || aggregator.finish(&private_key, privacy));
-        let release = loop {
+        loop {
             match tokio::time::timeout(self.config.lease / 4, &mut finishing).await {
-                Ok(joined) => break joined.map_err(JobError::Thread)??,
+                Ok(joined) => return Ok(joined.map_err(JobError::Thread)??),
                 Err(_) => {
                     self.store
                         .renew(&job.job_id, &job.lease_holder, self.config.lease)
                         .await?
                 }
             }
-        };
-        phases.noise = step.elapsed();
-        let proof = signed_proof(&release.manifest, commitment, &signing_key, receipts);
-        Ok((release, proof))
+        }
     }
 
     /// Adds a whole round's or a root's inputs to `aggregator`, then hands it back: a root

@@ -108,10 +108,9 @@ impl<S: JobStore + 'static> Worker<S> {
 
         let step = Instant::now();
         let aggregator = aggregator.continuing(continues);
-        let mut release =
-            tokio::task::spawn_blocking(move || aggregator.finish(&private_key, privacy))
-                .await
-                .map_err(JobError::Thread)??;
+        let mut release = self
+            .finish_renewing(job, aggregator, private_key, privacy)
+            .await?;
         release.manifest.masking = Some(record);
         phases.noise = step.elapsed();
         let proof = signed_proof(&release.manifest, commitment, &signing_key, receipts);
