@@ -80,6 +80,13 @@ impl Tasks<'_> {
             false => None,
         };
         let masked = request.secure_aggregation == Some(true);
+        let distributed = request.distributed_noise == Some(true);
+        if distributed && !masked {
+            return Err(TaskError::InvalidFields(vec![crate::task_spec::InvalidParam {
+                name: "distributed_noise".into(),
+                reason: "distributed noise is drawn by the key services of a masked task: set `secure_aggregation` too".into(),
+            }]));
+        }
         let mut spec = tokio::task::spawn_blocking(move || {
             let _one_at_a_time = permit;
             request.validate()
@@ -88,7 +95,7 @@ impl Tasks<'_> {
         .map_err(|e| TaskError::Validation(e.to_string()))?
         .map_err(TaskError::InvalidFields)?;
         if masked {
-            spec.masking = Some(self.masking_line(tenant_id, &spec)?);
+            spec.masking = Some(self.masking_line(tenant_id, &spec, distributed)?);
         }
         let analytics = spec.analytics.is_some();
         let task = self.db.create_task(tenant_id, &spec).await?;
@@ -120,15 +127,24 @@ impl Tasks<'_> {
         &self,
         tenant_id: &str,
         spec: &crate::task_spec::TaskSpec,
+        distributed: bool,
     ) -> Result<String, TaskError> {
-        let refuse = |reason: String| {
+        let refuse_field = |name: &str, reason: String| {
             TaskError::InvalidFields(vec![crate::task_spec::InvalidParam {
-                name: "secure_aggregation".into(),
+                name: name.into(),
                 reason,
             }])
         };
+        let refuse = |reason: String| refuse_field("secure_aggregation", reason);
         let now = self.db.now().0 / 1000;
-        let masking = self.keys.masking_policy(now).map_err(refuse)?;
+        let mut masking = self.keys.masking_policy(now).map_err(refuse)?;
+        if distributed {
+            let variance = distributed_variance(&spec.policy("checked-before-creation", tenant_id))
+                .map_err(|reason| refuse_field("distributed_noise", reason))?;
+            masking = masking
+                .with_noise(variance)
+                .map_err(|reason| refuse_field("distributed_noise", reason))?;
+        }
         let mut checked = spec.clone();
         checked.masking = Some(masking.encode());
         checked
@@ -268,6 +284,35 @@ fn decode_cursor(token: &str) -> Result<TaskCursor, TaskError> {
         created_at: created_at.parse().map_err(|_| TaskError::BadPageToken)?,
         id: id.to_string(),
     })
+}
+
+/// The per-group variance of a masked task's distributed noise (grid units squared): the
+/// variance the budget calibrates, by the front end's closed form, raised by one part in 10^6
+/// so that the enclave's own calibration (OpenDP's, within 10^-9 of it) never finds it short.
+fn distributed_variance(policy: &confed_protocol::policy::TaskPolicy) -> Result<u64, String> {
+    let mechanism = policy.dp_mechanism().map_err(|e| e.to_string())?;
+    if mechanism.noise != confed_protocol::mechanism::Mechanism::Gaussian {
+        return Err(format!(
+            "distributed noise is per-round Gaussian noise; the mechanism {} correlates its noise across rounds, which only the enclave can draw",
+            mechanism.noise.encode()
+        ));
+    }
+    let z = confed_dp::calibrate_task(
+        &confed_dp::ClosedForm,
+        mechanism,
+        policy.epsilon,
+        policy.delta,
+        policy.rounds,
+    )
+    .map_err(|e| e.to_string())?
+    .noise_multiplier;
+    let scale = z * confed_dp::accounting::units_per_clip(mechanism.noise);
+    let variance = (scale * scale * (1.0 + 1e-6)).ceil();
+    if !(variance.is_finite() && variance >= 1.0) {
+        return Err(format!("the budget calibrates no usable noise ({z})"));
+    }
+    // Saturates above 2^64; `with_noise` refuses anything above its range.
+    Ok(variance as u64)
 }
 
 #[cfg(test)]

@@ -394,10 +394,22 @@ pub fn check(
 }
 
 /// What the accounting guarantees on one device's contribution to a DP-FTRL round (tree or BLT),
-/// beside what the release alone carries; `None` for independent noise (the two are the same)
+/// or to a masked round whose key services drew the noise, beside what the release alone carries; `None` for independent noise (the two are the same)
 /// and for releases of servers that did not record it.
 fn guarantee_line(manifest: &Manifest) -> Option<String> {
     let noise = &manifest.noise;
+    if let Some(masking) = &manifest.masking
+        && let Some(variance) = masking.noise_variance_grid
+    {
+        let accounted =
+            (variance as f64).sqrt() * manifest.clip_norm / noise.grid_units_per_clip as f64;
+        return Some(format!(
+            "noise: distributed: each of the {} groups of key services added a discrete Gaussian of standard deviation {accounted:.6} per coordinate of the sum, and the enclave none; the accounting guarantees {accounted:.6} on one device's contribution even to whoever holds the enclave and {} key services; this release carries {:.6}",
+            masking.groups,
+            masking.quorum.saturating_sub(1),
+            noise.stddev_sum
+        ));
+    }
     if let Some(tree) = &noise.tree {
         let (accounted, depth) = (tree.accounted_stddev_sum?, tree.accounted_depth?);
         return Some(format!(

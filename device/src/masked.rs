@@ -212,7 +212,7 @@ mod tests {
                 sums
             })
             .collect();
-        let grid = unmask(&layout, &masked, &answers, 1, 65_536).unwrap();
+        let grid = unmask(&layout, &masked, &answers, 1, 65_536, 0.0).unwrap();
         // a.weight's values first, then z.bias; clipped to the clip norm: on the grid the
         // vector's length is just under 2^16 units (the exact check rounds down).
         let expected = confed_protocol::grid::clip_to_grid(&[4.0, 0.0, 3.0], 2.0);

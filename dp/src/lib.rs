@@ -10,7 +10,10 @@
 //! OpenDP; the enclave's tests hold the two to 1e-9 of each other over a grid of budgets
 //! (docs/privacy.md, "Accounting").
 //!
-//! Nothing here is secret or samples noise: the sampler is the enclave's.
+//! Two parts, behind the feature `noise` (the enclave's and the key services', never the front
+//! ends'), sample noise: `exact_sampler`, the exact discrete Gaussian the enclave and the key
+//! services draw with, and `distributed`, a masked round's noise that every holder of a mask
+//! group adds to that group's mask sums (docs/secure-aggregation.md, "Distributed noise").
 
 #![forbid(unsafe_code)]
 
@@ -21,6 +24,10 @@ pub mod blt_accounting;
 pub mod blt_optimize;
 pub mod calibrate;
 pub mod closed_form;
+#[cfg(feature = "noise")]
+pub mod distributed;
+#[cfg(feature = "noise")]
+pub mod exact_sampler;
 pub mod grid;
 pub mod plan;
 pub mod running_sum;

@@ -7,6 +7,9 @@
 //!   for the set this service agreed to, and a device token over each input's sealed seeds, it
 //!   opens its seeds and answers its groups' mask sums over exactly that set.
 //!
+//! With distributed noise, each group's sums leave with that group's noise subtracted, drawn from
+//! a key only the group's holders can derive.
+//!
 //! Neither answer needs an attested caller: the receipts and sums are useless without the
 //! round's masked sum, which only an enclave holding the round's key can make. What must hold
 //! is that one set per round is ever unmasked, whoever asks, and that every seed summed is a
@@ -20,6 +23,7 @@ use confed_attestation::release::{KeySetShape, TrustedSigner};
 use confed_attestation::unmask::{IncludedSet, UnmaskReceipt, check_agreement, included_digest};
 use confed_attestation::unmask_api::{AgreeRequest, MAX_UNMASK_INPUTS, SumsRequest, UnmaskRound};
 use confed_protocol::masking::{self, MaskContext, MaskSums, SealedSeeds};
+use confed_protocol::masking_noise::NoiseKeys;
 use confed_protocol::policy::TaskPolicy;
 use confed_protocol::privacy_pass::context::{masked_token_nonce, seeds_digest};
 
@@ -370,6 +374,8 @@ fn sum_masks(
     let policy_sha256 = policy.sha256_hex();
     let mut sums =
         MaskSums::new(&layout, number, values).map_err(|e| ApiError::Internal(e.to_string()))?;
+    let noise_variance = policy.masking.as_ref().and_then(|m| m.noise_variance);
+    let mut noise_keys = noise_variance.map(|_| NoiseKeys::new(&layout.groups_of(number)));
     for input in inputs {
         let reference = input.assignment_ref.as_str();
         let decoded = input.decode().map_err(ApiError::BadRequest)?;
@@ -405,6 +411,18 @@ fn sum_masks(
         .map_err(|e| refuse(reference, e.to_string()))?;
         sums.add(&opened, &context)
             .map_err(|e| refuse(reference, e.to_string()))?;
+        if let Some(keys) = noise_keys.as_mut() {
+            keys.absorb(&opened, &context)
+                .map_err(|e| refuse(reference, e.to_string()))?;
+        }
+    }
+    // Distributed noise: each group's draw, keyed by the group's seeds over this set, the same
+    // at every holder and on every repeat (docs/secure-aggregation.md, "Distributed noise").
+    if let (Some(variance), Some(keys)) = (noise_variance, noise_keys) {
+        for ((group, sum), (keyed, key)) in sums.sums.iter_mut().zip(keys.finish()) {
+            debug_assert_eq!(*group, keyed);
+            confed_dp::distributed::noise_mask_sum(sum, variance, &key);
+        }
     }
     Ok(sums)
 }

@@ -31,6 +31,7 @@ pub mod keys;
 pub mod keyset;
 pub mod masking;
 pub mod masking_keys;
+pub mod masking_noise;
 pub mod mechanism;
 pub mod policy;
 pub mod privacy_pass;

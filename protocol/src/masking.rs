@@ -40,6 +40,8 @@ pub const MAX_SERVICES: u8 = 7;
 pub const SEED_BYTES: usize = 32;
 
 const STREAM_LABEL: &[u8] = b"confed mask stream v1";
+/// The label of a seed's noise block (`masking_noise`).
+const NOISE_LABEL: &[u8] = b"confed mask noise v1";
 const SEEDS_INFO: &[u8] = b"confed mask seeds v1";
 /// Keystream made at once when a stream is added (64 KiB: stays in L2 while it is added).
 const STREAM_CHUNK: usize = 8 * 1024;
@@ -81,9 +83,15 @@ pub enum MaskingError {
     )]
     Context,
     #[error(
-        "the unmasked sum is outside what {included} clipped updates can add (its L2 norm exceeds {included} x {units_per_clip} grid units): a mask sum is wrong"
+        "the unmasked sum is outside what {included} clipped updates can add (its L2 norm exceeds {included} x {units_per_clip} grid units, plus {noise_norm} of distributed noise): a mask sum is wrong"
     )]
-    OutOfBound { included: u64, units_per_clip: i64 },
+    OutOfBound {
+        included: u64,
+        units_per_clip: i64,
+        noise_norm: u64,
+    },
+    #[error("the noise keys take one seed per group of the key service's, in order")]
+    NoiseShape,
 }
 
 /// The release quorum of `n` key services of threshold `t` (docs/architecture.md, "Availability
@@ -241,10 +249,10 @@ impl<'a> MaskContext<'a> {
 
     /// `label 0x00 task_id 0x00 decimal(round) 0x00 assignment_ref 0x00 policy_sha256 0x00
     /// decimal(values) 0x00`.
-    fn bytes(&self) -> Vec<u8> {
+    fn bytes(&self, label: &[u8]) -> Vec<u8> {
         let mut out = Vec::new();
         for part in [
-            STREAM_LABEL,
+            label,
             self.task_id.as_bytes(),
             self.round.to_string().as_bytes(),
             self.assignment_ref.as_bytes(),
@@ -260,8 +268,21 @@ impl<'a> MaskContext<'a> {
     /// The stream key of `group`'s seed: AES-256 under the seed of the block made of the first 16
     /// bytes of SHA-256(context || decimal(group) 0x00).
     fn stream_key(&self, seed: &Seed, group: usize) -> Zeroizing<[u8; 16]> {
+        self.seed_block(STREAM_LABEL, seed, group)
+    }
+
+    /// The noise block of `group`'s seed (`masking_noise`): the stream key's derivation under
+    /// the label `confed mask noise v1`. The seed is only ever an AES-256 key, and the two
+    /// blocks it encrypts differ.
+    pub(crate) fn noise_block(&self, seed: &Seed, group: usize) -> Zeroizing<[u8; 16]> {
+        self.seed_block(NOISE_LABEL, seed, group)
+    }
+
+    /// AES-256 under `seed` of the first 16 bytes of SHA-256(context under `label` ||
+    /// decimal(group) 0x00).
+    fn seed_block(&self, label: &[u8], seed: &Seed, group: usize) -> Zeroizing<[u8; 16]> {
         let mut hash = Sha256::new();
-        hash.update(self.bytes());
+        hash.update(self.bytes(label));
         hash.update(group.to_string().as_bytes());
         hash.update([0]);
         let mut block = Zeroizing::new([0u8; 16]);
@@ -395,7 +416,7 @@ pub fn split_seeds<'a>(layout: &Layout, seeds: &'a [u8]) -> Result<Vec<&'a [u8]>
 /// Associated data of a key service's sealed seeds: the context and the service's number, so
 /// seeds sealed for one input or service never open as another's.
 fn seeds_aad(context: &MaskContext<'_>, service: u8) -> Vec<u8> {
-    let mut aad = context.bytes();
+    let mut aad = context.bytes(STREAM_LABEL);
     aad.extend_from_slice(service.to_string().as_bytes());
     aad.push(0);
     aad
@@ -520,16 +541,19 @@ impl MaskSums {
 /// taken from the key services that answered and hold it, which must all agree; a group no
 /// answering service holds fails (too few answered), as does an answer from a service outside the
 /// layout or a service answering twice. The result, read as signed integers, must be what
-/// `included` updates clipped to `units_per_clip` grid units can add up to (its exact integer sum
-/// of squares at most `(included x units_per_clip)^2`), or a mask sum was wrong: a sum over other
-/// inputs, or any random error, leaves values spread over the whole of 2^64. A deliberate small
-/// offset from a group's only answering holder passes (docs/secure-aggregation.md, "Integrity").
+/// `included` updates clipped to `units_per_clip` grid units can add up to, plus distributed
+/// noise of L2 norm at most `noise_norm` (0 without; `confed_dp::distributed::norm_bound`): its
+/// exact integer sum of squares at most `(included x units_per_clip + ceil(noise_norm))^2`, or a
+/// mask sum was wrong: a sum over other inputs, or any random error, leaves values spread over
+/// the whole of 2^64. A deliberate small offset from a group's only answering holder passes
+/// (docs/secure-aggregation.md, "Integrity").
 pub fn unmask(
     layout: &Layout,
     masked_sum: &[u64],
     answers: &[MaskSums],
     included: u64,
     units_per_clip: i64,
+    noise_norm: f64,
 ) -> Result<Zeroizing<Vec<i64>>, MaskingError> {
     let mut seen = Vec::with_capacity(answers.len());
     for answer in answers {
@@ -579,11 +603,16 @@ pub fn unmask(
     let squares = unmasked.iter().fold(0u128, |acc, v| {
         acc.saturating_add(u128::from(v.unsigned_abs()).pow(2))
     });
-    let bound = u128::from(included).saturating_mul(u128::from(units_per_clip.unsigned_abs()));
+    // A float cast saturates; NaN (never passed) would count as no noise.
+    let noise_norm = noise_norm.max(0.0).ceil() as u64;
+    let bound = u128::from(included)
+        .saturating_mul(u128::from(units_per_clip.unsigned_abs()))
+        .saturating_add(u128::from(noise_norm));
     if squares > bound.saturating_mul(bound) {
         return Err(MaskingError::OutOfBound {
             included,
             units_per_clip,
+            noise_norm,
         });
     }
     Ok(unmasked)

@@ -131,13 +131,20 @@ impl MaskingService {
     }
 }
 
-/// The policy's `masking` line: the scheme, the release threshold and the key services in the
-/// order that numbers them.
+/// The policy's `masking` line: the scheme, the release threshold, distributed noise if the task
+/// asks for it, and the key services in the order that numbers them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MaskingPolicy {
     pub threshold: u8,
+    /// Distributed noise (docs/secure-aggregation.md, "Distributed noise"): the integer variance,
+    /// in grid units squared, of the discrete Gaussian every group's holders add to that group's
+    /// mask sums. `None`: the enclave noises the unmasked sum itself.
+    pub noise_variance: Option<u64>,
     pub services: Vec<MaskingService>,
 }
+
+/// The largest distributed-noise variance (grid units squared): the exact sampler's range.
+pub const MAX_NOISE_VARIANCE: u64 = 1 << 60;
 
 impl MaskingPolicy {
     /// Checks the layout, the ids and the keys' encodings (not the signatures: that is the
@@ -182,8 +189,20 @@ impl MaskingPolicy {
         }
         Ok(Self {
             threshold,
+            noise_variance: None,
             services,
         })
+    }
+
+    /// The same line with distributed noise of `variance` per group (1 to `MAX_NOISE_VARIANCE`).
+    pub fn with_noise(mut self, variance: u64) -> Result<Self, String> {
+        if !(1..=MAX_NOISE_VARIANCE).contains(&variance) {
+            return Err(format!(
+                "masking: the distributed noise's variance must be 1 to {MAX_NOISE_VARIANCE} grid units squared, not {variance}"
+            ));
+        }
+        self.noise_variance = Some(variance);
+        Ok(self)
     }
 
     /// The replicated-seed layout of these services.
@@ -219,8 +238,12 @@ impl MaskingPolicy {
                 )
             })
             .collect();
+        let noise = match self.noise_variance {
+            Some(variance) => format!(";noise={variance}"),
+            None => String::new(),
+        };
         format!(
-            "{SCHEME};threshold={};services={}",
+            "{SCHEME};threshold={}{noise};services={}",
             self.threshold,
             services.join(",")
         )
@@ -229,15 +252,22 @@ impl MaskingPolicy {
     pub fn parse(text: &str) -> Result<Self, String> {
         let malformed = || {
             format!(
-                "`masking` must be `{SCHEME};threshold=<t>;services=<id>:<verifying_key>:<key>:<signature>,...`"
+                "`masking` must be `{SCHEME};threshold=<t>[;noise=<variance>];services=<id>:<verifying_key>:<key>:<signature>,...`"
             )
         };
         let rest = text
             .strip_prefix(SCHEME)
             .and_then(|r| r.strip_prefix(";threshold="))
             .ok_or_else(malformed)?;
-        let (threshold, services) = rest.split_once(";services=").ok_or_else(malformed)?;
+        let (head, services) = rest.split_once(";services=").ok_or_else(malformed)?;
+        let (threshold, noise) = match head.split_once(";noise=") {
+            Some((threshold, noise)) => (threshold, Some(noise)),
+            None => (head, None),
+        };
         let threshold: u8 = threshold.parse().map_err(|_| malformed())?;
+        let noise: Option<u64> = noise
+            .map(|n| n.parse().map_err(|_| malformed()))
+            .transpose()?;
         let services = services
             .split(',')
             .map(|entry| {
@@ -255,7 +285,10 @@ impl MaskingPolicy {
                 }
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let policy = Self::new(threshold, services)?;
+        let mut policy = Self::new(threshold, services)?;
+        if let Some(variance) = noise {
+            policy = policy.with_noise(variance)?;
+        }
         if policy.encode() != text {
             return Err(format!(
                 "`masking` is not in canonical form: {}",
@@ -302,6 +335,16 @@ pub(crate) fn policy_problems(policy: &TaskPolicy) -> Vec<String> {
         for (_, what) in unmasked.iter().filter(|(on, _)| *on) {
             problems.push(format!("a masked task cannot use {what}"));
         }
+        let distributed = policy
+            .masking
+            .as_ref()
+            .is_some_and(|m| m.noise_variance.is_some());
+        if distributed && mechanism.noise != crate::mechanism::Mechanism::Gaussian {
+            problems.push(format!(
+                "distributed noise is per-round Gaussian noise; the mechanism {} correlates its noise across rounds, which only the enclave can draw",
+                mechanism.noise.encode()
+            ));
+        }
     }
     problems
 }
@@ -341,6 +384,33 @@ mod tests {
         assert_eq!(policy.number_of("ks4"), None);
         assert_eq!(policy.layout().quorum(), 3);
         assert_eq!(policy.public_keys().len(), 3);
+    }
+
+    #[test]
+    fn a_masking_line_with_distributed_noise_round_trips_in_one_form_only() {
+        let (_, services) = signed_services(3);
+        let policy = MaskingPolicy::new(2, services)
+            .unwrap()
+            .with_noise(4_294_967_296)
+            .unwrap();
+        let text = policy.encode();
+        assert!(text.starts_with("confed-masking/v1;threshold=2;noise=4294967296;services=ks1:"));
+        assert_eq!(MaskingPolicy::parse(&text).unwrap(), policy);
+        for bad in [
+            text.replace("noise=4294967296", "noise=04294967296"),
+            text.replace("noise=4294967296", "noise=0"),
+            text.replace("noise=4294967296", "noise=1152921504606846977"),
+            text.replace("noise=4294967296", "noise=-1"),
+            text.replace(
+                "threshold=2;noise=4294967296",
+                "noise=4294967296;threshold=2",
+            ),
+        ] {
+            assert!(MaskingPolicy::parse(&bad).is_err(), "{bad}");
+        }
+        let plain = MaskingPolicy::new(2, policy.services.clone()).unwrap();
+        assert!(plain.clone().with_noise(0).is_err());
+        assert!(plain.with_noise(MAX_NOISE_VARIANCE).is_ok());
     }
 
     #[test]

@@ -69,6 +69,11 @@ pub(crate) struct DemoArgs {
     /// or --health).
     #[arg(long)]
     pub secure_aggregation: bool,
+    /// With --secure-aggregation: the key services add the round's noise, so the enclave never
+    /// holds an un-noised sum; every group of key services adds the full noise, so releases are
+    /// noisier (sqrt(3) times here, 2-of-3). The Gaussian mechanism only.
+    #[arg(long)]
+    pub distributed_noise: bool,
     /// The loopback ports the demo listens on (its API, 3 key services and, with
     /// --device-auth, the token issuer), as START-END: the first free ones, in order (default:
     /// any free ports).
@@ -169,6 +174,7 @@ pub(super) async fn run(args: DemoArgs) -> Result<()> {
         device_auth: args.device_auth,
         health: args.health,
         secure_aggregation: args.secure_aggregation,
+        distributed_noise: args.distributed_noise,
         ports: args.embedded_ports,
     })
     .await;

@@ -50,6 +50,9 @@ pub struct DemoOptions {
     /// Masks beneath the enclave (docs/secure-aggregation.md): devices clip and mask their
     /// updates with seeds only the key services hold; implies `device_auth`.
     pub secure_aggregation: bool,
+    /// With `secure_aggregation`: the key services add the round's noise (docs/secure-
+    /// aggregation.md, "Distributed noise"); the Gaussian mechanism only.
+    pub distributed_noise: bool,
     /// Loopback ports for the demo's listeners (API, key services, issuer; default: any free).
     pub ports: Option<crate::ports::PortRange>,
 }
@@ -163,6 +166,12 @@ impl DemoOptions {
                 "--secure-aggregation masks only the update: drop --adaptive-clipping, --evaluate-every and --health".to_string(),
             );
         }
+        if self.distributed_noise && !(self.secure_aggregation && self.noise == DemoNoise::Gaussian)
+        {
+            return refuse(
+                "--distributed-noise needs --secure-aggregation and the Gaussian mechanism (the key services draw per-round noise; DP-FTRL's is correlated across rounds)".to_string(),
+            );
+        }
         if let Some(k) = self.evaluate_every
             && !(1..=self.rounds).contains(&k)
         {
@@ -249,6 +258,12 @@ pub async fn run(options: DemoOptions) -> Result<DemoSummary, DemoError> {
         request["secure_aggregation"] = json!(true);
         println!(
             "confed demo: secure aggregation: each device clips its update on the grid and masks it with seeds sealed to the key services; the enclave adds masked updates only, and the key services remove the masks of the round's one agreed set"
+        );
+    }
+    if options.distributed_noise {
+        request["distributed_noise"] = json!(true);
+        println!(
+            "confed demo: distributed noise: every group of key services adds the round's full noise to its mask sums; the enclave never holds an un-noised sum, and the release carries sqrt(groups) times the noise"
         );
     }
     let task_id = create_task(&http, &url, &token, &request).await?;

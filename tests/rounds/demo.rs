@@ -27,19 +27,22 @@ fn small(dir: &std::path::Path) -> DemoOptions {
         device_auth: false,
         health: false,
         secure_aggregation: false,
+        distributed_noise: false,
         ports: None,
     }
 }
 
-/// `confed demo --secure-aggregation`: every device masks its update, the key services remove
-/// the masks of each round's agreed set, and every release verifies and records the masking;
-/// the model still learns.
+/// `confed demo --secure-aggregation --distributed-noise`: every device masks its update, the
+/// key services remove the masks of each round's agreed set and add the round's noise, and every
+/// release verifies and records both; the model still learns. (Masked rounds the enclave noises
+/// run in tests/rounds/unmask.rs and the Python device's tests.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_with_secure_aggregation_releases_masked_rounds_that_verify_and_learn() {
     let dir = tempfile::tempdir().unwrap();
     let summary = run(DemoOptions {
         rounds: 2,
         secure_aggregation: true,
+        distributed_noise: true,
         ..small(dir.path())
     })
     .await
@@ -54,6 +57,16 @@ async fn the_demo_with_secure_aggregation_releases_masked_rounds_that_verify_and
         assert_eq!((masking.threshold, masking.services), (2, 3));
         assert_eq!(masking.answered, vec![1, 2, 3]);
         assert_eq!(manifest.included, 40);
+        // The key services drew the noise: three groups of one service, each the full variance.
+        let variance = masking.noise_variance_grid.expect("distributed noise");
+        assert_eq!(
+            manifest.noise.mechanism,
+            "distributed_discrete_gaussian_on_grid"
+        );
+        assert_eq!(manifest.noise.variance_grid, variance);
+        let one_group = (variance as f64).sqrt() / 65536.0;
+        assert!((manifest.noise.stddev_sum / one_group - 3f64.sqrt()).abs() < 1e-9);
+        assert!(manifest.privacy.epsilon_spent <= 8.0);
     }
     assert!(
         *summary.accuracy.last().unwrap() > 0.2,

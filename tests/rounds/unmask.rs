@@ -2,7 +2,8 @@
 //! release of a masked round, each agrees to one included set and signs a receipt; against
 //! `agreement(t, n)` receipts each returns its groups' mask sums, and the sums remove the masks
 //! exactly. Another set for the round, too few receipts, seeds no token binds, or a request
-//! before the release are refused, and the one set per round survives a restart.
+//! before the release are refused, and the one set per round survives a restart. With distributed
+//! noise each service adds its group's draw, the same on every request.
 
 use confed_attestation::unmask::UnmaskReceipt;
 use confed_attestation::unmask_api::{AgreeRequest, MaskedInput, SumsRequest, UnmaskRound};
@@ -12,6 +13,7 @@ use confed_protocol::masking::{
     Layout, MaskContext, MaskSums, Seed, envelope_seeds, mask, seal_seeds, split_seeds, unmask,
 };
 use confed_protocol::masking_keys::{MaskingPolicy, MaskingService, sign_masking_key};
+use confed_protocol::masking_noise::NoiseKeys;
 use confed_protocol::policy::TaskPolicy;
 use confed_protocol::privacy_pass::context::{
     encoded_round_challenge, masked_token_nonce, seeds_digest,
@@ -37,6 +39,8 @@ struct Input {
     seeds: Vec<u8>,
     masked: Vec<u64>,
     grid: Vec<i64>,
+    /// The device's seeds, one per group (for the test's own noise keys).
+    device_seeds: Vec<Seed>,
 }
 
 struct Masked {
@@ -72,6 +76,7 @@ fn masked_input(layout: &Layout, policy: &TaskPolicy, signer: &TokenSigner, d: u
         token: token(signer, &assignment_ref, masked_token_nonce(&enc, &digests)),
         masked: mask(layout, &grid, &seeds, &ctx).unwrap(),
         seeds: envelope_seeds(&sealed),
+        device_seeds: seeds,
         enc,
         grid,
         assignment_ref,
@@ -80,6 +85,11 @@ fn masked_input(layout: &Layout, policy: &TaskPolicy, signer: &TokenSigner, d: u
 
 /// Three key services (2 of 3) with masking keys, a masked task's round released for real.
 async fn released() -> Masked {
+    released_with(None).await
+}
+
+/// The same, with distributed noise of `noise` per group if it is `Some`.
+async fn released_with(noise: Option<u64>) -> Masked {
     let world = World::new(2, 3);
     let signer = crate::common::issuer::signer();
     let masking_keys: Vec<PrivateKey> = (0..3).map(|_| hpke::generate_keypair().0).collect();
@@ -99,7 +109,11 @@ async fn released() -> Masked {
     let mut policy = TaskPolicy::sample(TASK, 3);
     policy.device_auth =
         Some(DeviceAuth::new("issuer.test", vec![signer.spki().to_vec()]).unwrap());
-    policy.masking = Some(MaskingPolicy::new(2, services).unwrap());
+    let masking = MaskingPolicy::new(2, services).unwrap();
+    policy.masking = Some(match noise {
+        Some(variance) => masking.with_noise(variance).unwrap(),
+        None => masking,
+    });
     let endpoints = start(&world, &masking_keys).await;
     let commitment = commitment(&world.key.key_id, &policy, 1, "1");
     let request = KeyRequest {
@@ -210,6 +224,116 @@ impl Masked {
     }
 }
 
+impl Masked {
+    /// Every service's receipt for the whole set.
+    async fn agreed(&self) -> Vec<UnmaskReceipt> {
+        let mut receipts = Vec::new();
+        for service in 0..3 {
+            let answer = self.agree(service, &self.inputs).await;
+            assert_eq!(answer.status(), 200);
+            receipts.push(answer.json().await.unwrap());
+        }
+        receipts
+    }
+
+    /// Service `service`'s (0-based) mask sums over the whole set: its raw answer and parsed.
+    async fn sums(&self, service: u8, receipts: &[UnmaskReceipt]) -> (Vec<u8>, MaskSums) {
+        let layout = self.policy.masking.as_ref().unwrap().layout();
+        let answer = self
+            .post(
+                usize::from(service),
+                "sums",
+                &self.sums_request(usize::from(service), receipts, &self.inputs),
+            )
+            .await;
+        assert_eq!(answer.status(), 200);
+        let bytes = answer.bytes().await.unwrap().to_vec();
+        let groups = layout.groups_of(service + 1);
+        assert_eq!(bytes.len(), groups.len() * VALUES * 8);
+        let sums = groups
+            .iter()
+            .zip(bytes.chunks_exact(VALUES * 8))
+            .map(|(&g, chunk)| {
+                (
+                    g,
+                    chunk
+                        .chunks_exact(8)
+                        .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
+                        .collect(),
+                )
+            })
+            .collect();
+        let parsed = MaskSums {
+            service: service + 1,
+            sums,
+        };
+        (bytes, parsed)
+    }
+
+    /// The inputs' masked sum and their exact sum.
+    fn sums_in_the_clear(&self) -> (Vec<u64>, Vec<i64>) {
+        let mut masked_sum = vec![0u64; VALUES];
+        let mut exact = vec![0i64; VALUES];
+        for input in &self.inputs {
+            for i in 0..VALUES {
+                masked_sum[i] = masked_sum[i].wrapping_add(input.masked[i]);
+                exact[i] += input.grid[i];
+            }
+        }
+        (masked_sum, exact)
+    }
+}
+
+/// Distributed noise: each service subtracts its group's draw from its mask sums, keyed by the
+/// group's seeds over the agreed set, and answers the same bytes when asked again (fresh noise
+/// per request would average away); the unmasked sum is the exact sum plus every group's draw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_distributed_noise_each_service_adds_its_groups_draw_the_same_on_every_request() {
+    let variance = 1u64 << 32;
+    let m = released_with(Some(variance)).await;
+    let layout = m.policy.masking.as_ref().unwrap().layout();
+    let receipts = m.agreed().await;
+    let mut answers = Vec::new();
+    for service in 0..3u8 {
+        let (first, parsed) = m.sums(service, &receipts).await;
+        let (again, _) = m.sums(service, &receipts).await;
+        assert_eq!(first, again, "service {} drew other noise", service + 1);
+        answers.push(parsed);
+    }
+    let (masked_sum, exact) = m.sums_in_the_clear();
+    let room = confed_dp::distributed::norm_bound(VALUES, variance, 3);
+    let unmasked = unmask(
+        &layout,
+        &masked_sum,
+        &answers,
+        DEVICES as u64,
+        1 << 16,
+        room,
+    )
+    .unwrap();
+    // The test's own keys: group g's seeds of every input, refs ascending.
+    let policy_sha256 = m.policy.sha256_hex();
+    let mut expected = exact.clone();
+    for group in 0..layout.groups().len() {
+        let mut keys = NoiseKeys::new(&[group]);
+        for input in &m.inputs {
+            let ctx =
+                MaskContext::new(TASK, 1, &input.assignment_ref, &policy_sha256, VALUES).unwrap();
+            keys.absorb(&[(group, input.device_seeds[group].clone())], &ctx)
+                .unwrap();
+        }
+        let (_, key) = &keys.finish()[0];
+        for (sum, z) in expected
+            .iter_mut()
+            .zip(confed_dp::distributed::noise(VALUES, variance, key))
+        {
+            *sum += z;
+        }
+    }
+    assert_eq!(unmasked.as_slice(), expected.as_slice());
+    assert_ne!(unmasked.as_slice(), exact.as_slice(), "no noise at all");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_key_services_unmask_one_agreed_set_once_and_their_sums_remove_the_masks_exactly() {
     let m = released().await;
@@ -267,44 +391,10 @@ async fn the_key_services_unmask_one_agreed_set_once_and_their_sums_remove_the_m
     // Every service's sums remove the masks of the included inputs exactly.
     let mut answers = Vec::new();
     for service in 0..3u8 {
-        let answer = m
-            .post(
-                usize::from(service),
-                "sums",
-                &m.sums_request(usize::from(service), &receipts, &m.inputs),
-            )
-            .await;
-        assert_eq!(answer.status(), 200);
-        let bytes = answer.bytes().await.unwrap();
-        let groups = layout.groups_of(service + 1);
-        assert_eq!(bytes.len(), groups.len() * VALUES * 8);
-        let sums = groups
-            .iter()
-            .zip(bytes.chunks_exact(VALUES * 8))
-            .map(|(&g, chunk)| {
-                (
-                    g,
-                    chunk
-                        .chunks_exact(8)
-                        .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
-                        .collect(),
-                )
-            })
-            .collect();
-        answers.push(MaskSums {
-            service: service + 1,
-            sums,
-        });
+        answers.push(m.sums(service, &receipts).await.1);
     }
-    let mut masked_sum = vec![0u64; VALUES];
-    let mut exact = vec![0i64; VALUES];
-    for input in &m.inputs {
-        for i in 0..VALUES {
-            masked_sum[i] = masked_sum[i].wrapping_add(input.masked[i]);
-            exact[i] += input.grid[i];
-        }
-    }
-    let unmasked = unmask(&layout, &masked_sum, &answers, DEVICES as u64, 1 << 16).unwrap();
+    let (masked_sum, exact) = m.sums_in_the_clear();
+    let unmasked = unmask(&layout, &masked_sum, &answers, DEVICES as u64, 1 << 16, 0.0).unwrap();
     assert_eq!(unmasked.as_slice(), exact.as_slice());
 
     // Restarted from its audit log, a service still refuses another set for the round.

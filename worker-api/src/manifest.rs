@@ -8,6 +8,10 @@ use serde::{Deserialize, Serialize};
 
 pub const FORMAT: &str = "confed-release/v2";
 
+/// `NoiseRecord::mechanism` of a masked round with distributed noise: the key services drew it
+/// (docs/secure-aggregation.md, "Distributed noise"), the enclave none.
+pub const DISTRIBUTED_MECHANISM: &str = "distributed_discrete_gaussian_on_grid";
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
     pub format: String,
@@ -71,6 +75,11 @@ pub struct MaskingRecord {
     pub groups: u32,
     /// The key services whose mask sums were removed (1-based, ascending).
     pub answered: Vec<u8>,
+    /// Distributed noise only: the integer variance (grid units squared) of the discrete
+    /// Gaussian each group's holders added. The release carries `groups` such draws; the
+    /// accounting rests on one, which no `q - 1` key services and the enclave together know.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub noise_variance_grid: Option<u64>,
 }
 
 /// The analytics part of a release's manifest (docs/analytics.md): the query the task policy
@@ -174,7 +183,9 @@ pub struct HealthRecord {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NoiseRecord {
-    /// `discrete_gaussian_on_grid`: integer noise on the fixed-point grid.
+    /// `discrete_gaussian_on_grid`: integer noise on the fixed-point grid;
+    /// `DISTRIBUTED_MECHANISM`: the same, drawn by the key services of a masked round (then
+    /// `variance_grid` is one group's draw, `stddev_sum` all of them).
     pub mechanism: String,
     /// Grid units per clip norm.
     pub grid_units_per_clip: i64,

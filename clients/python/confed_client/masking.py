@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 SCHEME = "confed-masking/v1"
 MAX_SERVICES = 7
+MAX_NOISE_VARIANCE = 1 << 60  # distributed noise: the exact sampler's range
 SEED_BYTES = 32
 GRID_UNITS_PER_CLIP = 1 << 16
 MASKED_TENSOR = "confed.masked"
@@ -59,15 +60,22 @@ def groups(n: int, t: int) -> list[tuple[int, ...]]:
 
 
 def parse_line(value: str) -> dict:
-    """The value of a policy's `masking=` line: {"threshold", "services": [{"id",
+    """The value of a policy's `masking=` line: {"threshold", "noise_variance" (distributed
+    noise's per-group variance in grid units squared, or None), "services": [{"id",
     "verifying_key", "public_key", "signature"}]} (keys as the base64url text), checked as the
     enclave checks it."""
-    malformed = MaskingError(f"`masking` must be `{SCHEME};threshold=<t>;services="
-                             "<id>:<verifying_key>:<key>:<signature>,...`")
+    malformed = MaskingError(f"`masking` must be `{SCHEME};threshold=<t>[;noise=<variance>];"
+                             "services=<id>:<verifying_key>:<key>:<signature>,...`")
     head = f"{SCHEME};threshold="
     if not value.startswith(head) or ";services=" not in value:
         raise malformed
     threshold_text, services_text = value[len(head):].split(";services=", 1)
+    noise_variance = None
+    if ";noise=" in threshold_text:
+        threshold_text, noise_text = threshold_text.split(";noise=", 1)
+        if not re.fullmatch(r"[1-9][0-9]*", noise_text) or int(noise_text) > MAX_NOISE_VARIANCE:
+            raise malformed
+        noise_variance = int(noise_text)
     if not re.fullmatch(r"[1-9][0-9]*", threshold_text):
         raise malformed
     services = []
@@ -96,7 +104,7 @@ def parse_line(value: str) -> dict:
         keys.append(service["public_key"])
     if len(set(keys)) != len(keys):
         raise MaskingError("masking: two key services have the same masking key")
-    return {"threshold": threshold, "services": services}
+    return {"threshold": threshold, "noise_variance": noise_variance, "services": services}
 
 
 def accept(masking: dict, threshold: int, shares: int,

@@ -118,3 +118,15 @@ def test_a_masking_signature_with_a_high_s_is_refused_so_one_policy_has_one_text
     with pytest.raises(masking.MaskingError, match="low"):
         masking.parse_line(line.replace(service.split(":")[3], flipped, 1))
 
+
+
+def test_a_masking_line_with_distributed_noise_parses_in_its_one_canonical_form():
+    signers = [ec.generate_private_key(ec.SECP256R1()) for _ in range(3)]
+    plain = _signed_line(signers)
+    noised = plain.replace("threshold=2;", "threshold=2;noise=4294967296;")
+    assert masking.parse_line(plain)["noise_variance"] is None
+    parsed = masking.parse_line(noised)
+    assert parsed["noise_variance"] == 4294967296 and parsed["threshold"] == 2
+    for bad in ["noise=04294967296", "noise=0", "noise=-1", f"noise={(1 << 60) + 1}"]:
+        with pytest.raises(masking.MaskingError):
+            masking.parse_line(noised.replace("noise=4294967296", bad))

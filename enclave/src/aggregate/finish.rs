@@ -10,9 +10,9 @@ use sha2::{Digest, Sha256};
 
 use super::accumulator::Accumulator;
 use super::{
-    AdaptiveRecord, AggregateError, Aggregator, Binding, Manifest, NoiseRecord, Outcome,
-    PrivacyParams, PrivacyRecord, Release, TreeShape, blt_round, digest, encode, evaluation,
-    health, hex, manifest, noise, noise_record, tree_noise_record,
+    AdaptiveRecord, AggregateError, Aggregator, Binding, DistributedNoise, Manifest, NoiseRecord,
+    Outcome, PrivacyParams, PrivacyRecord, Release, TreeShape, blt_round, digest, encode,
+    evaluation, health, hex, manifest, noise, noise_record, tree_noise_record,
 };
 use crate::dp::{self, DiscreteGaussian, grid};
 use crate::hpke::PrivateKey;
@@ -37,7 +37,13 @@ impl Aggregator {
         let unclipped = self.unclipped.load(Ordering::Relaxed);
         // On the grid, or on a BLT's finer lattice.
         let units_per_clip = dp::accounting::units_per_clip(privacy.mechanism);
-        let noise = DiscreteGaussian::at_least(calibration.noise_multiplier * units_per_clip)?;
+        let calibrated = DiscreteGaussian::at_least(calibration.noise_multiplier * units_per_clip)?;
+        // Distributed noise: one honest group's draw is the guarantee, and it must be at least
+        // what the budget calibrates (the policy's variance, checked again here).
+        let noise = match self.distributed_noise {
+            None => calibrated,
+            Some(distributed) => distributed_scale(distributed, calibrated, privacy.mechanism)?,
+        };
         // The scale in grid units, what the accounting takes (exact: a power of two apart).
         let scale_grid = noise.scale() * grid::GRID_UNITS_PER_CLIP as f64 / units_per_clip;
         let Aggregator {
@@ -48,17 +54,21 @@ impl Aggregator {
             health,
             device_auth,
             blt_state,
+            distributed_noise,
             ..
         } = self;
-        let noised = noised_average(
-            &privacy,
-            sum,
-            &noise,
-            private_key,
-            &binding,
-            blt_state.as_deref(),
-            count,
-        )?;
+        let noised = match distributed_noise {
+            Some(distributed) => distributed_average(&privacy, sum, &noise, distributed, count),
+            None => noised_average(
+                &privacy,
+                sum,
+                &noise,
+                private_key,
+                &binding,
+                blt_state.as_deref(),
+                count,
+            )?,
+        };
         let average = encode(&schema, &noised.values)?;
         let adaptive = match privacy.adaptive {
             None => None,
@@ -302,6 +312,57 @@ fn noised_average(
                 blt_state_out: Some(sealed),
             })
         }
+    }
+}
+
+/// The noise a distributed round is accounted at: one group's, which must be per-round Gaussian
+/// noise of at least the calibrated variance.
+fn distributed_scale(
+    distributed: DistributedNoise,
+    calibrated: DiscreteGaussian,
+    mechanism: Mechanism,
+) -> Result<DiscreteGaussian, AggregateError> {
+    if mechanism != Mechanism::Gaussian {
+        return Err(AggregateError::Unsupported(format!(
+            "distributed noise is per-round Gaussian noise, not {}",
+            mechanism.encode()
+        )));
+    }
+    if distributed.variance < calibrated.variance() {
+        return Err(AggregateError::Unsupported(format!(
+            "the policy's distributed noise has variance {} per group, below the {} the budget calibrates",
+            distributed.variance,
+            calibrated.variance()
+        )));
+    }
+    Ok(DiscreteGaussian::with_variance(distributed.variance))
+}
+
+/// A distributed round's average: the sum already carries every group's noise (the key services
+/// drew it), so the enclave adds none. The record names the mechanism, the variance one group
+/// adds (what the accounting rests on) and the standard deviation the release carries (all
+/// `groups` draws).
+fn distributed_average(
+    privacy: &PrivacyParams,
+    sum: Accumulator,
+    noise: &DiscreteGaussian,
+    distributed: DistributedNoise,
+    count: u64,
+) -> Noised {
+    let values: Vec<f32> = sum
+        .into_sum()
+        .iter()
+        .map(|&units| grid::to_average(units, privacy.clip_norm, count))
+        .collect();
+    let mut record = noise_record(noise, privacy.clip_norm, count);
+    let carried = f64::from(distributed.groups).sqrt();
+    record.mechanism = confed_worker_api::manifest::DISTRIBUTED_MECHANISM.into();
+    record.stddev_sum *= carried;
+    record.stddev_average *= carried;
+    Noised {
+        values,
+        record,
+        blt_state_out: None,
     }
 }
 

@@ -115,6 +115,18 @@ pub struct Aggregator {
     device_auth: Option<confed_protocol::device_auth::DeviceAuth>,
     /// BLT noise only: the sealed state the round continues (`None` in round 1).
     blt_state: Option<Vec<u8>>,
+    /// A masked round with distributed noise: the sum already carries the key services' noise,
+    /// and `finish` adds none of its own.
+    distributed_noise: Option<DistributedNoise>,
+}
+
+/// A masked round's distributed noise (docs/secure-aggregation.md, "Distributed noise"): `groups`
+/// independent discrete Gaussians of integer variance `variance` (grid units squared) per value,
+/// one drawn by each group's holders.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DistributedNoise {
+    pub variance: u64,
+    pub groups: u32,
 }
 
 /// Plaintext buffers reused across contributions (no allocation and page faults per
@@ -228,6 +240,7 @@ impl Aggregator {
             stream_above: STREAM_ABOVE_BYTES,
             device_auth: None,
             blt_state: None,
+            distributed_noise: None,
         })
     }
 
@@ -244,8 +257,10 @@ impl Aggregator {
         private_key: &PrivateKey,
         sum: &[i64],
         outcome: Outcome,
+        distributed_noise: Option<DistributedNoise>,
     ) -> Result<Self, AggregateError> {
-        let aggregator = Self::new(binding, clip_norm, schema, private_key)?;
+        let mut aggregator = Self::new(binding, clip_norm, schema, private_key)?;
+        aggregator.distributed_noise = distributed_noise;
         if sum.len() != aggregator.sum.len() {
             return Err(AggregateError::Unsupported(format!(
                 "a sum of {} values for a model of {}",

@@ -102,6 +102,34 @@ impl PrivacyParams {
             DiscreteGaussian::at_least(z * dp::accounting::units_per_clip(noise))
                 .map_err(|e| limits(format!("BLT noise on its lattice: {e}")))?;
         }
+        // Distributed noise below what the budget calibrates would release a masked round with
+        // less noise than its accounting states: refused before any key is asked for.
+        if let Some(variance) = policy.masking.as_ref().and_then(|m| m.noise_variance) {
+            let mechanism = DpMechanism {
+                noise,
+                adaptive_clipping,
+                evaluation,
+                health,
+                weighting,
+            };
+            let z = dp::calibrate_task(
+                &dp::OpenDp,
+                mechanism,
+                policy.epsilon,
+                policy.delta,
+                policy.rounds,
+            )
+            .map_err(|e| limits(format!("distributed noise: {e}")))?
+            .noise_multiplier;
+            let calibrated = DiscreteGaussian::at_least(z * dp::accounting::units_per_clip(noise))
+                .map_err(|e| limits(format!("distributed noise: {e}")))?;
+            if variance < calibrated.variance() {
+                return Err(limits(format!(
+                    "the masking line's distributed noise has variance {variance} per group; the budget needs at least {}",
+                    calibrated.variance()
+                )));
+            }
+        }
         // The count's sampler must exist before any key is asked for: a round that could not
         // noise its count would have its commitment recorded and never release.
         if let Some(a) = adaptive_clipping {

@@ -22,7 +22,7 @@ use thiserror::Error;
 use zeroize::Zeroizing;
 
 use crate::aggregate::contribution::{self, Binding, Exclusion};
-use crate::aggregate::{AggregateError, Aggregator, Outcome, PlaintextBuffers};
+use crate::aggregate::{AggregateError, Aggregator, DistributedNoise, Outcome, PlaintextBuffers};
 use crate::hpke::PrivateKey;
 use crate::hpke_awslc::Recipient;
 
@@ -206,9 +206,12 @@ impl MaskedAggregator {
         self,
         answers: &[MaskSums],
         clip_norm: f64,
+        noise_variance: Option<u64>,
         schema: ModelSchema,
         private_key: &PrivateKey,
     ) -> Result<(Aggregator, MaskingRecord), MaskedError> {
+        let groups = self.layout.groups().len() as u32;
+        let distributed = noise_variance.map(|variance| DistributedNoise { variance, groups });
         let outcome = self.outcome.into_inner().expect("masked outcome");
         let masked_sum: Zeroizing<Vec<u64>> = Zeroizing::new(
             self.stripes
@@ -222,6 +225,9 @@ impl MaskedAggregator {
             answers,
             outcome.included.len() as u64,
             confed_protocol::grid::GRID_UNITS_PER_CLIP,
+            distributed.map_or(0.0, |d| {
+                confed_dp::distributed::norm_bound(masked_sum.len(), d.variance, groups as usize)
+            }),
         )?;
         // Every answer is from a service of the layout, once (`unmask` checked).
         let mut answered: Vec<u8> = answers.iter().map(|a| a.service).collect();
@@ -231,12 +237,20 @@ impl MaskedAggregator {
             services: self.layout.services(),
             threshold: self.layout.threshold(),
             quorum: self.layout.quorum(),
-            groups: self.layout.groups().len() as u32,
+            groups,
             answered,
+            noise_variance_grid: noise_variance,
         };
-        let aggregator =
-            Aggregator::from_exact(self.binding, clip_norm, schema, private_key, &sum, outcome)?
-                .authenticating(self.device_auth);
+        let aggregator = Aggregator::from_exact(
+            self.binding,
+            clip_norm,
+            schema,
+            private_key,
+            &sum,
+            outcome,
+            distributed,
+        )?
+        .authenticating(self.device_auth);
         Ok((aggregator, record))
     }
 }

@@ -7,6 +7,7 @@ use confed_protocol::grid::clip_to_grid;
 use confed_protocol::masking::{
     Layout, MaskContext, MaskSums, SealedSeeds, Seed, encode_masked, mask, open_seeds, seal_seeds,
 };
+use confed_protocol::masking_noise::NoiseKeys;
 
 use super::*;
 use crate::aggregate::inputs::committed;
@@ -53,6 +54,51 @@ impl KeyServices {
             sums.add(&opened, &ctx).unwrap();
         }
         sums
+    }
+
+    /// The same answer with distributed noise of `variance` per group, as a key service draws
+    /// it: each group's key from its seeds over `included` (`NoiseKeys`), the noise subtracted.
+    fn noised_answer(
+        &self,
+        service: u8,
+        included: &[String],
+        seeds: &[(String, Vec<SealedSeeds>)],
+        variance: u64,
+    ) -> MaskSums {
+        let mut sums = self.answer(service, included, seeds);
+        for ((group, sum), (keyed, key)) in sums
+            .sums
+            .iter_mut()
+            .zip(self.noise_keys(service, included, seeds))
+        {
+            assert_eq!(*group, keyed);
+            confed_dp::distributed::noise_mask_sum(sum, variance, &key);
+        }
+        sums
+    }
+
+    /// Service `service`'s groups' noise keys over the `included` refs.
+    fn noise_keys(
+        &self,
+        service: u8,
+        included: &[String],
+        seeds: &[(String, Vec<SealedSeeds>)],
+    ) -> Vec<(usize, zeroize::Zeroizing<[u8; 32]>)> {
+        let mut keys = NoiseKeys::new(&self.layout.groups_of(service));
+        for assignment_ref in included {
+            let (_, sealed) = seeds.iter().find(|(r, _)| r == assignment_ref).unwrap();
+            let ctx = mask_context(assignment_ref);
+            let private = &self.keys[usize::from(service) - 1].0;
+            let opened = open_seeds(
+                &self.layout,
+                private,
+                &sealed[usize::from(service) - 1],
+                &ctx,
+            )
+            .unwrap();
+            keys.absorb(&opened, &ctx).unwrap();
+        }
+        keys.finish()
     }
 }
 
@@ -162,7 +208,7 @@ fn a_masked_round_releases_the_bytes_of_the_same_clipped_updates_summed_in_the_c
             .map(|s| services.answer(s, &included, &round_data.seeds))
             .collect();
         let (unmasked, record) = enclave
-            .unmask(&answers, 1.0, r.schema.clone(), &r.private)
+            .unmask(&answers, 1.0, None, r.schema.clone(), &r.private)
             .unwrap();
         let release = unmasked.finish(&r.private, privacy()).unwrap();
         // The same devices' updates in the clear, clipped and summed by the enclave itself.
@@ -217,14 +263,14 @@ fn a_withheld_or_wrong_mask_sum_releases_nothing() {
     // Only three of five answered: q is 4.
     let few: Vec<MaskSums> = (1..=3).map(answer).collect();
     assert!(matches!(
-        start().unmask(&few, 1.0, r.schema.clone(), &r.private),
+        start().unmask(&few, 1.0, None, r.schema.clone(), &r.private),
         Err(MaskedError::Masking(MaskingError::Withheld { .. }))
     ));
     // A service that summed the masks of other inputs than the included ones.
     let mut wrong: Vec<MaskSums> = (1..=5).map(answer).collect();
     wrong[2] = services.answer(3, &included[1..], &round_data.seeds);
     assert!(matches!(
-        start().unmask(&wrong, 1.0, r.schema.clone(), &r.private),
+        start().unmask(&wrong, 1.0, None, r.schema.clone(), &r.private),
         Err(MaskedError::Masking(MaskingError::Disagree { .. }))
     ));
 }
@@ -283,4 +329,104 @@ fn a_masked_envelope_without_its_layouts_sealed_seeds_is_excluded_before_it_is_o
         Err(Exclusion::MalformedEnvelope),
         "another layout's seeds"
     );
+}
+
+/// The variance the test policy's budget calibrates (`privacy()`), per group.
+fn calibrated_variance() -> u64 {
+    let z = privacy().calibration().unwrap().noise_multiplier;
+    crate::dp::DiscreteGaussian::at_least(z * 65536.0)
+        .unwrap()
+        .variance()
+}
+
+#[test]
+fn with_distributed_noise_the_release_is_the_exact_sum_plus_every_groups_draw_and_no_enclave_noise()
+{
+    let r = model_round();
+    let variance = calibrated_variance();
+    for (n, t) in [(3u8, 2u8), (5, 3)] {
+        let services = KeyServices::new(n, t);
+        let round_data = masked_round(&r, &services);
+        let enclave =
+            MaskedAggregator::new(binding(), services.layout.clone(), VALUES, &r.private).unwrap();
+        enclave.add_batch(&round_data.stored);
+        let included = enclave.included();
+        let answers: Vec<MaskSums> = (1..=n)
+            .map(|s| services.noised_answer(s, &included, &round_data.seeds, variance))
+            .collect();
+        let (unmasked, record) = enclave
+            .unmask(&answers, 1.0, Some(variance), r.schema.clone(), &r.private)
+            .unwrap();
+        assert_eq!(record.noise_variance_grid, Some(variance));
+        let release = unmasked.finish(&r.private, privacy()).unwrap();
+        // Independently: the clipped updates' exact sum plus each group's draw (from the keys
+        // any holder derives), averaged; nothing of the enclave's own.
+        let groups = services.layout.groups().len();
+        let mut expected = round_data.exact.clone();
+        for group in 0..groups {
+            let holder = services.layout.groups()[group][0];
+            let keys = services.noise_keys(holder, &included, &round_data.seeds);
+            let (_, key) = keys.iter().find(|(g, _)| *g == group).unwrap();
+            for (sum, z) in expected
+                .iter_mut()
+                .zip(confed_dp::distributed::noise(VALUES, variance, key))
+            {
+                *sum += z;
+            }
+        }
+        let average: Vec<f32> = expected
+            .iter()
+            .map(|&units| crate::dp::grid::to_average(units, 1.0, 20))
+            .collect();
+        assert_eq!(release.values, average, "{t}-of-{n}");
+        let noise = &release.manifest.noise;
+        assert_eq!(noise.mechanism, "distributed_discrete_gaussian_on_grid");
+        assert_eq!(noise.variance_grid, variance);
+        let one = (variance as f64).sqrt() / 65536.0;
+        assert!((noise.stddev_sum - one * (groups as f64).sqrt()).abs() < 1e-9);
+        // The accounting is the enclave-noised round's: one group's draw is the guarantee.
+        let clear = Aggregator::new(binding(), 1.0, r.schema.clone(), &r.private).unwrap();
+        clear.add_batch(&round_data.clear);
+        let enclave_noised = clear.finish(&r.private, privacy()).unwrap();
+        assert_eq!(release.manifest.privacy, enclave_noised.manifest.privacy);
+    }
+}
+
+#[test]
+fn distributed_noise_below_the_calibrated_variance_or_a_holder_that_skips_it_releases_nothing() {
+    let r = model_round();
+    let variance = calibrated_variance();
+    let services = KeyServices::new(5, 3);
+    let round_data = masked_round(&r, &services);
+    let start = || {
+        let enclave =
+            MaskedAggregator::new(binding(), services.layout.clone(), VALUES, &r.private).unwrap();
+        enclave.add_batch(&round_data.stored);
+        enclave
+    };
+    let included = start().included();
+    let noised: Vec<MaskSums> = (1..=5)
+        .map(|s| services.noised_answer(s, &included, &round_data.seeds, variance))
+        .collect();
+    // Too little noise for the budget: the sum unmasks, the release is refused.
+    let (unmasked, _) = start()
+        .unmask(
+            &noised,
+            1.0,
+            Some(variance - 1),
+            r.schema.clone(),
+            &r.private,
+        )
+        .unwrap();
+    assert!(matches!(
+        unmasked.finish(&r.private, privacy()),
+        Err(AggregateError::Unsupported(why)) if why.contains("below")
+    ));
+    // In 3-of-5 every group has two holders: one that leaves its noise out disagrees.
+    let mut skipping = noised.clone();
+    skipping[0] = services.answer(1, &included, &round_data.seeds);
+    assert!(matches!(
+        start().unmask(&skipping, 1.0, Some(variance), r.schema.clone(), &r.private),
+        Err(MaskedError::Masking(MaskingError::Disagree { .. }))
+    ));
 }

@@ -99,8 +99,9 @@ impl<S: JobStore + 'static> Worker<S> {
         let schema = schema.clone();
         let unmasking = Arc::clone(&private_key);
         let clip_norm = privacy.clip_norm;
+        let noise_variance = masking.noise_variance;
         let (aggregator, record) = tokio::task::spawn_blocking(move || {
-            aggregator.unmask(&answers, clip_norm, schema, &unmasking)
+            aggregator.unmask(&answers, clip_norm, noise_variance, schema, &unmasking)
         })
         .await
         .map_err(JobError::Thread)??;

@@ -1,0 +1,134 @@
+//! A masked round's distributed noise (docs/secure-aggregation.md, "Distributed noise"): every
+//! holder of a mask group subtracts, from its sum of that group's streams over the agreed set,
+//! the discrete Gaussian vector drawn from the group's noise key
+//! (`confed_protocol::masking_noise`), so what the enclave unmasks is the included updates' sum
+//! plus every group's noise, and no honest group's noise ever leaves its holders alone.
+//!
+//! The draw is deterministic in the key, so every holder of a group answers the same (the
+//! enclave's cross-check of holders still works) and a service asked twice for one agreed set
+//! answers the same twice: fresh noise per request would let whoever asks average it away.
+
+use rand_chacha::ChaCha12Rng;
+use rand_core::SeedableRng;
+
+use crate::exact_sampler;
+
+/// Values per ChaCha12 stream: value `i` is drawn from stream `i / BLOCK`.
+pub const BLOCK: usize = 1 << 14;
+
+/// `-ln(2^-128)`, rounded up: the tail the norm bound leaves.
+const TAIL: f64 = 89.0;
+
+/// The noise vector of `values` values: discrete Gaussians of integer variance parameter
+/// `variance` (1..=2^60), value `i` drawn in order on ChaCha12 stream `i / BLOCK` keyed with
+/// `key`.
+pub fn noise(values: usize, variance: u64, key: &[u8; 32]) -> Vec<i64> {
+    let t = exact_sampler::proposal_scale(variance);
+    let mut out = vec![0i64; values];
+    for (block, chunk) in out.chunks_mut(BLOCK).enumerate() {
+        let mut rng = ChaCha12Rng::from_seed(*key);
+        rng.set_stream(block as u64);
+        for value in chunk {
+            *value = exact_sampler::sample(variance, t, &mut rng);
+        }
+    }
+    out
+}
+
+/// Subtracts `noise(sum.len(), variance, key)` from `sum`, mod 2^64: the enclave, which subtracts
+/// the mask sum, is left with the noise added.
+pub fn noise_mask_sum(sum: &mut [u64], variance: u64, key: &[u8; 32]) {
+    let t = exact_sampler::proposal_scale(variance);
+    for (block, chunk) in sum.chunks_mut(BLOCK).enumerate() {
+        let mut rng = ChaCha12Rng::from_seed(*key);
+        rng.set_stream(block as u64);
+        for value in chunk {
+            *value = value.wrapping_sub(exact_sampler::sample(variance, t, &mut rng) as u64);
+        }
+    }
+}
+
+/// An L2 norm that the sum of `groups` independent noise vectors of `values` values (each value a
+/// discrete Gaussian of variance parameter `variance`) exceeds with probability below 2^-128.
+///
+/// A discrete Gaussian of parameter `sigma^2` is `sigma`-subgaussian (Canonne, Kamath, Steinke
+/// 2020, Corollary 9), so a value of the sum is `sqrt(groups) sigma`-subgaussian, and the vector's
+/// squared norm exceeds `s^2 (m + 2 sqrt(m x) + 2 x)` with probability at most `e^-x` (Hsu,
+/// Kakade, Zhang 2012, Theorem 1); `x = 89`.
+pub fn norm_bound(values: usize, variance: u64, groups: usize) -> f64 {
+    let m = values as f64;
+    let s2 = variance as f64 * groups as f64;
+    (s2 * (m + 2.0 * (m * TAIL).sqrt() + 2.0 * TAIL)).sqrt()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn noise_is_the_same_for_one_key_and_independent_across_keys() {
+        let a = noise(40_000, 1 << 20, &[1; 32]);
+        assert_eq!(a, noise(40_000, 1 << 20, &[1; 32]));
+        let b = noise(40_000, 1 << 20, &[2; 32]);
+        let equal = a.iter().zip(&b).filter(|(x, y)| x == y).count();
+        // Two independent draws of standard deviation 1024 agree on a value about 1 in 3,600.
+        assert!(equal < 40, "{equal} equal values");
+    }
+
+    #[test]
+    fn noise_has_its_variance_and_no_bias() {
+        let variance = 1u64 << 20;
+        let drawn = noise(200_000, variance, &[3; 32]);
+        let n = drawn.len() as f64;
+        let mean = drawn.iter().map(|&v| v as f64).sum::<f64>() / n;
+        let var = drawn
+            .iter()
+            .map(|&v| (v as f64 - mean).powi(2))
+            .sum::<f64>()
+            / n;
+        // Standard errors: 1024 / sqrt(n) = 2.3 for the mean, sqrt(2 / n) = 0.32 % relative for
+        // the variance (a discrete Gaussian's variance is within 1e-9 of sigma^2 at this scale).
+        assert!(mean.abs() < 12.0, "mean {mean}");
+        assert!(
+            (var / variance as f64 - 1.0).abs() < 0.016,
+            "variance {var}"
+        );
+    }
+
+    #[test]
+    fn the_mask_sum_loses_exactly_the_noise() {
+        let key = [5; 32];
+        let mut sum: Vec<u64> = (0..20_000u64)
+            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .collect();
+        let before = sum.clone();
+        noise_mask_sum(&mut sum, 4096, &key);
+        let drawn = noise(sum.len(), 4096, &key);
+        for ((after, before), z) in sum.iter().zip(&before).zip(&drawn) {
+            assert_eq!(after.wrapping_add(*z as u64), *before);
+        }
+    }
+
+    #[test]
+    fn the_norm_bound_holds_the_drawn_noise_with_room_and_is_not_loose() {
+        let (values, variance, groups) = (50_000, 1u64 << 24, 3);
+        let mut total = vec![0i64; values];
+        for group in 0..groups {
+            for (sum, z) in total
+                .iter_mut()
+                .zip(noise(values, variance, &[group as u8; 32]))
+            {
+                *sum += z;
+            }
+        }
+        let norm = total
+            .iter()
+            .map(|&v| (v as f64).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let bound = norm_bound(values, variance, groups);
+        let expected = ((values * groups) as f64 * variance as f64).sqrt();
+        assert!(norm < bound, "{norm} >= {bound}");
+        assert!(bound < 1.1 * expected, "bound {bound} against {expected}");
+    }
+}
