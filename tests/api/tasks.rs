@@ -696,3 +696,75 @@ async fn a_masked_task_names_every_key_services_masking_key_or_is_refused_with_t
     let params = refused.problem(StatusCode::BAD_REQUEST)["invalid_params"].to_string();
     assert!(params.contains("start the key services"), "{params}");
 }
+
+/// `distributed_noise`: the masking line names the per-group variance the budget calibrates (at
+/// least the enclave's); without `secure_aggregation`, or with DP-FTRL's correlated noise, it is
+/// a 400 on the field saying why.
+#[tokio::test]
+async fn distributed_noise_names_its_variance_in_the_masking_line_or_is_refused_with_the_reason() {
+    use base64::Engine as _;
+    let app = TestApp::new().await;
+    let token = app.tenant("acme").await;
+    let spki =
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(common::issuer::signer().spki());
+    let auth = json!({"issuer": common::issuer::ISSUER, "token_keys": [spki]});
+    let create = |overrides: serde_json::Value| {
+        app.call(
+            Method::POST,
+            "/v1/tasks",
+            Some(&token),
+            Some(task_body(overrides)),
+        )
+    };
+    let created = create(json!({
+        "secure_aggregation": true, "distributed_noise": true, "device_auth": auth
+    }))
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED);
+    let line = created.json()["masking"].as_str().unwrap().to_string();
+    let variance: u64 = line
+        .split(";noise=")
+        .nth(1)
+        .and_then(|rest| rest.split(';').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no noise in {line}"));
+    // The enclave's own calibration of the same budget (epsilon 8 over 3 rounds) needs no more.
+    let z = confed_dp::calibrate_task(
+        &confed_enclave::dp::OpenDp,
+        confed_protocol::mechanism::DpMechanism::plain(
+            confed_protocol::mechanism::Mechanism::Gaussian,
+        ),
+        8.0,
+        1e-6,
+        3,
+    )
+    .unwrap()
+    .noise_multiplier;
+    let needed = confed_enclave::dp::DiscreteGaussian::at_least(z * 65536.0)
+        .unwrap()
+        .variance();
+    assert!(
+        variance >= needed && variance <= needed + needed / 100_000,
+        "{variance} {needed}"
+    );
+
+    for (overrides, why) in [
+        (
+            json!({"distributed_noise": true, "device_auth": auth}),
+            "secure_aggregation",
+        ),
+        (
+            json!({"secure_aggregation": true, "distributed_noise": true, "device_auth": auth,
+                   "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": 1.0,
+                               "mechanism": "tree_aggregation", "min_separation": 1}}),
+            "per-round Gaussian",
+        ),
+    ] {
+        let refused = create(overrides).await;
+        let params = refused.problem(StatusCode::BAD_REQUEST)["invalid_params"].to_string();
+        assert!(
+            params.contains("distributed_noise") && params.contains(why),
+            "{params}"
+        );
+    }
+}
