@@ -145,6 +145,8 @@ impl Tasks<'_> {
                 .with_noise(variance)
                 .map_err(|reason| refuse_field("distributed_noise", reason))?;
         }
+        let ring = ring_for(spec, &masking);
+        masking = masking.with_ring(ring);
         let mut checked = spec.clone();
         checked.masking = Some(masking.encode());
         checked
@@ -284,6 +286,26 @@ fn decode_cursor(token: &str) -> Result<TaskCursor, TaskError> {
         created_at: created_at.parse().map_err(|_| TaskError::BadPageToken)?,
         id: id.to_string(),
     })
+}
+
+/// The ring a masked task's masks live in: 2^32 (half the bytes on the wire, for devices and key
+/// services alike) when twice the report goal's sum, with the distributed noise's bound, stays
+/// below 2^31; else 2^64. Twice: a round may include somewhat more than its goal (uploads that
+/// land together), and the enclave refuses, before the key services are asked, a round whose
+/// included inputs do not fit.
+fn ring_for(
+    spec: &crate::task_spec::TaskSpec,
+    masking: &confed_protocol::masking_keys::MaskingPolicy,
+) -> confed_protocol::masking::Ring {
+    use confed_protocol::masking::{Ring, noise_value_bound};
+    let noise = masking.noise_variance.map_or(0.0, |variance| {
+        noise_value_bound(variance, masking.layout().groups().len())
+    });
+    let units = confed_protocol::grid::GRID_UNITS_PER_CLIP as u64;
+    match Ring::Bits32.holds(2 * u64::from(spec.report_goal), units, noise) {
+        true => Ring::Bits32,
+        false => Ring::Bits64,
+    }
 }
 
 /// The per-group variance of a masked task's distributed noise (grid units squared): the

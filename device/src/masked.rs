@@ -125,7 +125,7 @@ pub fn masked_update(
     .map_err(masking_error)?;
     let masked =
         masking::mask(&masking.layout(), &grid, &secrets.seeds, &context).map_err(masking_error)?;
-    Ok(masking::encode_masked(&masked))
+    Ok(masking::encode_masked(&masked, masking.layout().ring()))
 }
 
 #[cfg(test)]
@@ -191,7 +191,7 @@ mod tests {
         let secrets = draw(&policy, 1, REF, 3).unwrap();
         assert_eq!(secrets.sealed.len(), 3);
         let plaintext = masked_update(&policy, 1, REF, &secrets, &bytes).unwrap();
-        let masked: Vec<u64> = read_masked(&plaintext, 3)
+        let masked: Vec<u64> = read_masked(&plaintext, 3, layout.ring())
             .unwrap()
             .chunks_exact(8)
             .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
@@ -208,7 +208,7 @@ mod tests {
                 )
                 .unwrap();
                 let mut sums = MaskSums::new(&layout, service, 3).unwrap();
-                sums.add(&opened, &ctx).unwrap();
+                sums.add(&opened, &ctx, layout.ring()).unwrap();
                 sums
             })
             .collect();

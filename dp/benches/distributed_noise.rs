@@ -18,7 +18,9 @@ use confed_protocol::mechanism::{DpMechanism, Mechanism};
 const VALUES: usize = 1 << 18;
 
 fn main() {
-    println!("distributed noise, one group's draw subtracted from 1 MB of mask sums (262,144 values), one core");
+    println!(
+        "distributed noise, one group's draw subtracted from 1 MB of mask sums (262,144 values), one core"
+    );
     for (epsilon, rounds) in [(8.0, 10), (8.0, 100), (1.0, 100)] {
         let z = calibrate_task(
             &ClosedForm,

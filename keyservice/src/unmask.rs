@@ -305,6 +305,8 @@ pub(crate) async fn sums(
     check_agreement(&request.receipts, &set, &trusted, checked.key_set)
         .map_err(|e| ApiError::Forbidden(format!("the unmask agreement does not hold: {e}")))?;
     let groups = masking.layout().groups_of(checked.number).len();
+    let ring = masking.ring;
+    // Held as u64 whatever the ring: the memory bound counts 8 bytes a value.
     let values = usize::try_from(request.values)
         .ok()
         .filter(|&v| v >= 1 && v.saturating_mul(groups * 8) <= MAX_SUMS_BYTES)
@@ -340,10 +342,10 @@ pub(crate) async fn sums(
     .await
     .map_err(|e| ApiError::Internal(format!("the mask sums did not finish: {e}")))??;
     metrics::counter!("confed_keyservice_mask_sums_total").increment(1);
-    let mut body = Vec::with_capacity(summed.sums.len() * values * 8);
+    let mut body = Vec::with_capacity(summed.sums.len() * values * ring.bytes());
     for (_, sum) in &summed.sums {
         for value in sum {
-            body.extend_from_slice(&value.to_le_bytes());
+            ring.write(*value, &mut body);
         }
     }
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], body))
@@ -409,7 +411,7 @@ fn sum_masks(
             &context,
         )
         .map_err(|e| refuse(reference, e.to_string()))?;
-        sums.add(&opened, &context)
+        sums.add(&opened, &context, layout.ring())
             .map_err(|e| refuse(reference, e.to_string()))?;
         if let Some(keys) = noise_keys.as_mut() {
             keys.absorb(&opened, &context)

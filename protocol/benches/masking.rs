@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use confed_protocol::hpke::{PublicKey, generate_keypair};
 use confed_protocol::masking::{
-    Layout, MaskContext, MaskSums, Seed, add_stream, mask, open_seeds, seal_seeds,
+    Layout, MaskContext, MaskSums, Ring, Seed, add_stream, mask, open_seeds, seal_seeds,
 };
 
 /// A 1 MB update of f32 values: 262,144 values on the grid, 2 MB masked (u64).
@@ -39,7 +39,7 @@ fn main() {
     let runs = 200;
     let started = Instant::now();
     for group in 0..runs {
-        add_stream(&seed, &context(&reference), group, &mut out).unwrap();
+        add_stream(&seed, &context(&reference), group, &mut out, Ring::Bits64).unwrap();
     }
     let seconds = started.elapsed().as_secs_f64();
     println!(
@@ -104,7 +104,7 @@ fn main() {
         for (reference, sealed) in &sealed {
             let ctx = context(reference);
             let seeds = open_seeds(&layout, &keys[0].0, &sealed[0], &ctx).unwrap();
-            sums.add(&seeds, &ctx).unwrap();
+            sums.add(&seeds, &ctx, layout.ring()).unwrap();
         }
         let per_input = started.elapsed().as_secs_f64() / summed as f64;
         println!(

@@ -100,7 +100,97 @@ pub fn quorum(n: u8, t: u8) -> u8 {
     t.max((n + t).div_ceil(2))
 }
 
-/// Which key services (numbered 1 to `n`) hold which group's seed.
+/// The ring masked values live in: the integers mod 2^64, or mod 2^32 when the round's sum and
+/// noise fit in 31 bits (a masked update then has the bytes of an f32 update; the policy's
+/// `masking` line says `ring=32`). Values of either are held in u64, reduced.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Ring {
+    #[default]
+    Bits64,
+    Bits32,
+}
+
+impl Ring {
+    /// Bytes per value on the wire (little endian).
+    pub fn bytes(self) -> usize {
+        match self {
+            Self::Bits64 => 8,
+            Self::Bits32 => 4,
+        }
+    }
+
+    pub fn bits(self) -> u32 {
+        8 * self.bytes() as u32
+    }
+
+    /// `value mod 2^bits`.
+    pub fn reduce(self, value: u64) -> u64 {
+        match self {
+            Self::Bits64 => value,
+            Self::Bits32 => value & 0xffff_ffff,
+        }
+    }
+
+    /// The signed integer a reduced value stands for (two's complement of the ring's width).
+    pub fn signed(self, value: u64) -> i64 {
+        match self {
+            Self::Bits64 => value as i64,
+            Self::Bits32 => i64::from(value as u32 as i32),
+        }
+    }
+
+    /// A value of `bytes` (the ring's width, little endian).
+    fn read(self, bytes: &[u8]) -> u64 {
+        match self {
+            Self::Bits64 => u64::from_le_bytes(bytes.try_into().expect("8 bytes")),
+            Self::Bits32 => u64::from(u32::from_le_bytes(bytes.try_into().expect("4 bytes"))),
+        }
+    }
+
+    /// Appends a reduced value's bytes (little endian) to `out`.
+    pub fn write(self, value: u64, out: &mut Vec<u8>) {
+        match self {
+            Self::Bits64 => out.extend_from_slice(&value.to_le_bytes()),
+            Self::Bits32 => out.extend_from_slice(&(value as u32).to_le_bytes()),
+        }
+    }
+
+    /// Little-endian values of this ring's width, reduced, as u64.
+    pub fn values(self, bytes: &[u8]) -> Vec<u64> {
+        bytes
+            .chunks_exact(self.bytes())
+            .map(|w| self.read(w))
+            .collect()
+    }
+
+    /// The masked update's tensor dtype.
+    fn dtype(self) -> safetensors::Dtype {
+        match self {
+            Self::Bits64 => safetensors::Dtype::U64,
+            Self::Bits32 => safetensors::Dtype::U32,
+        }
+    }
+
+    /// Whether a sum of `included` inputs each within `units_per_clip` grid units per value,
+    /// plus noise within `noise_per_value` per value, never wraps: every value of it lies in
+    /// `(-2^(bits-1), 2^(bits-1))`, so its reduced form reads back as itself.
+    pub fn holds(self, included: u64, units_per_clip: u64, noise_per_value: f64) -> bool {
+        let sum = u128::from(included) * u128::from(units_per_clip);
+        let noise = noise_per_value.max(0.0).ceil();
+        let limit = 1u128 << (self.bits() - 1);
+        noise < limit as f64 && sum + (noise as u128) < limit
+    }
+}
+
+/// A bound no value of the summed distributed noise of `groups` groups (each value a discrete
+/// Gaussian of variance parameter `variance`, `sigma`-subgaussian) exceeds in absolute value,
+/// over up to 2^32 values, but with probability below 2^-128: `15 sqrt(groups variance)`
+/// (`sqrt(2 ln(2 x 2^32 x 2^128)) = 14.94`).
+pub fn noise_value_bound(variance: u64, groups: usize) -> f64 {
+    15.0 * (variance as f64 * groups as f64).sqrt()
+}
+
+/// Which key services (numbered 1 to `n`) hold which group's seed, and the ring the masks live in.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Layout {
     n: u8,
@@ -108,6 +198,7 @@ pub struct Layout {
     q: u8,
     /// Every subset of `n - q + 1` services, members ascending, subsets in lexicographic order.
     groups: Vec<Vec<u8>>,
+    ring: Ring,
 }
 
 impl Layout {
@@ -133,7 +224,23 @@ impl Layout {
                 member[j] = member[j - 1] + 1;
             }
         }
-        Ok(Self { n, t, q, groups })
+        Ok(Self {
+            n,
+            t,
+            q,
+            groups,
+            ring: Ring::Bits64,
+        })
+    }
+
+    /// The same layout with its masks in `ring`.
+    pub fn with_ring(mut self, ring: Ring) -> Self {
+        self.ring = ring;
+        self
+    }
+
+    pub fn ring(&self) -> Ring {
+        self.ring
     }
 
     pub fn services(&self) -> u8 {
@@ -307,31 +414,45 @@ impl<'a> MaskContext<'a> {
     }
 }
 
-/// Adds `group`'s stream under `seed` to `out` (mod 2^64), value by value; `out` must have the
-/// context's length.
+/// Adds `group`'s stream under `seed` to `out` in `ring`, value by value (value `i` of the
+/// stream is its bytes `w i .. w (i + 1)`, `w` the ring's bytes, little endian); `out` must have
+/// the context's length and hold reduced values, and keeps them reduced.
 pub fn add_stream(
     seed: &Seed,
     context: &MaskContext<'_>,
     group: usize,
     out: &mut [u64],
+    ring: Ring,
 ) -> Result<(), MaskingError> {
     context.check_len(out.len())?;
     let key = context.stream_key(seed, group);
     let mut cipher = Aes128Ctr::new(&(*key).into(), &[0u8; 16].into());
-    let mut keystream = Zeroizing::new(vec![0u8; STREAM_CHUNK * 8]);
+    let width = ring.bytes();
+    let mut keystream = Zeroizing::new(vec![0u8; STREAM_CHUNK * width]);
     for chunk in out.chunks_mut(STREAM_CHUNK) {
-        let bytes = &mut keystream[..chunk.len() * 8];
+        let bytes = &mut keystream[..chunk.len() * width];
         bytes.fill(0);
         cipher.apply_keystream(bytes);
-        for (value, word) in chunk.iter_mut().zip(bytes.chunks_exact(8)) {
-            *value = value.wrapping_add(u64::from_le_bytes(word.try_into().expect("8 bytes")));
+        match ring {
+            Ring::Bits64 => {
+                for (value, word) in chunk.iter_mut().zip(bytes.chunks_exact(8)) {
+                    *value =
+                        value.wrapping_add(u64::from_le_bytes(word.try_into().expect("8 bytes")));
+                }
+            }
+            Ring::Bits32 => {
+                for (value, word) in chunk.iter_mut().zip(bytes.chunks_exact(4)) {
+                    let word = u32::from_le_bytes(word.try_into().expect("4 bytes"));
+                    *value = (*value as u32).wrapping_add(word).into();
+                }
+            }
         }
     }
     Ok(())
 }
 
 /// A device's masked update: `grid` (its clipped update on the integer grid) plus every group's
-/// stream, mod 2^64.
+/// stream, in the layout's ring.
 pub fn mask(
     layout: &Layout,
     grid: &[i64],
@@ -345,9 +466,10 @@ pub fn mask(
         });
     }
     context.check_len(grid.len())?;
-    let mut masked: Vec<u64> = grid.iter().map(|v| *v as u64).collect();
+    let ring = layout.ring;
+    let mut masked: Vec<u64> = grid.iter().map(|v| ring.reduce(*v as u64)).collect();
     for (group, seed) in seeds.iter().enumerate() {
-        add_stream(seed, context, group, &mut masked)?;
+        add_stream(seed, context, group, &mut masked, ring)?;
     }
     Ok(masked)
 }
@@ -502,6 +624,7 @@ pub fn open_seeds(
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MaskSums {
     pub service: u8,
+    /// Each group's sum, reduced in the layout's ring.
     pub sums: Vec<(usize, Vec<u64>)>,
 }
 
@@ -519,11 +642,12 @@ impl MaskSums {
         })
     }
 
-    /// Adds one included input's streams, from its opened seeds.
+    /// Adds one included input's streams in `ring` (the layout's), from its opened seeds.
     pub fn add(
         &mut self,
         seeds: &[(usize, Seed)],
         context: &MaskContext<'_>,
+        ring: Ring,
     ) -> Result<(), MaskingError> {
         if seeds.len() != self.sums.len()
             || seeds.iter().zip(&self.sums).any(|((g, _), (h, _))| g != h)
@@ -531,7 +655,7 @@ impl MaskSums {
             return Err(MaskingError::SeedsShape(self.service));
         }
         for ((group, seed), (_, sum)) in seeds.iter().zip(&mut self.sums) {
-            add_stream(seed, context, *group, sum)?;
+            add_stream(seed, context, *group, sum, ring)?;
         }
         Ok(())
     }
@@ -598,7 +722,13 @@ pub fn unmask(
             *value = value.wrapping_sub(*mask);
         }
     }
-    let unmasked: Zeroizing<Vec<i64>> = Zeroizing::new(result.iter().map(|v| *v as i64).collect());
+    let ring = layout.ring;
+    let unmasked: Zeroizing<Vec<i64>> = Zeroizing::new(
+        result
+            .iter()
+            .map(|v| ring.signed(ring.reduce(*v)))
+            .collect(),
+    );
     // Exact: every square below 2^126, the sum saturating; the bound squared saturating too.
     let squares = unmasked.iter().fold(0u128, |acc, v| {
         acc.saturating_add(u128::from(v.unsigned_abs()).pow(2))
@@ -618,15 +748,19 @@ pub fn unmask(
     Ok(unmasked)
 }
 
-/// The masked update's one tensor: `confed.masked`, U64, shape `[values]`, little endian.
+/// The masked update's one tensor: `confed.masked`, U64 (U32 in the ring of 2^32), shape
+/// `[values]`, little endian.
 pub const MASKED_TENSOR: &str = "confed.masked";
 
-/// A masked update as the device seals it: safetensors with the one tensor `MASKED_TENSOR`.
-pub fn encode_masked(masked: &[u64]) -> Vec<u8> {
-    let bytes: Vec<u8> = masked.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let view =
-        safetensors::tensor::TensorView::new(safetensors::Dtype::U64, vec![masked.len()], &bytes)
-            .expect("a u64 vector's bytes fit its shape");
+/// A masked update as the device seals it: safetensors with the one tensor `MASKED_TENSOR`, its
+/// values (reduced) at the ring's width.
+pub fn encode_masked(masked: &[u64], ring: Ring) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(masked.len() * ring.bytes());
+    for value in masked {
+        ring.write(*value, &mut bytes);
+    }
+    let view = safetensors::tensor::TensorView::new(ring.dtype(), vec![masked.len()], &bytes)
+        .expect("a vector's bytes fit its shape");
     safetensors::serialize([(MASKED_TENSOR, view)], None).expect("one tensor serializes")
 }
 
@@ -635,13 +769,13 @@ pub fn encode_masked(masked: &[u64]) -> Vec<u8> {
 pub enum MaskedProblem {
     #[error("not safetensors: {0}")]
     Format(String),
-    #[error("not exactly one tensor {MASKED_TENSOR:?} of dtype U64 and shape [{0}]")]
+    #[error("not exactly one tensor {MASKED_TENSOR:?} of the ring's dtype and shape [{0}]")]
     Shape(usize),
 }
 
-/// The little-endian u64 values of a masked update of `values` values (borrowed from
-/// `plaintext`).
-pub fn read_masked(plaintext: &[u8], values: usize) -> Result<&[u8], MaskedProblem> {
+/// The little-endian values (of `ring`'s width) of a masked update of `values` values (borrowed
+/// from `plaintext`).
+pub fn read_masked(plaintext: &[u8], values: usize, ring: Ring) -> Result<&[u8], MaskedProblem> {
     let tensors = safetensors::SafeTensors::deserialize(plaintext)
         .map_err(|e| MaskedProblem::Format(e.to_string()))?;
     if tensors.len() != 1 {
@@ -650,7 +784,7 @@ pub fn read_masked(plaintext: &[u8], values: usize) -> Result<&[u8], MaskedProbl
     let view = tensors
         .tensor(MASKED_TENSOR)
         .map_err(|_| MaskedProblem::Shape(values))?;
-    if view.dtype() != safetensors::Dtype::U64 || view.shape() != [values] {
+    if view.dtype() != ring.dtype() || view.shape() != [values] {
         return Err(MaskedProblem::Shape(values));
     }
     // The view points into `plaintext`: borrow it from there.

@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::hpke::PublicKey;
 use crate::keys::valid_id;
-use crate::masking::{Layout, MAX_SERVICES, SCHEME};
+use crate::masking::{Layout, MAX_SERVICES, Ring, SCHEME};
 use crate::policy::TaskPolicy;
 
 pub const KEY_LABEL: &str = "confed-masking-key-v1";
@@ -136,6 +136,8 @@ impl MaskingService {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MaskingPolicy {
     pub threshold: u8,
+    /// The ring the masks live in (`ring=32` in the line; absent: 2^64).
+    pub ring: Ring,
     /// Distributed noise (docs/secure-aggregation.md, "Distributed noise"): the integer variance,
     /// in grid units squared, of the discrete Gaussian every group's holders add to that group's
     /// mask sums. `None`: the enclave noises the unmasked sum itself.
@@ -189,6 +191,7 @@ impl MaskingPolicy {
         }
         Ok(Self {
             threshold,
+            ring: Ring::Bits64,
             noise_variance: None,
             services,
         })
@@ -205,10 +208,17 @@ impl MaskingPolicy {
         Ok(self)
     }
 
-    /// The replicated-seed layout of these services.
+    /// The same line with the masks in `ring`.
+    pub fn with_ring(mut self, ring: Ring) -> Self {
+        self.ring = ring;
+        self
+    }
+
+    /// The replicated-seed layout of these services, in the line's ring.
     pub fn layout(&self) -> Layout {
         Layout::new(self.services.len() as u8, self.threshold)
             .expect("checked when the policy was made")
+            .with_ring(self.ring)
     }
 
     /// The number (1 to `n`) of the key service `keyservice_id`, if the policy names it.
@@ -238,12 +248,16 @@ impl MaskingPolicy {
                 )
             })
             .collect();
+        let ring = match self.ring {
+            Ring::Bits64 => "",
+            Ring::Bits32 => ";ring=32",
+        };
         let noise = match self.noise_variance {
             Some(variance) => format!(";noise={variance}"),
             None => String::new(),
         };
         format!(
-            "{SCHEME};threshold={}{noise};services={}",
+            "{SCHEME};threshold={}{ring}{noise};services={}",
             self.threshold,
             services.join(",")
         )
@@ -252,7 +266,7 @@ impl MaskingPolicy {
     pub fn parse(text: &str) -> Result<Self, String> {
         let malformed = || {
             format!(
-                "`masking` must be `{SCHEME};threshold=<t>[;noise=<variance>];services=<id>:<verifying_key>:<key>:<signature>,...`"
+                "`masking` must be `{SCHEME};threshold=<t>[;ring=32][;noise=<variance>];services=<id>:<verifying_key>:<key>:<signature>,...`"
             )
         };
         let rest = text
@@ -260,9 +274,14 @@ impl MaskingPolicy {
             .and_then(|r| r.strip_prefix(";threshold="))
             .ok_or_else(malformed)?;
         let (head, services) = rest.split_once(";services=").ok_or_else(malformed)?;
-        let (threshold, noise) = match head.split_once(";noise=") {
-            Some((threshold, noise)) => (threshold, Some(noise)),
+        let (head, noise) = match head.split_once(";noise=") {
+            Some((head, noise)) => (head, Some(noise)),
             None => (head, None),
+        };
+        let (threshold, ring) = match head.split_once(";ring=") {
+            Some((threshold, "32")) => (threshold, Ring::Bits32),
+            Some(_) => return Err(malformed()),
+            None => (head, Ring::Bits64),
         };
         let threshold: u8 = threshold.parse().map_err(|_| malformed())?;
         let noise: Option<u64> = noise
@@ -285,7 +304,7 @@ impl MaskingPolicy {
                 }
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let mut policy = Self::new(threshold, services)?;
+        let mut policy = Self::new(threshold, services)?.with_ring(ring);
         if let Some(variance) = noise {
             policy = policy.with_noise(variance)?;
         }
@@ -411,6 +430,27 @@ mod tests {
         let plain = MaskingPolicy::new(2, policy.services.clone()).unwrap();
         assert!(plain.clone().with_noise(0).is_err());
         assert!(plain.with_noise(MAX_NOISE_VARIANCE).is_ok());
+    }
+
+    #[test]
+    fn a_masking_line_in_the_ring_of_2_32_says_so_before_its_noise_and_only_as_32() {
+        let (_, services) = signed_services(3);
+        let policy = MaskingPolicy::new(2, services)
+            .unwrap()
+            .with_ring(Ring::Bits32)
+            .with_noise(99)
+            .unwrap();
+        let text = policy.encode();
+        assert!(text.starts_with("confed-masking/v1;threshold=2;ring=32;noise=99;services=ks1:"));
+        assert_eq!(MaskingPolicy::parse(&text).unwrap(), policy);
+        assert_eq!(policy.layout().ring(), Ring::Bits32);
+        for bad in [
+            text.replace("ring=32", "ring=64"),
+            text.replace("ring=32", "ring=032"),
+            text.replace("ring=32;noise=99", "noise=99;ring=32"),
+        ] {
+            assert!(MaskingPolicy::parse(&bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

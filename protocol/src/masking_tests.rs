@@ -129,7 +129,7 @@ impl Round {
             let ctx = context(*d, self.values);
             let mine = &sealed[usize::from(service) - 1];
             let seeds = open_seeds(&self.layout, private, mine, &ctx).unwrap();
-            sums.add(&seeds, &ctx).unwrap();
+            sums.add(&seeds, &ctx, self.layout.ring()).unwrap();
         }
         sums
     }
@@ -138,7 +138,12 @@ impl Round {
 /// Six devices of which five are included; returns the round, the masked sum of the included,
 /// their seeds, and the exact sum of their updates.
 fn five_of_six(n: u8, t: u8) -> (Round, Vec<u64>, Included, Vec<i64>) {
-    let r = Round::new(n, t, 1000);
+    five_of_six_in(n, t, Ring::Bits64)
+}
+
+fn five_of_six_in(n: u8, t: u8, ring: Ring) -> (Round, Vec<u64>, Included, Vec<i64>) {
+    let mut r = Round::new(n, t, 1000);
+    r.layout = r.layout.with_ring(ring);
     let mut masked_sum = vec![0u64; r.values];
     let mut exact = vec![0i64; r.values];
     let mut included = Vec::new();
@@ -223,13 +228,18 @@ fn a_wrong_mask_sum_fails_the_unmask_rather_than_releasing_garbage() {
 /// Pearson's chi-square of the bytes of `values` against uniform (255 degrees of freedom: above
 /// 341 happens with probability 0.0002).
 fn chi_square_of_bytes(values: &[u64]) -> f64 {
+    chi_square_of_low_bytes(values, 8)
+}
+
+/// The same over each value's low `width` bytes (a ring of 2^(8 width)).
+fn chi_square_of_low_bytes(values: &[u64], width: usize) -> f64 {
     let mut counts = [0u64; 256];
     for v in values {
-        for b in v.to_le_bytes() {
-            counts[usize::from(b)] += 1;
+        for b in &v.to_le_bytes()[..width] {
+            counts[usize::from(*b)] += 1;
         }
     }
-    let expected = (values.len() * 8) as f64 / 256.0;
+    let expected = (values.len() * width) as f64 / 256.0;
     counts
         .iter()
         .map(|c| (*c as f64 - expected).powi(2) / expected)
@@ -256,7 +266,7 @@ fn a_masked_update_is_uniform_on_the_grid_even_to_q_minus_1_key_services() {
         for (group, members) in layout.groups().iter().enumerate() {
             if members.iter().any(|m| attacker.contains(m)) {
                 let mut stream = vec![0u64; values];
-                add_stream(&seeds[group], &ctx, group, &mut stream).unwrap();
+                add_stream(&seeds[group], &ctx, group, &mut stream, Ring::Bits64).unwrap();
                 for (v, s) in view.iter_mut().zip(&stream) {
                     *v = v.wrapping_sub(*s);
                 }
@@ -281,7 +291,7 @@ fn a_masked_update_is_uniform_on_the_grid_even_to_q_minus_1_key_services() {
             .iter()
             .position(|g| g == &vec![4, 5])
             .unwrap();
-        add_stream(&seeds[missing], &ctx, missing, &mut stream).unwrap();
+        add_stream(&seeds[missing], &ctx, missing, &mut stream, Ring::Bits64).unwrap();
         let clear: Vec<i64> = view
             .iter()
             .zip(&stream)
@@ -296,7 +306,7 @@ fn streams_are_deterministic_and_differ_by_group_input_round_and_length() {
     let seed = Seed::from_bytes([7; SEED_BYTES]);
     let stream = |ctx: &MaskContext<'_>, group: usize| {
         let mut out = vec![0u64; ctx.values()];
-        add_stream(&seed, ctx, group, &mut out).unwrap();
+        add_stream(&seed, ctx, group, &mut out, Ring::Bits64).unwrap();
         out
     };
     let base = context(1, 64);
@@ -365,16 +375,19 @@ fn a_device_must_bring_one_seed_per_group() {
 #[test]
 fn a_masked_update_reads_back_only_at_its_length_and_name() {
     let values = vec![1u64, u64::MAX, 1 << 40];
-    let encoded = encode_masked(&values);
-    let read = read_masked(&encoded, 3).unwrap();
+    let encoded = encode_masked(&values, Ring::Bits64);
+    let read = read_masked(&encoded, 3, Ring::Bits64).unwrap();
     let back: Vec<u64> = read
         .chunks_exact(8)
         .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
         .collect();
     assert_eq!(back, values);
-    assert_eq!(read_masked(&encoded, 4), Err(MaskedProblem::Shape(4)));
+    assert_eq!(
+        read_masked(&encoded, 4, Ring::Bits64),
+        Err(MaskedProblem::Shape(4))
+    );
     assert!(matches!(
-        read_masked(b"not safetensors", 3),
+        read_masked(b"not safetensors", 3, Ring::Bits64),
         Err(MaskedProblem::Format(_))
     ));
 }
@@ -411,7 +424,7 @@ fn a_vector_of_another_length_than_its_context_is_refused() {
         })
     );
     let mut out = vec![0u64; 5];
-    assert!(add_stream(&seeds[0], &ctx, 0, &mut out).is_err());
+    assert!(add_stream(&seeds[0], &ctx, 0, &mut out, Ring::Bits64).is_err());
 }
 
 #[test]
@@ -429,4 +442,51 @@ fn an_answer_from_outside_the_layout_or_twice_fails_the_unmask() {
         unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16, 0.0),
         Err(MaskingError::NoSuchService(9))
     );
+}
+
+#[test]
+fn in_the_ring_of_2_32_masks_cancel_exactly_and_a_masked_update_is_uniform_in_32_bits() {
+    for (n, t) in [(3, 2), (5, 3)] {
+        let (r, masked_sum, included, exact) = five_of_six_in(n, t, Ring::Bits32);
+        let answers: Vec<MaskSums> = (1..=n).map(|s| r.answer(s, &included)).collect();
+        assert!(
+            answers.iter().all(|a| a
+                .sums
+                .iter()
+                .all(|(_, sum)| sum.iter().all(|v| *v < 1 << 32))),
+            "sums are reduced"
+        );
+        let unmasked = unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16, 0.0).unwrap();
+        assert_eq!(*unmasked, exact, "n {n}, t {t}");
+    }
+    let layout = Layout::new(3, 2).unwrap().with_ring(Ring::Bits32);
+    let values = 1 << 15;
+    let spike: Vec<i64> = (0..values)
+        .map(|i| if i == 0 { -(1 << 16) } else { 0 })
+        .collect();
+    let ctx = context(9, values);
+    let masked = mask(&layout, &spike, &seeds(&layout), &ctx).unwrap();
+    assert!(masked.iter().all(|v| *v < 1 << 32));
+    // 255 degrees of freedom: the 1e-6 tail is above 360.
+    let chi = chi_square_of_low_bytes(&masked, 4);
+    assert!(chi < 360.0, "chi-square {chi}");
+    // The wire holds 4 bytes a value, and reads back.
+    let encoded = encode_masked(&masked, Ring::Bits32);
+    let data = read_masked(&encoded, values, Ring::Bits32).unwrap();
+    assert_eq!(data.len(), 4 * values);
+    assert_eq!(Ring::Bits32.values(data), masked);
+    assert!(read_masked(&encoded, values, Ring::Bits64).is_err());
+}
+
+#[test]
+fn the_ring_of_2_32_holds_a_sum_only_below_2_31_with_its_noise() {
+    let units = 1u64 << 16;
+    assert!(Ring::Bits32.holds(32_767, units, 0.0));
+    assert!(!Ring::Bits32.holds(32_768, units, 0.0));
+    assert!(Ring::Bits32.holds(30_000, units, 2767.0 * 65536.0 - 1.0));
+    assert!(!Ring::Bits32.holds(30_000, units, 2768.0 * 65536.0));
+    assert!(Ring::Bits64.holds(1 << 40, units, 1e12));
+    assert_eq!(Ring::Bits32.signed(0xffff_ffff), -1);
+    assert_eq!(Ring::Bits32.reduce(u64::MAX), 0xffff_ffff);
+    assert!((noise_value_bound(1 << 32, 3) - 15.0 * (3.0f64 * 4294967296.0).sqrt()).abs() < 1e-6);
 }

@@ -1,7 +1,7 @@
 //! `tests/vectors/masking.json`: what a device in another language must compute byte for byte in
 //! a masked task (clients/python/tests/test_masking.py checks the Python package against it):
 //! the layout's groups, the grid values of a clipped update, the masked update's bytes under
-//! fixed seeds, each key service's sealed-seeds associated data, and the v2 token nonce.
+//! fixed seeds (in the rings of 2^64 and 2^32), each key service's sealed-seeds associated data, and the v2 token nonce.
 
 use super::*;
 use crate::privacy_pass::context::{masked_token_nonce, seeds_digest};
@@ -13,8 +13,8 @@ fn seed(group: usize) -> [u8; SEED_BYTES] {
     std::array::from_fn(|i| (group * 31 + i) as u8)
 }
 
-fn case(n: u8, t: u8, update: &[f32], clip_norm: f64) -> serde_json::Value {
-    let layout = Layout::new(n, t).unwrap();
+fn case(n: u8, t: u8, ring: Ring, update: &[f32], clip_norm: f64) -> serde_json::Value {
+    let layout = Layout::new(n, t).unwrap().with_ring(ring);
     let context = MaskContext::new("task-v", 7, REF, POLICY, update.len()).unwrap();
     let grid = crate::grid::clip_to_grid(update, clip_norm);
     let seeds: Vec<Seed> = (0..layout.groups().len())
@@ -30,6 +30,7 @@ fn case(n: u8, t: u8, update: &[f32], clip_norm: f64) -> serde_json::Value {
     serde_json::json!({
         "services": n,
         "threshold": t,
+        "ring": ring.bits(),
         "task_id": "task-v",
         "round": 7,
         "assignment_ref": REF,
@@ -39,7 +40,7 @@ fn case(n: u8, t: u8, update: &[f32], clip_norm: f64) -> serde_json::Value {
         "groups": layout.groups(),
         "seeds_hex": (0..layout.groups().len()).map(|g| crate::hex::encode(seed(g))).collect::<Vec<_>>(),
         "grid": grid,
-        "masked_update_hex": crate::hex::encode(encode_masked(&masked)),
+        "masked_update_hex": crate::hex::encode(encode_masked(&masked, ring)),
         "seeds_aad_hex": aads,
         "sealed_lengths": (1..=n).map(|j| sealed_len(&layout, j)).collect::<Vec<_>>(),
         "enc_hex": crate::hex::encode([9u8; 32]),
@@ -53,10 +54,13 @@ fn the_cross_language_vectors_are_what_this_library_computes() {
     let path =
         std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/vectors/masking.json");
     let vectors = vec![
-        case(3, 2, &[0.25, -0.5, 0.125, 0.0], 1.0),
+        case(3, 2, Ring::Bits64, &[0.25, -0.5, 0.125, 0.0], 1.0),
         // Above the clip norm, with a tie on the grid and a value that rounds to zero.
-        case(5, 3, &[3.0, -4.0, 1e-9, 0.5], 2.5),
-        case(7, 3, &[1.0; 5], 1.0),
+        case(5, 3, Ring::Bits64, &[3.0, -4.0, 1e-9, 0.5], 2.5),
+        case(7, 3, Ring::Bits64, &[1.0; 5], 1.0),
+        // The ring of 2^32: 4-byte words of the same streams, a U32 tensor.
+        case(3, 2, Ring::Bits32, &[0.25, -0.5, 0.125, 0.0], 1.0),
+        case(5, 3, Ring::Bits32, &[3.0, -4.0, 1e-9, 0.5], 2.5),
     ];
     let text = serde_json::to_string_pretty(&vectors).unwrap() + "\n";
     if std::env::var_os("CONFED_UPDATE_VECTORS").is_some() {

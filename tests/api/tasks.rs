@@ -660,8 +660,9 @@ async fn a_masked_task_names_every_key_services_masking_key_or_is_refused_with_t
         .await;
     assert_eq!(created.status, StatusCode::CREATED);
     let line = created.json()["masking"].as_str().unwrap().to_string();
+    // A report goal of 10: the sum fits 31 bits, so the masks live in the ring of 2^32.
     assert!(
-        line.starts_with("confed-masking/v1;threshold=2;services=ks1:"),
+        line.starts_with("confed-masking/v1;threshold=2;ring=32;services=ks1:"),
         "{line}"
     );
     assert!(line.contains(",ks2:"), "{line}");

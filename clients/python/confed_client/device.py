@@ -769,7 +769,9 @@ class Device:
             raise DeviceError(f"the update has {values.size} values; its seeds were drawn "
                               f"for {seeds['values']}")
         grid = masking.clip_to_grid(values, policy["clip_norm"])
-        return masking.encode_masked(masking.mask(grid, seeds["seeds"], seeds["context"]))
+        ring = policy["masking"]["ring"]
+        return masking.encode_masked(masking.mask(grid, seeds["seeds"], seeds["context"], ring),
+                                     ring)
 
     def _token(self, policy: dict, assignment: dict, values: int | None = None):
         """(ephemeral key, device token, seeds) when the task requires tokens, else (None,

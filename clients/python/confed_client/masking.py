@@ -60,11 +60,12 @@ def groups(n: int, t: int) -> list[tuple[int, ...]]:
 
 
 def parse_line(value: str) -> dict:
-    """The value of a policy's `masking=` line: {"threshold", "noise_variance" (distributed
+    """The value of a policy's `masking=` line: {"threshold", "ring" (32 or 64: the masks'
+    modulus' bits), "noise_variance" (distributed
     noise's per-group variance in grid units squared, or None), "services": [{"id",
     "verifying_key", "public_key", "signature"}]} (keys as the base64url text), checked as the
     enclave checks it."""
-    malformed = MaskingError(f"`masking` must be `{SCHEME};threshold=<t>[;noise=<variance>];"
+    malformed = MaskingError(f"`masking` must be `{SCHEME};threshold=<t>[;ring=32][;noise=<v>];"
                              "services=<id>:<verifying_key>:<key>:<signature>,...`")
     head = f"{SCHEME};threshold="
     if not value.startswith(head) or ";services=" not in value:
@@ -76,6 +77,12 @@ def parse_line(value: str) -> dict:
         if not re.fullmatch(r"[1-9][0-9]*", noise_text) or int(noise_text) > MAX_NOISE_VARIANCE:
             raise malformed
         noise_variance = int(noise_text)
+    ring = 64
+    if ";ring=" in threshold_text:
+        threshold_text, ring_text = threshold_text.split(";ring=", 1)
+        if ring_text != "32":
+            raise malformed
+        ring = 32
     if not re.fullmatch(r"[1-9][0-9]*", threshold_text):
         raise malformed
     services = []
@@ -104,7 +111,8 @@ def parse_line(value: str) -> dict:
         keys.append(service["public_key"])
     if len(set(keys)) != len(keys):
         raise MaskingError("masking: two key services have the same masking key")
-    return {"threshold": threshold, "noise_variance": noise_variance, "services": services}
+    return {"threshold": threshold, "ring": ring, "noise_variance": noise_variance,
+            "services": services}
 
 
 def accept(masking: dict, threshold: int, shares: int,
@@ -187,22 +195,33 @@ def context(task_id: str, round_: int, assignment_ref: str, policy_sha256: str,
     return b"".join(p + b"\x00" for p in parts)
 
 
-def stream(seed: bytes, context_bytes: bytes, group: int, values: int) -> np.ndarray:
+def _dtype(ring: int) -> str:
+    if ring not in (32, 64):
+        raise MaskingError(f"a masking ring is 2^32 or 2^64, not 2^{ring}")
+    return "<u4" if ring == 32 else "<u8"
+
+
+def stream(seed: bytes, context_bytes: bytes, group: int, values: int,
+           ring: int = 64) -> np.ndarray:
     """Group `group`'s stream: AES-128-CTR from a zero counter over zeros, under the key that
-    AES-256 (the seed as its key) makes of the first 16 bytes of SHA-256(context || group)."""
+    AES-256 (the seed as its key) makes of the first 16 bytes of SHA-256(context || group),
+    read as little-endian words of the ring's width (`ring` 32 or 64 bits)."""
+    dtype = _dtype(ring)
     block = hashlib.sha256(context_bytes + str(group).encode() + b"\x00").digest()[:16]
     encryptor = Cipher(algorithms.AES(seed), modes.ECB()).encryptor()
     key = encryptor.update(block) + encryptor.finalize()
     ctr = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
-    keystream = ctr.update(bytes(8 * values)) + ctr.finalize()
-    return np.frombuffer(keystream, dtype="<u8")
+    keystream = ctr.update(bytes(ring // 8 * values)) + ctr.finalize()
+    return np.frombuffer(keystream, dtype=dtype)
 
 
-def mask(grid: np.ndarray, seeds: list[bytes], context_bytes: bytes) -> np.ndarray:
-    """The grid values plus every group's stream, mod 2^64."""
-    masked = np.asarray(grid, dtype=np.int64).astype(np.uint64)
+def mask(grid: np.ndarray, seeds: list[bytes], context_bytes: bytes,
+         ring: int = 64) -> np.ndarray:
+    """The grid values plus every group's stream, mod 2^ring (the policy line's `ring`)."""
+    dtype = _dtype(ring)
+    masked = np.asarray(grid, dtype=np.int64).astype(np.uint64).astype(dtype)  # mod 2^ring
     for group, seed in enumerate(seeds):
-        masked = masked + stream(seed, context_bytes, group, masked.size)  # wraps mod 2^64
+        masked = masked + stream(seed, context_bytes, group, masked.size, ring)  # wraps
     return masked
 
 
@@ -254,8 +273,9 @@ def flatten(update: dict) -> np.ndarray:
     return np.concatenate([np.asarray(update[n], dtype=np.float32).ravel() for n in names])
 
 
-def encode_masked(masked: np.ndarray) -> bytes:
-    """The masked update as the device seals it: safetensors with the one U64 tensor."""
+def encode_masked(masked: np.ndarray, ring: int = 64) -> bytes:
+    """The masked update as the device seals it: safetensors with the one tensor, U64 (U32 in
+    the ring of 2^32)."""
     from safetensors.numpy import save
 
-    return save({MASKED_TENSOR: np.ascontiguousarray(masked, dtype="<u8")})
+    return save({MASKED_TENSOR: np.ascontiguousarray(masked, dtype=_dtype(ring))})

@@ -18,7 +18,8 @@ VECTORS = pathlib.Path(__file__).resolve().parents[3] / "tests" / "vectors" / "m
 CASES = json.loads(VECTORS.read_text())
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['threshold']}-of-{c['services']}")
+@pytest.mark.parametrize("case", CASES,
+                         ids=lambda c: f"{c['threshold']}-of-{c['services']}-ring{c['ring']}")
 def test_grid_masks_aad_and_nonce_are_byte_for_byte_the_rust_librarys(case):
     n, t = case["services"], case["threshold"]
     assert [list(g) for g in masking.groups(n, t)] == case["groups"]
@@ -27,8 +28,8 @@ def test_grid_masks_aad_and_nonce_are_byte_for_byte_the_rust_librarys(case):
     ctx = masking.context(case["task_id"], case["round"], case["assignment_ref"],
                           case["policy_sha256"], grid.size)
     seeds = [bytes.fromhex(s) for s in case["seeds_hex"]]
-    masked = masking.mask(grid, seeds, ctx)
-    assert masking.encode_masked(masked).hex() == case["masked_update_hex"]
+    masked = masking.mask(grid, seeds, ctx, case["ring"])
+    assert masking.encode_masked(masked, case["ring"]).hex() == case["masked_update_hex"]
     assert [masking.seeds_aad(ctx, j).hex() for j in range(1, n + 1)] == case["seeds_aad_hex"]
     lengths = [masking.sealed_len(n, t, j) for j in range(1, n + 1)]
     assert lengths == case["sealed_lengths"]
@@ -127,6 +128,12 @@ def test_a_masking_line_with_distributed_noise_parses_in_its_one_canonical_form(
     assert masking.parse_line(plain)["noise_variance"] is None
     parsed = masking.parse_line(noised)
     assert parsed["noise_variance"] == 4294967296 and parsed["threshold"] == 2
+    assert parsed["ring"] == 64
+    ringed = masking.parse_line(noised.replace("threshold=2;", "threshold=2;ring=32;"))
+    assert ringed["ring"] == 32 and ringed["noise_variance"] == 4294967296
+    for bad in ["ring=64;", "ring=032;"]:
+        with pytest.raises(masking.MaskingError):
+            masking.parse_line(noised.replace("threshold=2;", f"threshold=2;{bad}"))
     for bad in ["noise=04294967296", "noise=0", "noise=-1", f"noise={(1 << 60) + 1}"]:
         with pytest.raises(masking.MaskingError):
             masking.parse_line(noised.replace("noise=4294967296", bad))

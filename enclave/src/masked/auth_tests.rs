@@ -5,7 +5,9 @@
 
 use confed_protocol::device_auth::DeviceAuth;
 use confed_protocol::hpke_ephemeral::Ephemeral;
-use confed_protocol::masking::{Layout, MaskContext, SealedSeeds, Seed, encode_masked, seal_seeds};
+use confed_protocol::masking::{
+    Layout, MaskContext, Ring, SealedSeeds, Seed, encode_masked, seal_seeds,
+};
 use confed_protocol::privacy_pass::Token;
 use confed_protocol::privacy_pass::context::{encoded_round_challenge, token_nonce};
 use confed_protocol::privacy_pass::issuance::{TokenClient, TokenSigner};
@@ -43,7 +45,7 @@ fn a_masked_contribution_counts_only_under_a_token_that_binds_its_own_seeds() {
     let enclave = MaskedAggregator::new(binding(), layout.clone(), VALUES, &r.private)
         .unwrap()
         .authenticating(Some(auth));
-    let update = encode_masked(&[7; VALUES]);
+    let update = encode_masked(&[7; VALUES], Ring::Bits64);
     let seal = |id: &str, nonce_of: &dyn Fn(&Ephemeral, &[SealedSeeds]) -> [u8; 32]| {
         let assignment_ref = envelope::assignment_ref(id);
         let seeds = sealed_seeds(&layout, &public, &assignment_ref);

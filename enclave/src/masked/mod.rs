@@ -35,6 +35,10 @@ pub enum MaskedError {
     Masking(#[from] MaskingError),
     #[error(transparent)]
     Aggregate(#[from] AggregateError),
+    #[error(
+        "{included} included inputs (and the round's noise) do not fit the policy's ring of 2^{bits}: their sum could wrap; a task whose rounds include this many needs the ring of 2^64"
+    )]
+    RingTooSmall { included: usize, bits: u32 },
 }
 
 pub struct MaskedAggregator {
@@ -132,8 +136,8 @@ impl MaskedAggregator {
                 seeds: envelope.seeds.map(<[u8]>::to_vec).unwrap_or_default(),
             });
         opener.open_then(assignment_ref, stored, |plaintext| {
-            let data =
-                masking::read_masked(plaintext, self.values).map_err(|e| exclusion_of(&e))?;
+            let data = masking::read_masked(plaintext, self.values, self.layout.ring())
+                .map_err(|e| exclusion_of(&e))?;
             self.add_masked(data);
             Ok(())
         })?;
@@ -155,18 +159,51 @@ impl MaskedAggregator {
         &self.layout
     }
 
-    /// Adds a masked update's little-endian u64 values, wrapping, stripe by stripe from a
-    /// stripe that depends on the thread.
+    /// Whether `included` inputs' sum, with distributed noise of `noise_variance` per group,
+    /// fits the layout's ring without wrapping (always in 2^64; in 2^32 while `included x 2^16`
+    /// and the noise's bound stay below 2^31). Checked before the key services are asked: a
+    /// sum that wrapped would unmask to the wrong values.
+    pub fn check_ring(
+        &self,
+        included: usize,
+        noise_variance: Option<u64>,
+    ) -> Result<(), MaskedError> {
+        let noise = noise_variance.map_or(0.0, |v| {
+            masking::noise_value_bound(v, self.layout.groups().len())
+        });
+        let ring = self.layout.ring();
+        let units = confed_protocol::grid::GRID_UNITS_PER_CLIP as u64;
+        if ring.holds(included as u64, units, noise) {
+            return Ok(());
+        }
+        Err(MaskedError::RingTooSmall {
+            included,
+            bits: ring.bits(),
+        })
+    }
+
+    /// Adds a masked update's little-endian values (of the ring's width), wrapping mod 2^64
+    /// (congruent mod 2^32 too: the unmask reduces), stripe by stripe from a stripe that
+    /// depends on the thread.
     fn add_masked(&self, data: &[u8]) {
         let count = self.stripes.len();
         let start = self.next_start.fetch_add(1, Ordering::Relaxed);
+        let width = self.layout.ring().bytes();
         for step in 0..count {
             let index = (start + step) % count;
             let first = index * STRIPE;
             let mut stripe = self.stripes[index].lock().expect("masked stripe");
-            let bytes = &data[first * 8..(first + stripe.len()) * 8];
-            for (slot, word) in stripe.iter_mut().zip(bytes.chunks_exact(8)) {
-                *slot = slot.wrapping_add(u64::from_le_bytes(word.try_into().expect("8 bytes")));
+            let bytes = &data[first * width..(first + stripe.len()) * width];
+            if width == 8 {
+                for (slot, word) in stripe.iter_mut().zip(bytes.chunks_exact(8)) {
+                    *slot =
+                        slot.wrapping_add(u64::from_le_bytes(word.try_into().expect("8 bytes")));
+                }
+            } else {
+                for (slot, word) in stripe.iter_mut().zip(bytes.chunks_exact(4)) {
+                    let word = u32::from_le_bytes(word.try_into().expect("4 bytes"));
+                    *slot = slot.wrapping_add(u64::from(word));
+                }
             }
         }
     }
@@ -212,6 +249,10 @@ impl MaskedAggregator {
     ) -> Result<(Aggregator, MaskingRecord), MaskedError> {
         let groups = self.layout.groups().len() as u32;
         let distributed = noise_variance.map(|variance| DistributedNoise { variance, groups });
+        self.check_ring(
+            self.outcome.lock().expect("masked outcome").included.len(),
+            noise_variance,
+        )?;
         let outcome = self.outcome.into_inner().expect("masked outcome");
         let masked_sum: Zeroizing<Vec<u64>> = Zeroizing::new(
             self.stripes

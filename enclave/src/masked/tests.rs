@@ -5,7 +5,8 @@
 
 use confed_protocol::grid::clip_to_grid;
 use confed_protocol::masking::{
-    Layout, MaskContext, MaskSums, SealedSeeds, Seed, encode_masked, mask, open_seeds, seal_seeds,
+    Layout, MaskContext, MaskSums, Ring, SealedSeeds, Seed, encode_masked, mask, open_seeds,
+    seal_seeds,
 };
 use confed_protocol::masking_noise::NoiseKeys;
 
@@ -26,8 +27,12 @@ struct KeyServices {
 
 impl KeyServices {
     fn new(n: u8, t: u8) -> Self {
+        Self::in_ring(n, t, Ring::Bits64)
+    }
+
+    fn in_ring(n: u8, t: u8, ring: Ring) -> Self {
         Self {
-            layout: Layout::new(n, t).unwrap(),
+            layout: Layout::new(n, t).unwrap().with_ring(ring),
             keys: (0..n).map(|_| generate_keypair()).collect(),
         }
     }
@@ -51,7 +56,7 @@ impl KeyServices {
                 &ctx,
             )
             .unwrap();
-            sums.add(&opened, &ctx).unwrap();
+            sums.add(&opened, &ctx, self.layout.ring()).unwrap();
         }
         sums
     }
@@ -151,8 +156,12 @@ fn masked_round(r: &Round, services: &KeyServices) -> Masked {
             .map(|_| Seed::random())
             .collect();
         let masked = mask(&services.layout, &grid, &device_seeds, &ctx).unwrap();
-        let (_, bytes) =
-            crate::aggregate::tests::sealed(r, &assignment_id, ROUND, &encode_masked(&masked));
+        let (_, bytes) = crate::aggregate::tests::sealed(
+            r,
+            &assignment_id,
+            ROUND,
+            &encode_masked(&masked, services.layout.ring()),
+        );
         let sealed = seal_seeds(&services.layout, &device_seeds, &public, &ctx).unwrap();
         stored.push((assignment_ref.clone(), Some(with_seeds(&bytes, &sealed))));
         seeds.push((assignment_ref, sealed));
@@ -189,8 +198,13 @@ fn model_round() -> Round {
 #[test]
 fn a_masked_round_releases_the_bytes_of_the_same_clipped_updates_summed_in_the_clear() {
     let r = model_round();
-    for (n, t) in [(3u8, 2u8), (5, 3)] {
-        let services = KeyServices::new(n, t);
+    for (n, t, ring) in [
+        (3u8, 2u8, Ring::Bits64),
+        (5, 3, Ring::Bits64),
+        (3, 2, Ring::Bits32),
+        (5, 3, Ring::Bits32),
+    ] {
+        let services = KeyServices::in_ring(n, t, ring);
         let round_data = masked_round(&r, &services);
         let (_, digest) = committed(&round_data.stored);
         let binding = Binding {
@@ -279,7 +293,7 @@ fn a_withheld_or_wrong_mask_sum_releases_nothing() {
 fn a_masked_update_of_another_length_is_excluded() {
     let r = model_round();
     let services = KeyServices::new(3, 2);
-    let short = encode_masked(&[1, 2, 3]);
+    let short = encode_masked(&[1, 2, 3], Ring::Bits64);
     let (assignment_ref, bytes) =
         crate::aggregate::tests::sealed(&r, "device-short", ROUND, &short);
     let enclave =
@@ -304,8 +318,12 @@ fn a_masked_update_of_another_length_is_excluded() {
 fn a_masked_envelope_without_its_layouts_sealed_seeds_is_excluded_before_it_is_opened() {
     let r = model_round();
     let services = KeyServices::new(3, 2);
-    let (assignment_ref, bytes) =
-        crate::aggregate::tests::sealed(&r, "device-seedless", ROUND, &encode_masked(&[0; VALUES]));
+    let (assignment_ref, bytes) = crate::aggregate::tests::sealed(
+        &r,
+        "device-seedless",
+        ROUND,
+        &encode_masked(&[0; VALUES], Ring::Bits64),
+    );
     let enclave =
         MaskedAggregator::new(binding(), services.layout.clone(), VALUES, &r.private).unwrap();
     assert_eq!(
@@ -429,4 +447,26 @@ fn distributed_noise_below_the_calibrated_variance_or_a_holder_that_skips_it_rel
         start().unmask(&skipping, 1.0, Some(variance), r.schema.clone(), &r.private),
         Err(MaskedError::Masking(MaskingError::Disagree { .. }))
     ));
+}
+
+#[test]
+fn a_round_whose_sum_and_noise_could_wrap_the_ring_of_2_32_is_refused_before_the_unmask() {
+    let r = model_round();
+    let services = KeyServices::in_ring(3, 2, Ring::Bits32);
+    let round_data = masked_round(&r, &services);
+    let enclave =
+        MaskedAggregator::new(binding(), services.layout.clone(), VALUES, &r.private).unwrap();
+    enclave.add_batch(&round_data.stored);
+    // 20 inputs fit, also with noise of bound 15 sqrt(3 x 2^52) = 2^30.7; with 15 sqrt(3 x
+    // 2^54) = 2^31.7 they do not.
+    assert!(enclave.check_ring(20, None).is_ok());
+    assert!(enclave.check_ring(20, Some(1 << 52)).is_ok());
+    assert!(matches!(
+        enclave.check_ring(20, Some(1 << 54)),
+        Err(MaskedError::RingTooSmall {
+            included: 20,
+            bits: 32
+        })
+    ));
+    assert!(enclave.check_ring(40_000, None).is_err());
 }

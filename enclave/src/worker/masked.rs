@@ -81,6 +81,9 @@ impl<S: JobStore + 'static> Worker<S> {
             }
             .into());
         }
+        aggregator
+            .check_ring(included.len(), masking.noise_variance)
+            .map_err(|e| JobError::Unmask(e.to_string()))?;
         let round = UnmaskRound {
             task_id: job.task_id.clone(),
             round: job.round,
@@ -220,23 +223,18 @@ impl<S: JobStore + 'static> Worker<S> {
             .unmask_bytes((endpoint, key_id), "sums", request)
             .await?;
         let groups = layout.groups_of(number);
-        if bytes.len() != groups.len() * values * 8 {
+        let ring = layout.ring();
+        let expected = groups.len() * values * ring.bytes();
+        if bytes.len() != expected {
             return Err(format!(
-                "{} bytes of mask sums, {} expected",
-                bytes.len(),
-                groups.len() * values * 8
+                "{} bytes of mask sums, {expected} expected",
+                bytes.len()
             ));
         }
         let sums = groups
             .into_iter()
-            .zip(bytes.chunks_exact(values * 8))
-            .map(|(group, chunk)| {
-                let sum = chunk
-                    .chunks_exact(8)
-                    .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
-                    .collect();
-                (group, sum)
-            })
+            .zip(bytes.chunks_exact(values * ring.bytes()))
+            .map(|(group, chunk)| (group, ring.values(chunk)))
             .collect();
         Ok(MaskSums {
             service: number,
