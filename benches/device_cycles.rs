@@ -63,6 +63,7 @@ fn key_directory() -> (KeyDirectory, TrustConfig) {
             tenant_id: None,
             token_issuers: Vec::new(),
             require_masking: false,
+            require_distributed_noise: false,
         },
     )
 }

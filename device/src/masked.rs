@@ -132,7 +132,7 @@ pub fn masked_update(
 mod tests {
     use super::*;
     use confed_protocol::hpke::{PrivateKey, generate_keypair};
-    use confed_protocol::masking::{MaskSums, open_seeds, read_masked, unmask};
+    use confed_protocol::masking::{MaskSums, NoiseRoom, open_seeds, read_masked, unmask};
     use confed_protocol::masking_keys::{MaskingPolicy, MaskingService, sign_masking_key};
 
     const REF: &str = "a3f1c9a0e6b7d4e21a3f1c9a0e6b7d4e21a3f1c9a0e6b7d4e21a3f1c9a0e6b7d";
@@ -212,7 +212,7 @@ mod tests {
                 sums
             })
             .collect();
-        let grid = unmask(&layout, &masked, &answers, 1, 65_536, 0.0).unwrap();
+        let grid = unmask(&layout, &masked, &answers, 1, 65_536, NoiseRoom::default()).unwrap();
         // a.weight's values first, then z.bias; clipped to the clip norm: on the grid the
         // vector's length is just under 2^16 units (the exact check rounds down).
         let expected = confed_protocol::grid::clip_to_grid(&[4.0, 0.0, 3.0], 2.0);

@@ -16,9 +16,6 @@ use crate::exact_sampler;
 /// Values per ChaCha12 stream: value `i` is drawn from stream `i / BLOCK`.
 pub const BLOCK: usize = 1 << 14;
 
-/// `-ln(2^-128)`, rounded up: the tail the norm bound leaves.
-const TAIL: f64 = 89.0;
-
 /// The noise vector of `values` values: discrete Gaussians of integer variance parameter
 /// `variance` (1..=2^60), value `i` drawn in order on ChaCha12 stream `i / BLOCK` keyed with
 /// `key`.
@@ -46,19 +43,6 @@ pub fn noise_mask_sum(sum: &mut [u64], variance: u64, key: &[u8; 32]) {
             *value = value.wrapping_sub(exact_sampler::sample(variance, t, &mut rng) as u64);
         }
     }
-}
-
-/// An L2 norm that the sum of `groups` independent noise vectors of `values` values (each value a
-/// discrete Gaussian of variance parameter `variance`) exceeds with probability below 2^-128.
-///
-/// A discrete Gaussian of parameter `sigma^2` is `sigma`-subgaussian (Canonne, Kamath, Steinke
-/// 2020, Corollary 9), so a value of the sum is `sqrt(groups) sigma`-subgaussian, and the vector's
-/// squared norm exceeds `s^2 (m + 2 sqrt(m x) + 2 x)` with probability at most `e^-x` (Hsu,
-/// Kakade, Zhang 2012, Theorem 1); `x = 89`.
-pub fn norm_bound(values: usize, variance: u64, groups: usize) -> f64 {
-    let m = values as f64;
-    let s2 = variance as f64 * groups as f64;
-    (s2 * (m + 2.0 * (m * TAIL).sqrt() + 2.0 * TAIL)).sqrt()
 }
 
 #[cfg(test)]
@@ -109,8 +93,9 @@ mod tests {
         }
     }
 
+    /// `confed_protocol::masking::NoiseRoom`, the unmask's room for this noise, against draws.
     #[test]
-    fn the_norm_bound_holds_the_drawn_noise_with_room_and_is_not_loose() {
+    fn the_unmasks_room_holds_the_drawn_noise_and_is_not_loose() {
         let (values, variance, groups) = (50_000, 1u64 << 24, 3);
         let mut total = vec![0i64; values];
         for group in 0..groups {
@@ -126,9 +111,20 @@ mod tests {
             .map(|&v| (v as f64).powi(2))
             .sum::<f64>()
             .sqrt();
-        let bound = norm_bound(values, variance, groups);
+        let room = confed_protocol::masking::NoiseRoom::of(values, variance, groups);
+        let bound = room.norm;
         let expected = ((values * groups) as f64 * variance as f64).sqrt();
         assert!(norm < bound, "{norm} >= {bound}");
         assert!(bound < 1.1 * expected, "bound {bound} against {expected}");
+        // Against a fixed direction (a sum of updates), the noise's projection stays within
+        // `spread` per unit of the sum's norm.
+        let direction: Vec<f64> = (0..values).map(|i| ((i % 7) as f64) - 3.0).collect();
+        let length = direction.iter().map(|d| d * d).sum::<f64>().sqrt();
+        let projection: f64 = direction
+            .iter()
+            .zip(&total)
+            .map(|(d, z)| d * *z as f64)
+            .sum();
+        assert!(projection.abs() < length * room.spread);
     }
 }

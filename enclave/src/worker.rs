@@ -114,6 +114,8 @@ impl JobError {
                     confed_protocol::masking::MaskingError::Disagree { .. }
                         | confed_protocol::masking::MaskingError::OutOfBound { .. }
                 ))
+                // A round too large for its ring stays so.
+                | Self::Masked(crate::masked::MaskedError::RingTooSmall { .. })
         )
     }
 }
@@ -581,6 +583,11 @@ impl<S: JobStore + 'static> Worker<S> {
             _ => None,
         };
         let (inputs, inputs_digest) = self.gather(job).await?;
+        // A masked round whose contributions could wrap its ring fails before the key is
+        // asked for (its commitment unspent): a retry would fail the same.
+        if let Some(masking) = &policy.masking {
+            crate::masked::check_ring(&masking.layout(), inputs.len(), masking.noise_variance)?;
+        }
         let mut inputs_digest = privacy.bind_round_choices(inputs_digest);
         if let Some(state) = blt_state {
             inputs_digest = inputs::bind_blt_state(&inputs_digest, state.as_ref());

@@ -47,6 +47,46 @@ const MAX_SUMS_BYTES: usize = 256 * 1024 * 1024;
 /// input and group, so concurrent requests (anyone may send one for an agreed set) queue here.
 static SUMMING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
 
+/// Most mask-sum computations per round in one process: an honest enclave asks once per job
+/// attempt. The answer is the same every time, but the time it takes is not data-free with
+/// distributed noise (the sampler's running time follows its draws), so nobody may time it at
+/// will; and each costs a full stream expansion.
+const MAX_SUMS_PER_ROUND: u32 = 8;
+/// Rounds whose computations are counted, most recent last (the oldest forgotten beyond this).
+const COUNTED_ROUNDS: usize = 4096;
+
+/// (key service, task, round) -> computations so far, in the order first seen (a process may
+/// run several key services: the embedded default runs three).
+type RoundKey = (String, String, u64);
+static SUMS_PER_ROUND: std::sync::Mutex<Vec<(RoundKey, u32)>> = std::sync::Mutex::new(Vec::new());
+
+/// Counts one more of `service_id`'s computations for `(task_id, round)`, refusing it past
+/// `MAX_SUMS_PER_ROUND`.
+fn count_sums(service_id: &str, task_id: &str, round: u64) -> Result<(), ApiError> {
+    let mut counted = SUMS_PER_ROUND
+        .lock()
+        .map_err(|_| ApiError::Internal("the sums count is poisoned".into()))?;
+    let key = (service_id.to_string(), task_id.to_string(), round);
+    let position = match counted.iter().position(|(k, _)| *k == key) {
+        Some(position) => position,
+        None => {
+            if counted.len() >= COUNTED_ROUNDS {
+                counted.remove(0);
+            }
+            counted.push((key, 0));
+            counted.len() - 1
+        }
+    };
+    let done = &mut counted[position].1;
+    if *done >= MAX_SUMS_PER_ROUND {
+        return Err(ApiError::Conflict(format!(
+            "this key service has computed round {round} of task {task_id}'s mask sums {MAX_SUMS_PER_ROUND} times, the most it will"
+        )));
+    }
+    *done += 1;
+    Ok(())
+}
+
 /// What every unmask request is checked against: the round's pinned policy (a masked one naming
 /// this service) and its admitted commitment.
 struct CheckedRound {
@@ -89,6 +129,7 @@ fn check_round(
             service.id
         )));
     }
+    check_noise(&policy, masking)?;
     let key_set = KeySetShape {
         threshold: held.key.threshold,
         shares: held.key.shares,
@@ -124,6 +165,45 @@ fn check_round(
         number,
         key_set,
     })
+}
+
+/// A masked policy's distributed noise, checked by the party whose noise it is: per-round
+/// Gaussian noise, of at least the variance the policy's budget calibrates (`confed_dp`'s closed
+/// form; the front end writes that plus a margin). The front ends and the enclave may be the
+/// attacker's, so an honest key service refuses to agree to, or sum for, a round whose noise
+/// would be too weak (docs/secure-aggregation.md, "Distributed noise").
+fn check_noise(
+    policy: &TaskPolicy,
+    masking: &confed_protocol::masking_keys::MaskingPolicy,
+) -> Result<(), ApiError> {
+    let Some(variance) = masking.noise_variance else {
+        return Ok(());
+    };
+    let mechanism = policy
+        .dp_mechanism()
+        .map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    if mechanism.noise != confed_protocol::mechanism::Mechanism::Gaussian {
+        return Err(ApiError::Forbidden(
+            "distributed noise is per-round Gaussian noise; this policy's mechanism is not".into(),
+        ));
+    }
+    let z = confed_dp::calibrate_task(
+        &confed_dp::ClosedForm,
+        mechanism,
+        policy.epsilon,
+        policy.delta,
+        policy.rounds,
+    )
+    .map_err(|e| ApiError::Forbidden(format!("the policy's budget calibrates no noise: {e}")))?
+    .noise_multiplier;
+    let scale = z * confed_dp::accounting::units_per_clip(mechanism.noise);
+    let needed = (scale * scale).ceil();
+    if (variance as f64) < needed {
+        return Err(ApiError::Forbidden(format!(
+            "the policy's distributed noise has variance {variance} per group; its budget needs at least {needed:.0}: this key service draws no weaker noise"
+        )));
+    }
+    Ok(())
 }
 
 /// Sorted ascending, each once, each a 64-hex ref, at least the policy's `min_reports` and at
@@ -316,6 +396,7 @@ pub(crate) async fn sums(
                 MAX_SUMS_BYTES / (groups * 8)
             ))
         })?;
+    count_sums(&service.id, &round.task_id, round.round)?;
     let number = checked.number;
     let task_id = round.task_id.clone();
     let round_number = round.round;
@@ -377,7 +458,8 @@ fn sum_masks(
     let mut sums =
         MaskSums::new(&layout, number, values).map_err(|e| ApiError::Internal(e.to_string()))?;
     let noise_variance = policy.masking.as_ref().and_then(|m| m.noise_variance);
-    let mut noise_keys = noise_variance.map(|_| NoiseKeys::new(&layout.groups_of(number)));
+    let mut noise_keys =
+        noise_variance.map(|_| NoiseKeys::new(&layout.groups_of(number), inputs.len()));
     for input in inputs {
         let reference = input.assignment_ref.as_str();
         let decoded = input.decode().map_err(ApiError::BadRequest)?;
@@ -424,7 +506,30 @@ fn sum_masks(
         for ((group, sum), (keyed, key)) in sums.sums.iter_mut().zip(keys.finish()) {
             debug_assert_eq!(*group, keyed);
             confed_dp::distributed::noise_mask_sum(sum, variance, &key);
+            // Reduced again in the ring of 2^32 (the noise is subtracted mod 2^64).
+            for value in sum.iter_mut() {
+                *value = layout.ring().reduce(*value);
+            }
         }
     }
     Ok(sums)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_round_s_mask_sums_are_computed_at_most_eight_times_per_service() {
+        for _ in 0..MAX_SUMS_PER_ROUND {
+            count_sums("ks-count-test", "task-count", 3).unwrap();
+        }
+        assert!(matches!(
+            count_sums("ks-count-test", "task-count", 3),
+            Err(ApiError::Conflict(why)) if why.contains("8 times")
+        ));
+        // Another service of the same process, or another round, counts apart.
+        count_sums("ks-count-other", "task-count", 3).unwrap();
+        count_sums("ks-count-test", "task-count", 4).unwrap();
+    }
 }

@@ -19,7 +19,8 @@ use confed_protocol::masking::{
     Layout, MaskContext, MaskSums, Ring, Seed, add_stream, mask, open_seeds, seal_seeds,
 };
 
-/// A 1 MB update of f32 values: 262,144 values on the grid, 2 MB masked (u64).
+/// A 1 MB update of f32 values: 262,144 values on the grid, 2 MB masked in the ring of 2^64
+/// (u64), 1 MB in the ring of 2^32 (u32).
 const VALUES: usize = 1 << 18;
 const POLICY: &str = "5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c5e1c";
 
@@ -61,8 +62,14 @@ fn main() {
         1000.0 * started.elapsed().as_secs_f64() / clip_runs as f64
     );
     let grid: Vec<i64> = (0..VALUES as i64).map(|i| i % 200 - 100).collect();
-    for (n, t) in [(3u8, 2u8), (5, 3), (7, 3)] {
-        let layout = Layout::new(n, t).unwrap();
+    for (n, t, ring) in [
+        (3u8, 2u8, Ring::Bits64),
+        (3, 2, Ring::Bits32),
+        (5, 3, Ring::Bits64),
+        (5, 3, Ring::Bits32),
+        (7, 3, Ring::Bits32),
+    ] {
+        let layout = Layout::new(n, t).unwrap().with_ring(ring);
         let keys: Vec<_> = (0..n).map(|_| generate_keypair()).collect();
         let public: Vec<PublicKey> = keys.iter().map(|(_, p)| *p).collect();
         let groups = layout.groups().len();
@@ -108,10 +115,12 @@ fn main() {
         }
         let per_input = started.elapsed().as_secs_f64() / summed as f64;
         println!(
-            "masking: {t}-of-{n} (q {}, {groups} groups of {}): device +{device_ms:.1} ms and +{} bytes per 1 MB update (+1,048,576 for u64 values, +{sealed_bytes} sealed seeds); a key service in {mine} groups: {:.2} s per round of 1,000 x 1 MB on one core{}",
+            "masking: {t}-of-{n} in 2^{} (q {}, {groups} groups of {}): device +{device_ms:.1} ms and +{} bytes per 1 MB update (+{} for the values' width, +{sealed_bytes} sealed seeds); a key service in {mine} groups: {:.2} s per round of 1,000 x 1 MB on one core{}",
+            ring.bits(),
             layout.quorum(),
             layout.groups()[0].len(),
-            VALUES * 4 + sealed_bytes,
+            VALUES * (ring.bytes() - 4) + sealed_bytes,
+            VALUES * (ring.bytes() - 4),
             per_input * 1000.0,
             if summed == 1000 {
                 String::new()

@@ -83,7 +83,7 @@ pub enum MaskingError {
     )]
     Context,
     #[error(
-        "the unmasked sum is outside what {included} clipped updates can add (its L2 norm exceeds {included} x {units_per_clip} grid units, plus {noise_norm} of distributed noise): a mask sum is wrong"
+        "the unmasked sum is outside what {included} clipped updates can add (its L2 norm exceeds {included} x {units_per_clip} grid units with distributed noise of norm up to {noise_norm}): a mask sum is wrong"
     )]
     OutOfBound {
         included: u64,
@@ -179,6 +179,32 @@ impl Ring {
         let noise = noise_per_value.max(0.0).ceil();
         let limit = 1u128 << (self.bits() - 1);
         noise < limit as f64 && sum + (noise as u128) < limit
+    }
+}
+
+/// `-ln(2^-128)`, rounded up: the tail the noise bounds leave.
+const NOISE_TAIL: f64 = 89.0;
+
+/// The room distributed noise needs in `unmask`'s check: the summed noise `N` of `groups` groups
+/// (each value a discrete Gaussian of variance parameter `variance`, so `s`-subgaussian with
+/// `s = sqrt(groups variance)`) has `||N|| <= norm` and `|<S, N>| <= ||S|| spread` for the
+/// updates' sum `S` (fixed before the noise is known), each but with probability below 2^-128.
+/// `norm` is Hsu, Kakade and Zhang's bound `s sqrt(m + 2 sqrt(89 m) + 178)`; `spread` is `s
+/// sqrt(2 x 89)`. The default, no room, is a round without distributed noise.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct NoiseRoom {
+    pub norm: f64,
+    pub spread: f64,
+}
+
+impl NoiseRoom {
+    pub fn of(values: usize, variance: u64, groups: usize) -> Self {
+        let m = values as f64;
+        let s2 = variance as f64 * groups as f64;
+        Self {
+            norm: (s2 * (m + 2.0 * (m * NOISE_TAIL).sqrt() + 2.0 * NOISE_TAIL)).sqrt(),
+            spread: (s2 * 2.0 * NOISE_TAIL).sqrt(),
+        }
     }
 }
 
@@ -665,10 +691,10 @@ impl MaskSums {
 /// taken from the key services that answered and hold it, which must all agree; a group no
 /// answering service holds fails (too few answered), as does an answer from a service outside the
 /// layout or a service answering twice. The result, read as signed integers, must be what
-/// `included` updates clipped to `units_per_clip` grid units can add up to, plus distributed
-/// noise of L2 norm at most `noise_norm` (0 without; `confed_dp::distributed::norm_bound`): its
-/// exact integer sum of squares at most `(included x units_per_clip + ceil(noise_norm))^2`, or a
-/// mask sum was wrong: a sum over other inputs, or any random error, leaves values spread over
+/// `included` updates clipped to `units_per_clip` grid units can add up to (`A = included x
+/// units_per_clip`), plus distributed noise in `room` (none: `NoiseRoom::default()`): its exact
+/// integer sum of squares at most `A^2 + norm^2 + 2 A spread` (`||S + N||^2 = ||S||^2 + 2 <S,
+/// N> + ||N||^2`), or a mask sum was wrong: a sum over other inputs, or any random error, leaves values spread over
 /// the whole of 2^64. A deliberate small offset from a group's only answering holder passes
 /// (docs/secure-aggregation.md, "Integrity").
 pub fn unmask(
@@ -677,7 +703,7 @@ pub fn unmask(
     answers: &[MaskSums],
     included: u64,
     units_per_clip: i64,
-    noise_norm: f64,
+    room: NoiseRoom,
 ) -> Result<Zeroizing<Vec<i64>>, MaskingError> {
     let mut seen = Vec::with_capacity(answers.len());
     for answer in answers {
@@ -733,12 +759,15 @@ pub fn unmask(
     let squares = unmasked.iter().fold(0u128, |acc, v| {
         acc.saturating_add(u128::from(v.unsigned_abs()).pow(2))
     });
-    // A float cast saturates; NaN (never passed) would count as no noise.
-    let noise_norm = noise_norm.max(0.0).ceil() as u64;
-    let bound = u128::from(included)
-        .saturating_mul(u128::from(units_per_clip.unsigned_abs()))
-        .saturating_add(u128::from(noise_norm));
-    if squares > bound.saturating_mul(bound) {
+    // Float casts saturate; NaN (never passed) would count as no noise.
+    let noise_norm = room.norm.max(0.0).ceil() as u64;
+    let spread = room.spread.max(0.0).ceil() as u64;
+    let updates = u128::from(included).saturating_mul(u128::from(units_per_clip.unsigned_abs()));
+    let bound = updates
+        .saturating_mul(updates)
+        .saturating_add(u128::from(noise_norm).saturating_mul(u128::from(noise_norm)))
+        .saturating_add(updates.saturating_mul(u128::from(spread)).saturating_mul(2));
+    if squares > bound {
         return Err(MaskingError::OutOfBound {
             included,
             units_per_clip,

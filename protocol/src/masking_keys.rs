@@ -552,6 +552,7 @@ mod tests {
             tenant_id: None,
             token_issuers: Vec::new(),
             require_masking: false,
+            require_distributed_noise: false,
         }
     }
 
@@ -569,6 +570,7 @@ mod tests {
         // A device that requires masking refuses the same task served in the clear.
         let strict = crate::trust::TrustConfig {
             require_masking: true,
+            require_distributed_noise: false,
             ..trust.clone()
         };
         assert!(strict.accept_masking(&policy).is_ok());
@@ -577,6 +579,22 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(why.contains("requires masking"), "{why}");
+        // A device that requires distributed noise refuses a masked task without it, and the
+        // same task with it.
+        let noised = crate::trust::TrustConfig {
+            require_distributed_noise: true,
+            ..trust.clone()
+        };
+        let why = noised.accept_masking(&policy).unwrap_err().to_string();
+        assert!(why.contains("require_distributed_noise"), "{why}");
+        let mut with_noise = policy.clone();
+        with_noise.masking = with_noise.masking.map(|m| m.with_noise(1 << 32).unwrap());
+        assert!(noised.accept_masking(&with_noise).unwrap().is_some());
+        assert!(
+            noised
+                .accept_masking(&TaskPolicy::sample("plain", 1))
+                .is_err()
+        );
 
         // The operator puts a key of its own in place of ks2's.
         let mut forged = services.clone();

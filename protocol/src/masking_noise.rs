@@ -28,12 +28,14 @@ pub struct NoiseKeys {
 }
 
 impl NoiseKeys {
-    /// Keys for `groups` (a key service's groups, ascending), over no input yet.
-    pub fn new(groups: &[usize]) -> Self {
+    /// Keys for `groups` (a key service's groups, ascending), over no input yet, with room for
+    /// `inputs` inputs (the blocks never move, so no unwiped copy is left behind; more inputs
+    /// than that are taken, at the cost of a reallocation).
+    pub fn new(groups: &[usize], inputs: usize) -> Self {
         Self {
             groups: groups
                 .iter()
-                .map(|&group| (group, Zeroizing::new(Vec::new())))
+                .map(|&group| (group, Zeroizing::new(Vec::with_capacity(16 * inputs))))
                 .collect(),
         }
     }
@@ -90,7 +92,7 @@ mod tests {
 
     fn keys(seeds: &[[u8; 32]], round: u64) -> Vec<(usize, Zeroizing<[u8; 32]>)> {
         let refs: Vec<String> = (0..seeds.len() as u8).map(reference).collect();
-        let mut keys = NoiseKeys::new(&[4]);
+        let mut keys = NoiseKeys::new(&[4], seeds.len());
         for (seed, r) in seeds.iter().zip(&refs) {
             let context = MaskContext::new("task", round, r, POLICY, 10).unwrap();
             keys.absorb(&[(4, Seed::from_bytes(*seed))], &context)
@@ -119,7 +121,7 @@ mod tests {
     fn seeds_of_other_groups_are_refused() {
         let r = reference(1);
         let context = MaskContext::new("task", 1, &r, POLICY, 10).unwrap();
-        let mut keys = NoiseKeys::new(&[0, 2]);
+        let mut keys = NoiseKeys::new(&[0, 2], 1);
         let wrong = [
             (0, Seed::from_bytes([1; 32])),
             (1, Seed::from_bytes([2; 32])),

@@ -171,13 +171,29 @@ fn the_included_inputs_masks_cancel_exactly_with_any_quorum_answering() {
         for answering in subsets(n, q) {
             let answers: Vec<MaskSums> =
                 answering.iter().map(|s| r.answer(*s, &included)).collect();
-            let unmasked = unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16, 0.0).unwrap();
+            let unmasked = unmask(
+                &r.layout,
+                &masked_sum,
+                &answers,
+                5,
+                1 << 16,
+                NoiseRoom::default(),
+            )
+            .unwrap();
             assert_eq!(*unmasked, exact, "n {n}, t {t}, answering {answering:?}");
         }
         // Every service answering: the holders of each group agree.
         let answers: Vec<MaskSums> = (1..=n).map(|s| r.answer(s, &included)).collect();
         assert_eq!(
-            *unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16, 0.0).unwrap(),
+            *unmask(
+                &r.layout,
+                &masked_sum,
+                &answers,
+                5,
+                1 << 16,
+                NoiseRoom::default()
+            )
+            .unwrap(),
             exact
         );
     }
@@ -187,7 +203,14 @@ fn the_included_inputs_masks_cancel_exactly_with_any_quorum_answering() {
 fn too_few_key_services_answering_withholds_a_group_and_fails() {
     let (r, masked_sum, included, _) = five_of_six(5, 3);
     let answers: Vec<MaskSums> = [1, 2, 3].iter().map(|s| r.answer(*s, &included)).collect();
-    match unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16, 0.0) {
+    match unmask(
+        &r.layout,
+        &masked_sum,
+        &answers,
+        5,
+        1 << 16,
+        NoiseRoom::default(),
+    ) {
         Err(MaskingError::Withheld { members, .. }) => assert_eq!(members, vec![4, 5]),
         other => panic!("{other:?}"),
     }
@@ -200,7 +223,14 @@ fn a_wrong_mask_sum_fails_the_unmask_rather_than_releasing_garbage() {
     let mut answers: Vec<MaskSums> = (1..=5).map(|s| r.answer(s, &included)).collect();
     answers[0].sums[0].1[7] += 1;
     assert!(matches!(
-        unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16, 0.0),
+        unmask(
+            &r.layout,
+            &masked_sum,
+            &answers,
+            5,
+            1 << 16,
+            NoiseRoom::default()
+        ),
         Err(MaskingError::Disagree { group: 0, .. })
     ));
     // One holder of each group (n 3, t 2): a mask sum over other inputs (here, one input
@@ -209,7 +239,14 @@ fn a_wrong_mask_sum_fails_the_unmask_rather_than_releasing_garbage() {
     let mut answers: Vec<MaskSums> = (1..=3).map(|s| r.answer(s, &included)).collect();
     answers[1] = r.answer(2, &included[1..]);
     assert_eq!(
-        unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16, 0.0),
+        unmask(
+            &r.layout,
+            &masked_sum,
+            &answers,
+            5,
+            1 << 16,
+            NoiseRoom::default()
+        ),
         Err(MaskingError::OutOfBound {
             included: 5,
             units_per_clip: 1 << 16,
@@ -218,7 +255,7 @@ fn a_wrong_mask_sum_fails_the_unmask_rather_than_releasing_garbage() {
     );
     // The same wrong sum with room for distributed noise of a realistic scale (3 groups of
     // variance 2^32 on these values): still spread over 2^64, still out of bound.
-    let room = (3.0f64 * 2f64.powi(32) * masked_sum.len() as f64).sqrt() * 1.2;
+    let room = NoiseRoom::of(masked_sum.len(), 1 << 32, 3);
     assert!(matches!(
         unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16, room),
         Err(MaskingError::OutOfBound { .. })
@@ -433,13 +470,27 @@ fn an_answer_from_outside_the_layout_or_twice_fails_the_unmask() {
     let mut answers: Vec<MaskSums> = (1..=3).map(|s| r.answer(s, &included)).collect();
     answers.push(answers[0].clone());
     assert_eq!(
-        unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16, 0.0),
+        unmask(
+            &r.layout,
+            &masked_sum,
+            &answers,
+            5,
+            1 << 16,
+            NoiseRoom::default()
+        ),
         Err(MaskingError::DuplicateAnswer(1))
     );
     answers.pop();
     answers[2].service = 9;
     assert_eq!(
-        unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16, 0.0),
+        unmask(
+            &r.layout,
+            &masked_sum,
+            &answers,
+            5,
+            1 << 16,
+            NoiseRoom::default()
+        ),
         Err(MaskingError::NoSuchService(9))
     );
 }
@@ -456,7 +507,15 @@ fn in_the_ring_of_2_32_masks_cancel_exactly_and_a_masked_update_is_uniform_in_32
                 .all(|(_, sum)| sum.iter().all(|v| *v < 1 << 32))),
             "sums are reduced"
         );
-        let unmasked = unmask(&r.layout, &masked_sum, &answers, 5, 1 << 16, 0.0).unwrap();
+        let unmasked = unmask(
+            &r.layout,
+            &masked_sum,
+            &answers,
+            5,
+            1 << 16,
+            NoiseRoom::default(),
+        )
+        .unwrap();
         assert_eq!(*unmasked, exact, "n {n}, t {t}");
     }
     let layout = Layout::new(3, 2).unwrap().with_ring(Ring::Bits32);

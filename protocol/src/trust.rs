@@ -55,6 +55,12 @@ pub struct TrustConfig {
     /// Absent: false.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub require_masking: bool,
+    /// Contribute only to masked tasks whose key services draw the noise (`noise=` in the
+    /// `masking` line: docs/secure-aggregation.md, "Distributed noise"), so that not even a
+    /// broken enclave holds the round's un-noised sum. The variance itself the key services
+    /// check against the policy's budget. Absent: false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub require_distributed_noise: bool,
 }
 
 /// A token issuer a device trusts: its name and the token keys it may sign with.
@@ -123,7 +129,7 @@ impl TrustConfig {
         policy: &crate::policy::TaskPolicy,
     ) -> Result<Option<Vec<crate::hpke::PublicKey>>, crate::policy::PolicyError> {
         let Some(masking) = &policy.masking else {
-            if self.require_masking {
+            if self.require_masking || self.require_distributed_noise {
                 return Err(crate::policy::PolicyError::Limits(
                     "the task does not mask its updates, and this device's trust file requires masking (require_masking)".into(),
                 ));
@@ -131,6 +137,11 @@ impl TrustConfig {
             return Ok(None);
         };
         let refuse = |why: String| crate::policy::PolicyError::Limits(why);
+        if self.require_distributed_noise && masking.noise_variance.is_none() {
+            return Err(refuse(
+                "the task's key services do not draw its noise, and this device's trust file requires distributed noise (require_distributed_noise)".into(),
+            ));
+        }
         if usize::from(masking.threshold) != self.threshold
             || masking.services.len() != self.shares()
         {
@@ -321,6 +332,7 @@ mod tests {
             tenant_id: None,
             token_issuers: Vec::new(),
             require_masking: false,
+            require_distributed_noise: false,
         }
     }
 

@@ -132,6 +132,10 @@ pub(crate) enum DevicesCommand {
         /// is refused.
         #[arg(long)]
         require_masking: bool,
+        /// Contribute only to masked tasks whose key services draw the noise
+        /// (`distributed_noise`): implies --require-masking.
+        #[arg(long)]
+        require_distributed_noise: bool,
     },
 }
 
@@ -272,6 +276,7 @@ pub(super) async fn run(command: DevicesCommand) -> Result<()> {
             tenant_id,
             issuers,
             require_masking,
+            require_distributed_noise,
         } => {
             let mut token_issuers = Vec::new();
             for url in &issuers {
@@ -309,7 +314,8 @@ pub(super) async fn run(command: DevicesCommand) -> Result<()> {
                 },
                 tenant_id,
                 token_issuers,
-                require_masking,
+                require_masking: require_masking || require_distributed_noise,
+                require_distributed_noise,
             };
             config.check()?;
             println!("{}", serde_json::to_string_pretty(&config)?);

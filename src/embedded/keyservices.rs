@@ -112,6 +112,7 @@ pub async fn start(
             tenant_id: None,
             token_issuers: Vec::new(),
             require_masking: false,
+            require_distributed_noise: false,
         },
         tasks: Vec::new(),
     };

@@ -149,6 +149,7 @@ fn trust(scene: &Scene, listed: usize, shares: Option<usize>) -> TrustConfig {
         tenant_id: None,
         token_issuers: Vec::new(),
         require_masking: false,
+        require_distributed_noise: false,
     }
 }
 
@@ -345,6 +346,37 @@ fn confed_verify_states_a_blt_releases_accounted_noise_first() {
         line.starts_with("noise: the accounting guarantees 0.800000")
             && line.contains("3 planned rounds")
             && line.contains("carries 1.290000"),
+        "{line}"
+    );
+}
+
+/// A masked release with distributed noise: the guarantee (one group's draw, which the enclave
+/// and `q - 1` key services miss) goes first, then what the release carries.
+#[test]
+fn confed_verify_states_a_distributed_noise_releases_guarantee_first() {
+    let mut scene = scene();
+    let clip = scene.manifest.clip_norm;
+    scene.manifest.noise.mechanism = confed_worker_api::manifest::DISTRIBUTED_MECHANISM.into();
+    scene.manifest.noise.variance_grid = 1 << 32;
+    scene.manifest.noise.stddev_sum = 3f64.sqrt() * clip;
+    scene.manifest.masking = Some(confed_worker_api::manifest::MaskingRecord {
+        scheme: "confed-masking/v1".into(),
+        services: 3,
+        threshold: 2,
+        quorum: 3,
+        groups: 3,
+        answered: vec![1, 2, 3],
+        noise_variance_grid: Some(1 << 32),
+    });
+    let proof = proof(&scene, &[0, 1, 2], 2, 3);
+    let verified = verify(&scene, &proof, &trust(&scene, 3, None)).unwrap();
+    assert!(verified.failures.is_empty(), "{:?}", verified.failures);
+    let line = &verified.lines[0];
+    assert!(
+        line.starts_with("noise: distributed: each of the 3 groups")
+            && line.contains(&format!("guarantees {clip:.6}"))
+            && line.contains("the enclave and 2 key services")
+            && line.contains(&format!("carries {:.6}", 3f64.sqrt() * clip)),
         "{line}"
     );
 }

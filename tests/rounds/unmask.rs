@@ -10,7 +10,8 @@ use confed_attestation::unmask_api::{AgreeRequest, MaskedInput, SumsRequest, Unm
 use confed_protocol::device_auth::DeviceAuth;
 use confed_protocol::hpke::{self, PrivateKey};
 use confed_protocol::masking::{
-    Layout, MaskContext, MaskSums, Seed, envelope_seeds, mask, seal_seeds, split_seeds, unmask,
+    Layout, MaskContext, MaskSums, NoiseRoom, Seed, envelope_seeds, mask, seal_seeds, split_seeds,
+    unmask,
 };
 use confed_protocol::masking_keys::{MaskingPolicy, MaskingService, sign_masking_key};
 use confed_protocol::masking_noise::NoiseKeys;
@@ -224,6 +225,20 @@ impl Masked {
     }
 }
 
+/// The variance `policy`'s budget calibrates per group (the key services' closed form).
+fn calibrated_variance(policy: &TaskPolicy) -> u64 {
+    let z = confed_dp::calibrate_task(
+        &confed_dp::ClosedForm,
+        policy.dp_mechanism().unwrap(),
+        policy.epsilon,
+        policy.delta,
+        policy.rounds,
+    )
+    .unwrap()
+    .noise_multiplier;
+    (z * 65536.0).powi(2).ceil() as u64
+}
+
 impl Masked {
     /// Every service's receipt for the whole set.
     async fn agreed(&self) -> Vec<UnmaskReceipt> {
@@ -289,7 +304,13 @@ impl Masked {
 /// per request would average away); the unmasked sum is the exact sum plus every group's draw.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_distributed_noise_each_service_adds_its_groups_draw_the_same_on_every_request() {
-    let variance = 1u64 << 32;
+    let variance = calibrated_variance(&TaskPolicy::sample(TASK, 3));
+    // Weaker noise than the policy's budget needs: no honest key service agrees to it.
+    let weak = released_with(Some(variance - 1)).await;
+    let refused = weak.agree(0, &weak.inputs).await;
+    assert_eq!(refused.status(), 403);
+    assert!(refused.text().await.unwrap().contains("no weaker noise"));
+
     let m = released_with(Some(variance)).await;
     let layout = m.policy.masking.as_ref().unwrap().layout();
     let receipts = m.agreed().await;
@@ -301,7 +322,7 @@ async fn with_distributed_noise_each_service_adds_its_groups_draw_the_same_on_ev
         answers.push(parsed);
     }
     let (masked_sum, exact) = m.sums_in_the_clear();
-    let room = confed_dp::distributed::norm_bound(VALUES, variance, 3);
+    let room = confed_protocol::masking::NoiseRoom::of(VALUES, variance, 3);
     let unmasked = unmask(
         &layout,
         &masked_sum,
@@ -315,7 +336,7 @@ async fn with_distributed_noise_each_service_adds_its_groups_draw_the_same_on_ev
     let policy_sha256 = m.policy.sha256_hex();
     let mut expected = exact.clone();
     for group in 0..layout.groups().len() {
-        let mut keys = NoiseKeys::new(&[group]);
+        let mut keys = NoiseKeys::new(&[group], m.inputs.len());
         for input in &m.inputs {
             let ctx =
                 MaskContext::new(TASK, 1, &input.assignment_ref, &policy_sha256, VALUES).unwrap();
@@ -394,7 +415,15 @@ async fn the_key_services_unmask_one_agreed_set_once_and_their_sums_remove_the_m
         answers.push(m.sums(service, &receipts).await.1);
     }
     let (masked_sum, exact) = m.sums_in_the_clear();
-    let unmasked = unmask(&layout, &masked_sum, &answers, DEVICES as u64, 1 << 16, 0.0).unwrap();
+    let unmasked = unmask(
+        &layout,
+        &masked_sum,
+        &answers,
+        DEVICES as u64,
+        1 << 16,
+        NoiseRoom::default(),
+    )
+    .unwrap();
     assert_eq!(unmasked.as_slice(), exact.as_slice());
 
     // Restarted from its audit log, a service still refuses another set for the round.

@@ -221,6 +221,9 @@ class Trust:
     token_issuers: dict = field(default_factory=dict)
     #: Contribute only to masked tasks (`require_masking`): a task in the clear is refused.
     require_masking: bool = False
+    #: Contribute only to masked tasks whose key services draw the noise
+    #: (`require_distributed_noise`; docs/secure-aggregation.md, "Distributed noise").
+    require_distributed_noise: bool = False
 
     @property
     def n(self) -> int:
@@ -232,7 +235,7 @@ class Trust:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
         unknown = set(raw) - {"threshold", "keyservices", "limits", "tenant_id", "shares",
-                              "token_issuers", "require_masking"}
+                              "token_issuers", "require_masking", "require_distributed_noise"}
         if unknown:
             raise ValueError(f"{path}: unknown fields {sorted(unknown)}")
         keys = {entry["id"]: ec.EllipticCurvePublicKey.from_encoded_point(
@@ -255,7 +258,8 @@ class Trust:
                                    "url": entry["url"]}
                    for entry in raw.get("token_issuers", [])}
         return cls(raw["threshold"], keys, limits, raw.get("tenant_id"), shares, issuers,
-                   bool(raw.get("require_masking", False)))
+                   bool(raw.get("require_masking", False)),
+                   bool(raw.get("require_distributed_noise", False)))
 
     def verify_key(self, encryption: dict, now: float) -> bytes:
         """The X25519 public key of an assignment's `encryption`, if at least `threshold` (and
@@ -564,7 +568,12 @@ class Device:
             public_key = self.trust.verify_key(assignment["encryption"], time.time())
             if policy["masking"] is not None:
                 self._masking_keys(policy)  # refused before anything is drawn or trained
-            elif self.trust.require_masking:
+                if (self.trust.require_distributed_noise
+                        and policy["masking"]["noise_variance"] is None):
+                    raise DeviceError("the task's key services do not draw its noise, and this "
+                                      "device's trust file requires distributed noise "
+                                      "(require_distributed_noise)")
+            elif self.trust.require_masking or self.trust.require_distributed_noise:
                 raise DeviceError("the task does not mask its updates, and this device's trust "
                                   "file requires masking (require_masking)")
             if policy["device_auth"] is not None and self.attestation is None:

@@ -102,6 +102,10 @@ def parse_policy(raw: bytes | str) -> dict:
     fields["plan"] = plan
     fields["upload_window"] = _upload_window(fields["upload_window"])
     fields["device_auth"] = device_auth
+    if (masking is not None and masking["noise_variance"] is not None
+            and not fields["mechanism"].split(";")[0] == "discrete_gaussian_on_grid"):
+        raise PolicyError("distributed noise is per-round Gaussian noise; the mechanism "
+                          f"{fields['mechanism']!r} correlates its noise across rounds")
     fields["masking"] = masking
     fields["analytics"] = analytics
     return fields

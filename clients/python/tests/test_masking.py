@@ -103,6 +103,13 @@ def test_the_policy_parses_a_masking_line_between_device_auth_and_analytics():
     assert parsed["device_auth"]["issuer"] == "i"
     plain = text[:text.index("masking=")]
     assert policy.parse_policy(plain)["masking"] is None
+    # Distributed noise rides on per-round Gaussian noise only.
+    noised = text.replace("threshold=2;", "threshold=2;noise=4294967296;")
+    assert policy.parse_policy(noised)["masking"]["noise_variance"] == 4294967296
+    with pytest.raises(policy.PolicyError, match="per-round"):
+        policy.parse_policy(noised.replace(
+            "mechanism=discrete_gaussian_on_grid",
+            "mechanism=tree_aggregation_on_grid;min_separation=2"))
     with pytest.raises(policy.PolicyError):
         policy.parse_policy(plain.replace("device_auth", "masking"))
 

@@ -66,6 +66,7 @@ fn open_trust() -> TrustConfig {
         tenant_id: None,
         token_issuers: Vec::new(),
         require_masking: false,
+        require_distributed_noise: false,
     }
 }
 
@@ -338,6 +339,7 @@ fn a_policy_outside_the_devices_limits_is_refused() {
         tenant_id: None,
         token_issuers: Vec::new(),
         require_masking: false,
+        require_distributed_noise: false,
     };
     let client = DeviceClient::new("http://127.0.0.1:1", &trust).unwrap();
     let key = key();
@@ -379,6 +381,7 @@ fn a_pinned_device_refuses_another_tenants_policy() {
         tenant_id: Some("acme".into()),
         token_issuers: Vec::new(),
         require_masking: false,
+        require_distributed_noise: false,
     };
     let client = DeviceClient::new("http://127.0.0.1:1", &trust).unwrap();
     let key = key();

@@ -41,6 +41,28 @@ pub enum MaskedError {
     RingTooSmall { included: usize, bits: u32 },
 }
 
+/// Whether `inputs` inputs' sum, with distributed noise of `noise_variance` per group, fits
+/// `layout`'s ring without wrapping (`MaskedAggregator::check_ring`). The job checks the round's
+/// contributions before it asks for the key, and the included ones again before the unmask.
+pub fn check_ring(
+    layout: &Layout,
+    inputs: usize,
+    noise_variance: Option<u64>,
+) -> Result<(), MaskedError> {
+    let noise = noise_variance.map_or(0.0, |v| {
+        masking::noise_value_bound(v, layout.groups().len())
+    });
+    let ring = layout.ring();
+    let units = confed_protocol::grid::GRID_UNITS_PER_CLIP as u64;
+    if ring.holds(inputs as u64, units, noise) {
+        return Ok(());
+    }
+    Err(MaskedError::RingTooSmall {
+        included: inputs,
+        bits: ring.bits(),
+    })
+}
+
 pub struct MaskedAggregator {
     binding: Binding,
     layout: Layout,
@@ -168,18 +190,7 @@ impl MaskedAggregator {
         included: usize,
         noise_variance: Option<u64>,
     ) -> Result<(), MaskedError> {
-        let noise = noise_variance.map_or(0.0, |v| {
-            masking::noise_value_bound(v, self.layout.groups().len())
-        });
-        let ring = self.layout.ring();
-        let units = confed_protocol::grid::GRID_UNITS_PER_CLIP as u64;
-        if ring.holds(included as u64, units, noise) {
-            return Ok(());
-        }
-        Err(MaskedError::RingTooSmall {
-            included,
-            bits: ring.bits(),
-        })
+        check_ring(&self.layout, included, noise_variance)
     }
 
     /// Adds a masked update's little-endian values (of the ring's width), wrapping mod 2^64
@@ -266,8 +277,8 @@ impl MaskedAggregator {
             answers,
             outcome.included.len() as u64,
             confed_protocol::grid::GRID_UNITS_PER_CLIP,
-            distributed.map_or(0.0, |d| {
-                confed_dp::distributed::norm_bound(masked_sum.len(), d.variance, groups as usize)
+            distributed.map_or(masking::NoiseRoom::default(), |d| {
+                masking::NoiseRoom::of(masked_sum.len(), d.variance, groups as usize)
             }),
         )?;
         // Every answer is from a service of the layout, once (`unmask` checked).

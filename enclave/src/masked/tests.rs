@@ -89,7 +89,7 @@ impl KeyServices {
         included: &[String],
         seeds: &[(String, Vec<SealedSeeds>)],
     ) -> Vec<(usize, zeroize::Zeroizing<[u8; 32]>)> {
-        let mut keys = NoiseKeys::new(&self.layout.groups_of(service));
+        let mut keys = NoiseKeys::new(&self.layout.groups_of(service), included.len());
         for assignment_ref in included {
             let (_, sealed) = seeds.iter().find(|(r, _)| r == assignment_ref).unwrap();
             let ctx = mask_context(assignment_ref);

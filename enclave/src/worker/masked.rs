@@ -81,9 +81,7 @@ impl<S: JobStore + 'static> Worker<S> {
             }
             .into());
         }
-        aggregator
-            .check_ring(included.len(), masking.noise_variance)
-            .map_err(|e| JobError::Unmask(e.to_string()))?;
+        aggregator.check_ring(included.len(), masking.noise_variance)?;
         let round = UnmaskRound {
             task_id: job.task_id.clone(),
             round: job.round,
