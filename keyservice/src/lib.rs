@@ -23,6 +23,7 @@ pub mod rollback;
 pub mod routes;
 pub mod serve;
 mod unmask;
+mod unmask_answers;
 pub mod witness;
 
 use std::collections::BTreeMap;
@@ -112,6 +113,10 @@ pub struct KeyService {
     /// The key devices seal mask seeds to (`masking_key.rs`); `None`: this service takes no
     /// part in masked tasks, and its key set says so by naming none.
     pub masking_key: Option<Arc<confed_protocol::hpke::PrivateKey>>,
+    /// One mask-sum computation at a time (`unmask.rs`): each holds its sums in memory and
+    /// expands a stream per input and group. Per service, not per process: the embedded default
+    /// runs three in one process, which in production run on machines of their own.
+    pub summing: Arc<tokio::sync::Semaphore>,
 }
 
 /// What a key service is built from (files and settings, no network).
@@ -178,6 +183,7 @@ impl KeyService {
             head_changed: Arc::default(),
             acknowledgements: Arc::default(),
             masking_key: None,
+            summing: Arc::new(tokio::sync::Semaphore::new(1)),
         })
     }
 

@@ -27,9 +27,12 @@ use confed_protocol::masking_noise::NoiseKeys;
 use confed_protocol::policy::TaskPolicy;
 use confed_protocol::privacy_pass::context::{masked_token_nonce, seeds_digest};
 
+use sha2::Digest as _;
+
 use super::KeyService;
 use super::audit::Decision;
 use super::ledger::{self, Admission};
+use super::unmask_answers::{self, AnswerKey};
 use crate::error::KeyServiceApiError as ApiError;
 use crate::extract::{ApiBytes, ApiPath};
 use crate::keys::HeldShare;
@@ -42,50 +45,6 @@ pub(crate) const AGREE_BODY_LIMIT: usize = 8 * 1024 * 1024;
 /// Most bytes of mask sums one answer holds (groups x values x 8): a 32 M-value model's in
 /// 2-of-3, 2 M values' in 3-of-7.
 const MAX_SUMS_BYTES: usize = 256 * 1024 * 1024;
-
-/// One mask-sum computation at a time: each holds its sums in memory and expands a stream per
-/// input and group, so concurrent requests (anyone may send one for an agreed set) queue here.
-static SUMMING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
-
-/// Most mask-sum computations per round in one process: an honest enclave asks once per job
-/// attempt. The answer is the same every time, but the time it takes is not data-free with
-/// distributed noise (the sampler's running time follows its draws), so nobody may time it at
-/// will; and each costs a full stream expansion.
-const MAX_SUMS_PER_ROUND: u32 = 8;
-/// Rounds whose computations are counted, most recent last (the oldest forgotten beyond this).
-const COUNTED_ROUNDS: usize = 4096;
-
-/// (key service, task, round) -> computations so far, in the order first seen (a process may
-/// run several key services: the embedded default runs three).
-type RoundKey = (String, String, u64);
-static SUMS_PER_ROUND: std::sync::Mutex<Vec<(RoundKey, u32)>> = std::sync::Mutex::new(Vec::new());
-
-/// Counts one more of `service_id`'s computations for `(task_id, round)`, refusing it past
-/// `MAX_SUMS_PER_ROUND`.
-fn count_sums(service_id: &str, task_id: &str, round: u64) -> Result<(), ApiError> {
-    let mut counted = SUMS_PER_ROUND
-        .lock()
-        .map_err(|_| ApiError::Internal("the sums count is poisoned".into()))?;
-    let key = (service_id.to_string(), task_id.to_string(), round);
-    let position = match counted.iter().position(|(k, _)| *k == key) {
-        Some(position) => position,
-        None => {
-            if counted.len() >= COUNTED_ROUNDS {
-                counted.remove(0);
-            }
-            counted.push((key, 0));
-            counted.len() - 1
-        }
-    };
-    let done = &mut counted[position].1;
-    if *done >= MAX_SUMS_PER_ROUND {
-        return Err(ApiError::Conflict(format!(
-            "this key service has computed round {round} of task {task_id}'s mask sums {MAX_SUMS_PER_ROUND} times, the most it will"
-        )));
-    }
-    *done += 1;
-    Ok(())
-}
 
 /// What every unmask request is checked against: the round's pinned policy (a masked one naming
 /// this service) and its admitted commitment.
@@ -169,7 +128,7 @@ fn check_round(
 
 /// A masked policy's distributed noise, checked by the party whose noise it is: per-round
 /// Gaussian noise, of at least the variance the policy's budget calibrates (`confed_dp`'s closed
-/// form; the front end writes that plus a margin). The front ends and the enclave may be the
+/// form, plus one part in 10^6; the front end writes one part in 10^4 above it). The front ends and the enclave may be the
 /// attacker's, so an honest key service refuses to agree to, or sum for, a round whose noise
 /// would be too weak (docs/secure-aggregation.md, "Distributed noise").
 fn check_noise(
@@ -197,8 +156,12 @@ fn check_noise(
     .map_err(|e| ApiError::Forbidden(format!("the policy's budget calibrates no noise: {e}")))?
     .noise_multiplier;
     let scale = z * confed_dp::accounting::units_per_clip(mechanism.noise);
-    let needed = (scale * scale).ceil();
-    if (variance as f64) < needed {
+    // One part in 10^6 above the closed form: the enclave's OpenDP calibration, within 10^-9 of
+    // it, never asks for more than this service lets through, and the front end writes one part
+    // in 10^4 above. Compared as integers; a NaN or overflow refuses.
+    let needed = (scale * scale * (1.0 + 1e-6)).ceil();
+    let enough = needed.is_finite() && needed < u64::MAX as f64 && variance >= needed as u64;
+    if !enough {
         return Err(ApiError::Forbidden(format!(
             "the policy's distributed noise has variance {variance} per group; its budget needs at least {needed:.0}: this key service draws no weaker noise"
         )));
@@ -396,7 +359,25 @@ pub(crate) async fn sums(
                 MAX_SUMS_BYTES / (groups * 8)
             ))
         })?;
-    count_sums(&service.id, &round.task_id, round.round)?;
+    // A repeat of a request already answered gets the same bytes from memory; a fresh
+    // computation only within the round's allowance (`unmask_answers`).
+    let answer_key = AnswerKey {
+        service: confed_protocol::keyset::encode_verifying_key(service.signing_key.verifying_key())
+            .into_bytes(),
+        task_id: round.task_id.clone(),
+        round: round.round,
+        included_sha256: included_sha256.clone(),
+        values: request.values,
+        inputs_sha256: sha2::Sha256::digest(
+            serde_json::to_vec(&request.inputs)
+                .map_err(|e| ApiError::Internal(format!("the inputs do not serialize: {e}")))?,
+        )
+        .into(),
+    };
+    if let Some(body) = unmask_answers::kept(&answer_key) {
+        return Ok(([(header::CONTENT_TYPE, "application/octet-stream")], body));
+    }
+    unmask_answers::may_compute(&answer_key).map_err(ApiError::Conflict)?;
     let number = checked.number;
     let task_id = round.task_id.clone();
     let round_number = round.round;
@@ -404,10 +385,14 @@ pub(crate) async fn sums(
     let inputs = request.inputs;
     // Held by the computation itself: a caller that hangs up does not free it while the sums
     // still run.
-    let permit = SUMMING
-        .acquire()
+    let permit = service
+        .summing
+        .clone()
+        .acquire_owned()
         .await
         .map_err(|e| ApiError::Internal(format!("the sums queue closed: {e}")))?;
+    let inputs_count = inputs.len();
+    let started = std::time::Instant::now();
     let summed = tokio::task::spawn_blocking(move || {
         let _one_at_a_time = permit;
         sum_masks(
@@ -423,12 +408,22 @@ pub(crate) async fn sums(
     .await
     .map_err(|e| ApiError::Internal(format!("the mask sums did not finish: {e}")))??;
     metrics::counter!("confed_keyservice_mask_sums_total").increment(1);
+    tracing::info!(
+        keyservice = %service.id,
+        task = %round.task_id,
+        round = round.round,
+        inputs = inputs_count,
+        seconds = started.elapsed().as_secs_f64(),
+        "mask sums computed"
+    );
     let mut body = Vec::with_capacity(summed.sums.len() * values * ring.bytes());
     for (_, sum) in &summed.sums {
         for value in sum {
             ring.write(*value, &mut body);
         }
     }
+    let body = axum::body::Bytes::from(body);
+    unmask_answers::computed(answer_key, body.clone());
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], body))
 }
 
@@ -513,23 +508,4 @@ fn sum_masks(
         }
     }
     Ok(sums)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_round_s_mask_sums_are_computed_at_most_eight_times_per_service() {
-        for _ in 0..MAX_SUMS_PER_ROUND {
-            count_sums("ks-count-test", "task-count", 3).unwrap();
-        }
-        assert!(matches!(
-            count_sums("ks-count-test", "task-count", 3),
-            Err(ApiError::Conflict(why)) if why.contains("8 times")
-        ));
-        // Another service of the same process, or another round, counts apart.
-        count_sums("ks-count-other", "task-count", 3).unwrap();
-        count_sums("ks-count-test", "task-count", 4).unwrap();
-    }
 }

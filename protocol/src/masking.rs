@@ -188,7 +188,7 @@ const NOISE_TAIL: f64 = 89.0;
 /// The room distributed noise needs in `unmask`'s check: the summed noise `N` of `groups` groups
 /// (each value a discrete Gaussian of variance parameter `variance`, so `s`-subgaussian with
 /// `s = sqrt(groups variance)`) has `||N|| <= norm` and `|<S, N>| <= ||S|| spread` for the
-/// updates' sum `S` (fixed before the noise is known), each but with probability below 2^-128.
+/// updates' sum `S` (fixed before the noise is known), both but with probability below 2^-127.
 /// `norm` is Hsu, Kakade and Zhang's bound `s sqrt(m + 2 sqrt(89 m) + 178)`; `spread` is `s
 /// sqrt(2 x 89)`. The default, no room, is a round without distributed noise.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

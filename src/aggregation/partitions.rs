@@ -50,6 +50,18 @@ impl PartitionPolicy {
     }
 }
 
+impl PartitionPolicy {
+    /// The partitions of a round of `contributions` of the task `spec`: a masked round is
+    /// aggregated whole, since its included set is unmasked once and partitioned masked rounds
+    /// are not built (the enclave refuses them: planned apart, such a round would always fail).
+    pub fn partitions_of(&self, spec: &crate::task_spec::TaskSpec, contributions: usize) -> u32 {
+        match spec.masking {
+            Some(_) => 1,
+            None => self.partitions(contributions),
+        }
+    }
+}
+
 /// Contributions read at once when the store digests direct uploads before partitioning.
 const DIGEST_READS: usize = 8;
 /// ... and recorded at once (1 GB of 1 MB contributions: about a second of reading).
@@ -86,7 +98,9 @@ impl TaskDbJobStore {
         {
             return Ok(false);
         }
-        let count = self.partitioning.partitions(context.contributions.len());
+        let count = self
+            .partitioning
+            .partitions_of(&context.task.spec, context.contributions.len());
         if count > 1 {
             self.digest_direct_uploads(context, worker).await?;
         }
@@ -399,5 +413,23 @@ mod tests {
         };
         assert_eq!(tiny.partitions(99), 1);
         assert_eq!(tiny.partitions(100), 2);
+    }
+
+    #[test]
+    fn a_masked_tasks_round_stays_one_job_however_large() {
+        let request: crate::task_spec::CreateTaskRequest =
+            serde_json::from_value(serde_json::json!({
+                "population": "p", "rounds": 5, "report_goal": 100,
+                "privacy": {"epsilon": 4.0, "delta": 1e-6, "clip_norm": 1.0},
+            }))
+            .unwrap();
+        let mut spec = request.validate().unwrap();
+        let eight = PartitionPolicy {
+            workers: 8,
+            min_contributions: 1000,
+        };
+        assert_eq!(eight.partitions_of(&spec, 100_000), 8);
+        spec.masking = Some("confed-masking/v1;threshold=2;services=...".into());
+        assert_eq!(eight.partitions_of(&spec, 100_000), 1);
     }
 }
