@@ -321,7 +321,8 @@ impl Checkin<'_> {
 }
 
 /// Largest envelope accepted for a task whose model has `model_bytes` bytes; a masked task's
-/// updates are u64 on the grid, twice the model's F32 bytes (docs/secure-aggregation.md).
+/// updates may be u64 on the grid (the ring of 2^64), twice the model's F32 bytes, so it allows
+/// twice (in the ring of 2^32 they are the model's size: the limit is then generous, never short).
 pub fn contribution_limit(model_bytes: i64, masked: bool) -> u64 {
     let model = model_bytes.max(0) as u64 * if masked { 2 } else { 1 };
     // Chunked sealing adds a 16-byte tag per chunk of at least 1 KiB: at most 1/64 more.

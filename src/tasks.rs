@@ -289,10 +289,10 @@ fn decode_cursor(token: &str) -> Result<TaskCursor, TaskError> {
 }
 
 /// The ring a masked task's masks live in: 2^32 (half the bytes on the wire, for devices and key
-/// services alike) when twice the report goal's sum, with the distributed noise's bound, stays
-/// below 2^31; else 2^64. Twice: a round may include somewhat more than its goal (uploads that
-/// land together), and the enclave refuses, before the key services are asked, a round whose
-/// included inputs do not fit.
+/// services alike) when the sum of the most devices a round can assign
+/// (`most_devices_per_round`: the report goal with over-selection at its cap), with the
+/// distributed noise's bound, stays below 2^31; else 2^64. The enclave refuses, before it asks
+/// for the key, a round whose contributions do not fit.
 fn ring_for(
     spec: &crate::task_spec::TaskSpec,
     masking: &confed_protocol::masking_keys::MaskingPolicy,
@@ -302,7 +302,7 @@ fn ring_for(
         noise_value_bound(variance, masking.layout().groups().len())
     });
     let units = confed_protocol::grid::GRID_UNITS_PER_CLIP as u64;
-    match Ring::Bits32.holds(2 * u64::from(spec.report_goal), units, noise) {
+    match Ring::Bits32.holds(spec.most_devices_per_round(), units, noise) {
         true => Ring::Bits32,
         false => Ring::Bits64,
     }

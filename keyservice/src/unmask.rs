@@ -391,6 +391,12 @@ pub(crate) async fn sums(
         .acquire_owned()
         .await
         .map_err(|e| ApiError::Internal(format!("the sums queue closed: {e}")))?;
+    // Again with the queue held: a request that waited behind the same one, or behind the
+    // round's last allowed computation, gets the kept answer or the refusal, not a computation.
+    if let Some(body) = unmask_answers::kept(&answer_key) {
+        return Ok(([(header::CONTENT_TYPE, "application/octet-stream")], body));
+    }
+    unmask_answers::may_compute(&answer_key).map_err(ApiError::Conflict)?;
     let inputs_count = inputs.len();
     let started = std::time::Instant::now();
     let summed = tokio::task::spawn_blocking(move || {

@@ -32,6 +32,7 @@ pub mod keyset;
 pub mod masking;
 pub mod masking_keys;
 pub mod masking_noise;
+pub mod masking_ring;
 pub mod mechanism;
 pub mod policy;
 pub mod privacy_pass;

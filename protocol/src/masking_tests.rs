@@ -524,11 +524,13 @@ fn in_the_ring_of_2_32_masks_cancel_exactly_and_a_masked_update_is_uniform_in_32
         .map(|i| if i == 0 { -(1 << 16) } else { 0 })
         .collect();
     let ctx = context(9, values);
-    let masked = mask(&layout, &spike, &seeds(&layout), &ctx).unwrap();
+    // Fixed seeds: the statistic is a fixed number, and the test cannot flake.
+    let fixed: Vec<Seed> = (0..3u8).map(|g| Seed::from_bytes([g + 40; 32])).collect();
+    let masked = mask(&layout, &spike, &fixed, &ctx).unwrap();
     assert!(masked.iter().all(|v| *v < 1 << 32));
-    // 255 degrees of freedom: the 1e-6 tail is above 360.
+    // 255 degrees of freedom: the 1e-6 tail is at 377.
     let chi = chi_square_of_low_bytes(&masked, 4);
-    assert!(chi < 360.0, "chi-square {chi}");
+    assert!(chi < 377.0, "chi-square {chi}");
     // The wire holds 4 bytes a value, and reads back.
     let encoded = encode_masked(&masked, Ring::Bits32);
     let data = read_masked(&encoded, values, Ring::Bits32).unwrap();

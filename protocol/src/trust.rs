@@ -130,9 +130,13 @@ impl TrustConfig {
     ) -> Result<Option<Vec<crate::hpke::PublicKey>>, crate::policy::PolicyError> {
         let Some(masking) = &policy.masking else {
             if self.require_masking || self.require_distributed_noise {
-                return Err(crate::policy::PolicyError::Limits(
-                    "the task does not mask its updates, and this device's trust file requires masking (require_masking)".into(),
-                ));
+                let flag = match self.require_masking {
+                    true => "require_masking",
+                    false => "require_distributed_noise",
+                };
+                return Err(crate::policy::PolicyError::Limits(format!(
+                    "the task does not mask its updates, and this device's trust file requires masking ({flag})"
+                )));
             }
             return Ok(None);
         };

@@ -173,7 +173,7 @@ async fn admit_upload(
     now: crate::clock::Millis,
 ) -> Result<crate::uploads::Admitted, ApiError> {
     let assignment = uploads.find(capability).await?;
-    // A masked task's updates are twice the model's bytes (u64 on the grid).
+    // A masked task's updates are up to twice the model's bytes (u64 on the grid in 2^64).
     let masked = state
         .device_auth
         .requirement(&state.db, &assignment)

@@ -58,7 +58,7 @@ pub fn routes_and_openapi(limits: &Limits) -> (Router<AppState>, utoipa::openapi
     let model_upload = OpenApiRouter::new()
         .routes(routes!(models::put_model))
         .layer(DefaultBodyLimit::max(limits.model_bytes));
-    // A contribution is an update of the model's size (twice it, masked) plus the envelope;
+    // A contribution is an update of the model's size (up to twice it, masked) plus the envelope;
     // the per-task limit is checked in the handler.
     let contribution_upload = OpenApiRouter::new()
         .routes(routes!(devices::put_contribution))

@@ -574,8 +574,10 @@ class Device:
                                       "device's trust file requires distributed noise "
                                       "(require_distributed_noise)")
             elif self.trust.require_masking or self.trust.require_distributed_noise:
+                flag = ("require_masking" if self.trust.require_masking
+                        else "require_distributed_noise")
                 raise DeviceError("the task does not mask its updates, and this device's trust "
-                                  "file requires masking (require_masking)")
+                                  f"file requires masking ({flag})")
             if policy["device_auth"] is not None and self.attestation is None:
                 raise DeviceError("the task requires device tokens and this device has no "
                                   "attestation (Device(attestation=...))")

@@ -36,7 +36,7 @@ pub enum MaskedError {
     #[error(transparent)]
     Aggregate(#[from] AggregateError),
     #[error(
-        "{included} included inputs (and the round's noise) do not fit the policy's ring of 2^{bits}: their sum could wrap; a task whose rounds include this many needs the ring of 2^64"
+        "{included} inputs (and the round's noise) do not fit the task's ring of 2^{bits}: their sum could wrap. The front end chose the ring for the task's largest rounds (report_goal and over_selection); a round this large needs a task created with a smaller report goal or over-selection, which then masks in 2^32, or a larger one, which masks in 2^64"
     )]
     RingTooSmall { included: usize, bits: u32 },
 }
@@ -205,17 +205,7 @@ impl MaskedAggregator {
             let first = index * STRIPE;
             let mut stripe = self.stripes[index].lock().expect("masked stripe");
             let bytes = &data[first * width..(first + stripe.len()) * width];
-            if width == 8 {
-                for (slot, word) in stripe.iter_mut().zip(bytes.chunks_exact(8)) {
-                    *slot =
-                        slot.wrapping_add(u64::from_le_bytes(word.try_into().expect("8 bytes")));
-                }
-            } else {
-                for (slot, word) in stripe.iter_mut().zip(bytes.chunks_exact(4)) {
-                    let word = u32::from_le_bytes(word.try_into().expect("4 bytes"));
-                    *slot = slot.wrapping_add(u64::from(word));
-                }
-            }
+            self.layout.ring().accumulate(&mut stripe, bytes);
         }
     }
 
