@@ -320,19 +320,17 @@ fn distributed_variance(policy: &confed_protocol::policy::TaskPolicy) -> Result<
             mechanism.noise.encode()
         ));
     }
-    let z = confed_dp::calibrate_task(
+    let scale = confed_dp::calibrated_scale(
         &confed_dp::ClosedForm,
         mechanism,
         policy.epsilon,
         policy.delta,
         policy.rounds,
     )
-    .map_err(|e| e.to_string())?
-    .noise_multiplier;
-    let scale = z * confed_dp::accounting::units_per_clip(mechanism.noise);
+    .map_err(|e| e.to_string())?;
     let variance = (scale * scale * (1.0 + 1e-4)).ceil();
     if !(variance.is_finite() && variance >= 1.0) {
-        return Err(format!("the budget calibrates no usable noise ({z})"));
+        return Err(format!("the budget calibrates no usable noise ({scale})"));
     }
     // Saturates above 2^64; `with_noise` refuses anything above its range.
     Ok(variance as u64)

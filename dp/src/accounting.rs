@@ -255,6 +255,22 @@ pub fn evaluation_too_noisy(stddev: f64, examples: f64) -> bool {
 /// The calibration of a task's planned rounds under `mechanism`: the value noise that leaves
 /// room in the budget for adaptive clipping's counts and evaluation's sums, if any (Andrew et
 /// al. 2021, Theorem 1 in zCDP form: `rho_value + rho_side = rho_budget`).
+/// The standard deviation, in units of the noise's own lattice (grid units for Gaussian noise),
+/// that the task's budget calibrates: `calibrate_task`'s noise multiplier times
+/// `units_per_clip(mechanism.noise)`. Every sampler of a task's value noise is built from it
+/// (the enclave's `DiscreteGaussian::at_least`, a masked task's distributed noise variance,
+/// which the front end writes and the key services check).
+pub fn calibrated_scale(
+    accountant: &dyn Accountant,
+    mechanism: DpMechanism,
+    epsilon: f64,
+    delta: f64,
+    rounds: u32,
+) -> Result<f64, DpError> {
+    let z = calibrate_task(accountant, mechanism, epsilon, delta, rounds)?.noise_multiplier;
+    Ok(z * units_per_clip(mechanism.noise))
+}
+
 pub fn calibrate_task(
     accountant: &dyn Accountant,
     mechanism: DpMechanism,

@@ -37,7 +37,7 @@ pub mod tree;
 use thiserror::Error;
 
 pub use accounting::{
-    SideScales, calibrate_task, default_evaluation_stddev, default_health_stddev,
+    SideScales, calibrate_task, calibrated_scale, default_evaluation_stddev, default_health_stddev,
     evaluation_too_noisy, spent_task, units_through,
 };
 pub use calibrate::{

@@ -146,16 +146,14 @@ fn check_noise(
             "distributed noise is per-round Gaussian noise; this policy's mechanism is not".into(),
         ));
     }
-    let z = confed_dp::calibrate_task(
+    let scale = confed_dp::calibrated_scale(
         &confed_dp::ClosedForm,
         mechanism,
         policy.epsilon,
         policy.delta,
         policy.rounds,
     )
-    .map_err(|e| ApiError::Forbidden(format!("the policy's budget calibrates no noise: {e}")))?
-    .noise_multiplier;
-    let scale = z * confed_dp::accounting::units_per_clip(mechanism.noise);
+    .map_err(|e| ApiError::Forbidden(format!("the policy's budget calibrates no noise: {e}")))?;
     // One part in 10^6 above the closed form: the enclave's OpenDP calibration, within 10^-9 of
     // it, never asks for more than this service lets through, and the front end writes one part
     // in 10^4 above. Compared as integers; a NaN or overflow refuses.

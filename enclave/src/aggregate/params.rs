@@ -82,7 +82,7 @@ impl PrivacyParams {
         // Refused before any key is asked for, like every check here: a BLT lattice too fine
         // for the noise the budget needs would leave the sampler out of its exact range, and a
         // round that could not noise would have its commitment recorded and never release.
-        if let Mechanism::Blt(_) = noise {
+        let calibrated_scale = || {
             let mechanism = DpMechanism {
                 noise,
                 adaptive_clipping,
@@ -90,38 +90,24 @@ impl PrivacyParams {
                 health,
                 weighting,
             };
-            let z = dp::calibrate_task(
+            dp::calibrated_scale(
                 &dp::OpenDp,
                 mechanism,
                 policy.epsilon,
                 policy.delta,
                 policy.rounds,
             )
-            .map_err(|e| limits(format!("BLT noise: {e}")))?
-            .noise_multiplier;
-            DiscreteGaussian::at_least(z * dp::accounting::units_per_clip(noise))
+        };
+        if let Mechanism::Blt(_) = noise {
+            let scale = calibrated_scale().map_err(|e| limits(format!("BLT noise: {e}")))?;
+            DiscreteGaussian::at_least(scale)
                 .map_err(|e| limits(format!("BLT noise on its lattice: {e}")))?;
         }
         // Distributed noise below what the budget calibrates would release a masked round with
         // less noise than its accounting states: refused before any key is asked for.
         if let Some(variance) = policy.masking.as_ref().and_then(|m| m.noise_variance) {
-            let mechanism = DpMechanism {
-                noise,
-                adaptive_clipping,
-                evaluation,
-                health,
-                weighting,
-            };
-            let z = dp::calibrate_task(
-                &dp::OpenDp,
-                mechanism,
-                policy.epsilon,
-                policy.delta,
-                policy.rounds,
-            )
-            .map_err(|e| limits(format!("distributed noise: {e}")))?
-            .noise_multiplier;
-            let calibrated = DiscreteGaussian::at_least(z * dp::accounting::units_per_clip(noise))
+            let calibrated = calibrated_scale()
+                .and_then(DiscreteGaussian::at_least)
                 .map_err(|e| limits(format!("distributed noise: {e}")))?;
             if variance < calibrated.variance() {
                 return Err(limits(format!(

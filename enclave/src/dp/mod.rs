@@ -11,7 +11,8 @@ pub mod sampler_bits;
 pub mod sampler_steps;
 
 pub use confed_dp::{
-    Calibration, DpError, SideScales, accounting, calibrate_task, grid, spent_task, tree,
+    Calibration, DpError, SideScales, accounting, calibrate_task, calibrated_scale, grid,
+    spent_task, tree,
 };
 pub use opendp::OpenDp;
 pub use sampler::DiscreteGaussian;
