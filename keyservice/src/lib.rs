@@ -24,6 +24,7 @@ pub mod routes;
 pub mod serve;
 mod unmask;
 mod unmask_answers;
+mod unmask_sums;
 pub mod witness;
 
 use std::collections::BTreeMap;

@@ -22,10 +22,7 @@ use axum::response::IntoResponse;
 use confed_attestation::release::{KeySetShape, TrustedSigner};
 use confed_attestation::unmask::{IncludedSet, UnmaskReceipt, check_agreement, included_digest};
 use confed_attestation::unmask_api::{AgreeRequest, MAX_UNMASK_INPUTS, SumsRequest, UnmaskRound};
-use confed_protocol::masking::{self, MaskContext, MaskSums, SealedSeeds};
-use confed_protocol::masking_noise::NoiseKeys;
 use confed_protocol::policy::TaskPolicy;
-use confed_protocol::privacy_pass::context::{masked_token_nonce, seeds_digest};
 
 use sha2::Digest as _;
 
@@ -33,6 +30,7 @@ use super::KeyService;
 use super::audit::Decision;
 use super::ledger::{self, Admission};
 use super::unmask_answers::{self, AnswerKey};
+use super::unmask_sums::sum_masks;
 use crate::error::KeyServiceApiError as ApiError;
 use crate::extract::{ApiBytes, ApiPath};
 use crate::keys::HeldShare;
@@ -429,87 +427,4 @@ pub(crate) async fn sums(
     let body = axum::body::Bytes::from(body);
     unmask_answers::computed(answer_key, body.clone());
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], body))
-}
-
-/// Opens this service's seeds of every input, each under a token that binds them, and sums its
-/// groups' streams. Any input that fails refuses the whole request: the set was agreed, and an
-/// honest enclave included only inputs whose token it checked.
-fn sum_masks(
-    policy: &TaskPolicy,
-    number: u8,
-    masking_key: &confed_protocol::hpke::PrivateKey,
-    task_id: &str,
-    round: u64,
-    values: usize,
-    inputs: &[confed_attestation::unmask_api::MaskedInput],
-) -> Result<MaskSums, ApiError> {
-    let layout = policy.masking.as_ref().expect("a masked policy").layout();
-    let auth = policy.device_auth.as_ref().ok_or_else(|| {
-        ApiError::BadRequest("a masked task's policy requires device tokens".into())
-    })?;
-    let refuse = |reference: &str, why: String| {
-        ApiError::Forbidden(format!(
-            "input {reference}: {why}; the whole request is refused"
-        ))
-    };
-    // Seeds open only under the policy the device sealed them under (the context names it).
-    let policy_sha256 = policy.sha256_hex();
-    let mut sums =
-        MaskSums::new(&layout, number, values).map_err(|e| ApiError::Internal(e.to_string()))?;
-    let noise_variance = policy.masking.as_ref().and_then(|m| m.noise_variance);
-    let mut noise_keys =
-        noise_variance.map(|_| NoiseKeys::new(&layout.groups_of(number), inputs.len()));
-    for input in inputs {
-        let reference = input.assignment_ref.as_str();
-        let decoded = input.decode().map_err(ApiError::BadRequest)?;
-        let own_len = masking::sealed_len(&layout, number);
-        if decoded.seeds.len() != own_len
-            || decoded.seeds_digests.len() != usize::from(layout.services())
-        {
-            return Err(refuse(
-                reference,
-                format!(
-                    "this service's sealed seeds are {own_len} bytes with {} digests",
-                    layout.services()
-                ),
-            ));
-        }
-        if decoded.seeds_digests[usize::from(number) - 1] != seeds_digest(&decoded.seeds) {
-            return Err(refuse(
-                reference,
-                "the seeds are not the ones their digest names".into(),
-            ));
-        }
-        let nonce = masked_token_nonce(&decoded.enc, &decoded.seeds_digests);
-        auth.verify_nonce(Some(&decoded.token), &nonce, task_id, round, reference)
-            .map_err(|e| refuse(reference, format!("the device token does not hold: {e}")))?;
-        let context = MaskContext::new(task_id, round, reference, &policy_sha256, values)
-            .map_err(|e| refuse(reference, e.to_string()))?;
-        let opened = masking::open_seeds(
-            &layout,
-            masking_key,
-            &SealedSeeds::from_bytes(number, &decoded.seeds),
-            &context,
-        )
-        .map_err(|e| refuse(reference, e.to_string()))?;
-        sums.add(&opened, &context, layout.ring())
-            .map_err(|e| refuse(reference, e.to_string()))?;
-        if let Some(keys) = noise_keys.as_mut() {
-            keys.absorb(&opened, &context)
-                .map_err(|e| refuse(reference, e.to_string()))?;
-        }
-    }
-    // Distributed noise: each group's draw, keyed by the group's seeds over this set, the same
-    // at every holder and on every repeat (docs/secure-aggregation.md, "Distributed noise").
-    if let (Some(variance), Some(keys)) = (noise_variance, noise_keys) {
-        for ((group, sum), (keyed, key)) in sums.sums.iter_mut().zip(keys.finish()) {
-            debug_assert_eq!(*group, keyed);
-            confed_dp::distributed::noise_mask_sum(sum, variance, &key);
-            // Reduced again in the ring of 2^32 (the noise is subtracted mod 2^64).
-            for value in sum.iter_mut() {
-                *value = layout.ring().reduce(*value);
-            }
-        }
-    }
-    Ok(sums)
 }

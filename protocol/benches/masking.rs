@@ -5,7 +5,7 @@
 //! Masked rounds' costs (docs/secure-aggregation.md, "Costs"): the mask stream's speed, a
 //! device's extra time and bytes per 1 MB update, and each key service's time per round of
 //! 1,000 x 1 MB inputs (open its sealed seeds, expand and add its groups' streams), for the
-//! layouts 2-of-3, 3-of-5 and 3-of-7, on one core. Prints figures; no criterion (each figure is
+//! layouts 2-of-3, 3-of-5 and 3-of-7, on one core and on every core (`MaskSums::add_many`). Prints figures; no criterion (each figure is
 //! one long run, a load generator's).
 //!
 //! `cargo bench -p confed-protocol --bench masking` (`CONFED_BENCH_INPUTS=N` sets the inputs
@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use confed_protocol::hpke::{PublicKey, generate_keypair};
 use confed_protocol::masking::{
-    Layout, MaskContext, MaskSums, Ring, Seed, add_stream, mask, open_seeds, seal_seeds,
+    Layout, MaskContext, MaskSums, Ring, Seed, StreamKeys, add_stream, mask, open_seeds, seal_seeds,
 };
 
 /// A 1 MB update of f32 values: 262,144 values on the grid, 2 MB masked in the ring of 2^64
@@ -62,6 +62,7 @@ fn main() {
         1000.0 * started.elapsed().as_secs_f64() / clip_runs as f64
     );
     let grid: Vec<i64> = (0..VALUES as i64).map(|i| i % 200 - 100).collect();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     for (n, t, ring) in [
         (3u8, 2u8, Ring::Bits64),
         (3, 2, Ring::Bits32),
@@ -106,22 +107,33 @@ fn main() {
                 (reference, sealed)
             })
             .collect();
-        let started = Instant::now();
-        let mut sums = MaskSums::new(&layout, service, VALUES).unwrap();
-        for (reference, sealed) in &sealed {
-            let ctx = context(reference);
-            let seeds = open_seeds(&layout, &keys[0].0, &sealed[0], &ctx).unwrap();
-            sums.add(&seeds, &ctx, layout.ring()).unwrap();
-        }
-        let per_input = started.elapsed().as_secs_f64() / summed as f64;
+        // As a key service does: open every input's seeds, then add every stream at once, on
+        // one thread and then on each of the machine's cores.
+        let key_service = |threads: usize| {
+            let started = Instant::now();
+            let streams: Vec<StreamKeys> = sealed
+                .iter()
+                .map(|(reference, sealed)| {
+                    let ctx = context(reference);
+                    let seeds = open_seeds(&layout, &keys[0].0, &sealed[0], &ctx).unwrap();
+                    StreamKeys::of(&seeds, &ctx)
+                })
+                .collect();
+            let mut sums = MaskSums::new(&layout, service, VALUES).unwrap();
+            sums.add_many(&streams, layout.ring(), threads).unwrap();
+            started.elapsed().as_secs_f64() / summed as f64
+        };
+        let per_input = key_service(1);
+        let per_input_all_cores = key_service(cores);
         println!(
-            "masking: {t}-of-{n} in 2^{} (q {}, {groups} groups of {}): device +{device_ms:.1} ms and +{} bytes per 1 MB update (+{} for the values' width, +{sealed_bytes} sealed seeds); a key service in {mine} groups: {:.2} s per round of 1,000 x 1 MB on one core{}",
+            "masking: {t}-of-{n} in 2^{} (q {}, {groups} groups of {}): device +{device_ms:.1} ms and +{} bytes per 1 MB update (+{} for the values' width, +{sealed_bytes} sealed seeds); a key service in {mine} groups: {:.2} s per round of 1,000 x 1 MB on one core, {:.2} s on {cores}{}",
             ring.bits(),
             layout.quorum(),
             layout.groups()[0].len(),
             VALUES * (ring.bytes() - 4) + sealed_bytes,
             VALUES * (ring.bytes() - 4),
             per_input * 1000.0,
+            per_input_all_cores * 1000.0,
             if summed == 1000 {
                 String::new()
             } else {

@@ -33,6 +33,7 @@ pub mod masking;
 pub mod masking_keys;
 pub mod masking_noise;
 pub mod masking_ring;
+pub mod masking_sums;
 pub mod mechanism;
 pub mod policy;
 pub mod privacy_pass;

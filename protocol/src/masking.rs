@@ -40,15 +40,16 @@ pub const MAX_SERVICES: u8 = 7;
 pub const SEED_BYTES: usize = 32;
 
 pub use crate::masking_ring::{NoiseRoom, Ring, noise_value_bound};
+pub use crate::masking_sums::{MaskSums, StreamKeys};
 
 const STREAM_LABEL: &[u8] = b"confed mask stream v1";
 /// The label of a seed's noise block (`masking_noise`).
 const NOISE_LABEL: &[u8] = b"confed mask noise v1";
 const SEEDS_INFO: &[u8] = b"confed mask seeds v1";
 /// Keystream made at once when a stream is added (64 KiB: stays in L2 while it is added).
-const STREAM_CHUNK: usize = 8 * 1024;
+pub(crate) const STREAM_CHUNK: usize = 8 * 1024;
 
-type Aes128Ctr = ctr::Ctr64BE<aes::Aes128>;
+pub(crate) type Aes128Ctr = ctr::Ctr64BE<aes::Aes128>;
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum MaskingError {
@@ -186,7 +187,7 @@ impl Layout {
             .all(|group| group.iter().any(|m| services.contains(m)))
     }
 
-    fn check_service(&self, service: u8) -> Result<(), MaskingError> {
+    pub(crate) fn check_service(&self, service: u8) -> Result<(), MaskingError> {
         if service == 0 || service > self.n {
             return Err(MaskingError::NoSuchService(service));
         }
@@ -286,7 +287,7 @@ impl<'a> MaskContext<'a> {
 
     /// The stream key of `group`'s seed: AES-256 under the seed of the block made of the first 16
     /// bytes of SHA-256(context || decimal(group) 0x00).
-    fn stream_key(&self, seed: &Seed, group: usize) -> Zeroizing<[u8; 16]> {
+    pub(crate) fn stream_key(&self, seed: &Seed, group: usize) -> Zeroizing<[u8; 16]> {
         self.seed_block(STREAM_LABEL, seed, group)
     }
 
@@ -315,7 +316,7 @@ impl<'a> MaskContext<'a> {
         key
     }
 
-    fn check_len(&self, len: usize) -> Result<(), MaskingError> {
+    pub(crate) fn check_len(&self, len: usize) -> Result<(), MaskingError> {
         if len != self.values {
             return Err(MaskingError::Length {
                 expected: self.values,
@@ -529,48 +530,6 @@ pub fn open_seeds(
             (group, Seed(seed))
         })
         .collect())
-}
-
-/// What a key service returns for a round: for each of its groups, the sum of that group's
-/// streams over the round's included inputs.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MaskSums {
-    pub service: u8,
-    /// Each group's sum, reduced in the layout's ring.
-    pub sums: Vec<(usize, Vec<u64>)>,
-}
-
-impl MaskSums {
-    /// Starts a key service's sums of `values` values, one per group it belongs to.
-    pub fn new(layout: &Layout, service: u8, values: usize) -> Result<Self, MaskingError> {
-        layout.check_service(service)?;
-        Ok(Self {
-            service,
-            sums: layout
-                .groups_of(service)
-                .into_iter()
-                .map(|group| (group, vec![0u64; values]))
-                .collect(),
-        })
-    }
-
-    /// Adds one included input's streams in `ring` (the layout's), from its opened seeds.
-    pub fn add(
-        &mut self,
-        seeds: &[(usize, Seed)],
-        context: &MaskContext<'_>,
-        ring: Ring,
-    ) -> Result<(), MaskingError> {
-        if seeds.len() != self.sums.len()
-            || seeds.iter().zip(&self.sums).any(|((g, _), (h, _))| g != h)
-        {
-            return Err(MaskingError::SeedsShape(self.service));
-        }
-        for ((group, seed), (_, sum)) in seeds.iter().zip(&mut self.sums) {
-            add_stream(seed, context, *group, sum, ring)?;
-        }
-        Ok(())
-    }
 }
 
 /// The enclave's step: removes every group's mask sum from the masked sum. Each group's sum is
