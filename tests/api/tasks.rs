@@ -667,6 +667,35 @@ async fn a_masked_task_names_every_key_services_masking_key_or_is_refused_with_t
     );
     assert!(line.contains(",ks2:"), "{line}");
 
+    // A report goal of 10,000 at over-selection 3: a round can assign 40,000 devices, whose
+    // clipped updates of 2^16 grid units each can reach 2^31, so the masks live in the ring of
+    // 2^64 (the line names no ring).
+    let large = app
+        .call(
+            Method::POST,
+            "/v1/tasks",
+            Some(&token),
+            Some(task_body(json!({
+                "secure_aggregation": true,
+                "device_auth": auth,
+                "report_goal": 10_000,
+                "over_selection": 3.0,
+                "min_reports": 5_000,
+            }))),
+        )
+        .await;
+    assert_eq!(
+        large.status,
+        StatusCode::CREATED,
+        "{}",
+        String::from_utf8_lossy(&large.body)
+    );
+    let line = large.json()["masking"].as_str().unwrap().to_string();
+    assert!(
+        line.starts_with("confed-masking/v1;threshold=2;services=ks1:"),
+        "{line}"
+    );
+
     let refused = app
         .call(
             Method::POST,
