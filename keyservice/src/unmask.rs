@@ -40,8 +40,8 @@ use crate::keys::HeldShare;
 pub(crate) const SUMS_BODY_LIMIT: usize = 128 * 1024 * 1024;
 /// The body limit of the agreement route: the policy and `MAX_UNMASK_INPUTS` refs.
 pub(crate) const AGREE_BODY_LIMIT: usize = 8 * 1024 * 1024;
-/// Most bytes of mask sums one answer holds (groups x values x 8): a 32 M-value model's in
-/// 2-of-3, 2 M values' in 3-of-7.
+/// Most bytes of mask sums one answer holds while it is computed (values x (groups x 8 + 4)):
+/// a 22 M-value model's in 2-of-3, 2 M values' in 3-of-7.
 const MAX_SUMS_BYTES: usize = 256 * 1024 * 1024;
 
 /// What every unmask request is checked against: the round's pinned policy (a masked one naming
@@ -345,14 +345,16 @@ pub(crate) async fn sums(
         .map_err(|e| ApiError::Forbidden(format!("the unmask agreement does not hold: {e}")))?;
     let groups = masking.layout().groups_of(checked.number).len();
     let ring = masking.ring;
-    // Held as u64 whatever the ring: the memory bound counts 8 bytes a value.
+    // Held as u64 whatever the ring (8 bytes a value and group), plus the threads' buffers of
+    // one group at a time (4 bytes a value in the ring of 2^32: `MaskSums::add_many`).
+    let per_value = groups * 8 + 4;
     let values = usize::try_from(request.values)
         .ok()
-        .filter(|&v| v >= 1 && v.saturating_mul(groups * 8) <= MAX_SUMS_BYTES)
+        .filter(|&v| v >= 1 && v.saturating_mul(per_value) <= MAX_SUMS_BYTES)
         .ok_or_else(|| {
             ApiError::BadRequest(format!(
                 "`values` must be 1 to {} for this service's {groups} groups",
-                MAX_SUMS_BYTES / (groups * 8)
+                MAX_SUMS_BYTES / per_value
             ))
         })?;
     // A repeat of a request already answered gets the same bytes from memory; a fresh

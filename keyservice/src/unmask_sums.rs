@@ -1,5 +1,6 @@
 //! A sums request's work (`unmask::sums`): every input checked and its seeds opened, then every
-//! stream expanded and added, each step on the cores this service has.
+//! stream expanded and added, both on the cores this service has (the noise keys and draws, a
+//! small part, on one).
 //!
 //! Inputs are checked in chunks, one thread a chunk (a token's signature and an HPKE open are
 //! about 0.1 ms an input), and the first refusal in the request's order is the answer, whatever
@@ -106,30 +107,41 @@ impl Opener<'_> {
     /// Every input opened, in order, on up to `threads` threads; the first refusal in order.
     fn open_all(&self, inputs: &[MaskedInput], threads: usize) -> Result<Vec<Opened>, ApiError> {
         let threads = threads.clamp(1, (inputs.len() / MIN_INPUTS_PER_THREAD).max(1));
-        if threads == 1 {
-            return inputs.iter().map(|input| self.open(input)).collect();
-        }
-        let per_thread = inputs.len().div_ceil(threads);
-        let chunks: Vec<Result<Vec<Opened>, ApiError>> = std::thread::scope(|scope| {
-            let running: Vec<_> = inputs
-                .chunks(per_thread)
-                .map(|chunk| scope.spawn(move || chunk.iter().map(|i| self.open(i)).collect()))
-                .collect();
-            running
-                .into_iter()
-                .map(|thread| {
-                    thread.join().unwrap_or_else(|_| {
-                        Err(ApiError::Internal("a thread checking inputs failed".into()))
-                    })
-                })
-                .collect()
-        });
-        let mut opened = Vec::with_capacity(inputs.len());
-        for chunk in chunks {
-            opened.extend(chunk?);
-        }
-        Ok(opened)
+        in_order_on_threads(inputs, threads, |input| self.open(input))
     }
+}
+
+/// `f` of every item, in order, on up to `threads` threads (one chunk of consecutive items a
+/// thread): every result, or the first error in the items' order, whatever the threads.
+fn in_order_on_threads<I: Sync, T: Send>(
+    items: &[I],
+    threads: usize,
+    f: impl Fn(&I) -> Result<T, ApiError> + Sync,
+) -> Result<Vec<T>, ApiError> {
+    if threads <= 1 || items.len() <= 1 {
+        return items.iter().map(&f).collect();
+    }
+    let per_thread = items.len().div_ceil(threads);
+    let f = &f;
+    let chunks: Vec<Result<Vec<T>, ApiError>> = std::thread::scope(|scope| {
+        let running: Vec<_> = items
+            .chunks(per_thread)
+            .map(|chunk| scope.spawn(move || chunk.iter().map(f).collect()))
+            .collect();
+        running
+            .into_iter()
+            .map(|thread| {
+                thread.join().unwrap_or_else(|_| {
+                    Err(ApiError::Internal("a thread checking inputs failed".into()))
+                })
+            })
+            .collect()
+    });
+    let mut all = Vec::with_capacity(items.len());
+    for chunk in chunks {
+        all.extend(chunk?);
+    }
+    Ok(all)
 }
 
 fn refuse(reference: &str, why: String) -> ApiError {
@@ -196,4 +208,40 @@ pub(crate) fn sum_masks(
         }
     }
     Ok(sums)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whatever the threads, the results keep the items' order, and of several failing items
+    /// the answer is the first one's, even when a later chunk fails first.
+    #[test]
+    fn the_first_refusal_in_order_is_the_answer_on_any_number_of_threads() {
+        let items: Vec<usize> = (0..200).collect();
+        let double = |i: &usize| Ok::<usize, ApiError>(i * 2);
+        for threads in [1, 2, 3, 4, 8, 300] {
+            let all = in_order_on_threads(&items, threads, double).unwrap();
+            assert_eq!(all, items.iter().map(|i| i * 2).collect::<Vec<_>>());
+            let failing = |i: &usize| match *i {
+                // The later chunk's item fails at once; the earlier one's only after its chunk
+                // has run a while.
+                150 => Err(ApiError::Forbidden("item 150".into())),
+                60 => {
+                    std::thread::yield_now();
+                    Err(ApiError::Forbidden("item 60".into()))
+                }
+                i => Ok(i),
+            };
+            match in_order_on_threads(&items, threads, failing) {
+                Err(ApiError::Forbidden(why)) => assert_eq!(why, "item 60", "{threads} threads"),
+                other => panic!("{threads} threads: {other:?}"),
+            }
+        }
+        assert!(
+            in_order_on_threads(&[] as &[usize], 4, double)
+                .unwrap()
+                .is_empty()
+        );
+    }
 }
