@@ -429,6 +429,11 @@ impl<S: JobStore + 'static> Worker<S> {
         phases: &mut Phases,
     ) -> Result<Vec<u8>, JobError> {
         check_plan(job.contributions.len(), count)?;
+        if policy.masking.is_some() {
+            return self
+                .masked_partition(job, schema, policy, context, (index, count), phases)
+                .await;
+        }
         let prepared = self.prepare(job, schema, policy, context, phases).await?;
         let Prepared {
             inputs,

@@ -426,6 +426,15 @@ pub fn envelope_seeds(sealed: &[SealedSeeds]) -> Vec<u8> {
     sealed.iter().flat_map(SealedSeeds::to_bytes).collect()
 }
 
+/// Bytes of one input's slot in a sealed masked partition (docs/protocol.md, "Sealed
+/// partition"): its ref (64 ASCII bytes), its envelope's `enc`, its token's length (u16,
+/// big-endian) and the token padded with zeros to a whole token's bytes, and its `seeds` (the
+/// layout's length). The store sizes masked partitions by it.
+pub fn partition_slot_bytes(layout: &Layout) -> usize {
+    let seeds: usize = (1..=layout.n).map(|j| sealed_len(layout, j)).sum();
+    64 + hpke::KEY_BYTES + 2 + crate::privacy_pass::TOKEN_BYTES + seeds
+}
+
 /// Cuts an envelope's `seeds` into each key service's sealed seeds (service 1 first); their
 /// lengths follow from the layout, so the bytes must be exactly as long as they add up to.
 pub fn split_seeds<'a>(layout: &Layout, seeds: &'a [u8]) -> Result<Vec<&'a [u8]>, MaskingError> {

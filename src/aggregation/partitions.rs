@@ -51,13 +51,27 @@ impl PartitionPolicy {
 }
 
 impl PartitionPolicy {
-    /// The partitions of a round of `contributions` of the task `spec`: a masked round is
-    /// aggregated whole, since its included set is unmasked once and partitioned masked rounds
-    /// are not built (the enclave refuses them: planned apart, such a round would always fail).
+    /// The partitions of a round of `contributions` of the task `spec`. A masked round's
+    /// sealed partition holds a slot an input (what the key services need of it) besides its
+    /// sum: it is cut into enough partitions that each one's slots stay within half the sealed
+    /// partition's slack, or aggregated whole when that takes more partitions than allowed.
     pub fn partitions_of(&self, spec: &crate::task_spec::TaskSpec, contributions: usize) -> u32 {
-        match spec.masking {
-            Some(_) => 1,
-            None => self.partitions(contributions),
+        let count = self.partitions(contributions);
+        let Some(line) = &spec.masking else {
+            return count;
+        };
+        if count <= 1 {
+            return 1;
+        }
+        let slot = confed_protocol::masking_keys::MaskingPolicy::parse(line)
+            .map(|masking| confed_protocol::masking::partition_slot_bytes(&masking.layout()))
+            .unwrap_or(usize::MAX);
+        let per_partition = (PARTITION_SLACK_BYTES / 2 / slot).max(1);
+        let needed = contributions.div_ceil(per_partition);
+        match u32::try_from(needed) {
+            Ok(needed) if needed <= count => count,
+            Ok(needed) if needed <= self.workers.min(MAX_PARTITIONS) => needed,
+            _ => 1,
         }
     }
 }
@@ -415,8 +429,28 @@ mod tests {
         assert_eq!(tiny.partitions(100), 2);
     }
 
+    /// A masking line of `n` key services of threshold `t`, each with a signed masking key.
+    fn masking_line(n: usize, t: u8) -> String {
+        use confed_protocol::masking_keys::{MaskingPolicy, MaskingService, sign_masking_key};
+        let services = (1..=n)
+            .map(|i| {
+                let signer = confed_protocol::keyset::generate_signing_key();
+                let (_, public) = confed_protocol::hpke::generate_keypair();
+                let id = format!("ks{i}");
+                MaskingService {
+                    key: sign_masking_key(&signer, &id, &public),
+                    verifying_key: confed_protocol::keyset::encode_verifying_key(
+                        signer.verifying_key(),
+                    ),
+                    keyservice_id: id,
+                }
+            })
+            .collect();
+        MaskingPolicy::new(t, services).unwrap().encode()
+    }
+
     #[test]
-    fn a_masked_tasks_round_stays_one_job_however_large() {
+    fn a_masked_tasks_round_is_cut_so_that_each_partitions_slots_fit() {
         let request: crate::task_spec::CreateTaskRequest =
             serde_json::from_value(serde_json::json!({
                 "population": "p", "rounds": 5, "report_goal": 100,
@@ -429,6 +463,27 @@ mod tests {
             min_contributions: 1000,
         };
         assert_eq!(eight.partitions_of(&spec, 100_000), 8);
+        // A masked round is cut as any, while its slots fit each partition; a line that does not
+        // parse (never stored) keeps the round whole.
+        let line = masking_line(3, 2);
+        let slot = confed_protocol::masking::partition_slot_bytes(
+            &confed_protocol::masking_keys::MaskingPolicy::parse(&line)
+                .unwrap()
+                .layout(),
+        );
+        spec.masking = Some(line);
+        assert_eq!(eight.partitions_of(&spec, 100_000), 8);
+        // More inputs than 8 partitions' slots hold: more partitions, if the workers allow.
+        let many = 9 * (PARTITION_SLACK_BYTES / 2 / slot);
+        let sixteen = PartitionPolicy {
+            workers: 16,
+            min_contributions: 1000,
+        };
+        assert_eq!(
+            sixteen.partitions_of(&spec, many),
+            9.max(sixteen.partitions(many))
+        );
+        assert_eq!(eight.partitions_of(&spec, many), 1);
         spec.masking = Some("confed-masking/v1;threshold=2;services=...".into());
         assert_eq!(eight.partitions_of(&spec, 100_000), 1);
     }

@@ -43,7 +43,7 @@ const KIND: Kind = Kind {
 pub use confed_worker_api::store::MAX_PARTITIONS;
 
 /// An outcome byte: included.
-const INCLUDED: u8 = 0;
+pub(crate) const INCLUDED: u8 = 0;
 
 #[derive(Debug, Error, PartialEq)]
 pub enum PartitionError {
@@ -120,6 +120,10 @@ pub struct PartitionHeader {
     /// training.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub table: Option<TableShape>,
+    /// A masked round's partition: the bytes of each input's slot (what the key services need
+    /// of it: `masked::slot_bytes`) after its wrapping sum and outcomes. Left out otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub masked_slot_bytes: Option<u64>,
 }
 
 /// An analytics round's exact table as a sealed partition holds it (docs/protocol.md, "Sealed
@@ -154,18 +158,24 @@ pub struct Shape {
     pub evaluation: bool,
     pub health: bool,
     pub table: Option<TableShape>,
+    pub masked_slot_bytes: Option<u64>,
 }
 
 impl PartitionHeader {
     /// The plaintext's length: one outcome byte an input, and for training the sum (8 bytes a
     /// value), the unclipped count (8), the metric sums (24) if evaluating, the health count (8)
-    /// if counting; for analytics the table.
+    /// if counting; for analytics the table; for a masked round the wrapping sum (8 bytes a
+    /// value) and one slot an input.
     fn body_len(&self) -> Result<usize, PartitionError> {
         let malformed = || PartitionError::Malformed("its shape overflows".into());
         let inputs = self.end.checked_sub(self.first).ok_or_else(malformed)?;
-        let state = match &self.table {
-            Some(table) => table.len(),
-            None => self
+        let state = match (&self.table, self.masked_slot_bytes) {
+            (Some(table), _) => table.len(),
+            (None, Some(slot)) => self
+                .values
+                .checked_mul(8)
+                .and_then(|n| n.checked_add(inputs.checked_mul(slot)?)),
+            (None, None) => self
                 .values
                 .checked_mul(8)
                 .and_then(|n| n.checked_add(8 + if self.evaluation { 24 } else { 0 }))
@@ -184,6 +194,7 @@ impl PartitionHeader {
             evaluation: self.evaluation,
             health: self.health,
             table: self.table,
+            masked_slot_bytes: self.masked_slot_bytes,
         }
     }
 
@@ -263,6 +274,7 @@ impl Partition<'_> {
             evaluation: shape.evaluation,
             health: shape.health,
             table: shape.table,
+            masked_slot_bytes: shape.masked_slot_bytes,
         })
     }
 }
@@ -412,6 +424,7 @@ impl Partial for Aggregator {
             evaluation: self.evaluation.is_some(),
             health: self.health.is_some(),
             table: None,
+            masked_slot_bytes: None,
         }
     }
 

@@ -34,6 +34,7 @@ impl Partial for AnalyticsAggregator {
             evaluation: false,
             health: false,
             table: Some(self.table.sealed_shape(inputs)),
+            masked_slot_bytes: None,
         }
     }
 

@@ -297,6 +297,9 @@ impl MaskedAggregator {
     }
 }
 
+mod partition;
+pub use partition::slot_bytes;
+
 #[cfg(test)]
 mod auth_tests;
 #[cfg(test)]

@@ -470,3 +470,131 @@ fn a_round_whose_sum_and_noise_could_wrap_the_ring_of_2_32_is_refused_before_the
     ));
     assert!(enclave.check_ring(40_000, None).is_err());
 }
+
+/// A masked round cut into 1, 2 or 3 partitions: each partition seals its wrapping sum and its
+/// included inputs' slots, the root merges them and asks the key services over the whole
+/// included set, and the release is byte for byte the unpartitioned one. A partition seals to
+/// one length whichever of its inputs were included.
+#[test]
+fn a_masked_round_in_partitions_releases_the_unpartitioned_bytes() {
+    use crate::aggregate::partition::{Partial, Partition};
+    let r = model_round();
+    for (n, t, ring) in [(3u8, 2u8, Ring::Bits32), (5, 3, Ring::Bits64)] {
+        let services = KeyServices::in_ring(n, t, ring);
+        let round_data = masked_round(&r, &services);
+        let (inputs, digest) = committed(&round_data.stored);
+        let binding = Binding {
+            inputs_digest: digest,
+            ..binding()
+        };
+        let fresh = || {
+            MaskedAggregator::new(binding.clone(), services.layout.clone(), VALUES, &r.private)
+                .unwrap()
+        };
+        let release_of = |enclave: MaskedAggregator| {
+            let included = enclave.included();
+            let answers: Vec<MaskSums> = (1..=n)
+                .map(|s| services.answer(s, &included, &round_data.seeds))
+                .collect();
+            let (unmasked, _) = enclave
+                .unmask(&answers, 1.0, None, r.schema.clone(), &r.private)
+                .unwrap();
+            unmasked.finish(&r.private, privacy()).unwrap()
+        };
+        let whole = fresh();
+        whole.add_batch(&round_data.stored);
+        let kept: Vec<String> = whole
+            .unmask_inputs()
+            .into_iter()
+            .map(|i| i.assignment_ref)
+            .collect();
+        let expected = release_of(whole);
+        for count in 1..=3u32 {
+            // Sealed in reverse order: the merge does not depend on it.
+            let sealed: Vec<Vec<u8>> = (0..count)
+                .rev()
+                .map(|index| {
+                    let partition = Partition {
+                        inputs: &inputs,
+                        index,
+                        count,
+                    };
+                    let worker = fresh();
+                    for input in partition.inputs().unwrap() {
+                        let _ = worker.add(&input.assignment_ref, input.retained.as_deref());
+                    }
+                    worker.seal_partition(&r.private, &partition).unwrap()
+                })
+                .collect();
+            // The last partition again, with one more of its inputs excluded (its bytes lost):
+            // the same length.
+            let partition = Partition {
+                inputs: &inputs,
+                index: count - 1,
+                count,
+            };
+            let worker = fresh();
+            for (i, input) in partition.inputs().unwrap().iter().enumerate() {
+                let stored = if i == 0 {
+                    None
+                } else {
+                    input.retained.as_deref()
+                };
+                let _ = worker.add(&input.assignment_ref, stored);
+            }
+            let fewer = worker.seal_partition(&r.private, &partition).unwrap();
+            assert_eq!(
+                fewer.len(),
+                sealed[0].len(),
+                "{t}-of-{n}, {count} partitions"
+            );
+            let root = fresh();
+            root.merge(&r.private, &inputs, count, &sealed).unwrap();
+            assert_eq!(root.counts(), (20, 2), "{t}-of-{n}, {count} partitions");
+            let merged: Vec<String> = root
+                .unmask_inputs()
+                .into_iter()
+                .map(|i| i.assignment_ref)
+                .collect();
+            assert_eq!(merged, kept, "{t}-of-{n}, {count} partitions");
+            let release = release_of(root);
+            assert_eq!(release.average, expected.average, "{count} partitions");
+            assert_eq!(release.manifest, expected.manifest, "{count} partitions");
+        }
+    }
+}
+
+/// A training partition offered to a masked root (or the other way) is refused, not merged.
+#[test]
+fn a_masked_root_refuses_an_unmasked_partition() {
+    use crate::aggregate::partition::{Partial, Partition};
+    let r = model_round();
+    let services = KeyServices::in_ring(3, 2, Ring::Bits32);
+    let round_data = masked_round(&r, &services);
+    let (inputs, digest) = committed(&round_data.stored);
+    let binding = Binding {
+        inputs_digest: digest,
+        ..binding()
+    };
+    let partition = Partition {
+        inputs: &inputs,
+        index: 0,
+        count: 1,
+    };
+    let training = Aggregator::new(binding.clone(), 1.0, r.schema.clone(), &r.private).unwrap();
+    let sealed = training.seal_partition(&r.private, &partition);
+    // Nothing added: the training aggregator cannot even seal the partition's outcomes.
+    assert!(sealed.is_err());
+    let masked =
+        MaskedAggregator::new(binding.clone(), services.layout.clone(), VALUES, &r.private)
+            .unwrap();
+    for input in partition.inputs().unwrap() {
+        let _ = masked.add(&input.assignment_ref, input.retained.as_deref());
+    }
+    let sealed = masked.seal_partition(&r.private, &partition).unwrap();
+    let root = Aggregator::new(binding, 1.0, r.schema.clone(), &r.private).unwrap();
+    assert!(matches!(
+        root.merge(&r.private, &inputs, 1, std::slice::from_ref(&sealed)),
+        Err(crate::aggregate::partition::PartitionError::Foreign(_))
+    ));
+}

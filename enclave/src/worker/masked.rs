@@ -5,9 +5,9 @@
 //! returns its groups' mask sums; the enclave removes them, and the exact sum is noised,
 //! averaged and released as any round's, its manifest recording the masking.
 //!
-//! A masked round is not partitioned (refused with the reason): each partition would need its
-//! own agreed set and its own mask sums, which the unmask ledger (one set per round) does not
-//! allow yet.
+//! A partitioned masked round: each partition seals its range's wrapping sum and its included
+//! inputs' slots (`masked::partition`); the root merges them and runs the one unmask over the
+//! whole included set, so the key services see one agreed set per round either way.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -17,7 +17,7 @@ use confed_attestation::unmask::{UnmaskReceipt, agreement};
 use confed_attestation::unmask_api::{AgreeRequest, MaskedInput, SumsRequest, UnmaskRound};
 use confed_protocol::masking::{self, Layout, MaskSums};
 use confed_worker_api::model::ModelSchema;
-use confed_worker_api::store::{JobSpec, JobStore};
+use confed_worker_api::store::{JobSpec, JobStore, Partitioning};
 
 use super::{JobError, Keyed, KeyedRound, Phases, Worker, signed_proof};
 use crate::aggregate::Release;
@@ -41,11 +41,8 @@ impl<S: JobStore + 'static> Worker<S> {
             .masking
             .as_ref()
             .ok_or_else(|| JobError::MalformedJob("the policy does not mask".into()))?;
-        if job.partitioning.is_some() {
-            return Err(JobError::MalformedJob(
-                "a masked round is not partitioned: each partition would need its own agreed set, and a round is unmasked for one"
-                    .into(),
-            ));
+        if let Some(Partitioning::Root { count, .. }) = &job.partitioning {
+            super::check_plan(job.contributions.len(), *count)?;
         }
         let KeyedRound {
             privacy,
@@ -62,16 +59,26 @@ impl<S: JobStore + 'static> Worker<S> {
         } = keyed;
         let step = Instant::now();
         let values = schema.parameter_count();
-        let aggregator = Arc::new(
-            MaskedAggregator::new(binding, masking.layout(), values, &private_key)?
-                .authenticating(policy.device_auth.clone()),
-        );
-        self.open_all(job, inputs, &aggregator).await?;
-        let aggregator = Arc::try_unwrap(aggregator).map_err(|_| JobError::StillShared)?;
+        let aggregator = MaskedAggregator::new(binding, masking.layout(), values, &private_key)?
+            .authenticating(policy.device_auth.clone());
+        // A partitioned round's root merges its partitions' sealed sums and slots instead.
+        let aggregator = self
+            .add_all(job, inputs, &private_key, Arc::new(aggregator))
+            .await?;
         phases.open = step.elapsed();
 
         let step = Instant::now();
         let included = aggregator.unmask_inputs();
+        // Merged from partitions, the kept inputs must be exactly the included ones.
+        if !included
+            .iter()
+            .map(|i| i.assignment_ref.as_str())
+            .eq(aggregator.included().iter().map(String::as_str))
+        {
+            return Err(JobError::MalformedJob(
+                "the inputs kept for the key services are not the included ones".into(),
+            ));
+        }
         if included.len() < policy.min_reports as usize {
             let (_, excluded) = aggregator.counts();
             return Err(crate::aggregate::AggregateError::TooFewIncluded {
@@ -117,6 +124,42 @@ impl<S: JobStore + 'static> Worker<S> {
         phases.noise = step.elapsed();
         let proof = signed_proof(&release.manifest, commitment, &signing_key, receipts);
         Ok((release, proof))
+    }
+
+    /// One partition of a masked round: the round's inputs, commitment and key as the whole
+    /// round's, then only the partition's range opened into the wrapping sum, sealed with its
+    /// outcomes and its included inputs' slots for the root (`masked::partition`).
+    pub(super) async fn masked_partition(
+        &self,
+        job: &JobSpec,
+        schema: &ModelSchema,
+        policy: &TaskPolicy,
+        context: RoundContext,
+        (index, count): (u32, u32),
+        phases: &mut Phases,
+    ) -> Result<Vec<u8>, JobError> {
+        let masking = policy
+            .masking
+            .as_ref()
+            .ok_or_else(|| JobError::MalformedJob("the policy does not mask".into()))?;
+        let KeyedRound { inputs, keyed, .. } =
+            self.key_round(job, schema, context, policy, phases).await?;
+        let aggregator = MaskedAggregator::new(
+            keyed.binding,
+            masking.layout(),
+            schema.parameter_count(),
+            &keyed.private_key,
+        )?
+        .authenticating(policy.device_auth.clone());
+        self.seal_range(
+            job,
+            inputs,
+            (index, count),
+            keyed.private_key,
+            Arc::new(aggregator),
+            phases,
+        )
+        .await
     }
 
     /// The unmask: the included set agreed at every key service (concurrently), then, against
