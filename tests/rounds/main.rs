@@ -12,6 +12,7 @@ mod analytics;
 mod demo;
 mod health;
 mod key_release;
+mod masked_partitions;
 mod operator_attacks;
 mod own_leases;
 mod partitions;

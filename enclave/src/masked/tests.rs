@@ -564,9 +564,9 @@ fn a_masked_round_in_partitions_releases_the_unpartitioned_bytes() {
     }
 }
 
-/// A training partition offered to a masked root (or the other way) is refused, not merged.
+/// A masked partition offered to a training root is refused (another kind of state), not merged.
 #[test]
-fn a_masked_root_refuses_an_unmasked_partition() {
+fn a_training_root_refuses_a_masked_partition() {
     use crate::aggregate::partition::{Partial, Partition};
     let r = model_round();
     let services = KeyServices::in_ring(3, 2, Ring::Bits32);
