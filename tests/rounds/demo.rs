@@ -75,6 +75,41 @@ async fn the_demo_with_secure_aggregation_releases_masked_rounds_that_verify_and
     );
 }
 
+/// `confed demo --secure-aggregation --noise blt`: DP-FTRL over masked rounds. The key services
+/// remove each round's masks, the enclave adds the round's BLT noise to the exact sum and
+/// continues the sealed state, and every release records both; the model still learns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_with_secure_aggregation_under_blt_noise_continues_the_state_and_learns() {
+    let dir = tempfile::tempdir().unwrap();
+    let summary = run(DemoOptions {
+        rounds: 2,
+        secure_aggregation: true,
+        noise: DemoNoise::Blt,
+        ..small(dir.path())
+    })
+    .await
+    .unwrap();
+    let mut previous = None;
+    for (round, manifest) in summary.manifests.iter().enumerate() {
+        let masking = manifest.masking.as_ref().expect("a masked release");
+        assert_eq!(masking.noise_variance_grid, None, "the enclave noises");
+        assert!(
+            manifest.noise.mechanism.starts_with("blt_on_grid;"),
+            "{}",
+            manifest.noise.mechanism
+        );
+        let blt = manifest.noise.blt.as_ref().unwrap();
+        assert_eq!(blt.state_in_blake3, previous, "round {}", round + 1);
+        previous = Some(blt.state_out_blake3.clone());
+        assert_eq!(manifest.included, 40);
+    }
+    assert!(
+        *summary.accuracy.last().unwrap() > 0.2,
+        "{:?}",
+        summary.accuracy
+    );
+}
+
 /// `confed demo --device-auth`: every contribution carries a device token from the in-process
 /// dev issuer, and every release counts them all as authenticated.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
