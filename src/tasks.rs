@@ -136,6 +136,14 @@ impl Tasks<'_> {
             }])
         };
         let refuse = |reason: String| refuse_field("secure_aggregation", reason);
+        // The key services agree to and sum at most this many inputs a round.
+        let most = spec.most_devices_per_round();
+        let limit = confed_attestation::unmask_api::MAX_UNMASK_INPUTS as u64;
+        if most > limit {
+            return Err(refuse(format!(
+                "a masked round's included set is unmasked by the key services in one request of at most {limit} inputs, and this task's rounds can assign {most} devices (report_goal with over-selection at its cap): lower report_goal or over_selection"
+            )));
+        }
         let now = self.db.now().0 / 1000;
         let mut masking = self.keys.masking_policy(now).map_err(refuse)?;
         if distributed {

@@ -116,6 +116,7 @@ impl JobError {
                 ))
                 // A round too large for its ring stays so.
                 | Self::Masked(crate::masked::MaskedError::RingTooSmall { .. })
+                | Self::Masked(crate::masked::MaskedError::TooManyInputs { .. })
         )
     }
 }
@@ -592,6 +593,7 @@ impl<S: JobStore + 'static> Worker<S> {
         // asked for (its commitment unspent): a retry would fail the same.
         if let Some(masking) = &policy.masking {
             crate::masked::check_ring(&masking.layout(), inputs.len(), masking.noise_variance)?;
+            crate::masked::check_unmask_inputs(inputs.len())?;
         }
         let mut inputs_digest = privacy.bind_round_choices(inputs_digest);
         if let Some(state) = blt_state {

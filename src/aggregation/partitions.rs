@@ -63,9 +63,10 @@ impl PartitionPolicy {
         if count <= 1 {
             return 1;
         }
-        let slot = confed_protocol::masking_keys::MaskingPolicy::parse(line)
-            .map(|masking| confed_protocol::masking::partition_slot_bytes(&masking.layout()))
-            .unwrap_or(usize::MAX);
+        let Ok(masking) = confed_protocol::masking_keys::MaskingPolicy::parse(line) else {
+            return 1;
+        };
+        let slot = confed_protocol::masking::partition_slot_bytes(&masking.layout());
         let per_partition = (PARTITION_SLACK_BYTES / 2 / slot).max(1);
         let needed = contributions.div_ceil(per_partition);
         match u32::try_from(needed) {
@@ -84,7 +85,8 @@ const DIGEST_CHUNK: usize = 1024;
 const PLANNING_LEASE: Duration = Duration::from_secs(120);
 
 /// A sealed partition is a sum (8 bytes a value: twice the model's 4) and one byte per
-/// contribution: its upload is bounded by twice the largest model plus this.
+/// contribution, and for a masked round one slot per contribution (within half of this:
+/// `partitions_of`): its upload is bounded by twice the largest model plus this.
 pub const PARTITION_SLACK_BYTES: usize = 64 << 20;
 
 /// The largest sealed analytics table (docs/analytics.md, "Partitioned rounds"): an open
@@ -479,10 +481,14 @@ mod tests {
             workers: 16,
             min_contributions: 1000,
         };
-        assert_eq!(
-            sixteen.partitions_of(&spec, many),
-            9.max(sixteen.partitions(many))
-        );
+        assert_eq!(sixteen.partitions_of(&spec, many), 16);
+        // Partitions of at least 100,000 by size (4 of them), but 9 for the slots.
+        let large = PartitionPolicy {
+            workers: 16,
+            min_contributions: 100_000,
+        };
+        assert_eq!(large.partitions(many), 4);
+        assert_eq!(large.partitions_of(&spec, many), 9);
         assert_eq!(eight.partitions_of(&spec, many), 1);
         spec.masking = Some("confed-masking/v1;threshold=2;services=...".into());
         assert_eq!(eight.partitions_of(&spec, 100_000), 1);

@@ -695,6 +695,26 @@ async fn a_masked_task_names_every_key_services_masking_key_or_is_refused_with_t
         line.starts_with("confed-masking/v1;threshold=2;services=ks1:"),
         "{line}"
     );
+    // Rounds that can assign 110,000 devices: more than the key services unmask at once.
+    let refused = app
+        .call(
+            Method::POST,
+            "/v1/tasks",
+            Some(&token),
+            Some(task_body(json!({
+                "secure_aggregation": true,
+                "device_auth": auth,
+                "report_goal": 10_000,
+                "over_selection": 10.0,
+                "min_reports": 5_000,
+            }))),
+        )
+        .await;
+    let params = refused.problem(StatusCode::BAD_REQUEST)["invalid_params"].to_string();
+    assert!(
+        params.contains("secure_aggregation") && params.contains("60000"),
+        "{params}"
+    );
 
     let refused = app
         .call(

@@ -74,11 +74,39 @@ async fn a_masked_round_in_two_partitions_releases_the_bytes_one_worker_would() 
         "{:?}",
         root.partitioning
     );
-    // One worker over the whole round, and the root over the partitions: the same bytes. Both
-    // unmask the same included set, so the key services agree once and answer the repeat.
-    let probe = system.worker("probe");
+    // The root merges what the store lists: a list naming one partition twice (and the other
+    // not) fails, so the root cannot have opened the contributions itself.
+    let Some(Partitioning::Root { sealed_keys, .. }) = &root.partitioning else {
+        unreachable!()
+    };
+    let doubled = JobSpec {
+        partitioning: Some(Partitioning::Root {
+            count: 2,
+            sealed_keys: vec![sealed_keys[0].clone(), sealed_keys[0].clone()],
+        }),
+        ..root.clone()
+    };
     let (policy, context) = round_context(&root).unwrap();
     let schema = validate_model(&root.model).unwrap();
+    let probe = system.worker("probe");
+    let refused = probe
+        .aggregate(
+            &doubled,
+            &schema,
+            &policy,
+            context.clone(),
+            &mut Phases::default(),
+        )
+        .await;
+    assert!(
+        refused
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("sealed twice")),
+        "{:?}",
+        refused.map(|_| ())
+    );
+    // One worker over the whole round, and the root over the partitions: the same bytes. Both
+    // unmask the same included set, so the key services agree once and answer the repeat.
     let whole_job = JobSpec {
         partitioning: None,
         ..root.clone()

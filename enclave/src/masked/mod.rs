@@ -39,6 +39,20 @@ pub enum MaskedError {
         "{included} inputs (and the round's noise) do not fit the task's ring of 2^{bits}: their sum could wrap. The front end chose the ring for the task's largest rounds (report_goal and over_selection); a round this large needs a task created with a smaller report goal or over-selection, which then masks in 2^32, or a larger one, which masks in 2^64"
     )]
     RingTooSmall { included: usize, bits: u32 },
+    #[error(
+        "{inputs} contributions: the key services unmask at most {limit} inputs a round, in one request. The front end refuses masked tasks whose rounds can assign more; a round this large was not planned by it"
+    )]
+    TooManyInputs { inputs: usize, limit: usize },
+}
+
+/// Refuses a masked round of more contributions than the key services agree to and sum in one
+/// request (`MAX_UNMASK_INPUTS`): checked before the key is asked for, as the ring is.
+pub fn check_unmask_inputs(inputs: usize) -> Result<(), MaskedError> {
+    let limit = confed_attestation::unmask_api::MAX_UNMASK_INPUTS;
+    if inputs > limit {
+        return Err(MaskedError::TooManyInputs { inputs, limit });
+    }
+    Ok(())
 }
 
 /// Whether `inputs` inputs' sum, with distributed noise of `noise_variance` per group, fits

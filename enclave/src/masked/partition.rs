@@ -61,10 +61,9 @@ impl Partial for MaskedAggregator {
         let bound = self.unmask_inputs();
         let included = outcomes.iter().filter(|&&code| code == INCLUDED).count();
         if bound.len() != included {
-            return Err(PartitionError::Incomplete(format!(
-                "{included} inputs included, {} kept for the key services",
-                bound.len()
-            )));
+            return Err(PartitionError::Incomplete(
+                "the inputs kept for the key services are not the included ones".into(),
+            ));
         }
         let mut body = Zeroizing::new(Vec::with_capacity(
             self.values * 8 + outcomes.len() * (1 + slot),
@@ -88,8 +87,7 @@ impl Partial for MaskedAggregator {
                 input.seeds.len() == seeds_len,
             ) else {
                 return Err(PartitionError::Incomplete(format!(
-                    "input {}: its fields do not fit a slot of {slot} bytes",
-                    input.assignment_ref
+                    "an included input's fields do not fit a slot of {slot} bytes"
                 )));
             };
             body.extend_from_slice(input.assignment_ref.as_bytes());
@@ -126,8 +124,20 @@ impl Partial for MaskedAggregator {
             }
         }
         let included = outcomes.iter().filter(|&&code| code == INCLUDED).count();
+        // An enclave seals the included inputs' slots sorted by ref, then zeros.
+        let (kept, zeros) = slots.split_at(included * slot);
+        if zeros.iter().any(|&b| b != 0)
+            || !kept
+                .chunks_exact(slot)
+                .zip(kept.chunks_exact(slot).skip(1))
+                .all(|(a, b)| a[..REF_BYTES] < b[..REF_BYTES])
+        {
+            return Err(PartitionError::Malformed(
+                "its slots are not the included inputs' in order, then zeros".into(),
+            ));
+        }
         let mut bound = self.bound.lock().expect("masked inputs");
-        for slot_bytes in slots.chunks_exact(slot).take(included) {
+        for slot_bytes in kept.chunks_exact(slot) {
             let (reference, rest) = slot_bytes.split_at(REF_BYTES);
             let (enc, rest) = rest.split_at(KEY_BYTES);
             let (token_len, rest) = rest.split_at(2);

@@ -548,6 +548,23 @@ fn a_masked_round_in_partitions_releases_the_unpartitioned_bytes() {
                 sealed[0].len(),
                 "{t}-of-{n}, {count} partitions"
             );
+            // ... and it merges: the kept inputs are the included ones, and they unmask.
+            let other = fresh();
+            let with_fewer: Vec<Vec<u8>> = std::iter::once(fewer)
+                .chain(sealed[1..].iter().cloned())
+                .collect();
+            other
+                .merge(&r.private, &inputs, count, &with_fewer)
+                .unwrap();
+            let (included, excluded) = other.counts();
+            assert_eq!(included + excluded, 22);
+            let kept_by_other: Vec<String> = other
+                .unmask_inputs()
+                .into_iter()
+                .map(|i| i.assignment_ref)
+                .collect();
+            assert_eq!(kept_by_other, other.included());
+            release_of(other);
             let root = fresh();
             root.merge(&r.private, &inputs, count, &sealed).unwrap();
             assert_eq!(root.counts(), (20, 2), "{t}-of-{n}, {count} partitions");
@@ -596,5 +613,17 @@ fn a_training_root_refuses_a_masked_partition() {
     assert!(matches!(
         root.merge(&r.private, &inputs, 1, std::slice::from_ref(&sealed)),
         Err(crate::aggregate::partition::PartitionError::Foreign(_))
+    ));
+}
+
+/// A masked round of more contributions than the key services unmask in one request fails
+/// before the key is asked for.
+#[test]
+fn a_masked_round_beyond_the_key_services_unmask_limit_is_refused() {
+    let limit = confed_attestation::unmask_api::MAX_UNMASK_INPUTS;
+    assert!(check_unmask_inputs(limit).is_ok());
+    assert!(matches!(
+        check_unmask_inputs(limit + 1),
+        Err(MaskedError::TooManyInputs { .. })
     ));
 }
