@@ -140,8 +140,13 @@ impl Tasks<'_> {
         let most = spec.most_devices_per_round();
         let limit = confed_attestation::unmask_api::MAX_UNMASK_INPUTS as u64;
         if most > limit {
+            let over = spec
+                .over_selection
+                .max(crate::task_spec::ADAPTIVE_OVER_SELECTION_CAP);
             return Err(refuse(format!(
-                "a masked round's included set is unmasked by the key services in one request of at most {limit} inputs, and this task's rounds can assign {most} devices (report_goal with over-selection at its cap): lower report_goal or over_selection"
+                "the key services unmask at most {limit} inputs of a masked round, and this task's rounds can assign {most} devices (report_goal x (1 + max(over_selection, {}))): set report_goal to at most {}",
+                crate::task_spec::ADAPTIVE_OVER_SELECTION_CAP,
+                (limit as f64 / (1.0 + over)).floor() as u64
             )));
         }
         let now = self.db.now().0 / 1000;

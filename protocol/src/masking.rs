@@ -431,15 +431,25 @@ pub fn envelope_seeds(sealed: &[SealedSeeds]) -> Vec<u8> {
 /// big-endian) and the token padded with zeros to a whole token's bytes, and its `seeds` (the
 /// layout's length). The store sizes masked partitions by it.
 pub fn partition_slot_bytes(layout: &Layout) -> usize {
-    let seeds: usize = (1..=layout.n).map(|j| sealed_len(layout, j)).sum();
-    64 + hpke::KEY_BYTES + 2 + crate::privacy_pass::TOKEN_BYTES + seeds
+    SLOT_FIXED_BYTES + envelope_seeds_len(layout)
+}
+
+/// Bytes of a slot's ref (64 lowercase hex digits).
+pub const SLOT_REF_BYTES: usize = 64;
+/// Bytes of a slot before its seeds: the ref, `enc`, the token's length and the padded token.
+pub const SLOT_FIXED_BYTES: usize =
+    SLOT_REF_BYTES + hpke::KEY_BYTES + 2 + crate::privacy_pass::TOKEN_BYTES;
+
+/// Bytes of an envelope's `seeds` under `layout`: every key service's sealed seeds.
+pub fn envelope_seeds_len(layout: &Layout) -> usize {
+    (1..=layout.n).map(|j| sealed_len(layout, j)).sum()
 }
 
 /// Cuts an envelope's `seeds` into each key service's sealed seeds (service 1 first); their
 /// lengths follow from the layout, so the bytes must be exactly as long as they add up to.
 pub fn split_seeds<'a>(layout: &Layout, seeds: &'a [u8]) -> Result<Vec<&'a [u8]>, MaskingError> {
     let lengths: Vec<usize> = (1..=layout.n).map(|j| sealed_len(layout, j)).collect();
-    let expected: usize = lengths.iter().sum();
+    let expected = envelope_seeds_len(layout);
     if seeds.len() != expected {
         return Err(MaskingError::EnvelopeSeeds {
             expected,

@@ -64,6 +64,9 @@ impl PartitionPolicy {
             return 1;
         }
         let Ok(masking) = confed_protocol::masking_keys::MaskingPolicy::parse(line) else {
+            tracing::warn!(
+                "a masked task's masking line does not parse: its round is aggregated whole"
+            );
             return 1;
         };
         let slot = confed_protocol::masking::partition_slot_bytes(&masking.layout());
@@ -72,7 +75,14 @@ impl PartitionPolicy {
         match u32::try_from(needed) {
             Ok(needed) if needed <= count => count,
             Ok(needed) if needed <= self.workers.min(MAX_PARTITIONS) => needed,
-            _ => 1,
+            _ => {
+                tracing::info!(
+                    contributions,
+                    workers = self.workers,
+                    "a masked round is aggregated whole: its inputs' slots need more partitions than there are workers"
+                );
+                1
+            }
         }
     }
 }

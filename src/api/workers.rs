@@ -371,7 +371,8 @@ pub fn router(limits: &Limits) -> Router<AppState> {
     let blt_state_route = Router::new()
         .route(Route::BltState.template(), put(blt_state))
         .layer(DefaultBodyLimit::max(blt_state_limit));
-    // A sealed partition holds a sum of the model (twice its bytes) or an analytics table.
+    // A sealed partition holds a sum of the model (twice its bytes) or an analytics table, and
+    // a masked round's its inputs' slots (within half the slack: `partitions_of`).
     let partition_limit = limits
         .model_bytes
         .saturating_mul(2)

@@ -12,6 +12,7 @@ mod console;
 mod device_tokens;
 mod devices;
 mod evaluation;
+mod masked_tasks;
 mod models;
 mod protocol_example;
 mod tasks;

@@ -14,12 +14,13 @@
 //!
 //! What a sealed partition holds is un-noised: it leaves the enclave only in the sealed
 //! container (`sealed`), under a key only an enclave holding the task's private key derives.
-//! Its length depends on the model and the range only (an outcome is one byte per input, whatever
-//! it is), never on what the devices sent.
+//! Its length depends on the model (or query, or masking policy) and the range only (an outcome
+//! is one byte per input, whatever it is), never on what the devices sent.
 //!
-//! Training's aggregator and the analytics table (`analytics::partition`) both seal and merge
-//! through `Partial`: the header, its checks, the outcomes and the container are this module's;
-//! each kind lays out and absorbs its own exact state.
+//! Training's aggregator, the analytics table (`analytics::partition`) and a masked round's
+//! aggregator (`masked::partition`) all seal and merge through `Partial`: the header, its checks,
+//! the outcomes and the container are this module's; each kind lays out and absorbs its own
+//! exact state.
 
 use std::ops::Range;
 use std::sync::Mutex;
@@ -280,7 +281,7 @@ impl Partition<'_> {
 }
 
 /// An aggregator whose exact state one partition seals and the root merges: training's
-/// `Aggregator` and analytics' table. The header, its checks, the outcomes and the container
+/// `Aggregator`, analytics' table and the masked `MaskedAggregator`. The header, its checks, the outcomes and the container
 /// are shared (the provided methods); each kind lays out and adds its own state.
 pub trait Partial: Sized + Send + Sync + 'static {
     /// The round this aggregator is bound to.

@@ -40,7 +40,7 @@ pub enum MaskedError {
     )]
     RingTooSmall { included: usize, bits: u32 },
     #[error(
-        "{inputs} contributions: the key services unmask at most {limit} inputs a round, in one request. The front end refuses masked tasks whose rounds can assign more; a round this large was not planned by it"
+        "{inputs} contributions: the key services unmask at most {limit} inputs of a masked round, in one request. Cancel the task and create it again with report_goal x (1 + max(over_selection, 1)) at most {limit} (the partner API refuses larger masked tasks since this check)"
     )]
     TooManyInputs { inputs: usize, limit: usize },
 }
@@ -312,7 +312,6 @@ impl MaskedAggregator {
 }
 
 mod partition;
-pub use partition::slot_bytes;
 
 #[cfg(test)]
 mod auth_tests;

@@ -12,21 +12,15 @@
 //! model, the policy and the range only, never on which inputs were included.
 
 use confed_protocol::hpke::KEY_BYTES;
-use confed_protocol::masking::{Layout, partition_slot_bytes};
+use confed_protocol::masking::{
+    SLOT_FIXED_BYTES, SLOT_REF_BYTES as REF_BYTES, partition_slot_bytes,
+};
 use confed_protocol::privacy_pass::TOKEN_BYTES;
 use zeroize::Zeroizing;
 
 use super::{BoundInput, MaskedAggregator, STRIPE};
 use crate::aggregate::partition::{INCLUDED, Partial, PartitionError, Shape};
 use crate::aggregate::{Binding, Outcome};
-
-/// Bytes of an assignment ref in a slot (64 lowercase hex digits).
-const REF_BYTES: usize = 64;
-
-/// Bytes of one input's slot under `layout`.
-pub fn slot_bytes(layout: &Layout) -> usize {
-    partition_slot_bytes(layout)
-}
 
 fn not_masked() -> PartitionError {
     PartitionError::Foreign("an unmasked partition for a masked round".into())
@@ -43,7 +37,7 @@ impl Partial for MaskedAggregator {
             evaluation: false,
             health: false,
             table: None,
-            masked_slot_bytes: Some(slot_bytes(&self.layout) as u64),
+            masked_slot_bytes: Some(partition_slot_bytes(&self.layout) as u64),
         }
     }
 
@@ -79,7 +73,7 @@ impl Partial for MaskedAggregator {
             let token_len = u16::try_from(input.token.len())
                 .ok()
                 .filter(|&len| usize::from(len) <= TOKEN_BYTES);
-            let seeds_len = slot - (REF_BYTES + KEY_BYTES + 2 + TOKEN_BYTES);
+            let seeds_len = slot - SLOT_FIXED_BYTES;
             let (Some(token_len), REF_BYTES, KEY_BYTES, true) = (
                 token_len,
                 input.assignment_ref.len(),
@@ -111,18 +105,11 @@ impl Partial for MaskedAggregator {
         shape: &Shape,
     ) -> Result<&'p [u8], PartitionError> {
         let slot = shape.masked_slot_bytes.ok_or_else(not_masked)? as usize;
-        if slot != slot_bytes(&self.layout) {
+        if slot != partition_slot_bytes(&self.layout) {
             return Err(not_masked());
         }
         let (sum, rest) = plain.split_at(self.values * 8);
         let (outcomes, slots) = rest.split_at(inputs);
-        for (index, stripe) in self.stripes.iter().enumerate() {
-            let mut stripe = stripe.lock().expect("masked stripe");
-            let bytes = &sum[index * STRIPE * 8..(index * STRIPE + stripe.len()) * 8];
-            for (value, word) in stripe.iter_mut().zip(bytes.chunks_exact(8)) {
-                *value = value.wrapping_add(u64::from_le_bytes(word.try_into().expect("8 bytes")));
-            }
-        }
         let included = outcomes.iter().filter(|&&code| code == INCLUDED).count();
         // An enclave seals the included inputs' slots sorted by ref, then zeros.
         let (kept, zeros) = slots.split_at(included * slot);
@@ -136,9 +123,10 @@ impl Partial for MaskedAggregator {
                 "its slots are not the included inputs' in order, then zeros".into(),
             ));
         }
-        let mut bound = self.bound.lock().expect("masked inputs");
-        for slot_bytes in kept.chunks_exact(slot) {
-            let (reference, rest) = slot_bytes.split_at(REF_BYTES);
+        // Every slot read before anything is added: a bad one leaves the aggregator as it was.
+        let mut parsed = Vec::with_capacity(included);
+        for one in kept.chunks_exact(slot) {
+            let (reference, rest) = one.split_at(REF_BYTES);
             let (enc, rest) = rest.split_at(KEY_BYTES);
             let (token_len, rest) = rest.split_at(2);
             let (token, seeds) = rest.split_at(TOKEN_BYTES);
@@ -148,13 +136,21 @@ impl Partial for MaskedAggregator {
             })?;
             let assignment_ref = std::str::from_utf8(reference)
                 .map_err(|_| PartitionError::Malformed("a slot's ref is not text".into()))?;
-            bound.push(BoundInput {
+            parsed.push(BoundInput {
                 assignment_ref: assignment_ref.to_string(),
                 enc: enc.to_vec(),
                 token: token.to_vec(),
                 seeds: seeds.to_vec(),
             });
         }
+        for (index, stripe) in self.stripes.iter().enumerate() {
+            let mut stripe = stripe.lock().expect("masked stripe");
+            let bytes = &sum[index * STRIPE * 8..(index * STRIPE + stripe.len()) * 8];
+            for (value, word) in stripe.iter_mut().zip(bytes.chunks_exact(8)) {
+                *value = value.wrapping_add(u64::from_le_bytes(word.try_into().expect("8 bytes")));
+            }
+        }
+        self.bound.lock().expect("masked inputs").extend(parsed);
         Ok(outcomes)
     }
 }

@@ -581,10 +581,11 @@ fn a_masked_round_in_partitions_releases_the_unpartitioned_bytes() {
     }
 }
 
-/// A masked partition offered to a training root is refused (another kind of state), not merged.
+/// A masked partition offered to a training root, or a training partition to a masked root, is
+/// refused (another kind of state), not merged.
 #[test]
-fn a_training_root_refuses_a_masked_partition() {
-    use crate::aggregate::partition::{Partial, Partition};
+fn a_root_refuses_a_partition_of_the_other_kind() {
+    use crate::aggregate::partition::{Partial, Partition, PartitionError};
     let r = model_round();
     let services = KeyServices::in_ring(3, 2, Ring::Bits32);
     let round_data = masked_round(&r, &services);
@@ -598,22 +599,89 @@ fn a_training_root_refuses_a_masked_partition() {
         index: 0,
         count: 1,
     };
-    let training = Aggregator::new(binding.clone(), 1.0, r.schema.clone(), &r.private).unwrap();
-    let sealed = training.seal_partition(&r.private, &partition);
-    // Nothing added: the training aggregator cannot even seal the partition's outcomes.
-    assert!(sealed.is_err());
-    let masked =
-        MaskedAggregator::new(binding.clone(), services.layout.clone(), VALUES, &r.private)
-            .unwrap();
-    for input in partition.inputs().unwrap() {
-        let _ = masked.add(&input.assignment_ref, input.retained.as_deref());
-    }
-    let sealed = masked.seal_partition(&r.private, &partition).unwrap();
-    let root = Aggregator::new(binding, 1.0, r.schema.clone(), &r.private).unwrap();
+    let masked = || {
+        MaskedAggregator::new(binding.clone(), services.layout.clone(), VALUES, &r.private).unwrap()
+    };
+    let training = || Aggregator::new(binding.clone(), 1.0, r.schema.clone(), &r.private).unwrap();
+    let sealed_masked = {
+        let worker = masked();
+        for input in partition.inputs().unwrap() {
+            let _ = worker.add(&input.assignment_ref, input.retained.as_deref());
+        }
+        worker.seal_partition(&r.private, &partition).unwrap()
+    };
+    let sealed_training = {
+        let worker = training();
+        for input in partition.inputs().unwrap() {
+            let _ = worker.add(&input.assignment_ref, input.retained.as_deref());
+        }
+        worker.seal_partition(&r.private, &partition).unwrap()
+    };
     assert!(matches!(
-        root.merge(&r.private, &inputs, 1, std::slice::from_ref(&sealed)),
-        Err(crate::aggregate::partition::PartitionError::Foreign(_))
+        training().merge(&r.private, &inputs, 1, std::slice::from_ref(&sealed_masked)),
+        Err(PartitionError::Foreign(_))
     ));
+    assert!(matches!(
+        masked().merge(
+            &r.private,
+            &inputs,
+            1,
+            std::slice::from_ref(&sealed_training)
+        ),
+        Err(PartitionError::Foreign(_))
+    ));
+}
+
+/// A masked partition's slots must be its included inputs' in ref order, then zeros: slots out
+/// of order, or padding that is not zeros, fail the merge (an enclave never seals them).
+#[test]
+fn a_masked_partition_whose_slots_are_out_of_order_or_padded_with_data_fails() {
+    use crate::aggregate::partition::{Partial, PartitionError};
+    let r = model_round();
+    let services = KeyServices::in_ring(3, 2, Ring::Bits32);
+    let root =
+        MaskedAggregator::new(binding(), services.layout.clone(), VALUES, &r.private).unwrap();
+    let shape = root.shape(3);
+    let slot = shape.masked_slot_bytes.unwrap() as usize;
+    let slot_with_ref = |digit: char| {
+        let mut bytes = vec![0u8; slot];
+        bytes[..64].copy_from_slice(digit.to_string().repeat(64).as_bytes());
+        bytes
+    };
+    let plain = |outcomes: [u8; 3], slots: [Vec<u8>; 3]| {
+        let mut plain = vec![0u8; VALUES * 8];
+        plain.extend_from_slice(&outcomes);
+        for one in slots {
+            plain.extend(one);
+        }
+        plain
+    };
+    // Two included, in order, then zeros: kept.
+    let good = plain(
+        [0, 0, 7],
+        [slot_with_ref('a'), slot_with_ref('b'), vec![0; slot]],
+    );
+    assert!(root.absorb_state(&good, 3, &shape).is_ok());
+    assert_eq!(root.unmask_inputs().len(), 2);
+    for bad in [
+        plain(
+            [0, 0, 7],
+            [slot_with_ref('b'), slot_with_ref('a'), vec![0; slot]],
+        ),
+        plain(
+            [0, 0, 7],
+            [slot_with_ref('a'), slot_with_ref('a'), vec![0; slot]],
+        ),
+        plain(
+            [0, 7, 7],
+            [slot_with_ref('a'), slot_with_ref('b'), vec![0; slot]],
+        ),
+    ] {
+        assert!(matches!(
+            root.absorb_state(&bad, 3, &shape),
+            Err(PartitionError::Malformed(_))
+        ));
+    }
 }
 
 /// A masked round of more contributions than the key services unmask in one request fails

@@ -75,9 +75,10 @@ impl<S: JobStore + 'static> Worker<S> {
             .map(|i| i.assignment_ref.as_str())
             .eq(aggregator.included().iter().map(String::as_str))
         {
-            return Err(JobError::MalformedJob(
-                "the inputs kept for the key services are not the included ones".into(),
-            ));
+            return Err(crate::aggregate::partition::PartitionError::Malformed(
+                "the merged partitions' slots are not exactly the included contributions".into(),
+            )
+            .into());
         }
         if included.len() < policy.min_reports as usize {
             let (_, excluded) = aggregator.counts();
