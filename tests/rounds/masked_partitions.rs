@@ -142,4 +142,6 @@ async fn a_masked_round_in_two_partitions_releases_the_bytes_one_worker_would() 
         releases[0].manifest_json.as_bytes(),
         &whole.manifest.to_json()[..]
     );
+    let average = system.store.blob(&releases[0].average_key).await.unwrap();
+    assert_eq!(average.as_deref(), Some(&whole.average[..]));
 }
