@@ -9,6 +9,10 @@
 //!   each input's seeds, the key service answers its groups' mask sums as
 //!   `application/octet-stream`: for each of its groups in group order, `values` little-endian
 //!   u64.
+//! - `POST /v1/keys/{key_id}/unmask/prepare` with a `PrepareRequest`, while the round collects:
+//!   the key service checks and opens the uploaded inputs' seeds and adds their streams ahead,
+//!   so that the sums request, later, only corrects for the inputs the agreed set leaves out or
+//!   adds (docs/secure-aggregation.md, "Prepared sums"). It releases nothing.
 
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
@@ -74,6 +78,74 @@ pub struct SumsRequest {
     pub inputs: Vec<MaskedInput>,
 }
 
+/// Most inputs one prepare request carries.
+pub const MAX_PREPARE_INPUTS: usize = 4_096;
+
+/// One uploaded input of a masked round, as the front end saw it in the envelope: the whole
+/// `seeds` field (every key service's item), so one body serves every key service.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrepareInput {
+    pub assignment_ref: String,
+    /// The envelope's `enc`, base64url.
+    pub enc: String,
+    /// The envelope's `token`, base64url.
+    pub token: String,
+    /// The envelope's whole `seeds`, base64url.
+    pub seeds: String,
+}
+
+/// `POST /v1/keys/{key_id}/unmask/prepare`: inputs uploaded to a masked round that has no
+/// agreed set yet.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrepareRequest {
+    pub task_id: String,
+    pub round: u64,
+    /// The task policy text (its SHA-256 must be the one the round's unmask requests carry
+    /// for the preparation to be used).
+    pub policy: String,
+    /// The masked vector's length (the model's values).
+    pub values: u64,
+    pub inputs: Vec<PrepareInput>,
+}
+
+/// A prepare request's answer: how many inputs were added now, were held already, or were
+/// refused (a refused input is simply computed, or refused, by the sums request).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrepareAnswer {
+    pub prepared: u64,
+    pub held: u64,
+    pub refused: u64,
+}
+
+impl PrepareInput {
+    /// The input as the sums request names it for key service `service` of `layout`: its
+    /// item of `seeds` and every item's digest.
+    pub fn for_service(
+        &self,
+        layout: &confed_protocol::masking::Layout,
+        service: u8,
+    ) -> Result<MaskedInput, String> {
+        let field = |name: &str, text: &str| {
+            URL_SAFE_NO_PAD
+                .decode(text)
+                .map_err(|_| format!("input {}: `{name}` is not base64url", self.assignment_ref))
+        };
+        let seeds = field("seeds", &self.seeds)?;
+        let items = confed_protocol::masking::split_seeds(layout, &seeds)
+            .map_err(|e| format!("input {}: {e}", self.assignment_ref))?;
+        Ok(MaskedInput::of_envelope(
+            &self.assignment_ref,
+            &field("enc", &self.enc)?,
+            &field("token", &self.token)?,
+            &items,
+            service,
+        ))
+    }
+}
+
 fn decode<T: serde::de::DeserializeOwned>(body: &[u8], what: &str) -> Result<T, String> {
     let mut json = serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(&mut json)
@@ -83,6 +155,12 @@ fn decode<T: serde::de::DeserializeOwned>(body: &[u8], what: &str) -> Result<T, 
 impl AgreeRequest {
     pub fn decode(body: &[u8]) -> Result<Self, String> {
         decode(body, "an unmask agreement request")
+    }
+}
+
+impl PrepareRequest {
+    pub fn decode(body: &[u8]) -> Result<Self, String> {
+        decode(body, "an unmask prepare request")
     }
 }
 

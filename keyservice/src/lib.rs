@@ -24,6 +24,7 @@ pub mod routes;
 pub mod serve;
 mod unmask;
 mod unmask_answers;
+pub mod unmask_prepare;
 mod unmask_sums;
 pub mod witness;
 
@@ -118,6 +119,8 @@ pub struct KeyService {
     /// expands a stream per input and group. Per service, not per process: the embedded default
     /// runs three in one process, which in production run on machines of their own.
     pub summing: Arc<tokio::sync::Semaphore>,
+    /// Mask sums added ahead while rounds collect (`unmask_prepare.rs`), used by their sums.
+    pub prepared: Arc<Mutex<unmask_prepare::PreparedRounds>>,
 }
 
 /// What a key service is built from (files and settings, no network).
@@ -185,6 +188,7 @@ impl KeyService {
             acknowledgements: Arc::default(),
             masking_key: None,
             summing: Arc::new(tokio::sync::Semaphore::new(1)),
+            prepared: Arc::default(),
         })
     }
 

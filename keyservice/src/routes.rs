@@ -56,6 +56,12 @@ pub fn api_router(service: KeyService) -> axum::Router {
                 super::unmask::SUMS_BODY_LIMIT,
             )),
         )
+        .route(
+            "/v1/keys/{key_id}/unmask/prepare",
+            axum::routing::post(super::unmask_prepare::prepare).layer(
+                axum::extract::DefaultBodyLimit::max(super::unmask_prepare::PREPARE_BODY_LIMIT),
+            ),
+        )
         .route("/v1/audit/head", axum::routing::get(audit_head))
         .route(
             "/v1/audit/witness",

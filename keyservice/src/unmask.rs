@@ -30,7 +30,8 @@ use super::KeyService;
 use super::audit::Decision;
 use super::ledger::{self, Admission};
 use super::unmask_answers::{self, AnswerKey};
-use super::unmask_sums::sum_masks;
+use super::unmask_prepare::RoundKey;
+use super::unmask_sums::{Opener, sum_masks};
 use crate::error::KeyServiceApiError as ApiError;
 use crate::extract::{ApiBytes, ApiPath};
 use crate::keys::HeldShare;
@@ -46,10 +47,10 @@ const MAX_SUMS_BYTES: usize = 256 * 1024 * 1024;
 
 /// What every unmask request is checked against: the round's pinned policy (a masked one naming
 /// this service) and its admitted commitment.
-struct CheckedRound {
-    policy: TaskPolicy,
+pub(crate) struct CheckedRound {
+    pub(crate) policy: TaskPolicy,
     /// This service's number in the policy's `masking` line.
-    number: u8,
+    pub(crate) number: u8,
     key_set: KeySetShape,
 }
 
@@ -58,13 +59,40 @@ fn check_round(
     held: &HeldShare,
     round: &UnmaskRound,
 ) -> Result<CheckedRound, ApiError> {
+    let checked = check_policy(service, held, &round.task_id, &round.policy)?;
+    let policy_sha256 = confed_protocol::hex::sha256_hex(round.policy.as_bytes());
+    let guard = service
+        .audit
+        .lock()
+        .map_err(|_| ApiError::Internal("audit log poisoned".into()))?;
+    match guard.1.committed(&round.task_id, round.round) {
+        Some((pinned, commitment))
+            if pinned == policy_sha256 && commitment == round.commitment_sha256 => {}
+        _ => {
+            return Err(ApiError::Conflict(format!(
+                "round {} of task {} has no admitted release commitment {} under this policy here: unmask after the release",
+                round.round, round.task_id, round.commitment_sha256
+            )));
+        }
+    }
+    Ok(checked)
+}
+
+/// What every unmask and prepare request is checked against, but the commitment: a masked
+/// policy of `task_id` that names this service with its own signing key, noise it would draw,
+/// and the key's shape.
+pub(crate) fn check_policy(
+    service: &KeyService,
+    held: &HeldShare,
+    task_id: &str,
+    policy_text: &str,
+) -> Result<CheckedRound, ApiError> {
     service.gate.check()?;
-    let policy =
-        TaskPolicy::parse(&round.policy).map_err(|e| ApiError::BadRequest(e.to_string()))?;
-    if policy.task_id != round.task_id {
+    let policy = TaskPolicy::parse(policy_text).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    if policy.task_id != task_id {
         return Err(ApiError::BadRequest(format!(
-            "the policy is task {}'s, the request names task {}",
-            policy.task_id, round.task_id
+            "the policy is task {}'s, the request names task {task_id}",
+            policy.task_id
         )));
     }
     let masking = policy.masking.as_ref().ok_or_else(|| {
@@ -102,26 +130,50 @@ fn check_round(
             key_set.shares
         )));
     }
-    let policy_sha256 = confed_protocol::hex::sha256_hex(round.policy.as_bytes());
-    let guard = service
-        .audit
-        .lock()
-        .map_err(|_| ApiError::Internal("audit log poisoned".into()))?;
-    match guard.1.committed(&round.task_id, round.round) {
-        Some((pinned, commitment))
-            if pinned == policy_sha256 && commitment == round.commitment_sha256 => {}
-        _ => {
-            return Err(ApiError::Conflict(format!(
-                "round {} of task {} has no admitted release commitment {} under this policy here: unmask after the release",
-                round.round, round.task_id, round.commitment_sha256
-            )));
-        }
-    }
     Ok(CheckedRound {
         policy,
         number,
         key_set,
     })
+}
+
+/// This service's masking key, which the checked policy must name as its own.
+pub(crate) fn own_masking_key(
+    service: &KeyService,
+    checked: &CheckedRound,
+) -> Result<std::sync::Arc<confed_protocol::hpke::PrivateKey>, ApiError> {
+    let masking_key = service.masking_key.clone().ok_or_else(|| {
+        ApiError::Unavailable(
+            "this key service has no masking key (--masking-key): it cannot open mask seeds".into(),
+        )
+    })?;
+    let named = checked.policy.masking.as_ref().and_then(|m| {
+        m.services[usize::from(checked.number) - 1]
+            .public_key()
+            .ok()
+    });
+    if named.is_none() || named != masking_key.public_key().ok() {
+        return Err(ApiError::Forbidden(
+            "the policy names a masking key for this service that is not its own".into(),
+        ));
+    }
+    Ok(masking_key)
+}
+
+/// The values of a sums (or prepare) request for a service in `groups` groups, within what
+/// one computation holds: `values x (groups x 8 + 4)` bytes at most (its sums as u64, plus the
+/// threads' buffers of one group at a time, 4 bytes a value in the ring of 2^32).
+pub(crate) fn checked_values(values: u64, groups: usize) -> Result<usize, ApiError> {
+    let per_value = groups * 8 + 4;
+    usize::try_from(values)
+        .ok()
+        .filter(|&v| v >= 1 && v.saturating_mul(per_value) <= MAX_SUMS_BYTES)
+        .ok_or_else(|| {
+            ApiError::BadRequest(format!(
+                "`values` must be 1 to {} for this service's {groups} groups",
+                MAX_SUMS_BYTES / per_value
+            ))
+        })
 }
 
 /// A masked policy's distributed noise, checked by the party whose noise it is: per-round
@@ -188,7 +240,7 @@ fn check_included<S: AsRef<str>>(refs: &[S], policy: &TaskPolicy) -> Result<(), 
     Ok(())
 }
 
-fn held<'a>(service: &'a KeyService, key_id: &str) -> Result<&'a HeldShare, ApiError> {
+pub(crate) fn held<'a>(service: &'a KeyService, key_id: &str) -> Result<&'a HeldShare, ApiError> {
     service
         .shares
         .get(key_id)
@@ -274,23 +326,9 @@ pub(crate) async fn sums(
     ApiBytes(body): ApiBytes,
 ) -> Result<impl IntoResponse, ApiError> {
     let held = held(&service, &key_id)?;
-    let masking_key = service.masking_key.clone().ok_or_else(|| {
-        ApiError::Unavailable(
-            "this key service has no masking key (--masking-key): it cannot open mask seeds".into(),
-        )
-    })?;
     let request = SumsRequest::decode(&body).map_err(ApiError::BadRequest)?;
     let checked = check_round(&service, held, &request.round)?;
-    let named = checked.policy.masking.as_ref().and_then(|m| {
-        m.services[usize::from(checked.number) - 1]
-            .public_key()
-            .ok()
-    });
-    if named.is_none() || named != masking_key.public_key().ok() {
-        return Err(ApiError::Forbidden(
-            "the policy names a masking key for this service that is not its own".into(),
-        ));
-    }
+    let masking_key = own_masking_key(&service, &checked)?;
     let refs: Vec<&str> = request
         .inputs
         .iter()
@@ -345,18 +383,7 @@ pub(crate) async fn sums(
         .map_err(|e| ApiError::Forbidden(format!("the unmask agreement does not hold: {e}")))?;
     let groups = masking.layout().groups_of(checked.number).len();
     let ring = masking.ring;
-    // Held as u64 whatever the ring (8 bytes a value and group), plus the threads' buffers of
-    // one group at a time (4 bytes a value in the ring of 2^32: `MaskSums::add_many`).
-    let per_value = groups * 8 + 4;
-    let values = usize::try_from(request.values)
-        .ok()
-        .filter(|&v| v >= 1 && v.saturating_mul(per_value) <= MAX_SUMS_BYTES)
-        .ok_or_else(|| {
-            ApiError::BadRequest(format!(
-                "`values` must be 1 to {} for this service's {groups} groups",
-                MAX_SUMS_BYTES / per_value
-            ))
-        })?;
+    let values = checked_values(request.values, groups)?;
     // A repeat of a request already answered gets the same bytes from memory; a fresh
     // computation only within the round's allowance (`unmask_answers`).
     let answer_key = AnswerKey {
@@ -377,10 +404,16 @@ pub(crate) async fn sums(
     }
     unmask_answers::may_compute(&answer_key).map_err(ApiError::Conflict)?;
     let number = checked.number;
-    let task_id = round.task_id.clone();
-    let round_number = round.round;
     let policy = checked.policy.clone();
     let inputs = request.inputs;
+    let prepared_key = RoundKey {
+        key_id: key_id.clone(),
+        task_id: round.task_id.clone(),
+        round: round.round,
+        policy_sha256: policy.sha256_hex(),
+        values,
+    };
+    let prepared = service.prepared.clone();
     // Held by the computation itself: a caller that hangs up does not free it while the sums
     // still run.
     let permit = service
@@ -399,15 +432,21 @@ pub(crate) async fn sums(
     let started = std::time::Instant::now();
     let summed = tokio::task::spawn_blocking(move || {
         let _one_at_a_time = permit;
-        sum_masks(
+        // The round's preparation is used once, by the first computation (a repeat gets the
+        // kept answer; a later one computes in full).
+        let ahead = prepared
+            .lock()
+            .map_err(|_| ApiError::Internal("the prepared rounds' lock is poisoned".into()))?
+            .take_round(&prepared_key);
+        let noise_variance = policy.masking.as_ref().and_then(|m| m.noise_variance);
+        let opener = Opener::new(
             &policy,
             number,
             &masking_key,
-            &task_id,
-            round_number,
+            (&prepared_key.task_id, prepared_key.round),
             values,
-            &inputs,
-        )
+        )?;
+        sum_masks(&opener, &inputs, ahead, noise_variance)
     })
     .await
     .map_err(|e| ApiError::Internal(format!("the mask sums did not finish: {e}")))??;
@@ -417,9 +456,12 @@ pub(crate) async fn sums(
         task = %round.task_id,
         round = round.round,
         inputs = inputs_count,
+        prepared = summed.prepared,
+        subtracted = summed.subtracted,
         seconds = started.elapsed().as_secs_f64(),
         "mask sums computed"
     );
+    let summed = summed.sums;
     let mut body = Vec::with_capacity(summed.sums.len() * values * ring.bytes());
     for (_, sum) in &summed.sums {
         for value in sum {

@@ -6,7 +6,8 @@
 //! about 0.1 ms an input), and the first refusal in the request's order is the answer, whatever
 //! the threads. The noise key absorbs the opened seeds in the request's order afterwards, and the
 //! streams are added by `MaskSums::add_many`. Opened seeds and stream keys are wiped when
-//! dropped.
+//! dropped. A round prepared while it collected (`unmask_prepare.rs`) leaves only the difference
+//! between what it holds and the agreed set to open, add and subtract.
 
 use confed_attestation::unmask_api::MaskedInput;
 use confed_protocol::device_auth::DeviceAuth;
@@ -19,10 +20,11 @@ use confed_protocol::policy::TaskPolicy;
 use confed_protocol::privacy_pass::context::{masked_token_nonce, seeds_digest};
 
 use crate::error::KeyServiceApiError as ApiError;
+use crate::unmask_prepare::{PreparedRound, input_digest};
 
 /// Threads of one request's mask sums: the machine's cores, at most 8 (beyond that a round of
 /// megabyte updates is bound by memory, not AES).
-fn sums_threads() -> usize {
+pub(crate) fn sums_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
 }
 
@@ -30,7 +32,7 @@ fn sums_threads() -> usize {
 const MIN_INPUTS_PER_THREAD: usize = 64;
 
 /// What every input of one request is checked and opened under.
-struct Opener<'a> {
+pub(crate) struct Opener<'a> {
     layout: Layout,
     auth: &'a DeviceAuth,
     masking_key: &'a PrivateKey,
@@ -42,13 +44,51 @@ struct Opener<'a> {
 }
 
 /// One input checked, its seeds opened.
-struct Opened {
-    seeds: Vec<(usize, Seed)>,
-    streams: StreamKeys,
+pub(crate) struct Opened {
+    pub(crate) seeds: Vec<(usize, Seed)>,
+    pub(crate) streams: StreamKeys,
 }
 
-impl Opener<'_> {
-    fn context<'c>(&'c self, reference: &'c str) -> Result<MaskContext<'c>, ApiError> {
+impl<'a> Opener<'a> {
+    /// The opener of this service's (`number`'s) seeds under a masked `policy`, which requires
+    /// device tokens, for round `round` of `task_id` and vectors of `values` values.
+    pub(crate) fn new(
+        policy: &'a TaskPolicy,
+        number: u8,
+        masking_key: &'a PrivateKey,
+        (task_id, round): (&'a str, u64),
+        values: usize,
+    ) -> Result<Self, ApiError> {
+        let layout = policy
+            .masking
+            .as_ref()
+            .ok_or_else(|| ApiError::BadRequest("the task's policy masks nothing".into()))?
+            .layout();
+        let auth = policy.device_auth.as_ref().ok_or_else(|| {
+            ApiError::BadRequest("a masked task's policy requires device tokens".into())
+        })?;
+        // Seeds open only under the policy the device sealed them under (the context names it).
+        Ok(Self {
+            layout,
+            auth,
+            masking_key,
+            number,
+            task_id,
+            round,
+            policy_sha256: policy.sha256_hex(),
+            values,
+        })
+    }
+
+    pub(crate) fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    pub(crate) fn number(&self) -> u8 {
+        self.number
+    }
+
+    pub(crate) fn context<'c>(&'c self, reference: &'c str) -> Result<MaskContext<'c>, ApiError> {
         MaskContext::new(
             self.task_id,
             self.round,
@@ -61,7 +101,7 @@ impl Opener<'_> {
 
     /// Checks one input (its seeds' length and digest, its device token over them) and opens
     /// this service's seeds of it.
-    fn open(&self, input: &MaskedInput) -> Result<Opened, ApiError> {
+    pub(crate) fn open(&self, input: &MaskedInput) -> Result<Opened, ApiError> {
         let reference = input.assignment_ref.as_str();
         let decoded = input.decode().map_err(ApiError::BadRequest)?;
         let own_len = masking::sealed_len(&self.layout, self.number);
@@ -113,7 +153,7 @@ impl Opener<'_> {
 
 /// `f` of every item, in order, on up to `threads` threads (one chunk of consecutive items a
 /// thread): every result, or the first error in the items' order, whatever the threads.
-fn in_order_on_threads<I: Sync, T: Send>(
+pub(crate) fn in_order_on_threads<I: Sync, T: Send>(
     items: &[I],
     threads: usize,
     f: impl Fn(&I) -> Result<T, ApiError> + Sync,
@@ -150,55 +190,60 @@ fn refuse(reference: &str, why: String) -> ApiError {
     ))
 }
 
+/// A sums request's answer, and how much of it was prepared ahead.
+pub(crate) struct Summed {
+    pub(crate) sums: MaskSums,
+    /// Inputs whose streams were added while the round collected.
+    pub(crate) prepared: usize,
+    /// Inputs added ahead that the set leaves out (or sent with other bytes), subtracted.
+    pub(crate) subtracted: usize,
+}
+
 /// Opens this service's seeds of every input, each under a token that binds them, and sums its
 /// groups' streams. Any input that fails refuses the whole request: the set was agreed, and an
 /// honest enclave included only inputs whose token it checked.
+///
+/// With `prepared` (the round's inputs added while it collected, under the same policy and
+/// values), only the inputs it does not hold with the same bytes are opened and added, and the
+/// ones it holds that the set leaves out are subtracted: the answer is the same bytes either way
+/// (every prepared input passed the same checks, under the same policy, with the same bytes).
 pub(crate) fn sum_masks(
-    policy: &TaskPolicy,
-    number: u8,
-    masking_key: &PrivateKey,
-    task_id: &str,
-    round: u64,
-    values: usize,
+    opener: &Opener<'_>,
     inputs: &[MaskedInput],
-) -> Result<MaskSums, ApiError> {
-    let layout = policy.masking.as_ref().expect("a masked policy").layout();
-    let auth = policy.device_auth.as_ref().ok_or_else(|| {
-        ApiError::BadRequest("a masked task's policy requires device tokens".into())
-    })?;
-    // Seeds open only under the policy the device sealed them under (the context names it).
-    let opener = Opener {
-        layout: layout.clone(),
-        auth,
-        masking_key,
-        number,
-        task_id,
-        round,
-        policy_sha256: policy.sha256_hex(),
-        values,
-    };
+    prepared: Option<PreparedRound>,
+    noise_variance: Option<u64>,
+) -> Result<Summed, ApiError> {
+    let layout = opener.layout();
     let threads = sums_threads();
-    let opened = opener.open_all(inputs, threads)?;
-    let mut sums =
-        MaskSums::new(&layout, number, values).map_err(|e| ApiError::Internal(e.to_string()))?;
-    let noise_variance = policy.masking.as_ref().and_then(|m| m.noise_variance);
-    let mut noise_keys =
-        noise_variance.map(|_| NoiseKeys::new(&layout.groups_of(number), inputs.len()));
-    if let Some(keys) = noise_keys.as_mut() {
-        for (input, opened) in inputs.iter().zip(&opened) {
+    let (mut summed, seeds) = match prepared {
+        Some(prepared) => from_prepared(opener, prepared, inputs, threads)?,
+        None => {
+            let opened = opener.open_all(inputs, threads)?;
+            let mut sums = MaskSums::new(layout, opener.number, opener.values)
+                .map_err(|e| ApiError::Internal(e.to_string()))?;
+            let (seeds, streams): (Vec<_>, Vec<_>) =
+                opened.into_iter().map(|o| (o.seeds, o.streams)).unzip();
+            sums.add_many(&streams, layout.ring(), threads)
+                .map_err(|e| ApiError::Internal(format!("the mask sums: {e}")))?;
+            let summed = Summed {
+                sums,
+                prepared: 0,
+                subtracted: 0,
+            };
+            (summed, seeds)
+        }
+    };
+    // Distributed noise: each group's draw, keyed by the group's seeds over this set in the
+    // request's order, the same at every holder and on every repeat
+    // (docs/secure-aggregation.md, "Distributed noise").
+    if let Some(variance) = noise_variance {
+        let mut keys = NoiseKeys::new(&layout.groups_of(opener.number), inputs.len());
+        for (input, seeds) in inputs.iter().zip(&seeds) {
             let reference = input.assignment_ref.as_str();
-            keys.absorb(&opened.seeds, &opener.context(reference)?)
+            keys.absorb(seeds, &opener.context(reference)?)
                 .map_err(|e| refuse(reference, e.to_string()))?;
         }
-    }
-    let streams: Vec<StreamKeys> = opened.into_iter().map(|o| o.streams).collect();
-    sums.add_many(&streams, layout.ring(), threads)
-        .map_err(|e| ApiError::Internal(format!("the mask sums: {e}")))?;
-    drop(streams);
-    // Distributed noise: each group's draw, keyed by the group's seeds over this set, the same
-    // at every holder and on every repeat (docs/secure-aggregation.md, "Distributed noise").
-    if let (Some(variance), Some(keys)) = (noise_variance, noise_keys) {
-        for ((group, sum), (keyed, key)) in sums.sums.iter_mut().zip(keys.finish()) {
+        for ((group, sum), (keyed, key)) in summed.sums.sums.iter_mut().zip(keys.finish()) {
             debug_assert_eq!(*group, keyed);
             confed_dp::distributed::noise_mask_sum(sum, variance, &key);
             // Reduced again in the ring of 2^32 (the noise is subtracted mod 2^64).
@@ -207,7 +252,73 @@ pub(crate) fn sum_masks(
             }
         }
     }
-    Ok(sums)
+    Ok(summed)
+}
+
+/// The sums of `inputs` from a prepared round: its sums, plus the inputs it does not hold with
+/// these bytes (opened and checked now, the first refusal in the request's order as ever),
+/// minus the ones it holds that are not among them. Every input's seeds, in order.
+fn from_prepared(
+    opener: &Opener<'_>,
+    prepared: PreparedRound,
+    inputs: &[MaskedInput],
+    threads: usize,
+) -> Result<(Summed, Vec<Vec<(usize, Seed)>>), ApiError> {
+    let layout = opener.layout();
+    let ring = layout.ring();
+    let PreparedRound {
+        mut sums,
+        inputs: mut held,
+    } = prepared;
+    let mut seeds: Vec<Option<Vec<(usize, Seed)>>> = Vec::with_capacity(inputs.len());
+    let mut fresh = Vec::new();
+    let mut stale = Vec::new();
+    for (at, input) in inputs.iter().enumerate() {
+        match held.remove(&input.assignment_ref) {
+            Some(kept) if kept.digest == input_digest(input) => seeds.push(Some(kept.seeds)),
+            other => {
+                if let Some(kept) = other {
+                    stale.push((input.assignment_ref.clone(), kept));
+                }
+                fresh.push(at);
+                seeds.push(None);
+            }
+        }
+    }
+    stale.extend(held);
+    let prepared_count = inputs.len() - fresh.len();
+    let fresh_inputs: Vec<MaskedInput> = fresh.iter().map(|&at| inputs[at].clone()).collect();
+    let opened = opener.open_all(&fresh_inputs, threads)?;
+    let mut streams = Vec::with_capacity(opened.len());
+    for (&at, opened) in fresh.iter().zip(opened) {
+        streams.push(opened.streams);
+        seeds[at] = Some(opened.seeds);
+    }
+    let internal = |e: confed_protocol::masking::MaskingError| {
+        ApiError::Internal(format!("the prepared mask sums: {e}"))
+    };
+    sums.add_many(&streams, ring, threads).map_err(internal)?;
+    if !stale.is_empty() {
+        let stale_streams = stale
+            .iter()
+            .map(|(reference, kept)| Ok(StreamKeys::of(&kept.seeds, &opener.context(reference)?)))
+            .collect::<Result<Vec<_>, ApiError>>()?;
+        let mut minus = MaskSums::new(layout, opener.number, opener.values).map_err(internal)?;
+        minus
+            .add_many(&stale_streams, ring, threads)
+            .map_err(internal)?;
+        sums.subtract(&minus, ring).map_err(internal)?;
+    }
+    let seeds = seeds
+        .into_iter()
+        .map(|s| s.ok_or_else(|| ApiError::Internal("an input's seeds went missing".into())))
+        .collect::<Result<_, _>>()?;
+    let summed = Summed {
+        sums,
+        prepared: prepared_count,
+        subtracted: stale.len(),
+    };
+    Ok((summed, seeds))
 }
 
 #[cfg(test)]

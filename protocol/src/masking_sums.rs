@@ -141,6 +141,25 @@ impl MaskSums {
         Ok(())
     }
 
+    /// Takes `other`'s sums (the same service's groups, of as many values) away, in `ring`
+    /// (the layout's): what a key service does with inputs it added ahead that the agreed set
+    /// leaves out.
+    pub fn subtract(&mut self, other: &MaskSums, ring: Ring) -> Result<(), MaskingError> {
+        self.check_groups(other.sums.iter().map(|(group, _)| *group))?;
+        for ((_, sum), (_, minus)) in self.sums.iter_mut().zip(&other.sums) {
+            if sum.len() != minus.len() {
+                return Err(MaskingError::Length {
+                    expected: sum.len(),
+                    got: minus.len(),
+                });
+            }
+            for (value, taken) in sum.iter_mut().zip(minus) {
+                *value = ring.reduce(value.wrapping_sub(*taken));
+            }
+        }
+        Ok(())
+    }
+
     fn check_groups(
         &self,
         groups: impl ExactSizeIterator<Item = usize>,
@@ -302,5 +321,45 @@ mod tests {
             sums.add_many(&[foreign], Ring::Bits32, 1),
             Err(MaskingError::SeedsShape(1))
         );
+    }
+
+    /// Adding inputs a, b and c then subtracting c's sums gives a and b's sums, in both rings
+    /// (wrapping where c's streams exceed the rest); sums of other groups or lengths are
+    /// refused.
+    #[test]
+    fn subtracting_an_inputs_sums_leaves_the_others() {
+        let layout = Layout::new(3, 2).unwrap();
+        let values = STREAM_CHUNK + 3;
+        let refs: Vec<String> = (0..3).map(|i| format!("{i:064x}")).collect();
+        let keys = |reference: &String| {
+            let seeds: Vec<(usize, Seed)> = layout
+                .groups_of(1)
+                .into_iter()
+                .map(|g| (g, Seed::random()))
+                .collect();
+            StreamKeys::of(&seeds, &context(reference, values))
+        };
+        let all: Vec<StreamKeys> = refs.iter().map(keys).collect();
+        for ring in [Ring::Bits32, Ring::Bits64] {
+            let mut three = MaskSums::new(&layout, 1, values).unwrap();
+            three.add_many(&all, ring, 2).unwrap();
+            let mut last = MaskSums::new(&layout, 1, values).unwrap();
+            last.add_many(&all[2..], ring, 1).unwrap();
+            let mut first_two = MaskSums::new(&layout, 1, values).unwrap();
+            first_two.add_many(&all[..2], ring, 1).unwrap();
+            three.subtract(&last, ring).unwrap();
+            assert_eq!(three, first_two, "{ring:?}");
+        }
+        let mut sums = MaskSums::new(&layout, 1, values).unwrap();
+        let other_service = MaskSums::new(&layout, 2, values).unwrap();
+        assert_eq!(
+            sums.subtract(&other_service, Ring::Bits32),
+            Err(MaskingError::SeedsShape(1))
+        );
+        let shorter = MaskSums::new(&layout, 1, values - 1).unwrap();
+        assert!(matches!(
+            sums.subtract(&shorter, Ring::Bits32),
+            Err(MaskingError::Length { .. })
+        ));
     }
 }

@@ -20,5 +20,6 @@ mod refusal_records;
 mod release_ledger;
 mod side_channels;
 mod unmask;
+mod unmask_prepare;
 mod witness_follow;
 mod worker_api;

@@ -27,30 +27,30 @@ use crate::common::keyservices::{
 use confed::keyservice::routes;
 use confed_enclave::key_collection::{KeyRequest, KeyServiceEndpoint};
 
-const VALUES: usize = 16;
-const DEVICES: usize = 5;
-const TASK: &str = "task-1";
+pub(super) const VALUES: usize = 16;
+pub(super) const DEVICES: usize = 5;
+pub(super) const TASK: &str = "task-1";
 
 /// One device's masked input as the enclave holds it.
 #[derive(Clone)]
-struct Input {
-    assignment_ref: String,
-    enc: Vec<u8>,
-    token: Vec<u8>,
-    seeds: Vec<u8>,
+pub(super) struct Input {
+    pub(super) assignment_ref: String,
+    pub(super) enc: Vec<u8>,
+    pub(super) token: Vec<u8>,
+    pub(super) seeds: Vec<u8>,
     masked: Vec<u64>,
     grid: Vec<i64>,
     /// The device's seeds, one per group (for the test's own noise keys).
     device_seeds: Vec<Seed>,
 }
 
-struct Masked {
+pub(super) struct Masked {
     world: World,
     masking_keys: Vec<PrivateKey>,
-    policy: TaskPolicy,
+    pub(super) policy: TaskPolicy,
     endpoints: Vec<KeyServiceEndpoint>,
     commitment_sha256: String,
-    inputs: Vec<Input>,
+    pub(super) inputs: Vec<Input>,
 }
 
 fn token(signer: &TokenSigner, assignment_ref: &str, nonce: [u8; 32]) -> Vec<u8> {
@@ -63,7 +63,12 @@ fn token(signer: &TokenSigner, assignment_ref: &str, nonce: [u8; 32]) -> Vec<u8>
         .encode()
 }
 
-fn masked_input(layout: &Layout, policy: &TaskPolicy, signer: &TokenSigner, d: usize) -> Input {
+pub(super) fn masked_input(
+    layout: &Layout,
+    policy: &TaskPolicy,
+    signer: &TokenSigner,
+    d: usize,
+) -> Input {
     let masking = policy.masking.as_ref().unwrap();
     let assignment_ref = confed_protocol::envelope::assignment_ref(&format!("device-{d}"));
     let grid: Vec<i64> = (0..VALUES).map(|i| (d * 100 + i) as i64 - 700).collect();
@@ -90,7 +95,7 @@ async fn released() -> Masked {
 }
 
 /// The same, with distributed noise of `noise` per group if it is `Some`.
-async fn released_with(noise: Option<u64>) -> Masked {
+pub(super) async fn released_with(noise: Option<u64>) -> Masked {
     let world = World::new(2, 3);
     let signer = crate::common::issuer::signer();
     let masking_keys: Vec<PrivateKey> = (0..3).map(|_| hpke::generate_keypair().0).collect();
@@ -144,7 +149,7 @@ async fn released_with(noise: Option<u64>) -> Masked {
     }
 }
 
-fn refs(inputs: &[Input]) -> Vec<String> {
+pub(super) fn refs(inputs: &[Input]) -> Vec<String> {
     inputs.iter().map(|i| i.assignment_ref.clone()).collect()
 }
 
@@ -163,7 +168,7 @@ async fn start(world: &World, masking_keys: &[PrivateKey]) -> Vec<KeyServiceEndp
 }
 
 impl Masked {
-    fn round(&self) -> UnmaskRound {
+    pub(super) fn round(&self) -> UnmaskRound {
         UnmaskRound {
             task_id: TASK.into(),
             round: 1,
@@ -172,7 +177,7 @@ impl Masked {
         }
     }
 
-    async fn post(
+    pub(super) async fn post(
         &self,
         service: usize,
         route: &str,
@@ -189,7 +194,7 @@ impl Masked {
             .unwrap()
     }
 
-    async fn agree(&self, service: usize, inputs: &[Input]) -> reqwest::Response {
+    pub(super) async fn agree(&self, service: usize, inputs: &[Input]) -> reqwest::Response {
         let request = AgreeRequest {
             round: self.round(),
             included: refs(inputs),
@@ -226,7 +231,7 @@ impl Masked {
 }
 
 /// The variance `policy`'s budget calibrates per group (the closed form, without margin).
-fn calibrated_variance(policy: &TaskPolicy) -> u64 {
+pub(super) fn calibrated_variance(policy: &TaskPolicy) -> u64 {
     let z = confed_dp::calibrate_task(
         &confed_dp::ClosedForm,
         policy.dp_mechanism().unwrap(),
@@ -241,7 +246,7 @@ fn calibrated_variance(policy: &TaskPolicy) -> u64 {
 
 impl Masked {
     /// Every service's receipt for the whole set.
-    async fn agreed(&self) -> Vec<UnmaskReceipt> {
+    pub(super) async fn agreed(&self) -> Vec<UnmaskReceipt> {
         let mut receipts = Vec::new();
         for service in 0..3 {
             let answer = self.agree(service, &self.inputs).await;
@@ -252,7 +257,11 @@ impl Masked {
     }
 
     /// Service `service`'s (0-based) mask sums over the whole set: its raw answer and parsed.
-    async fn sums(&self, service: u8, receipts: &[UnmaskReceipt]) -> (Vec<u8>, MaskSums) {
+    pub(super) async fn sums(
+        &self,
+        service: u8,
+        receipts: &[UnmaskReceipt],
+    ) -> (Vec<u8>, MaskSums) {
         let layout = self.policy.masking.as_ref().unwrap().layout();
         let answer = self
             .post(
@@ -286,7 +295,7 @@ impl Masked {
     }
 
     /// The inputs' masked sum and their exact sum.
-    fn sums_in_the_clear(&self) -> (Vec<u64>, Vec<i64>) {
+    pub(super) fn sums_in_the_clear(&self) -> (Vec<u64>, Vec<i64>) {
         let mut masked_sum = vec![0u64; VALUES];
         let mut exact = vec![0i64; VALUES];
         for input in &self.inputs {
@@ -297,6 +306,31 @@ impl Masked {
         }
         (masked_sum, exact)
     }
+}
+
+/// `exact` plus every group's draw over `m`'s inputs, from the test's own keys: group g's
+/// seeds of every input, refs ascending.
+pub(super) fn noised(m: &Masked, variance: u64, exact: &[i64]) -> Vec<i64> {
+    let layout = m.policy.masking.as_ref().unwrap().layout();
+    let policy_sha256 = m.policy.sha256_hex();
+    let mut expected = exact.to_vec();
+    for group in 0..layout.groups().len() {
+        let mut keys = NoiseKeys::new(&[group], m.inputs.len());
+        for input in &m.inputs {
+            let ctx =
+                MaskContext::new(TASK, 1, &input.assignment_ref, &policy_sha256, VALUES).unwrap();
+            keys.absorb(&[(group, input.device_seeds[group].clone())], &ctx)
+                .unwrap();
+        }
+        let (_, key) = &keys.finish()[0];
+        for (sum, z) in expected
+            .iter_mut()
+            .zip(confed_dp::distributed::noise(VALUES, variance, key))
+        {
+            *sum += z;
+        }
+    }
+    expected
 }
 
 /// Distributed noise: each service subtracts its group's draw from its mask sums, keyed by the
@@ -334,25 +368,7 @@ async fn with_distributed_noise_each_service_adds_its_groups_draw_the_same_on_ev
         room,
     )
     .unwrap();
-    // The test's own keys: group g's seeds of every input, refs ascending.
-    let policy_sha256 = m.policy.sha256_hex();
-    let mut expected = exact.clone();
-    for group in 0..layout.groups().len() {
-        let mut keys = NoiseKeys::new(&[group], m.inputs.len());
-        for input in &m.inputs {
-            let ctx =
-                MaskContext::new(TASK, 1, &input.assignment_ref, &policy_sha256, VALUES).unwrap();
-            keys.absorb(&[(group, input.device_seeds[group].clone())], &ctx)
-                .unwrap();
-        }
-        let (_, key) = &keys.finish()[0];
-        for (sum, z) in expected
-            .iter_mut()
-            .zip(confed_dp::distributed::noise(VALUES, variance, key))
-        {
-            *sum += z;
-        }
-    }
+    let expected = noised(&m, variance, &exact);
     assert_eq!(unmasked.as_slice(), expected.as_slice());
     assert_ne!(unmasked.as_slice(), exact.as_slice(), "no noise at all");
 }

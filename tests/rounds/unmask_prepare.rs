@@ -1,0 +1,176 @@
+//! Mask sums prepared while the round collects (docs/secure-aggregation.md, "Prepared sums"):
+//! the key services add uploaded inputs' streams ahead, and their sums over the agreed set are
+//! what they would have computed from nothing, whatever was prepared: inputs the set leaves out
+//! are subtracted, inputs never prepared are added, an input prepared with other bytes than the
+//! sums request names is computed from the request's. Once a set is agreed, nothing more is
+//! prepared.
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use confed_attestation::unmask_api::{PrepareAnswer, PrepareInput, PrepareRequest};
+use confed_protocol::masking::{NoiseRoom, unmask};
+use confed_protocol::policy::TaskPolicy;
+
+use super::unmask::{
+    DEVICES, Input, Masked, TASK, VALUES, calibrated_variance, masked_input, noised, released_with,
+};
+
+fn prepare_request(m: &Masked, inputs: &[&Input]) -> PrepareRequest {
+    PrepareRequest {
+        task_id: TASK.into(),
+        round: 1,
+        policy: m.policy.encode(),
+        values: VALUES as u64,
+        inputs: inputs
+            .iter()
+            .map(|i| PrepareInput {
+                assignment_ref: i.assignment_ref.clone(),
+                enc: URL_SAFE_NO_PAD.encode(&i.enc),
+                token: URL_SAFE_NO_PAD.encode(&i.token),
+                seeds: URL_SAFE_NO_PAD.encode(&i.seeds),
+            })
+            .collect(),
+    }
+}
+
+async fn prepare(m: &Masked, service: usize, inputs: &[&Input]) -> reqwest::Response {
+    m.post(service, "prepare", &prepare_request(m, inputs))
+        .await
+}
+
+/// With distributed noise on (so the noise keys' seeds, in the set's order, are checked too):
+/// every service prepared a superset with one input left out, one prepared under other bytes
+/// and one never agreed to; the unmasked sum is exactly the agreed inputs' sum plus the noise
+/// the test derives from their own seeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepared_sums_are_the_sums_of_the_agreed_set_whatever_was_prepared() {
+    let exact_variance = calibrated_variance(&TaskPolicy::sample(TASK, 3));
+    let variance = exact_variance + exact_variance / 10_000 + 1;
+    let m = released_with(Some(variance)).await;
+    let layout = m.policy.masking.as_ref().unwrap().layout();
+    let signer = crate::common::issuer::signer();
+    // Device 2's assignment again, with seeds and a token of its own (another envelope for the
+    // same ref), and device 7, whom the set never includes.
+    let other_bytes = masked_input(&layout, &m.policy, &signer, 2);
+    let left_out = masked_input(&layout, &m.policy, &signer, 7);
+    let replaced = m
+        .inputs
+        .iter()
+        .position(|i| i.assignment_ref == other_bytes.assignment_ref)
+        .unwrap();
+    let never_prepared = (replaced + 1) % DEVICES;
+    let mut batch: Vec<&Input> = m
+        .inputs
+        .iter()
+        .enumerate()
+        .filter(|(at, _)| *at != replaced && *at != never_prepared)
+        .map(|(_, i)| i)
+        .collect();
+    batch.push(&other_bytes);
+    batch.push(&left_out);
+    // A forged input (seeds no token binds) is refused on its own, not the batch.
+    let mut forged = masked_input(&layout, &m.policy, &signer, 8);
+    forged.seeds = masked_input(&layout, &m.policy, &signer, 9).seeds;
+    batch.push(&forged);
+    for service in 0..3 {
+        let answer = prepare(&m, service, &batch).await;
+        assert_eq!(answer.status(), 200, "{}", answer.text().await.unwrap());
+        let counts: PrepareAnswer = answer.json().await.unwrap();
+        assert_eq!(
+            (counts.prepared, counts.held, counts.refused),
+            (DEVICES as u64, 0, 1),
+            "service {service}"
+        );
+        // The same batch again: held already, nothing added twice.
+        let again: PrepareAnswer = prepare(&m, service, &batch).await.json().await.unwrap();
+        assert_eq!(
+            (again.prepared, again.held, again.refused),
+            (0, DEVICES as u64, 1)
+        );
+    }
+
+    let receipts = m.agreed().await;
+    let mut answers = Vec::new();
+    for service in 0..3u8 {
+        answers.push(m.sums(service, &receipts).await.1);
+    }
+    let (masked_sum, exact) = m.sums_in_the_clear();
+    let room = NoiseRoom::of(VALUES, variance, 3);
+    let unmasked = unmask(
+        &layout,
+        &masked_sum,
+        &answers,
+        DEVICES as u64,
+        1 << 16,
+        room,
+    )
+    .unwrap();
+    assert_eq!(unmasked.as_slice(), noised(&m, variance, &exact).as_slice());
+
+    // The set is agreed: a late batch is refused, and nothing is prepared.
+    let late = prepare(&m, 0, &batch).await;
+    assert_eq!(late.status(), 409);
+    assert!(
+        late.text()
+            .await
+            .unwrap()
+            .contains("nothing more to prepare")
+    );
+}
+
+/// A prepare request is checked as the sums are, but for the commitment: a policy of another
+/// task, or no inputs, or a length out of range is refused with what is wrong.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepare_request_that_does_not_fit_the_round_is_refused() {
+    let m = released_with(None).await;
+    let all: Vec<&Input> = m.inputs.iter().collect();
+    let mut other_task = prepare_request(&m, &all);
+    other_task.task_id = "task-2".into();
+    let answer = m.post(0, "prepare", &other_task).await;
+    assert_eq!(answer.status(), 400);
+    assert!(
+        answer
+            .text()
+            .await
+            .unwrap()
+            .contains("the request names task task-2")
+    );
+
+    let empty = prepare_request(&m, &[]);
+    let answer = m.post(0, "prepare", &empty).await;
+    assert_eq!(answer.status(), 400);
+    assert!(answer.text().await.unwrap().contains("1 to 4096"));
+
+    let mut no_values = prepare_request(&m, &all);
+    no_values.values = 0;
+    let answer = m.post(0, "prepare", &no_values).await;
+    assert_eq!(answer.status(), 400);
+    assert!(answer.text().await.unwrap().contains("`values` must be"));
+
+    // Prepared under another length: not used, and the sums are still right.
+    let mut longer = prepare_request(&m, &all);
+    longer.values = VALUES as u64 + 1;
+    let answer = m.post(0, "prepare", &longer).await;
+    assert_eq!(answer.status(), 200);
+    let counts: PrepareAnswer = answer.json().await.unwrap();
+    // The seeds' context names the length: they do not open under another.
+    assert_eq!(counts.refused, DEVICES as u64);
+    let receipts = m.agreed().await;
+    let layout = m.policy.masking.as_ref().unwrap().layout();
+    let mut answers = Vec::new();
+    for service in 0..3u8 {
+        answers.push(m.sums(service, &receipts).await.1);
+    }
+    let (masked_sum, exact) = m.sums_in_the_clear();
+    let room = NoiseRoom::of(VALUES, 0, 3);
+    let unmasked = unmask(
+        &layout,
+        &masked_sum,
+        &answers,
+        DEVICES as u64,
+        1 << 16,
+        room,
+    )
+    .unwrap();
+    assert_eq!(unmasked.as_slice(), exact.as_slice());
+}
