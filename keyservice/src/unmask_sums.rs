@@ -190,6 +190,9 @@ fn refuse(reference: &str, why: String) -> ApiError {
     ))
 }
 
+/// One input's opened seeds, by group.
+type InputSeeds = Vec<(usize, Seed)>;
+
 /// A sums request's answer, and how much of it was prepared ahead.
 pub(crate) struct Summed {
     pub(crate) sums: MaskSums,
@@ -263,14 +266,14 @@ fn from_prepared(
     prepared: PreparedRound,
     inputs: &[MaskedInput],
     threads: usize,
-) -> Result<(Summed, Vec<Vec<(usize, Seed)>>), ApiError> {
+) -> Result<(Summed, Vec<InputSeeds>), ApiError> {
     let layout = opener.layout();
     let ring = layout.ring();
     let PreparedRound {
         mut sums,
         inputs: mut held,
     } = prepared;
-    let mut seeds: Vec<Option<Vec<(usize, Seed)>>> = Vec::with_capacity(inputs.len());
+    let mut seeds: Vec<Option<InputSeeds>> = Vec::with_capacity(inputs.len());
     let mut fresh = Vec::new();
     let mut stale = Vec::new();
     for (at, input) in inputs.iter().enumerate() {
