@@ -59,6 +59,9 @@ pub struct AppState {
     pub partitioning: crate::aggregation::partitions::PartitionPolicy,
     /// Each task's device-token requirement, for the upload check (`uploads/device_tokens.rs`).
     pub device_auth: crate::uploads::device_tokens::DeviceAuthCache,
+    /// Hands masked rounds' uploads to the key services ahead of their sums
+    /// (`uploads/mask_prepare.rs`); `Default` prepares nothing.
+    pub mask_preparer: crate::uploads::mask_prepare::MaskPreparer,
 }
 
 impl AppState {
@@ -99,6 +102,7 @@ impl AppState {
             db: &self.db,
             keys: &self.keys,
             contributions: self.contributions.as_ref(),
+            preparer: &self.mask_preparer,
         }
     }
 }

@@ -230,6 +230,23 @@ pub async fn serve(
             None
         };
         if has(Role::Api) {
+            // The key services a masked round's uploads are handed to ahead of its sums.
+            let keyservice_urls = match &embedded_worker {
+                #[cfg(feature = "embedded")]
+                Some(worker_config) => worker_config
+                    .key_services
+                    .iter()
+                    .map(|e| e.url.clone())
+                    .collect(),
+                _ => config.keyservices.clone(),
+            };
+            let (mask_preparer, preparing) = crate::uploads::mask_prepare::MaskPreparer::spawn(
+                db.clone(),
+                blobs.clone(),
+                keyservice_urls,
+                stop_rx.clone(),
+            );
+            background.extend(preparing);
             app = Some(crate::web::router(AppState {
                 db: db.clone(),
                 blobs: blobs.clone(),
@@ -246,6 +263,7 @@ pub async fn serve(
                 scheduling: config.scheduling,
                 partitioning: config.partitioning,
                 device_auth: Default::default(),
+                mask_preparer,
             }));
         }
         #[cfg(feature = "embedded")]

@@ -451,6 +451,11 @@ pub(crate) async fn sums(
     .await
     .map_err(|e| ApiError::Internal(format!("the mask sums did not finish: {e}")))??;
     metrics::counter!("confed_keyservice_mask_sums_total").increment(1);
+    // Inputs whose streams were added while the round collected, and the rest.
+    metrics::counter!("confed_keyservice_mask_sums_inputs_total", "from" => "prepared")
+        .increment(summed.prepared as u64);
+    metrics::counter!("confed_keyservice_mask_sums_inputs_total", "from" => "request")
+        .increment((inputs_count - summed.prepared) as u64);
     tracing::info!(
         keyservice = %service.id,
         task = %round.task_id,

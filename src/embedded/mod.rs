@@ -146,6 +146,13 @@ impl EmbeddedSystem {
             &urls,
         )
         .await;
+        let (mask_preparer, preparing) = crate::uploads::mask_prepare::MaskPreparer::spawn(
+            db.clone(),
+            blobs.clone(),
+            urls.clone(),
+            stop_rx.clone(),
+        );
+        tasks.extend(preparing);
         let state = AppState {
             db: db.clone(),
             blobs: blobs.clone(),
@@ -159,6 +166,7 @@ impl EmbeddedSystem {
             scheduling: Default::default(),
             partitioning: options.partitioning,
             device_auth: Default::default(),
+            mask_preparer,
         };
         let (url, handle) =
             serve_router(crate::web::router(state), stop_rx.clone(), options.ports).await?;

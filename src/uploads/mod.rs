@@ -5,6 +5,7 @@
 //! them is written.
 
 pub mod device_tokens;
+pub mod mask_prepare;
 
 use confed_protocol::device::ReportOutcome;
 use confed_protocol::envelope::{Envelope, EnvelopeError};
@@ -71,6 +72,8 @@ pub struct Uploads<'a> {
     pub db: &'a Db,
     pub keys: &'a KeyDirectory,
     pub contributions: &'a dyn BlobStore,
+    /// Hands a masked round's new uploads to the key services ahead (`mask_prepare.rs`).
+    pub preparer: &'a mask_prepare::MaskPreparer,
 }
 
 impl Uploads<'_> {
@@ -227,6 +230,7 @@ impl Uploads<'_> {
         }
         // Nothing counts before its token is checked, as on the upload through the server. The
         // object is create-only, so what is checked here is what a job will read.
+        let mut checked_header = None;
         if let Some(auth) = device_auth {
             let header = self.direct_upload_header(&key, object.size).await?;
             if let Err(refusal) = verify_token(
@@ -241,6 +245,7 @@ impl Uploads<'_> {
                 }
                 return Err(UploadError::Unauthenticated(refusal.to_string()));
             }
+            checked_header = Some(header);
         }
         let recorded = self
             .db
@@ -258,6 +263,17 @@ impl Uploads<'_> {
         if recorded == Stored::New {
             metrics::counter!("confed_contributions_total", "outcome" => "stored_direct")
                 .increment(1);
+            if let (Some(auth), Some(header)) = (device_auth, &checked_header) {
+                self.offer_to_prepare(
+                    &assignment,
+                    auth,
+                    (
+                        &header.encapsulated_key,
+                        header.token.as_deref(),
+                        header.seeds.as_deref(),
+                    ),
+                );
+            }
         }
         Ok(())
     }
@@ -323,7 +339,54 @@ impl Uploads<'_> {
         device_auth
             .check_upload(self.db, &admitted.assignment, &envelope)
             .await?;
-        self.store(capability, admitted, body).await
+        let stored = self.store(capability, admitted, body).await?;
+        if stored == Stored::New
+            && let Some(requirement) = device_auth
+                .requirement(self.db, &admitted.assignment)
+                .await?
+        {
+            self.offer_to_prepare(
+                &admitted.assignment,
+                &requirement,
+                (
+                    &envelope.encapsulated_key,
+                    envelope.token.as_deref(),
+                    envelope.seeds.as_deref(),
+                ),
+            );
+        }
+        Ok(stored)
+    }
+
+    /// A masked round's new upload, handed to the key services ahead of its sums (with its
+    /// token and seeds, which its token check found): nothing else is.
+    fn offer_to_prepare(
+        &self,
+        assignment: &AssignmentView,
+        requirement: &device_tokens::TokenRequirement,
+        (enc, token, seeds): (&[u8], Option<&[u8]>, Option<&[u8]>),
+    ) {
+        let (Some(_), Some(token), Some(seeds), Some(key_id), Some(model_version), Ok(round)) = (
+            &requirement.masking,
+            token,
+            seeds,
+            &assignment.key_id,
+            assignment.model_version,
+            u64::try_from(assignment.round_number),
+        ) else {
+            return;
+        };
+        self.preparer.offer(mask_prepare::UploadedSeeds {
+            tenant_id: assignment.tenant_id.clone(),
+            task_id: assignment.task_id.clone(),
+            round,
+            key_id: key_id.clone(),
+            model_version,
+            assignment_ref: assignment.id.as_str().to_string(),
+            enc: enc.to_vec(),
+            token: token.to_vec(),
+            seeds: seeds.to_vec(),
+        });
     }
 
     /// A device's report of its assignment's outcome at `now` (`POST .../report`): a

@@ -233,6 +233,7 @@ impl TestApp {
             scheduling: Default::default(),
             partitioning: Default::default(),
             device_auth: Default::default(),
+            mask_preparer: Default::default(),
         };
         Self {
             router: confed::web::router(state.clone()),

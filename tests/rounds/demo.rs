@@ -38,6 +38,10 @@ fn small(dir: &std::path::Path) -> DemoOptions {
 /// run in tests/rounds/unmask.rs and the Python device's tests.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_with_secure_aggregation_releases_masked_rounds_that_verify_and_learn() {
+    confed_ops::install(confed_ops::BuildInfo {
+        process: "confed",
+        version: "test",
+    });
     let dir = tempfile::tempdir().unwrap();
     let summary = run(DemoOptions {
         rounds: 2,
@@ -72,6 +76,25 @@ async fn the_demo_with_secure_aggregation_releases_masked_rounds_that_verify_and
         *summary.accuracy.last().unwrap() > 0.2,
         "{:?}",
         summary.accuracy
+    );
+    // The front end handed the uploads to the key services while the rounds collected, and
+    // their sums used them (docs/secure-aggregation.md, "Prepared sums"): how many depends on
+    // timing, but the first uploads of a round are prepared long before its sums.
+    let metrics = confed_ops::render();
+    let counted = |series: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|line| line.strip_prefix(series))
+            .and_then(|value| value.trim().parse().ok())
+            .unwrap_or(0.0)
+    };
+    assert!(
+        counted("confed_keyservice_mask_sums_inputs_total{from=\"prepared\"}") > 0.0,
+        "{metrics}"
+    );
+    assert!(
+        counted("confed_mask_prepare_inputs_total{outcome=\"sent\"}") > 0.0,
+        "{metrics}"
     );
 }
 

@@ -1,0 +1,319 @@
+//! The front end's half of prepared mask sums (docs/secure-aggregation.md, "Prepared sums"):
+//! every new upload to a masked round hands its envelope's `enc`, device token and sealed
+//! `seeds` to a background task, which sends them in batches to every key service
+//! (`POST /v1/keys/{key_id}/unmask/prepare`) while the round collects. Each key service checks
+//! and opens its seeds and adds their streams ahead, so that its sums request, after the
+//! release, has only the difference between the uploads and the agreed set left to do.
+//!
+//! Only speed depends on it. A batch that fails, an upload the queue had no room for, a
+//! restart: the key service then computes those inputs' sums in full, with the same answer. So
+//! nothing here retries; what failed is counted (`confed_mask_prepare_inputs_total`) and logged
+//! once per batch. The key services are sent nothing they do not get from the enclave anyway
+//! (the sums request names every included input's token and seeds), only earlier, and at the
+//! moments uploads arrive, which devices draw before they touch their data.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use confed_attestation::unmask_api::{MAX_PREPARE_INPUTS, PrepareInput, PrepareRequest};
+use tokio::sync::{mpsc, watch};
+
+use crate::blob::{BlobKey, BlobStore};
+use crate::db::Db;
+
+/// Uploads waiting for a batch at most; past this an upload is not prepared (its sums are
+/// computed in full).
+const QUEUE: usize = 16_384;
+/// Rounds whose policy and length are remembered at most (past this the map starts over).
+const CACHED_ROUNDS: usize = 1_024;
+/// How long a key service has for one batch.
+const TIMEOUT: Duration = Duration::from_secs(60);
+/// Most bytes of a model's safetensors header read to count its values.
+const MAX_HEADER_BYTES: u64 = 16 * 1024 * 1024;
+
+/// One new upload to a masked round, as its envelope names it.
+#[derive(Debug)]
+pub struct UploadedSeeds {
+    pub tenant_id: String,
+    pub task_id: String,
+    pub round: u64,
+    /// The round's key (the route's `key_id`).
+    pub key_id: String,
+    /// The model version the round trains from (its values are the masked vector's length).
+    pub model_version: i64,
+    pub assignment_ref: String,
+    pub enc: Vec<u8>,
+    pub token: Vec<u8>,
+    pub seeds: Vec<u8>,
+}
+
+/// The upload handlers' side: hands uploads to the background task. `Default` prepares nothing.
+#[derive(Debug, Clone, Default)]
+pub struct MaskPreparer {
+    queue: Option<mpsc::Sender<UploadedSeeds>>,
+}
+
+impl MaskPreparer {
+    /// A preparer sending to the key services at `urls`, and its task, which ends when `stop`
+    /// turns true. No key services: prepares nothing.
+    pub fn spawn(
+        db: Db,
+        blobs: Arc<dyn BlobStore>,
+        urls: Vec<String>,
+        stop: watch::Receiver<bool>,
+    ) -> (Self, Option<tokio::task::JoinHandle<()>>) {
+        if urls.is_empty() {
+            return (Self::default(), None);
+        }
+        let (queue, uploads) = mpsc::channel(QUEUE);
+        let batches = Batches {
+            db,
+            blobs,
+            urls,
+            client: confed_protocol::http::client(TIMEOUT),
+            rounds: HashMap::new(),
+        };
+        let task = tokio::spawn(batches.run(uploads, stop));
+        (Self { queue: Some(queue) }, Some(task))
+    }
+
+    /// Queues `upload` for the next batch, or counts it as not prepared when the queue is full.
+    pub fn offer(&self, upload: UploadedSeeds) {
+        let Some(queue) = &self.queue else {
+            return;
+        };
+        if queue.try_send(upload).is_err() {
+            metrics::counter!("confed_mask_prepare_inputs_total", "outcome" => "queue_full")
+                .increment(1);
+        }
+    }
+}
+
+/// Which round a batch is for: a prepare request is per task, round, key and model.
+type RoundId = (String, String, u64, String, i64);
+
+/// What a round's prepare requests carry besides inputs.
+#[derive(Clone)]
+struct RoundFacts {
+    policy: String,
+    values: u64,
+}
+
+struct Batches {
+    db: Db,
+    blobs: Arc<dyn BlobStore>,
+    urls: Vec<String>,
+    client: reqwest::Client,
+    rounds: HashMap<RoundId, RoundFacts>,
+}
+
+impl Batches {
+    /// Takes whatever uploads are waiting (at least one, at most a request's worth), sends them,
+    /// and again: while a batch is on its way, the next one gathers.
+    async fn run(
+        mut self,
+        mut uploads: mpsc::Receiver<UploadedSeeds>,
+        mut stop: watch::Receiver<bool>,
+    ) {
+        loop {
+            let first = tokio::select! {
+                next = uploads.recv() => match next {
+                    Some(upload) => upload,
+                    None => return,
+                },
+                _ = stop.changed() => return,
+            };
+            let mut batch = vec![first];
+            while batch.len() < MAX_PREPARE_INPUTS {
+                match uploads.try_recv() {
+                    Ok(upload) => batch.push(upload),
+                    Err(_) => break,
+                }
+            }
+            self.send(batch).await;
+        }
+    }
+
+    async fn send(&mut self, batch: Vec<UploadedSeeds>) {
+        let mut by_round: BTreeMap<RoundId, Vec<PrepareInput>> = BTreeMap::new();
+        for upload in batch {
+            let round = (
+                upload.tenant_id,
+                upload.task_id,
+                upload.round,
+                upload.key_id,
+                upload.model_version,
+            );
+            by_round.entry(round).or_default().push(PrepareInput {
+                assignment_ref: upload.assignment_ref,
+                enc: URL_SAFE_NO_PAD.encode(&upload.enc),
+                token: URL_SAFE_NO_PAD.encode(&upload.token),
+                seeds: URL_SAFE_NO_PAD.encode(&upload.seeds),
+            });
+        }
+        for (round, inputs) in by_round {
+            let count = inputs.len() as u64;
+            let facts = match self.facts(&round).await {
+                Ok(facts) => facts,
+                Err(why) => {
+                    tracing::warn!(task = %round.1, round = round.2, %why, "uploads not prepared at the key services: their mask sums will be computed in full");
+                    metrics::counter!("confed_mask_prepare_inputs_total", "outcome" => "no_round")
+                        .increment(count);
+                    continue;
+                }
+            };
+            let request = PrepareRequest {
+                task_id: round.1.clone(),
+                round: round.2,
+                policy: facts.policy,
+                values: facts.values,
+                inputs,
+            };
+            let Ok(body) = serde_json::to_vec(&request) else {
+                continue;
+            };
+            let sent = futures_util::future::join_all(
+                self.urls
+                    .iter()
+                    .map(|url| self.post(url, &round.3, body.clone())),
+            )
+            .await;
+            for (url, outcome) in self.urls.iter().zip(sent) {
+                let label = match &outcome {
+                    Ok(()) => "sent",
+                    Err(why) => {
+                        tracing::debug!(keyservice = %url, task = %round.1, round = round.2, %why, "a key service did not prepare a batch: its mask sums will be computed in full");
+                        "refused"
+                    }
+                };
+                metrics::counter!("confed_mask_prepare_inputs_total", "outcome" => label)
+                    .increment(count);
+            }
+        }
+    }
+
+    async fn post(&self, url: &str, key_id: &str, body: Vec<u8>) -> Result<(), String> {
+        let response = self
+            .client
+            .post(format!(
+                "{}/v1/keys/{key_id}/unmask/prepare",
+                url.trim_end_matches('/')
+            ))
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body)
+            .send()
+            .await
+            .map_err(|e| format!("unreachable: {e}"))?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(());
+        }
+        let text = response.text().await.unwrap_or_default();
+        Err(format!("{status}: {}", &text[..text.len().min(300)]))
+    }
+
+    /// The round's policy text (as the round's job names it) and its model's values, read once
+    /// per round.
+    async fn facts(&mut self, round: &RoundId) -> Result<RoundFacts, String> {
+        if let Some(known) = self.rounds.get(round) {
+            return Ok(known.clone());
+        }
+        let (tenant_id, task_id, _, _, version) = round;
+        let task = self
+            .db
+            .task(tenant_id, task_id)
+            .await
+            .map_err(|e| e.to_string())?;
+        let model = self
+            .db
+            .model(tenant_id, task_id, *version)
+            .await
+            .map_err(|e| e.to_string())?;
+        let key = BlobKey::new(model.blob_key).map_err(|e| e.to_string())?;
+        let facts = RoundFacts {
+            policy: task.spec.policy(task_id, tenant_id).encode(),
+            values: model_values(self.blobs.as_ref(), &key).await?,
+        };
+        if self.rounds.len() >= CACHED_ROUNDS {
+            self.rounds.clear();
+        }
+        self.rounds.insert(round.clone(), facts.clone());
+        Ok(facts)
+    }
+}
+
+/// How many values the model at `key` holds, from its safetensors header alone: the sum of its
+/// tensors' shapes' products, as the enclave counts them.
+async fn model_values(blobs: &dyn BlobStore, key: &BlobKey) -> Result<u64, String> {
+    let prefix = blobs
+        .get_range(key, 0, 8)
+        .await
+        .map_err(|e| e.to_string())?;
+    let header_len = prefix
+        .try_into()
+        .map(u64::from_le_bytes)
+        .map_err(|_| "the model is shorter than a safetensors header".to_string())?;
+    if header_len > MAX_HEADER_BYTES {
+        return Err(format!("the model's header is {header_len} bytes"));
+    }
+    let header = blobs
+        .get_range(key, 8, header_len)
+        .await
+        .map_err(|e| e.to_string())?;
+    header_values(&header)
+}
+
+/// The values a safetensors header's tensors hold (`__metadata__` is no tensor).
+fn header_values(header: &[u8]) -> Result<u64, String> {
+    let parsed: HashMap<String, serde_json::Value> =
+        serde_json::from_slice(header).map_err(|e| format!("the model's header: {e}"))?;
+    let mut values: u64 = 0;
+    for (name, tensor) in parsed {
+        if name == "__metadata__" {
+            continue;
+        }
+        let shape = tensor
+            .get("shape")
+            .and_then(|s| s.as_array())
+            .ok_or_else(|| format!("tensor {name} has no shape"))?;
+        let count = shape.iter().try_fold(1u64, |count, dimension| {
+            dimension.as_u64().and_then(|d| count.checked_mul(d))
+        });
+        values = count
+            .and_then(|count| values.checked_add(count))
+            .ok_or_else(|| format!("tensor {name}'s shape is not a count of values"))?;
+    }
+    Ok(values)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The count of a real safetensors file's values: every tensor's, not the metadata.
+    #[test]
+    fn a_models_values_are_counted_from_its_header() {
+        let a = vec![0u8; 4 * 6];
+        let b = vec![0u8; 4 * 5];
+        let tensors = [
+            (
+                "a",
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 3], &a)
+                    .unwrap(),
+            ),
+            (
+                "b",
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![5], &b).unwrap(),
+            ),
+        ];
+        let metadata = Some(HashMap::from([("note".to_string(), "x".to_string())]));
+        let file = safetensors::serialize(tensors, metadata).unwrap();
+        let len = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+        assert_eq!(header_values(&file[8..8 + len]), Ok(11));
+        assert!(header_values(br#"{"a":{"dtype":"F32"}}"#).is_err());
+        assert!(header_values(b"not json").is_err());
+    }
+}
