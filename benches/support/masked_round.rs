@@ -3,8 +3,9 @@
 //! `confed issuer` process (dev attester): in the clear, with `secure_aggregation` (each device
 //! clips on the grid and masks, in the ring of 2^32 at these report goals; the enclave sums
 //! masked updates, and the three embedded key services agree to the included set and return
-//! their mask sums, which the enclave removes), and with `distributed_noise` too (the key
-//! services draw the noise). Prints the turnarounds and each masked one's throughput as a share
+//! their mask sums, which the enclave removes; they add the uploads' streams while the round
+//! collects, on the same cores, which the collection figures include), and with
+//! `distributed_noise` too (the key services draw the noise). Prints the turnarounds and each masked one's throughput as a share
 //! of the clear one's (the goal: at least 0.7), each the median of `CONFED_BENCH_REPEATS` (3)
 //! interleaved runs.
 

@@ -39,6 +39,7 @@ pub(crate) async fn start(keys: KeyDirectory) -> BenchServer {
         scheduling: Default::default(),
         partitioning: Default::default(),
         device_auth: Default::default(),
+        mask_preparer: Default::default(),
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());

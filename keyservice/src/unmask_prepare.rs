@@ -37,8 +37,11 @@ use crate::extract::{ApiBytes, ApiPath};
 pub const MAX_PREPARED_BYTES: usize = 256 * 1024 * 1024;
 /// Most inputs one round holds: the unmask's limit twice over (uploads the set may leave out).
 const MAX_PREPARED_INPUTS: usize = 2 * MAX_UNMASK_INPUTS;
-/// What one held input costs besides its seeds: its ref, digest and the map's entry.
-const INPUT_OVERHEAD_BYTES: usize = 256;
+/// What one held input costs besides its seeds, over-estimated: its ref (64 bytes on the heap),
+/// digest, the map's entry at its load factor and the allocator's headers.
+const INPUT_OVERHEAD_BYTES: usize = 320;
+/// What one held seed costs: its group, the seed, alignment and the vector's rounding.
+const HELD_SEED_BYTES: usize = 2 * SEED_BYTES;
 /// The body limit of the prepare route: `MAX_PREPARE_INPUTS` inputs of up to about 11 KB
 /// (3-of-7's whole sealed seeds, base64url, with the token).
 pub(crate) const PREPARE_BODY_LIMIT: usize = 64 * 1024 * 1024;
@@ -71,7 +74,7 @@ impl PreparedRound {
     fn bytes(&self) -> usize {
         let groups = self.sums.sums.len();
         let values = self.sums.sums.first().map_or(0, |(_, sum)| sum.len());
-        groups * values * 8 + self.inputs.len() * (INPUT_OVERHEAD_BYTES + groups * SEED_BYTES)
+        groups * values * 8 + self.inputs.len() * (INPUT_OVERHEAD_BYTES + groups * HELD_SEED_BYTES)
     }
 }
 
@@ -83,10 +86,21 @@ pub(crate) fn input_digest(input: &MaskedInput) -> [u8; 32] {
 }
 
 /// The rounds a service holds prepared, least recently used first to go.
-#[derive(Default)]
 pub struct PreparedRounds {
     rounds: HashMap<RoundKey, (u64, PreparedRound)>,
     uses: u64,
+    /// Most bytes held (`MAX_PREPARED_BYTES`).
+    limit: usize,
+}
+
+impl Default for PreparedRounds {
+    fn default() -> Self {
+        Self {
+            rounds: HashMap::new(),
+            uses: 0,
+            limit: MAX_PREPARED_BYTES,
+        }
+    }
 }
 
 impl std::fmt::Debug for PreparedRounds {
@@ -109,16 +123,16 @@ impl PreparedRounds {
         taken
     }
 
-    /// Keeps `round` under `key`, dropping the least recently used others while more than
-    /// `MAX_PREPARED_BYTES` are held (and `round` itself if it alone is more).
+    /// Keeps `round` under `key`, dropping the least recently used others while more than the
+    /// limit is held (and `round` itself if it alone is more).
     fn put(&mut self, key: RoundKey, round: PreparedRound) {
-        if round.bytes() > MAX_PREPARED_BYTES {
+        if round.bytes() > self.limit {
             tracing::warn!(task = %key.task_id, round = key.round, "a prepared round outgrew what a key service holds: dropped, its sums will be computed in full");
             return;
         }
         self.uses += 1;
         self.rounds.insert(key, (self.uses, round));
-        while self.held_bytes() > MAX_PREPARED_BYTES {
+        while self.held_bytes() > self.limit {
             let Some(oldest) = self
                 .rounds
                 .iter()
@@ -293,4 +307,81 @@ fn add_inputs(
         .map_err(|e| ApiError::Internal(format!("the prepared mask sums: {e}")))?;
     prepared.lock().map_err(|_| poisoned())?.put(key, round);
     Ok(answer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use confed_protocol::masking::Layout;
+
+    fn key(task: &str, round: u64, values: usize) -> RoundKey {
+        RoundKey {
+            key_id: "k".into(),
+            task_id: task.into(),
+            round,
+            policy_sha256: "p".into(),
+            values,
+        }
+    }
+
+    fn round_of(values: usize, inputs: usize) -> PreparedRound {
+        let layout = Layout::new(3, 2).unwrap();
+        PreparedRound {
+            sums: MaskSums::new(&layout, 1, values).unwrap(),
+            inputs: (0..inputs)
+                .map(|i| {
+                    let input = PreparedInput {
+                        digest: [0; 32],
+                        seeds: vec![(0, Seed::random())],
+                    };
+                    (format!("{i:064x}"), input)
+                })
+                .collect(),
+        }
+    }
+
+    /// Past the limit the least recently put round goes first; a round larger than the limit
+    /// alone is not kept; taking a round forgets the round's other preparations too.
+    #[test]
+    fn prepared_rounds_keep_within_their_limit_least_recently_used_first() {
+        let one = round_of(1_000, 10).bytes();
+        let mut rounds = PreparedRounds {
+            limit: 2 * one + one / 2,
+            ..PreparedRounds::default()
+        };
+        rounds.put(key("a", 1, 1_000), round_of(1_000, 10));
+        rounds.put(key("b", 1, 1_000), round_of(1_000, 10));
+        // "a" used again: "b" is now the least recently used.
+        let a = rounds.take_round(&key("a", 1, 1_000)).unwrap();
+        rounds.put(key("a", 1, 1_000), a);
+        rounds.put(key("c", 1, 1_000), round_of(1_000, 10));
+        assert!(rounds.held_bytes() <= rounds.limit);
+        assert!(
+            rounds.take_round(&key("b", 1, 1_000)).is_none(),
+            "b was dropped"
+        );
+        assert_eq!(rounds.rounds.len(), 2);
+
+        rounds.put(key("huge", 1, 100_000), round_of(100_000, 1));
+        assert!(rounds.take_round(&key("huge", 1, 100_000)).is_none());
+        assert_eq!(rounds.rounds.len(), 2, "the others stay");
+
+        // Another length of round "c": taking one forgets both.
+        rounds.put(key("c", 1, 10), round_of(10, 0));
+        assert!(rounds.take_round(&key("c", 1, 1_000)).is_some());
+        assert!(rounds.take_round(&key("c", 1, 10)).is_none());
+        assert_eq!(rounds.rounds.len(), 1);
+    }
+
+    /// The estimate counts every value of every group and every held input.
+    #[test]
+    fn a_prepared_rounds_bytes_grow_with_values_and_inputs() {
+        let empty = round_of(0, 0).bytes();
+        assert_eq!(empty, 0);
+        assert_eq!(round_of(1_000, 0).bytes(), 8_000);
+        assert_eq!(
+            round_of(1_000, 3).bytes(),
+            8_000 + 3 * (INPUT_OVERHEAD_BYTES + HELD_SEED_BYTES)
+        );
+    }
 }
