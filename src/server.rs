@@ -243,7 +243,7 @@ pub async fn serve(
             let (mask_preparer, preparing) = crate::uploads::mask_prepare::MaskPreparer::spawn(
                 db.clone(),
                 blobs.clone(),
-                keyservice_urls,
+                (keys.clone(), keyservice_urls),
                 stop_rx.clone(),
             );
             background.extend(preparing);

@@ -12,7 +12,9 @@
 //! - `POST /v1/keys/{key_id}/unmask/prepare` with a `PrepareRequest`, while the round collects:
 //!   the key service checks and opens the uploaded inputs' seeds and adds their streams ahead,
 //!   so that the sums request, later, only corrects for the inputs the agreed set leaves out or
-//!   adds (docs/secure-aggregation.md, "Prepared sums"). It releases nothing.
+//!   adds (docs/secure-aggregation.md, "Prepared sums"). Its inputs are the sums request's
+//!   (`MaskedInput`, this service's item of the seeds and every item's digest). It releases
+//!   nothing.
 
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
@@ -80,19 +82,17 @@ pub struct SumsRequest {
 
 /// Most inputs one prepare request carries.
 pub const MAX_PREPARE_INPUTS: usize = 4_096;
+/// Most stream values (inputs x groups x values) one prepare request expands: about a second
+/// of one core's AES. A front end sizes its batches to fit (`prepare_batch_inputs`).
+pub const MAX_PREPARE_WORK: u64 = 1 << 30;
 
-/// One uploaded input of a masked round, as the front end saw it in the envelope: the whole
-/// `seeds` field (every key service's item), so one body serves every key service.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PrepareInput {
-    pub assignment_ref: String,
-    /// The envelope's `enc`, base64url.
-    pub enc: String,
-    /// The envelope's `token`, base64url.
-    pub token: String,
-    /// The envelope's whole `seeds`, base64url.
-    pub seeds: String,
+/// How many inputs a prepare request for vectors of `values` values may carry to a key service
+/// in `groups` groups: within `MAX_PREPARE_WORK` and `MAX_PREPARE_INPUTS`, at least one.
+pub fn prepare_batch_inputs(values: u64, groups: usize) -> usize {
+    let per_input = values.saturating_mul(groups as u64).max(1);
+    usize::try_from(MAX_PREPARE_WORK / per_input)
+        .unwrap_or(usize::MAX)
+        .clamp(1, MAX_PREPARE_INPUTS)
 }
 
 /// `POST /v1/keys/{key_id}/unmask/prepare`: inputs uploaded to a masked round that has no
@@ -107,7 +107,8 @@ pub struct PrepareRequest {
     pub policy: String,
     /// The masked vector's length (the model's values).
     pub values: u64,
-    pub inputs: Vec<PrepareInput>,
+    /// Uploaded inputs, each as the sums request names it for this key service.
+    pub inputs: Vec<MaskedInput>,
 }
 
 /// A prepare request's answer: how many inputs were added now, were held already, or were
@@ -118,32 +119,6 @@ pub struct PrepareAnswer {
     pub prepared: u64,
     pub held: u64,
     pub refused: u64,
-}
-
-impl PrepareInput {
-    /// The input as the sums request names it for key service `service` of `layout`: its
-    /// item of `seeds` and every item's digest.
-    pub fn for_service(
-        &self,
-        layout: &confed_protocol::masking::Layout,
-        service: u8,
-    ) -> Result<MaskedInput, String> {
-        let field = |name: &str, text: &str| {
-            URL_SAFE_NO_PAD
-                .decode(text)
-                .map_err(|_| format!("input {}: `{name}` is not base64url", self.assignment_ref))
-        };
-        let seeds = field("seeds", &self.seeds)?;
-        let items = confed_protocol::masking::split_seeds(layout, &seeds)
-            .map_err(|e| format!("input {}: {e}", self.assignment_ref))?;
-        Ok(MaskedInput::of_envelope(
-            &self.assignment_ref,
-            &field("enc", &self.enc)?,
-            &field("token", &self.token)?,
-            &items,
-            service,
-        ))
-    }
 }
 
 fn decode<T: serde::de::DeserializeOwned>(body: &[u8], what: &str) -> Result<T, String> {
@@ -228,5 +203,21 @@ impl MaskedInput {
                 })
                 .collect(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A batch stays within a request's work (inputs x groups x values) and input count, and
+    /// holds at least one input however large the model.
+    #[test]
+    fn prepare_batches_fit_a_requests_work() {
+        assert_eq!(prepare_batch_inputs(262_144, 1), MAX_PREPARE_INPUTS);
+        assert_eq!(prepare_batch_inputs(262_144, 15), 273);
+        const { assert!(273 * 15 * 262_144 <= MAX_PREPARE_WORK) };
+        assert_eq!(prepare_batch_inputs(u64::MAX, 20), 1);
+        assert_eq!(prepare_batch_inputs(0, 0), MAX_PREPARE_INPUTS);
     }
 }

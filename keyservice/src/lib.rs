@@ -24,7 +24,8 @@ pub mod routes;
 pub mod serve;
 mod unmask;
 mod unmask_answers;
-pub mod unmask_prepare;
+mod unmask_prepare;
+pub mod unmask_prepared;
 mod unmask_sums;
 pub mod witness;
 
@@ -120,7 +121,10 @@ pub struct KeyService {
     /// runs three in one process, which in production run on machines of their own.
     pub summing: Arc<tokio::sync::Semaphore>,
     /// Mask sums added ahead while rounds collect (`unmask_prepare.rs`), used by their sums.
-    pub prepared: Arc<Mutex<unmask_prepare::PreparedRounds>>,
+    pub prepared: Arc<Mutex<unmask_prepared::PreparedRounds>>,
+    /// One batch of preparation at a time (`unmask_prepare.rs`), beside the sums' queue: a
+    /// sums request waits only for a batch of its own round.
+    pub preparing: Arc<tokio::sync::Semaphore>,
 }
 
 /// What a key service is built from (files and settings, no network).
@@ -189,6 +193,7 @@ impl KeyService {
             masking_key: None,
             summing: Arc::new(tokio::sync::Semaphore::new(1)),
             prepared: Arc::default(),
+            preparing: Arc::new(tokio::sync::Semaphore::new(1)),
         })
     }
 

@@ -30,7 +30,7 @@ use super::KeyService;
 use super::audit::Decision;
 use super::ledger::{self, Admission};
 use super::unmask_answers::{self, AnswerKey};
-use super::unmask_prepare::RoundKey;
+use super::unmask_prepared::RoundKey;
 use super::unmask_sums::{Opener, sum_masks};
 use crate::error::KeyServiceApiError as ApiError;
 use crate::extract::{ApiBytes, ApiPath};
@@ -142,11 +142,7 @@ pub(crate) fn own_masking_key(
     service: &KeyService,
     checked: &CheckedRound,
 ) -> Result<std::sync::Arc<confed_protocol::hpke::PrivateKey>, ApiError> {
-    let masking_key = service.masking_key.clone().ok_or_else(|| {
-        ApiError::Unavailable(
-            "this key service has no masking key (--masking-key): it cannot open mask seeds".into(),
-        )
-    })?;
+    let masking_key = service.masking_key.clone().ok_or_else(no_masking_key)?;
     let named = checked.policy.masking.as_ref().and_then(|m| {
         m.services[usize::from(checked.number) - 1]
             .public_key()
@@ -158,6 +154,12 @@ pub(crate) fn own_masking_key(
         ));
     }
     Ok(masking_key)
+}
+
+pub(crate) fn no_masking_key() -> ApiError {
+    ApiError::Unavailable(
+        "this key service has no masking key (--masking-key): it cannot open mask seeds".into(),
+    )
 }
 
 /// The values of a sums (or prepare) request for a service in `groups` groups, within what
@@ -326,6 +328,9 @@ pub(crate) async fn sums(
     ApiBytes(body): ApiBytes,
 ) -> Result<impl IntoResponse, ApiError> {
     let held = held(&service, &key_id)?;
+    if service.masking_key.is_none() {
+        return Err(no_masking_key());
+    }
     let request = SumsRequest::decode(&body).map_err(ApiError::BadRequest)?;
     let checked = check_round(&service, held, &request.round)?;
     let masking_key = own_masking_key(&service, &checked)?;
@@ -430,14 +435,18 @@ pub(crate) async fn sums(
     unmask_answers::may_compute(&answer_key).map_err(ApiError::Conflict)?;
     let inputs_count = inputs.len();
     let started = std::time::Instant::now();
+    // The round's preparation is used once, by the first computation (a repeat gets the kept
+    // answer; a later one computes in full), after a batch of it under way.
+    let cell = prepared
+        .lock()
+        .map_err(|_| ApiError::Internal("the prepared rounds' lock is poisoned".into()))?
+        .take_round(&prepared_key);
+    let ahead = match cell {
+        Some(cell) => cell.lock_owned().await.take(),
+        None => None,
+    };
     let summed = tokio::task::spawn_blocking(move || {
         let _one_at_a_time = permit;
-        // The round's preparation is used once, by the first computation (a repeat gets the
-        // kept answer; a later one computes in full).
-        let ahead = prepared
-            .lock()
-            .map_err(|_| ApiError::Internal("the prepared rounds' lock is poisoned".into()))?
-            .take_round(&prepared_key);
         let noise_variance = policy.masking.as_ref().and_then(|m| m.noise_variance);
         let opener = Opener::new(
             &policy,

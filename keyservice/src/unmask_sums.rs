@@ -20,7 +20,7 @@ use confed_protocol::policy::TaskPolicy;
 use confed_protocol::privacy_pass::context::{masked_token_nonce, seeds_digest};
 
 use crate::error::KeyServiceApiError as ApiError;
-use crate::unmask_prepare::{PreparedRound, input_digest};
+use crate::unmask_prepared::{PreparedRound, input_digest};
 
 /// Threads of one request's mask sums: the machine's cores, at most 8 (beyond that a round of
 /// megabyte updates is bound by memory, not AES).
@@ -88,6 +88,10 @@ impl<'a> Opener<'a> {
         self.number
     }
 
+    pub(crate) fn values(&self) -> usize {
+        self.values
+    }
+
     pub(crate) fn context<'c>(&'c self, reference: &'c str) -> Result<MaskContext<'c>, ApiError> {
         MaskContext::new(
             self.task_id,
@@ -145,15 +149,26 @@ impl<'a> Opener<'a> {
     }
 
     /// Every input opened, in order, on up to `threads` threads; the first refusal in order.
-    fn open_all(&self, inputs: &[MaskedInput], threads: usize) -> Result<Vec<Opened>, ApiError> {
+    fn open_all(&self, inputs: &[&MaskedInput], threads: usize) -> Result<Vec<Opened>, ApiError> {
         let threads = threads.clamp(1, (inputs.len() / MIN_INPUTS_PER_THREAD).max(1));
         in_order_on_threads(inputs, threads, |input| self.open(input))
+    }
+
+    /// Every input opened, each on its own (a refusal is that input's), in order, on up to
+    /// `threads` threads.
+    pub(crate) fn open_each(
+        &self,
+        inputs: &[&MaskedInput],
+        threads: usize,
+    ) -> Result<Vec<Result<Opened, ApiError>>, ApiError> {
+        let threads = threads.clamp(1, (inputs.len() / MIN_INPUTS_PER_THREAD).max(1));
+        in_order_on_threads(inputs, threads, |input| Ok(self.open(input)))
     }
 }
 
 /// `f` of every item, in order, on up to `threads` threads (one chunk of consecutive items a
 /// thread): every result, or the first error in the items' order, whatever the threads.
-pub(crate) fn in_order_on_threads<I: Sync, T: Send>(
+fn in_order_on_threads<I: Sync, T: Send>(
     items: &[I],
     threads: usize,
     f: impl Fn(&I) -> Result<T, ApiError> + Sync,
@@ -221,7 +236,8 @@ pub(crate) fn sum_masks(
     let (mut summed, seeds) = match prepared {
         Some(prepared) => from_prepared(opener, prepared, inputs, threads)?,
         None => {
-            let opened = opener.open_all(inputs, threads)?;
+            let all: Vec<&MaskedInput> = inputs.iter().collect();
+            let opened = opener.open_all(&all, threads)?;
             let mut sums = MaskSums::new(layout, opener.number, opener.values)
                 .map_err(|e| ApiError::Internal(e.to_string()))?;
             let (seeds, streams): (Vec<_>, Vec<_>) =
@@ -290,7 +306,7 @@ fn from_prepared(
     }
     stale.extend(held);
     let prepared_count = inputs.len() - fresh.len();
-    let fresh_inputs: Vec<MaskedInput> = fresh.iter().map(|&at| inputs[at].clone()).collect();
+    let fresh_inputs: Vec<&MaskedInput> = fresh.iter().map(|&at| &inputs[at]).collect();
     let opened = opener.open_all(&fresh_inputs, threads)?;
     let mut streams = Vec::with_capacity(opened.len());
     for (&at, opened) in fresh.iter().zip(opened) {

@@ -86,6 +86,27 @@ impl MaskSums {
         ring: Ring,
         threads: usize,
     ) -> Result<(), MaskingError> {
+        self.add_or_subtract_many(inputs, ring, threads, Sign::Add)
+    }
+
+    /// Takes every input's streams away in `ring`, in place, on up to `threads` threads: what a
+    /// key service does with inputs it added ahead that the agreed set leaves out.
+    pub fn subtract_many(
+        &mut self,
+        inputs: &[StreamKeys],
+        ring: Ring,
+        threads: usize,
+    ) -> Result<(), MaskingError> {
+        self.add_or_subtract_many(inputs, ring, threads, Sign::Subtract)
+    }
+
+    fn add_or_subtract_many(
+        &mut self,
+        inputs: &[StreamKeys],
+        ring: Ring,
+        threads: usize,
+        sign: Sign,
+    ) -> Result<(), MaskingError> {
         let work = self
             .sums
             .first()
@@ -93,15 +114,15 @@ impl MaskSums {
             .saturating_mul(inputs.len())
             .saturating_mul(self.sums.len());
         let threads = threads.min(work / MIN_WORK_PER_THREAD).max(1);
-        self.add_split(inputs, ring, threads, 1)
+        self.add_split(inputs, ring, (threads, 1), sign)
     }
 
     fn add_split(
         &mut self,
         inputs: &[StreamKeys],
         ring: Ring,
-        threads: usize,
-        min_per_thread: usize,
+        (threads, min_per_thread): (usize, usize),
+        sign: Sign,
     ) -> Result<(), MaskingError> {
         let values = self.sums.first().map_or(0, |(_, sum)| sum.len());
         for input in inputs {
@@ -130,12 +151,12 @@ impl MaskSums {
         ranges.retain(|(_, slices)| !slices.is_empty());
         if ranges.len() == 1 {
             let (start, slices) = ranges.pop().expect("one range");
-            add_range(inputs, ring, start, slices);
+            add_range(inputs, ring, (start, sign), slices);
             return Ok(());
         }
         std::thread::scope(|scope| {
             for (start, slices) in ranges {
-                scope.spawn(move || add_range(inputs, ring, start, slices));
+                scope.spawn(move || add_range(inputs, ring, (start, sign), slices));
             }
         });
         Ok(())
@@ -171,9 +192,21 @@ impl MaskSums {
     }
 }
 
-/// Adds values `start ..` of every input's group streams to `slices` (one per group, each from
-/// value `start`), summing in a buffer of the ring's width.
-fn add_range(inputs: &[StreamKeys], ring: Ring, start: usize, slices: Vec<&mut [u64]>) {
+/// Whether streams are added to the sums or taken away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sign {
+    Add,
+    Subtract,
+}
+
+/// Adds (or subtracts) values `start ..` of every input's group streams to `slices` (one per
+/// group, each from value `start`), summing in a buffer of the ring's width.
+fn add_range(
+    inputs: &[StreamKeys],
+    ring: Ring,
+    (start, sign): (usize, Sign),
+    slices: Vec<&mut [u64]>,
+) {
     let width = ring.bytes();
     let mut keystream = Zeroizing::new(vec![0u8; STREAM_CHUNK * width]);
     for (index, slice) in slices.into_iter().enumerate() {
@@ -192,16 +225,32 @@ fn add_range(inputs: &[StreamKeys], ring: Ring, start: usize, slices: Vec<&mut [
                     }
                 }
                 for (out, value) in slice.iter_mut().zip(sum.iter()) {
-                    *out = ring.reduce(out.wrapping_add(u64::from(*value)));
+                    *out = ring.reduce(match sign {
+                        Sign::Add => out.wrapping_add(u64::from(*value)),
+                        Sign::Subtract => out.wrapping_sub(u64::from(*value)),
+                    });
                 }
             }
-            Ring::Bits64 => {
+            Ring::Bits64 if sign == Sign::Add => {
                 for input in inputs {
                     let mut cipher = seeked(&input.keys[index].1, start, width);
                     for chunk in slice.chunks_mut(STREAM_CHUNK) {
                         let bytes = next_keystream(&mut cipher, &mut keystream, chunk.len() * 8);
                         ring.accumulate(chunk, bytes);
                     }
+                }
+            }
+            Ring::Bits64 => {
+                let mut sum = Zeroizing::new(vec![0u64; slice.len()]);
+                for input in inputs {
+                    let mut cipher = seeked(&input.keys[index].1, start, width);
+                    for chunk in sum.chunks_mut(STREAM_CHUNK) {
+                        let bytes = next_keystream(&mut cipher, &mut keystream, chunk.len() * 8);
+                        ring.accumulate(chunk, bytes);
+                    }
+                }
+                for (out, value) in slice.iter_mut().zip(sum.iter()) {
+                    *out = out.wrapping_sub(*value);
                 }
             }
         }
@@ -261,12 +310,14 @@ mod tests {
                 .collect();
             for threads in [1, 2, 3, 4, 9] {
                 let mut at_once = MaskSums::new(&layout, service, values).unwrap();
-                at_once.add_split(&keys, ring, threads, 1).unwrap();
+                at_once
+                    .add_split(&keys, ring, (threads, 1), Sign::Add)
+                    .unwrap();
                 assert_eq!(at_once, one_by_one, "{ring:?} on {threads} threads");
             }
             // Added on top of sums already held, as `add` would.
             let mut twice = one_by_one.clone();
-            twice.add_split(&keys, ring, 2, 1).unwrap();
+            twice.add_split(&keys, ring, (2, 1), Sign::Add).unwrap();
             for (reference, seeds) in refs.iter().zip(&seeds) {
                 one_by_one
                     .add(seeds, &context(reference, values), ring)
@@ -347,8 +398,19 @@ mod tests {
             last.add_many(&all[2..], ring, 1).unwrap();
             let mut first_two = MaskSums::new(&layout, 1, values).unwrap();
             first_two.add_many(&all[..2], ring, 1).unwrap();
+            let mut in_place = three.clone();
             three.subtract(&last, ring).unwrap();
             assert_eq!(three, first_two, "{ring:?}");
+            // The same in place, from the streams, on one and on several threads.
+            for threads in [1, 3] {
+                let mut taken = in_place.clone();
+                taken
+                    .add_split(&all[2..], ring, (threads, 1), Sign::Subtract)
+                    .unwrap();
+                assert_eq!(taken, first_two, "{ring:?}, {threads} threads");
+            }
+            in_place.subtract_many(&all[2..], ring, 2).unwrap();
+            assert_eq!(in_place, first_two, "{ring:?}");
         }
         let mut sums = MaskSums::new(&layout, 1, values).unwrap();
         let other_service = MaskSums::new(&layout, 2, values).unwrap();

@@ -149,7 +149,7 @@ impl EmbeddedSystem {
         let (mask_preparer, preparing) = crate::uploads::mask_prepare::MaskPreparer::spawn(
             db.clone(),
             blobs.clone(),
-            urls.clone(),
+            (keys.clone(), urls.clone()),
             stop_rx.clone(),
         );
         tasks.extend(preparing);

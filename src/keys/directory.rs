@@ -16,6 +16,9 @@ pub use confed_protocol::keys::{DeviceKey, KeySignature};
 #[derive(Debug, Clone, Default)]
 pub struct KeyDirectory {
     sets: Arc<RwLock<Vec<KeySet>>>,
+    /// Which key service answered at each URL (its key set's `keyservice_id`), as of the last
+    /// refresh it answered.
+    answered_at: Arc<RwLock<std::collections::HashMap<String, String>>>,
     /// (answered, asked) at the last refresh; `None` for a fixed directory (never refreshed).
     reach: Arc<RwLock<Option<(usize, usize)>>>,
 }
@@ -24,6 +27,7 @@ impl KeyDirectory {
     pub fn fixed(sets: Vec<KeySet>) -> Self {
         Self {
             sets: Arc::new(RwLock::new(sets)),
+            answered_at: Arc::default(),
             reach: Arc::default(),
         }
     }
@@ -44,6 +48,11 @@ impl KeyDirectory {
              ({answered} of {asked} key services answered the last refresh): devices cannot be \
              assigned; check the key services' reachability and their keys' validity"
         ))
+    }
+
+    /// The id of the key service that answered at `url` (its key set's own word).
+    pub fn keyservice_at(&self, url: &str) -> Option<String> {
+        self.answered_at.read().ok()?.get(url).cloned()
     }
 
     pub fn replace(&self, sets: Vec<KeySet>) {
@@ -238,7 +247,12 @@ impl KeyDirectory {
                 .and_then(|r| r.error_for_status());
             match answer {
                 Ok(response) => match response.json::<KeySet>().await {
-                    Ok(set) => fresh.push(set),
+                    Ok(set) => {
+                        if let Ok(mut answered_at) = self.answered_at.write() {
+                            answered_at.insert(url.clone(), set.keyservice_id.clone());
+                        }
+                        fresh.push(set)
+                    }
                     Err(error) => {
                         tracing::warn!(%url, %error, "key service sent an unreadable key set")
                     }

@@ -76,18 +76,19 @@ impl DeviceAuthCache {
             .await
     }
 
-    /// Refuses an upload for `assignment` whose envelope's token does not authenticate it.
+    /// Refuses an upload for `assignment` whose envelope's token does not authenticate it; the
+    /// task's requirement, if it has one.
     pub async fn check_upload(
         &self,
         db: &Db,
         assignment: &AssignmentView,
         envelope: &Envelope,
-    ) -> Result<(), UploadError> {
+    ) -> Result<Option<Arc<TokenRequirement>>, UploadError> {
         let Some(auth) = self
             .of(db, &assignment.tenant_id, &assignment.task_id)
             .await?
         else {
-            return Ok(());
+            return Ok(None);
         };
         let round = u64::try_from(assignment.round_number).unwrap_or(0);
         let outcome = super::verify_token(
@@ -98,7 +99,7 @@ impl DeviceAuthCache {
             envelope.seeds.as_deref(),
         );
         match outcome {
-            Ok(()) => Ok(()),
+            Ok(()) => Ok(Some(auth)),
             Err(refusal) => Err(match refusal {
                 TokenRefusal::Missing(_) => UploadError::TokenRequired {
                     detail: refusal.to_string(),

@@ -8,21 +8,26 @@
 //! Only speed depends on it. A batch that fails, an upload the queue had no room for, a
 //! restart: the key service then computes those inputs' sums in full, with the same answer. So
 //! nothing here retries; what failed is counted (`confed_mask_prepare_inputs_total`) and logged
-//! once per batch. The key services are sent nothing they do not get from the enclave anyway
-//! (the sums request names every included input's token and seeds), only earlier, and at the
-//! moments uploads arrive, which devices draw before they touch their data.
+//! once per batch. Each key service the task's `masking` line names (matched by the id its key
+//! set answered with at its URL) is sent what the enclave's sums request will send it about
+//! each input (its own item of the seeds, every item's digest, `enc` and the token), only
+//! earlier, at the moments uploads arrive, which devices draw before they touch their data; it
+//! also gets uploads the enclave will exclude.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use base64::Engine as _;
-use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use confed_attestation::unmask_api::{MAX_PREPARE_INPUTS, PrepareInput, PrepareRequest};
+use confed_attestation::unmask_api::{
+    MAX_PREPARE_INPUTS, MaskedInput, PrepareRequest, prepare_batch_inputs,
+};
+use confed_protocol::masking::split_seeds;
+use confed_protocol::masking_keys::MaskingPolicy;
 use tokio::sync::{mpsc, watch};
 
 use crate::blob::{BlobKey, BlobStore};
 use crate::db::Db;
+use crate::keys::directory::KeyDirectory;
 
 /// Uploads waiting for a batch at most; past this an upload is not prepared (its sums are
 /// computed in full).
@@ -62,7 +67,7 @@ impl MaskPreparer {
     pub fn spawn(
         db: Db,
         blobs: Arc<dyn BlobStore>,
-        urls: Vec<String>,
+        (keys, urls): (KeyDirectory, Vec<String>),
         stop: watch::Receiver<bool>,
     ) -> (Self, Option<tokio::task::JoinHandle<()>>) {
         if urls.is_empty() {
@@ -72,12 +77,18 @@ impl MaskPreparer {
         let batches = Batches {
             db,
             blobs,
+            keys,
             urls,
             client: confed_protocol::http::client(TIMEOUT),
             rounds: HashMap::new(),
         };
         let task = tokio::spawn(batches.run(uploads, stop));
         (Self { queue: Some(queue) }, Some(task))
+    }
+
+    /// Whether uploads are prepared at all (key services to send them to).
+    pub fn is_on(&self) -> bool {
+        self.queue.is_some()
     }
 
     /// Queues `upload` for the next batch, or counts it as not prepared when the queue is full.
@@ -95,16 +106,18 @@ impl MaskPreparer {
 /// Which round a batch is for: a prepare request is per task, round, key and model.
 type RoundId = (String, String, u64, String, i64);
 
-/// What a round's prepare requests carry besides inputs.
+/// What a round's prepare requests carry besides inputs, and whom they go to.
 #[derive(Clone)]
 struct RoundFacts {
     policy: String,
     values: u64,
+    masking: MaskingPolicy,
 }
 
 struct Batches {
     db: Db,
     blobs: Arc<dyn BlobStore>,
+    keys: KeyDirectory,
     urls: Vec<String>,
     client: reqwest::Client,
     rounds: HashMap<RoundId, RoundFacts>,
@@ -138,59 +151,88 @@ impl Batches {
     }
 
     async fn send(&mut self, batch: Vec<UploadedSeeds>) {
-        let mut by_round: BTreeMap<RoundId, Vec<PrepareInput>> = BTreeMap::new();
+        let mut by_round: BTreeMap<RoundId, Vec<UploadedSeeds>> = BTreeMap::new();
         for upload in batch {
             let round = (
-                upload.tenant_id,
-                upload.task_id,
+                upload.tenant_id.clone(),
+                upload.task_id.clone(),
                 upload.round,
-                upload.key_id,
+                upload.key_id.clone(),
                 upload.model_version,
             );
-            by_round.entry(round).or_default().push(PrepareInput {
-                assignment_ref: upload.assignment_ref,
-                enc: URL_SAFE_NO_PAD.encode(&upload.enc),
-                token: URL_SAFE_NO_PAD.encode(&upload.token),
-                seeds: URL_SAFE_NO_PAD.encode(&upload.seeds),
-            });
+            by_round.entry(round).or_default().push(upload);
         }
-        for (round, inputs) in by_round {
-            let count = inputs.len() as u64;
+        for (round, uploads) in by_round {
             let facts = match self.facts(&round).await {
                 Ok(facts) => facts,
                 Err(why) => {
                     tracing::warn!(task = %round.1, round = round.2, %why, "uploads not prepared at the key services: their mask sums will be computed in full");
-                    metrics::counter!("confed_mask_prepare_inputs_total", "outcome" => "no_round")
-                        .increment(count);
+                    count("no_round", uploads.len());
                     continue;
                 }
             };
-            let request = PrepareRequest {
-                task_id: round.1.clone(),
-                round: round.2,
-                policy: facts.policy,
-                values: facts.values,
-                inputs,
-            };
-            let Ok(body) = serde_json::to_vec(&request) else {
-                continue;
-            };
-            let sent = futures_util::future::join_all(
-                self.urls
-                    .iter()
-                    .map(|url| self.post(url, &round.3, body.clone())),
-            )
+            self.send_round(&round, &facts, &uploads).await;
+        }
+    }
+
+    /// `uploads` of one round to every key service its masking line names, in requests within
+    /// what one prepare request may expand.
+    async fn send_round(&self, round: &RoundId, facts: &RoundFacts, uploads: &[UploadedSeeds]) {
+        let layout = facts.masking.layout();
+        let targets: Vec<(&String, u8)> = self
+            .urls
+            .iter()
+            .filter_map(|url| {
+                let id = self.keys.keyservice_at(url)?;
+                Some((url, facts.masking.number_of(&id)?))
+            })
+            .collect();
+        if targets.is_empty() {
+            count("no_keyservice", uploads.len());
+            return;
+        }
+        // An upload whose seeds do not fit the layout passed no token check: none is offered,
+        // but nothing here relies on it.
+        let cut: Vec<(&UploadedSeeds, Vec<&[u8]>)> = uploads
+            .iter()
+            .filter_map(|upload| Some((upload, split_seeds(&layout, &upload.seeds).ok()?)))
+            .collect();
+        count("malformed", uploads.len() - cut.len());
+        let per_request = prepare_batch_inputs(facts.values, layout.groups_of(targets[0].1).len());
+        for chunk in cut.chunks(per_request) {
+            let sent = futures_util::future::join_all(targets.iter().map(|&(url, number)| {
+                let request = PrepareRequest {
+                    task_id: round.1.clone(),
+                    round: round.2,
+                    policy: facts.policy.clone(),
+                    values: facts.values,
+                    inputs: chunk
+                        .iter()
+                        .map(|(upload, items)| {
+                            MaskedInput::of_envelope(
+                                &upload.assignment_ref,
+                                &upload.enc,
+                                &upload.token,
+                                items,
+                                number,
+                            )
+                        })
+                        .collect(),
+                };
+                async move {
+                    let body = serde_json::to_vec(&request).map_err(|e| e.to_string())?;
+                    self.post(url, &round.3, body).await
+                }
+            }))
             .await;
-            for (url, outcome) in self.urls.iter().zip(sent) {
-                let label = match &outcome {
-                    Ok(()) => "sent",
+            for ((url, _), outcome) in targets.iter().zip(sent) {
+                match outcome {
+                    Ok(()) => count("sent", chunk.len()),
                     Err(why) => {
                         tracing::debug!(keyservice = %url, task = %round.1, round = round.2, %why, "a key service did not prepare a batch: its mask sums will be computed in full");
-                        "refused"
+                        count("refused", chunk.len());
                     }
-                };
-                metrics::counter!("confed_mask_prepare_inputs_total", "outcome" => label)
-                    .increment(count);
+                }
             }
         }
     }
@@ -233,15 +275,32 @@ impl Batches {
             .await
             .map_err(|e| e.to_string())?;
         let key = BlobKey::new(model.blob_key).map_err(|e| e.to_string())?;
+        let masking = task
+            .spec
+            .masking
+            .as_deref()
+            .ok_or("the task does not mask its updates")
+            .and_then(|line| {
+                MaskingPolicy::parse(line).map_err(|_| "its masking line does not parse")
+            })?;
         let facts = RoundFacts {
             policy: task.spec.policy(task_id, tenant_id).encode(),
             values: model_values(self.blobs.as_ref(), &key).await?,
+            masking,
         };
         if self.rounds.len() >= CACHED_ROUNDS {
             self.rounds.clear();
         }
         self.rounds.insert(round.clone(), facts.clone());
         Ok(facts)
+    }
+}
+
+/// Counts `inputs` uploads as prepared with `outcome` (per key service for `sent` and `refused`).
+fn count(outcome: &'static str, inputs: usize) {
+    if inputs > 0 {
+        metrics::counter!("confed_mask_prepare_inputs_total", "outcome" => outcome)
+            .increment(inputs as u64);
     }
 }
 

@@ -336,14 +336,12 @@ impl Uploads<'_> {
         now: Millis,
     ) -> Result<Stored, UploadError> {
         let envelope = self.open_envelope(admitted, body, now)?;
-        device_auth
+        let requirement = device_auth
             .check_upload(self.db, &admitted.assignment, &envelope)
             .await?;
         let stored = self.store(capability, admitted, body).await?;
         if stored == Stored::New
-            && let Some(requirement) = device_auth
-                .requirement(self.db, &admitted.assignment)
-                .await?
+            && let Some(requirement) = requirement
         {
             self.offer_to_prepare(
                 &admitted.assignment,
@@ -366,6 +364,9 @@ impl Uploads<'_> {
         requirement: &device_tokens::TokenRequirement,
         (enc, token, seeds): (&[u8], Option<&[u8]>, Option<&[u8]>),
     ) {
+        if !self.preparer.is_on() {
+            return;
+        }
         let (Some(_), Some(token), Some(seeds), Some(key_id), Some(model_version), Ok(round)) = (
             &requirement.masking,
             token,

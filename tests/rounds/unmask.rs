@@ -202,7 +202,7 @@ impl Masked {
         self.post(service, "agree", &request).await
     }
 
-    fn sums_request(
+    pub(super) fn sums_request(
         &self,
         service: usize,
         receipts: &[UnmaskReceipt],

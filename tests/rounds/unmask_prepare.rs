@@ -4,18 +4,22 @@
 //! are subtracted, inputs never prepared are added, an input prepared with other bytes than the
 //! sums request names is computed from the request's. Once a set is agreed, nothing more is
 //! prepared.
+//!
+//! Not run again on PostgreSQL and GCS (.ci/run): key services only; no task database or blob
+//! store.
 
-use base64::Engine as _;
-use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use confed_attestation::unmask_api::{PrepareAnswer, PrepareInput, PrepareRequest};
-use confed_protocol::masking::{NoiseRoom, unmask};
+use confed_attestation::unmask_api::{MaskedInput, PrepareAnswer, PrepareRequest};
+use confed_protocol::masking::{NoiseRoom, split_seeds, unmask};
 use confed_protocol::policy::TaskPolicy;
 
 use super::unmask::{
     DEVICES, Input, Masked, TASK, VALUES, calibrated_variance, masked_input, noised, released_with,
 };
 
-fn prepare_request(m: &Masked, inputs: &[&Input]) -> PrepareRequest {
+/// A prepare request for key service `service` (0-based): each input as its sums request
+/// names it (this service's item of the seeds, every item's digest).
+fn prepare_request(m: &Masked, service: usize, inputs: &[&Input]) -> PrepareRequest {
+    let layout = m.policy.masking.as_ref().unwrap().layout();
     PrepareRequest {
         task_id: TASK.into(),
         round: 1,
@@ -23,18 +27,22 @@ fn prepare_request(m: &Masked, inputs: &[&Input]) -> PrepareRequest {
         values: VALUES as u64,
         inputs: inputs
             .iter()
-            .map(|i| PrepareInput {
-                assignment_ref: i.assignment_ref.clone(),
-                enc: URL_SAFE_NO_PAD.encode(&i.enc),
-                token: URL_SAFE_NO_PAD.encode(&i.token),
-                seeds: URL_SAFE_NO_PAD.encode(&i.seeds),
+            .map(|i| {
+                let items = split_seeds(&layout, &i.seeds).unwrap();
+                MaskedInput::of_envelope(
+                    &i.assignment_ref,
+                    &i.enc,
+                    &i.token,
+                    &items,
+                    service as u8 + 1,
+                )
             })
             .collect(),
     }
 }
 
 async fn prepare(m: &Masked, service: usize, inputs: &[&Input]) -> reqwest::Response {
-    m.post(service, "prepare", &prepare_request(m, inputs))
+    m.post(service, "prepare", &prepare_request(m, service, inputs))
         .await
 }
 
@@ -90,6 +98,21 @@ async fn prepared_sums_are_the_sums_of_the_agreed_set_whatever_was_prepared() {
     }
 
     let receipts = m.agreed().await;
+    // A sums request with one input's seeds swapped for seeds no token binds is refused with
+    // the same answer from the prepared round (service 1's first computation) as from nothing
+    // (its second: a preparation is used once).
+    let mut swapped = m.inputs.clone();
+    swapped[1].seeds = forged.seeds.clone();
+    let mut refusals = Vec::new();
+    for _ in 0..2 {
+        let refused = m
+            .post(0, "sums", &m.sums_request(0, &receipts, &swapped))
+            .await;
+        refusals.push((refused.status(), refused.text().await.unwrap()));
+    }
+    assert_eq!(refusals[0].0, 403);
+    assert!(refusals[0].1.contains("device token"), "{}", refusals[0].1);
+    assert_eq!(refusals[0], refusals[1]);
     let mut answers = Vec::new();
     for service in 0..3u8 {
         answers.push(m.sums(service, &receipts).await.1);
@@ -124,7 +147,7 @@ async fn prepared_sums_are_the_sums_of_the_agreed_set_whatever_was_prepared() {
 async fn a_prepare_request_that_does_not_fit_the_round_is_refused() {
     let m = released_with(None).await;
     let all: Vec<&Input> = m.inputs.iter().collect();
-    let mut other_task = prepare_request(&m, &all);
+    let mut other_task = prepare_request(&m, 0, &all);
     other_task.task_id = "task-2".into();
     let answer = m.post(0, "prepare", &other_task).await;
     assert_eq!(answer.status(), 400);
@@ -136,25 +159,30 @@ async fn a_prepare_request_that_does_not_fit_the_round_is_refused() {
             .contains("the request names task task-2")
     );
 
-    let empty = prepare_request(&m, &[]);
+    let empty = prepare_request(&m, 0, &[]);
     let answer = m.post(0, "prepare", &empty).await;
     assert_eq!(answer.status(), 400);
     assert!(answer.text().await.unwrap().contains("1 to 4096"));
 
-    let mut no_values = prepare_request(&m, &all);
+    let mut no_values = prepare_request(&m, 0, &all);
     no_values.values = 0;
     let answer = m.post(0, "prepare", &no_values).await;
     assert_eq!(answer.status(), 400);
     assert!(answer.text().await.unwrap().contains("`values` must be"));
 
     // Prepared under another length: not used, and the sums are still right.
-    let mut longer = prepare_request(&m, &all);
+    let mut longer = prepare_request(&m, 0, &all);
     longer.values = VALUES as u64 + 1;
     let answer = m.post(0, "prepare", &longer).await;
     assert_eq!(answer.status(), 200);
     let counts: PrepareAnswer = answer.json().await.unwrap();
     // The seeds' context names the length: they do not open under another.
     assert_eq!(counts.refused, DEVICES as u64);
+    // Service 2's own items sent to service 1: its seeds' digest is not the one listed.
+    let mut foreign = prepare_request(&m, 1, &all);
+    foreign.values = VALUES as u64;
+    let counts: PrepareAnswer = m.post(0, "prepare", &foreign).await.json().await.unwrap();
+    assert_eq!((counts.prepared, counts.refused), (0, DEVICES as u64));
     let receipts = m.agreed().await;
     let layout = m.policy.masking.as_ref().unwrap().layout();
     let mut answers = Vec::new();
