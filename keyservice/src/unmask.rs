@@ -30,7 +30,7 @@ use super::KeyService;
 use super::audit::Decision;
 use super::ledger::{self, Admission};
 use super::unmask_answers::{self, AnswerKey};
-use super::unmask_prepared::RoundKey;
+use super::unmask_prepared::{Cell, RoundKey};
 use super::unmask_sums::{Opener, sum_masks};
 use crate::error::KeyServiceApiError as ApiError;
 use crate::extract::{ApiBytes, ApiPath};
@@ -418,7 +418,18 @@ pub(crate) async fn sums(
         policy_sha256: policy.sha256_hex(),
         values,
     };
+    // The round's preparation, if a batch of it is under way, once that batch is done; held
+    // (blocking only batches of this round) until the computation takes it, before the sums
+    // queue, so no other round's sums wait on it. A caller that hangs up meanwhile leaves it.
     let prepared = service.prepared.clone();
+    let cell = prepared
+        .lock()
+        .map_err(|_| ApiError::Internal("the prepared rounds' lock is poisoned".into()))?
+        .cell_of(&prepared_key);
+    let mut cell_guard = match cell {
+        Some(cell) => Some(cell.lock_owned().await),
+        None => None,
+    };
     // Held by the computation itself: a caller that hangs up does not free it while the sums
     // still run.
     let permit = service
@@ -435,16 +446,20 @@ pub(crate) async fn sums(
     unmask_answers::may_compute(&answer_key).map_err(ApiError::Conflict)?;
     let inputs_count = inputs.len();
     let started = std::time::Instant::now();
-    // The round's preparation is used once, by the first computation (a repeat gets the kept
-    // answer; a later one computes in full), after a batch of it under way.
-    let cell = prepared
+    // Used once, by the round's first computation (a repeat gets the kept answer; a later one
+    // computes in full): taken, and the round's preparations forgotten.
+    prepared
         .lock()
         .map_err(|_| ApiError::Internal("the prepared rounds' lock is poisoned".into()))?
-        .take_round(&prepared_key);
-    let ahead = match cell {
-        Some(cell) => cell.lock_owned().await.take(),
-        None => None,
+        .forget_round(&prepared_key);
+    let ahead = match cell_guard
+        .as_mut()
+        .map(|guard| std::mem::replace(&mut **guard, Cell::Taken))
+    {
+        Some(Cell::Open(round)) => round,
+        _ => None,
     };
+    drop(cell_guard);
     let summed = tokio::task::spawn_blocking(move || {
         let _one_at_a_time = permit;
         let noise_variance = policy.masking.as_ref().and_then(|m| m.noise_variance);

@@ -27,7 +27,7 @@ use confed_protocol::masking::MaskSums;
 
 use super::KeyService;
 use super::unmask::{check_policy, checked_values, held, own_masking_key};
-use super::unmask_prepared::{PreparedInput, PreparedRound, RoundKey, input_digest};
+use super::unmask_prepared::{Cell, PreparedInput, PreparedRound, RoundKey, input_digest};
 use super::unmask_sums::{Opener, sums_threads};
 use crate::error::KeyServiceApiError as ApiError;
 use crate::extract::{ApiBytes, ApiPath};
@@ -91,51 +91,67 @@ pub(crate) async fn prepare(
         (rounds.cell(&key), rounds.limit())
     };
     // A sums request takes the round's cell only after the agreement: if there is none yet, it
-    // will take this cell; if there is, this batch may be one nobody reads.
+    // will find this cell; if there is, nothing more is added.
     if let Err(agreed) = refuse_once_agreed(&service, &request.task_id, request.round) {
-        if cell.try_lock().is_ok_and(|round| round.is_none()) {
+        if cell
+            .try_lock()
+            .is_ok_and(|held| matches!(*held, Cell::Open(None)))
+        {
             lock(&prepared)?.settle(&key, &cell, 0);
         }
         return Err(agreed);
     }
-    let guard = cell.clone().lock_owned().await;
+    let mut guard = cell.clone().lock_owned().await;
+    // Taken by the round's sums while this batch waited for the round's lock.
+    let Cell::Open(held) = std::mem::replace(&mut *guard, Cell::Open(None)) else {
+        *guard = Cell::Taken;
+        return Err(ApiError::Conflict(format!(
+            "round {} of task {} has its mask sums under way here: nothing more to prepare",
+            request.round, request.task_id
+        )));
+    };
     let inputs = request.inputs;
-    let opened_key = key.clone();
-    let (outcome, bytes) = tokio::task::spawn_blocking(move || {
+    let outcome = tokio::task::spawn_blocking(move || {
         let _one_at_a_time = permit;
-        let mut guard = guard;
-        let outcome = fill(
-            &mut guard,
-            &checked,
-            &masking_key,
-            &opened_key,
-            &inputs,
-            limit,
-        );
-        // What the round holds now, whatever happened: nothing is forgotten as empty.
-        if guard.as_ref().is_some_and(|round| round.inputs.is_empty()) {
-            *guard = None;
+        // The round is out of its cell while it is worked on (a failure, or a panic, leaves the
+        // cell empty, never half-added), put back when done, and its size recorded here, in the
+        // task that finishes whether or not the caller waits.
+        let outcome = fill(held, &checked, &masking_key, &key, &inputs, limit);
+        let (answer, bytes) = match outcome {
+            Ok((round, answer)) => {
+                let bytes = if round.inputs.is_empty() {
+                    0
+                } else {
+                    round.bytes()
+                };
+                if bytes > 0 {
+                    *guard = Cell::Open(Some(round));
+                }
+                (Ok(answer), bytes)
+            }
+            Err(error) => (Err(error), 0),
+        };
+        if let Ok(mut rounds) = prepared.lock() {
+            rounds.settle(&key, &cell, bytes);
         }
-        let bytes = guard.as_ref().map_or(0, PreparedRound::bytes);
-        (outcome, bytes)
+        answer
     })
     .await
     .map_err(|e| ApiError::Internal(format!("the preparation did not finish: {e}")))?;
-    lock(&prepared)?.settle(&key, &cell, bytes);
     let answer = outcome?;
     metrics::counter!("confed_keyservice_mask_inputs_prepared_total").increment(answer.prepared);
     Ok(Json(answer))
 }
 
-/// Adds `inputs` to the round in `held` (made if it is not there yet).
+/// `inputs` added to the round `held` (made if there is none yet): the round and the answer.
 fn fill(
-    held: &mut Option<PreparedRound>,
+    held: Option<PreparedRound>,
     checked: &super::unmask::CheckedRound,
     masking_key: &confed_protocol::hpke::PrivateKey,
     key: &RoundKey,
     inputs: &[MaskedInput],
     limit: usize,
-) -> Result<PrepareAnswer, ApiError> {
+) -> Result<(PreparedRound, PrepareAnswer), ApiError> {
     let opener = Opener::new(
         &checked.policy,
         checked.number,
@@ -143,15 +159,16 @@ fn fill(
         (&key.task_id, key.round),
         key.values,
     )?;
-    let round = match held {
+    let mut round = match held {
         Some(round) => round,
-        None => held.insert(PreparedRound {
+        None => PreparedRound {
             sums: MaskSums::new(opener.layout(), opener.number(), key.values)
                 .map_err(|e| ApiError::Internal(e.to_string()))?,
             inputs: Default::default(),
-        }),
+        },
     };
-    add_inputs(&opener, round, inputs, limit)
+    let answer = add_inputs(&opener, &mut round, inputs, limit)?;
+    Ok((round, answer))
 }
 
 fn lock(
@@ -226,6 +243,7 @@ fn add_inputs(
     let refs: Vec<&MaskedInput> = fresh.iter().map(|(input, _)| *input).collect();
     let opened = opener.open_each(&refs, sums_threads())?;
     let mut streams = Vec::with_capacity(fresh.len());
+    let mut added = Vec::with_capacity(fresh.len());
     for ((input, digest), opened) in fresh.into_iter().zip(opened) {
         match opened {
             Ok(opened) => {
@@ -234,8 +252,7 @@ fn add_inputs(
                     digest,
                     seeds: opened.seeds,
                 };
-                round.inputs.insert(input.assignment_ref.clone(), held);
-                answer.prepared += 1;
+                added.push((input.assignment_ref.clone(), held));
             }
             Err(_) => answer.refused += 1,
         }
@@ -244,5 +261,8 @@ fn add_inputs(
         .sums
         .add_many(&streams, opener.layout().ring(), sums_threads())
         .map_err(|e| ApiError::Internal(format!("the prepared mask sums: {e}")))?;
+    // Only now, with their streams in the sums: a round's inputs are always the ones it adds.
+    answer.prepared = added.len() as u64;
+    round.inputs.extend(added);
     Ok(answer)
 }

@@ -75,8 +75,20 @@ pub(crate) fn input_digest(input: &MaskedInput) -> [u8; 32] {
     sha2::Sha256::digest(bytes).into()
 }
 
-/// A round's place: empty until its first batch is added, taken out by its sums request.
-pub(crate) type RoundCell = Arc<tokio::sync::Mutex<Option<PreparedRound>>>;
+/// A round's place: open (empty until a batch adds to it), then taken by the round's first sums
+/// computation, after which no batch adds to it.
+pub(crate) enum Cell {
+    Open(Option<PreparedRound>),
+    Taken,
+}
+
+/// A round's cell, behind a lock of its own (a batch holds it while it adds, a sums request
+/// while it waits for the sums queue).
+pub(crate) type RoundCell = Arc<tokio::sync::Mutex<Cell>>;
+
+fn open_cell() -> RoundCell {
+    Arc::new(tokio::sync::Mutex::new(Cell::Open(None)))
+}
 
 struct Held {
     used: u64,
@@ -120,52 +132,60 @@ impl PreparedRounds {
         self.limit
     }
 
-    /// `key`'s round's cell (a new, empty one if it has none), marked as just used; the task's
-    /// earlier rounds under the same key are dropped.
+    /// `key`'s round's cell (a new, empty one if it has none), marked as just used. Nothing is
+    /// dropped for it before a batch has added to it (`settle`).
     pub(crate) fn cell(&mut self, key: &RoundKey) -> RoundCell {
+        self.uses += 1;
+        let used = self.uses;
+        let held = self.rounds.entry(key.clone()).or_insert_with(|| Held {
+            used,
+            bytes: 0,
+            cell: open_cell(),
+        });
+        held.used = used;
+        held.cell.clone()
+    }
+
+    /// `key`'s round's cell if it has one, left in place.
+    pub(crate) fn cell_of(&self, key: &RoundKey) -> Option<RoundCell> {
+        self.rounds.get(key).map(|held| held.cell.clone())
+    }
+
+    /// Records that `key`'s round, if `cell` is still its cell, now holds `bytes` (0: nothing,
+    /// and it is forgotten). A round that holds something drops the task's earlier rounds under
+    /// the same key and policy, then the least recently used others while over the limits.
+    pub(crate) fn settle(&mut self, key: &RoundKey, cell: &RoundCell, bytes: usize) {
+        let Some(held) = self.rounds.get_mut(key) else {
+            return;
+        };
+        if !Arc::ptr_eq(&held.cell, cell) {
+            return;
+        }
+        self.bytes = self.bytes - held.bytes + bytes;
+        held.bytes = bytes;
+        if bytes == 0 {
+            self.remove(key);
+            return;
+        }
         let earlier: Vec<RoundKey> = self
             .rounds
             .keys()
             .filter(|k| {
-                (&k.key_id, &k.task_id) == (&key.key_id, &key.task_id) && k.round < key.round
+                (&k.key_id, &k.task_id, &k.policy_sha256)
+                    == (&key.key_id, &key.task_id, &key.policy_sha256)
+                    && k.round < key.round
             })
             .cloned()
             .collect();
         for earlier in earlier {
             self.remove(&earlier);
         }
-        self.uses += 1;
-        let used = self.uses;
-        let held = self.rounds.entry(key.clone()).or_insert_with(|| Held {
-            used,
-            bytes: 0,
-            cell: RoundCell::default(),
-        });
-        held.used = used;
-        let cell = held.cell.clone();
-        self.keep_within(key);
-        cell
-    }
-
-    /// Records that `key`'s round, if `cell` is still its cell, now holds `bytes` (0: nothing,
-    /// and it is forgotten), and drops the least recently used others while over the limits.
-    pub(crate) fn settle(&mut self, key: &RoundKey, cell: &RoundCell, bytes: usize) {
-        if let Some(held) = self.rounds.get_mut(key)
-            && Arc::ptr_eq(&held.cell, cell)
-        {
-            self.bytes = self.bytes - held.bytes + bytes;
-            held.bytes = bytes;
-            if bytes == 0 {
-                self.remove(key);
-            }
-        }
         self.keep_within(key);
     }
 
-    /// Takes `key`'s round's cell out, and forgets every other preparation of the same key and
-    /// round (under another policy or length: no sums request of this round can use them now).
-    pub(crate) fn take_round(&mut self, key: &RoundKey) -> Option<RoundCell> {
-        let taken = self.rounds.get(key).map(|held| held.cell.clone());
+    /// Forgets `key`'s round and every other preparation of the same key and round (under
+    /// another policy or length: no sums request of this round can use them now).
+    pub(crate) fn forget_round(&mut self, key: &RoundKey) {
         let same_round: Vec<RoundKey> = self
             .rounds
             .keys()
@@ -175,7 +195,6 @@ impl PreparedRounds {
         for other in same_round {
             self.remove(&other);
         }
-        taken
     }
 
     fn remove(&mut self, key: &RoundKey) {
@@ -242,7 +261,7 @@ mod tests {
     fn put(rounds: &mut PreparedRounds, key: &RoundKey, round: PreparedRound) {
         let cell = rounds.cell(key);
         let bytes = round.bytes();
-        *cell.try_lock().unwrap() = Some(round);
+        *cell.try_lock().unwrap() = Cell::Open(Some(round));
         rounds.settle(key, &cell, bytes);
     }
 
@@ -259,15 +278,20 @@ mod tests {
         put(&mut rounds, &key("b", 1, 1_000), round_of(1_000, 10));
         // "a" used again: "b" is now the least recently used.
         rounds.cell(&key("a", 1, 1_000));
+        // A batch that adds nothing drops nothing.
+        let nothing = rounds.cell(&key("z", 1, 100_000));
+        rounds.settle(&key("z", 1, 100_000), &nothing, 0);
+        assert!(rounds.held(&key("b", 1, 1_000)));
         put(&mut rounds, &key("c", 1, 1_000), round_of(1_000, 10));
         assert!(rounds.bytes <= rounds.limit);
         assert!(!rounds.held(&key("b", 1, 1_000)), "b was dropped");
         assert!(rounds.held(&key("a", 1, 1_000)) && rounds.held(&key("c", 1, 1_000)));
 
-        // Another length of round "c": taking one forgets both.
+        // Another length of round "c": forgetting the round forgets both.
         put(&mut rounds, &key("c", 1, 10), round_of(10, 1));
-        assert!(rounds.take_round(&key("c", 1, 1_000)).is_some());
-        assert!(!rounds.held(&key("c", 1, 10)));
+        assert!(rounds.cell_of(&key("c", 1, 1_000)).is_some());
+        rounds.forget_round(&key("c", 1, 1_000));
+        assert!(!rounds.held(&key("c", 1, 10)) && !rounds.held(&key("c", 1, 1_000)));
         assert_eq!(rounds.rounds.len(), 1);
         assert_eq!(rounds.bytes, one);
 
@@ -278,7 +302,8 @@ mod tests {
         assert_eq!(rounds.bytes, one);
     }
 
-    /// A task's later round drops its earlier ones; at most `max_rounds` rounds are held.
+    /// A task's later round under the same policy drops its earlier ones (under another
+    /// policy, as anyone may prepare, it does not); at most `max_rounds` rounds are held.
     #[test]
     fn a_later_round_of_a_task_drops_its_earlier_ones_and_rounds_are_counted() {
         let mut rounds = PreparedRounds {
@@ -286,6 +311,13 @@ mod tests {
             ..PreparedRounds::default()
         };
         put(&mut rounds, &key("a", 1, 10), round_of(10, 1));
+        let elsewhere = RoundKey {
+            policy_sha256: "another".into(),
+            ..key("a", 5, 10)
+        };
+        put(&mut rounds, &elsewhere, round_of(10, 1));
+        assert!(rounds.held(&key("a", 1, 10)));
+        rounds.forget_round(&elsewhere);
         put(&mut rounds, &key("a", 2, 10), round_of(10, 1));
         assert!(!rounds.held(&key("a", 1, 10)));
         for task in ["b", "c", "d"] {

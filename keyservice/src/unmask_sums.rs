@@ -322,11 +322,8 @@ fn from_prepared(
             .iter()
             .map(|(reference, kept)| Ok(StreamKeys::of(&kept.seeds, &opener.context(reference)?)))
             .collect::<Result<Vec<_>, ApiError>>()?;
-        let mut minus = MaskSums::new(layout, opener.number, opener.values).map_err(internal)?;
-        minus
-            .add_many(&stale_streams, ring, threads)
+        sums.subtract_many(&stale_streams, ring, threads)
             .map_err(internal)?;
-        sums.subtract(&minus, ring).map_err(internal)?;
     }
     let seeds = seeds
         .into_iter()

@@ -241,16 +241,16 @@ fn add_range(
                 }
             }
             Ring::Bits64 => {
-                let mut sum = Zeroizing::new(vec![0u64; slice.len()]);
                 for input in inputs {
                     let mut cipher = seeked(&input.keys[index].1, start, width);
-                    for chunk in sum.chunks_mut(STREAM_CHUNK) {
+                    for chunk in slice.chunks_mut(STREAM_CHUNK) {
                         let bytes = next_keystream(&mut cipher, &mut keystream, chunk.len() * 8);
-                        ring.accumulate(chunk, bytes);
+                        for (value, word) in chunk.iter_mut().zip(bytes.chunks_exact(8)) {
+                            *value = value.wrapping_sub(u64::from_le_bytes(
+                                word.try_into().expect("8 bytes"),
+                            ));
+                        }
                     }
-                }
-                for (out, value) in slice.iter_mut().zip(sum.iter()) {
-                    *out = out.wrapping_sub(*value);
                 }
             }
         }

@@ -16,10 +16,10 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use confed_attestation::unmask_api::{
-    MAX_PREPARE_INPUTS, MaskedInput, PrepareRequest, prepare_batch_inputs,
+    MAX_PREPARE_INPUTS, MaskedInput, PrepareAnswer, PrepareRequest, prepare_batch_inputs,
 };
 use confed_protocol::masking::split_seeds;
 use confed_protocol::masking_keys::MaskingPolicy;
@@ -34,8 +34,10 @@ use crate::keys::directory::KeyDirectory;
 const QUEUE: usize = 16_384;
 /// Rounds whose policy and length are remembered at most (past this the map starts over).
 const CACHED_ROUNDS: usize = 1_024;
-/// How long a key service has for one batch.
-const TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a key service has for one batch (about a second of its cores' work, at most).
+const TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a key service that did not answer is left out of the batches.
+const BACKOFF: Duration = Duration::from_secs(30);
 /// Most bytes of a model's safetensors header read to count its values.
 const MAX_HEADER_BYTES: u64 = 16 * 1024 * 1024;
 
@@ -81,6 +83,7 @@ impl MaskPreparer {
             urls,
             client: confed_protocol::http::client(TIMEOUT),
             rounds: HashMap::new(),
+            unreachable: HashMap::new(),
         };
         let task = tokio::spawn(batches.run(uploads, stop));
         (Self { queue: Some(queue) }, Some(task))
@@ -121,6 +124,8 @@ struct Batches {
     urls: Vec<String>,
     client: reqwest::Client,
     rounds: HashMap<RoundId, RoundFacts>,
+    /// Key services left out until then: they did not answer.
+    unreachable: HashMap<String, Instant>,
 }
 
 impl Batches {
@@ -176,17 +181,22 @@ impl Batches {
     }
 
     /// `uploads` of one round to every key service its masking line names, in requests within
-    /// what one prepare request may expand.
-    async fn send_round(&self, round: &RoundId, facts: &RoundFacts, uploads: &[UploadedSeeds]) {
+    /// what one prepare request may expand. A key service that did not answer is left out for
+    /// `BACKOFF`, so it does not hold up the others' batches.
+    async fn send_round(&mut self, round: &RoundId, facts: &RoundFacts, uploads: &[UploadedSeeds]) {
         let layout = facts.masking.layout();
-        let targets: Vec<(&String, u8)> = self
+        let now = Instant::now();
+        self.unreachable.retain(|_, until| *until > now);
+        let mut targets: Vec<(&String, u8)> = self
             .urls
             .iter()
+            .filter(|url| !self.unreachable.contains_key(*url))
             .filter_map(|url| {
                 let id = self.keys.keyservice_at(url)?;
                 Some((url, facts.masking.number_of(&id)?))
             })
             .collect();
+        let mut unreachable = Vec::new();
         if targets.is_empty() {
             count("no_keyservice", uploads.len());
             return;
@@ -199,6 +209,7 @@ impl Batches {
             .collect();
         count("malformed", uploads.len() - cut.len());
         let per_request = prepare_batch_inputs(facts.values, layout.groups_of(targets[0].1).len());
+        let this = &*self;
         for chunk in cut.chunks(per_request) {
             let sent = futures_util::future::join_all(targets.iter().map(|&(url, number)| {
                 let request = PrepareRequest {
@@ -221,23 +232,36 @@ impl Batches {
                 };
                 async move {
                     let body = serde_json::to_vec(&request).map_err(|e| e.to_string())?;
-                    self.post(url, &round.3, body).await
+                    this.post(url, &round.3, body).await
                 }
             }))
             .await;
             for ((url, _), outcome) in targets.iter().zip(sent) {
                 match outcome {
-                    Ok(()) => count("sent", chunk.len()),
+                    Ok(answer) => {
+                        count("sent", (answer.prepared + answer.held) as usize);
+                        count("refused", answer.refused as usize);
+                    }
                     Err(why) => {
                         tracing::debug!(keyservice = %url, task = %round.1, round = round.2, %why, "a key service did not prepare a batch: its mask sums will be computed in full");
                         count("refused", chunk.len());
+                        if why.starts_with("unreachable") {
+                            unreachable.push((*url).clone());
+                        }
                     }
                 }
             }
+            targets.retain(|(url, _)| !unreachable.contains(*url));
+            if targets.is_empty() {
+                break;
+            }
+        }
+        for url in unreachable {
+            self.unreachable.insert(url, now + BACKOFF);
         }
     }
 
-    async fn post(&self, url: &str, key_id: &str, body: Vec<u8>) -> Result<(), String> {
+    async fn post(&self, url: &str, key_id: &str, body: Vec<u8>) -> Result<PrepareAnswer, String> {
         let response = self
             .client
             .post(format!(
@@ -251,7 +275,10 @@ impl Batches {
             .map_err(|e| format!("unreachable: {e}"))?;
         let status = response.status();
         if status.is_success() {
-            return Ok(());
+            return response
+                .json()
+                .await
+                .map_err(|e| format!("not a prepare answer: {e}"));
         }
         let text = response.text().await.unwrap_or_default();
         Err(format!("{status}: {}", &text[..text.len().min(300)]))
