@@ -34,8 +34,8 @@ use crate::extract::{ApiBytes, ApiPath};
 
 /// Most inputs one round holds: the unmask's limit twice over (uploads the set may leave out).
 const MAX_PREPARED_INPUTS: usize = 2 * MAX_UNMASK_INPUTS;
-/// The body limit of the prepare route: `MAX_PREPARE_INPUTS` inputs of up to about 1.9 KB
-/// (3-of-7's sealed seeds, base64url, with the token and seven digests).
+/// The body limit of the prepare route: `MAX_PREPARE_INPUTS` inputs of up to about 2.3 KB
+/// (1-of-7's 20 groups a service: sealed seeds in base64url, the token, seven digests).
 pub(crate) const PREPARE_BODY_LIMIT: usize = 16 * 1024 * 1024;
 
 /// `POST /v1/keys/{key_id}/unmask/prepare`.
@@ -66,9 +66,10 @@ pub(crate) async fn prepare(
         .policy
         .masking
         .as_ref()
-        .expect("check_policy found the masking line")
+        .ok_or_else(|| ApiError::Internal("the checked policy lost its masking line".into()))?
         .layout();
-    let values = checked_values(request.values, layout.groups_of(checked.number).len())?;
+    let groups = layout.groups_of(checked.number).len();
+    let values = checked_values(request.values, groups)?;
     refuse_once_agreed(&service, &request.task_id, request.round)?;
     let key = RoundKey {
         key_id,
@@ -88,7 +89,7 @@ pub(crate) async fn prepare(
     let prepared = service.prepared.clone();
     let (cell, limit) = {
         let mut rounds = lock(&prepared)?;
-        (rounds.cell(&key), rounds.limit())
+        (rounds.cell(&key, groups * values * 8), rounds.limit())
     };
     // A sums request takes the round's cell only after the agreement: if there is none yet, it
     // will find this cell; if there is, nothing more is added.

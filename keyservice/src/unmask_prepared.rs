@@ -71,7 +71,7 @@ impl PreparedRound {
 /// The digest a prepared input is matched by: SHA-256 of the input as the sums request names
 /// it (JSON). Equal digests are equal inputs; an input sent with other bytes is computed anew.
 pub(crate) fn input_digest(input: &MaskedInput) -> [u8; 32] {
-    let bytes = serde_json::to_vec(input).unwrap_or_default();
+    let bytes = serde_json::to_vec(input).expect("a struct of strings always serializes");
     sha2::Sha256::digest(bytes).into()
 }
 
@@ -127,23 +127,34 @@ impl std::fmt::Debug for PreparedRounds {
 }
 
 impl PreparedRounds {
-    /// Most bytes one round may hold.
+    /// Most bytes held in all, and so by one round.
     pub(crate) fn limit(&self) -> usize {
         self.limit
     }
 
-    /// `key`'s round's cell (a new, empty one if it has none), marked as just used. Nothing is
-    /// dropped for it before a batch has added to it (`settle`).
-    pub(crate) fn cell(&mut self, key: &RoundKey) -> RoundCell {
+    /// `key`'s round's cell, marked as just used. A new round is counted at once at the size
+    /// of its empty sums (`sums_bytes`), and room made for it, before a batch allocates them;
+    /// `settle` corrects the count.
+    pub(crate) fn cell(&mut self, key: &RoundKey, sums_bytes: usize) -> RoundCell {
         self.uses += 1;
         let used = self.uses;
-        let held = self.rounds.entry(key.clone()).or_insert_with(|| Held {
-            used,
-            bytes: 0,
-            cell: open_cell(),
-        });
-        held.used = used;
-        held.cell.clone()
+        if let Some(held) = self.rounds.get_mut(key) {
+            held.used = used;
+            return held.cell.clone();
+        }
+        let bytes = ROUND_OVERHEAD_BYTES + sums_bytes;
+        let cell = open_cell();
+        self.rounds.insert(
+            key.clone(),
+            Held {
+                used,
+                bytes,
+                cell: cell.clone(),
+            },
+        );
+        self.bytes += bytes;
+        self.keep_within(key);
+        cell
     }
 
     /// `key`'s round's cell if it has one, left in place.
@@ -259,7 +270,7 @@ mod tests {
 
     /// Puts `round` under `key` as a batch would.
     fn put(rounds: &mut PreparedRounds, key: &RoundKey, round: PreparedRound) {
-        let cell = rounds.cell(key);
+        let cell = rounds.cell(key, round.sums_bytes());
         let bytes = round.bytes();
         *cell.try_lock().unwrap() = Cell::Open(Some(round));
         rounds.settle(key, &cell, bytes);
@@ -277,10 +288,10 @@ mod tests {
         put(&mut rounds, &key("a", 1, 1_000), round_of(1_000, 10));
         put(&mut rounds, &key("b", 1, 1_000), round_of(1_000, 10));
         // "a" used again: "b" is now the least recently used.
-        rounds.cell(&key("a", 1, 1_000));
-        // A batch that adds nothing drops nothing.
-        let nothing = rounds.cell(&key("z", 1, 100_000));
-        rounds.settle(&key("z", 1, 100_000), &nothing, 0);
+        rounds.cell(&key("a", 1, 1_000), 8_000);
+        // A batch that adds nothing leaves the others as they were.
+        let nothing = rounds.cell(&key("z", 1, 10), 80);
+        rounds.settle(&key("z", 1, 10), &nothing, 0);
         assert!(rounds.held(&key("b", 1, 1_000)));
         put(&mut rounds, &key("c", 1, 1_000), round_of(1_000, 10));
         assert!(rounds.bytes <= rounds.limit);
@@ -296,10 +307,28 @@ mod tests {
         assert_eq!(rounds.bytes, one);
 
         // A batch that added nothing leaves nothing behind.
-        let empty = rounds.cell(&key("d", 1, 1_000));
+        let empty = rounds.cell(&key("d", 1, 1_000), 8_000);
         rounds.settle(&key("d", 1, 1_000), &empty, 0);
         assert!(!rounds.held(&key("d", 1, 1_000)));
         assert_eq!(rounds.bytes, one);
+    }
+
+    /// A new round is counted at its empty sums' size before any batch allocates them, making
+    /// room at once: the held bytes never pass the limit while a batch runs.
+    #[test]
+    fn a_new_round_is_counted_before_its_sums_are_allocated() {
+        let one = round_of(1_000, 10).bytes();
+        let mut rounds = PreparedRounds {
+            limit: 2 * one,
+            ..PreparedRounds::default()
+        };
+        put(&mut rounds, &key("a", 1, 1_000), round_of(1_000, 10));
+        put(&mut rounds, &key("b", 1, 1_000), round_of(1_000, 10));
+        let big = key("big", 1, 1_500);
+        let _cell = rounds.cell(&big, round_of(1_500, 0).sums_bytes());
+        assert!(rounds.bytes <= rounds.limit);
+        assert!(!rounds.held(&key("a", 1, 1_000)), "room made at once");
+        assert!(rounds.held(&big));
     }
 
     /// A task's later round under the same policy drops its earlier ones (under another

@@ -163,8 +163,8 @@ impl MaskSums {
     }
 
     /// Takes `other`'s sums (the same service's groups, of as many values) away, in `ring`
-    /// (the layout's): what a key service does with inputs it added ahead that the agreed set
-    /// leaves out.
+    /// (the layout's). A key service takes inputs it added ahead away from the streams
+    /// themselves (`subtract_many`), without a second set of sums.
     pub fn subtract(&mut self, other: &MaskSums, ring: Ring) -> Result<(), MaskingError> {
         self.check_groups(other.sums.iter().map(|(group, _)| *group))?;
         for ((_, sum), (_, minus)) in self.sums.iter_mut().zip(&other.sums) {

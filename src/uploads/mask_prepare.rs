@@ -42,7 +42,6 @@ const BACKOFF: Duration = Duration::from_secs(30);
 const MAX_HEADER_BYTES: u64 = 16 * 1024 * 1024;
 
 /// One new upload to a masked round, as its envelope names it.
-#[derive(Debug)]
 pub struct UploadedSeeds {
     pub tenant_id: String,
     pub task_id: String,
@@ -84,6 +83,7 @@ impl MaskPreparer {
             client: confed_protocol::http::client(TIMEOUT),
             rounds: HashMap::new(),
             unreachable: HashMap::new(),
+            warned: Default::default(),
         };
         let task = tokio::spawn(batches.run(uploads, stop));
         (Self { queue: Some(queue) }, Some(task))
@@ -94,14 +94,22 @@ impl MaskPreparer {
         self.queue.is_some()
     }
 
-    /// Queues `upload` for the next batch, or counts it as not prepared when the queue is full.
+    /// Queues `upload` for the next batch, or counts it as not prepared when the queue is full
+    /// (or its task has stopped: said once in the log).
     pub fn offer(&self, upload: UploadedSeeds) {
         let Some(queue) = &self.queue else {
             return;
         };
-        if queue.try_send(upload).is_err() {
-            metrics::counter!("confed_mask_prepare_inputs_total", "outcome" => "queue_full")
-                .increment(1);
+        match queue.try_send(upload) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => count("queue_full", 1),
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| {
+                    tracing::warn!("the task that hands masked uploads to the key services has stopped: masked rounds' sums are computed in full after the release until this process restarts");
+                });
+                count("stopped", 1);
+            }
         }
     }
 }
@@ -126,6 +134,8 @@ struct Batches {
     rounds: HashMap<RoundId, RoundFacts>,
     /// Key services left out until then: they did not answer.
     unreachable: HashMap<String, Instant>,
+    /// The (round, key service) pairs whose refusal was logged.
+    warned: std::collections::HashSet<(RoundId, String)>,
 }
 
 impl Batches {
@@ -181,8 +191,10 @@ impl Batches {
     }
 
     /// `uploads` of one round to every key service its masking line names, in requests within
-    /// what one prepare request may expand. A key service that did not answer is left out for
-    /// `BACKOFF`, so it does not hold up the others' batches.
+    /// what one prepare request may expand, each chunk to all of them at once. A key service
+    /// that did not answer (or has no prepare route) is left out for `BACKOFF`; one that answers
+    /// slowly slows every service's batches (speed only: the uploads queue, and past the queue
+    /// their sums are computed in full).
     async fn send_round(&mut self, round: &RoundId, facts: &RoundFacts, uploads: &[UploadedSeeds]) {
         let layout = facts.masking.layout();
         let now = Instant::now();
@@ -197,6 +209,8 @@ impl Batches {
             })
             .collect();
         let mut unreachable = Vec::new();
+        let mut failures: Vec<(String, String)> = Vec::new();
+        let mut sent_inputs = 0;
         if targets.is_empty() {
             count("no_keyservice", uploads.len());
             return;
@@ -236,28 +250,42 @@ impl Batches {
                 }
             }))
             .await;
-            for ((url, _), outcome) in targets.iter().zip(sent) {
+            for ((url, number), outcome) in targets.iter().zip(sent) {
+                let id = &facts.masking.services[usize::from(*number) - 1].keyservice_id;
                 match outcome {
                     Ok(answer) => {
-                        count("sent", (answer.prepared + answer.held) as usize);
-                        count("refused", answer.refused as usize);
+                        count_at("sent", id, (answer.prepared + answer.held) as usize);
+                        count_at("refused", id, answer.refused as usize);
                     }
                     Err(why) => {
-                        tracing::debug!(keyservice = %url, task = %round.1, round = round.2, %why, "a key service did not prepare a batch: its mask sums will be computed in full");
-                        count("refused", chunk.len());
-                        if why.starts_with("unreachable") {
+                        count_at("refused", id, chunk.len());
+                        // Not answering, or without the route (not upgraded yet): left out a while.
+                        if why.starts_with("unreachable") || why.starts_with("404") {
                             unreachable.push((*url).clone());
                         }
+                        failures.push((id.clone(), why));
                     }
                 }
             }
             targets.retain(|(url, _)| !unreachable.contains(*url));
+            sent_inputs += chunk.len();
             if targets.is_empty() {
                 break;
             }
         }
+        count("no_keyservice", cut.len() - sent_inputs);
         for url in unreachable {
             self.unreachable.insert(url, now + BACKOFF);
+        }
+        // Said once per round and key service: a refused batch is worth a look (an old key
+        // service, a policy it will not take), not a line per batch.
+        for (id, why) in failures {
+            if self.warned.len() >= CACHED_ROUNDS {
+                self.warned.clear();
+            }
+            if self.warned.insert((round.clone(), id.clone())) {
+                tracing::warn!(keyservice = %id, task = %round.1, round = round.2, %why, "a key service did not prepare a batch of this round's uploads: their mask sums will be computed in full after the release");
+            }
         }
     }
 
@@ -281,7 +309,8 @@ impl Batches {
                 .map_err(|e| format!("not a prepare answer: {e}"));
         }
         let text = response.text().await.unwrap_or_default();
-        Err(format!("{status}: {}", &text[..text.len().min(300)]))
+        let text: String = text.chars().take(300).collect();
+        Err(format!("{}: {text}", status.as_u16()))
     }
 
     /// The round's policy text (as the round's job names it) and its model's values, read once
@@ -307,8 +336,10 @@ impl Batches {
             .masking
             .as_deref()
             .ok_or("the task does not mask its updates")
+            .map_err(str::to_string)
             .and_then(|line| {
-                MaskingPolicy::parse(line).map_err(|_| "its masking line does not parse")
+                MaskingPolicy::parse(line)
+                    .map_err(|e| format!("its masking line does not parse: {e}"))
             })?;
         let facts = RoundFacts {
             policy: task.spec.policy(task_id, tenant_id).encode(),
@@ -323,10 +354,18 @@ impl Batches {
     }
 }
 
-/// Counts `inputs` uploads as prepared with `outcome` (per key service for `sent` and `refused`).
+/// Counts `inputs` uploads with `outcome`, before any key service was asked.
 fn count(outcome: &'static str, inputs: usize) {
     if inputs > 0 {
         metrics::counter!("confed_mask_prepare_inputs_total", "outcome" => outcome)
+            .increment(inputs as u64);
+    }
+}
+
+/// Counts `inputs` uploads with `outcome` at key service `id` (`sent`, `refused`).
+fn count_at(outcome: &'static str, id: &str, inputs: usize) {
+    if inputs > 0 {
+        metrics::counter!("confed_mask_prepare_inputs_total", "outcome" => outcome, "keyservice" => id.to_string())
             .increment(inputs as u64);
     }
 }
@@ -343,7 +382,9 @@ async fn model_values(blobs: &dyn BlobStore, key: &BlobKey) -> Result<u64, Strin
         .map(u64::from_le_bytes)
         .map_err(|_| "the model is shorter than a safetensors header".to_string())?;
     if header_len > MAX_HEADER_BYTES {
-        return Err(format!("the model's header is {header_len} bytes"));
+        return Err(format!(
+            "the model's safetensors header is {header_len} bytes, over the {MAX_HEADER_BYTES} this reads to count its values"
+        ));
     }
     let header = blobs
         .get_range(key, 8, header_len)

@@ -178,10 +178,27 @@ async fn a_prepare_request_that_does_not_fit_the_round_is_refused() {
     let counts: PrepareAnswer = answer.json().await.unwrap();
     // The seeds' context names the length: they do not open under another.
     assert_eq!(counts.refused, DEVICES as u64);
+    // One input twice in a request, and a ref that is not a digest: each refused on its own.
+    let mut doubled = prepare_request(&m, 0, &all);
+    doubled.inputs.push(doubled.inputs[0].clone());
+    let mut not_a_ref = doubled.inputs[1].clone();
+    not_a_ref.assignment_ref = "device-1".into();
+    doubled.inputs.push(not_a_ref);
+    let counts: PrepareAnswer = m.post(0, "prepare", &doubled).await.json().await.unwrap();
+    assert_eq!(
+        (counts.prepared, counts.held, counts.refused),
+        (DEVICES as u64, 0, 2)
+    );
     // Service 2's own items sent to service 1: its seeds' digest is not the one listed.
     let mut foreign = prepare_request(&m, 1, &all);
     foreign.values = VALUES as u64;
-    let counts: PrepareAnswer = m.post(0, "prepare", &foreign).await.json().await.unwrap();
+    let counts: PrepareAnswer = m.post(1, "prepare", &foreign).await.json().await.unwrap();
+    assert_eq!(
+        counts.prepared, DEVICES as u64,
+        "service 2's own items are its to add"
+    );
+    let foreign = prepare_request(&m, 1, &all);
+    let counts: PrepareAnswer = m.post(2, "prepare", &foreign).await.json().await.unwrap();
     assert_eq!((counts.prepared, counts.refused), (0, DEVICES as u64));
     let receipts = m.agreed().await;
     let layout = m.policy.masking.as_ref().unwrap().layout();
