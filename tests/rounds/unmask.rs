@@ -208,25 +208,35 @@ impl Masked {
         receipts: &[UnmaskReceipt],
         inputs: &[Input],
     ) -> SumsRequest {
-        let layout = self.policy.masking.as_ref().unwrap().layout();
         SumsRequest {
             round: self.round(),
             values: VALUES as u64,
             receipts: receipts.to_vec(),
-            inputs: inputs
-                .iter()
-                .map(|i| {
-                    let items = split_seeds(&layout, &i.seeds).unwrap();
-                    MaskedInput::of_envelope(
-                        &i.assignment_ref,
-                        &i.enc,
-                        &i.token,
-                        &items,
-                        service as u8 + 1,
-                    )
-                })
-                .collect(),
+            inputs: self.masked_inputs(service, inputs),
         }
+    }
+
+    /// `inputs` as the enclave names them to key service `service` (0-based): its item of each
+    /// input's seeds and every item's digest.
+    pub(super) fn masked_inputs<'a>(
+        &self,
+        service: usize,
+        inputs: impl IntoIterator<Item = &'a Input>,
+    ) -> Vec<MaskedInput> {
+        let layout = self.policy.masking.as_ref().unwrap().layout();
+        inputs
+            .into_iter()
+            .map(|i| {
+                let items = split_seeds(&layout, &i.seeds).unwrap();
+                MaskedInput::of_envelope(
+                    &i.assignment_ref,
+                    &i.enc,
+                    &i.token,
+                    &items,
+                    service as u8 + 1,
+                )
+            })
+            .collect()
     }
 }
 
@@ -305,6 +315,33 @@ impl Masked {
             }
         }
         (masked_sum, exact)
+    }
+
+    /// What every service's sums over the whole set, against `receipts`, unmask the inputs'
+    /// masked sum to (with room for distributed noise of `variance`), and their exact sum.
+    pub(super) async fn unmasked_by_all(
+        &self,
+        receipts: &[UnmaskReceipt],
+        variance: u64,
+    ) -> (Vec<i64>, Vec<i64>) {
+        let layout = self.policy.masking.as_ref().unwrap().layout();
+        let mut answers = Vec::new();
+        for service in 0..3u8 {
+            answers.push(self.sums(service, receipts).await.1);
+        }
+        let (masked_sum, exact) = self.sums_in_the_clear();
+        let room = NoiseRoom::of(VALUES, variance, 3);
+        let unmasked = unmask(
+            &layout,
+            &masked_sum,
+            &answers,
+            DEVICES as u64,
+            1 << 16,
+            room,
+        )
+        .unwrap()
+        .to_vec();
+        (unmasked, exact)
     }
 }
 

@@ -8,8 +8,7 @@
 //! Not run again on PostgreSQL and GCS (.ci/run): key services only; no task database or blob
 //! store.
 
-use confed_attestation::unmask_api::{MaskedInput, PrepareAnswer, PrepareRequest};
-use confed_protocol::masking::{NoiseRoom, split_seeds, unmask};
+use confed_attestation::unmask_api::{PrepareAnswer, PrepareRequest};
 use confed_protocol::policy::TaskPolicy;
 
 use super::unmask::{
@@ -19,25 +18,12 @@ use super::unmask::{
 /// A prepare request for key service `service` (0-based): each input as its sums request
 /// names it (this service's item of the seeds, every item's digest).
 fn prepare_request(m: &Masked, service: usize, inputs: &[&Input]) -> PrepareRequest {
-    let layout = m.policy.masking.as_ref().unwrap().layout();
     PrepareRequest {
         task_id: TASK.into(),
         round: 1,
         policy: m.policy.encode(),
         values: VALUES as u64,
-        inputs: inputs
-            .iter()
-            .map(|i| {
-                let items = split_seeds(&layout, &i.seeds).unwrap();
-                MaskedInput::of_envelope(
-                    &i.assignment_ref,
-                    &i.enc,
-                    &i.token,
-                    &items,
-                    service as u8 + 1,
-                )
-            })
-            .collect(),
+        inputs: m.masked_inputs(service, inputs.iter().copied()),
     }
 }
 
@@ -113,22 +99,8 @@ async fn prepared_sums_are_the_sums_of_the_agreed_set_whatever_was_prepared() {
     assert_eq!(refusals[0].0, 403);
     assert!(refusals[0].1.contains("device token"), "{}", refusals[0].1);
     assert_eq!(refusals[0], refusals[1]);
-    let mut answers = Vec::new();
-    for service in 0..3u8 {
-        answers.push(m.sums(service, &receipts).await.1);
-    }
-    let (masked_sum, exact) = m.sums_in_the_clear();
-    let room = NoiseRoom::of(VALUES, variance, 3);
-    let unmasked = unmask(
-        &layout,
-        &masked_sum,
-        &answers,
-        DEVICES as u64,
-        1 << 16,
-        room,
-    )
-    .unwrap();
-    assert_eq!(unmasked.as_slice(), noised(&m, variance, &exact).as_slice());
+    let (unmasked, exact) = m.unmasked_by_all(&receipts, variance).await;
+    assert_eq!(unmasked, noised(&m, variance, &exact));
 
     // The set is agreed: a late batch is refused, and nothing is prepared.
     let late = prepare(&m, 0, &batch).await;
@@ -201,21 +173,6 @@ async fn a_prepare_request_that_does_not_fit_the_round_is_refused() {
     let counts: PrepareAnswer = m.post(2, "prepare", &foreign).await.json().await.unwrap();
     assert_eq!((counts.prepared, counts.refused), (0, DEVICES as u64));
     let receipts = m.agreed().await;
-    let layout = m.policy.masking.as_ref().unwrap().layout();
-    let mut answers = Vec::new();
-    for service in 0..3u8 {
-        answers.push(m.sums(service, &receipts).await.1);
-    }
-    let (masked_sum, exact) = m.sums_in_the_clear();
-    let room = NoiseRoom::of(VALUES, 0, 3);
-    let unmasked = unmask(
-        &layout,
-        &masked_sum,
-        &answers,
-        DEVICES as u64,
-        1 << 16,
-        room,
-    )
-    .unwrap();
-    assert_eq!(unmasked.as_slice(), exact.as_slice());
+    let (unmasked, exact) = m.unmasked_by_all(&receipts, 0).await;
+    assert_eq!(unmasked, exact);
 }
