@@ -14,10 +14,14 @@
 //! best of three: `cargo bench -p confed-enclave --bench aggregation` measures it the same way),
 //! and the peak RSS during the turnaround.
 //!
+//! Each case runs twice, aggregated by the server's in-process worker and then by a
+//! `confed-enclave` process over the worker API as production does (the remote worker:
+//! `cargo build --release -p confed-enclave` first), and the bench prints the remote worker's
+//! open step against the in-process one's.
+//!
 //! `cargo bench --bench round`; `CONFED_BENCH_DEVICES=10000` for a 10 GB round;
-//! `CONFED_BENCH_WORKER=remote` to aggregate in a `confed-enclave` process over the worker API
-//! (`cargo build --release -p confed-enclave` first), as production does
-//! (`CONFED_BENCH_RETAIN_MIB` sets its `--retain-mib`). `CONFED_BENCH_WORKERS=K` cuts the round
+//! `CONFED_BENCH_WORKER=remote` or `inprocess` for one worker only
+//! (`CONFED_BENCH_RETAIN_MIB` sets the remote worker's `--retain-mib`). `CONFED_BENCH_WORKERS=K` cuts the round
 //! into K partitions, aggregated by K `confed-enclave` processes and merged by a root
 //! (`support/partitioned.rs`). `CONFED_BENCH_MASKED=1` runs a round with device tokens in the
 //! clear and then masked beneath the enclave (`secure_aggregation`), and prints the masked
@@ -214,6 +218,9 @@ fn spec(population: &str, devices: usize, clip_norm: f64) -> serde_json::Value {
         "round_deadline_seconds": 3600,
         "assignment_timeout_seconds": 600,
         "privacy": {"epsilon": 8.0, "delta": 1e-6, "clip_norm": clip_norm},
+        // Devices send within 50 ms of their assignment: the collection is not what is measured
+        // (without it they would wait one to two `device_seconds_per_round`).
+        "upload_window": {"start_ms": 0, "end_ms": 50},
         "plan": {"epochs": 1, "batch_size": 32, "learning_rate": 0.1},
     })
 }
@@ -328,6 +335,70 @@ mod partitioned;
 #[path = "support/masked_round.rs"]
 mod masked_round;
 
+/// Who aggregates the bench's rounds: `CONFED_BENCH_WORKER=inprocess` or `remote` for one of
+/// them, otherwise both, each case in process and then remote.
+fn worker_kinds() -> Vec<WorkerKind> {
+    match std::env::var("CONFED_BENCH_WORKER").as_deref() {
+        Ok("remote") => vec![WorkerKind::Remote],
+        Ok("inprocess") => vec![WorkerKind::InProcess],
+        _ => vec![WorkerKind::InProcess, WorkerKind::Remote],
+    }
+}
+
+fn kind_name(kind: WorkerKind) -> &'static str {
+    match kind {
+        WorkerKind::Remote => "remote worker",
+        _ => "in-process worker",
+    }
+}
+
+/// One case's round on a fresh server aggregated by `kind`: prints its figures and returns its
+/// open step in seconds.
+async fn measured_case(
+    http: &reqwest::Client,
+    (label, population, clip_norm): (&str, &str, f64),
+    kind: WorkerKind,
+    devices: usize,
+) -> f64 {
+    // A server (and data directory) per round: each is deleted before the next starts, so a
+    // 10 GB round's cases need the disk of one.
+    let server = start_with(kind);
+    let population = format!("{population}-{}", kind_name(kind).replace(' ', "-"));
+    let m = round(
+        http,
+        &server,
+        (&population, spec(&population, devices, clip_norm)),
+        devices,
+        None,
+    )
+    .await;
+    let job = server.jobs.recv_timeout(Duration::from_secs(10)).ok();
+    let (seconds, open) = job
+        .as_ref()
+        .map_or((f64::NAN, f64::NAN), |job| (job.seconds, job.step("open")));
+    let reference = aggregation_reference(clip_norm);
+    let bytes = (devices * (PARAMS * 4 + 200)) as f64 / 1e9;
+    let gbps = bytes / m.turnaround;
+    println!(
+        "{label}, {}: collection {:.2} s ({:.0} cycles/s), turnaround {:.2} s ({gbps:.2} GB/s; job {seconds:.2} s, open step {open:.3} s ({:.2} GB/s), before the job {:.3} s), peak RSS {:.0} MB | aggregation alone {:.2} GB/s, turnaround at {:.2} of it | read + digest check + aggregation, no fixed steps (a round's ceiling) {:.2} GB/s, turnaround at {:.2} of it",
+        kind_name(kind),
+        m.collection,
+        devices as f64 / m.collection,
+        m.turnaround,
+        bytes / open,
+        m.turnaround - seconds,
+        m.peak_rss_mb,
+        reference.alone,
+        gbps / reference.alone,
+        reference.ceiling,
+        gbps / reference.ceiling,
+    );
+    if let Some(job) = job {
+        println!("  steps: {}", job.phases);
+    }
+    open
+}
+
 fn main() {
     let devices = devices();
     let runtime = tokio::runtime::Runtime::new().unwrap();
@@ -339,25 +410,24 @@ fn main() {
         runtime.block_on(masked_round::run(devices));
         return;
     }
+    let kinds = worker_kinds();
     runtime.block_on(async {
-        let remote = std::env::var("CONFED_BENCH_WORKER").is_ok_and(|w| w == "remote");
-        let kind = if remote {
-            WorkerKind::Remote
-        } else {
-            WorkerKind::InProcess
-        };
         let http = confed_protocol::http::client(Duration::from_secs(60));
-        let bytes = (devices * (PARAMS * 4 + 200)) as f64 / 1e9;
         println!(
-            "== whole rounds: {devices} devices x 1 MB ({PARAMS} f32), confed serve (embedded), {}, aggregated {}",
+            "== whole rounds: {devices} devices x 1 MB ({PARAMS} f32), confed serve (embedded), {}, aggregated by {}",
             binary(),
-            if remote {
-                "by a confed-enclave process over the worker API"
-            } else {
-                "in process"
-            }
+            kinds
+                .iter()
+                .map(|&kind| match kind {
+                    WorkerKind::Remote =>
+                        "a confed-enclave process over the worker API (the remote worker)",
+                    _ => "the server's in-process worker",
+                })
+                .collect::<Vec<_>>()
+                .join(", then ")
         );
-        for (label, population, clip_norm) in [
+        let mut opens = vec![Vec::new(); kinds.len()];
+        for case in [
             ("below the clip norm (clip 10)", "round-unclipped", 10.0),
             // The updates' norms spread narrowly around sqrt(262,144 x 0.01^2 / 3) = 2.956: at
             // that clip norm about half of them lie above it, as with a clip norm set at the
@@ -365,34 +435,23 @@ fn main() {
             ("half above the clip norm (clip 2.956)", "round-half", 2.956),
             ("above the clip norm (clip 1)", "round-clipped", 1.0),
         ] {
-            // A server (and data directory) per case: each is deleted before the next starts,
-            // so a 10 GB round's three cases need the disk of one.
-            let server = start_with(kind);
-            let m = round(
-                &http,
-                &server,
-                (population, spec(population, devices, clip_norm)),
-                devices,
-                None,
-            )
-            .await;
-            let job = server
-                .jobs
-                .recv_timeout(Duration::from_secs(10))
-                .unwrap_or(f64::NAN);
-            let reference = aggregation_reference(clip_norm);
-            let gbps = bytes / m.turnaround;
+            for (index, &kind) in kinds.iter().enumerate() {
+                opens[index].push(measured_case(&http, case, kind, devices).await);
+            }
+        }
+        if let [in_process, remote] = &opens[..] {
+            let total = |opens: &[f64]| opens.iter().sum::<f64>();
+            let per_case: Vec<String> = in_process
+                .iter()
+                .zip(remote)
+                .map(|(local, remote)| format!("{:.2}", local / remote))
+                .collect();
             println!(
-                "{label}: collection {:.2} s ({:.0} cycles/s), turnaround {:.2} s ({gbps:.2} GB/s; job {job:.2} s, before it {:.3} s), peak RSS {:.0} MB | aggregation alone {:.2} GB/s, turnaround at {:.2} of it | read + digest check + aggregation, no fixed steps (a round's ceiling) {:.2} GB/s, at {:.2} of it",
-                m.collection,
-                devices as f64 / m.collection,
-                m.turnaround,
-                m.turnaround - job,
-                m.peak_rss_mb,
-                reference.alone,
-                gbps / reference.alone,
-                reference.ceiling,
-                reference.ceiling / reference.alone,
+                "remote worker at {:.2} of in-process (open step, {:.3} s against {:.3} s over the three cases; per case {}; goal: at least 0.9)",
+                total(in_process) / total(remote),
+                total(remote),
+                total(in_process),
+                per_case.join(", ")
             );
         }
     });

@@ -17,8 +17,8 @@ pub(crate) struct Server {
     pub trust: String,
     /// The embedded key services' base URLs.
     pub keyservices: Vec<String>,
-    /// Each aggregated round's job time in seconds (`seconds=` of its log line), in order.
-    pub jobs: std::sync::mpsc::Receiver<f64>,
+    /// Each aggregated round's job as its log line gives it, in order.
+    pub jobs: std::sync::mpsc::Receiver<JobLog>,
     /// The `confed-enclave` process, when rounds are aggregated outside the server.
     pub worker: Option<Child>,
     /// What a `confed-enclave` needs to work for this server: the worker token, the dev
@@ -102,24 +102,56 @@ pub(crate) enum WorkerKind {
     Partitioned(u32),
 }
 
-/// Forwards a process's log to ours, sending the `seconds=` of each line holding `marker`.
-fn forward_log(log: impl std::io::Read + Send + 'static, marker: &'static str, jobs: Sender<f64>) {
+/// One aggregated round as the worker logged it: the job's time after its lease (`seconds=`)
+/// and each step's (`phases="lease 3 ms, read 40 ms, ..."`).
+#[allow(dead_code)]
+pub(crate) struct JobLog {
+    pub seconds: f64,
+    pub phases: String,
+}
+
+#[allow(dead_code)]
+impl JobLog {
+    /// The time of the step `name` (`lease`, `read`, `key`, `open`, ...) in seconds, NaN when
+    /// the line does not give it.
+    pub(crate) fn step(&self, name: &str) -> f64 {
+        self.phases
+            .split(", ")
+            .find_map(|step| {
+                let ms = step.strip_prefix(name)?.strip_prefix(' ')?;
+                ms.strip_suffix(" ms")?.parse::<f64>().ok()
+            })
+            .map_or(f64::NAN, |ms| ms / 1e3)
+    }
+}
+
+/// The value of `key=` in a log line: quoted, up to the next space, or (`phases`, the last
+/// field, written unquoted) the rest of the line.
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    let rest = line.split_once(&format!(" {key}="))?.1;
+    match rest.strip_prefix('"') {
+        Some(quoted) => quoted.split_once('"').map(|(value, _)| value),
+        None if key == "phases" => Some(rest),
+        None => rest.split(' ').next(),
+    }
+}
+
+/// Forwards a process's log to ours, sending each line holding `marker` as a `JobLog`.
+fn forward_log(
+    log: impl std::io::Read + Send + 'static,
+    marker: &'static str,
+    jobs: Sender<JobLog>,
+) {
     std::thread::spawn(move || {
         for line in BufReader::new(log).lines().map_while(Result::ok) {
             eprintln!("{line}");
-            let seconds = line
-                .contains(marker)
-                .then(|| {
-                    line.split_once(" seconds=")?
-                        .1
-                        .split(' ')
-                        .next()?
-                        .parse()
-                        .ok()
-                })
-                .flatten();
+            if !line.contains(marker) {
+                continue;
+            }
+            let seconds = field(&line, "seconds").and_then(|s| s.parse().ok());
             if let Some(seconds) = seconds {
-                let _ = jobs.send(seconds);
+                let phases = field(&line, "phases").unwrap_or_default().to_string();
+                let _ = jobs.send(JobLog { seconds, phases });
             }
         }
     });
@@ -144,6 +176,7 @@ pub(crate) fn start_with(aggregator: WorkerKind) -> Server {
             "RUST_LOG",
             "error,confed::aggregation=info,confed::embedded::serve=info",
         )
+        .env("NO_COLOR", "1")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     if aggregator != WorkerKind::InProcess {
