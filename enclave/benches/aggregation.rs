@@ -6,7 +6,10 @@
 //! speed-up, the inputs digest (BLAKE3) the worker computes on its first read, noise
 //! coordinates/s, and peak memory while streaming many 1 MB contributions.
 //!
-//! `cargo bench -p confed-enclave --bench aggregation`
+//! `cargo bench -p confed-enclave --bench aggregation` (`CONFED_BENCH_SUMMARY_ONLY=1` for the
+//! summary without criterion's figures; `CONFED_BENCH_PROFILE_1MB=1` aggregates 1 MB contributions
+//! on one thread for a minute, to run under `perf record`). The enclave opens with AWS-LC's or ring's AES-GCM,
+//! whichever is faster on the CPU (`Backend::for_this_cpu`); the summary names which.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -460,8 +463,41 @@ fn aggregation_peak(count: usize, params: usize, evaluating: bool) -> u64 {
     peak_rss_bytes().saturating_sub(start)
 }
 
+/// HPKE opening of 1 MB with each backend the enclave has, and which one this CPU gets.
+fn aead_summary() {
+    use confed_enclave::hpke_awslc::{Backend, Recipient, seal};
+    let (private, public) = generate_keypair();
+    let plaintext = vec![3u8; 1 << 20];
+    let (enc, ciphertext) = seal(&public, b"info", b"aad", &plaintext).unwrap();
+    let mut out = Vec::new();
+    let rates: Vec<String> = [Backend::AwsLc, Backend::Ring]
+        .into_iter()
+        .map(|backend| {
+            let recipient = Recipient::with_backend(&private, backend).unwrap();
+            let seconds = time(
+                || {
+                    for _ in 0..200 {
+                        recipient
+                            .open_into(&enc, b"info", b"aad", &ciphertext, None, &mut out)
+                            .unwrap();
+                    }
+                },
+                5,
+            );
+            let gbps = 200.0 * ciphertext.len() as f64 / seconds.as_secs_f64() / 1e9;
+            format!("{backend:?} {gbps:.2} GB/s")
+        })
+        .collect();
+    println!(
+        "HPKE open of 1 MB, 1 thread: {}; this CPU opens with {:?}",
+        rates.join(", "),
+        Backend::for_this_cpu()
+    );
+}
+
 fn summary(small: &Fixture, large: &Fixture, large_params: usize) {
     println!("\n== aggregation summary (best of 5) ==");
+    aead_summary();
     let huge_params = 4 << 20;
     let huge = fixture(huge_params, 6);
     // Real updates are often clipped (clip norms sit near the median norm): half of them, and all.
@@ -597,6 +633,25 @@ fn main() {
     let small = fixture(256, 4000);
     let large_params = (1 << 20) / 4;
     let large = fixture(large_params, 48);
+    // One thread aggregating the 1 MB fixture for a minute, nothing else: what to run under
+    // `perf record` to see where a core's time goes (docs/performance.md, "Per core").
+    if std::env::var_os("CONFED_BENCH_PROFILE_1MB").is_some() {
+        let pool = pool(1);
+        let started = Instant::now();
+        let mut rounds = 0;
+        while started.elapsed() < Duration::from_secs(60) {
+            aggregate(&large, &pool);
+            rounds += 1;
+        }
+        let gb = rounds as f64 * large.ciphertext_bytes as f64 / 1e9;
+        println!("{:.2} GB/s", gb / started.elapsed().as_secs_f64());
+        return;
+    }
+    // The summary alone (the ratios the issues ask for) in a minute instead of ten.
+    if std::env::var_os("CONFED_BENCH_SUMMARY_ONLY").is_some() {
+        summary(&small, &large, large_params);
+        return;
+    }
     let mut c = Criterion::default().configure_from_args();
     bench_size(&mut c, "1KB", &small, 256);
     bench_size(&mut c, "1MB", &large, large_params);

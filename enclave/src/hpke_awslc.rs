@@ -6,7 +6,10 @@
 //! it costs in RustCrypto. Key services seal their shares with the `hpke` crate; tests check that
 //! each implementation opens what the other sealed, and the RustCrypto one against RFC 9180.
 //!
-//! This is the enclave's only `unsafe` code: a small wrapper whose every call checks AWS-LC's
+//! Opening uses AWS-LC's AES-GCM or ring's, whichever is faster on the CPU (`hpke_ring`,
+//! `Backend::for_this_cpu`); the key and both contexts are this module's either way.
+//!
+//! This and `hpke_ring` are the enclave's only `unsafe` code: a small wrapper whose every call checks AWS-LC's
 //! return value, owns its C objects (freed, and by AWS-LC cleansed, on drop) and bounds every
 //! buffer by the lengths AWS-LC is told.
 
@@ -14,10 +17,15 @@ use aws_lc_sys as lc;
 use zeroize::Zeroizing;
 
 use crate::hpke::{HpkeError, PrivateKey, PublicKey};
+pub use crate::hpke_ring::Backend;
+use crate::hpke_ring::{RingContext, RingKey};
 
-/// A recipient key loaded into AWS-LC. Immutable after creation, so shareable across threads.
+/// A recipient key loaded into AWS-LC, and kept for the ring receiver (`hpke_ring`) where that
+/// one opens. Immutable after creation, so shareable across threads.
 pub struct Recipient {
     key: *mut lc::EVP_HPKE_KEY,
+    ring: RingKey,
+    backend: Backend,
 }
 
 // SAFETY: the EVP_HPKE_KEY is written only in `new` and read-only afterwards (AWS-LC takes it as
@@ -33,14 +41,27 @@ impl Drop for Recipient {
 }
 
 /// One receiving HPKE context: opens a sequence of ciphertexts sealed by one sender context.
-pub struct OpenContext {
+pub struct OpenContext(Opening);
+
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one context per contribution, on the stack while it opens: boxing ring's key \
+              schedule would add an allocation per contribution to save nothing"
+)]
+enum Opening {
+    AwsLc(AwsLcContext),
+    Ring(RingContext),
+}
+
+/// AWS-LC's receiving context.
+struct AwsLcContext {
     ctx: *mut lc::EVP_HPKE_CTX,
 }
 
 // SAFETY: the context is used through `&mut self` only, so never from two threads at once.
-unsafe impl Send for OpenContext {}
+unsafe impl Send for AwsLcContext {}
 
-impl Drop for OpenContext {
+impl Drop for AwsLcContext {
     fn drop(&mut self) {
         // SAFETY: `ctx` came from EVP_HPKE_CTX_new and is freed exactly once.
         unsafe { lc::EVP_HPKE_CTX_free(self.ctx) }
@@ -48,7 +69,15 @@ impl Drop for OpenContext {
 }
 
 impl Recipient {
+    /// The recipient of `private_key`, opening with the AES-GCM that is faster on this CPU
+    /// (`Backend::for_this_cpu`).
     pub fn new(private_key: &PrivateKey) -> Result<Self, HpkeError> {
+        Self::with_backend(private_key, Backend::for_this_cpu())
+    }
+
+    /// The recipient of `private_key`, opening with `backend` (tests use both).
+    pub fn with_backend(private_key: &PrivateKey, backend: Backend) -> Result<Self, HpkeError> {
+        let ring = RingKey::new(private_key.as_bytes())?;
         // SAFETY: EVP_HPKE_KEY_new returns an owned allocation or null (checked); the private key
         // pointer and length describe a live 32-byte buffer.
         unsafe {
@@ -56,7 +85,7 @@ impl Recipient {
             if key.is_null() {
                 return Err(HpkeError::BadKey("private key (allocation failed)"));
             }
-            let recipient = Self { key };
+            let recipient = Self { key, ring, backend };
             let bytes = private_key.as_bytes();
             let ok = lc::EVP_HPKE_KEY_init(
                 key,
@@ -73,6 +102,18 @@ impl Recipient {
 
     /// Sets up a receiving context for one encapsulated key and `info`.
     pub fn context(&self, encapsulated_key: &[u8], info: &[u8]) -> Result<OpenContext, HpkeError> {
+        let opening = match self.backend {
+            Backend::Ring => Opening::Ring(self.ring.context(encapsulated_key, info)?),
+            Backend::AwsLc => Opening::AwsLc(self.aws_lc_context(encapsulated_key, info)?),
+        };
+        Ok(OpenContext(opening))
+    }
+
+    fn aws_lc_context(
+        &self,
+        encapsulated_key: &[u8],
+        info: &[u8],
+    ) -> Result<AwsLcContext, HpkeError> {
         // SAFETY: EVP_HPKE_CTX_new returns an owned allocation or null (checked); all pointers
         // and lengths describe live slices; `self.key` is initialised.
         unsafe {
@@ -80,7 +121,7 @@ impl Recipient {
             if ctx.is_null() {
                 return Err(HpkeError::Open);
             }
-            let context = OpenContext { ctx };
+            let context = AwsLcContext { ctx };
             let ok = lc::EVP_HPKE_CTX_setup_recipient(
                 ctx,
                 self.key,
@@ -160,10 +201,34 @@ impl Recipient {
 }
 
 impl OpenContext {
+    /// Opens the next ciphertext of the sequence and appends its plaintext to `out`. On failure
+    /// `out` keeps its length (what was written into its spare capacity the caller wipes with
+    /// the buffer).
+    pub fn open_append(
+        &mut self,
+        aad: &[u8],
+        ciphertext: &[u8],
+        out: &mut Vec<u8>,
+    ) -> Result<(), HpkeError> {
+        match &mut self.0 {
+            Opening::AwsLc(context) => context.open_append(aad, ciphertext, out),
+            Opening::Ring(context) => context.open_append(aad, ciphertext, out),
+        }
+    }
+
+    /// Opens the next ciphertext of the sequence (the context's sequence number advances).
+    pub fn open(&mut self, aad: &[u8], ciphertext: &[u8]) -> Result<Zeroizing<Vec<u8>>, HpkeError> {
+        let mut out = Zeroizing::new(Vec::with_capacity(ciphertext.len()));
+        self.open_append(aad, ciphertext, &mut out)?;
+        Ok(out)
+    }
+}
+
+impl AwsLcContext {
     /// Opens the next ciphertext of the sequence and appends its plaintext to `out`, without
     /// an intermediate buffer. On failure `out` keeps its length (AWS-LC may have written into
     /// its spare capacity, which the caller wipes with the buffer).
-    pub fn open_append(
+    fn open_append(
         &mut self,
         aad: &[u8],
         ciphertext: &[u8],
@@ -194,31 +259,6 @@ impl OpenContext {
         // SAFETY: AWS-LC initialised `written <= room` bytes after `start`.
         unsafe { out.set_len(start + written) };
         Ok(())
-    }
-
-    /// Opens the next ciphertext of the sequence (the context's sequence number advances).
-    pub fn open(&mut self, aad: &[u8], ciphertext: &[u8]) -> Result<Zeroizing<Vec<u8>>, HpkeError> {
-        let mut out = Zeroizing::new(vec![0u8; ciphertext.len()]);
-        let mut written = 0usize;
-        // SAFETY: `out` has room for `ciphertext.len()` bytes, which bounds the plaintext;
-        // AWS-LC writes at most `max_out_len` bytes and reports how many in `written`.
-        let ok = unsafe {
-            lc::EVP_HPKE_CTX_open(
-                self.ctx,
-                out.as_mut_ptr(),
-                &mut written,
-                out.len(),
-                ciphertext.as_ptr(),
-                ciphertext.len(),
-                aad.as_ptr(),
-                aad.len(),
-            )
-        };
-        if ok != 1 || written > out.len() {
-            return Err(HpkeError::Open);
-        }
-        out.truncate(written);
-        Ok(out)
     }
 }
 

@@ -10,6 +10,7 @@ pub mod analytics;
 pub mod dp;
 pub mod envelope;
 pub mod hpke_awslc;
+mod hpke_ring;
 pub mod key_collection;
 pub mod masked;
 pub mod optimizer;

@@ -7,6 +7,7 @@
 
 use std::sync::Mutex;
 
+use super::quantize::{add_quantized, float_norm_squared};
 use crate::dp::grid;
 
 /// The squared sensitivity as f64 (2^32, exact).
@@ -253,7 +254,7 @@ impl Accumulator {
                 .lock()
                 .expect("accumulator stripe");
             let take = (values - done).min(first + stripe.len() - index);
-            let (q, x) = add_quantized::<SUBTRACT>(
+            let (q, x) = add_quantized::<SUBTRACT, true>(
                 &mut stripe[index - first..index - first + take],
                 &bytes[done * 4..(done + take) * 4],
                 units,
@@ -267,7 +268,8 @@ impl Accumulator {
     }
 
     /// Adds (or with `SUBTRACT`, removes) the quantized update stripe by stripe; returns the
-    /// squared norm of the integers added (exact whenever it is <= 2^53) and of the float input.
+    /// squared norm of the integers added (exact whenever it is <= 2^53), and 0 for the float
+    /// input's (the caller measured it before: `float_norm_squared`).
     fn apply<const SUBTRACT: bool>(
         &self,
         update: &Update<'_>,
@@ -291,7 +293,7 @@ impl Accumulator {
                 let (lo, hi) = (offset.max(first), (offset + values).min(end));
                 if lo < hi {
                     let bytes = &tensor[(lo - offset) * 4..(hi - offset) * 4];
-                    let (q, x) = add_quantized::<SUBTRACT>(
+                    let (q, x) = add_quantized::<SUBTRACT, false>(
                         &mut stripe[lo - first..hi - first],
                         bytes,
                         units,
@@ -332,130 +334,6 @@ impl Accumulator {
         }
         sum
     }
-}
-
-/// The squared L2 norm of an update's f32 values, summed in eight lanes in tensor order (the
-/// same bits whatever thread computes it, so a retried job clips identically). Not finite if any
-/// value is not.
-fn float_norm_squared(update: &Update<'_>) -> f64 {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2 (checked just above), the only requirement of the
-        // `target_feature` function.
-        return unsafe { float_norm_squared_avx2(update) };
-    }
-    float_norm_squared_generic(update)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn float_norm_squared_avx2(update: &Update<'_>) -> f64 {
-    float_norm_squared_generic(update)
-}
-
-#[inline(always)]
-fn float_norm_squared_generic(update: &Update<'_>) -> f64 {
-    let mut lanes = [0f64; 8];
-    let mut tail = 0f64;
-    for tensor in update {
-        let mut chunks = tensor.chunks_exact(32);
-        for chunk in &mut chunks {
-            for (lane, sum) in lanes.iter_mut().enumerate() {
-                let b = &chunk[lane * 4..lane * 4 + 4];
-                let x = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-                *sum += x * x;
-            }
-        }
-        for b in chunks.remainder().chunks_exact(4) {
-            let x = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-            tail += x * x;
-        }
-    }
-    lanes.iter().sum::<f64>() + tail
-}
-
-/// 1.5 * 2^52: adding it to |x| < 2^51 rounds x to the nearest integer (ties to even) in the
-/// low mantissa bits, so the integer is the bit pattern minus the constant's. Unlike `round()`,
-/// which is a libm call without SSE4.1, this vectorizes on every x86-64.
-const ROUNDING: f64 = 6_755_399_441_055_744.0;
-
-/// One stripe's slice of the update: quantize, add (or subtract), and the two squared norms.
-/// On x86-64 with AVX2 (detected at run time) the same code is compiled for 4-wide f64 and i64
-/// vectors; the arithmetic, and so every result bit, is the same either way (no fused
-/// multiply-add is used: each operation rounds exactly as in the generic build).
-#[inline]
-fn add_quantized<const SUBTRACT: bool>(target: &mut [i64], bytes: &[u8], units: f64) -> (f64, f64) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2 (checked just above), the only requirement of the
-        // `target_feature` function.
-        return unsafe { add_quantized_avx2::<SUBTRACT>(target, bytes, units) };
-    }
-    add_quantized_generic::<SUBTRACT>(target, bytes, units)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn add_quantized_avx2<const SUBTRACT: bool>(
-    target: &mut [i64],
-    bytes: &[u8],
-    units: f64,
-) -> (f64, f64) {
-    add_quantized_generic::<SUBTRACT>(target, bytes, units)
-}
-
-/// The loop itself, in eight independent lanes so it vectorizes. Values beyond 2^51 grid units
-/// (or not finite) give meaningless integers, but the same ones on the way back, and the norms
-/// they report make the caller undo them.
-#[inline(always)]
-fn add_quantized_generic<const SUBTRACT: bool>(
-    target: &mut [i64],
-    bytes: &[u8],
-    units: f64,
-) -> (f64, f64) {
-    let rounding_bits = ROUNDING.to_bits() as i64;
-    let mut squares = [0f64; 8];
-    let mut norm = [0f64; 8];
-    let mut targets = target.chunks_exact_mut(8);
-    let mut values = bytes.chunks_exact(32);
-    for (slots, chunk) in (&mut targets).zip(&mut values) {
-        for lane in 0..8 {
-            let b = &chunk[lane * 4..lane * 4 + 4];
-            let x = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-            let r = x * units + ROUNDING;
-            let q = (r.to_bits() as i64).wrapping_sub(rounding_bits);
-            slots[lane] = if SUBTRACT {
-                slots[lane].wrapping_sub(q)
-            } else {
-                slots[lane].wrapping_add(q)
-            };
-            let rounded = r - ROUNDING;
-            squares[lane] += rounded * rounded;
-            norm[lane] += x * x;
-        }
-    }
-    let mut tail = (0.0, 0.0);
-    for (slot, b) in targets
-        .into_remainder()
-        .iter_mut()
-        .zip(values.remainder().chunks_exact(4))
-    {
-        let x = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-        let r = x * units + ROUNDING;
-        let q = (r.to_bits() as i64).wrapping_sub(rounding_bits);
-        *slot = if SUBTRACT {
-            slot.wrapping_sub(q)
-        } else {
-            slot.wrapping_add(q)
-        };
-        let rounded = r - ROUNDING;
-        tail.0 += rounded * rounded;
-        tail.1 += x * x;
-    }
-    (
-        squares.iter().sum::<f64>() + tail.0,
-        norm.iter().sum::<f64>() + tail.1,
-    )
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ pub mod manifest;
 pub mod noise;
 pub mod params;
 pub mod partition;
+mod quantize;
 pub mod sealed;
 pub mod stream;
 

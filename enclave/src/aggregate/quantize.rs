@@ -1,0 +1,316 @@
+//! The two loops of the aggregation that touch every value: an update's float L2 norm, and its
+//! quantization to the grid added into (or taken out of) the sum with the two norms of what was
+//! added. Each has a generic version and an AVX2 one chosen at run time; both give the same bits
+//! for every input (checked below on values of every kind, lengths and offsets), so which CPU
+//! aggregates never changes a sum, a norm or a clipping decision.
+
+use super::accumulator::Update;
+
+/// The squared L2 norm of an update's f32 values, summed in eight lanes in tensor order (the
+/// same bits whatever thread computes it, so a retried job clips identically). Not finite if any
+/// value is not.
+pub(super) fn float_norm_squared(update: &Update<'_>) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above), the only requirement of the
+        // `target_feature` function.
+        return unsafe { float_norm_squared_avx2(update) };
+    }
+    float_norm_squared_generic(update)
+}
+
+/// `float_norm_squared_generic` in AVX2 registers: lanes 0-3 and 4-7 of each eight values in
+/// two vectors, each lane summed in the same order with the same roundings, so the same bits.
+/// (The compiler's own vectorization of the generic loop left most lanes in scalar adds.)
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn float_norm_squared_avx2(update: &Update<'_>) -> f64 {
+    use std::arch::x86_64::{
+        __m256d, _mm_loadu_ps, _mm256_add_pd, _mm256_cvtps_pd, _mm256_mul_pd, _mm256_setzero_pd,
+        _mm256_storeu_pd,
+    };
+    let (mut low, mut high): (__m256d, __m256d) = (_mm256_setzero_pd(), _mm256_setzero_pd());
+    let mut tail = 0f64;
+    for tensor in update {
+        let mut chunks = tensor.chunks_exact(32);
+        for chunk in &mut chunks {
+            // SAFETY: `chunk` is 32 bytes: two unaligned loads of four f32 (little-endian, as
+            // x86 is) read inside it.
+            let (x_low, x_high) = unsafe {
+                (
+                    _mm256_cvtps_pd(_mm_loadu_ps(chunk.as_ptr().cast())),
+                    _mm256_cvtps_pd(_mm_loadu_ps(chunk.as_ptr().add(16).cast())),
+                )
+            };
+            low = _mm256_add_pd(low, _mm256_mul_pd(x_low, x_low));
+            high = _mm256_add_pd(high, _mm256_mul_pd(x_high, x_high));
+        }
+        for b in chunks.remainder().chunks_exact(4) {
+            let x = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            tail += x * x;
+        }
+    }
+    let mut lanes = [0f64; 8];
+    // SAFETY: `lanes` holds eight f64: two unaligned stores of four.
+    unsafe {
+        _mm256_storeu_pd(lanes.as_mut_ptr(), low);
+        _mm256_storeu_pd(lanes.as_mut_ptr().add(4), high);
+    }
+    lanes.iter().sum::<f64>() + tail
+}
+
+#[inline(always)]
+fn float_norm_squared_generic(update: &Update<'_>) -> f64 {
+    let mut lanes = [0f64; 8];
+    let mut tail = 0f64;
+    for tensor in update {
+        let mut chunks = tensor.chunks_exact(32);
+        for chunk in &mut chunks {
+            for (lane, sum) in lanes.iter_mut().enumerate() {
+                let b = &chunk[lane * 4..lane * 4 + 4];
+                let x = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+                *sum += x * x;
+            }
+        }
+        for b in chunks.remainder().chunks_exact(4) {
+            let x = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            tail += x * x;
+        }
+    }
+    lanes.iter().sum::<f64>() + tail
+}
+
+/// 1.5 * 2^52: adding it to |x| < 2^51 rounds x to the nearest integer (ties to even) in the
+/// low mantissa bits, so the integer is the bit pattern minus the constant's. Unlike `round()`,
+/// which is a libm call without SSE4.1, this vectorizes on every x86-64.
+const ROUNDING: f64 = 6_755_399_441_055_744.0;
+
+/// One stripe's slice of the update: quantize, add (or subtract), and the squared norm of the
+/// integers added and (with `FLOAT_NORM`; 0 otherwise) of the float input. An update held in
+/// memory had its float norm measured by `float_norm_squared` already; a streamed one measures it
+/// here. On x86-64 with AVX2 (detected at run time) `add_quantized_avx2` runs: the arithmetic,
+/// and so every result bit, is the same either way (no fused multiply-add is used: each
+/// operation rounds exactly as in the generic loop).
+#[inline]
+pub(super) fn add_quantized<const SUBTRACT: bool, const FLOAT_NORM: bool>(
+    target: &mut [i64],
+    bytes: &[u8],
+    units: f64,
+) -> (f64, f64) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above), the only requirement of the
+        // `target_feature` function.
+        return unsafe { add_quantized_avx2::<SUBTRACT, FLOAT_NORM>(target, bytes, units) };
+    }
+    add_quantized_generic::<SUBTRACT, FLOAT_NORM>(target, bytes, units)
+}
+
+/// `add_quantized_generic` in AVX2 registers: each eight values as two vectors of four (lanes
+/// 0-3 and 4-7), every operation the generic loop's, in its order, with no fused multiply-add:
+/// the same integers and the same norm bits. (The compiler's own vectorization of the generic
+/// loop left the two norms' lanes in scalar adds and shuffles, most of the loop's time.)
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn add_quantized_avx2<const SUBTRACT: bool, const FLOAT_NORM: bool>(
+    target: &mut [i64],
+    bytes: &[u8],
+    units: f64,
+) -> (f64, f64) {
+    use std::arch::x86_64::{
+        __m256d, __m256i, _mm_loadu_ps, _mm256_add_epi64, _mm256_add_pd, _mm256_castpd_si256,
+        _mm256_cvtps_pd, _mm256_loadu_si256, _mm256_mul_pd, _mm256_set1_epi64x, _mm256_set1_pd,
+        _mm256_setzero_pd, _mm256_storeu_pd, _mm256_storeu_si256, _mm256_sub_epi64, _mm256_sub_pd,
+    };
+    let units_v = _mm256_set1_pd(units);
+    let rounding = _mm256_set1_pd(ROUNDING);
+    let rounding_bits = _mm256_set1_epi64x(ROUNDING.to_bits() as i64);
+    let zero = _mm256_setzero_pd();
+    let (mut squares, mut norm): ([__m256d; 2], [__m256d; 2]) = ([zero; 2], [zero; 2]);
+    let mut targets = target.chunks_exact_mut(8);
+    let mut values = bytes.chunks_exact(32);
+    for (slots, chunk) in (&mut targets).zip(&mut values) {
+        for half in 0..2 {
+            // SAFETY: `chunk` is 32 bytes and `slots` eight i64: the loads and the store of
+            // half `half` (four f32 at byte 16 * half, four i64 at slot 4 * half) stay inside
+            // them, unaligned.
+            let (x, sum) = unsafe {
+                (
+                    _mm256_cvtps_pd(_mm_loadu_ps(chunk.as_ptr().add(16 * half).cast())),
+                    _mm256_loadu_si256(slots.as_ptr().add(4 * half).cast::<__m256i>()),
+                )
+            };
+            let r = _mm256_add_pd(_mm256_mul_pd(x, units_v), rounding);
+            let q = _mm256_sub_epi64(_mm256_castpd_si256(r), rounding_bits);
+            let sum = if SUBTRACT {
+                _mm256_sub_epi64(sum, q)
+            } else {
+                _mm256_add_epi64(sum, q)
+            };
+            // SAFETY: as for the load above.
+            unsafe { _mm256_storeu_si256(slots.as_mut_ptr().add(4 * half).cast::<__m256i>(), sum) };
+            let rounded = _mm256_sub_pd(r, rounding);
+            squares[half] = _mm256_add_pd(squares[half], _mm256_mul_pd(rounded, rounded));
+            if FLOAT_NORM {
+                norm[half] = _mm256_add_pd(norm[half], _mm256_mul_pd(x, x));
+            }
+        }
+    }
+    let tail =
+        quantized_tail::<SUBTRACT, FLOAT_NORM>(targets.into_remainder(), values.remainder(), units);
+    let (mut square_lanes, mut norm_lanes) = ([0f64; 8], [0f64; 8]);
+    // SAFETY: each array holds eight f64: two unaligned stores of four.
+    unsafe {
+        _mm256_storeu_pd(square_lanes.as_mut_ptr(), squares[0]);
+        _mm256_storeu_pd(square_lanes.as_mut_ptr().add(4), squares[1]);
+        _mm256_storeu_pd(norm_lanes.as_mut_ptr(), norm[0]);
+        _mm256_storeu_pd(norm_lanes.as_mut_ptr().add(4), norm[1]);
+    }
+    (
+        square_lanes.iter().sum::<f64>() + tail.0,
+        norm_lanes.iter().sum::<f64>() + tail.1,
+    )
+}
+
+/// The loop itself, in eight independent lanes so it vectorizes. Values beyond 2^51 grid units
+/// (or not finite) give meaningless integers, but the same ones on the way back, and the norms
+/// they report make the caller undo them.
+#[inline(always)]
+fn add_quantized_generic<const SUBTRACT: bool, const FLOAT_NORM: bool>(
+    target: &mut [i64],
+    bytes: &[u8],
+    units: f64,
+) -> (f64, f64) {
+    let rounding_bits = ROUNDING.to_bits() as i64;
+    let mut squares = [0f64; 8];
+    let mut norm = [0f64; 8];
+    let mut targets = target.chunks_exact_mut(8);
+    let mut values = bytes.chunks_exact(32);
+    for (slots, chunk) in (&mut targets).zip(&mut values) {
+        for lane in 0..8 {
+            let b = &chunk[lane * 4..lane * 4 + 4];
+            let x = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            let r = x * units + ROUNDING;
+            let q = (r.to_bits() as i64).wrapping_sub(rounding_bits);
+            slots[lane] = if SUBTRACT {
+                slots[lane].wrapping_sub(q)
+            } else {
+                slots[lane].wrapping_add(q)
+            };
+            let rounded = r - ROUNDING;
+            squares[lane] += rounded * rounded;
+            if FLOAT_NORM {
+                norm[lane] += x * x;
+            }
+        }
+    }
+    let tail =
+        quantized_tail::<SUBTRACT, FLOAT_NORM>(targets.into_remainder(), values.remainder(), units);
+    (
+        squares.iter().sum::<f64>() + tail.0,
+        norm.iter().sum::<f64>() + tail.1,
+    )
+}
+
+/// The values after the last whole eight, one at a time: the two norms of what they added.
+#[inline(always)]
+fn quantized_tail<const SUBTRACT: bool, const FLOAT_NORM: bool>(
+    target: &mut [i64],
+    bytes: &[u8],
+    units: f64,
+) -> (f64, f64) {
+    let rounding_bits = ROUNDING.to_bits() as i64;
+    let mut tail = (0.0, 0.0);
+    for (slot, b) in target.iter_mut().zip(bytes.chunks_exact(4)) {
+        let x = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+        let r = x * units + ROUNDING;
+        let q = (r.to_bits() as i64).wrapping_sub(rounding_bits);
+        *slot = if SUBTRACT {
+            slot.wrapping_sub(q)
+        } else {
+            slot.wrapping_add(q)
+        };
+        let rounded = r - ROUNDING;
+        tail.0 += rounded * rounded;
+        if FLOAT_NORM {
+            tail.1 += x * x;
+        }
+    }
+    tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Values of every kind: small and large, both signs, zeros, halves that round to even,
+    /// beyond the grid's exact range, and (with `non_finite`) infinities and NaN.
+    fn values(len: usize, seed: u64, non_finite: bool) -> Vec<u8> {
+        let mut state = seed;
+        (0..len)
+            .map(|i| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let uniform = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                match i % 11 {
+                    0 => uniform * 1e6,
+                    1 => -0.0,
+                    2 => 0.5,
+                    3 => -2.5,
+                    4 if non_finite => f32::INFINITY,
+                    5 if non_finite => f32::NAN,
+                    6 => f32::MAX,
+                    7 => f32::MIN_POSITIVE / 8.0,
+                    _ => uniform,
+                }
+            })
+            .flat_map(f32::to_le_bytes)
+            .collect()
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_avx2_loops_give_the_generic_loops_bits() {
+        if !std::arch::is_x86_feature_detected!("avx2") {
+            return;
+        }
+        for (len, non_finite) in [
+            (0, false),
+            (5, false),
+            (8, false),
+            (263, false),
+            (1000, true),
+        ] {
+            for units in [1.0, 4096.0, 1.0e-3, 3.7e9] {
+                let bytes = values(len, len as u64 + 1, non_finite);
+                let start: Vec<i64> = (0..len as i64).map(|i| i * 1_000_003 - 7).collect();
+                let (mut generic, mut avx2) = (start.clone(), start.clone());
+                let expected = add_quantized_generic::<false, true>(&mut generic, &bytes, units);
+                // SAFETY: the CPU supports AVX2 (checked above).
+                let got = unsafe { add_quantized_avx2::<false, true>(&mut avx2, &bytes, units) };
+                assert_eq!(generic, avx2, "sums, {len} values at {units}");
+                assert_eq!(expected.0.to_bits(), got.0.to_bits(), "integer norm, {len}");
+                assert_eq!(expected.1.to_bits(), got.1.to_bits(), "float norm, {len}");
+                let expected = add_quantized_generic::<true, false>(&mut generic, &bytes, units);
+                // SAFETY: as above.
+                let got = unsafe { add_quantized_avx2::<true, false>(&mut avx2, &bytes, units) };
+                assert_eq!(generic, avx2, "undone, {len} values at {units}");
+                assert_eq!(generic, start, "adding then subtracting restores the sum");
+                assert_eq!(expected.0.to_bits(), got.0.to_bits());
+                assert_eq!(expected.1.to_bits(), got.1.to_bits());
+            }
+            // Two tensors of uneven lengths: the lanes run on across them.
+            let (first, second) = (values(len, 3, non_finite), values(len / 3 + 9, 4, false));
+            let update: [&[u8]; 2] = [&first, &second];
+            let generic = float_norm_squared_generic(&update);
+            // SAFETY: as above.
+            let avx2 = unsafe { float_norm_squared_avx2(&update) };
+            assert_eq!(
+                generic.to_bits(),
+                avx2.to_bits(),
+                "float norm of two tensors, {len}"
+            );
+        }
+    }
+}
