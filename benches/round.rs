@@ -190,6 +190,57 @@ fn aggregation_reference(clip_norm: f64) -> Reference {
     }
 }
 
+/// This process's CPU time (user + system, all threads) in seconds, from /proc (0 without it).
+fn cpu_seconds() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields 14 and 15 (utime, stime) in clock ticks, counted after the command's closing paren.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or("", |(_, rest)| rest)
+        .split_whitespace()
+        .collect();
+    let ticks: f64 = fields[11..13]
+        .iter()
+        .filter_map(|f| f.parse::<f64>().ok())
+        .sum();
+    ticks / 100.0
+}
+
+/// What moving `bytes` over loopback TCP costs this machine, with nothing else: one thread
+/// writes 1 MB buffers to a socket, another reads them into one reused buffer (the least any
+/// read over a network socket copies). Returns the CPU seconds both spent, best of three: the
+/// floor a worker reading over the network adds to its open step when the sender shares its
+/// cores, as `confed serve` does in this bench (on their own machines the worker pays only the
+/// receiving half).
+fn loopback_transfer_cpu(bytes: usize) -> f64 {
+    use std::io::{Read, Write};
+    let chunk = 1 << 20;
+    let count = bytes.div_ceil(chunk);
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        let started = cpu_seconds();
+        let sender = std::thread::spawn(move || {
+            let (mut socket, _) = listener.accept().unwrap();
+            let buffer = vec![7u8; chunk];
+            for _ in 0..count {
+                socket.write_all(&buffer).unwrap();
+            }
+        });
+        let mut socket = std::net::TcpStream::connect(address).unwrap();
+        let mut buffer = vec![0u8; chunk];
+        for _ in 0..count {
+            socket.read_exact(&mut buffer).unwrap();
+        }
+        sender.join().unwrap();
+        best = best.min(cpu_seconds() - started);
+    }
+    best
+}
+
 #[path = "support/process.rs"]
 mod process;
 use process::{Server, WorkerKind, binary, start_with};
@@ -441,6 +492,12 @@ fn main() {
         }
         if let [in_process, remote] = &opens[..] {
             let total = |opens: &[f64]| opens.iter().sum::<f64>();
+            // The best a worker reading over loopback TCP can do on these cores: the in-process
+            // open step plus the transfer's CPU spread over the cores (the in-process step's own
+            // file read, a copy out of the page cache, left in as if it cost nothing here).
+            let cores = std::thread::available_parallelism().map_or(1, usize::from) as f64;
+            let transfer = loopback_transfer_cpu(devices * (PARAMS * 4 + 200));
+            let floor = total(in_process) / 3.0 + transfer / cores;
             let per_case: Vec<String> = in_process
                 .iter()
                 .zip(remote)
@@ -452,6 +509,10 @@ fn main() {
                 total(remote),
                 total(in_process),
                 per_case.join(", ")
+            );
+            println!(
+                "loopback TCP alone moves these bytes with {transfer:.3} s of CPU (sender and receiver): on {cores} shared cores a remote worker's open step takes at least {floor:.3} s, at most {:.2} of in-process",
+                total(in_process) / 3.0 / floor
             );
         }
     });
