@@ -52,6 +52,28 @@ struct Measured {
     /// The largest RSS of the server (and the `confed-enclave` process) seen by the poller
     /// between the close and model version 1.
     peak_rss_mb: f64,
+    /// CPU seconds each process (the server, then the `confed-enclave` process if any) spent
+    /// between the poller seeing the close and model version 1.
+    cpu: Vec<f64>,
+}
+
+/// A process's CPU time (user + system) in seconds, from /proc (0 where it is not there).
+fn process_cpu_seconds(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .map_or(0.0, |stat| ticks(&stat) / 100.0)
+}
+
+/// utime + stime (fields 14 and 15, counted after the command's closing paren) of a stat line.
+fn ticks(stat: &str) -> f64 {
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or("", |(_, rest)| rest)
+        .split_whitespace()
+        .collect();
+    fields.get(11..13).map_or(0.0, |f| {
+        f.iter().filter_map(|t| t.parse::<f64>().ok()).sum()
+    })
 }
 
 /// The server's resident set, in MB (0 where /proc is not there).
@@ -190,22 +212,9 @@ fn aggregation_reference(clip_norm: f64) -> Reference {
     }
 }
 
-/// This process's CPU time (user + system, all threads) in seconds, from /proc (0 without it).
+/// This process's CPU time (user + system, all threads) in seconds.
 fn cpu_seconds() -> f64 {
-    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
-        return 0.0;
-    };
-    // Fields 14 and 15 (utime, stime) in clock ticks, counted after the command's closing paren.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map_or("", |(_, rest)| rest)
-        .split_whitespace()
-        .collect();
-    let ticks: f64 = fields[11..13]
-        .iter()
-        .filter_map(|f| f.parse::<f64>().ok())
-        .sum();
-    ticks / 100.0
+    process_cpu_seconds(std::process::id())
 }
 
 /// What moving `bytes` over loopback TCP costs this machine, with nothing else: one thread
@@ -352,18 +361,30 @@ async fn round(
             let deadline = Instant::now() + Duration::from_secs(3600);
             let mut closed = None;
             let mut peak_rss_mb = 0f64;
+            let cpu = || {
+                pid.iter()
+                    .map(|&p| process_cpu_seconds(p))
+                    .collect::<Vec<f64>>()
+            };
+            let mut cpu_at_close = Vec::new();
             loop {
                 if closed.is_none() {
                     let rounds = get(format!("/v1/tasks/{task}/rounds")).await;
                     if rounds["rounds"][0]["state"].as_str() != Some("COLLECTING") {
                         closed = Some(Instant::now());
+                        cpu_at_close = cpu();
                     }
                 }
                 if let Some(closed) = closed {
                     peak_rss_mb = peak_rss_mb.max(pid.iter().map(|&p| rss_mb(p)).sum());
                     let state = get(format!("/v1/tasks/{task}")).await;
                     if state["model_version"].as_i64() == Some(1) {
-                        return (closed.elapsed().as_secs_f64(), peak_rss_mb);
+                        let spent = cpu()
+                            .iter()
+                            .zip(&cpu_at_close)
+                            .map(|(a, b)| a - b)
+                            .collect();
+                        return (closed.elapsed().as_secs_f64(), peak_rss_mb, spent);
                     }
                 }
                 assert!(Instant::now() < deadline, "no model version 1");
@@ -372,11 +393,12 @@ async fn round(
         })
     };
     let collection = simulate(server, population, devices, issuer).await;
-    let (turnaround, peak_rss_mb) = watcher.await.unwrap();
+    let (turnaround, peak_rss_mb, cpu) = watcher.await.unwrap();
     Measured {
         collection,
         turnaround,
         peak_rss_mb,
+        cpu,
     }
 }
 
@@ -404,13 +426,14 @@ fn kind_name(kind: WorkerKind) -> &'static str {
 }
 
 /// One case's round on a fresh server aggregated by `kind`: prints its figures and returns its
-/// open step in seconds.
+/// open step and the worker's CPU during the turnaround (the server's for the in-process worker,
+/// the `confed-enclave` process's for the remote one), in seconds.
 async fn measured_case(
     http: &reqwest::Client,
     (label, population, clip_norm): (&str, &str, f64),
     kind: WorkerKind,
     devices: usize,
-) -> f64 {
+) -> (f64, f64) {
     // A server (and data directory) per round: each is deleted before the next starts, so a
     // 10 GB round's cases need the disk of one.
     let server = start_with(kind);
@@ -447,7 +470,13 @@ async fn measured_case(
     if let Some(job) = job {
         println!("  steps: {}", job.phases);
     }
-    open
+    let cpu: Vec<String> = ["server", "confed-enclave"]
+        .iter()
+        .zip(&m.cpu)
+        .map(|(name, seconds)| format!("{name} {seconds:.2} s"))
+        .collect();
+    println!("  CPU during the turnaround: {}", cpu.join(", "));
+    (open, m.cpu.last().copied().unwrap_or(f64::NAN))
 }
 
 fn main() {
@@ -478,6 +507,7 @@ fn main() {
                 .join(", then ")
         );
         let mut opens = vec![Vec::new(); kinds.len()];
+        let mut worker_cpu = vec![Vec::new(); kinds.len()];
         for case in [
             ("below the clip norm (clip 10)", "round-unclipped", 10.0),
             // The updates' norms spread narrowly around sqrt(262,144 x 0.01^2 / 3) = 2.956: at
@@ -487,7 +517,9 @@ fn main() {
             ("above the clip norm (clip 1)", "round-clipped", 1.0),
         ] {
             for (index, &kind) in kinds.iter().enumerate() {
-                opens[index].push(measured_case(&http, case, kind, devices).await);
+                let (open, cpu) = measured_case(&http, case, kind, devices).await;
+                opens[index].push(open);
+                worker_cpu[index].push(cpu);
             }
         }
         if let [in_process, remote] = &opens[..] {
@@ -513,6 +545,12 @@ fn main() {
             println!(
                 "loopback TCP alone moves these bytes with {transfer:.3} s of CPU (sender and receiver): on {cores} shared cores a remote worker's open step takes at least {floor:.3} s, at most {:.2} of in-process",
                 total(in_process) / 3.0 / floor
+            );
+            println!(
+                "the remote worker's own CPU in the turnaround at {:.2} of the in-process server's ({:.2} s against {:.2} s over the three cases): the ratio on machines of their own, where the server's sending is not the enclave's",
+                total(&worker_cpu[0]) / total(&worker_cpu[1]),
+                total(&worker_cpu[1]),
+                total(&worker_cpu[0])
             );
         }
     });
