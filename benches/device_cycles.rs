@@ -1,7 +1,10 @@
 #![allow(clippy::unwrap_used, reason = "a panic is a test's failure report")]
 //! Full device cycles (check-in, 16 KB sealed upload, report) against the server with SQLite and
 //! local blobs on loopback, driven by the load generator (`confed devices simulate --no-train`).
-//! Run with `cargo bench --bench device_cycles`; prints cycles/s and per-call p50/p99.
+//! Run with `cargo bench --bench device_cycles`; prints cycles/s and per-call p50/p99. With
+//! `CONFED_BENCH_DATABASE_URL=postgres://...` it then runs the saturated load on one and on two
+//! API replicas over that PostgreSQL database (`deploy/local/postgres.sh start DIR` gives one) and
+//! prints their cycles/s against SQLite's in the same run.
 //!
 //! What device tokens cost the server is `benches/token_cycles.rs`.
 
@@ -76,7 +79,7 @@ use cycles::{DEVICES, load, task};
 #[tokio::main]
 async fn main() {
     let (keys, trust) = key_directory();
-    let server = support::start(keys).await;
+    let server = support::start(keys.clone()).await;
     let (base, token) = (server.base.clone(), server.token.clone());
     let http = confed_protocol::http::client(Duration::from_secs(30));
     let spec = |population: &str, window: (u32, u32)| {
@@ -101,6 +104,7 @@ async fn main() {
         ("bench", WINDOW_CONCURRENCY, "saturated, window 50-150 ms"),
         ("bench-at-once", CONCURRENCY, "saturated, window 0 ms"),
     ];
+    let mut sqlite_saturated = f64::NAN;
     for (index, (population, concurrency, label)) in runs.into_iter().enumerate() {
         let first = (index * DEVICES) as u64;
         let summary = run(load(&base, population, &trust, first, concurrency))
@@ -110,5 +114,61 @@ async fn main() {
             "device cycles ({label}), {DEVICES} devices, {concurrency} concurrent, 16 KB updates, SQLite synchronous=FULL:"
         );
         summary.print_without_zeroed();
+        sqlite_saturated = summary.contributions as f64 / summary.elapsed.as_secs_f64();
     }
+    // The same saturated load (window 0 ms) on API replicas over one PostgreSQL database.
+    if let Ok(url) = std::env::var("CONFED_BENCH_DATABASE_URL") {
+        drop(server);
+        for replicas in [1, 2] {
+            let rate =
+                postgres_cycles(&keys, &trust, &url, replicas, spec("bench-pg", (0, 0))).await;
+            println!(
+                "PostgreSQL, {replicas} API replica(s), saturated, window 0 ms: {rate:.0} cycles/s, at {:.2} of SQLite's {sqlite_saturated:.0} in this run",
+                rate / sqlite_saturated
+            );
+        }
+    }
+}
+
+/// Cycles per second of `DEVICES` devices split over `replicas` API replicas on the PostgreSQL
+/// database at `url` (a task of `spec` created through the first; `CONCURRENCY` devices in flight
+/// in all), each replica's devices driven by a load generator of their own, all at once.
+async fn postgres_cycles(
+    keys: &KeyDirectory,
+    trust: &TrustConfig,
+    url: &str,
+    replicas: usize,
+    mut spec: serde_json::Value,
+) -> f64 {
+    let servers = support::start_replicas(keys.clone(), url, replicas).await;
+    // A population of its own per measurement: rounds of earlier runs on this database stay.
+    let population = format!("bench-pg-{}-{replicas}", std::process::id());
+    spec["population"] = serde_json::json!(population);
+    let http = confed_protocol::http::client(Duration::from_secs(30));
+    task(&http, &servers[0].base, &servers[0].token, spec).await;
+    let share = DEVICES / replicas;
+    let runs = servers.iter().enumerate().map(|(index, server)| {
+        let mut config = load(
+            &server.base,
+            &population,
+            trust,
+            (index * share) as u64,
+            CONCURRENCY / replicas,
+        );
+        config.devices = share;
+        run(config)
+    });
+    let summaries = futures_util::future::join_all(runs).await;
+    let mut contributions = 0;
+    let mut slowest = 0f64;
+    for summary in summaries {
+        let summary = summary.unwrap();
+        summary.print_without_zeroed();
+        if let Some(first) = summary.failures.first() {
+            println!("first of {} failures: {first}", summary.failures.len());
+        }
+        contributions += summary.contributions;
+        slowest = slowest.max(summary.elapsed.as_secs_f64());
+    }
+    contributions as f64 / slowest
 }

@@ -1,5 +1,6 @@
-//! The in-process server the benchmarks drive: the real router over SQLite and local blobs in a
-//! temp directory, on a loopback port, with one tenant allowed a report goal of 1,000,000.
+//! The in-process server the benchmarks drive: the real router over SQLite (or API replicas over
+//! one PostgreSQL database) and local blobs in a temp directory, on a loopback port, with one
+//! tenant allowed a report goal of 1,000,000.
 
 use std::sync::Arc;
 
@@ -19,16 +20,67 @@ pub(crate) async fn start(keys: KeyDirectory) -> BenchServer {
     let db = Db::open_sqlite(&dir.path().join("confed.db"))
         .await
         .unwrap();
+    let token = bench_tenant(&db).await;
+    serve(db, keys, token, dir, None).await
+}
+
+/// `replicas` servers (API replicas) over the one PostgreSQL database at `url`, each with its own
+/// connections, group-commit connection and contribution log, sharing one blob store (models:
+/// GCS in scale-out, a directory here), as scale-out runs them; the same tenant's token works on
+/// all of them. The first server keeps the shared blob directory.
+#[allow(dead_code)]
+pub(crate) async fn start_replicas(
+    keys: KeyDirectory,
+    url: &str,
+    replicas: usize,
+) -> Vec<BenchServer> {
+    let mut token: Option<String> = None;
+    let mut servers = Vec::new();
+    let shared = tempfile::tempdir().unwrap();
+    let blobs = shared.path().join("blobs");
+    let mut shared = Some(shared);
+    for _ in 0..replicas {
+        let db = Db::open(url).await.unwrap();
+        let token = match &token {
+            Some(token) => token.clone(),
+            None => token.insert(bench_tenant(&db).await).clone(),
+        };
+        let dir = shared
+            .take()
+            .unwrap_or_else(|| tempfile::tempdir().unwrap());
+        servers.push(serve(db, keys.clone(), token, dir, Some(&blobs)).await);
+    }
+    servers
+}
+
+/// A tenant allowed a report goal of 1,000,000 (named after this process and the call, so runs
+/// against one PostgreSQL database do not collide); returns its token.
+async fn bench_tenant(db: &Db) -> String {
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tenant = NewTenant {
-        name: "bench".into(),
+        name: format!("bench-{}-{call}", std::process::id()),
         max_active_tasks: 1_000_000,
         max_report_goal: 1_000_000,
         max_device_hours: 1_000_000_000,
     };
     let (_, token) = db.create_tenant(&tenant).await.unwrap();
+    token.to_string()
+}
+
+/// The router over `db`, with contributions in `dir` and blobs in `blobs` (`dir/blobs` when
+/// `None`), on a loopback port.
+async fn serve(
+    db: Db,
+    keys: KeyDirectory,
+    token: String,
+    dir: tempfile::TempDir,
+    blobs: Option<&std::path::Path>,
+) -> BenchServer {
+    let blobs = blobs.map_or_else(|| dir.path().join("blobs"), std::path::Path::to_path_buf);
     let state = AppState {
         db: db.clone(),
-        blobs: Arc::new(LocalBlobStore::open(dir.path().join("blobs")).unwrap()),
+        blobs: Arc::new(LocalBlobStore::open(blobs).unwrap()),
         contributions: confed::blob::embedded_contributions(dir.path()).unwrap(),
         admin: None,
         limits: Limits::default(),
@@ -50,7 +102,7 @@ pub(crate) async fn start(keys: KeyDirectory) -> BenchServer {
     });
     BenchServer {
         base,
-        token: token.to_string(),
+        token,
         _dir: dir,
     }
 }

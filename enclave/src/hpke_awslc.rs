@@ -9,7 +9,8 @@
 //! Opening uses AWS-LC's AES-GCM or ring's, whichever is faster on the CPU (`hpke_ring`,
 //! `Backend::for_this_cpu`); the key and both contexts are this module's either way.
 //!
-//! This and `hpke_ring` are the enclave's only `unsafe` code: a small wrapper whose every call checks AWS-LC's
+//! This and `hpke_ring` are the enclave's only `unsafe` FFI (the AVX2 loops of
+//! `aggregate/quantize.rs` are its other `unsafe` code): a small wrapper whose every call checks AWS-LC's
 //! return value, owns its C objects (freed, and by AWS-LC cleansed, on drop) and bounds every
 //! buffer by the lengths AWS-LC is told.
 

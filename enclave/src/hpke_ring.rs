@@ -145,6 +145,10 @@ impl RingContext {
         ciphertext: &[u8],
         out: &mut Vec<u8>,
     ) -> Result<(), HpkeError> {
+        // RFC 9180 5.2: a sequence number may not wrap (AWS-LC refuses at the last one too).
+        if self.sequence == u64::MAX {
+            return Err(HpkeError::Open);
+        }
         let start = out.len();
         out.extend_from_slice(ciphertext);
         let opened = self

@@ -226,43 +226,39 @@ impl<S: JobStore + 'static> Worker<S> {
                 .store_partition(job, &sealed, (index, count), phases)
                 .await;
         }
-        // Model N+1 is computed from the average on a spare thread while the release commits:
-        // the release must be committed before the model (the round's APPLYING state names the
-        // release a resumed job applies), but computing the model needs only the average. A
-        // failure of the update still comes after the release's commit, as it did in sequence.
-        let (manifest, updated) = match &job.committed_average {
-            Some(average) => {
-                let updating = Instant::now();
-                let updated = self
-                    .updated_model(job, &schema, &policy, average.clone())
-                    .await;
-                phases.update = updating.elapsed();
-                (None, updated)
-            }
+        let (average, manifest) = match &job.committed_average {
+            Some(average) => (average.clone(), None),
             None => {
                 let (release, proof) = self
                     .aggregate(job, &schema, &policy, context, &mut phases)
                     .await?;
                 let committing = Instant::now();
-                let updating = self.updated_model(job, &schema, &policy, release.average.clone());
-                let commit = self.store.commit_release(
-                    &job.job_id,
-                    &job.lease_holder,
-                    StagedRelease {
-                        average: &release.average,
-                        manifest: &release.manifest,
-                        proof: &proof,
-                        blt_state: release.blt_state.as_deref(),
-                    },
-                );
-                let (committed, updated) = tokio::join!(commit, updating);
-                committed?;
+                self.store
+                    .commit_release(
+                        &job.job_id,
+                        &job.lease_holder,
+                        StagedRelease {
+                            average: &release.average,
+                            manifest: &release.manifest,
+                            proof: &proof,
+                            blt_state: release.blt_state.as_deref(),
+                        },
+                    )
+                    .await?;
                 phases.release = committing.elapsed();
-                (Some(release.manifest), updated)
+                (release.average, Some(release.manifest))
             }
         };
         let updating = Instant::now();
-        let updated = updated?;
+        let values = updater::average_values(&schema, &average)?;
+        let updated = updater::apply_with(
+            &job.model,
+            &schema,
+            &values,
+            policy.server_learning_rate,
+            &job.optimizer,
+            job.optimizer_state.as_deref(),
+        )?;
         self.store
             .commit_model(
                 &job.job_id,
@@ -271,7 +267,7 @@ impl<S: JobStore + 'static> Worker<S> {
                 updated.optimizer_state.as_deref(),
             )
             .await?;
-        phases.update += updating.elapsed();
+        phases.update = updating.elapsed();
         Ok(JobOutcome {
             task_id: job.task_id.clone(),
             round: job.round,
@@ -281,33 +277,6 @@ impl<S: JobStore + 'static> Worker<S> {
             partition: None,
             phases,
         })
-    }
-
-    /// Model N+1: `average` (the release's safetensors) applied to the job's model by its server
-    /// optimizer, on a blocking thread.
-    async fn updated_model(
-        &self,
-        job: &JobSpec,
-        schema: &ModelSchema,
-        policy: &TaskPolicy,
-        average: Vec<u8>,
-    ) -> Result<updater::Updated, JobError> {
-        let (model, schema, optimizer) = (job.model.clone(), schema.clone(), job.optimizer);
-        let state = job.optimizer_state.clone();
-        let learning_rate = policy.server_learning_rate;
-        tokio::task::spawn_blocking(move || {
-            let values = updater::average_values(&schema, &average)?;
-            Ok(updater::apply_with(
-                &model,
-                &schema,
-                &values,
-                learning_rate,
-                &optimizer,
-                state.as_deref(),
-            )?)
-        })
-        .await
-        .map_err(JobError::Thread)?
     }
 
     /// Inputs first (their digests: listed by the store, or read and digested here;

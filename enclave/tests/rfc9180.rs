@@ -139,13 +139,14 @@ fn the_ring_backend_opens_what_aws_lc_sealed_in_chunks_and_refuses_what_it_refus
     ];
     for (case, enc, info, aad, ciphertext) in refusals {
         for (name, recipient) in [("ring", &ring), ("AWS-LC", &aws_lc)] {
-            let mut out = b"kept".to_vec();
+            let mut out = b"earlier bytes".to_vec();
             assert!(
                 recipient
                     .open_into(&enc, info, aad, &ciphertext, None, &mut out)
                     .is_err(),
                 "{name} refuses {case}"
             );
+            assert!(out.is_empty(), "{name} leaves nothing of {case}");
         }
     }
     // A chunked message with its last chunk cut off fails on both.
@@ -157,4 +158,30 @@ fn the_ring_backend_opens_what_aws_lc_sealed_in_chunks_and_refuses_what_it_refus
                 .is_err()
         );
     }
+}
+
+#[test]
+fn the_ring_backend_counts_sequence_numbers_past_one_byte_and_not_on_failure() {
+    let (private, public) = hpke::generate_keypair();
+    let ring = Recipient::with_backend(&private, Backend::Ring).unwrap();
+    // 300 chunks of the smallest size: sequence numbers 0 to 299 cross a byte boundary.
+    let chunk = confed_enclave::hpke::MIN_CHUNK;
+    let plaintext: Vec<u8> = (0..300 * chunk as u32).map(|i| (i % 253) as u8).collect();
+    let (enc, ciphertext) =
+        confed_enclave::hpke_awslc::seal_chunked(&public, b"info", b"aad", &plaintext, chunk)
+            .unwrap();
+    let mut opened = Vec::new();
+    ring.open_into(&enc, b"info", b"aad", &ciphertext, Some(chunk), &mut opened)
+        .unwrap();
+    assert_eq!(opened, plaintext);
+
+    // A refused open leaves the context's sequence number where it was.
+    let private = PrivateKey::from_bytes(&hex(SK_RM)).unwrap();
+    let recipient = Recipient::with_backend(&private, Backend::Ring).unwrap();
+    let mut context = recipient.context(&hex(ENC), &hex(INFO)).unwrap();
+    assert!(context.open(&hex(AAD_1), &hex(CIPHERTEXT_0)).is_err());
+    let first = context.open(&hex(AAD_0), &hex(CIPHERTEXT_0)).unwrap();
+    assert_eq!(first.to_vec(), hex(PLAINTEXT));
+    let second = context.open(&hex(AAD_1), &hex(CIPHERTEXT_1)).unwrap();
+    assert_eq!(second.to_vec(), hex(PLAINTEXT));
 }

@@ -269,40 +269,79 @@ mod tests {
             .collect()
     }
 
+    /// Finite values whose squares span many exponents, so every lane's running sum rounds and
+    /// a change in the order lanes are added (within or across them) changes the bits.
+    fn mixed(len: usize, seed: u64) -> Vec<u8> {
+        let mut state = seed;
+        (0..len)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let mantissa = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                mantissa * 2f32.powi((state % 40) as i32 - 20)
+            })
+            .flat_map(f32::to_le_bytes)
+            .collect()
+    }
+
+    /// Runs both loops on a copy of `start` with the flags given, and compares every bit.
+    fn compare<const SUBTRACT: bool, const FLOAT_NORM: bool>(
+        start: &[i64],
+        bytes: &[u8],
+        units: f64,
+        case: &str,
+    ) {
+        let (mut generic, mut avx2) = (start.to_vec(), start.to_vec());
+        let expected = add_quantized_generic::<SUBTRACT, FLOAT_NORM>(&mut generic, bytes, units);
+        // SAFETY: the caller checked that the CPU supports AVX2.
+        let got = unsafe { add_quantized_avx2::<SUBTRACT, FLOAT_NORM>(&mut avx2, bytes, units) };
+        assert_eq!(generic, avx2, "sums, {case}");
+        assert_eq!(
+            expected.0.to_bits(),
+            got.0.to_bits(),
+            "integer norm, {case}"
+        );
+        assert_eq!(expected.1.to_bits(), got.1.to_bits(), "float norm, {case}");
+        if !FLOAT_NORM {
+            assert_eq!(got.1, 0.0, "no float norm asked for, {case}");
+        }
+    }
+
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn the_avx2_loops_give_the_generic_loops_bits() {
         if !std::arch::is_x86_feature_detected!("avx2") {
             return;
         }
-        for (len, non_finite) in [
-            (0, false),
-            (5, false),
-            (8, false),
-            (263, false),
-            (1000, true),
-        ] {
+        let inputs = [
+            (0, values(0, 1, false)),
+            (5, values(5, 2, false)),
+            (8, values(8, 3, false)),
+            (263, values(263, 4, false)),
+            (1000, values(1000, 5, true)),
+            (1003, mixed(1003, 6)),
+            (4096, mixed(4096, 7)),
+        ];
+        for (len, bytes) in &inputs {
             for units in [1.0, 4096.0, 1.0e-3, 3.7e9] {
-                let bytes = values(len, len as u64 + 1, non_finite);
-                let start: Vec<i64> = (0..len as i64).map(|i| i * 1_000_003 - 7).collect();
-                let (mut generic, mut avx2) = (start.clone(), start.clone());
-                let expected = add_quantized_generic::<false, true>(&mut generic, &bytes, units);
-                // SAFETY: the CPU supports AVX2 (checked above).
-                let got = unsafe { add_quantized_avx2::<false, true>(&mut avx2, &bytes, units) };
-                assert_eq!(generic, avx2, "sums, {len} values at {units}");
-                assert_eq!(expected.0.to_bits(), got.0.to_bits(), "integer norm, {len}");
-                assert_eq!(expected.1.to_bits(), got.1.to_bits(), "float norm, {len}");
-                let expected = add_quantized_generic::<true, false>(&mut generic, &bytes, units);
-                // SAFETY: as above.
-                let got = unsafe { add_quantized_avx2::<true, false>(&mut avx2, &bytes, units) };
-                assert_eq!(generic, avx2, "undone, {len} values at {units}");
-                assert_eq!(generic, start, "adding then subtracting restores the sum");
-                assert_eq!(expected.0.to_bits(), got.0.to_bits());
-                assert_eq!(expected.1.to_bits(), got.1.to_bits());
+                let start: Vec<i64> = (0..*len as i64).map(|i| i * 1_000_003 - 7).collect();
+                let case = format!("{len} values at {units}");
+                compare::<false, true>(&start, bytes, units, &case);
+                compare::<false, false>(&start, bytes, units, &case);
+                compare::<true, true>(&start, bytes, units, &case);
+                compare::<true, false>(&start, bytes, units, &case);
+                let mut sum = start.clone();
+                add_quantized_generic::<false, false>(&mut sum, bytes, units);
+                add_quantized_generic::<true, false>(&mut sum, bytes, units);
+                assert_eq!(
+                    sum, start,
+                    "adding then subtracting restores the sum, {case}"
+                );
             }
             // Two tensors of uneven lengths: the lanes run on across them.
-            let (first, second) = (values(len, 3, non_finite), values(len / 3 + 9, 4, false));
-            let update: [&[u8]; 2] = [&first, &second];
+            let second = mixed(len / 3 + 9, 8);
+            let update: [&[u8]; 2] = [bytes, &second];
             let generic = float_norm_squared_generic(&update);
             // SAFETY: as above.
             let avx2 = unsafe { float_norm_squared_avx2(&update) };
@@ -312,5 +351,20 @@ mod tests {
                 "float norm of two tensors, {len}"
             );
         }
+    }
+
+    #[test]
+    fn the_mixed_values_make_the_norms_depend_on_the_order_of_their_additions() {
+        // What makes the comparison above sensitive: summed in another order (lanes one after
+        // the other instead of interleaved), the same squares give other bits.
+        let bytes = mixed(4096, 7);
+        let squares: Vec<f64> = bytes
+            .chunks_exact(4)
+            .map(|b| f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]])).powi(2))
+            .collect();
+        let update: [&[u8]; 1] = [&bytes];
+        let in_lanes = float_norm_squared_generic(&update);
+        let in_order: f64 = squares.iter().sum();
+        assert_ne!(in_lanes.to_bits(), in_order.to_bits());
     }
 }
