@@ -25,8 +25,9 @@ use crate::hpke_ring::{RingContext, RingKey};
 /// one opens. Immutable after creation, so shareable across threads.
 pub struct Recipient {
     key: *mut lc::EVP_HPKE_KEY,
-    ring: RingKey,
-    backend: Backend,
+    /// The key pair again for ring's receiver; `None` where AWS-LC opens (no second copy of the
+    /// private key then).
+    ring: Option<RingKey>,
 }
 
 // SAFETY: the EVP_HPKE_KEY is written only in `new` and read-only afterwards (AWS-LC takes it as
@@ -78,7 +79,10 @@ impl Recipient {
 
     /// The recipient of `private_key`, opening with `backend` (tests use both).
     pub fn with_backend(private_key: &PrivateKey, backend: Backend) -> Result<Self, HpkeError> {
-        let ring = RingKey::new(private_key.as_bytes())?;
+        let ring = match backend {
+            Backend::Ring => Some(RingKey::new(private_key.as_bytes())?),
+            Backend::AwsLc => None,
+        };
         // SAFETY: EVP_HPKE_KEY_new returns an owned allocation or null (checked); the private key
         // pointer and length describe a live 32-byte buffer.
         unsafe {
@@ -86,7 +90,7 @@ impl Recipient {
             if key.is_null() {
                 return Err(HpkeError::BadKey("private key (allocation failed)"));
             }
-            let recipient = Self { key, ring, backend };
+            let recipient = Self { key, ring };
             let bytes = private_key.as_bytes();
             let ok = lc::EVP_HPKE_KEY_init(
                 key,
@@ -103,9 +107,9 @@ impl Recipient {
 
     /// Sets up a receiving context for one encapsulated key and `info`.
     pub fn context(&self, encapsulated_key: &[u8], info: &[u8]) -> Result<OpenContext, HpkeError> {
-        let opening = match self.backend {
-            Backend::Ring => Opening::Ring(self.ring.context(encapsulated_key, info)?),
-            Backend::AwsLc => Opening::AwsLc(self.aws_lc_context(encapsulated_key, info)?),
+        let opening = match &self.ring {
+            Some(ring) => Opening::Ring(ring.context(encapsulated_key, info)?),
+            None => Opening::AwsLc(self.aws_lc_context(encapsulated_key, info)?),
         };
         Ok(OpenContext(opening))
     }

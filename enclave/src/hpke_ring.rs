@@ -70,10 +70,13 @@ pub(crate) struct RingKey {
 
 impl RingKey {
     pub(crate) fn new(private: &[u8]) -> Result<Self, HpkeError> {
-        let private: [u8; LEN] = private
-            .try_into()
-            .map_err(|_| HpkeError::BadKey("private key"))?;
-        let private = Zeroizing::new(private);
+        if private.len() != LEN {
+            return Err(HpkeError::BadKey("private key"));
+        }
+        // Copied straight into its wiped home: no unwiped array on the way.
+        let mut key = Zeroizing::new([0u8; LEN]);
+        key.copy_from_slice(private);
+        let private = key;
         let mut public = [0u8; LEN];
         // SAFETY: both pointers describe live 32-byte buffers, as X25519_public_from_private
         // requires.

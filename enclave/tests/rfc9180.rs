@@ -88,13 +88,8 @@ fn the_ring_backend_opens_what_aws_lc_sealed_in_chunks_and_refuses_what_it_refus
     let aws_lc = Recipient::with_backend(&private, Backend::AwsLc).unwrap();
     let plaintext: Vec<u8> = (0..70_000u32).map(|i| (i * 7 % 251) as u8).collect();
     let chunk = 16 * 1024;
-    let (enc, ciphertext) =
-        confed_enclave::hpke_awslc::seal_chunked(&public, b"info", b"aad", &plaintext, chunk)
-            .unwrap();
+    let (enc, ciphertext) = ring_opens_what_aws_lc_sealed(&ring, &public, &plaintext, chunk);
     let mut opened = Vec::new();
-    ring.open_into(&enc, b"info", b"aad", &ciphertext, Some(chunk), &mut opened)
-        .unwrap();
-    assert_eq!(opened, plaintext, "five chunks, sequence numbers 0 to 4");
     let (enc_one, one) =
         confed_enclave::hpke_awslc::seal(&public, b"info", b"aad", &plaintext).unwrap();
     ring.open_into(&enc_one, b"info", b"aad", &one, None, &mut opened)
@@ -167,13 +162,7 @@ fn the_ring_backend_counts_sequence_numbers_past_one_byte_and_not_on_failure() {
     // 300 chunks of the smallest size: sequence numbers 0 to 299 cross a byte boundary.
     let chunk = confed_enclave::hpke::MIN_CHUNK;
     let plaintext: Vec<u8> = (0..300 * chunk as u32).map(|i| (i % 253) as u8).collect();
-    let (enc, ciphertext) =
-        confed_enclave::hpke_awslc::seal_chunked(&public, b"info", b"aad", &plaintext, chunk)
-            .unwrap();
-    let mut opened = Vec::new();
-    ring.open_into(&enc, b"info", b"aad", &ciphertext, Some(chunk), &mut opened)
-        .unwrap();
-    assert_eq!(opened, plaintext);
+    ring_opens_what_aws_lc_sealed(&ring, &public, &plaintext, chunk);
 
     // A refused open leaves the context's sequence number where it was.
     let private = PrivateKey::from_bytes(&hex(SK_RM)).unwrap();
@@ -184,4 +173,27 @@ fn the_ring_backend_counts_sequence_numbers_past_one_byte_and_not_on_failure() {
     assert_eq!(first.to_vec(), hex(PLAINTEXT));
     let second = context.open(&hex(AAD_1), &hex(CIPHERTEXT_1)).unwrap();
     assert_eq!(second.to_vec(), hex(PLAINTEXT));
+}
+
+/// Seals `plaintext` in chunks of `chunk` with AWS-LC and checks that `ring` opens it whole;
+/// returns the encapsulated key and the ciphertext.
+fn ring_opens_what_aws_lc_sealed(
+    ring: &Recipient,
+    public: &hpke::PublicKey,
+    plaintext: &[u8],
+    chunk: usize,
+) -> (Vec<u8>, Vec<u8>) {
+    let (enc, ciphertext) =
+        confed_enclave::hpke_awslc::seal_chunked(public, b"info", b"aad", plaintext, chunk)
+            .unwrap();
+    let mut opened = Vec::new();
+    ring.open_into(&enc, b"info", b"aad", &ciphertext, Some(chunk), &mut opened)
+        .unwrap();
+    assert_eq!(
+        opened,
+        plaintext,
+        "{} chunks",
+        plaintext.len().div_ceil(chunk)
+    );
+    (enc, ciphertext)
 }
