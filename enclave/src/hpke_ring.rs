@@ -5,8 +5,9 @@
 //! Why a second receiver: AWS-LC (0.47) has AES-GCM for AVX-512 with VAES and the older AVX
 //! code, but none for VAES on AVX2 (AMD Zen 3, the EPYC Milan behind N2D Confidential VMs; Intel
 //! client parts). ring (0.17) has that one from BoringSSL. On the AVX2 + VAES VM of
-//! docs/performance.md, ring opens 1 MB at 5.1-6.5 GB/s and AWS-LC's HPKE at 2.9-3.4, and the
-//! AEAD is the largest share of the aggregation loop. `Backend::for_this_cpu` picks one per
+//! docs/performance.md, ring opens 1 MB at 5.1-5.6 GB/s and AWS-LC's HPKE at 3.5-3.7 (the
+//! aggregation bench's first summary line), and the AEAD is the largest share of the
+//! aggregation loop. `Backend::for_this_cpu` picks one per
 //! process.
 //!
 //! Only the AEAD is ring's. The key schedule is RFC 9180's, over AWS-LC's X25519 and HKDF
@@ -106,7 +107,7 @@ impl RingKey {
             &mut shared_secret[..],
         )?;
         // KeySchedule(mode_base, shared_secret, info, psk = "", psk_id = "")
-        let psk_id_hash = labeled_extract(HPKE_SUITE, &[], b"psk_id_hash", &[])?;
+        let psk_id_hash = psk_id_hash()?;
         let info_hash = labeled_extract(HPKE_SUITE, &[], b"info_hash", &[info])?;
         let mut context = [0u8; 1 + 2 * LEN];
         context[1..1 + LEN].copy_from_slice(&psk_id_hash[..]);
@@ -129,6 +130,18 @@ impl RingKey {
             sequence: 0,
         })
     }
+}
+
+/// `LabeledExtract("", "psk_id_hash", "")`: the same for every context of base mode, so computed
+/// once per process rather than once per contribution.
+fn psk_id_hash() -> Result<[u8; LEN], HpkeError> {
+    static HASH: std::sync::OnceLock<Option<[u8; LEN]>> = std::sync::OnceLock::new();
+    HASH.get_or_init(|| {
+        labeled_extract(HPKE_SUITE, &[], b"psk_id_hash", &[])
+            .ok()
+            .map(|hash| *hash)
+    })
+    .ok_or(HpkeError::Open)
 }
 
 /// One receiving context: opens a sequence of ciphertexts sealed by one sender context.

@@ -324,23 +324,26 @@ impl Masked {
         receipts: &[UnmaskReceipt],
         variance: u64,
     ) -> (Vec<i64>, Vec<i64>) {
-        let layout = self.policy.masking.as_ref().unwrap().layout();
         let mut answers = Vec::new();
         for service in 0..3u8 {
             answers.push(self.sums(service, receipts).await.1);
         }
+        self.unmasked_from(&answers, variance)
+    }
+
+    /// What the services' parsed sums `answers` unmask the inputs' masked sum to (with room for
+    /// distributed noise of `variance`), and the inputs' exact sum.
+    pub(super) fn unmasked_from(
+        &self,
+        answers: &[MaskSums],
+        variance: u64,
+    ) -> (Vec<i64>, Vec<i64>) {
+        let layout = self.policy.masking.as_ref().unwrap().layout();
         let (masked_sum, exact) = self.sums_in_the_clear();
         let room = NoiseRoom::of(VALUES, variance, 3);
-        let unmasked = unmask(
-            &layout,
-            &masked_sum,
-            &answers,
-            DEVICES as u64,
-            1 << 16,
-            room,
-        )
-        .unwrap()
-        .to_vec();
+        let unmasked = unmask(&layout, &masked_sum, answers, DEVICES as u64, 1 << 16, room)
+            .unwrap()
+            .to_vec();
         (unmasked, exact)
     }
 }
@@ -385,7 +388,6 @@ async fn with_distributed_noise_each_service_adds_its_groups_draw_the_same_on_ev
     // What the front end writes: one part in 10^4 above.
     let variance = exact + exact / 10_000 + 1;
     let m = released_with(Some(variance)).await;
-    let layout = m.policy.masking.as_ref().unwrap().layout();
     let receipts = m.agreed().await;
     let mut answers = Vec::new();
     for service in 0..3u8 {
@@ -394,17 +396,7 @@ async fn with_distributed_noise_each_service_adds_its_groups_draw_the_same_on_ev
         assert_eq!(first, again, "service {} drew other noise", service + 1);
         answers.push(parsed);
     }
-    let (masked_sum, exact) = m.sums_in_the_clear();
-    let room = confed_protocol::masking::NoiseRoom::of(VALUES, variance, 3);
-    let unmasked = unmask(
-        &layout,
-        &masked_sum,
-        &answers,
-        DEVICES as u64,
-        1 << 16,
-        room,
-    )
-    .unwrap();
+    let (unmasked, exact) = m.unmasked_from(&answers, variance);
     let expected = noised(&m, variance, &exact);
     assert_eq!(unmasked.as_slice(), expected.as_slice());
     assert_ne!(unmasked.as_slice(), exact.as_slice(), "no noise at all");
