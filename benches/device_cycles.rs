@@ -130,8 +130,8 @@ async fn main() {
     }
 }
 
-/// Cycles per second of `DEVICES` devices split over `replicas` API replicas on the PostgreSQL
-/// database at `url` (a task of `spec` created through the first; `CONCURRENCY` devices in flight
+/// Cycles per second of `DEVICES` devices split over `replicas` API replicas on a fresh database
+/// of the PostgreSQL server at `url` (a task of `spec` created through the first; `CONCURRENCY` devices in flight
 /// in all), each replica's devices driven by a load generator of their own, all at once.
 async fn postgres_cycles(
     keys: &KeyDirectory,
@@ -140,8 +140,9 @@ async fn postgres_cycles(
     replicas: usize,
     mut spec: serde_json::Value,
 ) -> f64 {
-    let servers = support::start_replicas(keys.clone(), url, replicas).await;
-    // A population of its own per measurement: rounds of earlier runs on this database stay.
+    let (database, name) = support::fresh_database(url).await;
+    let servers = support::start_replicas(keys.clone(), &database, replicas).await;
+    // A population named after the run (the database is this measurement's own as well).
     let population = format!("bench-pg-{}-{replicas}", std::process::id());
     spec["population"] = serde_json::json!(population);
     let http = confed_protocol::http::client(Duration::from_secs(30));
@@ -170,5 +171,7 @@ async fn postgres_cycles(
         contributions += summary.contributions;
         slowest = slowest.max(summary.elapsed.as_secs_f64());
     }
+    drop(servers);
+    support::drop_database(url, &name).await;
     contributions as f64 / slowest
 }

@@ -53,6 +53,47 @@ pub(crate) async fn start_replicas(
     servers
 }
 
+/// A new, empty database on the PostgreSQL server at `server` (a URL naming any database on it),
+/// so each measurement starts as SQLite's does, from nothing: measured on one database that
+/// kept every earlier run's rows, the same load ran at two thirds of the speed by the third run
+/// (tables and indexes past `shared_buffers`, checkpoints of the earlier runs' writes). Returns
+/// its URL and its name, for `drop_database`.
+#[allow(dead_code)]
+pub(crate) async fn fresh_database(server: &str) -> (String, String) {
+    use sqlx::Connection as _;
+    sqlx::any::install_default_drivers();
+    let name = format!("confed_bench_{}", uuid::Uuid::new_v4().simple());
+    let mut admin = sqlx::AnyConnection::connect(server).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    admin.close().await.ok();
+    let (base, query) = server.split_once('?').unwrap_or((server, ""));
+    let root = base.rsplit_once('/').map_or(base, |(root, _)| root);
+    let query = if query.is_empty() {
+        String::new()
+    } else {
+        format!("?{query}")
+    };
+    (format!("{root}/{name}{query}"), name)
+}
+
+/// Drops the database `name` that `fresh_database` made on `server`, with any connection still
+/// open to it.
+#[allow(dead_code)]
+pub(crate) async fn drop_database(server: &str, name: &str) {
+    use sqlx::Connection as _;
+    let mut admin = sqlx::AnyConnection::connect(server).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+    )))
+    .execute(&mut admin)
+    .await
+    .unwrap();
+    admin.close().await.ok();
+}
+
 /// A tenant allowed a report goal of 1,000,000 (named after this process and the call, so runs
 /// against one PostgreSQL database do not collide); returns its token.
 async fn bench_tenant(db: &Db) -> String {

@@ -90,6 +90,8 @@ pub struct Db {
     _job_listener: Option<Arc<postgres::notify::Listener>>,
     /// PostgreSQL: the group-commit queue of the device writes that lock a round's row.
     device_batches: Option<postgres::batch::Batcher>,
+    /// PostgreSQL: the connections of the device path's reads (`postgres/readers.rs`).
+    device_readers: Option<Arc<postgres::readers::Readers>>,
     /// The store's time: every write stamps and compares with it (`now`), so a caller cannot
     /// hand one write a time another did not see. The system clock unless `with_clock`.
     clock: Arc<dyn Clock>,
@@ -219,6 +221,7 @@ impl Db {
             jobs_created: Default::default(),
             _job_listener: None,
             device_batches: None,
+            device_readers: None,
         })
     }
 
@@ -227,13 +230,24 @@ impl Db {
     pub async fn open_postgres(url: &str) -> Result<Self, DbError> {
         sqlx::any::install_default_drivers();
         // A request that cannot get a connection within 2 s answers 503 with Retry-After
-        // (`DbError::is_unavailable`) instead of holding the client 30 s for a 500; a pooled
-        // connection is checked before it is handed out, so one that PostgreSQL dropped while
-        // it was down is replaced rather than failing the next request.
+        // (`DbError::is_unavailable`) instead of holding the client 30 s for a 500. sqlx checks
+        // every connection as it returns to the pool (a round trip), so one that failed is
+        // dropped there; a connection idle for longer than `PING_IF_IDLE` is checked again
+        // before it is handed out, so one that PostgreSQL dropped while it was down is replaced
+        // rather than failing the next request. A connection in use is not checked twice: the
+        // second round trip per statement cost a sixth of the device cycles (docs/performance.md).
         let pool = AnyPoolOptions::new()
             .max_connections(16)
-            .acquire_timeout(Duration::from_secs(2))
-            .test_before_acquire(true)
+            .acquire_timeout(postgres::readers::ACQUIRE_TIMEOUT)
+            .test_before_acquire(false)
+            .before_acquire(|conn, meta| {
+                Box::pin(async move {
+                    if meta.idle_for > postgres::readers::PING_IF_IDLE {
+                        sqlx::Connection::ping(conn).await?;
+                    }
+                    Ok(true)
+                })
+            })
             .connect(url)
             .await?;
         POSTGRES_MIGRATOR.run(&pool).await?;
@@ -249,6 +263,7 @@ impl Db {
             jobs_created,
             _job_listener: listener.map(Arc::new),
             device_batches: Some(device_batches),
+            device_readers: Some(Arc::new(postgres::readers::Readers::new(url))),
         })
     }
 
@@ -318,19 +333,41 @@ impl Db {
         }
     }
 
-    /// `write` for a job that may share its transaction with others and run again alone if the
-    /// shared one fails (`postgres::batch`: PostgreSQL's device writes that lock a round's row);
-    /// on SQLite, `write` (its writer batches every job already).
-    pub(crate) async fn batched_write<T, F>(&self, job: F) -> Result<T, DbError>
+    /// Runs one read of the device path (PostgreSQL: on the readers' connections, which skip
+    /// the pool's check of every returned connection; see `postgres/readers.rs`).
+    pub(in crate::db) async fn device_read<T>(
+        &self,
+        read: impl for<'c> FnOnce(&'c mut Conn) -> writer::BoxFuture<'c, Result<T, sqlx::Error>>,
+    ) -> Result<T, DbError> {
+        match &self.device_readers {
+            Some(readers) => readers.read(read).await,
+            None => {
+                let mut connection = self.pool.acquire().await?;
+                Ok(read(&mut connection).await?)
+            }
+        }
+    }
+
+    /// `write` for a job that may share its transaction with others, as `item` of their sets
+    /// (`settle` reads the sets' answer; `None`: run `job`), and run again alone if the shared
+    /// one fails (`postgres::batch`: PostgreSQL's device writes); on SQLite, `write` (its writer
+    /// batches every job already).
+    pub(in crate::db) async fn batched_write<T, S, F>(
+        &self,
+        item: postgres::sets::SetItem,
+        settle: S,
+        job: F,
+    ) -> Result<T, DbError>
     where
         T: Send + 'static,
+        S: Fn(&postgres::sets::SetOutcome) -> Option<T> + Send + Sync + 'static,
         F: for<'c> Fn(&'c mut Conn) -> writer::BoxFuture<'c, Result<T, DbError>>
             + Send
             + Sync
             + 'static,
     {
         match &self.device_batches {
-            Some(batches) => batches.write(job).await,
+            Some(batches) => batches.write(item, settle, job).await,
             None => self.write(job).await,
         }
     }

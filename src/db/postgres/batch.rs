@@ -1,35 +1,40 @@
 //! The device writes that lock a round's row (check-ins and reports), grouped into shared
 //! transactions on one connection per process.
 //!
-//! Every check-in and every completed report of a round locks that round's row (for capacity,
-//! and to close the round exactly once). Run one transaction per device, 64 devices of one round
-//! queue on that lock: each holder keeps it through its commit's WAL flush, and each waiter is a
-//! backend put to sleep and woken again. Measured on two cores, that capped a round at about 500
-//! device cycles/s with PostgreSQL's CPU the bottleneck. Here the writes that arrive while a
-//! batch runs wait for the next one, which runs them one after another in a single transaction
-//! (no waits among this process's own writes) and commits once; each caller is answered after
-//! that commit, so a write is acknowledged only once durable, as before.
+//! The writes that arrive while a batch runs wait for the next one, which runs them in a single
+//! transaction and commits once; each caller is answered after that commit, so a write is
+//! acknowledged only once durable. Every check-in and every completed report of a round locks
+//! that round's row (for capacity, and to close the round exactly once), and a batch holds it
+//! through its commit's WAL flush, so what a batch does between its first lock and its commit
+//! bounds a round's device cycles. A batch therefore runs its writes as sets (`sets.rs`): one
+//! statement locks all its rounds in id order, one applies all its check-ins, one its uploads,
+//! one its completions; six round trips where one statement per write took a batch's size plus
+//! two. What the sets leave (a late or repeated report, other reports) runs its own statement
+//! afterwards in the same transaction.
 //!
-//! A batch may lock several rounds' rows, in the order its writes came, so it can wait for
-//! another replica's batch (for as long as that batch runs) or deadlock with one, or with the
-//! scheduler's expiry sweep: PostgreSQL's detector breaks a deadlock after `deadlock_timeout`
-//! (1 s by default) by aborting one transaction, and an aborted batch's writes then run again
-//! (the failing one alone), each alone locking one round. While a batch waits, this process's
+//! Two batches (two replicas) lock their rounds in the same order, so they wait for each other
+//! but do not deadlock over rounds; the single statements that run after the sets lock no round
+//! the sets have not (`sets.rs` names the one cycle left, over one assignment written through
+//! two replicas at once). The scheduler's expiry sweep locks rounds on its own: PostgreSQL's
+//! detector breaks a deadlock with either after `deadlock_timeout` (1 s by default) by aborting one transaction, and
+//! an aborted batch's writes then run again, each alone. While a batch waits, this process's
 //! other device writes wait too. (A `SET LOCAL lock_timeout` per batch would bound the wait,
 //! but its extra round trip cost 10 % of the device cycles here.)
 //!
 //! A job may run twice: if a job of a batch fails (a database error aborts the whole
 //! transaction), the batch is rolled back, that job runs again alone (its caller gets its own
-//! answer), and the others run together again; if the commit or the transaction fails, every
-//! job runs again alone. So one job's fault reaches its caller only, and a write that always
-//! fails costs its batch one retry. Jobs are therefore `Fn`, and must do nothing but SQL on the
-//! connection they are given. A panic ends its batch (its callers get an error), not the queue.
+//! answer), and the others run together again; if a set, the commit or the transaction fails,
+//! every job runs again alone. A job run alone runs its single statement, not its set. So one
+//! job's fault reaches its caller only, and a write that always fails costs its batch one retry.
+//! Jobs are therefore `Fn`, and must do nothing but SQL on the connection they are given. A
+//! panic ends its batch (its callers get an error), not the queue.
 
 use std::sync::{Arc, Mutex};
 
 use sqlx::{AnyPool, Connection};
 use tokio::sync::{mpsc, oneshot};
 
+use super::sets::{self, SetItem, SetOutcome};
 use crate::db::writer::BoxFuture;
 use crate::db::{CommitCause, CommitFailure, Conn, DbError};
 
@@ -38,16 +43,20 @@ const MAX_BATCH: usize = 128;
 const QUEUE: usize = 4096;
 
 type Run = Box<dyn for<'c> Fn(&'c mut Conn) -> BoxFuture<'c, Result<(), DbError>> + Send + Sync>;
+type Settle = Box<dyn Fn(&SetOutcome) -> bool + Send + Sync>;
 
 struct Queued {
     run: Run,
+    /// The job as a member of its batch's sets (`sets.rs`), and how it takes the sets' answer
+    /// (`false`: the sets left it to `run`).
+    set: Option<(SetItem, Settle)>,
     /// Called once, after the commit that covers the job's last run (or with its error).
     answer: Box<dyn FnOnce(Result<(), DbError>) + Send + Sync>,
 }
 
 /// The handle that queues jobs; the batch task stops when the last handle is dropped.
 #[derive(Debug, Clone)]
-pub(crate) struct Batcher {
+pub(in crate::db) struct Batcher {
     jobs: mpsc::Sender<Queued>,
 }
 
@@ -59,16 +68,25 @@ impl std::fmt::Debug for Queued {
 
 impl Batcher {
     /// Starts the batch task on `pool` (it holds one connection while a batch runs).
-    pub(crate) fn start(pool: AnyPool) -> Self {
+    pub(in crate::db) fn start(pool: AnyPool) -> Self {
         let (jobs, queue) = mpsc::channel(QUEUE);
         tokio::spawn(run_batches(pool, queue));
         Self { jobs }
     }
 
-    /// Runs `job` in the next batch; returns its result once the batch's commit is durable.
-    pub(crate) async fn write<T, F>(&self, job: F) -> Result<T, DbError>
+    /// Runs `job` in the next batch, as `item` of its sets: `settle` turns what the sets decided
+    /// into the job's answer, or `None` to run `job` (in the same transaction, after the sets).
+    /// Run alone (after a fault in its batch), the job runs `job`. Returns once the batch's
+    /// commit is durable.
+    pub(in crate::db) async fn write<T, S, F>(
+        &self,
+        item: SetItem,
+        settle: S,
+        job: F,
+    ) -> Result<T, DbError>
     where
         T: Send + 'static,
+        S: Fn(&SetOutcome) -> Option<T> + Send + Sync + 'static,
         F: for<'c> Fn(&'c mut Conn) -> BoxFuture<'c, Result<T, DbError>> + Send + Sync + 'static,
     {
         let slot: Arc<Mutex<Option<T>>> = Arc::new(Mutex::new(None));
@@ -81,6 +99,14 @@ impl Batcher {
                 *filled.lock().unwrap_or_else(|e| e.into_inner()) = Some(value);
                 Ok(())
             })
+        });
+        let settled = Arc::clone(&slot);
+        let settle: Settle = Box::new(move |outcome| match settle(outcome) {
+            Some(value) => {
+                *settled.lock().unwrap_or_else(|e| e.into_inner()) = Some(value);
+                true
+            }
+            None => false,
         });
         let (sender, receiver) = oneshot::channel();
         let answer = Box::new(move |outcome: Result<(), DbError>| {
@@ -97,7 +123,12 @@ impl Batcher {
             });
             let _ = sender.send(value);
         });
-        self.jobs.send(Queued { run, answer }).await.map_err(|_| {
+        let queued = Queued {
+            run,
+            set: Some((item, settle)),
+            answer,
+        };
+        self.jobs.send(queued).await.map_err(|_| {
             DbError::Commit(CommitFailure::new(
                 CommitCause::Stopped,
                 "the device write batcher has stopped",
@@ -135,7 +166,7 @@ async fn run_batches(pool: AnyPool, mut queue: mpsc::Receiver<Queued>) {
 /// commit (or something not tied to one job) fails, runs each job alone.
 async fn run_batch(pool: &AnyPool, mut batch: Vec<Queued>) {
     loop {
-        match run_together(pool, &batch).await {
+        match run_together(pool, &batch, Sets::Use).await {
             Ok(()) => {
                 batch.into_iter().for_each(|job| (job.answer)(Ok(())));
                 return;
@@ -143,7 +174,7 @@ async fn run_batch(pool: &AnyPool, mut batch: Vec<Queued>) {
             Err((Some(failed), error)) if batch.len() > 1 => {
                 tracing::debug!(%error, jobs = batch.len(), "a device write failed in a shared transaction; running it alone");
                 let job = batch.remove(failed);
-                let alone = run_together(pool, std::slice::from_ref(&job)).await;
+                let alone = run_together(pool, std::slice::from_ref(&job), Sets::Skip).await;
                 (job.answer)(alone.map_err(|(_, error)| error));
             }
             Err((_, error)) if batch.len() == 1 => {
@@ -155,7 +186,7 @@ async fn run_batch(pool: &AnyPool, mut batch: Vec<Queued>) {
             Err((None, error)) => {
                 tracing::debug!(%error, jobs = batch.len(), "a device write batch failed; running its jobs one by one");
                 for job in batch {
-                    let alone = run_together(pool, std::slice::from_ref(&job)).await;
+                    let alone = run_together(pool, std::slice::from_ref(&job), Sets::Skip).await;
                     (job.answer)(alone.map_err(|(_, error)| error));
                 }
                 return;
@@ -171,12 +202,48 @@ async fn run_batch(pool: &AnyPool, mut batch: Vec<Queued>) {
     }
 }
 
-/// `jobs` in one transaction, committed; rolled back at the first error, which comes back with
-/// the index of the job that failed (`None`: the commit or the transaction itself failed).
-async fn run_together(pool: &AnyPool, jobs: &[Queued]) -> Result<(), (Option<usize>, DbError)> {
+/// Whether a batch runs its jobs' sets (`Use`) or only their single statements (`Skip`: a job
+/// run alone after a fault takes the path that does not depend on the sets).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sets {
+    Use,
+    Skip,
+}
+
+/// `jobs` in one transaction, committed: first their sets, then, in order, each job the sets did
+/// not answer. Rolled back at the first error, which comes back with the index of the job that
+/// failed (`None`: the sets, the commit or the transaction itself failed).
+async fn run_together(
+    pool: &AnyPool,
+    jobs: &[Queued],
+    sets: Sets,
+) -> Result<(), (Option<usize>, DbError)> {
     let mut connection = pool.acquire().await.map_err(|e| (None, e.into()))?;
     let mut tx = connection.begin().await.map_err(|e| (None, e.into()))?;
+    let mut settled = vec![false; jobs.len()];
+    if sets == Sets::Use && jobs.iter().any(|job| job.set.is_some()) {
+        let items: Vec<Option<&SetItem>> = jobs
+            .iter()
+            .map(|job| job.set.as_ref().map(|(item, _)| item))
+            .collect();
+        match sets::run(&mut tx, &items).await {
+            Ok(outcomes) => {
+                for ((job, outcome), settled) in jobs.iter().zip(outcomes).zip(&mut settled) {
+                    if let (Some((_, settle)), Some(outcome)) = (&job.set, outcome) {
+                        *settled = settle(&outcome);
+                    }
+                }
+            }
+            Err(error) => {
+                let _ = tx.rollback().await;
+                return Err((None, error));
+            }
+        }
+    }
     for (index, job) in jobs.iter().enumerate() {
+        if settled[index] {
+            continue;
+        }
         if let Err(error) = (job.run)(&mut tx).await {
             // Now, not when the connection is next used: until then it keeps its row locks.
             let _ = tx.rollback().await;

@@ -10,10 +10,15 @@
 //!   closing are serial per round: exactly one report closes the round, and none completes an
 //!   assignment of a round already closed (its contribution would miss the aggregation).
 //!
+//! Each statement here is also a write's single path: in a batch, the sets of `sets.rs` apply
+//! the common case of many writes at once under the same guards, and a write they leave (or one
+//! run alone after a fault) takes its statement here.
+//!
 //! State names come from `states.rs`.
 
 use std::sync::LazyLock;
 
+use super::sets::{SetItem, SetOutcome};
 use crate::db::device::{
     Assigned, AssignmentView, CANDIDATES, CandidateRow, DeviceStore, NewAssignment, NewUpload,
     Refusal, Report, ReportOutcome, ReportStep, Stored, VIEW_SQL, ViewRow, WRITE_VIEW_SQL,
@@ -164,44 +169,71 @@ async fn complete(
     if completed != goal {
         return Ok((Ok(COMPLETED), false));
     }
+    close_round(tx, &round_id, goal, report.now).await?;
+    Ok((Ok(COMPLETED), true))
+}
+
+/// Closes a collecting round whose completions reached its goal, and creates its job, in the
+/// transaction of the completion that reached it.
+pub(super) async fn close_round(
+    tx: &mut Conn,
+    round_id: &str,
+    goal: i64,
+    now: i64,
+) -> Result<(), DbError> {
     debug_assert!(COLLECTING.can_become(AGGREGATING));
     sqlx::query(CLOSE_ROUND.as_str())
-        .bind(&round_id)
-        .bind(report.now)
+        .bind(round_id)
+        .bind(now)
         .execute(&mut *tx)
         .await?;
     history::append(
         tx,
         RoundState::ENTITY,
-        &round_id,
+        round_id,
         Some(COLLECTING.as_str()),
         AGGREGATING.as_str(),
         &format!("report goal {goal} reached"),
-        Millis(report.now),
+        Millis(now),
     )
     .await?;
     sqlx::query(CREATE_JOB.as_str())
-        .bind(&round_id)
-        .bind(report.now)
+        .bind(round_id)
+        .bind(now)
         .execute(&mut *tx)
         .await?;
-    Ok((Ok(COMPLETED), true))
+    Ok(())
 }
 
 impl DeviceStore for PostgresDevices<'_> {
     async fn candidates(&self, population: &str) -> Result<Vec<CandidateRow>, DbError> {
-        Ok(sqlx::query_as(CANDIDATES.as_str())
-            .bind(population.to_string())
-            .fetch_all(self.0.pool())
-            .await?)
+        let population = population.to_string();
+        self.0
+            .device_read(move |conn| {
+                Box::pin(async move {
+                    sqlx::query_as(CANDIDATES.as_str())
+                        .bind(population)
+                        .fetch_all(conn)
+                        .await
+                })
+            })
+            .await
     }
 
     async fn assign(&self, new: NewAssignment) -> Result<Option<Assigned>, DbError> {
         let expires_at = new.expires_at;
         let history_id = new_history_id();
+        let item = SetItem::Assign {
+            new: new.clone(),
+            history_id: history_id.clone(),
+        };
+        let settle = |outcome: &SetOutcome| match outcome {
+            SetOutcome::Assigned { key_id } => Some(Some((key_id.clone(),))),
+            _ => Some(None),
+        };
         let key_id: Option<(Option<String>,)> = self
             .0
-            .batched_write(move |tx| {
+            .batched_write(item, settle, move |tx| {
                 let (new, history_id) = (new.clone(), history_id.clone());
                 Box::pin(async move {
                     Ok(sqlx::query_as(ASSIGN.as_str())
@@ -224,9 +256,13 @@ impl DeviceStore for PostgresDevices<'_> {
     }
 
     async fn assignment(&self, id: String) -> Result<Option<AssignmentView>, DbError> {
-        let row: Option<ViewRow> = sqlx::query_as(VIEW_SQL)
-            .bind(&id)
-            .fetch_optional(self.0.pool())
+        let row: Option<ViewRow> = self
+            .0
+            .device_read(move |conn| {
+                Box::pin(
+                    async move { sqlx::query_as(VIEW_SQL).bind(id).fetch_optional(conn).await },
+                )
+            })
             .await?;
         row.map(view_from_row).transpose()
     }
@@ -234,10 +270,18 @@ impl DeviceStore for PostgresDevices<'_> {
     async fn record_upload(&self, upload: NewUpload) -> Result<Result<Stored, Refusal>, DbError> {
         debug_assert!(ASSIGNED.can_become(UPLOADED));
         let history_id = new_history_id();
+        let item = SetItem::Upload {
+            upload: upload.clone(),
+            history_id: history_id.clone(),
+        };
+        let settle = |outcome: &SetOutcome| match outcome {
+            SetOutcome::Uploaded(applied) => Some((i64::from(*applied),)),
+            _ => None,
+        };
         let (changed,): (i64,) = {
             let upload = upload.clone();
             self.0
-                .batched_write(move |tx| {
+                .batched_write(item, settle, move |tx| {
                     let (upload, history_id) = (upload.clone(), history_id.clone());
                     Box::pin(async move {
                         Ok(sqlx::query_as(UPLOAD.as_str())
@@ -272,9 +316,23 @@ impl DeviceStore for PostgresDevices<'_> {
         &self,
         report: Report,
     ) -> Result<Result<AssignmentState, Refusal>, DbError> {
+        let item = match report.outcome {
+            ReportOutcome::Completed => SetItem::Complete {
+                id: report.id.clone(),
+                now: report.now,
+                history_id: new_history_id(),
+            },
+            _ => SetItem::Report {
+                id: report.id.clone(),
+            },
+        };
+        let settle = |outcome: &SetOutcome| match outcome {
+            SetOutcome::Completed { closed } => Some((Ok(COMPLETED), *closed)),
+            _ => None,
+        };
         let (answer, closed) = self
             .0
-            .batched_write(move |tx| {
+            .batched_write(item, settle, move |tx| {
                 let report = report.clone();
                 Box::pin(async move {
                     if report.outcome == ReportOutcome::Completed {

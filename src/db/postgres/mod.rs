@@ -4,3 +4,5 @@
 pub(super) mod batch;
 pub(super) mod device;
 pub(super) mod notify;
+pub(super) mod readers;
+pub(super) mod sets;

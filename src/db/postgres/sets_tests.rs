@@ -1,0 +1,263 @@
+//! The sets' statements themselves, on a real PostgreSQL server (`CONFED_TEST_DATABASE_URL`, as
+//! on the CI's PostgreSQL pass; without it these cases have nothing to run on and return). The
+//! device store's suite (`tests/store/device_store.rs`) checks what callers see, but a set that
+//! failed would fall back to the single statements there and pass unseen: here a failing
+//! statement fails the case.
+
+use sqlx::{Connection, Row};
+
+use super::{SetItem, SetOutcome, run};
+use crate::db::device::{NewAssignment, NewUpload};
+use crate::db::{Db, new_history_id};
+
+const NOW: i64 = 1_800_000_000_000;
+
+/// A migrated, empty database of its own on the server the tests name, or `None`.
+async fn fresh_db() -> Option<Db> {
+    let server = std::env::var("CONFED_TEST_DATABASE_URL")
+        .ok()
+        .filter(|url| url.starts_with("postgres"))?;
+    sqlx::any::install_default_drivers();
+    let name = format!("confed_sets_{}", uuid::Uuid::new_v4().simple());
+    let mut admin = sqlx::AnyConnection::connect(&server).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    admin.close().await.ok();
+    let (base, query) = server.split_once('?').unwrap_or((&server, ""));
+    let root = base.rsplit_once('/').map_or(base, |(root, _)| root);
+    let url = match query {
+        "" => format!("{root}/{name}"),
+        query => format!("{root}/{name}?{query}"),
+    };
+    Some(Db::open_postgres(&url).await.unwrap())
+}
+
+/// A collecting round `r1` of goal `goal` in a task of a tenant.
+async fn collecting_round(db: &Db, goal: i64) {
+    for statement in [
+        "INSERT INTO tenants (id, name, token_id, token_sha256, max_active_tasks, \
+         max_report_goal, created_at) VALUES ('t', 't', 'tok', 'x', 1, 1000, 0)"
+            .to_string(),
+        "INSERT INTO tasks (id, tenant_id, population, state, spec_json, created_at, \
+         updated_at) VALUES ('task', 't', 'p', 'OPEN', '{}', 0, 0)"
+            .to_string(),
+        format!(
+            "INSERT INTO rounds (id, task_id, round_number, attempt, state, report_goal, \
+             min_reports, deadline_at, opened_at, updated_at) \
+             VALUES ('r1', 'task', 1, 1, 'COLLECTING', {goal}, 1, {NOW} + 60000, 0, 0)"
+        ),
+    ] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+            .execute(db.pool())
+            .await
+            .unwrap();
+    }
+}
+
+fn assign(id: &str, capacity: i64) -> SetItem {
+    SetItem::Assign {
+        new: NewAssignment {
+            round_id: "r1".into(),
+            id: id.into(),
+            capacity,
+            key_if_unset: "k1".into(),
+            expires_at: NOW + 30_000,
+            now: NOW,
+        },
+        history_id: new_history_id(),
+    }
+}
+
+fn upload(id: &str) -> SetItem {
+    SetItem::Upload {
+        upload: NewUpload {
+            id: id.into(),
+            sha256_hex: format!("blake3:{id}"),
+            blake3_hex: Some(id.into()),
+            size: 100,
+            blob_key: format!("blob/{id}"),
+            now: NOW + 1,
+        },
+        history_id: new_history_id(),
+    }
+}
+
+fn complete(id: &str) -> SetItem {
+    SetItem::Complete {
+        id: id.into(),
+        now: NOW + 2,
+        history_id: new_history_id(),
+    }
+}
+
+/// `items` as one batch's sets, committed.
+async fn run_committed(db: &Db, items: &[SetItem]) -> Vec<Option<SetOutcome>> {
+    let mut tx = db.pool().begin().await.unwrap();
+    let items: Vec<Option<&SetItem>> = items.iter().map(Some).collect();
+    let outcomes = run(&mut tx, &items).await.unwrap();
+    tx.commit().await.unwrap();
+    outcomes
+}
+
+async fn scalar(db: &Db, sql: &'static str) -> i64 {
+    sqlx::query(sql)
+        .fetch_one(db.pool())
+        .await
+        .unwrap()
+        .get::<i64, _>(0)
+}
+
+#[tokio::test]
+async fn a_batch_of_check_ins_fills_a_round_to_capacity_in_arrival_order() {
+    let Some(db) = fresh_db().await else { return };
+    collecting_round(&db, 10).await;
+    let outcomes = run_committed(
+        &db,
+        &[
+            assign("a1", 3),
+            assign("a2", 3),
+            assign("a3", 3),
+            assign("a4", 3),
+        ],
+    )
+    .await;
+    let granted = Some(SetOutcome::Assigned {
+        key_id: Some("k1".into()),
+    });
+    assert_eq!(
+        outcomes,
+        [
+            granted.clone(),
+            granted.clone(),
+            granted,
+            Some(SetOutcome::NoSlot)
+        ]
+    );
+    assert_eq!(
+        scalar(&db, "SELECT live_assignments FROM rounds WHERE id = 'r1'").await,
+        3
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT COUNT(*) FROM assignments WHERE state = 'ASSIGNED'"
+        )
+        .await,
+        3
+    );
+    assert_eq!(
+        scalar(&db, "SELECT COUNT(*) FROM state_history WHERE seq = 1").await,
+        3
+    );
+}
+
+#[tokio::test]
+async fn uploads_apply_once_and_a_second_write_to_one_assignment_is_left_to_its_own_statement() {
+    let Some(db) = fresh_db().await else { return };
+    collecting_round(&db, 10).await;
+    run_committed(&db, &[assign("a1", 5), assign("a2", 5)]).await;
+    let outcomes = run_committed(
+        &db,
+        &[upload("a1"), upload("a1"), upload("a2"), upload("nobody")],
+    )
+    .await;
+    assert_eq!(
+        outcomes,
+        [
+            Some(SetOutcome::Uploaded(true)),
+            None,
+            Some(SetOutcome::Uploaded(true)),
+            Some(SetOutcome::Uploaded(false)),
+        ]
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT COUNT(*) FROM assignments WHERE state = 'UPLOADED' \
+             AND contribution_digest = 'blake3:' || id AND contribution_bytes = 100"
+        )
+        .await,
+        2
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT MAX(seq) FROM state_history WHERE entity_id = 'a1'"
+        )
+        .await,
+        2
+    );
+}
+
+#[tokio::test]
+async fn the_completion_that_reaches_the_goal_closes_the_round_once_and_later_ones_run_alone() {
+    let Some(db) = fresh_db().await else { return };
+    collecting_round(&db, 2).await;
+    run_committed(&db, &[assign("a1", 5), assign("a2", 5), assign("a3", 5)]).await;
+    run_committed(&db, &[upload("a1"), upload("a2"), upload("a3")]).await;
+    let outcomes = run_committed(
+        &db,
+        &[
+            complete("a1"),
+            complete("a1"),
+            SetItem::Report { id: "a3".into() },
+            complete("a2"),
+            complete("a3"),
+            complete("nobody"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        outcomes,
+        [
+            Some(SetOutcome::Completed { closed: false }),
+            None,
+            None,
+            Some(SetOutcome::Completed { closed: true }),
+            None,
+            None,
+        ]
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT completed_reports FROM rounds WHERE id = 'r1' AND state = 'AGGREGATING'"
+        )
+        .await,
+        2
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT COUNT(*) FROM aggregation_jobs WHERE round_id = 'r1'"
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT COUNT(*) FROM state_history WHERE entity_id = 'r1' AND to_state = 'AGGREGATING'"
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT COUNT(*) FROM assignments WHERE state = 'COMPLETED'"
+        )
+        .await,
+        2
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT MAX(seq) FROM state_history WHERE entity_id = 'a2'"
+        )
+        .await,
+        3
+    );
+}
