@@ -146,11 +146,12 @@ impl DbError {
             // PostgreSQL going down under a connection: `57P01` admin_shutdown, `57P02`
             // crash_shutdown, `57P03` cannot_connect_now (starting up or shutting down), and the
             // connection exceptions `08000`, `08001`, `08003`, `08006` (not `08P01`, a protocol
-            // violation, nor `57P04`, a dropped database: those are faults, not outages).
+            // violation, nor `57P04`, a dropped database: those are faults, not outages), and
+            // `53300` too_many_connections (every connection slot taken, by replicas together).
             Self::Sqlx(sqlx::Error::Database(e)) => e.code().is_some_and(|code| {
                 matches!(
                     &*code,
-                    "57P01" | "57P02" | "57P03" | "08000" | "08001" | "08003" | "08006"
+                    "57P01" | "57P02" | "57P03" | "08000" | "08001" | "08003" | "08006" | "53300"
                 )
             }),
             _ => false,

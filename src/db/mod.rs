@@ -234,10 +234,12 @@ impl Db {
         // every connection as it returns to the pool (a round trip), so one that failed is
         // dropped there; a connection idle for longer than `PING_IF_IDLE` is checked again
         // before it is handed out, so one that PostgreSQL dropped while it was down is replaced
-        // rather than failing the next request. A connection in use is not checked twice: the
-        // second round trip per statement cost a sixth of the device cycles (docs/performance.md).
+        // rather than failing the next request. A connection used within that second is not
+        // checked again (the second round trip per statement cost a sixth of the device
+        // cycles): after a restart under load, each such connection fails one request (503)
+        // before it is replaced.
         let pool = AnyPoolOptions::new()
-            .max_connections(16)
+            .max_connections(postgres::readers::MAX_POOLED)
             .acquire_timeout(postgres::readers::ACQUIRE_TIMEOUT)
             .test_before_acquire(false)
             .before_acquire(|conn, meta| {
@@ -263,7 +265,7 @@ impl Db {
             jobs_created,
             _job_listener: listener.map(Arc::new),
             device_batches: Some(device_batches),
-            device_readers: Some(Arc::new(postgres::readers::Readers::new(url))),
+            device_readers: Some(postgres::readers::Readers::new(url)),
         })
     }
 

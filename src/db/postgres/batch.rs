@@ -6,11 +6,12 @@
 //! acknowledged only once durable. Every check-in and every completed report of a round locks
 //! that round's row (for capacity, and to close the round exactly once), and a batch holds it
 //! through its commit's WAL flush, so what a batch does between its first lock and its commit
-//! bounds a round's device cycles. A batch therefore runs its writes as sets (`sets.rs`): one
-//! statement locks all its rounds in id order, one applies all its check-ins, one its uploads,
-//! one its completions; six round trips where one statement per write took a batch's size plus
-//! two. What the sets leave (a late or repeated report, other reports) runs its own statement
-//! afterwards in the same transaction.
+//! bounds a round's device cycles. A batch of more than one write therefore runs them as sets
+//! (`sets.rs`): one statement applies all its uploads, one locks all its rounds in id order, one
+//! applies all its check-ins, one its completions; six round trips in all (three more for a
+//! round that closes), where one statement per write took a batch's size plus two. What the
+//! sets leave (a late or repeated report, other reports) runs its own statement afterwards in
+//! the same transaction.
 //!
 //! Two batches (two replicas) lock their rounds in the same order, so they wait for each other
 //! but do not deadlock over rounds; the single statements that run after the sets lock no round
@@ -24,8 +25,9 @@
 //! A job may run twice: if a job of a batch fails (a database error aborts the whole
 //! transaction), the batch is rolled back, that job runs again alone (its caller gets its own
 //! answer), and the others run together again; if a set, the commit or the transaction fails,
-//! every job runs again alone. A job run alone runs its single statement, not its set. So one
-//! job's fault reaches its caller only, and a write that always fails costs its batch one retry.
+//! the batch runs together once more, then every job alone. A job run alone runs its single
+//! statement, not its set. So one job's fault reaches its caller only, and a write that always
+//! fails costs its batch one retry (a set that always fails, two and a run one by one).
 //! Jobs are therefore `Fn`, and must do nothing but SQL on the connection they are given. A
 //! panic ends its batch (its callers get an error), not the queue.
 
@@ -161,12 +163,21 @@ async fn run_batches(pool: AnyPool, mut queue: mpsc::Receiver<Queued>) {
     }
 }
 
-/// Runs `batch` together; if one job fails, answers it alone and runs the others together
-/// again (so a write that always fails costs its batch one retry, not a run one by one); if the
-/// commit (or something not tied to one job) fails, runs each job alone.
+/// Runs `batch` together (a write alone by its single statement: a set would pay a lock
+/// statement first); if one job fails, answers it alone and runs the others together again (so a
+/// write that always fails costs its batch one retry, not a run one by one); if a set, the
+/// commit or the transaction fails (most often a deadlock with another replica's batch or the
+/// expiry sweep, which PostgreSQL broke by aborting this one), runs the batch together once more,
+/// and if that fails too, each job alone.
 async fn run_batch(pool: &AnyPool, mut batch: Vec<Queued>) {
+    let mut failed_together = false;
     loop {
-        match run_together(pool, &batch, Sets::Use).await {
+        let sets = if batch.len() == 1 {
+            Sets::Skip
+        } else {
+            Sets::Use
+        };
+        match run_together(pool, &batch, sets).await {
             Ok(()) => {
                 batch.into_iter().for_each(|job| (job.answer)(Ok(())));
                 return;
@@ -183,8 +194,12 @@ async fn run_batch(pool: &AnyPool, mut batch: Vec<Queued>) {
                 }
                 return;
             }
+            Err((None, error)) if !failed_together => {
+                tracing::debug!(%error, jobs = batch.len(), "a device write batch failed; running it again");
+                failed_together = true;
+            }
             Err((None, error)) => {
-                tracing::debug!(%error, jobs = batch.len(), "a device write batch failed; running its jobs one by one");
+                tracing::warn!(%error, jobs = batch.len(), "a device write batch failed twice; running its jobs one by one");
                 for job in batch {
                     let alone = run_together(pool, std::slice::from_ref(&job), Sets::Skip).await;
                     (job.answer)(alone.map_err(|(_, error)| error));

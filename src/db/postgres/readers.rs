@@ -4,18 +4,22 @@
 //! sqlx's pool checks every connection as it comes back (a round trip: PostgreSQL's Sync and
 //! ReadyForQuery), because a statement whose future was dropped half way leaves its connection in
 //! an unknown state. For a read of a few rows that check costs about as much as the read, and it
-//! is a third of a device cycle's round trips. Here a connection goes back only after its
-//! statement finished, or failed with an answer from the server; one whose statement was dropped
-//! (the caller went away), or that failed in any other way, is closed instead. So no connection
-//! goes back unfinished, and none is checked twice. A connection idle for longer than
-//! `PING_IF_IDLE` is checked before it is used (PostgreSQL may have restarted meanwhile), as the
-//! pool's are.
+//! is a third of a device cycle's round trips. Here a connection whose statement succeeded goes
+//! straight back; one whose statement was dropped (the caller went away) is checked first, by a
+//! task of its own, and goes back if the check passes, so a client that drops its requests costs
+//! a round trip each, not a new connection (a backend forked and authenticated) each; one whose
+//! statement failed is closed (a FATAL from a restarting server arrives as a database error on a
+//! connection that is already gone). A connection idle for longer than `PING_IF_IDLE` is checked
+//! before it is used (PostgreSQL may have restarted meanwhile), as the pool's are; so after a
+//! restart under load, each connection used within that second fails one read before it is
+//! replaced.
 //!
-//! At most `MAX_READERS` connections are open here, on top of the pool's; a read that waits longer
-//! than the pool's acquire timeout for one fails as the pool's does (`PoolTimedOut`: 503 with
-//! Retry-After), and so does a new connection PostgreSQL does not accept within it.
+//! At most `MAX_READERS` reads run at once, each on its own connection, besides the pool's
+//! connections (`MAX_POOLED`). A read that cannot start its statement within `ACQUIRE_TIMEOUT`
+//! (waiting for a turn, checking an idle connection, or opening a new one) fails as the pool's
+//! acquire does (`PoolTimedOut`: 503 with Retry-After).
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sqlx::{AnyConnection, Connection};
@@ -24,11 +28,16 @@ use tokio::sync::Semaphore;
 use crate::db::DbError;
 use crate::db::writer::BoxFuture;
 
-/// Most connections open for these reads (PostgreSQL's default `max_connections` is 100, shared
-/// by every replica).
-const MAX_READERS: usize = 16;
+/// Most device reads at once, so most connections these hold (a check that runs after a dropped
+/// read may hold one more while it lasts).
+const MAX_READERS: usize = 8;
 
-/// How long a read waits for a connection, or for PostgreSQL to accept a new one.
+/// The pool's connections: the device write batcher, the partner API, the scheduler, workers.
+/// With `MAX_READERS` and the job listener, a replica opens at most 17 connections
+/// (PostgreSQL's default `max_connections` is 100, shared by every replica).
+pub(in crate::db) const MAX_POOLED: u32 = 8;
+
+/// How long a read (or a pooled acquire) waits before its statement starts.
 pub(in crate::db) const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A connection idle for longer than this is checked (one round trip) before it is used.
@@ -37,7 +46,7 @@ pub(in crate::db) const PING_IF_IDLE: Duration = Duration::from_secs(1);
 /// The reads' connections to one database.
 pub(in crate::db) struct Readers {
     url: String,
-    permits: Semaphore,
+    turns: Semaphore,
     /// Connections whose last statement finished, and when.
     idle: Mutex<Vec<(AnyConnection, Instant)>>,
 }
@@ -48,41 +57,77 @@ impl std::fmt::Debug for Readers {
     }
 }
 
+/// A connection lent to one read: returned by `finished`; if the read is dropped first, checked
+/// and returned by a task of its own.
+struct Lent {
+    connection: Option<AnyConnection>,
+    home: Arc<Readers>,
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        let Some(mut connection) = self.connection.take() else {
+            return;
+        };
+        let home = Arc::clone(&self.home);
+        // A ping reads past whatever the dropped statement left unread, up to ReadyForQuery.
+        tokio::spawn(async move {
+            if let Ok(Ok(())) = tokio::time::timeout(ACQUIRE_TIMEOUT, connection.ping()).await {
+                home.put_back(connection);
+            }
+        });
+    }
+}
+
 impl Readers {
-    pub(in crate::db) fn new(url: &str) -> Self {
-        Self {
+    pub(in crate::db) fn new(url: &str) -> Arc<Self> {
+        Arc::new(Self {
             url: url.to_string(),
-            permits: Semaphore::new(MAX_READERS),
+            turns: Semaphore::new(MAX_READERS),
             idle: Mutex::new(Vec::new()),
-        }
+        })
     }
 
     /// Runs `read` (one statement) on a connection of these; see the module's header for which
     /// connections are kept.
     pub(in crate::db) async fn read<T>(
-        &self,
+        self: &Arc<Self>,
         read: impl for<'c> FnOnce(&'c mut AnyConnection) -> BoxFuture<'c, Result<T, sqlx::Error>>,
     ) -> Result<T, DbError> {
-        let _permit = tokio::time::timeout(ACQUIRE_TIMEOUT, self.permits.acquire())
-            .await
-            .map_err(|_| sqlx::Error::PoolTimedOut)?
-            .map_err(|_| sqlx::Error::PoolClosed)?;
-        let mut connection = self.connection().await?;
-        let result = read(&mut connection).await;
-        // A database error is the server's answer to a finished statement: the connection is
-        // ready for the next one. Anything else (I/O, protocol, decoding) may have left it
-        // mid-message.
-        if matches!(&result, Ok(_) | Err(sqlx::Error::Database(_))) {
-            self.idle
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push((connection, Instant::now()));
+        let (_turn, connection) = tokio::time::timeout(ACQUIRE_TIMEOUT, async {
+            let turn = self
+                .turns
+                .acquire()
+                .await
+                .map_err(|_| sqlx::Error::PoolClosed)?;
+            Ok::<_, sqlx::Error>((turn, self.connection().await?))
+        })
+        .await
+        .map_err(|_| sqlx::Error::PoolTimedOut)??;
+        let mut lent = Lent {
+            connection: Some(connection),
+            home: Arc::clone(self),
+        };
+        let result = match lent.connection.as_mut() {
+            Some(connection) => read(connection).await,
+            None => Err(sqlx::Error::PoolClosed),
+        };
+        let connection = lent.connection.take();
+        if let (Ok(_), Some(connection)) = (&result, connection) {
+            self.put_back(connection);
         }
         Ok(result?)
     }
 
+    fn put_back(&self, connection: AnyConnection) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() < MAX_READERS {
+            idle.push((connection, Instant::now()));
+        }
+    }
+
     /// An idle connection (checked if it idled long), or a new one.
-    async fn connection(&self) -> Result<AnyConnection, DbError> {
+    async fn connection(&self) -> Result<AnyConnection, sqlx::Error> {
         loop {
             let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
             let Some((mut connection, since)) = idle else {
@@ -92,9 +137,10 @@ impl Readers {
                 return Ok(connection);
             }
         }
-        let connecting = AnyConnection::connect(&self.url);
-        Ok(tokio::time::timeout(ACQUIRE_TIMEOUT, connecting)
-            .await
-            .map_err(|_| sqlx::Error::PoolTimedOut)??)
+        AnyConnection::connect(&self.url).await
     }
 }
+
+#[cfg(test)]
+#[path = "readers_tests.rs"]
+mod tests;

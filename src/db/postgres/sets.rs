@@ -6,26 +6,33 @@
 //! held its rounds' rows from the first of them through its commit: on two cores PostgreSQL ran
 //! about 6 ms of statements in a 20 ms batch, and the rest was waiting on round trips while the
 //! round row stayed locked (device cycles at 0.44 of SQLite's). As sets, a batch is six round
-//! trips whatever its size, and holds its rounds for three of them.
+//! trips (three more for a round that closes, one more for each write left to its single
+//! statement), and holds its rounds for three of them.
 //!
-//! Every write keeps the single statement's guard and answer; the sets only decide the common
-//! case. What a set does not apply (a check-in of a round that is full or no longer collecting
-//! is answered "no slot"; an upload whose guard fails is answered "not stored", and its caller
-//! reads why, as before) is answered from the set; a completion the set does not apply, and a
-//! second write to the same assignment in one batch, run their single statement afterwards in
-//! the same transaction, which sees the sets' effects: so a report that came too late, or twice,
-//! gets exactly the answer it got before.
+//! Every write keeps the single statement's guard; the sets only decide the common case. What a
+//! set does not apply is answered from the set where the answer needs nothing more (a check-in
+//! of a round that is full or no longer collecting: "no slot"; an upload whose guard fails: "not
+//! stored", and its caller reads why, as before). A completion the set does not apply, and a
+//! second write of the same kind to one assignment in one batch, run their single statement
+//! afterwards in the same transaction, which sees the sets' effects: so a report that came too
+//! late, or twice, gets exactly the answer it got before.
 //!
-//! Order within a round is arrival order: the k-th check-in of a round in the batch takes a slot
-//! if `live + k <= capacity`, the k-th completion counts if `completed + k <= goal`, and the
+//! Order: the writes of one batch were concurrent (each caller waits for its answer), so any
+//! order of them is one their callers could have seen, and the sets choose uploads, check-ins,
+//! completions, then the writes left to their single statements. Within a kind and a round the
+//! order is arrival order: the k-th check-in of a round takes a slot if `live + k <= capacity`
+//! (k counts the batch's earlier check-ins of the round; every check-in of a round passes the
+//! same capacity, the round's), the k-th completion counts if `completed + k <= goal`, and the
 //! completion that reaches the goal closes the round, with its job, in the same transaction.
 //!
 //! Locks: the second statement locks every round of the batch's check-ins and reports in id
-//! order, so two batches (two replicas) do not wait for each other in a cycle over rounds, and
-//! the single statements that follow lock no round it did not. One cycle remains, over an
-//! assignment: a device that uploads through one replica while it reports the same assignment
-//! through another can leave each batch waiting for the other (the upload's row lock, the
-//! report's round); PostgreSQL's detector breaks it (`batch.rs`), and both writes run again alone.
+//! order (`FOR NO KEY UPDATE`, as an UPDATE of the row would: rows that only reference a round
+//! are not held up), so two batches (two replicas) do not wait for each other in a cycle over
+//! rounds, and the single statements that follow lock no round it did not. One cycle remains,
+//! over an assignment: a device that uploads through one replica while it reports the same
+//! assignment through another can leave each batch waiting for the other (the upload's row
+//! lock, the report's round); PostgreSQL's detector breaks it, and `batch.rs` runs both batches
+//! again.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::LazyLock;
@@ -74,11 +81,15 @@ pub(in crate::db) enum SetOutcome {
 }
 
 /// Locks the rows of the rounds of `$1` (round ids) and of `$2` (assignment ids), in id order.
-const LOCK_ROUNDS: &str = "SELECT id FROM rounds WHERE id IN \
-     (SELECT value FROM jsonb_array_elements_text($1::jsonb) \
-     UNION SELECT round_id FROM assignments \
-     WHERE id IN (SELECT value FROM jsonb_array_elements_text($2::jsonb))) \
-     ORDER BY id FOR UPDATE";
+///
+/// Every set names the rows it reads or writes by `id = ANY(ARRAY(...))` besides its join: the
+/// planner takes a JSON input for 100 rows and the tables for what their last ANALYZE saw, and
+/// without it chose hash joins over sequential scans of `assignments` (2 ms a statement on a
+/// table of a few thousand rows, growing with it); with it, an index scan for the listed ids.
+const LOCK_ROUNDS: &str = "SELECT id FROM rounds WHERE id = ANY(ARRAY(\
+     SELECT jsonb_array_elements_text($1::jsonb) UNION SELECT a.round_id FROM assignments a \
+     WHERE a.id = ANY(ARRAY(SELECT jsonb_array_elements_text($2::jsonb))))) \
+     ORDER BY id FOR NO KEY UPDATE";
 
 /// The k-th check-in of a collecting round takes a slot while `live + k <= capacity`; the round's
 /// key is set by its first granted check-in if it has none. Answers (ord, key) per granted one.
@@ -89,12 +100,12 @@ static ASSIGN_SET: LazyLock<String> = LazyLock::new(|| {
          ranked AS (SELECT i.*, row_number() OVER (PARTITION BY i.round_id ORDER BY i.ord) AS k \
          FROM i), \
          granted AS (SELECT ranked.* FROM ranked JOIN rounds r ON r.id = ranked.round_id \
-         WHERE r.state = '{collecting}' AND r.live_assignments + ranked.k <= ranked.capacity), \
+         WHERE r.id = ANY(ARRAY(SELECT round_id FROM i)) AND r.state = '{collecting}' AND r.live_assignments + ranked.k <= ranked.capacity), \
          g AS (SELECT round_id, count(*) AS n, \
          (array_agg(key_if_unset ORDER BY ord))[1] AS first_key FROM granted GROUP BY round_id), \
          upd AS (UPDATE rounds SET live_assignments = rounds.live_assignments + g.n, \
          key_id = COALESCE(rounds.key_id, g.first_key) FROM g WHERE rounds.id = g.round_id \
-         RETURNING rounds.id, rounds.key_id), \
+         AND rounds.id = ANY(ARRAY(SELECT round_id FROM g)) RETURNING rounds.id, rounds.key_id), \
          a AS (INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
          SELECT id, round_id, '{assigned}', expires_at, at_ms, at_ms FROM granted), \
          h AS (INSERT INTO state_history \
@@ -116,7 +127,7 @@ static UPLOAD_SET: LazyLock<String> = LazyLock::new(|| {
          u AS (UPDATE assignments a SET state = '{uploaded}', updated_at = i.at_ms, \
          contribution_digest = i.digest, contribution_bytes = i.size, blob_key = i.blob_key, \
          contribution_blake3 = i.blake3 FROM i \
-         WHERE a.id = i.id AND a.state = '{assigned}' AND a.contribution_digest IS NULL \
+         WHERE a.id = i.id AND a.id = ANY(ARRAY(SELECT id FROM i)) AND a.state = '{assigned}' AND a.contribution_digest IS NULL \
          AND a.expires_at > i.at_ms AND EXISTS (SELECT 1 FROM rounds r \
          WHERE r.id = a.round_id AND r.state = '{collecting}') RETURNING a.id), \
          h AS (INSERT INTO state_history \
@@ -142,13 +153,15 @@ static COMPLETE_SET: LazyLock<String> = LazyLock::new(|| {
         "WITH i AS (SELECT * FROM jsonb_to_recordset($1::jsonb) AS t(ord bigint, id text, \
          at_ms bigint, hid text)), \
          c AS (SELECT i.*, a.round_id FROM i JOIN assignments a ON a.id = i.id \
-         WHERE a.state = '{uploaded}' AND a.expires_at > i.at_ms), \
+         WHERE a.id = ANY(ARRAY(SELECT id FROM i)) AND a.state = '{uploaded}' AND a.expires_at > i.at_ms), \
          ranked AS (SELECT c.*, r.completed_reports AS before, r.report_goal AS goal, \
          row_number() OVER (PARTITION BY c.round_id ORDER BY c.ord) AS k \
-         FROM c JOIN rounds r ON r.id = c.round_id WHERE r.state = '{collecting}'), \
+         FROM c JOIN rounds r ON r.id = c.round_id \
+         WHERE r.id = ANY(ARRAY(SELECT round_id FROM c)) AND r.state = '{collecting}'), \
          ok AS (SELECT * FROM ranked WHERE before >= goal OR before + k <= goal), \
          u AS (UPDATE assignments a SET state = '{completed}', updated_at = ok.at_ms FROM ok \
-         WHERE a.id = ok.id AND a.state = '{uploaded}' AND a.expires_at > ok.at_ms \
+         WHERE a.id = ok.id AND a.id = ANY(ARRAY(SELECT id FROM ok)) \
+         AND a.state = '{uploaded}' AND a.expires_at > ok.at_ms \
          RETURNING a.id, a.round_id), \
          h AS (INSERT INTO state_history \
          (id, entity, entity_id, seq, from_state, to_state, reason, at) \
@@ -158,7 +171,7 @@ static COMPLETE_SET: LazyLock<String> = LazyLock::new(|| {
          FROM u JOIN ok ON ok.id = u.id), \
          n AS (SELECT round_id, count(*) AS n FROM u GROUP BY round_id), \
          cnt AS (UPDATE rounds SET completed_reports = rounds.completed_reports + n.n FROM n \
-         WHERE rounds.id = n.round_id \
+         WHERE rounds.id = n.round_id AND rounds.id = ANY(ARRAY(SELECT round_id FROM n)) \
          RETURNING rounds.id, rounds.completed_reports, rounds.report_goal, n.n) \
          SELECT ok.ord, ok.round_id, ok.at_ms, cnt.completed_reports, cnt.report_goal, \
          cnt.completed_reports - cnt.n FROM u JOIN ok ON ok.id = u.id \
@@ -218,8 +231,9 @@ impl<'a> Members<'a> {
             lock_round_ids: Vec::new(),
             lock_assignment_ids: Vec::new(),
         };
-        // A second write to one assignment runs alone, after the sets: a set statement touches a
-        // row once, so it could not apply two writes to it in order.
+        // A second write of one kind to one assignment runs its single statement, after the
+        // sets: an UPDATE ... FROM touches a row once (with one of its matching inputs, chosen
+        // by the plan), so the statements rely on every id being in their input once.
         let (mut uploaded, mut completed) = (HashSet::new(), HashSet::new());
         for (ord, item) in items.iter().enumerate() {
             match item {

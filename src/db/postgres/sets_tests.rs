@@ -261,3 +261,31 @@ async fn the_completion_that_reaches_the_goal_closes_the_round_once_and_later_on
         3
     );
 }
+
+#[tokio::test]
+async fn an_upload_and_a_completion_of_one_assignment_in_one_batch_apply_in_that_order() {
+    let Some(db) = fresh_db().await else { return };
+    collecting_round(&db, 5).await;
+    run_committed(&db, &[assign("a1", 5)]).await;
+    let outcomes = run_committed(&db, &[complete("a1"), upload("a1")]).await;
+    assert_eq!(
+        outcomes,
+        [
+            Some(SetOutcome::Completed { closed: false }),
+            Some(SetOutcome::Uploaded(true)),
+        ]
+    );
+    assert_eq!(
+        scalar(&db, "SELECT completed_reports FROM rounds WHERE id = 'r1'").await,
+        1
+    );
+    let history: Vec<(i64, String)> = sqlx::query_as(
+        "SELECT seq, to_state FROM state_history WHERE entity_id = 'a1' ORDER BY seq",
+    )
+    .fetch_all(db.pool())
+    .await
+    .unwrap();
+    let expected = [(1, "ASSIGNED"), (2, "UPLOADED"), (3, "COMPLETED")]
+        .map(|(seq, state)| (seq, state.to_string()));
+    assert_eq!(history, expected);
+}
