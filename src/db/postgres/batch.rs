@@ -17,9 +17,9 @@
 //! but do not deadlock over rounds; the single statements that run after the sets lock no round
 //! the sets have not (`sets.rs` names the one cycle left, over one assignment written through
 //! two replicas at once). The scheduler's expiry sweep locks rounds on its own: PostgreSQL's
-//! detector breaks a deadlock with either after `deadlock_timeout` (1 s by default) by aborting one transaction, and
-//! an aborted batch's writes then run again, each alone. While a batch waits, this process's
-//! other device writes wait too. (A `SET LOCAL lock_timeout` per batch would bound the wait,
+//! detector breaks a deadlock with either after `deadlock_timeout` (1 s by default) by aborting
+//! one transaction, and the aborted batch runs again (`run_batch`). While a batch waits, this
+//! process's other device writes wait too. (A `SET LOCAL lock_timeout` per batch would bound the wait,
 //! but its extra round trip cost 10 % of the device cycles here.)
 //!
 //! A job may run twice: if a job of a batch fails (a database error aborts the whole

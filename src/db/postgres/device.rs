@@ -229,7 +229,8 @@ impl DeviceStore for PostgresDevices<'_> {
         };
         let settle = |outcome: &SetOutcome| match outcome {
             SetOutcome::Assigned { key_id } => Some(Some((key_id.clone(),))),
-            _ => Some(None),
+            SetOutcome::NoSlot => Some(None),
+            _ => None,
         };
         let key_id: Option<(Option<String>,)> = self
             .0

@@ -6,3 +6,13 @@ pub(super) mod device;
 pub(super) mod notify;
 pub(super) mod readers;
 pub(super) mod sets;
+
+/// The PostgreSQL server the library's own PostgreSQL tests run on (`CONFED_TEST_DATABASE_URL`,
+/// set by the CI's PostgreSQL pass), if any.
+#[cfg(test)]
+fn test_server() -> Option<String> {
+    sqlx::any::install_default_drivers();
+    std::env::var("CONFED_TEST_DATABASE_URL")
+        .ok()
+        .filter(|url| url.starts_with("postgres"))
+}

@@ -69,9 +69,13 @@ impl Drop for Lent {
         let Some(mut connection) = self.connection.take() else {
             return;
         };
+        // Outside a runtime (dropped while one shuts down) the connection just closes.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         let home = Arc::clone(&self.home);
         // A ping reads past whatever the dropped statement left unread, up to ReadyForQuery.
-        tokio::spawn(async move {
+        runtime.spawn(async move {
             if let Ok(Ok(())) = tokio::time::timeout(ACQUIRE_TIMEOUT, connection.ping()).await {
                 home.put_back(connection);
             }

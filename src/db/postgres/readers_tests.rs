@@ -5,13 +5,6 @@ use std::sync::Arc;
 
 use super::Readers;
 
-fn server() -> Option<String> {
-    sqlx::any::install_default_drivers();
-    std::env::var("CONFED_TEST_DATABASE_URL")
-        .ok()
-        .filter(|url| url.starts_with("postgres"))
-}
-
 /// The backend process id of the connection a read gets.
 async fn backend(readers: &Arc<Readers>) -> i32 {
     readers
@@ -28,7 +21,9 @@ async fn backend(readers: &Arc<Readers>) -> i32 {
 
 #[tokio::test]
 async fn a_finished_read_returns_its_connection_and_a_failed_one_closes_it() {
-    let Some(url) = server() else { return };
+    let Some(url) = super::super::test_server() else {
+        return;
+    };
     let readers = Readers::new(&url);
     let first = backend(&readers).await;
     assert_eq!(backend(&readers).await, first, "the connection is reused");

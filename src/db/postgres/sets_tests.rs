@@ -14,10 +14,7 @@ const NOW: i64 = 1_800_000_000_000;
 
 /// A migrated, empty database of its own on the server the tests name, or `None`.
 async fn fresh_db() -> Option<Db> {
-    let server = std::env::var("CONFED_TEST_DATABASE_URL")
-        .ok()
-        .filter(|url| url.starts_with("postgres"))?;
-    sqlx::any::install_default_drivers();
+    let server = super::super::test_server()?;
     let name = format!("confed_sets_{}", uuid::Uuid::new_v4().simple());
     let mut admin = sqlx::AnyConnection::connect(&server).await.unwrap();
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
