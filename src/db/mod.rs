@@ -255,7 +255,7 @@ impl Db {
         POSTGRES_MIGRATOR.run(&pool).await?;
         let jobs_created = Arc::new(tokio::sync::Notify::new());
         let listener = postgres::notify::listen(url, Arc::clone(&jobs_created)).await;
-        let device_batches = postgres::batch::Batcher::start(pool.clone());
+        let device_batches = postgres::batch::Batcher::start(url);
         Ok(Self {
             pool,
             sqlite: None,

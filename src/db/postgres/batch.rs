@@ -8,8 +8,9 @@
 //! through its commit's WAL flush, so what a batch does between its first lock and its commit
 //! bounds a round's device cycles. A batch of more than one write therefore runs them as sets
 //! (`sets.rs`): one statement applies all its uploads, one locks all its rounds in id order, one
-//! applies all its check-ins, one its completions; six round trips in all (three more for a
-//! round that closes), where one statement per write took a batch's size plus two. What the
+//! applies all its check-ins and completions; five round trips in all with BEGIN and COMMIT
+//! (three more for a round that closes), where one statement per write took a batch's size
+//! plus two. The batches run on a connection of their own (`BatchConnection`), not the pool's. What the
 //! sets leave (a late or repeated report, other reports) runs its own statement afterwards in
 //! the same transaction.
 //!
@@ -19,8 +20,10 @@
 //! two replicas at once). The scheduler's expiry sweep locks rounds on its own: PostgreSQL's
 //! detector breaks a deadlock with either after `deadlock_timeout` (1 s by default) by aborting
 //! one transaction, and the aborted batch runs again (`run_batch`). While a batch waits, this
-//! process's other device writes wait too. (A `SET LOCAL lock_timeout` per batch would bound the wait,
-//! but its extra round trip cost 10 % of the device cycles here.)
+//! process's other device writes wait too. (A `SET LOCAL lock_timeout` would bound the wait; as
+//! its own statement its round trip cost 10 % of the device cycles here; it could now ride in
+//! `BATCH_BEGIN` at no cost, but is not set: a bounded wait would fail and rerun batches that a
+//! slow commit of another replica only delayed.)
 //!
 //! A job may run twice: if a job of a batch fails (a database error aborts the whole
 //! transaction), the batch is rolled back, that job runs again alone (its caller gets its own
@@ -32,10 +35,12 @@
 //! panic ends its batch (its callers get an error), not the queue.
 
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
-use sqlx::{AnyPool, Connection};
+use sqlx::{AnyConnection, Connection};
 use tokio::sync::{mpsc, oneshot};
 
+use super::readers::{ACQUIRE_TIMEOUT, PING_IF_IDLE};
 use super::sets::{self, SetItem, SetOutcome};
 use crate::db::writer::BoxFuture;
 use crate::db::{CommitCause, CommitFailure, Conn, DbError};
@@ -69,10 +74,10 @@ impl std::fmt::Debug for Queued {
 }
 
 impl Batcher {
-    /// Starts the batch task on `pool` (it holds one connection while a batch runs).
-    pub(in crate::db) fn start(pool: AnyPool) -> Self {
+    /// Starts the batch task, with a connection of its own to the database at `url`.
+    pub(in crate::db) fn start(url: &str) -> Self {
         let (jobs, queue) = mpsc::channel(QUEUE);
-        tokio::spawn(run_batches(pool, queue));
+        tokio::spawn(run_batches(BatchConnection::new(Arc::from(url)), queue));
         Self { jobs }
     }
 
@@ -145,20 +150,86 @@ impl Batcher {
     }
 }
 
-async fn run_batches(pool: AnyPool, mut queue: mpsc::Receiver<Queued>) {
+/// The batches' own connection, outside the pool: sqlx's pool checks every connection as it
+/// comes back (a round trip for each batch), where this one is checked only after it idled for
+/// `PING_IF_IDLE`. A transaction that failed in a statement and rolled back keeps it (a
+/// deadlock broken by PostgreSQL, the commonest failure under load, should not cost a new
+/// backend); any other failure closes it (a FATAL error from a restarting server, I/O, a failed
+/// rollback or commit), and the next batch opens a new one.
+struct BatchConnection {
+    url: Arc<str>,
+    open: Option<(AnyConnection, Instant)>,
+}
+
+/// How every batch's transaction begins, in one simple query (no extra round trip). The sets
+/// name every row by its primary key, but PostgreSQL plans a prepared statement once for all
+/// (its generic plan, after five runs) from the statistics of the tables at that moment: on a
+/// new database, whose last ANALYZE saw empty tables, it chose sequential scans of
+/// `assignments` and kept them while the table grew (a completion set went from 0.8 ms to 20 ms
+/// in a run of 6,000 devices, until autovacuum's next ANALYZE replanned it). Every statement a
+/// batch runs reads rows by key, so a scan of a whole table is never its best plan; with this
+/// setting the planner takes one only where no index serves (`enable_seqscan` is a cost, not a
+/// ban). `SET LOCAL` ends with the transaction, so behind a pooler in transaction mode
+/// (PgBouncer) no other client inherits it.
+const BATCH_BEGIN: &str = "BEGIN; SET LOCAL enable_seqscan = off";
+
+impl BatchConnection {
+    fn new(url: Arc<str>) -> Self {
+        Self { url, open: None }
+    }
+
+    /// The open connection (checked if it idled long), or a new one; within `ACQUIRE_TIMEOUT`.
+    async fn get(&mut self) -> Result<&mut AnyConnection, sqlx::Error> {
+        if let Some((connection, since)) = &mut self.open
+            && since.elapsed() > PING_IF_IDLE
+            && tokio::time::timeout(ACQUIRE_TIMEOUT, connection.ping())
+                .await
+                .map_or(true, |pinged| pinged.is_err())
+        {
+            self.open = None;
+        }
+        if self.open.is_none() {
+            let connection =
+                tokio::time::timeout(ACQUIRE_TIMEOUT, AnyConnection::connect(&self.url))
+                    .await
+                    .map_err(|_| sqlx::Error::PoolTimedOut)??;
+            self.open = Some((connection, Instant::now()));
+        }
+        match &mut self.open {
+            Some((connection, _)) => Ok(connection),
+            None => Err(sqlx::Error::PoolClosed),
+        }
+    }
+
+    /// After a transaction: keeps the connection (used now) if `usable`, else closes it.
+    fn finished(&mut self, usable: bool) {
+        match (usable, &mut self.open) {
+            (true, Some((_, since))) => *since = Instant::now(),
+            _ => self.open = None,
+        }
+    }
+}
+
+async fn run_batches(mut connection: BatchConnection, mut queue: mpsc::Receiver<Queued>) {
     while let Some(first) = queue.recv().await {
         let batch = crate::db::writer::take_batch(first, &mut queue, MAX_BATCH);
         // Each batch in its own task: a panicking job must not end this loop (every later device
         // write would then fail). Its batch's callers get an error (their answers are dropped),
-        // and the next batch runs.
-        let pool = pool.clone();
-        if tokio::spawn(async move { run_batch(&pool, batch).await })
-            .await
-            .is_err()
+        // the connection it held is closed, and the next batch runs on a new one.
+        let url = Arc::clone(&connection.url);
+        match tokio::spawn(async move {
+            run_batch(&mut connection, batch).await;
+            connection
+        })
+        .await
         {
-            tracing::error!(
-                "a device write batch panicked; its writes were answered with an error"
-            );
+            Ok(returned) => connection = returned,
+            Err(_) => {
+                tracing::error!(
+                    "a device write batch panicked; its writes were answered with an error"
+                );
+                connection = BatchConnection::new(url);
+            }
         }
     }
 }
@@ -169,7 +240,7 @@ async fn run_batches(pool: AnyPool, mut queue: mpsc::Receiver<Queued>) {
 /// commit or the transaction fails (most often a deadlock with another replica's batch or the
 /// expiry sweep, which PostgreSQL broke by aborting this one), runs the batch together once more,
 /// and if that fails too, each job alone.
-async fn run_batch(pool: &AnyPool, mut batch: Vec<Queued>) {
+async fn run_batch(connection: &mut BatchConnection, mut batch: Vec<Queued>) {
     let mut failed_together = false;
     loop {
         let sets = if batch.len() == 1 {
@@ -177,7 +248,7 @@ async fn run_batch(pool: &AnyPool, mut batch: Vec<Queued>) {
         } else {
             Sets::Use
         };
-        match run_together(pool, &batch, sets).await {
+        match run_together(connection, &batch, sets).await {
             Ok(()) => {
                 batch.into_iter().for_each(|job| (job.answer)(Ok(())));
                 return;
@@ -185,7 +256,7 @@ async fn run_batch(pool: &AnyPool, mut batch: Vec<Queued>) {
             Err((Some(failed), error)) if batch.len() > 1 => {
                 tracing::debug!(%error, jobs = batch.len(), "a device write failed in a shared transaction; running it alone");
                 let job = batch.remove(failed);
-                let alone = run_together(pool, std::slice::from_ref(&job), Sets::Skip).await;
+                let alone = run_together(connection, std::slice::from_ref(&job), Sets::Skip).await;
                 (job.answer)(alone.map_err(|(_, error)| error));
             }
             Err((_, error)) if batch.len() == 1 => {
@@ -201,7 +272,8 @@ async fn run_batch(pool: &AnyPool, mut batch: Vec<Queued>) {
             Err((None, error)) => {
                 tracing::warn!(%error, jobs = batch.len(), "a device write batch failed twice; running its jobs one by one");
                 for job in batch {
-                    let alone = run_together(pool, std::slice::from_ref(&job), Sets::Skip).await;
+                    let alone =
+                        run_together(connection, std::slice::from_ref(&job), Sets::Skip).await;
                     (job.answer)(alone.map_err(|(_, error)| error));
                 }
                 return;
@@ -229,12 +301,34 @@ enum Sets {
 /// not answer. Rolled back at the first error, which comes back with the index of the job that
 /// failed (`None`: the sets, the commit or the transaction itself failed).
 async fn run_together(
-    pool: &AnyPool,
+    connection: &mut BatchConnection,
     jobs: &[Queued],
     sets: Sets,
 ) -> Result<(), (Option<usize>, DbError)> {
-    let mut connection = pool.acquire().await.map_err(|e| (None, e.into()))?;
-    let mut tx = connection.begin().await.map_err(|e| (None, e.into()))?;
+    let open = match connection.get().await {
+        Ok(open) => open,
+        Err(error) => {
+            connection.finished(false);
+            return Err((None, error.into()));
+        }
+    };
+    let (outcome, usable) = transaction(open, jobs, sets).await;
+    connection.finished(usable);
+    outcome
+}
+
+/// `run_together`'s transaction on `connection`, and whether the connection is fit for the next
+/// one: after a commit, or after a statement's plain database error and a rollback that went
+/// through.
+async fn transaction(
+    connection: &mut AnyConnection,
+    jobs: &[Queued],
+    sets: Sets,
+) -> (Result<(), (Option<usize>, DbError)>, bool) {
+    let mut tx = match connection.begin_with(BATCH_BEGIN).await {
+        Ok(tx) => tx,
+        Err(error) => return (Err((None, error.into())), false),
+    };
     let mut settled = vec![false; jobs.len()];
     if sets == Sets::Use && jobs.iter().any(|job| job.set.is_some()) {
         let items: Vec<Option<&SetItem>> = jobs
@@ -250,8 +344,8 @@ async fn run_together(
                 }
             }
             Err(error) => {
-                let _ = tx.rollback().await;
-                return Err((None, error));
+                let usable = tx.rollback().await.is_ok() && leaves_connection_usable(&error);
+                return (Err((None, error)), usable);
             }
         }
     }
@@ -261,9 +355,23 @@ async fn run_together(
         }
         if let Err(error) = (job.run)(&mut tx).await {
             // Now, not when the connection is next used: until then it keeps its row locks.
-            let _ = tx.rollback().await;
-            return Err((Some(index), error));
+            let usable = tx.rollback().await.is_ok() && leaves_connection_usable(&error);
+            return (Err((Some(index), error)), usable);
         }
     }
-    tx.commit().await.map_err(|e| (None, e.into()))
+    match tx.commit().await {
+        Ok(()) => (Ok(()), true),
+        Err(error) => (Err((None, error.into())), false),
+    }
+}
+
+/// Whether a statement's failure leaves its connection as it was: an error PostgreSQL reported
+/// (a deadlock, a constraint) does, unless it is one of a server going away; a transport or
+/// protocol error does not. An error of the job's own (not sqlx's) did not touch it.
+fn leaves_connection_usable(error: &DbError) -> bool {
+    match error {
+        DbError::Sqlx(sqlx::Error::Database(_)) => !error.is_unavailable(),
+        DbError::Sqlx(_) => false,
+        _ => true,
+    }
 }

@@ -32,10 +32,11 @@ use crate::db::writer::BoxFuture;
 /// read may hold one more while it lasts).
 const MAX_READERS: usize = 8;
 
-/// The pool's connections: the device write batcher, the partner API, the scheduler, workers.
-/// With `MAX_READERS` and the job listener, a replica opens at most 17 connections
+/// The pool's connections: the partner API, the scheduler, workers, the device path's other
+/// writes. With `MAX_READERS`, the device write batcher's and the job listener's, a replica
+/// opens at most 17 connections
 /// (PostgreSQL's default `max_connections` is 100, shared by every replica).
-pub(in crate::db) const MAX_POOLED: u32 = 8;
+pub(in crate::db) const MAX_POOLED: u32 = 7;
 
 /// How long a read (or a pooled acquire) waits before its statement starts.
 pub(in crate::db) const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(2);

@@ -1,13 +1,13 @@
 //! A batch's device writes as sets: one statement for all of its uploads (they lock no round),
-//! then one that locks every round its check-ins and reports touch, one for all its check-ins
-//! and one for all its completed reports.
+//! then one that locks every round its check-ins and reports touch, and one for all its
+//! check-ins and completed reports together.
 //!
 //! Run one statement per device (`device.rs`), a batch of 30 writes took 32 round trips, and it
 //! held its rounds' rows from the first of them through its commit: on two cores PostgreSQL ran
 //! about 6 ms of statements in a 20 ms batch, and the rest was waiting on round trips while the
-//! round row stayed locked (device cycles at 0.44 of SQLite's). As sets, a batch is six round
+//! round row stayed locked (device cycles at 0.44 of SQLite's). As sets, a batch is five round
 //! trips (three more for a round that closes, one more for each write left to its single
-//! statement), and holds its rounds for three of them.
+//! statement), and holds its rounds for two of them and the commit.
 //!
 //! Every write keeps the single statement's guard; the sets only decide the common case. What a
 //! set does not apply is answered from the set where the answer needs nothing more (a check-in
@@ -94,36 +94,6 @@ const LOCK_ROUNDS: &str = "SELECT id FROM rounds WHERE id = ANY(ARRAY(\
      WHERE a.id = ANY(ARRAY(SELECT jsonb_array_elements_text($2::jsonb))))) \
      ORDER BY id FOR NO KEY UPDATE";
 
-/// The k-th check-in of a collecting round takes a slot while `live + k <= capacity`; the round's
-/// key is set by its first granted check-in if it has none. Answers (ord, key) per granted one.
-static ASSIGN_SET: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "WITH i AS (SELECT * FROM jsonb_to_recordset($1::jsonb) AS t(ord bigint, round_id text, \
-         key_if_unset text, capacity bigint, id text, expires_at bigint, at_ms bigint, hid text)), \
-         ranked AS (SELECT i.*, row_number() OVER (PARTITION BY i.round_id ORDER BY i.ord) AS k \
-         FROM i), \
-         granted AS (SELECT ranked.* FROM ranked JOIN rounds r ON r.id = ranked.round_id \
-         WHERE r.id = ANY(ARRAY(SELECT round_id FROM i)) \
-         AND CASE WHEN r.state = '{collecting}' \
-         THEN r.live_assignments + ranked.k <= ranked.capacity ELSE false END), \
-         g AS (SELECT round_id, count(*) AS n, \
-         (array_agg(key_if_unset ORDER BY ord))[1] AS first_key FROM granted GROUP BY round_id), \
-         upd AS (UPDATE rounds SET live_assignments = rounds.live_assignments + g.n, \
-         key_id = COALESCE(rounds.key_id, g.first_key) FROM g WHERE rounds.id = g.round_id \
-         AND rounds.id = ANY(ARRAY(SELECT round_id FROM g)) RETURNING rounds.id, rounds.key_id), \
-         a AS (INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
-         SELECT id, round_id, '{assigned}', expires_at, at_ms, at_ms FROM granted), \
-         h AS (INSERT INTO state_history \
-         (id, entity, entity_id, seq, from_state, to_state, reason, at) \
-         SELECT hid, '{entity}', id, 1, NULL, '{assigned}', 'device checked in', at_ms \
-         FROM granted) \
-         SELECT granted.ord, upd.key_id FROM granted JOIN upd ON upd.id = granted.round_id",
-        collecting = COLLECTING.as_str(),
-        assigned = ASSIGNED.as_str(),
-        entity = AssignmentState::ENTITY,
-    )
-});
-
 /// `device.rs`'s guarded upload for each member; answers the ords it applied to.
 static UPLOAD_SET: LazyLock<String> = LazyLock::new(|| {
     format!(
@@ -150,44 +120,79 @@ static UPLOAD_SET: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// The k-th uploaded, unexpired completion of a collecting round counts while
-/// `completed + k <= goal` (or, as one by one, always once a round is past its goal). The
-/// transition keeps its guard, so a row another transaction changed meanwhile is left out, and
-/// the counter moves by what applied. Answers, per applied member, (ord, round, the round's new
-/// count, its goal, its count before).
-static COMPLETE_SET: LazyLock<String> = LazyLock::new(|| {
+/// A batch's check-ins and completed reports in one statement, run after its rounds are locked
+/// (so its snapshot sees every earlier batch's commit), answering one row per applied member.
+///
+/// Check-ins: the k-th check-in of a collecting round takes a slot while `live + k <= capacity`;
+/// the round's key is set by its first granted check-in if it has none. Completions: the k-th
+/// uploaded, unexpired completion of a collecting round counts while `completed + k <= goal` (or,
+/// as one by one, always once a round is past its goal); the transition keeps its guard, so a
+/// row another transaction changed meanwhile is left out, and the counter moves by what applied.
+/// The two share one UPDATE of `rounds` (`delta`): a statement may change a row once, and one
+/// statement instead of two takes a round trip off the time a batch holds its rounds.
+///
+/// Rows: `('a', ord, the round's key, NULL...)` per granted check-in; `('c', ord, NULL, round,
+/// at_ms, the round's new count, its goal, its count before)` per applied completion.
+static ASSIGN_AND_COMPLETE_SET: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "WITH i AS (SELECT * FROM jsonb_to_recordset($1::jsonb) AS t(ord bigint, id text, \
+        "WITH ai AS (SELECT * FROM jsonb_to_recordset($1::jsonb) AS t(ord bigint, round_id text, \
+         key_if_unset text, capacity bigint, id text, expires_at bigint, at_ms bigint, hid text)), \
+         ci AS (SELECT * FROM jsonb_to_recordset($2::jsonb) AS t(ord bigint, id text, \
          at_ms bigint, hid text)), \
-         c AS (SELECT i.*, a.round_id FROM i JOIN assignments a ON a.id = i.id \
-         WHERE a.id = ANY(ARRAY(SELECT id FROM i)) \
-         AND CASE WHEN a.state = '{uploaded}' THEN a.expires_at > i.at_ms ELSE false END), \
-         ranked AS (SELECT c.*, r.completed_reports AS before, r.report_goal AS goal, \
+         ranked_a AS (SELECT ai.*, row_number() OVER (PARTITION BY ai.round_id ORDER BY ai.ord) \
+         AS k FROM ai), \
+         granted AS (SELECT ranked_a.* FROM ranked_a JOIN rounds r ON r.id = ranked_a.round_id \
+         WHERE r.id = ANY(ARRAY(SELECT round_id FROM ai)) \
+         AND CASE WHEN r.state = '{collecting}' \
+         THEN r.live_assignments + ranked_a.k <= ranked_a.capacity ELSE false END), \
+         g AS (SELECT round_id, count(*) AS n, \
+         (array_agg(key_if_unset ORDER BY ord))[1] AS first_key FROM granted GROUP BY round_id), \
+         c AS (SELECT ci.*, a.round_id FROM ci JOIN assignments a ON a.id = ci.id \
+         WHERE a.id = ANY(ARRAY(SELECT id FROM ci)) \
+         AND CASE WHEN a.state = '{uploaded}' THEN a.expires_at > ci.at_ms ELSE false END), \
+         ranked_c AS (SELECT c.*, r.completed_reports AS before, r.report_goal AS goal, \
          row_number() OVER (PARTITION BY c.round_id ORDER BY c.ord) AS k \
          FROM c JOIN rounds r ON r.id = c.round_id \
          WHERE r.id = ANY(ARRAY(SELECT round_id FROM c)) \
          AND CASE WHEN r.state = '{collecting}' THEN true ELSE false END), \
-         ok AS (SELECT * FROM ranked WHERE before >= goal OR before + k <= goal), \
+         ok AS (SELECT * FROM ranked_c WHERE before >= goal OR before + k <= goal), \
          u AS (UPDATE assignments a SET state = '{completed}', updated_at = ok.at_ms FROM ok \
          WHERE a.id = ok.id AND a.id = ANY(ARRAY(SELECT id FROM ok)) \
          AND CASE WHEN a.state = '{uploaded}' THEN a.expires_at > ok.at_ms ELSE false END \
          RETURNING a.id, a.round_id), \
-         h AS (INSERT INTO state_history \
+         hc AS (INSERT INTO state_history \
          (id, entity, entity_id, seq, from_state, to_state, reason, at) \
          SELECT ok.hid, '{entity}', ok.id, \
          (SELECT COALESCE(MAX(s.seq), 0) + 1 FROM state_history s WHERE s.entity_id = ok.id), \
          '{uploaded}', '{completed}', 'device reported completion', ok.at_ms \
          FROM u JOIN ok ON ok.id = u.id), \
          n AS (SELECT round_id, count(*) AS n FROM u GROUP BY round_id), \
-         cnt AS (UPDATE rounds SET completed_reports = rounds.completed_reports + n.n FROM n \
-         WHERE rounds.id = n.round_id AND rounds.id = ANY(ARRAY(SELECT round_id FROM n)) \
-         RETURNING rounds.id, rounds.completed_reports, rounds.report_goal, n.n) \
-         SELECT ok.ord, ok.round_id, ok.at_ms, cnt.completed_reports, cnt.report_goal, \
-         cnt.completed_reports - cnt.n FROM u JOIN ok ON ok.id = u.id \
-         JOIN cnt ON cnt.id = u.round_id",
+         delta AS (SELECT COALESCE(g.round_id, n.round_id) AS round_id, \
+         COALESCE(g.n, 0) AS assigned, g.first_key, COALESCE(n.n, 0) AS completed \
+         FROM g FULL JOIN n ON n.round_id = g.round_id), \
+         upd AS (UPDATE rounds SET live_assignments = rounds.live_assignments + delta.assigned, \
+         key_id = COALESCE(rounds.key_id, delta.first_key), \
+         completed_reports = rounds.completed_reports + delta.completed FROM delta \
+         WHERE rounds.id = delta.round_id AND rounds.id = ANY(ARRAY(SELECT round_id FROM delta)) \
+         RETURNING rounds.id, rounds.key_id, rounds.completed_reports, rounds.report_goal, \
+         delta.completed), \
+         a AS (INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
+         SELECT id, round_id, '{assigned}', expires_at, at_ms, at_ms FROM granted), \
+         ha AS (INSERT INTO state_history \
+         (id, entity, entity_id, seq, from_state, to_state, reason, at) \
+         SELECT hid, '{entity}', id, 1, NULL, '{assigned}', 'device checked in', at_ms \
+         FROM granted) \
+         SELECT 'a' AS kind, granted.ord, upd.key_id, NULL::text AS round_id, NULL::bigint AS at_ms, \
+         NULL::bigint AS after, NULL::bigint AS goal, NULL::bigint AS before \
+         FROM granted JOIN upd ON upd.id = granted.round_id \
+         UNION ALL \
+         SELECT 'c', ok.ord, NULL::text, ok.round_id, ok.at_ms, upd.completed_reports, \
+         upd.report_goal, upd.completed_reports - upd.completed \
+         FROM u JOIN ok ON ok.id = u.id JOIN upd ON upd.id = u.round_id",
+        collecting = COLLECTING.as_str(),
+        assigned = ASSIGNED.as_str(),
         uploaded = UPLOADED.as_str(),
         completed = COMPLETED.as_str(),
-        collecting = COLLECTING.as_str(),
         entity = AssignmentState::ENTITY,
     )
 });
@@ -213,11 +218,8 @@ pub(super) async fn run(
             .fetch_all(&mut *conn)
             .await?;
     }
-    if !members.assigns.is_empty() {
-        assign(conn, &members.assigns, &mut outcomes).await?;
-    }
-    if !members.completions.is_empty() {
-        complete(conn, &members.completions, &mut outcomes).await?;
+    if !members.assigns.is_empty() || !members.completions.is_empty() {
+        assign_and_complete(conn, &members, &mut outcomes).await?;
     }
     Ok(outcomes)
 }
@@ -278,34 +280,6 @@ impl<'a> Members<'a> {
     }
 }
 
-async fn assign(
-    conn: &mut Conn,
-    assigns: &[(usize, &NewAssignment, &str)],
-    outcomes: &mut [Option<SetOutcome>],
-) -> Result<(), DbError> {
-    let rows: Vec<_> = assigns
-        .iter()
-        .map(|(ord, new, history_id)| {
-            json!({
-                "ord": ord, "round_id": new.round_id, "key_if_unset": new.key_if_unset,
-                "capacity": new.capacity, "id": new.id, "expires_at": new.expires_at,
-                "at_ms": new.now, "hid": history_id,
-            })
-        })
-        .collect();
-    let granted: Vec<(i64, Option<String>)> = sqlx::query_as(ASSIGN_SET.as_str())
-        .bind(json!(rows).to_string())
-        .fetch_all(&mut *conn)
-        .await?;
-    for (ord, _, _) in assigns {
-        outcomes[*ord] = Some(SetOutcome::NoSlot);
-    }
-    for (ord, key_id) in granted {
-        *outcome_at(outcomes, ord)? = Some(SetOutcome::Assigned { key_id });
-    }
-    Ok(())
-}
-
 async fn upload(
     conn: &mut Conn,
     uploads: &[(usize, &NewUpload, &str)],
@@ -334,32 +308,68 @@ async fn upload(
     Ok(())
 }
 
-/// One applied completion: (ord, round, at_ms, the round's count after, goal, count before).
-type Applied = (i64, String, i64, i64, i64, i64);
+/// One row of `ASSIGN_AND_COMPLETE_SET`: (kind, ord, the round's key for a check-in; for a
+/// completion its round, at_ms, the round's count after, goal, count before).
+type SetRow = (
+    String,
+    i64,
+    Option<String>,
+    Option<String>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+);
 
-async fn complete(
+async fn assign_and_complete(
     conn: &mut Conn,
-    completions: &[(usize, &str, i64, &str)],
+    members: &Members<'_>,
     outcomes: &mut [Option<SetOutcome>],
 ) -> Result<(), DbError> {
-    let rows: Vec<_> = completions
+    let assigns: Vec<_> = members
+        .assigns
+        .iter()
+        .map(|(ord, new, history_id)| {
+            json!({
+                "ord": ord, "round_id": new.round_id, "key_if_unset": new.key_if_unset,
+                "capacity": new.capacity, "id": new.id, "expires_at": new.expires_at,
+                "at_ms": new.now, "hid": history_id,
+            })
+        })
+        .collect();
+    let completions: Vec<_> = members
+        .completions
         .iter()
         .map(|(ord, id, now, history_id)| {
             json!({"ord": ord, "id": id, "at_ms": now, "hid": history_id})
         })
         .collect();
-    let applied: Vec<Applied> = sqlx::query_as(COMPLETE_SET.as_str())
-        .bind(json!(rows).to_string())
+    let rows: Vec<SetRow> = sqlx::query_as(ASSIGN_AND_COMPLETE_SET.as_str())
+        .bind(json!(assigns).to_string())
+        .bind(json!(completions).to_string())
         .fetch_all(&mut *conn)
         .await?;
+    for (ord, _, _) in &members.assigns {
+        outcomes[*ord] = Some(SetOutcome::NoSlot);
+    }
     // The completion that reaches a round's goal is its last applied one in arrival order.
     let mut closers: BTreeMap<String, (i64, i64, i64)> = BTreeMap::new();
-    for (ord, round_id, at_ms, after, goal, before) in applied {
-        *outcome_at(outcomes, ord)? = Some(SetOutcome::Completed { closed: false });
-        if before < goal && after == goal {
-            let closer = closers.entry(round_id).or_insert((ord, at_ms, goal));
-            if ord > closer.0 {
-                *closer = (ord, at_ms, goal);
+    for (kind, ord, key_id, round_id, at_ms, after, goal, before) in rows {
+        match (kind.as_str(), round_id, at_ms, after, goal, before) {
+            ("a", ..) => *outcome_at(outcomes, ord)? = Some(SetOutcome::Assigned { key_id }),
+            ("c", Some(round_id), Some(at_ms), Some(after), Some(goal), Some(before)) => {
+                *outcome_at(outcomes, ord)? = Some(SetOutcome::Completed { closed: false });
+                if before < goal && after == goal {
+                    let closer = closers.entry(round_id).or_insert((ord, at_ms, goal));
+                    if ord > closer.0 {
+                        *closer = (ord, at_ms, goal);
+                    }
+                }
+            }
+            _ => {
+                return Err(DbError::Corrupt(format!(
+                    "a device write set answered an incomplete row for member {ord}"
+                )));
             }
         }
     }

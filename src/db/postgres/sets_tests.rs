@@ -286,3 +286,101 @@ async fn an_upload_and_a_completion_of_one_assignment_in_one_batch_apply_in_that
         .map(|(seq, state)| (seq, state.to_string()));
     assert_eq!(history, expected);
 }
+
+/// Check-ins and completions of one round share one statement and one UPDATE of the round's
+/// row: both counters move, and the completion that reaches the goal closes the round.
+#[tokio::test]
+async fn check_ins_and_completions_of_one_round_in_one_batch_move_both_counters() {
+    let Some(db) = fresh_db().await else { return };
+    collecting_round(&db, 2).await;
+    run_committed(&db, &[assign("a1", 5), assign("a2", 5)]).await;
+    run_committed(&db, &[upload("a1"), upload("a2")]).await;
+    let outcomes = run_committed(
+        &db,
+        &[
+            assign("a3", 5),
+            complete("a1"),
+            assign("a4", 5),
+            complete("a2"),
+        ],
+    )
+    .await;
+    let granted = Some(SetOutcome::Assigned {
+        key_id: Some("k1".into()),
+    });
+    assert_eq!(
+        outcomes,
+        [
+            granted.clone(),
+            Some(SetOutcome::Completed { closed: false }),
+            granted,
+            Some(SetOutcome::Completed { closed: true }),
+        ]
+    );
+    assert_eq!(
+        scalar(&db, "SELECT live_assignments FROM rounds WHERE id = 'r1'").await,
+        4
+    );
+    assert_eq!(
+        scalar(&db, "SELECT completed_reports FROM rounds WHERE id = 'r1'").await,
+        2
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT COUNT(*) FROM aggregation_jobs WHERE round_id = 'r1'"
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT COUNT(*) FROM state_history WHERE entity_id IN ('a3', 'a4') AND seq = 1"
+        )
+        .await,
+        2
+    );
+}
+
+/// One round with only check-ins and another with only completions, in one batch: both sides of
+/// the rounds' shared UPDATE (`delta`'s FULL JOIN) apply, each to its own round.
+#[tokio::test]
+async fn a_round_of_check_ins_and_a_round_of_completions_in_one_batch_each_move_their_own_counter()
+{
+    let Some(db) = fresh_db().await else { return };
+    collecting_round(&db, 5).await;
+    run_committed(&db, &[assign("a1", 5)]).await;
+    run_committed(&db, &[upload("a1")]).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO rounds (id, task_id, round_number, attempt, state, report_goal, \
+         min_reports, deadline_at, opened_at, updated_at) \
+         VALUES ('r2', 'task', 2, 1, 'COLLECTING', 5, 1, {NOW} + 60000, 0, 0)"
+    )))
+    .execute(db.pool())
+    .await
+    .unwrap();
+    let mut check_in = assign("b1", 5);
+    if let SetItem::Assign { new, .. } = &mut check_in {
+        new.round_id = "r2".into();
+    }
+    let outcomes = run_committed(&db, &[complete("a1"), check_in]).await;
+    assert_eq!(
+        outcomes,
+        [
+            Some(SetOutcome::Completed { closed: false }),
+            Some(SetOutcome::Assigned {
+                key_id: Some("k1".into())
+            }),
+        ]
+    );
+    let counters: Vec<(String, i64, i64)> =
+        sqlx::query_as("SELECT id, live_assignments, completed_reports FROM rounds ORDER BY id")
+            .fetch_all(db.pool())
+            .await
+            .unwrap();
+    assert_eq!(
+        counters,
+        [("r1".to_string(), 1, 1), ("r2".to_string(), 1, 0)]
+    );
+}
