@@ -169,7 +169,9 @@ struct BatchConnection {
 /// in a run of 6,000 devices, until autovacuum's next ANALYZE replanned it). Every statement a
 /// batch runs reads rows by key, so a scan of a whole table is never its best plan; with this
 /// setting the planner takes one only where no index serves (`enable_seqscan` is a cost, not a
-/// ban). `SET LOCAL` ends with the transaction, so behind a pooler in transaction mode
+/// ban: a statement that cannot avoid a scan gets a huge cost, so it would also pass
+/// `jit_above_cost` and be JIT-compiled each run; none of the batches' statements is one).
+/// `SET LOCAL` ends with the transaction, so behind a pooler in transaction mode
 /// (PgBouncer) no other client inherits it.
 const BATCH_BEGIN: &str = "BEGIN; SET LOCAL enable_seqscan = off";
 
@@ -178,7 +180,8 @@ impl BatchConnection {
         Self { url, open: None }
     }
 
-    /// The open connection (checked if it idled long), or a new one; within `ACQUIRE_TIMEOUT`.
+    /// The open connection (checked if it idled long), or a new one; the check and the connect
+    /// each within `ACQUIRE_TIMEOUT`.
     async fn get(&mut self) -> Result<&mut AnyConnection, sqlx::Error> {
         if let Some((connection, since)) = &mut self.open
             && since.elapsed() > PING_IF_IDLE
@@ -366,8 +369,9 @@ async fn transaction(
 }
 
 /// Whether a statement's failure leaves its connection as it was: an error PostgreSQL reported
-/// (a deadlock, a constraint) does, unless it is one of a server going away; a transport or
-/// protocol error does not. An error of the job's own (not sqlx's) did not touch it.
+/// (a deadlock, a constraint) does, unless it is one of a server going away; any other sqlx
+/// error (transport, protocol, and, to be safe, decoding) closes it. An error of the job's own
+/// (not sqlx's) did not touch it.
 fn leaves_connection_usable(error: &DbError) -> bool {
     match error {
         DbError::Sqlx(sqlx::Error::Database(_)) => !error.is_unavailable(),
