@@ -20,6 +20,7 @@ use confed_enclave::aggregate::{Aggregator, Binding, PrivacyParams, noise};
 use confed_enclave::dp::{DiscreteGaussian, grid};
 use confed_enclave::envelope;
 use confed_enclave::hpke::{PrivateKey, PublicKey, generate_keypair};
+use confed_enclave::hpke_awslc::Recipient;
 use confed_enclave::policy::{EVALUATION_TENSOR, EXAMPLES_TENSOR, Evaluation, Weighting};
 use confed_worker_api::model::{ModelSchema, encode_f32_tensors, validate_model};
 use criterion::{Criterion, Throughput};
@@ -233,8 +234,7 @@ fn bound(f: &Fixture, sum: &mut [f64]) {
 /// key encapsulation included) of the same plaintexts plus the same sum, one thread. Where
 /// AWS-LC's AES-GCM is the faster (VAES on AVX-512), ring's bound above is slower than the
 /// enclave's own open, and a ratio to it says nothing of what is left.
-fn bound_this_cpu(f: &Fixture, sum: &mut [f64]) {
-    let recipient = confed_enclave::hpke_awslc::Recipient::new(&f.private).unwrap();
+fn bound_this_cpu(f: &Fixture, recipient: &Recipient, sum: &mut [f64]) {
     let mut plain = Vec::new();
     for (enc, sealed) in &f.hpke {
         recipient
@@ -494,7 +494,7 @@ fn aggregation_peak(count: usize, params: usize, evaluating: bool) -> u64 {
 
 /// HPKE opening of 1 MB with each backend the enclave has, and which one this CPU gets.
 fn aead_summary() {
-    use confed_enclave::hpke_awslc::{Backend, Recipient, seal};
+    use confed_enclave::hpke_awslc::{Backend, seal};
     let (private, public) = generate_keypair();
     let plaintext = vec![3u8; 1 << 20];
     let (enc, ciphertext) = seal(&public, b"info", b"aad", &plaintext).unwrap();
@@ -564,7 +564,8 @@ fn summary(small: &Fixture, large: &Fixture, large_params: usize) {
         let two = time(|| aggregate(f, &pool(2)), 5).as_secs_f64();
         let mut sum = vec![0f64; params];
         let bound_s = time(|| bound(f, &mut sum), 5).as_secs_f64();
-        let this_cpu_s = time(|| bound_this_cpu(f, &mut sum), 5).as_secs_f64();
+        let recipient = Recipient::new(&f.private).unwrap();
+        let this_cpu_s = time(|| bound_this_cpu(f, &recipient, &mut sum), 5).as_secs_f64();
         println!(
             "{label}: 1 thread {:>9.0} contributions/s {:>5.2} GB/s | 2 threads {:>9.0}/s {:>5.2} GB/s (x{:.2}) | bound {:>5.2} GB/s, ratio per core {:.2} | bound with this CPU's HPKE open {:>5.2} GB/s, ratio per core {:.2}",
             n / one,

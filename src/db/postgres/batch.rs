@@ -10,9 +10,9 @@
 //! (`sets.rs`): one statement applies all its uploads, one locks all its rounds in id order, one
 //! applies all its check-ins and completions; five round trips in all with BEGIN and COMMIT
 //! (three more for a round that closes), where one statement per write took a batch's size
-//! plus two. The batches run on a connection of their own (`BatchConnection`), not the pool's. What the
-//! sets leave (a late or repeated report, other reports) runs its own statement afterwards in
-//! the same transaction.
+//! plus two. What the sets leave (a late or repeated report, other reports) runs its own
+//! statement afterwards in the same transaction. The batches run on a connection of their own
+//! (`BatchConnection`), not the pool's.
 //!
 //! Two batches (two replicas) lock their rounds in the same order, so they wait for each other
 //! but do not deadlock over rounds; the single statements that run after the sets lock no round
@@ -40,7 +40,7 @@ use std::time::Instant;
 use sqlx::{AnyConnection, Connection};
 use tokio::sync::{mpsc, oneshot};
 
-use super::readers::{ACQUIRE_TIMEOUT, PING_IF_IDLE};
+use super::readers::{ACQUIRE_TIMEOUT, still_usable};
 use super::sets::{self, SetItem, SetOutcome};
 use crate::db::writer::BoxFuture;
 use crate::db::{CommitCause, CommitFailure, Conn, DbError};
@@ -151,8 +151,8 @@ impl Batcher {
 }
 
 /// The batches' own connection, outside the pool: sqlx's pool checks every connection as it
-/// comes back (a round trip for each batch), where this one is checked only after it idled for
-/// `PING_IF_IDLE`. A transaction that failed in a statement and rolled back keeps it (a
+/// comes back (a round trip for each batch), where this one is checked only after it idled
+/// (`still_usable`). A transaction that failed in a statement and rolled back keeps it (a
 /// deadlock broken by PostgreSQL, the commonest failure under load, should not cost a new
 /// backend); any other failure closes it (a FATAL error from a restarting server, I/O, a failed
 /// rollback or commit), and the next batch opens a new one.
@@ -184,10 +184,7 @@ impl BatchConnection {
     /// each within `ACQUIRE_TIMEOUT`.
     async fn get(&mut self) -> Result<&mut AnyConnection, sqlx::Error> {
         if let Some((connection, since)) = &mut self.open
-            && since.elapsed() > PING_IF_IDLE
-            && tokio::time::timeout(ACQUIRE_TIMEOUT, connection.ping())
-                .await
-                .map_or(true, |pinged| pinged.is_err())
+            && !still_usable(connection, *since).await
         {
             self.open = None;
         }

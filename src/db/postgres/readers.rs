@@ -138,12 +138,23 @@ impl Readers {
             let Some((mut connection, since)) = idle else {
                 break;
             };
-            if since.elapsed() <= PING_IF_IDLE || connection.ping().await.is_ok() {
+            if still_usable(&mut connection, since).await {
                 return Ok(connection);
             }
         }
         AnyConnection::connect(&self.url).await
     }
+}
+
+/// Whether a connection last used at `since` may take a statement: yes if it idled for at most
+/// `PING_IF_IDLE`, else if it answers a ping within `ACQUIRE_TIMEOUT` (PostgreSQL may have
+/// restarted meanwhile). The readers' and the device write batches' connections both ask this.
+pub(super) async fn still_usable(connection: &mut AnyConnection, since: Instant) -> bool {
+    since.elapsed() <= PING_IF_IDLE
+        || matches!(
+            tokio::time::timeout(ACQUIRE_TIMEOUT, connection.ping()).await,
+            Ok(Ok(()))
+        )
 }
 
 #[cfg(test)]

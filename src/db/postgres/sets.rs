@@ -176,7 +176,8 @@ static ASSIGN_AND_COMPLETE_SET: LazyLock<String> = LazyLock::new(|| {
          WHERE rounds.id = delta.round_id AND rounds.id = ANY(ARRAY(SELECT round_id FROM delta)) \
          RETURNING rounds.id, rounds.key_id, rounds.completed_reports, rounds.report_goal, \
          delta.completed), \
-         a AS (INSERT INTO assignments (id, round_id, state, expires_at, created_at, updated_at) \
+         inserted AS (INSERT INTO assignments \
+         (id, round_id, state, expires_at, created_at, updated_at) \
          SELECT id, round_id, '{assigned}', expires_at, at_ms, at_ms FROM granted), \
          ha AS (INSERT INTO state_history \
          (id, entity, entity_id, seq, from_state, to_state, reason, at) \
