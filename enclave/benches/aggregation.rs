@@ -41,6 +41,9 @@ struct Fixture {
     ciphertext_bytes: usize,
     /// An evaluation round's: every update carries a metrics tensor, the aggregator sums them.
     evaluation: Option<Evaluation>,
+    /// The update size from which the aggregator streams (`None`: the default,
+    /// `aggregate::STREAM_ABOVE_BYTES`; `Some(0)` streams every update).
+    stream_above: Option<usize>,
     /// Example weighting: every update carries its count, the aggregator weighs by it.
     weighting: Option<Weighting>,
 }
@@ -169,7 +172,14 @@ fn fixture_with(
         ciphertext_bytes,
         evaluation,
         weighting,
+        stream_above: None,
     }
+}
+
+/// `f` aggregated from updates held whole (`usize::MAX`) or streamed chunk by chunk (0).
+fn streaming_from(mut f: Fixture, bytes: usize) -> Fixture {
+    f.stream_above = Some(bytes);
+    f
 }
 
 fn context() -> envelope::RoundContext {
@@ -198,10 +208,13 @@ fn pool(threads: usize) -> rayon::ThreadPool {
 
 /// Opens, checks, clips and sums every contribution (no noise: that is measured apart).
 fn aggregate(f: &Fixture, pool: &rayon::ThreadPool) {
-    let agg = Aggregator::new(binding(), 1.0, f.schema.clone(), &f.private)
+    let mut agg = Aggregator::new(binding(), 1.0, f.schema.clone(), &f.private)
         .unwrap()
         .evaluating(f.evaluation)
         .weighing(f.weighting);
+    if let Some(bytes) = f.stream_above {
+        agg = agg.stream_above(bytes);
+    }
     pool.install(|| agg.add_batch(&f.contributions));
     assert_eq!(agg.counts(), (f.contributions.len(), 0));
     black_box(agg);
@@ -449,7 +462,8 @@ fn reset_peak_rss() {
 
 /// Aggregates `count` pre-sealed contributions of a model with `params` values, two at a time,
 /// and returns the growth of peak RSS during aggregation alone (the sealed inputs exist before
-/// the measurement starts). Models of 8 MiB and more are streamed chunk by chunk.
+/// the measurement starts). Models of 8 MiB and more are streamed chunk by chunk here (by
+/// default only models of 64 MiB and more are: `aggregate::STREAM_ABOVE_BYTES`).
 fn aggregation_peak(count: usize, params: usize, evaluating: bool) -> u64 {
     let (private, public) = generate_keypair();
     let schema = validate_model(&update(params, 0)).unwrap();
@@ -466,7 +480,8 @@ fn aggregation_peak(count: usize, params: usize, evaluating: bool) -> u64 {
     let evaluation = evaluating.then_some(EVALUATION);
     let agg = Aggregator::new(binding(), 1.0, schema, &private)
         .unwrap()
-        .evaluating(evaluation);
+        .evaluating(evaluation)
+        .stream_above(8 << 20);
     for pair in inputs.chunks(2) {
         agg.add_batch(pair);
     }
@@ -528,7 +543,10 @@ fn summary(small: &Fixture, large: &Fixture, large_params: usize) {
     println!("\n== aggregation summary (best of 5) ==");
     aead_summary();
     let huge_params = 4 << 20;
-    let huge = fixture(huge_params, 6);
+    // Streamed, as models of 64 MiB and more are: every update is decrypted twice, measured and
+    // then added. Held whole, as 16 MB models are.
+    let huge = streaming_from(fixture(huge_params, 6), 0);
+    let huge_buffered = streaming_from(fixture(huge_params, 6), usize::MAX);
     // Real updates are often clipped (clip norms sit near the median norm): half of them, and all.
     let count = large.contributions.len();
     // Built alike, so the three 1 MB rows differ only in how many updates are clipped.
@@ -536,9 +554,9 @@ fn summary(small: &Fixture, large: &Fixture, large_params: usize) {
     let half_clipped = fixture_scaled(large_params, count, |i| if i % 2 == 0 { 20.0 } else { 1.0 });
     let all_clipped = fixture_scaled(large_params, count, |_| 20.0);
     let evaluated = fixture_evaluated(large_params, count);
-    let huge_evaluated = fixture_evaluated(huge_params, 6);
+    let huge_evaluated = streaming_from(fixture_evaluated(huge_params, 6), 0);
     let weighted = fixture_weighted(large_params, count);
-    let huge_weighted = fixture_weighted(huge_params, 6);
+    let huge_weighted = streaming_from(fixture_weighted(huge_params, 6), 0);
     for (label, f, params) in [
         ("1 KB", small, 256),
         ("1 MB", &none_clipped, large_params),
@@ -546,6 +564,7 @@ fn summary(small: &Fixture, large: &Fixture, large_params: usize) {
         ("1 MB, all clipped", &all_clipped, large_params),
         ("1 MB, evaluation round", &evaluated, large_params),
         ("16 MB (streamed)", &huge, huge_params),
+        ("16 MB (held whole)", &huge_buffered, huge_params),
         (
             "16 MB (streamed), evaluation round",
             &huge_evaluated,

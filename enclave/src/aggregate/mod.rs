@@ -43,8 +43,12 @@ pub use params::PrivacyParams;
 use stream::StreamProblem;
 
 /// Models of at least this many bytes of values are aggregated chunk by chunk: a thread then
-/// holds one chunk of plaintext (1 MiB) instead of a whole update.
-pub const STREAM_ABOVE_BYTES: usize = 8 << 20;
+/// holds one chunk of plaintext (1 MiB) instead of a whole update, and decrypts the update twice
+/// (measured, then added) where a held one is decrypted once. A constant, not a share of the
+/// worker's cores or memory: the host controls those, and the two paths check a malformed header
+/// in different orders (an exclusion's reason can differ), so the path must be the model's alone.
+/// A worker holds at most this much update plaintext per thread.
+pub const STREAM_ABOVE_BYTES: usize = 64 << 20;
 
 /// An update holding a NaN or an infinity is included as a zero update (nothing of it is added;
 /// it counts as one contribution, and as unclipped, which a zero update is). Excluding it would
@@ -380,16 +384,12 @@ impl Aggregator {
                 self.sides(),
             )
         {
-            // (within the clip norm, summed as zeros because not finite)
-            // Weighed only under a weighting policy: that path always reads the update three
-            // times, the uniform one once when it is within the clip norm.
+            // Read twice whatever it holds: measured (its example count passes), then added
+            // scaled and weighed (weight 1 without a weighting policy).
             let weight = || self.weight(update.examples().as_ref().map(|b| &b[..]));
-            let streamed = match self.weighting {
-                Some(_) => self
-                    .sum
-                    .add_weighted_stream(&update, self.clip_norm, weight),
-                None => self.sum.add_clipped_stream(&update, self.clip_norm),
-            };
+            let streamed = self
+                .sum
+                .add_weighted_stream(&update, self.clip_norm, weight);
             let added = match streamed {
                 Ok(within) => Some((within, false)),
                 Err(StreamError::NonFinite) => Some((ZERO_UPDATE_IS_WITHIN, true)),
@@ -495,6 +495,8 @@ mod evaluation_tests;
 mod health_tests;
 #[cfg(test)]
 mod partition_tests;
+#[cfg(test)]
+mod path_tests;
 #[cfg(test)]
 pub(crate) mod tests;
 #[cfg(test)]

@@ -1,83 +1,121 @@
 //! The two loops of the aggregation that touch every value: an update's float L2 norm, and its
-//! quantization to the grid added into (or taken out of) the sum with the two norms of what was
+//! quantization to the grid added into (or taken out of) the sum with the norm of what was
 //! added. Each has a generic version and an AVX2 one chosen at run time; both give the same bits
 //! for every input (checked below on values of every kind, lengths and offsets), so which CPU
 //! aggregates never changes a sum, a norm or a clipping decision.
 
 use super::accumulator::Update;
 
-/// The squared L2 norm of an update's f32 values, summed in eight lanes in tensor order (the
-/// same bits whatever thread computes it, so a retried job clips identically). Not finite if any
-/// value is not.
+/// The squared L2 norm of an update's f32 values: each tensor's measured by a `NormMeter`, the
+/// tensors' norms added in schema order. A streamed update is measured by the same meters fed
+/// chunk by chunk, so which path an update takes never changes its norm (and so its clipping).
+/// Not finite if any value is not.
 pub(super) fn float_norm_squared(update: &Update<'_>) -> f64 {
+    let mut meters = vec![NormMeter::default(); update.len()];
+    for (meter, tensor) in meters.iter_mut().zip(update) {
+        meter.feed(tensor);
+    }
+    NormMeter::total(&meters)
+}
+
+/// The squared L2 norm of one tensor's f32 values, fed in pieces of any size: value `k` of the
+/// tensor goes to lane `k mod 8`, each lane is summed in the values' order and the lanes at the
+/// end, so the bits depend on the values alone, not on where the pieces were cut (a streamed
+/// update's chunks, or the whole tensor at once) nor on the CPU.
+#[derive(Debug, Clone, Default)]
+pub(super) struct NormMeter {
+    lanes: [f64; 8],
+    position: usize,
+}
+
+impl NormMeter {
+    pub(super) fn feed(&mut self, bytes: &[u8]) {
+        let values = bytes.len() / 4;
+        // One at a time up to a multiple of eight, then whole eights, then the rest.
+        let head = ((8 - self.position % 8) % 8).min(values);
+        let body = (values - head) / 8 * 8;
+        self.feed_singly(&bytes[..head * 4]);
+        feed_lanes(&mut self.lanes, &bytes[head * 4..(head + body) * 4]);
+        self.position += body;
+        self.feed_singly(&bytes[(head + body) * 4..values * 4]);
+    }
+
+    fn feed_singly(&mut self, bytes: &[u8]) {
+        for b in bytes.chunks_exact(4) {
+            let x = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            self.lanes[self.position % 8] += x * x;
+            self.position += 1;
+        }
+    }
+
+    fn norm_squared(&self) -> f64 {
+        self.lanes.iter().sum()
+    }
+
+    /// The update's squared norm from its tensors' meters, in schema order.
+    pub(super) fn total(meters: &[NormMeter]) -> f64 {
+        meters
+            .iter()
+            .fold(0.0, |total, meter| total + meter.norm_squared())
+    }
+}
+
+/// Adds the squares of whole eights of values to `lanes`, value `i` of each eight to lane `i`.
+fn feed_lanes(lanes: &mut [f64; 8], bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2 (checked just above), the only requirement of the
         // `target_feature` function.
-        return unsafe { float_norm_squared_avx2(update) };
+        return unsafe { feed_lanes_avx2(lanes, bytes) };
     }
-    float_norm_squared_generic(update)
+    feed_lanes_generic(lanes, bytes)
 }
 
-/// `float_norm_squared_generic` in AVX2 registers: lanes 0-3 and 4-7 of each eight values in
-/// two vectors, each lane summed in the same order with the same roundings, so the same bits.
-/// (The compiler's own vectorization of the generic loop left most lanes in scalar adds.)
+/// `feed_lanes_generic` in AVX2 registers: lanes 0-3 and 4-7 in two vectors, each lane summed
+/// in the same order with the same roundings, so the same bits. (The compiler's own
+/// vectorization of the generic loop left most lanes in scalar adds.)
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn float_norm_squared_avx2(update: &Update<'_>) -> f64 {
+fn feed_lanes_avx2(lanes: &mut [f64; 8], bytes: &[u8]) {
     use std::arch::x86_64::{
-        __m256d, _mm_loadu_ps, _mm256_add_pd, _mm256_cvtps_pd, _mm256_mul_pd, _mm256_setzero_pd,
+        _mm_loadu_ps, _mm256_add_pd, _mm256_cvtps_pd, _mm256_loadu_pd, _mm256_mul_pd,
         _mm256_storeu_pd,
     };
-    let (mut low, mut high): (__m256d, __m256d) = (_mm256_setzero_pd(), _mm256_setzero_pd());
-    let mut tail = 0f64;
-    for tensor in update {
-        let mut chunks = tensor.chunks_exact(32);
-        for chunk in &mut chunks {
-            // SAFETY: `chunk` is 32 bytes: two unaligned loads of four f32 (little-endian, as
-            // x86 is) read inside it.
-            let (x_low, x_high) = unsafe {
-                (
-                    _mm256_cvtps_pd(_mm_loadu_ps(chunk.as_ptr().cast())),
-                    _mm256_cvtps_pd(_mm_loadu_ps(chunk.as_ptr().add(16).cast())),
-                )
-            };
-            low = _mm256_add_pd(low, _mm256_mul_pd(x_low, x_low));
-            high = _mm256_add_pd(high, _mm256_mul_pd(x_high, x_high));
-        }
-        for b in chunks.remainder().chunks_exact(4) {
-            let x = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-            tail += x * x;
-        }
+    // SAFETY: `lanes` holds eight f64: two unaligned loads of four.
+    let (mut low, mut high) = unsafe {
+        (
+            _mm256_loadu_pd(lanes.as_ptr()),
+            _mm256_loadu_pd(lanes.as_ptr().add(4)),
+        )
+    };
+    for chunk in bytes.chunks_exact(32) {
+        // SAFETY: `chunk` is 32 bytes: two unaligned loads of four f32 (little-endian, as x86
+        // is) read inside it.
+        let (x_low, x_high) = unsafe {
+            (
+                _mm256_cvtps_pd(_mm_loadu_ps(chunk.as_ptr().cast())),
+                _mm256_cvtps_pd(_mm_loadu_ps(chunk.as_ptr().add(16).cast())),
+            )
+        };
+        low = _mm256_add_pd(low, _mm256_mul_pd(x_low, x_low));
+        high = _mm256_add_pd(high, _mm256_mul_pd(x_high, x_high));
     }
-    let mut lanes = [0f64; 8];
-    // SAFETY: `lanes` holds eight f64: two unaligned stores of four.
+    // SAFETY: as for the loads.
     unsafe {
         _mm256_storeu_pd(lanes.as_mut_ptr(), low);
         _mm256_storeu_pd(lanes.as_mut_ptr().add(4), high);
     }
-    lanes.iter().sum::<f64>() + tail
 }
 
 #[inline(always)]
-fn float_norm_squared_generic(update: &Update<'_>) -> f64 {
-    let mut lanes = [0f64; 8];
-    let mut tail = 0f64;
-    for tensor in update {
-        let mut chunks = tensor.chunks_exact(32);
-        for chunk in &mut chunks {
-            for (lane, sum) in lanes.iter_mut().enumerate() {
-                let b = &chunk[lane * 4..lane * 4 + 4];
-                let x = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-                *sum += x * x;
-            }
-        }
-        for b in chunks.remainder().chunks_exact(4) {
+fn feed_lanes_generic(lanes: &mut [f64; 8], bytes: &[u8]) {
+    for chunk in bytes.chunks_exact(32) {
+        for (lane, sum) in lanes.iter_mut().enumerate() {
+            let b = &chunk[lane * 4..lane * 4 + 4];
             let x = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-            tail += x * x;
+            *sum += x * x;
         }
     }
-    lanes.iter().sum::<f64>() + tail
 }
 
 /// 1.5 * 2^52: adding it to |x| < 2^51 rounds x to the nearest integer (ties to even) in the
@@ -86,37 +124,32 @@ fn float_norm_squared_generic(update: &Update<'_>) -> f64 {
 const ROUNDING: f64 = 6_755_399_441_055_744.0;
 
 /// One stripe's slice of the update: quantize, add (or subtract), and the squared norm of the
-/// integers added and (with `FLOAT_NORM`; 0 otherwise) of the float input. An update held in
-/// memory had its float norm measured by `float_norm_squared` already; a streamed one measures it
-/// here. On x86-64 with AVX2 (detected at run time) `add_quantized_avx2` runs: the arithmetic,
+/// integers added. The float norm was measured before, in a read-only pass
+/// (`float_norm_squared`), buffered or streamed. On x86-64 with AVX2 (detected at run time) `add_quantized_avx2` runs: the arithmetic,
 /// and so every result bit, is the same either way (no fused multiply-add is used: each
 /// operation rounds exactly as in the generic loop).
 #[inline]
-pub(super) fn add_quantized<const SUBTRACT: bool, const FLOAT_NORM: bool>(
+pub(super) fn add_quantized<const SUBTRACT: bool>(
     target: &mut [i64],
     bytes: &[u8],
     units: f64,
-) -> (f64, f64) {
+) -> f64 {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2 (checked just above), the only requirement of the
         // `target_feature` function.
-        return unsafe { add_quantized_avx2::<SUBTRACT, FLOAT_NORM>(target, bytes, units) };
+        return unsafe { add_quantized_avx2::<SUBTRACT>(target, bytes, units) };
     }
-    add_quantized_generic::<SUBTRACT, FLOAT_NORM>(target, bytes, units)
+    add_quantized_generic::<SUBTRACT>(target, bytes, units)
 }
 
 /// `add_quantized_generic` in AVX2 registers: each eight values as two vectors of four (lanes
 /// 0-3 and 4-7), every operation the generic loop's, in its order, with no fused multiply-add:
 /// the same integers and the same norm bits. (The compiler's own vectorization of the generic
-/// loop left the two norms' lanes in scalar adds and shuffles, most of the loop's time.)
+/// loop left the norm's lanes in scalar adds and shuffles, most of the loop's time.)
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn add_quantized_avx2<const SUBTRACT: bool, const FLOAT_NORM: bool>(
-    target: &mut [i64],
-    bytes: &[u8],
-    units: f64,
-) -> (f64, f64) {
+fn add_quantized_avx2<const SUBTRACT: bool>(target: &mut [i64], bytes: &[u8], units: f64) -> f64 {
     use std::arch::x86_64::{
         __m256d, __m256i, _mm_loadu_ps, _mm256_add_epi64, _mm256_add_pd, _mm256_castpd_si256,
         _mm256_cvtps_pd, _mm256_loadu_si256, _mm256_mul_pd, _mm256_set1_epi64x, _mm256_set1_pd,
@@ -126,11 +159,11 @@ fn add_quantized_avx2<const SUBTRACT: bool, const FLOAT_NORM: bool>(
     let rounding = _mm256_set1_pd(ROUNDING);
     let rounding_bits = _mm256_set1_epi64x(ROUNDING.to_bits() as i64);
     let zero = _mm256_setzero_pd();
-    let (mut squares, mut norm): ([__m256d; 2], [__m256d; 2]) = ([zero; 2], [zero; 2]);
+    let mut squares: [__m256d; 2] = [zero; 2];
     let mut targets = target.chunks_exact_mut(8);
     let mut values = bytes.chunks_exact(32);
     for (slots, chunk) in (&mut targets).zip(&mut values) {
-        for half in 0..2 {
+        for (half, squares) in squares.iter_mut().enumerate() {
             // SAFETY: `chunk` is 32 bytes and `slots` eight i64: the loads and the store of
             // half `half` (four f32 at byte 16 * half, four i64 at slot 4 * half) stay inside
             // them, unaligned.
@@ -150,40 +183,30 @@ fn add_quantized_avx2<const SUBTRACT: bool, const FLOAT_NORM: bool>(
             // SAFETY: as for the load above.
             unsafe { _mm256_storeu_si256(slots.as_mut_ptr().add(4 * half).cast::<__m256i>(), sum) };
             let rounded = _mm256_sub_pd(r, rounding);
-            squares[half] = _mm256_add_pd(squares[half], _mm256_mul_pd(rounded, rounded));
-            if FLOAT_NORM {
-                norm[half] = _mm256_add_pd(norm[half], _mm256_mul_pd(x, x));
-            }
+            *squares = _mm256_add_pd(*squares, _mm256_mul_pd(rounded, rounded));
         }
     }
-    let tail =
-        quantized_tail::<SUBTRACT, FLOAT_NORM>(targets.into_remainder(), values.remainder(), units);
-    let (mut square_lanes, mut norm_lanes) = ([0f64; 8], [0f64; 8]);
-    // SAFETY: each array holds eight f64: two unaligned stores of four.
+    let tail = quantized_tail::<SUBTRACT>(targets.into_remainder(), values.remainder(), units);
+    let mut square_lanes = [0f64; 8];
+    // SAFETY: the array holds eight f64: two unaligned stores of four.
     unsafe {
         _mm256_storeu_pd(square_lanes.as_mut_ptr(), squares[0]);
         _mm256_storeu_pd(square_lanes.as_mut_ptr().add(4), squares[1]);
-        _mm256_storeu_pd(norm_lanes.as_mut_ptr(), norm[0]);
-        _mm256_storeu_pd(norm_lanes.as_mut_ptr().add(4), norm[1]);
     }
-    (
-        square_lanes.iter().sum::<f64>() + tail.0,
-        norm_lanes.iter().sum::<f64>() + tail.1,
-    )
+    square_lanes.iter().sum::<f64>() + tail
 }
 
 /// The loop itself, in eight independent lanes so it vectorizes. Values beyond 2^51 grid units
 /// (or not finite) give meaningless integers, but the same ones on the way back, and the norms
 /// they report make the caller undo them.
 #[inline(always)]
-fn add_quantized_generic<const SUBTRACT: bool, const FLOAT_NORM: bool>(
+fn add_quantized_generic<const SUBTRACT: bool>(
     target: &mut [i64],
     bytes: &[u8],
     units: f64,
-) -> (f64, f64) {
+) -> f64 {
     let rounding_bits = ROUNDING.to_bits() as i64;
     let mut squares = [0f64; 8];
-    let mut norm = [0f64; 8];
     let mut targets = target.chunks_exact_mut(8);
     let mut values = bytes.chunks_exact(32);
     for (slots, chunk) in (&mut targets).zip(&mut values) {
@@ -199,28 +222,17 @@ fn add_quantized_generic<const SUBTRACT: bool, const FLOAT_NORM: bool>(
             };
             let rounded = r - ROUNDING;
             squares[lane] += rounded * rounded;
-            if FLOAT_NORM {
-                norm[lane] += x * x;
-            }
         }
     }
-    let tail =
-        quantized_tail::<SUBTRACT, FLOAT_NORM>(targets.into_remainder(), values.remainder(), units);
-    (
-        squares.iter().sum::<f64>() + tail.0,
-        norm.iter().sum::<f64>() + tail.1,
-    )
+    let tail = quantized_tail::<SUBTRACT>(targets.into_remainder(), values.remainder(), units);
+    squares.iter().sum::<f64>() + tail
 }
 
-/// The values after the last whole eight, one at a time: the two norms of what they added.
+/// The values after the last whole eight, one at a time: the squared norm of what they added.
 #[inline(always)]
-fn quantized_tail<const SUBTRACT: bool, const FLOAT_NORM: bool>(
-    target: &mut [i64],
-    bytes: &[u8],
-    units: f64,
-) -> (f64, f64) {
+fn quantized_tail<const SUBTRACT: bool>(target: &mut [i64], bytes: &[u8], units: f64) -> f64 {
     let rounding_bits = ROUNDING.to_bits() as i64;
-    let mut tail = (0.0, 0.0);
+    let mut tail = 0.0;
     for (slot, b) in target.iter_mut().zip(bytes.chunks_exact(4)) {
         let x = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
         let r = x * units + ROUNDING;
@@ -231,10 +243,7 @@ fn quantized_tail<const SUBTRACT: bool, const FLOAT_NORM: bool>(
             slot.wrapping_add(q)
         };
         let rounded = r - ROUNDING;
-        tail.0 += rounded * rounded;
-        if FLOAT_NORM {
-            tail.1 += x * x;
-        }
+        tail += rounded * rounded;
     }
     tail
 }
@@ -285,27 +294,14 @@ mod tests {
             .collect()
     }
 
-    /// Runs both loops on a copy of `start` with the flags given, and compares every bit.
-    fn compare<const SUBTRACT: bool, const FLOAT_NORM: bool>(
-        start: &[i64],
-        bytes: &[u8],
-        units: f64,
-        case: &str,
-    ) {
+    /// Runs both loops on a copy of `start`, and compares every bit.
+    fn compare<const SUBTRACT: bool>(start: &[i64], bytes: &[u8], units: f64, case: &str) {
         let (mut generic, mut avx2) = (start.to_vec(), start.to_vec());
-        let expected = add_quantized_generic::<SUBTRACT, FLOAT_NORM>(&mut generic, bytes, units);
+        let expected = add_quantized_generic::<SUBTRACT>(&mut generic, bytes, units);
         // SAFETY: the caller checked that the CPU supports AVX2.
-        let got = unsafe { add_quantized_avx2::<SUBTRACT, FLOAT_NORM>(&mut avx2, bytes, units) };
+        let got = unsafe { add_quantized_avx2::<SUBTRACT>(&mut avx2, bytes, units) };
         assert_eq!(generic, avx2, "sums, {case}");
-        assert_eq!(
-            expected.0.to_bits(),
-            got.0.to_bits(),
-            "integer norm, {case}"
-        );
-        assert_eq!(expected.1.to_bits(), got.1.to_bits(), "float norm, {case}");
-        if !FLOAT_NORM {
-            assert_eq!(got.1, 0.0, "no float norm asked for, {case}");
-        }
+        assert_eq!(expected.to_bits(), got.to_bits(), "integer norm, {case}");
     }
 
     #[test]
@@ -327,29 +323,51 @@ mod tests {
             for units in [1.0, 4096.0, 1.0e-3, 3.7e9] {
                 let start: Vec<i64> = (0..*len as i64).map(|i| i * 1_000_003 - 7).collect();
                 let case = format!("{len} values at {units}");
-                compare::<false, true>(&start, bytes, units, &case);
-                compare::<false, false>(&start, bytes, units, &case);
-                compare::<true, true>(&start, bytes, units, &case);
-                compare::<true, false>(&start, bytes, units, &case);
+                compare::<false>(&start, bytes, units, &case);
+                compare::<true>(&start, bytes, units, &case);
                 let mut sum = start.clone();
-                add_quantized_generic::<false, false>(&mut sum, bytes, units);
-                add_quantized_generic::<true, false>(&mut sum, bytes, units);
+                add_quantized_generic::<false>(&mut sum, bytes, units);
+                add_quantized_generic::<true>(&mut sum, bytes, units);
                 assert_eq!(
                     sum, start,
                     "adding then subtracting restores the sum, {case}"
                 );
             }
-            // Two tensors of uneven lengths: the lanes run on across them.
-            let second = mixed(len / 3 + 9, 8);
-            let update: [&[u8]; 2] = [bytes, &second];
-            let generic = float_norm_squared_generic(&update);
+            // The norm's lanes, from a start that is not zero.
+            let (mut generic, mut avx2) = ([0.5f64; 8], [0.5f64; 8]);
+            let whole = &bytes[..bytes.len() / 32 * 32];
+            feed_lanes_generic(&mut generic, whole);
             // SAFETY: as above.
-            let avx2 = unsafe { float_norm_squared_avx2(&update) };
+            unsafe { feed_lanes_avx2(&mut avx2, whole) };
             assert_eq!(
-                generic.to_bits(),
-                avx2.to_bits(),
-                "float norm of two tensors, {len}"
+                generic.map(f64::to_bits),
+                avx2.map(f64::to_bits),
+                "lanes, {len}"
             );
+        }
+    }
+
+    /// What lets an update take either path: a tensor measured whole or in pieces cut anywhere
+    /// (as a streamed update's chunks cut it) gives the same bits.
+    #[test]
+    fn a_tensor_measured_in_pieces_cut_anywhere_gives_the_bits_of_it_measured_whole() {
+        let bytes = mixed(4099, 9);
+        let mut whole = NormMeter::default();
+        whole.feed(&bytes);
+        let expected = NormMeter::total(&[whole]).to_bits();
+        for cuts in [
+            vec![4],
+            vec![12, 28],
+            vec![3 * 4, 7 * 4, 1000 * 4],
+            vec![4096 * 4],
+        ] {
+            let mut meter = NormMeter::default();
+            let mut from = 0;
+            for &cut in cuts.iter().chain([&bytes.len()]) {
+                meter.feed(&bytes[from..cut]);
+                from = cut;
+            }
+            assert_eq!(NormMeter::total(&[meter]).to_bits(), expected, "{cuts:?}");
         }
     }
 
@@ -363,7 +381,7 @@ mod tests {
             .map(|b| f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]])).powi(2))
             .collect();
         let update: [&[u8]; 1] = [&bytes];
-        let in_lanes = float_norm_squared_generic(&update);
+        let in_lanes = float_norm_squared(&update);
         let in_order: f64 = squares.iter().sum();
         assert_ne!(in_lanes.to_bits(), in_order.to_bits());
     }

@@ -1,8 +1,8 @@
 //! Large updates, aggregated as they decrypt: a chunked envelope (`hpke::seal_chunked`) is opened
 //! chunk by chunk and each chunk's values go straight into the sum, so a thread holds one chunk of
-//! plaintext, not the whole update. Clipping needs the update's norm before the final pass, so an
-//! update above the clip norm (or with a NaN) is read again: decrypted again from the stored
-//! ciphertext (`Replay`), which the worker holds anyway.
+//! plaintext, not the whole update. Clipping needs the update's norm before it is added, so every
+//! update is read twice (`Replay`), whatever it holds: decrypted once to measure it, and again
+//! from the stored ciphertext, which the worker holds anyway, to add it.
 //!
 //! The safetensors header must fit in the first chunk and the data must start at a multiple of 4
 //! bytes (the safetensors writer pads the header to 8); otherwise the update takes the buffered
@@ -28,8 +28,9 @@ use confed_worker_api::model::ModelSchema;
 struct Layout {
     /// Offset of the data region in the plaintext (8 + header length).
     data_start: usize,
-    /// (begin, end) in the data region and the flat index of the first value, sorted by begin.
-    runs: Vec<(usize, usize, usize)>,
+    /// (begin, end) in the data region, the flat index of the first value and the tensor's
+    /// index in schema order, sorted by begin.
+    runs: Vec<(usize, usize, usize, usize)>,
     /// (begin, end) of the evaluation metrics tensor in the data region, if the update has one.
     metrics: Option<(usize, usize)>,
     /// (begin, end) of the health tensor in the data region, if the update has one.
@@ -111,7 +112,7 @@ fn layout(schema: &ModelSchema, first: &[u8], sides: Sides) -> Result<Layout, St
     }
     let mut runs = Vec::with_capacity(entries.len());
     let mut flat = 0usize;
-    for spec in schema.tensors() {
+    for (tensor, spec) in schema.tensors().iter().enumerate() {
         let entry = entries
             .remove(&spec.name)
             .ok_or(StreamProblem::Excluded(Exclusion::WrongTensors))?;
@@ -127,12 +128,12 @@ fn layout(schema: &ModelSchema, first: &[u8], sides: Sides) -> Result<Layout, St
         if end.checked_sub(begin) != Some(values * 4) {
             return Err(not_tensors);
         }
-        runs.push((begin, end, flat));
+        runs.push((begin, end, flat, tensor));
         flat += values;
     }
     runs.sort_unstable();
     // The tensors tile the data region exactly, as safetensors requires.
-    let mut spans: Vec<(usize, usize)> = runs.iter().map(|&(b, e, _)| (b, e)).collect();
+    let mut spans: Vec<(usize, usize)> = runs.iter().map(|&(b, e, _, _)| (b, e)).collect();
     spans.extend(metrics);
     spans.extend(health);
     spans.extend(examples);
@@ -233,7 +234,7 @@ impl ChunkedUpdate<'_> {
 impl Replay for ChunkedUpdate<'_> {
     type Error = StreamProblem;
 
-    fn replay(&self, each: &mut dyn FnMut(usize, &[u8])) -> Result<(), StreamProblem> {
+    fn replay(&self, each: &mut dyn FnMut(usize, usize, &[u8])) -> Result<(), StreamProblem> {
         let mut position = 0usize;
         let mut problem = None;
         let opened = self.recipient.open_chunks(
@@ -261,11 +262,15 @@ impl Replay for ChunkedUpdate<'_> {
                 // This chunk's part of the data region, as offsets into the data region.
                 let lo = start.max(layout.data_start) - layout.data_start;
                 let hi = (start + plain.len()).saturating_sub(layout.data_start);
-                for &(begin, end, flat) in &layout.runs {
+                for &(begin, end, flat, tensor) in &layout.runs {
                     let (a, b) = (begin.max(lo), end.min(hi));
                     if a < b {
                         let offset = a + layout.data_start - start;
-                        each(flat + (a - begin) / 4, &plain[offset..offset + (b - a)]);
+                        each(
+                            tensor,
+                            flat + (a - begin) / 4,
+                            &plain[offset..offset + (b - a)],
+                        );
                     }
                 }
                 // The side tensors' bytes are copied aside as their chunk passes.

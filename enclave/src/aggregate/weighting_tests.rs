@@ -294,49 +294,55 @@ struct CountedReads {
 
 impl accumulator::Replay for CountedReads {
     type Error = ();
-    fn replay(&self, each: &mut dyn FnMut(usize, &[u8])) -> Result<(), ()> {
+    fn replay(&self, each: &mut dyn FnMut(usize, usize, &[u8])) -> Result<(), ()> {
         self.reads.set(self.reads.get() + 1);
-        each(0, &self.values);
+        each(0, 0, &self.values);
         Ok(())
     }
 }
 
-/// The example count is a device's data and a job's duration is the host's to see: a weighed
-/// update is read as often whatever its weight (0, below 1, 1), within the clip norm or above
-/// it; and a weight of 0 takes the same buffered passes as any other.
+/// The example count is a device's data and a job's duration is the host's to see: a streamed
+/// update is read exactly twice (measured, then added) whatever its weight (0, below 1, 1),
+/// within the clip norm or above it, weighed or not, and even when it holds a NaN (nothing of
+/// which is added); a weight of 0 takes the same buffered passes as any other.
 #[test]
-fn a_weighed_update_is_read_as_often_whatever_its_weight() {
-    let reads = |values: &[f32], weight: f64| {
-        let source = CountedReads {
-            values: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            reads: std::cell::Cell::new(0),
-        };
+fn a_streamed_update_is_read_twice_whatever_its_weight_norm_or_values() {
+    let counted = |values: &[f32]| CountedReads {
+        values: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        reads: std::cell::Cell::new(0),
+    };
+    let weighed_reads = |values: &[f32], weight: f64| {
+        let source = counted(values);
         let sum = accumulator::Accumulator::new(values.len());
-        sum.add_weighted_stream(&source, CLIP, || weight).unwrap();
+        let _ = sum.add_weighted_stream(&source, CLIP, || weight);
+        source.reads.get()
+    };
+    let uniform_reads = |values: &[f32]| {
+        let source = counted(values);
+        let sum = accumulator::Accumulator::new(values.len());
+        let _ = sum.add_clipped_stream(&source, CLIP);
         source.reads.get()
     };
     let within = [0.3f32, 0.4, 0.0];
     let above = [3.0f32, 4.0, 0.0];
-    let counts: Vec<usize> = [&within[..], &above[..]]
+    let not_finite = [3.0f32, f32::NAN, 0.0];
+    let cases = [&within[..], &above[..], &not_finite[..]];
+    let mut counts: Vec<usize> = cases
         .iter()
-        .flat_map(|values| [0.0, 0.25, 1.0].map(|w| reads(values, w)))
+        .flat_map(|values| [0.0, 0.25, 1.0].map(|w| weighed_reads(values, w)))
         .collect();
-    assert!(counts.iter().all(|&n| n == counts[0]), "{counts:?}");
-    assert_eq!(counts[0], 3, "added, undone, added again weighed");
-    // Uniform averaging keeps its one read for an update within the clip norm.
-    let uniform = CountedReads {
-        values: within.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        reads: std::cell::Cell::new(0),
-    };
-    accumulator::Accumulator::new(3)
-        .add_clipped_stream(&uniform, CLIP)
-        .unwrap();
-    assert_eq!(uniform.reads.get(), 1);
+    counts.extend(cases.iter().map(|values| uniform_reads(values)));
+    assert_eq!(counts, vec![2; 12], "measured, then added");
+    // The NaN update is refused as non-finite and leaves nothing behind.
+    let source = counted(&not_finite);
+    let sum = accumulator::Accumulator::new(3);
+    assert_eq!(
+        sum.add_clipped_stream(&source, CLIP),
+        Err(accumulator::StreamError::NonFinite)
+    );
+    assert_eq!(sum.into_sum(), [0, 0, 0]);
     // What stays is the weighed update: a quarter of (0.3, 0.4) on the grid, and nothing at 0.
-    let source = CountedReads {
-        values: within.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        reads: std::cell::Cell::new(0),
-    };
+    let source = counted(&within);
     let sum = accumulator::Accumulator::new(3);
     sum.add_weighted_stream(&source, CLIP, || 0.25).unwrap();
     let unit = dp::grid::GRID_UNITS_PER_CLIP as f64;
