@@ -7,7 +7,7 @@
 
 use std::sync::Mutex;
 
-use super::quantize::{NormMeter, add_quantized, float_norm_squared};
+use super::quantize::{ADD, DRY, Measure, NormMeter, SUBTRACT, add_quantized, measure};
 use crate::dp::grid;
 
 /// The squared sensitivity as f64 (2^32, exact).
@@ -84,7 +84,8 @@ impl Accumulator {
     /// check still bounds what stays in the sum by `GRID_UNITS_PER_CLIP`. Whether the update was
     /// within the clip norm is judged before weighing (adaptive clipping counts norms). The
     /// passes do not depend on the weight (a weight of 0 is added as zeros, at the same cost):
-    /// the count is a device's data, and a job's duration is visible to the host.
+    /// the count is a device's data, and a job's duration is visible to the host. Nor on a
+    /// non-finite value: such an update takes the add pass dry, adding nothing.
     pub fn add_weighted(
         &self,
         update: &Update<'_>,
@@ -92,21 +93,23 @@ impl Accumulator {
         weight: f64,
         start: usize,
     ) -> Result<bool, NonFinite> {
-        let norm_squared = float_norm_squared(update);
-        if !norm_squared.is_finite() {
+        let measured = measure(update);
+        if !measured.norm_squared.is_finite() {
+            // The add pass an added update takes, adding nothing.
+            self.apply::<DRY>(update, grid::units_per_value(clip_norm, 1.0), start);
             return Err(NonFinite);
         }
         let added = self.add_scaled::<std::convert::Infallible>(
-            norm_squared.sqrt(),
+            measured,
             clip_norm,
             weight,
-            |units| (self.apply::<false>(update, units, start), Ok(())),
+            |units| (self.apply::<ADD>(update, units, start), Ok(())),
             |units| {
-                self.apply::<true>(update, units, start);
+                self.apply::<SUBTRACT>(update, units, start);
             },
         );
         match added {
-            Ok(()) => Ok(norm_squared.sqrt() <= clip_norm),
+            Ok(()) => Ok(measured.norm_squared.sqrt() <= clip_norm),
             Err(never) => match never {},
         }
     }
@@ -116,8 +119,8 @@ impl Accumulator {
     /// non-finite value, and lets its example count pass), the second adds it scaled and
     /// weighed. `weight` is asked between them: a streamed update's example count passes with
     /// its chunks. Neither whether the update is above the clip norm nor its weight changes the
-    /// passes, and so the job's duration (privacy.md, "Time"). A non-finite update is read a
-    /// second time and nothing of it is added. A source that fails in the first pass has added
+    /// passes, and so the job's duration (privacy.md, "Time"). A non-finite update takes the same
+    /// second pass, dry (`quantize::DRY`): nothing of it is added. A source that fails in the first pass has added
     /// nothing; one that fails in the second (a source that is not deterministic) is undone by
     /// replaying the same prefix.
     pub fn add_weighted_stream<R: Replay>(
@@ -126,29 +129,29 @@ impl Accumulator {
         clip_norm: f64,
         weight: impl Fn() -> f64,
     ) -> Result<bool, StreamError<R::Error>> {
-        let norm_squared = Self::measure_stream(source).map_err(StreamError::Source)?;
-        if !norm_squared.is_finite() {
-            // The second pass an added update takes, adding nothing.
-            source
-                .replay(&mut |_, _, _| {})
-                .map_err(StreamError::Source)?;
+        let measured = Self::measure_stream(source).map_err(StreamError::Source)?;
+        if !measured.norm_squared.is_finite() {
+            // The add pass an added update takes, adding nothing.
+            let (_, read) =
+                self.apply_stream::<DRY, R>(source, grid::units_per_value(clip_norm, 1.0));
+            read.map_err(StreamError::Source)?;
             return Err(StreamError::NonFinite);
         }
         self.add_scaled(
-            norm_squared.sqrt(),
+            measured,
             clip_norm,
             weight(),
-            |units| self.apply_stream::<false, R>(source, units),
+            |units| self.apply_stream::<ADD, R>(source, units),
             |units| self.undo_stream(source, units),
         )
         .map_err(StreamError::Source)?;
-        Ok(norm_squared.sqrt() <= clip_norm)
+        Ok(measured.norm_squared.sqrt() <= clip_norm)
     }
 
-    /// The first pass over a streamed update: its float squared norm, with one meter per tensor
-    /// as `float_norm_squared` measures a buffered update, so the same bits however the chunks
-    /// cut the tensors and in whatever order the tensors are stored.
-    pub(super) fn measure_stream<R: Replay>(source: &R) -> Result<f64, R::Error> {
+    /// The first pass over a streamed update: its measure, with one meter per tensor as
+    /// `quantize::measure` measures a buffered update, so the same bits however the chunks cut
+    /// the tensors and in whatever order the tensors are stored.
+    pub(super) fn measure_stream<R: Replay>(source: &R) -> Result<Measure, R::Error> {
         let mut meters: Vec<NormMeter> = Vec::new();
         source.replay(&mut |tensor, _, bytes| {
             if meters.len() <= tensor {
@@ -168,26 +171,22 @@ impl Accumulator {
         self.add_weighted_stream(source, clip_norm, || 1.0)
     }
 
-    /// The add pass of an update of float L2 norm `norm`, over any way of adding (`add(units)`
-    /// returns the exact squared integer norm of what it added, and whether the update could be
-    /// read) and of removing exactly what that added (`undo(units)`). The scale is `clip_factor`
-    /// times `weight`; only if rounding pushed the integer norm over `GRID_UNITS_PER_CLIP` is the
-    /// add undone and repeated shrunk by the rounding's worst case, after which it always fits.
-    /// The aim inside the clip norm leaves room for eight deviations of rounding's growth, so an
-    /// update spread over many values whose rounding errors behave as independent ones almost
-    /// never meets the retry (below 10^-13 by Bernstein's inequality when no value carries more
-    /// than a thousandth of the norm). Values of one repeated magnitude round alike and can meet
-    /// it: a residual, docs/privacy.md, "Time".
+    /// The add pass of a measured update, over any way of adding (`add(units)` returns the exact
+    /// squared integer norm of what it added, and whether the update could be read) and of
+    /// removing exactly what that added (`undo(units)`). The scale is `clip_factor` times
+    /// `weight`, at which the update always fits the grid's sensitivity, whatever its values; the
+    /// exact integer check stays as the proof, and should it ever fail (it cannot, short of a
+    /// bug) the add is undone and repeated shrunk by the rounding's worst case over every value.
     fn add_scaled<E>(
         &self,
-        norm: f64,
+        measured: Measure,
         clip_norm: f64,
         weight: f64,
         add: impl Fn(f64) -> (f64, Result<(), E>),
         undo: impl Fn(f64),
     ) -> Result<(), E> {
         debug_assert!((0.0..=1.0).contains(&weight));
-        let mut factor = self.clip_factor(norm, clip_norm) * weight;
+        let mut factor = Self::clip_factor(measured, clip_norm) * weight;
         let margin = self.rounding_margin();
         for _ in 0..4 {
             let units = grid::units_per_value(clip_norm, factor);
@@ -205,24 +204,26 @@ impl Accumulator {
         unreachable!("a shrunk update always fits the grid's sensitivity");
     }
 
-    /// The scale of an update of float L2 norm `norm`: 1 well inside the clip norm; otherwise
-    /// aimed a hair inside the clip norm, so that rounding to the grid almost never pushes the
-    /// integer norm over (which would cost undoing the add and adding again, a pass that the
-    /// update's data would decide). With `S = 2^32` (the clip norm's squared units) and rounding
-    /// errors uniform in half a unit, rounding adds `d/12` to the squared norm on average, with
-    /// a standard deviation of at most `sqrt(S/3)`; the aim leaves room for the mean plus eight
-    /// deviations, which for a 262,144-value model shrinks the norm by 0.004 %. An update within
-    /// the clip norm but above the aim is shrunk to the aim too (its retry would be as likely as
-    /// a coin's). The exact integer check still decides.
-    fn clip_factor(&self, norm: f64, clip_norm: f64) -> f64 {
-        let squared = (grid::GRID_UNITS_PER_CLIP as f64).powi(2);
-        let room = self.len as f64 / 12.0 + 8.0 * (squared / 3.0).sqrt();
-        let aim = clip_norm * (1.0 - room / squared).max(0.25).sqrt();
+    /// The scale of a measured update, chosen so that rounding to the grid can never push its
+    /// integer norm over `GRID_UNITS_PER_CLIP`, for any values: then no update is ever added
+    /// twice, and the passes over it (a job's duration, which the host sees) cannot depend on
+    /// its data. Rounding moves each value by at most half a unit, and a zero not at all, so the
+    /// integer vector's norm is at most the scaled float norm plus `sqrt(nonzero) / 2` units.
+    /// The aim is the clip norm less that and one unit more (for the float arithmetic): an
+    /// update within the aim is added at full scale, any other scaled to the aim. This shrinks a
+    /// clipped update by `(sqrt(nonzero) / 2 + 1) / 2^16` of the clip norm: 0.39 % for a dense
+    /// 262,144-value update, 1.6 % for 4 million values (docs/privacy.md, Mechanism, step 2).
+    fn clip_factor(measured: Measure, clip_norm: f64) -> f64 {
+        let units = grid::GRID_UNITS_PER_CLIP as f64;
+        let margin = ((measured.nonzero as f64).sqrt() / 2.0 + 1.0) / units;
+        let aim = clip_norm * (1.0 - margin).max(0.5);
+        let norm = measured.norm_squared.sqrt();
         if norm <= aim { 1.0 } else { aim / norm }
     }
 
-    /// How much an update is shrunk so that any rounding fits: worst-case rounding adds
-    /// sqrt(len)/2 units of norm (plus one unit), as a fraction of the clip norm's units.
+    /// How much an update is shrunk should the exact check ever fail: worst-case rounding over
+    /// every value adds sqrt(len)/2 units of norm (plus one unit), as a fraction of the clip
+    /// norm's units.
     fn rounding_margin(&self) -> f64 {
         ((self.len as f64).sqrt() / 2.0 + 1.0) / grid::GRID_UNITS_PER_CLIP as f64
     }
@@ -230,24 +231,24 @@ impl Accumulator {
     /// Removes what `apply_stream::<false>` added with `units` (the same runs, subtracted; a
     /// source that failed fails again at the same place, after the same prefix).
     fn undo_stream<R: Replay>(&self, source: &R, units: f64) {
-        let _ = self.apply_stream::<true, R>(source, units);
+        let _ = self.apply_stream::<SUBTRACT, R>(source, units);
     }
 
-    fn apply_stream<const SUBTRACT: bool, R: Replay>(
+    fn apply_stream<const OP: u8, R: Replay>(
         &self,
         source: &R,
         units: f64,
     ) -> (f64, Result<(), R::Error>) {
         let mut squares = 0.0f64;
         let read = source.replay(&mut |_, flat, bytes| {
-            squares += self.apply_run::<SUBTRACT>(flat, bytes, units);
+            squares += self.apply_run::<OP>(flat, bytes, units);
         });
         (squares, read)
     }
 
     /// Adds (or removes) one run of values starting at flat index `flat`; returns the squared
     /// norm of the integers added.
-    fn apply_run<const SUBTRACT: bool>(&self, flat: usize, bytes: &[u8], units: f64) -> f64 {
+    fn apply_run<const OP: u8>(&self, flat: usize, bytes: &[u8], units: f64) -> f64 {
         let values = bytes.len() / 4;
         let mut squares = 0.0f64;
         let (mut index, mut done) = (flat, 0usize);
@@ -258,7 +259,7 @@ impl Accumulator {
                 .lock()
                 .expect("accumulator stripe");
             let take = (values - done).min(first + stripe.len() - index);
-            squares += add_quantized::<SUBTRACT>(
+            squares += add_quantized::<OP>(
                 &mut stripe[index - first..index - first + take],
                 &bytes[done * 4..(done + take) * 4],
                 units,
@@ -269,9 +270,10 @@ impl Accumulator {
         squares
     }
 
-    /// Adds (or with `SUBTRACT`, removes) the quantized update stripe by stripe; returns the
+    /// Adds (or with `SUBTRACT` removes, with `DRY` neither) the quantized update stripe by
+    /// stripe; returns the
     /// squared norm of the integers added (exact whenever it is <= 2^53).
-    fn apply<const SUBTRACT: bool>(&self, update: &Update<'_>, units: f64, start: usize) -> f64 {
+    fn apply<const OP: u8>(&self, update: &Update<'_>, units: f64, start: usize) -> f64 {
         let count = self.stripes.len();
         // Per-stripe partial norms, added up in stripe order at the end: the integer norm (and
         // so whether the add is retried) must not depend on `start`, which depends on thread
@@ -288,11 +290,8 @@ impl Accumulator {
                 let (lo, hi) = (offset.max(first), (offset + values).min(end));
                 if lo < hi {
                     let bytes = &tensor[(lo - offset) * 4..(hi - offset) * 4];
-                    partials[index] += add_quantized::<SUBTRACT>(
-                        &mut stripe[lo - first..hi - first],
-                        bytes,
-                        units,
-                    );
+                    partials[index] +=
+                        add_quantized::<OP>(&mut stripe[lo - first..hi - first], bytes, units);
                 }
                 offset += values;
                 if offset >= end {
@@ -363,31 +362,40 @@ mod tests {
     }
 
     #[test]
-    fn a_large_update_above_the_clip_norm_fits_at_the_first_aim() {
-        // 262,144 pseudo-random values of norm ~3 at clip norm 1: the first scale tried lands
-        // inside the clip norm after rounding, so the update is added once, within 0.01 % of
-        // the clip norm. Had it been added at exactly the clip norm, rounding would have pushed
-        // it over about half the time, and the retry shrinks it by the worst case (0.39 %).
+    fn a_large_clipped_update_lands_at_the_aim_by_the_nonzero_values_rounding_bound() {
+        // 262,144 pseudo-random values of norm ~3 at clip norm 1, and the same with every other
+        // value zero: each is scaled to the clip norm less sqrt(nonzero)/2 + 1 units (256 + 1,
+        // then 181 + 1), and rounding moves the result by a fraction of a unit.
         let len = 262_144;
         let values: Vec<f32> = uniform_values(len, 0x9e37_79b9_7f4a_7c15)
             .into_iter()
             .map(|v| v * 0.02)
             .collect();
-        for seed in 0..8 {
-            let acc = Accumulator::new(len);
-            let shifted: Vec<f32> = values
-                .iter()
-                .map(|v| v * (1.0 + seed as f32 / 7.0))
-                .collect();
-            acc.add_clipped(&[&bytes(&shifted)], 1.0, 0).unwrap();
-            let squares: f64 = acc.into_sum().iter().map(|u| (u * u) as f64).sum();
-            let limit = grid::GRID_UNITS_PER_CLIP as f64;
-            let norm = squares.sqrt();
-            assert!(norm <= limit, "seed {seed}: over the clip norm");
-            assert!(
-                norm > limit * (1.0 - 1e-4),
-                "seed {seed}: shrunk by the retry ({norm} of {limit})"
-            );
+        let limit = grid::GRID_UNITS_PER_CLIP as f64;
+        for (sparse, nonzero) in [(false, len), (true, len / 2)] {
+            for seed in 0..4 {
+                let acc = Accumulator::new(len);
+                let shifted: Vec<f32> = values
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| {
+                        if sparse && i % 2 == 1 {
+                            0.0
+                        } else {
+                            v * (1.0 + seed as f32 / 7.0)
+                        }
+                    })
+                    .collect();
+                acc.add_clipped(&[&bytes(&shifted)], 1.0, 0).unwrap();
+                let squares: f64 = acc.into_sum().iter().map(|u| (u * u) as f64).sum();
+                let aim = limit - (nonzero as f64).sqrt() / 2.0 - 1.0;
+                let norm = squares.sqrt();
+                assert!(norm <= limit, "seed {seed}: over the clip norm");
+                assert!(
+                    (norm - aim).abs() < 2.0,
+                    "seed {seed}, sparse {sparse}: {norm} against {aim}"
+                );
+            }
         }
     }
 
@@ -490,14 +498,19 @@ mod tests {
         };
         let (a, b, c) = (spread(5_003, 1), spread(17, 2), spread(70_001, 3));
         let update: [&[u8]; 3] = [&a, &b, &c];
-        let buffered = float_norm_squared(&update).to_bits();
+        let buffered = measure(&update);
         for cut in [1, 7, 8, 1_000, 65_536] {
             let source = Reversed {
                 tensors: update,
                 cut,
             };
-            let streamed = Accumulator::measure_stream(&source).unwrap().to_bits();
-            assert_eq!(streamed, buffered, "runs of {cut}");
+            let streamed = Accumulator::measure_stream(&source).unwrap();
+            assert_eq!(
+                streamed.norm_squared.to_bits(),
+                buffered.norm_squared.to_bits(),
+                "runs of {cut}"
+            );
+            assert_eq!(streamed.nonzero, buffered.nonzero, "runs of {cut}");
         }
         // The old measure: per-run norms added in the order the runs came.
         let source = Reversed {
@@ -506,13 +519,37 @@ mod tests {
         };
         let mut per_run = 0.0f64;
         source
-            .replay(&mut |_, _, run| per_run += float_norm_squared(&[run]))
+            .replay(&mut |_, _, run| per_run += measure(&[run]).norm_squared)
             .unwrap();
         assert_ne!(
             per_run.to_bits(),
-            buffered,
+            buffered.norm_squared.to_bits(),
             "the test's values show the order"
         );
+    }
+
+    #[test]
+    fn values_of_one_magnitude_that_all_round_up_are_still_added_in_one_pass() {
+        // k values of equal magnitude (signs alternating) far above the clip norm: scaled, each
+        // lands on the same fraction of a unit, so all round the same way. Aimed inside by
+        // eight deviations of independent rounding (the old aim), 18 of these 42 were pushed
+        // over and added twice, a pass that k (a device's data) decided. Aimed inside by the
+        // worst case over the nonzero values, none is.
+        for k in (1_000..5_000usize).step_by(97) {
+            let values: Vec<f32> = (0..k)
+                .map(|i| if i % 2 == 0 { 0.3 } else { -0.3 })
+                .collect();
+            let source = Counted {
+                bytes: bytes(&values),
+                fail_after: None,
+                reads: std::cell::Cell::new(0),
+            };
+            let acc = Accumulator::new(k);
+            assert_eq!(acc.add_clipped_stream(&source, 1.0), Ok(false), "k {k}");
+            assert_eq!(source.reads.get(), 2, "k {k}: added twice");
+            let squares: f64 = acc.into_sum().iter().map(|&u| (u * u) as f64).sum();
+            assert!(squares <= SENSITIVITY_SQUARED, "k {k}");
+        }
     }
 
     #[test]
@@ -605,7 +642,7 @@ mod order_tests {
             .iter()
             .map(|&start| {
                 let sum = Accumulator::new(len);
-                sum.apply::<false>(&update, 1.0e9, start).to_bits()
+                sum.apply::<ADD>(&update, 1.0e9, start).to_bits()
             })
             .collect();
         assert!(norms.windows(2).all(|p| p[0] == p[1]), "{norms:?}");

@@ -6,11 +6,19 @@
 
 use super::accumulator::Update;
 
-/// The squared L2 norm of an update's f32 values: each tensor's measured by a `NormMeter`, the
-/// tensors' norms added in schema order. A streamed update is measured by the same meters fed
-/// chunk by chunk, so which path an update takes never changes its norm (and so its clipping).
-/// Not finite if any value is not.
-pub(super) fn float_norm_squared(update: &Update<'_>) -> f64 {
+/// What the read-only pass learns of an update: its squared float L2 norm (not finite if any
+/// value is not) and how many of its values are not zero (only those can round to a nonzero
+/// integer, so they bound rounding's growth: `Accumulator::clip_factor`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Measure {
+    pub(super) norm_squared: f64,
+    pub(super) nonzero: u64,
+}
+
+/// An update measured: each tensor by a `NormMeter`, the tensors' norms added in schema order. A
+/// streamed update is measured by the same meters fed chunk by chunk, so which path an update
+/// takes never changes its measure (and so its clipping).
+pub(super) fn measure(update: &Update<'_>) -> Measure {
     let mut meters = vec![NormMeter::default(); update.len()];
     for (meter, tensor) in meters.iter_mut().zip(update) {
         meter.feed(tensor);
@@ -18,14 +26,15 @@ pub(super) fn float_norm_squared(update: &Update<'_>) -> f64 {
     NormMeter::total(&meters)
 }
 
-/// The squared L2 norm of one tensor's f32 values, fed in pieces of any size: value `k` of the
-/// tensor goes to lane `k mod 8`, each lane is summed in the values' order and the lanes at the
-/// end, so the bits depend on the values alone, not on where the pieces were cut (a streamed
-/// update's chunks, or the whole tensor at once) nor on the CPU.
+/// One tensor's squared L2 norm and count of nonzero values, fed in pieces of any size: value
+/// `k` of the tensor goes to lane `k mod 8`, each lane is summed in the values' order and the
+/// lanes at the end, so the bits depend on the values alone, not on where the pieces were cut
+/// (a streamed update's chunks, or the whole tensor at once) nor on the CPU.
 #[derive(Debug, Clone, Default)]
 pub(super) struct NormMeter {
     lanes: [f64; 8],
     position: usize,
+    nonzero: u64,
 }
 
 impl NormMeter {
@@ -35,15 +44,17 @@ impl NormMeter {
         let head = ((8 - self.position % 8) % 8).min(values);
         let body = (values - head) / 8 * 8;
         self.feed_singly(&bytes[..head * 4]);
-        feed_lanes(&mut self.lanes, &bytes[head * 4..(head + body) * 4]);
+        self.nonzero += feed_lanes(&mut self.lanes, &bytes[head * 4..(head + body) * 4]);
         self.position += body;
         self.feed_singly(&bytes[(head + body) * 4..values * 4]);
     }
 
     fn feed_singly(&mut self, bytes: &[u8]) {
         for b in bytes.chunks_exact(4) {
-            let x = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            let bits = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            let x = f64::from(f32::from_bits(bits));
             self.lanes[self.position % 8] += x * x;
+            self.nonzero += u64::from(bits & ABS != 0);
             self.position += 1;
         }
     }
@@ -52,16 +63,23 @@ impl NormMeter {
         self.lanes.iter().sum()
     }
 
-    /// The update's squared norm from its tensors' meters, in schema order.
-    pub(super) fn total(meters: &[NormMeter]) -> f64 {
-        meters
-            .iter()
-            .fold(0.0, |total, meter| total + meter.norm_squared())
+    /// The update's measure from its tensors' meters, the norms added in schema order.
+    pub(super) fn total(meters: &[NormMeter]) -> Measure {
+        Measure {
+            norm_squared: meters
+                .iter()
+                .fold(0.0, |total, meter| total + meter.norm_squared()),
+            nonzero: meters.iter().map(|meter| meter.nonzero).sum(),
+        }
     }
 }
 
-/// Adds the squares of whole eights of values to `lanes`, value `i` of each eight to lane `i`.
-fn feed_lanes(lanes: &mut [f64; 8], bytes: &[u8]) {
+/// An f32's bits without its sign: zero for +0 and -0 only.
+const ABS: u32 = 0x7fff_ffff;
+
+/// Adds the squares of whole eights of values to `lanes`, value `i` of each eight to lane `i`;
+/// returns how many of the values are not zero.
+fn feed_lanes(lanes: &mut [f64; 8], bytes: &[u8]) -> u64 {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2 (checked just above), the only requirement of the
@@ -73,13 +91,15 @@ fn feed_lanes(lanes: &mut [f64; 8], bytes: &[u8]) {
 
 /// `feed_lanes_generic` in AVX2 registers: lanes 0-3 and 4-7 in two vectors, each lane summed
 /// in the same order with the same roundings, so the same bits. (The compiler's own
-/// vectorization of the generic loop left most lanes in scalar adds.)
+/// vectorization of the generic loop left most lanes in scalar adds.) Zeros are counted in
+/// eight 32-bit counters, emptied into the total every 2^24 eights, long before they could wrap.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn feed_lanes_avx2(lanes: &mut [f64; 8], bytes: &[u8]) {
+fn feed_lanes_avx2(lanes: &mut [f64; 8], bytes: &[u8]) -> u64 {
     use std::arch::x86_64::{
-        _mm_loadu_ps, _mm256_add_pd, _mm256_cvtps_pd, _mm256_loadu_pd, _mm256_mul_pd,
-        _mm256_storeu_pd,
+        __m256i, _mm_loadu_ps, _mm256_add_pd, _mm256_and_si256, _mm256_cmpeq_epi32,
+        _mm256_cvtps_pd, _mm256_loadu_pd, _mm256_loadu_si256, _mm256_mul_pd, _mm256_set1_epi32,
+        _mm256_setzero_si256, _mm256_storeu_pd, _mm256_storeu_si256, _mm256_sub_epi32,
     };
     // SAFETY: `lanes` holds eight f64: two unaligned loads of four.
     let (mut low, mut high) = unsafe {
@@ -88,34 +108,52 @@ fn feed_lanes_avx2(lanes: &mut [f64; 8], bytes: &[u8]) {
             _mm256_loadu_pd(lanes.as_ptr().add(4)),
         )
     };
-    for chunk in bytes.chunks_exact(32) {
-        // SAFETY: `chunk` is 32 bytes: two unaligned loads of four f32 (little-endian, as x86
-        // is) read inside it.
-        let (x_low, x_high) = unsafe {
-            (
-                _mm256_cvtps_pd(_mm_loadu_ps(chunk.as_ptr().cast())),
-                _mm256_cvtps_pd(_mm_loadu_ps(chunk.as_ptr().add(16).cast())),
-            )
-        };
-        low = _mm256_add_pd(low, _mm256_mul_pd(x_low, x_low));
-        high = _mm256_add_pd(high, _mm256_mul_pd(x_high, x_high));
+    let abs = _mm256_set1_epi32(ABS as i32);
+    let mut zeros = 0u64;
+    for block in bytes.chunks(32 << 24) {
+        let mut counters = _mm256_setzero_si256();
+        for chunk in block.chunks_exact(32) {
+            // SAFETY: `chunk` is 32 bytes: two unaligned loads of four f32 (little-endian, as
+            // x86 is) and one of all eight as 32-bit integers read inside it.
+            let (x_low, x_high, bits) = unsafe {
+                (
+                    _mm256_cvtps_pd(_mm_loadu_ps(chunk.as_ptr().cast())),
+                    _mm256_cvtps_pd(_mm_loadu_ps(chunk.as_ptr().add(16).cast())),
+                    _mm256_loadu_si256(chunk.as_ptr().cast::<__m256i>()),
+                )
+            };
+            low = _mm256_add_pd(low, _mm256_mul_pd(x_low, x_low));
+            high = _mm256_add_pd(high, _mm256_mul_pd(x_high, x_high));
+            // -1 in each lane whose value is +0 or -0; subtracting counts it.
+            let zero = _mm256_cmpeq_epi32(_mm256_and_si256(bits, abs), _mm256_setzero_si256());
+            counters = _mm256_sub_epi32(counters, zero);
+        }
+        let mut counts = [0u32; 8];
+        // SAFETY: `counts` holds eight u32: one unaligned store of eight.
+        unsafe { _mm256_storeu_si256(counts.as_mut_ptr().cast::<__m256i>(), counters) };
+        zeros += counts.iter().map(|&c| u64::from(c)).sum::<u64>();
     }
     // SAFETY: as for the loads.
     unsafe {
         _mm256_storeu_pd(lanes.as_mut_ptr(), low);
         _mm256_storeu_pd(lanes.as_mut_ptr().add(4), high);
     }
+    (bytes.len() / 32 * 8) as u64 - zeros
 }
 
 #[inline(always)]
-fn feed_lanes_generic(lanes: &mut [f64; 8], bytes: &[u8]) {
+fn feed_lanes_generic(lanes: &mut [f64; 8], bytes: &[u8]) -> u64 {
+    let mut nonzero = 0u64;
     for chunk in bytes.chunks_exact(32) {
         for (lane, sum) in lanes.iter_mut().enumerate() {
             let b = &chunk[lane * 4..lane * 4 + 4];
-            let x = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            let bits = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            let x = f64::from(f32::from_bits(bits));
             *sum += x * x;
+            nonzero += u64::from(bits & ABS != 0);
         }
     }
+    nonzero
 }
 
 /// 1.5 * 2^52: adding it to |x| < 2^51 rounds x to the nearest integer (ties to even) in the
@@ -123,24 +161,28 @@ fn feed_lanes_generic(lanes: &mut [f64; 8], bytes: &[u8]) {
 /// which is a libm call without SSE4.1, this vectorizes on every x86-64.
 const ROUNDING: f64 = 6_755_399_441_055_744.0;
 
-/// One stripe's slice of the update: quantize, add (or subtract), and the squared norm of the
-/// integers added. The float norm was measured before, in a read-only pass
-/// (`float_norm_squared`), buffered or streamed. On x86-64 with AVX2 (detected at run time) `add_quantized_avx2` runs: the arithmetic,
-/// and so every result bit, is the same either way (no fused multiply-add is used: each
-/// operation rounds exactly as in the generic loop).
+/// What `add_quantized` does with the quantized values: adds them to the sum, subtracts them, or
+/// (`DRY`) does every step of adding them, loads and stores included, with the values masked to
+/// zero by a mask the compiler cannot see through: an update that must add nothing (a
+/// non-finite one) then costs what an added one does.
+pub(super) const ADD: u8 = 0;
+pub(super) const SUBTRACT: u8 = 1;
+pub(super) const DRY: u8 = 2;
+
+/// One stripe's slice of the update: quantize, add (or subtract, or neither: `OP`), and the
+/// squared norm of the integers added. The float norm was measured before, in a read-only pass
+/// (`measure`), buffered or streamed. On x86-64 with AVX2 (detected at run time)
+/// `add_quantized_avx2` runs: the arithmetic, and so every result bit, is the same either way
+/// (no fused multiply-add is used: each operation rounds exactly as in the generic loop).
 #[inline]
-pub(super) fn add_quantized<const SUBTRACT: bool>(
-    target: &mut [i64],
-    bytes: &[u8],
-    units: f64,
-) -> f64 {
+pub(super) fn add_quantized<const OP: u8>(target: &mut [i64], bytes: &[u8], units: f64) -> f64 {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2 (checked just above), the only requirement of the
         // `target_feature` function.
-        return unsafe { add_quantized_avx2::<SUBTRACT>(target, bytes, units) };
+        return unsafe { add_quantized_avx2::<OP>(target, bytes, units) };
     }
-    add_quantized_generic::<SUBTRACT>(target, bytes, units)
+    add_quantized_generic::<OP>(target, bytes, units)
 }
 
 /// `add_quantized_generic` in AVX2 registers: each eight values as two vectors of four (lanes
@@ -149,12 +191,14 @@ pub(super) fn add_quantized<const SUBTRACT: bool>(
 /// loop left the norm's lanes in scalar adds and shuffles, most of the loop's time.)
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn add_quantized_avx2<const SUBTRACT: bool>(target: &mut [i64], bytes: &[u8], units: f64) -> f64 {
+fn add_quantized_avx2<const OP: u8>(target: &mut [i64], bytes: &[u8], units: f64) -> f64 {
     use std::arch::x86_64::{
-        __m256d, __m256i, _mm_loadu_ps, _mm256_add_epi64, _mm256_add_pd, _mm256_castpd_si256,
-        _mm256_cvtps_pd, _mm256_loadu_si256, _mm256_mul_pd, _mm256_set1_epi64x, _mm256_set1_pd,
-        _mm256_setzero_pd, _mm256_storeu_pd, _mm256_storeu_si256, _mm256_sub_epi64, _mm256_sub_pd,
+        __m256d, __m256i, _mm_loadu_ps, _mm256_add_epi64, _mm256_add_pd, _mm256_and_si256,
+        _mm256_castpd_si256, _mm256_cvtps_pd, _mm256_loadu_si256, _mm256_mul_pd,
+        _mm256_set1_epi64x, _mm256_set1_pd, _mm256_setzero_pd, _mm256_storeu_pd,
+        _mm256_storeu_si256, _mm256_sub_epi64, _mm256_sub_pd,
     };
+    let mask = _mm256_set1_epi64x(dry_mask::<OP>());
     let units_v = _mm256_set1_pd(units);
     let rounding = _mm256_set1_pd(ROUNDING);
     let rounding_bits = _mm256_set1_epi64x(ROUNDING.to_bits() as i64);
@@ -175,10 +219,10 @@ fn add_quantized_avx2<const SUBTRACT: bool>(target: &mut [i64], bytes: &[u8], un
             };
             let r = _mm256_add_pd(_mm256_mul_pd(x, units_v), rounding);
             let q = _mm256_sub_epi64(_mm256_castpd_si256(r), rounding_bits);
-            let sum = if SUBTRACT {
-                _mm256_sub_epi64(sum, q)
-            } else {
-                _mm256_add_epi64(sum, q)
+            let sum = match OP {
+                SUBTRACT => _mm256_sub_epi64(sum, q),
+                DRY => _mm256_add_epi64(sum, _mm256_and_si256(q, mask)),
+                _ => _mm256_add_epi64(sum, q),
             };
             // SAFETY: as for the load above.
             unsafe { _mm256_storeu_si256(slots.as_mut_ptr().add(4 * half).cast::<__m256i>(), sum) };
@@ -186,7 +230,7 @@ fn add_quantized_avx2<const SUBTRACT: bool>(target: &mut [i64], bytes: &[u8], un
             *squares = _mm256_add_pd(*squares, _mm256_mul_pd(rounded, rounded));
         }
     }
-    let tail = quantized_tail::<SUBTRACT>(targets.into_remainder(), values.remainder(), units);
+    let tail = quantized_tail::<OP>(targets.into_remainder(), values.remainder(), units);
     let mut square_lanes = [0f64; 8];
     // SAFETY: the array holds eight f64: two unaligned stores of four.
     unsafe {
@@ -200,12 +244,9 @@ fn add_quantized_avx2<const SUBTRACT: bool>(target: &mut [i64], bytes: &[u8], un
 /// (or not finite) give meaningless integers, but the same ones on the way back, and the norms
 /// they report make the caller undo them.
 #[inline(always)]
-fn add_quantized_generic<const SUBTRACT: bool>(
-    target: &mut [i64],
-    bytes: &[u8],
-    units: f64,
-) -> f64 {
+fn add_quantized_generic<const OP: u8>(target: &mut [i64], bytes: &[u8], units: f64) -> f64 {
     let rounding_bits = ROUNDING.to_bits() as i64;
+    let mask = dry_mask::<OP>();
     let mut squares = [0f64; 8];
     let mut targets = target.chunks_exact_mut(8);
     let mut values = bytes.chunks_exact(32);
@@ -215,37 +256,51 @@ fn add_quantized_generic<const SUBTRACT: bool>(
             let x = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
             let r = x * units + ROUNDING;
             let q = (r.to_bits() as i64).wrapping_sub(rounding_bits);
-            slots[lane] = if SUBTRACT {
-                slots[lane].wrapping_sub(q)
-            } else {
-                slots[lane].wrapping_add(q)
-            };
+            slots[lane] = apply_one::<OP>(slots[lane], q, mask);
             let rounded = r - ROUNDING;
             squares[lane] += rounded * rounded;
         }
     }
-    let tail = quantized_tail::<SUBTRACT>(targets.into_remainder(), values.remainder(), units);
+    let tail = quantized_tail::<OP>(targets.into_remainder(), values.remainder(), units);
     squares.iter().sum::<f64>() + tail
 }
 
 /// The values after the last whole eight, one at a time: the squared norm of what they added.
 #[inline(always)]
-fn quantized_tail<const SUBTRACT: bool>(target: &mut [i64], bytes: &[u8], units: f64) -> f64 {
+fn quantized_tail<const OP: u8>(target: &mut [i64], bytes: &[u8], units: f64) -> f64 {
     let rounding_bits = ROUNDING.to_bits() as i64;
+    let mask = dry_mask::<OP>();
     let mut tail = 0.0;
     for (slot, b) in target.iter_mut().zip(bytes.chunks_exact(4)) {
         let x = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
         let r = x * units + ROUNDING;
         let q = (r.to_bits() as i64).wrapping_sub(rounding_bits);
-        *slot = if SUBTRACT {
-            slot.wrapping_sub(q)
-        } else {
-            slot.wrapping_add(q)
-        };
+        *slot = apply_one::<OP>(*slot, q, mask);
         let rounded = r - ROUNDING;
         tail += rounded * rounded;
     }
     tail
+}
+
+/// All ones, or for `DRY` zero, from a value the compiler cannot see through (so it keeps every
+/// step of the add).
+#[inline(always)]
+fn dry_mask<const OP: u8>() -> i64 {
+    if OP == DRY {
+        std::hint::black_box(0)
+    } else {
+        -1
+    }
+}
+
+/// One slot of the sum after `OP` with the quantized value `q`.
+#[inline(always)]
+fn apply_one<const OP: u8>(slot: i64, q: i64, mask: i64) -> i64 {
+    match OP {
+        SUBTRACT => slot.wrapping_sub(q),
+        DRY => slot.wrapping_add(q & mask),
+        _ => slot.wrapping_add(q),
+    }
 }
 
 #[cfg(test)]
@@ -295,11 +350,11 @@ mod tests {
     }
 
     /// Runs both loops on a copy of `start`, and compares every bit.
-    fn compare<const SUBTRACT: bool>(start: &[i64], bytes: &[u8], units: f64, case: &str) {
+    fn compare<const OP: u8>(start: &[i64], bytes: &[u8], units: f64, case: &str) {
         let (mut generic, mut avx2) = (start.to_vec(), start.to_vec());
-        let expected = add_quantized_generic::<SUBTRACT>(&mut generic, bytes, units);
+        let expected = add_quantized_generic::<OP>(&mut generic, bytes, units);
         // SAFETY: the caller checked that the CPU supports AVX2.
-        let got = unsafe { add_quantized_avx2::<SUBTRACT>(&mut avx2, bytes, units) };
+        let got = unsafe { add_quantized_avx2::<OP>(&mut avx2, bytes, units) };
         assert_eq!(generic, avx2, "sums, {case}");
         assert_eq!(expected.to_bits(), got.to_bits(), "integer norm, {case}");
     }
@@ -323,22 +378,32 @@ mod tests {
             for units in [1.0, 4096.0, 1.0e-3, 3.7e9] {
                 let start: Vec<i64> = (0..*len as i64).map(|i| i * 1_000_003 - 7).collect();
                 let case = format!("{len} values at {units}");
-                compare::<false>(&start, bytes, units, &case);
-                compare::<true>(&start, bytes, units, &case);
+                compare::<ADD>(&start, bytes, units, &case);
+                compare::<SUBTRACT>(&start, bytes, units, &case);
+                compare::<DRY>(&start, bytes, units, &case);
                 let mut sum = start.clone();
-                add_quantized_generic::<false>(&mut sum, bytes, units);
-                add_quantized_generic::<true>(&mut sum, bytes, units);
+                let added = add_quantized_generic::<ADD>(&mut sum, bytes, units);
+                add_quantized_generic::<SUBTRACT>(&mut sum, bytes, units);
                 assert_eq!(
                     sum, start,
                     "adding then subtracting restores the sum, {case}"
                 );
+                let dry = add_quantized_generic::<DRY>(&mut sum, bytes, units);
+                assert_eq!(sum, start, "a dry add changes nothing, {case}");
+                assert_eq!(dry.to_bits(), added.to_bits(), "a dry add's norm, {case}");
             }
             // The norm's lanes, from a start that is not zero.
             let (mut generic, mut avx2) = ([0.5f64; 8], [0.5f64; 8]);
             let whole = &bytes[..bytes.len() / 32 * 32];
-            feed_lanes_generic(&mut generic, whole);
+            let nonzero = feed_lanes_generic(&mut generic, whole);
             // SAFETY: as above.
-            unsafe { feed_lanes_avx2(&mut avx2, whole) };
+            let avx2_nonzero = unsafe { feed_lanes_avx2(&mut avx2, whole) };
+            assert_eq!(nonzero, avx2_nonzero, "nonzero values, {len}");
+            let counted = whole
+                .chunks_exact(4)
+                .filter(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) != 0.0)
+                .count();
+            assert_eq!(nonzero, counted as u64, "nonzero values, {len}");
             assert_eq!(
                 generic.map(f64::to_bits),
                 avx2.map(f64::to_bits),
@@ -354,7 +419,7 @@ mod tests {
         let bytes = mixed(4099, 9);
         let mut whole = NormMeter::default();
         whole.feed(&bytes);
-        let expected = NormMeter::total(&[whole]).to_bits();
+        let expected = NormMeter::total(&[whole]);
         for cuts in [
             vec![4],
             vec![12, 28],
@@ -367,7 +432,13 @@ mod tests {
                 meter.feed(&bytes[from..cut]);
                 from = cut;
             }
-            assert_eq!(NormMeter::total(&[meter]).to_bits(), expected, "{cuts:?}");
+            let measured = NormMeter::total(&[meter]);
+            assert_eq!(
+                measured.norm_squared.to_bits(),
+                expected.norm_squared.to_bits(),
+                "{cuts:?}"
+            );
+            assert_eq!(measured.nonzero, expected.nonzero, "{cuts:?}");
         }
     }
 
@@ -381,7 +452,7 @@ mod tests {
             .map(|b| f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]])).powi(2))
             .collect();
         let update: [&[u8]; 1] = [&bytes];
-        let in_lanes = float_norm_squared(&update);
+        let in_lanes = measure(&update).norm_squared;
         let in_order: f64 = squares.iter().sum();
         assert_ne!(in_lanes.to_bits(), in_order.to_bits());
     }
