@@ -95,8 +95,13 @@ impl Accumulator {
     ) -> Result<bool, NonFinite> {
         let measured = measure(update);
         if !measured.norm_squared.is_finite() {
-            // The add pass an added update takes, adding nothing.
-            self.apply::<DRY>(update, grid::units_per_value(clip_norm, 1.0), start);
+            // The add pass an added update takes, adding nothing (its norm kept, so the
+            // compiler keeps the work that makes it).
+            std::hint::black_box(self.apply::<DRY>(
+                update,
+                grid::units_per_value(clip_norm, 1.0),
+                start,
+            ));
             return Err(NonFinite);
         }
         let added = self.add_scaled::<std::convert::Infallible>(
@@ -132,8 +137,9 @@ impl Accumulator {
         let measured = Self::measure_stream(source).map_err(StreamError::Source)?;
         if !measured.norm_squared.is_finite() {
             // The add pass an added update takes, adding nothing.
-            let (_, read) =
+            let (squares, read) =
                 self.apply_stream::<DRY, R>(source, grid::units_per_value(clip_norm, 1.0));
+            std::hint::black_box(squares);
             read.map_err(StreamError::Source)?;
             return Err(StreamError::NonFinite);
         }
@@ -216,6 +222,9 @@ impl Accumulator {
     fn clip_factor(measured: Measure, clip_norm: f64) -> f64 {
         let units = grid::GRID_UNITS_PER_CLIP as f64;
         let margin = ((measured.nonzero as f64).sqrt() / 2.0 + 1.0) / units;
+        // Below half the clip norm for fewer than 2^32 nonzero values, far beyond any model the
+        // server accepts; past it the exact check would still hold, by retrying.
+        debug_assert!(margin < 0.5, "{} nonzero values", measured.nonzero);
         let aim = clip_norm * (1.0 - margin).max(0.5);
         let norm = measured.norm_squared.sqrt();
         if norm <= aim { 1.0 } else { aim / norm }
@@ -228,7 +237,7 @@ impl Accumulator {
         ((self.len as f64).sqrt() / 2.0 + 1.0) / grid::GRID_UNITS_PER_CLIP as f64
     }
 
-    /// Removes what `apply_stream::<false>` added with `units` (the same runs, subtracted; a
+    /// Removes what `apply_stream::<ADD>` added with `units` (the same runs, subtracted; a
     /// source that failed fails again at the same place, after the same prefix).
     fn undo_stream<R: Replay>(&self, source: &R, units: f64) {
         let _ = self.apply_stream::<SUBTRACT, R>(source, units);
@@ -603,6 +612,46 @@ mod tests {
             (sum[0] as f64 - (0.5 * unit + unit / 2f64.sqrt())).abs() < 3.0,
             "{sum:?}"
         );
+    }
+
+    /// A non-finite update adds nothing but takes the add pass an added one takes, dry, over
+    /// every one of its values, held whole or streamed.
+    #[test]
+    fn a_non_finite_update_takes_the_add_pass_dry_over_every_value() {
+        use super::super::quantize::tests::DRY_VALUES;
+        let values = [
+            0.5f32,
+            f32::NAN,
+            0.25,
+            0.125,
+            1.0,
+            2.0,
+            3.0,
+            4.0,
+            5.0,
+            6.0,
+            7.0,
+        ];
+        let before = DRY_VALUES.with(|count| count.get());
+        let held = Accumulator::new(values.len());
+        assert_eq!(held.add_clipped(&[&bytes(&values)], 1.0, 0), Err(NonFinite));
+        assert_eq!(DRY_VALUES.with(|count| count.get()) - before, values.len());
+        assert_eq!(held.into_sum(), vec![0; values.len()]);
+        let source = Counted {
+            bytes: bytes(&values),
+            fail_after: None,
+            reads: std::cell::Cell::new(0),
+        };
+        let streamed = Accumulator::new(values.len());
+        assert_eq!(
+            streamed.add_clipped_stream(&source, 1.0),
+            Err(StreamError::NonFinite)
+        );
+        assert_eq!(
+            DRY_VALUES.with(|count| count.get()) - before,
+            2 * values.len()
+        );
+        assert_eq!(streamed.into_sum(), vec![0; values.len()]);
     }
 
     #[test]

@@ -47,7 +47,8 @@ use stream::StreamProblem;
 /// (measured, then added) where a held one is decrypted once. A constant, not a share of the
 /// worker's cores or memory: the host controls those, and the two paths check a malformed header
 /// in different orders (an exclusion's reason can differ), so the path must be the model's alone.
-/// A worker holds at most this much update plaintext per thread.
+/// A worker holds at most this much update plaintext per thread for chunked envelopes (what the
+/// reference clients send above 1 MiB); an unchunked or unstreamable one is held whole.
 pub const STREAM_ABOVE_BYTES: usize = 64 << 20;
 
 /// An update holding a NaN or an infinity is included as a zero update (nothing of it is added;

@@ -176,6 +176,10 @@ pub(super) const DRY: u8 = 2;
 /// (no fused multiply-add is used: each operation rounds exactly as in the generic loop).
 #[inline]
 pub(super) fn add_quantized<const OP: u8>(target: &mut [i64], bytes: &[u8], units: f64) -> f64 {
+    #[cfg(test)]
+    if OP == DRY {
+        tests::DRY_VALUES.with(|count| count.set(count.get() + bytes.len() / 4));
+    }
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2 (checked just above), the only requirement of the
@@ -241,8 +245,9 @@ fn add_quantized_avx2<const OP: u8>(target: &mut [i64], bytes: &[u8], units: f64
 }
 
 /// The loop itself, in eight independent lanes so it vectorizes. Values beyond 2^51 grid units
-/// (or not finite) give meaningless integers, but the same ones on the way back, and the norms
-/// they report make the caller undo them.
+/// (or not finite) give meaningless integers, but the same ones on the way back; they reach
+/// only the dry pass (a non-finite update), where they are masked, since a measured update's
+/// scale keeps every value within 2^16 units.
 #[inline(always)]
 fn add_quantized_generic<const OP: u8>(target: &mut [i64], bytes: &[u8], units: f64) -> f64 {
     let rounding_bits = ROUNDING.to_bits() as i64;
@@ -304,8 +309,14 @@ fn apply_one<const OP: u8>(slot: i64, q: i64, mask: i64) -> i64 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
+
+    thread_local! {
+        /// Values this thread passed through a dry add (`DRY`), for tests that the pass ran.
+        pub(in crate::aggregate) static DRY_VALUES: std::cell::Cell<usize> =
+            const { std::cell::Cell::new(0) };
+    }
 
     /// Values of every kind: small and large, both signs, zeros, halves that round to even,
     /// beyond the grid's exact range, and (with `non_finite`) infinities and NaN.
