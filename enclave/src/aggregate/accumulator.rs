@@ -416,6 +416,17 @@ mod tests {
         reads: std::cell::Cell<usize>,
     }
 
+    impl Counted {
+        /// `values` as a stream that has not been read yet and never fails.
+        fn of(values: &[f32]) -> Self {
+            Self {
+                bytes: bytes(values),
+                fail_after: None,
+                reads: std::cell::Cell::new(0),
+            }
+        }
+    }
+
     impl Replay for Counted {
         type Error = ();
         fn replay(&self, each: &mut dyn FnMut(usize, usize, &[u8])) -> Result<(), ()> {
@@ -452,11 +463,7 @@ mod tests {
                 .iter()
                 .map(|&v| (f64::from(v) * scale) as f32)
                 .collect();
-            let source = Counted {
-                bytes: bytes(&scaled),
-                fail_after: None,
-                reads: std::cell::Cell::new(0),
-            };
+            let source = Counted::of(&scaled);
             let acc = Accumulator::new(len);
             assert_eq!(
                 acc.add_clipped_stream(&source, 1.0),
@@ -548,11 +555,7 @@ mod tests {
             let values: Vec<f32> = (0..k)
                 .map(|i| if i % 2 == 0 { 0.3 } else { -0.3 })
                 .collect();
-            let source = Counted {
-                bytes: bytes(&values),
-                fail_after: None,
-                reads: std::cell::Cell::new(0),
-            };
+            let source = Counted::of(&values);
             let acc = Accumulator::new(k);
             assert_eq!(acc.add_clipped_stream(&source, 1.0), Ok(false), "k {k}");
             assert_eq!(source.reads.get(), 2, "k {k}: added twice");
@@ -637,11 +640,7 @@ mod tests {
         assert_eq!(held.add_clipped(&[&bytes(&values)], 1.0, 0), Err(NonFinite));
         assert_eq!(DRY_VALUES.with(|count| count.get()) - before, values.len());
         assert_eq!(held.into_sum(), vec![0; values.len()]);
-        let source = Counted {
-            bytes: bytes(&values),
-            fail_after: None,
-            reads: std::cell::Cell::new(0),
-        };
+        let source = Counted::of(&values);
         let streamed = Accumulator::new(values.len());
         assert_eq!(
             streamed.add_clipped_stream(&source, 1.0),
