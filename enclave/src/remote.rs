@@ -7,10 +7,14 @@
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
+use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
 use reqwest::StatusCode;
 use std::time::Duration;
 use zeroize::Zeroizing;
 
+use confed_worker_api::batch::{BatchRequest, FrameDecoder, MAX_BATCH_KEYS};
+use confed_worker_api::reads::BufferPool;
 use confed_worker_api::routes::Route;
 use confed_worker_api::store::{
     JobSpec, JobStore, ModelCommitSteps, StagedRelease, StoreError, commit_model_in_order,
@@ -25,6 +29,10 @@ pub struct HttpJobStore {
     base: String,
     token: Zeroizing<String>,
     http: reqwest::Client,
+    /// For batches of contributions, whose bodies are read only as fast as the job opens them:
+    /// no bound on the whole exchange, `timeout` on each wait for the server instead.
+    batches: reqwest::Client,
+    timeout: Duration,
     lease_wait: u64,
 }
 
@@ -35,6 +43,8 @@ impl HttpJobStore {
             base: base.trim_end_matches('/').to_string(),
             token,
             http: crate::http::client(timeout),
+            batches: crate::http::streaming_client(timeout),
+            timeout,
             lease_wait: 0,
         }
     }
@@ -100,6 +110,84 @@ impl BlobSource for HttpJobStore {
 /// Most bytes a contribution read reserves up front on the server's `Content-Length`.
 const MAX_RESERVE: usize = 64 << 20;
 
+/// Contributions one request of a round's reads names: a round of 1 MB contributions reads
+/// 32 MB per request, so the per-request work of both sides is a small share of it, while two
+/// requests in flight still keep the reads ahead of the opens.
+const BATCH_KEYS: usize = 32;
+const _: () = assert!(BATCH_KEYS <= MAX_BATCH_KEYS);
+
+/// One batch's read in progress (`HttpJobStore::fetch_batch`).
+struct BatchRead {
+    /// The keys, until the request is sent.
+    keys: Option<Vec<String>>,
+    response: Option<reqwest::Response>,
+    decoder: FrameDecoder,
+    /// Frames decoded and not yet handed on.
+    ready: std::collections::VecDeque<Option<Vec<u8>>>,
+    ended: bool,
+}
+
+impl HttpJobStore {
+    /// `step`, if the server answers it within the client's timeout.
+    async fn waited<T>(&self, step: impl Future<Output = T>) -> Result<T, StoreError> {
+        tokio::time::timeout(self.timeout, step).await.map_err(|_| {
+            StoreError::Backend(format!(
+                "the worker API did not answer a batch of contributions within {:?}",
+                self.timeout
+            ))
+        })
+    }
+
+    /// The next frame of `batch`: sends its request first, then reads the body until a frame is
+    /// complete; `None` once the body has ended with every frame in it.
+    async fn next_frame(
+        &self,
+        batch: &mut BatchRead,
+        buffers: &BufferPool,
+    ) -> Result<Option<Option<Vec<u8>>>, StoreError> {
+        loop {
+            if let Some(frame) = batch.ready.pop_front() {
+                return Ok(Some(frame));
+            }
+            if batch.ended {
+                return Ok(None);
+            }
+            let response = match &mut batch.response {
+                Some(response) => response,
+                None => {
+                    let keys = batch.keys.take().unwrap_or_default();
+                    let url = self.url(Route::Contributions, "", "");
+                    let request = self.batches.post(url).json(&BatchRequest { keys });
+                    let response = self.waited(self.send(request)).await??;
+                    if response.status() == StatusCode::NOT_FOUND {
+                        return Err(StoreError::Backend(
+                            "the worker API answered 404 to a batch of contributions: upgrade the server together with its confed-enclave workers".into(),
+                        ));
+                    }
+                    batch.response.insert(response)
+                }
+            };
+            let chunk = self.waited(response.chunk()).await?.map_err(|e| {
+                StoreError::Backend(format!("a batch of contributions broke off: {e}"))
+            })?;
+            let framing =
+                |e: confed_worker_api::batch::FrameError| StoreError::Backend(e.to_string());
+            match chunk {
+                Some(chunk) => batch
+                    .decoder
+                    .feed(&chunk, &mut || buffers.take(), &mut |frame| {
+                        batch.ready.push_back(frame)
+                    })
+                    .map_err(framing)?,
+                None => {
+                    batch.decoder.finish().map_err(framing)?;
+                    batch.ended = true;
+                }
+            }
+        }
+    }
+}
+
 impl JobStore for HttpJobStore {
     async fn lease(&self, worker: &str, lease: Duration) -> Result<Option<JobSpec>, StoreError> {
         let request = LeaseRequest {
@@ -140,6 +228,31 @@ impl JobStore for HttpJobStore {
 
     async fn fetch(&self, blob_key: &str) -> Result<Option<Vec<u8>>, StoreError> {
         self.bytes(Route::Contribution, blob_key).await
+    }
+
+    fn batch_reads(&self) -> usize {
+        BATCH_KEYS
+    }
+
+    /// One request for the batch, its frames decoded from the body as it arrives, each into a
+    /// pooled buffer (`confed_worker_api::batch`).
+    fn fetch_batch<'a>(
+        &'a self,
+        keys: Vec<String>,
+        buffers: &'a BufferPool,
+    ) -> BoxStream<'a, Result<Option<Vec<u8>>, StoreError>> {
+        let batch = BatchRead {
+            decoder: FrameDecoder::new(keys.len(), MAX_RESERVE),
+            keys: Some(keys),
+            response: None,
+            ready: std::collections::VecDeque::new(),
+            ended: false,
+        };
+        futures_util::stream::try_unfold(batch, move |mut batch| async move {
+            let frame = self.next_frame(&mut batch, buffers).await?;
+            Ok(frame.map(|frame| (frame, batch)))
+        })
+        .boxed()
     }
 
     /// Streams the body into `buffer`, so a job reuses its buffers instead of a fresh copy of
@@ -296,3 +409,7 @@ impl ModelCommitSteps for HttpJobStore {
         .map(drop)
     }
 }
+
+#[cfg(test)]
+#[path = "remote_tests.rs"]
+mod tests;

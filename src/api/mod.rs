@@ -14,6 +14,7 @@ pub mod ops;
 pub mod populations;
 pub mod releases;
 pub mod tasks;
+pub mod worker_reads;
 pub mod workers;
 
 use axum::Router;

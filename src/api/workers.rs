@@ -45,7 +45,7 @@ impl FromRequestParts<AppState> for WorkerAuth {
     }
 }
 
-fn store(state: &AppState) -> TaskDbJobStore {
+pub(super) fn store(state: &AppState) -> TaskDbJobStore {
     TaskDbJobStore {
         db: state.db.clone(),
         blobs: state.blobs.clone(),
@@ -55,7 +55,7 @@ fn store(state: &AppState) -> TaskDbJobStore {
     }
 }
 
-fn store_error(error: StoreError) -> ApiError {
+pub(super) fn store_error(error: StoreError) -> ApiError {
     match error {
         StoreError::LeaseLost => ApiError::LeaseLost(
             "this lease is no longer yours (it expired and another worker took it, a newer lease of yours replaced it, or the job is finished); stop working on it".into(),
@@ -314,45 +314,6 @@ async fn blob(
         .ok_or_else(|| ApiError::NotFound(format!("blob {key} not found")))
 }
 
-async fn contribution(
-    State(state): State<AppState>,
-    _: WorkerAuth,
-    ApiPath(key): ApiPath<String>,
-) -> Result<Response, ApiError> {
-    let bytes = store(&state)
-        .fetch_into(&key, SENT_BUFFERS.take())
-        .await
-        .map_err(store_error)?
-        .ok_or_else(|| ApiError::NotFound(format!("contribution {key} not found")))?;
-    let body = axum::body::Body::from(bytes::Bytes::from_owner(Sent(bytes)));
-    Ok((
-        [(axum::http::header::CONTENT_TYPE, "application/octet-stream")],
-        body,
-    )
-        .into_response())
-}
-
-/// Buffers the contribution route reads into, back in the pool once their response is sent:
-/// a worker reading a round (eight requests in flight) reuses a few dozen instead of faulting in
-/// a fresh megabyte per request.
-static SENT_BUFFERS: std::sync::LazyLock<confed_worker_api::reads::BufferPool> =
-    std::sync::LazyLock::new(|| confed_worker_api::reads::BufferPool::new(64 << 20));
-
-/// A response body that gives its buffer back when dropped.
-struct Sent(Vec<u8>);
-
-impl AsRef<[u8]> for Sent {
-    fn as_ref(&self) -> &[u8] {
-        &self.0
-    }
-}
-
-impl Drop for Sent {
-    fn drop(&mut self) {
-        SENT_BUFFERS.give(std::mem::take(&mut self.0));
-    }
-}
-
 /// The worker API's routes; uploads are bounded by the model size (the release travels as
 /// base64 inside JSON: 4/3 of the model plus the manifest).
 pub fn router(limits: &Limits) -> Router<AppState> {
@@ -381,6 +342,14 @@ pub fn router(limits: &Limits) -> Router<AppState> {
     let partition_route = Router::new()
         .route(Route::Partition.template(), put(partition))
         .layer(DefaultBodyLimit::max(partition_limit));
+    // A batch of contribution keys: each at most 1024 bytes, which JSON may escape to twice that.
+    let batch_limit = confed_worker_api::batch::MAX_BATCH_KEYS * (2 * 1024 + 8) + 4096;
+    let batch_route = Router::new()
+        .route(
+            Route::Contributions.template(),
+            post(super::worker_reads::contributions),
+        )
+        .layer(DefaultBodyLimit::max(batch_limit));
     Router::new()
         .route(Route::Lease.template(), post(lease))
         .route(Route::Renew.template(), post(renew))
@@ -388,9 +357,13 @@ pub fn router(limits: &Limits) -> Router<AppState> {
         .route(Route::Release.template(), put(release))
         .route(Route::Model.template(), put(model))
         .route(Route::Blob.template(), get(blob))
-        .route(Route::Contribution.template(), get(contribution))
+        .route(
+            Route::Contribution.template(),
+            get(super::worker_reads::contribution),
+        )
         .layer(DefaultBodyLimit::max(upload_limit))
         .merge(optimizer_state_route)
         .merge(blt_state_route)
         .merge(partition_route)
+        .merge(batch_route)
 }

@@ -14,8 +14,12 @@ use confed::aggregation::TaskDbJobStore;
 use confed_enclave::worker::{JobError, Worker};
 use confed_protocol::policy::TaskPolicy;
 use confed_worker_api::manifest::Manifest;
+use confed_worker_api::reads::BufferPool;
 use confed_worker_api::store::{BlockingFetch, JobSpec, JobStore, StagedRelease, StoreError};
+use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
 use serde_json::json;
+use std::sync::atomic::Ordering::Relaxed;
 
 /// What the enclave says of a contribution the store did not serve as committed.
 const NOT_COMMITTED: &str = "not the bytes the round's commitment names";
@@ -38,6 +42,10 @@ struct Operator {
     /// Whether it offers the worker reads on the calling thread (as the in-process store over
     /// the contribution log does), so the worker takes its other open path.
     blocking_reads: std::sync::atomic::AtomicBool,
+    /// Contributions it answers per batch of reads, as the worker API does (0: one by one).
+    batch: std::sync::atomic::AtomicUsize,
+    /// Serves every batch of more than one contribution without its last.
+    short_batches: std::sync::atomic::AtomicBool,
 }
 
 /// What the operator does to contribution reads.
@@ -123,6 +131,8 @@ impl Operator {
             releases: Mutex::default(),
             reads: Arc::default(),
             blocking_reads: Default::default(),
+            batch: Default::default(),
+            short_batches: Default::default(),
         })
     }
 
@@ -162,11 +172,25 @@ impl JobStore for Operator {
         let stored = self.inner.fetch(blob_key).await?;
         Ok(self.reads.serve(blob_key, stored))
     }
+    fn batch_reads(&self) -> usize {
+        self.batch.load(Relaxed).max(1)
+    }
+    fn fetch_batch<'a>(
+        &'a self,
+        keys: Vec<String>,
+        buffers: &'a BufferPool,
+    ) -> BoxStream<'a, Result<Option<Vec<u8>>, StoreError>> {
+        let served = if self.short_batches.load(Relaxed) && keys.len() > 1 {
+            keys.len() - 1
+        } else {
+            keys.len()
+        };
+        futures_util::stream::iter(keys.into_iter().take(served))
+            .then(move |key| async move { self.fetch_into(&key, buffers.take()).await })
+            .boxed()
+    }
     fn blocking_fetch(&self) -> Option<Arc<dyn BlockingFetch>> {
-        if !self
-            .blocking_reads
-            .load(std::sync::atomic::Ordering::Relaxed)
-        {
+        if !self.blocking_reads.load(Relaxed) {
             return None;
         }
         Some(Arc::new(BlockingReads {
@@ -403,26 +427,25 @@ async fn contributions_not_served_as_committed_release_nothing() {
         ("reread-missing", false, Some(Tamper::Missing), false),
         ("reread-garbled", false, Some(Tamper::Garbled), false),
     ];
-    // Each case on both open paths: reads handed across threads (a store over the network),
-    // and each core reading, checking and opening on its own (the in-process store over the
-    // contribution log; it has no blocking reads over GCS, whose reads are asynchronous only).
-    let paths = [false, true];
-    for ((population, listed, tamper, wrong_digest), blocking) in cases
+    // Each case on both open paths: reads handed across threads (a store over the network, one
+    // by one and in batches of two as over the worker API), and each core reading, checking and
+    // opening on its own (the in-process store over the contribution log; it has no blocking
+    // reads over GCS, whose reads are asynchronous only).
+    let paths = [(false, 0), (false, 2), (true, 0)];
+    for ((population, listed, tamper, wrong_digest), (blocking, batch)) in cases
         .into_iter()
-        .flat_map(|case| paths.map(move |blocking| (case, blocking)))
+        .flat_map(|case| paths.map(move |path| (case, path)))
     {
         if listed && uploads_are_direct() {
             continue; // no digest is listed for a direct upload: the local pass covers these
         }
         let population = format!(
-            "{population}-{}",
+            "{population}-{}-{batch}",
             if blocking { "blocking" } else { "async" }
         );
         let (scene, _) = scene(&population).await;
-        scene
-            .operator
-            .blocking_reads
-            .store(blocking, std::sync::atomic::Ordering::Relaxed);
+        scene.operator.blocking_reads.store(blocking, Relaxed);
+        scene.operator.batch.store(batch, Relaxed);
         // Over GCS the real store has no blocking reads: both runs take the asynchronous path.
         // The contribution log always offers them.
         let offered = scene.operator.inner.blocking_fetch().is_some();
@@ -457,23 +480,21 @@ async fn contributions_not_served_as_committed_release_nothing() {
 /// release the same bytes (the digest names the bytes, whoever computed it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn listed_digests_read_each_contribution_once_and_release_the_same_bytes() {
-    // On both open paths: reads handed across threads, and each core reading on its own.
-    for blocking in [false, true] {
-        reads_and_releases(blocking).await;
+    // On both open paths: reads handed across threads (one by one, and in batches of two as
+    // over the worker API), and each core reading on its own.
+    for (blocking, batch) in [(false, 0), (false, 2), (true, 0)] {
+        reads_and_releases(blocking, batch).await;
     }
 }
 
-async fn reads_and_releases(blocking: bool) {
-    let (scene, _) = scene(if blocking {
-        "listed-blocking"
-    } else {
-        "listed"
-    })
+async fn reads_and_releases(blocking: bool, batch: usize) {
+    let (scene, _) = scene(&format!(
+        "listed-{}-{batch}",
+        if blocking { "blocking" } else { "async" }
+    ))
     .await;
-    scene
-        .operator
-        .blocking_reads
-        .store(blocking, std::sync::atomic::Ordering::Relaxed);
+    scene.operator.blocking_reads.store(blocking, Relaxed);
+    scene.operator.batch.store(batch, Relaxed);
     if uploads_are_direct() {
         // Devices upload straight to the bucket: the server never sees the bytes, lists no
         // digest, and the worker reads and digests each contribution itself.
@@ -512,6 +533,32 @@ async fn reads_and_releases(blocking: bool) {
             .all(|r| r.0 == releases[0].0 && r.1 == releases[0].1)
     );
     scene.system.shutdown().await;
+}
+
+/// A store that answers several contributions per read (as the worker API does) serves a batch
+/// with its last contribution left out: the worker fails the job rather than release a sum
+/// without a contribution the commitment names, whether the batch was the read after the key
+/// (contributions listed with their digests) or the first read that digests them (as for
+/// direct uploads).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_reads_served_short_releases_nothing() {
+    for listed in [true, false] {
+        let (scene, _) = scene(&format!("short-batch-{listed}")).await;
+        scene.operator.batch.store(2, Relaxed);
+        scene.operator.short_batches.store(true, Relaxed);
+        if !listed {
+            *scene.operator.edit.lock().unwrap() = Some(Box::new(without_digests));
+        }
+        let error = scene.worker.run_once().await.unwrap_err().to_string();
+        let expected = if listed && !uploads_are_direct() {
+            NOT_COMMITTED
+        } else {
+            "fewer contributions than a batch of reads named"
+        };
+        assert!(error.contains(expected), "listed {listed}: {error}");
+        assert!(scene.operator.releases.lock().unwrap().is_empty());
+        scene.system.shutdown().await;
+    }
 }
 
 /// Privacy parameters changed in the database before the round is aggregated: the enclave takes

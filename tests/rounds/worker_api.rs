@@ -329,6 +329,127 @@ async fn the_worker_api_is_off_without_a_token_and_refuses_wrong_ones_and_bad_in
     on.shutdown().await;
 }
 
+/// `POST /internal/v1/contributions` answers one frame per key in the order named (a missing
+/// one as such), the bytes `GET .../contributions/{key}` serves; the enclave's client decodes the
+/// same; an empty, oversized or malformed batch is a 400, a wrong token a 401.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_contributions_answers_each_key_in_order_and_refuses_bad_batches() {
+    use confed_worker_api::batch::{FrameDecoder, MAX_BATCH_KEYS};
+    use futures_util::StreamExt;
+
+    let (system, _dir) = start_with(now_clock(), Some(TOKEN)).await;
+    open_task(&system, "batches", 8.0).await;
+    collect(&system, "batches", 3, false).await;
+    let store = remote(&system.url, TOKEN);
+    let job = store
+        .lease("batch-reader", Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("the round closed");
+    let stored: Vec<String> = job
+        .contributions
+        .iter()
+        .map(|c| c.blob_key.clone())
+        .collect();
+    let keys = vec![
+        stored[1].clone(),
+        "tenants/x/contributions/none.cbor".to_string(),
+        stored[0].clone(),
+    ];
+    let http = reqwest::Client::new();
+    let mut want = Vec::new();
+    for key in &keys {
+        let one = http
+            .get(format!("{}/internal/v1/contributions/{key}", system.url))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap();
+        want.push((one.status() == 200).then_some(one.bytes().await.unwrap().to_vec()));
+    }
+    assert!(want[0].is_some() && want[1].is_none() && want[2].is_some());
+    assert_ne!(want[0], want[2]);
+
+    let batch = |token: &str, body: Value| {
+        http.post(format!("{}/internal/v1/contributions", system.url))
+            .bearer_auth(token)
+            .json(&body)
+            .send()
+    };
+    let answer = batch(TOKEN, json!({"keys": keys})).await.unwrap();
+    assert_eq!(answer.status(), 200);
+    assert_eq!(answer.headers()["content-type"], "application/octet-stream");
+    let body = answer.bytes().await.unwrap();
+    // Byte for byte as docs/protocol.md ("Batches of contributions") describes it.
+    let mut expected = Vec::new();
+    for frame in &want {
+        match frame {
+            Some(bytes) => {
+                expected.extend_from_slice(&(bytes.len() as u64).to_be_bytes());
+                expected.extend_from_slice(bytes);
+            }
+            None => expected.extend_from_slice(&[0xff; 8]),
+        }
+    }
+    assert!(
+        body[..] == expected[..],
+        "the body is not the documented frames"
+    );
+    let mut decoder = FrameDecoder::new(keys.len(), 1 << 20);
+    let mut frames = Vec::new();
+    decoder
+        .feed(&body, &mut Vec::new, &mut |frame| frames.push(frame))
+        .unwrap();
+    decoder.finish().unwrap();
+    assert_eq!(frames, want);
+
+    let pool = confed_worker_api::reads::BufferPool::new(1 << 20);
+    let decoded: Vec<Option<Vec<u8>>> = store
+        .fetch_batch(keys.clone(), &pool)
+        .map(Result::unwrap)
+        .collect()
+        .await;
+    assert_eq!(decoded, want);
+
+    // As many keys as a batch may name, the same one more than once: a frame for each.
+    let most = vec![stored[0].clone(); MAX_BATCH_KEYS];
+    let answer = batch(TOKEN, json!({"keys": most})).await.unwrap();
+    assert_eq!(answer.status(), 200);
+    let frame = 8 + want[2].as_ref().unwrap().len();
+    assert_eq!(answer.bytes().await.unwrap().len(), MAX_BATCH_KEYS * frame);
+
+    let too_many = vec![stored[0].clone(); MAX_BATCH_KEYS + 1];
+    for (case, body) in [
+        ("empty", json!({"keys": []})),
+        ("too many", json!({"keys": too_many})),
+        (
+            "a dot segment",
+            json!({"keys": [stored[0], "tenants/../secrets"]}),
+        ),
+        ("not a list", json!({"keys": stored[0]})),
+        (
+            "an unknown field",
+            json!({"keys": [stored[0]], "all": true}),
+        ),
+    ] {
+        let refused = batch(TOKEN, body).await.unwrap();
+        assert_eq!(refused.status(), 400, "{case}");
+        assert_eq!(
+            refused.headers()["content-type"],
+            "application/problem+json",
+            "{case}"
+        );
+    }
+    // A body past the route's limit (64 keys of at most 1024 bytes, escaped) is a 413.
+    let huge = json!({"keys": [stored[0], "x".repeat(200_000)]});
+    assert_eq!(batch(TOKEN, huge).await.unwrap().status(), 413);
+    let wrong = batch("not-the-token", json!({"keys": [stored[0]]}))
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 401);
+    system.shutdown().await;
+}
+
 /// A holder of the worker token commits, over the worker API, a release no enclave made (its own
 /// average, enclave key and receipts): 422, and nothing is released.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,5 +1,6 @@
 //! What the enclave worker and the untrusted front end agree on, and nothing of either: the job
 //! store interface and the job it leases (`store`), the worker API's paths (`routes`) and wire types (`wire`), the
+//! framing of a batch of contributions (`batch`), the
 //! release manifest (`manifest`), the model format (`model`), the server optimizer's
 //! configuration and state file (`optimizer`) and the pooled read buffers both sides reuse
 //! (`reads`).
@@ -9,6 +10,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod batch;
 pub mod manifest;
 pub mod model;
 pub mod optimizer;

@@ -20,10 +20,12 @@ pub enum Route {
     Blob,
     /// A stored contribution envelope.
     Contribution,
+    /// Several stored contribution envelopes in one exchange (`batch`).
+    Contributions,
 }
 
 impl Route {
-    pub const ALL: [Route; 10] = [
+    pub const ALL: [Route; 11] = [
         Route::Lease,
         Route::Renew,
         Route::Fail,
@@ -34,6 +36,7 @@ impl Route {
         Route::Partition,
         Route::Blob,
         Route::Contribution,
+        Route::Contributions,
     ];
 
     /// The route's path template as the server declares it: `{id}` is a job id, `{*key}` a blob
@@ -50,13 +53,14 @@ impl Route {
             Route::Partition => "/internal/v1/jobs/{id}/partition",
             Route::Blob => "/internal/v1/blobs/{*key}",
             Route::Contribution => "/internal/v1/contributions/{*key}",
+            Route::Contributions => "/internal/v1/contributions",
         }
     }
 
     /// The HTTP method the route answers.
     pub fn method(self) -> &'static str {
         match self {
-            Route::Lease | Route::Renew | Route::Fail => "POST",
+            Route::Lease | Route::Renew | Route::Fail | Route::Contributions => "POST",
             Route::BltState
             | Route::Release
             | Route::OptimizerState
@@ -67,7 +71,7 @@ impl Route {
     }
 
     /// The route's path for `id`: a job id, or a blob key for `Blob` and `Contribution`
-    /// (ignored by `Lease`). Job ids and blob keys need no escaping: both are checked to
+    /// (ignored by `Lease` and `Contributions`). Job ids and blob keys need no escaping: both are checked to
     /// `A-Z a-z 0-9 . _ -` (and `/` between a key's segments) by whoever made them.
     pub fn path(self, id: &str) -> String {
         self.template().replace("{id}", id).replace("{*key}", id)
@@ -85,7 +89,7 @@ mod tests {
             assert!(template.starts_with(PREFIX), "{route:?}");
             let path = route.path("r1.a2");
             assert!(!path.contains('{'), "{route:?}: {path}");
-            if route != Route::Lease {
+            if !matches!(route, Route::Lease | Route::Contributions) {
                 assert!(path.contains("/r1.a2"), "{route:?}: {path}");
             }
         }

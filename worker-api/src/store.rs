@@ -9,10 +9,13 @@ use std::time::Duration;
 
 use confed_attestation::release::ReleaseProof;
 use confed_protocol::hpke::PublicKey;
+use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
 use thiserror::Error;
 
 use crate::manifest::Manifest;
 use crate::optimizer::ServerOptimizer;
+use crate::reads::BufferPool;
 
 /// One leased aggregation job, as the untrusted store describes it.
 #[derive(Debug, Clone)]
@@ -224,6 +227,24 @@ pub trait JobStore: Send + Sync {
     ) -> impl Future<Output = Result<Option<Vec<u8>>, StoreError>> + Send {
         drop(buffer);
         self.fetch(blob_key)
+    }
+    /// How many contributions `fetch_batch` reads in one exchange to pay off: 1 (the default)
+    /// where each read stands alone, more where a store answers several in one request (the
+    /// worker API: `batch`).
+    fn batch_reads(&self) -> usize {
+        1
+    }
+    /// The contributions `keys`, one item per key in the order named (`None` if missing), each
+    /// read into a buffer from `buffers` where the store can. The default reads them one after
+    /// the other with `fetch_into`. The caller checks that it got one item per key.
+    fn fetch_batch<'a>(
+        &'a self,
+        keys: Vec<String>,
+        buffers: &'a BufferPool,
+    ) -> BoxStream<'a, Result<Option<Vec<u8>>, StoreError>> {
+        futures_util::stream::iter(keys)
+            .then(move |key| async move { self.fetch_into(&key, buffers.take()).await })
+            .boxed()
     }
     /// A reader of contributions on the calling thread, for a store whose reads are local file
     /// reads (the in-process store over the contribution log): the worker then reads, checks and

@@ -3,9 +3,10 @@
 
 use futures_util::StreamExt;
 
-use confed_worker_api::reads::{READ_AHEAD, next_batch};
-use confed_worker_api::store::{JobSpec, JobStore};
+use confed_worker_api::reads::next_batch;
+use confed_worker_api::store::{JobSpec, JobStore, StoreError};
 
+use super::open::{batches_in_flight, in_batches, one_per};
 use super::{JobError, Worker};
 use crate::aggregate::inputs::{self, Input};
 
@@ -32,15 +33,18 @@ impl<S: JobStore + 'static> Worker<S> {
             .filter(|(_, input)| input.digest.is_none())
             .map(|(index, input)| (index, input.blob_key.clone()))
             .collect();
-        let reads = futures_util::stream::iter(keys)
-            .map(|(index, blob_key)| async move {
-                let stored = self
-                    .store
-                    .fetch_into(&blob_key, self.buffers.take())
-                    .await?;
-                Ok((index, stored))
+        // In the store's batches (one request for several over the worker API).
+        let size = self.store.batch_reads();
+        let reads = futures_util::stream::iter(in_batches(keys, size))
+            .map(|batch| {
+                let (indices, keys): (Vec<usize>, Vec<String>) = batch.into_iter().unzip();
+                one_per(indices, self.store.fetch_batch(keys, &self.buffers), |_| {
+                    StoreError::Backend(
+                        "the store served fewer contributions than a batch of reads named".into(),
+                    )
+                })
             })
-            .buffered(READ_AHEAD);
+            .flatten_unordered(batches_in_flight(size));
         let mut reads = std::pin::pin!(reads);
         let mut retained = 0usize;
         type Digested = Vec<(usize, Option<Vec<u8>>, Option<[u8; 32]>)>;
