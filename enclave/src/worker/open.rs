@@ -187,10 +187,7 @@ impl<S: JobStore + 'static> Worker<S> {
     /// One batch of contributions to read, as they arrive: read in one `fetch_batch` with the
     /// digests the commitment names for them (the store is not trusted to serve those bytes;
     /// `open_one` checks them on all cores). Exactly one item per input (`one_per`).
-    fn read_batch(
-        &self,
-        to_read: Vec<(Reread, String)>,
-    ) -> Paired<'_, Reread> {
+    fn read_batch(&self, to_read: Vec<(Reread, String)>) -> Paired<'_, Reread> {
         let (rereads, keys): (Vec<Reread>, Vec<String>) = to_read.into_iter().unzip();
         let fetched = self.store.fetch_batch(keys, &self.buffers);
         one_per(rereads, fetched, |reread| not_committed(&reread.0))
