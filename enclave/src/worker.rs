@@ -42,6 +42,7 @@ use confed_worker_api::store::{
 };
 
 mod analytics;
+mod batches;
 mod gather;
 mod masked;
 mod open;

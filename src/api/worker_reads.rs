@@ -99,9 +99,10 @@ fn octet_stream(body: axum::body::Body) -> Response {
         .into_response()
 }
 
-/// Buffers the contribution routes read into, back in the pool once their response is sent:
-/// a worker reading a round (eight requests in flight) reuses a few dozen instead of faulting in
-/// a fresh megabyte per request.
+/// Buffers the contribution routes read into, back in the pool once their bytes are sent: a
+/// worker reading a round (two batches in flight, each holding up to three buffers here, or
+/// eight single reads) reuses a few dozen instead of faulting in a fresh megabyte per
+/// contribution.
 static SENT_BUFFERS: std::sync::LazyLock<confed_worker_api::reads::BufferPool> =
     std::sync::LazyLock::new(|| confed_worker_api::reads::BufferPool::new(64 << 20));
 

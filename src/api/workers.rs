@@ -342,7 +342,8 @@ pub fn router(limits: &Limits) -> Router<AppState> {
     let partition_route = Router::new()
         .route(Route::Partition.template(), put(partition))
         .layer(DefaultBodyLimit::max(partition_limit));
-    // A batch of contribution keys: each at most 1024 bytes, which JSON may escape to twice that.
+    // A batch of contribution keys: each at most 1024 bytes, twice that written with JSON's `\/`
+    // (a client that escapes more gets a 413).
     let batch_limit = confed_worker_api::batch::MAX_BATCH_KEYS * (2 * 1024 + 8) + 4096;
     let batch_route = Router::new()
         .route(

@@ -15,8 +15,9 @@ use confed_enclave::worker::{JobError, Worker};
 use confed_protocol::policy::TaskPolicy;
 use confed_worker_api::manifest::Manifest;
 use confed_worker_api::reads::BufferPool;
-use confed_worker_api::store::{BlockingFetch, JobSpec, JobStore, StagedRelease, StoreError};
-use futures_util::StreamExt;
+use confed_worker_api::store::{
+    BlockingFetch, JobSpec, JobStore, StagedRelease, StoreError, fetch_each,
+};
 use futures_util::stream::BoxStream;
 use serde_json::json;
 use std::sync::atomic::Ordering::Relaxed;
@@ -46,6 +47,10 @@ struct Operator {
     batch: std::sync::atomic::AtomicUsize,
     /// Serves every batch of more than one contribution without its last.
     short_batches: std::sync::atomic::AtomicBool,
+    /// Answers a batch of reads and never its bytes, and from then on refuses renewals as if
+    /// another worker had taken the lease over.
+    stall_batches: std::sync::atomic::AtomicBool,
+    lease_taken: std::sync::atomic::AtomicBool,
 }
 
 /// What the operator does to contribution reads.
@@ -133,6 +138,8 @@ impl Operator {
             blocking_reads: Default::default(),
             batch: Default::default(),
             short_batches: Default::default(),
+            stall_batches: Default::default(),
+            lease_taken: Default::default(),
         })
     }
 
@@ -160,6 +167,9 @@ impl JobStore for Operator {
         Ok(Some(job))
     }
     async fn renew(&self, job_id: &str, worker: &str, lease: Duration) -> Result<(), StoreError> {
+        if self.lease_taken.load(Relaxed) {
+            return Err(StoreError::LeaseLost);
+        }
         if self.replaying() {
             return Ok(());
         }
@@ -180,14 +190,16 @@ impl JobStore for Operator {
         keys: Vec<String>,
         buffers: &'a BufferPool,
     ) -> BoxStream<'a, Result<Option<Vec<u8>>, StoreError>> {
+        if self.stall_batches.load(Relaxed) {
+            self.lease_taken.store(true, Relaxed);
+            return futures_util::StreamExt::boxed(futures_util::stream::pending());
+        }
         let served = if self.short_batches.load(Relaxed) && keys.len() > 1 {
             keys.len() - 1
         } else {
             keys.len()
         };
-        futures_util::stream::iter(keys.into_iter().take(served))
-            .then(move |key| async move { self.fetch_into(&key, buffers.take()).await })
-            .boxed()
+        fetch_each(self, keys.into_iter().take(served).collect(), buffers)
     }
     fn blocking_fetch(&self) -> Option<Arc<dyn BlockingFetch>> {
         if !self.blocking_reads.load(Relaxed) {
@@ -559,6 +571,33 @@ async fn a_batch_of_reads_served_short_releases_nothing() {
         assert!(scene.operator.releases.lock().unwrap().is_empty());
         scene.system.shutdown().await;
     }
+}
+
+/// A store that stalls mid-batch (it answers a batch's request, then never its bytes) while the
+/// job's lease is taken over: the worker renews on time, not only as contributions complete, so
+/// it learns its lease is lost and stops, instead of waiting on the stalled read for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_stalled_mid_batch_renews_on_time_and_stops_when_its_lease_is_lost() {
+    if uploads_are_direct() {
+        // Contributions then have a first read (their digests, before the key), which renews
+        // between its batches and waits out a stalled read on the store's own timeout (the
+        // worker API client's: each wait for the server); this is the open step's case.
+        return;
+    }
+    let (scene, _) = scene("stalled-batch").await;
+    scene.operator.batch.store(2, Relaxed);
+    scene.operator.stall_batches.store(true, Relaxed);
+    let mut config = scene.system.worker_config("stalled");
+    // Renewed every quarter lease: 400 ms.
+    config.lease = Duration::from_millis(1600);
+    let worker = Worker::new(scene.operator.clone(), config);
+    let outcome = tokio::time::timeout(Duration::from_secs(60), worker.run_once())
+        .await
+        .expect("the worker stops instead of waiting on the stalled batch");
+    let error = outcome.unwrap_err().to_string();
+    assert!(error.contains("lease was taken over"), "{error}");
+    assert!(scene.operator.releases.lock().unwrap().is_empty());
+    scene.system.shutdown().await;
 }
 
 /// Privacy parameters changed in the database before the round is aggregated: the enclave takes

@@ -36,6 +36,17 @@ pub fn frame_header(length: Option<usize>) -> [u8; HEADER_BYTES] {
     length.map_or(MISSING, |l| l as u64).to_be_bytes()
 }
 
+/// A whole body of `frames` at once (a missing contribution as `None`): the server streams the
+/// same frames one by one as it reads them.
+pub fn encode(frames: &[Option<&[u8]>]) -> Vec<u8> {
+    let mut body = Vec::new();
+    for frame in frames {
+        body.extend_from_slice(&frame_header(frame.map(<[u8]>::len)));
+        body.extend_from_slice(frame.unwrap_or_default());
+    }
+    body
+}
+
 /// What is wrong with a batch's body.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum FrameError {
@@ -145,15 +156,6 @@ impl FrameDecoder {
 mod tests {
     use super::*;
 
-    fn body(frames: &[Option<&[u8]>]) -> Vec<u8> {
-        let mut body = Vec::new();
-        for frame in frames {
-            body.extend_from_slice(&frame_header(frame.map(<[u8]>::len)));
-            body.extend_from_slice(frame.unwrap_or_default());
-        }
-        body
-    }
-
     fn decode(
         body: &[u8],
         cuts: &[usize],
@@ -173,7 +175,7 @@ mod tests {
     #[test]
     fn frames_come_out_in_order_however_the_body_is_cut() {
         let frames: [Option<&[u8]>; 4] = [Some(b"first"), None, Some(b""), Some(b"fourth one")];
-        let body = body(&frames);
+        let body = encode(&frames);
         let want: Vec<Option<Vec<u8>>> = frames.iter().map(|f| f.map(<[u8]>::to_vec)).collect();
         assert_eq!(decode(&body, &[], 4).unwrap(), want);
         for cut in 0..=body.len() {
@@ -185,7 +187,7 @@ mod tests {
 
     #[test]
     fn a_body_cut_short_anywhere_is_refused() {
-        let body = body(&[Some(b"first"), None, Some(b"third")]);
+        let body = encode(&[Some(b"first"), None, Some(b"third")]);
         for end in 0..body.len() {
             let error = decode(&body[..end], &[], 3).unwrap_err();
             assert!(
@@ -197,20 +199,20 @@ mod tests {
 
     #[test]
     fn a_body_that_goes_on_after_its_frames_is_refused() {
-        let mut long = body(&[Some(b"one"), None]);
+        let mut long = encode(&[Some(b"one"), None]);
         long.push(0);
         assert_eq!(
             decode(&long, &[], 2).unwrap_err(),
             FrameError::TrailingBytes { expected: 2 }
         );
         // One frame more than named is trailing bytes too.
-        let three = body(&[Some(b"one"), None, Some(b"extra")]);
+        let three = encode(&[Some(b"one"), None, Some(b"extra")]);
         assert!(decode(&three, &[], 2).is_err());
     }
 
     #[test]
     fn a_frame_fills_a_pooled_buffer_whatever_it_held() {
-        let body = body(&[Some(b"new")]);
+        let body = encode(&[Some(b"new")]);
         let mut decoder = FrameDecoder::new(1, 1 << 20);
         let mut frames = Vec::new();
         decoder

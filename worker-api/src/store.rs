@@ -199,6 +199,17 @@ pub async fn commit_model_in_order<S: ModelCommitSteps>(
         .await
 }
 
+/// `JobStore::fetch_batch` read one key after the other with `fetch_into` (its default).
+pub fn fetch_each<'a, S: JobStore + ?Sized>(
+    store: &'a S,
+    keys: Vec<String>,
+    buffers: &'a BufferPool,
+) -> BoxStream<'a, Result<Option<Vec<u8>>, StoreError>> {
+    futures_util::stream::iter(keys)
+        .then(move |key| async move { store.fetch_into(&key, buffers.take()).await })
+        .boxed()
+}
+
 /// The task database and blob store, as the enclave sees them. `lease` takes the worker's id
 /// (`name/incarnation`); every later call under the lease names `JobSpec::lease_holder`.
 pub trait JobStore: Send + Sync {
@@ -242,9 +253,7 @@ pub trait JobStore: Send + Sync {
         keys: Vec<String>,
         buffers: &'a BufferPool,
     ) -> BoxStream<'a, Result<Option<Vec<u8>>, StoreError>> {
-        futures_util::stream::iter(keys)
-            .then(move |key| async move { self.fetch_into(&key, buffers.take()).await })
-            .boxed()
+        fetch_each(self, keys, buffers)
     }
     /// A reader of contributions on the calling thread, for a store whose reads are local file
     /// reads (the in-process store over the contribution log): the worker then reads, checks and

@@ -1,12 +1,9 @@
 //! The first read of a job's inputs: the digests its release commitment names (listed by the
 //! store, or read and digested here on all cores).
 
-use futures_util::StreamExt;
-
 use confed_worker_api::reads::next_batch;
 use confed_worker_api::store::{JobSpec, JobStore, StoreError};
 
-use super::open::{batches_in_flight, in_batches, one_per};
 use super::{JobError, Worker};
 use crate::aggregate::inputs::{self, Input};
 
@@ -34,17 +31,11 @@ impl<S: JobStore + 'static> Worker<S> {
             .map(|(index, input)| (index, input.blob_key.clone()))
             .collect();
         // In the store's batches (one request for several over the worker API).
-        let size = self.store.batch_reads();
-        let reads = futures_util::stream::iter(in_batches(keys, size))
-            .map(|batch| {
-                let (indices, keys): (Vec<usize>, Vec<String>) = batch.into_iter().unzip();
-                one_per(indices, self.store.fetch_batch(keys, &self.buffers), |_| {
-                    StoreError::Backend(
-                        "the store served fewer contributions than a batch of reads named".into(),
-                    )
-                })
-            })
-            .flatten_unordered(batches_in_flight(size));
+        let reads = self.read_in_batches(keys, |_| {
+            StoreError::Backend(
+                "the store served fewer contributions than a batch of reads named".into(),
+            )
+        });
         let mut reads = std::pin::pin!(reads);
         let mut retained = 0usize;
         type Digested = Vec<(usize, Option<Vec<u8>>, Option<[u8; 32]>)>;

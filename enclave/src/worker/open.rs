@@ -3,12 +3,10 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
 
 use confed_worker_api::reads::READ_AHEAD;
 use confed_worker_api::store::{BlockingFetch, JobSpec, JobStore, StoreError};
 use futures_util::StreamExt;
-use futures_util::stream::BoxStream;
 
 use super::{JobError, Worker};
 use crate::aggregate::inputs::Input;
@@ -46,7 +44,8 @@ impl<S: JobStore + 'static> Worker<S> {
     /// batches: `JobStore::fetch_batch`): no batch boundary where a core waits for the slowest
     /// contribution of its batch, and at most `READ_AHEAD` + one per core contributions read and
     /// waiting (plus one being read per batch in flight) in memory, whatever the round's size.
-    /// The lease is renewed before, every quarter lease during, and after.
+    /// The lease is renewed before, every quarter lease during (on a timer, so also while a
+    /// stalled read completes nothing), and after.
     pub(super) async fn open_all<A: Opens>(
         &self,
         job: &JobSpec,
@@ -66,12 +65,11 @@ impl<S: JobStore + 'static> Worker<S> {
         // Set at the first failure: opens already queued then add nothing more (the job fails,
         // and its aggregator is dropped unreleased; no need to keep its cores busy).
         let stopped = Arc::new(AtomicBool::new(false));
-        // The store's batches (one request for several contributions over the worker API), as
-        // many in flight as keep `READ_AHEAD` contributions coming, at least two.
-        let batch = self.store.batch_reads();
         // Those kept from the first read (or committed as missing) first, then the rest read in
-        // the store's batches. Owned items: a stream over borrowed ones makes the job's future
-        // not provably `Send`.
+        // the store's batches (`read_in_batches`), each checked against the digest the
+        // commitment names for it (the store is not trusted to serve those bytes; `open_one`
+        // checks them on all cores). Owned items: a stream over borrowed ones makes the job's
+        // future not provably `Send`.
         let mut in_hand = Vec::new();
         let mut to_read = Vec::new();
         for input in inputs {
@@ -80,12 +78,11 @@ impl<S: JobStore + 'static> Worker<S> {
                 Listed::ToRead(reread, blob_key) => to_read.push((reread, blob_key)),
             }
         }
+        let read = self
+            .read_in_batches(to_read, |reread| not_committed(&reread.0))
+            .map(|read| read.and_then(|(reread, stored)| served(reread, stored)));
         let opened = futures_util::stream::iter(in_hand)
-            .chain(
-                futures_util::stream::iter(in_batches(to_read, batch))
-                    .map(|to_read| self.read_batch(to_read))
-                    .flatten_unordered(batches_in_flight(batch)),
-            )
+            .chain(read)
             .map(|read| {
                 let aggregator = Arc::clone(aggregator);
                 let (opening, stopped) = (Arc::clone(&opening), Arc::clone(&stopped));
@@ -106,19 +103,28 @@ impl<S: JobStore + 'static> Worker<S> {
             })
             .buffer_unordered(READ_AHEAD + cores);
         let mut opened = std::pin::pin!(opened);
-        let mut renewed = Instant::now();
-        while let Some(buffer) = opened.next().await {
-            match buffer {
-                Ok(Some(buffer)) => self.buffers.give(buffer),
-                Ok(None) => {}
-                Err(error) => {
+        // The runtime's clock, as the timeout below keeps it.
+        let mut renewed = tokio::time::Instant::now();
+        loop {
+            // Renewed on time even while nothing completes (a store that stalls mid-batch):
+            // a lease lost meanwhile stops the job at the next renewal.
+            let wait = (self.config.lease / 4).saturating_sub(renewed.elapsed());
+            let next = tokio::time::timeout(wait, opened.next()).await;
+            if renewed.elapsed() >= self.config.lease / 4 {
+                if let Err(error) = renew().await {
+                    stopped.store(true, Ordering::Relaxed);
+                    return Err(error.into());
+                }
+                renewed = tokio::time::Instant::now();
+            }
+            match next {
+                Err(_) | Ok(Some(Ok(None))) => {}
+                Ok(None) => break,
+                Ok(Some(Ok(Some(buffer)))) => self.buffers.give(buffer),
+                Ok(Some(Err(error))) => {
                     stopped.store(true, Ordering::Relaxed);
                     return Err(error);
                 }
-            }
-            if renewed.elapsed() >= self.config.lease / 4 {
-                renew().await?;
-                renewed = Instant::now();
             }
         }
         renew().await?;
@@ -183,69 +189,6 @@ impl<S: JobStore + 'static> Worker<S> {
         renew().await?;
         Ok(())
     }
-
-    /// One batch of contributions to read, as they arrive: read in one `fetch_batch` with the
-    /// digests the commitment names for them (the store is not trusted to serve those bytes;
-    /// `open_one` checks them on all cores). Exactly one item per input (`one_per`).
-    fn read_batch(&self, to_read: Vec<(Reread, String)>) -> Paired<'_, Reread> {
-        let (rereads, keys): (Vec<Reread>, Vec<String>) = to_read.into_iter().unzip();
-        let fetched = self.store.fetch_batch(keys, &self.buffers);
-        one_per(rereads, fetched, |reread| not_committed(&reread.0))
-            .map(|read| read.and_then(|(reread, stored)| served(reread, stored)))
-            .boxed()
-    }
-}
-
-/// `items` in batches of `size` (the last one shorter), as the store reads them
-/// (`JobStore::batch_reads`).
-pub(super) fn in_batches<T>(items: Vec<T>, size: usize) -> impl Iterator<Item = Vec<T>> {
-    let mut items = items.into_iter();
-    std::iter::from_fn(move || {
-        let next: Vec<T> = items.by_ref().take(size.max(1)).collect();
-        (!next.is_empty()).then_some(next)
-    })
-}
-
-/// The batches in flight at once for batches of `size`: as many as keep `READ_AHEAD`
-/// contributions coming, at least two (one being answered while the next is asked for).
-pub(super) fn batches_in_flight(size: usize) -> usize {
-    (READ_AHEAD / size.max(1)).max(2)
-}
-
-/// Contributions read, each with what it was read for (`one_per`).
-pub(super) type Paired<'a, T> = BoxStream<'a, Result<(T, Option<Vec<u8>>), StoreError>>;
-
-/// What `JobStore::fetch_batch` served, one item per tag in order: where the store served
-/// fewer items than it was named keys, each tag left over yields `short(tag)`, and where it
-/// serves more (read to its end, so a worker API answer is checked whole and its connection
-/// kept), one error follows the last tag's item. The job then fails: no contribution it names is
-/// ever left out silently.
-pub(super) fn one_per<'a, T: Send + 'a>(
-    tags: Vec<T>,
-    fetched: BoxStream<'a, Result<Option<Vec<u8>>, StoreError>>,
-    short: fn(&T) -> StoreError,
-) -> Paired<'a, T> {
-    futures_util::stream::unfold(Some((tags.into_iter(), fetched)), move |state| async move {
-        let (mut tags, mut fetched) = state?;
-        let Some(tag) = tags.next() else {
-            return match fetched.next().await {
-                None => None,
-                Some(Err(error)) => Some((Err(error), None)),
-                Some(Ok(_)) => Some((
-                    Err(StoreError::Backend(
-                        "the store served more contributions than a batch of reads named".into(),
-                    )),
-                    None,
-                )),
-            };
-        };
-        let item = match fetched.next().await {
-            Some(stored) => stored.map(|stored| (tag, stored)),
-            None => Err(short(&tag)),
-        };
-        Some((item, Some((tags, fetched))))
-    })
-    .boxed()
 }
 
 /// Sets its flag when dropped, unless disarmed.
@@ -344,7 +287,7 @@ fn not_committed(assignment_ref: &str) -> StoreError {
 
 /// A contribution to open: its ref, and the digest its bytes must have (`None` when they are the
 /// ones this job read and digested itself).
-type Reread = (String, Option<[u8; 32]>);
+pub(super) type Reread = (String, Option<[u8; 32]>);
 
 /// Checks a contribution against its committed digest and adds it (the check just before it is
 /// opened, while its bytes are in this core's cache); gives back its buffer, or its ref when it
@@ -364,61 +307,4 @@ fn open_one<A: Opens>(
     }
     let _ = aggregator.add(&assignment_ref, stored.as_deref());
     Ok(stored)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn served_items(count: usize) -> BoxStream<'static, Result<Option<Vec<u8>>, StoreError>> {
-        futures_util::stream::iter((0..count).map(|i| Ok(Some(vec![i as u8])))).boxed()
-    }
-
-    async fn paired(tags: usize, served: usize) -> Vec<Result<(usize, Option<Vec<u8>>), String>> {
-        one_per((0..tags).collect(), served_items(served), |tag| {
-            StoreError::Backend(format!("short at {tag}"))
-        })
-        .map(|item| item.map_err(|e| e.to_string()))
-        .collect()
-        .await
-    }
-
-    #[tokio::test]
-    async fn a_batch_served_whole_pairs_each_item_with_its_tag() {
-        let items = paired(3, 3).await;
-        let tags: Vec<usize> = items.iter().map(|item| item.as_ref().unwrap().0).collect();
-        assert_eq!(tags, [0, 1, 2]);
-        assert_eq!(items[2].as_ref().unwrap().1, Some(vec![2]));
-    }
-
-    #[tokio::test]
-    async fn a_batch_served_short_yields_an_error_for_every_tag_left_over() {
-        let items = paired(3, 1).await;
-        assert_eq!(items.len(), 3);
-        assert!(items[0].is_ok());
-        assert_eq!(items[1].as_ref().unwrap_err(), "store: short at 1");
-        assert_eq!(items[2].as_ref().unwrap_err(), "store: short at 2");
-    }
-
-    #[tokio::test]
-    async fn a_batch_served_long_ends_in_an_error() {
-        let items = paired(2, 3).await;
-        assert_eq!(items.len(), 3);
-        assert!(items[..2].iter().all(Result::is_ok));
-        assert!(
-            items[2]
-                .as_ref()
-                .unwrap_err()
-                .contains("more contributions")
-        );
-    }
-
-    #[test]
-    fn batches_cover_every_item_once_in_order() {
-        let batches: Vec<Vec<u32>> = in_batches((0..7).collect(), 3).collect();
-        assert_eq!(batches, [vec![0, 1, 2], vec![3, 4, 5], vec![6]]);
-        assert_eq!(in_batches(vec![1], 0).count(), 1);
-        assert_eq!(batches_in_flight(1), READ_AHEAD);
-        assert_eq!(batches_in_flight(32), 2);
-    }
 }
