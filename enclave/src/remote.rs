@@ -161,7 +161,8 @@ impl HttpJobStore {
                     let response = self.waited(self.send(request)).await??;
                     if response.status() == StatusCode::NOT_FOUND {
                         // The worker API off (its problem names it), or a server without the route.
-                        let body: serde_json::Value = response.json().await.unwrap_or_default();
+                        let body: serde_json::Value =
+                            self.waited(response.json()).await?.unwrap_or_default();
                         let detail = body["detail"].as_str().unwrap_or("no such route");
                         return Err(StoreError::Backend(format!(
                             "the worker API answered 404 to a batch of contributions ({detail}); if the server predates the route, upgrade the server together with its confed-enclave workers"

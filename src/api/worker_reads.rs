@@ -57,10 +57,11 @@ pub(super) async fn contributions(
             "`keys[{index}]` is not a contribution key (segments of A-Z a-z 0-9 . _ - separated by `/`, none starting with `.`, at most 1024 bytes): send the keys the job lists"
         )));
     }
-    let store = store(&state);
+    // One store for the whole batch, shared by its reads (not a copy of its handles per key).
+    let store = std::sync::Arc::new(store(&state));
     let frames = futures_util::stream::iter(request.keys)
         .map(move |key| {
-            let store = store.clone();
+            let store = std::sync::Arc::clone(&store);
             async move {
                 let read = store.fetch_into(&key, SENT_BUFFERS.take()).await;
                 (key, read)
