@@ -18,7 +18,7 @@ use confed_worker_api::wire::{BlobSource, ContributionWire, JobWire, resolve};
 use sha2::{Digest, Sha256};
 
 use crate::blob::{BlobError, BlobKey, BlobStore, SealedReader};
-use crate::db::jobs::{JobContext, LeasedJob, NewRelease};
+use crate::db::jobs::{JobContext, LeasedJob, NewRelease, StoredContribution};
 use crate::db::partitions::LeasedPartition;
 use crate::db::{Db, DbError, NewModel};
 use crate::keys::directory::KeyDirectory;
@@ -135,7 +135,11 @@ impl TaskDbJobStore {
     }
 
     /// The job as the enclave sees it; `Err(reason)` when the stored job cannot be run at all.
-    pub(crate) fn wire(&self, context: &JobContext) -> Result<JobWire, String> {
+    pub(crate) fn wire(
+        &self,
+        context: &JobContext,
+        contributions: &[StoredContribution],
+    ) -> Result<JobWire, String> {
         let key_id = context
             .key_id
             .clone()
@@ -161,8 +165,7 @@ impl TaskDbJobStore {
                 .policy(&context.task.id, &context.task.tenant_id)
                 .encode(),
             model_key: context.model.blob_key.clone(),
-            contributions: context
-                .contributions
+            contributions: contributions
                 .iter()
                 .map(|c| match &c.blake3_hex {
                     Some(hex) => ContributionWire::Digested(
@@ -219,7 +222,12 @@ impl TaskDbJobStore {
                 .job_context(taken.round_id())
                 .await
                 .map_err(db_error)?;
-            let wire = match self.wire(&context) {
+            let contributions = self
+                .db
+                .job_contributions(taken.round_id())
+                .await
+                .map_err(db_error)?;
+            let wire = match self.wire(&context, &contributions) {
                 Ok(wire) => wire,
                 Err(reason) => {
                     self.fail_unrunnable(&taken, &reason).await?;
@@ -231,7 +239,7 @@ impl TaskDbJobStore {
                     return Ok(Some(partitions::partition_wire(wire, partition)));
                 }
                 Taken::Job(job) => {
-                    if self.plan(&context, &job.holder).await? {
+                    if self.plan(&context, &contributions, &job.holder).await? {
                         // Cut into partitions: lease one of them instead.
                         continue;
                     }

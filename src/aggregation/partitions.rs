@@ -13,7 +13,7 @@ use confed_worker_api::wire::{JobWire, PartitioningWire};
 
 use super::{TaskDbJobStore, backend, blob_error, db_error};
 use crate::blob::{BlobError, BlobKey, BlobStore, is_partition_key};
-use crate::db::jobs::JobContext;
+use crate::db::jobs::{JobContext, StoredContribution};
 use crate::db::partitions::{LeasedPartition, StoredPartition};
 use crate::db::{Db, DbError, Resumed};
 use crate::states::RoundState;
@@ -111,6 +111,7 @@ impl TaskDbJobStore {
     pub(crate) async fn plan(
         &self,
         context: &JobContext,
+        contributions: &[StoredContribution],
         worker: &str,
     ) -> Result<bool, StoreError> {
         let round_id = &context.round.id;
@@ -126,16 +127,17 @@ impl TaskDbJobStore {
         }
         let count = self
             .partitioning
-            .partitions_of(&context.task.spec, context.contributions.len());
+            .partitions_of(&context.task.spec, contributions.len());
         if count > 1 {
-            self.digest_direct_uploads(context, worker).await?;
+            self.digest_direct_uploads(context, contributions, worker)
+                .await?;
         }
         self.db
             .plan_job(round_id, worker, count)
             .await
             .map_err(db_error)?;
         if count > 1 {
-            tracing::info!(round = %round_id, partitions = count, contributions = context.contributions.len(),
+            tracing::info!(round = %round_id, partitions = count, contributions = contributions.len(),
                 "aggregation job cut into partitions");
         }
         Ok(count > 1)
@@ -150,10 +152,10 @@ impl TaskDbJobStore {
     async fn digest_direct_uploads(
         &self,
         context: &JobContext,
+        contributions: &[StoredContribution],
         worker: &str,
     ) -> Result<(), StoreError> {
-        let undigested: Vec<(String, String)> = context
-            .contributions
+        let undigested: Vec<(String, String)> = contributions
             .iter()
             .filter(|c| c.blake3_hex.is_none())
             .map(|c| (c.assignment_ref.clone(), c.blob_key.clone()))

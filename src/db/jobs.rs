@@ -90,8 +90,6 @@ pub struct JobContext {
     pub round: rounds::RoundRecord,
     pub key_id: Option<String>,
     pub model: models::ModelRecord,
-    /// The round's completed contributions, sorted by ref.
-    pub contributions: Vec<StoredContribution>,
     pub release: Option<ReleaseRecord>,
     /// The release of round `round - 1`, for tasks that clip adaptively (its manifest gives this
     /// round's clip norm) or run BLT noise (it names the state this round continues); `None`
@@ -283,7 +281,9 @@ impl Db {
         .await
     }
 
-    /// What a worker needs for a job (read-only).
+    /// What a job is (read-only): its task, round, key, model and releases, but not its
+    /// contributions (`job_contributions`), which only a lease hands out: every later write of
+    /// the job reads its context again, and a round's listing is a row per contribution.
     pub async fn job_context(&self, round_id: &str) -> Result<JobContext, DbError> {
         let mut conn = self.pool().acquire().await?;
         let round = rounds::load_one(&mut conn, round_id).await?;
@@ -294,23 +294,6 @@ impl Db {
             .await?;
         let base = task.spec.base_model_version(round.round_number);
         let model = models::load(&mut conn, &task.id, base).await?;
-        let rows: Vec<(String, String, Option<String>)> = sqlx::query_as(
-            "SELECT id, blob_key, contribution_blake3 FROM assignments WHERE round_id = $1 \
-             AND state = 'COMPLETED' AND blob_key IS NOT NULL ORDER BY id",
-        )
-        .bind(round_id)
-        .fetch_all(&mut *conn)
-        .await?;
-        let contributions = rows
-            .into_iter()
-            .map(
-                |(assignment_ref, blob_key, blake3_hex)| StoredContribution {
-                    assignment_ref,
-                    blob_key,
-                    blake3_hex,
-                },
-            )
-            .collect();
         let release = load_release(&mut conn, round_id).await?;
         let continues = task.spec.privacy.adaptive_clipping.is_some() || task.spec.privacy.is_blt();
         let previous_release = match continues {
@@ -334,10 +317,34 @@ impl Db {
             round,
             key_id,
             model,
-            contributions,
             release,
             previous_release,
         })
+    }
+
+    /// The round's completed contributions, sorted by ref: what a job lists.
+    pub async fn job_contributions(
+        &self,
+        round_id: &str,
+    ) -> Result<Vec<StoredContribution>, DbError> {
+        let mut conn = self.pool().acquire().await?;
+        let rows: Vec<(String, String, Option<String>)> = sqlx::query_as(
+            "SELECT id, blob_key, contribution_blake3 FROM assignments WHERE round_id = $1 \
+             AND state = 'COMPLETED' AND blob_key IS NOT NULL ORDER BY id",
+        )
+        .bind(round_id)
+        .fetch_all(&mut *conn)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(
+                |(assignment_ref, blob_key, blake3_hex)| StoredContribution {
+                    assignment_ref,
+                    blob_key,
+                    blake3_hex,
+                },
+            )
+            .collect())
     }
 
     /// Records the round's release and moves it AGGREGATING -> APPLYING, in one transaction.

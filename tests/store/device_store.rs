@@ -416,9 +416,8 @@ async fn a_rounds_job_lists_the_digest_recorded_with_each_upload() {
                 "{engine}"
             );
         }
-        let context = app.db.job_context(&round).await.unwrap();
-        let mut listed: Vec<(&str, Option<&str>)> = context
-            .contributions
+        let contributions = app.db.job_contributions(&round).await.unwrap();
+        let mut listed: Vec<(&str, Option<&str>)> = contributions
             .iter()
             .map(|c| (c.blob_key.as_str(), c.blake3_hex.as_deref()))
             .collect();
