@@ -306,7 +306,11 @@ fn bench_noise(c: &mut Criterion) {
     let g = noise_scale();
     for threads in [1, 2] {
         let p = pool(threads);
+        // A Gaussian round's release noise (`sampler_steps`), then the scalar draws' sampler.
         group.bench_function(format!("discrete_gaussian_{threads}_threads"), |b| {
+            b.iter(|| p.install(|| black_box(noise::samples_steps(n, &g, &[3; 32]))))
+        });
+        group.bench_function(format!("discrete_gaussian_cks_{threads}_threads"), |b| {
             b.iter(|| p.install(|| black_box(noise::samples(n, &g, &[3; 32]))))
         });
     }
@@ -618,21 +622,31 @@ fn summary(small: &Fixture, large: &Fixture, large_params: usize) {
     }
     let g = noise_scale();
     let n = 1 << 22;
-    for threads in [1, 2] {
-        let p = pool(threads);
-        let s = time(
-            || {
-                p.install(|| {
-                    black_box(noise::samples(n, &g, &[5; 32]));
-                })
-            },
-            3,
-        )
-        .as_secs_f64();
-        println!(
-            "noise: {threads} thread(s) {:.1} million coordinates/s",
-            n as f64 / s / 1e6
-        );
+    type Draw = fn(usize, &DiscreteGaussian, &[u8; 32]) -> Vec<i64>;
+    let samplers: [(&str, Draw); 2] = [
+        (
+            "a Gaussian round's release (sampler_steps)",
+            noise::samples_steps,
+        ),
+        ("trees, counts and analytics (sampler)", noise::samples),
+    ];
+    for (what, draw) in samplers {
+        for threads in [1, 2] {
+            let p = pool(threads);
+            let s = time(
+                || {
+                    p.install(|| {
+                        black_box(draw(n, &g, &[5; 32]));
+                    })
+                },
+                3,
+            )
+            .as_secs_f64();
+            println!(
+                "noise, {what}: {threads} thread(s) {:.1} million coordinates/s",
+                n as f64 / s / 1e6
+            );
+        }
     }
     for (params, counts, evaluating) in [
         (large_params, [8usize, 32], false),

@@ -596,10 +596,14 @@ impl<S: JobStore + 'static> Worker<S> {
             crate::masked::check_ring(&masking.layout(), inputs.len(), masking.noise_variance)?;
             crate::masked::check_unmask_inputs(inputs.len())?;
         }
-        let mut inputs_digest = privacy.bind_round_choices(inputs_digest);
-        if let Some(state) = blt_state {
-            inputs_digest = inputs::bind_blt_state(&inputs_digest, state.as_ref());
-        }
+        let inputs_digest = privacy.bind_round_choices(inputs_digest);
+        // Last, the sampler the release's noise is drawn with (with BLT's state): an enclave that
+        // draws other values from the same key gets another commitment for the round.
+        let inputs_digest = match (blt_state, &privacy.mechanism) {
+            (Some(state), _) => inputs::bind_blt_state(&inputs_digest, state.as_ref()),
+            (None, Mechanism::Gaussian) => inputs::bind_gaussian_sampler(&inputs_digest),
+            (None, _) => inputs_digest,
+        };
         phases.read = step.elapsed();
         let keyed = self.key_for(job, context, inputs_digest, phases).await?;
         // Only the step that noises continues the BLT state: a partition only binds its digest

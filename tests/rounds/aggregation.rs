@@ -61,9 +61,11 @@ async fn three_rounds_complete_with_consistent_manifests_and_a_model_that_follow
         let params = model_values(&simulate::initial_model(7)).len();
         let mut mean = vec![0f64; params];
         let mut refs = Vec::new();
+        let mut listed = Vec::new();
         let context = system.db.round_context(&task, round as i64).await.unwrap();
         for (assignment_ref, blob_key) in &contributions {
             let stored = system.store.fetch(blob_key).await.unwrap().unwrap();
+            listed.push((assignment_ref.clone(), *blake3::hash(&stored).as_bytes()));
             let envelope = confed_protocol::envelope::Envelope::from_cbor(&stored).unwrap();
             let plain =
                 confed_enclave::envelope::open(&key, &envelope, &context, assignment_ref).unwrap();
@@ -117,6 +119,18 @@ async fn three_rounds_complete_with_consistent_manifests_and_a_model_that_follow
         );
         assert!(manifest.excluded.is_empty());
         assert!(manifest.privacy.epsilon_spent <= 50.0);
+        // The inputs digest as protocol.md writes it: every contribution in ref order, then (a
+        // Gaussian round) the sampler its noise is drawn with.
+        listed.sort();
+        let mut inputs = blake3::Hasher::new();
+        for (assignment_ref, digest) in &listed {
+            inputs.update(assignment_ref.as_bytes());
+            inputs.update(&[1]);
+            inputs.update(digest);
+        }
+        let inputs = inputs.finalize().to_hex();
+        let named = blake3::hash(format!("{inputs}sampler=steps-v1").as_bytes());
+        assert_eq!(manifest.inputs_digest, named.to_hex().as_str());
 
         // The model moved by learning rate 1 x (the devices' clipped mean + noise of the
         // recorded size), and in the devices' direction.

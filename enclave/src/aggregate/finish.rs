@@ -226,7 +226,9 @@ fn noised_average(
                 },
             );
             let mut sum = sum.into_sum();
-            noise::add(&mut sum, noise, &seed);
+            // Drawn with the sampler the round's inputs digest names
+            // (`inputs::bind_gaussian_sampler`).
+            noise::add_steps(&mut sum, noise, &seed);
             let values: Vec<f32> = sum
                 .iter()
                 .map(|&units| grid::to_average(units, privacy.clip_norm, count))

@@ -101,6 +101,22 @@ pub fn bind_on_demand_evaluation(inputs_digest: &str) -> String {
 /// noise would average it away).
 pub const BLT_SAMPLER: &str = "steps-v1";
 
+/// The sampler a Gaussian round's release noise is drawn with (`noise::add_steps`), as bound
+/// into its inputs digest, for the reason `BLT_SAMPLER` is.
+pub const GAUSSIAN_SAMPLER: &str = "steps-v1";
+
+/// The inputs digest of a Gaussian round: `BLAKE3(inputs_digest (64 ASCII hex) || "sampler=" ||
+/// GAUSSIAN_SAMPLER)`, bound last. Enclaves before it drew the release's noise with `sampler`
+/// from the same key and named no sampler: their commitment for a round differs from this one's,
+/// so the key services' ledger (one commitment per round) lets only one of the two release it.
+pub fn bind_gaussian_sampler(inputs_digest: &str) -> String {
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(inputs_digest.as_bytes());
+    hasher.update(b"sampler=");
+    hasher.update(GAUSSIAN_SAMPLER.as_bytes());
+    super::hex(hasher.finalize().as_bytes())
+}
+
 /// The inputs digest of a BLT round: `BLAKE3(inputs_digest (64 ASCII hex) || "blt_state=" ||
 /// BLAKE3 hex of the sealed state it continues, or "initial" in round 1 || ";sampler=" ||
 /// BLT_SAMPLER)`. The release commitment then names the state, and the key services' ledger (one
@@ -209,6 +225,20 @@ mod tests {
             digest: bytes.map(|b| *blake3::hash(b).as_bytes()),
             retained: None,
         }
+    }
+
+    /// The documented form: BLAKE3 of the digest's 64 hex characters then `sampler=steps-v1`;
+    /// a Gaussian round's commitment then differs from an older enclave's (which named no
+    /// sampler) and from a BLT round's over the same inputs.
+    #[test]
+    fn a_gaussian_rounds_digest_names_its_sampler_as_documented() {
+        let digest = "ab".repeat(32);
+        let bound = bind_gaussian_sampler(&digest);
+        let expected = blake3::hash(format!("{digest}sampler=steps-v1").as_bytes());
+        assert_eq!(bound, super::super::hex(expected.as_bytes()));
+        assert_ne!(bound, digest);
+        assert_ne!(bound, bind_blt_state(&digest, None));
+        assert_eq!(bound, bind_gaussian_sampler(&digest));
     }
 
     #[test]

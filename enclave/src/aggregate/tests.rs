@@ -364,6 +364,44 @@ fn noises_over_inputs_differing_in_one_contributions_bytes_are_uncorrelated() {
     assert!(x.iter().any(|&v| v != 0.0), "the release is noised");
 }
 
+/// A Gaussian round's release noise comes from `sampler_steps` (`noise::add_steps`), the sampler
+/// the worker names in the round's inputs digest, keyed as documented: with every input zero,
+/// the released values are exactly those draws on the grid. Drawn with `sampler` (`noise::add`)
+/// from the same key, they would differ.
+#[test]
+fn a_gaussian_release_draws_its_noise_with_the_sampler_its_digest_names() {
+    let len = 3 * (1 << 14) + 5;
+    let r = round(len);
+    let inputs: Vec<_> = (0..2)
+        .map(|i| sealed(&r, &format!("a{i}"), ROUND, &update(&vec![0.0; len])))
+        .map(|(id, bytes)| (id, Some(bytes)))
+        .collect();
+    let release = release_of(&r, binding(), &inputs);
+    let seed = noise::seed(
+        &r.private,
+        &noise::NoiseBinding {
+            context: &binding().context,
+            inputs_digest: &release.manifest.inputs_digest,
+        },
+    );
+    let recorded = release.manifest.noise.variance_grid;
+    let gaussian = crate::dp::DiscreteGaussian::with_variance(recorded);
+    let on_grid = |draws: Vec<i64>| -> Vec<f32> {
+        draws
+            .into_iter()
+            .map(|units| grid::to_average(units, privacy().clip_norm, 2))
+            .collect()
+    };
+    assert_eq!(
+        release.values,
+        on_grid(noise::samples_steps(len, &gaussian, &seed))
+    );
+    assert_ne!(
+        release.values,
+        on_grid(noise::samples(len, &gaussian, &seed))
+    );
+}
+
 fn correlation(x: &[f64], y: &[f64]) -> f64 {
     let n = x.len() as f64;
     let (mx, my) = (x.iter().sum::<f64>() / n, y.iter().sum::<f64>() / n);
