@@ -597,12 +597,21 @@ impl<S: JobStore + 'static> Worker<S> {
             crate::masked::check_unmask_inputs(inputs.len())?;
         }
         let inputs_digest = privacy.bind_round_choices(inputs_digest);
-        // Last, the sampler the release's noise is drawn with (with BLT's state): an enclave that
-        // draws other values from the same key gets another commitment for the round.
-        let inputs_digest = match (blt_state, &privacy.mechanism) {
-            (Some(state), _) => inputs::bind_blt_state(&inputs_digest, state.as_ref()),
-            (None, Mechanism::Gaussian) => inputs::bind_gaussian_sampler(&inputs_digest),
-            (None, _) => inputs_digest,
+        // Last, the sampler the release's noise is drawn with, by the policy's mechanism (with
+        // BLT's state): an enclave that draws other values from the same key gets another
+        // commitment for the round.
+        let inputs_digest = match (&privacy.mechanism, blt_state) {
+            (Mechanism::Blt(_), Some(state)) => {
+                inputs::bind_blt_state(&inputs_digest, state.as_ref())
+            }
+            (Mechanism::Gaussian, _) => inputs::bind_gaussian_sampler(&inputs_digest),
+            // Tree nodes keep `sampler`: every round of a tree draws them alike.
+            (Mechanism::Tree { .. }, _) => inputs_digest,
+            (Mechanism::Blt(_), None) => {
+                return Err(JobError::MalformedJob(
+                    "a BLT round without the state it continues".into(),
+                ));
+            }
         };
         phases.read = step.elapsed();
         let keyed = self.key_for(job, context, inputs_digest, phases).await?;

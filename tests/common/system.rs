@@ -297,3 +297,16 @@ pub(crate) async fn assert_released_every_contribution_once(
         confed_enclave::aggregate::digest(&refs)
     );
 }
+
+/// The inputs digest a Gaussian round's `job` commits to (protocol.md, `inputs_digest`): every
+/// listed contribution in ref order, then the sampler its release noise is drawn with.
+pub(crate) fn gaussian_inputs_digest(job: &confed_worker_api::store::JobSpec) -> String {
+    use confed_enclave::aggregate::inputs;
+    let mut listed: Vec<(&str, Option<&[u8; 32]>)> = job
+        .contributions
+        .iter()
+        .map(|c| (c.assignment_ref.as_str(), c.blake3.as_ref()))
+        .collect();
+    listed.sort();
+    inputs::bind_gaussian_sampler(&inputs::inputs_digest(listed))
+}

@@ -128,6 +128,11 @@ async fn a_masked_round_in_two_partitions_releases_the_bytes_one_worker_would() 
     assert_eq!(merged.average, whole.average);
     assert_eq!(merged.manifest.to_json(), whole.manifest.to_json());
     assert_eq!(merged.manifest.included, DEVICES as u64);
+    // Partitions, root and one worker commit to the inputs and the sampler alike.
+    assert_eq!(
+        merged.manifest.inputs_digest,
+        common::system::gaussian_inputs_digest(&root)
+    );
     let masking = merged.manifest.masking.as_ref().expect("a masked release");
     assert_eq!(masking.answered, vec![1, 2, 3]);
     // The probe's lease lapses; a worker takes the root and commits those bytes.

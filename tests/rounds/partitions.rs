@@ -97,6 +97,11 @@ async fn releases_the_one_worker_bytes(partitions: u32) {
     assert_eq!(merged.average, whole.average);
     assert_eq!(merged.manifest.to_json(), whole.manifest.to_json());
     assert_eq!(merged.manifest.included, devices as u64);
+    // Partitions, root and one worker commit to the inputs and the sampler alike.
+    assert_eq!(
+        merged.manifest.inputs_digest,
+        common::system::gaussian_inputs_digest(&root)
+    );
     // The probe's lease lapses; a worker takes the root and commits those bytes.
     clock.advance(LEASE + Duration::from_secs(1));
     let outcome = system.worker("w1").run_once().await.unwrap().unwrap();

@@ -95,31 +95,31 @@ pub fn bind_on_demand_evaluation(inputs_digest: &str) -> String {
     super::hex(hasher.finalize().as_bytes())
 }
 
-/// The sampler BLT noise is drawn with, as bound into a BLT round's inputs digest: an enclave
-/// whose sampler maps the noise stream to other values must name another, so that it cannot
-/// finish a round an enclave of the other kind started (two releases of one round with other
-/// noise would average it away).
-pub const BLT_SAMPLER: &str = "steps-v1";
+/// The stream-to-value map of the step sampler (`noise::add_steps`, `dp::sampler_steps`) that a
+/// BLT round's and a Gaussian round's release noise is drawn with, as bound into their inputs
+/// digests: an enclave whose noise maps the stream to other values must name another, so that it
+/// cannot finish a round an enclave of the other kind started (two releases of one round with
+/// other noise would average it away). `noise`'s known-answer tests pin the values it names.
+pub const STEPS_SAMPLER: &str = "steps-v1";
 
-/// The sampler a Gaussian round's release noise is drawn with (`noise::add_steps`), as bound
-/// into its inputs digest, for the reason `BLT_SAMPLER` is.
-pub const GAUSSIAN_SAMPLER: &str = "steps-v1";
-
-/// The inputs digest of a Gaussian round: `BLAKE3(inputs_digest (64 ASCII hex) || "sampler=" ||
-/// GAUSSIAN_SAMPLER)`, bound last. Enclaves before it drew the release's noise with `sampler`
-/// from the same key and named no sampler: their commitment for a round differs from this one's,
-/// so the key services' ledger (one commitment per round) lets only one of the two release it.
+/// The inputs digest of a round whose policy's noise is `discrete_gaussian_on_grid`:
+/// `BLAKE3(inputs_digest (64 ASCII hex) || "sampler=" || STEPS_SAMPLER)`, bound last. Enclaves
+/// before it drew the release's noise with `sampler` from the same key and named no sampler:
+/// their commitment for a round differs from this one's, so the key services' ledger (one
+/// commitment per round) lets only one of the two release it. A masked round with distributed
+/// noise (the key services' draws are its noise, the enclave draws none) names it too: the rule
+/// follows the policy alone.
 pub fn bind_gaussian_sampler(inputs_digest: &str) -> String {
     let mut hasher = blake3::Hasher::new();
     hasher.update(inputs_digest.as_bytes());
     hasher.update(b"sampler=");
-    hasher.update(GAUSSIAN_SAMPLER.as_bytes());
+    hasher.update(STEPS_SAMPLER.as_bytes());
     super::hex(hasher.finalize().as_bytes())
 }
 
 /// The inputs digest of a BLT round: `BLAKE3(inputs_digest (64 ASCII hex) || "blt_state=" ||
 /// BLAKE3 hex of the sealed state it continues, or "initial" in round 1 || ";sampler=" ||
-/// BLT_SAMPLER)`. The release commitment then names the state, and the key services' ledger (one
+/// STEPS_SAMPLER)`. The release commitment then names the state, and the key services' ledger (one
 /// commitment per round) lets each round continue exactly one: no rolled-back or forked state is
 /// ever continued. It names the sampler too, so the ledger also refuses a second release of a
 /// round by an enclave version that draws other noise from the same key.
@@ -132,7 +132,7 @@ pub fn bind_blt_state(inputs_digest: &str, state: Option<&[u8; 32]>) -> String {
         None => hasher.update(b"initial"),
     };
     hasher.update(b";sampler=");
-    hasher.update(BLT_SAMPLER.as_bytes());
+    hasher.update(STEPS_SAMPLER.as_bytes());
     super::hex(hasher.finalize().as_bytes())
 }
 

@@ -17,7 +17,7 @@
 //! output does not depend on the number of threads.
 //!
 //! Two exact samplers map a stream to values. A Gaussian round's release draws with
-//! `sampler_steps` (`add_steps`, the one BLT's rounds use), about seven times faster than
+//! `sampler_steps` (`add_steps`, the one BLT's rounds use), about five times faster than
 //! `sampler` at the grid's scales; the round's inputs digest names it
 //! (`inputs::bind_gaussian_sampler`). Everything whose values must not change between versions
 //! keeps `sampler` (`add`): DP-FTRL's tree nodes, shared by every round of a tree, and the
@@ -223,4 +223,75 @@ pub fn samples_steps(count: usize, noise: &DiscreteGaussian, seed: &[u8; 32]) ->
     let mut out = vec![0i64; count];
     add_steps(&mut out, noise, seed);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// BLAKE3 over `draws` as little-endian i64s.
+    fn pinned(draws: &[i64]) -> String {
+        let mut hasher = blake3::Hasher::new();
+        for draw in draws {
+            hasher.update(&draw.to_le_bytes());
+        }
+        hasher.finalize().to_hex().to_string()
+    }
+
+    /// Three blocks and a part of a fourth, at the smallest variance, a grid-sized one and the
+    /// largest.
+    const COUNT: usize = 3 * BLOCK + 5;
+    const VARIANCES: [u64; 3] = [1, 937_000 * 937_000 + 12_345, 1 << 60];
+
+    /// Known answers for the values a Gaussian round's release noise maps the stream to. The
+    /// release commitment names them (`inputs::STEPS_SAMPLER`): a change of these values (the
+    /// blocks, the bit order, the sampler's steps) is a new sampler and needs a new name there,
+    /// or an enclave of the new version and one of the old could each release a round with
+    /// other noise.
+    #[test]
+    fn the_step_samplers_values_are_the_ones_its_name_stands_for() {
+        let answers: Vec<String> = VARIANCES
+            .iter()
+            .map(|&v| {
+                pinned(&samples_steps(
+                    COUNT,
+                    &DiscreteGaussian::with_variance(v),
+                    &[7; 32],
+                ))
+            })
+            .collect();
+        assert_eq!(
+            answers,
+            [
+                "f40f698d1312ae4dd6d23f0bc13289f56d730fd8a2951e6a596c3c40889253ec",
+                "cdb3f054b2cfece84b9a6012b2e31e9deca6cf9271aca76690c3e2a537ef9293",
+                "e8f90224b09ba495c7aebabda683c4ee2315c8c84684f2b13bc14ccad1f915f6",
+            ]
+        );
+    }
+
+    /// Known answers for `add`'s values: DP-FTRL's tree nodes are drawn again by every round of
+    /// their tree, so a change of these values would give a tree's rounds other noise for the
+    /// same node.
+    #[test]
+    fn the_machine_word_samplers_values_do_not_move() {
+        let answers: Vec<String> = VARIANCES
+            .iter()
+            .map(|&v| {
+                pinned(&samples(
+                    COUNT,
+                    &DiscreteGaussian::with_variance(v),
+                    &[7; 32],
+                ))
+            })
+            .collect();
+        assert_eq!(
+            answers,
+            [
+                "02c1486bc01e079ce29b33d45a79318154f3157ddb77404af750c7a2c55214d7",
+                "60949d238a85223b04e6e11408d801c87b6adf0c830d47ca5810ee043c60c162",
+                "32e3442109cfe954ceccc48afa7ee15c22e148a6c72be03d67c93d5792b4d62f",
+            ]
+        );
+    }
 }

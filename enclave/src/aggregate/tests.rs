@@ -364,12 +364,12 @@ fn noises_over_inputs_differing_in_one_contributions_bytes_are_uncorrelated() {
     assert!(x.iter().any(|&v| v != 0.0), "the release is noised");
 }
 
-/// A Gaussian round's release noise comes from `sampler_steps` (`noise::add_steps`), the sampler
-/// the worker names in the round's inputs digest, keyed as documented: with every input zero,
-/// the released values are exactly those draws on the grid. Drawn with `sampler` (`noise::add`)
-/// from the same key, they would differ.
+/// A Gaussian round's release noise comes from `sampler_steps` (`noise::add_steps`, the sampler
+/// the worker names in the round's inputs digest, `inputs::STEPS_SAMPLER`), keyed as documented:
+/// with every input zero, the released values are exactly those draws on the grid. Drawn with
+/// `sampler` (`noise::add`) from the same key, they would differ.
 #[test]
-fn a_gaussian_release_draws_its_noise_with_the_sampler_its_digest_names() {
+fn a_gaussian_release_draws_its_noise_with_the_step_sampler() {
     let len = 3 * (1 << 14) + 5;
     let r = round(len);
     let inputs: Vec<_> = (0..2)

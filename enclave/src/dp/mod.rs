@@ -1,7 +1,8 @@
 //! Central differential privacy inside the enclave: the accounting is confed-dp's (composition,
 //! calibration, the grid, DP-FTRL's trees), over OpenDP's privacy maps (`opendp`); the noise
-//! itself is sampled here, exactly, in machine words (`sampler`), and BLT noise's rounds run here
-//! (`blt`).
+//! itself is sampled here, exactly: in machine words (`sampler`: tree nodes, scalar and analytics
+//! draws) or from a step envelope (`sampler_steps`: a Gaussian or BLT round's release), and BLT
+//! noise's rounds run here (`blt`).
 
 pub mod blt;
 mod exp_bounds;

@@ -1,4 +1,4 @@
-//! Random bits for BLT's sampler (`sampler_steps`), drawn from the caller's RNG 64 at a time
+//! Random bits for the step sampler (`sampler_steps`: a Gaussian round's release, BLT), drawn from the caller's RNG 64 at a time
 //! and handed out in the counts the sampler asks for, none wasted: the stream-to-value map is
 //! part of what makes a retried round reproduce its noise.
 

@@ -1,4 +1,4 @@
-//! BLT's discrete Gaussian sampler: the same distribution as `sampler` (the integer variance
+//! The step sampler (a Gaussian round's release noise, BLT's): the same distribution as `sampler` (the integer variance
 //! parameter `sigma^2`), drawn by rejection from a step envelope, each acceptance decided in
 //! floating point where a rigorous error bound makes the float's answer certain and exactly
 //! (`exp_bounds`) where it does not.
@@ -26,7 +26,8 @@
 //!
 //! Its values differ from the ones Karney's algorithm (this file's predecessor) drew from the same
 //! stream, and the inputs digest of a BLT round names the sampler (`inputs::bind_blt_state`), so an
-//! enclave of either version refuses to finish a round the other started.
+//! enclave of either version refuses to finish a round the other started. A Gaussian round's
+//! release draws with it too, named the same way (`inputs::bind_gaussian_sampler`).
 
 use std::sync::OnceLock;
 
@@ -175,7 +176,7 @@ pub struct StepSampler {
 }
 
 impl DiscreteGaussian {
-    /// This distribution, prepared for BLT's sampler.
+    /// This distribution, prepared for the step sampler.
     pub fn steps(&self) -> StepSampler {
         let (sigma2, _) = self.parameters();
         // ceil(sigma / 8) = ceil(sqrt(ceil(sigma^2 / 64))): the integer square is what counts.
@@ -287,7 +288,7 @@ mod tests {
     }
 
     /// The table is computed at start with the platform's `exp`; the stream-to-value map that
-    /// `inputs::BLT_SAMPLER` names must not move with a libm. The nearest mass is 470 ulps from
+    /// `inputs::STEPS_SAMPLER` names must not move with a libm. The nearest mass is 470 ulps from
     /// a rounding boundary and `c` 12,000, so a libm within an ulp gives these exactly.
     #[test]
     fn the_table_is_the_one_the_sampler_is_named_for() {
