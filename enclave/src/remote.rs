@@ -62,16 +62,37 @@ impl HttpJobStore {
         format!("{}{}{query}", self.base, route.path(id))
     }
 
+    /// Sends a call whose only success is a 2xx answer; any other is its error (a 404 too:
+    /// the worker API off, or a server without the route, never a call that took effect).
     async fn send(
         &self,
         request: reqwest::RequestBuilder,
+    ) -> Result<reqwest::Response, StoreError> {
+        self.sent(request, false).await
+    }
+
+    /// Sends a read of an object, whose 404 answer the caller reads as "no such object" (or, for
+    /// a batch, as a server without the route).
+    async fn send_read(
+        &self,
+        request: reqwest::RequestBuilder,
+    ) -> Result<reqwest::Response, StoreError> {
+        self.sent(request, true).await
+    }
+
+    async fn sent(
+        &self,
+        request: reqwest::RequestBuilder,
+        missing_is_an_answer: bool,
     ) -> Result<reqwest::Response, StoreError> {
         let response = request
             .bearer_auth(self.token.as_str())
             .send()
             .await
             .map_err(|e| StoreError::Backend(format!("worker API unreachable: {e}")))?;
-        if response.status().is_success() || response.status() == StatusCode::NOT_FOUND {
+        if response.status().is_success()
+            || (missing_is_an_answer && response.status() == StatusCode::NOT_FOUND)
+        {
             return Ok(response);
         }
         let status = response.status();
@@ -87,7 +108,9 @@ impl HttpJobStore {
     }
 
     async fn bytes(&self, route: Route, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        let response = self.send(self.http.get(self.url(route, key, ""))).await?;
+        let response = self
+            .send_read(self.http.get(self.url(route, key, "")))
+            .await?;
         if response.status() == StatusCode::NOT_FOUND {
             return Ok(None);
         }
@@ -158,7 +181,7 @@ impl HttpJobStore {
                     let keys = batch.keys.take().unwrap_or_default();
                     let url = self.url(Route::Contributions, "", "");
                     let request = self.batches.post(url).json(&BatchRequest { keys });
-                    let response = self.waited(self.send(request)).await??;
+                    let response = self.waited(self.send_read(request)).await??;
                     if response.status() == StatusCode::NOT_FOUND {
                         // The worker API off (its problem names it), or a server without the route.
                         let body: serde_json::Value =
@@ -267,7 +290,7 @@ impl JobStore for HttpJobStore {
         mut buffer: Vec<u8>,
     ) -> Result<Option<Vec<u8>>, StoreError> {
         let url = self.url(Route::Contribution, blob_key, "");
-        let mut response = self.send(self.http.get(url)).await?;
+        let mut response = self.send_read(self.http.get(url)).await?;
         if response.status() == StatusCode::NOT_FOUND {
             return Ok(None);
         }

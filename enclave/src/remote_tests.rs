@@ -179,3 +179,51 @@ async fn a_slow_consumer_reads_the_whole_batch_whatever_its_pauses() {
         [Some(b"one".to_vec()), None, Some(b"three".to_vec())]
     );
 }
+
+/// A 404 with the server's problem: what a server whose worker API is off answers every call.
+fn not_found() -> Vec<u8> {
+    let body = br#"{"type":"about:blank","title":"Not found","status":404,"detail":"the worker API is off"}"#;
+    let mut response = format!(
+        "HTTP/1.1 404 Not Found\r\ncontent-type: application/problem+json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    response.extend_from_slice(body);
+    response
+}
+
+fn store_at(url: &str) -> HttpJobStore {
+    HttpJobStore::new(url, Zeroizing::new("t".into()), Duration::from_secs(5))
+}
+
+/// A renewal, a failure report or a lease answered 404 took no effect: each is an error that
+/// names the server's reason, never a success (a worker that believed its renewal would hold a
+/// job its lease no longer covers).
+#[tokio::test]
+async fn a_404_to_a_renewal_a_failure_or_a_lease_is_an_error_with_the_servers_reason() {
+    let renewed = store_at(&answering(not_found()).await)
+        .renew("job", "w/1", Duration::from_secs(60))
+        .await;
+    let failed = store_at(&answering(not_found()).await)
+        .fail("job", "w/1", "why", false)
+        .await;
+    let leased = store_at(&answering(not_found()).await)
+        .lease("w/1", Duration::from_secs(60))
+        .await
+        .map(|_| ());
+    for outcome in [renewed, failed, leased] {
+        let error = outcome.unwrap_err().to_string();
+        assert!(
+            error.contains("404") && error.contains("the worker API is off"),
+            "{error}"
+        );
+    }
+}
+
+/// A read of an object answered 404 is that object missing, which the job then deals with
+/// (a listed contribution missing fails it; its digest was committed).
+#[tokio::test]
+async fn a_404_to_a_read_is_a_missing_object() {
+    let store = store_at(&answering(not_found()).await);
+    assert_eq!(store.fetch("c/1").await.unwrap(), None);
+}
