@@ -315,9 +315,23 @@ pub fn spent_task(
     round: u64,
     delta: f64,
 ) -> Result<(f64, f64), DpError> {
-    let rho = accountant.rho_at(scale_grid)? * units_through(mechanism, round)
-        + side.rho_through(mechanism, round);
+    let rho = rho_task(accountant, mechanism, scale_grid, side, round)?;
     Ok((rho, epsilon_of_rho(accountant, rho, delta)?))
+}
+
+/// `spent_task`'s rho alone, without the conversion to epsilon (the costly part of OpenDP's
+/// accounting): what a release needs of the round before its own.
+pub fn rho_task(
+    accountant: &dyn Accountant,
+    mechanism: Mechanism,
+    scale_grid: f64,
+    side: &SideScales,
+    round: u64,
+) -> Result<f64, DpError> {
+    Ok(
+        accountant.rho_at(scale_grid)? * units_through(mechanism, round)
+            + side.rho_through(mechanism, round),
+    )
 }
 
 #[cfg(test)]

@@ -38,7 +38,7 @@ use thiserror::Error;
 
 pub use accounting::{
     SideScales, calibrate_task, calibrated_scale, default_evaluation_stddev, default_health_stddev,
-    evaluation_too_noisy, spent_task, units_through,
+    evaluation_too_noisy, rho_task, spent_task, units_through,
 };
 pub use calibrate::{
     Calibration, MAX_NOISE_MULTIPLIER, calibrate, calibrate_units, search_scale, spent,

@@ -113,18 +113,22 @@ impl Aggregator {
             evaluation: evaluation_scale,
             health: health.as_ref().map(|(_, scale)| *scale),
         };
-        let spent = |round: u64| {
-            dp::spent_task(
+        let (rho_spent, epsilon_spent) = dp::spent_task(
+            &dp::OpenDp,
+            privacy.mechanism,
+            scale_grid,
+            &side,
+            round,
+            privacy.delta,
+        )?;
+        let rho_round = rho_spent
+            - dp::rho_task(
                 &dp::OpenDp,
                 privacy.mechanism,
                 scale_grid,
                 &side,
-                round,
-                privacy.delta,
-            )
-        };
-        let (rho_spent, epsilon_spent) = spent(round)?;
-        let rho_round = rho_spent - spent(round.saturating_sub(1))?.0;
+                round.saturating_sub(1),
+            )?;
         let manifest = Manifest {
             format: manifest::FORMAT.to_string(),
             task_id: binding.context.task_id.clone(),

@@ -12,7 +12,7 @@ pub mod sampler_bits;
 pub mod sampler_steps;
 
 pub use confed_dp::{
-    Calibration, DpError, SideScales, accounting, calibrate_task, calibrated_scale, grid,
+    Calibration, DpError, SideScales, accounting, calibrate_task, calibrated_scale, grid, rho_task,
     spent_task, tree,
 };
 pub use opendp::OpenDp;
