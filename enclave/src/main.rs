@@ -280,7 +280,7 @@ async fn run(args: Args) -> Result<()> {
                         confed_enclave::worker::JobError::Store(
                             confed_worker_api::store::StoreError::Backend(why),
                         ) => {
-                            contact.failed(format!("the worker API did not answer: {why}"));
+                            contact.failed(format!("the worker API did not serve the call: {why}"));
                             "unreachable"
                         }
                         _ => {

@@ -20,7 +20,7 @@ use confed_worker_api::store::{
     JobSpec, JobStore, ModelCommitSteps, StagedRelease, StoreError, commit_model_in_order,
 };
 use confed_worker_api::wire::{
-    BlobSource, FailRequest, JobWire, LEASE_LOST, LeaseRequest, MAX_LEASE_WAIT_SECONDS,
+    BlobSource, FailRequest, JobWire, LEASE_LOST, LeaseRequest, MAX_LEASE_WAIT_SECONDS, NOT_FOUND,
     ReleaseUpload, RenewRequest, resolve,
 };
 
@@ -68,58 +68,87 @@ impl HttpJobStore {
         &self,
         request: reqwest::RequestBuilder,
     ) -> Result<reqwest::Response, StoreError> {
-        self.sent(request, false).await
+        let response = self.dispatch(request).await?;
+        checked(response).await
     }
 
-    /// Sends a read of an object, whose 404 answer the caller reads as "no such object" (or, for
-    /// a batch, as a server without the route).
+    /// Sends a read of one object: `None` when the server answers that it has no such object
+    /// (a 404 of the `NOT_FOUND` problem type); any other 404 (the worker API off, a route the
+    /// server lacks, a proxy's page) is an error, so it is never read as a missing object.
     async fn send_read(
         &self,
         request: reqwest::RequestBuilder,
-    ) -> Result<reqwest::Response, StoreError> {
-        self.sent(request, true).await
+    ) -> Result<Option<reqwest::Response>, StoreError> {
+        let response = self.dispatch(request).await?;
+        if response.status() != StatusCode::NOT_FOUND {
+            return checked(response).await.map(Some);
+        }
+        let problem = problem_of(response).await;
+        match problem.kind.as_deref() {
+            Some(NOT_FOUND) => Ok(None),
+            _ => Err(StoreError::Backend(format!(
+                "worker API answered 404 Not Found: {}",
+                problem.detail
+            ))),
+        }
     }
 
-    async fn sent(
+    /// The request, with the worker token, sent.
+    async fn dispatch(
         &self,
         request: reqwest::RequestBuilder,
-        missing_is_an_answer: bool,
     ) -> Result<reqwest::Response, StoreError> {
-        let response = request
+        request
             .bearer_auth(self.token.as_str())
             .send()
             .await
-            .map_err(|e| StoreError::Backend(format!("worker API unreachable: {e}")))?;
-        if response.status().is_success()
-            || (missing_is_an_answer && response.status() == StatusCode::NOT_FOUND)
-        {
-            return Ok(response);
-        }
-        let status = response.status();
-        let body: serde_json::Value = response.json().await.unwrap_or_default();
-        let detail = body["detail"].as_str().unwrap_or("no detail").to_string();
-        Err(match (status, body["type"].as_str()) {
-            (StatusCode::CONFLICT, Some(LEASE_LOST)) => StoreError::LeaseLost,
-            (StatusCode::CONFLICT, _) => StoreError::Conflict(detail),
-            (StatusCode::UNPROCESSABLE_ENTITY, _) => StoreError::Refused(detail),
-            (StatusCode::SERVICE_UNAVAILABLE, _) => StoreError::Unavailable(detail),
-            _ => StoreError::Backend(format!("worker API answered {status}: {detail}")),
-        })
+            .map_err(|e| StoreError::Backend(format!("worker API unreachable: {e}")))
     }
 
     async fn bytes(&self, route: Route, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        let response = self
+        let Some(response) = self
             .send_read(self.http.get(self.url(route, key, "")))
-            .await?;
-        if response.status() == StatusCode::NOT_FOUND {
+            .await?
+        else {
             return Ok(None);
-        }
+        };
         response
             .bytes()
             .await
             .map(|b| Some(b.to_vec()))
             .map_err(|e| StoreError::Backend(e.to_string()))
     }
+}
+
+/// A problem+json answer's `type` and `detail` (`"no detail"` when the body has none).
+struct Problem {
+    kind: Option<String>,
+    detail: String,
+}
+
+async fn problem_of(response: reqwest::Response) -> Problem {
+    let body: serde_json::Value = response.json().await.unwrap_or_default();
+    Problem {
+        kind: body["type"].as_str().map(str::to_string),
+        detail: body["detail"].as_str().unwrap_or("no detail").to_string(),
+    }
+}
+
+/// `response` if it is a 2xx answer, else its error by status and problem type.
+async fn checked(response: reqwest::Response) -> Result<reqwest::Response, StoreError> {
+    let status = response.status();
+    if status.is_success() {
+        return Ok(response);
+    }
+    let problem = problem_of(response).await;
+    let detail = problem.detail;
+    Err(match (status, problem.kind.as_deref()) {
+        (StatusCode::CONFLICT, Some(LEASE_LOST)) => StoreError::LeaseLost,
+        (StatusCode::CONFLICT, _) => StoreError::Conflict(detail),
+        (StatusCode::UNPROCESSABLE_ENTITY, _) => StoreError::Refused(detail),
+        (StatusCode::SERVICE_UNAVAILABLE, _) => StoreError::Unavailable(detail),
+        _ => StoreError::Backend(format!("worker API answered {status}: {detail}")),
+    })
 }
 
 impl BlobSource for HttpJobStore {
@@ -181,16 +210,16 @@ impl HttpJobStore {
                     let keys = batch.keys.take().unwrap_or_default();
                     let url = self.url(Route::Contributions, "", "");
                     let request = self.batches.post(url).json(&BatchRequest { keys });
-                    let response = self.waited(self.send_read(request)).await??;
+                    let response = self.waited(self.dispatch(request)).await??;
                     if response.status() == StatusCode::NOT_FOUND {
                         // The worker API off (its problem names it), or a server without the route.
-                        let body: serde_json::Value =
-                            self.waited(response.json()).await?.unwrap_or_default();
-                        let detail = body["detail"].as_str().unwrap_or("no such route");
+                        let problem = self.waited(problem_of(response)).await?;
                         return Err(StoreError::Backend(format!(
-                            "the worker API answered 404 to a batch of contributions ({detail}); if the server predates the route, upgrade the server together with its confed-enclave workers"
+                            "the worker API answered 404 to a batch of contributions ({}); if the server predates the route, upgrade the server together with its confed-enclave workers",
+                            problem.detail
                         )));
                     }
+                    let response = self.waited(checked(response)).await??;
                     batch.response.insert(response)
                 }
             };
@@ -290,10 +319,9 @@ impl JobStore for HttpJobStore {
         mut buffer: Vec<u8>,
     ) -> Result<Option<Vec<u8>>, StoreError> {
         let url = self.url(Route::Contribution, blob_key, "");
-        let mut response = self.send_read(self.http.get(url)).await?;
-        if response.status() == StatusCode::NOT_FOUND {
+        let Some(mut response) = self.send_read(self.http.get(url)).await? else {
             return Ok(None);
-        }
+        };
         buffer.clear();
         // The length is the server's word: reserve for it only up to a size no contribution
         // reaches, and let a longer body grow the buffer as it arrives.

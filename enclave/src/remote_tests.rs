@@ -180,38 +180,52 @@ async fn a_slow_consumer_reads_the_whole_batch_whatever_its_pauses() {
     );
 }
 
-/// A 404 with the server's problem: what a server whose worker API is off answers every call.
-fn not_found() -> Vec<u8> {
-    let body = br#"{"type":"about:blank","title":"Not found","status":404,"detail":"the worker API is off"}"#;
+/// A 404 whose problem is of `kind`, with `detail`.
+fn answer_404(kind: &str, detail: &str) -> Vec<u8> {
+    let body =
+        serde_json::json!({"type": kind, "title": "Not found", "status": 404, "detail": detail})
+            .to_string();
     let mut response = format!(
         "HTTP/1.1 404 Not Found\r\ncontent-type: application/problem+json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
         body.len()
     )
     .into_bytes();
-    response.extend_from_slice(body);
+    response.extend_from_slice(body.as_bytes());
     response
+}
+
+/// What a server whose worker API is off answers every call.
+fn api_off() -> Vec<u8> {
+    answer_404(confed_worker_api::wire::API_OFF, "the worker API is off")
 }
 
 fn store_at(url: &str) -> HttpJobStore {
     HttpJobStore::new(url, Zeroizing::new("t".into()), Duration::from_secs(5))
 }
 
-/// A renewal, a failure report or a lease answered 404 took no effect: each is an error that
-/// names the server's reason, never a success (a worker that believed its renewal would hold a
-/// job its lease no longer covers).
+/// No call under a lease took effect when the server answered 404 (its worker API off): a
+/// renewal, a failure report, a lease, a partition's upload or a model's commit is an error
+/// that names the server's reason, never a success (a worker that believed its renewal would
+/// hold a job its lease no longer covers).
 #[tokio::test]
-async fn a_404_to_a_renewal_a_failure_or_a_lease_is_an_error_with_the_servers_reason() {
-    let renewed = store_at(&answering(not_found()).await)
+async fn a_404_to_any_call_but_a_read_is_an_error_with_the_servers_reason() {
+    let renewed = store_at(&answering(api_off()).await)
         .renew("job", "w/1", Duration::from_secs(60))
         .await;
-    let failed = store_at(&answering(not_found()).await)
+    let failed = store_at(&answering(api_off()).await)
         .fail("job", "w/1", "why", false)
         .await;
-    let leased = store_at(&answering(not_found()).await)
+    let leased = store_at(&answering(api_off()).await)
         .lease("w/1", Duration::from_secs(60))
         .await
         .map(|_| ());
-    for outcome in [renewed, failed, leased] {
+    let partition = store_at(&answering(api_off()).await)
+        .put_partition("job.p0", "w/1", b"sealed")
+        .await;
+    let model = store_at(&answering(api_off()).await)
+        .commit_model("job", "w/1", b"model", None)
+        .await;
+    for outcome in [renewed, failed, leased, partition, model] {
         let error = outcome.unwrap_err().to_string();
         assert!(
             error.contains("404") && error.contains("the worker API is off"),
@@ -220,10 +234,30 @@ async fn a_404_to_a_renewal_a_failure_or_a_lease_is_an_error_with_the_servers_re
     }
 }
 
-/// A read of an object answered 404 is that object missing, which the job then deals with
-/// (a listed contribution missing fails it; its digest was committed).
+/// A read answered 404 is a missing object only when the server says so (`NOT_FOUND`): a
+/// server whose worker API is off, or any other 404, is an error, so a contribution listed
+/// without a digest is never committed as missing because of it.
 #[tokio::test]
-async fn a_404_to_a_read_is_a_missing_object() {
-    let store = store_at(&answering(not_found()).await);
-    assert_eq!(store.fetch("c/1").await.unwrap(), None);
+async fn a_404_to_a_read_is_a_missing_object_only_when_the_server_says_so() {
+    let missing = answer_404(NOT_FOUND, "contribution c/1 not found");
+    assert_eq!(
+        store_at(&answering(missing).await)
+            .fetch("c/1")
+            .await
+            .unwrap(),
+        None
+    );
+    let error = store_at(&answering(api_off()).await)
+        .fetch("c/1")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("the worker API is off"), "{error}");
+    let bare = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
+    assert!(
+        store_at(&answering(bare.to_vec()).await)
+            .fetch("c/1")
+            .await
+            .is_err()
+    );
 }

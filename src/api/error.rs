@@ -26,6 +26,10 @@ pub enum ApiError {
     QuotaExceeded(String),
     #[error("{0}")]
     NotFound(String),
+    /// A route of an API this server runs without (the worker API with no worker token): 404,
+    /// but of its own kind, so a client never reads it as "no such object".
+    #[error("{0}")]
+    ApiOff(String),
     #[error("{0}")]
     Conflict(String),
     #[error("{0}")]
@@ -83,6 +87,7 @@ impl ApiError {
             Self::Unauthorized(_) => (StatusCode::UNAUTHORIZED, "unauthorized", "Unauthorized"),
             Self::QuotaExceeded(_) => (StatusCode::FORBIDDEN, "quota-exceeded", "Quota exceeded"),
             Self::NotFound(_) => (StatusCode::NOT_FOUND, "not-found", "Not found"),
+            Self::ApiOff(_) => (StatusCode::NOT_FOUND, "api-off", "API off"),
             Self::Conflict(_) => (StatusCode::CONFLICT, "conflict", "Conflict"),
             Self::LeaseLost(_) => (StatusCode::CONFLICT, "lease-lost", "Lease lost"),
             Self::PayloadTooLarge(_) => (

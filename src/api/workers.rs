@@ -31,7 +31,7 @@ impl FromRequestParts<AppState> for WorkerAuth {
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
         let Some(token) = &state.worker_token else {
-            return Err(ApiError::NotFound(
+            return Err(ApiError::ApiOff(
                 "the worker API is off; start the server with CONFED_WORKER_TOKEN set to enable it"
                     .into(),
             ));

@@ -283,6 +283,17 @@ async fn the_worker_api_is_off_without_a_token_and_refuses_wrong_ones_and_bad_in
     let reply = lease(&off.url, TOKEN, body.clone()).await.unwrap();
     assert_eq!(reply.status(), 404);
     assert_eq!(reply.headers()["content-type"], "application/problem+json");
+    let problem: Value = reply.json().await.unwrap();
+    assert_eq!(problem["type"], confed_worker_api::wire::API_OFF);
+    // A worker reads nothing there as a missing object, nor anything it sends as done.
+    let store = remote(&off.url, TOKEN);
+    for outcome in [
+        store.fetch("contributions/x").await.map(drop),
+        store.renew("job", "w1", Duration::from_secs(60)).await,
+    ] {
+        let error = outcome.unwrap_err().to_string();
+        assert!(error.contains("the worker API is off"), "{error}");
+    }
     off.shutdown().await;
 
     let (on, _d2) = start_with(now_clock(), Some(TOKEN)).await;

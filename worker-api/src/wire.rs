@@ -281,6 +281,13 @@ impl ReleaseUpload {
 /// Problem type the server answers when the caller's lease is gone.
 pub const LEASE_LOST: &str = "urn:confed:problem:lease-lost";
 
+/// Problem type of a 404 for an object the store does not have: the only 404 a worker may read
+/// as "missing" (a server whose worker API is off answers `API_OFF`).
+pub const NOT_FOUND: &str = "urn:confed:problem:not-found";
+
+/// Problem type every worker route answers (404) when the server runs without the worker API.
+pub const API_OFF: &str = "urn:confed:problem:api-off";
+
 #[cfg(test)]
 mod tests {
     use super::*;
