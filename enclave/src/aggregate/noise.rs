@@ -134,7 +134,8 @@ pub fn add(sum: &mut [i64], noise: &DiscreteGaussian, seed: &[u8; 32]) {
 /// Adds the discrete Gaussian noise of a Gaussian round's release to every coordinate of `sum`,
 /// drawn with `sampler_steps` (the same distribution as `add`'s, other values from the same
 /// stream), in parallel, deterministically: block `b` on ChaCha12 stream `b`, its bits taken in
-/// order (`sampler_bits`).
+/// order (`sampler_bits`). The loop is `add`'s, written out: with both behind one closure over
+/// the block's generator, one A/B run read 34 against 40 M draws/s on one thread.
 pub fn add_steps(sum: &mut [i64], noise: &DiscreteGaussian, seed: &[u8; 32]) {
     let sampler = noise.steps();
     sum.par_chunks_mut(BLOCK)
@@ -243,6 +244,14 @@ mod tests {
     const COUNT: usize = 3 * BLOCK + 5;
     const VARIANCES: [u64; 3] = [1, 937_000 * 937_000 + 12_345, 1 << 60];
 
+    /// `draw`'s values at each of `VARIANCES`, as `pinned` digests.
+    fn answers(draw: fn(usize, &DiscreteGaussian, &[u8; 32]) -> Vec<i64>) -> Vec<String> {
+        VARIANCES
+            .iter()
+            .map(|&v| pinned(&draw(COUNT, &DiscreteGaussian::with_variance(v), &[7; 32])))
+            .collect()
+    }
+
     /// Known answers for the values a Gaussian round's release noise maps the stream to. The
     /// release commitment names them (`inputs::STEPS_SAMPLER`): a change of these values (the
     /// blocks, the bit order, the sampler's steps) is a new sampler and needs a new name there,
@@ -250,18 +259,8 @@ mod tests {
     /// other noise.
     #[test]
     fn the_step_samplers_values_are_the_ones_its_name_stands_for() {
-        let answers: Vec<String> = VARIANCES
-            .iter()
-            .map(|&v| {
-                pinned(&samples_steps(
-                    COUNT,
-                    &DiscreteGaussian::with_variance(v),
-                    &[7; 32],
-                ))
-            })
-            .collect();
         assert_eq!(
-            answers,
+            answers(samples_steps),
             [
                 "f40f698d1312ae4dd6d23f0bc13289f56d730fd8a2951e6a596c3c40889253ec",
                 "cdb3f054b2cfece84b9a6012b2e31e9deca6cf9271aca76690c3e2a537ef9293",
@@ -275,18 +274,8 @@ mod tests {
     /// same node.
     #[test]
     fn the_machine_word_samplers_values_do_not_move() {
-        let answers: Vec<String> = VARIANCES
-            .iter()
-            .map(|&v| {
-                pinned(&samples(
-                    COUNT,
-                    &DiscreteGaussian::with_variance(v),
-                    &[7; 32],
-                ))
-            })
-            .collect();
         assert_eq!(
-            answers,
+            answers(samples),
             [
                 "02c1486bc01e079ce29b33d45a79318154f3157ddb77404af750c7a2c55214d7",
                 "60949d238a85223b04e6e11408d801c87b6adf0c830d47ca5810ee043c60c162",
