@@ -217,16 +217,12 @@ impl TaskDbJobStore {
                     None => return Ok(None),
                 },
             };
-            let context = self
-                .db
-                .job_context(taken.round_id())
-                .await
-                .map_err(db_error)?;
-            let contributions = self
-                .db
-                .job_contributions(taken.round_id())
-                .await
-                .map_err(db_error)?;
+            // Two reads on connections of their own, at once.
+            let (context, contributions) = tokio::try_join!(
+                self.db.job_context(taken.round_id()),
+                self.db.job_contributions(taken.round_id()),
+            )
+            .map_err(db_error)?;
             let wire = match self.wire(&context, &contributions) {
                 Ok(wire) => wire,
                 Err(reason) => {
@@ -314,11 +310,14 @@ impl TaskDbJobStore {
         )
         .map_err(backend)?;
         let manifest_json = release.manifest.to_json();
-        for (key, bytes) in [
-            (&average_key, release.average),
-            (&manifest_key, &manifest_json[..]),
-        ] {
-            match self.blobs.put(key, bytes).await {
+        // Both objects at once (each a durable write); nothing reads either before the release
+        // commits in the database.
+        let (average_put, manifest_put) = tokio::join!(
+            self.blobs.put(&average_key, release.average),
+            self.blobs.put(&manifest_key, &manifest_json[..]),
+        );
+        for put in [average_put, manifest_put] {
+            match put {
                 Ok(_) => {}
                 Err(BlobError::Conflict(what)) => {
                     return Err(StoreError::Conflict(format!(
@@ -331,7 +330,8 @@ impl TaskDbJobStore {
         let manifest = release.manifest;
         Ok(NewRelease {
             average_key: average_key.as_str().to_string(),
-            average_sha256: hex(Sha256::digest(release.average)),
+            // `verify_staged` checked the average's bytes against it.
+            average_sha256: manifest.average_sha256.clone(),
             manifest_key: manifest_key.as_str().to_string(),
             manifest_json: String::from_utf8(manifest_json).map_err(backend)?,
             included: manifest.included as i64,

@@ -430,6 +430,54 @@ async fn a_rounds_job_lists_the_digest_recorded_with_each_upload() {
     }
 }
 
+/// A job's listing (one JSON value the engine builds) comes back sorted by ref, bytewise on
+/// both engines, with each completed contribution once and nothing uploaded but not reported.
+#[tokio::test]
+async fn a_rounds_listing_is_sorted_by_ref_and_holds_only_completed_contributions() {
+    for (engine, app) in TestApp::on_each_engine().await {
+        let (_, round) = collecting_round(&app, 8).await;
+        let names = ["q", "Zed-1", "a", "b-2", "M", "pending"];
+        for name in names {
+            assert!(assign(&app, &round, 8, name).await, "{engine}");
+            assert_eq!(
+                upload(&app, name, &format!("digest-{name}"), NOW).await,
+                Ok(Stored::New),
+                "{engine}"
+            );
+        }
+        for name in &names[..5] {
+            assert_eq!(
+                report(&app, name, ReportOutcome::Completed, NOW).await,
+                Ok(AssignmentState::Completed),
+                "{engine}"
+            );
+        }
+        let listed = app.db.job_contributions(&round).await.unwrap();
+        let refs: Vec<&str> = listed.iter().map(|c| c.assignment_ref.as_str()).collect();
+        let mut sorted = refs.clone();
+        sorted.sort_unstable();
+        assert_eq!(refs, sorted, "{engine}: sorted bytewise");
+        let mut keys: Vec<(&str, Option<&str>)> = listed
+            .iter()
+            .map(|c| (c.blob_key.as_str(), c.blake3_hex.as_deref()))
+            .collect();
+        keys.sort_unstable();
+        assert_eq!(
+            keys,
+            [
+                ("blob/M", Some("digest-M")),
+                ("blob/Zed-1", Some("digest-Zed-1")),
+                ("blob/a", Some("digest-a")),
+                ("blob/b-2", Some("digest-b-2")),
+                ("blob/q", Some("digest-q")),
+            ],
+            "{engine}"
+        );
+        let empty = app.db.job_contributions("no-such-round").await.unwrap();
+        assert!(empty.is_empty(), "{engine}: a round with nothing listed");
+    }
+}
+
 #[tokio::test]
 async fn check_in_sees_only_collecting_rounds_of_open_tasks_of_the_populations_owner() {
     for (engine, app) in TestApp::on_each_engine().await {
