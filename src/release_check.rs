@@ -27,13 +27,22 @@ pub fn commitment_of(manifest: &Manifest) -> ReleaseCommitment {
     }
 }
 
-/// Checks a staged release against the job it claims to be for; returns its proof as JSON to
-/// store, or why it is refused.
+/// A staged release that `verify_staged` accepted: what the database records of it.
+#[derive(Debug)]
+pub struct Verified {
+    /// The release's proof, as JSON to store.
+    pub proof_json: String,
+    /// Lowercase hex SHA-256 of the average's bytes (the manifest's `average_sha256`).
+    pub average_sha256: String,
+}
+
+/// Checks a staged release against the job it claims to be for; returns what to record of it,
+/// or why it is refused.
 pub fn verify_staged(
     keys: &KeyDirectory,
     context: &JobContext,
     release: &StagedRelease<'_>,
-) -> Result<String, String> {
+) -> Result<Verified, String> {
     let manifest = release.manifest;
     let task = &context.task;
     if manifest.task_id != task.id
@@ -78,7 +87,10 @@ pub fn verify_staged(
             check.failures.join("; ")
         ));
     }
-    serde_json::to_string(release.proof).map_err(|e| e.to_string())
+    Ok(Verified {
+        proof_json: serde_json::to_string(release.proof).map_err(|e| e.to_string())?,
+        average_sha256,
+    })
 }
 
 /// The key set the front end pins for `key_id`: the threshold of the key entry that at least

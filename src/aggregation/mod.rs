@@ -296,7 +296,7 @@ impl TaskDbJobStore {
         release: StagedRelease<'_>,
     ) -> Result<NewRelease, StoreError> {
         let context = self.db.job_context(job_id).await.map_err(db_error)?;
-        let proof_json = crate::release_check::verify_staged(&self.keys, &context, &release)
+        let verified = crate::release_check::verify_staged(&self.keys, &context, &release)
             .map_err(|why| {
                 tracing::warn!(job = %job_id, %why, "refused a release");
                 StoreError::Refused(why)
@@ -310,14 +310,13 @@ impl TaskDbJobStore {
         )
         .map_err(backend)?;
         let manifest_json = release.manifest.to_json();
-        // Both objects at once (each a durable write); nothing reads either before the release
-        // commits in the database.
-        let (average_put, manifest_put) = tokio::join!(
-            self.blobs.put(&average_key, release.average),
-            self.blobs.put(&manifest_key, &manifest_json[..]),
-        );
-        for put in [average_put, manifest_put] {
-            match put {
+        // The average first: a different release already stored under its name stops this one
+        // before its manifest is written beside it.
+        for (key, bytes) in [
+            (&average_key, release.average),
+            (&manifest_key, &manifest_json[..]),
+        ] {
+            match self.blobs.put(key, bytes).await {
                 Ok(_) => {}
                 Err(BlobError::Conflict(what)) => {
                     return Err(StoreError::Conflict(format!(
@@ -330,14 +329,13 @@ impl TaskDbJobStore {
         let manifest = release.manifest;
         Ok(NewRelease {
             average_key: average_key.as_str().to_string(),
-            // `verify_staged` checked the average's bytes against it.
-            average_sha256: manifest.average_sha256.clone(),
+            average_sha256: verified.average_sha256,
             manifest_key: manifest_key.as_str().to_string(),
             manifest_json: String::from_utf8(manifest_json).map_err(backend)?,
             included: manifest.included as i64,
             excluded: manifest.excluded.values().sum::<u64>() as i64,
             epsilon_spent: manifest.privacy.epsilon_spent,
-            proof_json,
+            proof_json: verified.proof_json,
         })
     }
 

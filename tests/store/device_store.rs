@@ -430,15 +430,33 @@ async fn a_rounds_job_lists_the_digest_recorded_with_each_upload() {
     }
 }
 
-/// A job's listing (one JSON value the engine builds) comes back sorted by ref, bytewise on
-/// both engines, with each completed contribution once and nothing uploaded but not reported.
+/// A job's listing (JSON values the engine builds, a page at a time) comes back sorted by ref,
+/// with each of the round's completed contributions once: nothing uploaded but not reported,
+/// nothing of another round, the same in pages of two as in one.
 #[tokio::test]
-async fn a_rounds_listing_is_sorted_by_ref_and_holds_only_completed_contributions() {
+async fn a_rounds_listing_is_sorted_by_ref_and_holds_only_its_completed_contributions() {
     for (engine, app) in TestApp::on_each_engine().await {
-        let (_, round) = collecting_round(&app, 8).await;
+        let token = app.tenant("acme").await;
+        let tenant = app.db.list_tenants().await.unwrap().remove(0);
+        let mut rounds = Vec::new();
+        for population in ["phones.de", "phones.en"] {
+            let spec = json!({"report_goal": 8, "min_reports": 1, "population": population});
+            let task = app.open_task(&token, spec).await;
+            rounds.push(app.db.rounds(&tenant.id, &task).await.unwrap().remove(0).id);
+        }
+        let (other, round) = (&rounds[0], &rounds[1]);
+        assert!(assign(&app, other, 8, "elsewhere").await, "{engine}");
+        assert_eq!(
+            upload(&app, "elsewhere", "digest-elsewhere", NOW).await,
+            Ok(Stored::New)
+        );
+        assert_eq!(
+            report(&app, "elsewhere", ReportOutcome::Completed, NOW).await,
+            Ok(AssignmentState::Completed)
+        );
         let names = ["q", "Zed-1", "a", "b-2", "M", "pending"];
         for name in names {
-            assert!(assign(&app, &round, 8, name).await, "{engine}");
+            assert!(assign(&app, round, 8, name).await, "{engine}");
             assert_eq!(
                 upload(&app, name, &format!("digest-{name}"), NOW).await,
                 Ok(Stored::New),
@@ -452,7 +470,7 @@ async fn a_rounds_listing_is_sorted_by_ref_and_holds_only_completed_contribution
                 "{engine}"
             );
         }
-        let listed = app.db.job_contributions(&round).await.unwrap();
+        let listed = app.db.job_contributions(round).await.unwrap();
         let refs: Vec<&str> = listed.iter().map(|c| c.assignment_ref.as_str()).collect();
         let mut sorted = refs.clone();
         sorted.sort_unstable();
@@ -473,6 +491,14 @@ async fn a_rounds_listing_is_sorted_by_ref_and_holds_only_completed_contribution
             ],
             "{engine}"
         );
+        for page in [1, 2, 5] {
+            let paged = app
+                .db
+                .job_contributions_in_pages(round, page)
+                .await
+                .unwrap();
+            assert_eq!(paged, listed, "{engine}: pages of {page}");
+        }
         let empty = app.db.job_contributions("no-such-round").await.unwrap();
         assert!(empty.is_empty(), "{engine}: a round with nothing listed");
     }
