@@ -64,7 +64,7 @@ const LISTING_POSTGRES: &str = "SELECT COALESCE(json_agg(json_build_array(id, bl
 /// Contributions a page of the listing holds: at about 370 bytes each (a 64-character ref, a
 /// blob key of about 235, a digest of 64), about 4 MB a value, far under either engine's largest
 /// (SQLite's 10^9 bytes, PostgreSQL's 1 GB) whatever the round's size.
-pub const LISTING_PAGE: i64 = 10_000;
+const LISTING_PAGE: i64 = 10_000;
 
 /// A done job holds no lease (its state is set by `transition`, which records it).
 const LEASE_GIVEN_UP: &str = "UPDATE aggregation_jobs SET lease_owner = NULL, \
@@ -376,6 +376,12 @@ impl Db {
                 .map_err(|e| DbError::Corrupt(format!("the listing of round {round_id}: {e}")))?;
             let more = listed.len() as i64 >= page;
             if let Some((last, _, _)) = listed.last() {
+                // A full page that ends where it started would be asked for again forever.
+                if more && *last == after {
+                    return Err(DbError::Corrupt(format!(
+                        "the listing of round {round_id} does not advance past {after}"
+                    )));
+                }
                 after.clone_from(last);
             }
             rows.extend(listed);

@@ -7,6 +7,7 @@ use crate::common;
 
 use common::{START_MILLIS, TestApp};
 use confed::db::device::{Capability, Refusal, ReportOutcome, Stored, UploadDigests};
+use confed::db::jobs::StoredContribution;
 use confed::states::{AssignmentState, RoundState};
 use serde_json::json;
 
@@ -384,6 +385,16 @@ async fn concurrent_completions_close_the_round_once_with_one_job() {
     }
 }
 
+/// A listing's (blob key, digest) pairs, sorted.
+fn keys_and_digests(listed: &[StoredContribution]) -> Vec<(&str, Option<&str>)> {
+    let mut pairs: Vec<(&str, Option<&str>)> = listed
+        .iter()
+        .map(|c| (c.blob_key.as_str(), c.blake3_hex.as_deref()))
+        .collect();
+    pairs.sort_unstable();
+    pairs
+}
+
 /// The BLAKE3 recorded with an upload through the server is what the round's job lists (the
 /// enclave commits to it without reading the bytes first); a direct upload, whose bytes the
 /// server never saw, is listed without one.
@@ -417,13 +428,8 @@ async fn a_rounds_job_lists_the_digest_recorded_with_each_upload() {
             );
         }
         let contributions = app.db.job_contributions(&round).await.unwrap();
-        let mut listed: Vec<(&str, Option<&str>)> = contributions
-            .iter()
-            .map(|c| (c.blob_key.as_str(), c.blake3_hex.as_deref()))
-            .collect();
-        listed.sort();
         assert_eq!(
-            listed,
+            keys_and_digests(&contributions),
             [("blob/direct", None), ("blob/through", Some("b3"))],
             "{engine}"
         );
@@ -475,13 +481,8 @@ async fn a_rounds_listing_is_sorted_by_ref_and_holds_only_its_completed_contribu
         let mut sorted = refs.clone();
         sorted.sort_unstable();
         assert_eq!(refs, sorted, "{engine}: sorted bytewise");
-        let mut keys: Vec<(&str, Option<&str>)> = listed
-            .iter()
-            .map(|c| (c.blob_key.as_str(), c.blake3_hex.as_deref()))
-            .collect();
-        keys.sort_unstable();
         assert_eq!(
-            keys,
+            keys_and_digests(&listed),
             [
                 ("blob/M", Some("digest-M")),
                 ("blob/Zed-1", Some("digest-Zed-1")),
