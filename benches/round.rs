@@ -21,7 +21,8 @@
 //!
 //! `cargo bench --bench round`; `CONFED_BENCH_DEVICES=10000` for a 10 GB round;
 //! `CONFED_BENCH_WORKER=remote` or `inprocess` for one worker only
-//! (`CONFED_BENCH_RETAIN_MIB` sets the remote worker's `--retain-mib`). `CONFED_BENCH_WORKERS=K` cuts the round
+//! (`CONFED_BENCH_RETAIN_MIB` sets the remote worker's `--retain-mib`; `CONFED_BENCH_KEY_DELAY_MS=D` puts its key
+//! services D ms away each way, behind a delaying relay, as other operators' services are). `CONFED_BENCH_WORKERS=K` cuts the round
 //! into K partitions, aggregated by K `confed-enclave` processes and merged by a root
 //! (`support/partitioned.rs`). `CONFED_BENCH_MASKED=1` runs a round with device tokens in the
 //! clear and then masked beneath the enclave (`secure_aggregation`), and prints the masked

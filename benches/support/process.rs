@@ -241,8 +241,12 @@ pub(crate) fn start_with(aggregator: WorkerKind) -> Server {
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
+        let distance = key_service_distance();
         for service in named.iter() {
-            command.args(["--keyservice", service]);
+            match distance {
+                Some(delay) => command.args(["--keyservice", &farther(service, delay)]),
+                None => command.args(["--keyservice", service]),
+            };
         }
         if let Ok(mib) = std::env::var("CONFED_BENCH_RETAIN_MIB") {
             command.args(["--retain-mib", &mib]);
@@ -266,4 +270,75 @@ pub(crate) fn start_with(aggregator: WorkerKind) -> Server {
         named_keyservices: named,
         _dir: dir,
     }
+}
+
+/// `CONFED_BENCH_KEY_DELAY_MS`: how far (one way) the remote worker's key services are. In
+/// production they are other operators' services, a round trip or more away from the enclave;
+/// here they run in the server on loopback. Unset: as they are.
+fn key_service_distance() -> Option<std::time::Duration> {
+    let ms: u64 = std::env::var("CONFED_BENCH_KEY_DELAY_MS")
+        .ok()?
+        .parse()
+        .ok()?;
+    eprintln!("the remote worker's key services are {ms} ms away each way (a delaying relay)");
+    Some(std::time::Duration::from_millis(ms))
+}
+
+/// `ID=URL` of a key service, with URL's host and port replaced by a relay on loopback that
+/// holds every chunk `delay` before passing it on, each way (TLS passes through untouched).
+fn farther(service: &str, delay: std::time::Duration) -> String {
+    let (id, url) = service.split_once('=').expect("ID=URL");
+    let (scheme, rest) = url.split_once("://").expect("a URL");
+    let (authority, path) = rest.split_once('/').map_or((rest, ""), |(a, p)| (a, p));
+    let upstream: std::net::SocketAddr = authority
+        .replace("localhost", "127.0.0.1")
+        .parse()
+        .expect("a key service at an IP address and port");
+    let relay = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = relay.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for client in relay.incoming().flatten() {
+            let Ok(server) = std::net::TcpStream::connect(upstream) else {
+                continue;
+            };
+            let (client_out, server_out) =
+                (client.try_clone().unwrap(), server.try_clone().unwrap());
+            delay_pump(client, server_out, delay);
+            delay_pump(server, client_out, delay);
+        }
+    });
+    let host = authority.rsplit_once(':').map_or(authority, |(h, _)| h);
+    format!("{id}={scheme}://{host}:{port}/{path}")
+}
+
+/// Copies `from` to `to`, each chunk written `delay` after it was read (a reader and a writer
+/// thread, so chunks in flight overlap as on a long link); shuts `to`'s writing down at the end.
+fn delay_pump(
+    mut from: std::net::TcpStream,
+    mut to: std::net::TcpStream,
+    delay: std::time::Duration,
+) {
+    use std::io::{Read, Write};
+    let (tx, rx) = std::sync::mpsc::channel::<(std::time::Instant, Vec<u8>)>();
+    std::thread::spawn(move || {
+        let mut buffer = vec![0u8; 64 << 10];
+        while let Ok(read) = from.read(&mut buffer) {
+            if read == 0
+                || tx
+                    .send((std::time::Instant::now(), buffer[..read].to_vec()))
+                    .is_err()
+            {
+                break;
+            }
+        }
+    });
+    std::thread::spawn(move || {
+        for (at, chunk) in rx {
+            std::thread::sleep((at + delay).saturating_duration_since(std::time::Instant::now()));
+            if to.write_all(&chunk).is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown(std::net::Shutdown::Write);
+    });
 }

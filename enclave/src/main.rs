@@ -77,9 +77,11 @@ struct Args {
     id: Option<String>,
     #[arg(long, default_value_t = 60)]
     lease_seconds: u64,
-    /// MiB of a round's contributions kept in memory from the first read, which only those the
-    /// job lists without a digest (direct uploads to the blob store) get (it digests them before
-    /// the key is asked for); beyond this, the rest are read a second time.
+    /// MiB of a round's contributions a job holds before it opens them: kept from the first
+    /// read, which only those the job lists without a digest (direct uploads to the blob store)
+    /// get (it digests them before the key is asked for; beyond this, the rest are read a second
+    /// time), then read while the key is fetched (the open step's reads start with the key
+    /// request).
     #[arg(long, default_value_t = (confed_enclave::worker::REMOTE_RETAIN_BYTES >> 20) as u64)]
     retain_mib: u64,
     /// Process at most one job, then exit (0 whether or not one was ready).

@@ -41,6 +41,7 @@ use confed_worker_api::store::{
     JobSpec, JobStore, MIN_PARTITION_INPUTS, Partitioning, StagedRelease, StoreError,
 };
 
+mod ahead;
 mod analytics;
 mod batches;
 mod gather;
@@ -51,6 +52,7 @@ mod outcome;
 pub use analytics::AnalyticsStep;
 pub use outcome::{JobOutcome, Phases};
 
+use ahead::Reads;
 use open::Opens;
 
 pub use crate::policy::{MAX_TASK_DELTA, MAX_TASK_EPSILON};
@@ -77,6 +79,10 @@ pub enum JobError {
     Thread(#[source] tokio::task::JoinError),
     #[error("the aggregator is still shared after its last contribution (a bug)")]
     StillShared,
+    #[error(
+        "the reads started with the key request are not of the contributions the open step opens (a bug)"
+    )]
+    ReadsNotTheOpens,
     #[error(transparent)]
     Partition(#[from] PartitionError),
     #[error(transparent)]
@@ -136,10 +142,12 @@ pub struct WorkerConfig {
     pub batch_bytes: usize,
 }
 
-/// Bytes of contributions a job keeps in memory from their first read instead of reading them
-/// again after the key, by default: none. Only contributions the job lists without a digest
-/// (direct uploads to the blob store) have a first read, which digests them before the key is
-/// asked for; those uploaded through the server are read once, after it. Reading a local
+/// Bytes of contributions a job holds before it opens them, by default: none. They are those
+/// kept from their first read instead of read again after the key, and, over a store that reads
+/// over the network, those read while the key is fetched (`ahead`). Only contributions the job
+/// lists without a digest (direct uploads to the blob store) have a first read, which digests
+/// them before the key is asked for; those uploaded through the server are read once, after it
+/// (or while it is fetched). Reading a local
 /// store again is cheap (the page cache, into pooled buffers: 9 GB/s here), while keeping a round
 /// costs fresh memory (page faults and zeroing: about 3 GB/s) and holds it for the job. A worker
 /// whose second read crosses the network keeps more (`Worker::retain_bytes`;
@@ -310,13 +318,16 @@ impl<S: JobStore + 'static> Worker<S> {
         let Prepared {
             privacy,
             inputs,
+            reads,
             commitment,
             signing_key,
             receipts,
             private_key,
             aggregator,
         } = prepared;
-        let aggregator = self.add_all(job, inputs, &private_key, aggregator).await?;
+        let aggregator = self
+            .add_all(job, inputs, reads, &private_key, aggregator)
+            .await?;
         phases.open = step.elapsed();
         let step = Instant::now();
         let release = self
@@ -358,6 +369,7 @@ impl<S: JobStore + 'static> Worker<S> {
         &self,
         job: &JobSpec,
         inputs: Vec<Input>,
+        reads: Option<Reads<'_>>,
         private_key: &Arc<crate::hpke::PrivateKey>,
         aggregator: Arc<A>,
     ) -> Result<A, JobError> {
@@ -366,7 +378,7 @@ impl<S: JobStore + 'static> Worker<S> {
                 self.merge_all(job, inputs, *count, sealed_keys, private_key, &aggregator)
                     .await?
             }
-            _ => self.open_all(job, inputs, &aggregator).await?,
+            _ => self.open_all(job, inputs, reads, &aggregator).await?,
         }
         Arc::try_unwrap(aggregator).map_err(|_| JobError::StillShared)
     }
@@ -439,12 +451,21 @@ impl<S: JobStore + 'static> Worker<S> {
         let prepared = self.prepare(job, schema, policy, context, phases).await?;
         let Prepared {
             inputs,
+            reads,
             private_key,
             aggregator,
             ..
         } = prepared;
-        self.seal_range(job, inputs, (index, count), private_key, aggregator, phases)
-            .await
+        let opening = Opening { inputs, reads };
+        self.seal_range(
+            job,
+            opening,
+            (index, count),
+            private_key,
+            aggregator,
+            phases,
+        )
+        .await
     }
 
     /// A partition's step after its key: only partition `index` of `count` of the round's
@@ -453,7 +474,7 @@ impl<S: JobStore + 'static> Worker<S> {
     pub(super) async fn seal_range<A: Partial + Opens>(
         &self,
         job: &JobSpec,
-        mut inputs: Vec<Input>,
+        Opening { mut inputs, reads }: Opening<'_>,
         (index, count): (u32, u32),
         private_key: Arc<crate::hpke::PrivateKey>,
         aggregator: Arc<A>,
@@ -467,7 +488,7 @@ impl<S: JobStore + 'static> Worker<S> {
             .ok_or_else(|| PartitionError::Plan(format!("partition {index} of {count}")))?;
         let mine: Vec<Input> = inputs.drain(range).collect();
         drop(inputs);
-        self.open_all(job, mine, &aggregator).await?;
+        self.open_all(job, mine, reads, &aggregator).await?;
         let aggregator = Arc::try_unwrap(aggregator).map_err(|_| JobError::StillShared)?;
         phases.open = step.elapsed();
         let step = Instant::now();
@@ -521,10 +542,11 @@ impl<S: JobStore + 'static> Worker<S> {
         policy: &TaskPolicy,
         context: RoundContext,
         phases: &mut Phases,
-    ) -> Result<Prepared, JobError> {
+    ) -> Result<Prepared<'_>, JobError> {
         let KeyedRound {
             privacy,
             inputs,
+            reads,
             keyed,
             continues,
         } = self.key_round(job, schema, context, policy, phases).await?;
@@ -547,6 +569,7 @@ impl<S: JobStore + 'static> Worker<S> {
         Ok(Prepared {
             privacy,
             inputs,
+            reads,
             commitment,
             signing_key,
             receipts,
@@ -565,7 +588,7 @@ impl<S: JobStore + 'static> Worker<S> {
         context: RoundContext,
         policy: &TaskPolicy,
         phases: &mut Phases,
-    ) -> Result<KeyedRound, JobError> {
+    ) -> Result<KeyedRound<'_>, JobError> {
         let step = Instant::now();
         let privacy = PrivacyParams::for_round(policy, job.clip_norm, job.on_demand_evaluation)?;
         // The noise's calibration (26 ms the first time a process meets a policy) on a spare
@@ -614,7 +637,14 @@ impl<S: JobStore + 'static> Worker<S> {
             }
         };
         phases.read = step.elapsed();
-        let keyed = self.key_for(job, context, inputs_digest, phases).await?;
+        let mut reads = self.start_reads(job, &inputs)?;
+        let budget = self.read_ahead_budget(&inputs);
+        let keyed = ahead::key_while_reading(
+            self.key_for(job, context, inputs_digest, phases),
+            reads.as_mut(),
+            budget,
+        )
+        .await?;
         // Only the step that noises continues the BLT state: a partition only binds its digest
         // (above), and a copy of the state per partition would cost up to 240 bytes a value.
         let continues = match job.partitioning {
@@ -624,6 +654,7 @@ impl<S: JobStore + 'static> Worker<S> {
         Ok(KeyedRound {
             privacy,
             inputs,
+            reads,
             keyed,
             continues,
         })
@@ -726,19 +757,30 @@ pub(super) struct Keyed {
 }
 
 /// A training round after its key (`key_round`).
-pub(super) struct KeyedRound {
+pub(super) struct KeyedRound<'a> {
     pub(super) privacy: PrivacyParams,
     /// The round's inputs, sorted by ref, as their digest names them.
     pub(super) inputs: Vec<Input>,
+    /// The open step's reads, started with the key request (`ahead`).
+    pub(super) reads: Option<Reads<'a>>,
     pub(super) keyed: Keyed,
     pub(super) continues: Option<Vec<u8>>,
 }
 
+/// A job's inputs after its key, with the open step's reads started with the key request
+/// (`ahead`): what `seal_range` opens a range of.
+pub(super) struct Opening<'a> {
+    pub(super) inputs: Vec<Input>,
+    pub(super) reads: Option<Reads<'a>>,
+}
+
 /// A job after its key: what `prepare` hands the step that follows.
-struct Prepared {
+struct Prepared<'a> {
     privacy: PrivacyParams,
     /// The round's inputs, sorted by ref, as their digest names them.
     inputs: Vec<Input>,
+    /// The open step's reads, started with the key request (`ahead`).
+    reads: Option<Reads<'a>>,
     commitment: ReleaseCommitment,
     signing_key: p256::ecdsa::SigningKey,
     receipts: Vec<confed_attestation::release::Receipt>,

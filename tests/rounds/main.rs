@@ -16,6 +16,7 @@ mod masked_partitions;
 mod operator_attacks;
 mod own_leases;
 mod partitions;
+mod reads_during_key;
 mod refusal_records;
 mod release_ledger;
 mod side_channels;

@@ -9,7 +9,10 @@ use std::time::Instant;
 
 use confed_worker_api::store::{JobSpec, JobStore, Partitioning, StagedRelease};
 
-use super::{JobError, JobOutcome, Keyed, Phases, Worker, check_plan, round_context, signed_proof};
+use super::{
+    JobError, JobOutcome, Keyed, Opening, Phases, Worker, ahead, check_plan, round_context,
+    signed_proof,
+};
 use crate::analytics::{AnalyticsAggregator, AnalyticsParams, AnalyticsRelease};
 use confed_attestation::release::ReleaseProof;
 
@@ -92,13 +95,20 @@ impl<S: JobStore + 'static> Worker<S> {
             .ok_or_else(|| JobError::MalformedJob("the policy names no query".into()))?;
         let (inputs, inputs_digest) = self.gather(job).await?;
         phases.read = step.elapsed();
+        let mut reads = self.start_reads(job, &inputs)?;
+        let budget = self.read_ahead_budget(&inputs);
         let Keyed {
             commitment,
             signing_key,
             receipts,
             private_key,
             binding,
-        } = self.key_for(job, context, inputs_digest, phases).await?;
+        } = ahead::key_while_reading(
+            self.key_for(job, context, inputs_digest, phases),
+            reads.as_mut(),
+            budget,
+        )
+        .await?;
         let aggregator = Arc::new(
             AnalyticsAggregator::new(binding, query, &private_key)?
                 .authenticating(policy.device_auth.clone()),
@@ -106,12 +116,21 @@ impl<S: JobStore + 'static> Worker<S> {
         if let Some(Partitioning::Partition { index, count }) = job.partitioning {
             let plan = (index, count);
             let sealed = self
-                .seal_range(job, inputs, plan, private_key, aggregator, phases)
+                .seal_range(
+                    job,
+                    Opening { inputs, reads },
+                    plan,
+                    private_key,
+                    aggregator,
+                    phases,
+                )
                 .await?;
             return Ok(AnalyticsStep::Sealed { sealed, plan });
         }
         let step = Instant::now();
-        let aggregator = self.add_all(job, inputs, &private_key, aggregator).await?;
+        let aggregator = self
+            .add_all(job, inputs, reads, &private_key, aggregator)
+            .await?;
         phases.open = step.elapsed();
         let step = Instant::now();
         let release = tokio::task::spawn_blocking(move || aggregator.finish(&private_key, &params))

@@ -19,7 +19,7 @@ use confed_protocol::masking::{self, Layout, MaskSums};
 use confed_worker_api::model::ModelSchema;
 use confed_worker_api::store::{JobSpec, JobStore, Partitioning};
 
-use super::{JobError, Keyed, KeyedRound, Phases, Worker, signed_proof};
+use super::{JobError, Keyed, KeyedRound, Opening, Phases, Worker, signed_proof};
 use crate::aggregate::Release;
 use crate::envelope::RoundContext;
 use crate::key_collection::KeyServiceEndpoint;
@@ -47,6 +47,7 @@ impl<S: JobStore + 'static> Worker<S> {
         let KeyedRound {
             privacy,
             inputs,
+            reads,
             keyed,
             continues,
         } = self.key_round(job, schema, context, policy, phases).await?;
@@ -63,7 +64,7 @@ impl<S: JobStore + 'static> Worker<S> {
             .authenticating(policy.device_auth.clone());
         // A partitioned round's root merges its partitions' sealed sums and slots instead.
         let aggregator = self
-            .add_all(job, inputs, &private_key, Arc::new(aggregator))
+            .add_all(job, inputs, reads, &private_key, Arc::new(aggregator))
             .await?;
         phases.open = step.elapsed();
 
@@ -143,8 +144,12 @@ impl<S: JobStore + 'static> Worker<S> {
             .masking
             .as_ref()
             .ok_or_else(|| JobError::MalformedJob("the policy does not mask".into()))?;
-        let KeyedRound { inputs, keyed, .. } =
-            self.key_round(job, schema, context, policy, phases).await?;
+        let KeyedRound {
+            inputs,
+            reads,
+            keyed,
+            ..
+        } = self.key_round(job, schema, context, policy, phases).await?;
         let aggregator = MaskedAggregator::new(
             keyed.binding,
             masking.layout(),
@@ -154,7 +159,7 @@ impl<S: JobStore + 'static> Worker<S> {
         .authenticating(policy.device_auth.clone());
         self.seal_range(
             job,
-            inputs,
+            Opening { inputs, reads },
             (index, count),
             keyed.private_key,
             Arc::new(aggregator),

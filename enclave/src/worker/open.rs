@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use confed_worker_api::reads::READ_AHEAD;
 use confed_worker_api::store::{BlockingFetch, JobSpec, JobStore, StoreError};
 use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
 
+use super::ahead::{Read, Reads};
 use super::{JobError, Worker};
 use crate::aggregate::inputs::Input;
 use crate::aggregate::{Aggregator, Exclusion};
@@ -44,12 +46,14 @@ impl<S: JobStore + 'static> Worker<S> {
     /// batches: `JobStore::fetch_batch`): no batch boundary where a core waits for the slowest
     /// contribution of its batch, and at most `READ_AHEAD` + one per core contributions read and
     /// waiting (plus one being read per batch in flight) in memory, whatever the round's size.
-    /// The lease is renewed before, every quarter lease during (on a timer, so also while a
-    /// stalled read completes nothing), and after.
+    /// `reads`: the same reads, started with the key request (`ahead`), whose contributions
+    /// held so far are opened first. The lease is renewed before, every quarter lease during (on
+    /// a timer, so also while a stalled read completes nothing), and after.
     pub(super) async fn open_all<A: Opens>(
         &self,
         job: &JobSpec,
         inputs: Vec<Input>,
+        reads: Option<Reads<'_>>,
         aggregator: &Arc<A>,
     ) -> Result<(), JobError> {
         if let Some(fetch) = self.store.blocking_fetch() {
@@ -78,9 +82,11 @@ impl<S: JobStore + 'static> Worker<S> {
                 Listed::ToRead(reread, blob_key) => to_read.push((reread, blob_key)),
             }
         }
-        let read = self
-            .read_in_batches(to_read, |reread| not_committed(&reread.0))
-            .map(|read| read.and_then(|(reread, stored)| served(reread, stored)));
+        // The reads started with the key request (`ahead`), or started now.
+        let read = match reads {
+            Some(reads) => reads.into_stream(&to_read)?,
+            None => self.read_opened(to_read),
+        };
         let opened = futures_util::stream::iter(in_hand)
             .chain(read)
             .map(|read| {
@@ -129,6 +135,15 @@ impl<S: JobStore + 'static> Worker<S> {
         }
         renew().await?;
         Ok(())
+    }
+
+    /// The store's reads of `items` (each a ref with its committed digest, and its blob key),
+    /// in its batches, each paired with its item; a contribution the store does not have is an
+    /// error (it was committed).
+    pub(super) fn read_opened(&self, items: Vec<(Reread, String)>) -> BoxStream<'_, Read> {
+        self.read_in_batches(items, |reread| not_committed(&reread.0))
+            .map(|read| read.and_then(|(reread, stored)| served(reread, stored)))
+            .boxed()
     }
 
     /// `open_all` over a store that reads on the calling thread: one blocking task per core
@@ -218,6 +233,19 @@ impl Drop for StopOnExit {
 enum Listed {
     InHand(Reread, Option<Vec<u8>>),
     ToRead(Reread, String),
+}
+
+/// An input the open step reads from the store: its ref and committed digest, and its blob
+/// key. `None` for one in hand (kept from the first read, or listed without a digest and not
+/// stored).
+pub(super) fn to_read(input: &Input) -> Option<(Reread, String)> {
+    match (&input.retained, input.digest) {
+        (None, Some(expected)) => Some((
+            (input.assignment_ref.clone(), Some(expected)),
+            input.blob_key.clone(),
+        )),
+        _ => None,
+    }
 }
 
 fn listed(input: Input) -> Listed {
