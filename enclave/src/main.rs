@@ -77,13 +77,16 @@ struct Args {
     id: Option<String>,
     #[arg(long, default_value_t = 60)]
     lease_seconds: u64,
-    /// MiB of a round's contributions a job holds before it opens them: kept from the first
-    /// read, which only those the job lists without a digest (direct uploads to the blob store)
-    /// get (it digests them before the key is asked for; beyond this, the rest are read a second
-    /// time), then read while the key is fetched (the open step's reads start with the key
-    /// request).
+    /// MiB of a round's contributions kept in memory from the first read, which only those the
+    /// job lists without a digest (direct uploads to the blob store) get (it digests them before
+    /// the key is asked for); beyond this, the rest are read a second time.
     #[arg(long, default_value_t = (confed_enclave::worker::REMOTE_RETAIN_BYTES >> 20) as u64)]
     retain_mib: u64,
+    /// MiB of contributions read while the round's key is fetched (the open step's reads start
+    /// with the key request; each is still checked against its committed digest when opened),
+    /// held until the open step takes them; 0 starts the reads after the key.
+    #[arg(long, default_value_t = (confed_enclave::worker::REMOTE_READ_AHEAD_BYTES >> 20) as u64)]
+    read_ahead_mib: u64,
     /// Process at most one job, then exit (0 whether or not one was ready).
     #[arg(long)]
     once: bool,
@@ -248,7 +251,10 @@ async fn run(args: Args) -> Result<()> {
             batch_bytes: 16 << 20,
         },
     )
-    .retain_bytes(usize::try_from(args.retain_mib.saturating_mul(1 << 20)).unwrap_or(usize::MAX));
+    .retain_bytes(usize::try_from(args.retain_mib.saturating_mul(1 << 20)).unwrap_or(usize::MAX))
+    .read_ahead_bytes(
+        usize::try_from(args.read_ahead_mib.saturating_mul(1 << 20)).unwrap_or(usize::MAX),
+    );
     tracing::info!(worker = %id, server = %args.server, "enclave worker started");
     loop {
         // How long to pause before the next lease: none after a job; little after an empty

@@ -19,17 +19,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use confed_attestation::Attester;
-use confed_attestation::exchange::encode_verifying_key;
-use confed_attestation::release::{
-    ReleaseCommitment, ReleaseProof, ReleaseSignature, release_text, sign_text,
-};
+use confed_attestation::release::{ReleaseCommitment, ReleaseProof};
 use thiserror::Error;
 
 use crate::aggregate::inputs::{self, Input};
 use crate::aggregate::partition::{self, Partial, Partition, PartitionError};
-use crate::aggregate::{
-    AggregateError, Aggregator, Binding, Manifest, PrivacyParams, Release, blt_round,
-};
+use crate::aggregate::{AggregateError, Aggregator, Binding, PrivacyParams, Release, blt_round};
 use crate::envelope::RoundContext;
 use crate::key_collection::{CollectError, KeyRequest, KeyServiceEndpoint, obtain_private_key};
 use crate::policy::Mechanism;
@@ -45,6 +40,7 @@ mod ahead;
 mod analytics;
 mod batches;
 mod gather;
+mod keyed;
 mod masked;
 mod open;
 mod outcome;
@@ -53,6 +49,7 @@ pub use analytics::AnalyticsStep;
 pub use outcome::{JobOutcome, Phases};
 
 use ahead::Reads;
+use keyed::{Keyed, KeyedRound, Opening, Prepared, signed_proof};
 use open::Opens;
 
 pub use crate::policy::{MAX_TASK_DELTA, MAX_TASK_EPSILON};
@@ -142,12 +139,10 @@ pub struct WorkerConfig {
     pub batch_bytes: usize,
 }
 
-/// Bytes of contributions a job holds before it opens them, by default: none. They are those
-/// kept from their first read instead of read again after the key, and, over a store that reads
-/// over the network, those read while the key is fetched (`ahead`). Only contributions the job
-/// lists without a digest (direct uploads to the blob store) have a first read, which digests
-/// them before the key is asked for; those uploaded through the server are read once, after it
-/// (or while it is fetched). Reading a local
+/// Bytes of contributions a job keeps in memory from their first read instead of reading them
+/// again after the key, by default: none. Only contributions the job lists without a digest
+/// (direct uploads to the blob store) have a first read, which digests them before the key is
+/// asked for; those uploaded through the server are read once, after it. Reading a local
 /// store again is cheap (the page cache, into pooled buffers: 9 GB/s here), while keeping a round
 /// costs fresh memory (page faults and zeroing: about 3 GB/s) and holds it for the job. A worker
 /// whose second read crosses the network keeps more (`Worker::retain_bytes`;
@@ -159,11 +154,16 @@ pub const RETAIN_BYTES: usize = 0;
 /// the worker API.
 pub const REMOTE_RETAIN_BYTES: usize = 1 << 30;
 
+/// `confed-enclave`'s default for `Worker::read_ahead_bytes`: what a key step of a few hundred
+/// milliseconds lets a VM read at 1-2 GB/s. A `Worker` reads nothing ahead unless told to.
+pub const REMOTE_READ_AHEAD_BYTES: usize = 256 << 20;
+
 pub struct Worker<S> {
     store: Arc<S>,
     config: WorkerConfig,
     http: reqwest::Client,
     retain_bytes: usize,
+    read_ahead_bytes: usize,
     buffers: BufferPool,
 }
 
@@ -178,6 +178,7 @@ impl<S: JobStore + 'static> Worker<S> {
             config,
             http,
             retain_bytes: RETAIN_BYTES,
+            read_ahead_bytes: 0,
             buffers,
         }
     }
@@ -186,6 +187,14 @@ impl<S: JobStore + 'static> Worker<S> {
     /// contribution listed without a digest is read twice).
     pub fn retain_bytes(mut self, bytes: usize) -> Self {
         self.retain_bytes = bytes;
+        self
+    }
+
+    /// Over a store that reads over the network, starts the open step's reads with the key
+    /// request and holds up to `bytes` of what arrives before the key (plus one contribution,
+    /// and the batches in flight): `ahead`. 0 (the default): the reads start after the key.
+    pub fn read_ahead_bytes(mut self, bytes: usize) -> Self {
+        self.read_ahead_bytes = bytes;
         self
     }
 
@@ -374,6 +383,10 @@ impl<S: JobStore + 'static> Worker<S> {
         aggregator: Arc<A>,
     ) -> Result<A, JobError> {
         match &job.partitioning {
+            // A root opens no contribution: `start_reads` starts none for it.
+            Some(Partitioning::Root { .. }) if reads.is_some() => {
+                return Err(JobError::ReadsNotTheOpens);
+            }
             Some(Partitioning::Root { count, sealed_keys }) => {
                 self.merge_all(job, inputs, *count, sealed_keys, private_key, &aggregator)
                     .await?
@@ -482,10 +495,7 @@ impl<S: JobStore + 'static> Worker<S> {
     ) -> Result<Vec<u8>, JobError> {
         let step = Instant::now();
         let listing = inputs::listing(&inputs);
-        let range = partition::ranges(inputs.len(), count)?
-            .get(index as usize)
-            .cloned()
-            .ok_or_else(|| PartitionError::Plan(format!("partition {index} of {count}")))?;
+        let range = partition::range(inputs.len(), index, count)?;
         let mine: Vec<Input> = inputs.drain(range).collect();
         drop(inputs);
         self.open_all(job, mine, reads, &aggregator).await?;
@@ -637,14 +647,9 @@ impl<S: JobStore + 'static> Worker<S> {
             }
         };
         phases.read = step.elapsed();
-        let mut reads = self.start_reads(job, &inputs)?;
-        let budget = self.read_ahead_budget(&inputs);
-        let keyed = ahead::key_while_reading(
-            self.key_for(job, context, inputs_digest, phases),
-            reads.as_mut(),
-            budget,
-        )
-        .await?;
+        let (keyed, reads) = self
+            .key_reading(job, context, inputs_digest, &inputs, phases)
+            .await?;
         // Only the step that noises continues the BLT state: a partition only binds its digest
         // (above), and a copy of the state per partition would cost up to 240 bytes a value.
         let continues = match job.partitioning {
@@ -713,29 +718,6 @@ impl<S: JobStore + 'static> Worker<S> {
     }
 }
 
-/// The release's proof: the enclave's signature over the commitment, the manifest's hash and the
-/// released bytes' hash, with the key services' receipts.
-pub(super) fn signed_proof(
-    manifest: &Manifest,
-    commitment: ReleaseCommitment,
-    signing_key: &p256::ecdsa::SigningKey,
-    receipts: Vec<confed_attestation::release::Receipt>,
-) -> ReleaseProof {
-    let text = release_text(
-        &commitment,
-        &sha256_hex(&manifest.to_json()),
-        &manifest.average_sha256,
-    );
-    ReleaseProof {
-        enclave: ReleaseSignature {
-            enclave_signing_key: encode_verifying_key(signing_key.verifying_key()),
-            signature: sign_text(signing_key, &text),
-        },
-        commitment,
-        receipts,
-    }
-}
-
 /// Refuses a partition plan with a partition of fewer than `MIN_PARTITION_INPUTS` inputs (one
 /// partition, the whole round, is always fine), before anything is read or asked for.
 fn check_plan(inputs: usize, count: u32) -> Result<(), PartitionError> {
@@ -745,47 +727,6 @@ fn check_plan(inputs: usize, count: u32) -> Result<(), PartitionError> {
         )));
     }
     Ok(())
-}
-
-/// A round's commitment and the key obtained against it (`key_for`).
-pub(super) struct Keyed {
-    pub(super) commitment: ReleaseCommitment,
-    pub(super) signing_key: p256::ecdsa::SigningKey,
-    pub(super) receipts: Vec<confed_attestation::release::Receipt>,
-    pub(super) private_key: Arc<crate::hpke::PrivateKey>,
-    pub(super) binding: Binding,
-}
-
-/// A training round after its key (`key_round`).
-pub(super) struct KeyedRound<'a> {
-    pub(super) privacy: PrivacyParams,
-    /// The round's inputs, sorted by ref, as their digest names them.
-    pub(super) inputs: Vec<Input>,
-    /// The open step's reads, started with the key request (`ahead`).
-    pub(super) reads: Option<Reads<'a>>,
-    pub(super) keyed: Keyed,
-    pub(super) continues: Option<Vec<u8>>,
-}
-
-/// A job's inputs after its key, with the open step's reads started with the key request
-/// (`ahead`): what `seal_range` opens a range of.
-pub(super) struct Opening<'a> {
-    pub(super) inputs: Vec<Input>,
-    pub(super) reads: Option<Reads<'a>>,
-}
-
-/// A job after its key: what `prepare` hands the step that follows.
-struct Prepared<'a> {
-    privacy: PrivacyParams,
-    /// The round's inputs, sorted by ref, as their digest names them.
-    inputs: Vec<Input>,
-    /// The open step's reads, started with the key request (`ahead`).
-    reads: Option<Reads<'a>>,
-    commitment: ReleaseCommitment,
-    signing_key: p256::ecdsa::SigningKey,
-    receipts: Vec<confed_attestation::release::Receipt>,
-    private_key: Arc<crate::hpke::PrivateKey>,
-    aggregator: Arc<Aggregator>,
 }
 
 /// The job's policy, checked, and the round context every contribution must be bound to: the

@@ -90,6 +90,14 @@ pub fn ranges(inputs: usize, count: u32) -> Result<Vec<Range<usize>>, PartitionE
         .collect())
 }
 
+/// Partition `index` of `count`'s range of `inputs` inputs sorted by ref (`ranges`).
+pub fn range(inputs: usize, index: u32, count: u32) -> Result<Range<usize>, PartitionError> {
+    ranges(inputs, count)?
+        .get(index as usize)
+        .cloned()
+        .ok_or_else(|| PartitionError::Plan(format!("partition {index} of {count}")))
+}
+
 /// Which partition of which round a sealed partition is (public: the associated data).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -1,20 +1,20 @@
 //! The open step's reads, started with the key request.
 //!
 //! Reading a contribution needs no key, and checking it against its committed digest needs only
-//! the listing. Where the worker reads over the network (the worker API, GCS), the key is the
-//! job's longest wait before the open: a round trip or more to each key service, run by other
-//! operators. So the reads the open step would make are started as the key is asked for. What
-//! arrives before the key is held in memory, up to the job's budget (`Worker::retain_bytes`, less
-//! what the first read kept), and the open step takes it first, then goes on with the same reads:
-//! no read is made twice, and none is cut off when the key arrives. Nothing is opened early, and
-//! nothing read early is trusted early: each contribution is checked against its committed digest
-//! as it is opened, as it always was.
+//! the listing. Where the worker reads over the network (`confed-enclave` over the worker API),
+//! the key is the job's longest wait before the open: a round trip or more to each key service,
+//! run by other operators. So the reads the open step would make are started as the key is asked
+//! for. What arrives before the key is held in memory, up to the job's read-ahead budget
+//! (`Worker::read_ahead_bytes`, `confed-enclave --read-ahead-mib`), and the open step takes it in
+//! turn with the same reads going on: no read is made twice, and none is cut off when the key
+//! arrives. Nothing is opened early, and nothing read early is trusted early: each contribution
+//! is checked against its committed digest as it is opened, as it always was.
 //!
-//! Over a store that reads on the calling thread (the embedded default's local directory) nothing
-//! is started: there the key services share the worker's cores, and reads during the key took
-//! their CPU without shortening the round (performance.md, "Reading during the key").
+//! Over a store that reads on the calling thread (the embedded default's contribution log), or
+//! with no budget, nothing is started: there the key services share the worker's cores, and reads
+//! during the key took their CPU without shortening the round (performance.md, "Reading during
+//! the key").
 
-use std::collections::VecDeque;
 use std::future::Future;
 
 use confed_worker_api::store::{JobSpec, JobStore, Partitioning, StoreError};
@@ -22,9 +22,10 @@ use futures_util::StreamExt;
 use futures_util::stream::BoxStream;
 
 use super::open::{Reread, to_read};
-use super::{JobError, Worker};
+use super::{JobError, Keyed, Phases, Worker};
 use crate::aggregate::inputs::Input;
 use crate::aggregate::partition;
+use crate::envelope::RoundContext;
 
 /// A contribution as read for the open step: its ref and committed digest with the bytes the
 /// store served (`None`: missing), or the read's error.
@@ -32,11 +33,12 @@ pub(crate) type Read = Result<(Reread, Option<Vec<u8>>), StoreError>;
 
 /// Reads of the contributions a job opens, started before its key.
 pub(crate) struct Reads<'a> {
-    /// The refs being read, in order: the open step checks they are the ones it would read.
-    refs: Vec<String>,
+    /// What the reads are of (`fingerprint`): the open step checks they are the ones it would
+    /// make.
+    of: [u8; 32],
     /// What arrived while the key was fetched, in arrival order.
-    ahead: VecDeque<Read>,
-    /// The same reads, from where `ahead` stopped.
+    held: Vec<Read>,
+    /// The same reads, from where `held` stopped.
     rest: BoxStream<'a, Read>,
 }
 
@@ -46,119 +48,119 @@ impl<'a> Reads<'a> {
         items: Vec<(Reread, String)>,
         read: impl FnOnce(Vec<(Reread, String)>) -> BoxStream<'a, Read>,
     ) -> Self {
-        let refs = items.iter().map(|((r, _), _)| r.clone()).collect();
         Self {
-            refs,
-            ahead: VecDeque::new(),
+            of: fingerprint(&items),
+            held: Vec::new(),
             rest: read(items),
         }
     }
 
-    /// Awaits `key` while reading into memory until `budget` bytes have arrived, the reads end,
-    /// or one fails (its error is then the last item held, for the open step to report).
+    /// Awaits `key` while holding what arrives, until the buffers held reach `budget` bytes (so
+    /// at most the budget plus one contribution, besides the batches in flight), the reads end,
+    /// or one fails (its error is then the last one held, for the open step to report).
     pub(super) async fn while_awaiting<F: Future>(&mut self, key: F, budget: usize) -> F::Output {
-        let (ahead, rest) = (&mut self.ahead, &mut self.rest);
-        let filling = async move {
-            let mut held = 0usize;
-            while held < budget {
+        let (held, rest) = (&mut self.held, &mut self.rest);
+        let holding = async move {
+            let mut bytes = 0usize;
+            while bytes < budget {
+                // The reads and the key share this task: yield to it whenever the runtime's
+                // budget for this task runs out, however fast the reads arrive.
+                tokio::task::consume_budget().await;
                 let Some(read) = rest.next().await else { break };
                 let failed = read.is_err();
-                if let Ok((_, Some(bytes))) = &read {
-                    held = held.saturating_add(bytes.len());
+                if let Ok((_, Some(buffer))) = &read {
+                    bytes = bytes.saturating_add(buffer.capacity());
                 }
-                ahead.push_back(read);
+                held.push(read);
                 if failed {
                     break;
                 }
             }
-            std::future::pending::<()>().await
         };
-        // The key first: once it is in, the reads go on in the open step. `next` is
-        // cancel-safe, so a read in flight when the key arrives is not lost.
+        // `next` is cancel-safe (the stream keeps what is in flight), so a read under way when
+        // the key arrives is not lost: the open step takes it from `rest`.
         let key = std::pin::pin!(key);
-        let filling = std::pin::pin!(filling);
-        match futures_util::future::select(key, filling).await {
+        let holding = std::pin::pin!(holding);
+        match futures_util::future::select(key, holding).await {
             futures_util::future::Either::Left((keyed, _)) => keyed,
             futures_util::future::Either::Right(((), key)) => key.await,
         }
     }
 
-    /// The reads as the open step takes them (those held, in turn with those still arriving), if
-    /// they are of exactly `to_read`, in its order.
+    /// The reads as the open step takes them, those held in turn with those still arriving,
+    /// if they are of exactly `to_read`.
     pub(super) fn into_stream(
         self,
         to_read: &[(Reread, String)],
     ) -> Result<BoxStream<'a, Read>, JobError> {
-        let same = self
-            .refs
-            .iter()
-            .map(String::as_str)
-            .eq(to_read.iter().map(|((r, _), _)| r.as_str()));
-        if !same {
+        if fingerprint(to_read) != self.of {
             return Err(JobError::ReadsNotTheOpens);
         }
-        // Taken in turn, not one after the other: the reads in flight go on arriving while those
-        // held are opened (a chain would leave them unpolled, their connections stalled, until the
-        // last one held was taken).
-        let held = futures_util::stream::iter(self.ahead);
+        // In turn, not one after the other: the reads in flight go on arriving while those held
+        // are opened (a chain would leave their connections unpolled until the last held one
+        // was taken).
+        let held = futures_util::stream::iter(self.held);
         Ok(futures_util::stream::select(held, self.rest).boxed())
     }
 
     #[cfg(test)]
     pub(super) fn held(&self) -> usize {
-        self.ahead.len()
+        self.held.len()
     }
 }
 
+/// BLAKE3 over every item's ref, committed digest and blob key, in order, each length-prefixed.
+fn fingerprint(items: &[(Reread, String)]) -> [u8; 32] {
+    let mut hasher = blake3::Hasher::new();
+    for ((assignment_ref, digest), blob_key) in items {
+        for field in [assignment_ref.as_bytes(), blob_key.as_bytes()] {
+            hasher.update(&(field.len() as u64).to_le_bytes());
+            hasher.update(field);
+        }
+        match digest {
+            Some(digest) => hasher.update(&[1]).update(digest),
+            None => hasher.update(&[0]),
+        };
+    }
+    *hasher.finalize().as_bytes()
+}
+
 impl<S: JobStore + 'static> Worker<S> {
-    /// Starts the reads of the contributions this job opens (the round's; a partition's range of
-    /// `inputs`; none for a root, which merges sealed partitions), over a store that reads over
-    /// the network. `None` over one that reads on the calling thread.
-    pub(super) fn start_reads(
+    /// The round's key against `inputs_digest` (`key_for`), with the open step's reads started
+    /// with the request and what arrives before the key held (`start_reads`).
+    pub(super) async fn key_reading(
         &self,
         job: &JobSpec,
+        context: RoundContext,
+        inputs_digest: String,
         inputs: &[Input],
-    ) -> Result<Option<Reads<'_>>, JobError> {
-        if self.store.blocking_fetch().is_some() {
+        phases: &mut Phases,
+    ) -> Result<(Keyed, Option<Reads<'_>>), JobError> {
+        let mut reads = self.start_reads(job, inputs)?;
+        let key = self.key_for(job, context, inputs_digest, phases);
+        let keyed = match reads.as_mut() {
+            Some(reads) => reads.while_awaiting(key, self.read_ahead_bytes).await,
+            None => key.await,
+        }?;
+        Ok((keyed, reads))
+    }
+
+    /// Starts the reads of the contributions this job opens (the round's; a partition's range of
+    /// `inputs`; none for a root, which merges sealed partitions), over a store that reads over
+    /// the network. `None` over one that reads on the calling thread, or with no budget.
+    fn start_reads(&self, job: &JobSpec, inputs: &[Input]) -> Result<Option<Reads<'_>>, JobError> {
+        if self.read_ahead_bytes == 0 || self.store.blocking_fetch().is_some() {
             return Ok(None);
         }
         let opened = match &job.partitioning {
             Some(Partitioning::Root { .. }) => return Ok(None),
             Some(Partitioning::Partition { index, count }) => {
-                partition::ranges(inputs.len(), *count)?
-                    .get(*index as usize)
-                    .cloned()
-                    .ok_or_else(|| {
-                        partition::PartitionError::Plan(format!("partition {index} of {count}"))
-                    })?
+                partition::range(inputs.len(), *index, *count)?
             }
             None => 0..inputs.len(),
         };
         let items: Vec<(Reread, String)> = inputs[opened].iter().filter_map(to_read).collect();
         Ok(Some(Reads::new(items, |items| self.read_opened(items))))
-    }
-
-    /// What the open step may hold before it opens: the job's budget, less what the first read
-    /// kept.
-    pub(super) fn read_ahead_budget(&self, inputs: &[Input]) -> usize {
-        let kept: usize = inputs
-            .iter()
-            .filter_map(|i| i.retained.as_ref())
-            .map(Vec::len)
-            .sum();
-        self.retain_bytes.saturating_sub(kept)
-    }
-}
-
-/// `key` awaited while `reads`, if any, fill up to `budget` bytes.
-pub(super) async fn key_while_reading<F: Future>(
-    key: F,
-    reads: Option<&mut Reads<'_>>,
-    budget: usize,
-) -> F::Output {
-    match reads {
-        Some(reads) => reads.while_awaiting(key, budget).await,
-        None => key.await,
     }
 }
 
@@ -192,7 +194,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn reads_fill_to_the_budget_while_the_key_is_awaited_and_the_rest_follow_in_order() {
+    async fn reads_fill_to_the_budget_while_the_key_is_awaited_and_each_comes_once() {
         let listed = items(10);
         let mut reads = Reads::new(listed.clone(), |items| served(items, None));
         // The key arrives only after the reads stopped at the budget (they never pend).
@@ -215,6 +217,38 @@ mod tests {
             all, expected,
             "each contribution once, none lost at the key"
         );
+    }
+
+    #[tokio::test]
+    async fn a_key_that_arrives_while_the_reads_wait_loses_none_of_them() {
+        let listed = items(4);
+        let (sender, receiver) = tokio::sync::mpsc::unbounded_channel::<Read>();
+        let arriving = futures_util::stream::unfold(receiver, |mut receiver| async move {
+            receiver.recv().await.map(|read| (read, receiver))
+        })
+        .boxed();
+        let mut reads = Reads::new(listed.clone(), |_| arriving);
+        let served = |i: usize| Ok((listed[i].0.clone(), Some(vec![0u8; 1_000])));
+        sender.send(served(0)).unwrap();
+        sender.send(served(1)).unwrap();
+        let (key_sender, key) = tokio::sync::oneshot::channel::<()>();
+        let arrive_after_the_key = async {
+            // The reads take the two sent and wait for more; then the key comes, and after it
+            // the last two reads.
+            tokio::task::yield_now().await;
+            key_sender.send(()).unwrap();
+            sender.send(served(2)).unwrap();
+            sender.send(served(3)).unwrap();
+        };
+        let (keyed, ()) = tokio::join!(reads.while_awaiting(key, usize::MAX), arrive_after_the_key);
+        keyed.unwrap();
+        assert_eq!(reads.held(), 2);
+        drop(sender);
+        let mut all = refs_of(reads.into_stream(&listed).unwrap()).await;
+        all.sort();
+        let expected: Vec<Result<String, String>> =
+            listed.iter().map(|((r, _), _)| Ok(r.clone())).collect();
+        assert_eq!(all, expected);
     }
 
     #[tokio::test]
@@ -250,9 +284,16 @@ mod tests {
     async fn reads_of_other_contributions_than_the_open_step_names_are_refused() {
         let listed = items(3);
         let reads = Reads::new(listed.clone(), |items| served(items, None));
-        let other = items(2);
+        let fewer = items(2);
         assert!(matches!(
-            reads.into_stream(&other),
+            reads.into_stream(&fewer),
+            Err(JobError::ReadsNotTheOpens)
+        ));
+        let mut other_digest = listed.clone();
+        other_digest[1].0.1 = Some([7; 32]);
+        let reads = Reads::new(listed.clone(), |items| served(items, None));
+        assert!(matches!(
+            reads.into_stream(&other_digest),
             Err(JobError::ReadsNotTheOpens)
         ));
     }

@@ -10,8 +10,7 @@ use std::time::Instant;
 use confed_worker_api::store::{JobSpec, JobStore, Partitioning, StagedRelease};
 
 use super::{
-    JobError, JobOutcome, Keyed, Opening, Phases, Worker, ahead, check_plan, round_context,
-    signed_proof,
+    JobError, JobOutcome, Keyed, Opening, Phases, Worker, check_plan, round_context, signed_proof,
 };
 use crate::analytics::{AnalyticsAggregator, AnalyticsParams, AnalyticsRelease};
 use confed_attestation::release::ReleaseProof;
@@ -95,20 +94,18 @@ impl<S: JobStore + 'static> Worker<S> {
             .ok_or_else(|| JobError::MalformedJob("the policy names no query".into()))?;
         let (inputs, inputs_digest) = self.gather(job).await?;
         phases.read = step.elapsed();
-        let mut reads = self.start_reads(job, &inputs)?;
-        let budget = self.read_ahead_budget(&inputs);
-        let Keyed {
-            commitment,
-            signing_key,
-            receipts,
-            private_key,
-            binding,
-        } = ahead::key_while_reading(
-            self.key_for(job, context, inputs_digest, phases),
-            reads.as_mut(),
-            budget,
-        )
-        .await?;
+        let (
+            Keyed {
+                commitment,
+                signing_key,
+                receipts,
+                private_key,
+                binding,
+            },
+            reads,
+        ) = self
+            .key_reading(job, context, inputs_digest, &inputs, phases)
+            .await?;
         let aggregator = Arc::new(
             AnalyticsAggregator::new(binding, query, &private_key)?
                 .authenticating(policy.device_auth.clone()),

@@ -45,10 +45,11 @@ impl<S: JobStore + 'static> Worker<S> {
     /// read, one per core at a time, while the next are read (`READ_AHEAD`, in the store's
     /// batches: `JobStore::fetch_batch`): no batch boundary where a core waits for the slowest
     /// contribution of its batch, and at most `READ_AHEAD` + one per core contributions read and
-    /// waiting (plus one being read per batch in flight) in memory, whatever the round's size.
-    /// `reads`: the same reads, started with the key request (`ahead`), whose contributions
-    /// held so far are opened first. The lease is renewed before, every quarter lease during (on
-    /// a timer, so also while a stalled read completes nothing), and after.
+    /// waiting (plus one being read per batch in flight) in memory, whatever the round's size,
+    /// besides those held from before the key. `reads`: the same reads, started with the key
+    /// request (`ahead`); those held are taken in turn with those still arriving. The lease is
+    /// renewed before, every quarter lease during (on a timer, so also while a stalled read
+    /// completes nothing), and after.
     pub(super) async fn open_all<A: Opens>(
         &self,
         job: &JobSpec,
@@ -249,14 +250,12 @@ pub(super) fn to_read(input: &Input) -> Option<(Reread, String)> {
 }
 
 fn listed(input: Input) -> Listed {
-    let assignment_ref = input.assignment_ref;
-    if let Some(bytes) = input.retained {
-        return Listed::InHand((assignment_ref, None), Some(bytes));
+    if let Some((reread, blob_key)) = to_read(&input) {
+        return Listed::ToRead(reread, blob_key);
     }
-    match input.digest {
-        Some(expected) => Listed::ToRead((assignment_ref, Some(expected)), input.blob_key),
-        None => Listed::InHand((assignment_ref, None), None),
-    }
+    // Kept from the first read (this job digested those bytes itself), or listed without a
+    // digest and not stored.
+    Listed::InHand((input.assignment_ref, None), input.retained)
 }
 
 /// What the store served for a committed contribution: missing fails the job.
