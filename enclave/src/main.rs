@@ -82,9 +82,10 @@ struct Args {
     /// the key is asked for); beyond this, the rest are read a second time.
     #[arg(long, default_value_t = (confed_enclave::worker::REMOTE_RETAIN_BYTES >> 20) as u64)]
     retain_mib: u64,
-    /// MiB of contributions read while the round's key is fetched (the open step's reads start
-    /// with the key request; each is still checked against its committed digest when opened),
-    /// held until the open step takes them; 0 starts the reads after the key.
+    /// At most MiB of contributions held in memory while the round's key is fetched (the open
+    /// step's reads start with the key request), in addition to --retain-mib, plus one
+    /// contribution and up to two batches of 32 in flight; each is still checked against its
+    /// committed digest when opened. 0 starts the reads after the key.
     #[arg(long, default_value_t = (confed_enclave::worker::REMOTE_READ_AHEAD_BYTES >> 20) as u64)]
     read_ahead_mib: u64,
     /// Process at most one job, then exit (0 whether or not one was ready).

@@ -154,8 +154,9 @@ pub const RETAIN_BYTES: usize = 0;
 /// the worker API.
 pub const REMOTE_RETAIN_BYTES: usize = 1 << 30;
 
-/// `confed-enclave`'s default for `Worker::read_ahead_bytes`: what a key step of a few hundred
-/// milliseconds lets a VM read at 1-2 GB/s. A `Worker` reads nothing ahead unless told to.
+/// `confed-enclave`'s default for `Worker::read_ahead_bytes`: what a VM reads at 1-2 GB/s in a
+/// key step of 130-270 ms (a longer one's wait is only partly used). A `Worker` reads nothing
+/// ahead unless told to.
 pub const REMOTE_READ_AHEAD_BYTES: usize = 256 << 20;
 
 pub struct Worker<S> {
@@ -484,7 +485,7 @@ impl<S: JobStore + 'static> Worker<S> {
     /// A partition's step after its key: only partition `index` of `count` of the round's
     /// `inputs` opened into `aggregator`, and its exact state sealed for the root
     /// (`Partial::seal_partition`).
-    pub(super) async fn seal_range<A: Partial + Opens>(
+    pub(in crate::worker) async fn seal_range<A: Partial + Opens>(
         &self,
         job: &JobSpec,
         Opening { mut inputs, reads }: Opening<'_>,
@@ -591,7 +592,7 @@ impl<S: JobStore + 'static> Worker<S> {
     /// A training round's privacy parameters, its inputs and their digest (the BLT state bound
     /// in), the release commitment and the key against it: what a clear and a masked round's
     /// job do first. `continues`: the BLT state the step that noises continues.
-    pub(super) async fn key_round(
+    pub(in crate::worker) async fn key_round(
         &self,
         job: &JobSpec,
         schema: &ModelSchema,
@@ -669,7 +670,7 @@ impl<S: JobStore + 'static> Worker<S> {
     /// service records the commitment in its ledger (one per round) and answers with a receipt.
     /// The job's signing key is made here and bound into the attestation. The aggregator's
     /// binding (the round, its key id and inputs digest) comes with it.
-    pub(super) async fn key_for(
+    pub(in crate::worker) async fn key_for(
         &self,
         job: &JobSpec,
         context: RoundContext,

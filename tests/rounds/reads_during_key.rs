@@ -6,7 +6,8 @@
 //! Not run again on PostgreSQL and GCS (.ci/run): what this tells apart is the order of a
 //! worker's reads and renewals, the same over either engine; uploads straight to GCS are listed
 //! without a digest and read (and the lease renewed) before the key, so the order of calls could
-//! not tell the reads during the key from that first read.
+//! not tell the reads during the key from that first read, and each is read twice (the library
+//! keeps none from its first read).
 
 use crate::common;
 

@@ -16,7 +16,7 @@ use crate::policy::sha256_hex;
 
 /// The release's proof: the enclave's signature over the commitment, the manifest's hash and the
 /// released bytes' hash, with the key services' receipts.
-pub(crate) fn signed_proof(
+pub(in crate::worker) fn signed_proof(
     manifest: &Manifest,
     commitment: ReleaseCommitment,
     signing_key: &p256::ecdsa::SigningKey,
@@ -38,42 +38,42 @@ pub(crate) fn signed_proof(
 }
 
 /// A round's commitment and the key obtained against it (`key_for`).
-pub(crate) struct Keyed {
-    pub(crate) commitment: ReleaseCommitment,
-    pub(crate) signing_key: p256::ecdsa::SigningKey,
-    pub(crate) receipts: Vec<confed_attestation::release::Receipt>,
-    pub(crate) private_key: Arc<crate::hpke::PrivateKey>,
-    pub(crate) binding: Binding,
+pub(in crate::worker) struct Keyed {
+    pub(in crate::worker) commitment: ReleaseCommitment,
+    pub(in crate::worker) signing_key: p256::ecdsa::SigningKey,
+    pub(in crate::worker) receipts: Vec<confed_attestation::release::Receipt>,
+    pub(in crate::worker) private_key: Arc<crate::hpke::PrivateKey>,
+    pub(in crate::worker) binding: Binding,
 }
 
 /// A training round after its key (`key_round`).
-pub(crate) struct KeyedRound<'a> {
-    pub(crate) privacy: PrivacyParams,
+pub(in crate::worker) struct KeyedRound<'a> {
+    pub(in crate::worker) privacy: PrivacyParams,
     /// The round's inputs, sorted by ref, as their digest names them.
-    pub(crate) inputs: Vec<Input>,
+    pub(in crate::worker) inputs: Vec<Input>,
     /// The open step's reads, started with the key request (`ahead`).
-    pub(crate) reads: Option<Reads<'a>>,
-    pub(crate) keyed: Keyed,
-    pub(crate) continues: Option<Vec<u8>>,
+    pub(in crate::worker) reads: Option<Reads<'a>>,
+    pub(in crate::worker) keyed: Keyed,
+    pub(in crate::worker) continues: Option<Vec<u8>>,
 }
 
 /// A job's inputs after its key, with the open step's reads started with the key request
 /// (`ahead`): what `seal_range` opens a range of.
-pub(crate) struct Opening<'a> {
-    pub(crate) inputs: Vec<Input>,
-    pub(crate) reads: Option<Reads<'a>>,
+pub(in crate::worker) struct Opening<'a> {
+    pub(in crate::worker) inputs: Vec<Input>,
+    pub(in crate::worker) reads: Option<Reads<'a>>,
 }
 
 /// A job after its key: what `prepare` hands the step that follows.
-pub(crate) struct Prepared<'a> {
-    pub(crate) privacy: PrivacyParams,
+pub(in crate::worker) struct Prepared<'a> {
+    pub(in crate::worker) privacy: PrivacyParams,
     /// The round's inputs, sorted by ref, as their digest names them.
-    pub(crate) inputs: Vec<Input>,
+    pub(in crate::worker) inputs: Vec<Input>,
     /// The open step's reads, started with the key request (`ahead`).
-    pub(crate) reads: Option<Reads<'a>>,
-    pub(crate) commitment: ReleaseCommitment,
-    pub(crate) signing_key: p256::ecdsa::SigningKey,
-    pub(crate) receipts: Vec<confed_attestation::release::Receipt>,
-    pub(crate) private_key: Arc<crate::hpke::PrivateKey>,
-    pub(crate) aggregator: Arc<Aggregator>,
+    pub(in crate::worker) reads: Option<Reads<'a>>,
+    pub(in crate::worker) commitment: ReleaseCommitment,
+    pub(in crate::worker) signing_key: p256::ecdsa::SigningKey,
+    pub(in crate::worker) receipts: Vec<confed_attestation::release::Receipt>,
+    pub(in crate::worker) private_key: Arc<crate::hpke::PrivateKey>,
+    pub(in crate::worker) aggregator: Arc<Aggregator>,
 }

@@ -88,8 +88,9 @@ impl<S: JobStore + 'static> Worker<S> {
             Some(reads) => reads.into_stream(&to_read)?,
             None => self.read_opened(to_read),
         };
-        let opened = futures_util::stream::iter(in_hand)
-            .chain(read)
+        // In turn, as with the reads held from before the key (`Reads::into_stream`): a chain
+        // would leave the reads already started unpolled until every input in hand was taken.
+        let opened = futures_util::stream::select(futures_util::stream::iter(in_hand), read)
             .map(|read| {
                 let aggregator = Arc::clone(aggregator);
                 let (opening, stopped) = (Arc::clone(&opening), Arc::clone(&stopped));
