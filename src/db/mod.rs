@@ -90,8 +90,9 @@ pub struct Db {
     _job_listener: Option<Arc<postgres::notify::Listener>>,
     /// PostgreSQL: the group-commit queue of the device writes that lock a round's row.
     device_batches: Option<postgres::batch::Batcher>,
-    /// PostgreSQL: the connections of the device path's reads (`postgres/readers.rs`).
-    device_readers: Option<Arc<postgres::readers::Readers>>,
+    /// PostgreSQL: the device path's reads, grouped into shared statements
+    /// (`postgres/grouped.rs`) on connections of their own (`postgres/readers.rs`).
+    device_reads: Option<Arc<postgres::device::DeviceReads>>,
     /// The store's time: every write stamps and compares with it (`now`), so a caller cannot
     /// hand one write a time another did not see. The system clock unless `with_clock`.
     clock: Arc<dyn Clock>,
@@ -221,7 +222,7 @@ impl Db {
             jobs_created: Default::default(),
             _job_listener: None,
             device_batches: None,
-            device_readers: None,
+            device_reads: None,
         })
     }
 
@@ -265,7 +266,7 @@ impl Db {
             jobs_created,
             _job_listener: listener.map(Arc::new),
             device_batches: Some(device_batches),
-            device_readers: Some(postgres::readers::Readers::new(url)),
+            device_reads: Some(Arc::new(postgres::device::DeviceReads::new(url))),
         })
     }
 
@@ -335,19 +336,11 @@ impl Db {
         }
     }
 
-    /// Runs one read of the device path (PostgreSQL: on the readers' connections, which skip
-    /// the pool's check of every returned connection; see `postgres/readers.rs`).
-    pub(in crate::db) async fn device_read<T>(
-        &self,
-        read: impl for<'c> FnOnce(&'c mut Conn) -> writer::BoxFuture<'c, Result<T, sqlx::Error>>,
-    ) -> Result<T, DbError> {
-        match &self.device_readers {
-            Some(readers) => readers.read(read).await,
-            None => {
-                let mut connection = self.pool.acquire().await?;
-                Ok(read(&mut connection).await?)
-            }
-        }
+    /// PostgreSQL's grouped device reads.
+    pub(in crate::db) fn device_reads(&self) -> Result<&postgres::device::DeviceReads, DbError> {
+        self.device_reads.as_deref().ok_or_else(|| {
+            DbError::Corrupt("a PostgreSQL-only path was called on SQLite (a bug)".into())
+        })
     }
 
     /// `write` for a job that may share its transaction with others, as `item` of their sets

@@ -100,29 +100,43 @@ fn report_target(outcome: ReportOutcome) -> AssignmentState {
 
 pub use confed_protocol::ids::{AssignmentRef, Capability};
 
-pub(in crate::db) const VIEW_SQL: &str = "SELECT a.id AS id, a.state AS state, \
+/// An assignment's view without its condition: `VIEW_SQL` reads one by `a.id`, PostgreSQL's
+/// grouped read (`postgres/grouped.rs`) several.
+pub(in crate::db) const VIEW_COLUMNS_FROM: &str = "a.id AS id, a.state AS state, \
      a.expires_at AS expires_at, r.state AS round_state, r.round_number AS round_number, \
      r.attempt AS attempt, r.key_id AS key_id, t.id AS task_id, t.tenant_id AS tenant_id, \
      a.contribution_digest AS contribution_digest, \
      (SELECT m.size_bytes FROM models m WHERE m.task_id = t.id AND m.version = t.model_version) \
      AS model_bytes, t.model_version AS model_version \
-     FROM assignments a JOIN rounds r ON r.id = a.round_id JOIN tasks t ON t.id = r.task_id \
-     WHERE a.id = $1";
+     FROM assignments a JOIN rounds r ON r.id = a.round_id JOIN tasks t ON t.id = r.task_id";
 
-/// Collecting rounds of open tasks in a population whose owner runs them (`$1`: the population;
-/// SQLite binds `$1` by position too).
-pub(in crate::db) static CANDIDATES: LazyLock<String> = LazyLock::new(|| {
+/// One assignment's view (`$1`: its id).
+pub(in crate::db) static VIEW_SQL: LazyLock<String> =
+    LazyLock::new(|| format!("SELECT {VIEW_COLUMNS_FROM} WHERE a.id = $1"));
+
+/// The candidate rounds' columns and conditions but the population's: `CANDIDATES` reads one
+/// population, PostgreSQL's grouped read (`postgres/grouped.rs`) several.
+pub(in crate::db) static CANDIDATES_COLUMNS_WHERE: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "SELECT r.id AS round_id, t.id AS task_id, t.tenant_id AS tenant_id, \
+        "r.id AS round_id, t.id AS task_id, t.tenant_id AS tenant_id, \
          r.round_number AS round_number, r.deadline_at AS deadline_at, r.key_id AS key_id, \
          t.model_version AS model_version, r.live_assignments AS live_assignments, \
          t.spec_json AS spec_json, r.attempt AS attempt, t.created_at AS task_created_at, \
          r.capacity AS capacity, r.on_demand_evaluation AS on_demand_evaluation \
          FROM rounds r JOIN tasks t ON t.id = r.task_id \
          JOIN populations p ON p.name = t.population AND p.tenant_id = t.tenant_id \
-         WHERE t.population = $1 AND t.state = '{open}' AND r.state = '{collecting}'",
+         WHERE t.state = '{open}' AND r.state = '{collecting}'",
         open = TaskState::Open.as_str(),
         collecting = RoundState::Collecting.as_str(),
+    )
+});
+
+/// Collecting rounds of open tasks in a population whose owner runs them (`$1`: the population;
+/// SQLite binds `$1` by position too).
+pub(in crate::db) static CANDIDATES: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT {} AND t.population = $1",
+        CANDIDATES_COLUMNS_WHERE.as_str()
     )
 });
 

@@ -4,7 +4,7 @@
 //! the one list of what each holds.
 
 /// A collecting round of an open task in the population (`CANDIDATES`).
-#[derive(Debug, sqlx::FromRow)]
+#[derive(Debug, Clone, sqlx::FromRow)]
 pub(in crate::db) struct CandidateRow {
     pub round_id: String,
     pub task_id: String,
@@ -22,7 +22,7 @@ pub(in crate::db) struct CandidateRow {
 }
 
 /// An assignment with its round and task (`VIEW_SQL`).
-#[derive(Debug, sqlx::FromRow)]
+#[derive(Debug, Clone, sqlx::FromRow)]
 pub(in crate::db) struct ViewRow {
     pub id: String,
     pub state: String,

@@ -16,13 +16,17 @@
 //!
 //! State names come from `states.rs`.
 
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
+
+use super::grouped::Grouped;
+use super::readers::Readers;
 
 use super::sets::{SetItem, SetOutcome};
 use crate::db::device::{
-    Assigned, AssignmentView, CANDIDATES, CandidateRow, DeviceStore, NewAssignment, NewUpload,
-    Refusal, Report, ReportOutcome, ReportStep, Stored, VIEW_SQL, ViewRow, WRITE_VIEW_SQL,
-    WriteView, WriteViewRow, device_error_text, report_step, upload_outcome, view_from_row,
+    Assigned, AssignmentView, CANDIDATES_COLUMNS_WHERE, CandidateRow, DeviceStore, NewAssignment,
+    NewUpload, Refusal, Report, ReportOutcome, ReportStep, Stored, VIEW_COLUMNS_FROM, ViewRow,
+    WRITE_VIEW_SQL, WriteView, WriteViewRow, device_error_text, report_step, upload_outcome,
+    view_from_row,
 };
 use crate::db::{Conn, Db, DbError, history, new_history_id, transition};
 use crate::states::{AssignmentState, RoundState, StateMachine};
@@ -33,6 +37,40 @@ use RoundState::{Aggregating as AGGREGATING, Collecting as COLLECTING};
 
 /// The device store of a PostgreSQL `Db`.
 pub(in crate::db) struct PostgresDevices<'a>(pub &'a Db);
+
+/// The device path's reads on one database, each kind grouped into shared statements
+/// (`grouped.rs`) on the same connections (`readers.rs`).
+pub(in crate::db) struct DeviceReads {
+    /// A check-in's candidate rounds, keyed by population.
+    pub candidates: Arc<Grouped<CandidateRow>>,
+    /// An assignment's view (the model download's and the upload's), keyed by its id.
+    pub views: Arc<Grouped<ViewRow>>,
+}
+
+impl std::fmt::Debug for DeviceReads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceReads").finish_non_exhaustive()
+    }
+}
+
+impl DeviceReads {
+    pub(in crate::db) fn new(url: &str) -> Self {
+        let readers = Readers::new(url);
+        Self {
+            candidates: Grouped::new(
+                Arc::clone(&readers),
+                &format!(
+                    "SELECT {} AND t.population = k.key",
+                    CANDIDATES_COLUMNS_WHERE.as_str()
+                ),
+            ),
+            views: Grouped::new(
+                readers,
+                &format!("SELECT {VIEW_COLUMNS_FROM} WHERE a.id = k.key"),
+            ),
+        }
+    }
+}
 
 /// One statement, so one round trip: the round row's lock is taken by the guarded UPDATE, which
 /// PostgreSQL re-checks after waiting for it. Every check-in of a round takes that lock, so its
@@ -207,17 +245,8 @@ pub(super) async fn close_round(
 
 impl DeviceStore for PostgresDevices<'_> {
     async fn candidates(&self, population: &str) -> Result<Vec<CandidateRow>, DbError> {
-        let population = population.to_string();
-        self.0
-            .device_read(move |conn| {
-                Box::pin(async move {
-                    sqlx::query_as(CANDIDATES.as_str())
-                        .bind(population)
-                        .fetch_all(conn)
-                        .await
-                })
-            })
-            .await
+        let reads = self.0.device_reads()?;
+        reads.candidates.read(population.to_string()).await
     }
 
     async fn assign(&self, new: NewAssignment) -> Result<Option<Assigned>, DbError> {
@@ -257,15 +286,8 @@ impl DeviceStore for PostgresDevices<'_> {
     }
 
     async fn assignment(&self, id: String) -> Result<Option<AssignmentView>, DbError> {
-        let row: Option<ViewRow> = self
-            .0
-            .device_read(move |conn| {
-                Box::pin(
-                    async move { sqlx::query_as(VIEW_SQL).bind(id).fetch_optional(conn).await },
-                )
-            })
-            .await?;
-        row.map(view_from_row).transpose()
+        let rows = self.0.device_reads()?.views.read(id).await?;
+        rows.into_iter().next().map(view_from_row).transpose()
     }
 
     async fn record_upload(&self, upload: NewUpload) -> Result<Result<Stored, Refusal>, DbError> {

@@ -3,6 +3,7 @@
 
 pub(super) mod batch;
 pub(super) mod device;
+pub(super) mod grouped;
 pub(super) mod notify;
 pub(super) mod readers;
 pub(super) mod sets;

@@ -1,21 +1,23 @@
-//! Connections for the device path's reads (a check-in's candidate rounds, an assignment's view):
-//! one statement each, three per device cycle, outside sqlx's pool.
+//! Connections for the device path's reads (a check-in's candidate rounds, an assignment's view),
+//! outside sqlx's pool: the statements of `grouped.rs`, each carrying the reads of its kind that
+//! arrived while the last one ran.
 //!
 //! sqlx's pool checks every connection as it comes back (a round trip: PostgreSQL's Sync and
 //! ReadyForQuery), because a statement whose future was dropped half way leaves its connection in
 //! an unknown state. For a read of a few rows that check costs about as much as the read, and it
-//! is a third of a device cycle's round trips. Here a connection whose statement succeeded goes
-//! straight back; one whose statement was dropped (the caller went away) is checked first, by a
-//! task of its own, and goes back if the check passes, so a client that drops its requests costs
-//! a round trip each, not a new connection (a backend forked and authenticated) each; one whose
+//! was a third of a device cycle's round trips. Here a connection whose statement succeeded goes
+//! straight back; one whose statement was dropped is checked first, by a task of its own, and
+//! goes back if the check passes, not replaced by a new connection (a backend forked and
+//! authenticated; `grouped.rs` runs its statements in tasks that callers going away do not
+//! cancel, so this is for a read dropped by other means); one whose
 //! statement failed is closed (a FATAL from a restarting server arrives as a database error on a
 //! connection that is already gone). A connection idle for longer than `PING_IF_IDLE` is checked
 //! before it is used (PostgreSQL may have restarted meanwhile), as the pool's are; so after a
-//! restart under load, each connection used within that second fails one read before it is
-//! replaced.
+//! restart under load, each connection used within that second fails one statement (every read
+//! of its group) before it is replaced.
 //!
-//! At most `MAX_READERS` reads run at once, each on its own connection, besides the pool's
-//! connections (`MAX_POOLED`). A read that cannot start its statement within `ACQUIRE_TIMEOUT`
+//! At most `MAX_READERS` statements run at once, each on its own connection, besides the pool's
+//! connections (`MAX_POOLED`). A statement that cannot start within `ACQUIRE_TIMEOUT`
 //! (waiting for a turn, checking an idle connection, or opening a new one) fails as the pool's
 //! acquire does (`PoolTimedOut`: 503 with Retry-After).
 
@@ -28,13 +30,14 @@ use tokio::sync::Semaphore;
 use crate::db::DbError;
 use crate::db::writer::BoxFuture;
 
-/// Most device reads at once, so most connections these hold (a check that runs after a dropped
-/// read may hold one more while it lasts).
-const MAX_READERS: usize = 8;
+/// Most statements at once, so most connections these hold: one in flight for each of the two
+/// kinds of grouped read (a check that runs after a dropped statement may hold one more while it
+/// lasts; the grouped reads' statements are dropped only when their runtime shuts down).
+const MAX_READERS: usize = 2;
 
 /// The pool's connections: the partner API, the scheduler, workers, the device path's other
 /// writes. With `MAX_READERS`, the device write batcher's and the job listener's, a replica
-/// opens at most 17 connections
+/// opens at most 11 connections
 /// (PostgreSQL's default `max_connections` is 100, shared by every replica).
 pub(in crate::db) const MAX_POOLED: u32 = 7;
 

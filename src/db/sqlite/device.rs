@@ -310,7 +310,7 @@ impl DeviceStore for SqliteDevices<'_> {
         // On a raw read connection: every upload and every model download reads it, and a hop
         // to a sqlx worker thread costs more than the read.
         let row: Option<ViewRow> = self.0.read_raw(|c| {
-            Ok(c.prepare_cached(VIEW_SQL)?
+            Ok(c.prepare_cached(&VIEW_SQL)?
                 .query_row([&id], ViewRow::from_sqlite)
                 .optional()?)
         })?;
