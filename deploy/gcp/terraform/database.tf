@@ -31,7 +31,8 @@ resource "google_sql_database_instance" "tasks" {
       name  = "cloudsql.iam_authentication"
       value = "on"
     }
-    # Device check-ins and workers each hold a connection per replica (16 per process).
+    # Each confed process opens at most 11 connections (7 pooled, 2 for the grouped device reads,
+    # 1 device write batch, 1 job listener).
     database_flags {
       name  = "max_connections"
       value = "800"

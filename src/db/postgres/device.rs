@@ -20,7 +20,6 @@ use std::sync::{Arc, LazyLock};
 
 use super::grouped::Grouped;
 use super::readers::Readers;
-
 use super::sets::{SetItem, SetOutcome};
 use crate::db::device::{
     Assigned, AssignmentView, CANDIDATES_COLUMNS_WHERE, CandidateRow, DeviceStore, NewAssignment,
@@ -60,13 +59,13 @@ impl DeviceReads {
             candidates: Grouped::new(
                 Arc::clone(&readers),
                 &format!(
-                    "SELECT {} AND t.population = k.key",
+                    "SELECT {} AND t.population = grouped_keys.key",
                     CANDIDATES_COLUMNS_WHERE.as_str()
                 ),
             ),
             views: Grouped::new(
                 readers,
-                &format!("SELECT {VIEW_COLUMNS_FROM} WHERE a.id = k.key"),
+                &format!("SELECT {VIEW_COLUMNS_FROM} WHERE a.id = grouped_keys.key"),
             ),
         }
     }

@@ -4,8 +4,9 @@
 //! own rows.
 //!
 //! A device cycle makes three reads (its check-in's candidate rounds, and the assignment's view
-//! for the model download and again for the upload) and shares about half a write batch
-//! (`batch.rs`), so the reads were three of every four statements the device path sent; each
+//! for the model download and again for the upload) and a share of a write batch (`batch.rs`:
+//! five statements for about 11 cycles), so the reads were three of every four statements the
+//! device path sent; each
 //! finds a few rows by key in tens of microseconds, and what it costs is the statement itself
 //! (its round trip, the backend's wake-up, the protocol on both ends). Grouped, a statement
 //! carries every read that arrived while the last one ran.
@@ -14,18 +15,22 @@
 //! snapshot is as late as an ungrouped read's would be (a device's upload sees its own
 //! check-in, acknowledged before the upload was sent), and every read answers from its own key's
 //! rows. A read waits for the statement in flight before its own (and for earlier groups, when
-//! more than `MAX_GROUP` wait); with no other read in flight it starts at once, as before. One
-//! that has not joined a statement within `ACQUIRE_TIMEOUT` fails as a pool's acquire does
-//! (503 with `Retry-After`), so an overloaded database sheds reads rather than queueing them.
+//! more than `MAX_GROUP` keys wait); with no other read in flight it starts at once, as before.
+//! One that has not joined a statement within `ACQUIRE_TIMEOUT` fails as a pool's acquire does
+//! (503 with `Retry-After`), so an overloaded database sheds reads rather than queueing them; a
+//! statement may then wait up to `ACQUIRE_TIMEOUT` again for its connection, and runs for at
+//! most `STATEMENT_TIMEOUT` (one statement stuck on a dead connection would otherwise hold up
+//! every read of its kind).
 //!
 //! The statements run in a task of their own, so a caller that goes away (a device that drops its
-//! request) neither cancels the others' statement nor strands their answers. A statement that
-//! fails because the database is unavailable answers every read of its group with an error of
-//! that class (503 with `Retry-After`); one that fails otherwise runs again for each key alone,
-//! so a key whose read fails (500) fails only its own reads, as a write that fails its group
-//! commit does (`batch.rs`).
+//! request) neither cancels the others' statement nor strands their answers; a read whose caller
+//! left before its statement is not read. A statement that fails answers every read of its group
+//! with an error of the same class (503 with `Retry-After` for an outage or a timeout, 507 for a
+//! full disk, 500 otherwise), except a failure one key's value could cause (a data exception, a
+//! row that does not decode): that group runs again key by key, so the key fails only its own
+//! reads, as a write that fails its group commit does (`batch.rs`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -34,11 +39,19 @@ use sqlx::any::AnyRow;
 use sqlx::{FromRow, Row};
 use tokio::sync::oneshot;
 
+use std::time::Duration;
+
 use super::readers::{ACQUIRE_TIMEOUT, Readers};
 use crate::db::DbError;
 
-/// Most reads in one statement.
+/// Most keys in one statement.
 pub(in crate::db) const MAX_GROUP: usize = 64;
+
+/// How long a statement may run: it reads at most `MAX_GROUP` keys, each by its key, in well
+/// under a millisecond a key, so one that runs this long is stuck (a half-open connection, a
+/// server that stopped answering), and every read of its kind would wait behind it. It fails
+/// its reads as unavailable (503 with `Retry-After`) and its connection is closed.
+const STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The column that carries the key a row answers (the grouped SQL adds it).
 pub(in crate::db) const GROUP_KEY: &str = "group_key";
@@ -62,14 +75,15 @@ type Answer<R> = oneshot::Sender<Result<Vec<R>, DbError>>;
 
 /// A read waiting for a statement.
 struct Queued<R> {
-    /// Which read it is, to take it out again when it waits too long.
+    /// Which read it is (increasing: the queue stays in ticket order), to take it out again when
+    /// it waits too long.
     ticket: u64,
     key: String,
     answer: Answer<R>,
 }
 
 struct Waiting<R> {
-    reads: Vec<Queued<R>>,
+    reads: VecDeque<Queued<R>>,
     next_ticket: u64,
     /// Whether a task is running statements (it takes every read that waits before it stops).
     running: bool,
@@ -93,13 +107,32 @@ impl<R> std::fmt::Debug for Grouped<R> {
     }
 }
 
+/// Clears `running` if the statements' task ends other than by finding no read waiting (its
+/// runtime dropped it), so that the next read starts a task again.
+struct Running<'a, R> {
+    waiting: &'a Mutex<Waiting<R>>,
+    armed: bool,
+}
+
+impl<R> Drop for Running<'_, R> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.waiting
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .running = false;
+        }
+    }
+}
+
 impl<R> Grouped<R>
 where
     R: for<'r> FromRow<'r, AnyRow> + Clone + Send + Unpin + 'static,
 {
-    /// `per_key` is the kind's query for one key, which it names `k.key` (as in
-    /// `WHERE a.id = k.key`).
+    /// `per_key` is the kind's query for one key, which it names `grouped_keys.key` (as in
+    /// `WHERE a.id = grouped_keys.key`).
     pub(in crate::db) fn new(readers: Arc<Readers>, per_key: &str) -> Arc<Self> {
+        debug_assert!(per_key.contains("grouped_keys.key") && !per_key.contains(GROUP_KEY));
         let statements = std::iter::successors(Some(1usize), |n| Some(n * 2))
             .take_while(|n| *n <= MAX_GROUP)
             .map(|n| Arc::from(statement(per_key, n)))
@@ -108,7 +141,7 @@ where
             readers,
             statements,
             waiting: Mutex::new(Waiting {
-                reads: Vec::new(),
+                reads: VecDeque::new(),
                 next_ticket: 0,
                 running: false,
             }),
@@ -123,7 +156,7 @@ where
             let mut waiting = self.lock();
             let ticket = waiting.next_ticket;
             waiting.next_ticket += 1;
-            waiting.reads.push(Queued {
+            waiting.reads.push_back(Queued {
                 ticket,
                 key,
                 answer,
@@ -140,12 +173,15 @@ where
         }
         {
             let mut waiting = self.lock();
-            if let Some(at) = waiting.reads.iter().position(|read| read.ticket == ticket) {
+            if let Ok(at) = waiting
+                .reads
+                .binary_search_by_key(&ticket, |read| read.ticket)
+            {
                 waiting.reads.remove(at);
                 return Err(DbError::Sqlx(sqlx::Error::PoolTimedOut));
             }
         }
-        // Already in a statement: its answer comes.
+        // Already in a statement: its answer comes (within STATEMENT_TIMEOUT).
         answered.await.unwrap_or_else(|_| closed())
     }
 
@@ -158,54 +194,86 @@ where
         self.waiting.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Runs statements until no read waits; a group's panic fails that group (its answers are
-    /// dropped), not the reads after it.
+    /// Runs statements until no read waits. A group's panic (a bug) fails that group's reads
+    /// with a server error, not the reads after it.
     async fn run(self: Arc<Self>) {
+        let mut running = Running {
+            waiting: &self.waiting,
+            armed: true,
+        };
         loop {
-            let group = {
-                let mut waiting = self.lock();
-                if waiting.reads.is_empty() {
-                    waiting.running = false;
-                    return;
-                }
-                let take = waiting.reads.len().min(MAX_GROUP);
-                waiting.reads.drain(..take).collect::<Vec<_>>()
+            let Some(mut group) = self.next_group() else {
+                running.armed = false;
+                return;
             };
-            let _ = std::panic::AssertUnwindSafe(self.answer(group))
+            let answered = std::panic::AssertUnwindSafe(self.answer(&mut group))
                 .catch_unwind()
                 .await;
+            if answered.is_err() {
+                tracing::error!(keys = group.len(), "a grouped database read panicked");
+                let bug = sqlx::Error::Protocol("a grouped database read failed (a bug)".into());
+                send(
+                    group.into_values().flatten().collect(),
+                    Err(DbError::Sqlx(bug)),
+                );
+            }
         }
     }
 
-    /// Answers a group: one statement for all its keys; if that fails other than for an
-    /// outage, each key alone, so that a key whose read fails (none should: populations and
-    /// references are checked before they are read) fails only its own reads.
-    async fn answer(&self, group: Vec<Queued<R>>) {
-        let mut by_key: HashMap<String, Vec<Answer<R>>> = HashMap::new();
-        for Queued { key, answer, .. } in group {
-            by_key.entry(key).or_default().push(answer);
+    /// The reads of the next statement, by key: every read that waits, up to `MAX_GROUP`
+    /// distinct keys (reads of one key share its rows, so they do not count twice), skipping
+    /// reads whose callers went away. `None` (and no task running) when none waits.
+    fn next_group(&self) -> Option<HashMap<String, Vec<Answer<R>>>> {
+        let mut waiting = self.lock();
+        let mut group: HashMap<String, Vec<Answer<R>>> = HashMap::new();
+        while let Some(read) = waiting.reads.front() {
+            if group.len() == MAX_GROUP && !group.contains_key(&read.key) {
+                break;
+            }
+            if let Some(Queued { key, answer, .. }) = waiting.reads.pop_front()
+                && !answer.is_closed()
+            {
+                group.entry(key).or_default().push(answer);
+            }
         }
-        let keys: Vec<String> = by_key.keys().cloned().collect();
-        let alone = match self.fetch(keys).await {
+        if group.is_empty() {
+            waiting.running = false;
+            return None;
+        }
+        Some(group)
+    }
+
+    /// Answers a group (taking each key's reads out of it as they are answered): one statement
+    /// for all its keys; if that fails in a way one key's value could cause, each key alone, so
+    /// that a key whose read fails (none should: populations and references are checked before
+    /// they are read) fails only its own reads.
+    async fn answer(&self, group: &mut HashMap<String, Vec<Answer<R>>>) {
+        let keys: Vec<String> = group.keys().cloned().collect();
+        let error = match self.fetch(keys).await {
             Ok(mut rows) => {
-                for (key, answers) in by_key {
-                    let rows = rows.remove(&key).unwrap_or_default();
-                    send(answers, Ok(rows));
+                for (key, answers) in group.drain() {
+                    send(answers, Ok(rows.remove(&key).unwrap_or_default()));
                 }
                 return;
             }
-            Err(error) if by_key.len() > 1 && !error.is_unavailable() => by_key,
+            Err(error) if group.len() > 1 && may_be_one_keys(&error) => error,
             Err(error) => {
-                send(by_key.into_values().flatten().collect(), Err(error));
+                send(group.drain().flat_map(|(_, a)| a).collect(), Err(error));
                 return;
             }
         };
-        for (key, answers) in alone {
+        tracing::warn!(%error, keys = group.len(), "a grouped database read failed; reading each key alone");
+        let keys: Vec<String> = group.keys().cloned().collect();
+        for key in keys {
             let rows = self.fetch(vec![key.clone()]).await;
-            send(
-                answers,
-                rows.map(|mut rows| rows.remove(&key).unwrap_or_default()),
-            );
+            let rows = rows.map(|mut rows| rows.remove(&key).unwrap_or_default());
+            let outage = rows.as_ref().err().filter(|e| e.is_unavailable()).map(like);
+            send(group.remove(&key).unwrap_or_default(), rows);
+            if let Some(outage) = outage {
+                // The database went away meanwhile: the rest would each wait for it too.
+                send(group.drain().flat_map(|(_, a)| a).collect(), Err(outage));
+                return;
+            }
         }
     }
 
@@ -224,7 +292,9 @@ where
                     for index in 0..size {
                         query = query.bind(keys.get(index).cloned());
                     }
-                    query.fetch_all(conn).await
+                    tokio::time::timeout(STATEMENT_TIMEOUT, query.fetch_all(conn))
+                        .await
+                        .map_err(|_| sqlx::Error::PoolTimedOut)?
                 })
             })
             .await?;
@@ -233,6 +303,21 @@ where
             by_key.entry(key).or_default().push(row);
         }
         Ok(by_key)
+    }
+}
+
+/// Whether a group's failure may be owed to one key's value, and so worth reading key by key:
+/// a data exception (SQLSTATE class 22, such as a value the server cannot take as text) or a
+/// row that did not decode. Anything else (an outage, overload, a cancelled statement, the
+/// server's own fault) would fail each key alone too, and reading them one by one would only
+/// multiply the load on a database that is struggling.
+fn may_be_one_keys(error: &DbError) -> bool {
+    match error {
+        DbError::Sqlx(sqlx::Error::Database(e)) => {
+            e.code().is_some_and(|code| code.starts_with("22"))
+        }
+        DbError::Sqlx(sqlx::Error::ColumnDecode { .. } | sqlx::Error::Decode(_)) => true,
+        _ => false,
     }
 }
 
@@ -271,23 +356,24 @@ fn statement(per_key: &str, n: usize) -> String {
         .collect::<Vec<_>>()
         .join(", ");
     format!(
-        "SELECT k.key AS {GROUP_KEY}, one.* FROM (VALUES {keys}) AS k(key) \
+        "SELECT grouped_keys.key AS {GROUP_KEY}, one.* FROM (VALUES {keys}) AS grouped_keys(key) \
          CROSS JOIN LATERAL ({per_key} OFFSET 0) AS one"
     )
 }
 
 /// An error of `error`'s class, with its text, for another read of the same statement
-/// (`DbError` is not `Clone`: sqlx's errors are not).
+/// (`DbError` is not `Clone`: sqlx's errors are not): unavailable (503), a full disk (507), or
+/// anything else (500).
 fn like(error: &DbError) -> DbError {
     let text = match error {
         DbError::Sqlx(error) => error.to_string(),
         other => other.to_string(),
     };
-    if error.is_unavailable() {
-        DbError::Sqlx(sqlx::Error::Io(std::io::Error::new(
-            std::io::ErrorKind::ConnectionAborted,
-            text,
-        )))
+    let io = |kind| DbError::Sqlx(sqlx::Error::Io(std::io::Error::new(kind, text.clone())));
+    if error.is_disk_full() {
+        io(std::io::ErrorKind::StorageFull)
+    } else if error.is_unavailable() {
+        io(std::io::ErrorKind::ConnectionAborted)
     } else {
         DbError::Sqlx(sqlx::Error::Protocol(text))
     }

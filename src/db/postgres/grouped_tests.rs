@@ -12,9 +12,26 @@ use crate::db::DbError;
 use crate::db::postgres::readers::Readers;
 
 /// The lock a test's statements take (shared) before they read, so a test holding it exclusively
-/// keeps its statement in flight: one per test, as the tests run at once on one server.
+/// keeps its statement in flight: one per test and process, as tests run at once on one server.
 #[derive(Clone, Copy)]
 struct Hold(i64);
+
+impl Hold {
+    fn for_test(test: i64) -> Self {
+        // Below 2^31 (a process id is below 2^22), so the key is (classid 0, objid key).
+        Self((i64::from(std::process::id()) << 8) + test)
+    }
+}
+
+/// How long the helpers below wait for what the test set up before they fail it.
+const SETUP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(20);
+
+fn check_deadline(since: std::time::Instant, what: &str) {
+    assert!(
+        since.elapsed() < SETUP_DEADLINE,
+        "gave up waiting for {what}"
+    );
+}
 
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
 struct Numbered {
@@ -22,14 +39,22 @@ struct Numbered {
 }
 
 /// Three keys' rows (`a`: one, `b`: two, `boom`: a division by zero), behind `hold`.
-fn grouped(url: &str, Hold(hold): Hold) -> Arc<Grouped<Numbered>> {
+fn grouped(url: &str, hold: Hold) -> Arc<Grouped<Numbered>> {
+    grouped_from(
+        url,
+        hold,
+        "(SELECT (v.n / CASE WHEN v.k = 'boom' THEN 0 ELSE 1 END) AS n, v.k \
+         FROM (VALUES ('a', 1), ('b', 2), ('b', 3), ('boom', 4)) AS v(k, n)) AS v",
+    )
+}
+
+/// Rows `(k, n)` of `rows` (a table or a subquery with its alias `v`) by key, behind `hold`.
+fn grouped_from(url: &str, Hold(hold): Hold, rows: &str) -> Arc<Grouped<Numbered>> {
     Grouped::new(
         Readers::new(url),
         &format!(
-            "SELECT (v.n / CASE WHEN v.k = 'boom' THEN 0 ELSE 1 END) AS n \
-             FROM (VALUES ('a', 1), ('b', 2), ('b', 3), ('boom', 4)) AS v(k, n) \
-             WHERE v.k = k.key AND (SELECT count(*) FROM \
-             (SELECT pg_advisory_xact_lock_shared({hold})) AS held) = 1 ORDER BY n"
+            "SELECT v.n FROM {rows} WHERE v.k = grouped_keys.key AND (SELECT count(*) FROM \
+             (SELECT pg_advisory_xact_lock_shared({hold})) AS held) = 1 ORDER BY v.n"
         ),
     )
 }
@@ -56,11 +81,13 @@ async fn release(holder: &mut AnyConnection, Hold(hold): Hold) {
 
 /// Waits (yielding, not sleeping) until a statement waits for the held lock.
 async fn until_a_statement_waits(holder: &mut AnyConnection, Hold(hold): Hold) {
+    let since = std::time::Instant::now();
     loop {
-        // A bigint advisory key below 2^31 is (classid 0, objid key).
+        check_deadline(since, "a statement to wait for the held lock");
         let waiting: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
-             AND classid = 0 AND objid = {hold}"
+             AND classid = 0 AND objid = {hold} AND database = \
+             (SELECT oid FROM pg_database WHERE datname = current_database())"
         )))
         .fetch_one(&mut *holder)
         .await
@@ -74,7 +101,9 @@ async fn until_a_statement_waits(holder: &mut AnyConnection, Hold(hold): Hold) {
 
 /// Waits (yielding) until `count` reads wait for the next statement.
 async fn until_waiting(grouped: &Grouped<Numbered>, count: usize) {
+    let since = std::time::Instant::now();
     while grouped.lock().reads.len() < count {
+        check_deadline(since, "reads to wait for the next statement");
         tokio::task::yield_now().await;
     }
 }
@@ -101,8 +130,11 @@ struct Held {
 
 impl Held {
     async fn start(url: &str, test: i64) -> Self {
-        let hold = Hold(0x0c0f_ed60 + test);
-        let grouped = grouped(url, hold);
+        let hold = Hold::for_test(test);
+        Self::start_with(url, hold, grouped(url, hold)).await
+    }
+
+    async fn start_with(url: &str, hold: Hold, grouped: Arc<Grouped<Numbered>>) -> Self {
         let mut holder = holder(url, hold).await;
         let first = read(&grouped, "a");
         until_a_statement_waits(&mut holder, hold).await;
@@ -182,15 +214,58 @@ async fn a_read_whose_caller_goes_away_leaves_the_others_of_its_group_answered()
     let Some(url) = super::super::test_server() else {
         return;
     };
-    let held = Held::start(&url, 3).await;
+    let mut held = Held::start(&url, 3).await;
     let gone = read(&held.grouped, "b");
     let kept = read(&held.grouped, "b");
     until_waiting(&held.grouped, 2).await;
     gone.abort();
-    let grouped = held.release_when_waiting(2).await;
+    held.first.abort();
+    release(&mut held.holder, held.hold).await;
 
     assert_eq!(ns(kept.await.unwrap().unwrap()), [2, 3]);
-    assert_eq!(ns(grouped.read("a".into()).await.unwrap()), [1]);
+    assert_eq!(
+        held.grouped.statements_run(),
+        2,
+        "the statement of the read that went away ran on, and the next one was the group's"
+    );
+    assert_eq!(ns(held.grouped.read("a".into()).await.unwrap()), [1]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_sees_every_write_committed_before_it_arrived_while_a_statement_runs() {
+    let Some(url) = super::super::test_server() else {
+        return;
+    };
+    let hold = Hold::for_test(6);
+    let table = format!("grouped_reads_{}", hold.0);
+    let mut setup = AnyConnection::connect(&url).await.unwrap();
+    for statement in [
+        format!("DROP TABLE IF EXISTS {table}"),
+        format!("CREATE TABLE {table} (k TEXT PRIMARY KEY, n INTEGER NOT NULL)"),
+        format!("INSERT INTO {table} VALUES ('a', 1)"),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(statement))
+            .execute(&mut setup)
+            .await
+            .unwrap();
+    }
+    let grouped = grouped_from(&url, hold, &format!("{table} AS v"));
+    let held = Held::start_with(&url, hold, grouped).await;
+    // Committed after the held statement took its snapshot, before the next read arrives.
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {table} VALUES ('c', 7)"
+    )))
+    .execute(&mut setup)
+    .await
+    .unwrap();
+    let c = read(&held.grouped, "c");
+    held.release_when_waiting(1).await;
+
+    assert_eq!(ns(c.await.unwrap().unwrap()), [7]);
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {table}")))
+        .execute(&mut setup)
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -199,25 +274,42 @@ async fn more_reads_than_a_statement_takes_are_split_and_all_answered() {
         return;
     };
     let held = Held::start(&url, 4).await;
-    let count = super::MAX_GROUP + 3;
-    let many: Vec<_> = (0..count)
-        .map(|i| read(&held.grouped, ["a", "b", "missing"][i % 3]))
+    // MAX_GROUP + 3 distinct keys, `a` and `b` among them, and `a` read again after each:
+    // reads of a key already in the group do not count against its size.
+    let keys: Vec<String> = ["a".to_string(), "b".to_string()]
+        .into_iter()
+        .chain((0..super::MAX_GROUP + 1).map(|i| format!("missing-{i}")))
+        .flat_map(|key| [key, "a".to_string()])
         .collect();
-    let grouped = held.release_when_waiting(count).await;
+    let many: Vec<_> = keys.iter().map(|key| read(&held.grouped, key)).collect();
+    let grouped = held.release_when_waiting(keys.len()).await;
 
-    for (i, read) in many.into_iter().enumerate() {
-        let expected: &[i32] = [&[1][..], &[2, 3][..], &[][..]][i % 3];
-        assert_eq!(ns(read.await.unwrap().unwrap()), expected, "read {i}");
+    for (key, read) in keys.iter().zip(many) {
+        let expected: &[i32] = match key.as_str() {
+            "a" => &[1],
+            "b" => &[2, 3],
+            _ => &[],
+        };
+        assert_eq!(ns(read.await.unwrap().unwrap()), expected, "read of {key}");
     }
-    assert_eq!(grouped.statements_run(), 3, "one, then MAX_GROUP, then 3");
+    assert_eq!(
+        grouped.statements_run(),
+        3,
+        "the first, then MAX_GROUP keys, then the last 3"
+    );
 }
 
 #[test]
 fn an_error_shared_with_the_group_keeps_its_class() {
     let outage = DbError::Sqlx(sqlx::Error::PoolTimedOut);
     assert!(like(&outage).is_unavailable());
+    let full = DbError::Sqlx(sqlx::Error::Io(std::io::Error::from_raw_os_error(
+        libc::ENOSPC,
+    )));
+    assert!(like(&full).is_disk_full(), "507, not 503 or 500");
     let fault = DbError::Sqlx(sqlx::Error::RowNotFound);
     assert!(!like(&fault).is_unavailable());
+    assert!(!like(&fault).is_disk_full());
     assert!(
         like(&fault)
             .to_string()
@@ -225,22 +317,17 @@ fn an_error_shared_with_the_group_keeps_its_class() {
     );
 }
 
-/// The clock is paused after the warm-up read (which opens the connection), so the two seconds
-/// pass when nothing else can run: while the held statement waits for the lock.
+/// The clock is paused once the first statement waits for the held lock (its connection opened
+/// and its statement sent), so the two seconds pass when nothing else can run.
 #[tokio::test(flavor = "current_thread")]
 async fn a_read_that_cannot_join_a_statement_in_time_is_refused_as_a_busy_pool_refuses() {
     let Some(url) = super::super::test_server() else {
         return;
     };
-    let hold = Hold(0x0c0f_ed60 + 5);
-    let grouped = grouped(&url, hold);
-    assert_eq!(ns(grouped.read("a".into()).await.unwrap()), [1]);
-    let mut holder = holder(&url, hold).await;
+    let mut held = Held::start(&url, 5).await;
     tokio::time::pause();
-    let first = read(&grouped, "a");
-    until_a_statement_waits(&mut holder, hold).await;
-    let late = read(&grouped, "b");
-    until_waiting(&grouped, 1).await;
+    let late = read(&held.grouped, "b");
+    until_waiting(&held.grouped, 1).await;
 
     // Ten (paused) seconds: without the refusal it would wait for the held statement.
     let refused = tokio::time::timeout(std::time::Duration::from_secs(10), late)
@@ -248,16 +335,18 @@ async fn a_read_that_cannot_join_a_statement_in_time_is_refused_as_a_busy_pool_r
         .expect("refused at ACQUIRE_TIMEOUT, not left waiting")
         .unwrap()
         .unwrap_err();
+    // Before any other wait, so the held statement's own timeout does not pass in paused time.
+    tokio::time::resume();
     assert!(
         matches!(refused, DbError::Sqlx(sqlx::Error::PoolTimedOut)),
         "{refused}"
     );
     assert!(refused.is_unavailable(), "503 with Retry-After");
-    assert_eq!(grouped.lock().reads.len(), 0, "it no longer waits");
-    release(&mut holder, hold).await;
+    assert_eq!(held.grouped.lock().reads.len(), 0, "it no longer waits");
+    release(&mut held.holder, held.hold).await;
     assert_eq!(
-        ns(first.await.unwrap().unwrap()),
+        ns(held.first.await.unwrap().unwrap()),
         [1],
-        "the read already in a statement is answered however long it took"
+        "the read already in a statement is answered however long it waited"
     );
 }

@@ -37,11 +37,12 @@ const MAX_READERS: usize = 2;
 
 /// The pool's connections: the partner API, the scheduler, workers, the device path's other
 /// writes. With `MAX_READERS`, the device write batcher's and the job listener's, a replica
-/// opens at most 11 connections
-/// (PostgreSQL's default `max_connections` is 100, shared by every replica).
+/// opens at most 11 connections (PostgreSQL's default `max_connections` is 100, shared by every
+/// replica).
 pub(in crate::db) const MAX_POOLED: u32 = 7;
 
-/// How long a read (or a pooled acquire) waits before its statement starts.
+/// How long a pooled acquire, or a grouped read's statement, waits for a connection; a grouped
+/// read also waits at most this long to join a statement (`grouped.rs`).
 pub(in crate::db) const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A connection idle for longer than this is checked (one round trip) before it is used.
