@@ -158,6 +158,24 @@ impl DbError {
         }
     }
 
+    /// An error of this one's class (unavailable: 503; a full disk: 507; anything else: 500)
+    /// with its text, for another caller of the statement that failed (`DbError` is not
+    /// `Clone`: sqlx's errors are not).
+    pub(crate) fn of_the_same_class(&self) -> DbError {
+        let text = match self {
+            Self::Sqlx(error) => error.to_string(),
+            other => other.to_string(),
+        };
+        let io = |kind| Self::Sqlx(sqlx::Error::Io(std::io::Error::new(kind, text.clone())));
+        if self.is_disk_full() {
+            io(std::io::ErrorKind::StorageFull)
+        } else if self.is_unavailable() {
+            io(std::io::ErrorKind::ConnectionAborted)
+        } else {
+            Self::Sqlx(sqlx::Error::Protocol(text))
+        }
+    }
+
     /// Whether the database failed because its disk is full: SQLite's SQLITE_FULL ("database or
     /// disk is full"), PostgreSQL's `53100 disk_full`, or ENOSPC from below either.
     pub fn is_disk_full(&self) -> bool {
@@ -185,6 +203,28 @@ impl DbError {
 #[cfg(test)]
 mod commit_failure_tests {
     use super::*;
+
+    #[test]
+    fn an_error_copied_for_another_caller_keeps_its_class() {
+        let outage = DbError::Sqlx(sqlx::Error::PoolTimedOut);
+        assert!(outage.of_the_same_class().is_unavailable());
+        let full = DbError::Sqlx(sqlx::Error::Io(std::io::Error::from_raw_os_error(
+            libc::ENOSPC,
+        )));
+        assert!(
+            full.of_the_same_class().is_disk_full(),
+            "507, not 503 or 500"
+        );
+        let fault = DbError::Sqlx(sqlx::Error::RowNotFound);
+        assert!(!fault.of_the_same_class().is_unavailable());
+        assert!(!fault.of_the_same_class().is_disk_full());
+        assert!(
+            fault
+                .of_the_same_class()
+                .to_string()
+                .contains(&sqlx::Error::RowNotFound.to_string())
+        );
+    }
 
     #[test]
     fn a_full_disk_is_known_by_its_code_not_by_the_text_of_a_message() {

@@ -54,7 +54,8 @@ impl std::fmt::Debug for DeviceReads {
 
 impl DeviceReads {
     pub(in crate::db) fn new(url: &str) -> Self {
-        let readers = Readers::new(url);
+        // Each kind keeps one statement in flight: two kinds, two connections.
+        let readers = Readers::new(url, 2);
         Self {
             candidates: Grouped::new(
                 Arc::clone(&readers),

@@ -267,7 +267,11 @@ where
         for key in keys {
             let rows = self.fetch(vec![key.clone()]).await;
             let rows = rows.map(|mut rows| rows.remove(&key).unwrap_or_default());
-            let outage = rows.as_ref().err().filter(|e| e.is_unavailable()).map(like);
+            let outage = rows
+                .as_ref()
+                .err()
+                .filter(|e| e.is_unavailable())
+                .map(DbError::of_the_same_class);
             send(group.remove(&key).unwrap_or_default(), rows);
             if let Some(outage) = outage {
                 // The database went away meanwhile: the rest would each wait for it too.
@@ -334,7 +338,7 @@ fn send<R: Clone>(answers: Vec<Answer<R>>, result: Result<Vec<R>, DbError>) {
             let mut answers = answers.into_iter();
             let first = answers.next();
             for answer in answers {
-                let _ = answer.send(Err(like(&error)));
+                let _ = answer.send(Err(error.of_the_same_class()));
             }
             if let Some(answer) = first {
                 let _ = answer.send(Err(error));
@@ -359,24 +363,6 @@ fn statement(per_key: &str, n: usize) -> String {
         "SELECT grouped_keys.key AS {GROUP_KEY}, one.* FROM (VALUES {keys}) AS grouped_keys(key) \
          CROSS JOIN LATERAL ({per_key} OFFSET 0) AS one"
     )
-}
-
-/// An error of `error`'s class, with its text, for another read of the same statement
-/// (`DbError` is not `Clone`: sqlx's errors are not): unavailable (503), a full disk (507), or
-/// anything else (500).
-fn like(error: &DbError) -> DbError {
-    let text = match error {
-        DbError::Sqlx(error) => error.to_string(),
-        other => other.to_string(),
-    };
-    let io = |kind| DbError::Sqlx(sqlx::Error::Io(std::io::Error::new(kind, text.clone())));
-    if error.is_disk_full() {
-        io(std::io::ErrorKind::StorageFull)
-    } else if error.is_unavailable() {
-        io(std::io::ErrorKind::ConnectionAborted)
-    } else {
-        DbError::Sqlx(sqlx::Error::Protocol(text))
-    }
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use sqlx::{AnyConnection, Connection};
 
-use super::{Grouped, like};
+use super::{Grouped, may_be_one_keys};
 use crate::db::DbError;
 use crate::db::postgres::readers::Readers;
 
@@ -51,7 +51,7 @@ fn grouped(url: &str, hold: Hold) -> Arc<Grouped<Numbered>> {
 /// Rows `(k, n)` of `rows` (a table or a subquery with its alias `v`) by key, behind `hold`.
 fn grouped_from(url: &str, Hold(hold): Hold, rows: &str) -> Arc<Grouped<Numbered>> {
     Grouped::new(
-        Readers::new(url),
+        Readers::new(url, 1),
         &format!(
             "SELECT v.n FROM {rows} WHERE v.k = grouped_keys.key AND (SELECT count(*) FROM \
              (SELECT pg_advisory_xact_lock_shared({hold})) AS held) = 1 ORDER BY v.n"
@@ -299,24 +299,6 @@ async fn more_reads_than_a_statement_takes_are_split_and_all_answered() {
     );
 }
 
-#[test]
-fn an_error_shared_with_the_group_keeps_its_class() {
-    let outage = DbError::Sqlx(sqlx::Error::PoolTimedOut);
-    assert!(like(&outage).is_unavailable());
-    let full = DbError::Sqlx(sqlx::Error::Io(std::io::Error::from_raw_os_error(
-        libc::ENOSPC,
-    )));
-    assert!(like(&full).is_disk_full(), "507, not 503 or 500");
-    let fault = DbError::Sqlx(sqlx::Error::RowNotFound);
-    assert!(!like(&fault).is_unavailable());
-    assert!(!like(&fault).is_disk_full());
-    assert!(
-        like(&fault)
-            .to_string()
-            .contains(&sqlx::Error::RowNotFound.to_string())
-    );
-}
-
 /// The clock is paused once the first statement waits for the held lock (its connection opened
 /// and its statement sent), so the two seconds pass when nothing else can run.
 #[tokio::test(flavor = "current_thread")]
@@ -349,4 +331,22 @@ async fn a_read_that_cannot_join_a_statement_in_time_is_refused_as_a_busy_pool_r
         [1],
         "the read already in a statement is answered however long it waited"
     );
+}
+
+#[test]
+fn only_a_failure_one_key_could_cause_is_read_again_key_by_key() {
+    let decode = DbError::Sqlx(sqlx::Error::Decode("not text".into()));
+    assert!(may_be_one_keys(&decode));
+    for not_a_key in [
+        DbError::Sqlx(sqlx::Error::PoolTimedOut),
+        DbError::Sqlx(sqlx::Error::Io(std::io::Error::from(
+            std::io::ErrorKind::ConnectionReset,
+        ))),
+        DbError::Sqlx(sqlx::Error::Protocol("unexpected message".into())),
+    ] {
+        assert!(
+            !may_be_one_keys(&not_a_key),
+            "{not_a_key}: the group fails at once"
+        );
+    }
 }

@@ -16,10 +16,10 @@
 //! restart under load, each connection used within that second fails one statement (every read
 //! of its group) before it is replaced.
 //!
-//! At most `MAX_READERS` statements run at once, each on its own connection, besides the pool's
-//! connections (`MAX_POOLED`). A statement that cannot start within `ACQUIRE_TIMEOUT`
-//! (waiting for a turn, checking an idle connection, or opening a new one) fails as the pool's
-//! acquire does (`PoolTimedOut`: 503 with Retry-After).
+//! At most `at_once` statements (one per kind of grouped read) run at once, each on its own
+//! connection, besides the pool's connections (`MAX_POOLED`). A statement that cannot start within
+//! `ACQUIRE_TIMEOUT` (waiting for a turn, checking an idle connection, or opening a new one) fails
+//! as the pool's acquire does (`PoolTimedOut`: 503 with Retry-After).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -30,14 +30,9 @@ use tokio::sync::Semaphore;
 use crate::db::DbError;
 use crate::db::writer::BoxFuture;
 
-/// Most statements at once, so most connections these hold: one in flight for each of the two
-/// kinds of grouped read (a check that runs after a dropped statement may hold one more while it
-/// lasts; the grouped reads' statements are dropped only when their runtime shuts down).
-const MAX_READERS: usize = 2;
-
 /// The pool's connections: the partner API, the scheduler, workers, the device path's other
-/// writes. With `MAX_READERS`, the device write batcher's and the job listener's, a replica
-/// opens at most 11 connections (PostgreSQL's default `max_connections` is 100, shared by every
+/// writes. With the device reads' two (`DeviceReads`), the device write batcher's and the job
+/// listener's, a replica opens at most 11 connections (PostgreSQL's default `max_connections` is 100, shared by every
 /// replica).
 pub(in crate::db) const MAX_POOLED: u32 = 7;
 
@@ -51,6 +46,9 @@ pub(in crate::db) const PING_IF_IDLE: Duration = Duration::from_secs(1);
 /// The reads' connections to one database.
 pub(in crate::db) struct Readers {
     url: String,
+    /// Most statements at once, so most connections kept (a check that runs after a dropped
+    /// statement may hold one more while it lasts).
+    at_once: usize,
     turns: Semaphore,
     /// Connections whose last statement finished, and when.
     idle: Mutex<Vec<(AnyConnection, Instant)>>,
@@ -89,10 +87,13 @@ impl Drop for Lent {
 }
 
 impl Readers {
-    pub(in crate::db) fn new(url: &str) -> Arc<Self> {
+    /// Connections for at most `at_once` statements at a time: one for each statement its users
+    /// keep in flight (`grouped.rs` keeps one per kind).
+    pub(in crate::db) fn new(url: &str, at_once: usize) -> Arc<Self> {
         Arc::new(Self {
             url: url.to_string(),
-            turns: Semaphore::new(MAX_READERS),
+            at_once,
+            turns: Semaphore::new(at_once),
             idle: Mutex::new(Vec::new()),
         })
     }
@@ -130,7 +131,7 @@ impl Readers {
 
     fn put_back(&self, connection: AnyConnection) {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        if idle.len() < MAX_READERS {
+        if idle.len() < self.at_once {
             idle.push((connection, Instant::now()));
         }
     }

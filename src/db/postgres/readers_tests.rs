@@ -24,7 +24,7 @@ async fn a_finished_read_returns_its_connection_and_a_failed_one_closes_it() {
     let Some(url) = super::super::test_server() else {
         return;
     };
-    let readers = Readers::new(&url);
+    let readers = Readers::new(&url, 1);
     let first = backend(&readers).await;
     assert_eq!(backend(&readers).await, first, "the connection is reused");
     let failed = readers
