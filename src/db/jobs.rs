@@ -53,12 +53,17 @@ static FAILING_JOBS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
 /// which cost about 8 us each (4-23 ms of a 1,000-contribution lease; performance.md). The
 /// contributions after ref `$2` in the engine's order of refs, at most `$3`, in that order (the
 /// aggregate's own `ORDER BY`, so the last one is where the next page starts).
-const LISTING_SQLITE: &str = "SELECT json_group_array(json_array(id, blob_key, contribution_blake3) \
-     ORDER BY id) FROM (SELECT id, blob_key, contribution_blake3 FROM assignments \
+/// A page of a job's listing, read in the order of `assignments_by_round` (round, state, ref):
+/// the page after ref `$2` is a range of that index, with no sort (SQLite migration 0019,
+/// PostgreSQL 0015; before, every page sorted all of the round's contributions after `$2`).
+/// The engine aggregates the page in any order: it is sorted in Rust, where the next page's
+/// start is its largest ref.
+const LISTING_SQLITE: &str = "SELECT json_group_array(json_array(id, blob_key, contribution_blake3)) \
+     FROM (SELECT id, blob_key, contribution_blake3 FROM assignments \
      WHERE round_id = $1 AND state = 'COMPLETED' AND blob_key IS NOT NULL AND id > $2 \
      ORDER BY id LIMIT $3)";
 const LISTING_POSTGRES: &str = "SELECT COALESCE(json_agg(json_build_array(id, blob_key, \
-     contribution_blake3) ORDER BY id), '[]')::text FROM (SELECT id, blob_key, \
+     contribution_blake3)), '[]')::text FROM (SELECT id, blob_key, \
      contribution_blake3 FROM assignments WHERE round_id = $1 AND state = 'COMPLETED' \
      AND blob_key IS NOT NULL AND id > $2 ORDER BY id LIMIT $3) page";
 /// Contributions a page of the listing holds: at about 370 bytes each (a 64-character ref, a
@@ -375,9 +380,9 @@ impl Db {
             let listed: Vec<(String, String, Option<String>)> = serde_json::from_str(&listing)
                 .map_err(|e| DbError::Corrupt(format!("the listing of round {round_id}: {e}")))?;
             let more = listed.len() as i64 >= page;
-            if let Some((last, _, _)) = listed.last() {
+            if let Some(last) = listed.iter().map(|(id, _, _)| id).max() {
                 // A full page that ends where it started would be asked for again forever.
-                if more && *last == after {
+                if more && *last <= after {
                     return Err(DbError::Corrupt(format!(
                         "the listing of round {round_id} does not advance past {after}"
                     )));
@@ -729,3 +734,7 @@ async fn complete_round(
         .await
     }
 }
+
+#[cfg(test)]
+#[path = "jobs_tests.rs"]
+mod tests;
