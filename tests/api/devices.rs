@@ -636,6 +636,20 @@ async fn check_ins_show_in_metrics() {
     );
 }
 
+/// On PostgreSQL a check-in's read joins a grouped statement, which records how many keys it
+/// answered: what the grouping saves is visible to the operator (operations.md).
+#[tokio::test]
+async fn grouped_device_reads_show_their_keys_per_statement_in_metrics() {
+    for (engine, app) in TestApp::on_each_engine().await {
+        checkin(&app, device()).await;
+        let text =
+            String::from_utf8(app.call(Method::GET, "/metrics", None, None).await.body).unwrap();
+        let recorded = text.contains("confed_db_grouped_read_keys_count{kind=\"candidates\"} ");
+        // SQLite reads each key on its own connection, with no statement to share.
+        assert_eq!(recorded, engine == "postgres", "{engine}: {text}");
+    }
+}
+
 /// Media types compare case-insensitively and ignore parameters (RFC 9110).
 #[tokio::test]
 async fn the_upload_media_type_is_matched_exactly_but_case_insensitively() {

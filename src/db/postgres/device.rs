@@ -58,6 +58,7 @@ impl DeviceReads {
         let readers = Readers::new(url, 2);
         Self {
             candidates: Grouped::new(
+                "candidates",
                 Arc::clone(&readers),
                 &format!(
                     "SELECT {} AND t.population = grouped_keys.key",
@@ -65,6 +66,7 @@ impl DeviceReads {
                 ),
             ),
             views: Grouped::new(
+                "views",
                 readers,
                 &format!("SELECT {VIEW_COLUMNS_FROM} WHERE a.id = grouped_keys.key"),
             ),

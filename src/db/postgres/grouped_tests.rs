@@ -51,6 +51,7 @@ fn grouped(url: &str, hold: Hold) -> Arc<Grouped<Numbered>> {
 /// Rows `(k, n)` of `rows` (a table or a subquery with its alias `v`) by key, behind `hold`.
 fn grouped_from(url: &str, Hold(hold): Hold, rows: &str) -> Arc<Grouped<Numbered>> {
     Grouped::new(
+        "test",
         Readers::new(url, 1),
         &format!(
             "SELECT v.n FROM {rows} WHERE v.k = grouped_keys.key AND (SELECT count(*) FROM \
