@@ -5,7 +5,8 @@
 //! A job's listing (`Db::job_contributions`: a round's completed contributions, read in pages of
 //! 10,000 by ref), what every lease of a round's job reads first, for rounds of 1,000, 10,000 and
 //! 100,000 contributions: on SQLite, and with `CONFED_BENCH_DATABASE_URL=postgres://...` on a
-//! fresh database of that PostgreSQL server (`deploy/local/postgres.sh start DIR PORT` gives one).
+//! fresh database of that PostgreSQL server, as a superuser (`deploy/local/postgres.sh start DIR
+//! PORT` gives one).
 //! `cargo bench --bench listing` prints the first read and the best and median of five more.
 //!
 //! The rows are written straight into `assignments` by a connection with foreign keys off (no
@@ -112,6 +113,12 @@ async fn timed(db: &Db, round: &str, expected: usize) -> (Duration, Duration, Du
             listed.len(),
             expected,
             "the listing lists every contribution"
+        );
+        assert!(
+            listed
+                .windows(2)
+                .all(|pair| pair[0].assignment_ref < pair[1].assignment_ref),
+            "each once, in order"
         );
     }
     let first = times.remove(0);

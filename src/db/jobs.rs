@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use super::leases::{LeaseAsk, Leased, expiry};
-use super::{Conn, Db, DbError, Engine, models, rounds, tasks, transition};
+use super::{Conn, Db, DbError, models, rounds, tasks, transition};
 use crate::clock::Millis;
 use crate::states::{JobState, RoundState, TaskState};
 
@@ -48,29 +48,6 @@ static FAILING_JOBS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
         JobState::Pending.as_str()
     )
 });
-/// A page of a round's listing as one JSON array of `[ref, blob key, BLAKE3 hex or null]`,
-/// built by the engine: one value through sqlx's Any driver instead of a row per contribution,
-/// which cost about 8 us each (4-23 ms of a 1,000-contribution lease; performance.md). The
-/// contributions after ref `$2` in the engine's order of refs, at most `$3`, in that order (the
-/// aggregate's own `ORDER BY`, so the last one is where the next page starts).
-/// A page of a job's listing, read in the order of `assignments_by_round` (round, state, ref):
-/// the page after ref `$2` is a range of that index, with no sort (SQLite migration 0019,
-/// PostgreSQL 0015; before, every page sorted all of the round's contributions after `$2`).
-/// The engine aggregates the page in any order: it is sorted in Rust, where the next page's
-/// start is its largest ref.
-const LISTING_SQLITE: &str = "SELECT json_group_array(json_array(id, blob_key, contribution_blake3)) \
-     FROM (SELECT id, blob_key, contribution_blake3 FROM assignments \
-     WHERE round_id = $1 AND state = 'COMPLETED' AND blob_key IS NOT NULL AND id > $2 \
-     ORDER BY id LIMIT $3)";
-const LISTING_POSTGRES: &str = "SELECT COALESCE(json_agg(json_build_array(id, blob_key, \
-     contribution_blake3)), '[]')::text FROM (SELECT id, blob_key, \
-     contribution_blake3 FROM assignments WHERE round_id = $1 AND state = 'COMPLETED' \
-     AND blob_key IS NOT NULL AND id > $2 ORDER BY id LIMIT $3) page";
-/// Contributions a page of the listing holds: at about 370 bytes each (a 64-character ref, a
-/// blob key of about 235, a digest of 64), about 4 MB a value, far under either engine's largest
-/// (SQLite's 10^9 bytes, PostgreSQL's 1 GB) whatever the round's size.
-const LISTING_PAGE: i64 = 10_000;
-
 /// A done job holds no lease (its state is set by `transition`, which records it).
 const LEASE_GIVEN_UP: &str = "UPDATE aggregation_jobs SET lease_owner = NULL, \
      lease_expires_at = NULL WHERE round_id = $1";
@@ -343,69 +320,6 @@ impl Db {
             release,
             previous_release,
         })
-    }
-
-    /// The round's completed contributions, sorted by ref (bytewise): what a job lists.
-    pub async fn job_contributions(
-        &self,
-        round_id: &str,
-    ) -> Result<Vec<StoredContribution>, DbError> {
-        self.job_contributions_in_pages(round_id, LISTING_PAGE)
-            .await
-    }
-
-    /// `job_contributions`, read `page` contributions at a time (tests use small pages).
-    #[doc(hidden)]
-    pub async fn job_contributions_in_pages(
-        &self,
-        round_id: &str,
-        page: i64,
-    ) -> Result<Vec<StoredContribution>, DbError> {
-        let sql = match self.engine() {
-            Engine::Sqlite => LISTING_SQLITE,
-            Engine::Postgres => LISTING_POSTGRES,
-        };
-        let page = page.max(1);
-        let mut conn = self.pool().acquire().await?;
-        let mut rows: Vec<(String, String, Option<String>)> = Vec::new();
-        // Every ref sorts after the empty string, in any collation.
-        let mut after = String::new();
-        loop {
-            let listing: String = sqlx::query_scalar(sql)
-                .bind(round_id)
-                .bind(&after)
-                .bind(page)
-                .fetch_one(&mut *conn)
-                .await?;
-            let listed: Vec<(String, String, Option<String>)> = serde_json::from_str(&listing)
-                .map_err(|e| DbError::Corrupt(format!("the listing of round {round_id}: {e}")))?;
-            let more = listed.len() as i64 >= page;
-            if let Some(last) = listed.iter().map(|(id, _, _)| id).max() {
-                // A full page that ends where it started would be asked for again forever.
-                if more && *last <= after {
-                    return Err(DbError::Corrupt(format!(
-                        "the listing of round {round_id} does not advance past {after}"
-                    )));
-                }
-                after.clone_from(last);
-            }
-            rows.extend(listed);
-            if !more {
-                break;
-            }
-        }
-        // Bytewise, whatever the engine's collation (refs are lowercase hex, where they agree).
-        rows.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-        Ok(rows
-            .into_iter()
-            .map(
-                |(assignment_ref, blob_key, blake3_hex)| StoredContribution {
-                    assignment_ref,
-                    blob_key,
-                    blake3_hex,
-                },
-            )
-            .collect())
     }
 
     /// Records the round's release and moves it AGGREGATING -> APPLYING, in one transaction.
@@ -734,7 +648,3 @@ async fn complete_round(
         .await
     }
 }
-
-#[cfg(test)]
-#[path = "jobs_tests.rs"]
-mod tests;

@@ -23,6 +23,7 @@ pub mod evaluations;
 mod history;
 pub mod jobs;
 pub mod leases;
+mod listing;
 mod models;
 pub mod partitions;
 pub mod populations;

@@ -4,32 +4,13 @@
 //! failed would fall back to the single statements there and pass unseen: here a failing
 //! statement fails the case.
 
-use sqlx::{Connection, Row};
+use sqlx::Row;
 
 use super::{SetItem, SetOutcome, run};
 use crate::db::device::{NewAssignment, NewUpload};
 use crate::db::{Db, new_history_id};
 
 const NOW: i64 = 1_800_000_000_000;
-
-/// A migrated, empty database of its own on the server the tests name, or `None`.
-async fn fresh_db() -> Option<Db> {
-    let server = super::super::test_server()?;
-    let name = format!("confed_sets_{}", uuid::Uuid::new_v4().simple());
-    let mut admin = sqlx::AnyConnection::connect(&server).await.unwrap();
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .execute(&mut admin)
-        .await
-        .unwrap();
-    admin.close().await.ok();
-    let (base, query) = server.split_once('?').unwrap_or((&server, ""));
-    let root = base.rsplit_once('/').map_or(base, |(root, _)| root);
-    let url = match query {
-        "" => format!("{root}/{name}"),
-        query => format!("{root}/{name}?{query}"),
-    };
-    Some(Db::open_postgres(&url).await.unwrap())
-}
 
 /// A collecting round `r1` of goal `goal` in a task of a tenant.
 async fn collecting_round(db: &Db, goal: i64) {
@@ -108,7 +89,9 @@ async fn scalar(db: &Db, sql: &'static str) -> i64 {
 
 #[tokio::test]
 async fn a_batch_of_check_ins_fills_a_round_to_capacity_in_arrival_order() {
-    let Some(db) = fresh_db().await else { return };
+    let Some(db) = super::super::fresh_test_db().await else {
+        return;
+    };
     collecting_round(&db, 10).await;
     let outcomes = run_committed(
         &db,
@@ -152,7 +135,9 @@ async fn a_batch_of_check_ins_fills_a_round_to_capacity_in_arrival_order() {
 
 #[tokio::test]
 async fn uploads_apply_once_and_a_second_write_to_one_assignment_is_left_to_its_own_statement() {
-    let Some(db) = fresh_db().await else { return };
+    let Some(db) = super::super::fresh_test_db().await else {
+        return;
+    };
     collecting_round(&db, 10).await;
     run_committed(&db, &[assign("a1", 5), assign("a2", 5)]).await;
     let outcomes = run_committed(
@@ -190,7 +175,9 @@ async fn uploads_apply_once_and_a_second_write_to_one_assignment_is_left_to_its_
 
 #[tokio::test]
 async fn the_completion_that_reaches_the_goal_closes_the_round_once_and_later_ones_run_alone() {
-    let Some(db) = fresh_db().await else { return };
+    let Some(db) = super::super::fresh_test_db().await else {
+        return;
+    };
     collecting_round(&db, 2).await;
     run_committed(&db, &[assign("a1", 5), assign("a2", 5), assign("a3", 5)]).await;
     run_committed(&db, &[upload("a1"), upload("a2"), upload("a3")]).await;
@@ -261,7 +248,9 @@ async fn the_completion_that_reaches_the_goal_closes_the_round_once_and_later_on
 
 #[tokio::test]
 async fn an_upload_and_a_completion_of_one_assignment_in_one_batch_apply_in_that_order() {
-    let Some(db) = fresh_db().await else { return };
+    let Some(db) = super::super::fresh_test_db().await else {
+        return;
+    };
     collecting_round(&db, 5).await;
     run_committed(&db, &[assign("a1", 5)]).await;
     let outcomes = run_committed(&db, &[complete("a1"), upload("a1")]).await;
@@ -291,7 +280,9 @@ async fn an_upload_and_a_completion_of_one_assignment_in_one_batch_apply_in_that
 /// row: both counters move, and the completion that reaches the goal closes the round.
 #[tokio::test]
 async fn check_ins_and_completions_of_one_round_in_one_batch_move_both_counters() {
-    let Some(db) = fresh_db().await else { return };
+    let Some(db) = super::super::fresh_test_db().await else {
+        return;
+    };
     collecting_round(&db, 2).await;
     run_committed(&db, &[assign("a1", 5), assign("a2", 5)]).await;
     run_committed(&db, &[upload("a1"), upload("a2")]).await;
@@ -348,7 +339,9 @@ async fn check_ins_and_completions_of_one_round_in_one_batch_move_both_counters(
 #[tokio::test]
 async fn a_round_of_check_ins_and_a_round_of_completions_in_one_batch_each_move_their_own_counter()
 {
-    let Some(db) = fresh_db().await else { return };
+    let Some(db) = super::super::fresh_test_db().await else {
+        return;
+    };
     collecting_round(&db, 5).await;
     run_committed(&db, &[assign("a1", 5)]).await;
     run_committed(&db, &[upload("a1")]).await;
