@@ -18,7 +18,7 @@ use confed_worker_api::wire::{BlobSource, ContributionWire, JobWire, resolve};
 use sha2::{Digest, Sha256};
 
 use crate::blob::{BlobError, BlobKey, BlobStore, SealedReader};
-use crate::db::jobs::{JobContext, LeasedJob, NewRelease, StoredContribution};
+use crate::db::jobs::{JobContext, LeasePlan, LeasedJob, NewRelease, StoredContribution};
 use crate::db::partitions::LeasedPartition;
 use crate::db::{Db, DbError, NewModel};
 use crate::keys::directory::KeyDirectory;
@@ -209,7 +209,7 @@ impl TaskDbJobStore {
                 Some(partition) => Taken::Partition(partition),
                 None => match self
                     .db
-                    .lease_job_for(worker, arrived, lease)
+                    .lease_job_planning(worker, arrived, lease, self.lease_plan())
                     .await
                     .map_err(db_error)?
                 {
@@ -235,16 +235,31 @@ impl TaskDbJobStore {
                     return Ok(Some(partitions::partition_wire(wire, partition)));
                 }
                 Taken::Job(job) => {
-                    if self.plan(&context, &contributions, &job.holder).await? {
+                    if job.plan.is_none()
+                        && self.plan(&context, &contributions, &job.holder).await?
+                    {
                         // Cut into partitions: lease one of them instead.
                         continue;
                     }
                     let mut wire = wire;
-                    wire.partitioning = self.root_partitioning(&context).await?;
+                    // A job planned whole has no partitions to merge.
+                    if job.plan != Some(1) {
+                        wire.partitioning = self.root_partitioning(&context).await?;
+                    }
                     wire.lease_holder = job.holder;
                     return Ok(Some(wire));
                 }
             }
+        }
+    }
+
+    /// How a lease plans a job it finds not planned: in its own transaction when this
+    /// deployment never cuts rounds into partitions (one commit fewer on each round's path),
+    /// else by `plan` once its contributions are listed.
+    fn lease_plan(&self) -> LeasePlan {
+        match self.partitioning.never_cuts() {
+            true => LeasePlan::Whole,
+            false => LeasePlan::Later,
         }
     }
 

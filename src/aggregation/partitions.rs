@@ -40,9 +40,14 @@ impl Default for PartitionPolicy {
 }
 
 impl PartitionPolicy {
+    /// Whether every round is one job, whatever its size or task (one worker, the default).
+    pub fn never_cuts(&self) -> bool {
+        self.workers <= 1
+    }
+
     /// The partitions of a round of `contributions`.
     pub fn partitions(&self, contributions: usize) -> u32 {
-        if self.workers <= 1 {
+        if self.never_cuts() {
             return 1;
         }
         let by_size = contributions / self.min_contributions.max(MIN_PARTITION_INPUTS);
@@ -106,8 +111,9 @@ pub const MAX_SEALED_TABLE_BYTES: usize = (confed_dp::analytics::MAX_OPEN_KEYS a
     * (1 + confed_protocol::analytics::MAX_KEY_BYTES as usize + 8);
 
 impl TaskDbJobStore {
-    /// Plans a job just leased (its first lease only): `true` when it was cut into partitions,
-    /// its lease then given back so that workers lease the partitions.
+    /// Plans a job its lease found not planned (`LeasedJob::plan`; a plan once made is kept):
+    /// `true` when it was cut into partitions, its lease then given back so that workers lease
+    /// the partitions.
     pub(crate) async fn plan(
         &self,
         context: &JobContext,
@@ -115,14 +121,7 @@ impl TaskDbJobStore {
         worker: &str,
     ) -> Result<bool, StoreError> {
         let round_id = &context.round.id;
-        if context.release.is_some()
-            || self
-                .db
-                .job_plan(round_id)
-                .await
-                .map_err(db_error)?
-                .is_some()
-        {
+        if context.release.is_some() {
             return Ok(false);
         }
         let count = self

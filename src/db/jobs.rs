@@ -81,6 +81,19 @@ pub struct LeasedJob {
     pub round_id: String,
     /// What every later write under this lease names (`lease_holder`).
     pub holder: String,
+    /// The job's plan as the lease found or made it (`aggregation_jobs.partitions`): `None`
+    /// until its first lease plans it (`plan_job`), 1 for one job, else its partitions.
+    pub plan: Option<u32>,
+}
+
+/// Whether a lease also plans a job not planned yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeasePlan {
+    /// The caller plans it after the lease (`plan_job`): its rounds may be cut into partitions.
+    Later,
+    /// As one job (one worker aggregates it), in the lease's own transaction: for a deployment
+    /// that never cuts a round, one commit fewer on every round's path.
+    Whole,
 }
 
 /// Everything a worker needs to run a job, as stored.
@@ -185,14 +198,28 @@ impl Db {
         self.lease_job_for(worker, self.now().0, lease).await
     }
 
-    /// `lease_job` for a request that arrived at `arrived` (a long poll asks again and again,
-    /// and keeps the time it arrived).
+    /// `lease_job_planning` that plans nothing (`LeasePlan::Later`).
     pub async fn lease_job_for(
         &self,
         worker: &str,
         arrived: i64,
         lease: Duration,
     ) -> Result<Option<LeasedJob>, DbError> {
+        self.lease_job_planning(worker, arrived, lease, LeasePlan::Later)
+            .await
+    }
+
+    /// `lease_job` for a request that arrived at `arrived` (a long poll asks again and again,
+    /// and keeps the time it arrived); with `LeasePlan::Whole`, a job not planned yet is planned
+    /// as one job in the same transaction.
+    pub async fn lease_job_planning(
+        &self,
+        worker: &str,
+        arrived: i64,
+        lease: Duration,
+        plan: LeasePlan,
+    ) -> Result<Option<LeasedJob>, DbError> {
+        let plan_whole: Option<i64> = (plan == LeasePlan::Whole).then_some(1);
         let now = self.now().0;
         let ask = LeaseAsk::new(worker, arrived);
         let until = expiry(Millis(now), lease)?;
@@ -211,29 +238,35 @@ impl Db {
                 );
                 let sql = format!(
                     "UPDATE aggregation_jobs SET lease_owner = $1, lease_expires_at = $2, \
-                     attempts = attempts + 1, updated_at = $3 \
+                     attempts = attempts + 1, updated_at = $3, \
+                     partitions = COALESCE(partitions, $7) \
                      WHERE round_id = (SELECT round_id FROM aggregation_jobs \
                        WHERE state = '{pending}' AND not_before <= $3 AND {free} \
                        AND {PARTITIONS_STORED} \
                        ORDER BY created_at, round_id LIMIT 1{}) \
                      AND state = '{pending}' AND {free} \
-                     RETURNING round_id",
+                     RETURNING round_id, partitions",
                     super::lock_clause(tx, " FOR UPDATE SKIP LOCKED"),
                     pending = JobState::Pending.as_str(),
                 );
-                let row: Option<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                let row: Option<(String, Option<i64>)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
                     .bind(&ask.holder)
                     .bind(until)
                     .bind(now)
                     .bind(&ask.other_incarnations)
                     .bind(&ask.own)
                     .bind(&ask.arrived)
+                    .bind(plan_whole)
                     .fetch_optional(&mut *tx)
                     .await?;
-                Ok(row.map(|(round_id,)| LeasedJob {
-                    round_id,
-                    holder: ask.holder,
-                }))
+                row.map(|(round_id, plan)| {
+                    Ok(LeasedJob {
+                        round_id,
+                        holder: ask.holder,
+                        plan: plan.map(super::partitions::to_u32).transpose()?,
+                    })
+                })
+                .transpose()
             })
         })
         .await

@@ -45,7 +45,7 @@ fn stored(
     })
 }
 
-fn to_u32(value: i64) -> Result<u32, DbError> {
+pub(super) fn to_u32(value: i64) -> Result<u32, DbError> {
     u32::try_from(value).map_err(|_| DbError::Corrupt(format!("partition number {value}")))
 }
 
@@ -153,18 +153,6 @@ impl Db {
             })
         })
         .await
-    }
-
-    /// How the job was planned: `None` before its first lease planned it, else its partition
-    /// count (1: not partitioned).
-    pub async fn job_plan(&self, round_id: &str) -> Result<Option<u32>, DbError> {
-        let plan: Option<i64> =
-            sqlx::query_scalar("SELECT partitions FROM aggregation_jobs WHERE round_id = $1")
-                .bind(round_id)
-                .fetch_optional(self.pool())
-                .await?
-                .flatten();
-        plan.map(to_u32).transpose()
     }
 
     /// Plans the job `worker` leased into `count` partitions, once (a job already planned keeps

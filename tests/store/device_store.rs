@@ -556,3 +556,46 @@ async fn expired_assignments_time_out_and_free_their_slots() {
         assert!(assign(&app, &round, 2, "c").await, "{engine}: a freed slot");
     }
 }
+
+/// A deployment that never cuts rounds into partitions has the lease plan its job whole, in the
+/// lease's own transaction (one commit fewer on each round's path). A plan once made is what
+/// every later lease finds, and a lease that plans nothing leaves an unplanned job unplanned for
+/// its caller to plan.
+#[tokio::test]
+async fn a_lease_can_plan_its_job_whole_and_every_later_lease_finds_the_plan() {
+    use confed::db::jobs::LeasePlan::{Later, Whole};
+    const LEASE: std::time::Duration = std::time::Duration::from_secs(60);
+    for (engine, app) in TestApp::on_each_engine().await {
+        let (_, round) = collecting_round(&app, 2).await;
+        for device in ["a", "b"] {
+            assert!(assign(&app, &round, 2, device).await);
+            assert_eq!(upload(&app, device, "d", NOW).await, Ok(Stored::New));
+            assert_eq!(
+                report(&app, device, ReportOutcome::Completed, NOW).await,
+                Ok(AssignmentState::Completed)
+            );
+        }
+        let lease = |worker: &'static str, at: i64, plan| {
+            app.clock.set(confed::clock::Millis(at));
+            let db = app.db.clone();
+            async move {
+                db.lease_job_planning(worker, at, LEASE, plan)
+                    .await
+                    .unwrap()
+                    .unwrap_or_else(|| panic!("{engine}: {worker} leases the round's job"))
+            }
+        };
+        let first = lease("w1/1", NOW, Later).await;
+        assert_eq!(first.plan, None, "{engine}: left for the caller to plan");
+        // Each lease after the one before lapsed.
+        let second = lease("w2/1", NOW + 61_000, Whole).await;
+        assert_eq!(second.plan, Some(1), "{engine}: planned whole by the lease");
+        app.db.plan_job(&round, &second.holder, 3).await.unwrap();
+        assert!(
+            app.db.partitions(&round).await.unwrap().is_empty(),
+            "{engine}: a plan once made is kept"
+        );
+        let third = lease("w3/1", NOW + 122_000, Later).await;
+        assert_eq!(third.plan, Some(1), "{engine}: every later lease finds it");
+    }
+}
