@@ -111,7 +111,8 @@ pub const MAX_SEALED_TABLE_BYTES: usize = (confed_dp::analytics::MAX_OPEN_KEYS a
     * (1 + confed_protocol::analytics::MAX_KEY_BYTES as usize + 8);
 
 impl TaskDbJobStore {
-    /// Plans a job its lease found not planned (`LeasedJob::plan`; a plan once made is kept):
+    /// Plans a job its lease found not planned (`LeasedJob::plan`; a plan once made is kept until
+    /// an operator's resume clears it with the job's partitions):
     /// `true` when it was cut into partitions, its lease then given back so that workers lease
     /// the partitions.
     pub(crate) async fn plan(

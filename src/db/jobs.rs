@@ -81,8 +81,9 @@ pub struct LeasedJob {
     pub round_id: String,
     /// What every later write under this lease names (`lease_holder`).
     pub holder: String,
-    /// The job's plan as the lease found or made it (`aggregation_jobs.partitions`): `None`
-    /// until its first lease plans it (`plan_job`), 1 for one job, else its partitions.
+    /// The job's plan as stored after this lease (`aggregation_jobs.partitions`): 1 for one job,
+    /// else its partitions; `None` when it is not planned (a `LeasePlan::Later` lease of a job
+    /// not planned yet, or after an operator's resume cleared the plan).
     pub plan: Option<u32>,
 }
 
@@ -223,21 +224,22 @@ impl Db {
         let now = self.now().0;
         let ask = LeaseAsk::new(worker, arrived);
         let until = expiry(Millis(now), lease)?;
-        self.write(move |tx| {
-            Box::pin(async move {
-                // The guard is repeated outside the subquery: the update is a compare-and-set.
-                // On PostgreSQL the candidate is also locked with SKIP LOCKED, so concurrent
-                // workers each get a different job instead of queueing on the same row.
-                // A lease this worker lost track of is taken back at once (`lease_holder`), while
-                // the job has had fewer than 4 leases more than failures: a job that keeps killing
-                // its worker then waits for its lease like any other, and does not hold every
-                // later round behind it.
-                let free = format!(
-                    "(lease_expires_at IS NULL OR lease_expires_at <= $3 OR {})",
-                    LeaseAsk::reclaimable_sql("", "attempts - failures < 4", 4, 5, 6)
-                );
-                let sql = format!(
-                    "UPDATE aggregation_jobs SET lease_owner = $1, lease_expires_at = $2, \
+        let taken = self
+            .write(move |tx| {
+                Box::pin(async move {
+                    // The guard is repeated outside the subquery: the update is a compare-and-set.
+                    // On PostgreSQL the candidate is also locked with SKIP LOCKED, so concurrent
+                    // workers each get a different job instead of queueing on the same row.
+                    // A lease this worker lost track of is taken back at once (`lease_holder`), while
+                    // the job has had fewer than 4 leases more than failures: a job that keeps killing
+                    // its worker then waits for its lease like any other, and does not hold every
+                    // later round behind it.
+                    let free = format!(
+                        "(lease_expires_at IS NULL OR lease_expires_at <= $3 OR {})",
+                        LeaseAsk::reclaimable_sql("", "attempts - failures < 4", 4, 5, 6)
+                    );
+                    let sql = format!(
+                        "UPDATE aggregation_jobs SET lease_owner = $1, lease_expires_at = $2, \
                      attempts = attempts + 1, updated_at = $3, \
                      partitions = COALESCE(partitions, $7) \
                      WHERE round_id = (SELECT round_id FROM aggregation_jobs \
@@ -246,30 +248,35 @@ impl Db {
                        ORDER BY created_at, round_id LIMIT 1{}) \
                      AND state = '{pending}' AND {free} \
                      RETURNING round_id, partitions",
-                    super::lock_clause(tx, " FOR UPDATE SKIP LOCKED"),
-                    pending = JobState::Pending.as_str(),
-                );
-                let row: Option<(String, Option<i64>)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-                    .bind(&ask.holder)
-                    .bind(until)
-                    .bind(now)
-                    .bind(&ask.other_incarnations)
-                    .bind(&ask.own)
-                    .bind(&ask.arrived)
-                    .bind(plan_whole)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-                row.map(|(round_id, plan)| {
-                    Ok(LeasedJob {
-                        round_id,
-                        holder: ask.holder,
-                        plan: plan.map(super::partitions::to_u32).transpose()?,
-                    })
+                        super::lock_clause(tx, " FOR UPDATE SKIP LOCKED"),
+                        pending = JobState::Pending.as_str(),
+                    );
+                    let row: Option<(String, Option<i64>)> =
+                        sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                            .bind(&ask.holder)
+                            .bind(until)
+                            .bind(now)
+                            .bind(&ask.other_incarnations)
+                            .bind(&ask.own)
+                            .bind(&ask.arrived)
+                            .bind(plan_whole)
+                            .fetch_optional(&mut *tx)
+                            .await?;
+                    Ok(row.map(|(round_id, plan)| (round_id, ask.holder, plan)))
                 })
-                .transpose()
             })
-        })
-        .await
+            .await?;
+        // Checked after the commit: a corrupt plan fails this lease only, where failing the
+        // transaction would leave the job first in line and block every job behind it.
+        taken
+            .map(|(round_id, holder, plan)| {
+                Ok(LeasedJob {
+                    round_id,
+                    holder,
+                    plan: plan.map(super::partitions::to_u32).transpose()?,
+                })
+            })
+            .transpose()
     }
 
     /// When the next pending job becomes leasable (Unix ms): the earliest over pending jobs of

@@ -637,16 +637,22 @@ async fn check_ins_show_in_metrics() {
 }
 
 /// On PostgreSQL a check-in's read joins a grouped statement, which records how many keys it
-/// answered: what the grouping saves is visible to the operator (operations.md).
+/// answered: what the grouping saves is visible to the operator (operations.md). (The recorder
+/// is the process's: under `cargo test` other cases record into it too, so nothing is said of
+/// SQLite, which reads each key alone.)
 #[tokio::test]
 async fn grouped_device_reads_show_their_keys_per_statement_in_metrics() {
     for (engine, app) in TestApp::on_each_engine().await {
+        if engine != "postgres" {
+            continue;
+        }
         checkin(&app, device()).await;
         let text =
             String::from_utf8(app.call(Method::GET, "/metrics", None, None).await.body).unwrap();
-        let recorded = text.contains("confed_db_grouped_read_keys_count{kind=\"candidates\"} ");
-        // SQLite reads each key on its own connection, with no statement to share.
-        assert_eq!(recorded, engine == "postgres", "{engine}: {text}");
+        assert!(
+            text.contains("confed_db_grouped_read_keys_count{kind=\"candidates\"} "),
+            "{text}"
+        );
     }
 }
 

@@ -599,3 +599,55 @@ async fn a_lease_can_plan_its_job_whole_and_every_later_lease_finds_the_plan() {
         assert_eq!(third.plan, Some(1), "{engine}: every later lease finds it");
     }
 }
+
+/// A `Whole` lease only fills a plan that is missing: a job already cut into partitions (by a
+/// replica that may cut rounds) keeps its plan and its partitions when a replica that never cuts
+/// leases its root.
+#[tokio::test]
+async fn a_whole_lease_keeps_a_job_already_cut_into_partitions() {
+    use confed::db::jobs::LeasePlan::{Later, Whole};
+    const LEASE: std::time::Duration = std::time::Duration::from_secs(60);
+    for (engine, app) in TestApp::on_each_engine().await {
+        let (_, round) = collecting_round(&app, 2).await;
+        for device in ["a", "b"] {
+            assert!(assign(&app, &round, 2, device).await);
+            assert_eq!(upload(&app, device, "d", NOW).await, Ok(Stored::New));
+            assert_eq!(
+                report(&app, device, ReportOutcome::Completed, NOW).await,
+                Ok(AssignmentState::Completed)
+            );
+        }
+        let first = app
+            .db
+            .lease_job_planning("w1/1", NOW, LEASE, Later)
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("{engine}: the round's job"));
+        app.db.plan_job(&round, &first.holder, 3).await.unwrap();
+        for worker in ["p1/1", "p2/1", "p3/1"] {
+            let partition = app
+                .db
+                .lease_partition_for(worker, NOW, LEASE)
+                .await
+                .unwrap()
+                .unwrap_or_else(|| panic!("{engine}: a partition for {worker}"));
+            let sealed = format!("sealed/{}", partition.index);
+            app.db
+                .store_partition(&round, partition.index, &partition.holder, &sealed)
+                .await
+                .unwrap();
+        }
+        let root = app
+            .db
+            .lease_job_planning("w2/1", NOW, LEASE, Whole)
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("{engine}: the root, every partition stored"));
+        assert_eq!(root.plan, Some(3), "{engine}: the plan stays");
+        assert_eq!(
+            app.db.partitions(&round).await.unwrap().len(),
+            3,
+            "{engine}: and so do its partitions"
+        );
+    }
+}
