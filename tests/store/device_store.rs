@@ -557,6 +557,20 @@ async fn expired_assignments_time_out_and_free_their_slots() {
     }
 }
 
+/// A round of goal 2 that two devices filled: closed, its job waiting for a lease.
+async fn closed_round_of_two(app: &TestApp) -> String {
+    let (_, round) = collecting_round(app, 2).await;
+    for device in ["a", "b"] {
+        assert!(assign(app, &round, 2, device).await);
+        assert_eq!(upload(app, device, "d", NOW).await, Ok(Stored::New));
+        assert_eq!(
+            report(app, device, ReportOutcome::Completed, NOW).await,
+            Ok(AssignmentState::Completed)
+        );
+    }
+    round
+}
+
 /// A deployment that never cuts rounds into partitions has the lease plan its job whole, in the
 /// lease's own transaction (one commit fewer on each round's path). A plan once made is what
 /// every later lease finds, and a lease that plans nothing leaves an unplanned job unplanned for
@@ -566,15 +580,7 @@ async fn a_lease_can_plan_its_job_whole_and_every_later_lease_finds_the_plan() {
     use confed::db::jobs::LeasePlan::{Later, Whole};
     const LEASE: std::time::Duration = std::time::Duration::from_secs(60);
     for (engine, app) in TestApp::on_each_engine().await {
-        let (_, round) = collecting_round(&app, 2).await;
-        for device in ["a", "b"] {
-            assert!(assign(&app, &round, 2, device).await);
-            assert_eq!(upload(&app, device, "d", NOW).await, Ok(Stored::New));
-            assert_eq!(
-                report(&app, device, ReportOutcome::Completed, NOW).await,
-                Ok(AssignmentState::Completed)
-            );
-        }
+        let round = closed_round_of_two(&app).await;
         let lease = |worker: &'static str, at: i64, plan| {
             app.clock.set(confed::clock::Millis(at));
             let db = app.db.clone();
@@ -608,15 +614,7 @@ async fn a_whole_lease_keeps_a_job_already_cut_into_partitions() {
     use confed::db::jobs::LeasePlan::{Later, Whole};
     const LEASE: std::time::Duration = std::time::Duration::from_secs(60);
     for (engine, app) in TestApp::on_each_engine().await {
-        let (_, round) = collecting_round(&app, 2).await;
-        for device in ["a", "b"] {
-            assert!(assign(&app, &round, 2, device).await);
-            assert_eq!(upload(&app, device, "d", NOW).await, Ok(Stored::New));
-            assert_eq!(
-                report(&app, device, ReportOutcome::Completed, NOW).await,
-                Ok(AssignmentState::Completed)
-            );
-        }
+        let round = closed_round_of_two(&app).await;
         let first = app
             .db
             .lease_job_planning("w1/1", NOW, LEASE, Later)
